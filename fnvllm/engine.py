@@ -1,0 +1,73 @@
+"""Engine: binds an executor to the pure core. ``step(state, plan)`` = execute + pure commit.
+
+The loop researchers write themselves::
+
+    engine = Engine(executor, core_config)
+    state = add_request(engine.initial_state(), "r0", prompt_ids, SamplingParams(max_tokens=32))
+    while state.has_unfinished:
+        state, plan = schedule(state)          # pure: swap in your own policy here
+        state, out = engine.step(state, plan)  # runs the plan, commits the sampled tokens
+
+States are plain values: pickle one, and ``engine.restore(state)`` on a fresh engine continues it (running
+requests are re-prefilled, since a fresh executor's KV cache is empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from fnvllm.executor.base import Executor, TokenLogprobs
+from fnvllm.state import (
+    FCFS,
+    CoreConfig,
+    EngineState,
+    Policy,
+    StepOutput,
+    StepPlan,
+    commit,
+    forget_kv,
+    initial_state,
+)
+
+
+@attrs.frozen
+class EngineOutput:
+    """A committed step: the core's StepOutput plus logprobs of the requests that asked for them."""
+
+    output: StepOutput
+    logprobs: Mapping[str, TokenLogprobs] = attrs.field(factory=dict)
+
+
+class Engine:
+    """An executor plus the core settings it was sized for. Holds no scheduling state: that is threaded."""
+
+    def __init__(self, executor: Executor, config: CoreConfig, policy: Policy = FCFS) -> None:
+        self.executor = executor
+        self.config = config
+        self.policy = policy
+
+    def initial_state(self) -> EngineState:
+        """An empty state for this engine's config and policy."""
+        return initial_state(self.config, self.policy)
+
+    def step(self, state: EngineState, plan: StepPlan) -> tuple[EngineState, EngineOutput]:
+        """Run ``plan`` (from ``schedule(state_before)``; ``state`` is the state it returned) and commit it."""
+        result = self.executor.execute(plan)
+        state, output = commit(state, plan, result.token_ids)
+        logprobs = {}
+        if result.logprobs:
+            sampled_ids = [rid for rid, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample]
+            logprobs = {rid: lp for rid, lp in zip(sampled_ids, result.logprobs, strict=True) if lp is not None}
+        return state, EngineOutput(output, logprobs)
+
+    def restore(self, state: EngineState) -> EngineState:
+        """Adopt a snapshot (e.g. unpickled) on this engine: empties the KV bookkeeping to match this executor.
+
+        Raises ValueError if the snapshot was made with a different core config.
+        """
+        if state.config != self.config:
+            raise ValueError(f"snapshot config {state.config} differs from this engine's {self.config}")
+        self.executor.reset(state.step)
+        return forget_kv(state)

@@ -1,0 +1,54 @@
+"""The pure core of fnvllm: frozen state, scheduling and commit as pure functions. Imports no torch.
+
+The engine loop, in three lines::
+
+    state, plan = schedule(state)
+    tokens = executor.execute(plan)
+    state, output = commit(state, plan, tokens)
+"""
+
+from fnvllm.state.commit import commit, finish
+from fnvllm.state.config import CoreConfig
+from fnvllm.state.errors import InvalidConfigError, InvalidRequestError, PlanMismatchError
+from fnvllm.state.hashing import BlockHasher, chain_hashes, hash_block_xxh3
+from fnvllm.state.params import SamplingParams
+from fnvllm.state.plan import StepPlan, TokenHistory
+from fnvllm.state.policy import FCFS, PRIORITY, Policy, fcfs_key, priority_key
+from fnvllm.state.pool import BlockPool, CachedBlock
+from fnvllm.state.request import FinishedRequest, FinishReason, Request, SequenceView, StepOutput
+from fnvllm.state.scheduler import schedule
+from fnvllm.state.state import EngineState, abort, add_request, forget_kv, initial_state, validate_request
+
+__all__ = [
+    "FCFS",
+    "PRIORITY",
+    "BlockHasher",
+    "BlockPool",
+    "CachedBlock",
+    "CoreConfig",
+    "EngineState",
+    "FinishReason",
+    "FinishedRequest",
+    "InvalidConfigError",
+    "InvalidRequestError",
+    "PlanMismatchError",
+    "Policy",
+    "Request",
+    "SamplingParams",
+    "SequenceView",
+    "StepOutput",
+    "StepPlan",
+    "TokenHistory",
+    "abort",
+    "add_request",
+    "chain_hashes",
+    "commit",
+    "fcfs_key",
+    "finish",
+    "forget_kv",
+    "hash_block_xxh3",
+    "initial_state",
+    "priority_key",
+    "schedule",
+    "validate_request",
+]

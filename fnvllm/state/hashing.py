@@ -1,0 +1,36 @@
+"""Chained block hashes for the prefix cache: h_i = H(h_{i-1}, tokens of block i).
+
+A hit is only trusted after comparing the stored tokens too, so a colliding hash costs a miss, never a wrong
+answer. The hasher is a plain function so tests can inject a deliberately colliding one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+BlockHasher = Callable[[int | None, Sequence[int]], int]
+
+_ROOT = 0x9E3779B97F4A7C15  # parent value of the first block; any fixed constant works
+
+
+def hash_block_xxh3(parent: int | None, tokens: Sequence[int]) -> int:
+    """64-bit xxh3 of the parent hash followed by the block's token ids (as little-endian int64s).
+
+    Worked example: block 0 of [5, 6 | 7, 8] with block_size 2 has h0 = H(None, [5, 6]); block 1 has
+    h1 = H(h0, [7, 8]); a prompt [9, 6 | 7, 8] shares no hash with it because its h0 differs.
+    """
+    seed = _ROOT if parent is None else parent
+    return xxhash.xxh3_64_intdigest(array("q", tokens).tobytes(), seed=seed)
+
+
+def chain_hashes(hasher: BlockHasher, tokens: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``tokens``."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(num_blocks):
+        parent = hasher(parent, tokens[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

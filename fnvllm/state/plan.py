@@ -1,0 +1,87 @@
+"""StepPlan: what one step runs, as a frozen record the executor applies without reading the state.
+
+The plan is columnar (parallel tuples, one entry per scheduled sequence, in batch order) because the executor
+turns it into flat device arrays anyway, and because building one small object per sequence per step would
+dominate the scheduler's cost at hundreds of running sequences.
+
+Worked example (block_size 4): sequence "a" has 6 prompt tokens, none computed, budget 4; "b" is decoding at
+position 9 with last sampled token 77:
+
+    seq_ids         = ("b", "a")
+    input_tokens    = ((77,), (11, 12, 13, 14))
+    start_positions = (9, 0)
+    block_tables    = ((3, 8, 2), (5,))
+    sample          = (True, False)      # "a" is mid-prefill: nothing to sample yet
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from fnvllm.state.params import SamplingParams
+
+
+@attrs.frozen
+class TokenHistory:
+    """A sequence's prompt and output tokens, sent only to requests whose sampler needs them (penalties)."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+
+
+@attrs.frozen
+class StepPlan:
+    """One step's work.
+
+    step: index of this step; the executor checks it is the one it expects next.
+    block_size: tokens per KV block (slot of position p is block_tables[i][p // block_size] * bs + p % bs).
+    seq_ids: scheduled sequences, in batch order.
+    input_tokens: the token ids each sequence feeds this step (a prefill chunk, or its last sampled token).
+    start_positions: position of each sequence's first fed token (= its tokens already computed).
+    block_tables: each sequence's KV block ids, covering at least start + len(input) tokens.
+    sample: whether to sample a token from the sequence's last fed position.
+    params: each sequence's sampling parameters.
+    num_generated: tokens each sequence had generated before this step (the seed offset of its next sample).
+    histories: prompt/output tokens for sequences whose params need them, else None.
+    preempted: sequences preempted while planning this step (their KV is gone; they recompute later).
+    """
+
+    step: int
+    block_size: int
+    seq_ids: tuple[str, ...] = ()
+    input_tokens: tuple[tuple[int, ...], ...] = ()
+    start_positions: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    sample: tuple[bool, ...] = ()
+    params: tuple[SamplingParams, ...] = ()
+    num_generated: tuple[int, ...] = ()
+    histories: tuple[TokenHistory | None, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of scheduled sequences."""
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed this step, all sequences together (bounded by max_num_batched_tokens)."""
+        return sum(len(t) for t in self.input_tokens)
+
+    @property
+    def num_samples(self) -> int:
+        """Number of tokens the executor must return: one per sequence with sample=True."""
+        return sum(self.sample)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing runs this step."""
+        return not self.seq_ids
+
+    def write_blocks(self) -> tuple[tuple[int, ...], ...]:
+        """Per sequence, the block ids whose KV slots this step (re)writes."""
+        bs = self.block_size
+        return tuple(
+            table[start // bs : (start + len(tokens) - 1) // bs + 1]
+            for tokens, start, table in zip(self.input_tokens, self.start_positions, self.block_tables, strict=True)
+        )

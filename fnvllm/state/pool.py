@@ -1,0 +1,171 @@
+"""BlockPool: the KV blocks' bookkeeping — reference counts, the LRU free queue and the prefix-cache tables.
+
+Every block is in exactly one of two places: the free queue (ref count 0) or ``ref_counts`` (ref count >= 1).
+A full block that was computed is registered in the cache tables and keeps its registration while free, until
+it is popped from the free queue for reuse (eviction). The free queue's front is evicted first; a released
+sequence's blocks are appended tail-first so its prefix blocks are the last of them to be evicted.
+
+Transitions never touch a BlockPool: they open a ``PoolTxn`` (a scratch builder local to one transition), apply
+all of the step's changes to it, and ``freeze()`` a new BlockPool once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import attrs
+
+from fnvllm.state.pmap import Evolver, PMap
+
+
+class CachedBlock(NamedTuple):
+    """Registration of one full, computed block: its chain hash, its parent's hash and its token ids."""
+
+    hash: int
+    parent: int | None
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class BlockPool:
+    """Immutable snapshot of the KV block bookkeeping.
+
+    num_blocks: blocks in the pool; ids are 0 .. num_blocks-1.
+    free_queue: free block ids, front evicted (reused) first.
+    ref_counts: block id -> number of sequences holding it, for held blocks only.
+    cached: block id -> its registration, for blocks holding a full registered block (held or free).
+    hash_to_block: chain hash -> block id, the prefix-cache index (the inverse of ``cached``).
+    """
+
+    num_blocks: int
+    free_queue: tuple[int, ...]
+    ref_counts: PMap[int, int] = attrs.field(factory=PMap)
+    cached: PMap[int, CachedBlock] = attrs.field(factory=PMap)
+    hash_to_block: PMap[int, int] = attrs.field(factory=PMap)
+
+    @classmethod
+    def create(cls, num_blocks: int) -> BlockPool:
+        """A pool with every block free and nothing cached."""
+        return cls(num_blocks=num_blocks, free_queue=tuple(range(num_blocks)))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with ref count 0 (cached or not)."""
+        return len(self.free_queue)
+
+    def txn(self) -> PoolTxn:
+        """Open a scratch builder for one transition's changes."""
+        return PoolTxn(self)
+
+
+class PoolTxn:
+    """Mutable, transition-local view of a BlockPool. ``freeze()`` yields the new BlockPool.
+
+    The free queue is represented as the old tuple read from ``head`` onwards, minus blocks taken out of the
+    middle (``removed``, prefix-cache hits on free blocks), plus newly released blocks (``appended``, ordered).
+    """
+
+    __slots__ = ("_appended", "_cached", "_hashes", "_head", "_queue", "_refs", "_removed", "num_blocks")
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.num_blocks = pool.num_blocks
+        self._queue = pool.free_queue
+        self._head = 0
+        self._removed: set[int] = set()
+        self._appended: dict[int, None] = {}
+        self._refs: Evolver[int, int] = pool.ref_counts.evolver()
+        self._cached: Evolver[int, CachedBlock] = pool.cached.evolver()
+        self._hashes: Evolver[int, int] = pool.hash_to_block.evolver()
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks right now in this transaction."""
+        return len(self._queue) - self._head - len(self._removed) + len(self._appended)
+
+    def ref_count(self, block: int) -> int:
+        """Current holders of ``block``."""
+        return self._refs.get(block) or 0
+
+    def lookup(self, block_hash: int, parent: int | None, tokens: Sequence[int]) -> int | None:
+        """The cached block with this chain hash, if its parent hash and tokens also match (collision guard)."""
+        block = self._hashes.get(block_hash)
+        if block is None:
+            return None
+        entry = self._cached[block]
+        if entry.parent != parent or entry.tokens != tuple(tokens):
+            return None
+        return block
+
+    def share(self, block: int) -> None:
+        """Take one more reference to a cached block, pulling it out of the free queue if it was free."""
+        count = self._refs.get(block)
+        if count is None:
+            self._remove_free(block)
+            self._refs.set(block, 1)
+        else:
+            self._refs.set(block, count + 1)
+
+    def allocate(self, n: int) -> list[int]:
+        """Pop ``n`` blocks from the free queue's front (evicting their cache registration). Caller checks room."""
+        blocks = [self._pop_free() for _ in range(n)]
+        for block in blocks:
+            self._refs.set(block, 1)
+            entry = self._cached.get(block)
+            if entry is not None:
+                self._cached.delete(block)
+                self._hashes.delete(entry.hash)
+        return blocks
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 join the free queue's back, tail first."""
+        for block in reversed(blocks):
+            count = self._refs[block]
+            if count == 1:
+                self._refs.delete(block)
+                self._appended[block] = None
+            else:
+                self._refs.set(block, count - 1)
+
+    def register(self, block: int, entry: CachedBlock) -> None:
+        """Record that ``block`` holds the full block ``entry``, unless the hash or the block is taken."""
+        if entry.hash in self._hashes or block in self._cached:
+            return
+        self._cached.set(block, entry)
+        self._hashes.set(entry.hash, block)
+
+    def is_cached(self, block: int) -> bool:
+        """True when ``block`` carries a prefix-cache registration."""
+        return block in self._cached
+
+    def freeze(self) -> BlockPool:
+        """The new immutable pool. The transaction must not be used afterwards."""
+        rest: Iterable[int] = self._queue[self._head :]
+        if self._removed:
+            rest = (b for b in rest if b not in self._removed)
+        queue = tuple(rest) + tuple(self._appended) if (self._removed or self._appended) else self._queue[self._head :]
+        return BlockPool(
+            num_blocks=self.num_blocks,
+            free_queue=queue,
+            ref_counts=self._refs.persistent(),
+            cached=self._cached.persistent(),
+            hash_to_block=self._hashes.persistent(),
+        )
+
+    def _pop_free(self) -> int:
+        while self._head < len(self._queue):
+            block = self._queue[self._head]
+            self._head += 1
+            if block in self._removed:
+                self._removed.discard(block)
+                continue
+            return block
+        block = next(iter(self._appended))
+        del self._appended[block]
+        return block
+
+    def _remove_free(self, block: int) -> None:
+        if block in self._appended:
+            del self._appended[block]
+        else:
+            self._removed.add(block)

@@ -1,0 +1,67 @@
+"""Deterministic toy executors that apply StepPlans without a model, for tests and the core benchmark.
+
+``KVToyExecutor`` simulates a paged KV cache: every fed token is written, with its position, into the slot its
+block table names; a sampled token is a hash of the context *read back through the block table*. A scheduler
+that hands out a wrong block, reuses a cached block with different contents, or forgets a token therefore
+changes the outputs, which is what the invariance tests compare.
+
+``CounterToyExecutor`` reads nothing: each sampled token is a hash of (request id, tokens generated so far).
+It costs O(1) per sequence, so the core benchmark measures the scheduler, not the toy.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from fnvllm.state.plan import StepPlan
+
+
+class KVToyExecutor:
+    """A paged-KV simulation. ``vocab_size`` bounds the produced token ids; ``eos`` ids may be produced."""
+
+    def __init__(self, vocab_size: int = 1000) -> None:
+        self.vocab_size = vocab_size
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
+        self.next_step = 0
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        """Write the plan's tokens into the simulated cache and return one token per sampling sequence."""
+        if plan.step != self.next_step:
+            raise RuntimeError(f"toy executor expected step {self.next_step}, got plan.step {plan.step}")
+        self.next_step += 1
+        bs = plan.block_size
+        for tokens, start, table in zip(plan.input_tokens, plan.start_positions, plan.block_tables, strict=True):
+            for offset, token in enumerate(tokens):
+                position = start + offset
+                self.slots[table[position // bs] * bs + position % bs] = (position, token)
+        sampled = []
+        for tokens, start, table, sample in zip(
+            plan.input_tokens, plan.start_positions, plan.block_tables, plan.sample, strict=True
+        ):
+            if sample:
+                sampled.append(self._next_token(table, start + len(tokens), bs))
+        return sampled
+
+    def _next_token(self, table: tuple[int, ...], context_len: int, bs: int) -> int:
+        context = []
+        for position in range(context_len):
+            stored_position, token = self.slots[table[position // bs] * bs + position % bs]
+            if stored_position != position:
+                raise RuntimeError(f"slot for position {position} holds position {stored_position}")
+            context.append(token)
+        return zlib.crc32(repr(context).encode()) % self.vocab_size
+
+
+class CounterToyExecutor:
+    """O(1) per sequence: token = hash(request id, tokens generated so far) % vocab_size."""
+
+    def __init__(self, vocab_size: int = 10000) -> None:
+        self.vocab_size = vocab_size
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        """One token per sampling sequence, independent of the KV contents."""
+        return [
+            zlib.crc32(f"{rid}/{n}".encode()) % self.vocab_size
+            for rid, n, sample in zip(plan.seq_ids, plan.num_generated, plan.sample, strict=True)
+            if sample
+        ]
