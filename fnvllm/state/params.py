@@ -61,6 +61,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
+    # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
+    needs_history: bool = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -96,13 +99,10 @@ class SamplingParams:
         _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        uses_history = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        object.__setattr__(self, "needs_history", uses_history)
 
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0 or self.top_k == 1
-
-    @property
-    def needs_history(self) -> bool:
-        """True when the sampler needs the request's prompt and output tokens (penalties)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -27,6 +27,11 @@ class Request:
     params: SamplingParams
     arrival: int = 0
     priority: int = 0
+    # token_limit (derived): prompt length + max_tokens, the total at which the request stops for length.
+    token_limit: int = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "token_limit", len(self.prompt) + self.params.max_tokens)
 
 
 @attrs.frozen

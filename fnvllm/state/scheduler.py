@@ -8,10 +8,16 @@ Policy (DESIGN.md): one token budget per step, no prefill/decode phases.
    ``max_num_seqs`` and free blocks allow; each reuses the longest cached prefix of full blocks and may be
    chunked. A request whose first uncached block another request admitted this step will compute is held back
    one step, so the shared prefix is computed once and then hit.
-The scheduler never reads token values except to hash blocks, and mutates nothing.
+The scheduler never reads token values except to hash blocks and to copy them into the plan; it mutates nothing.
+
+When every running sequence is a plain decode (the steady state), step 1 is done column-wise by
+``_schedule_decodes`` with the same result as the general loop, ``_schedule_running``.
 """
 
 from __future__ import annotations
+
+from itertools import compress, repeat
+from operator import attrgetter, itemgetter, mod, not_, sub
 
 import attrs
 
@@ -20,6 +26,11 @@ from fnvllm.state.plan import StepPlan, TokenHistory
 from fnvllm.state.pool import PoolTxn
 from fnvllm.state.state import EngineState, insert_by_policy
 from fnvllm.state.tokens import flatten, last_token, token_slice
+
+_params = attrgetter("params")
+_prompt = attrgetter("prompt")
+_needs_history = attrgetter("needs_history")
+_last = itemgetter(-1)
 
 
 class _Step:
@@ -37,21 +48,17 @@ class _Step:
         self.chains = state.chain_hashes
         self.preempted: list[str] = []
         self.pending_hashes: set[int] = set()
-        self.rows: tuple[list[str], list[tuple[int, ...]], list[int], list[tuple[int, ...]], list[bool]] = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
+        self.ids: list[str] = []
+        self.tokens: list[tuple[int, ...]] = []
+        self.starts: list[int] = []
+        self.samples: list[bool] = []
 
     def emit(self, rid: str, tokens: tuple[int, ...], start: int, sample: bool) -> None:
-        ids, toks, starts, tables, samples = self.rows
-        ids.append(rid)
-        toks.append(tokens)
-        starts.append(start)
-        tables.append(self.tables[rid])
-        samples.append(sample)
+        """Add one plan row and charge its tokens to the budget."""
+        self.ids.append(rid)
+        self.tokens.append(tokens)
+        self.starts.append(start)
+        self.samples.append(sample)
         self.budget -= len(tokens)
 
     def blocks_short(self, rid: str, num_slots: int) -> int:
@@ -59,6 +66,7 @@ class _Step:
         return max(-(-num_slots // self.bs) - len(self.tables.get(rid, ())), 0)
 
     def grow(self, rid: str, num_blocks: int) -> None:
+        """Append ``num_blocks`` fresh blocks to ``rid``'s table."""
         self.tables[rid] = self.tables[rid] + tuple(self.txn.allocate(num_blocks))
 
     def preempt_last(self) -> str:
@@ -70,7 +78,33 @@ class _Step:
         return victim
 
 
+def _schedule_decodes(step: _Step) -> bool:
+    """Column-wise step 1 for the common case where every running sequence decodes one token and the budget and
+    free blocks cover them all. Returns False (having changed nothing) when the case does not apply."""
+    state, running = step.state, step.running
+    n = len(running)
+    if n == 0 or n > step.budget:
+        return False
+    logs = list(map(state.outputs.__getitem__, running))
+    starts = list(map(step.computed.__getitem__, running))
+    if not all(logs) or set(map(sub, map(state.num_tokens.__getitem__, running), starts)) != {1}:
+        return False
+    at_boundary = list(map(not_, map(mod, starts, repeat(step.bs))))  # next position opens a new block
+    needy = list(compress(running, at_boundary))
+    if len(needy) > step.txn.num_free:
+        return False
+    for rid in needy:
+        step.grow(rid, 1)
+    step.ids = list(running)
+    step.tokens = list(zip(map(_last, logs)))  # each feeds its last sampled token, as a 1-tuple
+    step.starts = starts
+    step.samples = [True] * n
+    step.budget -= n
+    return True
+
+
 def _schedule_running(step: _Step) -> None:
+    """Step 1, one sequence at a time (prefill chunks, block shortages, preemption)."""
     state = step.state
     num_tokens, requests, outputs = state.num_tokens, state.requests, state.outputs
     i = 0
@@ -104,12 +138,12 @@ def _cached_prefix(step: _Step, rid: str) -> tuple[list[int], list[int], bool]:
     """The hit blocks of ``rid``'s longest cached prefix, the chain hashes computed so far, and whether its first
     missed block is being computed by a request admitted earlier this step (then it should wait)."""
     state, bs = step.state, step.bs
-    request, chunks = state.requests[rid], state.outputs[rid]
+    request, log = state.requests[rid], state.outputs[rid]
     known = list(step.chains[rid])
     hits: list[int] = []
     parent: int | None = None
     for index in range(state.num_tokens[rid] // bs):
-        tokens = token_slice(request.prompt, chunks, index * bs, (index + 1) * bs)
+        tokens = token_slice(request.prompt, log, index * bs, (index + 1) * bs)
         block_hash = known[index] if index < len(known) else state.config.hash_block(parent, tokens)
         if index == len(known):
             known.append(block_hash)
@@ -129,7 +163,7 @@ def _admit_one(step: _Step, rid: str) -> bool:
     if wait:
         return False
     num_tokens = state.num_tokens[rid]
-    start = min(len(hits) * bs, num_tokens - 1)
+    start = min(len(hits) * bs, num_tokens - 1)  # a fully cached prompt still computes its last token
     n = min(num_tokens - start, step.budget)
     need = max(-(-(start + n) // bs) - len(hits), 0)
     free_hits = sum(1 for b in hits if step.txn.ref_count(b) == 0)
@@ -149,18 +183,19 @@ def _admit_one(step: _Step, rid: str) -> bool:
 def _note_pending(step: _Step, rid: str, known: list[int], end: int) -> None:
     """Remember the hashes of full blocks ``rid`` computes this step, and keep its hashes known so far."""
     state, bs = step.state, step.bs
-    request, chunks = state.requests[rid], state.outputs[rid]
+    request, log = state.requests[rid], state.outputs[rid]
     for index in range(len(known), end // bs):
         parent = known[index - 1] if index else None
-        known.append(state.config.hash_block(parent, token_slice(request.prompt, chunks, index * bs, (index + 1) * bs)))
+        known.append(state.config.hash_block(parent, token_slice(request.prompt, log, index * bs, (index + 1) * bs)))
     step.pending_hashes.update(known[len(step.chains[rid]) : end // bs])
     if len(known) > len(step.chains[rid]):
         step.chains = {**step.chains, rid: tuple(known)}
 
 
 def _admit_waiting(step: _Step) -> None:
+    """Step 2: admit waiting requests in policy order while budget, cap and blocks allow."""
     cap = step.state.config.max_num_seqs
-    waiting = list(step.waiting)
+    waiting = step.waiting
     admitted = 0
     while admitted < len(waiting) and step.budget > 0 and len(step.running) < cap:
         rid = waiting[admitted]
@@ -168,13 +203,33 @@ def _admit_waiting(step: _Step) -> None:
             break
         step.running = list(insert_by_policy(step.state, tuple(step.running), rid))
         admitted += 1
-    step.waiting = tuple(waiting[admitted:])
+    step.waiting = waiting[admitted:]
 
 
-def _histories(state: EngineState, ids: list[str]) -> tuple[TokenHistory | None, ...]:
-    requests, outputs = state.requests, state.outputs
-    return tuple(
-        TokenHistory(requests[r].prompt, flatten(outputs[r])) if requests[r].params.needs_history else None for r in ids
+def _build_plan(state: EngineState, step: _Step) -> StepPlan:
+    """The frozen plan of the rows ``step`` emitted; per-row facts are gathered column-wise."""
+    ids = tuple(step.ids)
+    requests = list(map(state.requests.__getitem__, ids))
+    params = tuple(map(_params, requests))
+    generated = tuple(map(sub, map(state.num_tokens.__getitem__, ids), map(len, map(_prompt, requests))))
+    histories: tuple[TokenHistory | None, ...] = (None,) * len(ids)
+    if any(map(_needs_history, params)):
+        histories = tuple(
+            TokenHistory(r.prompt, flatten(state.outputs[rid])) if r.params.needs_history else None
+            for rid, r in zip(ids, requests, strict=True)
+        )
+    return StepPlan(
+        step=state.step,
+        block_size=step.bs,
+        seq_ids=ids,
+        input_tokens=tuple(step.tokens),
+        start_positions=tuple(step.starts),
+        block_tables=tuple(map(step.tables.__getitem__, ids)),
+        sample=tuple(step.samples),
+        params=params,
+        num_generated=generated,
+        histories=histories,
+        preempted=tuple(step.preempted),
     )
 
 
@@ -186,28 +241,15 @@ def schedule(state: EngineState) -> tuple[EngineState, StepPlan]:
     if state.pending_step is not None:
         raise PlanMismatchError(f"step {state.pending_step} is planned but not committed; commit it first")
     step = _Step(state)
-    _schedule_running(step)
+    if not _schedule_decodes(step):
+        _schedule_running(step)
     waiting = state.waiting
     for rid in reversed(step.preempted):  # victims rejoin waiting at their policy positions
         waiting = insert_by_policy(state, waiting, rid)
     step.waiting = waiting
-    if not step.preempted:
+    if not step.preempted and step.waiting:
         _admit_waiting(step)
-    ids, toks, starts, tables, samples = step.rows
-    requests = state.requests
-    plan = StepPlan(
-        step=state.step,
-        block_size=step.bs,
-        seq_ids=tuple(ids),
-        input_tokens=tuple(toks),
-        start_positions=tuple(starts),
-        block_tables=tuple(tables),
-        sample=tuple(samples),
-        params=tuple(requests[r].params for r in ids),
-        num_generated=tuple(state.num_tokens[r] - len(requests[r].prompt) for r in ids),
-        histories=_histories(state, ids),
-        preempted=tuple(step.preempted),
-    )
+    plan = _build_plan(state, step)
     new_state = attrs.evolve(
         state,
         waiting=step.waiting,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -21,7 +22,9 @@ from fnvllm.state.params import SamplingParams
 from fnvllm.state.policy import FCFS, Policy
 from fnvllm.state.pool import BlockPool
 from fnvllm.state.request import Request, SequenceView
-from fnvllm.state.tokens import Chunks, flatten
+from fnvllm.state.tokens import TokenLog, flatten
+
+V = TypeVar("V")
 
 
 @attrs.frozen
@@ -32,7 +35,8 @@ class EngineState:
     requests: live requests (waiting or running) by id.
     waiting / running: request ids, each sorted by the policy key (running = admitted, holding KV blocks).
     num_tokens: prompt + generated length of each live request.
-    outputs: generated tokens of each live request (chunked, see tokens.py).
+    outputs: generated tokens of each live request (a persistent log, see tokens.py; read it with
+        ``state.sequence(id).output`` or ``tokens.flatten``).
     num_computed: tokens whose KV is written, running requests only (absent = 0).
     block_tables: KV block ids, running requests only (absent = no blocks).
     chain_hashes: prefix-cache chain hashes of each live request's full blocks computed so far.
@@ -40,6 +44,8 @@ class EngineState:
     step: index of the next plan ``schedule`` will produce.
     pending_step: the step planned but not yet committed, if any.
     next_arrival: arrival stamp of the next added request.
+    stop_token_union: the config's EOS ids and every live-or-past request's stop_token_ids; a sampled token
+        outside it cannot stop anything, which lets commit skip per-sequence checks.
     """
 
     config: CoreConfig
@@ -48,7 +54,7 @@ class EngineState:
     waiting: tuple[str, ...]
     running: tuple[str, ...]
     num_tokens: Mapping[str, int]
-    outputs: Mapping[str, Chunks]
+    outputs: Mapping[str, TokenLog]
     num_computed: Mapping[str, int]
     block_tables: Mapping[str, tuple[int, ...]]
     chain_hashes: Mapping[str, tuple[int, ...]]
@@ -56,6 +62,7 @@ class EngineState:
     step: int = 0
     pending_step: int | None = None
     next_arrival: int = 0
+    stop_token_union: frozenset[int] = frozenset()
 
     def sequence(self, request_id: str) -> SequenceView:
         """A snapshot of one live request (KeyError if it is not live)."""
@@ -88,6 +95,7 @@ def initial_state(config: CoreConfig, policy: Policy = FCFS) -> EngineState:
         block_tables={},
         chain_hashes={},
         pool=BlockPool.create(config.num_blocks),
+        stop_token_union=config.eos_token_ids,
     )
 
 
@@ -145,6 +153,9 @@ def add_request(
         outputs={**state.outputs, request_id: ()},
         chain_hashes={**state.chain_hashes, request_id: ()},
         next_arrival=state.next_arrival + 1,
+        stop_token_union=state.stop_token_union.union(params.stop_token_ids)
+        if params.stop_token_ids
+        else state.stop_token_union,
     )
 
 
@@ -172,21 +183,35 @@ def abort(state: EngineState, request_id: str) -> EngineState:
     return drop_requests(state, {request_id}, txn.freeze())
 
 
-def _without(mapping: Mapping[str, object], gone: set[str]) -> dict[str, object]:
-    return {k: v for k, v in mapping.items() if k not in gone}
+def _without(mapping: Mapping[str, V], gone: set[str]) -> dict[str, V]:
+    copy = dict(mapping)
+    for key in gone:
+        copy.pop(key, None)
+    return copy
 
 
-def drop_requests(state: EngineState, gone: set[str], pool: BlockPool, **changes: object) -> EngineState:
-    """The state with the ``gone`` requests removed from every column (blocks already released in ``pool``)."""
-    columns = ("requests", "num_tokens", "outputs", "num_computed", "block_tables", "chain_hashes")
-    updated = {name: _without(changes.get(name, getattr(state, name)), gone) for name in columns}  # type: ignore[arg-type]
-    running = changes.get("running", state.running)
+def drop_requests(
+    state: EngineState,
+    gone: set[str],
+    pool: BlockPool,
+    *,
+    num_tokens: Mapping[str, int] | None = None,
+    outputs: Mapping[str, TokenLog] | None = None,
+    num_computed: Mapping[str, int] | None = None,
+    chain_hashes: Mapping[str, tuple[int, ...]] | None = None,
+) -> EngineState:
+    """The state with the ``gone`` requests removed from every column (their blocks already released in
+    ``pool``). Keyword columns, when given, replace the state's before the removal."""
     return attrs.evolve(
         state,
-        **{k: v for k, v in changes.items() if k not in columns and k != "running"},
-        **updated,
+        requests=_without(state.requests, gone),
+        num_tokens=_without(state.num_tokens if num_tokens is None else num_tokens, gone),
+        outputs=_without(state.outputs if outputs is None else outputs, gone),
+        num_computed=_without(state.num_computed if num_computed is None else num_computed, gone),
+        block_tables=_without(state.block_tables, gone),
+        chain_hashes=_without(state.chain_hashes if chain_hashes is None else chain_hashes, gone),
         waiting=tuple(r for r in state.waiting if r not in gone),
-        running=tuple(r for r in running if r not in gone),  # type: ignore[attr-defined]
+        running=tuple(r for r in state.running if r not in gone),
         pool=pool,
     )
 

@@ -1,46 +1,57 @@
-"""Generated tokens as a tuple of fixed-size chunks, so appending costs O(chunk + n/chunk), not O(n).
+"""Generated tokens as a persistent log: appending is O(1) and shares everything already stored.
 
-``Chunks`` is a plain tuple of tuples: every chunk but the last holds exactly CHUNK tokens; the last holds
-1..CHUNK tokens; an empty output is ``()``. Example with CHUNK=4: 6 tokens -> ((1, 2, 3, 4), (5, 6)).
+A ``TokenLog`` is either a *base*, a flat tuple of token ids (``()`` when empty), or a *cell* ``(parent, token)``
+whose parent is another TokenLog. Appending builds one 2-tuple, which commit does for a whole batch in C
+(``zip(parents, tokens)``) instead of one Python call per sequence. Logs are compacted back into a base every
+COMPACT_EVERY steps, so a cell chain is never deeper than that (pickle and equality recurse over it).
+
+Worked example: the base (4, 9) then appending 7 and 1 gives ((((4, 9), 7), 1)); ``flatten`` -> (4, 9, 7, 1);
+``last_token`` -> 1. A base and a cell never look alike: a cell's first item is a tuple, a base's is an int.
 """
 
 from __future__ import annotations
 
-from itertools import chain
+from typing import Any, TypeAlias
 
-CHUNK = 64
+COMPACT_EVERY = 64
 
-Chunks = tuple[tuple[int, ...], ...]
-
-
-def append_token(chunks: Chunks, token: int) -> Chunks:
-    """``chunks`` with ``token`` appended (a new value; ``chunks`` is untouched)."""
-    if chunks and len(chunks[-1]) < CHUNK:
-        return (*chunks[:-1], (*chunks[-1], token))
-    return (*chunks, (token,))
+TokenLog: TypeAlias = tuple[Any, ...]
 
 
-def flatten(chunks: Chunks) -> tuple[int, ...]:
-    """All tokens in order."""
-    if len(chunks) == 1:
-        return chunks[0]
-    return tuple(chain.from_iterable(chunks))
+def is_cell(log: TokenLog) -> bool:
+    """True when ``log`` is a (parent, token) cell rather than a flat base."""
+    return bool(log) and isinstance(log[0], tuple)
 
 
-def last_token(prompt: tuple[int, ...], chunks: Chunks) -> int:
+def append_token(log: TokenLog, token: int) -> TokenLog:
+    """``log`` with ``token`` appended (a new value; ``log`` is shared, not copied)."""
+    return (log, token)
+
+
+def flatten(log: TokenLog) -> tuple[int, ...]:
+    """All tokens of the log, in order."""
+    tail: list[int] = []
+    push = tail.append
+    while log and type(log[0]) is tuple:  # inlined is_cell: this loop runs for every compaction
+        push(log[1])
+        log = log[0]
+    if not tail:
+        return log
+    tail.reverse()
+    return log + tuple(tail)
+
+
+def last_token(prompt: tuple[int, ...], log: TokenLog) -> int:
     """The newest known token: the last generated one, else the prompt's last."""
-    return chunks[-1][-1] if chunks else prompt[-1]
+    return int(log[-1]) if log else prompt[-1]
 
 
-def token_slice(prompt: tuple[int, ...], chunks: Chunks, start: int, stop: int) -> tuple[int, ...]:
+def token_slice(prompt: tuple[int, ...], log: TokenLog, start: int, stop: int) -> tuple[int, ...]:
     """Tokens [start, stop) of prompt + output."""
     n = len(prompt)
     if stop <= n:
         return prompt[start:stop]
-    out_start, out_stop = max(start - n, 0), stop - n
-    first, last = out_start // CHUNK, (out_stop - 1) // CHUNK
-    pieces = chunks[first : last + 1]
-    flat = pieces[0] if len(pieces) == 1 else tuple(chain.from_iterable(pieces))
-    offset = first * CHUNK
-    tail = flat[out_start - offset : out_stop - offset]
-    return prompt[start:] + tail if start < n else tail
+    output = flatten(log)
+    if start >= n:
+        return output[start - n : stop - n]
+    return prompt[start:] + output[: stop - n]
