@@ -25,7 +25,7 @@ from fnvllm.engine import Engine, EngineOutput
 from fnvllm.executor.base import TokenLogprobs
 from fnvllm.executor.model_executor import ModelExecutor
 from fnvllm.model.config import ModelConfig
-from fnvllm.state import EngineState, FinishReason, SamplingParams, add_request, finish, schedule
+from fnvllm.state import EngineState, FinishReason, SamplingParams, StepPlan, add_request, finish, schedule
 
 Prompt = str | Sequence[int]
 
@@ -57,6 +57,17 @@ class RequestOutput:
     def finished(self) -> bool:
         """True once the request ended (always, for ``generate`` results)."""
         return self.finish_reason is not None
+
+
+@attrs.frozen
+class EngineStats:
+    """Running totals since the LLM was built: steps run, sequences preempted, prompt tokens served from the
+    prefix cache (not recomputed), and tokens generated."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
 
 
 @attrs.frozen
@@ -160,6 +171,7 @@ class LLM:
         )
         self.engine = Engine(self.executor, core)
         self.state: EngineState = self.engine.initial_state()
+        self.stats = EngineStats()
         self._next_id = 0
 
     def generate(
@@ -242,7 +254,9 @@ class LLM:
         live = set(by_id)
         try:
             while live:
+                waiting_before = self.state.waiting
                 state, plan = schedule(self.state)
+                self._count(plan, waiting_before)
                 state, out = self.engine.step(state, plan)
                 state, deltas = self._apply(state, out, by_id, live)
                 self.state = state
@@ -250,6 +264,18 @@ class LLM:
         except BaseException:
             self.state = self.engine.restore(self.engine.initial_state())  # executor and state in step again
             raise
+
+    def _count(self, plan: StepPlan, waiting_before: tuple[str, ...]) -> None:
+        """Fold one plan into ``stats`` (admitted rows' start positions are the tokens the prefix cache served)."""
+        admitted = set(waiting_before).intersection(plan.seq_ids) if waiting_before else set()
+        cached = sum(start for rid, start in zip(plan.seq_ids, plan.start_positions, strict=True) if rid in admitted)
+        s = self.stats
+        self.stats = EngineStats(
+            s.num_steps + 1,
+            s.num_preemptions + len(plan.preempted),
+            s.num_cached_tokens + cached,
+            s.num_generated_tokens + plan.num_samples,
+        )
 
     def _apply(
         self, state: EngineState, out: EngineOutput, by_id: dict[str, _Tracker], live: set[str]

@@ -1,0 +1,62 @@
+"""Tiny random checkpoints (written by transformers) shared by the model-level API tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fnvllm.testing.checkpoints import write_tiny_checkpoint
+from fnvllm.testing.tokenizer import build_test_tokenizer
+
+# Odd shapes on purpose: head_dim 64 and 32, 1 and 2 KV heads, tied and untied, 2-4 layers, llama3 rope scaling.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2, tie_word_embeddings=True),
+    "qwen2": dict(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, num_layers=3),
+    "llama": dict(
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=1,
+        num_layers=4,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def write_family(root: Path, family: str) -> Path:
+    """A tiny fp32 checkpoint of ``family`` plus the test tokenizer, in ``root / family``."""
+    path = write_tiny_checkpoint(root / family, family, vocab_size=256, intermediate_size=96, **FAMILIES[family])
+    build_test_tokenizer(path, vocab_size=256)
+    return path
+
+
+def hf_model(path: Path) -> Any:
+    """The same checkpoint loaded by transformers, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of one prompt (stopping after an EOS id, which it includes)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_ids,
+            pad_token_id=2,
+        )
+    tokens = out[0, len(prompt) :].tolist()
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
