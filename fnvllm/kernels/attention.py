@@ -1,0 +1,304 @@
+"""Paged attention: the metadata contract, the KV-cache layout, and the pure-torch reference backend.
+
+KV cache, per layer: `k_cache`, `v_cache`, each (num_blocks, block_size, num_kv_heads, head_dim) (the
+flash-attn-4 paged layout). Token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size` of the flattened (num_blocks * block_size) cache.
+
+Worked example (block_size 4): "a" feeds 6 prompt tokens from position 0 with blocks (5, 2); "b" decodes one
+token at position 9 with blocks (3, 8, 6):
+
+    positions    = [0, 1, 2, 3, 4, 5, 9]
+    slot_mapping = [20, 21, 22, 23, 8, 9, 25]     # 5*4+0 .. 5*4+3, 2*4+0, 2*4+1, 6*4+1
+    cu_seqlens_q = [0, 6, 7]
+    seq_lens     = [6, 10]
+    block_tables = [[5, 2, 0], [3, 8, 6]]         # padded with 0; seq_lens says what is valid
+
+Attention is causal with the queries aligned to the end of each sequence: the query at position p attends that
+sequence's keys at positions 0..p, read from the cache (prefix from earlier steps plus this step's writes).
+
+Backends are looked up by name ("torch", "triton", "flash"); each is a function with the `AttentionBackend`
+signature that only attends; `attention()` writes this step's K/V first, then calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Protocol
+
+import numpy as np
+import torch
+
+# Most float32 score elements the reference materialises at once (bounds its memory on long contexts).
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    """Where each fed token goes in the paged KV cache and what it attends to, for one step.
+
+    positions: (T,) int64, position of each fed token in its sequence.
+    slot_mapping: (T,) int64, flat KV slot of each fed token (block_id * block_size + position % block_size).
+    cu_seqlens_q: (B+1,) int32, cumulative query lengths; sequence i owns tokens cu[i]:cu[i+1].
+    seq_lens: (B,) int32, context length of each sequence after this step (start + q_len).
+    block_tables: (B, max_blocks) int32, KV block ids per sequence, padded with 0.
+    max_seqlen_q: longest query chunk this step (1 means an all-decode batch).
+    max_seqlen_k: longest context this step.
+    block_size: tokens per KV block.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences in the batch (B)."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of fed tokens (T)."""
+        return self.positions.shape[0]
+
+
+def build_attention_metadata(
+    start_positions: Sequence[int],
+    q_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Metadata for sequences feeding q_lens[i] tokens from start_positions[i], KV in block_tables[i]."""
+    _validate_batch(start_positions, q_lens, block_tables, block_size)
+    starts = np.asarray(start_positions, dtype=np.int64)  # (B,)
+    lens = np.asarray(q_lens, dtype=np.int64)  # (B,)
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)  # (B+1,)
+    np.cumsum(lens, out=cu[1:])
+    positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], lens)  # (T,)
+    table = _pad_block_tables(block_tables)  # (B, max_blocks)
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)  # (T,)
+    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size  # (T,)
+    seq_lens = starts + lens
+    return AttentionMetadata(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
+        max_seqlen_q=int(lens.max()),
+        max_seqlen_k=int(seq_lens.max()),
+        block_size=block_size,
+    )
+
+
+def _validate_batch(
+    start_positions: Sequence[int],
+    q_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> None:
+    """Raise ValueError naming the field when the batch description is inconsistent."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not q_lens:
+        raise ValueError("q_lens is empty: a step needs at least one sequence")
+    if not len(start_positions) == len(q_lens) == len(block_tables):
+        raise ValueError(
+            f"start_positions, q_lens and block_tables must have one entry per sequence, got lengths "
+            f"{len(start_positions)}, {len(q_lens)}, {len(block_tables)}"
+        )
+    for i, (start, q_len, table) in enumerate(zip(start_positions, q_lens, block_tables, strict=True)):
+        if start < 0 or q_len < 1:
+            raise ValueError(f"sequence {i}: need start_positions >= 0 and q_lens >= 1, got {start}, {q_len}")
+        if len(table) * block_size < start + q_len:
+            raise ValueError(
+                f"block_tables[{i}] has {len(table)} blocks ({len(table) * block_size} slots) but "
+                f"sequence {i} needs {start + q_len} slots"
+            )
+        if table and min(table) < 0:
+            raise ValueError(f"block_tables[{i}] holds a negative block id: {tuple(table)}")
+
+
+def _pad_block_tables(block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """(B, max_blocks) int64 array of the tables, right-padded with 0."""
+    width = max(1, max(len(t) for t in block_tables))
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = t
+    return table
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys/values (T, Hkv, D) into their slots of the paged caches, in place."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of q (T, Hq, D) over the paged caches; float32 softmax; returns (T, Hq, D).
+
+    Decoding sequences (q_len 1) are batched through one gather; the others loop one sequence at a time.
+    """
+    _check_shapes(q, k_cache, v_cache, meta)
+    if meta.max_seqlen_q == 1:  # all-decode batch: no host sync
+        return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale)
+    out = torch.empty_like(q)
+    cu = meta.cu_seqlens_q.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    decodes = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
+    if decodes:
+        tokens = torch.tensor([cu[i] for i in decodes], device=q.device)
+        seqs = torch.tensor(decodes, device=q.device)
+        max_len = max(seq_lens[i] for i in decodes)
+        out[tokens] = _decode_attention(
+            q[tokens], k_cache, v_cache, meta.block_tables[seqs], meta.seq_lens[seqs], max_len, scale
+        )
+    for i in range(meta.num_seqs):
+        if cu[i + 1] - cu[i] > 1:
+            out[cu[i] : cu[i + 1]] = _prefill_attention(
+                q[cu[i] : cu[i + 1]], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale
+            )
+    return out
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Raise ValueError when q and the caches do not fit the documented layout."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q (T, Hq, D) and caches (num_blocks, block_size, Hkv, D), got q {tuple(q.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not fit cache heads/dim {tuple(k_cache.shape[2:])}")
+    if k_cache.shape[1] != meta.block_size or q.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"cache block_size {k_cache.shape[1]} / q tokens {q.shape[0]} do not match metadata "
+            f"block_size {meta.block_size} / num_tokens {meta.num_tokens}"
+        )
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q (B, Hq, D): gather each sequence's blocks at once; returns (B, Hq, D)."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    table = block_tables[:, : math.ceil(max_seq_len / block_size)]  # (B, nb)
+    span = table.shape[1] * block_size
+    per_seq = span * num_heads
+    step = max(1, _MAX_SCORE_ELEMENTS // max(per_seq, span * num_kv_heads * head_dim))
+    out = torch.empty_like(q)
+    for lo in range(0, num_seqs, step):
+        hi = min(num_seqs, lo + step)
+        # Slots past a sequence's end (tail of its last block, padding blocks) hold garbage, maybe NaN: zero
+        # their values as well as masking their scores, since 0 * NaN is NaN.
+        hidden = torch.arange(span, device=q.device)[None, :] >= seq_lens[lo:hi, None]  # (b, L)
+        k = k_cache[table[lo:hi]].flatten(1, 2).float()  # (b, L, Hkv, D)
+        v = v_cache[table[lo:hi]].flatten(1, 2).float().masked_fill(hidden[:, :, None, None], 0.0)
+        qg = q[lo:hi].reshape(hi - lo, num_kv_heads, -1, head_dim).float()  # (b, Hkv, G, D)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # (b, Hkv, G, L)
+        probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(dim=-1)
+        out[lo:hi] = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(hi - lo, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's chunk q (n, Hq, D) at positions seq_len-n .. seq_len-1, causal; returns (n, Hq, D)."""
+    num_queries, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    blocks = block_table[: math.ceil(seq_len / block_size)]
+    k = k_cache[blocks].flatten(0, 1)[:seq_len].float()  # (L, Hkv, D)
+    v = v_cache[blocks].flatten(0, 1)[:seq_len].float()  # (L, Hkv, D)
+    key_pos = torch.arange(seq_len, device=q.device)  # (L,)
+    out = torch.empty_like(q)
+    step = max(1, _MAX_SCORE_ELEMENTS // (seq_len * num_heads))
+    for lo in range(0, num_queries, step):
+        hi = min(num_queries, lo + step)
+        qg = q[lo:hi].reshape(hi - lo, num_kv_heads, -1, head_dim).float()  # (n, Hkv, G, D)
+        scores = torch.einsum("nhgd,lhd->hgnl", qg, k) * scale  # (Hkv, G, n, L)
+        query_pos = torch.arange(seq_len - num_queries + lo, seq_len - num_queries + hi, device=q.device)
+        hidden = key_pos[None, :] > query_pos[:, None]  # (n, L)
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        out[lo:hi] = torch.einsum("hgnl,lhd->nhgd", probs, v).reshape(hi - lo, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+class AttentionBackend(Protocol):
+    """An attention implementation: attends q (T, Hq, D) over caches that already hold this step's K/V."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Return the attention output (T, Hq, D) in q's dtype."""
+        ...
+
+
+# Backend name -> "module:function". A new backend adds one entry; modules are imported on first use so that
+# optional dependencies (triton, flash-attn) are only needed by those who pick them.
+ATTENTION_BACKENDS: Mapping[str, str] = MappingProxyType(
+    {
+        "torch": "fnvllm.kernels.attention:paged_attention_ref",
+        "triton": "fnvllm.kernels.paged_attention:paged_attention_triton",
+        "flash": "fnvllm.kernels.flash_attention:paged_attention_flash",
+    }
+)
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """The backend function registered under `name` (see ATTENTION_BACKENDS)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; choose one of {tuple(ATTENTION_BACKENDS)}")
+    module_name, function_name = ATTENTION_BACKENDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeError(f"attention backend {name!r} is not available here: {e}") from e
+    return getattr(module, function_name)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: str | AttentionBackend = "torch",
+) -> torch.Tensor:
+    """Write this step's k, v (T, Hkv, D) into the caches, then attend q (T, Hq, D); returns (T, Hq, D)."""
+    attend = get_attention_backend(backend) if isinstance(backend, str) else backend
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,16 @@
+"""Model definitions (Qwen3, Qwen2, Llama), their building blocks, and the safetensors loader."""
+
+from fnvllm.model.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from fnvllm.model.loader import CheckpointMismatchError, load_model
+from fnvllm.model.models import DecoderForCausalLM, KVCache, build_model
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointMismatchError",
+    "DecoderForCausalLM",
+    "KVCache",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "build_model",
+    "load_model",
+]

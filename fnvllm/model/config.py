@@ -1,0 +1,237 @@
+"""ModelConfig: the facts about a decoder checkpoint that the model code needs, read from its config.json.
+
+Two rope formats exist in the wild and both are read:
+
+    transformers < 5:  "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, ...}
+    transformers >= 5: "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, ...}
+
+End-of-sequence ids are not here: the LLM layer reads them from generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES: Mapping[str, str] = {
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "fp16": "float16",
+}
+
+
+@attrs.frozen
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent rope scaling (rope_type "llama3").
+
+    factor: how much long wavelengths are stretched.
+    low_freq_factor / high_freq_factor: wavelengths above original_max_position_embeddings / low_freq_factor
+        are divided by factor, those below original_max_position_embeddings / high_freq_factor are kept, and
+        those in between are interpolated smoothly.
+    original_max_position_embeddings: the context length the model was pretrained at.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@attrs.frozen
+class ModelConfig:
+    """Static facts about a Qwen3 / Qwen2 / Llama decoder checkpoint (never written after construction).
+
+    architecture: one of SUPPORTED_ARCHITECTURES.
+    head_dim: per-head width (config's head_dim, else hidden_size // num_attention_heads).
+    rope_scaling: None for plain rope, else the llama3 scaling parameters.
+    dtype: torch dtype name the weights are used in ("float32", "bfloat16" or "float16").
+    attention_bias: whether q/k/v projections carry a bias (Qwen2: always).
+    o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2).
+    qk_norm: per-head RMSNorm of q and k before rope (Qwen3).
+    """
+
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str
+    attention_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+
+    def __attrs_post_init__(self) -> None:
+        """Reject shapes the model code cannot build, naming the field."""
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+            _check_positive(name, getattr(self, name))
+        for name in ("head_dim", "intermediate_size", "vocab_size", "max_position_embeddings"):
+            _check_positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by `dtype`."""
+        return getattr(torch, self.dtype)
+
+    @property
+    def q_size(self) -> int:
+        """Width of all query heads together."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of all key (or value) heads together."""
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
+        """Read `path`/config.json; `dtype` overrides the checkpoint's dtype."""
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint folder {str(path)!r}")
+        return cls.from_dict(json.loads(config_file.read_text()), dtype=dtype)
+
+    @classmethod
+    def from_dict(cls, hf: Mapping[str, Any], dtype: str | torch.dtype | None = None) -> ModelConfig:
+        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype."""
+        architecture = _architecture(hf)
+        _reject_unsupported_features(hf)
+        hidden_size = _required(hf, "hidden_size")
+        num_heads = _required(hf, "num_attention_heads")
+        max_positions = _required(hf, "max_position_embeddings")
+        rope_theta, rope_scaling = parse_rope(hf, max_positions)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden_size,
+            num_hidden_layers=_required(hf, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden_size // num_heads,
+            intermediate_size=_required(hf, "intermediate_size"),
+            vocab_size=_required(hf, "vocab_size"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=normalize_dtype(dtype if dtype is not None else _checkpoint_dtype(hf)),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+        )
+
+
+def normalize_dtype(dtype: str | torch.dtype) -> str:
+    """Canonical dtype name: torch.bfloat16 / "bf16" / "torch.bfloat16" -> "bfloat16"."""
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+    return name
+
+
+def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, rope_scaling) from either rope format (see the module docstring)."""
+    params = _flat_rope_parameters(hf.get("rope_parameters"))
+    if not params:
+        params = dict(hf.get("rope_scaling") or {})
+    rope_theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    try:
+        scaling = Llama3RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", max_position_embeddings)
+            ),
+        )
+    except KeyError as e:
+        raise ValueError(f"llama3 rope_scaling is missing field {e.args[0]!r}") from None
+    return rope_theta, scaling
+
+
+def _flat_rope_parameters(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One rope dict; a per-layer-type nesting is accepted when all layers share one entry."""
+    if not params:
+        return {}
+    nested = [v for v in params.values() if isinstance(v, Mapping)]
+    if not nested:
+        return dict(params)
+    if len(nested) == len(params) and all(v == nested[0] for v in nested):
+        return dict(nested[0])
+    raise ValueError(f"rope_parameters differing per layer type are not supported: {dict(params)}")
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+    """The single architecture name in config.json, validated."""
+    architectures = hf.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architectures {architectures!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    return architectures[0]
+
+
+def _reject_unsupported_features(hf: Mapping[str, Any]) -> None:
+    """Raise for config options the model code does not implement (rather than silently ignoring them)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; supported: ('silu',)")
+    if hf.get("mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']} is not supported; supported: 1.0")
+
+
+def _checkpoint_dtype(hf: Mapping[str, Any]) -> str:
+    """The checkpoint's dtype (`dtype` in transformers 5, `torch_dtype` before); float32 if none."""
+    return hf.get("dtype") or hf.get("torch_dtype") or "float32"
+
+
+def _required(hf: Mapping[str, Any], name: str) -> Any:
+    """hf[name], or a ValueError naming the missing field."""
+    if name not in hf:
+        raise ValueError(f"config.json is missing required field {name!r}")
+    return hf[name]
+
+
+def _check_positive(name: str, value: int) -> None:
+    """Raise unless `value` is a positive int."""
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

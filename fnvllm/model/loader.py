@@ -1,0 +1,161 @@
+"""Load a Hugging Face safetensors checkpoint (one file or shards with an index) into our model.
+
+The model is built on the meta device (no random init, so 8B shapes build instantly), materialised empty on
+the target device, then every parameter is filled from the checkpoint. Before any tensor is read, the checkpoint's
+names are checked against the model's: a missing or unexpected tensor is an error that lists them, so nothing
+is ever left at its uninitialised value.
+
+Name mapping (HF -> ours): `<p>.q_proj|k_proj|v_proj.<w>` -> rows of `<p>.qkv_proj.<w>`,
+`<p>.gate_proj|up_proj.weight` -> rows of `<p>.gate_up_proj.weight`, everything else unchanged. With tied
+embeddings a stored `lm_head.weight` is ignored (it equals the embedding); so is any `rotary_emb.inv_freq`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from fnvllm.model.config import ModelConfig, normalize_dtype
+from fnvllm.model.layers import MergedLinear
+from fnvllm.model.models import DecoderForCausalLM, build_model
+
+_MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model's parameters (names or shapes)."""
+
+
+@attrs.frozen
+class WeightTarget:
+    """Where one checkpoint tensor goes: parameter `param` (our name), output rows `rows` (None = all)."""
+
+    param: str
+    rows: tuple[int, int] | None = None
+
+
+def load_model(
+    path: str | Path,
+    model_config: ModelConfig,
+    device: str | torch.device,
+    dtype: str | torch.dtype | None = None,
+) -> DecoderForCausalLM:
+    """Build the model for `model_config` on `device` in `dtype` (default: the config's) with the checkpoint's
+    weights; raises CheckpointMismatchError listing any missing or unexpected tensors."""
+    config = model_config if dtype is None else attrs.evolve(model_config, dtype=normalize_dtype(dtype))
+    files = checkpoint_files(Path(path))
+    with torch.device("meta"):
+        model = build_model(config)
+    targets = weight_targets(model)
+    check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.init_buffers()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for file in tqdm(files, desc="Loading safetensors shards", unit="shard"):
+            _load_file(file, targets, params)
+    return model.requires_grad_(False).eval()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """A checkpoint folder's safetensors files: the index's shards, else model.safetensors, else *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards named in {index} do not exist: {missing}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint folder {str(path)!r}")
+    return files
+
+
+def weight_targets(model: DecoderForCausalLM) -> dict[str, WeightTarget]:
+    """HF checkpoint name -> where it goes in `model`, for every tensor the model needs."""
+    targets: dict[str, WeightTarget] = {}
+    for name, _ in model.named_parameters():  # a tied lm_head is deduplicated away here
+        parent, _, leaf = name.rpartition(".")
+        module = model.get_submodule(parent)
+        if isinstance(module, MergedLinear):
+            prefix = parent.rpartition(".")[0]
+            for shard, rows in module.shards.items():
+                targets[f"{prefix}.{shard}.{leaf}"] = WeightTarget(name, rows)
+        else:
+            targets[name] = WeightTarget(name)
+    return targets
+
+
+def check_names(
+    names_by_file: Mapping[Path, list[str]], targets: Mapping[str, WeightTarget], ignored: Iterable[str] = ()
+) -> None:
+    """Raise CheckpointMismatchError when a needed tensor is missing, unexpected, or stored twice."""
+    seen: dict[str, Path] = {}
+    for file, names in names_by_file.items():
+        for name in names:
+            if name in seen:
+                raise CheckpointMismatchError(f"tensor {name!r} is stored in both {seen[name]} and {file}")
+            seen[name] = file
+    ignored = set(ignored)
+    missing = sorted(set(targets) - set(seen))
+    unexpected = sorted(n for n in seen if n not in targets and n not in ignored and not _is_rope_buffer(n))
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"checkpoint does not match the model: missing tensors {_listing(missing)}; "
+            f"unexpected tensors {_listing(unexpected)}"
+        )
+
+
+def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor]) -> None:
+    """Copy every needed tensor of one safetensors file into its parameter (rows), converting dtype/device."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            target = targets.get(name)
+            if target is None:
+                continue
+            param = params[target.param]
+            dest = param.data if target.rows is None else param.data[target.rows[0] : target.rows[1]]
+            tensor = f.get_tensor(name)
+            if tensor.shape != dest.shape:
+                raise CheckpointMismatchError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+
+
+def _names_by_file(files: list[Path]) -> dict[Path, list[str]]:
+    """Tensor names stored in each file (reads only the headers)."""
+    names: dict[Path, list[str]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names[file] = list(f.keys())
+    return names
+
+
+def _ignored_names(config: ModelConfig) -> set[str]:
+    """Checkpoint tensors that may be present but are not loaded."""
+    return {"lm_head.weight"} if config.tie_word_embeddings else set()
+
+
+def _is_rope_buffer(name: str) -> bool:
+    """True for rope tables some old checkpoints store (we recompute them)."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def _listing(names: list[str]) -> str:
+    """'[a, b, ...] (+N more)' or 'none'."""
+    if not names:
+        return "none"
+    more = f" (+{len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+    return f"{names[:_MAX_LISTED]}{more}"

@@ -1,0 +1,187 @@
+"""Decoder-only transformers of the Llama family: Qwen3, Qwen2 and Llama share one definition.
+
+They differ only in flags carried by ModelConfig: Qwen3 RMS-normalises each q/k head before rope (qk_norm);
+Qwen2 has q/k/v biases (attention_bias); Llama 3.1 scales rope frequencies (rope_scaling). Module names mirror
+Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj and gate_up_proj.
+
+The model holds no KV cache and no global context: each forward receives the per-layer caches and the step's
+AttentionMetadata as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fnvllm.kernels.attention import AttentionBackend, AttentionMetadata, attention, get_attention_backend
+from fnvllm.model.config import ModelConfig
+from fnvllm.model.layers import (
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    gate_up_linear,
+    qkv_linear,
+    silu_and_mul,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, Hkv, D)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
+        self.qkv_proj = qkv_linear(config.hidden_size, config.q_size, config.kv_size, config.attention_bias, dtype)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V into kv_cache."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, backend)  # (T, Hq, D)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    """Gated SiLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.gate_up_proj = gate_up_linear(config.hidden_size, config.intermediate_size, dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden_size) -> (T, hidden_size)."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block; the residual stream is threaded through explicitly."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block output, residual stream), both (T, hidden_size); residual is None for the first layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dtype = config.torch_dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Final-normed hidden states (T, hidden_size) for input_ids (T,) at positions (T,)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
+        rope = self.rotary_emb(positions)  # cos, sin: (T, D/2) each
+        hidden = self.embed_tokens(input_ids)  # (T, hidden_size)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
+        return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Qwen3 / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head share the embedding matrix when the config ties them (re-run after materialising)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (the rope table) on their current device."""
+        self.model.rotary_emb.init_buffers()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        backend: str | AttentionBackend = "torch",
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden_size) for the step's tokens; writes their K/V into kv_caches."""
+        attend = get_attention_backend(backend) if isinstance(backend, str) else backend
+        return self.model(input_ids, positions, kv_caches, meta, attend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (N, vocab_size) for hidden states (N, hidden_size)."""
+        return self.lm_head(hidden)
+
+
+def build_model(config: ModelConfig) -> DecoderForCausalLM:
+    """A randomly initialised model for `config` with parameters in config.dtype.
+
+    Build it under `torch.device("meta")` to skip the init (as loader.load_model does).
+    """
+    return DecoderForCausalLM(config)

@@ -1,0 +1,292 @@
+"""Checkpoints written locally for tests and benchmarks (no model hub needed).
+
+- `write_tiny_checkpoint`: a tiny Qwen3 / Qwen2 / Llama written by transformers' own classes, so tests can
+  compare our model against Hugging Face's on the very same weights.
+- `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B shapes with random weights, written straight to
+  safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import torch
+
+Family = Literal["qwen3", "qwen2", "llama"]
+ShapeName = Literal["qwen3-0.6b", "qwen3-8b"]
+
+_HF_CLASSES: Mapping[str, tuple[str, str]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+# The real Qwen3 config.json files (transformers 4.51 format), minus the per-shape numbers below.
+_QWEN3_COMMON: Mapping[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN3_SHAPES: Mapping[str, Mapping[str, Any]] = {
+    "qwen3-0.6b": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+}
+_SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+}
+_QWEN3_GENERATION_CONFIG: Mapping[str, Any] = {
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+
+def write_tiny_checkpoint(
+    path: str | Path,
+    family: Family,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    vocab_size: int = 256,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int = 2048,
+    eos_token_id: int | None = None,
+    init_std: float = 0.1,
+    seed: int = 0,
+    dtype: str = "float32",
+    shard: bool = False,
+) -> Path:
+    """Write a random tiny HF checkpoint (config, safetensors, generation_config) to `path`; returns the path.
+
+    rope_scaling is HF's dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}. Weights are drawn with std `init_std`
+    (larger than HF's 0.02 so tiny models give varied logits) and norm weights / biases are randomised too, so
+    every tensor matters. eos_token_id defaults to vocab_size - 1. shard=True splits into several files.
+    """
+    import transformers
+
+    if family not in _HF_CLASSES:
+        raise ValueError(f"family {family!r} is not supported; supported: {tuple(_HF_CLASSES)}")
+    config_name, model_name = _HF_CLASSES[family]
+    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+    extra = {} if head_dim is None else {"head_dim": head_dim}
+    config = getattr(transformers, config_name)(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        bos_token_id=0,
+        eos_token_id=eos,
+        **extra,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config)
+        _randomize_norms_and_biases(model)
+    model = model.to(getattr(torch, dtype))
+    out = Path(path)
+    model.save_pretrained(out, max_shard_size=_tiny_shard_size(model) if shard else "50GB")
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=eos).save_pretrained(out)
+    return out
+
+
+def _randomize_norms_and_biases(model: torch.nn.Module) -> None:
+    """Norm weights ~ U(0.5, 1.5) and biases ~ N(0, 0.1), in place (HF initialises them to 1 and 0)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(std=0.1)
+
+
+def _tiny_shard_size(model: torch.nn.Module) -> int:
+    """A shard size in bytes that splits `model` into about four files."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(1, total // 4)
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    shape_name: ShapeName,
+    dtype: str = "bfloat16",
+    *,
+    num_layers: int | None = None,
+    seed: int = 0,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> Path:
+    """Write a Qwen3 checkpoint of real shape with random weights (std 0.02; norms 1) to `path`; returns it.
+
+    num_layers overrides the layer count (a shrunk copy for quick tests). The config.json mirrors the real
+    model's (transformers 4.51 format); generation_config.json mirrors Qwen3's. Tensors are tiled from one
+    random pool, streamed to disk without materialising any tensor, so 8B writes at disk speed; they are not
+    independent draws (fine for throughput work).
+    """
+    if shape_name not in QWEN3_SHAPES:
+        raise ValueError(f"shape_name {shape_name!r} is not supported; supported: {tuple(QWEN3_SHAPES)}")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype {dtype!r} is not supported; supported: ('bfloat16', 'float16', 'float32')")
+    config = {**_QWEN3_COMMON, **QWEN3_SHAPES[shape_name], "torch_dtype": dtype}
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    config["max_window_layers"] = config["num_hidden_layers"]
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_QWEN3_GENERATION_CONFIG, indent=2) + "\n")
+    _write_shards(out, qwen3_tensor_shapes(config), getattr(torch, dtype), seed, max_shard_bytes)
+    return out
+
+
+def qwen3_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a Qwen3 config dict, in the order HF stores them."""
+    hidden, heads, kv_heads = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    head_dim, inter, vocab = config["head_dim"], config["intermediate_size"], config["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "self_attn.q_proj.weight"] = (heads * head_dim, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
+        shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _write_shards(
+    out: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, seed: int, max_shard_bytes: int
+) -> None:
+    """Save the tensors as HF-named shards of at most max_shard_bytes (plus an index when more than one)."""
+    groups = list(_group_by_bytes(shapes, dtype.itemsize, max_shard_bytes))
+    pool = memoryview(_random_pool(seed, dtype).view(torch.uint8).numpy())
+    ones = memoryview(torch.ones(max(s[0] for s in shapes.values()), dtype=dtype).view(torch.uint8).numpy())
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(groups):
+        file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        with open(out / file, "wb") as f:
+            _write_safetensors_header(f, {name: shapes[name] for name in names}, dtype)
+            for name in names:
+                nbytes = math.prod(shapes[name]) * dtype.itemsize
+                if name.endswith("norm.weight"):
+                    f.write(ones[:nbytes])
+                else:
+                    _write_tiled(f, pool, start=(len(weight_map) * 7919 * dtype.itemsize) % len(pool), nbytes=nbytes)
+                weight_map[name] = file
+    if len(groups) > 1:
+        total = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_safetensors_header(f: BinaryIO, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> None:
+    """Write the safetensors header (u64 little-endian length + JSON, space-padded to 8 bytes) for tensors
+    stored back to back in `shapes` order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    f.write(len(encoded).to_bytes(8, "little"))
+    f.write(encoded)
+
+
+def _write_tiled(f: BinaryIO, pool: memoryview, start: int, nbytes: int) -> None:
+    """Write nbytes of the pool repeated end to end, beginning at byte `start` (no tensor is materialised)."""
+    while nbytes > 0:
+        chunk = pool[start : start + nbytes]
+        f.write(chunk)
+        nbytes -= len(chunk)
+        start = 0
+
+
+def _group_by_bytes(shapes: Mapping[str, tuple[int, ...]], itemsize: int, max_bytes: int) -> Iterator[list[str]]:
+    """Consecutive groups of names whose tensors total at most max_bytes (a bigger tensor is alone)."""
+    group: list[str] = []
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if group and size + nbytes > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append(name)
+        size += nbytes
+    if group:
+        yield group
+
+
+def _random_pool(seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pool of N(0, 0.02) values whose length (a prime) does not divide any weight row length."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(4_194_301, generator=generator) * 0.02).to(dtype)
