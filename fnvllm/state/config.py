@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 
@@ -19,10 +21,23 @@ def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], Non
 
 
 def _as_frozenset(values: object) -> frozenset[int]:
-    if isinstance(values, int):
-        return frozenset((values,))
-    assert not isinstance(values, str)
-    return frozenset(int(v) for v in values)  # type: ignore[attr-defined]
+    """EOS ids as a frozenset: one integer or an iterable of integers (anything with ``__index__``), each >= 0."""
+    message = f"CoreConfig.eos_token_ids must be an int or ints >= 0, got {values!r}"
+    if isinstance(values, (str, bytes)):
+        raise InvalidConfigError(message)
+    items: Iterable[Any] = values if isinstance(values, Iterable) else (values,)
+    try:
+        ids = frozenset(operator.index(v) for v in items)
+    except TypeError:
+        raise InvalidConfigError(message) from None
+    if any(i < 0 for i in ids):
+        raise InvalidConfigError(message)
+    return ids
+
+
+def _none_or_at_least_1(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise InvalidConfigError(f"CoreConfig.{attribute.name} must be None or an int >= 1, got {value!r}")
 
 
 @attrs.frozen
@@ -47,5 +62,5 @@ class CoreConfig:
     max_model_len: int = attrs.field(default=4096, validator=_at_least(1))
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_as_frozenset)
-    vocab_size: int | None = None
+    vocab_size: int | None = attrs.field(default=None, validator=_none_or_at_least_1)
     hash_block: BlockHasher = hash_block_xxh3

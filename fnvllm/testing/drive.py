@@ -1,0 +1,143 @@
+"""A small driver that runs the pure core to completion against any executor (toy, simulated or real).
+
+It is the engine loop of DESIGN.md and nothing more::
+
+    state, plan = schedule(state)
+    tokens = executor.execute(plan)
+    state, output = commit(state, plan, tokens)
+
+plus the bookkeeping tests and simulations want afterwards: every finished request, the number of steps, how
+many preemptions happened and how many prompt tokens the prefix cache saved. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+from fnvllm.state.commit import commit
+from fnvllm.state.config import CoreConfig
+from fnvllm.state.params import SamplingParams
+from fnvllm.state.plan import StepPlan
+from fnvllm.state.policy import FCFS, Policy
+from fnvllm.state.request import FinishedRequest, FinishReason, StepOutput
+from fnvllm.state.scheduler import schedule
+from fnvllm.state.state import EngineState, add_request, initial_state
+
+
+class Executor(Protocol):
+    """Anything that applies a plan and returns one token id per sequence with ``sample=True``, in order."""
+
+    def execute(self, plan: StepPlan) -> Sequence[int]: ...
+
+
+@attrs.frozen
+class RequestSpec:
+    """One request to feed the driver.
+
+    request_id / prompt / params / priority: as for ``add_request``.
+    arrival_step: the request is added once this many steps of the driving call have run (0 = at the start).
+    """
+
+    request_id: str
+    prompt: tuple[int, ...] = attrs.field(converter=tuple)
+    params: SamplingParams = attrs.field(factory=SamplingParams)
+    priority: int = 0
+    arrival_step: int = 0
+
+
+@attrs.frozen
+class RunResult:
+    """What ``run_to_completion`` observed.
+
+    finished: every request that finished, by id (its output tokens and finish reason).
+    num_steps: plans scheduled and committed (empty plans included).
+    num_preemptions: sequences preempted over the run (one sequence preempted twice counts twice).
+    num_prefix_hit_tokens: prompt/output tokens skipped at admission because their KV was found in the cache.
+    final_state: the state after the last commit.
+    """
+
+    finished: Mapping[str, FinishedRequest]
+    num_steps: int
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+    final_state: EngineState
+
+    @property
+    def outputs(self) -> dict[str, tuple[int, ...]]:
+        """Generated token ids of each finished request."""
+        return {rid: f.output for rid, f in self.finished.items()}
+
+    @property
+    def finish_reasons(self) -> dict[str, FinishReason]:
+        """Why each finished request stopped."""
+        return {rid: f.reason for rid, f in self.finished.items()}
+
+
+StepHook = Callable[[EngineState, StepPlan, StepOutput], None]
+
+
+class StepLimitError(RuntimeError):
+    """The run did not finish within ``max_steps`` (a livelock, or a limit set too low)."""
+
+
+def _admitted_hits(before: EngineState, plan: StepPlan) -> int:
+    """Tokens skipped by sequences admitted in ``plan``: an admitted row starts after its cached prefix."""
+    running = before.num_computed
+    return sum(start for rid, start in zip(plan.seq_ids, plan.start_positions, strict=True) if rid not in running)
+
+
+def _add_arrivals(state: EngineState, pending: list[RequestSpec], step: int) -> EngineState:
+    """``state`` with every spec whose arrival_step has come added (and removed from ``pending``)."""
+    while pending and pending[0].arrival_step <= step:
+        spec = pending.pop(0)
+        state = add_request(state, spec.request_id, spec.prompt, spec.params, spec.priority)
+    return state
+
+
+def run_to_completion(
+    config: CoreConfig,
+    requests: Iterable[RequestSpec],
+    executor: Executor,
+    policy: Policy = FCFS,
+    max_steps: int = 100_000,
+    on_step: StepHook | None = None,
+) -> RunResult:
+    """Run ``requests`` on a fresh engine until every one has finished; see ``drive``."""
+    return drive(initial_state(config, policy), requests, executor, max_steps, on_step)
+
+
+def drive(
+    state: EngineState,
+    requests: Iterable[RequestSpec],
+    executor: Executor,
+    max_steps: int = 100_000,
+    on_step: StepHook | None = None,
+) -> RunResult:
+    """Continue from ``state``: add ``requests`` (each once ``arrival_step`` steps of this call have run; ties in
+    the given order), then schedule / execute / commit until nothing is left. ``on_step(state, plan, output)``
+    sees each committed step. ``state`` must have no plan pending; the executor must expect ``state.step`` next.
+
+    Raises StepLimitError after ``max_steps`` steps, and whatever ``add_request`` raises for an invalid request.
+    """
+    pending = sorted(requests, key=lambda spec: spec.arrival_step)  # stable: ties keep the given order
+    finished: dict[str, FinishedRequest] = {}
+    num_steps = num_preemptions = num_hits = 0
+    while True:
+        state = _add_arrivals(state, pending, num_steps)
+        if not state.has_unfinished and not pending:
+            break
+        if num_steps >= max_steps:
+            raise StepLimitError(f"{len(state.requests)} requests unfinished after max_steps={max_steps} steps")
+        before = state
+        state, plan = schedule(state)
+        state, output = commit(state, plan, executor.execute(plan))
+        finished.update((f.request_id, f) for f in output.finished)
+        num_steps += 1
+        num_preemptions += len(plan.preempted)
+        num_hits += _admitted_hits(before, plan)
+        if on_step is not None:
+            on_step(state, plan, output)
+    return RunResult(finished, num_steps, num_preemptions, num_hits, state)
