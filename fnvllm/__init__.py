@@ -1,0 +1,24 @@
+"""fnvllm: LLM inference whose scheduler and KV-block manager are pure functions.
+
+``from fnvllm import LLM, SamplingParams`` for offline generation; ``fnvllm.state`` for the pure core (which
+imports no torch, so this package imports nothing heavy until ``LLM`` or ``Engine`` is touched).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fnvllm.state import SamplingParams
+
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
+
+_LAZY = {"LLM": "fnvllm.llm", "Engine": "fnvllm.engine", "EngineConfig": "fnvllm.config"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the torch-backed names on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fnvllm' has no attribute {name!r}")
