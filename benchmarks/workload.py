@@ -14,7 +14,10 @@ from fnvllm.state import SamplingParams
 def bench_workload(
     num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
 ) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts and sampling params of the nano-vllm bench workload."""
+    """Prompts and sampling params of the nano-vllm bench workload (lengths are drawn from [100, max])."""
+    for name, value in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
+        if value < 100:
+            raise ValueError(f"{name} must be >= 100 (the workload draws lengths from [100, max]), got {value}")
     rng = random.Random(seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_requests)]
     params = [
