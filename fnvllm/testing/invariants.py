@@ -1,0 +1,351 @@
+"""Invariants of the pure core as plain functions, usable from any test (Hypothesis or not).
+
+Each ``check_*`` raises ``InvariantViolation`` (an AssertionError) whose message names the broken rule and the
+offending block or request; it returns None when the rule holds. ``CoreStateMachine`` calls them after every
+transition; call them from your own tests to vet a custom policy or scheduler wrapper.
+
+A shadow KV cache (``ShadowKV``: slot -> (position, the context its K/V was computed from)) stands in for the
+device: ``write_plan`` applies a plan's writes the way an executor would, and ``check_kv`` verifies that every
+computed position of every running sequence reads back, through its block table, K/V computed from that
+sequence's own tokens. A scheduler that hands out a wrong block, or a prefix-cache hit whose tokens match but
+whose earlier context differs, fails this check at once.
+"""
+
+from __future__ import annotations
+
+import io
+import operator
+import pickle
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import attrs
+
+from fnvllm.state.config import CoreConfig
+from fnvllm.state.hashing import chain_hashes
+from fnvllm.state.params import SamplingParams
+from fnvllm.state.plan import StepPlan, TokenHistory
+from fnvllm.state.pmap import PMap
+from fnvllm.state.policy import Policy
+from fnvllm.state.pool import BlockPool
+from fnvllm.state.request import FinishReason, Request, StepOutput
+from fnvllm.state.state import EngineState
+
+R = TypeVar("R")
+ShadowKV = dict[tuple[int, int], tuple[int, tuple[int, ...]]]  # (block, offset) -> (position, context tokens)
+
+
+class InvariantViolation(AssertionError):
+    """A core invariant does not hold; the message names the rule and where it broke."""
+
+
+def fail(message: str) -> NoReturn:
+    """Raise InvariantViolation with ``message``."""
+    raise InvariantViolation(message)
+
+
+def _field_reducer(cls: type) -> Callable[[object], tuple[object, ...]]:
+    values = operator.attrgetter(*(f.name for f in attrs.fields(cls)))
+    return lambda obj: (cls, values(obj))
+
+
+def _pmap_reducer(mapping: PMap[object, object]) -> tuple[object, ...]:
+    shards = getattr(mapping, "_shards", None)  # its shard dicts pickle in C; fall back to the public items
+    return (PMap, (shards if shards is not None else dict(mapping.items()),))
+
+
+# attrs' and PMap's own pickling run Python code per object; these reducers do the same job mostly in C.
+_FAST_REDUCERS: dict[type, Callable[[Any], tuple[object, ...]]] = {
+    cls: _field_reducer(cls)
+    for cls in (SamplingParams, Request, CoreConfig, Policy, EngineState, BlockPool, StepPlan, StepOutput)
+}
+_FAST_REDUCERS[PMap] = _pmap_reducer
+
+
+def snapshot(value: object) -> bytes:
+    """A pickle of ``value`` for before/after comparison (purity checks); equal bytes mean nothing changed."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _FAST_REDUCERS  # type: ignore[assignment]
+    pickler.dump(value)
+    return buffer.getvalue()
+
+
+def run_pure(function: Callable[..., R], *inputs: object) -> R:
+    """Call ``function(*inputs)`` and check that it left every input unchanged (compared as pickles)."""
+    before = [snapshot(x) for x in inputs]
+    result = function(*inputs)
+    for i, (x, old) in enumerate(zip(inputs, before, strict=True)):
+        if snapshot(x) != old:
+            fail(f"purity: {getattr(function, '__name__', function)} mutated its input #{i} ({type(x).__name__})")
+    return result
+
+
+def seq_tokens(state: EngineState, rid: str) -> tuple[int, ...]:
+    """Prompt plus generated tokens of a live request, read through the public snapshot."""
+    view = state.sequence(rid)
+    return view.request.prompt + view.output
+
+
+def check_blocks_conserved(state: EngineState) -> None:
+    """Every block is either free (once, in the free queue) or referenced, never both, never neither."""
+    pool = state.pool
+    free, held = pool.free_queue, set(pool.ref_counts)
+    if len(set(free)) != len(free):
+        fail(f"conservation: free queue holds a block twice: {sorted(b for b, n in Counter(free).items() if n > 1)}")
+    if set(free) & held:
+        fail(f"conservation: blocks both free and referenced: {sorted(set(free) & held)}")
+    everything = set(range(pool.num_blocks))
+    if set(free) | held != everything:
+        lost, alien = everything - set(free) - held, (set(free) | held) - everything
+        fail(f"conservation: blocks neither free nor referenced: {sorted(lost)}; unknown ids: {sorted(alien)}")
+    if pool.num_blocks != state.config.num_blocks:
+        fail(f"conservation: pool has {pool.num_blocks} blocks, config says {state.config.num_blocks}")
+
+
+def check_ref_counts(state: EngineState) -> None:
+    """Each ref count equals the number of running sequences whose block table holds the block (once each)."""
+    holders: Counter[int] = Counter()
+    for rid, table in state.block_tables.items():
+        if len(set(table)) != len(table):
+            fail(f"ref count: {rid!r} holds a block twice: {table}")
+        holders.update(table)
+    counts = dict(state.pool.ref_counts.items())
+    if counts != dict(holders):
+        wrong = {b: (counts.get(b, 0), holders.get(b, 0)) for b in set(counts) | set(holders)}
+        wrong = {b: v for b, v in wrong.items() if v[0] != v[1]}
+        fail(f"ref count != holders, block: (ref count, holders): {dict(sorted(wrong.items()))}")
+
+
+def check_queues(state: EngineState) -> None:
+    """Waiting and running partition the live requests, each sorted by the policy; only running ones hold KV."""
+    waiting, running = state.waiting, state.running
+    if len(set(waiting)) != len(waiting) or len(set(running)) != len(running) or set(waiting) & set(running):
+        fail(f"queues: duplicated ids; waiting={waiting} running={running}")
+    if set(waiting) | set(running) != set(state.requests):
+        fail(f"queues: waiting+running {sorted(set(waiting) | set(running))} != live {sorted(state.requests)}")
+    if set(state.block_tables) != set(running) or set(state.num_computed) != set(running):
+        fail(
+            f"queues: block tables {sorted(state.block_tables)} / num_computed {sorted(state.num_computed)} "
+            f"must be exactly the running ids {sorted(running)}"
+        )
+    key = state.policy.key
+    for name, queue in (("waiting", waiting), ("running", running)):
+        keys = [key(state.requests[r]) for r in queue]
+        if keys != sorted(keys):
+            fail(f"queues: {name} is not in policy order: {list(zip(queue, keys, strict=True))}")
+    if len(running) > state.config.max_num_seqs:
+        fail(f"max_num_seqs: {len(running)} running > {state.config.max_num_seqs}")
+
+
+def check_lengths(state: EngineState) -> None:
+    """num_tokens matches prompt + output; computed KV fits the table; no table holds more than it can use."""
+    bs = state.config.block_size
+    for rid in state.requests:
+        n = len(seq_tokens(state, rid))
+        if state.num_tokens[rid] != n:
+            fail(f"lengths: num_tokens[{rid!r}] = {state.num_tokens[rid]} but prompt + output = {n}")
+        table, computed = state.block_tables.get(rid, ()), state.num_computed.get(rid, 0)
+        if not computed <= len(table) * bs or computed > n:
+            fail(f"lengths: {rid!r} computed {computed} of {n} tokens with {len(table)} blocks of {bs}")
+        if len(table) > -(-n // bs):
+            fail(f"lengths: {rid!r} holds {len(table)} blocks for {n} tokens (block size {bs})")
+
+
+def check_prefix_cache(state: EngineState) -> None:
+    """cached and hash_to_block are inverse; each entry's hash is the chain hash of its parent and tokens; a held
+    entry's tokens and parent are the holder's own block and chain hash; each request's chain is its tokens'."""
+    pool, cfg = state.pool, state.config
+    if not cfg.enable_prefix_caching and len(pool.cached):
+        fail(f"prefix cache: {len(pool.cached)} blocks registered with caching off")
+    if len(pool.cached) != len(pool.hash_to_block):
+        fail(f"prefix cache: {len(pool.cached)} cached blocks but {len(pool.hash_to_block)} hashes")
+    for block, entry in pool.cached.items():
+        if pool.hash_to_block.get(entry.hash) != block:
+            fail(
+                f"prefix cache: block {block} has hash {entry.hash} which maps to {pool.hash_to_block.get(entry.hash)}"
+            )
+        if len(entry.tokens) != cfg.block_size or cfg.hash_block(entry.parent, entry.tokens) != entry.hash:
+            fail(f"prefix cache: block {block}'s hash is not hash(parent, tokens): {entry}")
+    for rid in state.requests:
+        _check_chain(state, rid, seq_tokens(state, rid))
+
+
+def _check_chain(state: EngineState, rid: str, tokens: tuple[int, ...]) -> None:
+    cfg, cached = state.config, state.pool.cached
+    bs, known = cfg.block_size, state.chain_hashes.get(rid, ())
+    table = state.block_tables.get(rid, ())
+    depth = max([len(known)] + [i + 1 for i, b in enumerate(table) if b in cached])
+    if depth > len(tokens) // bs:
+        fail(f"prefix cache: {rid!r} has {depth} hashed/cached blocks but only {len(tokens)} tokens")
+    chain = chain_hashes(cfg.hash_block, tokens, bs, depth)
+    if tuple(chain[: len(known)]) != tuple(known):
+        fail(f"prefix cache: chain_hashes[{rid!r}] = {known} but its tokens hash to {chain[: len(known)]}")
+    for i, block in enumerate(table):
+        entry = cached.get(block)
+        if entry is None:
+            continue
+        parent = chain[i - 1] if i else None
+        if entry.tokens != tokens[i * bs : (i + 1) * bs] or entry.parent != parent:
+            fail(
+                f"prefix cache: {rid!r} holds block {block} at index {i} registered as {entry}, but its own "
+                f"tokens there are {tokens[i * bs : (i + 1) * bs]} with parent hash {parent}"
+            )
+
+
+def write_plan(kv: ShadowKV, plan: StepPlan) -> None:
+    """Apply the plan's KV writes to the shadow cache, as an executor does (every row, aborted or not).
+
+    Like a transformer's K/V, what is written at position p depends on the whole context: it is the token
+    sequence read back through the block table at p - 1, plus the token fed at p. A prefix-cache hit on a block
+    computed under another context therefore carries that other context forward, where ``check_kv`` sees it.
+    """
+    bs = plan.block_size
+    for tokens, start, table in zip(plan.input_tokens, plan.start_positions, plan.block_tables, strict=True):
+        for offset, token in enumerate(tokens):
+            position = start + offset
+            previous = kv.get((table[(position - 1) // bs], (position - 1) % bs)) if position else (-1, ())
+            context = previous[1] if previous is not None and previous[0] == position - 1 else (UNREADABLE,)
+            kv[(table[position // bs], position % bs)] = (position, (*context, token))
+
+
+UNREADABLE = -1  # a context token that could not be read back (the slot held another position or nothing)
+
+
+def check_kv(state: EngineState, kv: ShadowKV) -> None:
+    """Every computed position of a running sequence reads back, through its block table, K/V computed from its
+    own tokens up to there; every cached block holds K/V of its registered tokens under its chain hash."""
+    bs = state.config.block_size
+    for rid in state.running:
+        tokens, table = seq_tokens(state, rid), state.block_tables[rid]
+        for position in range(state.num_computed[rid]):
+            slot = (table[position // bs], position % bs)
+            found = kv.get(slot)
+            if found is None or found[0] != position or found[1] != tokens[: position + 1]:
+                fail(
+                    f"KV: {rid!r} position {position} reads block {slot[0]} offset {slot[1]} = {found}, "
+                    f"expected K/V of {tokens[: position + 1]}"
+                )
+    for block, entry in state.pool.cached.items():
+        _check_cached_kv(state.config, kv, block, entry.hash, entry.tokens)
+
+
+def _check_cached_kv(config: CoreConfig, kv: ShadowKV, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    bs = config.block_size
+    last = kv.get((block, bs - 1))
+    context = last[1] if last is not None else ()
+    first = len(context) - bs
+    slots = [kv.get((block, o)) for o in range(bs)]
+    if first < 0 or first % bs or slots != [(first + o, context[: first + o + 1]) for o in range(bs)]:
+        fail(f"KV: cached block {block} ({tokens}) holds {slots}")
+    elif context[first:] != tokens or chain_hashes(config.hash_block, context, bs, first // bs + 1)[-1] != block_hash:
+        fail(
+            f"KV: cached block {block} is registered as {tokens} with hash {block_hash}, but its K/V was "
+            f"computed for context {context}"
+        )
+
+
+def check_plan(config: CoreConfig, before: EngineState, after: EngineState, plan: StepPlan) -> None:
+    """A plan respects the budget and caps, feeds each sequence its own next tokens with a table that covers
+    them, keeps running sequences' progress, and preempts only the lowest-priority running sequences."""
+    if plan.step != before.step or plan.block_size != config.block_size:
+        fail(f"plan: step {plan.step} / block size {plan.block_size}, expected {before.step} / {config.block_size}")
+    if plan.num_tokens > config.max_num_batched_tokens:
+        fail(f"budget: plan feeds {plan.num_tokens} tokens > max_num_batched_tokens {config.max_num_batched_tokens}")
+    if plan.num_seqs > config.max_num_seqs or len(after.running) > config.max_num_seqs:
+        fail(f"max_num_seqs: plan has {plan.num_seqs}, running {len(after.running)} > {config.max_num_seqs}")
+    if len(set(plan.seq_ids)) != plan.num_seqs:
+        fail(f"plan: a sequence is scheduled twice: {plan.seq_ids}")
+    columns = (plan.input_tokens, plan.start_positions, plan.block_tables, plan.sample, plan.params)
+    if any(len(c) != plan.num_seqs for c in (*columns, plan.num_generated, plan.histories)):
+        fail(f"plan: columns of different lengths for {plan.num_seqs} sequences")
+    for i, rid in enumerate(plan.seq_ids):
+        _check_row(config, before, after, plan, i, rid)
+    _check_preempted(before, after, plan)
+    if config.enable_prefix_caching:
+        _check_no_duplicate_prefill(config, before, plan)
+    skipped = set(before.running) - set(plan.seq_ids) - set(plan.preempted)
+    if skipped and plan.num_tokens < config.max_num_batched_tokens:
+        fail(
+            f"plan: running {sorted(skipped)} left out with {config.max_num_batched_tokens - plan.num_tokens} "
+            "tokens of budget unused"
+        )
+
+
+def _check_row(config: CoreConfig, before: EngineState, after: EngineState, plan: StepPlan, i: int, rid: str) -> None:
+    tokens, start, table = plan.input_tokens[i], plan.start_positions[i], plan.block_tables[i]
+    full = seq_tokens(before, rid)
+    request = before.requests[rid]
+    if not tokens or tuple(tokens) != full[start : start + len(tokens)]:
+        fail(f"plan: {rid!r} fed {tokens} at {start}, but its tokens there are {full[start : start + len(tokens)]}")
+    if plan.sample[i] != (start + len(tokens) == len(full)):
+        fail(f"plan: {rid!r} sample={plan.sample[i]} after feeding up to {start + len(tokens)} of {len(full)}")
+    if len(table) * config.block_size < start + len(tokens) or table != after.block_tables.get(rid):
+        fail(f"plan: {rid!r} table {table} does not cover {start + len(tokens)} tokens or is not its state table")
+    if rid in before.num_computed and start != before.num_computed[rid]:
+        fail(f"plan: running {rid!r} restarts at {start}, but {before.num_computed[rid]} tokens were computed")
+    if after.num_computed.get(rid) != start:
+        fail(f"plan: {rid!r} num_computed {after.num_computed.get(rid)} != plan start {start} before commit")
+    history = TokenHistory(request.prompt, full[len(request.prompt) :]) if request.params.needs_history else None
+    num_generated = len(full) - len(request.prompt)
+    if plan.params[i] != request.params or plan.num_generated[i] != num_generated or plan.histories[i] != history:
+        fail(f"plan: {rid!r} params / num_generated / history do not match the request")
+
+
+def _check_no_duplicate_prefill(config: CoreConfig, before: EngineState, plan: StepPlan) -> None:
+    """Two requests admitted in one step must not both compute the same full block (same token prefix) into two
+    different blocks. (Rewriting the last token of a fully cached prompt into the shared hit block is fine.)"""
+    bs, computing = config.block_size, dict[tuple[int, ...], tuple[str, int]]()
+    rows = zip(plan.seq_ids, plan.input_tokens, plan.start_positions, plan.block_tables, strict=True)
+    for rid, tokens, start, table in rows:
+        if rid in before.num_computed:  # was running already; only admissions are deduplicated
+            continue
+        full = seq_tokens(before, rid)
+        for index in range(start // bs, (start + len(tokens)) // bs):
+            other, block = computing.setdefault(full[: (index + 1) * bs], (rid, table[index]))
+            if block != table[index]:
+                fail(
+                    f"prefix cache: {other!r} and {rid!r}, both admitted in step {plan.step}, compute block {index} "
+                    f"of prefix {full[: (index + 1) * bs]} into two blocks ({block} and {table[index]})"
+                )
+
+
+def _check_preempted(before: EngineState, after: EngineState, plan: StepPlan) -> None:
+    key = before.policy.key
+    for victim in plan.preempted:
+        if victim not in before.running or victim in after.running or victim in plan.seq_ids:
+            fail(f"preemption: {victim!r} was not running, is still running, or is also scheduled")
+        if victim not in after.waiting or victim in after.block_tables:
+            fail(f"preemption: {victim!r} must be waiting without blocks")
+        if victim in after.requests and seq_tokens(after, victim) != seq_tokens(before, victim):
+            fail(f"preemption: {victim!r} lost tokens: {seq_tokens(before, victim)} -> {seq_tokens(after, victim)}")
+        victim_key = key(before.requests[victim])
+        kept = [r for r in after.running if key(after.requests[r]) > victim_key]
+        if kept:
+            fail(f"preemption: {victim!r} was preempted while lower-priority {kept} kept running")
+
+
+def stop_reason(request: Request, output: Sequence[int], eos_token_ids: frozenset[int]) -> FinishReason | None:
+    """The naive stop rule: the last token is EOS (unless ignore_eos) or a stop id -> "stop"; max_tokens reached
+    -> "length"; else None. Used by the reference model and ``check_finished``."""
+    if not output:
+        return None
+    params, token = request.params, output[-1]
+    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    return "length" if len(output) >= params.max_tokens else None
+
+
+def check_finished(request: Request, output: Sequence[int], reason: FinishReason, eos: frozenset[int]) -> None:
+    """A finished output is at most max_tokens long, did not run past an earlier stop, and its reason is right."""
+    if len(output) > request.params.max_tokens:
+        fail(f"finish: {request.request_id!r} has {len(output)} tokens > max_tokens {request.params.max_tokens}")
+    early = [i for i in range(1, len(output)) if stop_reason(request, output[:i], eos) is not None]
+    if early:
+        fail(f"finish: {request.request_id!r} should have stopped after {early[0]} tokens: {tuple(output)}")
+    if reason != "abort" and stop_reason(request, output, eos) != reason:
+        fail(
+            f"finish: {request.request_id!r} finished with {reason!r} but its tokens {tuple(output)} say "
+            f"{stop_reason(request, output, eos)!r}"
+        )

@@ -1,0 +1,29 @@
+"""Shared pytest configuration: Hypothesis profiles.
+
+``ci`` (the default when the ``CI`` environment variable is set) runs many examples deterministically;
+``dev`` (the default otherwise) is a quick pass. ``HYPOTHESIS_PROFILE=ci|dev`` picks one explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=25,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

@@ -1,0 +1,235 @@
+"""Targeted properties of the block pool (PoolTxn / BlockPool) and of PMap, each against a naive model."""
+
+from __future__ import annotations
+
+import pickle
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fnvllm.state.pmap import PMap
+from fnvllm.state.pool import BlockPool, CachedBlock, PoolTxn
+from fnvllm.testing.invariants import snapshot
+
+BLOCKS = st.integers(1, 12)
+
+
+def entry(tag: int, parent: int | None = None) -> CachedBlock:
+    """A registration whose hash is ``tag`` (tests pick distinct tags)."""
+    return CachedBlock(hash=tag, parent=parent, tokens=(tag, tag))
+
+
+class NaivePool:
+    """The pool's rules spelled out on a list and three dicts."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks))
+        self.refs: dict[int, int] = {}
+        self.cached: dict[int, CachedBlock] = {}
+        self.hashes: dict[int, int] = {}
+
+    def allocate(self, n: int) -> list[int]:
+        blocks, self.free = self.free[:n], self.free[n:]
+        for b in blocks:
+            self.refs[b] = 1
+            if b in self.cached:
+                del self.hashes[self.cached.pop(b).hash]
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                del self.refs[b]
+                self.free.append(b)
+
+    def share(self, b: int) -> None:
+        if b in self.refs:
+            self.refs[b] += 1
+        else:
+            self.free.remove(b)
+            self.refs[b] = 1
+
+    def register(self, b: int, e: CachedBlock) -> None:
+        if e.hash not in self.hashes and b not in self.cached:
+            self.cached[b], self.hashes[e.hash] = e, b
+
+    def lookup(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+        b = self.hashes.get(h)
+        return b if b is not None and self.cached[b] == (h, parent, tokens) else None
+
+
+def assert_same(pool: BlockPool, model: NaivePool) -> None:
+    """The frozen pool equals the model, field by field."""
+    assert pool.free_queue == tuple(model.free)
+    assert dict(pool.ref_counts.items()) == model.refs
+    assert dict(pool.cached.items()) == model.cached
+    assert dict(pool.hash_to_block.items()) == model.hashes
+
+
+def apply_random_op(data: st.DataObject, txn: PoolTxn, model: NaivePool) -> None:
+    """Draw one legal pool operation and apply it to both the transaction and the model."""
+    held = sorted(model.refs)
+    ops = ["allocate", "lookup"] + (["release", "register"] if held else []) + (["share"] if model.cached else [])
+    op = data.draw(st.sampled_from(ops), label="op")
+    if op == "allocate":
+        n = data.draw(st.integers(0, len(model.free)), label="n")
+        assert txn.allocate(n) == model.allocate(n)
+    elif op == "release":
+        table = data.draw(st.lists(st.sampled_from(held), min_size=1, unique=True), label="table")
+        txn.release(table)
+        model.release(table)
+    elif op == "share":
+        block = data.draw(st.sampled_from(sorted(model.cached)), label="block")
+        txn.share(block)
+        model.share(block)
+    elif op == "register":
+        block, tag = data.draw(st.sampled_from(held), label="block"), data.draw(st.integers(0, 5), label="hash")
+        txn.register(block, entry(tag))
+        model.register(block, entry(tag))
+    else:
+        tag = data.draw(st.integers(0, 5), label="hash")
+        probe = data.draw(st.sampled_from([entry(tag), entry(tag, parent=9), CachedBlock(tag, None, (0, 1))]))
+        assert txn.lookup(*probe) == model.lookup(*probe)
+    assert txn.num_free == len(model.free)
+    assert all(txn.ref_count(b) == model.refs.get(b, 0) for b in range(txn.num_blocks))
+
+
+@given(num_blocks=BLOCKS, data=st.data())
+def test_allocate_pops_from_the_front(num_blocks: int, data: st.DataObject) -> None:
+    """allocate(n) hands out the first n free blocks in queue order and leaves the rest queued."""
+    pool = BlockPool.create(num_blocks)
+    n = data.draw(st.integers(0, num_blocks))
+    txn = pool.txn()
+    assert txn.allocate(n) == list(range(n))
+    after = txn.freeze()
+    assert after.free_queue == tuple(range(n, num_blocks))
+    assert dict(after.ref_counts.items()) == dict.fromkeys(range(n), 1)
+
+
+@given(num_blocks=BLOCKS, data=st.data())
+def test_release_appends_tail_first(num_blocks: int, data: st.DataObject) -> None:
+    """Releasing a table appends its blocks at the back of the free queue, last block first."""
+    txn = BlockPool.create(num_blocks).txn()
+    table = txn.allocate(data.draw(st.integers(1, num_blocks)))
+    rest = txn.freeze().free_queue
+    txn = txn.freeze().txn()
+    txn.release(table)
+    assert txn.freeze().free_queue == rest + tuple(reversed(table))
+
+
+@given(num_blocks=st.integers(2, 12), data=st.data())
+def test_shared_block_is_freed_by_its_last_holder(num_blocks: int, data: st.DataObject) -> None:
+    """A block shared by two tables stays referenced until both release it, then joins the queue once."""
+    txn = BlockPool.create(num_blocks).txn()
+    block = txn.allocate(1)[0]
+    txn.register(block, entry(1))
+    txn.share(block)
+    txn.release([block])
+    assert txn.ref_count(block) == 1 and block not in txn.freeze().free_queue
+    txn.release([block])
+    assert txn.freeze().free_queue.count(block) == 1
+
+
+@given(num_blocks=BLOCKS, data=st.data())
+def test_cached_free_block_is_evicted_on_reuse(num_blocks: int, data: st.DataObject) -> None:
+    """A released cached block keeps its registration (lookup hits) until allocate pops it for reuse."""
+    txn = BlockPool.create(num_blocks).txn()
+    block = txn.allocate(1)[0]
+    txn.register(block, entry(7))
+    txn.release([block])
+    pool = txn.freeze()
+    assert pool.txn().lookup(7, None, (7, 7)) == block and pool.cached[block] == entry(7)
+    txn = pool.txn()
+    reused = txn.allocate(pool.num_free)  # the cached block is last in the queue, so this reaches it
+    assert reused[-1] == block and txn.lookup(7, None, (7, 7)) is None
+    after = txn.freeze()
+    assert block not in after.cached and 7 not in after.hash_to_block
+
+
+@given(num_blocks=st.integers(3, 12), data=st.data())
+def test_share_takes_a_free_cached_block_out_of_the_queue(num_blocks: int, data: st.DataObject) -> None:
+    """Sharing a free cached block (a prefix hit) removes just that block and keeps the others' LRU order."""
+    txn = BlockPool.create(num_blocks).txn()
+    table = txn.allocate(3)
+    for i, block in enumerate(table):
+        txn.register(block, entry(i))
+    txn.release(table)
+    queue = txn.freeze().free_queue
+    hit = data.draw(st.sampled_from(table))
+    txn = txn.freeze().txn()
+    txn.share(hit)
+    assert txn.freeze().free_queue == tuple(b for b in queue if b != hit)
+
+
+@given(num_blocks=BLOCKS, data=st.data())
+def test_lookup_guard_rejects_other_tokens_or_parent(num_blocks: int, data: st.DataObject) -> None:
+    """lookup returns a block only when hash, parent hash and tokens all match its registration."""
+    txn = BlockPool.create(num_blocks).txn()
+    block = txn.allocate(1)[0]
+    txn.register(block, CachedBlock(5, 3, (1, 2)))
+    assert txn.lookup(5, 3, (1, 2)) == block
+    assert txn.lookup(5, 4, (1, 2)) is None
+    assert txn.lookup(5, 3, (2, 1)) is None
+    assert txn.lookup(6, 3, (1, 2)) is None
+
+
+@given(num_blocks=BLOCKS, data=st.data())
+def test_pool_txn_matches_naive_model(num_blocks: int, data: st.DataObject) -> None:
+    """Random allocate/release/share/register/lookup sequences match the naive pool; a frozen pool never changes
+    afterwards, whether the transaction goes on or a new one is opened from it."""
+    pool = BlockPool.create(num_blocks)
+    model = NaivePool(num_blocks)
+    txn = pool.txn()
+    snapshots: list[tuple[BlockPool, bytes]] = []
+    for _ in range(data.draw(st.integers(1, 30), label="ops")):
+        apply_random_op(data, txn, model)
+        if data.draw(st.booleans(), label="freeze"):
+            pool = txn.freeze()
+            assert_same(pool, model)
+            snapshots.append((pool, snapshot(pool)))
+            if data.draw(st.booleans(), label="reopen"):  # else the transaction goes on after freeze()
+                txn = pool.txn()
+    assert_same(txn.freeze(), model)
+    for old, pickled in snapshots:
+        assert snapshot(old) == pickled
+
+
+PMAP_KEYS = st.one_of(st.integers(-50, 50), st.text(max_size=3))
+
+
+@given(ops=st.lists(st.tuples(st.booleans(), PMAP_KEYS, st.integers()), max_size=60), data=st.data())
+def test_pmap_behaves_like_a_dict(ops: list[tuple[bool, object, int]], data: st.DataObject) -> None:
+    """Random set/delete sequences through evolvers match a dict; older PMaps stay as they were; pickles
+    round-trip."""
+    reference: dict[object, int] = {}
+    current: PMap[object, int] = PMap()
+    history: list[tuple[PMap[object, int], dict[object, int]]] = [(current, {})]
+    evolver = current.evolver()
+    for is_set, key, value in ops:
+        if is_set:
+            evolver.set(key, value)
+            reference[key] = value
+        elif key in reference:
+            evolver.delete(key)
+            del reference[key]
+        assert len(evolver) == len(reference) and (key in evolver) == (key in reference)
+        if data.draw(st.booleans(), label="persist"):
+            current = evolver.persistent()
+            history.append((current, dict(reference)))
+            evolver = current.evolver()
+    current = evolver.persistent()
+    history.append((current, dict(reference)))
+    for pmap, expected in history:
+        assert dict(pmap.items()) == expected and pmap == expected and len(pmap) == len(expected)
+        assert set(pmap) == set(expected) and all(pmap.get(k) == v and k in pmap for k, v in expected.items())
+        assert pickle.loads(pickle.dumps(pmap)) == expected
+
+
+@given(items=st.dictionaries(PMAP_KEYS, st.integers(), max_size=40))
+def test_pmap_constructor_and_pickle(items: dict[object, int]) -> None:
+    """PMap(items) equals items, and unpickles to an equal PMap (rebuilt from plain items)."""
+    pmap = PMap(items)
+    clone = pickle.loads(pickle.dumps(pmap))
+    assert pmap == items and clone == items and isinstance(clone, PMap)
+    assert all(clone[k] == v for k, v in items.items())
