@@ -157,7 +157,7 @@ def test_executor_rejects_stale_plan(ckpt: Path) -> None:
     state = add_request(llm.engine.initial_state(), "a", [5, 6, 7], SamplingParams(max_tokens=3))
     state, plan = schedule(state)
     llm.executor.execute(plan)
-    with pytest.raises(StalePlanError, match="expected plan.step 1, got 0"):
+    with pytest.raises(StalePlanError, match=r"expected plan\.step 1, got 0"):
         llm.executor.execute(plan)
 
 
@@ -196,11 +196,11 @@ def test_bad_sampling_values_name_the_field() -> None:
 
 def test_unknown_engine_option_is_an_error(ckpt: Path) -> None:
     """An unknown LLM option raises TypeError listing the known ones; a bad value names its field."""
-    with pytest.raises(TypeError, match="unknown engine option.*block_sizee"):
+    with pytest.raises(TypeError, match=r"unknown engine option.*block_sizee"):
         LLM(ckpt, block_sizee=16)
     with pytest.raises(InvalidConfigError, match="block_size must be"):
         LLM(ckpt, block_size=0)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         LLM(ckpt / "missing")
 
 

@@ -5,27 +5,31 @@ prefix cache; a sampled token is appended and the stop conditions are applied (E
 stop_token_ids, max_tokens). Finished requests release their blocks and leave the state. Stop *strings* need
 the detokenizer, so the shell applies them by calling ``finish``.
 
-The per-sequence work is done column-wise (``map``/``zip`` over the batch, ``dict.update``) because a Python
-loop over hundreds of decoding sequences per step would cost more than the rest of the step.
+When the plan's rows are exactly the running rows (every step that no abort interrupted and whose admissions
+went to the back), the leading plain decodes (``state.decode``) are folded column-wise, each column
+rewritten by one C-level ``map``/``zip``: a Python loop over hundreds of decoding sequences per step would cost
+more than the rest of the step. Only the rows that need attention are visited one by one: those that reached a
+compaction point or filled a block, those that may have stopped, and the rows after the decode prefix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import cache
 from itertools import compress, repeat
-from operator import add, attrgetter, floordiv, ne, sub
-
-import attrs
+from operator import add, sub
+from typing import Any
 
 from fnvllm.state.errors import PlanMismatchError
 from fnvllm.state.plan import StepPlan
 from fnvllm.state.pool import CachedBlock, PoolTxn
-from fnvllm.state.request import FinishedRequest, FinishReason, Request, StepOutput
-from fnvllm.state.state import EngineState, abort, drop_requests
-from fnvllm.state.tokens import COMPACT_EVERY, TokenLog, flatten, token_slice
+from fnvllm.state.request import FinishedRequest, FinishReason, StepOutput
+from fnvllm.state.rows import byte_positions, zero_positions
+from fnvllm.state.running import DecodePrefix, RunningRows
+from fnvllm.state.state import EngineState, abort, with_rows
+from fnvllm.state.tokens import COMPACT_EVERY, Chunks, compact, join, last_token, token_slice
 
-_prompt = attrgetter("prompt")
-_token_limit = attrgetter("token_limit")
+Tokens = tuple[int, ...]
 
 
 def _check_plan(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> None:
@@ -38,93 +42,217 @@ def _check_plan(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> N
         )
 
 
-@attrs.frozen
-class _Rows:
-    """The plan's rows that are still live, with the sampled tokens of those that sample."""
-
-    ids: Sequence[str]
-    tokens: Sequence[tuple[int, ...]]
-    starts: Sequence[int]
-    sampled_ids: Sequence[str]
-    sampled: Sequence[int]
-
-
-def _live_rows(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> _Rows:
-    """Rows of the plan minus requests aborted since it was scheduled."""
-    computed = state.num_computed
-    sampled = list(map(int, sampled))
-    sampled_ids = list(compress(plan.seq_ids, plan.sample))
-    if all(map(computed.__contains__, plan.seq_ids)):
-        return _Rows(plan.seq_ids, plan.input_tokens, plan.start_positions, sampled_ids, sampled)
-    keep = list(map(computed.__contains__, plan.seq_ids))
-    keep_sampled = list(map(computed.__contains__, sampled_ids))
-    return _Rows(
-        list(compress(plan.seq_ids, keep)),
-        list(compress(plan.input_tokens, keep)),
-        list(compress(plan.start_positions, keep)),
-        list(compress(sampled_ids, keep_sampled)),
-        list(compress(sampled, keep_sampled)),
-    )
+def _as_ints(sampled: Sequence[int]) -> list[int]:
+    """The sampled ids as a list of ints. Executors return plain ints, which ``sum`` confirms in one C-level pass:
+    it comes out a plain int only when every item is an int (a bool counts as one). Anything else (numpy ints,
+    floats, numeric strings) is converted with ``int()``, as a per-item conversion would."""
+    tokens = list(sampled)
+    try:
+        if type(sum(tokens)) is int:
+            return tokens
+    except TypeError:
+        pass
+    return list(map(int, tokens))
 
 
-def _register_full_blocks(state: EngineState, txn: PoolTxn, rid: str, start: int, end: int) -> tuple[int, ...]:
-    """Register the blocks that became full in [start, end); returns the request's extended chain hashes."""
-    bs, hasher = state.config.block_size, state.config.hash_block
-    request, table = state.requests[rid], state.block_tables[rid]
-    known = list(state.chain_hashes[rid])
-    for index in range(start // bs, end // bs):
-        tokens = token_slice(request.prompt, state.outputs[rid], index * bs, (index + 1) * bs)
-        parent = known[index - 1] if index else None
-        if index == len(known):
-            known.append(hasher(parent, tokens))
-        txn.register(table[index], CachedBlock(known[index], parent, tokens))
-    return tuple(known)
+@cache
+def compaction_period(block_size: int) -> int:
+    """Output tails become chunks when a sequence's length reaches a multiple of this: the largest divisor of the
+    block size up to COMPACT_EVERY. Dividing the block size makes every block fill (which reads the block's tokens
+    for its hash) a compaction point too, so one boundary test per step finds both."""
+    return max(d for d in range(1, min(block_size, COMPACT_EVERY) + 1) if block_size % d == 0)
 
 
-def _register_blocks(
-    state: EngineState, rows: _Rows, ends: list[int]
-) -> tuple[PoolTxn | None, dict[str, tuple[int, ...]] | None]:
-    """Register every block that became full this step (only rows whose end crossed a block boundary).
-    Returns (None, None) when no block filled, so a plain decode step opens no pool transaction."""
-    bs = state.config.block_size
-    crossed = list(map(ne, map(floordiv, ends, repeat(bs)), map(floordiv, rows.starts, repeat(bs))))
-    if not any(crossed):
-        return None, None
-    txn = state.pool.txn()
-    chains = dict(state.chain_hashes)
-    for rid, start, end in compress(zip(rows.ids, rows.starts, ends, strict=False), crossed):
-        chains[rid] = _register_full_blocks(state, txn, rid, start, end)
-    return txn, chains
+class _Fold:
+    """Scratch of one ``commit``: the pool transaction (opened on first use) and the rows that finished."""
 
+    def __init__(self, state: EngineState, plan: StepPlan) -> None:
+        self.state = state
+        self.plan = plan
+        self.rows = state.rows
+        self.bs = state.config.block_size
+        self.period = compaction_period(self.bs)
+        self.caching = state.config.enable_prefix_caching
+        self.finished: list[tuple[int, FinishedRequest]] = []  # (running row, record), in plan order
+        self._txn: PoolTxn | None = None
 
-def _stop_reason(request: Request, token: int, num_generated: int, eos: frozenset[int]) -> FinishReason | None:
-    params = request.params
-    if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
-        return "stop"
-    if num_generated >= params.max_tokens:
-        return "length"
-    return None
+    @property
+    def txn(self) -> PoolTxn:
+        """The pool transaction, opened on first use: a step that registers and frees nothing keeps the pool."""
+        if self._txn is None:
+            self._txn = self.state.pool.txn()
+        return self._txn
 
+    def advance(self, index: int, start: int, end: int) -> tuple[Chunks, Tokens, tuple[int, ...]]:
+        """Row ``index`` computed [start, end): register the blocks it filled, and when it crossed a compaction
+        point move its tail into its chunks. Returns its (chunks, tail, chain hashes) before any new token."""
+        rows = self.rows
+        chunks, tail, chain = rows.output_chunks[index], rows.output_tails[index], rows.chain_hashes[index]
+        if end // self.period != start // self.period:
+            if self.caching and end // self.bs != start // self.bs:
+                chain = self.register_full_blocks(index, start, end, chunks, tail, chain)
+            chunks, tail = compact(chunks, tail), ()
+        return chunks, tail, chain
 
-def _finished(
-    state: EngineState, rows: _Rows, totals: list[int], outputs: dict[str, TokenLog]
-) -> list[FinishedRequest]:
-    """Requests whose new token ends them. Only rows at their length limit or holding a stop-capable token are
-    examined one by one."""
-    requests = list(map(state.requests.__getitem__, rows.sampled_ids))
-    remaining = list(map(sub, map(_token_limit, requests), totals))
-    candidates = {i for i, left in enumerate(remaining) if left == 0} if 0 in remaining else set()
-    union = state.stop_token_union
-    if not union.isdisjoint(rows.sampled):
-        candidates.update(i for i, token in enumerate(rows.sampled) if token in union)
-    eos = state.config.eos_token_ids
-    finished = []
-    for i in sorted(candidates):
-        request, rid = requests[i], rows.sampled_ids[i]
-        reason = _stop_reason(request, rows.sampled[i], totals[i] - len(request.prompt), eos)
+    def register_full_blocks(
+        self, index: int, start: int, end: int, chunks: Chunks, tail: Tokens, chain: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Register the blocks of row ``index`` that became full in [start, end); returns its extended chain."""
+        bs, hasher = self.bs, self.state.config.hash_block
+        prompt, table = self.state.requests[self.rows.ids[index]].prompt, self.rows.block_tables[index]
+        known = list(chain)
+        for block in range(start // bs, end // bs):
+            tokens = token_slice(prompt, chunks, tail, block * bs, (block + 1) * bs)
+            parent = known[block - 1] if block else None
+            if block == len(known):
+                known.append(hasher(parent, tokens))
+            self.txn.register(table[block], CachedBlock(known[block], parent, tokens))
+        return tuple(known)
+
+    def check_stop(self, index: int, token: int, total: int, chunks: Chunks, tail: Tokens) -> None:
+        """Record row ``index`` as finished if its new ``token`` (making ``total`` tokens) ends it."""
+        rows, eos = self.rows, self.state.config.eos_token_ids
+        prompt_len, params = rows.prompt_lens[index], rows.params[index]
+        reason: FinishReason | None = None
+        if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif total - prompt_len >= params.max_tokens:
+            reason = "length"
         if reason is not None:
-            finished.append(FinishedRequest(rid, len(request.prompt), flatten(outputs[rid]), reason))
-    return finished
+            record = FinishedRequest(rows.ids[index], prompt_len, join(chunks, tail), reason)
+            self.finished.append((index, record))
+
+
+def _fold_decode_prefix(fold: _Fold, tokens: list[int]) -> tuple[list[Any], DecodePrefix]:
+    """Column-wise commit of the leading plain decodes (each fed 1 token and sampled ``tokens[i]``). Returns their
+    new [num_computed, num_tokens, output_chunks, output_tails, chain_hashes] columns and what the next step
+    needs to know about them (before finished rows are removed)."""
+    state, rows, bs = fold.state, fold.rows, fold.bs
+    k = len(state.decode.inputs)
+    whole = k == len(rows.ids)
+    new = tokens if len(tokens) == k else tokens[:k]
+    inputs = tuple(zip(new))  # the next step's input rows, and the one-token tuples appended to the tails
+    ends = rows.num_tokens if whole else rows.num_tokens[:k]  # a decode's KV now covers every token it knew
+    totals = tuple(map(add, ends, repeat(1)))
+    tails: Sequence[Tokens] = tuple(map(add, rows.output_tails, inputs))  # stops after the k decode rows
+    chunks: Sequence[Chunks] = rows.output_chunks if whole else rows.output_chunks[:k]
+    chains: Sequence[tuple[int, ...]] = rows.chain_hashes if whole else rows.chain_hashes[:k]
+    block_due = []
+    due = byte_positions(state.decode.phases, -fold.plan.step % fold.period)  # see DecodePrefix.phases
+    if due:
+        tails, chunks, chains = list(tails), list(chunks), list(chains)
+        for i in due:  # inlined ``_Fold.advance``: about one row in ``period`` is due each step
+            end, old_tail = ends[i], rows.output_tails[i]
+            if end % bs == 0:
+                block_due.append(i)
+                if fold.caching:
+                    chains[i] = fold.register_full_blocks(i, end - 1, end, chunks[i], old_tail, chains[i])
+            chunks[i], tails[i] = compact(chunks[i], old_tail), inputs[i]
+    steps_to_limit = _check_prefix_stops(fold, new, totals, chunks, tails)
+    decode = DecodePrefix(inputs, tuple(block_due), steps_to_limit, state.decode.phases)
+    return [ends, totals, chunks, tails, chains], decode
+
+
+def _check_prefix_stops(
+    fold: _Fold, new: list[int], totals: tuple[int, ...], chunks: Sequence[Chunks], tails: Sequence[Tokens]
+) -> int:
+    """Finish the decode rows at their token limit or holding a stop-capable token; only those are visited.
+    Returns the new lower bound on steps before one of them reaches its limit."""
+    candidates: set[int] = set()
+    bound = fold.state.decode.steps_to_limit
+    if bound > 1:  # every decode row is at least two tokens from its limit: none stops for length now
+        bound -= 1
+    else:
+        remaining = list(map(sub, fold.rows.token_limits, totals))
+        candidates.update(zero_positions(remaining))
+        bound = min(filter(None, remaining), default=0)
+    union = fold.state.stop_token_union
+    if union and not union.isdisjoint(new):  # isdisjoint would look every token up even in an empty set
+        candidates.update(i for i, token in enumerate(new) if token in union)
+    for i in sorted(candidates):
+        fold.check_stop(i, new[i], totals[i], chunks[i], tails[i])
+    return bound
+
+
+def _fold_row(fold: _Fold, index: int, row: int, token: int | None) -> tuple[Any, ...]:
+    """Commit plan row ``row`` (running row ``index``) alone; returns its new column values."""
+    plan, rows = fold.plan, fold.rows
+    start = plan.start_positions[row]
+    end = start + len(plan.input_tokens[row])
+    chunks, tail, chain = fold.advance(index, start, end)
+    total = rows.num_tokens[index]
+    if token is not None:
+        total += 1
+        tail += (token,)
+        if token in fold.state.stop_token_union or total == rows.token_limits[index]:
+            fold.check_stop(index, token, total, chunks, tail)
+    return end, total, chunks, tail, chain
+
+
+def _commit_running(fold: _Fold, tokens: list[int]) -> tuple[RunningRows, DecodePrefix]:
+    """The plan's rows are the running rows: the decode prefix column-wise, then the rest one at a time."""
+    plan, rows = fold.plan, fold.rows
+    k = len(fold.state.decode.inputs)
+    columns, decode = _fold_decode_prefix(fold, tokens)
+    if k == len(rows.ids):
+        return rows.with_progress(*map(tuple, columns)), decode
+    inputs, block_due, steps_to_limit = decode.inputs, list(decode.block_due), decode.steps_to_limit
+    phases = bytearray(decode.phases)
+    samples = iter(tokens[k:])
+    extending = True  # rows right after the prefix that sampled are plain decodes now and join it
+    suffix = []
+    for i in range(k, len(rows.ids)):
+        token = next(samples) if plan.sample[i] else None
+        suffix.append(_fold_row(fold, i, i, token))
+        extending = extending and token is not None
+        if extending and token is not None:
+            end, total = suffix[-1][0], suffix[-1][1]
+            inputs += ((token,),)
+            block_due += [i] if end % fold.bs == 0 else []
+            steps_to_limit = min(steps_to_limit, rows.token_limits[i] - total)
+            phases.append((total - fold.state.step) % fold.period)
+    columns = [tuple(head) + tail for head, tail in zip(columns, zip(*suffix, strict=True), strict=True)]
+    return rows.with_progress(*columns), DecodePrefix(inputs, tuple(block_due), steps_to_limit, bytes(phases))
+
+
+def _commit_rows(fold: _Fold, tokens: list[int]) -> tuple[RunningRows, list[str], list[int]]:
+    """The general case, one plan row at a time: rows aborted since ``schedule`` are skipped, running rows that
+    were not scheduled keep their values. Returns the new rows and the live sampled ids and tokens."""
+    plan, rows = fold.plan, fold.rows
+    index_of = {rid: i for i, rid in enumerate(rows.ids)}
+    columns: list[list[Any]] = [
+        list(column)
+        for column in (rows.num_computed, rows.num_tokens, rows.output_chunks, rows.output_tails, rows.chain_hashes)
+    ]
+    sampled_ids: list[str] = []
+    sampled: list[int] = []
+    samples: Iterator[int] = iter(tokens)
+    for row, rid in enumerate(plan.seq_ids):
+        token = next(samples) if plan.sample[row] else None
+        index = index_of.get(rid)
+        if index is None:
+            continue  # aborted since it was scheduled
+        if token is not None:
+            sampled_ids.append(rid)
+            sampled.append(token)
+        for column, value in zip(columns, _fold_row(fold, index, row, token), strict=True):
+            column[index] = value
+    return rows.with_progress(*map(tuple, columns)), sampled_ids, sampled
+
+
+def _decode_prefix(state: EngineState, rows: RunningRows) -> DecodePrefix:
+    """The leading plain decodes, found one row at a time (after the general path)."""
+    inputs, block_due, remaining, phases = [], [], [], bytearray()
+    period = compaction_period(state.config.block_size)
+    for i, rid in enumerate(rows.ids):
+        computed, total = rows.num_computed[i], rows.num_tokens[i]
+        if total - computed != 1:
+            break
+        inputs.append((last_token(state.requests[rid].prompt, rows.output_chunks[i], rows.output_tails[i]),))
+        block_due += [i] if computed % state.config.block_size == 0 else []
+        remaining.append(rows.token_limits[i] - total)
+        phases.append((total - state.step) % period)
+    return DecodePrefix(tuple(inputs), tuple(block_due), min(filter(None, remaining), default=0), bytes(phases))
 
 
 def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[EngineState, StepOutput]:
@@ -134,38 +262,33 @@ def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[
     a wrong number of tokens, leaving the state unchanged. Sequences aborted since ``schedule`` are skipped.
     """
     _check_plan(state, plan, sampled)
-    rows = _live_rows(state, plan, sampled)
-    ends = list(map(add, rows.starts, map(len, rows.tokens)))
-    computed = dict(state.num_computed)
-    computed.update(zip(rows.ids, ends, strict=False))
-    txn, chains = _register_blocks(state, rows, ends) if state.config.enable_prefix_caching else (None, None)
-    num_tokens = dict(state.num_tokens)
-    totals = list(map(add, map(num_tokens.__getitem__, rows.sampled_ids), repeat(1)))
-    num_tokens.update(zip(rows.sampled_ids, totals, strict=False))
-    outputs = dict(state.outputs)
-    cells = list(zip(map(outputs.__getitem__, rows.sampled_ids), rows.sampled, strict=False))
-    outputs.update(zip(rows.sampled_ids, cells, strict=False))
-    if (plan.step + 1) % COMPACT_EVERY == 0:
-        outputs = {rid: flatten(log) for rid, log in outputs.items()}
-    finished = _finished(state, rows, totals, outputs)
-    output = StepOutput(plan.step, tuple(rows.sampled_ids), tuple(rows.sampled), tuple(finished))
-    pool = state.pool
-    if finished:
-        txn = txn or state.pool.txn()
-        for record in finished:
-            txn.release(state.block_tables[record.request_id])
-    if txn is not None:
-        pool = txn.freeze()
-    columns = dict(
-        num_tokens=num_tokens,
-        outputs=outputs,
-        num_computed=computed,
-        chain_hashes=state.chain_hashes if chains is None else chains,
-    )
-    if finished:
-        state = drop_requests(state, {f.request_id for f in finished}, pool, **columns)
-        return attrs.evolve(state, pending_step=None), output
-    return attrs.evolve(state, pool=pool, pending_step=None, **columns), output
+    tokens = _as_ints(sampled)
+    fold = _Fold(state, plan)
+    if plan.seq_ids is state.running or plan.seq_ids == state.running:
+        rows, decode = _commit_running(fold, tokens)
+        all_sample = len(tokens) == len(plan.seq_ids)
+        sampled_ids: Sequence[str] = plan.seq_ids if all_sample else tuple(compress(plan.seq_ids, plan.sample))
+    else:
+        rows, sampled_ids, tokens = _commit_rows(fold, tokens)
+        decode = _decode_prefix(state, rows)
+    output = StepOutput(plan.step, tuple(sampled_ids), tuple(tokens), tuple(record for _, record in fold.finished))
+    return _without_finished(fold, rows, decode), output
+
+
+def _without_finished(fold: _Fold, rows: RunningRows, decode: DecodePrefix) -> EngineState:
+    """The committed state: finished rows' blocks released (in finishing order) and their requests removed."""
+    state = fold.state
+    if fold.finished:
+        for index, _ in fold.finished:
+            fold.txn.release(state.rows.block_tables[index])
+        gone = sorted(index for index, _ in fold.finished)
+        rows = rows.drop(gone)
+        decode = decode.drop(gone)
+        requests = state.requests.without([record.request_id for _, record in fold.finished])
+    else:
+        requests = state.requests
+    pool = state.pool if fold._txn is None else fold._txn.freeze()
+    return with_rows(state, rows, requests=requests, pool=pool, decode=decode, pending_step=None)
 
 
 def finish(state: EngineState, request_id: str) -> EngineState:

@@ -6,14 +6,22 @@ answer. The hasher is a plain function so tests can inject a deliberately collid
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections.abc import Callable, Sequence
+from functools import cache
 
 import xxhash
 
 BlockHasher = Callable[[int | None, Sequence[int]], int]
 
 _ROOT = 0x9E3779B97F4A7C15  # parent value of the first block; any fixed constant works
+
+
+@cache
+def _int64s(count: int) -> Callable[..., bytes]:
+    """The packer of ``count`` native int64s: the bytes of ``array("q", tokens)``, built about 3x faster (array
+    parses each item through the generic argument parser)."""
+    return struct.Struct(f"={count}q").pack
 
 
 def hash_block_xxh3(parent: int | None, tokens: Sequence[int]) -> int:
@@ -23,7 +31,7 @@ def hash_block_xxh3(parent: int | None, tokens: Sequence[int]) -> int:
     h1 = H(h0, [7, 8]); a prompt [9, 6 | 7, 8] shares no hash with it because its h0 differs.
     """
     seed = _ROOT if parent is None else parent
-    return xxhash.xxh3_64_intdigest(array("q", tokens).tobytes(), seed=seed)
+    return xxhash.xxh3_64_intdigest(_int64s(len(tokens))(*tokens), seed=seed)
 
 
 def chain_hashes(hasher: BlockHasher, tokens: Sequence[int], block_size: int, num_blocks: int) -> list[int]:

@@ -71,7 +71,7 @@ class StepPlan:
     @property
     def num_samples(self) -> int:
         """Number of tokens the executor must return: one per sequence with sample=True."""
-        return sum(self.sample)
+        return self.sample.count(True)  # C-level identity compares; sum() would add the bools one by one
 
     @property
     def is_empty(self) -> bool:

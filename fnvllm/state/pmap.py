@@ -11,7 +11,7 @@ its own string-hash seed) is rebuilt correctly in another.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -73,29 +73,61 @@ class PMap(Mapping[K, V], Generic[K, V]):
         return f"PMap({dict(self.items())!r})"
 
     def __reduce__(self) -> tuple[type[PMap[K, V]], tuple[dict[K, V]]]:
-        return (PMap, (dict(self.items()),))
+        return (PMap, (self.as_dict(),))
 
     def evolver(self) -> Evolver[K, V]:
         """A scratch copy for one transition's updates; ``persistent()`` freezes it into a new PMap."""
         return Evolver(self)
 
+    def updated(self, items: Iterable[tuple[K, V]]) -> PMap[K, V]:
+        """A new map with ``items`` inserted or replaced."""
+        evolver = self.evolver()
+        for key, value in items:
+            evolver.set(key, value)
+        return evolver.persistent()
+
+    def without(self, keys: Iterable[K]) -> PMap[K, V]:
+        """A new map without ``keys`` (absent keys are ignored)."""
+        evolver = self.evolver()
+        for key in keys:
+            if key in evolver:
+                evolver.delete(key)
+        return evolver.persistent()
+
+    def as_dict(self) -> dict[K, V]:
+        """The entries as a plain dict (merged shard by shard in C)."""
+        merged: dict[K, V] = {}
+        for shard in self._shards:
+            merged.update(shard)
+        return merged
+
 
 class Evolver(Generic[K, V]):
-    """Batched updates of a PMap. Local to one transition; the source PMap is never touched."""
+    """Batched updates of a PMap. Local to one transition; the source PMap is never touched.
 
-    __slots__ = ("_copied", "_len", "_shards")
+    The shard list is copied on the first write only, so an evolver that is merely read (most steps) costs
+    nothing to open, and ``persistent()`` then returns the source itself.
+    """
+
+    __slots__ = ("_copied", "_len", "_shards", "_source")
 
     def __init__(self, source: PMap[K, V]) -> None:
-        self._shards = list(source._shards)
-        self._copied = [False] * _NUM_SHARDS
+        self._source = source
+        self._shards: tuple[dict[K, V], ...] | list[dict[K, V]] = source._shards
+        self._copied: set[int] | None = None  # the shards this evolver owns; None until the first write
         self._len = source._len
 
     def _writable(self, key: K) -> dict[K, V]:
         index = hash(key) & _SHARD_MASK
-        if not self._copied[index]:
-            self._shards[index] = dict(self._shards[index])
-            self._copied[index] = True
-        return self._shards[index]
+        copied = self._copied
+        if copied is None:
+            self._shards = list(self._shards)
+            copied = self._copied = set()
+        elif index in copied:
+            return self._shards[index]
+        copied.add(index)
+        shard = self._shards[index] = dict(self._shards[index])  # type: ignore[index]
+        return shard
 
     def __getitem__(self, key: K) -> V:
         return self._shards[hash(key) & _SHARD_MASK][key]
@@ -122,5 +154,9 @@ class Evolver(Generic[K, V]):
         self._len -= 1
 
     def persistent(self) -> PMap[K, V]:
-        """Freeze into a PMap. The evolver must not be used afterwards."""
-        return PMap._from_shards(tuple(self._shards), self._len)
+        """Freeze into a PMap. Later writes copy their shards again, so the returned map never changes."""
+        if self._copied is None:
+            return self._source
+        self._source = PMap._from_shards(tuple(self._shards), self._len)
+        self._shards, self._copied = self._source._shards, None
+        return self._source

@@ -27,19 +27,24 @@ class CachedBlock(NamedTuple):
     tokens: tuple[int, ...]
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class BlockPool:
     """Immutable snapshot of the KV block bookkeeping.
 
     num_blocks: blocks in the pool; ids are 0 .. num_blocks-1.
-    free_queue: free block ids, front evicted (reused) first.
+    free_queue (property): free block ids, front evicted (reused) first.
     ref_counts: block id -> number of sequences holding it, for held blocks only.
     cached: block id -> its registration, for blocks holding a full registered block (held or free).
     hash_to_block: chain hash -> block id, the prefix-cache index (the inverse of ``cached``).
+
+    The free queue is stored as ``free_buffer[free_head:]``: a step that only pops blocks from the front shares
+    the previous buffer and moves the head, instead of copying thousands of free block ids. Equality compares
+    the free queue itself, not how it is stored.
     """
 
     num_blocks: int
-    free_queue: tuple[int, ...]
+    free_buffer: tuple[int, ...]
+    free_head: int = 0
     ref_counts: PMap[int, int] = attrs.field(factory=PMap)
     cached: PMap[int, CachedBlock] = attrs.field(factory=PMap)
     hash_to_block: PMap[int, int] = attrs.field(factory=PMap)
@@ -47,16 +52,34 @@ class BlockPool:
     @classmethod
     def create(cls, num_blocks: int) -> BlockPool:
         """A pool with every block free and nothing cached."""
-        return cls(num_blocks=num_blocks, free_queue=tuple(range(num_blocks)))
+        return cls(num_blocks, tuple(range(num_blocks)))
+
+    @property
+    def free_queue(self) -> tuple[int, ...]:
+        """Free block ids, front evicted (reused) first."""
+        return self.free_buffer[self.free_head :]
 
     @property
     def num_free(self) -> int:
         """Blocks with ref count 0 (cached or not)."""
-        return len(self.free_queue)
+        return len(self.free_buffer) - self.free_head
 
     def txn(self) -> PoolTxn:
         """Open a scratch builder for one transition's changes."""
         return PoolTxn(self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockPool):
+            return NotImplemented
+        return (
+            self.num_blocks == other.num_blocks
+            and self.free_queue == other.free_queue
+            and self.ref_counts == other.ref_counts
+            and self.cached == other.cached
+            and self.hash_to_block == other.hash_to_block
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equal by contents, and PMaps are unhashable
 
 
 class PoolTxn:
@@ -70,8 +93,8 @@ class PoolTxn:
 
     def __init__(self, pool: BlockPool) -> None:
         self.num_blocks = pool.num_blocks
-        self._queue = pool.free_queue
-        self._head = 0
+        self._queue = pool.free_buffer
+        self._head = pool.free_head
         self._removed: set[int] = set()
         self._appended: dict[int, None] = {}
         self._refs: Evolver[int, int] = pool.ref_counts.evolver()
@@ -139,17 +162,21 @@ class PoolTxn:
         return block in self._cached
 
     def freeze(self) -> BlockPool:
-        """The new immutable pool. The transaction must not be used afterwards."""
-        rest: Iterable[int] = self._queue[self._head :]
-        if self._removed:
-            rest = (b for b in rest if b not in self._removed)
-        queue = tuple(rest) + tuple(self._appended) if (self._removed or self._appended) else self._queue[self._head :]
+        """The new immutable pool (the transaction may go on; later changes do not reach this pool)."""
+        queue, head = self._queue, self._head
+        if self._removed or self._appended:  # rebuild; otherwise share the buffer and move the head
+            rest: Iterable[int] = queue[head:]
+            if self._removed:
+                rest = (b for b in rest if b not in self._removed)
+            queue, head = tuple(rest) + tuple(self._appended), 0
+            self._queue, self._head, self._removed, self._appended = queue, 0, set(), {}
         return BlockPool(
-            num_blocks=self.num_blocks,
-            free_queue=queue,
-            ref_counts=self._refs.persistent(),
-            cached=self._cached.persistent(),
-            hash_to_block=self._hashes.persistent(),
+            self.num_blocks,
+            queue,
+            head,
+            self._refs.persistent(),
+            self._cached.persistent(),
+            self._hashes.persistent(),
         )
 
     def _pop_free(self) -> int:

@@ -1,28 +1,35 @@
-"""EngineState and the request-level transitions: ``initial_state``, ``add_request``, ``abort``.
+"""EngineState and the request-level transitions: ``initial_state``, ``add_request``, ``abort``, ``forget_kv``.
 
-Per-sequence data is stored in columns (mappings keyed by request id) rather than one object per sequence: a
-decode step touches every running sequence, and rebuilding a column once per step is far cheaper than building
-hundreds of small objects. ``state.sequence(id)`` assembles a readable snapshot on demand.
+Per-sequence data is stored in columns rather than one object per sequence: a decode step touches every running
+sequence, and rewriting a column once per step is far cheaper than building hundreds of small objects. The
+running sequences' columns are tuples aligned with ``running`` (see rows.py); each public per-request field is a
+``RowMap`` that reads like a plain mapping keyed by request id. ``state.sequence(id)`` assembles a snapshot.
 
-Every transition returns a new EngineState and mutates nothing; columns are plain dicts that are copied, never
-written, once they belong to a state (treat them as read-only).
+Every transition returns a new EngineState and mutates nothing; the tuples and maps that belong to a state are
+never written again (treat them as read-only). Requests and the waiting requests' entries live in persistent maps
+(PMap), so adding, admitting or finishing one request copies one small shard instead of every live entry.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
+from functools import partial
+from operator import attrgetter
+from typing import Any, TypeVar
 
 import attrs
 
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.errors import InvalidRequestError
 from fnvllm.state.params import SamplingParams
+from fnvllm.state.pmap import PMap
 from fnvllm.state.policy import FCFS, Policy
 from fnvllm.state.pool import BlockPool
 from fnvllm.state.request import Request, SequenceView
-from fnvllm.state.tokens import TokenLog, flatten
+from fnvllm.state.rows import RowMap
+from fnvllm.state.running import DecodePrefix, RunningRows
+from fnvllm.state.tokens import Chunks, join
 
 V = TypeVar("V")
 
@@ -32,11 +39,10 @@ class EngineState:
     """Everything the scheduler knows, as one immutable value.
 
     config / policy: static settings and the queue ordering.
-    requests: live requests (waiting or running) by id.
+    requests: live requests (waiting or running) by id (a PMap).
     waiting / running: request ids, each sorted by the policy key (running = admitted, holding KV blocks).
     num_tokens: prompt + generated length of each live request.
-    outputs: generated tokens of each live request (a persistent log, see tokens.py; read it with
-        ``state.sequence(id).output`` or ``tokens.flatten``).
+    outputs: generated tokens of each live request.
     num_computed: tokens whose KV is written, running requests only (absent = 0).
     block_tables: KV block ids, running requests only (absent = no blocks).
     chain_hashes: prefix-cache chain hashes of each live request's full blocks computed so far.
@@ -46,31 +52,41 @@ class EngineState:
     next_arrival: arrival stamp of the next added request.
     stop_token_union: the config's EOS ids and every live-or-past request's stop_token_ids; a sampled token
         outside it cannot stop anything, which lets commit skip per-sequence checks.
+
+    The five per-request fields are RowMaps (read them as mappings): their running part is the column of the same
+    name in ``rows`` (for ``outputs``: joined from its chunks and tails when first read), their ``rest`` the
+    waiting requests' entries.
+
+    Derived fields (functions of the above, kept so each step can work column-wise; not compared by ``==``):
+    rows: the running sequences' columns, aligned with ``running``.
+    decode: the leading plain decodes of ``running`` (see DecodePrefix).
     """
 
     config: CoreConfig
     policy: Policy
-    requests: Mapping[str, Request]
+    requests: PMap[str, Request]
     waiting: tuple[str, ...]
     running: tuple[str, ...]
-    num_tokens: Mapping[str, int]
-    outputs: Mapping[str, TokenLog]
-    num_computed: Mapping[str, int]
-    block_tables: Mapping[str, tuple[int, ...]]
-    chain_hashes: Mapping[str, tuple[int, ...]]
+    num_tokens: RowMap[int]
+    outputs: RowMap[tuple[int, ...]]
+    num_computed: RowMap[int]
+    block_tables: RowMap[tuple[int, ...]]
+    chain_hashes: RowMap[tuple[int, ...]]
     pool: BlockPool
     step: int = 0
     pending_step: int | None = None
     next_arrival: int = 0
     stop_token_union: frozenset[int] = frozenset()
+    rows: RunningRows = attrs.field(factory=RunningRows, eq=False, repr=False)
+    decode: DecodePrefix = attrs.field(factory=DecodePrefix, eq=False, repr=False)
 
     def sequence(self, request_id: str) -> SequenceView:
         """A snapshot of one live request (KeyError if it is not live)."""
         request = self.requests[request_id]
         return SequenceView(
             request=request,
-            status="running" if request_id in self.block_tables or request_id in self.running else "waiting",
-            output=flatten(self.outputs[request_id]),
+            status="running" if request_id in self.running else "waiting",
+            output=self.outputs[request_id],
             num_computed=self.num_computed.get(request_id, 0),
             block_table=self.block_tables.get(request_id, ()),
         )
@@ -81,19 +97,94 @@ class EngineState:
         return bool(self.requests)
 
 
+_FIELD_NAMES = tuple(field.name for field in attrs.fields(EngineState))
+_all_fields = attrgetter(*_FIELD_NAMES)
+_FIELD_INDEX = {name: index for index, name in enumerate(_FIELD_NAMES)}
+
+
+def replace(state: EngineState, **changes: Any) -> EngineState:
+    """``attrs.evolve(state, **changes)`` at a fraction of the cost (schedule and commit build a new state every
+    step): the fields are read by one C-level ``attrgetter`` and passed positionally, instead of evolve's
+    per-call field introspection and keyword arguments."""
+    values = list(_all_fields(state))
+    for name, value in changes.items():
+        values[_FIELD_INDEX[name]] = value
+    return EngineState(*values)
+
+
+def with_rows(
+    state: EngineState,
+    rows: RunningRows,
+    rest_tokens: PMap[str, int] | None = None,
+    rest_outputs: PMap[str, tuple[int, ...]] | None = None,
+    rest_chains: PMap[str, tuple[int, ...]] | None = None,
+    *,
+    pending_step: int | None,
+    requests: PMap[str, Request] | None = None,
+    waiting: tuple[str, ...] | None = None,
+    pool: BlockPool | None = None,
+    step: int | None = None,
+    decode: DecodePrefix | None = None,
+) -> EngineState:
+    """The state with the running part of every per-request field taken from ``rows``, the waiting parts from the
+    ``rest_*`` maps and the other fields from the keywords (None keeps the state's; ``pending_step`` is always
+    given). Built positionally in one call: schedule and commit build two states every step."""
+    ids, old = rows.ids, state.rows
+    outputs = state.outputs
+    rest_outputs = outputs.rest if rest_outputs is None else rest_outputs
+    if not (
+        rows.output_tails is old.output_tails
+        and rows.output_chunks is old.output_chunks
+        and ids is old.ids
+        and rest_outputs is outputs.rest
+    ):  # else keep the old map, with whatever it has already joined
+        outputs = RowMap.derived(ids, partial(_joined, rows.output_chunks, rows.output_tails), rest_outputs)
+    return EngineState(
+        state.config,
+        state.policy,
+        state.requests if requests is None else requests,
+        state.waiting if waiting is None else waiting,
+        ids,
+        _row_map(state.num_tokens, ids, rows.num_tokens, rest_tokens),
+        outputs,
+        state.num_computed.with_rows(ids, rows.num_computed),
+        state.block_tables.with_rows(ids, rows.block_tables),
+        _row_map(state.chain_hashes, ids, rows.chain_hashes, rest_chains),
+        state.pool if pool is None else pool,
+        state.step if step is None else step,
+        pending_step,
+        state.next_arrival,
+        state.stop_token_union,
+        rows,
+        state.decode if decode is None else decode,
+    )
+
+
+def _row_map(old: RowMap[V], ids: tuple[str, ...], values: tuple[V, ...], rest: PMap[str, V] | None) -> RowMap[V]:
+    """``old`` itself when neither part changed, so a mapping's merged-dict cache survives quiet steps."""
+    if rest is None or rest is old.rest:
+        return old.with_rows(ids, values)
+    return RowMap(ids, values, rest)
+
+
+def _joined(chunks: tuple[Chunks, ...], tails: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """Each running row's generated tokens, flat (only readers of ``state.outputs`` need them)."""
+    return tuple(map(join, chunks, tails))
+
+
 def initial_state(config: CoreConfig, policy: Policy = FCFS) -> EngineState:
     """An empty engine state: no requests, every block free."""
     return EngineState(
         config=config,
         policy=policy,
-        requests={},
+        requests=PMap(),
         waiting=(),
         running=(),
-        num_tokens={},
-        outputs={},
-        num_computed={},
-        block_tables={},
-        chain_hashes={},
+        num_tokens=RowMap.empty(),
+        outputs=RowMap.empty(),
+        num_computed=RowMap.empty(),
+        block_tables=RowMap.empty(),
+        chain_hashes=RowMap.empty(),
         pool=BlockPool.create(config.num_blocks),
         stop_token_union=config.eos_token_ids,
     )
@@ -145,13 +236,13 @@ def add_request(
     prompt = tuple(prompt)
     validate_request(state, request_id, prompt, params)
     request = Request(request_id, prompt, params, arrival=state.next_arrival, priority=priority)
-    return attrs.evolve(
+    return replace(
         state,
-        requests={**state.requests, request_id: request},
+        requests=state.requests.updated([(request_id, request)]),
         waiting=insert_by_policy(state, state.waiting, request_id, request),
-        num_tokens={**state.num_tokens, request_id: len(prompt)},
-        outputs={**state.outputs, request_id: ()},
-        chain_hashes={**state.chain_hashes, request_id: ()},
+        num_tokens=state.num_tokens.with_rest(state.num_tokens.rest.updated([(request_id, len(prompt))])),
+        outputs=state.outputs.with_rest(state.outputs.rest.updated([(request_id, ())])),
+        chain_hashes=state.chain_hashes.with_rest(state.chain_hashes.rest.updated([(request_id, ())])),
         next_arrival=state.next_arrival + 1,
         stop_token_union=state.stop_token_union.union(params.stop_token_ids)
         if params.stop_token_ids
@@ -159,14 +250,17 @@ def add_request(
     )
 
 
+def policy_index(state: EngineState, queue: Sequence[str], request: Request) -> int:
+    """Where ``request`` goes in ``queue`` (sorted by the policy key): after every equal key."""
+    requests, key = state.requests, state.policy.key
+    return bisect.bisect_right(queue, key(request), key=lambda rid: key(requests[rid]))
+
+
 def insert_by_policy(
     state: EngineState, queue: tuple[str, ...], request_id: str, request: Request | None = None
 ) -> tuple[str, ...]:
     """``queue`` with ``request_id`` inserted at its policy position (after equal keys)."""
-    requests = state.requests
-    key = state.policy.key
-    new_key = key(request if request is not None else requests[request_id])
-    index = bisect.bisect_right(queue, new_key, key=lambda rid: key(requests[rid]))
+    index = policy_index(state, queue, request if request is not None else state.requests[request_id])
     return (*queue[:index], request_id, *queue[index:])
 
 
@@ -178,42 +272,34 @@ def abort(state: EngineState, request_id: str) -> EngineState:
     """
     if request_id not in state.requests:
         raise KeyError(f"request_id {request_id!r} is not live (never added, finished or aborted)")
+    if request_id not in state.running:
+        return remove_requests(state, (), (request_id,), state.pool)
+    index = state.running.index(request_id)
     txn = state.pool.txn()
-    txn.release(state.block_tables.get(request_id, ()))
-    return drop_requests(state, {request_id}, txn.freeze())
+    txn.release(state.rows.block_tables[index])
+    return remove_requests(state, (index,), (), txn.freeze())
 
 
-def _without(mapping: Mapping[str, V], gone: set[str]) -> dict[str, V]:
-    copy = dict(mapping)
-    for key in gone:
-        copy.pop(key, None)
-    return copy
-
-
-def drop_requests(
-    state: EngineState,
-    gone: set[str],
-    pool: BlockPool,
-    *,
-    num_tokens: Mapping[str, int] | None = None,
-    outputs: Mapping[str, TokenLog] | None = None,
-    num_computed: Mapping[str, int] | None = None,
-    chain_hashes: Mapping[str, tuple[int, ...]] | None = None,
+def remove_requests(
+    state: EngineState, row_indices: Sequence[int], waiting_ids: Sequence[str], pool: BlockPool
 ) -> EngineState:
-    """The state with the ``gone`` requests removed from every column (their blocks already released in
-    ``pool``). Keyword columns, when given, replace the state's before the removal."""
-    return attrs.evolve(
-        state,
-        requests=_without(state.requests, gone),
-        num_tokens=_without(state.num_tokens if num_tokens is None else num_tokens, gone),
-        outputs=_without(state.outputs if outputs is None else outputs, gone),
-        num_computed=_without(state.num_computed if num_computed is None else num_computed, gone),
-        block_tables=_without(state.block_tables, gone),
-        chain_hashes=_without(state.chain_hashes if chain_hashes is None else chain_hashes, gone),
-        waiting=tuple(r for r in state.waiting if r not in gone),
-        running=tuple(r for r in state.running if r not in gone),
-        pool=pool,
-    )
+    """The state without the running rows at ``row_indices`` (ascending) and the waiting ``waiting_ids``; their
+    blocks must already be released in ``pool``."""
+    gone = [state.running[i] for i in row_indices] + list(waiting_ids)
+    changes: dict[str, Any] = {
+        "requests": state.requests.without(gone),
+        "pool": pool,
+        "pending_step": state.pending_step,
+    }
+    if waiting_ids:
+        leaving = set(waiting_ids)
+        changes["waiting"] = tuple(r for r in state.waiting if r not in leaving)
+        changes["rest_tokens"] = state.num_tokens.rest.without(waiting_ids)
+        changes["rest_outputs"] = state.outputs.rest.without(waiting_ids)
+        changes["rest_chains"] = state.chain_hashes.rest.without(waiting_ids)
+    if row_indices:
+        changes["decode"] = state.decode.drop(row_indices)
+    return with_rows(state, state.rows.drop(row_indices), **changes)
 
 
 def forget_kv(state: EngineState) -> EngineState:
@@ -226,12 +312,17 @@ def forget_kv(state: EngineState) -> EngineState:
     waiting = state.waiting
     for rid in state.running:
         waiting = insert_by_policy(state, waiting, rid)
-    return attrs.evolve(
+    rows = state.rows
+    return with_rows(
         state,
+        RunningRows(),
+        rest_tokens=state.num_tokens.rest.updated(zip(rows.ids, rows.num_tokens, strict=True)),
+        rest_outputs=state.outputs.rest.updated(
+            zip(rows.ids, _joined(rows.output_chunks, rows.output_tails), strict=True)
+        ),
+        rest_chains=state.chain_hashes.rest.updated(zip(rows.ids, rows.chain_hashes, strict=True)),
         waiting=waiting,
-        running=(),
-        num_computed={},
-        block_tables={},
+        decode=DecodePrefix(),
         pool=BlockPool.create(state.config.num_blocks),
         pending_step=None,
     )

@@ -1,57 +1,67 @@
-"""Generated tokens as a persistent log: appending is O(1) and shares everything already stored.
+"""Generated tokens of a running sequence as *chunks* plus a *tail*, so appending is cheap column-wise.
 
-A ``TokenLog`` is either a *base*, a flat tuple of token ids (``()`` when empty), or a *cell* ``(parent, token)``
-whose parent is another TokenLog. Appending builds one 2-tuple, which commit does for a whole batch in C
-(``zip(parents, tokens)``) instead of one Python call per sequence. Logs are compacted back into a base every
-COMPACT_EVERY steps, so a cell chain is never deeper than that (pickle and equality recurse over it).
+``chunks`` is a tuple of non-empty token tuples, ``tail`` one token tuple: the output is chunks[0] + chunks[1] +
+... + tail. A decode step appends every running sequence's token at once, in C, with
+``map(add, tails, one_token_tuples)``: each tail is copied, but it stays short, because whenever a sequence's
+length reaches a compaction point (at most COMPACT_EVERY tokens apart, see commit.py) its tail becomes one more
+chunk. Old chunks are shared, never copied again: re-copying the whole output would touch hundreds of scattered
+int objects per sequence, and walking a linked list of one cell per token costs a Python iteration per token.
 
-Worked example: the base (4, 9) then appending 7 and 1 gives ((((4, 9), 7), 1)); ``flatten`` -> (4, 9, 7, 1);
-``last_token`` -> 1. A base and a cell never look alike: a cell's first item is a tuple, a base's is an int.
+Worked example: chunks ((4, 9),), tail (7,); appending 1 gives tail (7, 1); compacting gives chunks
+((4, 9), (7, 1)) and tail (); ``join`` -> (4, 9, 7, 1); ``last_token`` -> 1.
+
+Waiting requests keep their output as one flat tuple (``join``); admission turns it back into chunks.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from bisect import bisect_left, bisect_right
+from itertools import accumulate, chain
+from typing import TypeAlias
 
-COMPACT_EVERY = 64
+COMPACT_EVERY = 32
 
-TokenLog: TypeAlias = tuple[Any, ...]
-
-
-def is_cell(log: TokenLog) -> bool:
-    """True when ``log`` is a (parent, token) cell rather than a flat base."""
-    return bool(log) and isinstance(log[0], tuple)
+Chunks: TypeAlias = tuple[tuple[int, ...], ...]
 
 
-def append_token(log: TokenLog, token: int) -> TokenLog:
-    """``log`` with ``token`` appended (a new value; ``log`` is shared, not copied)."""
-    return (log, token)
+def as_chunks(output: tuple[int, ...]) -> Chunks:
+    """A flat output as chunks (one chunk, or none when empty)."""
+    return (output,) if output else ()
 
 
-def flatten(log: TokenLog) -> tuple[int, ...]:
-    """All tokens of the log, in order."""
-    tail: list[int] = []
-    push = tail.append
-    while log and type(log[0]) is tuple:  # inlined is_cell: this loop runs for every compaction
-        push(log[1])
-        log = log[0]
-    if not tail:
-        return log
-    tail.reverse()
-    return log + tuple(tail)
+def join(chunks: Chunks, tail: tuple[int, ...]) -> tuple[int, ...]:
+    """All generated tokens, flat."""
+    if not chunks:
+        return tail
+    if len(chunks) == 1 and not tail:
+        return chunks[0]
+    return tuple(chain(chain.from_iterable(chunks), tail))
 
 
-def last_token(prompt: tuple[int, ...], log: TokenLog) -> int:
+def compact(chunks: Chunks, tail: tuple[int, ...]) -> Chunks:
+    """The chunks with the tail appended as one more chunk (the old chunks are shared)."""
+    return (*chunks, tail) if tail else chunks
+
+
+def last_token(prompt: tuple[int, ...], chunks: Chunks, tail: tuple[int, ...]) -> int:
     """The newest known token: the last generated one, else the prompt's last."""
-    return int(log[-1]) if log else prompt[-1]
+    if tail:
+        return tail[-1]
+    return chunks[-1][-1] if chunks else prompt[-1]
 
 
-def token_slice(prompt: tuple[int, ...], log: TokenLog, start: int, stop: int) -> tuple[int, ...]:
-    """Tokens [start, stop) of prompt + output."""
+def token_slice(
+    prompt: tuple[int, ...], chunks: Chunks, tail: tuple[int, ...], start: int, stop: int
+) -> tuple[int, ...]:
+    """Tokens [start, stop) of prompt + output. Only the pieces overlapping the range are visited and copied (a
+    block being registered is usually the last few chunks of a long output)."""
     n = len(prompt)
     if stop <= n:
         return prompt[start:stop]
-    output = flatten(log)
-    if start >= n:
-        return output[start - n : stop - n]
-    return prompt[start:] + output[: stop - n]
+    pieces = (*chunks, tail)
+    offsets = list(accumulate(map(len, pieces), initial=n))  # offsets[j]: position of piece j's first token
+    parts: list[tuple[int, ...]] = [prompt[start:]] if start < n else []
+    first = max(bisect_right(offsets, start) - 1, 0)
+    for j in range(first, bisect_left(offsets, stop, first)):
+        parts.append(pieces[j][max(start - offsets[j], 0) : stop - offsets[j]])
+    return parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
