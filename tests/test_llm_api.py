@@ -210,3 +210,23 @@ def test_text_prompt_without_tokenizer_is_an_error(ckpt: Path) -> None:
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].text == ""
     with pytest.raises(ValueError, match="needs a tokenizer"):
         llm.generate("hi", use_tqdm=False)
+
+
+def test_every_generation_config_eos_id_stops(tmp_path: Path) -> None:
+    """Each id of generation_config.json's eos_token_id list ends a request with reason 'stop'."""
+    import json
+
+    path = write_family(tmp_path, "qwen2")
+    free = LLM(path, dtype="float32", num_blocks=64).generate(
+        [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
+    first, second = free.token_ids[2], free.token_ids[6]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [second, first]}))
+    llm = LLM(path, dtype="float32", num_blocks=64)
+    assert {first, second} <= llm.engine.config.eos_token_ids
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    stop_at = next(i for i, t in enumerate(free.token_ids) if t in (first, second))
+    assert out.token_ids == free.token_ids[: stop_at + 1]
+    ignoring = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert ignoring[0].token_ids == free.token_ids
