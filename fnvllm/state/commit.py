@@ -22,7 +22,7 @@ from typing import Any
 
 from fnvllm.state.errors import PlanMismatchError
 from fnvllm.state.plan import StepPlan
-from fnvllm.state.pool import CachedBlock, PoolTxn
+from fnvllm.state.pool import PoolTxn
 from fnvllm.state.request import FinishedRequest, FinishReason, StepOutput
 from fnvllm.state.rows import byte_positions, zero_positions
 from fnvllm.state.running import DecodePrefix, RunningRows
@@ -106,7 +106,7 @@ class _Fold:
             parent = known[block - 1] if block else None
             if block == len(known):
                 known.append(hasher(parent, tokens))
-            self.txn.register(table[block], CachedBlock(known[block], parent, tokens))
+            self.txn.register(table[block], table[block - 1] if block else None, known[block], parent, tokens)
         return tuple(known)
 
     def check_stop(self, index: int, token: int, total: int, chunks: Chunks, tail: Tokens) -> None:

@@ -1,7 +1,10 @@
 """Chained block hashes for the prefix cache: h_i = H(h_{i-1}, tokens of block i).
 
-A hit is only trusted after comparing the stored tokens too, so a colliding hash costs a miss, never a wrong
-answer. The hasher is a plain function so tests can inject a deliberately colliding one.
+The hashes only index the cache: a hit is trusted only when the stored tokens are equal too and the block was
+registered as the child of the very registration hit at the previous block (``PoolTxn.lookup`` compares
+registration serials, not hashes). So the whole prefix matches whatever the hasher does, even one that collides
+or ignores the parent: a colliding hash costs a miss (or a block left unregistered), never a wrong answer. The
+hasher is a plain function so tests can inject a deliberately colliding one.
 """
 
 from __future__ import annotations

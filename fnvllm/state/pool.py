@@ -2,7 +2,10 @@
 
 Every block is in exactly one of two places: the free queue (ref count 0) or ``ref_counts`` (ref count >= 1).
 A full block that was computed is registered in the cache tables and keeps its registration while free, until
-it is popped from the free queue for reuse (eviction). The free queue's front is evicted first; a released
+it is popped from the free queue for reuse (eviction). Each registration gets a serial number never used before,
+and records its parent's: a block is only reused by a sequence that hit that very parent registration, so the
+guard does not depend on the hash function (a block evicted and registered again gets a new serial, and the
+children registered under its old one can never match again). The free queue's front is evicted first; a released
 sequence's blocks are appended tail-first so its prefix blocks are the last of them to be evicted.
 
 Transitions never touch a BlockPool: they open a ``PoolTxn`` (a scratch builder local to one transition), apply
@@ -20,11 +23,14 @@ from fnvllm.state.pmap import Evolver, PMap
 
 
 class CachedBlock(NamedTuple):
-    """Registration of one full, computed block: its chain hash, its parent's hash and its token ids."""
+    """Registration of one full, computed block: its chain hash, its parent's hash, its token ids, the serial of
+    this registration and the serial of its parent's registration (None for a sequence's first block)."""
 
     hash: int
     parent: int | None
     tokens: tuple[int, ...]
+    serial: int
+    parent_serial: int | None
 
 
 @attrs.frozen(eq=False)
@@ -36,6 +42,7 @@ class BlockPool:
     ref_counts: block id -> number of sequences holding it, for held blocks only.
     cached: block id -> its registration, for blocks holding a full registered block (held or free).
     hash_to_block: chain hash -> block id, the prefix-cache index (the inverse of ``cached``).
+    next_serial: the serial the next registration gets (serials are never reused).
 
     The free queue is stored as ``free_buffer[free_head:]``: a step that only pops blocks from the front shares
     the previous buffer and moves the head, instead of copying thousands of free block ids. Equality compares
@@ -48,6 +55,7 @@ class BlockPool:
     ref_counts: PMap[int, int] = attrs.field(factory=PMap)
     cached: PMap[int, CachedBlock] = attrs.field(factory=PMap)
     hash_to_block: PMap[int, int] = attrs.field(factory=PMap)
+    next_serial: int = 0
 
     @classmethod
     def create(cls, num_blocks: int) -> BlockPool:
@@ -77,6 +85,7 @@ class BlockPool:
             and self.ref_counts == other.ref_counts
             and self.cached == other.cached
             and self.hash_to_block == other.hash_to_block
+            and self.next_serial == other.next_serial
         )
 
     __hash__ = None  # type: ignore[assignment]  # equal by contents, and PMaps are unhashable
@@ -89,7 +98,7 @@ class PoolTxn:
     middle (``removed``, prefix-cache hits on free blocks), plus newly released blocks (``appended``, ordered).
     """
 
-    __slots__ = ("_appended", "_cached", "_hashes", "_head", "_queue", "_refs", "_removed", "num_blocks")
+    __slots__ = ("_appended", "_cached", "_hashes", "_head", "_queue", "_refs", "_removed", "_serial", "num_blocks")
 
     def __init__(self, pool: BlockPool) -> None:
         self.num_blocks = pool.num_blocks
@@ -100,6 +109,7 @@ class PoolTxn:
         self._refs: Evolver[int, int] = pool.ref_counts.evolver()
         self._cached: Evolver[int, CachedBlock] = pool.cached.evolver()
         self._hashes: Evolver[int, int] = pool.hash_to_block.evolver()
+        self._serial = pool.next_serial
 
     @property
     def num_free(self) -> int:
@@ -110,13 +120,24 @@ class PoolTxn:
         """Current holders of ``block``."""
         return self._refs.get(block) or 0
 
-    def lookup(self, block_hash: int, parent: int | None, tokens: Sequence[int]) -> int | None:
-        """The cached block with this chain hash, if its parent hash and tokens also match (collision guard)."""
+    def lookup(self, block_hash: int, parent_block: int | None, tokens: Sequence[int]) -> int | None:
+        """The cached block with this chain hash, if it holds these tokens and was registered as the child of
+        ``parent_block``'s current registration (the block hit just before it; None for a first block).
+
+        This guard is sound whatever the hash function: by induction, a hit's whole prefix holds the same tokens
+        as the caller's, computed in the same blocks. A colliding hash only costs a miss."""
         block = self._hashes.get(block_hash)
         if block is None:
             return None
         entry = self._cached[block]
-        if entry.parent != parent or entry.tokens != tuple(tokens):
+        if parent_block is None:
+            if entry.parent_serial is not None:
+                return None
+        else:
+            parent = self._cached.get(parent_block)
+            if parent is None or entry.parent_serial != parent.serial:
+                return None
+        if entry.tokens != tuple(tokens):
             return None
         return block
 
@@ -150,12 +171,26 @@ class PoolTxn:
             else:
                 self._refs.set(block, count - 1)
 
-    def register(self, block: int, entry: CachedBlock) -> None:
-        """Record that ``block`` holds the full block ``entry``, unless the hash or the block is taken."""
-        if entry.hash in self._hashes or block in self._cached:
+    def register(
+        self, block: int, parent_block: int | None, block_hash: int, parent_hash: int | None, tokens: tuple[int, ...]
+    ) -> None:
+        """Record that ``block`` holds the full block ``tokens`` with this chain hash, computed right after
+        ``parent_block`` (the previous block of the same block table; None for a first block). Nothing is recorded
+        when the hash or the block is taken, or when ``parent_block`` carries no registration (a child is only
+        reachable through its parent's registration, which it names by serial)."""
+        if block_hash in self._hashes or block in self._cached:
             return
-        self._cached.set(block, entry)
-        self._hashes.set(entry.hash, block)
+        if parent_block is None:
+            parent_serial = None
+        else:
+            parent = self._cached.get(parent_block)
+            if parent is None:
+                return
+            parent_serial = parent.serial
+        serial = self._serial
+        self._serial = serial + 1
+        self._cached.set(block, CachedBlock(block_hash, parent_hash, tokens, serial, parent_serial))
+        self._hashes.set(block_hash, block)
 
     def is_cached(self, block: int) -> bool:
         """True when ``block`` carries a prefix-cache registration."""
@@ -177,6 +212,7 @@ class PoolTxn:
             self._refs.persistent(),
             self._cached.persistent(),
             self._hashes.persistent(),
+            self._serial,
         )
 
     def _pop_free(self) -> int:

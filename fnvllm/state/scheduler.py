@@ -154,7 +154,7 @@ def _cached_prefix(
         block_hash = known[index] if index < len(known) else state.config.hash_block(parent, tokens)
         if index == len(known):
             known.append(block_hash)
-        block = step.txn.lookup(block_hash, parent, tokens)
+        block = step.txn.lookup(block_hash, hits[-1] if hits else None, tokens)
         if block is None or block in hits:
             return hits, known, block_hash in step.pending_hashes
         hits.append(block)

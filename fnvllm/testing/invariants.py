@@ -154,8 +154,10 @@ def check_lengths(state: EngineState) -> None:
 
 
 def check_prefix_cache(state: EngineState) -> None:
-    """cached and hash_to_block are inverse; each entry's hash is the chain hash of its parent and tokens; a held
-    entry's tokens and parent are the holder's own block and chain hash; each request's chain is its tokens'."""
+    """cached and hash_to_block are inverse; each entry's hash is the chain hash of its parent and tokens; serials
+    are unique, below next_serial and above their parent's; a held entry's tokens and parent are the holder's own
+    block and chain hash, and its parent serial is that of the holder's previous block (None for the first block);
+    each request's chain is its tokens'."""
     pool, cfg = state.pool, state.config
     if not cfg.enable_prefix_caching and len(pool.cached):
         fail(f"prefix cache: {len(pool.cached)} blocks registered with caching off")
@@ -168,6 +170,10 @@ def check_prefix_cache(state: EngineState) -> None:
             )
         if len(entry.tokens) != cfg.block_size or cfg.hash_block(entry.parent, entry.tokens) != entry.hash:
             fail(f"prefix cache: block {block}'s hash is not hash(parent, tokens): {entry}")
+        if not (entry.parent_serial is None or entry.parent_serial < entry.serial) or entry.serial >= pool.next_serial:
+            fail(f"prefix cache: block {block}'s serials are out of order (next serial {pool.next_serial}): {entry}")
+    if len({entry.serial for entry in pool.cached.values()}) != len(pool.cached):
+        fail("prefix cache: two registrations share a serial")
     for rid in state.requests:
         _check_chain(state, rid, seq_tokens(state, rid))
 
@@ -191,6 +197,13 @@ def _check_chain(state: EngineState, rid: str, tokens: tuple[int, ...]) -> None:
             fail(
                 f"prefix cache: {rid!r} holds block {block} at index {i} registered as {entry}, but its own "
                 f"tokens there are {tokens[i * bs : (i + 1) * bs]} with parent hash {parent}"
+            )
+        parent_entry = cached.get(table[i - 1]) if i else None
+        parent_serial = None if parent_entry is None else parent_entry.serial
+        if entry.parent_serial != parent_serial or (i and parent_entry is None):
+            fail(
+                f"prefix cache: {rid!r} holds block {block} at index {i} registered as {entry}, but its previous "
+                f"block's registration is {parent_entry}"
             )
 
 

@@ -14,9 +14,9 @@ from fnvllm.testing.invariants import snapshot
 BLOCKS = st.integers(1, 12)
 
 
-def entry(tag: int, parent: int | None = None) -> CachedBlock:
-    """A registration whose hash is ``tag`` (tests pick distinct tags)."""
-    return CachedBlock(hash=tag, parent=parent, tokens=(tag, tag))
+def register(txn: PoolTxn | NaivePool, block: int, tag: int, parent_block: int | None = None) -> None:
+    """Register ``block`` with hash ``tag`` and tokens (tag, tag) after ``parent_block`` (tests pick distinct tags)."""
+    txn.register(block, parent_block, tag, None, (tag, tag))
 
 
 class NaivePool:
@@ -27,6 +27,7 @@ class NaivePool:
         self.refs: dict[int, int] = {}
         self.cached: dict[int, CachedBlock] = {}
         self.hashes: dict[int, int] = {}
+        self.serial = 0
 
     def allocate(self, n: int) -> list[int]:
         blocks, self.free = self.free[:n], self.free[n:]
@@ -50,13 +51,22 @@ class NaivePool:
             self.free.remove(b)
             self.refs[b] = 1
 
-    def register(self, b: int, e: CachedBlock) -> None:
-        if e.hash not in self.hashes and b not in self.cached:
-            self.cached[b], self.hashes[e.hash] = e, b
+    def register(self, b: int, parent_b: int | None, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        if h in self.hashes or b in self.cached or (parent_b is not None and parent_b not in self.cached):
+            return
+        parent_serial = None if parent_b is None else self.cached[parent_b].serial
+        self.cached[b] = CachedBlock(h, parent, tokens, self.serial, parent_serial)
+        self.hashes[h] = b
+        self.serial += 1
 
-    def lookup(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+    def lookup(self, h: int, parent_b: int | None, tokens: tuple[int, ...]) -> int | None:
         b = self.hashes.get(h)
-        return b if b is not None and self.cached[b] == (h, parent, tokens) else None
+        if b is None or self.cached[b].tokens != tokens:
+            return None
+        if parent_b is None:
+            return b if self.cached[b].parent_serial is None else None
+        parent = self.cached.get(parent_b)
+        return b if parent is not None and self.cached[b].parent_serial == parent.serial else None
 
 
 def assert_same(pool: BlockPool, model: NaivePool) -> None:
@@ -65,6 +75,7 @@ def assert_same(pool: BlockPool, model: NaivePool) -> None:
     assert dict(pool.ref_counts.items()) == model.refs
     assert dict(pool.cached.items()) == model.cached
     assert dict(pool.hash_to_block.items()) == model.hashes
+    assert pool.next_serial == model.serial
 
 
 def apply_random_op(data: st.DataObject, txn: PoolTxn, model: NaivePool) -> None:
@@ -85,12 +96,14 @@ def apply_random_op(data: st.DataObject, txn: PoolTxn, model: NaivePool) -> None
         model.share(block)
     elif op == "register":
         block, tag = data.draw(st.sampled_from(held), label="block"), data.draw(st.integers(0, 5), label="hash")
-        txn.register(block, entry(tag))
-        model.register(block, entry(tag))
+        parent = data.draw(st.none() | st.integers(0, txn.num_blocks - 1), label="parent block")
+        register(txn, block, tag, parent)
+        register(model, block, tag, parent)
     else:
         tag = data.draw(st.integers(0, 5), label="hash")
-        probe = data.draw(st.sampled_from([entry(tag), entry(tag, parent=9), CachedBlock(tag, None, (0, 1))]))
-        assert txn.lookup(*probe) == model.lookup(*probe)
+        parent = data.draw(st.none() | st.integers(0, txn.num_blocks - 1), label="parent block")
+        tokens = data.draw(st.sampled_from([(tag, tag), (0, 1)]), label="tokens")
+        assert txn.lookup(tag, parent, tokens) == model.lookup(tag, parent, tokens)
     assert txn.num_free == len(model.free)
     assert all(txn.ref_count(b) == model.refs.get(b, 0) for b in range(txn.num_blocks))
 
@@ -123,7 +136,7 @@ def test_shared_block_is_freed_by_its_last_holder(num_blocks: int, data: st.Data
     """A block shared by two tables stays referenced until both release it, then joins the queue once."""
     txn = BlockPool.create(num_blocks).txn()
     block = txn.allocate(1)[0]
-    txn.register(block, entry(1))
+    register(txn, block, 1)
     txn.share(block)
     txn.release([block])
     assert txn.ref_count(block) == 1 and block not in txn.freeze().free_queue
@@ -136,10 +149,10 @@ def test_cached_free_block_is_evicted_on_reuse(num_blocks: int, data: st.DataObj
     """A released cached block keeps its registration (lookup hits) until allocate pops it for reuse."""
     txn = BlockPool.create(num_blocks).txn()
     block = txn.allocate(1)[0]
-    txn.register(block, entry(7))
+    register(txn, block, 7)
     txn.release([block])
     pool = txn.freeze()
-    assert pool.txn().lookup(7, None, (7, 7)) == block and pool.cached[block] == entry(7)
+    assert pool.txn().lookup(7, None, (7, 7)) == block and pool.cached[block] == CachedBlock(7, None, (7, 7), 0, None)
     txn = pool.txn()
     reused = txn.allocate(pool.num_free)  # the cached block is last in the queue, so this reaches it
     assert reused[-1] == block and txn.lookup(7, None, (7, 7)) is None
@@ -153,7 +166,7 @@ def test_share_takes_a_free_cached_block_out_of_the_queue(num_blocks: int, data:
     txn = BlockPool.create(num_blocks).txn()
     table = txn.allocate(3)
     for i, block in enumerate(table):
-        txn.register(block, entry(i))
+        register(txn, block, i)
     txn.release(table)
     queue = txn.freeze().free_queue
     hit = data.draw(st.sampled_from(table))
@@ -162,16 +175,40 @@ def test_share_takes_a_free_cached_block_out_of_the_queue(num_blocks: int, data:
     assert txn.freeze().free_queue == tuple(b for b in queue if b != hit)
 
 
-@given(num_blocks=BLOCKS, data=st.data())
+@given(num_blocks=st.integers(3, 12), data=st.data())
 def test_lookup_guard_rejects_other_tokens_or_parent(num_blocks: int, data: st.DataObject) -> None:
-    """lookup returns a block only when hash, parent hash and tokens all match its registration."""
+    """lookup returns a block only when hash and tokens match its registration and its parent is the very
+    registration of the given parent block (whatever that block's hash)."""
     txn = BlockPool.create(num_blocks).txn()
-    block = txn.allocate(1)[0]
-    txn.register(block, CachedBlock(5, 3, (1, 2)))
-    assert txn.lookup(5, 3, (1, 2)) == block
-    assert txn.lookup(5, 4, (1, 2)) is None
-    assert txn.lookup(5, 3, (2, 1)) is None
-    assert txn.lookup(6, 3, (1, 2)) is None
+    first, other, block = txn.allocate(3)
+    register(txn, first, 1)
+    register(txn, other, 2)
+    txn.register(block, first, 5, 1, (1, 2))
+    assert txn.lookup(5, first, (1, 2)) == block
+    assert txn.lookup(5, other, (1, 2)) is None
+    assert txn.lookup(5, None, (1, 2)) is None
+    assert txn.lookup(5, first, (2, 1)) is None
+    assert txn.lookup(6, first, (1, 2)) is None
+
+
+@given(num_blocks=st.integers(3, 12), data=st.data())
+def test_child_of_an_evicted_parent_never_matches(num_blocks: int, data: st.DataObject) -> None:
+    """A parent evicted and registered again (same hash and tokens) is a new registration: the children registered
+    under the old one are never hit through it; a child whose parent block is unregistered is not registered."""
+    txn = BlockPool.create(num_blocks).txn()
+    parent, child = txn.allocate(2)
+    register(txn, parent, 1)
+    txn.register(child, parent, 5, 1, (1, 2))
+    txn.release([parent])
+    txn.release([child])  # the queue ends parent, child: the parent is evicted first
+    txn = txn.freeze().txn()
+    txn.allocate(txn.num_free - 1)
+    assert not txn.is_cached(parent) and txn.is_cached(child)
+    register(txn, parent, 1)
+    assert txn.lookup(1, None, (1, 1)) == parent and txn.lookup(5, parent, (1, 2)) is None
+    orphan = txn.allocate(1)[0]  # the child, evicted
+    txn.register(orphan, data.draw(st.sampled_from([orphan, num_blocks - 1])), 6, 5, (1, 2))
+    assert txn.lookup(6, parent, (1, 2)) is None and not txn.is_cached(orphan)
 
 
 @given(num_blocks=BLOCKS, data=st.data())
