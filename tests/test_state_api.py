@@ -500,3 +500,23 @@ def test_max_tokens_gives_length_and_a_stop_on_the_last_token_wins() -> None:
     script = {"short": [1, 2, 3, 4], "eos_last": [1, 2, 5]}
     got = _finish_reasons(script, short={"max_tokens": 3}, eos_last={"max_tokens": 3})
     assert got == {"short": ("length", (1, 2, 3)), "eos_last": ("stop", (1, 2, 5))}
+
+
+def test_waiting_twin_of_a_running_chunked_prefill_waits_and_hits() -> None:
+    """A waiting request whose next block a running prefill chunk computes this step waits, then hits it."""
+    from fnvllm.testing.toy import KVToyExecutor
+
+    config = CoreConfig(block_size=4, num_blocks=64, max_num_batched_tokens=6, max_num_seqs=8, max_model_len=64)
+    state = initial_state(config)
+    prompt = list(range(10, 26))  # 4 full blocks
+    for rid in ("a", "b"):
+        state = add_request(state, rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    executor, fed, outputs = KVToyExecutor(100), {"a": 0, "b": 0}, {}
+    while state.has_unfinished:
+        state, plan = schedule(state)
+        for rid, tokens in zip(plan.seq_ids, plan.input_tokens, strict=True):
+            fed[rid] += len(tokens)
+        state, out = commit(state, plan, executor.execute(plan))
+        outputs.update({f.request_id: f.output for f in out.finished})
+    assert fed == {"a": 17, "b": 2}  # b recomputes only its last prompt token, then decodes
+    assert outputs["a"] == outputs["b"]

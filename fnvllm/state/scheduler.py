@@ -128,8 +128,27 @@ def _schedule_rows(step: _Step) -> None:
             tokens: tuple[int, ...] = (last_token(prompt, chunks, tail),)
         else:
             tokens = token_slice(prompt, chunks, tail, start, start + n)
+            _note_running_chunk(step, prompt, chunks, tail, rows.chain_hashes[i], start, start + n)
         step.emit(tokens, start + n == total)
         i += 1
+
+
+def _note_running_chunk(
+    step: _Step,
+    prompt: tuple[int, ...],
+    output: Chunks,
+    tail: tuple[int, ...],
+    chain: tuple[int, ...],
+    start: int,
+    end: int,
+) -> None:
+    """Mark the full blocks a running prefill chunk computes this step as pending, so a waiting twin admitted in
+    the same step waits for them instead of computing them again. Its full blocks before ``start`` are already
+    hashed (commit extends ``chain`` as blocks fill), so only this chunk's blocks are hashed, and commit hashes
+    them again when it registers them: a few hashes per prefill chunk, never on decode steps."""
+    if not step.state.config.enable_prefix_caching or end // step.bs <= len(chain):
+        return
+    _note_pending(step, prompt, output, tail, list(chain), start, end, chain)
 
 
 def _make_room(step: _Step, index: int, short: int) -> bool:
@@ -182,7 +201,7 @@ def _admit_one(step: _Step, rid: str) -> bool:
         step.txn.share(block)
     table = tuple(hits) + tuple(step.txn.allocate(need))
     if caching:
-        chain = _note_pending(step, request, chunks, known, start, start + n, chain)
+        chain = _note_pending(step, request.prompt, chunks, (), known, start, start + n, chain)
     step.admitted.append(RunningRows.one(request, start, num_tokens, output, table, chain))
     step.admitted_inputs.append(token_slice(request.prompt, chunks, (), start, start + n))
     step.admitted_samples.append(start + n == num_tokens)
@@ -191,13 +210,20 @@ def _admit_one(step: _Step, rid: str) -> bool:
 
 
 def _note_pending(
-    step: _Step, request: Request, output: Chunks, known: list[int], start: int, end: int, chain: tuple[int, ...]
+    step: _Step,
+    prompt: tuple[int, ...],
+    output: Chunks,
+    tail: tuple[int, ...],
+    known: list[int],
+    start: int,
+    end: int,
+    chain: tuple[int, ...],
 ) -> tuple[int, ...]:
     """Remember the hashes of full blocks the request computes this step; returns its chain hashes known so far."""
     hash_block, bs = step.state.config.hash_block, step.bs
     for index in range(len(known), end // bs):
         parent = known[index - 1] if index else None
-        known.append(hash_block(parent, token_slice(request.prompt, output, (), index * bs, (index + 1) * bs)))
+        known.append(hash_block(parent, token_slice(prompt, output, tail, index * bs, (index + 1) * bs)))
     # Every full block computed this step, from the first missed one: a preempted request recomputes blocks whose
     # hashes it already knows (``chain``), and those must be pending too, or a twin prompt computes them again.
     step.pending_hashes.update(known[-(-start // bs) : end // bs])
