@@ -256,7 +256,7 @@ class LLM:
             while live:
                 waiting_before = self.state.waiting
                 state, plan = schedule(self.state)
-                self._count(plan, waiting_before)
+                self._count(plan, waiting_before, state.waiting)
                 state, out = self.engine.step(state, plan)
                 state, deltas = self._apply(state, out, by_id, live)
                 self.state = state
@@ -265,10 +265,16 @@ class LLM:
             self.state = self.engine.restore(self.engine.initial_state())  # executor and state in step again
             raise
 
-    def _count(self, plan: StepPlan, waiting_before: tuple[str, ...]) -> None:
-        """Fold one plan into ``stats`` (admitted rows' start positions are the tokens the prefix cache served)."""
-        admitted = set(waiting_before).intersection(plan.seq_ids) if waiting_before else set()
-        cached = sum(start for rid, start in zip(plan.seq_ids, plan.start_positions, strict=True) if rid in admitted)
+    def _count(self, plan: StepPlan, waiting_before: tuple[str, ...], waiting_after: tuple[str, ...]) -> None:
+        """Fold one plan into ``stats`` (admitted rows' start positions are the tokens the prefix cache served).
+
+        ``schedule`` hands back the same waiting tuple when it admits and preempts nothing, so most decode steps
+        skip the O(waiting) set work."""
+        cached = 0
+        if waiting_after is not waiting_before:
+            admitted = set(waiting_before).difference(waiting_after)
+            starts = zip(plan.seq_ids, plan.start_positions, strict=True)
+            cached = sum(start for rid, start in starts if rid in admitted)
         s = self.stats
         self.stats = EngineStats(
             s.num_steps + 1,

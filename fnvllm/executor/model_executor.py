@@ -158,16 +158,15 @@ class ModelExecutor:
             self.device,
         )
         out = self.sampler.sample(logits, batch)
-        return ExecuteResult(
-            tuple(out.token_ids.tolist()), _host_logprobs(out, [plan.params[i].logprobs for i in rows])
-        )
+        tokens = out.token_ids.tolist()  # the step's one device -> host sync
+        return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [plan.params[i].logprobs for i in rows]))
 
 
-def _host_logprobs(out: SamplerOutput, asked: list[int | None]) -> tuple[TokenLogprobs | None, ...]:
+def _host_logprobs(out: SamplerOutput, tokens: list[int], asked: list[int | None]) -> tuple[TokenLogprobs | None, ...]:
     if out.logprobs is None:
         return (None,) * len(asked)
     lp = out.logprobs
-    tokens, sampled = out.token_ids.tolist(), lp.sampled_logprobs.tolist()
+    sampled = lp.sampled_logprobs.tolist()
     top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
     return tuple(
         None

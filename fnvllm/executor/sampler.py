@@ -83,11 +83,6 @@ class SamplingBatch:
     max_top_k: int
     max_logprobs: int | None
 
-    @property
-    def any_penalty(self) -> bool:
-        """True when at least one row has a repetition, presence or frequency penalty."""
-        return self.penalties is not None
-
 
 @attrs.frozen(eq=False)
 class Logprobs:

@@ -119,13 +119,6 @@ class MergedLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.shards = MappingProxyType(dict(shards))
 
-    def shard_rows(self, shard: str) -> slice:
-        """Output rows of projection `shard`."""
-        if shard not in self.shards:
-            raise KeyError(f"unknown shard {shard!r}; this layer has {tuple(self.shards)}")
-        start, end = self.shards[shard]
-        return slice(start, end)
-
 
 def qkv_linear(
     hidden_size: int, q_size: int, kv_size: int, bias: bool, dtype: torch.dtype | None = None
