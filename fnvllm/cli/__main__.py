@@ -1,0 +1,5 @@
+"""``python -m fnvllm.cli``."""
+
+from fnvllm.cli import entry_point
+
+entry_point()
