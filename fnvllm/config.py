@@ -13,7 +13,6 @@ import attrs
 
 from fnvllm.state import CoreConfig, InvalidConfigError
 
-AttentionBackendName = Literal["auto", "torch", "triton", "flash"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
@@ -28,6 +27,14 @@ def _one_of(*allowed: object) -> Any:
             raise InvalidConfigError(f"{attribute.name} must be one of {allowed}, got {value!r}")
 
     return check
+
+
+def _backend_name(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    from fnvllm.kernels.backends import backend_names  # lists module names without importing them
+
+    allowed = ("auto", *backend_names())
+    if value not in allowed:
+        raise InvalidConfigError(f"{attribute.name} must be one of {allowed}, got {value!r}")
 
 
 def _fraction(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -50,7 +57,10 @@ class EngineConfig:
     max_num_seqs: cap on running sequences.
     max_model_len: cap on prompt + output tokens; None = the model's max_position_embeddings.
     enable_prefix_caching: reuse KV of shared prompt prefixes.
-    attention_backend: "auto" = flash on Hopper/Blackwell when installed, else triton on GPU, torch on CPU.
+    attention_backend: "auto" (the fastest backend available on the device) or a module name of
+        ``fnvllm.kernels.backends`` ("torch", "triton", "flash"); a named backend that cannot run here is an
+        error when the LLM is built, naming what to install.
+    enforce_eager: never capture CUDA graphs (decode steps run eagerly).
     seed: seed of the sampler's shared generator (unseeded requests).
     """
 
@@ -64,10 +74,9 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=256, validator=_positive)
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     enable_prefix_caching: bool = True
-    attention_backend: AttentionBackendName = attrs.field(
-        default="auto", validator=_one_of("auto", "torch", "triton", "flash")
-    )
+    attention_backend: str = attrs.field(default="auto", validator=_backend_name)
     seed: int = 0
+    enforce_eager: bool = False
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

@@ -4,127 +4,29 @@
     outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.6, max_tokens=64))
     print(outs[0].text)
 
-The facade owns a tokenizer, an Engine and the current EngineState; each call threads the state through the
-pure ``schedule``/``commit`` loop and applies what needs text (stop strings) through incremental detokenizers.
+The facade owns a tokenizer and an ``EngineLoop`` (the engine, the current EngineState and the output processor);
+each call adds its requests with a tracker and steps the loop until they are done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 from tqdm.auto import tqdm
 
 from fnvllm.config import EngineConfig
 from fnvllm.detokenizer import IncrementalDetokenizer
-from fnvllm.engine import Engine, EngineOutput
-from fnvllm.executor.base import TokenLogprobs
+from fnvllm.engine import Engine, EngineLoop, EngineStats, RequestOutput, RequestTracker, StreamDelta
 from fnvllm.executor.model_executor import ModelExecutor
 from fnvllm.model.config import ModelConfig
-from fnvllm.state import EngineState, FinishReason, SamplingParams, StepPlan, add_request, finish, schedule
+from fnvllm.state import EngineState, SamplingParams
 
 Prompt = str | Sequence[int]
-
-
-@attrs.frozen
-class RequestOutput:
-    """The result of one prompt.
-
-    request_id: engine-wide id. prompt: the text prompt (None for token-id prompts). prompt_token_ids: its ids.
-    text: generated text (stop string excluded unless include_stop_str_in_output; special tokens skipped).
-    token_ids: generated ids (including an EOS or stop token that ended it). finish_reason: "stop" or "length".
-    logprobs: one entry per generated token when SamplingParams.logprobs was set, else None.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt length in tokens."""
-        return len(self.prompt_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        """True once the request ended (always, for ``generate`` results)."""
-        return self.finish_reason is not None
-
-
-@attrs.frozen
-class EngineStats:
-    """Running totals since the LLM was built: steps run, sequences preempted, prompt tokens served from the
-    prefix cache (not recomputed), and tokens generated."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-
-
-@attrs.frozen
-class StreamDelta:
-    """What one step added to one request: the index of its prompt, new text and ids, and its finish reason."""
-
-    index: int
-    request_id: str
-    new_text: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-
-
-class _Tracker:
-    """Host-side progress of one request: its ids, logprobs and detokenizer."""
-
-    def __init__(
-        self,
-        index: int,
-        rid: str,
-        prompt: str | None,
-        ids: tuple[int, ...],
-        params: SamplingParams,
-        detok: IncrementalDetokenizer | None,
-    ) -> None:
-        self.index, self.rid, self.prompt, self.prompt_ids, self.params = index, rid, prompt, ids, params
-        self.detok = detok
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.finish_reason: FinishReason | None = None
-
-    def add(self, token: int, logprobs: TokenLogprobs | None) -> str:
-        self.token_ids.append(token)
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-        if self.detok is None:
-            return ""
-        delta = self.detok.add([token])
-        if delta.stopped:
-            self.finish_reason = "stop"
-        return delta.new_text
-
-    def close(self, reason: FinishReason) -> str:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-        return self.detok.finish().new_text if self.detok is not None else ""
-
-    def result(self) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.rid,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_ids,
-            text=self.detok.text if self.detok is not None else "",
-            token_ids=tuple(self.token_ids),
-            finish_reason=self.finish_reason,
-            logprobs=tuple(self.logprobs) if self.params.logprobs is not None else None,
-        )
 
 
 def read_eos_token_ids(model_path: Path, tokenizer: Any | None) -> frozenset[int]:
@@ -170,9 +72,18 @@ class LLM:
             self.model_config.vocab_size,
         )
         self.engine = Engine(self.executor, core)
-        self.state: EngineState = self.engine.initial_state()
-        self.stats = EngineStats()
+        self.loop = EngineLoop(self.engine)
         self._next_id = 0
+
+    @property
+    def state(self) -> EngineState:
+        """The engine's current state (a frozen value: pickle it to snapshot the run)."""
+        return self.loop.state
+
+    @property
+    def stats(self) -> EngineStats:
+        """Totals since this LLM was built: steps, preemptions, prefix-cache tokens, generated tokens."""
+        return self.loop.stats
 
     def generate(
         self,
@@ -181,15 +92,18 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); returns outputs in input order."""
-        trackers = self._add(prompts, sampling_params)
+        trackers = self._add(prompts, sampling_params, on_delta=_discard)
         bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
-        start, num_tokens = time.perf_counter(), 0
-        for deltas in self._run(trackers):
-            num_tokens += sum(len(d.new_token_ids) for d in deltas)
-            done = sum(1 for d in deltas if d.finish_reason is not None)
-            if done:
-                bar.update(done)
-                bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
+        start, num_done = time.perf_counter(), 0
+        with self._aborting_on_exit(trackers):
+            while num_done < len(trackers):
+                self.loop.step()
+                done = sum(t.finished for t in trackers)
+                if done > num_done:
+                    num_tokens = sum(len(t.token_ids) for t in trackers)
+                    bar.update(done - num_done)
+                    bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
+                    num_done = done
         bar.close()
         return [t.result() for t in trackers]
 
@@ -198,9 +112,32 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[StreamDelta]:
-        """Yield each request's new text and ids as steps complete (index = position in ``prompts``)."""
-        for deltas in self._run(self._add(prompts, sampling_params)):
-            yield from deltas
+        """Yield each request's new text and ids as steps complete (index = position in ``prompts``).
+
+        Any number of streams may be iterated in turn: each steps the shared engine when it has nothing queued,
+        and receives exactly its own requests' deltas (the others' wait in their own queues)."""
+        trackers = self._add(prompts, sampling_params)
+        with self._aborting_on_exit(trackers):
+            while True:
+                queued = [t for t in trackers if t.deltas]
+                for tracker in queued:
+                    while tracker.deltas:
+                        yield tracker.deltas.popleft()
+                if all(t.finished and not t.deltas for t in trackers):
+                    return
+                if not queued:
+                    self.loop.step()
+
+    @contextlib.contextmanager
+    def _aborting_on_exit(self, trackers: list[RequestTracker]) -> Iterator[None]:
+        """Abort the trackers' unfinished requests when the block exits early (error, Ctrl-C, a closed stream),
+        so they neither run on nor leak into the next call."""
+        try:
+            yield
+        finally:
+            for tracker in trackers:
+                if not tracker.finished:
+                    self.loop.abort(tracker.request_id)
 
     def chat(
         self,
@@ -229,78 +166,27 @@ class LLM:
         return None, tuple(int(t) for t in prompt)
 
     def _add(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[_Tracker]:
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        on_delta: Callable[[StreamDelta], None] | None = None,
+    ) -> list[RequestTracker]:
         """Validate and queue every prompt; on any bad input raise before the state changes."""
         items = _as_prompt_list(prompts)
         param_list = _as_params_list(params, len(items))
-        state, trackers = self.state, []
+        trackers = []
         for index, (prompt, p) in enumerate(zip(items, param_list, strict=True)):
             text, ids = self._encode(prompt)
             rid = str(self._next_id + index)
-            state = add_request(state, rid, ids, p)
-            trackers.append(_Tracker(index, rid, text, ids, p, self._detokenizer(ids, p)))
-        self.state, self._next_id = state, self._next_id + len(items)
+            trackers.append(RequestTracker(index, rid, text, ids, p, self._detokenizer(ids, p), on_delta))
+        self.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
+        self._next_id += len(items)
         return trackers
 
     def _detokenizer(self, ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
-
-    def _run(self, trackers: list[_Tracker]) -> Iterator[list[StreamDelta]]:
-        """Step until every tracked request finished, yielding each step's deltas."""
-        by_id = {t.rid: t for t in trackers}
-        live = set(by_id)
-        try:
-            while live:
-                waiting_before = self.state.waiting
-                state, plan = schedule(self.state)
-                self._count(plan, waiting_before, state.waiting)
-                state, out = self.engine.step(state, plan)
-                state, deltas = self._apply(state, out, by_id, live)
-                self.state = state
-                yield deltas
-        except BaseException:
-            self.state = self.engine.restore(self.engine.initial_state())  # executor and state in step again
-            raise
-
-    def _count(self, plan: StepPlan, waiting_before: tuple[str, ...], waiting_after: tuple[str, ...]) -> None:
-        """Fold one plan into ``stats`` (admitted rows' start positions are the tokens the prefix cache served).
-
-        ``schedule`` hands back the same waiting tuple when it admits and preempts nothing, so most decode steps
-        skip the O(waiting) set work."""
-        cached = 0
-        if waiting_after is not waiting_before:
-            admitted = set(waiting_before).difference(waiting_after)
-            starts = zip(plan.seq_ids, plan.start_positions, strict=True)
-            cached = sum(start for rid, start in starts if rid in admitted)
-        s = self.stats
-        self.stats = EngineStats(
-            s.num_steps + 1,
-            s.num_preemptions + len(plan.preempted),
-            s.num_cached_tokens + cached,
-            s.num_generated_tokens + plan.num_samples,
-        )
-
-    def _apply(
-        self, state: EngineState, out: EngineOutput, by_id: dict[str, _Tracker], live: set[str]
-    ) -> tuple[EngineState, list[StreamDelta]]:
-        finished = {f.request_id: f.reason for f in out.output.finished}
-        deltas = []
-        for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
-            tracker = by_id.get(rid)
-            if tracker is None or rid not in live:
-                continue
-            text = tracker.add(token, out.logprobs.get(rid))
-            if tracker.finish_reason == "stop" and rid not in finished:
-                state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
-                finished[rid] = "stop"
-            if rid in finished:
-                text += tracker.close(finished[rid])
-                live.discard(rid)
-            deltas.append(StreamDelta(tracker.index, rid, text, (token,), tracker.finish_reason))
-        return state, deltas
 
 
 def _load_tokenizer(path: str | Path) -> Any:
@@ -332,3 +218,7 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(param_list) != n:
         raise ValueError(f"sampling_params has {len(param_list)} entries but there are {n} prompts")
     return param_list
+
+
+def _discard(_: StreamDelta) -> None:
+    """``on_delta`` for ``generate``: it returns whole outputs, so deltas need no queue."""

@@ -11,10 +11,10 @@ import fnvllm.kernels.attention as attention_module
 from fnvllm.kernels import (
     AttentionMetadata,
     build_attention_metadata,
-    get_attention_backend,
     paged_attention_ref,
     write_kv,
 )
+from fnvllm.kernels.backends import BackendUnavailableError, backend_names, get_backend, resolve_backend
 from fnvllm.kernels.attention import attention
 
 HEAD_DIM = 8
@@ -72,7 +72,7 @@ def run_batch(
     scale = HEAD_DIM**-0.5
     new_k = torch.cat([k[start:] for k, (start, _) in zip(keys, batch, strict=True)])
     new_v = torch.cat([v[start:] for v, (start, _) in zip(values, batch, strict=True)])
-    out = attention(torch.cat(queries), new_k, new_v, k_cache, v_cache, meta, scale, backend="torch")
+    out = attention(torch.cat(queries), new_k, new_v, k_cache, v_cache, meta, scale, get_backend("torch"))
     dense = [dense_causal_attention(q, k, v, scale) for q, k, v in zip(queries, keys, values, strict=True)]
     return out, torch.cat(dense)
 
@@ -146,9 +146,17 @@ def test_write_kv_fills_slots() -> None:
 
 def test_backend_lookup() -> None:
     """The "torch" backend is the reference; an unknown name is a ValueError listing the known ones."""
-    assert get_attention_backend("torch") is paged_attention_ref
+    assert get_backend("torch").attend is paged_attention_ref
     with pytest.raises(ValueError, match="torch"):
-        get_attention_backend("cudnn")
+        get_backend("cudnn")
+
+
+def test_backend_registry_and_auto_on_cpu() -> None:
+    """Every backend module is registered by name; on the CPU "auto" resolves to torch and flash is refused."""
+    assert {"torch", "triton", "flash"} <= set(backend_names())
+    assert resolve_backend("auto", torch.device("cpu")).name == "torch"
+    with pytest.raises((BackendUnavailableError, ValueError), match="flash"):
+        resolve_backend("flash", torch.device("cpu"))
 
 
 def test_shape_mismatch_is_rejected() -> None:

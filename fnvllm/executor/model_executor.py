@@ -1,34 +1,36 @@
-"""ModelExecutor: weights, the paged KV cache and the sampler, on the CPU or one GPU.
+"""ModelExecutor: weights, the paged KV cache, CUDA graphs and the sampler, on the CPU or one GPU.
 
-``execute(plan)`` = ``prepare_inputs`` (host -> device arrays) -> model forward over the step's tokens ->
-logits at each sampling position -> sampler -> host token ids.
+``execute(plan)`` = prepare inputs (host -> device) -> model forward over the step's tokens (a captured CUDA
+graph for decode steps, eager otherwise) -> logits at each sampling position -> sampler -> host token ids.
+
+KV cache sizing on a GPU: after loading the weights, one profiling forward of the largest step
+(``max_num_batched_tokens`` tokens, plus logits and sampling for ``max_num_seqs`` rows) measures the peak
+activation memory; the KV cache gets what ``gpu_memory_utilization`` leaves after weights, that peak and a
+reserve for the CUDA-graph pool. The cache holds one block more than the core is told about: the scratch
+block that padded graph rows write into.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-import attrs
 import torch
 
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
+from fnvllm.executor.cuda_graphs import DecodeGraphs
+from fnvllm.executor.inputs import PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Sampler, SamplerOutput, prepare_sampling
+from fnvllm.executor.timeline import StepTimeline
 from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata
+from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
-from fnvllm.state import StepPlan
+from fnvllm.state import SamplingParams, StepPlan
 
 _GIB = 1 << 30
-
-
-@attrs.frozen(eq=False)
-class PreparedInputs:
-    """Device arrays of one step. input_ids (T,) int64; sample_index (S,) int64 rows of the sampled positions."""
-
-    input_ids: torch.Tensor
-    meta: AttentionMetadata
-    sample_index: torch.Tensor
+_GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,27 +42,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The attention backend for ``name`` ("auto" picks the fastest one available on ``device``)."""
-    if name != "auto":
-        return name
-    if device.type != "cuda":
-        return "torch"
-    try:
-        import flash_attn.cute  # noqa: F401
-
-        if torch.cuda.get_device_capability(device)[0] >= 9:
-            return "flash"
-    except ImportError:
-        pass
-    try:
-        import fnvllm.kernels.paged_attention  # noqa: F401
-
-        return "triton"
-    except ImportError:
-        return "torch"
-
-
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
@@ -68,47 +49,80 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 
 class ModelExecutor:
-    """Owns the model weights, the KV cache tensors and the sampler's RNG."""
+    """Owns the model weights, the KV cache tensors, the decode CUDA graphs and the sampler's RNG."""
 
     def __init__(self, model_path: str | Path, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.model_config = model_config or ModelConfig.from_pretrained(model_path, dtype=config.dtype)
         self.dtype = self.model_config.torch_dtype
-        self.model = load_model(model_path, self.model_config, self.device, self.dtype)
         self.backend = resolve_backend(config.attention_backend, self.device)
-        self.num_blocks = config.num_blocks or self._blocks_that_fit()
-        self.kv_caches = self._allocate_kv_cache()
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.model = load_model(model_path, self.model_config, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
+        self.num_blocks = config.num_blocks or self._blocks_that_fit()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block
+        self.scratch_block = self.num_blocks
+        self.graphs = self._capture_graphs() if self._use_graphs() else None
+        self.timeline = StepTimeline.from_env(self._timeline_header(), self.device)
         self.next_step = 0
+
+    # ---- memory ------------------------------------------------------------------------------------------
 
     def _blocks_that_fit(self) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         if self.device.type == "cpu":
             return max(int(self.config.cpu_kv_cache_gib * _GIB) // per_block, 1)
+        peak = self._profile_peak_activation_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        headroom = self._activation_bytes()
-        budget = int(total * self.config.gpu_memory_utilization) - used - headroom
+        reserve = _GRAPH_POOL_RESERVE if self._use_graphs() else 0
+        budget = int(total * self.config.gpu_memory_utilization) - used - peak - reserve
         if budget < per_block:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {used / _GIB:.1f} GiB used, gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization} of {total / _GIB:.1f} GiB, {headroom / _GIB:.1f} GiB "
-                "reserved for activations"
+                f"{self.config.gpu_memory_utilization} of {total / _GIB:.1f} GiB, {peak / _GIB:.1f} GiB peak "
+                f"activations (max_num_batched_tokens={self.config.max_num_batched_tokens})"
             )
         return budget // per_block
 
-    def _activation_bytes(self) -> int:
-        """A generous bound on one step's transient memory: MLP activations and the sampled rows' logits."""
-        m, tokens = self.model_config, self.config.max_num_batched_tokens
-        width = max(2 * m.intermediate_size, m.q_size + 2 * m.kv_size, m.hidden_size * 4)
-        activations = tokens * width * 4 * 4
-        logits = self.config.max_num_seqs * m.vocab_size * 4 * 6
-        return activations + logits + _GIB
+    def _profile_peak_activation_bytes(self) -> int:
+        """Run the largest step on a throw-away cache and return the peak memory it allocated beyond the weights."""
+        bs, budget = self.config.block_size, self.config.max_num_batched_tokens
+        seq_len = min(budget, self.max_model_len)
+        lens = [seq_len] * (budget // seq_len) + ([budget % seq_len] if budget % seq_len else [])
+        tables, next_block = [], 0
+        for n in lens:
+            tables.append(tuple(range(next_block, next_block + math.ceil(n / bs))))
+            next_block += len(tables[-1])
+        caches = self._allocate_kv_cache(next_block)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        meta = build_attention_metadata([0] * len(lens), lens, tables, bs, self.device)
+        ids = torch.randint(0, self.model_config.vocab_size, (budget,), device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, meta.positions, caches, meta, self.backend)
+            rows = hidden[torch.arange(self.config.max_num_seqs, device=self.device) % budget]
+            logits = self.model.compute_logits(rows)
+            n = self.config.max_num_seqs
+            batch = prepare_sampling(
+                [SamplingParams(temperature=0.6, top_p=0.9)] * n,
+                [0] * n,
+                [None] * n,
+                self.model_config.vocab_size,
+                self.device,
+            )
+            self.sampler.sample(logits, batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del caches, hidden, rows, logits
+        torch.cuda.empty_cache()
+        return peak
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model_config
-        shape = (self.num_blocks, self.config.block_size, m.num_key_value_heads, m.head_dim)
+        shape = (num_blocks, self.config.block_size, m.num_key_value_heads, m.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -117,25 +131,44 @@ class ModelExecutor:
             for _ in range(m.num_hidden_layers)
         ]
 
+    # ---- CUDA graphs -------------------------------------------------------------------------------------
+
+    def _use_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.backend.supports_cuda_graphs and not self.config.enforce_eager
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> DecodeGraphs:
+        max_blocks = math.ceil(self.max_model_len / self.config.block_size)
+        return DecodeGraphs(
+            self._forward,
+            self.config.max_num_seqs,
+            max_blocks,
+            self.config.block_size,
+            self.scratch_block,
+            self.device,
+        )
+
+    # ---- stepping ----------------------------------------------------------------------------------------
+
     def reset(self, next_step: int) -> None:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
 
     def prepare_inputs(self, plan: StepPlan) -> PreparedInputs:
         """Flatten the plan into device arrays: token ids, attention metadata and the sampled rows."""
-        q_lens = [len(t) for t in plan.input_tokens]
-        flat = [token for tokens in plan.input_tokens for token in tokens]
-        meta = build_attention_metadata(plan.start_positions, q_lens, plan.block_tables, plan.block_size, self.device)
-        ends, total = [], 0
-        for q_len, sample in zip(q_lens, plan.sample, strict=True):
-            total += q_len
-            if sample:
-                ends.append(total - 1)
-        return PreparedInputs(
-            input_ids=torch.tensor(flat, dtype=torch.int64).to(self.device),
-            meta=meta,
-            sample_index=torch.tensor(ends, dtype=torch.int64).to(self.device),
-        )
+        return prepare_inputs(plan, self.device)
+
+    def _hidden_at_samples(self, plan: StepPlan) -> tuple[torch.Tensor, bool]:
+        """Final hidden states (S, H) of the sampled rows, and whether a CUDA graph produced them."""
+        if self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
+            a = prepare_decode(plan)
+            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables), True
+        inputs = self.prepare_inputs(plan)
+        hidden = self._forward(inputs.input_ids, inputs.meta.positions, inputs.meta)
+        return hidden[inputs.sample_index], False
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ExecuteResult:
@@ -144,11 +177,14 @@ class ModelExecutor:
         self.next_step += 1
         if plan.is_empty:
             return ExecuteResult(())
-        inputs = self.prepare_inputs(plan)
-        hidden = self.model(inputs.input_ids, inputs.meta.positions, self.kv_caches, inputs.meta, self.backend)
+        timer = self.timeline.begin() if self.timeline is not None else None
+        hidden, graph = self._hidden_at_samples(plan)
         if not plan.num_samples:
+            if timer is not None:
+                timer.launched()
+                timer.finish(plan, graph)
             return ExecuteResult(())
-        logits = self.model.compute_logits(hidden[inputs.sample_index])  # (S, vocab)
+        logits = self.model.compute_logits(hidden)  # (S, vocab)
         rows = [i for i, s in enumerate(plan.sample) if s]
         batch = prepare_sampling(
             [plan.params[i] for i in rows],
@@ -158,8 +194,35 @@ class ModelExecutor:
             self.device,
         )
         out = self.sampler.sample(logits, batch)
+        if timer is not None:
+            timer.launched()
         tokens = out.token_ids.tolist()  # the step's one device -> host sync
+        if timer is not None:
+            timer.finish(plan, graph)
         return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [plan.params[i].logprobs for i in rows]))
+
+    def _timeline_header(self) -> dict[str, object]:
+        m = self.model_config
+        model = {
+            k: getattr(m, k)
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+        }
+        return {
+            "model": model,
+            "block_size": self.config.block_size,
+            "device": str(self.device),
+            "backend": self.backend.name,
+            "graphs": self.graphs is not None,
+        }
 
 
 def _host_logprobs(out: SamplerOutput, tokens: list[int], asked: list[int | None]) -> tuple[TokenLogprobs | None, ...]:

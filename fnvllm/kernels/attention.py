@@ -16,21 +16,22 @@ token at position 9 with blocks (3, 8, 6):
 Attention is causal with the queries aligned to the end of each sequence: the query at position p attends that
 sequence's keys at positions 0..p, read from the cache (prefix from earlier steps plus this step's writes).
 
-Backends are looked up by name ("torch", "triton", "flash"); each is a function with the `AttentionBackend`
-signature that only attends; `attention()` writes this step's K/V first, then calls it.
+Backends ("torch" = this file's reference, "triton", "flash") are plug-ins in `fnvllm.kernels.backends`;
+`attention()` writes this step's K/V with the backend's `store_kv`, then calls its `attend`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from fnvllm.kernels.backends import AttentionBackend
 
 # Most float32 score elements the reference materialises at once (bounds its memory on long contexts).
 _MAX_SCORE_ELEMENTS = 1 << 26
@@ -250,44 +251,6 @@ def _prefill_attention(
     return out
 
 
-class AttentionBackend(Protocol):
-    """An attention implementation: attends q (T, Hq, D) over caches that already hold this step's K/V."""
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Return the attention output (T, Hq, D) in q's dtype."""
-        ...
-
-
-# Backend name -> "module:function". A new backend adds one entry; modules are imported on first use so that
-# optional dependencies (triton, flash-attn) are only needed by those who pick them.
-ATTENTION_BACKENDS: Mapping[str, str] = MappingProxyType(
-    {
-        "torch": "fnvllm.kernels.attention:paged_attention_ref",
-        "triton": "fnvllm.kernels.paged_attention:paged_attention_triton",
-        "flash": "fnvllm.kernels.flash_attention:paged_attention_flash",
-    }
-)
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend function registered under `name` (see ATTENTION_BACKENDS)."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is unknown; choose one of {tuple(ATTENTION_BACKENDS)}")
-    module_name, function_name = ATTENTION_BACKENDS[name].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RuntimeError(f"attention backend {name!r} is not available here: {e}") from e
-    return getattr(module, function_name)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -296,9 +259,8 @@ def attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    backend: str | AttentionBackend = "torch",
+    backend: AttentionBackend,
 ) -> torch.Tensor:
     """Write this step's k, v (T, Hkv, D) into the caches, then attend q (T, Hq, D); returns (T, Hq, D)."""
-    attend = get_attention_backend(backend) if isinstance(backend, str) else backend
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend(q, k_cache, v_cache, meta, scale)
+    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return backend.attend(q, k_cache, v_cache, meta, scale)

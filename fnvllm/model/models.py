@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fnvllm.kernels.attention import AttentionBackend, AttentionMetadata, attention, get_attention_backend
+from fnvllm.kernels.attention import AttentionMetadata, attention
+from fnvllm.kernels.backends import AttentionBackend, get_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import (
     LMHead,
@@ -171,8 +172,9 @@ class DecoderForCausalLM(nn.Module):
         backend: str | AttentionBackend = "torch",
     ) -> torch.Tensor:
         """Hidden states (T, hidden_size) for the step's tokens; writes their K/V into kv_caches."""
-        attend = get_attention_backend(backend) if isinstance(backend, str) else backend
-        return self.model(input_ids, positions, kv_caches, meta, attend)
+        return self.model(
+            input_ids, positions, kv_caches, meta, get_backend(backend) if isinstance(backend, str) else backend
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, vocab_size) for hidden states (N, hidden_size)."""

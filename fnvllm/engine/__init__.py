@@ -1,0 +1,26 @@
+"""The engine: ``Engine`` (one step = execute + pure commit), ``EngineLoop`` (the one loop that owns the state,
+admits, aborts and steps) and the output processor (routes tokens to each request's tracker). Imports no torch.
+"""
+
+from fnvllm.engine.core import Engine, EngineOutput
+from fnvllm.engine.loop import EngineLoop, EngineStats, admitted_cached_tokens
+from fnvllm.engine.output import (
+    OutputProcessor,
+    RequestMetrics,
+    RequestOutput,
+    RequestTracker,
+    StreamDelta,
+)
+
+__all__ = [
+    "Engine",
+    "EngineLoop",
+    "EngineOutput",
+    "EngineStats",
+    "OutputProcessor",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestTracker",
+    "StreamDelta",
+    "admitted_cached_tokens",
+]

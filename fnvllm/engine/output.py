@@ -1,0 +1,228 @@
+"""The output processor: routes each committed step's tokens to the request that owns them.
+
+Every live request has a ``RequestTracker``: its ids, logprobs, incremental detokenizer (stop strings), timing
+metrics, and its own queue of ``StreamDelta``s. ``OutputProcessor.process`` folds one ``EngineOutput`` into the
+trackers; a stop string seen in the text ends the request in the core with the pure ``finish``. Token routing
+lives here, not in any caller's loop, so any number of consumers (interleaved ``LLM.stream`` generators, HTTP
+handlers) each read exactly their own deltas, whoever drove the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+
+import attrs
+
+from fnvllm.detokenizer import IncrementalDetokenizer
+from fnvllm.engine.core import EngineOutput
+from fnvllm.executor.base import TokenLogprobs
+from fnvllm.state import EngineState, FinishReason, SamplingParams, finish
+
+
+@attrs.frozen
+class RequestMetrics:
+    """Wall-clock times of one request (``time.perf_counter`` seconds) and its prefix-cache savings.
+
+    arrival_time: when it was added. first_token_time / finish_time: None until they happen.
+    num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission instead of computed.
+    """
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_cached_tokens: int
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to finish, seconds."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def tpot(self, num_tokens: int) -> float | None:
+        """Mean time per output token after the first (seconds); None with fewer than two tokens."""
+        if self.finish_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (num_tokens - 1)
+
+
+@attrs.frozen
+class RequestOutput:
+    """The result of one prompt.
+
+    request_id: engine-wide id. prompt: the text prompt (None for token-id prompts). prompt_token_ids: its ids.
+    text: generated text (stop string excluded unless include_stop_str_in_output; special tokens skipped).
+    token_ids: generated ids (including an EOS or stop token that ended it).
+    finish_reason: "stop", "length" or "abort"; None while it runs.
+    logprobs: one entry per generated token when SamplingParams.logprobs was set, else None.
+    metrics: arrival / first-token / finish times and prefix-cache savings.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """True once the request ended (always, for ``generate`` results)."""
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class StreamDelta:
+    """What one step added to one request: the index of its prompt, new text and ids, and its finish reason."""
+
+    index: int
+    request_id: str
+    new_text: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+
+
+class RequestTracker:
+    """Host-side progress of one request: ids, logprobs, detokenizer, metrics and its queue of deltas.
+
+    ``on_delta`` (optional) is called with every delta instead of queueing it (a server forwards deltas to its
+    client's queue this way); without it, deltas wait in ``deltas`` for whoever consumes this request.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+        on_delta: Callable[[StreamDelta], None] | None = None,
+    ) -> None:
+        self.index, self.request_id, self.prompt, self.prompt_ids = index, request_id, prompt, prompt_ids
+        self.params, self.detokenizer, self.on_delta = params, detokenizer, on_delta
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: FinishReason | None = None
+        self.deltas: deque[StreamDelta] = deque()
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        """True once the request ended (its last delta is queued or delivered)."""
+        return self.finish_reason is not None
+
+    def add_token(self, token: int, logprobs: TokenLogprobs | None, now: float) -> str:
+        """Record one sampled token; returns the new text (empty while held back). Sets "stop" on a stop string."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.detokenizer is None:
+            return ""
+        delta = self.detokenizer.add([token])
+        if delta.stopped:
+            self.finish_reason = "stop"
+        return delta.new_text
+
+    def close(self, reason: FinishReason, now: float) -> str:
+        """End the request (keeps a stop-string reason already set); returns any held-back text."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.finish_time = now
+        if self.detokenizer is None:
+            return ""
+        flushed = self.detokenizer.finish()
+        if flushed.stopped and reason == "length":
+            self.finish_reason = "stop"  # the stop string was only complete in the held-back text
+        return flushed.new_text
+
+    def emit(self, text: str, token_ids: tuple[int, ...]) -> None:
+        """Queue (or hand to ``on_delta``) one delta carrying the current finish reason."""
+        delta = StreamDelta(self.index, self.request_id, text, token_ids, self.finish_reason)
+        if self.on_delta is not None:
+            self.on_delta(delta)
+        else:
+            self.deltas.append(delta)
+
+    def metrics(self) -> RequestMetrics:
+        """The request's timing metrics so far."""
+        return RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time, self.num_cached_tokens)
+
+    def result(self) -> RequestOutput:
+        """The request's output so far (final once ``finished``)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            text=self.detokenizer.text if self.detokenizer is not None else "",
+            token_ids=tuple(self.token_ids),
+            finish_reason=self.finish_reason,
+            logprobs=tuple(self.logprobs) if self.params.logprobs is not None else None,
+            metrics=self.metrics(),
+        )
+
+
+class OutputProcessor:
+    """The trackers of live requests, and the fold of each step's output into them."""
+
+    def __init__(self) -> None:
+        self.trackers: dict[str, RequestTracker] = {}
+
+    def add(self, tracker: RequestTracker) -> None:
+        """Start routing outputs of ``tracker.request_id`` to ``tracker``."""
+        self.trackers[tracker.request_id] = tracker
+
+    def note_cached(self, cached: Mapping[str, int]) -> None:
+        """Record prompt tokens the prefix cache served to requests admitted this step."""
+        for rid, num in cached.items():
+            tracker = self.trackers.get(rid)
+            if tracker is not None:
+                tracker.num_cached_tokens = num
+
+    def abort(self, request_id: str) -> None:
+        """Close a request that was aborted (no more tokens will come)."""
+        tracker = self.trackers.pop(request_id, None)
+        if tracker is not None:
+            tracker.emit(tracker.close("abort", time.perf_counter()), ())
+
+    def process(self, state: EngineState, out: EngineOutput) -> EngineState:
+        """Route one committed step to the trackers; returns ``state`` with stop-string finishes applied."""
+        now = time.perf_counter()
+        finished = {f.request_id: f.reason for f in out.output.finished}
+        for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
+            tracker = self.trackers.get(rid)
+            if tracker is None:
+                continue  # driven by hand, not tracked
+            text = tracker.add_token(token, out.logprobs.get(rid), now)
+            if tracker.finish_reason == "stop" and rid not in finished:
+                state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
+                finished[rid] = "stop"
+            if rid in finished:
+                text += tracker.close(finished[rid], now)
+                del self.trackers[rid]
+            tracker.emit(text, (token,))
+        return state
+
+    def close_all(self, reason: FinishReason, request_ids: Iterable[str]) -> None:
+        """Close the given requests with ``reason`` (e.g. after the engine was reset by an error)."""
+        for rid in list(request_ids):
+            tracker = self.trackers.pop(rid, None)
+            if tracker is not None:
+                tracker.emit(tracker.close(reason, time.perf_counter()), ())

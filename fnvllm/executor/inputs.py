@@ -1,0 +1,81 @@
+"""``prepare_inputs``: a StepPlan flattened into the host arrays and device tensors of one step.
+
+Worked example (block_size 4): rows "b" (decode of token 77 at position 9, blocks (3, 8, 6)) and "a" (prompt
+chunk 11..14 from position 0, blocks (5,)):
+
+    input_ids    = [77, 11, 12, 13, 14]
+    positions    = [9, 0, 1, 2, 3]
+    slot_mapping = [25, 20, 21, 22, 23]        # 6*4+1, then 5*4+0 .. 5*4+3
+    sample_index = [0, 4]                      # last fed row of each sampling sequence
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+
+from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata
+from fnvllm.state import StepPlan
+
+
+@attrs.frozen(eq=False)
+class PreparedInputs:
+    """Device arrays of one step. input_ids (T,) int64; sample_index (S,) int64 rows of the sampled positions."""
+
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    sample_index: torch.Tensor
+
+
+@attrs.frozen(eq=False)
+class DecodeArrays:
+    """Host arrays of an all-decode step (B rows, one token each), ready for a CUDA-graph replay.
+
+    input_ids (B,) int64; positions (B,) int64; slots (B,) int64; seq_lens (B,) int32; block_tables (B, w) int32.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+
+
+def is_decode_only(plan: StepPlan) -> bool:
+    """True when every row feeds exactly one token and samples it (a graph-able decode step)."""
+    return all(len(t) == 1 for t in plan.input_tokens) and all(plan.sample)
+
+
+def pad_tables(tables: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """(B, w) int32 array of block tables right-padded with 0 (w = longest table, at least 1)."""
+    width = max(1, max(map(len, tables)))
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out
+
+
+def prepare_decode(plan: StepPlan) -> DecodeArrays:
+    """Host arrays for an all-decode plan (see ``is_decode_only``)."""
+    bs = plan.block_size
+    tables = pad_tables(plan.block_tables)  # (B, w)
+    positions = np.fromiter(plan.start_positions, dtype=np.int64, count=plan.num_seqs)  # (B,)
+    rows = np.arange(plan.num_seqs)
+    slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs  # (B,)
+    ids = np.fromiter((t[0] for t in plan.input_tokens), dtype=np.int64, count=plan.num_seqs)
+    return DecodeArrays(ids, positions, slots, (positions + 1).astype(np.int32), tables)
+
+
+def prepare_inputs(plan: StepPlan, device: torch.device) -> PreparedInputs:
+    """Flatten ``plan`` into device arrays: token ids, attention metadata and the sampled rows."""
+    q_lens = [len(t) for t in plan.input_tokens]
+    flat = [token for tokens in plan.input_tokens for token in tokens]
+    meta = build_attention_metadata(plan.start_positions, q_lens, plan.block_tables, plan.block_size, device)
+    ends = np.cumsum(q_lens) - 1  # (B,) last fed row of each sequence
+    sample_index = ends[np.asarray(plan.sample, dtype=bool)]
+    return PreparedInputs(
+        input_ids=torch.tensor(flat, dtype=torch.int64).to(device),
+        meta=meta,
+        sample_index=torch.from_numpy(sample_index.astype(np.int64)).to(device),
+    )

@@ -1,0 +1,133 @@
+"""Per-step timeline: GPU time, host time and the device's idle gap between steps, one JSON line per step.
+
+Opt-in: ``FNVLLM_TIMELINE=path.jsonl`` (or ``StepTimeline(path)`` handed to the executor). The first line is a
+header (model config, block size, device); then one record per executed step::
+
+    {"step": 12, "num_seqs": 256, "num_tokens": 256, "num_decode_seqs": 256, "num_prefill_tokens": 0,
+     "context_tokens": 151040, "gpu_ms": 4.81, "cpu_ms": 0.93, "gap_ms": 0.41, "graph": true}
+
+gpu_ms: device time of the step (CUDA events around its forward + sampling; on the CPU, host time).
+cpu_ms: host time of the step outside the device wait: the loop's schedule / commit / output routing since the
+    previous step returned, plus input preparation and kernel launches.
+gap_ms: device idle time between the previous step's end and this step's start (what overlap would hide).
+The simulator fits its cost model to these records (``fnvllm simulate calibrate``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import torch
+
+from fnvllm.state import StepPlan
+
+
+@attrs.frozen
+class StepShape:
+    """What a plan asks of the device, in the numbers a cost model uses."""
+
+    num_seqs: int
+    num_tokens: int
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    context_tokens: int
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepShape:
+        """The shape of ``plan`` (a decode row feeds one token; context = start + fed tokens)."""
+        lens = [len(t) for t in plan.input_tokens]
+        decodes = lens.count(1)
+        total = sum(lens)
+        return cls(plan.num_seqs, total, decodes, total - decodes, sum(plan.start_positions) + total)
+
+
+class StepTimeline:
+    """Records one JSON line per step to ``path``; ``summary()`` aggregates what was recorded."""
+
+    def __init__(self, path: str | Path | None, header: dict[str, Any], device: torch.device) -> None:
+        self.device = device
+        self.records: list[dict[str, Any]] = []
+        self._file: IO[str] | None = open(path, "w") if path else None  # noqa: SIM115 (closed in close())
+        if self._file is not None:
+            self._file.write(json.dumps(header) + "\n")
+        self._last_return: float | None = None
+        self._last_end: torch.cuda.Event | None = None
+
+    @classmethod
+    def from_env(cls, header: dict[str, Any], device: torch.device) -> StepTimeline | None:
+        """A timeline writing to $FNVLLM_TIMELINE, or None when it is unset."""
+        path = os.environ.get("FNVLLM_TIMELINE")
+        return cls(path, header, device) if path else None
+
+    def begin(self) -> _StepTimer:
+        """Start timing one step (call at the top of ``execute``)."""
+        return _StepTimer(self)
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def summary(self) -> dict[str, Any]:
+        """Mean gpu/cpu/gap ms of decode-only and mixed steps, and the totals."""
+        out: dict[str, Any] = {"steps": len(self.records)}
+        for kind, rows in (
+            ("decode", [r for r in self.records if r["num_prefill_tokens"] == 0]),
+            ("mixed", [r for r in self.records if r["num_prefill_tokens"] > 0]),
+        ):
+            if rows:
+                out[kind] = {
+                    "steps": len(rows),
+                    **{
+                        f"mean_{k}": round(sum(r[k] for r in rows) / len(rows), 3)
+                        for k in ("gpu_ms", "cpu_ms", "gap_ms")
+                    },
+                    "total_gpu_s": round(sum(r["gpu_ms"] for r in rows) / 1e3, 3),
+                }
+        return out
+
+
+class _StepTimer:
+    """Timing of one step, between ``StepTimeline.begin`` and ``finish``."""
+
+    def __init__(self, timeline: StepTimeline) -> None:
+        self.timeline = timeline
+        self.t_enter = time.perf_counter()
+        self.host_ms = 0.0
+        self.is_cuda = timeline.device.type == "cuda"
+        self.start = self.end = None
+        if self.is_cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def launched(self) -> None:
+        """All device work of the step is enqueued: record the end event and the host time so far."""
+        if self.end is not None:
+            self.end.record()
+        self.host_ms = (time.perf_counter() - self.t_enter) * 1e3
+
+    def finish(self, plan: StepPlan, graph: bool) -> None:
+        """The step's results are on the host: write its record."""
+        tl, now = self.timeline, time.perf_counter()
+        outside_ms = 0.0 if tl._last_return is None else (self.t_enter - tl._last_return) * 1e3
+        if self.start is not None and self.end is not None:
+            self.end.synchronize()
+            gpu_ms = self.start.elapsed_time(self.end)
+            gap_ms = 0.0 if tl._last_end is None else tl._last_end.elapsed_time(self.start)
+            tl._last_end = self.end
+        else:
+            gpu_ms, gap_ms = (now - self.t_enter) * 1e3, outside_ms
+        record = {"step": plan.step, **attrs.asdict(StepShape.of(plan))}
+        record.update(gpu_ms=round(gpu_ms, 4), cpu_ms=round(outside_ms + self.host_ms, 4), gap_ms=round(gap_ms, 4))
+        record["graph"] = graph
+        tl.records.append(record)
+        if tl._file is not None:
+            tl._file.write(json.dumps(record) + "\n")
+        tl._last_return = time.perf_counter()

@@ -1,0 +1,44 @@
+"""Our Triton kernels: slot-mapped KV store, split-K decode attention, varlen paged prefill attention.
+
+All-decode steps (every query chunk of length 1) go to the bandwidth-built decode kernel, whose launch depends
+only on tensor shapes, so it can be captured in CUDA graphs; mixed steps go to the varlen prefill kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fnvllm.kernels.attention import AttentionMetadata
+from fnvllm.kernels.backends import AttentionBackend
+from fnvllm.kernels.decode_attention import paged_decode_attention
+from fnvllm.kernels.prefill_attention import paged_prefill_attention
+from fnvllm.kernels.store_kv import store_kv
+
+
+def attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Paged attention of q (T, Hq, D) over the caches; returns (T, Hq, D)."""
+    if meta.max_seqlen_q == 1:  # all-decode: T == B
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    return paged_prefill_attention(
+        q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale
+    )
+
+
+def _unavailable(device: torch.device) -> str | None:
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {device}"
+
+
+BACKEND = AttentionBackend(
+    name="triton",
+    store_kv=store_kv,
+    attend=attend,
+    priority=20,
+    unavailable_reason=_unavailable,
+    supports_cuda_graphs=True,
+)
