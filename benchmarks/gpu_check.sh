@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call: the model/LLM test files on the GPU (fp32 equality with transformers through the CUDA path),
-# the demo, and a first end-to-end throughput number with the torch reference attention. Writes logs to $OUT.
+# One device call on the H200: kernels vs references and their timings, end-to-end backend agreement, the CUDA
+# path of the model/LLM tests, then the throughput bench. Logs go to $OUT; a short table prints last.
 set -uo pipefail
-export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-python3 -m pytest tests/test_llm_equality.py tests/test_llm_api.py tests/test_model.py tests/test_sampler.py -q -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
-echo "pytest rc=$?"; tail -3 "$OUT/pytest_gpu.log"
-python3 -m fnvllm.cli demo --device cuda 2>/dev/null | tail -2
-python3 benchmarks/bench_llm.py --model-shape qwen3-0.6b --num-requests ${BENCH_REQUESTS:-64} --json 2>/dev/null | tail -1 | tee "$OUT/bench_llm.json"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -m gpu > "$OUT/kernels.log" 2>&1; echo "gpu kernel tests rc=$?"; tail -2 "$OUT/kernels.log"
+python3 benchmarks/bench_attention.py --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1; echo "bench_attention rc=$?"; tail -25 "$OUT/attention.log"
+python3 benchmarks/gpu_equality.py --json "$OUT/equality.json" 2>&1 | tee "$OUT/equality.log" | grep -v Loading
+python3 -m pytest -q -p no:cacheprovider tests/test_llm_equality.py tests/test_llm_api.py tests/test_engine_loop.py tests/test_model.py tests/test_sampler.py > "$OUT/pytest_gpu.log" 2>&1; echo "CUDA pytest rc=$?"; tail -2 "$OUT/pytest_gpu.log"
+FNVLLM_TIMELINE=$OUT/timeline.jsonl python3 -m fnvllm.cli bench --model-shape qwen3-0.6b --json ${BENCH_FLAGS:-} 2>/dev/null | tail -1 | tee "$OUT/bench.json"

@@ -1,27 +1,5 @@
-"""The nano-vllm benchmark workload, shared by the core benchmark, the GPU benchmark and the simulator.
+"""The nano-vllm benchmark workload (kept for scripts that import it from here; it lives in fnvllm.benchmark)."""
 
-256 requests (by default), ``random.seed(0)``; prompt ids randint(0, 10000) of length randint(100, 1024);
-max_tokens randint(100, 1024); temperature 0.6; ignore_eos. Same draw order as nano-vllm's bench.py.
-"""
+from fnvllm.benchmark import bench_workload
 
-from __future__ import annotations
-
-import random
-
-from fnvllm.state import SamplingParams
-
-
-def bench_workload(
-    num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
-) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts and sampling params of the nano-vllm bench workload (lengths are drawn from [100, max])."""
-    for name, value in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
-        if value < 100:
-            raise ValueError(f"{name} must be >= 100 (the workload draws lengths from [100, max]), got {value}")
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_requests)]
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
-        for _ in range(num_requests)
-    ]
-    return prompts, params
+__all__ = ["bench_workload"]

@@ -61,6 +61,8 @@ class EngineConfig:
         ``fnvllm.kernels.backends`` ("torch", "triton", "flash"); a named backend that cannot run here is an
         error when the LLM is built, naming what to install.
     enforce_eager: never capture CUDA graphs (decode steps run eagerly).
+    model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
+        (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
     seed: seed of the sampler's shared generator (unseeded requests).
     """
 
@@ -77,6 +79,7 @@ class EngineConfig:
     attention_backend: str = attrs.field(default="auto", validator=_backend_name)
     seed: int = 0
     enforce_eager: bool = False
+    model_ops: str = attrs.field(default="auto", validator=_one_of("auto", "torch", "compile", "triton"))
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

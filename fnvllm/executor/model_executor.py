@@ -27,6 +27,7 @@ from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata
 from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
+from fnvllm.model.ops import TORCH_OPS, ModelOps, ops_for
 from fnvllm.state import SamplingParams, StepPlan
 
 _GIB = 1 << 30
@@ -40,6 +41,18 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
+
+
+def _resolve_ops(name: str, device: torch.device) -> ModelOps:
+    """The model's small-op implementation: "auto" = Triton on CUDA when importable, else plain torch."""
+    if name != "auto":
+        return ops_for(name)
+    if device.type != "cuda":
+        return TORCH_OPS
+    try:
+        return ops_for("triton")
+    except ImportError:
+        return TORCH_OPS
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -58,7 +71,8 @@ class ModelExecutor:
         self.dtype = self.model_config.torch_dtype
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.model = load_model(model_path, self.model_config, self.device, self.dtype)
+        self.ops = _resolve_ops(config.model_ops, self.device)
+        self.model = load_model(model_path, self.model_config, self.device, self.dtype, self.ops)
         self.sampler = Sampler(config.seed)
         self.num_blocks = config.num_blocks or self._blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block

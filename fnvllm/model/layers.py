@@ -1,8 +1,8 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, merged linears, SiLU-and-mul, LM head.
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding tables, merged linears, LM head.
 
 Numerics follow Hugging Face's Llama/Qwen code: RMSNorm normalises in float32 and casts back before the
-weight; rope angles are position * inv_freq in float32 (neox style: the two halves of each head pair up).
-Unlike HF, the rotation itself is also done in float32 (one rounding instead of several in bf16).
+weight; rope angles are position * inv_freq in float32. The small ops themselves (norm, rotation, SiLU-and-mul)
+live in ``ops.py``, where a model's ``ModelOps`` picks torch, torch.compile or Triton.
 """
 
 from __future__ import annotations
@@ -16,26 +16,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from fnvllm.model.config import Llama3RopeScaling
+from fnvllm.model.ops import TORCH_OPS, ModelOps
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, with a learned scale."""
+    """Root-mean-square norm over the last dim, with a learned scale (computed by ``ops``)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise x (..., size); same shape and dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.ops.rmsnorm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream update fused with the next norm."""
-        residual = x + residual
-        return self.forward(residual), residual
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
@@ -94,13 +93,6 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, H, D) by per-token angles (cos/sin (T, D/2)), neox style; computed in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class MergedLinear(nn.Linear):
     """One linear whose output rows are several logical projections stacked (e.g. q, k, v).
 
@@ -133,12 +125,6 @@ def gate_up_linear(hidden_size: int, intermediate_size: int, dtype: torch.dtype 
     """Fused gate/up projection of a gated MLP: output rows [gate_proj | up_proj]."""
     shards = {"gate_proj": (0, intermediate_size), "up_proj": (intermediate_size, 2 * intermediate_size)}
     return MergedLinear(hidden_size, shards, bias=False, dtype=dtype)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] (T, 2I); returns (T, I)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class LMHead(nn.Module):

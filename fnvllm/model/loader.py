@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from fnvllm.model.config import ModelConfig, normalize_dtype
 from fnvllm.model.layers import MergedLinear
 from fnvllm.model.models import DecoderForCausalLM, build_model
+from fnvllm.model.ops import TORCH_OPS, ModelOps
 
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
 
@@ -45,13 +46,15 @@ def load_model(
     model_config: ModelConfig,
     device: str | torch.device,
     dtype: str | torch.dtype | None = None,
+    ops: ModelOps = TORCH_OPS,
 ) -> DecoderForCausalLM:
     """Build the model for `model_config` on `device` in `dtype` (default: the config's) with the checkpoint's
-    weights; raises CheckpointMismatchError listing any missing or unexpected tensors."""
+    weights, computing its small ops with `ops`; raises CheckpointMismatchError listing any missing or
+    unexpected tensors."""
     config = model_config if dtype is None else attrs.evolve(model_config, dtype=normalize_dtype(dtype))
     files = checkpoint_files(Path(path))
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(config, ops)
     targets = weight_targets(model)
     check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
     model = model.to_empty(device=device)

@@ -22,11 +22,10 @@ from fnvllm.model.layers import (
     LMHead,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
     gate_up_linear,
     qkv_linear,
-    silu_and_mul,
 )
+from fnvllm.model.ops import TORCH_OPS, ModelOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, Hkv, D)
 
@@ -34,8 +33,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blo
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
+        self.ops = ops
         dtype = config.torch_dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -44,8 +44,8 @@ class Attention(nn.Module):
         self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = qkv_linear(config.hidden_size, config.q_size, config.kv_size, config.attention_bias, dtype)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops) if config.qk_norm else None
 
     def forward(
         self,
@@ -63,7 +63,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
         out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, backend)  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -71,27 +71,28 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated SiLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
+        self.ops = ops
         dtype = config.torch_dtype
         self.gate_up_proj = gate_up_linear(config.hidden_size, config.intermediate_size, dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block; the residual stream is threaded through explicitly."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         dtype = config.torch_dtype
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.self_attn = Attention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.mlp = MLP(config, ops)
 
     def forward(
         self,
@@ -115,15 +116,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         dtype = config.torch_dtype
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
     def forward(
         self,
@@ -145,12 +146,16 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A Qwen3 / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits."""
+    """A Qwen3 / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ops: the implementation of the small fused ops (norms, rotary, SiLU-and-mul); see ``fnvllm.model.ops``.
+    """
+
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.ops = ops
+        self.model = DecoderModel(config, ops)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
         self.tie_weights()
 
@@ -181,9 +186,9 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def build_model(config: ModelConfig) -> DecoderForCausalLM:
-    """A randomly initialised model for `config` with parameters in config.dtype.
+def build_model(config: ModelConfig, ops: ModelOps = TORCH_OPS) -> DecoderForCausalLM:
+    """A randomly initialised model for `config` with parameters in config.dtype, computing with `ops`.
 
     Build it under `torch.device("meta")` to skip the init (as loader.load_model does).
     """
-    return DecoderForCausalLM(config)
+    return DecoderForCausalLM(config, ops)

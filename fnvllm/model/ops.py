@@ -1,0 +1,92 @@
+"""The model's small fused operations, chosen once per model: plain torch, torch.compile, or Triton.
+
+Every decoder layer runs a residual add + RMSNorm twice, a rotary embedding on q and k, a SiLU-and-mul, and
+(Qwen3) an RMSNorm per q/k head. In plain torch each is 3-10 tiny kernels; at a decode batch of 256 that is
+~30 launches per layer whose cost adds up even inside a CUDA graph. ``ModelOps`` is the value that says which
+implementation a model uses; it is fixed when the model is built (no global switch), and every implementation
+computes the same function as the torch reference here (tests compare them).
+
+Numerics follow Hugging Face's Llama/Qwen code: RMSNorm normalises in float32 and casts back before the weight;
+the residual add happens in the activation dtype; the rotation is done in float32 (neox style: the two halves of
+each head pair up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * normalise(x) over the last dim (float32 statistics); same shape and dtype as x."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual): the residual-stream update fused with the next norm."""
+    residual = x + residual
+    return rmsnorm_ref(residual, weight, eps), residual
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, H, D) by per-token angles (cos/sin (T, D/2) float32), neox style, in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] (T, 2I); returns (T, I)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@attrs.frozen
+class ModelOps:
+    """One implementation of each small op (signatures as the ``*_ref`` functions of this module)."""
+
+    name: str
+    rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rmsnorm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref)
+
+
+def compiled_ops() -> ModelOps:
+    """The reference ops through ``torch.compile`` (each becomes one or two generated kernels)."""
+
+    def compile_(fn: Callable[..., object]) -> Callable[..., object]:
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+
+    return ModelOps(
+        "compile",
+        compile_(rmsnorm_ref),  # type: ignore[arg-type]
+        compile_(add_rmsnorm_ref),  # type: ignore[arg-type]
+        compile_(rotary_ref),  # type: ignore[arg-type]
+        compile_(silu_and_mul_ref),  # type: ignore[arg-type]
+    )
+
+
+def triton_ops() -> ModelOps:
+    """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
+    from fnvllm.kernels import fused_ops
+
+    return ModelOps("triton", fused_ops.rmsnorm, fused_ops.fused_add_rmsnorm, fused_ops.rotary, fused_ops.silu_and_mul)
+
+
+def ops_for(name: str) -> ModelOps:
+    """The ops called ``name``: "torch", "compile" or "triton"."""
+    makers = {"torch": lambda: TORCH_OPS, "compile": compiled_ops, "triton": triton_ops}
+    if name not in makers:
+        raise ValueError(f"model ops {name!r} are unknown; choose one of {tuple(makers)}")
+    return makers[name]()
