@@ -1,4 +1,4 @@
-"""Shared pytest configuration: Hypothesis profiles.
+"""Shared pytest configuration: Hypothesis profiles, and Triton's interpreter on machines without a GPU.
 
 ``ci`` (the default when the ``CI`` environment variable is set) runs many examples deterministically;
 ``dev`` (the default otherwise) is a quick pass. ``HYPOTHESIS_PROFILE=ci|dev`` picks one explicitly.
@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# Triton decides at @triton.jit time whether to interpret, so this must run before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile(
     "ci",
