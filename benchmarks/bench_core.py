@@ -5,6 +5,9 @@
 
 Config: 4,300 blocks of 256 tokens, budget 16,384 tokens, max_num_seqs 512, prefix caching on. Reports the
 mean microseconds of schedule + commit per step (the toy executor's time excluded), best of ``--repeats``.
+
+The loop is written out here rather than run through the engine loop because the two pure calls are what is
+timed, each on its own clock: the engine loop's output processing is not part of the core.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,6 +26,13 @@ from fnvllm.state import CoreConfig, add_request, commit, initial_state, schedul
 from fnvllm.testing.toy import CounterToyExecutor
 
 CONFIG = CoreConfig(block_size=256, num_blocks=4300, max_num_batched_tokens=16384, max_num_seqs=512, max_model_len=4096)
+
+
+def token_ids(result: object) -> Sequence[int]:
+    """The sampled ids of an executor's result: its ``token_ids`` (an ExecuteResult), or the result itself."""
+    ids = getattr(result, "token_ids", result)
+    assert isinstance(ids, Sequence)
+    return ids
 
 
 def time_core(num_requests: int) -> tuple[float, int, int]:
@@ -37,7 +48,7 @@ def time_core(num_requests: int) -> tuple[float, int, int]:
         t0 = time.process_time()
         state, plan = schedule(state)
         t1 = time.process_time()
-        sampled = executor.execute(plan)
+        sampled = token_ids(executor.execute(plan))
         t2 = time.process_time()
         state, out = commit(state, plan, sampled)
         core += (t1 - t0) + (time.process_time() - t2)

@@ -21,6 +21,16 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise InvalidConfigError(f"{attribute.name} must be None or an int >= 1, got {value!r}")
 
 
+def _count(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidConfigError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _seconds(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidConfigError(f"{attribute.name} must be a number of seconds > 0, got {value!r}")
+
+
 def _one_of(*allowed: object) -> Any:
     def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value not in allowed:
@@ -64,6 +74,10 @@ class EngineConfig:
     model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
         (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
     seed: seed of the sampler's shared generator (unseeded requests).
+    tensor_parallel_size: processes (one per GPU) the model is split over; > 1 starts worker processes
+        (``fnvllm.executor.tp``) or joins the ``torchrun`` group this process was launched in.
+    distributed_timeout_s: longest wait on another tensor-parallel rank (start-up, one step's collectives)
+        before rank 0 reports it as failed.
     """
 
     dtype: str | None = None
@@ -80,6 +94,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     model_ops: str = attrs.field(default="auto", validator=_one_of("auto", "torch", "compile", "triton"))
+    tensor_parallel_size: int = attrs.field(default=1, validator=_count)
+    distributed_timeout_s: float = attrs.field(default=300.0, validator=_seconds)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

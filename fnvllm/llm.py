@@ -23,6 +23,7 @@ from fnvllm.config import EngineConfig
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine import Engine, EngineLoop, EngineStats, RequestOutput, RequestTracker, StreamDelta
 from fnvllm.executor.model_executor import ModelExecutor
+from fnvllm.executor.tp import TensorParallelExecutor
 from fnvllm.model.config import ModelConfig
 from fnvllm.state import EngineState, SamplingParams
 
@@ -64,7 +65,7 @@ class LLM:
             raise FileNotFoundError(f"{self.model_path} is not a checkpoint folder (no config.json)")
         self.tokenizer = _load_tokenizer(tokenizer or self.model_path) if load_tokenizer else None
         self.model_config = ModelConfig.from_pretrained(self.model_path, dtype=self.config.dtype)
-        self.executor = ModelExecutor(self.model_path, self.config, self.model_config)
+        self.executor = _build_executor(self.model_path, self.config, self.model_config)
         core = self.config.core_config(
             self.executor.num_blocks,
             self.model_config.max_position_embeddings,
@@ -74,6 +75,19 @@ class LLM:
         self.engine = Engine(self.executor, core)
         self.loop = EngineLoop(self.engine)
         self._next_id = 0
+
+    def close(self) -> None:
+        """Release the executor: with tensor_parallel_size > 1, stop the worker processes (also done when this
+        LLM is collected or the interpreter exits). The LLM cannot generate afterwards."""
+        self.executor.close()
+
+    def __enter__(self) -> LLM:
+        """``with LLM(...) as llm:`` closes it on exit."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close the LLM."""
+        self.close()
 
     @property
     def state(self) -> EngineState:
@@ -187,6 +201,15 @@ class LLM:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
+
+
+def _build_executor(
+    model_path: Path, config: EngineConfig, model_config: ModelConfig
+) -> ModelExecutor | TensorParallelExecutor:
+    """One ModelExecutor, or rank 0 of a tensor-parallel group when tensor_parallel_size > 1."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(model_path, config, model_config)
+    return ModelExecutor(model_path, config, model_config)
 
 
 def _load_tokenizer(path: str | Path) -> Any:

@@ -14,8 +14,8 @@ from fnvllm.kernels import (
     paged_attention_ref,
     write_kv,
 )
-from fnvllm.kernels.backends import BackendUnavailableError, backend_names, get_backend, resolve_backend
 from fnvllm.kernels.attention import attention
+from fnvllm.kernels.backends import BackendUnavailableError, backend_names, get_backend, resolve_backend
 
 HEAD_DIM = 8
 # (start position, query length) per sequence: fresh prefills, chunks over a cached prefix, decodes.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,4 +147,3 @@ def test_loop_add_many_is_atomic(llm: LLM) -> None:
         llm.generate([PROMPTS[0], [10**9]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.state.has_unfinished
     assert llm.loop.processor.trackers == {}
-

@@ -57,7 +57,7 @@ def _add(state: EngineState, rid: str, prompt: Sequence[int], priority: int = 0,
 
 def _step(state: EngineState, executor: KVToyExecutor) -> tuple[EngineState, StepPlan, StepOutput]:
     state, plan = schedule(state)
-    state, output = commit(state, plan, executor.execute(plan))
+    state, output = commit(state, plan, executor.execute(plan).token_ids)
     return state, plan, output
 
 
@@ -206,7 +206,7 @@ def test_commit_rejects_a_stale_plan_and_leaves_state_unchanged() -> None:
     executor = KVToyExecutor(VOCAB)
     state = _add(_state(), "a", [1, 2, 3], max_tokens=5)
     state, old_plan = schedule(state)
-    sampled = executor.execute(old_plan)
+    sampled = executor.execute(old_plan).token_ids
     state, _ = commit(state, old_plan, sampled)
     before = pickle.dumps(state)
     with pytest.raises(PlanMismatchError, match="schedule first"):
@@ -224,7 +224,7 @@ def test_commit_rejects_a_wrong_number_of_sampled_tokens(delta: int) -> None:
     """One token too few or too many raises PlanMismatchError, changes nothing, and the right count then works."""
     state = _add(_add(_state(), "a", [1, 2, 3]), "b", [4, 5])
     state, plan = schedule(state)
-    sampled = KVToyExecutor(VOCAB).execute(plan)
+    sampled = KVToyExecutor(VOCAB).execute(plan).token_ids
     assert len(sampled) == 2
     before = pickle.dumps(state)
     wrong = sampled[:-1] if delta < 0 else [*sampled, 0]
@@ -242,7 +242,7 @@ def test_inputs_are_not_mutated_by_transitions() -> None:
     scheduled, plan = schedule(state)
     plan_before = pickle.dumps(plan)
     mid = pickle.dumps(scheduled)
-    commit(scheduled, plan, executor.execute(plan))
+    commit(scheduled, plan, executor.execute(plan).token_ids)
     add_request(state, "z", [1], SamplingParams())
     abort(state, "a")
     assert pickle.dumps(state) == before and pickle.dumps(scheduled) == mid and pickle.dumps(plan) == plan_before
@@ -271,7 +271,7 @@ def test_abort_between_schedule_and_commit_is_skipped_by_commit() -> None:
     state = _add(_add(_state(), "a", range(6), max_tokens=4), "b", range(20, 27), max_tokens=4)
     state, plan = schedule(state)
     state = abort(state, "a")
-    state, output = commit(state, plan, executor.execute(plan))
+    state, output = commit(state, plan, executor.execute(plan).token_ids)
     assert output.seq_ids == ("b",) and not output.finished
     assert set(state.requests) == {"b"}
     assert state.pool.num_free == state.config.num_blocks - len(state.sequence("b").block_table)
@@ -516,7 +516,7 @@ def test_waiting_twin_of_a_running_chunked_prefill_waits_and_hits() -> None:
         state, plan = schedule(state)
         for rid, tokens in zip(plan.seq_ids, plan.input_tokens, strict=True):
             fed[rid] += len(tokens)
-        state, out = commit(state, plan, executor.execute(plan))
+        state, out = commit(state, plan, executor.execute(plan).token_ids)
         outputs.update({f.request_id: f.output for f in out.finished})
     assert fed == {"a": 17, "b": 2}  # b recomputes only its last prompt token, then decodes
     assert outputs["a"] == outputs["b"]

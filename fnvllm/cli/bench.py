@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     try:
         result = run_bench(
@@ -34,19 +35,20 @@ def run(args: argparse.Namespace) -> int:
             args.num_requests,
             args.max_input_len,
             args.max_output_len,
-            args.read_tb_s,
+            args.read_tb_s * args.tensor_parallel_size,  # each GPU reads its share of the weights and KV
             use_tqdm=sys.stderr.isatty(),
             **options,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
+    result["tensor_parallel_size"] = args.tensor_parallel_size
     if args.profile:
         result["timeline_file"] = os.environ["FNVLLM_TIMELINE"]
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            print(f"{key:>18}: {value}")
+            print(f"{key:>20}: {value}")
     return 0
 
 
@@ -67,7 +69,10 @@ def register(sub: Any) -> None:
         "--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: 4096 or the model's)"
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    p.add_argument("--read-tb-s", type=float, default=4.16, help="device read ceiling for the floor (TB/s)")
+    p.add_argument("--read-tb-s", type=float, default=4.16, help="one device's read ceiling for the floor (TB/s)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (the floor uses all of them)"
+    )
     p.add_argument("--profile", action="store_true", help="record the per-step timeline and print its summary")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -1,53 +1,78 @@
-"""``fnvllm demo``: the whole stack end to end in seconds, on any machine."""
+"""``fnvllm demo``: the embedded demo model (a tiny Qwen3 that writes Python) end to end, in seconds, on any machine."""
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from fnvllm.cli._common import add_sampling_args, print_outputs, sampling_params
+from fnvllm.cli._common import (
+    RunStats,
+    add_engine_args,
+    add_sampling_args,
+    engine_options,
+    load_llm,
+    one_line_errors,
+    print_summary,
+    print_text_outputs,
+    run_requests,
+    sampling_params,
+    summary_line,
+    tolerating_closed_stdout,
+)
+
+# Prompts end mid-line: the tokenizer merges a newline with the indentation after it, so a prompt ending in "\n"
+# would cut that token in two and read oddly to the model.
+DEMO_PROMPTS = (
+    "def fib(n):",
+    "import os\nimport sys\n\n\ndef",
+    "class Stack:\n    def __init__(self",
+    "if __name__ == '__main__':",
+    "    with open(path",
+)
+# Greedy (reproducible) with a light repetition penalty: a 4.5M-parameter model's greedy text loops without it.
+DEMO_SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": 48}
+
+
+def describe(llm: Any) -> str:
+    """One line saying which model runs: the embedded demo model, its shape and where it lives."""
+    cfg = llm.model_config
+    return (
+        f"Using the embedded demo model ({cfg.num_hidden_layers}-layer Qwen3, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}, trained on Python's standard library) from {llm.model_path}\n"
+        "(`fnvllm generate MODEL PROMPT` runs any Hugging Face checkpoint folder instead)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write a tiny random Qwen3 checkpoint and generate from it."""
-    from fnvllm.llm import LLM
-    from fnvllm.testing.checkpoints import write_tiny_checkpoint
-    from fnvllm.testing.tokenizer import build_test_tokenizer
+    """Generate from the embedded model for a few Python-ish prompts; print them and a summary."""
+    return tolerating_closed_stdout(lambda: _run(args))
 
-    folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-demo-"))
-    write_tiny_checkpoint(
-        folder,
-        "qwen3",
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=512,
-        intermediate_size=256,
-        tie_word_embeddings=True,
-    )
-    build_test_tokenizer(folder, vocab_size=512)
-    print(f"tiny random Qwen3 checkpoint written to {folder}")
-    llm = LLM(folder, device=args.device, block_size=16, num_blocks=512)
-    prompts = ["The engine is pure:", "In the beginning", "A language model reads tokens"] * 4
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling_params(args))
-    print_outputs(outputs, time.perf_counter() - start)
-    s = llm.stats
-    print(
-        f"steps {s.num_steps}, prefix-cache tokens {s.num_cached_tokens}, preemptions {s.num_preemptions}, "
-        f"device {llm.executor.device}, attention backend {llm.executor.backend}"
-    )
+
+def _run(args: argparse.Namespace) -> int:
+    """``run``'s body."""
+    params = sampling_params(args)
+    llm = load_llm(None, engine_options(args))
+    print(describe(llm), flush=True)
+    stats, start = RunStats(llm), time.perf_counter()
+    outputs = run_requests(lambda: llm.generate(list(DEMO_PROMPTS), params, use_tqdm=False))
+    print_text_outputs(outputs, llm.tokenizer)
+    ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
+    print_summary(summary_line(stats, len(outputs), time.perf_counter() - start, ttfts))
+    backend = getattr(llm.executor.backend, "name", llm.executor.backend)
+    print_summary(f"device {llm.executor.device}, attention backend {backend}")
     return 0
 
 
 def register(sub: Any) -> None:
     """Add the ``demo`` subcommand."""
-    demo = sub.add_parser("demo", help="a small model end to end (CPU or GPU)")
-    demo.add_argument("--out", help="folder for the tiny checkpoint (default: a temp folder)")
-    demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    add_sampling_args(demo)
+    demo = sub.add_parser(
+        "demo",
+        help="the embedded demo model writes some Python (CPU or GPU, seconds)",
+        description="Load the embedded demo model (a tiny Qwen3 trained on Python's standard library) and "
+        "continue a few Python prompts with it. Every generate flag for sampling and the engine applies.",
+    )
+    one_line_errors(demo)
+    add_sampling_args(demo, DEMO_SAMPLING)
+    add_engine_args(demo)
     demo.set_defaults(func=run)

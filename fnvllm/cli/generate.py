@@ -1,31 +1,258 @@
-"""``fnvllm generate MODEL --prompt TEXT``: generate from a Hugging Face checkpoint folder."""
+"""``fnvllm generate [MODEL] PROMPT…``: generate from a checkpoint folder (default: the embedded demo model)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from fnvllm.cli._common import add_sampling_args, print_outputs, sampling_params
+from fnvllm.cli import CLIError
+from fnvllm.cli._common import (
+    RunStats,
+    add_engine_args,
+    add_sampling_args,
+    engine_options,
+    load_llm,
+    one_line_errors,
+    output_json,
+    print_summary,
+    print_text_outputs,
+    request_header,
+    run_requests,
+    sampling_params,
+    summary_line,
+    tolerating_closed_stdout,
+)
 
+Conversation = list[dict[str, str]]
+PromptItem = str | Conversation  # a text prompt, or (JSONL with --chat) a whole conversation
 
-def run(args: argparse.Namespace) -> int:
-    """Generate from a checkpoint folder and print the outputs."""
-    from fnvllm.llm import LLM
+DESCRIPTION = """\
+Generate text for each prompt and print it (the prompt, then its continuation).
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    start = time.perf_counter()
-    outputs = llm.generate(args.prompt, sampling_params(args))
-    print_outputs(outputs, time.perf_counter() - start)
-    return 0
+MODEL is a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files); without it the embedded
+demo model is used, a tiny Qwen3 that writes Python. The first argument is taken as MODEL when it is an existing
+folder (or use --model); every other argument is a prompt. '-' reads prompts from stdin.
+
+Prompt files (--prompts-file, or stdin) hold one prompt per line, or JSON Lines whose objects have a "prompt"
+string (with --chat, a "messages" list of {"role", "content"} objects instead).
+"""
+
+EPILOG = """\
+examples:
+  fnvllm generate "def fib("
+  fnvllm generate --temperature 0.8 --top-p 0.95 --seed 1 --max-tokens 100 "class Stack:"
+  fnvllm generate path/to/Qwen3-0.6B --chat "What is a KV cache?"
+  printf 'import os\\nfor i in range(\\n' | fnvllm generate --json -
+
+exit status: 0 on success, 1 when the run fails (missing model, unreadable file, a prompt the model cannot take),
+2 for bad usage (an unknown flag or a value out of range). The summary line goes to stderr.
+"""
 
 
 def register(sub: Any) -> None:
     """Add the ``generate`` subcommand."""
-    gen = sub.add_parser("generate", help="generate from a Hugging Face checkpoint folder")
-    gen.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer)")
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    gen.add_argument("--dtype", default=None, help="override the checkpoint dtype (float32, bfloat16, float16)")
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen = sub.add_parser(
+        "generate",
+        help="generate from a checkpoint folder (default: the embedded demo model)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    one_line_errors(gen)
+    gen.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT", help="optional model folder, then prompts")
+    gen.add_argument("--model", help="checkpoint folder (instead of the first argument)")
+    gen.add_argument("--prompts-file", metavar="FILE", help="read prompts from FILE ('-' = stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per request (JSON Lines)")
     add_sampling_args(gen)
+    add_engine_args(gen)
     gen.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the prompts, load the model, generate (or stream), print, summarise."""
+    return tolerating_closed_stdout(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``run``'s body."""
+    if args.system is not None and not args.chat:
+        raise CLIError("--system needs --chat", code=2)
+    model, items = gather_prompts(args)
+    if args.chat:
+        items = [_conversation(item, args.system) for item in items]
+    elif any(not isinstance(item, str) for item in items):
+        raise CLIError('a "messages" prompt needs --chat', code=2)
+    params = sampling_params(args)
+    llm = load_llm(model, engine_options(args))
+    stats, start = RunStats(llm), time.perf_counter()
+    ttfts = _stream(llm, items, params, args) if args.stream else _generate(llm, items, params, args)
+    print_summary(summary_line(stats, len(items), time.perf_counter() - start, ttfts))
+    return 0
+
+
+def _generate(llm: Any, items: list[PromptItem], params: Any, args: argparse.Namespace) -> list[float]:
+    """Generate all, print them (text or JSON Lines); returns each request's time to first token."""
+    if args.chat:
+        outputs = run_requests(lambda: llm.chat(items, params, use_tqdm=False))
+    else:
+        outputs = run_requests(lambda: llm.generate(items, params, use_tqdm=False))
+    if args.json:
+        for index, out in enumerate(outputs):
+            print(json.dumps(output_json(index, out, llm.tokenizer)), flush=True)
+    else:
+        print_text_outputs(outputs, llm.tokenizer, show_prompt=not args.chat)
+    metrics = [out.metrics for out in outputs if out.metrics is not None]
+    return [m.ttft for m in metrics if m.ttft is not None]
+
+
+def _stream(llm: Any, items: list[PromptItem], params: Any, args: argparse.Namespace) -> list[float]:
+    """Stream all, printing deltas as they come (text in prompt order, or one JSON object per delta)."""
+    prompts = [_render(llm, item) for item in items]
+    shown = ["" if args.chat else p for p in prompts]
+    printer = StreamPrinter(shown, as_json=args.json)
+    run_requests(lambda: printer.print_all(llm.stream(prompts, params)))
+    return []
+
+
+def _render(llm: Any, item: PromptItem) -> str:
+    """A prompt's text: itself, or a conversation through the tokenizer's chat template."""
+    if isinstance(item, str):
+        return item
+    try:
+        return str(llm.tokenizer.apply_chat_template(item, tokenize=False, add_generation_prompt=True))
+    except Exception as e:  # jinja2 errors and a tokenizer without a template, both from user input
+        raise CLIError(f"--chat: the chat template failed: {e}", code=1) from e
+
+
+def _conversation(item: PromptItem, system: str | None) -> Conversation:
+    """A prompt as a chat conversation: one user message (after the system message, if any)."""
+    if not isinstance(item, str):
+        return item
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": item}]
+
+
+def gather_prompts(args: argparse.Namespace) -> tuple[str | None, list[PromptItem]]:
+    """(model folder or None, prompts) from the positional arguments, --prompts-file and stdin, in that order."""
+    has_file = args.prompts_file is not None
+    model, prompts = split_model(args.inputs, args.model, has_file or "-" in args.inputs)
+    items: list[PromptItem] = []
+    for prompt in prompts:
+        items.extend(read_prompts("-") if prompt == "-" else [prompt])
+    if has_file:
+        items.extend(read_prompts(args.prompts_file))
+    if not items:
+        raise CLIError("no prompt given: pass PROMPT arguments, --prompts-file FILE, or '-' for stdin", code=2)
+    return model, items
+
+
+def split_model(inputs: list[str], model_flag: str | None, other_sources: bool) -> tuple[str | None, list[str]]:
+    """Tell the optional MODEL argument from the prompts.
+
+    The first argument is the model when it is an existing folder. When it looks like a path (no spaces, a '/'
+    in it) and prompts come from elsewhere too, a missing folder is an error rather than a strange prompt."""
+    if model_flag is not None or not inputs:
+        return model_flag, inputs
+    first = inputs[0]
+    if _is_dir(first):
+        return str(Path(first).expanduser()), inputs[1:]
+    looks_like_path = "/" in first and not any(c.isspace() for c in first)
+    if looks_like_path and (len(inputs) > 1 or other_sources):
+        raise CLIError(f"model folder {first!r} does not exist", code=1)
+    return None, inputs
+
+
+def _is_dir(text: str) -> bool:
+    """True when ``text`` names an existing folder (False for text no path can be: too long, NUL bytes)."""
+    try:
+        return Path(text).expanduser().is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def read_prompts(source: str) -> list[PromptItem]:
+    """The prompts of a file (or of stdin for '-'): one per line, or JSON Lines; blank lines are skipped."""
+    name = "stdin" if source == "-" else source
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"cannot read prompts from {name}: {e}", code=1) from e
+    numbered = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if numbered and numbered[0][1].lstrip().startswith("{"):
+        return [_jsonl_prompt(line, f"{name}:{n}") for n, line in numbered]
+    return [line for _, line in numbered]
+
+
+def _jsonl_prompt(line: str, where: str) -> PromptItem:
+    """One JSON Lines record: {"prompt": str} or {"messages": [{"role", "content"}, …]}."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{where}: not valid JSON ({e})", code=1) from e
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return str(record["prompt"])
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if isinstance(messages, list) and all(_is_message(m) for m in messages) and messages:
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    raise CLIError(f'{where}: expected an object with a "prompt" string or a "messages" list', code=1)
+
+
+def _is_message(value: Any) -> bool:
+    """True for a chat message: a dict with string "role" and "content"."""
+    return isinstance(value, dict) and isinstance(value.get("role"), str) and isinstance(value.get("content"), str)
+
+
+class StreamPrinter:
+    """Prints streamed deltas. Text: requests in prompt order, each shown live once the ones before it are done
+    (later requests' text waits in a buffer, so outputs never interleave). JSON: one object per delta, at once."""
+
+    def __init__(self, prompts: Sequence[str], as_json: bool) -> None:
+        self.prompts, self.as_json = list(prompts), as_json
+        self.buffers: list[list[str]] = [[] for _ in self.prompts]
+        self.done = [False] * len(self.prompts)
+        self.current = 0
+        if not as_json:
+            self._open(0)
+
+    def print_all(self, deltas: Iterable[Any]) -> None:
+        """Print every delta of a stream as it comes."""
+        for delta in deltas:
+            self.add(delta)
+
+    def add(self, delta: Any) -> None:
+        """Take one delta (``StreamDelta``) and print what can be printed now."""
+        if self.as_json:
+            record = {"index": delta.index, "request_id": delta.request_id, "text": delta.new_text}
+            record.update(token_ids=list(delta.new_token_ids), finish_reason=delta.finish_reason)
+            print(json.dumps(record), flush=True)
+            return
+        self.buffers[delta.index].append(delta.new_text)
+        self.done[delta.index] |= delta.finish_reason is not None
+        self._flush()
+
+    def _open(self, index: int) -> None:
+        """Start printing request ``index``: its header (when there are several) and its prompt."""
+        if len(self.prompts) > 1:
+            print(request_header(index))
+        sys.stdout.write(self.prompts[index])
+
+    def _flush(self) -> None:
+        """Print the current request's buffered text; move on past every finished one."""
+        while self.current < len(self.prompts):
+            sys.stdout.write("".join(self.buffers[self.current]))
+            self.buffers[self.current].clear()
+            if not self.done[self.current]:
+                break
+            sys.stdout.write("\n")
+            self.current += 1
+            if self.current < len(self.prompts):
+                self._open(self.current)
+        sys.stdout.flush()

@@ -8,12 +8,18 @@ KV cache sizing on a GPU: after loading the weights, one profiling forward of th
 activation memory; the KV cache gets what ``gpu_memory_utilization`` leaves after weights, that peak and a
 reserve for the CUDA-graph pool. The cache holds one block more than the core is told about: the scratch
 block that padded graph rows write into.
+
+Under tensor parallelism (``tp``; ``fnvllm.executor.tp`` starts the ranks) every rank builds one of these over
+its slice of the model and runs every step: the ranks agree on the smallest block count any of them fits, hold
+their local KV heads, capture the same graph buckets and replay the same one each decode step (the collectives
+are inside the graphs). Logits are gathered on rank 0, which alone samples; the others return no tokens.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -28,6 +34,7 @@ from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps, ops_for
+from fnvllm.model.sharding import SINGLE, TensorParallel, local_heads, min_over_ranks
 from fnvllm.state import SamplingParams, StepPlan
 
 _GIB = 1 << 30
@@ -43,6 +50,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def rank_device(name: str, tp: TensorParallel) -> torch.device:
+    """The device of this rank: ``resolve_device(name)``, pinned to GPU ``tp.local_rank`` under tensor parallelism."""
+    device = resolve_device(name)
+    if device.type == "cuda" and tp.is_parallel:
+        return torch.device("cuda", tp.local_rank)
+    return device
+
+
 def _resolve_ops(name: str, device: torch.device) -> ModelOps:
     """The model's small-op implementation: "auto" = Triton on CUDA when importable, else plain torch."""
     if name != "auto":
@@ -55,36 +70,67 @@ def _resolve_ops(name: str, device: torch.device) -> ModelOps:
         return TORCH_OPS
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
-    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of K and V for one block across all layers (of ``num_kv_heads`` heads; default: all the model's)."""
+    heads = model.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    per_token = 2 * model.num_hidden_layers * heads * model.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-class ModelExecutor:
-    """Owns the model weights, the KV cache tensors, the decode CUDA graphs and the sampler's RNG."""
+class RankGuard(Protocol):
+    """A tensor-parallel rank's watch over the others (``fnvllm.executor.tp``), so that rank 0 never blocks on a
+    rank that died."""
 
-    def __init__(self, model_path: str | Path, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
+    def loaded(self) -> None:
+        """Return once every rank has loaded its weights (called before the first collective)."""
+        ...
+
+    def wait(self, tensor: torch.Tensor) -> None:
+        """Return once ``tensor`` is computed; raise if a rank died or the deadline passed meanwhile."""
+        ...
+
+
+class ModelExecutor:
+    """Owns the model weights, the KV cache tensors, the decode CUDA graphs and the sampler's RNG.
+
+    tp: this rank's place in a tensor-parallel group (default: one process, the whole model).
+    guard: under tensor parallelism, waits for the other ranks after loading and for the sampled ids before
+        they are copied to the host (with liveness checks and a deadline instead of blocking).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        tp: TensorParallel = SINGLE,
+        guard: RankGuard | None = None,
+    ) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        self.guard = guard
+        self.device = rank_device(config.device, tp)
         self.model_config = model_config or ModelConfig.from_pretrained(model_path, dtype=config.dtype)
         self.dtype = self.model_config.torch_dtype
+        self.num_kv_heads = local_heads(self.model_config, tp)[1]
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.ops = _resolve_ops(config.model_ops, self.device)
-        self.model = load_model(model_path, self.model_config, self.device, self.dtype, self.ops)
+        self.model = load_model(model_path, self.model_config, self.device, self.dtype, self.ops, tp)
+        if guard is not None:
+            guard.loaded()
         self.sampler = Sampler(config.seed)
-        self.num_blocks = config.num_blocks or self._blocks_that_fit()
+        self.num_blocks = min_over_ranks(config.num_blocks or self._blocks_that_fit(), tp, self.device)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block
         self.scratch_block = self.num_blocks
         self.graphs = self._capture_graphs() if self._use_graphs() else None
-        self.timeline = StepTimeline.from_env(self._timeline_header(), self.device)
+        self.timeline = StepTimeline.from_env(self._timeline_header(), self.device) if tp.is_first else None
         self.next_step = 0
 
     # ---- memory ------------------------------------------------------------------------------------------
 
     def _blocks_that_fit(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.num_kv_heads)
         if self.device.type == "cpu":
             return max(int(self.config.cpu_kv_cache_gib * _GIB) // per_block, 1)
         peak = self._profile_peak_activation_bytes()
@@ -118,7 +164,7 @@ class ModelExecutor:
         with torch.inference_mode():
             hidden = self.model(ids, meta.positions, caches, meta, self.backend)
             rows = hidden[torch.arange(self.config.max_num_seqs, device=self.device) % budget]
-            logits = self.model.compute_logits(rows)
+            logits = self.model.compute_logits(rows)  # None on ranks > 0, which do not sample
             n = self.config.max_num_seqs
             batch = prepare_sampling(
                 [SamplingParams(temperature=0.6, top_p=0.9)] * n,
@@ -127,7 +173,8 @@ class ModelExecutor:
                 self.model_config.vocab_size,
                 self.device,
             )
-            self.sampler.sample(logits, batch)
+            if logits is not None:
+                self.sampler.sample(logits, batch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del caches, hidden, rows, logits
@@ -136,7 +183,7 @@ class ModelExecutor:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.model_config
-        shape = (num_blocks, self.config.block_size, m.num_key_value_heads, m.head_dim)
+        shape = (num_blocks, self.config.block_size, self.num_kv_heads, m.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -166,6 +213,11 @@ class ModelExecutor:
         )
 
     # ---- stepping ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the CUDA graphs (under tensor parallelism they hold the group's collectives); later steps run
+        eagerly. Idempotent."""
+        self.graphs = None
 
     def reset(self, next_step: int) -> None:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
@@ -198,7 +250,9 @@ class ModelExecutor:
                 timer.launched()
                 timer.finish(plan, graph)
             return ExecuteResult(())
-        logits = self.model.compute_logits(hidden)  # (S, vocab)
+        logits = self.model.compute_logits(hidden)  # (S, vocab); None on ranks > 0 (they sent rank 0 their slice)
+        if logits is None:  # a worker rank: no timeline, no sampling
+            return ExecuteResult(())
         rows = [i for i, s in enumerate(plan.sample) if s]
         batch = prepare_sampling(
             [plan.params[i] for i in rows],
@@ -210,6 +264,8 @@ class ModelExecutor:
         out = self.sampler.sample(logits, batch)
         if timer is not None:
             timer.launched()
+        if self.guard is not None:
+            self.guard.wait(out.token_ids)
         tokens = out.token_ids.tolist()  # the step's one device -> host sync
         if timer is not None:
             timer.finish(plan, graph)

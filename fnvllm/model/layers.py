@@ -1,4 +1,7 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding tables, merged linears, LM head.
+"""Building blocks of Llama-family decoders: RMSNorm and rotary embedding tables.
+
+The linear layers (merged q/k/v and gate/up, the embedding and the LM head) live in ``sharding.py``, where
+tensor parallelism splits them.
 
 Numerics follow Hugging Face's Llama/Qwen code: RMSNorm normalises in float32 and casts back before the
 weight; rope angles are position * inv_freq in float32. The small ops themselves (norm, rotation, SiLU-and-mul)
@@ -8,11 +11,8 @@ live in ``ops.py``, where a model's ``ModelOps`` picks torch, torch.compile or T
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from types import MappingProxyType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fnvllm.model.config import Llama3RopeScaling
@@ -74,7 +74,9 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("cos_sin_cache", self._cos_sin(None), persistent=False)
+        table = torch.empty(max_positions, head_dim)  # on the meta device init_buffers computes it later (and
+        # computing it there would import torch._dynamo, seconds per process)
+        self.register_buffer("cos_sin_cache", table if table.is_meta else self._cos_sin(None), persistent=False)
 
     def _cos_sin(self, device: torch.device | None) -> torch.Tensor:
         """(max_positions, head_dim) float32: [cos | sin] of position * inv_freq (default device if None)."""
@@ -91,49 +93,3 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin), each (T, head_dim / 2) float32, for positions (T,)."""
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return cos, sin
-
-
-class MergedLinear(nn.Linear):
-    """One linear whose output rows are several logical projections stacked (e.g. q, k, v).
-
-    shards maps each projection's checkpoint module name (e.g. "q_proj") to its (start, end) output rows; the
-    loader copies checkpoint tensor `<parent>.q_proj.weight` into weight[start:end] (and likewise the bias).
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        shards: Mapping[str, tuple[int, int]],
-        bias: bool,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        out_features = max(end for _, end in shards.values())
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
-        self.shards = MappingProxyType(dict(shards))
-
-
-def qkv_linear(
-    hidden_size: int, q_size: int, kv_size: int, bias: bool, dtype: torch.dtype | None = None
-) -> MergedLinear:
-    """Fused q/k/v projection: output rows [q_proj | k_proj | v_proj] of widths q_size, kv_size, kv_size."""
-    k_end = q_size + kv_size
-    shards = {"q_proj": (0, q_size), "k_proj": (q_size, k_end), "v_proj": (k_end, k_end + kv_size)}
-    return MergedLinear(hidden_size, shards, bias=bias, dtype=dtype)
-
-
-def gate_up_linear(hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None) -> MergedLinear:
-    """Fused gate/up projection of a gated MLP: output rows [gate_proj | up_proj]."""
-    shards = {"gate_proj": (0, intermediate_size), "up_proj": (intermediate_size, 2 * intermediate_size)}
-    return MergedLinear(hidden_size, shards, bias=False, dtype=dtype)
-
-
-class LMHead(nn.Module):
-    """Projection from hidden states to vocabulary logits (its weight may be the embedding's, when tied)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype).normal_(std=0.02))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (N, vocab) in float32 for hidden (N, hidden_size)."""
-        return F.linear(hidden, self.weight).float()

@@ -8,6 +8,9 @@ is ever left at its uninitialised value.
 Name mapping (HF -> ours): `<p>.q_proj|k_proj|v_proj.<w>` -> rows of `<p>.qkv_proj.<w>`,
 `<p>.gate_proj|up_proj.weight` -> rows of `<p>.gate_up_proj.weight`, everything else unchanged. With tied
 embeddings a stored `lm_head.weight` is ignored (it equals the embedding); so is any `rotary_emb.inv_freq`.
+
+Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
+rules for which slice are ``sharding.weight_targets``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -22,9 +26,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from fnvllm.model.config import ModelConfig, normalize_dtype
-from fnvllm.model.layers import MergedLinear
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
+from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_targets, zero_vocab_padding
 
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
 
@@ -33,36 +37,31 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model's parameters (names or shapes)."""
 
 
-@attrs.frozen
-class WeightTarget:
-    """Where one checkpoint tensor goes: parameter `param` (our name), output rows `rows` (None = all)."""
-
-    param: str
-    rows: tuple[int, int] | None = None
-
-
 def load_model(
     path: str | Path,
     model_config: ModelConfig,
     device: str | torch.device,
     dtype: str | torch.dtype | None = None,
     ops: ModelOps = TORCH_OPS,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderForCausalLM:
     """Build the model for `model_config` on `device` in `dtype` (default: the config's) with the checkpoint's
-    weights, computing its small ops with `ops`; raises CheckpointMismatchError listing any missing or
-    unexpected tensors."""
+    weights, computing its small ops with `ops` (this rank's slice under `tp`); raises CheckpointMismatchError
+    listing any missing or unexpected tensors."""
     config = model_config if dtype is None else attrs.evolve(model_config, dtype=normalize_dtype(dtype))
     files = checkpoint_files(Path(path))
     with torch.device("meta"):
-        model = build_model(config, ops)
+        model = build_model(config, ops, tp)
     targets = weight_targets(model)
     check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
-    model = model.to_empty(device=device)
+    # = model.to_empty(device=device), whose empty_like on meta tensors costs a second of imports per process
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     model.init_buffers()
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for file in tqdm(files, desc="Loading safetensors shards", unit="shard"):
+        zero_vocab_padding(model)
+        for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not tp.is_first):
             _load_file(file, targets, params)
     return model.requires_grad_(False).eval()
 
@@ -83,21 +82,6 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in checkpoint folder {str(path)!r}")
     return files
-
-
-def weight_targets(model: DecoderForCausalLM) -> dict[str, WeightTarget]:
-    """HF checkpoint name -> where it goes in `model`, for every tensor the model needs."""
-    targets: dict[str, WeightTarget] = {}
-    for name, _ in model.named_parameters():  # a tied lm_head is deduplicated away here
-        parent, _, leaf = name.rpartition(".")
-        module = model.get_submodule(parent)
-        if isinstance(module, MergedLinear):
-            prefix = parent.rpartition(".")[0]
-            for shard, rows in module.shards.items():
-                targets[f"{prefix}.{shard}.{leaf}"] = WeightTarget(name, rows)
-        else:
-            targets[name] = WeightTarget(name)
-    return targets
 
 
 def check_names(
@@ -121,7 +105,8 @@ def check_names(
 
 
 def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor]) -> None:
-    """Copy every needed tensor of one safetensors file into its parameter (rows), converting dtype/device."""
+    """Copy every needed tensor (or this rank's slice) of one safetensors file into its parameter (rows),
+    converting dtype/device."""
     with safe_open(str(file), framework="pt", device="cpu") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             target = targets.get(name)
@@ -129,12 +114,23 @@ def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[
                 continue
             param = params[target.param]
             dest = param.data if target.rows is None else param.data[target.rows[0] : target.rows[1]]
-            tensor = f.get_tensor(name)
-            if tensor.shape != dest.shape:
-                raise CheckpointMismatchError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}; the model expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            dest.copy_(_read(f, name, target, tuple(dest.shape)))
+
+
+def _read(f: Any, name: str, target: WeightTarget, dest_shape: tuple[int, ...]) -> torch.Tensor:
+    """The part of checkpoint tensor ``name`` that ``target`` asks for (only that part is read from disk), after
+    checking the stored shape against the model's."""
+    expected = list(dest_shape)
+    if target.source is not None and target.full_size is not None:
+        expected[target.dim] = target.full_size
+    stored = f.get_slice(name)
+    shape = tuple(stored.get_shape())
+    if shape != tuple(expected):
+        raise CheckpointMismatchError(f"tensor {name!r} has shape {shape}; the model expects {tuple(expected)}")
+    if target.source is None:
+        return f.get_tensor(name)
+    start, end = target.source
+    return stored[start:end] if target.dim == 0 else stored[:, start:end]
 
 
 def _names_by_file(files: list[Path]) -> dict[Path, list[str]]:

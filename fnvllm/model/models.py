@@ -6,6 +6,10 @@ Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj 
 
 The model holds no KV cache and no global context: each forward receives the per-layer caches and the step's
 AttentionMetadata as arguments.
+
+Tensor parallelism (``tp``, see ``sharding.py``): each rank builds its slice of every layer; the all-reduces
+after the embedding, o_proj and down_proj and the logit gather are written out below where they happen. At
+world size 1 they are no-ops and the layers are plain linears.
 """
 
 from __future__ import annotations
@@ -18,32 +22,39 @@ from torch import nn
 from fnvllm.kernels.attention import AttentionMetadata, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
 from fnvllm.model.config import ModelConfig
-from fnvllm.model.layers import (
-    LMHead,
-    RMSNorm,
-    RotaryEmbedding,
-    gate_up_linear,
-    qkv_linear,
-)
+from fnvllm.model.layers import RMSNorm, RotaryEmbedding
 from fnvllm.model.ops import TORCH_OPS, ModelOps
+from fnvllm.model.sharding import (
+    SINGLE,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    all_reduce,
+    gate_up_parallel,
+    gather_vocab,
+    local_heads,
+    qkv_parallel,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, Hkv, D)
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache (this rank's heads under tensor parallelism)."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         dtype = config.torch_dtype
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = local_heads(config, tp)
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
-        self.qkv_proj = qkv_linear(config.hidden_size, config.q_size, config.kv_size, config.attention_bias, dtype)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        d = config.head_dim
+        self.split_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        self.qkv_proj = qkv_parallel(config, tp)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_proj_bias, dtype, tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops) if config.qk_norm else None
 
@@ -55,7 +66,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V into kv_cache."""
+        """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V (local heads) into kv_cache."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
@@ -65,34 +76,36 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
         out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, backend)  # (T, Hq, D)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        partial = self.o_proj(out.reshape(num_tokens, -1))  # (T, hidden_size), this rank's heads only
+        return all_reduce(partial, self.tp)
 
 
 class MLP(nn.Module):
-    """Gated SiLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated SiLU feed-forward: down(silu(gate(x)) * up(x)) (this rank's intermediate slice under TP)."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.ops = ops
-        dtype = config.torch_dtype
-        self.gate_up_proj = gate_up_linear(config.hidden_size, config.intermediate_size, dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.tp = tp
+        self.gate_up_proj = gate_up_parallel(config, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, config.torch_dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        partial = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # (T, hidden_size)
+        return all_reduce(partial, self.tp)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block; the residual stream is threaded through explicitly."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         dtype = config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
 
     def forward(
         self,
@@ -116,14 +129,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         dtype = config.torch_dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
     def forward(
@@ -138,7 +152,7 @@ class DecoderModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
         rope = self.rotary_emb(positions)  # cos, sin: (T, D/2) each
-        hidden = self.embed_tokens(input_ids)  # (T, hidden_size)
+        hidden = all_reduce(self.embed_tokens(input_ids), self.tp)  # (T, hidden_size)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
@@ -149,14 +163,16 @@ class DecoderForCausalLM(nn.Module):
     """A Qwen3 / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits.
 
     ops: the implementation of the small fused ops (norms, rotary, SiLU-and-mul); see ``fnvllm.model.ops``.
+    tp: this rank's place in a tensor-parallel group (``sharding.py``); the default is one process, unsplit.
     """
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
-        self.model = DecoderModel(config, ops)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.torch_dtype)
+        self.tp = tp
+        self.model = DecoderModel(config, ops, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -181,14 +197,17 @@ class DecoderForCausalLM(nn.Module):
             input_ids, positions, kv_caches, meta, get_backend(backend) if isinstance(backend, str) else backend
         )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (N, vocab_size) for hidden states (N, hidden_size)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits (N, vocab_size) for hidden states (N, hidden_size); under tensor parallelism only the
+        first rank gets them (the others send it their vocab columns and get None)."""
+        logits = gather_vocab(self.lm_head(hidden), self.config.vocab_size, self.tp)  # (N, V) on rank 0
+        return None if logits is None else logits.float()
 
 
-def build_model(config: ModelConfig, ops: ModelOps = TORCH_OPS) -> DecoderForCausalLM:
-    """A randomly initialised model for `config` with parameters in config.dtype, computing with `ops`.
+def build_model(config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> DecoderForCausalLM:
+    """A randomly initialised model (this rank's slice of it, under ``tp``) for `config` with parameters in
+    config.dtype, computing with `ops`.
 
     Build it under `torch.device("meta")` to skip the init (as loader.load_model does).
     """
-    return DecoderForCausalLM(config, ops)
+    return DecoderForCausalLM(config, ops, tp)

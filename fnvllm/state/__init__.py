@@ -3,14 +3,21 @@
 The engine loop, in three lines::
 
     state, plan = schedule(state)
-    tokens = executor.execute(plan)
+    tokens = executor.execute(plan).token_ids
     state, output = commit(state, plan, tokens)
+
+One module per box: ``state`` (EngineState, add_request, abort), ``scheduler`` (budget and policy), ``kv`` (the
+KV seam: blocks and the prefix cache, which schedule and commit call), ``pool`` (the block pool it manages),
+``commit``, ``plan``, ``policy``. The modules whose names start with ``_`` hold the state's internal
+representation (persistent maps, running columns, chunked outputs); they are private and may change, and
+docs/design.md says what each is for and the measurement behind it. Use the names exported here.
 """
 
 from fnvllm.state.commit import commit, finish
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.errors import InvalidConfigError, InvalidRequestError, PlanMismatchError
 from fnvllm.state.hashing import BlockHasher, chain_hashes, hash_block_xxh3
+from fnvllm.state.kv import CachedPrefix, KVManager
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import StepPlan, TokenHistory
 from fnvllm.state.policy import FCFS, PRIORITY, Policy, fcfs_key, priority_key
@@ -25,12 +32,14 @@ __all__ = [
     "BlockHasher",
     "BlockPool",
     "CachedBlock",
+    "CachedPrefix",
     "CoreConfig",
     "EngineState",
     "FinishReason",
     "FinishedRequest",
     "InvalidConfigError",
     "InvalidRequestError",
+    "KVManager",
     "PlanMismatchError",
     "Policy",
     "Request",

@@ -8,8 +8,10 @@ guard does not depend on the hash function (a block evicted and registered again
 children registered under its old one can never match again). The free queue's front is evicted first; a released
 sequence's blocks are appended tail-first so its prefix blocks are the last of them to be evicted.
 
-Transitions never touch a BlockPool: they open a ``PoolTxn`` (a scratch builder local to one transition), apply
-all of the step's changes to it, and ``freeze()`` a new BlockPool once.
+Transitions never touch a BlockPool: the KV seam (``KVManager`` in kv.py, which schedule, commit and abort
+call) opens a ``PoolTxn`` (a scratch builder local to one transition), applies all of the step's changes to it,
+and ``freeze()`` yields a new BlockPool once. This module is the mechanism (counts, queue, registrations and
+the lookup guard); kv.py decides which blocks a request gets, hits, registers and frees.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 import attrs
 
-from fnvllm.state.pmap import Evolver, PMap
+from fnvllm.state._pmap import Evolver, PMap
 
 
 class CachedBlock(NamedTuple):

@@ -2,7 +2,7 @@
 
 Per-sequence data is stored in columns rather than one object per sequence: a decode step touches every running
 sequence, and rewriting a column once per step is far cheaper than building hundreds of small objects. The
-running sequences' columns are tuples aligned with ``running`` (see rows.py); each public per-request field is a
+running sequences' columns are tuples aligned with ``running`` (see _rows.py); each public per-request field is a
 ``RowMap`` that reads like a plain mapping keyed by request id. ``state.sequence(id)`` assembles a snapshot.
 
 Every transition returns a new EngineState and mutates nothing; the tuples and maps that belong to a state are
@@ -20,16 +20,17 @@ from typing import Any, TypeVar
 
 import attrs
 
+from fnvllm.state._pmap import PMap
+from fnvllm.state._rows import RowMap
+from fnvllm.state._running import DecodePrefix, RunningRows
+from fnvllm.state._tokens import Chunks, join
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.errors import InvalidRequestError
+from fnvllm.state.kv import KVManager
 from fnvllm.state.params import SamplingParams
-from fnvllm.state.pmap import PMap
 from fnvllm.state.policy import FCFS, Policy
 from fnvllm.state.pool import BlockPool
 from fnvllm.state.request import Request, SequenceView
-from fnvllm.state.rows import RowMap
-from fnvllm.state.running import DecodePrefix, RunningRows
-from fnvllm.state.tokens import Chunks, join
 
 V = TypeVar("V")
 
@@ -275,9 +276,9 @@ def abort(state: EngineState, request_id: str) -> EngineState:
     if request_id not in state.running:
         return remove_requests(state, (), (request_id,), state.pool)
     index = state.running.index(request_id)
-    txn = state.pool.txn()
-    txn.release(state.rows.block_tables[index])
-    return remove_requests(state, (index,), (), txn.freeze())
+    kv = KVManager(state.pool, state.config)
+    kv.free(state.rows.block_tables[index])
+    return remove_requests(state, (index,), (), kv.freeze())
 
 
 def remove_requests(

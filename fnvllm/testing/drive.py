@@ -1,9 +1,9 @@
 """A small driver that runs the pure core to completion against any executor (toy, simulated or real).
 
-It is the engine loop of DESIGN.md and nothing more::
+It is the engine loop of docs/design.md and nothing more::
 
     state, plan = schedule(state)
-    tokens = executor.execute(plan)
+    tokens = executor.execute(plan).token_ids
     state, output = commit(state, plan, tokens)
 
 plus the bookkeeping tests and simulations want afterwards: every finished request, the number of steps, how
@@ -12,11 +12,11 @@ many preemptions happened and how many prompt tokens the prefix cache saved. Imp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
+from fnvllm.executor.base import Executor
 from fnvllm.state.commit import commit
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.params import SamplingParams
@@ -25,12 +25,6 @@ from fnvllm.state.policy import FCFS, Policy
 from fnvllm.state.request import FinishedRequest, FinishReason, StepOutput
 from fnvllm.state.scheduler import schedule
 from fnvllm.state.state import EngineState, add_request, initial_state
-
-
-class Executor(Protocol):
-    """Anything that applies a plan and returns one token id per sequence with ``sample=True``, in order."""
-
-    def execute(self, plan: StepPlan) -> Sequence[int]: ...
 
 
 @attrs.frozen
@@ -133,7 +127,7 @@ def drive(
             raise StepLimitError(f"{len(state.requests)} requests unfinished after max_steps={max_steps} steps")
         before = state
         state, plan = schedule(state)
-        state, output = commit(state, plan, executor.execute(plan))
+        state, output = commit(state, plan, executor.execute(plan).token_ids)
         finished.update((f.request_id, f) for f in output.finished)
         num_steps += 1
         num_preemptions += len(plan.preempted)

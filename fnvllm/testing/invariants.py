@@ -22,11 +22,12 @@ from typing import Any, NoReturn, TypeVar
 
 import attrs
 
+from fnvllm.state._pmap import PMap
+from fnvllm.state.commit import compaction_period
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.hashing import chain_hashes
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import StepPlan, TokenHistory
-from fnvllm.state.pmap import PMap
 from fnvllm.state.policy import Policy
 from fnvllm.state.pool import BlockPool
 from fnvllm.state.request import FinishReason, Request, StepOutput
@@ -205,6 +206,123 @@ def _check_chain(state: EngineState, rid: str, tokens: tuple[int, ...]) -> None:
                 f"prefix cache: {rid!r} holds block {block} at index {i} registered as {entry}, but its previous "
                 f"block's registration is {parent_entry}"
             )
+
+
+def check_derived(state: EngineState) -> None:
+    """Every derived or cached field of the state equals its recomputation from the primary fields.
+
+    The primary fields are the value (``==`` compares them): requests, queues, the per-request mappings, the
+    pool's free queue, ref counts and registrations. Derived, kept so a step can work column-wise (see
+    docs/design.md): the running columns ``state.rows``, the decode prefix ``state.decode``, the two-part layout
+    of each per-request mapping and its merged-dict cache, each request's ``token_limit``, the stop-token union
+    and the persistent maps' shard bookkeeping. (The pool's own derived parts, the free queue as the complement
+    of the held blocks and ``hash_to_block`` as the inverse of ``cached``, are checked by
+    ``check_blocks_conserved`` and ``check_prefix_cache``.)"""
+    _check_persistent_maps(state)
+    _check_rows(state)
+    _check_row_maps(state)
+    _check_decode_prefix(state)
+    union = state.config.eos_token_ids.union(*(r.params.stop_token_ids for r in state.requests.values()))
+    if not union <= state.stop_token_union:
+        fail(f"derived: stop_token_union lacks {sorted(union - state.stop_token_union)}")
+
+
+def _flat(chunks: Sequence[Sequence[int]], tail: Sequence[int]) -> tuple[int, ...]:
+    return tuple(token for chunk in (*chunks, tail) for token in chunk)
+
+
+def _check_rows(state: EngineState) -> None:
+    """``state.rows``: one row per running request, in order, each column its fresh value."""
+    rows, running = state.rows, state.running
+    columns = {f.name: getattr(rows, f.name) for f in attrs.fields(type(rows)) if f.name != "num_needing_history"}
+    if any(len(column) != len(running) for column in columns.values()) or rows.ids != running:
+        fail(f"derived: running columns { ({k: len(v) for k, v in columns.items()}) } do not align with {running}")
+    for i, rid in enumerate(running):
+        request = state.requests[rid]
+        expected = {
+            "num_computed": state.num_computed[rid],
+            "num_tokens": len(request.prompt) + len(state.outputs[rid]),
+            "block_tables": state.block_tables[rid],
+            "chain_hashes": state.chain_hashes[rid],
+            "params": request.params,
+            "prompt_lens": len(request.prompt),
+            "token_limits": len(request.prompt) + request.params.max_tokens,
+        }
+        actual = {name: columns[name][i] for name in expected}
+        if actual != expected or request.token_limit != expected["token_limits"]:
+            wrong = {k: (actual[k], v) for k, v in expected.items() if actual[k] != v}
+            fail(f"derived: running row {i} ({rid!r}), column: (cached, fresh): {wrong}, limit {request.token_limit}")
+        chunks, tail = rows.output_chunks[i], rows.output_tails[i]
+        if not all(chunks) or _flat(chunks, tail) != state.outputs[rid]:
+            fail(f"derived: {rid!r} output chunks {chunks} + tail {tail} != its output {state.outputs[rid]}")
+    needing = sum(1 for params in rows.params if params.needs_history)
+    if rows.num_needing_history != needing:
+        fail(f"derived: num_needing_history is {rows.num_needing_history}, {needing} rows need their history")
+
+
+def _check_row_maps(state: EngineState) -> None:
+    """Each per-request mapping: its rows are the running column of its name, its rest the waiting entries (or
+    nothing, for fields only running requests have), and its merged-dict cache, if built, the two merged."""
+    rows, waiting = state.rows, set(state.waiting)
+    parts = {
+        "num_tokens": (state.num_tokens, rows.num_tokens, waiting),
+        "outputs": (state.outputs, tuple(map(_flat, rows.output_chunks, rows.output_tails)), waiting),
+        "num_computed": (state.num_computed, rows.num_computed, set()),
+        "block_tables": (state.block_tables, rows.block_tables, set()),
+        "chain_hashes": (state.chain_hashes, rows.chain_hashes, waiting),
+    }
+    for name, (mapping, column, rest_ids) in parts.items():
+        if mapping.row_ids != state.running or tuple(mapping.row_values) != tuple(column):
+            fail(f"derived: {name}'s rows {mapping.row_ids} -> {mapping.row_values} != the running column {column}")
+        if set(mapping.rest) != rest_ids:
+            fail(f"derived: {name}'s rest holds {sorted(mapping.rest)}, expected {sorted(rest_ids)}")
+        merged = getattr(mapping, "_merged", None)
+        if merged is not None and merged != {**mapping.rest.as_dict(), **dict(zip(state.running, column, strict=True))}:
+            fail(f"derived: {name}'s cached merged dict is stale: {merged}")
+
+
+def _check_decode_prefix(state: EngineState) -> None:
+    """``state.decode`` describes some leading run of ``running`` (any length up to all of its plain decodes):
+    their last tokens, which of them have a full table, their compaction phases, and a lower bound on their
+    steps to the token limit (0: unknown; any value when the prefix is empty)."""
+    decode, rows, bs = state.decode, state.rows, state.config.block_size
+    k = len(decode.inputs)
+    plain = 0
+    while plain < len(rows.ids) and rows.num_tokens[plain] - rows.num_computed[plain] == 1:
+        plain += 1
+    if k > plain:
+        fail(f"derived: decode prefix covers {k} rows, but only the first {plain} running rows are plain decodes")
+    period = compaction_period(bs)
+    next_commit = state.step if state.pending_step is None else state.pending_step
+    ids = state.running[:k]
+    inputs = tuple((seq_tokens(state, rid)[-1],) for rid in ids)
+    due = tuple(i for i in range(k) if rows.num_computed[i] == len(rows.block_tables[i]) * bs)
+    phases = bytes((rows.num_tokens[i] - next_commit) % period for i in range(k))
+    if (decode.inputs, decode.block_due, decode.phases) != (inputs, due, phases):
+        fail(
+            f"derived: decode prefix of {ids}: (inputs, block_due, phases) = "
+            f"{(decode.inputs, decode.block_due, tuple(decode.phases))}, fresh {(inputs, due, tuple(phases))}"
+        )
+    limit = min((rows.token_limits[i] - rows.num_tokens[i] for i in range(k)), default=None)
+    if limit is not None and decode.steps_to_limit > limit:
+        fail(f"derived: decode steps_to_limit {decode.steps_to_limit} exceeds the fewest steps to a limit, {limit}")
+
+
+def _check_persistent_maps(state: EngineState) -> None:
+    """Each PMap's length counter and shard placement (a key lives in the shard its hash names)."""
+    maps: dict[str, PMap[Any, Any]] = {
+        "requests": state.requests,
+        "pool.ref_counts": state.pool.ref_counts,
+        "pool.cached": state.pool.cached,
+        "pool.hash_to_block": state.pool.hash_to_block,
+    }
+    for name in ("num_tokens", "outputs", "num_computed", "block_tables", "chain_hashes"):
+        maps[f"{name}.rest"] = getattr(state, name).rest
+    for name, mapping in maps.items():
+        shards = mapping._shards
+        misplaced = [key for index, shard in enumerate(shards) for key in shard if hash(key) % len(shards) != index]
+        if misplaced or len(mapping) != sum(map(len, shards)):
+            fail(f"derived: {name} counts {len(mapping)} of {sum(map(len, shards))} entries; misplaced {misplaced}")
 
 
 def write_plan(kv: ShadowKV, plan: StepPlan) -> None:

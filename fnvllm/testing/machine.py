@@ -239,6 +239,11 @@ class CoreStateMachine(RuleBasedStateMachine):
         inv.check_prefix_cache(self.state)
 
     @invariant()
+    def derived_state_consistent(self) -> None:
+        """Every cached/derived field (running columns, decode prefix, mapping views) equals a fresh recomputation."""
+        inv.check_derived(self.state)
+
+    @invariant()
     def kv_consistent(self) -> None:
         """Every computed position reads back its own token through the block table (shadow KV cache)."""
         inv.check_kv(self.state, self.kv)
@@ -246,6 +251,7 @@ class CoreStateMachine(RuleBasedStateMachine):
     def check_all(self) -> None:
         """Every invariant, now (used between the steps of one rule)."""
         for check in (
+            self.derived_state_consistent,
             self.blocks_conserved,
             self.ref_counts_match_holders,
             self.queues_consistent,
@@ -292,7 +298,7 @@ class CoreStateMachine(RuleBasedStateMachine):
         """Commit any pending plan, then step with a toy executor until nothing is live, within the bound."""
         toy = CounterToyExecutor(vocab_of(self.config))
         if self.pending is not None:
-            self._commit(toy.execute(self.pending))
+            self._commit(toy.execute(self.pending).token_ids)
         live = [self.model.requests[r] for r in self.model.live]
         bound, steps = step_bound(live), 0
         while self.model.live:
@@ -302,7 +308,7 @@ class CoreStateMachine(RuleBasedStateMachine):
             plan = self._schedule()
             if plan.is_empty:
                 inv.fail(f"liveness: nothing scheduled while {self.model.live} are unfinished (a stall)")
-            self._commit(toy.execute(plan))
+            self._commit(toy.execute(plan).token_ids)
             steps += 1
         self.check_all()
         if self.state.requests or len(self.state.pool.ref_counts):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zlib
 
+from fnvllm.executor.base import ExecuteResult
 from fnvllm.state.plan import StepPlan
 
 
@@ -24,7 +25,12 @@ class KVToyExecutor:
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.next_step = 0
 
-    def execute(self, plan: StepPlan) -> list[int]:
+    def reset(self, next_step: int) -> None:
+        """Forget the simulated cache and expect ``next_step`` next."""
+        self.slots.clear()
+        self.next_step = next_step
+
+    def execute(self, plan: StepPlan) -> ExecuteResult:
         """Write the plan's tokens into the simulated cache and return one token per sampling sequence."""
         if plan.step != self.next_step:
             raise RuntimeError(f"toy executor expected step {self.next_step}, got plan.step {plan.step}")
@@ -40,7 +46,7 @@ class KVToyExecutor:
         ):
             if sample:
                 sampled.append(self._next_token(table, start + len(tokens), bs))
-        return sampled
+        return ExecuteResult(tuple(sampled))
 
     def _next_token(self, table: tuple[int, ...], context_len: int, bs: int) -> int:
         context = []
@@ -58,10 +64,15 @@ class CounterToyExecutor:
     def __init__(self, vocab_size: int = 10000) -> None:
         self.vocab_size = vocab_size
 
-    def execute(self, plan: StepPlan) -> list[int]:
+    def reset(self, next_step: int) -> None:
+        """Nothing to forget: the tokens do not depend on KV contents."""
+
+    def execute(self, plan: StepPlan) -> ExecuteResult:
         """One token per sampling sequence, independent of the KV contents."""
-        return [
-            zlib.crc32(f"{rid}/{n}".encode()) % self.vocab_size
-            for rid, n, sample in zip(plan.seq_ids, plan.num_generated, plan.sample, strict=True)
-            if sample
-        ]
+        return ExecuteResult(
+            tuple(
+                zlib.crc32(f"{rid}/{n}".encode()) % self.vocab_size
+                for rid, n, sample in zip(plan.seq_ids, plan.num_generated, plan.sample, strict=True)
+                if sample
+            )
+        )

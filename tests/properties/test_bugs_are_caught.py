@@ -16,6 +16,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import fnvllm.state as core
 from fnvllm.state import CoreConfig, EngineState, StepPlan
+from fnvllm.state._running import DecodePrefix, RunningRows
 from fnvllm.state.hashing import BlockHasher, hash_block_xxh3
 from fnvllm.state.pool import PoolTxn
 from fnvllm.state.state import insert_by_policy
@@ -258,3 +259,38 @@ class NeverChunksAPrompt(CoreStateMachine):
 def test_starving_policy_is_caught() -> None:
     """A policy that never admits prompts longer than the budget is reported by the liveness check."""
     hunt(NeverChunksAPrompt, "liveness")
+
+
+# ----- (f) derived state out of step with the primary fields -----
+
+
+def drop_without_recount(self: RunningRows, indices: Sequence[int]) -> RunningRows:
+    """Drops the rows but keeps the count of rows needing token histories (a cached counter left stale)."""
+    dropped = DROP_ROWS(self, indices)
+    return attrs.evolve(dropped, num_needing_history=self.num_needing_history)
+
+
+def drop_without_shifting(self: DecodePrefix, indices: Sequence[int]) -> DecodePrefix:
+    """Drops the rows but leaves the indices of the full-table rows after them unshifted."""
+    kept = [i for i in range(len(self.inputs)) if i not in indices]
+    due = tuple(i for i in self.block_due if i not in indices and i < len(kept))
+    inputs, phases = tuple(self.inputs[i] for i in kept), bytes(self.phases[i] for i in kept)
+    return DecodePrefix(inputs, due, self.steps_to_limit, phases)
+
+
+DROP_ROWS = RunningRows.drop
+
+
+@pytest.mark.parametrize(
+    ("owner", "stale_drop"),
+    [(RunningRows, drop_without_recount), (DecodePrefix, drop_without_shifting)],
+    ids=["stale history count", "unshifted block_due"],
+)
+def test_stale_derived_state_is_caught(
+    monkeypatch: pytest.MonkeyPatch, owner: type, stale_drop: Callable[..., object]
+) -> None:
+    """A derived field that a transition leaves stale (a counter not recounted when rows leave, indices not
+    shifted) is reported by the derived-state invariant, which recomputes every cached field from the primary
+    ones; the first bug changes no output, so no other invariant could see it."""
+    monkeypatch.setattr(owner, "drop", stale_drop)
+    hunt(CoreStateMachine, "derived")

@@ -1,4 +1,5 @@
-"""Targeted properties of the block pool (PoolTxn / BlockPool) and of PMap, each against a naive model."""
+"""Targeted properties of the block pool (PoolTxn / BlockPool) and of PMap, each against a naive model, and the
+KV seam's worked example."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pickle
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fnvllm.state.pmap import PMap
+from fnvllm.state import CoreConfig, chain_hashes
+from fnvllm.state._pmap import PMap
+from fnvllm.state.kv import KVManager
 from fnvllm.state.pool import BlockPool, CachedBlock, PoolTxn
 from fnvllm.testing.invariants import snapshot
 
@@ -270,3 +273,24 @@ def test_pmap_constructor_and_pickle(items: dict[object, int]) -> None:
     clone = pickle.loads(pickle.dumps(pmap))
     assert pmap == items and clone == items and isinstance(clone, PMap)
     assert all(clone[k] == v for k, v in items.items())
+
+
+def test_kv_seam_worked_example() -> None:
+    """The worked example of fnvllm/state/kv.py: a twin admitted in the same step waits for the blocks being
+    computed, then hits them and computes only its last token."""
+    config = CoreConfig(block_size=2, num_blocks=8, max_num_batched_tokens=8)
+    a, b = (5, 6, 7, 8, 9), (5, 6, 7, 8, 1)
+    kv = KVManager(BlockPool.create(config.num_blocks), config)
+    prefix = kv.find_cached_prefix(a, (), len(a), ())
+    assert prefix.blocks == () and prefix.num_computed == 0 and not prefix.is_pending
+    table = kv.allocate_slots(prefix, len(a))
+    assert table == (0, 1, 2)
+    chain = kv.note_computing(a, (), (), prefix.chain, 0, len(a))
+    assert chain == tuple(chain_hashes(config.hash_block, a, 2, 2))
+    assert kv.find_cached_prefix(b, (), len(b), ()).is_pending  # b's first block is being computed: it waits
+    assert table is not None
+    kv.register_full_blocks(a, (), (), table, chain, 0, len(a))
+    kv = KVManager(kv.freeze(), config)  # the next step
+    prefix = kv.find_cached_prefix(b, (), len(b), ())
+    assert prefix.blocks == (0, 1) and prefix.num_computed == 4 and not prefix.is_pending
+    assert kv.allocate_slots(prefix, len(b)) == (0, 1, 3)

@@ -1,7 +1,10 @@
 """The running sequences as columns: ``RunningRows`` (aligned with ``EngineState.running``) and ``DecodePrefix``.
 
 Both are derived fields of EngineState, kept so that schedule and commit can work column-wise: every
-transition that changes ``running`` rebuilds them together with it (see rows.py for why columns).
+transition that changes ``running`` rebuilds them together with it (see _rows.py for why columns).
+
+Private representation (docs/design.md, "State representation"); ``fnvllm.testing.invariants.check_derived``
+compares both with a fresh recomputation from the primary fields after every rule of the state machine.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from typing import Any
 
 import attrs
 
+from fnvllm.state._rows import drop_rows, insert_rows
+from fnvllm.state._tokens import Chunks, as_chunks
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.request import Request
-from fnvllm.state.rows import drop_rows, insert_rows
-from fnvllm.state.tokens import Chunks, as_chunks
 
 
 @attrs.frozen
@@ -25,7 +28,7 @@ class RunningRows:
 
     ids: the running request ids (``EngineState.running``).
     num_computed / num_tokens / block_tables / chain_hashes: as the EngineState fields of those names.
-    output_chunks / output_tails: each request's generated tokens as chunks + tail (see tokens.py).
+    output_chunks / output_tails: each request's generated tokens as chunks + tail (see _tokens.py).
     params / prompt_lens / token_limits: each request's sampling params, prompt length and prompt + max_tokens
         (fixed per request; kept here so a step reads them as columns instead of looking up each request).
     num_needing_history: rows whose params need the token history (plans attach it only when this is > 0).

@@ -3,14 +3,17 @@
 ``chunks`` is a tuple of non-empty token tuples, ``tail`` one token tuple: the output is chunks[0] + chunks[1] +
 ... + tail. A decode step appends every running sequence's token at once, in C, with
 ``map(add, tails, one_token_tuples)``: each tail is copied, but it stays short, because whenever a sequence's
-length reaches a compaction point (at most COMPACT_EVERY tokens apart, see commit.py) its tail becomes one more
-chunk. Old chunks are shared, never copied again: re-copying the whole output would touch hundreds of scattered
-int objects per sequence, and walking a linked list of one cell per token costs a Python iteration per token.
+length reaches a compaction point (at most COMPACT_EVERY tokens apart, see ``compaction_period`` in commit.py)
+its tail becomes one more chunk. Old chunks are shared, never copied again: re-copying the whole output would
+touch hundreds of scattered int objects per sequence, and walking a linked list of one cell per token costs a
+Python iteration per token.
 
 Worked example: chunks ((4, 9),), tail (7,); appending 1 gives tail (7, 1); compacting gives chunks
 ((4, 9), (7, 1)) and tail (); ``join`` -> (4, 9, 7, 1); ``last_token`` -> 1.
 
 Waiting requests keep their output as one flat tuple (``join``); admission turns it back into chunks.
+
+Private representation (docs/design.md, "State representation").
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ that changes k entries pays O(k + touched shards * shard size), not O(total).
 
 Keys are shard-addressed by ``hash(key)``. Pickling stores plain items, so a map pickled in one process (with
 its own string-hash seed) is rebuilt correctly in another.
+
+Private representation (docs/design.md, "State representation"); ``fnvllm.testing.invariants.check_derived``
+checks every map's length counter and shard placement after every rule of the state machine.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ decode makes it (10, 5) with one ``map(add, ...)``; "a" finishing makes it (10,)
 
 ``RowMap`` presents one such column, plus a persistent map for the live requests that are not running, as an
 ordinary read-only ``Mapping`` keyed by request id, so readers (tests, the shell) never see the layout.
+
+Private representation (docs/design.md, "State representation").
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from fnvllm.state.pmap import PMap
+from fnvllm.state._pmap import PMap
 
 V = TypeVar("V")
 T = TypeVar("T")

@@ -1,0 +1,132 @@
+"""``fnvllm serve [MODEL]``: an OpenAI-compatible HTTP server (needs the ``[serve]`` extra).
+
+Without MODEL it serves the embedded demo model, or (if the package has none) a tiny random Qwen3 written to a
+temp folder. ``--port 0`` picks a free port; the line ``listening on http://HOST:PORT`` says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fnvllm.cli import CLIError
+
+# flag -> EngineConfig field; a flag left unset keeps EngineConfig's default
+_ENGINE_FLAGS = {
+    "dtype": "dtype",
+    "device": "device",
+    "block_size": "block_size",
+    "num_blocks": "num_blocks",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_model_len": "max_model_len",
+    "attention_backend": "attention_backend",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "cpu_kv_cache_gib": "cpu_kv_cache_gib",
+    "enforce_eager": "enforce_eager",
+    "seed": "seed",
+}
+
+
+def _tiny_random_model() -> Path:
+    """A tiny random Qwen3 checkpoint + test tokenizer in a temp folder (gibberish, but the full stack runs)."""
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+    from fnvllm.testing.tokenizer import build_test_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="fnvllm-serve-"))
+    write_tiny_checkpoint(
+        folder, "qwen3", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512,
+        intermediate_size=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    build_test_tokenizer(folder, vocab_size=512)
+    return folder
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The checkpoint folder to serve and its default served name."""
+    if args.model is not None:
+        path = Path(args.model)
+        if not (path / "config.json").is_file():
+            raise CLIError(f"{args.model} is not a checkpoint folder (no config.json)", code=2)
+        return path, args.model
+    try:
+        from fnvllm.demo import model_path
+
+        return model_path(), "fnvllm-demo"
+    except (ImportError, OSError):
+        path = _tiny_random_model()
+        print(f"fnvllm serve: no demo model in this install; serving a tiny random Qwen3 from {path}", flush=True)
+        return path, "tiny-random-qwen3"
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {field: getattr(args, flag) for flag, field in _ENGINE_FLAGS.items() if getattr(args, flag) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM (exit 0)."""
+    try:
+        from fnvllm.serve import AsyncEngine, serve
+    except ImportError as error:
+        raise CLIError(f"fnvllm serve needs the [serve] extra (pip install 'fnvllm[serve]'): {error}") from None
+    from fnvllm.llm import LLM
+
+    path, default_name = _resolve_model(args)
+    name = args.served_model_name or default_name
+    try:
+        llm = LLM(path, **_engine_options(args))
+    except (OSError, ValueError, TypeError) as error:
+        raise CLIError(f"cannot load {path}: {error}") from None
+    cfg, backend = llm.engine.config, getattr(llm.executor.backend, "name", llm.executor.backend)
+    print(
+        f"fnvllm serve: model {name!r} from {path}: device {llm.executor.device}, attention {backend}, "
+        f"{cfg.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len {cfg.max_model_len}",
+        flush=True,
+    )
+    engine = AsyncEngine(llm.loop, llm.tokenizer, max_waiting=args.max_waiting)
+
+    def announce(host: str, port: int) -> None:
+        shown = f"[{host}]" if ":" in host else host
+        print(f"fnvllm serve: listening on http://{shown}:{port}", flush=True)
+
+    try:
+        serve(engine, name, args.host, args.port, args.api_key, args.log_level, on_listening=announce)
+    except OSError as error:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+    print("fnvllm serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the ``serve`` subcommand."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
+    key_help = "require 'Authorization: Bearer KEY' on every route but /health (default: $FNVLLM_API_KEY)"
+    p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
+    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    e = p.add_argument_group("engine options (fnvllm.config.EngineConfig)")
+    e.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    e.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--block-size", type=int, help="tokens per KV block")
+    e.add_argument("--num-blocks", type=int, help="KV blocks (default: sized from memory)")
+    e.add_argument("--max-num-seqs", type=int, help="cap on running sequences")
+    e.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    e.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
+    e.add_argument("--attention-backend", help="auto, torch, triton or flash")
+    e.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory to use")
+    e.add_argument("--cpu-kv-cache-gib", type=float, help="KV cache size on the CPU")
+    e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    e.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    e.add_argument("--seed", type=int, help="seed of the sampler's shared generator")
+    p.set_defaults(func=run)

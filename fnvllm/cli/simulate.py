@@ -1,0 +1,203 @@
+"""``fnvllm simulate``: the engine's own scheduler on a simulated GPU; ``calibrate`` and ``sweep`` sub-actions.
+
+fnvllm simulate --workload poisson --rate 50 --num-requests 5000 --model-shape qwen3-8b --plot run.png
+fnvllm simulate calibrate timeline.jsonl --out h200.json      # fit overheads to a GPU engine's step log
+fnvllm simulate --workload bench --hardware h200.json         # predict with the fitted profile
+fnvllm simulate sweep grid.yaml --out table.csv --plot grid.png [--ray [ADDRESS]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from fnvllm.cli import CLIError
+
+# SimSpec field -> (flag, help). Every field is a flag; the defaults are SimSpec's.
+_SPEC_FLAGS: dict[str, tuple[str, str]] = {
+    "workload": ("--workload", "bench | poisson | shared-prefix | TRACE.jsonl (default poisson)"),
+    "num_requests": ("--num-requests", "requests (default 256 for bench, 1000 otherwise; a trace: its first N)"),
+    "rate": ("--rate", "Poisson arrivals per second; inf = all at t=0 (default 20)"),
+    "prompt_mean": ("--prompt-mean", "mean prompt length, log-normal (shared-prefix: of the suffix) (default 512)"),
+    "output_mean": ("--output-mean", "mean output length, log-normal (default 256)"),
+    "len_sigma": ("--len-sigma", "sigma of the log-normal lengths; 0 = fixed (default 0.8)"),
+    "num_prefixes": ("--num-prefixes", "shared-prefix: distinct system prompts (default 8)"),
+    "prefix_len": ("--prefix-len", "shared-prefix / trace: tokens of a shared prefix (default 1024)"),
+    "num_priorities": ("--num-priorities", "priorities drawn uniformly in [0, N) (default 1)"),
+    "seed": ("--seed", "seed of the workload and EOS draws (default 0)"),
+    "eos_prob": ("--eos-prob", "chance each token is an EOS; 0 = every request runs to its length (default 0)"),
+    "model": ("--model-shape", "qwen3-0.6b | qwen3-8b | a checkpoint folder or config.json (default qwen3-0.6b)"),
+    "hardware": ("--hardware", "h200 | a profile JSON from `fnvllm simulate calibrate` (default h200)"),
+    "policy": ("--policy", "fcfs | priority | sjf (shortest max_tokens) | spf (shortest prompt) (default fcfs)"),
+    "block_size": ("--block-size", "tokens per KV block (default 16)"),
+    "num_blocks": ("--num-blocks", "KV blocks (default: what fits in the profile's memory)"),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", "memory fraction for sizing the KV cache (default 0.9)"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "token budget per step (default 8192)"),
+    "max_num_seqs": ("--max-num-seqs", "cap on running sequences (default 256)"),
+    "max_model_len": ("--max-model-len", "cap on prompt + output (default: the model's)"),
+    "enable_prefix_caching": ("--no-prefix-caching", "turn the prefix cache off"),
+}
+
+
+def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per SimSpec field (typed from its default)."""
+    from fnvllm.sim.spec import SimSpec
+
+    types = {"num_requests": int, "num_blocks": int, "max_model_len": int}
+    for field in attrs.fields(SimSpec):
+        flag, text = _SPEC_FLAGS[field.name]
+        if field.name == "enable_prefix_caching":
+            parser.add_argument(flag, dest=field.name, action="store_false", help=text)
+        else:
+            kind = types.get(field.name, type(field.default))
+            parser.add_argument(flag, dest=field.name, type=kind, default=field.default, help=text)
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    """The SimSpec of the flags, with the numeric ranges checked (CLIError names the flag)."""
+    from fnvllm.sim.spec import SimSpec
+
+    values = {f.name: getattr(args, f.name) for f in attrs.fields(SimSpec)}
+    positive = ("num_requests", "rate", "prompt_mean", "output_mean", "num_prefixes", "prefix_len", "num_priorities")
+    for name in positive:
+        value = values[name]
+        if value is not None and not (value > 0 and not math.isnan(value)):
+            raise CLIError(f"{_SPEC_FLAGS[name][0]} must be > 0, got {value}", 2)
+    if not 0 <= values["eos_prob"] < 1:
+        raise CLIError(f"--eos-prob must be in [0, 1), got {values['eos_prob']}", 2)
+    return SimSpec.from_dict(values)
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar over finished requests (shown only on a terminal)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="simulate", unit="req", disable=None, file=sys.stderr)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Simulate one workload and print its metrics (table or JSON); optionally plot and write the timeline."""
+    from fnvllm.sim.metrics import format_table
+    from fnvllm.sim.spec import run_spec
+
+    spec = _spec(args)
+    bars: list[Any] = []
+    timeline = open(args.timeline, "w") if args.timeline else nullcontext(None)  # noqa: SIM115
+    with timeline as stream:
+        result, summary = _user_errors(
+            run_spec,
+            spec,
+            progress=lambda n: bars[0].update(n) if bars and args.progress else None,
+            timeline=stream,
+            on_requests=lambda n: bars.append(_progress_bar(n)),
+        )
+    for bar in bars:
+        bar.close()
+    print(json.dumps(summary) if args.json else format_table(summary))
+    if args.plot:
+        from fnvllm.sim.plot import plot_run
+
+        _user_errors(plot_run, result.recorder, args.plot, f"{spec.workload} on {spec.model} / {spec.hardware}")
+    return 0
+
+
+def _user_errors(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``func``; a bad option or request surfaces as a one-line CLIError (exit code 2)."""
+    from fnvllm.state import InvalidConfigError, InvalidRequestError
+
+    try:
+        return func(*args, **kwargs)
+    except (ValueError, InvalidConfigError, InvalidRequestError, OSError) as e:
+        raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__, 2) from e
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Fit a profile's overheads to a timeline log, write it, and report how well it predicts."""
+    from fnvllm.sim.calibrate import fit_profile, prediction_error
+    from fnvllm.sim.hardware import load_profile, save_profile
+    from fnvllm.sim.model import ModelShape, load_shape
+    from fnvllm.sim.timeline import read_timeline
+
+    header, records = _user_errors(read_timeline, args.log)
+    if args.model_shape:
+        model = _user_errors(load_shape, args.model_shape)
+    elif "model" in header:
+        model = _user_errors(ModelShape.from_config, header["model"], "logged")
+    else:
+        raise CLIError(f"{args.log} has no header line with the model; pass --model-shape", 2)
+    base = _user_errors(load_profile, args.base)
+    profile = fit_profile(records, model, base, source=str(args.log))
+    out = Path(args.out) if args.out else Path(args.log).with_suffix(".profile.json")
+    _user_errors(save_profile, profile, out)
+    print(f"wrote {out}: eager {profile.eager}, graph {profile.graph}, graph_max_seqs {profile.graph_max_seqs}")
+    for label, path in (("fit", args.log), *(("check", c) for c in args.check)):
+        recs = records if path == args.log else _user_errors(read_timeline, path)[1]
+        err = prediction_error(recs, model, profile)
+        print(
+            f"{label} {path}: {err['num_steps']} steps, measured {err['measured_s']:.3f} s, predicted "
+            f"{err['predicted_s']:.3f} s ({err['total_error']:+.1%}), mean per-step error {err['mean_step_error']:.1%}"
+        )
+    return 0
+
+
+def run_sweep_action(args: argparse.Namespace) -> int:
+    """Run a grid of simulations and write the table (and a plot of one metric)."""
+    from fnvllm.sim.sweep import expand_grid, load_grid, run_sweep, write_table
+
+    grid = _user_errors(load_grid, args.grid)
+    points, axes = _user_errors(expand_grid, grid)
+    metric, x = args.metric or grid.get("metric", "ttft_p99_ms"), args.x or grid.get("x") or (axes or [None])[0]
+    use_ray = args.ray is not None
+    address = args.ray or None
+    rows = _user_errors(run_sweep, points, args.workers, address, use_ray=use_ray)
+    out = args.out or str(Path(args.grid).with_suffix(".csv"))
+    write_table(rows, out)
+    errors = [row for row in rows if "error" in row]
+    print(f"{len(rows)} points ({len(errors)} failed) -> {out}")
+    for row in errors:
+        print(f"  failed: {row['error']}")
+    if args.plot and x is not None:
+        from fnvllm.sim.plot import plot_sweep
+
+        _user_errors(plot_sweep, rows, axes, metric, x, args.plot)
+    return 1 if errors and len(errors) == len(rows) else 0
+
+
+def _add_actions(parser: argparse.ArgumentParser) -> None:
+    """The ``calibrate`` and ``sweep`` sub-actions."""
+    actions = parser.add_subparsers(dest="action", metavar="[ACTION]")
+    cal = actions.add_parser("calibrate", help="fit a hardware profile to a GPU engine's FNVLLM_TIMELINE log")
+    cal.add_argument("log", help="timeline JSONL (a header line with the model, then one record per step)")
+    cal.add_argument("--base", default="h200", help="profile whose ceilings the fit keeps (default h200)")
+    cal.add_argument("--model-shape", default=None, help="model shape, if the log has no header")
+    cal.add_argument("--out", "-o", default=None, help="profile JSON to write (default LOG.profile.json)")
+    cal.add_argument("--check", action="append", default=[], help="another log to report the prediction error on")
+    cal.set_defaults(func=run_calibrate)
+    sweep = actions.add_parser("sweep", help="run a grid of simulations (local processes, or Ray)")
+    sweep.add_argument("grid", help="grid file (YAML or JSON): simulation options, lists are axes")
+    sweep.add_argument("--out", "-o", default=None, help="table to write, .csv or .json (default GRID.csv)")
+    sweep.add_argument("--plot", default=None, help="PNG of the metric across the grid (needs matplotlib)")
+    sweep.add_argument("--metric", default=None, help="metric to plot (default the grid's, else ttft_p99_ms)")
+    sweep.add_argument("--x", default=None, help="axis for the plot's x (default the grid's, else its first axis)")
+    sweep.add_argument("--workers", type=int, default=None, help="local processes (default: CPU count)")
+    sweep.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="run on Ray")
+    sweep.set_defaults(func=run_sweep_action)
+
+
+def register(sub: Any) -> None:
+    """Add the ``simulate`` subcommand (with its ``calibrate`` and ``sweep`` actions)."""
+    parser = sub.add_parser("simulate", help="simulate serving with the real scheduler and a GPU cost model")
+    _add_spec_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    parser.add_argument("--plot", default=None, help="PNG of KV usage, queues, tokens per step and latency CDFs")
+    parser.add_argument("--timeline", default=None, help="write the predicted per-step timeline (JSONL)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.set_defaults(func=run_simulate)
+    _add_actions(parser)

@@ -1,0 +1,315 @@
+"""Tensor parallelism over torch.distributed: rank 0 drives, every rank runs the same executor step.
+
+Rank 0 is the process holding the ``LLM``; it alone owns the pure state and the scheduler. One step:
+
+    rank 0:   workers alive? -> send(Step(plan)) -> ModelExecutor.execute(plan) -> sampled tokens
+    rank k:   plan = receive()                  -> ModelExecutor.execute(plan)  (no sampling)
+
+Both ``execute`` calls run the same forward on their slice of the model (``fnvllm.model.sharding``: all-reduces
+inside, the same CUDA-graph bucket replayed), then gather the logits on rank 0, which samples. The message
+protocol and the worker loop are in ``tp_ranks.py``. The model's collectives use NCCL on CUDA, gloo on the CPU.
+
+Launch. ``LLM(path, tensor_parallel_size=N)`` spawns N-1 workers (torch.multiprocessing, spawn) that meet rank 0
+at a TCPStore on a port the OS picks; as with any spawn, a script must guard its entry with
+``if __name__ == "__main__":``. A process started by ``torchrun`` (RANK / WORLD_SIZE set) joins that group
+(``env://``) instead: every rank runs the script, and on ranks > 0 ``LLM(...)`` serves rank 0, then exits the
+process (``SystemExit(0)``) when rank 0 closes. Across nodes:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE --rdzv-backend c10d --rdzv-endpoint $HOST:29500 app.py
+
+Failures. Rank 0 never waits without a bound (``distributed_timeout_s``): start-up polls worker liveness, each
+step checks the workers are alive before sending, a dead peer fails gloo collectives at once, and on CUDA rank 0
+polls the step's completion instead of blocking in the host copy. A failure mid-step leaves the ranks out of
+step, so the executor is then broken: that call and every later one raise ``TensorParallelError`` naming the
+cause (the dead worker's exit code or signal, or the traceback a failing worker left in the store).
+
+Shutdown. ``close()`` (also a finalizer and an atexit hook) sends Stop, joins the workers, terminates any that
+linger and destroys the process group. Workers ignore SIGINT (Ctrl-C interrupts rank 0, whose exit stops them)
+and exit by themselves when rank 0 disappears.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fnvllm.config import EngineConfig
+from fnvllm.executor.base import ExecuteResult, check_step
+from fnvllm.executor.model_executor import ModelExecutor, resolve_device
+from fnvllm.executor.tp_ranks import (
+    Message,
+    Reset,
+    Step,
+    Stop,
+    encode,
+    error_key,
+    join_group,
+    local_rank,
+    serve,
+    torchrun_rank,
+    worker_main,
+    worker_plan,
+)
+from fnvllm.model.config import ModelConfig
+from fnvllm.model.sharding import check_shardable
+from fnvllm.state import StepPlan
+
+_JOIN_S = 10.0  # a stopped worker's time to exit before it is terminated
+_DYING_S = 2.0  # after a failed collective, how long to wait for the failed worker's exit to show
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, failed or timed out; this LLM cannot continue (build a new one)."""
+
+
+@attrs.define(eq=False)
+class Ranks:
+    """Rank 0's handle on the group: the worker processes (none under torchrun), the store they report errors
+    to, the control group, and whether the group is broken or closed. The ``RankGuard`` of rank 0's executor."""
+
+    world_size: int
+    timeout_s: float
+    is_cuda: bool
+    processes: tuple[Any, ...] = ()
+    store: Any = None
+    owns_group: bool = True
+    control: Any = None
+    broken: str | None = None
+    closed: bool = False
+
+    def check_alive(self, what: str) -> None:
+        """Raise TensorParallelError if the group is closed, broken, or a worker process has exited."""
+        if self.closed:
+            raise TensorParallelError("this tensor-parallel executor is closed")
+        if self.broken is None and any(not p.is_alive() for p in self.processes):
+            raise self.fail(what, None)
+        if self.broken is not None:
+            raise TensorParallelError(self.broken)
+
+    def _dead(self) -> str | None:
+        """The exited workers and any traceback a worker left, or None when every worker lives and none failed."""
+        lines = [
+            f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}{_signal_name(p.exitcode)}"
+            for rank, p in enumerate(self.processes, start=1)
+            if not p.is_alive()
+        ]
+        return "\n".join(lines + self._tracebacks()) or None
+
+    def _tracebacks(self) -> list[str]:
+        """What failing workers wrote to the store (nothing if it cannot be reached)."""
+        keys = [error_key(rank) for rank in range(1, self.world_size)]
+        try:
+            found = [(rank, k) for rank, k in enumerate(keys, start=1) if self.store.check([k])]
+            return [f"worker rank {rank} raised:\n{self.store.get(k).decode()}" for rank, k in found]
+        except Exception:
+            return []
+
+    def fail(self, what: str, cause: BaseException | None) -> TensorParallelError:
+        """Mark the group broken; return the error naming the cause (a dead worker's exit, if one died)."""
+        deadline = time.monotonic() + _DYING_S
+        while (dead := self._dead()) is None and self.processes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead is None:
+            dead = f"rank 0 failed: {cause!r}" if cause is not None else f"no answer within {self.timeout_s} s"
+        self.broken = f"{what} failed: {dead}\nThis LLM cannot continue: close it and build a new one."
+        return TensorParallelError(self.broken)
+
+    def poll(self, is_done: Callable[[], bool], what: str, max_sleep_s: float) -> None:
+        """Wait until ``is_done()``: spin, then sleep up to ``max_sleep_s`` between looks; every 0.1 s check that
+        the workers live and ``timeout_s`` has not passed, else raise TensorParallelError."""
+        now = time.monotonic()
+        deadline, next_check, sleep_s = now + self.timeout_s, now + 0.1, 0.0
+        while not is_done():
+            time.sleep(sleep_s)
+            sleep_s = min(max_sleep_s, 2 * sleep_s + 1e-5)
+            if (now := time.monotonic()) > next_check:
+                if now > deadline or any(not p.is_alive() for p in self.processes):
+                    _abort_nccl(self.is_cuda)
+                    raise self.fail(what, None)
+                next_check = now + 0.1
+
+    def await_work(self, work: Any, what: str, max_sleep_s: float = 1e-3) -> None:
+        """Poll an async gloo operation to completion (see ``poll``); raise if it failed."""
+        self.poll(work.is_completed, what, max_sleep_s)
+        try:
+            work.wait()
+        except Exception as e:
+            raise self.fail(what, e) from e
+
+    def send(self, message: Message, what: str) -> None:
+        """Broadcast a message to every worker: its length, then its pickled bytes (``tp_ranks.receive``)."""
+        for tensor in encode(message):
+            self.await_work(dist.broadcast(tensor, src=0, group=self.control, async_op=True), what)
+
+    def loaded(self) -> None:
+        """Wait until every rank has loaded its weights, before the first collective (which could hang on NCCL)."""
+        self.await_work(dist.barrier(group=self.control, async_op=True), "loading the weights", 0.01)
+
+    def wait(self, tensor: torch.Tensor) -> None:
+        """On CUDA, poll the step's completion: a dead worker would hang a blocking host copy forever."""
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.poll(event.query, "a step", 0.0)  # spin, as the blocking copy would
+
+    def shutdown(self, local: ModelExecutor | None) -> None:
+        """Stop the workers (terminating any that linger) and destroy the process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.broken is None and self.control is not None and all(p.is_alive() for p in self.processes):
+            with contextlib.suppress(TensorParallelError):  # a worker that cannot hear it is terminated below
+                self.send(Stop(), "stopping the workers")
+        _join_or_kill(self.processes, _JOIN_S if self.broken is None else 0.5)
+        if local is not None:
+            local.close()
+        if self.owns_group and dist.is_initialized():
+            if self.broken is not None and self.is_cuda:
+                _abort_nccl(True)  # a destroy could wait on a collective that never ends
+            else:
+                dist.destroy_process_group()
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a tensor-parallel group: the ``Executor`` that ``LLM`` drives when tensor_parallel_size > 1.
+
+    ``execute`` sends the plan to the workers and runs rank 0's shard; ``reset`` is sent too; ``close`` stops the
+    workers. What the engine and benchmarks read (device, backend, graphs, num_blocks, timeline, model) is rank
+    0's ``ModelExecutor``'s.
+    """
+
+    def __init__(self, model_path: str | Path, config: EngineConfig, model_config: ModelConfig) -> None:
+        world = config.tensor_parallel_size
+        check_shardable(model_config, world)
+        is_cuda = resolve_device(config.device).type == "cuda"
+        if is_cuda and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")
+        rank = torchrun_rank(world)
+        if rank is not None and rank != 0:
+            serve(model_path, config, model_config, rank, local_rank(), store=None)
+            raise SystemExit(0)
+        self.ranks = _launch(model_path, config, model_config, is_cuda, torchrun=rank is not None)
+        try:
+            timeout = config.distributed_timeout_s
+            tp, self.ranks.control, self.ranks.store = join_group(
+                0, world, local_rank(), is_cuda, timeout, self.ranks.store
+            )
+            self.local = ModelExecutor(model_path, config, model_config, tp, guard=self.ranks)
+        except BaseException as e:
+            error = self.ranks.fail("starting the tensor-parallel group", e) if isinstance(e, Exception) else None
+            self.ranks.broken = self.ranks.broken or "start-up was interrupted"
+            self.ranks.shutdown(None)
+            if error is not None:
+                raise error from e
+            raise
+        self._finalizer = weakref.finalize(self, self.ranks.shutdown, self.local)
+        _OPEN.add(self._finalizer)
+
+    def __getattr__(self, name: str) -> Any:
+        """device, backend, graphs, num_blocks, timeline, model, ...: rank 0's executor's."""
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def execute(self, plan: StepPlan) -> ExecuteResult:
+        """Run ``plan`` on every rank; returns rank 0's sampled tokens. A stale plan is rejected before sending."""
+        what = f"step {plan.step}"
+        self.ranks.check_alive(what)
+        check_step(self.local.next_step, plan)
+        try:
+            self.ranks.send(Step(worker_plan(plan)), what)
+            return self.local.execute(plan)
+        except TensorParallelError:
+            raise
+        except Exception as e:
+            raise self.ranks.fail(what, e) from e
+        except BaseException:
+            self.ranks.broken = f"{what} was interrupted; the ranks are out of step: close this LLM, build a new one"
+            raise
+
+    def reset(self, next_step: int) -> None:
+        """Every rank forgets its KV contents and expects ``next_step`` (after a broken step, rank 0 only)."""
+        if self.ranks.broken is None and not self.ranks.closed:
+            self.ranks.send(Reset(next_step), "reset")
+        self.local.reset(next_step)
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent; also run at collection and at exit)."""
+        self._finalizer()
+        _OPEN.discard(self._finalizer)
+
+
+_OPEN: set[weakref.finalize] = set()  # type: ignore[type-arg]  # finalizers of executors not closed by hand
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close every open executor before multiprocessing's exit hook joins (and would wait forever on) workers;
+    registered after it (torch imports multiprocessing first), so it runs before it."""
+    for finalizer in list(_OPEN):
+        finalizer()
+
+
+def _launch(
+    model_path: str | Path, config: EngineConfig, model_config: ModelConfig, is_cuda: bool, torchrun: bool
+) -> Ranks:
+    """Spawn the workers (not under torchrun) and wait until each has reached rank 0's store."""
+    world, timeout = config.tensor_parallel_size, config.distributed_timeout_s
+    if torchrun:
+        return Ranks(world, timeout, is_cuda, owns_group=not dist.is_initialized())
+    if dist.is_initialized():
+        raise TensorParallelError("a torch.distributed group is already open in this process; close() its LLM first")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)  # the OS picks the port
+    ctx = mp.get_context("spawn")
+    args = (store.port, os.getpid(), Path(model_path), config, model_config)
+    processes = tuple(ctx.Process(target=worker_main, args=(rank, *args)) for rank in range(1, world))
+    ranks = Ranks(world, timeout, is_cuda, processes, store)
+    for p in processes:
+        p.start()
+    keys = [f"fnvllm/up/{rank}" for rank in range(1, world)]
+    ranks.poll(lambda: store.check(keys), "starting the workers", 0.01)
+    return ranks
+
+
+def _join_or_kill(processes: tuple[Any, ...], grace_s: float) -> None:
+    """Join each process within ``grace_s``; terminate, then kill, any still running."""
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _abort_nccl(is_cuda: bool) -> None:
+    """Abort the NCCL communicators so that kernels stuck on a dead peer end (best effort; experimental API)."""
+    if not is_cuda or not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # an abort that cannot run leaves the process to exit as it is
+        dist.distributed_c10d._abort_process_group()
+
+
+def _signal_name(exitcode: int | None) -> str:
+    """', killed by SIGKILL' for a negative exit code, else ''."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return ""

@@ -1,0 +1,583 @@
+"""Paged decode attention (one query token per sequence), built for KV-read bandwidth: split-K in Triton.
+
+Algorithm (flash-decoding). Each sequence's context is cut into partitions of `partition_size` tokens; one
+program per (sequence b, KV head h, partition p), on a grid (Hkv, B, P) (or (B, Hkv, P), see `heads_inner`)
+with P = ceil(max_blocks * block_size / partition_size), a function of shapes only, so the launcher never reads
+seq_lens and can be captured in a CUDA graph. Program (b, h, p):
+  1. exits at once when its partition starts at or past seq_lens[b] (it reads no KV and writes nothing; a
+     sequence of length 0 gets zeros from partition 0);
+  2. loads the G = Hq / Hkv query heads that share KV head h, (G, D), padded to GROUP_PAD rows;
+  3. walks its partition in tiles of `tile_size` tokens; each K/V tile of head h is read once through the block
+     table and serves all G heads, either with tl.dot (G padded to 16 rows: tensor cores) or with broadcast
+     products and tl.sum (CUDA cores, no padding) -- `gqa_mode` "dot" or "sum";
+  4. keeps an online softmax in float32, base 2 (scores times scale * log2(e), exp2);
+  5. when the sequence fits in one partition, writes the normalised output directly; otherwise writes its
+     normalised partial output and its log-sum-exp to the workspace.
+A second kernel, grid (B, Hq), combines the live partitions of the sequences that have two or more:
+  out = sum_p 2^(lse_p - M) * o_p / sum_p 2^(lse_p - M), with M = max_p lse_p.
+The reduce learns how many partitions are live from seq_lens itself, so dead partitions need no marker. When
+P == 1 (every table fits one partition) the reduce kernel is not launched at all.
+
+Tokens reach their slot through the block table: token t of sequence b lives at
+block_tables[b, t // block_size], row t % block_size. A tile that lies inside one block (tile_size divides
+block_size) reads one block id; a tile that spans several blocks gathers one id per token. Either way each
+token's (D,) row of one KV head is one contiguous read, since the cache is (num_blocks, block_size, Hkv, D).
+
+Worked example: block_size 16, block_tables of width 8 (128 slots), partition_size 64 -> P = 2. A sequence of
+length 70 runs partitions 0 (tokens 0..63, blocks table[0..3]) and 1 (tokens 64..69, block table[4]); both
+write partials and the reduce merges them. A sequence of length 40 runs partition 0 only (partition 1 exits)
+and writes its output directly; the reduce skips it. A padding row of length 0 writes zeros from partition 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fnvllm.kernels.attention import _decode_attention
+
+GqaMode = Literal["dot", "sum"]
+_LOG2E = math.log2(math.e)
+_REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Launch knobs of the decode kernel; every launcher default comes from DEFAULT_DECODE_CONFIG.
+
+    partition_size: tokens per split-K partition (a power of two, >= tile_size).
+    tile_size: tokens per K/V tile inside a partition (a power of two, >= 16 for "dot").
+    num_warps / num_stages: Triton launch options of the partition kernel (stages pipeline the tile loop).
+    gqa_mode: "dot" serves the G heads of a KV group with tl.dot (G padded to 16 rows), "sum" with broadcast
+        products and tl.sum (G padded to a power of two).
+    prefetch: issue tile i+1's K/V loads before consuming tile i (a register double buffer): an alternative to
+        num_stages, whose cp.async pipelining it replaces (use it with num_stages=1).
+    heads_inner: order the grid (Hkv, B, P) so that consecutive programs are the KV heads of one sequence and
+        partition, reading neighbouring bytes of the same cache rows at the same time (DRAM page locality);
+        False orders it (B, Hkv, P).
+    """
+
+    partition_size: int = 512
+    tile_size: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    gqa_mode: GqaMode = "dot"
+    prefetch: bool = False
+    heads_inner: bool = True
+
+
+# Why these defaults (first choices for an H200 at B=256, context U(100, 2048), Hkv 8, D 128, bf16, checked only by
+# compiling for sm_90 on a CPU machine; benchmarks/bench_attention.py sweeps them on the GPU):
+# - partition 512: 256 KiB of K+V per program, while 256 seqs x 8 heads x ~2.6 live partitions ~ 5,000 programs
+#   still keep 132 SMs busy and leave the reduce little to merge;
+# - tile 64 with 3 stages: Triton's pipeliner stages K/V tiles through shared memory with cp.async (32 KiB a
+#   stage, 70 KiB a program), so two tiles are in flight per program and 3 programs fit an SM (80-112 registers
+#   a thread at 4 warps); prefetch=True (register double buffer) gets no cp.async pipelining and more registers;
+# - "dot": the (16, D) x (D, 64) score and (16, 64) x (64, D) output products run on tensor cores; "sum" needs
+#   255 registers at tile 64 (spills), so it only makes sense with tiles of 16-32 (189 registers at 32);
+# - heads_inner: the 8 programs of one (sequence, partition) read the 8 x 256-byte head slices of the same 2 KiB
+#   token rows together.
+DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
+
+
+class DecodeWorkspace(NamedTuple):
+    """Preallocated split-K buffers (a CUDA graph can own them): float32 partial outputs and their lse.
+
+    partial_out: (B, Hq, P, D) float32; partial_lse: (B, Hq, P) float32 (base-2 log-sum-exp).
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+def num_decode_partitions(block_tables: torch.Tensor, block_size: int, partition_size: int) -> int:
+    """P = ceil(max_blocks * block_size / partition_size): partitions per sequence (from shapes only)."""
+    return max(1, math.ceil(block_tables.shape[1] * block_size / partition_size))
+
+
+def make_decode_workspace(
+    q: torch.Tensor, block_tables: torch.Tensor, block_size: int, partition_size: int | None = None
+) -> DecodeWorkspace:
+    """Allocate the split-K workspace for q (B, Hq, D) and block_tables (B, max_blocks)."""
+    partition_size = partition_size or DEFAULT_DECODE_CONFIG.partition_size
+    num_seqs, num_heads, head_dim = q.shape
+    num_parts = num_decode_partitions(block_tables, block_size, partition_size)
+    partial_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    return DecodeWorkspace(partial_out, partial_lse)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference: q (B, Hq, D) attends keys 0..seq_lens[b]-1; rows of length 0 give zeros; (B, Hq, D)."""
+    max_len = max(1, int(seq_lens.max())) if seq_lens.numel() else 1
+    out = _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)  # (B, Hq, D)
+    return out.masked_fill(seq_lens[:, None, None] == 0, 0.0)
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot(a, b) accumulated in float32; UPCAST first widens a and b to float32 (exactly, so the result is
+    the same as the tensor-core product of the narrow inputs).
+
+    UPCAST is on under the Triton CPU interpreter only, whose dot multiplies bfloat16 operands as their raw
+    uint16 bit patterns (triton 3.9); the GPU path never upcasts.
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def kv_tile_offsets(
+    table_row_ptr,
+    t0,
+    limit,
+    head,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """(TILE,) int64 cache offsets of tokens t0 .. t0+TILE-1 of KV head `head` (tokens >= limit are not looked up).
+
+    table_row_ptr points at the sequence's block-table row; t0 is a multiple of TILE.
+    """
+    tok = t0 + tl.arange(0, TILE)
+    if BLOCK_SIZE % TILE == 0:  # the tile lies inside one block: one block id
+        block = tl.load(table_row_ptr + t0 // BLOCK_SIZE, mask=t0 < limit, other=0).to(tl.int64)
+        offs = block * stride_cb + (t0 % BLOCK_SIZE + tl.arange(0, TILE)) * stride_ct
+    else:  # the tile spans blocks: one block id per token
+        block = tl.load(table_row_ptr + tok // BLOCK_SIZE, mask=tok < limit, other=0).to(tl.int64)
+        offs = block * stride_cb + (tok % BLOCK_SIZE) * stride_ct
+    return offs + head * stride_ch
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
+    """K and V tiles (N, D) at cache offsets offs (N,); rows where mask (N,) is False read nothing (zeros)."""
+    ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # (N, D)
+    k = tl.load(k_cache_ptr + ptrs, mask=mask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + ptrs, mask=mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def attend_tile(
+    q,
+    k,
+    v,
+    visible,
+    m,
+    l,
+    acc,
+    scale_log2,
+    MASKED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step of rows q (R, D) over a K/V tile (N, D); returns the new (m, l, acc).
+
+    m (R,) running max and l (R,) running sum, both base 2; acc (R, D) float32 unnormalised output. When MASKED,
+    `visible` (R, N) or (1, N) says which scores count; every row must have seen at least one key by the end.
+    """
+    if USE_DOT:
+        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT)  # (R, N)
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # (R, N)
+    s = s * scale_log2
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])  # (R, N)
+    l = l * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)  # (R, D)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # (R, D)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,  # scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    num_heads,
+    num_parts,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
+):
+    """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER)."""
+    if HEADS_INNER:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION_SIZE
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g  # (GROUP_PAD,) query heads of this KV group
+    seq64 = seq.to(tl.int64)
+    out_offs = seq64 * stride_ob + heads[:, None] * stride_oh + d[None, :]  # (GROUP_PAD, D)
+    if seq_len == 0:
+        if part == 0:  # padding row: finite zeros, no KV read
+            zeros = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + out_offs, zeros, mask=g_mask[:, None])
+    elif start < seq_len:
+        end = tl.minimum(start + PARTITION_SIZE, seq_len)
+        q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
+        table_row = block_tables_ptr + seq64 * stride_bt
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+        mask = start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
+        if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
+            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+        for t0 in range(start, end, TILE):
+            tok_mask = mask
+            if PREFETCH:
+                k, v = k_next, v_next
+            else:
+                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+            # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
+            offs = kv_tile_offsets(
+                table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
+            )
+            mask = t0 + TILE + tl.arange(0, TILE) < end
+            if PREFETCH:
+                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+            m, l, acc = attend_tile(
+                q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
+            )
+        o = acc / l[:, None]  # (GROUP_PAD, D)
+        if seq_len <= PARTITION_SIZE:  # the only live partition: final output
+            tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        else:
+            slot = (seq64 * num_heads + heads) * num_parts + part  # (GROUP_PAD,) row of the workspace
+            tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None])
+            tl.store(part_lse_ptr + slot, m + tl.log2(l), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    num_parts,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Merge the live partitions of (sequence program_id(0), query head program_id(1)) by log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_live = tl.cdiv(seq_len, PARTITION_SIZE)
+    if num_live > 1:  # otherwise the partition kernel wrote the output
+        base = (seq.to(tl.int64) * num_heads + head) * num_parts
+        c = tl.arange(0, CHUNK)
+        d = tl.arange(0, HEAD_DIM)
+        m_vec = tl.full([CHUNK], float("-inf"), tl.float32)
+        for c0 in range(0, num_live, CHUNK):
+            lse = tl.load(part_lse_ptr + base + c0 + c, mask=c0 + c < num_live, other=float("-inf"))
+            m_vec = tl.maximum(m_vec, lse)
+        m = tl.max(m_vec, axis=0)
+        l_vec = tl.zeros([CHUNK], tl.float32)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for c0 in range(0, num_live, CHUNK):
+            live = c0 + c < num_live
+            lse = tl.load(part_lse_ptr + base + c0 + c, mask=live, other=float("-inf"))
+            o = tl.load(part_out_ptr + (base + c0 + c)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+            w = tl.exp2(lse - m)  # (CHUNK,)
+            l_vec += w
+            acc += tl.sum(w[:, None] * o, axis=0)
+        out = acc / tl.sum(l_vec, axis=0)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    partition_size: int | None = None,
+    tile_size: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    gqa_mode: GqaMode | None = None,
+    prefetch: bool | None = None,
+    heads_inner: bool | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> torch.Tensor:
+    """Decode attention of q (B, Hq, D) over the paged caches; returns (B, Hq, D) in q's dtype (into `out`).
+
+    block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
+    marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG. `workspace`
+    (see make_decode_workspace) is allocated here when omitted and more than one partition exists. Reads no
+    device values, so it can be captured in a CUDA graph.
+    """
+    cfg = _resolve_config(
+        partition_size=partition_size,
+        tile_size=tile_size,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        gqa_mode=gqa_mode,
+        prefetch=prefetch,
+        heads_inner=heads_inner,
+    )
+    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out, cfg)
+    num_seqs, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    num_parts = num_decode_partitions(block_tables, block_size, cfg.partition_size)
+    if num_parts == 1:
+        workspace = None  # every sequence fits one partition: no partials, no reduce
+    elif workspace is None:
+        workspace = make_decode_workspace(q, block_tables, block_size, cfg.partition_size)
+    else:
+        _check_workspace(workspace, q, num_parts)
+    if num_seqs == 0:
+        return out
+    _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+    if workspace is not None:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            workspace.partial_out,
+            workspace.partial_lse,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_parts,
+            HEAD_DIM=head_dim,
+            PARTITION_SIZE=cfg.partition_size,
+            CHUNK=_REDUCE_CHUNK,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out
+
+
+def _launch_partitions(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace | None,
+    num_parts: int,
+    cfg: DecodeKernelConfig,
+) -> None:
+    """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # Without a workspace (P == 1) the kernel never takes its partial branch; any fp32 tensor fills the slot.
+    part_out, part_lse = workspace if workspace is not None else (out, out)
+    grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
+    _decode_partition_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_heads,
+        num_parts,
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        GROUP_PAD=_group_pad(group, cfg.gqa_mode),
+        BLOCK_SIZE=block_size,
+        PARTITION_SIZE=cfg.partition_size,
+        TILE=cfg.tile_size,
+        USE_DOT=cfg.gqa_mode == "dot",
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.device),
+        PREFETCH=cfg.prefetch,
+        HEADS_INNER=cfg.heads_inner,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact "ieee" for float32 inputs (tf32 would cost ~1e-3), the default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(device: torch.device) -> bool:
+    """Whether kernels must widen dot operands to float32: only off CUDA, i.e. under the Triton interpreter."""
+    return device.type != "cuda"
+
+
+def _group_pad(group: int, gqa_mode: GqaMode) -> int:
+    """Rows the G query heads of a KV group are padded to: >= 16 for tl.dot, a power of two >= 2 for tl.sum."""
+    return max(16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
+
+
+def _resolve_config(**knobs: object) -> DecodeKernelConfig:
+    """DEFAULT_DECODE_CONFIG with the knobs that are not None replaced; the tile shrinks to fit the partition."""
+    given = {name: value for name, value in knobs.items() if value is not None}
+    cfg = dataclasses.replace(DEFAULT_DECODE_CONFIG, **given)  # type: ignore[arg-type]
+    if "tile_size" not in given:
+        cfg = dataclasses.replace(cfg, tile_size=min(cfg.tile_size, cfg.partition_size))
+    return cfg
+
+
+def _is_pow2(n: int) -> bool:
+    """True when n is a positive power of two."""
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_config(cfg: DecodeKernelConfig) -> None:
+    """Raise ValueError naming the knob when the launch configuration is unusable."""
+    if cfg.gqa_mode not in ("dot", "sum"):
+        raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
+    if not _is_pow2(cfg.partition_size):
+        raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
+    min_tile = 16 if cfg.gqa_mode == "dot" else 1
+    if not (_is_pow2(cfg.tile_size) and cfg.tile_size >= min_tile):
+        raise ValueError(f"tile_size must be a power of two >= {min_tile} for {cfg.gqa_mode!r}, got {cfg.tile_size}")
+    if cfg.partition_size < cfg.tile_size:
+        raise ValueError(f"partition_size {cfg.partition_size} must be >= tile_size {cfg.tile_size}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        raise ValueError(
+            f"num_warps must be 1..16 (power of two), num_stages >= 1; got {cfg.num_warps}, {cfg.num_stages}"
+        )
+
+
+def _check_decode_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+    cfg: DecodeKernelConfig,
+) -> None:
+    """Raise ValueError naming the argument when shapes, dtypes or layouts do not fit (reads no values)."""
+    _check_config(cfg)
+    check_paged_qkv(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be ({num_seqs}, max_blocks) int32, got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        raise ValueError(
+            f"seq_lens must be contiguous ({num_seqs},) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+        )
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    check_out(out, q)
+
+
+def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError unless q (N, Hq, D) and the contiguous caches (num_blocks, block_size, Hkv, D) fit."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q (N, Hq, D) and caches (num_blocks, block_size, Hkv, D), got q {tuple(q.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not fit cache heads/dim {tuple(k_cache.shape[2:])}")
+    if not (_is_pow2(head_dim) and head_dim >= 16):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"q and caches must share a dtype in fp16/bf16/fp32, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q needs a contiguous last dim, and k_cache / v_cache must be contiguous")
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Raise ValueError unless `out` is None or a tensor like q (shape, dtype, device) with a contiguous last dim."""
+    if out is None:
+        return
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous last dim, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+
+
+def _check_workspace(workspace: DecodeWorkspace, q: torch.Tensor, num_parts: int) -> None:
+    """Raise ValueError unless the workspace is float32, contiguous and (B, Hq, >= P, D) / (B, Hq, >= P)."""
+    num_seqs, num_heads, head_dim = q.shape
+    part_out, part_lse = workspace
+    want_out = (num_seqs, num_heads, num_parts, head_dim)
+    want_lse = (num_seqs, num_heads, num_parts)
+    if tuple(part_out.shape) != want_out or tuple(part_lse.shape) != want_lse:
+        raise ValueError(
+            f"workspace must be partial_out {want_out} and partial_lse {want_lse}, got {tuple(part_out.shape)} "
+            f"and {tuple(part_lse.shape)}"
+        )
+    if part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
+        raise ValueError(f"workspace must be float32, got {part_out.dtype} and {part_lse.dtype}")
+    if not (part_out.is_contiguous() and part_lse.is_contiguous()):
+        raise ValueError("workspace tensors must be contiguous")

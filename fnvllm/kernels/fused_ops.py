@@ -1,0 +1,244 @@
+"""Fused elementwise/row kernels of the decoder layer in Triton, each beside its torch reference.
+
+- `rmsnorm(x, weight, eps)`: one program per row; y = weight * (x / sqrt(mean(x^2) + eps)) with the
+  normalisation in float32, cast back to x's dtype before the weight (as `rmsnorm_ref` in model/ops.py).
+- `fused_add_rmsnorm(x, residual, weight, eps)`: one pass instead of three: r = x + residual rounded to the
+  input dtype (it is the new residual stream), then rmsnorm(r). Matches `add_rmsnorm_ref`.
+- `silu_and_mul(x)`: x = [gate | up] (T, 2I) -> silu(gate) * up (T, I), computed in float32, rounded once.
+- `rotary(x, cos, sin)`: neox-style rotation of x (T, H, D) by per-token angles, in float32 (as
+  `rotary_ref`): with x = [x1 | x2] halves, out = [x1 cos - x2 sin | x2 cos + x1 sin].
+
+Worked example (rmsnorm, eps 0): x = [3, 4] -> mean(x^2) = 12.5, rsqrt = 0.2828 -> [0.8485, 1.1314] * weight.
+
+The references are model/ops.py's, re-exported here. They round where torch does (silu in bf16, then the
+product); the kernels round once, so bf16 results may differ by one unit in the last place; float32 results
+agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fnvllm.model.ops import add_rmsnorm_ref as fused_add_rmsnorm_ref
+from fnvllm.model.ops import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+
+__all__ = [
+    "fused_add_rmsnorm",
+    "fused_add_rmsnorm_ref",
+    "rmsnorm",
+    "rmsnorm_ref",
+    "rotary",
+    "rotary_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+]
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    w_ptr,
+    out_ptr,
+    eps,
+    n_cols,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Normalise row program_id(0) of x (after adding the residual row and storing the sum, if HAS_RESIDUAL)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like torch's add
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight, as torch
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise x (..., N) over its last dim and scale by weight (N,); returns a new (..., N) tensor."""
+    _check_norm_args(x, weight)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, N)
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    _launch_rmsnorm(rows, None, None, weight, out, eps)
+    return out.view(x.shape)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual) for x, residual (..., N) in one pass; returns new tensors."""
+    _check_norm_args(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x ({tuple(x.shape)} {x.dtype} on {x.device}), got {tuple(residual.shape)} "
+            f"{residual.dtype} on {residual.device}"
+        )
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, N)
+    res_rows = residual.reshape(-1, x.shape[-1]).contiguous()  # (R, N)
+    new_residual = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    _launch_rmsnorm(rows, res_rows, new_residual, weight, out, eps)
+    return out.view(x.shape), new_residual.view(x.shape)
+
+
+def _launch_rmsnorm(
+    rows: torch.Tensor,
+    res_rows: torch.Tensor | None,
+    res_out: torch.Tensor | None,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+) -> None:
+    """One program per row of rows (R, N); the residual pair is used when given."""
+    num_rows, n_cols = rows.shape
+    if num_rows == 0:
+        return
+    block = triton.next_power_of_2(n_cols)
+    _rmsnorm_kernel[(num_rows,)](
+        rows,
+        res_rows if res_rows is not None else rows,
+        res_out if res_out is not None else rows,
+        weight,
+        out,
+        eps,
+        n_cols,
+        HAS_RESIDUAL=res_rows is not None,
+        BLOCK=block,
+        num_warps=_row_warps(block),
+    )
+
+
+def _row_warps(block: int) -> int:
+    """Warps for a row of `block` elements: ~8 elements per thread, 1 to 16 warps."""
+    return max(1, min(16, block // 256))
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise ValueError unless weight is (N,) for x (..., N), both floating and on one device."""
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"weight must be ({x.shape[-1] if x.dim() else '?'},) for x {tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    if not (x.dtype.is_floating_point and weight.dtype.is_floating_point) or x.device != weight.device:
+        raise ValueError(
+            f"x and weight must be floating and on one device, got {x.dtype} on {x.device}, "
+            f"{weight.dtype} on {weight.device}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_cols, BLOCK: tl.constexpr):
+    """out[t, j] = silu(x[t, j]) * x[t, n_cols + j] for the column block program_id(1) of row program_id(0)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] (T, 2I) (rows may be strided); returns a new (T, I) tensor."""
+    if x.dim() != 2 or x.shape[1] % 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating (T, 2I) tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x must have a contiguous last dim")
+    num_rows, n_cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_rows, n_cols, dtype=x.dtype, device=x.device)  # (T, I)
+    if num_rows == 0 or n_cols == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n_cols))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(n_cols, block))](
+        x, out, x.stride(0), n_cols, BLOCK=block, num_warps=_row_warps(block)
+    )
+    return out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotate all heads of token program_id(0): [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin], in float32."""
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF)
+    mask = (h < num_heads)[:, None]
+    x_offs = tok * stride_xt + h[:, None] * stride_xh + j[None, :]  # (BLOCK_H, HALF)
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
+    sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
+    o_offs = tok * stride_ot + h[:, None] * stride_oh + j[None, :]
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + o_offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(out_ptr + o_offs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Neox-style rotary embedding of x (T, H, D) by cos/sin (T, D/2); returns (T, H, D) in x's dtype.
+
+    x may be a strided view (e.g. q or k of a fused qkv projection) with a contiguous last dim; `out` may be x
+    itself (each program reads its token before writing it).
+    """
+    _check_rotary_args(x, cos, sin)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if out.shape != x.shape or out.dtype != x.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype} with a contiguous last dim")
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return out
+    _rotary_kernel[(num_tokens,)](
+        x,
+        cos,
+        sin,
+        out,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        num_heads,
+        HALF=head_dim // 2,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        num_warps=_row_warps(triton.next_power_of_2(num_heads) * head_dim),
+    )
+    return out
+
+
+def _check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise ValueError unless x is (T, H, D) with D a power of two >= 2 and cos/sin are (T, D/2) float32."""
+    if x.dim() != 3 or x.shape[2] < 2 or x.shape[2] & (x.shape[2] - 1) or x.stride(2) != 1:
+        raise ValueError(f"x must be (T, H, D) with D a power of two and a contiguous last dim, got {tuple(x.shape)}")
+    want = (x.shape[0], x.shape[2] // 2)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want or t.dtype != torch.float32 or t.stride(1) != 1 or t.device != x.device:
+            raise ValueError(
+                f"{name} must be {want} float32 on {x.device} with a contiguous last dim, got "
+                f"{tuple(t.shape)} {t.dtype}"
+            )

@@ -1,0 +1,256 @@
+"""Varlen paged attention for mixed batches (prefill chunks over cached prefixes and decode rows): Triton.
+
+Algorithm (flash-attention 2 over a paged cache, GQA packed). Sequence b feeds q_len = cu[b+1] - cu[b] query
+tokens at positions L - q_len .. L - 1 (L = seq_lens[b]); this step's K/V are already in the cache, so every
+key is read through the block table. The grid is (query tiles, B, Hkv). A program owns BLOCK_M rows = TOKENS
+query tokens x the G = Hq / Hkv query heads of KV head h (row r is token r // G, head h * G + r % G), so each
+K/V tile is read once for the whole group, and a decode row (q_len 1) fills G rows instead of one.
+Program (i, b, h) takes query tile ceil(q_len / TOKENS) - 1 - i (the longest, last tiles start first) and exits
+when that is negative; it then walks key tiles of BLOCK_N tokens with an online softmax in float32 (base 2):
+  - keys below the tile's first query position + 1 are visible to every row: no mask;
+  - keys from there to its last query position are masked causally (key position <= query position).
+The grid's first dimension comes from max_seqlen_q (a host int), so this launcher is for non-decode steps;
+all-decode steps belong to fnvllm.kernels.decode_attention.
+
+Worked example (G 2, BLOCK_M 16 -> TOKENS 8, BLOCK_N 16): sequence b has a cached prefix of 20 tokens and feeds
+12 (positions 20..31, L 32). Its two query tiles: tile 1 (tokens 8..11, positions 28..31) runs first, with keys
+0..15 unmasked and keys 16..31 masked; tile 0 (positions 20..27) reads keys 0..15 unmasked, 16..27 masked.
+A decode row with L 5 has one tile: 2 live rows (its token x 2 heads), keys 0..4 under the mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fnvllm.kernels.attention import AttentionMetadata, paged_attention_ref
+from fnvllm.kernels.decode_attention import (
+    attend_tile,
+    check_out,
+    check_paged_qkv,
+    dot_precision,
+    kv_tile_offsets,
+    load_kv_tile,
+    upcast_dot,
+)
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillKernelConfig:
+    """Launch knobs of the prefill kernel; every launcher default comes from DEFAULT_PREFILL_CONFIG.
+
+    block_m: query rows per program (tokens x G heads; a power of two >= 16 and >= G).
+    block_n: keys per tile (a power of two >= 16).
+    num_warps / num_stages: Triton launch options (stages pipeline the key-tile loop through shared memory).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Why these defaults (first choices for an H200, D 128, bf16; benchmarks/bench_attention.py times them):
+# 128 x 64 tiles are flash-attention 2's usual Hopper/Ampere shape for head_dim 128 -- enough math per K/V byte to
+# be compute-bound on long chunks -- and 8 warps give each warp 16 query rows; 3 stages of 32 KiB K+V plus the
+# 32 KiB query tile fit in shared memory twice per SM.
+DEFAULT_PREFILL_CONFIG = PrefillKernelConfig()
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference with the same arguments (attention.paged_attention_ref underneath); returns (T, Hq, D)."""
+    meta = AttentionMetadata(
+        positions=torch.empty(q.shape[0], dtype=torch.int64, device=q.device),  # unused by the reference
+        slot_mapping=torch.empty(q.shape[0], dtype=torch.int64, device=q.device),  # unused by the reference
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=int(seq_lens.max()),
+        block_size=k_cache.shape[1],
+    )
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,  # scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,  # query tokens per program: BLOCK_M // GROUP
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys."""
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_begin = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+    tile = tl.cdiv(q_len, TOKENS) - 1 - tl.program_id(0)
+    if tile >= 0:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len  # keys cached before this chunk
+        r = tl.arange(0, BLOCK_M)
+        tok = tile * TOKENS + r // GROUP  # (BLOCK_M,) token of each row within the chunk
+        heads = kv_head * GROUP + r % GROUP  # (BLOCK_M,) query head of each row
+        row_mask = (r < TOKENS * GROUP) & (tok < q_len)
+        q_pos = context + tok  # (BLOCK_M,)
+        d = tl.arange(0, HEAD_DIM)
+        rows = (q_begin + tok).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None])
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        kv_end = tl.minimum(context + (tile + 1) * TOKENS, seq_len)  # past the tile's last query position
+        full_end = (context + tile * TOKENS + 1) // BLOCK_N * BLOCK_N  # keys below it are seen by every row
+        for t0 in range(0, full_end, BLOCK_N):
+            offs = kv_tile_offsets(
+                table_row, t0, full_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N
+            )
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, t0 + tl.arange(0, BLOCK_N) < full_end, HEAD_DIM)
+            m, l, acc = attend_tile(q, k, v, 0, m, l, acc, scale_log2, False, True, DOT_PRECISION, UPCAST_DOT)
+        for t0 in range(full_end, kv_end, BLOCK_N):
+            key = t0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
+            offs = kv_tile_offsets(table_row, t0, kv_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, key < kv_end, HEAD_DIM)
+            visible = (key[None, :] <= q_pos[:, None]) & (key[None, :] < kv_end)  # (BLOCK_M, BLOCK_N)
+            m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale_log2, True, True, DOT_PRECISION, UPCAST_DOT)
+        out = acc / l[:, None]  # (BLOCK_M, D)
+        out_offs = rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of q (T, Hq, D) over the paged caches; returns (T, Hq, D) in q's dtype.
+
+    cu_seqlens_q (B+1,) int32, seq_lens (B,) int32 (context after this step, >= each q_len), block_tables
+    (B, max_blocks) int32; max_seqlen_q (a host int, >= every q_len) sizes the grid. Knobs left None come from
+    DEFAULT_PREFILL_CONFIG.
+    """
+    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    cfg = dataclasses.replace(DEFAULT_PREFILL_CONFIG, **{k: v for k, v in given.items() if v is not None})
+    _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, out, cfg)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tokens = cfg.block_m // group
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, tokens), num_seqs, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        TOKENS=tokens,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.device),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _check_prefill_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    out: torch.Tensor | None,
+    cfg: PrefillKernelConfig,
+) -> None:
+    """Raise ValueError naming the argument when shapes, dtypes or knobs do not fit (reads no device values)."""
+    check_paged_qkv(q, k_cache, v_cache)
+    group = q.shape[1] // k_cache.shape[2]
+    for name, value in (("block_m", cfg.block_m), ("block_n", cfg.block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if cfg.block_m < group:
+        raise ValueError(f"block_m {cfg.block_m} must be >= the GQA group size {group} (query heads per KV head)")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be contiguous (B,) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
+        raise ValueError(
+            f"cu_seqlens_q must be contiguous ({num_seqs + 1},) int32, got {tuple(cu_seqlens_q.shape)} "
+            f"{cu_seqlens_q.dtype}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be ({num_seqs}, max_blocks) int32, got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be a host int >= 1, got {max_seqlen_q!r}")
+    check_out(out, q)

@@ -1,0 +1,303 @@
+"""Tensor-parallel sharding: every rule for which slice of a weight a rank holds, and the collectives that join
+the slices. At world size 1 every layer here computes exactly what its plain torch counterpart does.
+
+Megatron's layout: in each block the first projection is column-parallel (output features split over the ranks)
+and the second row-parallel (input features split), so a block costs one all-reduce of its output, called where
+it happens in ``models.py``:
+
+    attention   qkv_proj column-parallel by heads -> attention over the local heads -> o_proj row-parallel -> all-reduce
+    mlp         gate_up_proj column-parallel (gate and up split alike) -> SiLU-and-mul -> down_proj -> all-reduce
+    embedding   vocab-parallel: a rank looks up its vocab range, zeros elsewhere -> all-reduce
+    lm_head     vocab-parallel: each rank's logit columns -> gathered on the first rank, which samples
+
+Worked example, the tiny Qwen2 (2 q heads, 1 KV head, head_dim 64, intermediate 96, vocab 256) at world size 2:
+rank r holds q head r (q_proj rows 64r:64r+64) and the single KV head (k_proj/v_proj rows 0:64, replicated
+because there are fewer KV heads than ranks; each rank's KV cache holds that head), gate/up rows 48r:48r+48,
+o_proj columns 64r:64r+64, down_proj columns 48r:48r+48 and vocab rows 128r:128r+128. With more KV heads than
+ranks they split like q heads. A vocab that does not divide is padded: every rank holds ceil(V / world) rows,
+the last rank's extra rows are zeros, and the gathered logits are cut back to V.
+
+The tensor-parallel group is the whole ``torch.distributed`` world (no pipeline or data parallelism), so a
+group rank is a global rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fnvllm.model.config import ModelConfig
+
+
+@attrs.frozen(eq=False)
+class TensorParallel:
+    """This process's place in a tensor-parallel group.
+
+    rank / world_size: position in the group and its size. local_rank: the CUDA device index on this host.
+    group: the process group of the model's collectives (None = the default group; unused at world size 1).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    group: Any = None
+
+    @property
+    def is_parallel(self) -> bool:
+        """True when more than one rank shares the model."""
+        return self.world_size > 1
+
+    @property
+    def is_first(self) -> bool:
+        """True on rank 0, the rank that samples."""
+        return self.rank == 0
+
+
+SINGLE = TensorParallel()
+
+
+@attrs.frozen
+class WeightTarget:
+    """Where one checkpoint tensor, or this rank's slice of it, goes.
+
+    param: our parameter's name. rows: (start, end) output rows of the parameter it fills (None = all of it).
+    source: (start, end) along ``dim`` of the checkpoint tensor to read (None = the whole tensor).
+    full_size: the checkpoint tensor's size along ``dim`` (checked before slicing; None when not sliced).
+    """
+
+    param: str
+    rows: tuple[int, int] | None = None
+    source: tuple[int, int] | None = None
+    dim: int = 0
+    full_size: int | None = None
+
+
+# ---- the rules ----------------------------------------------------------------------------------------------
+
+
+def check_shardable(config: ModelConfig, world_size: int) -> None:
+    """Raise ValueError naming the field when the model cannot be split over ``world_size`` ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % world_size:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of tensor_parallel_size ({world_size})")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({world_size}) must divide one another"
+        )
+    if config.intermediate_size % world_size:
+        raise ValueError(
+            f"intermediate_size ({config.intermediate_size}) must be a multiple of tensor_parallel_size ({world_size})"
+        )
+
+
+def shard_range(size: int, tp: TensorParallel) -> tuple[int, int]:
+    """This rank's (start, end) of ``size`` items split evenly (``size`` must divide)."""
+    per_rank = size // tp.world_size
+    return tp.rank * per_rank, (tp.rank + 1) * per_rank
+
+
+def local_heads(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
+    """(query heads, KV heads) this rank computes; KV heads are replicated when fewer than the ranks."""
+    return config.num_attention_heads // tp.world_size, max(1, config.num_key_value_heads // tp.world_size)
+
+
+def kv_head_range(config: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
+    """This rank's (first, end) KV head: its own slice, or the one head its query heads read when replicated."""
+    kv_heads = config.num_key_value_heads
+    if kv_heads >= tp.world_size:
+        return shard_range(kv_heads, tp)
+    head = tp.rank * kv_heads // tp.world_size  # e.g. 2 KV heads, 4 ranks: ranks 0,1 -> head 0; 2,3 -> head 1
+    return head, head + 1
+
+
+def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
+    """(start, end, rows per rank) of this rank's vocab slice; the last slice may be short (padded)."""
+    per_rank = math.ceil(vocab_size / tp.world_size)
+    start = min(tp.rank * per_rank, vocab_size)
+    return start, min(start + per_rank, vocab_size), per_rank
+
+
+# ---- collectives ----------------------------------------------------------------------------------------------
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place (nothing at world size 1); returns ``x``."""
+    if tp.is_parallel:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def gather_vocab(local: torch.Tensor, vocab_size: int, tp: TensorParallel) -> torch.Tensor | None:
+    """Join each rank's logit columns (N, ceil(V / world)) into (N, V) on the first rank; None on the others."""
+    if not tp.is_parallel:
+        return local
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(tp.world_size)] if tp.is_first else None
+    dist.gather(local, parts, dst=0, group=tp.group)
+    if parts is None:
+        return None
+    return torch.cat(parts, dim=-1)[:, :vocab_size]  # (N, world * ceil(V / world)) -> (N, V)
+
+
+def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:
+    """The smallest ``value`` any rank holds (every rank gets it)."""
+    if not tp.is_parallel:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(t.item())
+
+
+# ---- sharded layers -------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RowSlice:
+    """One checkpoint projection inside a column-parallel weight: its rows ``source`` (of ``full_size``) land in
+    output rows ``rows``."""
+
+    rows: tuple[int, int]
+    source: tuple[int, int]
+    full_size: int
+
+
+def stack(parts: Mapping[str, tuple[tuple[int, int], int]]) -> dict[str, RowSlice]:
+    """Lay projections' (source range, full size) one after another in output rows, in the mapping's order."""
+    out, end = {}, 0
+    for name, (source, full_size) in parts.items():
+        start, end = end, end + source[1] - source[0]
+        out[name] = RowSlice((start, end), source, full_size)
+    return out
+
+
+class ColumnParallelLinear(nn.Linear):
+    """This rank's output rows of one or more stacked checkpoint projections (q/k/v, gate/up). No collective:
+    the output stays split, each rank holding the features of its own heads or its own intermediate slice.
+
+    parts: checkpoint module name (e.g. "q_proj") -> where its rows come from and go.
+    """
+
+    def __init__(self, in_features: int, parts: Mapping[str, RowSlice], bias: bool, dtype: torch.dtype | None) -> None:
+        super().__init__(in_features, max(p.rows[1] for p in parts.values()), bias=bias, dtype=dtype)
+        self.parts = MappingProxyType(dict(parts))
+
+
+class RowParallelLinear(nn.Linear):
+    """This rank's input columns of a projection. ``forward`` gives a partial sum (the full product summed over
+    the ranks, by the caller's all-reduce); the bias is added once, by the first rank."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, tp: TensorParallel
+    ) -> None:
+        super().__init__(in_features // tp.world_size, out_features, bias=bias, dtype=dtype)
+        self.source = shard_range(in_features, tp)
+        self.full_in_features = in_features
+        self.adds_bias = tp.is_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in / world) -> partial (T, out)."""
+        return F.linear(x, self.weight, self.bias if self.adds_bias else None)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table; ids outside its vocab range look up zeros (the caller
+    all-reduces, so each id's row comes from the one rank that holds it)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.start, self.end, per_rank = vocab_range(vocab_size, tp)
+        self.is_parallel = tp.is_parallel
+        self.weight = nn.Parameter(_normal(torch.empty(per_rank, hidden_size, dtype=dtype), std=1.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T, hidden_size): the rows this rank holds, zeros for the others."""
+        if not self.is_parallel:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (T, hidden_size)
+        return rows.masked_fill(outside[:, None], 0)
+
+
+class ParallelLMHead(nn.Module):
+    """This rank's vocab rows of the output projection (its weight may be the embedding's, when tied)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.start, self.end, per_rank = vocab_range(vocab_size, tp)
+        self.weight = nn.Parameter(_normal(torch.empty(per_rank, hidden_size, dtype=dtype), std=0.02))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's logit columns (N, ceil(V / world)) in the activation dtype for hidden (N, hidden_size)."""
+        return F.linear(hidden, self.weight)
+
+
+def _normal(weight: torch.Tensor, std: float) -> torch.Tensor:
+    """Fill with N(0, std), except on the meta device (the loader fills it; meta normal_ imports torch._dynamo,
+    seconds per process)."""
+    return weight if weight.is_meta else weight.normal_(std=std)
+
+
+def qkv_parallel(config: ModelConfig, tp: TensorParallel) -> ColumnParallelLinear:
+    """Fused q/k/v projection: output rows [this rank's q heads | its KV head(s) of k | of v]."""
+    d = config.head_dim
+    q_start, q_end = shard_range(config.num_attention_heads, tp)
+    kv_start, kv_end = kv_head_range(config, tp)
+    kv_rows = ((kv_start * d, kv_end * d), config.kv_size)
+    parts = stack({"q_proj": ((q_start * d, q_end * d), config.q_size), "k_proj": kv_rows, "v_proj": kv_rows})
+    return ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, config.torch_dtype)
+
+
+def gate_up_parallel(config: ModelConfig, tp: TensorParallel) -> ColumnParallelLinear:
+    """Fused gate/up projection of the gated MLP: output rows [this rank's gate slice | its up slice]."""
+    rows = (shard_range(config.intermediate_size, tp), config.intermediate_size)
+    parts = stack({"gate_proj": rows, "up_proj": rows})
+    return ColumnParallelLinear(config.hidden_size, parts, False, config.torch_dtype)
+
+
+# ---- checkpoint slices ----------------------------------------------------------------------------------------
+
+
+def weight_targets(model: nn.Module) -> dict[str, WeightTarget]:
+    """HF checkpoint name -> where this rank's slice of it goes in ``model``, for every tensor the model needs.
+
+    Names (HF -> ours): ``<p>.q_proj|k_proj|v_proj.<w>`` -> rows of ``<p>.qkv_proj.<w>``, ``<p>.gate_proj|up_proj``
+    -> rows of ``<p>.gate_up_proj``; everything else keeps its name."""
+    targets: dict[str, WeightTarget] = {}
+    for name, _ in model.named_parameters():  # a tied lm_head is deduplicated away here
+        parent, _, leaf = name.rpartition(".")
+        targets.update(_module_targets(model.get_submodule(parent), parent, leaf, name))
+    return targets
+
+
+def _module_targets(module: nn.Module, parent: str, leaf: str, name: str) -> dict[str, WeightTarget]:
+    """The checkpoint tensors that fill parameter ``name`` (= ``parent.leaf``) of ``module``."""
+    if isinstance(module, ColumnParallelLinear):
+        prefix = parent.rpartition(".")[0]
+        return {
+            f"{prefix}.{part}.{leaf}": WeightTarget(name, s.rows, s.source, 0, s.full_size)
+            for part, s in module.parts.items()
+        }
+    if isinstance(module, RowParallelLinear) and leaf == "weight":
+        return {name: WeightTarget(name, None, module.source, 1, module.full_in_features)}
+    if isinstance(module, VocabParallelEmbedding | ParallelLMHead):
+        rows = (0, module.end - module.start)
+        return {name: WeightTarget(name, rows, (module.start, module.end), 0, module.vocab_size)}
+    return {name: WeightTarget(name)}
+
+
+def zero_vocab_padding(model: nn.Module) -> None:
+    """Zero the padding rows of vocab-parallel weights (the loader fills only the real rows)."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding | ParallelLMHead):
+            module.weight.data[module.end - module.start :].zero_()

@@ -1,0 +1,125 @@
+"""The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine thread's lifetime.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (never needs
+the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown routes, is
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fnvllm.serve import handlers
+from fnvllm.serve.async_engine import AsyncEngine
+from fnvllm.serve.errors import APIError, internal, unauthorized
+from fnvllm.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = frozenset({"/health"})
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
+    ``Authorization: Bearer <api_key>``. The app starts the engine thread at startup and stops it at shutdown.
+
+    If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
+    metrics = ServerMetrics(lambda: engine.snapshot)
+    if engine.observer is None:
+        engine.observer = metrics
+    served = handlers.Served(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="fnvllm", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    _add_error_handlers(app)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        """OpenAI completions (``stream: true`` for server-sent events)."""
+        return await handlers.completions(served, await request.body(), request.receive)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        """OpenAI chat completions (the tokenizer's chat template; ``stream: true`` for server-sent events)."""
+        return await handlers.chat_completions(served, await request.body(), request.receive)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, object]:
+        """The one model this server serves."""
+        model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fnvllm"}
+        model["max_model_len"] = engine.config.max_model_len
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine thread runs."""
+        alive = engine.is_alive
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, APIError)
+        return _error_response(error)
+
+    async def on_http_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(error.status_code, str(error.detail), kind))
+
+    async def on_unexpected(_: Request, error: Exception) -> Response:
+        logger.exception("unexpected error while serving a request")
+        return _error_response(internal(f"internal server error: {error!r}"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP route except ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``.
+
+    Plain ASGI (not ``BaseHTTPMiddleware``), so streamed responses and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer 401 to a request without the right token; pass everything else on."""
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                await _error_response(unauthorized())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

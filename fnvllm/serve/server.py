@@ -1,0 +1,70 @@
+"""Run the app with uvicorn on a socket we bind ourselves (so ``port=0`` can report the port it got).
+
+SIGINT / SIGTERM: stop accepting connections, abort the requests in flight (their streams end with
+finish_reason "abort"), let uvicorn close the connections, stop the engine thread, return normally (exit 0).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from fnvllm.serve.app import build_app
+from fnvllm.serve.async_engine import AsyncEngine
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: a shutdown signal aborts the engine's requests, and is not re-raised after the
+    graceful exit (uvicorn re-raises it by default, which would make SIGTERM exit non-zero)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: graceful shutdown with every request aborted. A second SIGINT forces the exit."""
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+        self.engine.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free port, read back with ``getsockname``)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
+
+
+def serve(
+    engine: AsyncEngine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+    on_listening: Callable[[str, int], None] | None = None,
+    **uvicorn_options: Any,
+) -> None:
+    """Serve ``engine`` over HTTP until SIGINT/SIGTERM; ``on_listening(host, port)`` runs once the socket is
+    bound (before the first request can be answered)."""
+    app = build_app(engine, model_name, api_key)
+    sock = bind(host, port)
+    if on_listening is not None:
+        on_listening(host, sock.getsockname()[1])
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30, **uvicorn_options)
+    try:
+        _Server(config, engine).run(sockets=[sock])
+    finally:
+        sock.close()

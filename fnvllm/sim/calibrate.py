@@ -1,0 +1,129 @@
+"""Calibration: fit a hardware profile's overheads to a measured per-step timeline.
+
+For each kind of step (graph, eager) the device time is fitted as
+    gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * num_seqs
+             + token_us * num_tokens
+and the host gap as gap_us + gap_seq_us * num_seqs, by least squares with every coefficient >= 0 (a column whose
+coefficient comes out negative is dropped and the rest refitted). Columns the log cannot tell apart keep the
+base profile's value: in decode-only steps num_tokens == num_seqs (their cost lands on seq_us) and the matmul
+roofline is affine in num_seqs (``scale`` stays the base's). The roofline uses the base
+profile's ceilings, so calibrating for another GPU means: put its measured read bandwidth and matmul rate in a
+profile JSON, run the engine there with FNVLLM_TIMELINE set, and fit with ``--base`` that JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from fnvllm.sim.cost import CostModel, StepShape
+from fnvllm.sim.hardware import HardwareProfile, Overheads
+from fnvllm.sim.model import ModelShape
+from fnvllm.sim.timeline import record_shape
+
+MIN_ROWS = 8  # fewer steps of one kind than this: keep the base profile's overheads for that kind
+
+__all__ = ["MIN_ROWS", "fit_nonnegative", "fit_profile", "prediction_error"]
+
+
+def _independent_columns(x: np.ndarray) -> list[int]:
+    """Indices of columns kept in order, skipping any that adds no rank to those kept before it."""
+    norms = np.linalg.norm(x, axis=0)
+    scaled = x / np.where(norms > 0, norms, 1)
+    kept: list[int] = []
+    for j in range(x.shape[1]):
+        if norms[j] > 0 and np.linalg.matrix_rank(scaled[:, [*kept, j]], tol=1e-9) == len(kept) + 1:
+            kept.append(j)
+    return kept
+
+
+def fit_nonnegative(x: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
+    """Least-squares coefficients of ``y ~ x`` constrained >= 0. A column the data cannot tell apart from the
+    columns before it keeps its ``prior`` coefficient (default 0) and is not fitted; then, while any fitted
+    coefficient is negative, the most negative one is zeroed and the rest refitted."""
+    prior = np.zeros(x.shape[1]) if prior is None else prior
+    active = _independent_columns(x)
+    fixed = [j for j in range(x.shape[1]) if j not in active]
+    coef = prior.astype(float).copy()
+    coef[active] = 0.0
+    target = y - x[:, fixed] @ coef[fixed]
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], target, rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return coef
+
+
+def _fit_kind(
+    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+) -> Overheads:
+    """The overheads of one kind of step. The matmul roofline column comes last: in decode-only steps it is an
+    affine function of the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep
+    ``base.scale`` (the caller passes the eager fit's: graphs replay the same matmul kernels)."""
+    linear = [cost.linear_s(s) * 1e6 for s in shapes]
+    attention = [cost.attention_s(s) * 1e6 for s in shapes]
+    seqs = [s.num_seqs for s in shapes]
+    x = np.column_stack([attention, np.ones(len(shapes)), seqs, [s.num_tokens for s in shapes], linear])
+    prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
+    attn_scale, step, seq, token, scale = fit_nonnegative(
+        x, np.array([float(r["gpu_ms"]) * 1e3 for r in records]), prior
+    )
+    gaps = np.array([float(r.get("gap_ms", 0.0)) * 1e3 for r in records])
+    gap, gap_seq = fit_nonnegative(np.column_stack([np.ones(len(shapes)), seqs]), gaps)
+    return Overheads(*map(float, (scale, attn_scale, step, seq, token, gap, gap_seq)))
+
+
+def fit_profile(
+    records: Sequence[Mapping[str, Any]], model: ModelShape, base: HardwareProfile, source: str = ""
+) -> HardwareProfile:
+    """``base`` with its overheads fitted to ``records`` (timeline step records) of ``model``.
+
+    Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
+    eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
+    steps sets graph_max_seqs to 0 (that engine never replays graphs), else to the largest graph batch seen.
+    """
+    cost = CostModel(model, base)
+    kinds = {"eager": base.eager, "graph": base.graph}
+    for kind, is_graph in (("eager", False), ("graph", True)):
+        rows = [r for r in records if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
+        if len(rows) >= MIN_ROWS:
+            prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)  # graphs replay the eager matmuls
+            kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior)
+    graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
+    return attrs.evolve(
+        base,
+        name=f"{base.name}-calibrated",
+        graph_max_seqs=max(graph_seqs, default=0),
+        calibrated_from=source,
+        eager=kinds["eager"],
+        graph=kinds["graph"],
+    )
+
+
+def prediction_error(
+    records: Sequence[Mapping[str, Any]], model: ModelShape, profile: HardwareProfile
+) -> dict[str, float]:
+    """How well ``profile`` predicts ``records``: the relative error of the total step time (device + gap), the
+    mean absolute relative error per step, and the measured and predicted totals in seconds."""
+    cost = CostModel(model, profile)
+    measured, predicted, errors = 0.0, 0.0, []
+    for record in records:
+        shape = record_shape(record)
+        if not shape.num_seqs:
+            continue
+        m = (float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))) / 1e3
+        p = cost.device_s(shape) + cost.gap_s(shape)
+        measured, predicted = measured + m, predicted + p
+        errors.append(abs(p - m) / m if m > 0 else 0.0)
+    return {
+        "total_error": (predicted - measured) / measured if measured else 0.0,
+        "mean_step_error": sum(errors) / len(errors) if errors else 0.0,
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "num_steps": len(errors),
+    }

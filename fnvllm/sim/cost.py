@@ -1,0 +1,139 @@
+"""The cost model: a step's shape -> its device time, by a roofline per layer part plus fitted overheads.
+
+Each part of a decoder layer (qkv projection, attention, o projection, gate_up, down) takes
+max(bytes / bandwidth, FLOPs / matmul rate): a matmul reads its weights once per step plus its input and output
+activations, and does 2 FLOPs per weight per token; attention reads every scheduled sequence's KV context,
+writes the fed tokens' K and V, and does 4 * q_heads * head_dim FLOPs per (query, key) pair. The layers' sum is
+times the layer count, plus the LM head over the sampled rows. So a decode batch is bound by weights and KV
+reads, a long prefill by FLOPs, and neither is summed where they overlap. Matmuls and attention are scaled
+separately by the profile (``scale``, ``attn_scale``): their kernels reach different fractions of the ceilings.
+
+The shape of a step is what the GPU engine logs per step (``FNVLLM_TIMELINE``), so the same numbers drive both
+the simulation and the calibration.
+"""
+
+from __future__ import annotations
+
+from operator import mul
+from typing import Any
+
+import attrs
+
+from fnvllm.sim.hardware import HardwareProfile, Overheads
+from fnvllm.sim.model import ModelShape
+from fnvllm.state import StepPlan
+
+_US = 1e-6
+
+
+@attrs.frozen
+class StepShape:
+    """The work of one step, in counts.
+
+    num_seqs / num_tokens: scheduled sequences and fed tokens. num_decode_seqs: sequences fed exactly one token.
+    num_prefill_tokens: tokens of the other sequences. context_tokens: sum over sequences of start position +
+    fed tokens (the KV each reads). attn_pairs: (query, key) pairs attention computes, causal. num_samples:
+    sequences sampled. graph: whether the step runs as a CUDA graph (decode-only and small enough).
+    """
+
+    num_seqs: int
+    num_tokens: int
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    context_tokens: int
+    attn_pairs: int
+    num_samples: int
+    graph: bool
+
+    def to_record(self) -> dict[str, Any]:
+        """The fields of a timeline record (``FNVLLM_TIMELINE`` format, without timings)."""
+        return attrs.asdict(self)
+
+
+def step_shape(plan: StepPlan, graph_max_seqs: int) -> StepShape:
+    """The shape of ``plan``. A row of q tokens starting at s attends q*s + q*(q+1)/2 (query, key) pairs."""
+    lens = list(map(len, plan.input_tokens))
+    num_tokens, num_decode = sum(lens), lens.count(1)
+    starts = plan.start_positions
+    context = sum(starts) + num_tokens
+    if num_decode == len(lens):
+        pairs = context  # every row is q=1: s + 1 pairs each
+    else:  # sum of q*s + q*(q+1)/2, in C-level passes (a Python loop over 256 rows costs more than the rest)
+        pairs = sum(map(mul, lens, starts)) + (sum(map(mul, lens, lens)) + num_tokens) // 2
+    num_seqs = len(lens)
+    is_graph = num_decode == num_seqs and 0 < num_seqs <= graph_max_seqs
+    return StepShape(
+        num_seqs, num_tokens, num_decode, num_tokens - num_decode, context, pairs, plan.num_samples, is_graph
+    )
+
+
+class CostModel:
+    """Times steps of ``model`` on ``hardware``. Stateless after construction; cheap per call (no allocation)."""
+
+    def __init__(self, model: ModelShape, hardware: HardwareProfile) -> None:
+        self.model, self.hardware = model, hardware
+        m = model
+        h, q, kv, i = m.hidden, m.q_size, m.kv_size, m.intermediate
+        # (weights, input width, output width) of each matmul of a layer
+        self._matmuls = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h), (2 * h * i, h, 2 * i), (i * h, i, h))
+        self._bw, self._flops = hardware.bytes_per_s, hardware.flops_per_s
+
+    def layer_parts_s(self, shape: StepShape) -> list[tuple[str, float]]:
+        """Roofline seconds of each matmul of one layer: qkv, o, gate_up, down."""
+        b, t, bw, fl = self.model.dtype_bytes, shape.num_tokens, self._bw, self._flops
+        names = ("qkv", "o", "gate_up", "down")
+        return [
+            (name, max(b * (w + t * (w_in + w_out)) / bw, 2 * t * w / fl))
+            for name, (w, w_in, w_out) in zip(names, self._matmuls, strict=True)
+        ]
+
+    def attention_s(self, shape: StepShape) -> float:
+        """Roofline seconds of attention in all layers: KV context read, fed K/V written, q read and out written."""
+        m, b, t = self.model, self.model.dtype_bytes, shape.num_tokens
+        kv_bytes = b * 2 * m.kv_size * (shape.context_tokens + t) + b * 2 * m.q_size * t
+        flops = 4 * m.q_heads * m.head_dim * shape.attn_pairs
+        return m.layers * max(kv_bytes / self._bw, flops / self._flops)
+
+    def lm_head_s(self, shape: StepShape) -> float:
+        """Roofline seconds of the LM head over the sampled rows (fp32 logits written and read once)."""
+        s = shape.num_samples
+        if not s:
+            return 0.0
+        m = self.model
+        weights = m.vocab * m.hidden
+        nbytes = m.dtype_bytes * weights + 8 * s * m.vocab
+        return max(nbytes / self._bw, 2 * s * weights / self._flops)
+
+    def linear_s(self, shape: StepShape) -> float:
+        """Roofline seconds of every matmul of the step: the layers' projections and the LM head."""
+        if not shape.num_seqs:
+            return 0.0
+        layer = sum(seconds for _, seconds in self.layer_parts_s(shape))
+        return self.model.layers * layer + self.lm_head_s(shape)
+
+    def roofline_s(self, shape: StepShape) -> float:
+        """The step's roofline time: matmuls plus attention, each part at its own bound."""
+        return self.linear_s(shape) + self.attention_s(shape) if shape.num_seqs else 0.0
+
+    def overheads(self, shape: StepShape) -> Overheads:
+        """The overheads of this kind of step (graph or eager)."""
+        return self.hardware.graph if shape.graph else self.hardware.eager
+
+    def device_s(self, shape: StepShape) -> float:
+        """Predicted device time of the step (0 for an empty step)."""
+        if not shape.num_seqs:
+            return 0.0
+        o = self.overheads(shape)
+        extra = o.step_us + o.seq_us * shape.num_seqs + o.token_us * shape.num_tokens
+        return o.scale * self.linear_s(shape) + o.attn_scale * self.attention_s(shape) + extra * _US
+
+    def gap_s(self, shape: StepShape) -> float:
+        """Predicted host gap after the step, before the next one starts (0 for an empty step)."""
+        if not shape.num_seqs:
+            return 0.0
+        o = self.overheads(shape)
+        return (o.gap_us + o.gap_seq_us * shape.num_seqs) * _US
+
+    def step_s(self, shape: StepShape) -> float:
+        """Wall time the step occupies on the simulated clock: device time plus host gap."""
+        return self.device_s(shape) + self.gap_s(shape)

@@ -1,0 +1,95 @@
+"""SimExecutor: the executor protocol of ``fnvllm.executor.base`` with a cost model instead of a GPU.
+
+``execute(plan)`` checks the step like every executor, advances a simulated clock by the cost model's time for
+exactly the plan's work, and returns tokens from a token source: a fixed filler token (optionally an EOS with a
+given probability per token, seeded), or a replay of tokens recorded from a real run (to compare plans).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from fnvllm.executor.base import ExecuteResult, check_step
+from fnvllm.sim.cost import CostModel, StepShape, step_shape
+from fnvllm.state import StepPlan
+
+
+class TokenSource(Protocol):
+    """Where simulated tokens come from: one id per sampling sequence of the plan, in plan order."""
+
+    def tokens(self, plan: StepPlan) -> tuple[int, ...]:
+        """The sampled ids of ``plan``."""
+        ...
+
+
+class FillerTokens:
+    """Every sampled token is ``token_id``, except an ``eos_id`` drawn with probability ``eos_prob`` (seeded).
+
+    With ``eos_prob`` 0 the source draws no random numbers, and requests run to max_tokens (with ignore_eos).
+    """
+
+    def __init__(self, token_id: int = 3, eos_id: int = 0, eos_prob: float = 0.0, seed: int = 0) -> None:
+        if not 0 <= eos_prob <= 1:
+            raise ValueError(f"eos_prob must be in [0, 1], got {eos_prob}")
+        if eos_prob and token_id == eos_id:
+            raise ValueError("token_id must differ from eos_id")
+        self.token_id, self.eos_id, self.eos_prob = token_id, eos_id, eos_prob
+        self._rng = random.Random(seed)
+
+    def tokens(self, plan: StepPlan) -> tuple[int, ...]:
+        """``token_id`` per sampled row, or an EOS with probability ``eos_prob``."""
+        n = plan.num_samples
+        if not self.eos_prob:
+            return (self.token_id,) * n
+        draw, p = self._rng.random, self.eos_prob
+        return tuple(self.eos_id if draw() < p else self.token_id for _ in range(n))
+
+
+class ReplayTokens:
+    """The tokens of a recorded run, step by step (``steps[k]`` = the sampled ids of step k)."""
+
+    def __init__(self, steps: Sequence[Sequence[int]]) -> None:
+        self.steps = [tuple(s) for s in steps]
+
+    def tokens(self, plan: StepPlan) -> tuple[int, ...]:
+        """The recorded ids of ``plan.step``; ValueError if the recording has a different count there."""
+        if plan.step >= len(self.steps) or len(self.steps[plan.step]) != plan.num_samples:
+            raise ValueError(f"recorded tokens do not fit step {plan.step} ({plan.num_samples} samples)")
+        return self.steps[plan.step]
+
+
+class SimExecutor:
+    """Applies plans to a simulated device: a clock (seconds) advanced by ``cost``, tokens from ``tokens``.
+
+    clock: simulated time now (the end of the last step). last_shape / last_device_s / last_gap_s: the last
+    plan's shape, device time and host gap (for logs and plots). ``advance_to(t)`` moves an idle clock forward
+    (a jump to the next arrival).
+    """
+
+    def __init__(self, cost: CostModel, tokens: TokenSource | None = None, clock: float = 0.0) -> None:
+        self.cost = cost
+        self.token_source = tokens if tokens is not None else FillerTokens()
+        self.clock = clock
+        self.next_step = 0
+        self.last_shape: StepShape | None = None
+        self.last_device_s = self.last_gap_s = 0.0
+
+    def execute(self, plan: StepPlan) -> ExecuteResult:
+        """Advance the clock by the plan's predicted wall time; return its sampled tokens."""
+        check_step(self.next_step, plan)
+        self.next_step += 1
+        shape = step_shape(plan, self.cost.hardware.graph_max_seqs)
+        self.last_shape = shape
+        self.last_device_s, self.last_gap_s = self.cost.device_s(shape), self.cost.gap_s(shape)
+        self.clock += self.last_device_s + self.last_gap_s
+        return ExecuteResult(self.token_source.tokens(plan) if plan.num_samples else ())
+
+    def reset(self, next_step: int) -> None:
+        """Expect ``next_step`` next (a simulated cache has no contents to forget); the clock keeps running."""
+        self.next_step = next_step
+
+    def advance_to(self, time_s: float) -> None:
+        """Move the clock forward to ``time_s`` (never backward)."""
+        self.clock = max(self.clock, time_s)

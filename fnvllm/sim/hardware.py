@@ -1,0 +1,116 @@
+"""Hardware profiles: the roofline ceilings of one accelerator plus the fitted overheads of our engine on it.
+
+A profile is a JSON file (``fnvllm simulate calibrate`` writes one; ``--hardware PATH`` reads it) or a built-in
+name. The ceilings come from microbenchmarks (for the H200: ../shared/GPU.md's read ceiling and bf16 matmul
+rate); the overheads are what the roofline misses (kernel launches, the sampler, host gaps), fitted per kind of
+step: "graph" steps (decode-only batches replayed from CUDA graphs) and "eager" steps (everything else).
+
+Worked example: an eager step whose matmul roofline is 1.5 ms and attention roofline 0.5 ms, with 64 sequences
+and 900 tokens, under ``Overheads(scale=1.1, attn_scale=1.6, step_us=300, seq_us=2, token_us=0.1, gap_us=50,
+gap_seq_us=0.5)`` takes 1.1 * 1500 + 1.6 * 500 + 300 + 64 * 2 + 900 * 0.1 = 2968 us on the device, then
+50 + 64 * 0.5 = 82 us of host gap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Overheads:
+    """Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
+    token_us * tokens; then a host gap of gap_us + gap_seq_us * seqs before the next step starts (times in
+    microseconds, all >= 0). A scale of 1.25 means the kernels reach 80% of the ceilings."""
+
+    scale: float = 1.0
+    attn_scale: float = 1.0
+    step_us: float = 0.0
+    seq_us: float = 0.0
+    token_us: float = 0.0
+    gap_us: float = 0.0
+    gap_seq_us: float = 0.0
+
+
+@attrs.frozen
+class HardwareProfile:
+    """One accelerator (or CPU) as the simulator sees it.
+
+    name: label. mem_bandwidth_gbs: achievable read bandwidth, GB/s (1e9 bytes). matmul_tflops: dense matmul
+    rate in the model's dtype. memory_gib: device memory (sizes the KV cache when num_blocks is not given).
+    graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
+    eager / graph: the overheads of each kind of step. calibrated_from: the log a fit came from ("" if none).
+    """
+
+    name: str
+    mem_bandwidth_gbs: float
+    matmul_tflops: float
+    memory_gib: float
+    graph_max_seqs: int = 512
+    eager: Overheads = Overheads()
+    graph: Overheads = Overheads()
+    calibrated_from: str = ""
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Memory bandwidth in bytes per second."""
+        return self.mem_bandwidth_gbs * 1e9
+
+    @property
+    def flops_per_s(self) -> float:
+        """Matmul rate in FLOP per second."""
+        return self.matmul_tflops * 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``from_dict`` reads it back)."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
+        """From ``to_dict``'s output; unknown keys are an error naming the known ones."""
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware profile field(s) {unknown}; known: {sorted(known)}")
+        values = dict(data)
+        for kind in ("eager", "graph"):
+            if kind in values:
+                values[kind] = Overheads(**values[kind])
+        return cls(**values)
+
+
+# Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The overheads are uncalibrated guesses until
+# `fnvllm simulate calibrate` fits them from the GPU engine's timeline.
+H200 = HardwareProfile(
+    name="h200",
+    mem_bandwidth_gbs=4160.0,
+    matmul_tflops=793.0,
+    memory_gib=139.8,
+    graph_max_seqs=512,
+    eager=Overheads(scale=1.1, attn_scale=1.6, step_us=400.0, seq_us=2.0, token_us=0.05, gap_us=100.0, gap_seq_us=0.5),
+    graph=Overheads(scale=1.1, attn_scale=1.6, step_us=40.0, seq_us=0.5, gap_us=30.0, gap_seq_us=0.2),
+)
+BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A built-in profile by name, or a profile JSON file. Raises ValueError for anything else."""
+    key = str(name_or_path).lower()
+    if key in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"hardware {str(name_or_path)!r} is neither one of {sorted(BUILTIN_PROFILES)} nor a file")
+    try:
+        return HardwareProfile.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{path} is not a hardware profile JSON: {e}") from None
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    """Write ``profile`` as indented JSON."""
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")

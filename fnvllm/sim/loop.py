@@ -1,0 +1,158 @@
+"""The simulation loop: the engine's own ``schedule`` / ``commit`` driven by a SimExecutor and a clock.
+
+    while requests remain:
+        add every request whose arrival time the clock has reached    (add_request: the core knows no time)
+        if nothing is live: jump the clock to the next arrival
+        state, plan = schedule(state)
+        tokens = executor.execute(plan)                               (advances the clock by the cost model)
+        state, out = commit(state, plan, tokens)
+
+A step starts when the previous one ended; its tokens are emitted when it ends; a request that arrives during a
+step is added before the next schedule. ``Recorder`` notes what the metrics need on the way.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import attrs
+
+from fnvllm.sim.executor import SimExecutor
+from fnvllm.sim.recorder import Recorder
+from fnvllm.sim.workloads import SimRequest, prompt_tokens
+from fnvllm.state import (
+    FCFS,
+    CoreConfig,
+    EngineState,
+    Policy,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    add_request,
+    commit,
+    initial_state,
+    schedule,
+)
+
+StepHook = Callable[[EngineState, StepPlan, StepOutput], None]
+Progress = Callable[[int], None]  # called with the number of requests finished since the last call
+
+
+class SimulationStalledError(RuntimeError):
+    """A step planned nothing while requests were live and none could arrive (a scheduler livelock)."""
+
+
+@attrs.frozen
+class SimResult:
+    """A finished simulation: the recorder's per-request and per-step data, and the final state and clock."""
+
+    recorder: Recorder
+    final_state: EngineState
+    end_s: float
+    num_steps: int
+
+
+class _Arrivals:
+    """The workload's requests not yet added, and how to add them: ids are workload indices as strings, and
+    SamplingParams are shared per output length (100,000 requests need only a few hundred distinct values)."""
+
+    def __init__(self, requests: Sequence[SimRequest], ignore_eos: bool, vocab: int) -> None:
+        self.requests, self.ignore_eos, self.vocab = requests, ignore_eos, vocab
+        self.next_index = 0
+        self._params: dict[int, SamplingParams] = {}
+
+    @property
+    def pending(self) -> bool:
+        """True while some request has not arrived yet."""
+        return self.next_index < len(self.requests)
+
+    @property
+    def next_time(self) -> float:
+        """Arrival time of the next request (call only while ``pending``)."""
+        return self.requests[self.next_index].arrival_s
+
+    def add_due(self, state: EngineState, clock: float) -> EngineState:
+        """``state`` with every request whose arrival time is <= ``clock`` added."""
+        while self.pending and self.next_time <= clock:
+            index = self.next_index
+            r = self.requests[index]
+            prompt = prompt_tokens(r, index, self.vocab)
+            state = add_request(state, str(index), prompt, self._sampling(r.output_len), r.priority)
+            self.next_index += 1
+        return state
+
+    def _sampling(self, output_len: int) -> SamplingParams:
+        params = self._params.get(output_len)
+        if params is None:
+            params = SamplingParams(max_tokens=output_len, ignore_eos=self.ignore_eos, temperature=0.0)
+            self._params[output_len] = params
+        return params
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    config: CoreConfig,
+    executor: SimExecutor,
+    policy: Policy = FCFS,
+    *,
+    ignore_eos: bool = True,
+    on_step: StepHook | None = None,
+    progress: Progress | None = None,
+) -> SimResult:
+    """Run ``requests`` (sorted by arrival) to completion on the pure core; returns what was recorded.
+
+    Request ids are the workload indices as strings. ``ignore_eos=False`` lets the executor's EOS tokens end
+    requests early. Raises InvalidRequestError for a request that can never run (e.g. longer than
+    max_model_len) and SimulationStalledError if the core plans nothing while requests wait.
+    """
+    with _fewer_collections():
+        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress)
+
+
+@contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """Run with the objects alive now frozen out of the cyclic GC and a 100x larger young generation: the loop
+    allocates many short-lived acyclic values, and default collections cost 20-35% of its time when the pool is
+    large (measured: poisson workload, 70,000 blocks of 16 tokens; no difference with 4,000 blocks). Settings are
+    restored afterwards."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(thresholds[0], 1) * 100, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
+def _simulate(
+    requests: Sequence[SimRequest],
+    config: CoreConfig,
+    executor: SimExecutor,
+    policy: Policy,
+    ignore_eos: bool,
+    on_step: StepHook | None,
+    progress: Progress | None,
+) -> SimResult:
+    """The loop of ``simulate``."""
+    state = initial_state(config, policy)
+    recorder = Recorder(requests, config.num_blocks)
+    arrivals, num_steps = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31), 0
+    while arrivals.pending or state.has_unfinished:
+        if not state.has_unfinished:
+            executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
+        clock = executor.clock
+        before = state = arrivals.add_due(state, clock)
+        state, plan = schedule(state)
+        state, output = commit(state, plan, executor.execute(plan).token_ids)
+        num_steps += 1
+        finished = recorder.step(before, state, plan, output, clock, executor)
+        if plan.is_empty and state.has_unfinished:
+            raise SimulationStalledError(f"step {plan.step} planned nothing with {len(state.waiting)} waiting")
+        if on_step is not None:
+            on_step(state, plan, output)
+        if progress is not None and finished:
+            progress(finished)
+    return SimResult(recorder, state, executor.clock, num_steps)

@@ -1,0 +1,168 @@
+"""SimSpec: one simulation described by plain values (CLI flags, a sweep grid point, a JSON object).
+
+``run_spec(spec)`` builds the workload, the model shape, the hardware profile, the core config and the executor
+from it, simulates, and returns the result with its metric summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+import attrs
+
+from fnvllm.sim.cost import CostModel
+from fnvllm.sim.executor import FillerTokens, SimExecutor
+from fnvllm.sim.hardware import HardwareProfile, load_profile
+from fnvllm.sim.loop import SimResult, StepHook, simulate
+from fnvllm.sim.metrics import summarize
+from fnvllm.sim.model import ModelShape, load_shape
+from fnvllm.sim.policies import get_policy
+from fnvllm.sim.timeline import TimelineWriter
+from fnvllm.sim.workloads import (
+    SimRequest,
+    bench_requests,
+    poisson_requests,
+    read_trace,
+    shared_prefix_requests,
+)
+from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
+
+_GIB = 1 << 30
+_EOS_ID, _FILLER_ID = 0, 3
+WORKLOADS = ("bench", "poisson", "shared-prefix")
+
+
+@attrs.frozen(kw_only=True)
+class SimSpec:
+    """Everything one simulation needs.
+
+    workload: "bench", "poisson", "shared-prefix", or the path of a JSONL trace. num_requests: None = 256 for
+    bench, 1000 otherwise. rate: Poisson arrivals per second (inf = all at t=0). prompt_mean / output_mean /
+    len_sigma: log-normal lengths (for shared-prefix, prompt_mean is the suffix after the shared prefix).
+    num_prefixes / prefix_len: the shared system prompts (also the trace's default prefix_len). num_priorities:
+    priorities drawn in [0, n). seed: workload and EOS draws. eos_prob: chance each token is an EOS (0: every
+    request generates exactly output_len tokens).
+    model / hardware: a named shape or config.json; a profile name or JSON file. policy: see POLICIES.
+    The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory.
+    """
+
+    workload: str = "poisson"
+    num_requests: int | None = None
+    rate: float = 20.0
+    prompt_mean: float = 512
+    output_mean: float = 256
+    len_sigma: float = 0.8
+    num_prefixes: int = 8
+    prefix_len: int = 1024
+    num_priorities: int = 1
+    seed: int = 0
+    eos_prob: float = 0.0
+    model: str = "qwen3-0.6b"
+    hardware: str = "h200"
+    policy: str = "fcfs"
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SimSpec:
+        """From plain values; unknown names are an error listing the known ones."""
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown simulation option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as plain values."""
+        return attrs.asdict(self)
+
+
+def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
+    """The spec's workload (lengths capped so prompt + output <= max_len)."""
+    n = spec.num_requests
+    if spec.workload == "bench":
+        return bench_requests(n or 256, seed=spec.seed)
+    lengths = (spec.prompt_mean, spec.output_mean, spec.len_sigma, spec.seed, max_len)
+    if spec.workload == "poisson":
+        return poisson_requests(n or 1000, spec.rate, *lengths, num_priorities=spec.num_priorities)
+    if spec.workload == "shared-prefix":
+        return shared_prefix_requests(n or 1000, spec.rate, spec.num_prefixes, spec.prefix_len, *lengths)
+    if not spec.workload.endswith(".jsonl"):
+        raise ValueError(f"workload must be one of {list(WORKLOADS)} or a .jsonl trace, got {spec.workload!r}")
+    requests = read_trace(spec.workload, spec.prefix_len)
+    return requests[:n] if n else requests
+
+
+def kv_blocks_that_fit(model: ModelShape, hardware: HardwareProfile, spec: SimSpec) -> int:
+    """KV blocks the engine would allocate: the memory the utilisation allows, minus weights, ~0.5 GiB of
+    runtime context and the same activation reserve as ``ModelExecutor._activation_bytes``."""
+    width = max(2 * model.intermediate, model.q_size + 2 * model.kv_size, 4 * model.hidden)
+    activations = spec.max_num_batched_tokens * width * 16 + spec.max_num_seqs * model.vocab * 24 + _GIB
+    used = model.weight_bytes + _GIB // 2
+    budget = hardware.memory_gib * _GIB * spec.gpu_memory_utilization - used - activations
+    per_block = model.kv_bytes_per_token * spec.block_size
+    if budget < per_block:
+        raise ValueError(f"{model.name} leaves no memory for the KV cache on {hardware.name}")
+    return int(budget // per_block)
+
+
+def core_config(spec: SimSpec, model: ModelShape, hardware: HardwareProfile) -> CoreConfig:
+    """The pure core's settings for the spec."""
+    return CoreConfig(
+        block_size=spec.block_size,
+        num_blocks=spec.num_blocks or kv_blocks_that_fit(model, hardware, spec),
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len or model.max_len,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        eos_token_ids=(_EOS_ID,),
+        vocab_size=model.vocab,
+    )
+
+
+def run_spec(
+    spec: SimSpec,
+    progress: Callable[[int], None] | None = None,
+    timeline: IO[str] | None = None,
+    on_requests: Callable[[int], None] | None = None,
+) -> tuple[SimResult, dict[str, float]]:
+    """Simulate ``spec``; returns the result and its metric summary. ``progress(n)`` hears of finished requests,
+    ``timeline`` receives the predicted per-step log, ``on_requests`` the workload's size before the run."""
+    model, hardware = load_shape(spec.model), load_profile(spec.hardware)
+    config = core_config(spec, model, hardware)
+    requests = build_requests(spec, config.max_model_len)
+    if on_requests is not None:
+        on_requests(len(requests))
+    tokens = FillerTokens(_FILLER_ID, _EOS_ID, spec.eos_prob, spec.seed)
+    executor = SimExecutor(CostModel(model, hardware), tokens)
+    hook = _timeline_hook(timeline, executor, model, config, hardware.name) if timeline is not None else None
+    result = simulate(
+        requests,
+        config,
+        executor,
+        get_policy(spec.policy),
+        ignore_eos=spec.eos_prob == 0,
+        on_step=hook,
+        progress=progress,
+    )
+    return result, summarize(result.recorder, result.end_s)
+
+
+def _timeline_hook(
+    stream: IO[str], executor: SimExecutor, model: ModelShape, config: CoreConfig, device: str
+) -> StepHook:
+    """An on_step hook writing the predicted timeline (header first)."""
+    writer = TimelineWriter(stream)
+    writer.header(model.to_config(), config.block_size, f"simulated {device}")
+
+    def hook(state: EngineState, plan: StepPlan, output: StepOutput) -> None:
+        if executor.last_shape is not None and not plan.is_empty:
+            writer.step(plan.step, executor.last_shape, executor.last_device_s, executor.last_gap_s)
+
+    return hook

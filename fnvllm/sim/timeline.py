@@ -1,0 +1,75 @@
+"""The per-step timeline log (JSONL): what the GPU engine writes under ``FNVLLM_TIMELINE=path.jsonl`` and what
+``fnvllm simulate --timeline`` writes with predicted times, so both can be calibrated from and compared.
+
+First line (optional): ``{"model": {config.json fields}, "block_size": int, "device": str}``. Then one object per
+step: ``{"step", "num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens", "gpu_ms",
+"cpu_ms", "gap_ms", "graph"}``; optionally ``attn_pairs`` and ``num_samples`` (exact when present, estimated
+otherwise, see ``record_shape``). ``context_tokens`` sums start position + fed tokens over the scheduled sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from fnvllm.sim.cost import StepShape
+
+REQUIRED = ("num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens", "gpu_ms", "graph")
+
+
+def read_timeline(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header (``{}`` if absent) and the step records of a timeline; ValueError naming a bad line."""
+    header: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {number} is not JSON: {e}") from None
+        if "model" in record and not records:
+            header = record
+            continue
+        missing = [k for k in REQUIRED if k not in record]
+        if missing:
+            raise ValueError(f"{path} line {number} lacks {missing}")
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no step records")
+    return header, records
+
+
+def record_shape(record: Mapping[str, Any]) -> StepShape:
+    """The StepShape of a timeline record. Without ``attn_pairs``, prefill rows are taken as chunks from position 0
+    of equal length (decodes exact); without ``num_samples``, every sequence counts as sampled."""
+    seqs, tokens, decodes = int(record["num_seqs"]), int(record["num_tokens"]), int(record["num_decode_seqs"])
+    prefill, context = int(record["num_prefill_tokens"]), int(record["context_tokens"])
+    pairs = record.get("attn_pairs")
+    if pairs is None:
+        prefill_seqs = max(seqs - decodes, 1)
+        pairs = context if not prefill else (context - prefill) + prefill * (prefill / prefill_seqs + 1) / 2
+    samples = int(record.get("num_samples", seqs))
+    return StepShape(seqs, tokens, decodes, prefill, context, int(pairs), samples, bool(record["graph"]))
+
+
+class TimelineWriter:
+    """Writes a timeline: ``header(...)`` once, then ``step(index, shape, gpu_s, gap_s)`` per step."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def header(self, model: Mapping[str, Any], block_size: int, device: str) -> None:
+        """The first line: the model's config fields, the block size and the device name."""
+        self._write({"model": dict(model), "block_size": block_size, "device": device})
+
+    def step(self, index: int, shape: StepShape, gpu_s: float, gap_s: float, cpu_s: float = 0.0) -> None:
+        """One step's record (times in milliseconds in the file)."""
+        record = {"step": index, **shape.to_record(), "gpu_ms": gpu_s * 1e3, "cpu_ms": cpu_s * 1e3}
+        record["gap_ms"] = gap_s * 1e3
+        self._write(record)
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        self.stream.write(json.dumps(record) + "\n")

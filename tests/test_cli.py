@@ -1,0 +1,181 @@
+"""The ``fnvllm`` command line, run as a real subprocess against the embedded demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fnvllm.cli import build_parser
+from fnvllm.cli._common import engine_options, sampling_params
+from fnvllm.config import EngineConfig
+from fnvllm.demo import model_path
+from fnvllm.state import SamplingParams
+
+FAST = ["--max-tokens", "6", "--num-blocks", "64"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def fnvllm(*args: str, stdin: str | None = None, script: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``fnvllm ARGS`` (the console script, or ``python -m fnvllm.cli``) and capture its output."""
+    command = [console_script()] if script else [sys.executable, "-m", "fnvllm.cli"]
+    return subprocess.run(
+        [*command, *args], input=stdin, capture_output=True, text=True, timeout=180, env=ENV, check=False
+    )
+
+
+def console_script() -> str:
+    """The ``fnvllm`` script installed beside this interpreter (the venv's bin folder)."""
+    return str(Path(sys.executable).parent / "fnvllm")
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """``result`` after checking it succeeded (its stderr shown otherwise)."""
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def jsonl(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON Lines text."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr's lines, less the loader's progress bar."""
+    return [line for line in stderr.splitlines() if line.strip() and "shard" not in line]
+
+
+def test_console_script_is_installed() -> None:
+    """The venv holds an executable ``fnvllm`` script (the package's console entry point)."""
+    script = Path(console_script())
+    assert script.is_file() and os.access(script, os.X_OK)
+    assert shutil.which("fnvllm", path=str(script.parent)) == str(script)
+
+
+PROMPTS = ["def fib(", "import "]
+
+
+@pytest.fixture(scope="module")
+def plain() -> subprocess.CompletedProcess[str]:
+    """``fnvllm generate`` (the console script) on PROMPTS, greedy, as text."""
+    return ok(fnvllm("generate", *PROMPTS, *FAST, script=True))
+
+
+def test_generate_prompt_arguments_with_the_embedded_model(plain: subprocess.CompletedProcess[str]) -> None:
+    """``fnvllm generate PROMPT PROMPT`` uses the demo model, prints each prompt with its continuation, and ends
+    with a one-line summary on stderr."""
+    assert plain.stdout.count("===== request") == 2
+    assert all(prompt in plain.stdout for prompt in PROMPTS)
+    summary = error_lines(plain.stderr)[-1]
+    assert "2 requests" in summary and "tok/s" in summary and "prefix-cache" in summary and "preemptions" in summary
+
+
+def test_generate_model_folder_argument_json() -> None:
+    """A first argument that is a folder is the model; ``--json`` prints one parseable object per request."""
+    result = ok(fnvllm("generate", str(model_path()), "class A:", "--json", "--logprobs", "2", *FAST))
+    [record] = jsonl(result.stdout)
+    assert record["prompt"] == "class A:" and record["index"] == 0
+    assert len(record["token_ids"]) == len(record["logprobs"]) <= 6
+    assert all(len(entry["top"]) == 2 for entry in record["logprobs"])
+    assert record["finish_reason"] in ("stop", "length") and record["ttft_s"] >= 0
+
+
+def test_prompts_from_arguments_stdin_and_file(tmp_path: Path) -> None:
+    """Prompts come from the arguments, then stdin ('-', JSON Lines here), then ``--prompts-file`` (one per line,
+    blank lines skipped), in that order; --json on stdout stays clean (the summary goes to stderr)."""
+    file = tmp_path / "prompts.txt"
+    file.write_text("def a(\n\nclass B:\n")
+    stdin = json.dumps({"prompt": "x = ["}) + "\n" + json.dumps({"prompt": "y = (\n"}) + "\n"
+    result = ok(fnvllm("generate", "while ", "-", "--prompts-file", str(file), "--json", *FAST, stdin=stdin))
+    records = jsonl(result.stdout)
+    assert [r["prompt"] for r in records] == ["while ", "x = [", "y = (\n", "def a(", "class B:"]
+    assert [r["index"] for r in records] == list(range(5))
+
+
+def test_stream_prints_what_generate_prints(plain: subprocess.CompletedProcess[str]) -> None:
+    """Greedy ``--stream`` prints the same text as plain generate, in prompt order; JSON deltas add up to it."""
+    streamed = ok(fnvllm("generate", *PROMPTS, "--stream", *FAST)).stdout
+    deltas = jsonl(ok(fnvllm("generate", *PROMPTS, "--stream", "--json", *FAST)).stdout)
+    strip = [line for line in plain.stdout.splitlines() if not line.startswith("=====")]
+    assert [line for line in streamed.splitlines() if not line.startswith("=====")] == strip
+    texts = ["".join(d["text"] for d in deltas if d["index"] == i) for i in range(len(PROMPTS))]
+    assert "\n".join(p + t for p, t in zip(PROMPTS, texts, strict=True)) == "\n".join(strip)
+    assert sum(d["finish_reason"] is not None for d in deltas) == len(PROMPTS)
+
+
+def test_chat_applies_the_chat_template() -> None:
+    """``--chat`` wraps the prompt as a user message through the tokenizer's template (a Python comment here)."""
+    result = ok(fnvllm("generate", "--chat", "--system", "be brief", "reverse a list", "--json", *FAST))
+    [record] = jsonl(result.stdout)
+    assert record["prompt"] == "# be brief\n# reverse a list\n"
+    streamed = ok(fnvllm("generate", "--chat", "reverse a list", "--stream", *FAST)).stdout
+    assert "reverse a list" not in streamed  # the reply only
+
+
+def test_demo_says_it_uses_the_embedded_model() -> None:
+    """``fnvllm demo`` names the embedded model and prints Python prompts with their continuations."""
+    result = ok(fnvllm("demo", *FAST))
+    assert "embedded demo model" in result.stdout and "def fib(n):" in result.stdout
+    assert "requests" in error_lines(result.stderr)[-2]
+
+
+TOO_LONG = "x = 1\n" * 400
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "code", "needle"),
+    [
+        (["generate", "/no/such/model", "def f("], None, 1, "does not exist"),
+        (["generate", "--model", "/no/such/model", "def f("], None, 1, "does not exist"),
+        (["generate", "--prompts-file", "/no/such/prompts.txt"], None, 1, "cannot read prompts"),
+        (["generate", "--prompts-file", "-"], "{not json\n", 1, "stdin:1: not valid JSON"),
+        (["generate", "--max-tokens", "lots", "def f("], None, 2, "invalid int value"),
+        (["generate", "--temperature", "-1", "def f("], None, 2, "temperature"),
+        (["generate", "--block-size", "0", "def f("], None, 2, "block_size"),
+        (["generate", "--dtype", "float64", "def f("], None, 2, "float64"),
+        (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
+        (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
+        (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
+        (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
+        (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),
+        (["generate"], None, 2, "no prompt given"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], stdin: str | None, code: int, needle: str) -> None:
+    """Each user error prints one line on stderr naming the problem, exits non-zero, and shows no traceback."""
+    result = fnvllm(*args, stdin=stdin)
+    lines = error_lines(result.stderr)
+    assert result.returncode == code, result.stderr
+    assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback() -> None:
+    """``--debug`` shows the traceback of a user error instead of the one-line message."""
+    result = fnvllm("--debug", "generate", "--temperature", "-1", "def f(")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_every_sampling_and_engine_field_has_a_flag() -> None:
+    """The flags are derived from SamplingParams and EngineConfig, so every field is settable from the CLI."""
+    flags = """generate p --temperature 0.7 --top-p 0.9 --top-k 5 --min-p 0.05 --max-tokens 7 --ignore-eos
+        --stop a --stop b --stop-token-ids 3,4 --include-stop-str-in-output --seed 1 --logprobs 2
+        --repetition-penalty 1.1 --presence-penalty 0.5 --frequency-penalty -0.5 --block-size 32
+        --no-prefix-caching --engine-seed 9 --max-model-len 256 --device cpu"""
+    args = build_parser().parse_args(flags.split())
+    expected = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=7, ignore_eos=True, stop=("a", "b"),
+        stop_token_ids=(3, 4), include_stop_str_in_output=True, seed=1, logprobs=2, repetition_penalty=1.1,
+        presence_penalty=0.5, frequency_penalty=-0.5,
+    )  # fmt: skip
+    assert sampling_params(args) == expected
+    options = engine_options(args)
+    assert set(options) == {f.name for f in EngineConfig.__attrs_attrs__}
+    assert options["block_size"] == 32 and options["seed"] == 9 and options["enable_prefix_caching"] is False

@@ -1,0 +1,125 @@
+"""`fnvllm serve` under bad input and overload: OpenAI-shaped 400/404/503 errors (never a 500), the server keeps
+serving afterwards, and SIGTERM aborts in-flight requests and exits 0."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs the [serve] extra (fastapi, uvicorn, prometheus-client)")
+pytest.importorskip("uvicorn", reason="the server needs the [serve] extra (fastapi, uvicorn, prometheus-client)")
+pytest.importorskip("prometheus_client", reason="the server needs the [serve] extra")
+openai = pytest.importorskip("openai", reason="the server tests drive it with the official openai client")
+httpx = pytest.importorskip("httpx", reason="installed with openai")
+
+from tiny_models import write_family  # noqa: E402
+
+from fnvllm.serve.process import ServerProcess  # noqa: E402
+
+MODEL = "tiny"
+# One running sequence at a time and one waiting slot, so a third concurrent request finds the queue full.
+FLAGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "8", "--num-blocks", "256", "--max-model-len", "512"]
+FLAGS += ["--attention-backend", "torch", "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", MODEL]
+GOOD = {"model": MODEL, "prompt": "The engine is pure", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    checkpoint = write_family(tmp_path_factory.mktemp("serve-errors"), "qwen3")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    log = tmp_path_factory.mktemp("serve-errors-log") / "server.log"
+    with ServerProcess([str(checkpoint), *FLAGS], log, env=env) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Any:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(server: ServerProcess, path: str, body: Any) -> Any:
+    """POST a JSON body (or raw bytes) and return the response."""
+    if isinstance(body, bytes):
+        return httpx.post(f"{server.base_url}{path}", content=body, headers={"Content-Type": "application/json"})
+    return httpx.post(f"{server.base_url}{path}", json=body)
+
+
+BAD_COMPLETIONS = [
+    ("malformed JSON", b'{"prompt": "x",', None),
+    ("not an object", b"[1, 2]", None),
+    ("wrong type", {**GOOD, "temperature": "hot"}, "temperature"),
+    ("bool as number", {**GOOD, "top_p": True}, "top_p"),
+    ("out of range", {**GOOD, "top_p": 2.0}, "top_p"),
+    ("negative max_tokens", {**GOOD, "max_tokens": -1}, "max_tokens"),
+    ("unknown field", {**GOOD, "frequency": 1}, "frequency"),
+    ("unsupported n", {**GOOD, "n": 2}, "n"),
+    ("unsupported echo", {**GOOD, "echo": True}, "echo"),
+    ("prompt batch", {**GOOD, "prompt": ["a", "b"]}, "prompt"),
+    ("empty token prompt", {**GOOD, "prompt": []}, "prompt"),
+    ("token id out of vocab", {**GOOD, "prompt": [1, 99999]}, "prompt"),
+    ("too long for the model", {**GOOD, "max_tokens": 600}, "max_tokens"),
+    ("empty stop string", {**GOOD, "stop": [""]}, "stop"),
+    ("missing prompt", {"model": MODEL}, "prompt"),
+]
+BAD_CHATS = [
+    ("no messages", {"model": MODEL, "messages": []}, "messages"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
+    ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("top_logprobs alone", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+]
+
+
+@pytest.mark.parametrize(("path", "case"), [("/v1/completions", c) for c in BAD_COMPLETIONS] + [
+    ("/v1/chat/completions", c) for c in BAD_CHATS
+])  # fmt: skip
+def test_bad_input_is_a_400_with_openai_error_json(server: ServerProcess, path: str, case: tuple) -> None:
+    """Malformed, mistyped, out-of-range, unknown or unsupported input is a 400 naming the field; then a good
+    request still succeeds."""
+    _, body, param = case
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_unknown_model_and_route_are_404(server: ServerProcess, client: Any) -> None:
+    """An unknown model name is a 404 model_not_found (the client raises NotFoundError); so is an unknown route."""
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    response = httpx.get(f"{server.base_url}/v1/nothing")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_full_waiting_queue_is_a_503_and_recovers(server: ServerProcess, client: Any) -> None:
+    """With one running and one waiting request, a third gets 503; once they are gone the server serves again."""
+    long = dict(model=MODEL, prompt="A long one", max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    running = client.completions.create(**long, stream=True)
+    next(iter(running))  # its first token is out: it holds the one running slot
+    waiting = client.completions.create(**{**long, "max_tokens": 3}, stream=True)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(**GOOD)
+    assert info.value.status_code == 503 and info.value.body["code"] == "overloaded"
+    running.close()  # aborts it, so the waiting one runs
+    chunks = list(waiting)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert client.completions.create(**GOOD).choices[0].finish_reason in ("length", "stop")
+
+
+def test_sigterm_aborts_in_flight_requests_and_exits_zero(server: ServerProcess, client: Any) -> None:
+    """SIGTERM ends a running stream with finish_reason "abort" and the server exits with code 0 (runs last)."""
+    kw = dict(model=MODEL, prompt="Keep going", max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    stream = client.completions.create(**kw, stream=True)
+    next(iter(stream))
+    assert server.proc is not None
+    server.proc.terminate()
+    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert reasons[-1] == "abort" and len(reasons) < 400
+    assert server.terminate(timeout=60) == 0, server.log()[-3000:]

@@ -1,0 +1,218 @@
+"""The simulator's pieces: cost model, executor, workloads, and the loop's conservation and clock."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from fnvllm.executor.base import StalePlanError
+from fnvllm.sim import (
+    H200,
+    CostModel,
+    FillerTokens,
+    ModelShape,
+    SimExecutor,
+    SimRequest,
+    SimSpec,
+    bench_requests,
+    load_shape,
+    poisson_requests,
+    prompt_tokens,
+    read_trace,
+    run_spec,
+    shared_prefix_requests,
+    simulate,
+    step_shape,
+    write_trace,
+)
+from fnvllm.sim.workloads import bench_prompts
+from fnvllm.state import CoreConfig, SamplingParams, StepPlan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+QWEN3_06B = load_shape("qwen3-0.6b")
+SMALL = {"model": "qwen3-0.6b", "block_size": 16, "num_blocks": 400, "max_num_batched_tokens": 512}
+
+
+def _plan(lens: list[int], starts: list[int]) -> StepPlan:
+    n = len(lens)
+    return StepPlan(
+        step=0,
+        block_size=16,
+        seq_ids=tuple(str(i) for i in range(n)),
+        input_tokens=tuple((1,) * q for q in lens),
+        start_positions=tuple(starts),
+        block_tables=tuple((i,) for i in range(n)),
+        sample=(True,) * n,
+        params=(SamplingParams(),) * n,
+        num_generated=(0,) * n,
+        histories=(None,) * n,
+    )
+
+
+def test_named_shapes_match_the_checkpoints() -> None:
+    """The named Qwen3 shapes carry the published dimensions and weight sizes (0.6B tied: ~0.6e9 params)."""
+    assert (QWEN3_06B.hidden, QWEN3_06B.layers, QWEN3_06B.q_heads, QWEN3_06B.kv_heads) == (1024, 28, 16, 8)
+    assert QWEN3_06B.weight_bytes / 2 == pytest.approx(0.596e9, rel=0.01)
+    big = load_shape("qwen3-8b")
+    assert big.weight_bytes / 2 == pytest.approx(8.19e9, rel=0.01)
+    assert QWEN3_06B.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+
+
+def test_step_shape_counts_a_mixed_plan() -> None:
+    """A decode at position 9 and a 4-token chunk at position 0: counts, context and causal pairs by hand."""
+    shape = step_shape(_plan([1, 4], [9, 0]), graph_max_seqs=512)
+    assert (shape.num_seqs, shape.num_tokens, shape.num_decode_seqs, shape.num_prefill_tokens) == (2, 5, 1, 4)
+    assert shape.context_tokens == 10 + 4
+    assert shape.attn_pairs == 10 + (1 + 2 + 3 + 4)
+    assert not shape.graph
+    assert step_shape(_plan([1, 1], [5, 7]), graph_max_seqs=512).graph
+
+
+def test_roofline_of_a_decode_step_is_the_weight_and_kv_read() -> None:
+    """A 1-sequence decode is memory bound: its roofline is (layer weights + KV + LM head) bytes / bandwidth."""
+    cost = CostModel(QWEN3_06B, H200)
+    shape = step_shape(_plan([1], [999]), graph_max_seqs=0)
+    m = QWEN3_06B
+    layer_bytes = 2 * (m.layer_params + 1000 * 2 * m.kv_size)
+    head_bytes = 2 * m.vocab * m.hidden + 8 * m.vocab
+    expected = (m.layers * layer_bytes + head_bytes) / H200.bytes_per_s
+    assert cost.roofline_s(shape) == pytest.approx(expected, rel=0.01)
+
+
+def test_roofline_of_a_long_prefill_is_compute_bound() -> None:
+    """An 8192-token prefill costs at least its matmul FLOPs at the matmul rate, and more than a decode."""
+    cost = CostModel(QWEN3_06B, H200)
+    shape = step_shape(_plan([8192], [0]), graph_max_seqs=0)
+    flops = 2 * 8192 * QWEN3_06B.layer_params * QWEN3_06B.layers
+    assert cost.roofline_s(shape) >= flops / H200.flops_per_s
+    assert cost.roofline_s(shape) > 10 * cost.roofline_s(step_shape(_plan([1], [8191]), 0))
+
+
+def test_executor_advances_the_clock_and_rejects_stale_plans() -> None:
+    """execute() adds the plan's predicted time to the clock and refuses a repeated step."""
+    cost = CostModel(QWEN3_06B, H200)
+    executor = SimExecutor(cost)
+    plan = _plan([1, 1], [10, 20])
+    result = executor.execute(plan)
+    assert result.token_ids == (3, 3)
+    assert executor.clock == pytest.approx(cost.step_s(step_shape(plan, H200.graph_max_seqs)))
+    with pytest.raises(StalePlanError):
+        executor.execute(plan)
+
+
+def test_filler_tokens_draw_eos_at_the_given_rate() -> None:
+    """FillerTokens with eos_prob 0.25 returns EOS for about a quarter of 4000 samples, reproducibly."""
+    plan = _plan([1] * 4000, [0] * 4000)
+    tokens = FillerTokens(eos_prob=0.25, seed=7).tokens(plan)
+    assert tokens == FillerTokens(eos_prob=0.25, seed=7).tokens(plan)
+    assert tokens.count(0) / 4000 == pytest.approx(0.25, abs=0.03)
+
+
+def test_bench_workload_equals_the_benchmark_draw() -> None:
+    """The simulator's bench workload is exactly benchmarks/workload.py's prompts and max_tokens."""
+    from benchmarks.workload import bench_workload
+
+    prompts, params = bench_workload()
+    sim_prompts, max_tokens = bench_prompts()
+    assert sim_prompts == prompts
+    assert max_tokens == [p.max_tokens for p in params]
+    requests = bench_requests()
+    assert [list(r.prompt or ()) for r in requests] == prompts
+    assert all(r.arrival_s == 0 for r in requests)
+
+
+def test_poisson_workload_is_seeded_and_within_limits() -> None:
+    """Poisson arrivals are increasing, reproducible, near the rate, and prompt + output fits max_len."""
+    requests = poisson_requests(2000, rate=40, seed=3, max_len=1024)
+    assert requests == poisson_requests(2000, rate=40, seed=3, max_len=1024)
+    times = [r.arrival_s for r in requests]
+    assert times == sorted(times) and times[0] == 0
+    assert len(times) / times[-1] == pytest.approx(40, rel=0.1)
+    assert all(r.prompt_len >= 1 and r.output_len >= 1 and r.prompt_len + r.output_len <= 1024 for r in requests)
+
+
+def test_shared_prefix_prompts_share_exactly_their_prefix() -> None:
+    """Two requests of one prefix id agree on prefix_len tokens and then differ; other prefixes differ at once."""
+    requests = shared_prefix_requests(200, rate=10, num_prefixes=2, prefix_len=64, seed=1)
+    by_prefix: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_prefix.setdefault(r.prefix_id or 0, []).append(i)
+    a, b = by_prefix[0][:2]
+    pa, pb = prompt_tokens(requests[a], a, 1000), prompt_tokens(requests[b], b, 1000)
+    assert pa[:64] == pb[:64] and pa[64:67] != pb[64:67]
+    other = by_prefix[1][0]
+    assert prompt_tokens(requests[other], other, 1000)[:3] != pa[:3]
+
+
+def test_trace_round_trip_and_errors(tmp_path: Path) -> None:
+    """write_trace / read_trace round-trip (sorted by arrival); a bad line is reported with its number."""
+    requests = [SimRequest(1.5, 10, 5), SimRequest(0.5, 20, 7, prefix_id=3, prefix_len=8, priority=2)]
+    path = tmp_path / "t.jsonl"
+    write_trace(requests, path)
+    assert read_trace(path) == sorted(requests, key=lambda r: r.arrival_s)
+    path.write_text('{"arrival_s": 0, "prompt_len": 3, "output_len": 1}\n{"arrival_s": 1, "prompt_len": 0}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_trace(path)
+
+
+def _run(**options: object):
+    return run_spec(SimSpec.from_dict({**SMALL, **options}))
+
+
+@pytest.mark.parametrize("workload", ["poisson", "shared-prefix"])
+def test_every_request_finishes_with_the_tokens_it_asked_for(workload: str) -> None:
+    """Conservation under preemption pressure: each request finishes with exactly output_len tokens."""
+    result, summary = _run(
+        workload=workload, num_requests=150, rate=math.inf, prompt_mean=200, output_mean=60, prefix_len=128
+    )
+    rec = result.recorder
+    assert summary["num_finished"] == 150 and not result.final_state.has_unfinished
+    assert rec.num_output == rec.output_len
+    assert rec.num_generated == sum(rec.output_len)
+    assert summary["preemptions"] > 0  # 400 blocks of 16 cannot hold the burst
+    if workload == "shared-prefix":
+        assert summary["prefix_hit_rate"] > 0.2
+
+
+def test_clock_is_monotone_and_events_are_ordered() -> None:
+    """Steps never overlap or go back in time; arrival <= scheduled <= first token <= finish per request."""
+    result, _ = _run(workload="poisson", num_requests=100, rate=5, output_mean=20)
+    rec = result.recorder
+    for k in range(1, len(rec.step_end)):
+        assert rec.step_start[k] >= rec.step_end[k - 1] - 1e-12
+        assert rec.step_end[k] >= rec.step_start[k]
+    for a, s, t, f in zip(rec.arrival, rec.first_scheduled, rec.first_token, rec.finish, strict=True):
+        assert a <= s < t <= f
+    assert result.end_s == rec.step_end[-1] and result.end_s >= rec.arrival[-1]
+
+
+def test_eos_probability_ends_requests_early() -> None:
+    """With eos_prob 0.05, requests of 200 tokens stop early (at an EOS) and never exceed what they asked."""
+    result, summary = _run(workload="poisson", num_requests=80, rate=50, output_mean=200, len_sigma=0, eos_prob=0.05)
+    rec = result.recorder
+    assert summary["num_finished"] == 80
+    assert all(1 <= n <= asked for n, asked in zip(rec.num_output, rec.output_len, strict=True))
+    assert sum(rec.num_output) < 0.5 * sum(rec.output_len)
+
+
+def test_policies_change_the_order_not_the_work() -> None:
+    """Shortest-job-first serves the same tokens as FCFS but lowers the mean end-to-end latency under load."""
+    common = {"workload": "poisson", "num_requests": 200, "rate": math.inf, "output_mean": 100, "max_num_seqs": 16}
+    fcfs, sjf = _run(**common)[1], _run(**common, policy="sjf")[1]
+    assert fcfs["output_tokens"] == sjf["output_tokens"]
+    assert sjf["e2e_mean_ms"] < fcfs["e2e_mean_ms"]
+
+
+def test_simulate_accepts_any_cost_model_and_config() -> None:
+    """simulate() runs a hand-made workload on a tiny custom shape with a fixed pool."""
+    shape = ModelShape("tiny", hidden=64, layers=2, q_heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=300)
+    config = CoreConfig(block_size=4, num_blocks=64, max_num_batched_tokens=32, vocab_size=300)
+    rng = random.Random(0)
+    requests = [SimRequest(i * 0.001, rng.randint(1, 20), rng.randint(1, 10)) for i in range(30)]
+    result = simulate(requests, config, SimExecutor(CostModel(shape, H200)))
+    assert result.recorder.num_output == [r.output_len for r in requests]
