@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from fnvllm.executor.base import ExecuteResult
 from fnvllm.state import (
     FCFS,
     PRIORITY,
@@ -85,9 +86,12 @@ class ScriptedExecutor:
     def __init__(self, script: dict[str, Sequence[int]]) -> None:
         self.script = script
 
-    def execute(self, plan: StepPlan) -> list[int]:
+    def execute(self, plan: StepPlan) -> ExecuteResult:
         rows = zip(plan.seq_ids, plan.num_generated, plan.sample, strict=True)
-        return [self.script[rid][n] for rid, n, sample in rows if sample]
+        return ExecuteResult(tuple(self.script[rid][n] for rid, n, sample in rows if sample))
+
+    def reset(self, next_step: int) -> None:
+        """Scripted tokens do not depend on KV contents: nothing to forget."""
 
 
 # --- add_request validation ------------------------------------------------------------------------------------
