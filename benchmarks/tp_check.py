@@ -95,7 +95,8 @@ def bench(folder: Path, tp: int, requests: int, out_dir: Path, deadline: float) 
     ok, tail = stage("bench", [*argv, "--tensor-parallel-size", str(tp)], log, deadline)
     if not ok:
         return None, tail
-    record = json.loads(log.read_text().strip().splitlines()[-1])
+    # the JSON record is the last line that is one; warnings at interpreter exit may follow it
+    record = json.loads(next(ln for ln in reversed(log.read_text().splitlines()) if ln.startswith("{")))
     (out_dir / f"bench_tp{tp}.json").write_text(json.dumps(record))
     return record, ""
 
