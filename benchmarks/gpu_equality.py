@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import sys
 import tempfile
 import time
@@ -18,21 +17,10 @@ from pathlib import Path
 
 import torch
 
-from fnvllm.benchmark import write_checkpoint
+from fnvllm.benchmark import agreement_prompts, write_checkpoint
 from fnvllm.kernels.backends import available_backends
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
-
-
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    """n prompts of 20-600 random ids; every fourth shares a 300-token prefix (prefix-cache hits)."""
-    rng = random.Random(seed)
-    shared = [rng.randint(0, 10000) for _ in range(300)]
-    out = []
-    for i in range(n):
-        tail = [rng.randint(0, 10000) for _ in range(rng.randint(20, 300))]
-        out.append(shared + tail if i % 4 == 0 else tail)
-    return out
 
 
 def _greedy(folder: Path, prompts: list[list[int]], **options: object) -> tuple[list[tuple[int, ...]], float]:
@@ -55,7 +43,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     folder = write_checkpoint(args.model_shape, Path(tempfile.mkdtemp(prefix="fnvllm-eq-")))
-    prompts = _prompts(args.num_prompts)
+    prompts = agreement_prompts(args.num_prompts)
     reference, ref_s = _greedy(folder, prompts, attention_backend="torch", enforce_eager=True)
     print(f"torch (reference): {ref_s:.2f} s")
     results, ok = {}, True

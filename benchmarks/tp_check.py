@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -33,19 +32,9 @@ BUDGET_S = 530.0  # the whole check
 LIMITS_S = {"checkpoint": 150, "greedy": 150, "bench": 200}
 
 
-def prompts(n: int = 64, seed: int = 1) -> list[list[int]]:
-    """n prompts of 20-300 random ids; every fourth is a shared 300-token prefix plus its own tail."""
-    rng = random.Random(seed)
-    shared = [rng.randint(0, 10000) for _ in range(300)]
-    out = []
-    for i in range(n):
-        tail = [rng.randint(0, 10000) for _ in range(rng.randint(20, 300))]
-        out.append(shared + tail if i % 4 == 0 else tail)
-    return out
-
-
 def greedy_run(folder: Path, tp: int, eager: bool, out: Path) -> None:
-    """One stage: greedy tokens of ``prompts()`` at tensor_parallel_size ``tp``, written to ``out`` as JSON."""
+    """One stage: greedy tokens of ``agreement_prompts()`` at tensor_parallel_size ``tp``, as JSON in ``out``."""
+    from fnvllm.benchmark import agreement_prompts
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
 
@@ -53,7 +42,9 @@ def greedy_run(folder: Path, tp: int, eager: bool, out: Path) -> None:
     start = time.perf_counter()
     with LLM(folder, load_tokenizer=False, tensor_parallel_size=tp, **options) as llm:
         built = time.perf_counter()
-        outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            agreement_prompts(), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+        )
         record = {
             "tokens": [list(o.token_ids) for o in outs],
             "build_s": round(built - start, 1),

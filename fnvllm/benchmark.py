@@ -43,6 +43,18 @@ def bench_workload(
     return prompts, params
 
 
+def agreement_prompts(n: int = 64, seed: int = 1) -> list[list[int]]:
+    """Prompts for backend / tensor-parallel agreement checks: n prompts of 20-300 random ids; every fourth is a
+    shared 300-token prefix plus its own tail (so the prefix cache is exercised)."""
+    rng = random.Random(seed)
+    shared = [rng.randint(0, 10000) for _ in range(300)]
+    out = []
+    for i in range(n):
+        tail = [rng.randint(0, 10000) for _ in range(rng.randint(20, 300))]
+        out.append(shared + tail if i % 4 == 0 else tail)
+    return out
+
+
 def weight_bytes(config: Any, dtype_bytes: int = 2) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head (not the embedding
     table, of which only the batch's rows are read — unless tied, when the LM head reads all of it)."""

@@ -110,15 +110,15 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)  # executor and state in step again; nothing lost
             raise
-        self.processor.note_cached(admitted_cached_tokens(before, state, plan))
+        cached = admitted_cached_tokens(before, state, plan)
+        self.processor.note_cached(cached)
         self.state = self.processor.process(state, out)
-        self._count(before, state, plan)
+        self._count(plan, sum(cached.values()))
         if self.on_step is not None:
             self.on_step(self.state, plan, out)
         return out
 
-    def _count(self, before: EngineState, after: EngineState, plan: StepPlan) -> None:
-        cached = sum(admitted_cached_tokens(before, after, plan).values())
+    def _count(self, plan: StepPlan, cached: int) -> None:
         s = self.stats
         self.stats = EngineStats(
             s.num_steps + 1,

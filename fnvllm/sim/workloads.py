@@ -16,6 +16,8 @@ from pathlib import Path
 
 import attrs
 
+from fnvllm.benchmark import bench_workload
+
 _FILL = 3  # the token every materialised prompt is padded with after its unique head
 
 
@@ -41,12 +43,9 @@ class SimRequest:
 def bench_prompts(
     num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
 ) -> tuple[list[list[int]], list[int]]:
-    """Prompts and max_tokens of the nano-vllm bench: the same draw, in the same order, as
-    ``benchmarks/workload.py`` (ids randint(0, 10000), lengths randint(100, max))."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_requests)]
-    max_tokens = [rng.randint(100, max_output_len) for _ in range(num_requests)]
-    return prompts, max_tokens
+    """Prompts and max_tokens of the nano-vllm bench (``fnvllm.benchmark.bench_workload``, torch-free)."""
+    prompts, params = bench_workload(num_requests, max_input_len, max_output_len, seed)
+    return prompts, [p.max_tokens for p in params]
 
 
 def bench_requests(num_requests: int = 256, seed: int = 0) -> list[SimRequest]:
