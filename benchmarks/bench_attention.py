@@ -47,7 +47,19 @@ DECODE_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate pe
     ({"gqa_mode": "sum", "tile_size": 16}, {"gqa_mode": "sum", "tile_size": 32}),
     ({"prefetch": True, "num_stages": 1}, {"heads_inner": False}),
 )
-PREFILL_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4), (128, 32, 8, 3))
+PREFILL_CONFIGS = (
+    (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (64, 64, 4, 3),
+    (128, 128, 8, 2),
+    (64, 32, 4, 4),
+    (128, 32, 8, 3),
+    (64, 32, 4, 3),
+    (64, 32, 2, 4),
+    (32, 32, 2, 4),
+    (64, 64, 4, 4),
+    (32, 64, 4, 3),
+)
 
 
 @dataclasses.dataclass

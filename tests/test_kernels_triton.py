@@ -25,7 +25,7 @@ if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "In
         allow_module_level=True,
     )
 
-from fnvllm.kernels import decode_attention, fused_ops, prefill_attention, store_kv  # noqa: E402
+from fnvllm.kernels import decode_attention, fused_ops, prefill_attention, sampling, store_kv  # noqa: E402
 from fnvllm.kernels.attention import build_attention_metadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,6 +197,15 @@ def test_decode_single_partition_skips_the_reduce() -> None:
     assert torch.all(out[1] == 0)
 
 
+def test_decode_auto_partition_is_one_partition_only_for_big_batches() -> None:
+    """Big batches (>= 1024 sequence x KV-head programs) get one partition spanning the table; small ones split."""
+    default = decode_attention.DEFAULT_DECODE_CONFIG.partition_size
+    assert decode_attention.auto_partition_size(256, 8, 4096) == 4096
+    assert decode_attention.auto_partition_size(128, 8, 300) == max(default, 512)
+    assert decode_attention.auto_partition_size(127, 8, 4096) == default
+    assert decode_attention.auto_partition_size(16, 8, 40960) == default
+
+
 def test_decode_head_dim_64_wide_table_and_workspace() -> None:
     """head_dim 64, a table wider than any sequence (dead partitions exit), and a caller-owned workspace."""
     gen = torch.Generator().manual_seed(3)
@@ -327,6 +336,15 @@ def test_fused_ops_match_references(dtype: torch.dtype) -> None:
         rel_err(fused_ops.rotary(q, angles.cos(), angles.sin()), fused_ops.rotary_ref(q, angles.cos(), angles.sin()))
         < tol
     )
+    k = qkv[:, 3 * 16 : 5 * 16].view(5, 2, 16)  # the k view, also strided
+    head_w = (1 + 0.1 * torch.randn(16, generator=gen)).to(dtype).to(DEVICE)
+    for view in (q, k):
+        got = fused_ops.norm_rotary(view, head_w, 1e-6, angles.cos(), angles.sin())
+        assert rel_err(got, fused_ops.norm_rotary_ref(view, head_w, 1e-6, angles.cos(), angles.sin())) < tol
+    assert torch.equal(
+        fused_ops.norm_rotary(q, None, 1e-6, angles.cos(), angles.sin()),
+        fused_ops.rotary(q, angles.cos(), angles.sin()),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real sizes
@@ -409,3 +427,93 @@ def test_gpu_store_kv_and_fused_ops_real_sizes() -> None:
         rel_err(fused_ops.rotary(q, angles.cos(), angles.sin()), fused_ops.rotary_ref(q, angles.cos(), angles.sin()))
         < 1e-2
     )
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sample_matches_reference_given_the_same_uniforms(dtype: torch.dtype) -> None:
+    """Tokens equal the torch reference fed the kernel's own Philox uniforms (several chunks per row, a ragged
+    last chunk); greedy rows are the argmax."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 1000, generator=gen) * 3).to(dtype).to(DEVICE)
+    temperature = torch.tensor([0.0, 0.3, 1.0, 2.5, 0.0, 0.7], device=DEVICE)
+    for seed in (1234, 99, 7):
+        out = sampling.fused_sample(logits, temperature, seed=seed, chunk=128)
+        ref, non_finite = sampling.sample_ref(logits, temperature, sampling.philox_uniforms(6, seed, DEVICE))
+        assert out[0].tolist() == ref.tolist()
+        assert out[1].tolist() == non_finite.long().tolist() == [0] * 6
+    greedy = logits.float().argmax(dim=-1)
+    assert out[0, 0] == greedy[0] and out[0, 4] == greedy[4]
+
+
+def test_fused_sample_agrees_with_reference_over_many_draws() -> None:
+    """64 rows of peaked and flat logits at several temperatures: every draw equals the reference's."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 300, generator=gen) * torch.linspace(0.1, 8, 64)[:, None]
+    temperature = torch.tensor([0.0, 0.2, 0.6, 1.0, 1.7, 3.0, 0.05, 0.9] * 8)
+    out = sampling.fused_sample(logits.to(DEVICE), temperature.to(DEVICE), seed=2024, chunk=64)
+    ref, _ = sampling.sample_ref(logits, temperature, sampling.philox_uniforms(64, 2024, DEVICE).cpu())
+    assert out[0].cpu().tolist() == ref.tolist()
+
+
+def test_sample_ref_draws_softmax_of_scaled_logits() -> None:
+    """The reference inverts the CDF correctly: over 100,000 uniforms its token frequencies match
+    softmax(logits / T) within 4 standard errors."""
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0, 2.2, 0.0, 1.5])
+    rows, t = 100_000, 0.7
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(0))
+    tokens, _ = sampling.sample_ref(logits.repeat(rows, 1), torch.full((rows,), t), uniforms)
+    freq = torch.bincount(tokens, minlength=7).double() / rows
+    expected = (logits.double() / t).softmax(-1)
+    assert (freq - expected).abs().max().item() < 4 * math.sqrt(0.25 / rows)
+
+
+def test_philox_uniforms_look_uniform() -> None:
+    """The row uniforms lie in [0, 1) with the mean and deciles of U(0, 1) (within 4 standard errors)."""
+    n = 1000
+    u = sampling.philox_uniforms(n, 5, DEVICE).cpu().double()
+    assert u.min().item() >= 0 and u.max().item() < 1
+    assert abs(u.mean().item() - 0.5) < 4 * math.sqrt(1 / 12 / n)
+    deciles = torch.bincount((u * 10).long(), minlength=10).double() / n
+    assert (deciles - 0.1).abs().max().item() < 4 * math.sqrt(0.09 / n)
+
+
+def test_fused_sample_is_a_function_of_the_seed() -> None:
+    """The same seed repeats the draw exactly; another seed draws differently."""
+    logits, temperature = torch.zeros(16, 500, device=DEVICE), torch.ones(16, device=DEVICE)
+    a, b = (sampling.fused_sample(logits, temperature, seed=7, chunk=256)[0] for _ in range(2))
+    c = sampling.fused_sample(logits, temperature, seed=8, chunk=256)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_fused_sample_flags_non_finite_rows_and_rejects_bad_arguments() -> None:
+    """A NaN or an infinity anywhere in a row sets that row's flag; bad shapes, seeds and chunks raise."""
+    logits = torch.zeros(4, 300, device=DEVICE)
+    logits[1, 257] = math.nan
+    logits[2, 3] = -math.inf
+    out = sampling.fused_sample(logits, torch.ones(4, device=DEVICE), seed=0, chunk=128)
+    assert out[1].tolist() == [0, 1, 1, 0]
+    with pytest.raises(ValueError, match="temperature"):
+        sampling.fused_sample(logits, torch.ones(3, device=DEVICE), seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        sampling.fused_sample(logits, torch.ones(4, device=DEVICE), seed=-1)
+    with pytest.raises(ValueError, match="chunk"):
+        sampling.fused_sample(logits, torch.ones(4, device=DEVICE), seed=0, chunk=100)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fused_sample_real_sizes() -> None:
+    """B 256 x V 151,936 bf16: the kernel agrees with the float64 reference on the same uniforms (a u within
+    float32 rounding of a CDF step may land one token over, so allow one row in a hundred) and greedy rows are
+    exactly the argmax."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(256, 151936, generator=gen) * 4).bfloat16().cuda()
+    temperature = torch.full((256,), 0.6, device="cuda")
+    temperature[::7] = 0.0
+    out = sampling.fused_sample(logits, temperature, seed=42)
+    ref, _ = sampling.sample_ref(logits, temperature, sampling.philox_uniforms(256, 42, "cuda"))
+    assert (out[0] == ref).float().mean().item() >= 0.99
+    assert torch.equal(out[0, ::7], logits[::7].float().argmax(dim=-1))

@@ -22,7 +22,7 @@ def _implementations() -> list[ModelOps]:
 @pytest.mark.parametrize("ops", _implementations(), ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ops_match_reference(ops: ModelOps, dtype: torch.dtype) -> None:
-    """rmsnorm, add+rmsnorm, rotary and silu-and-mul of an implementation equal the torch reference."""
+    """rmsnorm, add+rmsnorm, rotary, norm+rotary and silu-and-mul of an implementation equal the torch reference."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and ops.name == "triton":
         import os
@@ -42,6 +42,14 @@ def test_ops_match_reference(ops: ModelOps, dtype: torch.dtype) -> None:
     torch.testing.assert_close(
         ops.rotary(q, angles.cos(), angles.sin()), TORCH_OPS.rotary(q, angles.cos(), angles.sin()), **tol
     )
+    qkv = torch.randn(7, 8, 32, generator=gen).to(device, dtype)
+    head_w = torch.randn(32, generator=gen).to(device, dtype)
+    for view, weight in ((qkv[:, :4], head_w), (qkv[:, 4:6], head_w), (q, None)):  # strided q/k views of a qkv
+        torch.testing.assert_close(
+            ops.norm_rotary(view, weight, 1e-6, angles.cos(), angles.sin()),
+            TORCH_OPS.norm_rotary(view, weight, 1e-6, angles.cos(), angles.sin()),
+            **tol,
+        )
     gu = torch.randn(7, 128, generator=gen).to(device, dtype)
     torch.testing.assert_close(ops.silu_and_mul(gu), TORCH_OPS.silu_and_mul(gu), **tol)
 

@@ -11,6 +11,8 @@ chunk 11..14 from position 0, blocks (5,)):
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import numpy as np
 import torch
@@ -48,11 +50,16 @@ def is_decode_only(plan: StepPlan) -> bool:
 
 
 def pad_tables(tables: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    """(B, w) int32 array of block tables right-padded with 0 (w = longest table, at least 1)."""
-    width = max(1, max(map(len, tables)))
+    """(B, w) int32 array of block tables right-padded with 0 (w = longest table, at least 1).
+
+    One flat copy and one masked scatter (row-major, so the flat order is the tables' order) instead of a
+    per-row slice assignment: this runs on the host every decode step for every sequence.
+    """
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))  # (B,)
+    width = max(1, int(lens.max(initial=0)))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     out = np.zeros((len(tables), width), dtype=np.int32)
-    for i, table in enumerate(tables):
-        out[i, : len(table)] = table
+    out[np.arange(width) < lens[:, None]] = flat
     return out
 
 

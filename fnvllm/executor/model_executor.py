@@ -17,6 +17,7 @@ are inside the graphs). Logits are gathered on rank 0, which alone samples; the 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Protocol
@@ -26,9 +27,10 @@ import torch
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
+from fnvllm.executor.fused_sampling import FusedSampler, check_finite, fused_temperatures
 from fnvllm.executor.inputs import PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Sampler, SamplerOutput, prepare_sampling
-from fnvllm.executor.timeline import StepTimeline
+from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata
 from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
@@ -39,6 +41,11 @@ from fnvllm.state import SamplingParams, StepPlan
 
 _GIB = 1 << 30
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
+
+
+def _has_triton() -> bool:
+    """Triton ships with CUDA builds of torch; the CPU build may lack it."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -120,6 +127,7 @@ class ModelExecutor:
         if guard is not None:
             guard.loaded()
         self.sampler = Sampler(config.seed)
+        self.fused_sampler = FusedSampler(config.seed) if self.device.type == "cuda" and _has_triton() else None
         self.num_blocks = min_over_ranks(config.num_blocks or self._blocks_that_fit(), tp, self.device)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block
         self.scratch_block = self.num_blocks
@@ -254,6 +262,10 @@ class ModelExecutor:
         if logits is None:  # a worker rank: no timeline, no sampling
             return ExecuteResult(())
         rows = [i for i, s in enumerate(plan.sample) if s]
+        params = [plan.params[i] for i in rows]
+        temperatures = fused_temperatures(params) if self.fused_sampler is not None else None
+        if temperatures is not None and self.fused_sampler is not None:
+            return self._finish_fused(plan, rows, self.fused_sampler.sample(logits, temperatures), timer, graph)
         batch = prepare_sampling(
             [plan.params[i] for i in rows],
             [plan.num_generated[i] for i in rows],
@@ -270,6 +282,20 @@ class ModelExecutor:
         if timer is not None:
             timer.finish(plan, graph)
         return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [plan.params[i].logprobs for i in rows]))
+
+    def _finish_fused(
+        self, plan: StepPlan, rows: list[int], packed: torch.Tensor, timer: _StepTimer | None, graph: bool
+    ) -> ExecuteResult:
+        """Bring the fused sampler's (2, S) tokens + non-finite flags to the host in one copy."""
+        if timer is not None:
+            timer.launched()
+        if self.guard is not None:
+            self.guard.wait(packed)
+        tokens, flags = packed.tolist()  # the step's one device -> host sync
+        if timer is not None:
+            timer.finish(plan, graph)
+        check_finite(flags, [plan.seq_ids[i] for i in rows])
+        return ExecuteResult(tuple(tokens))
 
     def _timeline_header(self) -> dict[str, object]:
         m = self.model_config

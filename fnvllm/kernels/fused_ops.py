@@ -7,6 +7,8 @@
 - `silu_and_mul(x)`: x = [gate | up] (T, 2I) -> silu(gate) * up (T, I), computed in float32, rounded once.
 - `rotary(x, cos, sin)`: neox-style rotation of x (T, H, D) by per-token angles, in float32 (as
   `rotary_ref`): with x = [x1 | x2] halves, out = [x1 cos - x2 sin | x2 cos + x1 sin].
+- `norm_rotary(x, weight, eps, cos, sin)`: Qwen3's per-head q/k RMSNorm and the rotation in one kernel, reading
+  the strided q or k view of the qkv projection directly (unfused: a copy, a norm and a rotation, 3 kernels).
 
 Worked example (rmsnorm, eps 0): x = [3, 4] -> mean(x^2) = 12.5, rsqrt = 0.2828 -> [0.8485, 1.1314] * weight.
 
@@ -22,11 +24,13 @@ import triton
 import triton.language as tl
 
 from fnvllm.model.ops import add_rmsnorm_ref as fused_add_rmsnorm_ref
-from fnvllm.model.ops import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from fnvllm.model.ops import norm_rotary_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
 __all__ = [
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_ref",
+    "norm_rotary",
+    "norm_rotary_ref",
     "rmsnorm",
     "rmsnorm_ref",
     "rotary",
@@ -170,9 +174,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rotary_kernel(
     x_ptr,
+    w_ptr,
     cos_ptr,
     sin_ptr,
     out_ptr,
+    eps,
     stride_xt,
     stride_xh,
     stride_ot,
@@ -182,8 +188,11 @@ def _rotary_kernel(
     num_heads,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
-    """Rotate all heads of token program_id(0): [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin], in float32."""
+    """Rotate all heads of token program_id(0): [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin], in float32;
+    with HAS_NORM, RMS-normalise each head by w first (rounded where torch rounds: after the normalisation and
+    after the weight)."""
     tok = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF)
@@ -191,10 +200,16 @@ def _rotary_kernel(
     x_offs = tok * stride_xt + h[:, None] * stride_xh + j[None, :]  # (BLOCK_H, HALF)
     x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_NORM:
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # (BLOCK_H,)
+        w1 = tl.load(w_ptr + j)[None, :].to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j)[None, :].to(tl.float32)
+        x1 = (w1 * (x1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
     sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
     o_offs = tok * stride_ot + h[:, None] * stride_oh + j[None, :]
-    dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + o_offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(out_ptr + o_offs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
@@ -205,6 +220,29 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     x may be a strided view (e.g. q or k of a fused qkv projection) with a contiguous last dim; `out` may be x
     itself (each program reads its token before writing it).
     """
+    return _launch_rotary(x, None, 0.0, cos, sin, out)
+
+
+def norm_rotary(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """rotary(rmsnorm(x, weight, eps), cos, sin) per head of x (T, H, D) in one kernel (Qwen3's q/k norm before
+    rope); plain rotary when weight is None. x may be a strided view of a fused qkv projection: no copy is made.
+    Matches `norm_rotary_ref`."""
+    if weight is not None and (weight.shape != (x.shape[-1],) or not weight.is_contiguous()):
+        raise ValueError(f"weight must be a contiguous ({x.shape[-1]},) tensor, got {tuple(weight.shape)}")
+    return _launch_rotary(x, weight, eps, cos, sin, None)
+
+
+def _launch_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """One program per token of x (T, H, D): optional per-head RMSNorm by weight, then the rotation."""
     _check_rotary_args(x, cos, sin)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if out.shape != x.shape or out.dtype != x.dtype or out.stride(2) != 1:
@@ -214,9 +252,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         return out
     _rotary_kernel[(num_tokens,)](
         x,
+        weight if weight is not None else cos,
         cos,
         sin,
         out,
+        eps,
         x.stride(0),
         x.stride(1),
         out.stride(0),
@@ -226,6 +266,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         num_heads,
         HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads),
+        HAS_NORM=weight is not None,
         num_warps=_row_warps(triton.next_power_of_2(num_heads) * head_dim),
     )
     return out

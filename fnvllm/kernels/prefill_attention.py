@@ -50,16 +50,17 @@ class PrefillKernelConfig:
     num_warps / num_stages: Triton launch options (stages pipeline the key-tile loop through shared memory).
     """
 
-    block_m: int = 128
-    block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 4
 
 
-# Why these defaults (first choices for an H200, D 128, bf16; benchmarks/bench_attention.py times them):
-# 128 x 64 tiles are flash-attention 2's usual Hopper/Ampere shape for head_dim 128 -- enough math per K/V byte to
-# be compute-bound on long chunks -- and 8 warps give each warp 16 query rows; 3 stages of 32 KiB K+V plus the
-# 32 KiB query tile fit in shared memory twice per SM.
+# Why these defaults: measured, not guessed. benchmarks/bench_attention.py (d) sweeps the knobs on an H200
+# (D 128, bf16, a mixed 8192-token batch; BENCHMARKS.md, 2026-11-30): 64 x 32 tiles with 4 warps and 4 stages
+# reached 67.1 TFLOP/s, the flash-attention-2-style 128 x 64 / 8 warps / 3 stages 39.6. Smaller tiles give
+# more programs on the 132 SMs for the short chunks a serving batch has (a few hundred tokens per sequence),
+# and the 4-stage pipeline of 16 KiB K+V tiles hides the paged (gathered) loads.
 DEFAULT_PREFILL_CONFIG = PrefillKernelConfig()
 
 

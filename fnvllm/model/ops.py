@@ -42,6 +42,13 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def norm_rotary_ref(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Per-head RMSNorm of x (T, H, D) by weight (D,) (skipped when None), then the rotation: Qwen3's q/k path."""
+    return rotary_ref(x if weight is None else rmsnorm_ref(x, weight, eps), cos, sin)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] (T, 2I); returns (T, I)."""
     gate, up = x.chunk(2, dim=-1)
@@ -57,9 +64,10 @@ class ModelOps:
     add_rmsnorm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    norm_rotary: Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref)
+TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
 
 
 def compiled_ops() -> ModelOps:
@@ -74,6 +82,7 @@ def compiled_ops() -> ModelOps:
         compile_(add_rmsnorm_ref),  # type: ignore[arg-type]
         compile_(rotary_ref),  # type: ignore[arg-type]
         compile_(silu_and_mul_ref),  # type: ignore[arg-type]
+        compile_(norm_rotary_ref),  # type: ignore[arg-type]
     )
 
 
@@ -81,7 +90,14 @@ def triton_ops() -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
     from fnvllm.kernels import fused_ops
 
-    return ModelOps("triton", fused_ops.rmsnorm, fused_ops.fused_add_rmsnorm, fused_ops.rotary, fused_ops.silu_and_mul)
+    return ModelOps(
+        "triton",
+        fused_ops.rmsnorm,
+        fused_ops.fused_add_rmsnorm,
+        fused_ops.rotary,
+        fused_ops.silu_and_mul,
+        fused_ops.norm_rotary,
+    )
 
 
 def ops_for(name: str) -> ModelOps:
