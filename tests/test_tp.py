@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from tiny_models import write_family
 
 from fnvllm.executor.tp import TensorParallelError
+from fnvllm.executor.tp_ranks import Channel, Step, Stop
 from fnvllm.llm import LLM
-from fnvllm.state import InvalidConfigError, SamplingParams
+from fnvllm.state import InvalidConfigError, SamplingParams, StepPlan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # block_size 4 and 40 blocks: 6 sequences of up to 64 tokens need ~90 blocks, so some are preempted. The torch
@@ -82,8 +85,50 @@ def test_tp2_greedy_equals_tp1(tmp_path: Path, family: str) -> None:
         assert greedy(llm) == expected
         assert llm.stats.num_cached_tokens > 0
         assert llm.stats.num_preemptions > 0
+        [stats] = llm.executor.worker_stats()
+        assert stats["steps"] == llm.stats.num_steps and stats["graphs"] is False
+        assert llm.executor.worker_stats()[0]["steps"] == 0  # a report starts the count anew
     finally:
         llm.close()
+
+
+MESSAGE_SIZES = (10, 40_000, 3_000_000, 10, 200_000)  # characters of a seq id: one frame, two, past the cap, ...
+
+
+def _channel_rank(rank: int, store_path: str, received: Any) -> None:
+    """One rank of ``test_channel_frames``: rank 0 posts steps of the sizes above, rank 1 receives them."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    channel = Channel(dist.new_group(backend="gloo"))
+    for size in MESSAGE_SIZES:
+        plan = StepPlan(step=size, block_size=1, seq_ids=("x" * size,))
+        if rank == 0:
+            works, _ = channel.post(Step(plan))
+            for work in works:
+                work.wait()
+        else:
+            message = channel.receive()
+            received.put((isinstance(message, Step) and message.plan == plan, size, channel.frame_bytes))
+    if rank == 0:
+        channel.post(Stop())[0][0].wait()
+    else:
+        assert isinstance(channel.receive(), Stop)
+    dist.destroy_process_group()
+
+
+def test_channel_frames(tmp_path: Path) -> None:
+    """Control messages of any size arrive whole: small ones in one frame, larger ones in two broadcasts after
+    which both ends widen the frame (capped at 1 MiB)."""
+    ctx = mp.get_context("spawn")
+    received = ctx.Queue()
+    ranks = [ctx.Process(target=_channel_rank, args=(r, str(tmp_path / "store"), received)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    got = [received.get(timeout=5) for _ in MESSAGE_SIZES]
+    assert [(whole, size) for whole, size, _ in got] == [(True, s) for s in MESSAGE_SIZES]
+    assert [frame for *_, frame in got] == [16 << 10, 64 << 10, 1 << 20, 1 << 20, 1 << 20]
 
 
 def test_killed_worker_is_a_clear_error(tmp_path: Path) -> None:

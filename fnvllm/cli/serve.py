@@ -63,6 +63,16 @@ def _resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
         return path, "tiny-random-qwen3"
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _has_tokenizer(path: Path) -> bool:
+    """Whether ``path`` holds tokenizer files. A random benchmark checkpoint has none; transformers would then
+    build an empty tokenizer that decodes every id to "" (at ~90 us a token), so the server runs without one:
+    token-id prompts in, ``token_ids`` out."""
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {field: getattr(args, flag) for flag, field in _ENGINE_FLAGS.items() if getattr(args, flag) is not None}
     if args.no_prefix_caching:
@@ -81,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     path, default_name = _resolve_model(args)
     name = args.served_model_name or default_name
     try:
-        llm = LLM(path, **_engine_options(args))
+        llm = LLM(path, load_tokenizer=_has_tokenizer(path), **_engine_options(args))
     except (OSError, ValueError, TypeError) as error:
         raise CLIError(f"cannot load {path}: {error}") from None
     cfg, backend = llm.engine.config, getattr(llm.executor.backend, "name", llm.executor.backend)
@@ -90,14 +100,27 @@ def run(args: argparse.Namespace) -> int:
         f"{cfg.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len {cfg.max_model_len}",
         flush=True,
     )
+    if llm.tokenizer is None:
+        print(f"fnvllm serve: no tokenizer files in {path}: token-id prompts only; choices carry token_ids", flush=True)
     engine = AsyncEngine(llm.loop, llm.tokenizer, max_waiting=args.max_waiting)
 
     def announce(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"fnvllm serve: listening on http://{shown}:{port}", flush=True)
 
+    if args.stream_interval_ms < 0:
+        raise CLIError(f"--stream-interval-ms must be >= 0, got {args.stream_interval_ms}")
     try:
-        serve(engine, name, args.host, args.port, args.api_key, args.log_level, on_listening=announce)
+        serve(
+            engine,
+            name,
+            args.host,
+            args.port,
+            args.api_key,
+            args.log_level,
+            on_listening=announce,
+            stream_interval_s=args.stream_interval_ms / 1e3,
+        )
     except OSError as error:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
     print("fnvllm serve: stopped", file=sys.stderr, flush=True)
@@ -114,6 +137,13 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
     p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait")
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=0.0,
+        help="least time between two chunks of one stream; tokens in between go out together (default 0: every "
+        "step). Larger values trade token-by-token latency for throughput at many concurrent streams",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     e = p.add_argument_group("engine options (fnvllm.config.EngineConfig)")
     e.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")

@@ -2,8 +2,13 @@
 
 Rank 0 is the process holding the ``LLM``; it alone owns the pure state and the scheduler. One step:
 
-    rank 0:   workers alive? -> send(Step(plan)) -> ModelExecutor.execute(plan) -> sampled tokens
+    rank 0:   workers alive? -> post(Step(plan)) -> ModelExecutor.execute(plan) -> sampled tokens
     rank k:   plan = receive()                  -> ModelExecutor.execute(plan)  (no sampling)
+
+``post`` starts one gloo broadcast and returns: rank 0 prepares and launches its own shard while the plan travels,
+and checks that the broadcast completed before it waits for the step's tokens. A worker's launch therefore trails
+rank 0's by the delivery plus the worker's unpickling (tens of microseconds), not by a round trip per message and
+a sleeping poll (what a blocking two-broadcast send cost: ~1-3 ms per step on a 2-core CPU machine).
 
 Both ``execute`` calls run the same forward on their slice of the model (``fnvllm.model.sharding``: all-reduces
 inside, the same CUDA-graph bucket replayed), then gather the logits on rank 0, which samples. The message
@@ -19,7 +24,8 @@ process (``SystemExit(0)``) when rank 0 closes. Across nodes:
 
 Failures. Rank 0 never waits without a bound (``distributed_timeout_s``): start-up polls worker liveness, each
 step checks the workers are alive before sending, a dead peer fails gloo collectives at once, and on CUDA rank 0
-polls the step's completion instead of blocking in the host copy. A failure mid-step leaves the ranks out of
+polls the step's completion instead of blocking in the host copy (spinning: the poll is what a blocking copy
+would do, without the hang). A failure mid-step leaves the ranks out of
 step, so the executor is then broken: that call and every later one raise ``TensorParallelError`` naming the
 cause (the dead worker's exit code or signal, or the traceback a failing worker left in the store).
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import signal
 import time
@@ -49,15 +56,17 @@ from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, check_step
 from fnvllm.executor.model_executor import ModelExecutor, resolve_device
 from fnvllm.executor.tp_ranks import (
+    Channel,
     Message,
+    Report,
     Reset,
     Step,
     Stop,
-    encode,
     error_key,
     join_group,
     local_rank,
     serve,
+    stats_key,
     torchrun_rank,
     worker_main,
     worker_plan,
@@ -68,6 +77,7 @@ from fnvllm.state import StepPlan
 
 _JOIN_S = 10.0  # a stopped worker's time to exit before it is terminated
 _DYING_S = 2.0  # after a failed collective, how long to wait for the failed worker's exit to show
+_SPIN_S = 2e-3  # a poll spins this long before it starts to sleep (time.sleep's floor is ~50-60 us on Linux)
 
 
 class TensorParallelError(RuntimeError):
@@ -77,7 +87,8 @@ class TensorParallelError(RuntimeError):
 @attrs.define(eq=False)
 class Ranks:
     """Rank 0's handle on the group: the worker processes (none under torchrun), the store they report errors
-    to, the control group, and whether the group is broken or closed. The ``RankGuard`` of rank 0's executor."""
+    to, the control channel and the message still in flight on it, and whether the group is broken or closed.
+    The ``RankGuard`` of rank 0's executor."""
 
     world_size: int
     timeout_s: float
@@ -85,7 +96,8 @@ class Ranks:
     processes: tuple[Any, ...] = ()
     store: Any = None
     owns_group: bool = True
-    control: Any = None
+    channel: Channel | None = None
+    in_flight: tuple[list[Any], list[torch.Tensor], str] | None = None  # works, their buffers, what it was for
     broken: str | None = None
     closed: bool = False
 
@@ -127,14 +139,15 @@ class Ranks:
         return TensorParallelError(self.broken)
 
     def poll(self, is_done: Callable[[], bool], what: str, max_sleep_s: float) -> None:
-        """Wait until ``is_done()``: spin, then sleep up to ``max_sleep_s`` between looks; every 0.1 s check that
-        the workers live and ``timeout_s`` has not passed, else raise TensorParallelError."""
+        """Wait until ``is_done()``: spin for ``_SPIN_S``, then sleep up to ``max_sleep_s`` between looks; every
+        0.1 s check that the workers live and ``timeout_s`` has not passed, else raise TensorParallelError."""
         now = time.monotonic()
-        deadline, next_check, sleep_s = now + self.timeout_s, now + 0.1, 0.0
+        deadline, next_check, spin_until, sleep_s = now + self.timeout_s, now + 0.1, now + _SPIN_S, 0.0
         while not is_done():
-            time.sleep(sleep_s)
-            sleep_s = min(max_sleep_s, 2 * sleep_s + 1e-5)
-            if (now := time.monotonic()) > next_check:
+            time.sleep(sleep_s)  # sleep(0) only yields the GIL
+            if (now := time.monotonic()) > spin_until:
+                sleep_s = min(max_sleep_s, 2 * sleep_s + 1e-5)
+            if now > next_check:
                 if now > deadline or any(not p.is_alive() for p in self.processes):
                     _abort_nccl(self.is_cuda)
                     raise self.fail(what, None)
@@ -148,17 +161,44 @@ class Ranks:
         except Exception as e:
             raise self.fail(what, e) from e
 
+    def post(self, message: Message, what: str) -> None:
+        """Start broadcasting ``message`` to every worker and return (``finish_send`` waits for it)."""
+        self.finish_send()
+        assert self.channel is not None  # set once the group is joined, before any message
+        self.in_flight = (*self.channel.post(message), what)
+
+    def finish_send(self) -> None:
+        """Wait (bounded) until the posted message has gone out; usually it has, and this costs one look."""
+        if self.in_flight is not None:
+            works, _, what = self.in_flight
+            self.in_flight = None  # the buffers may go once the works are done or failed
+            for work in works:
+                self.await_work(work, what)
+
     def send(self, message: Message, what: str) -> None:
-        """Broadcast a message to every worker: its length, then its pickled bytes (``tp_ranks.receive``)."""
-        for tensor in encode(message):
-            self.await_work(dist.broadcast(tensor, src=0, group=self.control, async_op=True), what)
+        """Broadcast ``message`` to every worker and wait until it has gone out."""
+        self.post(message, what)
+        self.finish_send()
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """Each worker's ``WorkerStats`` since the previous call (and whether it replays CUDA graphs)."""
+        keys = [stats_key(rank) for rank in range(1, self.world_size)]
+        for key in keys:
+            with contextlib.suppress(Exception):  # absent: nothing to clear
+                self.store.delete_key(key)
+        self.send(Report(), "collecting worker timings")
+        self.poll(lambda: self.store.check(keys), "collecting worker timings", 0.01)
+        return [json.loads(self.store.get(key)) for key in keys]
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its weights, before the first collective (which could hang on NCCL)."""
-        self.await_work(dist.barrier(group=self.control, async_op=True), "loading the weights", 0.01)
+        assert self.channel is not None
+        self.await_work(dist.barrier(group=self.channel.group, async_op=True), "loading the weights", 0.01)
 
     def wait(self, tensor: torch.Tensor) -> None:
-        """On CUDA, poll the step's completion: a dead worker would hang a blocking host copy forever."""
+        """The step's plan has reached the workers; on CUDA, poll the step's completion: a dead worker would hang
+        a blocking host copy forever."""
+        self.finish_send()
         if self.is_cuda:
             event = torch.cuda.Event()
             event.record()
@@ -169,7 +209,7 @@ class Ranks:
         if self.closed:
             return
         self.closed = True
-        if self.broken is None and self.control is not None and all(p.is_alive() for p in self.processes):
+        if self.broken is None and self.channel is not None and all(p.is_alive() for p in self.processes):
             with contextlib.suppress(TensorParallelError):  # a worker that cannot hear it is terminated below
                 self.send(Stop(), "stopping the workers")
         _join_or_kill(self.processes, _JOIN_S if self.broken is None else 0.5)
@@ -203,9 +243,8 @@ class TensorParallelExecutor:
         self.ranks = _launch(model_path, config, model_config, is_cuda, torchrun=rank is not None)
         try:
             timeout = config.distributed_timeout_s
-            tp, self.ranks.control, self.ranks.store = join_group(
-                0, world, local_rank(), is_cuda, timeout, self.ranks.store
-            )
+            tp, control, self.ranks.store = join_group(0, world, local_rank(), is_cuda, timeout, self.ranks.store)
+            self.ranks.channel = Channel(control)
             self.local = ModelExecutor(model_path, config, model_config, tp, guard=self.ranks)
         except BaseException as e:
             error = self.ranks.fail("starting the tensor-parallel group", e) if isinstance(e, Exception) else None
@@ -229,8 +268,10 @@ class TensorParallelExecutor:
         self.ranks.check_alive(what)
         check_step(self.local.next_step, plan)
         try:
-            self.ranks.send(Step(worker_plan(plan)), what)
-            return self.local.execute(plan)
+            self.ranks.post(Step(worker_plan(plan), time.perf_counter()), what)
+            result = self.local.execute(plan)
+            self.ranks.finish_send()  # steps that sample did this in ``wait``; empty and prefill-only ones do it here
+            return result
         except TensorParallelError:
             raise
         except Exception as e:
@@ -244,6 +285,12 @@ class TensorParallelExecutor:
         if self.ranks.broken is None and not self.ranks.closed:
             self.ranks.send(Reset(next_step), "reset")
         self.local.reset(next_step)
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """Each worker's host timing since the previous call (``tp_ranks.WorkerStats``, summed seconds), for
+        profiling: how long plans took to arrive and how long a worker took to launch its shard."""
+        self.ranks.check_alive("collecting worker timings")
+        return self.ranks.worker_stats()
 
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent; also run at collection and at exit)."""

@@ -1,16 +1,23 @@
 """What every tensor-parallel rank runs: joining the group, the message protocol, and the worker loop.
 
-Messages (``Step``, ``Reset``, ``Stop``) are pickled and broadcast by rank 0 on a gloo group of their own (the
-control group), size-prefixed: an int64 length, then the bytes. Workers block on the next message for as long as
-rank 0 stays idle (the control group's timeout is a year); when rank 0's process goes away the broadcast fails
-(its connection closes) and the worker exits. A worker that fails writes its traceback to the group's store,
-where rank 0 reads it when it reports the failure (``tp.Ranks``).
+Messages (``Step``, ``Reset``, ``Report``, ``Stop``) are pickled and broadcast by rank 0 on a gloo group of their
+own (the control group), one ``Channel`` frame each: an 8-byte length, then the bytes, in one broadcast of
+``frame_bytes`` (a decode step of 256 sequences pickles to ~8 KB with 256-token blocks, ~58 KB with 16-token
+blocks). A larger message (a long prefill chunk) sends its rest in a second broadcast, and both ends then widen the
+frame to fit it (up to ``_MAX_FRAME``), so a run settles on one broadcast per step. Rank 0 posts a step's
+broadcast without waiting for it and launches its own shard meanwhile (``tp.Ranks.post``).
+
+Workers block on the next message for as long as rank 0 stays idle (the control group's timeout is a year); when
+rank 0's process goes away the broadcast fails (its connection closes) and the worker exits. A worker that fails
+writes its traceback to the group's store, where rank 0 reads it when it reports the failure (``tp.Ranks``).
+A ``Report`` makes each worker write its timing since the last one (``WorkerStats``) to the store.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import pickle
 import signal
@@ -33,13 +40,18 @@ from fnvllm.state import StepPlan
 
 _IDLE = datetime.timedelta(days=365)  # how long a worker waits for rank 0's next message (rank 0 may sit idle)
 _MAX_TRACEBACK = 8000  # characters of a worker's traceback carried back to rank 0
+_FIRST_FRAME = 16 << 10  # bytes of a control broadcast until a larger message widens it
+_MAX_FRAME = 1 << 20  # the frame never widens past this; larger messages take two broadcasts
+_HEADER = 8  # the frame's little-endian payload length
 
 
 @attrs.frozen
 class Step:
-    """Run this plan (sent without the fields only sampling reads)."""
+    """Run this plan (sent without the fields only sampling reads). posted_at: rank 0's ``time.perf_counter()``
+    when it sent the step (one clock for every process of a host; only the workers' timing reads it)."""
 
     plan: StepPlan
+    posted_at: float = 0.0
 
 
 @attrs.frozen
@@ -50,29 +62,87 @@ class Reset:
 
 
 @attrs.frozen
+class Report:
+    """Write this worker's ``WorkerStats`` since the last Report to the store (``stats_key``), then start anew."""
+
+
+@attrs.frozen
 class Stop:
     """Leave the serving loop."""
 
 
-Message = Step | Reset | Stop
+Message = Step | Reset | Report | Stop
 
 
-def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor]:
-    """(length (1,) int64, payload (length,) uint8) of a pickled message, the two broadcasts rank 0 makes."""
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.tensor([len(payload)], dtype=torch.int64), torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+@attrs.define(eq=False)
+class Channel:
+    """One end of the control group: rank 0 ``post``s messages, workers ``receive`` them, in frames of
+    ``frame_bytes`` (see the module docstring). Both ends widen the frame alike, after every message."""
+
+    group: Any
+    frame_bytes: int = _FIRST_FRAME
+    _inbox: torch.Tensor | None = None  # a worker's receive frame, reused while the frame size holds
+
+    def post(self, message: Message) -> tuple[list[Any], list[torch.Tensor]]:
+        """Start broadcasting ``message`` (rank 0); returns the async works and the buffers they read, which
+        must stay alive until the works complete."""
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        room = self.frame_bytes - _HEADER
+        frame = bytearray(self.frame_bytes)
+        frame[:_HEADER] = len(payload).to_bytes(_HEADER, "little")
+        frame[_HEADER : _HEADER + min(room, len(payload))] = payload[:room]
+        buffers = [torch.frombuffer(frame, dtype=torch.uint8)]
+        if len(payload) > room:
+            buffers.append(torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8))
+        works = [dist.broadcast(b, src=0, group=self.group, async_op=True) for b in buffers]
+        self._widen(len(payload))
+        return works, buffers
+
+    def receive(self) -> Message:
+        """The next message rank 0 broadcasts (a worker; blocks until it comes)."""
+        if self._inbox is None or self._inbox.numel() != self.frame_bytes:
+            self._inbox = torch.empty(self.frame_bytes, dtype=torch.uint8)
+        dist.broadcast(self._inbox, src=0, group=self.group)
+        frame = memoryview(self._inbox.numpy())
+        size, room = int.from_bytes(frame[:_HEADER], "little"), self.frame_bytes - _HEADER
+        payload: bytes | memoryview = frame[_HEADER : _HEADER + size]
+        if size > room:
+            rest = torch.empty(size - room, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload = bytes(payload) + rest.numpy().tobytes()
+        message = pickle.loads(payload)  # sent by rank 0 of our own group, never by a stranger
+        self._widen(size)
+        if not isinstance(message, Step | Reset | Report | Stop):
+            raise TypeError(f"rank 0 sent {type(message).__name__}; expected Step, Reset, Report or Stop")
+        return message
+
+    def _widen(self, size: int) -> None:
+        """After a message of ``size`` bytes: grow the frame to the power of two that holds it (capped)."""
+        if size + _HEADER > self.frame_bytes:
+            self.frame_bytes = min(_MAX_FRAME, 1 << (size + _HEADER - 1).bit_length())
 
 
-def receive(group: Any) -> Message:
-    """The next message rank 0 broadcasts on ``group`` (blocks until it comes)."""
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=0, group=group)
-    message = pickle.loads(payload.numpy().tobytes())  # sent by rank 0 of our own group, never by a stranger
-    if not isinstance(message, Step | Reset | Stop):
-        raise TypeError(f"rank 0 sent {type(message).__name__}; expected Step, Reset or Stop")
-    return message
+@attrs.define
+class WorkerStats:
+    """A worker's timing of the steps since the last Report, in seconds summed over ``steps``.
+
+    idle_s: blocked waiting for the next message. delivery_s: from rank 0 posting a step to this worker holding
+    the unpickled plan (perf_counter is one clock per host). execute_s: ``ModelExecutor.execute`` on the host
+    (input preparation and kernel launches; a worker never waits for its device)."""
+
+    steps: int = 0
+    idle_s: float = 0.0
+    delivery_s: float = 0.0
+    execute_s: float = 0.0
+    max_execute_s: float = 0.0
+
+    def add(self, idle_s: float, delivery_s: float, execute_s: float) -> None:
+        """Count one step."""
+        self.steps += 1
+        self.idle_s += idle_s
+        self.delivery_s += delivery_s
+        self.execute_s += execute_s
+        self.max_execute_s = max(self.max_execute_s, execute_s)
 
 
 def worker_plan(plan: StepPlan) -> StepPlan:
@@ -83,6 +153,11 @@ def worker_plan(plan: StepPlan) -> StepPlan:
 def error_key(rank: int) -> str:
     """The store key under which worker ``rank`` leaves its traceback."""
     return f"fnvllm/error/{rank}"
+
+
+def stats_key(rank: int) -> str:
+    """The store key under which worker ``rank`` answers a Report (JSON of its WorkerStats and executor)."""
+    return f"fnvllm/stats/{rank}"
 
 
 def join_group(
@@ -139,16 +214,32 @@ def serve(
     tp, control, store = join_group(rank, world, local_rank, is_cuda, config.distributed_timeout_s, store)
     try:
         executor = ModelExecutor(model_path, config, model_config, tp, guard=WorkerGuard(control))
-        while not isinstance(message := receive(control), Stop):
-            if isinstance(message, Reset):
-                executor.reset(message.next_step)
-            else:
-                executor.execute(message.plan)
+        _serve_loop(executor, Channel(control), store, rank)
     except BaseException:
         _report(store, rank)
         raise
     executor.close()
     dist.destroy_process_group()
+
+
+def _serve_loop(executor: ModelExecutor, channel: Channel, store: Any, rank: int) -> None:
+    """Apply rank 0's messages until Stop, timing each step (two clock reads)."""
+    stats = WorkerStats()
+    while True:
+        waited = time.perf_counter()
+        message = channel.receive()
+        received = time.perf_counter()
+        if isinstance(message, Step):
+            executor.execute(message.plan)
+            stats.add(received - waited, received - message.posted_at, time.perf_counter() - received)
+        elif isinstance(message, Reset):
+            executor.reset(message.next_step)
+        elif isinstance(message, Report):
+            info = {"graphs": executor.graphs is not None, "backend": executor.backend.name}
+            store.set(stats_key(rank), json.dumps({**attrs.asdict(stats), **info}))
+            stats = WorkerStats()
+        else:
+            return
 
 
 def _report(store: Any, rank: int) -> None:

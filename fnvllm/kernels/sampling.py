@@ -57,7 +57,8 @@ def sample_ref(
     return torch.where(greedy, x.argmax(dim=-1), sampled), non_finite
 
 
-@triton.jit
+# Batch size and seed change every step: left unspecialised, so a new value never triggers a compile mid-run.
+@triton.jit(do_not_specialize=["num_rows"])
 def _chunk_stats_kernel(
     logits_ptr,
     temperature_ptr,
@@ -89,7 +90,7 @@ def _chunk_stats_kernel(
     tl.store(argmax_ptr + at, first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "seed"])
 def _pick_kernel(
     logits_ptr,
     temperature_ptr,

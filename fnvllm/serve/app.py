@@ -28,15 +28,18 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, model_name: str, api_key: str | None = None, stream_interval_s: float = 0.0
+) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
     ``Authorization: Bearer <api_key>``. The app starts the engine thread at startup and stops it at shutdown.
+    ``stream_interval_s``: least time between two chunks of one stream (0: a chunk per engine step).
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
     if engine.observer is None:
         engine.observer = metrics
-    served = handlers.Served(engine, model_name)
+    served = handlers.Served(engine, model_name, stream_interval_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

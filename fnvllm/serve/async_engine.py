@@ -2,7 +2,8 @@
 
     HTTP handlers (asyncio thread)                    engine thread (sole owner of the EngineLoop)
     submit(): validate, check the waiting cap  --->   inbox: drain add/abort between steps
-    async for event in stream                  <---   tracker.on_delta -> loop.call_soon_threadsafe(put)
+    stream.drain() / async for event in stream <---   tracker.on_delta -> outbox; after each step, one
+                                                      loop.call_soon_threadsafe hands the whole outbox over
 
 The engine thread steps while any request is live and sleeps on the inbox when idle. GPU steps block, so they
 never run on the event loop; a slow consumer never blocks the engine (its queue just grows). An exception in a
@@ -23,7 +24,7 @@ import attrs
 
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine import EngineLoop, EngineOutput, EngineStats, RequestOutput, RequestTracker, StreamDelta
-from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
+from fnvllm.serve.stream import EngineFailure, Item, RequestStream, TokenEvent, deliver
 from fnvllm.state import EngineState, SamplingParams, StepPlan, validate_request
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class AsyncEngine:
         self._num_prompt_tokens = 0
         self._num_failed_steps = 0
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._outbox: list[tuple[RequestStream, Item]] = []  # engine thread only: events not yet handed over
         self._thread: threading.Thread | None = None
         self.closing = False
         loop.on_step = self._on_step
@@ -197,10 +199,13 @@ class AsyncEngine:
                     self._apply(command)
             if _STOP in commands:
                 self._abort_all()  # every stream, including those added just now, ends with "abort"
+                self._flush()
                 self.snapshot = self._take_snapshot()
                 return
+            self._flush()
             if self.loop.has_unfinished:
                 self._step()
+                self._flush()
             self.snapshot = self._take_snapshot()
             num_added = sum(isinstance(c, _Add) for c in commands)
             if num_added:
@@ -247,11 +252,17 @@ class AsyncEngine:
         for rid in list(self._streams):
             self.loop.abort(rid)
 
+    def _flush(self) -> None:
+        if self._outbox:
+            deliver(self._outbox)
+            self._outbox = []
+
     def _deliver(self, tracker: RequestTracker, stream: RequestStream, delta: StreamDelta) -> None:
-        """The tracker's ``on_delta``: forward one delta (with its logprobs) to the request's stream."""
+        """The tracker's ``on_delta``: queue one delta (with its logprobs) for the request's stream; the outbox
+        goes to the event loop after the step."""
         n = len(delta.new_token_ids)
         logprobs = tuple(tracker.logprobs[max(0, len(tracker.logprobs) - n) :]) if n and tracker.logprobs else ()
-        stream.put(TokenEvent(delta.new_text, delta.new_token_ids, logprobs, delta.finish_reason))
+        self._outbox.append((stream, TokenEvent(delta.new_text, delta.new_token_ids, logprobs, delta.finish_reason)))
         if delta.finish_reason is not None:
             self._streams.pop(tracker.request_id, None)
             if self.observer is not None:

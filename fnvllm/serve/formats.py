@@ -1,7 +1,9 @@
 """Response bodies of the OpenAI API: ``text_completion`` and ``chat.completion`` (+ ``.chunk`` when streamed).
 
 One format object per request knows its id, creation time, model name and tokenizer, and renders the events of
-its ``RequestStream`` as chunks, or their concatenation as one final body.
+its ``RequestStream`` as chunks, or their concatenation as one final body. A server without a tokenizer (a
+checkpoint folder with no tokenizer files) has no text to send: its completion choices carry the generated ids as
+``token_ids`` (vLLM's field name) and ``text`` stays empty.
 """
 
 from __future__ import annotations
@@ -48,9 +50,18 @@ class CompletionFormat(_Format):
         """Chunks sent before any token (none for completions)."""
         return []
 
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None) -> dict[str, Any]:
-        """One streamed chunk (also the shape of the final body's single choice)."""
+    def chunk(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
+        """One streamed chunk (also the shape of the final body's single choice); ``token_ids`` only without a
+        tokenizer."""
         choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        if self.tokenizer is None:
+            choice["token_ids"] = list(token_ids)
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
@@ -58,10 +69,15 @@ class CompletionFormat(_Format):
         return {**self._head("text_completion"), "choices": [], "usage": counts}
 
     def final(
-        self, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None, counts: dict[str, int]
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        finish_reason: str | None,
+        counts: dict[str, int],
     ) -> dict[str, Any]:
         """The non-streamed body."""
-        return {**self.chunk(text, logprobs, finish_reason), "usage": counts}
+        return {**self.chunk(text, token_ids, logprobs, finish_reason), "usage": counts}
 
     def logprobs(self, logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
         """Legacy logprobs of these tokens, or None when the request did not ask for them."""
@@ -88,8 +104,15 @@ class ChatFormat(_Format):
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [{**self._head("chat.completion.chunk"), "choices": [choice]}]
 
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None) -> dict[str, Any]:
-        """One streamed chunk: a content delta (empty on the last one when it carries no text)."""
+    def chunk(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
+        """One streamed chunk: a content delta (empty on the last one when it carries no text). Chat always has a
+        tokenizer (its template), so ``token_ids`` is not sent."""
         delta = {"content": text} if text else {}
         choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
@@ -99,7 +122,12 @@ class ChatFormat(_Format):
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": counts}
 
     def final(
-        self, text: str, logprobs: Sequence[TokenLogprobs] | None, finish_reason: str | None, counts: dict[str, int]
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        finish_reason: str | None,
+        counts: dict[str, int],
     ) -> dict[str, Any]:
         """The non-streamed body."""
         message = {"role": "assistant", "content": text}

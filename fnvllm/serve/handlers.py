@@ -40,6 +40,7 @@ class Served:
 
     engine: AsyncEngine
     model_name: str
+    stream_interval_s: float = 0.0
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
@@ -66,7 +67,7 @@ async def completions(served: Served, raw: bytes, receive: Receive) -> Response:
     params = _sampling_params(body.sampling_params)
     stream = _submit(served.engine, ids, params, text, "cmpl")
     fmt = CompletionFormat(stream.request_id, served.model_name, served.engine.tokenizer)
-    return await _respond(served.engine, stream, fmt, body.stream, body.include_usage, params, receive)
+    return await _respond(served, stream, fmt, body.stream, body.include_usage, params, receive)
 
 
 async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
@@ -81,7 +82,7 @@ async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Resp
     params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room))
     stream = _submit(served.engine, ids, params, None, "chatcmpl")
     fmt = ChatFormat(stream.request_id, served.model_name, served.engine.tokenizer)
-    return await _respond(served.engine, stream, fmt, body.stream, body.include_usage, params, receive)
+    return await _respond(served, stream, fmt, body.stream, body.include_usage, params, receive)
 
 
 def _check(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
@@ -127,7 +128,7 @@ def _submit(
 
 
 async def _respond(
-    engine: AsyncEngine,
+    served: Served,
     stream: RequestStream,
     fmt: Format,
     is_stream: bool | None,
@@ -135,9 +136,10 @@ async def _respond(
     params: SamplingParams,
     receive: Receive,
 ) -> Response:
+    engine = served.engine
     wants_logprobs = params.logprobs is not None
     if is_stream:
-        events = _sse(fmt, stream, include_usage, wants_logprobs)
+        events = _sse(fmt, stream, include_usage, wants_logprobs, served.stream_interval_s)
         return _EventStream(events, on_close=lambda: _abort_unfinished(engine, stream))
     collected = await _collect_or_abort(engine, stream, receive)
     if collected is None:
@@ -146,7 +148,7 @@ async def _respond(
     if finish_reason == "abort":
         raise unavailable("the request was aborted: the server is shutting down")
     counts = usage(len(stream.prompt_ids), len(token_ids))
-    return JSONResponse(fmt.final(text, logprobs if wants_logprobs else None, finish_reason, counts))
+    return JSONResponse(fmt.final(text, token_ids, logprobs if wants_logprobs else None, finish_reason, counts))
 
 
 Collected = tuple[str, list[int], list[TokenLogprobs], str | None]
@@ -193,16 +195,26 @@ def _data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _sse(fmt: Format, stream: RequestStream, include_usage: bool, wants_logprobs: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per step with new text (and the last one), usage if asked, ``[DONE]``."""
+async def _sse(
+    fmt: Format, stream: RequestStream, include_usage: bool, wants_logprobs: bool, interval_s: float = 0.0
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per read of the stream with new text (and the last one), usage if asked,
+    ``[DONE]``. Each read takes every event that has arrived, so a client behind by several steps gets one chunk
+    for all of them. With ``interval_s`` > 0 the stream pauses that long after each chunk, so the tokens of
+    several steps go out together: fewer, larger writes for the web thread, which shares the GIL with the
+    engine (``fnvllm serve --stream-interval-ms``)."""
     for chunk in fmt.opening_chunks():
         yield _data(chunk)
-    num_tokens = 0
+    num_tokens, sends_ids = 0, fmt.tokenizer is None
     try:
-        async for event in stream:
+        while not stream.finished:
+            event = await stream.drain()
             num_tokens += len(event.token_ids)
-            if event.text or event.finish_reason is not None or event.logprobs:
-                yield _data(fmt.chunk(event.text, event.logprobs if wants_logprobs else None, event.finish_reason))
+            if event.text or event.finish_reason is not None or event.logprobs or (sends_ids and event.token_ids):
+                logprobs = event.logprobs if wants_logprobs else None
+                yield _data(fmt.chunk(event.text, event.token_ids, logprobs, event.finish_reason))
+                if interval_s > 0 and event.finish_reason is None:
+                    await asyncio.sleep(interval_s)
     except EngineFailure as error:
         yield _data(internal(str(error)).body())
     else:
