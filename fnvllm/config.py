@@ -7,65 +7,98 @@ free memory, the model's max length) are computed into a new CoreConfig, never p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
 
 from fnvllm.state import CoreConfig, InvalidConfigError
+from fnvllm.state._checks import CONFIG, check_bool, check_choice, check_int, check_optional_int, check_real
+from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 
-
-def _positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise InvalidConfigError(f"{attribute.name} must be None or an int >= 1, got {value!r}")
-
-
-def _count(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidConfigError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _seconds(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidConfigError(f"{attribute.name} must be a number of seconds > 0, got {value!r}")
+# Upper ends of EngineConfig's ranges (see each field): beyond them an option only ever fails later, deep in an
+# allocator or a kernel launch, so they are refused here with the field named.
+MAX_BLOCK_SIZE = 4096
+MAX_BATCHED_TOKENS = 1 << 24
+MAX_NUM_SEQS = 1 << 16
+MAX_TENSOR_PARALLEL = 1024
+MAX_CPU_KV_CACHE_GIB = 1 << 20
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float", "fp32", "bf16", "half", "fp16")
 
 
-def _one_of(*allowed: object) -> Any:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in allowed:
-            raise InvalidConfigError(f"{attribute.name} must be one of {allowed}, got {value!r}")
+def _int(name: str, low: int, high: int, *, optional: bool = False) -> Callable[[Any], Any]:
+    """The check of an int option in [low, high] (numpy integers accepted; bools, floats, strs refused)."""
+    if optional:
+        return lambda value: check_optional_int(value, "EngineConfig." + name, CONFIG, low, high)
+    return lambda value: check_int(value, "EngineConfig." + name, CONFIG, low, high)
 
-    return check
+
+def _real(name: str, low: float, high: float) -> Callable[[Any], Any]:
+    """The check of a finite number option in (low, high]."""
+    return lambda value: check_real(value, "EngineConfig." + name, CONFIG, low, high, low_open=True)
 
 
-def _backend_name(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _choice(name: str, *choices: str) -> Callable[[Any], Any]:
+    return lambda value: check_choice(value, "EngineConfig." + name, CONFIG, choices)
+
+
+def _backend_name(value: Any) -> str:
     from fnvllm.kernels.backends import backend_names  # lists module names without importing them
 
-    allowed = ("auto", *backend_names())
-    if value not in allowed:
-        raise InvalidConfigError(f"{attribute.name} must be one of {allowed}, got {value!r}")
+    return check_choice(value, "EngineConfig.attention_backend", CONFIG, ("auto", *backend_names()))
 
 
-def _fraction(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0 < value <= 1:
-        raise InvalidConfigError(f"{attribute.name} must be in (0, 1], got {value!r}")
+def _dtype(value: Any) -> str | None:
+    """None, a dtype name (or alias) of DTYPE_NAMES, or a torch dtype (kept as its name, e.g. "bfloat16")."""
+    if value is None:
+        return None
+    text = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
+    return check_choice(text, "EngineConfig.dtype", CONFIG, DTYPE_NAMES)
+
+
+# Each option's check, which also normalises it (numpy scalars to int/float, a torch dtype to its name).
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "dtype": _dtype,
+    "device": _choice("device", "auto", "cpu", "cuda"),
+    "block_size": _int("block_size", 1, MAX_BLOCK_SIZE),
+    "num_blocks": _int("num_blocks", 1, MAX_NUM_BLOCKS, optional=True),
+    "gpu_memory_utilization": _real("gpu_memory_utilization", 0, 1),
+    "cpu_kv_cache_gib": _real("cpu_kv_cache_gib", 0, MAX_CPU_KV_CACHE_GIB),
+    "max_num_batched_tokens": _int("max_num_batched_tokens", 1, MAX_BATCHED_TOKENS),
+    "max_num_seqs": _int("max_num_seqs", 1, MAX_NUM_SEQS),
+    "max_model_len": _int("max_model_len", 1, MAX_MODEL_LEN, optional=True),
+    "enable_prefix_caching": lambda value: check_bool(value, "EngineConfig.enable_prefix_caching", CONFIG),
+    "attention_backend": _backend_name,
+    "seed": _int("seed", *SEED_RANGE),
+    "enforce_eager": lambda value: check_bool(value, "EngineConfig.enforce_eager", CONFIG),
+    "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
+    "tensor_parallel_size": _int("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL),
+    "distributed_timeout_s": _real("distributed_timeout_s", 0, 7 * 24 * 3600),
+}
 
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """Engine options (``LLM(path, **options)`` takes these names).
 
-    dtype: weights/activations dtype; None = the checkpoint's (``torch_dtype`` in config.json).
+    Every field is checked strictly when constructed (InvalidConfigError, ConfigTypeError for a wrong type,
+    naming the field, the range and the value): a bool is not a count, a str is not a number. Whether the KV
+    cache fits the machine's memory is checked by ``LLM`` once the model's size is known.
+
+    dtype: weights/activations dtype ("float32", "bfloat16", "float16" or an alias such as "bf16", or a torch
+        dtype); None = the checkpoint's (``torch_dtype`` in config.json).
     device: "auto" picks CUDA when available, else the CPU.
-    block_size: tokens per KV block.
-    num_blocks: KV blocks; None = sized from memory (``gpu_memory_utilization`` on GPU, ``cpu_kv_cache_gib``
-        on CPU).
-    gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV cache + activations).
-    cpu_kv_cache_gib: KV cache size on the CPU when ``num_blocks`` is None.
-    max_num_batched_tokens: token budget of one step.
-    max_num_seqs: cap on running sequences.
-    max_model_len: cap on prompt + output tokens; None = the model's max_position_embeddings.
+    block_size: tokens per KV block, in [1, 4096].
+    num_blocks: KV blocks, in [1, 2**24]; None = sized from memory (``gpu_memory_utilization`` on GPU,
+        ``cpu_kv_cache_gib`` on CPU).
+    gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV cache + activations), (0, 1].
+    cpu_kv_cache_gib: KV cache size on the CPU when ``num_blocks`` is None, GiB > 0.
+    max_num_batched_tokens: token budget of one step, in [1, 2**24].
+    max_num_seqs: cap on running sequences, in [1, 65536].
+    max_model_len: cap on prompt + output tokens, in [1, 2**21]; None = the model's max_position_embeddings.
     enable_prefix_caching: reuse KV of shared prompt prefixes.
     attention_backend: "auto" (the fastest backend available on the device) or a module name of
         ``fnvllm.kernels.backends`` ("torch", "triton", "flash"); a named backend that cannot run here is an
@@ -73,29 +106,34 @@ class EngineConfig:
     enforce_eager: never capture CUDA graphs (decode steps run eagerly).
     model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
         (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
-    seed: seed of the sampler's shared generator (unseeded requests).
+    seed: seed of the sampler's shared generator (unseeded requests), an int in [0, 2**64).
     tensor_parallel_size: processes (one per GPU) the model is split over; > 1 starts worker processes
         (``fnvllm.executor.tp``) or joins the ``torchrun`` group this process was launched in.
     distributed_timeout_s: longest wait on another tensor-parallel rank (start-up, one step's collectives)
-        before rank 0 reports it as failed.
+        before rank 0 reports it as failed (seconds, at most a week).
     """
 
     dtype: str | None = None
-    device: DeviceName = attrs.field(default="auto", validator=_one_of("auto", "cpu", "cuda"))
-    block_size: int = attrs.field(default=16, validator=_positive)
-    num_blocks: int | None = attrs.field(default=None, validator=_positive)
-    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
+    device: DeviceName = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
-    max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive)
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    attention_backend: str = attrs.field(default="auto", validator=_backend_name)
+    attention_backend: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
-    model_ops: str = attrs.field(default="auto", validator=_one_of("auto", "torch", "compile", "triton"))
-    tensor_parallel_size: int = attrs.field(default=1, validator=_count)
-    distributed_timeout_s: float = attrs.field(default=300.0, validator=_seconds)
+    model_ops: str = "auto"
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
+
+    def __attrs_post_init__(self) -> None:
+        """Check every option (see ``_CHECKS``) and store its normalised value."""
+        for name, check in _CHECKS.items():
+            object.__setattr__(self, name, check(getattr(self, name)))
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
@@ -110,14 +148,15 @@ class EngineConfig:
         self, num_blocks: int, model_max_len: int, eos_token_ids: frozenset[int], vocab_size: int
     ) -> CoreConfig:
         """The pure core's settings for a model with these facts and a pool of ``num_blocks``."""
-        max_len = self.max_model_len or model_max_len
+        max_len = self.max_model_len or min(model_max_len, MAX_MODEL_LEN)
         if max_len > model_max_len:
             raise InvalidConfigError(
-                f"max_model_len must be <= the model's max_position_embeddings ({model_max_len}), got {max_len}"
+                f"EngineConfig.max_model_len must be <= the model's max_position_embeddings ({model_max_len}), "
+                f"got {max_len}"
             )
         return CoreConfig(
             block_size=self.block_size,
-            num_blocks=num_blocks,
+            num_blocks=min(num_blocks, MAX_NUM_BLOCKS),  # a pool sized from memory may exceed what the core takes
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_len,

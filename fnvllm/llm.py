@@ -11,9 +11,9 @@ each call adds its requests with a tracker and steps the loop until they are don
 from __future__ import annotations
 
 import contextlib
-import json
+import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,25 +24,43 @@ from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine import Engine, EngineLoop, EngineStats, RequestOutput, RequestTracker, StreamDelta
 from fnvllm.executor.model_executor import ModelExecutor
 from fnvllm.executor.tp import TensorParallelExecutor
-from fnvllm.model.config import ModelConfig
-from fnvllm.state import EngineState, SamplingParams
+from fnvllm.model.config import CheckpointError, ModelConfig, read_json
+from fnvllm.state import EngineState, InvalidConfigError, InvalidRequestError, SamplingParams
+from fnvllm.state._checks import CONFIG, REQUEST, check_bool, check_token_ids, show
+from fnvllm.state.errors import RequestTypeError
+from fnvllm.state.request import check_request
 
 Prompt = str | Sequence[int]
+Encoded = tuple[str | None, tuple[int, ...]]  # (text or None for token-id prompts, token ids)
+Conversation = Sequence[Mapping[str, str]]
+
+# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not: transformers then builds a
+# placeholder tokenizer from the model type, with the wrong EOS id).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_GIB = 1 << 30
 
 
 def read_eos_token_ids(model_path: Path, tokenizer: Any | None) -> frozenset[int]:
-    """Every EOS id: generation_config.json's (int or list), else config.json's, plus the tokenizer's."""
+    """Every EOS id: generation_config.json's (int or list), else config.json's, plus the tokenizer's.
+    A malformed file or an ``eos_token_id`` that is not an int or a list of ints is a CheckpointError naming it."""
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         file = model_path / name
         if file.exists():
-            value = json.loads(file.read_text()).get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else (value or []))
+            ids.update(_eos_ids(file, read_json(file).get("eos_token_id")))
             if ids:
                 break
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _eos_ids(file: Path, value: object) -> list[int]:
+    """``eos_token_id`` of one file as a list: null, an int >= 0, or a list of them."""
+    items = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
+        raise CheckpointError(f"{file}: eos_token_id must be an int >= 0 or a list of them, got {show(value)}")
+    return items  # type: ignore[return-value]
 
 
 class LLM:
@@ -60,11 +78,14 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         self.config = EngineConfig.from_options(engine_options)
-        self.model_path = Path(model)
+        self.model_path = _folder(model, "model")
         if not (self.model_path / "config.json").exists():
             raise FileNotFoundError(f"{self.model_path} is not a checkpoint folder (no config.json)")
-        self.tokenizer = _load_tokenizer(tokenizer or self.model_path) if load_tokenizer else None
+        check_bool(load_tokenizer, "load_tokenizer", CONFIG)
+        folder = self.model_path if tokenizer is None else _folder(tokenizer, "tokenizer")
         self.model_config = ModelConfig.from_pretrained(self.model_path, dtype=self.config.dtype)
+        self.tokenizer = load_local_tokenizer(folder) if load_tokenizer else None
+        check_kv_cache_fits(self.config, self.model_config)
         self.executor = _build_executor(self.model_path, self.config, self.model_config)
         core = self.config.core_config(
             self.executor.num_blocks,
@@ -105,8 +126,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); returns outputs in input order."""
-        trackers = self._add(prompts, sampling_params, on_delta=_discard)
+        """Generate for each prompt (text or token ids); returns outputs in input order.
+
+        ``prompts``: one str, one token-id sequence (a list, tuple or 1-D integer array), or a sequence of those.
+        ``sampling_params``: one SamplingParams for all, or one per prompt. Any bad argument raises
+        InvalidRequestError (RequestTypeError for a wrong type, also a TypeError) naming it, before anything is
+        queued."""
+        check_bool(use_tqdm, "use_tqdm", REQUEST)
+        return self._generate(self._encode_all(prompts), sampling_params, use_tqdm)
+
+    def _generate(
+        self, encoded: list[Encoded], params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
+    ) -> list[RequestOutput]:
+        trackers = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=_discard)
         bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
         start, num_done = time.perf_counter(), 0
         with self._aborting_on_exit(trackers):
@@ -129,8 +161,19 @@ class LLM:
         """Yield each request's new text and ids as steps complete (index = position in ``prompts``).
 
         Any number of streams may be iterated in turn: each steps the shared engine when it has nothing queued,
-        and receives exactly its own requests' deltas (the others' wait in their own queues)."""
-        trackers = self._add(prompts, sampling_params)
+        and receives exactly its own requests' deltas (the others' wait in their own queues). Arguments are
+        checked (and the requests queued) when this is called, not when iteration starts."""
+        encoded = self._encode_all(prompts)
+        param_list = _as_params_list(sampling_params, len(encoded))
+        for index, ((_, ids), params) in enumerate(zip(encoded, param_list, strict=True)):
+            try:  # what can be checked now is checked now; the requests are queued when iteration starts
+                check_request(self.engine.config, (), "stream", ids, params)
+            except InvalidRequestError as e:
+                raise type(e)(f"prompts[{index}]: {e}") from None
+        return self._stream(encoded, param_list)
+
+    def _stream(self, encoded: list[Encoded], param_list: list[SamplingParams]) -> Iterator[StreamDelta]:
+        trackers = self._add(encoded, param_list)
         with self._aborting_on_exit(trackers):
             while True:
                 queued = [t for t in trackers if t.deltas]
@@ -155,46 +198,70 @@ class LLM:
 
     def chat(
         self,
-        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (list of messages) or several, then generate."""
+        """Apply the tokenizer's chat template to one conversation (list of messages) or several, then generate.
+
+        Each message is a mapping with str "role" and "content". The templated text is encoded without adding
+        special tokens: the template writes its own (a BOS added on top would be a second one)."""
+        check_bool(use_tqdm, "use_tqdm", REQUEST)
+        conversations = _as_conversations(messages)
+        encoded = [self.encode_chat(c, **template_kwargs) for c in conversations]
+        return self._generate(encoded, sampling_params, use_tqdm)
+
+    def encode_chat(self, conversation: Conversation, **template_kwargs: Any) -> Encoded:
+        """(templated text, its token ids) of one conversation with the assistant's turn opened."""
         tokenizer = self._require_tokenizer("chat")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            tokenizer.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True, **template_kwargs)
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        _check_conversation(conversation, "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                [dict(m) for m in conversation], tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
+        except Exception as e:  # jinja2 errors, a tokenizer without a template: both come from the input
+            raise InvalidRequestError(f"messages: the chat template failed: {e}") from None
+        return text, self._encode_text(text, "messages", add_special_tokens=False)
 
     def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
-            raise ValueError(f"{what} needs a tokenizer; this LLM was built with load_tokenizer=False")
+            raise InvalidRequestError(f"{what} needs a tokenizer; this LLM was built with load_tokenizer=False")
         return self.tokenizer
 
-    def _encode(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
-        if isinstance(prompt, str):
-            return prompt, tuple(self._require_tokenizer("a text prompt").encode(prompt))
-        return None, tuple(int(t) for t in prompt)
+    def _encode_text(self, text: str, name: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """The tokenizer's ids for ``text``; text it cannot encode (lone surrogates) is an InvalidRequestError."""
+        tokenizer = self._require_tokenizer(f"{name}: a text prompt")
+        try:
+            return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"{name}: the tokenizer cannot encode {show(text)}: {e}") from None
+
+    def _encode_all(self, prompts: Prompt | Sequence[Prompt]) -> list[Encoded]:
+        """Every prompt as (text or None, token ids), each id checked against the vocabulary."""
+        vocab = self.engine.config.vocab_size
+        encoded: list[Encoded] = []
+        for index, prompt in enumerate(_as_prompt_list(prompts)):
+            name = f"prompts[{index}]"
+            if isinstance(prompt, str):
+                encoded.append((prompt, self._encode_text(prompt, name)))
+            else:
+                encoded.append((None, check_token_ids(prompt, name, REQUEST, vocab)))
+        return encoded
 
     def _add(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None,
+        encoded: list[Encoded],
+        param_list: list[SamplingParams],
         on_delta: Callable[[StreamDelta], None] | None = None,
     ) -> list[RequestTracker]:
-        """Validate and queue every prompt; on any bad input raise before the state changes."""
-        items = _as_prompt_list(prompts)
-        param_list = _as_params_list(params, len(items))
+        """Queue every prompt (validated by the core: on any bad input raise before the state changes)."""
         trackers = []
-        for index, (prompt, p) in enumerate(zip(items, param_list, strict=True)):
-            text, ids = self._encode(prompt)
+        for index, ((text, ids), p) in enumerate(zip(encoded, param_list, strict=True)):
             rid = str(self._next_id + index)
             trackers.append(RequestTracker(index, rid, text, ids, p, self._detokenizer(ids, p), on_delta))
         self.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
-        self._next_id += len(items)
+        self._next_id += len(encoded)
         return trackers
 
     def _detokenizer(self, ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
@@ -212,35 +279,127 @@ def _build_executor(
     return ModelExecutor(model_path, config, model_config)
 
 
-def _load_tokenizer(path: str | Path) -> Any:
+def _folder(path: object, what: str) -> Path:
+    """``path`` (a str or Path) as a Path; a TypeError naming ``what`` for anything else."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise TypeError(f"{what} must be a folder path (str or Path), got {show(path)}")
+    return Path(path)
+
+
+def load_local_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in ``folder``, never from the network: a folder that does not exist, or holds no
+    tokenizer vocabulary (see TOKENIZER_FILES), is a clear error instead of a hub lookup (which retries for a
+    minute offline) or a placeholder tokenizer (which transformers builds from the model type, EOS id and all).
+    Pass ``load_tokenizer=False`` for token-id-only use."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer folder {str(folder)!r} does not exist (tokenizers load only from local folders)"
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
+            "or load_tokenizer=False to use token-id prompts only"
+        )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its own) for broken files
+        raise CheckpointError(f"{folder}: the tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
+    """InvalidConfigError when the KV cache the options ask for cannot fit the device's memory (checked before
+    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash)."""
+    import torch
+
+    from fnvllm.executor.model_executor import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(model, config.block_size, model.torch_dtype) // config.tensor_parallel_size
+    on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if on_cuda:
+        if config.num_blocks is None:
+            return  # sized from free memory by the executor
+        memory = torch.cuda.get_device_properties(0).total_memory * config.gpu_memory_utilization
+        wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if config.num_blocks is None:
+            wanted, field = config.cpu_kv_cache_gib * _GIB, f"cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
+        else:
+            wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
+    if wanted > memory:
+        raise InvalidConfigError(
+            f"EngineConfig.{field}: a KV cache of {wanted / _GIB:.1f} GiB ({per_block} bytes per block of "
+            f"{config.block_size} tokens) does not fit the {memory / _GIB:.1f} GiB of {'GPU' if on_cuda else 'CPU'} "
+            "memory"
+        )
+
+
+def _as_prompt_list(prompts: object) -> list[Any]:
+    """One prompt or a sequence of them, as a list. One prompt: a str, a sequence of ints, a 1-D integer array.
+    Anything else (bytes, a dict, a set, a float) is a RequestTypeError naming it."""
     if isinstance(prompts, str):
         return [prompts]
+    ndim = getattr(prompts, "ndim", None)
+    if ndim is not None and getattr(prompts, "dtype", None) is not None:
+        if ndim == 1:
+            return [prompts]
+        if ndim == 2:
+            rows: list[Any] = list(prompts)  # type: ignore[call-overload]
+            return rows
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Sequence):
+        raise RequestTypeError(
+            f"prompts must be a str, a sequence of token ids, or a list of those, got {show(prompts)}"
+        )
     items = list(prompts)
     if not items:
-        raise ValueError("prompts must hold at least one prompt")
-    if all(isinstance(t, int) for t in items):
-        return [items]  # one token-id prompt
+        raise InvalidRequestError("prompts must hold at least one prompt")
+    if not any(isinstance(t, (str, Sequence)) or getattr(t, "ndim", 0) for t in items):
+        return [prompts]  # one token-id prompt (its ids are checked with the others)
     for i, item in enumerate(items):
-        if not isinstance(item, str) and not (isinstance(item, Sequence) and all(isinstance(t, int) for t in item)):
-            raise TypeError(f"prompts[{i}] must be a str or a sequence of token ids, got {type(item).__name__}")
+        is_ids = getattr(item, "ndim", None) == 1 or (isinstance(item, Sequence) and not isinstance(item, bytes))
+        if not (isinstance(item, str) or is_ids):
+            raise RequestTypeError(f"prompts[{i}] must be a str or a sequence of token ids, got {show(item)}")
     return items
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _as_params_list(params: object, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Sequence):
+        raise RequestTypeError(f"sampling_params must be None, a SamplingParams or a list of them, got {show(params)}")
     param_list = list(params)
+    for i, p in enumerate(param_list):
+        if not isinstance(p, SamplingParams):
+            raise RequestTypeError(f"sampling_params[{i}] must be a SamplingParams, got {show(p)}")
     if len(param_list) != n:
-        raise ValueError(f"sampling_params has {len(param_list)} entries but there are {n} prompts")
+        raise InvalidRequestError(f"sampling_params has {len(param_list)} entries but there are {n} prompts")
     return param_list
+
+
+def _as_conversations(messages: object) -> list[Conversation]:
+    """One conversation (a list of message mappings) or several, as a list of conversations."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
+        raise RequestTypeError(
+            f"messages must be a non-empty list of {{'role', 'content'}} messages, or a list of such lists, "
+            f"got {show(messages)}"
+        )
+    return [messages] if isinstance(messages[0], Mapping) else list(messages)
+
+
+def _check_conversation(conversation: object, name: str) -> None:
+    """A conversation is a non-empty sequence of mappings with str "role" and "content"."""
+    if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence) or not conversation:
+        raise RequestTypeError(f"{name} must be a non-empty list of messages, got {show(conversation)}")
+    for i, message in enumerate(conversation):
+        ok = isinstance(message, Mapping) and all(isinstance(message.get(k), str) for k in ("role", "content"))
+        if not ok:
+            raise RequestTypeError(
+                f"{name}[{i}] must be a {{'role': str, 'content': str}} mapping, got {show(message)}"
+            )
 
 
 def _discard(_: StreamDelta) -> None:

@@ -3,7 +3,12 @@ in test_kernels_triton.py; the executor uses this path on CUDA only)."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
+import torch
+from tiny_models import write_family
 
 from fnvllm.executor.fused_sampling import (
     FUSED_MIN_TEMPERATURE,
@@ -11,6 +16,7 @@ from fnvllm.executor.fused_sampling import (
     check_finite,
     fused_temperatures,
 )
+from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
 
 
@@ -45,3 +51,14 @@ def test_non_finite_rows_are_named() -> None:
     check_finite([0, 0], ["a", "b"])
     with pytest.raises(NonFiniteLogitsError, match=r"1 sampled sequence\(s\), e.g. \['b'\]"):
         check_finite([0, 1], ["a", "b"])
+
+
+def test_a_checkpoint_producing_nan_logits_is_reported_by_the_executor(tmp_path: Path) -> None:
+    """NaN weights -> NonFiniteLogitsError naming the request (not a token 0 or an invalid id), on the general
+    sampler path the CPU takes; the loop stays usable."""
+    llm = LLM(write_family(tmp_path, "qwen3"), device="cpu", dtype="float32", attention_backend="torch")
+    with torch.no_grad():
+        llm.executor.model.model.norm.weight.fill_(math.nan)
+    with pytest.raises(NonFiniteLogitsError, match=r"NaN or infinite logits for 1 sampled sequence"):
+        llm.generate([[5, 9, 13]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert not llm.state.running

@@ -100,11 +100,13 @@ def test_logprobs_match_transformers(llm: LLM, ckpt: Path) -> None:
 
 
 def test_chat_applies_template(llm: LLM) -> None:
-    """chat() feeds the tokenizer's chat template with the generation prompt."""
+    """chat() feeds the tokenizer's chat template with the generation prompt, encoded without a second BOS."""
     messages = [{"role": "user", "content": "hello there"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert out.prompt_token_ids == tuple(llm.tokenizer.encode(text))
+    assert text.startswith("<s>")  # the template writes the BOS itself
+    assert out.prompt_token_ids == tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+    assert out.prompt_token_ids[:2] != (llm.tokenizer.bos_token_id,) * 2
     assert len(out.token_ids) == 3
 
 

@@ -100,9 +100,9 @@ def test_a_stream_interval_batches_tokens_into_fewer_chunks(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids)
     body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
-    with TestClient(build_app(AsyncEngine(llm.loop, None), "ids-only", stream_interval_s=0.25)) as client:
-        with client.stream("POST", "/v1/completions", json=body) as response:
-            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    app = build_app(AsyncEngine(llm.loop, None), "ids-only", stream_interval_s=0.25)
+    with TestClient(app) as client, client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
     llm.loop.on_step = None
     chunks = [json.loads(line[6:])["choices"][0] for line in lines]
     assert [t for c in chunks for t in c["token_ids"]] == expected

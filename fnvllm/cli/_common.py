@@ -154,11 +154,11 @@ def load_llm(model: str | Path | None, options: dict[str, Any]) -> Any:
         raise CLIError(f"model folder {str(folder)!r} does not exist", code=1)
     from fnvllm.kernels.backends import BackendUnavailableError
     from fnvllm.llm import LLM
-    from fnvllm.model.loader import CheckpointMismatchError
+    from fnvllm.model.config import CheckpointError
 
     try:
         return LLM(folder, **options)
-    except (CheckpointMismatchError, OSError) as e:
+    except (CheckpointError, OSError) as e:  # a missing, broken or mismatched checkpoint file
         raise CLIError(str(e), code=1) from e
     except (InvalidConfigError, BackendUnavailableError, TypeError, ValueError) as e:
         raise CLIError(str(e), code=2) from e
@@ -173,11 +173,14 @@ def _require_cuda() -> None:
 
 
 def run_requests(call: Callable[[], Any]) -> Any:
-    """Run ``call`` (a generate/stream/chat call); a request the engine rejects becomes a one-line error."""
+    """Run ``call`` (a generate/stream/chat call); a request the engine rejects, or a run that fails (NaN logits
+    from a broken checkpoint, a dead tensor-parallel worker), becomes a one-line error (``--debug``: traceback)."""
     try:
         return call()
     except (InvalidRequestError, ValueError, TypeError) as e:
         raise CLIError(f"request rejected: {e}", code=1) from e
+    except RuntimeError as e:
+        raise CLIError(f"generation failed: {type(e).__name__}: {e}", code=1) from e
 
 
 def tolerating_closed_stdout(body: Callable[[], int]) -> int:

@@ -71,6 +71,9 @@ def register(sub: Any) -> None:
     gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request (JSON Lines)")
+    gen.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback of an error"
+    )
     add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=run)
@@ -116,20 +119,18 @@ def _generate(llm: Any, items: list[PromptItem], params: Any, args: argparse.Nam
 def _stream(llm: Any, items: list[PromptItem], params: Any, args: argparse.Namespace) -> list[float]:
     """Stream all, printing deltas as they come (text in prompt order, or one JSON object per delta)."""
     prompts = [_render(llm, item) for item in items]
-    shown = ["" if args.chat else p for p in prompts]
+    shown = [item if isinstance(item, str) and not args.chat else "" for item in items]
     printer = StreamPrinter(shown, as_json=args.json)
     run_requests(lambda: printer.print_all(llm.stream(prompts, params)))
     return []
 
 
-def _render(llm: Any, item: PromptItem) -> str:
-    """A prompt's text: itself, or a conversation through the tokenizer's chat template."""
+def _render(llm: Any, item: PromptItem) -> str | tuple[int, ...]:
+    """A prompt as ``LLM.stream`` takes it: its text, or a conversation's token ids through the chat template
+    (encoded as ``LLM.chat`` does, without a second BOS)."""
     if isinstance(item, str):
         return item
-    try:
-        return str(llm.tokenizer.apply_chat_template(item, tokenize=False, add_generation_prompt=True))
-    except Exception as e:  # jinja2 errors and a tokenizer without a template, both from user input
-        raise CLIError(f"--chat: the chat template failed: {e}", code=1) from e
+    return run_requests(lambda: llm.encode_chat(item))[1]  # type: ignore[no-any-return]
 
 
 def _conversation(item: PromptItem, system: str | None) -> Conversation:

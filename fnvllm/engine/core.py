@@ -23,6 +23,7 @@ from fnvllm.state import (
     FCFS,
     CoreConfig,
     EngineState,
+    PlanMismatchError,
     Policy,
     StepOutput,
     StepPlan,
@@ -53,7 +54,13 @@ class Engine:
         return initial_state(self.config, self.policy)
 
     def step(self, state: EngineState, plan: StepPlan) -> tuple[EngineState, EngineOutput]:
-        """Run ``plan`` (from ``schedule(state_before)``; ``state`` is the state it returned) and commit it."""
+        """Run ``plan`` (from ``schedule(state_before)``; ``state`` is the state it returned) and commit it.
+
+        The plan is checked against ``state`` before the executor sees it: a stale or foreign plan raises
+        PlanMismatchError with the executor untouched, so the correct retry still works. If the executor's
+        tokens are then rejected by ``commit`` (an id outside the vocabulary), the executor has run the step:
+        ``restore(state)`` brings the two back in step (``EngineLoop`` does this itself)."""
+        self.check_plan(state, plan)
         result = self.executor.execute(plan)
         state, output = commit(state, plan, result.token_ids)
         logprobs = {}
@@ -61,6 +68,18 @@ class Engine:
             sampled_ids = [rid for rid, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample]
             logprobs = {rid: lp for rid, lp in zip(sampled_ids, result.logprobs, strict=True) if lp is not None}
         return state, EngineOutput(output, logprobs)
+
+    def check_plan(self, state: EngineState, plan: StepPlan) -> None:
+        """Raise PlanMismatchError unless ``plan`` is the one ``state`` is waiting to commit, for this engine."""
+        if state.config is not self.config and state.config != self.config:
+            raise PlanMismatchError("state was made with a different CoreConfig than this engine's")
+        if not isinstance(plan, StepPlan):
+            raise PlanMismatchError(f"plan must be a StepPlan, got {type(plan).__name__}")
+        if state.pending_step != plan.step:
+            expected = "no plan (schedule first)" if state.pending_step is None else f"step {state.pending_step}"
+            raise PlanMismatchError(f"plan.step is {plan.step} but the state expects {expected}")
+        if plan.block_size != self.config.block_size:
+            raise PlanMismatchError(f"plan.block_size is {plan.block_size}, the engine's is {self.config.block_size}")
 
     def restore(self, state: EngineState) -> EngineState:
         """Adopt a snapshot (e.g. unpickled) on this engine: empties the KV bookkeeping to match this executor.

@@ -32,7 +32,7 @@ def fused_temperatures(params: Sequence[SamplingParams]) -> list[float] | None:
     for p in params:
         if p.top_p != 1.0 or p.min_p != 0.0 or p.needs_history or p.seed is not None or p.logprobs is not None:
             return None
-        if p.temperature == 0 or p.top_k == 1:
+        if p.is_greedy:
             temperatures.append(0.0)
         elif p.top_k is not None or p.temperature < FUSED_MIN_TEMPERATURE:
             return None

@@ -278,9 +278,13 @@ class ModelExecutor:
             timer.launched()
         if self.guard is not None:
             self.guard.wait(out.token_ids)
-        tokens = out.token_ids.tolist()  # the step's one device -> host sync
+        packed = out.token_ids if out.non_finite is None else torch.stack([out.token_ids, out.non_finite.long()])
+        host = packed.tolist()  # the step's one device -> host sync
+        tokens = host if out.non_finite is None else host[0]
         if timer is not None:
             timer.finish(plan, graph)
+        if out.non_finite is not None:
+            check_finite(host[1], [plan.seq_ids[i] for i in rows])
         return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [plan.params[i].logprobs for i in rows]))
 
     def _finish_fused(
@@ -299,25 +303,27 @@ class ModelExecutor:
 
     def _timeline_header(self) -> dict[str, object]:
         m = self.model_config
-        model = {
-            k: getattr(m, k)
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "intermediate_size",
-                "vocab_size",
-                "tie_word_embeddings",
-            )
-        }
+        fields = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "tie_word_embeddings",
+            "max_position_embeddings",
+        )
+        model: dict[str, object] = {k: getattr(m, k) for k in fields}
+        model["torch_dtype"] = str(self.dtype).removeprefix("torch.")
         return {
             "model": model,
             "block_size": self.config.block_size,
             "device": str(self.device),
             "backend": self.backend.name,
             "graphs": self.graphs is not None,
+            "max_model_len": self.max_model_len,
+            "num_blocks": self.num_blocks,
         }
 
 

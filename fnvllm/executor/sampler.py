@@ -36,7 +36,7 @@ from numpy.typing import DTypeLike
 
 from fnvllm.executor.penalties import PenaltyBatch, apply_penalties, prepare_penalties
 from fnvllm.executor.seeded_noise import seed_keys, seeded_exponential
-from fnvllm.state.params import SamplingParams
+from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
 from fnvllm.state.plan import TokenHistory
 
 
@@ -100,10 +100,15 @@ class Logprobs:
 
 @attrs.frozen(eq=False)
 class SamplerOutput:
-    """token_ids: (B,) int64 on the logits' device. logprobs: present when any row asked for logprobs."""
+    """token_ids: (B,) int64 on the logits' device (meaningless for rows in ``non_finite``).
+    logprobs: present when any row asked for logprobs.
+    non_finite: (B,) bool, rows whose (penalised, scaled) logits held a NaN or an infinity, found by the same
+        max-reduction that picks the token (no extra pass, no host sync): NaN propagates through ``max``. The
+        executor reports such rows (``NonFiniteLogitsError``) instead of returning their token."""
 
     token_ids: torch.Tensor
     logprobs: Logprobs | None
+    non_finite: torch.Tensor | None = None
 
 
 def _host(values: Sequence[Any], dtype: DTypeLike, device: torch.device) -> torch.Tensor:
@@ -126,7 +131,7 @@ def _columns(params: Sequence[SamplingParams], vocab_size: int) -> _Columns:
     """Gather the per-row settings in one pass (this runs every step for every row, so no per-row calls)."""
     cols = _Columns([], [], [], [], [])
     for p in params:
-        greedy = p.temperature == 0 or p.top_k == 1  # = p.is_greedy, inlined
+        greedy = p.temperature < GREEDY_TEMPERATURE or p.top_k == 1  # = p.is_greedy, inlined
         cols.is_greedy.append(greedy)
         cols.temperature.append(1.0 if greedy else p.temperature)
         cols.top_k.append(0 if greedy or p.top_k is None or p.top_k >= vocab_size else p.top_k)
@@ -228,7 +233,8 @@ def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         values.masked_fill_(rank >= k[:, None], -math.inf)
     probs = values.softmax(dim=-1)  # (B, K) renormalised over the top-k survivors
     mass_before = probs.cumsum(dim=-1).sub_(probs)  # mass of the strictly better candidates; 0 for the best
-    values.masked_fill_(mass_before >= batch.top_p[:, None], -math.inf)
+    # The best candidate always stays: a top_p below float32's range is 0 here, and 0 >= 0 would drop it too.
+    values[:, 1:].masked_fill_(mass_before[:, 1:] >= batch.top_p[:, None], -math.inf)
     return logits.fill_(-math.inf).scatter_(1, order, values)
 
 
@@ -290,11 +296,16 @@ class Sampler:
         raw = logits.float()
         penalised = apply_penalties(raw, batch.penalties) if batch.penalties is not None else raw
         if batch.all_greedy:
-            token_ids = penalised.argmax(dim=-1)
+            best, token_ids = penalised.max(dim=-1)
         else:
             probs = filtered_probs(penalised, batch)
-            token_ids = probs.div_(self._noise(probs, batch)).argmax(dim=-1)  # Gumbel-max: one draw per row
+            best, token_ids = probs.div_(self._noise(probs, batch)).max(dim=-1)  # Gumbel-max: one draw per row
             if batch.any_greedy:
-                token_ids = torch.where(batch.is_greedy, penalised.argmax(dim=-1), token_ids)
-        logprobs = None if batch.max_logprobs is None else compute_logprobs(raw, token_ids, batch.max_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+                greedy_best, greedy_ids = penalised.max(dim=-1)
+                token_ids = torch.where(batch.is_greedy, greedy_ids, token_ids)
+                best = torch.where(batch.is_greedy, greedy_best, best)
+        non_finite = ~best.isfinite()  # a NaN anywhere in the row, an infinity, or nothing finite left to draw
+        logprobs = None
+        if batch.max_logprobs is not None:
+            logprobs = compute_logprobs(raw, token_ids, batch.max_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, non_finite=non_finite)

@@ -11,12 +11,35 @@ End-of-sequence ids are not here: the LLM layer reads them from generation_confi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder's file is missing, unreadable or malformed; the message names the file and what is
+    wrong with it."""
+
+
+def read_json(file: Path, what: str = "a JSON object") -> dict[str, Any]:
+    """The JSON object in ``file``; CheckpointError naming the file when it cannot be read, is not valid JSON
+    (with the line and column), or is not an object."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot be read ({e})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected {what}, got a JSON {type(value).__name__}")
+    return value
+
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
@@ -115,37 +138,47 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
-        """Read `path`/config.json; `dtype` overrides the checkpoint's dtype."""
+        """Read `path`/config.json; `dtype` overrides the checkpoint's dtype. A missing file is
+        FileNotFoundError; a malformed one (bad JSON, a missing or mistyped field, an unsupported model) is
+        CheckpointError naming the file and the field."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint folder {str(path)!r}")
-        return cls.from_dict(json.loads(config_file.read_text()), dtype=dtype)
+        hf = read_json(config_file)
+        try:
+            return cls.from_dict(hf, dtype=dtype)
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{config_file}: {e}") from None
 
     @classmethod
     def from_dict(cls, hf: Mapping[str, Any], dtype: str | torch.dtype | None = None) -> ModelConfig:
-        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype."""
+        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype. Raises ValueError naming
+        the field for anything missing, mistyped (a str where a number belongs, a bool where an int belongs) or
+        unsupported."""
         architecture = _architecture(hf)
         _reject_unsupported_features(hf)
-        hidden_size = _required(hf, "hidden_size")
-        num_heads = _required(hf, "num_attention_heads")
-        max_positions = _required(hf, "max_position_embeddings")
+        hidden_size = _int_field(hf, "hidden_size")
+        num_heads = _int_field(hf, "num_attention_heads")
+        max_positions = _int_field(hf, "max_position_embeddings")
         rope_theta, rope_scaling = parse_rope(hf, max_positions)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
-        attention_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
+        attention_bias = True if is_qwen2 else _bool_field(hf, "attention_bias", False)
         return cls(
             architecture=architecture,
             hidden_size=hidden_size,
-            num_hidden_layers=_required(hf, "num_hidden_layers"),
+            num_hidden_layers=_int_field(hf, "num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hidden_size // num_heads,
-            intermediate_size=_required(hf, "intermediate_size"),
-            vocab_size=_required(hf, "vocab_size"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=_int_field(hf, "num_key_value_heads", num_heads),
+            head_dim=_int_field(hf, "head_dim", hidden_size // num_heads),
+            intermediate_size=_int_field(hf, "intermediate_size"),
+            vocab_size=_int_field(hf, "vocab_size"),
+            rms_norm_eps=_real_field(hf, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool_field(hf, "tie_word_embeddings", False),
             dtype=normalize_dtype(dtype if dtype is not None else _checkpoint_dtype(hf)),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
@@ -164,10 +197,10 @@ def normalize_dtype(dtype: str | torch.dtype) -> str:
 
 def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, rope_scaling) from either rope format (see the module docstring)."""
-    params = _flat_rope_parameters(hf.get("rope_parameters"))
+    params = _flat_rope_parameters(_mapping_field(hf, "rope_parameters"))
     if not params:
-        params = dict(hf.get("rope_scaling") or {})
-    rope_theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        params = dict(_mapping_field(hf, "rope_scaling"))
+    rope_theta = _real_field(params, "rope_theta", _real_field(hf, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return rope_theta, None
@@ -175,11 +208,11 @@ def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> tuple[flo
         raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     try:
         scaling = Llama3RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", max_position_embeddings)
+            factor=_real_field(params, "factor", None),
+            low_freq_factor=_real_field(params, "low_freq_factor", None),
+            high_freq_factor=_real_field(params, "high_freq_factor", None),
+            original_max_position_embeddings=_int_field(
+                params, "original_max_position_embeddings", max_position_embeddings
             ),
         )
     except KeyError as e:
@@ -187,7 +220,7 @@ def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> tuple[flo
     return rope_theta, scaling
 
 
-def _flat_rope_parameters(params: Mapping[str, Any] | None) -> dict[str, Any]:
+def _flat_rope_parameters(params: Mapping[str, Any]) -> dict[str, Any]:
     """One rope dict; a per-layer-type nesting is accepted when all layers share one entry."""
     if not params:
         return {}
@@ -202,7 +235,11 @@ def _flat_rope_parameters(params: Mapping[str, Any] | None) -> dict[str, Any]:
 def _architecture(hf: Mapping[str, Any]) -> str:
     """The single architecture name in config.json, validated."""
     architectures = hf.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+    if (
+        not isinstance(architectures, list)
+        or len(architectures) != 1
+        or architectures[0] not in SUPPORTED_ARCHITECTURES
+    ):
         raise ValueError(f"architectures {architectures!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
     return architectures[0]
 
@@ -224,6 +261,9 @@ def _checkpoint_dtype(hf: Mapping[str, Any]) -> str:
     return hf.get("dtype") or hf.get("torch_dtype") or "float32"
 
 
+_MISSING: Any = object()
+
+
 def _required(hf: Mapping[str, Any], name: str) -> Any:
     """hf[name], or a ValueError naming the missing field."""
     if name not in hf:
@@ -231,7 +271,47 @@ def _required(hf: Mapping[str, Any], name: str) -> Any:
     return hf[name]
 
 
+def _int_field(hf: Mapping[str, Any], name: str, default: Any = _MISSING) -> int:
+    """hf[name] (or ``default`` when absent or null) as a positive int; a bool, float or str is an error."""
+    value = hf.get(name) if default is not _MISSING else _required(hf, name)
+    if value is None and default is not _MISSING:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _real_field(hf: Mapping[str, Any], name: str, default: float | None) -> float:
+    """hf[name] (or ``default`` when absent or null; a None default = required) as a finite positive float."""
+    value = hf[name] if default is None else hf.get(name)
+    if value is None and default is not None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool_field(hf: Mapping[str, Any], name: str, default: bool) -> bool:
+    """hf[name] (or ``default`` when absent or null) as a bool; "false" or 0 is an error, not a truthy value."""
+    value = hf.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping_field(hf: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """hf[name] as a mapping ({} when absent or null)."""
+    value = hf.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be an object, got {value!r}")
+    return value
+
+
 def _check_positive(name: str, value: int) -> None:
-    """Raise unless `value` is a positive int."""
-    if not isinstance(value, int) or value <= 0:
+    """Raise unless `value` is a positive int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

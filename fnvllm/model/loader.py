@@ -15,7 +15,6 @@ rules for which slice are ``sharding.weight_targets``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from fnvllm.model.config import ModelConfig, normalize_dtype
+from fnvllm.model.config import CheckpointError, ModelConfig, normalize_dtype, read_json
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
 from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_targets, zero_vocab_padding
@@ -33,7 +32,7 @@ from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_t
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not match the model's parameters (names or shapes)."""
 
 
@@ -70,8 +69,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     """A checkpoint folder's safetensors files: the index's shards, else model.safetensors, else *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in sorted(set(_weight_map(index).values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"shards named in {index} do not exist: {missing}")
@@ -82,6 +80,17 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in checkpoint folder {str(path)!r}")
     return files
+
+
+def _weight_map(index: Path) -> Mapping[str, str]:
+    """The index's tensor name -> shard file name map; CheckpointError naming the index when it is malformed."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f'{index}: expected a non-empty "weight_map" object, got {weight_map!r:.80}')
+    bad = [f for f in weight_map.values() if not isinstance(f, str) or not f or "/" in f or f.startswith(".")]
+    if bad:
+        raise CheckpointError(f"{index}: weight_map values must be shard file names in the folder, got {bad[0]!r}")
+    return weight_map
 
 
 def check_names(
@@ -104,10 +113,18 @@ def check_names(
         )
 
 
+def _open(file: Path) -> Any:
+    """``safe_open`` of one shard; CheckpointError naming the file when it is not a readable safetensors file."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError (a bad header), OSError: both mean the file is broken
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
 def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor]) -> None:
     """Copy every needed tensor (or this rank's slice) of one safetensors file into its parameter (rows),
     converting dtype/device."""
-    with safe_open(str(file), framework="pt", device="cpu") as f:
+    with _open(file) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             target = targets.get(name)
             if target is None:
@@ -137,7 +154,7 @@ def _names_by_file(files: list[Path]) -> dict[Path, list[str]]:
     """Tensor names stored in each file (reads only the headers)."""
     names: dict[Path, list[str]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open(file) as f:
             names[file] = list(f.keys())
     return names
 

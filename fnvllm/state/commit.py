@@ -16,12 +16,14 @@ tests/properties/test_fast_paths.py checks that the two agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Sized
+from collections.abc import Set as AbstractSet
 from functools import cache
 from itertools import compress
-from operator import add, sub
+from operator import add, index, sub
 from typing import Any
 
+from fnvllm.state._checks import show
 from fnvllm.state._rows import byte_positions, zero_positions
 from fnvllm.state._running import DecodePrefix, RunningRows
 from fnvllm.state._tokens import COMPACT_EVERY, Chunks, compact, join, last_token
@@ -35,6 +37,8 @@ Tokens = tuple[int, ...]
 
 
 def _check_plan(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> None:
+    if isinstance(sampled, (str, bytes, bytearray, Mapping, AbstractSet)) or not isinstance(sampled, Sized):
+        raise PlanMismatchError(f"sampled must be a list of token ids, got {show(sampled)}")
     if state.pending_step != plan.step:
         expected = "no plan (schedule first)" if state.pending_step is None else f"step {state.pending_step}"
         raise PlanMismatchError(f"plan.step is {plan.step} but the state expects {expected}")
@@ -44,18 +48,42 @@ def _check_plan(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> N
         )
 
 
-def _as_ints(sampled: Sequence[int]) -> Sequence[int]:
-    """The sampled ids as a list or tuple of ints (a list or tuple given is used as it is: commit keeps no
-    reference to it). Executors return plain ints, which ``sum`` confirms in one C-level pass: it comes out a
-    plain int only when every item is an int (a bool counts as one). Anything else (numpy ints, floats, numeric
-    strings) is converted with ``int()``, as a per-item conversion would."""
+def _as_ints(sampled: Sequence[int], vocab_size: int | None) -> Sequence[int]:
+    """The sampled ids as a list or tuple of ints in [0, vocab_size) (>= 0 when the vocabulary is unknown);
+    PlanMismatchError naming the first bad one otherwise. A list or tuple given is used as it is (commit keeps no
+    reference to it). Executors return plain ints, which ``sum`` confirms in one C-level pass (it comes out a
+    plain int only when every item is an int or a bool), and ``min`` / ``max`` bound in two more; only when the
+    smallest is 0 or 1 can a bool hide among them, and a pass over the types looks. Anything else is converted
+    item by item with ``operator.index``, which takes numpy integers and refuses floats and strs."""
     tokens = sampled if type(sampled) is tuple or type(sampled) is list else list(sampled)
     try:
-        if type(sum(tokens)) is int:
-            return tokens
+        plain = type(sum(tokens)) is int
     except TypeError:
-        pass
-    return list(map(int, tokens))
+        plain = False
+    if not plain:
+        tokens = list(map(_token_index, enumerate(tokens)))
+    if not tokens:
+        return tokens
+    lowest = min(tokens)
+    if lowest <= 1 and bool in set(map(type, tokens)):
+        position = next(i for i, t in enumerate(tokens) if type(t) is bool)
+        raise PlanMismatchError(f"sampled[{position}] = {tokens[position]} is a bool, not a token id")
+    if lowest < 0 or (vocab_size is not None and max(tokens) >= vocab_size):
+        allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        position, token = next((i, t) for i, t in enumerate(tokens) if t < 0 or (vocab_size and t >= vocab_size))
+        raise PlanMismatchError(
+            f"sampled[{position}] = {show(token)} is not a token id in {allowed} (vocab_size); the executor "
+            "returned an invalid token"
+        )
+    return tokens
+
+
+def _token_index(item: tuple[int, object]) -> int:
+    position, token = item
+    try:
+        return index(token)  # type: ignore[arg-type]
+    except TypeError:
+        raise PlanMismatchError(f"sampled[{position}] = {show(token)} is not an int token id") from None
 
 
 @cache
@@ -259,11 +287,12 @@ def _decode_prefix(state: EngineState, rows: RunningRows) -> DecodePrefix:
 def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[EngineState, StepOutput]:
     """Apply the executed ``plan`` with its ``sampled`` tokens (one per sequence with sample=True, in order).
 
-    Returns the new state and the step's output; mutates nothing. Raises PlanMismatchError for a stale plan or
-    a wrong number of tokens, leaving the state unchanged. Sequences aborted since ``schedule`` are skipped.
+    Returns the new state and the step's output; mutates nothing. Raises PlanMismatchError for a stale plan, a
+    wrong number of tokens, or a token that is not an int in [0, vocab_size), leaving the state unchanged.
+    Sequences aborted since ``schedule`` are skipped.
     """
     _check_plan(state, plan, sampled)
-    tokens = _as_ints(sampled)
+    tokens = _as_ints(sampled, state.config.vocab_size)
     fold = _Fold(state, plan)
     if plan.seq_ids is state.running or plan.seq_ids == state.running:
         rows, decode = _commit_running(fold, tokens)

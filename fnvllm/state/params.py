@@ -6,44 +6,76 @@ executor's sampler reads the rest; the LLM facade applies ``stop`` strings throu
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
 
-from fnvllm.state.errors import InvalidRequestError
+from fnvllm.state._checks import (
+    REQUEST,
+    check_bool,
+    check_int,
+    check_optional_int,
+    check_real,
+    check_str,
+    check_token_ids,
+    fail,
+)
+
+MAX_LOGPROBS = 20
+# Counts, ids and seeds are bounded by 64-bit ranges (what the sampler's tensors hold), which also keeps every
+# error message printable: Python refuses to print ints of more than 4300 digits.
+MAX_INT64 = 2**63 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# Multiplying or dividing logits by a penalty outside this range overflows float32 or loses them entirely.
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+# Temperatures below this are treated as greedy: dividing logits by a smaller one overflows float32 (the sampler's
+# dtype) or, below float32's range, divides by zero. vLLM uses the same threshold.
+GREEDY_TEMPERATURE = 1e-5
 
 
-def _check(ok: bool, field: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise InvalidRequestError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
-
-
-def _as_int_tuple(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-def _as_str_tuple(values: Any) -> tuple[str, ...]:
+def _stop_strings(values: Any) -> tuple[str, ...]:
+    """``stop`` as a tuple: None, one str, or a list/tuple of non-empty strs."""
+    name = "SamplingParams.stop"
+    if values is None:
+        return ()
     if isinstance(values, str):
-        return (values,)
-    return tuple(str(v) for v in values)
+        values = (values,)
+    if not isinstance(values, (list, tuple)):
+        raise fail(REQUEST, name, "None, a str or a list of non-empty strs", values, wrong_type=True)
+    for i, value in enumerate(values):
+        check_str(value, f"{name}[{i}]", REQUEST)
+    return tuple(values)
+
+
+def _stop_ids(values: Any) -> tuple[int, ...]:
+    """``stop_token_ids`` as a tuple: None or a sequence of int ids >= 0."""
+    return () if values is None else check_token_ids(values, "SamplingParams.stop_token_ids", REQUEST, MAX_INT64)
 
 
 @attrs.frozen
 class SamplingParams:
     """How to sample one request's tokens.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it. Range [0, 100].
+    Every field is checked strictly when constructed: a bool is not an int, a str is not a number, NaN and
+    infinities are out of range; errors (InvalidRequestError, RequestTypeError for a wrong type) name the field,
+    the allowed range and the value. Numbers are stored as plain ints and floats (numpy scalars are accepted).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it. Range [0, 100]; below 1e-5
+        (GREEDY_TEMPERATURE) it is treated as greedy, since smaller divisors overflow float32 logits.
     top_p: nucleus mass kept, (0, 1]. 1 disables.
     top_k: keep the k most likely tokens; None disables. >= 1.
     min_p: drop tokens whose probability is below min_p * max probability, [0, 1]. 0 disables.
     max_tokens: most tokens to generate, >= 1.
     ignore_eos: keep generating past the model's EOS ids (benchmarks).
-    stop: strings that end generation; not included in the text unless include_stop_str_in_output.
-    stop_token_ids: token ids that end generation (in addition to EOS).
-    seed: per-request seed; a seeded request's tokens do not depend on its batch mates.
-    logprobs: return the top-n log-probabilities of each sampled position (and the sampled token's), n >= 0.
-    repetition_penalty: HF-style multiplicative penalty on tokens seen in prompt or output, > 0; 1 disables.
+    stop: strings that end generation (one str or a list of non-empty strs); not included in the text unless
+        include_stop_str_in_output.
+    stop_token_ids: token ids (>= 0; below the vocabulary size when the engine knows it) that end generation,
+        in addition to EOS.
+    seed: per-request seed, an int in [-2**63, 2**64); a seeded request's tokens do not depend on its batch mates.
+    logprobs: return the top-n log-probabilities of each sampled position (and the sampled token's), n in
+        [0, 20] (and at most the vocabulary size).
+    repetition_penalty: HF-style multiplicative penalty on tokens seen in prompt or output, in [0.001, 1000];
+        1 disables.
     presence_penalty / frequency_penalty: OpenAI-style additive penalties on output tokens, [-2, 2].
     """
 
@@ -53,8 +85,8 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int = 16
     ignore_eos: bool = False
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_str_tuple)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_int_tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
     include_stop_str_in_output: bool = False
     seed: int | None = None
     logprobs: int | None = None
@@ -66,43 +98,32 @@ class SamplingParams:
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        t = self.temperature
-        _check(
-            isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= 100,
-            "temperature",
-            "in [0, 100]",
-            t,
-        )
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(
-            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
-            "top_k",
-            "None or >= 1",
-            self.top_k,
-        )
-        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            "max_tokens",
-            "an int >= 1",
-            self.max_tokens,
-        )
-        _check(all(s != "" for s in self.stop), "stop", "non-empty strings", self.stop)
-        _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids", "ids >= 0", self.stop_token_ids)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "None or an int", self.seed)
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "None or an int in [0, 20]",
-            self.logprobs,
-        )
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        """Check every field strictly (see _checks.py) and store numbers as plain ints and floats."""
+        name = "SamplingParams."
+        checked = {
+            "temperature": check_real(self.temperature, name + "temperature", REQUEST, 0, 100),
+            "top_p": check_real(self.top_p, name + "top_p", REQUEST, 0, 1, low_open=True),
+            "top_k": check_optional_int(self.top_k, name + "top_k", REQUEST, 1, MAX_INT64),
+            "min_p": check_real(self.min_p, name + "min_p", REQUEST, 0, 1),
+            "max_tokens": check_int(self.max_tokens, name + "max_tokens", REQUEST, 1, MAX_INT64),
+            "ignore_eos": check_bool(self.ignore_eos, name + "ignore_eos", REQUEST),
+            "include_stop_str_in_output": check_bool(
+                self.include_stop_str_in_output, name + "include_stop_str_in_output", REQUEST
+            ),
+            "seed": check_optional_int(self.seed, name + "seed", REQUEST, *SEED_RANGE),
+            "logprobs": check_optional_int(self.logprobs, name + "logprobs", REQUEST, 0, MAX_LOGPROBS),
+            "repetition_penalty": check_real(
+                self.repetition_penalty, name + "repetition_penalty", REQUEST, *REPETITION_PENALTY_RANGE
+            ),
+            "presence_penalty": check_real(self.presence_penalty, name + "presence_penalty", REQUEST, -2, 2),
+            "frequency_penalty": check_real(self.frequency_penalty, name + "frequency_penalty", REQUEST, -2, 2),
+        }
+        for field, value in checked.items():
+            object.__setattr__(self, field, value)
         uses_history = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         object.__setattr__(self, "needs_history", uses_history)
 
     @property
     def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature below GREEDY_TEMPERATURE, or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Container
+from typing import Any, Literal
 
 import attrs
 
-from fnvllm.state.params import SamplingParams
+from fnvllm.state._checks import REQUEST, check_int, check_token_ids, fail, show
+from fnvllm.state.config import CoreConfig
+from fnvllm.state.errors import InvalidRequestError, RequestTypeError
+from fnvllm.state.params import MAX_INT64, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -32,6 +36,68 @@ class Request:
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "token_limit", len(self.prompt) + self.params.max_tokens)
+
+
+def _reject(field: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field}: {message}")
+
+
+def check_request(
+    config: CoreConfig, live: Container[str], request_id: Any, prompt: Any, params: Any, priority: Any = 0
+) -> tuple[tuple[int, ...], int]:
+    """The request's prompt as a tuple of ints and its priority as an int, or InvalidRequestError (naming the
+    field, the allowed range and the value) when it can never run under ``config`` beside the ``live`` ids.
+
+    Checks, in order: the id (a non-empty str, not live), the params (a SamplingParams), the priority (an int),
+    the prompt (a non-empty sequence of int ids in [0, vocab_size), see ``_checks.check_token_ids``: a str,
+    bytes or dict is not a prompt), the params against the vocabulary (stop ids, logprobs), and the size
+    (prompt + max_tokens within max_model_len and the pool). Reads nothing else and changes nothing.
+    """
+    if not isinstance(request_id, str):
+        raise RequestTypeError(f"request_id: must be a non-empty str, got {show(request_id)}")
+    if not request_id:
+        raise _reject("request_id", f"must be a non-empty str, got {request_id!r}")
+    if request_id in live:
+        raise _reject("request_id", f"{show(request_id)} is already live (waiting or running)")
+    if not isinstance(params, SamplingParams):
+        raise RequestTypeError(f"params: must be SamplingParams, got {show(params)}")
+    priority = check_int(priority, "priority", REQUEST, -MAX_INT64 - 1, MAX_INT64)
+    ids = check_token_ids(prompt, "prompt", REQUEST, config.vocab_size)
+    if not ids:
+        raise _reject("prompt", "must hold at least 1 token")
+    _check_params_fit(config, params)
+    _check_size(config, len(ids), params.max_tokens)
+    return ids, priority
+
+
+def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
+    """Params that only make sense for a vocabulary: stop ids inside it, no more logprobs than it has."""
+    vocab = config.vocab_size
+    if vocab is None:
+        return
+    outside = [i for i in params.stop_token_ids if i >= vocab]
+    if outside:
+        raise fail(REQUEST, "SamplingParams.stop_token_ids", f"ids in [0, {vocab}) (the vocabulary)", outside)
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise fail(REQUEST, "SamplingParams.logprobs", f"at most the vocabulary size ({vocab})", params.logprobs)
+
+
+def _check_size(config: CoreConfig, prompt_len: int, max_tokens: int) -> None:
+    """The request fits max_model_len and, at its longest, the KV pool."""
+    total = prompt_len + max_tokens
+    if total > config.max_model_len:
+        raise _reject(
+            "max_tokens",
+            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({config.max_model_len})",
+        )
+    blocks = -(-(total - 1) // config.block_size)  # the last generated token's KV is never written
+    if blocks > config.num_blocks:
+        raise _reject(
+            "prompt",
+            f"prompt + max_tokens needs {blocks} KV blocks of {config.block_size} tokens; "
+            f"the pool has {config.num_blocks}",
+        )
 
 
 @attrs.frozen

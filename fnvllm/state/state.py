@@ -13,7 +13,7 @@ never written again (treat them as read-only). Requests and the waiting requests
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -25,12 +25,11 @@ from fnvllm.state._rows import RowMap
 from fnvllm.state._running import DecodePrefix, RunningRows
 from fnvllm.state._tokens import Chunks, join
 from fnvllm.state.config import CoreConfig
-from fnvllm.state.errors import InvalidRequestError
 from fnvllm.state.kv import KVManager
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.policy import FCFS, Policy
 from fnvllm.state.pool import BlockPool
-from fnvllm.state.request import Request, SequenceView
+from fnvllm.state.request import Request, SequenceView, check_request
 
 V = TypeVar("V")
 
@@ -191,39 +190,12 @@ def initial_state(config: CoreConfig, policy: Policy = FCFS) -> EngineState:
     )
 
 
-def _reject(field: str, message: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{field}: {message}")
-
-
-def validate_request(state: EngineState, request_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
-    """Raise InvalidRequestError (naming the field and range) when the request can never run."""
-    cfg = state.config
-    if not isinstance(request_id, str) or not request_id:
-        raise _reject("request_id", f"must be a non-empty str, got {request_id!r}")
-    if request_id in state.requests:
-        raise _reject("request_id", f"{request_id!r} is already live (waiting or running)")
-    if not isinstance(params, SamplingParams):
-        raise _reject("params", f"must be SamplingParams, got {type(params).__name__}")
-    if len(prompt) == 0:
-        raise _reject("prompt", "must hold at least 1 token")
-    upper = cfg.vocab_size
-    bad = [t for t in prompt if not isinstance(t, int) or t < 0 or (upper is not None and t >= upper)]
-    if bad:
-        allowed = f"[0, {upper})" if upper is not None else ">= 0"
-        raise _reject("prompt", f"token ids must be ints in {allowed}; got {bad[:5]}")
-    total = len(prompt) + params.max_tokens
-    if total > cfg.max_model_len:
-        raise _reject(
-            "max_tokens",
-            f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = {total} exceeds "
-            f"max_model_len ({cfg.max_model_len})",
-        )
-    blocks = -(-(total - 1) // cfg.block_size)
-    if blocks > cfg.num_blocks:
-        raise _reject(
-            "prompt",
-            f"prompt + max_tokens needs {blocks} KV blocks of {cfg.block_size} tokens; the pool has {cfg.num_blocks}",
-        )
+def validate_request(
+    state: EngineState, request_id: str, prompt: Sequence[int], params: SamplingParams, priority: int = 0
+) -> None:
+    """Raise InvalidRequestError (naming the field, the allowed range and the value) when the request can never
+    run; see ``request.check_request`` for what is checked."""
+    check_request(state.config, state.requests, request_id, prompt, params, priority)
 
 
 def add_request(
@@ -233,9 +205,10 @@ def add_request(
     params: SamplingParams,
     priority: int = 0,
 ) -> EngineState:
-    """The state with the request queued as waiting. Raises InvalidRequestError, leaving ``state`` as it was."""
-    prompt = tuple(prompt)
-    validate_request(state, request_id, prompt, params)
+    """The state with the request queued as waiting. Raises InvalidRequestError, leaving ``state`` as it was.
+
+    ``prompt``: token ids as a list, tuple or 1-D integer array (stored as a tuple of ints)."""
+    prompt, priority = check_request(state.config, state.requests, request_id, prompt, params, priority)
     request = Request(request_id, prompt, params, arrival=state.next_arrival, priority=priority)
     return replace(
         state,
@@ -251,6 +224,44 @@ def add_request(
     )
 
 
+def add_requests(state: EngineState, requests: Iterable[tuple[str, Sequence[int], SamplingParams, int]]) -> EngineState:
+    """The state ``add_request`` would give for each ``(request_id, prompt, params, priority)`` in turn, built in
+    one pass: the waiting queue and the per-request maps are rebuilt once, not once per request (a simulator adds
+    a step's arrivals together; with tens of thousands waiting, each single add copies the whole queue). Raises
+    InvalidRequestError for the first bad request, leaving ``state`` as it was."""
+    live, key = state.requests.evolver(), state.policy.key
+    head, tail = state.waiting, list[str]()  # the queue is head + tail; tail holds the new ids while each sorts last
+    arrival, stops = state.next_arrival, state.stop_token_union
+    added: list[tuple[str, int]] = []
+    for request_id, prompt, params, priority in requests:
+        prompt, priority = check_request(state.config, live, request_id, prompt, params, priority)
+        request = Request(request_id, prompt, params, arrival=arrival, priority=priority)
+        live.set(request_id, request)
+        last = tail[-1] if tail else head[-1] if head else None
+        k = key(request)
+        if last is not None and k < key(live[last]):  # not last in policy order: merge, then search
+            tail, head = [*head, *tail], ()
+            tail.insert(bisect.bisect_right(tail, k, key=lambda rid: key(live[rid])), request_id)
+        else:
+            tail.append(request_id)
+        added.append((request_id, len(prompt)))
+        arrival += 1
+        stops = stops.union(params.stop_token_ids) if params.stop_token_ids else stops
+    if not added:
+        return state
+    empty = [(rid, ()) for rid, _ in added]
+    return replace(
+        state,
+        requests=live.persistent(),
+        waiting=head + tuple(tail),
+        num_tokens=state.num_tokens.with_rest(state.num_tokens.rest.updated(added)),
+        outputs=state.outputs.with_rest(state.outputs.rest.updated(empty)),
+        chain_hashes=state.chain_hashes.with_rest(state.chain_hashes.rest.updated(empty)),
+        next_arrival=arrival,
+        stop_token_union=stops,
+    )
+
+
 def policy_index(state: EngineState, queue: Sequence[str], request: Request) -> int:
     """Where ``request`` goes in ``queue`` (sorted by the policy key): after every equal key."""
     requests, key = state.requests, state.policy.key
@@ -261,7 +272,10 @@ def insert_by_policy(
     state: EngineState, queue: tuple[str, ...], request_id: str, request: Request | None = None
 ) -> tuple[str, ...]:
     """``queue`` with ``request_id`` inserted at its policy position (after equal keys)."""
-    index = policy_index(state, queue, request if request is not None else state.requests[request_id])
+    request = request if request is not None else state.requests[request_id]
+    if not queue or not state.policy.key(request) < state.policy.key(state.requests[queue[-1]]):
+        return (*queue, request_id)  # after every key (the usual FCFS arrival): no search, one copy
+    index = policy_index(state, queue, request)
     return (*queue[:index], request_id, *queue[index:])
 
 

@@ -47,6 +47,7 @@ from fnvllm.testing.strategies import (
     prefix_pools,
     requests,
     sampled_for,
+    uses_history,
     vocab_of,
 )
 from fnvllm.testing.toy import CounterToyExecutor
@@ -68,6 +69,7 @@ class CoreStateMachine(RuleBasedStateMachine):
         self.pending: StepPlan | None = None
         self.kv: inv.ShadowKV = {}
         self.next_id = 0
+        self.num_added = 0  # the machine's own count of accepted requests: the next arrival stamp
         self.dirty = False
 
     # ----- hooks: override these to test your own scheduler, commit or config -----
@@ -174,6 +176,21 @@ class CoreStateMachine(RuleBasedStateMachine):
         self.state = inv.run_pure(core.abort, self.state, rid)
         self.model.abort(rid, self.pending is not None)
 
+    @rule(data=st.data())
+    def abort_planned(self, data: st.DataObject) -> None:
+        """Abort a request the pending plan schedules (between schedule and commit): commit must skip its row
+        and still give every other request exactly the token sampled for it (checked against the model)."""
+        self.begin()
+        plan = self.pending
+        planned = [rid for rid in plan.seq_ids if rid in self.model.outputs] if plan is not None else []
+        if not planned:
+            return
+        rid = data.draw(st.sampled_from(sorted(set(planned))), label="abort planned id")
+        note(f"state = abort(state, {rid!r})  # scheduled in the pending plan")
+        event("abort of a planned row")
+        self.state = inv.run_pure(core.abort, self.state, rid)
+        self.model.abort(rid, True)
+
     @rule(kind=st.sampled_from(MISUSE_KINDS))
     def misuse(self, kind: str) -> None:
         """Misusing the API raises a clear error and leaves the state as it was."""
@@ -234,6 +251,18 @@ class CoreStateMachine(RuleBasedStateMachine):
         inv.check_lengths(self.state)
 
     @invariant()
+    def queues_in_reference_order(self) -> None:
+        """Each queue is sorted by the machine's own reading of the policy (arrival order, or priority then
+        arrival), not by the policy key under test; other policies are left to ``queues_consistent``."""
+        reference = _REFERENCE_ORDER.get(self.policy.name)
+        if reference is None:
+            return
+        for name, queue in (("waiting", self.state.waiting), ("running", self.state.running)):
+            keys = [reference(self.model.requests[rid]) for rid in queue]
+            if keys != sorted(keys):
+                inv.fail(f"{name} queue out of {self.policy.name} order: {list(zip(queue, keys, strict=True))}")
+
+    @invariant()
     def prefix_cache_consistent(self) -> None:
         """The hash map is the inverse of the cached blocks and consistent with their contents and chains."""
         inv.check_prefix_cache(self.state)
@@ -271,6 +300,9 @@ class CoreStateMachine(RuleBasedStateMachine):
         )
         note(f"state, plan = schedule(state)  # step {plan.step}: [{rows}] preempted={list(plan.preempted)}")
         inv.check_plan(self.config, before, self.state, plan)
+        for rid, history in zip(plan.seq_ids, plan.histories, strict=True):
+            if (history is not None) != uses_history(self.model.requests[rid].params):
+                inv.fail(f"plan: {rid!r} carries history={history is not None} but its penalties say otherwise")
         self.pending = plan
         _record_events(before, plan)
         return plan
@@ -322,7 +354,8 @@ class CoreStateMachine(RuleBasedStateMachine):
         note(f"state = add_request(state, {rid!r}, {drawn.prompt}, {_brief(drawn.params)}, {drawn.priority})")
         self.state = inv.run_pure(core.add_request, self.state, rid, drawn.prompt, drawn.params, drawn.priority)
         self.model.add(self.state.requests[rid])
-        expected = Request(rid, drawn.prompt, drawn.params, self.state.next_arrival - 1, drawn.priority)
+        expected = Request(rid, drawn.prompt, drawn.params, self.num_added, drawn.priority)
+        self.num_added += 1
         if self.state.requests[rid] != expected:
             inv.fail(f"add_request stored {self.state.requests[rid]}, expected {expected}")
 
@@ -345,6 +378,13 @@ class CoreStateMachine(RuleBasedStateMachine):
         if kind == "commit_wrong_count" and pending is not None:
             return lambda: core.commit(state, pending, [0] * (pending.num_samples + 1))
         return None
+
+
+# The queue orders the built-in policies promise, written out independently of their key functions.
+_REFERENCE_ORDER: dict[str, Callable[[Request], tuple[int, ...]]] = {
+    "fcfs": lambda r: (r.arrival,),
+    "priority": lambda r: (r.priority, r.arrival),
+}
 
 
 def _record_events(before: EngineState, plan: StepPlan) -> None:

@@ -116,25 +116,44 @@ def prompts(
     return base + draw(token_lists(vocab_size, length - len(base), length - len(base)))
 
 
+PENALTY_KINDS = ("none", "repetition", "presence", "frequency", "all")
+
+
 @st.composite
 def sampling_params(
     draw: st.DrawFn, *, max_tokens: int = 8, vocab_size: int | None = 16, max_stop_ids: int = 2
 ) -> SamplingParams:
     """SamplingParams with max_tokens in [1, max_tokens], sometimes ignore_eos, sometimes stop_token_ids.
 
-    Sampler-only fields vary a little too (greedy or not, a repetition penalty that makes the plan carry
-    token histories), since the core must pass them through untouched.
+    Every sampler-only option varies too, since the core must pass them through untouched and the plan must
+    carry token histories exactly for the rows with a penalty: greedy or not (temperature 0, a tiny one below
+    GREEDY_TEMPERATURE, or 1), top-k / top-p / min-p, a seed, logprobs, and each penalty alone (repetition,
+    presence, frequency) or all together.
     """
     stop_ids: Tokens = ()
     if vocab_size is not None and max_stop_ids and draw(st.integers(0, 3)) == 0:
         stop_ids = draw(token_lists(vocab_size, 1, max_stop_ids))
+    penalty = draw(st.sampled_from(PENALTY_KINDS))
     return SamplingParams(
-        temperature=draw(st.sampled_from([0.0, 1.0])),
+        temperature=draw(st.sampled_from([0.0, 1.0, 1.0, 0.5, 1e-7])),
+        top_k=draw(st.one_of(st.none(), st.integers(1, max(vocab_size or 8, 1) + 2))),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.9])),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.1])),
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**32))),
+        logprobs=draw(st.one_of(st.none(), st.integers(0, min(3, vocab_size or 3)))),
         max_tokens=draw(st.integers(1, max(max_tokens, 1))),
         ignore_eos=draw(st.integers(0, 3)) > 0,  # mostly: long runs are what fill the pool
         stop_token_ids=stop_ids,
-        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.1])),
+        repetition_penalty=1.1 if penalty in ("repetition", "all") else 1.0,
+        presence_penalty=0.5 if penalty in ("presence", "all") else 0.0,
+        frequency_penalty=-0.5 if penalty in ("frequency", "all") else 0.0,
     )
+
+
+def uses_history(params: SamplingParams) -> bool:
+    """Whether a request's rows must carry its token history, spelled out from the penalty fields (an
+    independent reference for ``SamplingParams.needs_history``)."""
+    return not (params.repetition_penalty == 1 and params.presence_penalty == 0 and params.frequency_penalty == 0)
 
 
 def token_ids(vocab_size: int, eos_token_ids: Sequence[int] = ()) -> st.SearchStrategy[int]:
