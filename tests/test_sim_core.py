@@ -6,6 +6,7 @@ import math
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -216,3 +217,60 @@ def test_simulate_accepts_any_cost_model_and_config() -> None:
     requests = [SimRequest(i * 0.001, rng.randint(1, 20), rng.randint(1, 10)) for i in range(30)]
     result = simulate(requests, config, SimExecutor(CostModel(shape, H200)))
     assert result.recorder.num_output == [r.output_len for r in requests]
+
+
+def test_batched_arrivals_equal_one_add_request_each() -> None:
+    """add_requests (the loop's batched arrivals) gives the state of one add_request per request, under FCFS and
+    under a priority policy where arrivals land mid-queue; a bad request leaves the state as it was."""
+    from fnvllm.state import FCFS, PRIORITY, InvalidRequestError, add_request, initial_state
+    from fnvllm.state.state import add_requests
+
+    config = CoreConfig(block_size=4, num_blocks=64, vocab_size=100, eos_token_ids=(0,))
+    rng = random.Random(0)
+    batches = [
+        [
+            (f"r{b}-{i}", [rng.randrange(100) for _ in range(rng.randint(1, 9))],
+             SamplingParams(max_tokens=rng.randint(1, 5), stop_token_ids=(rng.randrange(100),) * rng.randint(0, 1)),
+             rng.randint(0, 3))
+            for i in range(rng.randint(0, 5))
+        ]
+        for b in range(6)
+    ]  # fmt: skip
+    for policy in (FCFS, PRIORITY):
+        one, batched = initial_state(config, policy), initial_state(config, policy)
+        for batch in batches:
+            for request in batch:
+                one = add_request(one, *request)
+            batched = add_requests(batched, batch)
+            assert batched == one and batched.waiting == one.waiting
+        bad = [("ok", [1], SamplingParams(max_tokens=1), 0), ("r0-0", [1], SamplingParams(max_tokens=1), 0)]
+        if batches[0]:
+            with pytest.raises(InvalidRequestError):
+                add_requests(batched, bad)
+        assert "ok" not in batched.requests
+
+
+def _appender(plans: list[StepPlan]) -> Any:
+    """An on_step hook that keeps every plan in ``plans``."""
+    return lambda state, plan, output: plans.append(plan)
+
+
+def test_holding_back_arrivals_changes_no_plan_or_metric() -> None:
+    """Under overload, keeping arrivals that cannot affect the next plan out of the core (the default under
+    FCFS) gives the same plans, per-request times and waiting counts as adding every request on arrival."""
+    from fnvllm.sim import summarize
+
+    requests = poisson_requests(300, 2000.0, 60, 20, 0.8, 0, 512)
+    config = CoreConfig(block_size=16, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=256, vocab_size=1000)
+    runs = []
+    for hold_back in (True, False):
+        plans: list[StepPlan] = []
+        executor = SimExecutor(CostModel(load_shape("qwen3-0.6b"), H200))
+        result = simulate(requests, config, executor, on_step=_appender(plans), hold_back=hold_back)
+        runs.append((plans, result))
+    (held_plans, held), (plain_plans, plain) = runs
+    assert held_plans == plain_plans
+    assert max(plain.recorder.num_waiting) > 100  # overloaded: most of the queue was held back
+    for field in ("first_scheduled", "first_token", "finish", "num_output", "num_waiting", "step_end"):
+        assert list(getattr(held.recorder, field)) == list(getattr(plain.recorder, field)), field
+    assert summarize(held.recorder, held.end_s) == summarize(plain.recorder, plain.end_s)

@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from fnvllm.sim import H200, CostModel, ReplayTokens, SimExecutor, SimRequest, fit_profile, load_shape, simulate
 from fnvllm.sim.calibrate import prediction_error
-from fnvllm.sim.timeline import read_timeline
+from fnvllm.sim.cost import step_shape
+from fnvllm.sim.timeline import read_timeline, record_shape
 from fnvllm.state import SamplingParams, StepPlan
 
 
@@ -38,6 +40,10 @@ class Recording:
 
     def reset(self, next_step: int) -> None:
         self.inner.reset(next_step)
+
+
+def _not_graph(attribute: attrs.Attribute[Any], value: Any) -> bool:
+    return attribute.name != "graph"
 
 
 def _workload(seed: int, n: int) -> tuple[list[list[int]], list[int]]:
@@ -96,6 +102,19 @@ def test_engine_timeline_calibrates_a_cpu_profile(engine_run: dict[str, Any], tm
     cpu = fit_profile(records, model, H200, source="cpu")
     assert cpu.graph_max_seqs == 0  # the CPU engine replays no CUDA graphs
     assert abs(prediction_error(records, model, cpu)["total_error"]) < 0.05
+
+
+def test_engine_timeline_logs_the_simulators_step_shapes(engine_run: dict[str, Any]) -> None:
+    """Every record of the engine's timeline carries exactly the shape the simulator computes for its plan,
+    attention pairs and sample counts included (so calibration needs no estimates)."""
+    _, records = read_timeline(engine_run["timeline"])
+    plans = [plan for plan in engine_run["rec"].plans if not plan.is_empty]
+    assert len(records) == len(plans)
+    for record, plan in zip(records, plans, strict=True):
+        shape = step_shape(plan, graph_max_seqs=0)
+        assert record["step"] == plan.step
+        assert {k: record[k] for k in shape.to_record() if k != "graph"} == attrs.asdict(shape, filter=_not_graph)
+        assert record_shape(record) == shape
 
 
 def test_sim_executor_drives_the_engine_class() -> None:

@@ -122,14 +122,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Fit a profile's overheads to a timeline log, write it, and report how well it predicts."""
     from fnvllm.sim.calibrate import fit_profile, prediction_error
     from fnvllm.sim.hardware import load_profile, save_profile
-    from fnvllm.sim.model import ModelShape, load_shape
-    from fnvllm.sim.timeline import read_timeline
+    from fnvllm.sim.model import load_shape
+    from fnvllm.sim.timeline import header_model, read_timeline
 
     header, records = _user_errors(read_timeline, args.log)
     if args.model_shape:
         model = _user_errors(load_shape, args.model_shape)
     elif "model" in header:
-        model = _user_errors(ModelShape.from_config, header["model"], "logged")
+        model = _user_errors(header_model, header)
     else:
         raise CLIError(f"{args.log} has no header line with the model; pass --model-shape", 2)
     base = _user_errors(load_profile, args.base)

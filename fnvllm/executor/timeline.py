@@ -1,10 +1,16 @@
 """Per-step timeline: GPU time, host time and the device's idle gap between steps, one JSON line per step.
 
 Opt-in: ``FNVLLM_TIMELINE=path.jsonl`` (or ``StepTimeline(path)`` handed to the executor). The first line is a
-header (model config, block size, device); then one record per executed step::
+header (model config, block size, device; the executor passes it); then one record per executed step::
 
     {"step": 12, "num_seqs": 256, "num_tokens": 256, "num_decode_seqs": 256, "num_prefill_tokens": 0,
-     "context_tokens": 151040, "gpu_ms": 4.81, "cpu_ms": 0.93, "gap_ms": 0.41, "graph": true}
+     "context_tokens": 151040, "attn_pairs": 151040, "num_samples": 256, "gpu_ms": 4.81, "cpu_ms": 0.93,
+     "gap_ms": 0.41, "graph": true}
+
+The shape fields are the simulator's ``fnvllm.sim.cost.StepShape`` (computed the same way, here without
+importing the simulator): attn_pairs = (query, key) pairs attention computes, causal (a row of q tokens from
+position s: q*s + q*(q+1)/2); num_samples = rows sampled. Computing them costs a few C-level passes over the
+plan's rows (~10 us at 512 rows), once per step.
 
 gpu_ms: device time of the step (CUDA events around its forward + sampling; on the CPU, host time).
 cpu_ms: host time of the step outside the device wait: the loop's schedule / commit / output routing since the
@@ -18,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from operator import mul
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,14 +43,21 @@ class StepShape:
     num_decode_seqs: int
     num_prefill_tokens: int
     context_tokens: int
+    attn_pairs: int
+    num_samples: int
 
     @classmethod
     def of(cls, plan: StepPlan) -> StepShape:
         """The shape of ``plan`` (a decode row feeds one token; context = start + fed tokens)."""
-        lens = [len(t) for t in plan.input_tokens]
-        decodes = lens.count(1)
-        total = sum(lens)
-        return cls(plan.num_seqs, total, decodes, total - decodes, sum(plan.start_positions) + total)
+        lens = list(map(len, plan.input_tokens))
+        starts = plan.start_positions
+        decodes, total = lens.count(1), sum(lens)
+        context = sum(starts) + total
+        if decodes == len(lens):
+            pairs = context  # every row is q=1: s + 1 pairs each
+        else:  # sum of q*s + q*(q+1)/2 over rows
+            pairs = sum(map(mul, lens, starts)) + (sum(map(mul, lens, lens)) + total) // 2
+        return cls(plan.num_seqs, total, decodes, total - decodes, context, pairs, plan.num_samples)
 
 
 class StepTimeline:

@@ -1,7 +1,7 @@
 """The simulation loop: the engine's own ``schedule`` / ``commit`` driven by a SimExecutor and a clock.
 
     while requests remain:
-        add every request whose arrival time the clock has reached    (add_request: the core knows no time)
+        add every request whose arrival time the clock has reached    (add_requests: the core knows no time)
         if nothing is live: jump the clock to the next arrival
         state, plan = schedule(state)
         tokens = executor.execute(plan)                               (advances the clock by the cost model)
@@ -30,11 +30,12 @@ from fnvllm.state import (
     SamplingParams,
     StepOutput,
     StepPlan,
-    add_request,
     commit,
+    fcfs_key,
     initial_state,
     schedule,
 )
+from fnvllm.state.state import add_requests
 
 StepHook = Callable[[EngineState, StepPlan, StepOutput], None]
 Progress = Callable[[int], None]  # called with the number of requests finished since the last call
@@ -56,32 +57,56 @@ class SimResult:
 
 class _Arrivals:
     """The workload's requests not yet added, and how to add them: ids are workload indices as strings, and
-    SamplingParams are shared per output length (100,000 requests need only a few hundred distinct values)."""
+    SamplingParams are shared per output length (100,000 requests need only a few hundred distinct values).
 
-    def __init__(self, requests: Sequence[SimRequest], ignore_eos: bool, vocab: int) -> None:
-        self.requests, self.ignore_eos, self.vocab = requests, ignore_eos, vocab
-        self.next_index = 0
+    Holding back (``hold`` = the core's waiting length to keep, or None to add every request on arrival): under
+    FCFS an arrival sorts after every live request, and ``schedule`` reads at most ``max_num_seqs + 1`` waiting
+    requests from the front (it admits at most ``max_num_seqs`` and stops at the first that does not fit). So a
+    request that arrived while more than that many wait cannot change the next plan; it is kept here, already
+    arrived, and added once the queue shrinks. The plans, token streams and per-request times are those of adding
+    every request on arrival (tests/test_sim_core.py checks it); what changes is the cost: with 50,000 waiting,
+    every add, admission and map update would otherwise copy structures whose size grows with the queue.
+    """
+
+    def __init__(self, requests: Sequence[SimRequest], ignore_eos: bool, vocab: int, hold: int | None) -> None:
+        self.requests, self.ignore_eos, self.vocab, self.hold = requests, ignore_eos, vocab, hold
+        self.next_index = 0  # the first request not added to the core yet
+        self.num_arrived = 0  # requests [0, num_arrived) have arrived; [next_index, num_arrived) are held back
         self._params: dict[int, SamplingParams] = {}
 
     @property
     def pending(self) -> bool:
-        """True while some request has not arrived yet."""
+        """True while some request has not been added to the core yet (not arrived, or held back)."""
         return self.next_index < len(self.requests)
 
     @property
+    def num_held(self) -> int:
+        """Requests that arrived and wait here, not yet in the core's waiting queue."""
+        return self.num_arrived - self.next_index
+
+    @property
     def next_time(self) -> float:
-        """Arrival time of the next request (call only while ``pending``)."""
+        """Arrival time of the next request not added (call only while ``pending``)."""
         return self.requests[self.next_index].arrival_s
 
     def add_due(self, state: EngineState, clock: float) -> EngineState:
-        """``state`` with every request whose arrival time is <= ``clock`` added."""
-        while self.pending and self.next_time <= clock:
-            index = self.next_index
-            r = self.requests[index]
-            prompt = prompt_tokens(r, index, self.vocab)
-            state = add_request(state, str(index), prompt, self._sampling(r.output_len), r.priority)
-            self.next_index += 1
-        return state
+        """``state`` with the requests whose arrival time is <= ``clock`` added in arrival order (while holding
+        back, only as many as keep ``hold`` waiting), by one ``add_requests`` (the same state as one
+        ``add_request`` each, without copying the queue per request)."""
+        requests, first = self.requests, self.next_index
+        arrived, n = max(self.num_arrived, first), len(requests)
+        while arrived < n and requests[arrived].arrival_s <= clock:
+            arrived += 1
+        self.num_arrived = arrived
+        end = arrived if self.hold is None else min(arrived, first + max(self.hold - len(state.waiting), 0))
+        if end <= first:
+            return state
+        self.next_index = end
+        due = (
+            (str(i), prompt_tokens(r, i, self.vocab), self._sampling(r.output_len), r.priority)
+            for i, r in zip(range(first, end), requests[first:end], strict=True)
+        )
+        return add_requests(state, due)
 
     def _sampling(self, output_len: int) -> SamplingParams:
         params = self._params.get(output_len)
@@ -100,15 +125,20 @@ def simulate(
     ignore_eos: bool = True,
     on_step: StepHook | None = None,
     progress: Progress | None = None,
+    hold_back: bool = True,
 ) -> SimResult:
     """Run ``requests`` (sorted by arrival) to completion on the pure core; returns what was recorded.
 
     Request ids are the workload indices as strings. ``ignore_eos=False`` lets the executor's EOS tokens end
-    requests early. Raises InvalidRequestError for a request that can never run (e.g. longer than
-    max_model_len) and SimulationStalledError if the core plans nothing while requests wait.
+    requests early. ``hold_back`` (FCFS only; see ``_Arrivals``) keeps arrivals that cannot affect the next plan
+    out of the core while the queue is long: same plans and times, far less work under overload (False: add each
+    request on arrival). Raises InvalidRequestError for a request that can never run (e.g. longer than
+    max_model_len; with holding back, when it is added) and SimulationStalledError if the core plans nothing
+    while requests wait.
     """
+    hold = config.max_num_seqs + 1 if hold_back and policy.key is fcfs_key else None
     with _fewer_collections():
-        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress)
+        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress, hold)
 
 
 @contextmanager
@@ -135,11 +165,12 @@ def _simulate(
     ignore_eos: bool,
     on_step: StepHook | None,
     progress: Progress | None,
+    hold: int | None,
 ) -> SimResult:
     """The loop of ``simulate``."""
     state = initial_state(config, policy)
     recorder = Recorder(requests, config.num_blocks)
-    arrivals, num_steps = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31), 0
+    arrivals, num_steps = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31, hold), 0
     while arrivals.pending or state.has_unfinished:
         if not state.has_unfinished:
             executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
@@ -148,7 +179,7 @@ def _simulate(
         state, plan = schedule(state)
         state, output = commit(state, plan, executor.execute(plan).token_ids)
         num_steps += 1
-        finished = recorder.step(before, state, plan, output, clock, executor)
+        finished = recorder.step(before, state, plan, output, clock, executor, arrivals.num_held)
         if plan.is_empty and state.has_unfinished:
             raise SimulationStalledError(f"step {plan.step} planned nothing with {len(state.waiting)} waiting")
         if on_step is not None:

@@ -51,10 +51,17 @@ class Recorder:
         self._last_emit = _NAN  # end of the last step that emitted tokens
 
     def step(
-        self, before: EngineState, after: EngineState, plan: StepPlan, output: StepOutput, start: float, ex: Clocked
+        self,
+        before: EngineState,
+        after: EngineState,
+        plan: StepPlan,
+        output: StepOutput,
+        start: float,
+        ex: Clocked,
+        num_held: int = 0,
     ) -> int:
         """Note one committed step that began at ``start`` and ended at ``ex.clock``; returns how many requests
-        finished in it."""
+        finished in it. ``num_held``: arrived requests the loop has not added to the core yet (they wait too)."""
         end = ex.clock
         if after.waiting is not before.waiting:  # schedule hands back the same tuple when nothing was admitted
             self._admissions(before, after, plan, start)
@@ -70,7 +77,7 @@ class Recorder:
         self.num_seqs.append(plan.num_seqs)
         self.num_tokens.append(ex.last_shape.num_tokens if ex.last_shape is not None and plan.num_seqs else 0)
         self.num_running.append(len(after.running))
-        self.num_waiting.append(len(after.waiting))
+        self.num_waiting.append(len(after.waiting) + num_held)
         self.kv_blocks.append(self.num_blocks - after.pool.num_free)
         return len(output.finished)
 

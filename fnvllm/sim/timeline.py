@@ -1,8 +1,10 @@
 """The per-step timeline log (JSONL): what the GPU engine writes under ``FNVLLM_TIMELINE=path.jsonl`` and what
 ``fnvllm simulate --timeline`` writes with predicted times, so both can be calibrated from and compared.
 
-First line (optional): ``{"model": {config.json fields}, "block_size": int, "device": str}``. Then one object per
-step: ``{"step", "num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens", "gpu_ms",
+First line (optional): ``{"model": {config.json fields}, "block_size": int, "device": str}``; the model fields
+should include ``torch_dtype`` and ``max_position_embeddings`` (also read from the top level of the header as
+``dtype`` / ``max_position_embeddings``; without them bf16 and 40960 are assumed). Then one object per step:
+``{"step", "num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens", "gpu_ms",
 "cpu_ms", "gap_ms", "graph"}``; optionally ``attn_pairs`` and ``num_samples`` (exact when present, estimated
 otherwise, see ``record_shape``). ``context_tokens`` sums start position + fed tokens over the scheduled sequences.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fnvllm.sim.cost import StepShape
+from fnvllm.sim.model import ModelShape
 
 REQUIRED = ("num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens", "gpu_ms", "graph")
 
@@ -40,6 +43,20 @@ def read_timeline(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
     if not records:
         raise ValueError(f"{path} holds no step records")
     return header, records
+
+
+def header_model(header: Mapping[str, Any], name: str = "logged") -> ModelShape:
+    """The ModelShape a timeline header describes; ValueError when it has no model. A top-level ``dtype`` or
+    ``max_position_embeddings`` fills in what the model dict lacks (``torch.bfloat16`` reads as bfloat16)."""
+    if "model" not in header:
+        raise ValueError("the timeline has no header line with the model")
+    config = dict(header["model"])
+    for key, top in (("torch_dtype", "dtype"), ("max_position_embeddings", "max_position_embeddings")):
+        if config.get(key) is None and header.get(top) is not None:
+            config[key] = header[top]
+    if config.get("torch_dtype") is not None:
+        config["torch_dtype"] = str(config["torch_dtype"]).removeprefix("torch.")
+    return ModelShape.from_config(config, name=name)
 
 
 def record_shape(record: Mapping[str, Any]) -> StepShape:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Timelines for the simulator's accuracy target: the real engine on two different workloads, each with
+# FNVLLM_TIMELINE set, so a profile fitted on one can predict the other (benchmarks/sim_accuracy.py).
+#
+#   A: 768 bench-style requests, prompts U(100, 1536), outputs U(100, 768), all at t=0 with max_num_seqs 512:
+#      full-budget prefill steps, then continuous batching (a finished request's slot is refilled, so decodes of
+#      ~511 sequences share eager steps with new prompt chunks), then a decode tail from ~512 sequences down to 1.
+#   B: the bench itself (256 requests, prompts U(100, 1024), outputs U(100, 1024)): what the target predicts.
+#
+# Per run, $OUT gets RUN.jsonl (the timeline: warm-up steps, then the timed run), RUN.json (the bench record:
+# measured seconds, steps, num_blocks) and RUN.flags (the bench flags, which sim_accuracy.py parses with the
+# bench's own parser). Then the accuracy report runs here too ($OUT/accuracy.txt); rerun it anywhere with
+#   python benchmarks/sim_accuracy.py $OUT
+# Env: SHAPE (default qwen3-0.6b; "tiny" for a CPU dry run), A_FLAGS / B_FLAGS (override the workloads).
+set -uo pipefail
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SHAPE=${SHAPE:-qwen3-0.6b}
+A_FLAGS=${A_FLAGS:---num-requests 768 --max-input-len 1536 --max-output-len 768}
+B_FLAGS=${B_FLAGS:-}
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+for run in A B; do
+    flags_var=${run}_FLAGS; flags=${!flags_var}
+    echo "--model-shape $SHAPE $flags" > "$OUT/$run.flags"
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # the flags are words
+    FNVLLM_TIMELINE=$OUT/$run.jsonl python3 -m fnvllm.cli bench --json $(cat "$OUT/$run.flags") \
+        2> "$OUT/$run.log" | tail -1 > "$OUT/$run.json"
+    rc=${PIPESTATUS[0]}
+    echo "run $run (bench $flags): rc=$rc, $(( $(date +%s) - start )) s incl. start-up"
+    cat "$OUT/$run.json"; tail -3 "$OUT/$run.log"
+done
+python3 benchmarks/sim_accuracy.py "$OUT" --out-dir "$OUT" 2>&1 | tee "$OUT/accuracy.txt"
