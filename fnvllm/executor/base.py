@@ -9,6 +9,11 @@ import attrs
 from fnvllm.state import StepPlan
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced a NaN or an infinity in the logits of a sampled row (a broken checkpoint or an
+    overflow); raised by the executor, naming the requests, instead of returning a token for them."""
+
+
 @attrs.frozen
 class TokenLogprobs:
     """Log-probabilities at one sampled position: the sampled token's, and the top-n (id, logprob), best first."""

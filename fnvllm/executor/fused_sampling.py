@@ -15,15 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from fnvllm.executor.base import NonFiniteLogitsError
 from fnvllm.state import SamplingParams
+
+__all__ = ["FUSED_MIN_TEMPERATURE", "FusedSampler", "NonFiniteLogitsError", "check_finite", "fused_temperatures"]
 
 # Below this temperature logits / T can overflow float32 (|logit| ~ 1e3 / 1e-3 ~ 1e6 is still exact enough for an
 # argmax, 1e-40 is not): such rows take the general sampler, whose numerics handle them.
 FUSED_MIN_TEMPERATURE = 1e-3
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The model produced a NaN or an infinity in the logits of a sampled row (a broken checkpoint or overflow)."""
 
 
 def fused_temperatures(params: Sequence[SamplingParams]) -> list[float] | None:
