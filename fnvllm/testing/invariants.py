@@ -41,6 +41,12 @@ class InvariantViolation(AssertionError):
     """A core invariant does not hold; the message names the rule and where it broke."""
 
 
+def _uses_penalty(params: SamplingParams) -> bool:
+    """Whether the sampler needs the request's history: any penalty on. Derived here from the penalty fields,
+    not read from ``params.needs_history`` (the field under test)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 def fail(message: str) -> NoReturn:
     """Raise InvariantViolation with ``message``."""
     raise InvariantViolation(message)
@@ -255,7 +261,7 @@ def _check_rows(state: EngineState) -> None:
         chunks, tail = rows.output_chunks[i], rows.output_tails[i]
         if not all(chunks) or _flat(chunks, tail) != state.outputs[rid]:
             fail(f"derived: {rid!r} output chunks {chunks} + tail {tail} != its output {state.outputs[rid]}")
-    needing = sum(1 for params in rows.params if params.needs_history)
+    needing = sum(1 for params in rows.params if _uses_penalty(params))
     if rows.num_needing_history != needing:
         fail(f"derived: num_needing_history is {rows.num_needing_history}, {needing} rows need their history")
 
@@ -418,7 +424,7 @@ def _check_row(config: CoreConfig, before: EngineState, after: EngineState, plan
         fail(f"plan: running {rid!r} restarts at {start}, but {before.num_computed[rid]} tokens were computed")
     if after.num_computed.get(rid) != start:
         fail(f"plan: {rid!r} num_computed {after.num_computed.get(rid)} != plan start {start} before commit")
-    history = TokenHistory(request.prompt, full[len(request.prompt) :]) if request.params.needs_history else None
+    history = TokenHistory(request.prompt, full[len(request.prompt) :]) if _uses_penalty(request.params) else None
     num_generated = len(full) - len(request.prompt)
     if plan.params[i] != request.params or plan.num_generated[i] != num_generated or plan.histories[i] != history:
         fail(f"plan: {rid!r} params / num_generated / history do not match the request")
