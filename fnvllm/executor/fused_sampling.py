@@ -44,17 +44,18 @@ class FusedSampler:
     """Draws with ``fused_sample``; a call counter keys its Philox uniforms so runs with one seed repeat exactly."""
 
     def __init__(self, seed: int) -> None:
+        from fnvllm.kernels.sampling import fused_sample  # Triton: imported only where the fast path exists
+
         self.seed = seed
         self._calls = 0
+        self._fused_sample = fused_sample
 
     def sample(self, logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
         """(2, B) int64 on the logits' device: token ids, then a 0/1 non-finite flag per row."""
-        from fnvllm.kernels.sampling import fused_sample
-
         key = (self.seed * 1_000_003 + self._calls) % 2**31
         self._calls += 1
         temperature = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)
-        return fused_sample(logits, temperature, key)
+        return self._fused_sample(logits, temperature, key)
 
 
 def check_finite(flags: Sequence[int], seq_ids: Sequence[str]) -> None:

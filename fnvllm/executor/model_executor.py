@@ -265,41 +265,35 @@ class ModelExecutor:
         params = [plan.params[i] for i in rows]
         temperatures = fused_temperatures(params) if self.fused_sampler is not None else None
         if temperatures is not None and self.fused_sampler is not None:
-            return self._finish_fused(plan, rows, self.fused_sampler.sample(logits, temperatures), timer, graph)
+            packed = self.fused_sampler.sample(logits, temperatures)  # (2, S): tokens, non-finite flags
+            return ExecuteResult(tuple(self._tokens_to_host(plan, rows, packed, timer, graph)))
         batch = prepare_sampling(
-            [plan.params[i] for i in rows],
+            params,
             [plan.num_generated[i] for i in rows],
             [plan.histories[i] for i in rows],
             self.model_config.vocab_size,
             self.device,
         )
         out = self.sampler.sample(logits, batch)
-        if timer is not None:
-            timer.launched()
-        if self.guard is not None:
-            self.guard.wait(out.token_ids)
-        packed = out.token_ids if out.non_finite is None else torch.stack([out.token_ids, out.non_finite.long()])
-        host = packed.tolist()  # the step's one device -> host sync
-        tokens = host if out.non_finite is None else host[0]
-        if timer is not None:
-            timer.finish(plan, graph)
-        if out.non_finite is not None:
-            check_finite(host[1], [plan.seq_ids[i] for i in rows])
-        return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [plan.params[i].logprobs for i in rows]))
+        packed = torch.stack([out.token_ids, out.non_finite.long()])
+        tokens = self._tokens_to_host(plan, rows, packed, timer, graph)
+        return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [p.logprobs for p in params]))
 
-    def _finish_fused(
+    def _tokens_to_host(
         self, plan: StepPlan, rows: list[int], packed: torch.Tensor, timer: _StepTimer | None, graph: bool
-    ) -> ExecuteResult:
-        """Bring the fused sampler's (2, S) tokens + non-finite flags to the host in one copy."""
+    ) -> list[int]:
+        """The step's one device -> host copy: (2, S) sampled ids and non-finite flags; raises
+        NonFiniteLogitsError naming the sequences whose logits were not finite."""
         if timer is not None:
             timer.launched()
         if self.guard is not None:
             self.guard.wait(packed)
-        tokens, flags = packed.tolist()  # the step's one device -> host sync
+        tokens, flags = packed.tolist()
         if timer is not None:
             timer.finish(plan, graph)
-        check_finite(flags, [plan.seq_ids[i] for i in rows])
-        return ExecuteResult(tuple(tokens))
+        if any(flags):
+            check_finite(flags, [plan.seq_ids[i] for i in rows])
+        return tokens
 
     def _timeline_header(self) -> dict[str, object]:
         m = self.model_config

@@ -108,7 +108,7 @@ class SamplerOutput:
 
     token_ids: torch.Tensor
     logprobs: Logprobs | None
-    non_finite: torch.Tensor | None = None
+    non_finite: torch.Tensor
 
 
 def _host(values: Sequence[Any], dtype: DTypeLike, device: torch.device) -> torch.Tensor:

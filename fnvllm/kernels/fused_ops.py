@@ -229,8 +229,8 @@ def norm_rotary(
     """rotary(rmsnorm(x, weight, eps), cos, sin) per head of x (T, H, D) in one kernel (Qwen3's q/k norm before
     rope); plain rotary when weight is None. x may be a strided view of a fused qkv projection: no copy is made.
     Matches `norm_rotary_ref`."""
-    if weight is not None and (weight.shape != (x.shape[-1],) or not weight.is_contiguous()):
-        raise ValueError(f"weight must be a contiguous ({x.shape[-1]},) tensor, got {tuple(weight.shape)}")
+    if weight is not None:
+        _check_norm_args(x, weight)
     return _launch_rotary(x, weight, eps, cos, sin, None)
 
 
