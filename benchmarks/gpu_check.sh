@@ -2,7 +2,8 @@
 # One device call on the H200: kernels vs references and their timings, end-to-end backend agreement, the CUDA
 # path of the model/LLM tests, a decode-step profile, then the throughput bench (triton, and flash when
 # flash-attn-4 imports). Logs go to $OUT; a short table prints last.
-#   ONLY="kernels attention equality pytest profile bench"  (default: all) picks the parts to run.
+#   ONLY="kernels attention equality pytest profile bench plain bench8b"  (default: all but plain and bench8b)
+#   picks the parts: plain = the bench with --no-overlap (one step at a time), bench8b = the Qwen3-8B shape.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ if want equality; then
   timeout 300 python3 benchmarks/gpu_equality.py --json "$OUT/equality.json" 2>&1 | tee "$OUT/equality.log" | grep -v Loading
 fi
 if want pytest; then
-  timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_equality.py tests/test_llm_api.py tests/test_engine_loop.py tests/test_model.py tests/test_sampler.py > "$OUT/pytest_gpu.log" 2>&1
+  timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_equality.py tests/test_llm_api.py tests/test_engine_loop.py tests/test_model.py tests/test_sampler.py tests/test_overlap_executor.py > "$OUT/pytest_gpu.log" 2>&1
   echo "CUDA pytest rc=$?"; tail -2 "$OUT/pytest_gpu.log"
 fi
 if want profile; then
@@ -31,7 +32,13 @@ if want profile; then
 fi
 if want bench; then
   FNVLLM_TIMELINE=$OUT/timeline.jsonl timeout 240 python3 -m fnvllm.cli bench --model-shape qwen3-0.6b --json ${BENCH_FLAGS:-} 2>/dev/null | tail -1 | tee "$OUT/bench.json"
+  if want plain; then
+    FNVLLM_TIMELINE=$OUT/timeline_plain.jsonl timeout 240 python3 -m fnvllm.cli bench --model-shape qwen3-0.6b --no-overlap --json 2>/dev/null | tail -1 | tee "$OUT/bench_plain.json"
+  fi
   if python3 -c "import flash_attn.cute" 2>/dev/null; then
     timeout 240 python3 -m fnvllm.cli bench --model-shape qwen3-0.6b --backend flash --json 2>/dev/null | tail -1 | tee "$OUT/bench_flash.json"
   fi
+fi
+if want bench8b; then
+  timeout 300 python3 -m fnvllm.cli bench --model-shape qwen3-8b --json 2>/dev/null | tail -1 | tee "$OUT/bench8b.json"
 fi

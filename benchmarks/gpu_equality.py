@@ -110,13 +110,23 @@ def main() -> int:
     results = {"tolerance": tol, "noise_floor": summarize("torch, max_num_seqs 8", noise, reference, margins, tol)}
     ok = True
     names = [b.name for b in available_backends(resolve_device("auto")) if b.name != "torch"]
+    by_label = {}
     for name in names:
         for eager in (True, False):
             tokens, _, _ = _greedy(folder, prompts, attention_backend=name, enforce_eager=eager)
             label = f"{name} {'eager' if eager else 'graphs'}"
             results[label] = row = summarize(label, tokens, reference, margins, tol)
+            by_label[label] = tokens
             ok &= row["exact"] >= 0.95 or row["within_tolerance"] >= 0.95
     best = names[0] if names else "torch"
+    if f"{best} graphs" in by_label:  # overlapped steps (the default on CUDA) against one step at a time
+        plain, _, _ = _greedy(folder, prompts, attention_backend=best, overlap_steps=False)
+        overlapped = by_label[f"{best} graphs"]
+        results["overlap_identical"] = plain == overlapped
+        label = "overlap on vs off"
+        results[label] = row = summarize(label, overlapped, plain, margins, tol)
+        ok &= row["within_tolerance"] >= 0.95
+        print(f"overlapped steps == one step at a time ({best} graphs), exactly: {plain == overlapped}")
     doubled = prompts + prompts
     cached, cache_margins, _ = _greedy(folder, doubled, with_margins, attention_backend=best)
     uncached, _, _ = _greedy(folder, doubled, attention_backend=best, enable_prefix_caching=False)

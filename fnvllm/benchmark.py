@@ -106,7 +106,7 @@ def run_bench(
     llm = LLM(folder, load_tokenizer=False, **engine_options)
     prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
     llm.generate(prompts[:4], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)] * 4, use_tqdm=False)
-    start_stats, start = llm.stats, time.perf_counter()
+    start_stats, start_overlap, start = llm.stats, llm.loop.overlap_stats, time.perf_counter()
     if llm.executor.timeline is not None:
         llm.executor.timeline.records.clear()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -127,5 +127,8 @@ def run_bench(
         "fraction_of_floor": round(floor / seconds, 3),
         "steps": llm.stats.num_steps - start_stats.num_steps,
         "preemptions": llm.stats.num_preemptions - start_stats.num_preemptions,
+        "overlap": llm.loop.overlap,
+        "speculative_steps_kept": llm.loop.overlap_stats.kept - start_overlap.kept,
+        "speculative_steps_dropped": llm.loop.overlap_stats.dropped - start_overlap.dropped,
         "timeline": llm.executor.timeline.summary() if llm.executor.timeline is not None else None,
     }

@@ -74,6 +74,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "attention_backend": _backend_name,
     "seed": _int("seed", *SEED_RANGE),
     "enforce_eager": lambda value: check_bool(value, "EngineConfig.enforce_eager", CONFIG),
+    "overlap_steps": lambda value: check_bool(value, "EngineConfig.overlap_steps", CONFIG),
     "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
     "tensor_parallel_size": _int("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL),
     "distributed_timeout_s": _real("distributed_timeout_s", 0, 7 * 24 * 3600),
@@ -104,6 +105,8 @@ class EngineConfig:
         ``fnvllm.kernels.backends`` ("torch", "triton", "flash"); a named backend that cannot run here is an
         error when the LLM is built, naming what to install.
     enforce_eager: never capture CUDA graphs (decode steps run eagerly).
+    overlap_steps: on a GPU, plan and launch each decode step while the previous one still runs, feeding it the
+        previous step's tokens on the device (``fnvllm.state.overlap``); False runs one step at a time.
     model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
         (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
     seed: seed of the sampler's shared generator (unseeded requests), an int in [0, 2**64).
@@ -126,6 +129,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    overlap_steps: bool = True
     model_ops: str = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0

@@ -120,21 +120,21 @@ def test_failed_step_keeps_requests_and_engine_usable(llm: LLM) -> None:
     """An executor error mid-run re-raises, keeps the engine in step, and a retry finishes the work."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].token_ids
-    real_execute = llm.executor.execute
+    real_collect = llm.executor.collect  # execute and the overlapped loop (on a GPU) both collect each step
     calls = {"n": 0}
 
-    def flaky(plan: Any) -> Any:
+    def flaky(launched: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device fell over")
-        return real_execute(plan)
+        return real_collect(launched)
 
-    llm.executor.execute = flaky  # type: ignore[method-assign]
+    llm.executor.collect = flaky  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="device fell over"):
             llm.generate([PROMPTS[1]], params, use_tqdm=False)
     finally:
-        del llm.executor.execute
+        del llm.executor.collect
     assert not llm.state.has_unfinished  # the failed call aborted its own request
     assert llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].token_ids == want
 

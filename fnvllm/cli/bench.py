@@ -22,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size,
         "attention_backend": args.backend,
         "enforce_eager": args.enforce_eager,
+        "overlap_steps": not args.no_overlap,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
@@ -62,6 +63,7 @@ def register(sub: Any) -> None:
     p.add_argument("--max-output-len", type=int, default=1024, help="max_tokens are drawn from [100, this]")
     p.add_argument("--backend", default="auto", help="attention backend: auto, torch, triton, flash")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-overlap", action="store_true", help="one step at a time (no overlapped steps)")
     p.add_argument("--block-size", type=int, default=256, help="tokens per KV block (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=512, help="cap on running sequences")

@@ -14,11 +14,12 @@ requests are re-prefilled, since a fresh executor's KV cache is empty).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import compress
 
 import attrs
 
-from fnvllm.executor.base import Executor, TokenLogprobs
+from fnvllm.executor.base import ExecuteResult, Executor, OverlapExecutor, TokenLogprobs, supports_overlap
 from fnvllm.state import (
     FCFS,
     CoreConfig,
@@ -61,7 +62,37 @@ class Engine:
         tokens are then rejected by ``commit`` (an id outside the vocabulary), the executor has run the step:
         ``restore(state)`` brings the two back in step (``EngineLoop`` does this itself)."""
         self.check_plan(state, plan)
-        result = self.executor.execute(plan)
+        return self._commit(state, plan, self.executor.execute(plan))
+
+    def launch(self, state: EngineState, plan: StepPlan, fed_by: object | None = None) -> object:
+        """Check ``plan`` against ``state`` (as ``step`` does) and start it on an overlapping executor without
+        waiting; ``collect`` commits it. ``fed_by``: see ``OverlapExecutor.launch``."""
+        self.check_plan(state, plan)
+        return self._overlapping.launch(plan, fed_by)
+
+    def collect(
+        self, state: EngineState, plan: StepPlan, launched: object, keep: Sequence[bool] | None = None
+    ) -> tuple[EngineState, EngineOutput]:
+        """Wait for a launched step and commit it as ``plan``. ``keep``: the launched run was a speculative plan
+        whose rows ``keep`` flags make up ``plan`` (``fnvllm.state.overlap.reconcile``); the others' tokens are
+        dropped."""
+        result = self._overlapping.collect(launched)
+        if keep is not None and not all(keep):
+            logprobs = tuple(compress(result.logprobs, keep)) if result.logprobs else ()
+            result = ExecuteResult(tuple(compress(result.token_ids, keep)), logprobs)
+        return self._commit(state, plan, result)
+
+    def discard(self, launched: object) -> None:
+        """Forget a launched step that will not be committed (see ``OverlapExecutor.discard``)."""
+        self._overlapping.discard(launched)
+
+    @property
+    def _overlapping(self) -> OverlapExecutor:
+        if not supports_overlap(self.executor):
+            raise TypeError(f"{type(self.executor).__name__} cannot launch steps without waiting (no overlap)")
+        return self.executor  # type: ignore[return-value]  # checked just above
+
+    def _commit(self, state: EngineState, plan: StepPlan, result: ExecuteResult) -> tuple[EngineState, EngineOutput]:
         state, output = commit(state, plan, result.token_ids)
         logprobs = {}
         if result.logprobs:

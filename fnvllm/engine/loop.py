@@ -9,6 +9,17 @@ One step reads like the design's pseudo-code::
 
 ``LLM.generate`` / ``LLM.stream``, ``fnvllm.testing.drive``, the benchmarks and the server are clients: they add
 requests with a ``RequestTracker`` and call ``step`` until their own requests are done. Imports no torch.
+
+Overlapped steps (on an executor with ``supports_overlap``, e.g. the CUDA ``ModelExecutor``): each ``step``
+commits one step as above, but the device already runs the next one by then::
+
+    spec = speculate(state, plan_N)                  # pure: plan N+1 from placeholder tokens
+    launched = engine.launch(spec.plan, fed_by=N)    # device: N+1 queued behind N, fed N's tokens on device
+    state, out = engine.collect(state, plan_N, N)    # wait for N's tokens, commit them
+    state = processor.process(state, out)
+    verdict = reconcile(state, spec.plan)            # pure: does the run of N+1 stand? else drop it
+
+so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``).
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ import attrs
 
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.executor.base import supports_overlap
 from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
+from fnvllm.state.overlap import reconcile, speculate
 
 
 @attrs.frozen
@@ -48,23 +61,59 @@ def admitted_cached_tokens(before: EngineState, after: EngineState, plan: StepPl
 StepHook = Callable[[EngineState, StepPlan, EngineOutput], None]
 
 
+@attrs.frozen(eq=False)
+class _Flight:
+    """A step running on the device, not yet committed.
+
+    plan: the plan to commit. launched: the executor's handle of the run. keep: when the run was a speculative
+    plan standing for ``plan``, which of its rows ``plan`` kept (None: the run is ``plan`` itself).
+    cached: prompt tokens its admissions found in the prefix cache (for the stats).
+    """
+
+    plan: StepPlan
+    launched: object
+    keep: tuple[bool, ...] | None = None
+    cached: int = 0
+
+
+@attrs.frozen
+class OverlapStats:
+    """Speculative steps since the loop started: launched, kept, and dropped (their device work wasted)."""
+
+    launched: int = 0
+    kept: int = 0
+    dropped: int = 0
+
+
 class EngineLoop:
     """The engine loop: state + engine + output processor. Not thread-safe: one owner drives it.
 
     on_step(state, plan, output) (optional) sees every committed step, after routing (timelines, tests).
+    overlap: overlap steps when the executor supports it (``supports_overlap``); False always steps plainly.
+    While a step is in flight, ``state`` is the state waiting for it to be committed: requests may be added and
+    aborted as at any other time.
     """
 
-    def __init__(self, engine: Engine, state: EngineState | None = None, on_step: StepHook | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        state: EngineState | None = None,
+        on_step: StepHook | None = None,
+        overlap: bool = True,
+    ) -> None:
         self.engine = engine
         self.state = engine.initial_state() if state is None else state
         self.processor = OutputProcessor()
         self.stats = EngineStats()
+        self.overlap_stats = OverlapStats()
         self.on_step = on_step
+        self.overlap = overlap and supports_overlap(engine.executor)
+        self._flight: _Flight | None = None
 
     @property
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running."""
-        return self.state.has_unfinished
+        """True while any request is waiting or running (or a step is in flight)."""
+        return self.state.has_unfinished or self._flight is not None
 
     def add(
         self,
@@ -103,6 +152,8 @@ class EngineLoop:
 
         If the executor or commit raises, the loop resets the executor and the state's KV bookkeeping (every
         request stays queued and will be recomputed) and re-raises."""
+        if self.overlap:
+            return self._step_overlapped()
         before = self.state
         state, plan = schedule(before)
         try:
@@ -117,6 +168,54 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(self.state, plan, out)
         return out
+
+    def _step_overlapped(self) -> EngineOutput:
+        """One step with the next one launched before this one's tokens are waited for (module docstring)."""
+        flight = self._flight if self._flight is not None else self._launch_scheduled()
+        self._flight = None
+        pending = self.state
+        speculative = None
+        try:
+            spec = speculate(pending, flight.plan)
+            if spec is not None:
+                speculative = self.engine.launch(spec.state, spec.plan, fed_by=flight.launched)
+            state, out = self.engine.collect(pending, flight.plan, flight.launched, flight.keep)
+        except BaseException:
+            self.state = self.engine.restore(pending)  # any launched step is forgotten with the KV contents
+            raise
+        self.state = self.processor.process(state, out)
+        self._count(flight.plan, flight.cached)
+        if self.on_step is not None:
+            self.on_step(self.state, flight.plan, out)
+        if spec is not None and speculative is not None:
+            self._reconcile(spec.plan, speculative)
+        return out
+
+    def _launch_scheduled(self) -> _Flight:
+        """Schedule from the committed state and launch the plan."""
+        before = self.state
+        state, plan = schedule(before)
+        try:
+            launched = self.engine.launch(state, plan)
+        except BaseException:
+            self.state = self.engine.restore(before)
+            raise
+        cached = admitted_cached_tokens(before, state, plan)
+        self.processor.note_cached(cached)
+        self.state = state
+        return _Flight(plan, launched, None, sum(cached.values()))
+
+    def _reconcile(self, plan: StepPlan, launched: object) -> None:
+        """Keep the speculative run as the next flight, or drop it (``fnvllm.state.overlap.reconcile``)."""
+        verdict = reconcile(self.state, plan)
+        s = self.overlap_stats
+        if verdict.kept and verdict.plan is not None:
+            self._flight = _Flight(verdict.plan, launched, verdict.keep)
+            self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
+        else:
+            self.engine.discard(launched)
+            self.overlap_stats = OverlapStats(s.launched + 1, s.kept, s.dropped + 1)
+        self.state = verdict.state
 
     def _count(self, plan: StepPlan, cached: int) -> None:
         s = self.stats

@@ -43,6 +43,36 @@ class Executor(Protocol):
         ...
 
 
+class OverlapExecutor(Executor, Protocol):
+    """An executor that can run a step without waiting for it, so the host plans the next one meanwhile
+    (``EngineLoop`` overlaps steps with one whose ``supports_overlap`` is True).
+
+    ``launch(plan, fed_by)`` starts the plan and returns a handle at once; with ``fed_by`` (the handle of the step
+    launched just before), each row of ``plan`` feeds the token that step sampled for the same sequence, read
+    where it was sampled (device memory), instead of ``plan.input_tokens`` (placeholders: see
+    ``fnvllm.state.overlap``). ``collect(handle)`` waits for the tokens. ``discard(handle)``: the launched step
+    will never be collected; expect its plan's step number again next."""
+
+    supports_overlap: bool
+
+    def launch(self, plan: StepPlan, fed_by: object | None = None) -> object:
+        """Start the plan; return a handle for ``collect`` (or a later launch's ``fed_by``)."""
+        ...
+
+    def collect(self, launched: object) -> ExecuteResult:
+        """Wait for the launched step; its sampled tokens (plan order) and logprobs."""
+        ...
+
+    def discard(self, launched: object) -> None:
+        """Forget a launched step that will not be committed: the next plan expected is its step again."""
+        ...
+
+
+def supports_overlap(executor: Executor) -> bool:
+    """True when ``executor`` implements ``OverlapExecutor`` and says overlapping pays on its device."""
+    return bool(getattr(executor, "supports_overlap", False))
+
+
 class StalePlanError(RuntimeError):
     """The executor got a plan out of order (stale, repeated or skipped)."""
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from fnvllm.kernels.attention import AttentionMetadata
+from fnvllm.kernels.attention import AttentionMetadata, upload
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -91,24 +91,30 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         positions: np.ndarray,
         slots: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
     ) -> torch.Tensor:
         """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) (a view of the graph's
-        output, valid until the next replay)."""
+        output, valid until the next replay). ``input_ids``: host ids, or a (B,) int64 tensor on the device (the
+        previous step's samples, for an overlapped step). Nothing here waits for the device."""
         b = len(input_ids)
         bucket = next(s for s in self.sizes if s >= b)
-        host = torch.from_numpy(np.concatenate([np.asarray(input_ids, dtype=np.int64), positions, slots]))
-        dev = host.to(self.input_ids.device, non_blocking=True)
-        self.input_ids[:b].copy_(dev[:b])
-        self.positions[:b].copy_(dev[b : 2 * b])
-        self.slot_mapping[:b].copy_(dev[2 * b :])
-        self.seq_lens[:b].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        device = self.input_ids.device
+        if isinstance(input_ids, torch.Tensor):
+            self.input_ids[:b].copy_(input_ids)
+            dev = upload(np.concatenate([positions, slots]), device)
+        else:
+            dev = upload(np.concatenate([np.asarray(input_ids, dtype=np.int64), positions, slots]), device)
+            self.input_ids[:b].copy_(dev[:b])
+            dev = dev[b:]
+        self.positions[:b].copy_(dev[:b])
+        self.slot_mapping[:b].copy_(dev[b:])
+        self.seq_lens[:b].copy_(upload(seq_lens, device))
         width = block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        self.block_tables[:b, :width].copy_(upload(block_tables, device))
         if bucket > b:  # padding rows: scratch slot, empty context
             self.slot_mapping[b:bucket].fill_(self.scratch_slot)
             self.seq_lens[b:bucket].zero_()

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from fnvllm.executor.base import NonFiniteLogitsError
+from fnvllm.kernels.attention import upload
 from fnvllm.state import SamplingParams
 
 __all__ = ["FUSED_MIN_TEMPERATURE", "FusedSampler", "NonFiniteLogitsError", "check_finite", "fused_temperatures"]
@@ -54,7 +56,7 @@ class FusedSampler:
         """(2, B) int64 on the logits' device: token ids, then a 0/1 non-finite flag per row."""
         key = (self.seed * 1_000_003 + self._calls) % 2**31
         self._calls += 1
-        temperature = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)
+        temperature = upload(np.asarray(temperatures, dtype=np.float32), logits.device)
         return self._fused_sample(logits, temperature, key)
 
 

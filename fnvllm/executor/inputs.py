@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import torch
 
-from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata
+from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata, upload
 from fnvllm.state import StepPlan
 
 
@@ -82,7 +82,7 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> PreparedInputs:
     ends = np.cumsum(q_lens) - 1  # (B,) last fed row of each sequence
     sample_index = ends[np.asarray(plan.sample, dtype=bool)]
     return PreparedInputs(
-        input_ids=torch.tensor(flat, dtype=torch.int64).to(device),
+        input_ids=upload(np.asarray(flat, dtype=np.int64), device),
         meta=meta,
-        sample_index=torch.from_numpy(sample_index.astype(np.int64)).to(device),
+        sample_index=upload(sample_index.astype(np.int64), device),
     )

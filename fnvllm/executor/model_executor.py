@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import attrs
+import numpy as np
 import torch
 
 from fnvllm.config import EngineConfig
@@ -29,9 +32,9 @@ from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.fused_sampling import FusedSampler, check_finite, fused_temperatures
 from fnvllm.executor.inputs import PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
-from fnvllm.executor.sampler import Sampler, SamplerOutput, prepare_sampling
+from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
-from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata
+from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata, upload
 from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
@@ -82,6 +85,56 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, 
     heads = model.num_key_value_heads if num_kv_heads is None else num_kv_heads
     per_token = 2 * model.num_hidden_layers * heads * model.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+@attrs.frozen(eq=False)
+class Launched:
+    """A step queued on the device (``ModelExecutor.launch``), not yet collected.
+
+    plan: the plan it runs. rows: the plan rows that sample, in order. packed: (2, S) int64 on the device, the
+    sampled ids then a 0/1 non-finite flag per row (None when nothing is sampled here). host: its copy in host
+    memory, and the logprobs tensors' (``HostCopy``), queued right behind the sampler, so that waiting for
+    them does not wait for a step launched later. asked: each sampled row's logprobs count.
+    """
+
+    plan: StepPlan
+    rows: tuple[int, ...] = ()
+    packed: torch.Tensor | None = None
+    host: HostCopy | None = None
+    asked: tuple[int | None, ...] = ()
+    timer: _StepTimer | None = None
+    graph: bool = False
+
+
+@attrs.frozen(eq=False)
+class HostCopy:
+    """Device tensors being copied to (pinned) host memory; ``wait()`` returns once they have arrived.
+
+    On a GPU the copies are queued on the stream right after the work that produced them and ``done`` is
+    recorded behind them: a plain ``.tolist()`` would instead wait for everything queued on the stream,
+    including the next step when steps overlap.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Queue the copies (on the CPU the tensors are already there)."""
+        if not tensors or tensors[0].device.type != "cuda":
+            return cls(tuple(tensors), None)
+        copies = tuple(
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors
+        )
+        done = torch.cuda.Event()
+        done.record()
+        return cls(copies, done)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        """The host tensors, once copied."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tensors
 
 
 class RankGuard(Protocol):
@@ -235,65 +288,117 @@ class ModelExecutor:
         """Flatten the plan into device arrays: token ids, attention metadata and the sampled rows."""
         return prepare_inputs(plan, self.device)
 
-    def _hidden_at_samples(self, plan: StepPlan) -> tuple[torch.Tensor, bool]:
-        """Final hidden states (S, H) of the sampled rows, and whether a CUDA graph produced them."""
+    @property
+    def supports_overlap(self) -> bool:
+        """Whether ``EngineLoop`` should overlap steps on this executor: on a GPU (where launching does not wait
+        for the device) and in one process (tensor-parallel workers receive host plans), unless
+        ``overlap_steps`` is off."""
+        return self.config.overlap_steps and self.device.type == "cuda" and not self.tp.is_parallel
+
+    def _hidden_at_samples(self, plan: StepPlan, fed: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """Final hidden states (S, H) of the sampled rows, and whether a CUDA graph produced them. ``fed``: the
+        (B,) input ids on the device, replacing the plan's (an overlapped decode step)."""
         if self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
             a = prepare_decode(plan)
-            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables), True
+            ids = a.input_ids if fed is None else fed
+            return self.graphs.run(ids, a.positions, a.slots, a.seq_lens, a.block_tables), True
         inputs = self.prepare_inputs(plan)
+        if fed is not None:
+            inputs = attrs.evolve(inputs, input_ids=fed)
         hidden = self._forward(inputs.input_ids, inputs.meta.positions, inputs.meta)
         return hidden[inputs.sample_index], False
+
+    def _fed_ids(self, plan: StepPlan, fed_by: object) -> torch.Tensor:
+        """(B,) int64 on the device: for each row of ``plan``, the token ``fed_by`` sampled for its sequence."""
+        if not isinstance(fed_by, Launched) or fed_by.packed is None:
+            raise ValueError("fed_by must be a step this executor launched that sampled tokens")
+        if not is_decode_only(plan):
+            raise ValueError(f"plan {plan.step} is not all one-token decodes: it cannot be fed from the device")
+        previous = fed_by.plan
+        index_of = {previous.seq_ids[row]: k for k, row in enumerate(fed_by.rows)}
+        try:
+            index = np.fromiter(map(index_of.__getitem__, plan.seq_ids), dtype=np.int64, count=plan.num_seqs)
+        except KeyError as missing:
+            raise ValueError(
+                f"{missing} was not sampled by step {previous.step}, which feeds step {plan.step}"
+            ) from None
+        return fed_by.packed[0].index_select(0, upload(index, self.device))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ExecuteResult:
         """Run one step; returns one token per sampling sequence (plan order) and logprobs where asked."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, fed_by: object | None = None) -> Launched:
+        """Queue one step on the device (forward, logits, sampling) without waiting for it; ``collect`` brings
+        its tokens to the host. ``fed_by``: the step launched before, whose sampled ids (still on the device)
+        become this all-decode plan's input ids in place of ``plan.input_tokens``."""
         check_step(self.next_step, plan)
+        fed = self._fed_ids(plan, fed_by) if fed_by is not None else None
         self.next_step += 1
         if plan.is_empty:
-            return ExecuteResult(())
+            return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
-        hidden, graph = self._hidden_at_samples(plan)
-        if not plan.num_samples:
+        hidden, graph = self._hidden_at_samples(plan, fed)
+        logits = self.model.compute_logits(hidden) if plan.num_samples else None  # None on ranks > 0 too
+        if logits is None:  # nothing to sample, or a worker rank (it sent rank 0 its slice of the logits)
             if timer is not None:
                 timer.launched()
-                timer.finish(plan, graph)
-            return ExecuteResult(())
-        logits = self.model.compute_logits(hidden)  # (S, vocab); None on ranks > 0 (they sent rank 0 their slice)
-        if logits is None:  # a worker rank: no timeline, no sampling
-            return ExecuteResult(())
-        rows = [i for i, s in enumerate(plan.sample) if s]
+            return Launched(plan, timer=timer, graph=graph)
+        rows = tuple(i for i, s in enumerate(plan.sample) if s)
         params = [plan.params[i] for i in rows]
         temperatures = fused_temperatures(params) if self.fused_sampler is not None else None
+        logprobs = None
         if temperatures is not None and self.fused_sampler is not None:
             packed = self.fused_sampler.sample(logits, temperatures)  # (2, S): tokens, non-finite flags
-            return ExecuteResult(tuple(self._tokens_to_host(plan, rows, packed, timer, graph)))
-        batch = prepare_sampling(
-            params,
-            [plan.num_generated[i] for i in rows],
-            [plan.histories[i] for i in rows],
-            self.model_config.vocab_size,
-            self.device,
-        )
-        out = self.sampler.sample(logits, batch)
-        packed = torch.stack([out.token_ids, out.non_finite.long()])
-        tokens = self._tokens_to_host(plan, rows, packed, timer, graph)
-        return ExecuteResult(tuple(tokens), _host_logprobs(out, tokens, [p.logprobs for p in params]))
-
-    def _tokens_to_host(
-        self, plan: StepPlan, rows: list[int], packed: torch.Tensor, timer: _StepTimer | None, graph: bool
-    ) -> list[int]:
-        """The step's one device -> host copy: (2, S) sampled ids and non-finite flags; raises
-        NonFiniteLogitsError naming the sequences whose logits were not finite."""
+        else:
+            batch = prepare_sampling(
+                params,
+                [plan.num_generated[i] for i in rows],
+                [plan.histories[i] for i in rows],
+                self.model_config.vocab_size,
+                self.device,
+            )
+            out = self.sampler.sample(logits, batch)
+            packed = torch.stack([out.token_ids, out.non_finite.long()])
+            logprobs = out.logprobs
+        copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
+        host = HostCopy.start(copied)
         if timer is not None:
             timer.launched()
+        return Launched(plan, rows, packed, host, tuple(p.logprobs for p in params), timer, graph)
+
+    def collect(self, launched: object) -> ExecuteResult:
+        """Wait for a launched step; its sampled ids (plan order) and logprobs. The step's one device -> host
+        copy; raises NonFiniteLogitsError naming the sequences whose logits were not finite."""
+        if not isinstance(launched, Launched):
+            raise TypeError(f"collect takes what launch returned, got {type(launched).__name__}")
+        timer, plan = launched.timer, launched.plan
+        if launched.packed is None or launched.host is None:
+            if timer is not None:
+                timer.finish(plan, launched.graph)
+            return ExecuteResult(())
+        if timer is not None:
+            timer.waiting()
         if self.guard is not None:
-            self.guard.wait(packed)
+            self.guard.wait(launched.packed)
+        packed, *logprobs = launched.host.wait()
         tokens, flags = packed.tolist()
         if timer is not None:
-            timer.finish(plan, graph)
+            timer.finish(plan, launched.graph)
         if any(flags):
-            check_finite(flags, [plan.seq_ids[i] for i in rows])
-        return tokens
+            check_finite(flags, [plan.seq_ids[i] for i in launched.rows])
+        if not logprobs:
+            return ExecuteResult(tuple(tokens))
+        return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked))
+
+    def discard(self, launched: object) -> None:
+        """A launched step will not be collected: expect its step number next. Its device work still runs (in
+        order, before anything launched later); its KV writes are the caller's to account for."""
+        if not isinstance(launched, Launched):
+            raise TypeError(f"discard takes what launch returned, got {type(launched).__name__}")
+        self.next_step = launched.plan.step
 
     def _timeline_header(self) -> dict[str, object]:
         m = self.model_config
@@ -321,10 +426,7 @@ class ModelExecutor:
         }
 
 
-def _host_logprobs(out: SamplerOutput, tokens: list[int], asked: list[int | None]) -> tuple[TokenLogprobs | None, ...]:
-    if out.logprobs is None:
-        return (None,) * len(asked)
-    lp = out.logprobs
+def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> tuple[TokenLogprobs | None, ...]:
     sampled = lp.sampled_logprobs.tolist()
     top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
     return tuple(

@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 import torch
 
+from fnvllm.kernels.attention import upload
 from fnvllm.state.errors import InvalidRequestError
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import TokenHistory
@@ -93,16 +94,16 @@ def prepare_penalties(
     seen = _pairs(rep_rows * 2, [hist[i].prompt for i in rep_rows] + [hist[i].output for i in rep_rows], vocab_size)
     add_rows = [i for i in penalised if params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0]
     out_rows, out_ids, out_penalty = _output_penalties(params, add_rows, [hist[i].output for i in add_rows], vocab_size)
-    index = torch.from_numpy(np.stack(seen)).to(device)  # (2, N)
-    out_index = torch.from_numpy(np.stack([out_rows, out_ids])).to(device)  # (2, M)
+    index = upload(np.stack(seen), device)  # (2, N)
+    out_index = upload(np.stack([out_rows, out_ids]), device)  # (2, M)
     repetition = [p.repetition_penalty for p in params]
     return PenaltyBatch(
-        repetition=torch.from_numpy(np.asarray(repetition, dtype=np.float32)).to(device),
+        repetition=upload(np.asarray(repetition, dtype=np.float32), device),
         seen_rows=index[0],
         seen_ids=index[1],
         output_rows=out_index[0],
         output_ids=out_index[1],
-        output_penalty=torch.from_numpy(out_penalty.astype(np.float32)).to(device),
+        output_penalty=upload(out_penalty.astype(np.float32), device),
     )
 
 

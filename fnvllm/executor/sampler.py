@@ -36,6 +36,7 @@ from numpy.typing import DTypeLike
 
 from fnvllm.executor.penalties import PenaltyBatch, apply_penalties, prepare_penalties
 from fnvllm.executor.seeded_noise import seed_keys, seeded_exponential
+from fnvllm.kernels.attention import upload
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
 from fnvllm.state.plan import TokenHistory
 
@@ -113,7 +114,7 @@ class SamplerOutput:
 
 def _host(values: Sequence[Any], dtype: DTypeLike, device: torch.device) -> torch.Tensor:
     """One host->device copy of a flat list (numpy builds it several times faster than torch.tensor)."""
-    return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device)
+    return upload(np.asarray(values, dtype=dtype), device)
 
 
 @attrs.frozen
@@ -159,7 +160,7 @@ def _prepare_seeds(
     if not rows:
         return None
     keys = seed_keys([params[i].seed or 0 for i in rows], [num_generated[i] for i in rows])  # (S, 2)
-    packed = torch.from_numpy(np.concatenate([np.asarray(rows, dtype=np.int64)[:, None], keys], axis=1)).to(device)
+    packed = upload(np.concatenate([np.asarray(rows, dtype=np.int64)[:, None], keys], axis=1), device)
     return SeededRows(rows=packed[:, 0], keys=packed[:, 1:])  # one copy for both
 
 

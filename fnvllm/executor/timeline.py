@@ -13,9 +13,10 @@ position s: q*s + q*(q+1)/2); num_samples = rows sampled. Computing them costs a
 plan's rows (~10 us at 512 rows), once per step.
 
 gpu_ms: device time of the step (CUDA events around its forward + sampling; on the CPU, host time).
-cpu_ms: host time of the step outside the device wait: the loop's schedule / commit / output routing since the
-    previous step returned, plus input preparation and kernel launches.
-gap_ms: device idle time between the previous step's end and this step's start (what overlap would hide).
+cpu_ms: host time of one loop cycle outside the device wait: from the previous step's tokens reaching the host
+    to this step's wait for its own (schedule / commit / output routing, input preparation, kernel launches;
+    with overlapped steps, also planning and launching the step after this one).
+gap_ms: device idle time between the previous step's end and this step's start (what overlap hides).
 The simulator fits its cost model to these records (``fnvllm simulate calibrate``).
 """
 
@@ -113,6 +114,7 @@ class _StepTimer:
     def __init__(self, timeline: StepTimeline) -> None:
         self.timeline = timeline
         self.t_enter = time.perf_counter()
+        self.t_wait: float | None = None
         self.host_ms = 0.0
         self.is_cuda = timeline.device.type == "cuda"
         self.start = self.end = None
@@ -127,10 +129,16 @@ class _StepTimer:
             self.end.record()
         self.host_ms = (time.perf_counter() - self.t_enter) * 1e3
 
+    def waiting(self) -> None:
+        """The host starts waiting for the step's results."""
+        self.t_wait = time.perf_counter()
+
     def finish(self, plan: StepPlan, graph: bool) -> None:
         """The step's results are on the host: write its record."""
         tl, now = self.timeline, time.perf_counter()
-        outside_ms = 0.0 if tl._last_return is None else (self.t_enter - tl._last_return) * 1e3
+        t_wait = self.t_wait if self.t_wait is not None else self.t_enter + self.host_ms / 1e3
+        cycle_ms = self.host_ms if tl._last_return is None else max(0.0, t_wait - tl._last_return) * 1e3
+        outside_ms = 0.0 if tl._last_return is None else max(0.0, self.t_enter - tl._last_return) * 1e3
         if self.start is not None and self.end is not None:
             self.end.synchronize()
             gpu_ms = self.start.elapsed_time(self.end)
@@ -139,7 +147,7 @@ class _StepTimer:
         else:
             gpu_ms, gap_ms = (now - self.t_enter) * 1e3, outside_ms
         record = {"step": plan.step, **attrs.asdict(StepShape.of(plan))}
-        record.update(gpu_ms=round(gpu_ms, 4), cpu_ms=round(outside_ms + self.host_ms, 4), gap_ms=round(gap_ms, 4))
+        record.update(gpu_ms=round(gpu_ms, 4), cpu_ms=round(cycle_ms, 4), gap_ms=round(gap_ms, 4))
         record["graph"] = graph
         tl.records.append(record)
         if tl._file is not None:

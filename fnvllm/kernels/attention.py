@@ -71,6 +71,17 @@ class AttentionMetadata:
         return self.positions.shape[0]
 
 
+def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """``array`` as a tensor on ``device``. To a GPU the copy goes through pinned host memory and does not wait:
+    a copy from pageable memory may block the host until the device has finished the work queued before it,
+    which would serialise a step's launch behind the previous step (torch's pinned-memory allocator keeps the
+    staging buffer alive until the copy has run)."""
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def build_attention_metadata(
     start_positions: Sequence[int],
     q_lens: Sequence[int],
@@ -90,11 +101,11 @@ def build_attention_metadata(
     slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size  # (T,)
     seq_lens = starts + lens
     return AttentionMetadata(
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(table.astype(np.int32)).to(device),
+        positions=upload(positions, device),
+        slot_mapping=upload(slots, device),
+        cu_seqlens_q=upload(cu.astype(np.int32), device),
+        seq_lens=upload(seq_lens.astype(np.int32), device),
+        block_tables=upload(table.astype(np.int32), device),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(seq_lens.max()),
         block_size=block_size,

@@ -27,6 +27,7 @@ its last token, in one fresh block.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from fnvllm.state._tokens import Chunks, token_slice
@@ -146,6 +147,19 @@ class KVManager:
         self.txn.release(table)
 
     # ----- prefix-cache bookkeeping -----
+
+    def forget_free_blocks(self, blocks: Iterable[int]) -> None:
+        """Drop the prefix-cache registrations of those ``blocks`` that no sequence holds: something wrote into
+        them after they were freed (a speculative step that was then dropped, fnvllm.state.overlap), so their
+        contents no longer match their registration. Held blocks are left alone."""
+        if not self.caching:
+            return
+        pool = self._pool if self._txn is None else None
+        for block in blocks:
+            if pool is not None and (block not in pool.cached or block in pool.ref_counts):
+                continue  # the common case: nothing to drop, and no transaction opened for it
+            if self.txn.ref_count(block) == 0 and self.txn.is_cached(block):
+                self.txn.unregister(block)
 
     def note_computing(
         self, prompt: Tokens, output: Chunks, tail: Tokens, chain: Tokens, start: int, end: int

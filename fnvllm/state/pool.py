@@ -198,6 +198,14 @@ class PoolTxn:
         """True when ``block`` carries a prefix-cache registration."""
         return block in self._cached
 
+    def unregister(self, block: int) -> None:
+        """Drop ``block``'s prefix-cache registration (if any), e.g. because its contents were overwritten. Its
+        children stay registered but can never be hit again: a hit needs its parent's registration."""
+        entry = self._cached.get(block)
+        if entry is not None:
+            self._cached.delete(block)
+            self._hashes.delete(entry.hash)
+
     def freeze(self) -> BlockPool:
         """The new immutable pool (the transaction may go on; later changes do not reach this pool)."""
         queue, head = self._queue, self._head

@@ -12,18 +12,53 @@ It costs O(1) per sequence, so the core benchmark measures the scheduler, not th
 from __future__ import annotations
 
 import zlib
+from itertools import compress
+
+import attrs
 
 from fnvllm.executor.base import ExecuteResult
 from fnvllm.state.plan import StepPlan
 
 
-class KVToyExecutor:
-    """A paged-KV simulation. ``vocab_size`` bounds the produced token ids; ``eos`` ids may be produced."""
+@attrs.frozen
+class ToyLaunch:
+    """A toy step that was launched: its plan (with the input tokens it really fed) and its result."""
 
-    def __init__(self, vocab_size: int = 1000) -> None:
+    plan: StepPlan
+    result: ExecuteResult
+
+
+class KVToyExecutor:
+    """A paged-KV simulation. ``vocab_size`` bounds the produced token ids; ``eos`` ids may be produced.
+
+    overlap: also act as an ``OverlapExecutor``. A launch runs at once (the toy has no device to wait for), so
+    a speculative step's writes land in the simulated cache before the step it follows is committed, as on a
+    GPU; a step fed by another takes that step's sampled tokens as its inputs, never the plan's placeholders.
+    """
+
+    def __init__(self, vocab_size: int = 1000, overlap: bool = False) -> None:
         self.vocab_size = vocab_size
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.next_step = 0
+        self.supports_overlap = overlap
+
+    def launch(self, plan: StepPlan, fed_by: object | None = None) -> ToyLaunch:
+        """Run ``plan`` now (fed by ``fed_by``'s sampled tokens when given); ``collect`` returns its result."""
+        if fed_by is not None:
+            assert isinstance(fed_by, ToyLaunch)
+            sampled = dict(zip(compress(fed_by.plan.seq_ids, fed_by.plan.sample), fed_by.result.token_ids, strict=True))
+            plan = attrs.evolve(plan, input_tokens=tuple((sampled[rid],) for rid in plan.seq_ids))
+        return ToyLaunch(plan, self.execute(plan))
+
+    def collect(self, launched: object) -> ExecuteResult:
+        """The launched step's tokens."""
+        assert isinstance(launched, ToyLaunch)
+        return launched.result
+
+    def discard(self, launched: object) -> None:
+        """The launched step will not be committed: expect its step number again (its writes stay, as on a GPU)."""
+        assert isinstance(launched, ToyLaunch)
+        self.next_step = launched.plan.step
 
     def reset(self, next_step: int) -> None:
         """Forget the simulated cache and expect ``next_step`` next."""

@@ -1,0 +1,232 @@
+"""Overlapped stepping (fnvllm.state.overlap, EngineLoop with an overlapping executor) gives plain stepping's
+outputs.
+
+The executor is ``KVToyExecutor(overlap=True)``: a launch runs at once, so a speculative step writes its K/V
+before the step it follows is committed (as on a GPU), and a sampled token is a hash of the context read back
+through the block table. A speculative step that wrote into a block the prefix cache still offers, a kept plan
+whose blocks differ from what ran, or a placeholder token that reached the cache would change some output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fnvllm.engine.loop as loop_module
+from fnvllm.engine.core import Engine, EngineOutput
+from fnvllm.engine.loop import EngineLoop, OverlapStats
+from fnvllm.state import CoreConfig, EngineState, FinishedRequest, SamplingParams, StepPlan
+from fnvllm.state.overlap import Reconciled, can_feed, placeholder_token, reconcile, speculate
+from fnvllm.testing import invariants
+from fnvllm.testing.strategies import RequestDraw, core_configs, workloads
+from fnvllm.testing.toy import KVToyExecutor
+
+Arrival = tuple[int, str, RequestDraw]
+
+
+def _check_state(state: EngineState) -> None:
+    for check in (
+        invariants.check_blocks_conserved,
+        invariants.check_ref_counts,
+        invariants.check_queues,
+        invariants.check_lengths,
+        invariants.check_prefix_cache,
+        invariants.check_derived,
+    ):
+        check(state)
+
+
+def _run(
+    config: CoreConfig,
+    arrivals: Sequence[Arrival],
+    aborts: Sequence[tuple[int, str]] = (),
+    overlap: bool = True,
+    max_steps: int = 2_000,
+) -> tuple[dict[str, FinishedRequest], EngineLoop]:
+    """Drive an EngineLoop: add each request before the step call of its index, abort likewise; check the
+    state's invariants after every step. Returns the finished requests and the loop."""
+    vocab = config.vocab_size or 32
+    loop = EngineLoop(Engine(KVToyExecutor(vocab, overlap=overlap), config))
+    assert loop.overlap is overlap
+    finished: dict[str, FinishedRequest] = {}
+
+    def record(state: EngineState, plan: StepPlan, out: EngineOutput) -> None:
+        finished.update((f.request_id, f) for f in out.output.finished)
+
+    loop.on_step = record
+    calls = 0
+    waiting_adds, waiting_aborts = sorted(arrivals, key=lambda a: a[0]), sorted(aborts)
+    while waiting_adds or waiting_aborts or loop.has_unfinished:
+        while waiting_adds and waiting_adds[0][0] <= calls:
+            _, rid, draw = waiting_adds.pop(0)
+            loop.add(rid, draw.prompt, draw.params, priority=draw.priority)
+        while waiting_aborts and waiting_aborts[0][0] <= calls:
+            loop.abort(waiting_aborts.pop(0)[1])
+        if loop.has_unfinished:
+            loop.step()
+            _check_state(loop.state)
+        calls += 1
+        assert calls < max_steps, "the loop did not finish"
+    assert loop.state.pool.num_free == config.num_blocks
+    return finished, loop
+
+
+@st.composite
+def _scenarios(
+    draw: st.DrawFn, with_aborts: bool, reuse: bool = False
+) -> tuple[CoreConfig, list[Arrival], list[tuple[int, str]]]:
+    """A config, requests with arrival calls, and aborts. ``reuse``: prefix caching on, blocks of 1-2 tokens and a
+    vocabulary of 4-6 ids (so EOS is sampled often, and a row that ends has often just been given a new block),
+    arrivals spread out (so later prompts hit blocks that earlier ones left cached and free)."""
+    if reuse:
+        config = draw(
+            core_configs(
+                max_block_size=2,
+                max_num_blocks=24,
+                max_model_len=32,
+                max_vocab_size=6,
+                enable_prefix_caching=st.just(True),
+            )
+        )
+    else:
+        config = draw(core_configs(max_num_seqs=6, max_num_blocks=32, max_model_len=48))
+    work = draw(workloads(config, max_size=7))
+    arrivals = [(draw(st.integers(0, 30 if reuse else 8)), f"r{i}", request) for i, request in enumerate(work)]
+    aborts = []
+    if with_aborts:
+        ids = [rid for _, rid, _ in arrivals]
+        aborts = draw(st.lists(st.tuples(st.integers(0, 30), st.sampled_from(ids)), max_size=3))
+    return config, arrivals, aborts
+
+
+@settings(deadline=None)
+@given(scenario=st.one_of(_scenarios(with_aborts=False), _scenarios(with_aborts=False, reuse=True)))
+def test_overlapped_outputs_equal_plain(scenario: tuple[CoreConfig, list[Arrival], list[tuple[int, str]]]) -> None:
+    """Every request finishes with the same tokens and reason as under plain stepping."""
+    config, arrivals, _ = scenario
+    expected, _ = _run(config, arrivals, overlap=False)
+    actual, loop = _run(config, arrivals)
+    assert {rid: (f.reason, f.output) for rid, f in actual.items()} == {
+        rid: (f.reason, f.output) for rid, f in expected.items()
+    }
+    stats = loop.overlap_stats
+    assert stats.launched == stats.kept + stats.dropped
+
+
+@settings(deadline=None)
+@given(scenario=_scenarios(with_aborts=True))
+def test_overlapped_aborts_leave_other_outputs_alone(
+    scenario: tuple[CoreConfig, list[Arrival], list[tuple[int, str]]],
+) -> None:
+    """Aborts at any point, in flight included, free every block and change no other request's output."""
+    config, arrivals, aborts = scenario
+    expected, _ = _run(config, arrivals, overlap=False)
+    actual, _ = _run(config, arrivals, aborts)
+    aborted = {rid for _, rid in aborts}
+    for rid, f in actual.items():
+        assert (f.reason, f.output) == (expected[rid].reason, expected[rid].output)
+    assert set(expected) - aborted <= set(actual)
+
+
+def _decoding(config: CoreConfig, n: int, max_tokens: int = 30) -> list[Arrival]:
+    return [
+        (0, f"d{i}", RequestDraw((i + 1, 2, 3), SamplingParams(max_tokens=max_tokens, ignore_eos=i != 1)))
+        for i in range(n)
+    ]
+
+
+def _run_spying(config: CoreConfig, arrivals: list[Arrival]) -> tuple[list[bool], OverlapStats]:
+    """The overlapped run (checked equal to the plain one); per speculative step, whether it was kept with rows
+    trimmed, and the loop's overlap counts."""
+    expected, _ = _run(config, arrivals, overlap=False)
+    assert expected["d1"].reason == "stop", "d1 (not ignoring EOS) should stop early in this workload"
+    trimmed = []
+
+    def spy(committed: EngineState, plan: StepPlan) -> Reconciled:
+        verdict = reconcile(committed, plan)
+        trimmed.append(verdict.kept and not all(verdict.keep))
+        return verdict
+
+    loop_module.reconcile = spy  # type: ignore[assignment]
+    try:
+        actual, loop = _run(config, arrivals)
+    finally:
+        loop_module.reconcile = reconcile
+    assert {r: (f.reason, f.output) for r, f in actual.items()} == {
+        r: (f.reason, f.output) for r, f in expected.items()
+    }
+    return trimmed, loop.overlap_stats
+
+
+def test_speculation_kept_and_trimmed() -> None:
+    """A decode batch keeps its speculative steps, and a row that samples EOS is trimmed from a kept one."""
+    config = CoreConfig(
+        block_size=64, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=8, eos_token_ids={5}, vocab_size=12
+    )
+    trimmed, stats = _run_spying(config, _decoding(config, 4))
+    assert stats.kept > 20 and stats.dropped == 0
+    assert any(trimmed), "d1's EOS should have been trimmed from a kept speculative step"
+
+
+def test_speculation_dropped_when_a_waiting_request_gets_in() -> None:
+    """With max_num_seqs full, d1's EOS lets the waiting request in: the real plan admits it, which the
+    speculative plan could not know, so that speculative step is dropped."""
+    config = CoreConfig(
+        block_size=64, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, eos_token_ids={5}, vocab_size=12
+    )
+    late = (0, "late", RequestDraw((9, 9, 9, 9), SamplingParams(max_tokens=4, ignore_eos=True)))
+    _, stats = _run_spying(config, [*_decoding(config, 4), late])
+    assert stats.kept > 10 and stats.dropped >= 1
+
+
+def test_placeholder_avoids_every_stop_id() -> None:
+    config = CoreConfig(block_size=4, num_blocks=8, eos_token_ids={0, 1}, vocab_size=4)
+    loop = EngineLoop(Engine(KVToyExecutor(4), config), overlap=False)
+    loop.add("a", (3, 3), SamplingParams(max_tokens=2, stop_token_ids=(2,)))
+    assert placeholder_token(loop.state) == 3
+    loop.add("b", (3, 3), SamplingParams(max_tokens=2, stop_token_ids=(3,)))
+    assert placeholder_token(loop.state) is None
+
+
+def test_can_feed_needs_sampled_one_token_rows() -> None:
+    config = CoreConfig(block_size=4, num_blocks=16, max_num_batched_tokens=3, vocab_size=16)
+    loop = EngineLoop(Engine(KVToyExecutor(16), config), overlap=False)
+    loop.add("a", (1, 2, 3, 4, 5), SamplingParams(max_tokens=4))
+    from fnvllm.state import schedule
+
+    state, first = schedule(loop.state)  # a 3-token chunk of "a": samples nothing
+    assert not first.sample[0]
+    assert speculate(state, first) is None
+    loop.step()  # the chunk
+    state, second = schedule(loop.state)  # the rest of the prompt, then a sample
+    spec = speculate(state, second)
+    assert spec is not None and spec.plan.seq_ids == ("a",) and can_feed(second, spec.plan)
+    assert not can_feed(spec.plan, second), "a two-token chunk cannot be fed from the device"
+
+
+def test_dead_row_block_leaves_the_prefix_cache() -> None:
+    """A row ends (EOS) while the speculative step after it has just handed it a fresh block, one the prefix
+    cache still offers: the speculative run writes into that block, so the block must leave the cache, or the
+    next request with that prefix reads K/V written for another position.
+
+    Block size 2, four blocks. "seed" (prompt 1..7) leaves [1, 2], [3, 4] and [5, 6] cached and free, [5, 6]'s
+    block second in the free queue. "d" (prompt 7) takes the first free block, and its third token (position 2)
+    needs the next one: [5, 6]'s. EOS is d's second sampled token, so d ends exactly when the speculative step
+    that feeds that token has taken the block. "again" (prompt 1..7) then looks the prompt up in the cache."""
+    seed = RequestDraw(tuple(range(1, 8)), SamplingParams(max_tokens=1, ignore_eos=True))
+    probe = RequestDraw((7,), SamplingParams(max_tokens=4, ignore_eos=True))
+    config = CoreConfig(block_size=2, num_blocks=4, max_model_len=8, vocab_size=16)
+    alone, _ = _run(config, [(0, "d", probe)], overlap=False)
+    first, second = alone["d"].output[:2]
+    assert first != second, "d must outlive its first token (pick another vocab_size if the toy changes)"
+    config = attrs.evolve(config, eos_token_ids=frozenset({second}))
+    d = RequestDraw((7,), SamplingParams(max_tokens=4))
+    arrivals = [(0, "seed", seed), (4, "d", d), (12, "again", seed)]
+    expected, _ = _run(config, arrivals, overlap=False)
+    assert expected["d"].output == (first, second) and expected["d"].reason == "stop"
+    actual, loop = _run(config, arrivals)
+    assert {r: f.output for r, f in actual.items()} == {r: f.output for r, f in expected.items()}
+    assert loop.overlap_stats.launched >= 1

@@ -1,0 +1,122 @@
+"""Overlapped steps through the real ModelExecutor (tiny checkpoint, CPU): a speculative step fed from the previous
+step's sampled ids (``launch(plan, fed_by=...)``) gives the tokens and logprobs plain stepping gives.
+
+On the CPU ``supports_overlap`` is False (launching there is computing); these tests switch it on to run the
+device-feed path: the index from the speculative plan's rows into the previous step's samples, the eager
+forward with fed ids, trimming the rows that ended, and recovery when a collect fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from tiny_models import write_family
+
+from fnvllm.engine.loop import EngineLoop
+from fnvllm.executor.model_executor import ModelExecutor
+from fnvllm.llm import LLM
+from fnvllm.state import SamplingParams
+
+PROMPTS = [[5, 9, 13, 200, 7], [42] * 12, list(range(3, 40)), [250, 3], [17] * 5, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return write_family(tmp_path_factory.mktemp("overlap"), "qwen3")
+
+
+def _llm(checkpoint: Any, overlap: bool, max_num_seqs: int = 4) -> LLM:
+    llm = LLM(checkpoint, dtype="float32", block_size=4, num_blocks=128, max_num_seqs=max_num_seqs)
+    llm.loop = EngineLoop(llm.engine, overlap=overlap)
+    return llm
+
+
+@pytest.fixture
+def overlapping(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """ModelExecutor reports that it supports overlap (as on a GPU)."""
+    monkeypatch.setattr(ModelExecutor, "supports_overlap", property(lambda self: True))
+    yield
+
+
+def _params(stop_ids: list[int]) -> list[SamplingParams]:
+    """Greedy rows (some stopping on a token they will sample), seeded sampling with logprobs, and lengths
+    that end rows at different steps."""
+    return [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=stop_ids[:1]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=10, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, stop_token_ids=stop_ids[1:2]),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 8])
+def test_overlapped_generate_equals_plain(checkpoint: Any, overlapping: None, max_num_seqs: int) -> None:
+    """With 4 sequences at most, a row that ends lets a waiting one in (the speculative step is dropped); with
+    8, every prompt runs at once and rows that end are trimmed from kept speculative steps."""
+    plain = _llm(checkpoint, overlap=False, max_num_seqs=max_num_seqs)
+    assert not plain.loop.overlap
+    probe = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    # Stop ids that rows 0 and 3 sample mid-run, so those rows end while a speculative step holds them.
+    stop_ids = [probe[0].token_ids[4], probe[3].token_ids[6]]
+    params = _params(stop_ids)
+    expected = plain.generate(PROMPTS, params, use_tqdm=False)
+    fast = _llm(checkpoint, overlap=True, max_num_seqs=max_num_seqs)
+    assert fast.loop.overlap
+    actual = fast.generate(PROMPTS, params, use_tqdm=False)
+    for want, got in zip(expected, actual, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+    want_lp, got_lp = expected[2].logprobs, actual[2].logprobs
+    assert got_lp is not None and want_lp is not None and len(got_lp) == len(want_lp)
+    for w, g in zip(want_lp, got_lp, strict=True):
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=1e-5)
+    stats = fast.loop.overlap_stats
+    assert stats.kept > 5, stats
+    assert stats.launched == stats.kept + stats.dropped
+    if max_num_seqs == 4:
+        assert stats.dropped > 0, stats
+    assert fast.state.pool.num_free == fast.engine.config.num_blocks
+
+
+def test_failed_collect_while_a_speculative_step_is_launched(checkpoint: Any, overlapping: None) -> None:
+    """A collect that raises mid-run (with the next step already launched) re-raises, and the engine is in step
+    again: a retry finishes with plain stepping's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [r.token_ids for r in _llm(checkpoint, overlap=False).generate(PROMPTS[:3], params, use_tqdm=False)]
+    llm = _llm(checkpoint, overlap=True)
+    real_collect = llm.executor.collect
+    calls = {"n": 0}
+
+    def flaky(launched: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("device fell over")
+        return real_collect(launched)
+
+    llm.executor.collect = flaky  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="device fell over"):
+            llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        del llm.executor.collect
+    assert llm.loop.overlap_stats.launched > 0
+    assert not llm.loop.has_unfinished
+    assert [r.token_ids for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want
+
+
+def test_fed_by_must_have_sampled_every_row(checkpoint: Any) -> None:
+    llm = _llm(checkpoint, overlap=False)
+    from fnvllm.state import add_request, schedule
+
+    state = add_request(llm.state, "a", (5, 6, 7), SamplingParams(max_tokens=4))
+    state, plan = schedule(state)
+    launched = llm.executor.launch(plan)
+    llm.executor.collect(launched)
+    other = plan.__class__(plan.step + 1, plan.block_size, ("b",), ((0,),), (3,), ((0,),), (True,), plan.params, (1,))
+    with pytest.raises(ValueError, match="'b' was not sampled by step"):
+        llm.executor.launch(other, fed_by=launched)
+    assert llm.executor.next_step == plan.step + 1, "a refused launch leaves the executor where it was"
