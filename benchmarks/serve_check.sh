@@ -6,7 +6,8 @@
 #   bash benchmarks/serve_check.sh                      # H200: Qwen3-0.6B shape, 256 requests (carry .serve_wheels)
 #   SERVE_SHAPE=tiny SERVE_REQUESTS=64 SERVE_MAX_INPUT=128 SERVE_MAX_OUTPUT=100 bash benchmarks/serve_check.sh  # CPU
 #
-# Logs and JSON go to $OUT. SERVE_ENGINE_FLAGS adds "--flag value" pairs to both engines. The GPU machine has no
+# Logs and JSON go to $OUT. SERVE_ENGINE_FLAGS adds "--flag value" pairs to both engines. SERVE_TIMELINE=1 records
+# both engines' per-step timelines ($OUT/offline_timeline.jsonl, $OUT/serve_timeline.jsonl). The GPU machine has no
 # network: what it lacks of the [serve] extra (fastapi, uvicorn, prometheus-client, httpx and their deps) is
 # unpacked from the wheels in $SERVE_WHEELS (default .serve_wheels, git-ignored; carry it) into a temp folder on
 # PYTHONPATH. Make that folder once on a machine with network (Python 3.12, x86-64, the versions we test with):
@@ -62,7 +63,7 @@ wait_for_server() {  # sets PORT once the server printed its address and /health
 }
 
 start_server() {  # `fnvllm serve` on a tokenizer-less checkpoint: token-id prompts in, token ids out
-  python3 -m fnvllm.cli serve "$CKPT" --host 127.0.0.1 --port 0 --served-model-name bench "${ENGINE[@]}" \
+  ${SERVE_TIMELINE:+env FNVLLM_TIMELINE=$OUT/serve_timeline.jsonl} python3 -m fnvllm.cli serve "$CKPT" --host 127.0.0.1 --port 0 --served-model-name bench "${ENGINE[@]}" \
     --stream-interval-ms "${SERVE_STREAM_INTERVAL_MS:-0}" > "$OUT/serve.log" 2>&1 &
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
@@ -82,7 +83,7 @@ ENGINE=(--block-size 256 --max-num-batched-tokens 16384 --max-num-seqs 512 --max
         --gpu-memory-utilization 0.9 ${SERVE_ENGINE_FLAGS:-})
 
 t0=$SECONDS
-python3 -m fnvllm.cli bench --model "$CKPT" "${WORKLOAD[@]}" "${ENGINE[@]}" --json > "$OUT/offline.json" 2> "$OUT/offline.log" \
+${SERVE_TIMELINE:+env FNVLLM_TIMELINE=$OUT/offline_timeline.jsonl} python3 -m fnvllm.cli bench --model "$CKPT" "${WORKLOAD[@]}" "${ENGINE[@]}" --json > "$OUT/offline.json" 2> "$OUT/offline.log" \
   || { echo "offline bench failed:"; tail -20 "$OUT/offline.log"; exit 1; }
 echo "offline bench: $(( SECONDS - t0 )) s"
 

@@ -30,6 +30,8 @@ _ENGINE_FLAGS = {
     "enforce_eager": "enforce_eager",
     "seed": "seed",
 }
+# EngineConfig fields that default to True, turned off by a --no-... flag: flag dest -> field
+_ENGINE_OFF_FLAGS = {"no_prefix_caching": "enable_prefix_caching", "no_overlap": "overlap_steps"}
 
 
 def _tiny_random_model() -> Path:
@@ -75,41 +77,58 @@ def _has_tokenizer(path: Path) -> bool:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {field: getattr(args, flag) for flag, field in _ENGINE_FLAGS.items() if getattr(args, flag) is not None}
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
+    options.update({field: False for flag, field in _ENGINE_OFF_FLAGS.items() if getattr(args, flag)})
     return options
+
+
+def _start_engine(args: argparse.Namespace, path: Path) -> tuple[Any, str, str, Any, bool]:
+    """The engine front, and (device, attention backend, core config, has tokenizer) to announce. By default the
+    engine runs in a process of its own (``ProcessEngine``); ``--engine-thread`` keeps it on a thread here."""
+    from fnvllm.config import EngineConfig
+    from fnvllm.llm import LLM, load_local_tokenizer
+    from fnvllm.serve import AsyncEngine, ProcessEngine
+
+    options, has_tokenizer = _engine_options(args), _has_tokenizer(path)
+    EngineConfig.from_options(options)  # a bad option fails here, before a process starts
+    if args.engine_thread:
+        llm = LLM(path, load_tokenizer=has_tokenizer, **options)
+        backend = getattr(llm.executor.backend, "name", llm.executor.backend)
+        engine = AsyncEngine(llm.loop, llm.tokenizer, max_waiting=args.max_waiting)
+        return engine, str(llm.executor.device), backend, llm.engine.config, llm.tokenizer is not None
+    tokenizer = load_local_tokenizer(path) if has_tokenizer else None
+    engine = ProcessEngine(path, options, tokenizer, has_tokenizer, max_waiting=args.max_waiting)
+    ready = engine.ready
+    return engine, ready.device, ready.backend, ready.config, ready.has_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (exit 0)."""
     try:
-        from fnvllm.serve import AsyncEngine, serve
+        from fnvllm.serve import EngineStartupError, serve
     except ImportError as error:
         raise CLIError(f"fnvllm serve needs the [serve] extra (pip install 'fnvllm[serve]'): {error}") from None
-    from fnvllm.llm import LLM
 
     path, default_name = _resolve_model(args)
     name = args.served_model_name or default_name
+    if args.stream_interval_ms < 0:
+        raise CLIError(f"--stream-interval-ms must be >= 0, got {args.stream_interval_ms}")
     try:
-        llm = LLM(path, load_tokenizer=_has_tokenizer(path), **_engine_options(args))
-    except (OSError, ValueError, TypeError) as error:
+        engine, device, backend, cfg, has_tokenizer = _start_engine(args, path)
+    except (OSError, ValueError, TypeError, EngineStartupError) as error:
         raise CLIError(f"cannot load {path}: {error}") from None
-    cfg, backend = llm.engine.config, getattr(llm.executor.backend, "name", llm.executor.backend)
     print(
-        f"fnvllm serve: model {name!r} from {path}: device {llm.executor.device}, attention {backend}, "
-        f"{cfg.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len {cfg.max_model_len}",
+        f"fnvllm serve: model {name!r} from {path}: device {device}, attention {backend}, "
+        f"{cfg.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len {cfg.max_model_len}"
+        + ("" if args.engine_thread else " (engine in its own process)"),
         flush=True,
     )
-    if llm.tokenizer is None:
+    if not has_tokenizer:
         print(f"fnvllm serve: no tokenizer files in {path}: token-id prompts only; choices carry token_ids", flush=True)
-    engine = AsyncEngine(llm.loop, llm.tokenizer, max_waiting=args.max_waiting)
 
     def announce(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"fnvllm serve: listening on http://{shown}:{port}", flush=True)
 
-    if args.stream_interval_ms < 0:
-        raise CLIError(f"--stream-interval-ms must be >= 0, got {args.stream_interval_ms}")
     try:
         serve(
             engine,
@@ -145,6 +164,12 @@ def register(sub: Any) -> None:
         "step). Larger values trade token-by-token latency for throughput at many concurrent streams",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine on a thread of the server process instead of a process of its own (one process, "
+        "but the web server and the engine then share the GIL)",
+    )
     e = p.add_argument_group("engine options (fnvllm.config.EngineConfig)")
     e.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")
     e.add_argument("--device", choices=["auto", "cpu", "cuda"])
@@ -158,5 +183,6 @@ def register(sub: Any) -> None:
     e.add_argument("--cpu-kv-cache-gib", type=float, help="KV cache size on the CPU")
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    e.add_argument("--no-overlap", action="store_true", help="one step at a time (no overlapped steps on a GPU)")
     e.add_argument("--seed", type=int, help="seed of the sampler's shared generator")
     p.set_defaults(func=run)

@@ -5,7 +5,7 @@ header (model config, block size, device; the executor passes it); then one reco
 
     {"step": 12, "num_seqs": 256, "num_tokens": 256, "num_decode_seqs": 256, "num_prefill_tokens": 0,
      "context_tokens": 151040, "attn_pairs": 151040, "num_samples": 256, "gpu_ms": 4.81, "cpu_ms": 0.93,
-     "gap_ms": 0.41, "graph": true}
+     "gap_ms": 0.41, "graph": true, "end_s": 12.345678}
 
 The shape fields are the simulator's ``fnvllm.sim.cost.StepShape`` (computed the same way, here without
 importing the simulator): attn_pairs = (query, key) pairs attention computes, causal (a row of q tokens from
@@ -17,6 +17,8 @@ cpu_ms: host time of one loop cycle outside the device wait: from the previous s
     to this step's wait for its own (schedule / commit / output routing, input preparation, kernel launches;
     with overlapped steps, also planning and launching the step after this one).
 gap_ms: device idle time between the previous step's end and this step's start (what overlap hides).
+end_s: when the step's tokens reached the host, in seconds since the timeline was created (to line steps up
+    with outside events, e.g. a server's request arrivals).
 The simulator fits its cost model to these records (``fnvllm simulate calibrate``).
 """
 
@@ -72,6 +74,7 @@ class StepTimeline:
             self._file.write(json.dumps(header) + "\n")
         self._last_return: float | None = None
         self._last_end: torch.cuda.Event | None = None
+        self._created = time.perf_counter()
 
     @classmethod
     def from_env(cls, header: dict[str, Any], device: torch.device) -> StepTimeline | None:
@@ -149,7 +152,9 @@ class _StepTimer:
         record = {"step": plan.step, **attrs.asdict(StepShape.of(plan))}
         record.update(gpu_ms=round(gpu_ms, 4), cpu_ms=round(cycle_ms, 4), gap_ms=round(gap_ms, 4))
         record["graph"] = graph
+        record["end_s"] = round(now - tl._created, 6)
         tl.records.append(record)
         if tl._file is not None:
             tl._file.write(json.dumps(record) + "\n")
+            tl._file.flush()  # a server killed by a signal still leaves every step it ran
         tl._last_return = time.perf_counter()

@@ -1,12 +1,15 @@
-"""The OpenAI-compatible HTTP server (``fnvllm serve``): one engine thread, FastAPI + uvicorn in front.
+"""The OpenAI-compatible HTTP server (``fnvllm serve``): one engine loop, FastAPI + uvicorn in front.
 
-    from fnvllm.llm import LLM
-    from fnvllm.serve import AsyncEngine, serve
+    from fnvllm.llm import load_local_tokenizer
+    from fnvllm.serve import ProcessEngine, serve
 
-    llm = LLM("path/to/model")
-    serve(AsyncEngine(llm.loop, llm.tokenizer, max_waiting=1024), "my-model", port=8000)
+    engine = ProcessEngine("path/to/model", {}, load_local_tokenizer(Path("path/to/model")), max_waiting=1024)
+    serve(engine, "my-model", port=8000)           # the engine runs in a process of its own
 
-Files (one per box): ``async_engine`` (the engine thread), ``stream`` (one request's asyncio stream of events),
+    serve(AsyncEngine(llm.loop, llm.tokenizer), "my-model")   # or on a thread of this one, from an LLM
+
+Files (one per box): ``async_engine`` (the engine core and its front, core on a thread), ``engine_process``
+(the core in its own process), ``stream`` (one request's asyncio stream of events),
 ``app`` (routes, auth, errors), ``handlers`` (completions and chat: parse, submit, stream or collect),
 ``protocol`` (request bodies), ``formats`` (response bodies), ``errors`` (OpenAI error JSON), ``metrics``
 (Prometheus), ``server`` (uvicorn, signals), ``process`` (``fnvllm serve`` as a child process, for tests and
@@ -15,6 +18,7 @@ benchmarks). Needs the ``[serve]`` extra: fastapi, uvicorn, prometheus-client.
 
 from fnvllm.serve.app import build_app
 from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, EngineSnapshot
+from fnvllm.serve.engine_process import EngineStartupError, ProcessEngine
 from fnvllm.serve.server import serve
 from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
 
@@ -23,6 +27,8 @@ __all__ = [
     "EngineFailure",
     "EngineOverloaded",
     "EngineSnapshot",
+    "EngineStartupError",
+    "ProcessEngine",
     "RequestStream",
     "TokenEvent",
     "build_app",

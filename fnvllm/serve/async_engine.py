@@ -1,13 +1,17 @@
-"""AsyncEngine: the one engine loop on its own thread, and an asyncio stream per request.
+"""The server's engine in two halves: ``EngineCore`` (the one engine loop: commands in, step reports out) and
+``AsyncEngine`` (the front the asyncio handlers use: submit, abort, one stream per request).
 
-    HTTP handlers (asyncio thread)                    engine thread (sole owner of the EngineLoop)
-    submit(): validate, check the waiting cap  --->   inbox: drain add/abort between steps
-    stream.drain() / async for event in stream <---   tracker.on_delta -> outbox; after each step, one
-                                                      loop.call_soon_threadsafe hands the whole outbox over
+    HTTP handlers (asyncio thread)                    EngineCore (sole owner of the EngineLoop)
+    submit(): validate, check the waiting cap  --->   commands: drain add/abort between steps
+    stream.drain() / async for event in stream <---   tracker.on_delta -> events; after each round one
+                                                      StepReport; the front hands all its events to the
+                                                      event loop with one call_soon_threadsafe
 
-The engine thread steps while any request is live and sleeps on the inbox when idle. GPU steps block, so they
-never run on the event loop; a slow consumer never blocks the engine (its queue just grows). An exception in a
-step fails the requests in flight (each stream raises ``EngineFailure``) and the loop keeps serving.
+``AsyncEngine`` runs the core on a thread of the server process; ``engine_process.ProcessEngine`` (what
+``fnvllm serve`` uses) runs it in a process of its own, so the web server never holds the engine's GIL. The core
+steps while any request is live and sleeps on its commands when idle; a slow consumer never blocks it (its queue
+just grows). An exception in a step fails the requests in flight (each stream raises ``EngineFailure``) and the
+core keeps serving.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -65,24 +70,184 @@ class EngineObserver(Protocol):
 
 
 @attrs.frozen
-class _Add:
-    tracker: RequestTracker
-    stream: RequestStream
+class AddCommand:
+    """Queue a request (validated at submit). arrival: its ``time.perf_counter()`` at submit (a system-wide
+    monotonic clock on Linux, so an engine process measures latencies from it too)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    prompt: str | None
+    arrival: float
 
 
 @attrs.frozen
-class _Abort:
-    request_id: str | None  # None: every live request
+class AbortCommand:
+    """Abort a request; None: every live request."""
+
+    request_id: str | None
 
 
-_STOP = "stop"
+STOP = "stop"
+Command = AddCommand | AbortCommand | str
+
+
+@attrs.frozen
+class StepReport:
+    """What the engine core sends the front after applying commands and running (at most) one step.
+
+    events: (request id, event) in order; a request's last event has a finish reason or is an EngineFailure.
+    finished: the results of the requests that finished (for latency metrics).
+    step_sizes: sequences in each step run. num_applied: add commands applied (no longer "queued").
+    snapshot: the gauges after it.
+    """
+
+    events: list[tuple[str, Item]]
+    finished: list[RequestOutput]
+    step_sizes: list[int]
+    num_applied: int
+    snapshot: EngineSnapshot
+
+
+DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]
+
+
+def detokenizer_factory(tokenizer: Any) -> DetokenizerFactory:
+    """Each request's incremental detokenizer (skipping special tokens, applying its stop strings); None for
+    every request when there is no tokenizer (token ids only)."""
+
+    def make(ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if tokenizer is None:
+            return None
+        return IncrementalDetokenizer(tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
+
+    return make
+
+
+class EngineCore:
+    """The engine side of the server: an ``EngineLoop`` that takes commands, steps while work exists and reports.
+    It runs on a thread of the server process (``AsyncEngine``) or in a process of its own
+    (``fnvllm.serve.engine_process``); it knows requests by id only.
+
+    detokenizer_for(prompt_ids, params): the request's incremental detokenizer (None: token ids only).
+    """
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        report: Callable[[StepReport], None],
+        detokenizer_for: DetokenizerFactory,
+    ) -> None:
+        self.loop, self.report, self.detokenizer_for = loop, report, detokenizer_for
+        self.config = loop.engine.config
+        self._live: set[str] = set()
+        self._events: list[tuple[str, Item]] = []
+        self._finished: list[RequestOutput] = []
+        self._step_sizes: list[int] = []
+        self._num_prompt_tokens = 0
+        self._num_failed_steps = 0
+        loop.on_step = self._on_step
+
+    def serve_forever(self, take_commands: Callable[[bool], list[Command]]) -> None:
+        """Apply commands (``take_commands(block)`` blocks for one when ``block``), step while work exists,
+        report after each round; return after STOP (every live request aborted and reported)."""
+        while True:
+            commands = take_commands(not self.loop.has_unfinished)
+            for command in commands:
+                if command != STOP:
+                    self._apply(command)
+            num_added = sum(isinstance(c, AddCommand) for c in commands)
+            if STOP in commands:
+                self._abort_all()
+                self._send(num_added)
+                return
+            if self.loop.has_unfinished:
+                self._step()
+            self._send(num_added)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The core is dying: report a failure for every live request."""
+        failure = EngineFailure(f"the engine thread died: {error!r}")
+        self._events += [(rid, failure) for rid in self._live]
+        self._live.clear()
+        self._send(0)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges now."""
+        state = self.loop.state
+        return EngineSnapshot(
+            num_running=len(state.running),
+            num_waiting=len(state.waiting),
+            num_used_blocks=self.config.num_blocks - state.pool.num_free,
+            num_blocks=self.config.num_blocks,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_failed_steps=self._num_failed_steps,
+            stats=self.loop.stats,
+        )
+
+    def _send(self, num_applied: int) -> None:
+        events, finished, sizes = self._events, self._finished, self._step_sizes
+        self._events, self._finished, self._step_sizes = [], [], []
+        self.report(StepReport(events, finished, sizes, num_applied, self.snapshot()))
+
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, AbortCommand):
+            if command.request_id is None:
+                self._abort_all()
+            else:
+                self.loop.abort(command.request_id)
+            return
+        assert isinstance(command, AddCommand)  # the only other command; STOP is handled by serve_forever
+        rid, ids, params = command.request_id, command.prompt_ids, command.params
+        tracker = RequestTracker(0, rid, command.prompt, ids, params, self.detokenizer_for(ids, params))
+        tracker.arrival_time = command.arrival
+        tracker.on_delta = lambda delta: self._on_delta(tracker, delta)
+        try:
+            self.loop.add(rid, ids, params, tracker)
+        except Exception as error:  # validated at submit: anything left fails this request only
+            self._events.append((rid, EngineFailure(f"request rejected by the engine: {error}")))
+            return
+        self._live.add(rid)
+        self._num_prompt_tokens += len(ids)
+
+    def _step(self) -> None:
+        try:
+            self.loop.step()
+        except Exception as error:  # the loop restored itself; fail what was in flight, keep serving
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._live))
+            self._num_failed_steps += 1
+            failure = EngineFailure(f"the engine failed while running this request: {error!r}")
+            for rid in list(self._live):
+                self._events.append((rid, failure))
+                self.loop.abort(rid)
+            self._live.clear()
+
+    def _abort_all(self) -> None:
+        for rid in list(self._live):
+            self.loop.abort(rid)
+
+    def _on_delta(self, tracker: RequestTracker, delta: StreamDelta) -> None:
+        """A tracker's ``on_delta``: one event (with its logprobs) for the request, sent after the step."""
+        n = len(delta.new_token_ids)
+        logprobs = tuple(tracker.logprobs[max(0, len(tracker.logprobs) - n) :]) if n and tracker.logprobs else ()
+        self._events.append(
+            (tracker.request_id, TokenEvent(delta.new_text, delta.new_token_ids, logprobs, delta.finish_reason))
+        )
+        if delta.finish_reason is not None:
+            self._live.discard(tracker.request_id)
+            self._finished.append(tracker.result())
+
+    def _on_step(self, state: EngineState, plan: StepPlan, output: EngineOutput) -> None:
+        self._step_sizes.append(len(plan.seq_ids))
 
 
 class AsyncEngine:
-    """An ``EngineLoop`` driven by one dedicated thread; any asyncio task may ``submit`` and ``abort``.
+    """The front of the engine for asyncio handlers: ``submit`` and ``abort`` from any asyncio task; events reach
+    each request's ``RequestStream``. This class runs the ``EngineCore`` on a thread of this process
+    (``fnvllm.serve.engine_process.ProcessEngine`` runs it in a process of its own, with the same front).
 
     max_waiting: submissions beyond this many waiting (not yet running) requests raise ``EngineOverloaded``.
-    observer: sees each step and each finished request, on the engine thread.
+    observer: sees each step and each finished request (on the thread that receives the core's reports).
     """
 
     def __init__(
@@ -92,20 +257,22 @@ class AsyncEngine:
         max_waiting: int | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
-        self.loop, self.tokenizer, self.max_waiting, self.observer = loop, tokenizer, max_waiting, observer
-        self._blank: EngineState = loop.engine.initial_state()  # a pure value to validate against, any thread
-        self.config = self._blank.config
-        self._inbox: queue.SimpleQueue[_Add | _Abort | str] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._num_queued = 0  # submitted adds the engine thread has not applied yet
-        self._num_prompt_tokens = 0
-        self._num_failed_steps = 0
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._outbox: list[tuple[RequestStream, Item]] = []  # engine thread only: events not yet handed over
+        self._init_front(loop.engine.initial_state(), tokenizer, max_waiting, observer)
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._core = EngineCore(loop, self._on_report, detokenizer_factory(tokenizer))
         self._thread: threading.Thread | None = None
+        self.snapshot = self._core.snapshot()
+
+    def _init_front(
+        self, blank: EngineState, tokenizer: Any, max_waiting: int | None, observer: EngineObserver | None
+    ) -> None:
+        self.tokenizer, self.max_waiting, self.observer = tokenizer, max_waiting, observer
+        self._blank = blank  # a pure value to validate against, any thread
+        self.config = blank.config
+        self._lock = threading.Lock()
+        self._num_queued = 0  # submitted adds the core has not applied yet
+        self._streams: dict[str, RequestStream] = {}
         self.closing = False
-        loop.on_step = self._on_step
-        self.snapshot = self._take_snapshot()
 
     @property
     def max_total_tokens(self) -> int:
@@ -127,13 +294,13 @@ class AsyncEngine:
     def close(self) -> None:
         """Refuse new requests and abort the live ones (safe from a signal handler)."""
         self.closing = True
-        self._inbox.put(_Abort(None))
+        self._send(AbortCommand(None))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything and end the engine thread."""
         self.closing = True
         if self._thread is not None:
-            self._inbox.put(_STOP)
+            self._send(STOP)
             self._thread.join(timeout)
             self._thread = None
 
@@ -148,17 +315,19 @@ class AsyncEngine:
         ids = tuple(prompt_ids)
         validate_request(self._blank, rid, ids, params)
         stream = RequestStream(rid, ids, asyncio.get_running_loop())
-        tracker = RequestTracker(0, rid, prompt, ids, params, self._detokenizer(ids, params))
-        tracker.on_delta = lambda delta: self._deliver(tracker, stream, delta)
         with self._lock:
             self._check_capacity()
             self._num_queued += 1
-            self._inbox.put(_Add(tracker, stream))
+            self._streams[rid] = stream
+            self._send(AddCommand(rid, ids, params, prompt, time.perf_counter()))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its KV blocks are freed between steps."""
-        self._inbox.put(_Abort(request_id))
+        self._send(AbortCommand(request_id))
+
+    def _send(self, command: Command) -> None:
+        self._inbox.put(command)
 
     def _check_capacity(self) -> None:
         if self.closing:
@@ -170,116 +339,54 @@ class AsyncEngine:
                 "retry later"
             )
 
-    def _detokenizer(self, ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
+    def _on_report(self, report: StepReport) -> None:
+        """One round of the core: publish the snapshot and tell the observer (so a consumer that sees its last
+        token sees the totals that include it), hand every event to its stream's event loop (one call per loop);
+        then the applied adds stop counting as queued (after the snapshot that counts them as waiting, so the
+        waiting count never dips)."""
+        self.snapshot = report.snapshot
+        if self.observer is not None:
+            for size in report.step_sizes:
+                self.observer.on_step(size)
+            for output in report.finished:
+                self.observer.on_finish(output)
+        batch: list[tuple[RequestStream, Item]] = []
+        for rid, item in report.events:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            batch.append((stream, item))
+            if isinstance(item, EngineFailure) or item.finish_reason is not None:
+                del self._streams[rid]
+        if batch:
+            deliver(batch)
+        if report.num_applied:
+            with self._lock:
+                self._num_queued -= report.num_applied
+
+    def _fail_streams(self, message: str) -> None:
+        """The core is gone: fail every stream still open, refuse new requests."""
+        self.closing = True
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        failure = EngineFailure(message)
+        deliver([(stream, failure) for stream in streams])
 
     # ---- engine thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         """The engine thread's body; if it ever dies, its requests fail and new ones are refused (never hang)."""
         try:
-            self._serve_forever()
+            self._core.serve_forever(self._take_commands)
         except BaseException as error:
             logger.exception("the engine thread died")
-            self.closing = True
-            failure = EngineFailure(f"the engine thread died: {error!r}")
-            queued = [c.stream for c in self._take_commands(block=False) if isinstance(c, _Add)]
-            for stream in [*self._streams.values(), *queued]:
-                stream.put(failure)
+            self._fail_streams(f"the engine thread died: {error!r}")
             raise
 
-    def _serve_forever(self) -> None:
-        """Apply commands, step while work exists, sleep on the inbox when idle; return on _STOP."""
-        while True:
-            commands = self._take_commands(block=not self.loop.has_unfinished)
-            for command in commands:
-                if command != _STOP:
-                    self._apply(command)
-            if _STOP in commands:
-                self._abort_all()  # every stream, including those added just now, ends with "abort"
-                self._flush()
-                self.snapshot = self._take_snapshot()
-                return
-            self._flush()
-            if self.loop.has_unfinished:
-                self._step()
-                self._flush()
-            self.snapshot = self._take_snapshot()
-            num_added = sum(isinstance(c, _Add) for c in commands)
-            if num_added:
-                with self._lock:
-                    self._num_queued -= num_added  # after publishing, so the waiting count never dips
-
-    def _take_commands(self, block: bool) -> list[_Add | _Abort | str]:
+    def _take_commands(self, block: bool) -> list[Command]:
         commands = [self._inbox.get()] if block else []
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 return commands
-
-    def _apply(self, command: _Add | _Abort | str) -> None:
-        if isinstance(command, _Abort):
-            if command.request_id is None:
-                self._abort_all()
-            else:
-                self.loop.abort(command.request_id)
-            return
-        assert isinstance(command, _Add)  # the only other command; _STOP is handled by _serve_forever
-        tracker, stream = command.tracker, command.stream
-        try:
-            self.loop.add(tracker.request_id, tracker.prompt_ids, tracker.params, tracker)
-        except Exception as error:  # validated at submit: anything left fails this request only
-            stream.put(EngineFailure(f"request rejected by the engine: {error}"))
-            return
-        self._streams[tracker.request_id] = stream
-        self._num_prompt_tokens += len(tracker.prompt_ids)
-
-    def _step(self) -> None:
-        try:
-            self.loop.step()
-        except Exception as error:  # the loop restored itself; fail what was in flight, keep serving
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._streams))
-            self._num_failed_steps += 1
-            for rid, stream in list(self._streams.items()):
-                stream.put(EngineFailure(f"the engine failed while running this request: {error!r}"))
-                self.loop.abort(rid)
-            self._streams.clear()
-
-    def _abort_all(self) -> None:
-        for rid in list(self._streams):
-            self.loop.abort(rid)
-
-    def _flush(self) -> None:
-        if self._outbox:
-            deliver(self._outbox)
-            self._outbox = []
-
-    def _deliver(self, tracker: RequestTracker, stream: RequestStream, delta: StreamDelta) -> None:
-        """The tracker's ``on_delta``: queue one delta (with its logprobs) for the request's stream; the outbox
-        goes to the event loop after the step."""
-        n = len(delta.new_token_ids)
-        logprobs = tuple(tracker.logprobs[max(0, len(tracker.logprobs) - n) :]) if n and tracker.logprobs else ()
-        self._outbox.append((stream, TokenEvent(delta.new_text, delta.new_token_ids, logprobs, delta.finish_reason)))
-        if delta.finish_reason is not None:
-            self._streams.pop(tracker.request_id, None)
-            if self.observer is not None:
-                self.observer.on_finish(tracker.result())
-
-    def _on_step(self, state: EngineState, plan: StepPlan, output: EngineOutput) -> None:
-        if self.observer is not None:
-            self.observer.on_step(len(plan.seq_ids))
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        state = self.loop.state
-        return EngineSnapshot(
-            num_running=len(state.running),
-            num_waiting=len(state.waiting),
-            num_used_blocks=self.config.num_blocks - state.pool.num_free,
-            num_blocks=self.config.num_blocks,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_failed_steps=self._num_failed_steps,
-            stats=self.loop.stats,
-        )
