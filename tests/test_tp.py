@@ -92,6 +92,33 @@ def test_tp2_greedy_equals_tp1(tmp_path: Path, family: str) -> None:
         llm.close()
 
 
+def test_tp2_overlapped_steps_equal_tp1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlapped steps under tensor parallelism (on the CPU only when forced: there launching is computing):
+    each rank feeds a speculative step from the sampled ids rank 0 broadcast, a dropped step rewinds every
+    rank, and the greedy tokens equal one process's, with prefix-cache hits. Eight prompts for
+    six seats, and stop ids each row samples mid-run: a row that stops lets a waiting one in, which the
+    speculative plan could not know (dropped)."""
+    from fnvllm.engine.loop import EngineLoop
+    from fnvllm.executor.tp import TensorParallelExecutor
+
+    path = write_family(tmp_path, "qwen3")
+    one = LLM(path, **OPTIONS)
+    work = prompts() + prompts()[:2]
+    probe = [o.token_ids for o in one.generate(work, GREEDY, use_tqdm=False)]
+    params = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(ids[8 + i],)) for i, ids in enumerate(probe)]
+    expected = [o.token_ids for o in one.generate(work, params, use_tqdm=False)]
+    monkeypatch.setattr(TensorParallelExecutor, "supports_overlap", property(lambda self: self.local.shares_samples))
+    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    try:
+        llm.loop = EngineLoop(llm.engine)
+        assert llm.loop.overlap
+        assert [o.token_ids for o in llm.generate(work, params, use_tqdm=False)] == expected
+        stats = llm.loop.overlap_stats
+        assert stats.kept > 10 and stats.dropped > 0, stats
+    finally:
+        llm.close()
+
+
 MESSAGE_SIZES = (10, 40_000, 3_000_000, 10, 200_000)  # characters of a seq id: one frame, two, past the cap, ...
 
 

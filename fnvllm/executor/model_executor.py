@@ -39,7 +39,7 @@ from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps, ops_for
-from fnvllm.model.sharding import SINGLE, TensorParallel, local_heads, min_over_ranks
+from fnvllm.model.sharding import SINGLE, TensorParallel, broadcast_from_first, local_heads, min_over_ranks
 from fnvllm.state import SamplingParams, StepPlan
 
 _GIB = 1 << 30
@@ -145,8 +145,9 @@ class RankGuard(Protocol):
         """Return once every rank has loaded its weights (called before the first collective)."""
         ...
 
-    def wait(self, tensor: torch.Tensor) -> None:
-        """Return once ``tensor`` is computed; raise if a rank died or the deadline passed meanwhile."""
+    def wait(self, done: torch.cuda.Event | None) -> None:
+        """Return once the step's results are on their way (``done``, recorded behind their copy to the host,
+        has passed; None on the CPU); raise if a rank died or the deadline passed meanwhile."""
         ...
 
 
@@ -289,6 +290,13 @@ class ModelExecutor:
         return prepare_inputs(plan, self.device)
 
     @property
+    def shares_samples(self) -> bool:
+        """Under tensor parallelism with ``overlap_steps``: rank 0 broadcasts each step's sampled ids to the
+        workers (one (S,) int64 broadcast), so that every rank can feed an overlapped next step from device
+        memory (``fnvllm.executor.tp``)."""
+        return self.tp.is_parallel and self.config.overlap_steps
+
+    @property
     def supports_overlap(self) -> bool:
         """Whether ``EngineLoop`` should overlap steps on this executor: on a GPU (where launching does not wait
         for the device) and in one process (tensor-parallel workers receive host plans), unless
@@ -342,11 +350,14 @@ class ModelExecutor:
         timer = self.timeline.begin() if self.timeline is not None else None
         hidden, graph = self._hidden_at_samples(plan, fed)
         logits = self.model.compute_logits(hidden) if plan.num_samples else None  # None on ranks > 0 too
+        rows = tuple(i for i, s in enumerate(plan.sample) if s)
+        if logits is None and plan.num_samples and self.shares_samples:  # a worker: rank 0's samples arrive
+            ids = broadcast_from_first(torch.empty(len(rows), dtype=torch.int64, device=self.device), self.tp)
+            return Launched(plan, rows, ids.unsqueeze(0))
         if logits is None:  # nothing to sample, or a worker rank (it sent rank 0 its slice of the logits)
             if timer is not None:
                 timer.launched()
             return Launched(plan, timer=timer, graph=graph)
-        rows = tuple(i for i, s in enumerate(plan.sample) if s)
         params = [plan.params[i] for i in rows]
         temperatures = fused_temperatures(params) if self.fused_sampler is not None else None
         logprobs = None
@@ -363,6 +374,8 @@ class ModelExecutor:
             out = self.sampler.sample(logits, batch)
             packed = torch.stack([out.token_ids, out.non_finite.long()])
             logprobs = out.logprobs
+        if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
+            broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
         host = HostCopy.start(copied)
         if timer is not None:
@@ -382,7 +395,7 @@ class ModelExecutor:
         if timer is not None:
             timer.waiting()
         if self.guard is not None:
-            self.guard.wait(launched.packed)
+            self.guard.wait(launched.host.done)
         packed, *logprobs = launched.host.wait()
         tokens, flags = packed.tolist()
         if timer is not None:

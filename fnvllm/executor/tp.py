@@ -2,8 +2,13 @@
 
 Rank 0 is the process holding the ``LLM``; it alone owns the pure state and the scheduler. One step:
 
-    rank 0:   workers alive? -> post(Step(plan)) -> ModelExecutor.execute(plan) -> sampled tokens
-    rank k:   plan = receive()                  -> ModelExecutor.execute(plan)  (no sampling)
+    rank 0:   workers alive? -> post(Step(plan)) -> ModelExecutor.launch(plan) -> collect: sampled tokens
+    rank k:   plan = receive()                  -> ModelExecutor.launch(plan)  (no sampling)
+
+Overlapped steps (on CUDA, ``overlap_steps``): after sampling, rank 0 broadcasts the step's sampled ids to every
+rank (one (S,) int64 NCCL broadcast); a speculative next step goes out as ``Step(plan, fed=True)`` and every rank
+feeds it from those ids on its device, so rank 0 launches step N+1 before it waits for step N's tokens.
+Dropping a speculative step is a ``Reset`` to its step number.
 
 ``post`` starts one gloo broadcast and returns: rank 0 prepares and launches its own shard while the plan travels,
 and checks that the broadcast completed before it waits for the step's tokens. A worker's launch therefore trails
@@ -43,7 +48,7 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,7 @@ import torch.multiprocessing as mp
 
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, check_step
-from fnvllm.executor.model_executor import ModelExecutor, resolve_device
+from fnvllm.executor.model_executor import Launched, ModelExecutor, resolve_device
 from fnvllm.executor.tp_ranks import (
     Channel,
     Message,
@@ -195,14 +200,12 @@ class Ranks:
         assert self.channel is not None
         self.await_work(dist.barrier(group=self.channel.group, async_op=True), "loading the weights", 0.01)
 
-    def wait(self, tensor: torch.Tensor) -> None:
-        """The step's plan has reached the workers; on CUDA, poll the step's completion: a dead worker would hang
-        a blocking host copy forever."""
+    def wait(self, done: torch.cuda.Event | None) -> None:
+        """The step's plan has reached the workers; on CUDA, poll ``done`` (recorded behind the step's copy of its
+        samples to the host) instead of blocking on it: a dead worker would hang a blocking wait forever."""
         self.finish_send()
-        if self.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self.poll(event.query, "a step", 0.0)  # spin, as the blocking copy would
+        if done is not None:
+            self.poll(done.query, "a step", 0.0)  # spin, as a blocking wait would
 
     def shutdown(self, local: ModelExecutor | None) -> None:
         """Stop the workers (terminating any that linger) and destroy the process group. Idempotent."""
@@ -262,16 +265,45 @@ class TensorParallelExecutor:
             raise AttributeError(name)
         return getattr(self.local, name)
 
+    @property
+    def supports_overlap(self) -> bool:
+        """Overlap steps on CUDA when ``overlap_steps`` is on: the workers get each step's sampled ids from rank 0
+        by one broadcast and feed the next step from them, as rank 0 does."""
+        return self.ranks.is_cuda and self.local.shares_samples
+
     def execute(self, plan: StepPlan) -> ExecuteResult:
         """Run ``plan`` on every rank; returns rank 0's sampled tokens. A stale plan is rejected before sending."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan, fed_by: object | None = None) -> Launched:
+        """Send ``plan`` to the workers and launch rank 0's shard without waiting (``OverlapExecutor.launch``;
+        with ``fed_by``, every rank feeds the plan from the previous step's samples on its device)."""
         what = f"step {plan.step}"
         self.ranks.check_alive(what)
         check_step(self.local.next_step, plan)
-        try:
-            self.ranks.post(Step(worker_plan(plan), time.perf_counter()), what)
-            result = self.local.execute(plan)
+        with self._failing(what):
+            self.ranks.post(Step(worker_plan(plan), time.perf_counter(), fed_by is not None), what)
+            return self.local.launch(plan, fed_by)
+
+    def collect(self, launched: object) -> ExecuteResult:
+        """Rank 0's sampled tokens of a launched step (bounded waits: a dead worker raises, never hangs)."""
+        assert isinstance(launched, Launched)
+        what = f"step {launched.plan.step}"
+        with self._failing(what):
+            result = self.local.collect(launched)
             self.ranks.finish_send()  # steps that sample did this in ``wait``; empty and prefill-only ones do it here
             return result
+
+    def discard(self, launched: object) -> None:
+        """Every rank forgets a launched step that will not be collected and expects its step number again."""
+        assert isinstance(launched, Launched)
+        self.reset(launched.plan.step)
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """Turn an error inside ``what`` into a broken group (the ranks may be out of step)."""
+        try:
+            yield
         except TensorParallelError:
             raise
         except Exception as e:

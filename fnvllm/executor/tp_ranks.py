@@ -48,10 +48,12 @@ _HEADER = 8  # the frame's little-endian payload length
 @attrs.frozen
 class Step:
     """Run this plan (sent without the fields only sampling reads). posted_at: rank 0's ``time.perf_counter()``
-    when it sent the step (one clock for every process of a host; only the workers' timing reads it)."""
+    when it sent the step (one clock for every process of a host; only the workers' timing reads it). fed: the
+    plan's input ids are the previous step's samples, which rank 0 broadcast to every rank after sampling."""
 
     plan: StepPlan
     posted_at: float = 0.0
+    fed: bool = False  # overlapped: feed the plan from the previous step's sampled ids (on the device)
 
 
 @attrs.frozen
@@ -127,7 +129,7 @@ class WorkerStats:
     """A worker's timing of the steps since the last Report, in seconds summed over ``steps``.
 
     idle_s: blocked waiting for the next message. delivery_s: from rank 0 posting a step to this worker holding
-    the unpickled plan (perf_counter is one clock per host). execute_s: ``ModelExecutor.execute`` on the host
+    the unpickled plan (perf_counter is one clock per host). execute_s: ``ModelExecutor.launch`` on the host
     (input preparation and kernel launches; a worker never waits for its device)."""
 
     steps: int = 0
@@ -195,7 +197,7 @@ class WorkerGuard:
         """Meet rank 0 and the other workers once this rank's weights are loaded."""
         dist.barrier(group=self.control)
 
-    def wait(self, tensor: torch.Tensor) -> None:
+    def wait(self, done: torch.cuda.Event | None) -> None:
         """Nothing: workers do not copy tokens to the host."""
 
 
@@ -223,14 +225,16 @@ def serve(
 
 
 def _serve_loop(executor: ModelExecutor, channel: Channel, store: Any, rank: int) -> None:
-    """Apply rank 0's messages until Stop, timing each step (two clock reads)."""
+    """Apply rank 0's messages until Stop, timing each step (two clock reads). A step is launched, never waited
+    for (a worker returns no tokens); the last one's handle feeds the next step when rank 0 says ``fed``."""
     stats = WorkerStats()
+    previous = None
     while True:
         waited = time.perf_counter()
         message = channel.receive()
         received = time.perf_counter()
         if isinstance(message, Step):
-            executor.execute(message.plan)
+            previous = executor.launch(message.plan, fed_by=previous if message.fed else None)
             stats.add(received - waited, received - message.posted_at, time.perf_counter() - received)
         elif isinstance(message, Reset):
             executor.reset(message.next_step)

@@ -147,6 +147,13 @@ def gather_vocab(local: torch.Tensor, vocab_size: int, tp: TensorParallel) -> to
     return torch.cat(parts, dim=-1)[:, :vocab_size]  # (N, world * ceil(V / world)) -> (N, V)
 
 
+def broadcast_from_first(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """``x`` of the first rank, on every rank, in place (nothing at world size 1); returns ``x``."""
+    if tp.is_parallel:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x
+
+
 def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:
     """The smallest ``value`` any rank holds (every rank gets it)."""
     if not tp.is_parallel:
