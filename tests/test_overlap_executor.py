@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 from tiny_models import write_family
 
@@ -108,7 +109,9 @@ def test_failed_collect_while_a_speculative_step_is_launched(checkpoint: Any, ov
     assert [r.token_ids for r in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want
 
 
-def test_fed_by_must_have_sampled_every_row(checkpoint: Any) -> None:
+def test_a_fed_row_must_feed_one_token(checkpoint: Any) -> None:
+    """A row whose sequence the feeding step sampled takes that sample as its one input; a plan that gives such a
+    row two tokens is refused before anything runs."""
     llm = _llm(checkpoint, overlap=False)
     from fnvllm.state import add_request, schedule
 
@@ -116,7 +119,29 @@ def test_fed_by_must_have_sampled_every_row(checkpoint: Any) -> None:
     state, plan = schedule(state)
     launched = llm.executor.launch(plan)
     llm.executor.collect(launched)
-    other = plan.__class__(plan.step + 1, plan.block_size, ("b",), ((0,),), (3,), ((0,),), (True,), plan.params, (1,))
-    with pytest.raises(ValueError, match="'b' was not sampled by step"):
-        llm.executor.launch(other, fed_by=launched)
+    two = attrs.evolve(plan, step=plan.step + 1, input_tokens=((0, 0),), start_positions=(3,), num_generated=(1,))
+    with pytest.raises(ValueError, match="'a' feeds 2 tokens in step 1; a row fed from the device by step 0"):
+        llm.executor.launch(two, fed_by=launched)
     assert llm.executor.next_step == plan.step + 1, "a refused launch leaves the executor where it was"
+
+
+def test_feed_places_samples_at_the_fed_rows_tokens(checkpoint: Any) -> None:
+    """In a mixed plan (a prompt chunk, then a decode the previous step sampled), the sample lands on the decode
+    row's token: position 3 of the flat batch, row 1 of the per-row ids."""
+    import torch
+
+    from fnvllm.executor.model_executor import Launched
+    from fnvllm.state import StepPlan
+
+    executor = _llm(checkpoint, overlap=False).executor
+    previous = StepPlan(0, 4, ("a", "b"), ((7,), (8,)), (2, 5), ((0,), (1, 2)), (True, True))
+    launched = Launched(previous, (0, 1), torch.tensor([[42, 43], [0, 0]], device=executor.device))
+    plan = StepPlan(1, 4, ("x", "b"), ((1, 2, 3), (0,)), (0, 6), ((3,), (1, 2)), (True, True))
+    feed = executor._feed(plan, launched)
+    on = executor.device
+    assert feed is not None
+    assert feed.apply(torch.tensor([1, 2, 3, 0], device=on), token_rows=True).tolist() == [1, 2, 3, 43]
+    assert feed.apply(torch.tensor([9, 0], device=on), token_rows=False).tolist() == [9, 43]
+    every = executor._feed(attrs.evolve(plan, seq_ids=("b", "a"), input_tokens=((0,), (0,))), launched)
+    assert every is not None and every.rows is None
+    assert every.apply(torch.tensor([0, 0], device=on), token_rows=True).tolist() == [43, 42]

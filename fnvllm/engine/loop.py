@@ -32,7 +32,7 @@ from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.output import OutputProcessor, RequestTracker
 from fnvllm.executor.base import supports_overlap
 from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
-from fnvllm.state.overlap import reconcile, speculate
+from fnvllm.state.overlap import Speculation, reconcile, speculate
 
 
 @attrs.frozen
@@ -188,7 +188,7 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(self.state, flight.plan, out)
         if spec is not None and speculative is not None:
-            self._reconcile(spec.plan, speculative)
+            self._reconcile(spec, speculative)
         return out
 
     def _launch_scheduled(self) -> _Flight:
@@ -205,9 +205,9 @@ class EngineLoop:
         self.state = state
         return _Flight(plan, launched, None, sum(cached.values()))
 
-    def _reconcile(self, plan: StepPlan, launched: object) -> None:
+    def _reconcile(self, spec: Speculation, launched: object) -> None:
         """Keep the speculative run as the next flight, or drop it (``fnvllm.state.overlap.reconcile``)."""
-        verdict = reconcile(self.state, plan)
+        verdict = reconcile(self.state, spec)
         s = self.overlap_stats
         if verdict.kept and verdict.plan is not None:
             self._flight = _Flight(verdict.plan, launched, verdict.keep)

@@ -16,12 +16,22 @@ hold stale ids that the kernel never reads (it stops at seq_lens).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from fnvllm.kernels.attention import AttentionMetadata, upload
+
+
+class DeviceFeed(Protocol):
+    """Device ids that replace some rows' input ids (``fnvllm.executor.model_executor.Feed``)."""
+
+    def apply(self, input_ids: torch.Tensor, token_rows: bool) -> torch.Tensor:
+        """``input_ids`` with the fed ids in place."""
+        ...
+
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -91,27 +101,24 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: Sequence[int] | torch.Tensor,
+        input_ids: np.ndarray,
         positions: np.ndarray,
         slots: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        feed: DeviceFeed | None = None,
     ) -> torch.Tensor:
         """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) (a view of the graph's
-        output, valid until the next replay). ``input_ids``: host ids, or a (B,) int64 tensor on the device (the
+        output, valid until the next replay). ``feed``: device ids replacing some or all of ``input_ids`` (the
         previous step's samples, for an overlapped step). Nothing here waits for the device."""
         b = len(input_ids)
         bucket = next(s for s in self.sizes if s >= b)
         device = self.input_ids.device
-        if isinstance(input_ids, torch.Tensor):
-            self.input_ids[:b].copy_(input_ids)
-            dev = upload(np.concatenate([positions, slots]), device)
-        else:
-            dev = upload(np.concatenate([np.asarray(input_ids, dtype=np.int64), positions, slots]), device)
-            self.input_ids[:b].copy_(dev[:b])
-            dev = dev[b:]
-        self.positions[:b].copy_(dev[:b])
-        self.slot_mapping[:b].copy_(dev[b:])
+        dev = upload(np.concatenate([input_ids, positions, slots]), device)
+        ids = dev[:b] if feed is None else feed.apply(dev[:b], token_rows=False)
+        self.input_ids[:b].copy_(ids)
+        self.positions[:b].copy_(dev[b : 2 * b])
+        self.slot_mapping[:b].copy_(dev[2 * b :])
         self.seq_lens[:b].copy_(upload(seq_lens, device))
         width = block_tables.shape[1]
         self.block_tables[:b, :width].copy_(upload(block_tables, device))

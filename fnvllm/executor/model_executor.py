@@ -107,6 +107,27 @@ class Launched:
 
 
 @attrs.frozen(eq=False)
+class Feed:
+    """Input ids on the device for the rows an overlapped step feeds from the previous step's samples.
+
+    ids: (F,) int64. rows: (F,) which batch rows they are, token_rows: (F,) where those rows' tokens sit in the
+    flat token batch; both None when every row is fed, in order (ids is then the whole (B,) input).
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor | None
+    token_rows: torch.Tensor | None
+
+    def apply(self, input_ids: torch.Tensor, token_rows: bool) -> torch.Tensor:
+        """``input_ids`` ((B,) one per row, or the flat (T,) batch with ``token_rows``) with the fed ids in place."""
+        if self.rows is None:
+            return self.ids
+        index = self.token_rows if token_rows else self.rows
+        assert index is not None
+        return input_ids.index_copy_(0, index, self.ids)
+
+
+@attrs.frozen(eq=False)
 class HostCopy:
     """Device tensors being copied to (pinned) host memory; ``wait()`` returns once they have arrived.
 
@@ -303,34 +324,43 @@ class ModelExecutor:
         ``overlap_steps`` is off."""
         return self.config.overlap_steps and self.device.type == "cuda" and not self.tp.is_parallel
 
-    def _hidden_at_samples(self, plan: StepPlan, fed: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-        """Final hidden states (S, H) of the sampled rows, and whether a CUDA graph produced them. ``fed``: the
-        (B,) input ids on the device, replacing the plan's (an overlapped decode step)."""
+    def _hidden_at_samples(self, plan: StepPlan, feed: Feed | None) -> tuple[torch.Tensor, bool]:
+        """Final hidden states (S, H) of the sampled rows, and whether a CUDA graph produced them. ``feed``: input
+        ids on the device that replace some of the plan's (an overlapped step)."""
         if self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
             a = prepare_decode(plan)
-            ids = a.input_ids if fed is None else fed
-            return self.graphs.run(ids, a.positions, a.slots, a.seq_lens, a.block_tables), True
+            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed), True
         inputs = self.prepare_inputs(plan)
-        if fed is not None:
-            inputs = attrs.evolve(inputs, input_ids=fed)
-        hidden = self._forward(inputs.input_ids, inputs.meta.positions, inputs.meta)
+        input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
+        hidden = self._forward(input_ids, inputs.meta.positions, inputs.meta)
         return hidden[inputs.sample_index], False
 
-    def _fed_ids(self, plan: StepPlan, fed_by: object) -> torch.Tensor:
-        """(B,) int64 on the device: for each row of ``plan``, the token ``fed_by`` sampled for its sequence."""
-        if not isinstance(fed_by, Launched) or fed_by.packed is None:
-            raise ValueError("fed_by must be a step this executor launched that sampled tokens")
-        if not is_decode_only(plan):
-            raise ValueError(f"plan {plan.step} is not all one-token decodes: it cannot be fed from the device")
+    def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
+        """The device ids that feed ``plan`` from ``fed_by``'s samples: each row whose sequence ``fed_by`` sampled
+        (it must feed one token) takes that sample. None when no row is fed (all its tokens are the host's)."""
+        if not isinstance(fed_by, Launched):
+            raise ValueError(f"fed_by must be a step this executor launched, got {type(fed_by).__name__}")
         previous = fed_by.plan
-        index_of = {previous.seq_ids[row]: k for k, row in enumerate(fed_by.rows)}
-        try:
-            index = np.fromiter(map(index_of.__getitem__, plan.seq_ids), dtype=np.int64, count=plan.num_seqs)
-        except KeyError as missing:
+        index_of = {previous.seq_ids[row]: k for k, row in enumerate(fed_by.rows)} if fed_by.packed is not None else {}
+        lens = np.fromiter(map(len, plan.input_tokens), dtype=np.int64, count=plan.num_seqs)  # (B,)
+        source = np.fromiter((index_of.get(rid, -1) for rid in plan.seq_ids), dtype=np.int64, count=plan.num_seqs)
+        fed = source >= 0  # (B,) rows fed from the device
+        if np.any(lens[fed] != 1):
+            row = int(np.flatnonzero(fed & (lens != 1))[0])
             raise ValueError(
-                f"{missing} was not sampled by step {previous.step}, which feeds step {plan.step}"
-            ) from None
-        return fed_by.packed[0].index_select(0, upload(index, self.device))
+                f"{plan.seq_ids[row]!r} feeds {lens[row]} tokens in step {plan.step}; a row fed from the device by "
+                f"step {previous.step} feeds one"
+            )
+        if not fed.any():
+            return None
+        assert fed_by.packed is not None  # some row is fed, so the previous step sampled
+        samples = fed_by.packed[0]
+        if fed.all():
+            return Feed(samples.index_select(0, upload(source, self.device)), None, None)
+        rows = np.flatnonzero(fed)  # (F,)
+        token_rows = (np.cumsum(lens) - 1)[rows]  # (F,) where those rows' single tokens sit in the flat batch
+        packed = upload(np.stack([source[rows], rows, token_rows]), self.device)  # (3, F): one copy
+        return Feed(samples.index_select(0, packed[0]), packed[1], packed[2])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ExecuteResult:
@@ -340,15 +370,15 @@ class ModelExecutor:
     @torch.inference_mode()
     def launch(self, plan: StepPlan, fed_by: object | None = None) -> Launched:
         """Queue one step on the device (forward, logits, sampling) without waiting for it; ``collect`` brings
-        its tokens to the host. ``fed_by``: the step launched before, whose sampled ids (still on the device)
-        become this all-decode plan's input ids in place of ``plan.input_tokens``."""
+        its tokens to the host. ``fed_by``: the step launched before; each row whose sequence it sampled feeds
+        that sample (still on the device) in place of its one token in ``plan.input_tokens``."""
         check_step(self.next_step, plan)
-        fed = self._fed_ids(plan, fed_by) if fed_by is not None else None
+        feed = self._feed(plan, fed_by) if fed_by is not None else None
         self.next_step += 1
         if plan.is_empty:
             return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
-        hidden, graph = self._hidden_at_samples(plan, fed)
+        hidden, graph = self._hidden_at_samples(plan, feed)
         logits = self.model.compute_logits(hidden) if plan.num_samples else None  # None on ranks > 0 too
         rows = tuple(i for i, s in enumerate(plan.sample) if s)
         if logits is None and plan.num_samples and self.shares_samples:  # a worker: rank 0's samples arrive

@@ -2,10 +2,11 @@
 
 While the device runs step N, its sampled tokens are unknown to the host. ``speculate`` commits step N with
 *placeholder* tokens (one id that stops no request) and schedules step N+1 from that guess. The guess is usable
-only when every row of N+1 is a one-token decode of a sequence that N sampled: the executor then feeds each row
-the token N sampled for it, straight from device memory, and never reads the placeholder. When N's real tokens
-arrive the loop commits them as usual (stop tokens, stop strings, aborts apply now, one step late) and
-``reconcile`` compares ``schedule(committed)`` with the speculative plan:
+when every row of N+1 whose sequence N sampled is a one-token decode: the executor feeds each such row the token
+N sampled for it, straight from device memory, and never reads the placeholder; the other rows (prompt chunks,
+sequences N did not run) feed tokens the host already knows. When N's real tokens arrive the loop commits them as
+usual (stop tokens, stop strings, aborts apply now, one step late) and ``reconcile`` compares
+``schedule(committed)`` with the speculative plan:
 
 - the real plan is the speculative one minus the rows that ended at step N (same blocks, positions,
   parameters): the device already ran it. ``keep`` marks the speculative rows to keep; the tokens of the
@@ -42,11 +43,13 @@ class Speculation:
     """Step N+1 planned before step N's tokens are known.
 
     state: the pending state ``schedule`` returned from the placeholder commit (only its plan is used).
-    plan: the speculative plan; its input tokens are placeholders the executor replaces with step N's samples.
+    plan: the speculative plan. fed: per row, whether step N sampled its sequence; such a row's one input token
+        is a placeholder the executor replaces with N's sample (the other rows' tokens are real).
     """
 
     state: EngineState
     plan: StepPlan
+    fed: tuple[bool, ...]
 
 
 @attrs.frozen
@@ -74,27 +77,34 @@ def placeholder_token(state: EngineState) -> int | None:
     return next((t for t in range(len(stops) + 1) if t not in stops and (limit is None or t < limit)), None)
 
 
-def can_feed(previous: StepPlan, plan: StepPlan) -> bool:
-    """True when every row of ``plan`` is a one-token decode that samples, of a sequence ``previous`` sampled,
-    with no token history to send (penalties read it on the host), and ``plan`` preempts nothing: then the
-    device can feed ``plan`` from ``previous``'s sampled ids alone."""
-    if plan.is_empty or plan.preempted or not all(plan.sample) or plan.histories.count(None) != plan.num_seqs:
-        return False
-    if any(len(tokens) != 1 for tokens in plan.input_tokens):
-        return False
+def fed_rows(previous: StepPlan, plan: StepPlan) -> tuple[bool, ...]:
+    """Per row of ``plan``: whether ``previous`` sampled its sequence (its newest token is that sample)."""
     sampled = set(compress(previous.seq_ids, previous.sample))
-    return all(map(sampled.__contains__, plan.seq_ids))
+    return tuple(map(sampled.__contains__, plan.seq_ids))
+
+
+def can_feed(previous: StepPlan, plan: StepPlan) -> bool:
+    """True when ``plan`` can run before ``previous``'s tokens reach the host: every row whose sequence
+    ``previous`` sampled feeds just that one token (the device has it), no row sends a token history (penalties
+    read it on the host, placeholder included), and ``plan`` preempts nothing (a preempted sequence would carry
+    the placeholder into its recomputation)."""
+    if plan.is_empty or plan.preempted or plan.histories.count(None) != plan.num_seqs:
+        return False
+    fed = fed_rows(previous, plan)
+    return all(len(tokens) == 1 for tokens, f in zip(plan.input_tokens, fed, strict=True) if f)
 
 
 def speculate(state: EngineState, plan: StepPlan) -> Speculation | None:
     """Plan the step after ``plan`` (pending in ``state``) before its tokens are known, or None when that plan
     could not be fed from ``plan``'s sampled ids on the device (see ``can_feed``)."""
     placeholder = placeholder_token(state)
-    if placeholder is None or not plan.num_samples:
+    if placeholder is None:
         return None
     guessed, _ = commit(state, plan, (placeholder,) * plan.num_samples)
     pending, next_plan = schedule(guessed)
-    return Speculation(pending, next_plan) if can_feed(plan, next_plan) else None
+    if not can_feed(plan, next_plan):
+        return None
+    return Speculation(pending, next_plan, fed_rows(plan, next_plan))
 
 
 def forget_written_blocks(state: EngineState, plan: StepPlan, rows: tuple[bool, ...] | None = None) -> EngineState:
@@ -110,28 +120,38 @@ def forget_written_blocks(state: EngineState, plan: StepPlan, rows: tuple[bool, 
     return state if pool is state.pool else replace(state, pool=pool)
 
 
-def reconcile(committed: EngineState, speculative: StepPlan) -> Reconciled:
-    """Decide whether the device's run of ``speculative`` stands, given the state after step N's real commit
+def reconcile(committed: EngineState, speculation: Speculation) -> Reconciled:
+    """Decide whether the device's run of ``speculation.plan`` stands, given the state after step N's real commit
     (stop strings and aborts applied). See the module docstring."""
-    running = set(committed.running)
-    keep = tuple(map(running.__contains__, speculative.seq_ids))
+    speculative = speculation.plan
+    live = committed.requests  # a row admitted by the speculative plan is live here, though not yet running
+    keep = tuple(map(live.__contains__, speculative.seq_ids))
     ended = tuple(not k for k in keep)
     state = forget_written_blocks(committed, speculative, ended) if any(ended) else committed
     pending, plan = schedule(state)
-    if not plan.is_empty and _same_run(plan, speculative, keep):
+    if not plan.is_empty and _same_run(plan, speculation, keep):
         return Reconciled(True, pending, plan, keep)
     return Reconciled(False, forget_written_blocks(state, speculative))
 
 
-def _same_run(plan: StepPlan, speculative: StepPlan, keep: tuple[bool, ...]) -> bool:
-    """True when ``plan`` is ``speculative``'s kept rows with the same blocks, positions and parameters (its
-    input tokens are the real ones the device fed; the speculative plan's are placeholders)."""
-    if plan.preempted or plan.step != speculative.step or any(len(t) != 1 for t in plan.input_tokens):
+def _same_run(plan: StepPlan, speculation: Speculation, keep: tuple[bool, ...]) -> bool:
+    """True when ``plan`` is the speculative plan's kept rows with the same blocks, positions, parameters and
+    host-fed tokens (a row the device fed has the real token in ``plan`` and a placeholder in the speculative
+    plan: only its length is compared)."""
+    speculative = speculation.plan
+    if plan.preempted or plan.step != speculative.step:
         return False
-    fields = ("seq_ids", "start_positions", "block_tables", "sample", "params", "num_generated", "histories")
     all_kept = all(keep)
+
+    def kept(values: tuple[object, ...]) -> tuple[object, ...]:
+        return values if all_kept else tuple(compress(values, keep))
+
+    fields = ("seq_ids", "start_positions", "block_tables", "sample", "params", "num_generated", "histories")
+    if not all(getattr(plan, name) == kept(getattr(speculative, name)) for name in fields):
+        return False
+    fed = kept(speculation.fed)
+    expected = kept(speculative.input_tokens)
     return all(
-        getattr(plan, name)
-        == (getattr(speculative, name) if all_kept else tuple(compress(getattr(speculative, name), keep)))
-        for name in fields
+        len(real) == 1 if was_fed else real == guessed
+        for real, guessed, was_fed in zip(plan.input_tokens, expected, fed, strict=True)
     )

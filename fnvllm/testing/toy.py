@@ -33,7 +33,8 @@ class KVToyExecutor:
 
     overlap: also act as an ``OverlapExecutor``. A launch runs at once (the toy has no device to wait for), so
     a speculative step's writes land in the simulated cache before the step it follows is committed, as on a
-    GPU; a step fed by another takes that step's sampled tokens as its inputs, never the plan's placeholders.
+    GPU; in a step fed by another, each row whose sequence that step sampled takes the sampled token as its input,
+    never the plan's placeholder.
     """
 
     def __init__(self, vocab_size: int = 1000, overlap: bool = False) -> None:
@@ -47,7 +48,13 @@ class KVToyExecutor:
         if fed_by is not None:
             assert isinstance(fed_by, ToyLaunch)
             sampled = dict(zip(compress(fed_by.plan.seq_ids, fed_by.plan.sample), fed_by.result.token_ids, strict=True))
-            plan = attrs.evolve(plan, input_tokens=tuple((sampled[rid],) for rid in plan.seq_ids))
+            inputs = []
+            for rid, tokens in zip(plan.seq_ids, plan.input_tokens, strict=True):
+                if rid in sampled:
+                    assert len(tokens) == 1, f"{rid} is fed from the device but feeds {len(tokens)} tokens"
+                    tokens = (sampled[rid],)
+                inputs.append(tokens)
+            plan = attrs.evolve(plan, input_tokens=tuple(inputs))
         return ToyLaunch(plan, self.execute(plan))
 
     def collect(self, launched: object) -> ExecuteResult:

@@ -19,7 +19,7 @@ import fnvllm.engine.loop as loop_module
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.loop import EngineLoop, OverlapStats
 from fnvllm.state import CoreConfig, EngineState, FinishedRequest, SamplingParams, StepPlan
-from fnvllm.state.overlap import Reconciled, can_feed, placeholder_token, reconcile, speculate
+from fnvllm.state.overlap import Reconciled, Speculation, can_feed, placeholder_token, reconcile, speculate
 from fnvllm.testing import invariants
 from fnvllm.testing.strategies import RequestDraw, core_configs, workloads
 from fnvllm.testing.toy import KVToyExecutor
@@ -145,8 +145,8 @@ def _run_spying(config: CoreConfig, arrivals: list[Arrival]) -> tuple[list[bool]
     assert expected["d1"].reason == "stop", "d1 (not ignoring EOS) should stop early in this workload"
     trimmed = []
 
-    def spy(committed: EngineState, plan: StepPlan) -> Reconciled:
-        verdict = reconcile(committed, plan)
+    def spy(committed: EngineState, speculation: Speculation) -> Reconciled:
+        verdict = reconcile(committed, speculation)
         trimmed.append(verdict.kept and not all(verdict.keep))
         return verdict
 
@@ -199,12 +199,13 @@ def test_can_feed_needs_sampled_one_token_rows() -> None:
 
     state, first = schedule(loop.state)  # a 3-token chunk of "a": samples nothing
     assert not first.sample[0]
-    assert speculate(state, first) is None
+    after_first = speculate(state, first)  # the rest of the prompt: host tokens only, nothing to feed
+    assert after_first is not None and after_first.fed == (False,) and after_first.plan.input_tokens == ((4, 5),)
     loop.step()  # the chunk
     state, second = schedule(loop.state)  # the rest of the prompt, then a sample
     spec = speculate(state, second)
-    assert spec is not None and spec.plan.seq_ids == ("a",) and can_feed(second, spec.plan)
-    assert not can_feed(spec.plan, second), "a two-token chunk cannot be fed from the device"
+    assert spec is not None and spec.plan.seq_ids == ("a",) and spec.fed == (True,) and can_feed(second, spec.plan)
+    assert not can_feed(spec.plan, second), "a row the device feeds cannot feed two tokens"
 
 
 def test_dead_row_block_leaves_the_prefix_cache() -> None:
@@ -230,3 +231,32 @@ def test_dead_row_block_leaves_the_prefix_cache() -> None:
     actual, loop = _run(config, arrivals)
     assert {r: f.output for r, f in actual.items()} == {r: f.output for r, f in expected.items()}
     assert loop.overlap_stats.launched >= 1
+
+
+def test_mixed_steps_are_speculated_and_kept() -> None:
+    """Prompts admitted chunk by chunk while earlier ones decode: the speculative mixed steps (prompt chunks from
+    the host, decodes fed from the device, new admissions) are the real plans, so none is dropped."""
+    config = CoreConfig(block_size=16, num_blocks=64, max_num_batched_tokens=48, max_num_seqs=8, vocab_size=50)
+    arrivals = [
+        (
+            0,
+            f"p{i}",
+            RequestDraw(tuple((7 * i + j) % 50 for j in range(30)), SamplingParams(max_tokens=8, ignore_eos=True)),
+        )
+        for i in range(8)
+    ]
+    expected, _ = _run(config, arrivals, overlap=False)
+    mixed = []
+
+    def spy(committed: EngineState, speculation: Speculation) -> Reconciled:
+        verdict = reconcile(committed, speculation)
+        mixed.append(any(len(t) > 1 for t in speculation.plan.input_tokens) and verdict.kept)
+        return verdict
+
+    loop_module.reconcile = spy  # type: ignore[assignment]
+    try:
+        actual, loop = _run(config, arrivals)
+    finally:
+        loop_module.reconcile = reconcile
+    assert {r: f.output for r, f in actual.items()} == {r: f.output for r, f in expected.items()}
+    assert loop.overlap_stats.dropped == 0 and sum(mixed) >= 3, (loop.overlap_stats, mixed)
