@@ -8,9 +8,11 @@ The engine loop, in three lines::
 
 One module per box: ``state`` (EngineState, add_request, abort), ``scheduler`` (budget and policy), ``kv`` (the
 KV seam: blocks and the prefix cache, which schedule and commit call), ``pool`` (the block pool it manages),
-``commit``, ``plan``, ``policy``. The modules whose names start with ``_`` hold the state's internal
-representation (persistent maps, running columns, chunked outputs); they are private and may change, and
-docs/design.md says what each is for and the measurement behind it. Use the names exported here.
+``commit``, ``plan``, ``policy``, ``overlap`` (planning step N+1 before step N's tokens are known:
+``speculate`` and ``reconcile``, which ``EngineLoop`` uses on a GPU). The modules whose names start with ``_``
+hold the state's internal representation (persistent maps, running columns, chunked outputs); they are private
+and may change, and docs/design.md says what each is for and the measurement behind it. Use the names exported
+here.
 """
 
 from fnvllm.state.commit import commit, finish
