@@ -14,15 +14,16 @@ usual (stop tokens, stop strings, aborts apply now, one step late) and ``reconci
 - anything else (an admission, a preemption, a block handed out differently): the speculative run is
   dropped. Every free block it wrote leaves the prefix cache, and the caller schedules the returned state.
 
-Worked example (block size 16): step 7 decodes rows ("a", "b"); ``speculate`` plans step 8 for ("a", "b"). Step 7
+Worked example (block size 16): step 7 decodes rows ("b", "a"); ``speculate`` plans step 8 for ("b", "a"). Step 7
 samples EOS for "b", so commit ends "b" and frees its blocks. ``schedule(committed)`` plans ("a",) with the same
-block table and position for "a" as the speculative plan: kept, with keep = (True, False). Had "b" needed a new
-block at step 8, the speculative plan would have taken it from the free queue before "a"'s new block and the
-real plan would hand "a" a different one: dropped.
+block table and position for "a" as the speculative plan: kept, with keep = (False, True). Had both rows needed a
+new block at step 8, the speculative plan would have given "b" the free queue's first block and "a" the second,
+while the real plan hands "a" the first: dropped.
 
 Either way the outputs are those of plain stepping: every committed plan is one ``schedule`` produced from the
 committed state, and the KV the device wrote for it is what that plan would have written
-(tests/properties/test_overlap.py checks both against the shadow KV cache).
+(tests/properties/test_overlap.py checks this with a toy executor that reads each token's context back through
+the block tables, so a block written by a dropped run and then reused from the cache changes an output).
 """
 
 from __future__ import annotations
