@@ -207,10 +207,13 @@ class EngineLoop:
 
     def _reconcile(self, spec: Speculation, launched: object) -> None:
         """Keep the speculative run as the next flight, or drop it (``fnvllm.state.overlap.reconcile``)."""
-        verdict = reconcile(self.state, spec)
+        committed = self.state
+        verdict = reconcile(committed, spec)
         s = self.overlap_stats
         if verdict.kept and verdict.plan is not None:
-            self._flight = _Flight(verdict.plan, launched, verdict.keep)
+            cached = admitted_cached_tokens(committed, verdict.state, verdict.plan)  # a mixed step may admit
+            self.processor.note_cached(cached)
+            self._flight = _Flight(verdict.plan, launched, verdict.keep, sum(cached.values()))
             self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
         else:
             self.engine.discard(launched)

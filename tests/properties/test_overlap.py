@@ -242,16 +242,17 @@ def test_dead_row_block_leaves_the_prefix_cache() -> None:
 
 def test_mixed_steps_are_speculated_and_kept() -> None:
     """Prompts admitted chunk by chunk while earlier ones decode: the speculative mixed steps (prompt chunks from
-    the host, decodes fed from the device, new admissions) are the real plans, so none is dropped."""
+    the host, decodes fed from the device, new admissions) are the real plans, so none is dropped; the prompt
+    tokens the prefix cache served to admissions inside them are counted as in plain stepping."""
     config = CoreConfig(block_size=16, num_blocks=64, max_num_batched_tokens=48, max_num_seqs=8, vocab_size=50)
+    shared = tuple(range(3, 19))  # one full block that every prompt starts with
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     arrivals = [
-        (
-            0,
-            f"p{i}",
-            RequestDraw(tuple((7 * i + j) % 50 for j in range(30)), SamplingParams(max_tokens=8, ignore_eos=True)),
-        )
-        for i in range(8)
+        (0, f"p{i}", RequestDraw(shared + tuple((7 * i + j) % 50 for j in range(14)), params)) for i in range(8)
     ]
+    _, plain = _run(config, arrivals, overlap=False)
     verdicts, stats = _run_spying(config, arrivals)
     mixed = [any(len(t) > 1 for t in spec.plan.input_tokens) and verdict.kept for spec, verdict in verdicts]
     assert stats.dropped == 0 and sum(mixed) >= 3, (stats, mixed)
+    _, overlapped = _run(config, arrivals)
+    assert overlapped.stats.num_cached_tokens == plain.stats.num_cached_tokens > 0
