@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine thread's lifetime.
+"""The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine's lifetime.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (never needs
 the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown routes, is
@@ -32,8 +32,9 @@ def build_app(
     engine: AsyncEngine, model_name: str, api_key: str | None = None, stream_interval_s: float = 0.0
 ) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
-    ``Authorization: Bearer <api_key>``. The app starts the engine thread at startup and stops it at shutdown.
-    ``stream_interval_s``: least time between two chunks of one stream (0: a chunk per engine step).
+    ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
+    startup and stops it at shutdown. ``stream_interval_s``: least time between two chunks of one stream (0: a
+    chunk per engine step).
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
@@ -74,7 +75,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine thread runs."""
+        """200 while the engine runs (its thread, or its process)."""
         alive = engine.is_alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 

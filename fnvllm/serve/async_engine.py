@@ -41,7 +41,7 @@ class EngineOverloaded(Exception):
 
 @attrs.frozen
 class EngineSnapshot:
-    """The engine's gauges and totals, published by the engine thread after each step (read from any thread).
+    """The engine's gauges and totals, published with each step report (read from any thread).
 
     num_used_blocks: KV blocks referenced by live requests (cached-but-free blocks count as free).
     num_prompt_tokens: prompt tokens of every request admitted so far (the prefix-cache hit rate's denominator).
@@ -167,7 +167,7 @@ class EngineCore:
 
     def fail_all(self, error: BaseException) -> None:
         """The core is dying: report a failure for every live request."""
-        failure = EngineFailure(f"the engine thread died: {error!r}")
+        failure = EngineFailure(f"the engine stopped: {error!r}")
         self._events += [(rid, failure) for rid in self._live]
         self._live.clear()
         self._send(0)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, in its own registry (two servers in one process do not collide).
 
-Gauges and totals are read from the engine thread's latest ``EngineSnapshot`` at scrape time; latency histograms
-and the per-step batch size are observed on the engine thread as requests finish and steps run.
+Gauges and totals are read from the engine's latest ``EngineSnapshot`` at scrape time; latency histograms and the
+per-step batch size are observed as the engine's step reports arrive (requests finished, steps run).
 """
 
 from __future__ import annotations

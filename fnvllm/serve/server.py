@@ -1,7 +1,7 @@
 """Run the app with uvicorn on a socket we bind ourselves (so ``port=0`` can report the port it got).
 
 SIGINT / SIGTERM: stop accepting connections, abort the requests in flight (their streams end with
-finish_reason "abort"), let uvicorn close the connections, stop the engine thread, return normally (exit 0).
+finish_reason "abort"), let uvicorn close the connections, stop the engine, return normally (exit 0).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def serve(
         on_listening(host, sock.getsockname()[1])
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30, **uvicorn_options)
     previous = sys.getswitchinterval()
-    # The engine thread and the web thread share the GIL. The engine releases it while the GPU runs a step, the
-    # web thread then streams the last step's tokens; when the step ends the engine must get the GIL back at
-    # once, or the GPU idles. Python's default hand-over interval (5 ms) is as long as a whole decode step.
+    # An engine on a thread here (--engine-thread), or the reader of an engine process, shares the GIL with the
+    # web thread. When a step's report is due it must get the GIL back at once, or the engine (or the streams)
+    # wait. Python's default hand-over interval (5 ms) is as long as a whole decode step.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     try:
         _Server(config, engine).run(sockets=[sock])

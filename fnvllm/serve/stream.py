@@ -1,6 +1,6 @@
-"""The consumer side of one request: a ``RequestStream`` of ``TokenEvent``s, fed from the engine thread.
+"""The consumer side of one request: a ``RequestStream`` of ``TokenEvent``s, fed from the engine's step reports.
 
-The engine thread hands over one step's events for every stream at once (``deliver``: one
+The engine's front hands over one step's events for every stream at once (``deliver``: one
 ``call_soon_threadsafe`` per step, not one per request — at 256 streams the per-call self-pipe write and
 callback were most of the event loop's work). The consumer reads with ``async for`` (one event at a time) or
 ``drain`` (every event that has arrived, merged into one): a consumer that fell behind by several steps sends
