@@ -17,21 +17,12 @@ hold stale ids that the kernel never reads (it stops at seq_lens).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
 
+from fnvllm.executor.inputs import Feed
 from fnvllm.kernels.attention import AttentionMetadata, upload
-
-
-class DeviceFeed(Protocol):
-    """Device ids that replace some rows' input ids (``fnvllm.executor.model_executor.Feed``)."""
-
-    def apply(self, input_ids: torch.Tensor, token_rows: bool) -> torch.Tensor:
-        """``input_ids`` with the fed ids in place."""
-        ...
-
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -106,7 +97,7 @@ class DecodeGraphs:
         slots: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
-        feed: DeviceFeed | None = None,
+        feed: Feed | None = None,
     ) -> torch.Tensor:
         """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) (a view of the graph's
         output, valid until the next replay). ``feed``: device ids replacing some or all of ``input_ids`` (the

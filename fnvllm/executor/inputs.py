@@ -86,3 +86,24 @@ def prepare_inputs(plan: StepPlan, device: torch.device) -> PreparedInputs:
         meta=meta,
         sample_index=upload(sample_index.astype(np.int64), device),
     )
+
+
+@attrs.frozen(eq=False)
+class Feed:
+    """Input ids on the device for the rows an overlapped step feeds from the previous step's samples.
+
+    ids: (F,) int64. rows: (F,) which batch rows they are, token_rows: (F,) where those rows' tokens sit in the
+    flat token batch; both None when every row is fed, in order (ids is then the whole (B,) input).
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor | None
+    token_rows: torch.Tensor | None
+
+    def apply(self, input_ids: torch.Tensor, token_rows: bool) -> torch.Tensor:
+        """``input_ids`` ((B,) one per row, or the flat (T,) batch with ``token_rows``) with the fed ids in place."""
+        if self.rows is None:
+            return self.ids
+        index = self.token_rows if token_rows else self.rows
+        assert index is not None
+        return input_ids.index_copy_(0, index, self.ids)

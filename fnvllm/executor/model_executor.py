@@ -31,7 +31,7 @@ from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.fused_sampling import FusedSampler, check_finite, fused_temperatures
-from fnvllm.executor.inputs import PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
+from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata, upload
@@ -104,27 +104,6 @@ class Launched:
     asked: tuple[int | None, ...] = ()
     timer: _StepTimer | None = None
     graph: bool = False
-
-
-@attrs.frozen(eq=False)
-class Feed:
-    """Input ids on the device for the rows an overlapped step feeds from the previous step's samples.
-
-    ids: (F,) int64. rows: (F,) which batch rows they are, token_rows: (F,) where those rows' tokens sit in the
-    flat token batch; both None when every row is fed, in order (ids is then the whole (B,) input).
-    """
-
-    ids: torch.Tensor
-    rows: torch.Tensor | None
-    token_rows: torch.Tensor | None
-
-    def apply(self, input_ids: torch.Tensor, token_rows: bool) -> torch.Tensor:
-        """``input_ids`` ((B,) one per row, or the flat (T,) batch with ``token_rows``) with the fed ids in place."""
-        if self.rows is None:
-            return self.ids
-        index = self.token_rows if token_rows else self.rows
-        assert index is not None
-        return input_ids.index_copy_(0, index, self.ids)
 
 
 @attrs.frozen(eq=False)

@@ -7,10 +7,9 @@ header (model config, block size, device; the executor passes it); then one reco
      "context_tokens": 151040, "attn_pairs": 151040, "num_samples": 256, "gpu_ms": 4.81, "cpu_ms": 0.93,
      "gap_ms": 0.41, "graph": true, "end_s": 12.345678}
 
-The shape fields are the simulator's ``fnvllm.sim.cost.StepShape`` (computed the same way, here without
-importing the simulator): attn_pairs = (query, key) pairs attention computes, causal (a row of q tokens from
-position s: q*s + q*(q+1)/2); num_samples = rows sampled. Computing them costs a few C-level passes over the
-plan's rows (~10 us at 512 rows), once per step.
+The shape fields are ``fnvllm.state.plan.StepShape``'s, the counts the simulator prices: attn_pairs = (query, key)
+pairs attention computes, causal (a row of q tokens from position s: q*s + q*(q+1)/2); num_samples = rows
+sampled. Computing them costs a few C-level passes over the plan's rows (~10 us at 512 rows), once per step.
 
 gpu_ms: device time of the step (CUDA events around its forward + sampling; on the CPU, host time).
 cpu_ms: host time of one loop cycle outside the device wait: from the previous step's tokens reaching the host
@@ -27,40 +26,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from operator import mul
 from pathlib import Path
 from typing import IO, Any
 
-import attrs
 import torch
 
 from fnvllm.state import StepPlan
-
-
-@attrs.frozen
-class StepShape:
-    """What a plan asks of the device, in the numbers a cost model uses."""
-
-    num_seqs: int
-    num_tokens: int
-    num_decode_seqs: int
-    num_prefill_tokens: int
-    context_tokens: int
-    attn_pairs: int
-    num_samples: int
-
-    @classmethod
-    def of(cls, plan: StepPlan) -> StepShape:
-        """The shape of ``plan`` (a decode row feeds one token; context = start + fed tokens)."""
-        lens = list(map(len, plan.input_tokens))
-        starts = plan.start_positions
-        decodes, total = lens.count(1), sum(lens)
-        context = sum(starts) + total
-        if decodes == len(lens):
-            pairs = context  # every row is q=1: s + 1 pairs each
-        else:  # sum of q*s + q*(q+1)/2 over rows
-            pairs = sum(map(mul, lens, starts)) + (sum(map(mul, lens, lens)) + total) // 2
-        return cls(plan.num_seqs, total, decodes, total - decodes, context, pairs, plan.num_samples)
+from fnvllm.state.plan import step_shape
 
 
 class StepTimeline:
@@ -149,7 +121,7 @@ class _StepTimer:
             tl._last_end = self.end
         else:
             gpu_ms, gap_ms = (now - self.t_enter) * 1e3, outside_ms
-        record = {"step": plan.step, **attrs.asdict(StepShape.of(plan))}
+        record = {"step": plan.step, **step_shape(plan, graph_max_seqs=0).to_record()}  # graph: set below
         record.update(gpu_ms=round(gpu_ms, 4), cpu_ms=round(cycle_ms, 4), gap_ms=round(gap_ms, 4))
         record["graph"] = graph
         record["end_s"] = round(now - tl._created, 6)

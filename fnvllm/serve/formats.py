@@ -25,7 +25,10 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
 
 
 class _Format:
-    """Shared fields of one response: id, creation time (unix seconds), model name, tokenizer."""
+    """Shared fields of one response: id, creation time (unix seconds), model name, tokenizer. ``chunk_object``:
+    the ``object`` of its streamed chunks."""
+
+    chunk_object = ""
 
     def __init__(self, request_id: str, model: str, tokenizer: Any) -> None:
         self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
@@ -37,10 +40,16 @@ class _Format:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
+    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": counts}
+
 
 class CompletionFormat(_Format):
     """``/v1/completions`` bodies; logprobs in the legacy shape (tokens, token_logprobs, top_logprobs,
     text_offset)."""
+
+    chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str, tokenizer: Any) -> None:
         super().__init__(request_id, model, tokenizer)
@@ -62,11 +71,7 @@ class CompletionFormat(_Format):
         choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         if self.tokenizer is None:
             choice["token_ids"] = list(token_ids)
-        return {**self._head("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
-        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._head("text_completion"), "choices": [], "usage": counts}
+        return {**self._head(self.chunk_object), "choices": [choice]}
 
     def final(
         self,
@@ -99,10 +104,12 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     """``/v1/chat/completions`` bodies; logprobs as ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
+    chunk_object = "chat.completion.chunk"
+
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The first streamed chunk announces the assistant role."""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [{**self._head("chat.completion.chunk"), "choices": [choice]}]
+        return [{**self._head(self.chunk_object), "choices": [choice]}]
 
     def chunk(
         self,
@@ -115,11 +122,7 @@ class ChatFormat(_Format):
         tokenizer (its template), so ``token_ids`` is not sent."""
         delta = {"content": text} if text else {}
         choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
-
-    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
-        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": counts}
+        return {**self._head(self.chunk_object), "choices": [choice]}
 
     def final(
         self,

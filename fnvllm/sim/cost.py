@@ -14,57 +14,13 @@ the simulation and the calibration.
 
 from __future__ import annotations
 
-from operator import mul
-from typing import Any
-
-import attrs
-
 from fnvllm.sim.hardware import HardwareProfile, Overheads
 from fnvllm.sim.model import ModelShape
-from fnvllm.state import StepPlan
+from fnvllm.state.plan import StepShape, step_shape
+
+__all__ = ["CostModel", "StepShape", "step_shape"]
 
 _US = 1e-6
-
-
-@attrs.frozen
-class StepShape:
-    """The work of one step, in counts.
-
-    num_seqs / num_tokens: scheduled sequences and fed tokens. num_decode_seqs: sequences fed exactly one token.
-    num_prefill_tokens: tokens of the other sequences. context_tokens: sum over sequences of start position +
-    fed tokens (the KV each reads). attn_pairs: (query, key) pairs attention computes, causal. num_samples:
-    sequences sampled. graph: whether the step runs as a CUDA graph (decode-only and small enough).
-    """
-
-    num_seqs: int
-    num_tokens: int
-    num_decode_seqs: int
-    num_prefill_tokens: int
-    context_tokens: int
-    attn_pairs: int
-    num_samples: int
-    graph: bool
-
-    def to_record(self) -> dict[str, Any]:
-        """The fields of a timeline record (``FNVLLM_TIMELINE`` format, without timings)."""
-        return attrs.asdict(self)
-
-
-def step_shape(plan: StepPlan, graph_max_seqs: int) -> StepShape:
-    """The shape of ``plan``. A row of q tokens starting at s attends q*s + q*(q+1)/2 (query, key) pairs."""
-    lens = list(map(len, plan.input_tokens))
-    num_tokens, num_decode = sum(lens), lens.count(1)
-    starts = plan.start_positions
-    context = sum(starts) + num_tokens
-    if num_decode == len(lens):
-        pairs = context  # every row is q=1: s + 1 pairs each
-    else:  # sum of q*s + q*(q+1)/2, in C-level passes (a Python loop over 256 rows costs more than the rest)
-        pairs = sum(map(mul, lens, starts)) + (sum(map(mul, lens, lens)) + num_tokens) // 2
-    num_seqs = len(lens)
-    is_graph = num_decode == num_seqs and 0 < num_seqs <= graph_max_seqs
-    return StepShape(
-        num_seqs, num_tokens, num_decode, num_tokens - num_decode, context, pairs, plan.num_samples, is_graph
-    )
 
 
 class CostModel:

@@ -89,9 +89,13 @@ def can_feed(previous: StepPlan, plan: StepPlan) -> bool:
     ``previous`` sampled feeds just that one token (the device has it), no row sends a token history (penalties
     read it on the host, placeholder included), and ``plan`` preempts nothing (a preempted sequence would carry
     the placeholder into its recomputation)."""
+    return _feedable(plan, fed_rows(previous, plan))
+
+
+def _feedable(plan: StepPlan, fed: tuple[bool, ...]) -> bool:
+    """``can_feed`` given the rows the previous step sampled (``fed_rows``)."""
     if plan.is_empty or plan.preempted or plan.histories.count(None) != plan.num_seqs:
         return False
-    fed = fed_rows(previous, plan)
     return all(len(tokens) == 1 for tokens, f in zip(plan.input_tokens, fed, strict=True) if f)
 
 
@@ -103,9 +107,8 @@ def speculate(state: EngineState, plan: StepPlan) -> Speculation | None:
         return None
     guessed, _ = commit(state, plan, (placeholder,) * plan.num_samples)
     pending, next_plan = schedule(guessed)
-    if not can_feed(plan, next_plan):
-        return None
-    return Speculation(pending, next_plan, fed_rows(plan, next_plan))
+    fed = fed_rows(plan, next_plan)
+    return Speculation(pending, next_plan, fed) if _feedable(next_plan, fed) else None
 
 
 def forget_written_blocks(state: EngineState, plan: StepPlan, rows: tuple[bool, ...] | None = None) -> EngineState:

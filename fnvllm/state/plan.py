@@ -16,6 +16,9 @@ position 9 with last sampled token 77:
 
 from __future__ import annotations
 
+from operator import mul
+from typing import Any
+
 import attrs
 
 from fnvllm.state.params import SamplingParams
@@ -85,3 +88,46 @@ class StepPlan:
             table[start // bs : (start + len(tokens) - 1) // bs + 1]
             for tokens, start, table in zip(self.input_tokens, self.start_positions, self.block_tables, strict=True)
         )
+
+
+@attrs.frozen
+class StepShape:
+    """The work of one step, in counts: what a cost model prices (``fnvllm.sim.cost``) and what the GPU timeline
+    records per step (``fnvllm.executor.timeline``), computed once, here.
+
+    num_seqs / num_tokens: scheduled sequences and fed tokens. num_decode_seqs: sequences fed exactly one token.
+    num_prefill_tokens: tokens of the other sequences. context_tokens: sum over sequences of start position +
+    fed tokens (the KV each reads). attn_pairs: (query, key) pairs attention computes, causal. num_samples:
+    sequences sampled. graph: whether the step runs as a CUDA graph (decode-only and small enough).
+    """
+
+    num_seqs: int
+    num_tokens: int
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    context_tokens: int
+    attn_pairs: int
+    num_samples: int
+    graph: bool
+
+    def to_record(self) -> dict[str, Any]:
+        """The fields of a timeline record (``FNVLLM_TIMELINE`` format, without timings)."""
+        return attrs.asdict(self)
+
+
+def step_shape(plan: StepPlan, graph_max_seqs: int) -> StepShape:
+    """The shape of ``plan``; ``graph`` when every row decodes and at most ``graph_max_seqs`` run. A row of q
+    tokens starting at s attends q*s + q*(q+1)/2 (query, key) pairs."""
+    lens = list(map(len, plan.input_tokens))
+    num_tokens, num_decode = sum(lens), lens.count(1)
+    starts = plan.start_positions
+    context = sum(starts) + num_tokens
+    if num_decode == len(lens):
+        pairs = context  # every row is q=1: s + 1 pairs each
+    else:  # sum of q*s + q*(q+1)/2, in C-level passes (a Python loop over 256 rows costs more than the rest)
+        pairs = sum(map(mul, lens, starts)) + (sum(map(mul, lens, lens)) + num_tokens) // 2
+    num_seqs = len(lens)
+    is_graph = num_decode == num_seqs and 0 < num_seqs <= graph_max_seqs
+    return StepShape(
+        num_seqs, num_tokens, num_decode, num_tokens - num_decode, context, pairs, plan.num_samples, is_graph
+    )
