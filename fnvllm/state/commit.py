@@ -48,6 +48,32 @@ def _check_plan(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> N
         )
 
 
+def _check_rows(state: EngineState, plan: StepPlan) -> None:
+    """PlanMismatchError unless each plan row still running in ``state`` starts at its computed count, holds its
+    block table and feeds no more than its tokens: a plan scheduled from another state (with the same step
+    number) must not be folded into this one. Rows aborted since ``schedule`` are not checked. The usual plan
+    shares these columns with the state it was scheduled into, so three identity tests settle it."""
+    rows = state.rows
+    shared = plan.start_positions is rows.num_computed and plan.block_tables is rows.block_tables
+    if shared and plan.seq_ids is rows.ids:
+        return
+    index_of = {rid: i for i, rid in enumerate(rows.ids)}
+    for row, rid in enumerate(plan.seq_ids):
+        i = index_of.get(rid)
+        if i is None:
+            continue  # aborted since it was scheduled
+        start = plan.start_positions[row]
+        if (
+            start != rows.num_computed[i]
+            or plan.block_tables[row] != rows.block_tables[i]
+            or start + len(plan.input_tokens[row]) > rows.num_tokens[i]
+        ):
+            raise PlanMismatchError(
+                f"plan row {row} ({rid!r}, start {start}) does not match the state's sequence (computed "
+                f"{rows.num_computed[i]} of {rows.num_tokens[i]} tokens): the plan was scheduled from another state"
+            )
+
+
 def _as_ints(sampled: Sequence[int], vocab_size: int | None) -> Sequence[int]:
     """The sampled ids as a list or tuple of ints in [0, vocab_size) (>= 0 when the vocabulary is unknown);
     PlanMismatchError naming the first bad one otherwise. A list or tuple given is used as it is (commit keeps no
@@ -292,6 +318,7 @@ def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[
     Sequences aborted since ``schedule`` are skipped.
     """
     _check_plan(state, plan, sampled)
+    _check_rows(state, plan)
     tokens = _as_ints(sampled, state.config.vocab_size)
     fold = _Fold(state, plan)
     if plan.seq_ids is state.running or plan.seq_ids == state.running:
