@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from fnvllm.config import EngineConfig
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine import Engine, EngineLoop, EngineStats, RequestOutput, RequestTracker, StreamDelta
-from fnvllm.executor.model_executor import ModelExecutor
+from fnvllm.executor.model_executor import ModelExecutor, resolve_device
 from fnvllm.executor.tp import TensorParallelExecutor
 from fnvllm.model.config import CheckpointError, ModelConfig, read_json
 from fnvllm.state import EngineState, InvalidConfigError, InvalidRequestError, SamplingParams
@@ -78,6 +78,7 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         self.config = EngineConfig.from_options(engine_options)
+        resolve_device(self.config.device)  # a device torch cannot use is refused before anything loads
         self.model_path = _folder(model, "model")
         if not (self.model_path / "config.json").exists():
             raise FileNotFoundError(f"{self.model_path} is not a checkpoint folder (no config.json)")

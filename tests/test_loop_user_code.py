@@ -177,3 +177,14 @@ def test_stop_string_ends_the_request_in_the_core(overlap: bool) -> None:
     assert "s" not in loop.state.requests, "the core was not told of the stop-string finish"
     loop.drain()
     assert loop.state.pool.num_free == CONFIG.num_blocks
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch that sees no CUDA device")
+def test_cuda_device_without_cuda_is_a_config_error() -> None:
+    """``LLM(ckpt, device="cuda")`` on a CPU-only torch is an InvalidConfigError naming the field, raised before
+    the checkpoint is read (not an assertion from inside torch)."""
+    from fnvllm.llm import LLM
+    from fnvllm.state import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match=r"^device: 'cuda' was asked for"):
+        LLM("/nonexistent/checkpoint", device="cuda")

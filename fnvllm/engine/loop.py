@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from itertools import compress
 
 import attrs
 
@@ -55,7 +56,8 @@ class _Flight:
     """A step running on the device, not yet committed.
 
     plan: the plan to commit. launched: the executor's handle of the run. keep: when the run was a speculative
-    plan standing for ``plan``, which of its rows ``plan`` kept (None: the run is ``plan`` itself).
+    plan standing for ``plan``, one flag per row it sampled: that row's token belongs to ``plan`` (None: the
+    run is ``plan`` itself).
     cached: prompt tokens its admissions found in the prefix cache (for the stats).
     """
 
@@ -261,7 +263,8 @@ class EngineLoop:
             plan = verdict.plan
             cached = plan.admitted_starts() if plan.num_admitted else {}  # a mixed step may admit
             self.processor.note_cached(cached)
-            self._flight = _Flight(plan, launched, verdict.keep, sum(cached.values()))
+            keep = tuple(compress(verdict.keep, spec.plan.sample))  # per sampled row, as the tokens come
+            self._flight = _Flight(plan, launched, keep, sum(cached.values()))
             self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
         else:
             self.engine.discard(launched)

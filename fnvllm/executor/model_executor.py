@@ -40,7 +40,7 @@ from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps, ops_for
 from fnvllm.model.sharding import SINGLE, TensorParallel, broadcast_from_first, local_heads, min_over_ranks
-from fnvllm.state import SamplingParams, StepPlan
+from fnvllm.state import InvalidConfigError, SamplingParams, StepPlan
 from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
@@ -57,7 +57,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device")
+        raise InvalidConfigError(
+            f"device: 'cuda' was asked for, but this torch ({torch.__version__}) sees no CUDA device; "
+            "use device='cpu' or 'auto'"
+        )
     return torch.device(name)
 
 
