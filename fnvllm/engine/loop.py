@@ -5,10 +5,13 @@ One step reads like the design's pseudo-code::
 
     state, plan = schedule(state)               # pure
     state, out = engine.step(state, plan)       # executor.execute(plan) + pure commit
-    state = processor.process(state, out)       # route tokens; stop strings end requests
+    state, outbox = processor.process(state, out)  # route tokens; stop strings end requests
+    deliver(outbox)                             # consumers' callbacks, once the state is adopted
 
-``LLM.generate`` / ``LLM.stream``, ``fnvllm.testing.drive``, the benchmarks and the server are clients: they add
-requests with a ``RequestTracker`` and call ``step`` until their own requests are done. Imports no torch.
+``LLM.generate`` / ``LLM.stream``, the server's engine core, the bench and the profilers are clients (built by
+``fnvllm.engine.build``): they add requests with a ``RequestTracker`` and call ``step`` until their own requests
+are done; ``drain`` commits a step in flight and ``restore`` adopts a snapshot. ``fnvllm.testing.drive`` is the
+same loop without routing or overlap, for tests of the pure core.
 
 Overlapped steps (on an executor with ``supports_overlap``, e.g. the CUDA ``ModelExecutor``): each ``step``
 commits one step as above, but the device already runs the next one by then::
@@ -16,8 +19,9 @@ commits one step as above, but the device already runs the next one by then::
     spec = speculate(state, plan_N)                  # pure: plan N+1 from placeholder tokens
     launched = engine.launch(spec.plan, fed_by=N)    # device: N+1 queued behind N, fed N's tokens on device
     state, out = engine.collect(state, plan_N, N)    # wait for N's tokens, commit them
-    state = processor.process(state, out)
+    state, outbox = processor.process(state, out)
     verdict = reconcile(state, spec.plan)            # pure: does the run of N+1 stand? else drop it
+    deliver(outbox)                                  # user code runs last: it may add or abort requests
 
 so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``).
 """
@@ -25,7 +29,7 @@ so the host's commit, routing and planning hide behind the device's work (``fnvl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress
 
 import attrs
@@ -209,6 +213,15 @@ class EngineLoop:
             raise errors[0]
         return out
 
+    def restore(self, state: EngineState | None = None) -> None:
+        """Adopt ``state`` (a snapshot, e.g. unpickled; default: the loop's own) as on a fresh KV cache: a step
+        in flight is forgotten, the executor expects the state's next step, and running requests rejoin waiting
+        with their tokens kept (recomputed, the prefix cache emptied). Trackers keep routing their requests.
+        ValueError if the snapshot was made for a different core config."""
+        restored = self.engine.restore(self.state if state is None else state)
+        self._flight = None
+        self.state = restored
+
     def _finish_step(
         self, state: EngineState, plan: StepPlan, out: EngineOutput, cached: int, errors: list[BaseException]
     ) -> None:
@@ -279,12 +292,3 @@ class EngineLoop:
             s.num_cached_tokens + cached,
             s.num_generated_tokens + plan.num_samples,
         )
-
-    def run_until_done(self, trackers: Mapping[str, RequestTracker] | None = None) -> None:
-        """Step until ``trackers`` have all finished (or, without trackers, until nothing is left)."""
-        if trackers is None:
-            while self.has_unfinished:
-                self.step()
-            return
-        while not all(t.finished for t in trackers.values()):
-            self.step()

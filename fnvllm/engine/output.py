@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 
@@ -250,10 +250,3 @@ class OutputProcessor:
                 del self.trackers[rid]
             outbox.append((tracker, tracker.delta(text, (token,))))
         return state, outbox
-
-    def close_all(self, reason: FinishReason, request_ids: Iterable[str]) -> None:
-        """Close the given requests with ``reason`` (e.g. after the engine was reset by an error)."""
-        for rid in list(request_ids):
-            tracker = self.trackers.pop(rid, None)
-            if tracker is not None:
-                tracker.emit(tracker.close(reason, self.clock()), ())
