@@ -1,7 +1,7 @@
 """Checkpoints written locally for tests and benchmarks (no model hub needed).
 
-- `write_tiny_checkpoint`: a tiny Qwen3 / Qwen2 / Llama written by transformers' own classes, so tests can
-  compare our model against Hugging Face's on the very same weights.
+- `write_tiny_checkpoint`: a tiny Qwen3 / Qwen3-MoE / Qwen2 / Llama written by transformers' own classes, so
+  tests can compare our model against Hugging Face's on the very same weights.
 - `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B shapes with random weights, written straight to
   safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
 """
@@ -16,11 +16,12 @@ from typing import Any, BinaryIO, Literal
 
 import torch
 
-Family = Literal["qwen3", "qwen2", "llama"]
+Family = Literal["qwen3", "qwen3_moe", "qwen2", "llama"]
 ShapeName = Literal["qwen3-0.6b", "qwen3-8b"]
 
 _HF_CLASSES: Mapping[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }
@@ -100,6 +101,7 @@ def write_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     shard: bool = False,
+    moe: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a random tiny HF checkpoint (config, safetensors, generation_config) to `path`; returns the path.
 
@@ -107,15 +109,20 @@ def write_tiny_checkpoint(
     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}. Weights are drawn with std `init_std`
     (larger than HF's 0.02 so tiny models give varied logits) and norm weights / biases are randomised too, so
     every tensor matters. eos_token_id defaults to vocab_size - 1. shard=True splits into several files.
+    moe: the Qwen3MoeConfig fields of family "qwen3_moe" (required there, refused elsewhere), e.g.
+    {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    "mlp_only_layers": [1]}; the router and experts are drawn with std `init_std` too.
     """
     import transformers
 
     if family not in _HF_CLASSES:
         raise ValueError(f"family {family!r} is not supported; supported: {tuple(_HF_CLASSES)}")
+    if (family == "qwen3_moe") != (moe is not None):
+        raise ValueError(f"moe options are required for family 'qwen3_moe' and only for it (family {family!r})")
     config_name, model_name = _HF_CLASSES[family]
     eos = vocab_size - 1 if eos_token_id is None else eos_token_id
     rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-    extra = {} if head_dim is None else {"head_dim": head_dim}
+    extra = {**({} if head_dim is None else {"head_dim": head_dim}), **(moe or {})}
     config = getattr(transformers, config_name)(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
