@@ -24,7 +24,8 @@ block of slots the weight tiles are walked along N with the slot blocks grouped 
 together read the same expert's tiles.
 
 Float32 inputs multiply in IEEE float32 (no TF32), so float32 models match Hugging Face's; 16-bit inputs
-accumulate in float32 and round once per stored tensor.
+accumulate in float32 and round once per stored tensor. Products go through decode_attention's ``dot``, which
+widens 16-bit operands under the CPU interpreter only (whose bf16 dot is wrong).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
 from fnvllm.model.ops import fused_moe_ref
 
 __all__ = ["ExpertAlignment", "MoeKernelConfig", "align_by_expert", "fused_moe", "fused_moe_ref", "pick_config"]
@@ -138,6 +140,7 @@ def _gate_up_kernel(
     stride_out,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -164,8 +167,8 @@ def _gate_up_kernel(
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        acc_g += dot(a, g, PRECISION, UPCAST)
+        acc_u += dot(a, u, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -192,6 +195,7 @@ def _down_kernel(
     stride_wn,
     stride_out,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -214,7 +218,7 @@ def _down_kernel(
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc += dot(a, b, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     scale = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
@@ -241,22 +245,22 @@ def fused_moe(
     cfg = config or pick_config(num_tokens, num_experts, top_k)
     align = align_by_expert(topk_ids, num_experts, cfg.block_m)
     num_m, n = align.block_experts.numel(), num_tokens * top_k
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 (the default) only affects float32 inputs
+    precision, upcast = dot_precision(x.dtype), upcast_dot(x.device)  # upcast: the interpreter's bf16 dot is wrong
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # (T*K, I)
     grid = (num_m * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
         x, w_gate_up, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TOP_K=top_k, PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     per_assignment = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # (T*K, H)
     grid = (num_m * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
         act, w_down, topk_weights.reshape(-1), per_assignment, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
-        per_assignment.stride(0), PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return per_assignment.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
