@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,31 @@ def test_bad_moe_field_in_file_is_a_checkpoint_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(moe_dict(num_experts_per_tok=0)))
     with pytest.raises(CheckpointError, match=r"config\.json.*num_experts_per_tok"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_random_qwen3_30b_a3b_shapes() -> None:
+    """The random Qwen3-30B-A3B tensor list holds the real model's ~30.5B parameters, and a decode step at 256
+    sequences reads ~60 GB of bf16 weights (every expert) but one sequence only its 8 experts a layer."""
+    from fnvllm.benchmark import weight_bytes
+    from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_MOE_SHAPES, qwen3_tensor_shapes
+
+    hf = {**_QWEN3_COMMON, **QWEN3_MOE_SHAPES["qwen3-30b-a3b"], "torch_dtype": "bfloat16"}
+    assert 30.4e9 < sum(math.prod(s) for s in qwen3_tensor_shapes(hf).values()) < 30.6e9
+    config = ModelConfig.from_dict(hf)
+    assert weight_bytes(config) == weight_bytes(config, num_seqs=256 * 256)
+    assert 60.0e9 < weight_bytes(config, num_seqs=256) < 60.5e9
+    expert_bytes = 48 * 3 * 2048 * 768 * 2
+    assert weight_bytes(config, num_seqs=1) == pytest.approx(weight_bytes(config) - 120 * expert_bytes, rel=1e-6)
+
+
+def test_random_writer_names_match_transformers(tmp_path: Path) -> None:
+    """The random-checkpoint tensor names and shapes of a MoE config with a dense layer are the ones
+    transformers' save_pretrained writes for it."""
+    from fnvllm.testing.checkpoints import qwen3_tensor_shapes
+
+    path = write_family(tmp_path, "qwen3_moe")
+    hf = json.loads((path / "config.json").read_text())
+    hf["num_experts"] = hf.get("num_experts", hf.get("num_local_experts"))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert qwen3_tensor_shapes(hf) == stored

@@ -51,3 +51,9 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.normalize)  # (T, K) each
         partial = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         return all_reduce(partial, self.tp)
+
+
+def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Experts a layer is expected to read for ``num_tokens`` tokens routed uniformly at random, top_k each:
+    E * (1 - (1 - k/E)^n). Qwen3-30B-A3B (E 128, k 8): 1 token 8, 16 tokens 82, 64 tokens 126, 256 all 128."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
