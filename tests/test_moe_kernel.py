@@ -106,7 +106,7 @@ def test_kernel_all_tokens_on_one_expert() -> None:
     check((x, w_gate_up, w_down, weights, ids))
 
 
-@pytest.mark.parametrize("config", [fm.DECODE_CONFIG, fm.MEDIUM_CONFIG, fm.LARGE_CONFIG, fm.PREFILL_CONFIG])
+@pytest.mark.parametrize("config", [fm.SMALL_CONFIG, fm.DECODE_CONFIG, fm.MEDIUM_CONFIG, fm.PREFILL_CONFIG])
 def test_kernel_shipped_configs(config: fm.MoeKernelConfig) -> None:
     """Each shipped tile config computes the reference (tiles larger than the tiny problem are masked)."""
     check(problem(9, 48, 40, 4, 2, torch.float32, seed=3), config)
@@ -115,7 +115,7 @@ def test_kernel_shipped_configs(config: fm.MoeKernelConfig) -> None:
 def test_pick_config_by_assignments_per_expert() -> None:
     """Qwen3-30B-A3B sizes: a 256-token decode step gets the decode tiles, an 8192-token prefill the large ones."""
     assert fm.pick_config(256, 128, 8) == fm.DECODE_CONFIG
-    assert fm.pick_config(1, 128, 8) == fm.DECODE_CONFIG
+    assert fm.pick_config(1, 128, 8) == fm.SMALL_CONFIG
     assert fm.pick_config(8192, 128, 8) == fm.PREFILL_CONFIG
 
 

@@ -43,7 +43,11 @@ __all__ = ["ExpertAlignment", "MoeKernelConfig", "align_by_expert", "fused_moe",
 
 @attrs.frozen
 class MoeKernelConfig:
-    """Tile sizes and launch shape of both grouped GEMMs (BLOCK_* >= 16: tl.dot's minimum)."""
+    """Tile sizes and launch shape of both grouped GEMMs (BLOCK_* >= 16: tl.dot's minimum).
+
+    block_n is the gate_up kernel's N tile, which it holds twice (a gate and an up accumulator); the down kernel,
+    with one accumulator, uses 2 * block_n, so both hold the same number of accumulator registers.
+    """
 
     block_m: int
     block_n: int
@@ -53,23 +57,24 @@ class MoeKernelConfig:
     num_stages: int = 3
 
 
-# By mean assignments per expert (T*K / E): Qwen3-30B-A3B at a 256-token decode step is 16 per expert; an
-# 8192-token prefill step is 512.
-DECODE_CONFIG = MoeKernelConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
-MEDIUM_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=4)
-LARGE_CONFIG = MoeKernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
-PREFILL_CONFIG = MoeKernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# By mean assignments per expert (T*K / E). Qwen3-30B-A3B (E 128, top-8): a 1-16 token decode step has <= 1 per
+# expert, a 256-token one 16 (at most ~30 on one expert, one BLOCK_M of 32: each expert's weights are read once),
+# an 8192-token prefill 512 (compute-bound: 128 x 128 tiles, counting both accumulators).
+SMALL_CONFIG = MoeKernelConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
+DECODE_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+MEDIUM_CONFIG = MoeKernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+PREFILL_CONFIG = MoeKernelConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelConfig:
     """The tile config for a step of ``num_tokens`` tokens, by mean assignments per expert."""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 16:
+    if per_expert <= 4:
+        return SMALL_CONFIG
+    if per_expert <= 24:
         return DECODE_CONFIG
-    if per_expert <= 48:
+    if per_expert <= 96:
         return MEDIUM_CONFIG
-    if per_expert <= 192:
-        return LARGE_CONFIG
     return PREFILL_CONFIG
 
 
@@ -255,11 +260,11 @@ def fused_moe(
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     per_assignment = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # (T*K, H)
-    grid = (num_m * triton.cdiv(hidden, cfg.block_n),)
+    grid = (num_m * triton.cdiv(hidden, 2 * cfg.block_n),)
     _down_kernel[grid](
         act, w_down, topk_weights.reshape(-1), per_assignment, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
-        per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return per_assignment.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
