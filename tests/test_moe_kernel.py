@@ -67,9 +67,9 @@ def check(args: tuple[torch.Tensor, ...], config: fm.MoeKernelConfig | None = TI
 def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: list[list[int]], block_m: int) -> None:
     """Every assignment appears in exactly one slot, each used block holds one expert's assignments only, groups
     are padded to whole blocks and fit the static bound, and blocks past the used ones name no expert."""
-    topk_ids = torch.tensor(ids)
+    topk_ids = torch.tensor(ids, device=DEVICE)
     n = topk_ids.numel()
-    align = fm.align_by_expert(topk_ids, 6, block_m)
+    align = fm.align_by_expert_ref(topk_ids, 6, block_m)
     used = int(align.num_slots)
     assert used % block_m == 0 and used <= align.sorted_ids.numel() == fm.max_slots(n, 6, block_m)
     slots = align.sorted_ids.tolist()
@@ -82,6 +82,20 @@ def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: lis
             assert expert == 6 and not members
         else:
             assert members and all(flat[s] == expert for s in members)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts", "block_m"),
+    [(5, 1, 3, 4), (7, 2, 8, 16), (1, 8, 128, 16), (300, 8, 128, 32), (9, 3, 200, 16)],
+)
+def test_alignment_kernel_equals_torch_path(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+    """The two-launch Triton alignment gives exactly the torch path's slots, block experts and slot count
+    (several chunks; a non-power-of-two expert count)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    got, ref = fm.align_by_expert(ids, num_experts, block_m), fm.align_by_expert_ref(ids, num_experts, block_m)
+    for field in ("sorted_ids", "block_experts", "num_slots"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
