@@ -12,7 +12,9 @@ Sizes: hidden 2048, 128 experts of intermediate 768, top-8 of a softmax over ran
     under triton.testing.do_bench (which flushes L2 before each). Target >= 3.0 TB/s;
 (c) prefill, 8192 tokens: TFLOP/s = 2 x T x K x 3 x H x I over the same time. Target >= 500 TFLOP/s;
 (d) unless --no-sweep, a few tile configs for each, within the time budget; the best is printed with the line
-    to paste into fnvllm/kernels/fused_moe.py's pick_config table.
+    to paste into fnvllm/kernels/fused_moe.py's pick_config table;
+(e) end to end: a tiny fp32 Qwen3-MoE (8 experts, top-2, a dense layer) through ``LLM`` on the GPU (Triton ops,
+    CUDA graphs for decode) against transformers' greedy tokens, 24 prompts of 16 tokens (exact equality).
 A summary table comes last; --json writes every number.
 """
 
@@ -150,6 +152,41 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     results[name] = entry
 
 
+def end_to_end(results: dict) -> bool:
+    """Greedy tokens of a tiny fp32 Qwen3-MoE through LLM on the GPU (graphs on) equal transformers'."""
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from fnvllm.llm import LLM
+    from fnvllm.state import SamplingParams
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
+    path = write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="moe-e2e-")), "qwen3_moe", head_dim=32, moe=moe)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 60))] for _ in range(24)]
+    llm = LLM(path, dtype="float32", load_tokenizer=False, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphs = llm.executor.graphs is not None
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(16):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            expected.append(ids[len(prompt) :])
+    equal = sum(g == e for g, e in zip(got, expected, strict=True))
+    results["end_to_end"] = {"prompts": len(prompts), "equal": equal, "cuda_graphs": graphs}
+    print(f"end to end: {equal}/{len(prompts)} prompts equal transformers' greedy tokens (cuda graphs {graphs})")
+    return equal == len(prompts)
+
+
 def summary(results: dict) -> None:
     """The short table."""
     print("\n| case | shipped config | us | rate | best config | best rate | target |")
@@ -161,6 +198,8 @@ def summary(results: dict) -> None:
         print(f"| {name} T={r['tokens']} | {r['shipped']} | {r['seconds'] * 1e6:.1f} | {r['rate']:.2f} {unit} | "
               f"{r['best']} | {r['best_rate']:.2f} {unit} | >= {target} {unit} |")  # fmt: skip
     print("correctness:", "PASS" if all(c["pass"] for c in results["correctness"].values()) else "FAIL")
+    e2e = results["end_to_end"]
+    print(f"end to end vs transformers: {e2e['equal']}/{e2e['prompts']} equal, cuda graphs {e2e['cuda_graphs']}")
 
 
 def main() -> None:
@@ -172,6 +211,7 @@ def main() -> None:
     start = time.monotonic()
     results: dict = {"correctness": {}, "device": torch.cuda.get_device_name()}
     correctness(results)
+    end_to_end(results)
     decode_args = problem(DECODE_TOKENS, seed=1)
     touched = expert_bytes(decode_args[4])
     del decode_args
