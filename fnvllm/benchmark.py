@@ -73,10 +73,10 @@ def _mlp_weights(config: Any, layer: int, num_seqs: int | None) -> float:
 
     moe, h = getattr(config, "moe", None), config.hidden_size
     if moe is None or not moe.is_sparse(layer):
-        return 3 * h * config.intermediate_size
+        return float(3 * h * config.intermediate_size)
     e, k = moe.num_experts, moe.num_experts_per_tok
     touched = e if num_seqs is None else expected_experts_touched(e, k, num_seqs)
-    return h * e + touched * 3 * h * moe.moe_intermediate_size
+    return float(h * e + touched * 3 * h * moe.moe_intermediate_size)
 
 
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:

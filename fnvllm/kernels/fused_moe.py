@@ -108,7 +108,7 @@ class ExpertAlignment:
 def max_slots(num_assignments: int, num_experts: int, block_m: int) -> int:
     """An upper bound on the padded slots of any routing of ``num_assignments`` (a multiple of block_m)."""
     bound = num_assignments + min(num_assignments, num_experts) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return -(-bound // block_m) * block_m
 
 
 ALIGN_KERNEL_MAX_ASSIGNMENTS = 8192  # above this (prefill) the torch sort path is cheaper than the chunk prefix
