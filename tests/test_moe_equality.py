@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_llm_equality import MAX_NEW, REGIMES, mixed_prompts, references
 from tiny_models import MOE_FAMILIES, hf_model, write_family
 
@@ -56,3 +57,14 @@ def test_moe_triton_kernel_in_model_equals_transformers(moe_family: tuple[str, P
     llm = LLM(path, dtype="float32", model_ops="triton", attention_backend="torch", **REGIMES["chunked_prefill"][0])
     assert llm.executor.ops.name == "triton"
     check_equal(name, model, llm, "chunked_prefill")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_moe_with_cuda_graphs_equals_transformers(moe_family: tuple[str, Path, Any]) -> None:
+    """On a GPU (Triton ops and attention, decode steps replayed from CUDA graphs) fp32 greedy tokens equal
+    transformers' under prefix caching."""
+    name, path, model = moe_family
+    llm = LLM(path, dtype="float32", device="cuda", **REGIMES["prefix_cache_hits"][0])
+    assert llm.executor.graphs is not None and llm.executor.ops.name == "triton"
+    check_equal(name, model, llm, "prefix_cache_hits")
