@@ -151,3 +151,20 @@ def test_random_writer_names_match_transformers(tmp_path: Path) -> None:
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     assert qwen3_tensor_shapes(hf) == stored
+
+
+def test_all_experts_reference_equals_sparse_reference() -> None:
+    """The capturable every-expert reference computes the sparse reference's result (unchosen experts add 0)."""
+    from fnvllm.model.moe import route
+    from fnvllm.model.ops import fused_moe_all_experts_ref, fused_moe_ref
+
+    gen = torch.Generator().manual_seed(0)
+    x, w_gate_up = torch.randn(9, 32, generator=gen), torch.randn(6, 40, 32, generator=gen)
+    w_down = torch.randn(6, 32, 20, generator=gen)
+    weights, ids = route(torch.randn(9, 6, generator=gen), 2, normalize=False)
+    torch.testing.assert_close(
+        fused_moe_all_experts_ref(x, w_gate_up, w_down, weights, ids),
+        fused_moe_ref(x, w_gate_up, w_down, weights, ids),
+        rtol=1e-4,
+        atol=1e-4,  # GEMMs over all 9 rows vs each expert's rows: another blocking of the same float32 sums
+    )

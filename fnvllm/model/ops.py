@@ -71,14 +71,35 @@ def fused_moe_ref(
     x (T, H); w_gate_up (E, 2I, H) = [gate rows | up rows] of every expert; w_down (E, H, I); topk_weights and
     topk_ids (T, K): token t goes to experts topk_ids[t] with weights topk_weights[t]. Returns (T, H) in x's dtype:
     out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with e = topk_ids[t, k], summed
-    in float32. Experts no token chose cost nothing (only the chosen ones are visited).
+    in float32. Experts no token chose cost nothing (only the chosen ones are visited). Visiting only those
+    needs the host, so inside a CUDA-graph capture (model_ops "torch" on a GPU) every expert runs on every
+    token instead (``fused_moe_all_experts_ref``: the same sums in the same expert order, plus exact zeros).
     """
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fused_moe_all_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
     for expert in torch.unique(topk_ids).tolist():
         rows, slots = (topk_ids == expert).nonzero(as_tuple=True)  # token and top-k slot of each assignment
         act = silu_and_mul_ref(F.linear(x[rows], w_gate_up[expert]))  # (n, I)
         y = F.linear(act, w_down[expert]).float() * topk_weights[rows, slots, None].float()  # (n, H)
         out.index_add_(0, rows, y)
+    return out.to(x.dtype)
+
+
+def fused_moe_all_experts_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_moe_ref`` without host syncs: every expert on every token, weighted by 0 where it was not chosen
+    (E times the work; capturable in a CUDA graph)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
+    for expert in range(w_gate_up.shape[0]):
+        weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1)  # (T,), 0 when not chosen
+        y = F.linear(silu_and_mul_ref(F.linear(x, w_gate_up[expert])), w_down[expert])  # (T, H)
+        out += y.float() * weight[:, None]
     return out.to(x.dtype)
 
 
