@@ -20,7 +20,8 @@ a host round trip per expert; here it is four steps, none of which syncs with th
    expert's gate and up rows (two accumulators), and store silu(gate) * up for each assignment: (T*K, I).
 3. ``_down_kernel``: per (block of slots, block of H): that times the expert's down projection, scaled by the
    assignment's routing weight, stored per assignment: (T*K, H).
-4. The combine: the K rows of each token summed in float32 (a torch sum; deterministic, unlike atomics).
+4. ``_combine_kernel``: the K rows of each token summed in float32 in k order (deterministic, unlike atomic
+   adds into the output from the down kernel).
 
 Block sizes are picked by the mean number of assignments per expert (``pick_config``): few (decode) -> small
 BLOCK_M, every expert's weights streamed once (bandwidth); many (prefill) -> large tiles (compute). Within a
@@ -362,7 +363,28 @@ def fused_moe(
         per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return per_assignment.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return combine(per_assignment.view(num_tokens, top_k, hidden))
+
+
+def combine(per_assignment: torch.Tensor) -> torch.Tensor:
+    """(T, K, H) -> (T, H): each token's K weighted expert outputs summed in float32 in k order, rounded once."""
+    num_tokens, top_k, hidden = per_assignment.shape
+    out = torch.empty(num_tokens, hidden, dtype=per_assignment.dtype, device=per_assignment.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](per_assignment, out, hidden, TOP_K=top_k, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(TOP_K):
+        acc += tl.load(src_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_args(
