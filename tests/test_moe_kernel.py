@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
@@ -105,6 +105,23 @@ def test_kernel_matches_reference_odd_sizes(dtype: torch.dtype) -> None:
     args = problem(7, 40, 24, 8, 2, dtype)
     assert torch.unique(args[4]).numel() < 8
     check(args)
+
+
+@settings(max_examples=20)
+@given(
+    num_tokens=st.integers(1, 20),
+    hidden=st.integers(1, 80),
+    inter=st.integers(1, 40),
+    num_experts=st.integers(1, 10),
+    data=st.data(),
+)
+def test_kernel_matches_reference_any_small_shape(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, data: st.DataObject
+) -> None:
+    """Any small shape (one expert, top-k = E, widths below the tile or not multiples of it) computes the
+    reference."""
+    top_k = data.draw(st.integers(1, min(num_experts, 4)), label="top_k")
+    check(problem(num_tokens, hidden, inter, num_experts, top_k, torch.float32, seed=num_tokens))
 
 
 def test_kernel_one_token_step() -> None:
