@@ -23,7 +23,8 @@ if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "In
     )
 
 from fnvllm.kernels import fused_moe as fm  # noqa: E402
-from fnvllm.model.moe import route  # noqa: E402
+from fnvllm.kernels import moe_route  # noqa: E402
+from fnvllm.model.ops import route_ref as route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -176,6 +177,30 @@ def test_route_matches_transformers_router() -> None:
         weights, ids = route(x @ router.weight.T, 3, normalize)
         assert torch.equal(ids, hf_ids)
         torch.testing.assert_close(weights, hf_weights)
+
+
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (6, 1), (5, 5), (128, 8), (100, 3)])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_kernel_matches_reference(num_experts: int, top_k: int, normalize: bool, dtype: torch.dtype) -> None:
+    """The one-kernel router picks the reference's experts, best first, with its weights (non-power-of-two
+    expert counts, k = 1 and k = E)."""
+    logits = torch.randn(13, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(dtype).to(DEVICE)
+    weights, ids = moe_route.route(logits, top_k, normalize)
+    ref_weights, ref_ids = moe_route.route_ref(logits, top_k, normalize)
+    assert torch.equal(ids, ref_ids) and weights.dtype == dtype
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def test_route_kernel_worked_example() -> None:
+    """logits [0, ln 3, ln 2, 0], k=2: ids [1, 2], weights [3/7, 2/7], normalised [0.6, 0.4]."""
+    logits = torch.tensor([[0.0, math.log(3), math.log(2), 0.0]], device=DEVICE)
+    weights, ids = moe_route.route(logits, 2, normalize=False)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[3 / 7, 2 / 7]], device=DEVICE))
+    torch.testing.assert_close(moe_route.route(logits, 2, normalize=True)[0], torch.tensor([[0.6, 0.4]], device=DEVICE))
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route.route(logits, 5, normalize=True)
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real sizes

@@ -2,6 +2,7 @@
 
     logits = x @ gate.T                       (T, E)  replicated on every rank
     probs  = softmax(logits) in float32       top-k of them per token, renormalised to sum 1 if norm_topk_prob
+                                              (``ops.route``)
     out    = sum_k w_k * expert_{e_k}(x)      by ``ops.fused_moe`` over the stacked expert weights
 
 As Hugging Face's Qwen3MoeTopKRouter, the top-k weights are rounded to the activation dtype before use. Under
@@ -18,15 +19,6 @@ from torch import nn
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.ops import TORCH_OPS, ModelOps
 from fnvllm.model.sharding import SINGLE, ParallelExperts, TensorParallel, all_reduce
-
-
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert ids), both (T, top_k), for router logits (T, E); weights in the logits' dtype."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, K)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
 
 
 class SparseMoeBlock(nn.Module):
@@ -48,7 +40,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.normalize)  # (T, K) each
+        weights, ids = self.ops.route(F.linear(x, self.gate.weight), self.top_k, self.normalize)  # (T, K) each
         partial = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         return all_reduce(partial, self.tp)
 

@@ -1,8 +1,8 @@
 """The model's small fused operations, chosen once per model: plain torch, torch.compile, or Triton.
 
-Mixture-of-experts layers add one bigger op, ``fused_moe`` (the routed experts): the per-expert loop below in
-torch (and under "compile": its data-dependent shapes do not compile), the fused kernel of
-``fnvllm.kernels.fused_moe`` under "triton".
+Mixture-of-experts layers add two ops: ``route`` (softmax, top-k, renormalise: 5 torch kernels, 1 Triton) and
+``fused_moe`` (the routed experts): the per-expert loop below in torch (and under "compile": its data-dependent
+shapes do not compile), the fused kernels of ``fnvllm.kernels.fused_moe`` under "triton".
 
 Every decoder layer runs a residual add + RMSNorm twice, a rotary embedding on q and k, a SiLU-and-mul, and
 (Qwen3) an RMSNorm per q/k head. In plain torch each is 3-10 tiny kernels; at a decode batch of 256 that is
@@ -59,6 +59,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def route_ref(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router's choice for logits (T, E): (weights, expert ids), both (T, top_k), best first. Softmax in
+    float32, top-k, renormalised to sum 1 when ``normalize``, weights rounded to the logits' dtype (as HF's
+    Qwen3MoeTopKRouter)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, K)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -107,7 +118,8 @@ def fused_moe_all_experts_ref(
 class ModelOps:
     """One implementation of each small op (signatures as the ``*_ref`` functions of this module).
 
-    fused_moe: the routed experts of a MoE layer (``fused_moe_ref``); the reference unless a backend has a kernel.
+    route / fused_moe: a MoE layer's router choice (``route_ref``) and routed experts (``fused_moe_ref``); the
+    references unless an implementation has kernels.
     """
 
     name: str
@@ -142,7 +154,7 @@ def compiled_ops() -> ModelOps:
 
 def triton_ops() -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
-    from fnvllm.kernels import fused_moe, fused_ops
+    from fnvllm.kernels import fused_moe, fused_ops, moe_route
 
     return ModelOps(
         "triton",
@@ -152,6 +164,7 @@ def triton_ops() -> ModelOps:
         fused_ops.silu_and_mul,
         fused_ops.norm_rotary,
         fused_moe.fused_moe,
+        moe_route.route,
     )
 
 
