@@ -131,6 +131,7 @@ class ModelOps:
     fused_moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
         fused_moe_ref
     )
+    route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
