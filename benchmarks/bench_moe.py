@@ -1,6 +1,6 @@
 """The fused-MoE kernel at Qwen3-30B-A3B sizes on one GPU: correctness, decode bandwidth, prefill compute.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_moe.py [--json PATH] [--budget-s 150] [--no-sweep]
+    PYTHONPATH=$PWD python3 benchmarks/bench_moe.py [--json PATH] [--budget-s 100] [--no-sweep]
 
 Sizes: hidden 2048, 128 experts of intermediate 768, top-8 of a softmax over random router logits
 (renormalised), bf16 weights N(0, 1/fan_in) (1.2 GB of experts a layer, far above the 50 MB L2).
@@ -205,7 +205,7 @@ def summary(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="write every number to this file")
-    parser.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping after this many seconds")
     parser.add_argument("--no-sweep", action="store_true", help="time the shipped configs only")
     opts = parser.parse_args()
     start = time.monotonic()
