@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -208,10 +209,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping after this many seconds")
     parser.add_argument("--no-sweep", action="store_true", help="time the shipped configs only")
     opts = parser.parse_args()
-    start = time.monotonic()
     results: dict = {"correctness": {}, "device": torch.cuda.get_device_name()}
-    correctness(results)
-    end_to_end(results)
+    ok = correctness(results)
+    ok &= end_to_end(results)
+    start = time.monotonic()
     decode_args = problem(DECODE_TOKENS, seed=1)
     touched = expert_bytes(decode_args[4])
     del decode_args
@@ -227,6 +228,8 @@ def main() -> None:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=2)
     summary(results)
+    if not ok:
+        sys.exit("FAILED: the kernel or the end-to-end run disagrees with its reference (see above)")
 
 
 if __name__ == "__main__":
