@@ -9,7 +9,9 @@ The bandwidth floor: the fewest bytes any engine must read from device memory fo
 ceiling. Each request's n-th output token reads the KV of its whole context (prompt + n tokens, all layers), and
 each decode step reads the weights once; with every request in one batch there are max(max_tokens) decode steps.
 For Qwen3-0.6B on the full workload: 13.87 TB of KV + 1.22 TB of weights = 15.09 TB; at 4.16 TB/s that is 3.63 s,
-i.e. ~36,900 output tok/s at most.
+i.e. ~36,900 output tok/s at most. A mixture of experts reads, per sparse layer and decode step, the experts its
+running sequences touch (``moe.expected_experts_touched``: all 128 of Qwen3-30B-A3B at 256 sequences, ~61 GB a
+step; fewer as the batch drains).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from fnvllm.state import SamplingParams
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
-SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b")
+SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
 
 
 def bench_workload(
@@ -55,12 +57,26 @@ def agreement_prompts(n: int = 64, seed: int = 1) -> list[list[int]]:
     return out
 
 
-def weight_bytes(config: Any, dtype_bytes: int = 2) -> int:
+def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head (not the embedding
-    table, of which only the batch's rows are read — unless tied, when the LM head reads all of it)."""
+    table, of which only the batch's rows are read — unless tied, when the LM head reads all of it). A sparse
+    layer reads its router and the experts ``num_seqs`` sequences touch on average (None: all of them)."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size + 2 * h
-    return (config.num_hidden_layers * per_layer + config.vocab_size * h + h) * dtype_bytes
+    attention = h * (q + 2 * kv) + q * h + 2 * h
+    layers = sum(attention + _mlp_weights(config, i, num_seqs) for i in range(config.num_hidden_layers))
+    return int(layers + config.vocab_size * h + h) * dtype_bytes
+
+
+def _mlp_weights(config: Any, layer: int, num_seqs: int | None) -> float:
+    """Weights of layer ``layer``'s MLP a decode step of ``num_seqs`` sequences reads (see weight_bytes)."""
+    from fnvllm.model.moe import expected_experts_touched
+
+    moe, h = getattr(config, "moe", None), config.hidden_size
+    if moe is None or not moe.is_sparse(layer):
+        return float(3 * h * config.intermediate_size)
+    e, k = moe.num_experts, moe.num_experts_per_tok
+    touched = e if num_seqs is None else expected_experts_touched(e, k, num_seqs)
+    return float(h * e + touched * 3 * h * moe.moe_intermediate_size)
 
 
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
@@ -71,7 +87,11 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
 def floor_seconds(config: Any, prompt_lens: Sequence[int], output_lens: Sequence[int], read_tb_s: float) -> float:
     """The workload's bandwidth floor in seconds (see the module docstring)."""
     kv_tokens = sum(p * o + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
-    total = kv_tokens * kv_bytes_per_token(config) + max(output_lens) * weight_bytes(config)
+    if getattr(config, "moe", None) is None:
+        weights = max(output_lens) * weight_bytes(config)
+    else:  # decode step s runs the sequences with more than s outputs; the experts they touch shrink with them
+        weights = sum(weight_bytes(config, num_seqs=sum(o > s for o in output_lens)) for s in range(max(output_lens)))
+    total = kv_tokens * kv_bytes_per_token(config) + weights
     return total / (read_tb_s * 1e12)
 
 

@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
     """Add the ``bench`` subcommand."""
     p = sub.add_parser("bench", help="throughput on the nano-vllm workload (random weights of a real shape)")
     p.add_argument("--model", default=None, help="a checkpoint folder instead of a random one of --model-shape")
-    p.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b"])
+    p.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"])
     p.add_argument("--num-requests", type=int, default=256, help="requests in the workload (default 256)")
     p.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths are drawn from [100, this]")
     p.add_argument("--max-output-len", type=int, default=1024, help="max_tokens are drawn from [100, this]")
