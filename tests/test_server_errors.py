@@ -24,6 +24,7 @@ MODEL = "tiny"
 FLAGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "8", "--num-blocks", "256", "--max-model-len", "512"]
 FLAGS += ["--attention-backend", "torch", "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", MODEL]
 GOOD = {"model": MODEL, "prompt": "The engine is pure", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,10 @@ BAD_COMPLETIONS = [
     ("too long for the model", {**GOOD, "max_tokens": 600}, "max_tokens"),
     ("empty stop string", {**GOOD, "stop": [""]}, "stop"),
     ("missing prompt", {"model": MODEL}, "prompt"),
+    ("lone surrogate in prompt", b'{"prompt": "abc\\ud800def", "max_tokens": 2}', "prompt"),
+    ("lone surrogate in stop", b'{"prompt": "abc", "stop": ["\\udc00"], "max_tokens": 2}', "stop"),
+    ("nested 100,000 deep", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    ("nested 40 deep", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None),
 ]
 BAD_CHATS = [
     ("no messages", {"model": MODEL, "messages": []}, "messages"),
@@ -70,12 +75,25 @@ BAD_CHATS = [
     ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
     ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
     ("top_logprobs alone", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+    ("message without content", {"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ("null content", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("lone surrogate in content", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+    (
+        "lone surrogate in a text part",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        "messages.0.content",
+    ),
+    ("max_completion_tokens too large", {**CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ("max_completion_tokens as a float", {**CHAT, "max_completion_tokens": 1e9}, "max_completion_tokens"),
+    ("top_logprobs over 20", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ]
 
 
-@pytest.mark.parametrize(("path", "case"), [("/v1/completions", c) for c in BAD_COMPLETIONS] + [
-    ("/v1/chat/completions", c) for c in BAD_CHATS
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "case"),
+    [("/v1/completions", c) for c in BAD_COMPLETIONS] + [("/v1/chat/completions", c) for c in BAD_CHATS],
+    ids=[c[0] for c in BAD_COMPLETIONS + BAD_CHATS],
+)
 def test_bad_input_is_a_400_with_openai_error_json(server: ServerProcess, path: str, case: tuple) -> None:
     """Malformed, mistyped, out-of-range, unknown or unsupported input is a 400 naming the field; then a good
     request still succeeds."""

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from fnvllm.cli import CLIError
+from fnvllm.cli._common import one_line_errors
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # fnvllm.serve.limits' default (that module needs the [serve] extra)
 
 # flag -> EngineConfig field; a flag left unset keeps EngineConfig's default
 _ENGINE_FLAGS = {
@@ -84,12 +87,10 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def _start_engine(args: argparse.Namespace, path: Path) -> tuple[Any, str, str, Any, bool]:
     """The engine front, and (device, attention backend, core config, has tokenizer) to announce. By default the
     engine runs in a process of its own (``ProcessEngine``); ``--engine-thread`` keeps it on a thread here."""
-    from fnvllm.config import EngineConfig
     from fnvllm.llm import LLM, load_local_tokenizer
     from fnvllm.serve import AsyncEngine, ProcessEngine
 
     options, has_tokenizer = _engine_options(args), _has_tokenizer(path)
-    EngineConfig.from_options(options)  # a bad option fails here, before a process starts
     if args.engine_thread:
         llm = LLM(path, load_tokenizer=has_tokenizer, **options)
         backend = getattr(llm.executor.backend, "name", llm.executor.backend)
@@ -101,17 +102,46 @@ def _start_engine(args: argparse.Namespace, path: Path) -> tuple[Any, str, str, 
     return engine, ready.device, ready.backend, ready.config, ready.has_tokenizer
 
 
+MAX_PORT = 65535
+MAX_STREAM_INTERVAL_MS = 60_000.0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse out-of-range serve flags (exit 2, one line naming the flag) before anything is loaded."""
+    from fnvllm.serve.limits import MAX_REQUEST_BYTES_LIMIT
+
+    if not 0 <= args.port <= MAX_PORT:
+        raise CLIError(f"--port must be in [0, {MAX_PORT}] (0: any free port), got {args.port}", code=2)
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise CLIError(f"--max-waiting must be >= 1 (leave it out for no cap), got {args.max_waiting}", code=2)
+    if not 0 <= args.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:  # also refuses nan
+        raise CLIError(
+            f"--stream-interval-ms must be in [0, {MAX_STREAM_INTERVAL_MS:.0f}], got {args.stream_interval_ms}", code=2
+        )
+    if not 1 <= args.max_request_bytes <= MAX_REQUEST_BYTES_LIMIT:
+        raise CLIError(
+            f"--max-request-bytes must be in [1, {MAX_REQUEST_BYTES_LIMIT}], got {args.max_request_bytes}", code=2
+        )
+    for flag, value in (("--host", args.host), ("--served-model-name", args.served_model_name)):
+        if value is not None and not value.strip():
+            raise CLIError(f"{flag} must not be empty", code=2)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load the model, then serve until SIGINT/SIGTERM (exit 0)."""
+    """Check the flags, load the model, then serve until SIGINT/SIGTERM (exit 0)."""
     try:
+        from fnvllm.config import EngineConfig
         from fnvllm.serve import EngineStartupError, serve
     except ImportError as error:
         raise CLIError(f"fnvllm serve needs the [serve] extra (pip install 'fnvllm[serve]'): {error}") from None
+    check_flags(args)
+    try:
+        EngineConfig.from_options(_engine_options(args))
+    except (ValueError, TypeError) as error:
+        raise CLIError(str(error), code=2) from None
 
     path, default_name = _resolve_model(args)
     name = args.served_model_name or default_name
-    if args.stream_interval_ms < 0:
-        raise CLIError(f"--stream-interval-ms must be >= 0, got {args.stream_interval_ms}")
     try:
         engine, device, backend, cfg, has_tokenizer = _start_engine(args, path)
     except (OSError, ValueError, TypeError, EngineStartupError) as error:
@@ -139,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             args.log_level,
             on_listening=announce,
             stream_interval_s=args.stream_interval_ms / 1e3,
+            max_request_bytes=args.max_request_bytes,
         )
     except OSError as error:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
@@ -148,14 +179,20 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add the ``serve`` subcommand."""
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p = one_line_errors(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     p.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
     key_help = "require 'Authorization: Bearer KEY' on every route but /health (default: $FNVLLM_API_KEY)"
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
-    p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait")
+    p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait (>= 1)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"answer 413 to a larger request body, before reading it (default {DEFAULT_MAX_REQUEST_BYTES}: 8 MiB)",
+    )
     p.add_argument(
         "--stream-interval-ms",
         type=float,

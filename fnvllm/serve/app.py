@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fnvllm.serve import handlers
 from fnvllm.serve.async_engine import AsyncEngine
 from fnvllm.serve.errors import APIError, internal, unauthorized
+from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
 from fnvllm.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,12 +30,16 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 def build_app(
-    engine: AsyncEngine, model_name: str, api_key: str | None = None, stream_interval_s: float = 0.0
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    stream_interval_s: float = 0.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
     ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
     startup and stops it at shutdown. ``stream_interval_s``: least time between two chunks of one stream (0: a
-    chunk per engine step).
+    chunk per engine step). ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
@@ -59,12 +64,13 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         """OpenAI completions (``stream: true`` for server-sent events)."""
-        return await handlers.completions(served, await request.body(), request.receive)
+        return await handlers.completions(served, await read_body(request, max_request_bytes), request.receive)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         """OpenAI chat completions (the tokenizer's chat template; ``stream: true`` for server-sent events)."""
-        return await handlers.chat_completions(served, await request.body(), request.receive)
+        raw = await read_body(request, max_request_bytes)
+        return await handlers.chat_completions(served, raw, request.receive)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:

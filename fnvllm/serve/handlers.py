@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -26,6 +26,7 @@ from fnvllm.serve.errors import (
     unavailable,
 )
 from fnvllm.serve.formats import ChatFormat, CompletionFormat, usage
+from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
 from fnvllm.state import SamplingParams
@@ -44,34 +45,64 @@ class Served:
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
-    """The validated body, or a 400 naming the first bad field (or saying the JSON is malformed)."""
+    """The validated body, or a 400 naming the first bad field (or saying the JSON is malformed or too deep)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:  # the parser recurses per level: ~1,000 levels exhaust the stack
+        raise bad_request(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    check_depth(data)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error, FIELD_NAMES) from None
 
 
+@attrs.frozen
+class Prepared:
+    """A parsed request, ready to submit: its prompt ids and text, SamplingParams, and how to answer.
+
+    aliases: engine field -> body field, for errors raised at submit (see ``errors.from_invalid_request``)."""
+
+    ids: list[int]
+    text: str | None
+    params: SamplingParams
+    is_stream: bool
+    include_usage: bool
+    aliases: dict[str, str]
+
+
 async def completions(served: Served, raw: bytes, receive: Receive) -> Response:
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``. Parsing and tokenization run on a worker thread: a large prompt never holds
+    the event loop (``/health`` and every stream keep answering)."""
+    job = await asyncio.to_thread(_prepare_completion, served, raw)
+    stream = _submit(served.engine, job, "cmpl")
+    fmt = CompletionFormat(stream.request_id, served.model_name, served.engine.tokenizer)
+    return await _respond(served, stream, fmt, job, receive)
+
+
+async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
+    """``POST /v1/chat/completions``: the tokenizer's chat template (on a worker thread), then generation."""
+    job = await asyncio.to_thread(_prepare_chat, served, raw)
+    stream = _submit(served.engine, job, "chatcmpl")
+    fmt = ChatFormat(stream.request_id, served.model_name, served.engine.tokenizer)
+    return await _respond(served, stream, fmt, job, receive)
+
+
+def _prepare_completion(served: Served, raw: bytes) -> Prepared:
     body = parse(CompletionRequest, raw)
     _check(body.model, served, body.check_supported)
     prompt = body.single_prompt()
     text = prompt if isinstance(prompt, str) else None
     ids = _encode(served.engine, prompt) if isinstance(prompt, str) else prompt
-    params = _sampling_params(body.sampling_params)
-    stream = _submit(served.engine, ids, params, text, "cmpl")
-    fmt = CompletionFormat(stream.request_id, served.model_name, served.engine.tokenizer)
-    return await _respond(served, stream, fmt, body.stream, body.include_usage, params, receive)
+    params = _sampling_params(body.sampling_params, body.aliases())
+    return Prepared(ids, text, params, bool(body.stream), body.include_usage, body.aliases())
 
 
-async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
-    """``POST /v1/chat/completions``: the tokenizer's chat template, then generation."""
+def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     body = parse(ChatCompletionRequest, raw)
     _check(body.model, served, body.check_supported)
     ids = _render_chat(served.engine, [m.template_dict() for m in body.messages])
@@ -79,10 +110,8 @@ async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Resp
     if room < 1:
         limit = served.engine.max_total_tokens - 1
         raise bad_request(f"messages: the conversation is {len(ids)} tokens; at most {limit} fit", "messages")
-    params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room))
-    stream = _submit(served.engine, ids, params, None, "chatcmpl")
-    fmt = ChatFormat(stream.request_id, served.model_name, served.engine.tokenizer)
-    return await _respond(served, stream, fmt, body.stream, body.include_usage, params, receive)
+    params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room), body.aliases())
+    return Prepared(ids, None, params, bool(body.stream), body.include_usage, body.aliases())
 
 
 def _check(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
@@ -109,37 +138,27 @@ def _render_chat(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[in
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:
+def _sampling_params(build: Callable[[], SamplingParams], aliases: dict[str, str]) -> SamplingParams:
     try:
         return build()
     except (ValueError, TypeError) as error:  # InvalidRequestError is a ValueError naming the field
-        raise from_invalid_request(ValueError(str(error))) from None
+        raise from_invalid_request(ValueError(str(error)), aliases) from None
 
 
-def _submit(
-    engine: AsyncEngine, ids: Sequence[int], params: SamplingParams, text: str | None, prefix: str
-) -> RequestStream:
+def _submit(engine: AsyncEngine, job: Prepared, prefix: str) -> RequestStream:
     try:
-        return engine.submit(ids, params, text, request_id=f"{prefix}-{uuid.uuid4().hex}")
+        return engine.submit(job.ids, job.params, job.text, request_id=f"{prefix}-{uuid.uuid4().hex}")
     except EngineOverloaded as error:
         raise unavailable(str(error)) from None
     except ValueError as error:
-        raise from_invalid_request(error) from None
+        raise from_invalid_request(error, job.aliases) from None
 
 
-async def _respond(
-    served: Served,
-    stream: RequestStream,
-    fmt: Format,
-    is_stream: bool | None,
-    include_usage: bool,
-    params: SamplingParams,
-    receive: Receive,
-) -> Response:
-    engine = served.engine
+async def _respond(served: Served, stream: RequestStream, fmt: Format, job: Prepared, receive: Receive) -> Response:
+    engine, params = served.engine, job.params
     wants_logprobs = params.logprobs is not None
-    if is_stream:
-        events = _sse(fmt, stream, include_usage, wants_logprobs, served.stream_interval_s)
+    if job.is_stream:
+        events = _sse(fmt, stream, job.include_usage, wants_logprobs, served.stream_interval_s)
         return _EventStream(events, on_close=lambda: _abort_unfinished(engine, stream))
     collected = await _collect_or_abort(engine, stream, receive)
     if collected is None:

@@ -9,14 +9,28 @@ false, best_of 1, empty logit_bias, no suffix); anything else is a 400 naming th
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from fnvllm.serve.errors import bad_request
 from fnvllm.state import SamplingParams
 
 Number = StrictInt | StrictFloat  # JSON numbers only: no bools, no numeric strings
+
+
+def _encodable(text: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON ``"\\ud800"`` without its pair) cannot be encoded,
+    tokenized or detokenized, so it is refused here, naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"holds a lone surrogate at character {error.start}; send a valid UTF-16 pair") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
+"""A string a tokenizer can take: no lone surrogates."""
 
 
 class _Strict(BaseModel):
@@ -45,7 +59,7 @@ class _Generation(_Strict):
     temperature: Number | None = None
     top_p: Number | None = None
     max_tokens: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     seed: StrictInt | None = None
     n: StrictInt | None = None
     presence_penalty: Number | None = None
@@ -74,6 +88,10 @@ class _Generation(_Strict):
         """The SamplingParams fields this body sets (unset ones keep the engine's defaults)."""
         return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
 
+    def aliases(self) -> dict[str, str]:
+        """Engine field name -> the body field it came from, where the two differ (so a 400 names what was sent)."""
+        return {}
+
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
@@ -86,7 +104,7 @@ TokenIds = list[StrictInt]
 class CompletionRequest(_Generation):
     """``POST /v1/completions``: one prompt, as text or token ids (a one-element batch is accepted)."""
 
-    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
@@ -122,20 +140,21 @@ class TextPart(_Strict):
     """One text part of a message's content list (images and audio are not supported)."""
 
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Strict):
-    """One message of a conversation; its content goes through the tokenizer's chat template."""
+    """One message of a conversation; its content (required: a message without one is a 400) goes through the
+    tokenizer's chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Text | list[TextPart]
     name: StrictStr | None = None
 
     def template_dict(self) -> dict[str, str]:
         """The message as the chat template reads it (text parts joined)."""
         content = self.content
-        text = "".join(p.text for p in content) if isinstance(content, list) else (content or "")
+        text = "".join(p.text for p in content) if isinstance(content, list) else content
         message = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
@@ -155,6 +174,15 @@ class ChatCompletionRequest(_Generation):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+    def aliases(self) -> dict[str, str]:
+        """``max_completion_tokens`` and ``top_logprobs`` reach the engine as max_tokens and logprobs."""
+        names = {}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        if self.top_logprobs is not None:
+            names["logprobs"] = "top_logprobs"
+        return names
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this body; without a limit, generate up to ``default_max_tokens``."""

@@ -16,6 +16,7 @@ import uvicorn
 
 from fnvllm.serve.app import build_app
 from fnvllm.serve.async_engine import AsyncEngine
+from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 _SWITCH_INTERVAL_S = 0.0002  # 200 us: a tenth of a small decode step on an H200
 
@@ -59,11 +60,13 @@ def serve(
     log_level: str = "info",
     on_listening: Callable[[str, int], None] | None = None,
     stream_interval_s: float = 0.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     **uvicorn_options: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM; ``on_listening(host, port)`` runs once the socket is
-    bound (before the first request can be answered). ``stream_interval_s``: see ``build_app``."""
-    app = build_app(engine, model_name, api_key, stream_interval_s)
+    bound (before the first request can be answered). ``stream_interval_s``, ``max_request_bytes``: see
+    ``build_app``."""
+    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes)
     sock = bind(host, port)
     if on_listening is not None:
         on_listening(host, sock.getsockname()[1])
