@@ -14,27 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from fnvllm.cli import CLIError
-from fnvllm.cli._common import one_line_errors
+from fnvllm.cli._common import add_engine_args, engine_options, one_line_errors
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # fnvllm.serve.limits' default (that module needs the [serve] extra)
-
-# flag -> EngineConfig field; a flag left unset keeps EngineConfig's default
-_ENGINE_FLAGS = {
-    "dtype": "dtype",
-    "device": "device",
-    "block_size": "block_size",
-    "num_blocks": "num_blocks",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_model_len": "max_model_len",
-    "attention_backend": "attention_backend",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "cpu_kv_cache_gib": "cpu_kv_cache_gib",
-    "enforce_eager": "enforce_eager",
-    "seed": "seed",
-}
-# EngineConfig fields that default to True, turned off by a --no-... flag: flag dest -> field
-_ENGINE_OFF_FLAGS = {"no_prefix_caching": "enable_prefix_caching", "no_overlap": "overlap_steps"}
 
 
 def _tiny_random_model() -> Path:
@@ -78,19 +60,13 @@ def _has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options = {field: getattr(args, flag) for flag, field in _ENGINE_FLAGS.items() if getattr(args, flag) is not None}
-    options.update({field: False for flag, field in _ENGINE_OFF_FLAGS.items() if getattr(args, flag)})
-    return options
-
-
 def _start_engine(args: argparse.Namespace, path: Path) -> tuple[Any, str, str, Any, bool]:
     """The engine front, and (device, attention backend, core config, has tokenizer) to announce. By default the
     engine runs in a process of its own (``ProcessEngine``); ``--engine-thread`` keeps it on a thread here."""
     from fnvllm.llm import LLM, load_local_tokenizer
     from fnvllm.serve import AsyncEngine, ProcessEngine
 
-    options, has_tokenizer = _engine_options(args), _has_tokenizer(path)
+    options, has_tokenizer = engine_options(args), _has_tokenizer(path)
     if args.engine_thread:
         llm = LLM(path, load_tokenizer=has_tokenizer, **options)
         backend = getattr(llm.executor.backend, "name", llm.executor.backend)
@@ -130,15 +106,11 @@ def check_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check the flags, load the model, then serve until SIGINT/SIGTERM (exit 0)."""
     try:
-        from fnvllm.config import EngineConfig
         from fnvllm.serve import EngineStartupError, serve
     except ImportError as error:
         raise CLIError(f"fnvllm serve needs the [serve] extra (pip install 'fnvllm[serve]'): {error}") from None
     check_flags(args)
-    try:
-        EngineConfig.from_options(_engine_options(args))
-    except (ValueError, TypeError) as error:
-        raise CLIError(str(error), code=2) from None
+    engine_options(args)  # validated by EngineConfig: a bad value exits 2 here, naming the field
 
     path, default_name = _resolve_model(args)
     name = args.served_model_name or default_name
@@ -207,19 +179,9 @@ def register(sub: Any) -> None:
         help="run the engine on a thread of the server process instead of a process of its own (one process, "
         "but the web server and the engine then share the GIL)",
     )
-    e = p.add_argument_group("engine options (fnvllm.config.EngineConfig)")
-    e.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    e.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    e.add_argument("--block-size", type=int, help="tokens per KV block")
-    e.add_argument("--num-blocks", type=int, help="KV blocks (default: sized from memory)")
-    e.add_argument("--max-num-seqs", type=int, help="cap on running sequences")
-    e.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    e.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
-    e.add_argument("--attention-backend", help="auto, torch, triton or flash")
-    e.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory to use")
-    e.add_argument("--cpu-kv-cache-gib", type=float, help="KV cache size on the CPU")
-    e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    e.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
-    e.add_argument("--no-overlap", action="store_true", help="one step at a time (no overlapped steps on a GPU)")
-    e.add_argument("--seed", type=int, help="seed of the sampler's shared generator")
+    add_engine_args(p)
+    # Older spellings of two engine flags, still accepted: --seed (now --engine-seed, as in generate and demo, where
+    # --seed is a request's sampling seed) and --no-overlap (now --no-overlap-steps, the field's name).
+    p.add_argument("--seed", dest="ec_seed", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--no-overlap", dest="ec_overlap_steps", action="store_false", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
