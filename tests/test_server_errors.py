@@ -56,9 +56,17 @@ BAD_COMPLETIONS = [
     ("out of range", {**GOOD, "top_p": 2.0}, "top_p"),
     ("negative max_tokens", {**GOOD, "max_tokens": -1}, "max_tokens"),
     ("unknown field", {**GOOD, "frequency": 1}, "frequency"),
-    ("unsupported n", {**GOOD, "n": 2}, "n"),
-    ("unsupported echo", {**GOOD, "echo": True}, "echo"),
-    ("prompt batch", {**GOOD, "prompt": ["a", "b"]}, "prompt"),
+    ("n of 0", {**GOOD, "n": 0}, "n"),
+    ("n over the cap", {**GOOD, "n": 129}, "n"),
+    ("best_of under n", {**GOOD, "n": 3, "best_of": 2}, "best_of"),
+    ("best_of > n streamed", {**GOOD, "best_of": 2, "stream": True}, "best_of"),
+    ("echo with logprobs", {**GOOD, "echo": True, "logprobs": 1}, "echo"),
+    ("suffix", {**GOOD, "suffix": "return x"}, "suffix"),
+    ("logit_bias", {**GOOD, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("too many sequences", {**GOOD, "prompt": ["a"] * 9, "n": 128}, "prompt"),
+    ("json response_format", {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("ignored field of the wrong type", {**GOOD, "store": "yes"}, "store"),
+    ("functions (unknown)", {**GOOD, "functions": [{"name": "f"}]}, "functions"),
     ("empty token prompt", {**GOOD, "prompt": []}, "prompt"),
     ("token id out of vocab", {**GOOD, "prompt": [1, 99999]}, "prompt"),
     ("too long for the model", {**GOOD, "max_tokens": 600}, "max_tokens"),
@@ -73,7 +81,9 @@ BAD_CHATS = [
     ("no messages", {"model": MODEL, "messages": []}, "messages"),
     ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
-    ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tool_choice required", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("json_schema response_format", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, None),
     ("top_logprobs alone", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
     ("message without content", {"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
     ("null content", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
@@ -132,12 +142,15 @@ def test_full_waiting_queue_is_a_503_and_recovers(server: ServerProcess, client:
 
 
 def test_sigterm_aborts_in_flight_requests_and_exits_zero(server: ServerProcess, client: Any) -> None:
-    """SIGTERM ends a running stream with finish_reason "abort" and the server exits with code 0 (runs last)."""
+    """SIGTERM ends a running stream with an error event (no "abort" finish reason, which OpenAI does not have)
+    and the server exits with code 0 (runs last)."""
     kw = dict(model=MODEL, prompt="Keep going", max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
     stream = client.completions.create(**kw, stream=True)
     next(iter(stream))
     assert server.proc is not None
     server.proc.terminate()
-    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
-    assert reasons[-1] == "abort" and len(reasons) < 400
+    reasons = []
+    with pytest.raises(openai.APIError, match="aborted"):
+        reasons.extend(c.choices[0].finish_reason for c in stream if c.choices)
+    assert "abort" not in reasons and len(reasons) < 400
     assert server.terminate(timeout=60) == 0, server.log()[-3000:]

@@ -1,8 +1,8 @@
 """The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine's lifetime.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (never needs
-the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown routes, is
-``{"error": {"message", "type", "param", "code"}}``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown
+routes, is ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fnvllm.serve import handlers
 from fnvllm.serve.async_engine import AsyncEngine
-from fnvllm.serve.errors import APIError, internal, unauthorized
+from fnvllm.serve.errors import APIError, internal, model_not_found, unauthorized
 from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
 from fnvllm.serve.metrics import ServerMetrics
 
@@ -72,12 +72,19 @@ def build_app(
         raw = await read_body(request, max_request_bytes)
         return await handlers.chat_completions(served, raw, request.receive)
 
+    created = int(time.time())
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
         """The one model this server serves."""
-        model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fnvllm"}
-        model["max_model_len"] = engine.config.max_model_len
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [model_card(engine, model_name, created)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, object]:
+        """The served model by its id (``openai``'s ``models.retrieve``); any other id is a 404."""
+        if model_id != model_name:
+            raise model_not_found(model_id, model_name)
+        return model_card(engine, model_name, created)
 
     @app.get("/health")
     async def health() -> Response:
@@ -91,6 +98,16 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def model_card(engine: AsyncEngine, model_name: str, created: int) -> dict[str, object]:
+    """A ``/v1/models`` entry: OpenAI's fields, plus what a client needs to build valid requests:
+    ``max_model_len`` (most prompt + output tokens of one request) and ``vocab_size`` (token ids are in
+    [0, vocab_size); None if unknown)."""
+    card: dict[str, object] = {"id": model_name, "object": "model", "created": created, "owned_by": "fnvllm"}
+    card["max_model_len"] = engine.max_total_tokens
+    card["vocab_size"] = engine.config.vocab_size
+    return card
 
 
 def _error_response(error: APIError) -> JSONResponse:
