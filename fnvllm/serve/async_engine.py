@@ -324,18 +324,29 @@ class AsyncEngine:
         the waiting queue is full or the engine is closing. Nothing is queued when it raises."""
         return self.submit_many([Submission(prompt_ids, params, prompt, request_id)])[0]
 
-    def submit_many(self, submissions: Sequence[Submission]) -> list[RequestStream]:
+    def submit_many(
+        self, submissions: Sequence[Submission], aloop: asyncio.AbstractEventLoop | None = None
+    ) -> list[RequestStream]:
         """Queue several requests at once (``n`` copies of a prompt, a batch of prompts): all or none.
 
-        Every one is validated first; then the waiting cap is checked once for the whole group (a group is
-        admitted while the queue has room, so a large ``n`` cannot be refused forever). Raises as ``submit``."""
+        Every one is validated first (copies of one prompt list that differ only in their seed, once); then the
+        waiting cap is checked once for the whole group (a group is admitted while the queue has room, so a large
+        ``n`` cannot be refused forever). Raises as ``submit``. From a worker thread (validating a long prompt
+        takes a while), pass ``aloop``: the event loop that reads the streams."""
+        aloop = aloop or asyncio.get_running_loop()
+        prompts: dict[int, tuple[int, ...]] = {}
+        validated: list[tuple[int, SamplingParams]] = []
         checked = []
         for s in submissions:
-            ids = tuple(s.prompt_ids)
-            rid = s.request_id or uuid.uuid4().hex
-            validate_request(self._blank, rid, ids, s.params)
+            key = id(s.prompt_ids)
+            if key not in prompts:
+                prompts[key] = tuple(s.prompt_ids)
+            rid, ids = s.request_id or uuid.uuid4().hex, prompts[key]
+            unseeded = attrs.evolve(s.params, seed=None)
+            if (key, unseeded) not in validated:
+                validate_request(self._blank, rid, ids, s.params)
+                validated.append((key, unseeded))
             checked.append((rid, ids, s))
-        aloop = asyncio.get_running_loop()
         streams = [RequestStream(rid, ids, aloop) for rid, ids, _ in checked]
         with self._lock:
             self._check_capacity()

@@ -102,16 +102,28 @@ class Prepared:
 async def completions(served: Served, raw: bytes, receive: Receive) -> Response:
     """``POST /v1/completions``. Parsing and tokenization run on a worker thread: a large prompt never holds
     the event loop (``/health`` and every stream keep answering)."""
-    job = await asyncio.to_thread(_prepare_completion, served, raw)
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served.model_name, served.engine.tokenizer)
-    return await _respond(served, fmt, job, receive)
+    return await _respond(served, fmt, await _start(_prepare_completion, served, raw, fmt.request_id), receive)
 
 
 async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
     """``POST /v1/chat/completions``: the tokenizer's chat template (on a worker thread), then generation."""
-    job = await asyncio.to_thread(_prepare_chat, served, raw)
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", served.model_name, served.engine.tokenizer)
-    return await _respond(served, fmt, job, receive)
+    return await _respond(served, fmt, await _start(_prepare_chat, served, raw, fmt.request_id), receive)
+
+
+Started = tuple[Prepared, list[RequestStream]]
+
+
+async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, raw: bytes, request_id: str) -> Started:
+    """Parse, tokenize, validate and submit on a worker thread (one hop): the event loop does none of it."""
+    aloop = asyncio.get_running_loop()
+
+    def start() -> Started:
+        job = prepare(served, raw)
+        return job, _submit(served.engine, job, request_id, aloop)
+
+    return await asyncio.to_thread(start)
 
 
 def _prepare_completion(served: Served, raw: bytes) -> Prepared:
@@ -192,24 +204,26 @@ def _sampling_params(build: Callable[[], SamplingParams], aliases: dict[str, str
         raise from_invalid_request(ValueError(str(error)), aliases) from None
 
 
-def _submit(engine: AsyncEngine, job: Prepared, request_id: str) -> list[RequestStream]:
-    """Queue every engine request of ``job`` (all or none); ids are ``request_id`` or ``request_id-k``."""
+def _submit(
+    engine: AsyncEngine, job: Prepared, request_id: str, aloop: asyncio.AbstractEventLoop
+) -> list[RequestStream]:
+    """Queue every engine request of ``job`` (all or none); ids are ``request_id`` or ``request_id-k``. Runs on a
+    worker thread (validating a long prompt takes a while); ``aloop`` reads the streams."""
     many = len(job.jobs) > 1
     submissions = []
     for k, params in enumerate(job.jobs):
         ids, text = job.prompts[job.prompt_of(k)]
         submissions.append(Submission(ids, params, text, f"{request_id}-{k}" if many else request_id))
     try:
-        return engine.submit_many(submissions)
+        return engine.submit_many(submissions, aloop)
     except EngineOverloaded as error:
         raise unavailable(str(error)) from None
     except ValueError as error:
         raise from_invalid_request(error, job.aliases) from None
 
 
-async def _respond(served: Served, fmt: Format, job: Prepared, receive: Receive) -> Response:
-    engine = served.engine
-    streams = _submit(engine, job, fmt.request_id)
+async def _respond(served: Served, fmt: Format, started: Started, receive: Receive) -> Response:
+    engine, (job, streams) = served.engine, started
     if job.is_stream:
         echo = [job.prompts[job.prompt_of(k)][1] or "" for k in range(len(streams))] if job.echo else None
         plan = sse.StreamPlan(
