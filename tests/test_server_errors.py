@@ -55,6 +55,7 @@ BAD_COMPLETIONS = [
     ("bool as number", {**GOOD, "top_p": True}, "top_p"),
     ("out of range", {**GOOD, "top_p": 2.0}, "top_p"),
     ("negative max_tokens", {**GOOD, "max_tokens": -1}, "max_tokens"),
+    ("max_completion_tokens too large", {**GOOD, "max_completion_tokens": 10**9}, "max_completion_tokens"),
     ("unknown field", {**GOOD, "frequency": 1}, "frequency"),
     ("n of 0", {**GOOD, "n": 0}, "n"),
     ("n over the cap", {**GOOD, "n": 129}, "n"),

@@ -4,6 +4,7 @@ request (``n``, ``best_of``, a batch of prompts) sharing their prompt's KV throu
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,3 +163,16 @@ def test_finish_reasons_are_openai_values(client: Any) -> None:
     """Finished choices report "length" or "stop", never an engine-only reason."""
     got = complete(client, n=2, max_tokens=3, extra_body={"ignore_eos": False})
     assert {c.finish_reason for c in got.choices} <= {"stop", "length"}
+
+
+def test_a_load_generator_shaped_request_streams(server: ServerProcess) -> None:
+    """A completions body as guidellm sends it (max_tokens and max_completion_tokens, stop null, ignore_eos,
+    include_usage and continuous_usage_stats) streams its tokens with usage, instead of a 400."""
+    body = {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 7, "max_completion_tokens": 7, "stop": None,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 7 and all("usage" in e for e in events)

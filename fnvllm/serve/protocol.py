@@ -2,8 +2,8 @@
 
 Three kinds of fields (docs/serving.md lists them all):
 
-- acted on: model, messages / prompt (text, ids, or a batch of either), temperature, top_p, max_tokens (chat also
-  max_completion_tokens), stop, seed, n, best_of, echo, logprobs (chat: logprobs + top_logprobs),
+- acted on: model, messages / prompt (text, ids, or a batch of either), temperature, top_p, max_tokens (or its newer
+  name max_completion_tokens), stop, seed, n, best_of, echo, logprobs (chat: logprobs + top_logprobs),
   presence_penalty, frequency_penalty, stream, stream_options (include_usage, continuous_usage_stats); the vLLM
   extensions top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output;
 - accepted and ignored, because they change nothing this server answers (``IGNORED_FIELDS``): user, store,
@@ -92,6 +92,7 @@ class _Generation(_Strict):
     temperature: Number | None = None
     top_p: Number | None = None
     max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name; wins over max_tokens when both are sent
     stop: Text | list[Text] | None = None
     seed: StrictInt | None = None
     n: StrictInt | None = None
@@ -153,7 +154,12 @@ class _Generation(_Strict):
 
     def aliases(self) -> dict[str, str]:
         """Engine field name -> the body field it came from, where the two differ (so a 400 names what was sent)."""
-        return {}
+        return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
+
+    @property
+    def token_limit(self) -> int | None:
+        """The output limit sent: ``max_completion_tokens``, else ``max_tokens`` (None: not sent)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -209,7 +215,7 @@ class CompletionRequest(_Generation):
         """SamplingParams for this body (OpenAI's default max_tokens for completions is 16). With best_of > n
         the chosen tokens' logprobs are asked for too (they rank the candidates)."""
         kwargs = self.sampling_kwargs()
-        kwargs["max_tokens"] = 16 if self.max_tokens is None else self.max_tokens
+        kwargs["max_tokens"] = 16 if self.token_limit is None else self.token_limit
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
         elif self.num_candidates > self.num_choices:
@@ -246,7 +252,6 @@ class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``: a conversation rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
 
@@ -258,9 +263,7 @@ class ChatCompletionRequest(_Generation):
 
     def aliases(self) -> dict[str, str]:
         """``max_completion_tokens`` and ``top_logprobs`` reach the engine as max_tokens and logprobs."""
-        names = {}
-        if self.max_completion_tokens is not None:
-            names["max_tokens"] = "max_completion_tokens"
+        names = super().aliases()
         if self.top_logprobs is not None:
             names["logprobs"] = "top_logprobs"
         return names
@@ -268,7 +271,7 @@ class ChatCompletionRequest(_Generation):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this body; without a limit, generate up to ``default_max_tokens``."""
         kwargs = self.sampling_kwargs()
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        limit = self.token_limit
         kwargs["max_tokens"] = default_max_tokens if limit is None else limit
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
