@@ -282,5 +282,7 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     return frozenset(name for model in models for name in model.model_fields)
 
 
-FIELD_NAMES = _field_names(CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+FIELD_NAMES = _field_names(
+    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat
+)
 """Every field name of the request bodies (error locations are cut at the first part that is not one)."""

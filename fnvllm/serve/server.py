@@ -1,7 +1,8 @@
 """Run the app with uvicorn on a socket we bind ourselves (so ``port=0`` can report the port it got).
 
-SIGINT / SIGTERM: stop accepting connections, abort the requests in flight (their streams end with
-finish_reason "abort"), let uvicorn close the connections, stop the engine, return normally (exit 0).
+SIGINT / SIGTERM: stop accepting connections, abort the requests in flight (their streams end with an error
+event, ``code: aborted``; non-streamed ones get 503), let uvicorn close the connections, stop the engine, return
+normally (exit 0).
 """
 
 from __future__ import annotations
