@@ -175,3 +175,15 @@ def test_serve_flag_of_the_wrong_type_is_one_line(capsys: pytest.CaptureFixture[
         main(["serve", "--port", "eighty"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "--port" in err
+
+
+def test_a_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port another socket listens on exits 1 with one line, before any model is loaded."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--host", "127.0.0.1", "--port", str(port)])
+    out, err = capsys.readouterr()
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
+    assert "fnvllm serve: model" not in out

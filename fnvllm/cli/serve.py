@@ -103,6 +103,16 @@ def check_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} must not be empty", code=2)
 
 
+def _reserve_port(args: argparse.Namespace) -> Any:
+    """The socket bound to --host:--port (not listening yet: connections are refused until the model is loaded)."""
+    from fnvllm.serve.server import bind
+
+    try:
+        return bind(args.host, args.port, listen=False)
+    except OSError as error:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the flags, load the model, then serve until SIGINT/SIGTERM (exit 0)."""
     try:
@@ -114,9 +124,11 @@ def run(args: argparse.Namespace) -> int:
 
     path, default_name = _resolve_model(args)
     name = args.served_model_name or default_name
+    sock = _reserve_port(args)  # a port in use is an error now, not after minutes of loading
     try:
         engine, device, backend, cfg, has_tokenizer = _start_engine(args, path)
     except (OSError, ValueError, TypeError, EngineStartupError) as error:
+        sock.close()
         raise CLIError(f"cannot load {path}: {error}") from None
     print(
         f"fnvllm serve: model {name!r} from {path}: device {device}, attention {backend}, "
@@ -142,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             on_listening=announce,
             stream_interval_s=args.stream_interval_ms / 1e3,
             max_request_bytes=args.max_request_bytes,
+            sock=sock,
         )
     except OSError as error:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
