@@ -70,6 +70,7 @@ BAD_COMPLETIONS = [
     ("functions (unknown)", {**GOOD, "functions": [{"name": "f"}]}, "functions"),
     ("empty token prompt", {**GOOD, "prompt": []}, "prompt"),
     ("token id out of vocab", {**GOOD, "prompt": [1, 99999]}, "prompt"),
+    ("negative token id with echo", {**GOOD, "prompt": [1, -5], "echo": True}, "prompt"),
     ("too long for the model", {**GOOD, "max_tokens": 600}, "max_tokens"),
     ("empty stop string", {**GOOD, "stop": [""]}, "stop"),
     ("missing prompt", {"model": MODEL}, "prompt"),

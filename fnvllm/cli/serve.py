@@ -170,7 +170,8 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
     key_help = "require 'Authorization: Bearer KEY' on every route but /health (default: $FNVLLM_API_KEY)"
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
-    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    name_help = "the model name clients send (default: MODEL as given; fnvllm-demo for the demo model)"
+    p.add_argument("--served-model-name", help=name_help)
     p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait (>= 1)")
     p.add_argument(
         "--max-request-bytes",

@@ -193,8 +193,14 @@ def _render_chat(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[in
 
 
 def _decode(engine: AsyncEngine, ids: list[int]) -> str:
-    """A token-id prompt as text, for ``echo`` ("" without a tokenizer: the ids are the prompt)."""
-    return engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
+    """A token-id prompt as text, for ``echo`` ("" without a tokenizer: the ids are the prompt). Ids the tokenizer
+    cannot decode give "": the prompt is not validated yet, and submitting it answers a 400 naming them."""
+    if engine.tokenizer is None:
+        return ""
+    try:
+        return engine.tokenizer.decode(ids)
+    except (ValueError, TypeError, OverflowError, IndexError):
+        return ""
 
 
 def _sampling_params(build: Callable[[], SamplingParams], aliases: dict[str, str]) -> SamplingParams:
