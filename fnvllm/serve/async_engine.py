@@ -335,7 +335,7 @@ class AsyncEngine:
         takes a while), pass ``aloop``: the event loop that reads the streams."""
         aloop = aloop or asyncio.get_running_loop()
         prompts: dict[int, tuple[int, ...]] = {}
-        validated: list[tuple[int, SamplingParams]] = []
+        validated: set[tuple[int, SamplingParams]] = set()
         checked = []
         for s in submissions:
             key = id(s.prompt_ids)
@@ -345,7 +345,7 @@ class AsyncEngine:
             unseeded = attrs.evolve(s.params, seed=None)
             if (key, unseeded) not in validated:
                 validate_request(self._blank, rid, ids, s.params)
-                validated.append((key, unseeded))
+                validated.add((key, unseeded))
             checked.append((rid, ids, s))
         streams = [RequestStream(rid, ids, aloop) for rid, ids, _ in checked]
         with self._lock:
