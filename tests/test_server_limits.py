@@ -73,6 +73,7 @@ def live(llm: LLM) -> Iterator[tuple[str, GatedTokenizer]]:
         if server.started:
             break
         time.sleep(0.05)
+    assert server.started, "the in-process server did not start within 30 s"
     yield f"http://127.0.0.1:{sock.getsockname()[1]}", tokenizer
     server.should_exit = True
     thread.join(30)
