@@ -119,6 +119,21 @@ def test_bad_input_is_a_400_with_openai_error_json(server: ServerProcess, path: 
     assert post(server, "/v1/completions", GOOD).status_code == 200
 
 
+def test_a_body_over_the_default_limit_is_a_413(server: ServerProcess) -> None:
+    """A 9 MiB body (the default limit is 8 MiB) is answered 413 with OpenAI error JSON; /health still answers."""
+    prompt = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
+    response = post(server, "/v1/completions", prompt)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_models_retrieve_unknown_id_is_an_openai_404(server: ServerProcess) -> None:
+    """GET /v1/models/{id} for an id this server does not serve is a 404 with code model_not_found."""
+    response = httpx.get(f"{server.base_url}/v1/models/org/other-model")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{server.base_url}/v1/models/{MODEL}").json()["id"] == MODEL
+
+
 def test_unknown_model_and_route_are_404(server: ServerProcess, client: Any) -> None:
     """An unknown model name is a 404 model_not_found (the client raises NotFoundError); so is an unknown route."""
     with pytest.raises(openai.NotFoundError) as info:
