@@ -18,6 +18,7 @@ False, so ``/health`` reports it). If this process dies, the child reads end-of-
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -130,8 +131,12 @@ class ProcessEngine(AsyncEngine):
         self._process = context.Process(
             target=_child_main, args=(child_end, str(model), options, load_tokenizer), name="fnvllm-engine"
         )
-        self._process.daemon = True
+        # Not a daemon: a daemonic process may not start children, and the engine starts its tensor-parallel
+        # workers (--tensor-parallel-size). It still ends with this process: it exits when the pipe closes, which
+        # the OS does if we die and ``_close_at_exit`` does at a normal exit (before multiprocessing's own exit
+        # hook would wait for it).
         self._process.start()
+        atexit.register(self._close_at_exit)
         child_end.close()
         self.ready = self._wait_for_ready(startup_timeout_s)
         self._init_front(initial_state(self.ready.config), tokenizer, max_waiting, observer)
@@ -141,6 +146,15 @@ class ProcessEngine(AsyncEngine):
         config = self.ready.config
         self.snapshot = EngineSnapshot(0, 0, 0, config.num_blocks, 0, 0, EngineStats())
 
+    def _close_at_exit(self) -> None:
+        """This interpreter is exiting without ``stop()``: close the pipe (the engine process reads end-of-file
+        and exits), then wait for it briefly, terminating it if it lingers."""
+        self._conn.close()
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+
     def _wait_for_ready(self, timeout_s: float) -> Ready:
         waited = 0.0
         while not self._conn.poll(1.0):
@@ -148,6 +162,7 @@ class ProcessEngine(AsyncEngine):
             if not self._process.is_alive():
                 raise EngineStartupError(f"the engine process exited with code {self._process.exitcode} at start-up")
             if waited >= timeout_s:
+                atexit.unregister(self._close_at_exit)
                 self._process.kill()
                 raise EngineStartupError(f"the engine process did not load the model within {timeout_s:.0f} s")
         try:
@@ -155,6 +170,7 @@ class ProcessEngine(AsyncEngine):
         except (EOFError, OSError):
             message = StartupFailed(f"the engine process exited with code {self._process.exitcode} at start-up")
         if isinstance(message, StartupFailed):
+            atexit.unregister(self._close_at_exit)
             self._process.join(10)
             raise EngineStartupError(message.message)
         assert isinstance(message, Ready)
@@ -183,6 +199,7 @@ class ProcessEngine(AsyncEngine):
         if self._reader is not None:
             self._reader.join(timeout)
         self._conn.close()
+        atexit.unregister(self._close_at_exit)
 
     def _send(self, command: Command) -> None:
         try:
