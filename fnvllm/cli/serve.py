@@ -50,28 +50,22 @@ def _resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
         return path, "tiny-random-qwen3"
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _has_tokenizer(path: Path) -> bool:
-    """Whether ``path`` holds tokenizer files. A random benchmark checkpoint has none; transformers would then
-    build an empty tokenizer that decodes every id to "" (at ~90 us a token), so the server runs without one:
-    token-id prompts in, ``token_ids`` out."""
-    return any((path / name).is_file() for name in _TOKENIZER_FILES)
-
-
 def _start_engine(args: argparse.Namespace, path: Path) -> tuple[Any, str, str, Any, bool]:
     """The engine front, and (device, attention backend, core config, has tokenizer) to announce. By default the
     engine runs in a process of its own (``ProcessEngine``); ``--engine-thread`` keeps it on a thread here."""
-    from fnvllm.llm import LLM, load_local_tokenizer
+    from fnvllm.config import EngineConfig
+    from fnvllm.engine.build import build_engine
+    from fnvllm.engine.text import has_tokenizer_files, load_local_tokenizer
     from fnvllm.serve import AsyncEngine, ProcessEngine
 
-    options, has_tokenizer = engine_options(args), _has_tokenizer(path)
+    # A random benchmark checkpoint has no tokenizer files: the server then runs without one (token-id prompts
+    # in, ``token_ids`` out) rather than an empty placeholder tokenizer that decodes every id to "".
+    options, has_tokenizer = engine_options(args), has_tokenizer_files(path)
     if args.engine_thread:
-        llm = LLM(path, load_tokenizer=has_tokenizer, **options)
-        backend = getattr(llm.executor.backend, "name", llm.executor.backend)
-        engine = AsyncEngine(llm.loop, llm.tokenizer, max_waiting=args.max_waiting)
-        return engine, str(llm.executor.device), backend, llm.engine.config, llm.tokenizer is not None
+        parts = build_engine(path, EngineConfig.from_options(options), load_tokenizer=has_tokenizer)
+        backend = getattr(parts.executor.backend, "name", parts.executor.backend)
+        engine = AsyncEngine(parts.loop, parts.tokenizer, max_waiting=args.max_waiting)
+        return engine, str(parts.executor.device), backend, parts.engine.config, parts.tokenizer is not None
     tokenizer = load_local_tokenizer(path) if has_tokenizer else None
     engine = ProcessEngine(path, options, tokenizer, has_tokenizer, max_waiting=args.max_waiting)
     ready = engine.ready

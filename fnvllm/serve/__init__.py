@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (``fnvllm serve``): one engine loop, FastAPI + uvicorn in front.
 
-    from fnvllm.llm import load_local_tokenizer
+    from fnvllm.engine.text import load_local_tokenizer
     from fnvllm.serve import ProcessEngine, serve
 
     engine = ProcessEngine("path/to/model", {}, load_local_tokenizer(Path("path/to/model")), max_waiting=1024)

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine import EngineLoop, EngineOutput, EngineStats, RequestOutput, RequestTracker, StreamDelta
+from fnvllm.engine.text import DetokenizerFactory, detokenizer_factory
 from fnvllm.serve.stream import EngineFailure, Item, RequestStream, TokenEvent, deliver
 from fnvllm.state import EngineState, SamplingParams, StepPlan, validate_request
 
@@ -118,21 +118,6 @@ class StepReport:
     step_sizes: list[int]
     num_applied: int
     snapshot: EngineSnapshot
-
-
-DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]
-
-
-def detokenizer_factory(tokenizer: Any) -> DetokenizerFactory:
-    """Each request's incremental detokenizer (skipping special tokens, applying its stop strings); None for
-    every request when there is no tokenizer (token ids only)."""
-
-    def make(ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if tokenizer is None:
-            return None
-        return IncrementalDetokenizer(tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
-
-    return make
 
 
 class EngineCore:

@@ -40,7 +40,6 @@ from fnvllm.serve.async_engine import (
     EngineOverloaded,
     EngineSnapshot,
     StepReport,
-    detokenizer_factory,
 )
 from fnvllm.state import CoreConfig, initial_state
 
@@ -69,25 +68,27 @@ class StartupFailed:
 
 
 def _child_main(conn: Connection, model: str, options: dict[str, Any], load_tokenizer: bool) -> None:
-    """The engine process: build the LLM, report Ready, serve commands until STOP or until the server is gone."""
+    """The engine process: build the engine, report Ready, serve commands until STOP or until the server is
+    gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us by pipe
     try:
-        from fnvllm.llm import LLM
+        from fnvllm.config import EngineConfig
+        from fnvllm.engine.build import build_engine
 
-        llm = LLM(model, load_tokenizer=load_tokenizer, **options)
+        parts = build_engine(model, EngineConfig.from_options(options), load_tokenizer=load_tokenizer)
     except Exception as error:
         conn.send(StartupFailed(f"{type(error).__name__}: {error}"))
         return
-    backend = llm.executor.backend
+    backend = parts.executor.backend
     conn.send(
         Ready(
-            llm.engine.config,
-            str(llm.executor.device),
+            parts.engine.config,
+            str(parts.executor.device),
             getattr(backend, "name", str(backend)),
-            llm.tokenizer is not None,
+            parts.tokenizer is not None,
         )
     )
-    core = EngineCore(llm.loop, conn.send, detokenizer_factory(llm.tokenizer))
+    core = EngineCore(parts.loop, conn.send, parts.detokenizer)
 
     def take_commands(block: bool) -> list[Command]:
         commands: list[Command] = [conn.recv()] if block else []
@@ -104,7 +105,7 @@ def _child_main(conn: Connection, model: str, options: dict[str, Any], load_toke
         core.fail_all(error)
         raise
     finally:
-        llm.close()
+        parts.close()
 
 
 class ProcessEngine(AsyncEngine):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
+from fnvllm.engine.text import render_chat
 from fnvllm.executor.base import TokenLogprobs
 from fnvllm.serve import sse
 from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, Submission
@@ -34,7 +35,7 @@ from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, usage
 from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
-from fnvllm.state import SamplingParams
+from fnvllm.state import InvalidRequestError, SamplingParams
 from fnvllm.state.params import SEED_RANGE
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -186,9 +187,9 @@ def _render_chat(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[in
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as error:  # the template itself rejects the conversation (e.g. role order)
-        raise bad_request(f"messages: the chat template rejected the conversation: {error}", "messages") from None
+        text = render_chat(tokenizer, messages)
+    except InvalidRequestError as error:  # the template itself rejects the conversation (e.g. role order)
+        raise bad_request(str(error), "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
