@@ -179,3 +179,14 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
     options = engine_options(args)
     assert set(options) == {f.name for f in EngineConfig.__attrs_attrs__}
     assert options["block_size"] == 32 and options["seed"] == 9 and options["enable_prefix_caching"] is False
+
+
+def test_generate_model_that_is_a_file_says_so(tmp_path: Path) -> None:
+    """``fnvllm generate --model FILE`` says the path is a file, not that the folder "does not exist"."""
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    done = subprocess.run(
+        [sys.executable, "-m", "fnvllm.cli", "generate", "--model", str(file), "hi"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "is a file, not a folder" in done.stderr and "does not exist" not in done.stderr
