@@ -50,11 +50,11 @@ def test_simulate_prints_a_table_for_a_trace(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--workload", "nope"], "workload must be one of"),
-        (["--rate", "0"], "--rate must be > 0"),
+        (["--rate", "0"], "--rate must be a number in (0, "),
         (["--hardware", "missing.json"], "hardware 'missing.json'"),
         (["--model-shape", "gpt-9"], "model shape 'gpt-9'"),
         (["--policy", "random"], "unknown policy 'random'"),
-        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be an int"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be an int in [1, "),
         (["calibrate", "missing.jsonl"], "missing.jsonl"),
     ],
 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -61,18 +60,21 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace) -> Any:
-    """The SimSpec of the flags, with the numeric ranges checked (CLIError names the flag)."""
+    """The SimSpec of the flags, every value checked by SimSpec itself (CLIError naming the flag, exit 2)."""
     from fnvllm.sim.spec import SimSpec
 
     values = {f.name: getattr(args, f.name) for f in attrs.fields(SimSpec)}
-    positive = ("num_requests", "rate", "prompt_mean", "output_mean", "num_prefixes", "prefix_len", "num_priorities")
-    for name in positive:
-        value = values[name]
-        if value is not None and not (value > 0 and not math.isnan(value)):
-            raise CLIError(f"{_SPEC_FLAGS[name][0]} must be > 0, got {value}", 2)
-    if not 0 <= values["eos_prob"] < 1:
-        raise CLIError(f"--eos-prob must be in [0, 1), got {values['eos_prob']}", 2)
-    return SimSpec.from_dict(values)
+    try:
+        return SimSpec.from_dict(values)
+    except ValueError as e:
+        raise CLIError(_flag_message(str(e)), 2) from e
+
+
+def _flag_message(message: str) -> str:
+    """A SimSpec error as the CLI user sees it: ``rate must ...`` -> ``--rate must ...``."""
+    name = message.split(" ", 1)[0]
+    flag = _SPEC_FLAGS.get(name, (None,))[0]
+    return f"{flag}{message[len(name) :]}" if flag and name != "enable_prefix_caching" else message
 
 
 def _progress_bar(total: int) -> Any:
@@ -133,13 +135,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         raise CLIError(f"{args.log} has no header line with the model; pass --model-shape", 2)
     base = _user_errors(load_profile, args.base)
-    profile = fit_profile(records, model, base, source=str(args.log))
+    profile = _user_errors(fit_profile, records, model, base, source=str(args.log))
     out = Path(args.out) if args.out else Path(args.log).with_suffix(".profile.json")
     _user_errors(save_profile, profile, out)
     print(f"wrote {out}: eager {profile.eager}, graph {profile.graph}, graph_max_seqs {profile.graph_max_seqs}")
     for label, path in (("fit", args.log), *(("check", c) for c in args.check)):
         recs = records if path == args.log else _user_errors(read_timeline, path)[1]
-        err = prediction_error(recs, model, profile)
+        err = _user_errors(prediction_error, recs, model, profile)
         print(
             f"{label} {path}: {err['num_steps']} steps, measured {err['measured_s']:.3f} s, predicted "
             f"{err['predicted_s']:.3f} s ({err['total_error']:+.1%}), mean per-step error {err['mean_step_error']:.1%}"
@@ -151,6 +153,8 @@ def run_sweep_action(args: argparse.Namespace) -> int:
     """Run a grid of simulations and write the table (and a plot of one metric)."""
     from fnvllm.sim.sweep import expand_grid, load_grid, run_sweep, write_table
 
+    if args.workers is not None and not 1 <= args.workers <= 4096:
+        raise CLIError(f"--workers must be in [1, 4096], got {args.workers}", 2)
     grid = _user_errors(load_grid, args.grid)
     points, axes = _user_errors(expand_grid, grid)
     metric, x = args.metric or grid.get("metric", "ttft_p99_ms"), args.x or grid.get("x") or (axes or [None])[0]

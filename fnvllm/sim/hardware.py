@@ -20,6 +20,15 @@ from typing import Any
 
 import attrs
 
+from fnvllm.sim.checks import SimInputError, check_count, check_mapping, check_positive, check_real_in, check_text
+
+MAX_US = 1e9  # an overhead of more than ~17 minutes per step is a typo
+MAX_SCALE = 1e6
+MAX_BANDWIDTH_GBS = 1e7  # GB/s, TFLOP/s and GiB: far above any device, finite
+MAX_TFLOPS = 1e7
+MAX_MEMORY_GIB = 1e7
+MAX_GRAPH_SEQS = 1 << 20
+
 
 @attrs.frozen
 class Overheads:
@@ -34,6 +43,11 @@ class Overheads:
     token_us: float = 0.0
     gap_us: float = 0.0
     gap_seq_us: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        for field in attrs.fields(type(self)):
+            high = MAX_SCALE if field.name.endswith("scale") else MAX_US
+            check_real_in(getattr(self, field.name), f"Overheads.{field.name}", 0.0, high)
 
 
 @attrs.frozen
@@ -55,6 +69,17 @@ class HardwareProfile:
     graph: Overheads = Overheads()
     calibrated_from: str = ""
 
+    def __attrs_post_init__(self) -> None:
+        check_text(self.name, "HardwareProfile.name")
+        check_positive(self.mem_bandwidth_gbs, "HardwareProfile.mem_bandwidth_gbs", MAX_BANDWIDTH_GBS)
+        check_positive(self.matmul_tflops, "HardwareProfile.matmul_tflops", MAX_TFLOPS)
+        check_positive(self.memory_gib, "HardwareProfile.memory_gib", MAX_MEMORY_GIB)
+        check_count(self.graph_max_seqs, "HardwareProfile.graph_max_seqs", 0, MAX_GRAPH_SEQS)
+        for kind in ("eager", "graph"):
+            if not isinstance(getattr(self, kind), Overheads):
+                raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
+        check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
+
     @property
     def bytes_per_s(self) -> float:
         """Memory bandwidth in bytes per second."""
@@ -71,15 +96,16 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
-        """From ``to_dict``'s output; unknown keys are an error naming the known ones."""
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown hardware profile field(s) {unknown}; known: {sorted(known)}")
+        """From ``to_dict``'s output; unknown or missing keys and out-of-range values are a SimInputError naming
+        the field (fields added since a profile was written take their defaults)."""
+        check_mapping(data, "hardware profile")
+        _check_keys(data, cls, "hardware profile")
         values = dict(data)
         for kind in ("eager", "graph"):
             if kind in values:
-                values[kind] = Overheads(**values[kind])
+                overheads = check_mapping(values[kind], f"hardware profile {kind}")
+                _check_keys(overheads, Overheads, f"hardware profile {kind}")
+                values[kind] = Overheads(**overheads)
         return cls(**values)
 
 
@@ -97,6 +123,18 @@ H200 = HardwareProfile(
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
 
 
+def _check_keys(data: Mapping[str, Any], cls: type, what: str) -> None:
+    """SimInputError for keys ``cls`` does not have, or required ones missing."""
+    fields = attrs.fields(cls)
+    known = {f.name for f in fields}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SimInputError(f"unknown {what} field(s) {unknown}; known: {sorted(known)}")
+    missing = [f.name for f in fields if f.default is attrs.NOTHING and f.name not in data]
+    if missing:
+        raise SimInputError(f"{what} lacks {missing}")
+
+
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A built-in profile by name, or a profile JSON file. Raises ValueError for anything else."""
     key = str(name_or_path).lower()
@@ -107,8 +145,10 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ValueError(f"hardware {str(name_or_path)!r} is neither one of {sorted(BUILTIN_PROFILES)} nor a file")
     try:
         return HardwareProfile.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{path} is not a hardware profile JSON: {e}") from None
+    except json.JSONDecodeError as e:
+        raise SimInputError(f"{path} is not a hardware profile JSON: {e}") from None
+    except SimInputError as e:
+        raise type(e)(f"{path}: {e}") from None
 
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:

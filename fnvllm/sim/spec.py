@@ -11,6 +11,19 @@ from typing import IO, Any
 
 import attrs
 
+from fnvllm.sim.checks import (
+    MAX_MODEL_LEN,
+    MAX_NUM_BLOCKS,
+    MAX_REQUESTS,
+    SimInputError,
+    check_bool_field,
+    check_count,
+    check_mapping,
+    check_optional_count,
+    check_rate,
+    check_real_in,
+    check_text,
+)
 from fnvllm.sim.cost import CostModel
 from fnvllm.sim.executor import FillerTokens, SimExecutor
 from fnvllm.sim.hardware import HardwareProfile, load_profile
@@ -27,6 +40,7 @@ from fnvllm.sim.workloads import (
     shared_prefix_requests,
 )
 from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
+from fnvllm.state.config import MAX_SIZE
 
 _GIB = 1 << 30
 _EOS_ID, _FILLER_ID = 0, 3
@@ -69,9 +83,13 @@ class SimSpec:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
 
+    def __attrs_post_init__(self) -> None:
+        check_spec(self)
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SimSpec:
         """From plain values; unknown names are an error listing the known ones."""
+        check_mapping(values, "simulation options")
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -81,6 +99,46 @@ class SimSpec:
     def to_dict(self) -> dict[str, Any]:
         """The spec as plain values."""
         return attrs.asdict(self)
+
+
+_INTS: dict[str, tuple[int, int]] = {
+    "num_prefixes": (1, 1_000_000),
+    "prefix_len": (1, MAX_MODEL_LEN),
+    "num_priorities": (1, 1_000_000),
+    "seed": (0, (1 << 63) - 1),
+    "block_size": (1, MAX_MODEL_LEN),
+    "max_num_batched_tokens": (1, MAX_SIZE),
+    "max_num_seqs": (1, MAX_SIZE),
+}
+_OPTIONAL_INTS: dict[str, tuple[int, int]] = {
+    "num_requests": (1, MAX_REQUESTS),
+    "num_blocks": (1, MAX_NUM_BLOCKS),
+    "max_model_len": (1, MAX_MODEL_LEN),
+}
+_REALS: dict[str, tuple[float, float, bool]] = {  # (low, high, low end open)
+    "prompt_mean": (1.0, MAX_MODEL_LEN, False),
+    "output_mean": (1.0, MAX_MODEL_LEN, False),
+    "len_sigma": (0.0, 10.0, False),
+    "gpu_memory_utilization": (0.0, 1.0, True),
+}
+
+
+def check_spec(spec: SimSpec) -> None:
+    """SimInputError naming the first option of ``spec`` that is of the wrong type or out of its range. Sizes
+    are bounded here, before any workload or pool is built."""
+    for name in ("workload", "model", "hardware", "policy"):
+        check_text(getattr(spec, name), name)
+    for name, (low, high) in _INTS.items():
+        check_count(getattr(spec, name), name, low, high)
+    for name, (low, high) in _OPTIONAL_INTS.items():
+        check_optional_count(getattr(spec, name), name, low, high)
+    for name, (low, high, low_open) in _REALS.items():
+        check_real_in(getattr(spec, name), name, low, high, low_open=low_open)
+    check_rate(spec.rate, "rate", 1e12)
+    check_real_in(spec.eos_prob, "eos_prob", 0.0, 1.0)
+    if spec.eos_prob == 1.0:
+        raise SimInputError("eos_prob must be a number in [0, 1), got 1.0")
+    check_bool_field(spec.enable_prefix_caching, "enable_prefix_caching")
 
 
 def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
@@ -95,7 +153,7 @@ def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
         return shared_prefix_requests(n or 1000, spec.rate, spec.num_prefixes, spec.prefix_len, *lengths)
     if not spec.workload.endswith(".jsonl"):
         raise ValueError(f"workload must be one of {list(WORKLOADS)} or a .jsonl trace, got {spec.workload!r}")
-    requests = read_trace(spec.workload, spec.prefix_len)
+    requests = read_trace(spec.workload, spec.prefix_len, max_len=max_len)
     return requests[:n] if n else requests
 
 
@@ -114,12 +172,18 @@ def kv_blocks_that_fit(model: ModelShape, hardware: HardwareProfile, spec: SimSp
 
 def core_config(spec: SimSpec, model: ModelShape, hardware: HardwareProfile) -> CoreConfig:
     """The pure core's settings for the spec."""
+    num_blocks = spec.num_blocks if spec.num_blocks is not None else kv_blocks_that_fit(model, hardware, spec)
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise SimInputError(
+            f"{hardware.name}'s memory_gib ({hardware.memory_gib:g}) sizes a KV cache of {num_blocks} blocks of "
+            f"{spec.block_size} tokens, above the most the simulator holds ({MAX_NUM_BLOCKS}); pass num_blocks"
+        )
     return CoreConfig(
         block_size=spec.block_size,
-        num_blocks=spec.num_blocks or kv_blocks_that_fit(model, hardware, spec),
+        num_blocks=num_blocks,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         max_num_seqs=spec.max_num_seqs,
-        max_model_len=spec.max_model_len or model.max_len,
+        max_model_len=spec.max_model_len if spec.max_model_len is not None else min(model.max_len, MAX_MODEL_LEN),
         enable_prefix_caching=spec.enable_prefix_caching,
         eos_token_ids=(_EOS_ID,),
         vocab_size=model.vocab,

@@ -27,6 +27,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from fnvllm.sim.checks import MAX_POINTS, SimInputError, check_mapping, check_text
 from fnvllm.sim.spec import SimSpec, run_spec
 from fnvllm.state import InvalidConfigError, InvalidRequestError
 
@@ -34,34 +35,57 @@ PLOT_KEYS = ("metric", "x")
 
 
 def load_grid(path: str | Path) -> dict[str, Any]:
-    """A grid file as a dict (YAML when the extension is .yaml/.yml, else JSON)."""
+    """A grid file as a dict (YAML when the extension is .yaml/.yml, else JSON); SimInputError (one line) for a
+    file that does not parse or is not a mapping of option names."""
     text = Path(path).read_text()
     if str(path).endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError:
-            raise ValueError(
+            raise SimInputError(
                 "reading a YAML grid needs PyYAML (pip install pyyaml), or write the grid as JSON"
             ) from None
-        grid = yaml.safe_load(text)
+        try:
+            grid = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SimInputError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     else:
-        grid = json.loads(text)
+        try:
+            grid = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SimInputError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(grid, dict):
-        raise ValueError(f"{path}: a grid is a mapping of simulation options to values or lists of values")
-    return grid
+        raise SimInputError(f"{path}: a grid is a mapping of simulation options to values or lists of values")
+    return dict(check_mapping(grid, f"grid {path}"))
 
 
 def expand_grid(grid: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """Every point of the grid (the product of its list-valued options, in file order) and the axis names.
-    Each point is validated as a SimSpec, so a misspelt option fails before anything runs."""
+    Each point is validated as a SimSpec, so a misspelt option or a bad value fails before anything runs; an
+    empty axis, or more than MAX_POINTS points, is refused before the product is built."""
+    check_mapping(grid, "grid")
+    for key in PLOT_KEYS:
+        if key in grid:
+            check_text(grid[key], f"grid {key}")
     options = {k: v for k, v in grid.items() if k not in PLOT_KEYS}
     axes = [k for k, v in options.items() if isinstance(v, list)]
+    size = 1
+    for axis in axes:
+        if not options[axis]:
+            raise SimInputError(f"grid axis {axis!r} is an empty list; give it at least one value")
+        size *= len(options[axis])
+        if size > MAX_POINTS:
+            raise SimInputError(f"the grid has more than {MAX_POINTS} points (axes {axes}); split it")
     fixed = {k: v for k, v in options.items() if k not in axes}
     points = [
         {**fixed, **dict(zip(axes, values, strict=True))} for values in itertools.product(*(options[a] for a in axes))
     ]
     for point in points:
-        SimSpec.from_dict(point)
+        try:
+            SimSpec.from_dict(point)
+        except SimInputError as e:
+            where = ", ".join(f"{a}={point[a]!r}" for a in axes)
+            raise type(e)(f"grid point {where}: {e}" if axes else f"grid: {e}") from None
     return points, axes
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from fnvllm.sim.checks import SimInputError, check_bool_field, check_count, check_mapping, check_real_in
 from fnvllm.sim.cost import StepShape
 from fnvllm.sim.model import ModelShape
 
@@ -32,17 +33,42 @@ def read_timeline(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {number} is not JSON: {e}") from None
+            raise SimInputError(f"{path} line {number} is not JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise SimInputError(f"{path} line {number} is not a JSON object")
         if "model" in record and not records:
+            check_mapping(record["model"], f"{path} line {number} model")
             header = record
             continue
         missing = [k for k in REQUIRED if k not in record]
         if missing:
-            raise ValueError(f"{path} line {number} lacks {missing}")
+            raise SimInputError(f"{path} line {number} lacks {missing}")
+        try:
+            _check_record(record)
+        except SimInputError as e:
+            raise type(e)(f"{path} line {number}: {e}") from None
         records.append(record)
     if not records:
-        raise ValueError(f"{path} holds no step records")
+        raise SimInputError(f"{path} holds no step records")
     return header, records
+
+
+_COUNTS = ("num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens")
+_OPTIONAL_COUNTS = ("step", "attn_pairs", "num_samples", "num_new_seqs")
+_TIMES = ("gpu_ms", "cpu_ms", "gap_ms")
+
+
+def _check_record(record: Mapping[str, Any]) -> None:
+    """SimInputError naming the first field of a step record that is not a count, a time or a bool."""
+    for key in _COUNTS:
+        check_count(record[key], key, 0, 1 << 62)
+    for key in _OPTIONAL_COUNTS:
+        if record.get(key) is not None:
+            check_count(record[key], key, 0, 1 << 62)
+    for key in _TIMES:
+        if key in record:
+            check_real_in(record[key], key, 0.0, 1e9)
+    check_bool_field(record["graph"], "graph")
 
 
 def header_model(header: Mapping[str, Any], name: str = "logged") -> ModelShape:
