@@ -42,6 +42,7 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("--max-num-seqs", "cap on running sequences (default 256)"),
     "max_model_len": ("--max-model-len", "cap on prompt + output (default: the model's)"),
     "enable_prefix_caching": ("--no-prefix-caching", "turn the prefix cache off"),
+    "overlap": ("--no-overlap", "simulate an engine that does not overlap host work with the device"),
 }
 
 
@@ -52,7 +53,7 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
     types = {"num_requests": int, "num_blocks": int, "max_model_len": int}
     for field in attrs.fields(SimSpec):
         flag, text = _SPEC_FLAGS[field.name]
-        if field.name == "enable_prefix_caching":
+        if field.default is True:
             parser.add_argument(flag, dest=field.name, action="store_false", help=text)
         else:
             kind = types.get(field.name, type(field.default))
@@ -74,7 +75,7 @@ def _flag_message(message: str) -> str:
     """A SimSpec error as the CLI user sees it: ``rate must ...`` -> ``--rate must ...``."""
     name = message.split(" ", 1)[0]
     flag = _SPEC_FLAGS.get(name, (None,))[0]
-    return f"{flag}{message[len(name) :]}" if flag and name != "enable_prefix_caching" else message
+    return f"{flag}{message[len(name) :]}" if flag and not flag.startswith("--no-") else message
 
 
 def _progress_bar(total: int) -> Any:

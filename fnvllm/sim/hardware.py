@@ -32,9 +32,23 @@ MAX_GRAPH_SEQS = 1 << 20
 
 @attrs.frozen
 class Overheads:
-    """Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
-    token_us * tokens; then a host gap of gap_us + gap_seq_us * seqs before the next step starts (times in
-    microseconds, all >= 0). A scale of 1.25 means the kernels reach 80% of the ceilings."""
+    """What the roofline misses, for one kind of step (times in microseconds, all >= 0).
+
+    Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
+    token_us * tokens. A scale of 1.25 means the kernels reach 80% of the ceilings.
+
+    Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
+    timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
+    whose data crosses to the device once) + host_token_us * tokens + host_sample_us * sampled rows.
+
+    Plain-loop gap (the host time the device waits for between steps when the loop does not overlap: the part of
+    the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
+    gap_new_seq_us * new seqs + gap_token_us * tokens.
+
+    A step's wall time: max(device, host) with overlapped steps (host work hides behind the device, or the device
+    waits for it); device + gap without. A profile without a host model (every host_* 0, as in profiles written
+    before it existed) charges device + gap either way.
+    """
 
     scale: float = 1.0
     attn_scale: float = 1.0
@@ -43,6 +57,18 @@ class Overheads:
     token_us: float = 0.0
     gap_us: float = 0.0
     gap_seq_us: float = 0.0
+    gap_new_seq_us: float = 0.0
+    gap_token_us: float = 0.0
+    host_us: float = 0.0
+    host_seq_us: float = 0.0
+    host_new_seq_us: float = 0.0
+    host_token_us: float = 0.0
+    host_sample_us: float = 0.0
+
+    @property
+    def has_host_model(self) -> bool:
+        """True when any host-time coefficient is set (the overlap rule applies)."""
+        return any((self.host_us, self.host_seq_us, self.host_new_seq_us, self.host_token_us, self.host_sample_us))
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
@@ -109,16 +135,39 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The overheads are uncalibrated guesses until
-# `fnvllm simulate calibrate` fits them from the GPU engine's timeline.
+# Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The device overheads are uncalibrated guesses until
+# `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model is read off BENCHMARKS.md's
+# timelines (decode: ~1.8 ms of host per cycle at 1 and at 256 sequences; mixed steps: 34-47 ms of launch for
+# ~16k tokens, cuBLAS setting up new GEMM shapes) until benchmarks/sim_calibration.py refits it.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
     matmul_tflops=793.0,
     memory_gib=139.8,
     graph_max_seqs=512,
-    eager=Overheads(scale=1.1, attn_scale=1.6, step_us=400.0, seq_us=2.0, token_us=0.05, gap_us=100.0, gap_seq_us=0.5),
-    graph=Overheads(scale=1.1, attn_scale=1.6, step_us=40.0, seq_us=0.5, gap_us=30.0, gap_seq_us=0.2),
+    eager=Overheads(
+        scale=1.1,
+        attn_scale=1.6,
+        step_us=400.0,
+        seq_us=2.0,
+        token_us=0.05,
+        gap_us=100.0,
+        gap_seq_us=0.5,
+        host_us=2500.0,
+        host_seq_us=2.0,
+        host_new_seq_us=20.0,
+        host_token_us=2.0,
+    ),
+    graph=Overheads(
+        scale=1.1,
+        attn_scale=1.6,
+        step_us=40.0,
+        seq_us=0.5,
+        gap_us=30.0,
+        gap_seq_us=0.2,
+        host_us=1700.0,
+        host_seq_us=0.4,
+    ),
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
 

@@ -58,7 +58,8 @@ class SimSpec:
     priorities drawn in [0, n). seed: workload and EOS draws. eos_prob: chance each token is an EOS (0: every
     request generates exactly output_len tokens).
     model / hardware: a named shape or config.json; a profile name or JSON file. policy: see POLICIES.
-    The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory.
+    The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory. overlap: the
+    engine overlaps host work with the device (its default on CUDA; priced by the profile's host model).
     """
 
     workload: str = "poisson"
@@ -82,6 +83,7 @@ class SimSpec:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    overlap: bool = True
 
     def __attrs_post_init__(self) -> None:
         check_spec(self)
@@ -139,6 +141,7 @@ def check_spec(spec: SimSpec) -> None:
     if spec.eos_prob == 1.0:
         raise SimInputError("eos_prob must be a number in [0, 1), got 1.0")
     check_bool_field(spec.enable_prefix_caching, "enable_prefix_caching")
+    check_bool_field(spec.overlap, "overlap")
 
 
 def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
@@ -204,8 +207,10 @@ def run_spec(
     if on_requests is not None:
         on_requests(len(requests))
     tokens = FillerTokens(_FILLER_ID, _EOS_ID, spec.eos_prob, spec.seed)
-    executor = SimExecutor(CostModel(model, hardware), tokens)
-    hook = _timeline_hook(timeline, executor, model, config, hardware.name) if timeline is not None else None
+    executor = SimExecutor(CostModel(model, hardware, spec.overlap), tokens)
+    # the log says "overlapped" only when host time could hide (a profile without a host model charges gaps)
+    overlapped = spec.overlap and (hardware.eager.has_host_model or hardware.graph.has_host_model)
+    hook = _timeline_hook(timeline, executor, model, config, hardware.name, overlapped) if timeline else None
     result = simulate(
         requests,
         config,
@@ -219,14 +224,15 @@ def run_spec(
 
 
 def _timeline_hook(
-    stream: IO[str], executor: SimExecutor, model: ModelShape, config: CoreConfig, device: str
+    stream: IO[str], executor: SimExecutor, model: ModelShape, config: CoreConfig, device: str, overlap: bool
 ) -> StepHook:
     """An on_step hook writing the predicted timeline (header first)."""
     writer = TimelineWriter(stream)
-    writer.header(model.to_config(), config.block_size, f"simulated {device}")
+    writer.header(model.to_config(), config.block_size, f"simulated {device}", overlap)
 
     def hook(state: EngineState, plan: StepPlan, output: StepOutput) -> None:
-        if executor.last_shape is not None and not plan.is_empty:
-            writer.step(plan.step, executor.last_shape, executor.last_device_s, executor.last_gap_s)
+        ex = executor
+        if ex.last_shape is not None and not plan.is_empty:
+            writer.step(plan.step, ex.last_shape, ex.last_device_s, ex.last_gap_s, ex.last_host_s, ex.last_new_seqs)
 
     return hook
