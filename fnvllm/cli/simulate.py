@@ -3,6 +3,7 @@
 fnvllm simulate --workload poisson --rate 50 --num-requests 5000 --model-shape qwen3-8b --plot run.png
 fnvllm simulate calibrate timeline.jsonl --out h200.json      # fit overheads to a GPU engine's step log
 fnvllm simulate --workload bench --hardware h200.json         # predict with the fitted profile
+fnvllm simulate --check steps.jsonl --hardware h200.json      # replay a recorded run; end-to-end and per-step error
 fnvllm simulate sweep grid.yaml --out table.csv --plot grid.png [--ray [ADDRESS]]
 """
 
@@ -32,7 +33,10 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "num_priorities": ("--num-priorities", "priorities drawn uniformly in [0, N) (default 1)"),
     "seed": ("--seed", "seed of the workload and EOS draws (default 0)"),
     "eos_prob": ("--eos-prob", "chance each token is an EOS; 0 = every request runs to its length (default 0)"),
-    "model": ("--model-shape", "qwen3-0.6b | qwen3-8b | a checkpoint folder or config.json (default qwen3-0.6b)"),
+    "model": (
+        "--model-shape",
+        "qwen3-0.6b | qwen3-8b | a checkpoint folder or config.json (default: the profile's model, else qwen3-0.6b)",
+    ),
     "hardware": ("--hardware", "h200 | a profile JSON from `fnvllm simulate calibrate` (default h200)"),
     "policy": ("--policy", "fcfs | priority | sjf (shortest max_tokens) | spf (shortest prompt) (default fcfs)"),
     "block_size": ("--block-size", "tokens per KV block (default 16)"),
@@ -50,7 +54,7 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per SimSpec field (typed from its default)."""
     from fnvllm.sim.spec import SimSpec
 
-    types = {"num_requests": int, "num_blocks": int, "max_model_len": int}
+    types = {"num_requests": int, "num_blocks": int, "max_model_len": int, "model": str}
     for field in attrs.fields(SimSpec):
         flag, text = _SPEC_FLAGS[field.name]
         if field.default is True:
@@ -90,6 +94,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from fnvllm.sim.metrics import format_table
     from fnvllm.sim.spec import run_spec
 
+    if args.check:
+        return run_check(args)
     spec = _spec(args)
     bars: list[Any] = []
     timeline = open(args.timeline, "w") if args.timeline else nullcontext(None)  # noqa: SIM115
@@ -107,7 +113,28 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         from fnvllm.sim.plot import plot_run
 
-        _user_errors(plot_run, result.recorder, args.plot, f"{spec.workload} on {spec.model} / {spec.hardware}")
+        title = f"{spec.workload} on {spec.model or 'the profile model'} / {spec.hardware}"
+        _user_errors(plot_run, result.recorder, args.plot, title)
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """``--check TIMELINE``: replay a recorded run with ``--hardware`` and print end-to-end and per-step error."""
+    from fnvllm.sim.check import check_run, format_check
+    from fnvllm.sim.hardware import load_profile
+    from fnvllm.sim.model import load_shape
+    from fnvllm.sim.recorder import run_path
+
+    run = Path(args.run) if args.run else run_path(args.check)
+    if not run.is_file():
+        raise CLIError(f"--check needs the run record {str(run)!r} (RunRecorder.write); pass --run FILE", 2)
+    profile = _user_errors(load_profile, args.hardware)
+    model = _user_errors(load_shape, args.model) if args.model else None
+    result = _user_errors(check_run, args.check, run, profile, model)
+    if args.json:
+        print(json.dumps({**attrs.asdict(result), "error": result.error}))
+    else:
+        print(format_check(result, f"{args.check} with {profile.name}"))
     return 0
 
 
@@ -123,23 +150,33 @@ def _user_errors(func: Any, *args: Any, **kwargs: Any) -> Any:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Fit a profile's overheads to a timeline log, write it, and report how well it predicts."""
-    from fnvllm.sim.calibrate import fit_profile, prediction_error
+    from fnvllm.sim.calibrate import base_for, device_profile_name, fit_profile, prediction_error
+    from fnvllm.sim.check import read_run, run_records
     from fnvllm.sim.hardware import load_profile, save_profile
     from fnvllm.sim.model import load_shape
+    from fnvllm.sim.recorder import run_path
     from fnvllm.sim.timeline import header_model, read_timeline
 
     header, records = _user_errors(read_timeline, args.log)
+    run_file = run_path(args.log)
+    if run_file.is_file():  # a recorded run: its loop mode and new rows per step, and the device's name
+        run = _user_errors(read_run, run_file)
+        records = run_records(records, run) or records
+        header = {**header, "device_name": run.device_name or header.get("device_name")}
     if args.model_shape:
         model = _user_errors(load_shape, args.model_shape)
     elif "model" in header:
         model = _user_errors(header_model, header)
     else:
         raise CLIError(f"{args.log} has no header line with the model; pass --model-shape", 2)
-    base = _user_errors(load_profile, args.base)
-    profile = _user_errors(fit_profile, records, model, base, source=str(args.log))
+    device = str(header.get("device_name") or header.get("device") or "")
+    base = base_for(device) if args.base == "auto" else _user_errors(load_profile, args.base)
+    name = args.name or (device_profile_name(device) if device else None)
+    profile = _user_errors(fit_profile, records, model, base, source=str(args.log), name=name)
     out = Path(args.out) if args.out else Path(args.log).with_suffix(".profile.json")
     _user_errors(save_profile, profile, out)
-    print(f"wrote {out}: eager {profile.eager}, graph {profile.graph}, graph_max_seqs {profile.graph_max_seqs}")
+    print(f"wrote {out}: profile {profile.name!r} for model {model.name!r} (base {base.name})")
+    print(f"  eager {profile.eager}\n  graph {profile.graph}\n  graph_max_seqs {profile.graph_max_seqs}")
     for label, path in (("fit", args.log), *(("check", c) for c in args.check)):
         recs = records if path == args.log else _user_errors(read_timeline, path)[1]
         err = _user_errors(prediction_error, recs, model, profile)
@@ -180,7 +217,12 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="[ACTION]")
     cal = actions.add_parser("calibrate", help="fit a hardware profile to a GPU engine's FNVLLM_TIMELINE log")
     cal.add_argument("log", help="timeline JSONL (a header line with the model, then one record per step)")
-    cal.add_argument("--base", default="h200", help="profile whose ceilings the fit keeps (default h200)")
+    cal.add_argument(
+        "--base",
+        default="auto",
+        help="profile whose ceilings the fit keeps (auto: h200 for a CUDA timeline, a CPU one for a CPU one)",
+    )
+    cal.add_argument("--name", default=None, help="the profile's name (default: the device the timeline ran on)")
     cal.add_argument("--model-shape", default=None, help="model shape, if the log has no header")
     cal.add_argument("--out", "-o", default=None, help="profile JSON to write (default LOG.profile.json)")
     cal.add_argument("--check", action="append", default=[], help="another log to report the prediction error on")
@@ -204,5 +246,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--plot", default=None, help="PNG of KV usage, queues, tokens per step and latency CDFs")
     parser.add_argument("--timeline", default=None, help="write the predicted per-step timeline (JSONL)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument(
+        "--check",
+        default=None,
+        metavar="TIMELINE",
+        help="replay a recorded run (its FNVLLM_TIMELINE file and run record) with --hardware; print the error",
+    )
+    parser.add_argument("--run", default=None, help="the run record of --check (default TIMELINE.run.json)")
     parser.set_defaults(func=run_simulate)
     _add_actions(parser)

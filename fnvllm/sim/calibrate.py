@@ -33,7 +33,15 @@ from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
 MIN_ROWS = 8  # fewer steps of one kind than this: keep the base profile's overheads for that kind
 
-__all__ = ["MIN_ROWS", "fit_nonnegative", "fit_profile", "prediction_error"]
+__all__ = [
+    "CPU_BASE",
+    "MIN_ROWS",
+    "base_for",
+    "device_profile_name",
+    "fit_nonnegative",
+    "fit_profile",
+    "prediction_error",
+]
 
 
 def _independent_columns(x: np.ndarray) -> list[int]:
@@ -129,9 +137,14 @@ def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
 
 
 def fit_profile(
-    records: Sequence[Mapping[str, Any]], model: ModelShape, base: HardwareProfile, source: str = ""
+    records: Sequence[Mapping[str, Any]],
+    model: ModelShape,
+    base: HardwareProfile,
+    source: str = "",
+    name: str | None = None,
 ) -> HardwareProfile:
-    """``base`` with its overheads fitted to ``records`` (timeline step records) of ``model``.
+    """``base`` with its overheads fitted to ``records`` (timeline step records) of ``model``, named ``name``
+    (default: the base's name + "-calibrated") and recording ``model`` (simulate's default model with it).
 
     Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
     eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
@@ -147,12 +160,30 @@ def fit_profile(
     graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
     return attrs.evolve(
         base,
-        name=f"{base.name}-calibrated",
+        name=name or f"{base.name}-calibrated",
         graph_max_seqs=max(graph_seqs, default=0),
         calibrated_from=source,
         eager=kinds["eager"],
         graph=kinds["graph"],
+        model={**model.to_config(), "name": model.name},
     )
+
+
+CPU_BASE = HardwareProfile(
+    name="cpu", mem_bandwidth_gbs=10.0, matmul_tflops=0.08, memory_gib=8.0, graph_max_seqs=0
+)  # the base for CPU timelines: rough ceilings of one desktop core, so the fit's columns have the work's shape
+
+
+def device_profile_name(device: str) -> str:
+    """A profile name from a device's name: "NVIDIA H200" -> "nvidia-h200", "cuda:0" -> "cuda-0"."""
+    return "-".join("".join(c if c.isalnum() else " " for c in device.lower()).split()) or "device"
+
+
+def base_for(device: str) -> HardwareProfile:
+    """The base profile a timeline of ``device`` fits from: the H200's for CUDA devices, CPU_BASE for a CPU."""
+    from fnvllm.sim.hardware import H200
+
+    return CPU_BASE if device.lower().startswith("cpu") else H200
 
 
 def prediction_error(

@@ -84,6 +84,8 @@ class HardwareProfile:
     rate in the model's dtype. memory_gib: device memory (sizes the KV cache when num_blocks is not given).
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
     eager / graph: the overheads of each kind of step. calibrated_from: the log a fit came from ("" if none).
+    model: the model a fit was measured with, as config.json fields plus its ``name`` (None if none): the model
+    ``fnvllm simulate`` uses with this profile unless told another.
     """
 
     name: str
@@ -94,6 +96,7 @@ class HardwareProfile:
     eager: Overheads = Overheads()
     graph: Overheads = Overheads()
     calibrated_from: str = ""
+    model: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "HardwareProfile.name")
@@ -105,6 +108,10 @@ class HardwareProfile:
             if not isinstance(getattr(self, kind), Overheads):
                 raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
         check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
+        if self.model is not None:
+            from fnvllm.sim.model import ModelShape
+
+            ModelShape.from_config(check_mapping(self.model, "HardwareProfile.model"))  # checks every dimension
 
     @property
     def bytes_per_s(self) -> float:
@@ -118,7 +125,10 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``from_dict`` reads it back)."""
-        return attrs.asdict(self)
+        data = attrs.asdict(self)
+        if self.model is None:
+            del data["model"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:

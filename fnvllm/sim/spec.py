@@ -57,7 +57,8 @@ class SimSpec:
     num_prefixes / prefix_len: the shared system prompts (also the trace's default prefix_len). num_priorities:
     priorities drawn in [0, n). seed: workload and EOS draws. eos_prob: chance each token is an EOS (0: every
     request generates exactly output_len tokens).
-    model / hardware: a named shape or config.json; a profile name or JSON file. policy: see POLICIES.
+    model / hardware: a named shape or config.json (None: the profile's model, else qwen3-0.6b); a profile name or
+    JSON file. policy: see POLICIES.
     The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory. overlap: the
     engine overlaps host work with the device (its default on CUDA; priced by the profile's host model).
     """
@@ -73,7 +74,7 @@ class SimSpec:
     num_priorities: int = 1
     seed: int = 0
     eos_prob: float = 0.0
-    model: str = "qwen3-0.6b"
+    model: str | None = None
     hardware: str = "h200"
     policy: str = "fcfs"
     block_size: int = 16
@@ -128,8 +129,10 @@ _REALS: dict[str, tuple[float, float, bool]] = {  # (low, high, low end open)
 def check_spec(spec: SimSpec) -> None:
     """SimInputError naming the first option of ``spec`` that is of the wrong type or out of its range. Sizes
     are bounded here, before any workload or pool is built."""
-    for name in ("workload", "model", "hardware", "policy"):
+    for name in ("workload", "hardware", "policy"):
         check_text(getattr(spec, name), name)
+    if spec.model is not None:
+        check_text(spec.model, "model")
     for name, (low, high) in _INTS.items():
         check_count(getattr(spec, name), name, low, high)
     for name, (low, high) in _OPTIONAL_INTS.items():
@@ -158,6 +161,19 @@ def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
         raise ValueError(f"workload must be one of {list(WORKLOADS)} or a .jsonl trace, got {spec.workload!r}")
     requests = read_trace(spec.workload, spec.prefix_len, max_len=max_len)
     return requests[:n] if n else requests
+
+
+DEFAULT_MODEL = "qwen3-0.6b"
+
+
+def resolve_model(model: str | None, hardware: HardwareProfile) -> ModelShape:
+    """``model`` (a named shape or config.json) when given, else the model ``hardware`` was calibrated with, else
+    DEFAULT_MODEL."""
+    if model is not None:
+        return load_shape(model)
+    if hardware.model is not None:
+        return ModelShape.from_config(hardware.model, name=str(hardware.model.get("name", hardware.name + "-model")))
+    return load_shape(DEFAULT_MODEL)
 
 
 def kv_blocks_that_fit(model: ModelShape, hardware: HardwareProfile, spec: SimSpec) -> int:
@@ -201,7 +217,8 @@ def run_spec(
 ) -> tuple[SimResult, dict[str, float]]:
     """Simulate ``spec``; returns the result and its metric summary. ``progress(n)`` hears of finished requests,
     ``timeline`` receives the predicted per-step log, ``on_requests`` the workload's size before the run."""
-    model, hardware = load_shape(spec.model), load_profile(spec.hardware)
+    hardware = load_profile(spec.hardware)
+    model = resolve_model(spec.model, hardware)
     config = core_config(spec, model, hardware)
     requests = build_requests(spec, config.max_model_len)
     if on_requests is not None:
