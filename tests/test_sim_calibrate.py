@@ -175,3 +175,22 @@ def test_overlap_rule_prices_a_step_as_max_or_sum() -> None:
     assert over.wall_s(decode) == pytest.approx(host)
     assert plain.wall_s(decode) == pytest.approx(device + plain.gap_s(decode))
     assert CostModel(model, TRUE, overlap=True).wall_s(decode) == pytest.approx(device + over.gap_s(decode))
+
+
+def test_calibration_set_script_runs_fits_and_replays_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/sim_calibration.py --quick on the tiny shape (CPU): every regime runs with a run record, the
+    fitted profile is named after the device and records the model, every run replays with the engine's plans,
+    and the table prints one line per regime."""
+    from benchmarks import sim_calibration
+
+    assert sim_calibration.main(["--out", str(tmp_path), "--model-shape", "tiny", "--quick"]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())
+    names = [r.name for r in sim_calibration.regimes(quick=True)]
+    assert [row["regime"] for row in rows] == names and len(names) == 16
+    assert all(row["same_plans"] for row in rows)
+    profile = load_profile(tmp_path / "profile.json")
+    assert profile.name == "cpu" and profile.model is not None and profile.model["hidden_size"] == 128
+    out = capsys.readouterr().out
+    assert "worst |error| held_out" in out and "prefill-512-plain" in out

@@ -83,13 +83,29 @@ def _check_request(request: Mapping[str, Any], index: int) -> None:
 
 
 def run_records(records: Sequence[Mapping[str, Any]], run: RunRecord) -> list[dict[str, Any]]:
-    """The timeline records of ``run``'s steps, in step order, each with the run's loop mode and its new rows."""
+    """The timeline records of ``run``'s steps, in step order, each with the run's loop mode and its new rows.
+
+    The first step's gap and host cycle are measured from the step before it, which may belong to another run
+    (or be minutes earlier): they are cut to the time from the run's first arrival to that step's end, the part
+    that belongs to this run."""
     by_step = {int(s["step"]): s for s in run.steps}
     chosen = [dict(r) for r in records if r.get("step") is not None and int(r["step"]) in by_step]
+    chosen.sort(key=lambda r: int(r["step"]))
     for record in chosen:
         record["overlap"] = run.overlap
         record["num_new_seqs"] = int(by_step[int(record["step"])]["num_new_seqs"])
-    return sorted(chosen, key=lambda r: int(r["step"]))
+    if chosen:
+        first = chosen[0]
+        since_arrival_ms = (float(by_step[int(first["step"])]["end_s"]) - _first_arrival(run)) * 1e3
+        first["gap_ms"] = min(float(first.get("gap_ms", 0.0)), max(since_arrival_ms - float(first["gpu_ms"]), 0.0))
+        if "cpu_ms" in first:
+            first["cpu_ms"] = min(float(first["cpu_ms"]), max(since_arrival_ms, 0.0))
+    return chosen
+
+
+def _first_arrival(run: RunRecord) -> float:
+    """When the run's first request arrived (the recorder's clock)."""
+    return min(float(r["arrival_s"]) for r in run.requests)
 
 
 @attrs.frozen
@@ -122,7 +138,7 @@ def check_run(
     measured_steps = run_records(records, run)
     if not measured_steps:
         raise SimInputError(f"{timeline} holds none of the run's steps (is it the run's timeline?)")
-    t0 = min(float(r["arrival_s"]) for r in run.requests)
+    t0 = _first_arrival(run)
     requests = [_sim_request(r, t0) for r in run.requests if int(r["output_len"]) > 0]
     requests.sort(key=lambda r: r.arrival_s)
     config = CoreConfig(**{k: run.config[k] for k in RUN_CONFIG_FIELDS}, vocab_size=model.vocab)
