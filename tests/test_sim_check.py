@@ -130,3 +130,16 @@ def test_demo_model_run_calibrates_and_checks_on_cpu(
     result = json.loads(capsys.readouterr().out)
     assert result["same_plans"] == "yes" and result["num_requests"] == 6
     assert result["measured_s"] > 0 and result["predicted_s"] > 0
+
+
+def test_simulate_uses_the_profile_model_unless_told_otherwise(tmp_path: Path) -> None:
+    """A profile that records a model (as calibrate writes it) makes simulate price that model by default;
+    --model-shape still wins."""
+    eight_b = load_shape("qwen3-8b")
+    save_profile(attrs.evolve(H200, model={**eight_b.to_config(), "name": "qwen3-8b"}), tmp_path / "p.json")
+    small = ["--num-requests", "5", "--num-blocks", "300", "--no-progress", "--hardware", str(tmp_path / "p.json")]
+    for extra, hidden in (([], 4096), (["--model-shape", "qwen3-0.6b"], 1024)):
+        timeline = tmp_path / f"t{hidden}.jsonl"
+        assert main(["simulate", *small, *extra, "--timeline", str(timeline)]) == 0
+        header = json.loads(timeline.read_text().splitlines()[0])
+        assert header["model"]["hidden_size"] == hidden

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -198,7 +200,11 @@ def run_sweep_action(args: argparse.Namespace) -> int:
     metric, x = args.metric or grid.get("metric", "ttft_p99_ms"), args.x or grid.get("x") or (axes or [None])[0]
     use_ray = args.ray is not None
     address = args.ray or None
-    rows = _user_errors(run_sweep, points, args.workers, address, use_ray=use_ray)
+    progress = SweepProgress(len(points), sys.stderr)
+    try:
+        rows = _user_errors(run_sweep, points, args.workers, address, use_ray=use_ray, on_done=progress.done)
+    finally:
+        progress.close()
     out = args.out or str(Path(args.grid).with_suffix(".csv"))
     write_table(rows, out)
     errors = [row for row in rows if "error" in row]
@@ -210,6 +216,45 @@ def run_sweep_action(args: argparse.Namespace) -> int:
 
         _user_errors(plot_sweep, rows, axes, metric, x, args.plot)
     return 1 if errors and len(errors) == len(rows) else 0
+
+
+class SweepProgress:
+    """Progress of a sweep on ``stream``: a tqdm bar on a terminal; elsewhere (a log, a pipe, CI) a plain line
+    for the first finished point, then at most one per ``interval_s`` seconds, and one for the last."""
+
+    def __init__(
+        self, total: int, stream: Any, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.total, self.stream, self.interval_s, self.clock = total, stream, interval_s, clock
+        self.num_done = self.num_failed = 0
+        self.start = self._last_line = clock()
+        self.bar = None
+        if stream.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="sweep", unit="point", file=stream)
+
+    def done(self, row: dict[str, Any]) -> None:
+        """One point finished (``row`` has an ``error`` when it failed)."""
+        self.num_done += 1
+        self.num_failed += "error" in row
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = self.clock()
+        if self.num_done in (1, self.total) or now - self._last_line >= self.interval_s:
+            self._last_line = now
+            failed = f", {self.num_failed} failed" if self.num_failed else ""
+            print(
+                f"sweep: {self.num_done}/{self.total} points done{failed}, {now - self.start:.0f} s elapsed",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """Close the bar (if any)."""
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _add_actions(parser: argparse.ArgumentParser) -> None:

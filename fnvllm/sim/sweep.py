@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -106,16 +106,21 @@ def run_sweep(
     use_ray: bool = False,
     on_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every point; rows come back in grid order. Local processes by default (``workers`` of them, default
-    the CPU count; 1 runs in this process); ``use_ray`` sends each point to Ray as a task instead
-    (``ray_address`` None: a local Ray instance, or the cluster in RAY_ADDRESS)."""
+    """Run every point; rows come back in grid order, and ``on_done(row)`` hears of each as it finishes (in
+    completion order: progress). Local processes by default (``workers`` of them, default the CPU count; 1 runs
+    in this process); ``use_ray`` sends each point to Ray as a task instead (``ray_address`` None: a local Ray
+    instance, or the cluster in RAY_ADDRESS)."""
     if use_ray:
         return _run_ray(points, ray_address, on_done)
     workers = workers or os.cpu_count() or 1
     if workers == 1 or len(points) == 1:
         return [_done(run_point(p), on_done) for p in points]
+    rows: list[dict[str, Any]] = [{} for _ in points]
     with ProcessPoolExecutor(max_workers=min(workers, len(points)), mp_context=get_context("spawn")) as pool:
-        return [_done(row, on_done) for row in pool.map(run_point, points)]
+        futures = {pool.submit(run_point, p): i for i, p in enumerate(points)}
+        for future in as_completed(futures):
+            rows[futures[future]] = _done(future.result(), on_done)
+    return rows
 
 
 def _done(row: dict[str, Any], on_done: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
@@ -137,7 +142,15 @@ def _run_ray(
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
         task = ray.remote(run_point)
-        return [_done(row, on_done) for row in ray.get([task.remote(dict(p)) for p in points])]
+        refs = [task.remote(dict(p)) for p in points]
+        index = {ref: i for i, ref in enumerate(refs)}
+        rows: list[dict[str, Any]] = [{} for _ in points]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                rows[index[ref]] = _done(ray.get(ref), on_done)
+        return rows
     finally:
         if started:
             ray.shutdown()
