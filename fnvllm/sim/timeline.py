@@ -49,12 +49,21 @@ def read_timeline(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
             _check_record(record)
         except SimInputError as e:
             raise type(e)(f"{path} line {number}: {e}") from None
-        if isinstance(header.get("overlap"), bool):
-            record.setdefault("overlap", header["overlap"])
+        overlap = _header_overlap(header)
+        if overlap is not None:
+            record.setdefault("overlap", overlap)
         records.append(record)
     if not records:
         raise SimInputError(f"{path} holds no step records")
     return header, records
+
+
+def _header_overlap(header: Mapping[str, Any]) -> bool | None:
+    """The loop mode a header implies: its ``overlap``; else False for a CPU device (the engine overlaps steps
+    only on CUDA); else unknown."""
+    if isinstance(header.get("overlap"), bool):
+        return bool(header["overlap"])
+    return False if str(header.get("device", "")).lower().startswith("cpu") else None
 
 
 _COUNTS = ("num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens")
