@@ -146,9 +146,10 @@ class HardwareProfile:
 
 
 # Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The device overheads are uncalibrated guesses until
-# `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model is read off BENCHMARKS.md's
-# timelines (decode: ~1.8 ms of host per cycle at 1 and at 256 sequences; mixed steps: 34-47 ms of launch for
-# ~16k tokens, cuBLAS setting up new GEMM shapes) until benchmarks/sim_calibration.py refits it.
+# `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model and the plain-loop gap are
+# read off BENCHMARKS.md's timelines (decode: ~1.8 ms of host per overlapped cycle at 1 and at 256 sequences, and a
+# 0.67 ms device idle gap per step without overlap; mixed steps: 34-47 ms of launch for ~16k tokens, cuBLAS
+# setting up new GEMM shapes) until benchmarks/sim_calibration.py refits them.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -161,7 +162,7 @@ H200 = HardwareProfile(
         step_us=400.0,
         seq_us=2.0,
         token_us=0.05,
-        gap_us=100.0,
+        gap_us=700.0,
         gap_seq_us=0.5,
         host_us=2500.0,
         host_seq_us=2.0,
@@ -173,8 +174,8 @@ H200 = HardwareProfile(
         attn_scale=1.6,
         step_us=40.0,
         seq_us=0.5,
-        gap_us=30.0,
-        gap_seq_us=0.2,
+        gap_us=650.0,
+        gap_seq_us=0.1,
         host_us=1700.0,
         host_seq_us=0.4,
     ),
