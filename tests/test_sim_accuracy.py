@@ -61,9 +61,11 @@ def test_accuracy_script_recovers_a_known_profile(tmp_path: Path, capsys: pytest
     the timed steps after the warm-up, and reports that the simulator planned the logged steps exactly."""
     for name in sim_accuracy.RUNS:
         _write_run(tmp_path, name)
-    # the base: H200's ceilings without a host model (a kind of step with few records keeps the base's overheads)
-    no_host = {"host_us": 0.0, "host_seq_us": 0.0, "host_new_seq_us": 0.0, "host_token_us": 0.0}
-    base = attrs.evolve(H200, eager=attrs.evolve(H200.eager, **no_host), graph=attrs.evolve(H200.graph, **no_host))
+    # the base: H200's ceilings, overheads near TRUE's and no host model (a kind of step with few records keeps
+    # the base's overheads)
+    eager = Overheads(scale=1.1, attn_scale=1.6, step_us=400.0, seq_us=2.0, token_us=0.05, gap_us=100.0, gap_seq_us=0.5)
+    graph = Overheads(scale=1.1, attn_scale=1.6, step_us=40.0, seq_us=0.5, gap_us=30.0, gap_seq_us=0.2)
+    base = attrs.evolve(H200, eager=eager, graph=graph)
     save_profile(base, tmp_path / "base.json")
     args = [str(tmp_path), "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
     assert sim_accuracy.main([*args, "--base", str(tmp_path / "base.json")]) == 0
