@@ -37,9 +37,9 @@ from typing import Any
 
 import attrs
 
-from fnvllm.sim import fit_profile, load_profile, save_profile
+from fnvllm.sim import HardwareProfile, ModelShape, fit_profile, load_profile, save_profile
 from fnvllm.sim.calibrate import base_for, device_profile_name
-from fnvllm.sim.check import CheckResult, check_run, read_run, run_records
+from fnvllm.sim.check import CheckResult, RunRecord, check_run, fit_request_us, read_run, run_records
 from fnvllm.sim.recorder import RunRecorder
 from fnvllm.sim.timeline import header_model, read_timeline
 
@@ -141,14 +141,12 @@ def fit_and_check(out: Path, runs: Sequence[Path], set_: Sequence[Regime], devic
     name = device_profile_name(device)
     run_data = {path: read_run(path) for path in runs}
     chosen = {path: run_records(records, run) for path, run in run_data.items()}
-    all_records = [r for rs in chosen.values() for r in rs]
-    profile = fit_profile(all_records, model, base, source=str(out / "steps.jsonl"), name=name)
-    save_profile(profile, out / "profile.json")
+    profile = _fit(list(run_data.items()), chosen, model, base, name, exclude=None)
+    save_profile(attrs.evolve(profile, calibrated_from=str(out / "steps.jsonl")), out / "profile.json")
     builtin = load_profile("h200")
     rows = []
     for regime, path in zip(set_, runs, strict=True):
-        rest = [r for p, rs in chosen.items() if not _same_family(p, regime) for r in rs]
-        held_out = fit_profile(rest, model, base, name=f"{name}-without-{regime.family}")
+        held_out = _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{regime.family}", regime)
         results = {
             "fitted": check_run(out / "steps.jsonl", path, profile, model),
             "held_out": check_run(out / "steps.jsonl", path, held_out, model),
@@ -156,6 +154,22 @@ def fit_and_check(out: Path, runs: Sequence[Path], set_: Sequence[Regime], devic
         }
         rows.append(_row(regime, results))
     return rows
+
+
+def _fit(
+    runs: Sequence[tuple[Path, RunRecord]],
+    chosen: dict[Path, list[dict[str, Any]]],
+    model: ModelShape,
+    base: HardwareProfile,
+    name: str,
+    exclude: Regime | None,
+) -> HardwareProfile:
+    """The profile fitted on every run but ``exclude``'s family: step overheads, then request intake time."""
+    kept = [(path, run) for path, run in runs if exclude is None or not _same_family(path, exclude)]
+    records = [r for path, _ in kept for r in chosen[path]]
+    profile = fit_profile(records, model, base, name=name)
+    request_us = fit_request_us([(run, chosen[path]) for path, run in kept], model, profile)
+    return attrs.evolve(profile, request_us=request_us)
 
 
 def _same_family(path: Path, regime: Regime) -> bool:

@@ -65,7 +65,7 @@ def test_accuracy_script_recovers_a_known_profile(tmp_path: Path, capsys: pytest
     # the base's overheads)
     eager = Overheads(scale=1.1, attn_scale=1.6, step_us=400.0, seq_us=2.0, token_us=0.05, gap_us=100.0, gap_seq_us=0.5)
     graph = Overheads(scale=1.1, attn_scale=1.6, step_us=40.0, seq_us=0.5, gap_us=30.0, gap_seq_us=0.2)
-    base = attrs.evolve(H200, eager=eager, graph=graph)
+    base = attrs.evolve(H200, eager=eager, graph=graph, request_us=0.0)
     save_profile(base, tmp_path / "base.json")
     args = [str(tmp_path), "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
     assert sim_accuracy.main([*args, "--base", str(tmp_path / "base.json")]) == 0

@@ -143,3 +143,18 @@ def test_simulate_uses_the_profile_model_unless_told_otherwise(tmp_path: Path) -
         assert main(["simulate", *small, *extra, "--timeline", str(timeline)]) == 0
         header = json.loads(timeline.read_text().splitlines()[0])
         assert header["model"]["hidden_size"] == hidden
+
+
+def test_request_intake_time_is_fitted_from_a_runs_first_step(tmp_path: Path) -> None:
+    """A run simulated with 400 us of host time per arriving request gives request_us = 400 back."""
+    from fnvllm.sim.check import fit_request_us, run_records
+    from fnvllm.sim.timeline import read_timeline
+
+    assert TRUE.request_us == 400.0
+    timeline = _record_simulated_run(tmp_path, overlap=True)
+    run = read_run(run_path(timeline))
+    records = run_records(read_timeline(timeline)[1], run)
+    assert records[0]["first_in_run"] and not records[1].get("first_in_run")
+    assert fit_request_us([(run, records)], load_shape("qwen3-0.6b"), TRUE) == pytest.approx(400.0, rel=1e-6)
+    no_intake = attrs.evolve(TRUE, request_us=0.0)
+    assert check_run(timeline, run_path(timeline), no_intake).error < 0

@@ -153,14 +153,14 @@ def _user_errors(func: Any, *args: Any, **kwargs: Any) -> Any:
 def run_calibrate(args: argparse.Namespace) -> int:
     """Fit a profile's overheads to a timeline log, write it, and report how well it predicts."""
     from fnvllm.sim.calibrate import base_for, device_profile_name, fit_profile, prediction_error
-    from fnvllm.sim.check import read_run, run_records
+    from fnvllm.sim.check import fit_request_us, read_run, run_records
     from fnvllm.sim.hardware import load_profile, save_profile
     from fnvllm.sim.model import load_shape
     from fnvllm.sim.recorder import run_path
     from fnvllm.sim.timeline import header_model, read_timeline
 
     header, records = _user_errors(read_timeline, args.log)
-    run_file = run_path(args.log)
+    run_file, run = run_path(args.log), None
     if run_file.is_file():  # a recorded run: its loop mode and new rows per step, and the device's name
         run = _user_errors(read_run, run_file)
         records = run_records(records, run) or records
@@ -175,6 +175,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     base = base_for(device) if args.base == "auto" else _user_errors(load_profile, args.base)
     name = args.name or (device_profile_name(device) if device else None)
     profile = _user_errors(fit_profile, records, model, base, source=str(args.log), name=name)
+    if run is not None:  # the time to take in a request, from the run's start
+        profile = attrs.evolve(profile, request_us=fit_request_us([(run, records)], model, profile))
     out = Path(args.out) if args.out else Path(args.log).with_suffix(".profile.json")
     _user_errors(save_profile, profile, out)
     print(f"wrote {out}: profile {profile.name!r} for model {model.name!r} (base {base.name})")

@@ -97,9 +97,10 @@ def _fit_kind(
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
     """Indices of the records whose loop ran in ``overlap`` mode; every index when no record says."""
     modes = [record_overlap(r) for r in records]
+    steady = [i for i, r in enumerate(records) if not r.get("first_in_run")]  # a run's first step holds start-up
     if all(m is None for m in modes):
-        return list(range(len(records)))
-    return [i for i, m in enumerate(modes) if m is overlap]
+        return steady
+    return [i for i in steady if modes[i] is overlap]
 
 
 def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:

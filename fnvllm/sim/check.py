@@ -30,11 +30,11 @@ from fnvllm.sim.hardware import HardwareProfile
 from fnvllm.sim.loop import simulate
 from fnvllm.sim.model import ModelShape
 from fnvllm.sim.recorder import RUN_CONFIG_FIELDS
-from fnvllm.sim.timeline import header_model, read_timeline
+from fnvllm.sim.timeline import header_model, read_timeline, record_new_seqs, record_shape
 from fnvllm.sim.workloads import SimRequest
 from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
 
-__all__ = ["CheckResult", "RunRecord", "check_run", "format_check", "read_run", "run_records"]
+__all__ = ["CheckResult", "RunRecord", "check_run", "fit_request_us", "format_check", "read_run", "run_records"]
 
 
 @attrs.frozen
@@ -96,6 +96,7 @@ def run_records(records: Sequence[Mapping[str, Any]], run: RunRecord) -> list[di
         record["num_new_seqs"] = int(by_step[int(record["step"])]["num_new_seqs"])
     if chosen:
         first = chosen[0]
+        first["first_in_run"] = True  # its times hold the run's start-up: the fits leave it out
         since_arrival_ms = (float(by_step[int(first["step"])]["end_s"]) - _first_arrival(run)) * 1e3
         first["gap_ms"] = min(float(first.get("gap_ms", 0.0)), max(since_arrival_ms - float(first["gpu_ms"]), 0.0))
         if "cpu_ms" in first:
@@ -106,6 +107,27 @@ def run_records(records: Sequence[Mapping[str, Any]], run: RunRecord) -> list[di
 def _first_arrival(run: RunRecord) -> float:
     """When the run's first request arrived (the recorder's clock)."""
     return min(float(r["arrival_s"]) for r in run.requests)
+
+
+def fit_request_us(
+    runs: Sequence[tuple[RunRecord, Sequence[Mapping[str, Any]]]], model: ModelShape, profile: HardwareProfile
+) -> float:
+    """The host time to take in one request (``HardwareProfile.request_us``), from runs whose requests arrive
+    together: the time from the arrival to the first step's end, less that step's predicted wall time, per
+    request (least squares through 0, >= 0). ``runs``: each run with its ``run_records``. 0 without such runs."""
+    cost = CostModel(model, profile)
+    num, den = 0.0, 0.0
+    for run, records in runs:
+        t0 = _first_arrival(run)
+        burst = sum(1 for r in run.requests if float(r["arrival_s"]) == t0)
+        if not records or burst < 2:
+            continue
+        first = records[0]
+        end = next(float(s["end_s"]) for s in run.steps if int(s["step"]) == int(first["step"]))
+        shape = record_shape(first)
+        setup_us = ((end - t0) - cost.wall_s(shape, record_new_seqs(first), run.overlap)) * 1e6
+        num, den = num + setup_us * burst, den + burst * burst
+    return max(num / den, 0.0) if den else 0.0
 
 
 @attrs.frozen

@@ -100,6 +100,11 @@ class SimExecutor:
         self.clock += wall
         return ExecuteResult(self.token_source.tokens(plan) if plan.num_samples else ())
 
+    def add_requests(self, count: int) -> None:
+        """``count`` requests arrived: advance the clock by the host time of taking them in (the hardware
+        profile's ``request_us`` each; 0 for a cost object without one)."""
+        self.clock += count * getattr(self.cost.hardware, "request_us", 0.0) * 1e-6
+
     def reset(self, next_step: int) -> None:
         """Expect ``next_step`` next (a simulated cache has no contents to forget); the clock keeps running."""
         self.next_step = next_step

@@ -85,7 +85,9 @@ class HardwareProfile:
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
     eager / graph: the overheads of each kind of step. calibrated_from: the log a fit came from ("" if none).
     model: the model a fit was measured with, as config.json fields plus its ``name`` (None if none): the model
-    ``fnvllm simulate`` uses with this profile unless told another.
+    ``fnvllm simulate`` uses with this profile unless told another. request_us: host time to take in one arriving
+    request (validation, prefix hashing, bookkeeping: ~0.4 ms each when ``generate`` adds 256 at once), charged to
+    the clock before the next step.
     """
 
     name: str
@@ -97,6 +99,7 @@ class HardwareProfile:
     graph: Overheads = Overheads()
     calibrated_from: str = ""
     model: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
+    request_us: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "HardwareProfile.name")
@@ -108,6 +111,7 @@ class HardwareProfile:
             if not isinstance(getattr(self, kind), Overheads):
                 raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
         check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
+        check_real_in(self.request_us, "HardwareProfile.request_us", 0.0, MAX_US)
         if self.model is not None:
             from fnvllm.sim.model import ModelShape
 
@@ -149,7 +153,8 @@ class HardwareProfile:
 # `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model and the plain-loop gap are
 # read off BENCHMARKS.md's timelines (decode: ~1.8 ms of host per overlapped cycle at 1 and at 256 sequences, and a
 # 0.67 ms device idle gap per step without overlap; mixed steps: 34-47 ms of launch for ~16k tokens, cuBLAS
-# setting up new GEMM shapes) until benchmarks/sim_calibration.py refits them.
+# setting up new GEMM shapes; ~100 ms for generate() to take in 256 requests) until benchmarks/sim_calibration.py
+# refits them.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -179,6 +184,7 @@ H200 = HardwareProfile(
         host_us=1700.0,
         host_seq_us=0.4,
     ),
+    request_us=400.0,
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
 
