@@ -95,7 +95,8 @@ def _fit_kind(
 
 
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
-    """Indices of the records whose loop ran in ``overlap`` mode; every index when no record says."""
+    """Indices of the records whose loop ran in ``overlap`` mode (every index when no record says), without a
+    run's first step (``first_in_run``: its host time holds the run's start-up, fitted as request_us)."""
     modes = [record_overlap(r) for r in records]
     steady = [i for i, r in enumerate(records) if not r.get("first_in_run")]  # a run's first step holds start-up
     if all(m is None for m in modes):
