@@ -156,11 +156,11 @@ def test_sweep_progress_prints_at_most_one_line_per_interval() -> None:
     """With a fake clock: the first point, then one line per 10 s interval, and the last point."""
     import io
 
-    from fnvllm.cli.simulate import SweepProgress
+    from fnvllm.cli.simulate import Progress
 
     now = [0.0]
     stream = io.StringIO()
-    progress = SweepProgress(6, stream, interval_s=10.0, clock=lambda: now[0])
+    progress = Progress(6, stream, interval_s=10.0, clock=lambda: now[0])
     for t, row in ((1, {}), (2, {}), (5, {"error": "x"}), (12, {}), (13, {}), (14, {})):
         now[0] = t
         progress.done(row)
@@ -169,3 +169,13 @@ def test_sweep_progress_prints_at_most_one_line_per_interval() -> None:
         "sweep: 4/6 points done, 1 failed, 12 s elapsed",
         "sweep: 6/6 points done, 1 failed, 14 s elapsed",
     ]
+
+
+def test_simulate_prints_plain_progress_lines_off_a_terminal() -> None:
+    """A single run off a terminal says how many requests finished (first and last line), unless --no-progress."""
+    out = _cli("--num-requests", "40", "--num-blocks", "600")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("simulate: ")]
+    assert lines and lines[-1].startswith("simulate: 40/40 requests done"), out.stderr
+    quiet = _cli(*SMALL)
+    assert "simulate: " not in quiet.stderr

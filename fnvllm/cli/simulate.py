@@ -84,13 +84,6 @@ def _flag_message(message: str) -> str:
     return f"{flag}{message[len(name) :]}" if flag and not flag.startswith("--no-") else message
 
 
-def _progress_bar(total: int) -> Any:
-    """A tqdm bar over finished requests (shown only on a terminal)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="simulate", unit="req", disable=None, file=sys.stderr)
-
-
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate one workload and print its metrics (table or JSON); optionally plot and write the timeline."""
     from fnvllm.sim.metrics import format_table
@@ -99,15 +92,17 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.check:
         return run_check(args)
     spec = _spec(args)
-    bars: list[Any] = []
+    bars: list[Progress] = []
     timeline = open(args.timeline, "w") if args.timeline else nullcontext(None)  # noqa: SIM115
     with timeline as stream:
         result, summary = _user_errors(
             run_spec,
             spec,
-            progress=lambda n: bars[0].update(n) if bars and args.progress else None,
+            progress=lambda n: bars[0].advance(n) if bars else None,
             timeline=stream,
-            on_requests=lambda n: bars.append(_progress_bar(n)),
+            on_requests=lambda n: (
+                bars.append(Progress(n, sys.stderr, "simulate", "requests")) if args.progress else None
+            ),
         )
     for bar in bars:
         bar.close()
@@ -202,7 +197,7 @@ def run_sweep_action(args: argparse.Namespace) -> int:
     metric, x = args.metric or grid.get("metric", "ttft_p99_ms"), args.x or grid.get("x") or (axes or [None])[0]
     use_ray = args.ray is not None
     address = args.ray or None
-    progress = SweepProgress(len(points), sys.stderr)
+    progress = Progress(len(points), sys.stderr)
     try:
         rows = _user_errors(run_sweep, points, args.workers, address, use_ray=use_ray, on_done=progress.done)
     finally:
@@ -220,38 +215,50 @@ def run_sweep_action(args: argparse.Namespace) -> int:
     return 1 if errors and len(errors) == len(rows) else 0
 
 
-class SweepProgress:
-    """Progress of a sweep on ``stream``: a tqdm bar on a terminal; elsewhere (a log, a pipe, CI) a plain line
-    for the first finished point, then at most one per ``interval_s`` seconds, and one for the last."""
+class Progress:
+    """Progress of a long job on ``stream``: a tqdm bar on a terminal; elsewhere (a log, a pipe, CI) a plain line
+    for the first finished item, then at most one per ``interval_s`` seconds, and one for the last."""
 
     def __init__(
-        self, total: int, stream: Any, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        total: int,
+        stream: Any,
+        label: str = "sweep",
+        unit: str = "points",
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.total, self.stream, self.interval_s, self.clock = total, stream, interval_s, clock
+        self.total, self.stream, self.label, self.unit = total, stream, label, unit
+        self.interval_s, self.clock = interval_s, clock
         self.num_done = self.num_failed = 0
         self.start = self._last_line = clock()
         self.bar = None
         if stream.isatty():
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc="sweep", unit="point", file=stream)
+            self.bar = tqdm(total=total, desc=label, unit=unit.rstrip("s"), file=stream)
 
-    def done(self, row: dict[str, Any]) -> None:
-        """One point finished (``row`` has an ``error`` when it failed)."""
-        self.num_done += 1
-        self.num_failed += "error" in row
+    def advance(self, count: int = 1, failed: int = 0) -> None:
+        """``count`` more items finished (``failed`` of them failed)."""
+        self.num_done += count
+        self.num_failed += failed
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(count)
             return
         now = self.clock()
-        if self.num_done in (1, self.total) or now - self._last_line >= self.interval_s:
+        if self.num_done in (count, self.total) or now - self._last_line >= self.interval_s:
             self._last_line = now
-            failed = f", {self.num_failed} failed" if self.num_failed else ""
+            failed_text = f", {self.num_failed} failed" if self.num_failed else ""
             print(
-                f"sweep: {self.num_done}/{self.total} points done{failed}, {now - self.start:.0f} s elapsed",
+                f"{self.label}: {self.num_done}/{self.total} {self.unit} done{failed_text}, "
+                f"{now - self.start:.0f} s elapsed",
                 file=self.stream,
                 flush=True,
             )
+
+    def done(self, row: dict[str, Any]) -> None:
+        """One sweep point finished (``row`` has an ``error`` when it failed)."""
+        self.advance(1, int("error" in row))
 
     def close(self) -> None:
         """Close the bar (if any)."""
@@ -292,7 +299,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--plot", default=None, help="PNG of KV usage, queues, tokens per step and latency CDFs")
     parser.add_argument("--timeline", default=None, help="write the predicted per-step timeline (JSONL)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress (bar or lines)")
     parser.add_argument(
         "--check",
         default=None,
