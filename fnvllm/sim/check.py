@@ -219,7 +219,10 @@ def _step_errors(measured: Sequence[Mapping[str, Any]], predicted_wall: Sequence
     if not errors:
         return {}
     a = sorted(abs(e) for e in errors)
-    pick = lambda q: a[min(len(a) - 1, math.floor(q * len(a)))]  # noqa: E731
+
+    def pick(q: float) -> float:
+        return a[min(len(a) - 1, math.floor(q * len(a)))]
+
     return {
         "mean": sum(errors) / len(errors),
         "mean_abs": sum(a) / len(a),

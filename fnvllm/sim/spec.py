@@ -137,8 +137,8 @@ def check_spec(spec: SimSpec) -> None:
         check_count(getattr(spec, name), name, low, high)
     for name, (low, high) in _OPTIONAL_INTS.items():
         check_optional_count(getattr(spec, name), name, low, high)
-    for name, (low, high, low_open) in _REALS.items():
-        check_real_in(getattr(spec, name), name, low, high, low_open=low_open)
+    for name, (real_low, real_high, low_open) in _REALS.items():
+        check_real_in(getattr(spec, name), name, real_low, real_high, low_open=low_open)
     check_rate(spec.rate, "rate", 1e12)
     check_real_in(spec.eos_prob, "eos_prob", 0.0, 1.0)
     if spec.eos_prob == 1.0:
