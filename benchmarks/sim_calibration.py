@@ -77,7 +77,9 @@ def regimes(quick: bool) -> list[Regime]:
     return out
 
 
-def run_regimes(llm: Any, set_: Sequence[Regime], out: Path, device_name: str, seed: int = 0) -> list[Path]:
+def run_regimes(
+    llm: Any, set_: Sequence[Regime], out: Path, device_name: str, model_name: str, seed: int = 0
+) -> list[Path]:
     """Run each regime on ``llm`` with a RunRecorder; returns the run record paths. Prompts are random ids from
     each regime's own seed, so no regime hits another's prefix cache."""
     from fnvllm.executor.base import supports_overlap
@@ -97,7 +99,7 @@ def run_regimes(llm: Any, set_: Sequence[Regime], out: Path, device_name: str, s
         while llm.loop.has_unfinished:  # nothing in flight when the loop mode changes
             llm.loop.step()
         llm.loop.overlap = regime.overlap and supports_overlap(llm.executor)
-        recorder = RunRecorder(llm.engine.config, llm.loop.overlap, device_name)
+        recorder = RunRecorder(llm.engine.config, llm.loop.overlap, device_name, model_name=model_name)
         llm.loop.on_step = recorder.on_step
         start = time.perf_counter()
         recorder.arrive(prompts, [p.max_tokens for p in params])
@@ -135,7 +137,7 @@ def build_engine(shape: str, folder: Path, quick: bool) -> Any:
 def fit_and_check(out: Path, runs: Sequence[Path], set_: Sequence[Regime], device_name: str) -> list[dict[str, Any]]:
     """Fit the profile on every run (and once per held-out family), replay every run; returns the report rows."""
     header, records = read_timeline(out / "steps.jsonl")
-    model = header_model(header, name=str(header.get("model_name", "model")))
+    model = header_model(header, name=read_run(runs[0]).model_name or "model")
     device = device_name or str(header.get("device", ""))
     base = base_for(device)
     name = device_profile_name(device)
@@ -230,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="fnvllm-calibration-ckpt-") as folder:
             llm = build_engine(args.model_shape, Path(folder), args.quick)
             print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
-            runs = run_regimes(llm, set_, out, device_name)
+            runs = run_regimes(llm, set_, out, device_name, args.model_shape)
             llm.executor.timeline.close()
             llm.close()
     rows = fit_and_check(out, runs, set_, device_name)

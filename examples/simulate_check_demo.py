@@ -37,7 +37,7 @@ def record(name: str, folder: Path) -> Path:
     rng = random.Random(name)
     prompts = [[rng.randrange(4, 4000) for _ in range(rng.randint(*prompt_range))] for _ in range(num)]
     params = [SamplingParams(max_tokens=rng.randint(*output_range), ignore_eos=True) for _ in prompts]
-    recorder = RunRecorder(llm.engine.config, llm.loop.overlap, "cpu")
+    recorder = RunRecorder(llm.engine.config, llm.loop.overlap, "cpu", model_name="fnvllm-demo")
     llm.loop.on_step = recorder.on_step
     recorder.arrive(prompts, [p.max_tokens for p in params])
     outputs = llm.generate(prompts, params, use_tqdm=False)

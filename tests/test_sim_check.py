@@ -102,7 +102,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FNVLLM_TIMELINE", str(timeline))
         llm = LLM(model_path(), num_blocks=64, load_tokenizer=False)
-    recorder = RunRecorder(llm.engine.config, llm.loop.overlap, "cpu")
+    recorder = RunRecorder(llm.engine.config, llm.loop.overlap, "cpu", model_name="fnvllm-demo")
     llm.loop.on_step = recorder.on_step
     rng = random.Random(1)
     prompts = [[rng.randrange(4, 200) for _ in range(rng.randint(5, 40))] for _ in range(6)]
@@ -125,6 +125,7 @@ def test_demo_model_run_calibrates_and_checks_on_cpu(
     profile = load_profile(profile_file)
     assert profile.name == "cpu" and profile.mem_bandwidth_gbs != H200.mem_bandwidth_gbs
     assert profile.model is not None and profile.model["num_hidden_layers"] >= 1
+    assert profile.model["name"] == "fnvllm-demo"
     capsys.readouterr()
     assert main(["simulate", "--check", str(demo_run), "--hardware", str(profile_file), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

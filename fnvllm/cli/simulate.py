@@ -160,10 +160,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         run = _user_errors(read_run, run_file)
         records = run_records(records, run) or records
         header = {**header, "device_name": run.device_name or header.get("device_name")}
+        header["model_name"] = run.model_name or header.get("model_name")
     if args.model_shape:
         model = _user_errors(load_shape, args.model_shape)
     elif "model" in header:
-        model = _user_errors(header_model, header)
+        model = _user_errors(header_model, header, str(header.get("model_name") or "logged"))
     else:
         raise CLIError(f"{args.log} has no header line with the model; pass --model-shape", 2)
     device = str(header.get("device_name") or header.get("device") or "")

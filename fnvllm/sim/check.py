@@ -46,6 +46,7 @@ class RunRecord:
     device_name: str
     requests: Sequence[Mapping[str, Any]]
     steps: Sequence[Mapping[str, Any]]
+    model_name: str = ""
 
 
 def read_run(path: str | Path) -> RunRecord:
@@ -66,7 +67,8 @@ def read_run(path: str | Path) -> RunRecord:
         if not requests or not steps:
             raise SimInputError("the run holds no requests or no steps")
         overlap = check_bool_field(run["overlap"], "run overlap")
-        return RunRecord(dict(config), overlap, str(run.get("device_name", "")), requests, steps)
+        names = (str(run.get("device_name", "")), str(run.get("model_name", "")))
+        return RunRecord(dict(config), overlap, names[0], requests, steps, names[1])
     except (KeyError, TypeError) as e:
         raise SimInputError(f"run record {path} lacks or mistypes {e}") from None
     except json.JSONDecodeError as e:

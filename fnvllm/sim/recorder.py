@@ -172,8 +172,9 @@ class RunRecorder:
         recorder.finish([len(o.token_ids) for o in outputs])
         recorder.write(run_path(timeline_path))
 
-    Times are seconds of ``clock`` (``time.perf_counter`` by default) since the recorder was made. ``arrive``
-    may be called several times (requests arriving over time), ``finish`` once per ``arrive``, in order.
+    ``model_name`` names the model in a profile fitted from the run. Times are seconds of ``clock``
+    (``time.perf_counter`` by default) since the recorder was made. ``arrive`` may be called several times
+    (requests arriving over time), ``finish`` once per ``arrive``, in order.
     """
 
     def __init__(
@@ -183,8 +184,10 @@ class RunRecorder:
         device_name: str = "",
         clock: Callable[[], float] = time.perf_counter,
         keep_prompts: bool = True,
+        model_name: str = "",
     ) -> None:
         self.config = {name: getattr(config, name) for name in RUN_CONFIG_FIELDS}
+        self.model_name = model_name
         self.overlap, self.device_name, self.clock, self.keep_prompts = overlap, device_name, clock, keep_prompts
         self._start = clock()
         self.requests: list[dict[str, Any]] = []
@@ -224,6 +227,7 @@ class RunRecorder:
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-ready values."""
         run = {"config": self.config, "overlap": self.overlap, "device_name": self.device_name}
+        run["model_name"] = self.model_name
         return {"run": run, "requests": self.requests, "steps": self.steps}
 
     def write(self, path: str | Path) -> None:
