@@ -99,7 +99,10 @@ def run_regimes(
         while llm.loop.has_unfinished:  # nothing in flight when the loop mode changes
             llm.loop.step()
         llm.loop.overlap = regime.overlap and supports_overlap(llm.executor)
-        recorder = RunRecorder(llm.engine.config, llm.loop.overlap, device_name, model_name=model_name)
+        # random prompts share no prefix: the replay's own unique prompts behave the same, and the files stay small
+        recorder = RunRecorder(
+            llm.engine.config, llm.loop.overlap, device_name, keep_prompts=False, model_name=model_name
+        )
         llm.loop.on_step = recorder.on_step
         start = time.perf_counter()
         recorder.arrive(prompts, [p.max_tokens for p in params])
