@@ -11,14 +11,30 @@
 # measured seconds, steps, num_blocks) and RUN.flags (the bench flags, which sim_accuracy.py parses with the
 # bench's own parser). Then the accuracy report runs here too ($OUT/accuracy.txt); rerun it anywhere with
 #   python benchmarks/sim_accuracy.py $OUT
-# Env: SHAPE (default qwen3-0.6b; "tiny" for a CPU dry run), A_FLAGS / B_FLAGS (override the workloads).
+# Env: SHAPE (default qwen3-0.6b; "tiny" for a CPU dry run), A_FLAGS / B_FLAGS (override the workloads),
+# ONLY ("calibration" or "accuracy": run one part; default both, calibration first).
+#
+# Part "calibration": benchmarks/sim_calibration.py runs the calibration set (1 to 512 requests, decode- and
+# prefill-heavy, the bench; each with and without overlapped steps) on one engine, fits $OUT/calibration/profile.json
+# and prints the error per regime (fitted, held out, built-in h200). About 2-3 minutes on an H200:
+#   ONLY=calibration bash benchmarks/sim_h200_check.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHAPE=${SHAPE:-qwen3-0.6b}
 A_FLAGS=${A_FLAGS:---num-requests 768 --max-input-len 1536 --max-output-len 768}
 B_FLAGS=${B_FLAGS:-}
+ONLY=${ONLY:-}
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+if [[ -z $ONLY || $ONLY == calibration ]]; then
+    quick=""; [[ $SHAPE == tiny ]] && quick="--quick"
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # $quick is one optional word
+    python3 benchmarks/sim_calibration.py --out "$OUT/calibration" --model-shape "$SHAPE" $quick 2>&1 \
+        | tee "$OUT/calibration.txt"
+    echo "calibration: rc=${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
+fi
+[[ -n $ONLY && $ONLY != accuracy ]] && exit 0
 for run in A B; do
     flags_var=${run}_FLAGS; flags=${!flags_var}
     echo "--model-shape $SHAPE $flags" > "$OUT/$run.flags"

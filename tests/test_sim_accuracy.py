@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from benchmarks import sim_accuracy
-from fnvllm.sim import H200, CostModel, HardwareProfile, Overheads, SimExecutor, simulate
+from fnvllm.sim import H200, CostModel, HardwareProfile, Overheads, SimExecutor, save_profile, simulate
 from fnvllm.sim.model import load_shape
 from fnvllm.state import EngineState, StepOutput, StepPlan
 
@@ -43,7 +44,7 @@ def _write_run(folder: Path, name: str) -> None:
     def on_step(state: EngineState, plan: StepPlan, output: StepOutput) -> None:
         device, gap, shape = executor.last_device_s, executor.last_gap_s, executor.last_shape
         assert shape is not None
-        record = {"step": plan.step, **shape.to_record(), "gpu_ms": device * 1e3, "gap_ms": gap * 1e3}
+        record = {"step": plan.step, **shape.to_record(), "gpu_ms": device * 1e3, "gap_ms": gap * 1e3, "cpu_ms": 0.0}
         lines.append(json.dumps(record))
         if executor.clock > sim_accuracy.IDLE_GAP_S:
             timed.append(device + gap)
@@ -60,9 +61,14 @@ def test_accuracy_script_recovers_a_known_profile(tmp_path: Path, capsys: pytest
     the timed steps after the warm-up, and reports that the simulator planned the logged steps exactly."""
     for name in sim_accuracy.RUNS:
         _write_run(tmp_path, name)
-    assert (
-        sim_accuracy.main([str(tmp_path), "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]) == 0
-    )
+    # the base: H200's ceilings, overheads near TRUE's and no host model (a kind of step with few records keeps
+    # the base's overheads)
+    eager = Overheads(scale=1.1, attn_scale=1.6, step_us=400.0, seq_us=2.0, token_us=0.05, gap_us=100.0, gap_seq_us=0.5)
+    graph = Overheads(scale=1.1, attn_scale=1.6, step_us=40.0, seq_us=0.5, gap_us=30.0, gap_seq_us=0.2)
+    base = attrs.evolve(H200, eager=eager, graph=graph, request_us=0.0)
+    save_profile(base, tmp_path / "base.json")
+    args = [str(tmp_path), "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
+    assert sim_accuracy.main([*args, "--base", str(tmp_path / "base.json")]) == 0
     results = json.loads((tmp_path / "r.json").read_text())
     assert [(r["fit"], r["predicted_run"]) for r in results] == [("A", "B"), ("B", "A")]
     for r in results:

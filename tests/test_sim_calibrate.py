@@ -107,3 +107,90 @@ def test_read_timeline_names_a_bad_line(tmp_path: Path) -> None:
     path.write_text('{"model": {}}\n{"num_seqs": 1}\n')
     with pytest.raises(ValueError, match="line 2"):
         read_timeline(path)
+
+
+HOST_TRUE = attrs.evolve(
+    TRUE,
+    eager=attrs.evolve(
+        TRUE.eager, gap_new_seq_us=40.0, host_us=900.0, host_seq_us=6.0, host_new_seq_us=150.0, host_token_us=0.3
+    ),
+    graph=attrs.evolve(TRUE.graph, host_us=1500.0, host_seq_us=4.0),
+)
+
+
+def _host_log(tmp_path: Path, overlap: bool, num_requests: int, rate: float, seed: int) -> list[dict]:
+    """Step records simulated under HOST_TRUE in one loop mode, times jittered by 1%."""
+    save_profile(HOST_TRUE, tmp_path / "host_true.json")
+    spec = SimSpec(
+        num_requests=num_requests,
+        rate=rate,
+        output_mean=40,
+        prompt_mean=300,
+        hardware=str(tmp_path / "host_true.json"),
+        overlap=overlap,
+        seed=seed,
+    )
+    stream = io.StringIO()
+    run_spec(spec, timeline=stream)
+    path = tmp_path / f"log_{overlap}_{seed}.jsonl"
+    path.write_text(stream.getvalue())
+    rng = random.Random(seed)
+    _, records = read_timeline(path)
+    for record in records:
+        for key in ("gpu_ms", "gap_ms", "cpu_ms"):
+            record[key] *= 1 + rng.uniform(-0.01, 0.01)
+    return records
+
+
+def test_fit_recovers_known_host_and_gap_coefficients(tmp_path: Path) -> None:
+    """Timelines of overlapped and plain loops, synthesised from known host and gap coefficients (low and high
+    load, so both host-bound and device-bound steps occur), give those coefficients back within 10%."""
+    records = [
+        *_host_log(tmp_path, True, 200, 30.0, 1),
+        *_host_log(tmp_path, True, 300, 400.0, 2),
+        *_host_log(tmp_path, False, 200, 30.0, 3),
+        *_host_log(tmp_path, False, 300, 400.0, 4),
+    ]
+    assert {r["overlap"] for r in records} == {True, False}
+    fitted = fit_profile(records, load_shape("qwen3-0.6b"), H200)
+    fields = ("gap_us", "gap_seq_us", "gap_new_seq_us", "host_us", "host_seq_us", "host_new_seq_us", "host_token_us")
+    for kind, names in (("eager", fields), ("graph", ("gap_us", "gap_seq_us", "host_us", "host_seq_us"))):
+        got, want = getattr(fitted, kind), getattr(HOST_TRUE, kind)
+        for field in names:
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=0.1, abs=0.05), (kind, field)
+    for overlap in (True, False):
+        mode = [r for r in records if r["overlap"] is overlap]
+        assert abs(prediction_error(mode, load_shape("qwen3-0.6b"), fitted)["total_error"]) < 0.01
+
+
+def test_overlap_rule_prices_a_step_as_max_or_sum() -> None:
+    """Overlapped: wall = max(device, host); plain: device + gap; a profile without a host model: device + gap."""
+    from fnvllm.sim import CostModel, StepShape
+
+    decode = StepShape(1, 1, 1, 0, 500, 500, 1, True)
+    model = load_shape("qwen3-0.6b")
+    over, plain = CostModel(model, HOST_TRUE, overlap=True), CostModel(model, HOST_TRUE, overlap=False)
+    device, host = over.device_s(decode), over.host_s(decode)
+    assert host > device  # one request: host-bound, as on the H200
+    assert over.wall_s(decode) == pytest.approx(host)
+    assert plain.wall_s(decode) == pytest.approx(device + plain.gap_s(decode))
+    assert CostModel(model, TRUE, overlap=True).wall_s(decode) == pytest.approx(device + over.gap_s(decode))
+
+
+def test_calibration_set_script_runs_fits_and_replays_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/sim_calibration.py --quick on the tiny shape (CPU): every regime runs with a run record, the
+    fitted profile is named after the device and records the model, every run replays with the engine's plans,
+    and the table prints one line per regime."""
+    from benchmarks import sim_calibration
+
+    assert sim_calibration.main(["--out", str(tmp_path), "--model-shape", "tiny", "--quick"]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())
+    names = [r.name for r in sim_calibration.regimes(quick=True)]
+    assert [row["regime"] for row in rows] == names and len(names) == 16
+    assert all(row["same_plans"] for row in rows)
+    profile = load_profile(tmp_path / "profile.json")
+    assert profile.name == "cpu" and profile.model is not None and profile.model["hidden_size"] == 128
+    out = capsys.readouterr().out
+    assert "worst |error| held_out" in out and "prefill-512-plain" in out

@@ -50,11 +50,11 @@ def test_simulate_prints_a_table_for_a_trace(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--workload", "nope"], "workload must be one of"),
-        (["--rate", "0"], "--rate must be > 0"),
+        (["--rate", "0"], "--rate must be a number in (0, "),
         (["--hardware", "missing.json"], "hardware 'missing.json'"),
         (["--model-shape", "gpt-9"], "model shape 'gpt-9'"),
         (["--policy", "random"], "unknown policy 'random'"),
-        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be an int"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be an int in [1, "),
         (["calibrate", "missing.jsonl"], "missing.jsonl"),
     ],
 )
@@ -142,3 +142,40 @@ def test_plots_are_written(tmp_path: Path) -> None:
     assert sweep.returncode == 0, sweep.stderr
     for name in ("run.png", "grid.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_prints_plain_progress_lines_off_a_terminal(tmp_path: Path) -> None:
+    """Off a terminal (stderr is a pipe) the sweep says how many points are done: the first and the last."""
+    out = _cli("sweep", str(_grid(tmp_path)), "--workers", "2", "--out", str(tmp_path / "table.csv"))
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("sweep: ")]
+    assert lines[0].startswith("sweep: 1/4 points done") and lines[-1].startswith("sweep: 4/4 points done"), lines
+
+
+def test_sweep_progress_prints_at_most_one_line_per_interval() -> None:
+    """With a fake clock: the first point, then one line per 10 s interval, and the last point."""
+    import io
+
+    from fnvllm.cli.simulate import Progress
+
+    now = [0.0]
+    stream = io.StringIO()
+    progress = Progress(6, stream, interval_s=10.0, clock=lambda: now[0])
+    for t, row in ((1, {}), (2, {}), (5, {"error": "x"}), (12, {}), (13, {}), (14, {})):
+        now[0] = t
+        progress.done(row)
+    assert stream.getvalue().splitlines() == [
+        "sweep: 1/6 points done, 1 s elapsed",
+        "sweep: 4/6 points done, 1 failed, 12 s elapsed",
+        "sweep: 6/6 points done, 1 failed, 14 s elapsed",
+    ]
+
+
+def test_simulate_prints_plain_progress_lines_off_a_terminal() -> None:
+    """A single run off a terminal says how many requests finished (first and last line), unless --no-progress."""
+    out = _cli("--num-requests", "40", "--num-blocks", "600")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("simulate: ")]
+    assert lines and lines[-1].startswith("simulate: 40/40 requests done"), out.stderr
+    quiet = _cli(*SMALL)
+    assert "simulate: " not in quiet.stderr

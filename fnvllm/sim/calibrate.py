@@ -1,12 +1,19 @@
 """Calibration: fit a hardware profile's overheads to a measured per-step timeline.
 
-For each kind of step (graph, eager) the device time is fitted as
-    gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * num_seqs
-             + token_us * num_tokens
-and the host gap as gap_us + gap_seq_us * num_seqs, by least squares with every coefficient >= 0 (a column whose
-coefficient comes out negative is dropped and the rest refitted). Columns the log cannot tell apart keep the
-base profile's value: in decode-only steps num_tokens == num_seqs (their cost lands on seq_us) and the matmul
-roofline is affine in num_seqs (``scale`` stays the base's). The roofline uses the base
+For each kind of step (graph, eager) three linear models are fitted by least squares with every coefficient >= 0
+(a column whose coefficient comes out negative is dropped and the rest refitted):
+
+    device:  gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * seqs
+                      + token_us * tokens
+    host:    cpu_us ~ host_us + host_seq_us * seqs + host_new_seq_us * new_seqs + host_token_us * tokens
+                      + host_sample_us * sampled        (on steps of an overlapped loop)
+    gap:     gap_us ~ gap_us + gap_seq_us * seqs + gap_new_seq_us * new_seqs + gap_token_us * tokens
+                                                        (on steps of a plain loop)
+
+A record says its loop mode with ``overlap`` (the run recorder and the simulator write it); a log that never says
+fits host and gap on every step. Columns the log cannot tell apart keep the base profile's value (device) or
+fold into the column before them (host, gap): in decode-only steps num_tokens == num_seqs (their cost lands on
+seq_us) and the matmul roofline is affine in num_seqs (``scale`` stays the base's). The roofline uses the base
 profile's ceilings, so calibrating for another GPU means: put its measured read bandwidth and matmul rate in a
 profile JSON, run the engine there with FNVLLM_TIMELINE set, and fit with ``--base`` that JSON.
 """
@@ -22,11 +29,19 @@ import numpy as np
 from fnvllm.sim.cost import CostModel, StepShape
 from fnvllm.sim.hardware import HardwareProfile, Overheads
 from fnvllm.sim.model import ModelShape
-from fnvllm.sim.timeline import record_shape
+from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
 MIN_ROWS = 8  # fewer steps of one kind than this: keep the base profile's overheads for that kind
 
-__all__ = ["MIN_ROWS", "fit_nonnegative", "fit_profile", "prediction_error"]
+__all__ = [
+    "CPU_BASE",
+    "MIN_ROWS",
+    "base_for",
+    "device_profile_name",
+    "fit_nonnegative",
+    "fit_profile",
+    "prediction_error",
+]
 
 
 def _independent_columns(x: np.ndarray) -> list[int]:
@@ -73,15 +88,65 @@ def _fit_kind(
     attn_scale, step, seq, token, scale = fit_nonnegative(
         x, np.array([float(r["gpu_ms"]) * 1e3 for r in records]), prior
     )
-    gaps = np.array([float(r.get("gap_ms", 0.0)) * 1e3 for r in records])
-    gap, gap_seq = fit_nonnegative(np.column_stack([np.ones(len(shapes)), seqs]), gaps)
-    return Overheads(*map(float, (scale, attn_scale, step, seq, token, gap, gap_seq)))
+    device = Overheads(scale=float(scale), attn_scale=float(attn_scale), step_us=float(step), seq_us=float(seq))
+    return attrs.evolve(
+        device, token_us=float(token), **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base)
+    )
+
+
+def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
+    """Indices of the records whose loop ran in ``overlap`` mode (every index when no record says), without a
+    run's first step (``first_in_run``: its host time holds the run's start-up, fitted as request_us)."""
+    modes = [record_overlap(r) for r in records]
+    steady = [i for i, r in enumerate(records) if not r.get("first_in_run")]  # a run's first step holds start-up
+    if all(m is None for m in modes):
+        return steady
+    return [i for i in steady if modes[i] is overlap]
+
+
+def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
+    """Host-side columns of the chosen rows: 1, rows, new rows, tokens, sampled rows."""
+    return np.array(
+        [
+            [1.0, shapes[i].num_seqs, record_new_seqs(records[i]), shapes[i].num_tokens, shapes[i].num_samples]
+            for i in rows
+        ]
+    ).reshape(len(rows), 5)
+
+
+def _fit_gap(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
+    """The plain loop's gap coefficients, fitted on the gaps of steps that did not overlap (all steps when the
+    log does not say); fewer than MIN_ROWS such steps keep ``base``'s."""
+    rows = _rows_of_mode(records, overlap=False)
+    names = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+    if len(rows) < MIN_ROWS:
+        return {name: getattr(base, name) for name in names}
+    gaps = np.array([float(records[i].get("gap_ms", 0.0)) * 1e3 for i in rows])
+    coef = fit_nonnegative(_features(shapes, records, rows)[:, :4], gaps)
+    return dict(zip(names, map(float, coef), strict=True))
+
+
+def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
+    """The host-cycle coefficients, fitted on ``cpu_ms`` of overlapped steps (all steps when the log does not
+    say); fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
+    rows = [i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i]]
+    names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
+    if len(rows) < MIN_ROWS:
+        return {name: getattr(base, name) for name in names}
+    host = np.array([float(records[i]["cpu_ms"]) * 1e3 for i in rows])
+    coef = fit_nonnegative(_features(shapes, records, rows), host)
+    return dict(zip(names, map(float, coef), strict=True))
 
 
 def fit_profile(
-    records: Sequence[Mapping[str, Any]], model: ModelShape, base: HardwareProfile, source: str = ""
+    records: Sequence[Mapping[str, Any]],
+    model: ModelShape,
+    base: HardwareProfile,
+    source: str = "",
+    name: str | None = None,
 ) -> HardwareProfile:
-    """``base`` with its overheads fitted to ``records`` (timeline step records) of ``model``.
+    """``base`` with its overheads fitted to ``records`` (timeline step records) of ``model``, named ``name``
+    (default: the base's name + "-calibrated") and recording ``model`` (simulate's default model with it).
 
     Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
     eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
@@ -97,19 +162,38 @@ def fit_profile(
     graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
     return attrs.evolve(
         base,
-        name=f"{base.name}-calibrated",
+        name=name or f"{base.name}-calibrated",
         graph_max_seqs=max(graph_seqs, default=0),
         calibrated_from=source,
         eager=kinds["eager"],
         graph=kinds["graph"],
+        model={**model.to_config(), "name": model.name},
     )
+
+
+CPU_BASE = HardwareProfile(
+    name="cpu", mem_bandwidth_gbs=10.0, matmul_tflops=0.08, memory_gib=8.0, graph_max_seqs=0
+)  # the base for CPU timelines: rough ceilings of one desktop core, so the fit's columns have the work's shape
+
+
+def device_profile_name(device: str) -> str:
+    """A profile name from a device's name: "NVIDIA H200" -> "nvidia-h200", "cuda:0" -> "cuda-0"."""
+    return "-".join("".join(c if c.isalnum() else " " for c in device.lower()).split()) or "device"
+
+
+def base_for(device: str) -> HardwareProfile:
+    """The base profile a timeline of ``device`` fits from: the H200's for CUDA devices, CPU_BASE for a CPU."""
+    from fnvllm.sim.hardware import H200
+
+    return CPU_BASE if device.lower().startswith("cpu") else H200
 
 
 def prediction_error(
     records: Sequence[Mapping[str, Any]], model: ModelShape, profile: HardwareProfile
 ) -> dict[str, float]:
-    """How well ``profile`` predicts ``records``: the relative error of the total step time (device + gap), the
-    mean absolute relative error per step, and the measured and predicted totals in seconds."""
+    """How well ``profile`` predicts ``records``: the relative error of the total wall time (device + gap per
+    step, predicted under each record's loop mode: overlapped unless it says otherwise), the mean absolute
+    relative error per step, and the measured and predicted totals in seconds."""
     cost = CostModel(model, profile)
     measured, predicted, errors = 0.0, 0.0, []
     for record in records:
@@ -117,7 +201,7 @@ def prediction_error(
         if not shape.num_seqs:
             continue
         m = (float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))) / 1e3
-        p = cost.device_s(shape) + cost.gap_s(shape)
+        p = cost.wall_s(shape, record_new_seqs(record), record_overlap(record))
         measured, predicted = measured + m, predicted + p
         errors.append(abs(p - m) / m if m > 0 else 0.0)
     return {

@@ -8,6 +8,10 @@ times the layer count, plus the LM head over the sampled rows. So a decode batch
 reads, a long prefill by FLOPs, and neither is summed where they overlap. Matmuls and attention are scaled
 separately by the profile (``scale``, ``attn_scale``): their kernels reach different fractions of the ceilings.
 
+Host time is a linear function of the step (rows, new rows, tokens, sampled rows), and a step's wall time follows
+the loop: max(device, host) when steps overlap, device + the plain loop's gap when they do not
+(``fnvllm.sim.hardware.Overheads``).
+
 The shape of a step is what the GPU engine logs per step (``FNVLLM_TIMELINE``), so the same numbers drive both
 the simulation and the calibration.
 """
@@ -24,10 +28,11 @@ _US = 1e-6
 
 
 class CostModel:
-    """Times steps of ``model`` on ``hardware``. Stateless after construction; cheap per call (no allocation)."""
+    """Times steps of ``model`` on ``hardware``; ``overlap``: the engine overlaps host work with the device (the
+    default on CUDA). Stateless after construction; cheap per call (no allocation)."""
 
-    def __init__(self, model: ModelShape, hardware: HardwareProfile) -> None:
-        self.model, self.hardware = model, hardware
+    def __init__(self, model: ModelShape, hardware: HardwareProfile, overlap: bool = True) -> None:
+        self.model, self.hardware, self.overlap = model, hardware, overlap
         m = model
         h, q, kv, i = m.hidden, m.q_size, m.kv_size, m.intermediate
         # (weights, input width, output width) of each matmul of a layer
@@ -83,13 +88,36 @@ class CostModel:
         extra = o.step_us + o.seq_us * shape.num_seqs + o.token_us * shape.num_tokens
         return o.scale * self.linear_s(shape) + o.attn_scale * self.attention_s(shape) + extra * _US
 
-    def gap_s(self, shape: StepShape) -> float:
-        """Predicted host gap after the step, before the next one starts (0 for an empty step)."""
+    def gap_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
+        """Predicted host gap of a plain (not overlapped) loop after the step (0 for an empty step)."""
         if not shape.num_seqs:
             return 0.0
         o = self.overheads(shape)
-        return (o.gap_us + o.gap_seq_us * shape.num_seqs) * _US
+        gap = o.gap_us + o.gap_seq_us * shape.num_seqs + o.gap_new_seq_us * num_new_seqs
+        return (gap + o.gap_token_us * shape.num_tokens) * _US
 
-    def step_s(self, shape: StepShape) -> float:
-        """Wall time the step occupies on the simulated clock: device time plus host gap."""
-        return self.device_s(shape) + self.gap_s(shape)
+    def host_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
+        """Predicted host time of the loop cycle that runs the step (0 for an empty step)."""
+        if not shape.num_seqs:
+            return 0.0
+        o = self.overheads(shape)
+        host = o.host_us + o.host_seq_us * shape.num_seqs + o.host_new_seq_us * num_new_seqs
+        return (host + o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples) * _US
+
+    def wall_s(self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None) -> float:
+        """Wall time the step occupies: max(device, host) when steps overlap (``overlap`` None: this model's
+        setting) and the profile has a host model, else device + plain gap."""
+        return self.step_times(shape, num_new_seqs, overlap)[2]
+
+    def step_times(
+        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None
+    ) -> tuple[float, float, float]:
+        """(device, host, wall) seconds of the step, each priced once (see ``wall_s``)."""
+        device, host = self.device_s(shape), self.host_s(shape, num_new_seqs)
+        if (self.overlap if overlap is None else overlap) and self.overheads(shape).has_host_model:
+            return device, host, max(device, host)
+        return device, host, device + self.gap_s(shape, num_new_seqs)
+
+    def step_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
+        """Wall time the step occupies on the simulated clock (``wall_s``)."""
+        return self.wall_s(shape, num_new_seqs)

@@ -63,9 +63,10 @@ class ReplayTokens:
 class SimExecutor:
     """Applies plans to a simulated device: a clock (seconds) advanced by ``cost``, tokens from ``tokens``.
 
-    clock: simulated time now (the end of the last step). last_shape / last_device_s / last_gap_s: the last
-    plan's shape, device time and host gap (for logs and plots). ``advance_to(t)`` moves an idle clock forward
-    (a jump to the next arrival).
+    clock: simulated time now (the end of the last step). last_shape / last_device_s / last_gap_s /
+    last_host_s / last_new_seqs: the last plan's shape, device time, the wall time beyond it (device idle), its
+    host time and its rows new since the plan before (for logs and plots). ``advance_to(t)`` moves an idle clock
+    forward (a jump to the next arrival).
     """
 
     def __init__(self, cost: CostModel, tokens: TokenSource | None = None, clock: float = 0.0) -> None:
@@ -74,7 +75,16 @@ class SimExecutor:
         self.clock = clock
         self.next_step = 0
         self.last_shape: StepShape | None = None
-        self.last_device_s = self.last_gap_s = 0.0
+        self.last_device_s = self.last_gap_s = self.last_host_s = 0.0
+        self.last_new_seqs = 0
+        self._last_ids: frozenset[str] = frozenset()
+        self._times = getattr(cost, "step_times", None) or self._device_plus_gap
+
+    def _device_plus_gap(self, shape: StepShape, num_new_seqs: int) -> tuple[float, float, float]:
+        """(device, host, wall) of a cost object with only ``device_s`` and ``gap_s`` (the protocol before the
+        host model): wall = device + gap, no host time."""
+        device = self.cost.device_s(shape)
+        return device, 0.0, device + self.cost.gap_s(shape)
 
     def execute(self, plan: StepPlan) -> ExecuteResult:
         """Advance the clock by the plan's predicted wall time; return its sampled tokens."""
@@ -82,9 +92,18 @@ class SimExecutor:
         self.next_step += 1
         shape = step_shape(plan, self.cost.hardware.graph_max_seqs)
         self.last_shape = shape
-        self.last_device_s, self.last_gap_s = self.cost.device_s(shape), self.cost.gap_s(shape)
-        self.clock += self.last_device_s + self.last_gap_s
+        ids = frozenset(plan.seq_ids)
+        new = self.last_new_seqs = len(ids) - len(ids & self._last_ids)  # admitted (or resumed) this step
+        self._last_ids = ids
+        device, host, wall = self._times(shape, new)
+        self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
+        self.clock += wall
         return ExecuteResult(self.token_source.tokens(plan) if plan.num_samples else ())
+
+    def add_requests(self, count: int) -> None:
+        """``count`` requests arrived: advance the clock by the host time of taking them in (the hardware
+        profile's ``request_us`` each; 0 for a cost object without one)."""
+        self.clock += count * getattr(self.cost.hardware, "request_us", 0.0) * 1e-6
 
     def reset(self, next_step: int) -> None:
         """Expect ``next_step`` next (a simulated cache has no contents to forget); the clock keeps running."""

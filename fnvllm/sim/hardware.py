@@ -20,12 +20,35 @@ from typing import Any
 
 import attrs
 
+from fnvllm.sim.checks import SimInputError, check_count, check_mapping, check_positive, check_real_in, check_text
+
+MAX_US = 1e9  # an overhead of more than ~17 minutes per step is a typo
+MAX_SCALE = 1e6
+MAX_BANDWIDTH_GBS = 1e7  # GB/s, TFLOP/s and GiB: far above any device, finite
+MAX_TFLOPS = 1e7
+MAX_MEMORY_GIB = 1e7
+MAX_GRAPH_SEQS = 1 << 20
+
 
 @attrs.frozen
 class Overheads:
-    """Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
-    token_us * tokens; then a host gap of gap_us + gap_seq_us * seqs before the next step starts (times in
-    microseconds, all >= 0). A scale of 1.25 means the kernels reach 80% of the ceilings."""
+    """What the roofline misses, for one kind of step (times in microseconds, all >= 0).
+
+    Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
+    token_us * tokens. A scale of 1.25 means the kernels reach 80% of the ceilings.
+
+    Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
+    timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
+    whose data crosses to the device once) + host_token_us * tokens + host_sample_us * sampled rows.
+
+    Plain-loop gap (the host time the device waits for between steps when the loop does not overlap: the part of
+    the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
+    gap_new_seq_us * new seqs + gap_token_us * tokens.
+
+    A step's wall time: max(device, host) with overlapped steps (host work hides behind the device, or the device
+    waits for it); device + gap without. A profile without a host model (every host_* 0, as in profiles written
+    before it existed) charges device + gap either way.
+    """
 
     scale: float = 1.0
     attn_scale: float = 1.0
@@ -34,6 +57,23 @@ class Overheads:
     token_us: float = 0.0
     gap_us: float = 0.0
     gap_seq_us: float = 0.0
+    gap_new_seq_us: float = 0.0
+    gap_token_us: float = 0.0
+    host_us: float = 0.0
+    host_seq_us: float = 0.0
+    host_new_seq_us: float = 0.0
+    host_token_us: float = 0.0
+    host_sample_us: float = 0.0
+
+    @property
+    def has_host_model(self) -> bool:
+        """True when any host-time coefficient is set (the overlap rule applies)."""
+        return any((self.host_us, self.host_seq_us, self.host_new_seq_us, self.host_token_us, self.host_sample_us))
+
+    def __attrs_post_init__(self) -> None:
+        for field in attrs.fields(type(self)):
+            high = MAX_SCALE if field.name.endswith("scale") else MAX_US
+            check_real_in(getattr(self, field.name), f"Overheads.{field.name}", 0.0, high)
 
 
 @attrs.frozen
@@ -44,6 +84,10 @@ class HardwareProfile:
     rate in the model's dtype. memory_gib: device memory (sizes the KV cache when num_blocks is not given).
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
     eager / graph: the overheads of each kind of step. calibrated_from: the log a fit came from ("" if none).
+    model: the model a fit was measured with, as config.json fields plus its ``name`` (None if none): the model
+    ``fnvllm simulate`` uses with this profile unless told another. request_us: host time to take in one arriving
+    request (validation, prefix hashing, bookkeeping: ~0.4 ms each when ``generate`` adds 256 at once), charged to
+    the clock before the next step.
     """
 
     name: str
@@ -54,6 +98,24 @@ class HardwareProfile:
     eager: Overheads = Overheads()
     graph: Overheads = Overheads()
     calibrated_from: str = ""
+    model: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
+    request_us: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        check_text(self.name, "HardwareProfile.name")
+        check_positive(self.mem_bandwidth_gbs, "HardwareProfile.mem_bandwidth_gbs", MAX_BANDWIDTH_GBS)
+        check_positive(self.matmul_tflops, "HardwareProfile.matmul_tflops", MAX_TFLOPS)
+        check_positive(self.memory_gib, "HardwareProfile.memory_gib", MAX_MEMORY_GIB)
+        check_count(self.graph_max_seqs, "HardwareProfile.graph_max_seqs", 0, MAX_GRAPH_SEQS)
+        for kind in ("eager", "graph"):
+            if not isinstance(getattr(self, kind), Overheads):
+                raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
+        check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
+        check_real_in(self.request_us, "HardwareProfile.request_us", 0.0, MAX_US)
+        if self.model is not None:
+            from fnvllm.sim.model import ModelShape
+
+            ModelShape.from_config(check_mapping(self.model, "HardwareProfile.model"))  # checks every dimension
 
     @property
     def bytes_per_s(self) -> float:
@@ -67,34 +129,76 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``from_dict`` reads it back)."""
-        return attrs.asdict(self)
+        data = attrs.asdict(self)
+        if self.model is None:
+            del data["model"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
-        """From ``to_dict``'s output; unknown keys are an error naming the known ones."""
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown hardware profile field(s) {unknown}; known: {sorted(known)}")
+        """From ``to_dict``'s output; unknown or missing keys and out-of-range values are a SimInputError naming
+        the field (fields added since a profile was written take their defaults)."""
+        check_mapping(data, "hardware profile")
+        _check_keys(data, cls, "hardware profile")
         values = dict(data)
         for kind in ("eager", "graph"):
             if kind in values:
-                values[kind] = Overheads(**values[kind])
+                overheads = check_mapping(values[kind], f"hardware profile {kind}")
+                _check_keys(overheads, Overheads, f"hardware profile {kind}")
+                values[kind] = Overheads(**overheads)
         return cls(**values)
 
 
-# Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The overheads are uncalibrated guesses until
-# `fnvllm simulate calibrate` fits them from the GPU engine's timeline.
+# Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The device overheads are uncalibrated guesses until
+# `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model and the plain-loop gap are
+# read off BENCHMARKS.md's timelines (decode: ~1.8 ms of host per overlapped cycle at 1 and at 256 sequences, and a
+# 0.67 ms device idle gap per step without overlap; mixed steps: 34-47 ms of launch for ~16k tokens, cuBLAS
+# setting up new GEMM shapes; ~100 ms for generate() to take in 256 requests) until benchmarks/sim_calibration.py
+# refits them.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
     matmul_tflops=793.0,
     memory_gib=139.8,
     graph_max_seqs=512,
-    eager=Overheads(scale=1.1, attn_scale=1.6, step_us=400.0, seq_us=2.0, token_us=0.05, gap_us=100.0, gap_seq_us=0.5),
-    graph=Overheads(scale=1.1, attn_scale=1.6, step_us=40.0, seq_us=0.5, gap_us=30.0, gap_seq_us=0.2),
+    eager=Overheads(
+        scale=1.1,
+        attn_scale=1.6,
+        step_us=400.0,
+        seq_us=2.0,
+        token_us=0.05,
+        gap_us=700.0,
+        gap_seq_us=0.5,
+        host_us=2500.0,
+        host_seq_us=2.0,
+        host_new_seq_us=20.0,
+        host_token_us=2.0,
+    ),
+    graph=Overheads(
+        scale=1.1,
+        attn_scale=1.6,
+        step_us=40.0,
+        seq_us=0.5,
+        gap_us=650.0,
+        gap_seq_us=0.1,
+        host_us=1700.0,
+        host_seq_us=0.4,
+    ),
+    request_us=400.0,
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
+
+
+def _check_keys(data: Mapping[str, Any], cls: type, what: str) -> None:
+    """SimInputError for keys ``cls`` does not have, or required ones missing."""
+    fields = attrs.fields(cls)
+    known = {f.name for f in fields}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SimInputError(f"unknown {what} field(s) {unknown}; known: {sorted(known)}")
+    missing = [f.name for f in fields if f.default is attrs.NOTHING and f.name not in data]
+    if missing:
+        raise SimInputError(f"{what} lacks {missing}")
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
@@ -107,8 +211,10 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ValueError(f"hardware {str(name_or_path)!r} is neither one of {sorted(BUILTIN_PROFILES)} nor a file")
     try:
         return HardwareProfile.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{path} is not a hardware profile JSON: {e}") from None
+    except json.JSONDecodeError as e:
+        raise SimInputError(f"{path} is not a hardware profile JSON: {e}") from None
+    except SimInputError as e:
+        raise type(e)(f"{path}: {e}") from None
 
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:

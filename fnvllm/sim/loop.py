@@ -7,8 +7,9 @@
         tokens = executor.execute(plan)                               (advances the clock by the cost model)
         state, out = commit(state, plan, tokens)
 
-A step starts when the previous one ended; its tokens are emitted when it ends; a request that arrives during a
-step is added before the next schedule. ``Recorder`` notes what the metrics need on the way.
+A step starts when the previous one ended (plus the host time of taking in the requests that arrived, the
+profile's ``request_us`` each); its tokens are emitted when it ends; a request that arrives during a step is added
+before the next schedule. ``Recorder`` notes what the metrics need on the way.
 """
 
 from __future__ import annotations
@@ -174,8 +175,11 @@ def _simulate(
     while arrivals.pending or state.has_unfinished:
         if not state.has_unfinished:
             executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
+        arrived = arrivals.num_arrived
+        before = state = arrivals.add_due(state, executor.clock)
+        if arrivals.num_arrived > arrived:  # the host's work of taking them in (profile's request_us)
+            executor.add_requests(arrivals.num_arrived - arrived)
         clock = executor.clock
-        before = state = arrivals.add_due(state, clock)
         state, plan = schedule(state)
         state, output = commit(state, plan, executor.execute(plan).token_ids)
         num_steps += 1

@@ -13,6 +13,13 @@ from typing import Any
 
 import attrs
 
+from fnvllm.sim.checks import SimInputError, check_bool_field, check_count, check_mapping, check_text
+
+# Upper ends of the dimensions: far above any released decoder, low enough that products stay meaningful.
+MAX_DIM = 1 << 20
+MAX_LAYERS = 10_000
+MAX_HEADS = 1 << 16
+MAX_VOCAB = 1 << 24
 _DTYPE_BYTES: Mapping[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -37,6 +44,25 @@ class ModelShape:
     tied: bool = False
     dtype_bytes: int = 2
     max_len: int = 40960
+
+    def __attrs_post_init__(self) -> None:
+        check_text(self.name, "model name", non_empty=False)
+        for field, high in (
+            ("hidden", MAX_DIM),
+            ("layers", MAX_LAYERS),
+            ("q_heads", MAX_HEADS),
+            ("kv_heads", MAX_HEADS),
+            ("head_dim", MAX_DIM),
+            ("intermediate", MAX_DIM),
+            ("vocab", MAX_VOCAB),
+        ):
+            check_count(getattr(self, field), f"model {field}", 1, high)
+        check_bool_field(self.tied, "model tied")
+        if self.dtype_bytes not in (1, 2, 4):
+            raise SimInputError(f"model dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes!r}")
+        check_count(self.max_len, "model max_len (max_position_embeddings)", 1, 1 << 40)
+        if self.q_heads % self.kv_heads:
+            raise SimInputError(f"model q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
 
     @property
     def q_size(self) -> int:
@@ -83,24 +109,36 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str = "model") -> ModelShape:
-        """From a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama keys)."""
-        try:
-            hidden, q_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            return cls(
-                name=name,
-                hidden=hidden,
-                layers=int(config["num_hidden_layers"]),
-                q_heads=q_heads,
-                kv_heads=int(config.get("num_key_value_heads") or q_heads),
-                head_dim=int(config.get("head_dim") or hidden // q_heads),
-                intermediate=int(config["intermediate_size"]),
-                vocab=int(config["vocab_size"]),
-                tied=bool(config.get("tie_word_embeddings", False)),
-                dtype_bytes=_DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype")), 2),
-                max_len=int(config.get("max_position_embeddings", 40960)),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks {e.args[0]!r}, which the cost model needs") from None
+        """From a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama keys); SimInputError naming a missing or
+        out-of-range key (0 heads, a string where a size belongs)."""
+        check_mapping(config, "config.json")
+        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+            if key not in config:
+                raise SimInputError(f"config.json lacks {key!r}, which the cost model needs")
+        hidden = check_count(config["hidden_size"], "config.json hidden_size", 1, MAX_DIM)
+        q_heads = check_count(config["num_attention_heads"], "config.json num_attention_heads", 1, MAX_HEADS)
+        kv_heads = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")
+        max_len = config.get("max_position_embeddings")
+        return cls(
+            name=name,
+            hidden=hidden,
+            layers=check_count(config["num_hidden_layers"], "config.json num_hidden_layers", 1, MAX_LAYERS),
+            q_heads=q_heads,
+            kv_heads=q_heads
+            if kv_heads is None
+            else check_count(kv_heads, "config.json num_key_value_heads", 1, q_heads),
+            head_dim=hidden // q_heads
+            if head_dim is None
+            else check_count(head_dim, "config.json head_dim", 1, MAX_DIM),
+            intermediate=check_count(config["intermediate_size"], "config.json intermediate_size", 1, MAX_DIM),
+            vocab=check_count(config["vocab_size"], "config.json vocab_size", 1, MAX_VOCAB),
+            tied=bool(config.get("tie_word_embeddings", False)),
+            dtype_bytes=_DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype")), 2),
+            max_len=40960
+            if max_len is None
+            else check_count(max_len, "config.json max_position_embeddings", 1, 1 << 40),
+        )
 
 
 _QWEN3_COMMON: Mapping[str, Any] = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960}
@@ -140,4 +178,11 @@ def load_shape(name_or_path: str | Path) -> ModelShape:
         raise ValueError(
             f"model shape {str(name_or_path)!r} is neither one of {sorted(NAMED_SHAPES)} nor a config.json"
         )
-    return ModelShape.from_config(json.loads(file.read_text()), name=path.name)
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SimInputError(f"{file} is not a config.json: {e}") from None
+    try:
+        return ModelShape.from_config(config, name=path.name)
+    except SimInputError as e:
+        raise type(e)(f"{file}: {e}") from None

@@ -11,6 +11,19 @@ from typing import IO, Any
 
 import attrs
 
+from fnvllm.sim.checks import (
+    MAX_MODEL_LEN,
+    MAX_NUM_BLOCKS,
+    MAX_REQUESTS,
+    SimInputError,
+    check_bool_field,
+    check_count,
+    check_mapping,
+    check_optional_count,
+    check_rate,
+    check_real_in,
+    check_text,
+)
 from fnvllm.sim.cost import CostModel
 from fnvllm.sim.executor import FillerTokens, SimExecutor
 from fnvllm.sim.hardware import HardwareProfile, load_profile
@@ -27,6 +40,7 @@ from fnvllm.sim.workloads import (
     shared_prefix_requests,
 )
 from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
+from fnvllm.state.config import MAX_SIZE
 
 _GIB = 1 << 30
 _EOS_ID, _FILLER_ID = 0, 3
@@ -43,8 +57,10 @@ class SimSpec:
     num_prefixes / prefix_len: the shared system prompts (also the trace's default prefix_len). num_priorities:
     priorities drawn in [0, n). seed: workload and EOS draws. eos_prob: chance each token is an EOS (0: every
     request generates exactly output_len tokens).
-    model / hardware: a named shape or config.json; a profile name or JSON file. policy: see POLICIES.
-    The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory.
+    model / hardware: a named shape or config.json (None: the profile's model, else qwen3-0.6b); a profile name or
+    JSON file. policy: see POLICIES.
+    The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory. overlap: the
+    engine overlaps host work with the device (its default on CUDA; priced by the profile's host model).
     """
 
     workload: str = "poisson"
@@ -58,7 +74,7 @@ class SimSpec:
     num_priorities: int = 1
     seed: int = 0
     eos_prob: float = 0.0
-    model: str = "qwen3-0.6b"
+    model: str | None = None
     hardware: str = "h200"
     policy: str = "fcfs"
     block_size: int = 16
@@ -68,10 +84,15 @@ class SimSpec:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    overlap: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        check_spec(self)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SimSpec:
         """From plain values; unknown names are an error listing the known ones."""
+        check_mapping(values, "simulation options")
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -81,6 +102,49 @@ class SimSpec:
     def to_dict(self) -> dict[str, Any]:
         """The spec as plain values."""
         return attrs.asdict(self)
+
+
+_INTS: dict[str, tuple[int, int]] = {
+    "num_prefixes": (1, 1_000_000),
+    "prefix_len": (1, MAX_MODEL_LEN),
+    "num_priorities": (1, 1_000_000),
+    "seed": (0, (1 << 63) - 1),
+    "block_size": (1, MAX_MODEL_LEN),
+    "max_num_batched_tokens": (1, MAX_SIZE),
+    "max_num_seqs": (1, MAX_SIZE),
+}
+_OPTIONAL_INTS: dict[str, tuple[int, int]] = {
+    "num_requests": (1, MAX_REQUESTS),
+    "num_blocks": (1, MAX_NUM_BLOCKS),
+    "max_model_len": (1, MAX_MODEL_LEN),
+}
+_REALS: dict[str, tuple[float, float, bool]] = {  # (low, high, low end open)
+    "prompt_mean": (1.0, MAX_MODEL_LEN, False),
+    "output_mean": (1.0, MAX_MODEL_LEN, False),
+    "len_sigma": (0.0, 10.0, False),
+    "gpu_memory_utilization": (0.0, 1.0, True),
+}
+
+
+def check_spec(spec: SimSpec) -> None:
+    """SimInputError naming the first option of ``spec`` that is of the wrong type or out of its range. Sizes
+    are bounded here, before any workload or pool is built."""
+    for name in ("workload", "hardware", "policy"):
+        check_text(getattr(spec, name), name)
+    if spec.model is not None:
+        check_text(spec.model, "model")
+    for name, (low, high) in _INTS.items():
+        check_count(getattr(spec, name), name, low, high)
+    for name, (low, high) in _OPTIONAL_INTS.items():
+        check_optional_count(getattr(spec, name), name, low, high)
+    for name, (real_low, real_high, low_open) in _REALS.items():
+        check_real_in(getattr(spec, name), name, real_low, real_high, low_open=low_open)
+    check_rate(spec.rate, "rate", 1e12)
+    check_real_in(spec.eos_prob, "eos_prob", 0.0, 1.0)
+    if spec.eos_prob == 1.0:
+        raise SimInputError("eos_prob must be a number in [0, 1), got 1.0")
+    check_bool_field(spec.enable_prefix_caching, "enable_prefix_caching")
+    check_bool_field(spec.overlap, "overlap")
 
 
 def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
@@ -95,8 +159,21 @@ def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
         return shared_prefix_requests(n or 1000, spec.rate, spec.num_prefixes, spec.prefix_len, *lengths)
     if not spec.workload.endswith(".jsonl"):
         raise ValueError(f"workload must be one of {list(WORKLOADS)} or a .jsonl trace, got {spec.workload!r}")
-    requests = read_trace(spec.workload, spec.prefix_len)
+    requests = read_trace(spec.workload, spec.prefix_len, max_len=max_len)
     return requests[:n] if n else requests
+
+
+DEFAULT_MODEL = "qwen3-0.6b"
+
+
+def resolve_model(model: str | None, hardware: HardwareProfile) -> ModelShape:
+    """``model`` (a named shape or config.json) when given, else the model ``hardware`` was calibrated with, else
+    DEFAULT_MODEL."""
+    if model is not None:
+        return load_shape(model)
+    if hardware.model is not None:
+        return ModelShape.from_config(hardware.model, name=str(hardware.model.get("name", hardware.name + "-model")))
+    return load_shape(DEFAULT_MODEL)
 
 
 def kv_blocks_that_fit(model: ModelShape, hardware: HardwareProfile, spec: SimSpec) -> int:
@@ -114,12 +191,18 @@ def kv_blocks_that_fit(model: ModelShape, hardware: HardwareProfile, spec: SimSp
 
 def core_config(spec: SimSpec, model: ModelShape, hardware: HardwareProfile) -> CoreConfig:
     """The pure core's settings for the spec."""
+    num_blocks = spec.num_blocks if spec.num_blocks is not None else kv_blocks_that_fit(model, hardware, spec)
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise SimInputError(
+            f"{hardware.name}'s memory_gib ({hardware.memory_gib:g}) sizes a KV cache of {num_blocks} blocks of "
+            f"{spec.block_size} tokens, above the most the simulator holds ({MAX_NUM_BLOCKS}); pass num_blocks"
+        )
     return CoreConfig(
         block_size=spec.block_size,
-        num_blocks=spec.num_blocks or kv_blocks_that_fit(model, hardware, spec),
+        num_blocks=num_blocks,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         max_num_seqs=spec.max_num_seqs,
-        max_model_len=spec.max_model_len or model.max_len,
+        max_model_len=spec.max_model_len if spec.max_model_len is not None else min(model.max_len, MAX_MODEL_LEN),
         enable_prefix_caching=spec.enable_prefix_caching,
         eos_token_ids=(_EOS_ID,),
         vocab_size=model.vocab,
@@ -134,14 +217,17 @@ def run_spec(
 ) -> tuple[SimResult, dict[str, float]]:
     """Simulate ``spec``; returns the result and its metric summary. ``progress(n)`` hears of finished requests,
     ``timeline`` receives the predicted per-step log, ``on_requests`` the workload's size before the run."""
-    model, hardware = load_shape(spec.model), load_profile(spec.hardware)
+    hardware = load_profile(spec.hardware)
+    model = resolve_model(spec.model, hardware)
     config = core_config(spec, model, hardware)
     requests = build_requests(spec, config.max_model_len)
     if on_requests is not None:
         on_requests(len(requests))
     tokens = FillerTokens(_FILLER_ID, _EOS_ID, spec.eos_prob, spec.seed)
-    executor = SimExecutor(CostModel(model, hardware), tokens)
-    hook = _timeline_hook(timeline, executor, model, config, hardware.name) if timeline is not None else None
+    executor = SimExecutor(CostModel(model, hardware, spec.overlap), tokens)
+    # the log says "overlapped" only when host time could hide (a profile without a host model charges gaps)
+    overlapped = spec.overlap and (hardware.eager.has_host_model or hardware.graph.has_host_model)
+    hook = _timeline_hook(timeline, executor, model, config, hardware.name, overlapped) if timeline else None
     result = simulate(
         requests,
         config,
@@ -155,14 +241,15 @@ def run_spec(
 
 
 def _timeline_hook(
-    stream: IO[str], executor: SimExecutor, model: ModelShape, config: CoreConfig, device: str
+    stream: IO[str], executor: SimExecutor, model: ModelShape, config: CoreConfig, device: str, overlap: bool
 ) -> StepHook:
     """An on_step hook writing the predicted timeline (header first)."""
     writer = TimelineWriter(stream)
-    writer.header(model.to_config(), config.block_size, f"simulated {device}")
+    writer.header(model.to_config(), config.block_size, f"simulated {device}", overlap)
 
     def hook(state: EngineState, plan: StepPlan, output: StepOutput) -> None:
-        if executor.last_shape is not None and not plan.is_empty:
-            writer.step(plan.step, executor.last_shape, executor.last_device_s, executor.last_gap_s)
+        ex = executor
+        if ex.last_shape is not None and not plan.is_empty:
+            writer.step(plan.step, ex.last_shape, ex.last_device_s, ex.last_gap_s, ex.last_host_s, ex.last_new_seqs)
 
     return hook

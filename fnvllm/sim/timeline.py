@@ -6,7 +6,9 @@ should include ``torch_dtype`` and ``max_position_embeddings`` (also read from t
 ``dtype`` / ``max_position_embeddings``; without them bf16 and 40960 are assumed). Then one object per step:
 ``{"step", "num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens", "gpu_ms",
 "cpu_ms", "gap_ms", "graph"}``; optionally ``attn_pairs`` and ``num_samples`` (exact when present, estimated
-otherwise, see ``record_shape``). ``context_tokens`` sums start position + fed tokens over the scheduled sequences.
+otherwise, see ``record_shape``), ``num_new_seqs`` (rows admitted or resumed in the step; estimated as the
+non-decode rows when absent) and ``overlap`` (whether the loop overlapped the step; the header's ``overlap``
+applies to records without one). ``context_tokens`` sums start position + fed tokens over the scheduled sequences.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from fnvllm.sim.checks import SimInputError, check_bool_field, check_count, check_mapping, check_real_in
 from fnvllm.sim.cost import StepShape
 from fnvllm.sim.model import ModelShape
 
@@ -32,17 +35,54 @@ def read_timeline(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {number} is not JSON: {e}") from None
+            raise SimInputError(f"{path} line {number} is not JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise SimInputError(f"{path} line {number} is not a JSON object")
         if "model" in record and not records:
+            check_mapping(record["model"], f"{path} line {number} model")
             header = record
             continue
         missing = [k for k in REQUIRED if k not in record]
         if missing:
-            raise ValueError(f"{path} line {number} lacks {missing}")
+            raise SimInputError(f"{path} line {number} lacks {missing}")
+        try:
+            _check_record(record)
+        except SimInputError as e:
+            raise type(e)(f"{path} line {number}: {e}") from None
+        overlap = _header_overlap(header)
+        if overlap is not None:
+            record.setdefault("overlap", overlap)
         records.append(record)
     if not records:
-        raise ValueError(f"{path} holds no step records")
+        raise SimInputError(f"{path} holds no step records")
     return header, records
+
+
+def _header_overlap(header: Mapping[str, Any]) -> bool | None:
+    """The loop mode a header implies: its ``overlap``; else False for a CPU device (the engine overlaps steps
+    only on CUDA); else unknown."""
+    if isinstance(header.get("overlap"), bool):
+        return bool(header["overlap"])
+    return False if str(header.get("device", "")).lower().startswith("cpu") else None
+
+
+_COUNTS = ("num_seqs", "num_tokens", "num_decode_seqs", "num_prefill_tokens", "context_tokens")
+_OPTIONAL_COUNTS = ("step", "attn_pairs", "num_samples", "num_new_seqs")
+
+_TIMES = ("gpu_ms", "cpu_ms", "gap_ms")
+
+
+def _check_record(record: Mapping[str, Any]) -> None:
+    """SimInputError naming the first field of a step record that is not a count, a time or a bool."""
+    for key in _COUNTS:
+        check_count(record[key], key, 0, 1 << 62)
+    for key in _OPTIONAL_COUNTS:
+        if record.get(key) is not None:
+            check_count(record[key], key, 0, 1 << 62)
+    for key in _TIMES:
+        if key in record:
+            check_real_in(record[key], key, 0.0, 1e9)
+    check_bool_field(record["graph"], "graph")
 
 
 def header_model(header: Mapping[str, Any], name: str = "logged") -> ModelShape:
@@ -57,6 +97,19 @@ def header_model(header: Mapping[str, Any], name: str = "logged") -> ModelShape:
     if config.get("torch_dtype") is not None:
         config["torch_dtype"] = str(config["torch_dtype"]).removeprefix("torch.")
     return ModelShape.from_config(config, name=name)
+
+
+def record_new_seqs(record: Mapping[str, Any]) -> int:
+    """Rows new in the step (admitted or resumed): ``num_new_seqs`` when recorded (the simulator and the run
+    recorder write it), else estimated as the rows that are not single-token decodes."""
+    new = record.get("num_new_seqs")
+    return int(new) if new is not None else int(record["num_seqs"]) - int(record["num_decode_seqs"])
+
+
+def record_overlap(record: Mapping[str, Any]) -> bool | None:
+    """Whether the loop overlapped this step (``overlap`` of the record, else of the header), None if unknown."""
+    value = record.get("overlap")
+    return None if value is None else bool(value)
 
 
 def record_shape(record: Mapping[str, Any]) -> StepShape:
@@ -78,14 +131,20 @@ class TimelineWriter:
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
 
-    def header(self, model: Mapping[str, Any], block_size: int, device: str) -> None:
-        """The first line: the model's config fields, the block size and the device name."""
-        self._write({"model": dict(model), "block_size": block_size, "device": device})
+    def header(self, model: Mapping[str, Any], block_size: int, device: str, overlap: bool | None = None) -> None:
+        """The first line: the model's config fields, the block size, the device name (and whether the loop
+        overlapped its steps, when known)."""
+        header: dict[str, Any] = {"model": dict(model), "block_size": block_size, "device": device}
+        if overlap is not None:
+            header["overlap"] = overlap
+        self._write(header)
 
-    def step(self, index: int, shape: StepShape, gpu_s: float, gap_s: float, cpu_s: float = 0.0) -> None:
+    def step(
+        self, index: int, shape: StepShape, gpu_s: float, gap_s: float, cpu_s: float = 0.0, num_new_seqs: int = 0
+    ) -> None:
         """One step's record (times in milliseconds in the file)."""
-        record = {"step": index, **shape.to_record(), "gpu_ms": gpu_s * 1e3, "cpu_ms": cpu_s * 1e3}
-        record["gap_ms"] = gap_s * 1e3
+        record = {"step": index, **shape.to_record(), "num_new_seqs": num_new_seqs}
+        record.update(gpu_ms=gpu_s * 1e3, cpu_ms=cpu_s * 1e3, gap_ms=gap_s * 1e3)
         self._write(record)
 
     def _write(self, record: Mapping[str, Any]) -> None:

@@ -17,6 +17,16 @@ from pathlib import Path
 import attrs
 
 from fnvllm.benchmark import bench_workload
+from fnvllm.sim.checks import (
+    MAX_MODEL_LEN,
+    MAX_REQUESTS,
+    SimInputError,
+    check_count,
+    check_mapping,
+    check_optional_count,
+    check_real_in,
+)
+from fnvllm.state.config import MAX_SIZE
 
 _FILL = 3  # the token every materialised prompt is padded with after its unique head
 
@@ -135,38 +145,49 @@ def _check_lengths(num_requests: int, rate: float, prompt_mean: float, output_me
 _TRACE_FIELDS = ("arrival_s", "prompt_len", "output_len", "prefix_id", "prefix_len", "priority")
 
 
-def read_trace(path: str | Path, default_prefix_len: int = 256) -> list[SimRequest]:
+def read_trace(path: str | Path, default_prefix_len: int = 256, max_len: int = MAX_MODEL_LEN) -> list[SimRequest]:
     """Requests of a JSONL trace, sorted by arrival: ``{"arrival_s", "prompt_len", "output_len"}`` per line, and
     optionally ``prefix_id`` (with ``prefix_len``, default ``default_prefix_len`` capped below the prompt length)
-    and ``priority``. Raises ValueError naming the line of a bad record."""
+    and ``priority``. Raises SimInputError naming the line and field of a bad record, e.g. a request longer than
+    ``max_len`` (prompt_len + output_len), checked before anything is simulated."""
     requests = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if line.strip():
-            requests.append(_trace_record(line, number, default_prefix_len))
+    with open(path) as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                requests.append(_trace_record(line, number, default_prefix_len, max_len))
+            if len(requests) > MAX_REQUESTS:
+                raise SimInputError(f"trace {path} holds more than {MAX_REQUESTS} requests")
     if not requests:
-        raise ValueError(f"trace {path} holds no requests")
+        raise SimInputError(f"trace {path} holds no requests")
     return sorted(requests, key=lambda r: r.arrival_s)
 
 
-def _trace_record(line: str, number: int, default_prefix_len: int) -> SimRequest:
+def _trace_record(line: str, number: int, default_prefix_len: int, max_len: int) -> SimRequest:
     """One trace line as a SimRequest."""
     try:
-        record = json.loads(line)
+        record = check_mapping(json.loads(line), "a trace line")
         unknown = sorted(set(record) - set(_TRACE_FIELDS))
         if unknown:
-            raise ValueError(f"unknown field(s) {unknown}; known: {list(_TRACE_FIELDS)}")
-        prompt_len, output_len = int(record["prompt_len"]), int(record["output_len"])
-        arrival = float(record["arrival_s"])
-        if prompt_len < 1 or output_len < 1 or not arrival >= 0:
-            raise ValueError("need arrival_s >= 0, prompt_len >= 1 and output_len >= 1")
-        prefix_id = record.get("prefix_id")
-        prefix_len = (
-            min(int(record.get("prefix_len", default_prefix_len)), prompt_len - 1) if prefix_id is not None else 0
-        )
-        prefix = int(prefix_id) if prefix_id is not None else None
-        return SimRequest(arrival, prompt_len, output_len, prefix, prefix_len, int(record.get("priority", 0)))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"trace line {number}: {e!s} in {line.strip()[:80]!r}") from None
+            raise SimInputError(f"unknown field(s) {unknown}; known: {list(_TRACE_FIELDS)}")
+        missing = [k for k in _TRACE_FIELDS[:3] if k not in record]
+        if missing:
+            raise SimInputError(f"lacks {missing}")
+        arrival = check_real_in(record["arrival_s"], "arrival_s", 0.0, 1e12)
+        prompt_len = check_count(record["prompt_len"], "prompt_len", 1, max_len - 1)
+        output_len = check_count(record["output_len"], "output_len", 1, max_len - 1)
+        if prompt_len + output_len > max_len:
+            raise SimInputError(
+                f"prompt_len + output_len = {prompt_len + output_len} exceeds max_model_len ({max_len})"
+            )
+        prefix = check_optional_count(record.get("prefix_id"), "prefix_id", 0, MAX_SIZE)
+        prefix_len = 0
+        if prefix is not None:
+            given = check_count(record.get("prefix_len", default_prefix_len), "prefix_len", 1, MAX_MODEL_LEN)
+            prefix_len = min(given, prompt_len - 1)
+        priority = check_count(record.get("priority", 0), "priority", -MAX_SIZE, MAX_SIZE)
+        return SimRequest(arrival, prompt_len, output_len, prefix, prefix_len, priority)
+    except ValueError as e:  # a SimInputError, or the JSON parser's
+        raise SimInputError(f"trace line {number}: {e!s} in {line.strip()[:80]!r}") from None
 
 
 def write_trace(requests: Iterable[SimRequest], path: str | Path) -> None:

@@ -1,0 +1,249 @@
+"""The simulator's calibration set: run the engine across regimes, fit a profile, print the error per regime.
+
+    PYTHONPATH=$PWD python3 benchmarks/sim_calibration.py --out /tmp/cal [--model-shape qwen3-0.6b]
+    PYTHONPATH=$PWD python3 benchmarks/sim_calibration.py --out /tmp/cal --model-shape tiny --quick   # CPU dry run
+
+One engine (a random checkpoint of the shape, ``fnvllm bench``'s engine options) runs every regime of the set
+back to back under one FNVLLM_TIMELINE, each with a ``RunRecorder`` (``REGIME.run.json``: its requests, loop mode
+and steps):
+
+    decode-N   N in 1, 16, 64, 256 requests: prompts U(100, 300), outputs U(200, 400)   (host-bound at low N)
+    prefill-N  N in 16, 64, 512 requests: prompts U(1000, 2000), outputs U(4, 16)       (FLOP-bound, mixed steps)
+    bench      the nano-vllm bench (256 requests, prompts and outputs U(100, 1024))
+
+each with overlapped steps and without (``-plain``). Then it fits a profile on every run's steps
+(``fit_profile``: device, host-cycle and plain-gap models; named after the GPU, recording the model) and replays
+every run in the simulator (``fnvllm simulate --check``), printing per regime the measured and predicted wall
+time and the error: with the fitted profile, with that regime's runs held out of the fit (the honest number:
+the fit must carry across regimes, not memorise them), and with the built-in ``h200`` profile. Last, a table.
+
+Writes to --out: steps.jsonl (the timeline), REGIME.run.json, profile.json (the fitted profile: ship it as the
+``h200`` profile in fnvllm/sim/hardware.py when the error is good), report.json. About 2-3 minutes on an H200
+for the Qwen3-0.6B shape (writing the checkpoint, CUDA-graph capture, ~1 minute of runs, the fits and replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from fnvllm.sim import HardwareProfile, ModelShape, fit_profile, load_profile, save_profile
+from fnvllm.sim.calibrate import base_for, device_profile_name
+from fnvllm.sim.check import CheckResult, RunRecord, check_run, fit_request_us, read_run, run_records
+from fnvllm.sim.recorder import RunRecorder
+from fnvllm.sim.timeline import header_model, read_timeline
+
+DECODE = ((100, 300), (200, 400))  # (prompt range, output range)
+PREFILL = ((1000, 2000), (4, 16))
+BENCH = ((100, 1024), (100, 1024))
+
+
+@attrs.frozen
+class Regime:
+    """One calibration run: a name, its requests' count and length ranges, and the loop mode."""
+
+    name: str
+    num_requests: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    overlap: bool
+
+    @property
+    def family(self) -> str:
+        """The regime without its loop mode (what a held-out fit leaves out: both modes)."""
+        return self.name.removesuffix("-plain")
+
+
+def regimes(quick: bool) -> list[Regime]:
+    """The calibration set; ``quick`` (a CPU dry run): a few small requests per regime, short lengths."""
+    families = [(f"decode-{n}", n, *DECODE) for n in (1, 16, 64, 256)]
+    families += [(f"prefill-{n}", n, *PREFILL) for n in (16, 64, 512)]
+    families.append(("bench", 256, *BENCH))
+    out = []
+    for name, n, prompts, outputs in families:
+        if quick:
+            n, prompts, outputs = min(n, 6), (prompts[0] // 20 + 2, prompts[1] // 20 + 4), (2, outputs[1] // 40 + 3)
+        out += [Regime(name, n, prompts, outputs, True), Regime(f"{name}-plain", n, prompts, outputs, False)]
+    return out
+
+
+def run_regimes(
+    llm: Any, set_: Sequence[Regime], out: Path, device_name: str, model_name: str, seed: int = 0
+) -> list[Path]:
+    """Run each regime on ``llm`` with a RunRecorder; returns the run record paths. Prompts are random ids from
+    each regime's own seed, so no regime hits another's prefix cache."""
+    from fnvllm.executor.base import supports_overlap
+    from fnvllm.state import SamplingParams
+
+    vocab = llm.model_config.vocab_size
+    paths = []
+    for index, regime in enumerate(set_):
+        rng = random.Random(seed * 1000 + index)
+        prompts = [
+            [rng.randrange(vocab) for _ in range(rng.randint(*regime.prompt_range))] for _ in range(regime.num_requests)
+        ]
+        params = [
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(*regime.output_range))
+            for _ in prompts
+        ]
+        while llm.loop.has_unfinished:  # nothing in flight when the loop mode changes
+            llm.loop.step()
+        llm.loop.overlap = regime.overlap and supports_overlap(llm.executor)
+        # random prompts share no prefix: the replay's own unique prompts behave the same, and the files stay small
+        recorder = RunRecorder(
+            llm.engine.config, llm.loop.overlap, device_name, keep_prompts=False, model_name=model_name
+        )
+        llm.loop.on_step = recorder.on_step
+        start = time.perf_counter()
+        recorder.arrive(prompts, [p.max_tokens for p in params])
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        recorder.finish([len(o.token_ids) for o in outputs])
+        llm.loop.on_step = None
+        path = out / f"{regime.name}.run.json"
+        recorder.write(path)
+        paths.append(path)
+        print(
+            f"ran {regime.name}: {len(prompts)} requests, {len(recorder.steps)} steps, "
+            f"{time.perf_counter() - start:.2f} s, overlap {llm.loop.overlap}",
+            flush=True,
+        )
+    return paths
+
+
+def build_engine(shape: str, folder: Path, quick: bool) -> Any:
+    """An LLM of a random checkpoint of ``shape`` with ``fnvllm bench``'s engine options (smaller on CPU)."""
+    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.llm import LLM
+    from fnvllm.state import SamplingParams
+
+    checkpoint = write_checkpoint(shape, folder)
+    options: dict[str, Any] = {"block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
+    options["max_model_len"] = 4096
+    if quick:
+        options.update(block_size=16, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=512)
+    llm = LLM(checkpoint, load_tokenizer=False, **options)
+    warm = [[1, 2, 3, 4, 5] * 4] * 4
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # graphs, kernels, caches
+    return llm
+
+
+def fit_and_check(out: Path, runs: Sequence[Path], set_: Sequence[Regime], device_name: str) -> list[dict[str, Any]]:
+    """Fit the profile on every run (and once per held-out family), replay every run; returns the report rows."""
+    header, records = read_timeline(out / "steps.jsonl")
+    model = header_model(header, name=read_run(runs[0]).model_name or "model")
+    device = device_name or str(header.get("device", ""))
+    base = base_for(device)
+    name = device_profile_name(device)
+    run_data = {path: read_run(path) for path in runs}
+    chosen = {path: run_records(records, run) for path, run in run_data.items()}
+    profile = _fit(list(run_data.items()), chosen, model, base, name, exclude=None)
+    save_profile(attrs.evolve(profile, calibrated_from=str(out / "steps.jsonl")), out / "profile.json")
+    builtin = load_profile("h200")
+    rows = []
+    for regime, path in zip(set_, runs, strict=True):
+        held_out = _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{regime.family}", regime)
+        results = {
+            "fitted": check_run(out / "steps.jsonl", path, profile, model),
+            "held_out": check_run(out / "steps.jsonl", path, held_out, model),
+            "builtin_h200": check_run(out / "steps.jsonl", path, builtin, model),
+        }
+        rows.append(_row(regime, results))
+    return rows
+
+
+def _fit(
+    runs: Sequence[tuple[Path, RunRecord]],
+    chosen: dict[Path, list[dict[str, Any]]],
+    model: ModelShape,
+    base: HardwareProfile,
+    name: str,
+    exclude: Regime | None,
+) -> HardwareProfile:
+    """The profile fitted on every run but ``exclude``'s family: step overheads, then request intake time."""
+    kept = [(path, run) for path, run in runs if exclude is None or not _same_family(path, exclude)]
+    records = [r for path, _ in kept for r in chosen[path]]
+    profile = fit_profile(records, model, base, name=name)
+    request_us = fit_request_us([(run, chosen[path]) for path, run in kept], model, profile)
+    return attrs.evolve(profile, request_us=request_us)
+
+
+def _same_family(path: Path, regime: Regime) -> bool:
+    return path.name.removesuffix(".run.json").removesuffix("-plain") == regime.family
+
+
+def _row(regime: Regime, results: dict[str, CheckResult]) -> dict[str, Any]:
+    fitted = results["fitted"]
+    row: dict[str, Any] = {"regime": regime.name, "requests": fitted.num_requests, "steps": fitted.num_steps}
+    row["measured_s"] = fitted.measured_s
+    for key, result in results.items():
+        row[f"{key}_s"] = result.predicted_s
+        row[f"{key}_error"] = result.error
+    row["same_plans"] = fitted.same_plans == "yes"
+    row["step_mean_abs_error"] = fitted.step_errors.get("mean_abs") if fitted.step_errors else None
+    return row
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    """The per-regime errors, one line each, and the worst |error| of each profile."""
+    print(
+        f"\n{'regime':<16} {'reqs':>5} {'steps':>6} {'measured s':>10} {'fitted':>8} {'held-out':>9} "
+        f"{'h200':>8} {'plans':>5} {'step |err|':>10}"
+    )
+    for r in rows:
+        step = f"{r['step_mean_abs_error']:.1%}" if r["step_mean_abs_error"] is not None else "-"
+        print(
+            f"{r['regime']:<16} {r['requests']:>5} {r['steps']:>6} {r['measured_s']:>10.3f} "
+            f"{r['fitted_error']:>+8.1%} {r['held_out_error']:>+9.1%} {r['builtin_h200_error']:>+8.1%} "
+            f"{'same' if r['same_plans'] else 'diff':>5} {step:>10}"
+        )
+    for key in ("fitted", "held_out", "builtin_h200"):
+        worst = max(abs(r[f"{key}_error"]) for r in rows)
+        print(f"worst |error| {key}: {worst:.1%} (target <= 10 %: {'met' if worst <= 0.10 else 'NOT met'})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the set, fit, check, print."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="output folder (default: a new temporary one)")
+    parser.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b"])
+    parser.add_argument("--quick", action="store_true", help="a few small requests per regime (a CPU dry run)")
+    parser.add_argument("--refit", action="store_true", help="only fit and check the runs already in --out")
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-calibration-"))
+    out.mkdir(parents=True, exist_ok=True)
+    set_ = regimes(args.quick)
+    if args.refit:
+        runs = [out / f"{r.name}.run.json" for r in set_]
+        device_name = read_run(runs[0]).device_name
+    else:
+        import torch
+
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(f"torch {torch.__version__} on {device_name}; writing to {out}", flush=True)
+        os.environ["FNVLLM_TIMELINE"] = str(out / "steps.jsonl")
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="fnvllm-calibration-ckpt-") as folder:
+            llm = build_engine(args.model_shape, Path(folder), args.quick)
+            print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
+            runs = run_regimes(llm, set_, out, device_name, args.model_shape)
+            llm.executor.timeline.close()
+            llm.close()
+    rows = fit_and_check(out, runs, set_, device_name)
+    (out / "report.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print_table(rows)
+    print(f"\nprofile: {out / 'profile.json'} (fnvllm simulate --hardware {out / 'profile.json'} ...)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
