@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import bench_workload
 from fnvllm.state import CoreConfig, add_request, commit, initial_state, schedule
 from fnvllm.testing.toy import CounterToyExecutor
+from fnvllm.workloads import bench_workload
 
 CONFIG = CoreConfig(block_size=256, num_blocks=4300, max_num_batched_tokens=16384, max_num_seqs=512, max_model_len=4096)
 

@@ -1,6 +1,6 @@
 """Throughput under the sampling settings users send, and decode-step latency at small batches, in one process.
 
-The bench workload (``fnvllm.benchmark.bench_workload``) is generated once per sampling variant with one warm
+The bench workload (``fnvllm.workloads.bench_workload``) is generated once per sampling variant with one warm
 ``LLM`` (the checkpoint is written once to ``--checkpoint`` and reused by later runs, e.g. of another commit's
 code with ``PYTHONPATH=that/tree``). Then the latency runs: N requests with prompts of 100-128 tokens and 256
 output tokens each, warm (run once untimed), reported as milliseconds per decode step (wall / output tokens per
@@ -20,9 +20,14 @@ from typing import Any
 
 import attrs
 
-from fnvllm.benchmark import bench_workload, write_checkpoint
+from fnvllm.benchmark import write_checkpoint
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
+
+try:
+    from fnvllm.workloads import bench_workload
+except ImportError:  # a tree older than fnvllm.workloads, measured for comparison
+    from fnvllm.benchmark import bench_workload  # type: ignore[attr-defined,no-redef]
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "temperature": {},

@@ -28,11 +28,12 @@ from pathlib import Path
 import attrs
 import torch
 
-from fnvllm.benchmark import agreement_prompts, write_checkpoint
+from fnvllm.benchmark import write_checkpoint
 from fnvllm.executor.model_executor import resolve_device
 from fnvllm.kernels.backends import available_backends
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
+from fnvllm.workloads import agreement_prompts
 
 Tokens = list[tuple[int, ...]]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from fnvllm.benchmark import bench_workload, write_checkpoint
+from fnvllm.benchmark import write_checkpoint
 from fnvllm.engine.output import deliver_all
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.llm import LLM
 from fnvllm.state import StepPlan, schedule
+from fnvllm.workloads import bench_workload
 
 
 def step_split(llm: LLM, steps: int) -> dict[str, float]:

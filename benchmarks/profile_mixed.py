@@ -20,10 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fnvllm.engine.loop as loop_module
-from fnvllm.benchmark import bench_workload, write_checkpoint
+from fnvllm.benchmark import write_checkpoint
 from fnvllm.engine.core import Engine
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
+from fnvllm.workloads import bench_workload
 
 PARTS: dict[str, list[float]] = defaultdict(list)
 

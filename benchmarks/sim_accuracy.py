@@ -7,7 +7,7 @@ timeline under FNVLLM_TIMELINE), ``RUN.json`` (the ``fnvllm bench --json`` recor
 flags). For each direction (fit A -> predict B, the target; and fit B -> predict A):
 
 1. Fit a profile on the fitting run's whole timeline, as ``fnvllm simulate calibrate RUN.jsonl --base BASE`` does.
-2. Simulate the predicted run end to end with that profile: the same requests (``fnvllm.benchmark``'s draw), the
+2. Simulate the predicted run end to end with that profile: the same requests (``fnvllm.workloads``' draw), the
    same engine options (the bench's flags and defaults, its num_blocks), and ``run_bench``'s 4-request warm-up
    first (its prompts are the workload's first four, so the timed run starts with their blocks in the prefix
    cache, as in the engine). The timed requests arrive ``IDLE_GAP_S`` after the warm-up's, so the timed part is
@@ -34,13 +34,13 @@ from typing import Any
 
 import attrs
 
-from fnvllm.benchmark import bench_workload
 from fnvllm.sim import CostModel, HardwareProfile, SimExecutor, SimRequest, fit_profile, prediction_error, simulate
 from fnvllm.sim.cost import StepShape
 from fnvllm.sim.hardware import load_profile, save_profile
 from fnvllm.sim.model import ModelShape
 from fnvllm.sim.timeline import header_model, read_timeline
 from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
+from fnvllm.workloads import bench_workload
 
 RUNS = ("A", "B")
 WARMUP_REQUESTS, WARMUP_TOKENS = 4, 8  # run_bench's warm-up: the first 4 prompts, 8 tokens each

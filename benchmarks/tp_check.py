@@ -34,9 +34,9 @@ LIMITS_S = {"checkpoint": 150, "greedy": 150, "bench": 200}
 
 def greedy_run(folder: Path, tp: int, eager: bool, out: Path) -> None:
     """One stage: greedy tokens of ``agreement_prompts()`` at tensor_parallel_size ``tp``, as JSON in ``out``."""
-    from fnvllm.benchmark import agreement_prompts
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
+    from fnvllm.workloads import agreement_prompts
 
     options = dict(block_size=16, max_model_len=2048, max_num_seqs=64, num_blocks=4096, enforce_eager=eager)
     start = time.perf_counter()

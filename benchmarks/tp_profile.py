@@ -116,8 +116,8 @@ def profile(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def tp_stage(args: argparse.Namespace) -> None:
     """Stage 2 or 3 in this process: build the LLM, run the greedy runs and the profiles, write JSON."""
-    from fnvllm.benchmark import agreement_prompts
     from fnvllm.llm import LLM
+    from fnvllm.workloads import agreement_prompts
 
     tp = args.tp_stage
     start = time.perf_counter()

@@ -16,7 +16,6 @@ step; fewer as the batch drains).
 
 from __future__ import annotations
 
-import random
 import tempfile
 import time
 from collections.abc import Sequence
@@ -24,37 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from fnvllm.state import SamplingParams
+from fnvllm.workloads import bench_workload
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
 SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
-
-
-def bench_workload(
-    num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
-) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts and sampling params of the nano-vllm bench workload (lengths are drawn from [100, max])."""
-    for name, value in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
-        if value < 100:
-            raise ValueError(f"{name} must be >= 100 (the workload draws lengths from [100, max]), got {value}")
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_requests)]
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
-        for _ in range(num_requests)
-    ]
-    return prompts, params
-
-
-def agreement_prompts(n: int = 64, seed: int = 1) -> list[list[int]]:
-    """Prompts for backend / tensor-parallel agreement checks: n prompts of 20-300 random ids; every fourth is a
-    shared 300-token prefix plus its own tail (so the prefix cache is exercised)."""
-    rng = random.Random(seed)
-    shared = [rng.randint(0, 10000) for _ in range(300)]
-    out = []
-    for i in range(n):
-        tail = [rng.randint(0, 10000) for _ in range(rng.randint(20, 300))]
-        out.append(shared + tail if i % 4 == 0 else tail)
-    return out
 
 
 def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None) -> int:

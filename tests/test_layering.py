@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _modules_after(code: str) -> set[str]:
@@ -28,3 +30,38 @@ def test_pure_core_imports_nothing_of_the_shell() -> None:
     loaded = _modules_after("import fnvllm.state")
     assert "torch" not in loaded
     assert {m for m in loaded if m.startswith("fnvllm.")} <= {m for m in loaded if m.startswith("fnvllm.state")}
+
+
+# package -> the fnvllm packages it must never import (docs/design.md, "Layers")
+FORBIDDEN = {
+    "state": ("fnvllm.engine", "fnvllm.executor", "fnvllm.model", "fnvllm.kernels", "fnvllm.sim", "fnvllm.serve"),
+    "kernels": ("fnvllm.model", "fnvllm.executor", "fnvllm.engine", "fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
+    "model": ("fnvllm.executor", "fnvllm.engine", "fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
+    "executor": ("fnvllm.engine", "fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
+    "engine": ("fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
+    "sim": ("fnvllm.llm", "fnvllm.serve", "fnvllm.cli", "fnvllm.benchmark", "fnvllm.executor.model_executor"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module name a file imports (absolute imports, at any depth of the file)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_arrows_point_one_way() -> None:
+    """No module of a layer imports a layer above it (the kernels <-> model cycle and friends stay gone); the
+    simulator imports no torch."""
+    root = Path(__file__).resolve().parent.parent / "fnvllm"
+    wrong = []
+    for package, banned in FORBIDDEN.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for name in _imports(path):
+                if name.startswith(banned) or (package == "sim" and name.split(".")[0] == "torch"):
+                    wrong.append(f"{path.relative_to(root.parent)} imports {name}")
+    assert not wrong, "\n".join(wrong)

@@ -116,7 +116,7 @@ def test_filler_tokens_draw_eos_at_the_given_rate() -> None:
 
 def test_bench_workload_equals_the_benchmark_draw() -> None:
     """The simulator's bench workload is exactly benchmarks/workload.py's prompts and max_tokens."""
-    from benchmarks.workload import bench_workload
+    from fnvllm.workloads import bench_workload
 
     prompts, params = bench_workload()
     sim_prompts, max_tokens = bench_prompts()

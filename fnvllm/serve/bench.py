@@ -4,7 +4,7 @@
     python -m fnvllm.serve.bench --url http://127.0.0.1:8000 --num-requests 256            # all at once
     python -m fnvllm.serve.bench --url ... --request-rate 20                                # Poisson arrivals
 
-Each request sends token ids (``fnvllm.benchmark.bench_workload``: temperature 0.6, ignore_eos) with
+Each request sends token ids (``fnvllm.workloads.bench_workload``: temperature 0.6, ignore_eos) with
 ``stream: true`` and ``stream_options.include_usage``; we time the first streamed chunk (TTFT), the last (e2e),
 and count output tokens from the usage chunk. Reports output tok/s over the whole run and p50/p90/p99 of TTFT,
 TPOT ((e2e - TTFT) / (tokens - 1)) and e2e latency.
@@ -31,8 +31,8 @@ from typing import Any, TextIO
 
 import attrs
 
-from fnvllm.benchmark import bench_workload
 from fnvllm.state import SamplingParams
+from fnvllm.workloads import bench_workload
 
 
 @attrs.frozen

@@ -1,6 +1,6 @@
 """Checks of the simulator's inputs: specs, profiles, model shapes, traces, grids, timelines.
 
-The same strict style as the engine's (``fnvllm.state._checks``): no coercion (``"fast"`` is not a number, a bool
+The same strict style as the engine's (``fnvllm.state.checks``): no coercion (``"fast"`` is not a number, a bool
 is not an int), NaN and infinities outside every range, and an error that names the field, the allowed range and
 the value, raised before anything is built. Every size has an upper end, so an absurd value fails here instead of
 as a MemoryError (or a silent nonsense result) later. ``SimInputError`` is a ValueError (``SimInputTypeError``
@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fnvllm.state._checks import check_bool, check_int, check_optional_int, check_real, check_str, fail, is_real
+from fnvllm.state.checks import check_bool, check_int, check_optional_int, check_real, check_str, fail, is_real
 from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS
 
 __all__ = [

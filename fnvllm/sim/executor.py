@@ -77,7 +77,6 @@ class SimExecutor:
         self.last_shape: StepShape | None = None
         self.last_device_s = self.last_gap_s = self.last_host_s = 0.0
         self.last_new_seqs = 0
-        self._last_ids: frozenset[str] = frozenset()
         self._times = getattr(cost, "step_times", None) or self._device_plus_gap
 
     def _device_plus_gap(self, shape: StepShape, num_new_seqs: int) -> tuple[float, float, float]:
@@ -92,9 +91,7 @@ class SimExecutor:
         self.next_step += 1
         shape = step_shape(plan, self.cost.hardware.graph_max_seqs)
         self.last_shape = shape
-        ids = frozenset(plan.seq_ids)
-        new = self.last_new_seqs = len(ids) - len(ids & self._last_ids)  # admitted (or resumed) this step
-        self._last_ids = ids
+        new = self.last_new_seqs = plan.num_admitted  # admitted (or resumed) this step: the core says so
         device, host, wall = self._times(shape, new)
         self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
         self.clock += wall

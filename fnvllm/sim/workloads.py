@@ -16,7 +16,6 @@ from pathlib import Path
 
 import attrs
 
-from fnvllm.benchmark import bench_workload
 from fnvllm.sim.checks import (
     MAX_MODEL_LEN,
     MAX_REQUESTS,
@@ -27,6 +26,7 @@ from fnvllm.sim.checks import (
     check_real_in,
 )
 from fnvllm.state.config import MAX_SIZE
+from fnvllm.workloads import bench_workload
 
 _FILL = 3  # the token every materialised prompt is padded with after its unique head
 
@@ -53,7 +53,7 @@ class SimRequest:
 def bench_prompts(
     num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
 ) -> tuple[list[list[int]], list[int]]:
-    """Prompts and max_tokens of the nano-vllm bench (``fnvllm.benchmark.bench_workload``, torch-free)."""
+    """Prompts and max_tokens of the nano-vllm bench (``fnvllm.workloads.bench_workload``, torch-free)."""
     prompts, params = bench_workload(num_requests, max_input_len, max_output_len, seed)
     return prompts, [p.max_tokens for p in params]
 
