@@ -14,8 +14,11 @@ i.e. ~36,900 output tok/s at most.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +28,7 @@ from fnvllm.state import SamplingParams
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
 SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b")
+WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 
 
 def bench_workload(
@@ -84,6 +88,43 @@ def write_checkpoint(shape: str, folder: Path) -> Path:
     return write_random_checkpoint(folder, shape)
 
 
+class Progress:
+    """Plain progress lines on stderr every ``every_s`` seconds while the timed run goes (for logs and pipes,
+    where a progress bar cannot redraw): elapsed time, output tokens so far of the total, tok/s.
+
+    A daemon thread reads ``llm.stats`` (a frozen value the engine replaces after each step), so the engine loop
+    itself does no extra work."""
+
+    def __init__(self, llm: Any, total_tokens: int, every_s: float) -> None:
+        self.llm, self.total_tokens, self.every_s = llm, total_tokens, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._report, name="bench-progress", daemon=True)
+
+    def __enter__(self) -> Progress:
+        """Start reporting."""
+        self._start, self._base = time.perf_counter(), self.llm.stats.num_generated_tokens
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop reporting."""
+        self._stop.set()
+        self._thread.join()
+
+    def _report(self) -> None:
+        """The thread's body: one line per period until stopped."""
+        while not self._stop.wait(self.every_s):
+            done = self.llm.stats.num_generated_tokens - self._base
+            print(self.line(time.perf_counter() - self._start, done), file=sys.stderr, flush=True)
+
+    def line(self, seconds: float, done: int) -> str:
+        """One progress line: ``done`` output tokens after ``seconds``."""
+        share = 100 * done / max(1, self.total_tokens)
+        rate = done / seconds if seconds > 0 else 0.0
+        total = f"{self.total_tokens:,} output tokens ({share:.0f} %)"
+        return f"bench: {seconds:.0f} s, {done:,} of {total}, {rate:,.0f} tok/s"
+
+
 def run_bench(
     model: str | Path | None,
     model_shape: str,
@@ -92,29 +133,78 @@ def run_bench(
     max_output_len: int = 1024,
     read_tb_s: float = H200_READ_TB_S,
     use_tqdm: bool = False,
+    progress_every_s: float | None = None,
     **engine_options: Any,
 ) -> dict[str, Any]:
-    """Run the workload once to warm up (4 requests), then time it; returns the result record."""
+    """Run the workload once to warm up (its first 4 requests, 8 tokens each), then time it; returns the result
+    record. Without ``model``, a random checkpoint of ``model_shape`` is written to a temporary folder that is
+    deleted afterwards. ``progress_every_s``: print a plain progress line that often (None: none)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if model:
+        return _run(
+            Path(model),
+            str(model),
+            num_requests,
+            max_input_len,
+            max_output_len,
+            read_tb_s,
+            use_tqdm,
+            progress_every_s,
+            engine_options,
+        )
+    with tempfile.TemporaryDirectory(prefix="fnvllm-bench-") as tmp:
+        if progress_every_s is not None:
+            print(f"bench: writing a random {model_shape} checkpoint to {tmp} (deleted afterwards)", file=sys.stderr)
+        folder = write_checkpoint(model_shape, Path(tmp))
+        return _run(
+            folder,
+            model_shape,
+            num_requests,
+            max_input_len,
+            max_output_len,
+            read_tb_s,
+            use_tqdm,
+            progress_every_s,
+            engine_options,
+        )
+
+
+def _run(
+    folder: Path,
+    name: str,
+    num_requests: int,
+    max_input_len: int,
+    max_output_len: int,
+    read_tb_s: float,
+    use_tqdm: bool,
+    progress_every_s: float | None,
+    engine_options: dict[str, Any],
+) -> dict[str, Any]:
+    """``run_bench`` on a checkpoint folder."""
     from fnvllm.llm import LLM
 
-    folder = Path(model) if model else write_checkpoint(model_shape, Path(tempfile.mkdtemp(prefix="fnvllm-bench-")))
     if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
         from fnvllm.model.config import ModelConfig
 
         model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
         engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
-    llm = LLM(folder, load_tokenizer=False, **engine_options)
     prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
-    llm.generate(prompts[:4], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)] * 4, use_tqdm=False)
-    start_stats, start_overlap, start = llm.stats, llm.loop.overlap_stats, time.perf_counter()
+    llm = LLM(folder, load_tokenizer=False, **engine_options)
+    warm = prompts[:WARMUP_REQUESTS]
+    llm.generate(warm, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)] * len(warm), use_tqdm=False)
+    start_stats, start_overlap = llm.stats, llm.loop.overlap_stats
     if llm.executor.timeline is not None:
         llm.executor.timeline.records.clear()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    seconds = time.perf_counter() - start
+    total = sum(p.max_tokens for p in params)
+    with Progress(llm, total, progress_every_s) if progress_every_s is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    floor = floor_seconds(llm.model_config, [len(p) for p in prompts], [p.max_tokens for p in params], read_tb_s)
-    return {
-        "model": str(model) if model else model_shape,
+    on_gpu = llm.executor.device.type == "cuda"
+    result: dict[str, Any] = {
+        "model": name,
         "device": str(llm.executor.device),
         "backend": llm.executor.backend.name,
         "cuda_graphs": llm.executor.graphs is not None,
@@ -123,12 +213,30 @@ def run_bench(
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 1),
-        "floor_tok_per_s": round(tokens / floor, 1),
-        "fraction_of_floor": round(floor / seconds, 3),
-        "steps": llm.stats.num_steps - start_stats.num_steps,
-        "preemptions": llm.stats.num_preemptions - start_stats.num_preemptions,
-        "overlap": llm.loop.overlap,
-        "speculative_steps_kept": llm.loop.overlap_stats.kept - start_overlap.kept,
-        "speculative_steps_dropped": llm.loop.overlap_stats.dropped - start_overlap.dropped,
-        "timeline": llm.executor.timeline.summary() if llm.executor.timeline is not None else None,
+    }
+    if on_gpu:  # the floor is a GPU roofline (read_tb_s): meaningless for a CPU run
+        floor = floor_seconds(llm.model_config, [len(p) for p in prompts], [p.max_tokens for p in params], read_tb_s)
+        result.update(floor_tok_per_s=round(tokens / floor, 1), fraction_of_floor=round(floor / seconds, 3))
+    result.update(
+        steps=llm.stats.num_steps - start_stats.num_steps,
+        preemptions=llm.stats.num_preemptions - start_stats.num_preemptions,
+        overlap=llm.loop.overlap,
+        speculative_steps_kept=llm.loop.overlap_stats.kept - start_overlap.kept,
+        speculative_steps_dropped=llm.loop.overlap_stats.dropped - start_overlap.dropped,
+        timeline=_timeline_summary(llm.executor.timeline, on_gpu),
+    )
+    return result
+
+
+def _timeline_summary(timeline: Any, on_gpu: bool) -> dict[str, Any] | None:
+    """The timeline's summary; on a CPU its "gpu" times are step wall times, and are named so."""
+    if timeline is None:
+        return None
+    summary = timeline.summary()
+    if on_gpu:
+        return summary
+    renamed = {"mean_gpu_ms": "mean_step_ms", "total_gpu_s": "total_step_s"}
+    return {
+        kind: {renamed.get(k, k): v for k, v in part.items()} if isinstance(part, dict) else part
+        for kind, part in summary.items()
     }
