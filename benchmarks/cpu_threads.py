@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_threads.py                      # demo, tiny and two larger random shapes
     python benchmarks/cpu_threads.py --models demo tiny --repeats 3 --json
+    python benchmarks/cpu_threads.py --busy 1              # with one spinning process beside it (another job)
 
 For each model the same greedy workload (the demo's prompts for the demo model, random token ids otherwise) runs
 at every thread count in turn, ``--repeats`` times, alternating, so machine load hits every count alike; the
@@ -12,10 +13,13 @@ for a model from these ratios (one thread below ``SMALL_MODEL_PARAMS`` matmul pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +76,26 @@ def measure(name: str, folder: Path, counts: list[int], args: argparse.Namespace
     return {"model": name, "matmul_params": matmul_params(llm.model_config), "tok_per_s": best}
 
 
+def spin() -> None:
+    """Burn one core until killed: a stand-in for another job on the machine."""
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(num_processes: int) -> Iterator[None]:
+    """Run ``num_processes`` spinning processes for the duration of the block."""
+    procs = [multiprocessing.Process(target=spin, daemon=True) for _ in range(num_processes)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.join()
+
+
 def main() -> None:
     """Parse flags, measure every model, print one row per model (or JSON)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,17 +104,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per thread count (best kept)")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--busy", type=int, default=0, help="spinning processes to run beside the measurement")
     parser.add_argument("--json", action="store_true", help="print one JSON object per model")
     args = parser.parse_args()
     if os.environ.get("OMP_NUM_THREADS"):
         print(f"note: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} is set; this script sets counts itself")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fnvllm-threads-") as root:
-        for name in args.models:
-            rows.append(measure(name, model_folder(name, Path(root)), args.threads, args))
-            print(json.dumps(rows[-1]) if args.json else f"measured {name}", flush=True)
-    load = os.getloadavg()[0]
-    print(f"\nload average {load:.1f}, {os.cpu_count()} CPUs; one thread below {SMALL_MODEL_PARAMS:,} params")
+        folders = {name: model_folder(name, Path(root)) for name in args.models}
+        with busy(args.busy):
+            for name in args.models:
+                rows.append(measure(name, folders[name], args.threads, args))
+                print(json.dumps(rows[-1]) if args.json else f"measured {name}", flush=True)
+            load = os.getloadavg()[0]
+    print(f"\nload average {load:.1f} at the end, {os.cpu_count()} CPUs, {args.busy} spinning process(es) beside")
+    print(f"fnvllm picks one thread below {SMALL_MODEL_PARAMS:,} matmul parameters")
     print(f"{'model':>8} {'params':>12} " + " ".join(f"{f'{t} thr tok/s':>14}" for t in args.threads) + "  ratios")
     for row in rows:
         rates = row["tok_per_s"]

@@ -83,8 +83,16 @@ def write_checkpoint(shape: str, folder: Path) -> Path:
     """A random checkpoint of ``shape`` ("tiny", "qwen3-0.6b", "qwen3-8b") in ``folder``."""
     from fnvllm.testing.checkpoints import write_random_checkpoint, write_tiny_checkpoint
 
-    if shape == "tiny":
-        return write_tiny_checkpoint(folder, "qwen3", vocab_size=10240, hidden_size=128, num_layers=2)
+    if shape == "tiny":  # one small file: no "Writing model shards" bar from transformers
+        from transformers.utils import logging as hf_logging
+
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return write_tiny_checkpoint(folder, "qwen3", vocab_size=10240, hidden_size=128, num_layers=2)
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
     return write_random_checkpoint(folder, shape)
 
 

@@ -1,18 +1,20 @@
 """How many CPU threads torch uses when the model runs on the CPU.
 
-torch starts with one intra-op thread per core. For a small model every operator is too short to split: the
-threads spend their time in OpenMP barriers, and when other processes share the cores a spinning thread waits for
-one that is descheduled, so a step takes milliseconds instead of microseconds. On the 2-core development VM
-(``benchmarks/cpu_threads.py``, recorded in BENCHMARKS.md) one thread runs the embedded demo model (4.5M
-parameters) and the bench's tiny shape as fast as two on an idle machine and many times faster on a busy one; more
-threads pay only for models of tens of millions of matmul parameters.
+torch starts with one intra-op thread per core. For a small model every operator is too short to split well, and
+when other processes share the cores a thread waiting at an OpenMP barrier waits for one that is descheduled.
+Measured on the 2-core development VM with ``benchmarks/cpu_threads.py`` (BENCHMARKS.md), two threads against
+one: on an idle machine 1.17x (demo model, 4.5M matmul parameters), 1.23x (bench tiny, 1.8M), 1.45x (27M) and
+1.34x (77M); with one other process spinning, 0.43x, 0.27x and 0.17x; on the machine shared with other test runs
+(load ~4), 0.03x, 0.06x, 0.10x and 0.63x. Two threads win at most ~1.45x and lose up to ~30x below a few tens of
+millions of parameters, so small models get one thread.
 
-The rule, applied once when an executor is built on the CPU (``set_cpu_threads``):
+The rule, applied when an executor is built on the CPU (``set_cpu_threads``):
 
 * The user's choice stands: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set in the environment, or a
-  ``torch.set_num_threads(n)`` call (a count that differs from the one torch started with).
-* Otherwise one thread below ``SMALL_MODEL_PARAMS`` matmul parameters, else torch's default split among the
-  tensor-parallel ranks that share this host (at least one each).
+  ``torch.set_num_threads(n)`` call (a count that differs from the one torch started with and from the one
+  fnvllm last set).
+* Otherwise one thread below ``SMALL_MODEL_PARAMS`` matmul parameters per rank, else torch's default split among
+  the tensor-parallel ranks that share this host (at least one each).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-SMALL_MODEL_PARAMS = 20_000_000
+SMALL_MODEL_PARAMS = 50_000_000
 """Below this many matmul parameters (per rank) a model runs on one CPU thread unless the user chose otherwise."""
 
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
