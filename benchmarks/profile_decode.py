@@ -21,25 +21,27 @@ from pathlib import Path
 import torch
 
 from fnvllm.benchmark import bench_workload, write_checkpoint
-from fnvllm.engine.loop import admitted_cached_tokens
+from fnvllm.engine.output import deliver_all
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.llm import LLM
 from fnvllm.state import StepPlan, schedule
 
 
 def step_split(llm: LLM, steps: int) -> dict[str, float]:
-    """Mean ms per step of schedule, engine.step (execute + commit) and routing, as EngineLoop.step runs them."""
+    """Mean ms per step of schedule, engine.step (execute + commit) and routing, as a plain (not overlapped)
+    EngineLoop.step runs them; a step in flight is committed first (``EngineLoop.drain``)."""
     loop = llm.loop
+    loop.drain()
     totals = {"schedule": 0.0, "execute+commit": 0.0, "route": 0.0}
     for _ in range(steps):
         t0 = time.perf_counter()
-        before = loop.state
-        state, plan = schedule(before)
+        state, plan = schedule(loop.state)
         t1 = time.perf_counter()
         state, out = loop.engine.step(state, plan)
         t2 = time.perf_counter()
-        loop.processor.note_cached(admitted_cached_tokens(before, state, plan))
-        loop.state = loop.processor.process(state, out)
+        loop.processor.note_cached(plan.admitted_starts())
+        loop.state, outbox = loop.processor.process(state, out)
+        deliver_all(outbox, [])
         t3 = time.perf_counter()
         totals["schedule"] += t1 - t0
         totals["execute+commit"] += t2 - t1

@@ -77,7 +77,7 @@ def greedy(llm: Any, prompts: list[list[int]], tokens: int, group: int) -> dict[
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=2)
     start, outs = time.perf_counter(), []
     for i in range(0, len(prompts), group):
-        llm.loop.state = llm.engine.restore(llm.loop.state)  # forget cached prefixes: each call starts alike
+        llm.loop.restore()  # forget cached prefixes: each call starts alike
         outs += llm.generate(prompts[i : i + group], params, use_tqdm=False)
     return {
         "tokens": [list(o.token_ids) for o in outs],

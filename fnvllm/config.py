@@ -13,7 +13,7 @@ from typing import Any, Literal
 import attrs
 
 from fnvllm.state import CoreConfig, InvalidConfigError
-from fnvllm.state._checks import CONFIG, check_bool, check_choice, check_int, check_optional_int, check_real
+from fnvllm.state.checks import CONFIG, check_bool, check_choice, check_int, check_optional_int, check_real
 from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS
 
 DeviceName = Literal["auto", "cpu", "cuda"]

@@ -4,14 +4,14 @@
     outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.6, max_tokens=64))
     print(outs[0].text)
 
-The facade owns a tokenizer and an ``EngineLoop`` (the engine, the current EngineState and the output processor);
+The facade is a thin client of the composition root (``fnvllm.engine.build.build_engine``), which assembles the
+tokenizer, the executor and the ``EngineLoop`` (the engine, the current EngineState and the output processor);
 each call adds its requests with a tracker and steps the loop until they are done.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,13 +20,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fnvllm.config import EngineConfig
-from fnvllm.detokenizer import IncrementalDetokenizer
-from fnvllm.engine import Engine, EngineLoop, EngineStats, RequestOutput, RequestTracker, StreamDelta
-from fnvllm.executor.model_executor import ModelExecutor
-from fnvllm.executor.tp import TensorParallelExecutor
-from fnvllm.model.config import CheckpointError, ModelConfig, read_json
-from fnvllm.state import EngineState, InvalidConfigError, InvalidRequestError, SamplingParams
-from fnvllm.state._checks import CONFIG, REQUEST, check_bool, check_token_ids, show
+from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelta
+from fnvllm.engine.build import (
+    TOKENIZER_FILES,
+    build_engine,
+    check_kv_cache_fits,
+    load_local_tokenizer,
+    read_eos_token_ids,
+    render_chat,
+)
+from fnvllm.state import EngineState, InvalidRequestError, SamplingParams
+from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
 from fnvllm.state.errors import RequestTypeError
 from fnvllm.state.request import check_request
 
@@ -34,33 +38,13 @@ Prompt = str | Sequence[int]
 Encoded = tuple[str | None, tuple[int, ...]]  # (text or None for token-id prompts, token ids)
 Conversation = Sequence[Mapping[str, str]]
 
-# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not: transformers then builds a
-# placeholder tokenizer from the model type, with the wrong EOS id).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-_GIB = 1 << 30
-
-
-def read_eos_token_ids(model_path: Path, tokenizer: Any | None) -> frozenset[int]:
-    """Every EOS id: generation_config.json's (int or list), else config.json's, plus the tokenizer's.
-    A malformed file or an ``eos_token_id`` that is not an int or a list of ints is a CheckpointError naming it."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        file = model_path / name
-        if file.exists():
-            ids.update(_eos_ids(file, read_json(file).get("eos_token_id")))
-            if ids:
-                break
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-def _eos_ids(file: Path, value: object) -> list[int]:
-    """``eos_token_id`` of one file as a list: null, an int >= 0, or a list of them."""
-    items = [] if value is None else value if isinstance(value, list) else [value]
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
-        raise CheckpointError(f"{file}: eos_token_id must be an int >= 0 or a list of them, got {show(value)}")
-    return items  # type: ignore[return-value]
+__all__ = [  # the builder's helpers stay importable from here (older scripts and the server import them)
+    "LLM",
+    "TOKENIZER_FILES",
+    "check_kv_cache_fits",
+    "load_local_tokenizer",
+    "read_eos_token_ids",
+]
 
 
 class LLM:
@@ -77,24 +61,12 @@ class LLM:
         load_tokenizer: bool = True,
         **engine_options: Any,
     ) -> None:
-        self.config = EngineConfig.from_options(engine_options)
-        self.model_path = _folder(model, "model")
-        if not (self.model_path / "config.json").exists():
-            raise FileNotFoundError(f"{self.model_path} is not a checkpoint folder (no config.json)")
+        config = EngineConfig.from_options(engine_options)
         check_bool(load_tokenizer, "load_tokenizer", CONFIG)
-        folder = self.model_path if tokenizer is None else _folder(tokenizer, "tokenizer")
-        self.model_config = ModelConfig.from_pretrained(self.model_path, dtype=self.config.dtype)
-        self.tokenizer = load_local_tokenizer(folder) if load_tokenizer else None
-        check_kv_cache_fits(self.config, self.model_config)
-        self.executor = _build_executor(self.model_path, self.config, self.model_config)
-        core = self.config.core_config(
-            self.executor.num_blocks,
-            self.model_config.max_position_embeddings,
-            read_eos_token_ids(self.model_path, self.tokenizer),
-            self.model_config.vocab_size,
-        )
-        self.engine = Engine(self.executor, core)
-        self.loop = EngineLoop(self.engine)
+        self.parts = build_engine(model, config, tokenizer, load_tokenizer)
+        self.config, self.model_path, self.model_config = config, self.parts.model_path, self.parts.model_config
+        self.tokenizer, self.executor, self.engine = self.parts.tokenizer, self.parts.executor, self.parts.engine
+        self.loop = self.parts.loop
         self._next_id = 0
 
     def close(self) -> None:
@@ -216,12 +188,7 @@ class LLM:
         """(templated text, its token ids) of one conversation with the assistant's turn opened."""
         tokenizer = self._require_tokenizer("chat")
         _check_conversation(conversation, "messages")
-        try:
-            text = tokenizer.apply_chat_template(
-                [dict(m) for m in conversation], tokenize=False, add_generation_prompt=True, **template_kwargs
-            )
-        except Exception as e:  # jinja2 errors, a tokenizer without a template: both come from the input
-            raise InvalidRequestError(f"messages: the chat template failed: {e}") from None
+        text = render_chat(tokenizer, conversation, **template_kwargs)
         return text, self._encode_text(text, "messages", add_special_tokens=False)
 
     def _require_tokenizer(self, what: str) -> Any:
@@ -259,81 +226,10 @@ class LLM:
         trackers = []
         for index, ((text, ids), p) in enumerate(zip(encoded, param_list, strict=True)):
             rid = str(self._next_id + index)
-            trackers.append(RequestTracker(index, rid, text, ids, p, self._detokenizer(ids, p), on_delta))
+            trackers.append(RequestTracker(index, rid, text, ids, p, self.parts.detokenizer(ids, p), on_delta))
         self.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
         self._next_id += len(encoded)
         return trackers
-
-    def _detokenizer(self, ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
-
-
-def _build_executor(
-    model_path: Path, config: EngineConfig, model_config: ModelConfig
-) -> ModelExecutor | TensorParallelExecutor:
-    """One ModelExecutor, or rank 0 of a tensor-parallel group when tensor_parallel_size > 1."""
-    if config.tensor_parallel_size > 1:
-        return TensorParallelExecutor(model_path, config, model_config)
-    return ModelExecutor(model_path, config, model_config)
-
-
-def _folder(path: object, what: str) -> Path:
-    """``path`` (a str or Path) as a Path; a TypeError naming ``what`` for anything else."""
-    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
-        raise TypeError(f"{what} must be a folder path (str or Path), got {show(path)}")
-    return Path(path)
-
-
-def load_local_tokenizer(folder: Path) -> Any:
-    """The tokenizer saved in ``folder``, never from the network: a folder that does not exist, or holds no
-    tokenizer vocabulary (see TOKENIZER_FILES), is a clear error instead of a hub lookup (which retries for a
-    minute offline) or a placeholder tokenizer (which transformers builds from the model type, EOS id and all).
-    Pass ``load_tokenizer=False`` for token-id-only use."""
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer folder {str(folder)!r} does not exist (tokenizers load only from local folders)"
-        )
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise CheckpointError(
-            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
-            "or load_tokenizer=False to use token-id prompts only"
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its own) for broken files
-        raise CheckpointError(f"{folder}: the tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
-
-
-def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
-    """InvalidConfigError when the KV cache the options ask for cannot fit the device's memory (checked before
-    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash)."""
-    import torch
-
-    from fnvllm.executor.model_executor import kv_bytes_per_block
-
-    per_block = kv_bytes_per_block(model, config.block_size, model.torch_dtype) // config.tensor_parallel_size
-    on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if on_cuda:
-        if config.num_blocks is None:
-            return  # sized from free memory by the executor
-        memory = torch.cuda.get_device_properties(0).total_memory * config.gpu_memory_utilization
-        wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
-    else:
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        if config.num_blocks is None:
-            wanted, field = config.cpu_kv_cache_gib * _GIB, f"cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
-        else:
-            wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
-    if wanted > memory:
-        raise InvalidConfigError(
-            f"EngineConfig.{field}: a KV cache of {wanted / _GIB:.1f} GiB ({per_block} bytes per block of "
-            f"{config.block_size} tokens) does not fit the {memory / _GIB:.1f} GiB of {'GPU' if on_cuda else 'CPU'} "
-            "memory"
-        )
 
 
 def _as_prompt_list(prompts: object) -> list[Any]:

@@ -119,7 +119,9 @@ def test_a_fed_row_must_feed_one_token(checkpoint: Any) -> None:
     state, plan = schedule(state)
     launched = llm.executor.launch(plan)
     llm.executor.collect(launched)
-    two = attrs.evolve(plan, step=plan.step + 1, input_tokens=((0, 0),), start_positions=(3,), num_generated=(1,))
+    two = attrs.evolve(
+        plan, step=plan.step + 1, input_tokens=((0, 0),), start_positions=(3,), num_generated=(1,), num_admitted=0
+    )
     with pytest.raises(ValueError, match="'a' feeds 2 tokens in step 1; a row fed from the device by step 0"):
         llm.executor.launch(two, fed_by=launched)
     assert llm.executor.next_step == plan.step + 1, "a refused launch leaves the executor where it was"

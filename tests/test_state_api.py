@@ -524,3 +524,18 @@ def test_waiting_twin_of_a_running_chunked_prefill_waits_and_hits() -> None:
         outputs.update({f.request_id: f.output for f in out.finished})
     assert fed == {"a": 17, "b": 2}  # b recomputes only its last prompt token, then decodes
     assert outputs["a"] == outputs["b"]
+
+
+def test_commit_refuses_a_plan_scheduled_from_another_state() -> None:
+    """``commit(state_a, plan_of_state_b, ...)`` with equal step numbers is a PlanMismatchError naming the row,
+    not an IndexError from deep inside, and never folds the wrong tokens in silently."""
+    from fnvllm.state import PlanMismatchError, add_request, commit, initial_state, schedule
+
+    config = CoreConfig(block_size=4, num_blocks=64, vocab_size=200)
+    short = add_request(initial_state(config), "r", (1, 2, 3), SamplingParams(max_tokens=5))
+    long = add_request(initial_state(config), "r", tuple(range(1, 12)), SamplingParams(max_tokens=5))
+    (short_state, short_plan), (long_state, long_plan) = schedule(short), schedule(long)
+    for state, plan in ((short_state, long_plan), (long_state, short_plan)):
+        with pytest.raises(PlanMismatchError, match=r"plan row 0 \('r'.*scheduled from another state"):
+            commit(state, plan, [5])
+    assert commit(short_state, short_plan, [5])[1].new_tokens == (5,)

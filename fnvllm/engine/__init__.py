@@ -3,7 +3,7 @@ admits, aborts and steps) and the output processor (routes tokens to each reques
 """
 
 from fnvllm.engine.core import Engine, EngineOutput
-from fnvllm.engine.loop import EngineLoop, EngineStats, admitted_cached_tokens
+from fnvllm.engine.loop import EngineLoop, EngineStats
 from fnvllm.engine.output import (
     OutputProcessor,
     RequestMetrics,
@@ -22,5 +22,4 @@ __all__ = [
     "RequestOutput",
     "RequestTracker",
     "StreamDelta",
-    "admitted_cached_tokens",
 ]

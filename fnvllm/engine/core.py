@@ -74,8 +74,8 @@ class Engine:
         self, state: EngineState, plan: StepPlan, launched: object, keep: Sequence[bool] | None = None
     ) -> tuple[EngineState, EngineOutput]:
         """Wait for a launched step and commit it as ``plan``. ``keep``: the launched run was a speculative plan
-        whose rows ``keep`` flags make up ``plan`` (``fnvllm.state.overlap.reconcile``); the others' tokens are
-        dropped."""
+        whose kept rows make up ``plan`` (``fnvllm.state.overlap.reconcile``); one flag per row that run sampled,
+        in order (the tokens come one per sampled row): the tokens of unflagged rows are dropped."""
         result = self._overlapping.collect(launched)
         if keep is not None and not all(keep):
             logprobs = tuple(compress(result.logprobs, keep)) if result.logprobs else ()

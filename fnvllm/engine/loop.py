@@ -5,10 +5,13 @@ One step reads like the design's pseudo-code::
 
     state, plan = schedule(state)               # pure
     state, out = engine.step(state, plan)       # executor.execute(plan) + pure commit
-    state = processor.process(state, out)       # route tokens; stop strings end requests
+    state, outbox = processor.process(state, out)  # route tokens; stop strings end requests
+    deliver(outbox)                             # consumers' callbacks, once the state is adopted
 
-``LLM.generate`` / ``LLM.stream``, ``fnvllm.testing.drive``, the benchmarks and the server are clients: they add
-requests with a ``RequestTracker`` and call ``step`` until their own requests are done. Imports no torch.
+``LLM.generate`` / ``LLM.stream``, the server's engine core, the bench and the profilers are clients (built by
+``fnvllm.engine.build``): they add requests with a ``RequestTracker`` and call ``step`` until their own requests
+are done; ``drain`` commits a step in flight and ``restore`` adopts a snapshot. ``fnvllm.testing.drive`` is the
+same loop without routing or overlap, for tests of the pure core.
 
 Overlapped steps (on an executor with ``supports_overlap``, e.g. the CUDA ``ModelExecutor``): each ``step``
 commits one step as above, but the device already runs the next one by then::
@@ -16,20 +19,23 @@ commits one step as above, but the device already runs the next one by then::
     spec = speculate(state, plan_N)                  # pure: plan N+1 from placeholder tokens
     launched = engine.launch(spec.plan, fed_by=N)    # device: N+1 queued behind N, fed N's tokens on device
     state, out = engine.collect(state, plan_N, N)    # wait for N's tokens, commit them
-    state = processor.process(state, out)
+    state, outbox = processor.process(state, out)
     verdict = reconcile(state, spec.plan)            # pure: does the run of N+1 stand? else drop it
+    deliver(outbox)                                  # user code runs last: it may add or abort requests
 
 so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Sequence
+from itertools import compress
 
 import attrs
 
 from fnvllm.engine.core import Engine, EngineOutput
-from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.engine.output import Outbox, OutputProcessor, RequestTracker, deliver_all
 from fnvllm.executor.base import supports_overlap
 from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
 from fnvllm.state.overlap import Speculation, reconcile, speculate
@@ -46,18 +52,6 @@ class EngineStats:
     num_generated_tokens: int = 0
 
 
-def admitted_cached_tokens(before: EngineState, after: EngineState, plan: StepPlan) -> dict[str, int]:
-    """Prompt/output tokens each sequence admitted by ``plan`` found in the prefix cache (its start position).
-
-    ``before`` is the state ``schedule`` was given, ``after`` the one it returned. ``schedule`` hands back the
-    very same waiting tuple when it admits and preempts nothing, so most decode steps cost one identity test.
-    """
-    if after.waiting is before.waiting:
-        return {}
-    running = before.num_computed  # rows running before this step; every other plan row was just admitted
-    return {rid: start for rid, start in zip(plan.seq_ids, plan.start_positions, strict=True) if rid not in running}
-
-
 StepHook = Callable[[EngineState, StepPlan, EngineOutput], None]
 
 
@@ -66,7 +60,8 @@ class _Flight:
     """A step running on the device, not yet committed.
 
     plan: the plan to commit. launched: the executor's handle of the run. keep: when the run was a speculative
-    plan standing for ``plan``, which of its rows ``plan`` kept (None: the run is ``plan`` itself).
+    plan standing for ``plan``, one flag per row it sampled: that row's token belongs to ``plan`` (None: the
+    run is ``plan`` itself).
     cached: prompt tokens its admissions found in the prefix cache (for the stats).
     """
 
@@ -90,8 +85,13 @@ class EngineLoop:
 
     on_step(state, plan, output) (optional) sees every committed step, after routing (timelines, tests).
     overlap: overlap steps when the executor supports it (``supports_overlap``); False always steps plainly.
+    clock: the time source of the per-request metrics (``time.perf_counter``).
     While a step is in flight, ``state`` is the state waiting for it to be committed: requests may be added and
-    aborted as at any other time.
+    aborted as at any other time, from a tracker's ``on_delta`` or the ``on_step`` hook too.
+
+    User code run by a step (``on_delta`` callbacks, the ``on_step`` hook) cannot corrupt the loop: the step
+    completes first (tokens committed and routed, the next step launched or dropped), then the first exception
+    that user code raised is raised from ``step`` (once); the next ``step`` carries on as if nothing happened.
     """
 
     def __init__(
@@ -100,10 +100,11 @@ class EngineLoop:
         state: EngineState | None = None,
         on_step: StepHook | None = None,
         overlap: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.engine = engine
         self.state = engine.initial_state() if state is None else state
-        self.processor = OutputProcessor()
+        self.processor = OutputProcessor(clock)
         self.stats = EngineStats()
         self.overlap_stats = OverlapStats()
         self.on_step = on_step
@@ -151,9 +152,15 @@ class EngineLoop:
         """Schedule, execute and commit one step, then route its outputs. Returns the committed step.
 
         If the executor or commit raises, the loop resets the executor and the state's KV bookkeeping (every
-        request stays queued and will be recomputed) and re-raises."""
-        if self.overlap:
-            return self._step_overlapped()
+        request stays queued and will be recomputed) and re-raises. If user code raises (a tracker's
+        ``on_delta``, the ``on_step`` hook), the step completes and the first such exception is raised."""
+        errors: list[BaseException] = []
+        out = self._step_overlapped(errors) if self.overlap else self._step_plain(errors)
+        if errors:
+            raise errors[0]
+        return out
+
+    def _step_plain(self, errors: list[BaseException]) -> EngineOutput:
         before = self.state
         state, plan = schedule(before)
         try:
@@ -161,15 +168,12 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)  # executor and state in step again; nothing lost
             raise
-        cached = admitted_cached_tokens(before, state, plan)
+        cached = plan.admitted_starts() if plan.num_admitted else {}
         self.processor.note_cached(cached)
-        self.state = self.processor.process(state, out)
-        self._count(plan, sum(cached.values()))
-        if self.on_step is not None:
-            self.on_step(self.state, plan, out)
+        self._finish_step(state, plan, out, sum(cached.values()), errors)
         return out
 
-    def _step_overlapped(self) -> EngineOutput:
+    def _step_overlapped(self, errors: list[BaseException]) -> EngineOutput:
         """One step with the next one launched before this one's tokens are waited for (module docstring)."""
         flight = self._flight if self._flight is not None else self._launch_scheduled()
         self._flight = None
@@ -183,13 +187,71 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(pending)  # any launched step is forgotten with the KV contents
             raise
-        self.state = self.processor.process(state, out)
-        self._count(flight.plan, flight.cached)
-        if self.on_step is not None:
-            self.on_step(self.state, flight.plan, out)
+        outbox = self._adopt(state, flight.plan, out, flight.cached)
+        committed = self.state
         if spec is not None and speculative is not None:
-            self._reconcile(spec, speculative)
+            self._reconcile(spec, speculative)  # before user code runs: it may add or abort requests
+        self._run_user_code(committed, flight.plan, out, outbox, errors)
         return out
+
+    def drain(self) -> EngineOutput | None:
+        """Commit the step in flight, if any, without launching another; returns it (None when nothing was in
+        flight). Afterwards ``state`` has no plan pending, so a driver may call ``schedule`` / ``engine.step``
+        itself, snapshot the state, or time plain steps. User-code exceptions are raised as by ``step``."""
+        flight = self._flight
+        if flight is None:
+            return None
+        self._flight = None
+        pending, errors = self.state, list[BaseException]()
+        try:
+            state, out = self.engine.collect(pending, flight.plan, flight.launched, flight.keep)
+        except BaseException:
+            self.state = self.engine.restore(pending)
+            raise
+        self._finish_step(state, flight.plan, out, flight.cached, errors)
+        if errors:
+            raise errors[0]
+        return out
+
+    def restore(self, state: EngineState | None = None) -> None:
+        """Adopt ``state`` (a snapshot, e.g. unpickled; default: the loop's own) as on a fresh KV cache: a step
+        in flight is forgotten, the executor expects the state's next step, and running requests rejoin waiting
+        with their tokens kept (recomputed, the prefix cache emptied). Trackers keep routing their requests.
+        ValueError if the snapshot was made for a different core config."""
+        restored = self.engine.restore(self.state if state is None else state)
+        self._flight = None
+        self.state = restored
+
+    def _finish_step(
+        self, state: EngineState, plan: StepPlan, out: EngineOutput, cached: int, errors: list[BaseException]
+    ) -> None:
+        """Adopt a committed step, then run the user code it triggers."""
+        outbox = self._adopt(state, plan, out, cached)
+        self._run_user_code(self.state, plan, out, outbox, errors)
+
+    def _adopt(self, state: EngineState, plan: StepPlan, out: EngineOutput, cached: int) -> Outbox:
+        """Make the committed step the loop's state (stop strings applied) and count it; returns the deltas to
+        deliver. Runs no user code."""
+        self.state, outbox = self.processor.process(state, out)
+        self._count(plan, cached)
+        return outbox
+
+    def _run_user_code(
+        self,
+        committed: EngineState,
+        plan: StepPlan,
+        out: EngineOutput,
+        outbox: Outbox,
+        errors: list[BaseException],
+    ) -> None:
+        """Deliver the step's deltas and call the step hook with the committed state; their exceptions go to
+        ``errors``."""
+        deliver_all(outbox, errors)
+        if self.on_step is not None:
+            try:
+                self.on_step(committed, plan, out)
+            except BaseException as error:  # user code; raised by ``step`` once the step is complete
+                errors.append(error)
 
     def _launch_scheduled(self) -> _Flight:
         """Schedule from the committed state and launch the plan."""
@@ -200,7 +262,7 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)
             raise
-        cached = admitted_cached_tokens(before, state, plan)
+        cached = plan.admitted_starts() if plan.num_admitted else {}
         self.processor.note_cached(cached)
         self.state = state
         return _Flight(plan, launched, None, sum(cached.values()))
@@ -211,9 +273,11 @@ class EngineLoop:
         verdict = reconcile(committed, spec)
         s = self.overlap_stats
         if verdict.kept and verdict.plan is not None:
-            cached = admitted_cached_tokens(committed, verdict.state, verdict.plan)  # a mixed step may admit
+            plan = verdict.plan
+            cached = plan.admitted_starts() if plan.num_admitted else {}  # a mixed step may admit
             self.processor.note_cached(cached)
-            self._flight = _Flight(verdict.plan, launched, verdict.keep, sum(cached.values()))
+            keep = tuple(compress(verdict.keep, spec.plan.sample))  # per sampled row, as the tokens come
+            self._flight = _Flight(plan, launched, keep, sum(cached.values()))
             self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
         else:
             self.engine.discard(launched)
@@ -228,12 +292,3 @@ class EngineLoop:
             s.num_cached_tokens + cached,
             s.num_generated_tokens + plan.num_samples,
         )
-
-    def run_until_done(self, trackers: Mapping[str, RequestTracker] | None = None) -> None:
-        """Step until ``trackers`` have all finished (or, without trackers, until nothing is left)."""
-        if trackers is None:
-            while self.has_unfinished:
-                self.step()
-            return
-        while not all(t.finished for t in trackers.values()):
-            self.step()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 
@@ -98,7 +98,10 @@ class RequestTracker:
     """Host-side progress of one request: ids, logprobs, detokenizer, metrics and its queue of deltas.
 
     ``on_delta`` (optional) is called with every delta instead of queueing it (a server forwards deltas to its
-    client's queue this way); without it, deltas wait in ``deltas`` for whoever consumes this request.
+    client's queue this way); without it, deltas wait in ``deltas`` for whoever consumes this request. The loop
+    calls it only once the step is complete, so it may add or abort requests; if it raises, the loop finishes the
+    step and then raises that exception to whoever called ``step``.
+    ``arrival_time``: when the request arrived (default: now, by ``time.perf_counter``).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class RequestTracker:
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer | None,
         on_delta: Callable[[StreamDelta], None] | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         self.index, self.request_id, self.prompt, self.prompt_ids = index, request_id, prompt, prompt_ids
         self.params, self.detokenizer, self.on_delta = params, detokenizer, on_delta
@@ -117,7 +121,7 @@ class RequestTracker:
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: FinishReason | None = None
         self.deltas: deque[StreamDelta] = deque()
-        self.arrival_time = time.perf_counter()
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_cached_tokens = 0
@@ -153,13 +157,20 @@ class RequestTracker:
             self.finish_reason = "stop"  # the stop string was only complete in the held-back text
         return flushed.new_text
 
-    def emit(self, text: str, token_ids: tuple[int, ...]) -> None:
-        """Queue (or hand to ``on_delta``) one delta carrying the current finish reason."""
-        delta = StreamDelta(self.index, self.request_id, text, token_ids, self.finish_reason)
+    def delta(self, text: str, token_ids: tuple[int, ...]) -> StreamDelta:
+        """One delta carrying the current finish reason."""
+        return StreamDelta(self.index, self.request_id, text, token_ids, self.finish_reason)
+
+    def deliver(self, delta: StreamDelta) -> None:
+        """Hand ``delta`` to ``on_delta``, or queue it in ``deltas``."""
         if self.on_delta is not None:
             self.on_delta(delta)
         else:
             self.deltas.append(delta)
+
+    def emit(self, text: str, token_ids: tuple[int, ...]) -> None:
+        """Deliver one delta carrying the current finish reason at once."""
+        self.deliver(self.delta(text, token_ids))
 
     def metrics(self) -> RequestMetrics:
         """The request's timing metrics so far."""
@@ -179,11 +190,28 @@ class RequestTracker:
         )
 
 
-class OutputProcessor:
-    """The trackers of live requests, and the fold of each step's output into them."""
+Outbox = list[tuple[RequestTracker, StreamDelta]]
 
-    def __init__(self) -> None:
+
+def deliver_all(outbox: Outbox, errors: list[BaseException]) -> None:
+    """Deliver every delta of ``outbox``; an exception from a consumer's callback is appended to ``errors`` and
+    the other deltas are still delivered (one consumer's bug must not starve the others)."""
+    for tracker, delta in outbox:
+        try:
+            tracker.deliver(delta)
+        except BaseException as error:  # user code; re-raised by the loop once the step is complete
+            errors.append(error)
+
+
+class OutputProcessor:
+    """The trackers of live requests, and the fold of each step's output into them.
+
+    clock: the time source of the metrics (``time.perf_counter``; a test passes a fake one).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.trackers: dict[str, RequestTracker] = {}
+        self.clock = clock
 
     def add(self, tracker: RequestTracker) -> None:
         """Start routing outputs of ``tracker.request_id`` to ``tracker``."""
@@ -200,12 +228,15 @@ class OutputProcessor:
         """Close a request that was aborted (no more tokens will come)."""
         tracker = self.trackers.pop(request_id, None)
         if tracker is not None:
-            tracker.emit(tracker.close("abort", time.perf_counter()), ())
+            tracker.emit(tracker.close("abort", self.clock()), ())
 
-    def process(self, state: EngineState, out: EngineOutput) -> EngineState:
-        """Route one committed step to the trackers; returns ``state`` with stop-string finishes applied."""
-        now = time.perf_counter()
+    def process(self, state: EngineState, out: EngineOutput) -> tuple[EngineState, Outbox]:
+        """Route one committed step to the trackers. Returns ``state`` with stop-string finishes applied, and the
+        deltas to deliver (``deliver_all``) once the caller has adopted that state: a consumer's callback may
+        then add or abort requests, and its exceptions cannot leave the step half-applied."""
+        now = self.clock()
         finished = {f.request_id: f.reason for f in out.output.finished}
+        outbox: Outbox = []
         for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
             tracker = self.trackers.get(rid)
             if tracker is None:
@@ -217,12 +248,5 @@ class OutputProcessor:
             if rid in finished:
                 text += tracker.close(finished[rid], now)
                 del self.trackers[rid]
-            tracker.emit(text, (token,))
-        return state
-
-    def close_all(self, reason: FinishReason, request_ids: Iterable[str]) -> None:
-        """Close the given requests with ``reason`` (e.g. after the engine was reset by an error)."""
-        for rid in list(request_ids):
-            tracker = self.trackers.pop(rid, None)
-            if tracker is not None:
-                tracker.emit(tracker.close(reason, time.perf_counter()), ())
+            outbox.append((tracker, tracker.delta(text, (token,))))
+        return state, outbox

@@ -41,7 +41,8 @@ from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps, ops_for
 from fnvllm.model.sharding import SINGLE, TensorParallel, broadcast_from_first, local_heads, min_over_ranks
-from fnvllm.state import SamplingParams, StepPlan
+from fnvllm.state import InvalidConfigError, SamplingParams, StepPlan
+from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
@@ -57,7 +58,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device")
+        raise InvalidConfigError(
+            f"device: 'cuda' was asked for, but this torch ({torch.__version__}) sees no CUDA device; "
+            "use device='cpu' or 'auto'"
+        )
     return torch.device(name)
 
 
@@ -317,25 +321,25 @@ class ModelExecutor:
         return hidden[inputs.sample_index], False
 
     def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
-        """The device ids that feed ``plan`` from ``fed_by``'s samples: each row whose sequence ``fed_by`` sampled
-        (it must feed one token) takes that sample. None when no row is fed (all its tokens are the host's)."""
+        """The device ids that feed ``plan`` from ``fed_by``'s samples: each row continuing a sequence that
+        ``fed_by`` sampled (it must feed one token) takes that sample (``feed_sources``: an admitted row is a new
+        request life and never fed). None when no row is fed (all its tokens are the host's)."""
         if not isinstance(fed_by, Launched):
             raise ValueError(f"fed_by must be a step this executor launched, got {type(fed_by).__name__}")
-        previous = fed_by.plan
-        index_of = {previous.seq_ids[row]: k for k, row in enumerate(fed_by.rows)} if fed_by.packed is not None else {}
+        sources = feed_sources(fed_by.plan, plan) if fed_by.packed is not None else (None,) * plan.num_seqs
+        fed = np.fromiter((s is not None for s in sources), dtype=bool, count=plan.num_seqs)  # (B,) device-fed
+        if not fed.any():
+            return None
         lens = np.fromiter(map(len, plan.input_tokens), dtype=np.int64, count=plan.num_seqs)  # (B,)
-        source = np.fromiter((index_of.get(rid, -1) for rid in plan.seq_ids), dtype=np.int64, count=plan.num_seqs)
-        fed = source >= 0  # (B,) rows fed from the device
         if np.any(lens[fed] != 1):
             row = int(np.flatnonzero(fed & (lens != 1))[0])
             raise ValueError(
                 f"{plan.seq_ids[row]!r} feeds {lens[row]} tokens in step {plan.step}; a row fed from the device by "
-                f"step {previous.step} feeds one"
+                f"step {fed_by.plan.step} feeds one"
             )
-        if not fed.any():
-            return None
         assert fed_by.packed is not None  # some row is fed, so the previous step sampled
         samples = fed_by.packed[0]
+        source = np.fromiter((0 if s is None else s for s in sources), dtype=np.int64, count=plan.num_seqs)  # (B,)
         if fed.all():
             return Feed(samples.index_select(0, upload(source, self.device)), None, None)
         rows = np.flatnonzero(fed)  # (F,)

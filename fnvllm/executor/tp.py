@@ -13,7 +13,7 @@ Dropping a speculative step is a ``Reset`` to its step number.
 ``post`` starts one gloo broadcast and returns: rank 0 prepares and launches its own shard while the plan travels,
 and checks that the broadcast completed before it waits for the step's tokens. A worker's launch therefore trails
 rank 0's by the delivery plus the worker's unpickling (tens of microseconds), not by a round trip per message and
-a sleeping poll (what a blocking two-broadcast send cost: ~1-3 ms per step on a 2-core CPU machine).
+a sleeping poll (a blocking two-broadcast send cost far more per step: BENCHMARKS.md).
 
 Both ``execute`` calls run the same forward on their slice of the model (``fnvllm.model.sharding``: all-reduces
 inside, the same CUDA-graph bucket replayed), then gather the logits on rank 0, which samples. The message

@@ -8,7 +8,7 @@ state. Stop *strings* need the detokenizer, so the shell applies them by calling
 When the plan's rows are exactly the running rows (every step that no abort interrupted and whose admissions
 went to the back), the leading plain decodes (``state.decode``) are folded column-wise, each column
 rewritten by one C-level ``map``/``zip`` or table lookup: a Python loop over hundreds of decoding sequences per
-step would cost more than the rest of the step (3.9M against 0.39M instructions at 256 decodes, cachegrind).
+step would cost more than the rest of the step (measured in BENCHMARKS.md, core microbenchmarks).
 Only the rows that need attention are visited one by one: those that reached a compaction point or filled a
 block, those that may have stopped, and the rows after the decode prefix. ``_commit_rows`` is the general path;
 tests/properties/test_fast_paths.py checks that the two agree.
@@ -23,10 +23,10 @@ from itertools import compress
 from operator import add, index, sub
 from typing import Any
 
-from fnvllm.state._checks import show
 from fnvllm.state._rows import byte_positions, zero_positions
 from fnvllm.state._running import DecodePrefix, RunningRows
 from fnvllm.state._tokens import COMPACT_EVERY, Chunks, compact, join, last_token
+from fnvllm.state.checks import show
 from fnvllm.state.errors import PlanMismatchError
 from fnvllm.state.kv import KVManager
 from fnvllm.state.plan import StepPlan
@@ -46,6 +46,32 @@ def _check_plan(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> N
         raise PlanMismatchError(
             f"sampled has {len(sampled)} tokens; plan {plan.step} samples {plan.num_samples} sequences"
         )
+
+
+def _check_rows(state: EngineState, plan: StepPlan) -> None:
+    """PlanMismatchError unless each plan row still running in ``state`` starts at its computed count, holds its
+    block table and feeds no more than its tokens: a plan scheduled from another state (with the same step
+    number) must not be folded into this one. Rows aborted since ``schedule`` are not checked. The usual plan
+    shares these columns with the state it was scheduled into, so three identity tests settle it."""
+    rows = state.rows
+    shared = plan.start_positions is rows.num_computed and plan.block_tables is rows.block_tables
+    if shared and plan.seq_ids is rows.ids:
+        return
+    index_of = {rid: i for i, rid in enumerate(rows.ids)}
+    for row, rid in enumerate(plan.seq_ids):
+        i = index_of.get(rid)
+        if i is None:
+            continue  # aborted since it was scheduled
+        start = plan.start_positions[row]
+        if (
+            start != rows.num_computed[i]
+            or plan.block_tables[row] != rows.block_tables[i]
+            or start + len(plan.input_tokens[row]) > rows.num_tokens[i]
+        ):
+            raise PlanMismatchError(
+                f"plan row {row} ({rid!r}, start {start}) does not match the state's sequence (computed "
+                f"{rows.num_computed[i]} of {rows.num_tokens[i]} tokens): the plan was scheduled from another state"
+            )
 
 
 def _as_ints(sampled: Sequence[int], vocab_size: int | None) -> Sequence[int]:
@@ -98,8 +124,8 @@ def compaction_period(block_size: int) -> int:
 def successors(max_model_len: int) -> tuple[int, ...]:
     """``successors(m)[n] == n + 1`` for every length n up to m. A decode step adds 1 to the length of every
     decoding sequence; reading the sums from this table creates no int object per sequence (lengths above 256
-    are not among CPython's cached small ints): 61k instructions for 256 sequences against 96k for
-    ``map(add, lengths, repeat(1))`` and 85k for ``[n + 1 for n in lengths]`` (cachegrind)."""
+    are not among CPython's cached small ints), which is cheaper than ``map(add, lengths, repeat(1))`` or a list
+    comprehension (BENCHMARKS.md, core microbenchmarks)."""
     return tuple(range(1, max_model_len + 2))
 
 
@@ -292,6 +318,7 @@ def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[
     Sequences aborted since ``schedule`` are skipped.
     """
     _check_plan(state, plan, sampled)
+    _check_rows(state, plan)
     tokens = _as_ints(sampled, state.config.vocab_size)
     fold = _Fold(state, plan)
     if plan.seq_ids is state.running or plan.seq_ids == state.running:

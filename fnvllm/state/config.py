@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from fnvllm.state._checks import CONFIG, check_bool, check_int, check_optional_int, fail, is_int
+from fnvllm.state.checks import CONFIG, check_bool, check_int, check_optional_int, fail, is_int
 from fnvllm.state.hashing import BlockHasher, hash_block_xxh3
 
 # Upper ends of the size ranges: far above any real deployment, and low enough that what the core builds from a

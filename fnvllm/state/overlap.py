@@ -78,10 +78,27 @@ def placeholder_token(state: EngineState) -> int | None:
     return next((t for t in range(len(stops) + 1) if t not in stops and (limit is None or t < limit)), None)
 
 
+def feed_sources(previous: StepPlan, plan: StepPlan) -> tuple[int | None, ...]:
+    """Per row of ``plan``: the index, among the tokens ``previous`` sampled (in plan order), of the one that row
+    feeds, or None when the row's tokens are the host's.
+
+    Only rows that continue a running sequence can be fed: an admitted row (``plan.num_admitted``) is a new life
+    of its id, even when ``previous`` sampled that id (the request was aborted or finished while ``previous``
+    ran, and its id reused at once), and it feeds its prompt from the host. Keying by id alone would hand the new
+    request the old one's token.
+
+    Worked example: ``previous`` sampled ("a", "b", "c") and ``plan`` is ("b", "x", "a") with "a" admitted (the
+    old "a" was aborted and the id reused): (1, None, None).
+    """
+    sampled = {rid: k for k, rid in enumerate(compress(previous.seq_ids, previous.sample))}
+    continuing = plan.seq_ids[: plan.num_continuing]
+    return (*map(sampled.get, continuing), *(None,) * plan.num_admitted)
+
+
 def fed_rows(previous: StepPlan, plan: StepPlan) -> tuple[bool, ...]:
-    """Per row of ``plan``: whether ``previous`` sampled its sequence (its newest token is that sample)."""
-    sampled = set(compress(previous.seq_ids, previous.sample))
-    return tuple(map(sampled.__contains__, plan.seq_ids))
+    """Per row of ``plan``: whether its one input token is the sample ``previous`` drew for the same sequence
+    (``feed_sources``)."""
+    return tuple(source is not None for source in feed_sources(previous, plan))
 
 
 def can_feed(previous: StepPlan, plan: StepPlan) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from fnvllm.state._checks import (
+from fnvllm.state.checks import (
     REQUEST,
     check_bool,
     check_int,
@@ -98,7 +98,7 @@ class SamplingParams:
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        """Check every field strictly (see _checks.py) and store numbers as plain ints and floats."""
+        """Check every field strictly (see checks.py) and store numbers as plain ints and floats."""
         name = "SamplingParams."
         checked = {
             "temperature": check_real(self.temperature, name + "temperature", REQUEST, 0, 100),

@@ -47,6 +47,11 @@ class StepPlan:
     num_generated: tokens each sequence had generated before this step (the seed offset of its next sample).
     histories: prompt/output tokens for sequences whose params need them, else None.
     preempted: sequences preempted while planning this step (their KV is gone; they recompute later).
+    num_admitted: the last ``num_admitted`` rows were admitted from waiting by this step, each starting at its
+        prefix-cache hit (its start position); the rows before them were already running. An admitted row is a
+        new life of its request id as far as any per-request state kept across steps is concerned: an id can be
+        aborted and reused while a step is in flight, so only a row that is not admitted continues the sequence
+        that the same id named in the previous step.
     """
 
     step: int
@@ -60,6 +65,7 @@ class StepPlan:
     num_generated: tuple[int, ...] = ()
     histories: tuple[TokenHistory | None, ...] = ()
     preempted: tuple[str, ...] = ()
+    num_admitted: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -80,6 +86,16 @@ class StepPlan:
     def is_empty(self) -> bool:
         """True when nothing runs this step."""
         return not self.seq_ids
+
+    @property
+    def num_continuing(self) -> int:
+        """Rows that were running before this step (the plan's first rows; the admitted ones follow)."""
+        return len(self.seq_ids) - self.num_admitted
+
+    def admitted_starts(self) -> dict[str, int]:
+        """Each admitted row's start position: the tokens its admission found in the prefix cache."""
+        k = self.num_continuing
+        return dict(zip(self.seq_ids[k:], self.start_positions[k:], strict=True))
 
     def write_blocks(self) -> tuple[tuple[int, ...], ...]:
         """Per sequence, the block ids whose KV slots this step (re)writes."""

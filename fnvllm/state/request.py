@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-from fnvllm.state._checks import REQUEST, check_int, check_token_ids, fail, show
+from fnvllm.state.checks import REQUEST, check_int, check_token_ids, fail, show
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.errors import InvalidRequestError, RequestTypeError
 from fnvllm.state.params import MAX_INT64, SamplingParams
@@ -49,7 +49,7 @@ def check_request(
     field, the allowed range and the value) when it can never run under ``config`` beside the ``live`` ids.
 
     Checks, in order: the id (a non-empty str, not live), the params (a SamplingParams), the priority (an int),
-    the prompt (a non-empty sequence of int ids in [0, vocab_size), see ``_checks.check_token_ids``: a str,
+    the prompt (a non-empty sequence of int ids in [0, vocab_size), see ``checks.check_token_ids``: a str,
     bytes or dict is not a prompt), the params against the vocabulary (stop ids, logprobs), and the size
     (prompt + max_tokens within max_model_len and the pool). Reads nothing else and changes nothing.
     """

@@ -198,6 +198,7 @@ def _build_plan(step: _Step, after: RunningRows) -> StepPlan:
         generated,
         histories,
         tuple(step.preempted),
+        len(step.admitted),
     )
 
 

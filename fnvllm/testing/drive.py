@@ -7,7 +7,9 @@ It is the engine loop of docs/design.md and nothing more::
     state, output = commit(state, plan, tokens)
 
 plus the bookkeeping tests and simulations want afterwards: every finished request, the number of steps, how
-many preemptions happened and how many prompt tokens the prefix cache saved. Imports no torch.
+many preemptions happened and how many prompt tokens the prefix cache saved (read from each plan's admitted rows,
+as ``EngineLoop`` reads them). It is the pure loop without output routing or overlap: ``EngineLoop`` drives the
+same three calls for the LLM, the server and the simulator. Imports no torch.
 """
 
 from __future__ import annotations
@@ -77,12 +79,6 @@ class StepLimitError(RuntimeError):
     """The run did not finish within ``max_steps`` (a livelock, or a limit set too low)."""
 
 
-def _admitted_hits(before: EngineState, plan: StepPlan) -> int:
-    """Tokens skipped by sequences admitted in ``plan``: an admitted row starts after its cached prefix."""
-    running = before.num_computed
-    return sum(start for rid, start in zip(plan.seq_ids, plan.start_positions, strict=True) if rid not in running)
-
-
 def _add_arrivals(state: EngineState, pending: list[RequestSpec], step: int) -> EngineState:
     """``state`` with every spec whose arrival_step has come added (and removed from ``pending``)."""
     while pending and pending[0].arrival_step <= step:
@@ -125,13 +121,12 @@ def drive(
             break
         if num_steps >= max_steps:
             raise StepLimitError(f"{len(state.requests)} requests unfinished after max_steps={max_steps} steps")
-        before = state
         state, plan = schedule(state)
         state, output = commit(state, plan, executor.execute(plan).token_ids)
         finished.update((f.request_id, f) for f in output.finished)
         num_steps += 1
         num_preemptions += len(plan.preempted)
-        num_hits += _admitted_hits(before, plan)
+        num_hits += sum(plan.start_positions[plan.num_continuing :])  # admitted rows start after their hit
         if on_step is not None:
             on_step(state, plan, output)
     return RunResult(finished, num_steps, num_preemptions, num_hits, state)

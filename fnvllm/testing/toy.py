@@ -12,12 +12,13 @@ It costs O(1) per sequence, so the core benchmark measures the scheduler, not th
 from __future__ import annotations
 
 import zlib
-from itertools import compress
 
 import attrs
 
 from fnvllm.executor.base import ExecuteResult
+from fnvllm.state.overlap import feed_sources
 from fnvllm.state.plan import StepPlan
+from fnvllm.testing.invariants import ShadowKV, write_plan
 
 
 @attrs.frozen
@@ -33,13 +34,18 @@ class KVToyExecutor:
 
     overlap: also act as an ``OverlapExecutor``. A launch runs at once (the toy has no device to wait for), so
     a speculative step's writes land in the simulated cache before the step it follows is committed, as on a
-    GPU; in a step fed by another, each row whose sequence that step sampled takes the sampled token as its input,
-    never the plan's placeholder.
+    GPU; in a step fed by another, each row continuing a sequence that step sampled takes the sampled token as
+    its input, never the plan's placeholder (``fnvllm.state.overlap.feed_sources``).
+    shadow: also keep ``shadow``, a context-carrying copy of the cache (``fnvllm.testing.invariants.write_plan``)
+        that ``invariants.check_kv(state, executor.shadow)`` compares with what the state claims: every computed
+        position and every prefix-cache block must hold K/V of exactly the tokens the state says (the stale-KV
+        oracle). Costs memory quadratic in the sequence length: for small tests.
     """
 
-    def __init__(self, vocab_size: int = 1000, overlap: bool = False) -> None:
+    def __init__(self, vocab_size: int = 1000, overlap: bool = False, shadow: bool = False) -> None:
         self.vocab_size = vocab_size
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
+        self.shadow: ShadowKV | None = {} if shadow else None
         self.next_step = 0
         self.supports_overlap = overlap
 
@@ -47,12 +53,14 @@ class KVToyExecutor:
         """Run ``plan`` now (fed by ``fed_by``'s sampled tokens when given); ``collect`` returns its result."""
         if fed_by is not None:
             assert isinstance(fed_by, ToyLaunch)
-            sampled = dict(zip(compress(fed_by.plan.seq_ids, fed_by.plan.sample), fed_by.result.token_ids, strict=True))
+            samples = fed_by.result.token_ids
             inputs = []
-            for rid, tokens in zip(plan.seq_ids, plan.input_tokens, strict=True):
-                if rid in sampled:
+            for rid, tokens, source in zip(
+                plan.seq_ids, plan.input_tokens, feed_sources(fed_by.plan, plan), strict=True
+            ):
+                if source is not None:
                     assert len(tokens) == 1, f"{rid} is fed from the device but feeds {len(tokens)} tokens"
-                    tokens = (sampled[rid],)
+                    tokens = (samples[source],)
                 inputs.append(tokens)
             plan = attrs.evolve(plan, input_tokens=tuple(inputs))
         return ToyLaunch(plan, self.execute(plan))
@@ -70,6 +78,8 @@ class KVToyExecutor:
     def reset(self, next_step: int) -> None:
         """Forget the simulated cache and expect ``next_step`` next."""
         self.slots.clear()
+        if self.shadow is not None:
+            self.shadow.clear()
         self.next_step = next_step
 
     def execute(self, plan: StepPlan) -> ExecuteResult:
@@ -77,6 +87,8 @@ class KVToyExecutor:
         if plan.step != self.next_step:
             raise RuntimeError(f"toy executor expected step {self.next_step}, got plan.step {plan.step}")
         self.next_step += 1
+        if self.shadow is not None:
+            write_plan(self.shadow, plan)
         bs = plan.block_size
         for tokens, start, table in zip(plan.input_tokens, plan.start_positions, plan.block_tables, strict=True):
             for offset, token in enumerate(tokens):

@@ -12,14 +12,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
-from hypothesis import given, settings
+import pytest
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import fnvllm.engine.loop as loop_module
+import fnvllm.state.overlap as overlap_module
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.loop import EngineLoop, OverlapStats
 from fnvllm.state import CoreConfig, EngineState, FinishedRequest, SamplingParams, StepPlan
-from fnvllm.state.overlap import Reconciled, Speculation, can_feed, placeholder_token, reconcile, speculate
+from fnvllm.state.overlap import (
+    Reconciled,
+    Speculation,
+    can_feed,
+    forget_written_blocks,
+    placeholder_token,
+    reconcile,
+    speculate,
+)
 from fnvllm.testing import invariants
 from fnvllm.testing.strategies import RequestDraw, core_configs, workloads
 from fnvllm.testing.toy import KVToyExecutor
@@ -49,7 +59,8 @@ def _run(
     """Drive an EngineLoop: add each request before the step call of its index, abort likewise; check the
     state's invariants after every step. Returns the finished requests and the loop."""
     vocab = config.vocab_size or 32
-    loop = EngineLoop(Engine(KVToyExecutor(vocab, overlap=overlap), config))
+    executor = KVToyExecutor(vocab, overlap=overlap, shadow=True)
+    loop = EngineLoop(Engine(executor, config))
     assert loop.overlap is overlap
     finished: dict[str, FinishedRequest] = {}
 
@@ -68,10 +79,19 @@ def _run(
         if loop.has_unfinished:
             loop.step()
             _check_state(loop.state)
+            _check_kv(loop, executor)
         calls += 1
         assert calls < max_steps, "the loop did not finish"
     assert loop.state.pool.num_free == config.num_blocks
     return finished, loop
+
+
+def _check_kv(loop: EngineLoop, executor: KVToyExecutor) -> None:
+    """The stale-KV oracle: every computed position of a running sequence and every block the prefix cache
+    offers holds K/V of exactly the tokens the state claims (a block written by a dropped or ended speculative
+    row and still registered fails here at once, before any later request hits it)."""
+    assert executor.shadow is not None
+    invariants.check_kv(loop.state, executor.shadow)
 
 
 @st.composite
@@ -94,6 +114,8 @@ def _scenarios(
     else:
         config = draw(core_configs(max_num_seqs=6, max_num_blocks=32, max_model_len=48))
     work = draw(workloads(config, max_size=7))
+    if reuse:  # speculation is off while a row needs its token history: keep the stale-KV cases frequent
+        work = list(map(_without_penalties, work))
     arrivals = [(draw(st.integers(0, 30 if reuse else 8)), f"r{i}", request) for i, request in enumerate(work)]
     aborts = []
     if with_aborts:
@@ -256,3 +278,161 @@ def test_mixed_steps_are_speculated_and_kept() -> None:
     assert stats.dropped == 0 and sum(mixed) >= 3, (stats, mixed)
     _, overlapped = _run(config, arrivals)
     assert overlapped.stats.num_cached_tokens == plain.stats.num_cached_tokens > 0
+
+
+# ----- request ids reused while a step is in flight -----
+
+IDS = ("a", "b", "c")
+
+
+@attrs.frozen
+class Event:
+    """At loop call ``call``: add a new life of ``rid`` (skipped while ``rid`` is live), abort ``rid`` (skipped
+    unless live), or "reuse": abort ``rid`` if live and add the new life at once. ``in_hook`` runs it inside the
+    ``on_step`` hook, after the step's commit with the next step already launched, instead of between calls."""
+
+    call: int
+    kind: str
+    rid: str
+    draw: RequestDraw | None
+    in_hook: bool
+
+
+@st.composite
+def _reuse_scenarios(draw: st.DrawFn) -> tuple[CoreConfig, list[Event], bool]:
+    """Three ids added, aborted and reused at every point of the loop; with ``reuse_at_finish`` an id that
+    finished is re-added inside the very hook that saw it finish (the next step already in flight)."""
+    config = draw(core_configs(max_block_size=2, max_num_blocks=24, max_model_len=24, max_vocab_size=8, max_num_seqs=3))
+    work = draw(workloads(config, min_size=4, max_size=10))
+    events = []
+    for request in map(_without_penalties, work):
+        kind = draw(st.sampled_from(["add", "add", "reuse"]))
+        events.append(Event(draw(st.integers(0, 12)), kind, draw(st.sampled_from(IDS)), request, draw(st.booleans())))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 12), st.sampled_from(IDS), st.booleans()), max_size=3))
+    events += [Event(call, "abort", rid, None, hook) for call, rid, hook in aborts]
+    return config, sorted(events, key=lambda e: e.call), draw(st.booleans())
+
+
+def _without_penalties(request: RequestDraw) -> RequestDraw:
+    """The request with its penalties off: a row that needs its token history is never speculated on today,
+    and the drawn params would otherwise hold one in nearly every scenario."""
+    params = attrs.evolve(request.params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    return attrs.evolve(request, params=params)
+
+
+def _alone(config: CoreConfig, request: RequestDraw) -> tuple[str, tuple[int, ...]]:
+    """The finish reason and tokens of ``request`` run alone, plainly, on a fresh toy."""
+    finished, _ = _run(config, [(0, "solo", request)], overlap=False)
+    return finished["solo"].reason, finished["solo"].output
+
+
+def _run_reusing(config: CoreConfig, events: list[Event], reuse_at_finish: bool) -> list[tuple[RequestDraw, object]]:
+    """Drive an overlapped loop through ``events``; returns each request life with its result: the finished
+    record's (reason, output), or "aborted"."""
+    executor = KVToyExecutor(config.vocab_size or 32, overlap=True, shadow=True)
+    loop = EngineLoop(Engine(executor, config))
+    lives: dict[str, int] = {}  # rid -> index in results of its live request
+    results: list[list[object]] = []
+    pending = list(events)
+    spares = [e.draw for e in events if e.draw is not None]
+
+    def apply(event: Event) -> None:
+        live = event.rid in loop.state.requests
+        if event.kind == "reuse" and live:
+            apply(Event(event.call, "abort", event.rid, None, event.in_hook))
+            live = False
+        if event.kind != "abort" and not live and event.draw is not None:
+            loop.add(event.rid, event.draw.prompt, event.draw.params)
+            lives[event.rid] = len(results)
+            results.append([event.draw, None])
+        elif event.kind == "abort" and live:
+            loop.abort(event.rid)
+            results[lives.pop(event.rid)][1] = "aborted"
+
+    def hook(state: EngineState, plan: StepPlan, out: EngineOutput) -> None:
+        for f in out.output.finished:
+            results[lives.pop(f.request_id)][1] = (f.reason, f.output)
+            if reuse_at_finish and spares:  # the id is reused at once, while the next step is in flight
+                apply(Event(0, "add", f.request_id, spares.pop(), True))
+        while pending and pending[0].in_hook and pending[0].call <= calls:
+            apply(pending.pop(0))
+
+    loop.on_step = hook
+    calls = 0
+    while pending or loop.has_unfinished:
+        while pending and pending[0].call <= calls:
+            apply(pending.pop(0))
+        if loop.has_unfinished:
+            loop.step()
+            _check_state(loop.state)
+            _check_kv(loop, executor)
+        calls += 1
+        assert calls < 2_000, "the loop did not finish"
+    assert loop.state.pool.num_free == config.num_blocks
+    return [(draw, result) for draw, result in results]  # type: ignore[misc]
+
+
+@settings(deadline=None)
+@given(scenario=_reuse_scenarios())
+def test_reused_ids_get_their_own_tokens(scenario: tuple[CoreConfig, list[Event], bool]) -> None:
+    """Ids aborted or finished and reused at once, between steps or inside the hook of a step whose successor is
+    already in flight: every request life gets exactly the tokens it gets when run alone, and the KV the state
+    claims is what the device holds after every step."""
+    config, events, reuse_at_finish = scenario
+    for draw, result in _run_reusing(config, events, reuse_at_finish):
+        assert result is not None, "a request life neither finished nor was aborted"
+        if result != "aborted":
+            assert result == _alone(config, draw)
+
+
+def test_reused_id_after_abort_is_not_fed_the_old_token() -> None:
+    """The issue's case: "a" and "b" run two overlapped steps, "a" is aborted and its id reused with a 1-token
+    prompt while a step is in flight; the new "a" gets its own tokens, not the old "a"'s sample."""
+    config = CoreConfig(block_size=4, num_blocks=64, vocab_size=200)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    new = RequestDraw((77,), SamplingParams(max_tokens=5, ignore_eos=True))
+    events = [Event(0, "add", "a", RequestDraw((1, 2, 3), params), False)]
+    events += [Event(0, "add", "b", RequestDraw((4, 5, 6), params), False)]
+    events += [Event(2, "reuse", "a", new, False)]
+    results = _run_reusing(config, events, reuse_at_finish=False)
+    assert results[2] == (new, _alone(config, new))
+
+
+# ----- planted bugs: the stale-KV oracle kills both reconcile mutants -----
+
+HUNT = settings(
+    max_examples=300,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.generate],
+    report_multiple_bugs=False,
+)
+
+
+def _keeps_ended_rows_registered(
+    state: EngineState, plan: StepPlan, rows: tuple[bool, ...] | None = None
+) -> EngineState:
+    """Mutant: a kept speculative run does not unregister the free blocks its ended rows wrote."""
+    return state if rows is not None else forget_written_blocks(state, plan)
+
+
+def _drop_keeps_registrations(state: EngineState, plan: StepPlan, rows: tuple[bool, ...] | None = None) -> EngineState:
+    """Mutant: a dropped speculative run leaves the blocks it wrote registered."""
+    return forget_written_blocks(state, plan, rows) if rows is not None else state
+
+
+@pytest.mark.parametrize("mutant", [_keeps_ended_rows_registered, _drop_keeps_registrations])
+def test_stale_kv_oracle_kills_reconcile_mutants(mutant: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With either mutation of ``reconcile``'s bookkeeping planted, the overlapped workloads of this module find a
+    block whose KV is not what the prefix cache claims."""
+    monkeypatch.setattr(overlap_module, "forget_written_blocks", mutant)
+
+    @HUNT
+    @given(scenario=_scenarios(with_aborts=True, reuse=True))
+    def hunt(scenario: tuple[CoreConfig, list[Arrival], list[tuple[int, str]]]) -> None:
+        config, arrivals, aborts = scenario
+        _run(config, arrivals, aborts)
+
+    with pytest.raises((invariants.InvariantViolation, AssertionError)):
+        hunt()

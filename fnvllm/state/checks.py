@@ -11,7 +11,8 @@ boundary behaves the same way:
   itself fails, such as a 10,000-digit int's), and is raised before anything changes.
 
 Each check takes the pair of error classes to raise: (out of range, wrong type); the wrong-type class is also a
-``TypeError`` (see errors.py). Imports only the standard library.
+``TypeError`` (see errors.py). Imports only the standard library. Public: the shell (``EngineConfig``, ``LLM``,
+the server and the simulator's inputs) validates with the same functions, so every boundary reads alike.
 """
 
 from __future__ import annotations

@@ -1,0 +1,245 @@
+"""The composition root: ``build_engine(model_folder, EngineConfig)`` assembles the running engine.
+
+Every front end is a thin client of this one function: ``LLM`` (offline), the server's engine core, ``fnvllm
+bench`` and the profilers. It reads the checkpoint's config, loads the tokenizer (local folders only), checks the
+KV cache fits, builds the executor (one process, or rank 0 of a tensor-parallel group), sizes the pure core from
+what the executor allocated, and binds them in an ``Engine`` driven by one ``EngineLoop``. What the front ends
+need besides the loop comes with it, defined once: each request's incremental detokenizer
+(``EngineParts.detokenizer``), chat templating (``render_chat``) and the model facts a client may ask for
+(``EngineParts.info``).
+
+    parts = build_engine("path/to/Qwen3-0.6B", EngineConfig(max_num_seqs=64))
+    parts.loop.add("r0", ids, SamplingParams(max_tokens=32), tracker)
+    while parts.loop.has_unfinished:
+        parts.loop.step()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from fnvllm.config import EngineConfig
+from fnvllm.detokenizer import IncrementalDetokenizer
+from fnvllm.engine.core import Engine
+from fnvllm.engine.loop import EngineLoop, StepHook
+from fnvllm.executor.model_executor import ModelExecutor, resolve_device
+from fnvllm.executor.tp import TensorParallelExecutor
+from fnvllm.model.config import CheckpointError, ModelConfig, read_json
+from fnvllm.state import InvalidConfigError, InvalidRequestError, SamplingParams
+from fnvllm.state.checks import show
+
+# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not: transformers then builds a
+# placeholder tokenizer from the model type, with the wrong EOS id).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_GIB = 1 << 30
+
+Conversation = Sequence[Mapping[str, Any]]
+
+
+@attrs.frozen
+class ModelInfo:
+    """What a client may ask of the served model: its vocabulary size, the longest request (prompt + output)
+    the engine accepts, and its EOS ids."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+class EngineParts:
+    """The assembled engine: options, checkpoint facts, tokenizer (None in token-id mode), executor, engine and
+    the loop that drives it. Resource owner (the executor holds the weights and the KV cache): ``close()``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        tokenizer: Any | None,
+        executor: ModelExecutor | TensorParallelExecutor,
+        loop: EngineLoop,
+    ) -> None:
+        self.config, self.model_path, self.model_config = config, model_path, model_config
+        self.tokenizer, self.executor, self.loop = tokenizer, executor, loop
+
+    @property
+    def engine(self) -> Engine:
+        """The executor bound to the core settings."""
+        return self.loop.engine
+
+    @property
+    def info(self) -> ModelInfo:
+        """Vocabulary size, max_model_len and EOS ids, as the core enforces them."""
+        core = self.engine.config
+        return ModelInfo(self.model_config.vocab_size, core.max_model_len, core.eos_token_ids)
+
+    def detokenizer(self, prompt_ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
+        """A request's incremental detokenizer (special tokens skipped, its stop strings applied); None without a
+        tokenizer (token ids only)."""
+        return detokenizer_for(self.tokenizer, prompt_ids, params)
+
+    def close(self) -> None:
+        """Release the executor (and stop tensor-parallel workers)."""
+        self.executor.close()
+
+
+def build_engine(
+    model: str | os.PathLike[str],
+    config: EngineConfig,
+    tokenizer: str | os.PathLike[str] | None = None,
+    load_tokenizer: bool = True,
+    on_step: StepHook | None = None,
+) -> EngineParts:
+    """Assemble the engine for the checkpoint folder ``model`` under ``config`` (see the module docstring).
+
+    tokenizer: a folder to load the tokenizer from (default: ``model``); load_tokenizer=False skips it.
+    on_step: the loop's step hook. Raises InvalidConfigError (a device torch cannot use, a KV cache that cannot
+    fit) before any weight is read, FileNotFoundError / CheckpointError for a missing or malformed checkpoint."""
+    resolve_device(config.device)  # a device torch cannot use is refused before anything loads
+    model_path = as_folder(model, "model")
+    if not (model_path / "config.json").exists():
+        raise FileNotFoundError(f"{model_path} is not a checkpoint folder (no config.json)")
+    model_config = ModelConfig.from_pretrained(model_path, dtype=config.dtype)
+    folder = model_path if tokenizer is None else as_folder(tokenizer, "tokenizer")
+    loaded = load_local_tokenizer(folder) if load_tokenizer else None
+    check_kv_cache_fits(config, model_config)
+    executor = build_executor(model_path, config, model_config)
+    core = config.core_config(
+        executor.num_blocks,
+        model_config.max_position_embeddings,
+        read_eos_token_ids(model_path, loaded),
+        model_config.vocab_size,
+    )
+    loop = EngineLoop(Engine(executor, core), on_step=on_step)
+    return EngineParts(config, model_path, model_config, loaded, executor, loop)
+
+
+def build_executor(
+    model_path: Path, config: EngineConfig, model_config: ModelConfig
+) -> ModelExecutor | TensorParallelExecutor:
+    """One ModelExecutor, or rank 0 of a tensor-parallel group when tensor_parallel_size > 1."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(model_path, config, model_config)
+    return ModelExecutor(model_path, config, model_config)
+
+
+def detokenizer_for(
+    tokenizer: Any | None, prompt_ids: tuple[int, ...], params: SamplingParams
+) -> IncrementalDetokenizer | None:
+    """The incremental detokenizer of one request under ``tokenizer`` (None without one)."""
+    if tokenizer is None:
+        return None
+    return IncrementalDetokenizer(tokenizer, prompt_ids, True, params.stop, params.include_stop_str_in_output)
+
+
+DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]
+
+
+def detokenizer_factory(tokenizer: Any | None) -> DetokenizerFactory:
+    """``detokenizer_for`` bound to ``tokenizer`` (what an engine core that holds no EngineParts is given)."""
+    return lambda prompt_ids, params: detokenizer_for(tokenizer, prompt_ids, params)
+
+
+def render_chat(tokenizer: Any, conversation: Conversation, **template_kwargs: Any) -> str:
+    """The conversation rendered by the tokenizer's chat template with the assistant's turn opened.
+
+    Raises InvalidRequestError naming ``messages`` when the template fails (jinja2 errors, a role order the
+    template refuses, a tokenizer without a template: all come from the input)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in conversation], tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+    except Exception as e:
+        raise InvalidRequestError(f"messages: the chat template failed: {e}") from None
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"messages: the chat template returned {show(text)}, not text")
+    return text
+
+
+def as_folder(path: object, what: str) -> Path:
+    """``path`` (a str or Path) as a Path; a TypeError naming ``what`` for anything else."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise TypeError(f"{what} must be a folder path (str or Path), got {show(path)}")
+    return Path(path)
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer vocabulary (one of TOKENIZER_FILES)."""
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_local_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in ``folder``, never from the network: a folder that does not exist, or holds no
+    tokenizer vocabulary (see TOKENIZER_FILES), is a clear error instead of a hub lookup (which retries for a
+    minute offline) or a placeholder tokenizer (which transformers builds from the model type, EOS id and all).
+    Pass ``load_tokenizer=False`` for token-id-only use."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer folder {str(folder)!r} does not exist (tokenizers load only from local folders)"
+        )
+    if not has_tokenizer_files(folder):
+        raise CheckpointError(
+            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
+            "or load_tokenizer=False to use token-id prompts only"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its own) for broken files
+        raise CheckpointError(f"{folder}: the tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
+
+
+def read_eos_token_ids(model_path: Path, tokenizer: Any | None) -> frozenset[int]:
+    """Every EOS id: generation_config.json's (int or list), else config.json's, plus the tokenizer's.
+    A malformed file or an ``eos_token_id`` that is not an int or a list of ints is a CheckpointError naming it."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = model_path / name
+        if file.exists():
+            ids.update(_eos_ids(file, read_json(file).get("eos_token_id")))
+            if ids:
+                break
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _eos_ids(file: Path, value: object) -> list[int]:
+    items = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
+        raise CheckpointError(f"{file}: eos_token_id must be an int >= 0 or a list of them, got {show(value)}")
+    return items  # type: ignore[return-value]
+
+
+def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
+    """InvalidConfigError when the KV cache the options ask for cannot fit the device's memory (checked before
+    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash)."""
+    import torch
+
+    from fnvllm.executor.model_executor import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(model, config.block_size, model.torch_dtype) // config.tensor_parallel_size
+    on_cuda = resolve_device(config.device).type == "cuda"
+    if on_cuda:
+        if config.num_blocks is None:
+            return  # sized from free memory by the executor
+        memory = torch.cuda.get_device_properties(0).total_memory * config.gpu_memory_utilization
+        wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if config.num_blocks is None:
+            wanted, field = config.cpu_kv_cache_gib * _GIB, f"cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
+        else:
+            wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
+    if wanted > memory:
+        raise InvalidConfigError(
+            f"EngineConfig.{field}: a KV cache of {wanted / _GIB:.1f} GiB ({per_block} bytes per block of "
+            f"{config.block_size} tokens) does not fit the {memory / _GIB:.1f} GiB of {'GPU' if on_cuda else 'CPU'} "
+            "memory"
+        )
