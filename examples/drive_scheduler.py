@@ -2,22 +2,18 @@
 
     python examples/drive_scheduler.py
 
-It builds the pieces ``LLM`` would build (a ModelExecutor with the model's weights and KV cache, the pure core's
-settings sized for it), then runs ``schedule`` / ``execute`` / ``commit`` until every request has finished, with
-a policy of its own: shortest prompt first. docs/drive-the-scheduler.md walks through it.
+It builds the pieces ``LLM`` builds (``build_engine``: the tokenizer, a ModelExecutor with the model's weights and
+KV cache, the pure core's settings sized for it), then runs ``schedule`` / ``execute`` / ``commit`` until every
+request has finished, with a policy of its own: shortest prompt first. docs/drive-the-scheduler.md walks through
+it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from fnvllm.config import EngineConfig
 from fnvllm.demo import model_path
-from fnvllm.executor.model_executor import ModelExecutor
-from fnvllm.llm import load_local_tokenizer, read_eos_token_ids
-from fnvllm.model.config import ModelConfig
-from fnvllm.state import CoreConfig, Policy, Request, SamplingParams, add_request, commit, initial_state, schedule
+from fnvllm.engine.build import build_engine
+from fnvllm.state import Policy, Request, SamplingParams, add_request, commit, initial_state, schedule
 
 PROMPTS = ["import os\nimport sys\n\n\ndef", "def fib(n):", "class Stack:\n    def __init__(self"]
 
@@ -30,21 +26,12 @@ def shortest_prompt_first(request: Request) -> tuple[int, ...]:
 SHORTEST_FIRST = Policy("shortest-prompt-first", shortest_prompt_first)
 
 
-def build(folder: Path) -> tuple[ModelExecutor, CoreConfig, Any]:
-    """The executor, the core settings sized for it, and the tokenizer, for the checkpoint in ``folder``."""
-    options = EngineConfig(device="cpu", block_size=16, num_blocks=64, max_num_seqs=2)  # 2: requests must queue
-    model = ModelConfig.from_pretrained(folder)
-    executor = ModelExecutor(folder, options, model)  # weights, paged KV cache, sampler
-    tokenizer = load_local_tokenizer(folder)
-    eos_ids = read_eos_token_ids(folder, tokenizer)
-    core = options.core_config(executor.num_blocks, model.max_position_embeddings, eos_ids, model.vocab_size)
-    return executor, core, tokenizer
-
-
 def main() -> dict[str, str]:
     """Run the loop; print each request's text when it finishes; return the texts by request id."""
-    executor, core, tokenizer = build(model_path())
-    state = initial_state(core, SHORTEST_FIRST)
+    options = EngineConfig(device="cpu", block_size=16, num_blocks=64, max_num_seqs=2)  # 2: requests must queue
+    parts = build_engine(model_path(), options)  # what LLM builds: tokenizer, executor, core settings
+    executor, tokenizer = parts.executor, parts.tokenizer
+    state = initial_state(parts.engine.config, SHORTEST_FIRST)  # a CoreConfig sized for the executor's KV cache
     greedy = SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=24)
     for i, prompt in enumerate(PROMPTS):
         state = add_request(state, f"r{i}", tokenizer.encode(prompt), greedy)
@@ -56,6 +43,7 @@ def main() -> dict[str, str]:
         for done in out.finished:
             texts[done.request_id] = tokenizer.decode(done.output)
             print(f"step {plan.step:3d}  {done.request_id} ({done.reason}): {texts[done.request_id]!r}")
+    parts.close()
     return texts
 
 
