@@ -34,7 +34,8 @@ def blocks(language: str) -> list[str]:
 def commands(block: str) -> list[str]:
     """A shell block's commands: continuation lines joined, comments dropped."""
     joined = block.replace("\\\n", " ")
-    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
+    lines = [line.split("  #")[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def env() -> dict[str, str]:
