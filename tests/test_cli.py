@@ -185,15 +185,17 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
 @pytest.mark.parametrize("num_requests", ["1", "3"])
 def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str, tmp_path: Path) -> None:
     """``fnvllm bench`` on the tiny shape works with fewer requests than its 4-request warm-up, prints no GPU-only
-    fields on a CPU, and deletes the random checkpoint it wrote."""
+    fields on a CPU (with --profile too), and deletes the random checkpoint it wrote."""
     env = {**ENV, "TMPDIR": str(tmp_path)}
     args = ["bench", "--model-shape", "tiny", "--num-requests", num_requests, "--max-output-len", "100", "--json"]
+    args += ["--profile"] if num_requests == "1" else []
     result = subprocess.run(
         [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
     )
     record = json.loads(ok(result).stdout)
     assert record["requests"] == int(num_requests) and record["device"] == "cpu" and record["output_tokens"] >= 100
     assert not {"floor_tok_per_s", "fraction_of_floor"} & set(record)
+    assert "gpu" not in json.dumps(record.get("timeline"))  # a CPU step's time is named as such, not GPU time
     assert "writing a random tiny checkpoint" in result.stderr  # stderr is a pipe: plain progress lines
     assert not list(tmp_path.glob("fnvllm-bench-*"))
 
