@@ -12,7 +12,7 @@ from openai import OpenAI
 
 
 def main() -> None:
-    """One completion, one streamed chat, then the server's model list."""
+    """One completion, two sampled answers to one prompt (n=2), one streamed chat."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--api-key", default="unused", help="the server's --api-key, if it has one")
@@ -22,6 +22,10 @@ def main() -> None:
 
     completion = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=48, temperature=0)
     print(f"completion ({completion.usage.completion_tokens} tokens): {completion.choices[0].text!r}")
+
+    two = client.completions.create(model=model, prompt="A name for a cat:", max_tokens=8, n=2, seed=1)
+    for choice in two.choices:  # the copies share the prompt's KV blocks through the prefix cache
+        print(f"answer {choice.index}: {choice.text!r}")
 
     messages = [{"role": "user", "content": "Write a haiku about paged attention."}]
     print("chat: ", end="", flush=True)

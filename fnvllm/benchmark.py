@@ -9,7 +9,9 @@ The bandwidth floor: the fewest bytes any engine must read from device memory fo
 ceiling. Each request's n-th output token reads the KV of its whole context (prompt + n tokens, all layers), and
 each decode step reads the weights once; with every request in one batch there are max(max_tokens) decode steps.
 For Qwen3-0.6B on the full workload: 13.87 TB of KV + 1.22 TB of weights = 15.09 TB; at 4.16 TB/s that is 3.63 s,
-i.e. ~36,900 output tok/s at most.
+i.e. ~36,900 output tok/s at most. A mixture of experts reads, per sparse layer and decode step, the experts its
+running sequences touch (``moe.expected_experts_touched``: all 128 of Qwen3-30B-A3B at 256 sequences, ~61 GB a
+step; fewer as the batch drains).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from fnvllm.state import SamplingParams
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
-SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b")
+SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
 WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 
 
@@ -59,12 +61,26 @@ def agreement_prompts(n: int = 64, seed: int = 1) -> list[list[int]]:
     return out
 
 
-def weight_bytes(config: Any, dtype_bytes: int = 2) -> int:
+def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head (not the embedding
-    table, of which only the batch's rows are read — unless tied, when the LM head reads all of it)."""
+    table, of which only the batch's rows are read — unless tied, when the LM head reads all of it). A sparse
+    layer reads its router and the experts ``num_seqs`` sequences touch on average (None: all of them)."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size + 2 * h
-    return (config.num_hidden_layers * per_layer + config.vocab_size * h + h) * dtype_bytes
+    attention = h * (q + 2 * kv) + q * h + 2 * h
+    layers = sum(attention + _mlp_weights(config, i, num_seqs) for i in range(config.num_hidden_layers))
+    return int(layers + config.vocab_size * h + h) * dtype_bytes
+
+
+def _mlp_weights(config: Any, layer: int, num_seqs: int | None) -> float:
+    """Weights of layer ``layer``'s MLP a decode step of ``num_seqs`` sequences reads (see weight_bytes)."""
+    from fnvllm.model.moe import expected_experts_touched
+
+    moe, h = getattr(config, "moe", None), config.hidden_size
+    if moe is None or not moe.is_sparse(layer):
+        return float(3 * h * config.intermediate_size)
+    e, k = moe.num_experts, moe.num_experts_per_tok
+    touched = e if num_seqs is None else expected_experts_touched(e, k, num_seqs)
+    return float(h * e + touched * 3 * h * moe.moe_intermediate_size)
 
 
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
@@ -75,7 +91,11 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
 def floor_seconds(config: Any, prompt_lens: Sequence[int], output_lens: Sequence[int], read_tb_s: float) -> float:
     """The workload's bandwidth floor in seconds (see the module docstring)."""
     kv_tokens = sum(p * o + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
-    total = kv_tokens * kv_bytes_per_token(config) + max(output_lens) * weight_bytes(config)
+    if getattr(config, "moe", None) is None:
+        weights = max(output_lens) * weight_bytes(config)
+    else:  # decode step s runs the sequences with more than s outputs; the experts they touch shrink with them
+        weights = sum(weight_bytes(config, num_seqs=sum(o > s for o in output_lens)) for s in range(max(output_lens)))
+    total = kv_tokens * kv_bytes_per_token(config) + weights
     return total / (read_tb_s * 1e12)
 
 
@@ -149,41 +169,33 @@ def run_bench(
     deleted afterwards. ``progress_every_s``: print a plain progress line that often (None: none)."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    workload = bench_workload(num_requests, max_input_len, max_output_len)
+    with checkpoint_folder(model, model_shape, announce=progress_every_s is not None) as folder:
+        if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
+            from fnvllm.model.config import ModelConfig
+
+            model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
+            engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
+        name = str(model) if model else model_shape
+        return _run(folder, name, workload, read_tb_s, use_tqdm, progress_every_s, engine_options)
+
+
+@contextlib.contextmanager
+def checkpoint_folder(model: str | Path | None, model_shape: str, announce: bool) -> Iterator[Path]:
+    """``model`` as a Path, or a random ``model_shape`` checkpoint in a temporary folder removed on exit."""
     if model:
-        return _run(
-            Path(model),
-            str(model),
-            num_requests,
-            max_input_len,
-            max_output_len,
-            read_tb_s,
-            use_tqdm,
-            progress_every_s,
-            engine_options,
-        )
+        yield Path(model)
+        return
     with tempfile.TemporaryDirectory(prefix="fnvllm-bench-") as tmp:
-        if progress_every_s is not None:
+        if announce:
             print(f"bench: writing a random {model_shape} checkpoint to {tmp} (deleted afterwards)", file=sys.stderr)
-        folder = write_checkpoint(model_shape, Path(tmp))
-        return _run(
-            folder,
-            model_shape,
-            num_requests,
-            max_input_len,
-            max_output_len,
-            read_tb_s,
-            use_tqdm,
-            progress_every_s,
-            engine_options,
-        )
+        yield write_checkpoint(model_shape, Path(tmp))
 
 
 def _run(
     folder: Path,
     name: str,
-    num_requests: int,
-    max_input_len: int,
-    max_output_len: int,
+    workload: tuple[list[list[int]], list[SamplingParams]],
     read_tb_s: float,
     use_tqdm: bool,
     progress_every_s: float | None,
@@ -192,12 +204,7 @@ def _run(
     """``run_bench`` on a checkpoint folder."""
     from fnvllm.llm import LLM
 
-    if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
-        from fnvllm.model.config import ModelConfig
-
-        model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
-        engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
-    prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
+    prompts, params = workload
     llm = LLM(folder, load_tokenizer=False, **engine_options)
     warm = prompts[:WARMUP_REQUESTS]
     llm.generate(warm, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)] * len(warm), use_tqdm=False)
@@ -217,7 +224,7 @@ def _run(
         "backend": llm.executor.backend.name,
         "cuda_graphs": llm.executor.graphs is not None,
         "num_blocks": llm.executor.num_blocks,
-        "requests": num_requests,
+        "requests": len(prompts),
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 1),

@@ -21,14 +21,8 @@ from tqdm.auto import tqdm
 
 from fnvllm.config import EngineConfig
 from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelta
-from fnvllm.engine.build import (
-    TOKENIZER_FILES,
-    build_engine,
-    check_kv_cache_fits,
-    load_local_tokenizer,
-    read_eos_token_ids,
-    render_chat,
-)
+from fnvllm.engine.build import build_engine
+from fnvllm.engine.text import render_chat
 from fnvllm.state import EngineState, InvalidRequestError, SamplingParams
 from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
 from fnvllm.state.errors import RequestTypeError
@@ -37,14 +31,6 @@ from fnvllm.state.request import check_request
 Prompt = str | Sequence[int]
 Encoded = tuple[str | None, tuple[int, ...]]  # (text or None for token-id prompts, token ids)
 Conversation = Sequence[Mapping[str, str]]
-
-__all__ = [  # the builder's helpers stay importable from here (older scripts and the server import them)
-    "LLM",
-    "TOKENIZER_FILES",
-    "check_kv_cache_fits",
-    "load_local_tokenizer",
-    "read_eos_token_ids",
-]
 
 
 class LLM:

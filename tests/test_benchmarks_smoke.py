@@ -27,9 +27,11 @@ CPU_RUNS: dict[str, list[str]] = {
     "cpu_threads.py": ["--models", "demo", "tiny", "--repeats", "1", "--num-prompts", "2", "--max-tokens", "4"],
     "gpu_equality.py": ["--model-shape", "tiny", "--num-prompts", "4"],
     "profile_decode.py": ["--model-shape", "tiny", "--num-requests", "4", "--steps", "2"],
+    "bench_settings.py": ["--model-shape", "tiny", "--checkpoint", "{tmp}/ckpt", "--num-requests", "1", "--variants",
+                          "temperature", "--batches", "1"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
-HELP_ONLY = ("bench_attention.py", "bench_serve.py", "sim_accuracy.py", "tp_check.py", "tp_profile.py")
+HELP_ONLY = ("bench_attention.py", "bench_moe.py", "bench_serve.py", "sim_accuracy.py", "tp_check.py", "tp_profile.py")
 # CUDA-only scripts: --help, and a clear refusal on a CPU
 CUDA_ONLY = ("gemm_shapes.py", "profile_mixed.py")
 SHELL = ("gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
@@ -52,9 +54,10 @@ def test_every_benchmark_file_is_covered() -> None:
 
 
 @pytest.mark.parametrize("script", sorted(CPU_RUNS))
-def test_cpu_script_runs_on_the_tiny_shape(script: str) -> None:
-    """The script runs end to end on the CPU with tiny sizes and exits 0."""
-    result = run(sys.executable, str(BENCHMARKS / script), *CPU_RUNS[script])
+def test_cpu_script_runs_on_the_tiny_shape(script: str, tmp_path: Path) -> None:
+    """The script runs end to end on the CPU with tiny sizes and exits 0 ({tmp} in its arguments: a temp folder)."""
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in CPU_RUNS[script]]
+    result = run(sys.executable, str(BENCHMARKS / script), *args)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stdout.strip()
 

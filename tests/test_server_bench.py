@@ -4,6 +4,7 @@ server without a tokenizer streams token ids per step, and ``fnvllm.serve.bench`
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -22,7 +23,16 @@ from tiny_models import write_family
 
 from fnvllm.llm import LLM
 from fnvllm.serve import AsyncEngine, EngineFailure, RequestStream, TokenEvent, build_app
-from fnvllm.serve.bench import parse_response, run_load, summary
+from fnvllm.serve.bench import (
+    Progress,
+    RequestTiming,
+    fit_lengths,
+    main,
+    parse_response,
+    run_load,
+    served_model,
+    summary,
+)
 from fnvllm.serve.process import ServerProcess
 from fnvllm.state import SamplingParams
 
@@ -119,15 +129,64 @@ def test_parse_response_reads_a_chunked_event_stream() -> None:
         parse_response(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 5\r\n\r\noops!")
 
 
-def test_load_client_measures_a_real_server(checkpoint: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    flags = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    log = tmp_path_factory.mktemp("serve-bench-log") / "server.log"
+    with ServerProcess([str(checkpoint), *flags], log, env=server_env()) as proc:
+        yield proc
+
+
+def test_load_client_measures_a_real_server(server: ServerProcess) -> None:
     """run_load against ``fnvllm serve``: every request streams its max_tokens, TTFT <= e2e, a summary record."""
     prompts = [[(7 * i + j) % 256 for j in range(20 + i)] for i in range(6)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=5 + i) for i in range(6)]
-    flags = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    with ServerProcess([str(checkpoint), *flags], tmp_path / "server.log", env=server_env()) as server:
-        timings, seconds = asyncio.run(run_load(server.base_url, prompts, params))
+    timings, seconds = asyncio.run(run_load(server.base_url, prompts, params))
     assert [t.num_tokens for t in timings] == [p.max_tokens for p in params]
     assert all(0 < t.ttft <= t.e2e <= seconds for t in timings)
     record = summary(timings, seconds)
     assert record["output_tokens"] == sum(p.max_tokens for p in params) and record["tok_per_s"] > 0
     assert set(record["ttft_ms"]) == {"p50", "p90", "p99"}
+
+
+def test_load_client_reads_the_model_limits_from_the_server(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With no length or vocabulary flags, the load client fits the workload to the server's max_model_len and
+    vocabulary (the defaults would be refused: ids up to 10,000, 1,024 + 1,024 tokens), and reports progress."""
+    card = served_model(server.base_url, None)
+    assert (card.max_model_len, card.vocab_size) == (512, 256)
+    main(["--url", server.base_url, "--num-requests", "2", "--warmup", "1", "--json"])
+    out, err = capsys.readouterr()
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["requests"] == 2 and record["output_tokens"] >= 200
+    assert "max_model_len is 512" in err and "bench: 2/2 requests done" in err
+
+
+def test_fit_lengths_keeps_the_longest_request_within_the_model() -> None:
+    """fit_lengths leaves lengths that fit alone and shrinks others to sum to max_model_len, each >= 100."""
+    assert fit_lengths(1024, 1024, None) == (1024, 1024) and fit_lengths(100, 100, 512) == (100, 100)
+    max_input, max_output = fit_lengths(1024, 1024, 512)
+    assert max_input + max_output == 512 and min(max_input, max_output) >= 100
+    with pytest.raises(ValueError, match="max_model_len"):
+        fit_lengths(1024, 1024, 150)
+
+
+class _Terminal(io.StringIO):
+    """A text stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_one_rewritten_line_on_one() -> None:
+    """Off a terminal each report is its own line; on a terminal reports rewrite one line, ended at the end."""
+    for out, expected_lines in ((io.StringIO(), 3), (_Terminal(), 1)):
+        progress = Progress(4, every_s=None, out=out)
+        progress.show()
+        progress.finished(RequestTiming(0.1, 0.5, 10))
+        progress.show()
+        progress.show(final=True)
+        text = out.getvalue()
+        assert text.count("\n") == expected_lines and "bench: 1/4 requests done, 10 output tokens" in text
+        assert ("\r" in text) == isinstance(out, _Terminal)

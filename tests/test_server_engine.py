@@ -18,6 +18,7 @@ from tiny_models import write_family
 
 from fnvllm.llm import LLM
 from fnvllm.serve import AsyncEngine, EngineFailure, EngineOverloaded, RequestStream
+from fnvllm.serve.async_engine import Submission
 from fnvllm.state import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -133,3 +134,18 @@ def test_the_waiting_cap_counts_requests_not_yet_admitted(llm: LLM) -> None:
 
     assert _run(scenario()) == 3
     llm.loop.on_step = None
+
+
+def test_submit_many_queues_all_or_none(engine: AsyncEngine, llm: LLM) -> None:
+    """A group holding one invalid request queues none of it; a valid group runs every request (seeded copies
+    of one prompt list each get their own stream and tokens)."""
+    expected = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
+
+    async def scenario() -> list[list[int]]:
+        with pytest.raises(InvalidRequestError):
+            engine.submit_many([Submission(PROMPT, GREEDY), Submission([10**6], GREEDY)])
+        streams = engine.submit_many([Submission(PROMPT, GREEDY), Submission(PROMPT, GREEDY)])
+        return [await _ids(s) for s in streams]
+
+    assert [tuple(ids) for ids in _run(scenario())] == [expected, expected]
+    assert engine.snapshot.num_prompt_tokens == 2 * len(PROMPT)  # the refused group's valid request never ran

@@ -24,6 +24,7 @@ MODEL = "tiny"
 FLAGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "8", "--num-blocks", "256", "--max-model-len", "512"]
 FLAGS += ["--attention-backend", "torch", "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", MODEL]
 GOOD = {"model": MODEL, "prompt": "The engine is pure", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +55,57 @@ BAD_COMPLETIONS = [
     ("bool as number", {**GOOD, "top_p": True}, "top_p"),
     ("out of range", {**GOOD, "top_p": 2.0}, "top_p"),
     ("negative max_tokens", {**GOOD, "max_tokens": -1}, "max_tokens"),
+    ("max_completion_tokens too large", {**GOOD, "max_completion_tokens": 10**9}, "max_completion_tokens"),
     ("unknown field", {**GOOD, "frequency": 1}, "frequency"),
-    ("unsupported n", {**GOOD, "n": 2}, "n"),
-    ("unsupported echo", {**GOOD, "echo": True}, "echo"),
-    ("prompt batch", {**GOOD, "prompt": ["a", "b"]}, "prompt"),
+    ("n of 0", {**GOOD, "n": 0}, "n"),
+    ("n over the cap", {**GOOD, "n": 129}, "n"),
+    ("best_of under n", {**GOOD, "n": 3, "best_of": 2}, "best_of"),
+    ("best_of > n streamed", {**GOOD, "best_of": 2, "stream": True}, "best_of"),
+    ("echo with logprobs", {**GOOD, "echo": True, "logprobs": 1}, "echo"),
+    ("suffix", {**GOOD, "suffix": "return x"}, "suffix"),
+    ("logit_bias", {**GOOD, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("too many sequences", {**GOOD, "prompt": ["a"] * 9, "n": 128}, "prompt"),
+    ("json response_format", {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("ignored field of the wrong type", {**GOOD, "store": "yes"}, "store"),
+    ("functions (unknown)", {**GOOD, "functions": [{"name": "f"}]}, "functions"),
     ("empty token prompt", {**GOOD, "prompt": []}, "prompt"),
     ("token id out of vocab", {**GOOD, "prompt": [1, 99999]}, "prompt"),
+    ("negative token id with echo", {**GOOD, "prompt": [1, -5], "echo": True}, "prompt"),
     ("too long for the model", {**GOOD, "max_tokens": 600}, "max_tokens"),
     ("empty stop string", {**GOOD, "stop": [""]}, "stop"),
     ("missing prompt", {"model": MODEL}, "prompt"),
+    ("lone surrogate in prompt", b'{"prompt": "abc\\ud800def", "max_tokens": 2}', "prompt"),
+    ("lone surrogate in stop", b'{"prompt": "abc", "stop": ["\\udc00"], "max_tokens": 2}', "stop"),
+    ("nested 100,000 deep", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    ("nested 40 deep", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None),
 ]
 BAD_CHATS = [
     ("no messages", {"model": MODEL, "messages": []}, "messages"),
     ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
-    ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tool_choice required", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("json_schema response_format", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, None),
     ("top_logprobs alone", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+    ("message without content", {"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ("null content", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("lone surrogate in content", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+    (
+        "lone surrogate in a text part",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        "messages.0.content",
+    ),
+    ("max_completion_tokens too large", {**CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ("max_completion_tokens as a float", {**CHAT, "max_completion_tokens": 1e9}, "max_completion_tokens"),
+    ("top_logprobs over 20", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ]
 
 
-@pytest.mark.parametrize(("path", "case"), [("/v1/completions", c) for c in BAD_COMPLETIONS] + [
-    ("/v1/chat/completions", c) for c in BAD_CHATS
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "case"),
+    [("/v1/completions", c) for c in BAD_COMPLETIONS] + [("/v1/chat/completions", c) for c in BAD_CHATS],
+    ids=[c[0] for c in BAD_COMPLETIONS + BAD_CHATS],
+)
 def test_bad_input_is_a_400_with_openai_error_json(server: ServerProcess, path: str, case: tuple) -> None:
     """Malformed, mistyped, out-of-range, unknown or unsupported input is a 400 naming the field; then a good
     request still succeeds."""
@@ -87,6 +117,21 @@ def test_bad_input_is_a_400_with_openai_error_json(server: ServerProcess, path: 
     if param is not None:
         assert error["param"] == param
     assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_a_body_over_the_default_limit_is_a_413(server: ServerProcess) -> None:
+    """A 9 MiB body (the default limit is 8 MiB) is answered 413 with OpenAI error JSON; /health still answers."""
+    prompt = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
+    response = post(server, "/v1/completions", prompt)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_models_retrieve_unknown_id_is_an_openai_404(server: ServerProcess) -> None:
+    """GET /v1/models/{id} for an id this server does not serve is a 404 with code model_not_found."""
+    response = httpx.get(f"{server.base_url}/v1/models/org/other-model")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{server.base_url}/v1/models/{MODEL}").json()["id"] == MODEL
 
 
 def test_unknown_model_and_route_are_404(server: ServerProcess, client: Any) -> None:
@@ -114,12 +159,15 @@ def test_full_waiting_queue_is_a_503_and_recovers(server: ServerProcess, client:
 
 
 def test_sigterm_aborts_in_flight_requests_and_exits_zero(server: ServerProcess, client: Any) -> None:
-    """SIGTERM ends a running stream with finish_reason "abort" and the server exits with code 0 (runs last)."""
+    """SIGTERM ends a running stream with an error event (no "abort" finish reason, which OpenAI does not have)
+    and the server exits with code 0 (runs last)."""
     kw = dict(model=MODEL, prompt="Keep going", max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
     stream = client.completions.create(**kw, stream=True)
     next(iter(stream))
     assert server.proc is not None
     server.proc.terminate()
-    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
-    assert reasons[-1] == "abort" and len(reasons) < 400
+    reasons = []
+    with pytest.raises(openai.APIError, match="aborted"):
+        reasons.extend(c.choices[0].finish_reason for c in stream if c.choices)
+    assert "abort" not in reasons and len(reasons) < 400
     assert server.terminate(timeout=60) == 0, server.log()[-3000:]

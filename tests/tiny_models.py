@@ -11,6 +11,8 @@ from fnvllm.testing.checkpoints import write_tiny_checkpoint
 from fnvllm.testing.tokenizer import build_test_tokenizer
 
 # Odd shapes on purpose: head_dim 64 and 32, 1 and 2 KV heads, tied and untied, 2-4 layers, llama3 rope scaling.
+# The MoE ones: 8 experts, top-2, renormalised with a dense second layer, or not renormalised and all sparse.
+_MOE = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2, family="qwen3_moe")
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2, tie_word_embeddings=True),
     "qwen2": dict(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, num_layers=3),
@@ -27,12 +29,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
     ),
+    "qwen3_moe": dict(
+        _MOE,
+        moe=dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]
+        ),
+    ),
+    "qwen3_moe_unnormed": dict(
+        _MOE, moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
+    ),
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_unnormed")
 
 
 def write_family(root: Path, family: str) -> Path:
-    """A tiny fp32 checkpoint of ``family`` plus the test tokenizer, in ``root / family``."""
-    path = write_tiny_checkpoint(root / family, family, vocab_size=256, intermediate_size=96, **FAMILIES[family])
+    """A tiny fp32 checkpoint of ``family`` (a key of FAMILIES) plus the test tokenizer, in ``root / family``."""
+    options = dict(FAMILIES[family])
+    kind = options.pop("family", family)
+    path = write_tiny_checkpoint(root / family, kind, vocab_size=256, intermediate_size=96, **options)
     build_test_tokenizer(path, vocab_size=256)
     return path
 

@@ -1,9 +1,9 @@
 """``fnvllm bench``: output tok/s on the nano-vllm workload, beside the workload's bandwidth floor (on a GPU).
 
-Defaults by shape: ``qwen3-0.6b`` and ``qwen3-8b`` run the nano-vllm workload (256 requests, prompts of 100-1024
-ids, 100-1024 output tokens); ``tiny`` (the default on a machine without CUDA) runs a CPU-sized one (32 requests,
-prompts of 100-256 ids, 100-128 output tokens, 16-token KV blocks: seconds on a CPU). Explicit flags override
-either.
+Defaults by shape: the real shapes (``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b``) run the nano-vllm workload
+(256 requests, prompts of 100-1024 ids, 100-1024 output tokens); ``tiny`` (the default on a machine without
+CUDA) runs a CPU-sized one (32 requests, prompts of 100-256 ids, 100-128 output tokens, 16-token KV blocks:
+seconds on a CPU). Explicit flags override either.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import tempfile
 from typing import Any
 
+from fnvllm.benchmark import SHAPES
 from fnvllm.cli import CLIError
 
 # (num_requests, max_input_len, max_output_len, block_size) per shape; other shapes use the nano-vllm workload.
@@ -91,7 +92,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--model-shape",
         default=None,
-        choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
+        choices=list(SHAPES),
         help="shape of the random checkpoint (default: qwen3-0.6b with CUDA, tiny without)",
     )
     p.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 256; tiny: 32)")

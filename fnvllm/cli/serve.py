@@ -14,24 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from fnvllm.cli import CLIError
+from fnvllm.cli._common import add_engine_args, engine_options, one_line_errors
 
-# flag -> EngineConfig field; a flag left unset keeps EngineConfig's default
-_ENGINE_FLAGS = {
-    "dtype": "dtype",
-    "device": "device",
-    "block_size": "block_size",
-    "num_blocks": "num_blocks",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_model_len": "max_model_len",
-    "attention_backend": "attention_backend",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "cpu_kv_cache_gib": "cpu_kv_cache_gib",
-    "enforce_eager": "enforce_eager",
-    "seed": "seed",
-}
-# EngineConfig fields that default to True, turned off by a --no-... flag: flag dest -> field
-_ENGINE_OFF_FLAGS = {"no_prefix_caching": "enable_prefix_caching", "no_overlap": "overlap_steps"}
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # fnvllm.serve.limits' default (that module needs the [serve] extra)
 
 
 def _tiny_random_model() -> Path:
@@ -65,56 +50,79 @@ def _resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
         return path, "tiny-random-qwen3"
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _has_tokenizer(path: Path) -> bool:
-    """Whether ``path`` holds tokenizer files. A random benchmark checkpoint has none; transformers would then
-    build an empty tokenizer that decodes every id to "" (at ~90 us a token), so the server runs without one:
-    token-id prompts in, ``token_ids`` out."""
-    return any((path / name).is_file() for name in _TOKENIZER_FILES)
-
-
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options = {field: getattr(args, flag) for flag, field in _ENGINE_FLAGS.items() if getattr(args, flag) is not None}
-    options.update({field: False for flag, field in _ENGINE_OFF_FLAGS.items() if getattr(args, flag)})
-    return options
-
-
 def _start_engine(args: argparse.Namespace, path: Path) -> tuple[Any, str, str, Any, bool]:
     """The engine front, and (device, attention backend, core config, has tokenizer) to announce. By default the
     engine runs in a process of its own (``ProcessEngine``); ``--engine-thread`` keeps it on a thread here."""
     from fnvllm.config import EngineConfig
-    from fnvllm.llm import LLM, load_local_tokenizer
+    from fnvllm.engine.build import build_engine
+    from fnvllm.engine.text import has_tokenizer_files, load_local_tokenizer
     from fnvllm.serve import AsyncEngine, ProcessEngine
 
-    options, has_tokenizer = _engine_options(args), _has_tokenizer(path)
-    EngineConfig.from_options(options)  # a bad option fails here, before a process starts
+    # A random benchmark checkpoint has no tokenizer files: the server then runs without one (token-id prompts
+    # in, ``token_ids`` out) rather than an empty placeholder tokenizer that decodes every id to "".
+    options, has_tokenizer = engine_options(args), has_tokenizer_files(path)
     if args.engine_thread:
-        llm = LLM(path, load_tokenizer=has_tokenizer, **options)
-        backend = getattr(llm.executor.backend, "name", llm.executor.backend)
-        engine = AsyncEngine(llm.loop, llm.tokenizer, max_waiting=args.max_waiting)
-        return engine, str(llm.executor.device), backend, llm.engine.config, llm.tokenizer is not None
+        parts = build_engine(path, EngineConfig.from_options(options), load_tokenizer=has_tokenizer)
+        backend = getattr(parts.executor.backend, "name", parts.executor.backend)
+        engine = AsyncEngine(parts.loop, parts.tokenizer, max_waiting=args.max_waiting)
+        return engine, str(parts.executor.device), backend, parts.engine.config, parts.tokenizer is not None
     tokenizer = load_local_tokenizer(path) if has_tokenizer else None
     engine = ProcessEngine(path, options, tokenizer, has_tokenizer, max_waiting=args.max_waiting)
     ready = engine.ready
     return engine, ready.device, ready.backend, ready.config, ready.has_tokenizer
 
 
+MAX_PORT = 65535
+MAX_STREAM_INTERVAL_MS = 60_000.0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse out-of-range serve flags (exit 2, one line naming the flag) before anything is loaded."""
+    from fnvllm.serve.limits import MAX_REQUEST_BYTES_LIMIT
+
+    if not 0 <= args.port <= MAX_PORT:
+        raise CLIError(f"--port must be in [0, {MAX_PORT}] (0: any free port), got {args.port}", code=2)
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise CLIError(f"--max-waiting must be >= 1 (leave it out for no cap), got {args.max_waiting}", code=2)
+    if not 0 <= args.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:  # also refuses nan
+        raise CLIError(
+            f"--stream-interval-ms must be in [0, {MAX_STREAM_INTERVAL_MS:.0f}], got {args.stream_interval_ms}", code=2
+        )
+    if not 1 <= args.max_request_bytes <= MAX_REQUEST_BYTES_LIMIT:
+        raise CLIError(
+            f"--max-request-bytes must be in [1, {MAX_REQUEST_BYTES_LIMIT}], got {args.max_request_bytes}", code=2
+        )
+    for flag, value in (("--host", args.host), ("--served-model-name", args.served_model_name)):
+        if value is not None and not value.strip():
+            raise CLIError(f"{flag} must not be empty", code=2)
+
+
+def _reserve_port(args: argparse.Namespace) -> Any:
+    """The socket bound to --host:--port (not listening yet: connections are refused until the model is loaded)."""
+    from fnvllm.serve.server import bind
+
+    try:
+        return bind(args.host, args.port, listen=False)
+    except OSError as error:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load the model, then serve until SIGINT/SIGTERM (exit 0)."""
+    """Check the flags, load the model, then serve until SIGINT/SIGTERM (exit 0)."""
     try:
         from fnvllm.serve import EngineStartupError, serve
     except ImportError as error:
         raise CLIError(f"fnvllm serve needs the [serve] extra (pip install 'fnvllm[serve]'): {error}") from None
+    check_flags(args)
+    engine_options(args)  # validated by EngineConfig: a bad value exits 2 here, naming the field
 
     path, default_name = _resolve_model(args)
     name = args.served_model_name or default_name
-    if args.stream_interval_ms < 0:
-        raise CLIError(f"--stream-interval-ms must be >= 0, got {args.stream_interval_ms}")
+    sock = _reserve_port(args)  # a port in use is an error now, not after minutes of loading
     try:
         engine, device, backend, cfg, has_tokenizer = _start_engine(args, path)
     except (OSError, ValueError, TypeError, EngineStartupError) as error:
+        sock.close()
         raise CLIError(f"cannot load {path}: {error}") from None
     print(
         f"fnvllm serve: model {name!r} from {path}: device {device}, attention {backend}, "
@@ -139,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
             args.log_level,
             on_listening=announce,
             stream_interval_s=args.stream_interval_ms / 1e3,
+            max_request_bytes=args.max_request_bytes,
+            sock=sock,
         )
     except OSError as error:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
@@ -148,14 +158,21 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add the ``serve`` subcommand."""
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p = one_line_errors(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     p.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
     key_help = "require 'Authorization: Bearer KEY' on every route but /health (default: $FNVLLM_API_KEY)"
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
-    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
-    p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait")
+    name_help = "the model name clients send (default: MODEL as given; fnvllm-demo for the demo model)"
+    p.add_argument("--served-model-name", help=name_help)
+    p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait (>= 1)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"answer 413 to a larger request body, before reading it (default {DEFAULT_MAX_REQUEST_BYTES}: 8 MiB)",
+    )
     p.add_argument(
         "--stream-interval-ms",
         type=float,
@@ -170,19 +187,9 @@ def register(sub: Any) -> None:
         help="run the engine on a thread of the server process instead of a process of its own (one process, "
         "but the web server and the engine then share the GIL)",
     )
-    e = p.add_argument_group("engine options (fnvllm.config.EngineConfig)")
-    e.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    e.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    e.add_argument("--block-size", type=int, help="tokens per KV block")
-    e.add_argument("--num-blocks", type=int, help="KV blocks (default: sized from memory)")
-    e.add_argument("--max-num-seqs", type=int, help="cap on running sequences")
-    e.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    e.add_argument("--max-model-len", type=int, help="cap on prompt + output tokens")
-    e.add_argument("--attention-backend", help="auto, torch, triton or flash")
-    e.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory to use")
-    e.add_argument("--cpu-kv-cache-gib", type=float, help="KV cache size on the CPU")
-    e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    e.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
-    e.add_argument("--no-overlap", action="store_true", help="one step at a time (no overlapped steps on a GPU)")
-    e.add_argument("--seed", type=int, help="seed of the sampler's shared generator")
+    add_engine_args(p)
+    # Older spellings of two engine flags, still accepted: --seed (now --engine-seed, as in generate and demo, where
+    # --seed is a request's sampling seed) and --no-overlap (now --no-overlap-steps, the field's name).
+    p.add_argument("--seed", dest="ec_seed", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--no-overlap", dest="ec_overlap_steps", action="store_false", help=argparse.SUPPRESS)
     p.set_defaults(func=run)

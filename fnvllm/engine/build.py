@@ -17,7 +17,6 @@ need besides the loop comes with it, defined once: each request's incremental de
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +26,14 @@ from fnvllm.config import EngineConfig
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine.core import Engine
 from fnvllm.engine.loop import EngineLoop, StepHook
+from fnvllm.engine.text import detokenizer_for, load_local_tokenizer
 from fnvllm.executor.model_executor import ModelExecutor, resolve_device
 from fnvllm.executor.tp import TensorParallelExecutor
 from fnvllm.model.config import CheckpointError, ModelConfig, read_json
-from fnvllm.state import InvalidConfigError, InvalidRequestError, SamplingParams
+from fnvllm.state import InvalidConfigError, SamplingParams
 from fnvllm.state.checks import show
 
-# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not: transformers then builds a
-# placeholder tokenizer from the model type, with the wrong EOS id).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 _GIB = 1 << 30
-
-Conversation = Sequence[Mapping[str, Any]]
 
 
 @attrs.frozen
@@ -128,71 +123,11 @@ def build_executor(
     return ModelExecutor(model_path, config, model_config)
 
 
-def detokenizer_for(
-    tokenizer: Any | None, prompt_ids: tuple[int, ...], params: SamplingParams
-) -> IncrementalDetokenizer | None:
-    """The incremental detokenizer of one request under ``tokenizer`` (None without one)."""
-    if tokenizer is None:
-        return None
-    return IncrementalDetokenizer(tokenizer, prompt_ids, True, params.stop, params.include_stop_str_in_output)
-
-
-DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]
-
-
-def detokenizer_factory(tokenizer: Any | None) -> DetokenizerFactory:
-    """``detokenizer_for`` bound to ``tokenizer`` (what an engine core that holds no EngineParts is given)."""
-    return lambda prompt_ids, params: detokenizer_for(tokenizer, prompt_ids, params)
-
-
-def render_chat(tokenizer: Any, conversation: Conversation, **template_kwargs: Any) -> str:
-    """The conversation rendered by the tokenizer's chat template with the assistant's turn opened.
-
-    Raises InvalidRequestError naming ``messages`` when the template fails (jinja2 errors, a role order the
-    template refuses, a tokenizer without a template: all come from the input)."""
-    try:
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in conversation], tokenize=False, add_generation_prompt=True, **template_kwargs
-        )
-    except Exception as e:
-        raise InvalidRequestError(f"messages: the chat template failed: {e}") from None
-    if not isinstance(text, str):
-        raise InvalidRequestError(f"messages: the chat template returned {show(text)}, not text")
-    return text
-
-
 def as_folder(path: object, what: str) -> Path:
     """``path`` (a str or Path) as a Path; a TypeError naming ``what`` for anything else."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
         raise TypeError(f"{what} must be a folder path (str or Path), got {show(path)}")
     return Path(path)
-
-
-def has_tokenizer_files(folder: Path) -> bool:
-    """Whether ``folder`` holds a tokenizer vocabulary (one of TOKENIZER_FILES)."""
-    return any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
-def load_local_tokenizer(folder: Path) -> Any:
-    """The tokenizer saved in ``folder``, never from the network: a folder that does not exist, or holds no
-    tokenizer vocabulary (see TOKENIZER_FILES), is a clear error instead of a hub lookup (which retries for a
-    minute offline) or a placeholder tokenizer (which transformers builds from the model type, EOS id and all).
-    Pass ``load_tokenizer=False`` for token-id-only use."""
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer folder {str(folder)!r} does not exist (tokenizers load only from local folders)"
-        )
-    if not has_tokenizer_files(folder):
-        raise CheckpointError(
-            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
-            "or load_tokenizer=False to use token-id prompts only"
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its own) for broken files
-        raise CheckpointError(f"{folder}: the tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
 
 
 def read_eos_token_ids(model_path: Path, tokenizer: Any | None) -> frozenset[int]:

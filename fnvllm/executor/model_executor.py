@@ -31,6 +31,7 @@ from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.fused_sampling import FusedSampler, check_finite, fused_temperatures
+from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.threads import set_cpu_threads
@@ -187,6 +188,7 @@ class ModelExecutor:
         if guard is not None:
             guard.loaded()
         self.sampler = Sampler(config.seed)
+        self.history = SlotHistory(config.max_num_seqs, self.max_model_len, self.model_config.vocab_size, self.device)
         self.fused_sampler = FusedSampler(config.seed) if self.device.type == "cuda" and _has_triton() else None
         self.num_blocks = min_over_ranks(config.num_blocks or self._blocks_that_fit(), tp, self.device)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block
@@ -360,6 +362,7 @@ class ModelExecutor:
         check_step(self.next_step, plan)
         feed = self._feed(plan, fed_by) if fed_by is not None else None
         self.next_step += 1
+        self.history.admit(plan)
         if plan.is_empty:
             return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
@@ -385,10 +388,12 @@ class ModelExecutor:
                 [plan.histories[i] for i in rows],
                 self.model_config.vocab_size,
                 self.device,
+                self.history.penalties(plan, rows),
             )
             out = self.sampler.sample(logits, batch)
             packed = torch.stack([out.token_ids, out.non_finite.long()])
             logprobs = out.logprobs
+        self.history.record(plan, rows, packed[0])
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]

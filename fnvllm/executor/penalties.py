@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -26,6 +27,14 @@ from fnvllm.kernels.attention import upload
 from fnvllm.state.errors import InvalidRequestError
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import TokenHistory
+
+
+class Penalties(Protocol):
+    """One step's penalties, however built: ``apply(logits)`` returns the penalised (S, V) logits."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The penalised logits; a new tensor, input untouched."""
+        ...
 
 
 @attrs.frozen(eq=False)
@@ -45,6 +54,10 @@ class PenaltyBatch:
     output_rows: torch.Tensor
     output_ids: torch.Tensor
     output_penalty: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``apply_penalties(logits, self)``."""
+        return apply_penalties(logits, self)
 
 
 def _pairs(rows: list[int], token_lists: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

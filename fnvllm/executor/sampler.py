@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from numpy.typing import DTypeLike
 
-from fnvllm.executor.penalties import PenaltyBatch, apply_penalties, prepare_penalties
+from fnvllm.executor.penalties import Penalties, prepare_penalties
 from fnvllm.executor.seeded_noise import seed_keys, seeded_exponential
 from fnvllm.kernels.attention import upload
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
@@ -71,7 +71,7 @@ class SamplingBatch:
     min_p: torch.Tensor
     is_greedy: torch.Tensor
     seeded: SeededRows | None
-    penalties: PenaltyBatch | None
+    penalties: Penalties | None
     vocab_size: int
     num_rows: int
     all_greedy: bool
@@ -170,16 +170,19 @@ def prepare_sampling(
     histories: Sequence[TokenHistory | None],
     vocab_size: int,
     device: torch.device | str,
+    penalties: Penalties | None = None,
 ) -> SamplingBatch:
     """Build one step's SamplingBatch on `device` for the rows that sample, in batch order.
 
     num_generated[i]: tokens row i generated before this draw (the counter of its seeded noise).
-    histories[i]: prompt and output tokens, required for rows with a penalty, ignored otherwise.
+    histories[i]: prompt and output tokens, required for rows with a penalty (unless ``penalties`` is given),
+    ignored otherwise. penalties: the rows' penalties built elsewhere (the executor's per-slot token buffer,
+    ``fnvllm.executor.history``); then ``histories`` is not read.
     Raises ValueError on mismatched lengths or a missing history, InvalidRequestError on out-of-vocab ids.
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    _check_lengths(params, num_generated, histories)
+    _check_lengths(params, num_generated, histories if penalties is None else [None] * len(params))
     device = torch.device(device)
     cols = _columns(params, vocab_size)
     floats = _host([cols.temperature, cols.top_p, cols.min_p], np.float32, device).reshape(3, len(params))
@@ -194,7 +197,7 @@ def prepare_sampling(
         top_k=ints[0],
         is_greedy=ints[1].bool(),
         seeded=seeded,
-        penalties=prepare_penalties(params, histories, vocab_size, device),
+        penalties=prepare_penalties(params, histories, vocab_size, device) if penalties is None else penalties,
         vocab_size=vocab_size,
         num_rows=len(params),
         all_greedy=num_greedy == len(params),
@@ -295,7 +298,7 @@ class Sampler:
         if tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape (num_rows, vocab_size) = {expected}, got {tuple(logits.shape)}")
         raw = logits.float()
-        penalised = apply_penalties(raw, batch.penalties) if batch.penalties is not None else raw
+        penalised = batch.penalties.apply(raw) if batch.penalties is not None else raw
         if batch.all_greedy:
             best, token_ids = penalised.max(dim=-1)
         else:

@@ -1,6 +1,6 @@
-"""Model definitions (Qwen3, Qwen2, Llama), their building blocks, and the safetensors loader."""
+"""Model definitions (Qwen3, Qwen3-MoE, Qwen2, Llama), their building blocks, and the safetensors loader."""
 
-from fnvllm.model.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from fnvllm.model.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig, MoeConfig
 from fnvllm.model.loader import CheckpointMismatchError, load_model
 from fnvllm.model.models import DecoderForCausalLM, KVCache, build_model
 
@@ -11,6 +11,7 @@ __all__ = [
     "KVCache",
     "Llama3RopeScaling",
     "ModelConfig",
+    "MoeConfig",
     "build_model",
     "load_model",
 ]

@@ -41,7 +41,13 @@ def read_json(file: Path, what: str = "a JSON object") -> dict[str, Any]:
     return value
 
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+_QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES: Mapping[str, str] = {
@@ -71,8 +77,56 @@ class Llama3RopeScaling:
 
 
 @attrs.frozen
+class MoeConfig:
+    """The mixture-of-experts facts of a Qwen3-MoE checkpoint.
+
+    num_experts: routed experts per sparse layer. num_experts_per_tok: experts each token is sent to (top-k).
+    moe_intermediate_size: each expert's intermediate width (the dense layers use ModelConfig.intermediate_size).
+    norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1.
+    mlp_only_layers / decoder_sparse_step: Hugging Face's rule for which layers keep a dense MLP (``is_sparse``).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        """Reject expert counts and layer rules the model code cannot build, naming the field."""
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            _check_positive(name, getattr(self, name))
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts ({self.num_experts})"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) routes to experts (else it has a dense MLP), as HF decides."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_dict(cls, hf: Mapping[str, Any]) -> MoeConfig:
+        """Read the MoE fields of an HF config.json (``num_experts``, or ``num_local_experts`` as transformers 5
+        writes it)."""
+        key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+        layers = hf.get("mlp_only_layers") or []
+        if not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise ValueError(f"mlp_only_layers must be a list of layer indices, got {layers!r}")
+        return cls(
+            num_experts=_int_field(hf, key),
+            num_experts_per_tok=_int_field(hf, "num_experts_per_tok"),
+            moe_intermediate_size=_int_field(hf, "moe_intermediate_size"),
+            norm_topk_prob=_bool_field(hf, "norm_topk_prob", False),
+            mlp_only_layers=tuple(layers),
+            decoder_sparse_step=_int_field(hf, "decoder_sparse_step", 1),
+        )
+
+
+@attrs.frozen
 class ModelConfig:
-    """Static facts about a Qwen3 / Qwen2 / Llama decoder checkpoint (never written after construction).
+    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Llama decoder checkpoint (never written after construction).
 
     architecture: one of SUPPORTED_ARCHITECTURES.
     head_dim: per-head width (config's head_dim, else hidden_size // num_attention_heads).
@@ -81,6 +135,7 @@ class ModelConfig:
     attention_bias: whether q/k/v projections carry a bias (Qwen2: always).
     o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2).
     qk_norm: per-head RMSNorm of q and k before rope (Qwen3).
+    moe: the experts of a mixture-of-experts model (Qwen3-MoE); None for a dense one.
     """
 
     architecture: str
@@ -100,6 +155,7 @@ class ModelConfig:
     attention_bias: bool
     o_proj_bias: bool
     qk_norm: bool
+    moe: MoeConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         """Reject shapes the model code cannot build, naming the field."""
@@ -120,6 +176,12 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+        if (self.architecture == "Qwen3MoeForCausalLM") != (self.moe is not None):
+            raise ValueError(f"moe must be given for Qwen3MoeForCausalLM and only for it (got {self.architecture})")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes tokens to experts (False for every layer of a dense model)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -182,7 +244,8 @@ class ModelConfig:
             dtype=normalize_dtype(dtype if dtype is not None else _checkpoint_dtype(hf)),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in _QWEN3_LIKE,
+            moe=MoeConfig.from_dict(hf) if architecture == "Qwen3MoeForCausalLM" else None,
         )
 
 

@@ -6,7 +6,10 @@ names are checked against the model's: a missing or unexpected tensor is an erro
 is ever left at its uninitialised value.
 
 Name mapping (HF -> ours): `<p>.q_proj|k_proj|v_proj.<w>` -> rows of `<p>.qkv_proj.<w>`,
-`<p>.gate_proj|up_proj.weight` -> rows of `<p>.gate_up_proj.weight`, everything else unchanged. With tied
+`<p>.gate_proj|up_proj.weight` -> rows of `<p>.gate_up_proj.weight`, MoE experts' per-expert tensors
+`<p>.experts.<e>.gate_proj|up_proj|down_proj.weight` -> expert e of the stacked `<p>.experts.gate_up_proj` (E, 2I, H)
+and `<p>.experts.down_proj` (E, H, I), each copied straight into its slot of the preallocated stack (host memory
+holds one expert at a time, never a second copy of the model), everything else unchanged. With tied
 embeddings a stored `lm_head.weight` is ignored (it equals the embedding); so is any `rotary_emb.inv_freq`.
 
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
@@ -129,8 +132,9 @@ def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[
             target = targets.get(name)
             if target is None:
                 continue
-            param = params[target.param]
-            dest = param.data if target.rows is None else param.data[target.rows[0] : target.rows[1]]
+            dest = params[target.param].data
+            dest = dest if target.expert is None else dest[target.expert]  # one expert of a stacked parameter
+            dest = dest if target.rows is None else dest[target.rows[0] : target.rows[1]]
             dest.copy_(_read(f, name, target, tuple(dest.shape)))
 
 

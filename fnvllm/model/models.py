@@ -1,7 +1,8 @@
-"""Decoder-only transformers of the Llama family: Qwen3, Qwen2 and Llama share one definition.
+"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2 and Llama share one definition.
 
 They differ only in flags carried by ModelConfig: Qwen3 RMS-normalises each q/k head before rope (qk_norm);
-Qwen2 has q/k/v biases (attention_bias); Llama 3.1 scales rope frequencies (rope_scaling). Module names mirror
+Qwen2 has q/k/v biases (attention_bias); Llama 3.1 scales rope frequencies (rope_scaling); Qwen3-MoE is Qwen3
+with a mixture of experts (``moe.py``) in place of the MLP of every sparse layer (config.moe). Module names mirror
 Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj and gate_up_proj.
 
 The model holds no KV cache and no global context: each forward receives the per-layer caches and the step's
@@ -23,6 +24,7 @@ from fnvllm.kernels.attention import AttentionMetadata, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
+from fnvllm.model.moe import SparseMoeBlock
 from fnvllm.model.ops import TORCH_OPS, ModelOps
 from fnvllm.model.sharding import (
     SINGLE,
@@ -99,15 +101,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block; the residual stream is threaded through explicitly."""
+    """Pre-norm transformer block; the residual stream is threaded through explicitly. Layer ``index`` of a MoE
+    model has a SparseMoeBlock as its ``mlp`` when the config makes it sparse."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE, index: int = 0
+    ) -> None:
         super().__init__()
         dtype = config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(config, ops, tp)
+        self.mlp = SparseMoeBlock(config, ops, tp) if config.is_sparse_layer(index) else MLP(config, ops, tp)
 
     def forward(
         self,
@@ -139,7 +144,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, tp, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
     def forward(
@@ -162,7 +167,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A Qwen3 / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits.
+    """A Qwen3 / Qwen3-MoE / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits.
 
     ops: the implementation of the small fused ops (norms, rotary, SiLU-and-mul); see ``fnvllm.model.ops``.
     tp: this rank's place in a tensor-parallel group (``sharding.py``); the default is one process, unsplit.

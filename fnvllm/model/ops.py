@@ -1,5 +1,9 @@
 """The model's small fused operations, chosen once per model: plain torch, torch.compile, or Triton.
 
+Mixture-of-experts layers add two ops: ``route`` (softmax, top-k, renormalise: 5 torch kernels, 1 Triton) and
+``fused_moe`` (the routed experts): the per-expert loop below in torch (and under "compile": its data-dependent
+shapes do not compile), the fused kernels of ``fnvllm.kernels.fused_moe`` under "triton".
+
 Every decoder layer runs a residual add + RMSNorm twice, a rotary embedding on q and k, a SiLU-and-mul, and
 (Qwen3) an RMSNorm per q/k head. In plain torch each is 3-10 tiny kernels; at a decode batch of 256 that is
 ~30 launches per layer whose cost adds up even inside a CUDA graph. ``ModelOps`` is the value that says which
@@ -55,9 +59,68 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def route_ref(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router's choice for logits (T, E): (weights, expert ids), both (T, top_k), best first. Softmax in
+    float32, top-k, renormalised to sum 1 when ``normalize``, weights rounded to the logits' dtype (as HF's
+    Qwen3MoeTopKRouter)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, K)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer, one expert at a time (as Hugging Face's loop).
+
+    x (T, H); w_gate_up (E, 2I, H) = [gate rows | up rows] of every expert; w_down (E, H, I); topk_weights and
+    topk_ids (T, K): token t goes to experts topk_ids[t] with weights topk_weights[t]. Returns (T, H) in x's dtype:
+    out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with e = topk_ids[t, k], summed
+    in float32. Experts no token chose cost nothing (only the chosen ones are visited). Visiting only those
+    needs the host, so inside a CUDA-graph capture (model_ops "torch" on a GPU) every expert runs on every
+    token instead (``fused_moe_all_experts_ref``: the same sums in the same expert order, plus exact zeros).
+    """
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fused_moe_all_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
+    for expert in torch.unique(topk_ids).tolist():
+        rows, slots = (topk_ids == expert).nonzero(as_tuple=True)  # token and top-k slot of each assignment
+        act = silu_and_mul_ref(F.linear(x[rows], w_gate_up[expert]))  # (n, I)
+        y = F.linear(act, w_down[expert]).float() * topk_weights[rows, slots, None].float()  # (n, H)
+        out.index_add_(0, rows, y)
+    return out.to(x.dtype)
+
+
+def fused_moe_all_experts_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_moe_ref`` without host syncs: every expert on every token, weighted by 0 where it was not chosen
+    (E times the work; capturable in a CUDA graph)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
+    for expert in range(w_gate_up.shape[0]):
+        weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1)  # (T,), 0 when not chosen
+        y = F.linear(silu_and_mul_ref(F.linear(x, w_gate_up[expert])), w_down[expert])  # (T, H)
+        out += y.float() * weight[:, None]
+    return out.to(x.dtype)
+
+
 @attrs.frozen
 class ModelOps:
-    """One implementation of each small op (signatures as the ``*_ref`` functions of this module)."""
+    """One implementation of each small op (signatures as the ``*_ref`` functions of this module).
+
+    route / fused_moe: a MoE layer's router choice (``route_ref``) and routed experts (``fused_moe_ref``); the
+    references unless an implementation has kernels.
+    """
 
     name: str
     rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -65,6 +128,10 @@ class ModelOps:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     norm_rotary: Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor, torch.Tensor], torch.Tensor]
+    fused_moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
+        fused_moe_ref
+    )
+    route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -88,7 +155,7 @@ def compiled_ops() -> ModelOps:
 
 def triton_ops() -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
-    from fnvllm.kernels import fused_ops
+    from fnvllm.kernels import fused_moe, fused_ops, moe_route
 
     return ModelOps(
         "triton",
@@ -97,6 +164,8 @@ def triton_ops() -> ModelOps:
         fused_ops.rotary,
         fused_ops.silu_and_mul,
         fused_ops.norm_rotary,
+        fused_moe.fused_moe,
+        moe_route.route,
     )
 
 

@@ -9,6 +9,8 @@ it happens in ``models.py``:
     mlp         gate_up_proj column-parallel (gate and up split alike) -> SiLU-and-mul -> down_proj -> all-reduce
     embedding   vocab-parallel: a rank looks up its vocab range, zeros elsewhere -> all-reduce
     lm_head     vocab-parallel: each rank's logit columns -> gathered on the first rank, which samples
+    experts     (MoE) every expert split on its intermediate dim like the MLP: gate/up rows and down columns of
+                each expert -> fused MoE over the local slices -> all-reduce; the router is replicated
 
 Worked example, the tiny Qwen2 (2 q heads, 1 KV head, head_dim 64, intermediate 96, vocab 256) at world size 2:
 rank r holds q head r (q_proj rows 64r:64r+64) and the single KV head (k_proj/v_proj rows 0:64, replicated
@@ -68,7 +70,8 @@ SINGLE = TensorParallel()
 class WeightTarget:
     """Where one checkpoint tensor, or this rank's slice of it, goes.
 
-    param: our parameter's name. rows: (start, end) output rows of the parameter it fills (None = all of it).
+    param: our parameter's name. expert: the index along dim 0 of a stacked-experts parameter it fills (None =
+    not stacked). rows: (start, end) output rows of the parameter (of that expert) it fills (None = all of it).
     source: (start, end) along ``dim`` of the checkpoint tensor to read (None = the whole tensor).
     full_size: the checkpoint tensor's size along ``dim`` (checked before slicing; None when not sliced).
     """
@@ -78,6 +81,7 @@ class WeightTarget:
     source: tuple[int, int] | None = None
     dim: int = 0
     full_size: int | None = None
+    expert: int | None = None
 
 
 # ---- the rules ----------------------------------------------------------------------------------------------
@@ -95,6 +99,11 @@ def check_shardable(config: ModelConfig, world_size: int) -> None:
     if config.intermediate_size % world_size:
         raise ValueError(
             f"intermediate_size ({config.intermediate_size}) must be a multiple of tensor_parallel_size ({world_size})"
+        )
+    if config.moe is not None and config.moe.moe_intermediate_size % world_size:
+        raise ValueError(
+            f"moe_intermediate_size ({config.moe.moe_intermediate_size}) must be a multiple of "
+            f"tensor_parallel_size ({world_size})"
         )
 
 
@@ -249,6 +258,36 @@ class ParallelLMHead(nn.Module):
         return F.linear(hidden, self.weight)
 
 
+class ParallelExperts(nn.Module):
+    """This rank's slice of every expert's intermediate dim, stacked as the fused-MoE kernel reads them:
+    gate_up_proj (E, 2 * I / world, H) = [gate rows | up rows] per expert, down_proj (E, H, I / world).
+    Like RowParallelLinear, what it computes is a partial sum (the caller all-reduces)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None, tp: TensorParallel
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.source = shard_range(intermediate_size, tp)
+        self.full_intermediate_size = intermediate_size
+        local = intermediate_size // tp.world_size
+        self.gate_up_proj = nn.Parameter(_normal(torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype), 0.02))
+        self.down_proj = nn.Parameter(_normal(torch.empty(num_experts, hidden_size, local, dtype=dtype), 0.02))
+
+    def targets(self, parent: str, leaf: str) -> dict[str, WeightTarget]:
+        """HF's per-expert tensors (``<parent>.<e>.gate_proj|up_proj|down_proj.weight``) that fill ``leaf``."""
+        name, local, full = f"{parent}.{leaf}", self.source[1] - self.source[0], self.full_intermediate_size
+        out: dict[str, WeightTarget] = {}
+        for e in range(self.num_experts):
+            p = f"{parent}.{e}."
+            if leaf == "gate_up_proj":
+                out[p + "gate_proj.weight"] = WeightTarget(name, (0, local), self.source, 0, full, expert=e)
+                out[p + "up_proj.weight"] = WeightTarget(name, (local, 2 * local), self.source, 0, full, expert=e)
+            else:
+                out[p + "down_proj.weight"] = WeightTarget(name, None, self.source, 1, full, expert=e)
+        return out
+
+
 def _normal(weight: torch.Tensor, std: float) -> torch.Tensor:
     """Fill with N(0, std), except on the meta device (the loader fills it; meta normal_ imports torch._dynamo,
     seconds per process)."""
@@ -279,7 +318,8 @@ def weight_targets(model: nn.Module) -> dict[str, WeightTarget]:
     """HF checkpoint name -> where this rank's slice of it goes in ``model``, for every tensor the model needs.
 
     Names (HF -> ours): ``<p>.q_proj|k_proj|v_proj.<w>`` -> rows of ``<p>.qkv_proj.<w>``, ``<p>.gate_proj|up_proj``
-    -> rows of ``<p>.gate_up_proj``; everything else keeps its name."""
+    -> rows of ``<p>.gate_up_proj``, ``<p>.experts.<e>.gate_proj|up_proj|down_proj.weight`` -> expert e of the
+    stacked ``<p>.experts.gate_up_proj`` / ``down_proj``; everything else keeps its name."""
     targets: dict[str, WeightTarget] = {}
     for name, _ in model.named_parameters():  # a tied lm_head is deduplicated away here
         parent, _, leaf = name.rpartition(".")
@@ -295,6 +335,8 @@ def _module_targets(module: nn.Module, parent: str, leaf: str, name: str) -> dic
             f"{prefix}.{part}.{leaf}": WeightTarget(name, s.rows, s.source, 0, s.full_size)
             for part, s in module.parts.items()
         }
+    if isinstance(module, ParallelExperts):
+        return module.targets(parent, leaf)
     if isinstance(module, RowParallelLinear) and leaf == "weight":
         return {name: WeightTarget(name, None, module.source, 1, module.full_in_features)}
     if isinstance(module, VocabParallelEmbedding | ParallelLMHead):

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (``fnvllm serve``): one engine loop, FastAPI + uvicorn in front.
 
-    from fnvllm.llm import load_local_tokenizer
+    from fnvllm.engine.text import load_local_tokenizer
     from fnvllm.serve import ProcessEngine, serve
 
     engine = ProcessEngine("path/to/model", {}, load_local_tokenizer(Path("path/to/model")), max_waiting=1024)
@@ -10,8 +10,9 @@
 
 Files (one per box): ``async_engine`` (the engine core and its front, core on a thread), ``engine_process``
 (the core in its own process), ``stream`` (one request's asyncio stream of events),
-``app`` (routes, auth, errors), ``handlers`` (completions and chat: parse, submit, stream or collect),
-``protocol`` (request bodies), ``formats`` (response bodies), ``errors`` (OpenAI error JSON), ``metrics``
+``app`` (routes, auth, errors), ``handlers`` (completions and chat: parse, submit, collect and choose), ``sse``
+(server-sent events of one request's choices), ``limits`` (body size, JSON depth), ``protocol`` (request
+bodies), ``formats`` (response bodies), ``errors`` (OpenAI error JSON), ``metrics``
 (Prometheus), ``server`` (uvicorn, signals), ``process`` (``fnvllm serve`` as a child process, for tests and
 benchmarks). Needs the ``[serve]`` extra: fastapi, uvicorn, prometheus-client.
 """

@@ -1,8 +1,8 @@
 """The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine's lifetime.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (never needs
-the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown routes, is
-``{"error": {"message", "type", "param", "code"}}``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown
+routes, is ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fnvllm.serve import handlers
 from fnvllm.serve.async_engine import AsyncEngine
-from fnvllm.serve.errors import APIError, internal, unauthorized
+from fnvllm.serve.errors import APIError, internal, model_not_found, unauthorized
+from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
 from fnvllm.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,12 +30,16 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 def build_app(
-    engine: AsyncEngine, model_name: str, api_key: str | None = None, stream_interval_s: float = 0.0
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    stream_interval_s: float = 0.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
     ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
     startup and stops it at shutdown. ``stream_interval_s``: least time between two chunks of one stream (0: a
-    chunk per engine step).
+    chunk per engine step). ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
@@ -59,19 +64,27 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         """OpenAI completions (``stream: true`` for server-sent events)."""
-        return await handlers.completions(served, await request.body(), request.receive)
+        return await handlers.completions(served, await read_body(request, max_request_bytes), request.receive)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         """OpenAI chat completions (the tokenizer's chat template; ``stream: true`` for server-sent events)."""
-        return await handlers.chat_completions(served, await request.body(), request.receive)
+        raw = await read_body(request, max_request_bytes)
+        return await handlers.chat_completions(served, raw, request.receive)
+
+    created = int(time.time())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
         """The one model this server serves."""
-        model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fnvllm"}
-        model["max_model_len"] = engine.config.max_model_len
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [model_card(engine, model_name, created)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, object]:
+        """The served model by its id (``openai``'s ``models.retrieve``); any other id is a 404."""
+        if model_id != model_name:
+            raise model_not_found(model_id, model_name)
+        return model_card(engine, model_name, created)
 
     @app.get("/health")
     async def health() -> Response:
@@ -85,6 +98,16 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def model_card(engine: AsyncEngine, model_name: str, created: int) -> dict[str, object]:
+    """A ``/v1/models`` entry: OpenAI's fields, plus what a client needs to build valid requests:
+    ``max_model_len`` (most prompt + output tokens of one request) and ``vocab_size`` (token ids are in
+    [0, vocab_size); None if unknown)."""
+    card: dict[str, object] = {"id": model_name, "object": "model", "created": created, "owned_by": "fnvllm"}
+    card["max_model_len"] = engine.max_total_tokens
+    card["vocab_size"] = engine.config.vocab_size
+    return card
 
 
 def _error_response(error: APIError) -> JSONResponse:

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 import attrs
 
-from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine import EngineLoop, EngineOutput, EngineStats, RequestOutput, RequestTracker, StreamDelta
+from fnvllm.engine.text import DetokenizerFactory, detokenizer_factory
 from fnvllm.serve.stream import EngineFailure, Item, RequestStream, TokenEvent, deliver
 from fnvllm.state import EngineState, SamplingParams, StepPlan, validate_request
 
@@ -88,6 +88,17 @@ class AbortCommand:
     request_id: str | None
 
 
+@attrs.frozen
+class Submission:
+    """One request for ``AsyncEngine.submit_many``: prompt ids, params, prompt text (or None), request id ("":
+    a fresh one)."""
+
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    prompt: str | None = None
+    request_id: str = ""
+
+
 STOP = "stop"
 Command = AddCommand | AbortCommand | str
 
@@ -107,21 +118,6 @@ class StepReport:
     step_sizes: list[int]
     num_applied: int
     snapshot: EngineSnapshot
-
-
-DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]
-
-
-def detokenizer_factory(tokenizer: Any) -> DetokenizerFactory:
-    """Each request's incremental detokenizer (skipping special tokens, applying its stop strings); None for
-    every request when there is no tokenizer (token ids only)."""
-
-    def make(ids: tuple[int, ...], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if tokenizer is None:
-            return None
-        return IncrementalDetokenizer(tokenizer, ids, True, params.stop, params.include_stop_str_in_output)
-
-    return make
 
 
 class EngineCore:
@@ -311,16 +307,39 @@ class AsyncEngine:
 
         Raises InvalidRequestError (naming the field) for a request that can never run, EngineOverloaded when
         the waiting queue is full or the engine is closing. Nothing is queued when it raises."""
-        rid = request_id or uuid.uuid4().hex
-        ids = tuple(prompt_ids)
-        validate_request(self._blank, rid, ids, params)
-        stream = RequestStream(rid, ids, asyncio.get_running_loop())
+        return self.submit_many([Submission(prompt_ids, params, prompt, request_id)])[0]
+
+    def submit_many(
+        self, submissions: Sequence[Submission], aloop: asyncio.AbstractEventLoop | None = None
+    ) -> list[RequestStream]:
+        """Queue several requests at once (``n`` copies of a prompt, a batch of prompts): all or none.
+
+        Every one is validated first (copies of one prompt list that differ only in their seed, once); then the
+        waiting cap is checked once for the whole group (a group is admitted while the queue has room, so a large
+        ``n`` cannot be refused forever). Raises as ``submit``. From a worker thread (validating a long prompt
+        takes a while), pass ``aloop``: the event loop that reads the streams."""
+        aloop = aloop or asyncio.get_running_loop()
+        prompts: dict[int, tuple[int, ...]] = {}
+        validated: set[tuple[int, SamplingParams]] = set()
+        checked = []
+        for s in submissions:
+            key = id(s.prompt_ids)
+            if key not in prompts:
+                prompts[key] = tuple(s.prompt_ids)
+            rid, ids = s.request_id or uuid.uuid4().hex, prompts[key]
+            unseeded = attrs.evolve(s.params, seed=None)
+            if (key, unseeded) not in validated:
+                validate_request(self._blank, rid, ids, s.params)
+                validated.add((key, unseeded))
+            checked.append((rid, ids, s))
+        streams = [RequestStream(rid, ids, aloop) for rid, ids, _ in checked]
         with self._lock:
             self._check_capacity()
-            self._num_queued += 1
-            self._streams[rid] = stream
-            self._send(AddCommand(rid, ids, params, prompt, time.perf_counter()))
-        return stream
+            self._num_queued += len(checked)
+            for (rid, ids, s), stream in zip(checked, streams, strict=True):
+                self._streams[rid] = stream
+                self._send(AddCommand(rid, ids, s.params, s.prompt, time.perf_counter()))
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its KV blocks are freed between steps."""

@@ -22,10 +22,12 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 
@@ -109,7 +111,47 @@ def parse_response(raw: bytes) -> tuple[int, list[dict[str, Any]]]:
     return status, events
 
 
-async def _one(target: Target, body: bytes, start_at: float) -> RequestTiming:
+class Progress:
+    """Counts finished requests and their tokens; ``line()`` says how far the run is. Printed every
+    ``every_s`` seconds while the run lasts (on a terminal one line rewritten in place, else plain lines) and
+    once at the end."""
+
+    def __init__(self, num_requests: int, every_s: float | None, out: TextIO | None = None) -> None:
+        self.num_requests, self.every_s = num_requests, every_s
+        self.out = out if out is not None else sys.stderr
+        self.num_done, self.num_tokens = 0, 0
+        self.start = time.perf_counter()
+        self._in_place = self.out.isatty()
+
+    def finished(self, timing: RequestTiming) -> None:
+        """One request finished."""
+        self.num_done += 1
+        self.num_tokens += timing.num_tokens
+
+    def line(self) -> str:
+        """``bench: 37/256 requests done, 9,871 output tokens, 12.3 s (802.5 tok/s)``."""
+        seconds = time.perf_counter() - self.start
+        rate = self.num_tokens / seconds if seconds > 0 else 0.0
+        return (
+            f"bench: {self.num_done}/{self.num_requests} requests done, {self.num_tokens:,} output tokens, "
+            f"{seconds:.1f} s ({rate:.1f} tok/s)"
+        )
+
+    def show(self, final: bool = False) -> None:
+        """Print the line (rewritten in place on a terminal; the final one ends it)."""
+        if self._in_place:
+            print("\r" + self.line(), end="\n" if final else "", file=self.out, flush=True)
+        else:
+            print(self.line(), file=self.out, flush=True)
+
+    async def report_periodically(self) -> None:
+        """Show the line every ``every_s`` seconds until cancelled."""
+        while self.every_s:
+            await asyncio.sleep(self.every_s)
+            self.show()
+
+
+async def _one(target: Target, body: bytes, start_at: float, progress: Progress | None = None) -> RequestTiming:
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     sent = time.perf_counter()
     reader, writer = await asyncio.open_connection(target.host, target.port)
@@ -124,7 +166,10 @@ async def _one(target: Target, body: bytes, start_at: float) -> RequestTiming:
     _, events = parse_response(b"".join(parts))
     usages = [e["usage"] for e in events if e.get("usage")]
     num_tokens = usages[-1]["completion_tokens"] if usages else 0
-    return RequestTiming((first or done) - sent, done - sent, num_tokens)
+    timing = RequestTiming((first or done) - sent, done - sent, num_tokens)
+    if progress is not None:
+        progress.finished(timing)
+    return timing
 
 
 def _body(model: str | None, prompt: list[int], params: SamplingParams) -> bytes:
@@ -141,9 +186,11 @@ async def run_load(
     model: str | None = None,
     api_key: str | None = None,
     seed: int = 0,
+    progress: Progress | None = None,
 ) -> tuple[list[RequestTiming], float]:
     """Send every request (all at once, or Poisson arrivals at ``request_rate`` per second); returns each
-    request's timing and the run's wall time in seconds."""
+    request's timing and the run's wall time in seconds. ``progress`` counts finished requests and reports
+    every ``progress.every_s`` seconds (and once at the end)."""
     rng, offset, target = random.Random(seed), 0.0, Target.of(url, api_key)
     bodies = [_body(model, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
     offsets = []
@@ -151,7 +198,15 @@ async def run_load(
         offsets.append(offset)
         offset += rng.expovariate(request_rate) if request_rate != float("inf") else 0.0
     start = time.perf_counter()
-    timings = await asyncio.gather(*(_one(target, body, start + at) for body, at in zip(bodies, offsets, strict=True)))
+    reporter = asyncio.ensure_future(progress.report_periodically()) if progress is not None else None
+    try:
+        runs = (_one(target, body, start + at, progress) for body, at in zip(bodies, offsets, strict=True))
+        timings = await asyncio.gather(*runs)
+    finally:
+        if reporter is not None:
+            reporter.cancel()
+    if progress is not None:
+        progress.show(final=True)
     return list(timings), time.perf_counter() - start
 
 
@@ -182,29 +237,78 @@ def report(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@attrs.frozen
+class ServedModel:
+    """What the server says about its model (``GET /v1/models``): its id, the most prompt + output tokens of one
+    request, and the vocabulary size (None where the server does not say)."""
+
+    id: str
+    max_model_len: int | None
+    vocab_size: int | None
+
+
+def served_model(url: str, api_key: str | None, name: str | None = None) -> ServedModel:
+    """The entry of ``GET {url}/v1/models`` named ``name`` (default: the first)."""
+    request = urllib.request.Request(f"{url.rstrip('/')}/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        entries = json.loads(response.read())["data"]
+    entry = next((e for e in entries if name is None or e["id"] == name), None)
+    if entry is None:
+        raise ValueError(f"--model: the server serves {[e['id'] for e in entries]}, not {name!r}")
+    return ServedModel(entry["id"], entry.get("max_model_len"), entry.get("vocab_size"))
+
+
+def fit_lengths(max_input_len: int, max_output_len: int, max_model_len: int | None) -> tuple[int, int]:
+    """The workload's longest prompt and output, shrunk (in proportion, each at least the workload's 100) so that
+    the longest request fits the server's ``max_model_len``."""
+    if max_model_len is None or max_input_len + max_output_len <= max_model_len:
+        return max_input_len, max_output_len
+    if max_model_len < 200:
+        raise ValueError(f"the server's max_model_len ({max_model_len}) is under the workload's 100 + 100 tokens")
+    scale = max_model_len / (max_input_len + max_output_len)
+    max_input = max(100, min(int(max_input_len * scale), max_model_len - 100))
+    return max_input, max_model_len - max_input
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m fnvllm.serve.bench``."""
+    """``python -m fnvllm.serve.bench``: the model's vocabulary size and max length come from the server
+    (``/v1/models``) unless given."""
     parser = argparse.ArgumentParser(prog="python -m fnvllm.serve.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to send (default: none, the server's)")
     parser.add_argument("--api-key")
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--vocab-size", type=int, help="fold prompt ids into [0, vocab) (for tiny models)")
+    parser.add_argument("--max-input-len", type=int, default=1024, help="(shrunk to fit the server's max length)")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="(shrunk to fit the server's max length)")
+    parser.add_argument("--vocab-size", type=int, help="fold prompt ids into [0, vocab) (default: the server's)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests of 8 tokens sent first (default 4)")
+    parser.add_argument(
+        "--progress-interval-s", type=float, default=5.0, help="progress every N s (0: only at the end)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
-    prompts, params = bench_workload(args.num_requests, args.max_input_len, args.max_output_len)
-    if args.vocab_size:
-        prompts = [[t % args.vocab_size for t in prompt] for prompt in prompts]
+    if args.num_requests < 1 or args.progress_interval_s < 0:
+        parser.error("--num-requests must be >= 1 and --progress-interval-s >= 0")
+    model = served_model(args.url, args.api_key, args.model)
+    max_input, max_output = fit_lengths(args.max_input_len, args.max_output_len, model.max_model_len)
+    if (max_input, max_output) != (args.max_input_len, args.max_output_len):
+        print(f"bench: the server's max_model_len is {model.max_model_len}: prompts up to {max_input} tokens, "
+              f"outputs up to {max_output}", file=sys.stderr, flush=True)  # fmt: skip
+    prompts, params = bench_workload(args.num_requests, max_input, max_output)
+    vocab_size = args.vocab_size or model.vocab_size
+    if vocab_size:
+        prompts = [[t % vocab_size for t in prompt] for prompt in prompts]
     if args.warmup:  # like ``fnvllm bench``: the first steps of a fresh engine compile and allocate
         warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)
-        asyncio.run(
-            run_load(args.url, prompts[: args.warmup], [warm] * args.warmup, model=args.model, api_key=args.api_key)
-        )
-    timings, seconds = asyncio.run(run_load(args.url, prompts, params, args.request_rate, args.model, args.api_key))
+        num_warm = min(args.warmup, len(prompts))
+        asyncio.run(run_load(args.url, prompts[:num_warm], [warm] * num_warm, model=args.model, api_key=args.api_key))
+    progress = Progress(len(prompts), args.progress_interval_s or None)
+    timings, seconds = asyncio.run(
+        run_load(args.url, prompts, params, args.request_rate, args.model, args.api_key, progress=progress)
+    )
     record = summary(timings, seconds)
     print(json.dumps(record) if args.json else report(record))
 

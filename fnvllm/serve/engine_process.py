@@ -18,6 +18,7 @@ False, so ``/health`` reports it). If this process dies, the child reads end-of-
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -39,7 +40,6 @@ from fnvllm.serve.async_engine import (
     EngineOverloaded,
     EngineSnapshot,
     StepReport,
-    detokenizer_factory,
 )
 from fnvllm.state import CoreConfig, initial_state
 
@@ -68,25 +68,27 @@ class StartupFailed:
 
 
 def _child_main(conn: Connection, model: str, options: dict[str, Any], load_tokenizer: bool) -> None:
-    """The engine process: build the LLM, report Ready, serve commands until STOP or until the server is gone."""
+    """The engine process: build the engine, report Ready, serve commands until STOP or until the server is
+    gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us by pipe
     try:
-        from fnvllm.llm import LLM
+        from fnvllm.config import EngineConfig
+        from fnvllm.engine.build import build_engine
 
-        llm = LLM(model, load_tokenizer=load_tokenizer, **options)
+        parts = build_engine(model, EngineConfig.from_options(options), load_tokenizer=load_tokenizer)
     except Exception as error:
         conn.send(StartupFailed(f"{type(error).__name__}: {error}"))
         return
-    backend = llm.executor.backend
+    backend = parts.executor.backend
     conn.send(
         Ready(
-            llm.engine.config,
-            str(llm.executor.device),
+            parts.engine.config,
+            str(parts.executor.device),
             getattr(backend, "name", str(backend)),
-            llm.tokenizer is not None,
+            parts.tokenizer is not None,
         )
     )
-    core = EngineCore(llm.loop, conn.send, detokenizer_factory(llm.tokenizer))
+    core = EngineCore(parts.loop, conn.send, parts.detokenizer)
 
     def take_commands(block: bool) -> list[Command]:
         commands: list[Command] = [conn.recv()] if block else []
@@ -103,7 +105,7 @@ def _child_main(conn: Connection, model: str, options: dict[str, Any], load_toke
         core.fail_all(error)
         raise
     finally:
-        llm.close()
+        parts.close()
 
 
 class ProcessEngine(AsyncEngine):
@@ -130,8 +132,12 @@ class ProcessEngine(AsyncEngine):
         self._process = context.Process(
             target=_child_main, args=(child_end, str(model), options, load_tokenizer), name="fnvllm-engine"
         )
-        self._process.daemon = True
+        # Not a daemon: a daemonic process may not start children, and the engine starts its tensor-parallel
+        # workers (--tensor-parallel-size). It still ends with this process: it exits when the pipe closes, which
+        # the OS does if we die and ``_close_at_exit`` does at a normal exit (before multiprocessing's own exit
+        # hook would wait for it).
         self._process.start()
+        atexit.register(self._close_at_exit)
         child_end.close()
         self.ready = self._wait_for_ready(startup_timeout_s)
         self._init_front(initial_state(self.ready.config), tokenizer, max_waiting, observer)
@@ -141,6 +147,15 @@ class ProcessEngine(AsyncEngine):
         config = self.ready.config
         self.snapshot = EngineSnapshot(0, 0, 0, config.num_blocks, 0, 0, EngineStats())
 
+    def _close_at_exit(self) -> None:
+        """This interpreter is exiting without ``stop()``: close the pipe (the engine process reads end-of-file
+        and exits), then wait for it briefly, terminating it if it lingers."""
+        self._conn.close()
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+
     def _wait_for_ready(self, timeout_s: float) -> Ready:
         waited = 0.0
         while not self._conn.poll(1.0):
@@ -148,6 +163,7 @@ class ProcessEngine(AsyncEngine):
             if not self._process.is_alive():
                 raise EngineStartupError(f"the engine process exited with code {self._process.exitcode} at start-up")
             if waited >= timeout_s:
+                atexit.unregister(self._close_at_exit)
                 self._process.kill()
                 raise EngineStartupError(f"the engine process did not load the model within {timeout_s:.0f} s")
         try:
@@ -155,6 +171,7 @@ class ProcessEngine(AsyncEngine):
         except (EOFError, OSError):
             message = StartupFailed(f"the engine process exited with code {self._process.exitcode} at start-up")
         if isinstance(message, StartupFailed):
+            atexit.unregister(self._close_at_exit)
             self._process.join(10)
             raise EngineStartupError(message.message)
         assert isinstance(message, Ready)
@@ -183,6 +200,7 @@ class ProcessEngine(AsyncEngine):
         if self._reader is not None:
             self._reader.join(timeout)
         self._conn.close()
+        atexit.unregister(self._close_at_exit)
 
     def _send(self, command: Command) -> None:
         try:

@@ -7,7 +7,7 @@ renders it. User input is never answered with a 500: only an engine failure is.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -80,9 +80,14 @@ def _param(loc: tuple[int | str, ...], field_names: Collection[str]) -> str | No
 _FIELD = re.compile(r"^([a-z_]+)\b")
 
 
-def from_invalid_request(error: ValueError) -> APIError:
+def from_invalid_request(error: ValueError, aliases: Mapping[str, str] | None = None) -> APIError:
     """400 for the engine's own validation (``SamplingParams`` ranges, prompt too long): its message names the
-    field first (``SamplingParams.top_p must be in (0, 1], got 2.0`` or ``max_tokens: prompt (9) + ...``)."""
+    field first (``SamplingParams.top_p must be in (0, 1], got 2.0`` or ``max_tokens: prompt (9) + ...``).
+
+    aliases: engine field -> the body field the client sent (``max_tokens`` -> ``max_completion_tokens``); the
+    message and param then say the name the client used."""
     message = str(error).removeprefix("SamplingParams.")
+    for engine_name, sent in (aliases or {}).items():
+        message = re.sub(rf"\b{engine_name}\b", sent, message)
     match = _FIELD.match(message)
     return bad_request(message, match.group(1) if match else None)

@@ -1,9 +1,9 @@
 """Response bodies of the OpenAI API: ``text_completion`` and ``chat.completion`` (+ ``.chunk`` when streamed).
 
-One format object per request knows its id, creation time, model name and tokenizer, and renders the events of
-its ``RequestStream`` as chunks, or their concatenation as one final body. A server without a tokenizer (a
-checkpoint folder with no tokenizer files) has no text to send: its completion choices carry the generated ids as
-``token_ids`` (vLLM's field name) and ``text`` stays empty.
+One format object per HTTP request knows its id, creation time, model name and tokenizer, and renders the events
+of its ``RequestStream``s as chunks (each naming its choice's index), or the finished choices as one final body.
+A server without a tokenizer (a checkpoint folder with no tokenizer files) has no text to send: its completion
+choices carry the generated ids as ``token_ids`` (vLLM's field name) and ``text`` stays empty.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import attrs
 
 from fnvllm.executor.base import TokenLogprobs
 
@@ -22,6 +24,18 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+
+
+@attrs.frozen
+class Choice:
+    """One finished choice of a non-streamed answer: its index in ``choices``, text (with the echoed prompt, if
+    asked), generated ids, logprobs (None when not asked for) and finish reason."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None
+    finish_reason: str | None
 
 
 class _Format:
@@ -44,6 +58,12 @@ class _Format:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
         return {**self._head(self.chunk_object), "choices": [], "usage": counts}
 
+    def _chunk(self, choice: dict[str, Any], counts: dict[str, int] | None) -> dict[str, Any]:
+        chunk = {**self._head(self.chunk_object), "choices": [choice]}
+        if counts is not None:  # stream_options.continuous_usage_stats: the counts so far, in every chunk
+            chunk["usage"] = counts
+        return chunk
+
 
 class CompletionFormat(_Format):
     """``/v1/completions`` bodies; logprobs in the legacy shape (tokens, token_logprobs, top_logprobs,
@@ -53,46 +73,52 @@ class CompletionFormat(_Format):
 
     def __init__(self, request_id: str, model: str, tokenizer: Any) -> None:
         super().__init__(request_id, model, tokenizer)
-        self._offset = 0  # characters of token text rendered so far (text_offset of the next token)
+        self._offsets: dict[int, int] = {}  # per choice: characters of token text rendered so far
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """Chunks sent before any token (none for completions)."""
         return []
 
     def chunk(
         self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        finish_reason: str | None,
+        counts: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``; ``token_ids`` only without a tokenizer."""
+        return self._chunk(self._choice(index, text, token_ids, logprobs, finish_reason), counts)
+
+    def _choice(
+        self,
+        index: int,
         text: str,
         token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprobs] | None,
         finish_reason: str | None,
     ) -> dict[str, Any]:
-        """One streamed chunk (also the shape of the final body's single choice); ``token_ids`` only without a
-        tokenizer."""
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        logprobs_json = self.logprobs(index, logprobs)
+        choice = {"index": index, "text": text, "logprobs": logprobs_json, "finish_reason": finish_reason}
         if self.tokenizer is None:
             choice["token_ids"] = list(token_ids)
-        return {**self._head(self.chunk_object), "choices": [choice]}
+        return choice
 
-    def final(
-        self,
-        text: str,
-        token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs] | None,
-        finish_reason: str | None,
-        counts: dict[str, int],
-    ) -> dict[str, Any]:
+    def final(self, choices: Sequence[Choice], counts: dict[str, int]) -> dict[str, Any]:
         """The non-streamed body."""
-        return {**self.chunk(text, token_ids, logprobs, finish_reason), "usage": counts}
+        rendered = [self._choice(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in choices]
+        return {**self._head(self.chunk_object), "choices": rendered, "usage": counts}
 
-    def logprobs(self, logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
-        """Legacy logprobs of these tokens, or None when the request did not ask for them."""
+    def logprobs(self, index: int, logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+        """Legacy logprobs of these tokens of choice ``index``, or None when the request did not ask for them."""
         if logprobs is None:
             return None
         tokens = [self._token_text(lp.token_id) for lp in logprobs]
         offsets = []
         for token in tokens:
-            offsets.append(self._offset)
-            self._offset += len(token)
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
@@ -106,36 +132,41 @@ class ChatFormat(_Format):
 
     chunk_object = "chat.completion.chunk"
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        """The first streamed chunk announces the assistant role."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [{**self._head(self.chunk_object), "choices": [choice]}]
+    def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        """The first streamed chunk of each choice announces the assistant role."""
+        return [
+            self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}, None)
+            for i in range(num_choices)
+        ]  # fmt: skip
 
     def chunk(
         self,
+        index: int,
         text: str,
         token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprobs] | None,
         finish_reason: str | None,
+        counts: dict[str, int] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk: a content delta (empty on the last one when it carries no text). Chat always has a
-        tokenizer (its template), so ``token_ids`` is not sent."""
+        """One streamed chunk of choice ``index``: a content delta (empty on the last one when it carries no
+        text). Chat always has a tokenizer (its template), so ``token_ids`` is not sent."""
         delta = {"content": text} if text else {}
-        choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {**self._head(self.chunk_object), "choices": [choice]}
+        choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return self._chunk(choice, counts)
 
-    def final(
-        self,
-        text: str,
-        token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs] | None,
-        finish_reason: str | None,
-        counts: dict[str, int],
-    ) -> dict[str, Any]:
+    def final(self, choices: Sequence[Choice], counts: dict[str, int]) -> dict[str, Any]:
         """The non-streamed body."""
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": counts}
+        rendered = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        return {**self._head("chat.completion"), "choices": rendered, "usage": counts}
 
     def logprobs(self, logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
         """Chat logprobs of these tokens, or None when the request did not ask for them."""

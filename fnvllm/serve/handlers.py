@@ -1,22 +1,28 @@
-"""The generation endpoints: parse the body, build the prompt and SamplingParams, submit, then either stream
-server-sent events (ending in ``data: [DONE]``) or collect the whole output. A client that goes away before its
-request finished has the request aborted (its KV blocks are freed between steps)."""
+"""The generation endpoints: parse the body and build the prompts and SamplingParams (on a worker thread), submit
+one engine request per (prompt, candidate), then either stream server-sent events (``sse``) or collect every
+output and pick the choices. A client that goes away before its request finished has the engine requests aborted
+(their KV blocks are freed between steps).
+
+``n`` copies of a prompt are submitted together, so the prefix cache shares the prompt's KV blocks between them
+(only the first computes it; ``/metrics``' fnvllm_prefix_cache_hit_tokens counts the others' hits)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 from pydantic import BaseModel, ValidationError
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
+from fnvllm.engine.text import render_chat
 from fnvllm.executor.base import TokenLogprobs
-from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded
+from fnvllm.serve import sse
+from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, Submission
 from fnvllm.serve.errors import (
     bad_request,
     from_invalid_request,
@@ -25,10 +31,12 @@ from fnvllm.serve.errors import (
     model_not_found,
     unavailable,
 )
-from fnvllm.serve.formats import ChatFormat, CompletionFormat, usage
+from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, usage
+from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
-from fnvllm.state import SamplingParams
+from fnvllm.state import InvalidRequestError, SamplingParams
+from fnvllm.state.params import SEED_RANGE
 
 Body = TypeVar("Body", bound=BaseModel)
 Format = CompletionFormat | ChatFormat
@@ -44,34 +52,99 @@ class Served:
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
-    """The validated body, or a 400 naming the first bad field (or saying the JSON is malformed)."""
+    """The validated body, or a 400 naming the first bad field (or saying the JSON is malformed or too deep)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:  # the parser recurses per level: ~1,000 levels exhaust the stack
+        raise bad_request(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    check_depth(data)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error, FIELD_NAMES) from None
 
 
+@attrs.frozen
+class Prepared:
+    """A parsed request, ready to submit: one engine request per (prompt, candidate), and how to answer.
+
+    jobs: SamplingParams per engine request, prompt-major: prompt p's candidates are
+        ``jobs[p * num_candidates : (p + 1) * num_candidates]``; ``prompts[p]`` holds its ids and text.
+    num_choices / num_candidates: ``n`` and ``best_of`` per prompt (the best n of best_of are returned).
+    echo: prepend each prompt's text to its choices. logprobs: the client asked for logprobs.
+    aliases: engine field -> body field, for errors raised at submit (see ``errors.from_invalid_request``).
+    """
+
+    prompts: list[tuple[list[int], str | None]]
+    jobs: list[SamplingParams]
+    num_choices: int
+    num_candidates: int
+    is_stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    echo: bool
+    logprobs: bool
+    aliases: dict[str, str]
+
+    def prompt_of(self, job: int) -> int:
+        """The prompt index of engine request ``job``."""
+        return job // self.num_candidates
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of the request (each prompt counted once, whatever its n)."""
+        return sum(len(ids) for ids, _ in self.prompts)
+
+
 async def completions(served: Served, raw: bytes, receive: Receive) -> Response:
-    """``POST /v1/completions``."""
-    body = parse(CompletionRequest, raw)
-    _check(body.model, served, body.check_supported)
-    prompt = body.single_prompt()
-    text = prompt if isinstance(prompt, str) else None
-    ids = _encode(served.engine, prompt) if isinstance(prompt, str) else prompt
-    params = _sampling_params(body.sampling_params)
-    stream = _submit(served.engine, ids, params, text, "cmpl")
-    fmt = CompletionFormat(stream.request_id, served.model_name, served.engine.tokenizer)
-    return await _respond(served, stream, fmt, body.stream, body.include_usage, params, receive)
+    """``POST /v1/completions``. Parsing and tokenization run on a worker thread: a large prompt never holds
+    the event loop (``/health`` and every stream keep answering)."""
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served.model_name, served.engine.tokenizer)
+    return await _respond(served, fmt, await _start(_prepare_completion, served, raw, fmt.request_id), receive)
 
 
 async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
-    """``POST /v1/chat/completions``: the tokenizer's chat template, then generation."""
+    """``POST /v1/chat/completions``: the tokenizer's chat template (on a worker thread), then generation."""
+    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", served.model_name, served.engine.tokenizer)
+    return await _respond(served, fmt, await _start(_prepare_chat, served, raw, fmt.request_id), receive)
+
+
+Started = tuple[Prepared, list[RequestStream]]
+
+
+async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, raw: bytes, request_id: str) -> Started:
+    """Parse, tokenize, validate and submit on a worker thread (one hop): the event loop does none of it."""
+    aloop = asyncio.get_running_loop()
+
+    def start() -> Started:
+        job = prepare(served, raw)
+        return job, _submit(served.engine, job, request_id, aloop)
+
+    return await asyncio.to_thread(start)
+
+
+def _prepare_completion(served: Served, raw: bytes) -> Prepared:
+    body = parse(CompletionRequest, raw)
+    _check(body.model, served, body.check_supported)
+    prompts = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompts.append((_encode(served.engine, prompt), prompt))
+        else:
+            prompts.append((prompt, _decode(served.engine, prompt) if body.echo else None))
+    params = _sampling_params(body.sampling_params, body.aliases())
+    copies = _copies(params, body.num_candidates)
+    return Prepared(
+        prompts, copies * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
+        body.include_usage, body.continuous_usage, bool(body.echo), body.logprobs is not None, body.aliases(),
+    )  # fmt: skip
+
+
+def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     body = parse(ChatCompletionRequest, raw)
     _check(body.model, served, body.check_supported)
     ids = _render_chat(served.engine, [m.template_dict() for m in body.messages])
@@ -79,10 +152,21 @@ async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Resp
     if room < 1:
         limit = served.engine.max_total_tokens - 1
         raise bad_request(f"messages: the conversation is {len(ids)} tokens; at most {limit} fit", "messages")
-    params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room))
-    stream = _submit(served.engine, ids, params, None, "chatcmpl")
-    fmt = ChatFormat(stream.request_id, served.model_name, served.engine.tokenizer)
-    return await _respond(served, stream, fmt, body.stream, body.include_usage, params, receive)
+    params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room), body.aliases())
+    n = body.num_choices
+    return Prepared(
+        [(ids, None)], _copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,
+        False, bool(body.logprobs), body.aliases(),
+    )  # fmt: skip
+
+
+def _copies(params: SamplingParams, num: int) -> list[SamplingParams]:
+    """``num`` sequences of one prompt: with a seed, copy j draws from seed + j (else every copy would sample the
+    same tokens); without, each draws from the shared generator."""
+    if params.seed is None or num == 1:
+        return [params] * num
+    step = 1 if params.seed + num - 1 <= SEED_RANGE[1] else -1
+    return [attrs.evolve(params, seed=params.seed + step * j) for j in range(num)]
 
 
 def _check(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
@@ -103,58 +187,88 @@ def _render_chat(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[in
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as error:  # the template itself rejects the conversation (e.g. role order)
-        raise bad_request(f"messages: the chat template rejected the conversation: {error}", "messages") from None
+        text = render_chat(tokenizer, messages)
+    except InvalidRequestError as error:  # the template itself rejects the conversation (e.g. role order)
+        raise bad_request(str(error), "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:
+def _decode(engine: AsyncEngine, ids: list[int]) -> str:
+    """A token-id prompt as text, for ``echo`` ("" without a tokenizer: the ids are the prompt). Ids the tokenizer
+    cannot decode give "": the prompt is not validated yet, and submitting it answers a 400 naming them."""
+    if engine.tokenizer is None:
+        return ""
+    try:
+        return engine.tokenizer.decode(ids)
+    except (ValueError, TypeError, OverflowError, IndexError):
+        return ""
+
+
+def _sampling_params(build: Callable[[], SamplingParams], aliases: dict[str, str]) -> SamplingParams:
     try:
         return build()
     except (ValueError, TypeError) as error:  # InvalidRequestError is a ValueError naming the field
-        raise from_invalid_request(ValueError(str(error))) from None
+        raise from_invalid_request(ValueError(str(error)), aliases) from None
 
 
 def _submit(
-    engine: AsyncEngine, ids: Sequence[int], params: SamplingParams, text: str | None, prefix: str
-) -> RequestStream:
+    engine: AsyncEngine, job: Prepared, request_id: str, aloop: asyncio.AbstractEventLoop
+) -> list[RequestStream]:
+    """Queue every engine request of ``job`` (all or none); ids are ``request_id`` or ``request_id-k``. Runs on a
+    worker thread (validating a long prompt takes a while); ``aloop`` reads the streams."""
+    many = len(job.jobs) > 1
+    submissions = []
+    for k, params in enumerate(job.jobs):
+        ids, text = job.prompts[job.prompt_of(k)]
+        submissions.append(Submission(ids, params, text, f"{request_id}-{k}" if many else request_id))
     try:
-        return engine.submit(ids, params, text, request_id=f"{prefix}-{uuid.uuid4().hex}")
+        return engine.submit_many(submissions, aloop)
     except EngineOverloaded as error:
         raise unavailable(str(error)) from None
     except ValueError as error:
-        raise from_invalid_request(error) from None
+        raise from_invalid_request(error, job.aliases) from None
 
 
-async def _respond(
-    served: Served,
-    stream: RequestStream,
-    fmt: Format,
-    is_stream: bool | None,
-    include_usage: bool,
-    params: SamplingParams,
-    receive: Receive,
-) -> Response:
-    engine = served.engine
-    wants_logprobs = params.logprobs is not None
-    if is_stream:
-        events = _sse(fmt, stream, include_usage, wants_logprobs, served.stream_interval_s)
-        return _EventStream(events, on_close=lambda: _abort_unfinished(engine, stream))
-    collected = await _collect_or_abort(engine, stream, receive)
+async def _respond(served: Served, fmt: Format, started: Started, receive: Receive) -> Response:
+    engine, (job, streams) = served.engine, started
+    if job.is_stream:
+        echo = [job.prompts[job.prompt_of(k)][1] or "" for k in range(len(streams))] if job.echo else None
+        plan = sse.StreamPlan(
+            echo, job.include_usage, job.continuous_usage, job.logprobs, job.num_prompt_tokens,
+            served.stream_interval_s,
+        )  # fmt: skip
+        events = sse.events(fmt, streams, plan)
+        return sse.EventStream(events, on_close=lambda: _abort_unfinished(engine, streams))
+    collected = await _collect_or_abort(engine, streams, receive)
     if collected is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    text, token_ids, logprobs, finish_reason = collected
-    if finish_reason == "abort":
+    if any(c.finish_reason == "abort" for c in collected):
         raise unavailable("the request was aborted: the server is shutting down")
-    counts = usage(len(stream.prompt_ids), len(token_ids))
-    return JSONResponse(fmt.final(text, token_ids, logprobs if wants_logprobs else None, finish_reason, counts))
+    counts = usage(job.num_prompt_tokens, sum(len(c.token_ids) for c in collected))
+    return JSONResponse(fmt.final(_choose(job, collected), counts))
 
 
-Collected = tuple[str, list[int], list[TokenLogprobs], str | None]
+def _choose(job: Prepared, collected: list[Choice]) -> list[Choice]:
+    """The returned choices: per prompt, its n best candidates by mean logprob per token (all of them when
+    best_of == n), numbered prompt-major; echo prepends the prompt's text."""
+    chosen = []
+    for p, (_, text) in enumerate(job.prompts):
+        candidates = collected[p * job.num_candidates : (p + 1) * job.num_candidates]
+        if job.num_candidates > job.num_choices:
+            candidates = sorted(candidates, key=_mean_logprob, reverse=True)[: job.num_choices]
+        for r, c in enumerate(candidates):
+            prefix = (text or "") if job.echo else ""
+            logprobs = c.logprobs if job.logprobs else None
+            chosen.append(attrs.evolve(c, index=p * job.num_choices + r, text=prefix + c.text, logprobs=logprobs))
+    return chosen
 
 
-async def _collect(stream: RequestStream) -> Collected:
+def _mean_logprob(choice: Choice) -> float:
+    logprobs = choice.logprobs or ()
+    return sum(lp.logprob for lp in logprobs) / len(logprobs) if logprobs else float("-inf")
+
+
+async def _collect(stream: RequestStream) -> Choice:
     text: list[str] = []
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] = []
@@ -164,7 +278,7 @@ async def _collect(stream: RequestStream) -> Collected:
         token_ids.extend(event.token_ids)
         logprobs.extend(event.logprobs)
         finish_reason = event.finish_reason
-    return "".join(text), token_ids, logprobs, finish_reason
+    return Choice(0, "".join(text), tuple(token_ids), tuple(logprobs), finish_reason)
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -172,9 +286,9 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _collect_or_abort(engine: AsyncEngine, stream: RequestStream, receive: Receive) -> Collected | None:
-    """The whole output, or None if the client disconnected first (then the request is aborted)."""
-    collecting = asyncio.ensure_future(_collect(stream))
+async def _collect_or_abort(engine: AsyncEngine, streams: list[RequestStream], receive: Receive) -> list[Choice] | None:
+    """Every stream's whole output, or None if the client disconnected first (then the requests are aborted)."""
+    collecting = asyncio.ensure_future(asyncio.gather(*(_collect(s) for s in streams)))
     watching = asyncio.ensure_future(_until_disconnect(receive))
     try:
         await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -182,63 +296,17 @@ async def _collect_or_abort(engine: AsyncEngine, stream: RequestStream, receive:
         watching.cancel()
         if not collecting.done():
             collecting.cancel()
-            engine.abort(stream.request_id)
+            _abort_unfinished(engine, streams)
     if collecting.cancelled():
         return None
     try:
         return collecting.result()
     except EngineFailure as error:
+        _abort_unfinished(engine, streams)
         raise internal(str(error)) from None
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _sse(
-    fmt: Format, stream: RequestStream, include_usage: bool, wants_logprobs: bool, interval_s: float = 0.0
-) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per read of the stream with new text (and the last one), usage if asked,
-    ``[DONE]``. Each read takes every event that has arrived, so a client behind by several steps gets one chunk
-    for all of them. With ``interval_s`` > 0 the stream pauses that long after each chunk, so the tokens of
-    several steps go out together: fewer, larger writes for the web thread, which shares the GIL with the
-    engine (``fnvllm serve --stream-interval-ms``)."""
-    for chunk in fmt.opening_chunks():
-        yield _data(chunk)
-    num_tokens, sends_ids = 0, fmt.tokenizer is None
-    try:
-        while not stream.finished:
-            event = await stream.drain()
-            num_tokens += len(event.token_ids)
-            if event.text or event.finish_reason is not None or event.logprobs or (sends_ids and event.token_ids):
-                logprobs = event.logprobs if wants_logprobs else None
-                yield _data(fmt.chunk(event.text, event.token_ids, logprobs, event.finish_reason))
-                if interval_s > 0 and event.finish_reason is None:
-                    await asyncio.sleep(interval_s)
-    except EngineFailure as error:
-        yield _data(internal(str(error)).body())
-    else:
-        if include_usage:
-            yield _data(fmt.usage_chunk(usage(len(stream.prompt_ids), num_tokens)))
-    yield "data: [DONE]\n\n"
-
-
-def _abort_unfinished(engine: AsyncEngine, stream: RequestStream) -> None:
-    if not stream.finished:
-        engine.abort(stream.request_id)
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends: done, client disconnect, or cancellation."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._events, self._on_close = events, on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Stream the events; then abort the request if it has not finished."""
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            await self._events.aclose()  # type: ignore[attr-defined]
+def _abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+    for stream in streams:
+        if not stream.finished:
+            engine.abort(stream.request_id)

@@ -1,7 +1,8 @@
 """Run the app with uvicorn on a socket we bind ourselves (so ``port=0`` can report the port it got).
 
-SIGINT / SIGTERM: stop accepting connections, abort the requests in flight (their streams end with
-finish_reason "abort"), let uvicorn close the connections, stop the engine, return normally (exit 0).
+SIGINT / SIGTERM: stop accepting connections, abort the requests in flight (their streams end with an error
+event, ``code: aborted``; non-streamed ones get 503), let uvicorn close the connections, stop the engine, return
+normally (exit 0).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uvicorn
 
 from fnvllm.serve.app import build_app
 from fnvllm.serve.async_engine import AsyncEngine
+from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 _SWITCH_INTERVAL_S = 0.0002  # 200 us: a tenth of a small decode step on an H200
 
@@ -36,8 +38,9 @@ class _Server(uvicorn.Server):
         self.engine.close()
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free port, read back with ``getsockname``)."""
+def bind(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free port, read back with ``getsockname``), listening unless
+    ``listen`` is False (then the port is only reserved: connections are refused until the server listens)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -46,7 +49,8 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     return sock
 
 
@@ -59,12 +63,16 @@ def serve(
     log_level: str = "info",
     on_listening: Callable[[str, int], None] | None = None,
     stream_interval_s: float = 0.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    sock: socket.socket | None = None,
     **uvicorn_options: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM; ``on_listening(host, port)`` runs once the socket is
-    bound (before the first request can be answered). ``stream_interval_s``: see ``build_app``."""
-    app = build_app(engine, model_name, api_key, stream_interval_s)
-    sock = bind(host, port)
+    bound (before the first request can be answered). ``stream_interval_s``, ``max_request_bytes``: see
+    ``build_app``. ``sock``: a socket already bound to host:port (``bind(..., listen=False)``, so that a port in
+    use is found before the model loads); else one is bound here."""
+    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes)
+    sock = sock if sock is not None else bind(host, port)
     if on_listening is not None:
         on_listening(host, sock.getsockname()[1])
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30, **uvicorn_options)

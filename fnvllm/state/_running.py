@@ -31,6 +31,7 @@ class RunningRows:
     output_chunks / output_tails: each request's generated tokens as chunks + tail (see _tokens.py).
     params / prompt_lens / token_limits: each request's sampling params, prompt length and prompt + max_tokens
         (fixed per request; kept here so a step reads them as columns instead of looking up each request).
+    slots: each request's slot (``EngineState.slots``), fixed from admission until it leaves running.
     num_needing_history: rows whose params need the token history (plans attach it only when this is > 0).
     """
 
@@ -44,6 +45,7 @@ class RunningRows:
     params: tuple[SamplingParams, ...] = ()
     prompt_lens: tuple[int, ...] = ()
     token_limits: tuple[int, ...] = ()
+    slots: tuple[int, ...] = ()
     num_needing_history: int = 0
 
     def with_tables(self, block_tables: tuple[tuple[int, ...], ...]) -> RunningRows:
@@ -72,6 +74,7 @@ class RunningRows:
             self.params,
             self.prompt_lens,
             self.token_limits,
+            self.slots,
             self.num_needing_history,
         )
 
@@ -108,6 +111,7 @@ class RunningRows:
         output: tuple[int, ...],
         table: tuple[int, ...],
         chain: tuple[int, ...],
+        slot: int,
     ) -> RunningRows:
         """A single row, for an admitted request."""
         params = request.params
@@ -122,6 +126,7 @@ class RunningRows:
             (params,),
             (len(request.prompt),),
             (request.token_limit,),
+            (slot,),
             int(params.needs_history),
         )
 
@@ -137,6 +142,7 @@ class RunningRows:
             self.params,
             self.prompt_lens,
             self.token_limits,
+            self.slots,
         )
 
     def _history_after(self, dropped: Sequence[SamplingParams]) -> int:
@@ -147,9 +153,9 @@ class RunningRows:
 
 def _rows_from(columns: Sequence[tuple[Any, ...]], num_needing_history: int) -> RunningRows:
     """RunningRows from its columns in ``RunningRows._columns`` order."""
-    ids, computed, tokens, chunks, tails, tables, chains, params, prompt_lens, limits = columns
+    ids, computed, tokens, chunks, tails, tables, chains, params, prompt_lens, limits, slots = columns
     return RunningRows(
-        ids, computed, tokens, chunks, tails, tables, chains, params, prompt_lens, limits, num_needing_history
+        ids, computed, tokens, chunks, tails, tables, chains, params, prompt_lens, limits, slots, num_needing_history
     )
 
 

@@ -103,15 +103,15 @@ def fed_rows(previous: StepPlan, plan: StepPlan) -> tuple[bool, ...]:
 
 def can_feed(previous: StepPlan, plan: StepPlan) -> bool:
     """True when ``plan`` can run before ``previous``'s tokens reach the host: every row whose sequence
-    ``previous`` sampled feeds just that one token (the device has it), no row sends a token history (penalties
-    read it on the host, placeholder included), and ``plan`` preempts nothing (a preempted sequence would carry
-    the placeholder into its recomputation)."""
+    ``previous`` sampled feeds just that one token (the device has it), and ``plan`` preempts nothing (a
+    preempted sequence would carry the placeholder into its recomputation). Token histories are no obstacle:
+    only admitted rows carry one, and an admitted request's tokens are all real (it was waiting)."""
     return _feedable(plan, fed_rows(previous, plan))
 
 
 def _feedable(plan: StepPlan, fed: tuple[bool, ...]) -> bool:
     """``can_feed`` given the rows the previous step sampled (``fed_rows``)."""
-    if plan.is_empty or plan.preempted or plan.histories.count(None) != plan.num_seqs:
+    if plan.is_empty or plan.preempted:
         return False
     return all(len(tokens) == 1 for tokens, f in zip(plan.input_tokens, fed, strict=True) if f)
 
@@ -155,6 +155,11 @@ def reconcile(committed: EngineState, speculation: Speculation) -> Reconciled:
     return Reconciled(False, forget_written_blocks(state, speculative))
 
 
+def _admitted_flags(plan: StepPlan) -> tuple[bool, ...]:
+    """Per row: admitted by ``plan`` (a new request life; see ``StepPlan.num_admitted``)."""
+    return (False,) * plan.num_continuing + (True,) * plan.num_admitted
+
+
 def _same_run(plan: StepPlan, speculation: Speculation, keep: tuple[bool, ...]) -> bool:
     """True when ``plan`` is the speculative plan's kept rows with the same blocks, positions, parameters and
     host-fed tokens (a row the device fed has the real token in ``plan`` and a placeholder in the speculative
@@ -167,8 +172,10 @@ def _same_run(plan: StepPlan, speculation: Speculation, keep: tuple[bool, ...]) 
     def kept(values: tuple[object, ...]) -> tuple[object, ...]:
         return values if all_kept else tuple(compress(values, keep))
 
-    fields = ("seq_ids", "start_positions", "block_tables", "sample", "params", "num_generated", "histories")
+    fields = ("seq_ids", "start_positions", "block_tables", "sample", "params", "num_generated", "histories", "slots")
     if not all(getattr(plan, name) == kept(getattr(speculative, name)) for name in fields):
+        return False
+    if _admitted_flags(plan) != kept(_admitted_flags(speculative)):
         return False
     fed = kept(speculation.fed)
     expected = kept(speculative.input_tokens)

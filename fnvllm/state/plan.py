@@ -45,13 +45,16 @@ class StepPlan:
     sample: whether to sample a token from the sequence's last fed position.
     params: each sequence's sampling parameters.
     num_generated: tokens each sequence had generated before this step (the seed offset of its next sample).
-    histories: prompt/output tokens for sequences whose params need them, else None.
+    histories: prompt/output tokens of each admitted row whose params need them (penalties), else None; a
+        continuing row's tokens are already where its sampler reads them (the executor's per-slot history).
     preempted: sequences preempted while planning this step (their KV is gone; they recompute later).
     num_admitted: the last ``num_admitted`` rows were admitted from waiting by this step, each starting at its
         prefix-cache hit (its start position); the rows before them were already running. An admitted row is a
         new life of its request id as far as any per-request state kept across steps is concerned: an id can be
         aborted and reused while a step is in flight, so only a row that is not admitted continues the sequence
         that the same id named in the previous step.
+    slots: each row's slot (``EngineState.slots``): the index of its per-request state on the device. An admitted
+        row's slot may have belonged to a request that left; the executor resets what it keeps there.
     """
 
     step: int
@@ -66,6 +69,7 @@ class StepPlan:
     histories: tuple[TokenHistory | None, ...] = ()
     preempted: tuple[str, ...] = ()
     num_admitted: int = 0
+    slots: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

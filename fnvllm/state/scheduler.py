@@ -21,7 +21,8 @@ from the back, so the kept rows are always a prefix of the columns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import count
 from operator import sub
 from typing import Any
 
@@ -52,6 +53,7 @@ class _Step:
         self.admitted: list[RunningRows] = []  # one row each, in admission order
         self.admitted_inputs: list[tuple[int, ...]] = []
         self.admitted_samples: list[bool] = []
+        self._free_slots: Iterator[int] | None = None  # the lowest free slots, ascending (on first admission)
 
     @property
     def num_scheduled(self) -> int:
@@ -69,6 +71,14 @@ class _Step:
         if not isinstance(self.tables, list):
             self.tables = list(self.tables)
         self.tables[index] = table
+
+    def take_slot(self) -> int:
+        """The lowest slot no running row holds and no admission of this step took. Admissions happen only in
+        steps that preempted nothing, so the running rows are all kept."""
+        if self._free_slots is None:
+            used = set(self.rows.slots)
+            self._free_slots = (slot for slot in count() if slot not in used)
+        return next(self._free_slots)
 
     def preempt_last(self) -> int:
         """Preempt the running row with the largest policy key (the last); returns its index."""
@@ -142,7 +152,7 @@ def _admit_one(step: _Step, rid: str) -> bool:
     if table is None:
         return False
     chain = kv.note_computing(request.prompt, chunks, (), prefix.chain, start, start + n)
-    step.admitted.append(RunningRows.one(request, start, num_tokens, output, table, chain))
+    step.admitted.append(RunningRows.one(request, start, num_tokens, output, table, chain, step.take_slot()))
     step.admitted_inputs.append(token_slice(request.prompt, chunks, (), start, start + n))
     step.admitted_samples.append(start + n == num_tokens)
     step.budget -= n
@@ -162,11 +172,15 @@ def _admit_waiting(step: _Step) -> None:
         step.waiting = waiting[admitted:]
 
 
-def _histories(state: EngineState, ids: tuple[str, ...]) -> tuple[TokenHistory | None, ...]:
-    """Prompt and output of each row whose sampler needs them (penalties), else None."""
+def _histories(state: EngineState, ids: tuple[str, ...], first_admitted: int) -> tuple[TokenHistory | None, ...]:
+    """Prompt and output of each admitted row whose sampler needs them (penalties), else None. A continuing row
+    needs none: the executor keeps each slot's tokens on the device (``fnvllm.executor.history``), so a row's
+    history crosses to the device once per admission, not every step."""
     requests, outputs = state.requests, state.outputs
-    return tuple(
-        TokenHistory(requests[rid].prompt, outputs[rid]) if requests[rid].params.needs_history else None for rid in ids
+    admitted = ids[first_admitted:]
+    return (None,) * first_admitted + tuple(
+        TokenHistory(requests[rid].prompt, outputs.rest[rid]) if requests[rid].params.needs_history else None
+        for rid in admitted
     )
 
 
@@ -176,16 +190,16 @@ def _build_plan(step: _Step, after: RunningRows) -> StepPlan:
     ``after`` is the running columns of the new state. In the usual step every running row is scheduled and the
     admitted rows went to the back, so the plan's ids, starts, tables and params are exactly those columns and
     are shared with the state instead of being assembled again."""
-    state, rows = step.state, step.rows
+    state = step.state
     k = step.decode_prefix
     decode_inputs = state.decode.inputs
     inputs = (decode_inputs if k == len(decode_inputs) else decode_inputs[:k]) + tuple(step.inputs)
     inputs += tuple(step.admitted_inputs)
     samples = (True,) * k + tuple(step.samples) + tuple(step.admitted_samples)
     shared = _shared_columns(step, after)
-    ids, starts, tables, params, generated = _plan_columns(step) if shared is None else shared
-    needs_history = rows.num_needing_history or any(row.num_needing_history for row in step.admitted)
-    histories = _histories(state, ids) if needs_history else (None,) * len(ids)
+    ids, starts, tables, params, generated, slots = _plan_columns(step) if shared is None else shared
+    needs_history = any(row.num_needing_history for row in step.admitted)
+    histories = _histories(state, ids, len(ids) - len(step.admitted)) if needs_history else (None,) * len(ids)
     return StepPlan(
         state.step,
         state.config.block_size,
@@ -199,22 +213,23 @@ def _build_plan(step: _Step, after: RunningRows) -> StepPlan:
         histories,
         tuple(step.preempted),
         len(step.admitted),
+        slots,
     )
 
 
 def _shared_columns(step: _Step, after: RunningRows) -> tuple[tuple[Any, ...], ...] | None:
-    """The plan's id, start, table, params and num_generated columns read from ``after`` (the new state's
+    """The plan's id, start, table, params, num_generated and slot columns read from ``after`` (the new state's
     running columns), when the plan's rows are exactly those rows in that order: every kept running row was
     scheduled and the admitted rows went to the back. None otherwise (then ``_plan_columns`` assembles them)."""
     m, admitted = step.num_scheduled, step.admitted
     if len(after.ids) != m + len(admitted) or after.ids[m:] != tuple(row.ids[0] for row in admitted):
         return None
     generated = tuple(map(sub, after.num_tokens, after.prompt_lens))
-    return after.ids, after.num_computed, after.block_tables, after.params, generated
+    return after.ids, after.num_computed, after.block_tables, after.params, generated, after.slots
 
 
 def _plan_columns(step: _Step) -> tuple[tuple[Any, ...], ...]:
-    """The plan's id, start, table, params and num_generated columns, assembled from the first
+    """The plan's id, start, table, params, num_generated and slot columns, assembled from the first
     ``num_scheduled`` running rows and the admitted rows (preemption, or an admission ahead of running rows)."""
     rows, m, new = step.rows, step.num_scheduled, step.admitted
     ids = rows.ids[:m] + tuple(row.ids[0] for row in new)
@@ -223,7 +238,8 @@ def _plan_columns(step: _Step) -> tuple[tuple[Any, ...], ...]:
     params = rows.params[:m] + tuple(row.params[0] for row in new)
     generated = tuple(map(sub, rows.num_tokens[:m], rows.prompt_lens))
     generated += tuple(row.num_tokens[0] - row.prompt_lens[0] for row in new)
-    return ids, starts, tables, params, generated
+    slots = rows.slots[:m] + tuple(row.slots[0] for row in new)
+    return ids, starts, tables, params, generated, slots
 
 
 def _policy_positions(state: EngineState, kept: tuple[str, ...], admitted: list[RunningRows]) -> list[int]:

@@ -46,6 +46,10 @@ class EngineState:
     num_computed: tokens whose KV is written, running requests only (absent = 0).
     block_tables: KV block ids, running requests only (absent = no blocks).
     chain_hashes: prefix-cache chain hashes of each live request's full blocks computed so far.
+    slots: each running request's slot, an index in [0, max_num_seqs) that no other running request holds, from
+        its admission until it leaves running (finish, abort, preemption); an admitted request takes the lowest
+        free one. Executors key per-request device state by it (a preempted request is re-admitted, possibly to
+        another slot, and its state rebuilt). Running requests only.
     pool: KV block bookkeeping and the prefix cache.
     step: index of the next plan ``schedule`` will produce.
     pending_step: the step planned but not yet committed, if any.
@@ -53,7 +57,7 @@ class EngineState:
     stop_token_union: the config's EOS ids and every live-or-past request's stop_token_ids; a sampled token
         outside it cannot stop anything, which lets commit skip per-sequence checks.
 
-    The five per-request fields are RowMaps (read them as mappings): their running part is the column of the same
+    The six per-request fields are RowMaps (read them as mappings): their running part is the column of the same
     name in ``rows`` (for ``outputs``: joined from its chunks and tails when first read), their ``rest`` the
     waiting requests' entries.
 
@@ -72,6 +76,7 @@ class EngineState:
     num_computed: RowMap[int]
     block_tables: RowMap[tuple[int, ...]]
     chain_hashes: RowMap[tuple[int, ...]]
+    slots: RowMap[int]
     pool: BlockPool
     step: int = 0
     pending_step: int | None = None
@@ -150,6 +155,7 @@ def with_rows(
         state.num_computed.with_rows(ids, rows.num_computed),
         state.block_tables.with_rows(ids, rows.block_tables),
         _row_map(state.chain_hashes, ids, rows.chain_hashes, rest_chains),
+        state.slots.with_rows(ids, rows.slots),
         state.pool if pool is None else pool,
         state.step if step is None else step,
         pending_step,
@@ -185,6 +191,7 @@ def initial_state(config: CoreConfig, policy: Policy = FCFS) -> EngineState:
         num_computed=RowMap.empty(),
         block_tables=RowMap.empty(),
         chain_hashes=RowMap.empty(),
+        slots=RowMap.empty(),
         pool=BlockPool.create(config.num_blocks),
         stop_token_union=config.eos_token_ids,
     )

@@ -1,26 +1,29 @@
 """Checkpoints written locally for tests and benchmarks (no model hub needed).
 
-- `write_tiny_checkpoint`: a tiny Qwen3 / Qwen2 / Llama written by transformers' own classes, so tests can
-  compare our model against Hugging Face's on the very same weights.
-- `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B shapes with random weights, written straight to
-  safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
+- `write_tiny_checkpoint`: a tiny Qwen3 / Qwen3-MoE / Qwen2 / Llama written by transformers' own classes, so
+  tests can compare our model against Hugging Face's on the very same weights.
+- `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B shapes with random weights, written
+  straight to safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
+  Qwen3-30B-A3B is ~61 GB in bf16: streamed like the others, after checking the disk has room.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import torch
 
-Family = Literal["qwen3", "qwen2", "llama"]
-ShapeName = Literal["qwen3-0.6b", "qwen3-8b"]
+Family = Literal["qwen3", "qwen3_moe", "qwen2", "llama"]
+ShapeName = Literal["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"]
 
 _HF_CLASSES: Mapping[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }
@@ -64,6 +67,27 @@ QWEN3_SHAPES: Mapping[str, Mapping[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+# The published Qwen3-30B-A3B config.json's numbers (transformers' Qwen3MoeConfig() defaults differ).
+QWEN3_MOE_SHAPES: Mapping[str, Mapping[str, Any]] = {
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+    },
+}
 _SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
@@ -100,6 +124,7 @@ def write_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     shard: bool = False,
+    moe: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a random tiny HF checkpoint (config, safetensors, generation_config) to `path`; returns the path.
 
@@ -107,15 +132,20 @@ def write_tiny_checkpoint(
     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}. Weights are drawn with std `init_std`
     (larger than HF's 0.02 so tiny models give varied logits) and norm weights / biases are randomised too, so
     every tensor matters. eos_token_id defaults to vocab_size - 1. shard=True splits into several files.
+    moe: the Qwen3MoeConfig fields of family "qwen3_moe" (required there, refused elsewhere), e.g.
+    {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    "mlp_only_layers": [1]}; the router and experts are drawn with std `init_std` too.
     """
     import transformers
 
     if family not in _HF_CLASSES:
         raise ValueError(f"family {family!r} is not supported; supported: {tuple(_HF_CLASSES)}")
+    if (family == "qwen3_moe") != (moe is not None):
+        raise ValueError(f"moe options are required for family 'qwen3_moe' and only for it (family {family!r})")
     config_name, model_name = _HF_CLASSES[family]
     eos = vocab_size - 1 if eos_token_id is None else eos_token_id
     rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-    extra = {} if head_dim is None else {"head_dim": head_dim}
+    extra = {**({} if head_dim is None else {"head_dim": head_dim}), **(moe or {})}
     config = getattr(transformers, config_name)(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -172,32 +202,44 @@ def write_random_checkpoint(
     num_layers overrides the layer count (a shrunk copy for quick tests). The config.json mirrors the real
     model's (transformers 4.51 format); generation_config.json mirrors Qwen3's. Tensors are tiled from one
     random pool, streamed to disk without materialising any tensor, so 8B writes at disk speed; they are not
-    independent draws (fine for throughput work).
+    independent draws (fine for throughput work). OSError before writing when the disk lacks the room.
     """
-    if shape_name not in QWEN3_SHAPES:
-        raise ValueError(f"shape_name {shape_name!r} is not supported; supported: {tuple(QWEN3_SHAPES)}")
+    shapes_by_name = {**QWEN3_SHAPES, **QWEN3_MOE_SHAPES}
+    if shape_name not in shapes_by_name:
+        raise ValueError(f"shape_name {shape_name!r} is not supported; supported: {tuple(shapes_by_name)}")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r} is not supported; supported: ('bfloat16', 'float16', 'float32')")
-    config = {**_QWEN3_COMMON, **QWEN3_SHAPES[shape_name], "torch_dtype": dtype}
+    config = {**_QWEN3_COMMON, **shapes_by_name[shape_name], "torch_dtype": dtype}
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
     config["max_window_layers"] = config["num_hidden_layers"]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    _check_room(out, sum(math.prod(s) for s in qwen3_tensor_shapes(config).values()) * getattr(torch, dtype).itemsize)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_QWEN3_GENERATION_CONFIG, indent=2) + "\n")
     _write_shards(out, qwen3_tensor_shapes(config), getattr(torch, dtype), seed, max_shard_bytes)
     return out
 
 
+def _check_room(folder: Path, nbytes: int) -> None:
+    """OSError naming the folder when its file system has less than ``nbytes`` (+1 GiB) free."""
+    free = shutil.disk_usage(folder).free
+    if free < nbytes + 1024**3:
+        raise OSError(
+            f"writing the checkpoint needs {nbytes / 1e9:.1f} GB but {folder} has {free / 1e9:.1f} GB free "
+            "(point TMPDIR, or --model with a written checkpoint, at a larger disk)"
+        )
+
+
 def qwen3_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for a Qwen3 config dict, in the order HF stores them."""
+    """HF tensor name -> shape for a Qwen3 or Qwen3-MoE config dict, in the order HF stores them."""
     hidden, heads, kv_heads = (
         config["hidden_size"],
         config["num_attention_heads"],
         config["num_key_value_heads"],
     )
-    head_dim, inter, vocab = config["head_dim"], config["intermediate_size"], config["vocab_size"]
+    head_dim, vocab = config["head_dim"], config["vocab_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -209,12 +251,29 @@ def qwen3_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]
         shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
         shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes.update(_mlp_shapes(config, i, p + "mlp."))
     shapes["model.norm.weight"] = (hidden,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _mlp_shapes(config: Mapping[str, Any], layer: int, p: str) -> dict[str, tuple[int, ...]]:
+    """The MLP tensors of one layer: a router and per-expert projections on a sparse Qwen3-MoE layer (HF's rule:
+    not in mlp_only_layers and (layer + 1) divisible by decoder_sparse_step), else gate/up/down."""
+    hidden = config["hidden_size"]
+    num_experts = config.get("num_experts", 0)
+    sparse = layer not in config.get("mlp_only_layers", []) and (layer + 1) % config.get("decoder_sparse_step", 1) == 0
+    if not num_experts or not sparse:
+        inter = config["intermediate_size"]
+        return {p + "gate_proj.weight": (inter, hidden), p + "up_proj.weight": (inter, hidden),
+                p + "down_proj.weight": (hidden, inter)}  # fmt: skip
+    inter = config["moe_intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (num_experts, hidden)}
+    for e in range(num_experts):
+        shapes[f"{p}experts.{e}.gate_proj.weight"] = (inter, hidden)
+        shapes[f"{p}experts.{e}.up_proj.weight"] = (inter, hidden)
+        shapes[f"{p}experts.{e}.down_proj.weight"] = (hidden, inter)
     return shapes
 
 

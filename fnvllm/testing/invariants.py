@@ -276,6 +276,7 @@ def _check_row_maps(state: EngineState) -> None:
         "num_computed": (state.num_computed, rows.num_computed, set()),
         "block_tables": (state.block_tables, rows.block_tables, set()),
         "chain_hashes": (state.chain_hashes, rows.chain_hashes, waiting),
+        "slots": (state.slots, rows.slots, set()),
     }
     for name, (mapping, column, rest_ids) in parts.items():
         if mapping.row_ids != state.running or tuple(mapping.row_values) != tuple(column):
@@ -322,7 +323,7 @@ def _check_persistent_maps(state: EngineState) -> None:
         "pool.cached": state.pool.cached,
         "pool.hash_to_block": state.pool.hash_to_block,
     }
-    for name in ("num_tokens", "outputs", "num_computed", "block_tables", "chain_hashes"):
+    for name in ("num_tokens", "outputs", "num_computed", "block_tables", "chain_hashes", "slots"):
         maps[f"{name}.rest"] = getattr(state, name).rest
     for name, mapping in maps.items():
         shards = mapping._shards
@@ -394,9 +395,13 @@ def check_plan(config: CoreConfig, before: EngineState, after: EngineState, plan
         fail(f"max_num_seqs: plan has {plan.num_seqs}, running {len(after.running)} > {config.max_num_seqs}")
     if len(set(plan.seq_ids)) != plan.num_seqs:
         fail(f"plan: a sequence is scheduled twice: {plan.seq_ids}")
-    columns = (plan.input_tokens, plan.start_positions, plan.block_tables, plan.sample, plan.params)
+    columns = (plan.input_tokens, plan.start_positions, plan.block_tables, plan.sample, plan.params, plan.slots)
     if any(len(c) != plan.num_seqs for c in (*columns, plan.num_generated, plan.histories)):
         fail(f"plan: columns of different lengths for {plan.num_seqs} sequences")
+    admitted = tuple(rid not in before.num_computed for rid in plan.seq_ids)
+    if admitted != (False,) * plan.num_continuing + (True,) * plan.num_admitted:
+        fail(f"plan: num_admitted={plan.num_admitted}, but the rows admitted from waiting are {admitted}")
+    _check_admitted_slots(config, before, plan)
     for i, rid in enumerate(plan.seq_ids):
         _check_row(config, before, after, plan, i, rid)
     _check_preempted(before, after, plan)
@@ -424,10 +429,35 @@ def _check_row(config: CoreConfig, before: EngineState, after: EngineState, plan
         fail(f"plan: running {rid!r} restarts at {start}, but {before.num_computed[rid]} tokens were computed")
     if after.num_computed.get(rid) != start:
         fail(f"plan: {rid!r} num_computed {after.num_computed.get(rid)} != plan start {start} before commit")
+    admitted = rid not in before.num_computed  # only an admitted row carries its history (the executor keeps it)
     history = TokenHistory(request.prompt, full[len(request.prompt) :]) if _uses_penalty(request.params) else None
+    history = history if admitted else None
     num_generated = len(full) - len(request.prompt)
+    if plan.slots[i] != after.slots.get(rid):
+        fail(f"plan: {rid!r} slot {plan.slots[i]} is not its state slot {after.slots.get(rid)}")
     if plan.params[i] != request.params or plan.num_generated[i] != num_generated or plan.histories[i] != history:
         fail(f"plan: {rid!r} params / num_generated / history do not match the request")
+
+
+def _check_admitted_slots(config: CoreConfig, before: EngineState, plan: StepPlan) -> None:
+    """Admitted rows take the lowest slots that the running rows (all kept: admissions happen only in steps
+    that preempt nothing) do not hold, in admission order."""
+    if not plan.num_admitted:
+        return
+    used = set(before.slots.values())
+    free = [slot for slot in range(config.max_num_seqs) if slot not in used]
+    if plan.slots[plan.num_continuing :] != tuple(free[: plan.num_admitted]):
+        fail(f"slots: admitted rows took {plan.slots[plan.num_continuing :]}, the lowest free are {free}")
+
+
+def check_slots(state: EngineState) -> None:
+    """Every running request holds a slot in [0, max_num_seqs) that no other running request holds; waiting
+    requests hold none."""
+    slots = [state.slots.get(rid) for rid in state.running]
+    if set(state.slots) != set(state.running):
+        fail(f"slots: held by {sorted(state.slots)}, but running are {sorted(state.running)}")
+    if len(set(slots)) != len(slots) or any(s is None or not 0 <= s < state.config.max_num_seqs for s in slots):
+        fail(f"slots: running {state.running} hold {slots} (distinct, in [0, {state.config.max_num_seqs}))")
 
 
 def _check_no_duplicate_prefill(config: CoreConfig, before: EngineState, plan: StepPlan) -> None:

@@ -263,6 +263,11 @@ class CoreStateMachine(RuleBasedStateMachine):
                 inv.fail(f"{name} queue out of {self.policy.name} order: {list(zip(queue, keys, strict=True))}")
 
     @invariant()
+    def slots_distinct(self) -> None:
+        """Each running request holds its own slot in [0, max_num_seqs); waiting ones hold none."""
+        inv.check_slots(self.state)
+
+    @invariant()
     def prefix_cache_consistent(self) -> None:
         """The hash map is the inverse of the cached blocks and consistent with their contents and chains."""
         inv.check_prefix_cache(self.state)
@@ -285,6 +290,7 @@ class CoreStateMachine(RuleBasedStateMachine):
             self.ref_counts_match_holders,
             self.queues_consistent,
             self.outputs_match_model,
+            self.slots_distinct,
             self.prefix_cache_consistent,
             self.kv_consistent,
         ):
@@ -300,9 +306,12 @@ class CoreStateMachine(RuleBasedStateMachine):
         )
         note(f"state, plan = schedule(state)  # step {plan.step}: [{rows}] preempted={list(plan.preempted)}")
         inv.check_plan(self.config, before, self.state, plan)
-        for rid, history in zip(plan.seq_ids, plan.histories, strict=True):
-            if (history is not None) != uses_history(self.model.requests[rid].params):
-                inv.fail(f"plan: {rid!r} carries history={history is not None} but its penalties say otherwise")
+        for i, (rid, history) in enumerate(zip(plan.seq_ids, plan.histories, strict=True)):
+            expected = i >= plan.num_continuing and uses_history(self.model.requests[rid].params)
+            if (history is not None) != expected:
+                inv.fail(
+                    f"plan: {rid!r} carries history={history is not None}; expected only at admission with a penalty"
+                )
         self.pending = plan
         _record_events(before, plan)
         return plan

@@ -294,3 +294,27 @@ def test_stale_derived_state_is_caught(
     ones; the first bug changes no output, so no other invariant could see it."""
     monkeypatch.setattr(owner, "drop", stale_drop)
     hunt(CoreStateMachine, "derived")
+
+
+# ----- slots -----
+
+
+def _slot_after_the_last(self: object) -> int:
+    """Hands out one past the running rows' count: collides once a row that was not last has left."""
+    step = self  # a scheduler._Step
+    return len(step.rows.ids) + len(step.admitted)  # type: ignore[attr-defined]
+
+
+def _slot_never_reused(self: object) -> int:
+    """Hands out ever-growing slots (never reusing a freed one): past max_num_seqs sooner or later."""
+    step = self
+    return len(step.state.requests) + step.state.next_arrival  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("planted", [_slot_after_the_last, _slot_never_reused])
+def test_wrong_slot_allocation_is_caught(monkeypatch: pytest.MonkeyPatch, planted: Callable[..., int]) -> None:
+    """A scheduler that gives two running requests one slot, or a slot outside [0, max_num_seqs), is caught."""
+    from fnvllm.state import scheduler
+
+    monkeypatch.setattr(scheduler._Step, "take_slot", planted)
+    hunt(UnderPressure, "slots")

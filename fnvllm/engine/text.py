@@ -1,0 +1,81 @@
+"""The text side of the engine: local tokenizer loading, each request's incremental detokenizer and chat
+templating, defined once for every front end (``LLM``, the server, the CLI). It holds no model or device state,
+so the server's web process uses it without building an executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fnvllm.detokenizer import IncrementalDetokenizer
+from fnvllm.model.config import CheckpointError
+from fnvllm.state import InvalidRequestError, SamplingParams
+from fnvllm.state.checks import show
+
+# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not: transformers then builds a
+# placeholder tokenizer from the model type, with the wrong EOS id).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+Conversation = Sequence[Mapping[str, Any]]
+
+
+def detokenizer_for(
+    tokenizer: Any | None, prompt_ids: tuple[int, ...], params: SamplingParams
+) -> IncrementalDetokenizer | None:
+    """The incremental detokenizer of one request under ``tokenizer`` (None without one)."""
+    if tokenizer is None:
+        return None
+    return IncrementalDetokenizer(tokenizer, prompt_ids, True, params.stop, params.include_stop_str_in_output)
+
+
+DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]
+
+
+def detokenizer_factory(tokenizer: Any | None) -> DetokenizerFactory:
+    """``detokenizer_for`` bound to ``tokenizer`` (what an engine core that holds no EngineParts is given)."""
+    return lambda prompt_ids, params: detokenizer_for(tokenizer, prompt_ids, params)
+
+
+def render_chat(tokenizer: Any, conversation: Conversation, **template_kwargs: Any) -> str:
+    """The conversation rendered by the tokenizer's chat template with the assistant's turn opened.
+
+    Raises InvalidRequestError naming ``messages`` when the template fails (jinja2 errors, a role order the
+    template refuses, a tokenizer without a template: all come from the input)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in conversation], tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+    except Exception as e:
+        raise InvalidRequestError(f"messages: the chat template failed: {e}") from None
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"messages: the chat template returned {show(text)}, not text")
+    return text
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer vocabulary (one of TOKENIZER_FILES)."""
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_local_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in ``folder``, never from the network: a folder that does not exist, or holds no
+    tokenizer vocabulary (see TOKENIZER_FILES), is a clear error instead of a hub lookup (which retries for a
+    minute offline) or a placeholder tokenizer (which transformers builds from the model type, EOS id and all).
+    Pass ``load_tokenizer=False`` for token-id-only use."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer folder {str(folder)!r} does not exist (tokenizers load only from local folders)"
+        )
+    if not has_tokenizer_files(folder):
+        raise CheckpointError(
+            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
+            "or load_tokenizer=False to use token-id prompts only"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, its own) for broken files
+        raise CheckpointError(f"{folder}: the tokenizer cannot be loaded ({type(e).__name__}: {e})") from None

@@ -1,0 +1,148 @@
+"""Each request's tokens on the device, kept per slot, so that penalties read them where the sampler runs.
+
+Repetition, presence and frequency penalties need a row's prompt and output tokens. Sending them with every plan
+costs the host O(batch x history) per step (tens of ms at 256 rows) and keeps the step from being planned before
+the previous one's tokens are known (overlap). Instead the pure state gives every running request a slot
+(``EngineState.slots``), the plan carries a row's history once, when it is admitted (``StepPlan.histories``), and
+the executor keeps a (num_slots, max_model_len) int32 buffer of token ids on the device:
+
+    admission:       tokens[slot, 0:n]   = prompt + outputs so far          (host -> device, once per admission)
+    after sampling:  tokens[slot, ctx]   = the token just sampled           (device -> device, every step)
+
+where ``ctx = start + fed tokens`` is the row's context length, so ``tokens[slot, 0:ctx]`` is always its whole
+sequence when it samples. Every write is keyed by (slot, position): a speculative step that is dropped wrote only
+positions its replacement writes again, or that no reader reaches before they are rewritten (a row reads
+``[0, ctx)`` and its next sample lands at ``ctx``), so overlapped and plain stepping read the same tokens.
+
+Penalties are then applied densely over the vocabulary for the penalised rows only (P of the S sampled rows):
+one scatter of their tokens into (P, V) counts and seen-masks, then
+
+    repetition (HF), on every token seen in prompt or output:   logit = logit / r if logit > 0 else logit * r
+    presence / frequency (OpenAI), on output tokens:            logit -= frequency * count + presence * (count > 0)
+
+The buffer is allocated on the first penalised request (42 MB at 256 slots of 40,960 tokens); steps without a
+penalised row do no work here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from fnvllm.kernels.attention import upload
+from fnvllm.state.plan import StepPlan
+
+
+@attrs.frozen(eq=False)
+class DensePenalties:
+    """One step's penalties of P rows, read from the slot buffer.
+
+    rows: (P,) int64 indexes of the penalised rows among the sampled rows. counts: (P, V) int32 output-token
+    counts. seen: (P, V) bool, tokens seen in prompt or output. repetition / frequency / presence: (P,) float32.
+    """
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    seen: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (S, V) with the penalties applied to the penalised rows; a new tensor, input untouched."""
+        out = logits.clone()
+        picked = logits.index_select(0, self.rows).float()  # (P, V)
+        rep = self.repetition[:, None]
+        repeated = torch.where(picked > 0, picked / rep, picked * rep)
+        picked = torch.where(self.seen, repeated, picked)
+        counts = self.counts.float()
+        picked = picked - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
+        return out.index_copy_(0, self.rows, picked.to(out.dtype))
+
+
+class SlotHistory:
+    """The per-slot token buffer of one executor (see the module docstring).
+
+    num_slots: the core's max_num_seqs (slots are in [0, num_slots)). max_len: the core's max_model_len.
+    """
+
+    def __init__(self, num_slots: int, max_len: int, vocab_size: int, device: torch.device) -> None:
+        self.num_slots, self.max_len, self.vocab_size, self.device = num_slots, max_len, vocab_size, device
+        self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32, on the first penalised request
+
+    def admit(self, plan: StepPlan) -> None:
+        """Write the history of every admitted row that carries one (penalised rows) into its slot."""
+        if not plan.num_admitted:
+            return
+        first = plan.num_continuing
+        admitted = [(plan.slots[i], h) for i, h in enumerate(plan.histories[first:], first) if h is not None]
+        if not admitted:
+            return
+        tokens = self._buffer()
+        slots = np.repeat([s for s, _ in admitted], [len(h.prompt) + len(h.output) for _, h in admitted])
+        positions = np.concatenate([np.arange(len(h.prompt) + len(h.output)) for _, h in admitted])
+        ids = np.concatenate([np.asarray(h.prompt + h.output, dtype=np.int64) for _, h in admitted])
+        packed = upload(np.stack([slots.astype(np.int64), positions, ids]), self.device)  # (3, N): one copy
+        tokens.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
+
+    def penalties(self, plan: StepPlan, rows: Sequence[int]) -> DensePenalties | None:
+        """The dense penalties of the sampled ``rows`` (plan rows, in sampling order) that have one; None when
+        none has. Reads every penalised row's tokens ``[0, ctx)`` from its slot."""
+        picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
+        if not picked:
+            return None
+        tokens = self._buffer()
+        ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for _, i in picked]
+        ints = np.array(
+            [
+                [k for k, _ in picked],
+                [plan.slots[i] for _, i in picked],
+                ctx,
+                [plan.num_generated[i] for _, i in picked],
+            ],
+            dtype=np.int64,
+        )
+        params = [plan.params[i] for _, i in picked]
+        reals = np.array(
+            [
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            dtype=np.float32,
+        )
+        on = upload(ints, self.device)  # (4, P): row among the sampled, slot, context length, outputs
+        factors = upload(np.ascontiguousarray(reals), self.device)  # (3, P): repetition, frequency, presence
+        width = max(ctx)
+        seq = tokens.index_select(0, on[1])[:, :width].long()  # (P, L) each row's tokens, padded past ctx
+        position = torch.arange(width, device=self.device)
+        valid = position < on[2][:, None]  # (P, L)
+        output = valid & (position >= (on[2] - on[3])[:, None])
+        vocab = self.vocab_size
+        counts = torch.zeros(len(picked), vocab + 1, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(1, torch.where(output, seq, vocab), torch.ones_like(seq, dtype=torch.int32))
+        seen = torch.zeros(len(picked), vocab + 1, dtype=torch.bool, device=self.device)
+        seen.scatter_(1, torch.where(valid, seq, vocab), True)
+        return DensePenalties(on[0], counts[:, :vocab], seen[:, :vocab], factors[0], factors[1], factors[2])
+
+    def record(self, plan: StepPlan, rows: Sequence[int], sampled: torch.Tensor) -> None:
+        """Write each penalised row's new token (``sampled``: (S,) ids of ``rows``, on the device) at its
+        context length, where its next step reads it."""
+        if self.tokens is None:
+            return  # no penalised request was ever admitted
+        picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
+        ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for _, i in picked]
+        at = np.array([[k for k, _ in picked], [plan.slots[i] for _, i in picked], ctx], dtype=np.int64)  # (3, P)
+        at = at[:, at[2] < self.max_len]  # a row at max_model_len has finished: nothing reads past it
+        if not at.shape[1]:
+            return
+        on = upload(at, self.device)
+        self.tokens.index_put_((on[1], on[2]), sampled.index_select(0, on[0]).to(torch.int32))
+
+    def _buffer(self) -> torch.Tensor:
+        if self.tokens is None:
+            self.tokens = torch.zeros(self.num_slots, self.max_len, dtype=torch.int32, device=self.device)
+        return self.tokens

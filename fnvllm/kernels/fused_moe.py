@@ -1,0 +1,286 @@
+"""The routed experts of a mixture-of-experts layer in Triton, beside the torch reference (``fused_moe_ref``).
+
+Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
+a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
+
+1. ``align_by_expert`` (``moe_align.py``; two Triton launches at decode sizes): the T*K assignments (flat
+   index a = t*K + k) sorted by expert, each expert's group padded to a multiple of BLOCK_M, so that every block
+   of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot count is bounded without
+   reading the routing, so the grid is fixed for a given T.
+2. ``_gate_up_kernel``: per (block of slots, block of I): gather the tokens' rows of x, multiply by the block's
+   expert's gate and up rows (two accumulators), and store silu(gate) * up for each assignment: (T*K, I).
+3. ``_down_kernel``: per (block of slots, block of H): that times the expert's down projection, scaled by the
+   assignment's routing weight, stored per assignment: (T*K, H).
+4. ``_combine_kernel``: the K rows of each token summed in float32 in k order (deterministic, unlike atomic
+   adds into the output from the down kernel).
+
+Block sizes are picked by the mean number of assignments per expert (``pick_config``): few (decode) -> small
+BLOCK_M, every expert's weights streamed once (bandwidth); many (prefill) -> large tiles (compute). Within a
+block of slots the weight tiles are walked along N with the slot blocks grouped (GROUP_M), so programs that run
+together read the same expert's tiles.
+
+Float32 inputs multiply in IEEE float32 (no TF32), so float32 models match Hugging Face's; 16-bit inputs
+accumulate in float32 and round once per stored tensor. Products go through decode_attention's ``dot``, which
+widens 16-bit operands under the CPU interpreter only (whose bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+from fnvllm.kernels.moe_align import ExpertAlignment, align_by_expert, align_by_expert_ref, max_slots
+from fnvllm.model.ops import fused_moe_ref
+
+__all__ = [
+    "ExpertAlignment",
+    "MoeKernelConfig",
+    "align_by_expert",
+    "align_by_expert_ref",
+    "fused_moe",
+    "fused_moe_ref",
+    "max_slots",
+    "pick_config",
+]
+
+
+@attrs.frozen
+class MoeKernelConfig:
+    """Tile sizes and launch shape of both grouped GEMMs (BLOCK_* >= 16: tl.dot's minimum).
+
+    block_n is the gate_up kernel's N tile, which it holds twice (a gate and an up accumulator); the down kernel,
+    with one accumulator, uses 2 * block_n, so both hold the same number of accumulator registers.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# By mean assignments per expert (T*K / E). Qwen3-30B-A3B (E 128, top-8): a 1-16 token decode step has <= 1 per
+# expert, a 256-token one 16 (at most ~30 on one expert, one BLOCK_M of 32: each expert's weights are read once),
+# an 8192-token prefill 512 (compute-bound: 128 x 128 tiles, counting both accumulators).
+SMALL_CONFIG = MoeKernelConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
+DECODE_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+MEDIUM_CONFIG = MoeKernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+PREFILL_CONFIG = MoeKernelConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelConfig:
+    """The tile config for a step of ``num_tokens`` tokens, by mean assignments per expert."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 4:
+        return SMALL_CONFIG
+    if per_expert <= 24:
+        return DECODE_CONFIG
+    if per_expert <= 96:
+        return MEDIUM_CONFIG
+    return PREFILL_CONFIG
+
+
+@triton.jit
+def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(block of slots, block of N) of program ``pid``, slot blocks grouped by GROUP_M (L2 reuse)."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_slots_ptr,
+    num_assignments,
+    num_m,
+    hidden,
+    inter,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[a, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_assignments
+    tokens = (ids // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_ok = offs_k < hidden - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g += dot(a, g, PRECISION, UPCAST)
+        acc_u += dot(a, u, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    weights_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_slots_ptr,
+    num_assignments,
+    num_m,
+    hidden,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[a, n] = weight[a] * (act[a] . down_e[n]) for the slots of one block and H tile."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_assignments
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + ids[:, None].to(tl.int64) * stride_act + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        k_ok = offs_k < inter - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot(a, b, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    scale = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * scale[:, None]
+    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeKernelConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts (shapes and result as ``fused_moe_ref``) by the kernels above; ``config`` overrides
+    the tile config ``pick_config`` would choose."""
+    _check_args(x, w_gate_up, w_down, topk_weights, topk_ids)
+    (num_tokens, hidden), (num_experts, inter2, _) = x.shape, w_gate_up.shape
+    top_k, inter = topk_ids.shape[1], inter2 // 2
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    cfg = config or pick_config(num_tokens, num_experts, top_k)
+    align = align_by_expert(topk_ids, num_experts, cfg.block_m)
+    num_m, n = align.block_experts.numel(), num_tokens * top_k
+    precision, upcast = dot_precision(x.dtype), upcast_dot(x.device)  # upcast: the interpreter's bf16 dot is wrong
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # (T*K, I)
+    grid = (num_m * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_kernel[grid](
+        x, w_gate_up, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    per_assignment = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # (T*K, H)
+    grid = (num_m * triton.cdiv(hidden, 2 * cfg.block_n),)
+    _down_kernel[grid](
+        act, w_down, topk_weights.reshape(-1), per_assignment, align.sorted_ids, align.block_experts,
+        align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
+        per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return combine(per_assignment.view(num_tokens, top_k, hidden))
+
+
+def combine(per_assignment: torch.Tensor) -> torch.Tensor:
+    """(T, K, H) -> (T, H): each token's K weighted expert outputs summed in float32 in k order, rounded once."""
+    num_tokens, top_k, hidden = per_assignment.shape
+    out = torch.empty(num_tokens, hidden, dtype=per_assignment.dtype, device=per_assignment.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](per_assignment, out, hidden, TOP_K=top_k, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(TOP_K):
+        acc += tl.load(src_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_args(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """Raise ValueError naming the argument when shapes, dtypes or strides do not fit the kernels."""
+    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"x must be (T, H), weights (E, 2I, H) and (E, H, I); got {x.shape}, {w_gate_up.shape}, "
+                         f"{w_down.shape}")  # fmt: skip
+    (num_tokens, hidden), (num_experts, inter2, w_hidden) = x.shape, w_gate_up.shape
+    if w_hidden != hidden or inter2 % 2 or tuple(w_down.shape) != (num_experts, hidden, inter2 // 2):
+        raise ValueError(
+            f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} do not fit x {tuple(x.shape)}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be (T={num_tokens}, K); got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")  # fmt: skip
+    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
+        raise ValueError(f"x, w_gate_up and w_down must share a dtype; got {x.dtype}, {w_gate_up.dtype}, "
+                         f"{w_down.dtype}")  # fmt: skip
+    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down), ("topk_weights", topk_weights)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
+    if not topk_weights.is_contiguous():
+        raise ValueError("topk_weights must be contiguous")

@@ -1,0 +1,51 @@
+"""The sparse mixture-of-experts block of Qwen3-MoE: a router and the routed experts (no shared expert).
+
+    logits = x @ gate.T                       (T, E)  replicated on every rank
+    probs  = softmax(logits) in float32       top-k of them per token, renormalised to sum 1 if norm_topk_prob
+                                              (``ops.route``)
+    out    = sum_k w_k * expert_{e_k}(x)      by ``ops.fused_moe`` over the stacked expert weights
+
+As Hugging Face's Qwen3MoeTopKRouter, the top-k weights are rounded to the activation dtype before use. Under
+tensor parallelism every rank holds every expert's slice of the intermediate dim (``sharding.ParallelExperts``),
+so the routed sum is a partial one and the block all-reduces it, as the dense MLP does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fnvllm.model.config import ModelConfig
+from fnvllm.model.ops import TORCH_OPS, ModelOps
+from fnvllm.model.sharding import SINGLE, ParallelExperts, TensorParallel, all_reduce
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``) and experts (``experts``) of one Qwen3-MoE layer (HF's ``mlp.`` names)."""
+
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if config.moe is None:
+            raise ValueError(f"SparseMoeBlock needs a config with moe (architecture {config.architecture})")
+        self.ops = ops
+        self.tp = tp
+        self.top_k = config.moe.num_experts_per_tok
+        self.normalize = config.moe.norm_topk_prob
+        dtype = config.torch_dtype
+        self.gate = nn.Linear(config.hidden_size, config.moe.num_experts, bias=False, dtype=dtype)
+        self.experts = ParallelExperts(
+            config.moe.num_experts, config.hidden_size, config.moe.moe_intermediate_size, dtype, tp
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden_size) -> (T, hidden_size)."""
+        weights, ids = self.ops.route(F.linear(x, self.gate.weight), self.top_k, self.normalize)  # (T, K) each
+        partial = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return all_reduce(partial, self.tp)
+
+
+def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Experts a layer is expected to read for ``num_tokens`` tokens routed uniformly at random, top_k each:
+    E * (1 - (1 - k/E)^n). Qwen3-30B-A3B (E 128, k 8): 1 token 8, 16 tokens 82, 64 tokens 126, 256 all 128."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)

@@ -1,0 +1,255 @@
+"""The fused-MoE Triton kernel and its token alignment against the torch reference: under the interpreter at tiny
+and odd sizes (experts with no token, one token, all tokens; one-token steps), on a GPU at Qwen3-30B-A3B sizes
+and inside a CUDA graph. Tolerances on ||out - ref|| / ||ref|| as in test_kernels_triton.py."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
+if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
+        allow_module_level=True,
+    )
+
+from fnvllm.kernels import fused_moe as fm  # noqa: E402
+from fnvllm.kernels import moe_route  # noqa: E402
+from fnvllm.model.ops import route_ref as route  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TINY = fm.MoeKernelConfig(block_m=16, block_n=16, block_k=16, group_m=2)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere in out (an unwritten element) gives inf."""
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def problem(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Random x, stacked weights and a softmax top-k routing (weights, ids) on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = route(torch.randn(num_tokens, num_experts, generator=gen), top_k, normalize=True)
+    tensors = (x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights.to(dtype), ids)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+def check(args: tuple[torch.Tensor, ...], config: fm.MoeKernelConfig | None = TINY) -> None:
+    """fused_moe equals fused_moe_ref on ``args`` (reference in float32 from the same rounded inputs)."""
+    x, w_gate_up, w_down, weights, ids = args
+    out = fm.fused_moe(x, w_gate_up, w_down, weights, ids, config)
+    ref = fm.fused_moe_ref(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, ref) < TOLERANCE[x.dtype]
+
+
+@given(
+    ids=st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=2, unique=True), min_size=1, max_size=20),
+    block_m=st.sampled_from([1, 2, 4, 16]),
+)
+def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: list[list[int]], block_m: int) -> None:
+    """Every assignment appears in exactly one slot, each used block holds one expert's assignments only, groups
+    are padded to whole blocks and fit the static bound, and blocks past the used ones name no expert."""
+    topk_ids = torch.tensor(ids, device=DEVICE)
+    n = topk_ids.numel()
+    align = fm.align_by_expert_ref(topk_ids, 6, block_m)
+    used = int(align.num_slots)
+    assert used % block_m == 0 and used <= align.sorted_ids.numel() == fm.max_slots(n, 6, block_m)
+    slots = align.sorted_ids.tolist()
+    assert sorted(s for s in slots if s < n) == list(range(n))
+    assert all(s == n for s in slots[used:])
+    flat = topk_ids.reshape(-1).tolist()
+    for b, expert in enumerate(align.block_experts.tolist()):
+        members = [s for s in slots[b * block_m : (b + 1) * block_m] if s < n]
+        if b * block_m >= used:
+            assert expert == 6 and not members
+        else:
+            assert members and all(flat[s] == expert for s in members)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts", "block_m"),
+    [(5, 1, 3, 4), (7, 2, 8, 16), (1, 8, 128, 16), (300, 8, 128, 32), (9, 3, 200, 16)],
+)
+def test_alignment_kernel_equals_torch_path(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+    """The two-launch Triton alignment gives exactly the torch path's slots, block experts and slot count
+    (several chunks; a non-power-of-two expert count)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
+    got, ref = fm.align_by_expert(ids, num_experts, block_m), fm.align_by_expert_ref(ids, num_experts, block_m)
+    for field in ("sorted_ids", "block_experts", "num_slots"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference_odd_sizes(dtype: torch.dtype) -> None:
+    """Hidden 40 and intermediate 24 (not multiples of the tiles), 7 tokens over 8 experts top-2 (some experts
+    get no token)."""
+    args = problem(7, 40, 24, 8, 2, dtype)
+    assert torch.unique(args[4]).numel() < 8
+    check(args)
+
+
+@settings(max_examples=20)
+@given(
+    num_tokens=st.integers(1, 20),
+    hidden=st.integers(1, 80),
+    inter=st.integers(1, 40),
+    num_experts=st.integers(1, 10),
+    data=st.data(),
+)
+def test_kernel_matches_reference_any_small_shape(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, data: st.DataObject
+) -> None:
+    """Any small shape (one expert, top-k = E, widths below the tile or not multiples of it) computes the
+    reference."""
+    top_k = data.draw(st.integers(1, min(num_experts, 4)), label="top_k")
+    check(problem(num_tokens, hidden, inter, num_experts, top_k, torch.float32, seed=num_tokens))
+
+
+def test_kernel_one_token_step() -> None:
+    """A one-token step (M=1): its top-3 experts each get exactly one assignment."""
+    check(problem(1, 32, 16, 6, 3, torch.float32, seed=1))
+
+
+def test_kernel_all_tokens_on_one_expert() -> None:
+    """All 40 tokens routed to expert 3 (top-1): one expert's group spans several blocks, the others are empty."""
+    x, w_gate_up, w_down, _, _ = problem(40, 32, 16, 6, 1, torch.float32, seed=2)
+    ids = torch.full((40, 1), 3, device=DEVICE)
+    weights = torch.rand(40, 1, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    check((x, w_gate_up, w_down, weights, ids))
+
+
+@pytest.mark.parametrize("config", [fm.SMALL_CONFIG, fm.DECODE_CONFIG, fm.MEDIUM_CONFIG, fm.PREFILL_CONFIG])
+def test_kernel_shipped_configs(config: fm.MoeKernelConfig) -> None:
+    """Each shipped tile config computes the reference (tiles larger than the tiny problem are masked)."""
+    check(problem(9, 48, 40, 4, 2, torch.float32, seed=3), config)
+
+
+def test_pick_config_by_assignments_per_expert() -> None:
+    """Qwen3-30B-A3B sizes: a 256-token decode step gets the decode tiles, an 8192-token prefill the large ones."""
+    assert fm.pick_config(256, 128, 8) == fm.DECODE_CONFIG
+    assert fm.pick_config(1, 128, 8) == fm.SMALL_CONFIG
+    assert fm.pick_config(8192, 128, 8) == fm.PREFILL_CONFIG
+
+
+def test_empty_step_and_bad_arguments() -> None:
+    """No tokens gives an empty result; mismatched shapes and dtypes are ValueErrors naming the argument."""
+    x, w_gate_up, w_down, weights, ids = problem(3, 32, 16, 4, 2, torch.float32)
+    assert fm.fused_moe(x[:0], w_gate_up, w_down, weights[:0], ids[:0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        fm.fused_moe(x, w_gate_up, w_down[:, :, :8], weights, ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fm.fused_moe(x, w_gate_up, w_down, weights[:2], ids[:2])
+    with pytest.raises(ValueError, match="share a dtype"):
+        fm.fused_moe(x.bfloat16(), w_gate_up, w_down, weights, ids)
+
+
+def test_route_matches_transformers_router() -> None:
+    """route() picks the same experts and weights as transformers' Qwen3MoeTopKRouter, normalised or not."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    x = torch.randn(11, 32, generator=torch.Generator().manual_seed(4))
+    for normalize in (True, False):
+        cfg = Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=normalize)
+        router = Qwen3MoeTopKRouter(cfg)
+        torch.nn.init.normal_(router.weight, std=0.3)
+        _, hf_weights, hf_ids = router(x)
+        weights, ids = route(x @ router.weight.T, 3, normalize)
+        assert torch.equal(ids, hf_ids)
+        torch.testing.assert_close(weights, hf_weights)
+
+
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (6, 1), (5, 5), (128, 8), (100, 3)])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_kernel_matches_reference(num_experts: int, top_k: int, normalize: bool, dtype: torch.dtype) -> None:
+    """The one-kernel router picks the reference's experts, best first, with its weights (non-power-of-two
+    expert counts, k = 1 and k = E)."""
+    logits = torch.randn(13, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(dtype).to(DEVICE)
+    weights, ids = moe_route.route(logits, top_k, normalize)
+    ref_weights, ref_ids = moe_route.route_ref(logits, top_k, normalize)
+    assert torch.equal(ids, ref_ids) and weights.dtype == dtype
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def test_route_kernel_worked_example() -> None:
+    """logits [0, ln 3, ln 2, 0], k=2: ids [1, 2], weights [3/7, 2/7], normalised [0.6, 0.4]."""
+    logits = torch.tensor([[0.0, math.log(3), math.log(2), 0.0]], device=DEVICE)
+    weights, ids = moe_route.route(logits, 2, normalize=False)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[3 / 7, 2 / 7]], device=DEVICE))
+    torch.testing.assert_close(moe_route.route(logits, 2, normalize=True)[0], torch.tensor([[0.6, 0.4]], device=DEVICE))
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route.route(logits, 5, normalize=True)
+
+
+# ---------------------------------------------------------------------------------------------- GPU, real sizes
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_gpu_qwen3_30b_a3b_sizes(num_tokens: int) -> None:
+    """Hidden 2048, 128 experts of intermediate 768, top-8, bf16, with the config pick_config chooses."""
+    check(problem(num_tokens, 2048, 768, 128, 8, torch.bfloat16), None)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_routing() -> None:
+    """The kernel captures in a CUDA graph (no host sync) and replays correctly after x and the routing change."""
+    x, w_gate_up, w_down, weights, ids = problem(64, 256, 128, 16, 4, torch.bfloat16)
+    fm.fused_moe(x, w_gate_up, w_down, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w_gate_up, w_down, weights, ids)
+    new = problem(64, 256, 128, 16, 4, torch.bfloat16, seed=9)
+    for dest, src in ((x, new[0]), (weights, new[3]), (ids, new[4])):
+        dest.copy_(src)
+    graph.replay()
+    ref = fm.fused_moe_ref(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_route_kernel_real_sizes() -> None:
+    """The router kernel at a 256-token decode step of Qwen3-30B-A3B (128 experts, top-8, bf16 logits)."""
+    logits = torch.randn(256, 128, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = moe_route.route(logits, 8, normalize=True)
+    ref_weights, ref_ids = moe_route.route_ref(logits, 8, normalize=True)
+    assert (ids == ref_ids).float().mean() > 0.99  # bf16 logits tie now and then; the order of a tie may differ
+    torch.testing.assert_close(weights.sort(dim=-1).values, ref_weights.sort(dim=-1).values, rtol=1e-2, atol=1e-3)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_reference_captures_in_a_cuda_graph() -> None:
+    """fused_moe_ref (model_ops "torch" on a GPU) can be captured: it switches to every expert on every token."""
+    x, w_gate_up, w_down, weights, ids = problem(16, 64, 32, 8, 2, torch.float32)
+    expected = fm.fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe_ref(x, w_gate_up, w_down, weights, ids)
+    graph.replay()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
