@@ -29,7 +29,7 @@ from fnvllm.executor.threads import SMALL_MODEL_PARAMS, matmul_params
 from fnvllm.state import SamplingParams
 
 # name -> write_tiny_checkpoint keywords (None: the embedded demo model). "tiny" is fnvllm bench's tiny shape.
-SHAPES: dict[str, dict[str, int] | None] = {
+SHAPES: dict[str, dict[str, Any] | None] = {
     "demo": None,
     "tiny": {"vocab_size": 10240, "hidden_size": 128, "num_layers": 2},
     "small": {"vocab_size": 10240, "hidden_size": 512, "num_layers": 6, "intermediate_size": 1536},

@@ -10,6 +10,8 @@ it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fnvllm.config import EngineConfig
 from fnvllm.demo import model_path
 from fnvllm.engine.build import build_engine
@@ -30,7 +32,8 @@ def main() -> dict[str, str]:
     """Run the loop; print each request's text when it finishes; return the texts by request id."""
     options = EngineConfig(device="cpu", block_size=16, num_blocks=64, max_num_seqs=2)  # 2: requests must queue
     parts = build_engine(model_path(), options)  # what LLM builds: tokenizer, executor, core settings
-    executor, tokenizer = parts.executor, parts.tokenizer
+    executor = parts.executor
+    tokenizer: Any = parts.tokenizer  # the demo model ships one: never None here
     state = initial_state(parts.engine.config, SHORTEST_FIRST)  # a CoreConfig sized for the executor's KV cache
     greedy = SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=24)
     for i, prompt in enumerate(PROMPTS):

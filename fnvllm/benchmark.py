@@ -247,7 +247,7 @@ def _timeline_summary(timeline: Any, on_gpu: bool) -> dict[str, Any] | None:
     """The timeline's summary; on a CPU its "gpu" times are step wall times, and are named so."""
     if timeline is None:
         return None
-    summary = timeline.summary()
+    summary: dict[str, Any] = timeline.summary()
     if on_gpu:
         return summary
     renamed = {"mean_gpu_ms": "mean_step_ms", "total_gpu_s": "total_step_s"}

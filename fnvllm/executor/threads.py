@@ -38,7 +38,7 @@ def matmul_params(config: Any) -> int:
     """Weights one token multiplies through: attention and MLP projections of every layer, and the LM head."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    return config.num_hidden_layers * per_layer + config.vocab_size * h
+    return int(config.num_hidden_layers * per_layer + config.vocab_size * h)
 
 
 def user_chose_threads() -> bool:
