@@ -33,7 +33,7 @@ import triton.testing
 from triton.runtime.errors import OutOfResources
 
 from fnvllm.kernels import fused_moe as fm
-from fnvllm.model.ops import route_ref as route
+from fnvllm.kernels.reference import route_ref as route
 
 DEV = "cuda"
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8

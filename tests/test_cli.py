@@ -182,6 +182,17 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
     assert options["block_size"] == 32 and options["seed"] == 9 and options["enable_prefix_caching"] is False
 
 
+def test_generate_model_that_is_a_file_says_so(tmp_path: Path) -> None:
+    """``fnvllm generate --model FILE`` says the path is a file, not that the folder "does not exist"."""
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    done = subprocess.run(
+        [sys.executable, "-m", "fnvllm.cli", "generate", "--model", str(file), "hi"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "is a file, not a folder" in done.stderr and "does not exist" not in done.stderr
+
+
 @pytest.mark.parametrize("num_requests", ["1", "3"])
 def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str, tmp_path: Path) -> None:
     """``fnvllm bench`` on the tiny shape works with fewer requests than its 4-request warm-up, prints no GPU-only

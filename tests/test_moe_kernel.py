@@ -24,7 +24,7 @@ if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "In
 
 from fnvllm.kernels import fused_moe as fm  # noqa: E402
 from fnvllm.kernels import moe_route  # noqa: E402
-from fnvllm.model.ops import route_ref as route  # noqa: E402
+from fnvllm.kernels.reference import route_ref as route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

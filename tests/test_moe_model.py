@@ -155,7 +155,7 @@ def test_random_writer_names_match_transformers(tmp_path: Path) -> None:
 
 def test_all_experts_reference_equals_sparse_reference() -> None:
     """The capturable every-expert reference computes the sparse reference's result (unchosen experts add 0)."""
-    from fnvllm.model.ops import fused_moe_all_experts_ref, fused_moe_ref, route_ref
+    from fnvllm.kernels.reference import fused_moe_all_experts_ref, fused_moe_ref, route_ref
 
     gen = torch.Generator().manual_seed(0)
     x, w_gate_up = torch.randn(9, 32, generator=gen), torch.randn(6, 40, 32, generator=gen)

@@ -117,7 +117,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``fnvllm serve`` started with the README's arguments on a free port; yields its host:port."""
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         pytest.importorskip(module, reason="the server needs the [serve] extra")
-    from fnvllm.serve.process import ServerProcess
+    from fnvllm.serve.server_process import ServerProcess
 
     (start,) = [c for b in blocks("bash") for c in commands(b) if c.startswith("fnvllm serve")]
     args = shlex.split(start.rstrip("&").strip())[2:]

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from tiny_models import write_family  # noqa: E402
 
 from fnvllm.llm import LLM  # noqa: E402
-from fnvllm.serve.process import ServerProcess  # noqa: E402
+from fnvllm.serve.server_process import ServerProcess  # noqa: E402
 from fnvllm.state import SamplingParams  # noqa: E402
 
 API_KEY = "sk-test-key"

@@ -33,7 +33,7 @@ from fnvllm.serve.bench import (
     served_model,
     summary,
 )
-from fnvllm.serve.process import ServerProcess
+from fnvllm.serve.server_process import ServerProcess
 from fnvllm.state import SamplingParams
 
 PROMPT = [5, 9, 13, 200, 7, 42, 42, 11]

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx", reason="installed with openai")
 
 from tiny_models import write_family  # noqa: E402
 
-from fnvllm.serve.process import ServerProcess  # noqa: E402
+from fnvllm.serve.server_process import ServerProcess  # noqa: E402
 
 MODEL = "tiny"
 # One running sequence at a time and one waiting slot, so a third concurrent request finds the queue full.

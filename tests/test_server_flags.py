@@ -20,7 +20,7 @@ from fnvllm.cli import build_parser, main  # noqa: E402
 from fnvllm.cli._common import engine_options  # noqa: E402
 from fnvllm.config import EngineConfig  # noqa: E402
 from fnvllm.llm import LLM  # noqa: E402
-from fnvllm.serve.process import ServerProcess  # noqa: E402
+from fnvllm.serve.server_process import ServerProcess  # noqa: E402
 from fnvllm.state import SamplingParams  # noqa: E402
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--attention-backend", "torch", "--num-blocks", "64"]

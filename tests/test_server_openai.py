@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx", reason="installed with openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_models import write_family  # noqa: E402
 
-from fnvllm.serve.process import ServerProcess  # noqa: E402
+from fnvllm.serve.server_process import ServerProcess  # noqa: E402
 
 MODEL = "tiny"
 BLOCK = 8

@@ -23,7 +23,7 @@ from tiny_models import write_family  # noqa: E402
 from fnvllm.engine.text import load_local_tokenizer  # noqa: E402
 from fnvllm.llm import LLM  # noqa: E402
 from fnvllm.serve import EngineFailure, EngineOverloaded, EngineStartupError, ProcessEngine, RequestStream  # noqa: E402
-from fnvllm.serve.process import ServerProcess  # noqa: E402
+from fnvllm.serve.server_process import ServerProcess  # noqa: E402
 from fnvllm.state import SamplingParams  # noqa: E402
 
 OPTIONS: dict[str, Any] = {

@@ -142,6 +142,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def missing_folder(path: Path) -> str:
+    """Why ``path`` is not a checkpoint folder, in words: "is a file, not a folder" or "does not exist"."""
+    return (
+        "is a file, not a folder (a checkpoint is a folder holding config.json)" if path.exists() else "does not exist"
+    )
+
+
 def load_llm(model: str | Path | None, options: dict[str, Any]) -> Any:
     """``LLM(model, **options)`` (model None = the embedded demo model); load failures become one-line errors:
     a broken or missing checkpoint exits 1, an option the model or machine cannot take exits 2."""
@@ -151,7 +158,7 @@ def load_llm(model: str | Path | None, options: dict[str, Any]) -> Any:
         _require_cuda()
     folder = Path(model) if model is not None else model_path()
     if not folder.is_dir():
-        raise CLIError(f"model folder {str(folder)!r} does not exist", code=1)
+        raise CLIError(f"model folder {str(folder)!r} {missing_folder(folder)}", code=1)
     from fnvllm.kernels.backends import BackendUnavailableError
     from fnvllm.llm import LLM
     from fnvllm.model.config import CheckpointError

@@ -17,6 +17,7 @@ from fnvllm.cli._common import (
     add_sampling_args,
     engine_options,
     load_llm,
+    missing_folder,
     one_line_errors,
     output_json,
     print_summary,
@@ -167,7 +168,7 @@ def split_model(inputs: list[str], model_flag: str | None, other_sources: bool) 
         return str(Path(first).expanduser()), inputs[1:]
     looks_like_path = "/" in first and not any(c.isspace() for c in first)
     if looks_like_path and (len(inputs) > 1 or other_sources):
-        raise CLIError(f"model folder {first!r} does not exist", code=1)
+        raise CLIError(f"model folder {first!r} {missing_folder(Path(first).expanduser())}", code=1)
     return None, inputs
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
 from fnvllm.kernels.moe_align import ExpertAlignment, align_by_expert, align_by_expert_ref, max_slots
-from fnvllm.model.ops import fused_moe_ref
+from fnvllm.kernels.reference import fused_moe_ref
 
 __all__ = [
     "ExpertAlignment",

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.model.ops import add_rmsnorm_ref as fused_add_rmsnorm_ref
-from fnvllm.model.ops import norm_rotary_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from fnvllm.kernels.reference import add_rmsnorm_ref as fused_add_rmsnorm_ref
+from fnvllm.kernels.reference import norm_rotary_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
 __all__ = [
     "fused_add_rmsnorm",

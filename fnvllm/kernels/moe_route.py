@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.model.ops import route_ref
+from fnvllm.kernels.reference import route_ref
 
 __all__ = ["route", "route_ref"]
 

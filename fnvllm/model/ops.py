@@ -8,11 +8,10 @@ Every decoder layer runs a residual add + RMSNorm twice, a rotary embedding on q
 (Qwen3) an RMSNorm per q/k head. In plain torch each is 3-10 tiny kernels; at a decode batch of 256 that is
 ~30 launches per layer whose cost adds up even inside a CUDA graph. ``ModelOps`` is the value that says which
 implementation a model uses; it is fixed when the model is built (no global switch), and every implementation
-computes the same function as the torch reference here (tests compare them).
+computes the same function as its torch reference (tests compare them).
 
-Numerics follow Hugging Face's Llama/Qwen code: RMSNorm normalises in float32 and casts back before the weight;
-the residual add happens in the activation dtype; the rotation is done in float32 (neox style: the two halves of
-each head pair up).
+The torch references (and their numerics) are in ``fnvllm.kernels.reference``, beside the kernels tested
+against them.
 """
 
 from __future__ import annotations
@@ -21,97 +20,16 @@ from collections.abc import Callable
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-
-def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * normalise(x) over the last dim (float32 statistics); same shape and dtype as x."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def add_rmsnorm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual), x + residual): the residual-stream update fused with the next norm."""
-    residual = x + residual
-    return rmsnorm_ref(residual, weight, eps), residual
-
-
-def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, H, D) by per-token angles (cos/sin (T, D/2) float32), neox style, in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def norm_rotary_ref(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """Per-head RMSNorm of x (T, H, D) by weight (D,) (skipped when None), then the rotation: Qwen3's q/k path."""
-    return rotary_ref(x if weight is None else rmsnorm_ref(x, weight, eps), cos, sin)
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] (T, 2I); returns (T, I)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def route_ref(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A MoE router's choice for logits (T, E): (weights, expert ids), both (T, top_k), best first. Softmax in
-    float32, top-k, renormalised to sum 1 when ``normalize``, weights rounded to the logits' dtype (as HF's
-    Qwen3MoeTopKRouter)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, K)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
-
-
-def fused_moe_ref(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """The routed experts of a mixture-of-experts layer, one expert at a time (as Hugging Face's loop).
-
-    x (T, H); w_gate_up (E, 2I, H) = [gate rows | up rows] of every expert; w_down (E, H, I); topk_weights and
-    topk_ids (T, K): token t goes to experts topk_ids[t] with weights topk_weights[t]. Returns (T, H) in x's dtype:
-    out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with e = topk_ids[t, k], summed
-    in float32. Experts no token chose cost nothing (only the chosen ones are visited). Visiting only those
-    needs the host, so inside a CUDA-graph capture (model_ops "torch" on a GPU) every expert runs on every
-    token instead (``fused_moe_all_experts_ref``: the same sums in the same expert order, plus exact zeros).
-    """
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return fused_moe_all_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
-    for expert in torch.unique(topk_ids).tolist():
-        rows, slots = (topk_ids == expert).nonzero(as_tuple=True)  # token and top-k slot of each assignment
-        act = silu_and_mul_ref(F.linear(x[rows], w_gate_up[expert]))  # (n, I)
-        y = F.linear(act, w_down[expert]).float() * topk_weights[rows, slots, None].float()  # (n, H)
-        out.index_add_(0, rows, y)
-    return out.to(x.dtype)
-
-
-def fused_moe_all_experts_ref(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """``fused_moe_ref`` without host syncs: every expert on every token, weighted by 0 where it was not chosen
-    (E times the work; capturable in a CUDA graph)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
-    for expert in range(w_gate_up.shape[0]):
-        weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1)  # (T,), 0 when not chosen
-        y = F.linear(silu_and_mul_ref(F.linear(x, w_gate_up[expert])), w_down[expert])  # (T, H)
-        out += y.float() * weight[:, None]
-    return out.to(x.dtype)
+from fnvllm.kernels.reference import (
+    add_rmsnorm_ref,
+    fused_moe_ref,
+    norm_rotary_ref,
+    rmsnorm_ref,
+    rotary_ref,
+    route_ref,
+    silu_and_mul_ref,
+)
 
 
 @attrs.frozen
