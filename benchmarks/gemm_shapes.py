@@ -6,6 +6,7 @@ setup show up on the host?). Prints mean host microseconds per launch for both.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -24,6 +25,10 @@ def host_us(ms: list[int], weight: torch.Tensor) -> float:
 
 
 def main() -> None:
+    """Print host microseconds per launch for repeated, new and rounded M (needs a CUDA GPU)."""
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gemm_shapes.py times cuBLAS launches: it needs a CUDA GPU")
     weight = torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16)  # Qwen3-0.6B gate/up-like
     host_us([16384] * 8, weight)  # warm-up
     print(f"repeated M=16384: {host_us([16384] * 64, weight):.1f} us/launch")

@@ -8,6 +8,7 @@ block the host (synchronizations, blocking copies, allocations) under torch.prof
 
 from __future__ import annotations
 
+import argparse
 import functools
 import tempfile
 import time
@@ -44,6 +45,10 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def main() -> None:
+    """Profile the mixed steps of the bench's prompts on a random Qwen3-0.6B (needs a CUDA GPU)."""
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_mixed.py profiles CUDA launches: it needs a CUDA GPU")
     folder = write_checkpoint("qwen3-0.6b", Path(tempfile.mkdtemp(prefix="fnvllm-mixed-")))
     llm = LLM(folder, load_tokenizer=False, block_size=256, max_num_batched_tokens=16384, max_num_seqs=512,
               max_model_len=4096)  # fmt: skip

@@ -140,7 +140,7 @@ def _bench_cell(record: dict | None, note: str) -> str:
     if record is None:
         return "FAILED: " + note.replace("\n", " | ")[-400:]
     keys = ("tok_per_s", "seconds", "output_tokens", "fraction_of_floor", "cuda_graphs", "num_blocks", "preemptions")
-    return ", ".join(f"{k}={record[k]}" for k in keys)
+    return ", ".join(f"{k}={record[k]}" for k in keys if k in record)  # no floor fields on a CPU dry run
 
 
 def _print_table(rows: list[tuple[str, str]]) -> None:

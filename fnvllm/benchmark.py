@@ -16,9 +16,12 @@ step; fewer as the batch drains).
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from fnvllm.workloads import bench_workload
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
 SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
+WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 
 
 def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None) -> int:
@@ -71,9 +75,54 @@ def write_checkpoint(shape: str, folder: Path) -> Path:
     """A random checkpoint of ``shape`` ("tiny", "qwen3-0.6b", "qwen3-8b") in ``folder``."""
     from fnvllm.testing.checkpoints import write_random_checkpoint, write_tiny_checkpoint
 
-    if shape == "tiny":
-        return write_tiny_checkpoint(folder, "qwen3", vocab_size=10240, hidden_size=128, num_layers=2)
+    if shape == "tiny":  # one small file: no "Writing model shards" bar from transformers
+        from transformers.utils import logging as hf_logging
+
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            return write_tiny_checkpoint(folder, "qwen3", vocab_size=10240, hidden_size=128, num_layers=2)
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
     return write_random_checkpoint(folder, shape)
+
+
+class Progress:
+    """Plain progress lines on stderr every ``every_s`` seconds while the timed run goes (for logs and pipes,
+    where a progress bar cannot redraw): elapsed time, output tokens so far of the total, tok/s.
+
+    A daemon thread reads ``llm.stats`` (a frozen value the engine replaces after each step), so the engine loop
+    itself does no extra work."""
+
+    def __init__(self, llm: Any, total_tokens: int, every_s: float) -> None:
+        self.llm, self.total_tokens, self.every_s = llm, total_tokens, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._report, name="bench-progress", daemon=True)
+
+    def __enter__(self) -> Progress:
+        """Start reporting."""
+        self._start, self._base = time.perf_counter(), self.llm.stats.num_generated_tokens
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop reporting."""
+        self._stop.set()
+        self._thread.join()
+
+    def _report(self) -> None:
+        """The thread's body: one line per period until stopped."""
+        while not self._stop.wait(self.every_s):
+            done = self.llm.stats.num_generated_tokens - self._base
+            print(self.line(time.perf_counter() - self._start, done), file=sys.stderr, flush=True)
+
+    def line(self, seconds: float, done: int) -> str:
+        """One progress line: ``done`` output tokens after ``seconds``."""
+        share = 100 * done / max(1, self.total_tokens)
+        rate = done / seconds if seconds > 0 else 0.0
+        total = f"{self.total_tokens:,} output tokens ({share:.0f} %)"
+        return f"bench: {seconds:.0f} s, {done:,} of {total}, {rate:,.0f} tok/s"
 
 
 def run_bench(
@@ -84,43 +133,97 @@ def run_bench(
     max_output_len: int = 1024,
     read_tb_s: float = H200_READ_TB_S,
     use_tqdm: bool = False,
+    progress_every_s: float | None = None,
     **engine_options: Any,
 ) -> dict[str, Any]:
-    """Run the workload once to warm up (4 requests), then time it; returns the result record."""
+    """Run the workload once to warm up (its first 4 requests, 8 tokens each), then time it; returns the result
+    record. Without ``model``, a random checkpoint of ``model_shape`` is written to a temporary folder that is
+    deleted afterwards. ``progress_every_s``: print a plain progress line that often (None: none)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    workload = bench_workload(num_requests, max_input_len, max_output_len)
+    with checkpoint_folder(model, model_shape, announce=progress_every_s is not None) as folder:
+        if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
+            from fnvllm.model.config import ModelConfig
+
+            model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
+            engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
+        name = str(model) if model else model_shape
+        return _run(folder, name, workload, read_tb_s, use_tqdm, progress_every_s, engine_options)
+
+
+@contextlib.contextmanager
+def checkpoint_folder(model: str | Path | None, model_shape: str, announce: bool) -> Iterator[Path]:
+    """``model`` as a Path, or a random ``model_shape`` checkpoint in a temporary folder removed on exit."""
+    if model:
+        yield Path(model)
+        return
+    with tempfile.TemporaryDirectory(prefix="fnvllm-bench-") as tmp:
+        if announce:
+            print(f"bench: writing a random {model_shape} checkpoint to {tmp} (deleted afterwards)", file=sys.stderr)
+        yield write_checkpoint(model_shape, Path(tmp))
+
+
+def _run(
+    folder: Path,
+    name: str,
+    workload: tuple[list[list[int]], list[SamplingParams]],
+    read_tb_s: float,
+    use_tqdm: bool,
+    progress_every_s: float | None,
+    engine_options: dict[str, Any],
+) -> dict[str, Any]:
+    """``run_bench`` on a checkpoint folder."""
     from fnvllm.llm import LLM
 
-    folder = Path(model) if model else write_checkpoint(model_shape, Path(tempfile.mkdtemp(prefix="fnvllm-bench-")))
-    if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
-        from fnvllm.model.config import ModelConfig
-
-        model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
-        engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
+    prompts, params = workload
     llm = LLM(folder, load_tokenizer=False, **engine_options)
-    prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
-    llm.generate(prompts[:4], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)] * 4, use_tqdm=False)
-    start_stats, start_overlap, start = llm.stats, llm.loop.overlap_stats, time.perf_counter()
+    warm = prompts[:WARMUP_REQUESTS]
+    llm.generate(warm, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)] * len(warm), use_tqdm=False)
+    start_stats, start_overlap = llm.stats, llm.loop.overlap_stats
     if llm.executor.timeline is not None:
         llm.executor.timeline.records.clear()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    seconds = time.perf_counter() - start
+    total = sum(p.max_tokens for p in params)
+    with Progress(llm, total, progress_every_s) if progress_every_s is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    floor = floor_seconds(llm.model_config, [len(p) for p in prompts], [p.max_tokens for p in params], read_tb_s)
-    return {
-        "model": str(model) if model else model_shape,
+    on_gpu = llm.executor.device.type == "cuda"
+    result: dict[str, Any] = {
+        "model": name,
         "device": str(llm.executor.device),
         "backend": llm.executor.backend.name,
         "cuda_graphs": llm.executor.graphs is not None,
         "num_blocks": llm.executor.num_blocks,
-        "requests": num_requests,
+        "requests": len(prompts),
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 1),
-        "floor_tok_per_s": round(tokens / floor, 1),
-        "fraction_of_floor": round(floor / seconds, 3),
-        "steps": llm.stats.num_steps - start_stats.num_steps,
-        "preemptions": llm.stats.num_preemptions - start_stats.num_preemptions,
-        "overlap": llm.loop.overlap,
-        "speculative_steps_kept": llm.loop.overlap_stats.kept - start_overlap.kept,
-        "speculative_steps_dropped": llm.loop.overlap_stats.dropped - start_overlap.dropped,
-        "timeline": llm.executor.timeline.summary() if llm.executor.timeline is not None else None,
+    }
+    if on_gpu:  # the floor is a GPU roofline (read_tb_s): meaningless for a CPU run
+        floor = floor_seconds(llm.model_config, [len(p) for p in prompts], [p.max_tokens for p in params], read_tb_s)
+        result.update(floor_tok_per_s=round(tokens / floor, 1), fraction_of_floor=round(floor / seconds, 3))
+    result.update(
+        steps=llm.stats.num_steps - start_stats.num_steps,
+        preemptions=llm.stats.num_preemptions - start_stats.num_preemptions,
+        overlap=llm.loop.overlap,
+        speculative_steps_kept=llm.loop.overlap_stats.kept - start_overlap.kept,
+        speculative_steps_dropped=llm.loop.overlap_stats.dropped - start_overlap.dropped,
+        timeline=_timeline_summary(llm.executor.timeline, on_gpu),
+    )
+    return result
+
+
+def _timeline_summary(timeline: Any, on_gpu: bool) -> dict[str, Any] | None:
+    """The timeline's summary; on a CPU its "gpu" times are step wall times, and are named so."""
+    if timeline is None:
+        return None
+    summary: dict[str, Any] = timeline.summary()
+    if on_gpu:
+        return summary
+    renamed = {"mean_gpu_ms": "mean_step_ms", "total_gpu_s": "total_step_s"}
+    return {
+        kind: {renamed.get(k, k): v for k, v in part.items()} if isinstance(part, dict) else part
+        for kind, part in summary.items()
     }

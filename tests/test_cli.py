@@ -146,6 +146,7 @@ TOO_LONG = "x = 1\n" * 400
         (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
         (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),
         (["generate"], None, 2, "no prompt given"),
+        (["bench", "--num-requests", "0"], None, 1, "num_requests must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], stdin: str | None, code: int, needle: str) -> None:
@@ -190,3 +191,41 @@ def test_generate_model_that_is_a_file_says_so(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "is a file, not a folder" in done.stderr and "does not exist" not in done.stderr
+
+
+@pytest.mark.parametrize("num_requests", ["1", "3"])
+def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str, tmp_path: Path) -> None:
+    """``fnvllm bench`` on the tiny shape works with fewer requests than its 4-request warm-up, prints no GPU-only
+    fields on a CPU (with --profile too), and deletes the random checkpoint it wrote."""
+    env = {**ENV, "TMPDIR": str(tmp_path)}
+    args = ["bench", "--model-shape", "tiny", "--num-requests", num_requests, "--max-output-len", "100", "--json"]
+    args += ["--profile"] if num_requests == "1" else []
+    result = subprocess.run(
+        [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
+    )
+    record = json.loads(ok(result).stdout)
+    assert record["requests"] == int(num_requests) and record["device"] == "cpu" and record["output_tokens"] >= 100
+    assert not {"floor_tok_per_s", "fraction_of_floor"} & set(record)
+    assert "gpu" not in json.dumps(record.get("timeline"))  # a CPU step's time is named as such, not GPU time
+    assert "writing a random tiny checkpoint" in result.stderr  # stderr is a pipe: plain progress lines
+    assert not list(tmp_path.glob("fnvllm-bench-*"))
+
+
+def test_bench_defaults_depend_on_the_shape() -> None:
+    """The tiny shape gets the CPU-sized workload, the real shapes the nano-vllm one; explicit flags win."""
+    from fnvllm.cli.bench import resolve_workload
+
+    tiny = build_parser().parse_args(["bench", "--model-shape", "tiny", "--max-output-len", "200"])
+    resolve_workload(tiny)
+    assert (tiny.num_requests, tiny.max_input_len, tiny.max_output_len, tiny.block_size) == (32, 256, 200, 16)
+    real = build_parser().parse_args(["bench", "--model-shape", "qwen3-8b"])
+    resolve_workload(real)
+    assert (real.num_requests, real.max_input_len, real.max_output_len, real.block_size) == (256, 1024, 1024, 256)
+
+
+def test_bench_progress_line_reports_tokens_share_and_rate() -> None:
+    """The plain progress line (printed when stderr is not a terminal) says time, tokens of the total and tok/s."""
+    from fnvllm.benchmark import Progress
+
+    line = Progress(llm=None, total_tokens=4000, every_s=5.0).line(10.0, 1000)
+    assert line == "bench: 10 s, 1,000 of 4,000 output tokens (25 %), 100 tok/s"

@@ -34,6 +34,7 @@ from fnvllm.executor.fused_sampling import FusedSampler, check_finite, fused_tem
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
+from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata, upload
 from fnvllm.kernels.backends import resolve_backend
@@ -177,6 +178,7 @@ class ModelExecutor:
         self.guard = guard
         self.device = rank_device(config.device, tp)
         self.model_config = model_config or ModelConfig.from_pretrained(model_path, dtype=config.dtype)
+        set_cpu_threads(self.device, self.model_config, tp.world_size)  # one thread for small models (threads.py)
         self.dtype = self.model_config.torch_dtype
         self.num_kv_heads = local_heads(self.model_config, tp)[1]
         self.backend = resolve_backend(config.attention_backend, self.device)

@@ -63,7 +63,8 @@ def load_model(
     params = dict(model.named_parameters())
     with torch.no_grad():
         zero_vocab_padding(model)
-        for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not tp.is_first):
+        quiet = not tp.is_first or len(files) == 1  # a bar for one shard says nothing
+        for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=quiet):
             _load_file(file, targets, params)
     return model.requires_grad_(False).eval()
 

@@ -1,0 +1,94 @@
+"""Every script in benchmarks/ runs, so benchmarks cannot rot between GPU sessions.
+
+Scripts that work on a CPU run end to end on the tiny shape with tiny sizes; scripts that need a GPU (or a
+server, or a GPU run's output folder) must at least parse ``--help``, and the CUDA-only ones must refuse a CPU
+with a one-line reason; shell scripts must parse (``bash -n``); helper modules must import. A new file in
+benchmarks/ fails ``test_every_benchmark_file_is_covered`` until it is added to one of the tables below.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+# script -> arguments of a small CPU run (tiny shape, few requests)
+CPU_RUNS: dict[str, list[str]] = {
+    "bench_core.py": ["--sizes", "16", "--repeats", "1"],
+    "bench_llm.py": ["--model-shape", "tiny", "--num-requests", "2", "--max-input-len", "100", "--max-output-len",
+                     "100", "--json"],
+    "cpu_threads.py": ["--models", "demo", "tiny", "--repeats", "1", "--num-prompts", "2", "--max-tokens", "4"],
+    "gpu_equality.py": ["--model-shape", "tiny", "--num-prompts", "4"],
+    "profile_decode.py": ["--model-shape", "tiny", "--num-requests", "4", "--steps", "2"],
+    "bench_settings.py": ["--model-shape", "tiny", "--checkpoint", "{tmp}/ckpt", "--num-requests", "1", "--variants",
+                          "temperature", "--batches", "1"],
+}  # fmt: skip
+# scripts that need a GPU, a server or a GPU run's output: --help only
+HELP_ONLY = ("bench_attention.py", "bench_moe.py", "bench_serve.py", "sim_accuracy.py", "tp_check.py", "tp_profile.py")
+# CUDA-only scripts: --help, and a clear refusal on a CPU
+CUDA_ONLY = ("gemm_shapes.py", "profile_mixed.py")
+SHELL = ("gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
+MODULES = ("__init__.py", "workload.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run a command from the repository root with this checkout on the path, one CPU thread per op."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
+
+
+def test_every_benchmark_file_is_covered() -> None:
+    """Each file in benchmarks/ is in exactly one of the smoke tables."""
+    covered = [*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY, *SHELL, *MODULES]
+    assert len(covered) == len(set(covered))
+    present = {p.name for p in BENCHMARKS.iterdir() if p.is_file() and p.suffix in (".py", ".sh")}
+    assert present == set(covered), f"missing from the tables: {present - set(covered)}; gone: {set(covered) - present}"
+
+
+@pytest.mark.parametrize("script", sorted(CPU_RUNS))
+def test_cpu_script_runs_on_the_tiny_shape(script: str, tmp_path: Path) -> None:
+    """The script runs end to end on the CPU with tiny sizes and exits 0 ({tmp} in its arguments: a temp folder)."""
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in CPU_RUNS[script]]
+    result = run(sys.executable, str(BENCHMARKS / script), *args)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize("script", sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY]))
+def test_help_parses(script: str) -> None:
+    """``--help`` prints a usage line and exits 0 (imports and argument parsing work)."""
+    result = run(sys.executable, str(BENCHMARKS / script), "--help", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage:" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("script", CUDA_ONLY)
+def test_cuda_only_script_refuses_a_cpu_in_one_line(script: str) -> None:
+    """Without CUDA the script exits non-zero with one line saying it needs a CUDA GPU, not a traceback."""
+    result = run(sys.executable, str(BENCHMARKS / script), timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "needs a CUDA GPU" in result.stderr
+
+
+@pytest.mark.parametrize("script", SHELL)
+def test_shell_script_parses(script: str) -> None:
+    """``bash -n`` accepts the script."""
+    result = run("bash", "-n", str(BENCHMARKS / script), timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("module", [m.removesuffix(".py") for m in MODULES])
+def test_helper_module_imports(module: str) -> None:
+    """The helper module imports (as the scripts import it)."""
+    name = "benchmarks" if module == "__init__" else f"benchmarks.{module}"
+    result = run(sys.executable, "-c", f"import {name}", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
