@@ -31,11 +31,19 @@ CPU_RUNS: dict[str, list[str]] = {
                           "temperature", "--batches", "1"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
-HELP_ONLY = ("bench_attention.py", "bench_moe.py", "bench_serve.py", "sim_accuracy.py", "tp_check.py", "tp_profile.py")
+HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
+    "bench_attention.py",
+    "bench_moe.py",
+    "bench_serve.py",
+    "sim_accuracy.py",
+    "sim_calibration.py",
+    "tp_check.py",
+    "tp_profile.py",
+)
 # CUDA-only scripts: --help, and a clear refusal on a CPU
 CUDA_ONLY = ("gemm_shapes.py", "profile_mixed.py")
 SHELL = ("gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
-MODULES = ("__init__.py", "workload.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
+MODULES = ("__init__.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
