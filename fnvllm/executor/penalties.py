@@ -109,9 +109,13 @@ def prepare_penalties(
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
     """Logits (B, V) with repetition, then presence / frequency penalties; a new tensor, input untouched."""
-    out = logits.clone()
+    return apply_penalties_(logits.clone(), penalties)
+
+
+def apply_penalties_(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
+    """In place: repetition, then presence / frequency penalties on logits (B, V); returns ``logits``."""
     seen = (penalties.seen_rows, penalties.seen_ids)
-    values = out[seen]  # (N,)
+    values = logits[seen]  # (N,)
     rep = penalties.repetition[penalties.seen_rows]  # (N,)
-    out.index_put_(seen, torch.where(values > 0, values / rep, values * rep))
-    return out.index_put_((penalties.output_rows, penalties.output_ids), -penalties.output_penalty, accumulate=True)
+    logits.index_put_(seen, torch.where(values > 0, values / rep, values * rep))
+    return logits.index_put_((penalties.output_rows, penalties.output_ids), -penalties.output_penalty, accumulate=True)

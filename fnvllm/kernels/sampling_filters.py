@@ -27,49 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.sampling_ref import filtered_sample_ref, log_partition_ref
+
+__all__ = ["filtered_pick", "filtered_sample_ref", "log_partition", "log_partition_ref"]
+
 BLOCK = 2048  # tokens per streamed block of a row
 CANDIDATES = 16  # keys evaluated per search round
-
-
-def _scaled_ref(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 s = x * scale + 0 (the kernel's rounding; + 0 turns -0.0 into +0.0), scale 0 read as 1."""
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return logits.float() * scale[:, None] + 0.0
-
-
-def filtered_sample_ref(
-    logits: torch.Tensor,
-    scale: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> torch.Tensor:
-    """Torch reference of one draw per row by sorting: logits (R, V), scale (R,) float32 > 0, top_k (R,) int
-    (0 = off), top_p / min_p (R,) float32 (1 / 0 = off), uniforms (R,) in [0, 1). Returns (R,) int64 tokens.
-    Masses are float64 sums of float32 exp(s - M), so only a u or a threshold within rounding can differ."""
-    s = _scaled_ref(logits, scale)  # (R, V)
-    top = s.amax(dim=-1, keepdim=True)
-    e = (s - top).exp()  # float32, like the kernel
-    sorted_s, order = s.sort(dim=-1, descending=True)
-    cum = e.gather(1, order).double().cumsum(dim=-1)  # (R, V) mass of the j+1 best
-    vocab = s.shape[1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    tau_k = sorted_s.gather(1, (k - 1)[:, None])  # (R, 1)
-    last_k = (sorted_s >= tau_k).sum(dim=-1, keepdim=True) - 1  # last rank of the top-k survivors (ties kept)
-    target = top_p.double()[:, None] * cum.gather(1, last_k)
-    first = (cum < target).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)  # first rank whose mass reaches it
-    tau = torch.maximum(sorted_s.gather(1, first), tau_k)
-    kept = (s >= tau) & (e >= min_p[:, None])
-    cdf = torch.where(kept, e.double(), 0.0).cumsum(dim=-1)
-    sampled = torch.searchsorted(cdf, uniforms.double()[:, None] * cdf[:, -1:], right=True).squeeze(1)
-    last_kept = vocab - 1 - kept.flip(-1).int().argmax(dim=-1)
-    return torch.minimum(sampled, last_kept)
-
-
-def log_partition_ref(logits: torch.Tensor) -> torch.Tensor:
-    """(R,) float32 log sum exp of each raw logits row (R, V)."""
-    return logits.float().logsumexp(dim=-1)
 
 
 @triton.jit
@@ -126,7 +89,7 @@ def _filtered_pick_kernel(
     rows_ptr,  # (F,) int64 batch rows to filter
     src_ptr,  # (F,) int64 their rows in logits
     scale_ptr,  # (B,) float32 inverse temperatures (> 0 for these rows)
-    top_k_ptr,  # (B,) int32, 0 = off
+    top_k_ptr,  # (B,) int32 or int64, 0 = off
     top_p_ptr,  # (B,) float32, 1 = off
     min_p_ptr,  # (B,) float32, 0 = off
     uniform_ptr,  # (B,) float32 each row's uniform
@@ -195,14 +158,14 @@ def filtered_pick(
     """Overwrite out[0, rows] with a draw from each row's top-k / top-p / min-p filtered distribution.
 
     logits (N, V): row sources[i] holds batch row rows[i]; per-row settings are (B,) tensors indexed by batch row
-    (top_k int32, the rest float32); uniforms and row_max are those ``sample_rows`` recorded; out (2, B) int64.
+    (top_k an int tensor, the rest float32); uniforms and row_max are those ``sample_rows`` recorded; out (2, B) int64.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
     if rows.shape != sources.shape or rows.dim() != 1:
         raise ValueError(f"rows and sources must be equal-length 1-d, got {tuple(rows.shape)}, {tuple(sources.shape)}")
-    if top_k.dtype != torch.int32:
-        raise ValueError(f"top_k must be int32, got {top_k.dtype}")
+    if top_k.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
     if block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
     if rows.shape[0] == 0:
