@@ -12,11 +12,12 @@ theirs.) Then u ~ U(0, 1) picks the first v whose running kept mass exceeds u * 
 >= 1), masses above t = 1: 1 + 2 e^-1 = 1.74 and above t = 2: 1 >= 0.5 * 1.74, so tau = 2 and token 0 alone stays.
 
 The kernel finds each threshold without sorting, one program per filtered row, by a G-way search over the int32
-keys that order float32 values like the values do: each round streams the row once and evaluates count and mass
-at G candidate keys spread over the open range (lo, hi) (with g(lo) >= target > g(hi)), keeping the last candidate
-that still reaches the target as lo and, as hi, one above the largest key below the first one that does not. Range
-and key gaps shrink together, so a row whose top tokens stand apart (the usual case) settles in two or three rounds;
-worst case about 32 / log2(G) + 1. Rows without a filter never enter this kernel.
+keys that order float32 values like the values do: each round streams the row once and evaluates the count (top-k)
+or the mass (top-p) at G candidate keys spread over the open range (lo, hi) (with g(lo) >= target > g(hi)),
+keeping the last candidate that still reaches the target as lo and, as hi, one above the largest key below the
+first one that does not. Range and key gaps shrink together, so a row whose top tokens stand apart settles in a
+few rounds; worst case about 32 / log2(G) + 1 per search. Then one pass sums the kept mass and one more (stopping
+at the crossing) draws the token. Rows without a filter never enter this kernel.
 
 The log-partition kernel gives log sum exp(x) of the raw logits for the rows that asked for logprobs.
 """
@@ -32,6 +33,7 @@ from fnvllm.kernels.sampling_ref import filtered_sample_ref, log_partition_ref
 __all__ = ["filtered_pick", "filtered_sample_ref", "log_partition", "log_partition_ref"]
 
 BLOCK = 2048  # tokens per streamed block of a row
+SEARCH_BLOCK = 512  # tokens per block of a search round, which holds (CANDIDATES, SEARCH_BLOCK) temporaries
 CANDIDATES = 16  # keys evaluated per search round
 
 
@@ -43,36 +45,30 @@ def _key(s):
 
 
 @triton.jit
-def _search(row_ptr, vocab_size, scale, top, lo, lo_count, lo_mass, hi, target, BY_MASS: tl.constexpr,
-            BLOCK: tl.constexpr, G: tl.constexpr):  # fmt: skip
-    """(t, count(t), mass(t)) for the largest key t in [lo, hi) with g(t) >= target, where count / mass of t are
-    those of the row's tokens whose key is >= t and g is the mass (BY_MASS) or the count; requires
-    g(lo) >= target > g(hi) and lo_count / lo_mass those of lo."""
+def _search(row_ptr, vocab_size, scale, top, lo, hi, target, BY_MASS: tl.constexpr, BLOCK: tl.constexpr,
+            G: tl.constexpr):  # fmt: skip
+    """The largest key t in [lo, hi) (int64 scalars) with g(t) >= target, where g(t) is the mass (BY_MASS) or the
+    count of the row's tokens whose key is >= t; requires g(lo) >= target > g(hi)."""
     j = tl.arange(0, G)
     while hi - lo > 1:
         cand = (lo + 1 + ((hi - lo - 2) * j) // (G - 1)).to(tl.int32)  # (G,) from lo + 1 to hi - 1
-        count = tl.zeros([G], dtype=tl.float32)
-        mass = tl.zeros([G], dtype=tl.float32)
+        g = tl.zeros([G], dtype=tl.float32)
         below = tl.full([G], -2147483648, dtype=tl.int32)  # largest key under each candidate
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab_size
             s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * scale + 0.0
-            keys = _key(s)
-            e = tl.where(mask, tl.exp(s - top), 0.0)
-            ge = (keys[None, :] >= cand[:, None]) & mask[None, :]  # (G, BLOCK)
-            count += tl.sum(ge.to(tl.float32), axis=1)
-            mass += tl.sum(tl.where(ge, e[None, :], 0.0), axis=1)
-            under = tl.where(mask[None, :] & ~ge, keys[None, :], -2147483648)
-            below = tl.maximum(below, tl.max(under, axis=1))
-        g = mass if BY_MASS else count
+            keys = tl.where(mask, _key(s), -2147483648)  # a padding lane is below every candidate
+            ge = keys[None, :] >= cand[:, None]  # (G, BLOCK)
+            if BY_MASS:
+                g += tl.sum(tl.where(ge, tl.exp(s - top)[None, :], 0.0), axis=1)
+            else:
+                g += tl.sum(ge.to(tl.float32), axis=1)
+            below = tl.maximum(below, tl.max(tl.where(ge, -2147483648, keys[None, :]), axis=1))
         num_ok = tl.sum((g >= target).to(tl.int32), axis=0)  # g falls with the key: candidates 0..num_ok-1 reach it
-        at_ok = j == num_ok - 1
-        lo_count = tl.where(num_ok > 0, tl.sum(tl.where(at_ok, count, 0.0), axis=0), lo_count)
-        lo_mass = tl.where(num_ok > 0, tl.sum(tl.where(at_ok, mass, 0.0), axis=0), lo_mass)
-        lo = tl.where(num_ok > 0, tl.sum(tl.where(at_ok, cand, 0), axis=0).to(tl.int64), lo)
+        lo = tl.where(num_ok > 0, tl.sum(tl.where(j == num_ok - 1, cand, 0), axis=0).to(tl.int64), lo)
         hi = tl.where(num_ok < G, tl.sum(tl.where(j == num_ok, below, 0), axis=0).to(tl.int64) + 1, lo + 1)
-    return lo, lo_count, lo_mass
+    return lo
 
 
 @triton.jit
@@ -99,6 +95,7 @@ def _filtered_pick_kernel(
     vocab_size,
     num_filtered,
     BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
     G: tl.constexpr,
 ):
     """Threshold, then draw, for filtered row program_id(0) (see the module doc)."""
@@ -110,19 +107,15 @@ def _filtered_pick_kernel(
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row)
     min_p = tl.load(min_p_ptr + row)
-    lo = tl.full([], -2147483648, dtype=tl.int64)  # below every finite value's key: count = V, mass = Z
-    lo_count = vocab_size * 1.0
-    lo_mass = tl.full([], 0.0, dtype=tl.float32)
+    lo = tl.full([], -2147483648, dtype=tl.int64)  # below every value's key: count V, mass Z
     hi = _key(top + 0.0).to(tl.int64) + 1  # lo and hi are int64: hi - lo overflows int32
     if k > 0:
-        lo, lo_count, lo_mass = _search(row_ptr, vocab_size, scale, top, lo, lo_count, lo_mass, hi, k * 1.0,
-                                        False, BLOCK, G)  # fmt: skip
+        lo = _search(row_ptr, vocab_size, scale, top, lo, hi, k * 1.0, False, SEARCH_BLOCK, G)
     if p < 1.0:
-        if k == 0:  # the search never ran: the mass at the lowest key is the whole row's
-            for start in range(0, vocab_size, BLOCK):
-                lo_mass += tl.sum(_kept(row_ptr, start + tl.arange(0, BLOCK), vocab_size, scale, top, lo, 0.0), axis=0)
-        lo, lo_count, lo_mass = _search(row_ptr, vocab_size, scale, top, lo, lo_count, lo_mass, hi, p * lo_mass,
-                                        True, BLOCK, G)  # fmt: skip
+        kept_mass = tl.full([], 0.0, dtype=tl.float32)  # of the top-k survivors (of the row without a top-k)
+        for start in range(0, vocab_size, BLOCK):
+            kept_mass += tl.sum(_kept(row_ptr, start + tl.arange(0, BLOCK), vocab_size, scale, top, lo, 0.0), axis=0)
+        lo = _search(row_ptr, vocab_size, scale, top, lo, hi, p * kept_mass, True, SEARCH_BLOCK, G)
     total = tl.full([], 0.0, dtype=tl.float32)
     for start in range(0, vocab_size, BLOCK):
         total += tl.sum(_kept(row_ptr, start + tl.arange(0, BLOCK), vocab_size, scale, top, lo, min_p), axis=0)
@@ -171,8 +164,8 @@ def filtered_pick(
     if rows.shape[0] == 0:
         return
     _filtered_pick_kernel[(rows.shape[0],)](
-        logits, rows, sources, scale, top_k, top_p, min_p, uniforms, row_max, out,
-        logits.stride(0), logits.shape[1], rows.shape[0], BLOCK=block, G=CANDIDATES, num_warps=8,
+        logits, rows, sources, scale, top_k, top_p, min_p, uniforms, row_max, out, logits.stride(0), logits.shape[1],
+        rows.shape[0], BLOCK=block, SEARCH_BLOCK=min(block, SEARCH_BLOCK), G=CANDIDATES, num_warps=8,
     )  # fmt: skip
 
 

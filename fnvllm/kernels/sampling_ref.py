@@ -24,7 +24,7 @@ def _threshold(s: torch.Tensor, e: torch.Tensor, top_k: torch.Tensor, top_p: tor
     vocab = s.shape[1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     tau_k = sorted_s.gather(1, (k - 1)[:, None])  # (R, 1)
-    last_k = (sorted_s >= tau_k).sum(dim=-1, keepdim=True) - 1  # last rank of the top-k survivors (ties kept)
+    last_k = ((sorted_s >= tau_k).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # last top-k rank (ties kept)
     target = top_p.double()[:, None] * cum.gather(1, last_k)
     first = (cum < target).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)  # first rank whose mass reaches it
     return torch.maximum(sorted_s.gather(1, first), tau_k)
