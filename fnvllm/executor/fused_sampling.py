@@ -35,7 +35,7 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor |
     if batch.penalised is None or batch.penalties is None:
         return None
     rows = batch.penalised.rows
-    work = (logits if rows is None else logits.index_select(0, rows)).float()
+    work = logits.to(torch.float32, copy=True) if rows is None else logits.index_select(0, rows).float()
     return apply_penalties_(work, batch.penalties)
 
 
@@ -48,8 +48,8 @@ def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -
     state = RowSampling(
         scale=batch.scale,
         fixed=batch.fixed,
-        uniforms=batch.uniforms.clone(),  # the kernels record every row's uniform here
-        row_max=torch.empty(batch.num_rows, dtype=torch.float32, device=device),
+        uniforms=batch.uniforms,
+        drawn=torch.empty((2, batch.num_rows), dtype=torch.float32, device=device),  # uniforms used, row maxima
         out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
     )
     work = penalised_copy(logits, batch)
@@ -58,14 +58,14 @@ def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -
             continue
         dense = source is work and group.rows is not None
         sample_rows(source, state, seed, rows=group.rows, dense=dense)
-        args = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.uniforms, state.row_max, state.out)
+        args = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn[0], state.drawn[1], state.out)
         filtered_pick(source, group.filtered, group.filtered_sources, *args)
     return state.out
 
 
 def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:
     """The group's batch rows as a tensor (all rows when it has no list)."""
-    return group.rows if group.rows is not None else torch.arange(num_rows, device=device)
+    return group.rows.long() if group.rows is not None else torch.arange(num_rows, device=device)
 
 
 def sample_with_references(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:

@@ -51,7 +51,7 @@ from fnvllm.state.plan import TokenHistory
 class RowGroup:
     """Rows sampled from one source: the logits as they are, or the float32 penalised copy of some rows.
 
-    rows: (R,) int64 batch rows, or None for every row. filtered / filtered_sources: (F,) int64 batch rows of the
+    rows: (R,) int32 batch rows, or None for every row. filtered / filtered_sources: (F,) int32 batch rows of the
     group with top-k / top-p / min-p, and their row in the group's source tensor.
     """
 
@@ -64,11 +64,11 @@ class RowGroup:
 class SamplingBatch:
     """Per-row sampling settings of one step as device tensors (B rows).
 
-    scale: (B,) float32 inverse temperature, 0 for greedy rows. top_k: (B,) int64, 0 = off. top_p / min_p: (B,)
+    scale: (B,) float32 inverse temperature, 0 for greedy rows. top_k: (B,) int32, 0 = off. top_p / min_p: (B,)
     float32, 1 / 0 = off (greedy rows carry the neutral values). uniforms: (B,) float32, a seeded row's uniform;
-    fixed: (B,) int64, 1 on those rows. plain / penalised: the rows sampled from the logits and from the penalised
+    fixed: (B,) int32, 1 on those rows. plain / penalised: the rows sampled from the logits and from the penalised
     copy (None when empty); penalties: the penalised rows' edits, numbered by position in ``penalised.rows``.
-    logprob_rows: (L,) int64 rows that asked for logprobs, in batch order; max_logprobs: most any of them asked.
+    logprob_rows: (L,) int32 rows that asked for logprobs, in batch order; max_logprobs: most any of them asked.
     """
 
     scale: torch.Tensor
@@ -133,76 +133,85 @@ def _check_lengths(params: Sequence[object], num_generated: Sequence[int], histo
 
 
 @attrs.define
-class _Columns:
+class _Rows:
     """Per-row host values gathered in one pass (this runs every step for every row: no per-row calls)."""
 
-    floats: np.ndarray  # (4, B) float32: scale, top_p, min_p, uniforms
-    ints: np.ndarray  # (2, B) int64: top_k, fixed
-    filtered: list[bool] = attrs.Factory(list)
+    scale: list[float]
+    top_p: list[float]
+    min_p: list[float]
+    top_k: list[int]
+    filtered: list[int] = attrs.Factory(list)
     seeded: list[int] = attrs.Factory(list)
     penalised: list[int] = attrs.Factory(list)
     logprobs: list[int] = attrs.Factory(list)
     max_logprobs: int | None = None
 
 
-def _columns(params: Sequence[SamplingParams], vocab_size: int) -> _Columns:
-    """Settings of each row; greedy rows (temperature below GREEDY_TEMPERATURE or top_k 1) keep neutral values."""
+def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
+    """Settings of each row; greedy rows (temperature below GREEDY_TEMPERATURE or top_k 1) keep neutral values
+    (scale 0, filters off) and never filter or use a seed."""
     num_rows = len(params)
-    cols = _Columns(np.zeros((4, num_rows), dtype=np.float32), np.zeros((2, num_rows), dtype=np.int64))
-    temperature, top_p, min_p = [1.0] * num_rows, [1.0] * num_rows, [0.0] * num_rows
-    top_k, sampled = [0] * num_rows, [False] * num_rows
+    rows = _Rows([0.0] * num_rows, [1.0] * num_rows, [0.0] * num_rows, [0] * num_rows)
     for i, p in enumerate(params):
         if p.needs_history:
-            cols.penalised.append(i)
+            rows.penalised.append(i)
         if p.logprobs is not None:
-            cols.logprobs.append(i)
-            cols.max_logprobs = max(cols.max_logprobs or 0, p.logprobs)
+            rows.logprobs.append(i)
+            rows.max_logprobs = max(rows.max_logprobs or 0, p.logprobs)
         if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1:
-            cols.filtered.append(False)
             continue
-        sampled[i], temperature[i], top_p[i], min_p[i] = True, p.temperature, p.top_p, p.min_p
-        top_k[i] = 0 if p.top_k is None or p.top_k >= vocab_size else p.top_k
-        cols.filtered.append(top_k[i] > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+        rows.scale[i], rows.top_p[i], rows.min_p[i] = 1.0 / p.temperature, p.top_p, p.min_p
+        if p.top_k is not None and p.top_k < vocab_size:
+            rows.top_k[i] = p.top_k
+        if rows.top_k[i] or p.top_p < 1.0 or p.min_p > 0.0:
+            rows.filtered.append(i)
         if p.seed is not None:
-            cols.seeded.append(i)
-    cols.floats[0] = np.where(sampled, np.float32(1.0) / np.asarray(temperature, dtype=np.float32), 0.0)
-    cols.floats[1], cols.floats[2], cols.ints[0] = top_p, min_p, top_k
-    return cols
+            rows.seeded.append(i)
+    return rows
 
 
-def _groups(cols: _Columns, num_rows: int) -> list[tuple[np.ndarray | None, np.ndarray, np.ndarray]]:
-    """(rows or None for all, filtered rows, their source rows) of the plain group, then of the penalised one."""
-    filtered = np.asarray(cols.filtered, dtype=bool)
-    penalised = np.zeros(num_rows, dtype=bool)
-    penalised[cols.penalised] = True
-    out: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]] = []
-    if not penalised.all():
-        plain_filtered = np.flatnonzero(filtered & ~penalised)
-        out.append((None if not penalised.any() else np.flatnonzero(~penalised), plain_filtered, plain_filtered))
-    if penalised.any():
-        position = np.cumsum(penalised) - 1  # a penalised row's row in the float32 copy
-        pen_filtered = np.flatnonzero(filtered & penalised)
-        out.append((np.flatnonzero(penalised), pen_filtered, position[pen_filtered]))
-    return out
-
-
-def _upload_groups(
-    groups: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], head: np.ndarray, device: torch.device
-) -> tuple[torch.Tensor, list[RowGroup]]:
-    """One int64 copy of ``head`` followed by every group's row lists; (head on the device, the groups)."""
-    parts = [head.reshape(-1)]
-    for rows, filtered, sources in groups:
-        parts += [rows if rows is not None else np.zeros(0, dtype=np.int64), filtered, sources]
-    flat = upload(np.concatenate(parts).astype(np.int64, copy=False), device)
-    views, at = [], 0
-    for part in parts:
-        views.append(flat[at : at + len(part)])
-        at += len(part)
-    made = [
-        RowGroup(None if rows is None else views[1 + 3 * g], views[2 + 3 * g], views[3 + 3 * g])
-        for g, (rows, _, _) in enumerate(groups)
+def _group_lists(rows: _Rows, num_rows: int) -> list[list[int]]:
+    """[filtered rows] when no row is penalised, else [plain rows, their filtered rows, penalised rows, their
+    filtered rows, those rows' positions in the penalised copy]."""
+    if not rows.penalised:
+        return [rows.filtered]
+    is_penalised = [False] * num_rows
+    for i in rows.penalised:
+        is_penalised[i] = True
+    position = {row: k for k, row in enumerate(rows.penalised)}
+    pen_filtered = [i for i in rows.filtered if is_penalised[i]]
+    return [
+        [i for i in range(num_rows) if not is_penalised[i]],
+        [i for i in rows.filtered if not is_penalised[i]],
+        rows.penalised,
+        pen_filtered,
+        [position[i] for i in pen_filtered],
     ]
-    return views[0], made
+
+
+def _make_groups(lists: list[torch.Tensor], num_rows: int, num_penalised: int) -> tuple[RowGroup | None, ...]:
+    """(plain, penalised) RowGroups from the device views of ``_group_lists``."""
+    if len(lists) == 1:
+        return RowGroup(None, lists[0], lists[0]), None
+    plain_rows, plain_filtered, pen_rows, pen_filtered, pen_sources = lists
+    plain = RowGroup(plain_rows, plain_filtered, plain_filtered) if num_penalised < num_rows else None
+    penalised = RowGroup(None if num_penalised == num_rows else pen_rows, pen_filtered, pen_sources)
+    return plain, penalised
+
+
+def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """One host -> device copy of everything: [scale, top_p, min_p, uniforms ((B,) float32 each); top_k, fixed
+    ((B,) int32 each); the logprob rows; each list] as views of one int32 buffer (few torch calls: this runs
+    every step)."""
+    num_rows = len(rows.scale)
+    floats = np.array([rows.scale, rows.top_p, rows.min_p, uniforms], dtype=np.float32)  # (4, B)
+    fixed = [0] * num_rows
+    for i in rows.seeded:
+        fixed[i] = 1
+    ints = rows.top_k + fixed + rows.logprobs + [i for part in lists for i in part]
+    flat = upload(np.concatenate([floats.view(np.int32).ravel(), np.array(ints, dtype=np.int32)]), device)
+    sizes = [num_rows, num_rows, len(rows.logprobs), *map(len, lists)]
+    return [*flat[: 4 * num_rows].view(torch.float32).view(4, num_rows).unbind(0), *flat[4 * num_rows :].split(sizes)]
 
 
 def prepare_sampling(
@@ -212,7 +221,8 @@ def prepare_sampling(
     vocab_size: int,
     device: torch.device | str,
 ) -> SamplingBatch:
-    """Build one step's SamplingBatch on `device` for the rows that sample, in batch order.
+    """Build one step's SamplingBatch on `device` for the rows that sample, in batch order (one host -> device
+    copy, plus the penalty lists when a row has a penalty).
 
     num_generated[i]: tokens row i generated before this draw (the counter of its seeded uniform).
     histories[i]: prompt and output tokens, required for rows with a penalty, ignored otherwise.
@@ -223,31 +233,30 @@ def prepare_sampling(
     _check_lengths(params, num_generated, histories)
     device = torch.device(device)
     num_rows = len(params)
-    cols = _columns(params, vocab_size)
-    if cols.seeded:
-        seeds = [params[i].seed or 0 for i in cols.seeded]
-        cols.floats[3, cols.seeded] = seeded_uniforms(seeds, [num_generated[i] for i in cols.seeded])
-        cols.ints[1, cols.seeded] = 1
+    rows = _gather(params, vocab_size)
+    uniforms = np.zeros(num_rows, dtype=np.float32)
+    if rows.seeded:
+        seeds = [params[i].seed or 0 for i in rows.seeded]
+        uniforms[rows.seeded] = seeded_uniforms(seeds, [num_generated[i] for i in rows.seeded])
     penalties = None
-    if cols.penalised:
-        subset = [params[i] for i in cols.penalised]
-        penalties = prepare_penalties(subset, [histories[i] for i in cols.penalised], vocab_size, device)
-    groups = _groups(cols, num_rows)
-    head = np.concatenate([cols.ints.reshape(-1), np.asarray(cols.logprobs, dtype=np.int64)])
-    ints, made = _upload_groups(groups, head, device)
-    floats = upload(cols.floats, device)
+    if rows.penalised:
+        subset = [params[i] for i in rows.penalised]
+        penalties = prepare_penalties(subset, [histories[i] for i in rows.penalised], vocab_size, device)
+    views = _upload(rows, uniforms, _group_lists(rows, num_rows), device)
+    scale, top_p, min_p, uniform, top_k, fixed, logprob_rows, *lists = views
+    plain, penalised = _make_groups(lists, num_rows, len(rows.penalised))
     return SamplingBatch(
-        scale=floats[0],
-        top_p=floats[1],
-        min_p=floats[2],
-        uniforms=floats[3],
-        top_k=ints[:num_rows],
-        fixed=ints[num_rows : 2 * num_rows],
-        plain=made[0] if not cols.penalised or len(cols.penalised) < num_rows else None,
-        penalised=made[-1] if cols.penalised else None,
+        scale=scale,
+        top_p=top_p,
+        min_p=min_p,
+        uniforms=uniform,
+        top_k=top_k,
+        fixed=fixed,
+        plain=plain,
+        penalised=penalised,
         penalties=penalties,
-        logprob_rows=ints[2 * num_rows :] if cols.logprobs else None,
-        max_logprobs=cols.max_logprobs,
+        logprob_rows=logprob_rows if rows.logprobs else None,
+        max_logprobs=rows.max_logprobs,
         vocab_size=vocab_size,
         num_rows=num_rows,
     )
@@ -264,9 +273,10 @@ class Sampler:
 
     def __init__(self, seed: int = 0, kernels: bool | None = None) -> None:
         """`seed` seeds unseeded rows (seeded rows never touch it). kernels: run the Triton kernels (True), their
-        torch references (False), or the kernels on CUDA tensors only (None)."""
+        torch references (False), or the kernels on CUDA tensors when Triton is installed (None)."""
         self.seed = seed
         self.kernels = kernels
+        self._has_triton = _has_triton()
         self._calls = 0
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -277,7 +287,7 @@ class Sampler:
         return self._generators[device]
 
     def _uses_kernels(self, device: torch.device) -> bool:
-        return self.kernels if self.kernels is not None else device.type == "cuda" and _has_triton()
+        return self.kernels if self.kernels is not None else device.type == "cuda" and self._has_triton
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (B, V) (read in its dtype, computed in float32); the input tensor is

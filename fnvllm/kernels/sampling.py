@@ -70,7 +70,7 @@ def sample_ref(
 def _chunk_stats_kernel(
     logits_ptr,
     scale_ptr,  # (B,) float32 inverse temperature, 0 = greedy (the chunk max of the raw logits)
-    rows_ptr,  # (R,) int64 batch rows of the programs (when HAS_ROWS)
+    rows_ptr,  # (R,) int32 or int64 batch rows of the programs (when HAS_ROWS)
     stats_ptr,  # (3, R, C) float32: chunk max, chunk partition sum, non-finite flag
     argmax_ptr,  # (R, C) int32: index of the chunk's max (vocabulary index)
     stride_row,
@@ -84,7 +84,7 @@ def _chunk_stats_kernel(
     """Summarise chunk program_id(1) of program program_id(0)'s row (source row = the program index when
     DENSE_SOURCE, else the batch row)."""
     i, chunk = tl.program_id(0), tl.program_id(1)
-    row = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
     src = i.to(tl.int64) if DENSE_SOURCE else row
     scale = tl.load(scale_ptr + row)
     scale = tl.where(scale > 0.0, scale, 1.0)
@@ -110,8 +110,8 @@ def _pick_kernel(
     scale_ptr,
     rows_ptr,
     fixed_ptr,  # (B,) int32: 1 = the row's uniform is given in uniform_ptr (a seeded row)
-    uniform_ptr,  # (B,) float32: the given uniforms; receives every sampled row's uniform
-    row_max_ptr,  # (B,) float32: receives each row's largest scaled logit
+    uniform_ptr,  # (B,) float32: the given uniforms
+    drawn_ptr,  # (2, B) float32: receives each row's uniform and its largest scaled logit
     stats_ptr,
     argmax_ptr,
     out_ptr,  # (2, B) int64: token ids, non-finite flags
@@ -128,7 +128,7 @@ def _pick_kernel(
 ):
     """Combine program program_id(0)'s chunk summaries, take its uniform, and find the sampled token."""
     i = tl.program_id(0)
-    row = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
     src = i.to(tl.int64) if DENSE_SOURCE else row
     scale = tl.load(scale_ptr + row)
     chunk_ids = tl.arange(0, CHUNKS_PAD)
@@ -156,8 +156,8 @@ def _pick_kernel(
     last_positive = tl.max(tl.where(e > 0.0, cols, 0), axis=0)  # float32 sums may fall short of the remainder
     sampled = tl.minimum(crossing, last_positive)
     token = tl.where(scale > 0.0, sampled, greedy_token)
-    tl.store(uniform_ptr + row, u)
-    tl.store(row_max_ptr + row, top)
+    tl.store(drawn_ptr + row, u)
+    tl.store(drawn_ptr + num_rows + row, top)
     tl.store(out_ptr + row, token.to(tl.int64))
     tl.store(out_ptr + num_rows + row, (bad > 0.0).to(tl.int64))
 
@@ -183,15 +183,15 @@ class RowSampling:
 
     scale: (B,) float32 inverse temperature (computed in float32 on the host), 0 = greedy.
     fixed: (B,) int32, 1 where ``uniforms`` holds the row's uniform (a seeded row), 0 where Philox draws it.
-    uniforms: (B,) float32; ``sample_rows`` overwrites every row with the uniform it used.
-    row_max: (B,) float32, receives each row's largest scaled logit.
+    uniforms: (B,) float32, the fixed uniforms (read only).
+    drawn: (2, B) float32, receives each row's uniform (fixed or drawn) and its largest scaled logit.
     out: (2, B) int64, receives token ids and 0/1 non-finite flags.
     """
 
     scale: torch.Tensor
     fixed: torch.Tensor
     uniforms: torch.Tensor
-    row_max: torch.Tensor
+    drawn: torch.Tensor
     out: torch.Tensor
 
 
@@ -213,11 +213,11 @@ def sample_rows(
     dense: bool = False,
     chunk: int = CHUNK,
 ) -> None:
-    """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch``).
+    """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``).
 
-    rows: None = every batch row; else (R,) int64, the batch rows to sample. dense: logits row i holds batch row
-    rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index. ``seed``
-    (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one.
+    rows: None = every batch row; else (R,) int32 or int64, the batch rows to sample. dense: logits row i holds
+    batch row rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index.
+    ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one.
     """
     num_chunks = _check_source(logits, chunk)
     num_rows = batch.out.shape[1]
@@ -238,7 +238,7 @@ def sample_rows(
         CHUNK_SIZE=chunk, num_warps=8, **flags,
     )  # fmt: skip
     _pick_kernel[(num_programs,)](
-        logits, batch.scale, row_ids, batch.fixed, batch.uniforms, batch.row_max, stats, argmax, batch.out,
+        logits, batch.scale, row_ids, batch.fixed, batch.uniforms, batch.drawn, stats, argmax, batch.out,
         logits.stride(0), num_programs, num_rows, logits.shape[1], num_chunks, seed,
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
@@ -259,7 +259,7 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chu
         scale=scale,
         fixed=torch.zeros(num_rows, dtype=torch.int32, device=logits.device),
         uniforms=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
-        row_max=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
+        drawn=torch.empty((2, num_rows), dtype=torch.float32, device=logits.device),
         out=torch.empty((2, num_rows), dtype=torch.int64, device=logits.device),
     )
     sample_rows(logits, batch, seed, chunk=chunk)

@@ -82,8 +82,8 @@ def _kept(row_ptr, cols, vocab_size, scale, top, lo, min_p):
 @triton.jit(do_not_specialize=["num_filtered"])
 def _filtered_pick_kernel(
     logits_ptr,
-    rows_ptr,  # (F,) int64 batch rows to filter
-    src_ptr,  # (F,) int64 their rows in logits
+    rows_ptr,  # (F,) int32 or int64 batch rows to filter
+    src_ptr,  # (F,) int32 or int64 their rows in logits
     scale_ptr,  # (B,) float32 inverse temperatures (> 0 for these rows)
     top_k_ptr,  # (B,) int32 or int64, 0 = off
     top_p_ptr,  # (B,) float32, 1 = off
@@ -100,8 +100,8 @@ def _filtered_pick_kernel(
 ):
     """Threshold, then draw, for filtered row program_id(0) (see the module doc)."""
     i = tl.program_id(0)
-    row = tl.load(rows_ptr + i)
-    row_ptr = logits_ptr + tl.load(src_ptr + i) * stride_row
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
     scale = tl.load(scale_ptr + row)
     top = tl.load(row_max_ptr + row)
     k = tl.load(top_k_ptr + row)
@@ -173,7 +173,7 @@ def filtered_pick(
 def _log_partition_kernel(logits_ptr, rows_ptr, out_ptr, stride_row, vocab_size, BLOCK: tl.constexpr):
     """log sum exp of logits row rows[program_id(0)], with a running maximum."""
     i = tl.program_id(0)
-    row_ptr = logits_ptr + tl.load(rows_ptr + i) * stride_row
+    row_ptr = logits_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride_row
     top = tl.full([], float("-inf"), dtype=tl.float32)
     total = tl.full([], 0.0, dtype=tl.float32)
     for start in range(0, vocab_size, BLOCK):
@@ -186,7 +186,7 @@ def _log_partition_kernel(logits_ptr, rows_ptr, out_ptr, stride_row, vocab_size,
 
 
 def log_partition(logits: torch.Tensor, rows: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """(R,) float32 log sum exp of logits rows ``rows`` ((R,) int64), one read of each."""
+    """(R,) float32 log sum exp of logits rows ``rows`` ((R,) int32 or int64), one read of each."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
