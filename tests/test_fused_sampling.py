@@ -90,7 +90,9 @@ def test_penalised_and_filtered_rows_form_their_own_groups() -> None:
     assert batch.plain is not None and batch.penalised is not None
     assert batch.penalised.rows is not None and batch.penalised.rows.tolist() == [6, 7, 8]
     assert batch.plain.filtered.tolist() == [2, 3, 4, 5]
+    assert batch.plain.filtered_programs.tolist() == [2, 3, 4, 5]  # rows 0-5 are the plain rows 0-5
     assert batch.penalised.filtered.tolist() == [7] and batch.penalised.filtered_sources.tolist() == [1]
+    assert batch.penalised.filtered_programs.tolist() == [1]
     assert batch.logprob_rows is not None and batch.logprob_rows.tolist() == [8, 9, 10]
     plain = _batch([SamplingParams(temperature=0.6)] * 3)
     assert plain.penalised is None and plain.plain is not None and plain.plain.rows is None

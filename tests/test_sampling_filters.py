@@ -32,15 +32,22 @@ def _settings(num_rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _run_kernel(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms: torch.Tensor) -> torch.Tensor:
-    """Tokens of filtered_pick over every row, with the row maxima sample_rows would record."""
+    """Tokens of filtered_pick over every row (after sample_rows, whose chunk summaries and row maxima it reads,
+    with 64-token chunks; every uniform given)."""
     num_rows = logits.shape[0]
     on = {k: v.to(DEVICE) for k, v in settings.items()}
-    row_max = (logits.float() * on["scale"][:, None] + 0.0).amax(dim=-1)
-    out = torch.full((2, num_rows), -1, dtype=torch.int64, device=DEVICE)
+    state = sampling.RowSampling(
+        scale=on["scale"],
+        fixed=torch.ones(num_rows, dtype=torch.int32, device=DEVICE),
+        uniforms=uniforms.float().to(DEVICE),
+        drawn=torch.empty((2, num_rows), device=DEVICE),
+        out=torch.full((2, num_rows), -1, dtype=torch.int64, device=DEVICE),
+    )
+    stats = sampling.sample_rows(logits, state, seed=0, chunk=64)
     rows = torch.arange(num_rows, device=DEVICE)
-    args = (on["scale"], on["top_k"], on["top_p"], on["min_p"], uniforms.to(DEVICE), row_max, out)
-    sampling_filters.filtered_pick(logits, rows, rows, *args, block=32)
-    return out[0].cpu()
+    args = (on["scale"], on["top_k"], on["top_p"], on["min_p"], state.drawn[0], state.drawn[1], state.out)
+    sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=64, block=32)
+    return state.out[0].cpu()
 
 
 def _reference(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms: torch.Tensor) -> torch.Tensor:
@@ -124,20 +131,25 @@ def test_log_partition_matches_reference() -> None:
 
 
 def test_filtered_pick_rejects_bad_arguments() -> None:
-    """Bad shapes, a float top_k and a block that is not a power of two raise ValueError naming them."""
+    """Bad shapes, a float top_k, stats of another chunking and a block that is not a power of two raise
+    ValueError naming them."""
     logits = torch.zeros(2, 10, device=DEVICE)
     rows = torch.arange(2, device=DEVICE)
+    stats = torch.zeros((3, 2, 1), device=DEVICE)
     f32 = torch.ones(2, device=DEVICE)
     out = torch.zeros((2, 2), dtype=torch.int64, device=DEVICE)
     k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="rows and sources"):
-        sampling_filters.filtered_pick(logits, rows, rows[:1], f32, k, f32, f32, f32, f32, out)
+    settings = (f32, k, f32, f32, f32, f32, out)
+    with pytest.raises(ValueError, match="rows, sources and programs"):
+        sampling_filters.filtered_pick(logits, rows, rows[:1], rows, stats, *settings)
     with pytest.raises(ValueError, match="top_k"):
-        sampling_filters.filtered_pick(logits, rows, rows, f32, f32, f32, f32, f32, f32, out)
+        sampling_filters.filtered_pick(logits, rows, rows, rows, stats, f32, f32, f32, f32, f32, f32, out)
+    with pytest.raises(ValueError, match="stats"):
+        sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *settings, chunk=4)
     with pytest.raises(ValueError, match="block"):
-        sampling_filters.filtered_pick(logits, rows, rows, f32, k, f32, f32, f32, f32, out, block=24)
+        sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *settings, block=24)
     with pytest.raises(ValueError, match="logits"):
-        sampling_filters.filtered_pick(logits[0], rows, rows, f32, k, f32, f32, f32, f32, out)
+        sampling_filters.filtered_pick(logits[0], rows, rows, rows, stats, *settings)
 
 
 @gpu

@@ -57,9 +57,10 @@ def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -
         if group is None or source is None:
             continue
         dense = source is work and group.rows is not None
-        sample_rows(source, state, seed, rows=group.rows, dense=dense)
-        args = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn[0], state.drawn[1], state.out)
-        filtered_pick(source, group.filtered, group.filtered_sources, *args)
+        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
+        if group.filtered.shape[0]:
+            settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn[0], state.drawn[1], state.out)
+            filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
     return state.out
 
 

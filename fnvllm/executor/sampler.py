@@ -51,13 +51,15 @@ from fnvllm.state.plan import TokenHistory
 class RowGroup:
     """Rows sampled from one source: the logits as they are, or the float32 penalised copy of some rows.
 
-    rows: (R,) int32 batch rows, or None for every row. filtered / filtered_sources: (F,) int32 batch rows of the
-    group with top-k / top-p / min-p, and their row in the group's source tensor.
+    rows: (R,) int32 batch rows, or None for every row. filtered / filtered_sources / filtered_programs: (F,) int32
+    batch rows of the group with top-k / top-p / min-p, their row in the group's source tensor, and their place in
+    ``rows`` (whose chunk summaries the filter kernel reads).
     """
 
     rows: torch.Tensor | None
     filtered: torch.Tensor
     filtered_sources: torch.Tensor
+    filtered_programs: torch.Tensor
 
 
 @attrs.frozen(eq=False)
@@ -171,18 +173,21 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
 
 
 def _group_lists(rows: _Rows, num_rows: int) -> list[list[int]]:
-    """[filtered rows] when no row is penalised, else [plain rows, their filtered rows, penalised rows, their
-    filtered rows, those rows' positions in the penalised copy]."""
+    """[filtered rows] when no row is penalised, else [plain rows, their filtered rows, those rows' positions among
+    the plain rows, penalised rows, their filtered rows, those rows' positions among the penalised rows]."""
     if not rows.penalised:
         return [rows.filtered]
     is_penalised = [False] * num_rows
     for i in rows.penalised:
         is_penalised[i] = True
-    position = {row: k for k, row in enumerate(rows.penalised)}
+    plain = [i for i in range(num_rows) if not is_penalised[i]]
+    position = {row: k for group in (plain, rows.penalised) for k, row in enumerate(group)}
+    plain_filtered = [i for i in rows.filtered if not is_penalised[i]]
     pen_filtered = [i for i in rows.filtered if is_penalised[i]]
     return [
-        [i for i in range(num_rows) if not is_penalised[i]],
-        [i for i in rows.filtered if not is_penalised[i]],
+        plain,
+        plain_filtered,
+        [position[i] for i in plain_filtered],
         rows.penalised,
         pen_filtered,
         [position[i] for i in pen_filtered],
@@ -192,10 +197,10 @@ def _group_lists(rows: _Rows, num_rows: int) -> list[list[int]]:
 def _make_groups(lists: list[torch.Tensor], num_rows: int, num_penalised: int) -> tuple[RowGroup | None, ...]:
     """(plain, penalised) RowGroups from the device views of ``_group_lists``."""
     if len(lists) == 1:
-        return RowGroup(None, lists[0], lists[0]), None
-    plain_rows, plain_filtered, pen_rows, pen_filtered, pen_sources = lists
-    plain = RowGroup(plain_rows, plain_filtered, plain_filtered) if num_penalised < num_rows else None
-    penalised = RowGroup(None if num_penalised == num_rows else pen_rows, pen_filtered, pen_sources)
+        return RowGroup(None, lists[0], lists[0], lists[0]), None
+    plain_rows, plain_filtered, plain_programs, pen_rows, pen_filtered, pen_programs = lists
+    plain = RowGroup(plain_rows, plain_filtered, plain_filtered, plain_programs) if num_penalised < num_rows else None
+    penalised = RowGroup(None if num_penalised == num_rows else pen_rows, pen_filtered, pen_programs, pen_programs)
     return plain, penalised
 
 

@@ -212,8 +212,10 @@ def sample_rows(
     rows: torch.Tensor | None = None,
     dense: bool = False,
     chunk: int = CHUNK,
-) -> None:
-    """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``).
+) -> torch.Tensor:
+    """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``);
+    returns the chunk summaries (3, R, C) (max, partition sum, non-finite flag of program i's row chunk c), which
+    ``fnvllm.kernels.sampling_filters.filtered_pick`` reads.
 
     rows: None = every batch row; else (R,) int32 or int64, the batch rows to sample. dense: logits row i holds
     batch row rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index.
@@ -225,7 +227,7 @@ def sample_rows(
     if not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2**31), got {seed}")
     if num_programs == 0:
-        return
+        return torch.empty((3, 0, num_chunks), dtype=torch.float32, device=logits.device)
     expected = num_programs if dense and rows is not None else num_rows
     if logits.shape[0] != expected:
         raise ValueError(f"logits must have {expected} rows (dense={dense}), got {logits.shape[0]}")
@@ -242,6 +244,7 @@ def sample_rows(
         logits.stride(0), num_programs, num_rows, logits.shape[1], num_chunks, seed,
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
+    return stats
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:

@@ -32,6 +32,7 @@ from fnvllm.kernels.sampling_ref import filtered_sample_ref, log_partition_ref
 
 __all__ = ["filtered_pick", "filtered_sample_ref", "log_partition", "log_partition_ref"]
 
+CHUNK = 4096  # = fnvllm.kernels.sampling.CHUNK: the chunks whose maxima let a pass skip them
 BLOCK = 2048  # tokens per streamed block of a row
 SEARCH_BLOCK = 512  # tokens per block of a search round, which holds (CANDIDATES, SEARCH_BLOCK) temporaries
 CANDIDATES = 16  # keys evaluated per search round
@@ -45,26 +46,36 @@ def _key(s):
 
 
 @triton.jit
-def _search(row_ptr, vocab_size, scale, top, lo, hi, target, BY_MASS: tl.constexpr, BLOCK: tl.constexpr,
-            G: tl.constexpr):  # fmt: skip
+def _live(chunk_max_ptr, c, top, lo, min_p):
+    """Whether chunk c can hold a kept token: its largest scaled logit reaches key lo and min_p."""
+    m = tl.load(chunk_max_ptr + c)
+    return (_key(m + 0.0) >= lo) & (tl.exp(m - top) >= min_p)
+
+
+@triton.jit
+def _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, target, BY_MASS: tl.constexpr,
+            CHUNK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):  # fmt: skip
     """The largest key t in [lo, hi) (int64 scalars) with g(t) >= target, where g(t) is the mass (BY_MASS) or the
-    count of the row's tokens whose key is >= t; requires g(lo) >= target > g(hi)."""
+    count of the row's tokens whose key is >= t; requires g(lo) >= target > g(hi). Chunks whose maximum is below
+    lo are skipped: they hold nothing at or above any candidate."""
     j = tl.arange(0, G)
     while hi - lo > 1:
         cand = (lo + 1 + ((hi - lo - 2) * j) // (G - 1)).to(tl.int32)  # (G,) from lo + 1 to hi - 1
         g = tl.zeros([G], dtype=tl.float32)
         below = tl.full([G], -2147483648, dtype=tl.int32)  # largest key under each candidate
-        for start in range(0, vocab_size, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < vocab_size
-            s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * scale + 0.0
-            keys = tl.where(mask, _key(s), -2147483648)  # a padding lane is below every candidate
-            ge = keys[None, :] >= cand[:, None]  # (G, BLOCK)
-            if BY_MASS:
-                g += tl.sum(tl.where(ge, tl.exp(s - top)[None, :], 0.0), axis=1)
-            else:
-                g += tl.sum(ge.to(tl.float32), axis=1)
-            below = tl.maximum(below, tl.max(tl.where(ge, -2147483648, keys[None, :]), axis=1))
+        for c in range(0, num_chunks):
+            if _live(chunk_max_ptr, c, top, lo, 0.0):
+                for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < vocab_size
+                    s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * scale + 0.0
+                    keys = tl.where(mask, _key(s), -2147483648)  # a padding lane is below every candidate
+                    ge = keys[None, :] >= cand[:, None]  # (G, BLOCK)
+                    if BY_MASS:
+                        g += tl.sum(tl.where(ge, tl.exp(s - top)[None, :], 0.0), axis=1)
+                    else:
+                        g += tl.sum(ge.to(tl.float32), axis=1)
+                    below = tl.maximum(below, tl.max(tl.where(ge, -2147483648, keys[None, :]), axis=1))
         num_ok = tl.sum((g >= target).to(tl.int32), axis=0)  # g falls with the key: candidates 0..num_ok-1 reach it
         lo = tl.where(num_ok > 0, tl.sum(tl.where(j == num_ok - 1, cand, 0), axis=0).to(tl.int64), lo)
         hi = tl.where(num_ok < G, tl.sum(tl.where(j == num_ok, below, 0), axis=0).to(tl.int64) + 1, lo + 1)
@@ -79,11 +90,35 @@ def _kept(row_ptr, cols, vocab_size, scale, top, lo, min_p):
     return tl.where((cols < vocab_size) & (_key(s) >= lo) & (e >= min_p), e, 0.0)
 
 
-@triton.jit(do_not_specialize=["num_filtered"])
+@triton.jit
+def _kept_mass(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, min_p, CHUNK: tl.constexpr,
+               BLOCK: tl.constexpr):  # fmt: skip
+    """Sum of the row's kept weights (key >= lo, weight >= min_p), skipping chunks that keep nothing."""
+    total = tl.full([], 0.0, dtype=tl.float32)
+    for c in range(0, num_chunks):
+        if _live(chunk_max_ptr, c, top, lo, min_p):
+            for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+                total += tl.sum(_kept(row_ptr, start + tl.arange(0, BLOCK), vocab_size, scale, top, lo, min_p), axis=0)
+    return total
+
+
+@triton.jit
+def _top_k_floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD: tl.constexpr):
+    """A key whose count is >= k: the k-th largest chunk maximum when k <= the chunks, else the lowest key."""
+    ids = tl.arange(0, CHUNKS_PAD)
+    m = tl.load(chunk_max_ptr + ids, mask=ids < num_chunks, other=float("-inf")) + 0.0
+    rank = tl.sum((m[None, :] >= m[:, None]).to(tl.int32), axis=1)  # (C,) chunk maxima at or above each
+    kth = tl.max(tl.where((ids < num_chunks) & (rank >= k), m, float("-inf")), axis=0)
+    return tl.where(kth > float("-inf"), _key(kth).to(tl.int64), -2147483648)
+
+
+@triton.jit(do_not_specialize=["num_filtered", "num_programs"])
 def _filtered_pick_kernel(
     logits_ptr,
     rows_ptr,  # (F,) int32 or int64 batch rows to filter
-    src_ptr,  # (F,) int32 or int64 their rows in logits
+    src_ptr,  # (F,) their rows in logits
+    prog_ptr,  # (F,) their rows in stats
+    stats_ptr,  # (3, R, C) float32 chunk summaries of sample_rows; plane 0 holds the chunk maxima
     scale_ptr,  # (B,) float32 inverse temperatures (> 0 for these rows)
     top_k_ptr,  # (B,) int32 or int64, 0 = off
     top_p_ptr,  # (B,) float32, 1 = off
@@ -93,7 +128,11 @@ def _filtered_pick_kernel(
     out_ptr,  # (2, B) int64: token ids are written here
     stride_row,
     vocab_size,
+    num_chunks,
     num_filtered,
+    num_programs,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     G: tl.constexpr,
@@ -102,6 +141,7 @@ def _filtered_pick_kernel(
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
+    chunk_max_ptr = stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks
     scale = tl.load(scale_ptr + row)
     top = tl.load(row_max_ptr + row)
     k = tl.load(top_k_ptr + row)
@@ -110,28 +150,28 @@ def _filtered_pick_kernel(
     lo = tl.full([], -2147483648, dtype=tl.int64)  # below every value's key: count V, mass Z
     hi = _key(top + 0.0).to(tl.int64) + 1  # lo and hi are int64: hi - lo overflows int32
     if k > 0:
-        lo = _search(row_ptr, vocab_size, scale, top, lo, hi, k * 1.0, False, SEARCH_BLOCK, G)
+        lo = _top_k_floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD)
+        lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, k * 1.0, False, CHUNK,
+                     SEARCH_BLOCK, G)  # fmt: skip
     if p < 1.0:
-        kept_mass = tl.full([], 0.0, dtype=tl.float32)  # of the top-k survivors (of the row without a top-k)
-        for start in range(0, vocab_size, BLOCK):
-            kept_mass += tl.sum(_kept(row_ptr, start + tl.arange(0, BLOCK), vocab_size, scale, top, lo, 0.0), axis=0)
-        lo = _search(row_ptr, vocab_size, scale, top, lo, hi, p * kept_mass, True, SEARCH_BLOCK, G)
-    total = tl.full([], 0.0, dtype=tl.float32)
-    for start in range(0, vocab_size, BLOCK):
-        total += tl.sum(_kept(row_ptr, start + tl.arange(0, BLOCK), vocab_size, scale, top, lo, min_p), axis=0)
-    target = tl.load(uniform_ptr + row) * total
+        kept = _kept_mass(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, 0.0, CHUNK, BLOCK)
+        lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, p * kept, True, CHUNK,
+                     SEARCH_BLOCK, G)  # fmt: skip
+    target = tl.load(uniform_ptr + row) * _kept_mass(
+        row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, min_p, CHUNK, BLOCK
+    )
     running = tl.full([], 0.0, dtype=tl.float32)
     token = tl.full([], 0, dtype=tl.int32) + vocab_size
     last_kept = tl.full([], 0, dtype=tl.int32)
-    start = tl.full([], 0, dtype=tl.int32)
-    while (start < vocab_size) & (token == vocab_size):  # stop at the block where the running mass crosses
-        cols = start + tl.arange(0, BLOCK)
-        w = _kept(row_ptr, cols, vocab_size, scale, top, lo, min_p)
-        inside = tl.cumsum(w, axis=0) + running
-        token = tl.min(tl.where(inside > target, cols, vocab_size), axis=0)
-        last_kept = tl.maximum(last_kept, tl.max(tl.where(w > 0.0, cols, 0), axis=0))
-        running += tl.sum(w, axis=0)
-        start += BLOCK
+    for c in range(0, num_chunks):  # stop reading once the running mass has crossed
+        if (token == vocab_size) & _live(chunk_max_ptr, c, top, lo, min_p):
+            for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                w = _kept(row_ptr, cols, vocab_size, scale, top, lo, min_p)
+                inside = tl.cumsum(w, axis=0) + running
+                token = tl.minimum(token, tl.min(tl.where(inside > target, cols, vocab_size), axis=0))
+                last_kept = tl.maximum(last_kept, tl.max(tl.where(w > 0.0, cols, 0), axis=0))
+                running += tl.sum(w, axis=0)
     tl.store(out_ptr + row, tl.minimum(token, last_kept).to(tl.int64))  # float32 sums may fall short of target
 
 
@@ -139,6 +179,8 @@ def filtered_pick(
     logits: torch.Tensor,
     rows: torch.Tensor,
     sources: torch.Tensor,
+    programs: torch.Tensor,
+    stats: torch.Tensor,
     scale: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
@@ -146,26 +188,37 @@ def filtered_pick(
     uniforms: torch.Tensor,
     row_max: torch.Tensor,
     out: torch.Tensor,
+    chunk: int = CHUNK,
     block: int = BLOCK,
 ) -> None:
     """Overwrite out[0, rows] with a draw from each row's top-k / top-p / min-p filtered distribution.
 
-    logits (N, V): row sources[i] holds batch row rows[i]; per-row settings are (B,) tensors indexed by batch row
-    (top_k an int tensor, the rest float32); uniforms and row_max are those ``sample_rows`` recorded; out (2, B) int64.
+    logits (N, V): row sources[i] holds batch row rows[i], whose chunk summaries are stats[:, programs[i]] (what
+    ``sample_rows`` returned for these logits, with the same ``chunk``); per-row settings are (B,) tensors indexed
+    by batch row (top_k an int tensor, the rest float32); uniforms and row_max are those ``sample_rows`` recorded in
+    ``drawn``; out (2, B) int64.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
-    if rows.shape != sources.shape or rows.dim() != 1:
-        raise ValueError(f"rows and sources must be equal-length 1-d, got {tuple(rows.shape)}, {tuple(sources.shape)}")
+    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
+        raise ValueError(
+            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
+            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
+        )
     if top_k.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
-    if block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block}")
+    num_chunks = triton.cdiv(logits.shape[1], chunk)
+    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
+        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
+    if block & (block - 1) or chunk & (chunk - 1):
+        raise ValueError(f"block and chunk must be powers of two, got {block} and {chunk}")
     if rows.shape[0] == 0:
         return
     _filtered_pick_kernel[(rows.shape[0],)](
-        logits, rows, sources, scale, top_k, top_p, min_p, uniforms, row_max, out, logits.stride(0), logits.shape[1],
-        rows.shape[0], BLOCK=block, SEARCH_BLOCK=min(block, SEARCH_BLOCK), G=CANDIDATES, num_warps=8,
+        logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, uniforms, row_max, out, logits.stride(0),
+        logits.shape[1], num_chunks, rows.shape[0], stats.shape[1], CHUNK=chunk,
+        CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), BLOCK=min(block, chunk),
+        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, num_warps=8,
     )  # fmt: skip
 
 
