@@ -40,12 +40,12 @@ def _run_kernel(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniform
         scale=on["scale"],
         fixed=torch.ones(num_rows, dtype=torch.int32, device=DEVICE),
         uniforms=uniforms.float().to(DEVICE),
-        drawn=torch.empty((2, num_rows), device=DEVICE),
+        drawn=torch.empty((3, num_rows), device=DEVICE),
         out=torch.full((2, num_rows), -1, dtype=torch.int64, device=DEVICE),
     )
     stats = sampling.sample_rows(logits, state, seed=0, chunk=64)
     rows = torch.arange(num_rows, device=DEVICE)
-    args = (on["scale"], on["top_k"], on["top_p"], on["min_p"], state.drawn[0], state.drawn[1], state.out)
+    args = (on["scale"], on["top_k"], on["top_p"], on["min_p"], state.drawn, state.out)
     sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=64, block=32)
     return state.out[0].cpu()
 
@@ -139,11 +139,12 @@ def test_filtered_pick_rejects_bad_arguments() -> None:
     f32 = torch.ones(2, device=DEVICE)
     out = torch.zeros((2, 2), dtype=torch.int64, device=DEVICE)
     k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    settings = (f32, k, f32, f32, f32, f32, out)
+    drawn = torch.ones((3, 2), device=DEVICE)
+    settings = (f32, k, f32, f32, drawn, out)
     with pytest.raises(ValueError, match="rows, sources and programs"):
         sampling_filters.filtered_pick(logits, rows, rows[:1], rows, stats, *settings)
     with pytest.raises(ValueError, match="top_k"):
-        sampling_filters.filtered_pick(logits, rows, rows, rows, stats, f32, f32, f32, f32, f32, f32, out)
+        sampling_filters.filtered_pick(logits, rows, rows, rows, stats, f32, f32, f32, f32, drawn, out)
     with pytest.raises(ValueError, match="stats"):
         sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *settings, chunk=4)
     with pytest.raises(ValueError, match="block"):

@@ -49,7 +49,7 @@ def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -
         scale=batch.scale,
         fixed=batch.fixed,
         uniforms=batch.uniforms,
-        drawn=torch.empty((2, batch.num_rows), dtype=torch.float32, device=device),  # uniforms used, row maxima
+        drawn=torch.empty((3, batch.num_rows), dtype=torch.float32, device=device),  # uniforms, maxima, sums
         out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
     )
     work = penalised_copy(logits, batch)
@@ -59,7 +59,7 @@ def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -
         dense = source is work and group.rows is not None
         stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
         if group.filtered.shape[0]:
-            settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn[0], state.drawn[1], state.out)
+            settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
     return state.out
 

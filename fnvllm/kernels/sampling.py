@@ -111,7 +111,7 @@ def _pick_kernel(
     rows_ptr,
     fixed_ptr,  # (B,) int32: 1 = the row's uniform is given in uniform_ptr (a seeded row)
     uniform_ptr,  # (B,) float32: the given uniforms
-    drawn_ptr,  # (2, B) float32: receives each row's uniform and its largest scaled logit
+    drawn_ptr,  # (3, B) float32: receives each row's uniform, largest scaled logit and partition sum (relative)
     stats_ptr,
     argmax_ptr,
     out_ptr,  # (2, B) int64: token ids, non-finite flags
@@ -144,7 +144,8 @@ def _pick_kernel(
     weights = tl.where(live, sums * tl.exp(maxima - top), 0.0)  # (C,) each chunk's share of Z, relative to M
     running = tl.cumsum(weights, axis=0)
     u = tl.where(tl.load(fixed_ptr + row) != 0, tl.load(uniform_ptr + row), tl.rand(seed, row.to(tl.int32)))
-    target = u * tl.sum(weights, axis=0)
+    partition = tl.sum(weights, axis=0)
+    target = u * partition
     picked = tl.min(tl.where(running > target, chunk_ids, num_chunks - 1), axis=0)
     remainder = target - tl.sum(tl.where(chunk_ids < picked, weights, 0.0), axis=0)
     cols = picked * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
@@ -158,6 +159,7 @@ def _pick_kernel(
     token = tl.where(scale > 0.0, sampled, greedy_token)
     tl.store(drawn_ptr + row, u)
     tl.store(drawn_ptr + num_rows + row, top)
+    tl.store(drawn_ptr + 2 * num_rows + row, partition)
     tl.store(out_ptr + row, token.to(tl.int64))
     tl.store(out_ptr + num_rows + row, (bad > 0.0).to(tl.int64))
 
@@ -184,7 +186,8 @@ class RowSampling:
     scale: (B,) float32 inverse temperature (computed in float32 on the host), 0 = greedy.
     fixed: (B,) int32, 1 where ``uniforms`` holds the row's uniform (a seeded row), 0 where Philox draws it.
     uniforms: (B,) float32, the fixed uniforms (read only).
-    drawn: (2, B) float32, receives each row's uniform (fixed or drawn) and its largest scaled logit.
+    drawn: (3, B) float32, receives each row's uniform (fixed or drawn), its largest scaled logit M and its
+        partition sum relative to it (sum of exp(s - M)).
     out: (2, B) int64, receives token ids and 0/1 non-finite flags.
     """
 
@@ -262,7 +265,7 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chu
         scale=scale,
         fixed=torch.zeros(num_rows, dtype=torch.int32, device=logits.device),
         uniforms=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
-        drawn=torch.empty((2, num_rows), dtype=torch.float32, device=logits.device),
+        drawn=torch.empty((3, num_rows), dtype=torch.float32, device=logits.device),
         out=torch.empty((2, num_rows), dtype=torch.int64, device=logits.device),
     )
     sample_rows(logits, batch, seed, chunk=chunk)

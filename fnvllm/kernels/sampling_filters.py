@@ -57,10 +57,16 @@ def _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, 
             CHUNK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):  # fmt: skip
     """The largest key t in [lo, hi) (int64 scalars) with g(t) >= target, where g(t) is the mass (BY_MASS) or the
     count of the row's tokens whose key is >= t; requires g(lo) >= target > g(hi). Chunks whose maximum is below
-    lo are skipped: they hold nothing at or above any candidate."""
+    lo are skipped: they hold nothing at or above any candidate. Candidates are kept in (lo, hi), ascending."""
     j = tl.arange(0, G)
+    # The first round tries values spread below the row's maximum (M - 0, M - 0.3, ... M - 135 in scaled logits,
+    # ascending), where thresholds lie for real rows; later rounds split the key range evenly.
+    by_value = _key(top - 0.75 * (tl.exp2((G - 1 - j) * 0.5) - 1.0) + 0.0).to(tl.int64)
+    first = tl.full([], 1, dtype=tl.int32)
     while hi - lo > 1:
-        cand = (lo + 1 + ((hi - lo - 2) * j) // (G - 1)).to(tl.int32)  # (G,) from lo + 1 to hi - 1
+        even = lo + 1 + ((hi - lo - 2) * j) // (G - 1)
+        cand = tl.where(first != 0, tl.minimum(tl.maximum(by_value, lo + 1), hi - 1), even).to(tl.int32)  # (G,) ascending
+        first = first * 0
         g = tl.zeros([G], dtype=tl.float32)
         below = tl.full([G], -2147483648, dtype=tl.int32)  # largest key under each candidate
         for c in range(0, num_chunks):
@@ -112,7 +118,7 @@ def _top_k_floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD: tl.constexpr):
     return tl.where(kth > float("-inf"), _key(kth).to(tl.int64), -2147483648)
 
 
-@triton.jit(do_not_specialize=["num_filtered", "num_programs"])
+@triton.jit(do_not_specialize=["num_filtered", "num_programs", "num_rows"])
 def _filtered_pick_kernel(
     logits_ptr,
     rows_ptr,  # (F,) int32 or int64 batch rows to filter
@@ -123,14 +129,14 @@ def _filtered_pick_kernel(
     top_k_ptr,  # (B,) int32 or int64, 0 = off
     top_p_ptr,  # (B,) float32, 1 = off
     min_p_ptr,  # (B,) float32, 0 = off
-    uniform_ptr,  # (B,) float32 each row's uniform
-    row_max_ptr,  # (B,) float32 each row's largest scaled logit
+    drawn_ptr,  # (3, B) float32 each row's uniform, largest scaled logit and partition sum (from sample_rows)
     out_ptr,  # (2, B) int64: token ids are written here
     stride_row,
     vocab_size,
     num_chunks,
     num_filtered,
     num_programs,
+    num_rows,
     CHUNK: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -143,7 +149,7 @@ def _filtered_pick_kernel(
     row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
     chunk_max_ptr = stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks
     scale = tl.load(scale_ptr + row)
-    top = tl.load(row_max_ptr + row)
+    top = tl.load(drawn_ptr + num_rows + row)
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row)
     min_p = tl.load(min_p_ptr + row)
@@ -154,10 +160,12 @@ def _filtered_pick_kernel(
         lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, k * 1.0, False, CHUNK,
                      SEARCH_BLOCK, G)  # fmt: skip
     if p < 1.0:
-        kept = _kept_mass(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, 0.0, CHUNK, BLOCK)
+        kept = tl.load(drawn_ptr + 2 * num_rows + row)  # the partition sum, unless a top-k cut the row
+        if k > 0:
+            kept = _kept_mass(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, 0.0, CHUNK, BLOCK)
         lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, p * kept, True, CHUNK,
                      SEARCH_BLOCK, G)  # fmt: skip
-    target = tl.load(uniform_ptr + row) * _kept_mass(
+    target = tl.load(drawn_ptr + row) * _kept_mass(
         row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, min_p, CHUNK, BLOCK
     )
     running = tl.full([], 0.0, dtype=tl.float32)
@@ -185,8 +193,7 @@ def filtered_pick(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    uniforms: torch.Tensor,
-    row_max: torch.Tensor,
+    drawn: torch.Tensor,
     out: torch.Tensor,
     chunk: int = CHUNK,
     block: int = BLOCK,
@@ -195,8 +202,8 @@ def filtered_pick(
 
     logits (N, V): row sources[i] holds batch row rows[i], whose chunk summaries are stats[:, programs[i]] (what
     ``sample_rows`` returned for these logits, with the same ``chunk``); per-row settings are (B,) tensors indexed
-    by batch row (top_k an int tensor, the rest float32); uniforms and row_max are those ``sample_rows`` recorded in
-    ``drawn``; out (2, B) int64.
+    by batch row (top_k an int tensor, the rest float32); drawn (3, B) float32 is what ``sample_rows`` recorded (the
+    uniforms, row maxima and partition sums); out (2, B) int64.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
@@ -215,8 +222,8 @@ def filtered_pick(
     if rows.shape[0] == 0:
         return
     _filtered_pick_kernel[(rows.shape[0],)](
-        logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, uniforms, row_max, out, logits.stride(0),
-        logits.shape[1], num_chunks, rows.shape[0], stats.shape[1], CHUNK=chunk,
+        logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, logits.stride(0),
+        logits.shape[1], num_chunks, rows.shape[0], stats.shape[1], out.shape[1], CHUNK=chunk,
         CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), BLOCK=min(block, chunk),
         SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, num_warps=8,
     )  # fmt: skip
