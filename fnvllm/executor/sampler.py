@@ -1,7 +1,7 @@
 """One sampling path for every row: penalties, temperature, top-k / top-p / min-p, seeds and logprobs, per row.
 
-The host builds a `SamplingBatch` once per step (`prepare_sampling`: one pass over the rows, two host->device
-copies, plus the penalty lists when a row has one); `Sampler.sample` never reads a tensor back to the host. No
+The host builds a `SamplingBatch` once per step (`prepare_sampling`: one pass over the rows, one host->device
+copy, plus the penalty lists when a row has one); `Sampler.sample` never reads a tensor back to the host. No
 option of one row changes how another row is sampled, and a row pays only for the options it uses:
 
     penalised rows:  copied to float32 (only those rows), penalised there by sparse edits (`penalties.py`),
@@ -306,17 +306,18 @@ class Sampler:
             packed = sample_with_kernels(logits, batch, key)
         else:
             packed = sample_with_references(logits, batch, self._generator(logits.device))
-        logprobs = compute_logprobs(logits, packed[0], batch) if batch.logprob_rows is not None else None
-        return SamplerOutput(packed=packed, logprobs=logprobs)
+        rows, num_top = batch.logprob_rows, batch.max_logprobs
+        if rows is None or num_top is None:
+            return SamplerOutput(packed=packed, logprobs=None)
+        return SamplerOutput(packed=packed, logprobs=compute_logprobs(logits, packed[0], rows, num_top))
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> Logprobs:
-    """Top-n and sampled-token log-probabilities of the raw logits (B, V) for the batch's logprob rows."""
-    rows = batch.logprob_rows
-    assert rows is not None and batch.max_logprobs is not None  # callers check logprob_rows
-    subset = logits if rows.shape[0] == batch.num_rows else logits.index_select(0, rows)  # (L, V)
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int) -> Logprobs:
+    """Top-`num_top` and sampled-token log-probabilities of the raw logits (B, V) for rows ``rows`` ((L,) distinct,
+    ascending), given the sampled token_ids (B,)."""
+    subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
     lse = log_partition_of(logits, rows)  # (L,)
-    top = subset.topk(batch.max_logprobs, dim=-1)
+    top = subset.topk(num_top, dim=-1)
     chosen = subset.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
     return Logprobs(
         top_logprobs=top.values.float() - lse[:, None],

@@ -65,7 +65,8 @@ def _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, 
     first = tl.full([], 1, dtype=tl.int32)
     while hi - lo > 1:
         even = lo + 1 + ((hi - lo - 2) * j) // (G - 1)
-        cand = tl.where(first != 0, tl.minimum(tl.maximum(by_value, lo + 1), hi - 1), even).to(tl.int32)  # (G,) ascending
+        clamped = tl.minimum(tl.maximum(by_value, lo + 1), hi - 1)
+        cand = tl.where(first != 0, clamped, even).to(tl.int32)  # (G,) ascending, inside (lo, hi)
         first = first * 0
         g = tl.zeros([G], dtype=tl.float32)
         below = tl.full([G], -2147483648, dtype=tl.int32)  # largest key under each candidate
