@@ -31,9 +31,11 @@ def _settings(num_rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _run_kernel(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms: torch.Tensor) -> torch.Tensor:
-    """Tokens of filtered_pick over every row (after sample_rows, whose chunk summaries and row maxima it reads,
-    with 64-token chunks; every uniform given)."""
+def _run_kernel(
+    logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms: torch.Tensor, chunk: int = 64, block: int = 32
+) -> torch.Tensor:
+    """Tokens of filtered_pick over every row (after sample_rows, whose chunk summaries and row maxima it reads;
+    every uniform given)."""
     num_rows = logits.shape[0]
     on = {k: v.to(DEVICE) for k, v in settings.items()}
     state = sampling.RowSampling(
@@ -43,10 +45,10 @@ def _run_kernel(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniform
         drawn=torch.empty((3, num_rows), device=DEVICE),
         out=torch.full((2, num_rows), -1, dtype=torch.int64, device=DEVICE),
     )
-    stats = sampling.sample_rows(logits, state, seed=0, chunk=64)
+    stats = sampling.sample_rows(logits, state, seed=0, chunk=chunk)
     rows = torch.arange(num_rows, device=DEVICE)
     args = (on["scale"], on["top_k"], on["top_p"], on["min_p"], state.drawn, state.out)
-    sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=64, block=32)
+    sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=chunk, block=block)
     return state.out[0].cpu()
 
 
@@ -162,5 +164,5 @@ def test_gpu_filtered_pick_real_sizes() -> None:
     logits = (torch.randn(256, vocab, generator=torch.Generator().manual_seed(5)) * 4).bfloat16().cuda()
     settings = _settings(256, vocab, seed=6)
     uniforms = torch.rand(256, generator=torch.Generator().manual_seed(7))
-    got = _run_kernel(logits, settings, uniforms)
+    got = _run_kernel(logits, settings, uniforms, chunk=sampling.CHUNK, block=sampling_filters.BLOCK)
     assert (got == _reference(logits, settings, uniforms)).float().mean().item() >= 0.99
