@@ -40,6 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of sample_rows (+ filtered_pick)
+
+__all__ = ["CHUNK", "RowSampling", "fused_sample", "philox_uniforms", "sample_ref", "sample_rows", "sample_rows_ref"]
+
 CHUNK = 4096  # tokens per pass-1 program: 38 chunks for a 151,936-token vocabulary
 _MAX_CHUNKS = 1024  # pass 2 holds a row's chunk summaries in registers
 
