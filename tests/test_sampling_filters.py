@@ -32,7 +32,12 @@ def _settings(num_rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _run_kernel(
-    logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms: torch.Tensor, chunk: int = 64, block: int = 32
+    logits: torch.Tensor,
+    settings: dict[str, torch.Tensor],
+    uniforms: torch.Tensor,
+    chunk: int = 64,
+    block: int = 32,
+    capacity: int = 1024,
 ) -> torch.Tensor:
     """Tokens of filtered_pick over every row (after sample_rows, whose chunk summaries and row maxima it reads;
     every uniform given)."""
@@ -48,7 +53,7 @@ def _run_kernel(
     stats = sampling.sample_rows(logits, state, seed=0, chunk=chunk)
     rows = torch.arange(num_rows, device=DEVICE)
     args = (on["scale"], on["top_k"], on["top_p"], on["min_p"], state.drawn, state.out)
-    sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=chunk, block=block)
+    sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=chunk, block=block, capacity=capacity)
     return state.out[0].cpu()
 
 
@@ -59,21 +64,25 @@ def _reference(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms
     )
 
 
+@pytest.mark.parametrize("capacity", [256, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filtered_pick_equals_reference_given_the_same_uniforms(dtype: torch.dtype) -> None:
+def test_filtered_pick_equals_reference_given_the_same_uniforms(dtype: torch.dtype, capacity: int) -> None:
     """Random rows (bf16 ones full of ties) over several 32-token blocks: every filter mix picks exactly the
-    reference's token for the same uniforms."""
+    reference's token for the same uniforms, whether top-k rows sort their candidates or (more candidates than
+    the capacity) search."""
     logits = (torch.randn(16, 200, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).to(DEVICE)
     settings = _settings(16, 200, seed=2)
     for seed in (5, 6):
         uniforms = torch.rand(16, generator=torch.Generator().manual_seed(seed))
-        assert _run_kernel(logits, settings, uniforms).tolist() == _reference(logits, settings, uniforms).tolist()
+        got = _run_kernel(logits, settings, uniforms, capacity=capacity)
+        assert got.tolist() == _reference(logits, settings, uniforms).tolist()
 
 
+@pytest.mark.parametrize("capacity", [128, 8])
 @pytest.mark.parametrize(
     "kind", ["all equal", "adjacent floats", "two values", "one spike", "negative and zero", "huge spread"]
 )
-def test_threshold_search_on_hard_rows(kind: str) -> None:
+def test_threshold_search_on_hard_rows(kind: str, capacity: int) -> None:
     """Rows that stress the key search -- ties everywhere, values one float32 ulp apart, two distinct values, one
     token holding all the mass, -0.0 beside +0.0, logits over 1e4 apart -- still match the reference."""
     vocab, num_rows = 70, 8
@@ -89,7 +98,8 @@ def test_threshold_search_on_hard_rows(kind: str) -> None:
     settings = _settings(num_rows, vocab, seed=3)
     settings["scale"] = torch.ones(num_rows)  # keep the crafted spacing exact
     uniforms = torch.linspace(0.01, 0.99, num_rows)
-    assert _run_kernel(logits, settings, uniforms).tolist() == _reference(logits, settings, uniforms).tolist()
+    got = _run_kernel(logits, settings, uniforms, capacity=capacity)
+    assert got.tolist() == _reference(logits, settings, uniforms).tolist()
 
 
 def _ulps(vocab: int) -> torch.Tensor:
@@ -119,7 +129,7 @@ def test_filtered_pick_draws_the_filtered_distribution(params: SamplingParams) -
         "min_p": torch.full((num_rows,), params.min_p),
     }
     uniforms = sampling.philox_uniforms(num_rows, 77, DEVICE)
-    tokens = _run_kernel(row.expand(num_rows, -1).contiguous().to(DEVICE), settings, uniforms)
+    tokens = _run_kernel(row.expand(num_rows, -1).contiguous().to(DEVICE), settings, uniforms, capacity=16)
     counts = torch.bincount(tokens, minlength=row.numel())
     assert chi_square_p_value(counts, filtered_distribution(row, params)) > P_VALUE_FLOOR, counts.tolist()
 

@@ -36,6 +36,7 @@ CHUNK = 4096  # = fnvllm.kernels.sampling.CHUNK: the chunks whose maxima let a p
 BLOCK = 2048  # tokens per streamed block of a row
 SEARCH_BLOCK = 512  # tokens per block of a search round, which holds (CANDIDATES, SEARCH_BLOCK) temporaries
 CANDIDATES = 16  # keys evaluated per search round
+CAPACITY = 1024  # top-k candidates a row may compact and sort instead of searching
 
 
 @triton.jit
@@ -53,17 +54,20 @@ def _live(chunk_max_ptr, c, top, lo, min_p):
 
 
 @triton.jit
-def _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, target, BY_MASS: tl.constexpr,
-            CHUNK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):  # fmt: skip
+def _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, target, max_rounds,
+            BY_MASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):  # fmt: skip
     """The largest key t in [lo, hi) (int64 scalars) with g(t) >= target, where g(t) is the mass (BY_MASS) or the
     count of the row's tokens whose key is >= t; requires g(lo) >= target > g(hi). Chunks whose maximum is below
-    lo are skipped: they hold nothing at or above any candidate. Candidates are kept in (lo, hi), ascending."""
+    lo are skipped: they hold nothing at or above any candidate. Candidates are kept in (lo, hi), ascending.
+    After max_rounds rounds, returns the lo reached so far (a key with g >= target, at or below the answer)."""
     j = tl.arange(0, G)
     # The first round tries values spread below the row's maximum (M - 0, M - 0.3, ... M - 135 in scaled logits,
     # ascending), where thresholds lie for real rows; later rounds split the key range evenly.
     by_value = _key(top - 0.75 * (tl.exp2((G - 1 - j) * 0.5) - 1.0) + 0.0).to(tl.int64)
     first = tl.full([], 1, dtype=tl.int32)
-    while hi - lo > 1:
+    rounds = tl.full([], 0, dtype=tl.int32)
+    while (hi - lo > 1) & (rounds < max_rounds):
+        rounds += 1
         even = lo + 1 + ((hi - lo - 2) * j) // (G - 1)
         clamped = tl.minimum(tl.maximum(by_value, lo + 1), hi - 1)
         cand = tl.where(first != 0, clamped, even).to(tl.int32)  # (G,) ascending, inside (lo, hi)
@@ -110,6 +114,39 @@ def _kept_mass(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, m
 
 
 @triton.jit
+def _compact(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, out_ptr, CAP: tl.constexpr,
+             CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Write the scaled logits of the row's tokens whose key is >= lo to out_ptr (the first CAP of them, in
+    vocabulary order); returns how many there are."""
+    n = tl.full([], 0, dtype=tl.int32)
+    for c in range(0, num_chunks):
+        if _live(chunk_max_ptr, c, top, lo, 0.0):
+            for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < vocab_size
+                s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * scale + 0.0
+                at_least = mask & (_key(s) >= lo)
+                pos = n + tl.cumsum(at_least.to(tl.int32), axis=0) - 1
+                tl.store(out_ptr + pos, s, mask=at_least & (pos < CAP))
+                n += tl.sum(at_least.to(tl.int32), axis=0)
+    return n
+
+
+@triton.jit
+def _sorted_threshold(values_ptr, n, k, p, top, CAP: tl.constexpr):
+    """The key of tau (module doc) from n <= CAP compacted scaled logits holding every token at or above tau_k:
+    sorted best first, tau_k is the k-th, and tau_p the first whose running mass reaches p of the top-k mass."""
+    ids = tl.arange(0, CAP)
+    v = tl.sort(tl.load(values_ptr + ids, mask=ids < n, other=float("-inf")), descending=True)  # (CAP,)
+    tau_k = tl.sum(tl.where(ids == k - 1, v, 0.0), axis=0)
+    e = tl.where(ids < n, tl.exp(v - top), 0.0)
+    target = p * tl.sum(tl.where(v >= tau_k, e, 0.0), axis=0)
+    first = tl.sum((tl.cumsum(e, axis=0) < target).to(tl.int32), axis=0)  # ranks before the mass reaches it
+    tau_p = tl.max(tl.where(ids == first, v, float("-inf")), axis=0)  # -inf when rounding ran past the top-k
+    return _key(tl.where(p < 1.0, tl.maximum(tau_k, tau_p), tau_k) + 0.0).to(tl.int64)
+
+
+@triton.jit
 def _top_k_floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD: tl.constexpr):
     """A key whose count is >= k: the k-th largest chunk maximum when k <= the chunks, else the lowest key."""
     ids = tl.arange(0, CHUNKS_PAD)
@@ -132,6 +169,7 @@ def _filtered_pick_kernel(
     min_p_ptr,  # (B,) float32, 0 = off
     drawn_ptr,  # (3, B) float32 each row's uniform, largest scaled logit and partition sum (from sample_rows)
     out_ptr,  # (2, B) int64: token ids are written here
+    scratch_ptr,  # (F, CAP) float32: each row's compacted candidates
     stride_row,
     vocab_size,
     num_chunks,
@@ -143,6 +181,7 @@ def _filtered_pick_kernel(
     BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     G: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     """Threshold, then draw, for filtered row program_id(0) (see the module doc)."""
     i = tl.program_id(0)
@@ -156,16 +195,26 @@ def _filtered_pick_kernel(
     min_p = tl.load(min_p_ptr + row)
     lo = tl.full([], -2147483648, dtype=tl.int64)  # below every value's key: count V, mass Z
     hi = _key(top + 0.0).to(tl.int64) + 1  # lo and hi are int64: hi - lo overflows int32
+    p_done = tl.full([], 0, dtype=tl.int32)
     if k > 0:
         lo = _top_k_floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD)
-        lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, k * 1.0, False, CHUNK,
-                     SEARCH_BLOCK, G)  # fmt: skip
-    if p < 1.0:
+        if lo == -2147483648:  # k above the chunk count: one count round puts a floor near the threshold
+            lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, k * 1.0, 1, False,
+                         CHUNK, SEARCH_BLOCK, G)  # fmt: skip
+        values_ptr = scratch_ptr + i.to(tl.int64) * CAP
+        n = _compact(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, values_ptr, CAP, CHUNK, BLOCK)
+        if n <= CAP:  # the usual case: sort the few candidates, top-p included
+            lo = _sorted_threshold(values_ptr, n, k, p, top, CAP)
+            p_done = p_done + 1
+        else:
+            lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, k * 1.0, 64, False,
+                         CHUNK, SEARCH_BLOCK, G)  # fmt: skip
+    if (p < 1.0) & (p_done == 0):
         kept = tl.load(drawn_ptr + 2 * num_rows + row)  # the partition sum, unless a top-k cut the row
         if k > 0:
             kept = _kept_mass(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, 0.0, CHUNK, BLOCK)
-        lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, p * kept, True, CHUNK,
-                     SEARCH_BLOCK, G)  # fmt: skip
+        lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, p * kept, 64, True,
+                     CHUNK, SEARCH_BLOCK, G)  # fmt: skip
     target = tl.load(drawn_ptr + row) * _kept_mass(
         row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, min_p, CHUNK, BLOCK
     )
@@ -198,13 +247,15 @@ def filtered_pick(
     out: torch.Tensor,
     chunk: int = CHUNK,
     block: int = BLOCK,
+    capacity: int = CAPACITY,
 ) -> None:
     """Overwrite out[0, rows] with a draw from each row's top-k / top-p / min-p filtered distribution.
 
     logits (N, V): row sources[i] holds batch row rows[i], whose chunk summaries are stats[:, programs[i]] (what
     ``sample_rows`` returned for these logits, with the same ``chunk``); per-row settings are (B,) tensors indexed
     by batch row (top_k an int tensor, the rest float32); drawn (3, B) float32 is what ``sample_rows`` recorded (the
-    uniforms, row maxima and partition sums); out (2, B) int64.
+    uniforms, row maxima and partition sums); out (2, B) int64. capacity (a power of two): the most top-k candidates
+    a row sorts; beyond it the row searches.
     """
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
@@ -218,15 +269,17 @@ def filtered_pick(
     num_chunks = triton.cdiv(logits.shape[1], chunk)
     if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
         raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
-    if block & (block - 1) or chunk & (chunk - 1):
-        raise ValueError(f"block and chunk must be powers of two, got {block} and {chunk}")
+    if block & (block - 1) or chunk & (chunk - 1) or capacity & (capacity - 1) or capacity < 2:
+        raise ValueError(f"block, chunk and capacity must be powers of two, got {block}, {chunk} and {capacity}")
     if rows.shape[0] == 0:
         return
+    capacity = min(capacity, max(2, int(triton.next_power_of_2(logits.shape[1]))))  # no more than the row holds
+    scratch = torch.empty((rows.shape[0], capacity), dtype=torch.float32, device=logits.device)
     _filtered_pick_kernel[(rows.shape[0],)](
-        logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, logits.stride(0),
+        logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, scratch, logits.stride(0),
         logits.shape[1], num_chunks, rows.shape[0], stats.shape[1], out.shape[1], CHUNK=chunk,
         CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), BLOCK=min(block, chunk),
-        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, num_warps=8,
+        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=8,
     )  # fmt: skip
 
 
