@@ -11,13 +11,21 @@ theirs.) Then u ~ U(0, 1) picks the first v whose running kept mass exceeds u * 
 ``fnvllm.kernels.sampling``. Worked example: s = (2, 1, 0, 1) (M 2), top_k 3, top_p 0.5: tau_k = 1 (three tokens
 >= 1), masses above t = 1: 1 + 2 e^-1 = 1.74 and above t = 2: 1 >= 0.5 * 1.74, so tau = 2 and token 0 alone stays.
 
-The kernel finds each threshold without sorting, one program per filtered row, by a G-way search over the int32
-keys that order float32 values like the values do: each round streams the row once and evaluates the count (top-k)
-or the mass (top-p) at G candidate keys spread over the open range (lo, hi) (with g(lo) >= target > g(hi)),
-keeping the last candidate that still reaches the target as lo and, as hi, one above the largest key below the
-first one that does not. Range and key gaps shrink together, so a row whose top tokens stand apart settles in a
-few rounds; worst case about 32 / log2(G) + 1 per search. Then one pass sums the kept mass and one more (stopping
-at the crossing) draws the token. Rows without a filter never enter this kernel.
+One program per filtered row finds tau, reading only the chunks (of ``sample_rows``' chunk summaries) whose
+maximum can reach the current lower bound:
+
+    top-k rows: a floor with count >= k (the k-th largest chunk maximum; when k exceeds the chunks, one count
+        round of the search below), then the tokens at or above it are compacted (at most CAPACITY, usually a
+        few dozen) and sorted in registers: tau_k, and tau_p from the running mass of the sorted candidates;
+    top-p rows without a top-k (or a top-k row with too many candidates): a G-way search over the int32 keys that
+        order float32 values like the values do. Each round streams the live chunks once and evaluates the mass
+        (or count) at G candidate keys in the open range (lo, hi), g(lo) >= target > g(hi): the first round at
+        values spread below the maximum, later ones evenly. lo becomes the last candidate that still reaches the
+        target, hi one above the largest key below the first that does not, so a row whose top tokens stand apart
+        settles in a few rounds (worst case about 32 / log2(G) + 1).
+
+Then one pass sums the kept mass (min-p applied) and one more, stopping at the crossing chunk, draws the token.
+Rows without a filter never enter this kernel.
 
 The log-partition kernel gives log sum exp(x) of the raw logits for the rows that asked for logprobs.
 """
