@@ -17,6 +17,7 @@ from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
 from fnvllm.state.plan import TokenHistory
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in Triton's interpreter
 VOCAB = 96
 HISTORY = TokenHistory(prompt=(1, 2, 3, 50), output=(4, 4, 7, 60))
 MIXED = [
@@ -38,7 +39,7 @@ def _batch(params: list[SamplingParams], num_generated: int = 0) -> SamplingBatc
     """A CPU batch; every row seeded (seed = row + 100) unless it already has a seed."""
     seeded = [p if p.seed is not None else _with_seed(p, 100 + i) for i, p in enumerate(params)]
     histories = [HISTORY if p.needs_history else None for p in seeded]
-    return prepare_sampling(seeded, [num_generated] * len(params), histories, VOCAB, "cpu")
+    return prepare_sampling(seeded, [num_generated] * len(params), histories, VOCAB, DEVICE)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
@@ -48,8 +49,8 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def _logits(num_rows: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Random logits with a real model's spread."""
-    return (torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    """Random logits with a real model's spread, on DEVICE."""
+    return (torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
