@@ -9,7 +9,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from fnvllm.executor.penalties import apply_penalties
 from fnvllm.executor.sampler import Sampler, SamplingBatch, prepare_sampling
-from fnvllm.executor.seeded_noise import seed_keys, seeded_exponential
+from fnvllm.executor.seeded_noise import seed_keys, seeded_uniforms
 from fnvllm.state.errors import InvalidRequestError
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import TokenHistory
@@ -93,12 +93,12 @@ def test_seeded_rows_do_not_depend_on_batch_mates_or_row() -> None:
     assert len({run(0, 0, 0, n) for n in range(20)}) > 10  # the n-th draw really moves with n
 
 
-def test_seeded_noise_is_pure_function_of_keys() -> None:
-    """The hashed noise of a row depends only on its keys, not on the other rows computed with it."""
-    keys = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int64)
-    together = seeded_exponential(keys, 300)
-    assert torch.equal(together[1], seeded_exponential(keys[1:2], 300)[0])
-    assert bool((together > 0).all()) and bool(torch.isfinite(together).all())
+def test_seeded_uniforms_are_a_pure_function_of_seed_and_counter() -> None:
+    """A draw's uniform depends only on its own (seed, counter), lies in (0, 1), and moves with either."""
+    together = seeded_uniforms([1, 2, 3], [5, 5, 5])
+    assert together[1] == seeded_uniforms([2], [5])[0]
+    assert ((together > 0) & (together < 1)).all()
+    assert seeded_uniforms([2], [6])[0] != together[1] and len(set(together.tolist())) == 3
 
 
 def test_seed_keys_accept_any_int_seed() -> None:
@@ -195,15 +195,16 @@ def test_repetition_penalty_matches_transformers() -> None:
     params = [SamplingParams(repetition_penalty=p) for p in penalties]
     histories = [TokenHistory(prompt=p, output=o) for p, o in zip(prompts, outputs, strict=True)]
     batch = _batch(params, vocab, histories=histories)
-    assert batch.penalties is not None
-    ours = apply_penalties(logits, batch.penalties)
-    for i, penalty in enumerate(penalties):
+    assert batch.penalties is not None and batch.penalised is not None and batch.penalised.rows is not None
+    assert batch.penalised.rows.tolist() == [1, 2, 3]  # penalty 1.0 is no penalty: row 0 is sampled as it is
+    ours = apply_penalties(logits[1:], batch.penalties)  # the penalties address the penalised rows' copy
+    for i, penalty in enumerate(penalties[1:], start=1):
         ids = torch.tensor([prompts[i] + outputs[i]])
         expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[i : i + 1].clone())
-        torch.testing.assert_close(ours[i : i + 1], expected, rtol=0, atol=0)
+        torch.testing.assert_close(ours[i - 1 : i], expected, rtol=0, atol=0)
     greedy = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
     tokens = Sampler().sample(logits, _batch(greedy, vocab, histories=histories)).token_ids
-    assert torch.equal(tokens, ours.argmax(dim=-1))
+    assert torch.equal(tokens, torch.cat([logits[:1], ours]).argmax(dim=-1))
 
 
 def test_presence_and_frequency_penalties_on_output_tokens() -> None:

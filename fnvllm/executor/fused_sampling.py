@@ -1,63 +1,93 @@
-"""The sampler's fast path on CUDA: batches that only use temperature sample in one pass over the logits.
+"""The sampler's two backends over one ``SamplingBatch``: the fused Triton kernels, and their torch references.
 
-``fused_temperatures(params)`` says whether a batch qualifies -- every row greedy or plain temperature sampling
-(no top-k / top-p / min-p, no penalties, no per-request seed, no logprobs) -- and returns the per-row temperatures
-(0 for greedy rows). ``FusedSampler`` then runs ``fnvllm.kernels.sampling.fused_sample``; everything else goes
-through the general ``Sampler``. The two draw from the same distributions but not the same random streams.
+``sample_with_kernels`` (CUDA): for each row group (the rows sampled from the logits as they are, and the
+penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
+take the argmax, unfiltered rows are done), then one ``filtered_pick`` launch redraws the group's top-k / top-p /
+min-p rows. A batch with no penalties and no filters is exactly two kernel launches over the logits.
 
-Worked example: rows with (temperature 0.6), (temperature 0) and (temperature 0.6, top_p 0.9) do not qualify (the
-third uses top-p); without the third, the temperatures are [0.6, 0.0].
+``sample_with_references`` (CPU, or anywhere without Triton): the same computation with
+``fnvllm.kernels.sampling_ref``; uniforms of unseeded rows come from a torch.Generator.
+
+Worked example: rows (T 0.6), (T 0), (T 0.6, top_p 0.9), (T 0.8, repetition_penalty 1.1): rows 0-2 form the plain
+group, read from the logits (row 1 greedy, row 2 also filtered); row 3 forms the penalised group, a (1, V) float32
+copy edited in place before it is sampled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from fnvllm.executor.base import NonFiniteLogitsError
-from fnvllm.kernels.attention import upload
-from fnvllm.state import SamplingParams
+from fnvllm.kernels.sampling_ref import log_partition_ref, sample_rows_ref
 
-__all__ = ["FUSED_MIN_TEMPERATURE", "FusedSampler", "NonFiniteLogitsError", "check_finite", "fused_temperatures"]
+if TYPE_CHECKING:
+    from fnvllm.executor.sampler import RowGroup, SamplingBatch
 
-# Below this temperature logits / T can overflow float32 (|logit| ~ 1e3 / 1e-3 ~ 1e6 is still exact enough for an
-# argmax, 1e-40 is not): such rows take the general sampler, whose numerics handle them.
-FUSED_MIN_TEMPERATURE = 1e-3
+__all__ = ["NonFiniteLogitsError", "check_finite", "log_partition_of", "sample_with_kernels", "sample_with_references"]
 
 
-def fused_temperatures(params: Sequence[SamplingParams]) -> list[float] | None:
-    """Per-row temperatures (0.0 = greedy) when every row can be sampled by the fused kernel, else None."""
-    temperatures = []
-    for p in params:
-        if p.top_p != 1.0 or p.min_p != 0.0 or p.needs_history or p.seed is not None or p.logprobs is not None:
-            return None
-        if p.is_greedy:
-            temperatures.append(0.0)
-        elif p.top_k is not None or p.temperature < FUSED_MIN_TEMPERATURE:
-            return None
-        else:
-            temperatures.append(float(p.temperature))
-    return temperatures
+def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """(P, V) float32 copy of the penalised rows with their penalties applied, None when no row has one."""
+    if batch.penalised is None or batch.penalties is None:
+        return None
+    rows = batch.penalised.rows
+    work = logits.to(torch.float32, copy=True) if rows is None else logits.index_select(0, rows).float()
+    return batch.penalties.apply_(work)
 
 
-class FusedSampler:
-    """Draws with ``fused_sample``; a call counter keys its Philox uniforms so runs with one seed repeat exactly."""
+def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -> torch.Tensor:
+    """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox."""
+    from fnvllm.kernels.sampling import RowSampling, sample_rows
+    from fnvllm.kernels.sampling_filters import filtered_pick
 
-    def __init__(self, seed: int) -> None:
-        from fnvllm.kernels.sampling import fused_sample  # Triton: imported only where the fast path exists
+    device = logits.device
+    state = RowSampling(
+        scale=batch.scale,
+        fixed=batch.fixed,
+        uniforms=batch.uniforms,
+        drawn=torch.empty((3, batch.num_rows), dtype=torch.float32, device=device),  # uniforms, maxima, sums
+        out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
+    )
+    work = penalised_copy(logits, batch)
+    for group, source in ((batch.plain, logits), (batch.penalised, work)):
+        if group is None or source is None:
+            continue
+        dense = source is work and group.rows is not None
+        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
+        if group.filtered.shape[0]:
+            settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
+            filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
+    return state.out
 
-        self.seed = seed
-        self._calls = 0
-        self._fused_sample = fused_sample
 
-    def sample(self, logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
-        """(2, B) int64 on the logits' device: token ids, then a 0/1 non-finite flag per row."""
-        key = (self.seed * 1_000_003 + self._calls) % 2**31
-        self._calls += 1
-        temperature = upload(np.asarray(temperatures, dtype=np.float32), logits.device)
-        return self._fused_sample(logits, temperature, key)
+def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:
+    """The group's batch rows as a tensor (all rows when it has no list)."""
+    return group.rows.long() if group.rows is not None else torch.arange(num_rows, device=device)
+
+
+def sample_with_references(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
+    """(2, B) int64 tokens and non-finite flags by the torch references (unseeded uniforms from ``generator``)."""
+    device = logits.device
+    drawn = torch.rand(batch.num_rows, generator=generator, device=device)
+    uniforms = torch.where(batch.fixed.bool(), batch.uniforms, drawn)
+    values = logits.float()
+    work = penalised_copy(logits, batch)
+    if work is not None and batch.penalised is not None:
+        values = values.index_copy(0, _group_rows(batch.penalised, batch.num_rows, device), work)
+    tokens, non_finite = sample_rows_ref(values, batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)
+    return torch.stack([tokens, non_finite.long()])
+
+
+def log_partition_of(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(L,) float32 log sum exp of the raw logits rows ``rows``: a kernel on CUDA, the reference elsewhere."""
+    if logits.device.type == "cuda":
+        from fnvllm.kernels.sampling_filters import log_partition
+
+        return log_partition(logits, rows)
+    return log_partition_ref(logits.index_select(0, rows))
 
 
 def check_finite(flags: Sequence[int], seq_ids: Sequence[str]) -> None:

@@ -38,29 +38,24 @@ from fnvllm.state.plan import StepPlan
 
 @attrs.frozen(eq=False)
 class DensePenalties:
-    """One step's penalties of P rows, read from the slot buffer.
+    """One step's penalties of the P penalised rows (in sampling order), read from the slot buffer.
 
-    rows: (P,) int64 indexes of the penalised rows among the sampled rows. counts: (P, V) int32 output-token
-    counts. seen: (P, V) bool, tokens seen in prompt or output. repetition / frequency / presence: (P,) float32.
+    counts: (P, V) int32 output-token counts. seen: (P, V) bool, tokens seen in prompt or output.
+    repetition / frequency / presence: (P,) float32.
     """
 
-    rows: torch.Tensor
     counts: torch.Tensor
     seen: torch.Tensor
     repetition: torch.Tensor
     frequency: torch.Tensor
     presence: torch.Tensor
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (S, V) with the penalties applied to the penalised rows; a new tensor, input untouched."""
-        out = logits.clone()
-        picked = logits.index_select(0, self.rows).float()  # (P, V)
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """In place on the (P, V) float32 logits of the penalised rows: repetition, then presence / frequency."""
         rep = self.repetition[:, None]
-        repeated = torch.where(picked > 0, picked / rep, picked * rep)
-        picked = torch.where(self.seen, repeated, picked)
+        logits.copy_(torch.where(self.seen, torch.where(logits > 0, logits / rep, logits * rep), logits))
         counts = self.counts.float()
-        picked = picked - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
-        return out.index_copy_(0, self.rows, picked.to(out.dtype))
+        return logits.sub_(self.frequency[:, None] * counts + self.presence[:, None] * (counts > 0).float())
 
 
 class SlotHistory:
@@ -89,23 +84,15 @@ class SlotHistory:
         tokens.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
 
     def penalties(self, plan: StepPlan, rows: Sequence[int]) -> DensePenalties | None:
-        """The dense penalties of the sampled ``rows`` (plan rows, in sampling order) that have one; None when
-        none has. Reads every penalised row's tokens ``[0, ctx)`` from its slot."""
-        picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
+        """The dense penalties of the sampled ``rows`` (plan rows, in sampling order) that have one, in that
+        order (the sampler's penalised rows); None when none has. Reads each one's tokens ``[0, ctx)``."""
+        picked = [i for i in rows if plan.params[i].needs_history]
         if not picked:
             return None
         tokens = self._buffer()
-        ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for _, i in picked]
-        ints = np.array(
-            [
-                [k for k, _ in picked],
-                [plan.slots[i] for _, i in picked],
-                ctx,
-                [plan.num_generated[i] for _, i in picked],
-            ],
-            dtype=np.int64,
-        )
-        params = [plan.params[i] for _, i in picked]
+        ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for i in picked]
+        ints = np.array([[plan.slots[i] for i in picked], ctx, [plan.num_generated[i] for i in picked]], dtype=np.int64)
+        params = [plan.params[i] for i in picked]
         reals = np.array(
             [
                 [p.repetition_penalty for p in params],
@@ -114,19 +101,19 @@ class SlotHistory:
             ],
             dtype=np.float32,
         )
-        on = upload(ints, self.device)  # (4, P): row among the sampled, slot, context length, outputs
-        factors = upload(np.ascontiguousarray(reals), self.device)  # (3, P): repetition, frequency, presence
+        on = upload(ints, self.device)  # (3, P): slot, context length, outputs
+        factors = upload(reals, self.device)  # (3, P): repetition, frequency, presence
         width = max(ctx)
-        seq = tokens.index_select(0, on[1])[:, :width].long()  # (P, L) each row's tokens, padded past ctx
+        seq = tokens.index_select(0, on[0])[:, :width].long()  # (P, L) each row's tokens, padded past ctx
         position = torch.arange(width, device=self.device)
-        valid = position < on[2][:, None]  # (P, L)
-        output = valid & (position >= (on[2] - on[3])[:, None])
+        valid = position < on[1][:, None]  # (P, L)
+        output = valid & (position >= (on[1] - on[2])[:, None])
         vocab = self.vocab_size
         counts = torch.zeros(len(picked), vocab + 1, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, torch.where(output, seq, vocab), torch.ones_like(seq, dtype=torch.int32))
         seen = torch.zeros(len(picked), vocab + 1, dtype=torch.bool, device=self.device)
         seen.scatter_(1, torch.where(valid, seq, vocab), True)
-        return DensePenalties(on[0], counts[:, :vocab], seen[:, :vocab], factors[0], factors[1], factors[2])
+        return DensePenalties(counts[:, :vocab], seen[:, :vocab], factors[0], factors[1], factors[2])
 
     def record(self, plan: StepPlan, rows: Sequence[int], sampled: torch.Tensor) -> None:
         """Write each penalised row's new token (``sampled``: (S,) ids of ``rows``, on the device) at its

@@ -17,7 +17,6 @@ are inside the graphs). Logits are gathered on rank 0, which alone samples; the 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
-from fnvllm.executor.fused_sampling import FusedSampler, check_finite, fused_temperatures
+from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
@@ -47,11 +46,6 @@ from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
-
-
-def _has_triton() -> bool:
-    """Triton ships with CUDA builds of torch; the CPU build may lack it."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -189,7 +183,6 @@ class ModelExecutor:
             guard.loaded()
         self.sampler = Sampler(config.seed)
         self.history = SlotHistory(config.max_num_seqs, self.max_model_len, self.model_config.vocab_size, self.device)
-        self.fused_sampler = FusedSampler(config.seed) if self.device.type == "cuda" and _has_triton() else None
         self.num_blocks = min_over_ranks(config.num_blocks or self._blocks_that_fit(), tp, self.device)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block
         self.scratch_block = self.num_blocks
@@ -377,22 +370,16 @@ class ModelExecutor:
                 timer.launched()
             return Launched(plan, timer=timer, graph=graph)
         params = [plan.params[i] for i in rows]
-        temperatures = fused_temperatures(params) if self.fused_sampler is not None else None
-        logprobs = None
-        if temperatures is not None and self.fused_sampler is not None:
-            packed = self.fused_sampler.sample(logits, temperatures)  # (2, S): tokens, non-finite flags
-        else:
-            batch = prepare_sampling(
-                params,
-                [plan.num_generated[i] for i in rows],
-                [plan.histories[i] for i in rows],
-                self.model_config.vocab_size,
-                self.device,
-                self.history.penalties(plan, rows),
-            )
-            out = self.sampler.sample(logits, batch)
-            packed = torch.stack([out.token_ids, out.non_finite.long()])
-            logprobs = out.logprobs
+        batch = prepare_sampling(
+            params,
+            [plan.num_generated[i] for i in rows],
+            [plan.histories[i] for i in rows],
+            self.model_config.vocab_size,
+            self.device,
+            self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
+        )
+        out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
+        packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
         self.history.record(plan, rows, packed[0])
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
@@ -460,11 +447,16 @@ class ModelExecutor:
 
 
 def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> tuple[TokenLogprobs | None, ...]:
+    """Per sampled row, its TokenLogprobs (the sampled token's logprob and its first n top entries; n may be 0) or
+    None where it did not ask. ``lp`` holds the rows that asked, in order."""
     sampled = lp.sampled_logprobs.tolist()
     top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    return tuple(
-        None
-        if n is None
-        else TokenLogprobs(tokens[i], sampled[i], tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
-        for i, n in enumerate(asked)
-    )
+    out: list[TokenLogprobs | None] = []
+    k = 0  # the row's place among the rows that asked
+    for i, n in enumerate(asked):
+        if n is None:
+            out.append(None)
+            continue
+        out.append(TokenLogprobs(tokens[i], sampled[k], tuple(zip(top_ids[k][:n], top_values[k][:n], strict=True))))
+        k += 1
+    return tuple(out)

@@ -30,10 +30,12 @@ from fnvllm.state.plan import TokenHistory
 
 
 class Penalties(Protocol):
-    """One step's penalties, however built: ``apply(logits)`` returns the penalised (S, V) logits."""
+    """One step's penalties of the penalised rows (P of them, in batch order), however built: from the plan's
+    token histories (``PenaltyBatch``) or from the executor's per-slot token buffer
+    (``fnvllm.executor.history.DensePenalties``)."""
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The penalised logits; a new tensor, input untouched."""
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """In place on the (P, V) float32 logits of the penalised rows; returns them."""
         ...
 
 
@@ -55,9 +57,9 @@ class PenaltyBatch:
     output_ids: torch.Tensor
     output_penalty: torch.Tensor
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``apply_penalties(logits, self)``."""
-        return apply_penalties(logits, self)
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """``apply_penalties_(logits, self)``."""
+        return apply_penalties_(logits, self)
 
 
 def _pairs(rows: list[int], token_lists: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,9 +124,13 @@ def prepare_penalties(
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
     """Logits (B, V) with repetition, then presence / frequency penalties; a new tensor, input untouched."""
-    out = logits.clone()
+    return apply_penalties_(logits.clone(), penalties)
+
+
+def apply_penalties_(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
+    """In place: repetition, then presence / frequency penalties on logits (B, V); returns ``logits``."""
     seen = (penalties.seen_rows, penalties.seen_ids)
-    values = out[seen]  # (N,)
+    values = logits[seen]  # (N,)
     rep = penalties.repetition[penalties.seen_rows]  # (N,)
-    out.index_put_(seen, torch.where(values > 0, values / rep, values * rep))
-    return out.index_put_((penalties.output_rows, penalties.output_ids), -penalties.output_penalty, accumulate=True)
+    logits.index_put_(seen, torch.where(values > 0, values / rep, values * rep))
+    return logits.index_put_((penalties.output_rows, penalties.output_ids), -penalties.output_penalty, accumulate=True)

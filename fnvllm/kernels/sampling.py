@@ -24,13 +24,25 @@ Z = 8/3. With u = 0.5, u Z = 4/3 > w_0 = 1, so c* = 1 and the remainder is 1/3; 
 
 Pass 1 also flags rows whose logits hold a NaN or an infinity (a broken checkpoint), so the executor can report
 them instead of returning an arbitrary token.
+
+Per row, not per batch (``sample_rows``): each row carries its own inverse temperature (0 = greedy) and either a
+fixed uniform (a seeded request: ``fnvllm.executor.seeded_noise.seeded_uniforms``, a pure function of the seed
+and the draw's index, so its token never depends on its batch mates) or a Philox draw keyed by (seed, row). A row
+list lets one launch cover some rows of a batch (the rest are sampled from another source, e.g. penalised rows
+from a float32 copy). Pass 2 also records each row's uniform and maximum scaled logit, which the top-k / top-p /
+min-p kernel (``fnvllm.kernels.sampling_filters``) reads for the rows that filter; the others are done here.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
+
+from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of sample_rows (+ filtered_pick)
+
+__all__ = ["CHUNK", "RowSampling", "fused_sample", "philox_uniforms", "sample_ref", "sample_rows", "sample_rows_ref"]
 
 CHUNK = 4096  # tokens per pass-1 program: 38 chunks for a 151,936-token vocabulary
 _MAX_CHUNKS = 1024  # pass 2 holds a row's chunk summaries in registers
@@ -58,81 +70,100 @@ def sample_ref(
 
 
 # Batch size and seed change every step: left unspecialised, so a new value never triggers a compile mid-run.
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_programs"])
 def _chunk_stats_kernel(
     logits_ptr,
-    temperature_ptr,
-    stats_ptr,  # (3, B, C) float32: chunk max, chunk partition sum, non-finite flag
-    argmax_ptr,  # (B, C) int32: index of the chunk's max (vocabulary index)
+    scale_ptr,  # (B,) float32 inverse temperature, 0 = greedy (the chunk max of the raw logits)
+    rows_ptr,  # (R,) int32 or int64 batch rows of the programs (when HAS_ROWS)
+    stats_ptr,  # (3, R, C) float32: chunk max, chunk partition sum, non-finite flag
+    argmax_ptr,  # (R, C) int32: index of the chunk's max (vocabulary index)
     stride_row,
-    num_rows,
+    num_programs,
     vocab_size,
     num_chunks,
     CHUNK_SIZE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    DENSE_SOURCE: tl.constexpr,
 ):
-    """Summarise chunk program_id(1) of row program_id(0)."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    temperature = tl.load(temperature_ptr + row)
-    scale = tl.where(temperature > 0.0, 1.0 / tl.maximum(temperature, 1e-30), 1.0)
+    """Summarise chunk program_id(1) of program program_id(0)'s row (source row = the program index when
+    DENSE_SOURCE, else the batch row)."""
+    i, chunk = tl.program_id(0), tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
+    src = i.to(tl.int64) if DENSE_SOURCE else row
+    scale = tl.load(scale_ptr + row)
+    scale = tl.where(scale > 0.0, scale, 1.0)
     cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
     mask = cols < vocab_size
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + src * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     bad = tl.max((mask & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.float32), axis=0)
     scaled = tl.where(mask, x * scale, float("-inf"))
     top = tl.max(scaled, axis=0)
     first = tl.min(tl.where(scaled == top, cols, vocab_size), axis=0)  # lowest index among equal maxima
     total = tl.sum(tl.where(mask, tl.exp(scaled - top), 0.0), axis=0)
-    at = row * num_chunks + chunk
-    plane = num_rows * num_chunks
+    at = i * num_chunks + chunk
+    plane = num_programs * num_chunks
     tl.store(stats_ptr + at, top)
     tl.store(stats_ptr + plane + at, total)
     tl.store(stats_ptr + 2 * plane + at, bad)
     tl.store(argmax_ptr + at, first)
 
 
-@triton.jit(do_not_specialize=["num_rows", "seed"])
+@triton.jit(do_not_specialize=["num_programs", "num_rows", "seed"])
 def _pick_kernel(
     logits_ptr,
-    temperature_ptr,
+    scale_ptr,
+    rows_ptr,
+    fixed_ptr,  # (B,) int32: 1 = the row's uniform is given in uniform_ptr (a seeded row)
+    uniform_ptr,  # (B,) float32: the given uniforms
+    drawn_ptr,  # (3, B) float32: receives each row's uniform, largest scaled logit and partition sum (relative)
     stats_ptr,
     argmax_ptr,
     out_ptr,  # (2, B) int64: token ids, non-finite flags
     stride_row,
+    num_programs,
     num_rows,
     vocab_size,
     num_chunks,
     seed,
     CHUNK_SIZE: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    DENSE_SOURCE: tl.constexpr,
 ):
-    """Combine row program_id(0)'s chunk summaries, draw u, and find the sampled token (see the module doc)."""
-    row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
+    """Combine program program_id(0)'s chunk summaries, take its uniform, and find the sampled token."""
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
+    src = i.to(tl.int64) if DENSE_SOURCE else row
+    scale = tl.load(scale_ptr + row)
     chunk_ids = tl.arange(0, CHUNKS_PAD)
     live = chunk_ids < num_chunks
-    plane = num_rows * num_chunks
-    at = row * num_chunks + chunk_ids
+    plane = num_programs * num_chunks
+    at = i * num_chunks + chunk_ids
     maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
     sums = tl.load(stats_ptr + plane + at, mask=live, other=0.0)
     bad = tl.max(tl.load(stats_ptr + 2 * plane + at, mask=live, other=0.0), axis=0)
     top = tl.max(maxima, axis=0)
     best_chunk = tl.min(tl.where(maxima == top, chunk_ids, CHUNKS_PAD), axis=0)
-    greedy_token = tl.load(argmax_ptr + row * num_chunks + best_chunk)
+    greedy_token = tl.load(argmax_ptr + i * num_chunks + best_chunk)
     weights = tl.where(live, sums * tl.exp(maxima - top), 0.0)  # (C,) each chunk's share of Z, relative to M
     running = tl.cumsum(weights, axis=0)
-    target = tl.rand(seed, row) * tl.sum(weights, axis=0)
+    u = tl.where(tl.load(fixed_ptr + row) != 0, tl.load(uniform_ptr + row), tl.rand(seed, row.to(tl.int32)))
+    partition = tl.sum(weights, axis=0)
+    target = u * partition
     picked = tl.min(tl.where(running > target, chunk_ids, num_chunks - 1), axis=0)
     remainder = target - tl.sum(tl.where(chunk_ids < picked, weights, 0.0), axis=0)
-    scale = 1.0 / tl.maximum(temperature, 1e-30)
     cols = picked * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
     mask = cols < vocab_size
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + src * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     e = tl.where(mask, tl.exp(x * scale - top), 0.0)
     inside = tl.cumsum(e, axis=0)
     crossing = tl.min(tl.where(inside > remainder, cols, vocab_size), axis=0)
     last_positive = tl.max(tl.where(e > 0.0, cols, 0), axis=0)  # float32 sums may fall short of the remainder
     sampled = tl.minimum(crossing, last_positive)
-    token = tl.where(temperature > 0.0, sampled, greedy_token)
+    token = tl.where(scale > 0.0, sampled, greedy_token)
+    tl.store(drawn_ptr + row, u)
+    tl.store(drawn_ptr + num_rows + row, top)
+    tl.store(drawn_ptr + 2 * num_rows + row, partition)
     tl.store(out_ptr + row, token.to(tl.int64))
     tl.store(out_ptr + num_rows + row, (bad > 0.0).to(tl.int64))
 
@@ -141,65 +172,105 @@ def _pick_kernel(
 def _philox_uniform_kernel(out_ptr, seed):
     """The uniform pass 2 draws for row program_id(0) (for tests and the reference)."""
     row = tl.program_id(0)
-    tl.store(out_ptr + row, tl.rand(seed, row))
+    tl.store(out_ptr + row, tl.rand(seed, row.to(tl.int32)))
 
 
 def philox_uniforms(num_rows: int, seed: int, device: torch.device | str) -> torch.Tensor:
-    """(num_rows,) float32: exactly the uniforms ``fused_sample`` draws for ``seed``."""
+    """(num_rows,) float32: exactly the uniforms ``sample_rows`` draws for ``seed`` in rows without a fixed one."""
     out = torch.empty(num_rows, dtype=torch.float32, device=device)
     if num_rows:
         _philox_uniform_kernel[(num_rows,)](out, seed)
     return out
 
 
-def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:
-    """Sample one token per row of logits (B, V) at temperature (B,) float32 (0 = greedy).
+@attrs.frozen(eq=False)
+class RowSampling:
+    """Per-row sampling inputs of one batch of B rows, on the logits' device.
 
-    Returns a (2, B) int64 tensor on the logits' device: row 0 the token ids, row 1 a 0/1 flag per row whose
-    logits hold a NaN or an infinity (copy both to the host with one transfer). ``seed`` (0 <= seed < 2**31)
-    keys the row uniforms: the same (logits, temperature, seed) always gives the same tokens. ``chunk`` (a power
-    of two) is the pass-1 chunk; V / chunk must be at most 1024.
+    scale: (B,) float32 inverse temperature (computed in float32 on the host), 0 = greedy.
+    fixed: (B,) int32, 1 where ``uniforms`` holds the row's uniform (a seeded row), 0 where Philox draws it.
+    uniforms: (B,) float32, the fixed uniforms (read only).
+    drawn: (3, B) float32, receives each row's uniform (fixed or drawn), its largest scaled logit M and its
+        partition sum relative to it (sum of exp(s - M)).
+    out: (2, B) int64, receives token ids and 0/1 non-finite flags.
     """
+
+    scale: torch.Tensor
+    fixed: torch.Tensor
+    uniforms: torch.Tensor
+    drawn: torch.Tensor
+    out: torch.Tensor
+
+
+def _check_source(logits: torch.Tensor, chunk: int) -> int:
+    """Raise ValueError unless logits is (R, V) with a contiguous last dim and chunk fits; returns the chunks."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"logits must be (B, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
-    num_rows, vocab_size = logits.shape
-    if tuple(temperature.shape) != (num_rows,):
-        raise ValueError(f"temperature must have shape ({num_rows},), got {tuple(temperature.shape)}")
-    if not 0 <= seed < 2**31:
-        raise ValueError(f"seed must be in [0, 2**31), got {seed}")
-    num_chunks = triton.cdiv(vocab_size, chunk)
+        raise ValueError(f"logits must be (R, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
+    num_chunks = triton.cdiv(logits.shape[1], chunk)
     if num_chunks > _MAX_CHUNKS or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two with vocab_size / chunk <= {_MAX_CHUNKS}, got {chunk}")
-    out = torch.empty((2, num_rows), dtype=torch.int64, device=logits.device)
-    if num_rows == 0:
-        return out
-    stats = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=logits.device)
-    argmax = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
-    _chunk_stats_kernel[(num_rows, num_chunks)](
-        logits,
-        temperature,
-        stats,
-        argmax,
-        logits.stride(0),
-        num_rows,
-        vocab_size,
-        num_chunks,
-        CHUNK_SIZE=chunk,
-        num_warps=8,
+    return num_chunks
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    batch: RowSampling,
+    seed: int,
+    rows: torch.Tensor | None = None,
+    dense: bool = False,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``);
+    returns the chunk summaries (3, R, C) (max, partition sum, non-finite flag of program i's row chunk c), which
+    ``fnvllm.kernels.sampling_filters.filtered_pick`` reads.
+
+    rows: None = every batch row; else (R,) int32 or int64, the batch rows to sample. dense: logits row i holds
+    batch row rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index.
+    ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one.
+    """
+    num_chunks = _check_source(logits, chunk)
+    num_rows = batch.out.shape[1]
+    num_programs = num_rows if rows is None else rows.shape[0]
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be in [0, 2**31), got {seed}")
+    if num_programs == 0:
+        return torch.empty((3, 0, num_chunks), dtype=torch.float32, device=logits.device)
+    expected = num_programs if dense and rows is not None else num_rows
+    if logits.shape[0] != expected:
+        raise ValueError(f"logits must have {expected} rows (dense={dense}), got {logits.shape[0]}")
+    row_ids = rows if rows is not None else batch.scale  # unused pointer when HAS_ROWS is False
+    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
+    argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+    flags = {"HAS_ROWS": rows is not None, "DENSE_SOURCE": dense and rows is not None}
+    _chunk_stats_kernel[(num_programs, num_chunks)](
+        logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+        CHUNK_SIZE=chunk, num_warps=8, **flags,
+    )  # fmt: skip
+    _pick_kernel[(num_programs,)](
+        logits, batch.scale, row_ids, batch.fixed, batch.uniforms, batch.drawn, stats, argmax, batch.out,
+        logits.stride(0), num_programs, num_rows, logits.shape[1], num_chunks, seed,
+        CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
+    )  # fmt: skip
+    return stats
+
+
+def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:
+    """Sample one token per row of logits (B, V) at temperature (B,) float32 (0 = greedy), Philox uniforms.
+
+    Returns a (2, B) int64 tensor on the logits' device: row 0 the token ids, row 1 a 0/1 flag per row whose
+    logits hold a NaN or an infinity. The same (logits, temperature, seed) always gives the same tokens.
+    """
+    num_rows = logits.shape[0] if logits.dim() == 2 else 0
+    if tuple(temperature.shape) != (num_rows,):
+        raise ValueError(f"temperature must have shape ({num_rows},), got {tuple(temperature.shape)}")
+    positive = temperature > 0
+    scale = torch.where(positive, 1.0 / torch.where(positive, temperature, 1.0), 0.0).float()
+    batch = RowSampling(
+        scale=scale,
+        fixed=torch.zeros(num_rows, dtype=torch.int32, device=logits.device),
+        uniforms=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
+        drawn=torch.empty((3, num_rows), dtype=torch.float32, device=logits.device),
+        out=torch.empty((2, num_rows), dtype=torch.int64, device=logits.device),
     )
-    _pick_kernel[(num_rows,)](
-        logits,
-        temperature,
-        stats,
-        argmax,
-        out,
-        logits.stride(0),
-        num_rows,
-        vocab_size,
-        num_chunks,
-        seed,
-        CHUNK_SIZE=chunk,
-        CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
-        num_warps=8,
-    )
-    return out
+    sample_rows(logits, batch, seed, chunk=chunk)
+    return batch.out
