@@ -53,14 +53,18 @@ def _logits(num_rows: int, seed: int, dtype: torch.dtype = torch.float32) -> tor
     return (torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype).to(DEVICE)
 
 
+@pytest.mark.parametrize("filter_kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_and_references_sample_the_same_tokens_in_a_mixed_batch(dtype: torch.dtype) -> None:
+def test_kernels_and_references_sample_the_same_tokens_in_a_mixed_batch(
+    dtype: torch.dtype, filter_kernel: bool
+) -> None:
     """Every option mix (greedy, temperature, filters, penalties, logprobs), seeded: the kernels' tokens and
-    logprobs equal the references' over several draws (the same uniforms, so exactly the same tokens)."""
+    logprobs equal the references' over several draws (the same uniforms, so exactly the same tokens), with the
+    filtered rows drawn by sorting on the device (the default) or by the filter kernel."""
     for step in range(3):
         logits = _logits(len(MIXED), seed=step, dtype=dtype)
         batch = _batch(MIXED, num_generated=step)
-        kernels = Sampler(kernels=True).sample(logits, batch)
+        kernels = Sampler(kernels=True, filter_kernel=filter_kernel).sample(logits, batch)
         refs = Sampler(kernels=False).sample(logits, batch)
         assert kernels.token_ids.tolist() == refs.token_ids.tolist()
         assert kernels.non_finite.tolist() == [False] * len(MIXED)

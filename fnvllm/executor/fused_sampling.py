@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fnvllm.executor.base import NonFiniteLogitsError
-from fnvllm.kernels.sampling_ref import log_partition_ref, sample_rows_ref
+from fnvllm.kernels.sampling_ref import filtered_sample_sorted, log_partition_ref, sample_rows_ref
 
 if TYPE_CHECKING:
     from fnvllm.executor.sampler import RowGroup, SamplingBatch
@@ -38,8 +38,17 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor |
     return batch.penalties.apply_(work)
 
 
-def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -> torch.Tensor:
-    """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox."""
+def sample_with_kernels(
+    logits: torch.Tensor, batch: SamplingBatch, seed: int, filter_kernel: bool = False
+) -> torch.Tensor:
+    """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox.
+
+    filter_kernel: draw the top-k / top-p / min-p rows with ``filtered_pick`` (one program per row that reads only
+    the chunks that can reach its threshold); False (the default) draws them by sorting on the device
+    (``filtered_sample_sorted``, the same function). Why the default: on the bench's random-weight checkpoint,
+    whose logits are nearly flat, every chunk can reach a top-p threshold and the kernel's search reads the row
+    many times; end to end, top_p 0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s on the H200
+    (BENCHMARKS.md), where sorting 256 rows costs ~1.5 ms a step whatever the logits."""
     from fnvllm.kernels.sampling import RowSampling, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
@@ -57,10 +66,25 @@ def sample_with_kernels(logits: torch.Tensor, batch: SamplingBatch, seed: int) -
             continue
         dense = source is work and group.rows is not None
         stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
-        if group.filtered.shape[0]:
+        if not group.filtered.shape[0]:
+            continue
+        if filter_kernel:
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
+        else:
+            _filtered_by_sorting(source, group, batch, state.drawn[0], state.out)
     return state.out
+
+
+def _filtered_by_sorting(
+    source: torch.Tensor, group: RowGroup, batch: SamplingBatch, uniforms: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Overwrite out[0] at the group's filtered rows with their filtered draws, by sorting on the device, at the
+    uniforms ``sample_rows`` recorded (so a seeded row draws what the kernel path would draw)."""
+    rows = group.filtered.long()  # (F,) batch rows
+    values = source.index_select(0, group.filtered_sources.long())  # (F, V)
+    settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)]
+    out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
 
 
 def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:

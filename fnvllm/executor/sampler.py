@@ -280,11 +280,13 @@ class Sampler:
     """Samples one token per row; owns the randomness of unseeded rows (Philox keys on the GPU, one
     torch.Generator per device for the references)."""
 
-    def __init__(self, seed: int = 0, kernels: bool | None = None) -> None:
+    def __init__(self, seed: int = 0, kernels: bool | None = None, filter_kernel: bool = False) -> None:
         """`seed` seeds unseeded rows (seeded rows never touch it). kernels: run the Triton kernels (True), their
-        torch references (False), or the kernels on CUDA tensors when Triton is installed (None)."""
+        torch references (False), or the kernels on CUDA tensors when Triton is installed (None). filter_kernel:
+        filtered rows by the Triton filter kernel instead of sorting on the device (``sample_with_kernels``)."""
         self.seed = seed
         self.kernels = kernels
+        self.filter_kernel = filter_kernel
         self._has_triton = _has_triton()
         self._calls = 0
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -307,7 +309,7 @@ class Sampler:
         if self._uses_kernels(logits.device):
             key = (self.seed * 1_000_003 + self._calls) % 2**31
             self._calls += 1
-            packed = sample_with_kernels(logits, batch, key)
+            packed = sample_with_kernels(logits, batch, key, self.filter_kernel)
         else:
             packed = sample_with_references(logits, batch, self._generator(logits.device))
         rows, num_top = batch.logprob_rows, batch.max_logprobs

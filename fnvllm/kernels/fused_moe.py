@@ -214,6 +214,9 @@ def fused_moe(
     if num_tokens == 0:
         return torch.zeros_like(x)
     cfg = config or pick_config(num_tokens, num_experts, top_k)
+    # The tiles are sized for 2-byte weights; 4-byte ones (fp32 models and tests) need half the pipeline stages
+    # to fit the shared memory of one SM (the decode tiles at 4 stages ask 240 KB of the H200's 227 KB).
+    stages = cfg.num_stages if x.element_size() <= 2 else max(2, cfg.num_stages // 2)
     align = align_by_expert(topk_ids, num_experts, cfg.block_m)
     num_m, n = align.block_experts.numel(), num_tokens * top_k
     precision, upcast = dot_precision(x.dtype), upcast_dot(x.device)  # upcast: the interpreter's bf16 dot is wrong
@@ -223,7 +226,7 @@ def fused_moe(
         x, w_gate_up, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         TOP_K=top_k, PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=stages,
     )  # fmt: skip
     per_assignment = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # (T*K, H)
     grid = (num_m * triton.cdiv(hidden, 2 * cfg.block_n),)
@@ -231,7 +234,7 @@ def fused_moe(
         act, w_down, topk_weights.reshape(-1), per_assignment, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
         per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=stages,
     )  # fmt: skip
     return combine(per_assignment.view(num_tokens, top_k, hidden))
 

@@ -41,11 +41,26 @@ def filtered_sample_ref(
     """Torch reference of one draw per row by sorting: logits (R, V), scale (R,) float32 > 0, top_k (R,) int
     (0 = off), top_p / min_p (R,) float32 (1 / 0 = off), uniforms (R,) in [0, 1). Returns (R,) int64 tokens.
     Masses are float64 sums of float32 exp(s - M), so only a u or a threshold within rounding can differ."""
+    return filtered_sample_sorted(logits, scale, top_k, top_p, min_p, uniforms, bool(((top_k > 0) | (top_p < 1)).any()))
+
+
+def filtered_sample_sorted(
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    cut: bool = True,
+) -> torch.Tensor:
+    """``filtered_sample_ref`` without reading anything back to the host (the executor's GPU path for filtered
+    rows: no sync, so overlapped steps stay overlapped). cut=False skips the sort when no row has top-k or
+    top-p; a row with neither keeps every token either way."""
     s = _scaled_ref(logits, scale)  # (R, V)
     top = s.amax(dim=-1, keepdim=True)
     e = (s - top).exp()  # float32, like the kernel
     kept = e >= min_p[:, None]
-    if bool(((top_k > 0) | (top_p < 1)).any()):
+    if cut:
         kept &= s >= _threshold(s, e, top_k, top_p)
     cdf = torch.where(kept, e.double(), 0.0).cumsum(dim=-1)
     sampled = torch.searchsorted(cdf, uniforms.double()[:, None] * cdf[:, -1:], right=True).squeeze(1)
