@@ -34,6 +34,7 @@ CPU_RUNS: dict[str, list[str]] = {
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
     "bench_attention.py",
     "bench_moe.py",
+    "bench_sampling.py",
     "bench_serve.py",
     "sim_accuracy.py",
     "sim_calibration.py",

@@ -129,3 +129,27 @@ def test_a_checkpoint_producing_nan_logits_is_reported_by_the_executor(tmp_path:
     with pytest.raises(NonFiniteLogitsError, match=r"NaN or infinite logits for 1 sampled sequence"):
         llm.generate([[5, 9, 13]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert not llm.state.running
+
+
+TOP_K_ROWS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=0.8, top_k=12, min_p=0.05),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.2, top_k=7, top_p=0.5, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_rows_sort_only_their_candidates_and_match_the_references(dtype: torch.dtype) -> None:
+    """When every filtered row has a top-k, the sorting path reads only the best candidates of each row (one
+    topk); the tokens are still exactly the references' for the same uniforms, across several draws."""
+    batch = _batch(TOP_K_ROWS)
+    assert batch.candidates is not None and batch.candidates < VOCAB
+    for step in range(4):
+        logits = _logits(len(TOP_K_ROWS), seed=10 + step, dtype=dtype)
+        batch = _batch(TOP_K_ROWS, num_generated=step)
+        kernels = Sampler(kernels=True).sample(logits, batch)
+        refs = Sampler(kernels=False).sample(logits, batch)
+        assert kernels.token_ids.tolist() == refs.token_ids.tolist()

@@ -80,11 +80,18 @@ def _filtered_by_sorting(
     source: torch.Tensor, group: RowGroup, batch: SamplingBatch, uniforms: torch.Tensor, out: torch.Tensor
 ) -> None:
     """Overwrite out[0] at the group's filtered rows with their filtered draws, by sorting on the device, at the
-    uniforms ``sample_rows`` recorded (so a seeded row draws what the kernel path would draw)."""
+    uniforms ``sample_rows`` recorded (so a seeded row draws what the kernel path would draw). When every filtered
+    row has a top-k, only each row's ``batch.candidates`` best tokens are sorted (one ``topk``): its kept set lies
+    among them (top-p and min-p only cut further), ties at the k-th logit included up to the margin."""
     rows = group.filtered.long()  # (F,) batch rows
     values = source.index_select(0, group.filtered_sources.long())  # (F, V)
     settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)]
-    out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
+    if batch.candidates is None:
+        out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
+        return
+    ids = values.topk(batch.candidates, dim=-1).indices.sort(dim=-1).values  # (F, C) token ids, ascending
+    picked = filtered_sample_sorted(values.gather(1, ids), *settings)  # (F,) positions among the candidates
+    out[0].index_copy_(0, rows, ids.gather(1, picked[:, None]).squeeze(1))  # in id order, as the draw over V
 
 
 def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:

@@ -71,6 +71,8 @@ class SamplingBatch:
     fixed: (B,) int32, 1 on those rows. plain / penalised: the rows sampled from the logits and from the penalised
     copy (None when empty); penalties: the penalised rows' edits, numbered by position in ``penalised.rows``.
     logprob_rows: (L,) int32 rows that asked for logprobs, in batch order; max_logprobs: most any of them asked.
+    candidates: when every filtered row has a top-k, how many of each row's best tokens can hold its kept set
+    (the largest top-k plus a margin for ties at the k-th logit); None when some filtered row has none.
     """
 
     scale: torch.Tensor
@@ -86,6 +88,7 @@ class SamplingBatch:
     max_logprobs: int | None
     vocab_size: int
     num_rows: int
+    candidates: int | None = None
 
 
 @attrs.frozen(eq=False)
@@ -268,7 +271,19 @@ def prepare_sampling(
         max_logprobs=rows.max_logprobs,
         vocab_size=vocab_size,
         num_rows=num_rows,
+        candidates=_candidates(rows, vocab_size),
     )
+
+
+TIE_MARGIN = 64  # candidates past the largest top-k: tokens tied with a row's k-th logit are kept, as by sorting
+
+
+def _candidates(rows: _Rows, vocab_size: int) -> int | None:
+    """``SamplingBatch.candidates`` of these rows."""
+    ks = [rows.top_k[i] for i in rows.filtered]
+    if not ks or not all(ks):
+        return None
+    return min(max(ks) + TIE_MARGIN, vocab_size)
 
 
 def _has_triton() -> bool:
