@@ -241,7 +241,9 @@ def test_gpu_route_kernel_real_sizes() -> None:
     logits = torch.randn(256, 128, device=DEVICE, dtype=torch.bfloat16)
     weights, ids = moe_route.route(logits, 8, normalize=True)
     ref_weights, ref_ids = moe_route.route_ref(logits, 8, normalize=True)
-    assert (ids == ref_ids).float().mean() > 0.99  # bf16 logits tie now and then; the order of a tie may differ
+    # bf16 logits of 128 experts tie often (4 % of picks here): tied experts may come in either order, and a tie at
+    # the k-th place may pick either expert. The picked logits, best first, are the reference's exactly.
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids))
     torch.testing.assert_close(weights.sort(dim=-1).values, ref_weights.sort(dim=-1).values, rtol=1e-2, atol=1e-3)
 
 

@@ -43,12 +43,13 @@ def sample_with_kernels(
 ) -> torch.Tensor:
     """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox.
 
-    filter_kernel: draw the top-k / top-p / min-p rows with ``filtered_pick`` (one program per row that reads only
-    the chunks that can reach its threshold); False (the default) draws them by sorting on the device
-    (``filtered_sample_sorted``, the same function). Why the default: on the bench's random-weight checkpoint,
-    whose logits are nearly flat, every chunk can reach a top-p threshold and the kernel's search reads the row
-    many times; end to end, top_p 0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s on the H200
-    (BENCHMARKS.md), where sorting 256 rows costs ~1.5 ms a step whatever the logits."""
+    Filtered rows (top-k / top-p / min-p) are drawn by ``filtered_pick`` (one program per row that reads only the
+    chunks that can reach its threshold) when ``filter_kernel`` or when they only have a min-p; otherwise by
+    sorting on the device (``filtered_sample_sorted``, the same function), over each row's best candidates when
+    every one has a top-k. Why: on the bench's random-weight checkpoint, whose logits are nearly flat, every chunk
+    can reach a top-p threshold and the kernel's search reads the row many times; end to end, top_p 0.95 /
+    top_k 20 fell from 22.6k to 11.6k output tok/s on the H200 with the kernel, 23.6k with the candidates
+    (BENCHMARKS.md), while min-p alone ran at full speed with the kernel and slowly with a full sort."""
     from fnvllm.kernels.sampling import RowSampling, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
@@ -68,7 +69,7 @@ def sample_with_kernels(
         stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
         if not group.filtered.shape[0]:
             continue
-        if filter_kernel:
+        if filter_kernel or batch.min_p_only:
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:

@@ -73,6 +73,8 @@ class SamplingBatch:
     logprob_rows: (L,) int32 rows that asked for logprobs, in batch order; max_logprobs: most any of them asked.
     candidates: when every filtered row has a top-k, how many of each row's best tokens can hold its kept set
     (the largest top-k plus a margin for ties at the k-th logit); None when some filtered row has none.
+    min_p_only: no filtered row has a top-k or a top-p (the filter kernel's fast case; see
+    ``fused_sampling.sample_with_kernels``).
     """
 
     scale: torch.Tensor
@@ -89,6 +91,7 @@ class SamplingBatch:
     vocab_size: int
     num_rows: int
     candidates: int | None = None
+    min_p_only: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -272,6 +275,7 @@ def prepare_sampling(
         vocab_size=vocab_size,
         num_rows=num_rows,
         candidates=_candidates(rows, vocab_size),
+        min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
     )
 
 
