@@ -221,6 +221,7 @@ class ModelExecutor:
             + [SamplingParams(temperature=0.6, top_p=0.9, presence_penalty=0.5)] * 4,
         )
         for params in batches:
+            params = params[: logits.shape[0]]  # max_num_seqs may be below 8
             rows = len(params)
             histories = [history if p.needs_history else None for p in params]
             batch = prepare_sampling(params, [0] * rows, histories, self.model_config.vocab_size, self.device)
