@@ -14,7 +14,7 @@ import attrs
 
 from fnvllm.state import CoreConfig, InvalidConfigError
 from fnvllm.state.checks import CONFIG, check_bool, check_choice, check_int, check_optional_int, check_real
-from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS
+from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_SEQS
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 
@@ -22,7 +22,6 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 # allocator or a kernel launch, so they are refused here with the field named.
 MAX_BLOCK_SIZE = 4096
 MAX_BATCHED_TOKENS = 1 << 24
-MAX_NUM_SEQS = 1 << 16
 MAX_TENSOR_PARALLEL = 1024
 MAX_CPU_KV_CACHE_GIB = 1 << 20
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes

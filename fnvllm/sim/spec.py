@@ -40,7 +40,7 @@ from fnvllm.sim.workloads import (
     shared_prefix_requests,
 )
 from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
-from fnvllm.state.config import MAX_SIZE
+from fnvllm.state.config import MAX_NUM_SEQS, MAX_SIZE
 
 _GIB = 1 << 30
 _EOS_ID, _FILLER_ID = 0, 3
@@ -111,7 +111,7 @@ _INTS: dict[str, tuple[int, int]] = {
     "seed": (0, (1 << 63) - 1),
     "block_size": (1, MAX_MODEL_LEN),
     "max_num_batched_tokens": (1, MAX_SIZE),
-    "max_num_seqs": (1, MAX_SIZE),
+    "max_num_seqs": (1, MAX_NUM_SEQS),
 }
 _OPTIONAL_INTS: dict[str, tuple[int, int]] = {
     "num_requests": (1, MAX_REQUESTS),

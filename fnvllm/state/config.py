@@ -15,6 +15,7 @@ from fnvllm.state.hashing import BlockHasher, hash_block_xxh3
 # max_model_len + 2 lengths), so an absurd value is an error here rather than a MemoryError mid-run.
 MAX_NUM_BLOCKS = 1 << 24
 MAX_MODEL_LEN = 1 << 21
+MAX_NUM_SEQS = 1 << 16  # running requests, each with a slot (the executor keeps per-slot device state)
 MAX_SIZE = (1 << 31) - 1
 
 
@@ -31,7 +32,7 @@ def _budget(value: Any) -> int:
 
 
 def _max_num_seqs(value: Any) -> int:
-    return check_int(value, "CoreConfig.max_num_seqs", CONFIG, 1, MAX_SIZE)
+    return check_int(value, "CoreConfig.max_num_seqs", CONFIG, 1, MAX_NUM_SEQS)
 
 
 def _max_model_len(value: Any) -> int:
@@ -66,7 +67,7 @@ class CoreConfig:
     block_size: tokens per KV block, in [1, 2**31).
     num_blocks: KV blocks in the pool, in [1, 2**24].
     max_num_batched_tokens: token budget of one step, prefill chunks and decodes together, in [1, 2**31).
-    max_num_seqs: cap on the number of running sequences, in [1, 2**31).
+    max_num_seqs: cap on the number of running sequences, in [1, 65536] (each holds a slot).
     max_model_len: cap on prompt + generated tokens of one request, in [1, 2**21].
     enable_prefix_caching: reuse full KV blocks whose chained hash and tokens match.
     eos_token_ids: ids that end a request unless its params set ignore_eos (inside the vocabulary when it is
