@@ -21,9 +21,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from fnvllm.state import SamplingParams
 from fnvllm.workloads import bench_workload
@@ -134,14 +136,20 @@ def run_bench(
     read_tb_s: float = H200_READ_TB_S,
     use_tqdm: bool = False,
     progress_every_s: float | None = None,
+    sampling: Mapping[str, Any] | None = None,
     **engine_options: Any,
 ) -> dict[str, Any]:
     """Run the workload once to warm up (its first 4 requests, 8 tokens each), then time it; returns the result
     record. Without ``model``, a random checkpoint of ``model_shape`` is written to a temporary folder that is
-    deleted afterwards. ``progress_every_s``: print a plain progress line that often (None: none)."""
+    deleted afterwards. ``progress_every_s``: print a plain progress line that often (None: none).
+    ``sampling``: SamplingParams fields set on every request (e.g. top_p, repetition_penalty, logprobs) on top of
+    the workload's temperature 0.6, ignore_eos and max_tokens; recorded in the result."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    workload = bench_workload(num_requests, max_input_len, max_output_len)
+    prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
+    if sampling:
+        params = [attrs.evolve(p, **sampling) for p in params]  # SamplingParams validates each field
+    workload = prompts, params
     with checkpoint_folder(model, model_shape, announce=progress_every_s is not None) as folder:
         if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
             from fnvllm.model.config import ModelConfig
@@ -149,7 +157,8 @@ def run_bench(
             model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
             engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
         name = str(model) if model else model_shape
-        return _run(folder, name, workload, read_tb_s, use_tqdm, progress_every_s, engine_options)
+        result = _run(folder, name, workload, read_tb_s, use_tqdm, progress_every_s, engine_options)
+        return {**result, "sampling": dict(sampling)} if sampling else result
 
 
 @contextlib.contextmanager

@@ -229,3 +229,23 @@ def test_bench_progress_line_reports_tokens_share_and_rate() -> None:
 
     line = Progress(llm=None, total_tokens=4000, every_s=5.0).line(10.0, 1000)
     assert line == "bench: 10 s, 1,000 of 4,000 output tokens (25 %), 100 tok/s"
+
+
+def test_bench_takes_the_sampling_settings_users_send() -> None:
+    """``fnvllm bench --preset qwen3 --repetition-penalty 1.05`` samples every request with top-p 0.95 / top-k 20
+    and the penalty (reported in the result); an out-of-range setting is one line naming the field, exit 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fnvllm", "bench", "--num-requests", "2", "--preset", "qwen3",
+         "--repetition-penalty", "1.05", "--max-output-len", "100", "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["sampling"] == {"top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    assert result["output_tokens"] > 0
+    bad = subprocess.run(
+        [sys.executable, "-m", "fnvllm", "bench", "--num-requests", "2", "--top-p", "7"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "top_p" in bad.stderr and "Traceback" not in bad.stderr

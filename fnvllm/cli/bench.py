@@ -23,6 +23,16 @@ WORKLOAD_DEFAULTS = {"tiny": (32, 256, 128, 16)}
 NANO_VLLM_WORKLOAD = (256, 1024, 1024, 256)
 WORKLOAD_FLAGS = ("num_requests", "max_input_len", "max_output_len", "block_size")
 PROGRESS_EVERY_S = 5.0  # plain progress lines when stderr is not a terminal
+# --preset: a checkpoint's own generation_config sampling (on top of the workload's temperature 0.6)
+PRESETS = {"qwen3": {"top_p": 0.95, "top_k": 20}}
+SAMPLING_FLAGS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields the sampling flags set: the preset's, then each flag given."""
+    overrides = dict(PRESETS[args.preset]) if args.preset else {}
+    overrides.update({name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None})
+    return overrides
 
 
 def resolve_workload(args: argparse.Namespace) -> None:
@@ -66,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             args.read_tb_s * args.tensor_parallel_size,  # each GPU reads its share of the weights and KV
             use_tqdm=sys.stderr.isatty(),
             progress_every_s=None if sys.stderr.isatty() else PROGRESS_EVERY_S,
+            sampling=sampling_overrides(args),
             **options,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -118,6 +129,15 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (the floor uses all of them)"
     )
+    sampling = p.add_argument_group("sampling (added to every request; the workload samples at temperature 0.6)")
+    sampling.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--min-p", type=float, default=None)
+    sampling.add_argument("--repetition-penalty", type=float, default=None)
+    sampling.add_argument("--presence-penalty", type=float, default=None)
+    sampling.add_argument("--frequency-penalty", type=float, default=None)
+    sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
     p.add_argument("--profile", action="store_true", help="record the per-step timeline and print its summary")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
