@@ -9,38 +9,16 @@ from typing import Any
 
 import pytest
 import torch
-from test_llm_equality import MAX_NEW, REGIMES, mixed_prompts, references
+from test_llm_equality import REGIMES, check_equal
 from tiny_models import MOE_FAMILIES, hf_model, write_family
 
 from fnvllm.llm import LLM
-from fnvllm.state import SamplingParams
-
-_REFS: dict[str, list[list[int]]] = {}
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def moe_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
     path = write_family(tmp_path_factory.mktemp("moe"), request.param)
     return request.param, path, hf_model(path)
-
-
-def check_equal(name: str, model: Any, llm: LLM, regime: str) -> None:
-    """Generate the mixed prompts with ``llm`` and compare with transformers' greedy tokens."""
-    must = REGIMES[regime][1]
-    eos = sorted(llm.engine.config.eos_token_ids)
-    prompts = mixed_prompts()
-    if name not in _REFS:
-        _REFS[name] = references(model, prompts, eos)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    if must == "cached":
-        outs = llm.generate(prompts, params, use_tqdm=False)  # second pass: whole prompts come from the cache
-        assert llm.stats.num_cached_tokens > 200
-    if must == "preempted":
-        assert llm.stats.num_preemptions > 0
-    for prompt, out, ref in zip(prompts, outs, _REFS[name], strict=True):
-        assert list(out.token_ids) == ref, f"{name}/{regime}: prompt of {len(prompt)} tokens diverged"
-        assert out.finish_reason == ("stop" if ref[-1] in eos else "length")
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))
