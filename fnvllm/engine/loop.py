@@ -168,7 +168,7 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)  # executor and state in step again; nothing lost
             raise
-        cached = plan.admitted_starts() if plan.num_admitted else {}
+        cached = plan.admitted_starts()
         self.processor.note_cached(cached)
         self._finish_step(state, plan, out, sum(cached.values()), errors)
         return out
@@ -262,7 +262,7 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)
             raise
-        cached = plan.admitted_starts() if plan.num_admitted else {}
+        cached = plan.admitted_starts()
         self.processor.note_cached(cached)
         self.state = state
         return _Flight(plan, launched, None, sum(cached.values()))
@@ -274,7 +274,7 @@ class EngineLoop:
         s = self.overlap_stats
         if verdict.kept and verdict.plan is not None:
             plan = verdict.plan
-            cached = plan.admitted_starts() if plan.num_admitted else {}  # a mixed step may admit
+            cached = plan.admitted_starts()  # a mixed step may admit
             self.processor.note_cached(cached)
             keep = tuple(compress(verdict.keep, spec.plan.sample))  # per sampled row, as the tokens come
             self._flight = _Flight(plan, launched, keep, sum(cached.values()))

@@ -97,7 +97,10 @@ class StepPlan:
         return len(self.seq_ids) - self.num_admitted
 
     def admitted_starts(self) -> dict[str, int]:
-        """Each admitted row's start position: the tokens its admission found in the prefix cache."""
+        """Each admitted row's start position: the tokens its admission found in the prefix cache (empty, at no
+        cost, in the usual step that admits nobody)."""
+        if not self.num_admitted:
+            return {}
         k = self.num_continuing
         return dict(zip(self.seq_ids[k:], self.start_positions[k:], strict=True))
 
