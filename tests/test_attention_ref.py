@@ -8,12 +8,8 @@ import pytest
 import torch
 
 import fnvllm.kernels.attention as attention_module
-from fnvllm.kernels import (
-    AttentionMetadata,
-    build_attention_metadata,
-    paged_attention_ref,
-    write_kv,
-)
+from fnvllm.executor.device_inputs import build_attention_metadata
+from fnvllm.kernels import AttentionMetadata, paged_attention_ref, write_kv
 from fnvllm.kernels.attention import attention
 from fnvllm.kernels.backends import BackendUnavailableError, backend_names, get_backend, resolve_backend
 

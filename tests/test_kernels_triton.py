@@ -25,8 +25,8 @@ if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "In
         allow_module_level=True,
     )
 
+from fnvllm.executor.device_inputs import build_attention_metadata  # noqa: E402
 from fnvllm.kernels import decode_attention, fused_ops, prefill_attention, sampling, store_kv  # noqa: E402
-from fnvllm.kernels.attention import build_attention_metadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

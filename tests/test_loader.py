@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fnvllm.kernels import build_attention_metadata
+from fnvllm.executor.device_inputs import build_attention_metadata
 from fnvllm.model import SUPPORTED_ARCHITECTURES, CheckpointMismatchError, ModelConfig, load_model
 from fnvllm.model.config import Llama3RopeScaling
 from fnvllm.testing.checkpoints import QWEN3_SHAPES, qwen3_tensor_shapes, write_random_checkpoint, write_tiny_checkpoint

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from fnvllm.kernels import build_attention_metadata
+from fnvllm.executor.device_inputs import build_attention_metadata
 from fnvllm.model import DecoderForCausalLM, ModelConfig, load_model
 from fnvllm.testing.checkpoints import write_tiny_checkpoint
 

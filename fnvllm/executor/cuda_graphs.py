@@ -21,8 +21,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from fnvllm.executor.device_inputs import upload
 from fnvllm.executor.inputs import Feed
-from fnvllm.kernels.attention import AttentionMetadata, upload
+from fnvllm.kernels.attention import AttentionMetadata
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]

@@ -32,7 +32,7 @@ import attrs
 import numpy as np
 import torch
 
-from fnvllm.kernels.attention import upload
+from fnvllm.executor.device_inputs import upload
 from fnvllm.state.plan import StepPlan
 
 

@@ -17,7 +17,8 @@ import attrs
 import numpy as np
 import torch
 
-from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata, upload
+from fnvllm.executor.device_inputs import build_attention_metadata, upload
+from fnvllm.kernels.attention import AttentionMetadata
 from fnvllm.state import StepPlan
 
 

@@ -29,13 +29,14 @@ import torch
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
+from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
-from fnvllm.kernels.attention import AttentionMetadata, build_attention_metadata, upload
+from fnvllm.kernels.attention import AttentionMetadata
 from fnvllm.kernels.backends import resolve_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import load_model

@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 import torch
 
-from fnvllm.kernels.attention import upload
+from fnvllm.executor.device_inputs import upload
 from fnvllm.state.errors import InvalidRequestError
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import TokenHistory

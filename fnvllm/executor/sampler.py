@@ -39,10 +39,10 @@ import attrs
 import numpy as np
 import torch
 
+from fnvllm.executor.device_inputs import upload
 from fnvllm.executor.fused_sampling import log_partition_of, sample_with_kernels, sample_with_references
 from fnvllm.executor.penalties import Penalties, prepare_penalties
 from fnvllm.executor.seeded_noise import seeded_uniforms
-from fnvllm.kernels.attention import upload
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
 from fnvllm.state.plan import TokenHistory
 

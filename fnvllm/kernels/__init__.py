@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AttentionMetadata", "build_attention_metadata", "paged_attention_ref", "write_kv"]
+__all__ = ["AttentionMetadata", "paged_attention_ref", "write_kv"]
 
 
 def __getattr__(name: str) -> Any:
