@@ -198,12 +198,19 @@ def test_decode_single_partition_skips_the_reduce() -> None:
 
 
 def test_decode_auto_partition_is_one_partition_only_for_big_batches() -> None:
-    """Big batches (>= 1024 sequence x KV-head programs) get one partition spanning the table; small ones split."""
+    """Big batches (>= 1024 sequence x KV-head programs) get one partition spanning the table; small ones split
+    (<= 32 pairs) into one-tile partitions, coarser only when the partials would pass their cap."""
     default = decode_attention.DEFAULT_DECODE_CONFIG.partition_size
+    small = decode_attention.SMALL_BATCH_PARTITION
     assert decode_attention.auto_partition_size(256, 8, 4096) == 4096
     assert decode_attention.auto_partition_size(128, 8, 300) == max(default, 512)
     assert decode_attention.auto_partition_size(127, 8, 4096) == default
-    assert decode_attention.auto_partition_size(16, 8, 40960) == default
+    assert decode_attention.auto_partition_size(1, 8, 4096) == small
+    assert decode_attention.auto_partition_size(4, 8, 4096) == small
+    assert decode_attention.auto_partition_size(4, 8, 1 << 20) == 512  # 4 x 8 x 2048 partials = the cap
+    for seqs, heads, context in ((1, 8, 4096), (4, 8, 1 << 22), (8, 4, 40960)):
+        size = decode_attention.auto_partition_size(seqs, heads, context)
+        assert seqs * heads * -(-context // size) <= decode_attention.SMALL_BATCH_MAX_PARTIALS
 
 
 def test_decode_head_dim_64_wide_table_and_workspace() -> None:

@@ -89,18 +89,35 @@ DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
 # no partial outputs, no reduce. Measured on the H200 (B 256, Hkv 8, context U(100, 2048), block 256): one
 # partition 4.11 TB/s, partitions of 512 tokens 3.99 TB/s plus 10 us of reduce per layer.
 SPLIT_FREE_PROGRAMS = 1024
+# Batches of at most TINY_BATCH_PAIRS (sequence, KV head) pairs split into partitions of one default tile, with at
+# most SMALL_BATCH_MAX_PARTIALS partial outputs per head group.
+TINY_BATCH_PAIRS = 32
+SMALL_BATCH_PARTITION = 64
+SMALL_BATCH_MAX_PARTIALS = 1 << 16
 
 
 def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> int:
-    """The partition size the launcher uses when none is given: one partition covering ``max_context`` (the
-    table width in tokens) for batches of >= SPLIT_FREE_PROGRAMS (sequence, KV head) pairs, else the default.
-
-    A function of shapes only, so a CUDA graph captured for a batch size keeps its choice.
-    Worked example: B 256 x Hkv 8 = 2048 pairs, tables of 4096 slots -> 4096 (P = 1); B 16 -> 512 (P = 8).
+    """The partition size the launcher uses when none is given, from shapes only (a CUDA graph captured for a
+    batch size keeps its choice):
+    - batches of >= SPLIT_FREE_PROGRAMS (sequence, KV head) pairs: one partition covering ``max_context`` (the
+      table width in tokens);
+    - tiny batches (<= TINY_BATCH_PAIRS pairs): partitions of one tile (SMALL_BATCH_PARTITION tokens), so even
+      one sequence spreads its context over many programs, doubled while the partial outputs would exceed
+      SMALL_BATCH_MAX_PARTIALS (sequence, KV head, partition) triples (long tables). H200, 8 KV heads, tables of
+      4096 tokens (benchmarks/bench_small_batch.py): B 1, contexts U(100, 2048): 5.9 us against 11.8 at 512;
+      B 16 and up the finer split loses (B 64: 46 us against 22), so they keep the default;
+    - otherwise the default partition size.
+    Worked example: B 256 x Hkv 8 = 2048 pairs, tables of 4096 slots -> 4096 (P = 1); B 16 -> 512 (P = 8);
+    B 1 -> 64 (P = 64).
     """
     if num_seqs * num_kv_heads >= SPLIT_FREE_PROGRAMS:
         return max(DEFAULT_DECODE_CONFIG.partition_size, int(triton.next_power_of_2(max_context)))
-    return DEFAULT_DECODE_CONFIG.partition_size
+    if num_seqs * num_kv_heads > TINY_BATCH_PAIRS:
+        return DEFAULT_DECODE_CONFIG.partition_size
+    size = SMALL_BATCH_PARTITION
+    while size < max_context and num_seqs * num_kv_heads * math.ceil(max_context / size) > SMALL_BATCH_MAX_PARTIALS:
+        size *= 2
+    return size
 
 
 class DecodeWorkspace(NamedTuple):

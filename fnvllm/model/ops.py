@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from fnvllm.kernels.reference import (
     add_rmsnorm_ref,
@@ -38,6 +39,8 @@ class ModelOps:
 
     route / fused_moe: a MoE layer's router choice (``route_ref``) and routed experts (``fused_moe_ref``); the
     references unless an implementation has kernels.
+    linear: the decoder layers' projections, ``F.linear(x, weight, bias)``; "triton" sends few-row products (decode
+    steps of small batches) to ``fnvllm.kernels.skinny_gemm``.
     """
 
     name: str
@@ -50,6 +53,7 @@ class ModelOps:
         fused_moe_ref
     )
     route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -73,7 +77,7 @@ def compiled_ops() -> ModelOps:
 
 def triton_ops() -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
-    from fnvllm.kernels import fused_moe, fused_ops, moe_route
+    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm
 
     return ModelOps(
         "triton",
@@ -84,6 +88,7 @@ def triton_ops() -> ModelOps:
         fused_ops.norm_rotary,
         fused_moe.fused_moe,
         moe_route.route,
+        skinny_gemm.linear,
     )
 
 

@@ -26,7 +26,7 @@ group rank is a global rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fnvllm.model.config import ModelConfig
+
+# x (T, in), weight (out, in), bias (out,) or None -> (T, out): F.linear, or a kernel with its signature.
+Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @attrs.frozen(eq=False)
@@ -201,9 +204,21 @@ class ColumnParallelLinear(nn.Linear):
     parts: checkpoint module name (e.g. "q_proj") -> where its rows come from and go.
     """
 
-    def __init__(self, in_features: int, parts: Mapping[str, RowSlice], bias: bool, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        parts: Mapping[str, RowSlice],
+        bias: bool,
+        dtype: torch.dtype | None,
+        matmul: Matmul = F.linear,
+    ) -> None:
         super().__init__(in_features, max(p.rows[1] for p in parts.values()), bias=bias, dtype=dtype)
         self.parts = MappingProxyType(dict(parts))
+        self.matmul = matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> (T, this rank's out rows)."""
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -211,16 +226,23 @@ class RowParallelLinear(nn.Linear):
     the ranks, by the caller's all-reduce); the bias is added once, by the first rank."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None, tp: TensorParallel
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype | None,
+        tp: TensorParallel,
+        matmul: Matmul = F.linear,
     ) -> None:
         super().__init__(in_features // tp.world_size, out_features, bias=bias, dtype=dtype)
         self.source = shard_range(in_features, tp)
         self.full_in_features = in_features
         self.adds_bias = tp.is_first
+        self.matmul = matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in / world) -> partial (T, out)."""
-        return F.linear(x, self.weight, self.bias if self.adds_bias else None)
+        return self.matmul(x, self.weight, self.bias if self.adds_bias else None)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -294,21 +316,21 @@ def _normal(weight: torch.Tensor, std: float) -> torch.Tensor:
     return weight if weight.is_meta else weight.normal_(std=std)
 
 
-def qkv_parallel(config: ModelConfig, tp: TensorParallel) -> ColumnParallelLinear:
+def qkv_parallel(config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.linear) -> ColumnParallelLinear:
     """Fused q/k/v projection: output rows [this rank's q heads | its KV head(s) of k | of v]."""
     d = config.head_dim
     q_start, q_end = shard_range(config.num_attention_heads, tp)
     kv_start, kv_end = kv_head_range(config, tp)
     kv_rows = ((kv_start * d, kv_end * d), config.kv_size)
     parts = stack({"q_proj": ((q_start * d, q_end * d), config.q_size), "k_proj": kv_rows, "v_proj": kv_rows})
-    return ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, config.torch_dtype)
+    return ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, config.torch_dtype, matmul)
 
 
-def gate_up_parallel(config: ModelConfig, tp: TensorParallel) -> ColumnParallelLinear:
+def gate_up_parallel(config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.linear) -> ColumnParallelLinear:
     """Fused gate/up projection of the gated MLP: output rows [this rank's gate slice | its up slice]."""
     rows = (shard_range(config.intermediate_size, tp), config.intermediate_size)
     parts = stack({"gate_proj": rows, "up_proj": rows})
-    return ColumnParallelLinear(config.hidden_size, parts, False, config.torch_dtype)
+    return ColumnParallelLinear(config.hidden_size, parts, False, config.torch_dtype, matmul)
 
 
 # ---- checkpoint slices ----------------------------------------------------------------------------------------

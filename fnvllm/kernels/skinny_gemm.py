@@ -1,0 +1,232 @@
+"""Linear layers for few tokens (decode steps of small batches): a Triton GEMM that streams the weight at bandwidth.
+
+At M <= 64 rows a linear layer is a read of its weight: y (M, N) = x (M, K) @ W (N, K)^T touches 2*N*K bytes of W
+and next to nothing else. cuBLAS picks tiles built for large M there; on the H200 its Qwen3-0.6B decode GEMMs at
+M = 1 read their weights at ~1.1 TB/s (benchmarks/profile_decode.py), a quarter of the read ceiling.
+
+Algorithm: one program per (block of BLOCK_N output features, split s of K). It walks its K range in BLOCK_K
+steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous rows of the nn.Linear layout) and the matching
+(BLOCK_M, BLOCK_K) slice of x (BLOCK_M = M padded to 16, at least, for tl.dot; x is tiny and stays in L2), and
+accumulates x @ W_tile^T in float32. BLOCK_N and SPLIT_K are chosen so the grid has at least two programs per
+SM: many small, independent weight streams keep enough loads in flight to saturate DRAM. With one split the
+program writes y directly (plus the bias); with several, each writes its float32 partial to a workspace and a
+second kernel sums the SPLIT_K partials in a fixed order (deterministic, unlike atomics), adds the bias, rounds.
+
+Worked example (Qwen3-0.6B, M = 1): o_proj N = 1024, K = 2048 -> BLOCK_N 16 gives 64 column blocks, SPLIT_K 4
+gives 256 programs, each streaming 16 rows x 512 columns = 16 KiB of W.
+
+`linear(x, weight, bias)` dispatches: on a GPU, the products where the kernel measured faster than cuBLAS
+(``prefers_skinny``) -> this kernel, else ``F.linear``. Its reference is ``F.linear`` itself (``linear_ref``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+
+__all__ = [
+    "SKINNY_MAX_ROWS",
+    "SkinnyConfig",
+    "linear",
+    "linear_ref",
+    "prefers_skinny",
+    "skinny_config",
+    "skinny_linear",
+]
+
+# Rows up to which `linear` uses the skinny kernel (above it, cuBLAS's large-M tiles are the better choice).
+SKINNY_MAX_ROWS = 16
+# Programs the grid aims for: about two per SM on an H200 (132 SMs), so every SM streams two weight tiles at once.
+_TARGET_PROGRAMS = 264
+_MAX_SPLIT_K = 8
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: ``F.linear`` (x (M, K), weight (N, K), bias (N,) or None -> (M, N))."""
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        w = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = part_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(part, acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[m, n] = sum over s of part[s, m, n] (+ bias[n]), summed in split order; one program per BLOCK outputs."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class SkinnyConfig(NamedTuple):
+    """One skinny launch: rows of x per program (M padded to a power of two >= 16), output features per program,
+    K columns per loop step, and programs sharing one column block's K range (1 = no partials)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+
+
+@functools.cache
+def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
+    """The launch shape for (M, N, K): BLOCK_N 32 when that alone gives the target grid, else 16; then enough K
+    splits (a power of two, each at least 2 * BLOCK_K wide) to reach ``_TARGET_PROGRAMS`` programs."""
+    block_k = 128 if in_features >= 128 else max(16, int(triton.next_power_of_2(in_features)))
+    block_n = 32 if triton.cdiv(out_features, 32) >= _TARGET_PROGRAMS else 16
+    col_blocks = triton.cdiv(out_features, block_n)
+    split = 1
+    while split < _MAX_SPLIT_K and col_blocks * split < _TARGET_PROGRAMS and in_features // (2 * split) >= 2 * block_k:
+        split *= 2
+    block_m = max(16, int(triton.next_power_of_2(num_rows)))
+    return SkinnyConfig(block_m, block_n, block_k, split)
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
+
+    Reads no device values (graph-capturable); the split-K workspace is allocated per call (inside a CUDA graph it
+    comes from the graph's private pool)."""
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != in_features:
+        raise ValueError(f"weight is {tuple(weight.shape)} but x has {in_features} features")
+    if num_rows > 64:
+        raise ValueError(f"skinny_linear takes at most 64 rows, got {num_rows}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("skinny_linear needs x and weight contiguous in their last dimension")
+    cfg = config or skinny_config(num_rows, out_features, in_features)
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
+    part = (
+        torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device)
+        if cfg.split_k > 1
+        else out
+    )
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(out_features, cfg.block_n), cfg.split_k)
+    _skinny_kernel[grid](
+        x,
+        weight,
+        bias_arg,
+        out,
+        part,
+        num_rows,
+        out_features,
+        in_features,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        SPLIT=cfg.split_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=dot_precision(x.dtype),
+        UPCAST_DOT=upcast_dot(x.device),
+        num_warps=4,
+        num_stages=4,
+    )
+    if cfg.split_k > 1:
+        block = 256
+        _sum_splits_kernel[(triton.cdiv(num_rows * out_features, block),)](
+            part,
+            bias_arg,
+            out,
+            num_rows,
+            out_features,
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            SPLIT=cfg.split_k,
+            BLOCK=block,
+        )
+    return out
+
+
+def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether ``skinny_linear`` beats cuBLAS for this product, by the H200 measurements of
+    benchmarks/bench_small_batch.py: only narrow, deep products (N <= 2048 and K >= 2N: cuBLAS splits K there
+    and pays a reduce) at <= SKINNY_MAX_ROWS rows. Qwen3-0.6B's o_proj (2048 -> 1024) at M = 1: 5.6 us against
+    cuBLAS's 12.8; its down_proj (3072 -> 1024): 6.4 against 7.4; its qkv and gate_up and every Qwen3-8B
+    projection: cuBLAS is as fast or faster (0.76-1.0x)."""
+    return 0 < num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for the model, with the few-row products that ``prefers_skinny`` picks, on a GPU, sent to
+    ``skinny_linear``. x may have leading dimensions (..., K); they are flattened for the kernel."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cuda" or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return skinny_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])

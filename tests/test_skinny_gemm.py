@@ -1,0 +1,102 @@
+"""The skinny (few-row) GEMM kernel against its reference, ``F.linear``, under Triton's CPU interpreter at tiny
+shapes, and at the real decode shapes on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fnvllm.kernels.skinny_gemm import SkinnyConfig, linear, prefers_skinny, skinny_config, skinny_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (M, N, K): one row, odd sizes that leave partial column blocks and K tails, a full 16-row block.
+SHAPES = ((1, 48, 40), (3, 100, 300), (16, 64, 256), (5, 33, 520))
+CONFIGS = (None, SkinnyConfig(16, 16, 32, 4), SkinnyConfig(16, 16, 64, 1), SkinnyConfig(16, 32, 16, 2))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_matches_f_linear(shape: tuple[int, int, int], config: SkinnyConfig | None, with_bias: bool) -> None:
+    """In float32 (exact "ieee" dot) every launch shape gives F.linear's product to rounding, bias included."""
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(DEVICE) if with_bias else None
+    got = skinny_linear(x, w, b, config)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bfloat16_within_rounding_of_f_linear(shape: tuple[int, int, int]) -> None:
+    """In bf16 the kernel (float32 accumulation, one rounding) agrees with F.linear to bf16 rounding."""
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(7 + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, torch.bfloat16)
+    exact = F.linear(x.float(), w.float())
+    got = skinny_linear(x, w, config=SkinnyConfig(16, 16, 32, 2)).float()
+    assert (got - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
+
+
+def test_split_partials_are_summed_in_a_fixed_order() -> None:
+    """Two calls with split K give bit-identical results (the partials are reduced deterministically)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 256, generator=gen).to(DEVICE)
+    w = torch.randn(40, 256, generator=gen).to(DEVICE)
+    cfg = SkinnyConfig(16, 16, 32, 4)
+    assert torch.equal(skinny_linear(x, w, config=cfg), skinny_linear(x, w, config=cfg))
+
+
+def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:
+    """The measured rule: few rows, N <= 2048 and K >= 2N (Qwen3-0.6B's o_proj and down_proj), nothing else."""
+    assert prefers_skinny(1, 1024, 2048) and prefers_skinny(16, 1024, 3072)
+    assert not prefers_skinny(17, 1024, 2048)  # too many rows
+    assert not prefers_skinny(1, 4096, 1024)  # wide and shallow: cuBLAS
+    assert not prefers_skinny(1, 4096, 12288)  # too wide
+    assert not prefers_skinny(0, 1024, 2048)
+
+
+def test_linear_keeps_leading_dims_and_falls_back_for_many_rows() -> None:
+    """``linear`` takes (..., K) inputs; on a CPU, or above SKINNY_MAX_ROWS rows, it is F.linear exactly."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 32, generator=gen).to(DEVICE)
+    w = torch.randn(24, 32, generator=gen).to(DEVICE)
+    got = linear(x, w, None)
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    many = torch.randn(40, 32, generator=gen).to(DEVICE)
+    assert torch.equal(linear(many, w, None), F.linear(many, w))
+
+
+def test_bad_shapes_name_the_problem() -> None:
+    """Mismatched features and too many rows are ValueErrors that say what is wrong."""
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="features"):
+        skinny_linear(torch.zeros(1, 12, device=DEVICE), w)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        skinny_linear(torch.zeros(65, 16, device=DEVICE), w)
+
+
+def test_config_fills_the_gpu() -> None:
+    """The chosen launch has about two programs per SM or more on every Qwen3-0.6B/8B decode projection."""
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)):
+        cfg = skinny_config(1, n, k)
+        programs = -(-n // cfg.block_n) * cfg.split_k
+        assert programs >= 256, (n, k, cfg)
+        assert k // cfg.split_k >= cfg.block_k  # every split has work
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+def test_real_decode_shapes_on_gpu(m: int) -> None:
+    """At the Qwen3-0.6B projections in bf16, the kernel matches F.linear to bf16 rounding."""
+    for n, k in ((1024, 2048), (1024, 3072)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        exact = F.linear(x.float(), w.float())
+        got = linear(x, w, None).float()
+        assert (got - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
