@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="append one JSON line per measurement here")
     parser.add_argument("--skip-gemm", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_small_batch.py needs a CUDA GPU (it times kernels on the device)")
     out: list[dict[str, object]] = []
     if not args.skip_gemm:
         bench_gemms(out)

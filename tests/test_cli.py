@@ -217,10 +217,10 @@ def test_bench_defaults_depend_on_the_shape() -> None:
 
     tiny = build_parser().parse_args(["bench", "--model-shape", "tiny", "--max-output-len", "200"])
     resolve_workload(tiny)
-    assert (tiny.num_requests, tiny.max_input_len, tiny.max_output_len, tiny.block_size) == (32, 256, 200, 16)
+    assert (tiny.num_requests, tiny.max_input_len, tiny.max_output_len, tiny.ec_block_size) == (32, 256, 200, 16)
     real = build_parser().parse_args(["bench", "--model-shape", "qwen3-8b"])
     resolve_workload(real)
-    assert (real.num_requests, real.max_input_len, real.max_output_len, real.block_size) == (256, 1024, 1024, 256)
+    assert (real.num_requests, real.max_input_len, real.max_output_len, real.ec_block_size) == (256, 1024, 1024, 256)
 
 
 def test_bench_progress_line_reports_tokens_share_and_rate() -> None:

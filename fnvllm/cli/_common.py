@@ -110,10 +110,12 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict[str, Any] 
     _add_attrs_flags(group, SamplingParams, "sp_", {**CLI_SAMPLING_DEFAULTS, **(defaults or {})}, {})
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field (``--block-size``, ``--dtype``, ``--no-prefix-caching`` …)."""
+def add_engine_args(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """One flag per ``EngineConfig`` field (``--block-size``, ``--dtype``, ``--no-prefix-caching`` …); values land in
+    ``args.ec_<field>``. ``defaults``: the subcommand's own defaults where they differ from EngineConfig's (None:
+    resolved later by the subcommand)."""
     group = parser.add_argument_group("engine (EngineConfig)")
-    _add_attrs_flags(group, EngineConfig, "ec_", {}, _ENGINE_FLAG_NAMES)
+    _add_attrs_flags(group, EngineConfig, "ec_", defaults or {}, _ENGINE_FLAG_NAMES)
 
 
 def _collect(args: argparse.Namespace, prefix: str, cls: type) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Defaults by shape: the real shapes (``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b``) run the nano-vllm workload
 (256 requests, prompts of 100-1024 ids, 100-1024 output tokens); ``tiny`` (the default on a machine without
 CUDA) runs a CPU-sized one (32 requests, prompts of 100-256 ids, 100-128 output tokens, 16-token KV blocks:
-seconds on a CPU). Explicit flags override either.
+seconds on a CPU). Explicit flags override either. The engine flags are ``EngineConfig``'s, as in ``fnvllm
+generate`` and ``fnvllm serve`` (``--kv-cache-dtype``, ``--tensor-parallel-size`` …), with the bench's own defaults
+for the block size (by shape), the token budget (16384) and the running-sequence cap (512).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from typing import Any
 
 from fnvllm.benchmark import SHAPES
 from fnvllm.cli import CLIError
+from fnvllm.cli._common import add_engine_args, engine_options
 
 # (num_requests, max_input_len, max_output_len, block_size) per shape; other shapes use the nano-vllm workload.
 WORKLOAD_DEFAULTS = {"tiny": (32, 256, 128, 16)}
 NANO_VLLM_WORKLOAD = (256, 1024, 1024, 256)
-WORKLOAD_FLAGS = ("num_requests", "max_input_len", "max_output_len", "block_size")
+WORKLOAD_FLAGS = ("num_requests", "max_input_len", "max_output_len", "ec_block_size")
+# EngineConfig defaults the bench changes (block_size None: from the shape, in resolve_workload).
+BENCH_ENGINE_DEFAULTS = {"block_size": None, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
 PROGRESS_EVERY_S = 5.0  # plain progress lines when stderr is not a terminal
 # --preset: a checkpoint's own generation_config sampling (on top of the workload's temperature 0.6)
 PRESETS = {"qwen3": {"top_p": 0.95, "top_k": 20}}
@@ -55,17 +60,8 @@ def run(args: argparse.Namespace) -> int:
     resolve_workload(args)
     if args.profile and "FNVLLM_TIMELINE" not in os.environ:
         os.environ["FNVLLM_TIMELINE"] = os.path.join(tempfile.mkdtemp(prefix="fnvllm-timeline-"), "steps.jsonl")
-    options: dict[str, Any] = {
-        "block_size": args.block_size,
-        "attention_backend": args.backend,
-        "enforce_eager": args.enforce_eager,
-        "overlap_steps": not args.no_overlap,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
+    options = engine_options(args)
+    tp = options.get("tensor_parallel_size", 1)
     try:
         result = run_bench(
             args.model,
@@ -73,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             args.num_requests,
             args.max_input_len,
             args.max_output_len,
-            args.read_tb_s * args.tensor_parallel_size,  # each GPU reads its share of the weights and KV
+            args.read_tb_s * tp,  # each GPU reads its share of the weights and KV
             use_tqdm=sys.stderr.isatty(),
             progress_every_s=None if sys.stderr.isatty() else PROGRESS_EVERY_S,
             sampling=sampling_overrides(args),
@@ -81,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
-    result["tensor_parallel_size"] = args.tensor_parallel_size
+    result["tensor_parallel_size"] = tp
     if args.profile:
         result["timeline_file"] = os.environ["FNVLLM_TIMELINE"]
     if args.json:
@@ -113,22 +109,13 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--max-output-len", type=int, default=None, help="max_tokens are drawn from [100, this] (1024; tiny: 128)"
     )
-    p.add_argument("--backend", default="auto", help="attention backend: auto, torch, triton, flash")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--no-overlap", action="store_true", help="one step at a time (no overlapped steps)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 256; tiny: 16)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=512, help="cap on running sequences")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: 4096 or the model's)"
-    )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     p.add_argument(
         "--read-tb-s", type=float, default=4.16, help="one GPU's read ceiling for the floor (TB/s; H200: 4.16)"
     )
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (the floor uses all of them)"
-    )
+    add_engine_args(p, BENCH_ENGINE_DEFAULTS)
+    # Shorter spellings kept from before the engine flags were derived: --backend, --no-overlap.
+    p.add_argument("--backend", dest="ec_attention_backend", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--no-overlap", dest="ec_overlap_steps", action="store_false", help=argparse.SUPPRESS)
     sampling = p.add_argument_group("sampling (added to every request; the workload samples at temperature 0.6)")
     sampling.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
     sampling.add_argument("--top-p", type=float, default=None)
