@@ -236,3 +236,91 @@ def _timeline_summary(timeline: Any, on_gpu: bool) -> dict[str, Any] | None:
         kind: {renamed.get(k, k): v for k, v in part.items()} if isinstance(part, dict) else part
         for kind, part in summary.items()
     }
+
+
+# ---- latency mode ---------------------------------------------------------------------------------------------
+
+LATENCY_BATCHES = (1, 16, 64)
+LATENCY_PROMPT_LENS = (100, 128)  # prompt lengths are drawn from this range
+LATENCY_OUTPUT_TOKENS = 256
+
+
+def latency_workload(
+    num_requests: int, sampling: Mapping[str, Any] | None = None, output_tokens: int = LATENCY_OUTPUT_TOKENS
+) -> tuple[list[list[int]], list[Any]]:
+    """``num_requests`` prompts of LATENCY_PROMPT_LENS random ids (seeded by the count), each generating exactly
+    ``output_tokens`` tokens at temperature 0.6 (EOS ignored), plus ``sampling``'s fields."""
+    import random
+
+    rng = random.Random(num_requests)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*LATENCY_PROMPT_LENS))] for _ in range(num_requests)]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_tokens)
+    return prompts, [attrs.evolve(params, **(sampling or {}))] * num_requests
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of ``values`` by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def run_latency(
+    model: str | Path | None,
+    model_shape: str,
+    batches: Sequence[int] = LATENCY_BATCHES,
+    sampling: Mapping[str, Any] | None = None,
+    announce: bool = False,
+    output_tokens: int = LATENCY_OUTPUT_TOKENS,
+    **engine_options: Any,
+) -> dict[str, Any]:
+    """Decode latency at small batches, warm: for each N in ``batches``, N concurrent requests
+    (``latency_workload``) run once untimed, then timed. Per N: milliseconds per decode step (the timed run's wall
+    time over its ``output_tokens`` steps, prefill included), TPOT and TTFT p50 / p99 over the requests, and
+    the timeline's decode-step summary (device and host ms per step) when FNVLLM_TIMELINE is set."""
+    from fnvllm.llm import LLM
+
+    if not batches or min(batches) < 1:
+        raise ValueError(f"latency batches must be >= 1 requests each, got {tuple(batches)}")
+    if output_tokens < 2:
+        raise ValueError(f"output_tokens must be >= 2 (TPOT needs two tokens), got {output_tokens}")
+    with checkpoint_folder(model, model_shape, announce=announce) as folder:
+        if engine_options.get("max_model_len") is None:  # prompts + outputs stay under 400 tokens
+            from fnvllm.model.config import ModelConfig
+
+            engine_options["max_model_len"] = min(4096, ModelConfig.from_pretrained(folder).max_position_embeddings)
+        llm = LLM(folder, load_tokenizer=False, **engine_options)
+        on_gpu = llm.executor.device.type == "cuda"
+        rows = []
+        for num_requests in batches:
+            prompts, params = latency_workload(num_requests, sampling, output_tokens)
+            llm.generate(prompts, params, use_tqdm=False)  # warm: graphs, compiles, the allocator's pools
+            if llm.executor.timeline is not None:
+                llm.executor.timeline.records.clear()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tpots = [o.metrics.tpot(len(o.token_ids)) for o in outputs if o.metrics is not None]
+            ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None]
+            tpot_ms = [1e3 * t for t in tpots if t is not None]
+            ttft_ms = [1e3 * t for t in ttfts if t is not None]
+            summary = _timeline_summary(llm.executor.timeline, on_gpu)
+            rows.append(
+                {
+                    "requests": num_requests,
+                    "ms_per_step": round(1e3 * seconds / output_tokens, 3),
+                    "tpot_p50_ms": round(_percentile(tpot_ms, 0.5), 3),
+                    "tpot_p99_ms": round(_percentile(tpot_ms, 0.99), 3),
+                    "ttft_p50_ms": round(_percentile(ttft_ms, 0.5), 3),
+                    "ttft_p99_ms": round(_percentile(ttft_ms, 0.99), 3),
+                    "decode_timeline": None if summary is None else summary.get("decode"),
+                }
+            )
+        result = {
+            "model": str(model) if model else model_shape,
+            "device": str(llm.executor.device),
+            "overlap": llm.loop.overlap,
+            "cuda_graphs": llm.executor.graphs is not None,
+            "latency": rows,
+        }
+        llm.close()
+    return {**result, "sampling": dict(sampling)} if sampling else result

@@ -57,11 +57,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or one JSON object with ``--json``)."""
     from fnvllm.benchmark import run_bench
 
+    args.max_output_len_given = args.max_output_len is not None
     resolve_workload(args)
     if args.profile and "FNVLLM_TIMELINE" not in os.environ:
         os.environ["FNVLLM_TIMELINE"] = os.path.join(tempfile.mkdtemp(prefix="fnvllm-timeline-"), "steps.jsonl")
     options = engine_options(args)
     tp = options.get("tensor_parallel_size", 1)
+    if args.latency is not None:
+        return run_latency_mode(args, options)
     try:
         result = run_bench(
             args.model,
@@ -86,6 +89,45 @@ def run(args: argparse.Namespace) -> int:
         for key, value in result.items():
             print(f"{key:>20}: {value}")
     return 0
+
+
+def run_latency_mode(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``fnvllm bench --latency``: ms per decode step and TPOT / TTFT percentiles at small batches."""
+    from fnvllm.benchmark import run_latency
+
+    try:
+        output_tokens = args.max_output_len if args.max_output_len_given else 256
+        result = run_latency(
+            args.model,
+            args.model_shape,
+            args.latency,
+            sampling_overrides(args),
+            announce=not args.json,
+            output_tokens=output_tokens,
+            **options,
+        )
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise CLIError(str(e)) from e
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{'requests':>8} {'ms/step':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}  device / host ms per step")
+    for row in result["latency"]:
+        timeline = row["decode_timeline"] or {}
+        split = f"{timeline.get('mean_gpu_ms', '-')} / {timeline.get('mean_cpu_ms', '-')}" if timeline else "-"
+        print(
+            f"{row['requests']:>8} {row['ms_per_step']:>8.3f} {row['tpot_p50_ms']:>9.3f} {row['tpot_p99_ms']:>9.3f} "
+            f"{row['ttft_p50_ms']:>9.3f}  {split}"
+        )
+    return 0
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    """``"1,16,64"`` -> (1, 16, 64)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated request counts, got {text!r}") from None
 
 
 def register(sub: Any) -> None:
@@ -125,6 +167,16 @@ def register(sub: Any) -> None:
     sampling.add_argument("--presence-penalty", type=float, default=None)
     sampling.add_argument("--frequency-penalty", type=float, default=None)
     sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    p.add_argument(
+        "--latency",
+        nargs="?",
+        type=_batches,
+        const=(1, 16, 64),
+        default=None,
+        metavar="N[,N...]",
+        help="latency mode: N concurrent requests (default 1,16,64; prompts of 100-128 ids, 256 output tokens or "
+        "--max-output-len), warm, ms per decode step and TPOT/TTFT p50/p99 (with --profile: device and host ms)",
+    )
     p.add_argument("--profile", action="store_true", help="record the per-step timeline and print its summary")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
