@@ -241,7 +241,11 @@ def _blockwise_kernel(
         w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=(offs_n[:, None] < N) & (k[None, :] < K))
         a_scale = tl.load(as_ptr + offs_m * stride_asm + kb, mask=offs_m < M, other=0.0)
         w_scale = tl.load(ws_ptr + pid_n * stride_wsn + kb)
-        acc += dot(a, tl.trans(w), "tf32", UPCAST) * (a_scale[:, None] * w_scale)
+        if UPCAST:  # the interpreter: exact in float32
+            part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # fp8 x fp8 on the tensor cores, float32 accumulation
+            part = tl.dot(a, tl.trans(w))
+        acc += part * (a_scale[:, None] * w_scale)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
