@@ -121,9 +121,11 @@ def test_quantize_at_load_on_the_demo_model_keeps_its_predictions() -> None:
 
 
 def test_tp2_fp8_equals_tp1_fp8(checkpoints: dict[str, Path]) -> None:
-    """At tensor_parallel_size=2 (gloo) each rank loads its block-aligned slice of the FP8 weights and scales, and
-    the greedy tokens equal one process's."""
+    """At tensor_parallel_size=2 (gloo) each rank loads its block-aligned slice of the FP8 weights and scales (or
+    quantizes its slice of the float32 ones), and the greedy tokens equal one process's."""
     assert greedy(checkpoints["fp8"], tensor_parallel_size=2) == greedy(checkpoints["fp8"])
+    on_load = greedy(checkpoints["src"], quantization="fp8")
+    assert greedy(checkpoints["src"], quantization="fp8", tensor_parallel_size=2) == on_load
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
