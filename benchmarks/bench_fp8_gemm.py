@@ -15,7 +15,8 @@ The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 
     the 50 MB L2 (so weights come from HBM), timed with CUDA events. Reported: µs, TB/s of weight bytes (fp8: 1
     byte per weight + 4 per 128 x 128 block; bf16: 2 bytes) and TFLOP/s (2 M N K). Targets: fp8 ours >= 3.5 TB/s
     at M <= 16; above ~256 tokens faster than bf16;
-(c) --sweep: tile choices of both kernels (small M: block_n x split_k at M = 1 and 16; large M: block_m at 8192).
+(c) --sweep: tile choices of both kernels (small M: block_n x split_k x stages at M = 1 and 16, to compare with
+    ``pick_small_m_config``'s choice; large M: block_m x group_m at 8192).
 The last table is the summary: the layer's four GEMMs summed per M (the issue's table), and the speedups.
 """
 
@@ -128,12 +129,12 @@ class Gemm:
         x = torch.randn(m, self.k, device="cuda").bfloat16()
         results: dict[str, float] = {}
         if m <= g.SMALL_M:
-            for block_n in (32, 64, 128):
-                for split in (None, 1, 2, 4, 8):
-                    calls = [
-                        lambda w=w, s=s, b=block_n, sk=split: g.fp8_gemm_small_m(x, w, s, b, sk) for w, s in self.fp8
-                    ]
-                    results[f"block_n={block_n} split_k={split or 'auto'}"] = time_us(calls, 20)
+            for block_n in (16, 32, 64):
+                for split in (1, 2, 4):
+                    for stages in (4, 6):
+                        cfg = g.SmallMConfig(block_n, split, stages)
+                        calls = [lambda w=w, s=s, c=cfg: g.fp8_gemm_small_m(x, w, s, c) for w, s in self.fp8]
+                        results[f"SmallMConfig({block_n}, {split}, {stages})"] = time_us(calls, 20)
         else:
             x_q, x_s = g.quantize_activations(x)
             for block_m in (64, 128):

@@ -182,16 +182,22 @@ def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return quantize_fp8_blocks(torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator))
 
 
-SMALL_M_CASES = [(1, 200, 300, None, 64), (5, 130, 260, 2, 32), (17, 64, 128, 1, 64), (33, 96, 300, 3, 16)]
+SMALL_M_CASES = [
+    (1, 200, 300, None),
+    (5, 130, 260, g.SmallMConfig(32, 2)),
+    (17, 64, 128, g.SmallMConfig(64, 1)),
+    (33, 96, 300, g.SmallMConfig(16, 3)),
+    (64, 300, 520, g.SmallMConfig(128, 4, num_stages=2)),
+]
 
 
-@pytest.mark.parametrize(("m", "n", "k", "split_k", "block_n"), SMALL_M_CASES)
-def test_small_m_kernel_matches_reference(m: int, n: int, k: int, split_k: int | None, block_n: int) -> None:
+@pytest.mark.parametrize(("m", "n", "k", "config"), SMALL_M_CASES)
+def test_small_m_kernel_matches_reference(m: int, n: int, k: int, config: g.SmallMConfig | None) -> None:
     """fp8_gemm_small_m (odd M/N/K, partial edge blocks, K split or not) equals the dequantize-then-matmul
     reference up to bf16 rounding of the output."""
     w, scale = _weights(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    out = g.fp8_gemm_small_m(x, w, scale, block_n=block_n, split_k=split_k)
+    out = g.fp8_gemm_small_m(x, w, scale, config)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (m, n)
     torch.testing.assert_close(out.float(), g.fp8_linear_ref(x.float(), w, scale), atol=2e-2, rtol=1e-2)
 
@@ -216,6 +222,16 @@ def test_blockwise_kernel_matches_reference(m: int, n: int, k: int) -> None:
     x_q, x_scale = g.quantize_activations_ref(x)
     out = g.fp8_gemm_blockwise(x_q, x_scale, w, scale, torch.float32, block_m=32)
     torch.testing.assert_close(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32), atol=1e-4, rtol=1e-4)
+
+
+def test_small_m_config_fills_the_sms() -> None:
+    """pick_small_m_config keeps >= 1.5 programs per SM (132): wide tiles for many rows, 16-row tiles split along
+    K for few."""
+    cpu = torch.device("cpu")
+    assert g.pick_small_m_config(24576, 4096, cpu) == g.SmallMConfig(64, 1)
+    assert g.pick_small_m_config(4096, 4096, cpu) == g.SmallMConfig(16, 1)
+    assert g.pick_small_m_config(1024, 4096, cpu) == g.SmallMConfig(16, 4)
+    assert g.pick_small_m_config(64, 128, cpu) == g.SmallMConfig(16, 1)  # one K block: nothing to split
 
 
 def test_kernels_refuse_bad_operands() -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import torch
 import torch.nn.functional as F
 import triton
@@ -137,36 +138,51 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_k(num_tiles: int, k_blocks: int, device: torch.device) -> int:
-    """K splits (a power of two, at most the K blocks) so that about two programs run per SM."""
-    target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
-    split = 1
-    while num_tiles * split * 2 <= target and split * 2 <= k_blocks:
+@attrs.frozen
+class SmallMConfig:
+    """Launch shape of ``fp8_gemm_small_m``: rows per program (16, 32, 64 or 128: one scale row-block holds a
+    whole number of tiles), K splits (each writes its own float32 partial sum), software pipeline stages."""
+
+    block_n: int
+    split_k: int
+    num_stages: int = 4
+
+
+def pick_small_m_config(n: int, k: int, device: torch.device) -> SmallMConfig:
+    """Enough programs to keep every SM streaming (>= 1.5 per SM): the widest row tile that gives that, else
+    16-row tiles split along K (powers of two, at most the K blocks). Qwen3-8B on 132 SMs: o 4096 rows -> 16-row
+    tiles (256 programs), gate_up 24576 -> 64-row tiles (384), qkv 6144 -> 16 (384)."""
+    target = 3 * (_num_sms(device.index or 0) if device.type == "cuda" else 132) // 2
+    for block_n in (64, 32, 16):
+        if triton.cdiv(n, block_n) >= target:
+            return SmallMConfig(block_n, 1)
+    split, tiles, k_blocks = 1, triton.cdiv(n, 16), triton.cdiv(k, 128)
+    while tiles * split < target and split * 2 <= k_blocks:
         split *= 2
-    return split
+    return SmallMConfig(16, split)
 
 
 def fp8_gemm_small_m(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int = 64, split_k: int | None = None
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: SmallMConfig | None = None
 ) -> torch.Tensor:
     """x (M, K) 16-bit, M <= 64 @ dequantized(w (N, K) fp8).T -> (M, N) in x's dtype (see the module docstring).
 
-    block_n: rows per program (a power of two dividing 128); split_k: K splits (None = enough to fill the SMs)."""
+    config: tile and split choice (None = ``pick_small_m_config``)."""
     m, k, n = _check_gemm_args(x, w, w_scale)
-    if m > SMALL_M or 128 % block_n or block_n < 16:
-        raise ValueError(f"fp8_gemm_small_m takes M <= {SMALL_M} and block_n in (16, 32, 64, 128); got {m}, {block_n}")
-    k_blocks, num_tiles = triton.cdiv(k, 128), triton.cdiv(n, block_n)
-    split = split_k or _split_k(num_tiles, k_blocks, x.device)
-    per_split = triton.cdiv(k_blocks, split)
+    cfg = config or pick_small_m_config(n, k, x.device)
+    if m > SMALL_M or cfg.block_n not in (16, 32, 64, 128) or cfg.split_k < 1:
+        raise ValueError(f"fp8_gemm_small_m takes M <= {SMALL_M}, block_n in (16, 32, 64, 128), split_k >= 1; "
+                         f"got M={m}, {cfg}")  # fmt: skip
+    k_blocks, num_tiles = triton.cdiv(k, 128), triton.cdiv(n, cfg.block_n)
+    per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)  # no empty split
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    block_m = max(16, triton.next_power_of_2(m))
     _small_m_kernel[(num_tiles, split)](
         x, w, w_scale, out,
         m, n, k, x.stride(0), w_scale.stride(0), out.stride(0), out.stride(1),
         per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device),
-        num_warps=4, num_stages=4,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, PRECISION=dot_precision(x.dtype),
+        UPCAST=upcast_dot(x.device), num_warps=4, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(dim=0).to(x.dtype)  # (M, N)
 
@@ -256,12 +272,14 @@ def fp8_gemm_blockwise(
     w: torch.Tensor,
     w_scale: torch.Tensor,
     dtype: torch.dtype,
-    block_m: int = 128,
+    block_m: int | None = None,
     group_m: int = 8,
 ) -> torch.Tensor:
     """Quantized activations (``quantize_activations``) @ dequantized(w).T -> (M, N) in ``dtype``, on the fp8
-    tensor cores (see the module docstring); the kernel of ``fp8_blockwise_ref``."""
+    tensor cores (see the module docstring); the kernel of ``fp8_blockwise_ref``. block_m: token rows per
+    program (None: 64 up to 512 tokens, so that a few hundred tokens still fill the SMs, else 128)."""
     m, k, n = _check_gemm_args(x_q, w, w_scale)
+    block_m = block_m or (64 if m <= 512 else 128)
     if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
         raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
     out = torch.empty((m, n), dtype=dtype, device=x_q.device)
