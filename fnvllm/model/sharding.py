@@ -397,19 +397,19 @@ def _fp8_targets(module: nn.Module, quant: Fp8Config, parent: str, leaf: str, na
         return scale_blocks(start, end) if blocks else (start, end)
 
     def size(full: int) -> int:
-        return math.ceil(full / 128) if blocks else full
+        return scale_blocks(0, full)[1] if blocks else full
 
     if isinstance(module, ColumnParallelLinear):
         prefix = parent.rpartition(".")[0]
         return {
             f"{prefix}.{part}.{leaf}": WeightTarget(
-                name, span(*s.rows), span(*s.source), 0, size(s.full_size), None, scale
+                name, span(*s.rows), span(*s.source), 0, size(s.full_size), fp8_scale=scale
             )
             for part, s in module.parts.items()
         }
     if isinstance(module, RowParallelLinear):
         full = module.full_in_features
-        return {name: WeightTarget(name, None, span(*module.source), 1, size(full), None, scale)}
+        return {name: WeightTarget(name, None, span(*module.source), 1, size(full), fp8_scale=scale)}
     raise TypeError(f"{name}: FP8 weights are only supported on the tensor-parallel linears, not {type(module)}")
 
 
