@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fnvllm.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_BLOCK, dequantize_fp8_blocks, fp8_linear
-from fnvllm.model.config import Fp8Config
 
 __all__ = [
     "FP8_DTYPE",
@@ -65,7 +64,7 @@ def check_block_aligned(what: str, start: int, end: int, full: int) -> None:
         )
 
 
-def make_fp8(linear: nn.Linear, quant: Fp8Config) -> None:
+def make_fp8(linear: nn.Linear) -> None:
     """Turn ``linear`` (built with a 16/32-bit weight) into an FP8 one in place: an e4m3 ``weight`` of the same
     shape and a float32 ``weight_scale_inv`` of its blocks (uninitialised: the loader fills both)."""
     n, k = linear.weight.shape
@@ -73,11 +72,12 @@ def make_fp8(linear: nn.Linear, quant: Fp8Config) -> None:
     linear.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
     blocks = (math.ceil(n / SCALE_BLOCK), math.ceil(k / SCALE_BLOCK))
     linear.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
-    linear.quant = quant
 
 
-def linear_forward(linear: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ linear's weight.T (+ bias): through the FP8 GEMMs when the layer was made FP8, else F.linear."""
-    if getattr(linear, "quant", None) is None:
-        return F.linear(x, linear.weight, bias)
-    return fp8_linear(x, linear.weight, linear.weight_scale_inv, bias)
+def linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias): through the FP8 GEMMs when the weight has block scales (e4m3), else F.linear."""
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, bias)

@@ -206,6 +206,8 @@ class ColumnParallelLinear(nn.Linear):
     quant: FP8 weights (``quant.py``; each part's rows must start a 128-row scale block) or None.
     """
 
+    weight_scale_inv: torch.Tensor | None  # FP8: (ceil(out / 128), ceil(in / 128)) float32 block scales
+
     def __init__(
         self,
         in_features: int,
@@ -217,21 +219,25 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, max(p.rows[1] for p in parts.values()), bias=bias, dtype=dtype)
         self.parts = MappingProxyType(dict(parts))
         self.quant = quant
+        self.weight_scale_inv = None
         if quant is not None:
             for name, part in self.parts.items():
                 check_block_aligned(f"{name} rows in the fused layer", *part.rows, self.out_features)
                 if quant.is_checkpoint_fp8:
                     check_block_aligned(f"{name} rows read from the checkpoint", *part.source, part.full_size)
-            make_fp8(self, quant)
+            make_fp8(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, this rank's out rows)."""
-        return linear_forward(self, x, self.bias)
+        return linear_forward(x, self.weight, self.weight_scale_inv, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
     """This rank's input columns of a projection. ``forward`` gives a partial sum (the full product summed over
-    the ranks, by the caller's all-reduce); the bias is added once, by the first rank."""
+    the ranks, by the caller's all-reduce); the bias is added once, by the first rank. quant: FP8 weights (from a
+    checkpoint, a rank's columns must start on a 128-column scale block) or None."""
+
+    weight_scale_inv: torch.Tensor | None  # FP8: (ceil(out / 128), ceil(in / world / 128)) float32 block scales
 
     def __init__(
         self,
@@ -247,14 +253,15 @@ class RowParallelLinear(nn.Linear):
         self.full_in_features = in_features
         self.adds_bias = tp.is_first
         self.quant = quant
+        self.weight_scale_inv = None
         if quant is not None:
             if quant.is_checkpoint_fp8:
                 check_block_aligned("a rank's input columns of a row-parallel layer", *self.source, in_features)
-            make_fp8(self, quant)
+            make_fp8(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in / world) -> partial (T, out)."""
-        return linear_forward(self, x, self.bias if self.adds_bias else None)
+        return linear_forward(x, self.weight, self.weight_scale_inv, self.bias if self.adds_bias else None)
 
 
 class VocabParallelEmbedding(nn.Module):
