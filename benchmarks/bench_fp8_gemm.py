@@ -114,8 +114,9 @@ class Gemm:
         return out
 
     def _scaled_mm_us(self, x: torch.Tensor, reps: int) -> float | None:
-        """µs of torch._scaled_mm with per-tensor scales on pre-quantized activations (None if unsupported)."""
-        x8 = x.to(g.FP8_DTYPE)
+        """µs of torch._scaled_mm with per-tensor scales on pre-quantized activations, M padded to a multiple of
+        16 as cuBLAS requires (None if unsupported)."""
+        x8 = F.pad(x, (0, 0, 0, -x.shape[0] % 16)).to(g.FP8_DTYPE)
         one = torch.ones((), device="cuda")
         try:
             calls = [lambda w=w: torch._scaled_mm(x8, w.t(), one, one, out_dtype=torch.bfloat16) for w, _ in self.fp8]
