@@ -124,8 +124,10 @@ def _small_m_kernel(
     first = split * K_BLOCKS_PER_SPLIT
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m[:, None] < M) & (k[None, :] < K))
-        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=(offs_n[:, None] < N) & (k[None, :] < K))
+        x_mask = (offs_m[:, None] < M) & (k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+        w_mask = (offs_n[:, None] < N) & (k[None, :] < K)  # zeros past K: garbage e4m3 bytes may be NaN
+        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=w_mask, other=0.0)
         part = dot(x, tl.trans(w.to(x.dtype)), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
         acc += part * tl.load(scale_row + kb)
     out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -253,8 +255,10 @@ def _blockwise_kernel(
     acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, 128)):
         k = kb * 128 + offs_k
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=(offs_m[:, None] < M) & (k[None, :] < K))
-        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=(offs_n[:, None] < N) & (k[None, :] < K))
+        a_mask = (offs_m[:, None] < M) & (k[None, :] < K)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
+        w_mask = (offs_n[:, None] < N) & (k[None, :] < K)  # zeros past K: garbage e4m3 bytes may be NaN
+        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=w_mask, other=0.0)
         a_scale = tl.load(as_ptr + offs_m * stride_asm + kb, mask=offs_m < M, other=0.0)
         w_scale = tl.load(ws_ptr + pid_n * stride_wsn + kb)
         if UPCAST:  # the interpreter: exact in float32
