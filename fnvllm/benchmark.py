@@ -17,6 +17,7 @@ step; fewer as the batch drains).
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import tempfile
 import threading
@@ -42,7 +43,14 @@ def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None)
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
     attention = h * (q + 2 * kv) + q * h + 2 * h
     layers = sum(attention + _mlp_weights(config, i, num_seqs) for i in range(config.num_hidden_layers))
-    return int(layers + config.vocab_size * h + h) * dtype_bytes
+    total = int(layers + config.vocab_size * h + h) * dtype_bytes
+    if getattr(config, "quantization", None) is None:
+        return total
+    # FP8 weights (dense models only): the decoder linears are 1 byte each plus a float32 scale per 128 x 128 block
+    shapes = ((q + 2 * kv, h), (h, q), (2 * config.intermediate_size, h), (h, config.intermediate_size))
+    linears = sum(n * k for n, k in shapes)
+    scales = sum(math.ceil(n / 128) * math.ceil(k / 128) for n, k in shapes)
+    return total - config.num_hidden_layers * (linears * (dtype_bytes - 1) - 4 * scales)
 
 
 def _mlp_weights(config: Any, layer: int, num_seqs: int | None) -> float:

@@ -77,6 +77,9 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
     "tensor_parallel_size": _int("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL),
     "distributed_timeout_s": _real("distributed_timeout_s", 0, 7 * 24 * 3600),
+    "quantization": lambda value: (
+        None if value is None else check_choice(value, "EngineConfig.quantization", CONFIG, ("fp8",))
+    ),
 }
 
 
@@ -113,6 +116,8 @@ class EngineConfig:
         (``fnvllm.executor.tp``) or joins the ``torchrun`` group this process was launched in.
     distributed_timeout_s: longest wait on another tensor-parallel rank (start-up, one step's collectives)
         before rank 0 reports it as failed (seconds, at most a week).
+    quantization: None or "fp8": quantize a 16/32-bit checkpoint's decoder linears to e4m3 with 128 x 128 block
+        scales at load (docs/fp8_weights.md); an FP8 checkpoint is loaded in FP8 whichever is given.
     """
 
     dtype: str | None = None
@@ -132,6 +137,7 @@ class EngineConfig:
     model_ops: str = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
+    quantization: Literal["fp8"] | None = None
 
     def __attrs_post_init__(self) -> None:
         """Check every option (see ``_CHECKS``) and store its normalised value."""

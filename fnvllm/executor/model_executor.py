@@ -172,7 +172,9 @@ class ModelExecutor:
         self.tp = tp
         self.guard = guard
         self.device = rank_device(config.device, tp)
-        self.model_config = model_config or ModelConfig.from_pretrained(model_path, dtype=config.dtype)
+        self.model_config = model_config or ModelConfig.from_pretrained(
+            model_path, dtype=config.dtype, quantization=config.quantization
+        )
         set_cpu_threads(self.device, self.model_config, tp.world_size)  # one thread for small models (threads.py)
         self.dtype = self.model_config.torch_dtype
         self.num_kv_heads = local_heads(self.model_config, tp)[1]

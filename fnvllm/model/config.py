@@ -6,6 +6,11 @@ Two rope formats exist in the wild and both are read:
     transformers >= 5: "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, ...}
 
 End-of-sequence ids are not here: the LLM layer reads them from generation_config.json.
+
+FP8 weights (``Fp8Config``): a checkpoint whose config.json carries the official block-quantized
+``quantization_config`` ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}) is loaded in FP8 whatever the engine's ``quantization`` option says; any other
+``quant_method`` (awq, gptq, ...) is refused. ``quantization="fp8"`` on a 16/32-bit checkpoint quantizes it at load.
 """
 
 from __future__ import annotations
@@ -50,6 +55,62 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8",)
+FP8_BLOCK = 128  # rows and columns of one FP8 weight scale block
+
+
+@attrs.frozen
+class Fp8Config:
+    """FP8 weights: every linear of the decoder layers (q/k/v/o, gate/up/down) in float8_e4m3fn with one float32
+    scale per 128 x 128 block; embeddings, norms and the LM head keep the model dtype.
+
+    is_checkpoint_fp8: the checkpoint stores them so (``<m>.weight`` e4m3 + ``<m>.weight_scale_inv``); False: it
+        stores 16/32-bit weights and the loader quantizes each linear as it reads it (same block layout).
+    """
+
+    is_checkpoint_fp8: bool
+
+
+def parse_quantization(hf: Mapping[str, Any], quantization: str | None) -> Fp8Config | None:
+    """The FP8 settings of a config.json under the engine's ``quantization`` option (None or "fp8"); ValueError
+    naming the field for a quantization_config this engine cannot load."""
+    qc = _mapping_field(hf, "quantization_config")
+    if not qc:
+        return None if quantization is None else Fp8Config(is_checkpoint_fp8=False)
+    method = qc.get("quant_method")
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported; supported: {SUPPORTED_QUANT_METHODS} "
+            "(block-quantized FP8 checkpoints, or quantization='fp8' on a 16/32-bit checkpoint)"
+        )
+    expected = {"fmt": ("e4m3", None), "activation_scheme": ("dynamic", None)}
+    for name, allowed in expected.items():
+        if qc.get(name) not in allowed:
+            raise ValueError(f"quantization_config.{name} {qc.get(name)!r} is not supported; supported: {allowed[0]!r}")
+    if qc.get("weight_block_size") != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(
+            f"quantization_config.weight_block_size {qc.get('weight_block_size')!r} is not supported; "
+            f"supported: [{FP8_BLOCK}, {FP8_BLOCK}] (per-tensor and per-channel FP8 checkpoints are not)"
+        )
+    _check_unconverted(qc)
+    return Fp8Config(is_checkpoint_fp8=True)
+
+
+def _check_unconverted(qc: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint that leaves some decoder-layer linears unquantized (listing lm_head is fine: we never
+    quantize it)."""
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        names = qc.get(field) or []
+        if not isinstance(names, list):
+            raise ValueError(f"quantization_config.{field} must be a list of module names, got {names!r}")
+        kept = [n for n in names if not (isinstance(n, str) and n.split(".")[-1] in ("lm_head", "embed_tokens"))]
+        if kept:
+            raise ValueError(
+                f"quantization_config.{field} {kept!r} is not supported: every decoder-layer linear must be FP8 "
+                "(only lm_head / embed_tokens may be listed)"
+            )
+
+
 _DTYPE_ALIASES: Mapping[str, str] = {
     "float": "float32",
     "fp32": "float32",
@@ -136,6 +197,7 @@ class ModelConfig:
     o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2).
     qk_norm: per-head RMSNorm of q and k before rope (Qwen3).
     moe: the experts of a mixture-of-experts model (Qwen3-MoE); None for a dense one.
+    quantization: FP8 weights (``Fp8Config``), from the checkpoint or quantized at load; None = ``dtype`` weights.
     """
 
     architecture: str
@@ -156,6 +218,7 @@ class ModelConfig:
     o_proj_bias: bool
     qk_norm: bool
     moe: MoeConfig | None = None
+    quantization: Fp8Config | None = None
 
     def __attrs_post_init__(self) -> None:
         """Reject shapes the model code cannot build, naming the field."""
@@ -178,6 +241,8 @@ class ModelConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
         if (self.architecture == "Qwen3MoeForCausalLM") != (self.moe is not None):
             raise ValueError(f"moe must be given for Qwen3MoeForCausalLM and only for it (got {self.architecture})")
+        if self.quantization is not None and self.moe is not None:
+            raise ValueError("FP8 weights (quantization) are not supported for Qwen3MoeForCausalLM yet (dense only)")
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes tokens to experts (False for every layer of a dense model)."""
@@ -199,8 +264,11 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
-        """Read `path`/config.json; `dtype` overrides the checkpoint's dtype. A missing file is
+    def from_pretrained(
+        cls, path: str | Path, dtype: str | torch.dtype | None = None, quantization: str | None = None
+    ) -> ModelConfig:
+        """Read `path`/config.json; `dtype` overrides the checkpoint's dtype; quantization="fp8" quantizes a
+        16/32-bit checkpoint's linears at load (an FP8 checkpoint is FP8 either way). A missing file is
         FileNotFoundError; a malformed one (bad JSON, a missing or mistyped field, an unsupported model) is
         CheckpointError naming the file and the field."""
         config_file = Path(path) / "config.json"
@@ -208,15 +276,18 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in checkpoint folder {str(path)!r}")
         hf = read_json(config_file)
         try:
-            return cls.from_dict(hf, dtype=dtype)
+            return cls.from_dict(hf, dtype=dtype, quantization=quantization)
         except CheckpointError:
             raise
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{config_file}: {e}") from None
 
     @classmethod
-    def from_dict(cls, hf: Mapping[str, Any], dtype: str | torch.dtype | None = None) -> ModelConfig:
-        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype. Raises ValueError naming
+    def from_dict(
+        cls, hf: Mapping[str, Any], dtype: str | torch.dtype | None = None, quantization: str | None = None
+    ) -> ModelConfig:
+        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype; `quantization` as in
+        ``from_pretrained``. Raises ValueError naming
         the field for anything missing, mistyped (a str where a number belongs, a bool where an int belongs) or
         unsupported."""
         architecture = _architecture(hf)
@@ -246,6 +317,7 @@ class ModelConfig:
             o_proj_bias=attention_bias and not is_qwen2,
             qk_norm=architecture in _QWEN3_LIKE,
             moe=MoeConfig.from_dict(hf) if architecture == "Qwen3MoeForCausalLM" else None,
+            quantization=parse_quantization(hf, quantization),
         )
 
 

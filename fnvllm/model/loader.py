@@ -14,6 +14,11 @@ embeddings a stored `lm_head.weight` is ignored (it equals the embedding); so is
 
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
 rules for which slice are ``sharding.weight_targets``.
+
+FP8 weights (``quant.py``): from an FP8 checkpoint, ``<p>.weight`` (e4m3) and ``<p>.weight_scale_inv`` are copied
+like any other tensor (the scales' slices are in 128 x 128 blocks); with ``quantization="fp8"`` on a 16/32-bit
+checkpoint, each linear's slice is moved to the target device, quantized there in blocks, and written into the
+e4m3 weight and its scales, one tensor at a time as before (host memory never holds more than one tensor).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tqdm.auto import tqdm
 from fnvllm.model.config import CheckpointError, ModelConfig, normalize_dtype, read_json
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
+from fnvllm.model.quant import quantize_fp8_blocks, scale_blocks
 from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_targets, zero_vocab_padding
 
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
@@ -136,7 +142,22 @@ def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[
             dest = params[target.param].data
             dest = dest if target.expert is None else dest[target.expert]  # one expert of a stacked parameter
             dest = dest if target.rows is None else dest[target.rows[0] : target.rows[1]]
-            dest.copy_(_read(f, name, target, tuple(dest.shape)))
+            tensor = _read(f, name, target, tuple(dest.shape))
+            if target.fp8_scale is None:
+                dest.copy_(tensor)
+            else:
+                _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows)
+
+
+def _copy_quantized(
+    tensor: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor, rows: tuple[int, int] | None
+) -> None:
+    """Quantize ``tensor`` to e4m3 in 128 x 128 blocks into ``dest``, its scales into the blocks of ``scale``
+    that cover ``rows`` (all of it when None)."""
+    q, block_scales = quantize_fp8_blocks(tensor)
+    dest.copy_(q)
+    scale = scale if rows is None else scale[slice(*scale_blocks(*rows))]
+    scale.copy_(block_scales)
 
 
 def _read(f: Any, name: str, target: WeightTarget, dest_shape: tuple[int, ...]) -> torch.Tensor:

@@ -56,7 +56,9 @@ class Attention(nn.Module):
         d = config.head_dim
         self.split_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = qkv_parallel(config, tp, ops.linear)
-        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_proj_bias, dtype, tp, ops.linear)
+        self.o_proj = RowParallelLinear(
+            config.q_size, config.hidden_size, config.o_proj_bias, dtype, tp, config.quantization, ops.linear
+        )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops) if config.qk_norm else None
 
@@ -93,7 +95,7 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = gate_up_parallel(config, tp, ops.linear)
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, False, config.torch_dtype, tp, ops.linear
+            config.intermediate_size, config.hidden_size, False, config.torch_dtype, tp, config.quantization, ops.linear
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

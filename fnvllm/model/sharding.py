@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fnvllm.model.config import ModelConfig
+from fnvllm.model.config import Fp8Config, ModelConfig
+from fnvllm.model.quant import check_block_aligned, linear_forward, make_fp8, scale_blocks
 
 # x (T, in), weight (out, in), bias (out,) or None -> (T, out): F.linear, or a kernel with its signature.
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -77,6 +78,8 @@ class WeightTarget:
     not stacked). rows: (start, end) output rows of the parameter (of that expert) it fills (None = all of it).
     source: (start, end) along ``dim`` of the checkpoint tensor to read (None = the whole tensor).
     full_size: the checkpoint tensor's size along ``dim`` (checked before slicing; None when not sliced).
+    fp8_scale: quantize at load (``quantization="fp8"`` on a 16/32-bit checkpoint): the slice read is quantized
+        to e4m3 in 128 x 128 blocks and its scales fill the matching blocks of this parameter (None = copy as is).
     """
 
     param: str
@@ -85,6 +88,7 @@ class WeightTarget:
     dim: int = 0
     full_size: int | None = None
     expert: int | None = None
+    fp8_scale: str | None = None
 
 
 # ---- the rules ----------------------------------------------------------------------------------------------
@@ -202,7 +206,10 @@ class ColumnParallelLinear(nn.Linear):
     the output stays split, each rank holding the features of its own heads or its own intermediate slice.
 
     parts: checkpoint module name (e.g. "q_proj") -> where its rows come from and go.
+    quant: FP8 weights (``quant.py``; each part's rows must start a 128-row scale block) or None.
     """
+
+    weight_scale_inv: torch.Tensor | None  # FP8: (ceil(out / 128), ceil(in / 128)) float32 block scales
 
     def __init__(
         self,
@@ -210,20 +217,34 @@ class ColumnParallelLinear(nn.Linear):
         parts: Mapping[str, RowSlice],
         bias: bool,
         dtype: torch.dtype | None,
+        quant: Fp8Config | None = None,
         matmul: Matmul = F.linear,
     ) -> None:
         super().__init__(in_features, max(p.rows[1] for p in parts.values()), bias=bias, dtype=dtype)
         self.parts = MappingProxyType(dict(parts))
+        self.quant = quant
         self.matmul = matmul
+        self.weight_scale_inv = None
+        if quant is not None:
+            for name, part in self.parts.items():
+                check_block_aligned(f"{name} rows in the fused layer", *part.rows, self.out_features)
+                if quant.is_checkpoint_fp8:
+                    check_block_aligned(f"{name} rows read from the checkpoint", *part.source, part.full_size)
+            make_fp8(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) -> (T, this rank's out rows)."""
+        """x (T, in) -> (T, this rank's out rows): the FP8 GEMMs for FP8 weights, else ``matmul``."""
+        if self.weight_scale_inv is not None:
+            return linear_forward(x, self.weight, self.weight_scale_inv, self.bias)
         return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
     """This rank's input columns of a projection. ``forward`` gives a partial sum (the full product summed over
-    the ranks, by the caller's all-reduce); the bias is added once, by the first rank."""
+    the ranks, by the caller's all-reduce); the bias is added once, by the first rank. quant: FP8 weights (from a
+    checkpoint, a rank's columns must start on a 128-column scale block) or None."""
+
+    weight_scale_inv: torch.Tensor | None  # FP8: (ceil(out / 128), ceil(in / world / 128)) float32 block scales
 
     def __init__(
         self,
@@ -232,17 +253,27 @@ class RowParallelLinear(nn.Linear):
         bias: bool,
         dtype: torch.dtype | None,
         tp: TensorParallel,
+        quant: Fp8Config | None = None,
         matmul: Matmul = F.linear,
     ) -> None:
         super().__init__(in_features // tp.world_size, out_features, bias=bias, dtype=dtype)
         self.source = shard_range(in_features, tp)
         self.full_in_features = in_features
         self.adds_bias = tp.is_first
+        self.quant = quant
         self.matmul = matmul
+        self.weight_scale_inv = None
+        if quant is not None:
+            if quant.is_checkpoint_fp8:
+                check_block_aligned("a rank's input columns of a row-parallel layer", *self.source, in_features)
+            make_fp8(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in / world) -> partial (T, out)."""
-        return self.matmul(x, self.weight, self.bias if self.adds_bias else None)
+        """x (T, in / world) -> partial (T, out): the FP8 GEMMs for FP8 weights, else ``matmul``."""
+        bias = self.bias if self.adds_bias else None
+        if self.weight_scale_inv is not None:
+            return linear_forward(x, self.weight, self.weight_scale_inv, bias)
+        return self.matmul(x, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -323,14 +354,16 @@ def qkv_parallel(config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.lin
     kv_start, kv_end = kv_head_range(config, tp)
     kv_rows = ((kv_start * d, kv_end * d), config.kv_size)
     parts = stack({"q_proj": ((q_start * d, q_end * d), config.q_size), "k_proj": kv_rows, "v_proj": kv_rows})
-    return ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, config.torch_dtype, matmul)
+    return ColumnParallelLinear(
+        config.hidden_size, parts, config.attention_bias, config.torch_dtype, config.quantization, matmul
+    )
 
 
 def gate_up_parallel(config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.linear) -> ColumnParallelLinear:
     """Fused gate/up projection of the gated MLP: output rows [this rank's gate slice | its up slice]."""
     rows = (shard_range(config.intermediate_size, tp), config.intermediate_size)
     parts = stack({"gate_proj": rows, "up_proj": rows})
-    return ColumnParallelLinear(config.hidden_size, parts, False, config.torch_dtype, matmul)
+    return ColumnParallelLinear(config.hidden_size, parts, False, config.torch_dtype, config.quantization, matmul)
 
 
 # ---- checkpoint slices ----------------------------------------------------------------------------------------
@@ -351,6 +384,9 @@ def weight_targets(model: nn.Module) -> dict[str, WeightTarget]:
 
 def _module_targets(module: nn.Module, parent: str, leaf: str, name: str) -> dict[str, WeightTarget]:
     """The checkpoint tensors that fill parameter ``name`` (= ``parent.leaf``) of ``module``."""
+    quant: Fp8Config | None = getattr(module, "quant", None)
+    if quant is not None and leaf in ("weight", "weight_scale_inv"):
+        return _fp8_targets(module, quant, parent, leaf, name)
     if isinstance(module, ColumnParallelLinear):
         prefix = parent.rpartition(".")[0]
         return {
@@ -365,6 +401,35 @@ def _module_targets(module: nn.Module, parent: str, leaf: str, name: str) -> dic
         rows = (0, module.end - module.start)
         return {name: WeightTarget(name, rows, (module.start, module.end), 0, module.vocab_size)}
     return {name: WeightTarget(name)}
+
+
+def _fp8_targets(module: nn.Module, quant: Fp8Config, parent: str, leaf: str, name: str) -> dict[str, WeightTarget]:
+    """The checkpoint tensors of an FP8 linear's ``weight`` or ``weight_scale_inv``: the stored e4m3 weight and
+    its scales (their block rows / columns) from an FP8 checkpoint; else the 16/32-bit weight, quantized at load
+    into both parameters (so no tensor fills ``weight_scale_inv`` directly)."""
+    scale = None if quant.is_checkpoint_fp8 else f"{parent}.weight_scale_inv"
+    if leaf == "weight_scale_inv" and scale is not None:
+        return {}
+    blocks = leaf == "weight_scale_inv"
+
+    def span(start: int, end: int) -> tuple[int, int]:
+        return scale_blocks(start, end) if blocks else (start, end)
+
+    def size(full: int) -> int:
+        return scale_blocks(0, full)[1] if blocks else full
+
+    if isinstance(module, ColumnParallelLinear):
+        prefix = parent.rpartition(".")[0]
+        return {
+            f"{prefix}.{part}.{leaf}": WeightTarget(
+                name, span(*s.rows), span(*s.source), 0, size(s.full_size), fp8_scale=scale
+            )
+            for part, s in module.parts.items()
+        }
+    if isinstance(module, RowParallelLinear):
+        full = module.full_in_features
+        return {name: WeightTarget(name, None, span(*module.source), 1, size(full), fp8_scale=scale)}
+    raise TypeError(f"{name}: FP8 weights are only supported on the tensor-parallel linears, not {type(module)}")
 
 
 def zero_vocab_padding(model: nn.Module) -> None:

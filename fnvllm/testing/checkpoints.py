@@ -5,6 +5,9 @@
 - `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B shapes with random weights, written
   straight to safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
   Qwen3-30B-A3B is ~61 GB in bf16: streamed like the others, after checking the disk has room.
+- `write_fp8_checkpoint`: a copy of a (small) checkpoint in the official block-quantized FP8 layout (Qwen3-8B-FP8's):
+  every decoder-layer linear as e4m3 ``weight`` + float32 ``weight_scale_inv`` per 128 x 128 block; and
+  `write_dequantized_checkpoint`, the float32 checkpoint of what an FP8 one means (the tests' reference).
 """
 
 from __future__ import annotations
@@ -349,3 +352,75 @@ def _random_pool(seed: int, dtype: torch.dtype) -> torch.Tensor:
     """A pool of N(0, 0.02) values whose length (a prime) does not divide any weight row length."""
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(4_194_301, generator=generator) * 0.02).to(dtype)
+
+
+FP8_QUANTIZATION_CONFIG: Mapping[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a decoder-layer linear's weight (quantized in FP8 checkpoints)."""
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _FP8_LINEARS
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Copy the small checkpoint ``src`` (one safetensors file or shards, read whole) to ``dst`` in the official
+    FP8 layout: each decoder-layer linear ``X.weight`` quantized to e4m3 with 128 x 128 block scales in
+    ``X.weight_scale_inv``, everything else unchanged, and config.json's ``quantization_config`` set."""
+    from safetensors.torch import load_file, save_file
+
+    from fnvllm.model.loader import checkpoint_files
+    from fnvllm.model.quant import quantize_fp8_blocks
+
+    src, out = Path(src), Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(src):
+        for name, tensor in load_file(str(file)).items():
+            if is_fp8_linear(name):
+                tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(tensor)
+            else:
+                tensors[name] = tensor
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_side_files(src, out)
+    return out
+
+
+def write_dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """The float32 checkpoint of the FP8 checkpoint ``src``: every e4m3 weight times its block scales."""
+    from safetensors.torch import load_file, save_file
+
+    from fnvllm.model.quant import dequantize_fp8_blocks
+
+    src, out = Path(src), Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    stored = load_file(str(src / "model.safetensors"))
+    tensors = {
+        name: dequantize_fp8_blocks(t, stored[name + "_scale_inv"], torch.float32) if is_fp8_linear(name) else t.float()
+        for name, t in stored.items()
+        if not name.endswith("_scale_inv")
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    config["torch_dtype"] = config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_side_files(src, out)
+    return out
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Copy the generation config and tokenizer files that ``src`` has into ``dst``."""
+    for name in _SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)

@@ -1,0 +1,83 @@
+"""FP8 weights: the block format, quantizing to it, and turning a linear layer into an FP8 one.
+
+Format (the official one of DeepSeek-V3 and Qwen3-*-FP8 checkpoints): a linear's weight (N, K) is stored in
+float8_e4m3fn with a float32 ``weight_scale_inv`` of shape (ceil(N / 128), ceil(K / 128)); the real weight is
+``weight * weight_scale_inv`` broadcast over each 128 x 128 block (the name is historical: it multiplies).
+``quantize_fp8_blocks`` makes that layout from a 16/32-bit weight: each block's scale is its amax / 448, the
+largest e4m3 value, so no value saturates. The same layout serves both ways in (an FP8 checkpoint, or
+``quantization="fp8"`` on a bf16 one), so one pair of GEMM kernels (``fnvllm.kernels.fp8_gemm``) serves both.
+
+Which layers: every linear of the decoder layers (q/k/v, o, gate/up, down); embeddings, norms and the LM head keep
+the model dtype. A fused layer (qkv, gate_up) holds its parts' rows one after another, so a part's first row must
+start a scale block (``check_block_aligned``); under tensor parallelism a rank's slice of a checkpoint's FP8
+tensor must start on a block too, so that its scales are whole rows (or columns) of the stored scales. Real models
+(head_dim 128, widths multiples of 128) always are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fnvllm.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_BLOCK, dequantize_fp8_blocks, fp8_linear
+
+__all__ = [
+    "FP8_DTYPE",
+    "SCALE_BLOCK",
+    "check_block_aligned",
+    "dequantize_fp8_blocks",
+    "fp8_linear",
+    "linear_forward",
+    "make_fp8",
+    "quantize_fp8_blocks",
+    "scale_blocks",
+]
+
+
+def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight (N, K) in e4m3, scale (ceil(N / 128), ceil(K / 128)) float32) with weight ~= q * scale per block."""
+    n, k = weight.shape
+    nb, kb = math.ceil(n / SCALE_BLOCK), math.ceil(k / SCALE_BLOCK)
+    padded = F.pad(weight.float(), (0, kb * SCALE_BLOCK - k, 0, nb * SCALE_BLOCK - n))
+    blocks = padded.view(nb, SCALE_BLOCK, kb, SCALE_BLOCK)  # (row block, row, column block, column)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)  # (nb, kb)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(nb * SCALE_BLOCK, kb * SCALE_BLOCK)[:n, :k].contiguous(), scale
+
+
+def scale_blocks(start: int, end: int) -> tuple[int, int]:
+    """The scale blocks (first, end) that cover elements start:end (start on a block boundary)."""
+    return start // SCALE_BLOCK, math.ceil(end / SCALE_BLOCK)
+
+
+def check_block_aligned(what: str, start: int, end: int, full: int) -> None:
+    """ValueError naming ``what`` unless start:end of ``full`` begins on a 128 boundary and is whole blocks or
+    runs to the end (where the last, partial block is)."""
+    if start % SCALE_BLOCK or ((end - start) % SCALE_BLOCK and end != full):
+        raise ValueError(
+            f"FP8 weights: {what} covers {start}:{end} of {full}, which does not fall on {SCALE_BLOCK}-wide scale "
+            f"blocks (start on a multiple of {SCALE_BLOCK}, whole blocks unless it ends at {full}); choose a "
+            "tensor_parallel_size that keeps shards on 128 multiples, or leave quantization off"
+        )
+
+
+def make_fp8(linear: nn.Linear) -> None:
+    """Turn ``linear`` (built with a 16/32-bit weight) into an FP8 one in place: an e4m3 ``weight`` of the same
+    shape and a float32 ``weight_scale_inv`` of its blocks (uninitialised: the loader fills both)."""
+    n, k = linear.weight.shape
+    device = linear.weight.device
+    linear.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+    blocks = (math.ceil(n / SCALE_BLOCK), math.ceil(k / SCALE_BLOCK))
+    linear.weight_scale_inv = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
+
+
+def linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias): through the FP8 GEMMs when the weight has block scales (e4m3), else F.linear."""
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, bias)
