@@ -1,7 +1,7 @@
-"""The server's engine in two halves: ``EngineCore`` (the one engine loop: commands in, step reports out) and
+"""The server's engine in two halves: ``EngineWorker`` (the one engine loop: commands in, step reports out) and
 ``AsyncEngine`` (the front the asyncio handlers use: submit, abort, one stream per request).
 
-    HTTP handlers (asyncio thread)                    EngineCore (sole owner of the EngineLoop)
+    HTTP handlers (asyncio thread)                    EngineWorker (sole owner of the EngineLoop)
     submit(): validate, check the waiting cap  --->   commands: drain add/abort between steps
     stream.drain() / async for event in stream <---   tracker.on_delta -> events; after each round one
                                                       StepReport; the front hands all its events to the
@@ -120,7 +120,7 @@ class StepReport:
     snapshot: EngineSnapshot
 
 
-class EngineCore:
+class EngineWorker:
     """The engine side of the server: an ``EngineLoop`` that takes commands, steps while work exists and reports.
     It runs on a thread of the server process (``AsyncEngine``) or in a process of its own
     (``fnvllm.serve.engine_process``); it knows requests by id only.
@@ -239,7 +239,7 @@ class EngineCore:
 
 class AsyncEngine:
     """The front of the engine for asyncio handlers: ``submit`` and ``abort`` from any asyncio task; events reach
-    each request's ``RequestStream``. This class runs the ``EngineCore`` on a thread of this process
+    each request's ``RequestStream``. This class runs the ``EngineWorker`` on a thread of this process
     (``fnvllm.serve.engine_process.ProcessEngine`` runs it in a process of its own, with the same front).
 
     max_waiting: submissions beyond this many waiting (not yet running) requests raise ``EngineOverloaded``.
@@ -255,7 +255,7 @@ class AsyncEngine:
     ) -> None:
         self._init_front(loop.engine.initial_state(), tokenizer, max_waiting, observer)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._core = EngineCore(loop, self._on_report, detokenizer_factory(tokenizer))
+        self._core = EngineWorker(loop, self._on_report, detokenizer_factory(tokenizer))
         self._thread: threading.Thread | None = None
         self.snapshot = self._core.snapshot()
 

@@ -1,7 +1,7 @@
 """ProcessEngine: the server's engine core in a process of its own, behind the same front as ``AsyncEngine``.
 
     server process                                         engine process (spawned; owns the GPU)
-    handlers -> submit / abort -- AddCommand, AbortCommand -->  EngineCore.serve_forever: LLM + EngineLoop
+    handlers -> submit / abort -- AddCommand, AbortCommand -->  EngineWorker.serve_forever: LLM + EngineLoop
     reader thread <-------------- StepReport (pickled) -------  after each round of commands + one step
       -> each event to its RequestStream (one call per event loop), metrics observer, snapshot
 
@@ -35,10 +35,10 @@ from fnvllm.serve.async_engine import (
     AddCommand,
     AsyncEngine,
     Command,
-    EngineCore,
     EngineObserver,
     EngineOverloaded,
     EngineSnapshot,
+    EngineWorker,
     StepReport,
 )
 from fnvllm.state import CoreConfig, initial_state
@@ -88,7 +88,7 @@ def _child_main(conn: Connection, model: str, options: dict[str, Any], load_toke
             parts.tokenizer is not None,
         )
     )
-    core = EngineCore(parts.loop, conn.send, parts.detokenizer)
+    core = EngineWorker(parts.loop, conn.send, parts.detokenizer)
 
     def take_commands(block: bool) -> list[Command]:
         commands: list[Command] = [conn.recv()] if block else []
@@ -109,7 +109,7 @@ def _child_main(conn: Connection, model: str, options: dict[str, Any], load_toke
 
 
 class ProcessEngine(AsyncEngine):
-    """An ``AsyncEngine`` front whose ``EngineCore`` runs in a spawned process (``fnvllm serve``'s default).
+    """An ``AsyncEngine`` front whose ``EngineWorker`` runs in a spawned process (``fnvllm serve``'s default).
 
     model / options / load_tokenizer: what the child builds (``LLM(model, load_tokenizer=..., **options)``).
     tokenizer: this process's own copy, for text prompts and chat templates (the child detokenizes with its own).
