@@ -20,6 +20,7 @@ profile JSON, run the engine there with FNVLLM_TIMELINE set, and fit with ``--ba
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "MIN_ROWS",
     "base_for",
     "device_profile_name",
+    "fit_bounded",
     "fit_nonnegative",
     "fit_profile",
     "prediction_error",
@@ -56,21 +58,66 @@ def _independent_columns(x: np.ndarray) -> list[int]:
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
-    """Least-squares coefficients of ``y ~ x`` constrained >= 0. A column the data cannot tell apart from the
-    columns before it keeps its ``prior`` coefficient (default 0) and is not fitted; then, while any fitted
-    coefficient is negative, the most negative one is zeroed and the rest refitted."""
-    prior = np.zeros(x.shape[1]) if prior is None else prior
+    """Least-squares coefficients of ``y ~ x`` constrained >= 0 (``fit_bounded`` with no upper bounds). A column
+    the data cannot tell apart from the columns before it keeps its ``prior`` coefficient (default 0)."""
+    n = x.shape[1]
+    return fit_bounded(x, y, np.zeros(n), np.full(n, np.inf), prior)
+
+
+def fit_bounded(
+    x: np.ndarray,
+    y: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    prior: np.ndarray | None = None,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
+    """Weighted least-squares coefficients of ``y ~ x`` with ``lower <= coef <= upper`` (box constraints).
+
+    A column the data cannot tell apart from the columns before it is not fitted: it keeps its ``prior``
+    coefficient (default the lower bound), clipped into its bounds. The rest is solved exactly: the optimum of a
+    box-constrained least-squares problem has each coefficient free or at one of its bounds, so every such
+    assignment is solved (on the normal equations: a handful of columns, so at most 3**k small solves) and the
+    feasible one with the least residual wins. ``weights``: per-row weights (e.g. 1/y for relative error).
+    """
+    prior = lower.astype(float).copy() if prior is None else np.clip(prior.astype(float), lower, upper)
+    w = np.ones(len(y)) if weights is None else weights
     active = _independent_columns(x)
     fixed = [j for j in range(x.shape[1]) if j not in active]
-    coef = prior.astype(float).copy()
-    coef[active] = 0.0
-    target = y - x[:, fixed] @ coef[fixed]
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], target, rcond=None)
-        if (solution >= 0).all():
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
+    target = (y - x[:, fixed] @ prior[fixed]) * w
+    a = x[:, active] * w[:, None]
+    gram, moment = a.T @ a, a.T @ target
+    lo, hi = lower[active], upper[active]
+    best, best_loss = np.clip(np.zeros(len(active)), lo, hi), np.inf
+    for states in itertools.product((0, 1, 2), repeat=len(active)):  # free, at lower, at upper
+        coef = _solve_with_bounds(gram, moment, lo, hi, states)
+        if coef is None:
+            continue
+        loss = float(coef @ gram @ coef - 2 * coef @ moment)
+        if loss < best_loss - 1e-12 * abs(best_loss if np.isfinite(best_loss) else 1.0):
+            best, best_loss = coef, loss
+    out = prior.copy()
+    out[active] = best
+    return out
+
+
+def _solve_with_bounds(
+    gram: np.ndarray, moment: np.ndarray, lo: np.ndarray, hi: np.ndarray, states: tuple[int, ...]
+) -> np.ndarray | None:
+    """The least-squares coefficients with those in state 1 at ``lo``, in state 2 at ``hi`` and the rest free;
+    None when a bound is infinite or a free coefficient falls outside its bounds."""
+    at = np.array(states)
+    if np.isinf(hi[at == 2]).any() or np.isinf(lo[at == 1]).any():
+        return None
+    coef = np.where(at == 2, hi, lo).astype(float)
+    free = np.flatnonzero(at == 0)
+    if len(free):
+        bound = np.flatnonzero(at != 0)
+        rhs = moment[free] - gram[np.ix_(free, bound)] @ coef[bound]
+        solution, *_ = np.linalg.lstsq(gram[np.ix_(free, free)], rhs, rcond=None)
+        if (solution < lo[free] - 1e-9).any() or (solution > hi[free] + 1e-9).any():
+            return None
+        coef[free] = solution
     return coef
 
 
