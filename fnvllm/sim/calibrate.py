@@ -33,6 +33,11 @@ from fnvllm.sim.model import ModelShape
 from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
 MIN_ROWS = 8  # fewer steps of one kind than this: keep the base profile's overheads for that kind
+# The kernels reach between MIN_EFFICIENCY and all of the base profile's ceilings: the roofline scales are fitted in
+# [1, 1 / MIN_EFFICIENCY], so device time stays a physical function of the work and carries to other shapes (an
+# unbounded fit can zero a scale and price every step at a constant, which fits one model's steps and no other's).
+MIN_EFFICIENCY = 0.3
+MAX_ROOFLINE_SCALE = 1 / MIN_EFFICIENCY
 
 __all__ = [
     "CPU_BASE",
@@ -124,17 +129,24 @@ def _solve_with_bounds(
 def _fit_kind(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The overheads of one kind of step. The matmul roofline column comes last: in decode-only steps it is an
-    affine function of the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep
-    ``base.scale`` (the caller passes the eager fit's: graphs replay the same matmul kernels)."""
-    linear = [cost.linear_s(s) * 1e6 for s in shapes]
-    attention = [cost.attention_s(s) * 1e6 for s in shapes]
-    seqs = [s.num_seqs for s in shapes]
-    x = np.column_stack([attention, np.ones(len(shapes)), seqs, [s.num_tokens for s in shapes], linear])
+    """The overheads of one kind of step. The device model is fitted on relative error (each step weighs the
+    same, so the many short decode steps count as much as the few long prefill ones), with the roofline scales
+    bounded to [1, MAX_ROOFLINE_SCALE] and the constant terms >= 0. The matmul roofline column comes last: in
+    decode-only steps it is an affine function of the batch size, so those cannot separate ``scale`` from
+    ``step_us`` / ``seq_us`` and keep ``base.scale`` (the caller passes the eager fit's: graphs replay the same
+    matmul kernels). A run's first step is left out (its device time can hold a compile of a new shape)."""
+    rows = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    fit_shapes = [shapes[i] for i in rows]
+    linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
+    attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
+    ones, seqs = np.ones(len(rows)), [s.num_seqs for s in fit_shapes]
+    x = np.column_stack([attention, ones, seqs, [s.num_tokens for s in fit_shapes], linear])
+    y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
+    lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
+    upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
     prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    attn_scale, step, seq, token, scale = fit_nonnegative(
-        x, np.array([float(r["gpu_ms"]) * 1e3 for r in records]), prior
-    )
+    weights = 1.0 / np.maximum(y, max(float(np.median(y)) * 0.01, 1.0))
+    attn_scale, step, seq, token, scale = fit_bounded(x, y, lower, upper, prior, weights)
     device = Overheads(scale=float(scale), attn_scale=float(attn_scale), step_us=float(step), seq_us=float(seq))
     return attrs.evolve(
         device, token_us=float(token), **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base)
