@@ -1,7 +1,9 @@
 """Calibration: fit a hardware profile's overheads to a measured per-step timeline.
 
-For each kind of step (graph, eager) three linear models are fitted by least squares with every coefficient >= 0
-(a column whose coefficient comes out negative is dropped and the rest refitted):
+For each kind of step (graph, eager) three linear models are fitted by box-constrained least squares
+(``fit_bounded``): the roofline scales in [1, 1 / MIN_EFFICIENCY] (the kernels reach 30-100 % of the ceilings, so
+device time stays a physical function of the work and carries to other model shapes), every other coefficient
+>= 0 (host and gap costs are never negative):
 
     device:  gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * seqs
                       + token_us * tokens
@@ -129,8 +131,7 @@ def _solve_with_bounds(
 def _fit_kind(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The overheads of one kind of step. The device model is fitted on relative error (each step weighs the
-    same, so the many short decode steps count as much as the few long prefill ones), with the roofline scales
+    """The overheads of one kind of step. The device model is fitted by least squares with the roofline scales
     bounded to [1, MAX_ROOFLINE_SCALE] and the constant terms >= 0. The matmul roofline column comes last: in
     decode-only steps it is an affine function of the batch size, so those cannot separate ``scale`` from
     ``step_us`` / ``seq_us`` and keep ``base.scale`` (the caller passes the eager fit's: graphs replay the same
@@ -145,8 +146,7 @@ def _fit_kind(
     lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
     upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
     prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    weights = 1.0 / np.maximum(y, max(float(np.median(y)) * 0.01, 1.0))
-    attn_scale, step, seq, token, scale = fit_bounded(x, y, lower, upper, prior, weights)
+    attn_scale, step, seq, token, scale = fit_bounded(x, y, lower, upper, prior)
     device = Overheads(scale=float(scale), attn_scale=float(attn_scale), step_us=float(step), seq_us=float(seq))
     return attrs.evolve(
         device, token_us=float(token), **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base)
