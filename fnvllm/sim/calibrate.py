@@ -124,7 +124,7 @@ def _solve_with_bounds(
         solution, *_ = np.linalg.lstsq(gram[np.ix_(free, free)], rhs, rcond=None)
         if (solution < lo[free] - 1e-9).any() or (solution > hi[free] + 1e-9).any():
             return None
-        coef[free] = solution
+        coef[free] = np.clip(solution, lo[free], hi[free])  # within 1e-9 of a bound: on it
     return coef
 
 
@@ -185,16 +185,29 @@ def _fit_gap(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], 
     return dict(zip(names, map(float, coef), strict=True))
 
 
+HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
+
+
 def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
-    """The host-cycle coefficients, fitted on ``cpu_ms`` of overlapped steps (all steps when the log does not
-    say); fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
+    """The host-cycle coefficients (>= 0), fitted on overlapped steps (all steps when the log does not say): on
+    the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on ``cpu_ms``.
+    Fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
     rows = [i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i]]
     names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
-    host = np.array([float(records[i]["cpu_ms"]) * 1e3 for i in rows])
+    host = np.array([_host_time_ms(records[i]) * 1e3 for i in rows])
     coef = fit_nonnegative(_features(shapes, records, rows), host)
     return dict(zip(names, map(float, coef), strict=True))
+
+
+def _host_time_ms(record: Mapping[str, Any]) -> float:
+    """The host time of an overlapped step: its wall time when the device waited for the host (wall = host under
+    the overlap rule), else cpu_ms."""
+    gap = float(record.get("gap_ms", 0.0))
+    if gap > HOST_BOUND_GAP_MS:
+        return max(float(record["cpu_ms"]), float(record["gpu_ms"]) + gap)
+    return float(record["cpu_ms"])
 
 
 def fit_profile(
