@@ -212,8 +212,9 @@ def _row(regime: Regime, results: dict[str, CheckResult]) -> dict[str, Any]:
     return row
 
 
-def print_table(rows: Sequence[dict[str, Any]]) -> None:
-    """The per-regime errors, one line each, and the worst |error| of each profile."""
+def print_table(rows: Sequence[dict[str, Any]], device: str = "NVIDIA H200") -> None:
+    """The per-regime errors, one line each, the worst |error| of each profile and, for an H200 run, whether
+    the fit may replace the built-in h200 profile (its held-out error beats the built-in's on every regime)."""
     print(
         f"\n{'regime':<16} {'reqs':>5} {'steps':>6} {'measured s':>10} {'fitted':>8} {'held-out':>9} "
         f"{'h200':>8} {'plans':>5} {'step |err|':>10}"
@@ -230,6 +231,8 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         print(f"worst |error| {key}: {worst:.1%} (target <= 10 %: {'met' if worst <= 0.10 else 'NOT met'})")
     worse = [r["regime"] for r in rows if abs(r["held_out_error"]) > abs(r["builtin_h200_error"])]
     verdict = "yes" if not worse else f"no (held-out worse than the built-in h200 on {', '.join(worse)})"
+    if "h200" not in device.lower():
+        verdict = f"n/a (a {device} run, not an H200's)"
     print(f"ship the fitted profile as the built-in h200: {verdict}")
 
 
@@ -285,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             llm.close()
     rows = fit_and_check(out, runs, set_, device_name)
     (out / "report.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print_table(rows)
+    print_table(rows, device_name)
     snippet = ship_snippet(load_profile(out / "profile.json"), rows, _commit())
     (out / "h200_profile.py.txt").write_text(snippet + "\n")
     print(f"\nprofile: {out / 'profile.json'} (fnvllm simulate --hardware {out / 'profile.json'} ...)")
