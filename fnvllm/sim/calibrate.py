@@ -8,7 +8,8 @@ device time stays a physical function of the work and carries to other model sha
     device:  gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * seqs
                       + token_us * tokens
     host:    cpu_us ~ host_us + host_seq_us * seqs + host_new_seq_us * new_seqs + host_token_us * tokens
-                      + host_sample_us * sampled        (on steps of an overlapped loop)
+                      + host_sample_us * sampled        (on steps of an overlapped loop; where the device waited
+                                                         for the host, the step's wall time instead of cpu_us)
     gap:     gap_us ~ gap_us + gap_seq_us * seqs + gap_new_seq_us * new_seqs + gap_token_us * tokens
                                                         (on steps of a plain loop)
 
@@ -131,11 +132,19 @@ def _solve_with_bounds(
 def _fit_kind(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The overheads of one kind of step. The device model is fitted by least squares with the roofline scales
-    bounded to [1, MAX_ROOFLINE_SCALE] and the constant terms >= 0. The matmul roofline column comes last: in
-    decode-only steps it is an affine function of the batch size, so those cannot separate ``scale`` from
-    ``step_us`` / ``seq_us`` and keep ``base.scale`` (the caller passes the eager fit's: graphs replay the same
-    matmul kernels). A run's first step is left out (its device time can hold a compile of a new shape)."""
+    """The overheads of one kind of step: device (``_fit_device``), plain gap and host."""
+    device = _fit_device(cost, shapes, records, base)
+    return attrs.evolve(device, **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base))
+
+
+def _fit_device(
+    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+) -> Overheads:
+    """The device model, by least squares with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
+    constant terms >= 0. The matmul roofline column comes last: in decode-only steps it is an affine function of
+    the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep ``base.scale`` (the
+    caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step is left out (its
+    device time can hold a compile of a new shape)."""
     rows = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
     fit_shapes = [shapes[i] for i in rows]
     linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
@@ -146,11 +155,8 @@ def _fit_kind(
     lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
     upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
     prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    attn_scale, step, seq, token, scale = fit_bounded(x, y, lower, upper, prior)
-    device = Overheads(scale=float(scale), attn_scale=float(attn_scale), step_us=float(step), seq_us=float(seq))
-    return attrs.evolve(
-        device, token_us=float(token), **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base)
-    )
+    attn_scale, step, seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior))
+    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token)
 
 
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
