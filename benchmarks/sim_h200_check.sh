@@ -18,6 +18,11 @@
 # prefill-heavy, the bench; each with and without overlapped steps) on one engine, fits $OUT/calibration/profile.json
 # and prints the error per regime (fitted, held out, built-in h200). About 2-3 minutes on an H200:
 #   ONLY=calibration bash benchmarks/sim_h200_check.sh
+#
+# Part "serve": benchmarks/sim_serve_check.py serves a Poisson load with `fnvllm serve` and simulates the same
+# requests, printing measured vs simulated TTFT/TPOT p50/p90 (with $OUT/calibration/profile.json when the
+# calibration part ran, else the built-in h200). It needs the [serve] extra (see serve_check.sh for the wheels):
+#   ONLY=serve bash benchmarks/sim_h200_check.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +38,14 @@ if [[ -z $ONLY || $ONLY == calibration ]]; then
     python3 benchmarks/sim_calibration.py --out "$OUT/calibration" --model-shape "$SHAPE" $quick 2>&1 \
         | tee "$OUT/calibration.txt"
     echo "calibration: rc=${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
+fi
+if [[ $ONLY == serve ]]; then
+    profile=h200; [[ -f $OUT/calibration/profile.json ]] && profile=$OUT/calibration/profile.json
+    quick=""; [[ $SHAPE == tiny ]] && quick="--quick"
+    # shellcheck disable=SC2086  # $quick is one optional word
+    python3 benchmarks/sim_serve_check.py --model-shape "$SHAPE" --hardware "$profile" --out "$OUT/serve" $quick 2>&1 \
+        | tee "$OUT/sim_serve.txt"
+    exit "${PIPESTATUS[0]}"
 fi
 [[ -n $ONLY && $ONLY != accuracy ]] && exit 0
 for run in A B; do

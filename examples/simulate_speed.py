@@ -12,21 +12,23 @@ from __future__ import annotations
 import argparse
 import time
 
+from fnvllm.engine import core as engine_core
+from fnvllm.engine import loop as engine_loop
 from fnvllm.sim import SimSpec, format_table, run_spec
-from fnvllm.sim import loop as sim_loop
 
 
 class CoreTimer:
-    """Wraps the loop's ``schedule`` and ``commit`` to add up the seconds spent in the pure core."""
+    """Wraps the engine loop's ``schedule`` and ``commit`` (which the simulator drives) to add up the seconds spent
+    in the pure core."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.schedule, self.commit = sim_loop.schedule, sim_loop.commit
+        self.schedule, self.commit = engine_loop.schedule, engine_core.commit
 
     def install(self) -> None:
         """Route the loop's calls through the timers."""
-        sim_loop.schedule = self._timed(self.schedule)  # type: ignore[assignment]
-        sim_loop.commit = self._timed(self.commit)  # type: ignore[assignment]
+        engine_loop.schedule = self._timed(self.schedule)  # type: ignore[assignment]
+        engine_core.commit = self._timed(self.commit)  # type: ignore[assignment]
 
     def _timed(self, func):  # type: ignore[no-untyped-def]
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -29,6 +29,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "profile_decode.py": ["--model-shape", "tiny", "--num-requests", "4", "--steps", "2"],
     "bench_settings.py": ["--model-shape", "tiny", "--checkpoint", "{tmp}/ckpt", "--num-requests", "1", "--variants",
                           "temperature", "--batches", "1"],
+    "sim_serve_check.py": ["--model-shape", "tiny", "--quick", "--out", "{tmp}/serve"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's

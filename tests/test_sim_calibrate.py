@@ -194,3 +194,54 @@ def test_calibration_set_script_runs_fits_and_replays_on_cpu(
     assert profile.name == "cpu" and profile.model is not None and profile.model["hidden_size"] == 128
     out = capsys.readouterr().out
     assert "worst |error| held_out" in out and "prefill-512-plain" in out
+
+
+def _regime_log(tmp_path: Path, name: str, **options: object) -> list[dict]:
+    """Step records of one synthetic regime simulated under HOST_TRUE, times jittered by 1%."""
+    save_profile(HOST_TRUE, tmp_path / "host_true.json")
+    spec = SimSpec(hardware=str(tmp_path / "host_true.json"), **options)  # type: ignore[arg-type]
+    stream = io.StringIO()
+    run_spec(spec, timeline=stream)
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(stream.getvalue())
+    rng = random.Random(name)
+    _, records = read_timeline(path)
+    for record in records:
+        for key in ("gpu_ms", "gap_ms", "cpu_ms"):
+            record[key] *= 1 + rng.uniform(-0.01, 0.01)
+    return records
+
+
+def test_fit_recovers_profile_and_predicts_a_held_out_regime(tmp_path: Path) -> None:
+    """Fitted on synthetic regimes of a known profile (low and high load, both loop modes), the device scales come
+    back within 10 %, and a regime left out of the fit (long prompts) is predicted within 3 % end to end."""
+    model = load_shape("qwen3-0.6b")
+    common = {"output_mean": 40, "prompt_mean": 300}
+    train = [
+        *_regime_log(tmp_path, "low", num_requests=150, rate=30.0, seed=1, **common),
+        *_regime_log(tmp_path, "high", num_requests=300, rate=400.0, seed=2, **common),
+        *_regime_log(tmp_path, "low-plain", num_requests=150, rate=30.0, seed=3, overlap=False, **common),
+        *_regime_log(tmp_path, "high-plain", num_requests=300, rate=400.0, seed=4, overlap=False, **common),
+    ]
+    held_out = _regime_log(tmp_path, "long", num_requests=100, rate=200.0, seed=5, prompt_mean=1500, output_mean=8)
+    fitted = fit_profile(train, model, H200)
+    assert fitted.eager.scale == pytest.approx(HOST_TRUE.eager.scale, rel=0.1)
+    assert fitted.eager.attn_scale == pytest.approx(HOST_TRUE.eager.attn_scale, rel=0.1)
+    assert abs(prediction_error(held_out, model, fitted)["total_error"]) < 0.03
+
+
+def test_constrained_fit_never_zeroes_a_roofline_scale() -> None:
+    """Steps whose device time is a constant whatever their work (as a compile-bound log looks) still get roofline
+    scales within [1, 1/MIN_EFFICIENCY]: the constant goes to step_us, not to a zero scale."""
+    from fnvllm.sim.calibrate import MAX_ROOFLINE_SCALE
+
+    model = load_shape("qwen3-0.6b")
+    records = [
+        {"num_seqs": n, "num_tokens": t, "num_decode_seqs": 0, "num_prefill_tokens": t, "context_tokens": t}
+        | {"gpu_ms": 45.0, "graph": False, "num_samples": n}
+        for n, t in [(1, 134), (16, 3280), (64, 12716), (11, 16384), (32, 16384), (13, 4758)] * 3
+    ]
+    fitted = fit_profile(records, model, H200)
+    for scale in (fitted.eager.scale, fitted.eager.attn_scale):
+        assert 1.0 <= scale <= MAX_ROOFLINE_SCALE
+    assert fitted.eager.step_us > 0

@@ -39,6 +39,7 @@ from fnvllm.engine.output import Outbox, OutputProcessor, RequestTracker, delive
 from fnvllm.executor.base import supports_overlap
 from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
 from fnvllm.state.overlap import Speculation, reconcile, speculate
+from fnvllm.state.state import add_requests
 
 
 @attrs.frozen
@@ -130,12 +131,16 @@ class EngineLoop:
         if tracker is not None:
             self.processor.add(tracker)
 
-    def add_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams, RequestTracker | None]]) -> None:
-        """Queue several requests atomically: if any is invalid, raise and queue none."""
-        state = self.state
-        for rid, ids, params, _ in requests:
-            state = add_request(state, rid, tuple(ids), params)
-        self.state = state
+    def add_many(
+        self,
+        requests: Sequence[tuple[str, Sequence[int], SamplingParams, RequestTracker | None]],
+        priorities: Sequence[int] | None = None,
+    ) -> None:
+        """Queue several requests atomically, in one pass over the queue (``add_requests``): if any is invalid,
+        raise and queue none. ``priorities``: one per request (default 0 each)."""
+        ranks = [0] * len(requests) if priorities is None else priorities
+        due = ((rid, tuple(ids), params, rank) for (rid, ids, params, _), rank in zip(requests, ranks, strict=True))
+        self.state = add_requests(self.state, due)
         for *_, tracker in requests:
             if tracker is not None:
                 self.processor.add(tracker)

@@ -178,6 +178,18 @@ def _body(model: str | None, prompt: list[int], params: SamplingParams) -> bytes
     return json.dumps(body | ({"model": model} if model else {})).encode()
 
 
+def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
+    """When each request is sent, in seconds from the start: Poisson arrivals at ``request_rate`` per second
+    (exponential gaps drawn from ``random.Random(seed)``, the first at 0), or all at 0 when the rate is inf."""
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0 (inf: all at once), got {request_rate}")
+    rng, offset, offsets = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        offsets.append(offset)
+        offset += rng.expovariate(request_rate) if request_rate != float("inf") else 0.0
+    return offsets
+
+
 async def run_load(
     url: str,
     prompts: Sequence[list[int]],
@@ -188,15 +200,12 @@ async def run_load(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> tuple[list[RequestTiming], float]:
-    """Send every request (all at once, or Poisson arrivals at ``request_rate`` per second); returns each
-    request's timing and the run's wall time in seconds. ``progress`` counts finished requests and reports
-    every ``progress.every_s`` seconds (and once at the end)."""
-    rng, offset, target = random.Random(seed), 0.0, Target.of(url, api_key)
+    """Send every request (all at once, or Poisson arrivals at ``request_rate`` per second: ``arrival_offsets``
+    with ``seed``); returns each request's timing and the run's wall time in seconds. ``progress`` counts finished
+    requests and reports every ``progress.every_s`` seconds (and once at the end)."""
+    target = Target.of(url, api_key)
     bodies = [_body(model, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-    offsets = []
-    for _ in bodies:
-        offsets.append(offset)
-        offset += rng.expovariate(request_rate) if request_rate != float("inf") else 0.0
+    offsets = arrival_offsets(len(bodies), request_rate, seed)
     start = time.perf_counter()
     reporter = asyncio.ensure_future(progress.report_periodically()) if progress is not None else None
     try:
@@ -290,8 +299,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
-    if args.num_requests < 1 or args.progress_interval_s < 0:
-        parser.error("--num-requests must be >= 1 and --progress-interval-s >= 0")
+    if args.num_requests < 1 or args.progress_interval_s < 0 or not args.request_rate > 0:
+        parser.error("--num-requests must be >= 1, --progress-interval-s >= 0 and --request-rate > 0 (inf: at once)")
     model = served_model(args.url, args.api_key, args.model)
     max_input, max_output = fit_lengths(args.max_input_len, args.max_output_len, model.max_model_len)
     if (max_input, max_output) != (args.max_input_len, args.max_output_len):

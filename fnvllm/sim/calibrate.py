@@ -1,12 +1,15 @@
 """Calibration: fit a hardware profile's overheads to a measured per-step timeline.
 
-For each kind of step (graph, eager) three linear models are fitted by least squares with every coefficient >= 0
-(a column whose coefficient comes out negative is dropped and the rest refitted):
+For each kind of step (graph, eager) three linear models are fitted by box-constrained least squares
+(``fit_bounded``): the roofline scales in [1, 1 / MIN_EFFICIENCY] (the kernels reach 30-100 % of the ceilings, so
+device time stays a physical function of the work and carries to other model shapes), every other coefficient
+>= 0 (host and gap costs are never negative):
 
     device:  gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * seqs
                       + token_us * tokens
     host:    cpu_us ~ host_us + host_seq_us * seqs + host_new_seq_us * new_seqs + host_token_us * tokens
-                      + host_sample_us * sampled        (on steps of an overlapped loop)
+                      + host_sample_us * sampled        (on steps of an overlapped loop; where the device waited
+                                                         for the host, the step's wall time instead of cpu_us)
     gap:     gap_us ~ gap_us + gap_seq_us * seqs + gap_new_seq_us * new_seqs + gap_token_us * tokens
                                                         (on steps of a plain loop)
 
@@ -20,6 +23,7 @@ profile JSON, run the engine there with FNVLLM_TIMELINE set, and fit with ``--ba
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,12 +36,18 @@ from fnvllm.sim.model import ModelShape
 from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
 MIN_ROWS = 8  # fewer steps of one kind than this: keep the base profile's overheads for that kind
+# The kernels reach between MIN_EFFICIENCY and all of the base profile's ceilings: the roofline scales are fitted in
+# [1, 1 / MIN_EFFICIENCY], so device time stays a physical function of the work and carries to other shapes (an
+# unbounded fit can zero a scale and price every step at a constant, which fits one model's steps and no other's).
+MIN_EFFICIENCY = 0.3
+MAX_ROOFLINE_SCALE = 1 / MIN_EFFICIENCY
 
 __all__ = [
     "CPU_BASE",
     "MIN_ROWS",
     "base_for",
     "device_profile_name",
+    "fit_bounded",
     "fit_nonnegative",
     "fit_profile",
     "prediction_error",
@@ -56,42 +66,97 @@ def _independent_columns(x: np.ndarray) -> list[int]:
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None) -> np.ndarray:
-    """Least-squares coefficients of ``y ~ x`` constrained >= 0. A column the data cannot tell apart from the
-    columns before it keeps its ``prior`` coefficient (default 0) and is not fitted; then, while any fitted
-    coefficient is negative, the most negative one is zeroed and the rest refitted."""
-    prior = np.zeros(x.shape[1]) if prior is None else prior
+    """Least-squares coefficients of ``y ~ x`` constrained >= 0 (``fit_bounded`` with no upper bounds). A column
+    the data cannot tell apart from the columns before it keeps its ``prior`` coefficient (default 0)."""
+    n = x.shape[1]
+    return fit_bounded(x, y, np.zeros(n), np.full(n, np.inf), prior)
+
+
+def fit_bounded(
+    x: np.ndarray,
+    y: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    prior: np.ndarray | None = None,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
+    """Weighted least-squares coefficients of ``y ~ x`` with ``lower <= coef <= upper`` (box constraints).
+
+    A column the data cannot tell apart from the columns before it is not fitted: it keeps its ``prior``
+    coefficient (default the lower bound), clipped into its bounds. The rest is solved exactly: the optimum of a
+    box-constrained least-squares problem has each coefficient free or at one of its bounds, so every such
+    assignment is solved (on the normal equations: a handful of columns, so at most 3**k small solves) and the
+    feasible one with the least residual wins. ``weights``: per-row weights (e.g. 1/y for relative error).
+    """
+    prior = lower.astype(float).copy() if prior is None else np.clip(prior.astype(float), lower, upper)
+    w = np.ones(len(y)) if weights is None else weights
     active = _independent_columns(x)
     fixed = [j for j in range(x.shape[1]) if j not in active]
-    coef = prior.astype(float).copy()
-    coef[active] = 0.0
-    target = y - x[:, fixed] @ coef[fixed]
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], target, rcond=None)
-        if (solution >= 0).all():
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
+    target = (y - x[:, fixed] @ prior[fixed]) * w
+    a = x[:, active] * w[:, None]
+    gram, moment = a.T @ a, a.T @ target
+    lo, hi = lower[active], upper[active]
+    best, best_loss = np.clip(np.zeros(len(active)), lo, hi), np.inf
+    for states in itertools.product((0, 1, 2), repeat=len(active)):  # free, at lower, at upper
+        coef = _solve_with_bounds(gram, moment, lo, hi, states)
+        if coef is None:
+            continue
+        loss = float(coef @ gram @ coef - 2 * coef @ moment)
+        if loss < best_loss - 1e-12 * abs(best_loss if np.isfinite(best_loss) else 1.0):
+            best, best_loss = coef, loss
+    out = prior.copy()
+    out[active] = best
+    return out
+
+
+def _solve_with_bounds(
+    gram: np.ndarray, moment: np.ndarray, lo: np.ndarray, hi: np.ndarray, states: tuple[int, ...]
+) -> np.ndarray | None:
+    """The least-squares coefficients with those in state 1 at ``lo``, in state 2 at ``hi`` and the rest free;
+    None when a bound is infinite or a free coefficient falls outside its bounds."""
+    at = np.array(states)
+    if np.isinf(hi[at == 2]).any() or np.isinf(lo[at == 1]).any():
+        return None
+    coef = np.where(at == 2, hi, lo).astype(float)
+    free = np.flatnonzero(at == 0)
+    if len(free):
+        bound = np.flatnonzero(at != 0)
+        rhs = moment[free] - gram[np.ix_(free, bound)] @ coef[bound]
+        solution, *_ = np.linalg.lstsq(gram[np.ix_(free, free)], rhs, rcond=None)
+        if (solution < lo[free] - 1e-9).any() or (solution > hi[free] + 1e-9).any():
+            return None
+        coef[free] = np.clip(solution, lo[free], hi[free])  # within 1e-9 of a bound: on it
     return coef
 
 
 def _fit_kind(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The overheads of one kind of step. The matmul roofline column comes last: in decode-only steps it is an
-    affine function of the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep
-    ``base.scale`` (the caller passes the eager fit's: graphs replay the same matmul kernels)."""
-    linear = [cost.linear_s(s) * 1e6 for s in shapes]
-    attention = [cost.attention_s(s) * 1e6 for s in shapes]
-    seqs = [s.num_seqs for s in shapes]
-    x = np.column_stack([attention, np.ones(len(shapes)), seqs, [s.num_tokens for s in shapes], linear])
+    """The overheads of one kind of step: device (``_fit_device``), plain gap and host."""
+    device = _fit_device(cost, shapes, records, base)
+    return attrs.evolve(device, **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base))
+
+
+def _fit_device(
+    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+) -> Overheads:
+    """The device model, by least squares with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
+    constant terms >= 0. The matmul roofline column comes last: in decode-only steps it is an affine function of
+    the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep ``base.scale`` (the
+    caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step is left out (its
+    device time can hold a compile of a new shape)."""
+    rows = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    fit_shapes = [shapes[i] for i in rows]
+    linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
+    attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
+    ones, seqs = np.ones(len(rows)), [s.num_seqs for s in fit_shapes]
+    x = np.column_stack([attention, ones, seqs, [s.num_tokens for s in fit_shapes], linear])
+    y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
+    lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
+    upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
     prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    attn_scale, step, seq, token, scale = fit_nonnegative(
-        x, np.array([float(r["gpu_ms"]) * 1e3 for r in records]), prior
-    )
-    device = Overheads(scale=float(scale), attn_scale=float(attn_scale), step_us=float(step), seq_us=float(seq))
-    return attrs.evolve(
-        device, token_us=float(token), **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base)
-    )
+    attn_scale, step, seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior))
+    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token)
 
 
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
@@ -126,16 +191,29 @@ def _fit_gap(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], 
     return dict(zip(names, map(float, coef), strict=True))
 
 
+HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
+
+
 def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
-    """The host-cycle coefficients, fitted on ``cpu_ms`` of overlapped steps (all steps when the log does not
-    say); fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
+    """The host-cycle coefficients (>= 0), fitted on overlapped steps (all steps when the log does not say): on
+    the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on ``cpu_ms``.
+    Fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
     rows = [i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i]]
     names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
-    host = np.array([float(records[i]["cpu_ms"]) * 1e3 for i in rows])
+    host = np.array([_host_time_ms(records[i]) * 1e3 for i in rows])
     coef = fit_nonnegative(_features(shapes, records, rows), host)
     return dict(zip(names, map(float, coef), strict=True))
+
+
+def _host_time_ms(record: Mapping[str, Any]) -> float:
+    """The host time of an overlapped step: its wall time when the device waited for the host (wall = host under
+    the overlap rule), else cpu_ms."""
+    gap = float(record.get("gap_ms", 0.0))
+    if gap > HOST_BOUND_GAP_MS:
+        return max(float(record["cpu_ms"]), float(record["gpu_ms"]) + gap)
+    return float(record["cpu_ms"])
 
 
 def fit_profile(

@@ -1,9 +1,10 @@
 """Hardware profiles: the roofline ceilings of one accelerator plus the fitted overheads of our engine on it.
 
 A profile is a JSON file (``fnvllm simulate calibrate`` writes one; ``--hardware PATH`` reads it) or a built-in
-name. The ceilings come from microbenchmarks (for the H200: ../shared/GPU.md's read ceiling and bf16 matmul
-rate); the overheads are what the roofline misses (kernel launches, the sampler, host gaps), fitted per kind of
-step: "graph" steps (decode-only batches replayed from CUDA graphs) and "eager" steps (everything else).
+name. The ceilings come from microbenchmarks (for the H200: the read bandwidth a memory-bound kernel reaches and
+the bf16 dense matmul rate, both measured on one H200); the overheads are what the roofline misses (kernel
+launches, the sampler, host gaps), fitted per kind of step: "graph" steps (decode-only batches replayed from CUDA
+graphs) and "eager" steps (everything else).
 
 Worked example: an eager step whose matmul roofline is 1.5 ms and attention roofline 0.5 ms, with 64 sequences
 and 900 tokens, under ``Overheads(scale=1.1, attn_scale=1.6, step_us=300, seq_us=2, token_us=0.1, gap_us=50,
@@ -149,8 +150,10 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Ceilings measured on one H200 (../shared/GPU.md, 2026-11-30). The device overheads are uncalibrated guesses until
-# `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model and the plain-loop gap are
+# Ceilings measured on one H200 (2026-11-30: a memory-bound kernel's read bandwidth, bf16 dense matmul rate). When
+# benchmarks/sim_calibration.py's held-out errors beat these overheads on every regime, its h200_profile.py.txt
+# replaces this profile (with what it was fitted on, in a comment). The device overheads are uncalibrated guesses
+# until `fnvllm simulate calibrate` fits them from the GPU engine's timeline; the host model and the plain-loop gap are
 # read off BENCHMARKS.md's timelines (decode: ~1.8 ms of host per overlapped cycle at 1 and at 256 sequences, and a
 # 0.67 ms device idle gap per step without overlap; mixed steps: 34-47 ms of launch for ~16k tokens, cuBLAS
 # setting up new GEMM shapes; ~100 ms for generate() to take in 256 requests) until benchmarks/sim_calibration.py

@@ -1,15 +1,18 @@
-"""The simulation loop: the engine's own ``schedule`` / ``commit`` driven by a SimExecutor and a clock.
+"""The simulation loop: the engine's own ``EngineLoop`` driven by a SimExecutor and a clock.
 
     while requests remain:
-        add every request whose arrival time the clock has reached    (add_requests: the core knows no time)
+        add every request whose arrival time the clock has reached    (add_due: the core knows no time)
         if nothing is live: jump the clock to the next arrival
-        state, plan = schedule(state)
-        tokens = executor.execute(plan)                               (advances the clock by the cost model)
-        state, out = commit(state, plan, tokens)
+        loop.step()          # EngineLoop: schedule, executor.execute (advances the clock by the cost model), commit
+
+The step sequence is written once, in ``fnvllm.engine.loop.EngineLoop``: the simulator is a client of it with a
+simulated executor (``SimExecutor``) and the simulated clock as the loop's time source, exactly as the LLM and
+the server are clients with a GPU executor. The loop steps plainly in the core; overlap is a matter of price
+(the cost model charges max(device, host) per overlapped step).
 
 A step starts when the previous one ended (plus the host time of taking in the requests that arrived, the
 profile's ``request_us`` each); its tokens are emitted when it ends; a request that arrives during a step is added
-before the next schedule. ``Recorder`` notes what the metrics need on the way.
+before the next schedule. ``Recorder`` notes what the metrics need on the way (from the loop's step hook).
 """
 
 from __future__ import annotations
@@ -20,23 +23,12 @@ from contextlib import contextmanager
 
 import attrs
 
+from fnvllm.engine.core import Engine, EngineOutput
+from fnvllm.engine.loop import EngineLoop
 from fnvllm.sim.executor import SimExecutor
 from fnvllm.sim.recorder import Recorder
 from fnvllm.sim.workloads import SimRequest, prompt_tokens
-from fnvllm.state import (
-    FCFS,
-    CoreConfig,
-    EngineState,
-    Policy,
-    SamplingParams,
-    StepOutput,
-    StepPlan,
-    commit,
-    fcfs_key,
-    initial_state,
-    schedule,
-)
-from fnvllm.state.state import add_requests
+from fnvllm.state import FCFS, CoreConfig, EngineState, Policy, SamplingParams, StepOutput, StepPlan, fcfs_key
 
 StepHook = Callable[[EngineState, StepPlan, StepOutput], None]
 Progress = Callable[[int], None]  # called with the number of requests finished since the last call
@@ -90,24 +82,26 @@ class _Arrivals:
         """Arrival time of the next request not added (call only while ``pending``)."""
         return self.requests[self.next_index].arrival_s
 
-    def add_due(self, state: EngineState, clock: float) -> EngineState:
-        """``state`` with the requests whose arrival time is <= ``clock`` added in arrival order (while holding
-        back, only as many as keep ``hold`` waiting), by one ``add_requests`` (the same state as one
-        ``add_request`` each, without copying the queue per request)."""
+    def add_due(self, loop: EngineLoop, clock: float) -> None:
+        """Queue on ``loop`` the requests whose arrival time is <= ``clock``, in arrival order (while holding
+        back, only as many as keep ``hold`` waiting), by one ``EngineLoop.add_many`` (one pass over the queue)."""
         requests, first = self.requests, self.next_index
         arrived, n = max(self.num_arrived, first), len(requests)
         while arrived < n and requests[arrived].arrival_s <= clock:
             arrived += 1
         self.num_arrived = arrived
-        end = arrived if self.hold is None else min(arrived, first + max(self.hold - len(state.waiting), 0))
+        end = arrived if self.hold is None else min(arrived, first + max(self.hold - len(loop.state.waiting), 0))
         if end <= first:
-            return state
+            return
         self.next_index = end
-        due = (
-            (str(i), prompt_tokens(r, i, self.vocab), self._sampling(r.output_len), r.priority)
-            for i, r in zip(range(first, end), requests[first:end], strict=True)
+        due = requests[first:end]
+        loop.add_many(
+            [
+                (str(i), prompt_tokens(r, i, self.vocab), self._sampling(r.output_len), None)
+                for i, r in enumerate(due, first)
+            ],
+            [r.priority for r in due],
         )
-        return add_requests(state, due)
 
     def _sampling(self, output_len: int) -> SamplingParams:
         params = self._params.get(output_len)
@@ -168,26 +162,30 @@ def _simulate(
     progress: Progress | None,
     hold: int | None,
 ) -> SimResult:
-    """The loop of ``simulate``."""
-    state = initial_state(config, policy)
+    """The loop of ``simulate``: arrivals on the simulated clock, steps by ``EngineLoop``."""
+    loop = EngineLoop(Engine(executor, config, policy), overlap=False, clock=lambda: executor.clock)
     recorder = Recorder(requests, config.num_blocks)
-    arrivals, num_steps = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31, hold), 0
-    while arrivals.pending or state.has_unfinished:
-        if not state.has_unfinished:
-            executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
-        arrived = arrivals.num_arrived
-        before = state = arrivals.add_due(state, executor.clock)
-        if arrivals.num_arrived > arrived:  # the host's work of taking them in (profile's request_us)
-            executor.add_requests(arrivals.num_arrived - arrived)
-        clock = executor.clock
-        state, plan = schedule(state)
-        state, output = commit(state, plan, executor.execute(plan).token_ids)
-        num_steps += 1
-        finished = recorder.step(before, state, plan, output, clock, executor, arrivals.num_held)
+    arrivals = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31, hold)
+    start = executor.clock
+
+    def noted(state: EngineState, plan: StepPlan, out: EngineOutput) -> None:
+        """The loop's step hook: record the step, catch a livelock, then the caller's hook and progress."""
+        finished = recorder.step(state, plan, out.output, start, executor, arrivals.num_held)
         if plan.is_empty and state.has_unfinished:
             raise SimulationStalledError(f"step {plan.step} planned nothing with {len(state.waiting)} waiting")
         if on_step is not None:
-            on_step(state, plan, output)
+            on_step(state, plan, out.output)
         if progress is not None and finished:
             progress(finished)
-    return SimResult(recorder, state, executor.clock, num_steps)
+
+    loop.on_step = noted
+    while arrivals.pending or loop.has_unfinished:
+        if not loop.has_unfinished:
+            executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
+        arrived = arrivals.num_arrived
+        arrivals.add_due(loop, executor.clock)
+        if arrivals.num_arrived > arrived:  # the host's work of taking them in (profile's request_us)
+            executor.add_requests(arrivals.num_arrived - arrived)
+        start = executor.clock
+        loop.step()
+    return SimResult(recorder, loop.state, executor.clock, loop.stats.num_steps)

@@ -58,7 +58,6 @@ class Recorder:
 
     def step(
         self,
-        before: EngineState,
         after: EngineState,
         plan: StepPlan,
         output: StepOutput,
@@ -88,14 +87,15 @@ class Recorder:
         return len(output.finished)
 
     def _admissions(self, plan: StepPlan, start: float) -> None:
-        """First-scheduled times and prefix-cache hits of the requests admitted by ``plan`` (its last
-        ``num_admitted`` rows; an admitted row starts after its cached prefix)."""
-        for row in range(plan.num_continuing, plan.num_seqs):
-            index = int(plan.seq_ids[row])
+        """First-scheduled times and prefix-cache hits of the requests admitted by ``plan``
+        (``StepPlan.admitted_starts``: an admitted row starts after its cached prefix)."""
+        generated = plan.num_generated[plan.num_continuing :]
+        for (rid, hit), num_generated in zip(plan.admitted_starts().items(), generated, strict=True):
+            index = int(rid)
             if math.isnan(self.first_scheduled[index]):
                 self.first_scheduled[index] = start
-            self.num_hit_tokens += plan.start_positions[row]
-            self.num_admitted_tokens += self.prompt_len[index] + plan.num_generated[row]
+            self.num_hit_tokens += hit
+            self.num_admitted_tokens += self.prompt_len[index] + num_generated
 
     def _tokens(self, output: StepOutput, end: float) -> None:
         """First-token times and inter-token latencies of the tokens emitted at ``end``."""

@@ -126,7 +126,7 @@ def drive(
         finished.update((f.request_id, f) for f in output.finished)
         num_steps += 1
         num_preemptions += len(plan.preempted)
-        num_hits += sum(plan.start_positions[plan.num_continuing :])  # admitted rows start after their hit
+        num_hits += sum(plan.admitted_starts().values())  # admitted rows start after their hit
         if on_step is not None:
             on_step(state, plan, output)
     return RunResult(finished, num_steps, num_preemptions, num_hits, state)

@@ -1,0 +1,183 @@
+"""Served Poisson check: `fnvllm serve` under Poisson load against the simulator fed the same requests.
+
+    PYTHONPATH=$PWD python3 benchmarks/sim_serve_check.py                                   # H200, Qwen3-0.6B shape
+    PYTHONPATH=$PWD python3 benchmarks/sim_serve_check.py --model-shape tiny --quick        # CPU smoke test
+
+Starts ``fnvllm serve`` on a random checkpoint of the shape (``fnvllm bench``'s engine options: 256-token blocks,
+a 16384-token budget, 512 sequences), sends N streaming requests of the bench workload (prompts and outputs
+U(100, max), temperature 0.6, ignore_eos) with Poisson arrivals (``fnvllm.serve.bench``, the load client) after
+an untimed warm-up, and records each request's TTFT and TPOT. Then it simulates the SAME requests (their arrival
+times, prompt lengths and max_tokens, written as a trace: ``fnvllm simulate --workload trace.jsonl``) under the
+same engine options with a hardware profile, and prints measured vs simulated p50/p90 of TTFT and TPOT and the
+error (target: p50 within 15 %). The default load (50/s, outputs U(100, 400)) keeps 16-64 requests running on an
+H200; the run takes about a minute plus the server's start-up. Needs the [serve] extra (fastapi, uvicorn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ENGINE = {"block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
+QUICK = {"num_requests": 24, "request_rate": 8.0, "max_input_len": 128, "max_output_len": 110}
+
+
+def start_server(checkpoint: Path, max_model_len: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``fnvllm serve`` on a free port; returns the process and its URL once /health answers."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, "max_model_len": max_model_len}.items()]
+    command = [sys.executable, "-m", "fnvllm.cli", "serve", str(checkpoint), "--host", "127.0.0.1", "--port", "0"]
+    command += ["--served-model-name", "bench", "--stream-interval-ms", "0", *flags]
+    server = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited early:\n{log.read_text()[-3000:]}")
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
+        if found and _healthy(found.group(1)):
+            return server, found.group(1)
+        time.sleep(0.5)
+    server.terminate()
+    raise RuntimeError(f"the server did not start in 300 s:\n{log.read_text()[-3000:]}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def serve_run(url: str, prompts: list[list[int]], params: list[Any], rate: float, seed: int) -> list[Any]:
+    """Warm the server up (4 short requests), then send the load; returns each request's RequestTiming."""
+    from fnvllm.serve.bench import run_load
+    from fnvllm.state import SamplingParams
+
+    warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)
+    asyncio.run(run_load(url, prompts[:4], [warm] * min(4, len(prompts))))
+    timings, _ = asyncio.run(run_load(url, prompts, params, rate, seed=seed))
+    return timings
+
+
+def simulate_same(
+    trace: Path, offsets: Sequence[float], prompts: Sequence[Sequence[int]], params: Sequence[Any], options: dict
+) -> tuple[list[float], list[float]]:
+    """Simulate the requests (same arrivals, prompt lengths and max_tokens); returns per-request TTFT and TPOT."""
+    from fnvllm.sim import SimSpec, run_spec
+
+    lines = [
+        json.dumps({"arrival_s": at, "prompt_len": len(prompt), "output_len": p.max_tokens})
+        for at, prompt, p in zip(offsets, prompts, params, strict=True)
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    result, _ = run_spec(SimSpec(workload=str(trace), **ENGINE, **options))
+    rec = result.recorder
+    ttft = [first - arrival for first, arrival in zip(rec.first_token, rec.arrival, strict=True)]
+    tpot = [
+        (finish - first) / (n - 1) if n > 1 else math.nan
+        for finish, first, n in zip(rec.finish, rec.first_token, rec.num_output, strict=True)
+    ]
+    return ttft, tpot
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of the values that are numbers, interpolated (NaN when none)."""
+    from fnvllm.sim.metrics import percentile
+
+    return percentile(sorted(v for v in values if v is not None and not math.isnan(v)), q * 100)
+
+
+def compare(measured: dict[str, list[float]], simulated: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Rows of (metric, percentile, measured ms, simulated ms, relative error)."""
+    rows = []
+    for metric in ("ttft", "tpot"):
+        for q in (0.5, 0.9):
+            m, s = quantile(measured[metric], q) * 1e3, quantile(simulated[metric], q) * 1e3
+            rows.append({"metric": metric, "p": f"p{round(q * 100)}", "measured_ms": m, "simulated_ms": s,
+                         "error": (s - m) / m if m else math.nan})  # fmt: skip
+    return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]], running: float) -> None:
+    """The comparison, one line per metric and percentile, and the p50 verdict."""
+    print(f"\nrequests in flight, mean (measured, by Little's law): {running:.1f}")
+    print(f"{'metric':<6} {'p':>4} {'measured ms':>12} {'simulated ms':>13} {'error':>8}")
+    for r in rows:
+        print(f"{r['metric']:<6} {r['p']:>4} {r['measured_ms']:>12.2f} {r['simulated_ms']:>13.2f} {r['error']:>+8.1%}")
+    worst = max(abs(r["error"]) for r in rows if r["p"] == "p50")
+    print(f"worst p50 |error|: {worst:.1%} (target <= 15 %: {'met' if worst <= 0.15 else 'NOT met'})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve, load, simulate, compare."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b"])
+    parser.add_argument("--num-requests", type=int, default=600)
+    parser.add_argument("--request-rate", type=float, default=50.0, help="Poisson arrivals per second")
+    parser.add_argument("--max-input-len", type=int, default=512, help="prompts U(100, this)")
+    parser.add_argument("--max-output-len", type=int, default=400, help="outputs U(100, this)")
+    parser.add_argument("--hardware", default="h200", help="the profile to simulate with (a name or a JSON file)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help=f"a small CPU smoke run ({QUICK})")
+    parser.add_argument("--out", default=None, help="folder for the server log, trace and report (default: temp)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    import torch
+
+    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.serve.bench import arrival_offsets
+    from fnvllm.workloads import bench_workload
+
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-sim-serve-"))
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"torch {torch.__version__} on {device}; writing to {out}", flush=True)
+    prompts, params = bench_workload(args.num_requests, args.max_input_len, args.max_output_len, args.seed)
+    offsets = arrival_offsets(len(prompts), args.request_rate, args.seed)
+    max_model_len = max(512, args.max_input_len + args.max_output_len)
+    with tempfile.TemporaryDirectory(prefix="fnvllm-sim-serve-ckpt-") as folder:
+        checkpoint = write_checkpoint(args.model_shape, Path(folder))
+        prompts = [[t % _vocab(checkpoint) for t in p] for p in prompts]
+        start = time.perf_counter()
+        server, url = start_server(checkpoint, max_model_len, out / "serve.log")
+        print(f"server up at {url} in {time.perf_counter() - start:.1f} s", flush=True)
+        try:
+            start = time.perf_counter()
+            timings = serve_run(url, prompts, params, args.request_rate, args.seed)
+            print(f"served {len(timings)} requests in {time.perf_counter() - start:.1f} s", flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        options = {"model": str(checkpoint), "hardware": args.hardware, "max_model_len": max_model_len}
+        options["overlap"] = torch.cuda.is_available()  # the engine overlaps steps on CUDA only
+        ttft, tpot = simulate_same(out / "trace.jsonl", offsets, prompts, params, options)
+    measured = {"ttft": [t.ttft for t in timings], "tpot": [t.tpot for t in timings]}
+    rows = compare(measured, {"ttft": ttft, "tpot": tpot})
+    running = sum(t.e2e for t in timings) / (max(offsets) + max(t.e2e for t in timings))
+    (out / "report.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
+    print_table(rows, running)
+    return 0
+
+
+def _vocab(checkpoint: Path) -> int:
+    """The checkpoint's vocabulary size (config.json)."""
+    return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
