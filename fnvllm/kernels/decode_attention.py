@@ -271,11 +271,13 @@ def _decode_partition_kernel(
     PREFETCH: tl.constexpr,
     HEADS_INNER: tl.constexpr,
     KV_FP8: tl.constexpr,
+    Q_FP16: tl.constexpr,
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
-    into the softmax scale and the value scale into the output (both are one number per program's KV head)."""
+    into the softmax scale and the value scale into the output (both are one number per program's KV head).
+    Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``)."""
     if HEADS_INNER:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -298,6 +300,8 @@ def _decode_partition_kernel(
     elif start < seq_len:
         end = tl.minimum(start + PARTITION_SIZE, seq_len)
         q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
+        if Q_FP16:
+            q = q.to(tl.float16)
         table_row = block_tables_ptr + seq64 * stride_bt
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
@@ -505,9 +509,22 @@ def _launch_partitions(
         PREFETCH=cfg.prefetch,
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
+        Q_FP16=fp8_compute_fp16(q, kv.k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def fp8_compute_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernels multiply an FP8 cache's tiles in float16 (q converted to it): for 16-bit q.
+
+    Why float16 and not q's bfloat16: on sm_90 Triton widens e4m3 to float16 with one packed conversion
+    (cvt.rn.f16x2.e4m3x2, two values) but to bfloat16 with three (that one, then two cvt.bf16.f16), and
+    conversions issue at a fraction of the ALU rate; a decode step at B=256 widens ~560 M values. Both are
+    exact for e4m3, and q (O(10) after the norms) converts exactly from bfloat16 while |q| <= 65504. float32 q
+    (the CPU tests) keeps float32.
+    """
+    return is_fp8(k_cache) and q.dtype != torch.float32
 
 
 def dot_precision(dtype: torch.dtype) -> str:

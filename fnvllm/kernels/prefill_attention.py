@@ -33,6 +33,7 @@ from fnvllm.kernels.decode_attention import (
     check_out,
     check_paged_qkv,
     dot_precision,
+    fp8_compute_fp16,
     kv_tile_offsets,
     load_kv_tile,
     upcast_dot,
@@ -120,11 +121,13 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    Q_FP16: tl.constexpr,
 ):
     """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys.
 
     KV_FP8: e4m3 caches, widened to q's dtype in registers, their scales folded into the softmax scale (keys)
-    and the output (values), as in the decode kernel."""
+    and the output (values), as in the decode kernel; Q_FP16 converts q to float16 first (decode_attention's
+    ``fp8_compute_fp16``)."""
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_begin = tl.load(cu_q_ptr + seq)
@@ -141,6 +144,8 @@ def _prefill_kernel(
         d = tl.arange(0, HEAD_DIM)
         rows = (q_begin + tok).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None])
+        if Q_FP16:
+            q = q.to(tl.float16)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -235,6 +240,7 @@ def paged_prefill_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device),
         KV_FP8=k_scale is not None,
+        Q_FP16=fp8_compute_fp16(q, k_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
