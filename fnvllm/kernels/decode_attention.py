@@ -84,6 +84,9 @@ class DecodeKernelConfig:
 # - heads_inner: the 8 programs of one (sequence, partition) read the 8 x 256-byte head slices of the same 2 KiB
 #   token rows together.
 DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
+# The knobs for FP8 caches (half the bytes a tile): the bf16 ones until benchmarks/bench_fp8_kv.py, which sweeps
+# them on the fp8 problem, measures better ones on the H200.
+DEFAULT_FP8_DECODE_CONFIG = DEFAULT_DECODE_CONFIG
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without
 # splitting (132 SMs x ~3 resident programs each, ~2.5 waves), so the launcher gives each sequence one partition:
@@ -404,16 +407,17 @@ def paged_decode_attention(
     """Decode attention of q (B, Hq, D) over the paged caches; returns (B, Hq, D) in q's dtype (into `out`).
 
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
-    marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG, except the
-    partition size, which ``auto_partition_size`` picks from the shapes. `workspace`
-    (see make_decode_workspace) is allocated here when omitted and more than one partition exists. FP8
-    (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
+    marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG (FP8 caches:
+    DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes.
+    `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
+    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
     captured in a CUDA graph.
     """
     if partition_size is None:
         max_context = block_tables.shape[1] * k_cache.shape[1]
         partition_size = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
     cfg = _resolve_config(
+        DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG,
         partition_size=partition_size,
         tile_size=tile_size,
         num_warps=num_warps,
@@ -542,10 +546,10 @@ def _group_pad(group: int, gqa_mode: GqaMode) -> int:
     return max(16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
 
 
-def _resolve_config(**knobs: object) -> DecodeKernelConfig:
-    """DEFAULT_DECODE_CONFIG with the knobs that are not None replaced; the tile shrinks to fit the partition."""
+def _resolve_config(base: DecodeKernelConfig, **knobs: object) -> DecodeKernelConfig:
+    """``base`` with the knobs that are not None replaced; the tile shrinks to fit the partition."""
     given = {name: value for name, value in knobs.items() if value is not None}
-    cfg = dataclasses.replace(DEFAULT_DECODE_CONFIG, **given)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(base, **given)  # type: ignore[arg-type]
     if "tile_size" not in given:
         cfg = dataclasses.replace(cfg, tile_size=min(cfg.tile_size, cfg.partition_size))
     return cfg
