@@ -357,6 +357,26 @@ def test_fp8_kv_doubles_the_blocks(tmp_path: Path) -> None:
     assert counts["fp8"] in (2 * counts["auto"], 2 * counts["auto"] + 1), counts
 
 
+def test_tp2_fp8_equals_tp1(tmp_path: Path) -> None:
+    """At tensor_parallel_size=2 on the CPU, each rank's FP8 cache uses its own KV heads' checkpoint scales: the
+    greedy tokens equal one process's with the same scales (and differ without them: the scales matter)."""
+    path = write_tiny_checkpoint(tmp_path, "qwen3", num_kv_heads=2, num_layers=2, vocab_size=256)
+    options = dict(device="cpu", load_tokenizer=False, block_size=4, num_blocks=64, attention_backend="torch")
+    options |= dict(kv_cache_dtype="fp8")
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for i in range(12 + 5 * j)] for j in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    unscaled = [o.token_ids for o in LLM(path, **options).generate(prompts, params, use_tqdm=False)]
+    # head 0's keys saturate at 448 * 0.01: a rank reading the other head's scale would change the tokens
+    add_tensors(path, {f"model.layers.{n}.self_attn.k_scale": torch.tensor([0.01, 4.0]) for n in range(2)})
+    expected = [o.token_ids for o in LLM(path, **options).generate(prompts, params, use_tqdm=False)]
+    assert expected != unscaled
+    llm = LLM(path, tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        llm.close()
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
