@@ -9,7 +9,8 @@
     the same (unquantized) values, for information;
 (b) decode speed on benchmarks/bench_attention.py's problem (B=256, context U(100, 2048), 256-token blocks in
     random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults plus
-    a short coordinate sweep (tile size, stages, warps, partition size). Bytes = the KV actually read:
+    a short coordinate sweep (tile size, stages, warps, partition size), and once with the tiles widened to
+    bfloat16 instead of float16 (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
     sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
     (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and >= 1.85x the bf16 tokens/s;
 (c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
@@ -198,6 +199,7 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
                 continue
             if measure(cand) < measure(best):
                 best = cand
+    bf16_compute_s = time_bf16_compute(q, f, p, best)
     out = dec.paged_decode_attention(
         q,
         f.k_cache,
@@ -215,9 +217,28 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         "bf16": {"us": bf16_s * 1e6, "tb_s": p.kv_bytes / bf16_s / 1e12, "config": dataclasses.asdict(bf16_cfg)},
         "fp8_default": {"us": measure(start) * 1e6, "tb_s": f.kv_bytes / measure(start) / 1e12},
         "fp8_best": {"us": measure(best) * 1e6, "tb_s": f.kv_bytes / measure(best) / 1e12, **dataclasses.asdict(best)},
+        "fp8_bf16_compute": {"us": bf16_compute_s * 1e6, "tb_s": f.kv_bytes / bf16_compute_s / 1e12},
         "records": [{**dataclasses.asdict(c), "us": s * 1e6} for c, s in seen.items()],
         "bytes": {"bf16": p.kv_bytes, "fp8": f.kv_bytes},
     }
+
+
+def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig) -> float:
+    """Seconds per FP8 decode with the tiles widened to q's bfloat16 (the launcher's float16 choice switched off
+    for this measurement only); inf when it fails."""
+    chosen = dec.fp8_compute_fp16
+    dec.fp8_compute_fp16 = lambda q, k_cache: False
+    try:
+        seconds = time_decode(q, f, p.tables, p.seq_lens, cfg)
+    except Exception as e:  # recorded, not fatal
+        print(f"  decode fp8 bf16-compute failed: {type(e).__name__}: {str(e)[:80]}")
+        seconds = math.inf
+    finally:
+        dec.fp8_compute_fp16 = chosen
+    print(
+        f"  decode fp8  {describe(cfg)} bf16 compute  {seconds * 1e6:8.1f} us  {f.kv_bytes / seconds / 1e12:5.2f} TB/s"
+    )
+    return seconds
 
 
 # ------------------------------------------------------------------------------------------------ (c) prefill
@@ -258,7 +279,12 @@ def summary(results: dict) -> None:
     if d:
         base = d["bf16"]["us"]
         print(f"| decode bf16 (defaults) | {base:.1f} | {d['bf16']['tb_s']:.2f} | 1.00x |")
-        for key, label in (("fp8_default", "decode fp8 (defaults)"), ("fp8_best", "decode fp8 (best of sweep)")):
+        rows = (
+            ("fp8_default", "decode fp8 (defaults)"),
+            ("fp8_best", "decode fp8 (best of sweep)"),
+            ("fp8_bf16_compute", "decode fp8 (best, bf16 compute)"),
+        )
+        for key, label in rows:
             print(f"| {label} | {d[key]['us']:.1f} | {d[key]['tb_s']:.2f} | {base / d[key]['us']:.2f}x |")
         best = {k: d["fp8_best"][k] for k in ("partition_size", "tile_size", "num_warps", "num_stages")}
         print(f"best fp8 decode knobs: {best}")
