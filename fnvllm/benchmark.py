@@ -9,9 +9,11 @@ The bandwidth floor: the fewest bytes any engine must read from device memory fo
 ceiling. Each request's n-th output token reads the KV of its whole context (prompt + n tokens, all layers), and
 each decode step reads the weights once; with every request in one batch there are max(max_tokens) decode steps.
 For Qwen3-0.6B on the full workload: 13.87 TB of KV + 1.22 TB of weights = 15.09 TB; at 4.16 TB/s that is 3.63 s,
-i.e. ~36,900 output tok/s at most. A mixture of experts reads, per sparse layer and decode step, the experts its
-running sequences touch (``moe.expected_experts_touched``: all 128 of Qwen3-30B-A3B at 256 sequences, ~61 GB a
-step; fewer as the batch drains).
+i.e. ~36,900 output tok/s at most. The floor counts the bytes actually read: with ``kv_cache_dtype="fp8"`` the KV
+is one byte an element (6.93 TB for Qwen3-0.6B: 8.15 TB in all, 1.96 s, ~68,300 tok/s), and FP8 weights
+(``quantization="fp8"``) one byte a weight plus their block scales. A mixture of experts reads, per sparse layer
+and decode step, the experts its running sequences touch (``moe.expected_experts_touched``: all 128 of
+Qwen3-30B-A3B at 256 sequences, ~61 GB a step; fewer as the batch drains).
 """
 
 from __future__ import annotations
@@ -70,14 +72,16 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
 
 
-def floor_seconds(config: Any, prompt_lens: Sequence[int], output_lens: Sequence[int], read_tb_s: float) -> float:
-    """The workload's bandwidth floor in seconds (see the module docstring)."""
+def floor_seconds(
+    config: Any, prompt_lens: Sequence[int], output_lens: Sequence[int], read_tb_s: float, kv_dtype_bytes: int = 2
+) -> float:
+    """The workload's bandwidth floor in seconds (see the module docstring); KV elements of ``kv_dtype_bytes``."""
     kv_tokens = sum(p * o + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
     if getattr(config, "moe", None) is None:
         weights = max(output_lens) * weight_bytes(config)
     else:  # decode step s runs the sequences with more than s outputs; the experts they touch shrink with them
         weights = sum(weight_bytes(config, num_seqs=sum(o > s for o in output_lens)) for s in range(max(output_lens)))
-    total = kv_tokens * kv_bytes_per_token(config) + weights
+    total = kv_tokens * kv_bytes_per_token(config, kv_dtype_bytes) + weights
     return total / (read_tb_s * 1e12)
 
 
@@ -213,13 +217,16 @@ def _run(
         "backend": llm.executor.backend.name,
         "cuda_graphs": llm.executor.graphs is not None,
         "num_blocks": llm.executor.num_blocks,
+        "kv_cache_dtype": llm.config.kv_cache_dtype,
         "requests": len(prompts),
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 1),
     }
     if on_gpu:  # the floor is a GPU roofline (read_tb_s): meaningless for a CPU run
-        floor = floor_seconds(llm.model_config, [len(p) for p in prompts], [p.max_tokens for p in params], read_tb_s)
+        kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2  # bf16 otherwise, as weight_bytes assumes
+        lens = [len(p) for p in prompts], [p.max_tokens for p in params]
+        floor = floor_seconds(llm.model_config, *lens, read_tb_s, kv_dtype_bytes=kv_bytes)
         result.update(floor_tok_per_s=round(tokens / floor, 1), fraction_of_floor=round(floor / seconds, 3))
     result.update(
         steps=llm.stats.num_steps - start_stats.num_steps,

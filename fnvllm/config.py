@@ -17,6 +17,7 @@ from fnvllm.state.checks import CONFIG, check_bool, check_choice, check_int, che
 from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_SEQS
 
 DeviceName = Literal["auto", "cpu", "cuda"]
+KVCacheDtype = Literal["auto", "fp8"]
 
 # Upper ends of EngineConfig's ranges (see each field): beyond them an option only ever fails later, deep in an
 # allocator or a kernel launch, so they are refused here with the field named.
@@ -75,6 +76,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "enforce_eager": lambda value: check_bool(value, "EngineConfig.enforce_eager", CONFIG),
     "overlap_steps": lambda value: check_bool(value, "EngineConfig.overlap_steps", CONFIG),
     "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
+    "kv_cache_dtype": _choice("kv_cache_dtype", "auto", "fp8"),
     "tensor_parallel_size": _int("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL),
     "distributed_timeout_s": _real("distributed_timeout_s", 0, 7 * 24 * 3600),
     "quantization": lambda value: (
@@ -111,6 +113,8 @@ class EngineConfig:
         previous step's tokens on the device (``fnvllm.state.overlap``); False runs one step at a time.
     model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
         (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
+    kv_cache_dtype: KV cache storage: "auto" = the model's dtype; "fp8" = float8_e4m3fn with a float32 scale per
+        layer and KV head (the checkpoint's k_scale / v_scale, else 1.0): half the bytes, about twice the blocks.
     seed: seed of the sampler's shared generator (unseeded requests), an int in [0, 2**64).
     tensor_parallel_size: processes (one per GPU) the model is split over; > 1 starts worker processes
         (``fnvllm.executor.tp``) or joins the ``torchrun`` group this process was launched in.
@@ -135,6 +139,7 @@ class EngineConfig:
     enforce_eager: bool = False
     overlap_steps: bool = True
     model_ops: str = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
     quantization: Literal["fp8"] | None = None

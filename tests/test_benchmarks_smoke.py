@@ -30,6 +30,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "bench_settings.py": ["--model-shape", "tiny", "--checkpoint", "{tmp}/ckpt", "--num-requests", "1", "--variants",
                           "temperature", "--batches", "1"],
     "sim_serve_check.py": ["--model-shape", "tiny", "--quick", "--out", "{tmp}/serve"],
+    "fp8_accuracy.py": ["--tokens", "3"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
@@ -43,7 +44,7 @@ HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py
     "tp_profile.py",
 )
 # CUDA-only scripts: --help, and a clear refusal on a CPU
-CUDA_ONLY = ("bench_fp8_gemm.py", "bench_small_batch.py", "gemm_shapes.py", "profile_mixed.py")
+CUDA_ONLY = ("bench_fp8_gemm.py", "bench_fp8_kv.py", "bench_small_batch.py", "gemm_shapes.py", "profile_mixed.py")
 SHELL = ("gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
 MODULES = ("__init__.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 

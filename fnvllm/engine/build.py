@@ -154,12 +154,15 @@ def _eos_ids(file: Path, value: object) -> list[int]:
 
 def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
     """InvalidConfigError when the KV cache the options ask for cannot fit the device's memory (checked before
-    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash)."""
+    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash). Blocks
+    are counted in the cache's dtype (``kv_cache_dtype``: one byte an element for "fp8")."""
     import torch
 
     from fnvllm.executor.model_executor import kv_bytes_per_block
+    from fnvllm.kernels.fp8 import kv_cache_torch_dtype
 
-    per_block = kv_bytes_per_block(model, config.block_size, model.torch_dtype) // config.tensor_parallel_size
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.torch_dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype) // config.tensor_parallel_size
     on_cuda = resolve_device(config.device).type == "cuda"
     if on_cuda:
         if config.num_blocks is None:

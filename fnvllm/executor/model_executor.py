@@ -7,7 +7,9 @@ KV cache sizing on a GPU: after loading the weights, one profiling forward of th
 (``max_num_batched_tokens`` tokens, plus logits and sampling for ``max_num_seqs`` rows) measures the peak
 activation memory; the KV cache gets what ``gpu_memory_utilization`` leaves after weights, that peak and a
 reserve for the CUDA-graph pool. The cache holds one block more than the core is told about: the scratch
-block that padded graph rows write into.
+block that padded graph rows write into. With ``kv_cache_dtype="fp8"`` the caches are float8_e4m3fn (one byte an
+element, so about twice the blocks fit) and each layer's carries its (Hkv,) k_scale and v_scale, read from the
+checkpoint or 1.0 (``fnvllm.model.kv_scales``).
 
 Under tensor parallelism (``tp``; ``fnvllm.executor.tp`` starts the ranks) every rank builds one of these over
 its slice of the model and runs every step: the ranks agree on the smallest block count any of them fits, hold
@@ -36,10 +38,12 @@ from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
-from fnvllm.kernels.attention import AttentionMetadata
+from fnvllm.kernels.attention import AttentionMetadata, KVCache
 from fnvllm.kernels.backends import resolve_backend
+from fnvllm.kernels.fp8 import kv_cache_torch_dtype
 from fnvllm.model.config import ModelConfig
-from fnvllm.model.loader import load_model
+from fnvllm.model.kv_scales import read_kv_scales
+from fnvllm.model.loader import checkpoint_files, load_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps, ops_for
 from fnvllm.model.sharding import SINGLE, TensorParallel, broadcast_from_first, local_heads, min_over_ranks
 from fnvllm.state import InvalidConfigError, SamplingParams, StepPlan, TokenHistory
@@ -178,10 +182,12 @@ class ModelExecutor:
         set_cpu_threads(self.device, self.model_config, tp.world_size)  # one thread for small models (threads.py)
         self.dtype = self.model_config.torch_dtype
         self.num_kv_heads = local_heads(self.model_config, tp)[1]
-        self.backend = resolve_backend(config.attention_backend, self.device)
+        self.backend = resolve_backend(config.attention_backend, self.device, config.kv_cache_dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.ops = _resolve_ops(config.model_ops, self.device)
         self.model = load_model(model_path, self.model_config, self.device, self.dtype, self.ops, tp)
+        self.kv_scales = self._kv_scales(Path(model_path)) if config.kv_cache_dtype == "fp8" else None
         if guard is not None:
             guard.loaded()
         self.sampler = Sampler(config.seed)
@@ -196,7 +202,7 @@ class ModelExecutor:
     # ---- memory ------------------------------------------------------------------------------------------
 
     def _blocks_that_fit(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.num_kv_heads)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype, self.num_kv_heads)
         if self.device.type == "cpu":
             return max(int(self.config.cpu_kv_cache_gib * _GIB) // per_block, 1)
         peak = self._profile_peak_activation_bytes()
@@ -266,16 +272,22 @@ class ModelExecutor:
         torch.cuda.empty_cache()
         return peak
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _kv_scales(self, model_path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (k_scale, v_scale) for an FP8 cache, (local KV heads,) float32: the checkpoint's or 1.0."""
+        return read_kv_scales(checkpoint_files(model_path), self.model_config, self.device, self.tp)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        """One zeroed KVCache per layer of ``num_blocks`` blocks (FP8 ones with their scales)."""
         m = self.model_config
         shape = (num_blocks, self.config.block_size, self.num_kv_heads, m.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(m.num_hidden_layers)
-        ]
+        scales = self.kv_scales or [(None, None)] * m.num_hidden_layers
+        return [KVCache(self._zeros(shape), self._zeros(shape), *layer_scales) for layer_scales in scales]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed cache tensor; float8 ones are zeroed as bytes (0x00 is +0.0) and viewed as float8."""
+        if self.kv_dtype.itemsize == 1:
+            return torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
 

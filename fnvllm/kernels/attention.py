@@ -16,6 +16,10 @@ token at position 9 with blocks (3, 8, 6):
 Attention is causal with the queries aligned to the end of each sequence: the query at position p attends that
 sequence's keys at positions 0..p, read from the cache (prefix from earlier steps plus this step's writes).
 
+An FP8 cache (``kv_cache_dtype="fp8"``, see ``fp8.py``) holds float8_e4m3fn values and comes with a float32
+scale per KV head for K and one for V (``KVCache.k_scale`` / ``v_scale``); the reference dequantizes every cache
+row it reads (``row * scale``) and computes in float32 as for any other cache.
+
 Backends ("torch" = this file's reference, "triton", "flash") are plug-ins in `fnvllm.kernels.backends`;
 `attention()` writes this step's K/V with the backend's `store_kv`, then calls its `attend`.
 """
@@ -24,9 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from fnvllm.kernels.fp8 import check_kv_scales, dequantize_fp8, quantize_fp8
 
 if TYPE_CHECKING:
     from fnvllm.kernels.backends import AttentionBackend
@@ -69,25 +75,55 @@ class AttentionMetadata:
         return self.positions.shape[0]
 
 
+class KVCache(NamedTuple):
+    """One layer's paged KV cache: k and v (num_blocks, block_size, Hkv, D), and for an FP8 cache the float32
+    dequantization scales k_scale and v_scale, (Hkv,) each (None for a cache in the model's dtype)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's keys/values (T, Hkv, D) into their slots of the paged caches, in place."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store this step's keys/values (T, Hkv, D) into their slots of the paged caches, in place; an FP8 cache
+    stores them quantized by its scales (``fp8.quantize_fp8``)."""
+    check_kv_scales(k_cache, k_scale, v_scale)
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = cache.view(-1, cache.shape[2], cache.shape[3])  # (num_slots, Hkv, D)
+        if s is None:
+            rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
+        else:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+            rows.view(torch.uint8).index_copy_(0, slot_mapping, quantize_fp8(x, s).view(torch.uint8))
 
 
 def paged_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of q (T, Hq, D) over the paged caches; float32 softmax; returns (T, Hq, D).
 
+    FP8 caches need their scales k_scale, v_scale (Hkv,) and are dequantized row by row as they are read.
     Decoding sequences (q_len 1) are batched through one gather; the others loop one sequence at a time.
     """
     _check_shapes(q, k_cache, v_cache, meta)
+    check_kv_scales(k_cache, k_scale, v_scale)
+    kv = KVCache(k_cache, v_cache, k_scale, v_scale)
     if meta.max_seqlen_q == 1:  # all-decode batch: no host sync
-        return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale)
+        return _decode_attention(q, kv, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale)
     out = torch.empty_like(q)
     cu = meta.cu_seqlens_q.tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -96,13 +132,11 @@ def paged_attention_ref(
         tokens = torch.tensor([cu[i] for i in decodes], device=q.device)
         seqs = torch.tensor(decodes, device=q.device)
         max_len = max(seq_lens[i] for i in decodes)
-        out[tokens] = _decode_attention(
-            q[tokens], k_cache, v_cache, meta.block_tables[seqs], meta.seq_lens[seqs], max_len, scale
-        )
+        out[tokens] = _decode_attention(q[tokens], kv, meta.block_tables[seqs], meta.seq_lens[seqs], max_len, scale)
     for i in range(meta.num_seqs):
         if cu[i + 1] - cu[i] > 1:
             out[cu[i] : cu[i + 1]] = _prefill_attention(
-                q[cu[i] : cu[i + 1]], k_cache, v_cache, meta.block_tables[i], seq_lens[i], scale
+                q[cu[i] : cu[i + 1]], kv, meta.block_tables[i], seq_lens[i], scale
             )
     return out
 
@@ -123,10 +157,17 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         )
 
 
+def read_rows(cache: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """cache[index] in float32 (index selects blocks), dequantized by ``scale`` (Hkv,), given for FP8 caches."""
+    if scale is None:
+        return cache[index].float()
+    rows = cache.view(torch.uint8)[index].view(cache.dtype)  # gather the bytes: float8 indexing is not everywhere
+    return dequantize_fp8(rows, scale)
+
+
 def _decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
@@ -134,7 +175,7 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One query per sequence, q (B, Hq, D): gather each sequence's blocks at once; returns (B, Hq, D)."""
     num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.k.shape[1], kv.k.shape[2]
     table = block_tables[:, : math.ceil(max_seq_len / block_size)]  # (B, nb)
     span = table.shape[1] * block_size
     per_seq = span * num_heads
@@ -145,8 +186,8 @@ def _decode_attention(
         # Slots past a sequence's end (tail of its last block, padding blocks) hold garbage, maybe NaN: zero
         # their values as well as masking their scores, since 0 * NaN is NaN.
         hidden = torch.arange(span, device=q.device)[None, :] >= seq_lens[lo:hi, None]  # (b, L)
-        k = k_cache[table[lo:hi]].flatten(1, 2).float()  # (b, L, Hkv, D)
-        v = v_cache[table[lo:hi]].flatten(1, 2).float().masked_fill(hidden[:, :, None, None], 0.0)
+        k = read_rows(kv.k, table[lo:hi], kv.k_scale).flatten(1, 2)  # (b, L, Hkv, D)
+        v = read_rows(kv.v, table[lo:hi], kv.v_scale).flatten(1, 2).masked_fill(hidden[:, :, None, None], 0.0)
         qg = q[lo:hi].reshape(hi - lo, num_kv_heads, -1, head_dim).float()  # (b, Hkv, G, D)
         scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # (b, Hkv, G, L)
         probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(dim=-1)
@@ -155,19 +196,14 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    scale: float,
+    q: torch.Tensor, kv: KVCache, block_table: torch.Tensor, seq_len: int, scale: float
 ) -> torch.Tensor:
     """One sequence's chunk q (n, Hq, D) at positions seq_len-n .. seq_len-1, causal; returns (n, Hq, D)."""
     num_queries, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.k.shape[1], kv.k.shape[2]
     blocks = block_table[: math.ceil(seq_len / block_size)]
-    k = k_cache[blocks].flatten(0, 1)[:seq_len].float()  # (L, Hkv, D)
-    v = v_cache[blocks].flatten(0, 1)[:seq_len].float()  # (L, Hkv, D)
+    k = read_rows(kv.k, blocks, kv.k_scale).flatten(0, 1)[:seq_len]  # (L, Hkv, D)
+    v = read_rows(kv.v, blocks, kv.v_scale).flatten(0, 1)[:seq_len]  # (L, Hkv, D)
     key_pos = torch.arange(seq_len, device=q.device)  # (L,)
     out = torch.empty_like(q)
     step = max(1, _MAX_SCORE_ELEMENTS // (seq_len * num_heads))
@@ -191,7 +227,14 @@ def attention(
     meta: AttentionMetadata,
     scale: float,
     backend: AttentionBackend,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write this step's k, v (T, Hkv, D) into the caches, then attend q (T, Hq, D); returns (T, Hq, D)."""
-    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return backend.attend(q, k_cache, v_cache, meta, scale)
+    """Write this step's k, v (T, Hkv, D) into the caches, then attend q (T, Hq, D); returns (T, Hq, D).
+
+    k_scale / v_scale: the (Hkv,) float32 scales of FP8 caches (None for caches in the model's dtype)."""
+    if k_scale is None and v_scale is None:  # the caches' dtype is the model's: every backend takes this call
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return backend.attend(q, k_cache, v_cache, meta, scale)
+    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return backend.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.attention import _decode_attention
+from fnvllm.kernels.attention import KVCache, _decode_attention
+from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 
 GqaMode = Literal["dot", "sum"]
 _LOG2E = math.log2(math.e)
@@ -83,6 +84,9 @@ class DecodeKernelConfig:
 # - heads_inner: the 8 programs of one (sequence, partition) read the 8 x 256-byte head slices of the same 2 KiB
 #   token rows together.
 DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
+# The knobs for FP8 caches (half the bytes a tile): the bf16 ones until benchmarks/bench_fp8_kv.py, which sweeps
+# them on the fp8 problem, measures better ones on the H200.
+DEFAULT_FP8_DECODE_CONFIG = DEFAULT_DECODE_CONFIG
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without
 # splitting (132 SMs x ~3 resident programs each, ~2.5 waves), so the launcher gives each sequence one partition:
@@ -154,10 +158,15 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: q (B, Hq, D) attends keys 0..seq_lens[b]-1; rows of length 0 give zeros; (B, Hq, D)."""
+    """Torch reference: q (B, Hq, D) attends keys 0..seq_lens[b]-1; rows of length 0 give zeros; (B, Hq, D).
+    FP8 caches need their (Hkv,) scales."""
+    check_kv_scales(k_cache, k_scale, v_scale)
     max_len = max(1, int(seq_lens.max())) if seq_lens.numel() else 1
-    out = _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_len, scale)  # (B, Hq, D)
+    kv = KVCache(k_cache, v_cache, k_scale, v_scale)
+    out = _decode_attention(q, kv, block_tables, seq_lens, max_len, scale)  # (B, Hq, D)
     return out.masked_fill(seq_lens[:, None, None] == 0, 0.0)
 
 
@@ -257,6 +266,8 @@ def _decode_partition_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,  # (Hkv,) float32 dequantization scales of an FP8 cache (unread otherwise)
+    v_scale_ptr,
     scale_log2,  # scale * log2(e)
     stride_qb,
     stride_qh,
@@ -279,8 +290,14 @@ def _decode_partition_kernel(
     UPCAST_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
     HEADS_INNER: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    Q_FP16: tl.constexpr,
 ):
-    """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER)."""
+    """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
+
+    KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
+    into the softmax scale and the value scale into the output (both are one number per program's KV head).
+    Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``)."""
     if HEADS_INNER:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -303,10 +320,14 @@ def _decode_partition_kernel(
     elif start < seq_len:
         end = tl.minimum(start + PARTITION_SIZE, seq_len)
         q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
+        if Q_FP16:
+            q = q.to(tl.float16)
         table_row = block_tables_ptr + seq64 * stride_bt
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
         mask = start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
@@ -317,6 +338,7 @@ def _decode_partition_kernel(
                 k, v = k_next, v_next
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
                 table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
@@ -328,6 +350,8 @@ def _decode_partition_kernel(
                 q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
             )
         o = acc / l[:, None]  # (GROUP_PAD, D)
+        if KV_FP8:  # the reduce is linear in each partial output, so scaling them here scales the result
+            o = o * tl.load(v_scale_ptr + kv_head)
         if seq_len <= PARTITION_SIZE:  # the only live partition: final output
             tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         else:
@@ -394,19 +418,23 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_inner: bool | None = None,
     workspace: DecodeWorkspace | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (B, Hq, D) over the paged caches; returns (B, Hq, D) in q's dtype (into `out`).
 
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
-    marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG, except the
-    partition size, which ``auto_partition_size`` picks from the shapes. `workspace`
-    (see make_decode_workspace) is allocated here when omitted and more than one partition exists. Reads no
-    device values, so it can be captured in a CUDA graph.
+    marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG (FP8 caches:
+    DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes.
+    `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
+    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
+    captured in a CUDA graph.
     """
     if partition_size is None:
         max_context = block_tables.shape[1] * k_cache.shape[1]
         partition_size = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
     cfg = _resolve_config(
+        DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG,
         partition_size=partition_size,
         tile_size=tile_size,
         num_warps=num_warps,
@@ -416,6 +444,7 @@ def paged_decode_attention(
         heads_inner=heads_inner,
     )
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out, cfg)
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
@@ -428,7 +457,8 @@ def paged_decode_attention(
         _check_workspace(workspace, q, num_parts)
     if num_seqs == 0:
         return out
-    _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+    kv = KVCache(k_cache, v_cache, k_scale, v_scale)
+    _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
     if workspace is not None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
@@ -449,8 +479,7 @@ def paged_decode_attention(
 
 def _launch_partitions(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -461,6 +490,7 @@ def _launch_partitions(
 ) -> None:
     """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner."""
     num_seqs, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv.k, kv.v
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     # Without a workspace (P == 1) the kernel never takes its partial branch; any fp32 tensor fills the slot.
@@ -475,6 +505,8 @@ def _launch_partitions(
         out,
         part_out,
         part_lse,
+        seq_lens if kv.k_scale is None else kv.k_scale,  # any pointer where the kernel reads no scale
+        seq_lens if kv.v_scale is None else kv.v_scale,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -497,9 +529,23 @@ def _launch_partitions(
         UPCAST_DOT=upcast_dot(q.device),
         PREFETCH=cfg.prefetch,
         HEADS_INNER=cfg.heads_inner,
+        KV_FP8=kv.k_scale is not None,
+        Q_FP16=fp8_compute_fp16(q, kv.k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def fp8_compute_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernels multiply an FP8 cache's tiles in float16 (q converted to it): for 16-bit q.
+
+    Why float16 and not q's bfloat16: on sm_90 Triton widens e4m3 to float16 with one packed conversion
+    (cvt.rn.f16x2.e4m3x2, two values) but to bfloat16 with three (that one, then two cvt.bf16.f16), and
+    conversions issue at a fraction of the ALU rate; a decode step at B=256 widens ~560 M values. Both are
+    exact for e4m3, and q (O(10) after the norms) converts exactly from bfloat16 while |q| <= 65504. float32 q
+    (the CPU tests) keeps float32.
+    """
+    return is_fp8(k_cache) and q.dtype != torch.float32
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -517,10 +563,10 @@ def _group_pad(group: int, gqa_mode: GqaMode) -> int:
     return max(16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
 
 
-def _resolve_config(**knobs: object) -> DecodeKernelConfig:
-    """DEFAULT_DECODE_CONFIG with the knobs that are not None replaced; the tile shrinks to fit the partition."""
+def _resolve_config(base: DecodeKernelConfig, **knobs: object) -> DecodeKernelConfig:
+    """``base`` with the knobs that are not None replaced; the tile shrinks to fit the partition."""
     given = {name: value for name, value in knobs.items() if value is not None}
-    cfg = dataclasses.replace(DEFAULT_DECODE_CONFIG, **given)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(base, **given)  # type: ignore[arg-type]
     if "tile_size" not in given:
         cfg = dataclasses.replace(cfg, tile_size=min(cfg.tile_size, cfg.partition_size))
     return cfg
@@ -586,9 +632,11 @@ def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not fit cache heads/dim {tuple(k_cache.shape[2:])}")
     if not (_is_pow2(head_dim) and head_dim >= 16):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    cache_ok = k_cache.dtype == v_cache.dtype and (k_cache.dtype == q.dtype or is_fp8(k_cache))
+    if not cache_ok or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
-            f"q and caches must share a dtype in fp16/bf16/fp32, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"q must be fp16/bf16/fp32 and both caches q's dtype or float8_e4m3fn, got {q.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}"
         )
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q needs a contiguous last dim, and k_cache / v_cache must be contiguous")

@@ -33,10 +33,12 @@ from fnvllm.kernels.decode_attention import (
     check_out,
     check_paged_qkv,
     dot_precision,
+    fp8_compute_fp16,
     kv_tile_offsets,
     load_kv_tile,
     upcast_dot,
 )
+from fnvllm.kernels.fp8 import check_kv_scales
 
 _LOG2E = math.log2(math.e)
 
@@ -73,6 +75,8 @@ def paged_prefill_attention_ref(
     block_tables: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference with the same arguments (attention.paged_attention_ref underneath); returns (T, Hq, D)."""
     meta = AttentionMetadata(
@@ -85,7 +89,7 @@ def paged_prefill_attention_ref(
         max_seqlen_k=int(seq_lens.max()),
         block_size=k_cache.shape[1],
     )
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 @triton.jit
@@ -97,6 +101,8 @@ def _prefill_kernel(
     cu_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,  # (Hkv,) float32 dequantization scales of an FP8 cache (unread otherwise)
+    v_scale_ptr,
     scale_log2,  # scale * log2(e)
     stride_qt,
     stride_qh,
@@ -114,8 +120,14 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    Q_FP16: tl.constexpr,
 ):
-    """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys."""
+    """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys.
+
+    KV_FP8: e4m3 caches, widened to q's dtype in registers, their scales folded into the softmax scale (keys)
+    and the output (values), as in the decode kernel; Q_FP16 converts q to float16 first (decode_attention's
+    ``fp8_compute_fp16``)."""
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_begin = tl.load(cu_q_ptr + seq)
@@ -132,10 +144,14 @@ def _prefill_kernel(
         d = tl.arange(0, HEAD_DIM)
         rows = (q_begin + tok).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None])
+        if Q_FP16:
+            q = q.to(tl.float16)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         kv_end = tl.minimum(context + (tile + 1) * TOKENS, seq_len)  # past the tile's last query position
         full_end = (context + tile * TOKENS + 1) // BLOCK_N * BLOCK_N  # keys below it are seen by every row
         for t0 in range(0, full_end, BLOCK_N):
@@ -143,14 +159,18 @@ def _prefill_kernel(
                 table_row, t0, full_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N
             )
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, t0 + tl.arange(0, BLOCK_N) < full_end, HEAD_DIM)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             m, l, acc = attend_tile(q, k, v, 0, m, l, acc, scale_log2, False, True, DOT_PRECISION, UPCAST_DOT)
         for t0 in range(full_end, kv_end, BLOCK_N):
             key = t0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
             offs = kv_tile_offsets(table_row, t0, kv_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N)
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, key < kv_end, HEAD_DIM)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             visible = (key[None, :] <= q_pos[:, None]) & (key[None, :] < kv_end)  # (BLOCK_M, BLOCK_N)
             m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale_log2, True, True, DOT_PRECISION, UPCAST_DOT)
         out = acc / l[:, None]  # (BLOCK_M, D)
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr + kv_head)
         out_offs = rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -170,8 +190,11 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of q (T, Hq, D) over the paged caches; returns (T, Hq, D) in q's dtype.
+    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32.
 
     cu_seqlens_q (B+1,) int32, seq_lens (B,) int32 (context after this step, >= each q_len), block_tables
     (B, max_blocks) int32; max_seqlen_q (a host int, >= every q_len) sizes the grid. Knobs left None come from
@@ -180,6 +203,7 @@ def paged_prefill_attention(
     given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg = dataclasses.replace(DEFAULT_PREFILL_CONFIG, **{k: v for k, v in given.items() if v is not None})
     _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, out, cfg)
+    check_kv_scales(k_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -196,6 +220,8 @@ def paged_prefill_attention(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        seq_lens if k_scale is None else k_scale,  # any pointer where the kernel reads no scale
+        seq_lens if v_scale is None else v_scale,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -213,6 +239,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device),
+        KV_FP8=k_scale is not None,
+        Q_FP16=fp8_compute_fp16(q, k_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

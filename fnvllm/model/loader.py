@@ -33,6 +33,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from fnvllm.model.config import CheckpointError, ModelConfig, normalize_dtype, read_json
+from fnvllm.model.kv_scales import is_kv_scale_name
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
 from fnvllm.model.quant import quantize_fp8_blocks, scale_blocks
@@ -115,7 +116,8 @@ def check_names(
             seen[name] = file
     ignored = set(ignored)
     missing = sorted(set(targets) - set(seen))
-    unexpected = sorted(n for n in seen if n not in targets and n not in ignored and not _is_rope_buffer(n))
+    extra = {n for n in seen if _is_rope_buffer(n) or is_kv_scale_name(n)}  # KV scales: kv_scales.py reads them
+    unexpected = sorted(n for n in seen if n not in targets and n not in ignored and n not in extra)
     if missing or unexpected:
         raise CheckpointMismatchError(
             f"checkpoint does not match the model: missing tensors {_listing(missing)}; "

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fnvllm.kernels.attention import AttentionMetadata, attention
+from fnvllm.kernels.attention import AttentionMetadata, KVCache, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
@@ -38,8 +38,6 @@ from fnvllm.model.sharding import (
     local_heads,
     qkv_parallel,
 )
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, Hkv, D)
 
 
 class Attention(nn.Module):
@@ -81,7 +79,8 @@ class Attention(nn.Module):
             k = self.ops.norm_rotary(k, self.k_norm.weight, self.k_norm.eps, *rope)
         else:
             q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
-        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, backend)  # (T, Hq, D)
+        k_cache, v_cache, *scales = kv_cache  # FP8 caches carry their (Hkv,) k_scale, v_scale
+        out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales)  # (T, Hq, D)
         partial = self.o_proj(out.reshape(num_tokens, -1))  # (T, hidden_size), this rank's heads only
         return all_reduce(partial, self.tp)
 

@@ -6,7 +6,9 @@ step's K/V). Adding a backend = adding a module here; its name is the module's n
 list the choices without importing torch, triton or flash-attn.
 
 ``resolve_backend("auto", device)`` picks the available backend with the highest ``priority``; asking for an
-unavailable backend by name is a clear error that says what to install.
+unavailable backend by name is a clear error that says what to install. An FP8 KV cache (``kv_cache_dtype="fp8"``)
+also passes each layer's (Hkv,) float32 ``k_scale`` and ``v_scale`` to both operations, as two more positional
+arguments; only backends with ``supports_fp8_kv`` take them, and "auto" picks among those.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-# store_kv(k, v, k_cache, v_cache, slot_mapping) -> None, in place; k, v (T, Hkv, D).
+# store_kv(k, v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]) -> None, in place; k, v (T, Hkv, D).
 StoreKV = Callable[..., None]
-# attend(q, k_cache, v_cache, meta, scale) -> (T, Hq, D) in q's dtype.
+# attend(q, k_cache, v_cache, meta, scale[, k_scale, v_scale]) -> (T, Hq, D) in q's dtype.
 Attend = Callable[..., Any]
 
 
@@ -36,6 +38,7 @@ class AttentionBackend:
     priority: ``auto`` picks the available backend with the highest priority (measured speed decides it).
     unavailable_reason: ``f(device) -> str | None``; a message naming what is missing, or None when usable.
     supports_cuda_graphs: decode steps may be captured (no host syncs, grid from shapes only).
+    supports_fp8_kv: reads and writes float8_e4m3fn caches with their scales (``kv_cache_dtype="fp8"``).
     """
 
     name: str
@@ -44,6 +47,7 @@ class AttentionBackend:
     priority: int
     unavailable_reason: Callable[[torch.device], str | None]
     supports_cuda_graphs: bool = False
+    supports_fp8_kv: bool = False
 
 
 class BackendUnavailableError(RuntimeError):
@@ -70,25 +74,40 @@ def get_backend(name: str) -> AttentionBackend:
     return backend
 
 
-def available_backends(device: torch.device) -> list[AttentionBackend]:
-    """Backends usable on ``device``, fastest first."""
+def available_backends(device: torch.device, kv_cache_dtype: str = "auto") -> list[AttentionBackend]:
+    """Backends usable on ``device`` (with a ``kv_cache_dtype`` cache), fastest first."""
     usable = []
     for name in backend_names():
         try:
             backend = get_backend(name)
         except BackendUnavailableError:
             continue
-        if backend.unavailable_reason(device) is None:
+        if backend.unavailable_reason(device) is None and (kv_cache_dtype != "fp8" or backend.supports_fp8_kv):
             usable.append(backend)
     return sorted(usable, key=lambda b: -b.priority)
 
 
-def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend for ``name`` on ``device``: "auto" = the fastest available; a named one must be usable."""
+def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """The backend for ``name`` on ``device``: "auto" = the fastest available; a named one must be usable, and
+    support the FP8 cache when ``kv_cache_dtype`` is "fp8"."""
     if name == "auto":
-        return available_backends(device)[0]  # torch is always available
+        return available_backends(device, kv_cache_dtype)[0]  # torch is always available
     backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
         raise BackendUnavailableError(f"attention_backend={name!r} is not available on {device}: {reason}")
+    if kv_cache_dtype == "fp8" and not backend.supports_fp8_kv:
+        fp8_names = [b for b in backend_names() if _supports_fp8(b)]
+        raise BackendUnavailableError(
+            f"attention_backend={name!r} cannot read an FP8 KV cache (kv_cache_dtype='fp8'); use one of "
+            f"{fp8_names} or kv_cache_dtype='auto'"
+        )
     return backend
+
+
+def _supports_fp8(name: str) -> bool:
+    """Whether backend ``name`` imports here and takes FP8 caches."""
+    try:
+        return get_backend(name).supports_fp8_kv
+    except BackendUnavailableError:
+        return False

@@ -1,7 +1,9 @@
 """FlashAttention-4 (``flash_attn.cute``, the ``[flash]`` extra: ``pip install flash-attn-4``) on Hopper and
 Blackwell: varlen queries over paged K/V (``page_table`` = our block tables, ``seqused_k`` = our seq_lens).
 
-K/V are written by our Triton store kernel (flash-attn has none for this layout).
+K/V are written by our Triton store kernel (flash-attn has none for this layout). No FP8 KV cache here
+(``supports_fp8_kv`` False: ``kv_cache_dtype="fp8"`` with ``attention_backend="flash"`` is refused when the engine
+is built, and "auto" picks a backend that reads FP8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The reference backend: pure torch (``paged_attention_ref``), on any device. Slow; the yardstick."""
+"""The reference backend: pure torch (``paged_attention_ref``), on any device. Slow; the yardstick (FP8 caches
+included: rows are dequantized as they are read)."""
 
 from __future__ import annotations
 
@@ -19,4 +20,5 @@ BACKEND = AttentionBackend(
     priority=0,
     unavailable_reason=_always,
     supports_cuda_graphs=False,  # the decode path reads max_seqlen_k on the host
+    supports_fp8_kv=True,
 )

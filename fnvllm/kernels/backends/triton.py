@@ -16,13 +16,30 @@ from fnvllm.kernels.store_kv import store_kv
 
 
 def attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged attention of q (T, Hq, D) over the caches; returns (T, Hq, D)."""
+    """Paged attention of q (T, Hq, D) over the caches (FP8 ones with their (Hkv,) scales); returns (T, Hq, D)."""
     if meta.max_seqlen_q == 1:  # all-decode: T == B
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale=k_scale, v_scale=v_scale
+        )
     return paged_prefill_attention(
-        q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale
+        q,
+        k_cache,
+        v_cache,
+        meta.cu_seqlens_q,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.max_seqlen_q,
+        scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -39,4 +56,5 @@ BACKEND = AttentionBackend(
     priority=20,
     unavailable_reason=_unavailable,
     supports_cuda_graphs=True,
+    supports_fp8_kv=True,
 )

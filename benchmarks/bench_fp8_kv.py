@@ -1,0 +1,325 @@
+"""FP8 KV cache on one GPU: the Triton kernels against the torch reference at real sizes, then decode speed.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep]
+
+(a) correctness, bf16 queries over float8_e4m3fn caches with per-head scales (Hq 16 / Hkv 8 / D 128):
+    store_kv at 8192 tokens (bit-exact against ``fp8.quantize_fp8``: mismatched bytes are counted), decode (64
+    contexts U(1, 2048), blocks of 16 and 256, split-K and one partition) and the varlen prefill (a mixed batch)
+    against the torch FP8 reference (tolerance 1e-2 of ||ref||), and the FP8 reference against the bf16 one on
+    the same (unquantized) values, for information;
+(b) decode speed on benchmarks/bench_attention.py's problem (B=256, context U(100, 2048), 256-token blocks in
+    random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults plus
+    a short coordinate sweep (tile size, stages, warps, partition size), and once with the tiles widened to
+    bfloat16 instead of float16 (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
+    sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
+    (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and >= 1.85x the bf16 tokens/s;
+(c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
+A short table comes last; --json writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+
+import torch
+
+from benchmarks.bench_attention import (
+    DEV,
+    HEAD_DIM,
+    HKV,
+    HQ,
+    Paged,
+    decode_problem,
+    describe,
+    graph_seconds,
+    make_paged,
+    mixed_batch,
+    prefill_args,
+    rel_err,
+)
+from fnvllm.kernels import decode_attention as dec
+from fnvllm.kernels import prefill_attention as pre
+from fnvllm.kernels import store_kv as skv
+from fnvllm.kernels.decode_attention import DecodeKernelConfig
+from fnvllm.kernels.fp8 import quantize_fp8
+
+FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
+    tuple({"tile_size": v} for v in (32, 64, 128)),
+    tuple({"num_stages": v} for v in (2, 3, 4)),
+    tuple({"num_warps": v} for v in (4, 8)),
+    tuple({"partition_size": v} for v in (512, 1024)),
+)
+
+
+@dataclasses.dataclass
+class Fp8Paged:
+    """The FP8 copy of a Paged problem: e4m3 caches, their (Hkv,) scales, and the bytes a decode reads."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    kv_bytes: int
+
+
+def to_fp8(p: Paged, k_scale: torch.Tensor, v_scale: torch.Tensor) -> Fp8Paged:
+    """Quantize p's caches (block by block, to bound the float32 temporaries)."""
+    k8 = torch.empty(p.k_cache.shape, dtype=torch.float8_e4m3fn, device=DEV)
+    v8 = torch.empty_like(k8)
+    step = max(1, (1 << 28) // (p.k_cache[0].numel() * 4))
+    for lo in range(0, p.k_cache.shape[0], step):
+        k8[lo : lo + step] = quantize_fp8(p.k_cache[lo : lo + step], k_scale)
+        v8[lo : lo + step] = quantize_fp8(p.v_cache[lo : lo + step], v_scale)
+    return Fp8Paged(k8, v8, k_scale, v_scale, p.kv_bytes // p.k_cache.element_size())
+
+
+def scales(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head scales around 1 (k, v), so a wrong head index shows in the error."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(HKV, generator=gen) * 0.5 + 0.5).to(DEV), (torch.rand(HKV, generator=gen) * 0.5 + 0.5).to(DEV)
+
+
+# ------------------------------------------------------------------------------------------------ (a) correctness
+
+
+def record(results: dict, name: str, err: float, tol: float) -> None:
+    """Record and print PASS/FAIL for one check."""
+    ok = err <= tol
+    results["correctness"].append({"name": name, "value": err, "tol": tol, "pass": ok})
+    print(f"{'PASS' if ok else 'FAIL'}  {name:<62} {err:.2e} (tol {tol:.0e})", flush=True)
+
+
+def check_store(results: dict) -> None:
+    """store_kv into FP8 caches at 8192 x 8 x 128 from strided bf16 views: share of bytes unlike the reference."""
+    t, k_scale, v_scale = 8192, *scales(1)
+    kv = torch.randn(t, 3, HKV, HEAD_DIM, device=DEV, dtype=torch.bfloat16) * 4
+    k, v = kv[:, 0], kv[:, 1]  # strided (T, Hkv, D)
+    caches = [torch.zeros(t // 16 + 4, 16, HKV, HEAD_DIM, device=DEV).to(torch.float8_e4m3fn) for _ in range(4)]
+    slots = torch.randperm(caches[0].shape[0] * 16, device=DEV)[:t]
+    skv.store_kv(k, v, caches[0], caches[1], slots, k_scale, v_scale)
+    skv.store_kv_ref(k, v, caches[2], caches[3], slots, k_scale, v_scale)
+    for name, got, want in (("k", caches[0], caches[2]), ("v", caches[1], caches[3])):
+        diff = (got.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
+        record(results, f"store_kv fp8 8192x8x128 bf16 ({name}, share of bytes differing)", diff, 0.0)
+
+
+def check_decode(results: dict, block_size: int, **knobs: object) -> None:
+    """Decode over FP8 caches vs the torch FP8 reference; and that reference vs bf16 (information)."""
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 2048) for _ in range(64)]
+    lengths[:2] = [1, 2048]
+    p = make_paged(lengths, block_size, HKV, HEAD_DIM, torch.bfloat16, 1.2)
+    f = to_fp8(p, *scales(2))
+    q = torch.randn(len(lengths), HQ, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    args = (p.tables, p.seq_lens, HEAD_DIM**-0.5)
+    dec.paged_decode_attention(q, f.k_cache, f.v_cache, *args, out, k_scale=f.k_scale, v_scale=f.v_scale, **knobs)
+    ref = dec.paged_decode_attention_ref(q.float(), f.k_cache, f.v_cache, *args, f.k_scale, f.v_scale)
+    label = f"decode fp8 bs{block_size} " + (" ".join(f"{k}={v}" for k, v in knobs.items()) or "defaults")
+    record(results, label, rel_err(out, ref), 1e-2)
+    full = dec.paged_decode_attention_ref(q.float(), p.k_cache.float(), p.v_cache.float(), *args)
+    results["fp8_vs_bf16_reference"][label] = rel_err(ref, full)
+    print(f"      fp8 reference vs bf16 reference: {rel_err(ref, full):.2e} (e4m3 rounding, information)")
+
+
+def check_prefill(results: dict, block_size: int) -> None:
+    """The varlen prefill over FP8 caches vs the torch FP8 reference, on chunks over prefixes plus decode rows."""
+    rng = random.Random(4)
+    batch = ((0, 2048), (1024, 700), (3000, 17), *((rng.randint(100, 2048), 1) for _ in range(64)))
+    p = make_paged([s + n for s, n in batch], block_size, HKV, HEAD_DIM, torch.bfloat16, 1.2)
+    f = to_fp8(p, *scales(5))
+    args = prefill_args(batch, p)
+    q = torch.randn(int(args[0][-1]), HQ, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    pre.paged_prefill_attention(
+        q, f.k_cache, f.v_cache, *args, HEAD_DIM**-0.5, out, k_scale=f.k_scale, v_scale=f.v_scale
+    )
+    ref = pre.paged_prefill_attention_ref(q.float(), f.k_cache, f.v_cache, *args, HEAD_DIM**-0.5, f.k_scale, f.v_scale)
+    record(results, f"prefill fp8 mixed bs{block_size}", rel_err(out, ref), 1e-2)
+
+
+def correctness(results: dict) -> None:
+    """(a)."""
+    check_store(results)
+    for bs in (16, 256):
+        check_decode(results, bs)
+        check_decode(results, bs, partition_size=512)
+        check_prefill(results, bs)
+
+
+# ------------------------------------------------------------------------------------------------ (b) decode
+
+
+def time_decode(q: torch.Tensor, p: Paged | Fp8Paged, tables: torch.Tensor, seq_lens, cfg: DecodeKernelConfig) -> float:
+    """Seconds per decode launch under a CUDA graph, with the knobs of cfg."""
+    knobs = dataclasses.asdict(cfg)
+    ws = dec.make_decode_workspace(q, tables, p.k_cache.shape[1], cfg.partition_size)
+    out = torch.empty_like(q)
+    extra = {"k_scale": p.k_scale, "v_scale": p.v_scale} if isinstance(p, Fp8Paged) else {}
+    return graph_seconds(
+        lambda: dec.paged_decode_attention(
+            q, p.k_cache, p.v_cache, tables, seq_lens, 0.088, out, workspace=ws, **knobs, **extra
+        )
+    )
+
+
+def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
+    """(b): bf16 at its defaults (one partition, as the launcher picks at B=256), FP8 at its defaults then swept."""
+    q, p = decode_problem(256)
+    f = to_fp8(p, *scales(6))
+    partition = dec.auto_partition_size(q.shape[0], HKV, p.tables.shape[1] * 256)
+    bf16_cfg = dataclasses.replace(dec.DEFAULT_DECODE_CONFIG, partition_size=partition)
+    bf16_s = time_decode(q, p, p.tables, p.seq_lens, bf16_cfg)
+    print(f"  decode bf16 {describe(bf16_cfg)}  {bf16_s * 1e6:8.1f} us  {p.kv_bytes / bf16_s / 1e12:5.2f} TB/s")
+    seen: dict[DecodeKernelConfig, float] = {}
+
+    def measure(cfg: DecodeKernelConfig) -> float:
+        if cfg not in seen:
+            try:
+                seen[cfg] = time_decode(q, f, p.tables, p.seq_lens, cfg)
+            except Exception as e:  # a config that does not compile or fit: recorded, not fatal
+                seen[cfg] = math.inf
+                print(f"  decode fp8 {describe(cfg)}  failed: {type(e).__name__}: {str(e)[:80]}")
+            print(
+                f"  decode fp8  {describe(cfg)}  {seen[cfg] * 1e6:8.1f} us  {f.kv_bytes / seen[cfg] / 1e12:5.2f} TB/s"
+            )
+        return seen[cfg]
+
+    start = dataclasses.replace(dec.DEFAULT_FP8_DECODE_CONFIG, partition_size=partition)
+    best = start
+    for step in FP8_SWEEP if sweep else ():
+        for change in step:
+            cand = dataclasses.replace(best, **change)
+            if cand.tile_size > cand.partition_size or time.perf_counter() > deadline:
+                continue
+            if measure(cand) < measure(best):
+                best = cand
+    bf16_compute_s = time_bf16_compute(q, f, p, best)
+    out = dec.paged_decode_attention(
+        q,
+        f.k_cache,
+        f.v_cache,
+        p.tables,
+        p.seq_lens,
+        0.088,
+        k_scale=f.k_scale,
+        v_scale=f.v_scale,
+        **dataclasses.asdict(best),
+    )
+    ref = dec.paged_decode_attention_ref(q, f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, f.k_scale, f.v_scale)
+    record(results, "decode fp8 bench problem, best config", rel_err(out, ref), 1e-2)
+    results["decode"] = {
+        "bf16": {"us": bf16_s * 1e6, "tb_s": p.kv_bytes / bf16_s / 1e12, "config": dataclasses.asdict(bf16_cfg)},
+        "fp8_default": {"us": measure(start) * 1e6, "tb_s": f.kv_bytes / measure(start) / 1e12},
+        "fp8_best": {"us": measure(best) * 1e6, "tb_s": f.kv_bytes / measure(best) / 1e12, **dataclasses.asdict(best)},
+        "fp8_bf16_compute": {"us": bf16_compute_s * 1e6, "tb_s": f.kv_bytes / bf16_compute_s / 1e12},
+        "records": [{**dataclasses.asdict(c), "us": s * 1e6} for c, s in seen.items()],
+        "bytes": {"bf16": p.kv_bytes, "fp8": f.kv_bytes},
+    }
+
+
+def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig) -> float:
+    """Seconds per FP8 decode with the tiles widened to q's bfloat16 (the launcher's float16 choice switched off
+    for this measurement only); inf when it fails."""
+    chosen = dec.fp8_compute_fp16
+    dec.fp8_compute_fp16 = lambda q, k_cache: False
+    try:
+        seconds = time_decode(q, f, p.tables, p.seq_lens, cfg)
+    except Exception as e:  # recorded, not fatal
+        print(f"  decode fp8 bf16-compute failed: {type(e).__name__}: {str(e)[:80]}")
+        seconds = math.inf
+    finally:
+        dec.fp8_compute_fp16 = chosen
+    print(
+        f"  decode fp8  {describe(cfg)} bf16 compute  {seconds * 1e6:8.1f} us  {f.kv_bytes / seconds / 1e12:5.2f} TB/s"
+    )
+    return seconds
+
+
+# ------------------------------------------------------------------------------------------------ (c) prefill
+
+
+def bench_prefill(results: dict) -> None:
+    """(c): the mixed batch, bf16 and FP8 caches, default knobs."""
+    batch = mixed_batch()
+    p = make_paged([s + n for s, n in batch], 256, HKV, HEAD_DIM, torch.bfloat16, 1.5)
+    f = to_fp8(p, *scales(7))
+    args = prefill_args(batch, p)
+    q = torch.randn(int(args[0][-1]), HQ, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    flops = 4 * HEAD_DIM * HQ * sum(n * s + n * (n + 1) // 2 for s, n in batch)
+    out = torch.empty_like(q)
+    bf16_s = graph_seconds(lambda: pre.paged_prefill_attention(q, p.k_cache, p.v_cache, *args, 0.088, out))
+    fp8_s = graph_seconds(
+        lambda: pre.paged_prefill_attention(
+            q, f.k_cache, f.v_cache, *args, 0.088, out, k_scale=f.k_scale, v_scale=f.v_scale
+        )
+    )
+    results["prefill"] = {
+        "bf16": {"us": bf16_s * 1e6, "tflop_s": flops / bf16_s / 1e12},
+        "fp8": {"us": fp8_s * 1e6, "tflop_s": flops / fp8_s / 1e12},
+    }
+    for name, s in (("bf16", bf16_s), ("fp8", fp8_s)):
+        print(f"  prefill {name}: {s * 1e6:8.1f} us  {flops / s / 1e12:6.1f} TFLOP/s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+
+def summary(results: dict) -> None:
+    """The short table printed last."""
+    d = results.get("decode")
+    print("\n== FP8 KV summary (H200 targets: fp8 decode >= 3.9 TB/s read and >= 1.85x bf16 tokens/s) ==")
+    print("| kernel | time (us) | TB/s read | tokens/s vs bf16 |")
+    print("|---|---|---|---|")
+    if d:
+        base = d["bf16"]["us"]
+        print(f"| decode bf16 (defaults) | {base:.1f} | {d['bf16']['tb_s']:.2f} | 1.00x |")
+        rows = (
+            ("fp8_default", "decode fp8 (defaults)"),
+            ("fp8_best", "decode fp8 (best of sweep)"),
+            ("fp8_bf16_compute", "decode fp8 (best, bf16 compute)"),
+        )
+        for key, label in rows:
+            print(f"| {label} | {d[key]['us']:.1f} | {d[key]['tb_s']:.2f} | {base / d[key]['us']:.2f}x |")
+        best = {k: d["fp8_best"][k] for k in ("partition_size", "tile_size", "num_warps", "num_stages")}
+        print(f"best fp8 decode knobs: {best}")
+    if "prefill" in results:
+        pf = results["prefill"]
+        print(
+            f"prefill mixed 8192 tokens: bf16 {pf['bf16']['us']:.0f} us ({pf['bf16']['tflop_s']:.1f} TFLOP/s), "
+            f"fp8 {pf['fp8']['us']:.0f} us ({pf['fp8']['tflop_s']:.1f} TFLOP/s)"
+        )
+    passed = sum(r["pass"] for r in results["correctness"])
+    print(f"correctness: {passed} PASS, {len(results['correctness']) - passed} FAIL")
+
+
+def main() -> None:
+    """Run (a)-(c) within the time budget; print the table; write --json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write every number to PATH")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop the sweep after this many seconds")
+    parser.add_argument("--no-sweep", action="store_true", help="time the defaults only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_kv.py needs a CUDA GPU")
+    t0 = time.perf_counter()
+    results: dict = {"correctness": [], "fp8_vs_bf16_reference": {}, "device": torch.cuda.get_device_name()}
+    correctness(results)
+    torch.cuda.empty_cache()
+    bench_decode(results, t0 + args.budget_s * 0.85, not args.no_sweep)
+    torch.cuda.empty_cache()
+    bench_prefill(results)
+    results["seconds"] = time.perf_counter() - t0
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    summary(results)
+
+
+if __name__ == "__main__":
+    main()
