@@ -418,7 +418,7 @@ def test_fp8_kv_cuda_graphs_match_eager(tmp_path: Path) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
     runs = []
     for eager in (True, False):
-        llm = LLM(path, load_tokenizer=False, kv_cache_dtype="fp8", enforce_eager=eager, gpu_memory_utilization=0.3)
+        llm = LLM(path, load_tokenizer=False, kv_cache_dtype="fp8", enforce_eager=eager, num_blocks=512)
         assert llm.executor.backend.name == "triton" and (llm.executor.graphs is None) == eager
         runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.close()

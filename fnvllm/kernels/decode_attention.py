@@ -84,9 +84,9 @@ class DecodeKernelConfig:
 # - heads_inner: the 8 programs of one (sequence, partition) read the 8 x 256-byte head slices of the same 2 KiB
 #   token rows together.
 DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
-# The knobs for FP8 caches (half the bytes a tile): the bf16 ones until benchmarks/bench_fp8_kv.py, which sweeps
-# them on the fp8 problem, measures better ones on the H200.
-DEFAULT_FP8_DECODE_CONFIG = DEFAULT_DECODE_CONFIG
+# The knobs for FP8 caches (half the bytes a tile): tiles of 128 tokens. benchmarks/bench_fp8_kv.py on the H200
+# (B 256, context U(100, 2048), 256-token blocks): tile 128 198.7 us, tile 64 206.4, tile 32 244.8 (bf16: 287.8).
+DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_DECODE_CONFIG, tile_size=128)
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without
 # splitting (132 SMs x ~3 resident programs each, ~2.5 waves), so the launcher gives each sequence one partition:
@@ -430,11 +430,13 @@ def paged_decode_attention(
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
     captured in a CUDA graph.
     """
-    if partition_size is None:
+    base = DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG
+    if partition_size is None:  # by shape, and never shorter than one tile
         max_context = block_tables.shape[1] * k_cache.shape[1]
-        partition_size = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
+        auto = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
+        partition_size = max(auto, tile_size or base.tile_size)
     cfg = _resolve_config(
-        DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG,
+        base,
         partition_size=partition_size,
         tile_size=tile_size,
         num_warps=num_warps,

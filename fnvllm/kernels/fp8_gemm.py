@@ -308,3 +308,42 @@ def _check_gemm_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
     if tuple(w_scale.shape) != blocks or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1:
         raise ValueError(f"w_scale must be float32 {blocks} with contiguous rows, got {w_scale.dtype} {w_scale.shape}")
     return x.shape[0], k, n
+
+
+# ---- cuBLAS block-scaled GEMM (torch._scaled_mm) ---------------------------------------------------------------
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of ``multiple`` (cuBLASLt wants M in multiples of 4)."""
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
+
+
+def cublas_scale_layouts(x_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors as cuBLAS's DeepSeek-style recipe (1 x 128 activations, 128 x 128 weights) reads them:
+    activations (M, K/128) outer-dim-major (stride (1, M)); weights (N/128, K/128) with K/128 padded to a multiple of
+    4, given as its transpose (K/128 padded, N/128) with stride (1, padded)."""
+    a = x_scale.t().contiguous().t()
+    k_blocks = w_scale.shape[1]
+    b = F.pad(w_scale, (0, -k_blocks % 4)).t()
+    return a, b
+
+
+def scaled_mm_supported(n: int, k: int) -> bool:
+    """Whether ``fp8_scaled_mm`` can take an (N, K) weight: whole 128 x 128 blocks (cuBLAS has no partial ones)."""
+    return n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+
+
+def fp8_scaled_mm(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (M, K) bf16/fp16 @ dequantized(w).T with cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm``, sm_90 and
+    CUDA >= 12.9): the activations quantized per (token, 128 columns) by ``quantize_activations``, the weight's
+    128 x 128 block scales as stored (``weight_scale_inv`` multiplies). Same numerics as ``fp8_blockwise_ref``."""
+    m = x.shape[0]
+    x_q, x_scale = quantize_activations(x if x.stride(-1) == 1 else x.contiguous())
+    x_q, x_scale = _pad_rows(x_q, 4), _pad_rows(x_scale, 4)
+    scale_a, scale_b = cublas_scale_layouts(x_scale, w_scale)
+    out = torch._scaled_mm(x_q, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
+    out = out[:m]
+    return out if bias is None else out.add_(bias)
