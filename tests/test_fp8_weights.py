@@ -289,3 +289,22 @@ def test_fp8_checkpoint_on_cuda_graphs_equal_eager(checkpoints: dict[str, Path])
         runs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
         llm.close()
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 5, 16, 300])
+def test_cublas_block_scaled_gemm_matches_its_reference(m: int) -> None:
+    """fp8_scaled_mm (cuBLAS, 1 x 128 activation and 128 x 128 weight scales) computes fp8_blockwise_ref's product
+    on the same quantized operands, M padded and sliced back."""
+    from fnvllm.kernels import fp8_gemm as g
+    from fnvllm.model.quant import quantize_fp8_blocks
+
+    if not g._has_block_scaled_mm(0):
+        pytest.skip("torch._scaled_mm has no block-scaled recipe on this GPU / CUDA")
+    w8, ws = quantize_fp8_blocks(torch.randn(384, 512, device="cuda", dtype=torch.bfloat16) / 20)
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    ref = g.fp8_blockwise_ref(*g.quantize_activations(x), w8, ws, torch.float32)
+    got = g.fp8_scaled_mm(x, w8, ws).float()
+    assert got.shape == (m, 384)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2

@@ -17,6 +17,11 @@ Two kernels, picked by the number of tokens M (``fp8_linear``):
   the GEMM multiplies fp8 tiles with float32 accumulation and applies x_scale[m, kg] * w_scale[n_block, kg] to
   each 128-deep partial product (DeepSeek-V3's scheme; BLOCK_K = BLOCK_N = 128 so one weight scale per tile).
 
+- ``fp8_scaled_mm`` (from SCALED_MM_MIN_ROWS tokens, where torch and the GPU have it): the same activation
+  quantization, then cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128
+  weight scales, sm_90, CUDA >= 12.9); measured faster than the Triton GEMMs from 16 tokens up (see
+  ``fp8_linear``). The Triton GEMMs remain for decode-sized M and where cuBLAS lacks the recipe.
+
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
 interpreter's float32 -> e4m3 conversion is wrong where rounding crosses a power of two (126.25 -> 64), so under
@@ -91,16 +96,42 @@ def fp8_blockwise_ref(
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x (M, K) @ dequantized(w).T (+ bias) in x's dtype: the Triton kernels on CUDA for 16-bit activations
-    (``fp8_gemm_small_m`` up to SMALL_M tokens, ``fp8_gemm_blockwise`` above), else the torch reference."""
+    """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations: up to
+    SCALED_MM_MIN_ROWS - 1 tokens ``fp8_gemm_small_m`` (streams the weight), above it cuBLAS's block-scaled GEMM
+    (``fp8_scaled_mm``) where the weight is whole 128 x 128 blocks and torch has it, else ``fp8_gemm_blockwise``
+    (Triton) up to SMALL_M tokens or above. Elsewhere the torch reference.
+
+    Why (H200, one Qwen3-8B layer's four GEMMs, benchmarks/bench_fp8_gemm.py and the cuBLAS probe of 2026-12-01):
+    cuBLAS block-scaled 149 / 118 / 141 / 175 / 3,553 us at M = 1 / 16 / 64 / 256 / 8192, the Triton kernels
+    145 / 136 / 199 / 218 / 5,339 us (bf16 weights with cuBLAS: 115 / 113 / 117 / 160 / 4,067)."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if x.shape[0] <= SMALL_M:
+    m = x.shape[0]
+    if m >= SCALED_MM_MIN_ROWS and _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
+        return fp8_scaled_mm(x, w, w_scale, bias)
+    if m <= SMALL_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     else:
         out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
     return out if bias is None else out.add_(bias)
+
+
+# From this many tokens up, cuBLAS's block-scaled GEMM beats the streaming kernel (measured above).
+SCALED_MM_MIN_ROWS = 16
+
+
+@functools.cache
+def _has_block_scaled_mm(device_index: int) -> bool:
+    """Whether torch._scaled_mm takes DeepSeek-style block scales on this GPU (sm_90 with CUDA >= 12.9): one tiny
+    product is tried once per device."""
+    try:
+        w = torch.zeros(128, 128, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
+        x = torch.zeros(4, 128, dtype=torch.bfloat16, device=w.device)
+        fp8_scaled_mm(x, w, torch.ones(1, 1, device=w.device))
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 # ---- small M: stream the weight bytes ---------------------------------------------------------------------------
