@@ -37,6 +37,7 @@ import attrs
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.output import Outbox, OutputProcessor, RequestTracker, deliver_all
 from fnvllm.executor.base import supports_overlap
+from fnvllm.executor.structured import check_structured
 from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
 from fnvllm.state.overlap import Speculation, reconcile, speculate
 
@@ -124,8 +125,9 @@ class EngineLoop:
         tracker: RequestTracker | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request (validated by the pure ``add_request``: on error nothing changes); route its outputs
-        to ``tracker`` when given."""
+        """Queue a request (validated by the pure ``add_request``, and its grammar compiled by
+        ``check_structured``: on error nothing changes); route its outputs to ``tracker`` when given."""
+        check_structured(params)
         self.state = add_request(self.state, request_id, tuple(prompt_ids), params, priority)
         if tracker is not None:
             self.processor.add(tracker)
@@ -134,6 +136,7 @@ class EngineLoop:
         """Queue several requests atomically: if any is invalid, raise and queue none."""
         state = self.state
         for rid, ids, params, _ in requests:
+            check_structured(params)
             state = add_request(state, rid, tuple(ids), params)
         self.state = state
         for *_, tracker in requests:
