@@ -130,7 +130,8 @@ class Grammars:
 
     def masks(self, matchers: Sequence[Matcher | None]) -> tuple[torch.Tensor, list[int]] | None:
         """((R, words) int32 host bitmask, the R constrained positions among ``matchers``), None when none is
-        constrained. Each row allows the tokens its matcher accepts next."""
+        constrained. Each row allows the tokens its matcher accepts next; a row whose grammar already ended (a
+        speculative row of a request that finished in the step before: its token is dropped) allows any."""
         positions = [k for k, m in enumerate(matchers) if m is not None]
         if not positions:
             return None
@@ -139,14 +140,17 @@ class Grammars:
         for row, k in enumerate(positions):
             live = matchers[k]
             assert live is not None  # positions holds the constrained ones
-            live.matcher.fill_next_token_bitmask(bitmask, row)
+            if live.matcher.is_terminated():
+                bitmask[row] = -1
+            else:
+                live.matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask, positions
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
         accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
         for rid, live, token in zip(seq_ids, matchers, tokens, strict=True):
-            if live is None:
+            if live is None or live.matcher.is_terminated():  # ended: a dropped speculative row's token
                 continue
             if live.matcher.accept_token(token):
                 live.accepted += 1

@@ -1,0 +1,182 @@
+"""Structured outputs offline: StructuredOutput validation, the sampler's grammar mask, and LLM.generate under a
+JSON schema, a choice, a regex and an EBNF grammar, with overlapped steps on and off (the demo model: a
+constrained decode must follow its grammar whatever the model prefers)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import fnvllm.demo
+from fnvllm.engine.loop import EngineLoop
+from fnvllm.executor.model_executor import ModelExecutor
+from fnvllm.executor.sampler import GrammarMask, Sampler, apply_grammar_mask, prepare_sampling
+from fnvllm.executor.structured import check_structured
+from fnvllm.llm import LLM
+from fnvllm.state import InvalidRequestError, SamplingParams, StructuredOutput
+
+pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the serve extra)")
+
+DEMO = Path(fnvllm.demo.__file__).parent / "checkpoint"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def check_schema(value: Any) -> None:
+    """Assert that ``value`` satisfies SCHEMA (the properties it uses)."""
+    assert isinstance(value, dict) and set(value) == {"name", "age", "tags"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
+    assert isinstance(value["tags"], list) and len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b"}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(DEMO, dtype="float32", block_size=8, num_blocks=256, max_num_seqs=8)
+
+
+def _params(seed: int) -> list[SamplingParams]:
+    """A mixed batch: schema, choice, regex, grammar and unconstrained rows, seeded."""
+    return [
+        SamplingParams(max_tokens=80, seed=seed, structured=StructuredOutput.json_schema(SCHEMA)),
+        SamplingParams(max_tokens=80, seed=seed + 1, structured=StructuredOutput.json_schema(SCHEMA)),
+        SamplingParams(max_tokens=10, seed=seed, structured=StructuredOutput.choice(["red", "green", "blue"])),
+        SamplingParams(max_tokens=12, seed=seed, structured=StructuredOutput.regex(r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(max_tokens=12, seed=seed, structured=StructuredOutput.grammar('root ::= "x" [yz] [yz]? "."')),
+        SamplingParams(max_tokens=12, seed=seed),
+        SamplingParams(max_tokens=80, seed=seed, structured=StructuredOutput.json_object()),
+    ]
+
+
+def _check(outs: list[Any]) -> None:
+    """Assert each constrained output of ``_params`` follows its grammar and finished by EOS."""
+    schema_a, schema_b, choice, regex, grammar, _, obj = outs
+    for out in (schema_a, schema_b):
+        assert out.finish_reason == "stop", out
+        check_schema(json.loads(out.text))
+    assert choice.text in {"red", "green", "blue"}
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.text), regex.text
+    assert re.fullmatch(r"x[yz]{1,2}\.", grammar.text), grammar.text
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+
+
+def test_structured_output_validates_kind_and_text() -> None:
+    """A bad kind, non-JSON schema, a non-list choice and ignore_eos with a grammar are refused by name."""
+    with pytest.raises(InvalidRequestError, match="structured.kind"):
+        StructuredOutput("xml", "<a/>")
+    with pytest.raises(InvalidRequestError, match="JSON schema"):
+        StructuredOutput("json_schema", "{not json")
+    with pytest.raises(InvalidRequestError, match="array of strs"):
+        StructuredOutput("choice", '"one"')
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured=StructuredOutput.regex("a+"))
+    with pytest.raises(InvalidRequestError, match="SamplingParams.structured"):
+        SamplingParams(structured={"kind": "regex"})
+
+
+def test_structured_params_pickle_and_hash() -> None:
+    """SamplingParams with a constraint survive pickling (tensor parallelism) and hash equal."""
+    params = SamplingParams(structured=StructuredOutput.json_schema(SCHEMA))
+    copy = pickle.loads(pickle.dumps(params))
+    assert copy == params and hash(copy) == hash(params)
+
+
+def test_bad_regex_and_grammar_are_refused_when_added(llm: LLM) -> None:
+    """A regex or EBNF that does not compile raises InvalidRequestError naming the kind, and nothing is queued."""
+    with pytest.raises(InvalidRequestError, match=r"structured \(regex\)"):
+        llm.generate("x", SamplingParams(structured=StructuredOutput.regex("(unclosed")))
+    with pytest.raises(InvalidRequestError, match=r"structured \(grammar\)"):
+        llm.generate("x", SamplingParams(structured=StructuredOutput.grammar("root ::= ")))
+    assert not llm.state.has_unfinished
+
+
+def test_missing_xgrammar_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without xgrammar installed, a constrained request is refused naming the package; others are not."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    check_structured(SamplingParams())
+    with pytest.raises(InvalidRequestError, match="xgrammar"):
+        check_structured(SamplingParams(structured=StructuredOutput.regex("a+")))
+
+
+def test_generate_follows_every_kind_of_grammar(llm: LLM) -> None:
+    """LLM.generate with a mixed batch: every constrained output parses / matches its grammar."""
+    _check(llm.generate(["The story"] * 7, _params(3)))
+
+
+@pytest.fixture
+def overlapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelExecutor reports that it supports overlap (as on a GPU)."""
+    monkeypatch.setattr(ModelExecutor, "supports_overlap", property(lambda self: True))
+
+
+@pytest.mark.usefixtures("overlapping")
+def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overlapped steps (constrained steps sampling after the host accepted the previous tokens), seeded
+    constrained and unconstrained rows produce exactly plain stepping's tokens."""
+    waits = []
+    original = ModelExecutor._waits_for_tokens
+    monkeypatch.setattr(ModelExecutor, "_waits_for_tokens", lambda _, *a: waits.append(original(*a)) or waits[-1])
+    prompts = ["The story", "def f", "Once", "A", "import", "x", "The"]
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+    plain = llm.generate(prompts, _params(11))
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=True)
+    assert llm.loop.overlap
+    overlapped = llm.generate(prompts, _params(11))
+    assert llm.loop.overlap_stats.kept > 0 and any(waits)  # speculative steps ran, some deferred their sampling
+    llm.loop.drain()
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+    _check(overlapped)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
+
+
+def test_masked_tokens_are_never_sampled() -> None:
+    """Randomised: for random logits, masks and settings, a masked row's token is always an allowed one."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 70, 6
+    sampler = Sampler(seed=1, kernels=False)
+    for trial in range(40):
+        logits = torch.randn(rows, vocab, generator=generator) * 5
+        allowed = torch.rand(rows, vocab, generator=generator) < 0.1
+        allowed[:, trial % vocab] = True  # at least one allowed token per row
+        words = torch.zeros(rows, (vocab + 31) // 32, dtype=torch.int64)
+        for t in range(vocab):
+            words[:, t // 32] |= allowed[:, t].long() << (t % 32)
+        constrained = [r for r in range(rows) if (r + trial) % 2 == 0]
+        mask = GrammarMask(words[constrained].to(torch.int32), torch.tensor(constrained))
+        params = [
+            SamplingParams(temperature=[0.0, 0.7, 1.5][(r + trial) % 3], top_k=[None, 5][r % 2], seed=trial * rows + r)
+            for r in range(rows)
+        ]
+        batch = prepare_sampling(params, [0] * rows, [None] * rows, vocab, "cpu")
+        batch = attrs.evolve(batch, grammar_mask=mask)
+        tokens = sampler.sample(logits, batch).token_ids.tolist()
+        for r in constrained:
+            assert allowed[r, tokens[r]], (trial, r, tokens[r])
+
+
+def test_apply_grammar_mask_leaves_other_rows_and_the_input_alone() -> None:
+    """The mask changes only the constrained rows' disallowed logits, on a copy."""
+    logits = torch.arange(2 * 40, dtype=torch.float32).view(2, 40)
+    before = logits.clone()
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 3  # token 35 only
+    out = apply_grammar_mask(logits, GrammarMask(bitmask, torch.tensor([1])))
+    assert torch.equal(logits, before) and torch.equal(out[0], before[0])
+    assert out[1].argmax().item() == 35 and out[1, 35] == before[1, 35] and (out[1] < -1e29).sum() == 39
