@@ -79,7 +79,7 @@ def _check(outs: list[Any]) -> None:
 
 def test_structured_output_validates_kind_and_text() -> None:
     """A bad kind, non-JSON schema, a non-list choice and ignore_eos with a grammar are refused by name."""
-    with pytest.raises(InvalidRequestError, match="structured.kind"):
+    with pytest.raises(InvalidRequestError, match=r"structured\.kind"):
         StructuredOutput("xml", "<a/>")
     with pytest.raises(InvalidRequestError, match="JSON schema"):
         StructuredOutput("json_schema", "{not json")
@@ -87,7 +87,7 @@ def test_structured_output_validates_kind_and_text() -> None:
         StructuredOutput("choice", '"one"')
     with pytest.raises(InvalidRequestError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured=StructuredOutput.regex("a+"))
-    with pytest.raises(InvalidRequestError, match="SamplingParams.structured"):
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams\.structured"):
         SamplingParams(structured={"kind": "regex"})
 
 
