@@ -29,7 +29,7 @@ DEMO = Path(fnvllm.demo.__file__).parent / "checkpoint"
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 6},
+        "name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
     },
@@ -41,7 +41,7 @@ SCHEMA = {
 def check_schema(value: Any) -> None:
     """Assert that ``value`` satisfies SCHEMA (the properties it uses)."""
     assert isinstance(value, dict) and set(value) == {"name", "age", "tags"}, value
-    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert re.fullmatch("[a-z ]{1,6}", value["name"]), value
     assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
     assert isinstance(value["tags"], list) and len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b"}
 
