@@ -180,3 +180,16 @@ def test_apply_grammar_mask_leaves_other_rows_and_the_input_alone() -> None:
     out = apply_grammar_mask(logits, GrammarMask(bitmask, torch.tensor([1])))
     assert torch.equal(logits, before) and torch.equal(out[0], before[0])
     assert out[1].argmax().item() == 35 and out[1, 35] == before[1, 35] and (out[1] < -1e29).sum() == 39
+
+
+def test_matchers_of_ended_requests_are_released(llm: LLM) -> None:
+    """Matchers of requests cut by max_tokens or a stop string, or finished by EOS, are not kept."""
+    params = [
+        SamplingParams(max_tokens=3, structured=StructuredOutput.json_schema(SCHEMA)),
+        SamplingParams(max_tokens=40, stop=['"'], structured=StructuredOutput.json_schema(SCHEMA)),
+        SamplingParams(max_tokens=10, structured=StructuredOutput.choice(["red", "green"])),
+    ]
+    outs = llm.generate(["The story"] * 3, params)
+    assert [o.finish_reason for o in outs] == ["length", "stop", "stop"]
+    grammars = llm.engine.executor.grammars
+    assert grammars is not None and grammars.num_live == 0

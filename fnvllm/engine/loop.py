@@ -237,6 +237,9 @@ class EngineLoop:
         deliver. Runs no user code."""
         self.state, outbox = self.processor.process(state, out)
         self._count(plan, cached)
+        grammars = getattr(self.engine.executor, "grammars", None)  # constrained requests' matchers
+        if grammars is not None and grammars.num_live:
+            grammars.prune(self.state.requests)
         return outbox
 
     def _run_user_code(

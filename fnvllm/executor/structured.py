@@ -18,7 +18,7 @@ by the step still in flight samples once the host has accepted that step's token
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -157,9 +157,11 @@ class Grammars:
             if live.matcher.is_terminated() and self._live.get(rid) is live:
                 del self._live[rid]
 
-    def forget(self, seq_id: str) -> None:
-        """Drop a request's matcher (it finished or was aborted)."""
-        self._live.pop(seq_id, None)
+    def prune(self, live: Container[str]) -> None:
+        """Drop the matchers of requests not in ``live`` (they finished by length or a stop string, or were
+        aborted). A step already launched keeps the matchers it holds."""
+        for rid in [rid for rid in self._live if rid not in live]:
+            del self._live[rid]
 
     @property
     def num_live(self) -> int:
