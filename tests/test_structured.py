@@ -193,3 +193,21 @@ def test_matchers_of_ended_requests_are_released(llm: LLM) -> None:
     assert [o.finish_reason for o in outs] == ["length", "stop", "stop"]
     grammars = llm.engine.executor.grammars
     assert grammars is not None and grammars.num_live == 0
+
+
+def test_cli_structured_flag_builds_the_constraint(tmp_path: Path) -> None:
+    """``--structured KIND:TEXT`` (inline or @FILE) becomes SamplingParams.structured; a bad kind is a usage
+    error naming the field."""
+    from fnvllm.cli import build_parser
+    from fnvllm.cli._common import sampling_params
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--structured", f"json_schema:@{schema}", "x"])
+    assert sampling_params(args).structured == StructuredOutput.json_schema(schema.read_text())
+    args = parser.parse_args(["generate", "--structured", "regex:[0-9]+", "x"])
+    assert sampling_params(args).structured == StructuredOutput.regex("[0-9]+")
+    assert sampling_params(parser.parse_args(["generate", "x"])).structured is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--structured", "xml:<a/>", "x"])
