@@ -187,12 +187,13 @@ class ChatOutputParser:
         message: dict[str, Any] = {}
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning
+        message["content"] = content
         if self.tools is not None:
-            content, self.calls = self.tools.parse(content)
+            rest, self.calls = self.tools.parse(content)
+            message["content"] = rest
             if self.calls:
                 message["tool_calls"] = [c.to_json() for c in self.calls]
-                content = content.strip() or None
-        message["content"] = content
+                message["content"] = rest.strip() or None
         return message
 
     def feed(self, text: str) -> dict[str, Any]:
