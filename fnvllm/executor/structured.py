@@ -82,13 +82,16 @@ class Grammars:
 
     tokenizer: the Hugging Face tokenizer of the model; vocab_size: the model's (logits') vocabulary size, which
     may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
-    The compiler is built on first use, so an engine whose requests are unconstrained never imports xgrammar.
+    tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
+    without a tokenizer). The compiler is built on first use, so an engine whose requests are unconstrained never
+    imports xgrammar.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], tokenizer_info: Any = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
+        self.tokenizer_info = tokenizer_info
         self._compiler: Any = None
         self._compiled: dict[tuple[str, str], Any] = {}
         self._live: dict[str, Matcher] = {}
@@ -101,7 +104,7 @@ class Grammars:
     def _compile(self, spec: StructuredOutput) -> Any:
         xgr = import_xgrammar()
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
+            info = self.tokenizer_info or xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
             )
             self._compiler = xgr.GrammarCompiler(info)
