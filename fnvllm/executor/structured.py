@@ -93,6 +93,7 @@ class Grammars:
         self.stop_ids = sorted(stop_ids)
         self.tokenizer_info = tokenizer_info
         self._compiler: Any = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher (fills several rows' masks on threads)
         self._compiled: dict[tuple[str, str], Any] = {}
         self._live: dict[str, Matcher] = {}
 
@@ -140,13 +141,21 @@ class Grammars:
             return None
         xgr = import_xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(positions), self.vocab_size)
+        filled, rows = [], []
         for row, k in enumerate(positions):
             live = matchers[k]
             assert live is not None  # positions holds the constrained ones
             if live.matcher.is_terminated():
                 bitmask[row] = -1
             else:
-                live.matcher.fill_next_token_bitmask(bitmask, row)
+                filled.append(live.matcher)
+                rows.append(row)
+        if len(filled) == 1:
+            filled[0].fill_next_token_bitmask(bitmask, rows[0])
+        elif filled:  # on the host's threads: the rows' fills are independent
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(filled, bitmask, rows)
         return bitmask, positions
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
