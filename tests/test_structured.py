@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fnvllm.demo
 from fnvllm.engine.loop import EngineLoop
@@ -211,3 +213,64 @@ def test_cli_structured_flag_builds_the_constraint(tmp_path: Path) -> None:
     assert sampling_params(parser.parse_args(["generate", "x"])).structured is None
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--structured", "xml:<a/>", "x"])
+
+
+# ----- generated schemas ------------------------------------------------------------------------------------------
+
+KEYS = st.sampled_from(["a", "b", "id", "name", "x_1"])
+LEAVES = st.one_of(
+    st.tuples(st.integers(-50, 50), st.integers(0, 60)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}
+    ),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(st.one_of(st.text("abc xyz", min_size=1, max_size=4), st.integers(-9, 99)), min_size=1, max_size=4,
+             unique=True).map(lambda values: {"enum": values}),
+    st.integers(1, 5).map(lambda n: {"type": "string", "pattern": f"^[a-z0-9]{{1,{n}}}$"}),
+)  # fmt: skip
+
+
+def _array(items: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.tuples(items, st.integers(0, 2), st.integers(0, 2)).map(
+        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]}
+    )
+
+
+def _object(values: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.dictionaries(KEYS, values, min_size=1, max_size=3).map(
+        lambda props: {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+    )
+
+
+SCHEMAS = _object(st.recursive(LEAVES, lambda inner: st.one_of(_array(inner), _object(inner)), max_leaves=4))
+
+
+def validates(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether ``value`` satisfies ``schema`` (the subset SCHEMAS generates)."""
+    if "enum" in schema:
+        return any(value == v and type(value) is type(v) for v in schema["enum"])
+    kind = schema["type"]
+    if kind == "integer":
+        return type(value) is int and schema["minimum"] <= value <= schema["maximum"]
+    if kind == "boolean":
+        return type(value) is bool
+    if kind == "null":
+        return value is None
+    if kind == "string":
+        return type(value) is str and re.fullmatch(schema["pattern"].strip("^$"), value) is not None
+    if kind == "array":
+        size_ok = type(value) is list and schema["minItems"] <= len(value) <= schema["maxItems"]
+        return size_ok and all(validates(v, schema["items"]) for v in value)
+    props = schema["properties"]
+    return type(value) is dict and set(value) == set(props) and all(validates(value[k], props[k]) for k in props)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS, seed=st.integers(0, 1000))
+def test_generated_schemas_always_give_valid_json(llm: LLM, schema: dict[str, Any], seed: int) -> None:
+    """Property: for any generated (bounded) schema, the demo model's constrained output parses and validates."""
+    spec = StructuredOutput.json_schema(schema)
+    params = [SamplingParams(max_tokens=200, temperature=t, seed=seed, structured=spec) for t in (0.0, 1.0, 2.0)]
+    for out in llm.generate(["The story", "{", "def f"], params, use_tqdm=False):
+        assert out.finish_reason == "stop", (schema, out.text)
+        assert validates(json.loads(out.text), schema), (schema, out.text)
