@@ -148,12 +148,17 @@ def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.M
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
 
 
-def test_masked_tokens_are_never_sampled() -> None:
-    """Randomised: for random logits, masks and settings, a masked row's token is always an allowed one."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
+def test_masked_tokens_are_never_sampled(kernels: bool) -> None:
+    """Randomised: for random logits, masks and settings, a masked row's token is always an allowed one (torch
+    references, and the Triton kernels: on the GPU, or in Triton's interpreter)."""
+    if kernels:
+        pytest.importorskip("triton", reason="the kernel path needs Triton")
     generator = torch.Generator().manual_seed(0)
     vocab, rows = 70, 6
-    sampler = Sampler(seed=1, kernels=False)
-    for trial in range(40):
+    sampler = Sampler(seed=1, kernels=kernels)
+    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
+    for trial in range(8 if kernels else 40):
         logits = torch.randn(rows, vocab, generator=generator) * 5
         allowed = torch.rand(rows, vocab, generator=generator) < 0.1
         allowed[:, trial % vocab] = True  # at least one allowed token per row
@@ -166,9 +171,9 @@ def test_masked_tokens_are_never_sampled() -> None:
             SamplingParams(temperature=[0.0, 0.7, 1.5][(r + trial) % 3], top_k=[None, 5][r % 2], seed=trial * rows + r)
             for r in range(rows)
         ]
-        batch = prepare_sampling(params, [0] * rows, [None] * rows, vocab, "cpu")
-        batch = attrs.evolve(batch, grammar_mask=mask)
-        tokens = sampler.sample(logits, batch).token_ids.tolist()
+        batch = prepare_sampling(params, [0] * rows, [None] * rows, vocab, device)
+        batch = attrs.evolve(batch, grammar_mask=GrammarMask.upload(mask.bitmask, constrained, device))
+        tokens = sampler.sample(logits.to(device), batch).token_ids.tolist()
         for r in constrained:
             assert allowed[r, tokens[r]], (trial, r, tokens[r])
 

@@ -13,9 +13,13 @@ option of one row changes how another row is sampled, and a row pays only for th
                      (`fnvllm.kernels.sampling_filters.filtered_pick`), then a draw from the kept tokens;
     logprob rows:    log sum exp of the raw logits (one read of those rows), torch.topk for the top-n.
 
-Order of operations on a row: repetition penalty (HF style, prompt and output tokens), then presence / frequency
-(OpenAI style, output tokens); divide by temperature; keep the top-k, then the nucleus top-p of what is left, and
-drop tokens below min_p * max probability; invert the CDF of the kept probabilities at the row's uniform.
+Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor.structured``): their disallowed
+tokens are set to MASKED_LOGIT on a copy of the logits before anything else; the other rows are untouched.
+
+Order of operations on a row: grammar mask (constrained rows), repetition penalty (HF style, prompt and output
+tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature; keep the top-k, then the
+nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the CDF of the kept
+probabilities at the row's uniform.
 
 Randomness. A seeded row's uniform for its n-th generated token is a pure function of (seed, n)
 (`seeded_noise.seeded_uniforms`), so its token depends only on its own logits and settings: not on its batch
