@@ -279,3 +279,11 @@ def test_generated_schemas_always_give_valid_json(llm: LLM, schema: dict[str, An
     for out in llm.generate(["The story", "{", "def f"], params, use_tqdm=False):
         assert out.finish_reason == "stop", (schema, out.text)
         assert validates(json.loads(out.text), schema), (schema, out.text)
+
+
+def test_an_engine_without_a_tokenizer_refuses_constraints() -> None:
+    """LLM(load_tokenizer=False) refuses a constrained request when it is added, naming the tokenizer."""
+    bare = LLM(DEMO, dtype="float32", block_size=8, num_blocks=64, load_tokenizer=False)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        bare.generate([[5, 6, 7]], SamplingParams(structured=StructuredOutput.regex("a+")))
+    assert len(bare.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids) == 2

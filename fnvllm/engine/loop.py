@@ -38,7 +38,7 @@ from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.output import Outbox, OutputProcessor, RequestTracker, deliver_all
 from fnvllm.executor.base import supports_overlap
 from fnvllm.executor.structured import check_structured
-from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
+from fnvllm.state import EngineState, InvalidRequestError, SamplingParams, StepPlan, abort, add_request, schedule
 from fnvllm.state.overlap import Speculation, reconcile, speculate
 
 
@@ -127,7 +127,7 @@ class EngineLoop:
     ) -> None:
         """Queue a request (validated by the pure ``add_request``, and its grammar compiled by
         ``check_structured``: on error nothing changes); route its outputs to ``tracker`` when given."""
-        check_structured(params)
+        self._check_structured(params)
         self.state = add_request(self.state, request_id, tuple(prompt_ids), params, priority)
         if tracker is not None:
             self.processor.add(tracker)
@@ -136,12 +136,24 @@ class EngineLoop:
         """Queue several requests atomically: if any is invalid, raise and queue none."""
         state = self.state
         for rid, ids, params, _ in requests:
-            check_structured(params)
+            self._check_structured(params)
             state = add_request(state, rid, tuple(ids), params)
         self.state = state
         for *_, tracker in requests:
             if tracker is not None:
                 self.processor.add(tracker)
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """InvalidRequestError unless a constrained request's grammar compiles and the executor can enforce it
+        (a model executor built without a tokenizer has no grammars; a simulated one samples nothing)."""
+        if params.structured is None:
+            return
+        check_structured(params)
+        if getattr(self.engine.executor, "grammars", True) is None:
+            raise InvalidRequestError(
+                "SamplingParams.structured: this engine was built without a tokenizer (load_tokenizer=False), "
+                "which grammar-constrained decoding needs"
+            )
 
     def abort(self, request_id: str) -> None:
         """Remove a live request and free its blocks; its tracker (if any) gets a final "abort" delta.
