@@ -211,3 +211,18 @@ def test_reasoning_is_split_whole_and_streamed(client: Any) -> None:
     assert (
         off.choices[0].message.content == "xyz" and getattr(off.choices[0].message, "reasoning_content", None) is None
     )
+
+
+def test_openai_parse_with_a_pydantic_model(client: Any) -> None:
+    """The client's ``chat.completions.parse(response_format=Model)`` (a strict json_schema) returns a parsed
+    instance."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: Literal["Paris", "Oslo", "Rome"]
+        sunny: bool
+
+    out = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Place, max_tokens=200)
+    assert isinstance(out.choices[0].message.parsed, Place)
