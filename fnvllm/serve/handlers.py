@@ -48,7 +48,8 @@ class Served:
     """What the handlers serve: the engine and the one model name clients must ask for.
 
     reasoning_parser: a key of ``tool_parsers.REASONING_PARSERS`` (``--reasoning-parser``): chat output is split
-    into reasoning_content and content. tool_parser: the format tool calls are parsed from (``--tool-call-parser``).
+    into reasoning_content and content. tool_parser: the format tool calls are parsed from (a key of
+    ``tool_parsers.TOOL_PARSERS``).
     """
 
     engine: AsyncEngine
