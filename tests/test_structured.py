@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import write_family
 
 import fnvllm.demo
 from fnvllm.engine.loop import EngineLoop
@@ -287,3 +288,15 @@ def test_an_engine_without_a_tokenizer_refuses_constraints() -> None:
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         bare.generate([[5, 6, 7]], SamplingParams(structured=StructuredOutput.regex("a+")))
     assert len(bare.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids) == 2
+
+
+def test_tensor_parallel_rank0_enforces_the_grammar(tmp_path: Path) -> None:
+    """Under tensor_parallel_size=2 (CPU workers), rank 0's matchers constrain the output as in one process."""
+    path = write_family(tmp_path, "qwen3")
+    options = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "block_size": 8, "num_blocks": 64}
+    pattern = r"[a-c]{2}-[0-9]{3}"
+    params = [SamplingParams(max_tokens=20, seed=s, structured=StructuredOutput.regex(pattern)) for s in range(3)]
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        outs = llm.generate(["x", "y z", "w"], params, use_tqdm=False)
+    for out in outs:
+        assert re.fullmatch(pattern, out.text.removesuffix("en")), out.text  # the tiny config's EOS id 255 is "en"
