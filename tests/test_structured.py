@@ -300,3 +300,20 @@ def test_tensor_parallel_rank0_enforces_the_grammar(tmp_path: Path) -> None:
         outs = llm.generate(["x", "y z", "w"], params, use_tqdm=False)
     for out in outs:
         assert re.fullmatch(pattern, out.text.removesuffix("en")), out.text  # the tiny config's EOS id 255 is "en"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real overlapped steps, CUDA graphs)")
+def test_gpu_overlapped_constrained_rows_match_plain_steps() -> None:
+    """On a GPU (overlap on by default, CUDA graphs, the Triton sampler), constrained and unconstrained seeded rows
+    give plain stepping's tokens, and the constrained outputs follow their grammars."""
+    llm = LLM(DEMO, dtype="bfloat16", device="cuda", max_num_seqs=16, enable_prefix_caching=False)
+    assert llm.loop.overlap
+    prompts = ["The story", "def f", "Once", "A", "import", "x", "The"]
+    overlapped = llm.generate(prompts, _params(7), use_tqdm=False)
+    assert llm.loop.overlap_stats.kept > 0
+    llm.loop.drain()
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+    plain = llm.generate(prompts, _params(7), use_tqdm=False)
+    _check(overlapped)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
