@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fnvllm.state import SamplingParams
+from fnvllm.state import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutput"]
 
 _LAZY = {"LLM": "fnvllm.llm", "Engine": "fnvllm.engine", "EngineConfig": "fnvllm.config"}
 

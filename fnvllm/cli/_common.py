@@ -22,7 +22,7 @@ import attrs
 
 from fnvllm.cli import CLIError
 from fnvllm.config import EngineConfig
-from fnvllm.state import InvalidConfigError, InvalidRequestError, SamplingParams
+from fnvllm.state import InvalidConfigError, InvalidRequestError, SamplingParams, StructuredOutput
 
 # The CLI's own defaults where they differ from SamplingParams': greedy and reproducible, a screenful of tokens.
 CLI_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "max_tokens": 64}
@@ -69,6 +69,17 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _structured_flag(text: str) -> StructuredOutput:
+    """``KIND`` or ``KIND:TEXT`` (``@FILE``: the file's text) -> StructuredOutput, for ``--structured``."""
+    kind, _, value = text.partition(":")
+    try:
+        if value.startswith("@"):
+            value = Path(value[1:]).read_text()
+        return StructuredOutput(kind, value)
+    except (OSError, InvalidRequestError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_field_flag(group: Any, name: str, hint: Any, default: Any, doc: str, dest: str) -> None:
     """One flag for one attrs field, shaped by its type: bool -> switch, tuple -> list, else a typed value."""
     flag, metavar = "--" + name.replace("_", "-"), name.upper()
@@ -82,6 +93,10 @@ def _add_field_flag(group: Any, name: str, hint: Any, default: Any, doc: str, de
         group.add_argument(flag, dest=dest, action="append", default=None, metavar="TEXT", help=help_text)
     elif typing.get_origin(hint) is tuple:
         group.add_argument(flag, dest=dest, type=_int_list, default=None, metavar="ID[,ID...]", help=doc)
+    elif _scalar_type(hint)[0] is StructuredOutput:
+        help_text = f"{doc} As KIND or KIND:TEXT, TEXT inline or @FILE: json_object, json_schema:@schema.json, "
+        help_text += "regex:'[0-9]+', choice:'[\"yes\", \"no\"]', grammar:@file.gbnf"
+        group.add_argument(flag, dest=dest, type=_structured_flag, default=None, metavar="KIND[:TEXT]", help=help_text)
     else:
         kind, choices = _scalar_type(hint)
         help_text = doc if default is None else f"{doc} (default: {default})"

@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             stream_interval_s=args.stream_interval_ms / 1e3,
             max_request_bytes=args.max_request_bytes,
             sock=sock,
+            reasoning_parser=args.reasoning_parser,
         )
     except OSError as error:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
@@ -179,6 +180,12 @@ def register(sub: Any) -> None:
         default=0.0,
         help="least time between two chunks of one stream; tokens in between go out together (default 0: every "
         "step). Larger values trade token-by-token latency for throughput at many concurrent streams",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3"],
+        default=None,
+        help="split chat output's <think>...</think> into message.reasoning_content (default: off)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(

@@ -28,6 +28,7 @@ from fnvllm.engine.core import Engine
 from fnvllm.engine.loop import EngineLoop, StepHook
 from fnvllm.engine.text import detokenizer_for, load_local_tokenizer
 from fnvllm.executor.model_executor import ModelExecutor, resolve_device
+from fnvllm.executor.structured import Grammars
 from fnvllm.executor.tp import TensorParallelExecutor
 from fnvllm.model.config import CheckpointError, ModelConfig, read_json
 from fnvllm.state import InvalidConfigError, SamplingParams
@@ -110,6 +111,9 @@ def build_engine(
         read_eos_token_ids(model_path, loaded),
         model_config.vocab_size,
     )
+    if loaded is not None:  # grammar-constrained requests need the tokenizer's vocabulary (structured.py)
+        local = executor.local if isinstance(executor, TensorParallelExecutor) else executor
+        local.grammars = Grammars(loaded, model_config.vocab_size, core.eos_token_ids)
     loop = EngineLoop(Engine(executor, core), on_step=on_step)
     return EngineParts(config, model_path, model_config, loaded, executor, loop)
 

@@ -37,7 +37,8 @@ import attrs
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.output import Outbox, OutputProcessor, RequestTracker, deliver_all
 from fnvllm.executor.base import supports_overlap
-from fnvllm.state import EngineState, SamplingParams, StepPlan, abort, add_request, schedule
+from fnvllm.executor.structured import check_structured
+from fnvllm.state import EngineState, InvalidRequestError, SamplingParams, StepPlan, abort, add_request, schedule
 from fnvllm.state.overlap import Speculation, reconcile, speculate
 from fnvllm.state.state import add_requests
 
@@ -125,8 +126,9 @@ class EngineLoop:
         tracker: RequestTracker | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request (validated by the pure ``add_request``: on error nothing changes); route its outputs
-        to ``tracker`` when given."""
+        """Queue a request (validated by the pure ``add_request``, and its grammar compiled by
+        ``check_structured``: on error nothing changes); route its outputs to ``tracker`` when given."""
+        self._check_structured(params)
         self.state = add_request(self.state, request_id, tuple(prompt_ids), params, priority)
         if tracker is not None:
             self.processor.add(tracker)
@@ -138,12 +140,26 @@ class EngineLoop:
     ) -> None:
         """Queue several requests atomically, in one pass over the queue (``add_requests``): if any is invalid,
         raise and queue none. ``priorities``: one per request (default 0 each)."""
+        for _, _, params, _ in requests:
+            self._check_structured(params)
         ranks = [0] * len(requests) if priorities is None else priorities
         due = ((rid, tuple(ids), params, rank) for (rid, ids, params, _), rank in zip(requests, ranks, strict=True))
         self.state = add_requests(self.state, due)
         for *_, tracker in requests:
             if tracker is not None:
                 self.processor.add(tracker)
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """InvalidRequestError unless a constrained request's grammar compiles and the executor can enforce it
+        (a model executor built without a tokenizer has no grammars; a simulated one samples nothing)."""
+        if params.structured is None:
+            return
+        check_structured(params)
+        if getattr(self.engine.executor, "grammars", True) is None:
+            raise InvalidRequestError(
+                "SamplingParams.structured: this engine was built without a tokenizer (load_tokenizer=False), "
+                "which grammar-constrained decoding needs"
+            )
 
     def abort(self, request_id: str) -> None:
         """Remove a live request and free its blocks; its tracker (if any) gets a final "abort" delta.
@@ -239,6 +255,9 @@ class EngineLoop:
         deliver. Runs no user code."""
         self.state, outbox = self.processor.process(state, out)
         self._count(plan, cached)
+        grammars = getattr(self.engine.executor, "grammars", None)  # constrained requests' matchers
+        if grammars is not None and grammars.num_live:
+            grammars.prune(self.state.requests)
         return outbox
 
     def _run_user_code(

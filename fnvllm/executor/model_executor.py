@@ -35,7 +35,8 @@ from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
-from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
+from fnvllm.executor.sampler import GrammarMask, Logprobs, Sampler, prepare_sampling
+from fnvllm.executor.structured import Grammars, Matcher
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, KVCache
@@ -92,7 +93,7 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, 
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class Launched:
     """A step queued on the device (``ModelExecutor.launch``), not yet collected.
 
@@ -100,6 +101,9 @@ class Launched:
     sampled ids then a 0/1 non-finite flag per row (None when nothing is sampled here). host: its copy in host
     memory, and the logprobs tensors' (``HostCopy``), queued right behind the sampler, so that waiting for
     them does not wait for a step launched later. asked: each sampled row's logprobs count.
+    matchers: per sampled row, its grammar matcher (None: unconstrained), advanced by the tokens at collect.
+    deferred: the logits of a step whose sampling waits for the host to accept the previous step's tokens (a
+    constrained row fed from a step still in flight); ``packed`` is filled when it samples (``_sample_deferred``).
     """
 
     plan: StepPlan
@@ -109,6 +113,9 @@ class Launched:
     asked: tuple[int | None, ...] = ()
     timer: _StepTimer | None = None
     graph: bool = False
+    matchers: tuple[Matcher | None, ...] = ()
+    deferred: torch.Tensor | None = None
+    collected: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -198,6 +205,10 @@ class ModelExecutor:
         self.graphs = self._capture_graphs() if self._use_graphs() else None
         self.timeline = StepTimeline.from_env(self._timeline_header(), self.device) if tp.is_first else None
         self.next_step = 0
+        # Grammar matchers of constrained requests (``fnvllm.executor.structured``); set by whoever holds the
+        # tokenizer (``fnvllm.engine.build``). None: a constrained request fails at launch with a clear error.
+        self.grammars: Grammars | None = None
+        self._deferred: Launched | None = None
 
     # ---- memory ------------------------------------------------------------------------------------------
 
@@ -319,6 +330,7 @@ class ModelExecutor:
     def reset(self, next_step: int) -> None:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
+        self._deferred = None
 
     def prepare_inputs(self, plan: StepPlan) -> PreparedInputs:
         """Flatten the plan into device arrays: token ids, attention metadata and the sampled rows."""
@@ -387,6 +399,7 @@ class ModelExecutor:
         its tokens to the host. ``fed_by``: the step launched before; each row whose sequence it sampled feeds
         that sample (still on the device) in place of its one token in ``plan.input_tokens``."""
         check_step(self.next_step, plan)
+        self._sample_deferred()  # a step waiting for its mask samples now, before anything reads its tokens
         feed = self._feed(plan, fed_by) if fed_by is not None else None
         self.next_step += 1
         self.history.admit(plan)
@@ -403,6 +416,43 @@ class ModelExecutor:
             if timer is not None:
                 timer.launched()
             return Launched(plan, timer=timer, graph=graph)
+        matchers = self._matchers(plan, rows)
+        launched = Launched(plan, rows, timer=timer, graph=graph, matchers=matchers)
+        if any(matchers) and fed_by is not None and self._waits_for_tokens(plan, rows, matchers, fed_by):
+            launched.deferred = logits  # its masks need the tokens of ``fed_by``, not yet accepted
+            self._deferred = launched
+            return launched
+        self._sample(launched, logits)
+        return launched
+
+    def _matchers(self, plan: StepPlan, rows: tuple[int, ...]) -> tuple[Matcher | None, ...]:
+        """Per sampled row, its grammar matcher (all None when no row is constrained)."""
+        if not any(plan.params[i].structured is not None for i in rows):
+            return (None,) * len(rows)
+        if self.grammars is None:
+            raise RuntimeError("a constrained request reached an executor without a tokenizer's grammars")
+        return self.grammars.matchers(plan, rows)
+
+    @staticmethod
+    def _waits_for_tokens(
+        plan: StepPlan, rows: tuple[int, ...], matchers: tuple[Matcher | None, ...], fed_by: object
+    ) -> bool:
+        """True when a constrained row of ``plan`` is fed by ``fed_by`` (its mask depends on that sample)."""
+        if not isinstance(fed_by, Launched) or fed_by.collected or (fed_by.packed is None and fed_by.deferred is None):
+            return False
+        sources = feed_sources(fed_by.plan, plan)
+        return any(m is not None and sources[i] is not None for i, m in zip(rows, matchers, strict=True))
+
+    def _sample_deferred(self) -> None:
+        """Sample the step whose masks waited for the host (its previous step's tokens are accepted by now)."""
+        launched, self._deferred = self._deferred, None
+        if launched is not None and launched.deferred is not None:
+            logits, launched.deferred = launched.deferred, None
+            self._sample(launched, logits)
+
+    def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
+        """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
+        plan, rows, timer = launched.plan, launched.rows, launched.timer
         params = [plan.params[i] for i in rows]
         batch = prepare_sampling(
             params,
@@ -412,22 +462,28 @@ class ModelExecutor:
             self.device,
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
         )
+        if self.grammars is not None and any(launched.matchers):
+            masks = self.grammars.masks(launched.matchers)
+            if masks is not None:
+                batch = attrs.evolve(batch, grammar_mask=GrammarMask.upload(*masks, self.device))
         out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
         packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
         self.history.record(plan, rows, packed[0])
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
-        host = HostCopy.start(copied)
+        launched.packed, launched.host = packed, HostCopy.start(copied)
+        launched.asked = tuple(p.logprobs for p in params)
         if timer is not None:
             timer.launched()
-        return Launched(plan, rows, packed, host, tuple(p.logprobs for p in params), timer, graph)
 
     def collect(self, launched: object) -> ExecuteResult:
         """Wait for a launched step; its sampled ids (plan order) and logprobs. The step's one device -> host
         copy; raises NonFiniteLogitsError naming the sequences whose logits were not finite."""
         if not isinstance(launched, Launched):
             raise TypeError(f"collect takes what launch returned, got {type(launched).__name__}")
+        if launched is self._deferred:
+            self._sample_deferred()
         timer, plan = launched.timer, launched.plan
         if launched.packed is None or launched.host is None:
             if timer is not None:
@@ -443,6 +499,9 @@ class ModelExecutor:
             timer.finish(plan, launched.graph)
         if any(flags):
             check_finite(flags, [plan.seq_ids[i] for i in launched.rows])
+        if self.grammars is not None and any(launched.matchers):
+            self.grammars.accept([plan.seq_ids[i] for i in launched.rows], launched.matchers, tokens)
+        launched.collected = True
         if not logprobs:
             return ExecuteResult(tuple(tokens))
         return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked))
@@ -452,6 +511,8 @@ class ModelExecutor:
         order, before anything launched later); its KV writes are the caller's to account for."""
         if not isinstance(launched, Launched):
             raise TypeError(f"discard takes what launch returned, got {type(launched).__name__}")
+        if launched is self._deferred:
+            self._deferred = None
         self.next_step = launched.plan.step
 
     def _timeline_header(self) -> dict[str, object]:

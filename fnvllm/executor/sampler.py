@@ -13,9 +13,13 @@ option of one row changes how another row is sampled, and a row pays only for th
                      (`fnvllm.kernels.sampling_filters.filtered_pick`), then a draw from the kept tokens;
     logprob rows:    log sum exp of the raw logits (one read of those rows), torch.topk for the top-n.
 
-Order of operations on a row: repetition penalty (HF style, prompt and output tokens), then presence / frequency
-(OpenAI style, output tokens); divide by temperature; keep the top-k, then the nucleus top-p of what is left, and
-drop tokens below min_p * max probability; invert the CDF of the kept probabilities at the row's uniform.
+Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor.structured``): their disallowed
+tokens are set to MASKED_LOGIT on a copy of the logits before anything else; the other rows are untouched.
+
+Order of operations on a row: grammar mask (constrained rows), repetition penalty (HF style, prompt and output
+tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature; keep the top-k, then the
+nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the CDF of the kept
+probabilities at the row's uniform.
 
 Randomness. A seeded row's uniform for its n-th generated token is a pure function of (seed, n)
 (`seeded_noise.seeded_uniforms`), so its token depends only on its own logits and settings: not on its batch
@@ -92,6 +96,42 @@ class SamplingBatch:
     num_rows: int
     candidates: int | None = None
     min_p_only: bool = False
+    grammar_mask: GrammarMask | None = None
+
+
+@attrs.frozen(eq=False)
+class GrammarMask:
+    """The allowed tokens of the grammar-constrained rows (``fnvllm.executor.structured``), on the device.
+
+    bitmask: (R, ceil(V / 32)) int32, bit t % 32 of word t // 32 set when token t is allowed (xgrammar's layout).
+    rows: (R,) int64 batch rows it applies to. The other rows are not touched.
+    """
+
+    bitmask: torch.Tensor
+    rows: torch.Tensor
+
+    @classmethod
+    def upload(cls, bitmask: torch.Tensor, rows: Sequence[int], device: torch.device | str) -> GrammarMask:
+        """Copy a host bitmask (R, W) and its R batch rows to ``device``."""
+        device = torch.device(device)
+        return cls(bitmask.to(device, non_blocking=True), torch.tensor(list(rows), dtype=torch.int64, device=device))
+
+
+# What a masked-out logit becomes: far below any real logit yet finite (the sampler flags non-finite logits as a
+# broken model), and still finite after dividing by the smallest temperature (GREEDY_TEMPERATURE) in float32.
+MASKED_LOGIT = -1e30
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """A copy of ``logits`` (B, V) whose constrained rows have every disallowed token at MASKED_LOGIT (or the
+    dtype's lowest finite value, when that is higher); ``logits`` itself is not modified."""
+    vocab = logits.shape[1]
+    ids = torch.arange(vocab, device=logits.device)
+    words = mask.bitmask.index_select(1, ids >> 5)  # (R, V)
+    allowed = ((words >> (ids & 31)) & 1).bool()
+    lowest = max(MASKED_LOGIT, torch.finfo(logits.dtype).min)
+    masked = logits.index_select(0, mask.rows).masked_fill(~allowed, lowest)
+    return logits.index_copy(0, mask.rows, masked)
 
 
 @attrs.frozen(eq=False)
@@ -321,10 +361,13 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (B, V) (read in its dtype, computed in float32); the input tensor is
-        not modified."""
+        not modified. Rows under ``batch.grammar_mask`` sample only their allowed tokens (logprobs stay raw)."""
         expected = (batch.num_rows, batch.vocab_size)
         if tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape (num_rows, vocab_size) = {expected}, got {tuple(logits.shape)}")
+        raw = logits
+        if batch.grammar_mask is not None:
+            logits = apply_grammar_mask(logits, batch.grammar_mask)
         if self._uses_kernels(logits.device):
             key = (self.seed * 1_000_003 + self._calls) % 2**31
             self._calls += 1
@@ -334,7 +377,7 @@ class Sampler:
         rows, num_top = batch.logprob_rows, batch.max_logprobs
         if rows is None or num_top is None:
             return SamplerOutput(packed=packed, logprobs=None)
-        return SamplerOutput(packed=packed, logprobs=compute_logprobs(logits, packed[0], rows, num_top))
+        return SamplerOutput(packed=packed, logprobs=compute_logprobs(raw, packed[0], rows, num_top))
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int) -> Logprobs:

@@ -35,17 +35,19 @@ def build_app(
     api_key: str | None = None,
     stream_interval_s: float = 0.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
     ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
     startup and stops it at shutdown. ``stream_interval_s``: least time between two chunks of one stream (0: a
     chunk per engine step). ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
+    ``reasoning_parser``: split chat output into reasoning_content and content (``tool_parsers.REASONING_PARSERS``).
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
     if engine.observer is None:
         engine.observer = metrics
-    served = handlers.Served(engine, model_name, stream_interval_s)
+    served = handlers.Served(engine, model_name, stream_interval_s, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

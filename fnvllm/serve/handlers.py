@@ -12,7 +12,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 from pydantic import BaseModel, ValidationError
@@ -35,6 +35,7 @@ from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, usage
 from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
+from fnvllm.serve.tool_parsers import REASONING_PARSERS, TOOL_PARSERS, ParsedChatFormat
 from fnvllm.state import InvalidRequestError, SamplingParams
 from fnvllm.state.params import SEED_RANGE
 
@@ -44,11 +45,18 @@ Format = CompletionFormat | ChatFormat
 
 @attrs.frozen
 class Served:
-    """What the handlers serve: the engine and the one model name clients must ask for."""
+    """What the handlers serve: the engine and the one model name clients must ask for.
+
+    reasoning_parser: a key of ``tool_parsers.REASONING_PARSERS`` (``--reasoning-parser``): chat output is split
+    into reasoning_content and content. tool_parser: the format tool calls are parsed from (a key of
+    ``tool_parsers.TOOL_PARSERS``).
+    """
 
     engine: AsyncEngine
     model_name: str
     stream_interval_s: float = 0.0
+    reasoning_parser: str | None = None
+    tool_parser: str = "hermes"
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
@@ -89,6 +97,8 @@ class Prepared:
     echo: bool
     logprobs: bool
     aliases: dict[str, str]
+    parse_tools: bool = False
+    include_reasoning: bool = True
 
     def prompt_of(self, job: int) -> int:
         """The prompt index of engine request ``job``."""
@@ -109,8 +119,20 @@ async def completions(served: Served, raw: bytes, receive: Receive) -> Response:
 
 async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
     """``POST /v1/chat/completions``: the tokenizer's chat template (on a worker thread), then generation."""
-    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", served.model_name, served.engine.tokenizer)
-    return await _respond(served, fmt, await _start(_prepare_chat, served, raw, fmt.request_id), receive)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    started = await _start(_prepare_chat, served, raw, request_id)
+    return await _respond(served, _chat_format(served, request_id, started[0]), started, receive)
+
+
+def _chat_format(served: Served, request_id: str, job: Prepared) -> ChatFormat:
+    """The plain chat format, or one that parses tool calls (the request has tools) and reasoning (the server
+    has a reasoning parser; ``include_reasoning: false`` drops the reasoning)."""
+    tokenizer = served.engine.tokenizer
+    reasoning = REASONING_PARSERS[served.reasoning_parser] if served.reasoning_parser is not None else None
+    if not job.parse_tools and reasoning is None:
+        return ChatFormat(request_id, served.model_name, tokenizer)
+    tools = TOOL_PARSERS[served.tool_parser]() if job.parse_tools else None
+    return ParsedChatFormat(request_id, served.model_name, tokenizer, tools, reasoning, not job.include_reasoning)
 
 
 Started = tuple[Prepared, list[RequestStream]]
@@ -147,7 +169,7 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
 def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     body = parse(ChatCompletionRequest, raw)
     _check(body.model, served, body.check_supported)
-    ids = _render_chat(served.engine, [m.template_dict() for m in body.messages])
+    ids = _render_chat(served.engine, [m.template_dict() for m in body.messages], body.template_tools())
     room = served.engine.max_total_tokens - len(ids)
     if room < 1:
         limit = served.engine.max_total_tokens - 1
@@ -156,7 +178,7 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     n = body.num_choices
     return Prepared(
         [(ids, None)], _copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,
-        False, bool(body.logprobs), body.aliases(),
+        False, bool(body.logprobs), body.aliases(), body.uses_tools, body.include_reasoning is not False,
     )  # fmt: skip
 
 
@@ -181,13 +203,16 @@ def _encode(engine: AsyncEngine, text: str) -> list[int]:
     return list(engine.tokenizer.encode(text))
 
 
-def _render_chat(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the conversation with the assistant's turn opened (the template adds its own BOS)."""
+def _render_chat(
+    engine: AsyncEngine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of the conversation with the assistant's turn opened (the template adds its own BOS); ``tools``
+    are rendered by the template (its own tool-calling instructions)."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, **({"tools": tools} if tools else {}))
     except InvalidRequestError as error:  # the template itself rejects the conversation (e.g. role order)
         raise bad_request(str(error), "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -4,24 +4,28 @@ Three kinds of fields (docs/serving.md lists them all):
 
 - acted on: model, messages / prompt (text, ids, or a batch of either), temperature, top_p, max_tokens (or its newer
   name max_completion_tokens), stop, seed, n, best_of, echo, logprobs (chat: logprobs + top_logprobs),
-  presence_penalty, frequency_penalty, stream, stream_options (include_usage, continuous_usage_stats); the vLLM
-  extensions top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output;
+  presence_penalty, frequency_penalty, stream, stream_options (include_usage, continuous_usage_stats),
+  response_format (text, json_object, json_schema); chat: tools, tool_choice, parallel_tool_calls, assistant
+  messages holding tool_calls and tool messages; the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
+  stop_token_ids, include_stop_str_in_output, guided_json, guided_regex, guided_choice, guided_grammar,
+  include_reasoning (docs/structured_outputs.md);
 - accepted and ignored, because they change nothing this server answers (``IGNORED_FIELDS``): user, store,
   metadata, service_tier, reasoning_effort, prompt_cache_key, safety_identifier, stream_options.include_obfuscation,
-  parallel_tool_calls (without tools), tool_choice "none" (without tools), response_format {"type": "text"};
+  guided_decoding_backend, parallel_tool_calls (without tools), tool_choice "none" (without tools);
 - refused by name with a 400, because they would change the answer and are not supported: logit_bias, suffix,
-  tools, response_format json_object / json_schema, echo together with logprobs, and every field not declared
-  here.
+  tools in completions, echo together with logprobs, and every field not declared here.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from fnvllm.serve.errors import bad_request
-from fnvllm.state import SamplingParams
+from fnvllm.serve.tool_parsers import ToolSpec, tool_call_grammar
+from fnvllm.state import InvalidRequestError, SamplingParams, StructuredOutput
 
 Number = StrictInt | StrictFloat  # JSON numbers only: no bools, no numeric strings
 
@@ -53,11 +57,11 @@ MAX_SEQUENCES = 1024
 
 IGNORED_FIELDS = (
     "user", "store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
-    "parallel_tool_calls", "stream_options.include_obfuscation",
+    "parallel_tool_calls", "stream_options.include_obfuscation", "guided_decoding_backend",
 )  # fmt: skip
-"""Fields accepted (type-checked) and then ignored: none of them changes what this server generates. Also accepted
-only at a neutral value: ``tool_choice`` "none"/"auto" and an empty ``tools`` list, ``response_format``
-{"type": "text"}, an empty ``suffix``, an empty ``logit_bias``."""
+"""Fields accepted (type-checked) and then ignored: none of them changes what this server generates
+(``parallel_tool_calls`` does with tools in chat). Also accepted only at a neutral value: ``tool_choice``
+"none"/"auto" and an empty ``tools`` list in completions, an empty ``suffix``, an empty ``logit_bias``."""
 
 
 class StreamOptions(_Strict):
@@ -70,12 +74,58 @@ class StreamOptions(_Strict):
     include_obfuscation: StrictBool | None = None
 
 
-class ResponseFormat(_Strict):
-    """``response_format``: only {"type": "text"} (plain text, the default) is served; the structured types are
-    refused by name."""
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema (``schema``), its name and description, and ``strict`` (the
+    schema is always enforced by the grammar mask, strict or not)."""
 
-    type: StrictStr
-    json_schema: dict[str, Any] | None = None
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: {"type": "text"} (the default), {"type": "json_object"} (any JSON object) or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""Body fields that constrain the output (at most one per request; tool_choice "required" or a named function is
+a constraint too)."""
+
+
+def compiled(spec: StructuredOutput, field: str) -> StructuredOutput:
+    """``spec`` once its grammar compiles, else a 400 naming ``field`` (a bad regex, EBNF or schema), or a 400
+    saying xgrammar is missing."""
+    from fnvllm.executor.structured import check_structured
+
+    try:
+        check_structured(SamplingParams(structured=spec))
+    except InvalidRequestError as error:
+        message = str(error).removeprefix("SamplingParams.structured")
+        raise bad_request(f"{field}: {message.lstrip(' :')}", field) from None
+    return spec
+
+
+def _structured_from(field: str, value: Any) -> StructuredOutput:
+    """The StructuredOutput of one guided field's value (validated: its text, then its grammar)."""
+    try:
+        if field == "guided_json":
+            spec = StructuredOutput("json_schema", value if isinstance(value, str) else json.dumps(value))
+        elif field == "guided_regex":
+            spec = StructuredOutput.regex(value)
+        elif field == "guided_choice":
+            spec = StructuredOutput.choice(value)
+        else:
+            spec = StructuredOutput.grammar(value)
+    except InvalidRequestError as error:
+        raise bad_request(f"{field}: {str(error).removeprefix('SamplingParams.structured')}", field) from None
+    return compiled(spec, field)
 
 
 _SAMPLING_FIELDS = (
@@ -116,9 +166,14 @@ class _Generation(_Strict):
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictBool | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
 
     def check_supported(self) -> None:
         """Raise a 400 naming a field that would change the answer and is not supported (or is out of range)."""
@@ -128,15 +183,32 @@ class _Generation(_Strict):
             raise bad_request("logit_bias: not supported (the sampler runs on the device, per row)", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported by this server", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request(
-                f"tool_choice: only 'none' or 'auto' without tools, got {self.tool_choice!r}", "tool_choice"
-            )
-        if self.response_format is not None and self.response_format.type != "text":
-            kind = self.response_format.type
-            raise bad_request(f"response_format: only type 'text' is supported, got {kind!r}", "response_format")
+        sent = [name for name in GUIDED_FIELDS if self._constrains(name)]
+        if len(sent) > 1:
+            raise bad_request(f"{sent[1]}: only one output constraint per request, got {' and '.join(sent)}", sent[1])
+
+    def _constrains(self, name: str) -> bool:
+        """Whether body field ``name`` (one of GUIDED_FIELDS) constrains the output."""
+        if name == "response_format":
+            return self.response_format is not None and self.response_format.type != "text"
+        return getattr(self, name) is not None
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint of this body (``response_format`` or a guided_* field), grammar checked; None
+        when unconstrained. A 400 names the field when its schema, regex, choices or grammar is invalid."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return compiled(StructuredOutput.json_object(), "response_format")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                message = "response_format: type json_schema needs json_schema.schema"
+                raise bad_request(message, "response_format")
+            return compiled(StructuredOutput.json_schema(fmt.json_schema.schema_), "response_format")
+        for name in GUIDED_FIELDS[1:]:
+            value = getattr(self, name)
+            if value is not None:
+                return _structured_from(name, value)
+        return None
 
     @property
     def num_choices(self) -> int:
@@ -149,8 +221,13 @@ class _Generation(_Strict):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """The SamplingParams fields this body sets (unset ones keep the engine's defaults)."""
-        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        """The SamplingParams fields this body sets (unset ones keep the engine's defaults), with its output
+        constraint."""
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        structured = self.structured()
+        if structured is not None:
+            kwargs["structured"] = structured
+        return kwargs
 
     def aliases(self) -> dict[str, str]:
         """Engine field name -> the body field it came from, where the two differ (so a 400 names what was sent)."""
@@ -183,6 +260,11 @@ class CompletionRequest(_Generation):
         """Raise a 400 for unsupported values (suffix, echo with logprobs, best_of out of range, an empty batch,
         too many sequences)."""
         super().check_supported()
+        if self.tools:
+            raise bad_request("tools: tool calling is served by /v1/chat/completions only", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            message = f"tool_choice: only 'none' or 'auto' without tools, got {self.tool_choice!r}"
+            raise bad_request(message, "tool_choice")
         if self.suffix:
             raise bad_request("suffix: not supported (this server has no fill-in-the-middle format)", "suffix")
         if self.echo and self.logprobs is not None:
@@ -230,21 +312,55 @@ class TextPart(_Strict):
     text: Text
 
 
+class CalledFunction(_Strict):
+    """``tool_calls[i].function`` of an assistant message: the name and the arguments as JSON text."""
+
+    name: StrictStr
+    arguments: StrictStr
+
+
+class AssistantToolCall(_Strict):
+    """One call an assistant message made (sent back by the client with the conversation)."""
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as chat templates read it: arguments as an object when they are JSON text of one."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        call: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
 class ChatMessage(_Strict):
-    """One message of a conversation; its content (required: a message without one is a 400) goes through the
-    tokenizer's chat template."""
+    """One message of a conversation; its content (required, except in an assistant message holding
+    ``tool_calls``: a message without one is a 400) goes through the tokenizer's chat template. ``tool`` messages
+    answer a call (``tool_call_id``); ``reasoning_content`` sent back by a client is not rendered."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
         """The message as the chat template reads it (text parts joined)."""
         content = self.content
-        text = "".join(p.text for p in content) if isinstance(content, list) else content
-        message = {"role": self.role, "content": text}
+        text = "".join(p.text for p in content) if isinstance(content, list) else content or ""
+        message: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -254,12 +370,69 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    include_reasoning: StrictBool | None = None
 
     def check_supported(self) -> None:
-        """Raise a 400 for top_logprobs without logprobs."""
+        """Raise a 400 for top_logprobs without logprobs, a message without content, a tool_choice that is not
+        "none", "auto", "required" or a function of ``tools``, or two output constraints."""
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+        for i, message in enumerate(self.messages):
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise bad_request(f"messages.{i}.content: required (except with tool_calls)", f"messages.{i}.content")
+        self._check_tool_choice()
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or ()]
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str) or set(choice) - {"type", "function"}:
+                message = 'tool_choice: must be "none", "auto", "required" or {"type": "function", "function": '
+                raise bad_request(message + f'{{"name": ...}}}}, got {choice!r}', "tool_choice")
+            if name not in names:
+                raise bad_request(f"tool_choice: function {name!r} is not in tools ({names})", "tool_choice")
+        elif choice not in (None, "none", "auto", "required"):
+            message = f'tool_choice: must be "none", "auto", "required" or a named function, got {choice!r}'
+            raise bad_request(message, "tool_choice")
+        elif choice == "required" and not names:
+            raise bad_request('tool_choice: "required" needs tools', "tool_choice")
+        if self.forced_tool is not None:
+            other = next((name for name in GUIDED_FIELDS if self._constrains(name)), None)
+            if other is not None:
+                raise bad_request(f"{other}: not allowed together with tool_choice {self.tool_choice!r}", other)
+
+    @property
+    def forced_tool(self) -> str | None:
+        """ "*" when tool_choice is "required", the function's name when it names one, else None."""
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            return str(choice["function"]["name"])
+        return "*" if choice == "required" else None
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the template renders the tools and the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (None: no tools, or tool_choice "none")."""
+        return [tool.template_dict() for tool in self.tools or ()] if self.uses_tools else None
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint: a forced tool call's grammar, else ``response_format`` / guided_*."""
+        forced = self.forced_tool
+        if forced is None or not self.tools:
+            return super().structured()
+        try:
+            grammar = tool_call_grammar(
+                self.tools, None if forced == "*" else forced, self.parallel_tool_calls is not False
+            )
+        except (InvalidRequestError, RuntimeError, ValueError) as error:
+            raise bad_request(f"tool_choice: {error}", "tool_choice") from None
+        return compiled(StructuredOutput.grammar(grammar), "tools")
 
     def aliases(self) -> dict[str, str]:
         """``max_completion_tokens`` and ``top_logprobs`` reach the engine as max_tokens and logprobs."""
@@ -283,6 +456,14 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
 
 
 FIELD_NAMES = _field_names(
-    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat
+    CompletionRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    TextPart,
+    StreamOptions,
+    ResponseFormat,
+    JsonSchemaFormat,
+    AssistantToolCall,
+    CalledFunction,
 )
 """Every field name of the request bodies (error locations are cut at the first part that is not one)."""

@@ -65,13 +65,14 @@ def serve(
     stream_interval_s: float = 0.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sock: socket.socket | None = None,
+    reasoning_parser: str | None = None,
     **uvicorn_options: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM; ``on_listening(host, port)`` runs once the socket is
     bound (before the first request can be answered). ``stream_interval_s``, ``max_request_bytes``: see
     ``build_app``. ``sock``: a socket already bound to host:port (``bind(..., listen=False)``, so that a port in
     use is found before the model loads); else one is bound here."""
-    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes)
+    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser)
     sock = sock if sock is not None else bind(host, port)
     if on_listening is not None:
         on_listening(host, sock.getsockname()[1])

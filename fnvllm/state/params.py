@@ -6,6 +6,7 @@ executor's sampler reads the rest; the LLM facade applies ``stop`` strings throu
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -13,6 +14,7 @@ import attrs
 from fnvllm.state.checks import (
     REQUEST,
     check_bool,
+    check_choice,
     check_int,
     check_optional_int,
     check_real,
@@ -52,6 +54,83 @@ def _stop_ids(values: Any) -> tuple[int, ...]:
     return () if values is None else check_token_ids(values, "SamplingParams.stop_token_ids", REQUEST, MAX_INT64)
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+def _json_text(text: str, name: str) -> Any:
+    """``text`` parsed as JSON, or InvalidRequestError naming ``name``."""
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise fail(REQUEST, name, "valid JSON text", text) from error
+
+
+@attrs.frozen
+class StructuredOutput:
+    """A constraint on a request's output, enforced by a grammar mask at every sampled token.
+
+    kind: one of STRUCTURED_KINDS. text: what the kind needs:
+        "json_object": "" (any JSON object);
+        "json_schema": a JSON schema as JSON text (an object or a bool);
+        "regex": a regular expression the whole output must match;
+        "choice": a JSON array of non-empty strs, the output is exactly one of them;
+        "grammar": an EBNF (GBNF) grammar, its root rule named ``root``.
+    The grammar itself (regex and EBNF syntax) is checked by the engine when the request is added, since that
+    needs the grammar library (``fnvllm.executor.structured.check_structured``).
+    """
+
+    kind: str
+    text: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        """Check kind and the text's shape (JSON where the kind takes JSON)."""
+        name = "SamplingParams.structured"
+        check_choice(self.kind, name + ".kind", REQUEST, STRUCTURED_KINDS)
+        check_str(self.text, name + ".text", REQUEST, non_empty=self.kind not in ("json_object",))
+        if self.kind == "json_schema":
+            schema = _json_text(self.text, name + ".text (a JSON schema)")
+            if not isinstance(schema, (dict, bool)):
+                raise fail(REQUEST, name + ".text", "a JSON schema (an object or a bool)", schema)
+        elif self.kind == "choice":
+            choices = _json_text(self.text, name + ".text (a JSON array of strs)")
+            if not isinstance(choices, list) or not choices:
+                raise fail(REQUEST, name + ".text", "a non-empty JSON array of strs", choices)
+            for i, choice in enumerate(choices):
+                check_str(choice, f"{name}.text[{i}]", REQUEST)
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | str) -> StructuredOutput:
+        """A JSON-schema constraint from a schema (a dict, a bool, or its JSON text)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        """Any JSON object."""
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        """Output that fully matches ``pattern``."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: list[str] | tuple[str, ...]) -> StructuredOutput:
+        """Output that is exactly one of ``choices``."""
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> StructuredOutput:
+        """Output of an EBNF grammar (root rule ``root``)."""
+        return cls("grammar", ebnf)
+
+
+def _structured(value: Any) -> StructuredOutput | None:
+    """``structured``: None or a StructuredOutput."""
+    if value is not None and not isinstance(value, StructuredOutput):
+        raise fail(REQUEST, "SamplingParams.structured", "None or a StructuredOutput", value, wrong_type=True)
+    return value
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample one request's tokens.
@@ -77,6 +156,8 @@ class SamplingParams:
     repetition_penalty: HF-style multiplicative penalty on tokens seen in prompt or output, in [0.001, 1000];
         1 disables.
     presence_penalty / frequency_penalty: OpenAI-style additive penalties on output tokens, [-2, 2].
+    structured: a StructuredOutput the output must follow (JSON schema, regex, choice, grammar), or None. The
+        request ends with EOS once the grammar is complete (so ignore_eos must stay False).
     """
 
     temperature: float = 1.0
@@ -93,6 +174,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured: StructuredOutput | None = attrs.field(default=None, converter=_structured)
     # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
     # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
@@ -120,6 +202,8 @@ class SamplingParams:
         }
         for field, value in checked.items():
             object.__setattr__(self, field, value)
+        if self.structured is not None and self.ignore_eos:
+            raise fail(REQUEST, name + "ignore_eos", "False when structured is set (EOS ends a complete grammar)", True)
         uses_history = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         object.__setattr__(self, "needs_history", uses_history)
 

@@ -1,0 +1,183 @@
+"""Grammar-constrained rows: xgrammar matchers, one per request life, and the token bitmasks the sampler applies.
+
+``SamplingParams.structured`` (a ``StructuredOutput``) names the constraint; this module is where it meets the
+tokenizer. ``Grammars`` compiles each (kind, text) once with xgrammar's GrammarCompiler (a cache) and keeps one
+GrammarMatcher per request life. The executor asks it, at launch, for the bitmask of the constrained rows
+(``masks``: each row's next allowed tokens given every token committed so far) and hands the sampled tokens back
+at collect (``accept``). A matcher ends its request by allowing only the stop (EOS) ids once its grammar is
+complete; the core's EOS rule then finishes the request with "stop".
+
+xgrammar is optional: importing this module does not import it; the first constrained request does, and without
+it installed that is an InvalidRequestError naming the package (``check_structured`` raises it when the request
+is added, before anything runs).
+
+Overlapped steps: see ``ModelExecutor.launch`` and docs/structured_outputs.md (a step with a constrained row fed
+by the step still in flight samples once the host has accepted that step's tokens; its forward still overlaps).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from fnvllm.state.errors import InvalidRequestError
+from fnvllm.state.params import SamplingParams, StructuredOutput
+from fnvllm.state.plan import StepPlan
+
+if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the loop without torch
+    import torch
+
+INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
+
+
+def import_xgrammar() -> Any:
+    """The xgrammar module, or InvalidRequestError naming the package when it is not installed."""
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise InvalidRequestError(f"SamplingParams.structured: {INSTALL_HINT}") from error
+    return xgrammar
+
+
+def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
+    """The xgrammar Grammar of ``spec`` (no tokenizer needed); JSON without free whitespace, so that a weak model
+    cannot spend its tokens on blanks."""
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.text)
+    if spec.kind == "choice":
+        alternatives = " | ".join(json.dumps(choice) for choice in json.loads(spec.text))
+        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    return xgr.Grammar.from_ebnf(spec.text)
+
+
+def check_structured(params: SamplingParams) -> None:
+    """Raise InvalidRequestError (naming the field and the reason) unless ``params.structured`` is None or
+    compiles: a bad regex, EBNF or JSON schema is refused when the request is added, never at a step."""
+    spec = params.structured
+    if spec is None:
+        return
+    xgr = import_xgrammar()
+    try:
+        _grammar(xgr, spec)
+    except Exception as error:  # xgrammar raises RuntimeError / ValueError subclasses with the parser's message
+        field = {"json_object": "json_schema"}.get(spec.kind, spec.kind)
+        raise InvalidRequestError(f"SamplingParams.structured ({field}) does not compile: {error}") from error
+
+
+@attrs.define(eq=False)
+class Matcher:
+    """One request life's matcher and how many tokens it has accepted."""
+
+    matcher: Any
+    accepted: int = 0
+
+
+class Grammars:
+    """Compiled grammars (cached by (kind, text)) and per-request matchers for one tokenizer.
+
+    tokenizer: the Hugging Face tokenizer of the model; vocab_size: the model's (logits') vocabulary size, which
+    may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
+    tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
+    without a tokenizer). The compiler is built on first use, so an engine whose requests are unconstrained never
+    imports xgrammar.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], tokenizer_info: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.tokenizer_info = tokenizer_info
+        self._compiler: Any = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher (fills several rows' masks on threads)
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self._live: dict[str, Matcher] = {}
+
+    @property
+    def words(self) -> int:
+        """int32 words per bitmask row."""
+        return (self.vocab_size + 31) // 32
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        xgr = import_xgrammar()
+        if self._compiler is None:
+            info = self.tokenizer_info or xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        key = (spec.kind, spec.text)
+        if key not in self._compiled:
+            self._compiled[key] = self._compiler.compile_grammar(_grammar(xgr, spec))
+        return self._compiled[key]
+
+    def matchers(self, plan: StepPlan, rows: Sequence[int]) -> tuple[Matcher | None, ...]:
+        """Per sampled row (``rows``: plan rows, in order), the matcher of its request life, or None when it is
+        unconstrained. A row admitted with nothing generated is a new life (an id may be reused): it gets a fresh
+        matcher; a preempted request re-admitted with its tokens keeps its own."""
+        out: list[Matcher | None] = []
+        for i in rows:
+            spec = plan.params[i].structured
+            if spec is None:
+                out.append(None)
+                continue
+            rid = plan.seq_ids[i]
+            live = self._live.get(rid)
+            if live is None or (i >= plan.num_continuing and plan.num_generated[i] == 0):
+                live = Matcher(import_xgrammar().GrammarMatcher(self._compile(spec)))
+                self._live[rid] = live
+            out.append(live)
+        return tuple(out)
+
+    def masks(self, matchers: Sequence[Matcher | None]) -> tuple[torch.Tensor, list[int]] | None:
+        """((R, words) int32 host bitmask, the R constrained positions among ``matchers``), None when none is
+        constrained. Each row allows the tokens its matcher accepts next; a row whose grammar already ended (a
+        speculative row of a request that finished in the step before: its token is dropped) allows any."""
+        positions = [k for k, m in enumerate(matchers) if m is not None]
+        if not positions:
+            return None
+        xgr = import_xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(positions), self.vocab_size)
+        filled, rows = [], []
+        for row, k in enumerate(positions):
+            live = matchers[k]
+            assert live is not None  # positions holds the constrained ones
+            if live.matcher.is_terminated():
+                bitmask[row] = -1
+            else:
+                filled.append(live.matcher)
+                rows.append(row)
+        if len(filled) == 1:
+            filled[0].fill_next_token_bitmask(bitmask, rows[0])
+        elif filled:  # on the host's threads: the rows' fills are independent
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(filled, bitmask, rows)
+        return bitmask, positions
+
+    def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
+        """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
+        accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
+        for rid, live, token in zip(seq_ids, matchers, tokens, strict=True):
+            if live is None or live.matcher.is_terminated():  # ended: a dropped speculative row's token
+                continue
+            if live.matcher.accept_token(token):
+                live.accepted += 1
+            if live.matcher.is_terminated() and self._live.get(rid) is live:
+                del self._live[rid]
+
+    def prune(self, live: Container[str]) -> None:
+        """Drop the matchers of requests not in ``live`` (they finished by length or a stop string, or were
+        aborted). A step already launched keeps the matchers it holds."""
+        for rid in [rid for rid in self._live if rid not in live]:
+            del self._live[rid]
+
+    @property
+    def num_live(self) -> int:
+        """Matchers held (tests)."""
+        return len(self._live)
