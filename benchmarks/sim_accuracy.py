@@ -73,12 +73,19 @@ class Prediction:
 
 
 def bench_flags(text: str) -> argparse.Namespace:
-    """``text`` (the words after ``fnvllm bench``) parsed by the bench's own parser, defaults included."""
+    """``text`` (the words after ``fnvllm bench``) parsed by the bench's own parser, defaults included and the
+    shape-dependent ones resolved as the bench resolves them; the engine flags (``ec_<field>``) also under their
+    field names (``block_size``, ``max_num_seqs`` ...)."""
     from fnvllm.cli import bench
 
     parser = argparse.ArgumentParser(prog="fnvllm")
     bench.register(parser.add_subparsers())
-    return parser.parse_args(["bench", *text.split()])
+    flags = parser.parse_args(["bench", *text.split()])
+    bench.resolve_workload(flags)
+    for name, value in list(vars(flags).items()):
+        if name.startswith("ec_"):
+            setattr(flags, name.removeprefix("ec_"), value)
+    return flags
 
 
 def load_run(folder: Path, name: str) -> Run:

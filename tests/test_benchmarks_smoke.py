@@ -31,7 +31,8 @@ CPU_RUNS: dict[str, list[str]] = {
                           "temperature", "--batches", "1"],
     "sim_serve_check.py": ["--model-shape", "tiny", "--quick", "--out", "{tmp}/serve"],
     "fp8_accuracy.py": ["--tokens", "3"],
-    "bench_structured.py": ["--model-shape", "tiny", "--device", "cpu", "--rows", "4", "--max-tokens", "4", "--repeats", "1"],
+    "bench_structured.py": ["--model-shape", "tiny", "--device", "cpu", "--rows", "4", "--max-tokens", "4",
+                            "--repeats", "1"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
