@@ -123,12 +123,13 @@ SCALED_MM_MIN_ROWS = 16
 
 @functools.cache
 def _has_block_scaled_mm(device_index: int) -> bool:
-    """Whether torch._scaled_mm takes DeepSeek-style block scales on this GPU (sm_90 with CUDA >= 12.9): one tiny
-    product is tried once per device."""
+    """Whether torch._scaled_mm takes DeepSeek-style block scales on this GPU (sm_90 with CUDA >= 12.9): one small
+    product is tried once per device. (torch tells the recipes apart by the scales' shapes: with one 128-column
+    group a (M, 1) activation scale would read as row-wise, hence K = 512 here.)"""
     try:
-        w = torch.zeros(128, 128, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
-        x = torch.zeros(4, 128, dtype=torch.bfloat16, device=w.device)
-        fp8_scaled_mm(x, w, torch.ones(1, 1, device=w.device))
+        w = torch.zeros(384, 512, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
+        x = torch.zeros(8, 512, dtype=torch.bfloat16, device=w.device)
+        fp8_scaled_mm(x, w, torch.ones(3, 4, device=w.device))
         return True
     except (RuntimeError, TypeError, ValueError):
         return False
@@ -361,8 +362,9 @@ def cublas_scale_layouts(x_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple[
 
 
 def scaled_mm_supported(n: int, k: int) -> bool:
-    """Whether ``fp8_scaled_mm`` can take an (N, K) weight: whole 128 x 128 blocks (cuBLAS has no partial ones)."""
-    return n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+    """Whether ``fp8_scaled_mm`` can take an (N, K) weight: whole 128 x 128 blocks (cuBLAS has no partial ones), and
+    at least two 128-column groups (with one, torch reads the activation scale as a row-wise one)."""
+    return n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0 and k >= 2 * SCALE_BLOCK
 
 
 def fp8_scaled_mm(
