@@ -265,12 +265,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
 def test_fp8_linear_on_cuda_matches_references(m: int) -> None:
-    """fp8_linear on CUDA at a Qwen3 o_proj size (compiled kernels, both sides of SMALL_M) equals its reference:
-    dequantize-then-matmul up to 64 tokens, the same quantized operands above."""
+    """fp8_linear on CUDA at a Qwen3 o_proj size (compiled kernels, both sides of SMALL_M and of the cuBLAS
+    threshold) equals its reference: dequantize-then-matmul where the weight is streamed (bf16 activations), the
+    same quantized operands where activations are quantized (cuBLAS from SCALED_MM_MIN_ROWS, Triton above SMALL_M)."""
     w, scale = (t.cuda() for t in _weights(4096, 4096, seed=5))
     x = torch.randn(m, 4096, device="cuda").bfloat16()
     out = g.fp8_linear(x, w, scale)
-    if m <= g.SMALL_M:
+    cublas = m >= g.SCALED_MM_MIN_ROWS and g._has_block_scaled_mm(0) and g.scaled_mm_supported(4096, 4096)
+    if m <= g.SMALL_M and not cublas:
         ref = g.fp8_linear_ref(x.float(), w, scale)
     else:
         ref = g.fp8_blockwise_ref(*g.quantize_activations(x), w, scale, torch.float32)
