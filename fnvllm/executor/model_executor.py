@@ -104,6 +104,8 @@ class Launched:
     matchers: per sampled row, its grammar matcher (None: unconstrained), advanced by the tokens at collect.
     deferred: the logits of a step whose sampling waits for the host to accept the previous step's tokens (a
     constrained row fed from a step still in flight); ``packed`` is filled when it samples (``_sample_deferred``).
+    fed_by: for a deferred step, the step whose tokens its masks wait for: collecting that step samples this one at
+    once, so the sampler is queued behind this step's forward while the host goes on planning.
     """
 
     plan: StepPlan
@@ -115,6 +117,7 @@ class Launched:
     graph: bool = False
     matchers: tuple[Matcher | None, ...] = ()
     deferred: torch.Tensor | None = None
+    fed_by: object | None = None
     collected: bool = False
 
 
@@ -420,6 +423,7 @@ class ModelExecutor:
         launched = Launched(plan, rows, timer=timer, graph=graph, matchers=matchers)
         if any(matchers) and fed_by is not None and self._waits_for_tokens(plan, rows, matchers, fed_by):
             launched.deferred = logits  # its masks need the tokens of ``fed_by``, not yet accepted
+            launched.fed_by = fed_by
             self._deferred = launched
             return launched
         self._sample(launched, logits)
@@ -502,6 +506,10 @@ class ModelExecutor:
         if self.grammars is not None and any(launched.matchers):
             self.grammars.accept([plan.seq_ids[i] for i in launched.rows], launched.matchers, tokens)
         launched.collected = True
+        if self._deferred is not None and self._deferred.fed_by is launched:
+            # The step behind this one waited for these tokens: fill its masks and queue its sampler now, while its
+            # forward still runs, rather than at the next launch (after the host has committed and planned).
+            self._sample_deferred()
         if not logprobs:
             return ExecuteResult(tuple(tokens))
         return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked))
