@@ -25,6 +25,16 @@ def test_engine_config_imports_no_torch() -> None:
     assert "fnvllm.config" in loaded
 
 
+def test_the_cpu_runtime_path_imports_no_triton() -> None:
+    """``fnvllm demo`` runs on the runtime dependencies, which have no Triton on a CPU-only machine: building the
+    LLM facade, the model (FP8 layers included), the executor and the loop imports no Triton module."""
+    loaded = _modules_after(
+        "import fnvllm.llm, fnvllm.model.models, fnvllm.model.quant, fnvllm.executor.model_executor, fnvllm.engine"
+    )
+    assert "fnvllm.llm" in loaded and "fnvllm.model.quant" in loaded
+    assert not {name for name in loaded if name == "triton" or name.startswith("triton.")}
+
+
 def test_pure_core_imports_nothing_of_the_shell() -> None:
     """``import fnvllm.state`` loads no torch and no fnvllm module outside ``fnvllm.state``."""
     loaded = _modules_after("import fnvllm.state")

@@ -40,35 +40,39 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+from fnvllm.kernels.reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    SCALE_BLOCK,
+    dequantize_fp8_blocks,
+    expand_block_scales,
+    fp8_linear_ref,
+)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-SCALE_BLOCK = 128  # rows and columns per weight scale (and columns per activation scale)
+# The references live in fnvllm.kernels.reference (torch only: the model imports them without Triton); they are
+# re-exported here beside the kernels tested against them.
+__all__ = [
+    "FP8_DTYPE",
+    "SCALE_BLOCK",
+    "SMALL_M",
+    "dequantize_fp8_blocks",
+    "expand_block_scales",
+    "fp8_blockwise_ref",
+    "fp8_gemm_blockwise",
+    "fp8_gemm_small_m",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "fp8_scaled_mm",
+    "quantize_activations",
+    "quantize_activations_ref",
+]
+
 SMALL_M = 64  # up to this many tokens the bandwidth kernel runs, above it the fp8 tensor-core GEMM
-MIN_SCALE = 1e-12  # the scale of an all-zero block (any positive value gives zeros)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-# ---- torch reference --------------------------------------------------------------------------------------------
-
-
-def expand_block_scales(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """(rows, cols) float32: each block scale repeated over the 128 x 128 block it covers (edge blocks cut)."""
-    full = scale.repeat_interleave(SCALE_BLOCK, dim=0).repeat_interleave(SCALE_BLOCK, dim=1)
-    return full[:rows, :cols]
-
-
-def dequantize_fp8_blocks(w: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The real weight (N, K) in ``dtype``: w (N, K) fp8 times its block scales, in float32, then cast."""
-    n, k = w.shape
-    return (w.float() * expand_block_scales(w_scale.float(), n, k)).to(dtype)
-
-
-def fp8_linear_ref(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (M, K) @ dequantized(w).T (+ bias): the weight dequantized to x's dtype, then F.linear (CPU path)."""
-    return F.linear(x, dequantize_fp8_blocks(w, w_scale, x.dtype), bias)
+# ---- torch reference (the weight's in fnvllm.kernels.reference) ----------------------------------------------
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,3 +102,30 @@ def fused_moe_all_experts_ref(
         y = F.linear(silu_and_mul_ref(F.linear(x, w_gate_up[expert])), w_down[expert])  # (T, H)
         out += y.float() * weight[:, None]
     return out.to(x.dtype)
+
+
+# ---- FP8 weights (fnvllm.kernels.fp8_gemm's kernels; fnvllm.model.quant's format) -------------------------------
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+SCALE_BLOCK = 128  # rows and columns per weight scale (and columns per activation scale)
+MIN_SCALE = 1e-12  # the scale of an all-zero block (any positive value gives zeros)
+
+
+def expand_block_scales(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(rows, cols) float32: each block scale repeated over the 128 x 128 block it covers (edge blocks cut)."""
+    full = scale.repeat_interleave(SCALE_BLOCK, dim=0).repeat_interleave(SCALE_BLOCK, dim=1)
+    return full[:rows, :cols]
+
+
+def dequantize_fp8_blocks(w: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The real weight (N, K) in ``dtype``: w (N, K) fp8 times its block scales, in float32, then cast."""
+    n, k = w.shape
+    return (w.float() * expand_block_scales(w_scale.float(), n, k)).to(dtype)
+
+
+def fp8_linear_ref(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (M, K) @ dequantized(w).T (+ bias): the weight dequantized to x's dtype, then F.linear (CPU path)."""
+    return F.linear(x, dequantize_fp8_blocks(w, w_scale, x.dtype), bias)

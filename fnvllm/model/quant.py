@@ -22,14 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fnvllm.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_BLOCK, dequantize_fp8_blocks, fp8_linear
+from fnvllm.kernels.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_BLOCK, dequantize_fp8_blocks, fp8_linear_ref
 
 __all__ = [
     "FP8_DTYPE",
     "SCALE_BLOCK",
     "check_block_aligned",
     "dequantize_fp8_blocks",
-    "fp8_linear",
     "linear_forward",
     "make_fp8",
     "quantize_fp8_blocks",
@@ -77,7 +76,13 @@ def make_fp8(linear: nn.Linear) -> None:
 def linear_forward(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias): through the FP8 GEMMs when the weight has block scales (e4m3), else F.linear."""
+    """x @ weight.T (+ bias): through the FP8 GEMMs when the weight has block scales (e4m3), else F.linear. On a
+    CPU the FP8 reference (dequantize, then F.linear); the Triton/cuBLAS paths are imported on first GPU use, so
+    the runtime dependencies (no Triton on a CPU-only install) suffice to load an FP8 model."""
     if weight_scale is None:
         return F.linear(x, weight, bias)
+    if not x.is_cuda:
+        return fp8_linear_ref(x, weight, weight_scale, bias)
+    from fnvllm.kernels.fp8_gemm import fp8_linear
+
     return fp8_linear(x, weight, weight_scale, bias)
