@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fnvllm.benchmark import write_checkpoint
+from fnvllm.bench import write_checkpoint
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.llm import LLM
 from fnvllm.state import StepPlan, schedule

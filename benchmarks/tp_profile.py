@@ -266,7 +266,7 @@ def stage(name: str, argv: list[str], log: Path, deadline: float, env: dict[str,
 def main_run(args: argparse.Namespace, out_dir: Path) -> int:
     """All stages, then the table; 0 when every stage ran."""
     from benchmarks.tp_report import report
-    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.bench import write_checkpoint
 
     start = time.monotonic()
     deadline = start + args.budget_s
