@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,13 +25,6 @@ from fnvllm.testing.toy import CounterToyExecutor
 from fnvllm.workloads import bench_workload
 
 CONFIG = CoreConfig(block_size=256, num_blocks=4300, max_num_batched_tokens=16384, max_num_seqs=512, max_model_len=4096)
-
-
-def token_ids(result: object) -> Sequence[int]:
-    """The sampled ids of an executor's result: its ``token_ids`` (an ExecuteResult), or the result itself."""
-    ids = getattr(result, "token_ids", result)
-    assert isinstance(ids, Sequence)
-    return ids
 
 
 def time_core(num_requests: int) -> tuple[float, int, int]:
@@ -48,7 +40,7 @@ def time_core(num_requests: int) -> tuple[float, int, int]:
         t0 = time.process_time()
         state, plan = schedule(state)
         t1 = time.process_time()
-        sampled = token_ids(executor.execute(plan))
+        sampled = executor.execute(plan).token_ids
         t2 = time.process_time()
         state, out = commit(state, plan, sampled)
         core += (t1 - t0) + (time.process_time() - t2)

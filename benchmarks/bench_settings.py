@@ -20,10 +20,13 @@ from typing import Any
 
 import attrs
 
-from fnvllm.benchmark import write_checkpoint
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
 
+try:
+    from fnvllm.bench import write_checkpoint
+except ImportError:  # a tree older than the module's rename (fnvllm.benchmark), measured for comparison
+    from fnvllm.benchmark import write_checkpoint  # type: ignore[import-not-found,no-redef]
 try:
     from fnvllm.workloads import bench_workload
 except ImportError:  # a tree older than fnvllm.workloads, measured for comparison

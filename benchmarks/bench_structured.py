@@ -70,7 +70,7 @@ def _checkpoint(args: argparse.Namespace) -> Iterator[Path]:
 
         yield model_path()
         return
-    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.bench import write_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="fnvllm-bench-structured-") as tmp:
         print(f"writing a random {args.model_shape} checkpoint to {tmp}", file=sys.stderr, flush=True)

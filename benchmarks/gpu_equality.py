@@ -28,7 +28,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from fnvllm.benchmark import write_checkpoint
+from fnvllm.bench import write_checkpoint
 from fnvllm.executor.model_executor import resolve_device
 from fnvllm.kernels.backends import available_backends
 from fnvllm.llm import LLM

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fnvllm.benchmark import write_checkpoint
-from fnvllm.engine.output import deliver_all
+from fnvllm.bench import write_checkpoint
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.llm import LLM
 from fnvllm.state import StepPlan, schedule
@@ -30,7 +29,8 @@ from fnvllm.workloads import bench_workload
 
 def step_split(llm: LLM, steps: int) -> dict[str, float]:
     """Mean ms per step of schedule, engine.step (execute + commit) and routing, as a plain (not overlapped)
-    EngineLoop.step runs them; a step in flight is committed first (``EngineLoop.drain``)."""
+    EngineLoop.step runs them: a step in flight is committed first (``EngineLoop.drain``), then each step's calls
+    are run here and handed back to the loop (``EngineLoop.adopt``: routing, stats)."""
     loop = llm.loop
     loop.drain()
     totals = {"schedule": 0.0, "execute+commit": 0.0, "route": 0.0}
@@ -40,9 +40,7 @@ def step_split(llm: LLM, steps: int) -> dict[str, float]:
         t1 = time.perf_counter()
         state, out = loop.engine.step(state, plan)
         t2 = time.perf_counter()
-        loop.processor.note_cached(plan.admitted_starts())
-        loop.state, outbox = loop.processor.process(state, out)
-        deliver_all(outbox, [])
+        loop.adopt(state, plan, out)
         t3 = time.perf_counter()
         totals["schedule"] += t1 - t0
         totals["execute+commit"] += t2 - t1

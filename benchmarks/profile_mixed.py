@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fnvllm.engine.loop as loop_module
-from fnvllm.benchmark import write_checkpoint
+from fnvllm.bench import write_checkpoint
 from fnvllm.engine.core import Engine
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams

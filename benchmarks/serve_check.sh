@@ -73,7 +73,7 @@ trap 'rm -rf "$WORK"' EXIT
 install_missing_deps
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
 CKPT=$WORK/ckpt
-python3 -c "import sys, pathlib; from fnvllm.benchmark import write_checkpoint; write_checkpoint(sys.argv[1], pathlib.Path(sys.argv[2]))" \
+python3 -c "import sys, pathlib; from fnvllm.bench import write_checkpoint; write_checkpoint(sys.argv[1], pathlib.Path(sys.argv[2]))" \
   "$SHAPE" "$CKPT" 2>/dev/null
 WORKLOAD=(--num-requests "$NUM" --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT")
 # The engine options `fnvllm bench` uses (its defaults; max_model_len as run_bench picks it), given to both sides.

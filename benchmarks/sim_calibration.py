@@ -141,7 +141,7 @@ def run_regimes(
 
 def build_engine(shape: str, folder: Path, quick: bool) -> Any:
     """An LLM of a random checkpoint of ``shape`` with ``fnvllm bench``'s engine options (smaller on CPU)."""
-    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.bench import write_checkpoint
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
 

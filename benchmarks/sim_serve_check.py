@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             setattr(args, key, value)
     import torch
 
-    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.bench import write_checkpoint
     from fnvllm.serve.bench import arrival_offsets
     from fnvllm.workloads import bench_workload
 

@@ -100,7 +100,7 @@ def agreement(a: dict, b: dict) -> float:
 
 def main_check(shape: str, requests: int, out_dir: Path) -> int:
     """The whole check; prints the table last; 0 when agreement passes and both benches ran."""
-    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.bench import write_checkpoint
 
     deadline = time.monotonic() + BUDGET_S
     out_dir.mkdir(parents=True, exist_ok=True)

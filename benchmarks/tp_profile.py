@@ -100,11 +100,12 @@ def profile(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
         llm.loop.step()  # prefill
     for _ in range(args.warm):
         llm.loop.step()
+    llm.loop.drain()  # the profiled steps run plainly: the phases are those of a step that waits for its tokens
     executor = llm.executor
     phases = Phases.attach(executor)
     if hasattr(executor, "worker_stats"):
         executor.worker_stats()  # start the workers' count here
-    phases.run(llm.loop.step, args.steps)
+    phases.run(lambda: plain_step(llm.loop), args.steps)
     record = summarize(phases, batch)
     if hasattr(executor, "worker_stats"):
         record["workers"] = executor.worker_stats()
@@ -112,6 +113,16 @@ def profile(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     while llm.loop.has_unfinished:
         llm.loop.step()
     return record
+
+
+def plain_step(loop: Any) -> None:
+    """One step of ``loop`` run by hand, not overlapped (schedule, execute + commit, then ``EngineLoop.adopt``
+    routes it): ``execute`` is called once and waits for the tokens, so the phases above time a whole step."""
+    from fnvllm.state import schedule
+
+    state, plan = schedule(loop.state)
+    state, out = loop.engine.step(state, plan)
+    loop.adopt(state, plan, out)
 
 
 def tp_stage(args: argparse.Namespace) -> None:
@@ -255,7 +266,7 @@ def stage(name: str, argv: list[str], log: Path, deadline: float, env: dict[str,
 def main_run(args: argparse.Namespace, out_dir: Path) -> int:
     """All stages, then the table; 0 when every stage ran."""
     from benchmarks.tp_report import report
-    from fnvllm.benchmark import write_checkpoint
+    from fnvllm.bench import write_checkpoint
 
     start = time.monotonic()
     deadline = start + args.budget_s

@@ -225,7 +225,7 @@ def test_bench_defaults_depend_on_the_shape() -> None:
 
 def test_bench_progress_line_reports_tokens_share_and_rate() -> None:
     """The plain progress line (printed when stderr is not a terminal) says time, tokens of the total and tok/s."""
-    from fnvllm.benchmark import Progress
+    from fnvllm.bench import Progress
 
     line = Progress(llm=None, total_tokens=4000, every_s=5.0).line(10.0, 1000)
     assert line == "bench: 10 s, 1,000 of 4,000 output tokens (25 %), 100 tok/s"

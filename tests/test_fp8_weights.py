@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from fnvllm.benchmark import weight_bytes
+from fnvllm.bench import weight_bytes
 from fnvllm.executor.device_inputs import build_attention_metadata
 from fnvllm.kernels import fp8_gemm as g
 from fnvllm.llm import LLM

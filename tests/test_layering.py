@@ -49,7 +49,7 @@ FORBIDDEN = {
     "model": ("fnvllm.executor", "fnvllm.engine", "fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
     "executor": ("fnvllm.engine", "fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
     "engine": ("fnvllm.llm", "fnvllm.serve", "fnvllm.cli"),
-    "sim": ("fnvllm.llm", "fnvllm.serve", "fnvllm.cli", "fnvllm.benchmark", "fnvllm.executor.model_executor"),
+    "sim": ("fnvllm.llm", "fnvllm.serve", "fnvllm.cli", "fnvllm.bench", "fnvllm.executor.model_executor"),
 }
 
 

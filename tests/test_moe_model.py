@@ -128,7 +128,7 @@ def test_bad_moe_field_in_file_is_a_checkpoint_error(tmp_path: Path) -> None:
 def test_random_qwen3_30b_a3b_shapes() -> None:
     """The random Qwen3-30B-A3B tensor list holds the real model's ~30.5B parameters, and a decode step at 256
     sequences reads ~60 GB of bf16 weights (every expert) but one sequence only its 8 experts a layer."""
-    from fnvllm.benchmark import weight_bytes
+    from fnvllm.bench import weight_bytes
     from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_MOE_SHAPES, qwen3_tensor_shapes
 
     hf = {**_QWEN3_COMMON, **QWEN3_MOE_SHAPES["qwen3-30b-a3b"], "torch_dtype": "bfloat16"}

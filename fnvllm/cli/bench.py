@@ -17,7 +17,7 @@ import sys
 import tempfile
 from typing import Any
 
-from fnvllm.benchmark import SHAPES
+from fnvllm.bench import SHAPES
 from fnvllm.cli import CLIError
 from fnvllm.cli._common import add_engine_args, engine_options
 
@@ -55,7 +55,7 @@ def resolve_workload(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or one JSON object with ``--json``)."""
-    from fnvllm.benchmark import run_bench
+    from fnvllm.bench import run_bench
 
     args.max_output_len_given = args.max_output_len is not None
     resolve_workload(args)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_latency_mode(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """``fnvllm bench --latency``: ms per decode step and TPOT / TTFT percentiles at small batches."""
-    from fnvllm.benchmark import run_latency
+    from fnvllm.bench import run_latency
 
     try:
         output_tokens = args.max_output_len if args.max_output_len_given else 256

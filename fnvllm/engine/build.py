@@ -1,12 +1,12 @@
 """The composition root: ``build_engine(model_folder, EngineConfig)`` assembles the running engine.
 
-Every front end is a thin client of this one function: ``LLM`` (offline), the server's engine core, ``fnvllm
-bench`` and the profilers. It reads the checkpoint's config, loads the tokenizer (local folders only), checks the
-KV cache fits, builds the executor (one process, or rank 0 of a tensor-parallel group), sizes the pure core from
-what the executor allocated, and binds them in an ``Engine`` driven by one ``EngineLoop``. What the front ends
-need besides the loop comes with it, defined once: each request's incremental detokenizer
-(``EngineParts.detokenizer``), chat templating (``render_chat``) and the model facts a client may ask for
-(``EngineParts.info``).
+Every front end is a thin client of this one function: ``LLM`` (offline; through it ``fnvllm bench`` and the
+profilers) and the server's engine process (``fnvllm serve``). It reads the checkpoint's config, loads the
+tokenizer (local folders only), checks the KV cache fits, builds the executor (one process, or rank 0 of a
+tensor-parallel group), sizes the pure core from what the executor allocated, and binds them in an ``Engine``
+driven by one ``EngineLoop``. What the front ends need besides the loop comes with it, defined once: each request's
+incremental detokenizer (``EngineParts.detokenizer``), chat templating (``render_chat``) and the model facts a
+client may ask for (``EngineParts.info``).
 
     parts = build_engine("path/to/Qwen3-0.6B", EngineConfig(max_num_seqs=64))
     parts.loop.add("r0", ids, SamplingParams(max_tokens=32), tracker)

@@ -8,20 +8,22 @@ One step reads like the design's pseudo-code::
     state, outbox = processor.process(state, out)  # route tokens; stop strings end requests
     deliver(outbox)                             # consumers' callbacks, once the state is adopted
 
-``LLM.generate`` / ``LLM.stream``, the server's engine core, the bench and the profilers are clients (built by
-``fnvllm.engine.build``): they add requests with a ``RequestTracker`` and call ``step`` until their own requests
-are done; ``drain`` commits a step in flight and ``restore`` adopts a snapshot. ``fnvllm.testing.drive`` is the
-same loop without routing or overlap, for tests of the pure core.
+Its clients: ``LLM.generate`` / ``LLM.stream`` (and through ``LLM`` the bench and the profilers), the server's
+``EngineWorker`` (all built by ``fnvllm.engine.build``), and the simulator (``fnvllm.sim.loop``: a ``SimExecutor``
+and the simulated clock). They add requests with a ``RequestTracker`` and call ``step`` until their own requests
+are done; ``drain`` commits a step in flight, ``adopt`` takes back a step a driver ran by hand, and ``restore``
+adopts a snapshot. ``fnvllm.testing.drive`` writes the three pure calls without routing or overlap, for tests of
+the pure core.
 
 Overlapped steps (on an executor with ``supports_overlap``, e.g. the CUDA ``ModelExecutor``): each ``step``
 commits one step as above, but the device already runs the next one by then::
 
-    spec = speculate(state, plan_N)                  # pure: plan N+1 from placeholder tokens
-    launched = engine.launch(spec.plan, fed_by=N)    # device: N+1 queued behind N, fed N's tokens on device
-    state, out = engine.collect(state, plan_N, N)    # wait for N's tokens, commit them
+    spec = speculate(state, plan_N)                            # pure: plan N+1 from placeholder tokens
+    launched = engine.launch(spec.state, spec.plan, fed_by=N)  # device: N+1 behind N, fed N's tokens there
+    state, out = engine.collect(state, plan_N, N)              # wait for N's tokens, commit them
     state, outbox = processor.process(state, out)
-    verdict = reconcile(state, spec.plan)            # pure: does the run of N+1 stand? else drop it
-    deliver(outbox)                                  # user code runs last: it may add or abort requests
+    verdict = reconcile(state, spec)                           # pure: does the run of N+1 stand? else drop it
+    deliver(outbox)                                            # user code last: it may add or abort requests
 
 so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``).
 """
@@ -38,7 +40,16 @@ from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.output import Outbox, OutputProcessor, RequestTracker, deliver_all
 from fnvllm.executor.base import supports_overlap
 from fnvllm.executor.structured import check_structured
-from fnvllm.state import EngineState, InvalidRequestError, SamplingParams, StepPlan, abort, add_request, schedule
+from fnvllm.state import (
+    EngineState,
+    InvalidRequestError,
+    PlanMismatchError,
+    SamplingParams,
+    StepPlan,
+    abort,
+    add_request,
+    schedule,
+)
 from fnvllm.state.overlap import Speculation, reconcile, speculate
 from fnvllm.state.state import add_requests
 
@@ -189,9 +200,7 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)  # executor and state in step again; nothing lost
             raise
-        cached = plan.admitted_starts()
-        self.processor.note_cached(cached)
-        self._finish_step(state, plan, out, sum(cached.values()), errors)
+        self._finish_step(state, plan, out, self._note_admissions(plan), errors)
         return out
 
     def _step_overlapped(self, errors: list[BaseException]) -> EngineOutput:
@@ -217,8 +226,8 @@ class EngineLoop:
 
     def drain(self) -> EngineOutput | None:
         """Commit the step in flight, if any, without launching another; returns it (None when nothing was in
-        flight). Afterwards ``state`` has no plan pending, so a driver may call ``schedule`` / ``engine.step``
-        itself, snapshot the state, or time plain steps. User-code exceptions are raised as by ``step``."""
+        flight). Afterwards ``state`` has no plan pending, so a driver may snapshot the state, or run a step's
+        calls itself and hand the result back with ``adopt``. User-code exceptions are raised as by ``step``."""
         flight = self._flight
         if flight is None:
             return None
@@ -233,6 +242,34 @@ class EngineLoop:
         if errors:
             raise errors[0]
         return out
+
+    def adopt(self, state: EngineState, plan: StepPlan, out: EngineOutput) -> None:
+        """Take over a step the driver ran itself, as ``step`` takes over its own: route its tokens, count it,
+        then run the user code it triggers (exceptions raised as by ``step``). For drivers that time or replace
+        one of the step's calls::
+
+            loop.drain()                                  # no step in flight
+            state, plan = schedule(loop.state)            # pure
+            state, out = loop.engine.step(state, plan)    # execute + pure commit
+            loop.adopt(state, plan, out)
+
+        PlanMismatchError (nothing changes) unless no step is in flight, ``plan`` was scheduled from the loop's
+        state and ``state`` is that plan committed."""
+        self._check_adoptable(state, plan)
+        errors: list[BaseException] = []
+        self._finish_step(state, plan, out, self._note_admissions(plan), errors)
+        if errors:
+            raise errors[0]
+
+    def _check_adoptable(self, state: EngineState, plan: StepPlan) -> None:
+        """PlanMismatchError unless ``state`` is ``plan`` committed and ``plan`` continues the loop's state."""
+        current = self.state
+        if self._flight is not None or current.pending_step is not None:
+            raise PlanMismatchError("a step is in flight: call drain() before running steps by hand")
+        if plan.step != current.step:
+            raise PlanMismatchError(f"plan.step is {plan.step} but the loop's state plans step {current.step} next")
+        if state.pending_step is not None or state.step != plan.step + 1:
+            raise PlanMismatchError(f"state is not step {plan.step} committed (engine.step returns that state)")
 
     def restore(self, state: EngineState | None = None) -> None:
         """Adopt ``state`` (a snapshot, e.g. unpickled; default: the loop's own) as on a fresh KV cache: a step
@@ -286,10 +323,8 @@ class EngineLoop:
         except BaseException:
             self.state = self.engine.restore(before)
             raise
-        cached = plan.admitted_starts()
-        self.processor.note_cached(cached)
         self.state = state
-        return _Flight(plan, launched, None, sum(cached.values()))
+        return _Flight(plan, launched, None, self._note_admissions(plan))
 
     def _reconcile(self, spec: Speculation, launched: object) -> None:
         """Keep the speculative run as the next flight, or drop it (``fnvllm.state.overlap.reconcile``)."""
@@ -298,15 +333,20 @@ class EngineLoop:
         s = self.overlap_stats
         if verdict.kept and verdict.plan is not None:
             plan = verdict.plan
-            cached = plan.admitted_starts()  # a mixed step may admit
-            self.processor.note_cached(cached)
             keep = tuple(compress(verdict.keep, spec.plan.sample))  # per sampled row, as the tokens come
-            self._flight = _Flight(plan, launched, keep, sum(cached.values()))
+            self._flight = _Flight(plan, launched, keep, self._note_admissions(plan))  # a mixed step may admit
             self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
         else:
             self.engine.discard(launched)
             self.overlap_stats = OverlapStats(s.launched + 1, s.kept, s.dropped + 1)
         self.state = verdict.state
+
+    def _note_admissions(self, plan: StepPlan) -> int:
+        """Tell the trackers of the requests ``plan`` admits how many prompt tokens the prefix cache served
+        them; returns the total (for the stats)."""
+        cached = plan.admitted_starts()
+        self.processor.note_cached(cached)
+        return sum(cached.values())
 
     def _count(self, plan: StepPlan, cached: int) -> None:
         s = self.stats

@@ -34,7 +34,8 @@ DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDeto
 
 
 def detokenizer_factory(tokenizer: Any | None) -> DetokenizerFactory:
-    """``detokenizer_for`` bound to ``tokenizer`` (what an engine core that holds no EngineParts is given)."""
+    """``detokenizer_for`` bound to ``tokenizer`` (what the server's ``EngineWorker``, which holds no EngineParts,
+    is given)."""
     return lambda prompt_ids, params: detokenizer_for(tokenizer, prompt_ids, params)
 
 

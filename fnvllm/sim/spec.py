@@ -178,7 +178,8 @@ def resolve_model(model: str | None, hardware: HardwareProfile) -> ModelShape:
 
 def kv_blocks_that_fit(model: ModelShape, hardware: HardwareProfile, spec: SimSpec) -> int:
     """KV blocks the engine would allocate: the memory the utilisation allows, minus weights, ~0.5 GiB of
-    runtime context and the same activation reserve as ``ModelExecutor._activation_bytes``."""
+    runtime context and an estimate of the activation peak that ``ModelExecutor`` measures with a profiling
+    forward of the largest step before it sizes its cache (docs/design.md, "KV sizing")."""
     width = max(2 * model.intermediate, model.q_size + 2 * model.kv_size, 4 * model.hidden)
     activations = spec.max_num_batched_tokens * width * 16 + spec.max_num_seqs * model.vocab * 24 + _GIB
     used = model.weight_bytes + _GIB // 2

@@ -8,7 +8,7 @@ state. Stop *strings* need the detokenizer, so the shell applies them by calling
 When the plan's rows are exactly the running rows (every step that no abort interrupted and whose admissions
 went to the back), the leading plain decodes (``state.decode``) are folded column-wise, each column
 rewritten by one C-level ``map``/``zip`` or table lookup: a Python loop over hundreds of decoding sequences per
-step would cost more than the rest of the step (measured in BENCHMARKS.md, core microbenchmarks).
+step would cost more than the rest of the step (BENCHMARKS.md, section "CPU": the cachegrind row).
 Only the rows that need attention are visited one by one: those that reached a compaction point or filled a
 block, those that may have stopped, and the rows after the decode prefix. ``_commit_rows`` is the general path;
 tests/properties/test_fast_paths.py checks that the two agree.

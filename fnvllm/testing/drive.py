@@ -6,10 +6,11 @@ It is the engine loop of docs/design.md and nothing more::
     tokens = executor.execute(plan).token_ids
     state, output = commit(state, plan, tokens)
 
-plus the bookkeeping tests and simulations want afterwards: every finished request, the number of steps, how
-many preemptions happened and how many prompt tokens the prefix cache saved (read from each plan's admitted rows,
-as ``EngineLoop`` reads them). It is the pure loop without output routing or overlap: ``EngineLoop`` drives the
-same three calls for the LLM, the server and the simulator. Imports no torch.
+plus the bookkeeping tests want afterwards: every finished request, the number of steps, how many preemptions
+happened and how many prompt tokens the prefix cache saved (read from each plan's admitted rows, as
+``EngineLoop`` reads them). It is the pure loop without output routing or overlap, for tests of the core and of
+users' policies; ``EngineLoop`` drives the same three calls for the LLM, the server and the simulator. Imports no
+torch.
 """
 
 from __future__ import annotations
