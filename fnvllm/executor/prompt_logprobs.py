@@ -65,7 +65,7 @@ class PromptScorer:
     steps. One per executor; holds at most one (V,) float32 tensor per slot mid-prefill."""
 
     def __init__(self) -> None:
-        self._carry: dict[int, torch.Tensor] = {}
+        self._carry: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position, its (V,) log-softmax)
 
     def reset(self) -> None:
         """Forget every kept row (the KV cache was emptied)."""
@@ -89,8 +89,9 @@ class PromptScorer:
         """One row: its chunk's hidden states (L, H) -> its ScoredRow (None on a rank without logits)."""
         slot, start, tokens = plan.slots[i], plan.start_positions[i], plan.input_tokens[i]
         k = plan.params[i].prompt_logprobs or 0
-        carry = None if i >= plan.num_continuing else self._carry.pop(slot, None)  # admitted: a new life
-        self._carry.pop(slot, None)
+        kept = self._carry.pop(slot, None)
+        # An admitted row is a new life; a kept row of another position came from a step that was discarded.
+        carry = kept[1] if kept is not None and i < plan.num_continuing and kept[0] == start - 1 else None
         keep = not plan.sample[i]  # the last row predicts the next prompt token: keep it for the next chunk
         rows = hidden if keep else hidden[:-1]  # (L or L - 1, H)
         parts = [] if carry is None else [carry[None]]
@@ -99,7 +100,7 @@ class PromptScorer:
             if logprobs is None:
                 return None
             if keep:
-                self._carry[slot] = logprobs[-1]
+                self._carry[slot] = (start + len(tokens) - 1, logprobs[-1])
             parts.append(logprobs[:-1] if keep else logprobs)
         first = start if carry is not None else start + 1  # the first scored position
         targets = tokens[first - start :]
