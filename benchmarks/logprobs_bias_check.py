@@ -7,7 +7,7 @@
    plain vs. 25 % of rows with a 10-token logit_bias; and scoring 64 prompts of 1024 tokens (max_tokens 1) with
    and without prompt_logprobs=5.
 
-    PYTHONPATH=$PWD python3 benchmarks/api2_check.py [--skip-cost]
+    PYTHONPATH=$PWD python3 benchmarks/logprobs_bias_check.py [--skip-cost]
 
 Exits non-zero when a correctness check fails; prints a table last.
 """
