@@ -125,6 +125,21 @@ def test_echo_with_logprobs_then_generates(client: Any) -> None:
     assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
 
 
+def test_streamed_echo_with_logprobs_equals_the_whole_answer(client: Any) -> None:
+    """Streamed echo + logprobs: the chunks' text and logprobs joined equal the non-streamed answer's."""
+    args = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    whole = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0]
+    text, tokens, values = "", [], []
+    for chunk in client.completions.create(**args, stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
+
+
 def test_logit_bias_forces_a_token(client: Any, checkpoint: Path) -> None:
     """logit_bias {"33": 100} makes every greedy token id 33, in completions and in chat."""
     from transformers import AutoTokenizer

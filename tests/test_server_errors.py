@@ -61,7 +61,7 @@ BAD_COMPLETIONS = [
     ("n over the cap", {**GOOD, "n": 129}, "n"),
     ("best_of under n", {**GOOD, "n": 3, "best_of": 2}, "best_of"),
     ("best_of > n streamed", {**GOOD, "best_of": 2, "stream": True}, "best_of"),
-    ("echo with logprobs streamed", {**GOOD, "echo": True, "logprobs": 1, "stream": True}, "stream"),
+    ("max_tokens 0 streamed", {**GOOD, "max_tokens": 0, "echo": True, "stream": True}, "stream"),
     ("max_tokens 0 without echo", {**GOOD, "max_tokens": 0}, "max_tokens"),
     ("suffix", {**GOOD, "suffix": "return x"}, "suffix"),
     ("logit_bias key not an id", {**GOOD, "logit_bias": {"five": 10}}, "logit_bias"),

@@ -31,6 +31,13 @@ Scored = TokenLogprobs | int
 an echoed prompt), rendered with null logprobs."""
 
 
+def echoed_logprobs(ids: Sequence[int], scored: Sequence[TokenLogprobs | None] | None) -> tuple[Scored, ...]:
+    """The logprobs entries of an echoed prompt: each scored token, or its bare id where it has no score (the
+    first; every one when the engine returned no prompt logprobs)."""
+    entries = scored or (None,) * len(ids)
+    return tuple(token if entry is None else entry for token, entry in zip(ids, entries, strict=True))
+
+
 @attrs.frozen
 class Choice:
     """One finished choice of a non-streamed answer: its index in ``choices``, text (with the echoed prompt, if
@@ -91,7 +98,7 @@ class CompletionFormat(_Format):
         index: int,
         text: str,
         token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs] | None,
+        logprobs: Sequence[Scored] | None,
         finish_reason: str | None,
         counts: dict[str, int] | None = None,
     ) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from fnvllm.serve.errors import (
     model_not_found,
     unavailable,
 )
-from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, Scored, usage
+from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, echoed_logprobs, usage
 from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
@@ -261,9 +261,10 @@ async def _respond(served: Served, fmt: Format, started: Started, receive: Recei
     engine, (job, streams) = served.engine, started
     if job.is_stream:
         echo = [job.prompts[job.prompt_of(k)][1] or "" for k in range(len(streams))] if job.echo else None
+        echo_ids = [job.prompts[job.prompt_of(k)][0] for k in range(len(streams))] if job.echo else None
         plan = sse.StreamPlan(
             echo, job.include_usage, job.continuous_usage, job.logprobs, job.num_prompt_tokens,
-            served.stream_interval_s,
+            served.stream_interval_s, echo_ids if job.logprobs else None,
         )  # fmt: skip
         events = sse.events(fmt, streams, plan)
         return sse.EventStream(events, on_close=lambda: _abort_unfinished(engine, streams))
@@ -290,15 +291,9 @@ def _choose(job: Prepared, collected: list[Choice]) -> list[Choice]:
             prefix = (text or "") if job.echo else ""
             logprobs = c.logprobs if job.logprobs else None
             if logprobs is not None and job.echo:
-                logprobs = _echoed_logprobs(ids, c.prompt_logprobs) + logprobs
+                logprobs = echoed_logprobs(ids, c.prompt_logprobs) + logprobs
             chosen.append(attrs.evolve(c, index=p * job.num_choices + r, text=prefix + c.text, logprobs=logprobs))
     return chosen
-
-
-def _echoed_logprobs(ids: list[int], scored: tuple[TokenLogprobs | None, ...] | None) -> tuple[Scored, ...]:
-    """The echoed prompt's logprobs entries: each scored token, or its bare id where it has no score (the first)."""
-    entries = scored or (None,) * len(ids)
-    return tuple(token if entry is None else entry for token, entry in zip(ids, entries, strict=True))
 
 
 def _mean_logprob(choice: Choice) -> float:

@@ -15,8 +15,7 @@ Three kinds of fields (docs/serving.md lists them all):
   metadata, service_tier, reasoning_effort, prompt_cache_key, safety_identifier, stream_options.include_obfuscation,
   guided_decoding_backend, parallel_tool_calls (without tools), tool_choice "none" (without tools);
 - refused by name with a 400, because they would change the answer and are not supported: suffix, tools in
-  completions, max_tokens 0 without echo, echo with logprobs or max_tokens 0 when streamed, and every field not
-  declared here.
+  completions, max_tokens 0 without echo or when streamed, and every field not declared here.
 """
 
 from __future__ import annotations
@@ -283,9 +282,8 @@ class CompletionRequest(_Generation):
         limit_field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if self.scores_only and not self.echo:
             raise bad_request(f"{limit_field}: 0 is only allowed with echo (scoring a prompt)", limit_field)
-        if self.stream and (self.scores_only or (self.echo and self.logprobs is not None)):
-            message = "stream: not supported with echo and logprobs or max_tokens 0 (send stream: false)"
-            raise bad_request(message, "stream")
+        if self.stream and self.scores_only:
+            raise bad_request(f"stream: not supported with {limit_field} 0 (send stream: false)", "stream")
         if self.best_of is not None and not self.num_choices <= self.best_of <= MAX_N:
             raise bad_request(f"best_of: must be in [n, {MAX_N}] (n={self.num_choices}), got {self.best_of}", "best_of")
         if self.stream and self.num_candidates > self.num_choices:
