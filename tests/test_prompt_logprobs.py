@@ -81,3 +81,35 @@ def test_prompt_logprobs_range_is_checked() -> None:
     """prompt_logprobs outside [0, 20] is an InvalidRequestError naming the field."""
     with pytest.raises(InvalidRequestError, match=r"prompt_logprobs.*\[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_chunk_planned_again_after_a_discard_scores_the_same() -> None:
+    """PromptScorer: a continuing chunk scored twice (its first run discarded) scores its first token from the
+    previous chunk both times; an admitted row never uses what its slot kept."""
+    from fnvllm.executor.prompt_logprobs import PromptScorer
+    from fnvllm.state import StepPlan
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 32)
+    hidden = torch.randn(8, 8)  # positions 0..7 of one prompt
+    tokens = tuple(range(3, 11))
+    scorer = PromptScorer()
+
+    def plan(step: int, start: int, sample: bool, admitted: bool) -> StepPlan:
+        return StepPlan(
+            step, 4, ("a",), (tokens[start : start + 4],), (start,), ((0, 1),), (sample,),
+            (SamplingParams(prompt_logprobs=1),), (0,), (None,), (), int(admitted), (0,),
+        )  # fmt: skip
+
+    def logits_of(rows: torch.Tensor) -> torch.Tensor:
+        return head(rows)
+
+    scorer.score(plan(0, 0, False, True), [0], hidden[:4], logits_of)
+    first = scorer.score(plan(1, 4, True, False), [0], hidden[4:], logits_of)[0]
+    again = scorer.score(plan(1, 4, True, False), [0], hidden[4:], logits_of)[0]
+    assert not first.leading_none and not again.leading_none
+    assert torch.equal(first.chosen, again.chosen)
+    expected = torch.log_softmax(head(hidden[3]), -1)[tokens[4]]
+    assert first.chosen[0].item() == pytest.approx(expected.item(), abs=1e-6)
+    fresh = scorer.score(plan(2, 4, True, True), [0], hidden[4:], logits_of)[0]
+    assert fresh.leading_none and fresh.tokens == tokens[5:8]

@@ -62,10 +62,12 @@ def prompt_rows(plan: StepPlan) -> tuple[int, ...]:
 
 class PromptScorer:
     """Scores prompt tokens of the rows that asked, keeping each slot's last chunk row (log-softmax) between
-    steps. One per executor; holds at most one (V,) float32 tensor per slot mid-prefill."""
+    steps. One per executor; holds at most two (V,) float32 tensors per slot mid-prefill."""
 
     def __init__(self) -> None:
-        self._carry: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position, its (V,) log-softmax)
+        # slot -> {position: its (V,) log-softmax}: the row this chunk used and the one it leaves for the next, so
+        # that a step that was discarded (``ModelExecutor.discard``) and planned again finds what it used.
+        self._carry: dict[int, dict[int, torch.Tensor]] = {}
 
     def reset(self) -> None:
         """Forget every kept row (the KV cache was emptied)."""
@@ -89,9 +91,10 @@ class PromptScorer:
         """One row: its chunk's hidden states (L, H) -> its ScoredRow (None on a rank without logits)."""
         slot, start, tokens = plan.slots[i], plan.start_positions[i], plan.input_tokens[i]
         k = plan.params[i].prompt_logprobs or 0
-        kept = self._carry.pop(slot, None)
-        # An admitted row is a new life; a kept row of another position came from a step that was discarded.
-        carry = kept[1] if kept is not None and i < plan.num_continuing and kept[0] == start - 1 else None
+        kept = self._carry.pop(slot, {}) if i < plan.num_continuing else {}  # an admitted row is a new life
+        carry = kept.get(start - 1)
+        if carry is not None:
+            self._carry[slot] = {start - 1: carry}
         keep = not plan.sample[i]  # the last row predicts the next prompt token: keep it for the next chunk
         rows = hidden if keep else hidden[:-1]  # (L or L - 1, H)
         parts = [] if carry is None else [carry[None]]
@@ -100,7 +103,7 @@ class PromptScorer:
             if logprobs is None:
                 return None
             if keep:
-                self._carry[slot] = (start + len(tokens) - 1, logprobs[-1])
+                self._carry.setdefault(slot, {})[start + len(tokens) - 1] = logprobs[-1]
             parts.append(logprobs[:-1] if keep else logprobs)
         first = start if carry is not None else start + 1  # the first scored position
         targets = tokens[first - start :]
