@@ -55,9 +55,12 @@ def test_apply_logit_bias_adds_only_at_its_pairs() -> None:
     assert prepare_logit_bias([SamplingParams()] * 2, torch.device("cpu")) is None
 
 
-def test_sampler_follows_the_bias_row_by_row() -> None:
-    """A +100 bias makes greedy and sampled rows pick that token; an unbiased row keeps its argmax; logprobs stay
-    raw."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
+def test_sampler_follows_the_bias_row_by_row(kernels: bool) -> None:
+    """A +100 bias makes greedy and sampled rows pick that token, by the torch references and by the Triton kernels
+    (interpreted on a CPU); an unbiased row keeps its argmax; logprobs stay raw."""
+    if kernels:
+        pytest.importorskip("triton", reason="the kernel path needs Triton")
     logits = torch.randn(3, 50)
     params = [
         SamplingParams(temperature=0, logit_bias={7: 100}, logprobs=0),
@@ -65,7 +68,7 @@ def test_sampler_follows_the_bias_row_by_row() -> None:
         SamplingParams(temperature=0),
     ]
     batch = prepare_sampling(params, [0, 0, 0], [None] * 3, 50, "cpu")
-    out = Sampler(seed=0, kernels=False).sample(logits, batch)
+    out = Sampler(seed=0, kernels=kernels).sample(logits, batch)
     assert out.token_ids.tolist() == [7, 11, int(logits[2].argmax())]
     assert out.logprobs is not None
     raw = torch.log_softmax(logits[0].double(), -1)[7].item()
