@@ -116,9 +116,13 @@ class LogitBias:
     values: torch.Tensor
 
 
-def prepare_logit_bias(params: Sequence[SamplingParams], device: torch.device) -> LogitBias | None:
-    """The batch's LogitBias (one host -> device copy), or None when no row has a bias."""
-    entries = [(i, token, bias) for i, p in enumerate(params) if p.logit_bias for token, bias in p.logit_bias]
+def prepare_logit_bias(
+    params: Sequence[SamplingParams], device: torch.device, rows: Sequence[int] | None = None
+) -> LogitBias | None:
+    """The batch's LogitBias (one host -> device copy), or None when no row has a bias. ``rows``: the rows that
+    have one, when the caller knows them (else every row is looked at)."""
+    rows = range(len(params)) if rows is None else rows
+    entries = [(i, token, bias) for i in rows for token, bias in params[i].logit_bias or ()]
     if not entries:
         return None
     flat = np.array(entries, dtype=np.float64).T  # (3, N): ids are < 2**53 (a vocabulary), exact in float64
@@ -225,6 +229,7 @@ class _Rows:
     seeded: list[int] = attrs.Factory(list)
     penalised: list[int] = attrs.Factory(list)
     logprobs: list[int] = attrs.Factory(list)
+    biased: list[int] = attrs.Factory(list)
     max_logprobs: int | None = None
 
 
@@ -236,6 +241,8 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
     for i, p in enumerate(params):
         if p.needs_history:
             rows.penalised.append(i)
+        if p.logit_bias:
+            rows.biased.append(i)
         if p.logprobs is not None:
             rows.logprobs.append(i)
             rows.max_logprobs = max(rows.max_logprobs or 0, p.logprobs)
@@ -349,7 +356,7 @@ def prepare_sampling(
         num_rows=num_rows,
         candidates=_candidates(rows, vocab_size),
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
-        logit_bias=prepare_logit_bias(params, device),
+        logit_bias=prepare_logit_bias(params, device, rows.biased) if rows.biased else None,
     )
 
 
