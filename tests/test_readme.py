@@ -73,10 +73,10 @@ def python_block(needle: str) -> str:
 
 def test_install_line_installs_the_runtime_then_the_test_and_serve_extras() -> None:
     """The first commands install torch's pinned CPU wheel and the package, run the demo, then install the
-    test and serve extras (so the server tests run too) and run the whole suite."""
+    test, serve and compat extras (so the server and client-library tests run too) and run the whole suite."""
     first = commands(blocks("bash")[0])
     assert "pip install torch==2.13.0 -e ." in first[0] and first[0].endswith("&& fnvllm demo")
-    assert "pip install -e '.[test,serve]'" in first[1] and first[1].endswith("python -m pytest -q")
+    assert "pip install -e '.[test,serve,compat]'" in first[1] and first[1].endswith("python -m pytest -q")
     assert "--index-url https://download.pytorch.org/whl/cpu" in README
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r"^test = \[", pyproject, re.M) and re.search(r"^serve = \[", pyproject, re.M)

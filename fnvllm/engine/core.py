@@ -19,7 +19,14 @@ from itertools import compress
 
 import attrs
 
-from fnvllm.executor.base import ExecuteResult, Executor, OverlapExecutor, TokenLogprobs, supports_overlap
+from fnvllm.executor.base import (
+    ExecuteResult,
+    Executor,
+    OverlapExecutor,
+    PromptLogprobs,
+    TokenLogprobs,
+    supports_overlap,
+)
 from fnvllm.state import (
     FCFS,
     CoreConfig,
@@ -36,10 +43,12 @@ from fnvllm.state import (
 
 @attrs.frozen
 class EngineOutput:
-    """A committed step: the core's StepOutput plus logprobs of the requests that asked for them."""
+    """A committed step: the core's StepOutput plus logprobs of the requests that asked for them (of the sampled
+    tokens, and of the prompt tokens this step fed: ``SamplingParams.prompt_logprobs``)."""
 
     output: StepOutput
     logprobs: Mapping[str, TokenLogprobs] = attrs.field(factory=dict)
+    prompt_logprobs: Mapping[str, PromptLogprobs] = attrs.field(factory=dict)
 
 
 class Engine:
@@ -79,7 +88,7 @@ class Engine:
         result = self._overlapping.collect(launched)
         if keep is not None and not all(keep):
             logprobs = tuple(compress(result.logprobs, keep)) if result.logprobs else ()
-            result = ExecuteResult(tuple(compress(result.token_ids, keep)), logprobs)
+            result = ExecuteResult(tuple(compress(result.token_ids, keep)), logprobs, result.prompt_logprobs)
         return self._commit(state, plan, result)
 
     def discard(self, launched: object) -> None:
@@ -98,7 +107,7 @@ class Engine:
         if result.logprobs:
             sampled_ids = [rid for rid, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample]
             logprobs = {rid: lp for rid, lp in zip(sampled_ids, result.logprobs, strict=True) if lp is not None}
-        return state, EngineOutput(output, logprobs)
+        return state, EngineOutput(output, logprobs, result.prompt_logprobs)
 
     def check_plan(self, state: EngineState, plan: StepPlan) -> None:
         """Raise PlanMismatchError unless ``plan`` is the one ``state`` is waiting to commit, for this engine."""

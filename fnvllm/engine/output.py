@@ -17,7 +17,7 @@ import attrs
 
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine.core import EngineOutput
-from fnvllm.executor.base import TokenLogprobs
+from fnvllm.executor.base import PromptLogprobs, TokenLogprobs
 from fnvllm.state import EngineState, FinishReason, SamplingParams, finish
 
 
@@ -61,6 +61,8 @@ class RequestOutput:
     finish_reason: "stop", "length" or "abort"; None while it runs.
     logprobs: one entry per generated token when SamplingParams.logprobs was set, else None.
     metrics: arrival / first-token / finish times and prefix-cache savings.
+    prompt_logprobs: when SamplingParams.prompt_logprobs was set, one entry per prompt token: None for the first,
+        then the token's logprob given the tokens before it and the top-k there (``TokenLogprobs``); else None.
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     logprobs: tuple[TokenLogprobs, ...] | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,6 +128,17 @@ class RequestTracker:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_ids)
+
+    def add_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        """Record the prompt logprobs a step computed (a recomputed prefill overwrites the same positions)."""
+        if self.prompt_logprobs is None:
+            return
+        for position, entry in enumerate(scored.entries, scored.start):
+            if entry is not None and position < len(self.prompt_logprobs):
+                self.prompt_logprobs[position] = entry
 
     @property
     def finished(self) -> bool:
@@ -187,6 +201,7 @@ class RequestTracker:
             finish_reason=self.finish_reason,
             logprobs=tuple(self.logprobs) if self.params.logprobs is not None else None,
             metrics=self.metrics(),
+            prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
 
@@ -237,6 +252,10 @@ class OutputProcessor:
         now = self.clock()
         finished = {f.request_id: f.reason for f in out.output.finished}
         outbox: Outbox = []
+        for rid, scored in out.prompt_logprobs.items():  # before the tokens: a request may finish this step
+            tracker = self.trackers.get(rid)
+            if tracker is not None:
+                tracker.add_prompt_logprobs(scored)
         for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
             tracker = self.trackers.get(rid)
             if tracker is None:

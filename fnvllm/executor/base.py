@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import attrs
@@ -24,11 +25,29 @@ class TokenLogprobs:
 
 
 @attrs.frozen
+class PromptLogprobs:
+    """Log-probabilities of some prompt tokens of one request (``SamplingParams.prompt_logprobs``), computed by the
+    step that fed them.
+
+    start: the prompt position of the first entry. entries: one per position from ``start``, each the prompt
+    token's logprob given the tokens before it and the top-k (id, logprob) there; None at position 0 (nothing
+    precedes it) or where the step could not score it (its previous position was computed by another life).
+    """
+
+    start: int
+    entries: tuple[TokenLogprobs | None, ...]
+
+
+@attrs.frozen
 class ExecuteResult:
-    """One token per sampling sequence of the plan (in plan order), and their logprobs where asked."""
+    """One token per sampling sequence of the plan (in plan order), and their logprobs where asked.
+
+    prompt_logprobs: per request id, the prompt logprobs of the tokens this step fed (requests that asked).
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] = ()
+    prompt_logprobs: Mapping[str, PromptLogprobs] = attrs.field(factory=dict)
 
 
 class Executor(Protocol):

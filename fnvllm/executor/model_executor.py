@@ -35,6 +35,7 @@ from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
+from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import GrammarMask, Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.structured import Grammars, Matcher
 from fnvllm.executor.threads import set_cpu_threads
@@ -106,6 +107,8 @@ class Launched:
     constrained row fed from a step still in flight); ``packed`` is filled when it samples (``_sample_deferred``).
     fed_by: for a deferred step, the step whose tokens its masks wait for: collecting that step samples this one at
     once, so the sampler is queued behind this step's forward while the host goes on planning.
+    prompt / prompt_host: the prompt logprobs this step scored (``fnvllm.executor.prompt_logprobs``) and their
+    copy to the host.
     """
 
     plan: StepPlan
@@ -119,6 +122,8 @@ class Launched:
     deferred: torch.Tensor | None = None
     fed_by: object | None = None
     collected: bool = False
+    prompt: tuple[ScoredRow, ...] = ()
+    prompt_host: HostCopy | None = None
 
 
 @attrs.frozen(eq=False)
@@ -212,6 +217,7 @@ class ModelExecutor:
         # tokenizer (``fnvllm.engine.build``). None: a constrained request fails at launch with a clear error.
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
+        self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------
 
@@ -334,6 +340,7 @@ class ModelExecutor:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
         self._deferred = None
+        self.prompt_scorer.reset()
 
     def prepare_inputs(self, plan: StepPlan) -> PreparedInputs:
         """Flatten the plan into device arrays: token ids, attention metadata and the sampled rows."""
@@ -353,16 +360,19 @@ class ModelExecutor:
         ``overlap_steps`` is off."""
         return self.config.overlap_steps and self.device.type == "cuda" and not self.tp.is_parallel
 
-    def _hidden_at_samples(self, plan: StepPlan, feed: Feed | None) -> tuple[torch.Tensor, bool]:
-        """Final hidden states (S, H) of the sampled rows, and whether a CUDA graph produced them. ``feed``: input
-        ids on the device that replace some of the plan's (an overlapped step)."""
-        if self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
+    def _hidden_at_samples(self, plan: StepPlan, feed: Feed | None) -> tuple[torch.Tensor, bool, list[ScoredRow]]:
+        """Final hidden states (S, H) of the sampled rows, whether a CUDA graph produced them, and the prompt
+        logprobs of the rows that asked (scored from every fed position's hidden state, so such a step runs
+        eagerly). ``feed``: input ids on the device that replace some of the plan's (an overlapped step)."""
+        scored_rows = prompt_rows(plan)
+        if not scored_rows and self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
             a = prepare_decode(plan)
-            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed), True
+            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed), True, []
         inputs = self.prepare_inputs(plan)
         input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
         hidden = self._forward(input_ids, inputs.meta.positions, inputs.meta)
-        return hidden[inputs.sample_index], False
+        scored = self.prompt_scorer.score(plan, scored_rows, hidden, self.model.compute_logits) if scored_rows else []
+        return hidden[inputs.sample_index], False, scored
 
     def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
         """The device ids that feed ``plan`` from ``fed_by``'s samples: each row continuing a sequence that
@@ -409,7 +419,8 @@ class ModelExecutor:
         if plan.is_empty:
             return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
-        hidden, graph = self._hidden_at_samples(plan, feed)
+        hidden, graph, scored = self._hidden_at_samples(plan, feed)
+        prompt, prompt_host = tuple(scored), _copy_scored(scored)
         logits = self.model.compute_logits(hidden) if plan.num_samples else None  # None on ranks > 0 too
         rows = tuple(i for i, s in enumerate(plan.sample) if s)
         if logits is None and plan.num_samples and self.shares_samples:  # a worker: rank 0's samples arrive
@@ -418,9 +429,11 @@ class ModelExecutor:
         if logits is None:  # nothing to sample, or a worker rank (it sent rank 0 its slice of the logits)
             if timer is not None:
                 timer.launched()
-            return Launched(plan, timer=timer, graph=graph)
+            return Launched(plan, timer=timer, graph=graph, prompt=prompt, prompt_host=prompt_host)
         matchers = self._matchers(plan, rows)
-        launched = Launched(plan, rows, timer=timer, graph=graph, matchers=matchers)
+        launched = Launched(
+            plan, rows, timer=timer, graph=graph, matchers=matchers, prompt=prompt, prompt_host=prompt_host
+        )
         if any(matchers) and fed_by is not None and self._waits_for_tokens(plan, rows, matchers, fed_by):
             launched.deferred = logits  # its masks need the tokens of ``fed_by``, not yet accepted
             launched.fed_by = fed_by
@@ -489,10 +502,13 @@ class ModelExecutor:
         if launched is self._deferred:
             self._sample_deferred()
         timer, plan = launched.timer, launched.plan
+        prompt = {}
+        if launched.prompt_host is not None:
+            prompt = host_prompt_logprobs(launched.prompt, launched.prompt_host.wait())
         if launched.packed is None or launched.host is None:
             if timer is not None:
                 timer.finish(plan, launched.graph)
-            return ExecuteResult(())
+            return ExecuteResult((), prompt_logprobs=prompt)
         if timer is not None:
             timer.waiting()
         if self.guard is not None:
@@ -511,8 +527,8 @@ class ModelExecutor:
             # forward still runs, rather than at the next launch (after the host has committed and planned).
             self._sample_deferred()
         if not logprobs:
-            return ExecuteResult(tuple(tokens))
-        return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked))
+            return ExecuteResult(tuple(tokens), prompt_logprobs=prompt)
+        return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked), prompt)
 
     def discard(self, launched: object) -> None:
         """A launched step will not be collected: expect its step number next. Its device work still runs (in
@@ -547,6 +563,11 @@ class ModelExecutor:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
         }
+
+
+def _copy_scored(scored: list[ScoredRow]) -> HostCopy | None:
+    """The copy to the host of a step's scored prompt positions, None when there are none."""
+    return HostCopy.start([t for row in scored for t in row.tensors()]) if scored else None
 
 
 def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> tuple[TokenLogprobs | None, ...]:

@@ -13,12 +13,15 @@ option of one row changes how another row is sampled, and a row pays only for th
                      (`fnvllm.kernels.sampling_filters.filtered_pick`), then a draw from the kept tokens;
     logprob rows:    log sum exp of the raw logits (one read of those rows), torch.topk for the top-n.
 
+Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are added to a copy of the logits by one
+sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched.
+
 Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor.structured``): their disallowed
 tokens are set to MASKED_LOGIT on a copy of the logits before anything else; the other rows are untouched.
 
-Order of operations on a row: grammar mask (constrained rows), repetition penalty (HF style, prompt and output
-tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature; keep the top-k, then the
-nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the CDF of the kept
+Order of operations on a row: logit bias, grammar mask (constrained rows), repetition penalty (HF style, prompt
+and output tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature; keep the
+top-k, then the nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the CDF of the kept
 probabilities at the row's uniform.
 
 Randomness. A seeded row's uniform for its n-th generated token is a pure function of (seed, n)
@@ -97,6 +100,40 @@ class SamplingBatch:
     candidates: int | None = None
     min_p_only: bool = False
     grammar_mask: GrammarMask | None = None
+    logit_bias: LogitBias | None = None
+
+
+@attrs.frozen(eq=False)
+class LogitBias:
+    """The ``logit_bias`` of the rows that have one, as N sparse (row, token, bias) entries on the device.
+
+    rows / tokens: (N,) int64 batch rows and token ids. values: (N,) float32 biases. Built from the params'
+    pairs (``prepare_logit_bias``): never a dense (B, V) host tensor.
+    """
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    values: torch.Tensor
+
+
+def prepare_logit_bias(
+    params: Sequence[SamplingParams], device: torch.device, rows: Sequence[int] | None = None
+) -> LogitBias | None:
+    """The batch's LogitBias (one host -> device copy), or None when no row has a bias. ``rows``: the rows that
+    have one, when the caller knows them (else every row is looked at)."""
+    rows = range(len(params)) if rows is None else rows
+    entries = [(i, token, bias) for i in rows for token, bias in params[i].logit_bias or ()]
+    if not entries:
+        return None
+    flat = np.array(entries, dtype=np.float64).T  # (3, N): ids are < 2**53 (a vocabulary), exact in float64
+    ids = upload(flat[:2].astype(np.int64), device)  # (2, N)
+    return LogitBias(ids[0], ids[1], upload(flat[2].astype(np.float32), device))
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """A copy of ``logits`` (B, V) with each bias added at its (row, token) (a sparse scatter-add in the logits'
+    dtype); ``logits`` itself is not modified."""
+    return logits.index_put((bias.rows, bias.tokens), bias.values.to(logits.dtype), accumulate=True)
 
 
 @attrs.frozen(eq=False)
@@ -192,6 +229,7 @@ class _Rows:
     seeded: list[int] = attrs.Factory(list)
     penalised: list[int] = attrs.Factory(list)
     logprobs: list[int] = attrs.Factory(list)
+    biased: list[int] = attrs.Factory(list)
     max_logprobs: int | None = None
 
 
@@ -203,6 +241,8 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
     for i, p in enumerate(params):
         if p.needs_history:
             rows.penalised.append(i)
+        if p.logit_bias:
+            rows.biased.append(i)
         if p.logprobs is not None:
             rows.logprobs.append(i)
             rows.max_logprobs = max(rows.max_logprobs or 0, p.logprobs)
@@ -316,6 +356,7 @@ def prepare_sampling(
         num_rows=num_rows,
         candidates=_candidates(rows, vocab_size),
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
+        logit_bias=prepare_logit_bias(params, device, rows.biased) if rows.biased else None,
     )
 
 
@@ -361,11 +402,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (B, V) (read in its dtype, computed in float32); the input tensor is
-        not modified. Rows under ``batch.grammar_mask`` sample only their allowed tokens (logprobs stay raw)."""
+        not modified. Rows with a ``batch.logit_bias`` have it added first; rows under ``batch.grammar_mask`` then
+        sample only their allowed tokens (logprobs stay raw: neither bias nor mask)."""
         expected = (batch.num_rows, batch.vocab_size)
         if tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape (num_rows, vocab_size) = {expected}, got {tuple(logits.shape)}")
         raw = logits
+        if batch.logit_bias is not None:
+            logits = apply_logit_bias(logits, batch.logit_bias)
         if batch.grammar_mask is not None:
             logits = apply_grammar_mask(logits, batch.grammar_mask)
         if self._uses_kernels(logits.device):

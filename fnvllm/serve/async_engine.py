@@ -226,9 +226,10 @@ class EngineWorker:
         """A tracker's ``on_delta``: one event (with its logprobs) for the request, sent after the step."""
         n = len(delta.new_token_ids)
         logprobs = tuple(tracker.logprobs[max(0, len(tracker.logprobs) - n) :]) if n and tracker.logprobs else ()
-        self._events.append(
-            (tracker.request_id, TokenEvent(delta.new_text, delta.new_token_ids, logprobs, delta.finish_reason))
-        )
+        first = n > 0 and len(tracker.token_ids) == n  # the prompt is complete: its logprobs go with this event
+        prompt = tuple(tracker.prompt_logprobs) if first and tracker.prompt_logprobs is not None else None
+        event = TokenEvent(delta.new_text, delta.new_token_ids, logprobs, delta.finish_reason, prompt)
+        self._events.append((tracker.request_id, event))
         if delta.finish_reason is not None:
             self._live.discard(tracker.request_id)
             self._finished.append(tracker.result())

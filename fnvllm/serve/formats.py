@@ -26,16 +26,30 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     }
 
 
+Scored = TokenLogprobs | int
+"""A logprobs entry of a completion: a scored token, or a bare token id that has no logprob (the first token of
+an echoed prompt), rendered with null logprobs."""
+
+
+def echoed_logprobs(ids: Sequence[int], scored: Sequence[TokenLogprobs | None] | None) -> tuple[Scored, ...]:
+    """The logprobs entries of an echoed prompt: each scored token, or its bare id where it has no score (the
+    first; every one when the engine returned no prompt logprobs)."""
+    entries = scored or (None,) * len(ids)
+    return tuple(token if entry is None else entry for token, entry in zip(ids, entries, strict=True))
+
+
 @attrs.frozen
 class Choice:
     """One finished choice of a non-streamed answer: its index in ``choices``, text (with the echoed prompt, if
-    asked), generated ids, logprobs (None when not asked for) and finish reason."""
+    asked), generated ids, logprobs (None when not asked for; with echo, the prompt's entries first) and finish
+    reason. prompt_logprobs: the prompt's, when the engine request asked (``RequestOutput.prompt_logprobs``)."""
 
     index: int
     text: str
     token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None
+    logprobs: tuple[Scored, ...] | None
     finish_reason: str | None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class _Format:
@@ -84,7 +98,7 @@ class CompletionFormat(_Format):
         index: int,
         text: str,
         token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs] | None,
+        logprobs: Sequence[Scored] | None,
         finish_reason: str | None,
         counts: dict[str, int] | None = None,
     ) -> dict[str, Any]:
@@ -96,7 +110,7 @@ class CompletionFormat(_Format):
         index: int,
         text: str,
         token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs] | None,
+        logprobs: Sequence[Scored] | None,
         finish_reason: str | None,
     ) -> dict[str, Any]:
         logprobs_json = self.logprobs(index, logprobs)
@@ -110,21 +124,26 @@ class CompletionFormat(_Format):
         rendered = [self._choice(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in choices]
         return {**self._head(self.chunk_object), "choices": rendered, "usage": counts}
 
-    def logprobs(self, index: int, logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
-        """Legacy logprobs of these tokens of choice ``index``, or None when the request did not ask for them."""
+    def logprobs(self, index: int, logprobs: Sequence[Scored] | None) -> dict[str, Any] | None:
+        """Legacy logprobs of these tokens of choice ``index``, or None when the request did not ask for them; a
+        bare token id (an unscored prompt token) has null token_logprobs and top_logprobs."""
         if logprobs is None:
             return None
-        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        tokens = [self._token_text(lp if isinstance(lp, int) else lp.token_id) for lp in logprobs]
         offsets = []
         for token in tokens:
             offsets.append(self._offsets.get(index, 0))
             self._offsets[index] = offsets[-1] + len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "token_logprobs": [None if isinstance(lp, int) else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if isinstance(lp, int) else self._top(lp) for lp in logprobs],
             "text_offset": offsets,
         }
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        """The top entries of one position as {token text: logprob}, best first."""
+        return {self._token_text(t): v for t, v in lp.top}
 
 
 class ChatFormat(_Format):
@@ -168,12 +187,15 @@ class ChatFormat(_Format):
         ]
         return {**self._head("chat.completion"), "choices": rendered, "usage": counts}
 
-    def logprobs(self, logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
-        """Chat logprobs of these tokens, or None when the request did not ask for them."""
+    def logprobs(self, logprobs: Sequence[Scored] | None) -> dict[str, Any] | None:
+        """Chat logprobs of these tokens, or None when the request did not ask for them (chat echoes no prompt,
+        so every entry is scored; a bare id would be skipped)."""
         if logprobs is None:
             return None
         content = []
         for lp in logprobs:
+            if isinstance(lp, int):
+                continue
             top = [self._entry(t, v) for t, v in lp.top]
             content.append({**self._entry(lp.token_id, lp.logprob), "top_logprobs": top})
         return {"content": content}

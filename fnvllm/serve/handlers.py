@@ -31,7 +31,7 @@ from fnvllm.serve.errors import (
     model_not_found,
     unavailable,
 )
-from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, usage
+from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, echoed_logprobs, usage
 from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
@@ -83,7 +83,8 @@ class Prepared:
     jobs: SamplingParams per engine request, prompt-major: prompt p's candidates are
         ``jobs[p * num_candidates : (p + 1) * num_candidates]``; ``prompts[p]`` holds its ids and text.
     num_choices / num_candidates: ``n`` and ``best_of`` per prompt (the best n of best_of are returned).
-    echo: prepend each prompt's text to its choices. logprobs: the client asked for logprobs.
+    echo: prepend each prompt's text to its choices (and, with logprobs, its tokens' logprobs). logprobs: the
+    client asked for logprobs. scores_only: max_tokens 0: the one token the engine generated is dropped.
     aliases: engine field -> body field, for errors raised at submit (see ``errors.from_invalid_request``).
     """
 
@@ -99,6 +100,7 @@ class Prepared:
     aliases: dict[str, str]
     parse_tools: bool = False
     include_reasoning: bool = True
+    scores_only: bool = False
 
     def prompt_of(self, job: int) -> int:
         """The prompt index of engine request ``job``."""
@@ -163,6 +165,7 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
     return Prepared(
         prompts, copies * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
         body.include_usage, body.continuous_usage, bool(body.echo), body.logprobs is not None, body.aliases(),
+        scores_only=body.scores_only,
     )  # fmt: skip
 
 
@@ -258,9 +261,10 @@ async def _respond(served: Served, fmt: Format, started: Started, receive: Recei
     engine, (job, streams) = served.engine, started
     if job.is_stream:
         echo = [job.prompts[job.prompt_of(k)][1] or "" for k in range(len(streams))] if job.echo else None
+        echo_ids = [job.prompts[job.prompt_of(k)][0] for k in range(len(streams))] if job.echo else None
         plan = sse.StreamPlan(
             echo, job.include_usage, job.continuous_usage, job.logprobs, job.num_prompt_tokens,
-            served.stream_interval_s,
+            served.stream_interval_s, echo_ids if job.logprobs else None,
         )  # fmt: skip
         events = sse.events(fmt, streams, plan)
         return sse.EventStream(events, on_close=lambda: _abort_unfinished(engine, streams))
@@ -269,27 +273,31 @@ async def _respond(served: Served, fmt: Format, started: Started, receive: Recei
         return Response(status_code=499)  # the client closed the connection; nobody reads this
     if any(c.finish_reason == "abort" for c in collected):
         raise unavailable("the request was aborted: the server is shutting down")
+    if job.scores_only:
+        collected = [attrs.evolve(c, text="", token_ids=(), logprobs=(), finish_reason="length") for c in collected]
     counts = usage(job.num_prompt_tokens, sum(len(c.token_ids) for c in collected))
     return JSONResponse(fmt.final(_choose(job, collected), counts))
 
 
 def _choose(job: Prepared, collected: list[Choice]) -> list[Choice]:
     """The returned choices: per prompt, its n best candidates by mean logprob per token (all of them when
-    best_of == n), numbered prompt-major; echo prepends the prompt's text."""
+    best_of == n), numbered prompt-major; echo prepends the prompt's text (and its logprobs, when asked)."""
     chosen = []
-    for p, (_, text) in enumerate(job.prompts):
+    for p, (ids, text) in enumerate(job.prompts):
         candidates = collected[p * job.num_candidates : (p + 1) * job.num_candidates]
         if job.num_candidates > job.num_choices:
             candidates = sorted(candidates, key=_mean_logprob, reverse=True)[: job.num_choices]
         for r, c in enumerate(candidates):
             prefix = (text or "") if job.echo else ""
             logprobs = c.logprobs if job.logprobs else None
+            if logprobs is not None and job.echo:
+                logprobs = echoed_logprobs(ids, c.prompt_logprobs) + logprobs
             chosen.append(attrs.evolve(c, index=p * job.num_choices + r, text=prefix + c.text, logprobs=logprobs))
     return chosen
 
 
 def _mean_logprob(choice: Choice) -> float:
-    logprobs = choice.logprobs or ()
+    logprobs = [lp for lp in choice.logprobs or () if not isinstance(lp, int)]
     return sum(lp.logprob for lp in logprobs) / len(logprobs) if logprobs else float("-inf")
 
 
@@ -298,12 +306,15 @@ async def _collect(stream: RequestStream) -> Choice:
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] = []
     finish_reason = None
+    prompt_logprobs = None
     async for event in stream:
         text.append(event.text)
         token_ids.extend(event.token_ids)
         logprobs.extend(event.logprobs)
         finish_reason = event.finish_reason
-    return Choice(0, "".join(text), tuple(token_ids), tuple(logprobs), finish_reason)
+        if event.prompt_logprobs is not None:
+            prompt_logprobs = event.prompt_logprobs
+    return Choice(0, "".join(text), tuple(token_ids), tuple(logprobs), finish_reason, prompt_logprobs)
 
 
 async def _until_disconnect(receive: Receive) -> None:

@@ -8,12 +8,14 @@ Three kinds of fields (docs/serving.md lists them all):
   response_format (text, json_object, json_schema); chat: tools, tool_choice, parallel_tool_calls, assistant
   messages holding tool_calls and tool messages; the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
   stop_token_ids, include_stop_str_in_output, guided_json, guided_regex, guided_choice, guided_grammar,
-  include_reasoning (docs/structured_outputs.md);
+  include_reasoning (docs/structured_outputs.md); logit_bias (token-id strings -> bias in [-100, 100]);
+  completions: echo with logprobs (the prompt's tokens and their logprobs first), max_tokens 0 with echo (score
+  a prompt: nothing is generated);
 - accepted and ignored, because they change nothing this server answers (``IGNORED_FIELDS``): user, store,
   metadata, service_tier, reasoning_effort, prompt_cache_key, safety_identifier, stream_options.include_obfuscation,
   guided_decoding_backend, parallel_tool_calls (without tools), tool_choice "none" (without tools);
-- refused by name with a 400, because they would change the answer and are not supported: logit_bias, suffix,
-  tools in completions, echo together with logprobs, and every field not declared here.
+- refused by name with a 400, because they would change the answer and are not supported: suffix, tools in
+  completions, max_tokens 0 without echo or when streamed, and every field not declared here.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ IGNORED_FIELDS = (
 )  # fmt: skip
 """Fields accepted (type-checked) and then ignored: none of them changes what this server generates
 (``parallel_tool_calls`` does with tools in chat). Also accepted only at a neutral value: ``tool_choice``
-"none"/"auto" and an empty ``tools`` list in completions, an empty ``suffix``, an empty ``logit_bias``."""
+"none"/"auto" and an empty ``tools`` list in completions, an empty ``suffix``."""
 
 
 class StreamOptions(_Strict):
@@ -179,8 +181,6 @@ class _Generation(_Strict):
         """Raise a 400 naming a field that would change the answer and is not supported (or is out of range)."""
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise bad_request(f"n: must be in [1, {MAX_N}], got {self.n}", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias: not supported (the sampler runs on the device, per row)", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         sent = [name for name in GUIDED_FIELDS if self._constrains(name)]
@@ -224,10 +224,22 @@ class _Generation(_Strict):
         """The SamplingParams fields this body sets (unset ones keep the engine's defaults), with its output
         constraint."""
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias:
+            kwargs["logit_bias"] = self._logit_bias()
         structured = self.structured()
         if structured is not None:
             kwargs["structured"] = structured
         return kwargs
+
+    def _logit_bias(self) -> dict[int, float]:
+        """``logit_bias`` with its keys as token ids (a 400 names a key that is not a decimal id); the values'
+        range and the ids' vocabulary are checked by the engine."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdecimal() or not key.isascii():
+                raise bad_request(f"logit_bias: keys must be token ids (decimal strings), got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def aliases(self) -> dict[str, str]:
         """Engine field name -> the body field it came from, where the two differ (so a 400 names what was sent)."""
@@ -267,9 +279,11 @@ class CompletionRequest(_Generation):
             raise bad_request(message, "tool_choice")
         if self.suffix:
             raise bad_request("suffix: not supported (this server has no fill-in-the-middle format)", "suffix")
-        if self.echo and self.logprobs is not None:
-            message = "echo: not supported together with logprobs (this server computes no prompt logprobs)"
-            raise bad_request(message, "echo")
+        limit_field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        if self.scores_only and not self.echo:
+            raise bad_request(f"{limit_field}: 0 is only allowed with echo (scoring a prompt)", limit_field)
+        if self.stream and self.scores_only:
+            raise bad_request(f"stream: not supported with {limit_field} 0 (send stream: false)", "stream")
         if self.best_of is not None and not self.num_choices <= self.best_of <= MAX_N:
             raise bad_request(f"best_of: must be in [n, {MAX_N}] (n={self.num_choices}), got {self.best_of}", "best_of")
         if self.stream and self.num_candidates > self.num_choices:
@@ -279,6 +293,11 @@ class CompletionRequest(_Generation):
         num = len(self.prompts()) * self.num_candidates
         if num > MAX_SEQUENCES:
             raise bad_request(f"prompt: prompts x best_of is {num}; at most {MAX_SEQUENCES} per request", "prompt")
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens`` 0: nothing is generated (with echo: the prompt, and with logprobs its scores)."""
+        return self.token_limit == 0
 
     @property
     def num_candidates(self) -> int:
@@ -295,11 +314,16 @@ class CompletionRequest(_Generation):
 
     def sampling_params(self) -> SamplingParams:
         """SamplingParams for this body (OpenAI's default max_tokens for completions is 16). With best_of > n
-        the chosen tokens' logprobs are asked for too (they rank the candidates)."""
+        the chosen tokens' logprobs are asked for too (they rank the candidates). With echo and logprobs, the
+        prompt's logprobs too (``prompt_logprobs``). max_tokens 0 (with echo) runs one token, which the answer
+        drops: the engine always samples after the prompt."""
         kwargs = self.sampling_kwargs()
-        kwargs["max_tokens"] = 16 if self.token_limit is None else self.token_limit
+        limit = self.token_limit
+        kwargs["max_tokens"] = 16 if limit is None else 1 if limit == 0 else limit
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
+            if self.echo:
+                kwargs["prompt_logprobs"] = self.logprobs
         elif self.num_candidates > self.num_choices:
             kwargs["logprobs"] = 0
         return SamplingParams(**kwargs)

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fnvllm.serve.errors import APIError, internal
-from fnvllm.serve.formats import ChatFormat, CompletionFormat, usage
+from fnvllm.serve.formats import ChatFormat, CompletionFormat, echoed_logprobs, usage
 from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
 
 Format = CompletionFormat | ChatFormat
@@ -38,6 +38,8 @@ class StreamPlan:
     include_usage: a last chunk with the totals. continuous_usage: the counts so far in every chunk.
     logprobs: send each token's logprobs. num_prompt_tokens: the usage's prompt_tokens.
     interval_s: pause after each chunk of a choice (``--stream-interval-ms``).
+    echo_ids: with echo and logprobs, per choice its prompt's ids: the echoed prompt is then sent with its
+        logprobs, once they arrive (with the choice's first tokens), instead of first.
     """
 
     echo_texts: Sequence[str] | None
@@ -46,6 +48,7 @@ class StreamPlan:
     logprobs: bool
     num_prompt_tokens: int
     interval_s: float = 0.0
+    echo_ids: Sequence[Sequence[int]] | None = None
 
 
 def _data(payload: dict[str, Any]) -> str:
@@ -58,7 +61,8 @@ async def events(fmt: Format, streams: Sequence[RequestStream], plan: StreamPlan
     long after each chunk, so several steps' tokens go out together: fewer, larger writes for the web thread."""
     for chunk in fmt.opening_chunks(len(streams)):
         yield _data(chunk)
-    for index, text in enumerate(plan.echo_texts or ()):
+    pending_echo = set(range(len(streams))) if plan.echo_ids is not None else set()
+    for index, text in enumerate(() if pending_echo else plan.echo_texts or ()):
         yield _data(fmt.chunk(index, text, (), None, None))
     num_tokens, sends_ids = 0, fmt.tokenizer is None
     reads = _one(streams[0], plan.interval_s) if len(streams) == 1 else _merged(streams, plan.interval_s)
@@ -68,6 +72,10 @@ async def events(fmt: Format, streams: Sequence[RequestStream], plan: StreamPlan
             if isinstance(item, EngineFailure) or item.finish_reason == "abort":
                 error = internal(str(item)) if isinstance(item, EngineFailure) else aborted()
                 break
+            if index in pending_echo and isinstance(fmt, CompletionFormat) and plan.echo_texts and plan.echo_ids:
+                pending_echo.discard(index)
+                scored = echoed_logprobs(plan.echo_ids[index], item.prompt_logprobs)
+                yield _data(fmt.chunk(index, plan.echo_texts[index], (), scored, None))
             num_tokens += len(item.token_ids)
             if item.text or item.finish_reason is not None or item.logprobs or (sends_ids and item.token_ids):
                 counts = usage(plan.num_prompt_tokens, num_tokens) if plan.continuous_usage else None

@@ -27,12 +27,14 @@ class EngineFailure(Exception):
 
 @attrs.frozen
 class TokenEvent:
-    """What one step added to a request: new text and ids, their logprobs (if asked), and the finish reason."""
+    """What one step added to a request: new text and ids, their logprobs (if asked), and the finish reason.
+    prompt_logprobs: on a request's first event, its prompt logprobs when it asked (``RequestOutput``'s shape)."""
 
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...]
     finish_reason: FinishReason | None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 Item = TokenEvent | EngineFailure
@@ -45,7 +47,8 @@ def merge(events: list[TokenEvent]) -> TokenEvent:
     text = "".join(e.text for e in events)
     ids = tuple(t for e in events for t in e.token_ids)
     logprobs = tuple(lp for e in events for lp in e.logprobs)
-    return TokenEvent(text, ids, logprobs, events[-1].finish_reason)
+    prompt = next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None)
+    return TokenEvent(text, ids, logprobs, events[-1].finish_reason, prompt)
 
 
 class RequestStream:

@@ -7,6 +7,7 @@ executor's sampler reads the rest; the LLM facade applies ``stop`` strings throu
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -47,6 +48,32 @@ def _stop_strings(values: Any) -> tuple[str, ...]:
     for i, value in enumerate(values):
         check_str(value, f"{name}[{i}]", REQUEST)
     return tuple(values)
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""OpenAI's range for a logit_bias value (-100 in effect bans a token, 100 all but forces it)."""
+
+
+def _logit_bias(values: Any) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` as sorted (token id, bias) pairs: None, a mapping id -> bias or a sequence of pairs; ids are
+    ints >= 0 (below the vocabulary size where the engine knows it: ``request.check_request``), biases in
+    [-100, 100]. An empty one is None."""
+    name = "SamplingParams.logit_bias"
+    if values is None:
+        return None
+    if isinstance(values, Mapping):
+        values = tuple(values.items())
+    if not isinstance(values, (list, tuple)):
+        raise fail(
+            REQUEST, name, "None, a dict token id -> bias or a sequence of (id, bias) pairs", values, wrong_type=True
+        )
+    pairs: dict[int, float] = {}
+    for i, pair in enumerate(values):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise fail(REQUEST, f"{name}[{i}]", "a (token id, bias) pair", pair, wrong_type=True)
+        token = check_int(pair[0], f"{name}[{i}] token id", REQUEST, 0, MAX_INT64)
+        pairs[token] = check_real(pair[1], f"{name}[{token}]", REQUEST, *LOGIT_BIAS_RANGE)
+    return tuple(sorted(pairs.items())) or None
 
 
 def _stop_ids(values: Any) -> tuple[int, ...]:
@@ -158,6 +185,12 @@ class SamplingParams:
     presence_penalty / frequency_penalty: OpenAI-style additive penalties on output tokens, [-2, 2].
     structured: a StructuredOutput the output must follow (JSON schema, regex, choice, grammar), or None. The
         request ends with EOS once the grammar is complete (so ignore_eos must stay False).
+    prompt_logprobs: None (off), or k in [0, 20]: return the log-probability of every prompt token given its
+        prefix and the top-k at each position (vLLM's meaning; the first prompt token has none). Such a request
+        is admitted without prefix-cache hits (every prompt position is computed).
+    logit_bias: None, or (token id, bias) pairs (a dict id -> bias is accepted), bias in [-100, 100], added to the
+        row's logits before the grammar mask, penalties, temperature and filters (logprobs stay raw). Stored
+        sorted by id, one pair per id.
     """
 
     temperature: float = 1.0
@@ -175,6 +208,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured: StructuredOutput | None = attrs.field(default=None, converter=_structured)
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = attrs.field(default=None, converter=_logit_bias)
     # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
     # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
@@ -199,6 +234,9 @@ class SamplingParams:
             ),
             "presence_penalty": check_real(self.presence_penalty, name + "presence_penalty", REQUEST, -2, 2),
             "frequency_penalty": check_real(self.frequency_penalty, name + "frequency_penalty", REQUEST, -2, 2),
+            "prompt_logprobs": check_optional_int(
+                self.prompt_logprobs, name + "prompt_logprobs", REQUEST, 0, MAX_LOGPROBS
+            ),
         }
         for field, value in checked.items():
             object.__setattr__(self, field, value)

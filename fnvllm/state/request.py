@@ -80,6 +80,12 @@ def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
         raise fail(REQUEST, "SamplingParams.stop_token_ids", f"ids in [0, {vocab}) (the vocabulary)", outside)
     if params.logprobs is not None and params.logprobs > vocab:
         raise fail(REQUEST, "SamplingParams.logprobs", f"at most the vocabulary size ({vocab})", params.logprobs)
+    if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+        allowed = f"at most the vocabulary size ({vocab})"
+        raise fail(REQUEST, "SamplingParams.prompt_logprobs", allowed, params.prompt_logprobs)
+    biased = [i for i, _ in params.logit_bias or () if i >= vocab]
+    if biased:
+        raise fail(REQUEST, "SamplingParams.logit_bias", f"token ids in [0, {vocab}) (the vocabulary)", biased)
 
 
 def _check_size(config: CoreConfig, prompt_len: int, max_tokens: int) -> None:

@@ -30,7 +30,7 @@ from fnvllm.state._pmap import PMap
 from fnvllm.state._running import DecodePrefix, RunningRows
 from fnvllm.state._tokens import as_chunks, join, last_token, token_slice
 from fnvllm.state.errors import PlanMismatchError
-from fnvllm.state.kv import KVManager
+from fnvllm.state.kv import CachedPrefix, KVManager
 from fnvllm.state.plan import StepPlan, TokenHistory
 from fnvllm.state.state import EngineState, insert_by_policy, policy_index, with_rows
 
@@ -143,7 +143,11 @@ def _admit_one(step: _Step, rid: str) -> bool:
     state, kv = step.state, step.kv
     request, output = state.requests[rid], state.outputs.rest[rid]
     num_tokens, chunks = state.num_tokens.rest[rid], as_chunks(output)
-    prefix = kv.find_cached_prefix(request.prompt, chunks, num_tokens, state.chain_hashes.rest[rid])
+    chain = state.chain_hashes.rest[rid]
+    if request.params.prompt_logprobs is None:
+        prefix = kv.find_cached_prefix(request.prompt, chunks, num_tokens, chain)
+    else:  # every prompt position is scored, so none may come from the cache (fnvllm.executor.prompt_logprobs)
+        prefix = CachedPrefix((), chain, 0, False)
     if prefix.is_pending:
         return False  # a request scheduled earlier this step computes its next block: wait, then hit it
     start = prefix.num_computed
