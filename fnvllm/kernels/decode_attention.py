@@ -84,8 +84,8 @@ class DecodeKernelConfig:
 # - heads_inner: the 8 programs of one (sequence, partition) read the 8 x 256-byte head slices of the same 2 KiB
 #   token rows together.
 DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
-# The knobs for FP8 caches (half the bytes a tile): tiles of 128 tokens. benchmarks/bench_fp8_kv.py on the H200
-# (B 256, context U(100, 2048), 256-token blocks): tile 128 198.7 us, tile 64 206.4, tile 32 244.8 (bf16: 287.8).
+# The knobs for FP8 caches (half the bytes a tile): tiles of 128 tokens, the best of benchmarks/bench_fp8_kv.py's
+# sweep on the H200 (BENCHMARKS.md, "FP8 decode attention").
 DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_DECODE_CONFIG, tile_size=128)
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without
@@ -107,9 +107,9 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
       table width in tokens);
     - tiny batches (<= TINY_BATCH_PAIRS pairs): partitions of one tile (SMALL_BATCH_PARTITION tokens), so even
       one sequence spreads its context over many programs, doubled while the partial outputs would exceed
-      SMALL_BATCH_MAX_PARTIALS (sequence, KV head, partition) triples (long tables). H200, 8 KV heads, tables of
-      4096 tokens (benchmarks/bench_small_batch.py): B 1, contexts U(100, 2048): 5.9 us against 11.8 at 512;
-      B 16 and up the finer split loses (B 64: 46 us against 22), so they keep the default;
+      SMALL_BATCH_MAX_PARTIALS (sequence, KV head, partition) triples (long tables). On the H200 this halves a
+      one-sequence step's attention at long contexts, while from 16 sequences up the finer split loses
+      (benchmarks/bench_small_batch.py; BENCHMARKS.md, "decode attention partitions"), so they keep the default;
     - otherwise the default partition size.
     Worked example: B 256 x Hkv 8 = 2048 pairs, tables of 4096 slots -> 4096 (P = 1); B 16 -> 512 (P = 8);
     B 1 -> 64 (P = 64).

@@ -105,9 +105,8 @@ def fp8_linear(
     (``fp8_scaled_mm``) where the weight is whole 128 x 128 blocks and torch has it, else ``fp8_gemm_blockwise``
     (Triton) up to SMALL_M tokens or above. Elsewhere the torch reference.
 
-    Why (H200, one Qwen3-8B layer's four GEMMs, benchmarks/bench_fp8_gemm.py and the cuBLAS probe of 2026-12-01):
-    cuBLAS block-scaled 149 / 118 / 141 / 175 / 3,553 us at M = 1 / 16 / 64 / 256 / 8192, the Triton kernels
-    145 / 136 / 199 / 218 / 5,339 us (bf16 weights with cuBLAS: 115 / 113 / 117 / 160 / 4,067)."""
+    Why: on the H200, for one Qwen3-8B layer's four GEMMs, cuBLAS's block-scaled GEMM is faster than the Triton
+    kernels from 16 tokens up and about equal below (BENCHMARKS.md, "FP8 weight GEMMs")."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -1,8 +1,9 @@
 """Linear layers for few tokens (decode steps of small batches): a Triton GEMM that streams the weight at bandwidth.
 
 At M <= 64 rows a linear layer is a read of its weight: y (M, N) = x (M, K) @ W (N, K)^T touches 2*N*K bytes of W
-and next to nothing else. cuBLAS picks tiles built for large M there; on the H200 its Qwen3-0.6B decode GEMMs at
-M = 1 read their weights at ~1.1 TB/s (benchmarks/profile_decode.py), a quarter of the read ceiling.
+and next to nothing else. cuBLAS picks tiles built for large M there, and for narrow, deep products (few output
+features, many input ones) it splits K and pays a reduce kernel; those are the products this kernel takes
+(measurements: BENCHMARKS.md, "skinny bf16 GEMM").
 
 Algorithm: one program per (block of BLOCK_N output features, split s of K). It walks its K range in BLOCK_K
 steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous rows of the nn.Linear layout) and the matching
@@ -213,10 +214,9 @@ def skinny_linear(
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
     """Whether ``skinny_linear`` beats cuBLAS for this product, by the H200 measurements of
-    benchmarks/bench_small_batch.py: only narrow, deep products (N <= 2048 and K >= 2N: cuBLAS splits K there
-    and pays a reduce) at <= SKINNY_MAX_ROWS rows. Qwen3-0.6B's o_proj (2048 -> 1024) at M = 1: 5.6 us against
-    cuBLAS's 12.8; its down_proj (3072 -> 1024): 6.4 against 7.4; its qkv and gate_up and every Qwen3-8B
-    projection: cuBLAS is as fast or faster (0.76-1.0x)."""
+    benchmarks/bench_small_batch.py (BENCHMARKS.md, "skinny bf16 GEMM"): only narrow, deep products (N <= 2048 and
+    K >= 2N, where cuBLAS splits K and pays a reduce) at <= SKINNY_MAX_ROWS rows, i.e. Qwen3-0.6B's o_proj and
+    down_proj; its qkv and gate_up and every Qwen3-8B projection stay with cuBLAS, as fast or faster there."""
     return 0 < num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
 
 
