@@ -10,12 +10,13 @@ Static buffers (N = largest bucket, W = max blocks per sequence), views of ONE d
     input_ids (N,) int64   positions (N,) int64   slot_mapping (N,) int64
     seq_lens (N,) int32    block_tables (N, W) int32   cu_seqlens_q (N+1,) int32 = 0, 1, ..., N (fixed, apart)
 
-A step writes its rows into a pinned host buffer of the same layout and sends the prefix it needs (the four
-(N,) arrays and table rows :B) with one host-to-device copy: a decode step of a small batch is launch-bound, and
-one copy replaces three uploads and five device copies (profile: BENCHMARKS.md, "Small batches"). Two pinned buffers alternate, so the host fills one while the copy from the other may still be queued
-behind the step in flight; an event per buffer says when it is free again. When table rows at full width W would
-be large (long contexts in small blocks), the tables go as a separate ``(B, w)`` upload of this step's widest
-table instead. Columns past a sequence's end hold stale ids that the kernel never reads (it stops at seq_lens).
+A step writes its rows into a pinned host buffer of the same layout and sends the prefix it needs (the four (N,)
+arrays and table rows :B) with one host-to-device copy: a decode step of a small batch is launch-bound, and one copy
+replaces three uploads and five device copies (profile: BENCHMARKS.md, "Small batches"). Two pinned buffers
+alternate, so the host fills one while the copy from the other may still be queued behind the step in flight; an
+event per buffer says when it is free again. When table rows at full width W would be large (long contexts in small
+blocks), the tables go as a separate ``(B, w)`` upload of this step's widest table instead. Columns past a
+sequence's end hold stale ids that the kernel never reads (it stops at seq_lens).
 """
 
 from __future__ import annotations
