@@ -211,6 +211,28 @@ def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str
     assert not list(tmp_path.glob("fnvllm-bench-*"))
 
 
+def test_bench_latency_mode_reports_each_batch(tmp_path: Path) -> None:
+    """``fnvllm bench --latency 1,3`` runs each batch warm and reports ms per decode step, TPOT and TTFT percentiles
+    per request count (each request makes exactly --max-output-len tokens); a bad list is a usage error."""
+    env = {**ENV, "TMPDIR": str(tmp_path)}
+    args = ["bench", "--model-shape", "tiny", "--latency", "1,3", "--max-output-len", "6", "--profile", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
+    )
+    record = json.loads(ok(result).stdout)
+    rows = record["latency"]
+    assert [row["requests"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["ms_per_step"] > 0 and row["tpot_p50_ms"] > 0 and row["tpot_p99_ms"] >= row["tpot_p50_ms"]
+        assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
+        assert row["decode_timeline"]["steps"] >= 4  # 6 tokens: a prefill step, then decode steps
+    bad = subprocess.run(
+        [sys.executable, "-m", "fnvllm.cli", "bench", "--latency", "1,x"], capture_output=True, text=True,
+        timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "comma-separated request counts" in bad.stderr
+
+
 def test_bench_defaults_depend_on_the_shape() -> None:
     """The tiny shape gets the CPU-sized workload, the real shapes the nano-vllm one; explicit flags win."""
     from fnvllm.cli.bench import resolve_workload
