@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import hf_model, write_family
+from tiny_models import TINY_SERVER_FLAGS, hf_model, write_tool_chat_model
 
 from fnvllm.serve.server_process import ServerProcess
 
@@ -26,20 +26,7 @@ pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the se
 pydantic = pytest.importorskip("pydantic")
 
 MODEL = "tiny"
-ENGINE = ["--dtype", "float32", "--device", "cpu", "--block-size", "8", "--num-blocks", "512"]
-ENGINE += ["--max-model-len", "1536", "--attention-backend", "torch", "--served-model-name", MODEL]
-# A Hermes-style template (as Qwen's): tools listed in a system turn, calls as <tool_call> JSON, tool results.
-TOOL_TEMPLATE = (
-    "{%- if tools %}<s>system\n# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}</s>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' and message.tool_calls %}<s>assistant"
-    "{%- for call in message.tool_calls %}\n<tool_call>\n"
-    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>"
-    "{%- endfor %}</s>\n"
-    "{%- elif message.role == 'tool' %}<s>tool\n<tool_response>{{ message.content }}</tool_response></s>\n"
-    "{%- else %}<s>{{ message.role }}\n{{ message.content }}</s>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
+ENGINE = TINY_SERVER_FLAGS
 WEATHER = {
     "type": "function",
     "function": {
@@ -66,12 +53,7 @@ class Place(pydantic.BaseModel):  # type: ignore[misc,name-defined]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path: Path = write_family(tmp_path_factory.mktemp("compat"), "qwen3")
-    (path / "chat_template.jinja").write_text(TOOL_TEMPLATE)  # transformers reads it before tokenizer_config
-    for name in ("config.json", "generation_config.json"):  # EOS = the tokenizer's </s>, not a text token
-        model_file = path / name
-        model_file.write_text(json.dumps({**json.loads(model_file.read_text()), "eos_token_id": 1}))
-    return path
+    return write_tool_chat_model(tmp_path_factory.mktemp("compat"))
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_models import write_family
+from tiny_models import TINY_SERVER_FLAGS, write_tool_chat_model
 
 from fnvllm.serve.server_process import ServerProcess
 
@@ -19,22 +18,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the serve extra)")
 
 MODEL = "tiny"
-ENGINE = ["--dtype", "float32", "--device", "cpu", "--block-size", "8", "--num-blocks", "512"]
-ENGINE += ["--max-model-len", "1536", "--attention-backend", "torch", "--served-model-name", MODEL]
-ENGINE += ["--reasoning-parser", "qwen3"]
+ENGINE = [*TINY_SERVER_FLAGS, "--reasoning-parser", "qwen3"]
 
-# A Hermes-style template (as Qwen's): tools listed in a system turn, calls as <tool_call> JSON, tool results.
-TOOL_TEMPLATE = (
-    "{%- if tools %}<s>system\n# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}</s>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' and message.tool_calls %}<s>assistant"
-    "{%- for call in message.tool_calls %}\n<tool_call>\n"
-    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>"
-    "{%- endfor %}</s>\n"
-    "{%- elif message.role == 'tool' %}<s>tool\n<tool_response>{{ message.content }}</tool_response></s>\n"
-    "{%- else %}<s>{{ message.role }}\n{{ message.content }}</s>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -70,11 +55,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    checkpoint: Path = write_family(tmp_path_factory.mktemp("serve-structured"), "qwen3")
-    (checkpoint / "chat_template.jinja").write_text(TOOL_TEMPLATE)  # transformers reads it before tokenizer_config
-    for name in ("config.json", "generation_config.json"):  # EOS = the tokenizer's </s>, not a text token
-        model_file = checkpoint / name
-        model_file.write_text(json.dumps({**json.loads(model_file.read_text()), "eos_token_id": 1}))
+    checkpoint = write_tool_chat_model(tmp_path_factory.mktemp("serve-structured"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("serve-structured-log") / "server.log"
     with ServerProcess([str(checkpoint), *ENGINE], log, env=env) as proc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,33 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_ids: list[
         if token in eos_ids:
             return tokens[: i + 1]
     return tokens
+
+
+# ---- a tiny chat model for the server tests (structured outputs, tools, client libraries) ----------------------
+
+# `fnvllm serve` flags for it: float32 on the CPU, the torch backend, a small cache, served as "tiny".
+TINY_SERVER_FLAGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "8", "--num-blocks", "512"]
+TINY_SERVER_FLAGS += ["--max-model-len", "1536", "--attention-backend", "torch", "--served-model-name", "tiny"]
+# A Hermes-style template (as Qwen's): tools listed in a system turn, calls as <tool_call> JSON, tool results.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<s>system\n# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}</s>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<s>assistant"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>"
+    "{%- endfor %}</s>\n"
+    "{%- elif message.role == 'tool' %}<s>tool\n<tool_response>{{ message.content }}</tool_response></s>\n"
+    "{%- else %}<s>{{ message.role }}\n{{ message.content }}</s>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def write_tool_chat_model(root: Path) -> Path:
+    """A tiny Qwen3 checkpoint with TOOL_TEMPLATE as its chat template and the tokenizer's ``</s>`` (id 1) as EOS
+    (so a grammar's end is a token the model can emit)."""
+    path = write_family(root, "qwen3")
+    (path / "chat_template.jinja").write_text(TOOL_TEMPLATE)  # transformers reads it before tokenizer_config
+    for name in ("config.json", "generation_config.json"):
+        model_file = path / name
+        model_file.write_text(json.dumps({**json.loads(model_file.read_text()), "eos_token_id": 1}))
+    return path
