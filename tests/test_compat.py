@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import TINY_SERVER_FLAGS, hf_model, write_tool_chat_model
+from tiny_models import TINY_SERVER_FLAGS, WEATHER_TOOL, hf_model, write_tool_chat_model
 
 from fnvllm.serve.server_process import ServerProcess
 
@@ -27,19 +27,7 @@ pydantic = pytest.importorskip("pydantic")
 
 MODEL = "tiny"
 ENGINE = TINY_SERVER_FLAGS
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,6}$"}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = WEATHER_TOOL
 PROMPT_IDS = [5, 9, 13, 200, 7, 42, 17, 99, 3, 250]
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tiny_models import TINY_SERVER_FLAGS, write_tool_chat_model
+from tiny_models import TINY_SERVER_FLAGS, WEATHER_TOOL, write_tool_chat_model
 
 from fnvllm.serve.server_process import ServerProcess
 
@@ -30,19 +30,7 @@ SCHEMA = {
     "required": ["city", "ok", "n"],
     "additionalProperties": False,
 }
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,6}$"}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = WEATHER_TOOL
 TIME = {
     "type": "function",
     "function": {

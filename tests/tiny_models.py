@@ -96,6 +96,23 @@ TOOL_TEMPLATE = (
 )
 
 
+# A tool both server test files call: its arguments are bounded (a pattern and an enum), so a random model's
+# grammar-forced call finishes quickly.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,6}$"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
 def write_tool_chat_model(root: Path) -> Path:
     """A tiny Qwen3 checkpoint with TOOL_TEMPLATE as its chat template and the tokenizer's ``</s>`` (id 1) as EOS
     (so a grammar's end is a token the model can emit)."""
