@@ -164,13 +164,18 @@ def run_bench(
     workload = prompts, params
     with checkpoint_folder(model, model_shape, announce=progress_every_s is not None) as folder:
         if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
-            from fnvllm.model.config import ModelConfig
-
-            model_max = ModelConfig.from_pretrained(folder).max_position_embeddings
-            engine_options["max_model_len"] = min(model_max, max(4096, max_input_len + max_output_len))
+            engine_options["max_model_len"] = capped_model_len(folder, max(4096, max_input_len + max_output_len))
         name = str(model) if model else model_shape
         result = _run(folder, name, workload, read_tb_s, use_tqdm, progress_every_s, engine_options)
         return {**result, "sampling": dict(sampling)} if sampling else result
+
+
+def capped_model_len(folder: Path, wanted: int) -> int:
+    """``wanted`` tokens, or the checkpoint's max_position_embeddings when that is shorter (the bench's
+    max_model_len: short enough to keep the decode graphs' tables narrow)."""
+    from fnvllm.model.config import ModelConfig
+
+    return min(wanted, ModelConfig.from_pretrained(folder).max_position_embeddings)
 
 
 @contextlib.contextmanager
@@ -300,9 +305,7 @@ def run_latency(
         raise ValueError(f"output_tokens must be >= 2 (TPOT needs two tokens), got {output_tokens}")
     with checkpoint_folder(model, model_shape, announce=announce) as folder:
         if engine_options.get("max_model_len") is None:  # prompts + outputs stay under 400 tokens
-            from fnvllm.model.config import ModelConfig
-
-            engine_options["max_model_len"] = min(4096, ModelConfig.from_pretrained(folder).max_position_embeddings)
+            engine_options["max_model_len"] = capped_model_len(folder, 4096)
         llm = LLM(folder, load_tokenizer=False, **engine_options)
         on_gpu = llm.executor.device.type == "cuda"
         rows = []
