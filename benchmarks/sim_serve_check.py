@@ -35,11 +35,13 @@ QUICK = {"num_requests": 24, "request_rate": 8.0, "max_input_len": 128, "max_out
 
 
 def start_server(checkpoint: Path, max_model_len: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """``fnvllm serve`` on a free port; returns the process and its URL once /health answers."""
+    """``fnvllm serve`` on a free port, recording its per-step timeline beside ``log`` (served_timeline.jsonl);
+    returns the process and its URL once /health answers."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, "max_model_len": max_model_len}.items()]
     command = [sys.executable, "-m", "fnvllm.cli", "serve", str(checkpoint), "--host", "127.0.0.1", "--port", "0"]
     command += ["--served-model-name", "bench", "--stream-interval-ms", "0", *flags]
-    server = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "FNVLLM_TIMELINE": str(log.with_name("served_timeline.jsonl"))}
+    server = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -170,7 +172,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     running = sum(t.e2e for t in timings) / (max(offsets) + max(t.e2e for t in timings))
     (out / "report.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
     print_table(rows, running)
+    print_served_steps(out / "served_timeline.jsonl", args.hardware)
     return 0
+
+
+def print_served_steps(path: Path, hardware: str) -> None:
+    """Where the served steps' time goes: per kind of step (decode-only, mixed), the measured device, host and gap
+    ms per step against what the profile predicts for the same step shapes (``CostModel``), so a gap between the
+    served and simulated latencies can be traced to the device, the host or the idle time between steps."""
+    from fnvllm.sim import load_profile
+    from fnvllm.sim.cost import CostModel
+    from fnvllm.sim.timeline import header_model, read_timeline, record_new_seqs, record_overlap, record_shape
+
+    if not path.exists():
+        print(f"no served timeline at {path}")
+        return
+    header, records = read_timeline(path)
+    cost = CostModel(header_model(header), load_profile(hardware))
+    kinds: dict[str, list[list[float]]] = {}
+    for record in records:
+        shape = record_shape(record)
+        if not shape.num_seqs:
+            continue
+        kind = "decode" if shape.num_tokens == shape.num_seqs else "mixed"
+        new = record_new_seqs(record)
+        predicted = (
+            cost.device_s(shape) * 1e3,
+            cost.host_s(shape, new) * 1e3,
+            cost.wall_s(shape, new, record_overlap(record)) * 1e3,
+        )
+        measured = (float(record["gpu_ms"]), float(record.get("cpu_ms", 0.0)), float(record.get("gap_ms", 0.0)))
+        kinds.setdefault(kind, []).append([shape.num_seqs, *measured, *predicted])
+    print("\nserved steps (timeline) vs the profile on the same shapes, mean ms per step:")
+    columns = ("gpu", "host", "gap", "| sim gpu", "sim host", "sim wall")
+    print(f"{'kind':<7} {'steps':>6} {'seqs':>6} " + " ".join(f"{c:>8}" for c in columns))
+    for kind, rows in kinds.items():
+        n = len(rows)
+        mean = [sum(r[i] for r in rows) / n for i in range(7)]
+        print(f"{kind:<7} {n:>6} {mean[0]:>6.1f} {mean[1]:>7.3f} {mean[2]:>7.3f} {mean[3]:>6.3f} | "
+              f"{mean[4]:>6.3f} {mean[5]:>8.3f} {mean[6]:>8.3f}")  # fmt: skip
 
 
 def _vocab(checkpoint: Path) -> int:
