@@ -14,6 +14,15 @@ is one byte an element (6.93 TB for Qwen3-0.6B: 8.15 TB in all, 1.96 s, ~68,300 
 (``quantization="fp8"``) one byte a weight plus their block scales. A mixture of experts reads, per sparse layer
 and decode step, the experts its running sequences touch (``moe.expected_experts_touched``: all 128 of
 Qwen3-30B-A3B at 256 sequences, ~61 GB a step; fewer as the batch drains).
+
+The roofline adds compute to the floor (``roofline_seconds``): decode step s (the sequences with more than s
+outputs) costs at least max(its bytes / read ceiling, its FLOPs / peak), and the prompts' FLOPs fit only into the
+compute the bytes-bound steps leave idle, the rest adding to the time. On the bench workload every decode step is
+bytes-bound (Qwen3-0.6B at 256 sequences: ~0.34 TFLOP against ~19 GB of weights and KV) and the prompts fit in
+the idle compute, so the roofline equals the floor; a prefill-heavy workload (long prompts, short outputs) is
+compute-bound and its roofline exceeds it. ``fnvllm bench --profile`` also reports the roofline of the steps the
+engine actually ran (each step at max(bytes, FLOPs) per layer part, ``fnvllm.sim.CostModel.roofline_s``): there
+the Qwen3-8B shape's prefill steps count at the matmul peak, which the bytes-only floor leaves out.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from fnvllm.state import SamplingParams
 from fnvllm.workloads import bench_workload
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
+H200_PEAK_TFLOPS = 793.0  # measured on the lent H200: a bf16 8192^3 matmul (FP8 weights: twice, the tensor-core rate)
 SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
 WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 
@@ -83,6 +93,55 @@ def floor_seconds(
         weights = sum(weight_bytes(config, num_seqs=sum(o > s for o in output_lens)) for s in range(max(output_lens)))
     total = kv_tokens * kv_bytes_per_token(config, kv_dtype_bytes) + weights
     return total / (read_tb_s * 1e12)
+
+
+def flops_per_token(config: Any) -> int:
+    """FLOPs of one token through the linear layers and the LM head (2 a weight it multiplies; a sparse layer
+    counts its router and its top-k experts), attention's score and value products not included."""
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    moe = getattr(config, "moe", None)
+    per_layer = [h * (q + 2 * kv) + q * h for _ in range(config.num_hidden_layers)]
+    for i in range(config.num_hidden_layers):
+        if moe is None or not moe.is_sparse(i):
+            per_layer[i] += 3 * h * config.intermediate_size
+        else:
+            per_layer[i] += h * moe.num_experts + moe.num_experts_per_tok * 3 * h * moe.moe_intermediate_size
+    return 2 * (sum(per_layer) + config.vocab_size * h)
+
+
+def attention_flops(config: Any, context: int) -> int:
+    """FLOPs of one query token's attention over ``context`` tokens, all layers (scores and values: 4 a head
+    dimension a key)."""
+    return 4 * config.num_hidden_layers * config.q_size * context
+
+
+def roofline_seconds(
+    config: Any,
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    read_tb_s: float,
+    peak_tflops: float,
+    kv_dtype_bytes: int = 2,
+) -> float:
+    """The workload's roofline in seconds (see the module docstring): per decode step max(bytes, FLOPs) at the
+    ceilings, plus the prompts' FLOPs that the bytes-bound steps' idle compute cannot hold. Decode step s runs the
+    sequences with more than s outputs, each reading the KV of its prompt and s outputs (as ``floor_seconds``)."""
+    bandwidth, peak = read_tb_s * 1e12, peak_tflops * 1e12
+    per_token, kv_token = flops_per_token(config), kv_bytes_per_token(config, kv_dtype_bytes)
+    dense = getattr(config, "moe", None) is None
+    weights_all = weight_bytes(config) if dense else 0
+    total, slack = 0.0, 0.0
+    pairs = sorted(zip(output_lens, prompt_lens, strict=True), reverse=True)
+    for s in range(max(output_lens, default=0)):
+        running = [p for o, p in pairs if o > s]
+        context = sum(running) + s * len(running)
+        weights = weights_all if dense else weight_bytes(config, num_seqs=len(running))
+        read = (weights + context * kv_token) / bandwidth
+        compute = (len(running) * per_token + attention_flops(config, context)) / peak
+        total += max(read, compute)
+        slack += max(read - compute, 0.0)
+    prompts = sum(p * per_token + attention_flops(config, p * (p + 1) // 2) for p in prompt_lens) / peak
+    return total + max(prompts - slack, 0.0)
 
 
 def write_checkpoint(shape: str, folder: Path) -> Path:
@@ -146,6 +205,7 @@ def run_bench(
     max_input_len: int = 1024,
     max_output_len: int = 1024,
     read_tb_s: float = H200_READ_TB_S,
+    peak_tflops: float = H200_PEAK_TFLOPS,
     use_tqdm: bool = False,
     progress_every_s: float | None = None,
     sampling: Mapping[str, Any] | None = None,
@@ -153,7 +213,8 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run the workload once to warm up (its first 4 requests, 8 tokens each), then time it; returns the result
     record. Without ``model``, a random checkpoint of ``model_shape`` is written to a temporary folder that is
-    deleted afterwards. ``progress_every_s``: print a plain progress line that often (None: none).
+    deleted afterwards. ``read_tb_s`` / ``peak_tflops``: one device's ceilings, for the floor and the roofline
+    (bf16; FP8 weights double the peak). ``progress_every_s``: print a plain progress line that often (None: none).
     ``sampling``: SamplingParams fields set on every request (e.g. top_p, repetition_penalty, logprobs) on top of
     the workload's temperature 0.6, ignore_eos and max_tokens; recorded in the result."""
     if num_requests < 1:
@@ -166,7 +227,8 @@ def run_bench(
         if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
             engine_options["max_model_len"] = capped_model_len(folder, max(4096, max_input_len + max_output_len))
         name = str(model) if model else model_shape
-        result = _run(folder, name, workload, read_tb_s, use_tqdm, progress_every_s, engine_options)
+        ceilings = read_tb_s, peak_tflops
+        result = _run(folder, name, workload, ceilings, use_tqdm, progress_every_s, engine_options)
         return {**result, "sampling": dict(sampling)} if sampling else result
 
 
@@ -194,7 +256,7 @@ def _run(
     folder: Path,
     name: str,
     workload: tuple[list[list[int]], list[SamplingParams]],
-    read_tb_s: float,
+    ceilings: tuple[float, float],
     use_tqdm: bool,
     progress_every_s: float | None,
     engine_options: dict[str, Any],
@@ -231,8 +293,13 @@ def _run(
     if on_gpu:  # the floor is a GPU roofline (read_tb_s): meaningless for a CPU run
         kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2  # bf16 otherwise, as weight_bytes assumes
         lens = [len(p) for p in prompts], [p.max_tokens for p in params]
+        read_tb_s, peak_tflops = ceilings
+        if getattr(llm.model_config, "quantization", None) is not None:
+            peak_tflops *= 2  # FP8 tensor cores
         floor = floor_seconds(llm.model_config, *lens, read_tb_s, kv_dtype_bytes=kv_bytes)
+        roof = roofline_seconds(llm.model_config, *lens, read_tb_s, peak_tflops, kv_dtype_bytes=kv_bytes)
         result.update(floor_tok_per_s=round(tokens / floor, 1), fraction_of_floor=round(floor / seconds, 3))
+        result.update(roofline_tok_per_s=round(tokens / roof, 1), fraction_of_roofline=round(roof / seconds, 3))
     result.update(
         steps=llm.stats.num_steps - start_stats.num_steps,
         preemptions=llm.stats.num_preemptions - start_stats.num_preemptions,
@@ -241,7 +308,36 @@ def _run(
         speculative_steps_dropped=llm.loop.overlap_stats.dropped - start_overlap.dropped,
         timeline=_timeline_summary(llm.executor.timeline, on_gpu),
     )
+    if on_gpu and llm.executor.timeline is not None:
+        result.update(_steps_roofline(folder, llm.executor.timeline.records, ceilings, seconds, tokens))
     return result
+
+
+def _steps_roofline(
+    folder: Path, records: Sequence[Mapping[str, Any]], ceilings: tuple[float, float], seconds: float, tokens: int
+) -> dict[str, Any]:
+    """The roofline of the steps the engine actually ran (the timeline's step shapes): each step at
+    max(bytes, FLOPs) per layer part (``fnvllm.sim.CostModel.roofline_s``, ceilings only, no fitted overheads).
+    Where the workload roofline assumes perfect mixing, this one is the engine's own schedule at full speed: a
+    compute-bound prefill step counts at the matmul peak. Empty for a mixture of experts (the simulator's model
+    is dense)."""
+    import json
+
+    from fnvllm.sim.cost import CostModel
+    from fnvllm.sim.hardware import H200
+    from fnvllm.sim.model import ModelShape
+    from fnvllm.sim.timeline import record_shape
+
+    config = json.loads((folder / "config.json").read_text())
+    if "num_experts" in config:
+        return {}
+    read_tb_s, peak_tflops = ceilings
+    hardware = attrs.evolve(H200, mem_bandwidth_gbs=read_tb_s * 1e3, matmul_tflops=peak_tflops)
+    cost = CostModel(ModelShape.from_config(config), hardware)
+    roof = sum(cost.roofline_s(record_shape(r)) for r in records)
+    if roof <= 0:
+        return {}
+    return {"steps_roofline_tok_per_s": round(tokens / roof, 1), "fraction_of_steps_roofline": round(roof / seconds, 3)}
 
 
 def _timeline_summary(timeline: Any, on_gpu: bool) -> dict[str, Any] | None:

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             args.max_input_len,
             args.max_output_len,
             args.read_tb_s * tp,  # each GPU reads its share of the weights and KV
+            args.peak_tflops * tp,
             use_tqdm=sys.stderr.isatty(),
             progress_every_s=None if sys.stderr.isatty() else PROGRESS_EVERY_S,
             sampling=sampling_overrides(args),
@@ -153,6 +154,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--read-tb-s", type=float, default=4.16, help="one GPU's read ceiling for the floor (TB/s; H200: 4.16)"
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=793.0,
+        help="one GPU's bf16 tensor-core peak for the roofline (TFLOP/s; H200: 793; FP8 weights count twice)",
     )
     add_engine_args(p, BENCH_ENGINE_DEFAULTS)
     # Shorter spellings kept from before the engine flags were derived: --backend, --no-overlap.
