@@ -2,12 +2,15 @@
 # One device call on the H200: kernels vs references and their timings, end-to-end backend agreement, the CUDA
 # path of the model/LLM tests, a decode-step profile, then the throughput bench (triton, and flash when
 # flash-attn-4 imports). Logs go to $OUT; a short table prints last.
-#   ONLY="kernels attention equality pytest profile bench plain bench8b"  (default: all but plain and bench8b)
-#   picks the parts: plain = the bench with --no-overlap (one step at a time), bench8b = the Qwen3-8B shape.
+#   ONLY="kernels attention equality pytest profile bench plain bench8b calibration"  (default: all but plain and
+#   bench8b) picks the parts: plain = the bench with --no-overlap (one step at a time), bench8b = the Qwen3-8B shape,
+#   calibration = the simulator's calibration set (benchmarks/sim_calibration.py): refits the h200 profile to this
+#   engine and prints each regime's error; paste $OUT/calibration/h200_profile.py.txt into fnvllm/sim/hardware.py
+#   and its table into BENCHMARKS.md whenever the engine's speed changed.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ONLY=${ONLY:-kernels attention equality pytest profile bench}
+ONLY=${ONLY:-kernels attention equality pytest profile bench calibration}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -c "import flash_attn.cute; print('flash-attn-4 importable')" 2>/dev/null || echo "flash-attn-4 not importable"
@@ -41,4 +44,8 @@ if want bench; then
 fi
 if want bench8b; then
   timeout 300 python3 -m fnvllm.cli bench --model-shape qwen3-8b --json 2>/dev/null | tail -1 | tee "$OUT/bench8b.json"
+fi
+if want calibration; then
+  timeout 360 python3 benchmarks/sim_calibration.py --out "$OUT/calibration" --model-shape qwen3-0.6b > "$OUT/calibration.log" 2>&1
+  echo "calibration rc=$?"; grep -A40 "^regime" "$OUT/calibration.log" | cut -c1-160
 fi
