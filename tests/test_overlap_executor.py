@@ -147,3 +147,23 @@ def test_feed_places_samples_at_the_fed_rows_tokens(checkpoint: Any) -> None:
     every = executor._feed(attrs.evolve(plan, seq_ids=("b", "a"), input_tokens=((0,), (0,))), launched)
     assert every is not None and every.rows is None
     assert every.apply(torch.tensor([0, 0], device=on), token_rows=True).tolist() == [43, 42]
+
+
+def test_feed_of_the_same_rows_in_order_is_the_samples_themselves(checkpoint: Any) -> None:
+    """A decode step over exactly the rows the previous step sampled, in order, feeds that step's sample tensor
+    as it is (no index upload, no gather); the same rows reordered still gather."""
+    import torch
+
+    from fnvllm.executor.model_executor import Launched
+    from fnvllm.state import StepPlan
+
+    executor = _llm(checkpoint, overlap=False).executor
+    previous = StepPlan(0, 4, ("a", "b"), ((7,), (8,)), (2, 5), ((0,), (1, 2)), (True, True))
+    packed = torch.tensor([[42, 43], [0, 0]], device=executor.device)
+    launched = Launched(previous, (0, 1), packed)
+    plan = StepPlan(1, 4, ("a", "b"), ((0,), (0,)), (3, 6), ((0,), (1, 2)), (True, True))
+    feed = executor._feed(plan, launched)
+    assert feed is not None and feed.rows is None and feed.ids.data_ptr() == packed[0].data_ptr()
+    assert feed.ids.tolist() == [42, 43]
+    swapped = executor._feed(attrs.evolve(plan, seq_ids=("b", "a")), launched)
+    assert swapped is not None and swapped.ids.tolist() == [43, 42]

@@ -380,6 +380,8 @@ class ModelExecutor:
         request life and never fed). None when no row is fed (all its tokens are the host's)."""
         if not isinstance(fed_by, Launched):
             raise ValueError(f"fed_by must be a step this executor launched, got {type(fed_by).__name__}")
+        if fed_by.packed is not None and _feeds_in_order(fed_by, plan):
+            return Feed(fed_by.packed[0], None, None)  # the common decode step: no index upload, no gather
         sources = feed_sources(fed_by.plan, plan) if fed_by.packed is not None else (None,) * plan.num_seqs
         fed = np.fromiter((s is not None for s in sources), dtype=bool, count=plan.num_seqs)  # (B,) device-fed
         if not fed.any():
@@ -563,6 +565,19 @@ class ModelExecutor:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
         }
+
+
+def _feeds_in_order(fed_by: Launched, plan: StepPlan) -> bool:
+    """True when every row of ``plan`` feeds one token, the sample ``fed_by`` drew for the same row: the same
+    sequences in the same order, all of them sampled by ``fed_by``, none admitted by ``plan`` (``feed_sources``
+    is then 0, 1, ..., B-1). Costs C-level passes only: B tokens in B rows means one token a row."""
+    previous = fed_by.plan
+    return (
+        plan.num_admitted == 0
+        and len(fed_by.rows) == previous.num_seqs
+        and (plan.seq_ids is previous.seq_ids or plan.seq_ids == previous.seq_ids)
+        and sum(map(len, plan.input_tokens)) == plan.num_seqs
+    )
 
 
 def _copy_scored(scored: list[ScoredRow]) -> HostCopy | None:
