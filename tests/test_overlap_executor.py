@@ -167,3 +167,23 @@ def test_feed_of_the_same_rows_in_order_is_the_samples_themselves(checkpoint: An
     assert feed.ids.tolist() == [42, 43]
     swapped = executor._feed(attrs.evolve(plan, seq_ids=("b", "a")), launched)
     assert swapped is not None and swapped.ids.tolist() == [43, 42]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_logits_match_eager(checkpoint: Any) -> None:
+    """On a GPU, the small decode buckets compute the lm_head inside their CUDA graph: greedy tokens and their
+    logprobs are those of eager steps (float32), for a batch inside those buckets."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(checkpoint, dtype="float32", block_size=4, num_blocks=128, max_num_seqs=4, enforce_eager=eager)
+        graphs = llm.executor.graphs
+        assert (graphs is None) == eager and (eager or set(graphs.logits) == set(graphs.sizes))
+        runs.append(llm.generate(PROMPTS[:4], params, use_tqdm=False))
+        llm.close()
+    for eager_out, graph_out in zip(*runs, strict=True):
+        assert eager_out.token_ids == graph_out.token_ids
+        assert eager_out.logprobs is not None and graph_out.logprobs is not None
+        for a, b in zip(eager_out.logprobs, graph_out.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4 and [i for i, _ in a.top] == [i for i, _ in b.top]

@@ -33,6 +33,8 @@ from fnvllm.kernels.attention import AttentionMetadata
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# logits(hidden (B, H)) -> (B, V): the lm_head, captured behind the forward in the small buckets.
+Logits = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 # Table rows at full width go with the staged copy while they are at most this many bytes (B x W x 4).
@@ -82,7 +84,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards. ``run(...)`` replays the right one; ``can_run(B)`` says whether one fits."""
+    """Captured decode forwards. ``run(...)`` replays the right one; ``can_run(B)`` says whether one fits.
+
+    logits: when given, buckets of at most ``logits_max_rows`` rows capture the lm_head too, so that a small decode
+    step launches one graph instead of a graph and an eager GEMM (the host's launch work dominates such a step).
+    Each of those buckets keeps its (bucket, V) logits in the graph pool (64 rows of Qwen3's 151,936-id vocabulary
+    in bfloat16: 175 rows over 8 buckets, 53 MB); larger buckets, where the device's work hides the launch, leave
+    the lm_head to the caller.
+    """
 
     def __init__(
         self,
@@ -92,8 +101,11 @@ class DecodeGraphs:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        logits: Logits | None = None,
+        logits_max_rows: int = 64,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.logits_max_rows = logits_max_rows if logits is not None else 0
         self.block_size = block_size
         self.scratch_slot = scratch_block * block_size
         n = self.sizes[-1]
@@ -108,7 +120,8 @@ class DecodeGraphs:
         self.next_host = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture_all(forward)
+        self.logits: dict[int, torch.Tensor] = {}  # buckets that compute the lm_head too
+        self._capture_all(forward, logits)
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -122,16 +135,22 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
 
-    def _capture_all(self, forward: Forward) -> None:
-        """Capture every bucket, largest first, in one shared memory pool."""
+    def _capture_all(self, forward: Forward, logits: Logits | None) -> None:
+        """Capture every bucket, largest first, in one shared memory pool (the small ones with the lm_head)."""
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)
-            forward(self.input_ids[:b], self.positions[:b], meta)  # warm-up: compiles kernels, sizes the pool
+            head = logits if b <= self.logits_max_rows else None
+            hidden = forward(self.input_ids[:b], self.positions[:b], meta)  # warm-up: compiles, sizes the pool
+            if head is not None:
+                head(hidden)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = forward(self.input_ids[:b], self.positions[:b], meta)
+                out = head(self.outputs[b]) if head is not None else None
+            if out is not None:
+                self.logits[b] = out
             pool = graph.pool() if pool is None else pool
             self.graphs[b] = graph
         torch.cuda.synchronize()
@@ -148,10 +167,12 @@ class DecodeGraphs:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         feed: Feed | None = None,
-    ) -> torch.Tensor:
-        """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) (a view of the graph's
-        output, valid until the next replay). ``feed``: device ids replacing some or all of ``input_ids`` (the
-        previous step's samples, for an overlapped step). Nothing here waits for the device."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) and, when the bucket
+        captured the lm_head, logits (B, V), else None (views of the graph's outputs, valid until the next replay;
+        the device reads them in stream order, so work queued before that replay sees this step's values).
+        ``feed``: device ids replacing some or all of ``input_ids`` (the previous step's samples, for an
+        overlapped step). Nothing here waits for the device."""
         b = len(input_ids)
         bucket = next(s for s in self.sizes if s >= b)
         host = self.hosts[self.next_host]
@@ -174,4 +195,5 @@ class DecodeGraphs:
             if fed.data_ptr() != self.input_ids.data_ptr():
                 self.input_ids[:b].copy_(fed)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        logits = self.logits.get(bucket)
+        return self.outputs[bucket][:b], None if logits is None else logits[:b]

@@ -327,6 +327,7 @@ class ModelExecutor:
             self.config.block_size,
             self.scratch_block,
             self.device,
+            None if self.tp.is_parallel else self.model.compute_logits,  # a rank > 0 computes no logits
         )
 
     # ---- stepping ----------------------------------------------------------------------------------------
@@ -360,19 +361,23 @@ class ModelExecutor:
         ``overlap_steps`` is off."""
         return self.config.overlap_steps and self.device.type == "cuda" and not self.tp.is_parallel
 
-    def _hidden_at_samples(self, plan: StepPlan, feed: Feed | None) -> tuple[torch.Tensor, bool, list[ScoredRow]]:
-        """Final hidden states (S, H) of the sampled rows, whether a CUDA graph produced them, and the prompt
+    def _hidden_at_samples(
+        self, plan: StepPlan, feed: Feed | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool, list[ScoredRow]]:
+        """Final hidden states (S, H) of the sampled rows; their logits (S, V) when the CUDA graph computed them
+        too (a small decode bucket: ``DecodeGraphs``), else None; whether a CUDA graph ran; and the prompt
         logprobs of the rows that asked (scored from every fed position's hidden state, so such a step runs
         eagerly). ``feed``: input ids on the device that replace some of the plan's (an overlapped step)."""
         scored_rows = prompt_rows(plan)
         if not scored_rows and self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
             a = prepare_decode(plan)
-            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed), True, []
+            hidden, logits = self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
+            return hidden, logits, True, []
         inputs = self.prepare_inputs(plan)
         input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
         hidden = self._forward(input_ids, inputs.meta.positions, inputs.meta)
         scored = self.prompt_scorer.score(plan, scored_rows, hidden, self.model.compute_logits) if scored_rows else []
-        return hidden[inputs.sample_index], False, scored
+        return hidden[inputs.sample_index], None, False, scored
 
     def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
         """The device ids that feed ``plan`` from ``fed_by``'s samples: each row continuing a sequence that
@@ -421,9 +426,10 @@ class ModelExecutor:
         if plan.is_empty:
             return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
-        hidden, graph, scored = self._hidden_at_samples(plan, feed)
+        hidden, logits, graph, scored = self._hidden_at_samples(plan, feed)
         prompt, prompt_host = tuple(scored), _copy_scored(scored)
-        logits = self.model.compute_logits(hidden) if plan.num_samples else None  # None on ranks > 0 too
+        if logits is None and plan.num_samples:
+            logits = self.model.compute_logits(hidden)  # None on ranks > 0 too
         rows = tuple(i for i, s in enumerate(plan.sample) if s)
         if logits is None and plan.num_samples and self.shares_samples:  # a worker: rank 0's samples arrive
             ids = broadcast_from_first(torch.empty(len(rows), dtype=torch.int64, device=self.device), self.tp)
