@@ -48,9 +48,11 @@ from fnvllm.state import (
     StepPlan,
     abort,
     add_request,
+    commit,
+    finish,
     schedule,
 )
-from fnvllm.state.overlap import Speculation, reconcile, speculate
+from fnvllm.state.overlap import Folded, Speculation, reconcile, speculate
 from fnvllm.state.state import add_requests
 
 
@@ -208,21 +210,53 @@ class EngineLoop:
         flight = self._flight if self._flight is not None else self._launch_scheduled()
         self._flight = None
         pending = self.state
-        speculative = None
+        speculative, folded = None, None
         try:
             spec = speculate(pending, flight.plan)
             if spec is not None:
                 speculative = self.engine.launch(spec.state, spec.plan, fed_by=flight.launched)
-            state, out = self.engine.collect(pending, flight.plan, flight.launched, flight.keep)
+                state, out, folded = self.engine.collect_folded(
+                    pending, flight.plan, flight.launched, flight.keep, spec
+                )
+            else:
+                state, out = self.engine.collect(pending, flight.plan, flight.launched, flight.keep)
         except BaseException:
             self.state = self.engine.restore(pending)  # any launched step is forgotten with the KV contents
             raise
-        outbox = self._adopt(state, flight.plan, out, flight.cached)
-        committed = self.state
-        if spec is not None and speculative is not None:
-            self._reconcile(spec, speculative)  # before user code runs: it may add or abort requests
+        if spec is not None and speculative is not None and folded is not None:
+            committed, outbox = self._adopt_folded(pending, flight, folded, out, spec, speculative)
+        else:
+            outbox = self._adopt(state, flight.plan, out, flight.cached)
+            committed = self.state
+            if spec is not None and speculative is not None:
+                self._reconcile(spec, speculative)  # before user code runs: it may add or abort requests
         self._run_user_code(committed, flight.plan, out, outbox, errors)
         return out
+
+    def _adopt_folded(
+        self, pending: EngineState, flight: _Flight, folded: Folded, out: EngineOutput, spec: Speculation, run: object
+    ) -> tuple[EngineState, Outbox]:
+        """Adopt a step whose commit was folded into the speculation (``Engine.collect_folded``): unless a stop
+        string ends a request, the speculative run stands for the folded plan, and the folded state (step N+1
+        planned) is the loop's. Otherwise commit as usual, end the same requests, and reconcile. Returns the state
+        the step hook sees and the deltas to deliver."""
+        routed, outbox = self.processor.process(folded.state, out)
+        self._count(flight.plan, flight.cached)
+        if routed is folded.state:
+            self.state = routed
+            self._prune_grammars()
+            self._flight = _Flight(folded.plan, run, None, self._note_admissions(folded.plan))
+            s = self.overlap_stats
+            self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
+            return routed, outbox
+        state, _ = commit(pending, flight.plan, out.output.new_tokens)  # the tokens the fold was given
+        for rid in out.output.seq_ids:  # the requests a stop string ended, in the order the processor ended them
+            if rid in folded.state.requests and rid not in routed.requests:
+                state = finish(state, rid)
+        self.state = state
+        self._prune_grammars()
+        self._reconcile(spec, run)
+        return state, outbox
 
     def drain(self) -> EngineOutput | None:
         """Commit the step in flight, if any, without launching another; returns it (None when nothing was in
@@ -292,10 +326,14 @@ class EngineLoop:
         deliver. Runs no user code."""
         self.state, outbox = self.processor.process(state, out)
         self._count(plan, cached)
+        self._prune_grammars()
+        return outbox
+
+    def _prune_grammars(self) -> None:
+        """Drop the grammar matchers of requests that left the loop's state."""
         grammars = getattr(self.engine.executor, "grammars", None)  # constrained requests' matchers
         if grammars is not None and grammars.num_live:
             grammars.prune(self.state.requests)
-        return outbox
 
     def _run_user_code(
         self,
