@@ -7,7 +7,8 @@ phases are indented under their caller):
     step                      EngineLoop.step, the whole cycle
       speculate               plan N+1 from placeholders: commit + schedule (fnvllm.state.overlap)
       launch                  ModelExecutor.launch of N+1: feed, inputs, graph/forward, logits, sampler launches
-      collect                 Engine.collect of N: the device wait, the copy's tolist, the real commit
+      collect                 Engine.collect(_folded) of N: the device wait, the copy's tolist, the real commit
+                              or the fold of the real tokens into the speculation
       route                   OutputProcessor.process
       reconcile               schedule(committed) and the comparison with the speculative plan
       deliver                 the trackers' deltas
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import tempfile
 import time
@@ -75,8 +77,10 @@ PHASES: tuple[tuple[str, int, Any, str], ...] = (
     ("sampler.sample", 3, Sampler, "sample"),
     ("host_copy.start", 3, HostCopy, "start"),
     ("collect", 1, Engine, "collect"),
+    ("collect", 1, Engine, "collect_folded"),  # the same phase when the commit folds into the speculation
     ("executor.collect", 2, ModelExecutor, "collect"),
     ("wait", 3, HostCopy, "wait"),
+    ("fold", 2, core_module, "fold_speculation"),
     ("commit", 2, core_module, "commit"),
     ("route", 1, OutputProcessor, "process"),
     ("reconcile", 1, loop_module, "reconcile"),
@@ -179,7 +183,7 @@ def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tup
     per_step = {k: 1e3 * v / steps for k, v in clock.seconds.items()}
     calls = {k: n / steps for k, n in clock.calls.items()}
     line = "calls/step: " + ", ".join(
-        f"{k} {calls.get(k, 0.0):.2f}" for k in ("spec.schedule", "rec.schedule", "spec.commit", "commit")
+        f"{k} {calls.get(k, 0.0):.2f}" for k in ("spec.schedule", "rec.schedule", "spec.commit", "commit", "fold")
     )
     if timeline is not None:
         decode = [r for r in timeline.records if r["num_prefill_tokens"] == 0]
@@ -200,9 +204,11 @@ def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) 
     header = f"{'phase (ms/step)':<24}" + "".join(f"{f'B={b}':>10}" for b in batches)
     print(header)
     print("-" * len(header))
+    printed: set[str] = set()
     for name, depth, _, _ in PHASES:
-        if not any(name in results[b][0] for b in batches):
+        if name in printed or not any(name in results[b][0] for b in batches):
             continue
+        printed.add(name)
         label = "  " * depth + name
         print(f"{label:<24}" + "".join(f"{results[b][0].get(name, 0.0):>10.3f}" for b in batches))
     print("-" * len(header))
@@ -229,8 +235,9 @@ def main() -> None:
     timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
     os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
     options: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": max(batches)}
-    if not on_gpu:
-        options["num_blocks"] = max(batches) * 8 + 64
+    if not on_gpu:  # room for every request's whole run: a preemption would turn overlap off
+        per_request = math.ceil((args.prompt_len + args.warm + args.steps + 64) / 16) + 1
+        options["num_blocks"] = max(batches) * per_request + 64
     if not on_gpu:  # the executor overlaps on a GPU only; on the CPU its launch simply runs the step at once
         ModelExecutor.supports_overlap = property(lambda self: True)  # type: ignore[assignment,method-assign]
     llm = LLM(folder, load_tokenizer=False, **options)

@@ -25,7 +25,11 @@ commits one step as above, but the device already runs the next one by then::
     verdict = reconcile(state, spec)                           # pure: does the run of N+1 stand? else drop it
     deliver(outbox)                                            # user code last: it may add or abort requests
 
-so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``).
+so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``). When no
+token or stop string ends a request (most steps), ``engine.collect_folded`` replaces the commit and the
+reconcile: it puts N's tokens where the speculation's placeholders are (``fold_speculation``), which is exactly
+the commit followed by ``schedule``, so the host runs one commit and one schedule per step, not two of each; the
+loop's state is then already step N+1's pending state.
 """
 
 from __future__ import annotations
@@ -98,7 +102,9 @@ class OverlapStats:
 class EngineLoop:
     """The engine loop: state + engine + output processor. Not thread-safe: one owner drives it.
 
-    on_step(state, plan, output) (optional) sees every committed step, after routing (timelines, tests).
+    on_step(state, plan, output) (optional) sees every committed step, after routing (timelines, tests). When
+        an overlapped step's commit was folded into the next step's plan, ``state`` is that plan's pending state
+        (step ``plan.step`` committed, the next one planned: ``pending_step`` is set).
     overlap: overlap steps when the executor supports it (``supports_overlap``); False always steps plainly.
     clock: the time source of the per-request metrics (``time.perf_counter``).
     While a step is in flight, ``state`` is the state waiting for it to be committed: requests may be added and
