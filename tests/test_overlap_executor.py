@@ -187,3 +187,29 @@ def test_graph_logits_match_eager(checkpoint: Any) -> None:
         assert eager_out.logprobs is not None and graph_out.logprobs is not None
         for a, b in zip(eager_out.logprobs, graph_out.logprobs, strict=True):
             assert abs(a.logprob - b.logprob) < 1e-4 and [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="pinned host memory and events need a GPU")
+def test_pinned_ring_hands_a_buffer_out_once_until_released() -> None:
+    """The samples' copy to the host reuses a ring buffer only after its step was read (or discarded): with every
+    buffer held, a copy takes a fresh tensor; a second release of an old copy frees nothing that another holds."""
+    import torch
+
+    from fnvllm.executor.model_executor import HostCopy, PinnedRing
+
+    ring = PinnedRing(max_rows=4, size=2)
+    packed = [torch.tensor([[i, i + 1], [0, 0]], device="cuda") for i in range(4)]
+    first, second = HostCopy.start([packed[0]], ring), HostCopy.start([packed[1]], ring)
+    third = HostCopy.start([packed[2]], ring)
+    assert third.ring_slot is None and first.ring_slot is not None and second.ring_slot is not None
+    assert [t.tolist() for t in (*first.wait(), *second.wait(), *third.wait())] == [
+        [[0, 1], [0, 0]],
+        [[1, 2], [0, 0]],
+        [[2, 3], [0, 0]],
+    ]
+    first.release()
+    fourth = HostCopy.start([packed[3]], ring)
+    assert fourth.ring_slot == first.ring_slot and fourth.wait()[0].tolist() == [[3, 4], [0, 0]]
+    first.release()
+    assert ring.owners[fourth.ring_slot[1]] is fourth, "a stale release leaves the new owner's buffer alone"

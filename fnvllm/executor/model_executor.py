@@ -137,24 +137,77 @@ class HostCopy:
 
     tensors: tuple[torch.Tensor, ...]
     done: torch.cuda.Event | None
+    ring_slot: tuple[PinnedRing, int] | None = None
 
     @classmethod
-    def start(cls, tensors: Sequence[torch.Tensor]) -> HostCopy:
-        """Queue the copies (on the CPU the tensors are already there)."""
+    def start(cls, tensors: Sequence[torch.Tensor], ring: PinnedRing | None = None) -> HostCopy:
+        """Queue the copies (on the CPU the tensors are already there). ``ring``: the first tensor (a step's
+        packed (2, S) int64 samples) goes to the ring's next buffer, and the ring's event marks the copies done."""
         if not tensors or tensors[0].device.type != "cuda":
             return cls(tuple(tensors), None)
+        slot = None if ring is None else ring.take(tensors[0])
+        if ring is not None and slot is not None:
+            first, done = ring.view(slot, tensors[0]), ring.events[slot]
+        else:
+            first, done = None, torch.cuda.Event()
         copies = tuple(
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors
+            (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if first is None or i else first).copy_(
+                t, non_blocking=True
+            )
+            for i, t in enumerate(tensors)
         )
-        done = torch.cuda.Event()
         done.record()
-        return cls(copies, done)
+        copy = cls(copies, done, None if ring is None or slot is None else (ring, slot))
+        if ring is not None and slot is not None:
+            ring.owners[slot] = copy
+        return copy
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         """The host tensors, once copied."""
         if self.done is not None:
             self.done.synchronize()
         return self.tensors
+
+    def release(self) -> None:
+        """Give the ring buffer back (its values read, or never to be read). Idempotent."""
+        if self.ring_slot is not None:
+            ring, slot = self.ring_slot
+            if ring.owners[slot] is self:
+                ring.owners[slot] = None
+
+
+class PinnedRing:
+    """Pinned host buffers for the sampled ids' copies to the host, with one event each, reused in turn.
+
+    A fresh pinned tensor and event per step cost the host more than the copy itself at one request (the caching
+    host allocator's lock and lookup, and an event recorded when the block is freed). A buffer is busy from its
+    copy until its step is collected or discarded (``HostCopy.release``); the overlapped loop holds at most two.
+    With every buffer busy, or a tensor that does not fit, the copy takes a fresh pinned tensor as before. A
+    discarded step's copy may still run, but it is ordered on the stream before any later copy into its buffer.
+    """
+
+    def __init__(self, max_rows: int, size: int = 4) -> None:
+        self.buffers = [torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
+        self.events = [torch.cuda.Event() for _ in range(size)]
+        self.owners: list[object | None] = [None] * size  # the HostCopy holding each buffer, None when free
+
+    def take(self, packed: torch.Tensor) -> int | None:
+        """A free buffer's index for ``packed`` ((2, S) int64), marked busy until its owner is set (by
+        ``HostCopy.start``) and released; None when none is free or it does not fit."""
+        if packed.dtype != torch.int64 or packed.numel() > self.buffers[0].numel():
+            return None
+        slot = next((k for k, owner in enumerate(self.owners) if owner is None), None)
+        if slot is not None:
+            self.owners[slot] = self  # busy; HostCopy.start names the owner next
+        return slot
+
+    def view(self, slot: int, packed: torch.Tensor) -> torch.Tensor:
+        """Buffer ``slot`` as a contiguous tensor of ``packed``'s shape."""
+        return self.buffers[slot][: packed.numel()].view(packed.shape)
+
+    def release_all(self) -> None:
+        """Every buffer free (the executor was reset: no step in flight will be collected)."""
+        self.owners = [None] * len(self.owners)
 
 
 class RankGuard(Protocol):
@@ -217,6 +270,7 @@ class ModelExecutor:
         # tokenizer (``fnvllm.engine.build``). None: a constrained request fails at launch with a clear error.
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
+        self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------
@@ -341,6 +395,8 @@ class ModelExecutor:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
         self._deferred = None
+        if self._host_ring is not None:
+            self._host_ring.release_all()
         self.prompt_scorer.reset()
 
     def prepare_inputs(self, plan: StepPlan) -> PreparedInputs:
@@ -497,7 +553,7 @@ class ModelExecutor:
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
-        launched.packed, launched.host = packed, HostCopy.start(copied)
+        launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring)
         launched.asked = tuple(p.logprobs for p in params)
         if timer is not None:
             timer.launched()
@@ -523,6 +579,7 @@ class ModelExecutor:
             self.guard.wait(launched.host.done)
         packed, *logprobs = launched.host.wait()
         tokens, flags = packed.tolist()
+        launched.host.release()  # read: its ring buffer may take a later step's samples
         if timer is not None:
             timer.finish(plan, launched.graph)
         if any(flags):
@@ -545,6 +602,8 @@ class ModelExecutor:
             raise TypeError(f"discard takes what launch returned, got {type(launched).__name__}")
         if launched is self._deferred:
             self._deferred = None
+        if launched.host is not None:
+            launched.host.release()
         self.next_step = launched.plan.step
 
     def _timeline_header(self) -> dict[str, object]:
