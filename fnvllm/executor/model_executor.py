@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import compress
 from pathlib import Path
 from typing import Protocol
 
@@ -486,7 +487,7 @@ class ModelExecutor:
         prompt, prompt_host = tuple(scored), _copy_scored(scored)
         if logits is None and plan.num_samples:
             logits = self.model.compute_logits(hidden)  # None on ranks > 0 too
-        rows = tuple(i for i, s in enumerate(plan.sample) if s)
+        rows = _sampled_rows(plan)
         if logits is None and plan.num_samples and self.shares_samples:  # a worker: rank 0's samples arrive
             ids = broadcast_from_first(torch.empty(len(rows), dtype=torch.int64, device=self.device), self.tp)
             return Launched(plan, rows, ids.unsqueeze(0))
@@ -534,11 +535,12 @@ class ModelExecutor:
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
         plan, rows, timer = launched.plan, launched.rows, launched.timer
-        params = [plan.params[i] for i in rows]
+        every = len(rows) == plan.num_seqs  # a decode step: the plan's columns as they are, no per-row copies
+        params = plan.params if every else [plan.params[i] for i in rows]
         batch = prepare_sampling(
             params,
-            [plan.num_generated[i] for i in rows],
-            [plan.histories[i] for i in rows],
+            plan.num_generated if every else [plan.num_generated[i] for i in rows],
+            plan.histories if every else [plan.histories[i] for i in rows],
             self.model_config.vocab_size,
             self.device,
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
@@ -630,6 +632,13 @@ class ModelExecutor:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
         }
+
+
+def _sampled_rows(plan: StepPlan) -> tuple[int, ...]:
+    """The plan rows that sample, in order (every row, in a decode step: then one C-level ``range``)."""
+    if plan.num_samples == plan.num_seqs:
+        return tuple(range(plan.num_seqs))
+    return tuple(compress(range(plan.num_seqs), plan.sample))
 
 
 def _feeds_in_order(fed_by: Launched, plan: StepPlan) -> bool:
