@@ -213,3 +213,16 @@ def test_pinned_ring_hands_a_buffer_out_once_until_released() -> None:
     assert fourth.ring_slot == first.ring_slot and fourth.wait()[0].tolist() == [[3, 4], [0, 0]]
     first.release()
     assert ring.owners[fourth.ring_slot[1]] is fourth, "a stale release leaves the new owner's buffer alone"
+
+
+def test_decode_only_means_one_token_and_a_sample_per_row() -> None:
+    """``is_decode_only`` (the CUDA-graph test) holds for one-token rows that all sample, and not for a step that
+    mixes a zero-token and a two-token row (as many tokens as rows), nor for a row that does not sample."""
+    from fnvllm.executor.inputs import is_decode_only
+    from fnvllm.state import StepPlan
+
+    plan = StepPlan(0, 4, ("a", "b"), ((7,), (8,)), (2, 5), ((0,), (1, 2)), (True, True))
+    assert is_decode_only(plan)
+    assert not is_decode_only(attrs.evolve(plan, input_tokens=((), (8, 9))))
+    assert not is_decode_only(attrs.evolve(plan, sample=(True, False)))
+    assert not is_decode_only(attrs.evolve(plan, input_tokens=((7, 8), (9,))))

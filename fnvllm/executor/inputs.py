@@ -46,8 +46,11 @@ class DecodeArrays:
 
 
 def is_decode_only(plan: StepPlan) -> bool:
-    """True when every row feeds exactly one token and samples it (a graph-able decode step)."""
-    return all(len(t) == 1 for t in plan.input_tokens) and all(plan.sample)
+    """True when every row feeds exactly one token and samples it (a graph-able decode step). C-level passes
+    only (this runs every step): B rows that each feed at least one token, B tokens in all, feed one each."""
+    if plan.num_samples != plan.num_seqs or sum(map(len, plan.input_tokens)) != plan.num_seqs:
+        return False
+    return min(map(len, plan.input_tokens), default=1) >= 1
 
 
 def pad_tables(tables: tuple[tuple[int, ...], ...]) -> np.ndarray:
