@@ -12,6 +12,7 @@ phases are indented under their caller):
       route                   OutputProcessor.process
       reconcile               schedule(committed) and the comparison with the speculative plan
       deliver                 the trackers' deltas
+      gc                      the garbage collector's passes during the step (gc.callbacks)
 
 ``wait`` (the host blocked on the device, inside collect) is device time, not host time: ``host`` = step - wait.
 On the CPU there is no device: the forward, the logits and the sampler's kernels run on the host in ``launch``,
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import math
 import os
 import tempfile
@@ -86,6 +88,7 @@ PHASES: tuple[tuple[str, int, Any, str], ...] = (
     ("reconcile", 1, loop_module, "reconcile"),
     ("rec.schedule", 2, overlap_module, "schedule"),
     ("deliver", 1, loop_module, "deliver_all"),
+    ("gc", 1, None, ""),  # the garbage collector's passes, timed by gc.callbacks (not a wrapped function)
 )
 DEVICE_WORK = ("forward (eager)", "compute_logits", "sampler.sample")  # on the CPU: the device's work, run here
 
@@ -128,12 +131,33 @@ class PhaseClock:
 
 
 @contextmanager
+def gc_clock(clock: PhaseClock) -> Iterator[None]:
+    """Time the garbage collector's passes as the phase "gc" (wherever they fall inside the step)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            clock.seconds["gc"] = clock.seconds.get("gc", 0.0) + time.perf_counter() - started.pop()
+            clock.calls["gc"] = clock.calls.get("gc", 0) + 1
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
+@contextmanager
 def install(clock: PhaseClock, llm: LLM) -> Iterator[None]:
     """Wrap every phase's function (``PHASES``) for the duration; ``spec.*`` and ``rec.*`` share one function
     (``fnvllm.state.overlap``'s schedule), told apart by their caller."""
     saved: list[tuple[Any, str, Any]] = []
     wrapped_overlap: set[str] = set()
     for name, _, owner, attr in PHASES:
+        if not attr:
+            continue
         target = llm.executor.model if owner is None else owner
         if target is overlap_module and attr in wrapped_overlap:
             continue
@@ -177,13 +201,13 @@ def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tup
     if timeline is not None:
         timeline.records.clear()
     clock = PhaseClock()
-    with install(clock, llm):
+    with install(clock, llm), gc_clock(clock):
         for _ in range(steps):
             loop.step()
     per_step = {k: 1e3 * v / steps for k, v in clock.seconds.items()}
     calls = {k: n / steps for k, n in clock.calls.items()}
     line = "calls/step: " + ", ".join(
-        f"{k} {calls.get(k, 0.0):.2f}" for k in ("spec.schedule", "rec.schedule", "spec.commit", "commit", "fold")
+        f"{k} {calls.get(k, 0.0):.2f}" for k in ("spec.schedule", "rec.schedule", "spec.commit", "commit", "fold", "gc")
     )
     if timeline is not None:
         decode = [r for r in timeline.records if r["num_prefill_tokens"] == 0]
