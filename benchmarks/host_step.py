@@ -252,6 +252,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
     parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the engine is built")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
@@ -265,6 +266,8 @@ def main() -> None:
     if not on_gpu:  # the executor overlaps on a GPU only; on the CPU its launch simply runs the step at once
         ModelExecutor.supports_overlap = property(lambda self: True)  # type: ignore[assignment,method-assign]
     llm = LLM(folder, load_tokenizer=False, **options)
+    if args.freeze_gc:
+        gc.freeze()
     results = {b: measure(llm, b, args.steps, args.warm, args.prompt_len) for b in batches}
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"host_step: {args.model_shape} on {device}, {args.steps} decode steps per batch, overlap forced on")
