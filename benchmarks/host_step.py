@@ -48,6 +48,7 @@ import torch
 
 import fnvllm.engine.core as core_module
 import fnvllm.engine.loop as loop_module
+import fnvllm.executor.cuda_graphs as graphs_module
 import fnvllm.executor.model_executor as executor_module
 import fnvllm.state.overlap as overlap_module
 from fnvllm.bench import write_checkpoint
@@ -70,8 +71,9 @@ PHASES: tuple[tuple[str, int, Any, str], ...] = (
     ("launch", 1, ModelExecutor, "launch"),
     ("feed", 2, ModelExecutor, "_feed"),
     ("hidden_at_samples", 2, ModelExecutor, "_hidden_at_samples"),
-    ("prepare_decode", 3, executor_module, "prepare_decode"),
-    ("graph.run", 3, DecodeGraphs, "run"),
+    ("graph.run_plan", 3, DecodeGraphs, "run_plan"),
+    ("stage_decode", 4, graphs_module, "stage_decode"),
+    ("replay", 4, torch.cuda.CUDAGraph, "replay"),
     ("forward (eager)", 3, ModelExecutor, "_forward"),
     ("compute_logits", 2, None, "compute_logits"),  # the model instance's method, wrapped per run
     ("sample", 2, ModelExecutor, "_sample"),

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
-from fnvllm.executor.inputs import Feed
+from fnvllm.executor.inputs import Feed, prepare_decode, stage_decode
 from fnvllm.kernels.attention import AttentionMetadata
+from fnvllm.state import StepPlan
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -159,6 +160,44 @@ class DecodeGraphs:
         """True when a captured bucket holds ``num_seqs`` decode rows."""
         return num_seqs <= self.sizes[-1]
 
+    def run_plan(self, plan: StepPlan, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``run`` for an all-decode ``plan``, its rows written straight into the pinned stage (``stage_decode``)
+        when its tables go with the staged copy; otherwise through ``prepare_decode`` and ``run``."""
+        b = plan.num_seqs
+        if b * self.layout.max_blocks * 4 > _INLINE_TABLE_BYTES:
+            a = prepare_decode(plan)
+            return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
+        host = self._next_stage()
+        stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None)
+        return self._replay(host, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
+
+    def _next_stage(self) -> HostStage:
+        """The pinned buffer to fill next, once the copy that last read it has run."""
+        host = self.hosts[self.next_host]
+        self.next_host = 1 - self.next_host
+        host.ready.synchronize()
+        return host
+
+    def _replay(
+        self, host: HostStage, b: int, end: int, tables: np.ndarray | None, feed: Feed | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pad rows b.. of the bucket, send the stage's first ``end`` bytes (``tables``: the block tables to upload
+        apart, when they are not among them), apply ``feed`` and replay; returns the bucket's outputs, rows :b."""
+        bucket = next(s for s in self.sizes if s >= b)
+        ids, pos, slots, lens, _ = host.arrays
+        ids[b:bucket], pos[b:bucket], slots[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
+        self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
+        host.ready.record()
+        if tables is not None:
+            self.block_tables[:b, : tables.shape[1]].copy_(upload(tables, self.staged.device))
+        if feed is not None:
+            fed = feed.apply(self.input_ids[:b], token_rows=False)
+            if fed.data_ptr() != self.input_ids.data_ptr():
+                self.input_ids[:b].copy_(fed)
+        self.graphs[bucket].replay()
+        logits = self.logits.get(bucket)
+        return self.outputs[bucket][:b], None if logits is None else logits[:b]
+
     def run(
         self,
         input_ids: np.ndarray,
@@ -174,26 +213,12 @@ class DecodeGraphs:
         ``feed``: device ids replacing some or all of ``input_ids`` (the previous step's samples, for an
         overlapped step). Nothing here waits for the device."""
         b = len(input_ids)
-        bucket = next(s for s in self.sizes if s >= b)
-        host = self.hosts[self.next_host]
-        self.next_host = 1 - self.next_host
-        host.ready.synchronize()  # the copy that last read this buffer has run
+        host = self._next_stage()
         ids, pos, slots_, lens, tables = host.arrays
         ids[:b], pos[:b], slots_[:b], lens[:b] = input_ids, positions, slots, seq_lens
-        ids[b:bucket], pos[b:bucket], slots_[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
         width = block_tables.shape[1]
         inline_tables = b * self.layout.max_blocks * 4 <= _INLINE_TABLE_BYTES
         if inline_tables:
             tables[:b, :width] = block_tables
         end = self.layout.tables_offset + (b * self.layout.max_blocks * 4 if inline_tables else 0)
-        self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
-        host.ready.record()
-        if not inline_tables:
-            self.block_tables[:b, :width].copy_(upload(block_tables, self.staged.device))
-        if feed is not None:
-            fed = feed.apply(self.input_ids[:b], token_rows=False)
-            if fed.data_ptr() != self.input_ids.data_ptr():
-                self.input_ids[:b].copy_(fed)
-        self.graphs[bucket].replay()
-        logits = self.logits.get(bucket)
-        return self.outputs[bucket][:b], None if logits is None else logits[:b]
+        return self._replay(host, b, end, None if inline_tables else block_tables, feed)

@@ -35,7 +35,7 @@ from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
-from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
+from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import GrammarMask, Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.structured import Grammars, Matcher
@@ -427,8 +427,7 @@ class ModelExecutor:
         eagerly). ``feed``: input ids on the device that replace some of the plan's (an overlapped step)."""
         scored_rows = prompt_rows(plan)
         if not scored_rows and self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
-            a = prepare_decode(plan)
-            hidden, logits = self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
+            hidden, logits = self.graphs.run_plan(plan, feed)
             return hidden, logits, True, []
         inputs = self.prepare_inputs(plan)
         input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
