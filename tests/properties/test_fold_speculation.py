@@ -100,7 +100,12 @@ def test_fold_declines_a_token_that_ends_a_row() -> None:
 # ----- planted bug: a fold that forgets to substitute the decode prefix's inputs -----
 
 HUNT = settings(
-    max_examples=200, derandomize=True, database=None, deadline=None, phases=[Phase.generate], report_multiple_bugs=False
+    max_examples=200,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.generate],
+    report_multiple_bugs=False,
 )
 
 
