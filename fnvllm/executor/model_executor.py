@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import compress
+from operator import attrgetter
 from pathlib import Path
 from typing import Protocol
 
@@ -53,6 +54,7 @@ from fnvllm.state import InvalidConfigError, SamplingParams, StepPlan, TokenHist
 from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
+_LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs, in one C-level map
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
@@ -555,7 +557,7 @@ class ModelExecutor:
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
         launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring)
-        launched.asked = tuple(p.logprobs for p in params)
+        launched.asked = tuple(map(_LOGPROBS, params))
         if timer is not None:
             timer.launched()
 
