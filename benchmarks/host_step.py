@@ -23,11 +23,11 @@ the overlapped path's host work (speculate, feed, reconcile) is what is measured
 With ``FNVLLM_TIMELINE``-style timing on a GPU the table ends with the executor's own timeline means (gpu_ms,
 cpu_ms per decode step). CPU (tiny model, ~1 minute):
 
-    PYTHONPATH=$PWD python3 benchmarks/host_step.py --model-shape tiny --batches 1,16,64,256
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 1,16,64,256
 
-GPU (H200, Qwen3-0.6B shape, random weights):
+GPU (H200, Qwen3-0.6B shape by default there, random weights; a table is printed after each batch size):
 
-    PYTHONPATH=$PWD python3 benchmarks/host_step.py --model-shape qwen3-0.6b --batches 1,16,64,256
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 1,16,64,256
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-shape", default="tiny")
+    parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
     parser.add_argument("--batches", default="1,16,64,256", help="comma-separated request counts")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
@@ -258,7 +258,10 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
-    folder = write_checkpoint(args.model_shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
+    shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
+    device = torch.cuda.get_device_name() if on_gpu else "cpu"
+    print(f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on", flush=True)
+    folder = write_checkpoint(shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
     timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
     os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
     options: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": max(batches)}
@@ -270,10 +273,11 @@ def main() -> None:
     llm = LLM(folder, load_tokenizer=False, **options)
     if args.freeze_gc:
         gc.freeze()
-    results = {b: measure(llm, b, args.steps, args.warm, args.prompt_len) for b in batches}
-    device = torch.cuda.get_device_name() if on_gpu else "cpu"
-    print(f"host_step: {args.model_shape} on {device}, {args.steps} decode steps per batch, overlap forced on")
-    print_table(results, on_gpu)
+    results: dict[int, tuple[dict[str, float], str]] = {}
+    for b in batches:  # a table after each batch size, so that a later failure still leaves the earlier ones
+        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len)
+        print_table(results, on_gpu)
+        print(flush=True)
 
 
 if __name__ == "__main__":
