@@ -29,8 +29,8 @@ the block tables, so a block written by a dropped run and then reused from the c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress
-from operator import add, itemgetter
+from itertools import compress, repeat
+from operator import add, is_not, itemgetter
 
 import attrs
 
@@ -104,7 +104,7 @@ def feed_sources(previous: StepPlan, plan: StepPlan) -> tuple[int | None, ...]:
 def fed_rows(previous: StepPlan, plan: StepPlan) -> tuple[bool, ...]:
     """Per row of ``plan``: whether its one input token is the sample ``previous`` drew for the same sequence
     (``feed_sources``)."""
-    return tuple(source is not None for source in feed_sources(previous, plan))
+    return tuple(map(is_not, feed_sources(previous, plan), repeat(None)))  # C-level: this runs every step
 
 
 def can_feed(previous: StepPlan, plan: StepPlan) -> bool:
@@ -119,7 +119,10 @@ def _feedable(plan: StepPlan, fed: tuple[bool, ...]) -> bool:
     """``can_feed`` given the rows the previous step sampled (``fed_rows``)."""
     if plan.is_empty or plan.preempted:
         return False
-    return all(len(tokens) == 1 for tokens, f in zip(plan.input_tokens, fed, strict=True) if f)
+    if len(fed) != plan.num_seqs:
+        raise ValueError(f"fed has {len(fed)} flags for {plan.num_seqs} rows")
+    lens = list(map(len, compress(plan.input_tokens, fed)))  # the fed rows' token counts (C-level: every step)
+    return lens.count(1) == len(lens)
 
 
 def speculate(state: EngineState, plan: StepPlan) -> Speculation | None:
