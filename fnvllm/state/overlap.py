@@ -180,9 +180,10 @@ def fold_speculation(
     ids = guessed.seq_ids
     pending, spec_plan, fed = speculation.state, speculation.plan, speculation.fed
     rows, decode = pending.rows, pending.decode
-    tails = _with_last_tokens(rows.ids, rows.output_tails, ids, tokens)
-    inputs = _with_last_tokens(rows.ids[: len(decode.inputs)], decode.inputs, ids, tokens)
-    feeds = _with_last_tokens(spec_plan.seq_ids, spec_plan.input_tokens, ids, tokens, fed)
+    ones = tuple(zip(tokens))  # each sampled token as a one-token row, shared by the three columns
+    tails = _with_last_tokens(rows.ids, rows.output_tails, ids, ones)
+    inputs = _with_last_tokens(rows.ids[: len(decode.inputs)], decode.inputs, ids, ones, single=True)
+    feeds = _with_last_tokens(spec_plan.seq_ids, spec_plan.input_tokens, ids, ones, fed, single=True)
     progressed = rows.with_progress(rows.num_computed, rows.num_tokens, rows.output_chunks, tails, rows.chain_hashes)
     folded = with_rows(
         pending, progressed, pending_step=pending.pending_step, decode=attrs.evolve(decode, inputs=inputs)
@@ -202,20 +203,24 @@ def _with_last_tokens(
     ids: tuple[str, ...],
     values: tuple[tuple[int, ...], ...],
     sampled_ids: tuple[str, ...],
-    tokens: tuple[int, ...],
+    ones: tuple[tuple[int], ...],
     flags: tuple[bool, ...] | None = None,
+    single: bool = False,
 ) -> tuple[tuple[int, ...], ...]:
     """``values`` (token tuples aligned with ``ids``) with the last token of each row whose id is in
-    ``sampled_ids`` (and whose flag is set, when ``flags`` are given) replaced by that id's token. The usual decode
-    batch, where the sampled rows lead in order, takes C-level passes; otherwise one dict lookup a row."""
+    ``sampled_ids`` (and whose flag is set, when ``flags`` are given) replaced by that id's token (``ones``: each
+    token as a one-token tuple, aligned with ``sampled_ids``). ``single``: every such row is that one token. The
+    usual decode batch, where the sampled rows lead in order, takes C-level passes; otherwise a dict lookup a row."""
     n = min(len(ids), len(sampled_ids))
     if ids[:n] == sampled_ids[:n] and (flags is None or all(flags[:n])):
+        if single:
+            return (ones if n == len(ones) else ones[:n]) + values[n:]
         head = values[:n] if n < len(values) else values
-        return tuple(map(add, map(_ALL_BUT_LAST, head), zip(tokens))) + values[n:]
-    token_of = dict(zip(sampled_ids, tokens, strict=True))
+        return tuple(map(add, map(_ALL_BUT_LAST, head), ones)) + values[n:]
+    one_of = dict(zip(sampled_ids, ones, strict=True))
     marks = flags if flags is not None else (True,) * len(ids)
     return tuple(
-        (*value[:-1], token_of[rid]) if mark and rid in token_of else value
+        value[:-1] + one_of[rid] if mark and rid in one_of else value
         for rid, value, mark in zip(ids, values, marks, strict=True)
     )
 
