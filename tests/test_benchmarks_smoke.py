@@ -27,6 +27,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "cpu_threads.py": ["--models", "demo", "tiny", "--repeats", "1", "--num-prompts", "2", "--max-tokens", "4"],
     "gpu_equality.py": ["--model-shape", "tiny", "--num-prompts", "4"],
     "profile_decode.py": ["--model-shape", "tiny", "--num-requests", "4", "--steps", "2"],
+    "host_step.py": ["--model-shape", "tiny", "--batches", "1,2", "--steps", "3", "--warm", "2", "--prompt-len", "8"],
     "bench_settings.py": ["--model-shape", "tiny", "--checkpoint", "{tmp}/ckpt", "--num-requests", "1", "--variants",
                           "temperature", "--batches", "1"],
     "sim_serve_check.py": ["--model-shape", "tiny", "--quick", "--out", "{tmp}/serve"],

@@ -147,3 +147,82 @@ def test_feed_places_samples_at_the_fed_rows_tokens(checkpoint: Any) -> None:
     every = executor._feed(attrs.evolve(plan, seq_ids=("b", "a"), input_tokens=((0,), (0,))), launched)
     assert every is not None and every.rows is None
     assert every.apply(torch.tensor([0, 0], device=on), token_rows=True).tolist() == [43, 42]
+
+
+def test_feed_of_the_same_rows_in_order_is_the_samples_themselves(checkpoint: Any) -> None:
+    """A decode step over exactly the rows the previous step sampled, in order, feeds that step's sample tensor
+    as it is (no index upload, no gather); the same rows reordered still gather."""
+    import torch
+
+    from fnvllm.executor.model_executor import Launched
+    from fnvllm.state import StepPlan
+
+    executor = _llm(checkpoint, overlap=False).executor
+    previous = StepPlan(0, 4, ("a", "b"), ((7,), (8,)), (2, 5), ((0,), (1, 2)), (True, True))
+    packed = torch.tensor([[42, 43], [0, 0]], device=executor.device)
+    launched = Launched(previous, (0, 1), packed)
+    plan = StepPlan(1, 4, ("a", "b"), ((0,), (0,)), (3, 6), ((0,), (1, 2)), (True, True))
+    feed = executor._feed(plan, launched)
+    assert feed is not None and feed.rows is None and feed.ids.data_ptr() == packed[0].data_ptr()
+    assert feed.ids.tolist() == [42, 43]
+    swapped = executor._feed(attrs.evolve(plan, seq_ids=("b", "a")), launched)
+    assert swapped is not None and swapped.ids.tolist() == [43, 42]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_logits_match_eager(checkpoint: Any) -> None:
+    """On a GPU, the small decode buckets compute the lm_head inside their CUDA graph: greedy tokens and their
+    logprobs are those of eager steps (float32), for a batch inside those buckets."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(checkpoint, dtype="float32", block_size=4, num_blocks=128, max_num_seqs=4, enforce_eager=eager)
+        graphs = llm.executor.graphs
+        assert (graphs is None) == eager and (eager or set(graphs.logits) == set(graphs.sizes))
+        runs.append(llm.generate(PROMPTS[:4], params, use_tqdm=False))
+        llm.close()
+    for eager_out, graph_out in zip(*runs, strict=True):
+        assert eager_out.token_ids == graph_out.token_ids
+        assert eager_out.logprobs is not None and graph_out.logprobs is not None
+        for a, b in zip(eager_out.logprobs, graph_out.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4 and [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="pinned host memory and events need a GPU")
+def test_pinned_ring_hands_a_buffer_out_once_until_released() -> None:
+    """The samples' copy to the host reuses a ring buffer only after its step was read (or discarded): with every
+    buffer held, a copy takes a fresh tensor; a second release of an old copy frees nothing that another holds."""
+    import torch
+
+    from fnvllm.executor.model_executor import HostCopy, PinnedRing
+
+    ring = PinnedRing(max_rows=4, size=2)
+    packed = [torch.tensor([[i, i + 1], [0, 0]], device="cuda") for i in range(4)]
+    first, second = HostCopy.start([packed[0]], ring), HostCopy.start([packed[1]], ring)
+    third = HostCopy.start([packed[2]], ring)
+    assert third.ring_slot is None and first.ring_slot is not None and second.ring_slot is not None
+    assert [t.tolist() for t in (*first.wait(), *second.wait(), *third.wait())] == [
+        [[0, 1], [0, 0]],
+        [[1, 2], [0, 0]],
+        [[2, 3], [0, 0]],
+    ]
+    first.release()
+    fourth = HostCopy.start([packed[3]], ring)
+    assert fourth.ring_slot == first.ring_slot and fourth.wait()[0].tolist() == [[3, 4], [0, 0]]
+    first.release()
+    assert ring.owners[fourth.ring_slot[1]] is fourth, "a stale release leaves the new owner's buffer alone"
+
+
+def test_decode_only_means_one_token_and_a_sample_per_row() -> None:
+    """``is_decode_only`` (the CUDA-graph test) holds for one-token rows that all sample, and not for a step that
+    mixes a zero-token and a two-token row (as many tokens as rows), nor for a row that does not sample."""
+    from fnvllm.executor.inputs import is_decode_only
+    from fnvllm.state import StepPlan
+
+    plan = StepPlan(0, 4, ("a", "b"), ((7,), (8,)), (2, 5), ((0,), (1, 2)), (True, True))
+    assert is_decode_only(plan)
+    assert not is_decode_only(attrs.evolve(plan, input_tokens=((), (8, 9))))
+    assert not is_decode_only(attrs.evolve(plan, sample=(True, False)))
+    assert not is_decode_only(attrs.evolve(plan, input_tokens=((7, 8), (9,))))

@@ -39,6 +39,7 @@ from fnvllm.state import (
     forget_kv,
     initial_state,
 )
+from fnvllm.state.overlap import Folded, Speculation, fold_speculation
 
 
 @attrs.frozen
@@ -85,11 +86,33 @@ class Engine:
         """Wait for a launched step and commit it as ``plan``. ``keep``: the launched run was a speculative plan
         whose kept rows make up ``plan`` (``fnvllm.state.overlap.reconcile``); one flag per row that run sampled,
         in order (the tokens come one per sampled row): the tokens of unflagged rows are dropped."""
+        return self._commit(state, plan, self._collected(launched, keep))
+
+    def collect_folded(
+        self,
+        state: EngineState,
+        plan: StepPlan,
+        launched: object,
+        keep: Sequence[bool] | None,
+        speculation: Speculation,
+    ) -> tuple[EngineState, EngineOutput, Folded | None]:
+        """``collect``, with the commit and the next ``schedule`` read off ``speculation`` (``speculate(state,
+        plan)``) when its placeholders can simply take the real tokens (``fold_speculation``). Returns the state,
+        the step's output and the fold: with a fold, the state is the fold's (step N+1 planned: ``Folded.plan``);
+        without one (None), it is ``plan`` committed, as ``collect`` returns it."""
+        result = self._collected(launched, keep)
+        folded = fold_speculation(state, plan, speculation, result.token_ids)
+        if folded is None:
+            return (*self._commit(state, plan, result), None)
+        return folded.state, self._output(plan, folded.output, result), folded
+
+    def _collected(self, launched: object, keep: Sequence[bool] | None) -> ExecuteResult:
+        """The launched step's result, with the tokens (and logprobs) of the rows ``keep`` drops removed."""
         result = self._overlapping.collect(launched)
         if keep is not None and not all(keep):
             logprobs = tuple(compress(result.logprobs, keep)) if result.logprobs else ()
             result = ExecuteResult(tuple(compress(result.token_ids, keep)), logprobs, result.prompt_logprobs)
-        return self._commit(state, plan, result)
+        return result
 
     def discard(self, launched: object) -> None:
         """Forget a launched step that will not be committed (see ``OverlapExecutor.discard``)."""
@@ -103,11 +126,16 @@ class Engine:
 
     def _commit(self, state: EngineState, plan: StepPlan, result: ExecuteResult) -> tuple[EngineState, EngineOutput]:
         state, output = commit(state, plan, result.token_ids)
+        return state, self._output(plan, output, result)
+
+    @staticmethod
+    def _output(plan: StepPlan, output: StepOutput, result: ExecuteResult) -> EngineOutput:
+        """The committed step's output with the logprobs of the rows that asked."""
         logprobs = {}
         if result.logprobs:
             sampled_ids = [rid for rid, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample]
             logprobs = {rid: lp for rid, lp in zip(sampled_ids, result.logprobs, strict=True) if lp is not None}
-        return state, EngineOutput(output, logprobs, result.prompt_logprobs)
+        return EngineOutput(output, logprobs, result.prompt_logprobs)
 
     def check_plan(self, state: EngineState, plan: StepPlan) -> None:
         """Raise PlanMismatchError unless ``plan`` is the one ``state`` is waiting to commit, for this engine."""

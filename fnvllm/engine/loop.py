@@ -25,7 +25,11 @@ commits one step as above, but the device already runs the next one by then::
     verdict = reconcile(state, spec)                           # pure: does the run of N+1 stand? else drop it
     deliver(outbox)                                            # user code last: it may add or abort requests
 
-so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``).
+so the host's commit, routing and planning hide behind the device's work (``fnvllm.state.overlap``). When no
+token or stop string ends a request (most steps), ``engine.collect_folded`` replaces the commit and the
+reconcile: it puts N's tokens where the speculation's placeholders are (``fold_speculation``), which is exactly
+the commit followed by ``schedule``, so the host runs one commit and one schedule per step, not two of each; the
+loop's state is then already step N+1's pending state.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ from fnvllm.state import (
     StepPlan,
     abort,
     add_request,
+    commit,
+    finish,
     schedule,
 )
-from fnvllm.state.overlap import Speculation, reconcile, speculate
+from fnvllm.state.overlap import Folded, Speculation, reconcile, speculate
 from fnvllm.state.state import add_requests
 
 
@@ -96,7 +102,9 @@ class OverlapStats:
 class EngineLoop:
     """The engine loop: state + engine + output processor. Not thread-safe: one owner drives it.
 
-    on_step(state, plan, output) (optional) sees every committed step, after routing (timelines, tests).
+    on_step(state, plan, output) (optional) sees every committed step, after routing (timelines, tests). When
+        an overlapped step's commit was folded into the next step's plan, ``state`` is that plan's pending state
+        (step ``plan.step`` committed, the next one planned: ``pending_step`` is set).
     overlap: overlap steps when the executor supports it (``supports_overlap``); False always steps plainly.
     clock: the time source of the per-request metrics (``time.perf_counter``).
     While a step is in flight, ``state`` is the state waiting for it to be committed: requests may be added and
@@ -208,21 +216,53 @@ class EngineLoop:
         flight = self._flight if self._flight is not None else self._launch_scheduled()
         self._flight = None
         pending = self.state
-        speculative = None
+        speculative, folded = None, None
         try:
             spec = speculate(pending, flight.plan)
             if spec is not None:
                 speculative = self.engine.launch(spec.state, spec.plan, fed_by=flight.launched)
-            state, out = self.engine.collect(pending, flight.plan, flight.launched, flight.keep)
+                state, out, folded = self.engine.collect_folded(
+                    pending, flight.plan, flight.launched, flight.keep, spec
+                )
+            else:
+                state, out = self.engine.collect(pending, flight.plan, flight.launched, flight.keep)
         except BaseException:
             self.state = self.engine.restore(pending)  # any launched step is forgotten with the KV contents
             raise
-        outbox = self._adopt(state, flight.plan, out, flight.cached)
-        committed = self.state
-        if spec is not None and speculative is not None:
-            self._reconcile(spec, speculative)  # before user code runs: it may add or abort requests
+        if spec is not None and speculative is not None and folded is not None:
+            committed, outbox = self._adopt_folded(pending, flight, folded, out, spec, speculative)
+        else:
+            outbox = self._adopt(state, flight.plan, out, flight.cached)
+            committed = self.state
+            if spec is not None and speculative is not None:
+                self._reconcile(spec, speculative)  # before user code runs: it may add or abort requests
         self._run_user_code(committed, flight.plan, out, outbox, errors)
         return out
+
+    def _adopt_folded(
+        self, pending: EngineState, flight: _Flight, folded: Folded, out: EngineOutput, spec: Speculation, run: object
+    ) -> tuple[EngineState, Outbox]:
+        """Adopt a step whose commit was folded into the speculation (``Engine.collect_folded``): unless a stop
+        string ends a request, the speculative run stands for the folded plan, and the folded state (step N+1
+        planned) is the loop's. Otherwise commit as usual, end the same requests, and reconcile. Returns the state
+        the step hook sees and the deltas to deliver."""
+        routed, outbox = self.processor.process(folded.state, out)
+        self._count(flight.plan, flight.cached)
+        if routed is folded.state:
+            self.state = routed
+            self._prune_grammars()
+            self._flight = _Flight(folded.plan, run, None, self._note_admissions(folded.plan))
+            s = self.overlap_stats
+            self.overlap_stats = OverlapStats(s.launched + 1, s.kept + 1, s.dropped)
+            return routed, outbox
+        state, _ = commit(pending, flight.plan, out.output.new_tokens)  # the tokens the fold was given
+        for rid in out.output.seq_ids:  # the requests a stop string ended, in the order the processor ended them
+            if rid in folded.state.requests and rid not in routed.requests:
+                state = finish(state, rid)
+        self.state = state
+        self._prune_grammars()
+        self._reconcile(spec, run)
+        return state, outbox
 
     def drain(self) -> EngineOutput | None:
         """Commit the step in flight, if any, without launching another; returns it (None when nothing was in
@@ -292,10 +332,14 @@ class EngineLoop:
         deliver. Runs no user code."""
         self.state, outbox = self.processor.process(state, out)
         self._count(plan, cached)
+        self._prune_grammars()
+        return outbox
+
+    def _prune_grammars(self) -> None:
+        """Drop the grammar matchers of requests that left the loop's state."""
         grammars = getattr(self.engine.executor, "grammars", None)  # constrained requests' matchers
         if grammars is not None and grammars.num_live:
             grammars.prune(self.state.requests)
-        return outbox
 
     def _run_user_code(
         self,

@@ -28,11 +28,14 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
-from fnvllm.executor.inputs import Feed
+from fnvllm.executor.inputs import Feed, prepare_decode, stage_decode
 from fnvllm.kernels.attention import AttentionMetadata
+from fnvllm.state import StepPlan
 
 # forward(input_ids, positions, meta) -> hidden (T, H); the model call with caches and backend bound.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# logits(hidden (B, H)) -> (B, V): the lm_head, captured behind the forward in the small buckets.
+Logits = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 # Table rows at full width go with the staged copy while they are at most this many bytes (B x W x 4).
@@ -82,7 +85,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards. ``run(...)`` replays the right one; ``can_run(B)`` says whether one fits."""
+    """Captured decode forwards. ``run(...)`` replays the right one; ``can_run(B)`` says whether one fits.
+
+    logits: when given, buckets of at most ``logits_max_rows`` rows capture the lm_head too, so that a small decode
+    step launches one graph instead of a graph and an eager GEMM (the host's launch work dominates such a step).
+    Each of those buckets keeps its (bucket, V) logits in the graph pool (64 rows of Qwen3's 151,936-id vocabulary
+    in bfloat16: 175 rows over 8 buckets, 53 MB); larger buckets, where the device's work hides the launch, leave
+    the lm_head to the caller.
+    """
 
     def __init__(
         self,
@@ -92,8 +102,11 @@ class DecodeGraphs:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        logits: Logits | None = None,
+        logits_max_rows: int = 64,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.logits_max_rows = logits_max_rows if logits is not None else 0
         self.block_size = block_size
         self.scratch_slot = scratch_block * block_size
         n = self.sizes[-1]
@@ -108,7 +121,8 @@ class DecodeGraphs:
         self.next_host = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture_all(forward)
+        self.logits: dict[int, torch.Tensor] = {}  # buckets that compute the lm_head too
+        self._capture_all(forward, logits)
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -122,16 +136,22 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
 
-    def _capture_all(self, forward: Forward) -> None:
-        """Capture every bucket, largest first, in one shared memory pool."""
+    def _capture_all(self, forward: Forward, logits: Logits | None) -> None:
+        """Capture every bucket, largest first, in one shared memory pool (the small ones with the lm_head)."""
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)
-            forward(self.input_ids[:b], self.positions[:b], meta)  # warm-up: compiles kernels, sizes the pool
+            head = logits if b <= self.logits_max_rows else None
+            hidden = forward(self.input_ids[:b], self.positions[:b], meta)  # warm-up: compiles, sizes the pool
+            if head is not None:
+                head(hidden)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = forward(self.input_ids[:b], self.positions[:b], meta)
+                out = head(self.outputs[b]) if head is not None else None
+            if out is not None:
+                self.logits[b] = out
             pool = graph.pool() if pool is None else pool
             self.graphs[b] = graph
         torch.cuda.synchronize()
@@ -139,6 +159,44 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         """True when a captured bucket holds ``num_seqs`` decode rows."""
         return num_seqs <= self.sizes[-1]
+
+    def run_plan(self, plan: StepPlan, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``run`` for an all-decode ``plan``, its rows written straight into the pinned stage (``stage_decode``)
+        when its tables go with the staged copy; otherwise through ``prepare_decode`` and ``run``."""
+        b = plan.num_seqs
+        if b * self.layout.max_blocks * 4 > _INLINE_TABLE_BYTES:
+            a = prepare_decode(plan)
+            return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
+        host = self._next_stage()
+        stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None)
+        return self._replay(host, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
+
+    def _next_stage(self) -> HostStage:
+        """The pinned buffer to fill next, once the copy that last read it has run."""
+        host = self.hosts[self.next_host]
+        self.next_host = 1 - self.next_host
+        host.ready.synchronize()
+        return host
+
+    def _replay(
+        self, host: HostStage, b: int, end: int, tables: np.ndarray | None, feed: Feed | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pad rows b.. of the bucket, send the stage's first ``end`` bytes (``tables``: the block tables to upload
+        apart, when they are not among them), apply ``feed`` and replay; returns the bucket's outputs, rows :b."""
+        bucket = next(s for s in self.sizes if s >= b)
+        ids, pos, slots, lens, _ = host.arrays
+        ids[b:bucket], pos[b:bucket], slots[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
+        self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
+        host.ready.record()
+        if tables is not None:
+            self.block_tables[:b, : tables.shape[1]].copy_(upload(tables, self.staged.device))
+        if feed is not None:
+            fed = feed.apply(self.input_ids[:b], token_rows=False)
+            if fed.data_ptr() != self.input_ids.data_ptr():
+                self.input_ids[:b].copy_(fed)
+        self.graphs[bucket].replay()
+        logits = self.logits.get(bucket)
+        return self.outputs[bucket][:b], None if logits is None else logits[:b]
 
     def run(
         self,
@@ -148,30 +206,19 @@ class DecodeGraphs:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         feed: Feed | None = None,
-    ) -> torch.Tensor:
-        """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) (a view of the graph's
-        output, valid until the next replay). ``feed``: device ids replacing some or all of ``input_ids`` (the
-        previous step's samples, for an overlapped step). Nothing here waits for the device."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) and, when the bucket
+        captured the lm_head, logits (B, V), else None (views of the graph's outputs, valid until the next replay;
+        the device reads them in stream order, so work queued before that replay sees this step's values).
+        ``feed``: device ids replacing some or all of ``input_ids`` (the previous step's samples, for an
+        overlapped step). Nothing here waits for the device."""
         b = len(input_ids)
-        bucket = next(s for s in self.sizes if s >= b)
-        host = self.hosts[self.next_host]
-        self.next_host = 1 - self.next_host
-        host.ready.synchronize()  # the copy that last read this buffer has run
+        host = self._next_stage()
         ids, pos, slots_, lens, tables = host.arrays
         ids[:b], pos[:b], slots_[:b], lens[:b] = input_ids, positions, slots, seq_lens
-        ids[b:bucket], pos[b:bucket], slots_[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
         width = block_tables.shape[1]
         inline_tables = b * self.layout.max_blocks * 4 <= _INLINE_TABLE_BYTES
         if inline_tables:
             tables[:b, :width] = block_tables
         end = self.layout.tables_offset + (b * self.layout.max_blocks * 4 if inline_tables else 0)
-        self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
-        host.ready.record()
-        if not inline_tables:
-            self.block_tables[:b, :width].copy_(upload(block_tables, self.staged.device))
-        if feed is not None:
-            fed = feed.apply(self.input_ids[:b], token_rows=False)
-            if fed.data_ptr() != self.input_ids.data_ptr():
-                self.input_ids[:b].copy_(fed)
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        return self._replay(host, b, end, None if inline_tables else block_tables, feed)

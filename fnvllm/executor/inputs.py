@@ -12,6 +12,7 @@ chunk 11..14 from position 0, blocks (5,)):
 from __future__ import annotations
 
 import itertools
+from operator import itemgetter
 
 import attrs
 import numpy as np
@@ -46,8 +47,11 @@ class DecodeArrays:
 
 
 def is_decode_only(plan: StepPlan) -> bool:
-    """True when every row feeds exactly one token and samples it (a graph-able decode step)."""
-    return all(len(t) == 1 for t in plan.input_tokens) and all(plan.sample)
+    """True when every row feeds exactly one token and samples it (a graph-able decode step). C-level passes
+    only (this runs every step): B rows that each feed at least one token, B tokens in all, feed one each."""
+    if plan.num_samples != plan.num_seqs or sum(map(len, plan.input_tokens)) != plan.num_seqs:
+        return False
+    return min(map(len, plan.input_tokens), default=1) >= 1
 
 
 def pad_tables(tables: tuple[tuple[int, ...], ...]) -> np.ndarray:
@@ -73,6 +77,31 @@ def prepare_decode(plan: StepPlan) -> DecodeArrays:
     slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs  # (B,)
     ids = np.fromiter((t[0] for t in plan.input_tokens), dtype=np.int64, count=plan.num_seqs)
     return DecodeArrays(ids, positions, slots, (positions + 1).astype(np.int32), tables)
+
+
+def stage_decode(plan: StepPlan, arrays: tuple[np.ndarray, ...], fill_ids: bool = True) -> None:
+    """Write an all-decode plan's rows straight into a CUDA graph's staged host arrays (``prepare_decode``'s
+    values without its intermediate arrays: this runs every decode step). ``arrays``: (input_ids, positions,
+    slots, seq_lens, block_tables) views of at least B rows, the tables at least as wide as the widest table.
+    Table columns past a row's blocks keep whatever they held (the kernel stops at seq_lens). ``fill_ids``:
+    False when the device feeds every row's token (the host's ids would be overwritten)."""
+    ids, pos, slots, lens, tables = arrays
+    b, bs = plan.num_seqs, plan.block_size
+    positions = pos[:b]
+    positions[:] = plan.start_positions
+    if fill_ids:
+        ids[:b] = np.fromiter(map(itemgetter(0), plan.input_tokens), dtype=np.int64, count=b)
+    if b == 1:
+        table = plan.block_tables[0]
+        tables[0, : len(table)] = table
+    else:
+        lens_ = np.fromiter(map(len, plan.block_tables), dtype=np.int64, count=b)  # (B,)
+        width = max(1, int(lens_.max()))
+        flat = np.fromiter(itertools.chain.from_iterable(plan.block_tables), dtype=np.int32, count=int(lens_.sum()))
+        tables[:b, :width][np.arange(width) < lens_[:, None]] = flat  # row-major: the tables' order
+    blocks = tables[np.arange(b), positions // bs].astype(np.int64)  # (B,) the block of each row's token
+    np.add(blocks * bs, positions % bs, out=slots[:b])
+    np.add(positions, 1, out=lens[:b], casting="same_kind")
 
 
 def prepare_inputs(plan: StepPlan, device: torch.device) -> PreparedInputs:

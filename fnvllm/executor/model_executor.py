@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import compress
+from operator import attrgetter
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +36,7 @@ from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
-from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
+from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import GrammarMask, Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.structured import Grammars, Matcher
@@ -52,6 +54,7 @@ from fnvllm.state import InvalidConfigError, SamplingParams, StepPlan, TokenHist
 from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
+_LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs, in one C-level map
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
@@ -137,24 +140,77 @@ class HostCopy:
 
     tensors: tuple[torch.Tensor, ...]
     done: torch.cuda.Event | None
+    ring_slot: tuple[PinnedRing, int] | None = None
 
     @classmethod
-    def start(cls, tensors: Sequence[torch.Tensor]) -> HostCopy:
-        """Queue the copies (on the CPU the tensors are already there)."""
+    def start(cls, tensors: Sequence[torch.Tensor], ring: PinnedRing | None = None) -> HostCopy:
+        """Queue the copies (on the CPU the tensors are already there). ``ring``: the first tensor (a step's
+        packed (2, S) int64 samples) goes to the ring's next buffer, and the ring's event marks the copies done."""
         if not tensors or tensors[0].device.type != "cuda":
             return cls(tuple(tensors), None)
+        slot = None if ring is None else ring.take(tensors[0])
+        if ring is not None and slot is not None:
+            first, done = ring.view(slot, tensors[0]), ring.events[slot]
+        else:
+            first, done = None, torch.cuda.Event()
         copies = tuple(
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors
+            (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if first is None or i else first).copy_(
+                t, non_blocking=True
+            )
+            for i, t in enumerate(tensors)
         )
-        done = torch.cuda.Event()
         done.record()
-        return cls(copies, done)
+        copy = cls(copies, done, None if ring is None or slot is None else (ring, slot))
+        if ring is not None and slot is not None:
+            ring.owners[slot] = copy
+        return copy
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         """The host tensors, once copied."""
         if self.done is not None:
             self.done.synchronize()
         return self.tensors
+
+    def release(self) -> None:
+        """Give the ring buffer back (its values read, or never to be read). Idempotent."""
+        if self.ring_slot is not None:
+            ring, slot = self.ring_slot
+            if ring.owners[slot] is self:
+                ring.owners[slot] = None
+
+
+class PinnedRing:
+    """Pinned host buffers for the sampled ids' copies to the host, with one event each, reused in turn.
+
+    A fresh pinned tensor and event per step cost the host more than the copy itself at one request (the caching
+    host allocator's lock and lookup, and an event recorded when the block is freed). A buffer is busy from its
+    copy until its step is collected or discarded (``HostCopy.release``); the overlapped loop holds at most two.
+    With every buffer busy, or a tensor that does not fit, the copy takes a fresh pinned tensor as before. A
+    discarded step's copy may still run, but it is ordered on the stream before any later copy into its buffer.
+    """
+
+    def __init__(self, max_rows: int, size: int = 4) -> None:
+        self.buffers = [torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
+        self.events = [torch.cuda.Event() for _ in range(size)]
+        self.owners: list[object | None] = [None] * size  # the HostCopy holding each buffer, None when free
+
+    def take(self, packed: torch.Tensor) -> int | None:
+        """A free buffer's index for ``packed`` ((2, S) int64), marked busy until its owner is set (by
+        ``HostCopy.start``) and released; None when none is free or it does not fit."""
+        if packed.dtype != torch.int64 or packed.numel() > self.buffers[0].numel():
+            return None
+        slot = next((k for k, owner in enumerate(self.owners) if owner is None), None)
+        if slot is not None:
+            self.owners[slot] = self  # busy; HostCopy.start names the owner next
+        return slot
+
+    def view(self, slot: int, packed: torch.Tensor) -> torch.Tensor:
+        """Buffer ``slot`` as a contiguous tensor of ``packed``'s shape."""
+        return self.buffers[slot][: packed.numel()].view(packed.shape)
+
+    def release_all(self) -> None:
+        """Every buffer free (the executor was reset: no step in flight will be collected)."""
+        self.owners = [None] * len(self.owners)
 
 
 class RankGuard(Protocol):
@@ -217,6 +273,7 @@ class ModelExecutor:
         # tokenizer (``fnvllm.engine.build``). None: a constrained request fails at launch with a clear error.
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
+        self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------
@@ -327,6 +384,7 @@ class ModelExecutor:
             self.config.block_size,
             self.scratch_block,
             self.device,
+            None if self.tp.is_parallel else self.model.compute_logits,  # a rank > 0 computes no logits
         )
 
     # ---- stepping ----------------------------------------------------------------------------------------
@@ -340,6 +398,8 @@ class ModelExecutor:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
         self._deferred = None
+        if self._host_ring is not None:
+            self._host_ring.release_all()
         self.prompt_scorer.reset()
 
     def prepare_inputs(self, plan: StepPlan) -> PreparedInputs:
@@ -360,19 +420,22 @@ class ModelExecutor:
         ``overlap_steps`` is off."""
         return self.config.overlap_steps and self.device.type == "cuda" and not self.tp.is_parallel
 
-    def _hidden_at_samples(self, plan: StepPlan, feed: Feed | None) -> tuple[torch.Tensor, bool, list[ScoredRow]]:
-        """Final hidden states (S, H) of the sampled rows, whether a CUDA graph produced them, and the prompt
+    def _hidden_at_samples(
+        self, plan: StepPlan, feed: Feed | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool, list[ScoredRow]]:
+        """Final hidden states (S, H) of the sampled rows; their logits (S, V) when the CUDA graph computed them
+        too (a small decode bucket: ``DecodeGraphs``), else None; whether a CUDA graph ran; and the prompt
         logprobs of the rows that asked (scored from every fed position's hidden state, so such a step runs
         eagerly). ``feed``: input ids on the device that replace some of the plan's (an overlapped step)."""
         scored_rows = prompt_rows(plan)
         if not scored_rows and self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
-            a = prepare_decode(plan)
-            return self.graphs.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed), True, []
+            hidden, logits = self.graphs.run_plan(plan, feed)
+            return hidden, logits, True, []
         inputs = self.prepare_inputs(plan)
         input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
         hidden = self._forward(input_ids, inputs.meta.positions, inputs.meta)
         scored = self.prompt_scorer.score(plan, scored_rows, hidden, self.model.compute_logits) if scored_rows else []
-        return hidden[inputs.sample_index], False, scored
+        return hidden[inputs.sample_index], None, False, scored
 
     def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
         """The device ids that feed ``plan`` from ``fed_by``'s samples: each row continuing a sequence that
@@ -380,6 +443,8 @@ class ModelExecutor:
         request life and never fed). None when no row is fed (all its tokens are the host's)."""
         if not isinstance(fed_by, Launched):
             raise ValueError(f"fed_by must be a step this executor launched, got {type(fed_by).__name__}")
+        if fed_by.packed is not None and _feeds_in_order(fed_by, plan):
+            return Feed(fed_by.packed[0], None, None)  # the common decode step: no index upload, no gather
         sources = feed_sources(fed_by.plan, plan) if fed_by.packed is not None else (None,) * plan.num_seqs
         fed = np.fromiter((s is not None for s in sources), dtype=bool, count=plan.num_seqs)  # (B,) device-fed
         if not fed.any():
@@ -419,10 +484,11 @@ class ModelExecutor:
         if plan.is_empty:
             return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
-        hidden, graph, scored = self._hidden_at_samples(plan, feed)
+        hidden, logits, graph, scored = self._hidden_at_samples(plan, feed)
         prompt, prompt_host = tuple(scored), _copy_scored(scored)
-        logits = self.model.compute_logits(hidden) if plan.num_samples else None  # None on ranks > 0 too
-        rows = tuple(i for i, s in enumerate(plan.sample) if s)
+        if logits is None and plan.num_samples:
+            logits = self.model.compute_logits(hidden)  # None on ranks > 0 too
+        rows = _sampled_rows(plan)
         if logits is None and plan.num_samples and self.shares_samples:  # a worker: rank 0's samples arrive
             ids = broadcast_from_first(torch.empty(len(rows), dtype=torch.int64, device=self.device), self.tp)
             return Launched(plan, rows, ids.unsqueeze(0))
@@ -470,11 +536,12 @@ class ModelExecutor:
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
         plan, rows, timer = launched.plan, launched.rows, launched.timer
-        params = [plan.params[i] for i in rows]
+        every = len(rows) == plan.num_seqs  # a decode step: the plan's columns as they are, no per-row copies
+        params = plan.params if every else [plan.params[i] for i in rows]
         batch = prepare_sampling(
             params,
-            [plan.num_generated[i] for i in rows],
-            [plan.histories[i] for i in rows],
+            plan.num_generated if every else [plan.num_generated[i] for i in rows],
+            plan.histories if every else [plan.histories[i] for i in rows],
             self.model_config.vocab_size,
             self.device,
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
@@ -489,8 +556,8 @@ class ModelExecutor:
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
-        launched.packed, launched.host = packed, HostCopy.start(copied)
-        launched.asked = tuple(p.logprobs for p in params)
+        launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring)
+        launched.asked = tuple(map(_LOGPROBS, params))
         if timer is not None:
             timer.launched()
 
@@ -515,6 +582,7 @@ class ModelExecutor:
             self.guard.wait(launched.host.done)
         packed, *logprobs = launched.host.wait()
         tokens, flags = packed.tolist()
+        launched.host.release()  # read: its ring buffer may take a later step's samples
         if timer is not None:
             timer.finish(plan, launched.graph)
         if any(flags):
@@ -537,6 +605,8 @@ class ModelExecutor:
             raise TypeError(f"discard takes what launch returned, got {type(launched).__name__}")
         if launched is self._deferred:
             self._deferred = None
+        if launched.host is not None:
+            launched.host.release()
         self.next_step = launched.plan.step
 
     def _timeline_header(self) -> dict[str, object]:
@@ -563,6 +633,26 @@ class ModelExecutor:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
         }
+
+
+def _sampled_rows(plan: StepPlan) -> tuple[int, ...]:
+    """The plan rows that sample, in order (every row, in a decode step: then one C-level ``range``)."""
+    if plan.num_samples == plan.num_seqs:
+        return tuple(range(plan.num_seqs))
+    return tuple(compress(range(plan.num_seqs), plan.sample))
+
+
+def _feeds_in_order(fed_by: Launched, plan: StepPlan) -> bool:
+    """True when every row of ``plan`` feeds one token, the sample ``fed_by`` drew for the same row: the same
+    sequences in the same order, all of them sampled by ``fed_by``, none admitted by ``plan`` (``feed_sources``
+    is then 0, 1, ..., B-1). Costs C-level passes only: B tokens in B rows means one token a row."""
+    previous = fed_by.plan
+    return (
+        plan.num_admitted == 0
+        and len(fed_by.rows) == previous.num_seqs
+        and (plan.seq_ids is previous.seq_ids or plan.seq_ids == previous.seq_ids)
+        and sum(map(len, plan.input_tokens)) == plan.num_seqs
+    )
 
 
 def _copy_scored(scored: list[ScoredRow]) -> HostCopy | None:

@@ -34,6 +34,8 @@ import torch
 from fnvllm.state import StepPlan
 from fnvllm.state.plan import step_shape
 
+FLUSH_EVERY_S = 0.25  # the timeline file is flushed at most this often while steps run (and at close)
+
 
 class StepTimeline:
     """Records one JSON line per step to ``path``; ``summary()`` aggregates what was recorded."""
@@ -47,6 +49,25 @@ class StepTimeline:
         self._last_return: float | None = None
         self._last_end: torch.cuda.Event | None = None
         self._created = time.perf_counter()
+        self._flushed = self._created
+        self._spare_events: list[torch.cuda.Event] = []  # timing events whose readings were taken, for reuse
+
+    def event(self) -> torch.cuda.Event:
+        """A timing event: a spare one when there is one (creating two per step costs the host more than
+        recording them)."""
+        return self._spare_events.pop() if self._spare_events else torch.cuda.Event(enable_timing=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` and append it to the file, which is flushed at most every ``FLUSH_EVERY_S`` seconds of
+        steps (a flush per step is a system call per step) and at ``close``."""
+        self.records.append(record)
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        now = time.perf_counter()
+        if now - self._flushed >= FLUSH_EVERY_S:
+            self._file.flush()  # a server killed by a signal still leaves all but its last moments of steps
+            self._flushed = now
 
     @classmethod
     def from_env(cls, header: dict[str, Any], device: torch.device) -> StepTimeline | None:
@@ -61,7 +82,7 @@ class StepTimeline:
     def close(self) -> None:
         """Flush and close the file."""
         if self._file is not None:
-            self._file.close()
+            self._file.close()  # flushes
             self._file = None
 
     def summary(self) -> dict[str, Any]:
@@ -94,8 +115,8 @@ class _StepTimer:
         self.is_cuda = timeline.device.type == "cuda"
         self.start = self.end = None
         if self.is_cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.end = torch.cuda.Event(enable_timing=True)
+            self.start = timeline.event()
+            self.end = timeline.event()
             self.start.record()
 
     def launched(self) -> None:
@@ -118,6 +139,9 @@ class _StepTimer:
             self.end.synchronize()
             gpu_ms = self.start.elapsed_time(self.end)
             gap_ms = 0.0 if tl._last_end is None else tl._last_end.elapsed_time(self.start)
+            tl._spare_events.append(self.start)  # read: reusable
+            if tl._last_end is not None:
+                tl._spare_events.append(tl._last_end)
             tl._last_end = self.end
         else:
             gpu_ms, gap_ms = (now - self.t_enter) * 1e3, outside_ms
@@ -125,8 +149,5 @@ class _StepTimer:
         record.update(gpu_ms=round(gpu_ms, 4), cpu_ms=round(cycle_ms, 4), gap_ms=round(gap_ms, 4))
         record["graph"] = graph
         record["end_s"] = round(now - tl._created, 6)
-        tl.records.append(record)
-        if tl._file is not None:
-            tl._file.write(json.dumps(record) + "\n")
-            tl._file.flush()  # a server killed by a signal still leaves every step it ran
+        tl.write(record)
         tl._last_return = time.perf_counter()

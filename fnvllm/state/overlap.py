@@ -28,15 +28,19 @@ the block tables, so a block written by a dropped run and then reused from the c
 
 from __future__ import annotations
 
-from itertools import compress
+from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import add, is_not, itemgetter
 
 import attrs
 
-from fnvllm.state.commit import commit
+from fnvllm.state.commit import _as_ints, commit
+from fnvllm.state.errors import PlanMismatchError
 from fnvllm.state.kv import KVManager
 from fnvllm.state.plan import StepPlan
+from fnvllm.state.request import StepOutput
 from fnvllm.state.scheduler import schedule
-from fnvllm.state.state import EngineState, replace
+from fnvllm.state.state import EngineState, replace, with_rows
 
 
 @attrs.frozen
@@ -46,11 +50,13 @@ class Speculation:
     state: the pending state ``schedule`` returned from the placeholder commit (only its plan is used).
     plan: the speculative plan. fed: per row, whether step N sampled its sequence; such a row's one input token
         is a placeholder the executor replaces with N's sample (the other rows' tokens are real).
+    guessed: step N's output under the placeholder tokens (``fold_speculation`` substitutes the real ones).
     """
 
     state: EngineState
     plan: StepPlan
     fed: tuple[bool, ...]
+    guessed: StepOutput | None = None
 
 
 @attrs.frozen
@@ -98,7 +104,7 @@ def feed_sources(previous: StepPlan, plan: StepPlan) -> tuple[int | None, ...]:
 def fed_rows(previous: StepPlan, plan: StepPlan) -> tuple[bool, ...]:
     """Per row of ``plan``: whether its one input token is the sample ``previous`` drew for the same sequence
     (``feed_sources``)."""
-    return tuple(source is not None for source in feed_sources(previous, plan))
+    return tuple(map(is_not, feed_sources(previous, plan), repeat(None)))  # C-level: this runs every step
 
 
 def can_feed(previous: StepPlan, plan: StepPlan) -> bool:
@@ -113,7 +119,10 @@ def _feedable(plan: StepPlan, fed: tuple[bool, ...]) -> bool:
     """``can_feed`` given the rows the previous step sampled (``fed_rows``)."""
     if plan.is_empty or plan.preempted:
         return False
-    return all(len(tokens) == 1 for tokens, f in zip(plan.input_tokens, fed, strict=True) if f)
+    if len(fed) != plan.num_seqs:
+        raise ValueError(f"fed has {len(fed)} flags for {plan.num_seqs} rows")
+    lens = list(map(len, compress(plan.input_tokens, fed)))  # the fed rows' token counts (C-level: every step)
+    return lens.count(1) == len(lens)
 
 
 def speculate(state: EngineState, plan: StepPlan) -> Speculation | None:
@@ -122,10 +131,98 @@ def speculate(state: EngineState, plan: StepPlan) -> Speculation | None:
     placeholder = placeholder_token(state)
     if placeholder is None:
         return None
-    guessed, _ = commit(state, plan, (placeholder,) * plan.num_samples)
+    guessed, output = commit(state, plan, (placeholder,) * plan.num_samples)
     pending, next_plan = schedule(guessed)
     fed = fed_rows(plan, next_plan)
-    return Speculation(pending, next_plan, fed) if _feedable(next_plan, fed) else None
+    return Speculation(pending, next_plan, fed, output) if _feedable(next_plan, fed) else None
+
+
+@attrs.frozen
+class Folded:
+    """Step N committed and step N+1 planned, read off a speculation (``fold_speculation``).
+
+    state: the pending state of ``plan``, as ``schedule(commit(...))`` returns it. plan: step N+1, the speculative
+    plan with step N's real samples as its fed rows' inputs. output: step N's output, as ``commit`` returns it.
+    """
+
+    state: EngineState
+    plan: StepPlan
+    output: StepOutput
+
+
+def fold_speculation(
+    state: EngineState, plan: StepPlan, speculation: Speculation, sampled: Sequence[int]
+) -> Folded | None:
+    """``commit(state, plan, sampled)``'s output and ``schedule`` of its state, read off ``speculation`` (which
+    ``speculate(state, plan)`` returned) by putting the real tokens where the placeholders are: one commit and one
+    schedule per overlapped step instead of two each. Mutates nothing.
+
+    Exact when no sampled token can stop its row: the placeholder stops none either, so both commits end the same
+    rows (for length), register the same blocks (a sampled token is not computed yet, so it is in no full block)
+    and leave the same queues, and ``schedule`` reads no token that a placeholder stands for (it hashes only
+    waiting requests' tokens, all real). None when that cannot be read off: a sampled token among the EOS or stop
+    ids, a row of ``plan`` aborted since it was scheduled, tokens ``commit`` would refuse (it raises them for the
+    caller); the caller then commits and reconciles (tests/properties/test_overlap.py checks both agree).
+
+    Worked example: step 7 decodes ("a", "b") and the placeholder is 0; the speculation's state ends "a" and "b"
+    with token 0 and its plan feeds ((0,), (0,)). Step 7 samples (41, 17): the folded state ends them with 41 and
+    17, the plan feeds ((41,), (17,)), and the output's tokens are (41, 17).
+    """
+    guessed = speculation.guessed
+    if guessed is None or state.pending_step != plan.step or len(sampled) != len(guessed.new_tokens):
+        return None
+    try:
+        tokens = tuple(_as_ints(sampled, state.config.vocab_size))
+    except PlanMismatchError:
+        return None  # commit raises it
+    if not (state.config.eos_token_ids | state.stop_token_union).isdisjoint(tokens):
+        return None
+    ids = guessed.seq_ids
+    pending, spec_plan, fed = speculation.state, speculation.plan, speculation.fed
+    rows, decode = pending.rows, pending.decode
+    ones = tuple(zip(tokens))  # each sampled token as a one-token row, shared by the three columns
+    tails = _with_last_tokens(rows.ids, rows.output_tails, ids, ones)
+    inputs = _with_last_tokens(rows.ids[: len(decode.inputs)], decode.inputs, ids, ones, single=True)
+    feeds = _with_last_tokens(spec_plan.seq_ids, spec_plan.input_tokens, ids, ones, fed, single=True)
+    progressed = rows.with_progress(rows.num_computed, rows.num_tokens, rows.output_chunks, tails, rows.chain_hashes)
+    folded = with_rows(
+        pending, progressed, pending_step=pending.pending_step, decode=attrs.evolve(decode, inputs=inputs)
+    )
+    finished = guessed.finished
+    if finished:
+        token_of = dict(zip(ids, tokens, strict=True))
+        finished = tuple(attrs.evolve(f, output=(*f.output[:-1], token_of[f.request_id])) for f in finished)
+    output = StepOutput(guessed.step, ids, tokens, finished)
+    return Folded(folded, attrs.evolve(spec_plan, input_tokens=feeds), output)
+
+
+_ALL_BUT_LAST = itemgetter(slice(None, -1))
+
+
+def _with_last_tokens(
+    ids: tuple[str, ...],
+    values: tuple[tuple[int, ...], ...],
+    sampled_ids: tuple[str, ...],
+    ones: tuple[tuple[int], ...],
+    flags: tuple[bool, ...] | None = None,
+    single: bool = False,
+) -> tuple[tuple[int, ...], ...]:
+    """``values`` (token tuples aligned with ``ids``) with the last token of each row whose id is in
+    ``sampled_ids`` (and whose flag is set, when ``flags`` are given) replaced by that id's token (``ones``: each
+    token as a one-token tuple, aligned with ``sampled_ids``). ``single``: every such row is that one token. The
+    usual decode batch, where the sampled rows lead in order, takes C-level passes; otherwise a dict lookup a row."""
+    n = min(len(ids), len(sampled_ids))
+    if ids[:n] == sampled_ids[:n] and (flags is None or all(flags[:n])):
+        if single:
+            return (ones if n == len(ones) else ones[:n]) + values[n:]
+        head = values[:n] if n < len(values) else values
+        return tuple(map(add, map(_ALL_BUT_LAST, head), ones)) + values[n:]
+    one_of = dict(zip(sampled_ids, ones, strict=True))
+    marks = flags if flags is not None else (True,) * len(ids)
+    return tuple(
+        value[:-1] + one_of[rid] if mark and rid in one_of else value
+        for rid, value, mark in zip(ids, values, marks, strict=True)
+    )
 
 
 def forget_written_blocks(state: EngineState, plan: StepPlan, rows: tuple[bool, ...] | None = None) -> EngineState:

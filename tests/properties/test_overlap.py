@@ -16,15 +16,18 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+import fnvllm.engine.core as core_module
 import fnvllm.engine.loop as loop_module
 import fnvllm.state.overlap as overlap_module
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.loop import EngineLoop, OverlapStats
 from fnvllm.state import CoreConfig, EngineState, FinishedRequest, SamplingParams, StepPlan
 from fnvllm.state.overlap import (
+    Folded,
     Reconciled,
     Speculation,
     can_feed,
+    fold_speculation,
     forget_written_blocks,
     placeholder_token,
     reconcile,
@@ -174,11 +177,19 @@ def _run_spying(config: CoreConfig, arrivals: list[Arrival]) -> tuple[list[Verdi
         verdicts.append((speculation, verdict))
         return verdict
 
+    def spy_fold(state: EngineState, plan: StepPlan, speculation: Speculation, sampled: Sequence[int]) -> Folded | None:
+        folded = fold_speculation(state, plan, speculation, sampled)
+        if folded is not None:  # kept whole: the speculative plan with the real tokens
+            verdicts.append((speculation, Reconciled(True, folded.state, folded.plan, (True,) * folded.plan.num_seqs)))
+        return folded
+
     loop_module.reconcile = spy  # type: ignore[assignment]
+    core_module.fold_speculation = spy_fold  # type: ignore[assignment]
     try:
         actual, loop = _run(config, arrivals)
     finally:
         loop_module.reconcile = reconcile
+        core_module.fold_speculation = fold_speculation
     assert {r: (f.reason, f.output) for r, f in actual.items()} == {
         r: (f.reason, f.output) for r, f in expected.items()
     }

@@ -1,0 +1,284 @@
+"""Host cost of one decode step, per phase, at several batch sizes (issue 19 item 4: host time <= device time).
+
+Runs the engine loop (``EngineLoop.step``, overlapped as on a GPU) over ``--steps`` decode steps of B requests
+and times, per step, each host phase of the loop by wrapping the functions that run it (inclusive times; nested
+phases are indented under their caller):
+
+    step                      EngineLoop.step, the whole cycle
+      speculate               plan N+1 from placeholders: commit + schedule (fnvllm.state.overlap)
+      launch                  ModelExecutor.launch of N+1: feed, inputs, graph/forward, logits, sampler launches
+      collect                 Engine.collect(_folded) of N: the device wait, the copy's tolist, the real commit
+                              or the fold of the real tokens into the speculation
+      route                   OutputProcessor.process
+      reconcile               schedule(committed) and the comparison with the speculative plan
+      deliver                 the trackers' deltas
+      gc                      the garbage collector's passes during the step (gc.callbacks)
+
+``wait`` (the host blocked on the device, inside collect) is device time, not host time: ``host`` = step - wait.
+On the CPU there is no device: the forward, the logits and the sampler's kernels run on the host in ``launch``,
+so the table also prints ``host w/o compute`` = step - forward - logits - sampler kernels (``Sampler.sample``),
+the host work a GPU would still do. The loop is forced to overlap on the CPU too (``EngineLoop.overlap``), so that
+the overlapped path's host work (speculate, feed, reconcile) is what is measured.
+
+With ``FNVLLM_TIMELINE``-style timing on a GPU the table ends with the executor's own timeline means (gpu_ms,
+cpu_ms per decode step). CPU (tiny model, ~1 minute):
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 1,16,64,256
+
+GPU (H200, Qwen3-0.6B shape by default there, random weights; a table is printed after each batch size):
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 1,16,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fnvllm.engine.core as core_module
+import fnvllm.engine.loop as loop_module
+import fnvllm.executor.cuda_graphs as graphs_module
+import fnvllm.executor.model_executor as executor_module
+import fnvllm.state.overlap as overlap_module
+from fnvllm.bench import write_checkpoint
+from fnvllm.engine.core import Engine
+from fnvllm.engine.loop import EngineLoop
+from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.executor.cuda_graphs import DecodeGraphs
+from fnvllm.executor.inputs import is_decode_only
+from fnvllm.executor.model_executor import HostCopy, ModelExecutor
+from fnvllm.executor.sampler import Sampler
+from fnvllm.llm import LLM
+from fnvllm.state import SamplingParams, StepPlan
+
+# (phase name, depth, owner, attribute): the functions wrapped, in the order the table prints them.
+PHASES: tuple[tuple[str, int, Any, str], ...] = (
+    ("step", 0, EngineLoop, "step"),
+    ("speculate", 1, loop_module, "speculate"),
+    ("spec.commit", 2, overlap_module, "commit"),
+    ("spec.schedule", 2, overlap_module, "schedule"),
+    ("launch", 1, ModelExecutor, "launch"),
+    ("feed", 2, ModelExecutor, "_feed"),
+    ("hidden_at_samples", 2, ModelExecutor, "_hidden_at_samples"),
+    ("graph.run_plan", 3, DecodeGraphs, "run_plan"),
+    ("stage_decode", 4, graphs_module, "stage_decode"),
+    ("replay", 4, torch.cuda.CUDAGraph, "replay"),
+    ("forward (eager)", 3, ModelExecutor, "_forward"),
+    ("compute_logits", 2, None, "compute_logits"),  # the model instance's method, wrapped per run
+    ("sample", 2, ModelExecutor, "_sample"),
+    ("prepare_sampling", 3, executor_module, "prepare_sampling"),
+    ("sampler.sample", 3, Sampler, "sample"),
+    ("host_copy.start", 3, HostCopy, "start"),
+    ("collect", 1, Engine, "collect"),
+    ("collect", 1, Engine, "collect_folded"),  # the same phase when the commit folds into the speculation
+    ("executor.collect", 2, ModelExecutor, "collect"),
+    ("wait", 3, HostCopy, "wait"),
+    ("fold", 2, core_module, "fold_speculation"),
+    ("commit", 2, core_module, "commit"),
+    ("route", 1, OutputProcessor, "process"),
+    ("reconcile", 1, loop_module, "reconcile"),
+    ("rec.schedule", 2, overlap_module, "schedule"),
+    ("deliver", 1, loop_module, "deliver_all"),
+    ("gc", 1, None, ""),  # the garbage collector's passes, timed by gc.callbacks (not a wrapped function)
+)
+DEVICE_WORK = ("forward (eager)", "compute_logits", "sampler.sample")  # on the CPU: the device's work, run here
+
+
+class PhaseClock:
+    """Accumulated seconds and calls per phase, filled by the wrappers ``install`` puts in place."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.stack: list[str] = []
+
+    def reset(self) -> None:
+        """Forget what was timed so far."""
+        self.seconds.clear()
+        self.calls.clear()
+
+    def wrap(self, name: str, fn: Callable[..., Any], by_caller: bool = False) -> Callable[..., Any]:
+        """``fn`` timed under ``name``; ``by_caller``: under "spec.<name>" or "rec.<name>" after the phase that
+        called it (speculate or reconcile: the overlap module's commit and schedule serve both)."""
+        clock = self
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            label = name
+            if by_caller:
+                label = ("spec." if "speculate" in clock.stack else "rec.") + name
+            if label in clock.stack:  # a phase reached again from inside itself counts once
+                return fn(*args, **kwargs)
+            clock.stack.append(label)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.seconds[label] = clock.seconds.get(label, 0.0) + time.perf_counter() - t0
+                clock.calls[label] = clock.calls.get(label, 0) + 1
+                clock.stack.pop()
+
+        return timed
+
+
+@contextmanager
+def gc_clock(clock: PhaseClock) -> Iterator[None]:
+    """Time the garbage collector's passes as the phase "gc" (wherever they fall inside the step)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            clock.seconds["gc"] = clock.seconds.get("gc", 0.0) + time.perf_counter() - started.pop()
+            clock.calls["gc"] = clock.calls.get("gc", 0) + 1
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
+@contextmanager
+def install(clock: PhaseClock, llm: LLM) -> Iterator[None]:
+    """Wrap every phase's function (``PHASES``) for the duration; ``spec.*`` and ``rec.*`` share one function
+    (``fnvllm.state.overlap``'s schedule), told apart by their caller."""
+    saved: list[tuple[Any, str, Any]] = []
+    wrapped_overlap: set[str] = set()
+    for name, _, owner, attr in PHASES:
+        if not attr:
+            continue
+        target = llm.executor.model if owner is None else owner
+        if target is overlap_module and attr in wrapped_overlap:
+            continue
+        original = getattr(target, attr, None)
+        if original is None:
+            continue
+        saved.append((target, attr, target.__dict__.get(attr, original) if owner is not None else None))
+        by_caller = target is overlap_module
+        setattr(target, attr, clock.wrap(attr if by_caller else name, original, by_caller))
+        if target is overlap_module:
+            wrapped_overlap.add(attr)
+    try:
+        yield
+    finally:
+        for target, attr, original in reversed(saved):
+            if original is None:
+                delattr(target, attr)
+            else:
+                setattr(target, attr, original)
+
+
+def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tuple[dict[str, float], str]:
+    """Per-step ms per phase over ``steps`` decode steps of ``batch`` requests; also the timeline means line."""
+    loop = llm.loop
+    loop.overlap = True  # the overlapped loop's host work, on the CPU too (its launch runs the step at once)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64)
+    base = len(loop.state.requests) + loop.stats.num_steps * 1000
+    trackers = []
+    for i in range(batch):
+        ids = tuple((7 * i + j) % 5000 + 10 for j in range(prompt_len))
+        trackers.append(RequestTracker(i, f"b{batch}-{base}-{i}", None, ids, params, None))
+    loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
+    plans: list[StepPlan] = []
+    loop.on_step = lambda _state, plan, _out: plans.append(plan)
+    while not plans or not is_decode_only(plans[-1]) or plans[-1].num_seqs != batch:
+        loop.step()
+    for _ in range(warm):
+        loop.step()
+    loop.on_step = None
+    timeline = llm.executor.timeline
+    if timeline is not None:
+        timeline.records.clear()
+    clock = PhaseClock()
+    with install(clock, llm), gc_clock(clock):
+        for _ in range(steps):
+            loop.step()
+    per_step = {k: 1e3 * v / steps for k, v in clock.seconds.items()}
+    calls = {k: n / steps for k, n in clock.calls.items()}
+    line = "calls/step: " + ", ".join(
+        f"{k} {calls.get(k, 0.0):.2f}" for k in ("spec.schedule", "rec.schedule", "spec.commit", "commit", "fold", "gc")
+    )
+    if timeline is not None:
+        decode = [r for r in timeline.records if r["num_prefill_tokens"] == 0]
+        if decode:
+            gpu = sum(r["gpu_ms"] for r in decode) / len(decode)
+            cpu = sum(r["cpu_ms"] for r in decode) / len(decode)
+            line += f"; timeline: gpu_ms {gpu:.3f}, cpu_ms {cpu:.3f} per decode step ({len(decode)} steps)"
+    for t in trackers:
+        loop.abort(t.request_id)
+    while loop.has_unfinished:
+        loop.step()
+    return per_step, line
+
+
+def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) -> None:
+    """One column per batch size, one row per phase (ms per step), then host = step - wait."""
+    batches = sorted(results)
+    header = f"{'phase (ms/step)':<24}" + "".join(f"{f'B={b}':>10}" for b in batches)
+    print(header)
+    print("-" * len(header))
+    printed: set[str] = set()
+    for name, depth, _, _ in PHASES:
+        if name in printed or not any(name in results[b][0] for b in batches):
+            continue
+        printed.add(name)
+        label = "  " * depth + name
+        print(f"{label:<24}" + "".join(f"{results[b][0].get(name, 0.0):>10.3f}" for b in batches))
+    print("-" * len(header))
+    host = {b: results[b][0].get("step", 0.0) - results[b][0].get("wait", 0.0) for b in batches}
+    print(f"{'host (step - wait)':<24}" + "".join(f"{host[b]:>10.3f}" for b in batches))
+    if not on_gpu:
+        bare = {b: host[b] - sum(results[b][0].get(k, 0.0) for k in DEVICE_WORK) for b in batches}
+        print(f"{'host w/o compute':<24}" + "".join(f"{bare[b]:>10.3f}" for b in batches))
+    for b in batches:
+        print(f"B={b} {results[b][1]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
+    parser.add_argument("--batches", default="1,16,64,256", help="comma-separated request counts")
+    parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
+    parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the engine is built")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    on_gpu = torch.cuda.is_available()
+    shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
+    device = torch.cuda.get_device_name() if on_gpu else "cpu"
+    print(f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on", flush=True)
+    folder = write_checkpoint(shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
+    timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
+    os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
+    options: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": max(batches)}
+    if not on_gpu:  # room for every request's whole run: a preemption would turn overlap off
+        per_request = math.ceil((args.prompt_len + args.warm + args.steps + 64) / 16) + 1
+        options["num_blocks"] = max(batches) * per_request + 64
+    if not on_gpu:  # the executor overlaps on a GPU only; on the CPU its launch simply runs the step at once
+        ModelExecutor.supports_overlap = property(lambda self: True)  # type: ignore[assignment,method-assign]
+    llm = LLM(folder, load_tokenizer=False, **options)
+    if args.freeze_gc:
+        gc.freeze()
+    results: dict[int, tuple[dict[str, float], str]] = {}
+    for b in batches:  # a table after each batch size, so that a later failure still leaves the earlier ones
+        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len)
+        print_table(results, on_gpu)
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
