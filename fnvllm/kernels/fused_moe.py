@@ -3,7 +3,7 @@
 Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
 a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
 
-1. ``align_by_expert`` (``moe_align.py``; two Triton launches at decode sizes): the T*K assignments (flat
+1. ``align_by_expert`` (``moe_align.py``; two Triton launches and a cumsum): the T*K assignments (flat
    index a = t*K + k) sorted by expert, each expert's group padded to a multiple of BLOCK_M, so that every block
    of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot count is bounded without
    reading the routing, so the grid is fixed for a given T.
