@@ -11,9 +11,12 @@ Sizes: hidden 2048, 128 experts of intermediate 768, top-8 of a softmax over ran
     over the time of one fused_moe call (alignment, both GEMMs and the combine), median of CUDA-graph replays
     under triton.testing.do_bench (which flushes L2 before each). Target >= 3.0 TB/s;
 (c) prefill, 8192 tokens: TFLOP/s = 2 x T x K x 3 x H x I over the same time. Target >= 500 TFLOP/s;
-(d) unless --no-sweep, a few tile configs for each, within the time budget; the best is printed with the line
-    to paste into fnvllm/kernels/fused_moe.py's pick_config table;
-(e) end to end: a tiny fp32 Qwen3-MoE (8 experts, top-2, a dense layer) through ``LLM`` on the GPU (Triton ops,
+(d) per-kernel times of the shipped config (and of the sweep's best): alignment, gate_up (TFLOP/s), down
+    (TFLOP/s), combine (TB/s of its reads and writes), each alone in its own CUDA graph;
+(e) unless --no-sweep, a few tile configs for each (pointer or TMA-descriptor loads, tile sizes, the down N
+    tile), within the time budget (30 % decode, 70 % prefill); the best is printed with the line to paste into
+    fnvllm/kernels/fused_moe.py's pick_config table;
+(f) end to end: a tiny fp32 Qwen3-MoE (8 experts, top-2, a dense layer) through ``LLM`` on the GPU (Triton ops,
     CUDA graphs for decode) against transformers' greedy tokens, 24 prompts of 16 tokens (exact equality).
 A summary table comes last; --json writes every number.
 """
@@ -30,7 +33,6 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.testing
-from triton.runtime.errors import OutOfResources
 
 from fnvllm.kernels import fused_moe as fm
 from fnvllm.kernels.reference import route_ref as route
@@ -38,30 +40,34 @@ from fnvllm.kernels.reference import route_ref as route
 DEV = "cuda"
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DECODE_TOKENS, PREFILL_TOKENS = 256, 8192
-DECODE_SWEEP = tuple(  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
+# (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n), most promising first
+DECODE_SWEEP = tuple(
     fm.MoeKernelConfig(*c)
     for c in (
-        (16, 64, 128, 1, 4, 4),
-        (32, 64, 128, 1, 4, 4),
-        (32, 32, 128, 1, 4, 4),
-        (32, 64, 64, 1, 4, 5),
-        (32, 128, 64, 1, 4, 4),
-        (32, 64, 256, 1, 8, 3),
-        (64, 64, 128, 1, 4, 3),
-        (32, 64, 128, 4, 4, 4),
+        (32, 64, 64, 1, 4, 5, True, None),
+        (32, 64, 128, 1, 4, 4, False, None),
+        (16, 64, 128, 1, 4, 4, False, None),
+        (32, 32, 128, 1, 4, 4, False, None),
+        (32, 64, 128, 1, 4, 4, True, None),
+        (32, 64, 64, 4, 4, 5, False, None),
     )
 )
 PREFILL_SWEEP = tuple(
     fm.MoeKernelConfig(*c)
     for c in (
-        (128, 64, 64, 8, 8, 3),
-        (128, 64, 64, 8, 4, 3),
-        (128, 128, 64, 8, 8, 3),
-        (64, 64, 64, 8, 4, 4),
-        (128, 64, 32, 8, 4, 4),
-        (64, 128, 64, 8, 8, 3),
-        (128, 32, 64, 8, 4, 4),
-        (256, 64, 64, 8, 8, 3),
+        (128, 128, 64, 8, 8, 3, True, None),
+        (128, 128, 64, 8, 8, 4, True, None),
+        (128, 128, 64, 8, 8, 3, True, 128),
+        (128, 64, 64, 8, 8, 3, True, None),
+        (128, 64, 64, 8, 8, 4, False, None),
+        (128, 128, 64, 8, 8, 3, False, 128),
+        (64, 128, 64, 8, 4, 4, True, None),
+        (128, 128, 64, 16, 8, 3, True, None),
+        (128, 128, 128, 8, 8, 2, True, None),
+        (128, 128, 64, 4, 8, 3, False, None),
+        (256, 64, 64, 8, 8, 3, True, None),
+        (64, 128, 64, 8, 4, 3, True, 128),
+        (128, 64, 64, 8, 4, 4, True, 128),
     )
 )
 
@@ -111,9 +117,36 @@ def correctness(results: dict) -> bool:
 
 
 def describe(cfg: fm.MoeKernelConfig) -> str:
-    """A short name of a tile config: m32 n64 k128 g1 w4 s4."""
+    """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " dn128" for a down N tile of 128)."""
+    extra = (" tma" if cfg.tma else "") + (f" dn{cfg.down_block_n}" if cfg.down_block_n else "")
     return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} "
-            f"s{cfg.num_stages}")  # fmt: skip
+            f"s{cfg.num_stages}{extra}")  # fmt: skip
+
+
+def stage_times(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict[str, float]:
+    """Seconds of each of fused_moe's four steps alone (alignment, gate_up, down, combine), each in a CUDA graph."""
+    x, w_gate_up, w_down, weights, ids = args
+    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m)
+    act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)
+    per_assignment = fm.moe_down(act, w_down, weights, align, cfg).view(x.shape[0], TOP_K, HIDDEN)
+    return {
+        "align": graph_seconds(lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m)),
+        "gate_up": graph_seconds(lambda: fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)),
+        "down": graph_seconds(lambda: fm.moe_down(act, w_down, weights, align, cfg)),
+        "combine": graph_seconds(lambda: fm.combine(per_assignment)),
+    }
+
+
+def print_stages(name: str, cfg: fm.MoeKernelConfig, times: dict[str, float], num_tokens: int) -> None:
+    """One line of per-kernel times with each GEMM's TFLOP/s and the combine's TB/s."""
+    n = num_tokens * TOP_K
+    gate_up_tf = 2 * n * 2 * INTER * HIDDEN / times["gate_up"] / 1e12
+    down_tf = 2 * n * INTER * HIDDEN / times["down"] / 1e12
+    combine_tb = (n + num_tokens) * HIDDEN * 2 / times["combine"] / 1e12
+    us = {k: v * 1e6 for k, v in times.items()}
+    print(f"{name}: per kernel ({describe(cfg)}): align {us['align']:.1f} us, gate_up {us['gate_up']:.1f} us "
+          f"({gate_up_tf:.0f} TFLOP/s), down {us['down']:.1f} us ({down_tf:.0f} TFLOP/s), combine "
+          f"{us['combine']:.1f} us ({combine_tb:.2f} TB/s); sum {sum(us.values()):.1f} us")  # fmt: skip
 
 
 def expert_bytes(ids: torch.Tensor) -> int:
@@ -130,26 +163,35 @@ def measure(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig | None) -> f
 def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: float, rate: Callable) -> None:
     """Time the shipped pick, then the sweep's configs until ``deadline``; rate(seconds) -> (value, unit)."""
     args = problem(num_tokens, seed=1)
+    x, w_gate_up, w_down, weights, ids = args
+    ref = fm.fused_moe_ref(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
     shipped = fm.pick_config(num_tokens, EXPERTS, TOP_K)
     seconds = measure(args, None)
-    align = graph_seconds(lambda: fm.align_by_expert(args[4], EXPERTS, shipped.block_m))
-    entry = {"shipped": describe(shipped), "seconds": seconds, "rate": rate(seconds)[0], "align_seconds": align}
-    print(f"{name}: shipped {describe(shipped)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]} "
-          f"(alignment alone {align * 1e6:.1f} us)")  # fmt: skip
+    stages = stage_times(args, shipped)
+    entry = {"shipped": describe(shipped), "seconds": seconds, "rate": rate(seconds)[0], "stages": stages}
+    print(f"{name}: shipped {describe(shipped)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]}")
+    print_stages(name, shipped, stages, num_tokens)
     best = (seconds, shipped)
     for cfg in sweep:
         if time.monotonic() > deadline:
             print(f"{name}: sweep stopped at its time budget")
             break
         try:
+            err = rel_err(fm.fused_moe(x, w_gate_up, w_down, weights, ids, cfg), ref)
+            if not err < 1e-2:
+                print(f"{name}: {describe(cfg)} WRONG: rel_err {err:.2e} (left out)")
+                continue
             s = measure(args, cfg)
-        except (RuntimeError, OutOfResources) as e:  # e.g. shared memory
-            print(f"{name}: {describe(cfg)} failed: {type(e).__name__}")
+        except Exception as e:  # out of shared memory, a variant the compiler refuses: the sweep goes on
+            print(f"{name}: {describe(cfg)} failed: {type(e).__name__}: {str(e)[:200]}")
             continue
         print(f"{name}: {describe(cfg)}: {s * 1e6:.1f} us = {rate(s)[0]:.2f} {rate(s)[1]}")
         best = min(best, (s, cfg), key=lambda b: b[0])
     entry["best"], entry["best_rate"] = describe(best[1]), rate(best[0])[0]
     print(f"{name}: best {best[1]!r}")
+    if best[1] != shipped:
+        entry["best_stages"] = stage_times(args, best[1])
+        print_stages(name, best[1], entry["best_stages"], num_tokens)
     results[name] = entry
 
 
@@ -216,8 +258,8 @@ def main() -> None:
     decode_args = problem(DECODE_TOKENS, seed=1)
     touched = expert_bytes(decode_args[4])
     del decode_args
-    half = start + opts.budget_s / 2
-    bench(results, "decode", DECODE_TOKENS, () if opts.no_sweep else DECODE_SWEEP, half,
+    decode_end = start + opts.budget_s * 0.3
+    bench(results, "decode", DECODE_TOKENS, () if opts.no_sweep else DECODE_SWEEP, decode_end,
           lambda s: (touched / s / 1e12, "TB/s"))  # fmt: skip
     flops = 2 * PREFILL_TOKENS * TOP_K * 3 * HIDDEN * INTER
     bench(results, "prefill", PREFILL_TOKENS, () if opts.no_sweep else PREFILL_SWEEP, start + opts.budget_s,
