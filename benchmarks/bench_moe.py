@@ -40,34 +40,35 @@ from fnvllm.kernels.reference import route_ref as route
 DEV = "cuda"
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DECODE_TOKENS, PREFILL_TOKENS = 256, 8192
-# (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n), most promising first
+# (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n, down_block_k), most promising
+# first (the budget may stop a sweep early)
 DECODE_SWEEP = tuple(
     fm.MoeKernelConfig(*c)
     for c in (
-        (32, 64, 64, 1, 4, 5, True, None),
-        (32, 64, 128, 1, 4, 4, False, None),
-        (16, 64, 128, 1, 4, 4, False, None),
-        (32, 32, 128, 1, 4, 4, False, None),
-        (32, 64, 128, 1, 4, 4, True, None),
-        (32, 64, 64, 4, 4, 5, False, None),
+        (32, 64, 64, 1, 4, 5, True),
+        (32, 64, 128, 1, 4, 4, False),
+        (16, 64, 128, 1, 4, 4, False),
+        (32, 32, 128, 1, 4, 4, False),
+        (32, 64, 128, 1, 4, 4, True),
+        (32, 64, 64, 4, 4, 5, False),
     )
 )
 PREFILL_SWEEP = tuple(
     fm.MoeKernelConfig(*c)
     for c in (
-        (128, 128, 64, 8, 8, 3, True, None),
-        (128, 128, 64, 8, 8, 4, True, None),
+        (128, 128, 64, 8, 8, 3, True),
+        (128, 128, 64, 8, 8, 4, True),
+        (64, 128, 64, 8, 4, 4, True),  # half the padding rows of m128
         (128, 128, 64, 8, 8, 3, True, 128),
-        (128, 64, 64, 8, 8, 3, True, None),
-        (128, 64, 64, 8, 8, 4, False, None),
-        (128, 128, 64, 8, 8, 3, False, 128),
-        (64, 128, 64, 8, 4, 4, True, None),
-        (128, 128, 64, 16, 8, 3, True, None),
-        (128, 128, 128, 8, 8, 2, True, None),
-        (128, 128, 64, 4, 8, 3, False, None),
-        (256, 64, 64, 8, 8, 3, True, None),
+        (128, 128, 64, 8, 8, 3, True, None, 128),
+        (128, 64, 64, 8, 8, 3, True),
+        (128, 128, 64, 16, 8, 3, True),
         (64, 128, 64, 8, 4, 3, True, 128),
-        (128, 64, 64, 8, 4, 4, True, 128),
+        (128, 128, 64, 8, 8, 3, False, 128),
+        (128, 64, 64, 8, 8, 4, False),
+        (128, 128, 128, 8, 8, 2, True),
+        (256, 64, 64, 8, 8, 3, True),
+        (64, 64, 64, 8, 4, 4, True),
     )
 )
 
@@ -117,8 +118,9 @@ def correctness(results: dict) -> bool:
 
 
 def describe(cfg: fm.MoeKernelConfig) -> str:
-    """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " dn128" for a down N tile of 128)."""
+    """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " dn128 dk128" for the down tiles)."""
     extra = (" tma" if cfg.tma else "") + (f" dn{cfg.down_block_n}" if cfg.down_block_n else "")
+    extra += f" dk{cfg.down_block_k}" if cfg.down_block_k else ""
     return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} "
             f"s{cfg.num_stages}{extra}")  # fmt: skip
 

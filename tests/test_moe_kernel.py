@@ -147,20 +147,23 @@ def test_kernel_shipped_configs(config: fm.MoeKernelConfig) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("down_block_n", [None, 16])
-def test_kernel_tma_path_matches_reference(dtype: torch.dtype, down_block_n: int | None) -> None:
+@pytest.mark.parametrize(("down_block_n", "down_block_k"), [(None, None), (16, 32)])
+def test_kernel_tma_path_matches_reference(
+    dtype: torch.dtype, down_block_n: int | None, down_block_k: int | None
+) -> None:
     """The TMA-descriptor path (weights and slot-ordered activations) computes the reference at sizes that are
     not multiples of the tiles (hidden 40, intermediate 24: descriptor tiles overrun into the next expert's rows),
     with experts that get no token."""
-    config = fm.MoeKernelConfig(block_m=16, block_n=16, block_k=16, group_m=2, tma=True, down_block_n=down_block_n)
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=True, down_block_n=down_block_n, down_block_k=down_block_k)
     args = problem(20, 40, 24, 16, 2, dtype, seed=5)  # some experts get no token
     assert fm._tma_ok(config, args[1].view(-1, 40)) and torch.unique(args[4]).numel() < 16
     check(args, config)
 
 
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:
-    """A row stride that is not 16-byte aligned (hidden 6, float32: 24 bytes) takes the pointer path, still exact."""
-    config = fm.MoeKernelConfig(block_m=16, block_n=16, block_k=16, group_m=2, tma=True)
+    """A row stride that is not 16-byte aligned (hidden 6, float32: 24 bytes) takes the pointer path, still exact
+    (with down tiles of their own)."""
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=True, down_block_n=32, down_block_k=32)
     args = problem(5, 6, 8, 4, 2, torch.float32, seed=6)
     assert not fm._tma_ok(config, args[1].view(-1, 6))
     check(args, config)

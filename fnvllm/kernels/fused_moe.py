@@ -56,7 +56,8 @@ class MoeKernelConfig:
     """Tile sizes and launch shape of both grouped GEMMs (BLOCK_* >= 16: tl.dot's minimum).
 
     block_n is the gate_up kernel's N tile, which it holds twice (a gate and an up accumulator); the down kernel,
-    with one accumulator, uses ``down_block_n`` (None: 2 * block_n, the same number of accumulator registers).
+    with one accumulator, uses ``down_block_n`` (None: 2 * block_n, the same number of accumulator registers) and
+    ``down_block_k`` (None: block_k; its K, the intermediate size, is short: 768 for Qwen3-30B-A3B).
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
@@ -70,11 +71,17 @@ class MoeKernelConfig:
     num_stages: int = 3
     tma: bool = False
     down_block_n: int | None = None
+    down_block_k: int | None = None
 
     @property
     def down_n(self) -> int:
         """The down kernel's N tile."""
         return self.down_block_n or 2 * self.block_n
+
+    @property
+    def down_k(self) -> int:
+        """The down kernel's K tile."""
+        return self.down_block_k or self.block_k
 
 
 # By mean assignments per expert (T*K / E). Qwen3-30B-A3B (E 128, top-8): a 1-16 token decode step has <= 1 per
@@ -306,14 +313,14 @@ def moe_down(
     out = torch.empty(n, hidden, dtype=act.dtype, device=act.device)  # (T*K, H)
     flat_w = w_down.view(num_experts * hidden, inter)
     tma = _tma_ok(cfg, flat_w, act)
-    act_desc = _descriptor(act, [cfg.block_m, cfg.block_k]) if tma else None
-    w_desc = _descriptor(flat_w, [cfg.down_n, cfg.block_k]) if tma else None
+    act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
+    w_desc = _descriptor(flat_w, [cfg.down_n, cfg.down_k]) if tma else None
     grid = (num_m * triton.cdiv(hidden, cfg.down_n),)
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=_stages(cfg, act.dtype),
     )  # fmt: skip
     return out
