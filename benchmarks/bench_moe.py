@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import attrs
 import torch
 import triton
 import triton.testing
@@ -40,16 +41,17 @@ from fnvllm.kernels.reference import route_ref as route
 DEV = "cuda"
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DECODE_TOKENS, PREFILL_TOKENS = 256, 8192
-# (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n, down_block_k), most promising
-# first (the budget may stop a sweep early)
+# (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n, down_block_k, down_num_warps,
+# down_num_stages), most promising first (the budget may stop a sweep early). Each row varies the gate_up and the
+# down kernel at once; the per-kernel times let the best of each be combined (same block_m) at the end.
 DECODE_SWEEP = tuple(
     fm.MoeKernelConfig(*c)
     for c in (
         (32, 64, 64, 1, 4, 5, True),
         (32, 64, 128, 1, 4, 4, False),
-        (16, 64, 128, 1, 4, 4, False),
-        (32, 32, 128, 1, 4, 4, False),
-        (32, 64, 128, 1, 4, 4, True),
+        (16, 64, 128, 1, 4, 4, False, 128, 128),
+        (32, 32, 128, 1, 4, 4, False, 64, 128),
+        (32, 64, 128, 1, 4, 4, True, 128, 64, 4, 5),
         (32, 64, 64, 4, 4, 5, False),
     )
 )
@@ -57,18 +59,17 @@ PREFILL_SWEEP = tuple(
     fm.MoeKernelConfig(*c)
     for c in (
         (128, 128, 64, 8, 8, 3, True),
-        (128, 128, 64, 8, 8, 4, True),
-        (64, 128, 64, 8, 4, 4, True),  # half the padding rows of m128
-        (128, 128, 64, 8, 8, 3, True, 128),
-        (128, 128, 64, 8, 8, 3, True, None, 128),
-        (128, 64, 64, 8, 8, 3, True),
-        (128, 128, 64, 16, 8, 3, True),
-        (64, 128, 64, 8, 4, 3, True, 128),
-        (128, 128, 64, 8, 8, 3, False, 128),
-        (128, 64, 64, 8, 8, 4, False),
-        (128, 128, 128, 8, 8, 2, True),
-        (256, 64, 64, 8, 8, 3, True),
-        (64, 64, 64, 8, 4, 4, True),
+        (128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
+        (64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
+        (128, 128, 64, 8, 8, 3, False, 128, 128),
+        (128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),
+        (128, 128, 128, 8, 8, 2, True, 256, 128),
+        (64, 128, 64, 8, 8, 3, True),
+        (128, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
+        (128, 128, 64, 16, 8, 3, True, 64, 64, 4, 4),
+        (128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
+        (64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
+        (256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
     )
 )
 
@@ -118,9 +119,12 @@ def correctness(results: dict) -> bool:
 
 
 def describe(cfg: fm.MoeKernelConfig) -> str:
-    """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " dn128 dk128" for the down tiles)."""
-    extra = (" tma" if cfg.tma else "") + (f" dn{cfg.down_block_n}" if cfg.down_block_n else "")
-    extra += f" dk{cfg.down_block_k}" if cfg.down_block_k else ""
+    """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " | down n128 k128 w4 s3" when the down
+    kernel's tiles differ from the default)."""
+    extra = " tma" if cfg.tma else ""
+    if cfg.down_block_n or cfg.down_block_k or cfg.down_num_warps or cfg.down_num_stages:
+        extra += (f" | down n{cfg.down_n} k{cfg.down_k} w{cfg.down_num_warps or cfg.num_warps} "
+                  f"s{cfg.down_num_stages or cfg.num_stages}")  # fmt: skip
     return (f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} "
             f"s{cfg.num_stages}{extra}")  # fmt: skip
 
@@ -163,7 +167,9 @@ def measure(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig | None) -> f
 
 
 def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: float, rate: Callable) -> None:
-    """Time the shipped pick, then the sweep's configs until ``deadline``; rate(seconds) -> (value, unit)."""
+    """Time the shipped pick, then the sweep's configs until ``deadline`` (each checked against the reference
+    first, and timed whole and kernel by kernel), then the best gate_up and best down of the sweep combined;
+    rate(seconds) -> (value, unit)."""
     args = problem(num_tokens, seed=1)
     x, w_gate_up, w_down, weights, ids = args
     ref = fm.fused_moe_ref(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
@@ -173,28 +179,70 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     entry = {"shipped": describe(shipped), "seconds": seconds, "rate": rate(seconds)[0], "stages": stages}
     print(f"{name}: shipped {describe(shipped)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]}")
     print_stages(name, shipped, stages, num_tokens)
-    best = (seconds, shipped)
+    timed = [(seconds, shipped, stages)]
     for cfg in sweep:
         if time.monotonic() > deadline:
             print(f"{name}: sweep stopped at its time budget")
             break
-        try:
-            err = rel_err(fm.fused_moe(x, w_gate_up, w_down, weights, ids, cfg), ref)
-            if not err < 1e-2:
-                print(f"{name}: {describe(cfg)} WRONG: rel_err {err:.2e} (left out)")
-                continue
-            s = measure(args, cfg)
-        except Exception as e:  # out of shared memory, a variant the compiler refuses: the sweep goes on
-            print(f"{name}: {describe(cfg)} failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        print(f"{name}: {describe(cfg)}: {s * 1e6:.1f} us = {rate(s)[0]:.2f} {rate(s)[1]}")
-        best = min(best, (s, cfg), key=lambda b: b[0])
-    entry["best"], entry["best_rate"] = describe(best[1]), rate(best[0])[0]
+        row = try_config(name, args, ref, cfg, num_tokens, rate)
+        if row is not None:
+            timed.append(row)
+    combined = combine_best(timed)
+    if combined is not None and all(combined != t[1] for t in timed):
+        print(f"{name}: the best gate_up and the best down combined:")
+        row = try_config(name, args, ref, combined, num_tokens, rate)
+        if row is not None:
+            timed.append(row)
+    best = min(timed, key=lambda t: t[0])
+    entry["best"], entry["best_rate"], entry["best_stages"] = describe(best[1]), rate(best[0])[0], best[2]
+    entry["sweep"] = [{"config": describe(c), "seconds": t, "stages": st} for t, c, st in timed]
     print(f"{name}: best {best[1]!r}")
-    if best[1] != shipped:
-        entry["best_stages"] = stage_times(args, best[1])
-        print_stages(name, best[1], entry["best_stages"], num_tokens)
     results[name] = entry
+
+
+def try_config(
+    name: str,
+    args: tuple[torch.Tensor, ...],
+    ref: torch.Tensor,
+    cfg: fm.MoeKernelConfig,
+    num_tokens: int,
+    rate: Callable,
+) -> tuple[float, fm.MoeKernelConfig, dict[str, float]] | None:
+    """(seconds, cfg, per-kernel seconds) of one config, or None when it fails or disagrees with ``ref``."""
+    x, w_gate_up, w_down, weights, ids = args
+    try:
+        err = rel_err(fm.fused_moe(x, w_gate_up, w_down, weights, ids, cfg), ref)
+        if not err < 1e-2:
+            print(f"{name}: {describe(cfg)} WRONG: rel_err {err:.2e} (left out)")
+            return None
+        seconds, stages = measure(args, cfg), stage_times(args, cfg)
+    except Exception as e:  # out of shared memory, a variant the compiler refuses: the sweep goes on
+        print(f"{name}: {describe(cfg)} failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    print(f"{name}: {describe(cfg)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]}")
+    print_stages(name, cfg, stages, num_tokens)
+    return seconds, cfg, stages
+
+
+def combine_best(timed: list) -> fm.MoeKernelConfig | None:
+    """The config with the fastest gate_up of the fastest block_m and the fastest down of that block_m (the
+    down's tiles, warps and stages; TMA and grouping from the gate_up's), or None when nothing was timed."""
+    if not timed:
+        return None
+    by_m: dict[int, list] = {}
+    for row in timed:
+        by_m.setdefault(row[1].block_m, []).append(row)
+
+    def best_pair(rows: list) -> tuple[float, fm.MoeKernelConfig, fm.MoeKernelConfig]:
+        gate_up = min(rows, key=lambda r: r[2]["gate_up"])
+        down = min(rows, key=lambda r: r[2]["down"])
+        return gate_up[2]["gate_up"] + down[2]["down"] + gate_up[2]["align"], gate_up[1], down[1]
+
+    _, gate_up, down = min((best_pair(rows) for rows in by_m.values()), key=lambda p: p[0])
+    return attrs.evolve(
+        gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
+        down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
+    )  # fmt: skip
 
 
 def end_to_end(results: dict) -> bool:

@@ -57,7 +57,8 @@ class MoeKernelConfig:
 
     block_n is the gate_up kernel's N tile, which it holds twice (a gate and an up accumulator); the down kernel,
     with one accumulator, uses ``down_block_n`` (None: 2 * block_n, the same number of accumulator registers) and
-    ``down_block_k`` (None: block_k; its K, the intermediate size, is short: 768 for Qwen3-30B-A3B).
+    ``down_block_k`` (None: block_k; its K, the intermediate size, is short: 768 for Qwen3-30B-A3B), and
+    ``down_num_warps`` / ``down_num_stages`` (None: the gate_up kernel's).
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
@@ -72,6 +73,8 @@ class MoeKernelConfig:
     tma: bool = False
     down_block_n: int | None = None
     down_block_k: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
 
     @property
     def down_n(self) -> int:
@@ -260,10 +263,10 @@ def fused_moe(
     return combine(per_assignment.view(num_tokens, top_k, -1))
 
 
-def _stages(cfg: MoeKernelConfig, dtype: torch.dtype) -> int:
+def _stages(num_stages: int, dtype: torch.dtype) -> int:
     """Pipeline stages: the tiles are sized for 2-byte weights; 4-byte ones (fp32 models and tests) need half the
     stages to fit the shared memory of one SM (the decode tiles at 4 stages ask 240 KB of the H200's 227 KB)."""
-    return cfg.num_stages if dtype.itemsize <= 2 else max(2, cfg.num_stages // 2)
+    return num_stages if dtype.itemsize <= 2 else max(2, num_stages // 2)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
@@ -299,7 +302,7 @@ def moe_gate_up(
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, x.dtype),
+        num_stages=_stages(cfg.num_stages, x.dtype),
     )  # fmt: skip
     return act
 
@@ -320,8 +323,8 @@ def moe_down(
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, act.dtype),
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
+        num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
     )  # fmt: skip
     return out
 
