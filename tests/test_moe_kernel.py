@@ -89,11 +89,20 @@ def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: lis
 
 @pytest.mark.parametrize(
     ("num_tokens", "top_k", "num_experts", "block_m"),
-    [(5, 1, 3, 4), (7, 2, 8, 16), (1, 8, 128, 16), (300, 8, 128, 32), (9, 3, 200, 16), (1100, 8, 128, 128)],
+    [
+        (5, 1, 3, 4),
+        (7, 2, 8, 16),
+        (1, 8, 128, 16),
+        (300, 8, 128, 32),
+        (9, 3, 200, 16),
+        (100, 8, 128, 16),
+        (1100, 8, 128, 128),
+    ],
 )
 def test_alignment_kernel_equals_torch_path(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
-    """The Triton alignment gives exactly the torch path's slots, block experts and slot count (several chunks; a
-    non-power-of-two expert count; 8800 assignments, above the old kernel path's 8192 limit)."""
+    """The Triton alignment gives exactly the torch path's slots, block experts and slot count: one chunk, several
+    chunks summed in the kernel (800 assignments: 13), several read from the cumsum (2400: 38; 8800: 138), a
+    non-power-of-two expert count."""
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
     got, ref = fm.align_by_expert(ids, num_experts, block_m), fm.align_by_expert_ref(ids, num_experts, block_m)

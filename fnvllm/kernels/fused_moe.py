@@ -3,21 +3,23 @@
 Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
 a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
 
-1. ``align_by_expert`` (``moe_align.py``; two Triton launches and a cumsum): the T*K assignments (flat
-   index a = t*K + k) sorted by expert, each expert's group padded to a multiple of BLOCK_M, so that every block
-   of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot count is bounded without
-   reading the routing, so the grid is fixed for a given T.
+1. ``align_by_expert`` (``moe_align.py``; two Triton launches, and a cumsum between them at prefill sizes): the
+   T*K assignments (flat index a = t*K + k) sorted by expert, each expert's group padded to a multiple of
+   BLOCK_M, so that every block of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot
+   count is bounded without reading the routing, so the grid is fixed for a given T.
 2. ``_gate_up_kernel``: per (block of slots, block of I): gather the tokens' rows of x, multiply by the block's
-   expert's gate and up rows (two accumulators), and store silu(gate) * up for each assignment: (T*K, I).
-3. ``_down_kernel``: per (block of slots, block of H): that times the expert's down projection, scaled by the
-   assignment's routing weight, stored per assignment: (T*K, H).
+   expert's gate and up rows (two accumulators), and store silu(gate) * up in slot order: (slots, I).
+3. ``_down_kernel``: per (block of slots, block of H): the block's (contiguous) activation rows times the
+   expert's down projection, scaled by the assignment's routing weight, stored per assignment: (T*K, H).
 4. ``_combine_kernel``: the K rows of each token summed in float32 in k order (deterministic, unlike atomic
    adds into the output from the down kernel).
 
 Block sizes are picked by the mean number of assignments per expert (``pick_config``): few (decode) -> small
 BLOCK_M, every expert's weights streamed once (bandwidth); many (prefill) -> large tiles (compute). Within a
 block of slots the weight tiles are walked along N with the slot blocks grouped (GROUP_M), so programs that run
-together read the same expert's tiles.
+together read the same expert's tiles. With ``tma`` the weight tiles (and the down kernel's activation tiles)
+are loaded through TMA tensor descriptors; the down kernel's tiles may differ from the gate_up kernel's
+(``down_block_n`` ...), as its K (the intermediate size) is short.
 
 Float32 inputs multiply in IEEE float32 (no TF32), so float32 models match Hugging Face's; 16-bit inputs
 accumulate in float32 and round once per stored tensor. Products go through decode_attention's ``dot``, which

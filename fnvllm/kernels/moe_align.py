@@ -7,14 +7,14 @@ to one expert. Worked example, K=1, BLOCK_M=4, topk_ids = [2, 0, 2, 2, 2] (T=5, 
     counts [1, 0, 4] -> padded [4, 0, 4] -> sorted slots [1 P P P | 0 2 3 4]   (P = padding, stored as T*K)
     block_experts [0, 2, 3, 3]  (blocks past the last used one name expert E and exit at once)
 
-The kernel path, three launches at any size: per chunk of assignments, a count per expert (one-hot sums); an
-inclusive cumsum of those counts over the chunks (one torch op); then per chunk, each assignment's slot = its
-expert's padded start + the expert's count in earlier chunks (read from the cumsum) + its rank in this chunk (an
-exclusive cumsum of the one-hot). No atomics, so it is deterministic and equals the torch path. (Before, the
-place kernel summed the earlier chunks' rows itself, O(chunks^2): 154 us at an 8192-token prefill on the H200,
-where the torch path took over.) The number of slots is bounded without looking at the data: each expert that
-got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at most min(T*K, E) experts got any, so the grid
-is fixed for a given T.
+The kernel path: per chunk of assignments, a count per expert (one-hot sums); then per chunk, each assignment's
+slot = its expert's padded start + the expert's count in earlier chunks + its rank in this chunk (an exclusive
+cumsum of the one-hot). The counts of earlier chunks are summed inside the place kernel up to PREFIX_IN_KERNEL
+chunks (decode sizes: two launches); above, that loop would be O(chunks^2) (154 us at an 8192-token prefill on
+the H200, 1024 chunks), so one torch cumsum over the chunks runs between the two launches and each chunk reads
+its row. No atomics, so it is deterministic and equals the torch path. The number of slots is bounded without
+looking at the data: each expert that got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at most
+min(T*K, E) experts got any, so the grid is fixed for a given T.
 
 ``align_by_expert`` is the kernel path; ``align_by_expert_ref`` the same in ~20 torch ops around a stable sort
 (the reference). Both give identical tensors.
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ExpertAlignment", "align_by_expert", "align_by_expert_ref", "max_slots"]
+__all__ = ["PREFIX_IN_KERNEL", "ExpertAlignment", "align_by_expert", "align_by_expert_ref", "max_slots"]
 
 
 @attrs.frozen(eq=False)
@@ -51,10 +51,13 @@ def max_slots(num_assignments: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
+PREFIX_IN_KERNEL = 32  # chunks up to which the place kernel sums the earlier chunks' counts itself
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """Sort the assignments of ``topk_ids`` (T, K) by expert and pad each expert's group to block_m slots (stable:
-    token order inside a group). Two Triton launches around a torch cumsum; no host sync, so it can be captured
-    in a CUDA graph."""
+    token order inside a group). Two Triton launches (and a torch cumsum between them above PREFIX_IN_KERNEL
+    chunks); no host sync, so it can be captured in a CUDA graph."""
     flat = topk_ids.reshape(-1)  # (T*K,)
     n, e_pow2 = flat.numel(), triton.next_power_of_2(num_experts)
     chunk = max(16, min(128, 8192 // e_pow2))
@@ -65,10 +68,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     chunk_counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=flat.device)
     fill = triton.cdiv(slots, num_chunks)
     _count_kernel[(num_chunks,)](flat, chunk_counts, sorted_ids, n, slots, fill, CHUNK=chunk, E_POW2=e_pow2)
-    through = chunk_counts.cumsum(0, dtype=torch.int32)  # (chunks, E_POW2): counts of chunks 0..c
+    in_kernel = num_chunks <= PREFIX_IN_KERNEL
+    through = chunk_counts if in_kernel else chunk_counts.cumsum(0, dtype=torch.int32)  # counts of chunks 0..c
     _place_kernel[(num_chunks,)](
         flat, chunk_counts, through, sorted_ids, block_experts, num_slots, n, num_chunks, slots // block_m,
-        num_experts, BLOCK_M=block_m, CHUNK=chunk, E_POW2=e_pow2,
+        num_experts, BLOCK_M=block_m, CHUNK=chunk, E_POW2=e_pow2, SUM_IN_KERNEL=in_kernel,
     )  # fmt: skip
     return ExpertAlignment(sorted_ids, block_experts, num_slots, block_m)
 
@@ -104,14 +108,23 @@ def _place_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     E_POW2: tl.constexpr,
+    SUM_IN_KERNEL: tl.constexpr,
 ):
     """Slot of each assignment of chunk c = its expert's padded start + the expert's assignments in earlier
-    chunks (``through`` row c - chunk c's counts) + those earlier in this chunk; program 0 also writes the block
-    experts and the slot count."""
+    chunks (SUM_IN_KERNEL: summed here; else ``through`` row c - chunk c's counts) + those earlier in this
+    chunk; program 0 also writes the block experts and the slot count."""
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    before = tl.load(through_ptr + c * E_POW2 + experts) - tl.load(chunk_counts_ptr + c * E_POW2 + experts)
-    total = tl.load(through_ptr + (num_chunks - 1) * E_POW2 + experts)
+    if SUM_IN_KERNEL:
+        before = tl.zeros((E_POW2,), dtype=tl.int32)
+        total = tl.zeros((E_POW2,), dtype=tl.int32)
+        for j in range(0, num_chunks):
+            row = tl.load(chunk_counts_ptr + j * E_POW2 + experts)
+            total += row
+            before += tl.where(j < c, row, 0)
+    else:
+        before = tl.load(through_ptr + c * E_POW2 + experts) - tl.load(chunk_counts_ptr + c * E_POW2 + experts)
+        total = tl.load(through_ptr + (num_chunks - 1) * E_POW2 + experts)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
