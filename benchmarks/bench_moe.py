@@ -60,6 +60,7 @@ PREFILL_SWEEP = tuple(
     for c in (
         (128, 128, 64, 8, 8, 3, True),
         (128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
+        (128, 128, 64, 8, 8, 3, True, None, None, None, None, True),  # atomic combine
         (64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
         (128, 128, 64, 8, 8, 3, False, 128, 128),
         (128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),
@@ -69,6 +70,7 @@ PREFILL_SWEEP = tuple(
         (128, 128, 64, 16, 8, 3, True, 64, 64, 4, 4),
         (128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
         (64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
+        (128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
         (256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
     )
 )
@@ -121,7 +123,7 @@ def correctness(results: dict) -> bool:
 def describe(cfg: fm.MoeKernelConfig) -> str:
     """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " | down n128 k128 w4 s3" when the down
     kernel's tiles differ from the default)."""
-    extra = " tma" if cfg.tma else ""
+    extra = (" tma" if cfg.tma else "") + (" atomic" if cfg.atomic_combine else "")
     if cfg.down_block_n or cfg.down_block_k or cfg.down_num_warps or cfg.down_num_stages:
         extra += (f" | down n{cfg.down_n} k{cfg.down_k} w{cfg.down_num_warps or cfg.num_warps} "
                   f"s{cfg.down_num_stages or cfg.num_stages}")  # fmt: skip
@@ -134,12 +136,16 @@ def stage_times(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict
     x, w_gate_up, w_down, weights, ids = args
     align = fm.align_by_expert(ids, EXPERTS, cfg.block_m)
     act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)
-    per_assignment = fm.moe_down(act, w_down, weights, align, cfg).view(x.shape[0], TOP_K, HIDDEN)
+    down = fm.moe_down(act, w_down, weights, align, cfg)
+    if cfg.atomic_combine:  # the down kernel summed per token in float32: the combine is the cast
+        finish: Callable[[], object] = lambda: down.to(x.dtype)  # noqa: E731
+    else:
+        finish = lambda: fm.combine(down.view(x.shape[0], TOP_K, HIDDEN))  # noqa: E731
     return {
         "align": graph_seconds(lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m)),
         "gate_up": graph_seconds(lambda: fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)),
         "down": graph_seconds(lambda: fm.moe_down(act, w_down, weights, align, cfg)),
-        "combine": graph_seconds(lambda: fm.combine(per_assignment)),
+        "combine": graph_seconds(finish),
     }
 
 
@@ -148,7 +154,8 @@ def print_stages(name: str, cfg: fm.MoeKernelConfig, times: dict[str, float], nu
     n = num_tokens * TOP_K
     gate_up_tf = 2 * n * 2 * INTER * HIDDEN / times["gate_up"] / 1e12
     down_tf = 2 * n * INTER * HIDDEN / times["down"] / 1e12
-    combine_tb = (n + num_tokens) * HIDDEN * 2 / times["combine"] / 1e12
+    combine_bytes = num_tokens * HIDDEN * (4 + 2) if cfg.atomic_combine else (n + num_tokens) * HIDDEN * 2
+    combine_tb = combine_bytes / times["combine"] / 1e12
     us = {k: v * 1e6 for k, v in times.items()}
     print(f"{name}: per kernel ({describe(cfg)}): align {us['align']:.1f} us, gate_up {us['gate_up']:.1f} us "
           f"({gate_up_tf:.0f} TFLOP/s), down {us['down']:.1f} us ({down_tf:.0f} TFLOP/s), combine "
@@ -225,8 +232,9 @@ def try_config(
 
 
 def combine_best(timed: list) -> fm.MoeKernelConfig | None:
-    """The config with the fastest gate_up of the fastest block_m and the fastest down of that block_m (the
-    down's tiles, warps and stages; TMA and grouping from the gate_up's), or None when nothing was timed."""
+    """The config with the fastest gate_up of the fastest block_m and the fastest down + combine of that block_m
+    (the down's tiles, warps, stages and combine; TMA and grouping from the gate_up's), or None when nothing was
+    timed."""
     if not timed:
         return None
     by_m: dict[int, list] = {}
@@ -235,13 +243,14 @@ def combine_best(timed: list) -> fm.MoeKernelConfig | None:
 
     def best_pair(rows: list) -> tuple[float, fm.MoeKernelConfig, fm.MoeKernelConfig]:
         gate_up = min(rows, key=lambda r: r[2]["gate_up"])
-        down = min(rows, key=lambda r: r[2]["down"])
-        return gate_up[2]["gate_up"] + down[2]["down"] + gate_up[2]["align"], gate_up[1], down[1]
+        down = min(rows, key=lambda r: r[2]["down"] + r[2]["combine"])
+        return gate_up[2]["gate_up"] + down[2]["down"] + down[2]["combine"] + gate_up[2]["align"], gate_up[1], down[1]
 
     _, gate_up, down = min((best_pair(rows) for rows in by_m.values()), key=lambda p: p[0])
     return attrs.evolve(
         gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
         down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
+        atomic_combine=down.atomic_combine,
     )  # fmt: skip
 
 

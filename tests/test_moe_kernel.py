@@ -169,6 +169,15 @@ def test_kernel_tma_path_matches_reference(
     check(args, config)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_atomic_combine_matches_reference(dtype: torch.dtype) -> None:
+    """The atomic-combine variant (the down kernel adds into a float32 per-token sum) computes the reference,
+    with TMA and without, experts with no token included."""
+    for tma in (False, True):
+        config = fm.MoeKernelConfig(16, 16, 16, 2, tma=tma, atomic_combine=True)
+        check(problem(20, 40, 24, 16, 3, dtype, seed=7), config)
+
+
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:
     """A row stride that is not 16-byte aligned (hidden 6, float32: 24 bytes) takes the pointer path, still exact
     (with down tiles of their own)."""

@@ -61,6 +61,9 @@ class MoeKernelConfig:
     with one accumulator, uses ``down_block_n`` (None: 2 * block_n, the same number of accumulator registers) and
     ``down_block_k`` (None: block_k; its K, the intermediate size, is short: 768 for Qwen3-30B-A3B), and
     ``down_num_warps`` / ``down_num_stages`` (None: the gate_up kernel's).
+    atomic_combine: the down kernel adds its weighted rows straight into a float32 (T, H) sum with atomics
+        (then one cast) instead of storing (T*K, H) for the combine kernel: fewer bytes, but the order of the
+        K additions, hence the last bits, varies from run to run (benchmark variant; off in the shipped configs).
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
@@ -77,6 +80,7 @@ class MoeKernelConfig:
     down_block_k: int | None = None
     down_num_warps: int | None = None
     down_num_stages: int | None = None
+    atomic_combine: bool = False
 
     @property
     def down_n(self) -> int:
@@ -202,17 +206,20 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """out[a, n] = weight[a] * (act[slot] . down_e[n]) for the slots of one block and H tile, a the slot's
-    assignment. The block's act rows are contiguous (slot order); padding rows hold garbage that only reaches
-    their own, unstored, output rows. TMA: act tiles from ``act_desc``, weight tiles from ``w_desc`` (E * H, I)."""
+    assignment (ATOMIC: out[a // TOP_K, n] += that, in float32). The block's act rows are contiguous (slot order);
+    padding rows hold garbage that only reaches their own, unstored, output rows. TMA: act tiles from
+    ``act_desc``, weight tiles from ``w_desc`` (E * H, I)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
         return
@@ -240,8 +247,12 @@ def _down_kernel(
         b_ptrs += BLOCK_K
     scale = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
     acc = acc * scale[:, None]
-    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    if ATOMIC:
+        out_ptrs = out_ptr + (ids // TOP_K)[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=valid[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 def fused_moe(
@@ -262,6 +273,8 @@ def fused_moe(
     align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m)
     act = moe_gate_up(x, w_gate_up, align, top_k, cfg)
     per_assignment = moe_down(act, w_down, topk_weights, align, cfg)
+    if cfg.atomic_combine:  # already summed per token, in float32
+        return per_assignment.to(x.dtype)
     return combine(per_assignment.view(num_tokens, top_k, -1))
 
 
@@ -312,10 +325,14 @@ def moe_gate_up(
 def moe_down(
     act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, align: ExpertAlignment, cfg: MoeKernelConfig
 ) -> torch.Tensor:
-    """weight * (act . down_e) of every assignment, (T*K, H) in assignment order (a = t*K + k)."""
+    """weight * (act . down_e) of every assignment, (T*K, H) in assignment order (a = t*K + k); with
+    ``cfg.atomic_combine`` already summed per token, (T, H) float32."""
     (num_experts, hidden, inter), n = w_down.shape, topk_weights.numel()
-    num_m = align.block_experts.numel()
-    out = torch.empty(n, hidden, dtype=act.dtype, device=act.device)  # (T*K, H)
+    num_m, (num_tokens, top_k) = align.block_experts.numel(), topk_weights.shape
+    if cfg.atomic_combine:
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=act.device)  # (T, H)
+    else:
+        out = torch.empty(n, hidden, dtype=act.dtype, device=act.device)  # (T*K, H)
     flat_w = w_down.view(num_experts * hidden, inter)
     tma = _tma_ok(cfg, flat_w, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
@@ -324,8 +341,9 @@ def moe_down(
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
+        TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
+        ATOMIC=cfg.atomic_combine, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.down_num_warps or cfg.num_warps,
         num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
     )  # fmt: skip
     return out
