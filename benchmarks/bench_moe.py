@@ -299,6 +299,14 @@ def summary(results: dict) -> None:
             continue
         print(f"| {name} T={r['tokens']} | {r['shipped']} | {r['seconds'] * 1e6:.1f} | {r['rate']:.2f} {unit} | "
               f"{r['best']} | {r['best_rate']:.2f} {unit} | >= {target} {unit} |")  # fmt: skip
+    print("\n| case | config | align us | gate_up us | down us | combine us |")
+    print("|---|---|---|---|---|---|")
+    for name in ("decode", "prefill"):
+        r = results.get(name)
+        for label, key in (("shipped", "stages"), ("best", "best_stages")):
+            if r is not None and key in r:
+                us = [r[key][k] * 1e6 for k in ("align", "gate_up", "down", "combine")]
+                print(f"| {name} {label} | {r[label]} | " + " | ".join(f"{u:.1f}" for u in us) + " |")
     print("correctness:", "PASS" if all(c["pass"] for c in results["correctness"].values()) else "FAIL")
     e2e = results["end_to_end"]
     print(f"end to end vs transformers: {e2e['equal']}/{e2e['prompts']} equal, cuda graphs {e2e['cuda_graphs']}")
