@@ -17,7 +17,7 @@ from fnvllm.llm import LLM
 from fnvllm.model import ModelConfig, load_model
 from fnvllm.model.loader import DUMMY_STD, _build_on_meta
 from fnvllm.model.ops import TORCH_OPS
-from fnvllm.model.sharding import SINGLE
+from fnvllm.model.sharding import SINGLE, TensorParallel
 from fnvllm.state import InvalidConfigError, SamplingParams
 from fnvllm.testing.checkpoints import write_random_checkpoint, write_tiny_checkpoint
 
@@ -71,6 +71,21 @@ def test_dummy_values_norms_one_matrices_small_and_seeded(tmp_path: Path) -> Non
         else:
             assert abs(p.float().std().item() - DUMMY_STD) < 0.2 * DUMMY_STD, name
             assert not torch.equal(p, params_c[name]), name
+
+
+def test_dummy_replicated_parameters_equal_on_every_rank(tmp_path: Path) -> None:
+    """Under tensor parallelism (two ranks built in one process) the replicated parameters, the router first,
+    get the same dummy values on both ranks (so both route alike), while a sharded one is each rank's slice."""
+    _, folder = folders(tmp_path, "qwen3_moe")
+    config = ModelConfig.from_pretrained(folder)
+    ranks = [
+        dict(load_model(folder, config, "cpu", tp=TensorParallel(rank, 2), load_format="dummy").named_parameters())
+        for rank in (0, 1)
+    ]
+    routers = [n for n in ranks[0] if n.endswith("mlp.gate.weight")]
+    assert routers and all(torch.equal(ranks[0][n], ranks[1][n]) for n in routers)
+    gate_up = next(n for n in ranks[0] if n.endswith("experts.gate_up_proj"))
+    assert ranks[0][gate_up].shape[1] == 2 * MOE["moe_intermediate_size"] // 2
 
 
 def test_dummy_llm_generates_without_weight_files(tmp_path: Path) -> None:
