@@ -41,38 +41,36 @@ from fnvllm.kernels.reference import route_ref as route
 DEV = "cuda"
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DECODE_TOKENS, PREFILL_TOKENS = 256, 8192
-# (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n, down_block_k, down_num_warps,
-# down_num_stages), most promising first (the budget may stop a sweep early). Each row varies the gate_up and the
-# down kernel at once; the per-kernel times let the best of each be combined (same block_m) at the end.
-DECODE_SWEEP = tuple(
-    fm.MoeKernelConfig(*c)
-    for c in (
-        (32, 64, 64, 1, 4, 5, True),
-        (32, 64, 128, 1, 4, 4, False),
-        (16, 64, 128, 1, 4, 4, False, 128, 128),
-        (32, 32, 128, 1, 4, 4, False, 64, 128),
-        (32, 64, 128, 1, 4, 4, True, 128, 64, 4, 5),
-        (32, 64, 64, 4, 4, 5, False),
-    )
+C = fm.MoeKernelConfig  # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, down_block_n,
+# down_block_k, down_num_warps, down_num_stages, atomic_combine, persistent). Most promising first: the budget may
+# stop a sweep early. Rows vary the gate_up and the down kernel at once; the per-kernel times let the best of each
+# be combined (same block_m) at the end.
+DECODE_SWEEP = (
+    C(32, 64, 64, 1, 4, 5, True),
+    C(32, 64, 64, 1, 4, 5, True, persistent=True),
+    C(32, 64, 128, 1, 4, 4, False),
+    C(16, 64, 128, 1, 4, 4, False, 128, 128),
+    C(32, 32, 128, 1, 4, 4, False, 64, 128),
+    C(32, 64, 128, 1, 4, 4, True, 128, 64, 4, 5),
+    C(32, 64, 64, 4, 4, 5, False),
 )
-PREFILL_SWEEP = tuple(
-    fm.MoeKernelConfig(*c)
-    for c in (
-        (128, 128, 64, 8, 8, 3, True),
-        (128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
-        (128, 128, 64, 8, 8, 3, True, None, None, None, None, True),  # atomic combine
-        (64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
-        (128, 128, 64, 8, 8, 3, False, 128, 128),
-        (128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),
-        (128, 128, 128, 8, 8, 2, True, 256, 128),
-        (64, 128, 64, 8, 8, 3, True),
-        (128, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-        (128, 128, 64, 16, 8, 3, True, 64, 64, 4, 4),
-        (128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
-        (64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-        (128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
-        (256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
-    )
+PREFILL_SWEEP = (
+    C(128, 128, 64, 8, 8, 3, True),
+    C(128, 128, 64, 8, 8, 3, True, persistent=True),
+    C(128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
+    C(128, 128, 64, 8, 8, 3, True, atomic_combine=True),
+    C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
+    C(128, 128, 64, 8, 8, 3, False, 128, 128),
+    C(128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),
+    C(128, 128, 64, 8, 8, 3, True, 128, 64, 8, 4, persistent=True),
+    C(128, 128, 128, 8, 8, 2, True, 256, 128),
+    C(64, 128, 64, 8, 8, 3, True),
+    C(128, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
+    C(128, 128, 64, 16, 8, 3, True, 64, 64, 4, 4),
+    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
+    C(64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
+    C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
+    C(256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
 )
 
 
@@ -124,6 +122,7 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
     """A short name of a tile config: m32 n64 k128 g1 w4 s4 (+ " tma", " | down n128 k128 w4 s3" when the down
     kernel's tiles differ from the default)."""
     extra = (" tma" if cfg.tma else "") + (" atomic" if cfg.atomic_combine else "")
+    extra += " persistent" if cfg.persistent else ""
     if cfg.down_block_n or cfg.down_block_k or cfg.down_num_warps or cfg.down_num_stages:
         extra += (f" | down n{cfg.down_n} k{cfg.down_k} w{cfg.down_num_warps or cfg.num_warps} "
                   f"s{cfg.down_num_stages or cfg.num_stages}")  # fmt: skip
@@ -250,7 +249,7 @@ def combine_best(timed: list) -> fm.MoeKernelConfig | None:
     return attrs.evolve(
         gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
         down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
-        atomic_combine=down.atomic_combine,
+        atomic_combine=down.atomic_combine, persistent=gate_up.persistent and down.persistent,
     )  # fmt: skip
 
 

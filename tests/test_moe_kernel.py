@@ -178,6 +178,18 @@ def test_kernel_atomic_combine_matches_reference(dtype: torch.dtype) -> None:
         check(problem(20, 40, 24, 16, 3, dtype, seed=7), config)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_kernel_persistent_matches_reference(tma: bool) -> None:
+    """The persistent variant (a few programs walking every used tile) computes the reference, with an expert
+    spanning several slot blocks and experts with no token."""
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=tma, persistent=True)
+    x, w_gate_up, w_down, _, _ = problem(40, 40, 24, 6, 2, torch.float32, seed=8)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.full((40,), 3), torch.randint(0, 2, (40,), generator=gen)], dim=1).to(DEVICE)
+    weights = torch.rand(40, 2, generator=gen).to(DEVICE)
+    check((x, w_gate_up, w_down, weights, ids), config)
+
+
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:
     """A row stride that is not 16-byte aligned (hidden 6, float32: 24 bytes) takes the pointer path, still exact
     (with down tiles of their own)."""

@@ -64,6 +64,8 @@ class MoeKernelConfig:
     atomic_combine: the down kernel adds its weighted rows straight into a float32 (T, H) sum with atomics
         (then one cast) instead of storing (T*K, H) for the combine kernel: fewer bytes, but the order of the
         K additions, hence the last bits, varies from run to run (benchmark variant; off in the shipped configs).
+    persistent: launch one program per SM (times ``PERSISTENT_PROGRAMS_PER_SM``) that walks the used tiles, so the
+        next tile's loads overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
@@ -81,6 +83,7 @@ class MoeKernelConfig:
     down_num_warps: int | None = None
     down_num_stages: int | None = None
     atomic_combine: bool = False
+    persistent: bool = False
 
     @property
     def down_n(self) -> int:
@@ -144,16 +147,63 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """out[slot, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile (rows in
-    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H)."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
-        return
+    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H).
+    PERSISTENT: each program walks the used tiles with a stride of the grid size (the next tile's loads overlap
+    this one's epilogue); else one tile per program, programs past the used slot blocks exit at once."""
+    num_n = tl.cdiv(inter, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_slots_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
+            _gate_up_tile(
+                x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
+                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, BLOCK_M,
+                BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
+            return
+        _gate_up_tile(
+            x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
+            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr,
+    w_ptr,
+    w_desc,
+    out_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    pid_m,
+    pid_n,
+    num_assignments,
+    hidden,
+    inter,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (slot block, N tile) of ``_gate_up_kernel``."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + slots)
@@ -211,6 +261,7 @@ def _down_kernel(
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
     ATOMIC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -219,10 +270,57 @@ def _down_kernel(
     """out[a, n] = weight[a] * (act[slot] . down_e[n]) for the slots of one block and H tile, a the slot's
     assignment (ATOMIC: out[a // TOP_K, n] += that, in float32). The block's act rows are contiguous (slot order);
     padding rows hold garbage that only reaches their own, unstored, output rows. TMA: act tiles from
-    ``act_desc``, weight tiles from ``w_desc`` (E * H, I)."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
-        return
+    ``act_desc``, weight tiles from ``w_desc`` (E * H, I). PERSISTENT: as in ``_gate_up_kernel``."""
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_slots_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
+            _down_tile(
+                act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m,
+                pid_n, num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K,
+                PRECISION, UPCAST, TMA, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
+            return
+        _down_tile(
+            act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n,
+            num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST,
+            TMA, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _down_tile(
+    act_ptr,
+    act_desc,
+    w_ptr,
+    w_desc,
+    weights_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    pid_m,
+    pid_n,
+    num_assignments,
+    hidden,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (slot block, H tile) of ``_down_kernel``."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + slots)
@@ -284,6 +382,19 @@ def _stages(num_stages: int, dtype: torch.dtype) -> int:
     return num_stages if dtype.itemsize <= 2 else max(2, num_stages // 2)
 
 
+PERSISTENT_PROGRAMS_PER_SM = 1
+_INTERPRETER_SMS = 3  # the CPU interpreter has no SMs: a few programs, each walking several tiles
+
+
+def _programs(cfg: MoeKernelConfig, tiles: int, device: torch.device) -> int:
+    """Programs to launch: one per tile bound, or with ``cfg.persistent`` at most one per SM (times
+    PERSISTENT_PROGRAMS_PER_SM), each walking the used tiles."""
+    if not cfg.persistent:
+        return tiles
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _INTERPRETER_SMS
+    return max(1, min(tiles, sms * PERSISTENT_PROGRAMS_PER_SM))
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
     """A TMA tensor descriptor over the 2-D tensor ``t`` with tiles of ``block``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -311,13 +422,13 @@ def moe_gate_up(
     flat_w = w_gate_up.view(num_experts * inter2, hidden)
     tma = _tma_ok(cfg, flat_w)
     desc = _descriptor(flat_w, [cfg.block_n, cfg.block_k]) if tma else None
-    grid = (num_m * triton.cdiv(inter, cfg.block_n),)
+    grid = (_programs(cfg, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
     _gate_up_kernel[grid](
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg.num_stages, x.dtype),
+        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma,
+        PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
     )  # fmt: skip
     return act
 
@@ -337,13 +448,13 @@ def moe_down(
     tma = _tma_ok(cfg, flat_w, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
     w_desc = _descriptor(flat_w, [cfg.down_n, cfg.down_k]) if tma else None
-    grid = (num_m * triton.cdiv(hidden, cfg.down_n),)
+    grid = (_programs(cfg, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
-        ATOMIC=cfg.atomic_combine, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.down_num_warps or cfg.num_warps,
+        ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n,
+        BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
         num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
     )  # fmt: skip
     return out
