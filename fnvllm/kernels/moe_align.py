@@ -73,6 +73,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     _place_kernel[(num_chunks,)](
         flat, chunk_counts, through, sorted_ids, block_experts, num_slots, n, num_chunks, slots // block_m,
         num_experts, BLOCK_M=block_m, CHUNK=chunk, E_POW2=e_pow2, SUM_IN_KERNEL=in_kernel,
+        CHUNKS_POW2=triton.next_power_of_2(num_chunks) if in_kernel else 1,
     )  # fmt: skip
     return ExpertAlignment(sorted_ids, block_experts, num_slots, block_m)
 
@@ -109,19 +110,18 @@ def _place_kernel(
     CHUNK: tl.constexpr,
     E_POW2: tl.constexpr,
     SUM_IN_KERNEL: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
 ):
     """Slot of each assignment of chunk c = its expert's padded start + the expert's assignments in earlier
-    chunks (SUM_IN_KERNEL: summed here; else ``through`` row c - chunk c's counts) + those earlier in this
-    chunk; program 0 also writes the block experts and the slot count."""
+    chunks (SUM_IN_KERNEL: summed here, all rows loaded at once; else ``through`` row c - chunk c's counts) +
+    those earlier in this chunk; program 0 also writes the block experts and the slot count."""
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    if SUM_IN_KERNEL:
-        before = tl.zeros((E_POW2,), dtype=tl.int32)
-        total = tl.zeros((E_POW2,), dtype=tl.int32)
-        for j in range(0, num_chunks):
-            row = tl.load(chunk_counts_ptr + j * E_POW2 + experts)
-            total += row
-            before += tl.where(j < c, row, 0)
+    if SUM_IN_KERNEL:  # every chunk's counts in one (CHUNKS_POW2, E_POW2) load, summed in registers
+        rows = tl.arange(0, CHUNKS_POW2)
+        counts = tl.load(chunk_counts_ptr + rows[:, None] * E_POW2 + experts[None, :], mask=rows[:, None] < num_chunks)
+        total = tl.sum(counts, axis=0)
+        before = tl.sum(tl.where(rows[:, None] < c, counts, 0), axis=0)
     else:
         before = tl.load(through_ptr + c * E_POW2 + experts) - tl.load(chunk_counts_ptr + c * E_POW2 + experts)
         total = tl.load(through_ptr + (num_chunks - 1) * E_POW2 + experts)
