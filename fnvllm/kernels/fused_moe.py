@@ -147,6 +147,7 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -164,8 +165,8 @@ def _gate_up_kernel(
             pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
             _gate_up_tile(
                 x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, BLOCK_M,
-                BLOCK_N, BLOCK_K,
+                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K,
+                BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
         pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
@@ -173,7 +174,7 @@ def _gate_up_kernel(
             return
         _gate_up_tile(
             x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, BLOCK_M,
+            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K, BLOCK_M,
             BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
@@ -199,6 +200,7 @@ def _gate_up_tile(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -219,11 +221,17 @@ def _gate_up_tile(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        k_ok = offs_k < hidden - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:  # no mask along K, the contiguous dim: the loads vectorize, so the pipeliner can stage them
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            k_ok = offs_k < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         if TMA:  # (BLOCK_N, BLOCK_K) tiles, zero past H; rows past this expert's gate/up only feed masked columns
             g = tl.trans(w_desc.load([g_row, k * BLOCK_K]))
             u = tl.trans(w_desc.load([g_row + inter, k * BLOCK_K]))
+        elif EVEN_K:
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -260,6 +268,7 @@ def _down_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -279,7 +288,7 @@ def _down_kernel(
             _down_tile(
                 act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m,
                 pid_n, num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K,
-                PRECISION, UPCAST, TMA, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+                PRECISION, UPCAST, TMA, EVEN_K, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
         pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
@@ -288,7 +297,7 @@ def _down_kernel(
         _down_tile(
             act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n,
             num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST,
-            TMA, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+            TMA, EVEN_K, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -315,6 +324,7 @@ def _down_tile(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
     ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -336,6 +346,9 @@ def _down_tile(
         if TMA:  # zero past I; rows past this expert's H only feed masked columns
             a = act_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = tl.trans(w_desc.load([b_row, k * BLOCK_K]))
+        elif EVEN_K:  # no mask along K (see _gate_up_tile)
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < inter - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -427,8 +440,8 @@ def moe_gate_up(
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma,
-        PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
+        EVEN_K=hidden % cfg.block_k == 0, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
     )  # fmt: skip
     return act
 
@@ -453,8 +466,8 @@ def moe_down(
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
-        ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n,
-        BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
+        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
         num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
     )  # fmt: skip
     return out
