@@ -60,13 +60,13 @@ PREFILL_SWEEP = (
     C(128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
     C(128, 128, 64, 8, 8, 3, True, atomic_combine=True),
     C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
+    C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
     C(128, 128, 64, 8, 8, 3, False, 128, 128),
     C(128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),  # gate_up at 96 KB and 124 registers: two programs an SM
     C(128, 128, 64, 8, 8, 3, True, 128, 64, 8, 4, persistent=True),
     C(128, 128, 128, 8, 8, 2, True, 256, 128),
     C(64, 128, 64, 8, 8, 3, True),
     C(128, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-    C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
     C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
     C(64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
     C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
