@@ -416,13 +416,15 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
 
 
 def _tma_ok(cfg: MoeKernelConfig, *tensors: torch.Tensor) -> bool:
-    """Whether the TMA path can run: asked for, on sm90+ (or the interpreter), every base and row stride of
-    ``tensors`` 16-byte aligned."""
+    """Whether the TMA path can run: asked for, on sm90+ (or the interpreter), every one of ``tensors``
+    contiguous (the weights are viewed as 2-D) with its base and rows 16-byte aligned."""
     if not cfg.tma:
         return False
     if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in tensors)
+    return all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in tensors
+    )
 
 
 def moe_gate_up(
@@ -432,9 +434,8 @@ def moe_gate_up(
     (num_experts, inter2, hidden), inter = w_gate_up.shape, w_gate_up.shape[1] // 2
     num_m, n = align.block_experts.numel(), x.shape[0] * top_k
     act = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # (slots, I)
-    flat_w = w_gate_up.view(num_experts * inter2, hidden)
-    tma = _tma_ok(cfg, flat_w)
-    desc = _descriptor(flat_w, [cfg.block_n, cfg.block_k]) if tma else None
+    tma = _tma_ok(cfg, w_gate_up)
+    desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
     grid = (_programs(cfg, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
     _gate_up_kernel[grid](
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
@@ -457,10 +458,9 @@ def moe_down(
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=act.device)  # (T, H)
     else:
         out = torch.empty(n, hidden, dtype=act.dtype, device=act.device)  # (T*K, H)
-    flat_w = w_down.view(num_experts * hidden, inter)
-    tma = _tma_ok(cfg, flat_w, act)
+    tma = _tma_ok(cfg, w_down, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
-    w_desc = _descriptor(flat_w, [cfg.down_n, cfg.down_k]) if tma else None
+    w_desc = _descriptor(w_down.view(num_experts * hidden, inter), [cfg.down_n, cfg.down_k]) if tma else None
     grid = (_programs(cfg, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
