@@ -274,6 +274,23 @@ def test_gpu_qwen3_30b_a3b_sizes(num_tokens: int) -> None:
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [
+        fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True),
+        fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True, persistent=True),
+        fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True, atomic_combine=True),
+        fm.MoeKernelConfig(64, 128, 64, 8, 4, 4, tma=True, down_block_n=128, down_num_stages=3),
+    ],
+)
+def test_gpu_variants_at_qwen3_30b_a3b_sizes(config: fm.MoeKernelConfig) -> None:
+    """The TMA, persistent and atomic-combine variants compile on the GPU and compute the reference at real sizes
+    (2048 tokens, bf16)."""
+    check(problem(2048, 2048, 768, 128, 8, torch.bfloat16), config)
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replay_with_new_routing() -> None:
     """The kernel captures in a CUDA graph (no host sync) and replays correctly after x and the routing change."""
     x, w_gate_up, w_down, weights, ids = problem(64, 256, 128, 16, 4, torch.bfloat16)
