@@ -11,10 +11,10 @@ The kernel path: per chunk of assignments, a count per expert (one-hot sums); th
 slot = its expert's padded start + the expert's count in earlier chunks + its rank in this chunk (an exclusive
 cumsum of the one-hot). The counts of earlier chunks are summed inside the place kernel up to PREFIX_IN_KERNEL
 chunks (decode sizes: two launches); above, that would be O(chunks^2) (1024 chunks at an 8192-token prefill),
-so one torch cumsum over the chunks runs between the two launches and each chunk reads
-its row. No atomics, so it is deterministic and equals the torch path. The number of slots is bounded without
-looking at the data: each expert that got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at most
-min(T*K, E) experts got any, so the grid is fixed for a given T.
+so one torch cumsum over the chunks runs between the two launches and each chunk reads its row. No atomics, so it
+is deterministic and equals the torch path. The number of slots is bounded without looking at the data: each
+expert that got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at most min(T*K, E) experts got any, so
+the grid is fixed for a given T.
 
 ``align_by_expert`` is the kernel path; ``align_by_expert_ref`` the same in ~20 torch ops around a stable sort
 (the reference). Both give identical tensors.
