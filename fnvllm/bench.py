@@ -23,6 +23,10 @@ the idle compute, so the roofline equals the floor; a prefill-heavy workload (lo
 compute-bound and its roofline exceeds it. ``fnvllm bench --profile`` also reports the roofline of the steps the
 engine actually ran (each step at max(bytes, FLOPs) per layer part, ``fnvllm.sim.CostModel.roofline_s``): there
 the Qwen3-8B shape's prefill steps count at the matmul peak, which the bytes-only floor leaves out.
+
+With ``load_format="dummy"`` (the default for qwen3-30b-a3b, whose 61 GB checkpoint is impractical to write and
+read back) only config.json is written and the engine fills random weights on the device. ``tiny-moe`` is a tiny
+Qwen3-MoE (8 experts, top-2) for running the MoE path end to end on a CPU.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ from fnvllm.workloads import bench_workload
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
 H200_PEAK_TFLOPS = 793.0  # measured on the lent H200: a bf16 8192^3 matmul (FP8 weights: twice, the tensor-core rate)
-SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
+SHAPES = ("tiny", "tiny-moe", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
+DUMMY_BY_DEFAULT = ("qwen3-30b-a3b",)  # shapes benchmarked with load_format="dummy" unless told otherwise
+TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 
 
@@ -146,19 +152,27 @@ def roofline_seconds(
 
 def write_checkpoint(shape: str, folder: Path) -> Path:
     """A random checkpoint of ``shape`` ("tiny", "qwen3-0.6b", "qwen3-8b") in ``folder``."""
+
+
+def write_checkpoint(shape: str, folder: Path, config_only: bool = False) -> Path:
+    """A random checkpoint of ``shape`` (one of SHAPES) in ``folder``; ``config_only``: its config.json (and
+    generation_config.json) alone, for ``load_format="dummy"``."""
     from fnvllm.testing.checkpoints import write_random_checkpoint, write_tiny_checkpoint
 
-    if shape == "tiny":  # one small file: no "Writing model shards" bar from transformers
+    if shape in ("tiny", "tiny-moe"):  # one small file: no "Writing model shards" bar from transformers
         from transformers.utils import logging as hf_logging
 
+        family, moe = ("qwen3", None) if shape == "tiny" else ("qwen3_moe", TINY_MOE)
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            return write_tiny_checkpoint(folder, "qwen3", vocab_size=10240, hidden_size=128, num_layers=2)
+            return write_tiny_checkpoint(
+                folder, family, vocab_size=10240, hidden_size=128, num_layers=2, moe=moe, config_only=config_only
+            )
         finally:
             if was_enabled:
                 hf_logging.enable_progress_bar()
-    return write_random_checkpoint(folder, shape)
+    return write_random_checkpoint(folder, shape, config_only=config_only)
 
 
 class Progress:
@@ -223,7 +237,8 @@ def run_bench(
     if sampling:
         params = [attrs.evolve(p, **sampling) for p in params]  # SamplingParams validates each field
     workload = prompts, params
-    with checkpoint_folder(model, model_shape, announce=progress_every_s is not None) as folder:
+    dummy = engine_options.get("load_format") == "dummy"
+    with checkpoint_folder(model, model_shape, announce=progress_every_s is not None, dummy=dummy) as folder:
         if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
             engine_options["max_model_len"] = capped_model_len(folder, max(4096, max_input_len + max_output_len))
         name = str(model) if model else model_shape
@@ -241,15 +256,23 @@ def capped_model_len(folder: Path, wanted: int) -> int:
 
 
 @contextlib.contextmanager
-def checkpoint_folder(model: str | Path | None, model_shape: str, announce: bool) -> Iterator[Path]:
-    """``model`` as a Path, or a random ``model_shape`` checkpoint in a temporary folder removed on exit."""
+def checkpoint_folder(
+    model: str | Path | None, model_shape: str, announce: bool, dummy: bool = False
+) -> Iterator[Path]:
+    """``model`` as a Path, or a random ``model_shape`` checkpoint in a temporary folder removed on exit
+    (``dummy``: its config alone; the engine fills the weights)."""
     if model:
         yield Path(model)
         return
     with tempfile.TemporaryDirectory(prefix="fnvllm-bench-") as tmp:
-        if announce:
+        if announce and dummy:
+            default = " (the default for this shape)" if model_shape in DUMMY_BY_DEFAULT else ""
+            print(f"bench: {model_shape} with dummy weights{default}: only its config.json is written, to {tmp}; "
+                  "random weights are filled on the device (--load-format auto writes a checkpoint)",
+                  file=sys.stderr)  # fmt: skip
+        elif announce:
             print(f"bench: writing a random {model_shape} checkpoint to {tmp} (deleted afterwards)", file=sys.stderr)
-        yield write_checkpoint(model_shape, Path(tmp))
+        yield write_checkpoint(model_shape, Path(tmp), config_only=dummy)
 
 
 def _run(
@@ -399,7 +422,8 @@ def run_latency(
         raise ValueError(f"latency batches must be >= 1 requests each, got {tuple(batches)}")
     if output_tokens < 2:
         raise ValueError(f"output_tokens must be >= 2 (TPOT needs two tokens), got {output_tokens}")
-    with checkpoint_folder(model, model_shape, announce=announce) as folder:
+    dummy = engine_options.get("load_format") == "dummy"
+    with checkpoint_folder(model, model_shape, announce=announce, dummy=dummy) as folder:
         if engine_options.get("max_model_len") is None:  # prompts + outputs stay under 400 tokens
             engine_options["max_model_len"] = capped_model_len(folder, 4096)
         llm = LLM(folder, load_tokenizer=False, **engine_options)

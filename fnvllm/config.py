@@ -18,6 +18,7 @@ from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_SEQS
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 KVCacheDtype = Literal["auto", "fp8"]
+LoadFormat = Literal["auto", "dummy"]
 
 # Upper ends of EngineConfig's ranges (see each field): beyond them an option only ever fails later, deep in an
 # allocator or a kernel launch, so they are refused here with the field named.
@@ -82,6 +83,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "quantization": lambda value: (
         None if value is None else check_choice(value, "EngineConfig.quantization", CONFIG, ("fp8",))
     ),
+    "load_format": _choice("load_format", "auto", "dummy"),
 }
 
 
@@ -122,6 +124,9 @@ class EngineConfig:
         before rank 0 reports it as failed (seconds, at most a week).
     quantization: None or "fp8": quantize a 16/32-bit checkpoint's decoder linears to e4m3 with 128 x 128 block
         scales at load (docs/fp8_weights.md); an FP8 checkpoint is loaded in FP8 whichever is given.
+    load_format: "auto" reads the checkpoint's safetensors; "dummy" builds the model from config.json alone and
+        fills its weights on the device with seeded random values (matrices N(0, 0.02), norms 1; no weight files
+        needed: benchmarks of large shapes, docs/moe.md).
     """
 
     dtype: str | None = None
@@ -143,6 +148,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
     quantization: Literal["fp8"] | None = None
+    load_format: LoadFormat = "auto"
 
     def __attrs_post_init__(self) -> None:
         """Check every option (see ``_CHECKS``) and store its normalised value."""

@@ -6,6 +6,9 @@ CUDA) runs a CPU-sized one (32 requests, prompts of 100-256 ids, 100-128 output 
 seconds on a CPU). Explicit flags override either. The engine flags are ``EngineConfig``'s, as in ``fnvllm
 generate`` and ``fnvllm serve`` (``--kv-cache-dtype``, ``--tensor-parallel-size`` …), with the bench's own defaults
 for the block size (by shape), the token budget (16384) and the running-sequence cap (512).
+``qwen3-30b-a3b`` runs with ``--load-format dummy`` by default (config.json only, random weights filled on the
+device: its 61 GB checkpoint is not written); ``--load-format auto`` writes the checkpoint as for the other shapes.
+``tiny-moe`` is a tiny Qwen3-MoE for CPUs.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ import sys
 import tempfile
 from typing import Any
 
-from fnvllm.bench import SHAPES
+from fnvllm.bench import DUMMY_BY_DEFAULT, SHAPES
 from fnvllm.cli import CLIError
 from fnvllm.cli._common import add_engine_args, engine_options
 
 # (num_requests, max_input_len, max_output_len, block_size) per shape; other shapes use the nano-vllm workload.
-WORKLOAD_DEFAULTS = {"tiny": (32, 256, 128, 16)}
+WORKLOAD_DEFAULTS = {"tiny": (32, 256, 128, 16), "tiny-moe": (32, 256, 128, 16)}
 NANO_VLLM_WORKLOAD = (256, 1024, 1024, 256)
 WORKLOAD_FLAGS = ("num_requests", "max_input_len", "max_output_len", "ec_block_size")
-# EngineConfig defaults the bench changes (block_size None: from the shape, in resolve_workload).
-BENCH_ENGINE_DEFAULTS = {"block_size": None, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
+# EngineConfig defaults the bench changes (None: from the shape, in resolve_workload).
+BENCH_ENGINE_DEFAULTS = {"block_size": None, "max_num_batched_tokens": 16384, "max_num_seqs": 512, "load_format": None}
 PROGRESS_EVERY_S = 5.0  # plain progress lines when stderr is not a terminal
 # --preset: a checkpoint's own generation_config sampling (on top of the workload's temperature 0.6)
 PRESETS = {"qwen3": {"top_p": 0.95, "top_k": 20}}
@@ -42,7 +45,7 @@ def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_workload(args: argparse.Namespace) -> None:
     """Fill the shape and workload flags left at None: the shape from the machine (tiny without CUDA), the sizes
-    from the shape."""
+    and the load format (dummy for DUMMY_BY_DEFAULT shapes without --model) from the shape."""
     if args.model_shape is None:
         import torch
 
@@ -51,6 +54,8 @@ def resolve_workload(args: argparse.Namespace) -> None:
     for name, default in zip(WORKLOAD_FLAGS, defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if getattr(args, "ec_load_format", None) is None:
+        args.ec_load_format = "dummy" if args.model_shape in DUMMY_BY_DEFAULT and not args.model else "auto"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +148,8 @@ def register(sub: Any) -> None:
         "--model-shape",
         default=None,
         choices=list(SHAPES),
-        help="shape of the random checkpoint (default: qwen3-0.6b with CUDA, tiny without)",
+        help="shape of the random checkpoint (default: qwen3-0.6b with CUDA, tiny without); qwen3-30b-a3b uses "
+        "--load-format dummy unless told otherwise",
     )
     p.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 256; tiny: 32)")
     p.add_argument(

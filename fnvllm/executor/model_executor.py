@@ -257,7 +257,9 @@ class ModelExecutor:
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.ops = _resolve_ops(config.model_ops, self.device)
-        self.model = load_model(model_path, self.model_config, self.device, self.dtype, self.ops, tp)
+        self.model = load_model(
+            model_path, self.model_config, self.device, self.dtype, self.ops, tp, load_format=config.load_format
+        )
         self.kv_scales = self._kv_scales(Path(model_path)) if config.kv_cache_dtype == "fp8" else None
         if guard is not None:
             guard.loaded()
@@ -351,7 +353,8 @@ class ModelExecutor:
 
     def _kv_scales(self, model_path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (k_scale, v_scale) for an FP8 cache, (local KV heads,) float32: the checkpoint's or 1.0."""
-        return read_kv_scales(checkpoint_files(model_path), self.model_config, self.device, self.tp)
+        files = [] if self.config.load_format == "dummy" else checkpoint_files(model_path)  # dummy: no files
+        return read_kv_scales(files, self.model_config, self.device, self.tp)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """One zeroed KVCache per layer of ``num_blocks`` blocks (FP8 ones with their scales)."""

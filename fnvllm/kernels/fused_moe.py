@@ -3,21 +3,23 @@
 Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
 a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
 
-1. ``align_by_expert`` (``moe_align.py``; two Triton launches at decode sizes): the T*K assignments (flat
-   index a = t*K + k) sorted by expert, each expert's group padded to a multiple of BLOCK_M, so that every block
-   of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot count is bounded without
-   reading the routing, so the grid is fixed for a given T.
+1. ``align_by_expert`` (``moe_align.py``; two Triton launches, and a cumsum between them at prefill sizes): the
+   T*K assignments (flat index a = t*K + k) sorted by expert, each expert's group padded to a multiple of
+   BLOCK_M, so that every block of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot
+   count is bounded without reading the routing, so the grid is fixed for a given T.
 2. ``_gate_up_kernel``: per (block of slots, block of I): gather the tokens' rows of x, multiply by the block's
-   expert's gate and up rows (two accumulators), and store silu(gate) * up for each assignment: (T*K, I).
-3. ``_down_kernel``: per (block of slots, block of H): that times the expert's down projection, scaled by the
-   assignment's routing weight, stored per assignment: (T*K, H).
+   expert's gate and up rows (two accumulators), and store silu(gate) * up in slot order: (slots, I).
+3. ``_down_kernel``: per (block of slots, block of H): the block's (contiguous) activation rows times the
+   expert's down projection, scaled by the assignment's routing weight, stored per assignment: (T*K, H).
 4. ``_combine_kernel``: the K rows of each token summed in float32 in k order (deterministic, unlike atomic
    adds into the output from the down kernel).
 
 Block sizes are picked by the mean number of assignments per expert (``pick_config``): few (decode) -> small
 BLOCK_M, every expert's weights streamed once (bandwidth); many (prefill) -> large tiles (compute). Within a
 block of slots the weight tiles are walked along N with the slot blocks grouped (GROUP_M), so programs that run
-together read the same expert's tiles.
+together read the same expert's tiles. With ``tma`` the weight tiles (and the down kernel's activation tiles)
+are loaded through TMA tensor descriptors; the down kernel's tiles may differ from the gate_up kernel's
+(``down_block_n`` ...), as its K (the intermediate size) is short.
 
 Float32 inputs multiply in IEEE float32 (no TF32), so float32 models match Hugging Face's; 16-bit inputs
 accumulate in float32 and round once per stored tensor. Products go through decode_attention's ``dot``, which
@@ -25,6 +27,8 @@ widens 16-bit operands under the CPU interpreter only (whose bf16 dot is wrong).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 import torch
@@ -43,6 +47,8 @@ __all__ = [
     "fused_moe",
     "fused_moe_ref",
     "max_slots",
+    "moe_down",
+    "moe_gate_up",
     "pick_config",
 ]
 
@@ -52,7 +58,17 @@ class MoeKernelConfig:
     """Tile sizes and launch shape of both grouped GEMMs (BLOCK_* >= 16: tl.dot's minimum).
 
     block_n is the gate_up kernel's N tile, which it holds twice (a gate and an up accumulator); the down kernel,
-    with one accumulator, uses 2 * block_n, so both hold the same number of accumulator registers.
+    with one accumulator, uses ``down_block_n`` (None: 2 * block_n, the same number of accumulator registers) and
+    ``down_block_k`` (None: block_k; its K, the intermediate size, is short: 768 for Qwen3-30B-A3B), and
+    ``down_num_warps`` / ``down_num_stages`` (None: the gate_up kernel's).
+    atomic_combine: the down kernel adds its weighted rows straight into a float32 (T, H) sum with atomics
+        (then one cast) instead of storing (T*K, H) for the combine kernel: fewer bytes, but the order of the
+        K additions, hence the last bits, varies from run to run (benchmark variant; off in the shipped configs).
+    persistent: launch one program per SM (times ``PERSISTENT_PROGRAMS_PER_SM``) that walks the used tiles, so the
+        next tile's loads overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
+    tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
+    tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
+    else the pointer path runs).
     """
 
     block_m: int
@@ -61,15 +77,32 @@ class MoeKernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
+    down_block_n: int | None = None
+    down_block_k: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
+    atomic_combine: bool = False
+    persistent: bool = False
+
+    @property
+    def down_n(self) -> int:
+        """The down kernel's N tile."""
+        return self.down_block_n or 2 * self.block_n
+
+    @property
+    def down_k(self) -> int:
+        """The down kernel's K tile."""
+        return self.down_block_k or self.block_k
 
 
 # By mean assignments per expert (T*K / E). Qwen3-30B-A3B (E 128, top-8): a 1-16 token decode step has <= 1 per
 # expert, a 256-token one 16 (at most ~30 on one expert, one BLOCK_M of 32: each expert's weights are read once),
 # an 8192-token prefill 512 (compute-bound: 128 x 128 tiles, counting both accumulators).
 SMALL_CONFIG = MoeKernelConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
-DECODE_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+DECODE_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=5)
 MEDIUM_CONFIG = MoeKernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-PREFILL_CONFIG = MoeKernelConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+PREFILL_CONFIG = MoeKernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeKernelConfig:
@@ -97,6 +130,7 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
@@ -112,17 +146,69 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """out[a, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
-        return
+    """out[slot, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile (rows in
+    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H).
+    PERSISTENT: each program walks the used tiles with a stride of the grid size (the next tile's loads overlap
+    this one's epilogue); else one tile per program, programs past the used slot blocks exit at once."""
+    num_n = tl.cdiv(inter, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_slots_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
+            _gate_up_tile(
+                x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
+                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K,
+                BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
+            return
+        _gate_up_tile(
+            x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
+            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr,
+    w_ptr,
+    w_desc,
+    out_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    pid_m,
+    pid_n,
+    num_assignments,
+    hidden,
+    inter,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (slot block, N tile) of ``_gate_up_kernel``."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + slots)
     valid = ids < num_assignments
     tokens = (ids // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,27 +217,40 @@ def _gate_up_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
     u_ptrs = g_ptrs + inter * stride_wn
+    g_row = (expert * 2 * inter).to(tl.int32) + pid_n * BLOCK_N  # TMA: the gate tile's first row in (E * 2I, H)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        k_ok = offs_k < hidden - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN_K:  # no mask along K, the contiguous dim: the loads vectorize, so the pipeliner can stage them
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            k_ok = offs_k < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # (BLOCK_N, BLOCK_K) tiles, zero past H; rows past this expert's gate/up only feed masked columns
+            g = tl.trans(w_desc.load([g_row, k * BLOCK_K]))
+            u = tl.trans(w_desc.load([g_row + inter, k * BLOCK_K]))
+        elif EVEN_K:
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_g += dot(a, g, PRECISION, UPCAST)
         acc_u += dot(a, u, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
     act_ptr,
+    act_desc,
     w_ptr,
+    w_desc,
     weights_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -165,37 +264,106 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """out[a, n] = weight[a] * (act[a] . down_e[n]) for the slots of one block and H tile."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
-        return
+    """out[a, n] = weight[a] * (act[slot] . down_e[n]) for the slots of one block and H tile, a the slot's
+    assignment (ATOMIC: out[a // TOP_K, n] += that, in float32). The block's act rows are contiguous (slot order);
+    padding rows hold garbage that only reaches their own, unstored, output rows. TMA: act tiles from
+    ``act_desc``, weight tiles from ``w_desc`` (E * H, I). PERSISTENT: as in ``_gate_up_kernel``."""
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_slots_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
+            _down_tile(
+                act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m,
+                pid_n, num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K,
+                PRECISION, UPCAST, TMA, EVEN_K, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
+            return
+        _down_tile(
+            act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n,
+            num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST,
+            TMA, EVEN_K, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _down_tile(
+    act_ptr,
+    act_desc,
+    w_ptr,
+    w_desc,
+    weights_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    pid_m,
+    pid_n,
+    num_assignments,
+    hidden,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (slot block, H tile) of ``_down_kernel``."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + slots)
     valid = ids < num_assignments
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + ids[:, None].to(tl.int64) * stride_act + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+    a_ptrs = act_ptr + slots[:, None].to(tl.int64) * stride_act + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
+    b_row = (expert * hidden).to(tl.int32) + pid_n * BLOCK_N  # TMA: the tile's first row in (E * H, I)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        k_ok = offs_k < inter - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if TMA:  # zero past I; rows past this expert's H only feed masked columns
+            a = act_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = tl.trans(w_desc.load([b_row, k * BLOCK_K]))
+        elif EVEN_K:  # no mask along K (see _gate_up_tile)
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < inter - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += dot(a, b, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     scale = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
     acc = acc * scale[:, None]
-    out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    if ATOMIC:
+        out_ptrs = out_ptr + (ids // TOP_K)[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=valid[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 def fused_moe(
@@ -209,34 +377,100 @@ def fused_moe(
     """The routed experts (shapes and result as ``fused_moe_ref``) by the kernels above; ``config`` overrides
     the tile config ``pick_config`` would choose."""
     _check_args(x, w_gate_up, w_down, topk_weights, topk_ids)
-    (num_tokens, hidden), (num_experts, inter2, _) = x.shape, w_gate_up.shape
-    top_k, inter = topk_ids.shape[1], inter2 // 2
+    num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
-    cfg = config or pick_config(num_tokens, num_experts, top_k)
-    # The tiles are sized for 2-byte weights; 4-byte ones (fp32 models and tests) need half the pipeline stages
-    # to fit the shared memory of one SM (the decode tiles at 4 stages ask 240 KB of the H200's 227 KB).
-    stages = cfg.num_stages if x.element_size() <= 2 else max(2, cfg.num_stages // 2)
-    align = align_by_expert(topk_ids, num_experts, cfg.block_m)
-    num_m, n = align.block_experts.numel(), num_tokens * top_k
-    precision, upcast = dot_precision(x.dtype), upcast_dot(x.device)  # upcast: the interpreter's bf16 dot is wrong
-    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # (T*K, I)
-    grid = (num_m * triton.cdiv(inter, cfg.block_n),)
+    cfg = config or pick_config(num_tokens, w_gate_up.shape[0], top_k)
+    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m)
+    act = moe_gate_up(x, w_gate_up, align, top_k, cfg)
+    per_assignment = moe_down(act, w_down, topk_weights, align, cfg)
+    if cfg.atomic_combine:  # already summed per token, in float32
+        return per_assignment.to(x.dtype)
+    return combine(per_assignment.view(num_tokens, top_k, -1))
+
+
+def _stages(num_stages: int, dtype: torch.dtype) -> int:
+    """Pipeline stages: the tiles are sized for 2-byte weights; 4-byte ones (fp32 models and tests) need half the
+    stages to fit the shared memory of one SM (the decode tiles at 4 stages ask 240 KB of the H200's 227 KB)."""
+    return num_stages if dtype.itemsize <= 2 else max(2, num_stages // 2)
+
+
+PERSISTENT_PROGRAMS_PER_SM = 1
+_INTERPRETER_SMS = 3  # the CPU interpreter has no SMs: a few programs, each walking several tiles
+
+
+def _programs(cfg: MoeKernelConfig, tiles: int, device: torch.device) -> int:
+    """Programs to launch: one per tile bound, or with ``cfg.persistent`` at most one per SM (times
+    PERSISTENT_PROGRAMS_PER_SM), each walking the used tiles."""
+    if not cfg.persistent:
+        return tiles
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _INTERPRETER_SMS
+    return max(1, min(tiles, sms * PERSISTENT_PROGRAMS_PER_SM))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
+    """A TMA tensor descriptor over the 2-D tensor ``t`` with tiles of ``block``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def _tma_ok(cfg: MoeKernelConfig, *tensors: torch.Tensor) -> bool:
+    """Whether the TMA path can run: asked for, on sm90+ (or the interpreter), every one of ``tensors``
+    contiguous (the weights are viewed as 2-D) with its base and rows 16-byte aligned."""
+    if not cfg.tma:
+        return False
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in tensors
+    )
+
+
+def moe_gate_up(
+    x: torch.Tensor, w_gate_up: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: MoeKernelConfig
+) -> torch.Tensor:
+    """silu(gate) * up of every assignment, (slots, I) in ``align``'s slot order (padding rows unwritten)."""
+    (num_experts, inter2, hidden), inter = w_gate_up.shape, w_gate_up.shape[1] // 2
+    num_m, n = align.block_experts.numel(), x.shape[0] * top_k
+    act = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # (slots, I)
+    tma = _tma_ok(cfg, w_gate_up)
+    desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
+    grid = (_programs(cfg, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
     _gate_up_kernel[grid](
-        x, w_gate_up, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
+        x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=stages,
+        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma,
+        EVEN_K=hidden % cfg.block_k == 0, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
     )  # fmt: skip
-    per_assignment = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # (T*K, H)
-    grid = (num_m * triton.cdiv(hidden, 2 * cfg.block_n),)
+    return act
+
+
+def moe_down(
+    act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, align: ExpertAlignment, cfg: MoeKernelConfig
+) -> torch.Tensor:
+    """weight * (act . down_e) of every assignment, (T*K, H) in assignment order (a = t*K + k); with
+    ``cfg.atomic_combine`` already summed per token, (T, H) float32."""
+    (num_experts, hidden, inter), n = w_down.shape, topk_weights.numel()
+    num_m, (num_tokens, top_k) = align.block_experts.numel(), topk_weights.shape
+    if cfg.atomic_combine:
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=act.device)  # (T, H)
+    else:
+        out = torch.empty(n, hidden, dtype=act.dtype, device=act.device)  # (T*K, H)
+    tma = _tma_ok(cfg, w_down, act)
+    act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
+    w_desc = _descriptor(w_down.view(num_experts * hidden, inter), [cfg.down_n, cfg.down_k]) if tma else None
+    grid = (_programs(cfg, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
     _down_kernel[grid](
-        act, w_down, topk_weights.reshape(-1), per_assignment, align.sorted_ids, align.block_experts,
-        align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
-        per_assignment.stride(0), PRECISION=precision, UPCAST=upcast, BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=stages,
+        act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
+        align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
+        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
+        num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
     )  # fmt: skip
-    return combine(per_assignment.view(num_tokens, top_k, hidden))
+    return out
 
 
 def combine(per_assignment: torch.Tensor) -> torch.Tensor:

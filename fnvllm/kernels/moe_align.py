@@ -7,14 +7,17 @@ to one expert. Worked example, K=1, BLOCK_M=4, topk_ids = [2, 0, 2, 2, 2] (T=5, 
     counts [1, 0, 4] -> padded [4, 0, 4] -> sorted slots [1 P P P | 0 2 3 4]   (P = padding, stored as T*K)
     block_experts [0, 2, 3, 3]  (blocks past the last used one name expert E and exit at once)
 
-The kernel path: per chunk of assignments, a count per expert (one-hot sums); then per chunk, each
-assignment's slot = its expert's padded start + the expert's count in earlier chunks + its rank in this
-chunk (an exclusive cumsum of the one-hot). No atomics, so it is deterministic and equals the torch path.
-The number of slots is bounded without looking at the data: each expert that got c > 0 assignments uses at
-most c + BLOCK_M - 1 slots, and at most min(T*K, E) experts got any, so the grid is fixed for a given T.
+The kernel path: per chunk of assignments, a count per expert (one-hot sums); then per chunk, each assignment's
+slot = its expert's padded start + the expert's count in earlier chunks + its rank in this chunk (an exclusive
+cumsum of the one-hot). The counts of earlier chunks are summed inside the place kernel up to PREFIX_IN_KERNEL
+chunks (decode sizes: two launches); above, that would be O(chunks^2) (1024 chunks at an 8192-token prefill),
+so one torch cumsum over the chunks runs between the two launches and each chunk reads its row. No atomics, so it
+is deterministic and equals the torch path. The number of slots is bounded without looking at the data: each
+expert that got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at most min(T*K, E) experts got any, so
+the grid is fixed for a given T.
 
-``align_by_expert`` is two Triton launches up to ALIGN_KERNEL_MAX_ASSIGNMENTS (decode sizes); above, and as the
-reference, ``align_by_expert_ref`` does it in ~20 torch ops around a stable sort. Both give identical tensors.
+``align_by_expert`` is the kernel path; ``align_by_expert_ref`` the same in ~20 torch ops around a stable sort
+(the reference). Both give identical tensors.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ALIGN_KERNEL_MAX_ASSIGNMENTS", "ExpertAlignment", "align_by_expert", "align_by_expert_ref", "max_slots"]
+__all__ = ["PREFIX_IN_KERNEL", "ExpertAlignment", "align_by_expert", "align_by_expert_ref", "max_slots"]
 
 
 @attrs.frozen(eq=False)
@@ -48,15 +51,13 @@ def max_slots(num_assignments: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
-ALIGN_KERNEL_MAX_ASSIGNMENTS = 8192  # above this (prefill) the torch sort path is cheaper than the chunk prefix
+PREFIX_IN_KERNEL = 32  # chunks up to which the place kernel sums the earlier chunks' counts itself
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """Sort the assignments of ``topk_ids`` (T, K) by expert and pad each expert's group to block_m slots (stable:
-    token order inside a group). Two Triton launches up to ALIGN_KERNEL_MAX_ASSIGNMENTS, else ~20 torch ops;
-    either way no host sync, so it can be captured in a CUDA graph."""
-    if topk_ids.numel() > ALIGN_KERNEL_MAX_ASSIGNMENTS:
-        return align_by_expert_ref(topk_ids, num_experts, block_m)
+    token order inside a group). Two Triton launches (and a torch cumsum between them above PREFIX_IN_KERNEL
+    chunks); no host sync, so it can be captured in a CUDA graph."""
     flat = topk_ids.reshape(-1)  # (T*K,)
     n, e_pow2 = flat.numel(), triton.next_power_of_2(num_experts)
     chunk = max(16, min(128, 8192 // e_pow2))
@@ -67,9 +68,12 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     chunk_counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=flat.device)
     fill = triton.cdiv(slots, num_chunks)
     _count_kernel[(num_chunks,)](flat, chunk_counts, sorted_ids, n, slots, fill, CHUNK=chunk, E_POW2=e_pow2)
+    in_kernel = num_chunks <= PREFIX_IN_KERNEL
+    through = chunk_counts if in_kernel else chunk_counts.cumsum(0, dtype=torch.int32)  # counts of chunks 0..c
     _place_kernel[(num_chunks,)](
-        flat, chunk_counts, sorted_ids, block_experts, num_slots, n, num_chunks, slots // block_m, num_experts,
-        BLOCK_M=block_m, CHUNK=chunk, E_POW2=e_pow2,
+        flat, chunk_counts, through, sorted_ids, block_experts, num_slots, n, num_chunks, slots // block_m,
+        num_experts, BLOCK_M=block_m, CHUNK=chunk, E_POW2=e_pow2, SUM_IN_KERNEL=in_kernel,
+        CHUNKS_POW2=triton.next_power_of_2(num_chunks) if in_kernel else 1,
     )  # fmt: skip
     return ExpertAlignment(sorted_ids, block_experts, num_slots, block_m)
 
@@ -94,6 +98,7 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, n, slots, fill, CHU
 def _place_kernel(
     ids_ptr,
     chunk_counts_ptr,
+    through_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
     num_slots_ptr,
@@ -104,17 +109,22 @@ def _place_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     E_POW2: tl.constexpr,
+    SUM_IN_KERNEL: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr,
 ):
     """Slot of each assignment of chunk c = its expert's padded start + the expert's assignments in earlier
-    chunks + those earlier in this chunk; program 0 also writes the block experts and the slot count."""
+    chunks (SUM_IN_KERNEL: summed here, all rows loaded at once; else ``through`` row c - chunk c's counts) +
+    those earlier in this chunk; program 0 also writes the block experts and the slot count."""
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    before = tl.zeros((E_POW2,), dtype=tl.int32)
-    total = tl.zeros((E_POW2,), dtype=tl.int32)
-    for j in range(0, num_chunks):
-        row = tl.load(chunk_counts_ptr + j * E_POW2 + experts)
-        total += row
-        before += tl.where(j < c, row, 0)
+    if SUM_IN_KERNEL:  # every chunk's counts in one (CHUNKS_POW2, E_POW2) load, summed in registers
+        rows = tl.arange(0, CHUNKS_POW2)
+        counts = tl.load(chunk_counts_ptr + rows[:, None] * E_POW2 + experts[None, :], mask=rows[:, None] < num_chunks)
+        total = tl.sum(counts, axis=0)
+        before = tl.sum(tl.where(rows[:, None] < c, counts, 0), axis=0)
+    else:
+        before = tl.load(through_ptr + c * E_POW2 + experts) - tl.load(chunk_counts_ptr + c * E_POW2 + experts)
+        total = tl.load(through_ptr + (num_chunks - 1) * E_POW2 + experts)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     offs = c * CHUNK + tl.arange(0, CHUNK)

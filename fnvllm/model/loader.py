@@ -19,6 +19,13 @@ FP8 weights (``quant.py``): from an FP8 checkpoint, ``<p>.weight`` (e4m3) and ``
 like any other tensor (the scales' slices are in 128 x 128 blocks); with ``quantization="fp8"`` on a 16/32-bit
 checkpoint, each linear's slice is moved to the target device, quantized there in blocks, and written into the
 e4m3 weight and its scales, one tensor at a time as before (host memory never holds more than one tensor).
+
+Dummy weights (``load_format="dummy"``, as vLLM's): no safetensors are read. The model built from the config alone
+is filled on the device with seeded random values shaped like the random checkpoints'
+(``testing.checkpoints``): matrices and embeddings N(0, DUMMY_STD), norm weights 1, biases 0; FP8 linears get such
+a matrix quantized in 128 x 128 blocks. Each parameter draws from its own generator seeded by (seed, its index),
+so a replicated parameter (the router) is equal on every tensor-parallel rank. Used to benchmark shapes whose
+checkpoint is too large to write and read back (Qwen3-30B-A3B: 61 GB).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from fnvllm.model.quant import quantize_fp8_blocks, scale_blocks
 from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_targets, zero_vocab_padding
 
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02  # the random checkpoints' std (testing.checkpoints.write_random_checkpoint)
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -53,20 +62,23 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     ops: ModelOps = TORCH_OPS,
     tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DecoderForCausalLM:
     """Build the model for `model_config` on `device` in `dtype` (default: the config's) with the checkpoint's
     weights, computing its small ops with `ops` (this rank's slice under `tp`); raises CheckpointMismatchError
-    listing any missing or unexpected tensors."""
+    listing any missing or unexpected tensors. ``load_format="dummy"``: no checkpoint is read; the weights are
+    seeded random values (``seed``; see the module docstring)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = model_config if dtype is None else attrs.evolve(model_config, dtype=normalize_dtype(dtype))
+    if load_format == "dummy":
+        return _materialise(_build_on_meta(config, ops, tp), device, dummy_seed=seed)
     files = checkpoint_files(Path(path))
-    with torch.device("meta"):
-        model = build_model(config, ops, tp)
+    model = _build_on_meta(config, ops, tp)
     targets = weight_targets(model)
     check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
-    # = model.to_empty(device=device), whose empty_like on meta tensors costs a second of imports per process
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model.tie_weights()
-    model.init_buffers()
+    model = _materialise(model, device)
     params = dict(model.named_parameters())
     with torch.no_grad():
         zero_vocab_padding(model)
@@ -74,6 +86,56 @@ def load_model(
         for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=quiet):
             _load_file(file, targets, params)
     return model.requires_grad_(False).eval()
+
+
+def _build_on_meta(config: ModelConfig, ops: ModelOps, tp: TensorParallel) -> DecoderForCausalLM:
+    """The model's modules on the meta device (no init, no memory)."""
+    with torch.device("meta"):
+        return build_model(config, ops, tp)
+
+
+def _materialise(
+    model: DecoderForCausalLM, device: str | torch.device, dummy_seed: int | None = None
+) -> DecoderForCausalLM:
+    """The meta model's tensors allocated empty on ``device``, ties and buffers set; with ``dummy_seed``, every
+    parameter filled with dummy weights and the model returned ready (eval, no grad)."""
+    # = model.to_empty(device=device), whose empty_like on meta tensors costs a second of imports per process
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.tie_weights()
+    model.init_buffers()
+    if dummy_seed is None:
+        return model
+    with torch.no_grad():
+        fill_dummy_weights(model, dummy_seed)
+        zero_vocab_padding(model)
+    return model.requires_grad_(False).eval()
+
+
+def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter of ``model`` in place with dummy weights (see the module docstring)."""
+    params = dict(model.named_parameters())
+    for index, (name, param) in enumerate(params.items()):
+        if name.endswith(".weight_scale_inv"):
+            continue  # filled with its FP8 weight
+        data = param.data
+        if name.endswith("norm.weight"):
+            data.fill_(1.0)
+        elif name.endswith(".bias"):
+            data.zero_()
+        else:
+            gen = torch.Generator(device=data.device).manual_seed(seed * 1_000_003 + index)
+            scale = params.get(name.removesuffix("weight") + "weight_scale_inv")
+            if data.is_floating_point() and data.element_size() > 1:
+                data.normal_(0.0, DUMMY_STD, generator=gen)
+            elif scale is not None and data.dim() == 2:
+                _copy_quantized(_normal(data.shape, data.device, gen), data, scale.data, None)
+            else:
+                raise ValueError(f"dummy weights: parameter {name!r} of dtype {data.dtype} has no fill rule")
+
+
+def _normal(shape: torch.Size, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """A float32 tensor of ``shape`` drawn from N(0, DUMMY_STD)."""
+    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, DUMMY_STD, generator=gen)
 
 
 def checkpoint_files(path: Path) -> list[Path]:

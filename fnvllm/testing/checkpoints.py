@@ -5,6 +5,8 @@
 - `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B shapes with random weights, written
   straight to safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
   Qwen3-30B-A3B is ~61 GB in bf16: streamed like the others, after checking the disk has room.
+  Both take ``config_only=True``: only config.json and generation_config.json, for ``load_format="dummy"``
+  (random weights filled on the device, no safetensors).
 - `write_fp8_checkpoint`: a copy of a (small) checkpoint in the official block-quantized FP8 layout (Qwen3-8B-FP8's):
   every decoder-layer linear as e4m3 ``weight`` + float32 ``weight_scale_inv`` per 128 x 128 block; and
   `write_dequantized_checkpoint`, the float32 checkpoint of what an FP8 one means (the tests' reference).
@@ -128,6 +130,7 @@ def write_tiny_checkpoint(
     dtype: str = "float32",
     shard: bool = False,
     moe: Mapping[str, Any] | None = None,
+    config_only: bool = False,
 ) -> Path:
     """Write a random tiny HF checkpoint (config, safetensors, generation_config) to `path`; returns the path.
 
@@ -138,6 +141,7 @@ def write_tiny_checkpoint(
     moe: the Qwen3MoeConfig fields of family "qwen3_moe" (required there, refused elsewhere), e.g.
     {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
     "mlp_only_layers": [1]}; the router and experts are drawn with std `init_std` too.
+    config_only: write config.json and generation_config.json only (for ``load_format="dummy"``).
     """
     import transformers
 
@@ -164,12 +168,18 @@ def write_tiny_checkpoint(
         eos_token_id=eos,
         **extra,
     )
+    out = Path(path)
+    if config_only:
+        config.architectures = [model_name]  # what save_pretrained of the model records
+        config.dtype = getattr(torch, dtype)
+        config.save_pretrained(out)
+        transformers.GenerationConfig(bos_token_id=0, eos_token_id=eos).save_pretrained(out)
+        return out
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, model_name)(config)
         _randomize_norms_and_biases(model)
     model = model.to(getattr(torch, dtype))
-    out = Path(path)
     model.save_pretrained(out, max_shard_size=_tiny_shard_size(model) if shard else "50GB")
     transformers.GenerationConfig(bos_token_id=0, eos_token_id=eos).save_pretrained(out)
     return out
@@ -199,6 +209,7 @@ def write_random_checkpoint(
     num_layers: int | None = None,
     seed: int = 0,
     max_shard_bytes: int = 4 * 1024**3,
+    config_only: bool = False,
 ) -> Path:
     """Write a Qwen3 checkpoint of real shape with random weights (std 0.02; norms 1) to `path`; returns it.
 
@@ -206,6 +217,7 @@ def write_random_checkpoint(
     model's (transformers 4.51 format); generation_config.json mirrors Qwen3's. Tensors are tiled from one
     random pool, streamed to disk without materialising any tensor, so 8B writes at disk speed; they are not
     independent draws (fine for throughput work). OSError before writing when the disk lacks the room.
+    config_only: write the two json files only (for ``load_format="dummy"``: no disk room needed).
     """
     shapes_by_name = {**QWEN3_SHAPES, **QWEN3_MOE_SHAPES}
     if shape_name not in shapes_by_name:
@@ -218,9 +230,13 @@ def write_random_checkpoint(
     config["max_window_layers"] = config["num_hidden_layers"]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    _check_room(out, sum(math.prod(s) for s in qwen3_tensor_shapes(config).values()) * getattr(torch, dtype).itemsize)
+    if not config_only:
+        nbytes = sum(math.prod(s) for s in qwen3_tensor_shapes(config).values()) * getattr(torch, dtype).itemsize
+        _check_room(out, nbytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_QWEN3_GENERATION_CONFIG, indent=2) + "\n")
+    if config_only:
+        return out
     _write_shards(out, qwen3_tensor_shapes(config), getattr(torch, dtype), seed, max_shard_bytes)
     return out
 
