@@ -150,10 +150,6 @@ def roofline_seconds(
     return total + max(prompts - slack, 0.0)
 
 
-def write_checkpoint(shape: str, folder: Path) -> Path:
-    """A random checkpoint of ``shape`` ("tiny", "qwen3-0.6b", "qwen3-8b") in ``folder``."""
-
-
 def write_checkpoint(shape: str, folder: Path, config_only: bool = False) -> Path:
     """A random checkpoint of ``shape`` (one of SHAPES) in ``folder``; ``config_only``: its config.json (and
     generation_config.json) alone, for ``load_format="dummy"``."""
