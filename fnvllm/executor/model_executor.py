@@ -36,8 +36,8 @@ from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_decode, prepare_inputs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
-from fnvllm.executor.sampler import GrammarMask, Logprobs, Sampler, prepare_sampling
-from fnvllm.executor.structured import Grammars, Matcher
+from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
+from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, KVCache
@@ -105,8 +105,9 @@ class Launched:
     matchers: per sampled row, its grammar matcher (None: unconstrained), advanced by the tokens at collect.
     deferred: the logits of a step whose sampling waits for the host to accept the previous step's tokens (a
     constrained row fed from a step still in flight); ``packed`` is filled when it samples (``_sample_deferred``).
-    fed_by: for a deferred step, the step whose tokens its masks wait for: collecting that step samples this one at
-    once, so the sampler is queued behind this step's forward while the host goes on planning.
+    fed_by: for a deferred step, the step whose tokens its masks wait for: collecting that step starts filling this
+    one's masks on the grammar thread (``pending``), and the next launch (or this step's collect) samples it, so
+    the fill runs while the host commits and plans.
     prompt / prompt_host: the prompt logprobs this step scored (``fnvllm.executor.prompt_logprobs``) and their
     copy to the host.
     """
@@ -121,6 +122,7 @@ class Launched:
     matchers: tuple[Matcher | None, ...] = ()
     deferred: torch.Tensor | None = None
     fed_by: object | None = None
+    pending: PendingMask | None = None
     collected: bool = False
     prompt: tuple[ScoredRow, ...] = ()
     prompt_host: HostCopy | None = None
@@ -339,7 +341,7 @@ class ModelExecutor:
     def reset(self, next_step: int) -> None:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
-        self._deferred = None
+        self._drop_deferred()
         self.prompt_scorer.reset()
 
     def prepare_inputs(self, plan: StepPlan) -> PreparedInputs:
@@ -461,11 +463,26 @@ class ModelExecutor:
         return any(m is not None and sources[i] is not None for i, m in zip(rows, matchers, strict=True))
 
     def _sample_deferred(self) -> None:
-        """Sample the step whose masks waited for the host (its previous step's tokens are accepted by now)."""
+        """Sample the step whose masks waited for the host (its previous step's tokens are accepted by now; its
+        masks are being filled on the grammar thread, or are filled now)."""
         launched, self._deferred = self._deferred, None
         if launched is not None and launched.deferred is not None:
             logits, launched.deferred = launched.deferred, None
             self._sample(launched, logits)
+
+    def _fill_deferred(self, collected: Launched) -> None:
+        """Start filling the masks of the step that waits for ``collected``'s tokens (just accepted), on the grammar
+        thread: the host commits and plans meanwhile, and the next launch samples it."""
+        deferred = self._deferred
+        if deferred is None or deferred.fed_by is not collected or self.grammars is None:
+            return
+        deferred.pending = self.grammars.masks(deferred.matchers, pinned=self.device.type == "cuda")
+
+    def _drop_deferred(self) -> None:
+        """Forget the deferred step (it will not be sampled), once its fill (which reads its matchers) is over."""
+        launched, self._deferred = self._deferred, None
+        if launched is not None and launched.pending is not None:
+            launched.pending.wait()
 
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
@@ -480,9 +497,10 @@ class ModelExecutor:
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
         )
         if self.grammars is not None and any(launched.matchers):
-            masks = self.grammars.masks(launched.matchers)
-            if masks is not None:
-                batch = attrs.evolve(batch, grammar_mask=GrammarMask.upload(*masks, self.device))
+            pending = launched.pending or self.grammars.masks(launched.matchers, pinned=self.device.type == "cuda")
+            launched.pending = None
+            if pending is not None:  # one non-blocking copy of the bitmask and its rows
+                batch = attrs.evolve(batch, grammar_mask=pending.wait().upload(self.device))
         out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
         packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
         self.history.record(plan, rows, packed[0])
@@ -522,10 +540,7 @@ class ModelExecutor:
         if self.grammars is not None and any(launched.matchers):
             self.grammars.accept([plan.seq_ids[i] for i in launched.rows], launched.matchers, tokens)
         launched.collected = True
-        if self._deferred is not None and self._deferred.fed_by is launched:
-            # The step behind this one waited for these tokens: fill its masks and queue its sampler now, while its
-            # forward still runs, rather than at the next launch (after the host has committed and planned).
-            self._sample_deferred()
+        self._fill_deferred(launched)  # the step behind this one waited for these tokens
         if not logprobs:
             return ExecuteResult(tuple(tokens), prompt_logprobs=prompt)
         return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked), prompt)
@@ -536,7 +551,7 @@ class ModelExecutor:
         if not isinstance(launched, Launched):
             raise TypeError(f"discard takes what launch returned, got {type(launched).__name__}")
         if launched is self._deferred:
-            self._deferred = None
+            self._drop_deferred()
         self.next_step = launched.plan.step
 
     def _timeline_header(self) -> dict[str, object]:

@@ -137,6 +137,52 @@ def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
 
 
 @attrs.frozen(eq=False)
+class HostGrammarMask:
+    """The grammar-constrained rows' bitmask on the host, laid out for one copy to the device.
+
+    flat: one int32 buffer (pinned when bound for a GPU): the (R, W) bitmask, then (after padding to an even
+    offset) the R batch rows as int64. ``bitmask`` and ``rows`` are views of it, so the matchers fill the bitmask
+    in place and ``upload`` sends both with one non-blocking copy.
+    """
+
+    flat: torch.Tensor
+    num_rows: int
+    words: int
+
+    @classmethod
+    def allocate(cls, rows: Sequence[int], words: int, pinned: bool) -> HostGrammarMask:
+        """A buffer for ``rows`` (batch rows) and ``words`` int32 words per row; the bitmask is left unfilled.
+        pinned: take it from torch's caching pinned allocator (which keeps it alive until its copy has run)."""
+        offset = _rows_offset(len(rows), words)
+        flat = torch.empty(offset + 2 * len(rows), dtype=torch.int32, pin_memory=pinned)
+        flat[offset:].view(torch.int64).numpy()[:] = rows
+        return cls(flat, len(rows), words)
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """(R, W) int32 view, filled by the matchers."""
+        return self.flat[: self.num_rows * self.words].view(self.num_rows, self.words)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """(R,) int64 view: the batch row of each bitmask row."""
+        return self.flat[_rows_offset(self.num_rows, self.words) :].view(torch.int64)
+
+    def upload(self, device: torch.device | str) -> GrammarMask:
+        """The GrammarMask on ``device``: one copy, which does not wait for the device when the buffer is pinned."""
+        flat = self.flat.to(device, non_blocking=True)
+        offset = _rows_offset(self.num_rows, self.words)
+        return GrammarMask(
+            flat[: self.num_rows * self.words].view(self.num_rows, self.words), flat[offset:].view(torch.int64)
+        )
+
+
+def _rows_offset(num_rows: int, words: int) -> int:
+    """Where the int64 rows start in a HostGrammarMask's int32 buffer (even, so the int64 view is aligned)."""
+    return (num_rows * words + 1) // 2 * 2
+
+
+@attrs.frozen(eq=False)
 class GrammarMask:
     """The allowed tokens of the grammar-constrained rows (``fnvllm.executor.structured``), on the device.
 
@@ -149,9 +195,12 @@ class GrammarMask:
 
     @classmethod
     def upload(cls, bitmask: torch.Tensor, rows: Sequence[int], device: torch.device | str) -> GrammarMask:
-        """Copy a host bitmask (R, W) and its R batch rows to ``device``."""
+        """Copy a host bitmask (R, W) and its R batch rows to ``device`` (one non-blocking copy through pinned
+        memory on a GPU: it never waits for the work queued on the device)."""
         device = torch.device(device)
-        return cls(bitmask.to(device, non_blocking=True), torch.tensor(list(rows), dtype=torch.int64, device=device))
+        host = HostGrammarMask.allocate(rows, bitmask.shape[1], pinned=device.type == "cuda")
+        host.bitmask.copy_(bitmask)
+        return host.upload(device)
 
 
 # What a masked-out logit becomes: far below any real logit yet finite (the sampler flags non-finite logits as a

@@ -18,7 +18,9 @@ by the step still in flight samples once the host has accepted that step's token
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Container, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,6 +31,8 @@ from fnvllm.state.plan import StepPlan
 
 if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the loop without torch
     import torch
+
+    from fnvllm.executor.sampler import HostGrammarMask
 
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
 
@@ -71,6 +75,30 @@ def check_structured(params: SamplingParams) -> None:
         raise InvalidRequestError(f"SamplingParams.structured ({field}) does not compile: {error}") from error
 
 
+def default_fill_threads() -> int:
+    """Threads for the mask fills: every core this process may use but one (left to the engine loop, which commits
+    and plans while the fill runs)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else max(1, os.cpu_count() or 1)
+
+
+@attrs.define(eq=False)
+class PendingMask:
+    """A step's grammar bitmask, filled on the grammar worker thread (``Grammars.masks``).
+
+    host: the buffer being filled (and the rows it applies to); fill: the fill in progress, None when nothing
+    needed filling (every row's grammar had ended).
+    """
+
+    host: HostGrammarMask
+    fill: Future[None] | None
+
+    def wait(self) -> HostGrammarMask:
+        """The filled buffer, once the fill has finished (it re-raises what the fill raised)."""
+        if self.fill is not None:
+            self.fill.result()
+        return self.host
+
+
 @attrs.define(eq=False)
 class Matcher:
     """One request life's matcher and how many tokens it has accepted."""
@@ -85,15 +113,27 @@ class Grammars:
     tokenizer: the Hugging Face tokenizer of the model; vocab_size: the model's (logits') vocabulary size, which
     may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
     tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
-    without a tokenizer). The compiler is built on first use, so an engine whose requests are unconstrained never
-    imports xgrammar.
+    without a tokenizer). num_threads: xgrammar's threads for filling several rows' masks (default: every core
+    but one, ``default_fill_threads``). The compiler is built on first use, so an engine whose requests are
+    unconstrained never imports xgrammar.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], tokenizer_info: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        tokenizer_info: Any = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"Grammars.num_threads must be >= 1 (or None: every core but one), got {num_threads}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.tokenizer_info = tokenizer_info
+        self.num_threads = num_threads or default_fill_threads()
+        self._pool: ThreadPoolExecutor | None = None  # the fill thread (``masks``), started on first use
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher (fills several rows' masks on threads)
         self._compiled: dict[tuple[str, str], Any] = {}
@@ -134,15 +174,20 @@ class Grammars:
             out.append(live)
         return tuple(out)
 
-    def masks(self, matchers: Sequence[Matcher | None]) -> tuple[torch.Tensor, list[int]] | None:
-        """((R, words) int32 host bitmask, the R constrained positions among ``matchers``), None when none is
-        constrained. Each row allows the tokens its matcher accepts next; a row whose grammar already ended (a
-        speculative row of a request that finished in the step before: its token is dropped) allows any."""
+    def masks(self, matchers: Sequence[Matcher | None], pinned: bool = False) -> PendingMask | None:
+        """Start filling the bitmask of the constrained rows among ``matchers`` (their positions are the batch rows);
+        None when none is constrained. Each row allows the tokens its matcher accepts next; a row whose grammar
+        already ended (a speculative row of a request that finished in the step before: its token is dropped)
+        allows any. The fill runs on a worker thread (xgrammar fills the rows on its own threads, without the GIL),
+        so the caller goes on (commit, planning) until it needs the mask (``PendingMask.wait``); the matchers must
+        not accept tokens before then. pinned: the buffer is bound for a GPU."""
         positions = [k for k, m in enumerate(matchers) if m is not None]
         if not positions:
             return None
-        xgr = import_xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(positions), self.vocab_size)
+        from fnvllm.executor.sampler import HostGrammarMask  # torch: not at import (the simulator has none)
+
+        host = HostGrammarMask.allocate(positions, self.words, pinned)
+        bitmask = host.bitmask
         filled, rows = [], []
         for row, k in enumerate(positions):
             live = matchers[k]
@@ -152,13 +197,24 @@ class Grammars:
             else:
                 filled.append(live.matcher)
                 rows.append(row)
-        if len(filled) == 1:
-            filled[0].fill_next_token_bitmask(bitmask, rows[0])
-        elif filled:  # on the host's threads: the rows' fills are independent
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(filled, bitmask, rows)
-        return bitmask, positions
+        if not filled:
+            return PendingMask(host, None)
+        return PendingMask(host, self._worker().submit(self._fill, filled, bitmask, rows))
+
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``rows`` of ``bitmask`` from ``matchers`` (one row: its own call; several: on xgrammar's threads)."""
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+            return
+        if self._batch is None:
+            self._batch = import_xgrammar().BatchGrammarMatcher(self.num_threads)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """The thread that runs the fills (one: a step's fill is one xgrammar call)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnvllm-grammar")
+        return self._pool
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher

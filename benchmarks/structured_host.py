@@ -1,0 +1,142 @@
+"""Host cost per step of grammar-constrained rows: the mask fill and the token accept, on the CPU only.
+
+python benchmarks/structured_host.py                         # 64 rows, a 151,936-token vocabulary, 64 steps
+python benchmarks/structured_host.py --rows 8 --steps 8 --vocab 4096 --threads 1
+
+R matchers of bench_structured.py's long JSON schema walk the grammar for --steps steps; each step every row takes
+a random token its mask allows (numpy, not timed). Per step it times, in milliseconds:
+
+- fill, one by one: ``fill_next_token_bitmask`` per row on the calling thread (the naive path);
+- fill, batched: ``Grammars.masks`` (the executor's path: one xgrammar batch call on --threads threads, on the
+  grammar worker thread, into one buffer laid out for a single upload), waited for at once;
+- fill behind host work: the same fill started, then --host-ms of Python work (standing for the engine loop's
+  commit and planning, which run while the fill does), then waited for: the time past --host-ms is what the
+  fill adds to the host's critical path;
+- accept: ``Grammars.accept`` of the step's tokens.
+
+The vocabulary is bench_structured.py's synthetic one (byte tokens plus random JSON-ish strings) unless --model
+names a checkpoint folder with a tokenizer. Needs xgrammar; without it the script says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_structured's schema and vocabulary
+
+from bench_structured import LONG_SCHEMA, _synthetic_vocab
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=64, help="constrained rows")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=151936, help="synthetic vocabulary size (Qwen3's by default)")
+    p.add_argument("--model", default=None, help="a checkpoint folder whose tokenizer to use instead")
+    p.add_argument("--threads", default="1,auto", help="comma-separated fill thread counts ('auto': all cores but 1)")
+    p.add_argument("--host-ms", type=float, default=2.0, help="host work the fill runs behind")
+    return p.parse_args()
+
+
+def _grammars(args: argparse.Namespace, threads: int | None) -> Any:
+    """A Grammars over the synthetic vocabulary (or --model's tokenizer)."""
+    import xgrammar as xgr
+
+    from fnvllm.executor.structured import Grammars
+
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], num_threads=threads)
+    info = xgr.TokenizerInfo(_vocab(args.vocab), xgr.VocabType.RAW, vocab_size=args.vocab, stop_token_ids=[0])
+    return Grammars(None, args.vocab, [0], tokenizer_info=info, num_threads=threads)
+
+
+_VOCABS: dict[int, list[bytes]] = {}
+
+
+def _vocab(size: int) -> list[bytes]:
+    if size not in _VOCABS:
+        _VOCABS[size] = _synthetic_vocab(size)
+    return _VOCABS[size]
+
+
+def _busy(ms: float) -> None:
+    """Pure-Python work for ``ms`` milliseconds (it holds the GIL, as commit and planning do)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
+def _walk(args: argparse.Namespace, threads: int | None) -> dict[str, float]:
+    """Milliseconds per step of each timed part (module docstring)."""
+    from fnvllm.executor.structured import Matcher
+    from fnvllm.state import StructuredOutput
+
+    grammars = _grammars(args, threads)
+    spec = StructuredOutput.json_schema(LONG_SCHEMA)
+    compiled = grammars._compile(spec)
+    xgr = __import__("xgrammar")
+    matchers = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]
+    ids = [f"r{i}" for i in range(args.rows)]
+    one_by_one = xgr.allocate_token_bitmask(args.rows, grammars.vocab_size)
+    rng = np.random.default_rng(0)
+    totals = dict.fromkeys(("fill, one by one", "fill, batched", "fill past host work", "accept"), 0.0)
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        for row, live in enumerate(matchers):
+            live.matcher.fill_next_token_bitmask(one_by_one, row)
+        totals["fill, one by one"] += time.perf_counter() - start
+        start = time.perf_counter()
+        host = grammars.masks(matchers).wait()
+        totals["fill, batched"] += time.perf_counter() - start
+        if not np.array_equal(host.bitmask.numpy(), one_by_one.numpy()):
+            raise SystemExit("structured_host: the batched fill differs from the per-row fills")
+        start = time.perf_counter()
+        pending = grammars.masks(matchers)
+        _busy(args.host_ms)
+        pending.wait()
+        totals["fill past host work"] += time.perf_counter() - start - args.host_ms / 1e3
+        tokens = _pick(host.bitmask.numpy(), grammars.vocab_size, rng)
+        start = time.perf_counter()
+        grammars.accept(ids, matchers, tokens)
+        totals["accept"] += time.perf_counter() - start
+    return {name: 1e3 * total / args.steps for name, total in totals.items()}
+
+
+def _pick(bitmask: np.ndarray, vocab_size: int, rng: np.random.Generator) -> list[int]:
+    """A random allowed token per row of an (R, W) int32 bitmask."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # (R, V)
+    return [int(rng.choice(np.flatnonzero(row))) for row in bits]
+
+
+def main() -> int:
+    """Walk the grammar per thread count; print a table last."""
+    args = _args()
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        print("structured_host: xgrammar is not installed (pip install xgrammar); skipped.")
+        return 0
+    from fnvllm.executor.structured import default_fill_threads
+
+    counts = [default_fill_threads() if t == "auto" else int(t) for t in args.threads.split(",")]
+    results = {threads: _walk(args, threads) for threads in dict.fromkeys(counts)}
+    vocab = args.model or f"synthetic {args.vocab}"
+    print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary {vocab}")
+    names = list(next(iter(results.values())))
+    print(f"{'threads':>8}" + "".join(f"{name + ' ms':>24}" for name in names))
+    for threads, row in results.items():
+        print(f"{threads:>8}" + "".join(f"{row[name]:>24.3f}" for name in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
