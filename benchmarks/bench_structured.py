@@ -57,6 +57,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each batch (the best is reported)")
+    p.add_argument("--plain", action="store_true", help="also time both batches with overlapped steps off")
+    p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
     return p.parse_args()
 
 
@@ -180,17 +182,35 @@ def main() -> int:
                 max_tokens=args.max_tokens, temperature=1.0, structured=long_spec
             )
         _timed(llm, prompts[:16], mixed[:16])  # warm-up: compile, graphs
-        (t_plain, n_plain), (t_mixed, n_mixed) = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+        results = {"": _interleaved(llm, prompts, [plain, mixed], args.repeats)}
         overlap = llm.loop.overlap
+        if args.plain and overlap:
+            from fnvllm.engine.loop import EngineLoop
+
+            llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+            results[", plain steps"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
         llm.close()
+    if args.host_steps:
+        _host_table(num_constrained, args.host_steps)
     print(f"\ndevice {args.device}, overlap {overlap}, {args.rows} rows x {args.max_tokens} tokens, correctness "
           f"{valid}/{min(16, len(prompts))} constrained outputs valid")  # fmt: skip
-    print(f"{'batch':<28}{'seconds':>10}{'tokens':>10}{'tok/s':>12}")
-    print(f"{'unconstrained':<28}{t_plain:>10.3f}{n_plain:>10}{n_plain / t_plain:>12.0f}")
-    label = f"{num_constrained} constrained ({args.fraction:.0%})"
-    print(f"{label:<28}{t_mixed:>10.3f}{n_mixed:>10}{n_mixed / t_mixed:>12.0f}")
-    print(f"{'mixed / unconstrained time':<28}{t_mixed / t_plain:>10.3f}")
+    print(f"{'batch':<40}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
+    for suffix, ((t_plain, n_plain), (t_mixed, n_mixed)) in results.items():
+        label = f"{num_constrained} constrained ({args.fraction:.0%}){suffix}"
+        for name, seconds, tokens in ((f"unconstrained{suffix}", t_plain, n_plain), (label, t_mixed, n_mixed)):
+            step_ms = 1e3 * seconds / args.max_tokens
+            print(f"{name:<40}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
+        print(f"{'mixed / unconstrained time' + suffix:<40}{t_mixed / t_plain:>10.3f}")
     return 0
+
+
+def _host_table(rows: int, steps: int) -> None:
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows (one fill thread, then all but one)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import structured_host
+
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,auto"]
+    structured_host.main()
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ R matchers of bench_structured.py's long JSON schema walk the grammar for --step
 a random token its mask allows (numpy, not timed). Per step it times, in milliseconds:
 
 - fill, one by one: ``fill_next_token_bitmask`` per row on the calling thread (the naive path);
-- fill, batched: ``Grammars.masks`` (the executor's path: one xgrammar batch call on --threads threads, on the
-  grammar worker thread, into one buffer laid out for a single upload), waited for at once;
-- fill behind host work: the same fill started, then --host-ms of Python work (standing for the engine loop's
-  commit and planning, which run while the fill does), then waited for: the time past --host-ms is what the
-  fill adds to the host's critical path;
-- accept: ``Grammars.accept`` of the step's tokens.
+- fill, batched: ``Grammars.masks`` (one xgrammar batch call on --threads threads into one buffer laid out for a
+  single upload; the executor's path for a step whose rows were not fed by the step in flight);
+- accept: ``Grammars.accept`` of the step's tokens (one xgrammar batch call);
+- accept+fill past host work: ``Grammars.advance`` (the overlapped path: accept the tokens, then fill the next
+  step's masks, on the grammar worker thread), then --host-ms of Python work (standing for the engine loop's
+  commit and planning, which run meanwhile), then ``Grammars.wait``: the time past --host-ms is what the
+  grammar work adds to the host's critical path.
 
 The vocabulary is bench_structured.py's synthetic one (byte tokens plus random JSON-ish strings) unless --model
 names a checkpoint folder with a tokenizer. Needs xgrammar; without it the script says so and exits 0.
@@ -77,37 +78,39 @@ def _busy(ms: float) -> None:
 
 def _walk(args: argparse.Namespace, threads: int | None) -> dict[str, float]:
     """Milliseconds per step of each timed part (module docstring)."""
+    import xgrammar as xgr
+
     from fnvllm.executor.structured import Matcher
     from fnvllm.state import StructuredOutput
 
     grammars = _grammars(args, threads)
-    spec = StructuredOutput.json_schema(LONG_SCHEMA)
-    compiled = grammars._compile(spec)
-    xgr = __import__("xgrammar")
+    compiled = grammars._compile(StructuredOutput.json_schema(LONG_SCHEMA))
     matchers = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]
+    twins = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]  # accept inline, timed alone
     ids = [f"r{i}" for i in range(args.rows)]
     one_by_one = xgr.allocate_token_bitmask(args.rows, grammars.vocab_size)
     rng = np.random.default_rng(0)
-    totals = dict.fromkeys(("fill, one by one", "fill, batched", "fill past host work", "accept"), 0.0)
+    totals = dict.fromkeys(("fill, one by one", "fill, batched", "accept", "accept+fill past host work"), 0.0)
+    host = grammars.masks(matchers)
     for _ in range(args.steps):
         start = time.perf_counter()
         for row, live in enumerate(matchers):
             live.matcher.fill_next_token_bitmask(one_by_one, row)
         totals["fill, one by one"] += time.perf_counter() - start
         start = time.perf_counter()
-        host = grammars.masks(matchers).wait()
+        host = grammars.masks(matchers)
         totals["fill, batched"] += time.perf_counter() - start
         if not np.array_equal(host.bitmask.numpy(), one_by_one.numpy()):
             raise SystemExit("structured_host: the batched fill differs from the per-row fills")
-        start = time.perf_counter()
-        pending = grammars.masks(matchers)
-        _busy(args.host_ms)
-        pending.wait()
-        totals["fill past host work"] += time.perf_counter() - start - args.host_ms / 1e3
         tokens = _pick(host.bitmask.numpy(), grammars.vocab_size, rng)
         start = time.perf_counter()
-        grammars.accept(ids, matchers, tokens)
+        grammars.accept(ids, twins, tokens)
         totals["accept"] += time.perf_counter() - start
+        start = time.perf_counter()
+        pending = grammars.advance(ids, matchers, tokens, matchers)
+        _busy(args.host_ms)
+        grammars.wait(pending)
+        totals["accept+fill past host work"] += time.perf_counter() - start - args.host_ms / 1e3
     return {name: 1e3 * total / args.steps for name, total in totals.items()}
 
 
@@ -132,9 +135,9 @@ def main() -> int:
     vocab = args.model or f"synthetic {args.vocab}"
     print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary {vocab}")
     names = list(next(iter(results.values())))
-    print(f"{'threads':>8}" + "".join(f"{name + ' ms':>24}" for name in names))
+    print(f"{'threads':>8}" + "".join(f"{name + ' ms':>30}" for name in names))
     for threads, row in results.items():
-        print(f"{threads:>8}" + "".join(f"{row[name]:>24.3f}" for name in names))
+        print(f"{threads:>8}" + "".join(f"{row[name]:>30.3f}" for name in names))
     return 0
 
 

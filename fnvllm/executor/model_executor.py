@@ -470,19 +470,27 @@ class ModelExecutor:
             logits, launched.deferred = launched.deferred, None
             self._sample(launched, logits)
 
-    def _fill_deferred(self, collected: Launched) -> None:
-        """Start filling the masks of the step that waits for ``collected``'s tokens (just accepted), on the grammar
-        thread: the host commits and plans meanwhile, and the next launch samples it."""
+    def _accept(self, collected: Launched, tokens: list[int]) -> None:
+        """The constrained rows' matchers accept ``collected``'s tokens. When the deferred step waits for them, the
+        grammar thread accepts them and goes on to fill that step's masks, while the host commits and plans; the
+        next launch samples it."""
+        assert self.grammars is not None  # a constrained row ran
+        ids = [collected.plan.seq_ids[i] for i in collected.rows]
         deferred = self._deferred
-        if deferred is None or deferred.fed_by is not collected or self.grammars is None:
+        if deferred is None or deferred.fed_by is not collected:
+            self.grammars.accept(ids, collected.matchers, tokens)
             return
-        deferred.pending = self.grammars.masks(deferred.matchers, pinned=self.device.type == "cuda")
+        pinned = self.device.type == "cuda"
+        deferred.pending = self.grammars.advance(ids, collected.matchers, tokens, deferred.matchers, pinned)
 
     def _drop_deferred(self) -> None:
-        """Forget the deferred step (it will not be sampled), once its fill (which reads its matchers) is over."""
+        """Forget the deferred step (it will not be sampled), once the grammar thread (which holds its matchers) is
+        done with it; what that thread raised is dropped with it."""
         launched, self._deferred = self._deferred, None
-        if launched is not None and launched.pending is not None:
-            launched.pending.wait()
+        if launched is None or launched.pending is None or self.grammars is None:
+            return
+        if launched.pending.work.exception() is None:
+            self.grammars.wait(launched.pending)
 
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
@@ -497,10 +505,13 @@ class ModelExecutor:
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
         )
         if self.grammars is not None and any(launched.matchers):
-            pending = launched.pending or self.grammars.masks(launched.matchers, pinned=self.device.type == "cuda")
-            launched.pending = None
-            if pending is not None:  # one non-blocking copy of the bitmask and its rows
-                batch = attrs.evolve(batch, grammar_mask=pending.wait().upload(self.device))
+            pending, launched.pending = launched.pending, None
+            if pending is not None:  # filled on the grammar thread while the host committed and planned
+                host = self.grammars.wait(pending)
+            else:
+                host = self.grammars.masks(launched.matchers, pinned=self.device.type == "cuda")
+            if host is not None:  # one non-blocking copy of the bitmask and its rows
+                batch = attrs.evolve(batch, grammar_mask=host.upload(self.device))
         out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
         packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
         self.history.record(plan, rows, packed[0])
@@ -537,10 +548,9 @@ class ModelExecutor:
             timer.finish(plan, launched.graph)
         if any(flags):
             check_finite(flags, [plan.seq_ids[i] for i in launched.rows])
-        if self.grammars is not None and any(launched.matchers):
-            self.grammars.accept([plan.seq_ids[i] for i in launched.rows], launched.matchers, tokens)
+        if any(launched.matchers):
+            self._accept(launched, tokens)
         launched.collected = True
-        self._fill_deferred(launched)  # the step behind this one waited for these tokens
         if not logprobs:
             return ExecuteResult(tuple(tokens), prompt_logprobs=prompt)
         return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked), prompt)

@@ -30,7 +30,6 @@ from fnvllm.state.params import SamplingParams, StructuredOutput
 from fnvllm.state.plan import StepPlan
 
 if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the loop without torch
-    import torch
 
     from fnvllm.executor.sampler import HostGrammarMask
 
@@ -83,20 +82,14 @@ def default_fill_threads() -> int:
 
 @attrs.define(eq=False)
 class PendingMask:
-    """A step's grammar bitmask, filled on the grammar worker thread (``Grammars.masks``).
+    """A step's grammar bitmask, being filled on the grammar worker thread (``Grammars.advance``).
 
-    host: the buffer being filled (and the rows it applies to); fill: the fill in progress, None when nothing
-    needed filling (every row's grammar had ended).
+    host: the buffer being filled (and the rows it applies to). work: the worker's accept and fill, whose result is
+    the (id, matcher) pairs whose grammar ended with the accepted tokens; read it through ``Grammars.wait``.
     """
 
     host: HostGrammarMask
-    fill: Future[None] | None
-
-    def wait(self) -> HostGrammarMask:
-        """The filled buffer, once the fill has finished (it re-raises what the fill raised)."""
-        if self.fill is not None:
-            self.fill.result()
-        return self.host
+    work: Future[list[tuple[str, Matcher]]]
 
 
 @attrs.define(eq=False)
@@ -174,58 +167,113 @@ class Grammars:
             out.append(live)
         return tuple(out)
 
-    def masks(self, matchers: Sequence[Matcher | None], pinned: bool = False) -> PendingMask | None:
-        """Start filling the bitmask of the constrained rows among ``matchers`` (their positions are the batch rows);
-        None when none is constrained. Each row allows the tokens its matcher accepts next; a row whose grammar
-        already ended (a speculative row of a request that finished in the step before: its token is dropped)
-        allows any. The fill runs on a worker thread (xgrammar fills the rows on its own threads, without the GIL),
-        so the caller goes on (commit, planning) until it needs the mask (``PendingMask.wait``); the matchers must
-        not accept tokens before then. pinned: the buffer is bound for a GPU."""
+    def masks(self, matchers: Sequence[Matcher | None], pinned: bool = False) -> HostGrammarMask | None:
+        """The bitmask of the constrained rows among ``matchers`` (their positions are the batch rows), filled on the
+        calling thread; None when none is constrained. Each row allows the tokens its matcher accepts next; a row
+        whose grammar already ended (a speculative row of a request that finished in the step before: its token is
+        dropped) allows any. pinned: the buffer is bound for a GPU."""
+        host = self._allocate(matchers, pinned)
+        if host is not None:
+            self._fill(matchers, host)
+        return host
+
+    def advance(
+        self,
+        seq_ids: Sequence[str],
+        matchers: Sequence[Matcher | None],
+        tokens: Sequence[int],
+        following: Sequence[Matcher | None],
+        pinned: bool = False,
+    ) -> PendingMask | None:
+        """``accept`` a collected step's tokens, then fill the masks of the step that follows it (``following``: its
+        rows' matchers, as for ``masks``), both on the grammar worker thread: xgrammar accepts and fills without
+        the GIL (the fill on its own threads), so the caller goes on (commit, planning) until it needs the mask
+        (``wait``). No matcher may be used before then. None when ``following`` has no constrained row (the tokens
+        are accepted at once)."""
+        host = self._allocate(following, pinned)
+        if host is None:
+            self.accept(seq_ids, matchers, tokens)
+            return None
+        work = self._worker().submit(self._advance, seq_ids, matchers, tokens, following, host)
+        return PendingMask(host, work)
+
+    def wait(self, pending: PendingMask) -> HostGrammarMask:
+        """The filled mask of ``advance`` once the worker is done (re-raising what it raised); forgets the matchers
+        whose grammar ended with the accepted tokens."""
+        for rid, live in pending.work.result():
+            if self._live.get(rid) is live:
+                del self._live[rid]
+        return pending.host
+
+    def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
+        """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
+        accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
+        for rid, live in self._accept(seq_ids, matchers, tokens):
+            if self._live.get(rid) is live:
+                del self._live[rid]
+
+    def _allocate(self, matchers: Sequence[Matcher | None], pinned: bool) -> HostGrammarMask | None:
+        """An unfilled buffer for the constrained rows among ``matchers``, None when there is none."""
         positions = [k for k, m in enumerate(matchers) if m is not None]
         if not positions:
             return None
         from fnvllm.executor.sampler import HostGrammarMask  # torch: not at import (the simulator has none)
 
-        host = HostGrammarMask.allocate(positions, self.words, pinned)
-        bitmask = host.bitmask
-        filled, rows = [], []
-        for row, k in enumerate(positions):
-            live = matchers[k]
-            assert live is not None  # positions holds the constrained ones
+        return HostGrammarMask.allocate(positions, self.words, pinned)
+
+    def _advance(
+        self,
+        seq_ids: Sequence[str],
+        matchers: Sequence[Matcher | None],
+        tokens: Sequence[int],
+        following: Sequence[Matcher | None],
+        host: HostGrammarMask,
+    ) -> list[tuple[str, Matcher]]:
+        """The worker's part of ``advance``; returns the (id, matcher) pairs whose grammar ended."""
+        ended = self._accept(seq_ids, matchers, tokens)
+        self._fill(following, host)
+        return ended
+
+    def _accept(
+        self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]
+    ) -> list[tuple[str, Matcher]]:
+        """Each live constrained row's matcher accepts its token (one xgrammar call); returns the (id, matcher) pairs
+        whose grammar ended. A matcher already ended is skipped (a dropped speculative row's token)."""
+        rows = [
+            (rid, live, token)
+            for rid, live, token in zip(seq_ids, matchers, tokens, strict=True)
+            if live is not None and not live.matcher.is_terminated()
+        ]
+        if not rows:
+            return []
+        xgr = import_xgrammar()
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([r[1].matcher for r in rows], [r[2] for r in rows])
+        for (_, live, _), ok in zip(rows, accepted, strict=True):
+            live.accepted += ok
+        return [(rid, live) for rid, live, _ in rows if live.matcher.is_terminated()]
+
+    def _fill(self, matchers: Sequence[Matcher | None], host: HostGrammarMask) -> None:
+        """Fill ``host`` (allocated for the constrained rows of ``matchers``): a row whose grammar ended allows any
+        token; the others are filled by one xgrammar call (several rows: on xgrammar's threads)."""
+        bitmask, filled, rows = host.bitmask, [], []
+        for row, live in enumerate(m for m in matchers if m is not None):
             if live.matcher.is_terminated():
                 bitmask[row] = -1
             else:
                 filled.append(live.matcher)
                 rows.append(row)
-        if not filled:
-            return PendingMask(host, None)
-        return PendingMask(host, self._worker().submit(self._fill, filled, bitmask, rows))
-
-    def _fill(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Fill ``rows`` of ``bitmask`` from ``matchers`` (one row: its own call; several: on xgrammar's threads)."""
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-            return
-        if self._batch is None:
-            self._batch = import_xgrammar().BatchGrammarMatcher(self.num_threads)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if len(filled) == 1:
+            filled[0].fill_next_token_bitmask(bitmask, rows[0])
+        elif filled:
+            if self._batch is None:
+                self._batch = import_xgrammar().BatchGrammarMatcher(self.num_threads)
+            self._batch.batch_fill_next_token_bitmask(filled, bitmask, rows)
 
     def _worker(self) -> ThreadPoolExecutor:
-        """The thread that runs the fills (one: a step's fill is one xgrammar call)."""
+        """The thread that runs ``advance`` (one: a step's work is two xgrammar calls)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnvllm-grammar")
         return self._pool
-
-    def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
-        """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
-        accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
-        for rid, live, token in zip(seq_ids, matchers, tokens, strict=True):
-            if live is None or live.matcher.is_terminated():  # ended: a dropped speculative row's token
-                continue
-            if live.matcher.accept_token(token):
-                live.accepted += 1
-            if live.matcher.is_terminated() and self._live.get(rid) is live:
-                del self._live[rid]
 
     def prune(self, live: Container[str]) -> None:
         """Drop the matchers of requests not in ``live`` (they finished by length or a stop string, or were
