@@ -492,6 +492,7 @@ class ModelExecutor:
         if launched.pending.work.exception() is None:
             self.grammars.wait(launched.pending)
 
+    @torch.inference_mode()  # also from collect (a deferred step), whose logits are inference tensors
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
         plan, rows, timer = launched.plan, launched.rows, launched.timer
@@ -510,8 +511,8 @@ class ModelExecutor:
                 host = self.grammars.wait(pending)
             else:
                 host = self.grammars.masks(launched.matchers, pinned=self.device.type == "cuda")
-            if host is not None:  # one non-blocking copy of the bitmask and its rows
-                batch = attrs.evolve(batch, grammar_mask=host.upload(self.device))
+            if host is not None:  # one non-blocking copy; the logits are this step's own, masked in place
+                batch = attrs.evolve(batch, grammar_mask=host.upload(self.device, scratch=True))
         out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
         packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
         self.history.record(plan, rows, packed[0])

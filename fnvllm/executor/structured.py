@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -128,7 +129,9 @@ class Grammars:
         self.num_threads = num_threads or default_fill_threads()
         self._pool: ThreadPoolExecutor | None = None  # the fill thread (``masks``), started on first use
         self._compiler: Any = None
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher (fills several rows' masks on threads)
+        # xgrammar's BatchGrammarMatchers (they fill several rows' masks on threads), one per calling thread (the
+        # caller's, the grammar worker's): one object must not fill from two threads at once.
+        self._batches: dict[int, Any] = {}
         self._compiled: dict[tuple[str, str], Any] = {}
         self._live: dict[str, Matcher] = {}
 
@@ -265,9 +268,10 @@ class Grammars:
         if len(filled) == 1:
             filled[0].fill_next_token_bitmask(bitmask, rows[0])
         elif filled:
-            if self._batch is None:
-                self._batch = import_xgrammar().BatchGrammarMatcher(self.num_threads)
-            self._batch.batch_fill_next_token_bitmask(filled, bitmask, rows)
+            caller = threading.get_ident()
+            if caller not in self._batches:
+                self._batches[caller] = import_xgrammar().BatchGrammarMatcher(self.num_threads)
+            self._batches[caller].batch_fill_next_token_bitmask(filled, bitmask, rows)
 
     def _worker(self) -> ThreadPoolExecutor:
         """The thread that runs ``advance`` (one: a step's work is two xgrammar calls)."""
