@@ -57,8 +57,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each batch (the best is reported)")
-    p.add_argument("--plain", action="store_true", help="also time both batches with overlapped steps off")
+    p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time both batches with overlapped steps off (default on)")  # fmt: skip
     p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
+    p.add_argument("--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1)")
     return p.parse_args()
 
 
@@ -103,13 +105,16 @@ def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
         options |= {"dtype": "float32", "attention_backend": "torch"}
     llm = LLM(folder, load_tokenizer=has_tokenizer, **options)
     if has_tokenizer:
+        grammars = getattr(llm.executor, "local", llm.executor).grammars
+        if grammars is not None and args.fill_threads:
+            grammars.num_threads = args.fill_threads
         return llm, lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)
     vocab_size = llm.model_config.vocab_size
     eos = sorted(llm.engine.config.eos_token_ids)
     vocab = _synthetic_vocab(vocab_size)
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=eos)
     executor = getattr(llm.executor, "local", llm.executor)
-    executor.grammars = Grammars(None, vocab_size, eos, tokenizer_info=info)
+    executor.grammars = Grammars(None, vocab_size, eos, tokenizer_info=info, num_threads=args.fill_threads)
     return llm, lambda ids: b"".join(vocab[i] for i in ids if i not in eos).decode("utf-8", "replace")
 
 
@@ -205,11 +210,12 @@ def main() -> int:
 
 
 def _host_table(rows: int, steps: int) -> None:
-    """benchmarks/structured_host.py's table for ``rows`` constrained rows (one fill thread, then all but one)."""
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows (1, 4, 8 fill threads, then all but
+    one core)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import structured_host
 
-    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,auto"]
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,4,8,auto"]
     structured_host.main()
 
 

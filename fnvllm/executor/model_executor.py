@@ -487,10 +487,8 @@ class ModelExecutor:
         """Forget the deferred step (it will not be sampled), once the grammar thread (which holds its matchers) is
         done with it; what that thread raised is dropped with it."""
         launched, self._deferred = self._deferred, None
-        if launched is None or launched.pending is None or self.grammars is None:
-            return
-        if launched.pending.work.exception() is None:
-            self.grammars.wait(launched.pending)
+        if launched is not None and launched.pending is not None and self.grammars is not None:
+            self.grammars.cancel(launched.pending)
 
     @torch.inference_mode()  # also from collect (a deferred step), whose logits are inference tensors
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:

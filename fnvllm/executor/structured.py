@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,9 +32,9 @@ from fnvllm.state.params import SamplingParams, StructuredOutput
 from fnvllm.state.plan import StepPlan
 
 if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the loop without torch
-
     from fnvllm.executor.sampler import HostGrammarMask
 
+GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
 
 
@@ -127,7 +128,8 @@ class Grammars:
         self.stop_ids = sorted(stop_ids)
         self.tokenizer_info = tokenizer_info
         self.num_threads = num_threads or default_fill_threads()
-        self._pool: ThreadPoolExecutor | None = None  # the fill thread (``masks``), started on first use
+        self._pool: ThreadPoolExecutor | None = None  # the grammar worker (``advance``), started on first use
+        self._switch_interval: float | None = None  # the GIL switch interval to restore at ``wait``
         self._compiler: Any = None
         # xgrammar's BatchGrammarMatchers (they fill several rows' masks on threads), one per calling thread (the
         # caller's, the grammar worker's): one object must not fill from two threads at once.
@@ -197,16 +199,36 @@ class Grammars:
         if host is None:
             self.accept(seq_ids, matchers, tokens)
             return None
+        if self._switch_interval is None:
+            # The worker needs the GIL for a few lines between xgrammar's calls; the caller's commit and planning are
+            # pure Python and would hold it for the switch interval (5 ms by default) each time. Until ``wait``.
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(GIL_SWITCH_S)
         work = self._worker().submit(self._advance, seq_ids, matchers, tokens, following, host)
         return PendingMask(host, work)
 
     def wait(self, pending: PendingMask) -> HostGrammarMask:
         """The filled mask of ``advance`` once the worker is done (re-raising what it raised); forgets the matchers
         whose grammar ended with the accepted tokens."""
-        for rid, live in pending.work.result():
+        try:
+            ended = pending.work.result()
+        finally:
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
+        for rid, live in ended:
             if self._live.get(rid) is live:
                 del self._live[rid]
         return pending.host
+
+    def cancel(self, pending: PendingMask) -> None:
+        """``wait`` for a mask that will not be used (its step was dropped): never raises; what the worker raised
+        is dropped with the step."""
+        if pending.work.exception() is None:
+            self.wait(pending)
+        elif self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
