@@ -13,6 +13,8 @@ the masked value.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +56,13 @@ def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, v
         raise ValueError(f"mask_rows: bitmask {tuple(bitmask.shape)} and rows {tuple(rows.shape)} for vocab {vocab}")
     if num_rows == 0:
         return
-    exact = torch.tensor(value, dtype=logits.dtype).item()  # the value in the logits' dtype, as the reference rounds
     grid = (num_rows, triton.cdiv(vocab, BLOCK))
-    _mask_rows_kernel[grid](logits, logits.stride(0), bitmask, words, rows, vocab, exact, BLOCK=BLOCK)
+    _mask_rows_kernel[grid](
+        logits, logits.stride(0), bitmask, words, rows, vocab, _rounded(value, logits.dtype), BLOCK=BLOCK
+    )
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` as torch rounds it (the reference's fill), so the kernel stores the same bits."""
+    return torch.tensor(value, dtype=dtype).item()
