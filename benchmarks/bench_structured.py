@@ -59,6 +59,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each batch (the best is reported)")
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
                    help="also time both batches with overlapped steps off (default on)")  # fmt: skip
+    p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the mix with deferred steps sampled at collect (default on)")  # fmt: skip
     p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
     p.add_argument("--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1)")
     return p.parse_args()
@@ -189,6 +191,11 @@ def main() -> int:
         _timed(llm, prompts[:16], mixed[:16])  # warm-up: compile, graphs
         results = {"": _interleaved(llm, prompts, [plain, mixed], args.repeats)}
         overlap = llm.loop.overlap
+        executor = getattr(llm.executor, "local", llm.executor)
+        if overlap and args.variants:  # the other place a deferred step may sample (ModelExecutor docstring)
+            executor.sample_deferred_at = "collect"
+            results[", sampled at collect"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+            executor.sample_deferred_at = "launch"
         if args.plain and overlap:
             from fnvllm.engine.loop import EngineLoop
 

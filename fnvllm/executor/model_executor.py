@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import attrs
 import numpy as np
@@ -219,6 +219,11 @@ class ModelExecutor:
         # tokenizer (``fnvllm.engine.build``). None: a constrained request fails at launch with a clear error.
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
+        # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
+        # its masks filled on the grammar thread while the host commits and plans (the host's critical path does not
+        # wait for the fill); "collect" = at the end of the collect that accepted its tokens, its masks filled there
+        # (the device samples sooner; the host commits and plans later). benchmarks/bench_structured.py times both.
+        self.sample_deferred_at: Literal["launch", "collect"] = "launch"
         self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------
@@ -477,8 +482,10 @@ class ModelExecutor:
         assert self.grammars is not None  # a constrained row ran
         ids = [collected.plan.seq_ids[i] for i in collected.rows]
         deferred = self._deferred
-        if deferred is None or deferred.fed_by is not collected:
+        if deferred is None or deferred.fed_by is not collected or self.sample_deferred_at == "collect":
             self.grammars.accept(ids, collected.matchers, tokens)
+            if deferred is not None and deferred.fed_by is collected:
+                self._sample_deferred()
             return
         pinned = self.device.type == "cuda"
         deferred.pending = self.grammars.advance(ids, collected.matchers, tokens, deferred.matchers, pinned)
