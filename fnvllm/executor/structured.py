@@ -12,7 +12,9 @@ it installed that is an InvalidRequestError naming the package (``check_structur
 is added, before anything runs).
 
 Overlapped steps: see ``ModelExecutor.launch`` and docs/structured_outputs.md (a step with a constrained row fed
-by the step still in flight samples once the host has accepted that step's tokens; its forward still overlaps).
+by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). Then
+``advance`` runs the accept and the next masks' fill on a worker thread, while the engine loop commits and plans;
+xgrammar does both without holding the GIL.
 """
 
 from __future__ import annotations
