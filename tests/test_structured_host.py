@@ -4,6 +4,7 @@ mask buffer, and the in-place mask kernel against its torch reference."""
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -158,3 +159,20 @@ def _with_mask(batch: object, mask: GrammarMask) -> object:
     import attrs
 
     return attrs.evolve(batch, grammar_mask=mask)
+
+
+def test_cancel_never_raises_and_restores_the_switch_interval(grammars: Grammars) -> None:
+    """Grammars.cancel (a dropped step) waits for the worker without raising what it raised, and the GIL switch
+    interval lowered by advance is back to what it was; a successful advance still forgets its ended matchers."""
+    before = sys.getswitchinterval()
+    (live,) = _matchers(grammars, ['{"name": "a'])
+    broken = grammars.advance(["a", "b"], [live], [5], [live])  # two ids, one matcher: the worker raises
+    assert broken is not None and sys.getswitchinterval() < before
+    grammars.cancel(broken)
+    assert sys.getswitchinterval() == before
+    (done,) = _matchers(grammars, ['{"name": "a", "n": 1}'])
+    grammars._live["d"] = done
+    pending = grammars.advance(["d"], [done], [STOP], [live])
+    assert pending is not None
+    grammars.cancel(pending)
+    assert "d" not in grammars._live and sys.getswitchinterval() == before
