@@ -196,6 +196,11 @@ def main() -> int:
             executor.sample_deferred_at = "collect"
             results[", sampled at collect"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
             executor.sample_deferred_at = "launch"
+            default = executor.grammars
+            for workers in (4, 8):  # grammar workers that each accept and fill a chunk of the rows
+                executor.grammars = _with_workers(default, workers)
+                results[f", {workers} grammar workers"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+            executor.grammars = default
         if args.plain and overlap:
             from fnvllm.engine.loop import EngineLoop
 
@@ -206,23 +211,37 @@ def main() -> int:
         _host_table(num_constrained, args.host_steps)
     print(f"\ndevice {args.device}, overlap {overlap}, {args.rows} rows x {args.max_tokens} tokens, correctness "
           f"{valid}/{min(16, len(prompts))} constrained outputs valid")  # fmt: skip
-    print(f"{'batch':<40}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
+    print(f"{'batch':<48}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
     for suffix, ((t_plain, n_plain), (t_mixed, n_mixed)) in results.items():
         label = f"{num_constrained} constrained ({args.fraction:.0%}){suffix}"
         for name, seconds, tokens in ((f"unconstrained{suffix}", t_plain, n_plain), (label, t_mixed, n_mixed)):
             step_ms = 1e3 * seconds / args.max_tokens
-            print(f"{name:<40}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
-        print(f"{'mixed / unconstrained time' + suffix:<40}{t_mixed / t_plain:>10.3f}")
+            print(f"{name:<48}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
+        print(f"{'mixed / unconstrained time' + suffix:<48}{t_mixed / t_plain:>10.3f}")
     return 0
 
 
+def _with_workers(grammars: Any, workers: int) -> Any:
+    """A Grammars like ``grammars`` with ``workers`` grammar workers sharing its xgrammar threads."""
+    from fnvllm.executor.structured import Grammars
+
+    return Grammars(
+        grammars.tokenizer,
+        grammars.vocab_size,
+        grammars.stop_ids,
+        grammars.tokenizer_info,
+        grammars.num_threads,
+        workers,
+    )
+
+
 def _host_table(rows: int, steps: int) -> None:
-    """benchmarks/structured_host.py's table for ``rows`` constrained rows (1, 4, 8 fill threads, then all but
-    one core)."""
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows (1, 8, all but one xgrammar threads on
+    one worker; 4, 8, 15 workers)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import structured_host
 
-    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,4,8,auto"]
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4,8x2,15x1"]
     structured_host.main()
 
 

@@ -7,13 +7,13 @@ R matchers of bench_structured.py's long JSON schema walk the grammar for --step
 a random token its mask allows (numpy, not timed). Per step it times, in milliseconds:
 
 - fill, one by one: ``fill_next_token_bitmask`` per row on the calling thread (the naive path);
-- fill, batched: ``Grammars.masks`` (one xgrammar batch call on --threads threads into one buffer laid out for a
+- fill, batched: ``Grammars.masks`` (one xgrammar batch call on W x T threads into one buffer laid out for a
   single upload; the executor's path for a step whose rows were not fed by the step in flight);
 - accept: ``Grammars.accept`` of the step's tokens (one xgrammar batch call);
 - accept+fill past host work: ``Grammars.advance`` (the overlapped path: accept the tokens, then fill the next
-  step's masks, on the grammar worker thread), then --host-ms of Python work (standing for the engine loop's
-  commit and planning, which run meanwhile), then ``Grammars.wait``: the time past --host-ms is what the
-  grammar work adds to the host's critical path.
+  step's masks, on W grammar worker threads, each its chunk of the rows with T xgrammar threads), then
+  --host-ms of Python work (standing for the engine loop's commit and planning, which run meanwhile), then
+  ``Grammars.wait``: the time past --host-ms is what the grammar work adds to the host's critical path.
 
 The vocabulary is bench_structured.py's synthetic one (byte tokens plus random JSON-ish strings) unless --model
 names a checkpoint folder with a tokenizer. Needs xgrammar; without it the script says so and exits 0.
@@ -40,12 +40,13 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--vocab", type=int, default=151936, help="synthetic vocabulary size (Qwen3's by default)")
     p.add_argument("--model", default=None, help="a checkpoint folder whose tokenizer to use instead")
-    p.add_argument("--threads", default="1,auto", help="comma-separated fill thread counts ('auto': all cores but 1)")
+    p.add_argument("--threads", default="1,auto,4x4", help="comma-separated fill thread counts ('auto': all cores "
+                   "but 1); WxT: W grammar workers (each its chunk of rows) of T xgrammar threads each")  # fmt: skip
     p.add_argument("--host-ms", type=float, default=2.0, help="host work the fill runs behind")
     return p.parse_args()
 
 
-def _grammars(args: argparse.Namespace, threads: int | None) -> Any:
+def _grammars(args: argparse.Namespace, threads: int, workers: int = 1) -> Any:
     """A Grammars over the synthetic vocabulary (or --model's tokenizer)."""
     import xgrammar as xgr
 
@@ -55,9 +56,9 @@ def _grammars(args: argparse.Namespace, threads: int | None) -> Any:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], num_threads=threads)
+        return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], num_threads=threads, num_workers=workers)
     info = xgr.TokenizerInfo(_vocab(args.vocab), xgr.VocabType.RAW, vocab_size=args.vocab, stop_token_ids=[0])
-    return Grammars(None, args.vocab, [0], tokenizer_info=info, num_threads=threads)
+    return Grammars(None, args.vocab, [0], tokenizer_info=info, num_threads=threads, num_workers=workers)
 
 
 _VOCABS: dict[int, list[bytes]] = {}
@@ -77,14 +78,14 @@ def _busy(ms: float) -> None:
         sum(range(200))
 
 
-def _walk(args: argparse.Namespace, threads: int | None) -> dict[str, float]:
+def _walk(args: argparse.Namespace, threads: int, workers: int) -> dict[str, float]:
     """Milliseconds per step of each timed part (module docstring)."""
     import xgrammar as xgr
 
     from fnvllm.executor.structured import Matcher
     from fnvllm.state import StructuredOutput
 
-    grammars = _grammars(args, threads)
+    grammars = _grammars(args, threads * workers, workers)
     compiled = grammars._compile(StructuredOutput.json_schema(LONG_SCHEMA))
     matchers = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]
     twins = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]  # accept inline, timed alone
@@ -133,14 +134,19 @@ def main() -> int:
         return 0
     from fnvllm.executor.structured import default_fill_threads
 
-    counts = [default_fill_threads() if t == "auto" else int(t) for t in args.threads.split(",")]
-    results = {threads: _walk(args, threads) for threads in dict.fromkeys(counts)}
+    specs = [
+        f"1x{default_fill_threads()}" if t == "auto" else t if "x" in t else f"1x{t}" for t in args.threads.split(",")
+    ]
+    results = {}
+    for spec in dict.fromkeys(specs):
+        workers, threads = map(int, spec.split("x"))
+        results[spec] = _walk(args, threads, workers)
     vocab = args.model or f"synthetic {args.vocab}"
     print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary {vocab}")
     names = list(next(iter(results.values())))
-    print(f"{'threads':>8}" + "".join(f"{name + ' ms':>30}" for name in names))
-    for threads, row in results.items():
-        print(f"{threads:>8}" + "".join(f"{row[name]:>30.3f}" for name in names))
+    print(f"{'workers x threads':>18}" + "".join(f"{name + ' ms':>30}" for name in names))
+    for spec, row in results.items():
+        print(f"{spec:>18}" + "".join(f"{row[name]:>30.3f}" for name in names))
     return 0
 
 

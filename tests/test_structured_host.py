@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fnvllm.executor.sampler import GrammarMask, HostGrammarMask, Sampler, apply_grammar_mask, prepare_sampling
-from fnvllm.executor.structured import Grammars, Matcher
+from fnvllm.executor.structured import Grammars, Matcher, _chunks
 from fnvllm.kernels.grammar_mask import mask_rows, mask_rows_ref
 from fnvllm.state import SamplingParams, StructuredOutput
 
@@ -76,9 +76,12 @@ def _allowed(bitmask: torch.Tensor, row: int) -> list[int]:
     return np.flatnonzero(bits).tolist()
 
 
-def test_advance_accepts_then_fills_as_accept_and_masks_do(grammars: Grammars) -> None:
-    """Grammars.advance (on the grammar thread) leaves the matchers and the next masks exactly as accept followed
-    by masks, and once waited for it forgets the matchers whose grammar ended."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_advance_accepts_then_fills_as_accept_and_masks_do(grammars: Grammars, workers: int) -> None:
+    """Grammars.advance (on one grammar thread, or on two, each accepting and filling its chunk of the rows)
+    leaves the matchers and the next masks exactly as accept followed by masks, and once waited for it forgets the
+    matchers whose grammar ended."""
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=grammars.tokenizer_info, num_threads=2, num_workers=workers)
     ids = ["a", "b", "c"]
     threaded = _matchers(grammars, ['{"name": "abc", "n": 12}', '{"name": "a', '{"name": "a", "n": 1'])
     inline = _matchers(grammars, ['{"name": "abc", "n": 12}', '{"name": "a', '{"name": "a", "n": 1'])
@@ -161,14 +164,18 @@ def _with_mask(batch: object, mask: GrammarMask) -> object:
     return attrs.evolve(batch, grammar_mask=mask)
 
 
-def test_cancel_never_raises_and_restores_the_switch_interval(grammars: Grammars) -> None:
+def test_cancel_never_raises_and_restores_the_switch_interval(
+    grammars: Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Grammars.cancel (a dropped step) waits for the worker without raising what it raised, and the GIL switch
     interval lowered by advance is back to what it was; a successful advance still forgets its ended matchers."""
     before = sys.getswitchinterval()
     (live,) = _matchers(grammars, ['{"name": "a'])
-    broken = grammars.advance(["a", "b"], [live], [5], [live])  # two ids, one matcher: the worker raises
-    assert broken is not None and sys.getswitchinterval() < before
-    grammars.cancel(broken)
+    with monkeypatch.context() as patch:
+        patch.setattr(grammars, "_fill", lambda *_: 1 / 0)  # the worker raises
+        broken = grammars.advance(["a"], [live], [ord("b") - 31], [live])
+        assert broken is not None and sys.getswitchinterval() < before
+        grammars.cancel(broken)
     assert sys.getswitchinterval() == before
     (done,) = _matchers(grammars, ['{"name": "a", "n": 1}'])
     grammars._live["d"] = done
@@ -176,3 +183,13 @@ def test_cancel_never_raises_and_restores_the_switch_interval(grammars: Grammars
     assert pending is not None
     grammars.cancel(pending)
     assert "d" not in grammars._live and sys.getswitchinterval() == before
+
+
+def test_chunks_keep_each_accept_before_its_own_fill(grammars: Grammars) -> None:
+    """advance's chunks: each chunk accepts the tokens of the matchers it fills (so a matcher accepts before its
+    mask is filled), and accepts of matchers with nothing to fill go to the first chunk."""
+    a, b, c, d = _matchers(grammars, ["", "", "", ""])
+    accepts = [("a", a, 1), ("b", b, 2), ("c", c, 3)]
+    chunks = _chunks(accepts, [(0, b), (1, c), (2, d)], 2)
+    assert chunks == [([("b", b, 2), ("c", c, 3), ("a", a, 1)], [(0, b), (1, c)]), ([], [(2, d)])]
+    assert _chunks(accepts, [(0, d)], 4) == [(accepts, [(0, d)])]

@@ -34,6 +34,8 @@ from fnvllm.state.params import SamplingParams, StructuredOutput
 from fnvllm.state.plan import StepPlan
 
 if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the loop without torch
+    import torch
+
     from fnvllm.executor.sampler import HostGrammarMask
 
 GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
@@ -88,12 +90,13 @@ def default_fill_threads() -> int:
 class PendingMask:
     """A step's grammar bitmask, being filled on the grammar worker thread (``Grammars.advance``).
 
-    host: the buffer being filled (and the rows it applies to). work: the worker's accept and fill, whose result is
-    the (id, matcher) pairs whose grammar ended with the accepted tokens; read it through ``Grammars.wait``.
+    host: the buffer being filled (and the rows it applies to). work: the workers' accepts and fills, one per chunk
+    of rows, whose results are the (id, matcher) pairs whose grammar ended with the accepted tokens; read them
+    through ``Grammars.wait``.
     """
 
     host: HostGrammarMask
-    work: Future[list[tuple[str, Matcher]]]
+    work: tuple[Future[list[tuple[str, Matcher]]], ...]
 
 
 @attrs.define(eq=False)
@@ -111,8 +114,9 @@ class Grammars:
     may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
     tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
     without a tokenizer). num_threads: xgrammar's threads for filling several rows' masks (default: every core
-    but one, ``default_fill_threads``). The compiler is built on first use, so an engine whose requests are
-    unconstrained never imports xgrammar.
+    but one, ``default_fill_threads``). num_workers: the grammar worker threads of ``advance``, each accepting
+    and filling its own chunk of the rows (with num_threads / num_workers of xgrammar's threads). The compiler is
+    built on first use, so an engine whose requests are unconstrained never imports xgrammar.
     """
 
     def __init__(
@@ -122,14 +126,18 @@ class Grammars:
         stop_ids: Iterable[int],
         tokenizer_info: Any = None,
         num_threads: int | None = None,
+        num_workers: int = 1,
     ) -> None:
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"Grammars.num_threads must be >= 1 (or None: every core but one), got {num_threads}")
+        if num_workers < 1:
+            raise ValueError(f"Grammars.num_workers must be >= 1, got {num_workers}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.tokenizer_info = tokenizer_info
         self.num_threads = num_threads or default_fill_threads()
+        self.num_workers = num_workers
         self._pool: ThreadPoolExecutor | None = None  # the grammar worker (``advance``), started on first use
         self._switch_interval: float | None = None  # the GIL switch interval to restore at ``wait``
         self._compiler: Any = None
@@ -181,7 +189,7 @@ class Grammars:
         dropped) allows any. pinned: the buffer is bound for a GPU."""
         host = self._allocate(matchers, pinned)
         if host is not None:
-            self._fill(matchers, host)
+            self._fill(_numbered(matchers), host.bitmask)
         return host
 
     def advance(
@@ -193,49 +201,52 @@ class Grammars:
         pinned: bool = False,
     ) -> PendingMask | None:
         """``accept`` a collected step's tokens, then fill the masks of the step that follows it (``following``: its
-        rows' matchers, as for ``masks``), both on the grammar worker thread: xgrammar accepts and fills without
-        the GIL (the fill on its own threads), so the caller goes on (commit, planning) until it needs the mask
-        (``wait``). No matcher may be used before then. None when ``following`` has no constrained row (the tokens
-        are accepted at once)."""
+        rows' matchers, as for ``masks``), on the grammar worker threads: xgrammar accepts and fills without the
+        GIL, so the caller goes on (commit, planning) until it needs the mask (``wait``). No matcher may be used
+        before then. With ``num_workers`` > 1 the following rows are cut into that many chunks, each accepted then
+        filled by its own worker (so the accepts run in parallel too). None when ``following`` has no constrained
+        row (the tokens are accepted at once)."""
         host = self._allocate(following, pinned)
         if host is None:
             self.accept(seq_ids, matchers, tokens)
             return None
         if self._switch_interval is None:
-            # The worker needs the GIL for a few lines between xgrammar's calls; the caller's commit and planning are
+            # The workers need the GIL for a few lines between xgrammar's calls; the caller's commit and planning are
             # pure Python and would hold it for the switch interval (5 ms by default) each time. Until ``wait``.
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(GIL_SWITCH_S)
-        work = self._worker().submit(self._advance, seq_ids, matchers, tokens, following, host)
-        return PendingMask(host, work)
+        pool, bitmask = self._worker(), host.bitmask
+        chunks = _chunks(_constrained(seq_ids, matchers, tokens), _numbered(following), self.num_workers)
+        return PendingMask(host, tuple(pool.submit(self._advance, acc, fill, bitmask) for acc, fill in chunks))
 
     def wait(self, pending: PendingMask) -> HostGrammarMask:
-        """The filled mask of ``advance`` once the worker is done (re-raising what it raised); forgets the matchers
-        whose grammar ended with the accepted tokens."""
+        """The filled mask of ``advance`` once the workers are done (re-raising what they raised); forgets the
+        matchers whose grammar ended with the accepted tokens."""
         try:
-            ended = pending.work.result()
+            ended = [pair for work in pending.work for pair in work.result()]
         finally:
-            if self._switch_interval is not None:
-                sys.setswitchinterval(self._switch_interval)
-                self._switch_interval = None
+            self._restore_switch_interval()
         for rid, live in ended:
             if self._live.get(rid) is live:
                 del self._live[rid]
         return pending.host
 
     def cancel(self, pending: PendingMask) -> None:
-        """``wait`` for a mask that will not be used (its step was dropped): never raises; what the worker raised
+        """``wait`` for a mask that will not be used (its step was dropped): never raises; what the workers raised
         is dropped with the step."""
-        if pending.work.exception() is None:
+        if all(work.exception() is None for work in pending.work):
             self.wait(pending)
-        elif self._switch_interval is not None:
+        self._restore_switch_interval()
+
+    def _restore_switch_interval(self) -> None:
+        if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
         accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
-        for rid, live in self._accept(seq_ids, matchers, tokens):
+        for rid, live in self._accept(_constrained(seq_ids, matchers, tokens)):
             if self._live.get(rid) is live:
                 del self._live[rid]
 
@@ -249,28 +260,18 @@ class Grammars:
         return HostGrammarMask.allocate(positions, self.words, pinned)
 
     def _advance(
-        self,
-        seq_ids: Sequence[str],
-        matchers: Sequence[Matcher | None],
-        tokens: Sequence[int],
-        following: Sequence[Matcher | None],
-        host: HostGrammarMask,
+        self, accepts: list[tuple[str, Matcher, int]], fills: list[tuple[int, Matcher]], bitmask: torch.Tensor
     ) -> list[tuple[str, Matcher]]:
-        """The worker's part of ``advance``; returns the (id, matcher) pairs whose grammar ended."""
-        ended = self._accept(seq_ids, matchers, tokens)
-        self._fill(following, host)
+        """A worker's part of ``advance``; returns the (id, matcher) pairs whose grammar ended."""
+        ended = self._accept(accepts)
+        self._fill(fills, bitmask)
         return ended
 
-    def _accept(
-        self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]
-    ) -> list[tuple[str, Matcher]]:
-        """Each live constrained row's matcher accepts its token (one xgrammar call); returns the (id, matcher) pairs
-        whose grammar ended. A matcher already ended is skipped (a dropped speculative row's token)."""
-        rows = [
-            (rid, live, token)
-            for rid, live, token in zip(seq_ids, matchers, tokens, strict=True)
-            if live is not None and not live.matcher.is_terminated()
-        ]
+    @staticmethod
+    def _accept(rows: list[tuple[str, Matcher, int]]) -> list[tuple[str, Matcher]]:
+        """Each (id, matcher, token) row's matcher accepts its token (one xgrammar call); returns the (id, matcher)
+        pairs whose grammar ended. A matcher already ended is skipped (a dropped speculative row's token)."""
+        rows = [row for row in rows if not row[1].matcher.is_terminated()]
         if not rows:
             return []
         xgr = import_xgrammar()
@@ -279,28 +280,29 @@ class Grammars:
             live.accepted += ok
         return [(rid, live) for rid, live, _ in rows if live.matcher.is_terminated()]
 
-    def _fill(self, matchers: Sequence[Matcher | None], host: HostGrammarMask) -> None:
-        """Fill ``host`` (allocated for the constrained rows of ``matchers``): a row whose grammar ended allows any
-        token; the others are filled by one xgrammar call (several rows: on xgrammar's threads)."""
-        bitmask, filled, rows = host.bitmask, [], []
-        for row, live in enumerate(m for m in matchers if m is not None):
+    def _fill(self, rows: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> None:
+        """Fill each (bitmask row, matcher) row: a row whose grammar ended allows any token; the others are filled by
+        one xgrammar call (several rows: on xgrammar's threads)."""
+        filled, indices = [], []
+        for row, live in rows:
             if live.matcher.is_terminated():
                 bitmask[row] = -1
             else:
                 filled.append(live.matcher)
-                rows.append(row)
+                indices.append(row)
         if len(filled) == 1:
-            filled[0].fill_next_token_bitmask(bitmask, rows[0])
+            filled[0].fill_next_token_bitmask(bitmask, indices[0])
         elif filled:
             caller = threading.get_ident()
             if caller not in self._batches:
-                self._batches[caller] = import_xgrammar().BatchGrammarMatcher(self.num_threads)
-            self._batches[caller].batch_fill_next_token_bitmask(filled, bitmask, rows)
+                threads = max(1, self.num_threads // self.num_workers)
+                self._batches[caller] = import_xgrammar().BatchGrammarMatcher(threads)
+            self._batches[caller].batch_fill_next_token_bitmask(filled, bitmask, indices)
 
     def _worker(self) -> ThreadPoolExecutor:
-        """The thread that runs ``advance`` (one: a step's work is two xgrammar calls)."""
+        """The threads that run ``advance`` (``num_workers``), started on first use."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnvllm-grammar")
+            self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="fnvllm-grammar")
         return self._pool
 
     def prune(self, live: Container[str]) -> None:
@@ -313,3 +315,29 @@ class Grammars:
     def num_live(self) -> int:
         """Matchers held (tests)."""
         return len(self._live)
+
+
+def _constrained(
+    seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]
+) -> list[tuple[str, Matcher, int]]:
+    """The (id, matcher, token) of each constrained row."""
+    return [(rid, m, t) for rid, m, t in zip(seq_ids, matchers, tokens, strict=True) if m is not None]
+
+
+def _numbered(matchers: Sequence[Matcher | None]) -> list[tuple[int, Matcher]]:
+    """The (bitmask row, matcher) of each constrained row: bitmask rows number the constrained rows in order."""
+    return list(enumerate(m for m in matchers if m is not None))
+
+
+def _chunks(
+    accepts: list[tuple[str, Matcher, int]], fills: list[tuple[int, Matcher]], num_chunks: int
+) -> list[tuple[list[tuple[str, Matcher, int]], list[tuple[int, Matcher]]]]:
+    """Cut the rows to fill into ``num_chunks`` contiguous chunks (fewer when there are fewer rows), each with the
+    accepts of its own matchers, so that a matcher accepts its token before its mask is filled in the same chunk;
+    the accepts of matchers with no row to fill go to the first chunk."""
+    size = -(-len(fills) // num_chunks)  # ceil
+    parts = [fills[k : k + size] for k in range(0, len(fills), size)]
+    by_matcher = {id(row[1]): row for row in accepts}
+    chunks = [([by_matcher.pop(id(m)) for _, m in part if id(m) in by_matcher], part) for part in parts]
+    chunks[0][0].extend(by_matcher.values())
+    return chunks
