@@ -193,3 +193,19 @@ def test_chunks_keep_each_accept_before_its_own_fill(grammars: Grammars) -> None
     chunks = _chunks(accepts, [(0, b), (1, c), (2, d)], 2)
     assert chunks == [([("b", b, 2), ("c", c, 3), ("a", a, 1)], [(0, b), (1, c)]), ([], [(2, d)])]
     assert _chunks(accepts, [(0, d)], 4) == [(accepts, [(0, d)])]
+
+
+def test_two_engines_restore_the_original_switch_interval(grammars: Grammars) -> None:
+    """Two Grammars whose advances overlap (two engines in one process) put the original GIL switch interval back
+    once both have waited, whichever waits first."""
+    before = sys.getswitchinterval()
+    other = Grammars(None, VOCAB, [STOP], tokenizer_info=grammars.tokenizer_info, num_threads=1)
+    (a,) = _matchers(grammars, ['{"name": "a'])
+    (b,) = _matchers(other, ['{"name": "a'])
+    token = ord("b") - 31
+    first, second = grammars.advance(["a"], [a], [token], [a]), other.advance(["b"], [b], [token], [b])
+    assert first is not None and second is not None
+    grammars.wait(first)
+    assert sys.getswitchinterval() < before
+    other.wait(second)
+    assert sys.getswitchinterval() == before

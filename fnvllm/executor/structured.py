@@ -86,6 +86,34 @@ def default_fill_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else max(1, os.cpu_count() or 1)
 
 
+class _SwitchInterval:
+    """The process's GIL switch interval, lowered to GIL_SWITCH_S while any Grammars' workers run (counted, so that
+    two engines in one process restore the original once both are done)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def lower(self) -> None:
+        """One more user of the low interval (the first saves the original)."""
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(GIL_SWITCH_S)
+            self._users += 1
+
+    def restore(self) -> None:
+        """One user fewer (the last puts the original back)."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH = _SwitchInterval()
+
+
 @attrs.define(eq=False)
 class PendingMask:
     """A step's grammar bitmask, being filled on the grammar worker thread (``Grammars.advance``).
@@ -139,7 +167,7 @@ class Grammars:
         self.num_threads = num_threads or default_fill_threads()
         self.num_workers = num_workers
         self._pool: ThreadPoolExecutor | None = None  # the grammar worker (``advance``), started on first use
-        self._switch_interval: float | None = None  # the GIL switch interval to restore at ``wait``
+        self._lowered = False  # whether this object holds the GIL switch interval lowered (``advance`` to ``wait``)
         self._compiler: Any = None
         # xgrammar's BatchGrammarMatchers (they fill several rows' masks on threads), one per calling thread (the
         # caller's, the grammar worker's): one object must not fill from two threads at once.
@@ -210,11 +238,11 @@ class Grammars:
         if host is None:
             self.accept(seq_ids, matchers, tokens)
             return None
-        if self._switch_interval is None:
+        if not self._lowered:
             # The workers need the GIL for a few lines between xgrammar's calls; the caller's commit and planning are
             # pure Python and would hold it for the switch interval (5 ms by default) each time. Until ``wait``.
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(GIL_SWITCH_S)
+            _SWITCH.lower()
+            self._lowered = True
         pool, bitmask = self._worker(), host.bitmask
         chunks = _chunks(_constrained(seq_ids, matchers, tokens), _numbered(following), self.num_workers)
         return PendingMask(host, tuple(pool.submit(self._advance, acc, fill, bitmask) for acc, fill in chunks))
@@ -239,9 +267,9 @@ class Grammars:
         self._restore_switch_interval()
 
     def _restore_switch_interval(self) -> None:
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        if self._lowered:
+            _SWITCH.restore()
+            self._lowered = False
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
