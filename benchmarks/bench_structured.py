@@ -57,6 +57,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each batch (the best is reported)")
+    p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time both batches with overlapped steps off (default on)")  # fmt: skip
+    p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the mix with deferred steps sampled at collect (default on)")  # fmt: skip
+    p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
+    p.add_argument("--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1)")
     return p.parse_args()
 
 
@@ -101,13 +107,16 @@ def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
         options |= {"dtype": "float32", "attention_backend": "torch"}
     llm = LLM(folder, load_tokenizer=has_tokenizer, **options)
     if has_tokenizer:
+        grammars = getattr(llm.executor, "local", llm.executor).grammars
+        if grammars is not None and args.fill_threads:
+            grammars.num_threads = args.fill_threads
         return llm, lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)
     vocab_size = llm.model_config.vocab_size
     eos = sorted(llm.engine.config.eos_token_ids)
     vocab = _synthetic_vocab(vocab_size)
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=eos)
     executor = getattr(llm.executor, "local", llm.executor)
-    executor.grammars = Grammars(None, vocab_size, eos, tokenizer_info=info)
+    executor.grammars = Grammars(None, vocab_size, eos, tokenizer_info=info, num_threads=args.fill_threads)
     return llm, lambda ids: b"".join(vocab[i] for i in ids if i not in eos).decode("utf-8", "replace")
 
 
@@ -180,17 +189,60 @@ def main() -> int:
                 max_tokens=args.max_tokens, temperature=1.0, structured=long_spec
             )
         _timed(llm, prompts[:16], mixed[:16])  # warm-up: compile, graphs
-        (t_plain, n_plain), (t_mixed, n_mixed) = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+        results = {"": _interleaved(llm, prompts, [plain, mixed], args.repeats)}
         overlap = llm.loop.overlap
+        executor = getattr(llm.executor, "local", llm.executor)
+        if overlap and args.variants:  # the other place a deferred step may sample (ModelExecutor docstring)
+            executor.sample_deferred_at = "collect"
+            results[", sampled at collect"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+            executor.sample_deferred_at = "launch"
+            default = executor.grammars
+            for workers in (4, 8):  # grammar workers that each accept and fill a chunk of the rows
+                executor.grammars = _with_workers(default, workers)
+                results[f", {workers} grammar workers"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+            executor.grammars = default
+        if args.plain and overlap:
+            from fnvllm.engine.loop import EngineLoop
+
+            llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+            results[", plain steps"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
         llm.close()
+    if args.host_steps:
+        _host_table(num_constrained, args.host_steps)
     print(f"\ndevice {args.device}, overlap {overlap}, {args.rows} rows x {args.max_tokens} tokens, correctness "
           f"{valid}/{min(16, len(prompts))} constrained outputs valid")  # fmt: skip
-    print(f"{'batch':<28}{'seconds':>10}{'tokens':>10}{'tok/s':>12}")
-    print(f"{'unconstrained':<28}{t_plain:>10.3f}{n_plain:>10}{n_plain / t_plain:>12.0f}")
-    label = f"{num_constrained} constrained ({args.fraction:.0%})"
-    print(f"{label:<28}{t_mixed:>10.3f}{n_mixed:>10}{n_mixed / t_mixed:>12.0f}")
-    print(f"{'mixed / unconstrained time':<28}{t_mixed / t_plain:>10.3f}")
+    print(f"{'batch':<48}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
+    for suffix, ((t_plain, n_plain), (t_mixed, n_mixed)) in results.items():
+        label = f"{num_constrained} constrained ({args.fraction:.0%}){suffix}"
+        for name, seconds, tokens in ((f"unconstrained{suffix}", t_plain, n_plain), (label, t_mixed, n_mixed)):
+            step_ms = 1e3 * seconds / args.max_tokens
+            print(f"{name:<48}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
+        print(f"{'mixed / unconstrained time' + suffix:<48}{t_mixed / t_plain:>10.3f}")
     return 0
+
+
+def _with_workers(grammars: Any, workers: int) -> Any:
+    """A Grammars like ``grammars`` with ``workers`` grammar workers sharing its xgrammar threads."""
+    from fnvllm.executor.structured import Grammars
+
+    return Grammars(
+        grammars.tokenizer,
+        grammars.vocab_size,
+        grammars.stop_ids,
+        grammars.tokenizer_info,
+        grammars.num_threads,
+        workers,
+    )
+
+
+def _host_table(rows: int, steps: int) -> None:
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows (1, 8, all but one xgrammar threads on
+    one worker; 4, 8, 15 workers)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import structured_host
+
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4,8x2,15x1"]
+    structured_host.main()
 
 
 if __name__ == "__main__":

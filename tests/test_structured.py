@@ -22,7 +22,7 @@ import fnvllm.demo
 from fnvllm.engine.loop import EngineLoop
 from fnvllm.executor.model_executor import ModelExecutor
 from fnvllm.executor.sampler import GrammarMask, Sampler, apply_grammar_mask, prepare_sampling
-from fnvllm.executor.structured import check_structured
+from fnvllm.executor.structured import Grammars, check_structured
 from fnvllm.llm import LLM
 from fnvllm.state import InvalidRequestError, SamplingParams, StructuredOutput
 
@@ -130,12 +130,17 @@ def overlapping(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("overlapping")
-def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With overlapped steps (constrained steps sampling after the host accepted the previous tokens), seeded
-    constrained and unconstrained rows produce exactly plain stepping's tokens."""
-    waits = []
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """With overlapped steps (constrained steps sampling after the grammar thread accepted the previous tokens and
+    filled their masks), seeded constrained and unconstrained rows produce exactly plain stepping's tokens, whether
+    a deferred step samples at the next launch or at the collect that accepted its tokens."""
+    monkeypatch.setattr(llm.engine.executor, "sample_deferred_at", where)
+    waits, advances = [], []
     original = ModelExecutor._waits_for_tokens
     monkeypatch.setattr(ModelExecutor, "_waits_for_tokens", lambda _, *a: waits.append(original(*a)) or waits[-1])
+    advance = Grammars.advance
+    monkeypatch.setattr(Grammars, "advance", lambda self, *a: advances.append(advance(self, *a)) or advances[-1])
     prompts = ["The story", "def f", "Once", "A", "import", "x", "The"]
     llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
     plain = llm.generate(prompts, _params(11))
@@ -143,6 +148,7 @@ def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.M
     assert llm.loop.overlap
     overlapped = llm.generate(prompts, _params(11))
     assert llm.loop.overlap_stats.kept > 0 and any(waits)  # speculative steps ran, some deferred their sampling
+    assert any(advances) == (where == "launch")  # ... their masks filled on the grammar thread, or at collect
     llm.loop.drain()
     llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
     _check(overlapped)

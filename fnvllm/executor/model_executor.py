@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from itertools import compress
 from operator import attrgetter
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import attrs
 import numpy as np
@@ -38,8 +38,8 @@ from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
-from fnvllm.executor.sampler import GrammarMask, Logprobs, Sampler, prepare_sampling
-from fnvllm.executor.structured import Grammars, Matcher
+from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
+from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, KVCache
@@ -108,8 +108,9 @@ class Launched:
     matchers: per sampled row, its grammar matcher (None: unconstrained), advanced by the tokens at collect.
     deferred: the logits of a step whose sampling waits for the host to accept the previous step's tokens (a
     constrained row fed from a step still in flight); ``packed`` is filled when it samples (``_sample_deferred``).
-    fed_by: for a deferred step, the step whose tokens its masks wait for: collecting that step samples this one at
-    once, so the sampler is queued behind this step's forward while the host goes on planning.
+    fed_by: for a deferred step, the step whose tokens its masks wait for: collecting that step starts filling this
+    one's masks on the grammar thread (``pending``), and the next launch (or this step's collect) samples it, so
+    the fill runs while the host commits and plans.
     prompt / prompt_host: the prompt logprobs this step scored (``fnvllm.executor.prompt_logprobs``) and their
     copy to the host.
     """
@@ -124,6 +125,7 @@ class Launched:
     matchers: tuple[Matcher | None, ...] = ()
     deferred: torch.Tensor | None = None
     fed_by: object | None = None
+    pending: PendingMask | None = None
     collected: bool = False
     prompt: tuple[ScoredRow, ...] = ()
     prompt_host: HostCopy | None = None
@@ -276,6 +278,11 @@ class ModelExecutor:
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
+        # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
+        # its masks filled on the grammar thread while the host commits and plans (the host's critical path does not
+        # wait for the fill); "collect" = at the end of the collect that accepted its tokens, its masks filled there
+        # (the device samples sooner; the host commits and plans later). benchmarks/bench_structured.py times both.
+        self.sample_deferred_at: Literal["launch", "collect"] = "launch"
         self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------
@@ -400,7 +407,7 @@ class ModelExecutor:
     def reset(self, next_step: int) -> None:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
         self.next_step = next_step
-        self._deferred = None
+        self._drop_deferred()
         if self._host_ring is not None:
             self._host_ring.release_all()
         self.prompt_scorer.reset()
@@ -530,12 +537,36 @@ class ModelExecutor:
         return any(m is not None and sources[i] is not None for i, m in zip(rows, matchers, strict=True))
 
     def _sample_deferred(self) -> None:
-        """Sample the step whose masks waited for the host (its previous step's tokens are accepted by now)."""
+        """Sample the step whose masks waited for the host (its previous step's tokens are accepted by now; its
+        masks are being filled on the grammar thread, or are filled now)."""
         launched, self._deferred = self._deferred, None
         if launched is not None and launched.deferred is not None:
             logits, launched.deferred = launched.deferred, None
             self._sample(launched, logits)
 
+    def _accept(self, collected: Launched, tokens: list[int]) -> None:
+        """The constrained rows' matchers accept ``collected``'s tokens. When the deferred step waits for them, the
+        grammar thread accepts them and goes on to fill that step's masks, while the host commits and plans; the
+        next launch samples it."""
+        assert self.grammars is not None  # a constrained row ran
+        ids = [collected.plan.seq_ids[i] for i in collected.rows]
+        deferred = self._deferred
+        if deferred is None or deferred.fed_by is not collected or self.sample_deferred_at == "collect":
+            self.grammars.accept(ids, collected.matchers, tokens)
+            if deferred is not None and deferred.fed_by is collected:
+                self._sample_deferred()
+            return
+        pinned = self.device.type == "cuda"
+        deferred.pending = self.grammars.advance(ids, collected.matchers, tokens, deferred.matchers, pinned)
+
+    def _drop_deferred(self) -> None:
+        """Forget the deferred step (it will not be sampled), once the grammar thread (which holds its matchers) is
+        done with it; what that thread raised is dropped with it."""
+        launched, self._deferred = self._deferred, None
+        if launched is not None and launched.pending is not None and self.grammars is not None:
+            self.grammars.cancel(launched.pending)
+
+    @torch.inference_mode()  # also from collect (a deferred step), whose logits are inference tensors
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
         plan, rows, timer = launched.plan, launched.rows, launched.timer
@@ -550,9 +581,13 @@ class ModelExecutor:
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
         )
         if self.grammars is not None and any(launched.matchers):
-            masks = self.grammars.masks(launched.matchers)
-            if masks is not None:
-                batch = attrs.evolve(batch, grammar_mask=GrammarMask.upload(*masks, self.device))
+            pending, launched.pending = launched.pending, None
+            if pending is not None:  # filled on the grammar thread while the host committed and planned
+                host = self.grammars.wait(pending)
+            else:
+                host = self.grammars.masks(launched.matchers, pinned=self.device.type == "cuda")
+            if host is not None:  # one non-blocking copy; the logits are this step's own, masked in place
+                batch = attrs.evolve(batch, grammar_mask=host.upload(self.device, scratch=True))
         out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
         packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
         self.history.record(plan, rows, packed[0])
@@ -590,13 +625,9 @@ class ModelExecutor:
             timer.finish(plan, launched.graph)
         if any(flags):
             check_finite(flags, [plan.seq_ids[i] for i in launched.rows])
-        if self.grammars is not None and any(launched.matchers):
-            self.grammars.accept([plan.seq_ids[i] for i in launched.rows], launched.matchers, tokens)
+        if any(launched.matchers):
+            self._accept(launched, tokens)
         launched.collected = True
-        if self._deferred is not None and self._deferred.fed_by is launched:
-            # The step behind this one waited for these tokens: fill its masks and queue its sampler now, while its
-            # forward still runs, rather than at the next launch (after the host has committed and planned).
-            self._sample_deferred()
         if not logprobs:
             return ExecuteResult(tuple(tokens), prompt_logprobs=prompt)
         return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked), prompt)
@@ -607,7 +638,7 @@ class ModelExecutor:
         if not isinstance(launched, Launched):
             raise TypeError(f"discard takes what launch returned, got {type(launched).__name__}")
         if launched is self._deferred:
-            self._deferred = None
+            self._drop_deferred()
         if launched.host is not None:
             launched.host.release()
         self.next_step = launched.plan.step

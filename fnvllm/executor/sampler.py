@@ -17,7 +17,8 @@ Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are adde
 sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched.
 
 Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor.structured``): their disallowed
-tokens are set to MASKED_LOGIT on a copy of the logits before anything else; the other rows are untouched.
+tokens are set to MASKED_LOGIT (one kernel, ``fnvllm.kernels.grammar_mask``) on a copy of the logits, or on the
+logits themselves when the executor marks them scratch and no row asks for logprobs; the other rows are untouched.
 
 Order of operations on a row: logit bias, grammar mask (constrained rows), repetition penalty (HF style, prompt
 and output tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature; keep the
@@ -137,21 +138,72 @@ def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
 
 
 @attrs.frozen(eq=False)
+class HostGrammarMask:
+    """The grammar-constrained rows' bitmask on the host, laid out for one copy to the device.
+
+    flat: one int32 buffer (pinned when bound for a GPU): the (R, W) bitmask, then (after padding to an even
+    offset) the R batch rows as int64. ``bitmask`` and ``rows`` are views of it, so the matchers fill the bitmask
+    in place and ``upload`` sends both with one non-blocking copy.
+    """
+
+    flat: torch.Tensor
+    num_rows: int
+    words: int
+
+    @classmethod
+    def allocate(cls, rows: Sequence[int], words: int, pinned: bool) -> HostGrammarMask:
+        """A buffer for ``rows`` (batch rows) and ``words`` int32 words per row; the bitmask is left unfilled.
+        pinned: take it from torch's caching pinned allocator (which keeps it alive until its copy has run)."""
+        offset = _rows_offset(len(rows), words)
+        flat = torch.empty(offset + 2 * len(rows), dtype=torch.int32, pin_memory=pinned)
+        flat[offset:].view(torch.int64).numpy()[:] = rows
+        return cls(flat, len(rows), words)
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """(R, W) int32 view, filled by the matchers."""
+        return self.flat[: self.num_rows * self.words].view(self.num_rows, self.words)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """(R,) int64 view: the batch row of each bitmask row."""
+        return self.flat[_rows_offset(self.num_rows, self.words) :].view(torch.int64)
+
+    def upload(self, device: torch.device | str, scratch: bool = False) -> GrammarMask:
+        """The GrammarMask on ``device`` (``scratch``: see GrammarMask): one copy, which does not wait for the device
+        when the buffer is pinned."""
+        flat = self.flat.to(device, non_blocking=True)
+        bitmask = flat[: self.num_rows * self.words].view(self.num_rows, self.words)
+        return GrammarMask(bitmask, flat[_rows_offset(self.num_rows, self.words) :].view(torch.int64), scratch)
+
+
+def _rows_offset(num_rows: int, words: int) -> int:
+    """Where the int64 rows start in a HostGrammarMask's int32 buffer (even, so the int64 view is aligned)."""
+    return (num_rows * words + 1) // 2 * 2
+
+
+@attrs.frozen(eq=False)
 class GrammarMask:
     """The allowed tokens of the grammar-constrained rows (``fnvllm.executor.structured``), on the device.
 
     bitmask: (R, ceil(V / 32)) int32, bit t % 32 of word t // 32 set when token t is allowed (xgrammar's layout).
     rows: (R,) int64 batch rows it applies to. The other rows are not touched.
+    scratch: the logits are the caller's scratch (it reads them no more after sampling), so the sampler may mask
+    them in place instead of on a copy; ignored when a row asks for logprobs (those are of the raw logits).
     """
 
     bitmask: torch.Tensor
     rows: torch.Tensor
+    scratch: bool = False
 
     @classmethod
     def upload(cls, bitmask: torch.Tensor, rows: Sequence[int], device: torch.device | str) -> GrammarMask:
-        """Copy a host bitmask (R, W) and its R batch rows to ``device``."""
+        """Copy a host bitmask (R, W) and its R batch rows to ``device`` (one non-blocking copy through pinned
+        memory on a GPU: it never waits for the work queued on the device)."""
         device = torch.device(device)
-        return cls(bitmask.to(device, non_blocking=True), torch.tensor(list(rows), dtype=torch.int64, device=device))
+        host = HostGrammarMask.allocate(rows, bitmask.shape[1], pinned=device.type == "cuda")
+        host.bitmask.copy_(bitmask)
+        return host.upload(device)
 
 
 # What a masked-out logit becomes: far below any real logit yet finite (the sampler flags non-finite logits as a
@@ -159,16 +211,22 @@ class GrammarMask:
 MASKED_LOGIT = -1e30
 
 
-def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
-    """A copy of ``logits`` (B, V) whose constrained rows have every disallowed token at MASKED_LOGIT (or the
-    dtype's lowest finite value, when that is higher); ``logits`` itself is not modified."""
-    vocab = logits.shape[1]
-    ids = torch.arange(vocab, device=logits.device)
-    words = mask.bitmask.index_select(1, ids >> 5)  # (R, V)
-    allowed = ((words >> (ids & 31)) & 1).bool()
-    lowest = max(MASKED_LOGIT, torch.finfo(logits.dtype).min)
-    masked = logits.index_select(0, mask.rows).masked_fill(~allowed, lowest)
-    return logits.index_copy(0, mask.rows, masked)
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask, kernels: bool = False) -> torch.Tensor:
+    """``logits`` (B, V) with every disallowed token of the constrained rows at MASKED_LOGIT (or the dtype's lowest
+    finite value, when that is higher); the other rows are untouched. A copy, unless ``mask.scratch`` (then
+    ``logits`` itself, masked in place). kernels: one Triton launch (``fnvllm.kernels.grammar_mask``) that writes
+    only the masked positions; else its torch reference."""
+    out = logits if mask.scratch else logits.clone()
+    value = max(MASKED_LOGIT, torch.finfo(logits.dtype).min)
+    if kernels:
+        from fnvllm.kernels.grammar_mask import mask_rows  # Triton: only where the kernels run
+
+        mask_rows(out, mask.bitmask, mask.rows, value)
+    else:
+        from fnvllm.kernels.grammar_mask import mask_rows_ref
+
+        mask_rows_ref(out, mask.bitmask, mask.rows, value)
+    return out
 
 
 @attrs.frozen(eq=False)
@@ -410,8 +468,11 @@ class Sampler:
         raw = logits
         if batch.logit_bias is not None:
             logits = apply_logit_bias(logits, batch.logit_bias)
-        if batch.grammar_mask is not None:
-            logits = apply_grammar_mask(logits, batch.grammar_mask)
+        mask = batch.grammar_mask
+        if mask is not None:
+            # in place on a copy already made (bias), or on the caller's scratch logits when no row reads them raw
+            scratch = logits is not raw or (mask.scratch and batch.logprob_rows is None)
+            logits = apply_grammar_mask(logits, attrs.evolve(mask, scratch=scratch), self._uses_kernels(logits.device))
         if self._uses_kernels(logits.device):
             key = (self.seed * 1_000_003 + self._calls) % 2**31
             self._calls += 1

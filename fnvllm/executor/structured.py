@@ -12,13 +12,19 @@ it installed that is an InvalidRequestError naming the package (``check_structur
 is added, before anything runs).
 
 Overlapped steps: see ``ModelExecutor.launch`` and docs/structured_outputs.md (a step with a constrained row fed
-by the step still in flight samples once the host has accepted that step's tokens; its forward still overlaps).
+by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). Then
+``advance`` runs the accept and the next masks' fill on a worker thread, while the engine loop commits and plans;
+xgrammar does both without holding the GIL.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 from collections.abc import Container, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -30,6 +36,9 @@ from fnvllm.state.plan import StepPlan
 if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the loop without torch
     import torch
 
+    from fnvllm.executor.sampler import HostGrammarMask
+
+GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
 
 
@@ -71,6 +80,53 @@ def check_structured(params: SamplingParams) -> None:
         raise InvalidRequestError(f"SamplingParams.structured ({field}) does not compile: {error}") from error
 
 
+def default_fill_threads() -> int:
+    """Threads for the mask fills: every core this process may use but one (left to the engine loop, which commits
+    and plans while the fill runs)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else max(1, os.cpu_count() or 1)
+
+
+class _SwitchInterval:
+    """The process's GIL switch interval, lowered to GIL_SWITCH_S while any Grammars' workers run (counted, so that
+    two engines in one process restore the original once both are done)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def lower(self) -> None:
+        """One more user of the low interval (the first saves the original)."""
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(GIL_SWITCH_S)
+            self._users += 1
+
+    def restore(self) -> None:
+        """One user fewer (the last puts the original back)."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH = _SwitchInterval()
+
+
+@attrs.define(eq=False)
+class PendingMask:
+    """A step's grammar bitmask, being filled on the grammar worker thread (``Grammars.advance``).
+
+    host: the buffer being filled (and the rows it applies to). work: the workers' accepts and fills, one per chunk
+    of rows, whose results are the (id, matcher) pairs whose grammar ended with the accepted tokens; read them
+    through ``Grammars.wait``.
+    """
+
+    host: HostGrammarMask
+    work: tuple[Future[list[tuple[str, Matcher]]], ...]
+
+
 @attrs.define(eq=False)
 class Matcher:
     """One request life's matcher and how many tokens it has accepted."""
@@ -85,17 +141,37 @@ class Grammars:
     tokenizer: the Hugging Face tokenizer of the model; vocab_size: the model's (logits') vocabulary size, which
     may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
     tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
-    without a tokenizer). The compiler is built on first use, so an engine whose requests are unconstrained never
-    imports xgrammar.
+    without a tokenizer). num_threads: xgrammar's threads for filling several rows' masks (default: every core
+    but one, ``default_fill_threads``). num_workers: the grammar worker threads of ``advance``, each accepting
+    and filling its own chunk of the rows (with num_threads / num_workers of xgrammar's threads). The compiler is
+    built on first use, so an engine whose requests are unconstrained never imports xgrammar.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], tokenizer_info: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        tokenizer_info: Any = None,
+        num_threads: int | None = None,
+        num_workers: int = 1,
+    ) -> None:
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"Grammars.num_threads must be >= 1 (or None: every core but one), got {num_threads}")
+        if num_workers < 1:
+            raise ValueError(f"Grammars.num_workers must be >= 1, got {num_workers}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.tokenizer_info = tokenizer_info
+        self.num_threads = num_threads or default_fill_threads()
+        self.num_workers = num_workers
+        self._pool: ThreadPoolExecutor | None = None  # the grammar worker (``advance``), started on first use
+        self._lowered = False  # whether this object holds the GIL switch interval lowered (``advance`` to ``wait``)
         self._compiler: Any = None
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher (fills several rows' masks on threads)
+        # xgrammar's BatchGrammarMatchers (they fill several rows' masks on threads), one per calling thread (the
+        # caller's, the grammar worker's): one object must not fill from two threads at once.
+        self._batches: dict[int, Any] = {}
         self._compiled: dict[tuple[str, str], Any] = {}
         self._live: dict[str, Matcher] = {}
 
@@ -134,42 +210,128 @@ class Grammars:
             out.append(live)
         return tuple(out)
 
-    def masks(self, matchers: Sequence[Matcher | None]) -> tuple[torch.Tensor, list[int]] | None:
-        """((R, words) int32 host bitmask, the R constrained positions among ``matchers``), None when none is
-        constrained. Each row allows the tokens its matcher accepts next; a row whose grammar already ended (a
-        speculative row of a request that finished in the step before: its token is dropped) allows any."""
-        positions = [k for k, m in enumerate(matchers) if m is not None]
-        if not positions:
+    def masks(self, matchers: Sequence[Matcher | None], pinned: bool = False) -> HostGrammarMask | None:
+        """The bitmask of the constrained rows among ``matchers`` (their positions are the batch rows), filled on the
+        calling thread; None when none is constrained. Each row allows the tokens its matcher accepts next; a row
+        whose grammar already ended (a speculative row of a request that finished in the step before: its token is
+        dropped) allows any. pinned: the buffer is bound for a GPU."""
+        host = self._allocate(matchers, pinned)
+        if host is not None:
+            self._fill(_numbered(matchers), host.bitmask)
+        return host
+
+    def advance(
+        self,
+        seq_ids: Sequence[str],
+        matchers: Sequence[Matcher | None],
+        tokens: Sequence[int],
+        following: Sequence[Matcher | None],
+        pinned: bool = False,
+    ) -> PendingMask | None:
+        """``accept`` a collected step's tokens, then fill the masks of the step that follows it (``following``: its
+        rows' matchers, as for ``masks``), on the grammar worker threads: xgrammar accepts and fills without the
+        GIL, so the caller goes on (commit, planning) until it needs the mask (``wait``). No matcher may be used
+        before then. With ``num_workers`` > 1 the following rows are cut into that many chunks, each accepted then
+        filled by its own worker (so the accepts run in parallel too). None when ``following`` has no constrained
+        row (the tokens are accepted at once)."""
+        host = self._allocate(following, pinned)
+        if host is None:
+            self.accept(seq_ids, matchers, tokens)
             return None
-        xgr = import_xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(positions), self.vocab_size)
-        filled, rows = [], []
-        for row, k in enumerate(positions):
-            live = matchers[k]
-            assert live is not None  # positions holds the constrained ones
-            if live.matcher.is_terminated():
-                bitmask[row] = -1
-            else:
-                filled.append(live.matcher)
-                rows.append(row)
-        if len(filled) == 1:
-            filled[0].fill_next_token_bitmask(bitmask, rows[0])
-        elif filled:  # on the host's threads: the rows' fills are independent
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(filled, bitmask, rows)
-        return bitmask, positions
+        if not self._lowered:
+            # The workers need the GIL for a few lines between xgrammar's calls; the caller's commit and planning are
+            # pure Python and would hold it for the switch interval (5 ms by default) each time. Until ``wait``.
+            _SWITCH.lower()
+            self._lowered = True
+        pool, bitmask = self._worker(), host.bitmask
+        chunks = _chunks(_constrained(seq_ids, matchers, tokens), _numbered(following), self.num_workers)
+        return PendingMask(host, tuple(pool.submit(self._advance, acc, fill, bitmask) for acc, fill in chunks))
+
+    def wait(self, pending: PendingMask) -> HostGrammarMask:
+        """The filled mask of ``advance`` once the workers are done (re-raising what they raised); forgets the
+        matchers whose grammar ended with the accepted tokens."""
+        try:
+            ended = [pair for work in pending.work for pair in work.result()]
+        finally:
+            self._restore_switch_interval()
+        for rid, live in ended:
+            if self._live.get(rid) is live:
+                del self._live[rid]
+        return pending.host
+
+    def cancel(self, pending: PendingMask) -> None:
+        """``wait`` for a mask that will not be used (its step was dropped): never raises; what the workers raised
+        is dropped with the step."""
+        if all(work.exception() is None for work in pending.work):
+            self.wait(pending)
+        self._restore_switch_interval()
+
+    def _restore_switch_interval(self) -> None:
+        if self._lowered:
+            _SWITCH.restore()
+            self._lowered = False
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
         accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
-        for rid, live, token in zip(seq_ids, matchers, tokens, strict=True):
-            if live is None or live.matcher.is_terminated():  # ended: a dropped speculative row's token
-                continue
-            if live.matcher.accept_token(token):
-                live.accepted += 1
-            if live.matcher.is_terminated() and self._live.get(rid) is live:
+        for rid, live in self._accept(_constrained(seq_ids, matchers, tokens)):
+            if self._live.get(rid) is live:
                 del self._live[rid]
+
+    def _allocate(self, matchers: Sequence[Matcher | None], pinned: bool) -> HostGrammarMask | None:
+        """An unfilled buffer for the constrained rows among ``matchers``, None when there is none."""
+        positions = [k for k, m in enumerate(matchers) if m is not None]
+        if not positions:
+            return None
+        from fnvllm.executor.sampler import HostGrammarMask  # torch: not at import (the simulator has none)
+
+        return HostGrammarMask.allocate(positions, self.words, pinned)
+
+    def _advance(
+        self, accepts: list[tuple[str, Matcher, int]], fills: list[tuple[int, Matcher]], bitmask: torch.Tensor
+    ) -> list[tuple[str, Matcher]]:
+        """A worker's part of ``advance``; returns the (id, matcher) pairs whose grammar ended."""
+        ended = self._accept(accepts)
+        self._fill(fills, bitmask)
+        return ended
+
+    @staticmethod
+    def _accept(rows: list[tuple[str, Matcher, int]]) -> list[tuple[str, Matcher]]:
+        """Each (id, matcher, token) row's matcher accepts its token (one xgrammar call); returns the (id, matcher)
+        pairs whose grammar ended. A matcher already ended is skipped (a dropped speculative row's token)."""
+        rows = [row for row in rows if not row[1].matcher.is_terminated()]
+        if not rows:
+            return []
+        xgr = import_xgrammar()
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([r[1].matcher for r in rows], [r[2] for r in rows])
+        for (_, live, _), ok in zip(rows, accepted, strict=True):
+            live.accepted += ok
+        return [(rid, live) for rid, live, _ in rows if live.matcher.is_terminated()]
+
+    def _fill(self, rows: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> None:
+        """Fill each (bitmask row, matcher) row: a row whose grammar ended allows any token; the others are filled by
+        one xgrammar call (several rows: on xgrammar's threads)."""
+        filled, indices = [], []
+        for row, live in rows:
+            if live.matcher.is_terminated():
+                bitmask[row] = -1
+            else:
+                filled.append(live.matcher)
+                indices.append(row)
+        if len(filled) == 1:
+            filled[0].fill_next_token_bitmask(bitmask, indices[0])
+        elif filled:
+            caller = threading.get_ident()
+            if caller not in self._batches:
+                threads = max(1, self.num_threads // self.num_workers)
+                self._batches[caller] = import_xgrammar().BatchGrammarMatcher(threads)
+            self._batches[caller].batch_fill_next_token_bitmask(filled, bitmask, indices)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """The threads that run ``advance`` (``num_workers``), started on first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="fnvllm-grammar")
+        return self._pool
 
     def prune(self, live: Container[str]) -> None:
         """Drop the matchers of requests not in ``live`` (they finished by length or a stop string, or were
@@ -181,3 +343,29 @@ class Grammars:
     def num_live(self) -> int:
         """Matchers held (tests)."""
         return len(self._live)
+
+
+def _constrained(
+    seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]
+) -> list[tuple[str, Matcher, int]]:
+    """The (id, matcher, token) of each constrained row."""
+    return [(rid, m, t) for rid, m, t in zip(seq_ids, matchers, tokens, strict=True) if m is not None]
+
+
+def _numbered(matchers: Sequence[Matcher | None]) -> list[tuple[int, Matcher]]:
+    """The (bitmask row, matcher) of each constrained row: bitmask rows number the constrained rows in order."""
+    return list(enumerate(m for m in matchers if m is not None))
+
+
+def _chunks(
+    accepts: list[tuple[str, Matcher, int]], fills: list[tuple[int, Matcher]], num_chunks: int
+) -> list[tuple[list[tuple[str, Matcher, int]], list[tuple[int, Matcher]]]]:
+    """Cut the rows to fill into ``num_chunks`` contiguous chunks (fewer when there are fewer rows), each with the
+    accepts of its own matchers, so that a matcher accepts its token before its mask is filled in the same chunk;
+    the accepts of matchers with no row to fill go to the first chunk."""
+    size = -(-len(fills) // num_chunks)  # ceil
+    parts = [fills[k : k + size] for k in range(0, len(fills), size)]
+    by_matcher = {id(row[1]): row for row in accepts}
+    chunks = [([by_matcher.pop(id(m)) for _, m in part if id(m) in by_matcher], part) for part in parts]
+    chunks[0][0].extend(by_matcher.values())
+    return chunks

@@ -1,0 +1,154 @@
+"""Host cost per step of grammar-constrained rows: the mask fill and the token accept, on the CPU only.
+
+python benchmarks/structured_host.py                         # 64 rows, a 151,936-token vocabulary, 64 steps
+python benchmarks/structured_host.py --rows 8 --steps 8 --vocab 4096 --threads 1
+
+R matchers of bench_structured.py's long JSON schema walk the grammar for --steps steps; each step every row takes
+a random token its mask allows (numpy, not timed). Per step it times, in milliseconds:
+
+- fill, one by one: ``fill_next_token_bitmask`` per row on the calling thread (the naive path);
+- fill, batched: ``Grammars.masks`` (one xgrammar batch call on W x T threads into one buffer laid out for a
+  single upload; the executor's path for a step whose rows were not fed by the step in flight);
+- accept: ``Grammars.accept`` of the step's tokens (one xgrammar batch call);
+- accept+fill past host work: ``Grammars.advance`` (the overlapped path: accept the tokens, then fill the next
+  step's masks, on W grammar worker threads, each its chunk of the rows with T xgrammar threads), then
+  --host-ms of Python work (standing for the engine loop's commit and planning, which run meanwhile), then
+  ``Grammars.wait``: the time past --host-ms is what the grammar work adds to the host's critical path.
+
+The vocabulary is bench_structured.py's synthetic one (byte tokens plus random JSON-ish strings) unless --model
+names a checkpoint folder with a tokenizer. Needs xgrammar; without it the script says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_structured's schema and vocabulary
+
+from bench_structured import LONG_SCHEMA, _synthetic_vocab
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=64, help="constrained rows")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=151936, help="synthetic vocabulary size (Qwen3's by default)")
+    p.add_argument("--model", default=None, help="a checkpoint folder whose tokenizer to use instead")
+    p.add_argument("--threads", default="1,auto,4x4", help="comma-separated fill thread counts ('auto': all cores "
+                   "but 1); WxT: W grammar workers (each its chunk of rows) of T xgrammar threads each")  # fmt: skip
+    p.add_argument("--host-ms", type=float, default=2.0, help="host work the fill runs behind")
+    return p.parse_args()
+
+
+def _grammars(args: argparse.Namespace, threads: int, workers: int = 1) -> Any:
+    """A Grammars over the synthetic vocabulary (or --model's tokenizer)."""
+    import xgrammar as xgr
+
+    from fnvllm.executor.structured import Grammars
+
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], num_threads=threads, num_workers=workers)
+    info = xgr.TokenizerInfo(_vocab(args.vocab), xgr.VocabType.RAW, vocab_size=args.vocab, stop_token_ids=[0])
+    return Grammars(None, args.vocab, [0], tokenizer_info=info, num_threads=threads, num_workers=workers)
+
+
+_VOCABS: dict[int, list[bytes]] = {}
+WARMUP = 2  # untimed steps before the timed ones
+
+
+def _vocab(size: int) -> list[bytes]:
+    if size not in _VOCABS:
+        _VOCABS[size] = _synthetic_vocab(size)
+    return _VOCABS[size]
+
+
+def _busy(ms: float) -> None:
+    """Pure-Python work for ``ms`` milliseconds (it holds the GIL, as commit and planning do)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
+def _walk(args: argparse.Namespace, threads: int, workers: int) -> dict[str, float]:
+    """Milliseconds per step of each timed part (module docstring)."""
+    import xgrammar as xgr
+
+    from fnvllm.executor.structured import Matcher
+    from fnvllm.state import StructuredOutput
+
+    grammars = _grammars(args, threads * workers, workers)
+    compiled = grammars._compile(StructuredOutput.json_schema(LONG_SCHEMA))
+    matchers = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]
+    twins = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]  # accept inline, timed alone
+    ids = [f"r{i}" for i in range(args.rows)]
+    one_by_one = xgr.allocate_token_bitmask(args.rows, grammars.vocab_size)
+    rng = np.random.default_rng(0)
+    totals = dict.fromkeys(("fill, one by one", "fill, batched", "accept", "accept+fill past host work"), 0.0)
+    host = grammars.masks(matchers)
+    for step in range(-WARMUP, args.steps):
+        if step == 0:  # the first steps start the threads: not timed
+            totals = dict.fromkeys(totals, 0.0)
+        start = time.perf_counter()
+        for row, live in enumerate(matchers):
+            live.matcher.fill_next_token_bitmask(one_by_one, row)
+        totals["fill, one by one"] += time.perf_counter() - start
+        start = time.perf_counter()
+        host = grammars.masks(matchers)
+        totals["fill, batched"] += time.perf_counter() - start
+        if not np.array_equal(host.bitmask.numpy(), one_by_one.numpy()):
+            raise SystemExit("structured_host: the batched fill differs from the per-row fills")
+        tokens = _pick(host.bitmask.numpy(), grammars.vocab_size, rng)
+        start = time.perf_counter()
+        grammars.accept(ids, twins, tokens)
+        totals["accept"] += time.perf_counter() - start
+        start = time.perf_counter()
+        pending = grammars.advance(ids, matchers, tokens, matchers)
+        _busy(args.host_ms)
+        grammars.wait(pending)
+        totals["accept+fill past host work"] += time.perf_counter() - start - args.host_ms / 1e3
+    return {name: 1e3 * total / args.steps for name, total in totals.items()}
+
+
+def _pick(bitmask: np.ndarray, vocab_size: int, rng: np.random.Generator) -> list[int]:
+    """A random allowed token per row of an (R, W) int32 bitmask."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # (R, V)
+    return [int(rng.choice(np.flatnonzero(row))) for row in bits]
+
+
+def main() -> int:
+    """Walk the grammar per thread count; print a table last."""
+    args = _args()
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        print("structured_host: xgrammar is not installed (pip install xgrammar); skipped.")
+        return 0
+    from fnvllm.executor.structured import default_fill_threads
+
+    specs = [
+        f"1x{default_fill_threads()}" if t == "auto" else t if "x" in t else f"1x{t}" for t in args.threads.split(",")
+    ]
+    results = {}
+    for spec in dict.fromkeys(specs):
+        workers, threads = map(int, spec.split("x"))
+        results[spec] = _walk(args, threads, workers)
+    vocab = args.model or f"synthetic {args.vocab}"
+    print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary {vocab}")
+    names = list(next(iter(results.values())))
+    print(f"{'workers x threads':>18}" + "".join(f"{name + ' ms':>30}" for name in names))
+    for spec, row in results.items():
+        print(f"{spec:>18}" + "".join(f"{row[name]:>30.3f}" for name in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
