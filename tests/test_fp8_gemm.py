@@ -36,6 +36,7 @@ STREAM_CASES = [
     (5, 96, 384, g.SmallMConfig(16, 128, 3, swap=False, convert="asm")),
     (17, 64, 128, g.SmallMConfig(64, 256, 1, swap=False, convert="cast")),
     (64, 300, 520, g.SmallMConfig(64, 256, 2, convert="bits")),
+    (2, 200, 1000, g.SmallMConfig(32, 128, 4, reduce="launch")),
 ]
 
 
@@ -83,6 +84,7 @@ SWAP_CASES = [
     (17, 256, 384, None),
     (40, 256, 640, g.SwapConfig(128, 32, 3)),
     (100, 128, 256, g.SwapConfig(64, 64, 1)),
+    (20, 200, 1000, g.SwapConfig(64, 16, 3, reduce="launch")),
 ]
 
 
@@ -95,6 +97,19 @@ def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapCon
     out = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config)
     ref = g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_split_counters_return_to_zero() -> None:
+    """With reduce="last" the tile counters are back at zero after a launch (so the next launch, or CUDA-graph
+    replay, starts clean), and a second call gives the same bits (the sum order is fixed)."""
+    w, scale = _weights(256, 1024, seed=8)
+    x = _x(3, 1024)
+    first = g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(32, 128, 4))
+    assert int(g._locks[x.device].abs().sum()) == 0
+    assert torch.equal(first, g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(32, 128, 4)))
+    x_q, x_scale = g.quantize_activations_ref(x)
+    g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, g.SwapConfig(64, 16, 4))
+    assert int(g._locks[x.device].abs().sum()) == 0
 
 
 def _programs(tiles: int, k_steps: int, split: int) -> int:

@@ -183,9 +183,9 @@ def _e4m3_bits(w, ASM: tl.constexpr):
 
 @triton.jit
 def _stream_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K, stride_xm, stride_sn, stride_os, stride_om, K_PER_SPLIT,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_sn, K_PER_SPLIT, NUM_SPLITS,
+    SPLIT_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     BITS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N rows, K range) tile: out[split, :, rows] = sum over its BLOCK_K steps of
@@ -218,13 +218,60 @@ def _stream_kernel(
             acc += dot(xs, tl.trans(wb), "tf32", UPCAST)  # (BLOCK_M, BLOCK_N)
     if BITS:
         acc = acc * _HALF_BIAS
-    out = out_ptr + split * stride_os
     if SWAP:
-        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        offs, mask = offs_m[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_m[None, :] < M)
     else:
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        offs, mask = offs_m[:, None] * N + offs_n[None, :], (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, pid_n, M * N, SPLIT_MODE)
+
+
+# How the K splits of a tile are summed (``_write_tile``'s SPLIT_MODE): one split writes its result; "launch":
+# each split writes a float32 partial, a second kernel sums them; "last": the partials are summed by whichever
+# program of the tile arrives last (an atomic counter per tile, reset by that program), saving the launch.
+_ONE_SPLIT, _SUM_LAUNCH, _SUM_LAST = 0, 1, 2
+SPLIT_REDUCES = ("last", "launch")  # the configs' ``reduce`` choices
+
+
+@triton.jit
+def _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, num_splits, tile, size, MODE: tl.constexpr):
+    """Store a tile's result acc at offsets ``offs`` of the (M, N) output (``size`` = M * N), per MODE (above).
+    In "last" mode every program of the tile stores its partial, then (after a CTA barrier, so all its threads'
+    stores precede it) bumps the tile's counter with acquire-release semantics at GPU scope; the program that
+    sees num_splits - 1 sums the partials in split order (deterministic; read from L2, not a stale L1) and
+    resets the counter to zero for the next launch (and CUDA-graph replay)."""
+    if MODE == 0:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * size + offs, acc, mask=mask)
+        if MODE == 2:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):
+                    total += tl.load(part_ptr + s * size + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+_MAX_TILES = 1 << 16  # tiles one launch may have in "last" mode (the counters per device)
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_buffers(out: torch.Tensor, split: int, reduce: str, tiles: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(partials (split, M, N) float32 or ``out``, tile counters or ``out``, SPLIT_MODE) for a launch. "last"
+    needs the zeroed counters of out's device, made outside CUDA-graph capture (a buffer made during capture
+    would be zeroed only by replays); while capturing before they exist, and past _MAX_TILES, it is "launch"."""
+    if split == 1:
+        return out, out, _ONE_SPLIT
+    part = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    if reduce == "last" and tiles <= _MAX_TILES:
+        locks = _locks.get(out.device)
+        if locks is None and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            locks = _locks[out.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=out.device)
+        if locks is not None:
+            return part, locks, _SUM_LAST
+    return part, out, _SUM_LAUNCH
 
 
 @functools.cache
@@ -241,7 +288,8 @@ class SmallMConfig:
     block_k: K columns per loop step (a multiple of 128, a power of two); split_k: programs sharing a row tile's K
     range, each writing a float32 partial that a second kernel sums in order (1: no partials); num_warps,
     num_stages: Triton's; swap: the weight tile as the dot's left operand; convert: how e4m3 becomes bf16 ("asm":
-    inline PTX bit moves, "bits": the same moves in Triton ops, "cast": Triton's conversion, cvt-bound)."""
+    inline PTX bit moves, "bits": the same moves in Triton ops, "cast": Triton's conversion, cvt-bound); reduce: how
+    splits are summed ("last": by the tile's last program, "launch": by a second kernel)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -250,6 +298,7 @@ class SmallMConfig:
     num_stages: int = 4
     swap: bool = True
     convert: str = "asm"
+    reduce: str = "last"
 
     def check(self) -> None:
         """ValueError naming the field out of its range."""
@@ -263,6 +312,8 @@ class SmallMConfig:
             )
         if self.convert not in CONVERTS:
             raise ValueError(f"SmallMConfig.convert must be one of {CONVERTS}, got {self.convert!r}")
+        if self.reduce not in SPLIT_REDUCES:
+            raise ValueError(f"SmallMConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
 
 
 def pick_small_m_config(n: int, k: int, device: torch.device) -> SmallMConfig:
@@ -290,16 +341,17 @@ def fp8_gemm_small_m(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(n, cfg.block_n)
+    part, locks, mode = _split_buffers(out, split, cfg.reduce, tiles)
     interpreted = upcast_dot(x.device)
-    _stream_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, w, w_scale, part,
-        m, n, k, x.stride(0), w_scale.stride(0), part.stride(0) if split > 1 else 0, n, per_split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP=cfg.swap,
-        BITS=cfg.convert != "cast", ASM=cfg.convert == "asm" and not interpreted, UPCAST=interpreted,
+    _stream_kernel[(tiles, split)](
+        x, w, w_scale, out, part, locks,
+        m, n, k, x.stride(0), w_scale.stride(0), per_split, split,
+        SPLIT_MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SWAP=cfg.swap, BITS=cfg.convert != "cast", ASM=cfg.convert == "asm" and not interpreted, UPCAST=interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
     return out
 
@@ -423,9 +475,9 @@ def fp8_gemm_blockwise(
 
 @triton.jit
 def _swap_fp8_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr,
-    M, N, K, stride_am, stride_asm, stride_wsn, stride_os, stride_om, K_BLOCKS_PER_SPLIT,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
+    SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
@@ -449,20 +501,22 @@ def _swap_fp8_kernel(
         else:  # fp8 x fp8 on the tensor cores, float32 accumulation
             part = tl.dot(w, tl.trans(a))
         acc += part * (a_scale[None, :] * tl.load(ws_row + kb))
-    out = out_ptr + split * stride_os + offs_t[None, :] * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_t[None, :] < M))
+    offs, mask = offs_t[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_t[None, :] < M)
+    tile = pid_t * tl.num_programs(0) + pid_n
+    _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, tile, M * N, SPLIT_MODE)
 
 
 @attrs.frozen
 class SwapConfig:
     """Launch shape of ``fp8_gemm_swap``: weight rows per program (16 to 128, power of two), tokens per program
-    (16 to 256, power of two), K splits (float32 partials summed by a second kernel), Triton's warps and stages."""
+    (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages."""
 
     block_n: int = 128
     block_t: int = 64
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    reduce: str = "last"
 
     def check(self) -> None:
         """ValueError naming the field out of its range."""
@@ -470,6 +524,8 @@ class SwapConfig:
             raise ValueError(f"SwapConfig needs block_n in 16..128 and block_t in 16..256 (powers of two): {self}")
         if self.split_k < 1 or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
             raise ValueError(f"SwapConfig needs split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1: {self}")
+        if self.reduce not in SPLIT_REDUCES:
+            raise ValueError(f"SwapConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
 
 
 def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
@@ -504,15 +560,15 @@ def fp8_gemm_swap(
     out = torch.empty((m, n), dtype=dtype, device=x_q.device)
     if m == 0:
         return out
-    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x_q.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_t), split)
+    part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     _swap_fp8_kernel[grid](
-        x_q, x_scale, w, w_scale, part,
-        m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), part.stride(0) if split > 1 else 0, n,
-        per_split, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, UPCAST=upcast_dot(x_q.device),
+        x_q, x_scale, w, w_scale, out, part, locks,
+        m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), per_split, split,
+        SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, UPCAST=upcast_dot(x_q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
     return out
 
