@@ -244,16 +244,18 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
     print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)")
     deadline = time.monotonic() + budget_s
     best_times: dict[tuple[str, int, str], float] = {}
-    plan = [("stream", m) for m in (1, 16)] + [("swap", m) for m in (64, 256)]
-    plan += [("stream", 32), ("stream", 64), ("swap", 32), ("swap", 128)]
+    plan = [("stream", 1), ("swap", 256), ("stream", 16), ("swap", 64), ("swap", 128), ("stream", 32)]
+    plan += [("stream", 64), ("swap", 32)]
+    tables: dict[str, list[str]] = {"stream": [], "swap": []}
     for variant, m in plan:
         for gemm in gemms:
             if time.monotonic() > deadline:
                 print("  budget spent")
+                print_tables(tables)
                 return best_times
             device = torch.device(DEVICE)
             if variant == "stream":
-                pick, knobs = g.pick_small_m_config(gemm.n, gemm.k, device), STREAM_KNOBS
+                pick, knobs = g.pick_small_m_config(m, gemm.n, gemm.k, device), STREAM_KNOBS
             else:
                 pick, knobs = g.pick_swap_config(m, gemm.n, gemm.k, device), SWAP_KNOBS
             results = descend(gemm, variant, m, pick, knobs, deadline)
@@ -268,7 +270,17 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
             print(f"  {gemm.name:8} M={m:5} {variant}: best {finite[best]:.1f} µs "
                   f"({gemm.fp8_bytes / finite[best] / 1e6:.2f} TB/s) {best}; pick {pick_us:.1f} µs; "
                   f"{len(results)} tried")  # fmt: skip
+            tables[variant].append(f"    ({gemm.n}, {gemm.k}, {m}): {best},")
+    print_tables(tables)
     return best_times
+
+
+def print_tables(tables: dict[str, list[str]]) -> None:
+    """The sweep's best configs as the TUNED_STREAM / TUNED_SWAP tables of fnvllm.kernels.fp8_gemm."""
+    for variant, name in (("stream", "TUNED_STREAM"), ("swap", "TUNED_SWAP")):
+        print(f"  {name} = {{")
+        print("\n".join(tables[variant]))
+        print("  }")
 
 
 def print_summary(

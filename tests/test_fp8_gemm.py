@@ -123,13 +123,13 @@ def test_picks_fill_the_sms() -> None:
     steps per split, and no split where K has one step."""
     cpu = torch.device("cpu")
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
-        cfg = g.pick_small_m_config(n, k, cpu)
+        cfg = g.pick_small_m_config(1, n, k, cpu)
         assert _programs(-(-n // cfg.block_n), k // cfg.block_k, cfg.split_k) >= 198
         assert k // cfg.block_k >= 2 * cfg.split_k
         for m in (32, 64, 256):
             sw = g.pick_swap_config(m, n, k, cpu)
             assert _programs(-(-n // sw.block_n) * -(-m // sw.block_t), k // 128, sw.split_k) >= 198
-    assert g.pick_small_m_config(64, 128, cpu).split_k == 1
+    assert g.pick_small_m_config(1, 64, 128, cpu).split_k == 1
 
 
 def test_bad_configs_and_operands_are_refused() -> None:

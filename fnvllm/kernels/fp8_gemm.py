@@ -32,6 +32,7 @@ even: ties differ, nothing else).
 from __future__ import annotations
 
 import functools
+from typing import TypeVar
 
 import attrs
 import torch
@@ -72,6 +73,7 @@ __all__ = [
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_Config = TypeVar("_Config")  # SmallMConfig or SwapConfig
 
 
 # ---- torch reference (the weight's in fnvllm.kernels.reference) ----------------------------------------------
@@ -316,14 +318,25 @@ class SmallMConfig:
             raise ValueError(f"SmallMConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
 
 
-def pick_small_m_config(n: int, k: int, device: torch.device) -> SmallMConfig:
-    """64-row tiles of 256 columns, then enough K splits for >= 2 programs per SM (at most one split per two
-    256-column steps). Qwen3-8B on 132 SMs: gate_up 384 tiles -> 1 split; qkv 96 -> 3; o 64 -> 5; down 64 -> 5."""
+@functools.lru_cache(maxsize=4096)
+def pick_small_m_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_STREAM`` entry when there is one, else
+    64-row tiles of 256 columns and enough K splits for >= 2 programs per SM (at most one split per two
+    256-column steps; Qwen3-8B on 132 SMs: gate_up 384 tiles -> 1 split, qkv 96 -> 3, o and down 64 -> 5)."""
+    tuned = _tuned(TUNED_STREAM, m, n, k) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
     target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
     cfg = SmallMConfig(convert="asm" if device.type == "cuda" else "bits")
     tiles, steps = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
     split = max(1, min(triton.cdiv(target, tiles), steps // 2))
     return attrs.evolve(cfg, split_k=split)
+
+
+def _tuned(table: dict[tuple[int, int, int], _Config], m: int, n: int, k: int) -> _Config | None:
+    """The entry of ``table`` for (n, k) with the fewest "up to" tokens that still covers m, or None."""
+    covering = [(up_to, cfg) for (tn, tk, up_to), cfg in table.items() if (tn, tk) == (n, k) and up_to >= m]
+    return min(covering, key=lambda entry: entry[0])[1] if covering else None
 
 
 def fp8_gemm_small_m(
@@ -332,7 +345,7 @@ def fp8_gemm_small_m(
     """x (M, K) 16-bit, M <= SMALL_M @ dequantized(w (N, K) fp8).T -> (M, N) in x's dtype (see the module
     docstring). config: tile and split choice (None = ``pick_small_m_config``)."""
     m, k, n = _check_gemm_args(x, w, w_scale)
-    cfg = config or pick_small_m_config(n, k, x.device)
+    cfg = config or pick_small_m_config(m, n, k, x.device)
     cfg.check()
     if m > SMALL_M:
         raise ValueError(f"fp8_gemm_small_m takes M <= {SMALL_M} tokens, got M={m}")
@@ -528,14 +541,26 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
 
 
+@functools.lru_cache(maxsize=4096)
 def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
-    """128-row tiles, all M tokens in one tile up to 128 (else tiles of 128), then enough K splits for >= 2
-    programs per SM (at most one split per four K blocks)."""
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_SWAP`` entry when there is one, else
+    128-row tiles, all M tokens in one tile up to 128 (else tiles of 128; 8 warps for 128 x 128 tiles), then
+    enough K splits for >= 2 programs per SM (at most one split per four K blocks)."""
+    tuned = _tuned(TUNED_SWAP, m, n, k) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
     target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
     block_t = min(128, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_t)
     split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, 128) // 4))
-    return SwapConfig(128, block_t, split)
+    return SwapConfig(128, block_t, split, num_warps=8 if block_t >= 128 else 4)
+
+
+# Launch shapes measured best on an H200 (benchmarks/bench_fp8_gemm.py --sweep, which prints these tables), keyed by
+# (N, K, up to M tokens): a product takes its (N, K)'s entry with the fewest tokens >= its M; other shapes, and
+# other GPUs' first calls, take the pick functions' rules.
+TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
+TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
 
 
 def fp8_gemm_swap(
