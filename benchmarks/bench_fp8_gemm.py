@@ -44,14 +44,14 @@ TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
 VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "blockwise", "shipped")
 STREAM_KNOBS = {
-    "convert": ("asm", "bits", "cast"),
+    "convert": ("asm", "asm_hoisted", "cast", "bits"),
     "reduce": ("last", "launch"),
     "swap": (True, False),
     "block_n": (32, 64, 128, 16),
     "block_k": (256, 512, 128),
     "split_k": (1, 2, 3, 4, 6, 8),
     "num_warps": (4, 8),
-    "num_stages": (3, 4, 6, 2),
+    "num_stages": (3, 2, 4, 5),
 }
 SWAP_KNOBS = {
     "reduce": ("last", "launch"),

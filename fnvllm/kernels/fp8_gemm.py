@@ -169,16 +169,24 @@ or.b32 $0, s0, t0;
 or.b32 $1, s1, t1;
 }""")
 
-CONVERTS = ("asm", "bits", "cast")  # SmallMConfig.convert's choices
+CONVERTS = ("asm", "asm_hoisted", "bits", "cast")  # SmallMConfig.convert's choices (see _e4m3_bits)
 
 
 @triton.jit
-def _e4m3_bits(w, ASM: tl.constexpr):
+def _e4m3_bits(w, ASM: tl.constexpr, ASM_HOISTED: tl.constexpr):
     """e4m3 w -> bf16 holding w * 2**-120 exactly (the same bits moved: sign, then exponent|mantissa >> 4 into a
-    16-bit lane; e4m3's exponent bias 7 read with bf16's 127). ASM: one inline-PTX block per 4 values (GPU only)."""
+    16-bit lane; e4m3's exponent bias 7 read with bf16's 127). ASM: one inline-PTX block per 4 values (GPU only).
+
+    ASM_HOISTED marks the block pure, so Triton converts in the dot operand's register layout (no shared-memory
+    round trip for the bf16 tile, but that layout holds 2 consecutive bytes per load: ~2.4 extra byte-packing
+    instructions per weight on sm_90); otherwise it converts in the load's layout (16-byte vectors) and stages
+    the bf16 tile through shared memory (4.5 instructions per weight in all, against 6.7; measured in the SASS of
+    a 64 x 256 tile)."""
     u = w.to(tl.uint8, bitcast=True)
     if ASM:
-        return tl.inline_asm_elementwise(_E4M3_TO_BF16_ASM, "=r,=r,r", [u], dtype=tl.bfloat16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(
+            _E4M3_TO_BF16_ASM, "=r,=r,r", [u], dtype=tl.bfloat16, is_pure=ASM_HOISTED, pack=4
+        )
     v = u.to(tl.uint16)
     return (((v & 0x80) << 8) | ((v & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
 
@@ -188,7 +196,7 @@ def _stream_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_sn, K_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    BITS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr,
+    BITS: tl.constexpr, ASM: tl.constexpr, ASM_HOISTED: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N rows, K range) tile: out[split, :, rows] = sum over its BLOCK_K steps of
     (x * w_scale[row block, k // 128]) @ widen(w).T. The block scale rides on the (few) activation columns, not
@@ -210,7 +218,7 @@ def _stream_kernel(
                     mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
         if BITS:
             xs = (x.to(tl.float32) * (s * _HALF_BIAS)[None, :]).to(tl.bfloat16)
-            wb = _e4m3_bits(w, ASM)
+            wb = _e4m3_bits(w, ASM, ASM_HOISTED)
         else:
             xs = (x.to(tl.float32) * s[None, :]).to(tl.bfloat16)
             wb = w.to(tl.bfloat16)
@@ -290,14 +298,15 @@ class SmallMConfig:
     block_k: K columns per loop step (a multiple of 128, a power of two); split_k: programs sharing a row tile's K
     range, each writing a float32 partial that a second kernel sums in order (1: no partials); num_warps,
     num_stages: Triton's; swap: the weight tile as the dot's left operand; convert: how e4m3 becomes bf16 ("asm":
-    inline PTX bit moves, "bits": the same moves in Triton ops, "cast": Triton's conversion, cvt-bound); reduce: how
+    inline PTX bit moves staged through shared memory, "asm_hoisted": the same in the dot's register layout, "bits":
+    the moves in Triton ops, "cast": Triton's conversion, one cvt per weight); reduce: how
     splits are summed ("last": by the tile's last program, "launch": by a second kernel)."""
 
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     swap: bool = True
     convert: str = "asm"
     reduce: str = "last"
@@ -361,7 +370,8 @@ def fp8_gemm_small_m(
         x, w, w_scale, out, part, locks,
         m, n, k, x.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SWAP=cfg.swap, BITS=cfg.convert != "cast", ASM=cfg.convert == "asm" and not interpreted, UPCAST=interpreted,
+        SWAP=cfg.swap, BITS=cfg.convert != "cast", ASM=cfg.convert.startswith("asm") and not interpreted,
+        ASM_HOISTED=cfg.convert == "asm_hoisted", UPCAST=interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
