@@ -114,6 +114,7 @@ def fp8_linear(
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
+    _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
     if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     elif m <= SWAP_MAX_M:
@@ -275,13 +276,17 @@ def _split_buffers(out: torch.Tensor, split: int, reduce: str, tiles: int) -> tu
     if split == 1:
         return out, out, _ONE_SPLIT
     part = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
-    if reduce == "last" and tiles <= _MAX_TILES:
-        locks = _locks.get(out.device)
-        if locks is None and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
-            locks = _locks[out.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=out.device)
-        if locks is not None:
-            return part, locks, _SUM_LAST
-    return part, out, _SUM_LAUNCH
+    locks = _split_locks(out.device) if reduce == "last" and tiles <= _MAX_TILES else None
+    return (part, locks, _SUM_LAST) if locks is not None else (part, out, _SUM_LAUNCH)
+
+
+def _split_locks(device: torch.device) -> torch.Tensor | None:
+    """The zeroed tile counters of ``device`` for "last"-mode split sums, made on first use outside CUDA-graph
+    capture (a buffer made during capture would be zeroed only by replays); None while capturing before then."""
+    locks = _locks.get(device)
+    if locks is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        locks = _locks[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return locks
 
 
 @functools.cache
