@@ -406,34 +406,39 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_activations_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr
-):
-    """One (token, 128-column group): scale = max(amax / 448, 1e-12); q = x / scale in e4m3. ROUND_FIRST (the
-    interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding that crosses a power of two:
-    126.25 -> 64) rounds to the e4m3 grid in float32 first, so the conversion is exact."""
-    row, group = tl.program_id(0), tl.program_id(1)
-    k = group * 128 + tl.arange(0, 128)
+    x_ptr, q_ptr, s_ptr, K, GROUPS, stride_xm, stride_qm, stride_sm,
+    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
+):  # fmt: skip
+    """GROUPS_PER_PROGRAM (token, 128-column group)s of one token: scale = max(amax / 448, 1e-12); q = x / scale
+    in e4m3. ROUND_FIRST (the interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding
+    that crosses a power of two: 126.25 -> 64) rounds to the e4m3 grid in float32 first, so the conversion is
+    exact."""
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    k = groups[:, None] * 128 + tl.arange(0, 128)[None, :]  # (GROUPS_PER_PROGRAM, 128)
     x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)) / FP8_MAX, 1e-12)
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)
     tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < GROUPS)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel of ``quantize_activations_ref``: (x_q (M, K) fp8, x_scale (M, ceil(K / 128)) float32)."""
+    """The kernel of ``quantize_activations_ref``: (x_q (M, K) fp8, x_scale (M, ceil(K / 128)) float32); one
+    program per token and 8 column groups (1,024 values)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
     groups = triton.cdiv(k, 128)
     x_q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     x_scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    per_program = 8
     if m:
-        _quantize_activations_kernel[(m, groups)](
-            x, x_q, x_scale, k, x.stride(0), x_q.stride(0), x_scale.stride(0), FP8_MAX=FP8_MAX,
-            ROUND_FIRST=upcast_dot(x.device),
+        _quantize_activations_kernel[(m, triton.cdiv(groups, per_program))](
+            x, x_q, x_scale, k, groups, x.stride(0), x_q.stride(0), x_scale.stride(0),
+            GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, ROUND_FIRST=upcast_dot(x.device),
         )  # fmt: skip
     return x_q, x_scale
 
