@@ -55,7 +55,7 @@ STREAM_KNOBS = {
 }
 SWAP_KNOBS = {
     "reduce": ("last", "launch"),
-    "block_n": (128, 64),
+    "block_n": (128, 64, 256),
     "block_t": (16, 32, 64, 128, 256),
     "split_k": (1, 2, 3, 4, 6, 8),
     "num_warps": (4, 8),

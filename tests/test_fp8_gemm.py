@@ -85,6 +85,7 @@ SWAP_CASES = [
     (40, 256, 640, g.SwapConfig(128, 32, 3)),
     (100, 128, 256, g.SwapConfig(64, 64, 1)),
     (20, 200, 1000, g.SwapConfig(64, 16, 3, reduce="launch")),
+    (33, 300, 256, g.SwapConfig(256, 32, 1)),
 ]
 
 

@@ -514,12 +514,14 @@ def _swap_fp8_kernel(
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
-    a_scale[token, kb], written transposed to out[split, token, row]."""
-    pid_n, pid_t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    a_scale[token, kb], written transposed to out[token, row]. The token tiles of one row tile are neighbours in
+    the launch order (axis 0), so they run together and read the weight tile from HBM once."""
+    pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, 128)
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
@@ -533,15 +535,19 @@ def _swap_fp8_kernel(
             part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:  # fp8 x fp8 on the tensor cores, float32 accumulation
             part = tl.dot(w, tl.trans(a))
-        acc += part * (a_scale[None, :] * tl.load(ws_row + kb))
+        if BLOCK_N > 128:  # noqa: SIM108 (a scale per row here, one scalar otherwise)
+            w_scale = tl.load(ws_rows + kb, mask=offs_n < N, other=0.0)[:, None]
+        else:
+            w_scale = tl.load(ws_row + kb)
+        acc += part * (a_scale[None, :] * w_scale)
     offs, mask = offs_t[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_t[None, :] < M)
-    tile = pid_t * tl.num_programs(0) + pid_n
+    tile = pid_n * tl.num_programs(0) + pid_t
     _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, tile, M * N, SPLIT_MODE)
 
 
 @attrs.frozen
 class SwapConfig:
-    """Launch shape of ``fp8_gemm_swap``: weight rows per program (16 to 128, power of two), tokens per program
+    """Launch shape of ``fp8_gemm_swap``: weight rows per program (16 to 256, power of two), tokens per program
     (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages."""
 
     block_n: int = 128
@@ -553,8 +559,8 @@ class SwapConfig:
 
     def check(self) -> None:
         """ValueError naming the field out of its range."""
-        if self.block_n not in (16, 32, 64, 128) or self.block_t not in (16, 32, 64, 128, 256):
-            raise ValueError(f"SwapConfig needs block_n in 16..128 and block_t in 16..256 (powers of two): {self}")
+        if self.block_n not in (16, 32, 64, 128, 256) or self.block_t not in (16, 32, 64, 128, 256):
+            raise ValueError(f"SwapConfig needs block_n and block_t in 16..256 (powers of two): {self}")
         if self.split_k < 1 or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
             raise ValueError(f"SwapConfig needs split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1: {self}")
         if self.reduce not in SPLIT_REDUCES:
@@ -605,7 +611,7 @@ def fp8_gemm_swap(
     out = torch.empty((m, n), dtype=dtype, device=x_q.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_t), split)
+    grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
     part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     _swap_fp8_kernel[grid](
         x_q, x_scale, w, w_scale, out, part, locks,
