@@ -42,7 +42,7 @@ MS = (1, 4, 16, 64, 128, 256, 8192)
 L2_BYTES = 256 << 20  # weight bytes one timing cycles through (well above the 50 MB L2)
 TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
-VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "blockwise", "shipped")
+VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_fused", "blockwise", "shipped")
 STREAM_KNOBS = {
     "convert": ("asm", "asm_hoisted", "cast", "bits"),
     "reduce": ("last", "launch"),
@@ -128,6 +128,8 @@ class Gemm:
             return g.fp8_gemm_small_m(x, w, s, cfg)  # type: ignore[arg-type]
         if variant == "swap":
             return g.fp8_gemm_swap(*g.quantize_activations(x), w, s, x.dtype, cfg)  # type: ignore[arg-type]
+        if variant == "swap_fused":
+            return g.fp8_gemm_swap_bf16(x, w, s, cfg)  # type: ignore[arg-type]
         if variant == "blockwise":
             return g.fp8_gemm_blockwise(*g.quantize_activations(x), w, s, x.dtype)
         if variant == "cublas_fp8":
@@ -140,6 +142,8 @@ class Gemm:
             return m <= g.SMALL_M
         if variant == "swap":
             return m <= 1024
+        if variant == "swap_fused":
+            return m <= 256
         if variant == "blockwise":
             return m >= 64
         return True
@@ -244,9 +248,9 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
     print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)")
     deadline = time.monotonic() + budget_s
     best_times: dict[tuple[str, int, str], float] = {}
-    plan = [("stream", 1), ("swap", 256), ("stream", 16), ("swap", 64), ("swap", 128), ("stream", 32)]
-    plan += [("stream", 64), ("swap", 32)]
-    tables: dict[str, list[str]] = {"stream": [], "swap": []}
+    plan = [("swap_fused", 1), ("swap_fused", 16), ("swap", 256), ("swap_fused", 64), ("swap", 128)]
+    plan += [("swap_fused", 4), ("stream", 1), ("stream", 16)]
+    tables: dict[str, list[str]] = {"stream": [], "swap": [], "swap_fused": []}
     for variant, m in plan:
         for gemm in gemms:
             if time.monotonic() > deadline:
@@ -270,16 +274,16 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
             print(f"  {gemm.name:8} M={m:5} {variant}: best {finite[best]:.1f} µs "
                   f"({gemm.fp8_bytes / finite[best] / 1e6:.2f} TB/s) {best}; pick {pick_us:.1f} µs; "
                   f"{len(results)} tried")  # fmt: skip
-            tables[variant].append(f"    ({gemm.n}, {gemm.k}, {m}): {best},")
+            tables[variant].append(f"    ({gemm.n}, {gemm.k}, {m}): {best},  # {variant}")
     print_tables(tables)
     return best_times
 
 
 def print_tables(tables: dict[str, list[str]]) -> None:
     """The sweep's best configs as the TUNED_STREAM / TUNED_SWAP tables of fnvllm.kernels.fp8_gemm."""
-    for variant, name in (("stream", "TUNED_STREAM"), ("swap", "TUNED_SWAP")):
+    for variants, name in ((("stream",), "TUNED_STREAM"), (("swap_fused", "swap"), "TUNED_SWAP")):
         print(f"  {name} = {{")
-        print("\n".join(tables[variant]))
+        print("\n".join(line for variant in variants for line in tables[variant]))
         print("  }")
 
 
@@ -289,7 +293,7 @@ def print_summary(
     """The layer's four GEMMs summed per M and variant: µs (TB/s of weight bytes); "best" rows from the sweep."""
     fp8_bytes, bf16_bytes = sum(gm.fp8_bytes for gm in gemms), sum(2 * gm.n * gm.k for gm in gemms)
     print("\nsummary: one Qwen3-8B layer's four GEMMs (qkv, o, gate_up, down), µs (TB/s of weight bytes)")
-    columns = [*VARIANTS, "stream best", "swap best"]
+    columns = [*VARIANTS, "stream best", "swap best", "swap_fused best"]
     print(f"{'M':>6} | " + " | ".join(f"{c:>16}" for c in columns))
     for m in ms:
         cells = []

@@ -100,6 +100,23 @@ def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapCon
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "config"), [(1, 200, 300, None), (17, 256, 640, g.SwapConfig(128, 32, 3))])
+def test_swap_kernel_quantizing_in_its_prologue_matches_reference(
+    m: int, n: int, k: int, config: g.SwapConfig | None
+) -> None:
+    """fp8_gemm_swap_bf16 (activations quantized inside the kernel) equals the float32 math of the reference's
+    quantized activations up to the bf16 rounding of the result (relative error < 1e-2; with a float32 result the
+    two agree bit for bit) and returns x's dtype."""
+    w, scale = _weights(n, k, seed=9)
+    x = _x(m, k, seed=10) * 3
+    out = g.fp8_gemm_swap_bf16(x, w, scale, config)
+    ref = g.fp8_blockwise_ref(*g.quantize_activations_ref(x), w, scale, torch.float32)
+    assert out.dtype == torch.bfloat16 and float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    x_q, x_scale = g.quantize_activations(x)
+    exact = g._launch_swap(x, None, w, scale, torch.float32, config)
+    assert torch.equal(exact, g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config))
+
+
 def test_split_counters_return_to_zero() -> None:
     """With reduce="last" the tile counters are back at zero after a launch (so the next launch, or CUDA-graph
     replay, starts clean), and a second call gives the same bits (the sum order is fixed)."""

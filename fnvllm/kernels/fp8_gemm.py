@@ -64,6 +64,7 @@ __all__ = [
     "fp8_gemm_blockwise",
     "fp8_gemm_small_m",
     "fp8_gemm_swap",
+    "fp8_gemm_swap_bf16",
     "fp8_linear",
     "fp8_linear_ref",
     "fp8_scaled_mm",
@@ -105,8 +106,9 @@ def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
-    up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
-    activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K); above,
+    up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M
+    ``fp8_gemm_swap_bf16`` (activations quantized in its prologue, fp8 tensor cores, weight rows on the wide side,
+    split-K); above,
     cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
     else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
@@ -118,7 +120,7 @@ def fp8_linear(
     if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     elif m <= SWAP_MAX_M:
-        out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
+        out = fp8_gemm_swap_bf16(x, w, w_scale)
     elif _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
         return fp8_scaled_mm(x, w, w_scale, bias)
     else:
@@ -126,9 +128,12 @@ def fp8_linear(
     return out if bias is None else out.add_(bias)
 
 
-# fp8_linear's kernel choice by tokens M (see its docstring).
-STREAM_MAX_M = 16
-SWAP_MAX_M = 256
+# fp8_linear's kernel choice by tokens M (see its docstring). H200, one Qwen3-8B layer's four GEMMs (us): the
+# swapped fp8 kernel beat the bf16-streaming one at every M (M = 1: 72.6 against 131.4, its sweep's best 98.3;
+# M = 16: 84.5 against 131.1), so the streaming kernel is off (0); cuBLAS's block-scaled GEMM takes over from 65
+# tokens (M = 64: swap 132.9, cuBLAS 125.5; M = 128: cuBLAS 133.8, the swap kernel of then 461).
+STREAM_MAX_M = 0
+SWAP_MAX_M = 64
 
 
 @functools.cache
@@ -510,12 +515,15 @@ def fp8_gemm_blockwise(
 def _swap_fp8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
-    SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
+    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
     a_scale[token, kb], written transposed to out[token, row]. The token tiles of one row tile are neighbours in
-    the launch order (axis 0), so they run together and read the weight tile from HBM once."""
+    the launch order (axis 0), so they run together and read the weight tile from HBM once. QUANT_A: a is the
+    16-bit activations, quantized here per (token, 128 columns) exactly as ``quantize_activations`` does (one
+    launch fewer; each row tile redoes it, cheap for a few tokens)."""
     pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -530,7 +538,10 @@ def _swap_fp8_kernel(
                     mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
                     mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
-        a_scale = tl.load(as_ptr + offs_t * stride_asm + kb, mask=offs_t < M, other=0.0)
+        if QUANT_A:
+            a, a_scale = _quantize_tile(a, FP8_MAX, UPCAST)
+        else:
+            a_scale = tl.load(as_ptr + offs_t * stride_asm + kb, mask=offs_t < M, other=0.0)
         if UPCAST:  # the interpreter: exact in float32
             part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:  # fp8 x fp8 on the tensor cores, float32 accumulation
@@ -543,6 +554,18 @@ def _swap_fp8_kernel(
     offs, mask = offs_t[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_t[None, :] < M)
     tile = pid_n * tl.num_programs(0) + pid_t
     _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, tile, M * N, SPLIT_MODE)
+
+
+@triton.jit
+def _quantize_tile(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """(e4m3 x / scale, scale) for a (tokens, 128) tile, scale = max(row amax / 448, 1e-12) per token (the
+    arithmetic of ``_quantize_activations_kernel``; ROUND_FIRST as there)."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv), scale
 
 
 @attrs.frozen
@@ -598,34 +621,63 @@ def fp8_gemm_swap(
     config: SwapConfig | None = None,
 ) -> torch.Tensor:
     """Quantized activations @ dequantized(w).T -> (M, N) in ``dtype`` with the weight on the dot's left and
-    split-K (``_swap_fp8_kernel``): for tens to a few hundred tokens, where ``fp8_gemm_blockwise``'s 128-wide
+    split-K (``_swap_fp8_kernel``): for up to a few hundred tokens, where ``fp8_gemm_blockwise``'s 128-wide
     output tiles leave SMs idle. The kernel of ``fp8_blockwise_ref``."""
-    m, k, n = _check_gemm_args(x_q, w, w_scale)
-    cfg = config or pick_swap_config(m, n, k, x_q.device)
-    cfg.check()
+    m, k, _ = _check_gemm_args(x_q, w, w_scale)
     if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
         raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
+    return _launch_swap(x_q, x_scale, w, w_scale, dtype, config)
+
+
+def fp8_gemm_swap_bf16(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: SwapConfig | None = None
+) -> torch.Tensor:
+    """``fp8_gemm_swap`` on 16-bit activations x (M, K), quantized per (token, 128 columns) inside the kernel
+    (``quantize_activations``' arithmetic, no launch of its own) -> (M, N) in x's dtype. The same numerics as
+    ``fp8_blockwise_ref(*quantize_activations(x), ...)``."""
+    _check_gemm_args(x, w, w_scale, x_dtypes=_KERNEL_DTYPES)
+    return _launch_swap(x, None, w, w_scale, x.dtype, config)
+
+
+def _launch_swap(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    dtype: torch.dtype,
+    config: SwapConfig | None,
+) -> torch.Tensor:
+    """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside)."""
+    (m, k), n = a.shape, w.shape[0]
+    cfg = config or pick_swap_config(m, n, k, a.device)
+    cfg.check()
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)
-    out = torch.empty((m, n), dtype=dtype, device=x_q.device)
+    out = torch.empty((m, n), dtype=dtype, device=a.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
     part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
+    scales = out if a_scale is None else a_scale
     _swap_fp8_kernel[grid](
-        x_q, x_scale, w, w_scale, out, part, locks,
-        m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), per_split, split,
-        SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, UPCAST=upcast_dot(x_q.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a, scales, w, w_scale, out, part, locks,
+        m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
+        SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
+        UPCAST=upcast_dot(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
     return out
 
 
-def _check_gemm_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int, int]:
-    """(M, K, N) after checking shapes, dtypes and the contiguity the kernels index by."""
+def _check_gemm_args(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_dtypes: tuple[torch.dtype, ...] | None = None
+) -> tuple[int, int, int]:
+    """(M, K, N) after checking shapes, dtypes (x's among ``x_dtypes`` when given) and the contiguity the kernels
+    index by."""
+    if x_dtypes is not None and x.dtype not in x_dtypes:
+        raise ValueError(f"x must be one of {x_dtypes}, got {x.dtype}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x (M, K) and w (N, K) must agree on K, got {tuple(x.shape)} and {tuple(w.shape)}")
     if w.dtype != FP8_DTYPE or not w.is_contiguous() or x.stride(1) != 1:
