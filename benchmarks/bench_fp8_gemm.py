@@ -8,16 +8,18 @@ The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 
 (a) correctness of ``fp8_linear`` (the shipped dispatch) and of each kernel at each M: relative error (Frobenius)
     against the float32 product of the same operands (bf16 activations for the streaming kernel, quantized ones
     for the fp8 tensor-core kernels and cuBLAS); tolerance 1e-2;
-(b) time per GEMM and per layer at M = 1, 4, 16, 64, 128, 256, 8192: bf16 (F.linear, cuBLAS), cuBLAS fp8
+(b) time per GEMM and per layer at M = 1, 4, 16, 32, 64, 128, 256, 8192: bf16 (F.linear, cuBLAS), cuBLAS fp8
     (``fp8_scaled_mm``: activation quantization + ``torch._scaled_mm`` with block scales), ours: ``stream``
-    (``fp8_gemm_small_m``, M <= 64), ``swap`` (quantization + ``fp8_gemm_swap``, M <= 1024), ``blockwise``
+    (``fp8_gemm_small_m``, M <= 64), ``swap`` (quantization + ``fp8_gemm_swap``, M <= 1024), ``swap_fused``
+    (``fp8_gemm_swap_bf16``: the quantization in the kernel, M <= 256), ``blockwise``
     (quantization + ``fp8_gemm_blockwise``, M >= 64) and ``shipped`` (``fp8_linear``). Each timing replays a
     CUDA graph of calls on enough weight copies to exceed the 50 MB L2 (weights come from HBM), under CUDA events.
     TB/s counts weight bytes (fp8: 1 byte per weight + 4 per 128 x 128 block; bf16: 2 bytes). A variant that
     fails (e.g. does not compile) prints its error and is left out;
-(c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (stream at M = 1, 16, 32, 64;
-    swap at 32, 64, 128, 256), each candidate checked for correctness before it is timed, stopping at
-    --budget-s seconds; prints the best per shape beside the default pick, and the per-layer sums with the best.
+(c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (swap first: M = 1, 16, then the
+    fused variant, 32, 256, 64, 128; the streaming kernel last), each candidate checked for correctness before it
+    is timed, stopping at --budget-s seconds; prints the best per shape beside the default pick, the per-layer
+    sums with the best, and the best as TUNED_STREAM / TUNED_SWAP tables to paste into fnvllm/kernels/fp8_gemm.py.
 The last table is the summary: the layer's four GEMMs summed per M for every variant.
 """
 
@@ -38,7 +40,7 @@ from fnvllm.kernels import fp8_gemm as g
 from fnvllm.model.quant import quantize_fp8_blocks
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # name: (N, K)
-MS = (1, 4, 16, 64, 128, 256, 8192)
+MS = (1, 4, 16, 32, 64, 128, 256, 8192)
 L2_BYTES = 256 << 20  # weight bytes one timing cycles through (well above the 50 MB L2)
 TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
@@ -248,8 +250,8 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
     print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)")
     deadline = time.monotonic() + budget_s
     best_times: dict[tuple[str, int, str], float] = {}
-    plan = [("swap_fused", 1), ("swap_fused", 16), ("swap", 256), ("swap_fused", 64), ("swap", 128)]
-    plan += [("swap_fused", 4), ("stream", 1), ("stream", 16)]
+    plan = [("swap", 1), ("swap", 16), ("swap_fused", 1), ("swap", 32), ("swap", 256), ("swap", 64)]
+    plan += [("swap", 128), ("swap_fused", 16), ("stream", 1), ("stream", 16)]
     tables: dict[str, list[str]] = {"stream": [], "swap": [], "swap_fused": []}
     for variant, m in plan:
         for gemm in gemms:

@@ -106,9 +106,9 @@ def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
-    up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M
-    ``fp8_gemm_swap_bf16`` (activations quantized in its prologue, fp8 tensor cores, weight rows on the wide side,
-    split-K); above,
+    up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
+    activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
+    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); above,
     cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
     else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
@@ -120,7 +120,7 @@ def fp8_linear(
     if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     elif m <= SWAP_MAX_M:
-        out = fp8_gemm_swap_bf16(x, w, w_scale)
+        out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
     elif _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
         return fp8_scaled_mm(x, w, w_scale, bias)
     else:
@@ -128,12 +128,14 @@ def fp8_linear(
     return out if bias is None else out.add_(bias)
 
 
-# fp8_linear's kernel choice by tokens M (see its docstring). H200, one Qwen3-8B layer's four GEMMs (us): the
-# swapped fp8 kernel beat the bf16-streaming one at every M (M = 1: 72.6 against 131.4, its sweep's best 98.3;
-# M = 16: 84.5 against 131.1), so the streaming kernel is off (0); cuBLAS's block-scaled GEMM takes over from 65
-# tokens (M = 64: swap 132.9, cuBLAS 125.5; M = 128: cuBLAS 133.8, the swap kernel of then 461).
+# fp8_linear's kernel choice by tokens M (see its docstring). H200, one Qwen3-8B layer's four GEMMs, us per layer
+# (benchmarks/bench_fp8_gemm.py, commit 6eb87a6): the swapped kernel (activation quantization + fp8_gemm_swap)
+# 72.6 / 79.3 / 84.5 / 132.9 at M = 1 / 4 / 16 / 64, cuBLAS's block-scaled GEMM 118.5 / 103.5 / 102.9 / 125.5
+# (and 133.8 / 162.7 at 128 / 256), the bf16-streaming kernel 131.4 / 142.0 / 131.1 / 305.5 (its sweep's best at
+# M = 1: 98.3). So the streaming kernel is off (0), the swapped one takes up to 32 tokens (the crossover with
+# cuBLAS lies between 16 and 64; interpolated near 48) and cuBLAS the rest.
 STREAM_MAX_M = 0
-SWAP_MAX_M = 64
+SWAP_MAX_M = 32
 
 
 @functools.cache
