@@ -1,23 +1,26 @@
 """The FP8 weight GEMMs at Qwen3-8B sizes on one GPU: correctness, then time against bf16 and cuBLAS fp8.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_gemm.py [--json PATH] [--sweep]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_gemm.py [--sweep] [--budget-s 100] [--json PATH]
 
 The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 24576, down 12288 ->
 4096), weights N(0, 1/K) quantized to e4m3 with 128 x 128 block scales (``quant.quantize_fp8_blocks``).
 
-(a) correctness of ``fp8_linear`` (the shipped dispatch: ``fp8_gemm_small_m`` up to 64 tokens, activation
-    quantization + ``fp8_gemm_blockwise`` above) at M = 1, 16, 64, 256, 8192: relative error (Frobenius) against
-    the float32 reference on the same quantized operands (tolerance 1e-2), and, for information, against the
-    dequantize-to-bf16 reference (what the CPU runs; the gap is the activations' e4m3 rounding above 64 tokens);
-(b) time per GEMM at each M for bf16 (F.linear, cuBLAS), fp8 ours (``fp8_linear``, activation quantization
-    included) and cuBLAS fp8 (``torch._scaled_mm``, per-tensor scales, activations quantized beforehand: a lower
-    bound, not the same numerics). Each timing replays a CUDA graph of calls on enough weight copies to exceed
-    the 50 MB L2 (so weights come from HBM), timed with CUDA events. Reported: µs, TB/s of weight bytes (fp8: 1
-    byte per weight + 4 per 128 x 128 block; bf16: 2 bytes) and TFLOP/s (2 M N K). Targets: fp8 ours >= 3.5 TB/s
-    at M <= 16; above ~256 tokens faster than bf16;
-(c) --sweep: tile choices of both kernels (small M: block_n x split_k x stages at M = 1 and 16, to compare with
-    ``pick_small_m_config``'s choice; large M: block_m x group_m at 8192).
-The last table is the summary: the layer's four GEMMs summed per M (the issue's table), and the speedups.
+(a) correctness of ``fp8_linear`` (the shipped dispatch) and of each kernel at each M: relative error (Frobenius)
+    against the float32 product of the same operands (bf16 activations for the streaming kernel, quantized ones
+    for the fp8 tensor-core kernels and cuBLAS); tolerance 1e-2;
+(b) time per GEMM and per layer at M = 1, 4, 16, 32, 64, 128, 256, 8192: bf16 (F.linear, cuBLAS), cuBLAS fp8
+    (``fp8_scaled_mm``: activation quantization + ``torch._scaled_mm`` with block scales), ours: ``stream``
+    (``fp8_gemm_small_m``, M <= 64), ``swap`` (quantization + ``fp8_gemm_swap``, M <= 1024), ``swap_fused``
+    (``fp8_gemm_swap_bf16``: the quantization in the kernel, M <= 256), ``blockwise``
+    (quantization + ``fp8_gemm_blockwise``, M >= 64) and ``shipped`` (``fp8_linear``). Each timing replays a
+    CUDA graph of calls on enough weight copies to exceed the 50 MB L2 (weights come from HBM), under CUDA events.
+    TB/s counts weight bytes (fp8: 1 byte per weight + 4 per 128 x 128 block; bf16: 2 bytes). A variant that
+    fails (e.g. does not compile) prints its error and is left out;
+(c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (swap first: M = 1, 16, then the
+    fused variant, 32, 256, 64, 128; the streaming kernel last), each candidate checked for correctness before it
+    is timed, stopping at --budget-s seconds; prints the best per shape beside the default pick, the per-layer
+    sums with the best, and the best as TUNED_STREAM / TUNED_SWAP tables to paste into fnvllm/kernels/fp8_gemm.py.
+The last table is the summary: the layer's four GEMMs summed per M for every variant.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -35,16 +40,37 @@ from fnvllm.kernels import fp8_gemm as g
 from fnvllm.model.quant import quantize_fp8_blocks
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # name: (N, K)
-MS = (1, 16, 64, 256, 8192)
+MS = (1, 4, 16, 32, 64, 128, 256, 8192)
 L2_BYTES = 256 << 20  # weight bytes one timing cycles through (well above the 50 MB L2)
 TOLERANCE = 1e-2
+DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
+VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_fused", "blockwise", "shipped")
+STREAM_KNOBS = {
+    "convert": ("asm", "asm_hoisted", "cast", "bits"),
+    "reduce": ("last", "launch"),
+    "swap": (True, False),
+    "block_n": (32, 64, 128, 16),
+    "block_k": (256, 512, 128),
+    "split_k": (1, 2, 3, 4, 6, 8),
+    "num_warps": (4, 8),
+    "num_stages": (3, 2, 4, 5),
+}
+SWAP_KNOBS = {
+    "reduce": ("last", "launch"),
+    "block_n": (128, 64, 256),
+    "block_t": (16, 32, 64, 128, 256),
+    "split_k": (1, 2, 3, 4, 6, 8),
+    "num_warps": (4, 8),
+    "num_stages": (3, 4, 5, 2),
+}
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every number to this file")
-    parser.add_argument("--sweep", action="store_true", help="also time a few tile choices of both kernels")
+    parser.add_argument("--sweep", action="store_true", help="also search the kernels' launch knobs")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="seconds the sweep may take")
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help="token counts M")
     return parser.parse_args()
 
@@ -73,6 +99,11 @@ def time_us(calls: list[Callable[[], object]], reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
+def short(e: Exception) -> str:
+    """The first line of an exception, cut to 120 characters."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:120]
+
+
 class Gemm:
     """One layer GEMM's weights: ``copies`` bf16 weights and their fp8 quantizations (copies: enough for L2)."""
 
@@ -80,7 +111,7 @@ class Gemm:
         self.name, self.n, self.k = name, n, k
         self.copies = max(1, math.ceil(L2_BYTES / (n * k)))
         torch.manual_seed(0)
-        self.bf16 = [(torch.randn(n, k, device="cuda") / math.sqrt(k)).bfloat16() for _ in range(self.copies)]
+        self.bf16 = [(torch.randn(n, k, device=DEVICE) / math.sqrt(k)).bfloat16() for _ in range(self.copies)]
         self.fp8 = [quantize_fp8_blocks(w) for w in self.bf16]
 
     @property
@@ -88,127 +119,215 @@ class Gemm:
         """Bytes of one fp8 weight with its scales."""
         return self.n * self.k + 4 * math.ceil(self.n / 128) * math.ceil(self.k / 128)
 
-    def check(self, m: int) -> dict[str, float]:
-        """Relative errors of fp8_linear at M = m (see (a) in the module docstring)."""
-        x = torch.randn(m, self.k, device="cuda").bfloat16()
+    def x(self, m: int) -> torch.Tensor:
+        """Activations (m, K) bf16, the same for a given m."""
+        torch.manual_seed(m)
+        return torch.randn(m, self.k, device=DEVICE).bfloat16()
+
+    def call(self, variant: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: object = None) -> torch.Tensor:
+        """One product by ``variant`` (see (b) in the module docstring); cfg: a kernel config for stream/swap."""
+        if variant == "stream":
+            return g.fp8_gemm_small_m(x, w, s, cfg)  # type: ignore[arg-type]
+        if variant == "swap":
+            return g.fp8_gemm_swap(*g.quantize_activations(x), w, s, x.dtype, cfg)  # type: ignore[arg-type]
+        if variant == "swap_fused":
+            return g.fp8_gemm_swap_bf16(x, w, s, cfg)  # type: ignore[arg-type]
+        if variant == "blockwise":
+            return g.fp8_gemm_blockwise(*g.quantize_activations(x), w, s, x.dtype)
+        if variant == "cublas_fp8":
+            return g.fp8_scaled_mm(x, w, s)
+        return g.fp8_linear(x, w, s)
+
+    def applies(self, variant: str, m: int) -> bool:
+        """Whether ``variant`` runs at M = m."""
+        if variant == "stream":
+            return m <= g.SMALL_M
+        if variant == "swap":
+            return m <= 1024
+        if variant == "swap_fused":
+            return m <= 256
+        if variant == "blockwise":
+            return m >= 64
+        return True
+
+    def error(self, variant: str, m: int, cfg: object = None, repeats: int = 3) -> float:
+        """Largest relative error of ``repeats`` calls of ``variant`` against the float32 product of the operands
+        it uses (repeated: a split-K sum that raced would show as an occasional wrong tile)."""
+        x = self.x(m)
         w, s = self.fp8[0]
-        out = g.fp8_linear(x, w, s)
-        if m <= g.SMALL_M:
+        outs = [self.call(variant, x, w, s, cfg) for _ in range(repeats)]
+        uses_bf16_x = variant == "stream" or (variant == "shipped" and (m <= g.STREAM_MAX_M or DEVICE != "cuda"))
+        if uses_bf16_x:
             exact = g.fp8_linear_ref(x.float(), w, s)
         else:
             exact = g.fp8_blockwise_ref(*g.quantize_activations(x), w, s, torch.float32)
-        return {
-            "vs_same_operands": rel_error(out, exact),
-            "vs_bf16_dequantized": rel_error(out, g.fp8_linear_ref(x, w, s)),
-        }
+        return max(rel_error(out, exact) for out in outs)
 
-    def timings(self, m: int) -> dict[str, float | None]:
-        """µs per call of bf16, fp8 ours and cuBLAS fp8 at M = m."""
-        x = torch.randn(m, self.k, device="cuda").bfloat16()
+    def time(self, variant: str, m: int, cfg: object = None) -> float:
+        """µs per call of ``variant`` at M = m."""
+        x = self.x(m)
         reps = 3 if m >= 4096 else 20
-        out = {
-            "bf16": time_us([lambda w=w: F.linear(x, w) for w in self.bf16], reps),
-            "fp8_ours": time_us([lambda w=w, s=s: g.fp8_linear(x, w, s) for w, s in self.fp8], reps),
-        }
-        out["cublas_fp8"] = self._scaled_mm_us(x, reps)
-        return out
+        if variant == "bf16":
+            return time_us([lambda w=w: F.linear(x, w) for w in self.bf16], reps)
+        return time_us([lambda w=w, s=s: self.call(variant, x, w, s, cfg) for w, s in self.fp8], reps)
 
-    def _scaled_mm_us(self, x: torch.Tensor, reps: int) -> float | None:
-        """µs of torch._scaled_mm with per-tensor scales on pre-quantized activations, M padded to a multiple of
-        16 as cuBLAS requires (None if unsupported)."""
-        x8 = F.pad(x, (0, 0, 0, -x.shape[0] % 16)).to(g.FP8_DTYPE)
-        one = torch.ones((), device="cuda")
-        try:
-            calls = [lambda w=w: torch._scaled_mm(x8, w.t(), one, one, out_dtype=torch.bfloat16) for w, _ in self.fp8]
-            return time_us(calls, reps)
-        except (RuntimeError, TypeError) as e:
-            print(f"  _scaled_mm unavailable at M={x.shape[0]}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
-            return None
 
-    def sweep(self, m: int) -> dict[str, float]:
-        """µs of the kernel tile choices at M = m (small-M kernel up to 64 tokens, blockwise above)."""
-        x = torch.randn(m, self.k, device="cuda").bfloat16()
-        results: dict[str, float] = {}
-        if m <= g.SMALL_M:
-            for block_n in (16, 32, 64):
-                for split in (1, 2, 4):
-                    for stages in (4, 6):
-                        cfg = g.SmallMConfig(block_n, split, stages)
-                        calls = [lambda w=w, s=s, c=cfg: g.fp8_gemm_small_m(x, w, s, c) for w, s in self.fp8]
-                        results[f"SmallMConfig({block_n}, {split}, {stages})"] = time_us(calls, 20)
-        else:
-            x_q, x_s = g.quantize_activations(x)
-            for block_m in (64, 128):
-                for group_m in (8, 16):
-                    calls = [
-                        lambda w=w, s=s, bm=block_m, gm=group_m: g.fp8_gemm_blockwise(x_q, x_s, w, s, x.dtype, bm, gm)
-                        for w, s in self.fp8
-                    ]
-                    results[f"block_m={block_m} group_m={group_m}"] = time_us(calls, 3)
-        return results
+def run_checks(gemms: list[Gemm], ms: list[int], record: dict) -> bool:
+    """(a): every fp8 variant at every M; True when all pass (a variant that raises is reported, not failed)."""
+    print("(a) correctness: relative error against the float32 product of the same operands")
+    ok = True
+    for gemm in gemms:
+        for m in ms:
+            parts = []
+            for variant in VARIANTS[1:]:
+                if not gemm.applies(variant, m):
+                    continue
+                try:
+                    err = gemm.error(variant, m)
+                except Exception as e:  # a variant that cannot run is reported and skipped
+                    parts.append(f"{variant} ERROR {short(e)}")
+                    continue
+                record["checks"][f"{gemm.name} M={m} {variant}"] = err
+                ok &= err < TOLERANCE or variant != "shipped"
+                parts.append(f"{variant} {err:.1e}{'' if err < TOLERANCE else ' FAIL'}")
+            print(f"  {gemm.name:8} M={m:5}: " + ", ".join(parts))
+    return ok
+
+
+def run_times(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[str, int, str], float]:
+    """(b): µs per GEMM for every variant that applies and runs."""
+    print("(b) time per GEMM (µs; TB/s of weight bytes)")
+    times: dict[tuple[str, int, str], float] = {}
+    for gemm in gemms:
+        for m in ms:
+            parts = []
+            for variant in VARIANTS:
+                if not gemm.applies(variant, m):
+                    continue
+                try:
+                    us = gemm.time(variant, m)
+                except Exception as e:  # reported, not fatal
+                    parts.append(f"{variant} ERROR {short(e)}")
+                    continue
+                times[gemm.name, m, variant] = us
+                record["times_us"][f"{gemm.name} M={m} {variant}"] = us
+                nbytes = 2 * gemm.n * gemm.k if variant == "bf16" else gemm.fp8_bytes
+                parts.append(f"{variant} {us:.1f} ({nbytes / us / 1e6:.2f})")
+            print(f"  {gemm.name:8} M={m:5}: " + "  ".join(parts))
+    return times
+
+
+def descend(
+    gemm: Gemm, variant: str, m: int, start: object, knobs: dict[str, tuple], deadline: float
+) -> dict[str, float]:
+    """Coordinate descent from config ``start``: each knob in turn over its values, the others at the best so
+    far; a candidate must pass the correctness check before it is timed. Returns {repr(config): µs}."""
+    results: dict[str, float] = {}
+    best, best_us = start, math.inf
+    for knob, values in knobs.items():
+        for value in values:
+            if time.monotonic() > deadline:
+                return results
+            cfg = attrs.evolve(best, **{knob: value})  # type: ignore[misc]
+            key = repr(cfg)
+            if key in results:
+                continue
+            try:
+                if gemm.error(variant, m, cfg) >= TOLERANCE:
+                    results[key] = math.inf
+                    continue
+                results[key] = us = gemm.time(variant, m, cfg)
+            except Exception:  # e.g. out of shared memory: not a candidate
+                results[key] = math.inf
+                continue
+            if us < best_us:
+                best, best_us = cfg, us
+    return results
+
+
+def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[str, int, str], float]:
+    """(c): the best config per (GEMM, M) for both kernels, within the budget."""
+    print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)")
+    deadline = time.monotonic() + budget_s
+    best_times: dict[tuple[str, int, str], float] = {}
+    plan = [("swap", 1), ("swap", 16), ("swap_fused", 1), ("swap", 32), ("swap", 256), ("swap", 64)]
+    plan += [("swap", 128), ("swap_fused", 16), ("stream", 1), ("stream", 16)]
+    tables: dict[str, list[str]] = {"stream": [], "swap": [], "swap_fused": []}
+    for variant, m in plan:
+        for gemm in gemms:
+            if time.monotonic() > deadline:
+                print("  budget spent")
+                print_tables(tables)
+                return best_times
+            device = torch.device(DEVICE)
+            if variant == "stream":
+                pick, knobs = g.pick_small_m_config(m, gemm.n, gemm.k, device), STREAM_KNOBS
+            else:
+                pick, knobs = g.pick_swap_config(m, gemm.n, gemm.k, device), SWAP_KNOBS
+            results = descend(gemm, variant, m, pick, knobs, deadline)
+            finite = {k: v for k, v in results.items() if math.isfinite(v)}
+            record["sweep"][f"{gemm.name} M={m} {variant}"] = finite
+            if not finite:
+                print(f"  {gemm.name:8} M={m:5} {variant}: nothing ran")
+                continue
+            best = min(finite, key=finite.__getitem__)
+            best_times[gemm.name, m, variant] = finite[best]
+            pick_us = finite.get(repr(pick), math.nan)
+            print(f"  {gemm.name:8} M={m:5} {variant}: best {finite[best]:.1f} µs "
+                  f"({gemm.fp8_bytes / finite[best] / 1e6:.2f} TB/s) {best}; pick {pick_us:.1f} µs; "
+                  f"{len(results)} tried")  # fmt: skip
+            tables[variant].append(f"    ({gemm.n}, {gemm.k}, {m}): {best},  # {variant}")
+    print_tables(tables)
+    return best_times
+
+
+def print_tables(tables: dict[str, list[str]]) -> None:
+    """The sweep's best configs as the TUNED_STREAM / TUNED_SWAP tables of fnvllm.kernels.fp8_gemm."""
+    for variants, name in ((("stream",), "TUNED_STREAM"), (("swap_fused", "swap"), "TUNED_SWAP")):
+        print(f"  {name} = {{")
+        print("\n".join(line for variant in variants for line in tables[variant]))
+        print("  }")
+
+
+def print_summary(
+    gemms: list[Gemm], ms: list[int], times: dict[tuple[str, int, str], float], best: dict[tuple[str, int, str], float]
+) -> None:
+    """The layer's four GEMMs summed per M and variant: µs (TB/s of weight bytes); "best" rows from the sweep."""
+    fp8_bytes, bf16_bytes = sum(gm.fp8_bytes for gm in gemms), sum(2 * gm.n * gm.k for gm in gemms)
+    print("\nsummary: one Qwen3-8B layer's four GEMMs (qkv, o, gate_up, down), µs (TB/s of weight bytes)")
+    columns = [*VARIANTS, "stream best", "swap best", "swap_fused best"]
+    print(f"{'M':>6} | " + " | ".join(f"{c:>16}" for c in columns))
+    for m in ms:
+        cells = []
+        for column in columns:
+            source, variant = (best, column.split()[0]) if column.endswith("best") else (times, column)
+            parts = [source.get((gm.name, m, variant)) for gm in gemms]
+            if None in parts:
+                cells.append(f"{'-':>16}")
+                continue
+            us = sum(p or 0.0 for p in parts)
+            nbytes = bf16_bytes if variant == "bf16" else fp8_bytes
+            cells.append(f"{us:>9.1f} ({nbytes / us / 1e6:.2f})")
+        print(f"{m:>6} | " + " | ".join(cells))
 
 
 def main() -> int:
-    """Check, time, print the tables; exit 1 when a correctness check fails."""
+    """Check, time, sweep, print the tables; exit 1 when the shipped dispatch fails a correctness check."""
     args = parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm.py times Triton and cuBLAS GEMMs: it needs a CUDA GPU")
+    began = time.monotonic()
     gemms = [Gemm(name, n, k) for name, (n, k) in GEMMS.items()]
-    record: dict[str, object] = {"device": torch.cuda.get_device_name(), "checks": {}, "times_us": {}, "sweep": {}}
-    failed = False
-    print("(a) correctness: relative error of fp8_linear (same operands | vs bf16-dequantized reference)")
-    for gemm in gemms:
-        for m in args.ms:
-            errors = gemm.check(m)
-            ok = errors["vs_same_operands"] < TOLERANCE
-            failed |= not ok
-            record["checks"][f"{gemm.name} M={m}"] = errors  # type: ignore[index]
-            print(f"  {gemm.name:8} M={m:5}: {errors['vs_same_operands']:.2e} | {errors['vs_bf16_dequantized']:.2e}"
-                  f"  {'PASS' if ok else 'FAIL'}")  # fmt: skip
-    print("(b) time per GEMM")
-    times: dict[tuple[str, int], dict[str, float | None]] = {}
-    for gemm in gemms:
-        for m in args.ms:
-            t = times[gemm.name, m] = gemm.timings(m)
-            record["times_us"][f"{gemm.name} M={m}"] = t  # type: ignore[index]
-            fp8_tb = gemm.fp8_bytes / t["fp8_ours"] / 1e6
-            tflops = 2 * m * gemm.n * gemm.k / t["fp8_ours"] / 1e6
-            cublas = "n/a" if t["cublas_fp8"] is None else f"{t['cublas_fp8']:.1f}"
-            print(f"  {gemm.name:8} M={m:5}: bf16 {t['bf16']:8.1f} µs  fp8 ours {t['fp8_ours']:8.1f} µs "
-                  f"({fp8_tb:.2f} TB/s, {tflops:.0f} TFLOP/s)  cuBLAS fp8 {cublas} µs")  # fmt: skip
-    if args.sweep:
-        print("(c) tile sweep (µs per call)")
-        for gemm in gemms:
-            for m in (m for m in args.ms if m in (1, 16, 8192)):
-                results = gemm.sweep(m)
-                record["sweep"][f"{gemm.name} M={m}"] = results  # type: ignore[index]
-                best = min(results, key=results.__getitem__)
-                print(f"  {gemm.name:8} M={m:5}: best {best} {results[best]:.1f} µs; " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in results.items()))  # fmt: skip
-    print_summary(gemms, args.ms, times)
+    record: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "times_us": {}, "sweep": {}}
+    ok = run_checks(gemms, args.ms, record)
+    times = run_times(gemms, args.ms, record)
+    best = run_sweep(gemms, args.budget_s, record) if args.sweep else {}
+    print_summary(gemms, args.ms, times, best)
+    print(f"({time.monotonic() - began:.0f} s; shipped dispatch correct: {ok})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
-    return 1 if failed else 0
-
-
-def print_summary(gemms: list[Gemm], ms: list[int], times: dict[tuple[str, int], dict[str, float | None]]) -> None:
-    """The layer's four GEMMs summed per M: µs, TB/s of weight bytes, TFLOP/s, and fp8 ours vs bf16 / cuBLAS."""
-    fp8_bytes, bf16_bytes = sum(gm.fp8_bytes for gm in gemms), sum(2 * gm.n * gm.k for gm in gemms)
-    flops_per_token = sum(2 * gm.n * gm.k for gm in gemms)
-    print("\nsummary: one Qwen3-8B layer's four GEMMs (qkv, o, gate_up, down)")
-    print(f"{'M':>6} | {'bf16 µs':>9} {'TB/s':>5} | {'fp8 ours µs':>11} {'TB/s':>5} {'TFLOP/s':>7} | "
-          f"{'cuBLAS fp8 µs':>13} | {'vs bf16':>7} {'vs cuBLAS':>9}")  # fmt: skip
-    for m in ms:
-        bf16 = sum(times[gm.name, m]["bf16"] or 0.0 for gm in gemms)
-        ours = sum(times[gm.name, m]["fp8_ours"] or 0.0 for gm in gemms)
-        cublas_parts = [times[gm.name, m]["cublas_fp8"] for gm in gemms]
-        cublas = None if None in cublas_parts else sum(p or 0.0 for p in cublas_parts)
-        cublas_text = "n/a" if cublas is None else f"{cublas:.1f}"
-        ratio = "n/a" if cublas is None else f"{cublas / ours:.2f}x"
-        tflops = m * flops_per_token / ours / 1e6
-        print(f"{m:>6} | {bf16:>9.1f} {bf16_bytes / bf16 / 1e6:>5.2f} | {ours:>11.1f} {fp8_bytes / ours / 1e6:>5.2f} "
-              f"{tflops:>7.0f} | {cublas_text:>13} | {bf16 / ours:>6.2f}x {ratio:>9}")  # fmt: skip
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

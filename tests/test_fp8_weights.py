@@ -1,5 +1,6 @@
 """FP8 weights: official block-quantized checkpoints and quantization="fp8" load and match their references, the
-Triton FP8 GEMMs match their torch references (interpreted on the CPU), TP=2 matches TP=1, bad input is refused."""
+activation quantization and the blockwise GEMM match their torch references (interpreted on the CPU; the other GEMM
+kernels: tests/test_fp8_gemm.py), TP=2 matches TP=1, bad input is refused."""
 
 from __future__ import annotations
 
@@ -182,26 +183,6 @@ def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return quantize_fp8_blocks(torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator))
 
 
-SMALL_M_CASES = [
-    (1, 200, 300, None),
-    (5, 130, 260, g.SmallMConfig(32, 2)),
-    (17, 64, 128, g.SmallMConfig(64, 1)),
-    (33, 96, 300, g.SmallMConfig(16, 3)),
-    (64, 300, 520, g.SmallMConfig(128, 4, num_stages=2)),
-]
-
-
-@pytest.mark.parametrize(("m", "n", "k", "config"), SMALL_M_CASES)
-def test_small_m_kernel_matches_reference(m: int, n: int, k: int, config: g.SmallMConfig | None) -> None:
-    """fp8_gemm_small_m (odd M/N/K, partial edge blocks, K split or not) equals the dequantize-then-matmul
-    reference up to bf16 rounding of the output."""
-    w, scale = _weights(n, k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    out = g.fp8_gemm_small_m(x, w, scale, config)
-    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (m, n)
-    torch.testing.assert_close(out.float(), g.fp8_linear_ref(x.float(), w, scale), atol=2e-2, rtol=1e-2)
-
-
 def test_activation_quantization_kernel_matches_reference() -> None:
     """quantize_activations gives the reference's per-(token, 128 columns) scales, and e4m3 values within half a
     step of x / scale (rounding ties may go either way)."""
@@ -224,28 +205,6 @@ def test_blockwise_kernel_matches_reference(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32), atol=1e-4, rtol=1e-4)
 
 
-def test_small_m_config_fills_the_sms() -> None:
-    """pick_small_m_config keeps >= 1.5 programs per SM (132): wide tiles for many rows, 16-row tiles split along
-    K for few."""
-    cpu = torch.device("cpu")
-    assert g.pick_small_m_config(24576, 4096, cpu) == g.SmallMConfig(64, 1)
-    assert g.pick_small_m_config(4096, 4096, cpu) == g.SmallMConfig(16, 1)
-    assert g.pick_small_m_config(1024, 4096, cpu) == g.SmallMConfig(16, 4)
-    assert g.pick_small_m_config(64, 128, cpu) == g.SmallMConfig(16, 1)  # one K block: nothing to split
-
-
-def test_kernels_refuse_bad_operands() -> None:
-    """A 16-bit weight, mismatched K or a wrongly shaped scale is a ValueError naming the operand."""
-    w, scale = _weights(64, 128)
-    x = torch.zeros(2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="w must be contiguous"):
-        g.fp8_gemm_small_m(x, w.float(), scale)
-    with pytest.raises(ValueError, match="agree on K"):
-        g.fp8_gemm_small_m(x[:, :64], w, scale)
-    with pytest.raises(ValueError, match="w_scale must be"):
-        g.fp8_gemm_small_m(x, w, scale[:, :0])
-
-
 def test_benchmark_floor_counts_one_byte_per_fp8_weight(checkpoints: dict[str, Path]) -> None:
     """The bench floor's weight bytes count the FP8 linears at 1 byte (+ their scales), the rest at 2."""
     plain = ModelConfig.from_pretrained(checkpoints["src"])
@@ -259,24 +218,6 @@ def test_benchmark_floor_counts_one_byte_per_fp8_weight(checkpoints: dict[str, P
 # ---- on a GPU ---------------------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
-def test_fp8_linear_on_cuda_matches_references(m: int) -> None:
-    """fp8_linear on CUDA at a Qwen3 o_proj size (compiled kernels, both sides of SMALL_M and of the cuBLAS
-    threshold) equals its reference: dequantize-then-matmul where the weight is streamed (bf16 activations), the
-    same quantized operands where activations are quantized (cuBLAS from SCALED_MM_MIN_ROWS, Triton above SMALL_M)."""
-    w, scale = (t.cuda() for t in _weights(4096, 4096, seed=5))
-    x = torch.randn(m, 4096, device="cuda").bfloat16()
-    out = g.fp8_linear(x, w, scale)
-    cublas = m >= g.SCALED_MM_MIN_ROWS and g._has_block_scaled_mm(0) and g.scaled_mm_supported(4096, 4096)
-    if m <= g.SMALL_M and not cublas:
-        ref = g.fp8_linear_ref(x.float(), w, scale)
-    else:
-        ref = g.fp8_blockwise_ref(*g.quantize_activations(x), w, scale, torch.float32)
-    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
 
 
 @pytest.mark.gpu

@@ -5,22 +5,22 @@ The weight format is the official block-quantized one (DeepSeek-V3, Qwen3-*-FP8)
 ``w[n, k] * w_scale[n // 128, k // 128]`` (HF calls the scale ``weight_scale_inv``; it multiplies). Edge blocks
 (N or K not a multiple of 128) are partial; their scale covers the rows and columns that exist.
 
-Two kernels, picked by the number of tokens M (``fp8_linear``):
+Kernels, picked by the number of tokens M (``fp8_linear``):
 
-- ``fp8_gemm_small_m`` (M <= SMALL_M, decode): bandwidth-bound, so it only has to stream the weight bytes fast.
-  Activations stay in their 16-bit dtype; each program loads a (BLOCK_N, 128) fp8 tile, widens it in registers,
-  multiplies, and applies the block's one scale to the partial product. Split-K keeps all SMs busy when N is
-  small (o_proj: 4096 rows = 64 tiles of 64 rows for 132 SMs): each of SPLIT_K programs of a row tile sums its
-  K range into its own float32 slice, and the slices are summed in torch (deterministic, unlike atomic adds).
-- ``fp8_gemm_blockwise`` (prefill): compute-bound, so both operands go to the fp8 tensor cores.
-  ``quantize_activations`` scales each (token, 128-column group) of x by its own amax / 448 (one kernel), then
-  the GEMM multiplies fp8 tiles with float32 accumulation and applies x_scale[m, kg] * w_scale[n_block, kg] to
-  each 128-deep partial product (DeepSeek-V3's scheme; BLOCK_K = BLOCK_N = 128 so one weight scale per tile).
-
-- ``fp8_scaled_mm`` (from SCALED_MM_MIN_ROWS tokens, where torch and the GPU have it): the same activation
-  quantization, then cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128
-  weight scales, sm_90, CUDA >= 12.9); measured faster than the Triton GEMMs from 16 tokens up (see
-  ``fp8_linear``). The Triton GEMMs remain for decode-sized M and where cuBLAS lacks the recipe.
+- ``fp8_gemm_small_m`` (M <= STREAM_MAX_M, decode): bandwidth-bound, so it only has to stream the weight bytes.
+  Activations stay 16-bit. Each program walks a (BLOCK_N rows, K range) tile in BLOCK_K steps: the fp8 tile is
+  widened to bf16 by moving bits (sign, exponent|mantissa >> 4: the value times 2**-120, no cvt instructions,
+  whose throughput caps Triton's own e4m3 -> bf16 at ~2.8 TB/s on an H200), the block scales (times 2**60) ride
+  on the activation columns, and the accumulator takes the remaining 2**60 at the end. Split-K (float32
+  partials, summed in order by a second kernel) keeps every SM streaming when N is small.
+- ``fp8_gemm_swap`` (STREAM_MAX_M < M <= SWAP_MAX_M): activations quantized per (token, 128 columns)
+  (``quantize_activations``), then fp8 x fp8 on the tensor cores with the weight rows on the dot's wide side
+  and the tokens on its narrow side (so 16-256 tokens fill a wgmma), split-K as above.
+- ``fp8_gemm_blockwise`` (prefill, where cuBLAS lacks the recipe): both operands fp8, (BLOCK_M tokens, 128 rows)
+  tiles, x_scale[m, kg] * w_scale[n_block, kg] applied to each 128-deep partial product (DeepSeek-V3's scheme).
+- ``fp8_scaled_mm`` (above SWAP_MAX_M, where torch and the GPU have it): the same activation quantization, then
+  cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales,
+  sm_90, CUDA >= 12.9).
 
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
@@ -32,6 +32,7 @@ even: ties differ, nothing else).
 from __future__ import annotations
 
 import functools
+from typing import TypeVar
 
 import attrs
 import torch
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+from fnvllm.kernels.decode_attention import dot, upcast_dot
 from fnvllm.kernels.reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -49,6 +50,7 @@ from fnvllm.kernels.reference import (
     expand_block_scales,
     fp8_linear_ref,
 )
+from fnvllm.kernels.skinny_gemm import _sum_splits_kernel
 
 # The references live in fnvllm.kernels.reference (torch only: the model imports them without Triton); they are
 # re-exported here beside the kernels tested against them.
@@ -61,6 +63,8 @@ __all__ = [
     "fp8_blockwise_ref",
     "fp8_gemm_blockwise",
     "fp8_gemm_small_m",
+    "fp8_gemm_swap",
+    "fp8_gemm_swap_bf16",
     "fp8_linear",
     "fp8_linear_ref",
     "fp8_scaled_mm",
@@ -68,8 +72,9 @@ __all__ = [
     "quantize_activations_ref",
 ]
 
-SMALL_M = 64  # up to this many tokens the bandwidth kernel runs, above it the fp8 tensor-core GEMM
+SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_Config = TypeVar("_Config")  # SmallMConfig or SwapConfig
 
 
 # ---- torch reference (the weight's in fnvllm.kernels.reference) ----------------------------------------------
@@ -100,28 +105,37 @@ def fp8_blockwise_ref(
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations: up to
-    SCALED_MM_MIN_ROWS - 1 tokens ``fp8_gemm_small_m`` (streams the weight), above it cuBLAS's block-scaled GEMM
-    (``fp8_scaled_mm``) where the weight is whole 128 x 128 blocks and torch has it, else ``fp8_gemm_blockwise``
-    (Triton) up to SMALL_M tokens or above. Elsewhere the torch reference.
-
-    Why: on the H200, for one Qwen3-8B layer's four GEMMs, cuBLAS's block-scaled GEMM is faster than the Triton
-    kernels from 16 tokens up and about equal below (BENCHMARKS.md, "FP8 weight GEMMs")."""
+    """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
+    up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
+    activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
+    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); above,
+    cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
+    else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
+    benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
-    if m >= SCALED_MM_MIN_ROWS and _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
-        return fp8_scaled_mm(x, w, w_scale, bias)
-    if m <= SMALL_M:
+    _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
+    if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
+    elif m <= SWAP_MAX_M:
+        out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
+    elif _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
+        return fp8_scaled_mm(x, w, w_scale, bias)
     else:
         out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
     return out if bias is None else out.add_(bias)
 
 
-# From this many tokens up, cuBLAS's block-scaled GEMM beats the streaming kernel (measured above).
-SCALED_MM_MIN_ROWS = 16
+# fp8_linear's kernel choice by tokens M (see its docstring). H200, one Qwen3-8B layer's four GEMMs, us per layer
+# (benchmarks/bench_fp8_gemm.py, commit 6eb87a6): the swapped kernel (activation quantization + fp8_gemm_swap)
+# 72.6 / 79.3 / 84.5 / 132.9 at M = 1 / 4 / 16 / 64, cuBLAS's block-scaled GEMM 118.5 / 103.5 / 102.9 / 125.5
+# (and 133.8 / 162.7 at 128 / 256), the bf16-streaming kernel 131.4 / 142.0 / 131.1 / 305.5 (its sweep's best at
+# M = 1: 98.3). So the streaming kernel is off (0), the swapped one takes up to 32 tokens (the crossover with
+# cuBLAS lies between 16 and 64; interpolated near 48) and cuBLAS the rest.
+STREAM_MAX_M = 0
+SWAP_MAX_M = 32
 
 
 @functools.cache
@@ -140,33 +154,146 @@ def _has_block_scaled_mm(device_index: int) -> bool:
 
 # ---- small M: stream the weight bytes ---------------------------------------------------------------------------
 
+# The e4m3 -> bf16 widening by bit moves (``_e4m3_bits``) yields w * 2**-120; the activations carry 2**60 of the
+# 2**120 back and the accumulator the other 2**60, so neither leaves float32/bf16's normal range (|x * s| from
+# ~1e-20 to ~1e20 stays exact to bf16 rounding).
+_HALF_BIAS = tl.constexpr(2.0**60)
+
+# e4m3 bytes b0..b3 in one 32-bit register -> bf16 pairs (b0, b1), (b2, b3): each byte moved to the high half of a
+# 16-bit lane (prmt), then sign kept and exponent|mantissa shifted right by 4 into bf16's places. Four integer
+# instructions per pair, none on the conversion pipe (Triton's own e4m3 -> bf16 takes three cvt per pair, and the
+# cvt pipe's 16 results per clock per SM cap a stream at ~2.8 TB/s on an H200).
+_E4M3_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 a0, a1, s0, s1, t0, t1;
+prmt.b32 a0, 0, $2, 0x5140;
+prmt.b32 a1, 0, $2, 0x7362;
+and.b32 s0, a0, 0x80008000;
+and.b32 s1, a1, 0x80008000;
+shr.b32 t0, a0, 4;
+shr.b32 t1, a1, 4;
+and.b32 t0, t0, 0x07F007F0;
+and.b32 t1, t1, 0x07F007F0;
+or.b32 $0, s0, t0;
+or.b32 $1, s1, t1;
+}""")
+
+CONVERTS = ("asm", "asm_hoisted", "bits", "cast")  # SmallMConfig.convert's choices (see _e4m3_bits)
+
 
 @triton.jit
-def _small_m_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K, stride_xm, stride_sn, stride_os, stride_om,
-    K_BLOCKS_PER_SPLIT,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _e4m3_bits(w, ASM: tl.constexpr, ASM_HOISTED: tl.constexpr):
+    """e4m3 w -> bf16 holding w * 2**-120 exactly (the same bits moved: sign, then exponent|mantissa >> 4 into a
+    16-bit lane; e4m3's exponent bias 7 read with bf16's 127). ASM: one inline-PTX block per 4 values (GPU only).
+
+    ASM_HOISTED marks the block pure, so Triton converts in the dot operand's register layout (no shared-memory
+    round trip for the bf16 tile, but that layout holds 2 consecutive bytes per load: ~2.4 extra byte-packing
+    instructions per weight on sm_90); otherwise it converts in the load's layout (16-byte vectors) and stages
+    the bf16 tile through shared memory (4.5 instructions per weight in all, against 6.7; measured in the SASS of
+    a 64 x 256 tile)."""
+    u = w.to(tl.uint8, bitcast=True)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E4M3_TO_BF16_ASM, "=r,=r,r", [u], dtype=tl.bfloat16, is_pure=ASM_HOISTED, pack=4
+        )
+    v = u.to(tl.uint16)
+    return (((v & 0x80) << 8) | ((v & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _stream_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_sn, K_PER_SPLIT, NUM_SPLITS,
+    SPLIT_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+    BITS: tl.constexpr, ASM: tl.constexpr, ASM_HOISTED: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_N rows, K range) tile: out[split, :, rows] = sum over its 128-wide K blocks of
-    (x block @ w block.T) * w_scale[row block, k block]."""
+    """One (BLOCK_N rows, K range) tile: out[split, :, rows] = sum over its BLOCK_K steps of
+    (x * w_scale[row block, k // 128]) @ widen(w).T. The block scale rides on the (few) activation columns, not
+    on the accumulator, so a step may span several 128-wide scale blocks; SWAP puts the weight tile on the dot's
+    left (BLOCK_N >= 64 rows: Hopper's wgmma) and the tokens on its right."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, 128)
+    offs_k = tl.arange(0, BLOCK_K)
     scale_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = split * K_BLOCKS_PER_SPLIT
-    for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
-        k = kb * 128 + offs_k
-        x_mask = (offs_m[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        w_mask = (offs_n[:, None] < N) & (k[None, :] < K)  # zeros past K: garbage e4m3 bytes may be NaN
-        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=w_mask, other=0.0)
-        part = dot(x, tl.trans(w.to(x.dtype)), PRECISION, UPCAST)  # (BLOCK_M, BLOCK_N)
-        acc += part * tl.load(scale_row + kb)
-    out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * K_PER_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+        k = k0 + offs_k
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
+        s = tl.load(scale_row + k // 128, mask=k < K, other=0.0)  # (BLOCK_K,) float32
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
+        if BITS:
+            xs = (x.to(tl.float32) * (s * _HALF_BIAS)[None, :]).to(tl.bfloat16)
+            wb = _e4m3_bits(w, ASM, ASM_HOISTED)
+        else:
+            xs = (x.to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            wb = w.to(tl.bfloat16)
+        if SWAP:
+            acc += dot(wb, tl.trans(xs), "tf32", UPCAST)  # (BLOCK_N, BLOCK_M)
+        else:
+            acc += dot(xs, tl.trans(wb), "tf32", UPCAST)  # (BLOCK_M, BLOCK_N)
+    if BITS:
+        acc = acc * _HALF_BIAS
+    if SWAP:
+        offs, mask = offs_m[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    else:
+        offs, mask = offs_m[:, None] * N + offs_n[None, :], (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, pid_n, M * N, SPLIT_MODE)
+
+
+# How the K splits of a tile are summed (``_write_tile``'s SPLIT_MODE): one split writes its result; "launch":
+# each split writes a float32 partial, a second kernel sums them; "last": the partials are summed by whichever
+# program of the tile arrives last (an atomic counter per tile, reset by that program), saving the launch.
+_ONE_SPLIT, _SUM_LAUNCH, _SUM_LAST = 0, 1, 2
+SPLIT_REDUCES = ("last", "launch")  # the configs' ``reduce`` choices
+
+
+@triton.jit
+def _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, num_splits, tile, size, MODE: tl.constexpr):
+    """Store a tile's result acc at offsets ``offs`` of the (M, N) output (``size`` = M * N), per MODE (above).
+    In "last" mode every program of the tile stores its partial, then (after a CTA barrier, so all its threads'
+    stores precede it) bumps the tile's counter with acquire-release semantics at GPU scope; the program that
+    sees num_splits - 1 sums the partials in split order (deterministic; read from L2, not a stale L1) and
+    resets the counter to zero for the next launch (and CUDA-graph replay)."""
+    if MODE == 0:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * size + offs, acc, mask=mask)
+        if MODE == 2:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):
+                    total += tl.load(part_ptr + s * size + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+_MAX_TILES = 1 << 16  # tiles one launch may have in "last" mode (the counters per device)
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_buffers(out: torch.Tensor, split: int, reduce: str, tiles: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(partials (split, M, N) float32 or ``out``, tile counters or ``out``, SPLIT_MODE) for a launch. "last"
+    needs the zeroed counters of out's device, made outside CUDA-graph capture (a buffer made during capture
+    would be zeroed only by replays); while capturing before they exist, and past _MAX_TILES, it is "launch"."""
+    if split == 1:
+        return out, out, _ONE_SPLIT
+    part = torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+    locks = _split_locks(out.device) if reduce == "last" and tiles <= _MAX_TILES else None
+    return (part, locks, _SUM_LAST) if locks is not None else (part, out, _SUM_LAUNCH)
+
+
+def _split_locks(device: torch.device) -> torch.Tensor | None:
+    """The zeroed tile counters of ``device`` for "last"-mode split sums, made on first use outside CUDA-graph
+    capture (a buffer made during capture would be zeroed only by replays); None while capturing before then."""
+    locks = _locks.get(device)
+    if locks is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        locks = _locks[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return locks
 
 
 @functools.cache
@@ -177,51 +304,100 @@ def _num_sms(device_index: int) -> int:
 
 @attrs.frozen
 class SmallMConfig:
-    """Launch shape of ``fp8_gemm_small_m``: rows per program (16, 32, 64 or 128: one scale row-block holds a
-    whole number of tiles), K splits (each writes its own float32 partial sum), software pipeline stages."""
+    """Launch shape of ``fp8_gemm_small_m``.
 
-    block_n: int
-    split_k: int
-    num_stages: int = 4
+    block_n: weight rows per program (16 to 128, a power of two: one 128-row scale block holds whole tiles);
+    block_k: K columns per loop step (a multiple of 128, a power of two); split_k: programs sharing a row tile's K
+    range, each writing a float32 partial that a second kernel sums in order (1: no partials); num_warps,
+    num_stages: Triton's; swap: the weight tile as the dot's left operand; convert: how e4m3 becomes bf16 ("asm":
+    inline PTX bit moves staged through shared memory, "asm_hoisted": the same in the dot's register layout, "bits":
+    the moves in Triton ops, "cast": Triton's conversion, one cvt per weight); reduce: how
+    splits are summed ("last": by the tile's last program, "launch": by a second kernel)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = True
+    convert: str = "asm"
+    reduce: str = "last"
+
+    def check(self) -> None:
+        """ValueError naming the field out of its range."""
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"SmallMConfig.block_n must be 16, 32, 64 or 128, got {self.block_n}")
+        if self.block_k not in (128, 256, 512, 1024):
+            raise ValueError(f"SmallMConfig.block_k must be 128, 256, 512 or 1024, got {self.block_k}")
+        if self.split_k < 1 or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise ValueError(
+                f"SmallMConfig needs split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1: {self}"
+            )
+        if self.convert not in CONVERTS:
+            raise ValueError(f"SmallMConfig.convert must be one of {CONVERTS}, got {self.convert!r}")
+        if self.reduce not in SPLIT_REDUCES:
+            raise ValueError(f"SmallMConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
 
 
-def pick_small_m_config(n: int, k: int, device: torch.device) -> SmallMConfig:
-    """Enough programs to keep every SM streaming (>= 1.5 per SM): the widest row tile that gives that, else
-    16-row tiles split along K (powers of two, at most the K blocks). Qwen3-8B on 132 SMs: o 4096 rows -> 16-row
-    tiles (256 programs), gate_up 24576 -> 64-row tiles (384), qkv 6144 -> 16 (384)."""
-    target = 3 * (_num_sms(device.index or 0) if device.type == "cuda" else 132) // 2
-    for block_n in (64, 32, 16):
-        if triton.cdiv(n, block_n) >= target:
-            return SmallMConfig(block_n, 1)
-    split, tiles, k_blocks = 1, triton.cdiv(n, 16), triton.cdiv(k, 128)
-    while tiles * split < target and split * 2 <= k_blocks:
-        split *= 2
-    return SmallMConfig(16, split)
+@functools.lru_cache(maxsize=4096)
+def pick_small_m_config(m: int, n: int, k: int, device: torch.device) -> SmallMConfig:
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_STREAM`` entry when there is one, else
+    64-row tiles of 256 columns and enough K splits for >= 2 programs per SM (at most one split per two
+    256-column steps; Qwen3-8B on 132 SMs: gate_up 384 tiles -> 1 split, qkv 96 -> 3, o and down 64 -> 5)."""
+    tuned = _tuned(TUNED_STREAM, m, n, k) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
+    target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
+    cfg = SmallMConfig(convert="asm" if device.type == "cuda" else "bits")
+    tiles, steps = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
+    split = max(1, min(triton.cdiv(target, tiles), steps // 2))
+    return attrs.evolve(cfg, split_k=split)
+
+
+def _tuned(table: dict[tuple[int, int, int], _Config], m: int, n: int, k: int) -> _Config | None:
+    """The entry of ``table`` for (n, k) with the fewest "up to" tokens that still covers m, or None."""
+    covering = [(up_to, cfg) for (tn, tk, up_to), cfg in table.items() if (tn, tk) == (n, k) and up_to >= m]
+    return min(covering, key=lambda entry: entry[0])[1] if covering else None
 
 
 def fp8_gemm_small_m(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: SmallMConfig | None = None
 ) -> torch.Tensor:
-    """x (M, K) 16-bit, M <= 64 @ dequantized(w (N, K) fp8).T -> (M, N) in x's dtype (see the module docstring).
-
-    config: tile and split choice (None = ``pick_small_m_config``)."""
+    """x (M, K) 16-bit, M <= SMALL_M @ dequantized(w (N, K) fp8).T -> (M, N) in x's dtype (see the module
+    docstring). config: tile and split choice (None = ``pick_small_m_config``)."""
     m, k, n = _check_gemm_args(x, w, w_scale)
-    cfg = config or pick_small_m_config(n, k, x.device)
-    if m > SMALL_M or cfg.block_n not in (16, 32, 64, 128) or cfg.split_k < 1:
-        raise ValueError(f"fp8_gemm_small_m takes M <= {SMALL_M}, block_n in (16, 32, 64, 128), split_k >= 1; "
-                         f"got M={m}, {cfg}")  # fmt: skip
-    k_blocks, num_tiles = triton.cdiv(k, 128), triton.cdiv(n, cfg.block_n)
-    per_split = triton.cdiv(k_blocks, cfg.split_k)
-    split = triton.cdiv(k_blocks, per_split)  # no empty split
-    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    _small_m_kernel[(num_tiles, split)](
-        x, w, w_scale, out,
-        m, n, k, x.stride(0), w_scale.stride(0), out.stride(0), out.stride(1),
-        per_split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, PRECISION=dot_precision(x.dtype),
-        UPCAST=upcast_dot(x.device), num_warps=4, num_stages=cfg.num_stages,
+    cfg = config or pick_small_m_config(m, n, k, x.device)
+    cfg.check()
+    if m > SMALL_M:
+        raise ValueError(f"fp8_gemm_small_m takes M <= {SMALL_M} tokens, got M={m}")
+    per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, per_split)  # no empty split
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    tiles = triton.cdiv(n, cfg.block_n)
+    part, locks, mode = _split_buffers(out, split, cfg.reduce, tiles)
+    interpreted = upcast_dot(x.device)
+    _stream_kernel[(tiles, split)](
+        x, w, w_scale, out, part, locks,
+        m, n, k, x.stride(0), w_scale.stride(0), per_split, split,
+        SPLIT_MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SWAP=cfg.swap, BITS=cfg.convert != "cast", ASM=cfg.convert.startswith("asm") and not interpreted,
+        ASM_HOISTED=cfg.convert == "asm_hoisted", UPCAST=interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out[0] if split == 1 else out.sum(dim=0).to(x.dtype)  # (M, N)
+    if mode == _SUM_LAUNCH:
+        _sum_splits(part, out)
+    return out
+
+
+def _sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
+    """out (M, N) = part (S, M, N) float32 summed over S in order (deterministic), rounded to out's dtype."""
+    split, m, n = part.shape
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+        part, out, out, m, n, out.stride(0), HAS_BIAS=False, SPLIT=split, BLOCK=block
+    )
 
 
 # ---- large M: fp8 tensor cores ----------------------------------------------------------------------------------
@@ -237,34 +413,39 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_activations_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr
-):
-    """One (token, 128-column group): scale = max(amax / 448, 1e-12); q = x / scale in e4m3. ROUND_FIRST (the
-    interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding that crosses a power of two:
-    126.25 -> 64) rounds to the e4m3 grid in float32 first, so the conversion is exact."""
-    row, group = tl.program_id(0), tl.program_id(1)
-    k = group * 128 + tl.arange(0, 128)
+    x_ptr, q_ptr, s_ptr, K, GROUPS, stride_xm, stride_qm, stride_sm,
+    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
+):  # fmt: skip
+    """GROUPS_PER_PROGRAM (token, 128-column group)s of one token: scale = max(amax / 448, 1e-12); q = x / scale
+    in e4m3. ROUND_FIRST (the interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding
+    that crosses a power of two: 126.25 -> 64) rounds to the e4m3 grid in float32 first, so the conversion is
+    exact."""
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    k = groups[:, None] * 128 + tl.arange(0, 128)[None, :]  # (GROUPS_PER_PROGRAM, 128)
     x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)) / FP8_MAX, 1e-12)
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)
     tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < GROUPS)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel of ``quantize_activations_ref``: (x_q (M, K) fp8, x_scale (M, ceil(K / 128)) float32)."""
+    """The kernel of ``quantize_activations_ref``: (x_q (M, K) fp8, x_scale (M, ceil(K / 128)) float32); one
+    program per token and 8 column groups (1,024 values)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
     groups = triton.cdiv(k, 128)
     x_q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     x_scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    per_program = 8
     if m:
-        _quantize_activations_kernel[(m, groups)](
-            x, x_q, x_scale, k, x.stride(0), x_q.stride(0), x_scale.stride(0), FP8_MAX=FP8_MAX,
-            ROUND_FIRST=upcast_dot(x.device),
+        _quantize_activations_kernel[(m, triton.cdiv(groups, per_program))](
+            x, x_q, x_scale, k, groups, x.stride(0), x_q.stride(0), x_scale.stride(0),
+            GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, ROUND_FIRST=upcast_dot(x.device),
         )  # fmt: skip
     return x_q, x_scale
 
@@ -332,8 +513,173 @@ def fp8_gemm_blockwise(
     return out
 
 
-def _check_gemm_args(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int, int]:
-    """(M, K, N) after checking shapes, dtypes and the contiguity the kernels index by."""
+@triton.jit
+def _swap_fp8_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
+    SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
+    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
+    fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
+    a_scale[token, kb], written transposed to out[token, row]. The token tiles of one row tile are neighbours in
+    the launch order (axis 0), so they run together and read the weight tile from HBM once. QUANT_A: a is the
+    16-bit activations, quantized here per (token, 128 columns) exactly as ``quantize_activations`` does (one
+    launch fewer; each row tile redoes it, cheap for a few tokens)."""
+    pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, 128)
+    ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    first = split * K_BLOCKS_PER_SPLIT
+    for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
+        k = kb * 128 + offs_k
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
+        a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
+                    mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
+        if QUANT_A:
+            a, a_scale = _quantize_tile(a, FP8_MAX, UPCAST)
+        else:
+            a_scale = tl.load(as_ptr + offs_t * stride_asm + kb, mask=offs_t < M, other=0.0)
+        if UPCAST:  # the interpreter: exact in float32
+            part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:  # fp8 x fp8 on the tensor cores, float32 accumulation
+            part = tl.dot(w, tl.trans(a))
+        if BLOCK_N > 128:  # noqa: SIM108 (a scale per row here, one scalar otherwise)
+            w_scale = tl.load(ws_rows + kb, mask=offs_n < N, other=0.0)[:, None]
+        else:
+            w_scale = tl.load(ws_row + kb)
+        acc += part * (a_scale[None, :] * w_scale)
+    offs, mask = offs_t[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_t[None, :] < M)
+    tile = pid_n * tl.num_programs(0) + pid_t
+    _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, tile, M * N, SPLIT_MODE)
+
+
+@triton.jit
+def _quantize_tile(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """(e4m3 x / scale, scale) for a (tokens, 128) tile, scale = max(row amax / 448, 1e-12) per token (the
+    arithmetic of ``_quantize_activations_kernel``; ROUND_FIRST as there)."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@attrs.frozen
+class SwapConfig:
+    """Launch shape of ``fp8_gemm_swap``: weight rows per program (16 to 256, power of two), tokens per program
+    (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages."""
+
+    block_n: int = 128
+    block_t: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    reduce: str = "last"
+
+    def check(self) -> None:
+        """ValueError naming the field out of its range."""
+        if self.block_n not in (16, 32, 64, 128, 256) or self.block_t not in (16, 32, 64, 128, 256):
+            raise ValueError(f"SwapConfig needs block_n and block_t in 16..256 (powers of two): {self}")
+        if self.split_k < 1 or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise ValueError(f"SwapConfig needs split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1: {self}")
+        if self.reduce not in SPLIT_REDUCES:
+            raise ValueError(f"SwapConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_SWAP`` entry when there is one, else
+    128-row tiles, all M tokens in one tile up to 128 (else tiles of 128; 8 warps for 128 x 128 tiles), then
+    enough K splits for >= 2 programs per SM (at most one split per four K blocks)."""
+    tuned = _tuned(TUNED_SWAP, m, n, k) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
+    target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
+    block_t = min(128, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_t)
+    split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, 128) // 4))
+    return SwapConfig(128, block_t, split, num_warps=8 if block_t >= 128 else 4)
+
+
+# Launch shapes measured best on an H200 (benchmarks/bench_fp8_gemm.py --sweep, which prints these tables), keyed by
+# (N, K, up to M tokens): a product takes its (N, K)'s entry with the fewest tokens >= its M; other shapes, and
+# other GPUs' first calls, take the pick functions' rules.
+TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
+TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
+
+
+def fp8_gemm_swap(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    dtype: torch.dtype,
+    config: SwapConfig | None = None,
+) -> torch.Tensor:
+    """Quantized activations @ dequantized(w).T -> (M, N) in ``dtype`` with the weight on the dot's left and
+    split-K (``_swap_fp8_kernel``): for up to a few hundred tokens, where ``fp8_gemm_blockwise``'s 128-wide
+    output tiles leave SMs idle. The kernel of ``fp8_blockwise_ref``."""
+    m, k, _ = _check_gemm_args(x_q, w, w_scale)
+    if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
+        raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
+    return _launch_swap(x_q, x_scale, w, w_scale, dtype, config)
+
+
+def fp8_gemm_swap_bf16(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: SwapConfig | None = None
+) -> torch.Tensor:
+    """``fp8_gemm_swap`` on 16-bit activations x (M, K), quantized per (token, 128 columns) inside the kernel
+    (``quantize_activations``' arithmetic, no launch of its own) -> (M, N) in x's dtype. The same numerics as
+    ``fp8_blockwise_ref(*quantize_activations(x), ...)``."""
+    _check_gemm_args(x, w, w_scale, x_dtypes=_KERNEL_DTYPES)
+    return _launch_swap(x, None, w, w_scale, x.dtype, config)
+
+
+def _launch_swap(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    dtype: torch.dtype,
+    config: SwapConfig | None,
+) -> torch.Tensor:
+    """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside)."""
+    (m, k), n = a.shape, w.shape[0]
+    cfg = config or pick_swap_config(m, n, k, a.device)
+    cfg.check()
+    k_blocks = triton.cdiv(k, 128)
+    per_split = triton.cdiv(k_blocks, cfg.split_k)
+    split = triton.cdiv(k_blocks, per_split)
+    out = torch.empty((m, n), dtype=dtype, device=a.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
+    part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
+    scales = out if a_scale is None else a_scale
+    _swap_fp8_kernel[grid](
+        a, scales, w, w_scale, out, part, locks,
+        m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
+        SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
+        UPCAST=upcast_dot(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if mode == _SUM_LAUNCH:
+        _sum_splits(part, out)
+    return out
+
+
+def _check_gemm_args(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_dtypes: tuple[torch.dtype, ...] | None = None
+) -> tuple[int, int, int]:
+    """(M, K, N) after checking shapes, dtypes (x's among ``x_dtypes`` when given) and the contiguity the kernels
+    index by."""
+    if x_dtypes is not None and x.dtype not in x_dtypes:
+        raise ValueError(f"x must be one of {x_dtypes}, got {x.dtype}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x (M, K) and w (N, K) must agree on K, got {tuple(x.shape)} and {tuple(w.shape)}")
     if w.dtype != FP8_DTYPE or not w.is_contiguous() or x.stride(1) != 1:

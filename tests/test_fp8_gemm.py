@@ -1,0 +1,206 @@
+"""The FP8 weight GEMM kernels (fnvllm.kernels.fp8_gemm) against their torch references: the streaming small-M
+kernel and the swapped fp8 tensor-core kernel under Triton's CPU interpreter at tiny and odd shapes (M = 1, 3, 16,
+17, 64, 100; N and K multiples of 128 and not), their launch-config choices and checks, and the shipped dispatch
+on a GPU at the real Qwen3-8B sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fnvllm.kernels import fp8_gemm as g
+from fnvllm.model.quant import quantize_fp8_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random e4m3 weight (n, k) with block scales that differ by row (rows scaled by U(0, 1))."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator)
+    return tuple(t.to(DEVICE) for t in quantize_fp8_blocks(w))  # type: ignore[return-value]
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    """Activations (m, k) in bf16."""
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16)
+
+
+# (M, N, K, config): one token with partial edge blocks and the default pick; the conversions and both operand
+# orders; K steps wider than a scale block (one step spans several scales); split-K with a partial last split;
+# 17 and 64 tokens (activation tiles of 32 and 64 rows).
+STREAM_CASES = [
+    (1, 200, 300, None),
+    (3, 130, 260, g.SmallMConfig(32, 128, 2, convert="bits")),
+    (16, 256, 640, g.SmallMConfig(128, 512, 2, convert="cast")),
+    (5, 96, 384, g.SmallMConfig(16, 128, 3, swap=False, convert="asm")),
+    (17, 64, 128, g.SmallMConfig(64, 256, 1, swap=False, convert="cast")),
+    (64, 300, 520, g.SmallMConfig(64, 256, 2, convert="bits")),
+    (2, 200, 1000, g.SmallMConfig(32, 128, 4, reduce="launch")),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"), STREAM_CASES)
+def test_stream_kernel_matches_reference(m: int, n: int, k: int, config: g.SmallMConfig | None) -> None:
+    """fp8_gemm_small_m equals the dequantize-then-matmul reference on the same bf16 activations, up to bf16
+    rounding of the scaled activations and of the output (relative Frobenius error < 1e-2, no element off by
+    more than 3 % of the largest)."""
+    w, scale = _weights(n, k)
+    x = _x(m, k)
+    out = g.fp8_gemm_small_m(x, w, scale, config)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (m, n)
+    ref = g.fp8_linear_ref(x.float(), w, scale)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    assert float((out.float() - ref).abs().max()) < 0.03 * float(ref.abs().max())
+
+
+def test_stream_kernel_fp16_activations() -> None:
+    """fp16 activations give an fp16 result equal to the reference (the kernel multiplies in bf16 inside)."""
+    w, scale = _weights(128, 256, seed=7)
+    x = _x(2, 256).half()
+    out = g.fp8_gemm_small_m(x, w, scale)
+    ref = g.fp8_linear_ref(x.float(), w, scale)
+    assert out.dtype == torch.float16 and float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_bit_moved_widening_is_exact_for_normal_values() -> None:
+    """The kernels' e4m3 -> bf16 by bit moves, scaled back by 2**120, gives every normal e4m3 value exactly:
+    a weight holding all 238 normal codes (both signs), scale 1, times identity activations reads back as itself.
+    (Subnormal codes are exact on the GPU; the CPU interpreter's bf16 mishandles subnormals, so they stay out.)"""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    normal = codes[(codes.float().abs() >= 2**-6) & codes.float().isfinite()]
+    assert normal.numel() == 238  # exponent fields 1..15 x 8 mantissas x 2 signs, less the 2 NaN codes
+    w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    w[:15, :16] = torch.cat([normal, torch.zeros(2, dtype=torch.float8_e4m3fn)]).view(15, 16)
+    w, scale = w.to(DEVICE), torch.ones(1, 2, device=DEVICE)
+    eye = torch.eye(16, 256, device=DEVICE, dtype=torch.bfloat16)  # token i reads weight column i
+    out = g.fp8_gemm_small_m(eye, w, scale, g.SmallMConfig(convert="bits")).float()
+    torch.testing.assert_close(out, w.float()[:, :16].T, atol=0, rtol=0)
+
+
+SWAP_CASES = [
+    (1, 200, 300, None),
+    (3, 130, 260, g.SwapConfig(32, 16, 2)),
+    (17, 256, 384, None),
+    (40, 256, 640, g.SwapConfig(128, 32, 3)),
+    (100, 128, 256, g.SwapConfig(64, 64, 1)),
+    (20, 200, 1000, g.SwapConfig(64, 16, 3, reduce="launch")),
+    (33, 300, 256, g.SwapConfig(256, 32, 1)),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"), SWAP_CASES)
+def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapConfig | None) -> None:
+    """fp8_gemm_swap on quantized activations equals the float32 math of the same fp8 operands and scales
+    (several token tiles, K splits, partial edge blocks)."""
+    w, scale = _weights(n, k, seed=3)
+    x_q, x_scale = g.quantize_activations_ref(_x(m, k, seed=4))
+    out = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config)
+    ref = g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"), [(1, 200, 300, None), (17, 256, 640, g.SwapConfig(128, 32, 3))])
+def test_swap_kernel_quantizing_in_its_prologue_matches_reference(
+    m: int, n: int, k: int, config: g.SwapConfig | None
+) -> None:
+    """fp8_gemm_swap_bf16 (activations quantized inside the kernel) equals the float32 math of the reference's
+    quantized activations up to the bf16 rounding of the result (relative error < 1e-2; with a float32 result the
+    two agree bit for bit) and returns x's dtype."""
+    w, scale = _weights(n, k, seed=9)
+    x = _x(m, k, seed=10) * 3
+    out = g.fp8_gemm_swap_bf16(x, w, scale, config)
+    ref = g.fp8_blockwise_ref(*g.quantize_activations_ref(x), w, scale, torch.float32)
+    assert out.dtype == torch.bfloat16 and float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    x_q, x_scale = g.quantize_activations(x)
+    exact = g._launch_swap(x, None, w, scale, torch.float32, config)
+    assert torch.equal(exact, g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config))
+
+
+def test_split_counters_return_to_zero() -> None:
+    """With reduce="last" the tile counters are back at zero after a launch (so the next launch, or CUDA-graph
+    replay, starts clean), and a second call gives the same bits (the sum order is fixed)."""
+    w, scale = _weights(256, 1024, seed=8)
+    x = _x(3, 1024)
+    first = g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(32, 128, 4))
+    assert int(g._locks[x.device].abs().sum()) == 0
+    assert torch.equal(first, g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(32, 128, 4)))
+    x_q, x_scale = g.quantize_activations_ref(x)
+    g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, g.SwapConfig(64, 16, 4))
+    assert int(g._locks[x.device].abs().sum()) == 0
+
+
+def _programs(tiles: int, k_steps: int, split: int) -> int:
+    """Programs a launch runs: tiles x the splits left once each split gets ceil(k_steps / split) steps."""
+    per_split = -(-k_steps // split)
+    return tiles * -(-k_steps // per_split)
+
+
+def test_picks_fill_the_sms() -> None:
+    """The default launch shapes give >= 1.5 programs per SM (132) on the Qwen3-8B GEMMs, with at least two K
+    steps per split, and no split where K has one step."""
+    cpu = torch.device("cpu")
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        cfg = g.pick_small_m_config(1, n, k, cpu)
+        assert _programs(-(-n // cfg.block_n), k // cfg.block_k, cfg.split_k) >= 198
+        assert k // cfg.block_k >= 2 * cfg.split_k
+        for m in (32, 64, 256):
+            sw = g.pick_swap_config(m, n, k, cpu)
+            assert _programs(-(-n // sw.block_n) * -(-m // sw.block_t), k // 128, sw.split_k) >= 198
+    assert g.pick_small_m_config(1, 64, 128, cpu).split_k == 1
+
+
+def test_bad_configs_and_operands_are_refused() -> None:
+    """A config knob out of range, too many tokens, a 16-bit weight or a wrongly shaped scale is a ValueError
+    naming what is wrong."""
+    w, scale = _weights(64, 128)
+    x = _x(2, 128)
+    with pytest.raises(ValueError, match="block_n"):
+        g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(block_n=48))
+    with pytest.raises(ValueError, match="convert"):
+        g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(convert="fast"))
+    with pytest.raises(ValueError, match="M <= 64"):
+        g.fp8_gemm_small_m(_x(65, 128), w, scale)
+    with pytest.raises(ValueError, match="block_t"):
+        g.fp8_gemm_swap(*g.quantize_activations_ref(x), w, scale, torch.float32, g.SwapConfig(block_t=8))
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        g.fp8_gemm_small_m(x, w.float(), scale)
+    with pytest.raises(ValueError, match="w_scale must be"):
+        g.fp8_gemm_small_m(x, w, scale[:, :0])
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 16, 17, 64, 100, 256, 300])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (6144, 4096), (4096, 12288)])
+def test_fp8_linear_on_cuda_matches_references(m: int, n: int, k: int) -> None:
+    """fp8_linear at Qwen3-8B sizes on every side of its thresholds equals its reference: the dequantize-then-
+    matmul product of the bf16 activations up to STREAM_MAX_M tokens, the product of the same quantized operands
+    above (relative error < 1e-2)."""
+    w, scale = _weights(n, k, seed=5)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    out = g.fp8_linear(x, w, scale)
+    if m <= g.STREAM_MAX_M:
+        ref = g.fp8_linear_ref(x.float(), w, scale)
+    else:
+        ref = g.fp8_blockwise_ref(*g.quantize_activations(x), w, scale, torch.float32)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("convert", g.CONVERTS)
+@pytest.mark.parametrize("swap", [True, False])
+def test_stream_conversions_on_cuda_agree(convert: str, swap: bool) -> None:
+    """On the GPU every e4m3 -> bf16 conversion (inline PTX, Triton bit ops, Triton's cast) and both operand
+    orders give the reference product (the PTX one runs only here)."""
+    w, scale = _weights(4096, 4096, seed=6)
+    x = torch.randn(8, 4096, device="cuda").bfloat16()
+    out = g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(split_k=2, swap=swap, convert=convert))
+    ref = g.fp8_linear_ref(x.float(), w, scale)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
