@@ -7,12 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnvllm.kernels.skinny_gemm import SkinnyConfig, linear, prefers_skinny, skinny_config, skinny_linear
+from fnvllm.kernels.skinny_gemm import SkinnyConfig, linear, prefers_skinny, skinny_config, skinny_linear, split_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K): one row, odd sizes that leave partial column blocks and K tails, a full 16-row block.
 SHAPES = ((1, 48, 40), (3, 100, 300), (16, 64, 256), (5, 33, 520))
-CONFIGS = (None, SkinnyConfig(16, 16, 32, 4), SkinnyConfig(16, 16, 64, 1), SkinnyConfig(16, 32, 16, 2))
+CONFIGS = (
+    None,
+    SkinnyConfig(16, 16, 32, 4),
+    SkinnyConfig(16, 16, 64, 1),
+    SkinnyConfig(16, 32, 16, 2),
+    SkinnyConfig(16, 16, 32, 4, fused_reduce=False),  # the separate sum kernel
+    SkinnyConfig(16, 16, 32, 3, use_dot=False),  # CUDA cores, an odd split
+    SkinnyConfig(16, 8, 64, 1, use_dot=False),
+)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -48,6 +56,29 @@ def test_split_partials_are_summed_in_a_fixed_order() -> None:
     w = torch.randn(40, 256, generator=gen).to(DEVICE)
     cfg = SkinnyConfig(16, 16, 32, 4)
     assert torch.equal(skinny_linear(x, w, config=cfg), skinny_linear(x, w, config=cfg))
+
+
+def test_fused_and_separate_split_reduce_agree_bitwise_and_reset_counters() -> None:
+    """The in-kernel split-K reduce equals the separate sum kernel bit for bit, and leaves every counter at 0."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 200, generator=gen).to(DEVICE)
+    w = torch.randn(70, 200, generator=gen).to(DEVICE)
+    b = torch.randn(70, generator=gen).to(DEVICE)
+    fused = skinny_linear(x, w, b, SkinnyConfig(16, 16, 32, 4))
+    separate = skinny_linear(x, w, b, SkinnyConfig(16, 16, 32, 4, fused_reduce=False))
+    assert torch.equal(fused, separate)
+    assert int(split_counters(x.device, 5).abs().sum()) == 0
+
+
+def test_cuda_core_variant_takes_unpadded_rows() -> None:
+    """use_dot=False runs with block_m = 1 (no padding to 16 rows) and matches F.linear in float32."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 96, generator=gen).to(DEVICE)
+    w = torch.randn(20, 96, generator=gen).to(DEVICE)
+    got = skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=False))
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="block_m"):
+        skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=True))
 
 
 def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:

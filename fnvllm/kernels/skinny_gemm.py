@@ -61,6 +61,7 @@ def _skinny_kernel(
     bias_ptr,
     out_ptr,
     part_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -70,13 +71,20 @@ def _skinny_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split)."""
+    """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split).
+
+    With SPLIT > 1 the program writes its float32 partial; with FUSED_REDUCE the last of the SPLIT programs of a
+    column block to finish (counted by an atomic per block) then sums all SPLIT partials in split order, adds the
+    bias, writes y and resets its counter to 0 for the next launch; otherwise ``_sum_splits_kernel`` does that.
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -95,15 +103,59 @@ def _skinny_kernel(
             other=0.0,
         )  # (BLOCK_N, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
+        if USE_DOT:
+            acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
+        else:  # CUDA cores: (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     mask = row_ok[:, None] & col_ok[None, :]
+    out_offs = rows[:, None] * stride_om + cols[None, :]
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = part_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :]
-        tl.store(part, acc, mask=mask)
+        part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mask)
+        if FUSED_REDUCE:
+            _sum_partials_if_last(
+                part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
+                HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+
+
+@triton.jit
+def _sum_partials_if_last(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    count_ptr,
+    part_offs,
+    out_offs,
+    cols,
+    col_ok,
+    mask,
+    slab,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Count this program's partial in; the program that brings the count to SPLIT sums the partials.
+
+    The barrier makes every thread's partial store precede the one release-acquire atomic of the program; the
+    partials are read with ".cg" (L2, not a possibly stale L1 line). The sum runs in split order whichever
+    program is last, so results are bit-identical from run to run.
+    """
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            total += tl.load(part_ptr + s * slab + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit
@@ -123,27 +175,74 @@ def _sum_splits_kernel(
 
 
 class SkinnyConfig(NamedTuple):
-    """One skinny launch: rows of x per program (M padded to a power of two >= 16), output features per program,
-    K columns per loop step, and programs sharing one column block's K range (1 = no partials)."""
+    """One skinny launch.
+
+    block_m: rows of x per program (M padded to a power of two; >= 16 with tl.dot). block_n: output features per
+    program. block_k: K columns per loop step. split_k: programs sharing one column block's K range (1 = no
+    partials). num_warps / num_stages: Triton launch options. use_dot: tensor cores (tl.dot, rows padded to 16)
+    or CUDA cores (broadcast products and tl.sum; no padding, for 1-4 rows). fused_reduce: with split_k > 1, the
+    last program of each column block sums the partials (no second kernel); False launches ``_sum_splits_kernel``.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    use_dot: bool = True
+    fused_reduce: bool = True
+
+
+# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py --sweep), by (N, K, rows bucket);
+# products not listed get ``skinny_config``'s heuristic.
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def rows_bucket(num_rows: int) -> int:
+    """The tuned-table bucket of a row count: the next power of two (1, 2, 4, ... 64)."""
+    return int(triton.next_power_of_2(max(1, num_rows)))
 
 
 @functools.cache
 def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
-    """The launch shape for (M, N, K): BLOCK_N 32 when that alone gives the target grid, else 16; then enough K
-    splits (a power of two, each at least 2 * BLOCK_K wide) to reach ``_TARGET_PROGRAMS`` programs."""
+    """The launch shape for (M, N, K): the measured one from ``TUNED_CONFIGS`` when listed; otherwise BLOCK_N 32
+    when that alone gives the target grid, else 16, then enough K splits (a power of two, each at least
+    2 * BLOCK_K wide) to reach ``_TARGET_PROGRAMS`` programs."""
+    tuned = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows)))
+    if tuned is not None:
+        return tuned._replace(block_m=_block_m(num_rows, tuned.use_dot))
     block_k = 128 if in_features >= 128 else max(16, int(triton.next_power_of_2(in_features)))
     block_n = 32 if triton.cdiv(out_features, 32) >= _TARGET_PROGRAMS else 16
     col_blocks = triton.cdiv(out_features, block_n)
     split = 1
     while split < _MAX_SPLIT_K and col_blocks * split < _TARGET_PROGRAMS and in_features // (2 * split) >= 2 * block_k:
         split *= 2
-    block_m = max(16, int(triton.next_power_of_2(num_rows)))
-    return SkinnyConfig(block_m, block_n, block_k, split)
+    return SkinnyConfig(_block_m(num_rows, True), block_n, block_k, split)
+
+
+def _block_m(num_rows: int, use_dot: bool) -> int:
+    """Rows per program: M padded to a power of two, at least 16 for tl.dot."""
+    return max(16 if use_dot else 1, int(triton.next_power_of_2(max(1, num_rows))))
+
+
+# Split-K arrival counters, one int32 per column block, per device: zero between launches (the last program of a
+# block resets its counter). Launches on one stream run one after another, so one buffer serves them all.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_NUM_COUNTERS = 1 << 14
+
+
+def split_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``num_blocks`` column blocks on ``device`` (the device's shared buffer;
+    a fresh zeroed one when it does not exist yet and a CUDA graph is being captured, or it is too small)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < num_blocks:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        fresh = torch.zeros(max(_NUM_COUNTERS, num_blocks), dtype=torch.int32, device=device)
+        if capturing:  # zeroed by a memset node of the graph being captured: not for other launches
+            return fresh
+        _COUNTERS[device] = buf = fresh
+    return buf
 
 
 def skinny_linear(
@@ -152,7 +251,8 @@ def skinny_linear(
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
 
     Reads no device values (graph-capturable); the split-K workspace is allocated per call (inside a CUDA graph it
-    comes from the graph's private pool)."""
+    comes from the graph's private pool). Launches that split K must not run concurrently on two streams of one
+    device (they share the arrival counters)."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     if weight.shape[1] != in_features:
@@ -165,20 +265,31 @@ def skinny_linear(
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
+    _launch_skinny(x, weight, bias, out, cfg)
+    return out
+
+
+def _launch_skinny(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: SkinnyConfig
+) -> None:
+    """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out."""
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
+        raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
+    col_blocks = triton.cdiv(out_features, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-    part = (
-        torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device)
-        if cfg.split_k > 1
-        else out
-    )
+    split = cfg.split_k > 1
+    part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
+    counters = split_counters(x.device, col_blocks) if split and cfg.fused_reduce else out
     bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(out_features, cfg.block_n), cfg.split_k)
-    _skinny_kernel[grid](
+    _skinny_kernel[(col_blocks, cfg.split_k)](
         x,
         weight,
         bias_arg,
         out,
         part,
+        counters,
         num_rows,
         out_features,
         in_features,
@@ -186,17 +297,19 @@ def skinny_linear(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        HAS_BIAS=bias is not None,
         SPLIT=cfg.split_k,
+        FUSED_REDUCE=cfg.fused_reduce,
+        USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST_DOT=upcast_dot(x.device),
-        num_warps=4,
-        num_stages=4,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
+    if split and not cfg.fused_reduce:
         block = 256
         _sum_splits_kernel[(triton.cdiv(num_rows * out_features, block),)](
             part,
@@ -209,7 +322,6 @@ def skinny_linear(
             SPLIT=cfg.split_k,
             BLOCK=block,
         )
-    return out
 
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
