@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnvllm.kernels.skinny_gemm import SkinnyConfig, linear, prefers_skinny, skinny_config, skinny_linear, split_counters
+from fnvllm.kernels.skinny_gemm import (
+    SkinnyConfig,
+    linear,
+    prefers_skinny,
+    skinny_config,
+    skinny_linear,
+    split_counters,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K): one row, odd sizes that leave partial column blocks and K tails, a full 16-row block.

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
 
 __all__ = [
     "SKINNY_MAX_ROWS",
@@ -40,6 +40,7 @@ __all__ = [
     "prefers_skinny",
     "skinny_config",
     "skinny_linear",
+    "split_counters",
 ]
 
 # Rows up to which `linear` uses the skinny kernel (above it, cuBLAS's large-M tiles are the better choice).
@@ -224,25 +225,6 @@ def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyC
 def _block_m(num_rows: int, use_dot: bool) -> int:
     """Rows per program: M padded to a power of two, at least 16 for tl.dot."""
     return max(16 if use_dot else 1, int(triton.next_power_of_2(max(1, num_rows))))
-
-
-# Split-K arrival counters, one int32 per column block, per device: zero between launches (the last program of a
-# block resets its counter). Launches on one stream run one after another, so one buffer serves them all.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_NUM_COUNTERS = 1 << 14
-
-
-def split_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``num_blocks`` column blocks on ``device`` (the device's shared buffer;
-    a fresh zeroed one when it does not exist yet and a CUDA graph is being captured, or it is too small)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < num_blocks:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        fresh = torch.zeros(max(_NUM_COUNTERS, num_blocks), dtype=torch.int32, device=device)
-        if capturing:  # zeroed by a memset node of the graph being captured: not for other launches
-            return fresh
-        _COUNTERS[device] = buf = fresh
-    return buf
 
 
 def skinny_linear(
