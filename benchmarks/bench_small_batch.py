@@ -1,15 +1,19 @@
-"""Small-batch decode on the GPU: the skinny GEMM against cuBLAS, and the decode kernel's partition size.
+"""Small-batch decode on the GPU, kernel by kernel, old against new (Qwen3-0.6B shape, bf16, H200).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_small_batch.py [--json FILE]
+    PYTHONPATH=$PWD python3 benchmarks/bench_small_batch.py [--shape 0.6b|8b] [--rows 1,16,64] [--json FILE]
 
-1. Linear layers of the Qwen3-0.6B and Qwen3-8B shapes at M = 1..64 rows, bf16: ``F.linear`` (cuBLAS) against
-   ``fnvllm.kernels.skinny_gemm.skinny_linear``: correctness (to bf16 rounding of the float32 product), then
-   microseconds per call and TB/s of weight bytes. Each call reads a different copy of the weight (>= 256 MiB of
-   copies in rotation), so the L2 cache (50 MiB) does not serve it, as in a real forward pass.
-2. Decode attention (Qwen3-0.6B heads: 16 query / 8 KV, head dim 128, 256-token blocks, tables 4096 tokens wide as
-   the bench's graphs capture them) at B = 1, 4, 16, 64 and contexts U(100, 356) and U(100, 2048), per partition
-   size: microseconds per call (timed as CUDA-graph replays, so launch overhead is not counted).
-Prints a table per part; ``--json`` appends one JSON line per measurement.
+Every kernel is checked against its reference first (a WRONG flag in the table when not), then timed as CUDA-graph
+replays (launch overhead excluded, as in the engine's decode graphs) with its large inputs rotated past the 50 MiB
+L2 (each call of the graph reads a different copy of the weights or KV cache, as 28 layers do).
+1. The four projections at M rows: cuBLAS (``F.linear``), the dispatch of ``skinny_gemm.linear`` before this
+   change (old: cuBLAS, or the skinny kernel plus its split-K sum kernel), the skinny kernel with the in-kernel
+   split-K reduce at its default config (new), and a sweep of launch configs (best kept, printed as a
+   TUNED_CONFIGS line to paste).
+2. q/k norm + rotary + KV store: two ``norm_rotary`` launches and ``store_kv`` (old) against the one fused kernel
+   ``store_kv.norm_rope_store`` (new), at M decode rows.
+3. Decode attention, auto partition size, contexts U(100, 1024): partials merged by the reduce kernel (old) or
+   by the last partition in-kernel (new), at B = M sequences.
+Tables last: one line per measurement, microseconds per call.
 """
 
 from __future__ import annotations
@@ -23,22 +27,24 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fnvllm.kernels.decode_attention import auto_partition_size, paged_decode_attention
-from fnvllm.kernels.skinny_gemm import skinny_config, skinny_linear
+from fnvllm.kernels import fused_ops, store_kv
+from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from fnvllm.kernels.skinny_gemm import SkinnyConfig, prefers_skinny, skinny_config, skinny_linear
 
 GEMMS = {
     "0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
     "8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)},
 }
-ROWS = (1, 4, 16, 32, 64)
+HEADS = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}
+ROTATE_BYTES = 256 << 20  # bytes of copies a timed graph cycles through (5x the H200's L2)
 
 
 def graph_time_us(fn: Callable[[int], object], calls: int, repeats: int = 5) -> float:
-    """Mean device microseconds of fn(i) for i in 0..calls-1, captured in one CUDA graph and replayed."""
+    """Best mean device microseconds of fn(i) for i in 0..calls-1, captured in one CUDA graph and replayed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(calls):  # warm-up: compiles
+        for i in range(min(calls, 2)):  # warm-up: compiles
             fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -58,80 +64,205 @@ def graph_time_us(fn: Callable[[int], object], calls: int, repeats: int = 5) -> 
     return best
 
 
-def _rotating(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], i: int) -> torch.Tensor:
-    return fn(x, weights[i % len(weights)])
+def old_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``skinny_gemm.linear``'s dispatch before the in-kernel reduce: cuBLAS, or skinny + the sum kernel."""
+    m, (n, k) = x.shape[0], w.shape
+    if not prefers_skinny(m, n, k):
+        return F.linear(x, w)
+    return skinny_linear(x, w, None, skinny_config(m, n, k)._replace(fused_reduce=False))
 
 
-def bench_gemms(out: list[dict[str, object]]) -> None:
-    head = f"{'shape':>5} {'gemm':>8} {'M':>3} {'cuBLAS us':>10} {'TB/s':>6} {'skinny us':>10} {'TB/s':>6}"
-    print(head + f" {'x':>5}  cfg")
-    for shape, gemms in GEMMS.items():
-        for name, (k, n) in gemms.items():
-            copies = max(2, (256 << 20) // (2 * n * k))
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-            for m in ROWS:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                exact = F.linear(x.float(), weights[0].float())
-                got = skinny_linear(x, weights[0]).float()
-                ok = (got - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
-                cublas = graph_time_us(functools.partial(_rotating, F.linear, x, weights), copies)
-                ours = graph_time_us(functools.partial(_rotating, skinny_linear, x, weights), copies)
-                nbytes = 2 * n * k
-                row = {
-                    "part": "gemm", "shape": shape, "gemm": name, "m": m, "cublas_us": round(cublas, 2),
-                    "skinny_us": round(ours, 2), "correct": ok, "config": list(skinny_config(m, n, k)),
-                }  # fmt: skip
-                out.append(row)
-                print(
-                    f"{shape:>5} {name:>8} {m:>3} {cublas:>10.2f} {nbytes / cublas / 1e6:>6.2f} {ours:>10.2f} "
-                    f"{nbytes / ours / 1e6:>6.2f} {cublas / ours:>5.2f}  {tuple(skinny_config(m, n, k))}"
-                    f"{'' if ok else '  WRONG'}"
-                )
-            weights.clear()
-            torch.cuda.empty_cache()
+def sweep_configs(m: int) -> list[SkinnyConfig]:
+    """Launch configs tried at m rows: tensor-core tiles, and CUDA-core ones (unpadded rows) up to 4 rows."""
+    bm = max(16, 1 << (m - 1).bit_length())
+    out = [SkinnyConfig(bm, bn, bk, s, 4, st) for bn, bk, st in ((16, 128, 4), (32, 128, 4), (16, 256, 3), (64, 64, 4))
+           for s in (1, 2, 4, 8)]  # fmt: skip
+    out += [SkinnyConfig(bm, 32, 256, s, 8, 3) for s in (1, 2, 4)]
+    if m <= 4:
+        sm = 1 << (m - 1).bit_length()
+        out += [SkinnyConfig(sm, bn, bk, s, w, st, use_dot=False) for bn, bk, w, st in
+                ((8, 256, 4, 3), (16, 256, 4, 3), (4, 512, 4, 2), (16, 128, 4, 4), (32, 128, 8, 3)) for s in (1, 2, 4)]  # fmt: skip
+    return out
 
 
-def bench_decode(out: list[dict[str, object]]) -> None:
-    heads, kv_heads, dim, block, width = 16, 8, 128, 256, 16
-    print(f"\n{'B':>3} {'contexts':>12} " + " ".join(f"{'p' + str(p):>8}" for p in (64, 128, 256, 512)) + "   auto")
-    for b in (1, 4, 16, 64):
-        for lo, hi in ((100, 356), (100, 2048)):
-            rng = random.Random(b * 7 + hi)
-            lens = [rng.randint(lo, hi) for _ in range(b)]
-            num_blocks = b * width + 1
-            k_cache = torch.randn(num_blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
-            tables = torch.arange(1, num_blocks, device="cuda", dtype=torch.int32).view(b, width)
-            seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
-            q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
-            ref = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, partition_size=512)
-            times = {}
-            for p in (64, 128, 256, 512):
-                got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, partition_size=p)
-                assert (got.float() - ref.float()).abs().max().item() < 2e-2, (b, p)
-                call = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, seq_lens, dim**-0.5)
-                times[p] = graph_time_us(lambda _i, call=call, p=p: call(partition_size=p), 20)
-            auto = auto_partition_size(b, kv_heads, width * block)
-            out.append({"part": "decode", "b": b, "contexts": [lo, hi], "us": times, "auto": auto})
-            cells = " ".join(f"{times[p]:>8.2f}" for p in times)
-            print(f"{b:>3} {f'U({lo},{hi})':>12} {cells}   {auto}")
+def _gemm_ok(got: torch.Tensor, exact: torch.Tensor) -> bool:
+    """Within bf16 rounding of the float32 product."""
+    return (got.float() - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
+
+
+def bench_gemms(shape: str, rows: list[int], sweep: bool, out: list[dict[str, object]]) -> None:
+    """Part 1: the projections (see the module docstring)."""
+    for name, (k, n) in GEMMS[shape].items():
+        copies = max(2, ROTATE_BYTES // (2 * n * k))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            exact = F.linear(x.float(), weights[0].float())
+
+            def timed(fn: Callable[..., torch.Tensor], x: torch.Tensor = x) -> float:
+                return graph_time_us(lambda i: fn(x, weights[i % copies]), copies)
+
+            row: dict[str, object] = {"part": "gemm", "shape": shape, "gemm": name, "m": m, "mb": 2 * n * k / 1e6}
+            row["cublas_us"] = timed(F.linear)
+            row["old_us"] = timed(old_linear)
+            default = skinny_config(m, n, k)
+            new = functools.partial(skinny_linear, config=default)
+            row["new_us"], row["new_cfg"] = timed(new), tuple(default)
+            row["ok"] = _gemm_ok(new(x, weights[0]), exact) and _gemm_ok(old_linear(x, weights[0]), exact)
+            best, best_cfg = row["new_us"], default
+            for cfg in sweep_configs(m) if sweep and m <= 64 else []:
+                if not _gemm_ok(skinny_linear(x, weights[0], None, cfg), exact):
+                    row["ok"] = False
+                    print(f"WRONG: {name} m={m} {cfg}")
+                    continue
+                us = timed(functools.partial(skinny_linear, config=cfg))
+                if us < best:
+                    best, best_cfg = us, cfg
+            row["best_us"], row["best_cfg"] = best, tuple(best_cfg)
+            out.append(row)
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
+def rope_inputs(m: int, heads: tuple[int, int, int], copies: int) -> dict[str, object]:
+    """A qkv projection output of m decode rows, q/k norm weights, cos/sin and `copies` layer caches."""
+    hq, hkv, d = heads
+    qkv = torch.randn(m, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    blocks, block = max(2, m), 256
+    caches = [
+        (torch.zeros(blocks, block, hkv, d, device="cuda", dtype=torch.bfloat16), torch.zeros(blocks, block, hkv, d,
+         device="cuda", dtype=torch.bfloat16)) for _ in range(copies)
+    ]  # fmt: skip
+    angles = torch.rand(m, d // 2, device="cuda") * 6.28
+    slots = torch.randperm(blocks * block, device="cuda")[:m].to(torch.int64)
+    weights = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5, torch.rand(d, device="cuda").bfloat16() + 0.5
+    return {"qkv": qkv, "caches": caches, "cos": angles.cos(), "sin": angles.sin(), "slots": slots, "w": weights}
+
+
+def old_norm_rope_store(inp: dict[str, object], heads: tuple[int, int, int], i: int) -> torch.Tensor:
+    """Before: norm_rotary on q, norm_rotary on k (each reading the strided view), then store_kv."""
+    hq, hkv, d = heads
+    qkv, (qw, kw), caches = inp["qkv"], inp["w"], inp["caches"]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # type: ignore[union-attr]
+    t = qkv.shape[0]  # type: ignore[union-attr]
+    q = fused_ops.norm_rotary(q.view(t, hq, d), qw, 1e-6, inp["cos"], inp["sin"])  # type: ignore[arg-type]
+    k = fused_ops.norm_rotary(k.view(t, hkv, d), kw, 1e-6, inp["cos"], inp["sin"])  # type: ignore[arg-type]
+    k_cache, v_cache = caches[i % len(caches)]  # type: ignore[index]
+    store_kv.store_kv(k, v.view(t, hkv, d), k_cache, v_cache, inp["slots"])  # type: ignore[arg-type]
+    return q
+
+
+def new_norm_rope_store(inp: dict[str, object], heads: tuple[int, int, int], i: int) -> torch.Tensor:
+    """After: one kernel."""
+    hq, hkv, d = heads
+    k_cache, v_cache = inp["caches"][i % len(inp["caches"])]  # type: ignore[index]
+    qw, kw = inp["w"]  # type: ignore[misc]
+    return store_kv.norm_rope_store(
+        inp["qkv"], hq, hkv, qw, kw, 1e-6, inp["cos"], inp["sin"], k_cache, v_cache, inp["slots"]
+    )  # type: ignore[arg-type]
+
+
+def bench_norm_rope_store(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
+    """Part 2 (skipped when the fused kernel is not in this checkout)."""
+    if not hasattr(store_kv, "norm_rope_store"):
+        print("store_kv.norm_rope_store missing: part 2 skipped")
+        return
+    heads = HEADS[shape]
+    for m in rows:
+        inp = rope_inputs(m, heads, copies=8)
+        q_old = old_norm_rope_store(inp, heads, 0)
+        kv_old = [c.clone() for c in inp["caches"][0]]  # type: ignore[index]
+        for c in inp["caches"][0]:  # type: ignore[index]
+            c.zero_()
+        q_new = new_norm_rope_store(inp, heads, 0)
+        kv_new = inp["caches"][0]  # type: ignore[index]
+        close = functools.partial(torch.allclose, rtol=1e-2, atol=1e-2)  # bf16: a unit in the last place at most
+        ok = close(q_old.float(), q_new.float()) and all(
+            close(a.float(), b.float()) for a, b in zip(kv_old, kv_new, strict=True)
+        )
+        row = {"part": "norm_rope_store", "shape": shape, "m": m, "ok": ok}
+        row["old_us"] = graph_time_us(functools.partial(old_norm_rope_store, inp, heads), 8)
+        row["new_us"] = graph_time_us(functools.partial(new_norm_rope_store, inp, heads), 8)
+        out.append(row)
+
+
+def bench_decode(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
+    """Part 3: decode attention with the reduce kernel (old) and with the in-kernel merge (new)."""
+    heads, kv_heads, dim = HEADS[shape]
+    block, width = 256, 16  # tables 4096 tokens wide, as the bench's graphs capture them
+    for b in rows:
+        rng = random.Random(b)
+        lens = [rng.randint(100, 1024) for _ in range(b)]
+        used = sum(-(-n // block) for n in lens)
+        copies = max(2, min(32, ROTATE_BYTES // (used * block * kv_heads * dim * 4)))
+        caches, tables = [], []
+        for _ in range(copies):
+            k_cache = torch.randn(used + 1, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+            caches.append((k_cache, torch.randn_like(k_cache)))
+            table = torch.zeros(b, width, dtype=torch.int32)
+            ids = iter(torch.randperm(used) + 1)
+            for s, n in enumerate(lens):
+                table[s, : -(-n // block)] = torch.stack([next(ids) for _ in range(-(-n // block))])
+            tables.append(table.cuda())
+        seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
+        scale = dim**-0.5
+
+        def call(i: int, fused: bool) -> torch.Tensor:
+            k_cache, v_cache = caches[i % copies]
+            return paged_decode_attention(q, k_cache, v_cache, tables[i % copies], seq_lens, scale, fused_reduce=fused)
+
+        ref = paged_decode_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), tables[0], seq_lens,
+                                         scale)  # fmt: skip
+        ok = all((call(0, f).float() - ref).abs().max().item() < 2e-2 for f in (False, True))
+        row = {"part": "decode", "shape": shape, "b": b, "ok": ok}
+        row["old_us"] = graph_time_us(lambda i: call(i, False), copies)
+        row["new_us"] = graph_time_us(lambda i: call(i, True), copies)
+        out.append(row)
+
+
+def print_tables(out: list[dict[str, object]]) -> None:
+    """The results: per-kernel us, old vs new, and the sweep's best configs as a table to paste."""
+    print(
+        f"\n{'gemm':>8} {'M':>3} {'MB':>5} {'cuBLAS':>7} {'old':>7} {'new':>7} {'best':>7} {'TB/s':>5} ok  best config"
+    )
+    for r in (r for r in out if r["part"] == "gemm"):
+        tbs = r["mb"] / r["best_us"]  # type: ignore[operator]  # MB / us = TB/s
+        print(f"{r['gemm']:>8} {r['m']:>3} {r['mb']:>5.1f} {r['cublas_us']:>7.2f} {r['old_us']:>7.2f} "
+              f"{r['new_us']:>7.2f} {r['best_us']:>7.2f} {tbs:>5.2f} {'ok' if r['ok'] else 'WRONG'}  {r['best_cfg']}")  # fmt: skip
+    print("\nTUNED_CONFIGS entries (N, K, rows bucket): SkinnyConfig(...):")
+    for r in (r for r in out if r["part"] == "gemm"):
+        k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
+        if r["best_us"] < r["cublas_us"]:  # type: ignore[operator]
+            print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},")
+    for part, key in (("norm_rope_store", "m"), ("decode", "b")):
+        rows = [r for r in out if r["part"] == part]
+        if rows:
+            print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")
+            for r in rows:
+                print(f"{'':>16} {r[key]:>3} {r['old_us']:>8.2f} {r['new_us']:>8.2f} {'ok' if r['ok'] else 'WRONG'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=tuple(GEMMS), default="0.6b")
+    parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (decode batch sizes)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the skinny launch-config sweep")
     parser.add_argument("--json", default=None, help="append one JSON line per measurement here")
-    parser.add_argument("--skip-gemm", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_small_batch.py needs a CUDA GPU (it times kernels on the device)")
+    rows = [int(r) for r in args.rows.split(",")]
+    torch.manual_seed(0)
     out: list[dict[str, object]] = []
-    if not args.skip_gemm:
-        bench_gemms(out)
-    bench_decode(out)
+    bench_gemms(args.shape, rows, not args.no_sweep, out)
+    bench_norm_rope_store(args.shape, rows, out)
+    bench_decode(args.shape, rows, out)
+    print_tables(out)
     if args.json:
         with open(args.json, "a") as f:
             for row in out:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -198,20 +198,33 @@ def _rotary_kernel(
     j = tl.arange(0, HALF)
     mask = (h < num_heads)[:, None]
     x_offs = tok * stride_xt + h[:, None] * stride_xh + j[None, :]  # (BLOCK_H, HALF)
-    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
+    sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
+    y1, y2 = norm_rope_heads(x_ptr + x_offs, mask, w_ptr, cos, sin, eps, HALF, HAS_NORM, dtype)
+    o_offs = tok * stride_ot + h[:, None] * stride_oh + j[None, :]
+    tl.store(out_ptr + o_offs, y1.to(dtype), mask=mask)
+    tl.store(out_ptr + o_offs + HALF, y2.to(dtype), mask=mask)
+
+
+@triton.jit
+def norm_rope_heads(
+    x_ptrs, mask, w_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr
+):
+    """The rotated halves (H, HALF) float32 of the heads at x_ptrs (H, HALF) (first halves; the second halves sit
+    HALF elements on), RMS-normalised per head by w first when HAS_NORM (rounded to dtype where torch rounds:
+    after the normalisation and after the weight); cos / sin (1, HALF) float32. Rows where mask is False are 0.
+    """
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # (BLOCK_H,)
+        j = tl.arange(0, HALF)
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # (H,)
         w1 = tl.load(w_ptr + j)[None, :].to(tl.float32)
         w2 = tl.load(w_ptr + HALF + j)[None, :].to(tl.float32)
         x1 = (w1 * (x1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
-    sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
-    o_offs = tok * stride_ot + h[:, None] * stride_oh + j[None, :]
-    tl.store(out_ptr + o_offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(out_ptr + o_offs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
