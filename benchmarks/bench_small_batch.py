@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import random
+import time
 from collections.abc import Callable
 
 import torch
@@ -75,14 +76,25 @@ def old_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def sweep_configs(m: int) -> list[SkinnyConfig]:
     """Launch configs tried at m rows: tensor-core tiles, and CUDA-core ones (unpadded rows) up to 4 rows."""
     bm = max(16, 1 << (m - 1).bit_length())
-    out = [SkinnyConfig(bm, bn, bk, s, 4, st) for bn, bk, st in ((16, 128, 4), (32, 128, 4), (16, 256, 3), (64, 64, 4))
-           for s in (1, 2, 4, 8)]  # fmt: skip
-    out += [SkinnyConfig(bm, 32, 256, s, 8, 3) for s in (1, 2, 4)]
+    dot_tiles = ((16, 128, 4, 4), (32, 128, 4, 4), (16, 256, 4, 3), (64, 64, 4, 4))
+    out = [SkinnyConfig(bm, bn, bk, s, w, st) for bn, bk, w, st in dot_tiles for s in (1, 2, 4)]
     if m <= 4:
         sm = 1 << (m - 1).bit_length()
-        out += [SkinnyConfig(sm, bn, bk, s, w, st, use_dot=False) for bn, bk, w, st in
-                ((8, 256, 4, 3), (16, 256, 4, 3), (4, 512, 4, 2), (16, 128, 4, 4), (32, 128, 8, 3)) for s in (1, 2, 4)]  # fmt: skip
+        sum_tiles = ((8, 256, 4, 3), (16, 256, 4, 3), (4, 512, 4, 2), (32, 128, 8, 3))
+        out += [SkinnyConfig(sm, bn, bk, s, w, st, use_dot=False) for bn, bk, w, st in sum_tiles for s in (1, 2, 4)]
     return out
+
+
+def _call_rotating(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], i: int
+) -> torch.Tensor:
+    """fn(x, the i-th weight copy, cyclically)."""
+    return fn(x, weights[i % len(weights)])
+
+
+def time_rotating(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, weights: list) -> float:
+    """us per call of fn(x, w) with w cycling through the weight copies (one graph over all of them)."""
+    return graph_time_us(functools.partial(_call_rotating, fn, x, weights), len(weights))
 
 
 def _gemm_ok(got: torch.Tensor, exact: torch.Tensor) -> bool:
@@ -99,24 +111,21 @@ def bench_gemms(shape: str, rows: list[int], sweep: bool, out: list[dict[str, ob
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             exact = F.linear(x.float(), weights[0].float())
 
-            def timed(fn: Callable[..., torch.Tensor], x: torch.Tensor = x) -> float:
-                return graph_time_us(lambda i: fn(x, weights[i % copies]), copies)
-
             row: dict[str, object] = {"part": "gemm", "shape": shape, "gemm": name, "m": m, "mb": 2 * n * k / 1e6}
-            row["cublas_us"] = timed(F.linear)
-            row["old_us"] = timed(old_linear)
+            row["cublas_us"] = time_rotating(F.linear, x, weights)
+            row["old_us"] = time_rotating(old_linear, x, weights)
             default = skinny_config(m, n, k)
             new = functools.partial(skinny_linear, config=default)
-            row["new_us"], row["new_cfg"] = timed(new), tuple(default)
+            row["new_us"], row["new_cfg"] = time_rotating(new, x, weights), tuple(default)
             row["ok"] = _gemm_ok(new(x, weights[0]), exact) and _gemm_ok(old_linear(x, weights[0]), exact)
             best, best_cfg = row["new_us"], default
-            for cfg in sweep_configs(m) if sweep and m <= 64 else []:
+            for cfg in sweep_configs(m) if sweep else []:
                 if not _gemm_ok(skinny_linear(x, weights[0], None, cfg), exact):
                     row["ok"] = False
                     print(f"WRONG: {name} m={m} {cfg}")
                     continue
-                us = timed(functools.partial(skinny_linear, config=cfg))
-                if us < best:
+                us = time_rotating(functools.partial(skinny_linear, config=cfg), x, weights)
+                if us < best:  # type: ignore[operator]
                     best, best_cfg = us, cfg
             row["best_us"], row["best_cfg"] = best, tuple(best_cfg)
             out.append(row)
@@ -154,7 +163,7 @@ def old_norm_rope_store(inp: dict[str, object], heads: tuple[int, int, int], i: 
 
 def new_norm_rope_store(inp: dict[str, object], heads: tuple[int, int, int], i: int) -> torch.Tensor:
     """After: one kernel."""
-    hq, hkv, d = heads
+    hq, hkv, _ = heads
     k_cache, v_cache = inp["caches"][i % len(inp["caches"])]  # type: ignore[index]
     qw, kw = inp["w"]  # type: ignore[misc]
     return store_kv.norm_rope_store(
@@ -186,38 +195,54 @@ def bench_norm_rope_store(shape: str, rows: list[int], out: list[dict[str, objec
         out.append(row)
 
 
+def decode_case(shape: str, b: int) -> dict[str, object]:
+    """B = b sequences of contexts U(100, 1024), tables 4096 tokens wide (as the bench's graphs capture them), with
+    enough copies of the caches and tables to cycle past L2."""
+    heads, kv_heads, dim = HEADS[shape]
+    block, width = 256, 16
+    rng = random.Random(b)
+    lens = [rng.randint(100, 1024) for _ in range(b)]
+    used = sum(-(-n // block) for n in lens)
+    copies = max(2, min(32, ROTATE_BYTES // (used * block * kv_heads * dim * 4)))
+    caches, tables = [], []
+    for _ in range(copies):
+        k_cache = torch.randn(used + 1, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        caches.append((k_cache, torch.randn_like(k_cache)))
+        table = torch.zeros(b, width, dtype=torch.int32)
+        ids = (torch.randperm(used) + 1).tolist()
+        for s, n in enumerate(lens):
+            nb = -(-n // block)
+            table[s, :nb] = torch.tensor(ids[:nb], dtype=torch.int32)
+            ids = ids[nb:]
+        tables.append(table.cuda())
+    q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    return {"q": q, "caches": caches, "tables": tables, "seq_lens": seq_lens, "scale": dim**-0.5}
+
+
+def decode_call(case: dict[str, object], fused: bool, i: int) -> torch.Tensor:
+    """paged_decode_attention on the i-th copy (cyclically), the partials merged in-kernel when ``fused``."""
+    caches, tables = case["caches"], case["tables"]
+    k_cache, v_cache = caches[i % len(caches)]  # type: ignore[index, arg-type]
+    table = tables[i % len(tables)]  # type: ignore[index, arg-type]
+    return paged_decode_attention(
+        case["q"], k_cache, v_cache, table, case["seq_lens"], case["scale"], fused_reduce=fused
+    )  # type: ignore[arg-type]
+
+
 def bench_decode(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
     """Part 3: decode attention with the reduce kernel (old) and with the in-kernel merge (new)."""
-    heads, kv_heads, dim = HEADS[shape]
-    block, width = 256, 16  # tables 4096 tokens wide, as the bench's graphs capture them
     for b in rows:
-        rng = random.Random(b)
-        lens = [rng.randint(100, 1024) for _ in range(b)]
-        used = sum(-(-n // block) for n in lens)
-        copies = max(2, min(32, ROTATE_BYTES // (used * block * kv_heads * dim * 4)))
-        caches, tables = [], []
-        for _ in range(copies):
-            k_cache = torch.randn(used + 1, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-            caches.append((k_cache, torch.randn_like(k_cache)))
-            table = torch.zeros(b, width, dtype=torch.int32)
-            ids = iter(torch.randperm(used) + 1)
-            for s, n in enumerate(lens):
-                table[s, : -(-n // block)] = torch.stack([next(ids) for _ in range(-(-n // block))])
-            tables.append(table.cuda())
-        seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
-        q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
-        scale = dim**-0.5
-
-        def call(i: int, fused: bool) -> torch.Tensor:
-            k_cache, v_cache = caches[i % copies]
-            return paged_decode_attention(q, k_cache, v_cache, tables[i % copies], seq_lens, scale, fused_reduce=fused)
-
-        ref = paged_decode_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), tables[0], seq_lens,
-                                         scale)  # fmt: skip
-        ok = all((call(0, f).float() - ref).abs().max().item() < 2e-2 for f in (False, True))
+        case = decode_case(shape, b)
+        (k_cache, v_cache), table = case["caches"][0], case["tables"][0]  # type: ignore[index]
+        ref = paged_decode_attention_ref(
+            case["q"].float(), k_cache.float(), v_cache.float(), table, case["seq_lens"], case["scale"]
+        )  # type: ignore[union-attr, arg-type]
+        ok = all((decode_call(case, f, 0).float() - ref).abs().max().item() < 2e-2 for f in (False, True))
+        copies = len(case["caches"])  # type: ignore[arg-type]
         row = {"part": "decode", "shape": shape, "b": b, "ok": ok}
-        row["old_us"] = graph_time_us(lambda i: call(i, False), copies)
-        row["new_us"] = graph_time_us(lambda i: call(i, True), copies)
+        row["old_us"] = graph_time_us(functools.partial(decode_call, case, False), copies)
+        row["new_us"] = graph_time_us(functools.partial(decode_call, case, True), copies)
         out.append(row)
 
 
@@ -228,8 +253,9 @@ def print_tables(out: list[dict[str, object]]) -> None:
     )
     for r in (r for r in out if r["part"] == "gemm"):
         tbs = r["mb"] / r["best_us"]  # type: ignore[operator]  # MB / us = TB/s
-        print(f"{r['gemm']:>8} {r['m']:>3} {r['mb']:>5.1f} {r['cublas_us']:>7.2f} {r['old_us']:>7.2f} "
-              f"{r['new_us']:>7.2f} {r['best_us']:>7.2f} {tbs:>5.2f} {'ok' if r['ok'] else 'WRONG'}  {r['best_cfg']}")  # fmt: skip
+        times = " ".join(f"{r[key]:>7.2f}" for key in ("cublas_us", "old_us", "new_us", "best_us"))
+        flag = "ok" if r["ok"] else "WRONG"
+        print(f"{r['gemm']:>8} {r['m']:>3} {r['mb']:>5.1f} {times} {tbs:>5.2f} {flag}  {r['best_cfg']}")
     print("\nTUNED_CONFIGS entries (N, K, rows bucket): SkinnyConfig(...):")
     for r in (r for r in out if r["part"] == "gemm"):
         k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
@@ -254,11 +280,13 @@ def main() -> None:
         raise SystemExit("bench_small_batch.py needs a CUDA GPU (it times kernels on the device)")
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
+    start = time.perf_counter()
     out: list[dict[str, object]] = []
     bench_gemms(args.shape, rows, not args.no_sweep, out)
     bench_norm_rope_store(args.shape, rows, out)
     bench_decode(args.shape, rows, out)
     print_tables(out)
+    print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "a") as f:
             for row in out:
