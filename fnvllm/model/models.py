@@ -15,12 +15,12 @@ world size 1 they are no-ops and the layers are plain linears.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from fnvllm.kernels.attention import AttentionMetadata, KVCache, attention
+from fnvllm.kernels.attention import AttentionMetadata, KVCache, attend_stored, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
@@ -70,7 +70,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V (local heads) into kv_cache."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(hidden)  # (T, (Hq + 2 Hkv) * D)
+        fused = self.ops.norm_rope_store
+        if fused is not None:  # q/k norms, rope and the K/V store in one kernel
+            out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
+            return all_reduce(self.o_proj(out.reshape(num_tokens, -1)), self.tp)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -83,6 +88,28 @@ class Attention(nn.Module):
         out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales)  # (T, Hq, D)
         partial = self.o_proj(out.reshape(num_tokens, -1))  # (T, hidden_size), this rank's heads only
         return all_reduce(partial, self.tp)
+
+    def _fused_prologue_attention(
+        self,
+        fused: Callable[..., torch.Tensor],
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention output (T, Hq, D) from the projection qkv, with ``fused`` (``ops.norm_rope_store``, one
+        kernel) storing this step's K/V and giving the normed, rotated q."""
+        has_norm = self.q_norm is not None and self.k_norm is not None
+        q_w = self.q_norm.weight if has_norm and self.q_norm is not None else None
+        k_w = self.k_norm.weight if has_norm and self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        k_cache, v_cache, k_scale, v_scale = kv_cache
+        q = fused(
+            qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, k_cache, v_cache, meta.slot_mapping,
+            k_scale, v_scale,
+        )  # fmt: skip
+        return attend_stored(q, k_cache, v_cache, meta, self.scale, backend, k_scale, v_scale)
 
 
 class MLP(nn.Module):

@@ -41,6 +41,8 @@ class ModelOps:
     references unless an implementation has kernels.
     linear: the decoder layers' projections, ``F.linear(x, weight, bias)``; "triton" sends few-row products (decode
     steps of small batches) to ``fnvllm.kernels.skinny_gemm``.
+    norm_rope_store: the attention prologue in one kernel (``store_kv.norm_rope_store``: q/k norms, rotary, the
+    K/V store), or None: then the layer runs ``norm_rotary`` on q and k and the backend's ``store_kv``.
     """
 
     name: str
@@ -54,6 +56,7 @@ class ModelOps:
     )
     route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
+    norm_rope_store: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -77,7 +80,7 @@ def compiled_ops() -> ModelOps:
 
 def triton_ops() -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
-    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm
+    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     return ModelOps(
         "triton",
@@ -89,6 +92,7 @@ def triton_ops() -> ModelOps:
         fused_moe.fused_moe,
         moe_route.route,
         skinny_gemm.linear,
+        store_kv.norm_rope_store,
     )
 
 
