@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fnvllm.kernels.fused_ops import silu_and_mul
 from fnvllm.kernels.skinny_gemm import (
     SkinnyConfig,
     linear,
     prefers_skinny,
+    silu_mul_linear,
     skinny_config,
     skinny_linear,
     split_counters,
@@ -86,6 +88,31 @@ def test_cuda_core_variant_takes_unpadded_rows() -> None:
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="block_m"):
         skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, config: SkinnyConfig) -> None:
+    """glu=True (SiLU-and-mul on load) gives the same bits as fused_ops.silu_and_mul followed by the kernel."""
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(3, 2 * 96, generator=gen) * 2).to(DEVICE, dtype)
+    w = (torch.randn(40, 96, generator=gen) / 10).to(DEVICE, dtype)
+    b = torch.randn(40, generator=gen).to(DEVICE, dtype)
+    fused = skinny_linear(x, w, b, config, glu=True)
+    assert torch.equal(fused, skinny_linear(silu_and_mul(x), w, b, config))
+    with pytest.raises(ValueError, match="glu"):
+        skinny_linear(x[:, :-2], w, b, config, glu=True)
+
+
+def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:
+    """On a CPU ``silu_mul_linear`` is silu_and_mul then F.linear (leading dims kept)."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(2, 3, 64, generator=gen)
+    w = torch.randn(24, 32, generator=gen)
+    got = silu_mul_linear(x, w, None)
+    assert got.shape == (2, 3, 24)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w), rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:

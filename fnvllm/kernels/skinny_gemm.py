@@ -31,13 +31,17 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
+from fnvllm.kernels.fused_ops import silu_and_mul
 
 __all__ = [
     "SKINNY_MAX_ROWS",
+    "TUNED_CONFIGS",
     "SkinnyConfig",
     "linear",
     "linear_ref",
     "prefers_skinny",
+    "rows_bucket",
+    "silu_mul_linear",
     "skinny_config",
     "skinny_linear",
     "split_counters",
@@ -74,6 +78,7 @@ def _skinny_kernel(
     SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     USE_DOT: tl.constexpr,
+    GLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,6 +90,8 @@ def _skinny_kernel(
     With SPLIT > 1 the program writes its float32 partial; with FUSED_REDUCE the last of the SPLIT programs of a
     column block to finish (counted by an atomic per block) then sums all SPLIT partials in split order, adds the
     bias, writes y and resets its counter to 0 for the next launch; otherwise ``_sum_splits_kernel`` does that.
+    GLU: x is [gate | up] (M, 2K) and the product's input is silu(gate) * up, computed as it is loaded (in float32,
+    rounded once to x's dtype, as ``fused_ops.silu_and_mul``): SiLU-and-mul fused into the GEMM's prologue.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -103,7 +110,13 @@ def _skinny_kernel(
             mask=col_ok[:, None] & k_ok[None, :],
             other=0.0,
         )  # (BLOCK_N, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GLU:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
         else:  # CUDA cores: (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
@@ -228,17 +241,22 @@ def _block_m(num_rows: int, use_dot: bool) -> int:
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
+    glu: x is [gate | up] (M, 2K) and the product is silu_and_mul(x) @ weight^T (SiLU-and-mul done on load).
 
     Reads no device values (graph-capturable); the split-K workspace is allocated per call (inside a CUDA graph it
     comes from the graph's private pool). Launches that split K must not run concurrently on two streams of one
     device (they share the arrival counters)."""
-    num_rows, in_features = x.shape
+    num_rows, in_features = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
     out_features = weight.shape[0]
-    if weight.shape[1] != in_features:
-        raise ValueError(f"weight is {tuple(weight.shape)} but x has {in_features} features")
+    if weight.shape[1] != in_features or (glu and x.shape[1] != 2 * in_features):
+        raise ValueError(f"weight is {tuple(weight.shape)} but x has {x.shape[1]} features (glu={glu})")
     if num_rows > 64:
         raise ValueError(f"skinny_linear takes at most 64 rows, got {num_rows}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -247,16 +265,15 @@ def skinny_linear(
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    _launch_skinny(x, weight, bias, out, cfg)
+    _launch_skinny(x, weight, bias, out, cfg, glu)
     return out
 
 
 def _launch_skinny(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: SkinnyConfig
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: SkinnyConfig, glu: bool
 ) -> None:
     """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out."""
-    num_rows, in_features = x.shape
-    out_features = weight.shape[0]
+    num_rows, (out_features, in_features) = x.shape[0], weight.shape
     if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
     col_blocks = triton.cdiv(out_features, cfg.block_n)
@@ -283,6 +300,7 @@ def _launch_skinny(
         SPLIT=cfg.split_k,
         FUSED_REDUCE=cfg.fused_reduce,
         USE_DOT=cfg.use_dot,
+        GLU=glu,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -308,19 +326,37 @@ def _launch_skinny(
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
     """Whether ``skinny_linear`` beats cuBLAS for this product, by the H200 measurements of
-    benchmarks/bench_small_batch.py (BENCHMARKS.md, "skinny bf16 GEMM"): only narrow, deep products (N <= 2048 and
-    K >= 2N, where cuBLAS splits K and pays a reduce) at <= SKINNY_MAX_ROWS rows, i.e. Qwen3-0.6B's o_proj and
-    down_proj; its qkv and gate_up and every Qwen3-8B projection stay with cuBLAS, as fast or faster there."""
-    return 0 < num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
+    benchmarks/bench_small_batch.py: every product with a measured config in ``TUNED_CONFIGS`` (where the sweep
+    beat cuBLAS), and otherwise narrow, deep products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a
+    reduce) at <= SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM": Qwen3-0.6B's o_proj and down_proj)."""
+    if num_rows <= 0 or num_rows > 64:
+        return False
+    if (out_features, in_features, rows_bucket(num_rows)) in TUNED_CONFIGS:
+        return True
+    return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
+
+
+def _rows(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(rows, x as a (rows, features) matrix with a contiguous last dim) for x (..., features)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    flat = x.reshape(rows, x.shape[-1])
+    return rows, flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for the model, with the few-row products that ``prefers_skinny`` picks, on a GPU, sent to
     ``skinny_linear``. x may have leading dimensions (..., K); they are flattened for the kernel."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows, flat = _rows(x)
     if x.device.type != "cuda" or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
     return skinny_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(silu_and_mul(gate_up), weight, bias)`` for gate_up (..., 2K) = [gate | up], weight (N, K): an
+    MLP's activation and down projection. Where ``prefers_skinny`` picks the product (on a GPU), one skinny launch
+    computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
+    rows, flat = _rows(gate_up)
+    if gate_up.device.type != "cuda" or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
+        return F.linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
+    return skinny_linear(flat, weight, bias, glu=True).reshape(*gate_up.shape[:-1], weight.shape[0])

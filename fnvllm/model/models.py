@@ -126,7 +126,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
-        partial = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # (T, hidden_size)
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate on this rank)
+        glu = self.ops.silu_mul_linear
+        if glu is not None and self.down_proj.weight_scale_inv is None:  # activation fused into down_proj's load
+            bias = self.down_proj.bias if self.down_proj.adds_bias else None
+            partial = glu(gate_up, self.down_proj.weight, bias)  # (T, hidden_size)
+        else:
+            partial = self.down_proj(self.ops.silu_and_mul(gate_up))  # (T, hidden_size)
         return all_reduce(partial, self.tp)
 
 

@@ -43,6 +43,9 @@ class ModelOps:
     steps of small batches) to ``fnvllm.kernels.skinny_gemm``.
     norm_rope_store: the attention prologue in one kernel (``store_kv.norm_rope_store``: q/k norms, rotary, the
     K/V store), or None: then the layer runs ``norm_rotary`` on q and k and the backend's ``store_kv``.
+    silu_mul_linear: an MLP's SiLU-and-mul and down projection, ``(gate_up, weight, bias) -> y``
+    (``skinny_gemm.silu_mul_linear``: one launch at few rows), or None: ``silu_and_mul`` then ``linear``. Used
+    only for a down projection in the model's dtype (FP8 weights keep their own GEMM).
     """
 
     name: str
@@ -57,6 +60,7 @@ class ModelOps:
     route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
     norm_rope_store: Callable[..., torch.Tensor] | None = None
+    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -93,6 +97,7 @@ def triton_ops() -> ModelOps:
         moe_route.route,
         skinny_gemm.linear,
         store_kv.norm_rope_store,
+        skinny_gemm.silu_mul_linear,
     )
 
 
