@@ -9,6 +9,7 @@ L2 (each call of the graph reads a different copy of the weights or KV cache, as
    change (old: cuBLAS, or the skinny kernel plus its split-K sum kernel), the skinny kernel with the in-kernel
    split-K reduce at its default config (new), and a sweep of launch configs (best kept, printed as a
    TUNED_CONFIGS line to paste).
+   Also SiLU-and-mul + down_proj: two launches (old) against the skinny kernel loading silu(gate) * up (new).
 2. q/k norm + rotary + KV store: two ``norm_rotary`` launches and ``store_kv`` (old) against the one fused kernel
    ``store_kv.norm_rope_store`` (new), at M decode rows.
 3. Decode attention, auto partition size, contexts U(100, 1024): partials merged by the reduce kernel (old) or
@@ -129,8 +130,28 @@ def bench_gemms(shape: str, rows: list[int], sweep: bool, out: list[dict[str, ob
                     best, best_cfg = us, cfg
             row["best_us"], row["best_cfg"] = best, tuple(best_cfg)
             out.append(row)
+            if name == "down":
+                out.append(bench_silu_down(shape, m, weights, best_cfg))
         weights.clear()
         torch.cuda.empty_cache()
+
+
+def _old_silu_down(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Before: the SiLU-and-mul kernel, then the down projection's dispatch."""
+    return old_linear(fused_ops.silu_and_mul(x), w)
+
+
+def bench_silu_down(shape: str, m: int, weights: list[torch.Tensor], cfg: SkinnyConfig) -> dict[str, object]:
+    """SiLU-and-mul + down_proj: two launches (old) against the skinny kernel's GLU prologue at cfg (new)."""
+    k = weights[0].shape[1]
+    x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    exact = F.linear(fused_ops.silu_and_mul(x).float(), weights[0].float())
+    new = functools.partial(skinny_linear, config=cfg._replace(block_m=max(cfg.block_m, m)), glu=True)
+    row: dict[str, object] = {"part": "silu_down", "shape": shape, "m": m}
+    row["ok"] = _gemm_ok(new(x, weights[0]), exact) and _gemm_ok(_old_silu_down(x, weights[0]), exact)
+    row["old_us"] = time_rotating(_old_silu_down, x, weights)
+    row["new_us"] = time_rotating(new, x, weights)
+    return row
 
 
 def rope_inputs(m: int, heads: tuple[int, int, int], copies: int) -> dict[str, object]:
@@ -261,7 +282,7 @@ def print_tables(out: list[dict[str, object]]) -> None:
         k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
         if r["best_us"] < r["cublas_us"]:  # type: ignore[operator]
             print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},")
-    for part, key in (("norm_rope_store", "m"), ("decode", "b")):
+    for part, key in (("silu_down", "m"), ("norm_rope_store", "m"), ("decode", "b")):
         rows = [r for r in out if r["part"] == part]
         if rows:
             print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fnvllm.kernels.fused_ops import silu_and_mul
 from fnvllm.kernels.skinny_gemm import (
+    TUNED_CONFIGS,
     SkinnyConfig,
     linear,
     prefers_skinny,
@@ -16,6 +17,7 @@ from fnvllm.kernels.skinny_gemm import (
     skinny_config,
     skinny_linear,
     split_counters,
+    tuned_config,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,6 +115,16 @@ def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:
     assert got.shape == (2, 3, 24)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w), rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_table_serves_row_counts_up_to_its_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measured entry for 16 rows serves 1..16 rows (rows padded), not 17; it also makes the product skinny."""
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 96, 16), SkinnyConfig(16, 8, 32, 2))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 96, 1), SkinnyConfig(1, 8, 32, 2, use_dot=False))
+    assert tuned_config(3, 40, 96) == SkinnyConfig(16, 8, 32, 2)
+    assert tuned_config(1, 40, 96) == SkinnyConfig(1, 8, 32, 2, use_dot=False)
+    assert tuned_config(17, 40, 96) is None and tuned_config(3, 40, 128) is None
+    assert prefers_skinny(3, 40, 96) and not prefers_skinny(17, 40, 96)
 
 
 def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:

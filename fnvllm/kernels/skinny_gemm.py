@@ -40,11 +40,11 @@ __all__ = [
     "linear",
     "linear_ref",
     "prefers_skinny",
-    "rows_bucket",
     "silu_mul_linear",
     "skinny_config",
     "skinny_linear",
     "split_counters",
+    "tuned_config",
 ]
 
 # Rows up to which `linear` uses the skinny kernel (above it, cuBLAS's large-M tiles are the better choice).
@@ -208,14 +208,19 @@ class SkinnyConfig(NamedTuple):
     fused_reduce: bool = True
 
 
-# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py --sweep), by (N, K, rows bucket);
-# products not listed get ``skinny_config``'s heuristic.
+# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep), by (N, K, rows): a product of
+# M rows takes the entry of the smallest listed row count >= M; products without one get ``skinny_config``'s
+# heuristic (and ``linear`` sends them to the skinny kernel only by ``prefers_skinny``'s shape rule).
 TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
-def rows_bucket(num_rows: int) -> int:
-    """The tuned-table bucket of a row count: the next power of two (1, 2, 4, ... 64)."""
-    return int(triton.next_power_of_2(max(1, num_rows)))
+def tuned_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
+    """The measured config for (M, N, K) from ``TUNED_CONFIGS`` (rows padded for M), or None."""
+    listed = sorted(r for n, k, r in TUNED_CONFIGS if (n, k) == (out_features, in_features) and r >= num_rows)
+    if not listed:
+        return None
+    cfg = TUNED_CONFIGS[(out_features, in_features, listed[0])]
+    return cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
 
 
 @functools.cache
@@ -223,9 +228,9 @@ def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyC
     """The launch shape for (M, N, K): the measured one from ``TUNED_CONFIGS`` when listed; otherwise BLOCK_N 32
     when that alone gives the target grid, else 16, then enough K splits (a power of two, each at least
     2 * BLOCK_K wide) to reach ``_TARGET_PROGRAMS`` programs."""
-    tuned = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows)))
+    tuned = tuned_config(num_rows, out_features, in_features)
     if tuned is not None:
-        return tuned._replace(block_m=_block_m(num_rows, tuned.use_dot))
+        return tuned
     block_k = 128 if in_features >= 128 else max(16, int(triton.next_power_of_2(in_features)))
     block_n = 32 if triton.cdiv(out_features, 32) >= _TARGET_PROGRAMS else 16
     col_blocks = triton.cdiv(out_features, block_n)
@@ -331,7 +336,7 @@ def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
     reduce) at <= SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM": Qwen3-0.6B's o_proj and down_proj)."""
     if num_rows <= 0 or num_rows > 64:
         return False
-    if (out_features, in_features, rows_bucket(num_rows)) in TUNED_CONFIGS:
+    if tuned_config(num_rows, out_features, in_features) is not None:
         return True
     return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
 
