@@ -14,24 +14,28 @@ L2 (each call of the graph reads a different copy of the weights or KV cache, as
    ``store_kv.norm_rope_store`` (new), at M decode rows.
 3. Decode attention, auto partition size, contexts U(100, 1024): partials merged by the reduce kernel (old) or
    by the last partition in-kernel (new), at B = M sequences.
+4. The whole decode step (28 layers + logits, one CUDA graph replay, device time only) of the model with the
+   Triton ops before this change (old) and after (new), at B = M sequences, logits compared.
 Tables last: one line per measurement, microseconds per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
 import time
 from collections.abc import Callable
 
+import attrs
 import torch
 import torch.nn.functional as F
 
 from fnvllm.kernels import fused_ops, store_kv
 from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from fnvllm.kernels.skinny_gemm import SkinnyConfig, prefers_skinny, skinny_config, skinny_linear
+from fnvllm.kernels.skinny_gemm import TUNED_CONFIGS, SkinnyConfig, skinny_config, skinny_linear
 
 GEMMS = {
     "0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
@@ -66,12 +70,23 @@ def graph_time_us(fn: Callable[[int], object], calls: int, repeats: int = 5) -> 
     return best
 
 
-def old_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``skinny_gemm.linear``'s dispatch before the in-kernel reduce: cuBLAS, or skinny + the sum kernel."""
+def old_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``skinny_gemm.linear``'s dispatch before this change: cuBLAS, or (only narrow, deep products at <= 16 rows)
+    the skinny kernel at its heuristic config plus the split-K sum kernel."""
     m, (n, k) = x.shape[0], w.shape
-    if not prefers_skinny(m, n, k):
-        return F.linear(x, w)
-    return skinny_linear(x, w, None, skinny_config(m, n, k)._replace(fused_reduce=False))
+    if not (0 < m <= 16 and n <= 2048 and k >= 2 * n):
+        return F.linear(x, w, bias)
+    return skinny_linear(x, w, bias, _heuristic_config(m, n, k)._replace(fused_reduce=False))
+
+
+def _heuristic_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """skinny_config's heuristic, ignoring the tuned table."""
+    saved = dict(TUNED_CONFIGS)
+    TUNED_CONFIGS.clear()
+    try:
+        return skinny_config.__wrapped__(m, n, k)
+    finally:
+        TUNED_CONFIGS.update(saved)
 
 
 def sweep_configs(m: int) -> list[SkinnyConfig]:
@@ -267,6 +282,84 @@ def bench_decode(shape: str, rows: list[int], out: list[dict[str, object]]) -> N
         out.append(row)
 
 
+def build_models(shape: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(old, new): the model of ``shape`` (random bf16 weights, shared values) with the Triton ops before this
+    change (unfused prologue, separate SiLU-and-mul, the old GEMM dispatch) and after."""
+    from fnvllm.model import DecoderForCausalLM, ModelConfig
+    from fnvllm.model.ops import triton_ops
+    from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_SHAPES
+
+    name = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}[shape]
+    config = ModelConfig.from_dict({**_QWEN3_COMMON, **QWEN3_SHAPES[name], "torch_dtype": "bfloat16"})
+    new_ops = triton_ops()
+    old_ops = attrs.evolve(new_ops, linear=old_linear, norm_rope_store=None, silu_mul_linear=None)
+    models = []
+    for ops in (old_ops, new_ops):
+        with torch.device("cuda"):
+            models.append(DecoderForCausalLM(config, ops).eval())  # parameters in the config's bf16
+    models[1].load_state_dict(models[0].state_dict())
+    return models[0], models[1]
+
+
+def step_inputs(model: torch.nn.Module, b: int) -> tuple[torch.Tensor, list, object]:
+    """(input ids, per-layer KV caches, metadata) of one decode step of b sequences, contexts U(100, 1024), block
+    256, tables 16 blocks wide (as the engine's graphs capture them)."""
+    from fnvllm.executor.device_inputs import build_attention_metadata
+    from fnvllm.kernels.attention import KVCache
+
+    config, block, width = model.config, 256, 16
+    rng = random.Random(b)
+    lens = [rng.randint(100, 1024) for _ in range(b)]
+    tables, next_block = [], 1
+    for n in lens:
+        nb = -(-n // block)
+        tables.append(list(range(next_block, next_block + nb)) + [0] * (width - nb))
+        next_block += nb
+    shape = (next_block, block, config.num_key_value_heads, config.head_dim)
+    caches = [KVCache(torch.randn(shape, device="cuda").bfloat16(), torch.randn(shape, device="cuda").bfloat16())
+              for _ in range(config.num_hidden_layers)]  # fmt: skip
+    meta = build_attention_metadata([n - 1 for n in lens], [1] * b, tables, block, "cuda")
+    ids = torch.randint(0, config.vocab_size, (b,), device="cuda")
+    return ids, caches, meta
+
+
+def run_step(
+    model: torch.nn.Module, ids: torch.Tensor, caches: list, meta: object, backend: object, _i: int
+) -> torch.Tensor:
+    """One decode step: the forward pass and the logits."""
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, meta.positions, caches, meta, backend))  # type: ignore[attr-defined]
+
+
+def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
+    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph), old ops against new."""
+    from fnvllm.kernels import decode_attention
+    from fnvllm.kernels.backends import get_backend
+
+    old, new = build_models(shape)
+    backend = get_backend("triton")
+    fused_default = decode_attention.DEFAULT_DECODE_CONFIG
+    for b in rows:
+        ids, caches, meta = step_inputs(new, b)
+        row: dict[str, object] = {"part": "step", "shape": shape, "b": b}
+        logits = {}
+        for label, model, fused in (("old", old, False), ("new", new, True)):
+            decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(fused_default, fused_reduce=fused)
+            try:
+                step = functools.partial(run_step, model, ids, caches, meta, backend)
+                logits[label] = step(0).float()
+                row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
+            finally:
+                decode_attention.DEFAULT_DECODE_CONFIG = fused_default
+        diff = (logits["old"] - logits["new"]).abs().max().item()
+        same = (logits["old"].argmax(-1) == logits["new"].argmax(-1)).float().mean().item()
+        row["ok"] = diff < 0.1 * logits["old"].abs().max().item() and same >= 0.9
+        row["max_diff"], row["argmax_same"] = diff, same
+        out.append(row)
+    del old, new
+    torch.cuda.empty_cache()
+
+
 def print_tables(out: list[dict[str, object]]) -> None:
     """The results: per-kernel us, old vs new, and the sweep's best configs as a table to paste."""
     print(
@@ -282,12 +375,20 @@ def print_tables(out: list[dict[str, object]]) -> None:
         k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
         if r["best_us"] < r["cublas_us"]:  # type: ignore[operator]
             print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},")
-    for part, key in (("silu_down", "m"), ("norm_rope_store", "m"), ("decode", "b")):
+    for part, key in (("silu_down", "m"), ("norm_rope_store", "m"), ("decode", "b"), ("step", "b")):
         rows = [r for r in out if r["part"] == part]
         if rows:
             print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")
             for r in rows:
-                print(f"{'':>16} {r[key]:>3} {r['old_us']:>8.2f} {r['new_us']:>8.2f} {'ok' if r['ok'] else 'WRONG'}")
+                extra = (
+                    f"  max |old - new| {r['max_diff']:.3g}, argmax same {r['argmax_same']:.2f}"
+                    if part == "step"
+                    else ""
+                )
+                print(
+                    f"{'':>16} {r[key]:>3} {r['old_us']:>8.2f} {r['new_us']:>8.2f} "
+                    f"{'ok' if r['ok'] else 'WRONG'}{extra}"
+                )
 
 
 def main() -> None:
@@ -295,6 +396,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=tuple(GEMMS), default="0.6b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (decode batch sizes)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the skinny launch-config sweep")
+    parser.add_argument("--no-step", action="store_true", help="skip the whole-step timing (part 4)")
     parser.add_argument("--json", default=None, help="append one JSON line per measurement here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -306,6 +408,8 @@ def main() -> None:
     bench_gemms(args.shape, rows, not args.no_sweep, out)
     bench_norm_rope_store(args.shape, rows, out)
     bench_decode(args.shape, rows, out)
+    if not args.no_step:
+        bench_step(args.shape, rows, out)
     print_tables(out)
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
     if args.json:
