@@ -331,6 +331,31 @@ def run_step(
         return model.compute_logits(model(ids, meta.positions, caches, meta, backend))  # type: ignore[attr-defined]
 
 
+def bench_pdl_step(step: Callable[[int], torch.Tensor], expected: torch.Tensor) -> tuple[float, str]:
+    """(us per step, check) of the new step with programmatic dependent launch on: the check is "exact" when 10
+    graph replays all give exactly the logits of the step without it, else what went wrong."""
+    from fnvllm.kernels.fused_ops import set_pdl
+
+    set_pdl(True)
+    try:
+        if not torch.equal(step(0).float(), expected):
+            return float("nan"), "eager differs"
+        us = graph_time_us(step, 1, repeats=20)
+        graph, static = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(graph):
+            static = step(0)
+        for _ in range(10):
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(static.float(), expected):
+                return us, "replay differs"
+        return us, "exact"
+    except Exception as e:  # reported in the table: PDL may be unsupported by this torch / triton
+        return float("nan"), f"failed: {type(e).__name__}: {str(e)[:80]}"
+    finally:
+        set_pdl(False)
+
+
 def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
     """Part 4: the whole decode step's device time (forward + logits, one CUDA graph), old ops against new."""
     from fnvllm.kernels import decode_attention
@@ -351,6 +376,8 @@ def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> Non
                 row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
             finally:
                 decode_attention.DEFAULT_DECODE_CONFIG = fused_default
+        row["pdl_us"], row["pdl_exact"] = bench_pdl_step(functools.partial(run_step, new, ids, caches, meta, backend),
+                                                         logits["new"])  # fmt: skip
         diff = (logits["old"] - logits["new"]).abs().max().item()
         same = (logits["old"].argmax(-1) == logits["new"].argmax(-1)).float().mean().item()
         row["ok"] = diff < 0.1 * logits["old"].abs().max().item() and same >= 0.9
@@ -381,7 +408,8 @@ def print_tables(out: list[dict[str, object]]) -> None:
             print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")
             for r in rows:
                 extra = (
-                    f"  max |old - new| {r['max_diff']:.3g}, argmax same {r['argmax_same']:.2f}"
+                    f"  max |old - new| {r['max_diff']:.3g}, argmax same {r['argmax_same']:.2f}; with PDL "
+                    f"{r['pdl_us']:.2f} us ({r['pdl_exact']})"
                     if part == "step"
                     else ""
                 )

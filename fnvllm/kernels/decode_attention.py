@@ -45,6 +45,7 @@ import triton.language as tl
 
 from fnvllm.kernels.attention import KVCache, _decode_attention
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 
 GqaMode = Literal["dot", "sum"]
 _LOG2E = math.log2(math.e)
@@ -326,6 +327,7 @@ def _decode_partition_kernel(
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -341,6 +343,7 @@ def _decode_partition_kernel(
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
     part = tl.program_id(2)
+    wait_for_previous_kernel(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * PARTITION_SIZE
     g = tl.arange(0, GROUP_PAD)
@@ -647,8 +650,10 @@ def _launch_partitions(
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
+        USE_PDL=use_pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(q.device),
     )
 
 

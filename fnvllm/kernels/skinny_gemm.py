@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
-from fnvllm.kernels.fused_ops import silu_and_mul
+from fnvllm.kernels.fused_ops import pdl_launch, silu_and_mul, use_pdl, wait_for_previous_kernel
 
 __all__ = [
     "SKINNY_MAX_ROWS",
@@ -79,6 +79,7 @@ def _skinny_kernel(
     FUSED_REDUCE: tl.constexpr,
     USE_DOT: tl.constexpr,
     GLU: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -102,6 +103,7 @@ def _skinny_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wait_for_previous_kernel(USE_PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -306,6 +308,7 @@ def _launch_skinny(
         FUSED_REDUCE=cfg.fused_reduce,
         USE_DOT=cfg.use_dot,
         GLU=glu,
+        USE_PDL=use_pdl(x.device),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -313,6 +316,7 @@ def _launch_skinny(
         UPCAST_DOT=upcast_dot(x.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
     )
     if split and not cfg.fused_reduce:
         block = 256

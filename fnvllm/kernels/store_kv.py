@@ -33,7 +33,14 @@ import triton.language as tl
 
 from fnvllm.kernels.attention import write_kv
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
-from fnvllm.kernels.fused_ops import _check_rotary_args, _row_warps, norm_rope_heads
+from fnvllm.kernels.fused_ops import (
+    _check_rotary_args,
+    _row_warps,
+    norm_rope_heads,
+    pdl_launch,
+    use_pdl,
+    wait_for_previous_kernel,
+)
 from fnvllm.kernels.reference import norm_rotary_ref
 
 
@@ -239,9 +246,11 @@ def _norm_rope_store_kernel(
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Token program_id(0): q heads normed, rotated and written to q_out (T, Hq, D); k heads normed, rotated and
     stored, v stored, at the token's cache slot (e4m3 bits of value / scale[head] when KV_FP8)."""
+    wait_for_previous_kernel(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
@@ -331,7 +340,9 @@ def norm_rope_store(
         HALF=head_dim // 2,
         HAS_NORM=q_weight is not None,
         KV_FP8=fp8,
+        USE_PDL=use_pdl(qkv.device),
         num_warps=_row_warps(triton.next_power_of_2(num_heads) * head_dim),
+        **pdl_launch(qkv.device),
     )
     return q
 
