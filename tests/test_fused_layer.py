@@ -21,6 +21,7 @@ if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "In
     )
 
 from fnvllm.executor.device_inputs import build_attention_metadata  # noqa: E402
+from fnvllm.kernels import skinny_gemm  # noqa: E402
 from fnvllm.kernels.attention import KVCache  # noqa: E402
 from fnvllm.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from fnvllm.model import DecoderForCausalLM, ModelConfig, load_model  # noqa: E402
@@ -66,3 +67,19 @@ def test_triton_ops_model_matches_torch_ops(tmp_path: Path, family: str, fp8: bo
     tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(1))
     tokens = tokens.to(DEVICE)
     torch.testing.assert_close(run(ours, tokens, fp8), run(ref, tokens, fp8), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_skinny_paths_of_the_model_match_torch_ops(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every few-row projection sent to the skinny kernel (as on a GPU: norm + qkv, norm + gate/up,
+    SiLU-and-mul + down, o_proj), decodes and prefill chunks still give the torch-ops logits."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: True)
+    monkeypatch.setattr(skinny_gemm, "prefers_skinny", lambda m, n, k: 0 < m <= 16)
+    path = write_tiny_checkpoint(tmp_path, family, num_heads=4, num_kv_heads=2, num_layers=2)
+    config = ModelConfig.from_pretrained(path)
+    ours = load_model(path, config, DEVICE, ops=ops_for("triton"))
+    ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(run(ours, tokens, False), run(ref, tokens, False), atol=1e-4, rtol=1e-4)

@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnvllm.kernels.fused_ops import silu_and_mul
+from fnvllm.kernels.fused_ops import fused_add_rmsnorm, rmsnorm, rmsnorm_ref, silu_and_mul
 from fnvllm.kernels.skinny_gemm import (
     TUNED_CONFIGS,
+    Norm,
     SkinnyConfig,
     linear,
+    norm_linear,
     prefers_skinny,
     silu_mul_linear,
     skinny_config,
@@ -104,6 +106,46 @@ def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, co
     assert torch.equal(fused, skinny_linear(silu_and_mul(x), w, b, config))
     with pytest.raises(ValueError, match="glu"):
         skinny_linear(x[:, :-2], w, b, config, glu=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
+    dtype: torch.dtype, with_residual: bool, config: SkinnyConfig
+) -> None:
+    """norm= (residual add + RMSNorm on load) gives fused_add_rmsnorm followed by the kernel (to one rounding of
+    the statistics), and writes x + residual exactly."""
+    gen = torch.Generator().manual_seed(15)
+    x = (torch.randn(3, 96, generator=gen) * 2).to(DEVICE, dtype)
+    res = (torch.randn(3, 96, generator=gen) * 2).to(DEVICE, dtype) if with_residual else None
+    nw = (torch.rand(96, generator=gen) + 0.5).to(DEVICE, dtype)
+    w = (torch.randn(40, 96, generator=gen) / 10).to(DEVICE, dtype)
+    res_out = torch.full_like(x, float("nan")) if with_residual else None
+    got = skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, res, res_out))
+    if with_residual:
+        normed, expect_res = fused_add_rmsnorm(x, res, nw, 1e-6)
+        assert torch.equal(res_out, expect_res)
+    else:
+        normed = rmsnorm(x, nw, 1e-6)
+    want = skinny_linear(normed, w, None, config)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="both"):
+        skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, x, None))
+
+
+def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear() -> None:
+    """On a CPU ``norm_linear`` is fused_add_rmsnorm (rmsnorm without a residual) then F.linear."""
+    gen = torch.Generator().manual_seed(16)
+    x, res = torch.randn(2, 32, generator=gen), torch.randn(2, 32, generator=gen)
+    nw, w = torch.rand(32, generator=gen) + 0.5, torch.randn(24, 32, generator=gen)
+    y, new_res = norm_linear(x, res, nw, 1e-6, w)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(y, F.linear(rmsnorm_ref(x + res, nw, 1e-6), w), rtol=1e-5, atol=1e-5)
+    y0, same = norm_linear(x, None, nw, 1e-6, w)
+    assert same is x
+    torch.testing.assert_close(y0, F.linear(rmsnorm_ref(x, nw, 1e-6), w), rtol=1e-5, atol=1e-5)
 
 
 def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:

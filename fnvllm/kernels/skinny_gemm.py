@@ -31,14 +31,23 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
-from fnvllm.kernels.fused_ops import pdl_launch, silu_and_mul, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.fused_ops import (
+    fused_add_rmsnorm,
+    pdl_launch,
+    rmsnorm,
+    silu_and_mul,
+    use_pdl,
+    wait_for_previous_kernel,
+)
 
 __all__ = [
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
+    "Norm",
     "SkinnyConfig",
     "linear",
     "linear_ref",
+    "norm_linear",
     "prefers_skinny",
     "silu_mul_linear",
     "skinny_config",
@@ -67,6 +76,10 @@ def _skinny_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
+    res_ptr,  # NORM: the residual stream (M, K) added to x first (when NORM_RES), rows strided like x
+    res_out_ptr,  # NORM_RES: where x + residual goes (written by program (0, 0))
+    norm_w_ptr,  # NORM: the RMSNorm weight (K,)
+    eps,
     M,
     N,
     K,
@@ -79,6 +92,8 @@ def _skinny_kernel(
     FUSED_REDUCE: tl.constexpr,
     USE_DOT: tl.constexpr,
     GLU: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -93,6 +108,9 @@ def _skinny_kernel(
     bias, writes y and resets its counter to 0 for the next launch; otherwise ``_sum_splits_kernel`` does that.
     GLU: x is [gate | up] (M, 2K) and the product's input is silu(gate) * up, computed as it is loaded (in float32,
     rounded once to x's dtype, as ``fused_ops.silu_and_mul``): SiLU-and-mul fused into the GEMM's prologue.
+    NORM: the product's input is rmsnorm(x (+ residual when NORM_RES)) by norm_w, rounded where
+    ``fused_ops.fused_add_rmsnorm`` rounds: every program first computes the rows' statistics over all of K (x is
+    a few KiB per row, read from L2), and program (0, 0) stores x + residual, the new residual stream.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,6 +122,12 @@ def _skinny_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wait_for_previous_kernel(USE_PDL)
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        write_res = (pid_n == 0) & (pid_k == 0)
+        inv_rms = _rows_inv_rms(
+            x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, BLOCK_K
+        )
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -119,6 +143,14 @@ def _skinny_kernel(
             gate = x.to(tl.float32)
             up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
             x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+        if NORM:
+            dtype = x_ptr.dtype.element_ty
+            if NORM_RES:
+                res = tl.load(res_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+                x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
+            nw = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (nw[None, :] * normed).to(dtype)
         if USE_DOT:
             acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
         else:  # CUDA cores: (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
@@ -137,6 +169,38 @@ def _skinny_kernel(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
                 HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _rows_inv_rms(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    rows,
+    row_ok,
+    stride_xm,
+    K,
+    eps,
+    write_res,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """(BLOCK_M,) 1 / sqrt(mean(r^2) + eps) of rows r = x (+ residual, rounded to x's dtype) over all K; stores r
+    to res_out when write_res (and HAS_RES)."""
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        offs = rows[:, None] * stride_xm + ks[None, :]
+        r = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            r = (r.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(r.dtype)
+            if write_res:
+                tl.store(res_out_ptr + offs, r, mask=mask)
+        h = r.to(tl.float32)
+        sum_sq += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(sum_sq / K + eps)
 
 
 @triton.jit
@@ -253,9 +317,12 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     glu: bool = False,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
     glu: x is [gate | up] (M, 2K) and the product is silu_and_mul(x) @ weight^T (SiLU-and-mul done on load).
+    norm: the product's input is the RMSNorm of x (+ norm.residual), computed on load; x + residual is written
+    to norm.residual_out (see ``Norm``).
 
     Reads no device values (graph-capturable); the split-K workspace is allocated per call (inside a CUDA graph it
     comes from the graph's private pool). Launches that split K must not run concurrently on two streams of one
@@ -272,12 +339,41 @@ def skinny_linear(
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    _launch_skinny(x, weight, bias, out, cfg, glu)
+    if norm is not None:
+        _check_norm(norm, x)
+    _launch_skinny(x, weight, bias, out, cfg, glu, norm)
     return out
 
 
+class Norm(NamedTuple):
+    """An RMSNorm fused into a skinny GEMM's input: weight (K,), eps, and optionally the residual stream (M, K)
+    added to x first, with residual_out (M, K) receiving x + residual (both contiguous like x)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+
+def _check_norm(norm: Norm, x: torch.Tensor) -> None:
+    """Raise ValueError unless the norm's weight is (K,) and the residual pair is absent or both like x."""
+    if norm.weight.shape != (x.shape[1],) or not norm.weight.is_contiguous():
+        raise ValueError(f"norm weight must be contiguous ({x.shape[1]},), got {tuple(norm.weight.shape)}")
+    if (norm.residual is None) != (norm.residual_out is None):
+        raise ValueError("norm residual and residual_out must both be given or both be None")
+    for t in (norm.residual, norm.residual_out):
+        if t is not None and (t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype):
+            raise ValueError(f"norm residual tensors must be like x {tuple(x.shape)} {x.dtype} (same strides)")
+
+
 def _launch_skinny(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: SkinnyConfig, glu: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: SkinnyConfig,
+    glu: bool,
+    norm: Norm | None = None,
 ) -> None:
     """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out."""
     num_rows, (out_features, in_features) = x.shape[0], weight.shape
@@ -296,6 +392,10 @@ def _launch_skinny(
         out,
         part,
         counters,
+        norm.residual if norm is not None and norm.residual is not None else x,
+        norm.residual_out if norm is not None and norm.residual_out is not None else x,
+        norm.weight if norm is not None else x,
+        norm.eps if norm is not None else 0.0,
         num_rows,
         out_features,
         in_features,
@@ -308,6 +408,8 @@ def _launch_skinny(
         FUSED_REDUCE=cfg.fused_reduce,
         USE_DOT=cfg.use_dot,
         GLU=glu,
+        NORM=norm is not None,
+        NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -345,6 +447,12 @@ def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
     return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
 
 
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether the dispatchers below may send x's product to the skinny kernel (a CUDA tensor; tests run the
+    kernel paths under Triton's interpreter by replacing this)."""
+    return x.device.type == "cuda"
+
+
 def _rows(x: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(rows, x as a (rows, features) matrix with a contiguous last dim) for x (..., features)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -356,7 +464,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` for the model, with the few-row products that ``prefers_skinny`` picks, on a GPU, sent to
     ``skinny_linear``. x may have leading dimensions (..., K); they are flattened for the kernel."""
     rows, flat = _rows(x)
-    if x.device.type != "cuda" or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
+    if not on_gpu(x) or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
         return F.linear(x, weight, bias)
     return skinny_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -366,6 +474,30 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     MLP's activation and down projection. Where ``prefers_skinny`` picks the product (on a GPU), one skinny launch
     computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
     rows, flat = _rows(gate_up)
-    if gate_up.device.type != "cuda" or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
+    if not on_gpu(gate_up) or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
         return F.linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
     return skinny_linear(flat, weight, bias, glu=True).reshape(*gate_up.shape[:-1], weight.shape[0])
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(x + residual), weight, bias), x + residual) for x, residual (T, K): a decoder layer's
+    residual add, RMSNorm and the projection after it; residual None means rmsnorm(x) and x itself. Where
+    ``prefers_skinny`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
+    otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    if on_gpu(x) and x.dim() == 2 and x.is_contiguous() and prefers_skinny(rows, out_features, in_features):
+        residual = None if residual is None else residual.contiguous()
+        new_residual = x if residual is None else torch.empty_like(x)
+        norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
+        return skinny_linear(x, weight, bias, norm=norm), new_residual
+    if residual is None:
+        return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+    normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), new_residual

@@ -69,8 +69,18 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V (local heads) into kv_cache."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # (T, (Hq + 2 Hkv) * D)
+        return self.attend_projected(self.qkv_proj(hidden), rope, kv_cache, meta, backend)
+
+    def attend_projected(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size)."""
+        num_tokens = qkv.shape[0]
         fused = self.ops.norm_rope_store
         if fused is not None:  # q/k norms, rope and the K/V store in one kernel
             out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
@@ -126,7 +136,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
-        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate on this rank)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on."""
         glu = self.ops.silu_mul_linear
         if glu is not None and self.down_proj.weight_scale_inv is None:  # activation fused into down_proj's load
             bias = self.down_proj.bias if self.down_proj.adds_bias else None
@@ -159,14 +172,25 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block output, residual stream), both (T, hidden_size); residual is None for the first layer."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+        """(block output, residual stream), both (T, hidden_size); residual is None for the first layer.
+
+        With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
+        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op)."""
+        norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
+        in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        if norm_linear is not None and attn.qkv_proj.weight_scale_inv is None:
+            qkv_proj = attn.qkv_proj
+            qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
+            hidden = attn.attend_projected(qkv, rope, kv_cache, meta, backend)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = (in_norm(hidden), hidden) if residual is None else in_norm.add_and_norm(hidden, residual)
+            hidden = attn(hidden, rope, kv_cache, meta, backend)
+        if norm_linear is not None and isinstance(mlp, MLP) and mlp.gate_up_proj.weight_scale_inv is None:
+            proj = mlp.gate_up_proj
+            gate_up, residual = norm_linear(hidden, residual, post_norm.weight, post_norm.eps, proj.weight, proj.bias)
+            return mlp.down(gate_up), residual
+        hidden, residual = post_norm.add_and_norm(hidden, residual)
+        return mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):

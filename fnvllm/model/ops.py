@@ -46,6 +46,9 @@ class ModelOps:
     silu_mul_linear: an MLP's SiLU-and-mul and down projection, ``(gate_up, weight, bias) -> y``
     (``skinny_gemm.silu_mul_linear``: one launch at few rows), or None: ``silu_and_mul`` then ``linear``. Used
     only for a down projection in the model's dtype (FP8 weights keep their own GEMM).
+    norm_linear: a layer's residual add + RMSNorm and the projection after it, ``(x, residual, norm_weight,
+    eps, weight, bias) -> (y, new_residual)`` (``skinny_gemm.norm_linear``: one launch at few rows), or None:
+    ``add_rmsnorm`` then ``linear``.
     """
 
     name: str
@@ -61,6 +64,7 @@ class ModelOps:
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
     norm_rope_store: Callable[..., torch.Tensor] | None = None
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -98,6 +102,7 @@ def triton_ops() -> ModelOps:
         skinny_gemm.linear,
         store_kv.norm_rope_store,
         skinny_gemm.silu_mul_linear,
+        skinny_gemm.norm_linear,
     )
 
 
