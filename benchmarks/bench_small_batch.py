@@ -9,7 +9,8 @@ L2 (each call of the graph reads a different copy of the weights or KV cache, as
    change (old: cuBLAS, or the skinny kernel plus its split-K sum kernel), the skinny kernel with the in-kernel
    split-K reduce at its default config (new), and a sweep of launch configs (best kept, printed as a
    TUNED_CONFIGS line to paste).
-   Also SiLU-and-mul + down_proj: two launches (old) against the skinny kernel loading silu(gate) * up (new).
+   Also SiLU-and-mul + down_proj: two launches (old) against the skinny kernel loading silu(gate) * up (new),
+   and residual add + RMSNorm + qkv / gate_up: two launches (old) against the skinny kernel normalising on load.
 2. q/k norm + rotary + KV store: two ``norm_rotary`` launches and ``store_kv`` (old) against the one fused kernel
    ``store_kv.norm_rope_store`` (new), at M decode rows.
 3. Decode attention, auto partition size, contexts U(100, 1024): partials merged by the reduce kernel (old) or
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from fnvllm.kernels import fused_ops, store_kv
 from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from fnvllm.kernels.skinny_gemm import TUNED_CONFIGS, SkinnyConfig, skinny_config, skinny_linear
+from fnvllm.kernels.skinny_gemm import TUNED_CONFIGS, Norm, SkinnyConfig, skinny_config, skinny_linear
 
 GEMMS = {
     "0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
@@ -147,6 +148,8 @@ def bench_gemms(shape: str, rows: list[int], sweep: bool, out: list[dict[str, ob
             out.append(row)
             if name == "down":
                 out.append(bench_silu_down(shape, m, weights, best_cfg))
+            if name in ("qkv", "gate_up"):
+                out.append(bench_norm_proj(shape, name, m, weights, best_cfg))
         weights.clear()
         torch.cuda.empty_cache()
 
@@ -165,6 +168,35 @@ def bench_silu_down(shape: str, m: int, weights: list[torch.Tensor], cfg: Skinny
     row: dict[str, object] = {"part": "silu_down", "shape": shape, "m": m}
     row["ok"] = _gemm_ok(new(x, weights[0]), exact) and _gemm_ok(_old_silu_down(x, weights[0]), exact)
     row["old_us"] = time_rotating(_old_silu_down, x, weights)
+    row["new_us"] = time_rotating(new, x, weights)
+    return row
+
+
+def _old_norm_proj(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """Before: the residual add + RMSNorm kernel, then the projection's dispatch."""
+    normed, _ = fused_ops.fused_add_rmsnorm(x, res, nw, 1e-6)
+    return old_linear(normed, w)
+
+
+def _new_norm_proj(
+    cfg: SkinnyConfig, x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, res_out: torch.Tensor
+) -> torch.Tensor:
+    """After: one skinny launch with the norm on load."""
+    return skinny_linear(x, w, None, cfg, norm=Norm(nw, 1e-6, res, res_out))
+
+
+def bench_norm_proj(shape: str, name: str, m: int, weights: list[torch.Tensor], cfg: SkinnyConfig) -> dict[str, object]:
+    """Residual add + RMSNorm + qkv / gate_up: two launches (old: norm kernel, then cuBLAS or skinny) against the
+    skinny kernel's norm prologue at cfg, the sweep's best for the projection (new)."""
+    k = weights[0].shape[1]
+    x, res = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    nw, res_out = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, torch.empty_like(x)
+    exact = F.linear(fused_ops.fused_add_rmsnorm(x, res, nw, 1e-6)[0].float(), weights[0].float())
+    old = functools.partial(_old_norm_proj, res=res, nw=nw)
+    new = functools.partial(_new_norm_proj, cfg, res=res, nw=nw, res_out=res_out)
+    row: dict[str, object] = {"part": f"norm_{name}", "shape": shape, "m": m}
+    row["ok"] = _gemm_ok(new(x, weights[0]), exact) and _gemm_ok(old(x, weights[0]), exact)
+    row["old_us"] = time_rotating(old, x, weights)
     row["new_us"] = time_rotating(new, x, weights)
     return row
 
@@ -292,7 +324,7 @@ def build_models(shape: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     name = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}[shape]
     config = ModelConfig.from_dict({**_QWEN3_COMMON, **QWEN3_SHAPES[name], "torch_dtype": "bfloat16"})
     new_ops = triton_ops()
-    old_ops = attrs.evolve(new_ops, linear=old_linear, norm_rope_store=None, silu_mul_linear=None)
+    old_ops = attrs.evolve(new_ops, linear=old_linear, norm_rope_store=None, silu_mul_linear=None, norm_linear=None)
     models = []
     for ops in (old_ops, new_ops):
         with torch.device("cuda"):
@@ -402,7 +434,8 @@ def print_tables(out: list[dict[str, object]]) -> None:
         k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
         if r["best_us"] < r["cublas_us"]:  # type: ignore[operator]
             print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},")
-    for part, key in (("silu_down", "m"), ("norm_rope_store", "m"), ("decode", "b"), ("step", "b")):
+    parts = ("norm_qkv", "norm_gate_up", "silu_down", "norm_rope_store", "decode", "step")
+    for part, key in ((p, "b" if p in ("decode", "step") else "m") for p in parts):
         rows = [r for r in out if r["part"] == part]
         if rows:
             print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")
