@@ -388,35 +388,57 @@ def bench_pdl_step(step: Callable[[int], torch.Tensor], expected: torch.Tensor) 
         set_pdl(False)
 
 
+def every_projection_skinny(m: int, n: int, k: int) -> bool:
+    """A dispatch rule for the experiment: every product of at most 16 rows to the skinny kernel."""
+    return 0 < m <= 16
+
+
 def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
-    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph), old ops against new."""
-    from fnvllm.kernels import decode_attention
+    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph): old ops, new ops, new ops
+    with every projection at <= 16 rows on the skinny kernel (norms fused into qkv and gate/up), and both new
+    variants with programmatic dependent launch (checked exact against the same variant without it)."""
+    from fnvllm.kernels import decode_attention, skinny_gemm
     from fnvllm.kernels.backends import get_backend
 
     old, new = build_models(shape)
     backend = get_backend("triton")
-    fused_default = decode_attention.DEFAULT_DECODE_CONFIG
+    fused_default, rule = decode_attention.DEFAULT_DECODE_CONFIG, skinny_gemm.prefers_skinny
     for b in rows:
         ids, caches, meta = step_inputs(new, b)
         row: dict[str, object] = {"part": "step", "shape": shape, "b": b}
         logits = {}
-        for label, model, fused in (("old", old, False), ("new", new, True)):
+        for label, model, fused, all_skinny in (("old", old, False, False), ("new", new, True, False),
+                                                 ("skinny", new, True, True)):  # fmt: skip
             decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(fused_default, fused_reduce=fused)
+            skinny_gemm.prefers_skinny = every_projection_skinny if all_skinny else rule
             try:
                 step = functools.partial(run_step, model, ids, caches, meta, backend)
                 logits[label] = step(0).float()
                 row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
+                if label != "old":
+                    row[f"{label}_pdl_us"], row[f"{label}_pdl"] = bench_pdl_step(step, logits[label])
             finally:
                 decode_attention.DEFAULT_DECODE_CONFIG = fused_default
-        row["pdl_us"], row["pdl_exact"] = bench_pdl_step(functools.partial(run_step, new, ids, caches, meta, backend),
-                                                         logits["new"])  # fmt: skip
-        diff = (logits["old"] - logits["new"]).abs().max().item()
-        same = (logits["old"].argmax(-1) == logits["new"].argmax(-1)).float().mean().item()
-        row["ok"] = diff < 0.1 * logits["old"].abs().max().item() and same >= 0.9
-        row["max_diff"], row["argmax_same"] = diff, same
+                skinny_gemm.prefers_skinny = rule
+        top = logits["old"].abs().max().item()
+        row["ok"] = True
+        for label in ("new", "skinny"):
+            diff = (logits["old"] - logits[label]).abs().max().item()
+            same = (logits["old"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
+            row["ok"] = row["ok"] and diff < 0.1 * top and same >= 0.9
+            row[f"{label}_diff"], row[f"{label}_same"] = diff, same
         out.append(row)
     del old, new
     torch.cuda.empty_cache()
+
+
+def step_note(r: dict[str, object]) -> str:
+    """The step row's other variants: all-skinny and PDL times and the logit checks."""
+    return (
+        f"  | all skinny {r['skinny_us']:.2f} | new+PDL {r['new_pdl_us']:.2f} ({r['new_pdl']}) | skinny+PDL "
+        f"{r['skinny_pdl_us']:.2f} ({r['skinny_pdl']}) | vs old: max diff {r['new_diff']:.3g} / {r['skinny_diff']:.3g}"
+        f", argmax same {r['new_same']:.2f} / {r['skinny_same']:.2f}"
+    )
 
 
 def print_tables(out: list[dict[str, object]]) -> None:
@@ -440,12 +462,7 @@ def print_tables(out: list[dict[str, object]]) -> None:
         if rows:
             print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")
             for r in rows:
-                extra = (
-                    f"  max |old - new| {r['max_diff']:.3g}, argmax same {r['argmax_same']:.2f}; with PDL "
-                    f"{r['pdl_us']:.2f} us ({r['pdl_exact']})"
-                    if part == "step"
-                    else ""
-                )
+                extra = step_note(r) if part == "step" else ""
                 print(
                     f"{'':>16} {r[key]:>3} {r['old_us']:>8.2f} {r['new_us']:>8.2f} "
                     f"{'ok' if r['ok'] else 'WRONG'}{extra}"
