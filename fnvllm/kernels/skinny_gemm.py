@@ -41,6 +41,7 @@ from fnvllm.kernels.fused_ops import (
 )
 
 __all__ = [
+    "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
     "Norm",
@@ -58,6 +59,9 @@ __all__ = [
 
 # Rows up to which `linear` uses the skinny kernel (above it, cuBLAS's large-M tiles are the better choice).
 SKINNY_MAX_ROWS = 16
+# Rows up to which ``norm_linear`` computes the RMSNorm inside the projection (every program reads the rows' full
+# width for their statistics, M x K x 4 bytes from L2, so the fused norm stops paying at larger M).
+NORM_MAX_ROWS = 16
 # Programs the grid aims for: about two per SM on an H200 (132 SMs), so every SM streams two weight tiles at once.
 _TARGET_PROGRAMS = 264
 _MAX_SPLIT_K = 8
@@ -492,7 +496,8 @@ def norm_linear(
     ``prefers_skinny`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
     otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
-    if on_gpu(x) and x.dim() == 2 and x.is_contiguous() and prefers_skinny(rows, out_features, in_features):
+    fits = rows <= NORM_MAX_ROWS and x.dim() == 2 and x.is_contiguous()
+    if on_gpu(x) and fits and prefers_skinny(rows, out_features, in_features):
         residual = None if residual is None else residual.contiguous()
         new_residual = x if residual is None else torch.empty_like(x)
         norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
