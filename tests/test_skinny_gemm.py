@@ -219,3 +219,37 @@ def test_real_decode_shapes_on_gpu(m: int) -> None:
         exact = F.linear(x.float(), w.float())
         got = linear(x, w, None).float()
         assert (got - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
+
+
+def three_launches(
+    x: torch.Tensor, gate_up: torch.Tensor, w: torch.Tensor, norm: Norm, cfg: SkinnyConfig
+) -> list[torch.Tensor]:
+    """The plain, GLU and norm-prologue skinny launches of one weight."""
+    return [
+        skinny_linear(x, w, None, cfg),
+        skinny_linear(gate_up, w, None, cfg, glu=True),
+        skinny_linear(x, w, None, cfg, norm=norm),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_in_kernel_reduce_is_exact_over_graph_replays(m: int) -> None:
+    """At Qwen3-0.6B's four projections (norm and SiLU prologues included), 20 CUDA-graph replays of split-K
+    launches with the in-kernel reduce give the eager result bit for bit (no lost or early partials)."""
+    cfg = SkinnyConfig(16, 16, 128, 4)
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        norm = Norm(torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6, torch.randn_like(x), x * 0)
+        gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        eager = [t.clone() for t in three_launches(x, gate_up, w, norm, cfg)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = three_launches(x, gate_up, w, norm, cfg)
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(static, eager, strict=True))
+        assert int(split_counters(x.device, 1024).abs().sum()) == 0
