@@ -99,6 +99,7 @@ def _skinny_kernel(
     NORM: tl.constexpr,
     NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,6 +116,8 @@ def _skinny_kernel(
     NORM: the product's input is rmsnorm(x (+ residual when NORM_RES)) by norm_w, rounded where
     ``fused_ops.fused_add_rmsnorm`` rounds: every program first computes the rows' statistics over all of K (x is
     a few KiB per row, read from L2), and program (0, 0) stores x + residual, the new residual stream.
+    PREFETCH_W: load the first weight tile before waiting on the previous kernel (programmatic dependent launch),
+    then keep one tile in flight ahead of the one being used.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -125,6 +128,8 @@ def _skinny_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH_W:  # the first weight tile streams in while the previous kernel finishes (no kernel writes weights)
+        w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
@@ -135,11 +140,11 @@ def _skinny_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        w = tl.load(
-            w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-            mask=col_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_K)
+        if PREFETCH_W:  # register double buffer: tile i + 1 is requested before tile i is used
+            w = w_next
+            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
+        else:
+            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -173,6 +178,14 @@ def _skinny_kernel(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
                 HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) tile of W at rows cols, columns k0 .. k0 + BLOCK_K (zeros at and past k_end)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = col_ok[:, None] & (ks < k_end)[None, :]
+    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -370,6 +383,12 @@ def _check_norm(norm: Norm, x: torch.Tensor) -> None:
             raise ValueError(f"norm residual tensors must be like x {tuple(x.shape)} {x.dtype} (same strides)")
 
 
+def prefetch_weights(device: torch.device) -> bool:
+    """Whether the kernel requests weight tiles ahead (``PREFETCH_W``): when launched with programmatic
+    dependent launch, whose wait the first tile overlaps."""
+    return use_pdl(device)
+
+
 def _launch_skinny(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -415,6 +434,7 @@ def _launch_skinny(
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
+        PREFETCH_W=prefetch_weights(x.device),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
