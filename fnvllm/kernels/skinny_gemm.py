@@ -50,6 +50,7 @@ __all__ = [
     "linear_ref",
     "norm_linear",
     "prefers_skinny",
+    "rows_bucket",
     "silu_mul_linear",
     "skinny_config",
     "skinny_linear",
@@ -291,19 +292,33 @@ class SkinnyConfig(NamedTuple):
     fused_reduce: bool = True
 
 
-# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep), by (N, K, rows): a product of
-# M rows takes the entry of the smallest listed row count >= M; products without one get ``skinny_config``'s
-# heuristic (and ``linear`` sends them to the skinny kernel only by ``prefers_skinny``'s shape rule).
-TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep, CUDA-graph replays, weights
+# past L2), by (N, K, rows bucket), listed only where they beat cuBLAS: M rows fall in the bucket of the smallest
+# measured row count >= M (1; 2-16; 17-64). A product with no entry for its bucket keeps ``prefers_skinny``'s shape
+# rule and ``skinny_config``'s heuristic. Measured 2026-12-01 (Qwen3-0.6B shapes), us per call, cuBLAS -> skinny:
+# qkv 16 rows 5.32 -> 5.21, 64 rows 5.40 -> 5.20; o_proj 1 row 10.46 -> 5.23, 16 rows 5.87 -> 5.36; down_proj
+# 1 row 7.56 -> 6.19, 16 rows 7.85 -> 6.25, 64 rows 7.92 -> 6.82 (qkv at 1 row, gate_up and o_proj at 64 rows: cuBLAS).
+MEASURED_ROWS = (1, 16, 64)
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    (4096, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (4096, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
+    (1024, 2048, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 2048, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 3072, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 3072, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 3072, 64): SkinnyConfig(64, 32, 128, 4, 4, 4),
+}
+
+
+def rows_bucket(num_rows: int) -> int | None:
+    """The tuned table's bucket for M rows: the smallest of MEASURED_ROWS >= M (None above the largest)."""
+    return next((r for r in MEASURED_ROWS if r >= num_rows), None)
 
 
 def tuned_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
-    """The measured config for (M, N, K) from ``TUNED_CONFIGS`` (rows padded for M), or None."""
-    listed = sorted(r for n, k, r in TUNED_CONFIGS if (n, k) == (out_features, in_features) and r >= num_rows)
-    if not listed:
-        return None
-    cfg = TUNED_CONFIGS[(out_features, in_features, listed[0])]
-    return cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
+    """The measured config for (M, N, K) from ``TUNED_CONFIGS`` (block_m fitted to M), or None."""
+    cfg = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
+    return None if cfg is None else cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
 
 
 @functools.cache
