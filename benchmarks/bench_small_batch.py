@@ -95,6 +95,7 @@ def sweep_configs(m: int) -> list[SkinnyConfig]:
     bm = max(16, 1 << (m - 1).bit_length())
     dot_tiles = ((16, 128, 4, 4), (32, 128, 4, 4), (16, 256, 4, 3), (64, 64, 4, 4))
     out = [SkinnyConfig(bm, bn, bk, s, w, st) for bn, bk, w, st in dot_tiles for s in (1, 2, 4)]
+    out += [cfg._replace(fused_reduce=False) for cfg in out if cfg.split_k > 1]  # the separate sum kernel
     if m <= 4:
         sm = 1 << (m - 1).bit_length()
         sum_tiles = ((8, 256, 4, 3), (16, 256, 4, 3), (4, 512, 4, 2), (32, 128, 8, 3))
@@ -407,8 +408,8 @@ def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> Non
         ids, caches, meta = step_inputs(new, b)
         row: dict[str, object] = {"part": "step", "shape": shape, "b": b}
         logits = {}
-        for label, model, fused, all_skinny in (("old", old, False, False), ("new", new, True, False),
-                                                 ("skinny", new, True, True)):  # fmt: skip
+        for label, model, fused, all_skinny in (("old", old, False, False), ("new", new, None, False),
+                                                 ("skinny", new, None, True)):  # fmt: skip
             decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(fused_default, fused_reduce=fused)
             skinny_gemm.prefers_skinny = every_projection_skinny if all_skinny else rule
             try:
