@@ -101,6 +101,7 @@ def _skinny_kernel(
     NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
+    W_LINE: tl.constexpr,  # weight elements per 128-byte cache line
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -117,8 +118,9 @@ def _skinny_kernel(
     NORM: the product's input is rmsnorm(x (+ residual when NORM_RES)) by norm_w, rounded where
     ``fused_ops.fused_add_rmsnorm`` rounds: every program first computes the rows' statistics over all of K (x is
     a few KiB per row, read from L2), and program (0, 0) stores x + residual, the new residual stream.
-    PREFETCH_W: load the first weight tile before waiting on the previous kernel (programmatic dependent launch),
-    then keep one tile in flight ahead of the one being used.
+    PREFETCH_W: before waiting on the previous kernel (programmatic dependent launch), ask for this program's
+    whole weight slice to be brought into L2 (prefetch.global.L2, one per 128-byte line), so the weight stream
+    overlaps the previous kernel and the loop after the wait reads L2. GPU only (inline PTX).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -129,8 +131,8 @@ def _skinny_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH_W:  # the first weight tile streams in while the previous kernel finishes (no kernel writes weights)
-        w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K)
+    if PREFETCH_W:  # the weight slice streams into L2 while the previous kernel finishes (no kernel writes weights)
+        _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K, W_LINE)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
@@ -141,11 +143,7 @@ def _skinny_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        if PREFETCH_W:  # register double buffer: tile i + 1 is requested before tile i is used
-            w = w_next
-            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
-        else:
-            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
+        w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -179,6 +177,21 @@ def _skinny_kernel(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
                 HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K: tl.constexpr, W_LINE: tl.constexpr):
+    """prefetch.global.L2 of every 128-byte line of W's rows `cols`, columns k_start .. k_end (no data returned;
+    the loads after it find the lines in L2)."""
+    lines = tl.arange(0, BLOCK_K // W_LINE) * W_LINE  # first element of each line of a BLOCK_K-wide row piece
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + lines
+        mask = col_ok[:, None] & (ks < k_end)[None, :]
+        ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        ptrs = tl.where(mask, ptrs, w_ptr)  # masked lines prefetch W's first line (harmless)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -399,8 +412,8 @@ def _check_norm(norm: Norm, x: torch.Tensor) -> None:
 
 
 def prefetch_weights(device: torch.device) -> bool:
-    """Whether the kernel requests weight tiles ahead (``PREFETCH_W``): when launched with programmatic
-    dependent launch, whose wait the first tile overlaps."""
+    """Whether the kernel prefetches its weight slice into L2 before its wait (``PREFETCH_W``): when launched
+    with programmatic dependent launch (a CUDA device), so the prefetch overlaps the previous kernel."""
     return use_pdl(device)
 
 
@@ -450,6 +463,7 @@ def _launch_skinny(
         NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
         PREFETCH_W=prefetch_weights(x.device),
+        W_LINE=max(1, 128 // weight.element_size()),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
