@@ -1,23 +1,29 @@
-"""Linear layers for few tokens (decode steps of small batches): a Triton GEMM that streams the weight at bandwidth.
+"""Linear layers for few tokens (decode steps of small batches): a Triton GEMM that streams the weight at bandwidth,
+with the small ops around a projection folded into its load and its reduce.
 
 At M <= 64 rows a linear layer is a read of its weight: y (M, N) = x (M, K) @ W (N, K)^T touches 2*N*K bytes of W
-and next to nothing else. cuBLAS picks tiles built for large M there, and for narrow, deep products (few output
-features, many input ones) it splits K and pays a reduce kernel; those are the products this kernel takes
-(measurements: BENCHMARKS.md, "skinny bf16 GEMM").
+and next to nothing else. On the H200 every such launch, cuBLAS's or ours, costs ~5 us for 4 to 12 MB of weights
+(a latency floor: launch, the first DRAM round trip, the drain), so at one request what pays is fewer launches:
+the residual add + RMSNorm before qkv and gate/up, and the SiLU-and-mul before down_proj, run inside the GEMM's
+load, and split-K partials are summed inside the GEMM.
 
 Algorithm: one program per (block of BLOCK_N output features, split s of K). It walks its K range in BLOCK_K
 steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous rows of the nn.Linear layout) and the matching
-(BLOCK_M, BLOCK_K) slice of x (BLOCK_M = M padded to 16, at least, for tl.dot; x is tiny and stays in L2), and
-accumulates x @ W_tile^T in float32. BLOCK_N and SPLIT_K are chosen so the grid has at least two programs per
-SM: many small, independent weight streams keep enough loads in flight to saturate DRAM. With one split the
-program writes y directly (plus the bias); with several, each writes its float32 partial to a workspace and a
-second kernel sums the SPLIT_K partials in a fixed order (deterministic, unlike atomics), adds the bias, rounds.
+(BLOCK_M, BLOCK_K) slice of x (BLOCK_M = M padded to 16, at least, for tl.dot; or unpadded on CUDA cores; x is
+tiny and stays in L2), and accumulates x @ W_tile^T in float32. With one split the program writes y directly (plus
+the bias); with several, each writes its float32 partial to a workspace and counts itself in on an arrival
+counter of its column block; the last to arrive sums the SPLIT_K partials in split order (deterministic, unlike
+atomic adds), adds the bias, rounds and resets the counter (``fused_reduce``; or a second kernel does the sum).
+Input prologues: ``glu`` (x = [gate | up], input silu(gate) * up) and ``norm`` (input rmsnorm(x + residual), each
+program computing the rows' statistics over all of K first, program (0, 0) writing the new residual stream).
 
-Worked example (Qwen3-0.6B, M = 1): o_proj N = 1024, K = 2048 -> BLOCK_N 16 gives 64 column blocks, SPLIT_K 4
-gives 256 programs, each streaming 16 rows x 512 columns = 16 KiB of W.
+Worked example (Qwen3-0.6B, M = 1): o_proj N = 1024, K = 2048 -> BLOCK_N 32 gives 32 column blocks, SPLIT_K 4
+gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the fourth of a block to finish sums.
 
-`linear(x, weight, bias)` dispatches: on a GPU, the products where the kernel measured faster than cuBLAS
-(``prefers_skinny``) -> this kernel, else ``F.linear``. Its reference is ``F.linear`` itself (``linear_ref``).
+Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_and_mul`` / ``fused_add_rmsnorm``):
+``linear(x, weight, bias)``, ``silu_mul_linear(gate_up, weight, bias)`` and ``norm_linear(x, residual, norm_weight,
+eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS:
+``TUNED_CONFIGS``) to this kernel and everything else to cuBLAS after the unfused ops.
 """
 
 from __future__ import annotations
