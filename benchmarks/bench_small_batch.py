@@ -452,11 +452,11 @@ def print_tables(out: list[dict[str, object]]) -> None:
         times = " ".join(f"{r[key]:>7.2f}" for key in ("cublas_us", "old_us", "new_us", "best_us"))
         flag = "ok" if r["ok"] else "WRONG"
         print(f"{r['gemm']:>8} {r['m']:>3} {r['mb']:>5.1f} {times} {tbs:>5.2f} {flag}  {r['best_cfg']}")
-    print("\nTUNED_CONFIGS entries (N, K, rows bucket): SkinnyConfig(...):")
+    print("\nTUNED_CONFIGS entries (N, K, rows bucket): SkinnyConfig(...), and whether it beats cuBLAS:")
     for r in (r for r in out if r["part"] == "gemm"):
         k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
-        if r["best_us"] < r["cublas_us"]:  # type: ignore[operator]
-            print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},")
+        beats = r["best_us"] < r["cublas_us"]  # type: ignore[operator]
+        print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},  # {'BEATS_CUBLAS' if beats else 'fused only'}")
     parts = ("norm_qkv", "norm_gate_up", "silu_down", "norm_rope_store", "decode", "step")
     for part, key in ((p, "b" if p in ("decode", "step") else "m") for p in parts):
         rows = [r for r in out if r["part"] == part]

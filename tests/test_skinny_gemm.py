@@ -15,6 +15,7 @@ from fnvllm.kernels.skinny_gemm import (
     SkinnyConfig,
     linear,
     norm_linear,
+    prefers_fused,
     prefers_skinny,
     silu_mul_linear,
     skinny_config,
@@ -169,6 +170,7 @@ def test_tuned_table_serves_its_row_bucket_only(monkeypatch: pytest.MonkeyPatch)
     """An entry for the 16-row bucket serves 2..16 rows (rows padded), neither 1 row nor 17; it makes the product
     skinny there and only there."""
     monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), SkinnyConfig(16, 8, 32, 2))
+    monkeypatch.setattr(skinny_gemm, "BEATS_CUBLAS", frozenset({(40, 64, 16)}))
     assert tuned_config(3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
     assert tuned_config(1, 40, 64) is None and tuned_config(17, 40, 64) is None and tuned_config(3, 40, 80) is None
     assert prefers_skinny(3, 40, 64) and not prefers_skinny(1, 40, 64) and not prefers_skinny(17, 40, 64)
@@ -177,9 +179,11 @@ def test_tuned_table_serves_its_row_bucket_only(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_shipped_table_never_replaces_cublas_where_it_lost() -> None:
-    """The measured table keeps Qwen3-0.6B's qkv at one row and gate_up at every size on cuBLAS."""
+    """The measured table keeps Qwen3-0.6B's plain qkv at one row, gate_up at every size and o_proj at 64 rows on
+    cuBLAS; with a norm to fuse, qkv and gate_up go skinny up to NORM_MAX_ROWS rows only."""
     assert not prefers_skinny(1, 4096, 1024) and prefers_skinny(16, 4096, 1024)
-    assert not any(prefers_skinny(m, 6144, 1024) for m in (1, 16, 64))
+    assert not any(prefers_skinny(m, 6144, 1024) for m in (1, 16, 64)) and not prefers_skinny(64, 1024, 2048)
+    assert prefers_fused(1, 4096, 1024) and prefers_fused(16, 6144, 1024) and not prefers_fused(64, 6144, 1024)
 
 
 def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:
@@ -214,7 +218,7 @@ def test_bad_shapes_name_the_problem() -> None:
 
 def test_config_fills_the_gpu() -> None:
     """The heuristic launch (shapes without a measured config) has about two programs per SM or more."""
-    for n, k in ((4096, 1024), (6144, 1024), (6144, 4096), (4096, 12288)):  # no measured entry at 1 row
+    for n, k in ((6144, 4096), (4096, 12288), (2048, 512)):  # no measured entry
         cfg = skinny_config(1, n, k)
         programs = -(-n // cfg.block_n) * cfg.split_k
         assert programs >= 256, (n, k, cfg)

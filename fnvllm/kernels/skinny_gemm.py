@@ -23,7 +23,8 @@ gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the four
 Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_and_mul`` / ``fused_add_rmsnorm``):
 ``linear(x, weight, bias)``, ``silu_mul_linear(gate_up, weight, bias)`` and ``norm_linear(x, residual, norm_weight,
 eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS:
-``TUNED_CONFIGS``) to this kernel and everything else to cuBLAS after the unfused ops.
+``BEATS_CUBLAS``) or, with a prologue to fuse, ``prefers_fused`` picks, to this kernel, and everything else to
+cuBLAS after the unfused ops.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from fnvllm.kernels.fused_ops import (
 )
 
 __all__ = [
+    "BEATS_CUBLAS",
     "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
@@ -55,6 +57,7 @@ __all__ = [
     "linear",
     "linear_ref",
     "norm_linear",
+    "prefers_fused",
     "prefers_skinny",
     "rows_bucket",
     "silu_mul_linear",
@@ -312,21 +315,32 @@ class SkinnyConfig(NamedTuple):
 
 
 # Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep, CUDA-graph replays, weights
-# past L2), by (N, K, rows bucket), listed only where they beat cuBLAS: M rows fall in the bucket of the smallest
-# measured row count >= M (1; 2-16; 17-64). A product with no entry for its bucket keeps ``prefers_skinny``'s shape
-# rule and ``skinny_config``'s heuristic. Measured 2026-12-01 (Qwen3-0.6B shapes), us per call, cuBLAS -> skinny:
-# qkv 16 rows 5.32 -> 5.21, 64 rows 5.40 -> 5.20; o_proj 1 row 10.46 -> 5.23, 16 rows 5.87 -> 5.36; down_proj
-# 1 row 7.56 -> 6.19, 16 rows 7.85 -> 6.25, 64 rows 7.92 -> 6.82 (qkv at 1 row, gate_up and o_proj at 64 rows: cuBLAS).
+# past L2), by (N, K, rows bucket): M rows fall in the bucket of the smallest measured row count >= M (1; 2-16;
+# 17-64). ``BEATS_CUBLAS`` lists the entries faster than cuBLAS for the plain product; the others are still the
+# kernel's best shape when a fusion (norm or SiLU prologue) makes it take the product. Products without an entry
+# keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured 2026-12-01 (Qwen3-0.6B shapes),
+# us per call, cuBLAS -> skinny: qkv 1 row 4.96 -> 5.13, 16 rows 5.32 -> 5.21, 64 rows 5.40 -> 5.20; o_proj 1 row
+# 10.46 -> 5.23, 16 rows 5.87 -> 5.36, 64 rows 5.80 -> 6.18; gate_up 6.32 -> 6.33, 6.24 -> 6.38, 6.44 -> 6.69;
+# down_proj 7.56 -> 6.19, 7.85 -> 6.25, 7.92 -> 6.82.
 MEASURED_ROWS = (1, 16, 64)
 TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    (4096, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
     (4096, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
     (4096, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
     (1024, 2048, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
     (1024, 2048, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 2048, 64): SkinnyConfig(64, 16, 256, 1, 4, 3),
+    (6144, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (6144, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (6144, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
     (1024, 3072, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
     (1024, 3072, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
     (1024, 3072, 64): SkinnyConfig(64, 32, 128, 4, 4, 4),
 }
+BEATS_CUBLAS = frozenset(
+    {(4096, 1024, 16), (4096, 1024, 64), (1024, 2048, 1), (1024, 2048, 16), (1024, 3072, 1), (1024, 3072, 16),
+     (1024, 3072, 64)}
+)  # fmt: skip
 
 
 def rows_bucket(num_rows: int) -> int | None:
@@ -495,15 +509,27 @@ def _launch_skinny(
 
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether ``skinny_linear`` beats cuBLAS for this product, by the H200 measurements of
-    benchmarks/bench_small_batch.py: every product with a measured config in ``TUNED_CONFIGS`` (where the sweep
-    beat cuBLAS), and otherwise narrow, deep products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a
-    reduce) at <= SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM": Qwen3-0.6B's o_proj and down_proj)."""
-    if num_rows <= 0 or num_rows > 64:
+    """Whether ``skinny_linear`` beats cuBLAS for this plain product, by the H200 measurements of
+    benchmarks/bench_small_batch.py: the measured entries in ``BEATS_CUBLAS``; for shapes not measured at this
+    row bucket, narrow, deep products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a reduce) at <=
+    SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM")."""
+    bucket = rows_bucket(num_rows)
+    if num_rows <= 0 or bucket is None:
         return False
-    if tuned_config(num_rows, out_features, in_features) is not None:
-        return True
+    key = (out_features, in_features, bucket)
+    if key in TUNED_CONFIGS:
+        return key in BEATS_CUBLAS
     return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
+
+
+def prefers_fused(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a projection with a prologue to fuse (RMSNorm, SiLU-and-mul) goes to the skinny kernel: at <=
+    NORM_MAX_ROWS rows when the kernel has a measured config there (one ~5 us launch instead of the op's ~1.6 us
+    launch plus cuBLAS's ~5 us, where plain cuBLAS is at most ~0.2 us faster), or wherever the plain product
+    prefers it."""
+    if 0 < num_rows <= NORM_MAX_ROWS and tuned_config(num_rows, out_features, in_features) is not None:
+        return True
+    return prefers_skinny(num_rows, out_features, in_features)
 
 
 def on_gpu(x: torch.Tensor) -> bool:
@@ -530,10 +556,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(silu_and_mul(gate_up), weight, bias)`` for gate_up (..., 2K) = [gate | up], weight (N, K): an
-    MLP's activation and down projection. Where ``prefers_skinny`` picks the product (on a GPU), one skinny launch
+    MLP's activation and down projection. Where ``prefers_fused`` picks the product (on a GPU), one skinny launch
     computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
     rows, flat = _rows(gate_up)
-    if not on_gpu(gate_up) or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
+    if not on_gpu(gate_up) or not prefers_fused(rows, weight.shape[0], weight.shape[1]):
         return F.linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
     return skinny_linear(flat, weight, bias, glu=True).reshape(*gate_up.shape[:-1], weight.shape[0])
 
@@ -548,11 +574,11 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rmsnorm(x + residual), weight, bias), x + residual) for x, residual (T, K): a decoder layer's
     residual add, RMSNorm and the projection after it; residual None means rmsnorm(x) and x itself. Where
-    ``prefers_skinny`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
+    ``prefers_fused`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
     otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
     fits = rows <= NORM_MAX_ROWS and x.dim() == 2 and x.is_contiguous()
-    if on_gpu(x) and fits and prefers_skinny(rows, out_features, in_features):
+    if on_gpu(x) and fits and prefers_fused(rows, out_features, in_features):
         residual = None if residual is None else residual.contiguous()
         new_residual = x if residual is None else torch.empty_like(x)
         norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
