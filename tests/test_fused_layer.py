@@ -25,7 +25,7 @@ from fnvllm.kernels import skinny_gemm  # noqa: E402
 from fnvllm.kernels.attention import KVCache  # noqa: E402
 from fnvllm.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from fnvllm.model import DecoderForCausalLM, ModelConfig, load_model  # noqa: E402
-from fnvllm.model.ops import TORCH_OPS, ops_for  # noqa: E402
+from fnvllm.model.ops import TORCH_OPS, ops_for, triton_ops  # noqa: E402
 from fnvllm.testing.checkpoints import write_tiny_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,15 +58,24 @@ def run(model: DecoderForCausalLM, tokens: torch.Tensor, fp8: bool) -> torch.Ten
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_ops_model_matches_torch_ops(tmp_path: Path, family: str, fp8: bool) -> None:
-    """Qwen3 (q/k norms) and Qwen2 (none), bf16 or FP8 cache: the Triton-ops model gives the torch-ops logits."""
+    """Qwen3 (q/k norms) and Qwen2 (none), bf16 or FP8 cache: the Triton-ops model (fused prologues on: their
+    CPU fallbacks) gives the torch-ops logits."""
     path = write_tiny_checkpoint(tmp_path, family, num_heads=4, num_kv_heads=2, num_layers=2)
     config = ModelConfig.from_pretrained(path)
-    ours = load_model(path, config, DEVICE, ops=ops_for("triton"))
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
     ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
     assert ours.model.layers[0].self_attn.ops.norm_rope_store is not None
     tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(1))
     tokens = tokens.to(DEVICE)
     torch.testing.assert_close(run(ours, tokens, fp8), run(ref, tokens, fp8), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_prologues_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton ops fuse norms and SiLU into the projections only when asked (argument or environment)."""
+    monkeypatch.delenv("FNVLLM_FUSED_PROLOGUES", raising=False)
+    assert ops_for("triton").norm_linear is None and ops_for("triton").silu_mul_linear is None
+    monkeypatch.setenv("FNVLLM_FUSED_PROLOGUES", "1")
+    assert ops_for("triton").norm_linear is not None and ops_for("triton").silu_mul_linear is not None
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
@@ -79,7 +88,8 @@ def test_skinny_paths_of_the_model_match_torch_ops(
     monkeypatch.setattr(skinny_gemm, "prefers_skinny", lambda m, n, k: 0 < m <= 16)
     path = write_tiny_checkpoint(tmp_path, family, num_heads=4, num_kv_heads=2, num_layers=2)
     config = ModelConfig.from_pretrained(path)
-    ours = load_model(path, config, DEVICE, ops=ops_for("triton"))
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
     ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    assert ours.model.layers[0].mlp.ops.norm_linear is not None
     tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(run(ours, tokens, False), run(ref, tokens, False), atol=1e-4, rtol=1e-4)

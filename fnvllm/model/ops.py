@@ -16,6 +16,7 @@ against them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import attrs
@@ -86,10 +87,22 @@ def compiled_ops() -> ModelOps:
     )
 
 
-def triton_ops() -> ModelOps:
-    """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
+# Projections with their prologue fused (``norm_linear``, ``silu_mul_linear``) are opt-in until measured on the
+# H200 within a whole decode step (benchmarks/bench_small_batch.py, part 4, "fused" column):
+# FNVLLM_FUSED_PROLOGUES=1.
+FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
+
+
+def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
+    """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
+
+    fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
+    down_proj at few rows (``norm_linear``, ``silu_mul_linear``); None reads FNVLLM_FUSED_PROLOGUES (default off).
+    """
     from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
+    if fused_prologues is None:
+        fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "0") == "1"
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -101,8 +114,8 @@ def triton_ops() -> ModelOps:
         moe_route.route,
         skinny_gemm.linear,
         store_kv.norm_rope_store,
-        skinny_gemm.silu_mul_linear,
-        skinny_gemm.norm_linear,
+        skinny_gemm.silu_mul_linear if fused_prologues else None,
+        skinny_gemm.norm_linear if fused_prologues else None,
     )
 
 
