@@ -16,7 +16,9 @@ L2 (each call of the graph reads a different copy of the weights or KV cache, as
 3. Decode attention, auto partition size, contexts U(100, 1024): partials merged by the reduce kernel (old) or
    by the last partition in-kernel (new), at B = M sequences.
 4. The whole decode step (28 layers + logits, one CUDA graph replay, device time only) of the model with the
-   Triton ops before this change (old) and after (new), at B = M sequences, logits compared.
+   Triton ops before this change (old), after it (new: the defaults), after it with the norm / SiLU prologues
+   fused into the projections (fused: FNVLLM_FUSED_PROLOGUES=1), and both with programmatic dependent launch
+   (FNVLLM_PDL=1, each checked bit-exact over graph replays), at B = M sequences, logits compared.
 Tables last: one line per measurement, microseconds per call.
 """
 
@@ -315,23 +317,25 @@ def bench_decode(shape: str, rows: list[int], out: list[dict[str, object]]) -> N
         out.append(row)
 
 
-def build_models(shape: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(old, new): the model of ``shape`` (random bf16 weights, shared values) with the Triton ops before this
-    change (unfused prologue, separate SiLU-and-mul, the old GEMM dispatch) and after."""
+def build_models(shape: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """(old, new, fused): the model of ``shape`` (random bf16 weights, shared values) with the Triton ops before
+    this change (unfused prologue, separate SiLU-and-mul, the old GEMM dispatch), after it (the defaults), and after
+    it with the norm / SiLU prologues fused into the projections (FNVLLM_FUSED_PROLOGUES=1)."""
     from fnvllm.model import DecoderForCausalLM, ModelConfig
     from fnvllm.model.ops import triton_ops
     from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_SHAPES
 
     name = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}[shape]
     config = ModelConfig.from_dict({**_QWEN3_COMMON, **QWEN3_SHAPES[name], "torch_dtype": "bfloat16"})
-    new_ops = triton_ops()
-    old_ops = attrs.evolve(new_ops, linear=old_linear, norm_rope_store=None, silu_mul_linear=None, norm_linear=None)
+    new_ops = triton_ops(fused_prologues=False)
+    old_ops = attrs.evolve(new_ops, linear=old_linear, norm_rope_store=None)
     models = []
-    for ops in (old_ops, new_ops):
+    for ops in (old_ops, new_ops, triton_ops(fused_prologues=True)):
         with torch.device("cuda"):
             models.append(DecoderForCausalLM(config, ops).eval())  # parameters in the config's bf16
-    models[1].load_state_dict(models[0].state_dict())
-    return models[0], models[1]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    return models[0], models[1], models[2]
 
 
 def step_inputs(model: torch.nn.Module, b: int) -> tuple[torch.Tensor, list, object]:
@@ -389,29 +393,23 @@ def bench_pdl_step(step: Callable[[int], torch.Tensor], expected: torch.Tensor) 
         set_pdl(False)
 
 
-def every_projection_skinny(m: int, n: int, k: int) -> bool:
-    """A dispatch rule for the experiment: every product of at most 16 rows to the skinny kernel."""
-    return 0 < m <= 16
-
-
 def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
-    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph): old ops, new ops, new ops
-    with every projection at <= 16 rows on the skinny kernel (norms fused into qkv and gate/up), and both new
-    variants with programmatic dependent launch (checked exact against the same variant without it)."""
-    from fnvllm.kernels import decode_attention, skinny_gemm
+    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph): old ops, new ops (the
+    defaults), new ops with the fused prologues, and both new variants with programmatic dependent launch (checked
+    exact against the same variant without it)."""
+    from fnvllm.kernels import decode_attention
     from fnvllm.kernels.backends import get_backend
 
-    old, new = build_models(shape)
+    old, new, fused_model = build_models(shape)
     backend = get_backend("triton")
-    fused_default, rule = decode_attention.DEFAULT_DECODE_CONFIG, skinny_gemm.prefers_skinny
+    default = decode_attention.DEFAULT_DECODE_CONFIG
     for b in rows:
         ids, caches, meta = step_inputs(new, b)
         row: dict[str, object] = {"part": "step", "shape": shape, "b": b}
         logits = {}
-        for label, model, fused, all_skinny in (("old", old, False, False), ("new", new, None, False),
-                                                 ("skinny", new, None, True)):  # fmt: skip
-            decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(fused_default, fused_reduce=fused)
-            skinny_gemm.prefers_skinny = every_projection_skinny if all_skinny else rule
+        for label, model in (("old", old), ("new", new), ("fused", fused_model)):
+            if label == "old":  # the reduce kernel, as before
+                decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(default, fused_reduce=False)
             try:
                 step = functools.partial(run_step, model, ids, caches, meta, backend)
                 logits[label] = step(0).float()
@@ -419,26 +417,25 @@ def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> Non
                 if label != "old":
                     row[f"{label}_pdl_us"], row[f"{label}_pdl"] = bench_pdl_step(step, logits[label])
             finally:
-                decode_attention.DEFAULT_DECODE_CONFIG = fused_default
-                skinny_gemm.prefers_skinny = rule
+                decode_attention.DEFAULT_DECODE_CONFIG = default
         top = logits["old"].abs().max().item()
         row["ok"] = True
-        for label in ("new", "skinny"):
+        for label in ("new", "fused"):
             diff = (logits["old"] - logits[label]).abs().max().item()
             same = (logits["old"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
             row["ok"] = row["ok"] and diff < 0.1 * top and same >= 0.9
             row[f"{label}_diff"], row[f"{label}_same"] = diff, same
         out.append(row)
-    del old, new
+    del old, new, fused_model
     torch.cuda.empty_cache()
 
 
 def step_note(r: dict[str, object]) -> str:
-    """The step row's other variants: all-skinny and PDL times and the logit checks."""
+    """The step row's other variants: fused prologues and PDL times and the logit checks."""
     return (
-        f"  | all skinny {r['skinny_us']:.2f} | new+PDL {r['new_pdl_us']:.2f} ({r['new_pdl']}) | skinny+PDL "
-        f"{r['skinny_pdl_us']:.2f} ({r['skinny_pdl']}) | vs old: max diff {r['new_diff']:.3g} / {r['skinny_diff']:.3g}"
-        f", argmax same {r['new_same']:.2f} / {r['skinny_same']:.2f}"
+        f"  | fused {r['fused_us']:.2f} | new+PDL {r['new_pdl_us']:.2f} ({r['new_pdl']}) | fused+PDL "
+        f"{r['fused_pdl_us']:.2f} ({r['fused_pdl']}) | vs old: max diff {r['new_diff']:.3g} / {r['fused_diff']:.3g}"
+        f", argmax same {r['new_same']:.2f} / {r['fused_same']:.2f}"
     )
 
 
