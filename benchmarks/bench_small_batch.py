@@ -395,29 +395,21 @@ def bench_pdl_step(step: Callable[[int], torch.Tensor], expected: torch.Tensor) 
 
 def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
     """Part 4: the whole decode step's device time (forward + logits, one CUDA graph): old ops, new ops (the
-    defaults), new ops with the fused prologues, and both new variants with programmatic dependent launch (checked
-    exact against the same variant without it)."""
-    from fnvllm.kernels import decode_attention
+    defaults), new ops with the fused prologues; then, once every row has those, both new variants with
+    programmatic dependent launch (checked exact against the same variant without it; last, so a failure there
+    loses nothing else)."""
     from fnvllm.kernels.backends import get_backend
 
     old, new, fused_model = build_models(shape)
     backend = get_backend("triton")
-    default = decode_attention.DEFAULT_DECODE_CONFIG
+    pending = []
     for b in rows:
         ids, caches, meta = step_inputs(new, b)
         row: dict[str, object] = {"part": "step", "shape": shape, "b": b}
-        logits = {}
-        for label, model in (("old", old), ("new", new), ("fused", fused_model)):
-            if label == "old":  # the reduce kernel, as before
-                decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(default, fused_reduce=False)
-            try:
-                step = functools.partial(run_step, model, ids, caches, meta, backend)
-                logits[label] = step(0).float()
-                row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
-                if label != "old":
-                    row[f"{label}_pdl_us"], row[f"{label}_pdl"] = bench_pdl_step(step, logits[label])
-            finally:
-                decode_attention.DEFAULT_DECODE_CONFIG = default
+        row |= {"new_pdl_us": float("nan"), "new_pdl": "not run", "fused_pdl_us": float("nan"), "fused_pdl": "not run"}
+        steps = {label: functools.partial(run_step, model, ids, caches, meta, backend)
+                 for label, model in (("old", old), ("new", new), ("fused", fused_model))}  # fmt: skip
+        logits = time_step_variants(steps, row)
         top = logits["old"].abs().max().item()
         row["ok"] = True
         for label in ("new", "fused"):
@@ -426,8 +418,29 @@ def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> Non
             row["ok"] = row["ok"] and diff < 0.1 * top and same >= 0.9
             row[f"{label}_diff"], row[f"{label}_same"] = diff, same
         out.append(row)
-    del old, new, fused_model
+        pending.append((row, steps, logits))
+    for row, steps, logits in pending:
+        for label in ("new", "fused"):
+            row[f"{label}_pdl_us"], row[f"{label}_pdl"] = bench_pdl_step(steps[label], logits[label])
+    del old, new, fused_model, pending
     torch.cuda.empty_cache()
+
+
+def time_step_variants(steps: dict[str, Callable[[int], torch.Tensor]], row: dict[str, object]) -> dict:
+    """Time each variant's step into row[label + "_us"]; returns each variant's float logits. "old" runs with the
+    decode reduce kernel, as before this change."""
+    from fnvllm.kernels import decode_attention
+
+    default, logits = decode_attention.DEFAULT_DECODE_CONFIG, {}
+    for label, step in steps.items():
+        if label == "old":
+            decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(default, fused_reduce=False)
+        try:
+            logits[label] = step(0).float()
+            row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
+        finally:
+            decode_attention.DEFAULT_DECODE_CONFIG = default
+    return logits
 
 
 def step_note(r: dict[str, object]) -> str:
@@ -439,21 +452,28 @@ def step_note(r: dict[str, object]) -> str:
     )
 
 
-def print_tables(out: list[dict[str, object]]) -> None:
-    """The results: per-kernel us, old vs new, and the sweep's best configs as a table to paste."""
+def print_gemm_tables(rows: list[dict[str, object]]) -> None:
+    """Part 1's table, and the sweep's best configs as TUNED_CONFIGS lines to paste."""
     print(
         f"\n{'gemm':>8} {'M':>3} {'MB':>5} {'cuBLAS':>7} {'old':>7} {'new':>7} {'best':>7} {'TB/s':>5} ok  best config"
     )
-    for r in (r for r in out if r["part"] == "gemm"):
+    for r in rows:
         tbs = r["mb"] / r["best_us"]  # type: ignore[operator]  # MB / us = TB/s
         times = " ".join(f"{r[key]:>7.2f}" for key in ("cublas_us", "old_us", "new_us", "best_us"))
         flag = "ok" if r["ok"] else "WRONG"
         print(f"{r['gemm']:>8} {r['m']:>3} {r['mb']:>5.1f} {times} {tbs:>5.2f} {flag}  {r['best_cfg']}")
     print("\nTUNED_CONFIGS entries (N, K, rows bucket): SkinnyConfig(...), and whether it beats cuBLAS:")
-    for r in (r for r in out if r["part"] == "gemm"):
+    for r in rows:
         k, n = GEMMS[str(r["shape"])][str(r["gemm"])]
         beats = r["best_us"] < r["cublas_us"]  # type: ignore[operator]
         print(f"    ({n}, {k}, {r['m']}): SkinnyConfig{r['best_cfg']},  # {'BEATS_CUBLAS' if beats else 'fused only'}")
+
+
+def print_tables(out: list[dict[str, object]]) -> None:
+    """The results: per-kernel us, old vs new, and the sweep's best configs as a table to paste."""
+    gemm_rows = [r for r in out if r["part"] == "gemm"]
+    if gemm_rows:
+        print_gemm_tables(gemm_rows)
     parts = ("norm_qkv", "norm_gate_up", "silu_down", "norm_rope_store", "decode", "step")
     for part, key in ((p, "b" if p in ("decode", "step") else "m") for p in parts):
         rows = [r for r in out if r["part"] == part]
@@ -484,9 +504,15 @@ def main() -> None:
     bench_gemms(args.shape, rows, not args.no_sweep, out)
     bench_norm_rope_store(args.shape, rows, out)
     bench_decode(args.shape, rows, out)
+    print_tables(out)  # parts 1-3 now: part 4 builds whole models and could fail on its own
     if not args.no_step:
-        bench_step(args.shape, rows, out)
-    print_tables(out)
+        step_rows: list[dict[str, object]] = []
+        try:
+            bench_step(args.shape, rows, step_rows)
+        except Exception as e:  # the rows measured before it still print
+            print(f"\npart 4 stopped: {type(e).__name__}: {str(e)[:200]}")
+        print_tables(step_rows)
+        out += step_rows
     print(f"\n(bench took {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "a") as f:
