@@ -190,6 +190,26 @@ def test_decode_block_256_spans_partitions(gqa_mode: str) -> None:
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2), (8, 1)])
+def test_decode_fused_merge_matches_the_reduce_kernel(num_heads: int, num_kv_heads: int) -> None:
+    """The in-kernel merge by the last partition (default) equals the separate reduce kernel and the reference,
+    for even and odd (3) GQA groups and up to 19 live partitions, and leaves its arrival counters at zero."""
+    lengths = [300, 1, 17, 0, 150]
+    knobs = {"partition_size": 16, "tile_size": 16}
+    fused, ref = run_decode(lengths, num_heads, num_kv_heads, 16, torch.float32, width=20, fused_reduce=True, **knobs)
+    separate, _ = run_decode(lengths, num_heads, num_kv_heads, 16, torch.float32, width=20, fused_reduce=False, **knobs)
+    assert rel_err(fused, ref) < TOLERANCE[torch.float32]
+    torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
+    assert int(decode_attention.split_counters(fused.device, 10).abs().sum()) == 0
+
+
+def test_decode_merges_in_kernel_by_default_only_above_tiny_batches() -> None:
+    """The default merge: the reduce kernel up to TINY_BATCH_PAIRS (sequence, KV head) pairs, in-kernel above."""
+    tiny = decode_attention.TINY_BATCH_PAIRS
+    assert not decode_attention.fuses_reduce(1, 8) and not decode_attention.fuses_reduce(tiny // 8, 8)
+    assert decode_attention.fuses_reduce(tiny // 8 + 1, 8) and decode_attention.fuses_reduce(64, 8)
+
+
 def test_decode_single_partition_skips_the_reduce() -> None:
     """When every table fits one partition the kernel writes the output itself, padding rows as zeros."""
     out, ref = run_decode([5, 0, 32], 4, 2, 16, torch.float32, partition_size=512)

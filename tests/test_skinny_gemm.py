@@ -7,12 +7,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnvllm.kernels.skinny_gemm import SkinnyConfig, linear, prefers_skinny, skinny_config, skinny_linear
+from fnvllm.kernels import skinny_gemm
+from fnvllm.kernels.fused_ops import fused_add_rmsnorm, rmsnorm, rmsnorm_ref, silu_and_mul
+from fnvllm.kernels.skinny_gemm import (
+    TUNED_CONFIGS,
+    Norm,
+    SkinnyConfig,
+    linear,
+    norm_linear,
+    prefers_fused,
+    prefers_skinny,
+    silu_mul_linear,
+    skinny_config,
+    skinny_linear,
+    split_counters,
+    tuned_config,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K): one row, odd sizes that leave partial column blocks and K tails, a full 16-row block.
 SHAPES = ((1, 48, 40), (3, 100, 300), (16, 64, 256), (5, 33, 520))
-CONFIGS = (None, SkinnyConfig(16, 16, 32, 4), SkinnyConfig(16, 16, 64, 1), SkinnyConfig(16, 32, 16, 2))
+CONFIGS = (
+    None,
+    SkinnyConfig(16, 16, 32, 4),
+    SkinnyConfig(16, 16, 64, 1),
+    SkinnyConfig(16, 32, 16, 2),
+    SkinnyConfig(16, 16, 32, 4, fused_reduce=False),  # the separate sum kernel
+    SkinnyConfig(16, 16, 32, 3, use_dot=False),  # CUDA cores, an odd split
+    SkinnyConfig(16, 8, 64, 1, use_dot=False),
+)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -50,6 +73,119 @@ def test_split_partials_are_summed_in_a_fixed_order() -> None:
     assert torch.equal(skinny_linear(x, w, config=cfg), skinny_linear(x, w, config=cfg))
 
 
+def test_weight_prefetch_is_off_without_pdl() -> None:
+    """The L2 prefetch (inline PTX) is only asked for under programmatic dependent launch on a GPU: never here."""
+    assert not skinny_gemm.prefetch_weights(torch.device("cpu"))
+
+
+def test_fused_and_separate_split_reduce_agree_bitwise_and_reset_counters() -> None:
+    """The in-kernel split-K reduce equals the separate sum kernel bit for bit, and leaves every counter at 0."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 200, generator=gen).to(DEVICE)
+    w = torch.randn(70, 200, generator=gen).to(DEVICE)
+    b = torch.randn(70, generator=gen).to(DEVICE)
+    fused = skinny_linear(x, w, b, SkinnyConfig(16, 16, 32, 4))
+    separate = skinny_linear(x, w, b, SkinnyConfig(16, 16, 32, 4, fused_reduce=False))
+    assert torch.equal(fused, separate)
+    assert int(split_counters(x.device, 5).abs().sum()) == 0
+
+
+def test_cuda_core_variant_takes_unpadded_rows() -> None:
+    """use_dot=False runs with block_m = 1 (no padding to 16 rows) and matches F.linear in float32."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 96, generator=gen).to(DEVICE)
+    w = torch.randn(20, 96, generator=gen).to(DEVICE)
+    got = skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=False))
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="block_m"):
+        skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, config: SkinnyConfig) -> None:
+    """glu=True (SiLU-and-mul on load) gives the same bits as fused_ops.silu_and_mul followed by the kernel."""
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(3, 2 * 96, generator=gen) * 2).to(DEVICE, dtype)
+    w = (torch.randn(40, 96, generator=gen) / 10).to(DEVICE, dtype)
+    b = torch.randn(40, generator=gen).to(DEVICE, dtype)
+    fused = skinny_linear(x, w, b, config, glu=True)
+    assert torch.equal(fused, skinny_linear(silu_and_mul(x), w, b, config))
+    with pytest.raises(ValueError, match="glu"):
+        skinny_linear(x[:, :-2], w, b, config, glu=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
+    dtype: torch.dtype, with_residual: bool, config: SkinnyConfig
+) -> None:
+    """norm= (residual add + RMSNorm on load) gives fused_add_rmsnorm followed by the kernel (to one rounding of
+    the statistics), and writes x + residual exactly."""
+    gen = torch.Generator().manual_seed(15)
+    x = (torch.randn(3, 96, generator=gen) * 2).to(DEVICE, dtype)
+    res = (torch.randn(3, 96, generator=gen) * 2).to(DEVICE, dtype) if with_residual else None
+    nw = (torch.rand(96, generator=gen) + 0.5).to(DEVICE, dtype)
+    w = (torch.randn(40, 96, generator=gen) / 10).to(DEVICE, dtype)
+    res_out = torch.full_like(x, float("nan")) if with_residual else None
+    got = skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, res, res_out))
+    if with_residual:
+        normed, expect_res = fused_add_rmsnorm(x, res, nw, 1e-6)
+        assert torch.equal(res_out, expect_res)
+    else:
+        normed = rmsnorm(x, nw, 1e-6)
+    want = skinny_linear(normed, w, None, config)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="both"):
+        skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, x, None))
+
+
+def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear() -> None:
+    """On a CPU ``norm_linear`` is fused_add_rmsnorm (rmsnorm without a residual) then F.linear."""
+    gen = torch.Generator().manual_seed(16)
+    x, res = torch.randn(2, 32, generator=gen), torch.randn(2, 32, generator=gen)
+    nw, w = torch.rand(32, generator=gen) + 0.5, torch.randn(24, 32, generator=gen)
+    y, new_res = norm_linear(x, res, nw, 1e-6, w)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(y, F.linear(rmsnorm_ref(x + res, nw, 1e-6), w), rtol=1e-5, atol=1e-5)
+    y0, same = norm_linear(x, None, nw, 1e-6, w)
+    assert same is x
+    torch.testing.assert_close(y0, F.linear(rmsnorm_ref(x, nw, 1e-6), w), rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:
+    """On a CPU ``silu_mul_linear`` is silu_and_mul then F.linear (leading dims kept)."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(2, 3, 64, generator=gen)
+    w = torch.randn(24, 32, generator=gen)
+    got = silu_mul_linear(x, w, None)
+    assert got.shape == (2, 3, 24)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w), rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_table_serves_its_row_bucket_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry for the 16-row bucket serves 2..16 rows (rows padded), neither 1 row nor 17; it makes the product
+    skinny there and only there."""
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), SkinnyConfig(16, 8, 32, 2))
+    monkeypatch.setattr(skinny_gemm, "BEATS_CUBLAS", frozenset({(40, 64, 16)}))
+    assert tuned_config(3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
+    assert tuned_config(1, 40, 64) is None and tuned_config(17, 40, 64) is None and tuned_config(3, 40, 80) is None
+    assert prefers_skinny(3, 40, 64) and not prefers_skinny(1, 40, 64) and not prefers_skinny(17, 40, 64)
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), SkinnyConfig(1, 8, 32, 2, use_dot=False))
+    assert tuned_config(1, 40, 64) == SkinnyConfig(1, 8, 32, 2, use_dot=False)
+
+
+def test_shipped_table_never_replaces_cublas_where_it_lost() -> None:
+    """The measured table keeps Qwen3-0.6B's plain qkv at one row, gate_up at every size and o_proj at 64 rows on
+    cuBLAS; with a norm to fuse, qkv and gate_up go skinny up to NORM_MAX_ROWS rows only."""
+    assert not prefers_skinny(1, 4096, 1024) and prefers_skinny(16, 4096, 1024)
+    assert not any(prefers_skinny(m, 6144, 1024) for m in (1, 16, 64)) and not prefers_skinny(64, 1024, 2048)
+    assert prefers_fused(1, 4096, 1024) and prefers_fused(16, 6144, 1024) and not prefers_fused(64, 6144, 1024)
+
+
 def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:
     """The measured rule: few rows, N <= 2048 and K >= 2N (Qwen3-0.6B's o_proj and down_proj), nothing else."""
     assert prefers_skinny(1, 1024, 2048) and prefers_skinny(16, 1024, 3072)
@@ -81,8 +217,8 @@ def test_bad_shapes_name_the_problem() -> None:
 
 
 def test_config_fills_the_gpu() -> None:
-    """The chosen launch has about two programs per SM or more on every Qwen3-0.6B/8B decode projection."""
-    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)):
+    """The heuristic launch (shapes without a measured config) has about two programs per SM or more."""
+    for n, k in ((6144, 4096), (4096, 12288), (2048, 512)):  # no measured entry
         cfg = skinny_config(1, n, k)
         programs = -(-n // cfg.block_n) * cfg.split_k
         assert programs >= 256, (n, k, cfg)
@@ -100,3 +236,37 @@ def test_real_decode_shapes_on_gpu(m: int) -> None:
         exact = F.linear(x.float(), w.float())
         got = linear(x, w, None).float()
         assert (got - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
+
+
+def three_launches(
+    x: torch.Tensor, gate_up: torch.Tensor, w: torch.Tensor, norm: Norm, cfg: SkinnyConfig
+) -> list[torch.Tensor]:
+    """The plain, GLU and norm-prologue skinny launches of one weight."""
+    return [
+        skinny_linear(x, w, None, cfg),
+        skinny_linear(gate_up, w, None, cfg, glu=True),
+        skinny_linear(x, w, None, cfg, norm=norm),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_in_kernel_reduce_is_exact_over_graph_replays(m: int) -> None:
+    """At Qwen3-0.6B's four projections (norm and SiLU prologues included), 20 CUDA-graph replays of split-K
+    launches with the in-kernel reduce give the eager result bit for bit (no lost or early partials)."""
+    cfg = SkinnyConfig(16, 16, 128, 4)
+    for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        norm = Norm(torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6, torch.randn_like(x), x * 0)
+        gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        eager = [t.clone() for t in three_launches(x, gate_up, w, norm, cfg)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = three_launches(x, gate_up, w, norm, cfg)
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(static, eager, strict=True))
+        assert int(split_counters(x.device, 1024).abs().sum()) == 0

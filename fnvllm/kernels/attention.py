@@ -235,6 +235,23 @@ def attention(
     k_scale / v_scale: the (Hkv,) float32 scales of FP8 caches (None for caches in the model's dtype)."""
     if k_scale is None and v_scale is None:  # the caches' dtype is the model's: every backend takes this call
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    return attend_stored(q, k_cache, v_cache, meta, scale, backend, k_scale, v_scale)
+
+
+def attend_stored(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: AttentionBackend,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend q (T, Hq, D) over caches that already hold this step's K/V (written by a fused kernel, e.g.
+    ``store_kv.norm_rope_store``); returns (T, Hq, D)."""
+    if k_scale is None and v_scale is None:
         return backend.attend(q, k_cache, v_cache, meta, scale)
-    backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     return backend.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

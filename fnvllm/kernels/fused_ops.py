@@ -19,6 +19,9 @@ agree to ~1e-6.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +43,43 @@ __all__ = [
 ]
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
+# finishes (its programs placed and its prologue run), and waits (griddepcontrol.wait) before it reads or writes
+# anything: at that point every earlier kernel has completed. Each of our kernels that is launched this way
+# signals its own dependents only after that wait, so at most two kernels overlap. Off unless FNVLLM_PDL=1.
+_PDL = {"enabled": os.environ.get("FNVLLM_PDL", "0") == "1"}
+
+
+def set_pdl(enabled: bool) -> None:
+    """Switch programmatic dependent launch of the decode-step kernels on or off (for launches from now on)."""
+    _PDL["enabled"] = enabled
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch (on, CUDA, sm_90+)."""
+    return _PDL["enabled"] and device.type == "cuda" and _capability_major(device.index) >= 9
+
+
+@functools.cache
+def _capability_major(index: int | None) -> int:
+    """The CUDA device's compute capability major version."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch keyword arguments for a kernel with a USE_PDL parameter: ``launch_pdl`` when on (else none)."""
+    return {"launch_pdl": True} if use_pdl(device) else {}
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the kernels before this one have completed (their writes
+    visible), then let the next kernel start. A no-op otherwise."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr,
@@ -51,11 +91,14 @@ def _rmsnorm_kernel(
     n_cols,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Normalise row program_id(0) of x (after adding the residual row and storing the sum, if HAS_RESIDUAL)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
+    wait_for_previous_kernel(USE_PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -64,7 +107,6 @@ def _rmsnorm_kernel(
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight, as torch
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,7 +160,9 @@ def _launch_rmsnorm(
         n_cols,
         HAS_RESIDUAL=res_rows is not None,
         BLOCK=block,
+        USE_PDL=use_pdl(rows.device),
         num_warps=_row_warps(block),
+        **pdl_launch(rows.device),
     )
 
 
@@ -198,20 +242,33 @@ def _rotary_kernel(
     j = tl.arange(0, HALF)
     mask = (h < num_heads)[:, None]
     x_offs = tok * stride_xt + h[:, None] * stride_xh + j[None, :]  # (BLOCK_H, HALF)
-    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
+    sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
+    y1, y2 = norm_rope_heads(x_ptr + x_offs, mask, w_ptr, cos, sin, eps, HALF, HAS_NORM, dtype)
+    o_offs = tok * stride_ot + h[:, None] * stride_oh + j[None, :]
+    tl.store(out_ptr + o_offs, y1.to(dtype), mask=mask)
+    tl.store(out_ptr + o_offs + HALF, y2.to(dtype), mask=mask)
+
+
+@triton.jit
+def norm_rope_heads(
+    x_ptrs, mask, w_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr
+):
+    """The rotated halves (H, HALF) float32 of the heads at x_ptrs (H, HALF) (first halves; the second halves sit
+    HALF elements on), RMS-normalised per head by w first when HAS_NORM (rounded to dtype where torch rounds:
+    after the normalisation and after the weight); cos / sin (1, HALF) float32. Rows where mask is False are 0.
+    """
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # (BLOCK_H,)
+        j = tl.arange(0, HALF)
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # (H,)
         w1 = tl.load(w_ptr + j)[None, :].to(tl.float32)
         w2 = tl.load(w_ptr + HALF + j)[None, :].to(tl.float32)
         x1 = (w1 * (x1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
-    sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
-    o_offs = tok * stride_ot + h[:, None] * stride_oh + j[None, :]
-    tl.store(out_ptr + o_offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(out_ptr + o_offs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,23 +1,30 @@
-"""Linear layers for few tokens (decode steps of small batches): a Triton GEMM that streams the weight at bandwidth.
+"""Linear layers for few tokens (decode steps of small batches): a Triton GEMM that streams the weight at bandwidth,
+with the small ops around a projection folded into its load and its reduce.
 
 At M <= 64 rows a linear layer is a read of its weight: y (M, N) = x (M, K) @ W (N, K)^T touches 2*N*K bytes of W
-and next to nothing else. cuBLAS picks tiles built for large M there, and for narrow, deep products (few output
-features, many input ones) it splits K and pays a reduce kernel; those are the products this kernel takes
-(measurements: BENCHMARKS.md, "skinny bf16 GEMM").
+and next to nothing else. On the H200 every such launch, cuBLAS's or ours, costs ~5 us for 4 to 12 MB of weights
+(a latency floor: launch, the first DRAM round trip, the drain), so at one request what pays is fewer launches:
+the residual add + RMSNorm before qkv and gate/up, and the SiLU-and-mul before down_proj, run inside the GEMM's
+load, and split-K partials are summed inside the GEMM.
 
 Algorithm: one program per (block of BLOCK_N output features, split s of K). It walks its K range in BLOCK_K
 steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous rows of the nn.Linear layout) and the matching
-(BLOCK_M, BLOCK_K) slice of x (BLOCK_M = M padded to 16, at least, for tl.dot; x is tiny and stays in L2), and
-accumulates x @ W_tile^T in float32. BLOCK_N and SPLIT_K are chosen so the grid has at least two programs per
-SM: many small, independent weight streams keep enough loads in flight to saturate DRAM. With one split the
-program writes y directly (plus the bias); with several, each writes its float32 partial to a workspace and a
-second kernel sums the SPLIT_K partials in a fixed order (deterministic, unlike atomics), adds the bias, rounds.
+(BLOCK_M, BLOCK_K) slice of x (BLOCK_M = M padded to 16, at least, for tl.dot; or unpadded on CUDA cores; x is
+tiny and stays in L2), and accumulates x @ W_tile^T in float32. With one split the program writes y directly (plus
+the bias); with several, each writes its float32 partial to a workspace and counts itself in on an arrival
+counter of its column block; the last to arrive sums the SPLIT_K partials in split order (deterministic, unlike
+atomic adds), adds the bias, rounds and resets the counter (``fused_reduce``; or a second kernel does the sum).
+Input prologues: ``glu`` (x = [gate | up], input silu(gate) * up) and ``norm`` (input rmsnorm(x + residual), each
+program computing the rows' statistics over all of K first, program (0, 0) writing the new residual stream).
 
-Worked example (Qwen3-0.6B, M = 1): o_proj N = 1024, K = 2048 -> BLOCK_N 16 gives 64 column blocks, SPLIT_K 4
-gives 256 programs, each streaming 16 rows x 512 columns = 16 KiB of W.
+Worked example (Qwen3-0.6B, M = 1): o_proj N = 1024, K = 2048 -> BLOCK_N 32 gives 32 column blocks, SPLIT_K 4
+gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the fourth of a block to finish sums.
 
-`linear(x, weight, bias)` dispatches: on a GPU, the products where the kernel measured faster than cuBLAS
-(``prefers_skinny``) -> this kernel, else ``F.linear``. Its reference is ``F.linear`` itself (``linear_ref``).
+Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_and_mul`` / ``fused_add_rmsnorm``):
+``linear(x, weight, bias)``, ``silu_mul_linear(gate_up, weight, bias)`` and ``norm_linear(x, residual, norm_weight,
+eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS:
+``BEATS_CUBLAS``) or, with a prologue to fuse, ``prefers_fused`` picks, to this kernel, and everything else to
+cuBLAS after the unfused ops.
 """
 
 from __future__ import annotations
@@ -30,20 +37,41 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
+from fnvllm.kernels.fused_ops import (
+    fused_add_rmsnorm,
+    pdl_launch,
+    rmsnorm,
+    silu_and_mul,
+    use_pdl,
+    wait_for_previous_kernel,
+)
 
 __all__ = [
+    "BEATS_CUBLAS",
+    "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
+    "TUNED_CONFIGS",
+    "Norm",
     "SkinnyConfig",
     "linear",
     "linear_ref",
+    "norm_linear",
+    "prefers_fused",
     "prefers_skinny",
+    "rows_bucket",
+    "silu_mul_linear",
     "skinny_config",
     "skinny_linear",
+    "split_counters",
+    "tuned_config",
 ]
 
 # Rows up to which `linear` uses the skinny kernel (above it, cuBLAS's large-M tiles are the better choice).
 SKINNY_MAX_ROWS = 16
+# Rows up to which ``norm_linear`` computes the RMSNorm inside the projection (every program reads the rows' full
+# width for their statistics, M x K x 4 bytes from L2, so the fused norm stops paying at larger M).
+NORM_MAX_ROWS = 16
 # Programs the grid aims for: about two per SM on an H200 (132 SMs), so every SM streams two weight tiles at once.
 _TARGET_PROGRAMS = 264
 _MAX_SPLIT_K = 8
@@ -61,6 +89,11 @@ def _skinny_kernel(
     bias_ptr,
     out_ptr,
     part_ptr,
+    counter_ptr,
+    res_ptr,  # NORM: the residual stream (M, K) added to x first (when NORM_RES), rows strided like x
+    res_out_ptr,  # NORM_RES: where x + residual goes (written by program (0, 0))
+    norm_w_ptr,  # NORM: the RMSNorm weight (K,)
+    eps,
     M,
     N,
     K,
@@ -70,13 +103,34 @@ def _skinny_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    GLU: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
+    W_LINE: tl.constexpr,  # weight elements per 128-byte cache line
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split)."""
+    """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split).
+
+    With SPLIT > 1 the program writes its float32 partial; with FUSED_REDUCE the last of the SPLIT programs of a
+    column block to finish (counted by an atomic per block) then sums all SPLIT partials in split order, adds the
+    bias, writes y and resets its counter to 0 for the next launch; otherwise ``_sum_splits_kernel`` does that.
+    GLU: x is [gate | up] (M, 2K) and the product's input is silu(gate) * up, computed as it is loaded (in float32,
+    rounded once to x's dtype, as ``fused_ops.silu_and_mul``): SiLU-and-mul fused into the GEMM's prologue.
+    NORM: the product's input is rmsnorm(x (+ residual when NORM_RES)) by norm_w, rounded where
+    ``fused_ops.fused_add_rmsnorm`` rounds: every program first computes the rows' statistics over all of K (x is
+    a few KiB per row, read from L2), and program (0, 0) stores x + residual, the new residual stream.
+    PREFETCH_W: before waiting on the previous kernel (programmatic dependent launch), ask for this program's
+    whole weight slice to be brought into L2 (prefetch.global.L2, one per 128-byte line), so the weight stream
+    overlaps the previous kernel and the loop after the wait reads L2. GPU only (inline PTX).
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -86,24 +140,142 @@ def _skinny_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH_W:  # the weight slice streams into L2 while the previous kernel finishes (no kernel writes weights)
+        _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K, W_LINE)
+    wait_for_previous_kernel(USE_PDL)
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        write_res = (pid_n == 0) & (pid_k == 0)
+        inv_rms = _rows_inv_rms(
+            x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, BLOCK_K
+        )
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        w = tl.load(
-            w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-            mask=col_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
+        w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GLU:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+        if NORM:
+            dtype = x_ptr.dtype.element_ty
+            if NORM_RES:
+                res = tl.load(res_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+                x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
+            nw = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (nw[None, :] * normed).to(dtype)
+        if USE_DOT:
+            acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
+        else:  # CUDA cores: (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     mask = row_ok[:, None] & col_ok[None, :]
+    out_offs = rows[:, None] * stride_om + cols[None, :]
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = part_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :]
-        tl.store(part, acc, mask=mask)
+        part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mask)
+        if FUSED_REDUCE:
+            _sum_partials_if_last(
+                part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
+                HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K: tl.constexpr, W_LINE: tl.constexpr):
+    """prefetch.global.L2 of every 128-byte line of W's rows `cols`, columns k_start .. k_end (no data returned;
+    the loads after it find the lines in L2)."""
+    lines = tl.arange(0, BLOCK_K // W_LINE) * W_LINE  # first element of each line of a BLOCK_K-wide row piece
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + lines
+        mask = col_ok[:, None] & (ks < k_end)[None, :]
+        ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        ptrs = tl.where(mask, ptrs, w_ptr)  # masked lines prefetch W's first line (harmless)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) tile of W at rows cols, columns k0 .. k0 + BLOCK_K (zeros at and past k_end)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = col_ok[:, None] & (ks < k_end)[None, :]
+    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _rows_inv_rms(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    rows,
+    row_ok,
+    stride_xm,
+    K,
+    eps,
+    write_res,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """(BLOCK_M,) 1 / sqrt(mean(r^2) + eps) of rows r = x (+ residual, rounded to x's dtype) over all K; stores r
+    to res_out when write_res (and HAS_RES)."""
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        offs = rows[:, None] * stride_xm + ks[None, :]
+        r = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            r = (r.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(r.dtype)
+            if write_res:
+                tl.store(res_out_ptr + offs, r, mask=mask)
+        h = r.to(tl.float32)
+        sum_sq += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(sum_sq / K + eps)
+
+
+@triton.jit
+def _sum_partials_if_last(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    count_ptr,
+    part_offs,
+    out_offs,
+    cols,
+    col_ok,
+    mask,
+    slab,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Count this program's partial in; the program that brings the count to SPLIT sums the partials.
+
+    The barrier makes every thread's partial store precede the one release-acquire atomic of the program; the
+    partials are read with ".cg" (L2, not a possibly stale L1 line). The sum runs in split order whichever
+    program is last, so results are bit-identical from run to run.
+    """
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            total += tl.load(part_ptr + s * slab + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit
@@ -123,40 +295,107 @@ def _sum_splits_kernel(
 
 
 class SkinnyConfig(NamedTuple):
-    """One skinny launch: rows of x per program (M padded to a power of two >= 16), output features per program,
-    K columns per loop step, and programs sharing one column block's K range (1 = no partials)."""
+    """One skinny launch.
+
+    block_m: rows of x per program (M padded to a power of two; >= 16 with tl.dot). block_n: output features per
+    program. block_k: K columns per loop step. split_k: programs sharing one column block's K range (1 = no
+    partials). num_warps / num_stages: Triton launch options. use_dot: tensor cores (tl.dot, rows padded to 16)
+    or CUDA cores (broadcast products and tl.sum; no padding, for 1-4 rows). fused_reduce: with split_k > 1, the
+    last program of each column block sums the partials (no second kernel); False launches ``_sum_splits_kernel``.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    use_dot: bool = True
+    fused_reduce: bool = True
+
+
+# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep, CUDA-graph replays, weights
+# past L2), by (N, K, rows bucket): M rows fall in the bucket of the smallest measured row count >= M (1; 2-16;
+# 17-64). ``BEATS_CUBLAS`` lists the entries faster than cuBLAS for the plain product; the others are still the
+# kernel's best shape when a fusion (norm or SiLU prologue) makes it take the product. Products without an entry
+# keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured 2026-12-01 (Qwen3-0.6B shapes),
+# us per call, cuBLAS -> skinny: qkv 1 row 4.96 -> 5.13, 16 rows 5.32 -> 5.21, 64 rows 5.40 -> 5.20; o_proj 1 row
+# 10.46 -> 5.23, 16 rows 5.87 -> 5.36, 64 rows 5.80 -> 6.18; gate_up 6.32 -> 6.33, 6.24 -> 6.38, 6.44 -> 6.69;
+# down_proj 7.56 -> 6.19, 7.85 -> 6.25, 7.92 -> 6.82.
+MEASURED_ROWS = (1, 16, 64)
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    (4096, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (4096, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (4096, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
+    (1024, 2048, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 2048, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 2048, 64): SkinnyConfig(64, 16, 256, 1, 4, 3),
+    (6144, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (6144, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
+    (6144, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
+    (1024, 3072, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 3072, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
+    (1024, 3072, 64): SkinnyConfig(64, 32, 128, 4, 4, 4),
+}
+BEATS_CUBLAS = frozenset(
+    {(4096, 1024, 16), (4096, 1024, 64), (1024, 2048, 1), (1024, 2048, 16), (1024, 3072, 1), (1024, 3072, 16),
+     (1024, 3072, 64)}
+)  # fmt: skip
+
+
+def rows_bucket(num_rows: int) -> int | None:
+    """The tuned table's bucket for M rows: the smallest of MEASURED_ROWS >= M (None above the largest)."""
+    return next((r for r in MEASURED_ROWS if r >= num_rows), None)
+
+
+def tuned_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
+    """The measured config for (M, N, K) from ``TUNED_CONFIGS`` (block_m fitted to M), or None."""
+    cfg = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
+    return None if cfg is None else cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
 
 
 @functools.cache
 def skinny_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
-    """The launch shape for (M, N, K): BLOCK_N 32 when that alone gives the target grid, else 16; then enough K
-    splits (a power of two, each at least 2 * BLOCK_K wide) to reach ``_TARGET_PROGRAMS`` programs."""
+    """The launch shape for (M, N, K): the measured one from ``TUNED_CONFIGS`` when listed; otherwise BLOCK_N 32
+    when that alone gives the target grid, else 16, then enough K splits (a power of two, each at least
+    2 * BLOCK_K wide) to reach ``_TARGET_PROGRAMS`` programs."""
+    tuned = tuned_config(num_rows, out_features, in_features)
+    if tuned is not None:
+        return tuned
     block_k = 128 if in_features >= 128 else max(16, int(triton.next_power_of_2(in_features)))
     block_n = 32 if triton.cdiv(out_features, 32) >= _TARGET_PROGRAMS else 16
     col_blocks = triton.cdiv(out_features, block_n)
     split = 1
     while split < _MAX_SPLIT_K and col_blocks * split < _TARGET_PROGRAMS and in_features // (2 * split) >= 2 * block_k:
         split *= 2
-    block_m = max(16, int(triton.next_power_of_2(num_rows)))
-    return SkinnyConfig(block_m, block_n, block_k, split)
+    return SkinnyConfig(_block_m(num_rows, True), block_n, block_k, split)
+
+
+def _block_m(num_rows: int, use_dot: bool) -> int:
+    """Rows per program: M padded to a power of two, at least 16 for tl.dot."""
+    return max(16 if use_dot else 1, int(triton.next_power_of_2(max(1, num_rows))))
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    glu: bool = False,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
+    glu: x is [gate | up] (M, 2K) and the product is silu_and_mul(x) @ weight^T (SiLU-and-mul done on load).
+    norm: the product's input is the RMSNorm of x (+ norm.residual), computed on load; x + residual is written
+    to norm.residual_out (see ``Norm``).
 
     Reads no device values (graph-capturable); the split-K workspace is allocated per call (inside a CUDA graph it
-    comes from the graph's private pool)."""
-    num_rows, in_features = x.shape
+    comes from the graph's private pool). Launches that split K must not run concurrently on two streams of one
+    device (they share the arrival counters)."""
+    num_rows, in_features = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
     out_features = weight.shape[0]
-    if weight.shape[1] != in_features:
-        raise ValueError(f"weight is {tuple(weight.shape)} but x has {in_features} features")
+    if weight.shape[1] != in_features or (glu and x.shape[1] != 2 * in_features):
+        raise ValueError(f"weight is {tuple(weight.shape)} but x has {x.shape[1]} features (glu={glu})")
     if num_rows > 64:
         raise ValueError(f"skinny_linear takes at most 64 rows, got {num_rows}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -165,20 +404,69 @@ def skinny_linear(
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
+    if norm is not None:
+        _check_norm(norm, x)
+    _launch_skinny(x, weight, bias, out, cfg, glu, norm)
+    return out
+
+
+class Norm(NamedTuple):
+    """An RMSNorm fused into a skinny GEMM's input: weight (K,), eps, and optionally the residual stream (M, K)
+    added to x first, with residual_out (M, K) receiving x + residual (both contiguous like x)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+
+def _check_norm(norm: Norm, x: torch.Tensor) -> None:
+    """Raise ValueError unless the norm's weight is (K,) and the residual pair is absent or both like x."""
+    if norm.weight.shape != (x.shape[1],) or not norm.weight.is_contiguous():
+        raise ValueError(f"norm weight must be contiguous ({x.shape[1]},), got {tuple(norm.weight.shape)}")
+    if (norm.residual is None) != (norm.residual_out is None):
+        raise ValueError("norm residual and residual_out must both be given or both be None")
+    for t in (norm.residual, norm.residual_out):
+        if t is not None and (t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype):
+            raise ValueError(f"norm residual tensors must be like x {tuple(x.shape)} {x.dtype} (same strides)")
+
+
+def prefetch_weights(device: torch.device) -> bool:
+    """Whether the kernel prefetches its weight slice into L2 before its wait (``PREFETCH_W``): when launched
+    with programmatic dependent launch (a CUDA device), so the prefetch overlaps the previous kernel."""
+    return use_pdl(device)
+
+
+def _launch_skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: SkinnyConfig,
+    glu: bool,
+    norm: Norm | None = None,
+) -> None:
+    """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out."""
+    num_rows, (out_features, in_features) = x.shape[0], weight.shape
+    if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
+        raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
+    col_blocks = triton.cdiv(out_features, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-    part = (
-        torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device)
-        if cfg.split_k > 1
-        else out
-    )
+    split = cfg.split_k > 1
+    part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
+    counters = split_counters(x.device, col_blocks) if split and cfg.fused_reduce else out
     bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(out_features, cfg.block_n), cfg.split_k)
-    _skinny_kernel[grid](
+    _skinny_kernel[(col_blocks, cfg.split_k)](
         x,
         weight,
         bias_arg,
         out,
         part,
+        counters,
+        norm.residual if norm is not None and norm.residual is not None else x,
+        norm.residual_out if norm is not None and norm.residual_out is not None else x,
+        norm.weight if norm is not None else x,
+        norm.eps if norm is not None else 0.0,
         num_rows,
         out_features,
         in_features,
@@ -186,17 +474,26 @@ def skinny_linear(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        HAS_BIAS=bias is not None and cfg.split_k == 1,
+        HAS_BIAS=bias is not None,
         SPLIT=cfg.split_k,
+        FUSED_REDUCE=cfg.fused_reduce,
+        USE_DOT=cfg.use_dot,
+        GLU=glu,
+        NORM=norm is not None,
+        NORM_RES=norm is not None and norm.residual is not None,
+        USE_PDL=use_pdl(x.device),
+        PREFETCH_W=prefetch_weights(x.device),
+        W_LINE=max(1, 128 // weight.element_size()),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST_DOT=upcast_dot(x.device),
-        num_warps=4,
-        num_stages=4,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
     )
-    if cfg.split_k > 1:
+    if split and not cfg.fused_reduce:
         block = 256
         _sum_splits_kernel[(triton.cdiv(num_rows * out_features, block),)](
             part,
@@ -209,24 +506,84 @@ def skinny_linear(
             SPLIT=cfg.split_k,
             BLOCK=block,
         )
-    return out
 
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether ``skinny_linear`` beats cuBLAS for this product, by the H200 measurements of
-    benchmarks/bench_small_batch.py (BENCHMARKS.md, "skinny bf16 GEMM"): only narrow, deep products (N <= 2048 and
-    K >= 2N, where cuBLAS splits K and pays a reduce) at <= SKINNY_MAX_ROWS rows, i.e. Qwen3-0.6B's o_proj and
-    down_proj; its qkv and gate_up and every Qwen3-8B projection stay with cuBLAS, as fast or faster there."""
-    return 0 < num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
+    """Whether ``skinny_linear`` beats cuBLAS for this plain product, by the H200 measurements of
+    benchmarks/bench_small_batch.py: the measured entries in ``BEATS_CUBLAS``; for shapes not measured at this
+    row bucket, narrow, deep products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a reduce) at <=
+    SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM")."""
+    bucket = rows_bucket(num_rows)
+    if num_rows <= 0 or bucket is None:
+        return False
+    key = (out_features, in_features, bucket)
+    if key in TUNED_CONFIGS:
+        return key in BEATS_CUBLAS
+    return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
+
+
+def prefers_fused(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a projection with a prologue to fuse (RMSNorm, SiLU-and-mul) goes to the skinny kernel: at <=
+    NORM_MAX_ROWS rows when the kernel has a measured config there (one ~5 us launch instead of the op's ~1.6 us
+    launch plus cuBLAS's ~5 us, where plain cuBLAS is at most ~0.2 us faster), or wherever the plain product
+    prefers it."""
+    if 0 < num_rows <= NORM_MAX_ROWS and tuned_config(num_rows, out_features, in_features) is not None:
+        return True
+    return prefers_skinny(num_rows, out_features, in_features)
+
+
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether the dispatchers below may send x's product to the skinny kernel (a CUDA tensor; tests run the
+    kernel paths under Triton's interpreter by replacing this)."""
+    return x.device.type == "cuda"
+
+
+def _rows(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(rows, x as a (rows, features) matrix with a contiguous last dim) for x (..., features)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    flat = x.reshape(rows, x.shape[-1])
+    return rows, flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for the model, with the few-row products that ``prefers_skinny`` picks, on a GPU, sent to
     ``skinny_linear``. x may have leading dimensions (..., K); they are flattened for the kernel."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cuda" or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
+    rows, flat = _rows(x)
+    if not on_gpu(x) or not prefers_skinny(rows, weight.shape[0], weight.shape[1]):
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
     return skinny_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(silu_and_mul(gate_up), weight, bias)`` for gate_up (..., 2K) = [gate | up], weight (N, K): an
+    MLP's activation and down projection. Where ``prefers_fused`` picks the product (on a GPU), one skinny launch
+    computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
+    rows, flat = _rows(gate_up)
+    if not on_gpu(gate_up) or not prefers_fused(rows, weight.shape[0], weight.shape[1]):
+        return F.linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
+    return skinny_linear(flat, weight, bias, glu=True).reshape(*gate_up.shape[:-1], weight.shape[0])
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(x + residual), weight, bias), x + residual) for x, residual (T, K): a decoder layer's
+    residual add, RMSNorm and the projection after it; residual None means rmsnorm(x) and x itself. Where
+    ``prefers_fused`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
+    otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    fits = rows <= NORM_MAX_ROWS and x.dim() == 2 and x.is_contiguous()
+    if on_gpu(x) and fits and prefers_fused(rows, out_features, in_features):
+        residual = None if residual is None else residual.contiguous()
+        new_residual = x if residual is None else torch.empty_like(x)
+        norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
+        return skinny_linear(x, weight, bias, norm=norm), new_residual
+    if residual is None:
+        return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+    normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), new_residual

@@ -17,6 +17,12 @@ itself (``e4m3_bits``) into a uint8 view of the cache rather than casting to tl.
 interpreter (triton 3.9) converts float32 to e4m3 wrongly (7.77 -> 4.0, truncation elsewhere), while its e4m3
 loads are right, so one bit-exact encoder serves the interpreter tests and the GPU alike. The division is
 IEEE-rounded (``div_rn``) so the bits equal ``fp8.quantize_fp8``'s on both.
+
+``norm_rope_store`` is the attention prologue of a layer in one kernel: from the qkv projection's output it
+RMS-normalises each q and k head (Qwen3's q_norm / k_norm; skipped without weights), rotates q and k, writes the
+rotated q out and stores the rotated k and the v into the caches (quantized for FP8) -- where the unfused path
+runs norm+rotary on q, norm+rotary on k and ``store_kv`` (three launches). Its reference is
+``norm_rope_store_ref``; the arithmetic is the unfused kernels', so the outputs are the same bits.
 """
 
 from __future__ import annotations
@@ -27,6 +33,15 @@ import triton.language as tl
 
 from fnvllm.kernels.attention import write_kv
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
+from fnvllm.kernels.fused_ops import (
+    _check_rotary_args,
+    _row_warps,
+    norm_rope_heads,
+    pdl_launch,
+    use_pdl,
+    wait_for_previous_kernel,
+)
+from fnvllm.kernels.reference import norm_rotary_ref
 
 
 def store_kv_ref(
@@ -178,3 +193,181 @@ def _check_store_args(
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"k, v, caches and slot_mapping must be on one device, got {sorted(map(str, devices))}")
+
+
+def norm_rope_store_ref(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference: split qkv (T, (Hq + 2 Hkv) D) into q, k, v; q and k per-head RMSNorm (when weights are
+    given) and rotary; store k, v into the caches at slot_mapping (quantized by the scales when FP8); return q
+    (T, Hq, D)."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = norm_rotary_ref(q.reshape(num_tokens, num_heads, head_dim), q_weight, eps, cos, sin)  # (T, Hq, D)
+    k = norm_rotary_ref(k.reshape(num_tokens, num_kv_heads, head_dim), k_weight, eps, cos, sin)  # (T, Hkv, D)
+    write_kv(k, v.reshape(num_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
+@triton.jit
+def _norm_rope_store_kernel(
+    qkv_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    eps,
+    stride_t,
+    stride_ct,
+    stride_st,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= NUM_HEADS
+    BLOCK_KV: tl.constexpr,  # next power of two >= NUM_KV_HEADS
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Token program_id(0): q heads normed, rotated and written to q_out (T, Hq, D); k heads normed, rotated and
+    stored, v stored, at the token's cache slot (e4m3 bits of value / scale[head] when KV_FP8)."""
+    wait_for_previous_kernel(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, HALF)
+    dtype = q_out_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + tok * stride_ct + j)[None, :].to(tl.float32)  # (1, HALF)
+    sin = tl.load(sin_ptr + tok * stride_st + j)[None, :].to(tl.float32)
+    row = qkv_ptr + tok * stride_t
+    h = tl.arange(0, BLOCK_H)
+    q_mask = (h < NUM_HEADS)[:, None]
+    q_offs = h[:, None] * (2 * HALF) + j[None, :]  # (BLOCK_H, HALF)
+    q1, q2 = norm_rope_heads(row + q_offs, q_mask, q_w_ptr, cos, sin, eps, HALF, HAS_NORM, dtype)
+    q_dst = q_out_ptr + tok * (NUM_HEADS * 2 * HALF) + q_offs
+    tl.store(q_dst, q1.to(dtype), mask=q_mask)
+    tl.store(q_dst + HALF, q2.to(dtype), mask=q_mask)
+    kh = tl.arange(0, BLOCK_KV)
+    kv_mask = (kh < NUM_KV_HEADS)[:, None]
+    kv_offs = kh[:, None] * (2 * HALF) + j[None, :]  # (BLOCK_KV, HALF) within the Hkv * D of k (or v)
+    k_src = row + NUM_HEADS * 2 * HALF + kv_offs
+    k1, k2 = norm_rope_heads(k_src, kv_mask, k_w_ptr, cos, sin, eps, HALF, HAS_NORM, dtype)
+    v1 = tl.load(k_src + NUM_KV_HEADS * 2 * HALF, mask=kv_mask, other=0.0)
+    v2 = tl.load(k_src + NUM_KV_HEADS * 2 * HALF + HALF, mask=kv_mask, other=0.0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    dst = slot * (NUM_KV_HEADS * 2 * HALF) + kv_offs
+    k1, k2 = k1.to(dtype), k2.to(dtype)  # rounded as the unfused path's k tensor is
+    if KV_FP8:
+        heads = kh[:, None] + 0 * j[None, :]  # (BLOCK_KV, HALF) head of each value
+        tl.store(k_cache_ptr + dst, quantized_bits(k1, k_scale_ptr, heads, kv_mask), mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, quantized_bits(k2, k_scale_ptr, heads, kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + dst, quantized_bits(v1, v_scale_ptr, heads, kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + dst + HALF, quantized_bits(v2, v_scale_ptr, heads, kv_mask), mask=kv_mask)
+    else:
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=kv_mask)
+        tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=kv_mask)
+        tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=kv_mask)
+
+
+def norm_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``norm_rope_store_ref`` in one kernel (one program per token): returns the normed, rotated q (T, Hq, D) and
+    stores k (normed, rotated) and v into the caches in place. qkv (T, (Hq + 2 Hkv) D) may have strided rows (a
+    contiguous last dim); q_weight and k_weight are both (D,) or both None; cos/sin (T, D/2) float32; caches
+    and scales as ``store_kv``'s. Reads no device values (CUDA-graph capturable)."""
+    num_tokens = qkv.shape[0]
+    head_dim = _check_fused_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, k_cache)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # (T, Hq, D)
+    _check_rotary_args(q, cos, sin)
+    k_view = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, -1)
+    _check_store_args(k_view, k_view, k_cache, v_cache, slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
+    if num_tokens == 0:
+        return q
+    fp8 = is_fp8(k_cache)
+    _norm_rope_store_kernel[(num_tokens,)](
+        qkv,
+        q_weight if q_weight is not None else cos,  # any pointer where the kernel reads no weight
+        k_weight if k_weight is not None else cos,
+        cos,
+        sin,
+        q,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
+        slot_mapping,
+        slot_mapping if k_scale is None else k_scale,
+        slot_mapping if v_scale is None else v_scale,
+        eps,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2,
+        HAS_NORM=q_weight is not None,
+        KV_FP8=fp8,
+        USE_PDL=use_pdl(qkv.device),
+        num_warps=_row_warps(triton.next_power_of_2(num_heads) * head_dim),
+        **pdl_launch(qkv.device),
+    )
+    return q
+
+
+def _check_fused_args(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    k_cache: torch.Tensor,
+) -> int:
+    """Raise ValueError naming the argument unless qkv is (T, (Hq + 2 Hkv) D) for the caches' D and the norm
+    weights are both (D,) or both None; returns D."""
+    if num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_heads and num_kv_heads must be >= 1, got {num_heads} and {num_kv_heads}")
+    head_dim = k_cache.shape[-1]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(
+            f"qkv must be (T, {width}) = (T, (Hq + 2 Hkv) * D) with a contiguous last dim, got {tuple(qkv.shape)}"
+        )
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must both be given or both be None")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.shape != (head_dim,) or not w.is_contiguous() or w.device != qkv.device):
+            raise ValueError(f"{name} must be a contiguous ({head_dim},) tensor on {qkv.device}, got {tuple(w.shape)}")
+    return head_dim

@@ -15,12 +15,12 @@ world size 1 they are no-ops and the layers are plain linears.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from fnvllm.kernels.attention import AttentionMetadata, KVCache, attention
+from fnvllm.kernels.attention import AttentionMetadata, KVCache, attend_stored, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
@@ -69,8 +69,23 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V (local heads) into kv_cache."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        return self.attend_projected(self.qkv_proj(hidden), rope, kv_cache, meta, backend)
+
+    def attend_projected(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size)."""
+        num_tokens = qkv.shape[0]
+        fused = self.ops.norm_rope_store
+        if fused is not None:  # q/k norms, rope and the K/V store in one kernel
+            out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
+            return all_reduce(self.o_proj(out.reshape(num_tokens, -1)), self.tp)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -83,6 +98,28 @@ class Attention(nn.Module):
         out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales)  # (T, Hq, D)
         partial = self.o_proj(out.reshape(num_tokens, -1))  # (T, hidden_size), this rank's heads only
         return all_reduce(partial, self.tp)
+
+    def _fused_prologue_attention(
+        self,
+        fused: Callable[..., torch.Tensor],
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention output (T, Hq, D) from the projection qkv, with ``fused`` (``ops.norm_rope_store``, one
+        kernel) storing this step's K/V and giving the normed, rotated q."""
+        has_norm = self.q_norm is not None and self.k_norm is not None
+        q_w = self.q_norm.weight if has_norm and self.q_norm is not None else None
+        k_w = self.k_norm.weight if has_norm and self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        k_cache, v_cache, k_scale, v_scale = kv_cache
+        q = fused(
+            qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, k_cache, v_cache, meta.slot_mapping,
+            k_scale, v_scale,
+        )  # fmt: skip
+        return attend_stored(q, k_cache, v_cache, meta, self.scale, backend, k_scale, v_scale)
 
 
 class MLP(nn.Module):
@@ -99,7 +136,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
-        partial = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # (T, hidden_size)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on."""
+        glu = self.ops.silu_mul_linear
+        if glu is not None and self.down_proj.weight_scale_inv is None:  # activation fused into down_proj's load
+            bias = self.down_proj.bias if self.down_proj.adds_bias else None
+            partial = glu(gate_up, self.down_proj.weight, bias)  # (T, hidden_size)
+        else:
+            partial = self.down_proj(self.ops.silu_and_mul(gate_up))  # (T, hidden_size)
         return all_reduce(partial, self.tp)
 
 
@@ -126,14 +172,25 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block output, residual stream), both (T, hidden_size); residual is None for the first layer."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+        """(block output, residual stream), both (T, hidden_size); residual is None for the first layer.
+
+        With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
+        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op)."""
+        norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
+        in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        if norm_linear is not None and attn.qkv_proj.weight_scale_inv is None:
+            qkv_proj = attn.qkv_proj
+            qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
+            hidden = attn.attend_projected(qkv, rope, kv_cache, meta, backend)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = (in_norm(hidden), hidden) if residual is None else in_norm.add_and_norm(hidden, residual)
+            hidden = attn(hidden, rope, kv_cache, meta, backend)
+        if norm_linear is not None and isinstance(mlp, MLP) and mlp.gate_up_proj.weight_scale_inv is None:
+            proj = mlp.gate_up_proj
+            gate_up, residual = norm_linear(hidden, residual, post_norm.weight, post_norm.eps, proj.weight, proj.bias)
+            return mlp.down(gate_up), residual
+        hidden, residual = post_norm.add_and_norm(hidden, residual)
+        return mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):

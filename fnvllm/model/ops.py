@@ -16,6 +16,7 @@ against them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import attrs
@@ -41,6 +42,14 @@ class ModelOps:
     references unless an implementation has kernels.
     linear: the decoder layers' projections, ``F.linear(x, weight, bias)``; "triton" sends few-row products (decode
     steps of small batches) to ``fnvllm.kernels.skinny_gemm``.
+    norm_rope_store: the attention prologue in one kernel (``store_kv.norm_rope_store``: q/k norms, rotary, the
+    K/V store), or None: then the layer runs ``norm_rotary`` on q and k and the backend's ``store_kv``.
+    silu_mul_linear: an MLP's SiLU-and-mul and down projection, ``(gate_up, weight, bias) -> y``
+    (``skinny_gemm.silu_mul_linear``: one launch at few rows), or None: ``silu_and_mul`` then ``linear``. Used
+    only for a down projection in the model's dtype (FP8 weights keep their own GEMM).
+    norm_linear: a layer's residual add + RMSNorm and the projection after it, ``(x, residual, norm_weight,
+    eps, weight, bias) -> (y, new_residual)`` (``skinny_gemm.norm_linear``: one launch at few rows), or None:
+    ``add_rmsnorm`` then ``linear``.
     """
 
     name: str
@@ -54,6 +63,9 @@ class ModelOps:
     )
     route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
+    norm_rope_store: Callable[..., torch.Tensor] | None = None
+    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -75,10 +87,22 @@ def compiled_ops() -> ModelOps:
     )
 
 
-def triton_ops() -> ModelOps:
-    """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing."""
-    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm
+# Projections with their prologue fused (``norm_linear``, ``silu_mul_linear``) are opt-in until measured on the
+# H200 within a whole decode step (benchmarks/bench_small_batch.py, part 4, "fused" column):
+# FNVLLM_FUSED_PROLOGUES=1.
+FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 
+
+def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
+    """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
+
+    fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
+    down_proj at few rows (``norm_linear``, ``silu_mul_linear``); None reads FNVLLM_FUSED_PROLOGUES (default off).
+    """
+    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
+
+    if fused_prologues is None:
+        fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "0") == "1"
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -89,6 +113,9 @@ def triton_ops() -> ModelOps:
         fused_moe.fused_moe,
         moe_route.route,
         skinny_gemm.linear,
+        store_kv.norm_rope_store,
+        skinny_gemm.silu_mul_linear if fused_prologues else None,
+        skinny_gemm.norm_linear if fused_prologues else None,
     )
 
 

@@ -1,0 +1,95 @@
+"""A whole tiny model with the Triton ops (fused q/k norm + rope + KV store among them), under Triton's CPU
+interpreter, against the same checkpoint with the torch ops: same logits through prefill chunks and decodes."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
+if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
+        allow_module_level=True,
+    )
+
+from fnvllm.executor.device_inputs import build_attention_metadata  # noqa: E402
+from fnvllm.kernels import skinny_gemm  # noqa: E402
+from fnvllm.kernels.attention import KVCache  # noqa: E402
+from fnvllm.kernels.fp8 import FP8_DTYPE  # noqa: E402
+from fnvllm.model import DecoderForCausalLM, ModelConfig, load_model  # noqa: E402
+from fnvllm.model.ops import TORCH_OPS, ops_for, triton_ops  # noqa: E402
+from fnvllm.testing.checkpoints import write_tiny_checkpoint  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = 8
+CHUNKS = [11, 6, 1, 1, 1]  # two prefill chunks, then decodes
+
+
+@torch.inference_mode()
+def run(model: DecoderForCausalLM, tokens: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Logits (L, vocab) for tokens fed in CHUNKS through a paged cache (blocks 3, 1, 4; FP8 with scales)."""
+    config = model.config
+    shape = (6, BLOCK, config.num_key_value_heads, config.head_dim)
+    heads = config.num_key_value_heads
+    caches = []
+    for _ in model.model.layers:
+        if fp8:
+            scales = torch.full((heads,), 0.05, device=DEVICE), torch.full((heads,), 0.04, device=DEVICE)
+            caches.append(KVCache(*(torch.zeros(shape, device=DEVICE).to(FP8_DTYPE) for _ in range(2)), *scales))
+        else:
+            caches.append(KVCache(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)))
+    table = (3, 1, 4)[: math.ceil(sum(CHUNKS) / BLOCK)]
+    start, outs = 0, []
+    for n in CHUNKS:
+        meta = build_attention_metadata([start], [n], [table], BLOCK, DEVICE)
+        outs.append(model.compute_logits(model(tokens[start : start + n], meta.positions, caches, meta)))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_ops_model_matches_torch_ops(tmp_path: Path, family: str, fp8: bool) -> None:
+    """Qwen3 (q/k norms) and Qwen2 (none), bf16 or FP8 cache: the Triton-ops model (fused prologues on: their
+    CPU fallbacks) gives the torch-ops logits."""
+    path = write_tiny_checkpoint(tmp_path, family, num_heads=4, num_kv_heads=2, num_layers=2)
+    config = ModelConfig.from_pretrained(path)
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
+    ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    assert ours.model.layers[0].self_attn.ops.norm_rope_store is not None
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(DEVICE)
+    torch.testing.assert_close(run(ours, tokens, fp8), run(ref, tokens, fp8), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_prologues_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton ops fuse norms and SiLU into the projections only when asked (argument or environment)."""
+    monkeypatch.delenv("FNVLLM_FUSED_PROLOGUES", raising=False)
+    assert ops_for("triton").norm_linear is None and ops_for("triton").silu_mul_linear is None
+    monkeypatch.setenv("FNVLLM_FUSED_PROLOGUES", "1")
+    assert ops_for("triton").norm_linear is not None and ops_for("triton").silu_mul_linear is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_skinny_paths_of_the_model_match_torch_ops(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every few-row projection sent to the skinny kernel (as on a GPU: norm + qkv, norm + gate/up,
+    SiLU-and-mul + down, o_proj), decodes and prefill chunks still give the torch-ops logits."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: True)
+    monkeypatch.setattr(skinny_gemm, "prefers_skinny", lambda m, n, k: 0 < m <= 16)
+    path = write_tiny_checkpoint(tmp_path, family, num_heads=4, num_kv_heads=2, num_layers=2)
+    config = ModelConfig.from_pretrained(path)
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
+    ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    assert ours.model.layers[0].mlp.ops.norm_linear is not None
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(run(ours, tokens, False), run(ref, tokens, False), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,127 @@
+"""The fused attention prologue (q/k RMSNorm + rotary + KV store, ``store_kv.norm_rope_store``) against its torch
+reference and against the unfused Triton kernels it replaces, under Triton's interpreter at tiny shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
+if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
+        allow_module_level=True,
+    )
+
+from fnvllm.kernels import fp8, fused_ops  # noqa: E402
+from fnvllm.kernels.store_kv import norm_rope_store, norm_rope_store_ref, store_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A qkv projection output with strided rows (a wider buffer), norm weights, angles and slots."""
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    buf = (torch.randn(num_tokens, width + 8, generator=gen) * 3).to(dtype).to(DEVICE)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 6.28
+    return {
+        "qkv": buf[:, :width],  # row stride width + 8: not contiguous
+        "qw": (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(DEVICE),
+        "kw": (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(DEVICE),
+        "cos": angles.cos().to(DEVICE),
+        "sin": angles.sin().to(DEVICE),
+        "slots": torch.randperm(4 * 16, generator=gen)[:num_tokens].to(DEVICE),
+    }
+
+
+def caches(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (4 blocks of 16 slots) k and v caches."""
+    shape = (4, 16, num_kv_heads, head_dim)
+    return torch.zeros(shape, device=DEVICE).to(dtype), torch.zeros(shape, device=DEVICE).to(dtype)
+
+
+def unfused(
+    inp: dict[str, torch.Tensor], hq: int, hkv: int, norm: bool, kv: tuple[torch.Tensor, ...], scales: tuple
+) -> torch.Tensor:
+    """The three launches the fused kernel replaces: norm_rotary(q), norm_rotary(k), store_kv."""
+    qkv = inp["qkv"]
+    t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    qw, kw = (inp["qw"], inp["kw"]) if norm else (None, None)
+    q = fused_ops.norm_rotary(q.view(t, hq, d), qw, 1e-6, inp["cos"], inp["sin"])
+    k = fused_ops.norm_rotary(k.view(t, hkv, d), kw, 1e-6, inp["cos"], inp["sin"])
+    store_kv(k, v.view(t, hkv, d), *kv, inp["slots"], *scales)
+    return q
+
+
+def fused(
+    inp: dict[str, torch.Tensor], hq: int, hkv: int, norm: bool, kv: tuple[torch.Tensor, ...], scales: tuple, fn=None
+) -> torch.Tensor:
+    """One call of norm_rope_store (or its reference, fn)."""
+    fn = fn or norm_rope_store
+    qw, kw = (inp["qw"], inp["kw"]) if norm else (None, None)
+    return fn(inp["qkv"], hq, hkv, qw, kw, 1e-6, inp["cos"], inp["sin"], *kv, inp["slots"], *scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3), (8, 1)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_fused_equals_the_unfused_kernels_bitwise(dtype: torch.dtype, heads: tuple[int, int], norm: bool) -> None:
+    """q and both caches are the same bits as norm_rotary(q), norm_rotary(k), store_kv give; odd head counts."""
+    hq, hkv = heads
+    inp = make_inputs(5, hq, hkv, 16, dtype, seed=hq * 10 + hkv)
+    kv_old, kv_new = caches(hkv, 16, dtype), caches(hkv, 16, dtype)
+    q_old = unfused(inp, hq, hkv, norm, kv_old, ())
+    q_new = fused(inp, hq, hkv, norm, kv_new, ())
+    assert torch.equal(q_old, q_new)
+    assert all(torch.equal(a, b) for a, b in zip(kv_old, kv_new, strict=True))
+    assert kv_new[0].abs().sum() > 0 and kv_new[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_the_torch_reference(dtype: torch.dtype) -> None:
+    """Against norm_rope_store_ref (torch): q and caches within the dtype's rounding."""
+    inp = make_inputs(7, 4, 2, 32, dtype, seed=3)
+    kv_ref, kv_new = caches(2, 32, dtype), caches(2, 32, dtype)
+    q_ref = fused(inp, 4, 2, True, kv_ref, (), fn=norm_rope_store_ref)
+    q_new = fused(inp, 4, 2, True, kv_new, ())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(q_new.float(), q_ref.float(), **tol)
+    for a, b in zip(kv_new, kv_ref, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_fp8_store_is_the_unfused_bits(dtype: torch.dtype) -> None:
+    """With an FP8 cache the stored e4m3 bytes (per-head scales) equal the unfused store's and are near the
+    reference's quantization of the same k and v."""
+    inp = make_inputs(6, 4, 2, 16, dtype, seed=5)
+    scales = (torch.tensor([0.7, 1.3], device=DEVICE), torch.tensor([1.0, 0.05], device=DEVICE))
+    kv_old, kv_new = caches(2, 16, fp8.FP8_DTYPE), caches(2, 16, fp8.FP8_DTYPE)
+    q_old = unfused(inp, 4, 2, True, kv_old, scales)
+    q_new = fused(inp, 4, 2, True, kv_new, scales)
+    assert torch.equal(q_old, q_new)
+    for a, b in zip(kv_old, kv_new, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert kv_new[0].view(torch.uint8).any()
+
+
+def test_bad_arguments_name_the_problem() -> None:
+    """A qkv of the wrong width, one norm weight without the other, and missing FP8 scales are ValueErrors."""
+    inp = make_inputs(2, 4, 2, 16, torch.float32)
+    kv = caches(2, 16, torch.float32)
+    with pytest.raises(ValueError, match="qkv must be"):
+        norm_rope_store(inp["qkv"][:, :-16], 4, 2, None, None, 1e-6, inp["cos"], inp["sin"], *kv, inp["slots"])
+    with pytest.raises(ValueError, match="both"):
+        norm_rope_store(inp["qkv"], 4, 2, inp["qw"], None, 1e-6, inp["cos"], inp["sin"], *kv, inp["slots"])
+    kv8 = caches(2, 16, fp8.FP8_DTYPE)
+    with pytest.raises(ValueError, match="scale"):
+        norm_rope_store(inp["qkv"], 4, 2, None, None, 1e-6, inp["cos"], inp["sin"], *kv8, inp["slots"])
