@@ -68,6 +68,18 @@ class SlotHistory:
         self.num_slots, self.max_len, self.vocab_size, self.device = num_slots, max_len, vocab_size, device
         self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32, on the first penalised request
         self.counts: torch.Tensor | None = None  # (num_slots, vocab_size) int32 zeros: the kernel's scratch
+        if device.type == "cuda":
+            self._compile()
+
+    def _compile(self) -> None:
+        """Run the penalty kernel once on a one-row batch, so that it compiles now, not in the first penalised step
+        (a stall of seconds mid-run); the shapes that specialise it (vocabulary, row strides) are the real ones."""
+        vocab, device = self.vocab_size, self.device
+        work = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+        tokens = torch.zeros(1, 16, dtype=torch.int32, device=device)
+        meta = torch.tensor([[0], [2], [1]], dtype=torch.int64, device=device)
+        factors = torch.tensor([[1.1], [0.5], [0.5]], dtype=torch.float32, device=device)
+        penalize(work, tokens, meta, factors, torch.zeros(1, vocab, dtype=torch.int32, device=device))
 
     def admit(self, plan: StepPlan) -> None:
         """Write the history of every admitted row that carries one (penalised rows) into its slot."""

@@ -290,19 +290,28 @@ def _make_groups(lists: list[torch.Tensor], num_rows: int, num_penalised: int) -
     return plain, penalised
 
 
+_ALIGN = 4  # int32 elements per 16 bytes: Triton specialises a kernel on whether each pointer is 16-byte aligned
+
+
 def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """One host -> device copy of everything: [scale, top_p, min_p, uniforms ((B,) float32 each); top_k, fixed
     ((B,) int32 each); the logprob rows; each list] as views of one int32 buffer (few torch calls: this runs
-    every step)."""
+    every step). Each view starts 16 bytes into the buffer's alignment, so a batch size never selects another
+    compiled variant of a kernel (a compile stalls a step for a second or more)."""
     num_rows = len(rows.scale)
-    floats = np.array([rows.scale, rows.top_p, rows.min_p, uniforms], dtype=np.float32)  # (4, B)
     fixed = [0] * num_rows
     for i in rows.seeded:
         fixed[i] = 1
-    ints = rows.top_k + fixed + rows.logprobs + [i for part in lists for i in part]
-    flat = upload(np.concatenate([floats.view(np.int32).ravel(), np.array(ints, dtype=np.int32)]), device)
-    sizes = [num_rows, num_rows, len(rows.logprobs), *map(len, lists)]
-    return [*flat[: 4 * num_rows].view(torch.float32).view(4, num_rows).unbind(0), *flat[4 * num_rows :].split(sizes)]
+    floats = np.array([rows.scale, rows.top_p, rows.min_p, uniforms], dtype=np.float32).view(np.int32)  # (4, B)
+    parts = [*floats, rows.top_k, fixed, rows.logprobs, *lists]
+    sizes = [len(part) for part in parts]
+    starts = np.cumsum([0] + [-(-n // _ALIGN) * _ALIGN for n in sizes])
+    flat = np.zeros(int(starts[-1]), dtype=np.int32)
+    for part, at, n in zip(parts, starts, sizes, strict=False):
+        flat[at : at + n] = part
+    on = upload(flat, device)
+    views = [on[at : at + n] for at, n in zip(starts, sizes, strict=False)]
+    return [v.view(torch.float32) for v in views[:4]] + views[4:]
 
 
 def prepare_sampling(
