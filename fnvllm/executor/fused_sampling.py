@@ -26,7 +26,14 @@ from fnvllm.kernels.sampling_ref import filtered_sample_sorted, log_partition_re
 if TYPE_CHECKING:
     from fnvllm.executor.sampler import RowGroup, SamplingBatch
 
-__all__ = ["NonFiniteLogitsError", "check_finite", "log_partition_of", "sample_with_kernels", "sample_with_references"]
+__all__ = [
+    "NonFiniteLogitsError",
+    "check_finite",
+    "log_partition_of",
+    "row_topk",
+    "sample_with_kernels",
+    "sample_with_references",
+]
 
 
 def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
@@ -90,7 +97,7 @@ def _filtered_by_sorting(
     if batch.candidates is None:
         out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
         return
-    ids = values.topk(batch.candidates, dim=-1).indices.sort(dim=-1).values  # (F, C) token ids, ascending
+    ids = row_topk(values, batch.candidates)[1].sort(dim=-1).values  # (F, C) token ids, ascending
     picked = filtered_sample_sorted(values.gather(1, ids), *settings)  # (F,) positions among the candidates
     out[0].index_copy_(0, rows, ids.gather(1, picked[:, None]).squeeze(1))  # in id order, as the draw over V
 
@@ -114,12 +121,32 @@ def sample_with_references(logits: torch.Tensor, batch: SamplingBatch, generator
 
 
 def log_partition_of(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(L,) float32 log sum exp of the raw logits rows ``rows``: a kernel on CUDA, the reference elsewhere."""
+    """(L,) float32 log sum exp of the raw logits rows ``rows``: the chunk-summary kernel on CUDA (every chunk of
+    every row in one launch), the reference elsewhere."""
     if logits.device.type == "cuda":
-        from fnvllm.kernels.sampling_filters import log_partition
+        from fnvllm.kernels.sampling import chunked_log_partition
 
-        return log_partition(logits, rows)
+        return chunked_log_partition(logits, rows)
     return log_partition_ref(logits.index_select(0, rows))
+
+
+TOPK_SPLIT = 128  # row_topk's first stage: the best k of each slice of this many tokens
+TWO_STAGE_TOPK = True  # row_topk's strategy (benchmarks/bench_sampling.py times both)
+
+
+def row_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest entries of each row of ``values`` (R, V), best first, like
+    ``values.topk(k, dim=-1)`` (ties in any order). When V is a multiple of TOPK_SPLIT and k is below it, in two
+    stages: the best k of every TOPK_SPLIT-token slice (many small, parallel selections), then the best k of those
+    R x (V / TOPK_SPLIT) x k candidates; the set is the same, since a row's best k lie among its slices' best k."""
+    num_rows, vocab = values.shape
+    if not TWO_STAGE_TOPK or not 0 < k < TOPK_SPLIT or vocab % TOPK_SPLIT or vocab <= 4 * TOPK_SPLIT:
+        return values.topk(k, dim=-1)
+    first = values.reshape(num_rows, vocab // TOPK_SPLIT, TOPK_SPLIT).topk(k, dim=-1)  # (R, V / S, k) each
+    offsets = torch.arange(0, vocab, TOPK_SPLIT, device=values.device)[:, None]  # (V / S, 1)
+    ids = (first.indices + offsets).view(num_rows, -1)  # (R, V / S * k) token ids
+    second = first.values.view(num_rows, -1).topk(k, dim=-1)
+    return second.values, ids.gather(1, second.indices)
 
 
 def check_finite(flags: Sequence[int], seq_ids: Sequence[str]) -> None:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
-from fnvllm.executor.fused_sampling import log_partition_of, sample_with_kernels, sample_with_references
+from fnvllm.executor.fused_sampling import log_partition_of, row_topk, sample_with_kernels, sample_with_references
 from fnvllm.executor.penalties import Penalties, prepare_penalties
 from fnvllm.executor.seeded_noise import seeded_uniforms
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
@@ -438,10 +438,10 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.
     ascending), given the sampled token_ids (B,)."""
     subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
     lse = log_partition_of(logits, rows)  # (L,)
-    top = subset.topk(num_top, dim=-1)
+    top_values, top_ids = row_topk(subset, num_top)
     chosen = subset.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
     return Logprobs(
-        top_logprobs=top.values.float() - lse[:, None],
-        top_ids=top.indices,
+        top_logprobs=top_values.float() - lse[:, None],
+        top_ids=top_ids,
         sampled_logprobs=chosen.float() - lse,
     )

@@ -42,7 +42,16 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of sample_rows (+ filtered_pick)
 
-__all__ = ["CHUNK", "RowSampling", "fused_sample", "philox_uniforms", "sample_ref", "sample_rows", "sample_rows_ref"]
+__all__ = [
+    "CHUNK",
+    "RowSampling",
+    "chunked_log_partition",
+    "fused_sample",
+    "philox_uniforms",
+    "sample_ref",
+    "sample_rows",
+    "sample_rows_ref",
+]
 
 CHUNK = 4096  # tokens per pass-1 program: 38 chunks for a 151,936-token vocabulary
 _MAX_CHUNKS = 1024  # pass 2 holds a row's chunk summaries in registers
@@ -252,6 +261,25 @@ def sample_rows(
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
     return stats
+
+
+def chunked_log_partition(logits: torch.Tensor, rows: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """(R,) float32 log sum exp of the raw logits rows ``rows`` ((R,) int32 or int64), from the chunk summaries
+    of one pass-1 launch (grid (R, C): every chunk of every row at once, a scale of 0 reading the raw logits),
+    combined as M + log(sum_c z_c exp(m_c - M)) with M = max_c m_c."""
+    num_chunks = _check_source(logits, chunk)
+    num_programs = rows.shape[0]
+    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
+    if not num_programs:
+        return stats[0, :, 0]
+    argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+    raw = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # scale 0: the raw logits
+    _chunk_stats_kernel[(num_programs, num_chunks)](
+        logits, raw, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+        CHUNK_SIZE=chunk, num_warps=8, HAS_ROWS=True, DENSE_SOURCE=False,
+    )  # fmt: skip
+    top = stats[0].amax(dim=1, keepdim=True)  # (R, 1)
+    return (top + (stats[1] * (stats[0] - top).exp()).sum(dim=1, keepdim=True).log()).squeeze(1)
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:
