@@ -198,3 +198,29 @@ def test_two_stage_topk_selects_the_same_values(k: int) -> None:
     torch.testing.assert_close(values, logits.topk(k, dim=-1).values, rtol=0, atol=0)
     torch.testing.assert_close(logits.gather(1, ids), values, rtol=0, atol=0)
     assert all(len(set(row)) == k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5])
+def test_candidates_pick_matches_the_sorting_reference(top_p: float) -> None:
+    """The candidates kernel draws what filtered_sample_sorted draws over the same candidates and uniforms
+    (top-k, top-p of the top-k, min-p), and only tokens among each row's top-k."""
+    from fnvllm.kernels.sampling_filters import candidates_pick
+    from fnvllm.kernels.sampling_ref import filtered_sample_sorted
+
+    num_rows, vocab, num_candidates = 12, 500, 40
+    gen = torch.Generator().manual_seed(int(top_p * 10))
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 2).to(DEVICE)
+    scale = torch.full((num_rows,), 1 / 0.7, device=DEVICE)
+    top_k = torch.randint(1, 30, (num_rows,), generator=gen).to(DEVICE, torch.int32)
+    top_p_t = torch.full((num_rows,), top_p, device=DEVICE)
+    min_p = torch.tensor([0.0, 0.05] * (num_rows // 2), device=DEVICE)
+    drawn = torch.rand(3, num_rows, generator=gen).to(DEVICE)
+    ids = logits.topk(num_candidates, dim=-1).indices.sort(dim=-1).values
+    values = logits.gather(1, ids)
+    out = torch.zeros(2, num_rows, dtype=torch.int64, device=DEVICE)
+    rows = torch.arange(num_rows, dtype=torch.int32, device=DEVICE)
+    candidates_pick(values, ids, rows, scale, top_k, top_p_t, min_p, drawn, out)
+    want = ids.gather(1, filtered_sample_sorted(values, scale, top_k, top_p_t, min_p, drawn[0])[:, None])[:, 0]
+    assert torch.equal(out[0], want)
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k.long() - 1)[:, None])[:, 0]
+    assert bool((logits.gather(1, out[0][:, None])[:, 0] >= kth).all())

@@ -2,8 +2,11 @@
 
 ``sample_with_kernels`` (CUDA): for each row group (the rows sampled from the logits as they are, and the
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
-take the argmax, unfiltered rows are done), then one ``filtered_pick`` launch redraws the group's top-k / top-p /
-min-p rows. A batch with no penalties and no filters is exactly two kernel launches over the logits.
+take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
+``filtered_pick`` launch (min-p only), or from each row's best candidates (``row_topk``, then one
+``candidates_pick`` launch) when every such row has a top-k. A batch with no penalties and no filters is exactly
+two kernel launches over the logits. Penalised rows: a float32 copy, edited at each row's seen tokens by one
+launch of ``fnvllm.kernels.penalties`` (when the penalties come from the executor's slot buffer).
 
 ``sample_with_references`` (CPU, or anywhere without Triton): the same computation with
 ``fnvllm.kernels.sampling_ref``; uniforms of unseeded rows come from a torch.Generator.
@@ -51,12 +54,12 @@ def sample_with_kernels(
     """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox.
 
     Filtered rows (top-k / top-p / min-p) are drawn by ``filtered_pick`` (one program per row that reads only the
-    chunks that can reach its threshold) when ``filter_kernel`` or when they only have a min-p; otherwise by
-    sorting on the device (``filtered_sample_sorted``, the same function), over each row's best candidates when
-    every one has a top-k. Why: on the bench's random-weight checkpoint, whose logits are nearly flat, every chunk
-    can reach a top-p threshold and the kernel's search reads the row many times; end to end, top_p 0.95 /
-    top_k 20 fell from 22.6k to 11.6k output tok/s on the H200 with the kernel, 23.6k with the candidates
-    (BENCHMARKS.md), while min-p alone ran at full speed with the kernel and slowly with a full sort."""
+    chunks that can reach its threshold) when ``filter_kernel`` or when they only have a min-p; otherwise from each
+    row's best candidates when every one has a top-k (``candidates_pick``, the same draw), else by sorting whole
+    rows on the device (``filtered_sample_sorted``). Why: on the bench's random-weight checkpoint, whose logits are
+    nearly flat, every chunk can reach a top-p threshold and the kernel's search reads the row many times; end to
+    end, top_p 0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s on the H200 with the kernel, 23.6k with the
+    candidates (BENCHMARKS.md), while min-p alone ran at full speed with the kernel and slowly with a full sort."""
     from fnvllm.kernels.sampling import RowSampling, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
@@ -80,26 +83,30 @@ def sample_with_kernels(
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:
-            _filtered_by_sorting(source, group, batch, state.drawn[0], state.out)
+            _filtered_by_sorting(source, group, batch, state.drawn, state.out)
     return state.out
 
 
 def _filtered_by_sorting(
-    source: torch.Tensor, group: RowGroup, batch: SamplingBatch, uniforms: torch.Tensor, out: torch.Tensor
+    source: torch.Tensor, group: RowGroup, batch: SamplingBatch, drawn: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Overwrite out[0] at the group's filtered rows with their filtered draws, by sorting on the device, at the
-    uniforms ``sample_rows`` recorded (so a seeded row draws what the kernel path would draw). When every filtered
-    row has a top-k, only each row's ``batch.candidates`` best tokens are sorted (one ``topk``): its kept set lies
-    among them (top-p and min-p only cut further), ties at the k-th logit included up to the margin."""
-    rows = group.filtered.long()  # (F,) batch rows
-    values = source.index_select(0, group.filtered_sources.long())  # (F, V)
-    settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)]
+    """Overwrite out[0] at the group's filtered rows with their filtered draws, at the uniforms ``sample_rows``
+    recorded in drawn[0] (so a seeded row draws what the kernel path would draw). When every filtered row has a
+    top-k, only each row's ``batch.candidates`` best tokens are looked at (``row_topk``; its kept set lies among
+    them: top-p and min-p only cut further, ties at the k-th logit included up to the margin), and one
+    ``candidates_pick`` launch thresholds and draws every row in registers; otherwise rows are sorted whole."""
+    from fnvllm.kernels.sampling_filters import candidates_pick
+
+    every = group.filtered.shape[0] == source.shape[0]  # then the sources are 0..F-1, ascending: no copy
+    values = source if every else source.index_select(0, group.filtered_sources.long())  # (F, V)
     if batch.candidates is None:
+        rows = group.filtered.long()  # (F,) batch rows
+        settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn[0])]
         out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
         return
     ids = row_topk(values, batch.candidates)[1].sort(dim=-1).values  # (F, C) token ids, ascending
-    picked = filtered_sample_sorted(values.gather(1, ids), *settings)  # (F,) positions among the candidates
-    out[0].index_copy_(0, rows, ids.gather(1, picked[:, None]).squeeze(1))  # in id order, as the draw over V
+    settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn)
+    candidates_pick(values.gather(1, ids), ids, group.filtered, *settings, out)
 
 
 def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:

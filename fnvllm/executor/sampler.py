@@ -4,14 +4,18 @@ The host builds a `SamplingBatch` once per step (`prepare_sampling`: one pass ov
 copy, plus the penalty lists when a row has one); `Sampler.sample` never reads a tensor back to the host. No
 option of one row changes how another row is sampled, and a row pays only for the options it uses:
 
-    penalised rows:  copied to float32 (only those rows), penalised there by sparse edits (`penalties.py`),
-                     sampled from the copy; the other rows are sampled from the logits as they are;
+    penalised rows:  copied to float32 (only those rows), penalised there at the tokens each has seen (one
+                     launch of `fnvllm.kernels.penalties` reading the executor's slot buffer, or sparse torch
+                     edits from host histories, `penalties.py`), sampled from the copy; the other rows are
+                     sampled from the logits as they are;
     every row:       one read of its logits at full parallelism, one uniform, 1/C of a re-read
                      (`fnvllm.kernels.sampling.sample_rows`); greedy rows (temperature 0 or top_k 1) take the
                      argmax found by the same read;
-    filtered rows:   top-k / top-p / min-p as one threshold found by a search that streams only that row
-                     (`fnvllm.kernels.sampling_filters.filtered_pick`), then a draw from the kept tokens;
-    logprob rows:    log sum exp of the raw logits (one read of those rows), torch.topk for the top-n.
+    filtered rows:   top-k rows: their best candidates (two-stage top-k), thresholded and drawn in registers
+                     (`fnvllm.kernels.sampling_filters.candidates_pick`); min-p rows: one threshold found by
+                     a search that streams only that row (`filtered_pick`), then a draw from the kept tokens;
+    logprob rows:    log sum exp of the raw logits (one launch over every chunk of those rows), a two-stage
+                     top-k for the top-n.
 
 Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are added to a copy of the logits by one
 sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched.
