@@ -106,7 +106,7 @@ def _filtered_by_sorting(
         return
     ids = row_topk(values, batch.candidates)[1].sort(dim=-1).values  # (F, C) token ids, ascending
     settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn)
-    candidates_pick(values.gather(1, ids), ids, group.filtered, *settings, out)
+    candidates_pick(values.gather(1, ids).float(), ids, group.filtered, *settings, out)  # one variant: float32
 
 
 def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:

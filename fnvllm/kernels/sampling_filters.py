@@ -317,7 +317,7 @@ def log_partition(logits: torch.Tensor, rows: torch.Tensor, block: int = BLOCK) 
     return out
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_candidates", "num_rows"])
 def _candidates_pick_kernel(
     values_ptr,  # (F, C) logits of each filtered row's candidates, in ascending token id order
     ids_ptr,  # (F, C) int64 their token ids
