@@ -18,6 +18,7 @@ copy edited in place before it is sampled.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -137,21 +138,32 @@ def log_partition_of(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return log_partition_ref(logits.index_select(0, rows))
 
 
-TOPK_SPLIT = 128  # row_topk's first stage: the best k of each slice of this many tokens
+MAX_SLICES = 128  # row_topk's first stage splits a row into at most this many slices
 TWO_STAGE_TOPK = True  # row_topk's strategy (benchmarks/bench_sampling.py times both)
+
+
+@functools.cache
+def topk_slices(vocab: int, k: int) -> int:
+    """How many equal slices ``row_topk`` splits a row of ``vocab`` into for its k best: the largest divisor of
+    vocab up to MAX_SLICES whose first-stage output (slices x k) stays within 1/16 of the row; 1 = one stage.
+    Worked example: V 151,936 = 2**7 x 1187: k 5 -> 128 slices of 1187, k 84 -> 64 slices of 2374."""
+    fits = [n for n in range(1, MAX_SLICES + 1) if vocab % n == 0 and n * k * 16 <= vocab and vocab // n > k]
+    return max(fits, default=1)
 
 
 def row_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of ``values`` (R, V), best first, like
-    ``values.topk(k, dim=-1)`` (ties in any order). When V is a multiple of TOPK_SPLIT and k is below it, in two
-    stages: the best k of every TOPK_SPLIT-token slice (many small, parallel selections), then the best k of those
-    R x (V / TOPK_SPLIT) x k candidates; the set is the same, since a row's best k lie among its slices' best k."""
+    ``values.topk(k, dim=-1)`` (ties in any order). In two stages when the row splits well (``topk_slices``): the
+    best k of every slice (many smaller, parallel selections), then the best k of those R x slices x k
+    candidates; the set is the same, since a row's best k lie among its slices' best k."""
     num_rows, vocab = values.shape
-    if not TWO_STAGE_TOPK or not 0 < k < TOPK_SPLIT or vocab % TOPK_SPLIT or vocab <= 4 * TOPK_SPLIT:
+    slices = topk_slices(vocab, k) if TWO_STAGE_TOPK and k > 0 else 1
+    if slices < 4:
         return values.topk(k, dim=-1)
-    first = values.reshape(num_rows, vocab // TOPK_SPLIT, TOPK_SPLIT).topk(k, dim=-1)  # (R, V / S, k) each
-    offsets = torch.arange(0, vocab, TOPK_SPLIT, device=values.device)[:, None]  # (V / S, 1)
-    ids = (first.indices + offsets).view(num_rows, -1)  # (R, V / S * k) token ids
+    width = vocab // slices
+    first = values.reshape(num_rows, slices, width).topk(k, dim=-1)  # (R, slices, k) each
+    offsets = torch.arange(0, vocab, width, device=values.device)[:, None]  # (slices, 1)
+    ids = (first.indices + offsets).view(num_rows, -1)  # (R, slices * k) token ids
     second = first.values.view(num_rows, -1).topk(k, dim=-1)
     return second.values, ids.gather(1, second.indices)
 
