@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
-from fnvllm.kernels.penalties import penalize
+from fnvllm.kernels.sampling_ref import penalize_ref
 from fnvllm.state.plan import StepPlan
 
 
@@ -56,6 +56,18 @@ class SlotPenalties:
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """In place on the (P, V) float32 logits of the penalised rows: repetition, then presence / frequency."""
         return penalize(logits, self.tokens, self.meta, self.factors, self.counts)
+
+
+def penalize(
+    work: torch.Tensor, tokens: torch.Tensor, meta: torch.Tensor, factors: torch.Tensor, counts: torch.Tensor | None
+) -> torch.Tensor:
+    """``fnvllm.kernels.penalties.penalize_`` on CUDA (``counts``: its zero scratch), ``penalize_ref`` elsewhere
+    (imported lazily: Triton may be missing from a CPU install)."""
+    if work.device.type == "cuda" and counts is not None:
+        from fnvllm.kernels.penalties import penalize_
+
+        return penalize_(work, tokens, meta, factors, counts)
+    return penalize_ref(work, tokens, meta, factors)
 
 
 class SlotHistory:

@@ -109,12 +109,3 @@ def penalize_(
             num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK,
         )  # fmt: skip
     return work
-
-
-def penalize(
-    work: torch.Tensor, tokens: torch.Tensor, meta: torch.Tensor, factors: torch.Tensor, counts: torch.Tensor | None
-) -> torch.Tensor:
-    """``penalize_`` by the kernel on CUDA (``counts`` required), by ``penalize_ref`` elsewhere."""
-    if work.device.type == "cuda" and counts is not None:
-        return penalize_(work, tokens, meta, factors, counts)
-    return penalize_ref(work, tokens, meta, factors)
