@@ -62,3 +62,27 @@ def test_kernel_rejects_a_small_scratch() -> None:
     logits, tokens, meta, factors = _case(3, num_rows=3, max_len=8)
     with pytest.raises(ValueError, match="counts"):
         penalize_(logits, tokens, meta, factors, torch.zeros(2, VOCAB, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_at_the_bench_size_never_syncs() -> None:
+    """256 rows x 151,936 with ~600-token histories: the kernel makes no host synchronisation and equals the
+    reference."""
+    num_rows, vocab = 256, 151936
+    gen = torch.Generator().manual_seed(4)
+    work = (torch.randn(num_rows, vocab, generator=gen) * 3).cuda()
+    tokens = torch.randint(0, vocab, (num_rows, 1024), generator=gen, dtype=torch.int32).cuda()
+    ctx = torch.randint(500, 700, (num_rows,), generator=gen)
+    meta = torch.stack([torch.arange(num_rows), ctx, ctx // 2]).cuda()
+    factors = torch.tensor([[1.05], [0.3], [0.2]]).expand(3, num_rows).contiguous().cuda()
+    counts = torch.zeros(num_rows, vocab, dtype=torch.int32, device="cuda")
+    want = penalize_ref(work.clone(), tokens, meta, factors)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = penalize_(work.clone(), tokens, meta, factors, counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not counts.any()
