@@ -225,3 +225,30 @@ def test_candidates_pick_matches_the_sorting_reference(top_p: float) -> None:
     assert torch.equal(out[0], want)
     kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k.long() - 1)[:, None])[:, 0]
     assert bool((logits.gather(1, out[0][:, None])[:, 0] >= kth).all())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, top_k=6, top_p=0.7), SamplingParams(temperature=0.8, top_k=5, min_p=0.1)],
+)
+def test_candidates_pick_draws_the_filtered_distribution(params: SamplingParams) -> None:
+    """Over 400 draws at random uniforms (the interpreter is slow), the candidates kernel's tokens fit the exact filtered distribution
+    (chi-square against the sorting oracle of test_sampling_mixed)."""
+    from fnvllm.kernels.sampling_filters import candidates_pick
+
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2, -2.0, 0.8])
+    num_rows = 400
+    ids = row.topk(8).indices.sort().values.expand(num_rows, -1).contiguous().to(DEVICE)  # 8 candidates
+    values = row.to(DEVICE)[ids]
+    full = {"dtype": torch.float32, "device": DEVICE}
+    settings = (
+        torch.full((num_rows,), 1.0 / params.temperature, **full),
+        torch.full((num_rows,), params.top_k or 0, dtype=torch.int32, device=DEVICE),
+        torch.full((num_rows,), params.top_p, **full),
+        torch.full((num_rows,), params.min_p, **full),
+        torch.rand(3, num_rows, generator=torch.Generator().manual_seed(8)).to(DEVICE),
+    )
+    out = torch.zeros(2, num_rows, dtype=torch.int64, device=DEVICE)
+    candidates_pick(values, ids, torch.arange(num_rows, device=DEVICE), *settings, out)
+    counts = torch.bincount(out[0].cpu(), minlength=row.numel())
+    assert chi_square_p_value(counts, filtered_distribution(row, params)) > P_VALUE_FLOOR, counts.tolist()
