@@ -232,8 +232,8 @@ def test_candidates_pick_matches_the_sorting_reference(top_p: float) -> None:
     [SamplingParams(temperature=1.0, top_k=6, top_p=0.7), SamplingParams(temperature=0.8, top_k=5, min_p=0.1)],
 )
 def test_candidates_pick_draws_the_filtered_distribution(params: SamplingParams) -> None:
-    """Over 400 draws at random uniforms (the interpreter is slow), the candidates kernel's tokens fit the exact filtered distribution
-    (chi-square against the sorting oracle of test_sampling_mixed)."""
+    """Over 400 draws at random uniforms (the interpreter is slow), the candidates kernel's tokens fit the exact
+    filtered distribution (chi-square against the sorting oracle of test_sampling_mixed)."""
     from fnvllm.kernels.sampling_filters import candidates_pick
 
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2, -2.0, 0.8])
