@@ -202,13 +202,13 @@ def device_ms(fn: Callable[[], Any], iters: int = 20) -> float:
 def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
     """Device ms of the pieces the cases are made of, at 256 rows (to see where a case's time goes). "flat": the
     logits of a random-weight checkpoint (std ~0.64, many bf16 ties), where the filter kernel's search can be slow."""
-    from fnvllm.executor import fused_sampling
-    from fnvllm.executor.sampler import Sampler, prepare_sampling
-    from fnvllm.kernels.sampling import chunked_log_partition
+    from fnvllm.executor.sampler import Sampler, compute_logprobs, prepare_sampling
+    from fnvllm.kernels.sampling import logprob_candidates
     from fnvllm.kernels.sampling_filters import log_partition
     from fnvllm.state import SamplingParams
 
     rows = torch.arange(ROWS, device=logits.device, dtype=torch.int32)
+    tokens = logits.argmax(dim=-1)
     flat = (logits.float() * (0.64 / 3)).to(torch.bfloat16)
     qwen = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20)] * ROWS
     qwen_batch = prepare_sampling(qwen, [0] * ROWS, [None] * ROWS, VOCAB, logits.device)
@@ -221,19 +221,14 @@ def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
         "float32 copy of the logits": device_ms(lambda: logits.float()),
         "penalties on the float32 copy": device_ms(lambda: penalties.apply_(work)),
         "log-partition, row kernel": device_ms(lambda: log_partition(logits, rows)),
-        "log-partition, chunk summaries": device_ms(lambda: chunked_log_partition(logits, rows)),
+        "logprob candidates (lse + top-5 chunks)": device_ms(lambda: logprob_candidates(logits, rows, 5)),
+        "logprobs 5, chunk candidates (default)": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, True)),
+        "logprobs 5, torch.topk on rows": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, False)),
         "torch.topk 5": device_ms(lambda: logits.topk(5, dim=-1)),
-        "two-stage topk 5": device_ms(lambda: fused_sampling.row_topk(logits, 5)),
         "torch.topk 84 (top-k 20 candidates)": device_ms(lambda: logits.topk(84, dim=-1)),
-        "two-stage topk 84": device_ms(lambda: fused_sampling.row_topk(logits, 84)),
     }
     for name, source in (("", logits), (", flat", flat)):
-        for strategy in (True, False):
-            fused_sampling.TWO_STAGE_TOPK = strategy
-            label = f"preset{name}, candidates ({'two-stage' if strategy else 'torch'} topk)"
-            out[label] = device_ms(lambda s=source: Sampler(0).sample(s, qwen_batch))
-        fused_sampling.TWO_STAGE_TOPK = True
-        out[f"preset{name}, filter kernel"] = device_ms(lambda s=source: Sampler(0, True, True).sample(s, qwen_batch))
+        out[f"preset{name}, filter kernel (default)"] = device_ms(lambda s=source: Sampler(0).sample(s, qwen_batch))
     return out
 
 

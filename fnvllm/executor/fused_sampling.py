@@ -18,14 +18,13 @@ copy edited in place before it is sampled.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from fnvllm.executor.base import NonFiniteLogitsError
-from fnvllm.kernels.sampling_ref import filtered_sample_sorted, log_partition_ref, sample_rows_ref
+from fnvllm.kernels.sampling_ref import filtered_sample_sorted, sample_rows_ref
 
 if TYPE_CHECKING:
     from fnvllm.executor.sampler import RowGroup, SamplingBatch
@@ -33,8 +32,6 @@ if TYPE_CHECKING:
 __all__ = [
     "NonFiniteLogitsError",
     "check_finite",
-    "log_partition_of",
-    "row_topk",
     "sample_with_kernels",
     "sample_with_references",
 ]
@@ -55,12 +52,14 @@ def sample_with_kernels(
     """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox.
 
     Filtered rows (top-k / top-p / min-p) are drawn by ``filtered_pick`` (one program per row that reads only the
-    chunks that can reach its threshold) when ``filter_kernel`` or when they only have a min-p; otherwise from each
-    row's best candidates when every one has a top-k (``candidates_pick``, the same draw), else by sorting whole
-    rows on the device (``filtered_sample_sorted``). Why: on the bench's random-weight checkpoint, whose logits are
-    nearly flat, every chunk can reach a top-p threshold and the kernel's search reads the row many times; end to
-    end, top_p 0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s on the H200 with the kernel, 23.6k with the
-    candidates (BENCHMARKS.md), while min-p alone ran at full speed with the kernel and slowly with a full sort."""
+    chunks that can reach its threshold) when ``filter_kernel``, or when every one has a top-k (its tokens at or
+    above the k-th largest chunk maximum are compacted and sorted in registers) or only a min-p; otherwise (a row
+    with a top-p and no top-k) by sorting whole rows on the device (``filtered_sample_sorted``). Why: the kernel's
+    top-p search reads a row many times where logits are nearly flat (the bench's random-weight checkpoint: top_p
+    0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s end to end before top-k rows compacted their
+    candidates). Measured on the H200 at 256 rows x 151,936 (bench_sampling.py): top_p 0.95 / top_k 20 by the
+    kernel 0.49 ms per call, by torch.topk candidates 0.62 ms (torch.topk alone 0.44 ms); min-p alone runs at full
+    speed with the kernel and slowly with a full sort."""
     from fnvllm.kernels.sampling import RowSampling, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
@@ -80,7 +79,7 @@ def sample_with_kernels(
         stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
         if not group.filtered.shape[0]:
             continue
-        if filter_kernel or batch.min_p_only:
+        if filter_kernel or batch.min_p_only or batch.candidates is not None:
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:
@@ -93,7 +92,7 @@ def _filtered_by_sorting(
 ) -> None:
     """Overwrite out[0] at the group's filtered rows with their filtered draws, at the uniforms ``sample_rows``
     recorded in drawn[0] (so a seeded row draws what the kernel path would draw). When every filtered row has a
-    top-k, only each row's ``batch.candidates`` best tokens are looked at (``row_topk``; its kept set lies among
+    top-k, only each row's ``batch.candidates`` best tokens are looked at (``torch.topk``; its kept set lies among
     them: top-p and min-p only cut further, ties at the k-th logit included up to the margin), and one
     ``candidates_pick`` launch thresholds and draws every row in registers; otherwise rows are sorted whole."""
     from fnvllm.kernels.sampling_filters import candidates_pick
@@ -105,7 +104,7 @@ def _filtered_by_sorting(
         settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn[0])]
         out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
         return
-    ids = row_topk(values, batch.candidates)[1].sort(dim=-1).values  # (F, C) token ids, ascending
+    ids = values.topk(batch.candidates, dim=-1).indices.sort(dim=-1).values  # (F, C) token ids, ascending
     settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn)
     candidates_pick(values.gather(1, ids).float(), ids, group.filtered, *settings, out)  # one variant: float32
 
@@ -126,46 +125,6 @@ def sample_with_references(logits: torch.Tensor, batch: SamplingBatch, generator
         values = values.index_copy(0, _group_rows(batch.penalised, batch.num_rows, device), work)
     tokens, non_finite = sample_rows_ref(values, batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)
     return torch.stack([tokens, non_finite.long()])
-
-
-def log_partition_of(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(L,) float32 log sum exp of the raw logits rows ``rows``: the chunk-summary kernel on CUDA (every chunk of
-    every row in one launch), the reference elsewhere."""
-    if logits.device.type == "cuda":
-        from fnvllm.kernels.sampling import chunked_log_partition
-
-        return chunked_log_partition(logits, rows)
-    return log_partition_ref(logits.index_select(0, rows))
-
-
-MAX_SLICES = 128  # row_topk's first stage splits a row into at most this many slices
-TWO_STAGE_TOPK = True  # row_topk's strategy (benchmarks/bench_sampling.py times both)
-
-
-@functools.cache
-def topk_slices(vocab: int, k: int) -> int:
-    """How many equal slices ``row_topk`` splits a row of ``vocab`` into for its k best: the largest divisor of
-    vocab up to MAX_SLICES whose first-stage output (slices x k) stays within 1/16 of the row; 1 = one stage.
-    Worked example: V 151,936 = 2**7 x 1187: k 5 -> 128 slices of 1187, k 84 -> 64 slices of 2374."""
-    fits = [n for n in range(1, MAX_SLICES + 1) if vocab % n == 0 and n * k * 16 <= vocab and vocab // n > k]
-    return max(fits, default=1)
-
-
-def row_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest entries of each row of ``values`` (R, V), best first, like
-    ``values.topk(k, dim=-1)`` (ties in any order). In two stages when the row splits well (``topk_slices``): the
-    best k of every slice (many smaller, parallel selections), then the best k of those R x slices x k
-    candidates; the set is the same, since a row's best k lie among its slices' best k."""
-    num_rows, vocab = values.shape
-    slices = topk_slices(vocab, k) if TWO_STAGE_TOPK and k > 0 else 1
-    if slices < 4:
-        return values.topk(k, dim=-1)
-    width = vocab // slices
-    first = values.reshape(num_rows, slices, width).topk(k, dim=-1)  # (R, slices, k) each
-    offsets = torch.arange(0, vocab, width, device=values.device)[:, None]  # (slices, 1)
-    ids = (first.indices + offsets).view(num_rows, -1)  # (R, slices * k) token ids
-    second = first.values.view(num_rows, -1).topk(k, dim=-1)
-    return second.values, ids.gather(1, second.indices)
 
 
 def check_finite(flags: Sequence[int], seq_ids: Sequence[str]) -> None:

@@ -45,8 +45,8 @@ from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of samp
 __all__ = [
     "CHUNK",
     "RowSampling",
-    "chunked_log_partition",
     "fused_sample",
+    "logprob_candidates",
     "philox_uniforms",
     "sample_ref",
     "sample_rows",
@@ -263,23 +263,68 @@ def sample_rows(
     return stats
 
 
-def chunked_log_partition(logits: torch.Tensor, rows: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """(R,) float32 log sum exp of the raw logits rows ``rows`` ((R,) int32 or int64), from the chunk summaries
-    of one pass-1 launch (grid (R, C): every chunk of every row at once, a scale of 0 reading the raw logits),
-    combined as M + log(sum_c z_c exp(m_c - M)) with M = max_c m_c."""
+LOGPROB_CHUNK = 1024  # chunk of the logprob rows' summaries: the top-n candidates are n chunks of this many tokens
+
+
+@triton.jit(do_not_specialize=["num_programs"])
+def _logprob_combine_kernel(
+    stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
+    lse_ptr,  # (L,) float32: receives log sum exp of the row
+    chunks_ptr,  # (L, N) int32: receives the N chunks with the largest maxima, best first
+    num_programs,
+    num_chunks,
+    NUM_TOP: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+):
+    """Row program_id(0): its log-partition, and the NUM_TOP chunks holding its NUM_TOP largest logits."""
+    i = tl.program_id(0)
+    ids = tl.arange(0, CHUNKS_PAD)
+    live = ids < num_chunks
+    at = i * num_chunks + ids
+    maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
+    sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
+    top = tl.max(maxima, axis=0)
+    tl.store(lse_ptr + i, top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0)))
+    for j in tl.static_range(NUM_TOP):
+        best = tl.max(maxima, axis=0)
+        chunk = tl.min(tl.where(maxima == best, ids, CHUNKS_PAD), axis=0)
+        tl.store(chunks_ptr + i * NUM_TOP + j, chunk)
+        maxima = tl.where(ids == chunk, float("-inf"), maxima)
+
+
+def logprob_candidates(
+    logits: torch.Tensor, rows: torch.Tensor, num_top: int, chunk: int = LOGPROB_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the raw logits rows ``rows`` ((L,) int32 or int64, distinct): (lse (L,) float32 log sum exp of each;
+    values (L, num_top * chunk) float32 and ids int64: candidates that hold each row's num_top largest logits).
+    One pass-1 launch over every chunk of those rows (a scale of 0 reads the raw logits), one combine launch and
+    one gather; requires num_top <= the chunks. Why the candidates hold them: a chunk holding one of a row's n
+    best tokens has a maximum at least that token's, and fewer than n chunks can have a larger one, so it is
+    among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf."""
     num_chunks = _check_source(logits, chunk)
-    num_programs = rows.shape[0]
-    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
-    if not num_programs:
-        return stats[0, :, 0]
-    argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
-    raw = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # scale 0: the raw logits
-    _chunk_stats_kernel[(num_programs, num_chunks)](
-        logits, raw, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
-        CHUNK_SIZE=chunk, num_warps=8, HAS_ROWS=True, DENSE_SOURCE=False,
-    )  # fmt: skip
-    top = stats[0].amax(dim=1, keepdim=True)  # (R, 1)
-    return (top + (stats[1] * (stats[0] - top).exp()).sum(dim=1, keepdim=True).log()).squeeze(1)
+    if not 0 <= num_top <= num_chunks:
+        raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
+    num_programs, device = rows.shape[0], logits.device
+    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=device)
+    lse = torch.empty(num_programs, dtype=torch.float32, device=device)
+    chunks = torch.empty((num_programs, num_top), dtype=torch.int32, device=device)
+    if num_programs:
+        argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=device)
+        raw = torch.zeros(logits.shape[0], dtype=torch.float32, device=device)  # scale 0: the raw logits
+        _chunk_stats_kernel[(num_programs, num_chunks)](
+            logits, raw, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
+        )  # fmt: skip
+        _logprob_combine_kernel[(num_programs,)](
+            stats, lse, chunks, num_programs, num_chunks, NUM_TOP=num_top,
+            CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
+        )  # fmt: skip
+    vocab = logits.shape[1]
+    ids = (chunks.long()[:, :, None] * chunk + torch.arange(chunk, device=device)).view(num_programs, -1)  # (L, n*c)
+    inside = ids < vocab
+    flat = rows.long()[:, None] * vocab + torch.where(inside, ids, 0)  # torch.take reads the logical row-major order
+    values = torch.take(logits, flat).float().masked_fill_(~inside, float("-inf"))
+    return lse, values, ids
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:
