@@ -57,11 +57,21 @@ def test_reference_equals_the_sparse_history_penalties() -> None:
     torch.testing.assert_close(penalize_ref(logits.clone(), tokens, meta, factors), apply_penalties(logits, batch))
 
 
-def test_kernel_rejects_a_small_scratch() -> None:
-    """A count scratch with fewer rows than the batch is refused with a message naming it."""
+def test_fewer_programs_than_rows_take_rows_in_turn() -> None:
+    """With a two-row scratch (two programs) five rows are penalised as the reference does, scratch left zero."""
+    logits, tokens, meta, factors = _case(5, num_rows=5, max_len=40)
+    counts = torch.zeros(2, VOCAB, dtype=torch.int32, device=DEVICE)
+    on = [t.to(DEVICE) for t in (tokens, meta, factors)]
+    got = penalize_(logits.to(DEVICE).clone(), *on, counts)
+    torch.testing.assert_close(got.cpu(), penalize_ref(logits.clone(), tokens, meta, factors), rtol=0, atol=0)
+    assert not counts.any()
+
+
+def test_kernel_rejects_a_scratch_of_another_vocabulary() -> None:
+    """A count scratch whose width is not the vocabulary is refused with a message naming it."""
     logits, tokens, meta, factors = _case(3, num_rows=3, max_len=8)
     with pytest.raises(ValueError, match="counts"):
-        penalize_(logits, tokens, meta, factors, torch.zeros(2, VOCAB, dtype=torch.int32))
+        penalize_(logits, tokens, meta, factors, torch.zeros(2, VOCAB - 1, dtype=torch.int32))
 
 
 @pytest.mark.gpu

@@ -22,8 +22,10 @@ counts while it runs):
     repetition (HF), on every token seen in prompt or output:   logit = logit / r if logit > 0 else logit * r
     presence / frequency (OpenAI), on output tokens:            logit -= frequency * count + presence * (count > 0)
 
-The buffer is allocated on the first penalised request (42 MB at 256 slots of 40,960 tokens; on a GPU the count
-scratch with it, 155 MB at 256 slots of a 151,936-token vocabulary); steps without a penalised row do no work here.
+On a GPU the buffer (42 MB at 256 slots of 40,960 tokens) and the count scratch (78 MB: 128 rows of a
+151,936-token vocabulary) are allocated when the executor starts, before the KV cache is sized, so that a first
+penalised request allocates nothing mid-run; on the CPU the buffer comes with the first penalised request. Steps
+without a penalised row do no work here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import torch
 from fnvllm.executor.device_inputs import upload
 from fnvllm.kernels.sampling_ref import penalize_ref
 from fnvllm.state.plan import StepPlan
+
+SCRATCH_ROWS = 128  # rows of the penalty kernel's count scratch (its programs; more rows are taken in turn)
 
 
 @attrs.frozen(eq=False)
@@ -78,20 +82,22 @@ class SlotHistory:
 
     def __init__(self, num_slots: int, max_len: int, vocab_size: int, device: torch.device) -> None:
         self.num_slots, self.max_len, self.vocab_size, self.device = num_slots, max_len, vocab_size, device
-        self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32, on the first penalised request
-        self.counts: torch.Tensor | None = None  # (num_slots, vocab_size) int32 zeros: the kernel's scratch
-        if device.type == "cuda":
+        self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32
+        self.counts: torch.Tensor | None = None  # (min(num_slots, SCRATCH_ROWS), vocab_size) int32 zeros
+        self.in_use = False  # a penalised request was admitted: sampled tokens must be recorded
+        if device.type == "cuda":  # before the KV cache is sized, so that it counts them; and no compile mid-run
+            self._buffer()
+            self.counts = torch.zeros(min(num_slots, SCRATCH_ROWS), vocab_size, dtype=torch.int32, device=device)
             self._compile()
 
     def _compile(self) -> None:
         """Run the penalty kernel once on a one-row batch, so that it compiles now, not in the first penalised step
         (a stall of seconds mid-run); the shapes that specialise it (vocabulary, row strides) are the real ones."""
-        vocab, device = self.vocab_size, self.device
-        work = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-        tokens = torch.zeros(1, 16, dtype=torch.int32, device=device)
-        meta = torch.tensor([[0], [2], [1]], dtype=torch.int64, device=device)
-        factors = torch.tensor([[1.1], [0.5], [0.5]], dtype=torch.float32, device=device)
-        penalize(work, tokens, meta, factors, torch.zeros(1, vocab, dtype=torch.int32, device=device))
+        assert self.tokens is not None and self.counts is not None  # allocated just before
+        work = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
+        meta = torch.tensor([[0], [2], [1]], dtype=torch.int64, device=self.device)
+        factors = torch.tensor([[1.1], [0.5], [0.5]], dtype=torch.float32, device=self.device)
+        penalize(work, self.tokens, meta, factors, self.counts)
 
     def admit(self, plan: StepPlan) -> None:
         """Write the history of every admitted row that carries one (penalised rows) into its slot."""
@@ -102,6 +108,7 @@ class SlotHistory:
         if not admitted:
             return
         tokens = self._buffer()
+        self.in_use = True
         slots = np.repeat([s for s, _ in admitted], [len(h.prompt) + len(h.output) for _, h in admitted])
         positions = np.concatenate([np.arange(len(h.prompt) + len(h.output)) for _, h in admitted])
         ids = np.concatenate([np.asarray(h.prompt + h.output, dtype=np.int64) for _, h in admitted])
@@ -126,13 +133,12 @@ class SlotHistory:
             ],
             dtype=np.float32,
         )
-        self._counts()
         return SlotPenalties(tokens, upload(ints, self.device), upload(reals, self.device), self.counts)
 
     def record(self, plan: StepPlan, rows: Sequence[int], sampled: torch.Tensor) -> None:
         """Write each penalised row's new token (``sampled``: (S,) ids of ``rows``, on the device) at its
         context length, where its next step reads it."""
-        if self.tokens is None:
+        if self.tokens is None or not self.in_use:
             return  # no penalised request was ever admitted
         picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
         ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for _, i in picked]
@@ -142,11 +148,6 @@ class SlotHistory:
             return
         on = upload(at, self.device)
         self.tokens.index_put_((on[1], on[2]), sampled.index_select(0, on[0]).to(torch.int32))
-
-    def _counts(self) -> None:
-        """Allocate the penalty kernel's zero scratch on first use (on CUDA only: the reference needs none)."""
-        if self.counts is None and self.device.type == "cuda":
-            self.counts = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32, device=self.device)
 
     def _buffer(self) -> torch.Tensor:
         if self.tokens is None:
