@@ -227,8 +227,14 @@ def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
         "torch.topk 5": device_ms(lambda: logits.topk(5, dim=-1)),
         "torch.topk 84 (top-k 20 candidates)": device_ms(lambda: logits.topk(84, dim=-1)),
     }
+    from fnvllm.executor import fused_sampling
+
     for name, source in (("", logits), (", flat", flat)):
-        out[f"preset{name}, filter kernel (default)"] = device_ms(lambda s=source: Sampler(0).sample(s, qwen_batch))
+        for by_kernel in (True, False):
+            fused_sampling.TOP_K_BY_FILTER_KERNEL = by_kernel
+            label = f"preset{name}, " + ("filter kernel (default)" if by_kernel else "torch.topk candidates")
+            out[label] = device_ms(lambda s=source: Sampler(0).sample(s, qwen_batch))
+        fused_sampling.TOP_K_BY_FILTER_KERNEL = True
     return out
 
 

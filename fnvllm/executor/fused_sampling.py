@@ -3,10 +3,11 @@
 ``sample_with_kernels`` (CUDA): for each row group (the rows sampled from the logits as they are, and the
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
 take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
-``filtered_pick`` launch (min-p only), or from each row's best candidates (``row_topk``, then one
-``candidates_pick`` launch) when every such row has a top-k. A batch with no penalties and no filters is exactly
-two kernel launches over the logits. Penalised rows: a float32 copy, edited at each row's seen tokens by one
-launch of ``fnvllm.kernels.penalties`` (when the penalties come from the executor's slot buffer).
+``filtered_pick`` launch when every such row has a top-k or only a min-p (or, with TOP_K_BY_FILTER_KERNEL off,
+top-k rows from their best candidates: torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch
+with no penalties and no filters is exactly two kernel launches over the logits. Penalised rows: a float32 copy,
+edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the penalties come from the
+executor's slot buffer).
 
 ``sample_with_references`` (CPU, or anywhere without Triton): the same computation with
 ``fnvllm.kernels.sampling_ref``; uniforms of unseeded rows come from a torch.Generator.
@@ -46,6 +47,13 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor |
     return batch.penalties.apply_(work)
 
 
+# Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on
+# the H200 at 256 rows x 151,936 bf16, top_p 0.95 / top_k 20 (bench_sampling.py, call of 2026-12-01 20:41): 0.49 ms
+# per sampling call by the kernel, 0.62 by the candidates (torch.topk alone: 0.44 ms); with logits of a random-weight
+# checkpoint's spread (std 0.64): 0.52 and 0.65.
+TOP_K_BY_FILTER_KERNEL = True
+
+
 def sample_with_kernels(
     logits: torch.Tensor, batch: SamplingBatch, seed: int, filter_kernel: bool = False
 ) -> torch.Tensor:
@@ -53,8 +61,9 @@ def sample_with_kernels(
 
     Filtered rows (top-k / top-p / min-p) are drawn by ``filtered_pick`` (one program per row that reads only the
     chunks that can reach its threshold) when ``filter_kernel``, or when every one has a top-k (its tokens at or
-    above the k-th largest chunk maximum are compacted and sorted in registers) or only a min-p; otherwise (a row
-    with a top-p and no top-k) by sorting whole rows on the device (``filtered_sample_sorted``). Why: the kernel's
+    above the k-th largest chunk maximum are compacted and sorted in registers; TOP_K_BY_FILTER_KERNEL) or only a
+    min-p; otherwise (a row with a top-p and no top-k) by sorting whole rows on the device
+    (``filtered_sample_sorted``). Why: the kernel's
     top-p search reads a row many times where logits are nearly flat (the bench's random-weight checkpoint: top_p
     0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s end to end before top-k rows compacted their
     candidates). Measured on the H200 at 256 rows x 151,936 (bench_sampling.py): top_p 0.95 / top_k 20 by the
@@ -79,7 +88,7 @@ def sample_with_kernels(
         stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
         if not group.filtered.shape[0]:
             continue
-        if filter_kernel or batch.min_p_only or batch.candidates is not None:
+        if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:

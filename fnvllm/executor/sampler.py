@@ -11,11 +11,12 @@ option of one row changes how another row is sampled, and a row pays only for th
     every row:       one read of its logits at full parallelism, one uniform, 1/C of a re-read
                      (`fnvllm.kernels.sampling.sample_rows`); greedy rows (temperature 0 or top_k 1) take the
                      argmax found by the same read;
-    filtered rows:   top-k rows: their best candidates (two-stage top-k), thresholded and drawn in registers
-                     (`fnvllm.kernels.sampling_filters.candidates_pick`); min-p rows: one threshold found by
-                     a search that streams only that row (`filtered_pick`), then a draw from the kept tokens;
-    logprob rows:    log sum exp of the raw logits (one launch over every chunk of those rows), a two-stage
-                     top-k for the top-n.
+    filtered rows:   top-k / min-p rows: one threshold per row found by a program that streams only that row
+                     (`fnvllm.kernels.sampling_filters.filtered_pick`: a top-k row compacts its tokens at or
+                     above its k-th largest chunk maximum and sorts them in registers), then a draw from the kept
+                     tokens; top-p rows without a top-k: sorted on the device;
+    logprob rows:    log sum exp of the raw logits and the top-n candidates from one launch over every chunk
+                     of those rows (torch.topk then sorts only the n chunks that hold the n best).
 
 Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are added to a copy of the logits by one
 sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched.
