@@ -48,8 +48,8 @@ class SlotPenalties:
     """One step's penalties of the P penalised rows (in sampling order), read from the slot buffer on the device.
 
     tokens: the (num_slots, max_len) int32 buffer. meta: (3, P) int64 slot, context length, outputs per row.
-    factors: (3, P) float32 repetition, frequency, presence. counts: the (num_slots, V) int32 zero scratch of the
-    kernel (None off CUDA: the reference runs there).
+    factors: (3, P) float32 repetition, frequency, presence. counts: the (G, V) int32 zero scratch of the kernel,
+    one row per program (None off CUDA: the reference runs there).
     """
 
     tokens: torch.Tensor
@@ -116,7 +116,7 @@ class SlotHistory:
         tokens.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
 
     def penalties(self, plan: StepPlan, rows: Sequence[int]) -> SlotPenalties | None:
-        """The dense penalties of the sampled ``rows`` (plan rows, in sampling order) that have one, in that
+        """The penalties of the sampled ``rows`` (plan rows, in sampling order) that have one, in that
         order (the sampler's penalised rows); None when none has. Reads each one's tokens ``[0, ctx)``."""
         picked = [i for i in rows if plan.params[i].needs_history]
         if not picked:
