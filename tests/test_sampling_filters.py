@@ -246,3 +246,23 @@ def test_candidates_pick_draws_the_filtered_distribution(params: SamplingParams)
     candidates_pick(values, ids, torch.arange(num_rows, device=DEVICE), *settings, out)
     counts = torch.bincount(out[0].cpu(), minlength=row.numel())
     assert chi_square_p_value(counts, filtered_distribution(row, params)) > P_VALUE_FLOOR, counts.tolist()
+
+
+def test_sampler_logprobs_by_kernels_equal_the_references() -> None:
+    """Logprobs through the kernels' chunk candidates (asked rows only, n 5 and 0) equal log_softmax's top-n and
+    the sampled token's log-probability from the references' path."""
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+
+    vocab = 2000
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE)
+    params = [SamplingParams(temperature=0.7, logprobs=5, seed=i) for i in range(4)]
+    params += [SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.7, logprobs=0, seed=8)]
+    batch = prepare_sampling(params, [0] * 6, [None] * 6, vocab, DEVICE)
+    got = Sampler(kernels=True).sample(logits, batch).logprobs
+    want = Sampler(kernels=False).sample(logits, batch).logprobs
+    assert got is not None and want is not None
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs)
+    assert torch.equal(got.top_ids, want.top_ids)
+    torch.testing.assert_close(got.sampled_logprobs, want.sampled_logprobs)
+    expected = logits.float().log_softmax(dim=-1)[[0, 1, 2, 3, 5]].topk(5, dim=-1).values
+    torch.testing.assert_close(got.top_logprobs, expected)

@@ -302,7 +302,7 @@ _ALIGN = 4  # int32 elements per 16 bytes: Triton specialises a kernel on whethe
 def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """One host -> device copy of everything: [scale, top_p, min_p, uniforms ((B,) float32 each); top_k, fixed
     ((B,) int32 each); the logprob rows; each list] as views of one int32 buffer (few torch calls: this runs
-    every step). Each view starts 16 bytes into the buffer's alignment, so a batch size never selects another
+    every step). Each view starts at a multiple of 16 bytes, so a batch size never selects another
     compiled variant of a kernel (a compile stalls a step for a second or more)."""
     num_rows = len(rows.scale)
     fixed = [0] * num_rows
@@ -442,11 +442,11 @@ class Sampler:
 
 def _logprob_chunk(vocab: int, num_top: int) -> int | None:
     """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to 1024 whose num_top chunks
-    stay within a quarter of the row (None: too small a vocabulary to gain, torch.topk on whole rows)."""
+    stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on whole rows)."""
     chunk = 1024
     while chunk >= 16 and max(num_top, 1) * chunk * 4 > vocab:
         chunk //= 2
-    return chunk if chunk >= 16 else None
+    return chunk if chunk >= 16 and -(-vocab // chunk) <= 1024 else None
 
 
 def compute_logprobs(

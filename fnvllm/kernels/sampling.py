@@ -266,17 +266,18 @@ def sample_rows(
 LOGPROB_CHUNK = 1024  # chunk of the logprob rows' summaries: the top-n candidates are n chunks of this many tokens
 
 
-@triton.jit(do_not_specialize=["num_programs"])
+@triton.jit(do_not_specialize=["num_programs", "num_top"])
 def _logprob_combine_kernel(
     stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
     lse_ptr,  # (L,) float32: receives log sum exp of the row
     chunks_ptr,  # (L, N) int32: receives the N chunks with the largest maxima, best first
     num_programs,
     num_chunks,
-    NUM_TOP: tl.constexpr,
+    num_top,
     CHUNKS_PAD: tl.constexpr,
 ):
-    """Row program_id(0): its log-partition, and the NUM_TOP chunks holding its NUM_TOP largest logits."""
+    """Row program_id(0): its log-partition, and the num_top chunks holding its num_top largest logits (a runtime
+    count: a new logprobs count compiles nothing)."""
     i = tl.program_id(0)
     ids = tl.arange(0, CHUNKS_PAD)
     live = ids < num_chunks
@@ -285,10 +286,10 @@ def _logprob_combine_kernel(
     sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
     top = tl.max(maxima, axis=0)
     tl.store(lse_ptr + i, top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0)))
-    for j in tl.static_range(NUM_TOP):
+    for j in range(num_top):
         best = tl.max(maxima, axis=0)
         chunk = tl.min(tl.where(maxima == best, ids, CHUNKS_PAD), axis=0)
-        tl.store(chunks_ptr + i * NUM_TOP + j, chunk)
+        tl.store(chunks_ptr + i * num_top + j, chunk)
         maxima = tl.where(ids == chunk, float("-inf"), maxima)
 
 
@@ -316,7 +317,7 @@ def logprob_candidates(
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
         )  # fmt: skip
         _logprob_combine_kernel[(num_programs,)](
-            stats, lse, chunks, num_programs, num_chunks, NUM_TOP=num_top,
+            stats, lse, chunks, num_programs, num_chunks, num_top,
             CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
         )  # fmt: skip
     vocab = logits.shape[1]
