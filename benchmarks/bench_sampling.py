@@ -4,19 +4,23 @@
 
 DIR: the root of an older checkout (its ``fnvllm/`` package), e.g. made on the development machine with
 ``git archive <commit> fnvllm | tar -x -C .bench_base`` and carried to the GPU machine. Its sampler is timed in a
-subprocess (``PYTHONPATH=DIR``), the way its executor dispatched: the fused temperature kernel when every row
-qualified, else the general sampler for the whole batch. Without DIR only this tree's sampler is timed.
+subprocess (``PYTHONPATH=DIR``) by the same step function (it needs ``SlotHistory.penalties`` and
+``prepare_sampling(..., penalties)``, as in commit db8d7ec). Without DIR only this tree's sampler is timed.
 
-Cases (issue 19's table, plus the mix that used to send the batch to the general sampler, seeds and greedy):
-temperature 0.6; + top_p 0.95 / top_k 20; + repetition_penalty 1.05 with ~1000-token histories; min_p 0.05;
-logprobs 5; 255 temperature rows + 1 top-p row; every row seeded; greedy.
+Cases (issue 19's table at the bench batch, plus the mix that used to send the batch to the general sampler,
+seeds and greedy): temperature 0.6; + top_p 0.95 / top_k 20 (Qwen3's preset); + repetition_penalty 1.05 with
+~600-token histories; min_p 0.05; logprobs 5; all of them together; 255 temperature rows + 1 top-p row; every row
+seeded; greedy. Penalised rows go the executor's way: their tokens live in a per-slot device buffer
+(``fnvllm.executor.history.SlotHistory``, written once at admission) and each step reads them from there.
 
 1. Correctness first (this tree): for each case with every row seeded, the Triton kernels and the torch
    references pick the same token in >= 99 % of rows (a uniform within float32 rounding of a CDF step may differ),
-   filtered rows pick inside their top-k, and logprobs equal log_softmax of the logits.
-2. Timing: per step = host preparation (``prepare_sampling`` from SamplingParams and histories) + the device
-   work, as the executor runs it; ``host`` is the time until the calls return (no sync), ``step`` the synchronized
-   wall time per step (whichever of host and device is longer), medians over --iters steps after a warm-up.
+   filtered rows pick inside their top-k, logprobs equal log_softmax of the logits, and the penalty kernel's
+   logits equal its reference's.
+2. Timing: per step = host preparation (``prepare_sampling`` from SamplingParams, the penalised rows' slot
+   lookup) + the device work, as the executor runs it; ``host`` is the time until the calls return (no sync),
+   ``step`` the synchronized wall time per step (whichever of host and device is longer), medians over --iters
+   steps after a warm-up. Then the device time of a few parts (CUDA events), to see where a case's time goes.
 A table comes last.
 """
 
@@ -34,7 +38,8 @@ from typing import Any
 
 import torch
 
-ROWS, VOCAB, HISTORY_LEN = 256, 151936, 1000
+ROWS, VOCAB, HISTORY_LEN = 256, 151936, 600
+MAX_LEN = 4096  # the slot buffer's row length (max_model_len)
 
 
 def cases() -> dict[str, list[dict[str, Any]]]:
@@ -44,9 +49,10 @@ def cases() -> dict[str, list[dict[str, Any]]]:
     return {
         "temperature 0.6": [t] * ROWS,
         "+ top_p 0.95, top_k 20": [qwen] * ROWS,
-        "+ repetition_penalty 1.05": [{**qwen, "repetition_penalty": 1.05}] * ROWS,
+        "+ repetition_penalty 1.05": [{**t, "repetition_penalty": 1.05}] * ROWS,
         "temperature 0.6, min_p 0.05": [{**t, "min_p": 0.05}] * ROWS,
         "temperature 0.6, logprobs 5": [{**t, "logprobs": 5}] * ROWS,
+        "all: top-p/k, rep. penalty, logprobs": [{**qwen, "repetition_penalty": 1.05, "logprobs": 5}] * ROWS,
         "1 of 256 rows top_p 0.95": [t] * (ROWS - 1) + [{**t, "top_p": 0.95}],
         "temperature 0.6, every row seeded": [{**t, "seed": i} for i in range(ROWS)],
         "greedy": [{"temperature": 0.0}] * ROWS,
@@ -64,24 +70,50 @@ def make_inputs(seed: int = 0) -> tuple[torch.Tensor, list[Any]]:
     return logits, [TokenHistory(prompt=tuple(r[:half]), output=tuple(r[half:])) for r in ids]
 
 
+def decode_plan(params: list[Any], histories: list[Any], admitted: bool) -> Any:
+    """A decode StepPlan of every row (slot i = row i), each having generated its history's output; ``admitted``:
+    the rows are new, and carry their histories (the executor writes them into its slot buffer)."""
+    from fnvllm.state import StepPlan
+
+    return StepPlan(
+        step=0,
+        block_size=16,
+        seq_ids=tuple(f"r{i}" for i in range(ROWS)),
+        input_tokens=tuple(h.output[-1:] for h in histories),
+        start_positions=tuple(len(h.prompt) + len(h.output) - 1 for h in histories),
+        block_tables=tuple((0,) * (MAX_LEN // 16) for _ in range(ROWS)),
+        sample=(True,) * ROWS,
+        params=tuple(params),
+        num_generated=tuple(len(h.output) for h in histories),
+        histories=tuple(h if admitted and p.needs_history else None for p, h in zip(params, histories, strict=True)),
+        num_admitted=ROWS if admitted else 0,
+        slots=tuple(range(ROWS)),
+    )
+
+
+def slot_history(params: list[Any], histories: list[Any], device: torch.device) -> tuple[Any, Any]:
+    """A SlotHistory holding every penalised row's tokens (admitted once) and the decode plan of the next steps."""
+    from fnvllm.executor.history import SlotHistory
+
+    history = SlotHistory(ROWS, MAX_LEN, VOCAB, device)
+    history.admit(decode_plan(params, histories, admitted=True))
+    return history, decode_plan(params, histories, admitted=False)
+
+
 def step_function(rows: list[dict[str, Any]], logits: torch.Tensor, histories: list[Any]) -> Callable[[], Any]:
-    """One sampling step as the executor of the imported fnvllm runs it (new: one path; old: the dispatch)."""
-    from fnvllm.executor import fused_sampling
+    """One sampling step as the executor of the imported fnvllm runs it (penalised rows read the slot buffer)."""
     from fnvllm.executor.sampler import Sampler, prepare_sampling
     from fnvllm.state import SamplingParams
 
     params = [SamplingParams(**r) for r in rows]
-    hist = [h if p.needs_history else None for p, h in zip(params, histories, strict=True)]
+    history, plan = slot_history(params, histories, logits.device)
     num_generated = [HISTORY_LEN // 2] * ROWS
+    every_row = list(range(ROWS))
     sampler = Sampler(0)
-    fused = fused_sampling.FusedSampler(0) if hasattr(fused_sampling, "FusedSampler") else None
 
     def step() -> Any:
-        if fused is not None:
-            temperatures = fused_sampling.fused_temperatures(params)
-            if temperatures is not None:
-                return fused.sample(logits, temperatures)
-        batch = prepare_sampling(params, num_generated, hist, VOCAB, logits.device)
+        penalties = history.penalties(plan, every_row)
+        batch = prepare_sampling(params, num_generated, [None] * ROWS, VOCAB, logits.device, penalties)
         return sampler.sample(logits, batch)
 
     return step
@@ -113,8 +145,9 @@ def check_correctness(logits: torch.Tensor, histories: list[Any]) -> list[str]:
     failures = []
     for name, rows in cases().items():
         params = [attrs.evolve(SamplingParams(**r), seed=1000 + i) for i, r in enumerate(rows)]
-        hist = [h if p.needs_history else None for p, h in zip(params, histories, strict=True)]
-        batch = prepare_sampling(params, [3] * ROWS, hist, VOCAB, logits.device)
+        history, plan = slot_history(params, histories, logits.device)
+        penalties = history.penalties(plan, list(range(ROWS)))
+        batch = prepare_sampling(params, [3] * ROWS, [None] * ROWS, VOCAB, logits.device, penalties)
         got = Sampler(kernels=True).sample(logits, batch)
         ref = Sampler(kernels=False).sample(logits, batch)
         agree = (got.token_ids == ref.token_ids).float().mean().item()
@@ -130,7 +163,79 @@ def check_correctness(logits: torch.Tensor, histories: list[Any]) -> list[str]:
             if not torch.allclose(got.logprobs.sampled_logprobs, want, atol=1e-3):
                 failures.append(f"{name}: sampled logprobs differ from log_softmax")
         print(("ok   " if line not in failures else "FAIL ") + line, flush=True)
-    return failures
+    return failures + check_penalty_kernel(logits, histories)
+
+
+def check_penalty_kernel(logits: torch.Tensor, histories: list[Any]) -> list[str]:
+    """The penalty kernel's penalised logits vs its torch reference on the bench's rows; failure lines."""
+    from fnvllm.kernels.sampling_ref import penalize_ref
+    from fnvllm.state import SamplingParams
+
+    params = [SamplingParams(repetition_penalty=1.05, frequency_penalty=0.3, presence_penalty=0.2)] * ROWS
+    history, plan = slot_history(params, histories, logits.device)
+    pen = history.penalties(plan, list(range(ROWS)))
+    if not hasattr(pen, "meta"):  # an older tree: no penalty kernel to check
+        return []
+    got = pen.apply_(logits.float())
+    want = penalize_ref(logits.float(), pen.tokens, pen.meta, pen.factors)
+    worst = (got - want).abs().max().item()
+    line = f"penalty kernel == reference: max |difference| {worst:.2e}, {int((got != logits.float()).sum())} edited"
+    print(("ok   " if worst <= 1e-5 else "FAIL ") + line, flush=True)
+    return [] if worst <= 1e-5 else [line]
+
+
+def device_ms(fn: Callable[[], Any], iters: int = 20) -> float:
+    """Median device time of ``fn`` in ms (CUDA events around each call, after a warm-up)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
+    """Device ms of the pieces the cases are made of, at 256 rows (to see where a case's time goes). "flat": the
+    logits of a random-weight checkpoint (std ~0.64, many bf16 ties), where the filter kernel's search can be slow."""
+    from fnvllm.executor.sampler import Sampler, compute_logprobs, prepare_sampling
+    from fnvllm.kernels.sampling import logprob_candidates
+    from fnvllm.kernels.sampling_filters import log_partition
+    from fnvllm.state import SamplingParams
+
+    rows = torch.arange(ROWS, device=logits.device, dtype=torch.int32)
+    tokens = logits.argmax(dim=-1)
+    flat = (logits.float() * (0.64 / 3)).to(torch.bfloat16)
+    qwen = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20)] * ROWS
+    qwen_batch = prepare_sampling(qwen, [0] * ROWS, [None] * ROWS, VOCAB, logits.device)
+    pen = [SamplingParams(temperature=0.6, repetition_penalty=1.05)] * ROWS
+    history, plan = slot_history(pen, histories, logits.device)
+    penalties = history.penalties(plan, list(range(ROWS)))
+    assert penalties is not None
+    work = logits.float()
+    out = {
+        "float32 copy of the logits": device_ms(lambda: logits.float()),
+        "penalties on the float32 copy": device_ms(lambda: penalties.apply_(work)),
+        "log-partition, row kernel": device_ms(lambda: log_partition(logits, rows)),
+        "logprob candidates (lse + top-5 chunks)": device_ms(lambda: logprob_candidates(logits, rows, 5)),
+        "logprobs 5, chunk candidates (default)": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, True)),
+        "logprobs 5, torch.topk on rows": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, False)),
+        "torch.topk 5": device_ms(lambda: logits.topk(5, dim=-1)),
+        "torch.topk 84 (top-k 20 candidates)": device_ms(lambda: logits.topk(84, dim=-1)),
+    }
+    from fnvllm.executor import fused_sampling
+
+    for name, source in (("", logits), (", flat", flat)):
+        for by_kernel in (True, False):
+            fused_sampling.TOP_K_BY_FILTER_KERNEL = by_kernel
+            label = f"preset{name}, " + ("filter kernel (default)" if by_kernel else "torch.topk candidates")
+            out[label] = device_ms(lambda s=source: Sampler(0).sample(s, qwen_batch))
+        fused_sampling.TOP_K_BY_FILTER_KERNEL = True
+    return out
 
 
 def measure(iters: int) -> dict[str, dict[str, float]]:
@@ -182,10 +287,13 @@ def main() -> None:
     del logits
     old = baseline(args.baseline, args.iters) if args.baseline else None
     new = measure(args.iters)
+    logits, histories = make_inputs()
+    pieces = parts(logits, histories)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"new": new, "old": old, "failures": failures}, f, indent=1)
+            json.dump({"new": new, "old": old, "parts": pieces, "failures": failures}, f, indent=1)
     print("correctness: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))
+    print("\n".join(f"{name:<40} {ms:>8.3f} ms (device)" for name, ms in pieces.items()))
     print(table(new, old))
 
 

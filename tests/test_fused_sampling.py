@@ -11,6 +11,7 @@ import pytest
 import torch
 from tiny_models import write_family
 
+from fnvllm.executor import fused_sampling
 from fnvllm.executor.fused_sampling import NonFiniteLogitsError, check_finite
 from fnvllm.executor.sampler import Sampler, SamplingBatch, prepare_sampling
 from fnvllm.llm import LLM
@@ -141,10 +142,14 @@ TOP_K_ROWS = [
 ]
 
 
+@pytest.mark.parametrize("by_filter_kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_k_rows_sort_only_their_candidates_and_match_the_references(dtype: torch.dtype) -> None:
-    """When every filtered row has a top-k, the sorting path reads only the best candidates of each row (one
-    topk); the tokens are still exactly the references' for the same uniforms, across several draws."""
+def test_top_k_rows_sort_only_their_candidates_and_match_the_references(
+    dtype: torch.dtype, by_filter_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When every filtered row has a top-k, both routes (the filter kernel, or each row's best candidates by one
+    topk and candidates_pick) give exactly the references' tokens for the same uniforms, across several draws."""
+    monkeypatch.setattr(fused_sampling, "TOP_K_BY_FILTER_KERNEL", by_filter_kernel)
     batch = _batch(TOP_K_ROWS)
     assert batch.candidates is not None and batch.candidates < VOCAB
     for step in range(4):

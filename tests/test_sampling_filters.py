@@ -176,3 +176,93 @@ def test_gpu_filtered_pick_real_sizes() -> None:
     uniforms = torch.rand(256, generator=torch.Generator().manual_seed(7))
     got = _run_kernel(logits, settings, uniforms, chunk=sampling.CHUNK, block=sampling_filters.BLOCK)
     assert (got == _reference(logits, settings, uniforms)).float().mean().item() >= 0.99
+
+
+def test_logprob_candidates_give_the_log_partition_and_hold_the_top_n() -> None:
+    """One chunk-summary pass gives logsumexp of the asked rows, and its candidates hold each row's n best logits
+    (a vocabulary that ends in a partial chunk, whose padding never wins)."""
+    from fnvllm.kernels.sampling import logprob_candidates
+
+    logits = (torch.randn(5, 1000) * 4).to(DEVICE)
+    logits[2, 990:] = 50.0  # the best tokens of row 2 in the partial last chunk
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    lse, values, ids = logprob_candidates(logits, rows, 3, chunk=64)
+    torch.testing.assert_close(lse.cpu(), sampling_filters.log_partition_ref(logits[rows.long()].cpu()))
+    top = values.topk(3, dim=-1)
+    want = logits[rows.long()].topk(3, dim=-1)
+    torch.testing.assert_close(top.values.cpu(), want.values.float().cpu())
+    picked = ids.gather(1, top.indices)
+    assert bool((picked < 1000).all()) and all(len(set(r)) == 3 for r in picked.tolist())
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5])
+def test_candidates_pick_matches_the_sorting_reference(top_p: float) -> None:
+    """The candidates kernel draws what filtered_sample_sorted draws over the same candidates and uniforms
+    (top-k, top-p of the top-k, min-p), and only tokens among each row's top-k."""
+    from fnvllm.kernels.sampling_filters import candidates_pick
+    from fnvllm.kernels.sampling_ref import filtered_sample_sorted
+
+    num_rows, vocab, num_candidates = 12, 500, 40
+    gen = torch.Generator().manual_seed(int(top_p * 10))
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 2).to(DEVICE)
+    scale = torch.full((num_rows,), 1 / 0.7, device=DEVICE)
+    top_k = torch.randint(1, 30, (num_rows,), generator=gen).to(DEVICE, torch.int32)
+    top_p_t = torch.full((num_rows,), top_p, device=DEVICE)
+    min_p = torch.tensor([0.0, 0.05] * (num_rows // 2), device=DEVICE)
+    drawn = torch.rand(3, num_rows, generator=gen).to(DEVICE)
+    ids = logits.topk(num_candidates, dim=-1).indices.sort(dim=-1).values
+    values = logits.gather(1, ids)
+    out = torch.zeros(2, num_rows, dtype=torch.int64, device=DEVICE)
+    rows = torch.arange(num_rows, dtype=torch.int32, device=DEVICE)
+    candidates_pick(values, ids, rows, scale, top_k, top_p_t, min_p, drawn, out)
+    want = ids.gather(1, filtered_sample_sorted(values, scale, top_k, top_p_t, min_p, drawn[0])[:, None])[:, 0]
+    assert torch.equal(out[0], want)
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k.long() - 1)[:, None])[:, 0]
+    assert bool((logits.gather(1, out[0][:, None])[:, 0] >= kth).all())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, top_k=6, top_p=0.7), SamplingParams(temperature=0.8, top_k=5, min_p=0.1)],
+)
+def test_candidates_pick_draws_the_filtered_distribution(params: SamplingParams) -> None:
+    """Over 400 draws at random uniforms (the interpreter is slow), the candidates kernel's tokens fit the exact
+    filtered distribution (chi-square against the sorting oracle of test_sampling_mixed)."""
+    from fnvllm.kernels.sampling_filters import candidates_pick
+
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2, -2.0, 0.8])
+    num_rows = 400
+    ids = row.topk(8).indices.sort().values.expand(num_rows, -1).contiguous().to(DEVICE)  # 8 candidates
+    values = row.to(DEVICE)[ids]
+    full = {"dtype": torch.float32, "device": DEVICE}
+    settings = (
+        torch.full((num_rows,), 1.0 / params.temperature, **full),
+        torch.full((num_rows,), params.top_k or 0, dtype=torch.int32, device=DEVICE),
+        torch.full((num_rows,), params.top_p, **full),
+        torch.full((num_rows,), params.min_p, **full),
+        torch.rand(3, num_rows, generator=torch.Generator().manual_seed(8)).to(DEVICE),
+    )
+    out = torch.zeros(2, num_rows, dtype=torch.int64, device=DEVICE)
+    candidates_pick(values, ids, torch.arange(num_rows, device=DEVICE), *settings, out)
+    counts = torch.bincount(out[0].cpu(), minlength=row.numel())
+    assert chi_square_p_value(counts, filtered_distribution(row, params)) > P_VALUE_FLOOR, counts.tolist()
+
+
+def test_sampler_logprobs_by_kernels_equal_the_references() -> None:
+    """Logprobs through the kernels' chunk candidates (asked rows only, n 5 and 0) equal log_softmax's top-n and
+    the sampled token's log-probability from the references' path."""
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+
+    vocab = 2000
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE)
+    params = [SamplingParams(temperature=0.7, logprobs=5, seed=i) for i in range(4)]
+    params += [SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.7, logprobs=0, seed=8)]
+    batch = prepare_sampling(params, [0] * 6, [None] * 6, vocab, DEVICE)
+    got = Sampler(kernels=True).sample(logits, batch).logprobs
+    want = Sampler(kernels=False).sample(logits, batch).logprobs
+    assert got is not None and want is not None
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs)
+    assert torch.equal(got.top_ids, want.top_ids)
+    torch.testing.assert_close(got.sampled_logprobs, want.sampled_logprobs)
+    expected = logits.float().log_softmax(dim=-1)[[0, 1, 2, 3, 5]].topk(5, dim=-1).values
+    torch.testing.assert_close(got.top_logprobs, expected)

@@ -2,8 +2,12 @@
 
 ``sample_with_kernels`` (CUDA): for each row group (the rows sampled from the logits as they are, and the
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
-take the argmax, unfiltered rows are done), then one ``filtered_pick`` launch redraws the group's top-k / top-p /
-min-p rows. A batch with no penalties and no filters is exactly two kernel launches over the logits.
+take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
+``filtered_pick`` launch when every such row has a top-k or only a min-p (or, with TOP_K_BY_FILTER_KERNEL off,
+top-k rows from their best candidates: torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch
+with no penalties and no filters is exactly two kernel launches over the logits. Penalised rows: a float32 copy,
+edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the penalties come from the
+executor's slot buffer).
 
 ``sample_with_references`` (CPU, or anywhere without Triton): the same computation with
 ``fnvllm.kernels.sampling_ref``; uniforms of unseeded rows come from a torch.Generator.
@@ -21,12 +25,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from fnvllm.executor.base import NonFiniteLogitsError
-from fnvllm.kernels.sampling_ref import filtered_sample_sorted, log_partition_ref, sample_rows_ref
+from fnvllm.kernels.sampling_ref import filtered_sample_sorted, sample_rows_ref
 
 if TYPE_CHECKING:
     from fnvllm.executor.sampler import RowGroup, SamplingBatch
 
-__all__ = ["NonFiniteLogitsError", "check_finite", "log_partition_of", "sample_with_kernels", "sample_with_references"]
+__all__ = [
+    "NonFiniteLogitsError",
+    "check_finite",
+    "sample_with_kernels",
+    "sample_with_references",
+]
 
 
 def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
@@ -38,18 +47,28 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor |
     return batch.penalties.apply_(work)
 
 
+# Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on
+# the H200 at 256 rows x 151,936 bf16, top_p 0.95 / top_k 20 (bench_sampling.py, call of 2026-12-01 20:41): 0.49 ms
+# per sampling call by the kernel, 0.62 by the candidates (torch.topk alone: 0.44 ms); with logits of a random-weight
+# checkpoint's spread (std 0.64): 0.52 and 0.65.
+TOP_K_BY_FILTER_KERNEL = True
+
+
 def sample_with_kernels(
     logits: torch.Tensor, batch: SamplingBatch, seed: int, filter_kernel: bool = False
 ) -> torch.Tensor:
     """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox.
 
     Filtered rows (top-k / top-p / min-p) are drawn by ``filtered_pick`` (one program per row that reads only the
-    chunks that can reach its threshold) when ``filter_kernel`` or when they only have a min-p; otherwise by
-    sorting on the device (``filtered_sample_sorted``, the same function), over each row's best candidates when
-    every one has a top-k. Why: on the bench's random-weight checkpoint, whose logits are nearly flat, every chunk
-    can reach a top-p threshold and the kernel's search reads the row many times; end to end, top_p 0.95 /
-    top_k 20 fell from 22.6k to 11.6k output tok/s on the H200 with the kernel, 23.6k with the candidates
-    (BENCHMARKS.md), while min-p alone ran at full speed with the kernel and slowly with a full sort."""
+    chunks that can reach its threshold) when ``filter_kernel``, or when every one has a top-k (its tokens at or
+    above the k-th largest chunk maximum are compacted and sorted in registers; TOP_K_BY_FILTER_KERNEL) or only a
+    min-p; otherwise (a row with a top-p and no top-k) by sorting whole rows on the device
+    (``filtered_sample_sorted``). Why: the kernel's
+    top-p search reads a row many times where logits are nearly flat (the bench's random-weight checkpoint: top_p
+    0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s end to end before top-k rows compacted their
+    candidates). Measured on the H200 at 256 rows x 151,936 (bench_sampling.py): top_p 0.95 / top_k 20 by the
+    kernel 0.49 ms per call, by torch.topk candidates 0.62 ms (torch.topk alone 0.44 ms); min-p alone runs at full
+    speed with the kernel and slowly with a full sort."""
     from fnvllm.kernels.sampling import RowSampling, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
@@ -69,30 +88,34 @@ def sample_with_kernels(
         stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
         if not group.filtered.shape[0]:
             continue
-        if filter_kernel or batch.min_p_only:
+        if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:
-            _filtered_by_sorting(source, group, batch, state.drawn[0], state.out)
+            _filtered_by_sorting(source, group, batch, state.drawn, state.out)
     return state.out
 
 
 def _filtered_by_sorting(
-    source: torch.Tensor, group: RowGroup, batch: SamplingBatch, uniforms: torch.Tensor, out: torch.Tensor
+    source: torch.Tensor, group: RowGroup, batch: SamplingBatch, drawn: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Overwrite out[0] at the group's filtered rows with their filtered draws, by sorting on the device, at the
-    uniforms ``sample_rows`` recorded (so a seeded row draws what the kernel path would draw). When every filtered
-    row has a top-k, only each row's ``batch.candidates`` best tokens are sorted (one ``topk``): its kept set lies
-    among them (top-p and min-p only cut further), ties at the k-th logit included up to the margin."""
-    rows = group.filtered.long()  # (F,) batch rows
-    values = source.index_select(0, group.filtered_sources.long())  # (F, V)
-    settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)]
+    """Overwrite out[0] at the group's filtered rows with their filtered draws, at the uniforms ``sample_rows``
+    recorded in drawn[0] (so a seeded row draws what the kernel path would draw). When every filtered row has a
+    top-k, only each row's ``batch.candidates`` best tokens are looked at (``torch.topk``; its kept set lies among
+    them: top-p and min-p only cut further, ties at the k-th logit included up to the margin), and one
+    ``candidates_pick`` launch thresholds and draws every row in registers; otherwise rows are sorted whole."""
+    from fnvllm.kernels.sampling_filters import candidates_pick
+
+    every = group.filtered.shape[0] == source.shape[0]  # then the sources are 0..F-1, ascending: no copy
+    values = source if every else source.index_select(0, group.filtered_sources.long())  # (F, V)
     if batch.candidates is None:
+        rows = group.filtered.long()  # (F,) batch rows
+        settings = [t.index_select(0, rows) for t in (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn[0])]
         out[0].index_copy_(0, rows, filtered_sample_sorted(values, *settings))
         return
     ids = values.topk(batch.candidates, dim=-1).indices.sort(dim=-1).values  # (F, C) token ids, ascending
-    picked = filtered_sample_sorted(values.gather(1, ids), *settings)  # (F,) positions among the candidates
-    out[0].index_copy_(0, rows, ids.gather(1, picked[:, None]).squeeze(1))  # in id order, as the draw over V
+    settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, drawn)
+    candidates_pick(values.gather(1, ids).float(), ids, group.filtered, *settings, out)  # one variant: float32
 
 
 def _group_rows(group: RowGroup, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -111,15 +134,6 @@ def sample_with_references(logits: torch.Tensor, batch: SamplingBatch, generator
         values = values.index_copy(0, _group_rows(batch.penalised, batch.num_rows, device), work)
     tokens, non_finite = sample_rows_ref(values, batch.scale, batch.top_k, batch.top_p, batch.min_p, uniforms)
     return torch.stack([tokens, non_finite.long()])
-
-
-def log_partition_of(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(L,) float32 log sum exp of the raw logits rows ``rows``: a kernel on CUDA, the reference elsewhere."""
-    if logits.device.type == "cuda":
-        from fnvllm.kernels.sampling_filters import log_partition
-
-        return log_partition(logits, rows)
-    return log_partition_ref(logits.index_select(0, rows))
 
 
 def check_finite(flags: Sequence[int], seq_ids: Sequence[str]) -> None:

@@ -14,14 +14,18 @@ sequence when it samples. Every write is keyed by (slot, position): a speculativ
 positions its replacement writes again, or that no reader reaches before they are rewritten (a row reads
 ``[0, ctx)`` and its next sample lands at ``ctx``), so overlapped and plain stepping read the same tokens.
 
-Penalties are then applied densely over the vocabulary for the penalised rows only (P of the S sampled rows):
-one scatter of their tokens into (P, V) counts and seen-masks, then
+Penalties are then applied by ``fnvllm.kernels.penalties`` to the penalised rows only (P of the S sampled rows):
+one program per row reads its tokens ``[0, ctx)`` from the buffer and edits its float32 logits at the tokens it
+has seen (no pass over the vocabulary; a per-row int32 count scratch, zero between launches, holds its output
+counts while it runs):
 
     repetition (HF), on every token seen in prompt or output:   logit = logit / r if logit > 0 else logit * r
     presence / frequency (OpenAI), on output tokens:            logit -= frequency * count + presence * (count > 0)
 
-The buffer is allocated on the first penalised request (42 MB at 256 slots of 40,960 tokens); steps without a
-penalised row do no work here.
+On a GPU the buffer (42 MB at 256 slots of 40,960 tokens) and the count scratch (78 MB: 128 rows of a
+151,936-token vocabulary) are allocated when the executor starts, before the KV cache is sized, so that a first
+penalised request allocates nothing mid-run; on the CPU the buffer comes with the first penalised request. Steps
+without a penalised row do no work here.
 """
 
 from __future__ import annotations
@@ -33,29 +37,41 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
+from fnvllm.kernels.sampling_ref import penalize_ref
 from fnvllm.state.plan import StepPlan
+
+SCRATCH_ROWS = 128  # rows of the penalty kernel's count scratch (its programs; more rows are taken in turn)
 
 
 @attrs.frozen(eq=False)
-class DensePenalties:
-    """One step's penalties of the P penalised rows (in sampling order), read from the slot buffer.
+class SlotPenalties:
+    """One step's penalties of the P penalised rows (in sampling order), read from the slot buffer on the device.
 
-    counts: (P, V) int32 output-token counts. seen: (P, V) bool, tokens seen in prompt or output.
-    repetition / frequency / presence: (P,) float32.
+    tokens: the (num_slots, max_len) int32 buffer. meta: (3, P) int64 slot, context length, outputs per row.
+    factors: (3, P) float32 repetition, frequency, presence. counts: the (G, V) int32 zero scratch of the kernel,
+    one row per program (None off CUDA: the reference runs there).
     """
 
-    counts: torch.Tensor
-    seen: torch.Tensor
-    repetition: torch.Tensor
-    frequency: torch.Tensor
-    presence: torch.Tensor
+    tokens: torch.Tensor
+    meta: torch.Tensor
+    factors: torch.Tensor
+    counts: torch.Tensor | None
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """In place on the (P, V) float32 logits of the penalised rows: repetition, then presence / frequency."""
-        rep = self.repetition[:, None]
-        logits.copy_(torch.where(self.seen, torch.where(logits > 0, logits / rep, logits * rep), logits))
-        counts = self.counts.float()
-        return logits.sub_(self.frequency[:, None] * counts + self.presence[:, None] * (counts > 0).float())
+        return penalize(logits, self.tokens, self.meta, self.factors, self.counts)
+
+
+def penalize(
+    work: torch.Tensor, tokens: torch.Tensor, meta: torch.Tensor, factors: torch.Tensor, counts: torch.Tensor | None
+) -> torch.Tensor:
+    """``fnvllm.kernels.penalties.penalize_`` on CUDA (``counts``: its zero scratch), ``penalize_ref`` elsewhere
+    (imported lazily: Triton may be missing from a CPU install)."""
+    if work.device.type == "cuda" and counts is not None:
+        from fnvllm.kernels.penalties import penalize_
+
+        return penalize_(work, tokens, meta, factors, counts)
+    return penalize_ref(work, tokens, meta, factors)
 
 
 class SlotHistory:
@@ -66,7 +82,22 @@ class SlotHistory:
 
     def __init__(self, num_slots: int, max_len: int, vocab_size: int, device: torch.device) -> None:
         self.num_slots, self.max_len, self.vocab_size, self.device = num_slots, max_len, vocab_size, device
-        self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32, on the first penalised request
+        self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32
+        self.counts: torch.Tensor | None = None  # (min(num_slots, SCRATCH_ROWS), vocab_size) int32 zeros
+        self.in_use = False  # a penalised request was admitted: sampled tokens must be recorded
+        if device.type == "cuda":  # before the KV cache is sized, so that it counts them; and no compile mid-run
+            self._buffer()
+            self.counts = torch.zeros(min(num_slots, SCRATCH_ROWS), vocab_size, dtype=torch.int32, device=device)
+            self._compile()
+
+    def _compile(self) -> None:
+        """Run the penalty kernel once on a one-row batch, so that it compiles now, not in the first penalised step
+        (a stall of seconds mid-run); the shapes that specialise it (vocabulary, row strides) are the real ones."""
+        assert self.tokens is not None and self.counts is not None  # allocated just before
+        work = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
+        meta = torch.tensor([[0], [2], [1]], dtype=torch.int64, device=self.device)
+        factors = torch.tensor([[1.1], [0.5], [0.5]], dtype=torch.float32, device=self.device)
+        penalize(work, self.tokens, meta, factors, self.counts)
 
     def admit(self, plan: StepPlan) -> None:
         """Write the history of every admitted row that carries one (penalised rows) into its slot."""
@@ -77,14 +108,15 @@ class SlotHistory:
         if not admitted:
             return
         tokens = self._buffer()
+        self.in_use = True
         slots = np.repeat([s for s, _ in admitted], [len(h.prompt) + len(h.output) for _, h in admitted])
         positions = np.concatenate([np.arange(len(h.prompt) + len(h.output)) for _, h in admitted])
         ids = np.concatenate([np.asarray(h.prompt + h.output, dtype=np.int64) for _, h in admitted])
         packed = upload(np.stack([slots.astype(np.int64), positions, ids]), self.device)  # (3, N): one copy
         tokens.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
 
-    def penalties(self, plan: StepPlan, rows: Sequence[int]) -> DensePenalties | None:
-        """The dense penalties of the sampled ``rows`` (plan rows, in sampling order) that have one, in that
+    def penalties(self, plan: StepPlan, rows: Sequence[int]) -> SlotPenalties | None:
+        """The penalties of the sampled ``rows`` (plan rows, in sampling order) that have one, in that
         order (the sampler's penalised rows); None when none has. Reads each one's tokens ``[0, ctx)``."""
         picked = [i for i in rows if plan.params[i].needs_history]
         if not picked:
@@ -101,24 +133,12 @@ class SlotHistory:
             ],
             dtype=np.float32,
         )
-        on = upload(ints, self.device)  # (3, P): slot, context length, outputs
-        factors = upload(reals, self.device)  # (3, P): repetition, frequency, presence
-        width = max(ctx)
-        seq = tokens.index_select(0, on[0])[:, :width].long()  # (P, L) each row's tokens, padded past ctx
-        position = torch.arange(width, device=self.device)
-        valid = position < on[1][:, None]  # (P, L)
-        output = valid & (position >= (on[1] - on[2])[:, None])
-        vocab = self.vocab_size
-        counts = torch.zeros(len(picked), vocab + 1, dtype=torch.int32, device=self.device)
-        counts.scatter_add_(1, torch.where(output, seq, vocab), torch.ones_like(seq, dtype=torch.int32))
-        seen = torch.zeros(len(picked), vocab + 1, dtype=torch.bool, device=self.device)
-        seen.scatter_(1, torch.where(valid, seq, vocab), True)
-        return DensePenalties(counts[:, :vocab], seen[:, :vocab], factors[0], factors[1], factors[2])
+        return SlotPenalties(tokens, upload(ints, self.device), upload(reals, self.device), self.counts)
 
     def record(self, plan: StepPlan, rows: Sequence[int], sampled: torch.Tensor) -> None:
         """Write each penalised row's new token (``sampled``: (S,) ids of ``rows``, on the device) at its
         context length, where its next step reads it."""
-        if self.tokens is None:
+        if self.tokens is None or not self.in_use:
             return  # no penalised request was ever admitted
         picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
         ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for _, i in picked]

@@ -32,7 +32,7 @@ from fnvllm.state.plan import TokenHistory
 class Penalties(Protocol):
     """One step's penalties of the penalised rows (P of them, in batch order), however built: from the plan's
     token histories (``PenaltyBatch``) or from the executor's per-slot token buffer
-    (``fnvllm.executor.history.DensePenalties``)."""
+    (``fnvllm.executor.history.SlotPenalties``)."""
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """In place on the (P, V) float32 logits of the penalised rows; returns them."""

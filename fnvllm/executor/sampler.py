@@ -4,14 +4,19 @@ The host builds a `SamplingBatch` once per step (`prepare_sampling`: one pass ov
 copy, plus the penalty lists when a row has one); `Sampler.sample` never reads a tensor back to the host. No
 option of one row changes how another row is sampled, and a row pays only for the options it uses:
 
-    penalised rows:  copied to float32 (only those rows), penalised there by sparse edits (`penalties.py`),
-                     sampled from the copy; the other rows are sampled from the logits as they are;
+    penalised rows:  copied to float32 (only those rows), penalised there at the tokens each has seen (one
+                     launch of `fnvllm.kernels.penalties` reading the executor's slot buffer, or sparse torch
+                     edits from host histories, `penalties.py`), sampled from the copy; the other rows are
+                     sampled from the logits as they are;
     every row:       one read of its logits at full parallelism, one uniform, 1/C of a re-read
                      (`fnvllm.kernels.sampling.sample_rows`); greedy rows (temperature 0 or top_k 1) take the
                      argmax found by the same read;
-    filtered rows:   top-k / top-p / min-p as one threshold found by a search that streams only that row
-                     (`fnvllm.kernels.sampling_filters.filtered_pick`), then a draw from the kept tokens;
-    logprob rows:    log sum exp of the raw logits (one read of those rows), torch.topk for the top-n.
+    filtered rows:   top-k / min-p rows: one threshold per row found by a program that streams only that row
+                     (`fnvllm.kernels.sampling_filters.filtered_pick`: a top-k row compacts its tokens at or
+                     above its k-th largest chunk maximum and sorts them in registers), then a draw from the kept
+                     tokens; top-p rows without a top-k: sorted on the device;
+    logprob rows:    log sum exp of the raw logits and the top-n candidates from one launch over every chunk
+                     of those rows (torch.topk then sorts only the n chunks that hold the n best).
 
 Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are added to a copy of the logits by one
 sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched.
@@ -48,9 +53,10 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
-from fnvllm.executor.fused_sampling import log_partition_of, sample_with_kernels, sample_with_references
+from fnvllm.executor.fused_sampling import sample_with_kernels, sample_with_references
 from fnvllm.executor.penalties import Penalties, prepare_penalties
 from fnvllm.executor.seeded_noise import seeded_uniforms
+from fnvllm.kernels.sampling_ref import log_partition_ref
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
 from fnvllm.state.plan import TokenHistory
 
@@ -348,19 +354,28 @@ def _make_groups(lists: list[torch.Tensor], num_rows: int, num_penalised: int) -
     return plain, penalised
 
 
+_ALIGN = 4  # int32 elements per 16 bytes: Triton specialises a kernel on whether each pointer is 16-byte aligned
+
+
 def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """One host -> device copy of everything: [scale, top_p, min_p, uniforms ((B,) float32 each); top_k, fixed
     ((B,) int32 each); the logprob rows; each list] as views of one int32 buffer (few torch calls: this runs
-    every step)."""
+    every step). Each view starts at a multiple of 16 bytes, so a batch size never selects another
+    compiled variant of a kernel (a compile stalls a step for a second or more)."""
     num_rows = len(rows.scale)
-    floats = np.array([rows.scale, rows.top_p, rows.min_p, uniforms], dtype=np.float32)  # (4, B)
     fixed = [0] * num_rows
     for i in rows.seeded:
         fixed[i] = 1
-    ints = rows.top_k + fixed + rows.logprobs + [i for part in lists for i in part]
-    flat = upload(np.concatenate([floats.view(np.int32).ravel(), np.array(ints, dtype=np.int32)]), device)
-    sizes = [num_rows, num_rows, len(rows.logprobs), *map(len, lists)]
-    return [*flat[: 4 * num_rows].view(torch.float32).view(4, num_rows).unbind(0), *flat[4 * num_rows :].split(sizes)]
+    floats = np.array([rows.scale, rows.top_p, rows.min_p, uniforms], dtype=np.float32).view(np.int32)  # (4, B)
+    parts = [*floats, rows.top_k, fixed, rows.logprobs, *lists]
+    sizes = [len(part) for part in parts]
+    starts = np.cumsum([0] + [-(-n // _ALIGN) * _ALIGN for n in sizes])
+    flat = np.zeros(int(starts[-1]), dtype=np.int32)
+    for part, at, n in zip(parts, starts, sizes, strict=False):
+        flat[at : at + n] = part
+    on = upload(flat, device)
+    views = [on[at : at + n] for at, n in zip(starts, sizes, strict=False)]
+    return [v.view(torch.float32) for v in views[:4]] + views[4:]
 
 
 def prepare_sampling(
@@ -482,18 +497,42 @@ class Sampler:
         rows, num_top = batch.logprob_rows, batch.max_logprobs
         if rows is None or num_top is None:
             return SamplerOutput(packed=packed, logprobs=None)
-        return SamplerOutput(packed=packed, logprobs=compute_logprobs(raw, packed[0], rows, num_top))
+        kernels = self._uses_kernels(raw.device)
+        return SamplerOutput(packed=packed, logprobs=compute_logprobs(raw, packed[0], rows, num_top, kernels))
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int) -> Logprobs:
+def _logprob_chunk(vocab: int, num_top: int) -> int | None:
+    """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to 1024 whose num_top chunks
+    stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on whole rows)."""
+    chunk = 1024
+    while chunk >= 16 and max(num_top, 1) * chunk * 4 > vocab:
+        chunk //= 2
+    return chunk if chunk >= 16 and -(-vocab // chunk) <= 1024 else None
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int, kernels: bool = False
+) -> Logprobs:
     """Top-`num_top` and sampled-token log-probabilities of the raw logits (B, V) for rows ``rows`` ((L,) distinct,
-    ascending), given the sampled token_ids (B,)."""
-    subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
-    lse = log_partition_of(logits, rows)  # (L,)
-    top = subset.topk(num_top, dim=-1)
-    chosen = subset.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
+    ascending), given the sampled token_ids (B,). With ``kernels`` the log-partition and the top-n come from one
+    pass over every chunk of those rows (``fnvllm.kernels.sampling.logprob_candidates``: torch.topk then sorts only
+    the n chunks that hold the n best, 1/30 of a row at n 5; torch.topk over whole rows took 0.43 ms at 256 x
+    151,936 on the H200); otherwise from logsumexp and torch.topk over the rows."""
+    vocab = logits.shape[1]
+    chosen = torch.take(logits, rows.long() * vocab + token_ids.index_select(0, rows)).float()  # (L,)
+    chunk = _logprob_chunk(vocab, num_top) if kernels else None
+    if chunk is not None:
+        from fnvllm.kernels.sampling import logprob_candidates
+
+        lse, values, ids = logprob_candidates(logits, rows, max(num_top, 1), chunk)
+        top = values.topk(num_top, dim=-1)
+        top_values, top_ids = top.values, ids.gather(1, top.indices)
+    else:
+        subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
+        lse = log_partition_ref(subset)
+        top_values, top_ids = subset.topk(num_top, dim=-1)
     return Logprobs(
-        top_logprobs=top.values.float() - lse[:, None],
-        top_ids=top.indices,
-        sampled_logprobs=chosen.float() - lse,
+        top_logprobs=top_values.float() - lse[:, None],
+        top_ids=top_ids,
+        sampled_logprobs=chosen - lse,
     )

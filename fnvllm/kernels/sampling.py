@@ -42,7 +42,16 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of sample_rows (+ filtered_pick)
 
-__all__ = ["CHUNK", "RowSampling", "fused_sample", "philox_uniforms", "sample_ref", "sample_rows", "sample_rows_ref"]
+__all__ = [
+    "CHUNK",
+    "RowSampling",
+    "fused_sample",
+    "logprob_candidates",
+    "philox_uniforms",
+    "sample_ref",
+    "sample_rows",
+    "sample_rows_ref",
+]
 
 CHUNK = 4096  # tokens per pass-1 program: 38 chunks for a 151,936-token vocabulary
 _MAX_CHUNKS = 1024  # pass 2 holds a row's chunk summaries in registers
@@ -252,6 +261,71 @@ def sample_rows(
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
     return stats
+
+
+LOGPROB_CHUNK = 1024  # chunk of the logprob rows' summaries: the top-n candidates are n chunks of this many tokens
+
+
+@triton.jit(do_not_specialize=["num_programs", "num_top"])
+def _logprob_combine_kernel(
+    stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
+    lse_ptr,  # (L,) float32: receives log sum exp of the row
+    chunks_ptr,  # (L, N) int32: receives the N chunks with the largest maxima, best first
+    num_programs,
+    num_chunks,
+    num_top,
+    CHUNKS_PAD: tl.constexpr,
+):
+    """Row program_id(0): its log-partition, and the num_top chunks holding its num_top largest logits (a runtime
+    count: a new logprobs count compiles nothing)."""
+    i = tl.program_id(0)
+    ids = tl.arange(0, CHUNKS_PAD)
+    live = ids < num_chunks
+    at = i * num_chunks + ids
+    maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
+    sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
+    top = tl.max(maxima, axis=0)
+    tl.store(lse_ptr + i, top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0)))
+    for j in range(num_top):
+        best = tl.max(maxima, axis=0)
+        chunk = tl.min(tl.where(maxima == best, ids, CHUNKS_PAD), axis=0)
+        tl.store(chunks_ptr + i * num_top + j, chunk)
+        maxima = tl.where(ids == chunk, float("-inf"), maxima)
+
+
+def logprob_candidates(
+    logits: torch.Tensor, rows: torch.Tensor, num_top: int, chunk: int = LOGPROB_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the raw logits rows ``rows`` ((L,) int32 or int64, distinct): (lse (L,) float32 log sum exp of each;
+    values (L, num_top * chunk) float32 and ids int64: candidates that hold each row's num_top largest logits).
+    One pass-1 launch over every chunk of those rows (a scale of 0 reads the raw logits), one combine launch and
+    one gather; requires num_top <= the chunks. Why the candidates hold them: a chunk holding one of a row's n
+    best tokens has a maximum at least that token's, and fewer than n chunks can have a larger one, so it is
+    among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf."""
+    num_chunks = _check_source(logits, chunk)
+    if not 0 <= num_top <= num_chunks:
+        raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
+    num_programs, device = rows.shape[0], logits.device
+    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=device)
+    lse = torch.empty(num_programs, dtype=torch.float32, device=device)
+    chunks = torch.empty((num_programs, num_top), dtype=torch.int32, device=device)
+    if num_programs:
+        argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=device)
+        raw = torch.zeros(logits.shape[0], dtype=torch.float32, device=device)  # scale 0: the raw logits
+        _chunk_stats_kernel[(num_programs, num_chunks)](
+            logits, raw, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
+        )  # fmt: skip
+        _logprob_combine_kernel[(num_programs,)](
+            stats, lse, chunks, num_programs, num_chunks, num_top,
+            CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
+        )  # fmt: skip
+    vocab = logits.shape[1]
+    ids = (chunks.long()[:, :, None] * chunk + torch.arange(chunk, device=device)).view(num_programs, -1)  # (L, n*c)
+    inside = ids < vocab
+    flat = rows.long()[:, None] * vocab + torch.where(inside, ids, 0)  # torch.take reads the logical row-major order
+    values = torch.take(logits, flat).float().masked_fill_(~inside, float("-inf"))
+    return lse, values, ids
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import filtered_sample_ref, log_partition_ref
 
-__all__ = ["filtered_pick", "filtered_sample_ref", "log_partition", "log_partition_ref"]
+__all__ = ["candidates_pick", "filtered_pick", "filtered_sample_ref", "log_partition", "log_partition_ref"]
 
 CHUNK = 4096  # = fnvllm.kernels.sampling.CHUNK: the chunks whose maxima let a pass skip them
 BLOCK = 2048  # tokens per streamed block of a row
@@ -315,3 +315,74 @@ def log_partition(logits: torch.Tensor, rows: torch.Tensor, block: int = BLOCK) 
     if rows.shape[0]:
         _log_partition_kernel[(rows.shape[0],)](logits, rows, out, logits.stride(0), logits.shape[1], BLOCK=block)
     return out
+
+
+@triton.jit(do_not_specialize=["num_candidates", "num_rows"])
+def _candidates_pick_kernel(
+    values_ptr,  # (F, C) logits of each filtered row's candidates, in ascending token id order
+    ids_ptr,  # (F, C) int64 their token ids
+    rows_ptr,  # (F,) int32 or int64 batch rows
+    scale_ptr,  # (B,) float32 inverse temperatures (> 0 for these rows)
+    top_k_ptr,  # (B,) int32 or int64, >= 1 for these rows
+    top_p_ptr,  # (B,) float32, 1 = off
+    min_p_ptr,  # (B,) float32, 0 = off
+    drawn_ptr,  # (3, B) float32: plane 0 holds each row's uniform (from sample_rows)
+    out_ptr,  # (2, B) int64: token ids are written to plane 0
+    num_candidates,
+    num_rows,
+    CAP: tl.constexpr,
+):
+    """Threshold, then draw, for filtered row program_id(0) from its candidates alone (all in registers)."""
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    cols = tl.arange(0, CAP)
+    live = cols < num_candidates
+    at = i.to(tl.int64) * num_candidates + cols
+    s = tl.load(values_ptr + at, mask=live, other=0.0).to(tl.float32) * tl.load(scale_ptr + row) + 0.0
+    s = tl.where(live, s, float("-inf"))
+    top = tl.max(s, axis=0)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    v = tl.sort(s, descending=True)  # (CAP,) best first
+    tau_k = tl.sum(tl.where(cols == k - 1, v, 0.0), axis=0)
+    e = tl.where(cols < num_candidates, tl.exp(v - top), 0.0)
+    target = p * tl.sum(tl.where(v >= tau_k, e, 0.0), axis=0)
+    first = tl.sum((tl.cumsum(e, axis=0) < target).to(tl.int32), axis=0)  # ranks before the mass reaches it
+    tau_p = tl.max(tl.where(cols == first, v, float("-inf")), axis=0)  # -inf when rounding ran past the top-k
+    tau = tl.where(p < 1.0, tl.maximum(tau_k, tau_p), tau_k)
+    w = tl.exp(s - top)
+    w = tl.where(live & (s >= tau) & (w >= tl.load(min_p_ptr + row)), w, 0.0)  # kept weights, in id order
+    target = tl.load(drawn_ptr + row) * tl.sum(w, axis=0)
+    crossing = tl.min(tl.where(tl.cumsum(w, axis=0) > target, cols, num_candidates), axis=0)
+    picked = tl.minimum(crossing, tl.max(tl.where(w > 0.0, cols, 0), axis=0))  # float32 sums may fall short
+    tl.store(out_ptr + row, tl.load(ids_ptr + i.to(tl.int64) * num_candidates + picked))
+
+
+def candidates_pick(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    drawn: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Overwrite out[0, rows] with a draw from each row's top-k / top-p / min-p filtered distribution, given its
+    best tokens: values (F, C) their logits and ids (F, C) int64 their token ids, ascending, holding every token
+    the row's top-k keeps (``fused_sampling``: its C best, C above every row's top_k). Settings are (B,) tensors
+    by batch row; drawn (3, B) is what ``sample_rows`` recorded (plane 0: the uniforms); out (2, B) int64. The same
+    draw as ``filtered_sample_sorted`` over the candidates (its float32 rounding, not float64 sums)."""
+    if values.dim() != 2 or values.shape != ids.shape or rows.shape != (values.shape[0],):
+        raise ValueError(
+            f"values and ids must be (F, C) and rows (F,), got {tuple(values.shape)}, {tuple(ids.shape)}, "
+            f"{tuple(rows.shape)}"
+        )
+    if not values.shape[0] or not values.shape[1]:
+        return
+    cap = max(2, int(triton.next_power_of_2(values.shape[1])))
+    _candidates_pick_kernel[(values.shape[0],)](
+        values.contiguous(), ids.contiguous(), rows, scale, top_k, top_p, min_p, drawn, out, values.shape[1],
+        out.shape[1], CAP=cap, num_warps=4,
+    )  # fmt: skip

@@ -94,3 +94,27 @@ def sample_rows_ref(
             args = (logits[rows], scale[rows], k[rows], top_p[rows], min_p[rows], uniforms[rows])
             tokens[rows] = filtered_sample_ref(*args)
     return tokens, ~torch.isfinite(logits).all(dim=-1)
+
+
+def penalize_ref(work: torch.Tensor, tokens: torch.Tensor, meta: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Torch reference of ``fnvllm.kernels.penalties.penalize_``: in place on work (P, V) float32, row i penalised
+    from tokens[meta[0, i], :meta[1, i]] (its last meta[2, i] being outputs) by factors[:, i] (repetition,
+    frequency, presence); returns ``work``. Dense over the vocabulary: one scatter of counts and seen flags."""
+    num_rows, vocab = work.shape
+    if not num_rows:
+        return work
+    buffer_rows, ctx, outputs = meta.long().unbind(0)
+    width = int(ctx.max())
+    seq = tokens.index_select(0, buffer_rows)[:, :width].long()  # (P, L) padded past each row's ctx
+    position = torch.arange(width, device=work.device)
+    valid = (position < ctx[:, None]) & (seq >= 0) & (seq < vocab)
+    output = valid & (position >= (ctx - outputs)[:, None])
+    counts = torch.zeros(num_rows, vocab + 1, dtype=torch.int32, device=work.device)
+    counts.scatter_add_(1, torch.where(output, seq, vocab), output.int())
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=work.device)
+    seen.scatter_(1, torch.where(valid, seq, vocab), True)
+    counts, seen = counts[:, :vocab].float(), seen[:, :vocab]
+    repetition, frequency, presence = (f[:, None] for f in factors.float().unbind(0))
+    edited = torch.where(work > 0, work / repetition, work * repetition)
+    edited = edited - (frequency * counts + presence * (counts > 0).float())
+    return work.copy_(torch.where(seen, edited, work))

@@ -1,0 +1,98 @@
+"""The penalty kernel (fnvllm/kernels/penalties.py, under TRITON_INTERPRET on CPU) against its torch reference and
+against the sparse penalties built from full histories (fnvllm/executor/penalties.py), on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fnvllm.executor.penalties import apply_penalties, prepare_penalties
+from fnvllm.kernels.penalties import penalize_, penalize_ref
+from fnvllm.state import SamplingParams, TokenHistory
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs in Triton's interpreter
+VOCAB = 300
+
+
+def _case(seed: int, num_rows: int, max_len: int) -> tuple[torch.Tensor, ...]:
+    """Logits (P, V), a token buffer with repeats (more slots than rows), meta and factors."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, VOCAB, generator=gen) * 3
+    tokens = torch.randint(0, 40, (num_rows + 2, max_len), generator=gen, dtype=torch.int32)  # many repeats
+    slots = torch.randperm(num_rows + 2, generator=gen)[:num_rows]
+    ctx = torch.randint(1, max_len + 1, (num_rows,), generator=gen)
+    outputs = (ctx.float() * torch.rand(num_rows, generator=gen)).long()
+    meta = torch.stack([slots, ctx, outputs])
+    signed = (torch.rand(2, num_rows, generator=gen) * 4 - 2).unbind(0)  # frequency, presence in [-2, 2]
+    factors = torch.stack([torch.rand(num_rows, generator=gen) + 0.5, *signed])
+    return logits, tokens, meta, factors
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_equals_reference(seed: int) -> None:
+    """Kernel and reference give the same penalised logits (rows longer than one block included) and the kernel
+    leaves its count scratch all zero."""
+    logits, tokens, meta, factors = _case(seed, num_rows=5, max_len=1500)
+    counts = torch.zeros(6, VOCAB, dtype=torch.int32, device=DEVICE)
+    on = [t.to(DEVICE) for t in (tokens, meta, factors)]
+    got = penalize_(logits.to(DEVICE).clone(), *on, counts)
+    want = penalize_ref(logits.clone(), tokens, meta, factors)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    assert not counts.any()
+    assert not torch.equal(want, logits)  # the case does penalise
+
+
+def test_reference_equals_the_sparse_history_penalties() -> None:
+    """The buffer-based reference equals apply_penalties over PenaltyBatch built from the same histories."""
+    logits, tokens, meta, factors = _case(2, num_rows=4, max_len=50)
+    params, histories = [], []
+    for i in range(4):
+        rep, freq, pres = (float(f) for f in factors[:, i])
+        params.append(SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres))
+        seq = tokens[int(meta[0, i]), : int(meta[1, i])].tolist()
+        split = len(seq) - int(meta[2, i])
+        histories.append(TokenHistory(tuple(seq[:split]), tuple(seq[split:])))
+    batch = prepare_penalties(params, histories, VOCAB, torch.device("cpu"))
+    assert batch is not None
+    torch.testing.assert_close(penalize_ref(logits.clone(), tokens, meta, factors), apply_penalties(logits, batch))
+
+
+def test_fewer_programs_than_rows_take_rows_in_turn() -> None:
+    """With a two-row scratch (two programs) five rows are penalised as the reference does, scratch left zero."""
+    logits, tokens, meta, factors = _case(5, num_rows=5, max_len=40)
+    counts = torch.zeros(2, VOCAB, dtype=torch.int32, device=DEVICE)
+    on = [t.to(DEVICE) for t in (tokens, meta, factors)]
+    got = penalize_(logits.to(DEVICE).clone(), *on, counts)
+    torch.testing.assert_close(got.cpu(), penalize_ref(logits.clone(), tokens, meta, factors), rtol=0, atol=0)
+    assert not counts.any()
+
+
+def test_kernel_rejects_a_scratch_of_another_vocabulary() -> None:
+    """A count scratch whose width is not the vocabulary is refused with a message naming it."""
+    logits, tokens, meta, factors = _case(3, num_rows=3, max_len=8)
+    with pytest.raises(ValueError, match="counts"):
+        penalize_(logits, tokens, meta, factors, torch.zeros(2, VOCAB - 1, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_at_the_bench_size_never_syncs() -> None:
+    """256 rows x 151,936 with ~600-token histories: the kernel makes no host synchronisation and equals the
+    reference."""
+    num_rows, vocab = 256, 151936
+    gen = torch.Generator().manual_seed(4)
+    work = (torch.randn(num_rows, vocab, generator=gen) * 3).cuda()
+    tokens = torch.randint(0, vocab, (num_rows, 1024), generator=gen, dtype=torch.int32).cuda()
+    ctx = torch.randint(500, 700, (num_rows,), generator=gen)
+    meta = torch.stack([torch.arange(num_rows), ctx, ctx // 2]).cuda()
+    factors = torch.tensor([[1.05], [0.3], [0.2]]).expand(3, num_rows).contiguous().cuda()
+    counts = torch.zeros(num_rows, vocab, dtype=torch.int32, device="cuda")
+    want = penalize_ref(work.clone(), tokens, meta, factors)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = penalize_(work.clone(), tokens, meta, factors, counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not counts.any()
