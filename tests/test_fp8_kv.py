@@ -10,21 +10,13 @@ it is compared bit for bit; the attention kernels read e4m3 natively and are com
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from triton_guard import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
-if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
-        allow_module_level=True,
-    )
+DEVICE = require_triton()
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -41,7 +33,6 @@ from fnvllm.model.sharding import TensorParallel  # noqa: E402
 from fnvllm.state import InvalidConfigError, SamplingParams  # noqa: E402
 from fnvllm.testing.checkpoints import write_tiny_checkpoint  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

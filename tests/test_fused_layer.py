@@ -4,21 +4,13 @@ interpreter, against the same checkpoint with the torch ops: same logits through
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from triton_guard import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
-if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
-        allow_module_level=True,
-    )
+DEVICE = require_triton()
 
 from fnvllm.executor.device_inputs import build_attention_metadata  # noqa: E402
 from fnvllm.kernels import skinny_gemm  # noqa: E402
@@ -28,7 +20,6 @@ from fnvllm.model import DecoderForCausalLM, ModelConfig, load_model  # noqa: E4
 from fnvllm.model.ops import TORCH_OPS, ops_for, triton_ops  # noqa: E402
 from fnvllm.testing.checkpoints import write_tiny_checkpoint  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 8
 CHUNKS = [11, 6, 1, 1, 1]  # two prefill chunks, then decodes
 

@@ -10,25 +10,16 @@ bfloat16 (the interpreter also rounds bf16 by truncation).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from triton_guard import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
-if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
-        allow_module_level=True,
-    )
+DEVICE = require_triton()
 
 from fnvllm.executor.device_inputs import build_attention_metadata  # noqa: E402
 from fnvllm.kernels import decode_attention, fused_ops, prefill_attention, sampling, store_kv  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -5,28 +5,19 @@ and inside a CUDA graph. Tolerances on ||out - ref|| / ||ref|| as in test_kernel
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_guard import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
-if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
-        allow_module_level=True,
-    )
+DEVICE = require_triton()
 
 from fnvllm.kernels import fused_moe as fm  # noqa: E402
 from fnvllm.kernels import moe_route  # noqa: E402
 from fnvllm.kernels.reference import route_ref as route  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 TINY = fm.MoeKernelConfig(block_m=16, block_n=16, block_k=16, group_m=2)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

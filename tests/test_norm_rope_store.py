@@ -3,25 +3,14 @@ reference and against the unfused Triton kernels it replaces, under Triton's int
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_guard import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-triton_language = pytest.importorskip("triton.language", reason="triton is not importable: Triton kernel tests skipped")
-if not torch.cuda.is_available() and type(triton_language.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set (run with TRITON_INTERPRET=1)",
-        allow_module_level=True,
-    )
+DEVICE = require_triton()
 
 from fnvllm.kernels import fp8, fused_ops  # noqa: E402
 from fnvllm.kernels.store_kv import norm_rope_store, norm_rope_store_ref, store_kv  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_inputs(
