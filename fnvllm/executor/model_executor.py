@@ -314,6 +314,12 @@ class ModelExecutor:
             [SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1, logprobs=5)] * 8,
             [SamplingParams(temperature=0.6, min_p=0.05, repetition_penalty=1.1)] * 4
             + [SamplingParams(temperature=0.6, top_p=0.9, presence_penalty=0.5)] * 4,
+            # the settings users send most, each alone and beside plain rows: the penalty kernel with top-k rows,
+            # logprobs without a filter (their kernel variants otherwise compile at their first use, mid-run)
+            [SamplingParams(temperature=0.6, top_k=20, top_p=0.95, repetition_penalty=1.05)] * 4
+            + [SamplingParams(temperature=0.6)] * 4,
+            [SamplingParams(temperature=0.6, logprobs=5)] * 4 + [SamplingParams(temperature=0.6)] * 4,
+            [SamplingParams(temperature=0.6, logprobs=5)] * 8,
         )
         for params in batches:
             params = params[: logits.shape[0]]  # max_num_seqs may be below 8
