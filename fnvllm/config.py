@@ -26,6 +26,7 @@ MAX_BLOCK_SIZE = 4096
 MAX_BATCHED_TOKENS = 1 << 24
 MAX_TENSOR_PARALLEL = 1024
 MAX_CPU_KV_CACHE_GIB = 1 << 20
+MAX_MIXED_GRAPH_TOKENS = 4096  # captured mixed-step buckets grow memory and start-up time with this
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float", "fp32", "bf16", "half", "fp16")
 
@@ -75,6 +76,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "attention_backend": _backend_name,
     "seed": _int("seed", *SEED_RANGE),
     "enforce_eager": lambda value: check_bool(value, "EngineConfig.enforce_eager", CONFIG),
+    "mixed_graph_tokens": _int("mixed_graph_tokens", 0, MAX_MIXED_GRAPH_TOKENS),
     "overlap_steps": lambda value: check_bool(value, "EngineConfig.overlap_steps", CONFIG),
     "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
     "kv_cache_dtype": _choice("kv_cache_dtype", "auto", "fp8"),
@@ -111,6 +113,9 @@ class EngineConfig:
         ``fnvllm.kernels.backends`` ("torch", "triton", "flash"); a named backend that cannot run here is an
         error when the LLM is built, naming what to install.
     enforce_eager: never capture CUDA graphs (decode steps run eagerly).
+    mixed_graph_tokens: also capture CUDA graphs for mixed steps (prompt chunks beside decode rows) of up to this
+        many tokens, in [0, 4096] (0: mixed steps run eagerly). Such steps are launch-bound when run eagerly
+        (a served Poisson load makes many of them); the Triton attention backend only (``executor.mixed_graphs``).
     overlap_steps: on a GPU, plan and launch each decode step while the previous one still runs, feeding it the
         previous step's tokens on the device (``fnvllm.state.overlap``); False runs one step at a time.
     model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
@@ -142,6 +147,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    mixed_graph_tokens: int = 512
     overlap_steps: bool = True
     model_ops: str = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from triton_guard import require_triton
@@ -18,7 +19,7 @@ from triton_guard import require_triton
 DEVICE = require_triton()
 
 from fnvllm.executor.device_inputs import build_attention_metadata  # noqa: E402
-from fnvllm.kernels import decode_attention, fused_ops, prefill_attention, sampling, store_kv  # noqa: E402
+from fnvllm.kernels import decode_attention, fused_ops, prefill_attention, prefill_work, sampling, store_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -312,6 +313,43 @@ def test_prefill_block_256() -> None:
     """A 256-token block holding a long prefix; the key loop runs inside one block (one id per tile)."""
     out, ref = run_prefill(((50, 6), (0, 1), (3, 2)), 4, 2, 256, torch.bfloat16, block_m=32, block_n=16)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_prefill_work_list_padded_batch_matches_reference() -> None:
+    """The captured-launch form: a work list sized for a padded bucket (padding tokens and sequences with no
+    tokens) gives the reference's output on the real tokens and leaves the padding rows unwritten."""
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 16
+    gen = torch.Generator().manual_seed(3)
+    lengths = [start + q_len for start, q_len in MIXED_BATCH]
+    table = random_tables(lengths, block_size, gen)
+    k_cache, v_cache = random_cache(table, lengths, num_kv_heads, head_dim, torch.float32, gen, block_size)
+    tables = [row[: math.ceil(n / block_size)].tolist() for row, n in zip(table, lengths, strict=True)]
+    starts, q_lens = [s for s, _ in MIXED_BATCH], [n for _, n in MIXED_BATCH]
+    meta = build_attention_metadata(starts, q_lens, tables, block_size, DEVICE)
+    num_tokens, num_seqs, pad_tokens, pad_seqs = meta.num_tokens, meta.num_seqs, 5, 3
+    q = torch.randn(num_tokens + pad_tokens, num_heads, head_dim, generator=gen).to(DEVICE)
+    cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(pad_seqs)])  # padding sequences: no tokens
+    seq_lens = torch.cat([meta.seq_lens, torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)])
+    block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:pad_seqs])])
+    tokens = prefill_work.prefill_tokens_per_tile(num_heads, num_kv_heads)
+    capacity = (num_tokens + pad_tokens) // tokens + num_seqs + pad_seqs
+    work = torch.from_numpy(prefill_work.prefill_work_list(np.array(q_lens), tokens, capacity)).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention.paged_prefill_attention(
+        q, k_cache, v_cache, cu, seq_lens, block_tables, 1, head_dim**-0.5, out, work=work
+    )
+    args = (meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, head_dim**-0.5)
+    ref = prefill_attention.paged_prefill_attention_ref(q[:num_tokens], k_cache, v_cache, *args)
+    assert rel_err(out[:num_tokens], ref) < TOLERANCE[torch.float32]
+    assert torch.isnan(out[num_tokens:]).all()
+
+
+def test_prefill_work_list_order_padding_and_capacity() -> None:
+    """Counter 0 of every sequence first, padding rows ask for an unreachable counter, overflow is refused."""
+    work = prefill_work.prefill_work_list(np.array([1, 9]), 4, 6)
+    assert work.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [0, 6], [0, 6]]
+    with pytest.raises(ValueError, match="holds 3 tiles, the step needs 4"):
+        prefill_work.prefill_work_list(np.array([1, 9]), 4, 3)
 
 
 def test_prefill_rejects_bad_arguments() -> None:

@@ -22,6 +22,7 @@ sequence's end hold stale ids that the kernel never reads (it stops at seq_lens)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -69,10 +70,19 @@ class StagedLayout:
         return (*int64, seq_lens, tables)
 
 
-class HostStage:
-    """A pinned host buffer in a ``StagedLayout`` with numpy views to fill, and the event of its last copy."""
+class Layout(Protocol):
+    """A staged buffer's layout: its size and its typed views (``StagedLayout``, ``mixed_graphs.MixedLayout``)."""
 
-    def __init__(self, layout: StagedLayout) -> None:
+    @property
+    def num_bytes(self) -> int: ...
+
+    def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+
+class HostStage:
+    """A pinned host buffer in a ``Layout`` with numpy views to fill, and the event of its last copy."""
+
+    def __init__(self, layout: Layout) -> None:
         self.buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, pin_memory=True)
         self.arrays = tuple(t.numpy() for t in layout.views(self.buffer))
         self.ready = torch.cuda.Event()

@@ -37,6 +37,7 @@ from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
+from fnvllm.executor.mixed_graphs import MixedGraphs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
@@ -45,6 +46,7 @@ from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, KVCache
 from fnvllm.kernels.backends import resolve_backend
 from fnvllm.kernels.fp8 import kv_cache_torch_dtype
+from fnvllm.kernels.prefill_work import prefill_tokens_per_tile
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.kv_scales import read_kv_scales
 from fnvllm.model.loader import checkpoint_files, load_model
@@ -271,6 +273,7 @@ class ModelExecutor:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)  # + the scratch block
         self.scratch_block = self.num_blocks
         self.graphs = self._capture_graphs() if self._use_graphs() else None
+        self.mixed_graphs = self._capture_mixed_graphs() if self._use_mixed_graphs() else None
         self.timeline = StepTimeline.from_env(self._timeline_header(), self.device) if tp.is_first else None
         self.next_step = 0
         # Grammar matchers of constrained requests (``fnvllm.executor.structured``); set by whoever holds the
@@ -403,12 +406,37 @@ class ModelExecutor:
             None if self.tp.is_parallel else self.model.compute_logits,  # a rank > 0 computes no logits
         )
 
+    def _use_mixed_graphs(self) -> bool:
+        """Graphs for small mixed steps: with decode graphs, on our Triton attention (its prefill kernel takes a
+        work list), in one process (tensor-parallel workers run the plans they receive eagerly)."""
+        return (
+            self._use_graphs()
+            and self.backend.name == "triton"
+            and min(self.config.mixed_graph_tokens, self.config.max_num_batched_tokens) >= 2
+            and not self.tp.is_parallel
+        )
+
+    @torch.inference_mode()
+    def _capture_mixed_graphs(self) -> MixedGraphs:
+        num_heads, num_kv_heads = local_heads(self.model_config, self.tp)
+        return MixedGraphs(
+            self._forward,
+            min(self.config.mixed_graph_tokens, self.config.max_num_batched_tokens),
+            self.config.max_num_seqs,
+            math.ceil(self.max_model_len / self.config.block_size),
+            self.config.block_size,
+            self.scratch_block,
+            prefill_tokens_per_tile(num_heads, num_kv_heads),
+            self.device,
+        )
+
     # ---- stepping ----------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Drop the CUDA graphs (under tensor parallelism they hold the group's collectives); later steps run
         eagerly. Idempotent."""
         self.graphs = None
+        self.mixed_graphs = None
 
     def reset(self, next_step: int) -> None:
         """Treat the KV cache as empty and expect ``next_step`` next (contents are simply overwritten later)."""
@@ -447,6 +475,8 @@ class ModelExecutor:
         if not scored_rows and self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
             hidden, logits = self.graphs.run_plan(plan, feed)
             return hidden, logits, True, []
+        if not scored_rows and self.mixed_graphs is not None and self.mixed_graphs.can_run(plan):
+            return self.mixed_graphs.run_plan(plan, feed), None, True, []
         inputs = self.prepare_inputs(plan)
         input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
         hidden = self._forward(input_ids, inputs.meta.positions, inputs.meta)

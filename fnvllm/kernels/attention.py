@@ -53,6 +53,9 @@ class AttentionMetadata:
     max_seqlen_q: longest query chunk this step (1 means an all-decode batch).
     max_seqlen_k: longest context this step.
     block_size: tokens per KV block.
+    prefill_work: a mixed step captured in a CUDA graph: the (W, 2) int32 work list of the Triton prefill kernel
+        (``prefill_attention.prefill_work_list``), which sizes its grid instead of max_seqlen_q; None otherwise
+        (backends without it never see such a step).
     """
 
     positions: torch.Tensor
@@ -63,6 +66,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
+    prefill_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -12,6 +12,13 @@ when that is negative; it then walks key tiles of BLOCK_N tokens with an online 
 The grid's first dimension comes from max_seqlen_q (a host int), so this launcher is for non-decode steps;
 all-decode steps belong to fnvllm.kernels.decode_attention.
 
+Inside a CUDA graph the grid cannot follow the step, so a captured mixed step passes a *work list* instead
+(``prefill_work.prefill_work_list``): row w of an (W, 2) int32 array names the sequence and the tile counter
+(the i above) of program w, the grid is (W, Hkv), and rows past the step's tiles ask for a tile counter no
+sequence reaches (``W``), so their programs exit at once. A graph sized for its token bucket (T tokens, B
+sequences) needs at most T // TOKENS + B rows: sequence b has ceil(q_len_b / TOKENS) <= q_len_b // TOKENS + 1
+tiles.
+
 Worked example (G 2, BLOCK_M 16 -> TOKENS 8, BLOCK_N 16): sequence b has a cached prefix of 20 tokens and feeds
 12 (positions 20..31, L 32). Its two query tiles: tile 1 (tokens 8..11, positions 28..31) runs first, with keys
 0..15 unmasked and keys 16..31 masked; tile 0 (positions 20..27) reads keys 0..15 unmasked, 16..27 masked.
@@ -39,6 +46,7 @@ from fnvllm.kernels.decode_attention import (
     upcast_dot,
 )
 from fnvllm.kernels.fp8 import check_kv_scales
+from fnvllm.kernels.prefill_work import PREFILL_BLOCK_M
 
 _LOG2E = math.log2(math.e)
 
@@ -52,7 +60,7 @@ class PrefillKernelConfig:
     num_warps / num_stages: Triton launch options (stages pipeline the key-tile loop through shared memory).
     """
 
-    block_m: int = 64
+    block_m: int = PREFILL_BLOCK_M
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 4
@@ -122,17 +130,26 @@ def _prefill_kernel(
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
+    work_ptr=None,  # (W, 2) int32 (sequence, tile counter) per program, when USE_WORK
+    USE_WORK: tl.constexpr = False,
 ):
-    """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys.
+    """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys (with
+    USE_WORK: of the sequence and tile that row program_id(0) of the work list names; KV head program_id(1)).
 
     KV_FP8: e4m3 caches, widened to q's dtype in registers, their scales folded into the softmax scale (keys)
     and the output (values), as in the decode kernel; Q_FP16 converts q to float16 first (decode_attention's
     ``fp8_compute_fp16``)."""
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    if USE_WORK:
+        seq = tl.load(work_ptr + 2 * tl.program_id(0))
+        counter = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+        kv_head = tl.program_id(1)
+    else:
+        seq = tl.program_id(1)
+        counter = tl.program_id(0)
+        kv_head = tl.program_id(2)
     q_begin = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
-    tile = tl.cdiv(q_len, TOKENS) - 1 - tl.program_id(0)
+    tile = tl.cdiv(q_len, TOKENS) - 1 - counter
     if tile >= 0:
         seq_len = tl.load(seq_lens_ptr + seq)
         context = seq_len - q_len  # keys cached before this chunk
@@ -192,13 +209,15 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of q (T, Hq, D) over the paged caches; returns (T, Hq, D) in q's dtype.
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32.
 
     cu_seqlens_q (B+1,) int32, seq_lens (B,) int32 (context after this step, >= each q_len), block_tables
-    (B, max_blocks) int32; max_seqlen_q (a host int, >= every q_len) sizes the grid. Knobs left None come from
-    DEFAULT_PREFILL_CONFIG.
+    (B, max_blocks) int32; max_seqlen_q (a host int, >= every q_len) sizes the grid, unless ``work`` (a
+    ``prefill_work.prefill_work_list`` on the device, built for the default block_m) does: then the launch
+    depends on shapes only and can be captured in a CUDA graph. Knobs left None come from DEFAULT_PREFILL_CONFIG.
     """
     given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg = dataclasses.replace(DEFAULT_PREFILL_CONFIG, **{k: v for k, v in given.items() if v is not None})
@@ -212,7 +231,12 @@ def paged_prefill_attention(
     tokens = cfg.block_m // group
     if q.shape[0] == 0 or num_seqs == 0:
         return out
-    _prefill_kernel[(triton.cdiv(max_seqlen_q, tokens), num_seqs, num_kv_heads)](
+    if work is not None:
+        _check_work(work, cfg.block_m)
+        grid: tuple[int, ...] = (work.shape[0], num_kv_heads)
+    else:
+        grid = (triton.cdiv(max_seqlen_q, tokens), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -241,10 +265,20 @@ def paged_prefill_attention(
         UPCAST_DOT=upcast_dot(q.device),
         KV_FP8=k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, k_cache),
+        work_ptr=work,
+        USE_WORK=work is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _check_work(work: torch.Tensor, block_m: int) -> None:
+    """Raise ValueError unless ``work`` is a contiguous (W, 2) int32 work list for the default block_m."""
+    if work.dim() != 2 or work.shape[1] != 2 or work.dtype != torch.int32 or not work.is_contiguous():
+        raise ValueError(f"work must be a contiguous (W, 2) int32 tensor, got {tuple(work.shape)} {work.dtype}")
+    if block_m != PREFILL_BLOCK_M:
+        raise ValueError(f"a work list is built for block_m {PREFILL_BLOCK_M}, got {block_m}")
 
 
 def _check_prefill_args(

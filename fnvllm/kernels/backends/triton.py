@@ -40,6 +40,7 @@ def attend(
         scale,
         k_scale=k_scale,
         v_scale=v_scale,
+        work=meta.prefill_work,
     )
 
 
