@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -73,17 +74,11 @@ def serve_run(url: str, prompts: list[list[int]], params: list[Any], rate: float
     return timings
 
 
-def simulate_same(
-    trace: Path, offsets: Sequence[float], prompts: Sequence[Sequence[int]], params: Sequence[Any], options: dict
-) -> tuple[list[float], list[float]]:
-    """Simulate the requests (same arrivals, prompt lengths and max_tokens); returns per-request TTFT and TPOT."""
+def simulate_same(trace: Path, options: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Simulate the requests of ``trace`` (their arrivals, prompt lengths and max_tokens) under the served engine's
+    options; returns per-request TTFT and TPOT."""
     from fnvllm.sim import SimSpec, run_spec
 
-    lines = [
-        json.dumps({"arrival_s": at, "prompt_len": len(prompt), "output_len": p.max_tokens})
-        for at, prompt, p in zip(offsets, prompts, params, strict=True)
-    ]
-    trace.write_text("\n".join(lines) + "\n")
     result, _ = run_spec(SimSpec(workload=str(trace), **ENGINE, **options))
     rec = result.recorder
     ttft = [first - arrival for first, arrival in zip(rec.first_token, rec.arrival, strict=True)]
@@ -123,7 +118,7 @@ def print_table(rows: Sequence[dict[str, Any]], running: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Serve, load, simulate, compare."""
+    """Serve, load, simulate, compare (or, with --refit, only fit and compare a saved run)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--num-requests", type=int, default=600)
@@ -134,18 +129,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help=f"a small CPU smoke run ({QUICK})")
     parser.add_argument("--out", default=None, help="folder for the server log, trace and report (default: temp)")
+    parser.add_argument(
+        "--refit", action="store_true", help="no server: fit and compare the run saved in --out (on the CPU)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-sim-serve-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.refit:
+        serve_and_record(args, out)
+    analyse(out, args.hardware)
+    return 0
+
+
+def serve_and_record(args: argparse.Namespace, out: Path) -> None:
+    """Serve the load and write what the analysis reads: trace.jsonl (the requests), measured.jsonl (each
+    request's client-side TTFT, TPOT and end-to-end latency), served_timeline.jsonl (the engine's steps) and
+    run.json (device, engine options, the model's shape)."""
     import torch
 
     from fnvllm.bench import write_checkpoint
     from fnvllm.serve.bench import arrival_offsets
     from fnvllm.workloads import bench_workload
 
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-sim-serve-"))
-    out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"torch {torch.__version__} on {device}; writing to {out}", flush=True)
     prompts, params = bench_workload(args.num_requests, args.max_input_len, args.max_output_len, args.seed)
@@ -164,16 +172,100 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             server.terminate()
             server.wait(timeout=60)
-        options = {"model": str(checkpoint), "hardware": args.hardware, "max_model_len": max_model_len}
-        options["overlap"] = torch.cuda.is_available()  # the engine overlaps steps on CUDA only
-        ttft, tpot = simulate_same(out / "trace.jsonl", offsets, prompts, params, options)
-    measured = {"ttft": [t.ttft for t in timings], "tpot": [t.tpot for t in timings]}
-    rows = compare(measured, {"ttft": ttft, "tpot": tpot})
-    running = sum(t.e2e for t in timings) / (max(offsets) + max(t.e2e for t in timings))
-    (out / "report.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
-    print_table(rows, running)
-    print_served_steps(out / "served_timeline.jsonl", args.hardware)
-    return 0
+        config = json.loads((checkpoint / "config.json").read_text())
+    write_trace(out / "trace.jsonl", offsets, [len(p) for p in prompts], [p.max_tokens for p in params])
+    with (out / "measured.jsonl").open("w") as f:
+        for t in timings:
+            f.write(json.dumps({"ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e, "num_tokens": t.num_tokens}) + "\n")
+    run = {"device": device, "args": vars(args), "engine": {**ENGINE, "max_model_len": max_model_len}}
+    run.update(model=config, overlap=torch.cuda.is_available())  # the engine overlaps steps on CUDA only
+    (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+
+
+def write_trace(path: Path, offsets: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int]) -> None:
+    """The requests as a simulator trace (``fnvllm simulate --workload trace.jsonl``)."""
+    lines = [
+        json.dumps({"arrival_s": at, "prompt_len": p, "output_len": o})
+        for at, p, o in zip(offsets, prompt_lens, output_lens, strict=True)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
+    """Compare the measured latencies with the simulation of the same requests: with ``hardware`` as given, then
+    with a serving section fitted on this run's timeline (``fit_serving``) and the server's latency fitted on the
+    clients' TTFT; writes the fitted profile (profile_served.json) and report.json, prints the tables."""
+    import attrs
+
+    from fnvllm.sim import load_profile, save_profile
+    from fnvllm.sim.calibrate import fit_serving
+    from fnvllm.sim.timeline import header_model, read_timeline
+
+    run = json.loads((out / "run.json").read_text())
+    measured_rows = [json.loads(line) for line in (out / "measured.jsonl").read_text().splitlines() if line]
+    measured = {k: [r[k] if r[k] is not None else math.nan for r in measured_rows] for k in ("ttft", "tpot")}
+    options = {"model": _model_file(out, run["model"]), "max_model_len": run["engine"]["max_model_len"]}
+    options.update(overlap=run["overlap"], serve=True)
+    given = load_profile(hardware)
+    tables = {"given": _compare_with(out, given, measured, options)}
+    timeline = out / "served_timeline.jsonl"
+    if timeline.exists():
+        header, records = read_timeline(timeline)
+        model = header_model(header, name=str(run["args"].get("model_shape", "served")))
+        serving = fit_serving(served_load(records), model, given, source=str(timeline))
+        fitted = attrs.evolve(given, serving=serving)
+        ttft, _ = simulate_profile(out, fitted, options)
+        latency = fit_latency(measured["ttft"], ttft)
+        fitted = attrs.evolve(fitted, serving=attrs.evolve(serving, latency_us=latency * 1e6))
+        save_profile(fitted, out / "profile_served.json")
+        tables["served_fit"] = _compare_with(out, fitted, measured, options)
+        print(f"\nfitted serving section: {out / 'profile_served.json'} (server latency {latency * 1e3:.2f} ms)")
+    ends = [r["e2e"] for r in measured_rows]
+    offsets = [json.loads(line)["arrival_s"] for line in (out / "trace.jsonl").read_text().splitlines() if line]
+    running = sum(ends) / (max(offsets) + max(ends))
+    (out / "report.json").write_text(json.dumps({**run, "tables": tables, "rows": tables["given"]}, indent=1))
+    for name, rows in tables.items():
+        print(f"\nprofile: {name}")
+        print_table(rows, running)
+    print_served_steps(timeline, str(out / "profile_served.json") if "served_fit" in tables else hardware)
+    return tables
+
+
+def served_load(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timeline's steps of the timed load: those after the warm-up (the first steps up to the longest idle
+    gap in the first tenth of the run, where the warm-up ends and the load begins)."""
+    head = max(len(records) // 10, 1)
+    ends = [float(r.get("end_s", 0.0)) for r in records[: head + 1]]
+    gaps = [b - a for a, b in itertools.pairwise(ends)]
+    return list(records[gaps.index(max(gaps)) + 1 :]) if gaps else list(records)
+
+
+def fit_latency(measured_ttft: Sequence[float], simulated_ttft: Sequence[float]) -> float:
+    """The server's own latency per request (seconds, >= 0): the median of measured - simulated TTFT over the
+    same requests."""
+    diffs = sorted(m - s for m, s in zip(measured_ttft, simulated_ttft, strict=True) if not math.isnan(m - s))
+    return max(quantile(diffs, 0.5), 0.0) if diffs else 0.0
+
+
+def simulate_profile(out: Path, profile: Any, options: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Per-request TTFT and TPOT of the saved trace simulated with ``profile`` (written beside it)."""
+    from fnvllm.sim import save_profile
+
+    path = out / "profile_simulated.json"
+    save_profile(profile, path)
+    return simulate_same(out / "trace.jsonl", {**options, "hardware": str(path)})
+
+
+def _compare_with(out: Path, profile: Any, measured: dict[str, list[float]], options: dict[str, Any]) -> list:
+    ttft, tpot = simulate_profile(out, profile, options)
+    return compare(measured, {"ttft": ttft, "tpot": tpot})
+
+
+def _model_file(out: Path, config: dict[str, Any]) -> str:
+    """The served model's config.json, saved in ``out`` (the simulator reads the shape from it)."""
+    path = out / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 def print_served_steps(path: Path, hardware: str) -> None:
@@ -188,7 +280,7 @@ def print_served_steps(path: Path, hardware: str) -> None:
         print(f"no served timeline at {path}")
         return
     header, records = read_timeline(path)
-    cost = CostModel(header_model(header), load_profile(hardware))
+    cost = CostModel(header_model(header), load_profile(hardware), serving=True)
     kinds: dict[str, list[list[float]]] = {}
     for record in records:
         shape = record_shape(record)

@@ -49,6 +49,7 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "max_model_len": ("--max-model-len", "cap on prompt + output (default: the model's)"),
     "enable_prefix_caching": ("--no-prefix-caching", "turn the prefix cache off"),
     "overlap": ("--no-overlap", "simulate an engine that does not overlap host work with the device"),
+    "serve": ("--serve", "simulate `fnvllm serve`: the profile's serving overheads and per-request latency"),
 }
 
 
@@ -61,6 +62,8 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
         flag, text = _SPEC_FLAGS[field.name]
         if field.default is True:
             parser.add_argument(flag, dest=field.name, action="store_false", help=text)
+        elif field.default is False:
+            parser.add_argument(flag, dest=field.name, action="store_true", help=text)
         else:
             kind = types.get(field.name, type(field.default))
             parser.add_argument(flag, dest=field.name, type=kind, default=field.default, help=text)

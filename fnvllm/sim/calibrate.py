@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from fnvllm.sim.cost import CostModel, StepShape
-from fnvllm.sim.hardware import HardwareProfile, Overheads
+from fnvllm.sim.hardware import HardwareProfile, Overheads, Serving
 from fnvllm.sim.model import ModelShape
 from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
@@ -50,6 +50,7 @@ __all__ = [
     "fit_bounded",
     "fit_nonnegative",
     "fit_profile",
+    "fit_serving",
     "prediction_error",
 ]
 
@@ -289,3 +290,52 @@ def prediction_error(
         "predicted_s": predicted,
         "num_steps": len(errors),
     }
+
+
+STALL_FACTOR = 10.0  # a served step slower than this many times its kind's median step held a compile: not fitted
+
+
+def fit_serving(
+    records: Sequence[Mapping[str, Any]], model: ModelShape, base: HardwareProfile, source: str = ""
+) -> Serving:
+    """The ``serving`` section of a profile, fitted to the timeline ``records`` of a served run (``fnvllm serve``
+    under load, FNVLLM_TIMELINE set; overlapped steps), with ``base`` (an offline fit) for what they cannot tell.
+
+    Per kind of step: the device model on each step's device time plus the idle gap before it (gpu_ms + gap_ms:
+    their sum over the run is its wall time; a served eager step launches its kernels one by one, so the device
+    waits for the host within and before it), and the host cycle on ``cpu_ms`` of the steps followed by a graph
+    step only: an overlapped step's cycle also launches the next step, and an eager launch (~15-20 ms of host
+    while serving) is already inside that eager step's device time. Left out: a run's first step and steps more
+    than STALL_FACTOR times their kind's median (a compile of a new shape). A kind with fewer than MIN_ROWS steps
+    keeps ``base``'s overheads. The latency outside the engine is not in a timeline: ``latency_us`` stays 0 (the
+    served check fits it from the clients' TTFT).
+    """
+    cost = CostModel(model, base)
+    kinds = {"eager": base.eager, "graph": base.graph}
+    steps = [r for r in records if int(r["num_seqs"]) > 0]
+    for kind, is_graph in (("eager", False), ("graph", True)):
+        chosen = [i for i, r in enumerate(steps) if bool(r["graph"]) == is_graph and i > 0]
+        walls = [float(steps[i]["gpu_ms"]) + float(steps[i].get("gap_ms", 0.0)) for i in chosen]
+        if not walls:
+            continue
+        limit = STALL_FACTOR * float(np.median(walls))
+        kept = [i for i, wall in zip(chosen, walls, strict=True) if wall <= limit]
+        if len(kept) < MIN_ROWS:
+            continue
+        rows = [{**steps[i], "gpu_ms": float(steps[i]["gpu_ms"]) + float(steps[i].get("gap_ms", 0.0))} for i in kept]
+        shapes = [record_shape(r) for r in rows]
+        prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
+        device = _fit_device(cost, shapes, rows, prior)
+        clean = [j for j, i in enumerate(kept) if i + 1 < len(steps) and bool(steps[i + 1]["graph"])]
+        host = {name: getattr(prior, name) for name in _HOST}
+        if len(clean) >= MIN_ROWS and all("cpu_ms" in rows[j] for j in clean):
+            cpu = np.array([float(rows[j]["cpu_ms"]) * 1e3 for j in clean])
+            coef = fit_nonnegative(_features(shapes, rows, clean), cpu)
+            host = dict(zip(_HOST, map(float, coef), strict=True))
+        gap = {name: getattr(prior, name) for name in _GAP}
+        kinds[kind] = attrs.evolve(device, **gap, **host)
+    return Serving(eager=kinds["eager"], graph=kinds["graph"], calibrated_from=source)
+
+
+_HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
+_GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")

@@ -8,6 +8,9 @@ times the layer count, plus the LM head over the sampled rows. So a decode batch
 reads, a long prefill by FLOPs, and neither is summed where they overlap. Matmuls and attention are scaled
 separately by the profile (``scale``, ``attn_scale``): their kernels reach different fractions of the ceilings.
 
+A served run (``serving``) prices its steps with the profile's ``serving`` overheads instead (the server's engine
+process pays more host time per step; ``fnvllm.sim.hardware.Serving``).
+
 Host time is a linear function of the step (rows, new rows, tokens, sampled rows), and a step's wall time follows
 the loop: max(device, host) when steps overlap, device + the plain loop's gap when they do not
 (``fnvllm.sim.hardware.Overheads``).
@@ -29,10 +32,16 @@ _US = 1e-6
 
 class CostModel:
     """Times steps of ``model`` on ``hardware``; ``overlap``: the engine overlaps host work with the device (the
-    default on CUDA). Stateless after construction; cheap per call (no allocation)."""
+    default on CUDA); ``serving``: the steps run under ``fnvllm serve`` (priced by the profile's ``serving``
+    overheads when it has them). Stateless after construction; cheap per call (no allocation)."""
 
-    def __init__(self, model: ModelShape, hardware: HardwareProfile, overlap: bool = True) -> None:
+    def __init__(
+        self, model: ModelShape, hardware: HardwareProfile, overlap: bool = True, serving: bool = False
+    ) -> None:
         self.model, self.hardware, self.overlap = model, hardware, overlap
+        kinds = hardware.serving if serving and hardware.serving is not None else hardware
+        self.serving = kinds is not hardware
+        self._eager, self._graph = kinds.eager, kinds.graph
         m = model
         h, q, kv, i = m.hidden, m.q_size, m.kv_size, m.intermediate
         # (weights, input width, output width) of each matmul of a layer
@@ -77,8 +86,8 @@ class CostModel:
         return self.linear_s(shape) + self.attention_s(shape) if shape.num_seqs else 0.0
 
     def overheads(self, shape: StepShape) -> Overheads:
-        """The overheads of this kind of step (graph or eager)."""
-        return self.hardware.graph if shape.graph else self.hardware.eager
+        """The overheads of this kind of step (graph or eager; the serving ones when serving)."""
+        return self._graph if shape.graph else self._eager
 
     def device_s(self, shape: StepShape) -> float:
         """Predicted device time of the step (0 for an empty step)."""

@@ -78,6 +78,52 @@ class Overheads:
 
 
 @attrs.frozen
+class Serving:
+    """How steps run under ``fnvllm serve`` (``fnvllm simulate --serve``), fitted from a served run's timeline.
+
+    The server's engine process runs the same loop as ``LLM.generate`` but pays more per step: each step's events
+    are pickled to the web process, and eager (mixed prefill + decode) steps, which launch their kernels one by one,
+    are host-bound there (on the H200, ~15-20 ms for a step of a few hundred tokens beside ~70 decodes, against
+    ~10 ms offline). eager / graph: the overheads of each kind of step while serving (same meaning as the
+    profile's). latency_us: the server's own time on every request outside the engine (HTTP, the pipe to and from
+    the engine process, server-sent events, and the overlapped loop's one-step lag before a new request joins a
+    plan), added to each request's first token and finish as the client sees them: TTFT and end-to-end latency
+    grow by it, TPOT does not. calibrated_from: the served timeline it was fitted from.
+    """
+
+    eager: Overheads = Overheads()
+    graph: Overheads = Overheads()
+    latency_us: float = 0.0
+    calibrated_from: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        for kind in ("eager", "graph"):
+            if not isinstance(getattr(self, kind), Overheads):
+                raise SimInputError(f"Serving.{kind} must be Overheads")
+        check_real_in(self.latency_us, "Serving.latency_us", 0.0, MAX_US)
+        check_text(self.calibrated_from, "Serving.calibrated_from", non_empty=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Serving:
+        """From ``attrs.asdict`` output; unknown keys and out-of-range values are a SimInputError naming the
+        field."""
+        check_mapping(data, "hardware profile serving")
+        _check_keys(data, cls, "hardware profile serving")
+        return cls(**{**data, **_overheads_of(data, "hardware profile serving")})
+
+
+def _overheads_of(data: Mapping[str, Any], what: str) -> dict[str, Overheads]:
+    """The ``eager`` / ``graph`` entries of ``data`` read as Overheads (SimInputError naming a bad field)."""
+    out = {}
+    for kind in ("eager", "graph"):
+        if kind in data:
+            overheads = check_mapping(data[kind], f"{what} {kind}")
+            _check_keys(overheads, Overheads, f"{what} {kind}")
+            out[kind] = Overheads(**overheads)
+    return out
+
+
+@attrs.frozen
 class HardwareProfile:
     """One accelerator (or CPU) as the simulator sees it.
 
@@ -101,6 +147,7 @@ class HardwareProfile:
     calibrated_from: str = ""
     model: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
     request_us: float = 0.0
+    serving: Serving | None = None
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "HardwareProfile.name")
@@ -113,6 +160,8 @@ class HardwareProfile:
                 raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
         check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
         check_real_in(self.request_us, "HardwareProfile.request_us", 0.0, MAX_US)
+        if self.serving is not None and not isinstance(self.serving, Serving):
+            raise SimInputError("HardwareProfile.serving must be Serving or None")
         if self.model is not None:
             from fnvllm.sim.model import ModelShape
 
@@ -133,6 +182,8 @@ class HardwareProfile:
         data = attrs.asdict(self)
         if self.model is None:
             del data["model"]
+        if self.serving is None:
+            del data["serving"]
         return data
 
     @classmethod
@@ -141,12 +192,9 @@ class HardwareProfile:
         the field (fields added since a profile was written take their defaults)."""
         check_mapping(data, "hardware profile")
         _check_keys(data, cls, "hardware profile")
-        values = dict(data)
-        for kind in ("eager", "graph"):
-            if kind in values:
-                overheads = check_mapping(values[kind], f"hardware profile {kind}")
-                _check_keys(overheads, Overheads, f"hardware profile {kind}")
-                values[kind] = Overheads(**overheads)
+        values = {**data, **_overheads_of(data, "hardware profile")}
+        if values.get("serving") is not None:
+            values["serving"] = Serving.from_dict(values["serving"])
         return cls(**values)
 
 

@@ -121,6 +121,7 @@ def simulate(
     on_step: StepHook | None = None,
     progress: Progress | None = None,
     hold_back: bool = True,
+    in_flight_lag: bool = False,
 ) -> SimResult:
     """Run ``requests`` (sorted by arrival) to completion on the pure core; returns what was recorded.
 
@@ -129,11 +130,13 @@ def simulate(
     out of the core while the queue is long: same plans and times, far less work under overload (False: add each
     request on arrival). Raises InvalidRequestError for a request that can never run (e.g. longer than
     max_model_len; with holding back, when it is added) and SimulationStalledError if the core plans nothing
-    while requests wait.
+    while requests wait. ``in_flight_lag``: the loop overlaps steps as the served engine does, so a request that
+    arrives while a step runs joins the plan after the next one (the next step was launched before it could be
+    taken in); an idle engine takes an arrival into its next step at once.
     """
     hold = config.max_num_seqs + 1 if hold_back and policy.key is fcfs_key else None
     with _fewer_collections():
-        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress, hold)
+        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress, hold, in_flight_lag)
 
 
 @contextmanager
@@ -161,6 +164,7 @@ def _simulate(
     on_step: StepHook | None,
     progress: Progress | None,
     hold: int | None,
+    lag: bool = False,
 ) -> SimResult:
     """The loop of ``simulate``: arrivals on the simulated clock, steps by ``EngineLoop``."""
     loop = EngineLoop(Engine(executor, config, policy), overlap=False, clock=lambda: executor.clock)
@@ -179,13 +183,17 @@ def _simulate(
             progress(finished)
 
     loop.on_step = noted
+    previous = executor.clock  # when the step just ended began (with in-flight lag: arrivals up to it join now)
     while arrivals.pending or loop.has_unfinished:
+        due = previous if lag else executor.clock
         if not loop.has_unfinished:
             executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
+            due = executor.clock
         arrived = arrivals.num_arrived
-        arrivals.add_due(loop, executor.clock)
+        arrivals.add_due(loop, due)
         if arrivals.num_arrived > arrived:  # the host's work of taking them in (profile's request_us)
             executor.add_requests(arrivals.num_arrived - arrived)
         start = executor.clock
         loop.step()
+        previous = start
     return SimResult(recorder, loop.state, executor.clock, loop.stats.num_steps)

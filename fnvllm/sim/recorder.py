@@ -86,6 +86,14 @@ class Recorder:
         self.kv_blocks.append(self.num_blocks - after.pool.num_free)
         return len(output.finished)
 
+    def delay_delivery(self, seconds: float) -> None:
+        """Every token reaches its client ``seconds`` after the step that emitted it (a server's own latency):
+        first-token and finish times move by it (TTFT and end-to-end latency grow; TPOT and ITL do not)."""
+        if seconds < 0 or math.isnan(seconds):
+            raise ValueError(f"seconds must be a number >= 0, got {seconds}")
+        self.first_token = [t + seconds for t in self.first_token]
+        self.finish = [t + seconds for t in self.finish]
+
     def _admissions(self, plan: StepPlan, start: float) -> None:
         """First-scheduled times and prefix-cache hits of the requests admitted by ``plan``
         (``StepPlan.admitted_starts``: an admitted row starts after its cached prefix)."""
