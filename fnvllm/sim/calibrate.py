@@ -301,41 +301,85 @@ def fit_serving(
     """The ``serving`` section of a profile, fitted to the timeline ``records`` of a served run (``fnvllm serve``
     under load, FNVLLM_TIMELINE set; overlapped steps), with ``base`` (an offline fit) for what they cannot tell.
 
-    Per kind of step: the device model on each step's device time plus the idle gap before it (gpu_ms + gap_ms:
-    their sum over the run is its wall time; a served eager step launches its kernels one by one, so the device
-    waits for the host within and before it), and the host cycle on ``cpu_ms`` of the steps followed by a graph
-    step only: an overlapped step's cycle also launches the next step, and an eager launch (~15-20 ms of host
-    while serving) is already inside that eager step's device time. Left out: a run's first step and steps more
-    than STALL_FACTOR times their kind's median (a compile of a new shape). A kind with fewer than MIN_ROWS steps
-    keeps ``base``'s overheads. The latency outside the engine is not in a timeline: ``latency_us`` stays 0 (the
-    served check fits it from the clients' TTFT).
+    The served loop's cycle (``SimExecutor``'s served timing): launch step k, wait for step k-1, commit and report
+    it. Per kind of step (graph or eager, as the timeline says: keyed on how the step ran, not on its rows):
+
+    host:   the cycle's host time, on ``cpu_ms`` of the steps followed by a graph step (a replay's launch is
+            cheap, so their cycle is the commit, the report and the planning);
+    launch: the host time of launching the step beyond that: ``cpu_ms`` of the step before it minus that step's
+            host model (an eager step launches kernel by kernel; fitted only where it adds up to something);
+    device: the step's device time plus the idle gap before it (gpu_ms + gap_ms: their sum over the run is its
+            wall time; a launch-bound step's device time holds its launch).
+
+    Left out: a run's first step and steps more than STALL_FACTOR times their kind's median (a compile of a new
+    shape). A kind with fewer than MIN_ROWS steps keeps ``base``'s overheads. The latency outside the engine is
+    not in a timeline: ``latency_us`` stays 0 (the served check fits it from the clients' TTFT).
     """
     cost = CostModel(model, base)
-    kinds = {"eager": base.eager, "graph": base.graph}
     steps = [r for r in records if int(r["num_seqs"]) > 0]
+    shapes = [record_shape(r) for r in steps]
+    kinds = {"eager": base.eager, "graph": base.graph}
+    kept: dict[str, list[int]] = {}
     for kind, is_graph in (("eager", False), ("graph", True)):
         chosen = [i for i, r in enumerate(steps) if bool(r["graph"]) == is_graph and i > 0]
-        walls = [float(steps[i]["gpu_ms"]) + float(steps[i].get("gap_ms", 0.0)) for i in chosen]
-        if not walls:
-            continue
-        limit = STALL_FACTOR * float(np.median(walls))
-        kept = [i for i, wall in zip(chosen, walls, strict=True) if wall <= limit]
-        if len(kept) < MIN_ROWS:
-            continue
-        rows = [{**steps[i], "gpu_ms": float(steps[i]["gpu_ms"]) + float(steps[i].get("gap_ms", 0.0))} for i in kept]
-        shapes = [record_shape(r) for r in rows]
-        prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
-        device = _fit_device(cost, shapes, rows, prior)
-        clean = [j for j, i in enumerate(kept) if i + 1 < len(steps) and bool(steps[i + 1]["graph"])]
-        host = {name: getattr(prior, name) for name in _HOST}
-        if len(clean) >= MIN_ROWS and all("cpu_ms" in rows[j] for j in clean):
-            cpu = np.array([float(rows[j]["cpu_ms"]) * 1e3 for j in clean])
-            coef = fit_nonnegative(_features(shapes, rows, clean), cpu)
-            host = dict(zip(_HOST, map(float, coef), strict=True))
-        gap = {name: getattr(prior, name) for name in _GAP}
-        kinds[kind] = attrs.evolve(device, **gap, **host)
+        walls = [_served_wall_ms(steps[i]) for i in chosen]
+        limit = STALL_FACTOR * float(np.median(walls)) if walls else 0.0
+        kept[kind] = [i for i, wall in zip(chosen, walls, strict=True) if wall <= limit]
+        if len(kept[kind]) >= MIN_ROWS:
+            prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
+            rows = [{**steps[i], "gpu_ms": _served_wall_ms(steps[i])} for i in kept[kind]]
+            device = _fit_device(cost, [shapes[i] for i in kept[kind]], rows, prior)
+            host = _fit_served_host(steps, shapes, kept[kind], prior)
+            kinds[kind] = attrs.evolve(device, **{n: getattr(prior, n) for n in _GAP}, **host)
+    host_cost = CostModel(model, attrs.evolve(base, eager=kinds["eager"], graph=kinds["graph"]))
+    for kind in kinds:
+        kinds[kind] = attrs.evolve(kinds[kind], **_fit_launch(steps, shapes, kept[kind], host_cost))
     return Serving(eager=kinds["eager"], graph=kinds["graph"], calibrated_from=source)
+
+
+def _served_wall_ms(record: Mapping[str, Any]) -> float:
+    """A served step's device time plus the device's idle gap before it."""
+    return float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))
+
+
+def _fit_served_host(
+    steps: Sequence[Mapping[str, Any]], shapes: Sequence[StepShape], rows: Sequence[int], prior: Overheads
+) -> dict[str, float]:
+    """The host cycle of a kind of served step, on ``cpu_ms`` of its steps followed by a graph step (fewer than
+    MIN_ROWS such steps: ``prior``'s)."""
+    clean = [i for i in rows if i + 1 < len(steps) and bool(steps[i + 1]["graph"]) and "cpu_ms" in steps[i]]
+    if len(clean) < MIN_ROWS:
+        return {name: getattr(prior, name) for name in _HOST}
+    cpu = np.array([float(steps[i]["cpu_ms"]) * 1e3 for i in clean])
+    coef = fit_nonnegative(_features(shapes, steps, clean), cpu)
+    return dict(zip(_HOST, map(float, coef), strict=True))
+
+
+LAUNCH_MIN_US = 1000.0  # a kind of step whose launch adds less than this to the cycle, on average, launches in it
+
+
+def _fit_launch(
+    steps: Sequence[Mapping[str, Any]], shapes: Sequence[StepShape], rows: Sequence[int], host_cost: CostModel
+) -> dict[str, float]:
+    """The launch model of a kind of served step: ``cpu_ms`` of the step before each minus that step's host
+    model, fitted on 1, rows, tokens (>= 0); all 0 when it averages under LAUNCH_MIN_US (a graph replay) or
+    fewer than MIN_ROWS steps say."""
+    zero = dict.fromkeys(_LAUNCH, 0.0)
+    before = [i for i in rows if i > 0 and "cpu_ms" in steps[i - 1]]
+    if len(before) < MIN_ROWS:
+        return zero
+    extra = np.array(
+        [
+            float(steps[i - 1]["cpu_ms"]) * 1e3 - host_cost.host_s(shapes[i - 1], record_new_seqs(steps[i - 1])) * 1e6
+            for i in before
+        ]
+    )
+    if float(np.mean(extra)) < LAUNCH_MIN_US:
+        return zero
+    x = np.array([[1.0, shapes[i].num_seqs, shapes[i].num_tokens] for i in before])
+    return dict(zip(_LAUNCH, map(float, fit_nonnegative(x, np.maximum(extra, 0.0))), strict=True))
 
 
 _HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
 _GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+_LAUNCH = ("launch_us", "launch_seq_us", "launch_token_us")

@@ -113,6 +113,14 @@ class CostModel:
         host = o.host_us + o.host_seq_us * shape.num_seqs + o.host_new_seq_us * num_new_seqs
         return (host + o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples) * _US
 
+    def launch_s(self, shape: StepShape) -> float:
+        """Predicted host time of launching the step's kernels (served loop: ``Overheads`` launch_*; 0 for an
+        empty step)."""
+        if not shape.num_seqs:
+            return 0.0
+        o = self.overheads(shape)
+        return (o.launch_us + o.launch_seq_us * shape.num_seqs + o.launch_token_us * shape.num_tokens) * _US
+
     def wall_s(self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None) -> float:
         """Wall time the step occupies: max(device, host) when steps overlap (``overlap`` None: this model's
         setting) and the profile has a host model, else device + plain gap."""

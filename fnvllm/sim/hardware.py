@@ -46,6 +46,11 @@ class Overheads:
     the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
     gap_new_seq_us * new seqs + gap_token_us * tokens.
 
+    Launch (served loop only, ``Serving``): host time to launch the step's kernels that the device waits for =
+    launch_us + launch_seq_us * seqs + launch_token_us * tokens. An eager step launches kernel by kernel (while
+    serving, ~15-20 ms on the H200, during which the previous step's tokens wait on the host too); a graph replay is
+    one call (its launch is in the host cycle: 0 here).
+
     A step's wall time: max(device, host) with overlapped steps (host work hides behind the device, or the device
     waits for it); device + gap without. A profile without a host model (every host_* 0, as in profiles written
     before it existed) charges device + gap either way.
@@ -65,6 +70,9 @@ class Overheads:
     host_new_seq_us: float = 0.0
     host_token_us: float = 0.0
     host_sample_us: float = 0.0
+    launch_us: float = 0.0
+    launch_seq_us: float = 0.0
+    launch_token_us: float = 0.0
 
     @property
     def has_host_model(self) -> bool:

@@ -12,7 +12,9 @@ the server are clients with a GPU executor. The loop steps plainly in the core; 
 
 A step starts when the previous one ended (plus the host time of taking in the requests that arrived, the
 profile's ``request_us`` each); its tokens are emitted when it ends; a request that arrives during a step is added
-before the next schedule. ``Recorder`` notes what the metrics need on the way (from the loop's step hook).
+before the next schedule. A served, overlapped loop (``SimExecutor.served``) times host and device apart: a step's
+tokens reach the clients one host cycle later (after the next step's launch), and arrivals join the step launched
+after they come. ``Recorder`` notes what the metrics need on the way (from the loop's step hook).
 """
 
 from __future__ import annotations
@@ -121,7 +123,6 @@ def simulate(
     on_step: StepHook | None = None,
     progress: Progress | None = None,
     hold_back: bool = True,
-    in_flight_lag: bool = False,
 ) -> SimResult:
     """Run ``requests`` (sorted by arrival) to completion on the pure core; returns what was recorded.
 
@@ -130,13 +131,11 @@ def simulate(
     out of the core while the queue is long: same plans and times, far less work under overload (False: add each
     request on arrival). Raises InvalidRequestError for a request that can never run (e.g. longer than
     max_model_len; with holding back, when it is added) and SimulationStalledError if the core plans nothing
-    while requests wait. ``in_flight_lag``: the loop overlaps steps as the served engine does, so a request that
-    arrives while a step runs joins the plan after the next one (the next step was launched before it could be
-    taken in); an idle engine takes an arrival into its next step at once.
+    while requests wait.
     """
     hold = config.max_num_seqs + 1 if hold_back and policy.key is fcfs_key else None
     with _fewer_collections():
-        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress, hold, in_flight_lag)
+        return _simulate(requests, config, executor, policy, ignore_eos, on_step, progress, hold)
 
 
 @contextmanager
@@ -164,11 +163,10 @@ def _simulate(
     on_step: StepHook | None,
     progress: Progress | None,
     hold: int | None,
-    lag: bool = False,
 ) -> SimResult:
     """The loop of ``simulate``: arrivals on the simulated clock, steps by ``EngineLoop``."""
     loop = EngineLoop(Engine(executor, config, policy), overlap=False, clock=lambda: executor.clock)
-    recorder = Recorder(requests, config.num_blocks)
+    recorder = Recorder(requests, config.num_blocks, deferred=getattr(executor, "served", False))
     arrivals = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31, hold)
     start = executor.clock
 
@@ -182,18 +180,23 @@ def _simulate(
         if progress is not None and finished:
             progress(finished)
 
+    def delivered() -> None:
+        """No step follows the last one (served timing): its tokens reach the clients now."""
+        if recorder.deferred:
+            finished = recorder.flush(executor.drain())
+            if progress is not None and finished:
+                progress(finished)
+
     loop.on_step = noted
-    previous = executor.clock  # when the step just ended began (with in-flight lag: arrivals up to it join now)
     while arrivals.pending or loop.has_unfinished:
-        due = previous if lag else executor.clock
         if not loop.has_unfinished:
+            delivered()
             executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
-            due = executor.clock
         arrived = arrivals.num_arrived
-        arrivals.add_due(loop, due)
+        arrivals.add_due(loop, executor.clock)
         if arrivals.num_arrived > arrived:  # the host's work of taking them in (profile's request_us)
             executor.add_requests(arrivals.num_arrived - arrived)
         start = executor.clock
         loop.step()
-        previous = start
+    delivered()
     return SimResult(recorder, loop.state, executor.clock, loop.stats.num_steps)

@@ -242,7 +242,6 @@ def run_spec(
         ignore_eos=spec.eos_prob == 0,
         on_step=hook,
         progress=progress,
-        in_flight_lag=spec.serve and spec.overlap,
     )
     if spec.serve and hardware.serving is not None and hardware.serving.latency_us:
         result.recorder.delay_delivery(hardware.serving.latency_us * 1e-6)
