@@ -96,20 +96,27 @@ def quantile(values: Sequence[float], q: float) -> float:
     return percentile(sorted(v for v in values if v is not None and not math.isnan(v)), q * 100)
 
 
-def compare(measured: dict[str, list[float]], simulated: dict[str, list[float]]) -> list[dict[str, Any]]:
-    """Rows of (metric, percentile, measured ms, simulated ms, relative error)."""
+QUANTILES = (0.5, 0.9)
+
+
+def quantiles_of(values: dict[str, Sequence[float]]) -> dict[str, dict[float, float]]:
+    """Per metric, its QUANTILES (seconds) over the requests."""
+    return {metric: {q: quantile(v, q) for q in QUANTILES} for metric, v in values.items()}
+
+
+def compare(measured: dict[str, dict[float, float]], simulated: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Rows of (metric, percentile, measured ms, simulated ms, relative error); ``measured``: quantiles_of."""
     rows = []
     for metric in ("ttft", "tpot"):
-        for q in (0.5, 0.9):
-            m, s = quantile(measured[metric], q) * 1e3, quantile(simulated[metric], q) * 1e3
+        for q in QUANTILES:
+            m, s = measured[metric][q] * 1e3, quantile(simulated[metric], q) * 1e3
             rows.append({"metric": metric, "p": f"p{round(q * 100)}", "measured_ms": m, "simulated_ms": s,
                          "error": (s - m) / m if m else math.nan})  # fmt: skip
     return rows
 
 
-def print_table(rows: Sequence[dict[str, Any]], running: float) -> None:
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
     """The comparison, one line per metric and percentile, and the p50 verdict."""
-    print(f"\nrequests in flight, mean (measured, by Little's law): {running:.1f}")
     print(f"{'metric':<6} {'p':>4} {'measured ms':>12} {'simulated ms':>13} {'error':>8}")
     for r in rows:
         print(f"{r['metric']:<6} {r['p']:>4} {r['measured_ms']:>12.2f} {r['simulated_ms']:>13.2f} {r['error']:>+8.1%}")
@@ -191,19 +198,37 @@ def write_trace(path: Path, offsets: Sequence[float], prompt_lens: Sequence[int]
     path.write_text("\n".join(lines) + "\n")
 
 
+def load_served(out: Path) -> tuple[dict[str, Any], dict[str, dict[float, float]], list[float] | None]:
+    """A saved served run: its run.json, the measured quantiles, and each request's measured TTFT (None when the
+    run kept only the quantiles: a report.json written before measured.jsonl existed, whose engine options and
+    model are then the defaults and the timeline header's)."""
+    if (out / "measured.jsonl").exists():
+        run = json.loads((out / "run.json").read_text())
+        rows = [json.loads(line) for line in (out / "measured.jsonl").read_text().splitlines() if line]
+        values = {k: [r[k] if r[k] is not None else math.nan for r in rows] for k in ("ttft", "tpot")}
+        return run, quantiles_of(values), values["ttft"]
+    report = json.loads((out / "report.json").read_text())
+    header = json.loads((out / "served_timeline.jsonl").open().readline())
+    measured: dict[str, dict[float, float]] = {}
+    for row in report["rows"]:
+        measured.setdefault(row["metric"], {})[int(row["p"][1:]) / 100] = row["measured_ms"] / 1e3
+    engine = {**ENGINE, "max_model_len": header["max_model_len"]}
+    run = {"device": report["device"], "args": report["args"], "engine": engine, "model": header["model"]}
+    run.update(overlap=str(header.get("device", "")).startswith("cuda"))
+    return run, measured, None
+
+
 def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
     """Compare the measured latencies with the simulation of the same requests: with ``hardware`` as given, then
     with a serving section fitted on this run's timeline (``fit_serving``) and the server's latency fitted on the
-    clients' TTFT; writes the fitted profile (profile_served.json) and report.json, prints the tables."""
+    clients' TTFT; writes the fitted profile (profile_served.json) and analysis.json, prints the tables."""
     import attrs
 
     from fnvllm.sim import load_profile, save_profile
     from fnvllm.sim.calibrate import fit_serving
     from fnvllm.sim.timeline import header_model, read_timeline
 
-    run = json.loads((out / "run.json").read_text())
-    measured_rows = [json.loads(line) for line in (out / "measured.jsonl").read_text().splitlines() if line]
-    measured = {k: [r[k] if r[k] is not None else math.nan for r in measured_rows] for k in ("ttft", "tpot")}
+    run, measured, measured_ttft = load_served(out)
     options = {"model": _model_file(out, run["model"]), "max_model_len": run["engine"]["max_model_len"]}
     options.update(overlap=run["overlap"], serve=True)
     given = load_profile(hardware)
@@ -215,18 +240,15 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
         serving = fit_serving(served_load(records), model, given, source=str(timeline))
         fitted = attrs.evolve(given, serving=serving)
         ttft, _ = simulate_profile(out, fitted, options)
-        latency = fit_latency(measured["ttft"], ttft)
+        latency = fit_latency(measured, measured_ttft, ttft)
         fitted = attrs.evolve(fitted, serving=attrs.evolve(serving, latency_us=latency * 1e6))
         save_profile(fitted, out / "profile_served.json")
         tables["served_fit"] = _compare_with(out, fitted, measured, options)
         print(f"\nfitted serving section: {out / 'profile_served.json'} (server latency {latency * 1e3:.2f} ms)")
-    ends = [r["e2e"] for r in measured_rows]
-    offsets = [json.loads(line)["arrival_s"] for line in (out / "trace.jsonl").read_text().splitlines() if line]
-    running = sum(ends) / (max(offsets) + max(ends))
-    (out / "report.json").write_text(json.dumps({**run, "tables": tables, "rows": tables["given"]}, indent=1))
+    (out / "analysis.json").write_text(json.dumps({**run, "tables": tables}, indent=1))
     for name, rows in tables.items():
         print(f"\nprofile: {name}")
-        print_table(rows, running)
+        print_table(rows)
     print_served_steps(timeline, str(out / "profile_served.json") if "served_fit" in tables else hardware)
     return tables
 
@@ -240,10 +262,14 @@ def served_load(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(records[gaps.index(max(gaps)) + 1 :]) if gaps else list(records)
 
 
-def fit_latency(measured_ttft: Sequence[float], simulated_ttft: Sequence[float]) -> float:
+def fit_latency(
+    measured: dict[str, dict[float, float]], measured_ttft: Sequence[float] | None, simulated_ttft: Sequence[float]
+) -> float:
     """The server's own latency per request (seconds, >= 0): the median of measured - simulated TTFT over the
-    same requests."""
-    diffs = sorted(m - s for m, s in zip(measured_ttft, simulated_ttft, strict=True) if not math.isnan(m - s))
+    same requests (with only the measured quantiles: the difference of the medians)."""
+    if measured_ttft is None:
+        return max(measured["ttft"][0.5] - quantile(simulated_ttft, 0.5), 0.0)
+    diffs = [m - s for m, s in zip(measured_ttft, simulated_ttft, strict=True) if not math.isnan(m - s)]
     return max(quantile(diffs, 0.5), 0.0) if diffs else 0.0
 
 
@@ -256,7 +282,9 @@ def simulate_profile(out: Path, profile: Any, options: dict[str, Any]) -> tuple[
     return simulate_same(out / "trace.jsonl", {**options, "hardware": str(path)})
 
 
-def _compare_with(out: Path, profile: Any, measured: dict[str, list[float]], options: dict[str, Any]) -> list:
+def _compare_with(
+    out: Path, profile: Any, measured: dict[str, dict[float, float]], options: dict[str, Any]
+) -> list[dict[str, Any]]:
     ttft, tpot = simulate_profile(out, profile, options)
     return compare(measured, {"ttft": ttft, "tpot": tpot})
 

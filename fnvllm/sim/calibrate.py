@@ -229,7 +229,8 @@ def fit_profile(
 
     Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
     eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
-    steps sets graph_max_seqs to 0 (that engine never replays graphs), else to the largest graph batch seen.
+    steps sets graph_max_seqs to 0 (that engine never replays graphs), else to the largest graph batch seen, and
+    graph_mixed_tokens to the most tokens of a mixed step that ran as a graph (0 when none did).
     """
     cost = CostModel(model, base)
     kinds = {"eager": base.eager, "graph": base.graph}
@@ -239,10 +240,12 @@ def fit_profile(
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)  # graphs replay the eager matmuls
             kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior)
     graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
+    mixed = [int(r["num_tokens"]) for r in records if r["graph"] and int(r["num_prefill_tokens"]) > 0]
     return attrs.evolve(
         base,
         name=name or f"{base.name}-calibrated",
         graph_max_seqs=max(graph_seqs, default=0),
+        graph_mixed_tokens=max(mixed, default=0),
         calibrated_from=source,
         eager=kinds["eager"],
         graph=kinds["graph"],

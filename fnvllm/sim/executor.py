@@ -11,6 +11,8 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+import attrs
+
 from fnvllm.executor.base import ExecuteResult, check_step
 from fnvllm.sim.cost import CostModel, StepShape, step_shape
 from fnvllm.state import StepPlan
@@ -60,6 +62,12 @@ class ReplayTokens:
         return self.steps[plan.step]
 
 
+def mixed_graph(shape: StepShape, graph_max_seqs: int) -> StepShape:
+    """``shape`` (a mixed step within the profile's ``graph_mixed_tokens``) as a CUDA-graph step when its rows fit
+    the captured graphs (at most ``graph_max_seqs``)."""
+    return attrs.evolve(shape, graph=True) if 0 < shape.num_seqs <= graph_max_seqs else shape
+
+
 class SimExecutor:
     """Applies plans to a simulated device: a clock (seconds) advanced by ``cost``, tokens from ``tokens``.
 
@@ -101,7 +109,10 @@ class SimExecutor:
         """Advance the clock by the plan's predicted wall time; return its sampled tokens."""
         check_step(self.next_step, plan)
         self.next_step += 1
-        shape = step_shape(plan, self.cost.hardware.graph_max_seqs)
+        hardware = self.cost.hardware
+        shape = step_shape(plan, hardware.graph_max_seqs)
+        if not shape.graph and shape.num_tokens <= getattr(hardware, "graph_mixed_tokens", 0):
+            shape = mixed_graph(shape, hardware.graph_max_seqs)
         self.last_shape = shape
         new = self.last_new_seqs = plan.num_admitted  # admitted (or resumed) this step: the core says so
         if self.served:

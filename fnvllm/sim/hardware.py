@@ -29,6 +29,7 @@ MAX_BANDWIDTH_GBS = 1e7  # GB/s, TFLOP/s and GiB: far above any device, finite
 MAX_TFLOPS = 1e7
 MAX_MEMORY_GIB = 1e7
 MAX_GRAPH_SEQS = 1 << 20
+MAX_GRAPH_TOKENS = 1 << 24
 
 
 @attrs.frozen
@@ -138,6 +139,8 @@ class HardwareProfile:
     name: label. mem_bandwidth_gbs: achievable read bandwidth, GB/s (1e9 bytes). matmul_tflops: dense matmul
     rate in the model's dtype. memory_gib: device memory (sizes the KV cache when num_blocks is not given).
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
+    graph_mixed_tokens: mixed steps (some row prefills) of at most this many tokens, and at most graph_max_seqs
+    rows, count as CUDA-graph steps too (0: a mixed step always runs eagerly).
     eager / graph: the overheads of each kind of step. calibrated_from: the log a fit came from ("" if none).
     model: the model a fit was measured with, as config.json fields plus its ``name`` (None if none): the model
     ``fnvllm simulate`` uses with this profile unless told another. request_us: host time to take in one arriving
@@ -150,6 +153,7 @@ class HardwareProfile:
     matmul_tflops: float
     memory_gib: float
     graph_max_seqs: int = 512
+    graph_mixed_tokens: int = 0
     eager: Overheads = Overheads()
     graph: Overheads = Overheads()
     calibrated_from: str = ""
@@ -163,6 +167,7 @@ class HardwareProfile:
         check_positive(self.matmul_tflops, "HardwareProfile.matmul_tflops", MAX_TFLOPS)
         check_positive(self.memory_gib, "HardwareProfile.memory_gib", MAX_MEMORY_GIB)
         check_count(self.graph_max_seqs, "HardwareProfile.graph_max_seqs", 0, MAX_GRAPH_SEQS)
+        check_count(self.graph_mixed_tokens, "HardwareProfile.graph_mixed_tokens", 0, MAX_GRAPH_TOKENS)
         for kind in ("eager", "graph"):
             if not isinstance(getattr(self, kind), Overheads):
                 raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
