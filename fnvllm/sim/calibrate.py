@@ -131,22 +131,73 @@ def _solve_with_bounds(
 
 
 def _fit_kind(
-    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+    cost: CostModel,
+    shapes: Sequence[StepShape],
+    records: Sequence[Mapping[str, Any]],
+    base: Overheads,
+    launched: bool = False,
 ) -> Overheads:
-    """The overheads of one kind of step: device (``_fit_device``), plain gap and host."""
+    """The overheads of one kind of step: device (``_fit_device``; with ``launched``, an eager kind, also the
+    launch floor: ``_fit_launch_floor``), then plain gap (on what the device model leaves of each plain step's wall
+    time) and host."""
     device = _fit_device(cost, shapes, records, base)
-    return attrs.evolve(device, **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base))
+    if launched:
+        launch = _fit_launch_floor(cost, shapes, records, device)
+        if launch:
+            explained = [
+                i for i in range(len(records)) if not _launch_bound(cost, shapes[i], records[i], device, launch)
+            ]
+            device = _fit_device(cost, [shapes[i] for i in explained], [records[i] for i in explained], base)
+            device = attrs.evolve(device, launch_us=_fit_launch_floor(cost, shapes, records, device))
+    gap = _fit_gap(shapes, records, base, _priced(cost, device))
+    return attrs.evolve(device, **gap, **_fit_host(shapes, records, base))
+
+
+LAUNCH_BOUND = 0.6  # an eager step whose kernels' predicted time is under this share of its device time waited
+MIN_LAUNCH_ROWS = 3  # launch-bound eager steps needed to fit the launch floor (else none)
+
+
+def _priced(cost: CostModel, device: Overheads) -> CostModel:
+    return CostModel(cost.model, attrs.evolve(cost.hardware, eager=device, graph=device))
+
+
+def _fit_launch_floor(
+    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], device: Overheads
+) -> float:
+    """The launch floor of eager steps (us; 0 when fewer than MIN_LAUNCH_ROWS steps show one): the median device
+    time of the steps whose kernels' predicted time is under LAUNCH_BOUND of it (the device waited for the host's
+    launches; a run's first step counts: it is a small eager step too)."""
+    priced = _priced(cost, attrs.evolve(device, launch_us=0.0))
+    bound = [
+        float(r["gpu_ms"]) * 1e3
+        for shape, r in zip(shapes, records, strict=True)
+        if priced.compute_s(shape) * 1e3 < LAUNCH_BOUND * float(r["gpu_ms"])
+    ]
+    return float(np.median(bound)) if len(bound) >= MIN_LAUNCH_ROWS else 0.0
+
+
+def _launch_bound(
+    cost: CostModel, shape: StepShape, record: Mapping[str, Any], device: Overheads, launch_us: float
+) -> bool:
+    """Whether a step's device time is the launch floor's rather than its kernels' (left out of the kernel fit)."""
+    compute_us = _priced(cost, attrs.evolve(device, launch_us=0.0)).compute_s(shape) * 1e6
+    return compute_us < launch_us and float(record["gpu_ms"]) * 1e3 < 1.5 * launch_us
 
 
 def _fit_device(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The device model, by least squares with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
-    constant terms >= 0. The matmul roofline column comes last: in decode-only steps it is an affine function of
-    the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep ``base.scale`` (the
-    caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step is left out (its
-    device time can hold a compile of a new shape)."""
-    rows = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    """The device model, by least squares on relative error (each step weighs 1 / its time, so a one-request
+    step counts as much as a 256-request one) with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
+    constant terms >= 0. Fitted on overlapped steps when the log has at least MIN_ROWS of them: a plain loop's
+    step starts on an idle device, whose timer then also holds the host's input preparation and launch (that
+    share goes to the plain gap model). The matmul roofline column comes last: in decode-only steps it is an
+    affine function of the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep
+    ``base.scale`` (the caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step
+    is left out (its device time can hold a compile of a new shape)."""
+    steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    overlapped = [i for i in steady if record_overlap(records[i]) is not False]
+    rows = overlapped if len(overlapped) >= MIN_ROWS else steady
     fit_shapes = [shapes[i] for i in rows]
     linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
     attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
@@ -156,7 +207,8 @@ def _fit_device(
     lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
     upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
     prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    attn_scale, step, seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior))
+    weights = 1.0 / np.maximum(y, 1.0)
+    attn_scale, step, seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior, weights))
     return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token)
 
 
@@ -180,31 +232,45 @@ def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
     ).reshape(len(rows), 5)
 
 
-def _fit_gap(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
-    """The plain loop's gap coefficients, fitted on the gaps of steps that did not overlap (all steps when the
-    log does not say); fewer than MIN_ROWS such steps keep ``base``'s."""
+def _fit_gap(
+    shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads, priced: CostModel
+) -> dict[str, float]:
+    """The plain loop's gap coefficients, fitted (>= 0, relative error) on the steps that did not overlap (all
+    steps when the log does not say): each step's wall time (gpu_ms + gap_ms) less the device time ``priced``
+    predicts for it, so the gap model also carries the host's input preparation that a plain step's device timer
+    holds. Fewer than MIN_ROWS such steps keep ``base``'s."""
     rows = _rows_of_mode(records, overlap=False)
     names = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
-    gaps = np.array([float(records[i].get("gap_ms", 0.0)) * 1e3 for i in rows])
-    coef = fit_nonnegative(_features(shapes, records, rows)[:, :4], gaps)
+    walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
+    gaps = walls - np.array([priced.device_s(shapes[i]) * 1e6 for i in rows])
+    x = _features(shapes, records, rows)[:, :4]
+    weights = 1.0 / np.maximum(walls, 1.0)
+    coef = fit_bounded(x, gaps, np.zeros(4), np.full(4, np.inf), weights=weights)
     return dict(zip(names, map(float, coef), strict=True))
 
 
+NEXT_EAGER = "next_eager"  # a key fit_profile adds to a record followed by an eager step in its timeline
 HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
 
 
 def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
-    """The host-cycle coefficients (>= 0), fitted on overlapped steps (all steps when the log does not say): on
-    the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on ``cpu_ms``.
-    Fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
-    rows = [i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i]]
+    """The host-cycle coefficients (>= 0, relative error), fitted on overlapped steps (all steps when the log does
+    not say): on the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on
+    ``cpu_ms``. Left out: steps followed by an eager step (``NEXT_EAGER``: their cycle also launched that step's
+    kernels one by one, which its own device time holds). Fewer than MIN_ROWS such steps, or a log without
+    ``cpu_ms``, keep ``base``'s."""
+    rows = [
+        i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i] and not records[i].get(NEXT_EAGER)
+    ]
     names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     host = np.array([_host_time_ms(records[i]) * 1e3 for i in rows])
-    coef = fit_nonnegative(_features(shapes, records, rows), host)
+    weights = 1.0 / np.maximum(host, 1.0)
+    n = len(names)
+    coef = fit_bounded(_features(shapes, records, rows), host, np.zeros(n), np.full(n, np.inf), weights=weights)
     return dict(zip(names, map(float, coef), strict=True))
 
 
@@ -234,11 +300,13 @@ def fit_profile(
     """
     cost = CostModel(model, base)
     kinds = {"eager": base.eager, "graph": base.graph}
+    nexts = [*records[1:], None]
+    marked = [{**r, NEXT_EAGER: n is not None and not bool(n["graph"])} for r, n in zip(records, nexts, strict=True)]
     for kind, is_graph in (("eager", False), ("graph", True)):
-        rows = [r for r in records if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
+        rows = [r for r in marked if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
         if len(rows) >= MIN_ROWS:
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)  # graphs replay the eager matmuls
-            kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior)
+            kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior, launched=not is_graph)
     graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
     mixed = [int(r["num_tokens"]) for r in records if r["graph"] and int(r["num_prefill_tokens"]) > 0]
     return attrs.evolve(

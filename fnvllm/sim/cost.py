@@ -1,5 +1,8 @@
 """The cost model: a step's shape -> its device time, by a roofline per layer part plus fitted overheads.
 
+A step's device time is its kernels' time or, when the host launches them one by one slower than the device runs
+them (an eager step: ~20 ms of Python launches on the H200 for the 0.6B shape), its launch time.
+
 Each part of a decoder layer (qkv projection, attention, o projection, gate_up, down) takes
 max(bytes / bandwidth, FLOPs / matmul rate): a matmul reads its weights once per step plus its input and output
 activations, and does 2 FLOPs per weight per token; attention reads every scheduled sequence's KV context,
@@ -90,7 +93,15 @@ class CostModel:
         return self._graph if shape.graph else self._eager
 
     def device_s(self, shape: StepShape) -> float:
-        """Predicted device time of the step (0 for an empty step)."""
+        """Predicted device time of the step (0 for an empty step): its kernels' time (``compute_s``), or its
+        launch when the kernels wait for the host to launch them one by one (``launch_s``, an eager step)."""
+        if not shape.num_seqs:
+            return 0.0
+        return max(self.compute_s(shape), self.launch_s(shape))
+
+    def compute_s(self, shape: StepShape) -> float:
+        """Predicted time of the step's kernels on the device, launched: scaled rooflines plus the fitted
+        per-step, per-row and per-token terms (0 for an empty step)."""
         if not shape.num_seqs:
             return 0.0
         o = self.overheads(shape)
@@ -114,8 +125,8 @@ class CostModel:
         return (host + o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples) * _US
 
     def launch_s(self, shape: StepShape) -> float:
-        """Predicted host time of launching the step's kernels (served loop: ``Overheads`` launch_*; 0 for an
-        empty step)."""
+        """Predicted host time of launching the step's kernels one by one, which the device waits for
+        (``Overheads`` launch_*: an eager step's; 0 for a graph replay and for an empty step)."""
         if not shape.num_seqs:
             return 0.0
         o = self.overheads(shape)

@@ -47,10 +47,10 @@ class Overheads:
     the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
     gap_new_seq_us * new seqs + gap_token_us * tokens.
 
-    Launch (served loop only, ``Serving``): host time to launch the step's kernels that the device waits for =
-    launch_us + launch_seq_us * seqs + launch_token_us * tokens. An eager step launches kernel by kernel (while
-    serving, ~15-20 ms on the H200, during which the previous step's tokens wait on the host too); a graph replay is
-    one call (its launch is in the host cycle: 0 here).
+    Launch: host time to launch the step's kernels, which the device waits for = launch_us + launch_seq_us * seqs
+    + launch_token_us * tokens. An eager step launches kernel by kernel (~20 ms on the H200 for the 0.6B shape), so
+    its device time is max(the above, this); a graph replay is one call (its launch is in the host cycle: 0 here).
+    In a served loop the previous step's tokens also wait for it on the host (``Serving``).
 
     A step's wall time: max(device, host) with overlapped steps (host work hides behind the device, or the device
     waits for it); device + gap without. A profile without a host model (every host_* 0, as in profiles written
