@@ -6,7 +6,9 @@ device time stays a physical function of the work and carries to other model sha
 >= 0 (host and gap costs are never negative):
 
     device:  gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * seqs
-                      + token_us * tokens
+                      + log_seq_us * log2(seqs) + token_us * tokens   (relative error, overlapped steps; an
+                                                         eager kind also gets a launch floor: device = max(that,
+                                                         launch_us))
     host:    cpu_us ~ host_us + host_seq_us * seqs + host_new_seq_us * new_seqs + host_token_us * tokens
                       + host_sample_us * sampled        (on steps of an overlapped loop; where the device waited
                                                          for the host, the step's wall time instead of cpu_us)
@@ -201,15 +203,15 @@ def _fit_device(
     fit_shapes = [shapes[i] for i in rows]
     linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
     attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
-    ones, seqs = np.ones(len(rows)), [s.num_seqs for s in fit_shapes]
-    x = np.column_stack([attention, ones, seqs, [s.num_tokens for s in fit_shapes], linear])
+    ones, seqs = np.ones(len(rows)), np.array([s.num_seqs for s in fit_shapes], dtype=float)
+    x = np.column_stack([attention, ones, seqs, np.log2(seqs), [s.num_tokens for s in fit_shapes], linear])
     y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
-    lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
-    upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
-    prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
+    lower = np.array([1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
+    prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, 0.0, base.scale])
     weights = 1.0 / np.maximum(y, 1.0)
-    attn_scale, step, seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior, weights))
-    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token)
+    attn_scale, step, seq, log_seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior, weights))
+    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token, log_seq_us=log_seq)
 
 
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:

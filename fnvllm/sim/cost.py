@@ -24,6 +24,8 @@ the simulation and the calibration.
 
 from __future__ import annotations
 
+import math
+
 from fnvllm.sim.hardware import HardwareProfile, Overheads
 from fnvllm.sim.model import ModelShape
 from fnvllm.state.plan import StepShape, step_shape
@@ -106,6 +108,8 @@ class CostModel:
             return 0.0
         o = self.overheads(shape)
         extra = o.step_us + o.seq_us * shape.num_seqs + o.token_us * shape.num_tokens
+        if o.log_seq_us:
+            extra += o.log_seq_us * math.log2(shape.num_seqs)
         return o.scale * self.linear_s(shape) + o.attn_scale * self.attention_s(shape) + extra * _US
 
     def gap_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:

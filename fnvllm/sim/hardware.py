@@ -37,7 +37,9 @@ class Overheads:
     """What the roofline misses, for one kind of step (times in microseconds, all >= 0).
 
     Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
-    token_us * tokens. A scale of 1.25 means the kernels reach 80% of the ceilings.
+    token_us * tokens + log_seq_us * log2(seqs). A scale of 1.25 means the kernels reach 80% of the ceilings. The
+    log term is the small-batch step: going from one row to a few costs more per row than going from 64 to 128
+    (kernels that run one row in one block run several in as many, and the sampler's per-row passes).
 
     Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
     timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
@@ -62,6 +64,7 @@ class Overheads:
     step_us: float = 0.0
     seq_us: float = 0.0
     token_us: float = 0.0
+    log_seq_us: float = 0.0
     gap_us: float = 0.0
     gap_seq_us: float = 0.0
     gap_new_seq_us: float = 0.0
