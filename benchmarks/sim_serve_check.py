@@ -63,15 +63,50 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def serve_run(url: str, prompts: list[list[int]], params: list[Any], rate: float, seed: int) -> list[Any]:
-    """Warm the server up (4 short requests), then send the load; returns each request's RequestTiming."""
+def serve_run(
+    url: str, prompts: list[list[int]], params: list[Any], offsets: Sequence[float]
+) -> tuple[list[Any], list[float]]:
+    """Warm the server up (4 short requests), then send the load at ``offsets`` (seconds from its start); returns
+    each request's RequestTiming and when it was actually sent (seconds from the start: a busy client sends late,
+    and the simulation is fed the requests as the server got them)."""
     from fnvllm.serve.bench import run_load
     from fnvllm.state import SamplingParams
 
     warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)
     asyncio.run(run_load(url, prompts[:4], [warm] * min(4, len(prompts))))
-    timings, _ = asyncio.run(run_load(url, prompts, params, rate, seed=seed))
-    return timings
+    return asyncio.run(_timed_load(url, prompts, params, offsets))
+
+
+async def _timed_load(
+    url: str, prompts: Sequence[list[int]], params: Sequence[Any], offsets: Sequence[float]
+) -> tuple[list[Any], list[float]]:
+    """``fnvllm.serve.bench.run_load`` with the send time of each request recorded (the same client)."""
+    from fnvllm.serve.bench import RequestTiming, Target, parse_response
+
+    target, start = Target.of(url, None), time.perf_counter()
+
+    async def one(prompt: list[int], p: Any, at: float) -> tuple[Any, float]:
+        body = {"prompt": prompt, "max_tokens": p.max_tokens, "temperature": p.temperature, "stream": True}
+        body |= {"ignore_eos": p.ignore_eos, "stream_options": {"include_usage": True}}
+        data = json.dumps(body).encode()
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        sent = time.perf_counter()
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+        writer.write(target.head + b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        parts, first = [], None
+        while chunk := await reader.read(1 << 16):
+            parts.append(chunk)
+            if first is None and b"data: " in chunk:
+                first = time.perf_counter()
+        done = time.perf_counter()
+        writer.close()
+        _, events = parse_response(b"".join(parts))
+        usages = [e["usage"] for e in events if e.get("usage")]
+        num_tokens = usages[-1]["completion_tokens"] if usages else 0
+        return RequestTiming((first or done) - sent, done - sent, num_tokens), sent - start
+
+    results = await asyncio.gather(*(one(*r) for r in zip(prompts, params, offsets, strict=True)))
+    return [timing for timing, _ in results], [sent for _, sent in results]
 
 
 def simulate_same(trace: Path, options: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -152,9 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve_and_record(args: argparse.Namespace, out: Path) -> None:
-    """Serve the load and write what the analysis reads: trace.jsonl (the requests), measured.jsonl (each
-    request's client-side TTFT, TPOT and end-to-end latency), served_timeline.jsonl (the engine's steps) and
-    run.json (device, engine options, the model's shape)."""
+    """Serve the load and write what the analysis reads: trace.jsonl (the requests, arriving when they were sent),
+    measured.jsonl (each request's client-side TTFT, TPOT and end-to-end latency, planned and actual send time),
+    served_timeline.jsonl (the engine's steps) and run.json (device, engine options, the model's shape)."""
     import torch
 
     from fnvllm.bench import write_checkpoint
@@ -174,16 +209,19 @@ def serve_and_record(args: argparse.Namespace, out: Path) -> None:
         print(f"server up at {url} in {time.perf_counter() - start:.1f} s", flush=True)
         try:
             start = time.perf_counter()
-            timings = serve_run(url, prompts, params, args.request_rate, args.seed)
+            timings, sent = serve_run(url, prompts, params, offsets)
             print(f"served {len(timings)} requests in {time.perf_counter() - start:.1f} s", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=60)
         config = json.loads((checkpoint / "config.json").read_text())
-    write_trace(out / "trace.jsonl", offsets, [len(p) for p in prompts], [p.max_tokens for p in params])
+    write_trace(out / "trace.jsonl", sent, [len(p) for p in prompts], [p.max_tokens for p in params])
+    late = sorted(s - o for s, o in zip(sent, offsets, strict=True))
+    print(f"requests sent late by p50 {quantile(late, 0.5) * 1e3:.2f} ms, max {late[-1] * 1e3:.2f} ms", flush=True)
     with (out / "measured.jsonl").open("w") as f:
-        for t in timings:
-            f.write(json.dumps({"ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e, "num_tokens": t.num_tokens}) + "\n")
+        for t, at, s in zip(timings, offsets, sent, strict=True):
+            row = {"ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e, "num_tokens": t.num_tokens}
+            f.write(json.dumps({**row, "offset_s": at, "sent_s": s}) + "\n")
     run = {"device": device, "args": vars(args), "engine": {**ENGINE, "max_model_len": max_model_len}}
     run.update(model=config, overlap=torch.cuda.is_available())  # the engine overlaps steps on CUDA only
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
