@@ -277,6 +277,8 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
         model = header_model(header, name=str(run["args"].get("model_shape", "served")))
         serving = fit_serving(served_load(records), model, given, source=str(timeline))
         fitted = attrs.evolve(given, serving=serving)
+        if not any(r["graph"] for r in records):  # an engine without CUDA graphs (a CPU run)
+            fitted = attrs.evolve(fitted, graph_max_seqs=0, graph_mixed_tokens=0)
         ttft, _ = simulate_profile(out, fitted, options)
         latency = fit_latency(measured, measured_ttft, ttft)
         fitted = attrs.evolve(fitted, serving=attrs.evolve(serving, latency_us=latency * 1e6))

@@ -139,51 +139,44 @@ def _fit_kind(
     base: Overheads,
     launched: bool = False,
 ) -> Overheads:
-    """The overheads of one kind of step: device (``_fit_device``; with ``launched``, an eager kind, also the
-    launch floor: ``_fit_launch_floor``), then plain gap (on what the device model leaves of each plain step's wall
+    """The overheads of one kind of step: device (``_fit_device``; with ``launched``, an eager kind, with a launch
+    floor: ``_fit_launched_device``), then plain gap (on what the device model leaves of each plain step's wall
     time) and host."""
-    device = _fit_device(cost, shapes, records, base)
-    if launched:
-        launch = _fit_launch_floor(cost, shapes, records, device)
-        if launch:
-            explained = [
-                i for i in range(len(records)) if not _launch_bound(cost, shapes[i], records[i], device, launch)
-            ]
-            device = _fit_device(cost, [shapes[i] for i in explained], [records[i] for i in explained], base)
-            device = attrs.evolve(device, launch_us=_fit_launch_floor(cost, shapes, records, device))
+    device = _fit_launched_device(cost, shapes, records, base) if launched else _fit_device(cost, shapes, records, base)
     gap = _fit_gap(shapes, records, base, _priced(cost, device))
     return attrs.evolve(device, **gap, **_fit_host(shapes, records, base))
 
 
-LAUNCH_BOUND = 0.6  # an eager step whose kernels' predicted time is under this share of its device time waited
-MIN_LAUNCH_ROWS = 3  # launch-bound eager steps needed to fit the launch floor (else none)
-
-
 def _priced(cost: CostModel, device: Overheads) -> CostModel:
+    """``cost``'s model and ceilings with ``device`` as the overheads of every kind of step."""
     return CostModel(cost.model, attrs.evolve(cost.hardware, eager=device, graph=device))
 
 
-def _fit_launch_floor(
-    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], device: Overheads
-) -> float:
-    """The launch floor of eager steps (us; 0 when fewer than MIN_LAUNCH_ROWS steps show one): the median device
-    time of the steps whose kernels' predicted time is under LAUNCH_BOUND of it (the device waited for the host's
-    launches; a run's first step counts: it is a small eager step too)."""
-    priced = _priced(cost, attrs.evolve(device, launch_us=0.0))
-    bound = [
-        float(r["gpu_ms"]) * 1e3
-        for shape, r in zip(shapes, records, strict=True)
-        if priced.compute_s(shape) * 1e3 < LAUNCH_BOUND * float(r["gpu_ms"])
-    ]
-    return float(np.median(bound)) if len(bound) >= MIN_LAUNCH_ROWS else 0.0
+FLOOR_QUANTILES = (0, 5, 10, 15, 20, 25, 30, 40, 50, 60)  # launch floors tried: these percentiles of device times
+FLOOR_MARGIN = 1.15  # steps under this many times a tried floor are left to it, not to the kernel fit
 
 
-def _launch_bound(
-    cost: CostModel, shape: StepShape, record: Mapping[str, Any], device: Overheads, launch_us: float
-) -> bool:
-    """Whether a step's device time is the launch floor's rather than its kernels' (left out of the kernel fit)."""
-    compute_us = _priced(cost, attrs.evolve(device, launch_us=0.0)).compute_s(shape) * 1e6
-    return compute_us < launch_us and float(record["gpu_ms"]) * 1e3 < 1.5 * launch_us
+def _fit_launched_device(
+    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+) -> Overheads:
+    """The device model of an eager kind: max(kernels, launch floor). Each floor tried (none, then FLOOR_QUANTILES
+    of the steps' device times) takes the steps within FLOOR_MARGIN of it; the kernel model (``_fit_device``) is
+    fitted on the rest; the pair with the least relative squared error over every step wins (a run's first step
+    included: a small eager step shows the floor as any other)."""
+    times = np.array([float(r["gpu_ms"]) * 1e3 for r in records])
+    best, best_loss = _fit_device(cost, shapes, records, base), np.inf
+    for floor in sorted({0.0, *np.percentile(times, FLOOR_QUANTILES[1:]).tolist()}):
+        rest = [i for i, t in enumerate(times) if t > FLOOR_MARGIN * floor]
+        if len(rest) < MIN_ROWS:
+            continue
+        kernels = _fit_device(cost, [shapes[i] for i in rest], [records[i] for i in rest], base)
+        device = attrs.evolve(kernels, launch_us=float(floor))
+        priced = _priced(cost, device)
+        predicted = np.array([priced.device_s(shape) * 1e6 for shape in shapes])
+        loss = float(np.sum(((predicted - times) / np.maximum(times, 1.0)) ** 2))
+        if loss < best_loss:
+            best, best_loss = device, loss
+    return best
 
 
 def _fit_device(
@@ -204,13 +197,13 @@ def _fit_device(
     linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
     attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
     ones, seqs = np.ones(len(rows)), np.array([s.num_seqs for s in fit_shapes], dtype=float)
-    x = np.column_stack([attention, ones, seqs, np.log2(seqs), [s.num_tokens for s in fit_shapes], linear])
+    x = np.column_stack([ones, attention, seqs, np.log2(seqs), [s.num_tokens for s in fit_shapes], linear])
     y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
-    lower = np.array([1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
-    upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
-    prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, 0.0, base.scale])
+    lower = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    upper = np.array([np.inf, MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
+    prior = np.array([0.0, base.attn_scale, 0.0, 0.0, 0.0, base.scale])
     weights = 1.0 / np.maximum(y, 1.0)
-    attn_scale, step, seq, log_seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior, weights))
+    step, attn_scale, seq, log_seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior, weights))
     return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token, log_seq_us=log_seq)
 
 
