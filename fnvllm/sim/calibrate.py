@@ -52,6 +52,7 @@ __all__ = [
     "fit_bounded",
     "fit_nonnegative",
     "fit_profile",
+    "fit_relative",
     "fit_serving",
     "prediction_error",
 ]
@@ -110,6 +111,29 @@ def fit_bounded(
     out = prior.copy()
     out[active] = best
     return out
+
+
+WEIGHT_POWER = 1.0  # fits weigh a step's squared error by 1 / its time ** this (0: absolute, 1: relative error)
+
+
+def fit_relative(
+    x: np.ndarray,
+    y: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    prior: np.ndarray | None = None,
+    scale: np.ndarray | None = None,
+    shift: bool = True,
+) -> np.ndarray:
+    """``fit_bounded`` on relative error (row weights 1 / ``scale``, default ``y``: a 1 ms step counts as much as
+    a 40 ms one), then column 0 (the constant) moved by the mean residual, within its bounds: the shape of the
+    fit is the relative one, its total the absolute one (noisy steps whose errors lean one way would otherwise
+    pull the sum under the measured total)."""
+    weights = 1.0 / np.maximum(y if scale is None else scale, 1.0) ** WEIGHT_POWER
+    coef = fit_bounded(x, y, lower, upper, prior, weights)
+    if shift:
+        coef[0] = float(np.clip(coef[0] + np.mean(y - x @ coef), lower[0], upper[0]))
+    return coef
 
 
 def _solve_with_bounds(
@@ -202,8 +226,7 @@ def _fit_device(
     lower = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     upper = np.array([np.inf, MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
     prior = np.array([0.0, base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    weights = 1.0 / np.maximum(y, 1.0)
-    step, attn_scale, seq, log_seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior, weights))
+    step, attn_scale, seq, log_seq, token, scale = map(float, fit_relative(x, y, lower, upper, prior))
     return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token, log_seq_us=log_seq)
 
 
@@ -241,8 +264,7 @@ def _fit_gap(
     walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
     gaps = walls - np.array([priced.device_s(shapes[i]) * 1e6 for i in rows])
     x = _features(shapes, records, rows)[:, :4]
-    weights = 1.0 / np.maximum(walls, 1.0)
-    coef = fit_bounded(x, gaps, np.zeros(4), np.full(4, np.inf), weights=weights)
+    coef = fit_relative(x, gaps, np.zeros(4), np.full(4, np.inf), scale=walls, shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
