@@ -396,8 +396,9 @@ def fit_serving(
             cheap, so their cycle is the commit, the report and the planning);
     launch: the host time of launching the step beyond that: ``cpu_ms`` of the step before it minus that step's
             host model (an eager step launches kernel by kernel; fitted only where it adds up to something);
-    device: the step's device time plus the idle gap before it (gpu_ms + gap_ms: their sum over the run is its
-            wall time; a launch-bound step's device time holds its launch).
+    device: the step's device time (gpu_ms: from when the device reached the step, the end of the step before or
+            the start of its launch, to its end; a launch-bound step's device time holds its launch, and the idle
+            gap before a step is the host's, priced by the cycle).
 
     Left out: a run's first step and steps more than STALL_FACTOR times their kind's median (a compile of a new
     shape). A kind with fewer than MIN_ROWS steps keeps ``base``'s overheads. The latency outside the engine is
@@ -415,7 +416,7 @@ def fit_serving(
         kept[kind] = [i for i, wall in zip(chosen, walls, strict=True) if wall <= limit]
         if len(kept[kind]) >= MIN_ROWS:
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
-            rows = [{**steps[i], "gpu_ms": _served_wall_ms(steps[i])} for i in kept[kind]]
+            rows = [steps[i] for i in kept[kind]]
             device = _fit_device(cost, [shapes[i] for i in kept[kind]], rows, prior)
             host = _fit_served_host(steps, shapes, kept[kind], prior)
             kinds[kind] = attrs.evolve(device, **{n: getattr(prior, n) for n in _GAP}, **host)
@@ -426,7 +427,7 @@ def fit_serving(
 
 
 def _served_wall_ms(record: Mapping[str, Any]) -> float:
-    """A served step's device time plus the device's idle gap before it."""
+    """A served step's device time plus the device's idle gap before it (what a stall shows in)."""
     return float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))
 
 
