@@ -214,20 +214,17 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on one H200 on 2026-12-01 (merged main 2df814f, third session: the
-# one-commit overlapped loop, the fused attention prologue and the in-kernel split-K reduces; Qwen3-0.6B shape,
-# block 256, budget 16384, max_num_seqs 512, CUDA graphs, overlapped and plain loops; the 16 regimes of that script).
-# Ceilings: the measured read bandwidth and bf16 dense matmul rate; roofline scales bounded to >= 1. Error per regime
-# as fitted / held out (each regime predicted by a fit without it): decode-1 +18.2 / +23.6 %, decode-1-plain +11.4 /
-# +17.0 %, decode-16 +5.8 / +3.1 %, decode-16-plain -12.0 / -12.9 %, decode-64 +5.5 / +5.5 %, decode-64-plain
-# +2.6 / +3.9 %, decode-256 +4.6 / +5.6 %, decode-256-plain +1.4 / +2.8 %, prefill-16 -5.2 / -8.8 %, prefill-16-plain
-# -10.9 / -13.5 %, prefill-64 -2.2 / -2.8 %, prefill-64-plain -4.1 / -4.4 %, prefill-512 -0.8 / -9.7 %,
-# prefill-512-plain -3.3 / -12.9 %, bench +4.0 / +7.9 %, bench-plain -3.2 / -2.1 %. The profile it replaced, on the same
-# runs: -11.2 to +28.6 % (decode-1 +28.6 %, decode-1-plain +17.8 %, decode-16 +13.9 %): it was fitted before this
-# session's host-path changes. The one-request regimes stay the worst (the fitted host cycle, 1.2 ms, is above what the
-# timeline shows at one request, 0.56-0.69 ms: the linear host model is fitted across 1-512 rows).
-# Rerun the calibration when the engine changes (benchmarks/gpu_check.sh, part "calibration") and paste its
-# h200_profile.py.txt here.
+# Fitted by benchmarks/sim_calibration.py --refit --served (fourth session's model: eager launch floor, log2-rows
+# device term, relative-error fits, the served loop's timing) on the H200 runs of the third session (merged main
+# 2df814f, before kernels launched with PDL; Qwen3-0.6B shape, block 256, budget 16384, max_num_seqs 512, CUDA graphs,
+# the 16 regimes of that script, overlapped and plain) and the served Poisson run of benchmarks/sim_serve_check.py
+# (600 requests at 50/s). Error per regime as fitted / held out: decode-1 +1.8 / +12.4 %, decode-1-plain +7.5 /
+# +15.6 %, decode-16 -2.1 / -2.4 %, decode-16-plain -12.8 / -13.2 %, decode-64 -0.6 / -0.7 %, decode-64-plain
+# +3.1 / +3.7 %, decode-256 +1.0 / +2.2 %, decode-256-plain +3.0 / +5.9 %, prefill-16 -3.4 / -1.7 %, prefill-16-plain
+# -6.5 / -6.4 %, prefill-64 -5.3 / -6.0 %, prefill-64-plain -3.0 / -3.4 %, prefill-512 -1.3 / -8.5 %,
+# prefill-512-plain -2.0 / -9.0 %, bench +1.2 / +1.9 %, bench-plain -2.5 / -3.6 %. Served (serving section, in
+# sample): TTFT p50 +0.0 % (the fitted server latency, 5.8 ms, makes it so), TPOT p50 +32 %. Refit whenever the
+# engine changes: benchmarks/sim_h200_check.sh (ONLY=calibration, then ONLY=serve) writes h200_profile.py.txt.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -235,39 +232,46 @@ H200 = HardwareProfile(
     memory_gib=139.8,
     graph_max_seqs=512,  # the engine captures graphs up to max_num_seqs (512 here); the calibration's runs reach 256
     eager=Overheads(
-        scale=1.0,
-        attn_scale=2.6504,
-        step_us=9280.52,
-        seq_us=0.0,
-        token_us=0.11078,
-        gap_us=1780.04,
-        gap_seq_us=2.3042,
-        gap_new_seq_us=0.0,
-        gap_token_us=0.17497,
-        host_us=0.0,
-        host_seq_us=0.0,
-        host_new_seq_us=0.0,
+        attn_scale=3.24082,
+        step_us=247.40,
+        token_us=0.455825,
+        gap_us=1842.64,
+        gap_token_us=0.236124,
         host_token_us=1.77915,
-        host_sample_us=0.0,
+        launch_us=23408.09,
     ),
     graph=Overheads(
-        scale=1.0,
-        attn_scale=1.00538,
-        step_us=1064.32,
-        seq_us=0.48891,
-        token_us=0.0,
-        gap_us=378.55,
-        gap_seq_us=4.5321,
-        gap_new_seq_us=0.0,
-        gap_token_us=0.0,
-        host_us=1199.97,
-        host_seq_us=8.5015,
-        host_new_seq_us=0.0,
-        host_token_us=0.0,
-        host_sample_us=0.0,
+        step_us=836.27,
+        log_seq_us=28.1776,
+        gap_us=475.65,
+        gap_seq_us=5.11913,
+        host_us=1043.55,
+        host_seq_us=8.20897,
     ),
     calibrated_from="benchmarks/sim_calibration.py",
-    request_us=235.84,
+    request_us=239.48,
+    serving=Serving(
+        eager=Overheads(
+            step_us=17473.95,
+            token_us=0.974511,
+            gap_us=1842.64,
+            gap_token_us=0.236124,
+            host_us=1646.28,
+            host_seq_us=9.04125,
+            host_token_us=0.0720202,
+            launch_us=18080.47,
+            launch_token_us=2.71559,
+        ),
+        graph=Overheads(
+            step_us=1088.12,
+            gap_us=475.65,
+            gap_seq_us=5.11913,
+            host_us=1631.95,
+            host_seq_us=3.94172,
+        ),
+        latency_us=5789.40,
+        calibrated_from="benchmarks/sim_serve_check.py",
+    ),
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
 
