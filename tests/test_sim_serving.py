@@ -191,3 +191,35 @@ def test_mixed_steps_within_the_graph_token_limit_are_priced_as_graphs() -> None
     )
     mixed = [s for s in shapes if s is not None and s.num_prefill_tokens]
     assert mixed and all(s.graph == (s.num_tokens <= 512) for s in mixed)
+
+
+def test_serve_check_refits_a_saved_run(tmp_path: Path) -> None:
+    """sim_serve_check's analysis of a saved served folder (trace, per-request timings, served timeline, run
+    record) fits a serving section and the server's latency: the fitted profile is written, and its TTFT p50 matches
+    the measured one."""
+    from benchmarks import sim_serve_check
+    from fnvllm.sim.spec import SimSpec as Spec
+
+    out = tmp_path / "serve"
+    out.mkdir()
+    engine = {**sim_serve_check.ENGINE, "max_model_len": 1024}
+    trace = [{"arrival_s": i / 30, "prompt_len": 150 + 7 * (i % 20), "output_len": 20 + i % 15} for i in range(80)]
+    (out / "trace.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trace))
+    save_profile(SERVED, tmp_path / "true.json")
+    with (out / "served_timeline.jsonl").open("w") as timeline:
+        spec = Spec(workload=str(out / "trace.jsonl"), hardware=str(tmp_path / "true.json"), serve=True, **engine)
+        result, _ = run_spec(spec, timeline=timeline)
+    rec = result.recorder
+    with (out / "measured.jsonl").open("w") as f:
+        for first, arrival, finish, n in zip(rec.first_token, rec.arrival, rec.finish, rec.num_output, strict=True):
+            row = {"ttft": first - arrival, "tpot": (finish - first) / (n - 1), "e2e": finish - arrival}
+            f.write(json.dumps(row | {"num_tokens": n}) + "\n")
+    run = {"device": "sim", "args": {"model_shape": "qwen3-0.6b"}, "engine": engine, "overlap": True}
+    (out / "run.json").write_text(json.dumps(run | {"model": MODEL.to_config()}))
+    save_profile(attrs.evolve(SERVED, serving=None), tmp_path / "offline.json")
+    tables = sim_serve_check.analyse(out, str(tmp_path / "offline.json"))
+    fitted = load_profile(out / "profile_served.json")
+    assert fitted.serving is not None and fitted.serving.latency_us >= 0
+    ttft = next(r for r in tables["served_fit"] if r["metric"] == "ttft" and r["p"] == "p50")
+    assert abs(ttft["error"]) < 0.05
+    assert set(tables) == {"given", "served_fit"} and (out / "analysis.json").exists()
