@@ -276,9 +276,7 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
         header, records = read_timeline(timeline)
         model = header_model(header, name=str(run["args"].get("model_shape", "served")))
         serving = fit_serving(served_load(records), model, given, source=str(timeline))
-        fitted = attrs.evolve(given, serving=serving)
-        if not any(r["graph"] for r in records):  # an engine without CUDA graphs (a CPU run)
-            fitted = attrs.evolve(fitted, graph_max_seqs=0, graph_mixed_tokens=0)
+        fitted = attrs.evolve(given, serving=serving, **graph_limits(records, given))
         ttft, _ = simulate_profile(out, fitted, options)
         latency = fit_latency(measured, measured_ttft, ttft)
         fitted = attrs.evolve(fitted, serving=attrs.evolve(serving, latency_us=latency * 1e6))
@@ -291,6 +289,19 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
         print_table(rows)
     print_served_steps(timeline, str(out / "profile_served.json") if "served_fit" in tables else hardware)
     return tables
+
+
+def graph_limits(records: Sequence[dict[str, Any]], given: Any) -> dict[str, int]:
+    """The CUDA-graph limits the served steps show, widening ``given``'s (a served run can replay larger graphs than
+    the calibration regimes reached); both 0 when no step ran as a graph (an engine without graphs: a CPU run)."""
+    graphs = [r for r in records if r["graph"]]
+    if not graphs:
+        return {"graph_max_seqs": 0, "graph_mixed_tokens": 0}
+    mixed = [int(r["num_tokens"]) for r in graphs if int(r["num_prefill_tokens"]) > 0]
+    return {
+        "graph_max_seqs": max(given.graph_max_seqs, *(int(r["num_seqs"]) for r in graphs)),
+        "graph_mixed_tokens": max(given.graph_mixed_tokens, *mixed, 0),
+    }
 
 
 def served_load(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
