@@ -335,6 +335,7 @@ def fit_profile(
         eager=kinds["eager"],
         graph=kinds["graph"],
         model={**model.to_config(), "name": model.name},
+        serving=None,  # a fit on offline steps says nothing of serving (sim_calibration.py --served fits it)
     )
 
 

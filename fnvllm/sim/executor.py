@@ -93,7 +93,8 @@ class SimExecutor:
         self.last_device_s = self.last_gap_s = self.last_host_s = 0.0
         self.last_new_seqs = 0
         self._times = getattr(cost, "step_times", None) or self._device_plus_gap
-        self.served = bool(getattr(cost, "serving", False) and getattr(cost, "overlap", False))
+        serving = getattr(cost.hardware, "serving", None) if getattr(cost, "serving", False) else None
+        self.served = bool(serving is not None and serving.cycle and getattr(cost, "overlap", False))
         self.device_free = clock  # served timing: when the device finishes the last launched step
         self.delivered_s = clock  # served timing: when the step before the last one reached the clients
         self._undelivered = False  # served timing: the last step's tokens have not reached the clients yet

@@ -21,7 +21,15 @@ from typing import Any
 
 import attrs
 
-from fnvllm.sim.checks import SimInputError, check_count, check_mapping, check_positive, check_real_in, check_text
+from fnvllm.sim.checks import (
+    SimInputError,
+    check_bool_field,
+    check_count,
+    check_mapping,
+    check_positive,
+    check_real_in,
+    check_text,
+)
 
 MAX_US = 1e9  # an overhead of more than ~17 minutes per step is a typo
 MAX_SCALE = 1e6
@@ -100,13 +108,17 @@ class Serving:
     profile's). latency_us: the server's own time on every request outside the engine (HTTP, the pipe to and from
     the engine process, server-sent events, and the overlapped loop's one-step lag before a new request joins a
     plan), added to each request's first token and finish as the client sees them: TTFT and end-to-end latency
-    grow by it, TPOT does not. calibrated_from: the served timeline it was fitted from.
+    grow by it, TPOT does not. calibrated_from: the served timeline it was fitted from. cycle: time the served loop
+    cycle by cycle (``SimExecutor``'s served timing: an eager step's launch holds back the step before it, arrivals
+    join the step launched after they come); False: step by step, max(device, host) per step as offline, with
+    these overheads (the served check keeps whichever of the two predicts its run better).
     """
 
     eager: Overheads = Overheads()
     graph: Overheads = Overheads()
     latency_us: float = 0.0
     calibrated_from: str = ""
+    cycle: bool = True
 
     def __attrs_post_init__(self) -> None:
         for kind in ("eager", "graph"):
@@ -114,6 +126,7 @@ class Serving:
                 raise SimInputError(f"Serving.{kind} must be Overheads")
         check_real_in(self.latency_us, "Serving.latency_us", 0.0, MAX_US)
         check_text(self.calibrated_from, "Serving.calibrated_from", non_empty=False)
+        check_bool_field(self.cycle, "Serving.cycle")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Serving:
@@ -223,8 +236,9 @@ class HardwareProfile:
 # +3.1 / +3.7 %, decode-256 +1.0 / +2.2 %, decode-256-plain +3.0 / +5.9 %, prefill-16 -3.4 / -1.7 %, prefill-16-plain
 # -6.5 / -6.4 %, prefill-64 -5.3 / -6.0 %, prefill-64-plain -3.0 / -3.4 %, prefill-512 -1.3 / -8.5 %,
 # prefill-512-plain -2.0 / -9.0 %, bench +1.2 / +1.9 %, bench-plain -2.5 / -3.6 %. Served (serving section, in
-# sample): TTFT p50 +0.0 % (the fitted server latency, 5.8 ms, makes it so), TPOT p50 +32 %. Refit whenever the
-# engine changes: benchmarks/sim_h200_check.sh (ONLY=calibration, then ONLY=serve) writes h200_profile.py.txt.
+# sample, 600 requests at 50/s): timed step by step, TTFT p50 +0.0 % (the fitted server latency, 27.2 ms, makes it
+# so; p90 -29.7 %), TPOT p50 +4.5 % (p90 -5.2 %); timed cycle by cycle, TPOT p50 +32 %. Refit whenever the engine
+# changes: benchmarks/sim_h200_check.sh (ONLY=calibration, then ONLY=serve) writes h200_profile.py.txt.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -269,8 +283,9 @@ H200 = HardwareProfile(
             host_us=1631.95,
             host_seq_us=3.94172,
         ),
-        latency_us=5789.40,
+        latency_us=27193.64,
         calibrated_from="benchmarks/sim_serve_check.py",
+        cycle=False,
     ),
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
