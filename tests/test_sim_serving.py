@@ -226,3 +226,27 @@ def test_serve_check_refits_a_saved_run(tmp_path: Path) -> None:
     assert tables["served_fit"] == tables[f"served_fit ({chosen})"] and (out / "analysis.json").exists()
     worst = {k: max(abs(r["error"]) for r in v if r["p"] == "p50") for k, v in tables.items() if "(" in k}
     assert worst[f"served_fit ({chosen})"] == min(worst.values())
+
+
+def test_cli_calibrate_fits_a_serving_section_from_a_served_timeline(tmp_path: Path) -> None:
+    """`fnvllm simulate calibrate LOG --served SERVED` writes a profile whose serving section is fitted on SERVED
+    (its eager launch ~18 ms), and `fnvllm simulate --serve` runs with it."""
+    import subprocess
+    import sys
+
+    header = json.dumps({"model": MODEL.to_config(), "block_size": 256, "device": "cuda"})
+    lines = [header, *(json.dumps(r) for r in _served_records(20))]
+    for name in ("steps.jsonl", "served.jsonl"):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    root = Path(__file__).resolve().parent.parent
+    cli = [sys.executable, "-m", "fnvllm", "simulate"]
+    env = {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    args = ["calibrate", str(tmp_path / "steps.jsonl"), "--served", str(tmp_path / "served.jsonl")]
+    done = subprocess.run([*cli, *args, "--out", str(tmp_path / "p.json")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    profile = load_profile(tmp_path / "p.json")
+    assert profile.serving is not None
+    assert profile.serving.eager.launch_us == pytest.approx(18_000.0, rel=0.05)
+    run = [*cli, "--hardware", str(tmp_path / "p.json"), "--serve", "--num-requests", "30", "--json", "--no-progress"]
+    done = subprocess.run(run, capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and json.loads(done.stdout)["num_finished"] == 30, done.stderr

@@ -285,9 +285,8 @@ def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     host = np.array([_host_time_ms(records[i]) * 1e3 for i in rows])
-    weights = 1.0 / np.maximum(host, 1.0)
     n = len(names)
-    coef = fit_bounded(_features(shapes, records, rows), host, np.zeros(n), np.full(n, np.inf), weights=weights)
+    coef = fit_relative(_features(shapes, records, rows), host, np.zeros(n), np.full(n, np.inf), shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
