@@ -11,7 +11,17 @@ import attrs
 import numpy as np
 import pytest
 
-from fnvllm.sim import H200, CostModel, HardwareProfile, Overheads, SimSpec, fit_profile, load_shape, read_timeline, run_spec
+from fnvllm.sim import (
+    H200,
+    CostModel,
+    HardwareProfile,
+    Overheads,
+    SimSpec,
+    fit_profile,
+    load_shape,
+    read_timeline,
+    run_spec,
+)
 from fnvllm.sim.calibrate import fit_nonnegative, prediction_error
 from fnvllm.sim.hardware import load_profile, save_profile
 from fnvllm.sim.timeline import record_shape
