@@ -17,6 +17,12 @@ every run in the simulator (``fnvllm simulate --check``), printing per regime th
 time and the error: with the fitted profile, with that regime's runs held out of the fit (the honest number:
 the fit must carry across regimes, not memorise them), and with the built-in ``h200`` profile. Last, a table.
 
+With ``--served DIR`` (a served run written by ``benchmarks/sim_serve_check.py --out DIR``), the profile also gets
+its ``serving`` section, fitted on that run's timeline and latencies, and the served TTFT / TPOT errors are printed
+(``fnvllm simulate --serve`` uses it). The whole fit is one CPU command once both folders exist:
+
+    PYTHONPATH=$PWD python3 benchmarks/sim_calibration.py --out /tmp/cal --refit --served /tmp/serve
+
 Writes to --out: steps.jsonl (the timeline), REGIME.run.json, profile.json (the fitted profile: ship it as the
 ``h200`` profile in fnvllm/sim/hardware.py when the error is good), report.json. About 2-3 minutes on an H200
 for the Qwen3-0.6B shape (writing the checkpoint, CUDA-graph capture, ~1 minute of runs, the fits and replays).
@@ -249,6 +255,18 @@ def ship_snippet(profile: HardwareProfile, rows: Sequence[dict[str, Any]], commi
     )
 
 
+def add_serving(out: Path, served: Path) -> None:
+    """Fit the serving section of out/profile.json on the served run in ``served`` (its timeline and the clients'
+    latencies: ``sim_serve_check.analyse``, which prints the served errors with and without it) and write the
+    profile back with it."""
+    from benchmarks.sim_serve_check import analyse
+
+    print(f"\nserved run {served}:")
+    analyse(served, str(out / "profile.json"))
+    profile = load_profile(served / "profile_served.json")
+    save_profile(attrs.evolve(profile, calibrated_from=str(out / "steps.jsonl")), out / "profile.json")
+
+
 def _commit() -> str:
     """The repository's HEAD commit ("" outside a git checkout)."""
     import subprocess
@@ -266,6 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--quick", action="store_true", help="a few small requests per regime (a CPU dry run)")
     parser.add_argument("--refit", action="store_true", help="only fit and check the runs already in --out")
+    parser.add_argument(
+        "--served",
+        default=None,
+        help="a served run's folder (benchmarks/sim_serve_check.py --out): fit the profile's serving section on it",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-calibration-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -289,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = fit_and_check(out, runs, set_, device_name)
     (out / "report.json").write_text(json.dumps(rows, indent=1) + "\n")
     print_table(rows, device_name)
+    if args.served:
+        add_serving(out, Path(args.served))
     snippet = ship_snippet(load_profile(out / "profile.json"), rows, _commit())
     (out / "h200_profile.py.txt").write_text(snippet + "\n")
     print(f"\nprofile: {out / 'profile.json'} (fnvllm simulate --hardware {out / 'profile.json'} ...)")

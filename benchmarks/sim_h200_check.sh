@@ -21,7 +21,9 @@
 #
 # Part "serve": benchmarks/sim_serve_check.py serves a Poisson load with `fnvllm serve` and simulates the same
 # requests, printing measured vs simulated TTFT/TPOT p50/p90 (with $OUT/calibration/profile.json when the
-# calibration part ran, else the built-in h200). It needs the [serve] extra (see serve_check.sh for the wheels):
+# calibration part ran, else the built-in h200). It needs the [serve] extra (see serve_check.sh for the wheels).
+# After it, when the calibration part ran, the CPU refit of both (sim_calibration.py --refit --served) writes the
+# profile to ship, with its serving section, to $OUT/calibration/profile.json and h200_profile.py.txt:
 #   ONLY=serve bash benchmarks/sim_h200_check.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -45,7 +47,13 @@ if [[ $ONLY == serve ]]; then
     # shellcheck disable=SC2086  # $quick is one optional word
     python3 benchmarks/sim_serve_check.py --model-shape "$SHAPE" --hardware "$profile" --out "$OUT/serve" $quick 2>&1 \
         | tee "$OUT/sim_serve.txt"
-    exit "${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    if [[ $rc == 0 && -f $OUT/calibration/profile.json ]]; then  # the profile to ship: offline fit + serving section
+        python3 benchmarks/sim_calibration.py --out "$OUT/calibration" --refit --served "$OUT/serve" $quick 2>&1 \
+            | tee "$OUT/sim_refit.txt"
+        rc=${PIPESTATUS[0]}
+    fi
+    exit "$rc"
 fi
 [[ -n $ONLY && $ONLY != accuracy ]] && exit 0
 for run in A B; do

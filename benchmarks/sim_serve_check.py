@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -62,28 +63,57 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def serve_run(url: str, prompts: list[list[int]], params: list[Any], rate: float, seed: int) -> list[Any]:
-    """Warm the server up (4 short requests), then send the load; returns each request's RequestTiming."""
+def serve_run(
+    url: str, prompts: list[list[int]], params: list[Any], offsets: Sequence[float]
+) -> tuple[list[Any], list[float]]:
+    """Warm the server up (4 short requests), then send the load at ``offsets`` (seconds from its start); returns
+    each request's RequestTiming and when it was actually sent (seconds from the start: a busy client sends late,
+    and the simulation is fed the requests as the server got them)."""
     from fnvllm.serve.bench import run_load
     from fnvllm.state import SamplingParams
 
     warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)
     asyncio.run(run_load(url, prompts[:4], [warm] * min(4, len(prompts))))
-    timings, _ = asyncio.run(run_load(url, prompts, params, rate, seed=seed))
-    return timings
+    return asyncio.run(_timed_load(url, prompts, params, offsets))
 
 
-def simulate_same(
-    trace: Path, offsets: Sequence[float], prompts: Sequence[Sequence[int]], params: Sequence[Any], options: dict
-) -> tuple[list[float], list[float]]:
-    """Simulate the requests (same arrivals, prompt lengths and max_tokens); returns per-request TTFT and TPOT."""
+async def _timed_load(
+    url: str, prompts: Sequence[list[int]], params: Sequence[Any], offsets: Sequence[float]
+) -> tuple[list[Any], list[float]]:
+    """``fnvllm.serve.bench.run_load`` with the send time of each request recorded (the same client)."""
+    from fnvllm.serve.bench import RequestTiming, Target, parse_response
+
+    target, start = Target.of(url, None), time.perf_counter()
+
+    async def one(prompt: list[int], p: Any, at: float) -> tuple[Any, float]:
+        body = {"prompt": prompt, "max_tokens": p.max_tokens, "temperature": p.temperature, "stream": True}
+        body |= {"ignore_eos": p.ignore_eos, "stream_options": {"include_usage": True}}
+        data = json.dumps(body).encode()
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        sent = time.perf_counter()
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+        writer.write(target.head + b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        parts, first = [], None
+        while chunk := await reader.read(1 << 16):
+            parts.append(chunk)
+            if first is None and b"data: " in chunk:
+                first = time.perf_counter()
+        done = time.perf_counter()
+        writer.close()
+        _, events = parse_response(b"".join(parts))
+        usages = [e["usage"] for e in events if e.get("usage")]
+        num_tokens = usages[-1]["completion_tokens"] if usages else 0
+        return RequestTiming((first or done) - sent, done - sent, num_tokens), sent - start
+
+    results = await asyncio.gather(*(one(*r) for r in zip(prompts, params, offsets, strict=True)))
+    return [timing for timing, _ in results], [sent for _, sent in results]
+
+
+def simulate_same(trace: Path, options: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Simulate the requests of ``trace`` (their arrivals, prompt lengths and max_tokens) under the served engine's
+    options; returns per-request TTFT and TPOT."""
     from fnvllm.sim import SimSpec, run_spec
 
-    lines = [
-        json.dumps({"arrival_s": at, "prompt_len": len(prompt), "output_len": p.max_tokens})
-        for at, prompt, p in zip(offsets, prompts, params, strict=True)
-    ]
-    trace.write_text("\n".join(lines) + "\n")
     result, _ = run_spec(SimSpec(workload=str(trace), **ENGINE, **options))
     rec = result.recorder
     ttft = [first - arrival for first, arrival in zip(rec.first_token, rec.arrival, strict=True)]
@@ -101,20 +131,27 @@ def quantile(values: Sequence[float], q: float) -> float:
     return percentile(sorted(v for v in values if v is not None and not math.isnan(v)), q * 100)
 
 
-def compare(measured: dict[str, list[float]], simulated: dict[str, list[float]]) -> list[dict[str, Any]]:
-    """Rows of (metric, percentile, measured ms, simulated ms, relative error)."""
+QUANTILES = (0.5, 0.9)
+
+
+def quantiles_of(values: dict[str, Sequence[float]]) -> dict[str, dict[float, float]]:
+    """Per metric, its QUANTILES (seconds) over the requests."""
+    return {metric: {q: quantile(v, q) for q in QUANTILES} for metric, v in values.items()}
+
+
+def compare(measured: dict[str, dict[float, float]], simulated: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Rows of (metric, percentile, measured ms, simulated ms, relative error); ``measured``: quantiles_of."""
     rows = []
     for metric in ("ttft", "tpot"):
-        for q in (0.5, 0.9):
-            m, s = quantile(measured[metric], q) * 1e3, quantile(simulated[metric], q) * 1e3
+        for q in QUANTILES:
+            m, s = measured[metric][q] * 1e3, quantile(simulated[metric], q) * 1e3
             rows.append({"metric": metric, "p": f"p{round(q * 100)}", "measured_ms": m, "simulated_ms": s,
                          "error": (s - m) / m if m else math.nan})  # fmt: skip
     return rows
 
 
-def print_table(rows: Sequence[dict[str, Any]], running: float) -> None:
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
     """The comparison, one line per metric and percentile, and the p50 verdict."""
-    print(f"\nrequests in flight, mean (measured, by Little's law): {running:.1f}")
     print(f"{'metric':<6} {'p':>4} {'measured ms':>12} {'simulated ms':>13} {'error':>8}")
     for r in rows:
         print(f"{r['metric']:<6} {r['p']:>4} {r['measured_ms']:>12.2f} {r['simulated_ms']:>13.2f} {r['error']:>+8.1%}")
@@ -123,7 +160,7 @@ def print_table(rows: Sequence[dict[str, Any]], running: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Serve, load, simulate, compare."""
+    """Serve, load, simulate, compare (or, with --refit, only fit and compare a saved run)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="qwen3-0.6b", choices=["tiny", "qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--num-requests", type=int, default=600)
@@ -134,18 +171,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help=f"a small CPU smoke run ({QUICK})")
     parser.add_argument("--out", default=None, help="folder for the server log, trace and report (default: temp)")
+    parser.add_argument(
+        "--refit", action="store_true", help="no server: fit and compare the run saved in --out (on the CPU)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-sim-serve-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.refit:
+        serve_and_record(args, out)
+    analyse(out, args.hardware)
+    return 0
+
+
+def serve_and_record(args: argparse.Namespace, out: Path) -> None:
+    """Serve the load and write what the analysis reads: trace.jsonl (the requests, arriving when they were sent),
+    measured.jsonl (each request's client-side TTFT, TPOT and end-to-end latency, planned and actual send time),
+    served_timeline.jsonl (the engine's steps) and run.json (device, engine options, the model's shape)."""
     import torch
 
     from fnvllm.bench import write_checkpoint
     from fnvllm.serve.bench import arrival_offsets
     from fnvllm.workloads import bench_workload
 
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-sim-serve-"))
-    out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"torch {torch.__version__} on {device}; writing to {out}", flush=True)
     prompts, params = bench_workload(args.num_requests, args.max_input_len, args.max_output_len, args.seed)
@@ -159,21 +209,155 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"server up at {url} in {time.perf_counter() - start:.1f} s", flush=True)
         try:
             start = time.perf_counter()
-            timings = serve_run(url, prompts, params, args.request_rate, args.seed)
+            timings, sent = serve_run(url, prompts, params, offsets)
             print(f"served {len(timings)} requests in {time.perf_counter() - start:.1f} s", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=60)
-        options = {"model": str(checkpoint), "hardware": args.hardware, "max_model_len": max_model_len}
-        options["overlap"] = torch.cuda.is_available()  # the engine overlaps steps on CUDA only
-        ttft, tpot = simulate_same(out / "trace.jsonl", offsets, prompts, params, options)
-    measured = {"ttft": [t.ttft for t in timings], "tpot": [t.tpot for t in timings]}
-    rows = compare(measured, {"ttft": ttft, "tpot": tpot})
-    running = sum(t.e2e for t in timings) / (max(offsets) + max(t.e2e for t in timings))
-    (out / "report.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
-    print_table(rows, running)
-    print_served_steps(out / "served_timeline.jsonl", args.hardware)
-    return 0
+        config = json.loads((checkpoint / "config.json").read_text())
+    write_trace(out / "trace.jsonl", sent, [len(p) for p in prompts], [p.max_tokens for p in params])
+    late = sorted(s - o for s, o in zip(sent, offsets, strict=True))
+    print(f"requests sent late by p50 {quantile(late, 0.5) * 1e3:.2f} ms, max {late[-1] * 1e3:.2f} ms", flush=True)
+    with (out / "measured.jsonl").open("w") as f:
+        for t, at, s in zip(timings, offsets, sent, strict=True):
+            row = {"ttft": t.ttft, "tpot": t.tpot, "e2e": t.e2e, "num_tokens": t.num_tokens}
+            f.write(json.dumps({**row, "offset_s": at, "sent_s": s}) + "\n")
+    run = {"device": device, "args": vars(args), "engine": {**ENGINE, "max_model_len": max_model_len}}
+    run.update(model=config, overlap=torch.cuda.is_available())  # the engine overlaps steps on CUDA only
+    (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+
+
+def write_trace(path: Path, offsets: Sequence[float], prompt_lens: Sequence[int], output_lens: Sequence[int]) -> None:
+    """The requests as a simulator trace (``fnvllm simulate --workload trace.jsonl``)."""
+    lines = [
+        json.dumps({"arrival_s": at, "prompt_len": p, "output_len": o})
+        for at, p, o in zip(offsets, prompt_lens, output_lens, strict=True)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def load_served(out: Path) -> tuple[dict[str, Any], dict[str, dict[float, float]], list[float] | None]:
+    """A saved served run: its run.json, the measured quantiles, and each request's measured TTFT (None when the
+    run kept only the quantiles: a report.json written before measured.jsonl existed, whose engine options and
+    model are then the defaults and the timeline header's)."""
+    if (out / "measured.jsonl").exists():
+        run = json.loads((out / "run.json").read_text())
+        rows = [json.loads(line) for line in (out / "measured.jsonl").read_text().splitlines() if line]
+        values = {k: [r[k] if r[k] is not None else math.nan for r in rows] for k in ("ttft", "tpot")}
+        return run, quantiles_of(values), values["ttft"]
+    report = json.loads((out / "report.json").read_text())
+    header = json.loads((out / "served_timeline.jsonl").open().readline())
+    measured: dict[str, dict[float, float]] = {}
+    for row in report["rows"]:
+        measured.setdefault(row["metric"], {})[int(row["p"][1:]) / 100] = row["measured_ms"] / 1e3
+    engine = {**ENGINE, "max_model_len": header["max_model_len"]}
+    run = {"device": report["device"], "args": report["args"], "engine": engine, "model": header["model"]}
+    run.update(overlap=str(header.get("device", "")).startswith("cuda"))
+    return run, measured, None
+
+
+def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
+    """Compare the measured latencies with the simulation of the same requests: with ``hardware`` as given, then
+    with a serving section fitted on this run's timeline (``fit_serving``) and the server's latency fitted on the
+    clients' TTFT, timed cycle by cycle and step by step (``Serving.cycle``); writes the fitted profile with the
+    timing that predicts the run better (worst p50 error; cycle by cycle on a tie) to profile_served.json, and
+    analysis.json, and prints the tables ("served_fit" in the returned tables: the chosen one)."""
+    import attrs
+
+    from fnvllm.sim import load_profile, save_profile
+    from fnvllm.sim.calibrate import fit_serving
+    from fnvllm.sim.timeline import header_model, read_timeline
+
+    run, measured, measured_ttft = load_served(out)
+    options = {"model": _model_file(out, run["model"]), "max_model_len": run["engine"]["max_model_len"]}
+    options.update(overlap=run["overlap"], serve=True)
+    given = load_profile(hardware)
+    tables = {"given": _compare_with(out, given, measured, options)}
+    timeline = out / "served_timeline.jsonl"
+    if timeline.exists():
+        header, records = read_timeline(timeline)
+        model = header_model(header, name=str(run["args"].get("model_shape", "served")))
+        serving = fit_serving(served_load(records), model, given, source=str(timeline))
+        candidates = []
+        for cycle in (True, False):
+            fitted = attrs.evolve(given, serving=attrs.evolve(serving, cycle=cycle), **graph_limits(records, given))
+            ttft, _ = simulate_profile(out, fitted, options)
+            latency = fit_latency(measured, measured_ttft, ttft)
+            fitted = attrs.evolve(fitted, serving=attrs.evolve(fitted.serving, latency_us=latency * 1e6))
+            rows = _compare_with(out, fitted, measured, options)
+            tables[f"served_fit ({'cycle by cycle' if cycle else 'step by step'})"] = rows
+            candidates.append((max(abs(r["error"]) for r in rows if r["p"] == "p50"), not cycle, fitted))
+        worst, _, fitted = min(candidates, key=lambda c: c[:2])
+        save_profile(fitted, out / "profile_served.json")
+        tables["served_fit"] = tables[f"served_fit ({'cycle by cycle' if fitted.serving.cycle else 'step by step'})"]
+        timing = "cycle by cycle" if fitted.serving.cycle else "step by step"
+        print(
+            f"\nfitted serving section: {out / 'profile_served.json'} (timed {timing}: worst p50 error {worst:.1%}; "
+            f"server latency {fitted.serving.latency_us / 1e3:.2f} ms)"
+        )
+    (out / "analysis.json").write_text(json.dumps({**run, "tables": tables}, indent=1))
+    for name, rows in tables.items():
+        if name != "served_fit":  # the chosen one of the two is printed under its own name
+            print(f"\nprofile: {name}")
+            print_table(rows)
+    print_served_steps(timeline, str(out / "profile_served.json") if "served_fit" in tables else hardware)
+    return tables
+
+
+def graph_limits(records: Sequence[dict[str, Any]], given: Any) -> dict[str, int]:
+    """The CUDA-graph limits the served steps show, widening ``given``'s (a served run can replay larger graphs than
+    the calibration regimes reached); both 0 when no step ran as a graph (an engine without graphs: a CPU run)."""
+    graphs = [r for r in records if r["graph"]]
+    if not graphs:
+        return {"graph_max_seqs": 0, "graph_mixed_tokens": 0}
+    mixed = [int(r["num_tokens"]) for r in graphs if int(r["num_prefill_tokens"]) > 0]
+    return {
+        "graph_max_seqs": max(given.graph_max_seqs, *(int(r["num_seqs"]) for r in graphs)),
+        "graph_mixed_tokens": max(given.graph_mixed_tokens, *mixed, 0),
+    }
+
+
+def served_load(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timeline's steps of the timed load: those after the warm-up (the first steps up to the longest idle
+    gap in the first tenth of the run, where the warm-up ends and the load begins)."""
+    head = max(len(records) // 10, 1)
+    ends = [float(r.get("end_s", 0.0)) for r in records[: head + 1]]
+    gaps = [b - a for a, b in itertools.pairwise(ends)]
+    return list(records[gaps.index(max(gaps)) + 1 :]) if gaps else list(records)
+
+
+def fit_latency(
+    measured: dict[str, dict[float, float]], measured_ttft: Sequence[float] | None, simulated_ttft: Sequence[float]
+) -> float:
+    """The server's own latency per request (seconds, >= 0): the median of measured - simulated TTFT over the
+    same requests (with only the measured quantiles: the difference of the medians)."""
+    if measured_ttft is None:
+        return max(measured["ttft"][0.5] - quantile(simulated_ttft, 0.5), 0.0)
+    diffs = [m - s for m, s in zip(measured_ttft, simulated_ttft, strict=True) if not math.isnan(m - s)]
+    return max(quantile(diffs, 0.5), 0.0) if diffs else 0.0
+
+
+def simulate_profile(out: Path, profile: Any, options: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Per-request TTFT and TPOT of the saved trace simulated with ``profile`` (written beside it)."""
+    from fnvllm.sim import save_profile
+
+    path = out / "profile_simulated.json"
+    save_profile(profile, path)
+    return simulate_same(out / "trace.jsonl", {**options, "hardware": str(path)})
+
+
+def _compare_with(
+    out: Path, profile: Any, measured: dict[str, dict[float, float]], options: dict[str, Any]
+) -> list[dict[str, Any]]:
+    ttft, tpot = simulate_profile(out, profile, options)
+    return compare(measured, {"ttft": ttft, "tpot": tpot})
+
+
+def _model_file(out: Path, config: dict[str, Any]) -> str:
+    """The served model's config.json, saved in ``out`` (the simulator reads the shape from it)."""
+    path = out / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 def print_served_steps(path: Path, hardware: str) -> None:
@@ -188,7 +372,7 @@ def print_served_steps(path: Path, hardware: str) -> None:
         print(f"no served timeline at {path}")
         return
     header, records = read_timeline(path)
-    cost = CostModel(header_model(header), load_profile(hardware))
+    cost = CostModel(header_model(header), load_profile(hardware), serving=True)
     kinds: dict[str, list[list[float]]] = {}
     for record in records:
         shape = record_shape(record)

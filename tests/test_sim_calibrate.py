@@ -11,7 +11,17 @@ import attrs
 import numpy as np
 import pytest
 
-from fnvllm.sim import H200, HardwareProfile, Overheads, SimSpec, fit_profile, load_shape, read_timeline, run_spec
+from fnvllm.sim import (
+    H200,
+    CostModel,
+    HardwareProfile,
+    Overheads,
+    SimSpec,
+    fit_profile,
+    load_shape,
+    read_timeline,
+    run_spec,
+)
 from fnvllm.sim.calibrate import fit_nonnegative, prediction_error
 from fnvllm.sim.hardware import load_profile, save_profile
 from fnvllm.sim.timeline import record_shape
@@ -22,8 +32,10 @@ TRUE = HardwareProfile(
     matmul_tflops=H200.matmul_tflops,
     memory_gib=H200.memory_gib,
     graph_max_seqs=64,
-    eager=Overheads(scale=1.3, attn_scale=1.8, step_us=250.0, seq_us=3.0, token_us=0.2, gap_us=80.0, gap_seq_us=0.5),
-    graph=Overheads(scale=1.3, attn_scale=1.5, step_us=30.0, seq_us=0.8, gap_us=20.0, gap_seq_us=0.1),
+    eager=Overheads(
+        scale=1.3, attn_scale=1.8, step_us=250.0, seq_us=3.0, token_us=0.2, log_seq_us=40.0, gap_us=80.0, gap_seq_us=0.5
+    ),
+    graph=Overheads(scale=1.3, attn_scale=1.5, step_us=30.0, seq_us=0.8, log_seq_us=25.0, gap_us=20.0, gap_seq_us=0.1),
 )
 
 
@@ -54,19 +66,26 @@ def _synthetic_log(tmp_path: Path, noise: float) -> Path:
 
 
 def test_fit_recovers_known_overheads(tmp_path: Path) -> None:
-    """From a synthetic log with 1% noise, every constant comes back within 10% (graph steps take their matmul
-    scale, which decode-only steps cannot identify, from the eager fit, not from the base profile)."""
+    """From a synthetic log with 1% noise, the scales and gap constants come back within 10% and every step's
+    device time within 3% (graph steps take their matmul scale, which decode-only steps cannot identify, from the
+    eager fit, not from the base profile)."""
     header, records = read_timeline(_synthetic_log(tmp_path, noise=0.01))
     model = load_shape("qwen3-0.6b")
     assert header["model"]["hidden_size"] == model.hidden
     assert {bool(r["graph"]) for r in records} == {True, False}
     base = attrs.evolve(H200, graph=Overheads(scale=1.4))
     fitted = fit_profile(records, model, base, source="synthetic")
-    fields = ("scale", "attn_scale", "step_us", "seq_us", "token_us", "gap_us", "gap_seq_us")
+    fields = ("scale", "attn_scale", "gap_us", "gap_seq_us")
     for kind in ("eager", "graph"):
         got, want = getattr(fitted, kind), getattr(TRUE, kind)
         for field in fields:
             assert getattr(got, field) == pytest.approx(getattr(want, field), rel=0.1, abs=0.02), (kind, field)
+    # the per-step terms (step, rows, log2 rows, tokens) trade off against each other on these shapes: their sum
+    # must come back, step by step
+    fitted_cost, true_cost = CostModel(model, fitted), CostModel(model, TRUE)
+    for record in records:
+        shape = record_shape(record)
+        assert fitted_cost.device_s(shape) == pytest.approx(true_cost.device_s(shape), rel=0.03)
     assert fitted.graph_max_seqs <= 64 and fitted.calibrated_from == "synthetic"
     for is_graph in (True, False):
         kind = [r for r in records if r["graph"] is is_graph]
@@ -144,7 +163,9 @@ def _host_log(tmp_path: Path, overlap: bool, num_requests: int, rate: float, see
 
 def test_fit_recovers_known_host_and_gap_coefficients(tmp_path: Path) -> None:
     """Timelines of overlapped and plain loops, synthesised from known host and gap coefficients (low and high
-    load, so both host-bound and device-bound steps occur), give those coefficients back within 10%."""
+    load, so both host-bound and device-bound steps occur), give the host coefficients back within 10% and the
+    gap ones within 20% (a plain step's gap is fitted on its wall time less the predicted device time, so it also
+    carries the device fit's error), and each loop mode's total within 1%."""
     records = [
         *_host_log(tmp_path, True, 200, 30.0, 1),
         *_host_log(tmp_path, True, 300, 400.0, 2),
@@ -157,7 +178,8 @@ def test_fit_recovers_known_host_and_gap_coefficients(tmp_path: Path) -> None:
     for kind, names in (("eager", fields), ("graph", ("gap_us", "gap_seq_us", "host_us", "host_seq_us"))):
         got, want = getattr(fitted, kind), getattr(HOST_TRUE, kind)
         for field in names:
-            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=0.1, abs=0.05), (kind, field)
+            rel = 0.2 if field.startswith("gap") else 0.1
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=rel, abs=0.05), (kind, field)
     for overlap in (True, False):
         mode = [r for r in records if r["overlap"] is overlap]
         assert abs(prediction_error(mode, load_shape("qwen3-0.6b"), fitted)["total_error"]) < 0.01

@@ -49,6 +49,7 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "max_model_len": ("--max-model-len", "cap on prompt + output (default: the model's)"),
     "enable_prefix_caching": ("--no-prefix-caching", "turn the prefix cache off"),
     "overlap": ("--no-overlap", "simulate an engine that does not overlap host work with the device"),
+    "serve": ("--serve", "simulate `fnvllm serve`: the profile's serving overheads and per-request latency"),
 }
 
 
@@ -61,6 +62,8 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
         flag, text = _SPEC_FLAGS[field.name]
         if field.default is True:
             parser.add_argument(flag, dest=field.name, action="store_false", help=text)
+        elif field.default is False:
+            parser.add_argument(flag, dest=field.name, action="store_true", help=text)
         else:
             kind = types.get(field.name, type(field.default))
             parser.add_argument(flag, dest=field.name, type=kind, default=field.default, help=text)
@@ -173,6 +176,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile = _user_errors(fit_profile, records, model, base, source=str(args.log), name=name)
     if run is not None:  # the time to take in a request, from the run's start
         profile = attrs.evolve(profile, request_us=fit_request_us([(run, records)], model, profile))
+    if args.served:  # a served run's timeline: the profile's serving section (the server's latency is not in it)
+        from fnvllm.sim.calibrate import fit_serving
+
+        _, served = _user_errors(read_timeline, args.served)
+        profile = attrs.evolve(profile, serving=_user_errors(fit_serving, served, model, profile, str(args.served)))
     out = Path(args.out) if args.out else Path(args.log).with_suffix(".profile.json")
     _user_errors(save_profile, profile, out)
     print(f"wrote {out}: profile {profile.name!r} for model {model.name!r} (base {base.name})")
@@ -281,6 +289,11 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--model-shape", default=None, help="model shape, if the log has no header")
     cal.add_argument("--out", "-o", default=None, help="profile JSON to write (default LOG.profile.json)")
     cal.add_argument("--check", action="append", default=[], help="another log to report the prediction error on")
+    cal.add_argument(
+        "--served",
+        default=None,
+        help="the timeline of a `fnvllm serve` run: fit the profile's serving section (--serve) on it too",
+    )
     cal.set_defaults(func=run_calibrate)
     sweep = actions.add_parser("sweep", help="run a grid of simulations (local processes, or Ray)")
     sweep.add_argument("grid", help="grid file (YAML or JSON): simulation options, lists are axes")

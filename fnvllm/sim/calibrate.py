@@ -6,7 +6,9 @@ device time stays a physical function of the work and carries to other model sha
 >= 0 (host and gap costs are never negative):
 
     device:  gpu_us ~ scale * matmul_roofline_us + attn_scale * attention_roofline_us + step_us + seq_us * seqs
-                      + token_us * tokens
+                      + log_seq_us * log2(seqs) + token_us * tokens   (relative error, overlapped steps; an
+                                                         eager kind also gets a launch floor: device = max(that,
+                                                         launch_us))
     host:    cpu_us ~ host_us + host_seq_us * seqs + host_new_seq_us * new_seqs + host_token_us * tokens
                       + host_sample_us * sampled        (on steps of an overlapped loop; where the device waited
                                                          for the host, the step's wall time instead of cpu_us)
@@ -31,7 +33,7 @@ import attrs
 import numpy as np
 
 from fnvllm.sim.cost import CostModel, StepShape
-from fnvllm.sim.hardware import HardwareProfile, Overheads
+from fnvllm.sim.hardware import HardwareProfile, Overheads, Serving
 from fnvllm.sim.model import ModelShape
 from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
@@ -50,6 +52,8 @@ __all__ = [
     "fit_bounded",
     "fit_nonnegative",
     "fit_profile",
+    "fit_relative",
+    "fit_serving",
     "prediction_error",
 ]
 
@@ -109,6 +113,29 @@ def fit_bounded(
     return out
 
 
+WEIGHT_POWER = 1.0  # fits weigh a step's squared error by 1 / its time ** this (0: absolute, 1: relative error)
+
+
+def fit_relative(
+    x: np.ndarray,
+    y: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    prior: np.ndarray | None = None,
+    scale: np.ndarray | None = None,
+    shift: bool = True,
+) -> np.ndarray:
+    """``fit_bounded`` on relative error (row weights 1 / ``scale``, default ``y``: a 1 ms step counts as much as
+    a 40 ms one), then column 0 (the constant) moved by the mean residual, within its bounds: the shape of the
+    fit is the relative one, its total the absolute one (noisy steps whose errors lean one way would otherwise
+    pull the sum under the measured total)."""
+    weights = 1.0 / np.maximum(y if scale is None else scale, 1.0) ** WEIGHT_POWER
+    coef = fit_bounded(x, y, lower, upper, prior, weights)
+    if shift:
+        coef[0] = float(np.clip(coef[0] + np.mean(y - x @ coef), lower[0], upper[0]))
+    return coef
+
+
 def _solve_with_bounds(
     gram: np.ndarray, moment: np.ndarray, lo: np.ndarray, hi: np.ndarray, states: tuple[int, ...]
 ) -> np.ndarray | None:
@@ -130,33 +157,77 @@ def _solve_with_bounds(
 
 
 def _fit_kind(
+    cost: CostModel,
+    shapes: Sequence[StepShape],
+    records: Sequence[Mapping[str, Any]],
+    base: Overheads,
+    launched: bool = False,
+) -> Overheads:
+    """The overheads of one kind of step: device (``_fit_device``; with ``launched``, an eager kind, with a launch
+    floor: ``_fit_launched_device``), then plain gap (on what the device model leaves of each plain step's wall
+    time) and host."""
+    device = _fit_launched_device(cost, shapes, records, base) if launched else _fit_device(cost, shapes, records, base)
+    gap = _fit_gap(shapes, records, base, _priced(cost, device))
+    return attrs.evolve(device, **gap, **_fit_host(shapes, records, base))
+
+
+def _priced(cost: CostModel, device: Overheads) -> CostModel:
+    """``cost``'s model and ceilings with ``device`` as the overheads of every kind of step."""
+    return CostModel(cost.model, attrs.evolve(cost.hardware, eager=device, graph=device))
+
+
+FLOOR_QUANTILES = (0, 5, 10, 15, 20, 25, 30, 40, 50, 60)  # launch floors tried: these percentiles of device times
+FLOOR_MARGIN = 1.15  # steps under this many times a tried floor are left to it, not to the kernel fit
+
+
+def _fit_launched_device(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The overheads of one kind of step: device (``_fit_device``), plain gap and host."""
-    device = _fit_device(cost, shapes, records, base)
-    return attrs.evolve(device, **_fit_gap(shapes, records, base), **_fit_host(shapes, records, base))
+    """The device model of an eager kind: max(kernels, launch floor). Each floor tried (none, then FLOOR_QUANTILES
+    of the steps' device times) takes the steps within FLOOR_MARGIN of it; the kernel model (``_fit_device``) is
+    fitted on the rest; the pair with the least relative squared error over every step wins (a run's first step
+    included: a small eager step shows the floor as any other)."""
+    times = np.array([float(r["gpu_ms"]) * 1e3 for r in records])
+    best, best_loss = _fit_device(cost, shapes, records, base), np.inf
+    for floor in sorted({0.0, *np.percentile(times, FLOOR_QUANTILES[1:]).tolist()}):
+        rest = [i for i, t in enumerate(times) if t > FLOOR_MARGIN * floor]
+        if len(rest) < MIN_ROWS:
+            continue
+        kernels = _fit_device(cost, [shapes[i] for i in rest], [records[i] for i in rest], base)
+        device = attrs.evolve(kernels, launch_us=float(floor))
+        priced = _priced(cost, device)
+        predicted = np.array([priced.device_s(shape) * 1e6 for shape in shapes])
+        loss = float(np.sum(((predicted - times) / np.maximum(times, 1.0)) ** 2))
+        if loss < best_loss:
+            best, best_loss = device, loss
+    return best
 
 
 def _fit_device(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The device model, by least squares with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
-    constant terms >= 0. The matmul roofline column comes last: in decode-only steps it is an affine function of
-    the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep ``base.scale`` (the
-    caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step is left out (its
-    device time can hold a compile of a new shape)."""
-    rows = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    """The device model, by least squares on relative error (each step weighs 1 / its time, so a one-request
+    step counts as much as a 256-request one) with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
+    constant terms >= 0. Fitted on overlapped steps when the log has at least MIN_ROWS of them: a plain loop's
+    step starts on an idle device, whose timer then also holds the host's input preparation and launch (that
+    share goes to the plain gap model). The matmul roofline column comes last: in decode-only steps it is an
+    affine function of the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep
+    ``base.scale`` (the caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step
+    is left out (its device time can hold a compile of a new shape)."""
+    steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    overlapped = [i for i in steady if record_overlap(records[i]) is not False]
+    rows = overlapped if len(overlapped) >= MIN_ROWS else steady
     fit_shapes = [shapes[i] for i in rows]
     linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
     attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
-    ones, seqs = np.ones(len(rows)), [s.num_seqs for s in fit_shapes]
-    x = np.column_stack([attention, ones, seqs, [s.num_tokens for s in fit_shapes], linear])
+    ones, seqs = np.ones(len(rows)), np.array([s.num_seqs for s in fit_shapes], dtype=float)
+    x = np.column_stack([ones, attention, seqs, np.log2(seqs), [s.num_tokens for s in fit_shapes], linear])
     y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
-    lower = np.array([1.0, 0.0, 0.0, 0.0, 1.0])
-    upper = np.array([MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
-    prior = np.array([base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    attn_scale, step, seq, token, scale = map(float, fit_bounded(x, y, lower, upper, prior))
-    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token)
+    lower = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    upper = np.array([np.inf, MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
+    prior = np.array([0.0, base.attn_scale, 0.0, 0.0, 0.0, base.scale])
+    step, attn_scale, seq, log_seq, token, scale = map(float, fit_relative(x, y, lower, upper, prior))
+    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token, log_seq_us=log_seq)
 
 
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
@@ -179,31 +250,43 @@ def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
     ).reshape(len(rows), 5)
 
 
-def _fit_gap(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
-    """The plain loop's gap coefficients, fitted on the gaps of steps that did not overlap (all steps when the
-    log does not say); fewer than MIN_ROWS such steps keep ``base``'s."""
+def _fit_gap(
+    shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads, priced: CostModel
+) -> dict[str, float]:
+    """The plain loop's gap coefficients, fitted (>= 0, relative error) on the steps that did not overlap (all
+    steps when the log does not say): each step's wall time (gpu_ms + gap_ms) less the device time ``priced``
+    predicts for it, so the gap model also carries the host's input preparation that a plain step's device timer
+    holds. Fewer than MIN_ROWS such steps keep ``base``'s."""
     rows = _rows_of_mode(records, overlap=False)
     names = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
-    gaps = np.array([float(records[i].get("gap_ms", 0.0)) * 1e3 for i in rows])
-    coef = fit_nonnegative(_features(shapes, records, rows)[:, :4], gaps)
+    walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
+    gaps = walls - np.array([priced.device_s(shapes[i]) * 1e6 for i in rows])
+    x = _features(shapes, records, rows)[:, :4]
+    coef = fit_relative(x, gaps, np.zeros(4), np.full(4, np.inf), scale=walls, shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
+NEXT_EAGER = "next_eager"  # a key fit_profile adds to a record followed by an eager step in its timeline
 HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
 
 
 def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
-    """The host-cycle coefficients (>= 0), fitted on overlapped steps (all steps when the log does not say): on
-    the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on ``cpu_ms``.
-    Fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
-    rows = [i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i]]
+    """The host-cycle coefficients (>= 0, relative error), fitted on overlapped steps (all steps when the log does
+    not say): on the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on
+    ``cpu_ms``. Left out: steps followed by an eager step (``NEXT_EAGER``: their cycle also launched that step's
+    kernels one by one, which its own device time holds). Fewer than MIN_ROWS such steps, or a log without
+    ``cpu_ms``, keep ``base``'s."""
+    rows = [
+        i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i] and not records[i].get(NEXT_EAGER)
+    ]
     names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     host = np.array([_host_time_ms(records[i]) * 1e3 for i in rows])
-    coef = fit_nonnegative(_features(shapes, records, rows), host)
+    n = len(names)
+    coef = fit_relative(_features(shapes, records, rows), host, np.zeros(n), np.full(n, np.inf), shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
@@ -228,24 +311,30 @@ def fit_profile(
 
     Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
     eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
-    steps sets graph_max_seqs to 0 (that engine never replays graphs), else to the largest graph batch seen.
+    steps sets graph_max_seqs to 0 (that engine never replays graphs), else to the largest graph batch seen, and
+    graph_mixed_tokens to the most tokens of a mixed step that ran as a graph (0 when none did).
     """
     cost = CostModel(model, base)
     kinds = {"eager": base.eager, "graph": base.graph}
+    nexts = [*records[1:], None]
+    marked = [{**r, NEXT_EAGER: n is not None and not bool(n["graph"])} for r, n in zip(records, nexts, strict=True)]
     for kind, is_graph in (("eager", False), ("graph", True)):
-        rows = [r for r in records if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
+        rows = [r for r in marked if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
         if len(rows) >= MIN_ROWS:
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)  # graphs replay the eager matmuls
-            kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior)
+            kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior, launched=not is_graph)
     graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
+    mixed = [int(r["num_tokens"]) for r in records if r["graph"] and int(r["num_prefill_tokens"]) > 0]
     return attrs.evolve(
         base,
         name=name or f"{base.name}-calibrated",
         graph_max_seqs=max(graph_seqs, default=0),
+        graph_mixed_tokens=max(mixed, default=0),
         calibrated_from=source,
         eager=kinds["eager"],
         graph=kinds["graph"],
         model={**model.to_config(), "name": model.name},
+        serving=None,  # a fit on offline steps says nothing of serving (sim_calibration.py --served fits it)
     )
 
 
@@ -289,3 +378,97 @@ def prediction_error(
         "predicted_s": predicted,
         "num_steps": len(errors),
     }
+
+
+STALL_FACTOR = 10.0  # a served step slower than this many times its kind's median step held a compile: not fitted
+
+
+def fit_serving(
+    records: Sequence[Mapping[str, Any]], model: ModelShape, base: HardwareProfile, source: str = ""
+) -> Serving:
+    """The ``serving`` section of a profile, fitted to the timeline ``records`` of a served run (``fnvllm serve``
+    under load, FNVLLM_TIMELINE set; overlapped steps), with ``base`` (an offline fit) for what they cannot tell.
+
+    The served loop's cycle (``SimExecutor``'s served timing): launch step k, wait for step k-1, commit and report
+    it. Per kind of step (graph or eager, as the timeline says: keyed on how the step ran, not on its rows):
+
+    host:   the cycle's host time, on ``cpu_ms`` of the steps followed by a graph step (a replay's launch is
+            cheap, so their cycle is the commit, the report and the planning);
+    launch: the host time of launching the step beyond that: ``cpu_ms`` of the step before it minus that step's
+            host model (an eager step launches kernel by kernel; fitted only where it adds up to something);
+    device: the step's device time (gpu_ms: from when the device reached the step, the end of the step before or
+            the start of its launch, to its end; a launch-bound step's device time holds its launch, and the idle
+            gap before a step is the host's, priced by the cycle).
+
+    Left out: a run's first step and steps more than STALL_FACTOR times their kind's median (a compile of a new
+    shape). A kind with fewer than MIN_ROWS steps keeps ``base``'s overheads. The latency outside the engine is
+    not in a timeline: ``latency_us`` stays 0 (the served check fits it from the clients' TTFT).
+    """
+    cost = CostModel(model, base)
+    steps = [r for r in records if int(r["num_seqs"]) > 0]
+    shapes = [record_shape(r) for r in steps]
+    kinds = {"eager": base.eager, "graph": base.graph}
+    kept: dict[str, list[int]] = {}
+    for kind, is_graph in (("eager", False), ("graph", True)):
+        chosen = [i for i, r in enumerate(steps) if bool(r["graph"]) == is_graph and i > 0]
+        walls = [_served_wall_ms(steps[i]) for i in chosen]
+        limit = STALL_FACTOR * float(np.median(walls)) if walls else 0.0
+        kept[kind] = [i for i, wall in zip(chosen, walls, strict=True) if wall <= limit]
+        if len(kept[kind]) >= MIN_ROWS:
+            prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
+            rows = [steps[i] for i in kept[kind]]
+            device = _fit_device(cost, [shapes[i] for i in kept[kind]], rows, prior)
+            host = _fit_served_host(steps, shapes, kept[kind], prior)
+            kinds[kind] = attrs.evolve(device, **{n: getattr(prior, n) for n in _GAP}, **host)
+    host_cost = CostModel(model, attrs.evolve(base, eager=kinds["eager"], graph=kinds["graph"]))
+    for kind in kinds:
+        kinds[kind] = attrs.evolve(kinds[kind], **_fit_launch(steps, shapes, kept[kind], host_cost))
+    return Serving(eager=kinds["eager"], graph=kinds["graph"], calibrated_from=source)
+
+
+def _served_wall_ms(record: Mapping[str, Any]) -> float:
+    """A served step's device time plus the device's idle gap before it (what a stall shows in)."""
+    return float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))
+
+
+def _fit_served_host(
+    steps: Sequence[Mapping[str, Any]], shapes: Sequence[StepShape], rows: Sequence[int], prior: Overheads
+) -> dict[str, float]:
+    """The host cycle of a kind of served step, on ``cpu_ms`` of its steps followed by a graph step (fewer than
+    MIN_ROWS such steps: ``prior``'s)."""
+    clean = [i for i in rows if i + 1 < len(steps) and bool(steps[i + 1]["graph"]) and "cpu_ms" in steps[i]]
+    if len(clean) < MIN_ROWS:
+        return {name: getattr(prior, name) for name in _HOST}
+    cpu = np.array([float(steps[i]["cpu_ms"]) * 1e3 for i in clean])
+    coef = fit_nonnegative(_features(shapes, steps, clean), cpu)
+    return dict(zip(_HOST, map(float, coef), strict=True))
+
+
+LAUNCH_MIN_US = 1000.0  # a kind of step whose launch adds less than this to the cycle, on average, launches in it
+
+
+def _fit_launch(
+    steps: Sequence[Mapping[str, Any]], shapes: Sequence[StepShape], rows: Sequence[int], host_cost: CostModel
+) -> dict[str, float]:
+    """The launch model of a kind of served step: ``cpu_ms`` of the step before each minus that step's host
+    model, fitted on 1, rows, tokens (>= 0); all 0 when it averages under LAUNCH_MIN_US (a graph replay) or
+    fewer than MIN_ROWS steps say."""
+    zero = dict.fromkeys(_LAUNCH, 0.0)
+    before = [i for i in rows if i > 0 and "cpu_ms" in steps[i - 1]]
+    if len(before) < MIN_ROWS:
+        return zero
+    extra = np.array(
+        [
+            float(steps[i - 1]["cpu_ms"]) * 1e3 - host_cost.host_s(shapes[i - 1], record_new_seqs(steps[i - 1])) * 1e6
+            for i in before
+        ]
+    )
+    if float(np.mean(extra)) < LAUNCH_MIN_US:
+        return zero
+    x = np.array([[1.0, shapes[i].num_seqs, shapes[i].num_tokens] for i in before])
+    return dict(zip(_LAUNCH, map(float, fit_nonnegative(x, np.maximum(extra, 0.0))), strict=True))
+
+
+_HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
+_GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+_LAUNCH = ("launch_us", "launch_seq_us", "launch_token_us")

@@ -1,5 +1,8 @@
 """The cost model: a step's shape -> its device time, by a roofline per layer part plus fitted overheads.
 
+A step's device time is its kernels' time or, when the host launches them one by one slower than the device runs
+them (an eager step: ~20 ms of Python launches on the H200 for the 0.6B shape), its launch time.
+
 Each part of a decoder layer (qkv projection, attention, o projection, gate_up, down) takes
 max(bytes / bandwidth, FLOPs / matmul rate): a matmul reads its weights once per step plus its input and output
 activations, and does 2 FLOPs per weight per token; attention reads every scheduled sequence's KV context,
@@ -7,6 +10,9 @@ writes the fed tokens' K and V, and does 4 * q_heads * head_dim FLOPs per (query
 times the layer count, plus the LM head over the sampled rows. So a decode batch is bound by weights and KV
 reads, a long prefill by FLOPs, and neither is summed where they overlap. Matmuls and attention are scaled
 separately by the profile (``scale``, ``attn_scale``): their kernels reach different fractions of the ceilings.
+
+A served run (``serving``) prices its steps with the profile's ``serving`` overheads instead (the server's engine
+process pays more host time per step; ``fnvllm.sim.hardware.Serving``).
 
 Host time is a linear function of the step (rows, new rows, tokens, sampled rows), and a step's wall time follows
 the loop: max(device, host) when steps overlap, device + the plain loop's gap when they do not
@@ -17,6 +23,8 @@ the simulation and the calibration.
 """
 
 from __future__ import annotations
+
+import math
 
 from fnvllm.sim.hardware import HardwareProfile, Overheads
 from fnvllm.sim.model import ModelShape
@@ -29,10 +37,16 @@ _US = 1e-6
 
 class CostModel:
     """Times steps of ``model`` on ``hardware``; ``overlap``: the engine overlaps host work with the device (the
-    default on CUDA). Stateless after construction; cheap per call (no allocation)."""
+    default on CUDA); ``serving``: the steps run under ``fnvllm serve`` (priced by the profile's ``serving``
+    overheads when it has them). Stateless after construction; cheap per call (no allocation)."""
 
-    def __init__(self, model: ModelShape, hardware: HardwareProfile, overlap: bool = True) -> None:
+    def __init__(
+        self, model: ModelShape, hardware: HardwareProfile, overlap: bool = True, serving: bool = False
+    ) -> None:
         self.model, self.hardware, self.overlap = model, hardware, overlap
+        kinds = hardware.serving if serving and hardware.serving is not None else hardware
+        self.serving = kinds is not hardware
+        self._eager, self._graph = kinds.eager, kinds.graph
         m = model
         h, q, kv, i = m.hidden, m.q_size, m.kv_size, m.intermediate
         # (weights, input width, output width) of each matmul of a layer
@@ -77,15 +91,25 @@ class CostModel:
         return self.linear_s(shape) + self.attention_s(shape) if shape.num_seqs else 0.0
 
     def overheads(self, shape: StepShape) -> Overheads:
-        """The overheads of this kind of step (graph or eager)."""
-        return self.hardware.graph if shape.graph else self.hardware.eager
+        """The overheads of this kind of step (graph or eager; the serving ones when serving)."""
+        return self._graph if shape.graph else self._eager
 
     def device_s(self, shape: StepShape) -> float:
-        """Predicted device time of the step (0 for an empty step)."""
+        """Predicted device time of the step (0 for an empty step): its kernels' time (``compute_s``), or its
+        launch when the kernels wait for the host to launch them one by one (``launch_s``, an eager step)."""
+        if not shape.num_seqs:
+            return 0.0
+        return max(self.compute_s(shape), self.launch_s(shape))
+
+    def compute_s(self, shape: StepShape) -> float:
+        """Predicted time of the step's kernels on the device, launched: scaled rooflines plus the fitted
+        per-step, per-row and per-token terms (0 for an empty step)."""
         if not shape.num_seqs:
             return 0.0
         o = self.overheads(shape)
         extra = o.step_us + o.seq_us * shape.num_seqs + o.token_us * shape.num_tokens
+        if o.log_seq_us:
+            extra += o.log_seq_us * math.log2(shape.num_seqs)
         return o.scale * self.linear_s(shape) + o.attn_scale * self.attention_s(shape) + extra * _US
 
     def gap_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
@@ -103,6 +127,14 @@ class CostModel:
         o = self.overheads(shape)
         host = o.host_us + o.host_seq_us * shape.num_seqs + o.host_new_seq_us * num_new_seqs
         return (host + o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples) * _US
+
+    def launch_s(self, shape: StepShape) -> float:
+        """Predicted host time of launching the step's kernels one by one, which the device waits for
+        (``Overheads`` launch_*: an eager step's; 0 for a graph replay and for an empty step)."""
+        if not shape.num_seqs:
+            return 0.0
+        o = self.overheads(shape)
+        return (o.launch_us + o.launch_seq_us * shape.num_seqs + o.launch_token_us * shape.num_tokens) * _US
 
     def wall_s(self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None) -> float:
         """Wall time the step occupies: max(device, host) when steps overlap (``overlap`` None: this model's

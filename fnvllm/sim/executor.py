@@ -11,6 +11,8 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+import attrs
+
 from fnvllm.executor.base import ExecuteResult, check_step
 from fnvllm.sim.cost import CostModel, StepShape, step_shape
 from fnvllm.state import StepPlan
@@ -60,6 +62,12 @@ class ReplayTokens:
         return self.steps[plan.step]
 
 
+def mixed_graph(shape: StepShape, graph_max_seqs: int) -> StepShape:
+    """``shape`` (a mixed step within the profile's ``graph_mixed_tokens``) as a CUDA-graph step when its rows fit
+    the captured graphs (at most ``graph_max_seqs``)."""
+    return attrs.evolve(shape, graph=True) if 0 < shape.num_seqs <= graph_max_seqs else shape
+
+
 class SimExecutor:
     """Applies plans to a simulated device: a clock (seconds) advanced by ``cost``, tokens from ``tokens``.
 
@@ -67,6 +75,13 @@ class SimExecutor:
     last_host_s / last_new_seqs: the last plan's shape, device time, the wall time beyond it (device idle), its
     host time and its rows new since the plan before (for logs and plots). ``advance_to(t)`` moves an idle clock
     forward (a jump to the next arrival).
+
+    Served timing (``served``: a cost model pricing a served, overlapped loop): the host and the device each keep
+    their own time, as in the server's engine process. ``execute(plan k)`` is the host cycle that launches step k
+    (``launch_s``; the device waits for an eager launch), waits for step k-1 on the device, then commits and
+    reports it (``host_s``): the clock moves to the end of that cycle, when step k-1's tokens reach the clients
+    (``delivered_s``), and step k runs on the device meanwhile (until ``device_free``). ``drain()`` delivers the
+    last step when no step follows it.
     """
 
     def __init__(self, cost: CostModel, tokens: TokenSource | None = None, clock: float = 0.0) -> None:
@@ -78,6 +93,12 @@ class SimExecutor:
         self.last_device_s = self.last_gap_s = self.last_host_s = 0.0
         self.last_new_seqs = 0
         self._times = getattr(cost, "step_times", None) or self._device_plus_gap
+        serving = getattr(cost.hardware, "serving", None) if getattr(cost, "serving", False) else None
+        self.served = bool(serving is not None and serving.cycle and getattr(cost, "overlap", False))
+        self.device_free = clock  # served timing: when the device finishes the last launched step
+        self.delivered_s = clock  # served timing: when the step before the last one reached the clients
+        self._undelivered = False  # served timing: the last step's tokens have not reached the clients yet
+        self._last_cycle_s = 0.0
 
     def _device_plus_gap(self, shape: StepShape, num_new_seqs: int) -> tuple[float, float, float]:
         """(device, host, wall) of a cost object with only ``device_s`` and ``gap_s`` (the protocol before the
@@ -89,13 +110,44 @@ class SimExecutor:
         """Advance the clock by the plan's predicted wall time; return its sampled tokens."""
         check_step(self.next_step, plan)
         self.next_step += 1
-        shape = step_shape(plan, self.cost.hardware.graph_max_seqs)
+        hardware = self.cost.hardware
+        shape = step_shape(plan, hardware.graph_max_seqs)
+        if not shape.graph and shape.num_tokens <= getattr(hardware, "graph_mixed_tokens", 0):
+            shape = mixed_graph(shape, hardware.graph_max_seqs)
         self.last_shape = shape
         new = self.last_new_seqs = plan.num_admitted  # admitted (or resumed) this step: the core says so
-        device, host, wall = self._times(shape, new)
-        self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
-        self.clock += wall
+        if self.served:
+            self._served_cycle(shape, new)
+        else:
+            device, host, wall = self._times(shape, new)
+            self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
+            self.clock += wall
         return ExecuteResult(self.token_source.tokens(plan) if plan.num_samples else ())
+
+    def _served_cycle(self, shape: StepShape, num_new_seqs: int) -> None:
+        """One host cycle of the served loop (class docstring): launch this step, wait for the previous one on the
+        device, commit and report it."""
+        cost = self.cost
+        device, host, launch = cost.device_s(shape), cost.host_s(shape, num_new_seqs), cost.launch_s(shape)
+        launched = self.clock + launch
+        ready = max(launched, self.device_free)  # the previous step's tokens are on the host
+        if launch:  # kernels run as they are launched: the step ends its device time's remainder after the launch
+            end = max(self.device_free, launched) + max(device - launch, 0.0)
+        else:
+            end = max(self.device_free, self.clock) + device
+        self.last_device_s, self.last_host_s = device, host + launch
+        self.last_gap_s = max(end - self.device_free - device, 0.0)
+        self.device_free = end
+        self.clock = self.delivered_s = ready + host
+        self._last_cycle_s, self._undelivered = host, True
+
+    def drain(self) -> float:
+        """Served timing: deliver the last step (no step follows it): the clock moves to when its tokens reach
+        the clients (its device end, then one host cycle's commit). Returns the clock."""
+        if self.served and self._undelivered:
+            self.clock = self.delivered_s = max(self.clock, self.device_free) + self._last_cycle_s
+            self._undelivered = False
+        return self.clock
 
     def add_requests(self, count: int) -> None:
         """``count`` requests arrived: advance the clock by the host time of taking them in (the hardware
@@ -109,3 +161,4 @@ class SimExecutor:
     def advance_to(self, time_s: float) -> None:
         """Move the clock forward to ``time_s`` (never backward)."""
         self.clock = max(self.clock, time_s)
+        self.device_free = max(self.device_free, min(self.clock, time_s))

@@ -21,7 +21,15 @@ from typing import Any
 
 import attrs
 
-from fnvllm.sim.checks import SimInputError, check_count, check_mapping, check_positive, check_real_in, check_text
+from fnvllm.sim.checks import (
+    SimInputError,
+    check_bool_field,
+    check_count,
+    check_mapping,
+    check_positive,
+    check_real_in,
+    check_text,
+)
 
 MAX_US = 1e9  # an overhead of more than ~17 minutes per step is a typo
 MAX_SCALE = 1e6
@@ -29,6 +37,7 @@ MAX_BANDWIDTH_GBS = 1e7  # GB/s, TFLOP/s and GiB: far above any device, finite
 MAX_TFLOPS = 1e7
 MAX_MEMORY_GIB = 1e7
 MAX_GRAPH_SEQS = 1 << 20
+MAX_GRAPH_TOKENS = 1 << 24
 
 
 @attrs.frozen
@@ -36,7 +45,9 @@ class Overheads:
     """What the roofline misses, for one kind of step (times in microseconds, all >= 0).
 
     Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
-    token_us * tokens. A scale of 1.25 means the kernels reach 80% of the ceilings.
+    token_us * tokens + log_seq_us * log2(seqs). A scale of 1.25 means the kernels reach 80% of the ceilings. The
+    log term is the small-batch step: going from one row to a few costs more per row than going from 64 to 128
+    (kernels that run one row in one block run several in as many, and the sampler's per-row passes).
 
     Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
     timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
@@ -45,6 +56,11 @@ class Overheads:
     Plain-loop gap (the host time the device waits for between steps when the loop does not overlap: the part of
     the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
     gap_new_seq_us * new seqs + gap_token_us * tokens.
+
+    Launch: host time to launch the step's kernels, which the device waits for = launch_us + launch_seq_us * seqs
+    + launch_token_us * tokens. An eager step launches kernel by kernel (~20 ms on the H200 for the 0.6B shape), so
+    its device time is max(the above, this); a graph replay is one call (its launch is in the host cycle: 0 here).
+    In a served loop the previous step's tokens also wait for it on the host (``Serving``).
 
     A step's wall time: max(device, host) with overlapped steps (host work hides behind the device, or the device
     waits for it); device + gap without. A profile without a host model (every host_* 0, as in profiles written
@@ -56,6 +72,7 @@ class Overheads:
     step_us: float = 0.0
     seq_us: float = 0.0
     token_us: float = 0.0
+    log_seq_us: float = 0.0
     gap_us: float = 0.0
     gap_seq_us: float = 0.0
     gap_new_seq_us: float = 0.0
@@ -65,6 +82,9 @@ class Overheads:
     host_new_seq_us: float = 0.0
     host_token_us: float = 0.0
     host_sample_us: float = 0.0
+    launch_us: float = 0.0
+    launch_seq_us: float = 0.0
+    launch_token_us: float = 0.0
 
     @property
     def has_host_model(self) -> bool:
@@ -78,12 +98,65 @@ class Overheads:
 
 
 @attrs.frozen
+class Serving:
+    """How steps run under ``fnvllm serve`` (``fnvllm simulate --serve``), fitted from a served run's timeline.
+
+    The server's engine process runs the same loop as ``LLM.generate`` but pays more per step: each step's events
+    are pickled to the web process, and eager (mixed prefill + decode) steps, which launch their kernels one by one,
+    are host-bound there (on the H200, ~15-20 ms for a step of a few hundred tokens beside ~70 decodes, against
+    ~10 ms offline). eager / graph: the overheads of each kind of step while serving (same meaning as the
+    profile's). latency_us: the server's own time on every request outside the engine (HTTP, the pipe to and from
+    the engine process, server-sent events, and the overlapped loop's one-step lag before a new request joins a
+    plan), added to each request's first token and finish as the client sees them: TTFT and end-to-end latency
+    grow by it, TPOT does not. calibrated_from: the served timeline it was fitted from. cycle: time the served loop
+    cycle by cycle (``SimExecutor``'s served timing: an eager step's launch holds back the step before it, arrivals
+    join the step launched after they come); False: step by step, max(device, host) per step as offline, with
+    these overheads (the served check keeps whichever of the two predicts its run better).
+    """
+
+    eager: Overheads = Overheads()
+    graph: Overheads = Overheads()
+    latency_us: float = 0.0
+    calibrated_from: str = ""
+    cycle: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        for kind in ("eager", "graph"):
+            if not isinstance(getattr(self, kind), Overheads):
+                raise SimInputError(f"Serving.{kind} must be Overheads")
+        check_real_in(self.latency_us, "Serving.latency_us", 0.0, MAX_US)
+        check_text(self.calibrated_from, "Serving.calibrated_from", non_empty=False)
+        check_bool_field(self.cycle, "Serving.cycle")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Serving:
+        """From ``attrs.asdict`` output; unknown keys and out-of-range values are a SimInputError naming the
+        field."""
+        check_mapping(data, "hardware profile serving")
+        _check_keys(data, cls, "hardware profile serving")
+        return cls(**{**data, **_overheads_of(data, "hardware profile serving")})
+
+
+def _overheads_of(data: Mapping[str, Any], what: str) -> dict[str, Overheads]:
+    """The ``eager`` / ``graph`` entries of ``data`` read as Overheads (SimInputError naming a bad field)."""
+    out = {}
+    for kind in ("eager", "graph"):
+        if kind in data:
+            overheads = check_mapping(data[kind], f"{what} {kind}")
+            _check_keys(overheads, Overheads, f"{what} {kind}")
+            out[kind] = Overheads(**overheads)
+    return out
+
+
+@attrs.frozen
 class HardwareProfile:
     """One accelerator (or CPU) as the simulator sees it.
 
     name: label. mem_bandwidth_gbs: achievable read bandwidth, GB/s (1e9 bytes). matmul_tflops: dense matmul
     rate in the model's dtype. memory_gib: device memory (sizes the KV cache when num_blocks is not given).
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
+    graph_mixed_tokens: mixed steps (some row prefills) of at most this many tokens, and at most graph_max_seqs
+    rows, count as CUDA-graph steps too (0: a mixed step always runs eagerly).
     eager / graph: the overheads of each kind of step. calibrated_from: the log a fit came from ("" if none).
     model: the model a fit was measured with, as config.json fields plus its ``name`` (None if none): the model
     ``fnvllm simulate`` uses with this profile unless told another. request_us: host time to take in one arriving
@@ -96,11 +169,13 @@ class HardwareProfile:
     matmul_tflops: float
     memory_gib: float
     graph_max_seqs: int = 512
+    graph_mixed_tokens: int = 0
     eager: Overheads = Overheads()
     graph: Overheads = Overheads()
     calibrated_from: str = ""
     model: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
     request_us: float = 0.0
+    serving: Serving | None = None
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "HardwareProfile.name")
@@ -108,11 +183,14 @@ class HardwareProfile:
         check_positive(self.matmul_tflops, "HardwareProfile.matmul_tflops", MAX_TFLOPS)
         check_positive(self.memory_gib, "HardwareProfile.memory_gib", MAX_MEMORY_GIB)
         check_count(self.graph_max_seqs, "HardwareProfile.graph_max_seqs", 0, MAX_GRAPH_SEQS)
+        check_count(self.graph_mixed_tokens, "HardwareProfile.graph_mixed_tokens", 0, MAX_GRAPH_TOKENS)
         for kind in ("eager", "graph"):
             if not isinstance(getattr(self, kind), Overheads):
                 raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
         check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
         check_real_in(self.request_us, "HardwareProfile.request_us", 0.0, MAX_US)
+        if self.serving is not None and not isinstance(self.serving, Serving):
+            raise SimInputError("HardwareProfile.serving must be Serving or None")
         if self.model is not None:
             from fnvllm.sim.model import ModelShape
 
@@ -133,6 +211,8 @@ class HardwareProfile:
         data = attrs.asdict(self)
         if self.model is None:
             del data["model"]
+        if self.serving is None:
+            del data["serving"]
         return data
 
     @classmethod
@@ -141,29 +221,24 @@ class HardwareProfile:
         the field (fields added since a profile was written take their defaults)."""
         check_mapping(data, "hardware profile")
         _check_keys(data, cls, "hardware profile")
-        values = dict(data)
-        for kind in ("eager", "graph"):
-            if kind in values:
-                overheads = check_mapping(values[kind], f"hardware profile {kind}")
-                _check_keys(overheads, Overheads, f"hardware profile {kind}")
-                values[kind] = Overheads(**overheads)
+        values = {**data, **_overheads_of(data, "hardware profile")}
+        if values.get("serving") is not None:
+            values["serving"] = Serving.from_dict(values["serving"])
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on one H200 on 2026-12-01 (merged main 2df814f, third session: the
-# one-commit overlapped loop, the fused attention prologue and the in-kernel split-K reduces; Qwen3-0.6B shape,
-# block 256, budget 16384, max_num_seqs 512, CUDA graphs, overlapped and plain loops; the 16 regimes of that script).
-# Ceilings: the measured read bandwidth and bf16 dense matmul rate; roofline scales bounded to >= 1. Error per regime
-# as fitted / held out (each regime predicted by a fit without it): decode-1 +18.2 / +23.6 %, decode-1-plain +11.4 /
-# +17.0 %, decode-16 +5.8 / +3.1 %, decode-16-plain -12.0 / -12.9 %, decode-64 +5.5 / +5.5 %, decode-64-plain
-# +2.6 / +3.9 %, decode-256 +4.6 / +5.6 %, decode-256-plain +1.4 / +2.8 %, prefill-16 -5.2 / -8.8 %, prefill-16-plain
-# -10.9 / -13.5 %, prefill-64 -2.2 / -2.8 %, prefill-64-plain -4.1 / -4.4 %, prefill-512 -0.8 / -9.7 %,
-# prefill-512-plain -3.3 / -12.9 %, bench +4.0 / +7.9 %, bench-plain -3.2 / -2.1 %. The profile it replaced, on the same
-# runs: -11.2 to +28.6 % (decode-1 +28.6 %, decode-1-plain +17.8 %, decode-16 +13.9 %): it was fitted before this
-# session's host-path changes. The one-request regimes stay the worst (the fitted host cycle, 1.2 ms, is above what the
-# timeline shows at one request, 0.56-0.69 ms: the linear host model is fitted across 1-512 rows).
-# Rerun the calibration when the engine changes (benchmarks/gpu_check.sh, part "calibration") and paste its
-# h200_profile.py.txt here.
+# Fitted by benchmarks/sim_calibration.py --refit --served (fourth session's model: eager launch floor, log2-rows
+# device term, relative-error fits, the served loop's timing) on the H200 runs of the third session (merged main
+# 2df814f, before kernels launched with PDL; Qwen3-0.6B shape, block 256, budget 16384, max_num_seqs 512, CUDA graphs,
+# the 16 regimes of that script, overlapped and plain) and the served Poisson run of benchmarks/sim_serve_check.py
+# (600 requests at 50/s). Error per regime as fitted / held out: decode-1 +1.8 / +12.4 %, decode-1-plain +7.5 /
+# +15.6 %, decode-16 -2.1 / -2.4 %, decode-16-plain -12.8 / -13.2 %, decode-64 -0.6 / -0.7 %, decode-64-plain
+# +3.1 / +3.7 %, decode-256 +1.0 / +2.2 %, decode-256-plain +3.0 / +5.9 %, prefill-16 -3.4 / -1.7 %, prefill-16-plain
+# -6.5 / -6.4 %, prefill-64 -5.3 / -6.0 %, prefill-64-plain -3.0 / -3.4 %, prefill-512 -1.3 / -8.5 %,
+# prefill-512-plain -2.0 / -9.0 %, bench +1.2 / +1.9 %, bench-plain -2.5 / -3.6 %. Served (serving section, in
+# sample, 600 requests at 50/s): timed step by step, TTFT p50 +0.0 % (the fitted server latency, 27.2 ms, makes it
+# so; p90 -29.7 %), TPOT p50 +4.5 % (p90 -5.2 %); timed cycle by cycle, TPOT p50 +32 %. Refit whenever the engine
+# changes: benchmarks/sim_h200_check.sh (ONLY=calibration, then ONLY=serve) writes h200_profile.py.txt.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -171,39 +246,47 @@ H200 = HardwareProfile(
     memory_gib=139.8,
     graph_max_seqs=512,  # the engine captures graphs up to max_num_seqs (512 here); the calibration's runs reach 256
     eager=Overheads(
-        scale=1.0,
-        attn_scale=2.6504,
-        step_us=9280.52,
-        seq_us=0.0,
-        token_us=0.11078,
-        gap_us=1780.04,
-        gap_seq_us=2.3042,
-        gap_new_seq_us=0.0,
-        gap_token_us=0.17497,
-        host_us=0.0,
-        host_seq_us=0.0,
-        host_new_seq_us=0.0,
+        attn_scale=3.24082,
+        step_us=247.40,
+        token_us=0.455825,
+        gap_us=1842.64,
+        gap_token_us=0.236124,
         host_token_us=1.77915,
-        host_sample_us=0.0,
+        launch_us=23408.09,
     ),
     graph=Overheads(
-        scale=1.0,
-        attn_scale=1.00538,
-        step_us=1064.32,
-        seq_us=0.48891,
-        token_us=0.0,
-        gap_us=378.55,
-        gap_seq_us=4.5321,
-        gap_new_seq_us=0.0,
-        gap_token_us=0.0,
-        host_us=1199.97,
-        host_seq_us=8.5015,
-        host_new_seq_us=0.0,
-        host_token_us=0.0,
-        host_sample_us=0.0,
+        step_us=836.27,
+        log_seq_us=28.1776,
+        gap_us=475.65,
+        gap_seq_us=5.11913,
+        host_us=1043.55,
+        host_seq_us=8.20897,
     ),
     calibrated_from="benchmarks/sim_calibration.py",
-    request_us=235.84,
+    request_us=239.48,
+    serving=Serving(
+        eager=Overheads(
+            step_us=17473.95,
+            token_us=0.974511,
+            gap_us=1842.64,
+            gap_token_us=0.236124,
+            host_us=1646.28,
+            host_seq_us=9.04125,
+            host_token_us=0.0720202,
+            launch_us=18080.47,
+            launch_token_us=2.71559,
+        ),
+        graph=Overheads(
+            step_us=1088.12,
+            gap_us=475.65,
+            gap_seq_us=5.11913,
+            host_us=1631.95,
+            host_seq_us=3.94172,
+        ),
+        latency_us=27193.64,
+        calibrated_from="benchmarks/sim_serve_check.py",
+        cycle=False,
+    ),
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
 

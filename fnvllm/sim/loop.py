@@ -12,7 +12,9 @@ the server are clients with a GPU executor. The loop steps plainly in the core; 
 
 A step starts when the previous one ended (plus the host time of taking in the requests that arrived, the
 profile's ``request_us`` each); its tokens are emitted when it ends; a request that arrives during a step is added
-before the next schedule. ``Recorder`` notes what the metrics need on the way (from the loop's step hook).
+before the next schedule. A served, overlapped loop (``SimExecutor.served``) times host and device apart: a step's
+tokens reach the clients one host cycle later (after the next step's launch), and arrivals join the step launched
+after they come. ``Recorder`` notes what the metrics need on the way (from the loop's step hook).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def _simulate(
 ) -> SimResult:
     """The loop of ``simulate``: arrivals on the simulated clock, steps by ``EngineLoop``."""
     loop = EngineLoop(Engine(executor, config, policy), overlap=False, clock=lambda: executor.clock)
-    recorder = Recorder(requests, config.num_blocks)
+    recorder = Recorder(requests, config.num_blocks, deferred=getattr(executor, "served", False))
     arrivals = _Arrivals(requests, ignore_eos, config.vocab_size or 1 << 31, hold)
     start = executor.clock
 
@@ -178,9 +180,17 @@ def _simulate(
         if progress is not None and finished:
             progress(finished)
 
+    def delivered() -> None:
+        """No step follows the last one (served timing): its tokens reach the clients now."""
+        if recorder.deferred:
+            finished = recorder.flush(executor.drain())
+            if progress is not None and finished:
+                progress(finished)
+
     loop.on_step = noted
     while arrivals.pending or loop.has_unfinished:
         if not loop.has_unfinished:
+            delivered()
             executor.advance_to(arrivals.next_time)  # idle: jump to the next arrival
         arrived = arrivals.num_arrived
         arrivals.add_due(loop, executor.clock)
@@ -188,4 +198,5 @@ def _simulate(
             executor.add_requests(arrivals.num_arrived - arrived)
         start = executor.clock
         loop.step()
+    delivered()
     return SimResult(recorder, loop.state, executor.clock, loop.stats.num_steps)

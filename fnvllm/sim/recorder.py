@@ -38,8 +38,10 @@ class Clocked(Protocol):
 class Recorder:
     """Collects per-request times and per-step samples of one simulation (see the module docstring)."""
 
-    def __init__(self, requests: Sequence[SimRequest], num_blocks: int) -> None:
+    def __init__(self, requests: Sequence[SimRequest], num_blocks: int, deferred: bool = False) -> None:
         n = len(requests)
+        self.deferred = deferred  # a step's tokens reach the clients at the next step (served timing); see step
+        self._pending: StepOutput | None = None
         self.num_blocks = num_blocks
         self.arrival = [r.arrival_s for r in requests]
         self.prompt_len = [r.prompt_len for r in requests]
@@ -66,16 +68,18 @@ class Recorder:
         num_held: int = 0,
     ) -> int:
         """Note one committed step that began at ``start`` and ended at ``ex.clock``; returns how many requests
-        finished in it. ``num_held``: arrived requests the loop has not added to the core yet (they wait too)."""
+        finished in it. ``num_held``: arrived requests the loop has not added to the core yet (they wait too).
+        ``deferred``: the step's tokens are noted at the next step (or ``flush``), and the previous step's at
+        ``ex.clock`` (when the served loop delivers them)."""
         end = ex.clock
         if plan.num_admitted:
             self._admissions(plan, start)
         self.num_preemptions += len(plan.preempted)
-        self._tokens(output, end)
-        for f in output.finished:
-            index = int(f.request_id)
-            self.finish[index], self.num_output[index] = end, len(f.output)
-            self._last_token.pop(f.request_id, None)
+        if self.deferred:
+            num_finished = self.flush(end)
+            self._pending = output
+        else:
+            num_finished = self._emit(output, end)
         self.step_start.append(start)
         self.step_end.append(end)
         self.device_s.append(ex.last_device_s)
@@ -84,7 +88,30 @@ class Recorder:
         self.num_running.append(len(after.running))
         self.num_waiting.append(len(after.waiting) + num_held)
         self.kv_blocks.append(self.num_blocks - after.pool.num_free)
+        return num_finished
+
+    def flush(self, end: float) -> int:
+        """Note the tokens of the step held back (``deferred``) as emitted at ``end``; returns how many requests
+        finished in it (0 when none was held)."""
+        pending, self._pending = self._pending, None
+        return self._emit(pending, end) if pending is not None else 0
+
+    def _emit(self, output: StepOutput, end: float) -> int:
+        """Note a step's tokens and finished requests as emitted at ``end``; returns how many finished."""
+        self._tokens(output, end)
+        for f in output.finished:
+            index = int(f.request_id)
+            self.finish[index], self.num_output[index] = end, len(f.output)
+            self._last_token.pop(f.request_id, None)
         return len(output.finished)
+
+    def delay_delivery(self, seconds: float) -> None:
+        """Every token reaches its client ``seconds`` after the step that emitted it (a server's own latency):
+        first-token and finish times move by it (TTFT and end-to-end latency grow; TPOT and ITL do not)."""
+        if seconds < 0 or math.isnan(seconds):
+            raise ValueError(f"seconds must be a number >= 0, got {seconds}")
+        self.first_token = [t + seconds for t in self.first_token]
+        self.finish = [t + seconds for t in self.finish]
 
     def _admissions(self, plan: StepPlan, start: float) -> None:
         """First-scheduled times and prefix-cache hits of the requests admitted by ``plan``

@@ -60,7 +60,10 @@ class SimSpec:
     model / hardware: a named shape or config.json (None: the profile's model, else qwen3-0.6b); a profile name or
     JSON file. policy: see POLICIES.
     The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory. overlap: the
-    engine overlaps host work with the device (its default on CUDA; priced by the profile's host model).
+    engine overlaps host work with the device (its default on CUDA; priced by the profile's host model). serve:
+    the requests are served by ``fnvllm serve``: steps are priced by the profile's ``serving`` overheads and each
+    request's tokens reach its client the profile's ``serving.latency_us`` later (a profile without a serving
+    section prices serving like ``LLM.generate``).
     """
 
     workload: str = "poisson"
@@ -85,6 +88,7 @@ class SimSpec:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     overlap: bool = True
+    serve: bool = False
 
     def __attrs_post_init__(self) -> None:
         check_spec(self)
@@ -145,6 +149,7 @@ def check_spec(spec: SimSpec) -> None:
         raise SimInputError("eos_prob must be a number in [0, 1), got 1.0")
     check_bool_field(spec.enable_prefix_caching, "enable_prefix_caching")
     check_bool_field(spec.overlap, "overlap")
+    check_bool_field(spec.serve, "serve")
 
 
 def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
@@ -225,7 +230,7 @@ def run_spec(
     if on_requests is not None:
         on_requests(len(requests))
     tokens = FillerTokens(_FILLER_ID, _EOS_ID, spec.eos_prob, spec.seed)
-    executor = SimExecutor(CostModel(model, hardware, spec.overlap), tokens)
+    executor = SimExecutor(CostModel(model, hardware, spec.overlap, spec.serve), tokens)
     # the log says "overlapped" only when host time could hide (a profile without a host model charges gaps)
     overlapped = spec.overlap and (hardware.eager.has_host_model or hardware.graph.has_host_model)
     hook = _timeline_hook(timeline, executor, model, config, hardware.name, overlapped) if timeline else None
@@ -238,6 +243,8 @@ def run_spec(
         on_step=hook,
         progress=progress,
     )
+    if spec.serve and hardware.serving is not None and hardware.serving.latency_us:
+        result.recorder.delay_delivery(hardware.serving.latency_us * 1e-6)
     return result, summarize(result.recorder, result.end_s)
 
 
