@@ -147,7 +147,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
-    mixed_graph_tokens: int = 512
+    mixed_graph_tokens: int = 2048
     overlap_steps: bool = True
     model_ops: str = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
