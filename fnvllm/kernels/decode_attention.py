@@ -50,6 +50,8 @@ from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 
 GqaMode = Literal["dot", "sum"]
+Fp8Load = Literal["cast", "words_v", "words_kv"]
+_FP8_WORDS = {"cast": 0, "words_v": 1, "words_kv": 2}
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -93,6 +95,11 @@ class DecodeKernelConfig:
     fused_reduce: the last partition of a split (sequence, KV head) to finish merges the partials itself (an
         atomic arrival counter per pair); False launches the separate reduce kernel (grid (B, Hq)) instead; None
         picks by shape (``fuses_reduce``).
+    fp8_load: how FP8 tiles become float16 tensor-core operands (FP8 caches with 16-bit q only; CUDA only, the
+        interpreter always casts): "cast" widens with ``.to``, which Triton moves after the shared-memory load so
+        V (the P.V operand, reduced over tokens) is gathered byte by byte; "words_v" loads V as 32-bit words
+        widened by inline PTX where loaded (``e4m3_words_to_f16``: ~35 -> ~23 instructions per token and head
+        at tiles of 128, sm_90 SASS); "words_kv" does so for K too.
     """
 
     partition_size: int = 512
@@ -103,6 +110,7 @@ class DecodeKernelConfig:
     prefetch: bool = False
     heads_inner: bool = True
     fused_reduce: bool | None = None
+    fp8_load: Fp8Load = "cast"
 
 
 # Why these defaults (first choices for an H200 at B=256, context U(100, 2048), Hkv 8, D 128, bf16, checked only by
@@ -223,6 +231,38 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def e4m3_words_to_f16(cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
+    """The (N, D) e4m3 tile at byte offsets offs (N,) of an FP8 cache, widened to float16 (exactly), loaded as
+    32-bit words (four values each) and converted by two cvt.rn.f16x2.e4m3x2 a word (CUDA only).
+
+    The words are split, joined and reshaped into (N, D): Triton cannot move a layout change back through that,
+    so the tile is widened in the layout it was loaded in (16-byte rows per thread) and reaches a tensor-core
+    operand layout as float16 through shared memory (ldmatrix, transposing where needed), rather than gathered
+    from shared memory byte by byte in the operand layout (what it does for V with ``.to``)."""
+    words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ptrs = (offs // 4)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]  # (N, D / 4)
+    w = tl.load(words_ptr + ptrs, mask=mask[:, None], other=0)
+    e0, e1, e2, e3 = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, b;
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }""",
+        constraints="=h,=h,=h,=h,r",
+        args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # (N, D / 4, 2, 2): [..., i, j] is value 2 i + j of a word
+    return tl.reshape(x, (offs.shape[0], HEAD_DIM))
+
+
+@triton.jit
 def kv_tile_offsets(
     table_row_ptr,
     t0,
@@ -333,6 +373,7 @@ def _decode_partition_kernel(
     HEADS_INNER: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -343,6 +384,8 @@ def _decode_partition_kernel(
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
+    FP8_WORDS: with KV_FP8 and Q_FP16 on CUDA, 1 reads V, 2 reads K and V as 32-bit words widened where loaded
+    (``e4m3_words_to_f16``; DecodeKernelConfig.fp8_load); 0 casts.
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
     if HEADS_INNER:
@@ -382,11 +425,20 @@ def _decode_partition_kernel(
             k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
         for t0 in range(start, end, TILE):
             tok_mask = mask
+            offs_cur = offs
             if PREFETCH:
                 k, v = k_next, v_next
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
+            # e4m3 -> q's dtype is exact (a no-op for other caches); FP8_WORDS: K and/or V as 32-bit words
+            if KV_FP8 and FP8_WORDS == 2 and Q_FP16 and not UPCAST_DOT:
+                k = e4m3_words_to_f16(k_cache_ptr, offs_cur, tok_mask, HEAD_DIM)
+            else:
+                k = k.to(q.dtype)
+            if KV_FP8 and FP8_WORDS >= 1 and Q_FP16 and not UPCAST_DOT:
+                v = e4m3_words_to_f16(v_cache_ptr, offs_cur, tok_mask, HEAD_DIM)
+            else:
+                v = v.to(q.dtype)
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
                 table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
@@ -534,6 +586,7 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_inner: bool | None = None,
     fused_reduce: bool | None = None,
+    fp8_load: Fp8Load | None = None,
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -562,6 +615,7 @@ def paged_decode_attention(
         prefetch=prefetch,
         heads_inner=heads_inner,
         fused_reduce=fused_reduce,
+        fp8_load=fp8_load,
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
@@ -658,6 +712,7 @@ def _launch_partitions(
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
+        FP8_WORDS=_FP8_WORDS[cfg.fp8_load],
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
@@ -713,6 +768,8 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
     """Raise ValueError naming the knob when the launch configuration is unusable."""
     if cfg.gqa_mode not in ("dot", "sum"):
         raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
+    if cfg.fp8_load not in _FP8_WORDS:
+        raise ValueError(f"fp8_load must be one of {tuple(_FP8_WORDS)}, got {cfg.fp8_load!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 16 if cfg.gqa_mode == "dot" else 1
