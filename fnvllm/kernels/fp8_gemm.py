@@ -58,6 +58,7 @@ __all__ = [
     "FP8_DTYPE",
     "SCALE_BLOCK",
     "SMALL_M",
+    "BlockwiseConfig",
     "dequantize_fp8_blocks",
     "expand_block_scales",
     "fp8_blockwise_ref",
@@ -74,7 +75,7 @@ __all__ = [
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-_Config = TypeVar("_Config")  # SmallMConfig or SwapConfig
+_Config = TypeVar("_Config")  # SmallMConfig, SwapConfig or BlockwiseConfig
 
 
 # ---- torch reference (the weight's in fnvllm.kernels.reference) ----------------------------------------------
@@ -452,38 +453,83 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _blockwise_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr,
-    M, N, K, stride_am, stride_asm, stride_wsn, stride_om,
-    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_MODE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M, 128) output tile: sum over K blocks of (a block @ w block.T) * a_scale[m, kb] * w_scale[nb, kb],
-    tiles walked in groups of GROUP_M row tiles so programs running together share weight tiles in L2."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, 128)
+    """One (BLOCK_M, BLOCK_N) output tile over the 128-deep K blocks of split program_id(1): sum of (a block @
+    w block.T) * a_scale[m, kb] * w_scale[n // 128, kb], tiles walked in groups of GROUP_M row tiles so programs
+    running together share weight tiles in L2; the splits' partials are summed per SPLIT_MODE (``_write_tile``)."""
+    pid, split = tl.program_id(0), tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group_size) % rows_in_group
     pid_n = (pid % group_size) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * 128 + tl.arange(0, 128)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
-    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, 128)):
+    ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N <= 128: one scale block row per tile
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: a scale per row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * K_BLOCKS_PER_SPLIT
+    for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
         a_mask = (offs_m[:, None] < M) & (k[None, :] < K)
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
         w_mask = (offs_n[:, None] < N) & (k[None, :] < K)  # zeros past K: garbage e4m3 bytes may be NaN
-        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=w_mask, other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=w_mask, other=0.0)
         a_scale = tl.load(as_ptr + offs_m * stride_asm + kb, mask=offs_m < M, other=0.0)
-        w_scale = tl.load(ws_ptr + pid_n * stride_wsn + kb)
         if UPCAST:  # the interpreter: exact in float32
             part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # fp8 x fp8 on the tensor cores, float32 accumulation
             part = tl.dot(a, tl.trans(w))
+        if BLOCK_N > 128:  # noqa: SIM108 (a scale per row here, one scalar otherwise)
+            w_scale = tl.load(ws_rows + kb, mask=offs_n < N, other=0.0)[None, :]
+        else:
+            w_scale = tl.load(ws_row + kb)
         acc += part * (a_scale[:, None] * w_scale)
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    offs, mask = offs_m[:, None] * N + offs_n[None, :], (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, pid, M * N, SPLIT_MODE)
+
+
+@attrs.frozen
+class BlockwiseConfig:
+    """Launch shape of ``fp8_gemm_blockwise``: token rows (16 to 256) and weight rows (16 to 256) per program
+    (powers of two), row tiles per L2 group, K splits and how they are summed (as ``SmallMConfig``), Triton's
+    warps and stages."""
+
+    block_m: int = 64
+    block_n: int = 128
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+    reduce: str = "last"
+
+    def check(self) -> None:
+        """ValueError naming the field out of its range."""
+        if self.block_m not in (16, 32, 64, 128, 256) or self.block_n not in (16, 32, 64, 128, 256):
+            raise ValueError(f"BlockwiseConfig needs block_m and block_n in 16..256 (powers of two): {self}")
+        if self.group_m < 1 or self.split_k < 1 or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise ValueError(
+                f"BlockwiseConfig needs group_m >= 1, split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1:"
+                f" {self}"
+            )
+        if self.reduce not in SPLIT_REDUCES:
+            raise ValueError(f"BlockwiseConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_blockwise_config(m: int, n: int, k: int, device: torch.device) -> BlockwiseConfig:
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_BLOCKWISE`` entry when there is one, else
+    (64 tokens up to 512, else 128) x 128 rows, 8 warps, 3 stages, one split."""
+    tuned = _tuned(TUNED_BLOCKWISE, m, n, k) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
+    return BlockwiseConfig(block_m=64 if m <= 512 else 128)
 
 
 def fp8_gemm_blockwise(
@@ -493,23 +539,34 @@ def fp8_gemm_blockwise(
     w_scale: torch.Tensor,
     dtype: torch.dtype,
     block_m: int | None = None,
-    group_m: int = 8,
+    group_m: int | None = None,
+    config: BlockwiseConfig | None = None,
 ) -> torch.Tensor:
     """Quantized activations (``quantize_activations``) @ dequantized(w).T -> (M, N) in ``dtype``, on the fp8
-    tensor cores (see the module docstring); the kernel of ``fp8_blockwise_ref``. block_m: token rows per
-    program (None: 64 up to 512 tokens, so that a few hundred tokens still fill the SMs, else 128)."""
+    tensor cores (see the module docstring); the kernel of ``fp8_blockwise_ref``. config: the launch shape (None:
+    ``pick_blockwise_config``); block_m / group_m, when given, replace its fields."""
     m, k, n = _check_gemm_args(x_q, w, w_scale)
-    block_m = block_m or (64 if m <= 512 else 128)
+    cfg = config or pick_blockwise_config(m, n, k, x_q.device)
+    cfg = attrs.evolve(cfg, block_m=block_m or cfg.block_m, group_m=group_m or cfg.group_m)
+    cfg.check()
     if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
         raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
+    k_blocks = triton.cdiv(k, 128)
+    per_split = triton.cdiv(k_blocks, cfg.split_k)
+    split = triton.cdiv(k_blocks, per_split)  # no empty split
     out = torch.empty((m, n), dtype=dtype, device=x_q.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, 128),)
-    if m:
-        _blockwise_kernel[grid](
-            x_q, x_scale, w, w_scale, out,
-            m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), out.stride(0),
-            BLOCK_M=block_m, GROUP_M=group_m, UPCAST=upcast_dot(x_q.device), num_warps=8, num_stages=3,
-        )  # fmt: skip
+    if m == 0:
+        return out
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    part, locks, mode = _split_buffers(out, split, cfg.reduce, tiles)
+    _blockwise_kernel[(tiles, split)](
+        x_q, x_scale, w, w_scale, out, part, locks,
+        m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), per_split, split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT_MODE=mode,
+        UPCAST=upcast_dot(x_q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if mode == _SUM_LAUNCH:
+        _sum_splits(part, out)
     return out
 
 
@@ -612,6 +669,7 @@ def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig
 # other GPUs' first calls, take the pick functions' rules.
 TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
 TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
+TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {}
 
 
 def fp8_gemm_swap(
