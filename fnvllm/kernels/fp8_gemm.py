@@ -109,7 +109,8 @@ def fp8_linear(
     """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
     up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
     activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
-    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); above,
+    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); up to
+    BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` (tuned launch shapes); above,
     cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
     else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
@@ -122,6 +123,8 @@ def fp8_linear(
         out = fp8_gemm_small_m(x, w, w_scale)
     elif m <= SWAP_MAX_M:
         out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
+    elif m <= BLOCKWISE_MAX_M:
+        out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
     elif _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
         return fp8_scaled_mm(x, w, w_scale, bias)
     else:
@@ -137,6 +140,9 @@ def fp8_linear(
 # cuBLAS lies between 16 and 64; interpolated near 48) and cuBLAS the rest.
 STREAM_MAX_M = 0
 SWAP_MAX_M = 32
+# Up to this many tokens (above SWAP_MAX_M) ``fp8_gemm_blockwise`` with its TUNED_BLOCKWISE launch shapes instead
+# of cuBLAS: 0 (off) until benchmarks/bench_fp8_gemm.py --sweep shows it ahead on the H200.
+BLOCKWISE_MAX_M = 0
 
 
 @functools.cache
