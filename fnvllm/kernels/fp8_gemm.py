@@ -22,6 +22,11 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
   cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales,
   sm_90, CUDA >= 12.9).
 
+Programmatic dependent launch (``fused_ops.use_pdl``, on by default on sm_90): the activation quantization and
+the fp8 tensor-core kernels launch early and wait on the kernel before them; before that wait, the tensor-core
+kernels ask L2 for their weight rows (``cp.async.bulk.prefetch.L2``), which no earlier kernel writes, so weight
+bytes stream in during the previous kernel's tail and the launch gap.
+
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
 interpreter's float32 -> e4m3 conversion is wrong where rounding crosses a power of two (126.25 -> 64), so under
@@ -41,6 +46,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, upcast_dot
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -303,6 +309,12 @@ def _split_locks(device: torch.device) -> torch.Tensor | None:
     return locks
 
 
+def _prefetches(device: torch.device, k: int) -> bool:
+    """Whether the fp8 tensor-core GEMMs bulk-prefetch their weight rows into L2 before waiting on the previous
+    kernel: under programmatic dependent launch (sm_90+), when rows of K bytes keep 16-byte alignment."""
+    return use_pdl(device) and k % 16 == 0
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (queried once)."""
@@ -421,12 +433,13 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_activations_kernel(
     x_ptr, q_ptr, s_ptr, K, GROUPS, stride_xm, stride_qm, stride_sm,
-    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """GROUPS_PER_PROGRAM (token, 128-column group)s of one token: scale = max(amax / 448, 1e-12); q = x / scale
     in e4m3. ROUND_FIRST (the interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding
     that crosses a power of two: 126.25 -> 64) rounds to the e4m3 grid in float32 first, so the conversion is
     exact."""
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     k = groups[:, None] * 128 + tl.arange(0, 128)[None, :]  # (GROUPS_PER_PROGRAM, 128)
@@ -453,8 +466,25 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quantize_activations_kernel[(m, triton.cdiv(groups, per_program))](
             x, x_q, x_scale, k, groups, x.stride(0), x_q.stride(0), x_scale.stride(0),
             GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, ROUND_FIRST=upcast_dot(x.device),
+            USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
         )  # fmt: skip
     return x_q, x_scale
+
+
+@triton.jit
+def _prefetch_rows_l2(row_ptrs, nbytes):
+    """Ask for ``nbytes`` (a multiple of 16) from each 16-byte aligned address row_ptrs (a tensor of byte
+    pointers) to be brought into L2 (sm_90 bulk prefetch; no registers, no wait). Issued before waiting on the
+    previous kernel under programmatic dependent launch, so a GEMM's first weight bytes stream in while the
+    kernel before it finishes."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
+        "=r,l,r",
+        [row_ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -462,7 +492,7 @@ def _blockwise_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_MODE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_M, BLOCK_N) output tile over the 128-deep K blocks of split program_id(1): sum of (a block @
     w block.T) * a_scale[m, kb] * w_scale[n // 128, kb], tiles walked in groups of GROUP_M row tiles so programs
@@ -481,6 +511,11 @@ def _blockwise_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: a scale per row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
+    if PREFETCH_L2:  # the weight rows of this split, before waiting on the kernel that writes a
+        nbytes = (tl.minimum(K, (first + K_BLOCKS_PER_SPLIT) * 128) - first * 128).to(tl.int32)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_rows_l2(w_ptr + rows * K + first * 128, tl.full([BLOCK_N], 0, tl.int32) + nbytes)
+    wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
         a_mask = (offs_m[:, None] < M) & (k[None, :] < K)
@@ -569,7 +604,8 @@ def fp8_gemm_blockwise(
         x_q, x_scale, w, w_scale, out, part, locks,
         m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), per_split, split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT_MODE=mode,
-        UPCAST=upcast_dot(x_q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast_dot(x_q.device), USE_PDL=use_pdl(x_q.device), PREFETCH_L2=_prefetches(x_q.device, k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x_q.device),
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
@@ -581,7 +617,7 @@ def _swap_fp8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
-    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
@@ -597,6 +633,11 @@ def _swap_fp8_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
+    if PREFETCH_L2:  # the weight rows of this split, before waiting on the kernel that writes a
+        nbytes = (tl.minimum(K, (first + K_BLOCKS_PER_SPLIT) * 128) - first * 128).to(tl.int32)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_rows_l2(w_ptr + rows * K + first * 128, tl.full([BLOCK_N], 0, tl.int32) + nbytes)
+    wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
@@ -730,7 +771,8 @@ def _launch_swap(
         a, scales, w, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
-        UPCAST=upcast_dot(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast_dot(a.device), USE_PDL=use_pdl(a.device), PREFETCH_L2=_prefetches(a.device, k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a.device),
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
