@@ -471,6 +471,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_q, x_scale
 
 
+# 128-column blocks of its weight rows a program prefetches into L2 before waiting on the previous kernel: enough
+# to cover its pipeline's start; a first wave of ~264 programs x 128 rows x 512 bytes (17 MB) stays well inside L2.
+_PREFETCH_BLOCKS = tl.constexpr(4)
+
+
+@triton.jit
+def _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT):
+    """Prefetch into L2 the first _PREFETCH_BLOCKS 128-column blocks, from block ``first`` on, of the weight
+    rows offs_n (rows past N read row N - 1's)."""
+    end = tl.minimum(K, (first + tl.minimum(K_BLOCKS_PER_SPLIT, _PREFETCH_BLOCKS)) * 128)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    _prefetch_rows_l2(w_ptr + rows * K + first * 128, tl.zeros_like(offs_n) + (end - first * 128))
+
+
 @triton.jit
 def _prefetch_rows_l2(row_ptrs, nbytes):
     """Ask for ``nbytes`` (a multiple of 16) from each 16-byte aligned address row_ptrs (a tensor of byte
@@ -511,10 +525,8 @@ def _blockwise_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: a scale per row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
-    if PREFETCH_L2:  # the weight rows of this split, before waiting on the kernel that writes a
-        nbytes = (tl.minimum(K, (first + K_BLOCKS_PER_SPLIT) * 128) - first * 128).to(tl.int32)
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        _prefetch_rows_l2(w_ptr + rows * K + first * 128, tl.full([BLOCK_N], 0, tl.int32) + nbytes)
+    if PREFETCH_L2:  # the split's first weight blocks, before waiting on the kernel that writes a
+        _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
     wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
@@ -633,10 +645,8 @@ def _swap_fp8_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
-    if PREFETCH_L2:  # the weight rows of this split, before waiting on the kernel that writes a
-        nbytes = (tl.minimum(K, (first + K_BLOCKS_PER_SPLIT) * 128) - first * 128).to(tl.int32)
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        _prefetch_rows_l2(w_ptr + rows * K + first * 128, tl.full([BLOCK_N], 0, tl.int32) + nbytes)
+    if PREFETCH_L2:  # the split's first weight blocks, before waiting on the kernel that writes a
+        _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
     wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
