@@ -63,6 +63,7 @@ FP8_STARTS: tuple[dict[str, object], ...] = (
     {"fp8_load": "words_kv", "tile_size": 64, "num_stages": 3},
     {"fp8_load": "words_v", "tile_size": 256, "num_warps": 8, "num_stages": 2},
     {"fp8_load": "words_kv", "tile_size": 64, "num_stages": 1, "prefetch": True},
+    {"fp8_load": "words_kv", "num_stages": 1, "prefetch": True},  # words double-buffered in registers
     {"fp8_load": "words_v", "num_stages": 2, "partition_size": 1024},  # shorter programs: a shorter tail
     {"fp8_load": "words_v", "num_stages": 2, "partition_size": 512},
 )

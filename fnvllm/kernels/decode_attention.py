@@ -98,7 +98,7 @@ class DecodeKernelConfig:
     fp8_load: how FP8 tiles become float16 tensor-core operands (FP8 caches with 16-bit q only; CUDA only, the
         interpreter always casts): "cast" widens with ``.to``, which Triton moves after the shared-memory load so
         V (the P.V operand, reduced over tokens) is gathered byte by byte; "words_v" loads V as 32-bit words
-        widened by inline PTX where loaded (``e4m3_words_to_f16``: ~35 -> ~23 instructions per token and head
+        widened by inline PTX where loaded (``widen_words``: ~35 -> ~23 instructions per token and head
         at tiles of 128, sm_90 SASS); "words_kv" does so for K too.
     """
 
@@ -231,17 +231,30 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def e4m3_words_to_f16(cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
-    """The (N, D) e4m3 tile at byte offsets offs (N,) of an FP8 cache, widened to float16 (exactly), loaded as
-    32-bit words (four values each) and converted by two cvt.rn.f16x2.e4m3x2 a word (CUDA only).
+def load_tile(cache_ptr, offs, mask, HEAD_DIM: tl.constexpr, WORDS: tl.constexpr):
+    """The (N, D) tile at cache offsets offs (N,) (rows where mask is False read zeros): as stored, or, WORDS, an
+    FP8 tile as (N, D / 4) int32 words of four e4m3 values each (for ``widen_words``)."""
+    if WORDS:
+        words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        ptrs = (offs // 4)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]  # (N, D / 4)
+        tile = tl.load(words_ptr + ptrs, mask=mask[:, None], other=0)
+    else:
+        ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # (N, D)
+        tile = tl.load(cache_ptr + ptrs, mask=mask[:, None], other=0.0)
+    return tile
 
-    The words are split, joined and reshaped into (N, D): Triton cannot move a layout change back through that,
-    so the tile is widened in the layout it was loaded in (16-byte rows per thread) and reaches a tensor-core
-    operand layout as float16 through shared memory (ldmatrix, transposing where needed), rather than gathered
-    from shared memory byte by byte in the operand layout (what it does for V with ``.to``)."""
-    words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    ptrs = (offs // 4)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]  # (N, D / 4)
-    w = tl.load(words_ptr + ptrs, mask=mask[:, None], other=0)
+
+@triton.jit
+def widen_words(w):
+    """(N, D / 4) int32 words of e4m3 bytes -> (N, D) float16 (exact): two cvt.rn.f16x2.e4m3x2 of inline PTX a
+    word (CUDA only), then the four values of each word joined and reshaped into their places (byte i of a
+    word is value i: little-endian).
+
+    Unlike ``.to(tl.float16)``, Triton cannot move this widening after a layout change (it would have to see
+    through the split, join and reshape), so a tile feeding tl.dot is widened in the layout it was loaded in
+    (16-byte rows per thread) and reaches the tensor-core operand layout as float16 through shared memory
+    (ldmatrix, transposing for V), instead of being gathered from shared memory byte by byte in the operand
+    layout (what ``.to`` gets for V, the P.V operand reduced over tokens)."""
     e0, e1, e2, e3 = tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 a, b;
@@ -259,7 +272,18 @@ def e4m3_words_to_f16(cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
         pack=1,
     )
     x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # (N, D / 4, 2, 2): [..., i, j] is value 2 i + j of a word
-    return tl.reshape(x, (offs.shape[0], HEAD_DIM))
+    return tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
+
+
+@triton.jit
+def widen(x, dtype: tl.constexpr, WORDS: tl.constexpr):
+    """A loaded tile (``load_tile``) in ``dtype``: words widened to float16, else cast (e4m3 -> 16 bits is exact;
+    a no-op for 16-bit caches)."""
+    if WORDS:  # noqa: SIM108 (a constexpr branch: the two sides differ in type)
+        y = widen_words(x)
+    else:
+        y = x.to(dtype)
+    return y
 
 
 @triton.jit
@@ -289,12 +313,18 @@ def kv_tile_offsets(
 
 
 @triton.jit
-def load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
-    """K and V tiles (N, D) at cache offsets offs (N,); rows where mask (N,) is False read nothing (zeros)."""
-    ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # (N, D)
-    k = tl.load(k_cache_ptr + ptrs, mask=mask[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + ptrs, mask=mask[:, None], other=0.0)
-    return k, v
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    offs,
+    mask,
+    HEAD_DIM: tl.constexpr,
+    K_WORDS: tl.constexpr = False,
+    V_WORDS: tl.constexpr = False,
+):
+    """K and V tiles (N, D) at cache offsets offs (N,); rows where mask (N,) is False read nothing (zeros).
+    K_WORDS / V_WORDS: that FP8 tile as int32 words (``load_tile``)."""
+    return load_tile(k_cache_ptr, offs, mask, HEAD_DIM, K_WORDS), load_tile(v_cache_ptr, offs, mask, HEAD_DIM, V_WORDS)
 
 
 @triton.jit
@@ -373,7 +403,8 @@ def _decode_partition_kernel(
     HEADS_INNER: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
-    FP8_WORDS: tl.constexpr,
+    K_WORDS: tl.constexpr,
+    V_WORDS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -384,8 +415,8 @@ def _decode_partition_kernel(
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
-    FP8_WORDS: with KV_FP8 and Q_FP16 on CUDA, 1 reads V, 2 reads K and V as 32-bit words widened where loaded
-    (``e4m3_words_to_f16``; DecodeKernelConfig.fp8_load); 0 casts.
+    K_WORDS / V_WORDS: read that FP8 tile as 32-bit words widened where loaded (``widen_words``;
+    DecodeKernelConfig.fp8_load); otherwise tiles are cast.
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
     if HEADS_INNER:
@@ -422,30 +453,21 @@ def _decode_partition_kernel(
         offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
         mask = start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
-            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM, K_WORDS, V_WORDS)
         for t0 in range(start, end, TILE):
             tok_mask = mask
-            offs_cur = offs
             if PREFETCH:
                 k, v = k_next, v_next
             else:
-                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            # e4m3 -> q's dtype is exact (a no-op for other caches); FP8_WORDS: K and/or V as 32-bit words
-            if KV_FP8 and FP8_WORDS == 2 and Q_FP16 and not UPCAST_DOT:
-                k = e4m3_words_to_f16(k_cache_ptr, offs_cur, tok_mask, HEAD_DIM)
-            else:
-                k = k.to(q.dtype)
-            if KV_FP8 and FP8_WORDS >= 1 and Q_FP16 and not UPCAST_DOT:
-                v = e4m3_words_to_f16(v_cache_ptr, offs_cur, tok_mask, HEAD_DIM)
-            else:
-                v = v.to(q.dtype)
+                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM, K_WORDS, V_WORDS)
+            k, v = widen(k, q.dtype, K_WORDS), widen(v, q.dtype, V_WORDS)
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
                 table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
             )
             mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
-                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM, K_WORDS, V_WORDS)
             m, l, acc = attend_tile(
                 q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
             )
@@ -674,6 +696,9 @@ def _launch_partitions(
     fused = workspace is not None and cfg.fused_reduce
     counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
     merge_group = int(triton.next_power_of_2(group))
+    # FP8 tiles read as words (CUDA with 16-bit q only: the interpreter and float32 q cast)
+    fp8_words = kv.k_scale is not None and fp8_compute_fp16(q, kv.k) and not upcast_dot(q.device)
+    words = _FP8_WORDS[cfg.fp8_load] if fp8_words else 0
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -712,7 +737,8 @@ def _launch_partitions(
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
-        FP8_WORDS=_FP8_WORDS[cfg.fp8_load],
+        K_WORDS=words == 2,
+        V_WORDS=words >= 1,
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
