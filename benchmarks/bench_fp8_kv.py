@@ -208,6 +208,7 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
     f = to_fp8(p, *scales(6))
     partition = dec.auto_partition_size(q.shape[0], HKV, p.tables.shape[1] * 256)
     bf16_cfg = dataclasses.replace(dec.DEFAULT_DECODE_CONFIG, partition_size=partition)
+    partition = dec.fp8_partition_size(q.shape[0], HKV, partition)  # the launcher's choice for FP8 caches
     bf16_s = time_decode(q, p, p.tables, p.seq_lens, bf16_cfg)
     print(f"  decode bf16 {describe(bf16_cfg)}  {bf16_s * 1e6:8.1f} us  {p.kv_bytes / bf16_s / 1e12:5.2f} TB/s")
     seen: dict[DecodeKernelConfig, float] = {}

@@ -21,7 +21,7 @@ DEVICE = require_triton()
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fnvllm.config import EngineConfig  # noqa: E402
-from fnvllm.kernels import fp8  # noqa: E402
+from fnvllm.kernels import decode_attention, fp8  # noqa: E402
 from fnvllm.kernels.backends import available_backends, resolve_backend  # noqa: E402
 from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from fnvllm.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
@@ -204,6 +204,15 @@ def test_decode_fp8_word_loads_match_reference(fp8_load: str) -> None:
     assert rel_err(out.float(), ref.float()) < TOLERANCE[torch.bfloat16]
     with pytest.raises(ValueError, match="fp8_load"):
         paged_decode_attention(*args, fp8_load="bytes", k_scale=k_scale, v_scale=v_scale)
+
+
+def test_fp8_partition_cap_applies_to_large_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8_SPLIT_PARTITION caps the partition of batches the bf16 rule leaves whole, and nothing else."""
+    big, small = decode_attention.SPLIT_FREE_PROGRAMS // 8, 4  # sequences at 8 KV heads
+    assert decode_attention.fp8_partition_size(big, 8, 2048) == 2048  # None: the bf16 choice
+    monkeypatch.setattr(decode_attention, "FP8_SPLIT_PARTITION", 512)
+    assert decode_attention.fp8_partition_size(big, 8, 2048) == 512
+    assert decode_attention.fp8_partition_size(small, 8, 64) == 64
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

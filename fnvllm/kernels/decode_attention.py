@@ -165,6 +165,20 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
     return size
 
 
+# FP8 caches at batches of >= SPLIT_FREE_PROGRAMS (sequence, KV head) pairs: partitions of at most this many
+# tokens (None: one partition, as for bf16). An FP8 program reads half the bytes of a bf16 one in the same number
+# of tiles, so the tail of the longest sequences weighs more (benchmarks/bench_fp8_kv.py sweeps the size).
+FP8_SPLIT_PARTITION: int | None = None
+
+
+def fp8_partition_size(num_seqs: int, num_kv_heads: int, auto: int) -> int:
+    """The partition size for an FP8 cache given ``auto_partition_size``'s choice ``auto``: capped at
+    FP8_SPLIT_PARTITION for batches that ``auto_partition_size`` would not split."""
+    if FP8_SPLIT_PARTITION is not None and num_seqs * num_kv_heads >= SPLIT_FREE_PROGRAMS:
+        return min(auto, FP8_SPLIT_PARTITION)
+    return auto
+
+
 def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
     """Whether split partials are merged in the partition kernel by default: above TINY_BATCH_PAIRS (sequence, KV
     head) pairs (measured on the H200: see the module docstring)."""
@@ -626,6 +640,8 @@ def paged_decode_attention(
     if partition_size is None:  # by shape, and never shorter than one tile
         max_context = block_tables.shape[1] * k_cache.shape[1]
         auto = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
+        if is_fp8(k_cache):
+            auto = fp8_partition_size(q.shape[0], k_cache.shape[2], auto)
         partition_size = max(auto, tile_size or base.tile_size)
     cfg = _resolve_config(
         base,
