@@ -138,6 +138,17 @@ def test_blockwise_configs_match_reference(m: int, n: int, k: int, config: g.Blo
         g.fp8_gemm_blockwise(x_q, x_scale, w, scale, torch.float32, config=g.BlockwiseConfig(block_m=8))
 
 
+def test_tuned_blockwise_shapes_are_valid_and_bounded() -> None:
+    """Every measured blockwise launch shape passes its check and is keyed at most BLOCKWISE_MAX_M tokens, so
+    fp8_linear never routes a token count it was not measured for past cuBLAS; untuned shapes find none."""
+    for (_, _, up_to), cfg in g.TUNED_BLOCKWISE.items():
+        cfg.check()
+        assert g.SWAP_MAX_M < up_to <= g.BLOCKWISE_MAX_M
+    assert g._tuned(g.TUNED_BLOCKWISE, 40, 24576, 4096) == g.TUNED_BLOCKWISE[24576, 4096, 64]
+    assert g._tuned(g.TUNED_BLOCKWISE, 65, 24576, 4096) is None
+    assert g._tuned(g.TUNED_BLOCKWISE, 40, 6144, 4096) is None
+
+
 def test_split_counters_return_to_zero() -> None:
     """With reduce="last" the tile counters are back at zero after a launch (so the next launch, or CUDA-graph
     replay, starts clean), and a second call gives the same bits (the sum order is fixed)."""

@@ -23,9 +23,12 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
   sm_90, CUDA >= 12.9).
 
 Programmatic dependent launch (``fused_ops.use_pdl``, on by default on sm_90): the activation quantization and
-the fp8 tensor-core kernels launch early and wait on the kernel before them; before that wait, the tensor-core
-kernels ask L2 for their weight rows (``cp.async.bulk.prefetch.L2``), which no earlier kernel writes, so weight
-bytes stream in during the previous kernel's tail and the launch gap.
+``fp8_gemm_blockwise`` launch early and wait on the kernel before them; before that wait, the blockwise kernel
+asks L2 for the first blocks of its weight rows (``cp.async.bulk.prefetch.L2``), which no earlier kernel
+writes, so weight bytes stream in during the previous kernel's tail. Measured on the H200 (bench_fp8_gemm.py,
+7d1055e against 6eb87a6): cuBLAS's fp8 path (quantization launch + GEMM) 2-14 us faster per GEMM at 64-256
+tokens. The swap kernel stays without it: with it, the o GEMM measured 1-1.4 us slower at 1-16 tokens and the
+others unchanged.
 
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
@@ -116,7 +119,7 @@ def fp8_linear(
     up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
     activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
     variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); up to
-    BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` (tuned launch shapes); above,
+    BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured TUNED_BLOCKWISE shape; above,
     cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
     else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
@@ -129,7 +132,7 @@ def fp8_linear(
         out = fp8_gemm_small_m(x, w, w_scale)
     elif m <= SWAP_MAX_M:
         out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
-    elif m <= BLOCKWISE_MAX_M:
+    elif m <= BLOCKWISE_MAX_M and _tuned(TUNED_BLOCKWISE, m, *w.shape) is not None:
         out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
     elif _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
         return fp8_scaled_mm(x, w, w_scale, bias)
@@ -146,9 +149,12 @@ def fp8_linear(
 # cuBLAS lies between 16 and 64; interpolated near 48) and cuBLAS the rest.
 STREAM_MAX_M = 0
 SWAP_MAX_M = 32
-# Up to this many tokens (above SWAP_MAX_M) ``fp8_gemm_blockwise`` with its TUNED_BLOCKWISE launch shapes instead
-# of cuBLAS: 0 (off) until benchmarks/bench_fp8_gemm.py --sweep shows it ahead on the H200.
-BLOCKWISE_MAX_M = 0
+# Up to this many tokens (above SWAP_MAX_M), weights with a TUNED_BLOCKWISE entry use ``fp8_gemm_blockwise``
+# instead of cuBLAS: where its tuned launch shape measured faster (H200, bench_fp8_gemm.py --sweep, branch h-fp8 at
+# 7d1055e, M = 64, us, blockwise tuned vs cuBLAS fp8 with its quantization launch: o 15.1 vs 17.8, gate_up 34.9 vs
+# 38.1, down 27.2 vs 40.2; qkv 17.9 vs 18.2 is left to cuBLAS). At M = 128 and 256 cuBLAS was ahead on all four.
+# With 64-token tiles, 33-64 tokens run the same programs as 64.
+BLOCKWISE_MAX_M = 64
 
 
 @functools.cache
@@ -629,7 +635,7 @@ def _swap_fp8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
-    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
+    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
@@ -645,9 +651,6 @@ def _swap_fp8_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
-    if PREFETCH_L2:  # the split's first weight blocks, before waiting on the kernel that writes a
-        _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
-    wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
@@ -726,7 +729,11 @@ def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig
 # other GPUs' first calls, take the pick functions' rules.
 TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
 TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
-TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {}
+TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {
+    (4096, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=5),  # o
+    (24576, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),  # gate_up
+    (4096, 12288, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=8, num_stages=5),  # down
+}
 
 
 def fp8_gemm_swap(
@@ -781,8 +788,7 @@ def _launch_swap(
         a, scales, w, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
-        UPCAST=upcast_dot(a.device), USE_PDL=use_pdl(a.device), PREFETCH_L2=_prefetches(a.device, k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a.device),
+        UPCAST=upcast_dot(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
