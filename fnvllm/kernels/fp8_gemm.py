@@ -25,10 +25,10 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
 Programmatic dependent launch (``fused_ops.use_pdl``, on by default on sm_90): the activation quantization and
 ``fp8_gemm_blockwise`` launch early and wait on the kernel before them; before that wait, the blockwise kernel
 asks L2 for the first blocks of its weight rows (``cp.async.bulk.prefetch.L2``), which no earlier kernel
-writes, so weight bytes stream in during the previous kernel's tail. Measured on the H200 (bench_fp8_gemm.py,
-7d1055e against 6eb87a6): cuBLAS's fp8 path (quantization launch + GEMM) 2-14 us faster per GEMM at 64-256
-tokens. The swap kernel stays without it: with it, the o GEMM measured 1-1.4 us slower at 1-16 tokens and the
-others unchanged.
+writes, so weight bytes stream in during the previous kernel's tail. On the H200 (bench_fp8_gemm.py at 7d1055e
+against 6eb87a6, bf16 times equal in both runs) cuBLAS's fp8 path (quantization launch + GEMM) measured 2-14 us
+faster per GEMM at 64-256 tokens, the quantization's early start being the only change on that path. The swap
+kernel stays without it: with it, the o GEMM measured 1-1.4 us slower at 1-16 tokens, the others unchanged.
 
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
