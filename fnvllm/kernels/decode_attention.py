@@ -50,8 +50,6 @@ from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 
 GqaMode = Literal["dot", "sum"]
-Fp8Load = Literal["cast", "words_v", "words_kv"]
-_FP8_WORDS = {"cast": 0, "words_v": 1, "words_kv": 2}
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -95,11 +93,6 @@ class DecodeKernelConfig:
     fused_reduce: the last partition of a split (sequence, KV head) to finish merges the partials itself (an
         atomic arrival counter per pair); False launches the separate reduce kernel (grid (B, Hq)) instead; None
         picks by shape (``fuses_reduce``).
-    fp8_load: how FP8 tiles become float16 tensor-core operands (FP8 caches with 16-bit q only; CUDA only, the
-        interpreter always casts): "cast" widens with ``.to``, which Triton moves after the shared-memory load so
-        V (the P.V operand, reduced over tokens) is gathered byte by byte; "words_v" loads V as 32-bit words
-        widened by inline PTX where loaded (``widen_words``: ~35 -> ~23 instructions per token and head
-        at tiles of 128, sm_90 SASS); "words_kv" does so for K too.
     """
 
     partition_size: int = 512
@@ -110,7 +103,6 @@ class DecodeKernelConfig:
     prefetch: bool = False
     heads_inner: bool = True
     fused_reduce: bool | None = None
-    fp8_load: Fp8Load = "cast"
 
 
 # Why these defaults (first choices for an H200 at B=256, context U(100, 2048), Hkv 8, D 128, bf16, checked only by
@@ -163,20 +155,6 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
     while size < max_context and num_seqs * num_kv_heads * math.ceil(max_context / size) > SMALL_BATCH_MAX_PARTIALS:
         size *= 2
     return size
-
-
-# FP8 caches at batches of >= SPLIT_FREE_PROGRAMS (sequence, KV head) pairs: partitions of at most this many
-# tokens (None: one partition, as for bf16). An FP8 program reads half the bytes of a bf16 one in the same number
-# of tiles, so the tail of the longest sequences weighs more (benchmarks/bench_fp8_kv.py sweeps the size).
-FP8_SPLIT_PARTITION: int | None = None
-
-
-def fp8_partition_size(num_seqs: int, num_kv_heads: int, auto: int) -> int:
-    """The partition size for an FP8 cache given ``auto_partition_size``'s choice ``auto``: capped at
-    FP8_SPLIT_PARTITION for batches that ``auto_partition_size`` would not split."""
-    if FP8_SPLIT_PARTITION is not None and num_seqs * num_kv_heads >= SPLIT_FREE_PROGRAMS:
-        return min(auto, FP8_SPLIT_PARTITION)
-    return auto
 
 
 def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
@@ -245,62 +223,6 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def load_tile(cache_ptr, offs, mask, HEAD_DIM: tl.constexpr, WORDS: tl.constexpr):
-    """The (N, D) tile at cache offsets offs (N,) (rows where mask is False read zeros): as stored, or, WORDS, an
-    FP8 tile as (N, D / 4) int32 words of four e4m3 values each (for ``widen_words``)."""
-    if WORDS:
-        words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        ptrs = (offs // 4)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]  # (N, D / 4)
-        tile = tl.load(words_ptr + ptrs, mask=mask[:, None], other=0)
-    else:
-        ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # (N, D)
-        tile = tl.load(cache_ptr + ptrs, mask=mask[:, None], other=0.0)
-    return tile
-
-
-@triton.jit
-def widen_words(w):
-    """(N, D / 4) int32 words of e4m3 bytes -> (N, D) float16 (exact): two cvt.rn.f16x2.e4m3x2 of inline PTX a
-    word (CUDA only), then the four values of each word joined and reshaped into their places (byte i of a
-    word is value i: little-endian).
-
-    Unlike ``.to(tl.float16)``, Triton cannot move this widening after a layout change (it would have to see
-    through the split, join and reshape), so a tile feeding tl.dot is widened in the layout it was loaded in
-    (16-byte rows per thread) and reaches the tensor-core operand layout as float16 through shared memory
-    (ldmatrix, transposing for V), instead of being gathered from shared memory byte by byte in the operand
-    layout (what ``.to`` gets for V, the P.V operand reduced over tokens)."""
-    e0, e1, e2, e3 = tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a, b;
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""",
-        constraints="=h,=h,=h,=h,r",
-        args=[w],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-    x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # (N, D / 4, 2, 2): [..., i, j] is value 2 i + j of a word
-    return tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
-
-
-@triton.jit
-def widen(x, dtype: tl.constexpr, WORDS: tl.constexpr):
-    """A loaded tile (``load_tile``) in ``dtype``: words widened to float16, else cast (e4m3 -> 16 bits is exact;
-    a no-op for 16-bit caches)."""
-    if WORDS:  # noqa: SIM108 (a constexpr branch: the two sides differ in type)
-        y = widen_words(x)
-    else:
-        y = x.to(dtype)
-    return y
-
-
-@triton.jit
 def kv_tile_offsets(
     table_row_ptr,
     t0,
@@ -327,18 +249,12 @@ def kv_tile_offsets(
 
 
 @triton.jit
-def load_kv_tile(
-    k_cache_ptr,
-    v_cache_ptr,
-    offs,
-    mask,
-    HEAD_DIM: tl.constexpr,
-    K_WORDS: tl.constexpr = False,
-    V_WORDS: tl.constexpr = False,
-):
-    """K and V tiles (N, D) at cache offsets offs (N,); rows where mask (N,) is False read nothing (zeros).
-    K_WORDS / V_WORDS: that FP8 tile as int32 words (``load_tile``)."""
-    return load_tile(k_cache_ptr, offs, mask, HEAD_DIM, K_WORDS), load_tile(v_cache_ptr, offs, mask, HEAD_DIM, V_WORDS)
+def load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
+    """K and V tiles (N, D) at cache offsets offs (N,); rows where mask (N,) is False read nothing (zeros)."""
+    ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # (N, D)
+    k = tl.load(k_cache_ptr + ptrs, mask=mask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + ptrs, mask=mask[:, None], other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -417,8 +333,6 @@ def _decode_partition_kernel(
     HEADS_INNER: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
-    K_WORDS: tl.constexpr,
-    V_WORDS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -429,8 +343,6 @@ def _decode_partition_kernel(
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
-    K_WORDS / V_WORDS: read that FP8 tile as 32-bit words widened where loaded (``widen_words``;
-    DecodeKernelConfig.fp8_load); otherwise tiles are cast.
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
     if HEADS_INNER:
@@ -467,21 +379,21 @@ def _decode_partition_kernel(
         offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
         mask = start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
-            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM, K_WORDS, V_WORDS)
+            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
         for t0 in range(start, end, TILE):
             tok_mask = mask
             if PREFETCH:
                 k, v = k_next, v_next
             else:
-                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM, K_WORDS, V_WORDS)
-            k, v = widen(k, q.dtype, K_WORDS), widen(v, q.dtype, V_WORDS)
+                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
                 table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
             )
             mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
-                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM, K_WORDS, V_WORDS)
+                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
             m, l, acc = attend_tile(
                 q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
             )
@@ -622,7 +534,6 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_inner: bool | None = None,
     fused_reduce: bool | None = None,
-    fp8_load: Fp8Load | None = None,
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -640,8 +551,6 @@ def paged_decode_attention(
     if partition_size is None:  # by shape, and never shorter than one tile
         max_context = block_tables.shape[1] * k_cache.shape[1]
         auto = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
-        if is_fp8(k_cache):
-            auto = fp8_partition_size(q.shape[0], k_cache.shape[2], auto)
         partition_size = max(auto, tile_size or base.tile_size)
     cfg = _resolve_config(
         base,
@@ -653,7 +562,6 @@ def paged_decode_attention(
         prefetch=prefetch,
         heads_inner=heads_inner,
         fused_reduce=fused_reduce,
-        fp8_load=fp8_load,
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
@@ -712,9 +620,6 @@ def _launch_partitions(
     fused = workspace is not None and cfg.fused_reduce
     counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
     merge_group = int(triton.next_power_of_2(group))
-    # FP8 tiles read as words (CUDA with 16-bit q only: the interpreter and float32 q cast)
-    fp8_words = kv.k_scale is not None and fp8_compute_fp16(q, kv.k) and not upcast_dot(q.device)
-    words = _FP8_WORDS[cfg.fp8_load] if fp8_words else 0
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -753,8 +658,6 @@ def _launch_partitions(
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
-        K_WORDS=words == 2,
-        V_WORDS=words >= 1,
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
@@ -810,8 +713,6 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
     """Raise ValueError naming the knob when the launch configuration is unusable."""
     if cfg.gqa_mode not in ("dot", "sum"):
         raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
-    if cfg.fp8_load not in _FP8_WORDS:
-        raise ValueError(f"fp8_load must be one of {tuple(_FP8_WORDS)}, got {cfg.fp8_load!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 16 if cfg.gqa_mode == "dot" else 1
