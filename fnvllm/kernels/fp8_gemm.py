@@ -316,7 +316,7 @@ def _split_locks(device: torch.device) -> torch.Tensor | None:
 
 
 def _prefetches(device: torch.device, k: int) -> bool:
-    """Whether the fp8 tensor-core GEMMs bulk-prefetch their weight rows into L2 before waiting on the previous
+    """Whether ``fp8_gemm_blockwise`` bulk-prefetches its weight rows into L2 before waiting on the previous
     kernel: under programmatic dependent launch (sm_90+), when rows of K bytes keep 16-byte alignment."""
     return use_pdl(device) and k % 16 == 0
 
