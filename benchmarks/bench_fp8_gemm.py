@@ -12,14 +12,16 @@ The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 
     (``fp8_scaled_mm``: activation quantization + ``torch._scaled_mm`` with block scales), ours: ``stream``
     (``fp8_gemm_small_m``, M <= 64), ``swap`` (quantization + ``fp8_gemm_swap``, M <= 1024), ``swap_fused``
     (``fp8_gemm_swap_bf16``: the quantization in the kernel, M <= 256), ``blockwise``
-    (quantization + ``fp8_gemm_blockwise``, M >= 64) and ``shipped`` (``fp8_linear``). Each timing replays a
+    (quantization + ``fp8_gemm_blockwise``, M >= 16) and ``shipped`` (``fp8_linear``). Each timing replays a
     CUDA graph of calls on enough weight copies to exceed the 50 MB L2 (weights come from HBM), under CUDA events.
     TB/s counts weight bytes (fp8: 1 byte per weight + 4 per 128 x 128 block; bf16: 2 bytes). A variant that
     fails (e.g. does not compile) prints its error and is left out;
-(c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (swap first: M = 1, 16, then the
-    fused variant, 32, 256, 64, 128; the streaming kernel last), each candidate checked for correctness before it
-    is timed, stopping at --budget-s seconds; prints the best per shape beside the default pick, the per-layer
-    sums with the best, and the best as TUNED_STREAM / TUNED_SWAP tables to paste into fnvllm/kernels/fp8_gemm.py.
+(c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (the blockwise kernel first at
+    M = 256, 64, 128, where decode steps of the 8B shape run; then swap at 1, 16, blockwise at 32, the fused swap,
+    swap at 32, 64; the streaming kernel last), each candidate checked for correctness before it is timed,
+    stopping at --budget-s seconds; prints the best per shape beside the default pick, the per-layer sums with the
+    best, and the best as TUNED_STREAM / TUNED_SWAP / TUNED_BLOCKWISE tables to paste into
+    fnvllm/kernels/fp8_gemm.py.
 The last table is the summary: the layer's four GEMMs summed per M for every variant.
 """
 
@@ -54,6 +56,13 @@ STREAM_KNOBS = {
     "split_k": (1, 2, 3, 4, 6, 8),
     "num_warps": (4, 8),
     "num_stages": (3, 2, 4, 5),
+}
+BLOCKWISE_KNOBS = {  # the most likely first: 256-token tiles and 256-row tiles spill (sm_90 SASS), so left out
+    "block_m": (64, 128, 32),
+    "split_k": (1, 2, 3),
+    "block_n": (128, 64),
+    "num_stages": (3, 4, 5),
+    "num_warps": (8, 4),
 }
 SWAP_KNOBS = {
     "reduce": ("last", "launch"),
@@ -133,7 +142,7 @@ class Gemm:
         if variant == "swap_fused":
             return g.fp8_gemm_swap_bf16(x, w, s, cfg)  # type: ignore[arg-type]
         if variant == "blockwise":
-            return g.fp8_gemm_blockwise(*g.quantize_activations(x), w, s, x.dtype)
+            return g.fp8_gemm_blockwise(*g.quantize_activations(x), w, s, x.dtype, config=cfg)  # type: ignore[arg-type]
         if variant == "cublas_fp8":
             return g.fp8_scaled_mm(x, w, s)
         return g.fp8_linear(x, w, s)
@@ -147,7 +156,7 @@ class Gemm:
         if variant == "swap_fused":
             return m <= 256
         if variant == "blockwise":
-            return m >= 64
+            return m >= 16
         return True
 
     def error(self, variant: str, m: int, cfg: object = None, repeats: int = 3) -> float:
@@ -250,9 +259,9 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
     print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)")
     deadline = time.monotonic() + budget_s
     best_times: dict[tuple[str, int, str], float] = {}
-    plan = [("swap", 1), ("swap", 16), ("swap_fused", 1), ("swap", 32), ("swap", 256), ("swap", 64)]
-    plan += [("swap", 128), ("swap_fused", 16), ("stream", 1), ("stream", 16)]
-    tables: dict[str, list[str]] = {"stream": [], "swap": [], "swap_fused": []}
+    plan = [("blockwise", 256), ("blockwise", 64), ("blockwise", 128), ("swap", 1), ("swap", 16), ("blockwise", 32)]
+    plan += [("swap_fused", 1), ("swap", 32), ("swap", 64), ("swap_fused", 16), ("stream", 1), ("stream", 16)]
+    tables: dict[str, list[str]] = {"stream": [], "swap": [], "swap_fused": [], "blockwise": []}
     for variant, m in plan:
         for gemm in gemms:
             if time.monotonic() > deadline:
@@ -262,6 +271,8 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
             device = torch.device(DEVICE)
             if variant == "stream":
                 pick, knobs = g.pick_small_m_config(m, gemm.n, gemm.k, device), STREAM_KNOBS
+            elif variant == "blockwise":
+                pick, knobs = g.pick_blockwise_config(m, gemm.n, gemm.k, device), BLOCKWISE_KNOBS
             else:
                 pick, knobs = g.pick_swap_config(m, gemm.n, gemm.k, device), SWAP_KNOBS
             results = descend(gemm, variant, m, pick, knobs, deadline)
@@ -283,7 +294,8 @@ def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[st
 
 def print_tables(tables: dict[str, list[str]]) -> None:
     """The sweep's best configs as the TUNED_STREAM / TUNED_SWAP tables of fnvllm.kernels.fp8_gemm."""
-    for variants, name in ((("stream",), "TUNED_STREAM"), (("swap_fused", "swap"), "TUNED_SWAP")):
+    named = ((("stream",), "TUNED_STREAM"), (("swap_fused", "swap"), "TUNED_SWAP"), (("blockwise",), "TUNED_BLOCKWISE"))
+    for variants, name in named:
         print(f"  {name} = {{")
         print("\n".join(line for variant in variants for line in tables[variant]))
         print("  }")
@@ -295,7 +307,7 @@ def print_summary(
     """The layer's four GEMMs summed per M and variant: µs (TB/s of weight bytes); "best" rows from the sweep."""
     fp8_bytes, bf16_bytes = sum(gm.fp8_bytes for gm in gemms), sum(2 * gm.n * gm.k for gm in gemms)
     print("\nsummary: one Qwen3-8B layer's four GEMMs (qkv, o, gate_up, down), µs (TB/s of weight bytes)")
-    columns = [*VARIANTS, "stream best", "swap best", "swap_fused best"]
+    columns = [*VARIANTS, "stream best", "swap best", "swap_fused best", "blockwise best"]
     print(f"{'M':>6} | " + " | ".join(f"{c:>16}" for c in columns))
     for m in ms:
         cells = []

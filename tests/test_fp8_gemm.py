@@ -117,6 +117,38 @@ def test_swap_kernel_quantizing_in_its_prologue_matches_reference(
     assert torch.equal(exact, g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config))
 
 
+BLOCKWISE_CASES = [
+    (3, 130, 260, g.BlockwiseConfig(16, 16, 2, split_k=2)),
+    (40, 256, 640, g.BlockwiseConfig(32, 64, 1, split_k=3)),
+    (33, 300, 256, g.BlockwiseConfig(16, 256, 4)),
+    (20, 200, 1000, g.BlockwiseConfig(16, 128, 8, split_k=3, reduce="launch")),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"), BLOCKWISE_CASES)
+def test_blockwise_configs_match_reference(m: int, n: int, k: int, config: g.BlockwiseConfig) -> None:
+    """fp8_gemm_blockwise with narrow or wide weight tiles, several token tiles, K splits (summed by the last
+    program or a second launch) and partial edge blocks equals the float32 math of the same fp8 operands."""
+    w, scale = _weights(n, k, seed=5)
+    x_q, x_scale = g.quantize_activations_ref(_x(m, k, seed=6))
+    out = g.fp8_gemm_blockwise(x_q, x_scale, w, scale, torch.float32, config=config)
+    ref = g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="block_m"):
+        g.fp8_gemm_blockwise(x_q, x_scale, w, scale, torch.float32, config=g.BlockwiseConfig(block_m=8))
+
+
+def test_tuned_blockwise_shapes_are_valid_and_bounded() -> None:
+    """Every measured blockwise launch shape passes its check and is keyed at most BLOCKWISE_MAX_M tokens, so
+    fp8_linear never routes a token count it was not measured for past cuBLAS; untuned shapes find none."""
+    for (_, _, up_to), cfg in g.TUNED_BLOCKWISE.items():
+        cfg.check()
+        assert g.SWAP_MAX_M < up_to <= g.BLOCKWISE_MAX_M
+    assert g._tuned(g.TUNED_BLOCKWISE, 40, 24576, 4096) == g.TUNED_BLOCKWISE[24576, 4096, 64]
+    assert g._tuned(g.TUNED_BLOCKWISE, 65, 24576, 4096) is None
+    assert g._tuned(g.TUNED_BLOCKWISE, 40, 6144, 4096) is None
+
+
 def test_split_counters_return_to_zero() -> None:
     """With reduce="last" the tile counters are back at zero after a launch (so the next launch, or CUDA-graph
     replay, starts clean), and a second call gives the same bits (the sum order is fixed)."""

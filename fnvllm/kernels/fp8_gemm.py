@@ -22,6 +22,14 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
   cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales,
   sm_90, CUDA >= 12.9).
 
+Programmatic dependent launch (``fused_ops.use_pdl``, on by default on sm_90): the activation quantization and
+``fp8_gemm_blockwise`` launch early and wait on the kernel before them; before that wait, the blockwise kernel
+asks L2 for the first blocks of its weight rows (``cp.async.bulk.prefetch.L2``), which no earlier kernel
+writes, so weight bytes stream in during the previous kernel's tail. On the H200 (bench_fp8_gemm.py at 7d1055e
+against 6eb87a6, bf16 times equal in both runs) cuBLAS's fp8 path (quantization launch + GEMM) measured 2-14 us
+faster per GEMM at 64-256 tokens, the quantization's early start being the only change on that path. The swap
+kernel stays without it: with it, the o GEMM measured 1-1.4 us slower at 1-16 tokens, the others unchanged.
+
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
 interpreter's float32 -> e4m3 conversion is wrong where rounding crosses a power of two (126.25 -> 64), so under
@@ -41,6 +49,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, upcast_dot
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -58,6 +67,7 @@ __all__ = [
     "FP8_DTYPE",
     "SCALE_BLOCK",
     "SMALL_M",
+    "BlockwiseConfig",
     "dequantize_fp8_blocks",
     "expand_block_scales",
     "fp8_blockwise_ref",
@@ -74,7 +84,7 @@ __all__ = [
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-_Config = TypeVar("_Config")  # SmallMConfig or SwapConfig
+_Config = TypeVar("_Config")  # SmallMConfig, SwapConfig or BlockwiseConfig
 
 
 # ---- torch reference (the weight's in fnvllm.kernels.reference) ----------------------------------------------
@@ -108,7 +118,8 @@ def fp8_linear(
     """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
     up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
     activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
-    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); above,
+    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); up to
+    BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured TUNED_BLOCKWISE shape; above,
     cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
     else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
@@ -121,6 +132,8 @@ def fp8_linear(
         out = fp8_gemm_small_m(x, w, w_scale)
     elif m <= SWAP_MAX_M:
         out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
+    elif m <= BLOCKWISE_MAX_M and _tuned(TUNED_BLOCKWISE, m, *w.shape) is not None:
+        out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
     elif _has_block_scaled_mm(x.device.index or 0) and scaled_mm_supported(*w.shape):
         return fp8_scaled_mm(x, w, w_scale, bias)
     else:
@@ -136,6 +149,12 @@ def fp8_linear(
 # cuBLAS lies between 16 and 64; interpolated near 48) and cuBLAS the rest.
 STREAM_MAX_M = 0
 SWAP_MAX_M = 32
+# Up to this many tokens (above SWAP_MAX_M), weights with a TUNED_BLOCKWISE entry use ``fp8_gemm_blockwise``
+# instead of cuBLAS: where its tuned launch shape measured faster (H200, bench_fp8_gemm.py --sweep, branch h-fp8 at
+# 7d1055e, M = 64, us, blockwise tuned vs cuBLAS fp8 with its quantization launch: o 15.1 vs 17.8, gate_up 34.9 vs
+# 38.1, down 27.2 vs 40.2; qkv 17.9 vs 18.2 is left to cuBLAS). At M = 128 and 256 cuBLAS was ahead on all four.
+# With 64-token tiles, 33-64 tokens run the same programs as 64.
+BLOCKWISE_MAX_M = 64
 
 
 @functools.cache
@@ -296,6 +315,12 @@ def _split_locks(device: torch.device) -> torch.Tensor | None:
     return locks
 
 
+def _prefetches(device: torch.device, k: int) -> bool:
+    """Whether ``fp8_gemm_blockwise`` bulk-prefetches its weight rows into L2 before waiting on the previous
+    kernel: under programmatic dependent launch (sm_90+), when rows of K bytes keep 16-byte alignment."""
+    return use_pdl(device) and k % 16 == 0
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (queried once)."""
@@ -414,12 +439,13 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_activations_kernel(
     x_ptr, q_ptr, s_ptr, K, GROUPS, stride_xm, stride_qm, stride_sm,
-    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """GROUPS_PER_PROGRAM (token, 128-column group)s of one token: scale = max(amax / 448, 1e-12); q = x / scale
     in e4m3. ROUND_FIRST (the interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding
     that crosses a power of two: 126.25 -> 64) rounds to the e4m3 grid in float32 first, so the conversion is
     exact."""
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     k = groups[:, None] * 128 + tl.arange(0, 128)[None, :]  # (GROUPS_PER_PROGRAM, 128)
@@ -446,44 +472,123 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quantize_activations_kernel[(m, triton.cdiv(groups, per_program))](
             x, x_q, x_scale, k, groups, x.stride(0), x_q.stride(0), x_scale.stride(0),
             GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, ROUND_FIRST=upcast_dot(x.device),
+            USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
         )  # fmt: skip
     return x_q, x_scale
 
 
+# 128-column blocks of its weight rows a program prefetches into L2 before waiting on the previous kernel: enough
+# to cover its pipeline's start; a first wave of ~264 programs x 128 rows x 512 bytes (17 MB) stays well inside L2.
+_PREFETCH_BLOCKS = tl.constexpr(4)
+
+
+@triton.jit
+def _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT):
+    """Prefetch into L2 the first _PREFETCH_BLOCKS 128-column blocks, from block ``first`` on, of the weight
+    rows offs_n (rows past N read row N - 1's)."""
+    end = tl.minimum(K, (first + tl.minimum(K_BLOCKS_PER_SPLIT, _PREFETCH_BLOCKS)) * 128)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    _prefetch_rows_l2(w_ptr + rows * K + first * 128, tl.zeros_like(offs_n) + (end - first * 128))
+
+
+@triton.jit
+def _prefetch_rows_l2(row_ptrs, nbytes):
+    """Ask for ``nbytes`` (a multiple of 16) from each 16-byte aligned address row_ptrs (a tensor of byte
+    pointers) to be brought into L2 (sm_90 bulk prefetch; no registers, no wait). Issued before waiting on the
+    previous kernel under programmatic dependent launch, so a GEMM's first weight bytes stream in while the
+    kernel before it finishes."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
+        "=r,l,r",
+        [row_ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit
 def _blockwise_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr,
-    M, N, K, stride_am, stride_asm, stride_wsn, stride_om,
-    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_MODE: tl.constexpr,
+    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M, 128) output tile: sum over K blocks of (a block @ w block.T) * a_scale[m, kb] * w_scale[nb, kb],
-    tiles walked in groups of GROUP_M row tiles so programs running together share weight tiles in L2."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, 128)
+    """One (BLOCK_M, BLOCK_N) output tile over the 128-deep K blocks of split program_id(1): sum of (a block @
+    w block.T) * a_scale[m, kb] * w_scale[n // 128, kb], tiles walked in groups of GROUP_M row tiles so programs
+    running together share weight tiles in L2; the splits' partials are summed per SPLIT_MODE (``_write_tile``)."""
+    pid, split = tl.program_id(0), tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group_size) % rows_in_group
     pid_n = (pid % group_size) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * 128 + tl.arange(0, 128)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
-    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, 128)):
+    ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn  # BLOCK_N <= 128: one scale block row per tile
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: a scale per row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * K_BLOCKS_PER_SPLIT
+    if PREFETCH_L2:  # the split's first weight blocks, before waiting on the kernel that writes a
+        _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
+    wait_for_previous_kernel(USE_PDL)
+    for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
         a_mask = (offs_m[:, None] < M) & (k[None, :] < K)
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
         w_mask = (offs_n[:, None] < N) & (k[None, :] < K)  # zeros past K: garbage e4m3 bytes may be NaN
-        w = tl.load(w_ptr + offs_n[:, None] * K + k[None, :], mask=w_mask, other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=w_mask, other=0.0)
         a_scale = tl.load(as_ptr + offs_m * stride_asm + kb, mask=offs_m < M, other=0.0)
-        w_scale = tl.load(ws_ptr + pid_n * stride_wsn + kb)
         if UPCAST:  # the interpreter: exact in float32
             part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # fp8 x fp8 on the tensor cores, float32 accumulation
             part = tl.dot(a, tl.trans(w))
+        if BLOCK_N > 128:  # noqa: SIM108 (a scale per row here, one scalar otherwise)
+            w_scale = tl.load(ws_rows + kb, mask=offs_n < N, other=0.0)[None, :]
+        else:
+            w_scale = tl.load(ws_row + kb)
         acc += part * (a_scale[:, None] * w_scale)
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    offs, mask = offs_m[:, None] * N + offs_n[None, :], (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, pid, M * N, SPLIT_MODE)
+
+
+@attrs.frozen
+class BlockwiseConfig:
+    """Launch shape of ``fp8_gemm_blockwise``: token rows (16 to 256) and weight rows (16 to 256) per program
+    (powers of two), row tiles per L2 group, K splits and how they are summed (as ``SmallMConfig``), Triton's
+    warps and stages."""
+
+    block_m: int = 64
+    block_n: int = 128
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+    reduce: str = "last"
+
+    def check(self) -> None:
+        """ValueError naming the field out of its range."""
+        if self.block_m not in (16, 32, 64, 128, 256) or self.block_n not in (16, 32, 64, 128, 256):
+            raise ValueError(f"BlockwiseConfig needs block_m and block_n in 16..256 (powers of two): {self}")
+        if self.group_m < 1 or self.split_k < 1 or self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise ValueError(
+                f"BlockwiseConfig needs group_m >= 1, split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1:"
+                f" {self}"
+            )
+        if self.reduce not in SPLIT_REDUCES:
+            raise ValueError(f"BlockwiseConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_blockwise_config(m: int, n: int, k: int, device: torch.device) -> BlockwiseConfig:
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_BLOCKWISE`` entry when there is one, else
+    (64 tokens up to 512, else 128) x 128 rows, 8 warps, 3 stages, one split."""
+    tuned = _tuned(TUNED_BLOCKWISE, m, n, k) if device.type == "cuda" else None
+    if tuned is not None:
+        return tuned
+    return BlockwiseConfig(block_m=64 if m <= 512 else 128)
 
 
 def fp8_gemm_blockwise(
@@ -493,23 +598,35 @@ def fp8_gemm_blockwise(
     w_scale: torch.Tensor,
     dtype: torch.dtype,
     block_m: int | None = None,
-    group_m: int = 8,
+    group_m: int | None = None,
+    config: BlockwiseConfig | None = None,
 ) -> torch.Tensor:
     """Quantized activations (``quantize_activations``) @ dequantized(w).T -> (M, N) in ``dtype``, on the fp8
-    tensor cores (see the module docstring); the kernel of ``fp8_blockwise_ref``. block_m: token rows per
-    program (None: 64 up to 512 tokens, so that a few hundred tokens still fill the SMs, else 128)."""
+    tensor cores (see the module docstring); the kernel of ``fp8_blockwise_ref``. config: the launch shape (None:
+    ``pick_blockwise_config``); block_m / group_m, when given, replace its fields."""
     m, k, n = _check_gemm_args(x_q, w, w_scale)
-    block_m = block_m or (64 if m <= 512 else 128)
+    cfg = config or pick_blockwise_config(m, n, k, x_q.device)
+    cfg = attrs.evolve(cfg, block_m=block_m or cfg.block_m, group_m=group_m or cfg.group_m)
+    cfg.check()
     if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
         raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
+    k_blocks = triton.cdiv(k, 128)
+    per_split = triton.cdiv(k_blocks, cfg.split_k)
+    split = triton.cdiv(k_blocks, per_split)  # no empty split
     out = torch.empty((m, n), dtype=dtype, device=x_q.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, 128),)
-    if m:
-        _blockwise_kernel[grid](
-            x_q, x_scale, w, w_scale, out,
-            m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), out.stride(0),
-            BLOCK_M=block_m, GROUP_M=group_m, UPCAST=upcast_dot(x_q.device), num_warps=8, num_stages=3,
-        )  # fmt: skip
+    if m == 0:
+        return out
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    part, locks, mode = _split_buffers(out, split, cfg.reduce, tiles)
+    _blockwise_kernel[(tiles, split)](
+        x_q, x_scale, w, w_scale, out, part, locks,
+        m, n, k, x_q.stride(0), x_scale.stride(0), w_scale.stride(0), per_split, split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT_MODE=mode,
+        UPCAST=upcast_dot(x_q.device), USE_PDL=use_pdl(x_q.device), PREFETCH_L2=_prefetches(x_q.device, k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x_q.device),
+    )  # fmt: skip
+    if mode == _SUM_LAUNCH:
+        _sum_splits(part, out)
     return out
 
 
@@ -612,6 +729,11 @@ def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig
 # other GPUs' first calls, take the pick functions' rules.
 TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
 TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
+TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {
+    (4096, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=5),  # o
+    (24576, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),  # gate_up
+    (4096, 12288, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=8, num_stages=5),  # down
+}
 
 
 def fp8_gemm_swap(
