@@ -79,26 +79,60 @@ def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: lis
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "top_k", "num_experts", "block_m"),
+    ("num_tokens", "top_k", "num_experts", "block_m", "programs"),
     [
-        (5, 1, 3, 4),
-        (7, 2, 8, 16),
-        (1, 8, 128, 16),
-        (300, 8, 128, 32),
-        (9, 3, 200, 16),
-        (100, 8, 128, 16),
-        (1100, 8, 128, 128),
+        (5, 1, 3, 4, 128),
+        (7, 2, 8, 16, 128),
+        (1, 8, 128, 16, 128),
+        (300, 8, 128, 32, 128),
+        (9, 3, 200, 16, 128),
+        (100, 8, 128, 16, 128),
+        (1100, 8, 128, 128, 128),
+        (300, 8, 128, 32, 3),
+        (301, 8, 128, 16, 5),
+        (37, 3, 6, 4, 2),
     ],
 )
-def test_alignment_kernel_equals_torch_path(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
-    """The Triton alignment gives exactly the torch path's slots, block experts and slot count: one chunk, several
-    chunks summed in the kernel (800 assignments: 13), several read from the cumsum (2400: 38; 8800: 138), a
-    non-power-of-two expert count."""
+def test_alignment_kernel_equals_torch_path(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, programs: int
+) -> None:
+    """The Triton alignment gives exactly the torch path's slots, block experts and slot count: one chunk, many
+    chunks of one tile (800 assignments: 13), chunks of several tiles (8800: 69 chunks of 2; 2400 in 3 chunks of
+    13 tiles; 2408 in 5 chunks, the last short), a non-power-of-two expert count."""
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
-    got, ref = fm.align_by_expert(ids, num_experts, block_m), fm.align_by_expert_ref(ids, num_experts, block_m)
+    got = fm.align_by_expert(ids, num_experts, block_m, programs)
+    ref = fm.align_by_expert_ref(ids, num_experts, block_m)
     for field in ("sorted_ids", "block_experts", "num_slots"):
         assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
+@pytest.mark.parametrize("programs", [1, 4, 128])
+def test_alignment_kernel_invariants_skewed_routing(programs: int) -> None:
+    """A skewed routing (expert 0 gets every token, expert 5 one, experts 1-4 and 6 none; 50 tokens, top-2):
+    every assignment placed once, stable inside its group, padding slots hold T*K, each used block one expert."""
+    ids = torch.zeros(50, 2, dtype=torch.int64)
+    ids[:, 1] = 2
+    ids[17, 1] = 5
+    align = fm.align_by_expert(ids.to(DEVICE), 7, 8, programs)
+    slots, n, used = align.sorted_ids.tolist(), 100, int(align.num_slots)
+    assert used == 56 + 56 + 8 and all(s == n for s in slots[used:])
+    placed = [s for s in slots if s < n]
+    assert sorted(placed) == list(range(n))
+    groups = {e: [s for s in placed if ids.reshape(-1)[s] == e] for e in (0, 2, 5)}
+    assert all(g == sorted(g) for g in groups.values()) and groups[5] == [35]
+    assert align.block_experts.tolist()[: used // 8] == [0] * 7 + [2] * 7 + [5]
+    assert set(align.block_experts.tolist()[used // 8 :]) <= {7}
+
+
+def test_align_plan_bounds_the_programs() -> None:
+    """An 8192-token prefill of Qwen3-30B-A3B (65,536 assignments, 128 experts) is 128 chunks of 8 tiles of 64; a
+    256-token decode step 32 chunks of one tile; programs < 1 is a ValueError naming the field."""
+    assert fm.align_plan(65536, 128) == fm.AlignPlan(tile=64, tiles=8, chunks=128)
+    assert fm.align_plan(2048, 128) == fm.AlignPlan(tile=64, tiles=1, chunks=32)
+    assert fm.align_plan(65536, 128, programs=256).chunks == 256
+    with pytest.raises(ValueError, match="programs"):
+        fm.align_plan(10, 4, programs=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -36,14 +36,24 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
-from fnvllm.kernels.moe_align import ExpertAlignment, align_by_expert, align_by_expert_ref, max_slots
+from fnvllm.kernels.moe_align import (
+    AlignPlan,
+    ExpertAlignment,
+    align_by_expert,
+    align_by_expert_ref,
+    align_plan,
+    max_slots,
+)
 from fnvllm.kernels.reference import fused_moe_ref
 
 __all__ = [
+    "AlignPlan",
     "ExpertAlignment",
     "MoeKernelConfig",
     "align_by_expert",
     "align_by_expert_ref",
+    "align_plan",
+    "combine",
     "fused_moe",
     "fused_moe_ref",
     "max_slots",
