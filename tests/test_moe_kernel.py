@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -203,16 +204,37 @@ def test_kernel_atomic_combine_matches_reference(dtype: torch.dtype) -> None:
         check(problem(20, 40, 24, 16, 3, dtype, seed=7), config)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_kernel_persistent_matches_reference(tma: bool) -> None:
-    """The persistent variant (a few programs walking every used tile) computes the reference, with an expert
-    spanning several slot blocks and experts with no token."""
-    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=tma, persistent=True)
+@pytest.mark.parametrize(
+    ("tma", "persistent", "down_persistent"),
+    [(False, True, None), (True, True, None), (True, False, True), (False, True, False)],
+)
+def test_kernel_persistent_matches_reference(tma: bool, persistent: bool, down_persistent: bool | None) -> None:
+    """The persistent variant (a few programs walking every used tile), in both kernels or in one only, computes
+    the reference, with an expert spanning several slot blocks and experts with no token."""
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=tma, persistent=persistent, down_persistent=down_persistent)
+    assert config.down_is_persistent == (persistent if down_persistent is None else down_persistent)
     x, w_gate_up, w_down, _, _ = problem(40, 40, 24, 6, 2, torch.float32, seed=8)
     gen = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.full((40,), 3), torch.randint(0, 2, (40,), generator=gen)], dim=1).to(DEVICE)
     weights = torch.rand(40, 2, generator=gen).to(DEVICE)
     check((x, w_gate_up, w_down, weights, ids), config)
+
+
+@pytest.mark.parametrize(("block", "num_warps"), [(16, 1), (32, 2), (1024, 4)])
+def test_combine_sums_each_tokens_rows_in_order(block: int, num_warps: int) -> None:
+    """combine() sums the K rows of each token in k order (float32: bit-exact against the sequential sum; hidden
+    40: column blocks of 16 and 32 leave a partial last block); a block that is not a power of two >= 16 is a
+    ValueError."""
+    rows = torch.randn(5, 3, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    assert torch.equal(fm.combine(rows, block, num_warps), rows[:, 0] + rows[:, 1] + rows[:, 2])
+    with pytest.raises(ValueError, match="block"):
+        fm.combine(rows, 24)
+
+
+def test_kernel_config_knobs_align_programs_and_combine_block() -> None:
+    """A config with one alignment program and a 16-column combine (several column blocks) computes the
+    reference."""
+    check(problem(30, 40, 24, 8, 3, torch.float32, seed=11), attrs.evolve(TINY, align_programs=1, combine_block=16))
 
 
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:

@@ -3,7 +3,7 @@
 Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
 a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
 
-1. ``align_by_expert`` (``moe_align.py``; two Triton launches, and a cumsum between them at prefill sizes): the
+1. ``align_by_expert`` (``moe_align.py``; two Triton launches of at most ~one program per SM): the
    T*K assignments (flat index a = t*K + k) sorted by expert, each expert's group padded to a multiple of
    BLOCK_M, so that every block of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot
    count is bounded without reading the routing, so the grid is fixed for a given T.
@@ -11,8 +11,8 @@ a host round trip per expert; here it is four steps, none of which syncs with th
    expert's gate and up rows (two accumulators), and store silu(gate) * up in slot order: (slots, I).
 3. ``_down_kernel``: per (block of slots, block of H): the block's (contiguous) activation rows times the
    expert's down projection, scaled by the assignment's routing weight, stored per assignment: (T*K, H).
-4. ``_combine_kernel``: the K rows of each token summed in float32 in k order (deterministic, unlike atomic
-   adds into the output from the down kernel).
+4. ``_combine_kernel``: the K rows of each token (contiguous: assignment order) summed in float32 in k order
+   (deterministic, unlike atomic adds into the output from the down kernel, and blind to the slot order).
 
 Block sizes are picked by the mean number of assignments per expert (``pick_config``): few (decode) -> small
 BLOCK_M, every expert's weights streamed once (bandwidth); many (prefill) -> large tiles (compute). Within a
@@ -37,6 +37,7 @@ import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
 from fnvllm.kernels.moe_align import (
+    ALIGN_PROGRAMS,
     AlignPlan,
     ExpertAlignment,
     align_by_expert,
@@ -76,9 +77,13 @@ class MoeKernelConfig:
         K additions, hence the last bits, varies from run to run (benchmark variant; off in the shipped configs).
     persistent: launch one program per SM (times ``PERSISTENT_PROGRAMS_PER_SM``) that walks the used tiles, so the
         next tile's loads overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
+    down_persistent: the down kernel's own ``persistent`` (None: the gate_up kernel's); its K is short (12 steps
+        of 64 at Qwen3-30B-A3B), so overlapping the epilogue pays there first.
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
+    align_programs: at most this many programs per alignment launch (``moe_align.align_plan``).
+    combine_block / combine_warps: the combine kernel's columns per program and warps.
     """
 
     block_m: int
@@ -94,6 +99,10 @@ class MoeKernelConfig:
     down_num_stages: int | None = None
     atomic_combine: bool = False
     persistent: bool = False
+    down_persistent: bool | None = None
+    align_programs: int = ALIGN_PROGRAMS
+    combine_block: int = 1024
+    combine_warps: int = 4
 
     @property
     def down_n(self) -> int:
@@ -104,6 +113,11 @@ class MoeKernelConfig:
     def down_k(self) -> int:
         """The down kernel's K tile."""
         return self.down_block_k or self.block_k
+
+    @property
+    def down_is_persistent(self) -> bool:
+        """Whether the down kernel runs persistent programs."""
+        return self.persistent if self.down_persistent is None else self.down_persistent
 
 
 # By mean assignments per expert (T*K / E). Qwen3-30B-A3B (E 128, top-8): a 1-16 token decode step has <= 1 per
@@ -405,12 +419,12 @@ def fused_moe(
     if num_tokens == 0:
         return torch.zeros_like(x)
     cfg = config or pick_config(num_tokens, w_gate_up.shape[0], top_k)
-    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m)
+    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m, cfg.align_programs)
     act = moe_gate_up(x, w_gate_up, align, top_k, cfg)
     per_assignment = moe_down(act, w_down, topk_weights, align, cfg)
     if cfg.atomic_combine:  # already summed per token, in float32
         return per_assignment.to(x.dtype)
-    return combine(per_assignment.view(num_tokens, top_k, -1))
+    return combine(per_assignment.view(num_tokens, top_k, -1), cfg.combine_block, cfg.combine_warps)
 
 
 def _stages(num_stages: int, dtype: torch.dtype) -> int:
@@ -423,10 +437,10 @@ PERSISTENT_PROGRAMS_PER_SM = 1
 _INTERPRETER_SMS = 3  # the CPU interpreter has no SMs: a few programs, each walking several tiles
 
 
-def _programs(cfg: MoeKernelConfig, tiles: int, device: torch.device) -> int:
-    """Programs to launch: one per tile bound, or with ``cfg.persistent`` at most one per SM (times
+def _programs(persistent: bool, tiles: int, device: torch.device) -> int:
+    """Programs to launch: one per tile bound, or when ``persistent`` at most one per SM (times
     PERSISTENT_PROGRAMS_PER_SM), each walking the used tiles."""
-    if not cfg.persistent:
+    if not persistent:
         return tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _INTERPRETER_SMS
     return max(1, min(tiles, sms * PERSISTENT_PROGRAMS_PER_SM))
@@ -460,7 +474,7 @@ def moe_gate_up(
     act = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # (slots, I)
     tma = _tma_ok(cfg, w_gate_up)
     desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
-    grid = (_programs(cfg, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
+    grid = (_programs(cfg.persistent, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
     _gate_up_kernel[grid](
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
@@ -485,36 +499,44 @@ def moe_down(
     tma = _tma_ok(cfg, w_down, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
     w_desc = _descriptor(w_down.view(num_experts * hidden, inter), [cfg.down_n, cfg.down_k]) if tma else None
-    grid = (_programs(cfg, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
+    grid = (_programs(cfg.down_is_persistent, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
-        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
+        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.down_is_persistent,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.down_num_warps or cfg.num_warps,
         num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
     )  # fmt: skip
     return out
 
 
-def combine(per_assignment: torch.Tensor) -> torch.Tensor:
-    """(T, K, H) -> (T, H): each token's K weighted expert outputs summed in float32 in k order, rounded once."""
+def combine(per_assignment: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """(T, K, H) -> (T, H): each token's K weighted expert outputs summed in float32 in k order, rounded once;
+    ``block`` columns (a power of two, capped at H's) per program."""
     num_tokens, top_k, hidden = per_assignment.shape
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"combine block must be a power of two >= 16, got {block}")
     out = torch.empty(num_tokens, hidden, dtype=per_assignment.dtype, device=per_assignment.device)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](per_assignment, out, hidden, TOP_K=top_k, BLOCK=block)
+    block = min(block, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_assignment, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=num_warps
+    )
     return out
 
 
 @triton.jit
 def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1)."""
+    """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1). The K loads
+    are unrolled so all are in flight at once, and marked evict-first (each byte is read once)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(TOP_K):
-        acc += tl.load(src_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(TOP_K):
+        src = src_ptr + (t * TOP_K + k) * hidden + cols
+        acc += tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
