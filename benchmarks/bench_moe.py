@@ -13,10 +13,12 @@ Sizes: hidden 2048, 128 experts of intermediate 768, top-8 of a softmax over ran
 (c) prefill, 8192 tokens: TFLOP/s = 2 x T x K x 3 x H x I over the same time. Target >= 500 TFLOP/s;
 (d) per-kernel times of the shipped config (and of the sweep's best): alignment, gate_up (TFLOP/s), down
     (TFLOP/s), combine (TB/s of its reads and writes), each alone in its own CUDA graph;
-(e) unless --no-sweep, tile configs for each (pointer or TMA-descriptor loads, tile sizes, the down kernel's
-    own tiles, persistent programs, atomic combine), most promising first, each checked against the reference
-    before it is timed, then the best gate_up and best down combined; the best is printed as the MoeKernelConfig
-    to paste into fnvllm/kernels/fused_moe.py's pick_config table;
+(e) unless --no-sweep: the alignment's programs per launch (each checked equal to the torch path) and the
+    combine's columns and warps (each checked bit-equal to the default combine) timed alone; then tile configs for
+    both GEMMs (pointer or TMA-descriptor loads, tile sizes, the down kernel's own tiles, persistent programs in
+    one kernel or both, atomic combine), most promising first, each checked against the reference before it is
+    timed; then the best gate_up, best down, best alignment and best combine combined; the best is printed as
+    the MoeKernelConfig to paste into fnvllm/kernels/fused_moe.py's pick_config table;
 (f) with --e2e: a tiny fp32 Qwen3-MoE (8 experts, top-2, a dense layer) through ``LLM`` on the GPU (Triton ops,
     CUDA graphs for decode) against transformers' greedy tokens, 24 prompts of 16 tokens (exact equality); it
     takes a minute or more (engine start, graph captures), so it is off by default.
@@ -59,6 +61,12 @@ DECODE_SWEEP = (
     C(32, 64, 64, 4, 4, 5, False),
 )
 PREFILL_SWEEP = (
+    # the shipped gate_up with a persistent down (the 22:50 sweep: persistent down n256 k64 w8 s3 377.5 us against
+    # 413.7 us; persistent gate_up was slower, 885.5 against 775.1)
+    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 3, down_persistent=True),
+    C(128, 128, 64, 8, 8, 4, True, 256, 64, 8, 4, down_persistent=True),
+    C(128, 128, 64, 4, 8, 3, True, 256, 128, 8, 2, down_persistent=True),
+    C(128, 128, 64, 4, 8, 3, True, 128, 64, 4, 4, down_persistent=True),
     C(128, 128, 64, 8, 8, 3, True),  # the shipped tiles through TMA
     C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
     C(128, 128, 64, 8, 8, 3, True, persistent=True),
@@ -76,6 +84,10 @@ PREFILL_SWEEP = (
     C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
     C(256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
 )
+# Alignment programs per launch and (columns, warps) of the combine: each timed alone, the fastest goes into the
+# final combined config.
+ALIGN_PROGRAMS_SWEEP = (128, 64, 256, 32, 512)
+COMBINE_SWEEP = ((1024, 4), (2048, 8), (2048, 4), (512, 4), (1024, 8), (512, 2), (256, 2), (4096, 8))
 
 
 def problem(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -127,6 +139,12 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
     kernel's tiles differ from the default)."""
     extra = (" tma" if cfg.tma else "") + (" atomic" if cfg.atomic_combine else "")
     extra += " persistent" if cfg.persistent else ""
+    extra += " down-persistent" if cfg.down_persistent and not cfg.persistent else ""
+    extra += " down-not-persistent" if cfg.down_persistent is False and cfg.persistent else ""
+    if cfg.align_programs != fm.ALIGN_PROGRAMS:
+        extra += f" align{cfg.align_programs}"
+    if (cfg.combine_block, cfg.combine_warps) != (1024, 4):
+        extra += f" combine b{cfg.combine_block} w{cfg.combine_warps}"
     if cfg.down_block_n or cfg.down_block_k or cfg.down_num_warps or cfg.down_num_stages:
         extra += (f", down n{cfg.down_n} k{cfg.down_k} w{cfg.down_num_warps or cfg.num_warps} "
                   f"s{cfg.down_num_stages or cfg.num_stages}")  # fmt: skip
@@ -137,15 +155,15 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
 def stage_times(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict[str, float]:
     """Seconds of each of fused_moe's four steps alone (alignment, gate_up, down, combine), each in a CUDA graph."""
     x, w_gate_up, w_down, weights, ids = args
-    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m)
+    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs)
     act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)
     down = fm.moe_down(act, w_down, weights, align, cfg)
     if cfg.atomic_combine:  # the down kernel summed per token in float32: the combine is the cast
         finish: Callable[[], object] = lambda: down.to(x.dtype)  # noqa: E731
     else:
-        finish = lambda: fm.combine(down.view(x.shape[0], TOP_K, HIDDEN))  # noqa: E731
+        finish = lambda: fm.combine(down.view(x.shape[0], TOP_K, HIDDEN), cfg.combine_block, cfg.combine_warps)  # noqa: E731
     return {
-        "align": graph_seconds(lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m)),
+        "align": graph_seconds(lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs)),
         "gate_up": graph_seconds(lambda: fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)),
         "down": graph_seconds(lambda: fm.moe_down(act, w_down, weights, align, cfg)),
         "combine": graph_seconds(finish),
@@ -190,6 +208,15 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     print(f"{name}: shipped {describe(shipped)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]}")
     print_stages(name, shipped, stages, num_tokens)
     timed = [(seconds, shipped, stages)]
+    if sweep:
+        align_programs = sweep_align(name, ids, shipped.block_m)
+        combine_block, combine_warps = sweep_combine(name, args, shipped)
+    else:
+        align_programs, combine_block, combine_warps = (
+            shipped.align_programs,
+            shipped.combine_block,
+            shipped.combine_warps,
+        )
     for cfg in sweep:
         if time.monotonic() > deadline:
             print(f"{name}: sweep stopped at its time budget")
@@ -198,6 +225,10 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
         if row is not None:
             timed.append(row)
     combined = combine_best(timed)
+    if combined is not None:
+        combined = attrs.evolve(
+            combined, align_programs=align_programs, combine_block=combine_block, combine_warps=combine_warps
+        )
     if combined is not None and all(combined != t[1] for t in timed) and time.monotonic() < deadline + 5:
         print(f"{name}: the best gate_up and the best down combined:")
         row = try_config(name, args, ref, combined, num_tokens, rate)
@@ -208,6 +239,52 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     entry["sweep"] = [{"config": describe(c), "seconds": t, "stages": st} for t, c, st in timed]
     print(f"{name}: best {best[1]!r}")
     results[name] = entry
+
+
+def sweep_align(name: str, ids: torch.Tensor, block_m: int) -> int:
+    """The alignment's programs per launch that time fastest (ALIGN_PROGRAMS_SWEEP), each first checked equal to
+    the torch path (slots, block experts, slot count); the shipped count when none passes."""
+    ref = fm.align_by_expert_ref(ids, EXPERTS, block_m)
+    best: tuple[float, int] | None = None
+    for programs in ALIGN_PROGRAMS_SWEEP:
+        got = fm.align_by_expert(ids, EXPERTS, block_m, programs)
+        fields = ("sorted_ids", "block_experts", "num_slots")
+        if not all(torch.equal(getattr(got, f), getattr(ref, f)) for f in fields):
+            print(f"{name}: align {programs} programs WRONG (left out)")
+            continue
+        seconds = graph_seconds(lambda p=programs: fm.align_by_expert(ids, EXPERTS, block_m, p))
+        plan = fm.align_plan(ids.numel(), EXPERTS, programs)
+        print(f"{name}: align {programs} programs ({plan.chunks} chunks of {plan.tiles} tiles of {plan.tile}): "
+              f"{seconds * 1e6:.1f} us")  # fmt: skip
+        if best is None or seconds < best[0]:
+            best = (seconds, programs)
+    return fm.ALIGN_PROGRAMS if best is None else best[1]
+
+
+def sweep_combine(name: str, args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> tuple[int, int]:
+    """(columns, warps) of the fastest combine (COMBINE_SWEEP) over the down kernel's real output, each first
+    checked bit-equal to the default combine (itself checked against the torch sum); the shipped pair when none
+    passes."""
+    x, w_gate_up, w_down, weights, ids = args
+    plain = attrs.evolve(cfg, atomic_combine=False)
+    align = fm.align_by_expert(ids, EXPERTS, plain.block_m)
+    act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, plain)
+    rows = fm.moe_down(act, w_down, weights, align, plain).view(x.shape[0], TOP_K, HIDDEN)
+    expected = fm.combine(rows)  # the default tiles; every variant sums in the same order, so bit-equal to it
+    if rel_err(expected, rows.float().sum(dim=1)) >= 1e-2:
+        print(f"{name}: combine WRONG against the torch sum (sweep skipped)")
+        return cfg.combine_block, cfg.combine_warps
+    best: tuple[float, tuple[int, int]] | None = None
+    for block, warps in COMBINE_SWEEP:
+        if not torch.equal(fm.combine(rows, block, warps), expected):
+            print(f"{name}: combine b{block} w{warps} WRONG (left out)")
+            continue
+        seconds = graph_seconds(lambda b=block, w=warps: fm.combine(rows, b, w))
+        tb = (rows.numel() + expected.numel()) * rows.element_size() / seconds / 1e12
+        print(f"{name}: combine b{block} w{warps}: {seconds * 1e6:.1f} us ({tb:.2f} TB/s)")
+        if best is None or seconds < best[0]:
+            best = (seconds, (block, warps))
+    return (cfg.combine_block, cfg.combine_warps) if best is None else best[1]
 
 
 def try_config(
@@ -253,7 +330,7 @@ def combine_best(timed: list) -> fm.MoeKernelConfig | None:
     return attrs.evolve(
         gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
         down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
-        atomic_combine=down.atomic_combine, persistent=gate_up.persistent and down.persistent,
+        atomic_combine=down.atomic_combine, persistent=gate_up.persistent, down_persistent=down.down_is_persistent,
     )  # fmt: skip
 
 
