@@ -11,6 +11,7 @@ Sizes: hidden 2048, 128 experts of intermediate 768, top-8 of a softmax over ran
     over the time of one fused_moe call (alignment, both GEMMs and the combine), median of CUDA-graph replays
     under triton.testing.do_bench (which flushes L2 before each). Target >= 3.0 TB/s;
 (c) prefill, 8192 tokens: TFLOP/s = 2 x T x K x 3 x H x I over the same time. Target >= 500 TFLOP/s;
+    The shipped config is also timed with programmatic dependent launch off (FNVLLM_PDL=0's path);
 (d) per-kernel times of the shipped config (and of the sweep's best): alignment, gate_up (TFLOP/s), down
     (TFLOP/s), combine (TB/s of its reads and writes), each alone in its own CUDA graph;
 (e) unless --no-sweep: the alignment's programs per launch (each checked equal to the torch path) and the
@@ -42,6 +43,7 @@ import triton
 import triton.testing
 
 from fnvllm.kernels import fused_moe as fm
+from fnvllm.kernels.fused_ops import set_pdl, use_pdl
 from fnvllm.kernels.reference import route_ref as route
 
 DEV = "cuda"
@@ -207,6 +209,14 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     entry = {"shipped": describe(shipped), "seconds": seconds, "rate": rate(seconds)[0], "stages": stages}
     print(f"{name}: shipped {describe(shipped)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]}")
     print_stages(name, shipped, stages, num_tokens)
+    if use_pdl(x.device):  # the same without programmatic dependent launch, to show what it gives
+        set_pdl(False)
+        try:
+            no_pdl = measure(args, None)
+        finally:
+            set_pdl(True)
+        entry["seconds_no_pdl"] = no_pdl
+        print(f"{name}: shipped without PDL: {no_pdl * 1e6:.1f} us = {rate(no_pdl)[0]:.2f} {rate(no_pdl)[1]}")
     timed = [(seconds, shipped, stages)]
     if sweep:
         align_programs = sweep_align(name, ids, shipped.block_m)

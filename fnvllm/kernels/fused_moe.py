@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.moe_align import (
     ALIGN_PROGRAMS,
     AlignPlan,
@@ -192,11 +193,13 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[slot, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile (rows in
     slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H).
     PERSISTENT: each program walks the used tiles with a stride of the grid size (the next tile's loads overlap
     this one's epilogue); else one tile per program, programs past the used slot blocks exit at once."""
+    wait_for_previous_kernel(USE_PDL)
     num_n = tl.cdiv(inter, BLOCK_N)
     if PERSISTENT:
         used_m = tl.load(num_slots_ptr) // BLOCK_M
@@ -314,11 +317,13 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[a, n] = weight[a] * (act[slot] . down_e[n]) for the slots of one block and H tile, a the slot's
     assignment (ATOMIC: out[a // TOP_K, n] += that, in float32). The block's act rows are contiguous (slot order);
     padding rows hold garbage that only reaches their own, unstored, output rows. TMA: act tiles from
     ``act_desc``, weight tiles from ``w_desc`` (E * H, I). PERSISTENT: as in ``_gate_up_kernel``."""
+    wait_for_previous_kernel(USE_PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
         used_m = tl.load(num_slots_ptr) // BLOCK_M
@@ -482,6 +487,7 @@ def moe_gate_up(
         TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma,
         EVEN_K=hidden % cfg.block_k == 0, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
+        USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
     )  # fmt: skip
     return act
 
@@ -508,7 +514,8 @@ def moe_down(
         EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.down_is_persistent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m,
         num_warps=cfg.down_num_warps or cfg.num_warps,
-        num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
+        num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype), USE_PDL=use_pdl(act.device),
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
@@ -522,15 +529,17 @@ def combine(per_assignment: torch.Tensor, block: int = 1024, num_warps: int = 4)
     out = torch.empty(num_tokens, hidden, dtype=per_assignment.dtype, device=per_assignment.device)
     block = min(block, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        per_assignment, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=num_warps
-    )
+        per_assignment, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=num_warps,
+        USE_PDL=use_pdl(out.device), **pdl_launch(out.device),
+    )  # fmt: skip
     return out
 
 
 @triton.jit
-def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1). The K loads
     are unrolled so all are in flight at once, and marked evict-first (each byte is read once)."""
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden

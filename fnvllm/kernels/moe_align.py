@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+
 __all__ = [
     "ALIGN_PROGRAMS",
     "AlignPlan",
@@ -107,13 +109,15 @@ def align_by_expert(
     num_slots = torch.empty(1, dtype=torch.int32, device=flat.device)
     chunk_counts = torch.empty(plan.chunks, e_pow2, dtype=torch.int32, device=flat.device)
     fill = triton.cdiv(slots, plan.chunks)
+    pdl = {"USE_PDL": use_pdl(flat.device), **pdl_launch(flat.device)}
     _count_kernel[(plan.chunks,)](
-        flat, chunk_counts, sorted_ids, n, plan.tiles, slots, fill, TILE=plan.tile, E_POW2=e_pow2, FILL=_FILL
+        flat, chunk_counts, sorted_ids, n, plan.tiles, slots, fill, TILE=plan.tile, E_POW2=e_pow2, FILL=_FILL, **pdl
     )
     rows = max(1, min(triton.next_power_of_2(plan.chunks), 4096 // e_pow2))
     _place_kernel[(plan.chunks,)](
         flat, chunk_counts, sorted_ids, block_experts, num_slots, n, plan.chunks, plan.tiles, num_blocks,
         triton.cdiv(num_blocks, plan.chunks), num_experts, BLOCK_M=block_m, TILE=plan.tile, E_POW2=e_pow2, ROWS=rows,
+        **pdl,
     )  # fmt: skip
     return ExpertAlignment(sorted_ids, block_experts, num_slots, block_m)
 
@@ -130,10 +134,12 @@ def _count_kernel(
     TILE: tl.constexpr,
     E_POW2: tl.constexpr,
     FILL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Chunk program_id(0) (``tiles`` tiles of TILE assignments): how many went to each expert; and this
     program's share of the slots filled with the padding value n (the place kernel, launched after, overwrites
     the used ones)."""
+    wait_for_previous_kernel(USE_PDL)
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     counts = tl.zeros((E_POW2,), dtype=tl.int32)
@@ -165,10 +171,12 @@ def _place_kernel(
     TILE: tl.constexpr,
     E_POW2: tl.constexpr,
     ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Slot of each assignment of chunk c = its expert's padded start + the expert's assignments in earlier
     chunks (summed here, ROWS chunks' counts at a time) and earlier tiles of this chunk + those earlier in its
     tile; then this chunk's share of the block experts (program 0 also stores the slot count)."""
+    wait_for_previous_kernel(USE_PDL)
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     total = tl.zeros((E_POW2,), dtype=tl.int32)
