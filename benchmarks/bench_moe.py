@@ -88,7 +88,7 @@ PREFILL_SWEEP = (
 )
 # Alignment programs per launch and (columns, warps) of the combine: each timed alone, the fastest goes into the
 # final combined config.
-ALIGN_PROGRAMS_SWEEP = (128, 64, 256, 32, 512)
+ALIGN_SWEEP = ((128, None), (64, None), (256, None), (256, True), (512, True), (1024, True), (128, True), (32, None))
 COMBINE_SWEEP = ((1024, 4), (2048, 8), (2048, 4), (512, 4), (1024, 8), (512, 2), (256, 2), (4096, 8))
 
 
@@ -143,8 +143,8 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
     extra += " persistent" if cfg.persistent else ""
     extra += " down-persistent" if cfg.down_persistent and not cfg.persistent else ""
     extra += " down-not-persistent" if cfg.down_persistent is False and cfg.persistent else ""
-    if cfg.align_programs != fm.ALIGN_PROGRAMS:
-        extra += f" align{cfg.align_programs}"
+    if cfg.align_programs != fm.ALIGN_PROGRAMS or cfg.align_scan is not None:
+        extra += f" align{cfg.align_programs}" + {None: "", True: " scan", False: " no-scan"}[cfg.align_scan]
     if (cfg.combine_block, cfg.combine_warps) != (1024, 4):
         extra += f" combine b{cfg.combine_block} w{cfg.combine_warps}"
     if cfg.down_block_n or cfg.down_block_k or cfg.down_num_warps or cfg.down_num_stages:
@@ -157,7 +157,7 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
 def stage_times(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict[str, float]:
     """Seconds of each of fused_moe's four steps alone (alignment, gate_up, down, combine), each in a CUDA graph."""
     x, w_gate_up, w_down, weights, ids = args
-    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs)
+    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs, cfg.align_scan)
     act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)
     down = fm.moe_down(act, w_down, weights, align, cfg)
     if cfg.atomic_combine:  # the down kernel summed per token in float32: the combine is the cast
@@ -165,7 +165,9 @@ def stage_times(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict
     else:
         finish = lambda: fm.combine(down.view(x.shape[0], TOP_K, HIDDEN), cfg.combine_block, cfg.combine_warps)  # noqa: E731
     return {
-        "align": graph_seconds(lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs)),
+        "align": graph_seconds(
+            lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs, cfg.align_scan)
+        ),
         "gate_up": graph_seconds(lambda: fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)),
         "down": graph_seconds(lambda: fm.moe_down(act, w_down, weights, align, cfg)),
         "combine": graph_seconds(finish),
@@ -218,15 +220,7 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
         entry["seconds_no_pdl"] = no_pdl
         print(f"{name}: shipped without PDL: {no_pdl * 1e6:.1f} us = {rate(no_pdl)[0]:.2f} {rate(no_pdl)[1]}")
     timed = [(seconds, shipped, stages)]
-    if sweep:
-        align_programs = sweep_align(name, ids, shipped.block_m)
-        combine_block, combine_warps = sweep_combine(name, args, shipped)
-    else:
-        align_programs, combine_block, combine_warps = (
-            shipped.align_programs,
-            shipped.combine_block,
-            shipped.combine_warps,
-        )
+    tuned = {**sweep_align(name, ids, shipped.block_m), **sweep_combine(name, args, shipped)} if sweep else {}
     for cfg in sweep:
         if time.monotonic() > deadline:
             print(f"{name}: sweep stopped at its time budget")
@@ -236,9 +230,7 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
             timed.append(row)
     combined = combine_best(timed)
     if combined is not None:
-        combined = attrs.evolve(
-            combined, align_programs=align_programs, combine_block=combine_block, combine_warps=combine_warps
-        )
+        combined = attrs.evolve(combined, **tuned)
     if combined is not None and all(combined != t[1] for t in timed) and time.monotonic() < deadline + 5:
         print(f"{name}: the best gate_up and the best down combined:")
         row = try_config(name, args, ref, combined, num_tokens, rate)
@@ -251,30 +243,30 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     results[name] = entry
 
 
-def sweep_align(name: str, ids: torch.Tensor, block_m: int) -> int:
-    """The alignment's programs per launch that time fastest (ALIGN_PROGRAMS_SWEEP), each first checked equal to
-    the torch path (slots, block experts, slot count); the shipped count when none passes."""
+def sweep_align(name: str, ids: torch.Tensor, block_m: int) -> dict:
+    """The alignment's programs per launch and scan launch that time fastest (ALIGN_SWEEP), each first checked
+    equal to the torch path (slots, block experts, slot count), as MoeKernelConfig fields ({} when none passes)."""
     ref = fm.align_by_expert_ref(ids, EXPERTS, block_m)
-    best: tuple[float, int] | None = None
-    for programs in ALIGN_PROGRAMS_SWEEP:
-        got = fm.align_by_expert(ids, EXPERTS, block_m, programs)
+    best: tuple[float, dict] | None = None
+    for programs, scan in ALIGN_SWEEP:
+        got = fm.align_by_expert(ids, EXPERTS, block_m, programs, scan)
         fields = ("sorted_ids", "block_experts", "num_slots")
+        label = f"align {programs} programs{' scan' if scan else ''}"
         if not all(torch.equal(getattr(got, f), getattr(ref, f)) for f in fields):
-            print(f"{name}: align {programs} programs WRONG (left out)")
+            print(f"{name}: {label} WRONG (left out)")
             continue
-        seconds = graph_seconds(lambda p=programs: fm.align_by_expert(ids, EXPERTS, block_m, p))
+        seconds = graph_seconds(lambda p=programs, s=scan: fm.align_by_expert(ids, EXPERTS, block_m, p, s))
         plan = fm.align_plan(ids.numel(), EXPERTS, programs)
-        print(f"{name}: align {programs} programs ({plan.chunks} chunks of {plan.tiles} tiles of {plan.tile}): "
-              f"{seconds * 1e6:.1f} us")  # fmt: skip
+        print(f"{name}: {label} ({plan.chunks} chunks of {plan.tiles} tiles of {plan.tile}): {seconds * 1e6:.1f} us")
         if best is None or seconds < best[0]:
-            best = (seconds, programs)
-    return fm.ALIGN_PROGRAMS if best is None else best[1]
+            best = (seconds, {"align_programs": programs, "align_scan": scan})
+    return {} if best is None else best[1]
 
 
-def sweep_combine(name: str, args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> tuple[int, int]:
-    """(columns, warps) of the fastest combine (COMBINE_SWEEP) over the down kernel's real output, each first
-    checked bit-equal to the default combine (itself checked against the torch sum); the shipped pair when none
-    passes."""
+def sweep_combine(name: str, args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict:
+    """The combine's columns and warps that time fastest (COMBINE_SWEEP) over the down kernel's real output, each
+    first checked bit-equal to the default combine (itself checked against the torch sum), as MoeKernelConfig
+    fields ({} when none passes)."""
     x, w_gate_up, w_down, weights, ids = args
     plain = attrs.evolve(cfg, atomic_combine=False)
     align = fm.align_by_expert(ids, EXPERTS, plain.block_m)
@@ -283,8 +275,8 @@ def sweep_combine(name: str, args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelCo
     expected = fm.combine(rows)  # the default tiles; every variant sums in the same order, so bit-equal to it
     if rel_err(expected, rows.float().sum(dim=1)) >= 1e-2:
         print(f"{name}: combine WRONG against the torch sum (sweep skipped)")
-        return cfg.combine_block, cfg.combine_warps
-    best: tuple[float, tuple[int, int]] | None = None
+        return {}
+    best: tuple[float, dict] | None = None
     for block, warps in COMBINE_SWEEP:
         if not torch.equal(fm.combine(rows, block, warps), expected):
             print(f"{name}: combine b{block} w{warps} WRONG (left out)")
@@ -293,8 +285,8 @@ def sweep_combine(name: str, args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelCo
         tb = (rows.numel() + expected.numel()) * rows.element_size() / seconds / 1e12
         print(f"{name}: combine b{block} w{warps}: {seconds * 1e6:.1f} us ({tb:.2f} TB/s)")
         if best is None or seconds < best[0]:
-            best = (seconds, (block, warps))
-    return (cfg.combine_block, cfg.combine_warps) if best is None else best[1]
+            best = (seconds, {"combine_block": block, "combine_warps": warps})
+    return {} if best is None else best[1]
 
 
 def try_config(

@@ -80,42 +80,47 @@ def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: lis
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "top_k", "num_experts", "block_m", "programs"),
+    ("num_tokens", "top_k", "num_experts", "block_m", "programs", "scan"),
     [
-        (5, 1, 3, 4, 128),
-        (7, 2, 8, 16, 128),
-        (1, 8, 128, 16, 128),
-        (300, 8, 128, 32, 128),
-        (9, 3, 200, 16, 128),
-        (100, 8, 128, 16, 128),
-        (1100, 8, 128, 128, 128),
-        (300, 8, 128, 32, 3),
-        (301, 8, 128, 16, 5),
-        (37, 3, 6, 4, 2),
+        (5, 1, 3, 4, 128, None),
+        (7, 2, 8, 16, 128, None),
+        (1, 8, 128, 16, 128, None),
+        (300, 8, 128, 32, 128, None),
+        (9, 3, 200, 16, 128, None),
+        (100, 8, 128, 16, 128, None),
+        (1100, 8, 128, 128, 128, None),
+        (300, 8, 128, 32, 3, None),
+        (301, 8, 128, 16, 5, None),
+        (37, 3, 6, 4, 2, None),
+        (5, 1, 3, 4, 128, True),
+        (300, 8, 128, 32, 3, True),
+        (1100, 8, 128, 128, 1024, None),
+        (37, 3, 6, 4, 2, True),
     ],
 )
 def test_alignment_kernel_equals_torch_path(
-    num_tokens: int, top_k: int, num_experts: int, block_m: int, programs: int
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, programs: int, scan: bool | None
 ) -> None:
     """The Triton alignment gives exactly the torch path's slots, block experts and slot count: one chunk, many
     chunks of one tile (800 assignments: 13), chunks of several tiles (8800: 69 chunks of 2; 2400 in 3 chunks of
-    13 tiles; 2408 in 5 chunks, the last short), a non-power-of-two expert count."""
+    13 tiles; 2408 in 5 chunks, the last short), a non-power-of-two expert count; and with the scan launch (asked
+    for, or 138 chunks > SCAN_ABOVE)."""
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
-    got = fm.align_by_expert(ids, num_experts, block_m, programs)
+    got = fm.align_by_expert(ids, num_experts, block_m, programs, scan)
     ref = fm.align_by_expert_ref(ids, num_experts, block_m)
     for field in ("sorted_ids", "block_experts", "num_slots"):
         assert torch.equal(getattr(got, field), getattr(ref, field)), field
 
 
-@pytest.mark.parametrize("programs", [1, 4, 128])
-def test_alignment_kernel_invariants_skewed_routing(programs: int) -> None:
+@pytest.mark.parametrize(("programs", "scan"), [(1, None), (4, None), (128, None), (4, True)])
+def test_alignment_kernel_invariants_skewed_routing(programs: int, scan: bool | None) -> None:
     """A skewed routing (expert 0 gets every token, expert 5 one, experts 1-4 and 6 none; 50 tokens, top-2):
     every assignment placed once, stable inside its group, padding slots hold T*K, each used block one expert."""
     ids = torch.zeros(50, 2, dtype=torch.int64)
     ids[:, 1] = 2
     ids[17, 1] = 5
-    align = fm.align_by_expert(ids.to(DEVICE), 7, 8, programs)
+    align = fm.align_by_expert(ids.to(DEVICE), 7, 8, programs, scan)
     slots, n, used = align.sorted_ids.tolist(), 100, int(align.num_slots)
     assert used == 56 + 56 + 8 and all(s == n for s in slots[used:])
     placed = [s for s in slots if s < n]
@@ -232,9 +237,11 @@ def test_combine_sums_each_tokens_rows_in_order(block: int, num_warps: int) -> N
 
 
 def test_kernel_config_knobs_align_programs_and_combine_block() -> None:
-    """A config with one alignment program and a 16-column combine (several column blocks) computes the
-    reference."""
-    check(problem(30, 40, 24, 8, 3, torch.float32, seed=11), attrs.evolve(TINY, align_programs=1, combine_block=16))
+    """Configs with one alignment program or two and the scan launch, and a 16-column combine (several column
+    blocks), compute the reference."""
+    args = problem(30, 40, 24, 8, 3, torch.float32, seed=11)
+    check(args, attrs.evolve(TINY, align_programs=1, combine_block=16))
+    check(args, attrs.evolve(TINY, align_programs=2, align_scan=True, combine_block=32, combine_warps=2))
 
 
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:

@@ -83,7 +83,8 @@ class MoeKernelConfig:
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
-    align_programs: at most this many programs per alignment launch (``moe_align.align_plan``).
+    align_programs / align_scan: at most this many programs per alignment launch (``moe_align.align_plan``), and
+        whether a scan launch sums the chunks' counts (None: above ``moe_align.SCAN_ABOVE`` chunks).
     combine_block / combine_warps: the combine kernel's columns per program and warps.
     """
 
@@ -102,6 +103,7 @@ class MoeKernelConfig:
     persistent: bool = False
     down_persistent: bool | None = None
     align_programs: int = ALIGN_PROGRAMS
+    align_scan: bool | None = None
     combine_block: int = 1024
     combine_warps: int = 4
 
@@ -425,7 +427,7 @@ def fused_moe(
     if num_tokens == 0:
         return torch.zeros_like(x)
     cfg = config or pick_config(num_tokens, w_gate_up.shape[0], top_k)
-    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m, cfg.align_programs)
+    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m, cfg.align_programs, cfg.align_scan)
     act = moe_gate_up(x, w_gate_up, align, top_k, cfg)
     per_assignment = moe_down(act, w_down, topk_weights, align, cfg)
     if cfg.atomic_combine:  # already summed per token, in float32

@@ -18,8 +18,11 @@ chunks (default ``ALIGN_PROGRAMS``, about one per SM), each a whole number of TI
    and tiles + its rank in this tile (an exclusive cumsum of the one-hot); and the chunk's share of the block
    experts (a searchsorted of each block's first slot in the group ends); program 0 stores the slot count.
 
-A decode step (256 tokens, top-8: 2,048 assignments) is 32 chunks of one tile; an 8,192-token prefill (65,536)
-128 chunks of 8 tiles (before, 1,024 chunks and a torch cumsum between the launches: 205 us on an H200).
+With many chunks (more than SCAN_ABOVE, or when asked), a third launch between the two, one program per expert,
+turns the chunks' counts into exclusive prefix sums over the chunks (a Triton scan), which the place programs
+read instead of summing every row themselves. A decode step (256 tokens, top-8: 2,048 assignments) is 32 chunks
+of one tile; an 8,192-token prefill (65,536) 128 chunks of 8 tiles by default (before: 1,024 chunks and a torch
+cumsum between the launches, 205 us on an H200; ``programs`` picks the trade-off, swept by bench_moe.py).
 No atomics, so it is deterministic, stable, and equals the torch path bit for bit. The number of slots is bounded
 without looking at the data: each expert that got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at
 most min(T*K, E) experts got any, so the grid is fixed for a given T (CUDA-graph safe: no host sync).
@@ -39,6 +42,7 @@ from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kern
 
 __all__ = [
     "ALIGN_PROGRAMS",
+    "SCAN_ABOVE",
     "AlignPlan",
     "ExpertAlignment",
     "align_by_expert",
@@ -48,6 +52,7 @@ __all__ = [
 ]
 
 ALIGN_PROGRAMS = 128  # chunks (programs of each launch) at most: about one per SM of an H200 (132)
+SCAN_ABOVE = 128  # chunks above which a scan launch sums the chunks' counts (else the place kernel does)
 _FILL = 256  # padding slots one store of the count kernel writes
 
 
@@ -94,11 +99,17 @@ def align_plan(num_assignments: int, num_experts: int, programs: int = ALIGN_PRO
 
 
 def align_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, programs: int = ALIGN_PROGRAMS
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    programs: int = ALIGN_PROGRAMS,
+    scan: bool | None = None,
 ) -> ExpertAlignment:
     """Sort the assignments of ``topk_ids`` (T, K) by expert and pad each expert's group to block_m slots (stable:
-    token order inside a group). Two Triton launches of at most ``programs`` programs each; no host sync, so it
-    can be captured in a CUDA graph."""
+    token order inside a group). Two Triton launches of at most ``programs`` programs each, and with ``scan``
+    (None: when there are more than SCAN_ABOVE chunks) a third between them, one program per expert, that turns
+    the chunks' counts into exclusive prefix sums (else each place program sums the rows it needs); no host sync,
+    so it can be captured in a CUDA graph."""
     flat = topk_ids.reshape(-1)  # (T*K,)
     n, e_pow2 = flat.numel(), triton.next_power_of_2(num_experts)
     plan = align_plan(n, num_experts, programs)
@@ -113,11 +124,18 @@ def align_by_expert(
     _count_kernel[(plan.chunks,)](
         flat, chunk_counts, sorted_ids, n, plan.tiles, slots, fill, TILE=plan.tile, E_POW2=e_pow2, FILL=_FILL, **pdl
     )
+    scanned = plan.chunks > SCAN_ABOVE if scan is None else scan
+    totals = chunk_counts  # unused unless scanned
+    if scanned:  # chunk_counts becomes the counts of the earlier chunks, totals the sums
+        totals = torch.empty(e_pow2, dtype=torch.int32, device=flat.device)
+        _scan_kernel[(e_pow2,)](
+            chunk_counts, totals, plan.chunks, E_POW2=e_pow2, CHUNKS_POW2=triton.next_power_of_2(plan.chunks), **pdl
+        )
     rows = max(1, min(triton.next_power_of_2(plan.chunks), 4096 // e_pow2))
     _place_kernel[(plan.chunks,)](
-        flat, chunk_counts, sorted_ids, block_experts, num_slots, n, plan.chunks, plan.tiles, num_blocks,
+        flat, chunk_counts, totals, sorted_ids, block_experts, num_slots, n, plan.chunks, plan.tiles, num_blocks,
         triton.cdiv(num_blocks, plan.chunks), num_experts, BLOCK_M=block_m, TILE=plan.tile, E_POW2=e_pow2, ROWS=rows,
-        **pdl,
+        SCANNED=scanned, **pdl,
     )  # fmt: skip
     return ExpertAlignment(sorted_ids, block_experts, num_slots, block_m)
 
@@ -155,9 +173,24 @@ def _count_kernel(
 
 
 @triton.jit
+def _scan_kernel(chunk_counts_ptr, totals_ptr, num_chunks, E_POW2: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+                 USE_PDL: tl.constexpr):  # fmt: skip
+    """Expert program_id(0)'s column of the chunks' counts, in place, to exclusive prefix sums over the chunks
+    (each chunk's count of that expert in earlier chunks), and its total."""
+    wait_for_previous_kernel(USE_PDL)
+    e = tl.program_id(0)
+    rows = tl.arange(0, CHUNKS_POW2)
+    ptrs = chunk_counts_ptr + rows * E_POW2 + e
+    counts = tl.load(ptrs, mask=rows < num_chunks, other=0)
+    tl.store(ptrs, tl.cumsum(counts, axis=0) - counts, mask=rows < num_chunks)
+    tl.store(totals_ptr + e, tl.sum(counts, axis=0))
+
+
+@triton.jit
 def _place_kernel(
     ids_ptr,
     chunk_counts_ptr,
+    totals_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
     num_slots_ptr,
@@ -171,23 +204,29 @@ def _place_kernel(
     TILE: tl.constexpr,
     E_POW2: tl.constexpr,
     ROWS: tl.constexpr,
+    SCANNED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Slot of each assignment of chunk c = its expert's padded start + the expert's assignments in earlier
-    chunks (summed here, ROWS chunks' counts at a time) and earlier tiles of this chunk + those earlier in its
-    tile; then this chunk's share of the block experts (program 0 also stores the slot count)."""
+    chunks (SCANNED: row c of the scanned counts; else summed here, ROWS chunks' counts at a time) and earlier
+    tiles of this chunk + those earlier in its tile; then this chunk's share of the block experts (program 0 also
+    stores the slot count)."""
     wait_for_previous_kernel(USE_PDL)
     c = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    total = tl.zeros((E_POW2,), dtype=tl.int32)
-    before = tl.zeros((E_POW2,), dtype=tl.int32)
-    for r0 in range(0, num_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        counts = tl.load(
-            chunk_counts_ptr + rows[:, None] * E_POW2 + experts[None, :], mask=rows[:, None] < num_chunks, other=0
-        )  # (ROWS, E_POW2)
-        total += tl.sum(counts, axis=0)
-        before += tl.sum(tl.where(rows[:, None] < c, counts, 0), axis=0)
+    if SCANNED:
+        before = tl.load(chunk_counts_ptr + c * E_POW2 + experts)
+        total = tl.load(totals_ptr + experts)
+    else:
+        total = tl.zeros((E_POW2,), dtype=tl.int32)
+        before = tl.zeros((E_POW2,), dtype=tl.int32)
+        for r0 in range(0, num_chunks, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            counts = tl.load(
+                chunk_counts_ptr + rows[:, None] * E_POW2 + experts[None, :], mask=rows[:, None] < num_chunks, other=0
+            )  # (ROWS, E_POW2)
+            total += tl.sum(counts, axis=0)
+            before += tl.sum(tl.where(rows[:, None] < c, counts, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     running = ends - padded + before  # next free slot of each expert for this chunk
