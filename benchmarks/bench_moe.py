@@ -63,27 +63,25 @@ DECODE_SWEEP = (
     C(32, 64, 64, 4, 4, 5, False),
 )
 PREFILL_SWEEP = (
-    # the shipped gate_up with a persistent down (the 22:50 sweep: persistent down n256 k64 w8 s3 377.5 us against
-    # 413.7 us; persistent gate_up was slower, 885.5 against 775.1)
-    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 3, down_persistent=True),
+    # (the shipped config, the 22:50 sweep's best gate_up with its persistent down, is timed first anyway)
+    # gate and up tiles in one 4-D TMA box and one dot of N 256 (x read from shared memory once a K step)
+    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
+    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),  # the 22:50 shipped config: down one program a tile
     C(128, 128, 64, 8, 8, 4, True, 256, 64, 8, 4, down_persistent=True),
+    C(128, 128, 64, 8, 8, 4, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
     C(128, 128, 64, 4, 8, 3, True, 256, 128, 8, 2, down_persistent=True),
     C(128, 128, 64, 4, 8, 3, True, 128, 64, 4, 4, down_persistent=True),
-    C(128, 128, 64, 8, 8, 3, True),  # the shipped tiles through TMA
-    C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
+    C(128, 64, 64, 8, 4, 4, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
+    C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4, down_persistent=True, fused_gate_up=True),
+    C(128, 128, 64, 16, 8, 3, True, 256, 64, 8, 3, down_persistent=True),
     C(128, 128, 64, 8, 8, 3, True, persistent=True),
+    C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
     C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
     C(128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),  # gate_up at 96 KB and 124 registers: two programs an SM
     C(128, 128, 64, 8, 8, 3, True, atomic_combine=True),
     C(128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
     C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 3),
-    C(128, 128, 64, 8, 8, 3, True, 128, 64, 8, 4, persistent=True),
     C(128, 128, 128, 8, 8, 2, True, 256, 128),
-    C(64, 128, 64, 8, 8, 3, True),
-    C(128, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
-    C(64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-    C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
     C(256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
 )
 # Alignment programs per launch and (columns, warps) of the combine: each timed alone, the fastest goes into the
@@ -142,6 +140,7 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
     extra = (" tma" if cfg.tma else "") + (" atomic" if cfg.atomic_combine else "")
     extra += " persistent" if cfg.persistent else ""
     extra += " down-persistent" if cfg.down_persistent and not cfg.persistent else ""
+    extra += " fused" if cfg.fused_gate_up else ""
     extra += " down-not-persistent" if cfg.down_persistent is False and cfg.persistent else ""
     if cfg.align_programs != fm.ALIGN_PROGRAMS or cfg.align_scan is not None:
         extra += f" align{cfg.align_programs}" + {None: "", True: " scan", False: " no-scan"}[cfg.align_scan]
@@ -333,6 +332,7 @@ def combine_best(timed: list) -> fm.MoeKernelConfig | None:
         gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
         down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
         atomic_combine=down.atomic_combine, persistent=gate_up.persistent, down_persistent=down.down_is_persistent,
+        fused_gate_up=gate_up.fused_gate_up,
     )  # fmt: skip
 
 

@@ -201,6 +201,18 @@ def test_kernel_tma_path_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kernel_fused_gate_up_matches_reference(dtype: torch.dtype, persistent: bool) -> None:
+    """The fused gate_up variant (one 4-D TMA box per gate and up tile pair, one dot, the accumulator split after)
+    computes the reference at sizes that are not multiples of the tiles (intermediate 24 in N tiles of 16: the box
+    is zero past I), with experts that get no token."""
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=True, fused_gate_up=True, persistent=persistent)
+    args = problem(20, 40, 24, 16, 2, dtype, seed=5)
+    assert fm._tma_ok(config, args[1]) and torch.unique(args[4]).numel() < 16
+    check(args, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_atomic_combine_matches_reference(dtype: torch.dtype) -> None:
     """The atomic-combine variant (the down kernel adds into a float32 per-token sum) computes the reference,
     with TMA and without, experts with no token included."""
@@ -334,6 +346,8 @@ def test_gpu_qwen3_30b_a3b_sizes(num_tokens: int) -> None:
         fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True),
         fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True, persistent=True),
         fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True, atomic_combine=True),
+        fm.MoeKernelConfig(128, 128, 64, 4, 8, 3, tma=True, fused_gate_up=True, down_persistent=True),
+        fm.MoeKernelConfig(128, 128, 64, 4, 8, 3, tma=True, align_programs=1024, align_scan=True, combine_block=2048),
         fm.MoeKernelConfig(64, 128, 64, 8, 4, 4, tma=True, down_block_n=128, down_num_stages=3),
     ],
 )

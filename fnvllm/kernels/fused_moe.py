@@ -83,6 +83,9 @@ class MoeKernelConfig:
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
+    fused_gate_up: with ``tma``, load each gate tile and its up tile in one 4-D TMA box and multiply them as one
+        (BLOCK_K, 2 * BLOCK_N) operand (one dot per K step instead of two: the x tile is read from shared memory
+        once), the accumulator split into gate and up after the loop.
     align_programs / align_scan: at most this many programs per alignment launch (``moe_align.align_plan``), and
         whether a scan launch sums the chunks' counts (None: above ``moe_align.SCAN_ABOVE`` chunks).
     combine_block / combine_warps: the combine kernel's columns per program and warps.
@@ -102,6 +105,7 @@ class MoeKernelConfig:
     atomic_combine: bool = False
     persistent: bool = False
     down_persistent: bool | None = None
+    fused_gate_up: bool = False
     align_programs: int = ALIGN_PROGRAMS
     align_scan: bool | None = None
     combine_block: int = 1024
@@ -169,6 +173,16 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _rows(a_ptrs, valid, offs_k, k_left, EVEN_K: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) tile of gathered token rows at ``a_ptrs``; zero for padding slots and, unless
+    EVEN_K, past the last ``k_left`` columns. EVEN_K: no mask along K, the contiguous dim, so the loads vectorize
+    and the pipeliner can stage them."""
+    if EVEN_K:
+        return tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=valid[:, None] & (offs_k < k_left)[None, :], other=0.0)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -189,6 +203,7 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    FUSED: tl.constexpr,
     EVEN_K: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -198,7 +213,9 @@ def _gate_up_kernel(
     USE_PDL: tl.constexpr,
 ):
     """out[slot, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile (rows in
-    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H).
+    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H);
+    FUSED (with TMA): ``w_desc`` is over (E, 2, I, H), one load brings a gate and an up tile, and one dot of N
+    2*BLOCK_N makes both accumulators (split apart after the loop).
     PERSISTENT: each program walks the used tiles with a stride of the grid size (the next tile's loads overlap
     this one's epilogue); else one tile per program, programs past the used slot blocks exit at once."""
     wait_for_previous_kernel(USE_PDL)
@@ -209,7 +226,7 @@ def _gate_up_kernel(
             pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
             _gate_up_tile(
                 x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K,
+                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, FUSED, EVEN_K,
                 BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
@@ -218,8 +235,8 @@ def _gate_up_kernel(
             return
         _gate_up_tile(
             x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, FUSED, EVEN_K,
+            BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -244,6 +261,7 @@ def _gate_up_tile(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    FUSED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -262,28 +280,34 @@ def _gate_up_tile(
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
     u_ptrs = g_ptrs + inter * stride_wn
     g_row = (expert * 2 * inter).to(tl.int32) + pid_n * BLOCK_N  # TMA: the gate tile's first row in (E * 2I, H)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:  # no mask along K, the contiguous dim: the loads vectorize, so the pipeliner can stage them
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if TMA:  # (BLOCK_N, BLOCK_K) tiles, zero past H; rows past this expert's gate/up only feed masked columns
-            g = tl.trans(w_desc.load([g_row, k * BLOCK_K]))
-            u = tl.trans(w_desc.load([g_row + inter, k * BLOCK_K]))
-        elif EVEN_K:
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g += dot(a, g, PRECISION, UPCAST)
-        acc_u += dot(a, u, PRECISION, UPCAST)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if FUSED:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # gate columns, then up columns
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            a = _rows(a_ptrs, valid, offs_k, hidden - k * BLOCK_K, EVEN_K)
+            w = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k * BLOCK_K])  # (1, 2, BLOCK_N, BLOCK_K)
+            acc += dot(a, tl.trans(tl.reshape(w, (2 * BLOCK_N, BLOCK_K))), PRECISION, UPCAST)
+            a_ptrs += BLOCK_K
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            a = _rows(a_ptrs, valid, offs_k, hidden - k * BLOCK_K, EVEN_K)
+            if TMA:  # (BLOCK_N, BLOCK_K) tiles, zero past H; rows past this expert's gate/up only feed masked columns
+                g = tl.trans(w_desc.load([g_row, k * BLOCK_K]))
+                u = tl.trans(w_desc.load([g_row + inter, k * BLOCK_K]))
+            elif EVEN_K:
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < hidden - k * BLOCK_K
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g += dot(a, g, PRECISION, UPCAST)
+            acc_u += dot(a, u, PRECISION, UPCAST)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -481,12 +505,16 @@ def moe_gate_up(
     num_m, n = align.block_experts.numel(), x.shape[0] * top_k
     act = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # (slots, I)
     tma = _tma_ok(cfg, w_gate_up)
-    desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
+    fused = tma and cfg.fused_gate_up
+    if fused:  # one (1, 2, BLOCK_N, BLOCK_K) box: a gate tile and the matching up tile, zero past I and H
+        desc = _descriptor(w_gate_up.view(num_experts, 2, inter, hidden), [1, 2, cfg.block_n, cfg.block_k])
+    else:
+        desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
     grid = (_programs(cfg.persistent, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
     _gate_up_kernel[grid](
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma,
+        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma, FUSED=fused,
         EVEN_K=hidden % cfg.block_k == 0, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
         USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
