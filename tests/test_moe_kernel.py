@@ -256,6 +256,16 @@ def test_kernel_config_knobs_align_programs_and_combine_block() -> None:
     check(args, attrs.evolve(TINY, align_programs=2, align_scan=True, combine_block=32, combine_warps=2))
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("align_programs", 0), ("combine_block", 24), ("combine_block", 8), ("combine_warps", 3)]
+)
+def test_kernel_config_rejects_unusable_settings(field: str, value: int) -> None:
+    """An alignment program count < 1, a combine block that is not a power of two >= 16, or an odd warp count is
+    a ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        attrs.evolve(TINY, **{field: value})
+
+
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:
     """A row stride that is not 16-byte aligned (hidden 6, float32: 24 bytes) takes the pointer path, still exact
     (with down tiles of their own)."""

@@ -111,6 +111,15 @@ class MoeKernelConfig:
     combine_block: int = 1024
     combine_warps: int = 4
 
+    def __attrs_post_init__(self) -> None:
+        """Reject alignment and combine settings no launch could use (the tiles are checked by the compiler)."""
+        if self.align_programs < 1:
+            raise ValueError(f"align_programs must be >= 1, got {self.align_programs}")
+        if self.combine_block < 16 or self.combine_block & (self.combine_block - 1):
+            raise ValueError(f"combine_block must be a power of two >= 16, got {self.combine_block}")
+        if self.combine_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"combine_warps must be one of 1, 2, 4, 8, 16, got {self.combine_warps}")
+
     @property
     def down_n(self) -> int:
         """The down kernel's N tile."""
