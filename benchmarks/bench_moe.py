@@ -72,6 +72,7 @@ PREFILL_SWEEP = (
     C(128, 128, 64, 8, 8, 4, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
     C(128, 128, 64, 4, 8, 3, True, 256, 128, 8, 2, down_persistent=True),
     C(128, 128, 64, 4, 8, 3, True, 128, 64, 4, 4, down_persistent=True),
+    C(128, 128, 64, 4, 8, 3, True, 128, 64, 4, 3, down_persistent=True, programs_per_sm=2),  # 96 KB: two an SM
     C(128, 64, 64, 8, 4, 4, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
     C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4, down_persistent=True, fused_gate_up=True),
     C(128, 128, 64, 16, 8, 3, True, 256, 64, 8, 3, down_persistent=True),
@@ -142,6 +143,7 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
     extra += " persistent" if cfg.persistent else ""
     extra += " down-persistent" if cfg.down_persistent and not cfg.persistent else ""
     extra += " fused" if cfg.fused_gate_up else ""
+    extra += f" x{cfg.programs_per_sm}/SM" if cfg.programs_per_sm != 1 else ""
     extra += " down-not-persistent" if cfg.down_persistent is False and cfg.persistent else ""
     if cfg.align_programs != fm.ALIGN_PROGRAMS or cfg.align_scan is not None:
         extra += f" align{cfg.align_programs}" + {None: "", True: " scan", False: " no-scan"}[cfg.align_scan]
@@ -333,7 +335,8 @@ def combine_best(timed: list) -> fm.MoeKernelConfig | None:
         gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
         down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
         atomic_combine=down.atomic_combine, persistent=gate_up.persistent, down_persistent=down.down_is_persistent,
-        fused_gate_up=gate_up.fused_gate_up,
+        fused_gate_up=gate_up.fused_gate_up, programs_per_sm=down.programs_per_sm if down.down_is_persistent
+        else gate_up.programs_per_sm,
     )  # fmt: skip
 
 

@@ -249,15 +249,17 @@ def test_combine_sums_each_tokens_rows_in_order(block: int, num_warps: int) -> N
 
 
 def test_kernel_config_knobs_align_programs_and_combine_block() -> None:
-    """Configs with one alignment program or two and the scan launch, and a 16-column combine (several column
-    blocks), compute the reference."""
+    """Configs with one alignment program or two and the scan launch, a 16-column combine (several column
+    blocks), and a persistent down kernel at two programs an SM, compute the reference."""
     args = problem(30, 40, 24, 8, 3, torch.float32, seed=11)
     check(args, attrs.evolve(TINY, align_programs=1, combine_block=16))
     check(args, attrs.evolve(TINY, align_programs=2, align_scan=True, combine_block=32, combine_warps=2))
+    check(args, attrs.evolve(TINY, down_persistent=True, programs_per_sm=2))
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("align_programs", 0), ("combine_block", 24), ("combine_block", 8), ("combine_warps", 3)]
+    ("field", "value"),
+    [("align_programs", 0), ("combine_block", 24), ("combine_block", 8), ("combine_warps", 3), ("programs_per_sm", 0)],
 )
 def test_kernel_config_rejects_unusable_settings(field: str, value: int) -> None:
     """An alignment program count < 1, a combine block that is not a power of two >= 16, or an odd warp count is

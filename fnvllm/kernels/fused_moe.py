@@ -76,8 +76,8 @@ class MoeKernelConfig:
     atomic_combine: the down kernel adds its weighted rows straight into a float32 (T, H) sum with atomics
         (then one cast) instead of storing (T*K, H) for the combine kernel: fewer bytes, but the order of the
         K additions, hence the last bits, varies from run to run (benchmark variant; off in the shipped configs).
-    persistent: launch one program per SM (times ``PERSISTENT_PROGRAMS_PER_SM``) that walks the used tiles, so the
-        next tile's loads overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
+    persistent: launch ``programs_per_sm`` programs per SM that walk the used tiles, so the next tile's loads
+        overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
     down_persistent: the down kernel's own ``persistent`` (None: the gate_up kernel's); its K is short (12 steps
         of 64 at Qwen3-30B-A3B), so overlapping the epilogue pays there first.
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
@@ -110,9 +110,12 @@ class MoeKernelConfig:
     align_scan: bool | None = None
     combine_block: int = 1024
     combine_warps: int = 4
+    programs_per_sm: int = 1
 
     def __attrs_post_init__(self) -> None:
         """Reject alignment and combine settings no launch could use (the tiles are checked by the compiler)."""
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.align_programs < 1:
             raise ValueError(f"align_programs must be >= 1, got {self.align_programs}")
         if self.combine_block < 16 or self.combine_block & (self.combine_block - 1):
@@ -474,17 +477,16 @@ def _stages(num_stages: int, dtype: torch.dtype) -> int:
     return num_stages if dtype.itemsize <= 2 else max(2, num_stages // 2)
 
 
-PERSISTENT_PROGRAMS_PER_SM = 1
 _INTERPRETER_SMS = 3  # the CPU interpreter has no SMs: a few programs, each walking several tiles
 
 
-def _programs(persistent: bool, tiles: int, device: torch.device) -> int:
-    """Programs to launch: one per tile bound, or when ``persistent`` at most one per SM (times
-    PERSISTENT_PROGRAMS_PER_SM), each walking the used tiles."""
+def _programs(persistent: bool, tiles: int, device: torch.device, per_sm: int = 1) -> int:
+    """Programs to launch: one per tile bound, or when ``persistent`` at most ``per_sm`` per SM, each walking the
+    used tiles."""
     if not persistent:
         return tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _INTERPRETER_SMS
-    return max(1, min(tiles, sms * PERSISTENT_PROGRAMS_PER_SM))
+    return max(1, min(tiles, sms * per_sm))
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
@@ -519,7 +521,7 @@ def moe_gate_up(
         desc = _descriptor(w_gate_up.view(num_experts, 2, inter, hidden), [1, 2, cfg.block_n, cfg.block_k])
     else:
         desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
-    grid = (_programs(cfg.persistent, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
+    grid = (_programs(cfg.persistent, num_m * triton.cdiv(inter, cfg.block_n), x.device, cfg.programs_per_sm),)
     _gate_up_kernel[grid](
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
@@ -545,7 +547,9 @@ def moe_down(
     tma = _tma_ok(cfg, w_down, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
     w_desc = _descriptor(w_down.view(num_experts * hidden, inter), [cfg.down_n, cfg.down_k]) if tma else None
-    grid = (_programs(cfg.down_is_persistent, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
+    grid = (
+        _programs(cfg.down_is_persistent, num_m * triton.cdiv(hidden, cfg.down_n), act.device, cfg.programs_per_sm),
+    )
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
