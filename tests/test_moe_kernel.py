@@ -132,11 +132,13 @@ def test_alignment_kernel_invariants_skewed_routing(programs: int, scan: bool | 
 
 
 def test_align_plan_bounds_the_programs() -> None:
-    """An 8192-token prefill of Qwen3-30B-A3B (65,536 assignments, 128 experts) is 128 chunks of 8 tiles of 64; a
-    256-token decode step 32 chunks of one tile; programs < 1 is a ValueError naming the field."""
-    assert fm.align_plan(65536, 128) == fm.AlignPlan(tile=64, tiles=8, chunks=128)
+    """An 8192-token prefill of Qwen3-30B-A3B (65,536 assignments, 128 experts) is 1,024 chunks of one tile of 64
+    (128 chunks of 8 tiles at 128 programs); a 256-token decode step 32 chunks of one tile; twice the prefill 1,024
+    chunks of 2 tiles; programs < 1 is a ValueError naming the field."""
+    assert fm.align_plan(65536, 128) == fm.AlignPlan(tile=64, tiles=1, chunks=1024)
+    assert fm.align_plan(65536, 128, programs=128) == fm.AlignPlan(tile=64, tiles=8, chunks=128)
     assert fm.align_plan(2048, 128) == fm.AlignPlan(tile=64, tiles=1, chunks=32)
-    assert fm.align_plan(65536, 128, programs=256).chunks == 256
+    assert fm.align_plan(131072, 128) == fm.AlignPlan(tile=64, tiles=2, chunks=1024)
     with pytest.raises(ValueError, match="programs"):
         fm.align_plan(10, 4, programs=0)
 

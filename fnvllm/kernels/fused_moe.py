@@ -3,7 +3,7 @@
 Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
 a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
 
-1. ``align_by_expert`` (``moe_align.py``; two Triton launches of at most ~one program per SM): the
+1. ``align_by_expert`` (``moe_align.py``; two or three Triton launches, one program per chunk of assignments): the
    T*K assignments (flat index a = t*K + k) sorted by expert, each expert's group padded to a multiple of
    BLOCK_M, so that every block of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot
    count is bounded without reading the routing, so the grid is fixed for a given T.
@@ -145,21 +145,28 @@ class MoeKernelConfig:
 SMALL_CONFIG = MoeKernelConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
 DECODE_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=5)
 MEDIUM_CONFIG = MoeKernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-# Prefill: the H200 sweep's best gate_up at 8,192 tokens (775 us = 532 TFLOP/s; TMA only where _tma_ok allows, else
-# the pointer path) and its best down, persistent (377.5 us = 546 TFLOP/s against 413.7 us one program a tile).
+# Prefill: the H200 sweep's best at 8,192 tokens (GPU call 2, 23:46: 1,191.8 us = 518.9 TFLOP/s against 1,288.8 us
+# for the gate_up of call 1 with a persistent down, and 1,437.8 us before the new alignment): the fused gate_up
+# (725.8 us = 568 TFLOP/s), a persistent down (395.5 us), 1,024 alignment chunks with the scan launch (24.7 us) and
+# a 2,048-column combine (79.6 us). TMA only where _tma_ok allows, else the pointer path.
 PREFILL_CONFIG = MoeKernelConfig(
     block_m=128,
     block_n=128,
     block_k=64,
-    group_m=4,
+    group_m=8,
     num_warps=8,
-    num_stages=3,
+    num_stages=4,
     tma=True,
     down_block_n=256,
     down_block_k=64,
     down_num_warps=8,
     down_num_stages=3,
     down_persistent=True,
+    fused_gate_up=True,
+    align_programs=1024,
+    align_scan=True,
+    combine_block=2048,
+    combine_warps=4,
 )
 
 

@@ -7,8 +7,8 @@ to one expert. Worked example, K=1, BLOCK_M=4, topk_ids = [2, 0, 2, 2, 2] (T=5, 
     counts [1, 0, 4] -> padded [4, 0, 4] -> sorted slots [1 P P P | 0 2 3 4]   (P = padding, stored as T*K)
     block_experts [0, 2, 3, 3]  (blocks past the last used one name expert E and exit at once)
 
-The kernel path, two launches whatever the step's size. The assignments are cut into at most ``programs``
-chunks (default ``ALIGN_PROGRAMS``, about one per SM), each a whole number of TILE-row one-hot tiles:
+The kernel path, two launches (three with many chunks, below). The assignments are cut into at most
+``programs`` chunks (default ``ALIGN_PROGRAMS``), each a whole number of TILE-row one-hot tiles:
 
 1. ``_count_kernel``, one program per chunk: the chunk's count per expert (one-hot sums, tile by tile, in
    registers: no atomics), and its share of the slots filled with the padding value;
@@ -21,8 +21,9 @@ chunks (default ``ALIGN_PROGRAMS``, about one per SM), each a whole number of TI
 With many chunks (more than SCAN_ABOVE, or when asked), a third launch between the two, one program per expert,
 turns the chunks' counts into exclusive prefix sums over the chunks (a Triton scan), which the place programs
 read instead of summing every row themselves. A decode step (256 tokens, top-8: 2,048 assignments) is 32 chunks
-of one tile; an 8,192-token prefill (65,536) 128 chunks of 8 tiles by default (before: 1,024 chunks and a torch
-cumsum between the launches, 205 us on an H200; ``programs`` picks the trade-off, swept by bench_moe.py).
+of one tile; an 8,192-token prefill (65,536) 1,024 chunks of one tile and the scan launch: 24.7 us on an H200
+(before: the same chunks with a torch cumsum between the launches, 205 us; 128 chunks of 8 tiles, 83.6 us;
+``programs`` picks the trade-off, swept by bench_moe.py).
 No atomics, so it is deterministic, stable, and equals the torch path bit for bit. The number of slots is bounded
 without looking at the data: each expert that got c > 0 assignments uses at most c + BLOCK_M - 1 slots, and at
 most min(T*K, E) experts got any, so the grid is fixed for a given T (CUDA-graph safe: no host sync).
@@ -51,7 +52,10 @@ __all__ = [
     "max_slots",
 ]
 
-ALIGN_PROGRAMS = 128  # chunks (programs of each launch) at most: about one per SM of an H200 (132)
+# Chunks (programs of each launch) at most. On the H200 at 8,192 tokens (65,536 assignments, 1,024 tiles), 1,024
+# one-tile chunks and the scan launch took 24.7 us, 128 chunks of 8 tiles 83.6 us: a tile's pass is latency-bound,
+# so more programs with fewer tiles each win. A 256-token decode step (32 tiles) is 32 chunks either way.
+ALIGN_PROGRAMS = 1024
 SCAN_ABOVE = 128  # chunks above which a scan launch sums the chunks' counts (else the place kernel does)
 _FILL = 256  # padding slots one store of the count kernel writes
 
