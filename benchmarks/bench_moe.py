@@ -11,12 +11,15 @@ Sizes: hidden 2048, 128 experts of intermediate 768, top-8 of a softmax over ran
     over the time of one fused_moe call (alignment, both GEMMs and the combine), median of CUDA-graph replays
     under triton.testing.do_bench (which flushes L2 before each). Target >= 3.0 TB/s;
 (c) prefill, 8192 tokens: TFLOP/s = 2 x T x K x 3 x H x I over the same time. Target >= 500 TFLOP/s;
+    The shipped config is also timed with programmatic dependent launch off (FNVLLM_PDL=0's path);
 (d) per-kernel times of the shipped config (and of the sweep's best): alignment, gate_up (TFLOP/s), down
     (TFLOP/s), combine (TB/s of its reads and writes), each alone in its own CUDA graph;
-(e) unless --no-sweep, tile configs for each (pointer or TMA-descriptor loads, tile sizes, the down kernel's
-    own tiles, persistent programs, atomic combine), most promising first, each checked against the reference
-    before it is timed, then the best gate_up and best down combined; the best is printed as the MoeKernelConfig
-    to paste into fnvllm/kernels/fused_moe.py's pick_config table;
+(e) unless --no-sweep: the alignment's programs per launch (each checked equal to the torch path) and the
+    combine's columns and warps (each checked bit-equal to the default combine) timed alone; then tile configs for
+    both GEMMs (pointer or TMA-descriptor loads, tile sizes, the down kernel's own tiles, persistent programs in
+    one kernel or both, atomic combine), most promising first, each checked against the reference before it is
+    timed; then the best gate_up, best down, best alignment and best combine combined; the best is printed as
+    the MoeKernelConfig to paste into fnvllm/kernels/fused_moe.py's pick_config table;
 (f) with --e2e: a tiny fp32 Qwen3-MoE (8 experts, top-2, a dense layer) through ``LLM`` on the GPU (Triton ops,
     CUDA graphs for decode) against transformers' greedy tokens, 24 prompts of 16 tokens (exact equality); it
     takes a minute or more (engine start, graph captures), so it is off by default.
@@ -40,6 +43,7 @@ import triton
 import triton.testing
 
 from fnvllm.kernels import fused_moe as fm
+from fnvllm.kernels.fused_ops import set_pdl, use_pdl
 from fnvllm.kernels.reference import route_ref as route
 
 DEV = "cuda"
@@ -57,25 +61,35 @@ DECODE_SWEEP = (
     C(32, 32, 128, 1, 4, 4, False, 64, 128),
     C(32, 64, 128, 1, 4, 4, True, 128, 64, 4, 5),
     C(32, 64, 64, 4, 4, 5, False),
+    C(32, 64, 64, 1, 4, 5, True, fused_gate_up=True),  # last: new code, a fault would end the run
 )
 PREFILL_SWEEP = (
-    C(128, 128, 64, 8, 8, 3, True),  # the shipped tiles through TMA
-    C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
+    # (the shipped config, the 22:50 sweep's best gate_up with its persistent down, is timed first anyway)
+    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),  # the 22:50 shipped config: down one program a tile
+    C(128, 128, 64, 8, 8, 4, True, 256, 64, 8, 4, down_persistent=True),
+    # gate and up tiles in one 4-D TMA box and one dot of N 256 (x read from shared memory once a K step)
+    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
+    C(128, 128, 64, 8, 8, 4, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
+    C(128, 128, 64, 4, 8, 3, True, 256, 128, 8, 2, down_persistent=True),
+    C(128, 128, 64, 4, 8, 3, True, 128, 64, 4, 4, down_persistent=True),
+    C(128, 128, 64, 4, 8, 3, True, 128, 64, 4, 3, down_persistent=True, programs_per_sm=2),  # 96 KB: two an SM
+    C(128, 64, 64, 8, 4, 4, True, 256, 64, 8, 3, down_persistent=True, fused_gate_up=True),
+    C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4, down_persistent=True, fused_gate_up=True),
+    C(128, 128, 64, 16, 8, 3, True, 256, 64, 8, 3, down_persistent=True),
     C(128, 128, 64, 8, 8, 3, True, persistent=True),
+    C(128, 128, 64, 8, 8, 3, True, 128, 64, 4, 3),  # the down kernel at 96 KB: two programs an SM
     C(64, 128, 64, 8, 4, 4, True, 128, 64, 4, 4),  # half the padding rows of m128
     C(128, 64, 64, 8, 8, 3, True, 128, 64, 4, 4),  # gate_up at 96 KB and 124 registers: two programs an SM
     C(128, 128, 64, 8, 8, 3, True, atomic_combine=True),
     C(128, 128, 64, 8, 8, 4, True, 128, 64, 8, 4),
     C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 3),
-    C(128, 128, 64, 8, 8, 3, True, 128, 64, 8, 4, persistent=True),
     C(128, 128, 128, 8, 8, 2, True, 256, 128),
-    C(64, 128, 64, 8, 8, 3, True),
-    C(128, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-    C(128, 128, 64, 4, 8, 3, True, 256, 64, 8, 4),
-    C(64, 64, 64, 8, 4, 4, True, 128, 128, 4, 3),
-    C(128, 128, 64, 8, 8, 3, False, 128, 64, 4, 4, True),
     C(256, 64, 64, 8, 8, 3, True, 128, 64, 8, 3),
 )
+# Alignment programs per launch and (columns, warps) of the combine: each timed alone, the fastest goes into the
+# final combined config.
+ALIGN_SWEEP = ((128, None), (64, None), (256, None), (256, True), (512, True), (1024, True), (128, True), (32, None))
+COMBINE_SWEEP = ((1024, 4), (2048, 8), (2048, 4), (512, 4), (1024, 8), (512, 2), (256, 2), (4096, 8))
 
 
 def problem(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -127,6 +141,14 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
     kernel's tiles differ from the default)."""
     extra = (" tma" if cfg.tma else "") + (" atomic" if cfg.atomic_combine else "")
     extra += " persistent" if cfg.persistent else ""
+    extra += " down-persistent" if cfg.down_persistent and not cfg.persistent else ""
+    extra += " fused" if cfg.fused_gate_up else ""
+    extra += f" x{cfg.programs_per_sm}/SM" if cfg.programs_per_sm != 1 else ""
+    extra += " down-not-persistent" if cfg.down_persistent is False and cfg.persistent else ""
+    if cfg.align_programs != fm.ALIGN_PROGRAMS or cfg.align_scan is not None:
+        extra += f" align{cfg.align_programs}" + {None: "", True: " scan", False: " no-scan"}[cfg.align_scan]
+    if (cfg.combine_block, cfg.combine_warps) != (1024, 4):
+        extra += f" combine b{cfg.combine_block} w{cfg.combine_warps}"
     if cfg.down_block_n or cfg.down_block_k or cfg.down_num_warps or cfg.down_num_stages:
         extra += (f", down n{cfg.down_n} k{cfg.down_k} w{cfg.down_num_warps or cfg.num_warps} "
                   f"s{cfg.down_num_stages or cfg.num_stages}")  # fmt: skip
@@ -137,15 +159,17 @@ def describe(cfg: fm.MoeKernelConfig) -> str:
 def stage_times(args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict[str, float]:
     """Seconds of each of fused_moe's four steps alone (alignment, gate_up, down, combine), each in a CUDA graph."""
     x, w_gate_up, w_down, weights, ids = args
-    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m)
+    align = fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs, cfg.align_scan)
     act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)
     down = fm.moe_down(act, w_down, weights, align, cfg)
     if cfg.atomic_combine:  # the down kernel summed per token in float32: the combine is the cast
         finish: Callable[[], object] = lambda: down.to(x.dtype)  # noqa: E731
     else:
-        finish = lambda: fm.combine(down.view(x.shape[0], TOP_K, HIDDEN))  # noqa: E731
+        finish = lambda: fm.combine(down.view(x.shape[0], TOP_K, HIDDEN), cfg.combine_block, cfg.combine_warps)  # noqa: E731
     return {
-        "align": graph_seconds(lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m)),
+        "align": graph_seconds(
+            lambda: fm.align_by_expert(ids, EXPERTS, cfg.block_m, cfg.align_programs, cfg.align_scan)
+        ),
         "gate_up": graph_seconds(lambda: fm.moe_gate_up(x, w_gate_up, align, TOP_K, cfg)),
         "down": graph_seconds(lambda: fm.moe_down(act, w_down, weights, align, cfg)),
         "combine": graph_seconds(finish),
@@ -189,7 +213,16 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     entry = {"shipped": describe(shipped), "seconds": seconds, "rate": rate(seconds)[0], "stages": stages}
     print(f"{name}: shipped {describe(shipped)}: {seconds * 1e6:.1f} us = {rate(seconds)[0]:.2f} {rate(seconds)[1]}")
     print_stages(name, shipped, stages, num_tokens)
+    if use_pdl(x.device):  # the same without programmatic dependent launch, to show what it gives
+        set_pdl(False)
+        try:
+            no_pdl = measure(args, None)
+        finally:
+            set_pdl(True)
+        entry["seconds_no_pdl"] = no_pdl
+        print(f"{name}: shipped without PDL: {no_pdl * 1e6:.1f} us = {rate(no_pdl)[0]:.2f} {rate(no_pdl)[1]}")
     timed = [(seconds, shipped, stages)]
+    tuned = {**sweep_align(name, ids, shipped.block_m), **sweep_combine(name, args, shipped)} if sweep else {}
     for cfg in sweep:
         if time.monotonic() > deadline:
             print(f"{name}: sweep stopped at its time budget")
@@ -198,6 +231,8 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
         if row is not None:
             timed.append(row)
     combined = combine_best(timed)
+    if combined is not None:
+        combined = attrs.evolve(combined, **tuned)
     if combined is not None and all(combined != t[1] for t in timed) and time.monotonic() < deadline + 5:
         print(f"{name}: the best gate_up and the best down combined:")
         row = try_config(name, args, ref, combined, num_tokens, rate)
@@ -208,6 +243,52 @@ def bench(results: dict, name: str, num_tokens: int, sweep: tuple, deadline: flo
     entry["sweep"] = [{"config": describe(c), "seconds": t, "stages": st} for t, c, st in timed]
     print(f"{name}: best {best[1]!r}")
     results[name] = entry
+
+
+def sweep_align(name: str, ids: torch.Tensor, block_m: int) -> dict:
+    """The alignment's programs per launch and scan launch that time fastest (ALIGN_SWEEP), each first checked
+    equal to the torch path (slots, block experts, slot count), as MoeKernelConfig fields ({} when none passes)."""
+    ref = fm.align_by_expert_ref(ids, EXPERTS, block_m)
+    best: tuple[float, dict] | None = None
+    for programs, scan in ALIGN_SWEEP:
+        got = fm.align_by_expert(ids, EXPERTS, block_m, programs, scan)
+        fields = ("sorted_ids", "block_experts", "num_slots")
+        label = f"align {programs} programs{' scan' if scan else ''}"
+        if not all(torch.equal(getattr(got, f), getattr(ref, f)) for f in fields):
+            print(f"{name}: {label} WRONG (left out)")
+            continue
+        seconds = graph_seconds(lambda p=programs, s=scan: fm.align_by_expert(ids, EXPERTS, block_m, p, s))
+        plan = fm.align_plan(ids.numel(), EXPERTS, programs)
+        print(f"{name}: {label} ({plan.chunks} chunks of {plan.tiles} tiles of {plan.tile}): {seconds * 1e6:.1f} us")
+        if best is None or seconds < best[0]:
+            best = (seconds, {"align_programs": programs, "align_scan": scan})
+    return {} if best is None else best[1]
+
+
+def sweep_combine(name: str, args: tuple[torch.Tensor, ...], cfg: fm.MoeKernelConfig) -> dict:
+    """The combine's columns and warps that time fastest (COMBINE_SWEEP) over the down kernel's real output, each
+    first checked bit-equal to the default combine (itself checked against the torch sum), as MoeKernelConfig
+    fields ({} when none passes)."""
+    x, w_gate_up, w_down, weights, ids = args
+    plain = attrs.evolve(cfg, atomic_combine=False)
+    align = fm.align_by_expert(ids, EXPERTS, plain.block_m)
+    act = fm.moe_gate_up(x, w_gate_up, align, TOP_K, plain)
+    rows = fm.moe_down(act, w_down, weights, align, plain).view(x.shape[0], TOP_K, HIDDEN)
+    expected = fm.combine(rows)  # the default tiles; every variant sums in the same order, so bit-equal to it
+    if rel_err(expected, rows.float().sum(dim=1)) >= 1e-2:
+        print(f"{name}: combine WRONG against the torch sum (sweep skipped)")
+        return {}
+    best: tuple[float, dict] | None = None
+    for block, warps in COMBINE_SWEEP:
+        if not torch.equal(fm.combine(rows, block, warps), expected):
+            print(f"{name}: combine b{block} w{warps} WRONG (left out)")
+            continue
+        seconds = graph_seconds(lambda b=block, w=warps: fm.combine(rows, b, w))
+        tb = (rows.numel() + expected.numel()) * rows.element_size() / seconds / 1e12
+        print(f"{name}: combine b{block} w{warps}: {seconds * 1e6:.1f} us ({tb:.2f} TB/s)")
+        if best is None or seconds < best[0]:
+            best = (seconds, {"combine_block": block, "combine_warps": warps})
+    return {} if best is None else best[1]
 
 
 def try_config(
@@ -253,7 +334,9 @@ def combine_best(timed: list) -> fm.MoeKernelConfig | None:
     return attrs.evolve(
         gate_up, down_block_n=down.down_n, down_block_k=down.down_k,
         down_num_warps=down.down_num_warps or down.num_warps, down_num_stages=down.down_num_stages or down.num_stages,
-        atomic_combine=down.atomic_combine, persistent=gate_up.persistent and down.persistent,
+        atomic_combine=down.atomic_combine, persistent=gate_up.persistent, down_persistent=down.down_is_persistent,
+        fused_gate_up=gate_up.fused_gate_up, programs_per_sm=down.programs_per_sm if down.down_is_persistent
+        else gate_up.programs_per_sm,
     )  # fmt: skip
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -79,26 +80,67 @@ def test_alignment_groups_every_assignment_once_in_single_expert_blocks(ids: lis
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "top_k", "num_experts", "block_m"),
+    ("num_tokens", "top_k", "num_experts", "block_m", "programs", "scan"),
     [
-        (5, 1, 3, 4),
-        (7, 2, 8, 16),
-        (1, 8, 128, 16),
-        (300, 8, 128, 32),
-        (9, 3, 200, 16),
-        (100, 8, 128, 16),
-        (1100, 8, 128, 128),
+        (5, 1, 3, 4, 128, None),
+        (7, 2, 8, 16, 128, None),
+        (1, 8, 128, 16, 128, None),
+        (300, 8, 128, 32, 128, None),
+        (9, 3, 200, 16, 128, None),
+        (100, 8, 128, 16, 128, None),
+        (1100, 8, 128, 128, 128, None),
+        (300, 8, 128, 32, 3, None),
+        (301, 8, 128, 16, 5, None),
+        (37, 3, 6, 4, 2, None),
+        (5, 1, 3, 4, 128, True),
+        (300, 8, 128, 32, 3, True),
+        (1100, 8, 128, 128, 1024, None),
+        (37, 3, 6, 4, 2, True),
     ],
 )
-def test_alignment_kernel_equals_torch_path(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
-    """The Triton alignment gives exactly the torch path's slots, block experts and slot count: one chunk, several
-    chunks summed in the kernel (800 assignments: 13), several read from the cumsum (2400: 38; 8800: 138), a
-    non-power-of-two expert count."""
+def test_alignment_kernel_equals_torch_path(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, programs: int, scan: bool | None
+) -> None:
+    """The Triton alignment gives exactly the torch path's slots, block experts and slot count: one chunk, many
+    chunks of one tile (800 assignments: 13), chunks of several tiles (8800: 69 chunks of 2; 2400 in 3 chunks of
+    13 tiles; 2408 in 5 chunks, the last short), a non-power-of-two expert count; and with the scan launch (asked
+    for, or 138 chunks > SCAN_ABOVE)."""
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(DEVICE)
-    got, ref = fm.align_by_expert(ids, num_experts, block_m), fm.align_by_expert_ref(ids, num_experts, block_m)
+    got = fm.align_by_expert(ids, num_experts, block_m, programs, scan)
+    ref = fm.align_by_expert_ref(ids, num_experts, block_m)
     for field in ("sorted_ids", "block_experts", "num_slots"):
         assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
+@pytest.mark.parametrize(("programs", "scan"), [(1, None), (4, None), (128, None), (4, True)])
+def test_alignment_kernel_invariants_skewed_routing(programs: int, scan: bool | None) -> None:
+    """A skewed routing (expert 0 gets every token, expert 5 one, experts 1-4 and 6 none; 50 tokens, top-2):
+    every assignment placed once, stable inside its group, padding slots hold T*K, each used block one expert."""
+    ids = torch.zeros(50, 2, dtype=torch.int64)
+    ids[:, 1] = 2
+    ids[17, 1] = 5
+    align = fm.align_by_expert(ids.to(DEVICE), 7, 8, programs, scan)
+    slots, n, used = align.sorted_ids.tolist(), 100, int(align.num_slots)
+    assert used == 56 + 56 + 8 and all(s == n for s in slots[used:])
+    placed = [s for s in slots if s < n]
+    assert sorted(placed) == list(range(n))
+    groups = {e: [s for s in placed if ids.reshape(-1)[s] == e] for e in (0, 2, 5)}
+    assert all(g == sorted(g) for g in groups.values()) and groups[5] == [35]
+    assert align.block_experts.tolist()[: used // 8] == [0] * 7 + [2] * 7 + [5]
+    assert set(align.block_experts.tolist()[used // 8 :]) <= {7}
+
+
+def test_align_plan_bounds_the_programs() -> None:
+    """An 8192-token prefill of Qwen3-30B-A3B (65,536 assignments, 128 experts) is 1,024 chunks of one tile of 64
+    (128 chunks of 8 tiles at 128 programs); a 256-token decode step 32 chunks of one tile; twice the prefill 1,024
+    chunks of 2 tiles; programs < 1 is a ValueError naming the field."""
+    assert fm.align_plan(65536, 128) == fm.AlignPlan(tile=64, tiles=1, chunks=1024)
+    assert fm.align_plan(65536, 128, programs=128) == fm.AlignPlan(tile=64, tiles=8, chunks=128)
+    assert fm.align_plan(2048, 128) == fm.AlignPlan(tile=64, tiles=1, chunks=32)
+    assert fm.align_plan(131072, 128) == fm.AlignPlan(tile=64, tiles=2, chunks=1024)
+    with pytest.raises(ValueError, match="programs"):
+        fm.align_plan(10, 4, programs=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -161,6 +203,18 @@ def test_kernel_tma_path_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kernel_fused_gate_up_matches_reference(dtype: torch.dtype, persistent: bool) -> None:
+    """The fused gate_up variant (one 4-D TMA box per gate and up tile pair, one dot, the accumulator split after)
+    computes the reference at sizes that are not multiples of the tiles (intermediate 24 in N tiles of 16: the box
+    is zero past I), with experts that get no token."""
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=True, fused_gate_up=True, persistent=persistent)
+    args = problem(20, 40, 24, 16, 2, dtype, seed=5)
+    assert fm._tma_ok(config, args[1]) and torch.unique(args[4]).numel() < 16
+    check(args, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_atomic_combine_matches_reference(dtype: torch.dtype) -> None:
     """The atomic-combine variant (the down kernel adds into a float32 per-token sum) computes the reference,
     with TMA and without, experts with no token included."""
@@ -169,16 +223,51 @@ def test_kernel_atomic_combine_matches_reference(dtype: torch.dtype) -> None:
         check(problem(20, 40, 24, 16, 3, dtype, seed=7), config)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_kernel_persistent_matches_reference(tma: bool) -> None:
-    """The persistent variant (a few programs walking every used tile) computes the reference, with an expert
-    spanning several slot blocks and experts with no token."""
-    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=tma, persistent=True)
+@pytest.mark.parametrize(
+    ("tma", "persistent", "down_persistent"),
+    [(False, True, None), (True, True, None), (True, False, True), (False, True, False)],
+)
+def test_kernel_persistent_matches_reference(tma: bool, persistent: bool, down_persistent: bool | None) -> None:
+    """The persistent variant (a few programs walking every used tile), in both kernels or in one only, computes
+    the reference, with an expert spanning several slot blocks and experts with no token."""
+    config = fm.MoeKernelConfig(16, 16, 16, 2, tma=tma, persistent=persistent, down_persistent=down_persistent)
+    assert config.down_is_persistent == (persistent if down_persistent is None else down_persistent)
     x, w_gate_up, w_down, _, _ = problem(40, 40, 24, 6, 2, torch.float32, seed=8)
     gen = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.full((40,), 3), torch.randint(0, 2, (40,), generator=gen)], dim=1).to(DEVICE)
     weights = torch.rand(40, 2, generator=gen).to(DEVICE)
     check((x, w_gate_up, w_down, weights, ids), config)
+
+
+@pytest.mark.parametrize(("block", "num_warps"), [(16, 1), (32, 2), (1024, 4)])
+def test_combine_sums_each_tokens_rows_in_order(block: int, num_warps: int) -> None:
+    """combine() sums the K rows of each token in k order (float32: bit-exact against the sequential sum; hidden
+    40: column blocks of 16 and 32 leave a partial last block); a block that is not a power of two >= 16 is a
+    ValueError."""
+    rows = torch.randn(5, 3, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    assert torch.equal(fm.combine(rows, block, num_warps), rows[:, 0] + rows[:, 1] + rows[:, 2])
+    with pytest.raises(ValueError, match="block"):
+        fm.combine(rows, 24)
+
+
+def test_kernel_config_knobs_align_programs_and_combine_block() -> None:
+    """Configs with one alignment program or two and the scan launch, a 16-column combine (several column
+    blocks), and a persistent down kernel at two programs an SM, compute the reference."""
+    args = problem(30, 40, 24, 8, 3, torch.float32, seed=11)
+    check(args, attrs.evolve(TINY, align_programs=1, combine_block=16))
+    check(args, attrs.evolve(TINY, align_programs=2, align_scan=True, combine_block=32, combine_warps=2))
+    check(args, attrs.evolve(TINY, down_persistent=True, programs_per_sm=2))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("align_programs", 0), ("combine_block", 24), ("combine_block", 8), ("combine_warps", 3), ("programs_per_sm", 0)],
+)
+def test_kernel_config_rejects_unusable_settings(field: str, value: int) -> None:
+    """An alignment program count < 1, a combine block that is not a power of two >= 16, or an odd warp count is
+    a ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        attrs.evolve(TINY, **{field: value})
 
 
 def test_kernel_tma_falls_back_on_unaligned_rows() -> None:
@@ -271,6 +360,8 @@ def test_gpu_qwen3_30b_a3b_sizes(num_tokens: int) -> None:
         fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True),
         fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True, persistent=True),
         fm.MoeKernelConfig(128, 128, 64, 8, 8, 3, tma=True, atomic_combine=True),
+        fm.MoeKernelConfig(128, 128, 64, 4, 8, 3, tma=True, fused_gate_up=True, down_persistent=True),
+        fm.MoeKernelConfig(128, 128, 64, 4, 8, 3, tma=True, align_programs=1024, align_scan=True, combine_block=2048),
         fm.MoeKernelConfig(64, 128, 64, 8, 4, 4, tma=True, down_block_n=128, down_num_stages=3),
     ],
 )

@@ -3,7 +3,7 @@
 Each of T tokens picks K experts. Done expert by expert (the reference) that is a loop of 2E small GEMMs with
 a host round trip per expert; here it is four steps, none of which syncs with the host (CUDA-graph safe):
 
-1. ``align_by_expert`` (``moe_align.py``; two Triton launches, and a cumsum between them at prefill sizes): the
+1. ``align_by_expert`` (``moe_align.py``; two or three Triton launches, one program per chunk of assignments): the
    T*K assignments (flat index a = t*K + k) sorted by expert, each expert's group padded to a multiple of
    BLOCK_M, so that every block of BLOCK_M sorted slots belongs to one expert; padding slots are masked. The slot
    count is bounded without reading the routing, so the grid is fixed for a given T.
@@ -11,8 +11,8 @@ a host round trip per expert; here it is four steps, none of which syncs with th
    expert's gate and up rows (two accumulators), and store silu(gate) * up in slot order: (slots, I).
 3. ``_down_kernel``: per (block of slots, block of H): the block's (contiguous) activation rows times the
    expert's down projection, scaled by the assignment's routing weight, stored per assignment: (T*K, H).
-4. ``_combine_kernel``: the K rows of each token summed in float32 in k order (deterministic, unlike atomic
-   adds into the output from the down kernel).
+4. ``_combine_kernel``: the K rows of each token (contiguous: assignment order) summed in float32 in k order
+   (deterministic, unlike atomic adds into the output from the down kernel, and blind to the slot order).
 
 Block sizes are picked by the mean number of assignments per expert (``pick_config``): few (decode) -> small
 BLOCK_M, every expert's weights streamed once (bandwidth); many (prefill) -> large tiles (compute). Within a
@@ -36,14 +36,26 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, upcast_dot
-from fnvllm.kernels.moe_align import ExpertAlignment, align_by_expert, align_by_expert_ref, max_slots
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.moe_align import (
+    ALIGN_PROGRAMS,
+    AlignPlan,
+    ExpertAlignment,
+    align_by_expert,
+    align_by_expert_ref,
+    align_plan,
+    max_slots,
+)
 from fnvllm.kernels.reference import fused_moe_ref
 
 __all__ = [
+    "AlignPlan",
     "ExpertAlignment",
     "MoeKernelConfig",
     "align_by_expert",
     "align_by_expert_ref",
+    "align_plan",
+    "combine",
     "fused_moe",
     "fused_moe_ref",
     "max_slots",
@@ -64,11 +76,19 @@ class MoeKernelConfig:
     atomic_combine: the down kernel adds its weighted rows straight into a float32 (T, H) sum with atomics
         (then one cast) instead of storing (T*K, H) for the combine kernel: fewer bytes, but the order of the
         K additions, hence the last bits, varies from run to run (benchmark variant; off in the shipped configs).
-    persistent: launch one program per SM (times ``PERSISTENT_PROGRAMS_PER_SM``) that walks the used tiles, so the
-        next tile's loads overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
+    persistent: launch ``programs_per_sm`` programs per SM that walk the used tiles, so the next tile's loads
+        overlap this one's epilogue (``tl.range(flatten=True)``), instead of one per tile.
+    down_persistent: the down kernel's own ``persistent`` (None: the gate_up kernel's); its K is short (12 steps
+        of 64 at Qwen3-30B-A3B), so overlapping the epilogue pays there first.
     tma: load the weight tiles (and the down kernel's activation tiles, contiguous in slot order) through TMA
     tensor descriptors instead of pointer arithmetic (sm90+; used only where every row stride is 16-byte aligned,
     else the pointer path runs).
+    fused_gate_up: with ``tma``, load each gate tile and its up tile in one 4-D TMA box and multiply them as one
+        (BLOCK_K, 2 * BLOCK_N) operand (one dot per K step instead of two: the x tile is read from shared memory
+        once), the accumulator split into gate and up after the loop.
+    align_programs / align_scan: at most this many programs per alignment launch (``moe_align.align_plan``), and
+        whether a scan launch sums the chunks' counts (None: above ``moe_align.SCAN_ABOVE`` chunks).
+    combine_block / combine_warps: the combine kernel's columns per program and warps.
     """
 
     block_m: int
@@ -84,6 +104,24 @@ class MoeKernelConfig:
     down_num_stages: int | None = None
     atomic_combine: bool = False
     persistent: bool = False
+    down_persistent: bool | None = None
+    fused_gate_up: bool = False
+    align_programs: int = ALIGN_PROGRAMS
+    align_scan: bool | None = None
+    combine_block: int = 1024
+    combine_warps: int = 4
+    programs_per_sm: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        """Reject alignment and combine settings no launch could use (the tiles are checked by the compiler)."""
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        if self.align_programs < 1:
+            raise ValueError(f"align_programs must be >= 1, got {self.align_programs}")
+        if self.combine_block < 16 or self.combine_block & (self.combine_block - 1):
+            raise ValueError(f"combine_block must be a power of two >= 16, got {self.combine_block}")
+        if self.combine_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"combine_warps must be one of 1, 2, 4, 8, 16, got {self.combine_warps}")
 
     @property
     def down_n(self) -> int:
@@ -95,6 +133,11 @@ class MoeKernelConfig:
         """The down kernel's K tile."""
         return self.down_block_k or self.block_k
 
+    @property
+    def down_is_persistent(self) -> bool:
+        """Whether the down kernel runs persistent programs."""
+        return self.persistent if self.down_persistent is None else self.down_persistent
+
 
 # By mean assignments per expert (T*K / E). Qwen3-30B-A3B (E 128, top-8): a 1-16 token decode step has <= 1 per
 # expert, a 256-token one 16 (at most ~30 on one expert, one BLOCK_M of 32: each expert's weights are read once),
@@ -102,20 +145,28 @@ class MoeKernelConfig:
 SMALL_CONFIG = MoeKernelConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
 DECODE_CONFIG = MoeKernelConfig(block_m=32, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=5)
 MEDIUM_CONFIG = MoeKernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-# Prefill: the H200 sweep's best at 8,192 tokens (1,443.8 us = 428 TFLOP/s against 1,553.0 us for m128 n128 k64 g8
-# w8 s3 through pointers; gate_up 529 TFLOP/s, down 482; TMA only where _tma_ok allows, else the pointer path).
+# Prefill: the H200 sweep's best at 8,192 tokens (GPU call 2, 23:46: 1,191.8 us = 518.9 TFLOP/s against 1,288.8 us
+# for the gate_up of call 1 with a persistent down, and 1,437.8 us before the new alignment): the fused gate_up
+# (725.8 us = 568 TFLOP/s), a persistent down (395.5 us), 1,024 alignment chunks with the scan launch (24.7 us) and
+# a 2,048-column combine (79.6 us). TMA only where _tma_ok allows, else the pointer path.
 PREFILL_CONFIG = MoeKernelConfig(
     block_m=128,
     block_n=128,
     block_k=64,
-    group_m=4,
+    group_m=8,
     num_warps=8,
-    num_stages=3,
+    num_stages=4,
     tma=True,
     down_block_n=256,
     down_block_k=64,
     down_num_warps=8,
-    down_num_stages=4,
+    down_num_stages=3,
+    down_persistent=True,
+    fused_gate_up=True,
+    align_programs=1024,
+    align_scan=True,
+    combine_block=2048,
+    combine_warps=4,
 )
 
 
@@ -141,6 +192,16 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _rows(a_ptrs, valid, offs_k, k_left, EVEN_K: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) tile of gathered token rows at ``a_ptrs``; zero for padding slots and, unless
+    EVEN_K, past the last ``k_left`` columns. EVEN_K: no mask along K, the contiguous dim, so the loads vectorize
+    and the pipeliner can stage them."""
+    if EVEN_K:
+        return tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=valid[:, None] & (offs_k < k_left)[None, :], other=0.0)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -161,17 +222,22 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    FUSED: tl.constexpr,
     EVEN_K: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[slot, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for the slots of one block and N tile (rows in
-    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H).
+    slot order; padding slots are not written). TMA: the weight tiles come from ``w_desc`` over (E * 2I, H);
+    FUSED (with TMA): ``w_desc`` is over (E, 2, I, H), one load brings a gate and an up tile, and one dot of N
+    2*BLOCK_N makes both accumulators (split apart after the loop).
     PERSISTENT: each program walks the used tiles with a stride of the grid size (the next tile's loads overlap
     this one's epilogue); else one tile per program, programs past the used slot blocks exit at once."""
+    wait_for_previous_kernel(USE_PDL)
     num_n = tl.cdiv(inter, BLOCK_N)
     if PERSISTENT:
         used_m = tl.load(num_slots_ptr) // BLOCK_M
@@ -179,7 +245,7 @@ def _gate_up_kernel(
             pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
             _gate_up_tile(
                 x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K,
+                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, FUSED, EVEN_K,
                 BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
@@ -188,8 +254,8 @@ def _gate_up_kernel(
             return
         _gate_up_tile(
             x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, FUSED, EVEN_K,
+            BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -214,6 +280,7 @@ def _gate_up_tile(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
+    FUSED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -232,28 +299,34 @@ def _gate_up_tile(
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
     u_ptrs = g_ptrs + inter * stride_wn
     g_row = (expert * 2 * inter).to(tl.int32) + pid_n * BLOCK_N  # TMA: the gate tile's first row in (E * 2I, H)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:  # no mask along K, the contiguous dim: the loads vectorize, so the pipeliner can stage them
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if TMA:  # (BLOCK_N, BLOCK_K) tiles, zero past H; rows past this expert's gate/up only feed masked columns
-            g = tl.trans(w_desc.load([g_row, k * BLOCK_K]))
-            u = tl.trans(w_desc.load([g_row + inter, k * BLOCK_K]))
-        elif EVEN_K:
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g += dot(a, g, PRECISION, UPCAST)
-        acc_u += dot(a, u, PRECISION, UPCAST)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if FUSED:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # gate columns, then up columns
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            a = _rows(a_ptrs, valid, offs_k, hidden - k * BLOCK_K, EVEN_K)
+            w = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k * BLOCK_K])  # (1, 2, BLOCK_N, BLOCK_K)
+            acc += dot(a, tl.trans(tl.reshape(w, (2 * BLOCK_N, BLOCK_K))), PRECISION, UPCAST)
+            a_ptrs += BLOCK_K
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            a = _rows(a_ptrs, valid, offs_k, hidden - k * BLOCK_K, EVEN_K)
+            if TMA:  # (BLOCK_N, BLOCK_K) tiles, zero past H; rows past this expert's gate/up only feed masked columns
+                g = tl.trans(w_desc.load([g_row, k * BLOCK_K]))
+                u = tl.trans(w_desc.load([g_row + inter, k * BLOCK_K]))
+            elif EVEN_K:
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < hidden - k * BLOCK_K
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g += dot(a, g, PRECISION, UPCAST)
+            acc_u += dot(a, u, PRECISION, UPCAST)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -289,11 +362,13 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[a, n] = weight[a] * (act[slot] . down_e[n]) for the slots of one block and H tile, a the slot's
     assignment (ATOMIC: out[a // TOP_K, n] += that, in float32). The block's act rows are contiguous (slot order);
     padding rows hold garbage that only reaches their own, unstored, output rows. TMA: act tiles from
     ``act_desc``, weight tiles from ``w_desc`` (E * H, I). PERSISTENT: as in ``_gate_up_kernel``."""
+    wait_for_previous_kernel(USE_PDL)
     num_n = tl.cdiv(hidden, BLOCK_N)
     if PERSISTENT:
         used_m = tl.load(num_slots_ptr) // BLOCK_M
@@ -395,12 +470,12 @@ def fused_moe(
     if num_tokens == 0:
         return torch.zeros_like(x)
     cfg = config or pick_config(num_tokens, w_gate_up.shape[0], top_k)
-    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m)
+    align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m, cfg.align_programs, cfg.align_scan)
     act = moe_gate_up(x, w_gate_up, align, top_k, cfg)
     per_assignment = moe_down(act, w_down, topk_weights, align, cfg)
     if cfg.atomic_combine:  # already summed per token, in float32
         return per_assignment.to(x.dtype)
-    return combine(per_assignment.view(num_tokens, top_k, -1))
+    return combine(per_assignment.view(num_tokens, top_k, -1), cfg.combine_block, cfg.combine_warps)
 
 
 def _stages(num_stages: int, dtype: torch.dtype) -> int:
@@ -409,17 +484,16 @@ def _stages(num_stages: int, dtype: torch.dtype) -> int:
     return num_stages if dtype.itemsize <= 2 else max(2, num_stages // 2)
 
 
-PERSISTENT_PROGRAMS_PER_SM = 1
 _INTERPRETER_SMS = 3  # the CPU interpreter has no SMs: a few programs, each walking several tiles
 
 
-def _programs(cfg: MoeKernelConfig, tiles: int, device: torch.device) -> int:
-    """Programs to launch: one per tile bound, or with ``cfg.persistent`` at most one per SM (times
-    PERSISTENT_PROGRAMS_PER_SM), each walking the used tiles."""
-    if not cfg.persistent:
+def _programs(persistent: bool, tiles: int, device: torch.device, per_sm: int = 1) -> int:
+    """Programs to launch: one per tile bound, or when ``persistent`` at most ``per_sm`` per SM, each walking the
+    used tiles."""
+    if not persistent:
         return tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _INTERPRETER_SMS
-    return max(1, min(tiles, sms * PERSISTENT_PROGRAMS_PER_SM))
+    return max(1, min(tiles, sms * per_sm))
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
@@ -449,14 +523,19 @@ def moe_gate_up(
     num_m, n = align.block_experts.numel(), x.shape[0] * top_k
     act = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # (slots, I)
     tma = _tma_ok(cfg, w_gate_up)
-    desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
-    grid = (_programs(cfg, num_m * triton.cdiv(inter, cfg.block_n), x.device),)
+    fused = tma and cfg.fused_gate_up
+    if fused:  # one (1, 2, BLOCK_N, BLOCK_K) box: a gate tile and the matching up tile, zero past I and H
+        desc = _descriptor(w_gate_up.view(num_experts, 2, inter, hidden), [1, 2, cfg.block_n, cfg.block_k])
+    else:
+        desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
+    grid = (_programs(cfg.persistent, num_m * triton.cdiv(inter, cfg.block_n), x.device, cfg.programs_per_sm),)
     _gate_up_kernel[grid](
         x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma,
+        TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma, FUSED=fused,
         EVEN_K=hidden % cfg.block_k == 0, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
+        USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
     )  # fmt: skip
     return act
 
@@ -475,36 +554,49 @@ def moe_down(
     tma = _tma_ok(cfg, w_down, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
     w_desc = _descriptor(w_down.view(num_experts * hidden, inter), [cfg.down_n, cfg.down_k]) if tma else None
-    grid = (_programs(cfg, num_m * triton.cdiv(hidden, cfg.down_n), act.device),)
+    grid = (
+        _programs(cfg.down_is_persistent, num_m * triton.cdiv(hidden, cfg.down_n), act.device, cfg.programs_per_sm),
+    )
     _down_kernel[grid](
         act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
         align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
-        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m, num_warps=cfg.down_num_warps or cfg.num_warps,
-        num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype),
+        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.down_is_persistent,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.down_num_warps or cfg.num_warps,
+        num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype), USE_PDL=use_pdl(act.device),
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
 
-def combine(per_assignment: torch.Tensor) -> torch.Tensor:
-    """(T, K, H) -> (T, H): each token's K weighted expert outputs summed in float32 in k order, rounded once."""
+def combine(per_assignment: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """(T, K, H) -> (T, H): each token's K weighted expert outputs summed in float32 in k order, rounded once;
+    ``block`` columns (a power of two, capped at H's) per program."""
     num_tokens, top_k, hidden = per_assignment.shape
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"combine block must be a power of two >= 16, got {block}")
     out = torch.empty(num_tokens, hidden, dtype=per_assignment.dtype, device=per_assignment.device)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](per_assignment, out, hidden, TOP_K=top_k, BLOCK=block)
+    block = min(block, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_assignment, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=num_warps,
+        USE_PDL=use_pdl(out.device), **pdl_launch(out.device),
+    )  # fmt: skip
     return out
 
 
 @triton.jit
-def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1)."""
+def _combine_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t, cols] = sum_k src[t, k, cols] for token program_id(0) and column block program_id(1). The K loads
+    are unrolled so all are in flight at once, and marked evict-first (each byte is read once)."""
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(TOP_K):
-        acc += tl.load(src_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(TOP_K):
+        src = src_ptr + (t * TOP_K + k) * hidden + cols
+        acc += tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
