@@ -5,7 +5,7 @@ python benchmarks/bench_structured.py                       # H200: random Qwen3
 python benchmarks/bench_structured.py --model PATH          # a checkpoint folder (its tokenizer, if it has one)
 python benchmarks/bench_structured.py --device cpu --model-shape demo --rows 32 --fraction 0.5 --max-tokens 32
 
-Without a tokenizer (the random checkpoints) the grammars get a vocabulary of the model's size, ``--vocab``:
+Without a tokenizer (the random checkpoints) the grammars get a vocabulary of the model's size, ``--vocabulary``:
 
 - ``bpe`` (default): a real byte-level BPE vocabulary learned from this Python's standard library (the demo
   model's recipe, ``fnvllm.demo.data``: ~41k tokens of code and English), then multilingual tokens (CJK, Hangul,
@@ -16,7 +16,7 @@ Without a tokenizer (the random checkpoints) the grammars get a vocabulary of th
 - ``synthetic``: byte tokens plus random JSON-ish strings of 2-8 bytes; a worst case (one token in 15 holds a
   quote, followed by random characters), ~20x the bpe vocabulary's fill time per row inside a string.
 
-The other vocabulary is timed too (``--other-vocab``, on by default), so both ratios are printed.
+The other vocabulary is timed too (``--other-vocabulary``, on by default), so both ratios are printed.
 
 Every row generates exactly --max-tokens tokens in both runs: unconstrained rows ignore EOS, constrained rows
 follow a schema that cannot end sooner (an array of at least 10,000 objects), so the two runs do the same work
@@ -77,9 +77,9 @@ def _args() -> argparse.Namespace:
                    help="also time the mix with deferred steps sampled at collect (default on)")  # fmt: skip
     p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
     p.add_argument("--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1)")
-    p.add_argument("--vocab", choices=VOCABS, default="bpe", help="vocabulary of a checkpoint without a tokenizer")
-    p.add_argument("--other-vocab", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the mix with the other --vocab (default on)")  # fmt: skip
+    p.add_argument("--vocabulary", choices=VOCABS, default="bpe", help="of a checkpoint without a tokenizer")
+    p.add_argument("--other-vocabulary", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the mix with the other --vocabulary (default on)")  # fmt: skip
     return p.parse_args()
 
 
@@ -154,7 +154,7 @@ VOCABS = {"bpe": _bpe_vocab, "synthetic": _synthetic_vocab}
 
 
 def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
-    """(the LLM, a decode function of token ids) with grammars attached (over ``args.vocab`` when the checkpoint
+    """(the LLM, a decode function of token ids) with grammars attached (over ``args.vocabulary`` when the checkpoint
     has no tokenizer)."""
     from fnvllm.engine.text import has_tokenizer_files
     from fnvllm.llm import LLM
@@ -169,7 +169,7 @@ def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
         if grammars is not None and args.fill_threads:
             grammars.num_threads = args.fill_threads
         return llm, lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)
-    return llm, _attach_vocab(llm, args.vocab, args.fill_threads)
+    return llm, _attach_vocab(llm, args.vocabulary, args.fill_threads)
 
 
 def _executor(llm: Any) -> Any:
@@ -293,12 +293,12 @@ def _variants(
     from fnvllm.engine.text import has_tokenizer_files
 
     executor = _executor(llm)
-    vocab_label = "" if has_tokenizer_files(folder) else f" [{args.vocab} vocab]"
+    vocab_label = "" if has_tokenizer_files(folder) else f" [{args.vocabulary} vocab]"
     results = {vocab_label: _interleaved(llm, prompts, [plain, mixed], args.repeats)}
     diagnosis = {vocab_label: _diagnose(llm, prompts, plain, mixed)}
     default = executor.grammars
-    if args.other_vocab and vocab_label:
-        other = next(name for name in VOCABS if name != args.vocab)
+    if args.other_vocabulary and vocab_label:
+        other = next(name for name in VOCABS if name != args.vocabulary)
         _attach_vocab(llm, other, args.fill_threads)
         _timed(llm, prompts[:16], mixed[:16])  # compiles the schema for this vocabulary
         results[f" [{other} vocab]"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)

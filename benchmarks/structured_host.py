@@ -15,7 +15,7 @@ a random token its mask allows (numpy, not timed). Per step it times, in millise
   --host-ms of Python work (standing for the engine loop's commit and planning, which run meanwhile), then
   ``Grammars.wait``: the time past --host-ms is what the grammar work adds to the host's critical path.
 
-The vocabularies are bench_structured.py's (``--vocab``: its BPE one learned from the standard library and padded
+The vocabularies are bench_structured.py's (``--vocabulary``: its BPE one learned from the standard library and padded
 with multilingual tokens, its synthetic worst case of random JSON-ish strings, or both, the default) unless --model
 names a checkpoint folder with a tokenizer. Needs xgrammar; without it the script says so and exits 0.
 """
@@ -39,8 +39,8 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=64, help="constrained rows")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
-    p.add_argument("--vocab", choices=[*VOCABS, "both"], default="both", help="bench_structured.py's vocabulary")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
+    p.add_argument("--vocabulary", choices=[*VOCABS, "both"], default="both", help="bench_structured.py's vocabulary")
     p.add_argument("--model", default=None, help="a checkpoint folder whose tokenizer to use instead")
     p.add_argument("--threads", default="1,auto,4x4", help="comma-separated fill thread counts ('auto': all cores "
                    "but 1); WxT: W grammar workers (each its chunk of rows) of T xgrammar threads each")  # fmt: skip
@@ -59,7 +59,7 @@ def _grammars(args: argparse.Namespace, vocab: str, threads: int, workers: int =
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], num_threads=threads, num_workers=workers)
-    size = args.vocab_size
+    size = args.vocab
     info = xgr.TokenizerInfo(VOCABS[vocab](size), xgr.VocabType.RAW, vocab_size=size, stop_token_ids=[0])
     return Grammars(None, size, [0], tokenizer_info=info, num_threads=threads, num_workers=workers)
 
@@ -133,14 +133,14 @@ def main() -> int:
     specs = [
         f"1x{default_fill_threads()}" if t == "auto" else t if "x" in t else f"1x{t}" for t in args.threads.split(",")
     ]
-    vocabs = ["tokenizer"] if args.model else list(VOCABS) if args.vocab == "both" else [args.vocab]
+    vocabs = ["tokenizer"] if args.model else list(VOCABS) if args.vocabulary == "both" else [args.vocabulary]
     results = {}
     for vocab in vocabs:
         for spec in dict.fromkeys(specs):
             workers, threads = map(int, spec.split("x"))
             results[vocab, spec] = _walk(args, vocab, threads, workers)
     names = list(next(iter(results.values())))
-    print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary size {args.vocab_size}")
+    print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary size {args.vocab}")
     print(f"{'vocabulary':>12}{'workers x threads':>18}" + "".join(f"{name + ' ms':>30}" for name in names))
     for (vocab, spec), row in results.items():
         label = args.model or vocab
