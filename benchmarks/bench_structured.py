@@ -151,6 +151,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 VOCABS = {"bpe": _bpe_vocab, "synthetic": _synthetic_vocab}
+QUOTED: dict[str, int] = {}  # per vocabulary attached: how many of its tokens hold a quote (module docstring)
 
 
 def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
@@ -186,6 +187,7 @@ def _attach_vocab(llm: Any, name: str, fill_threads: int | None) -> Any:
     vocab_size = llm.model_config.vocab_size
     eos = sorted(llm.engine.config.eos_token_ids)
     vocab = VOCABS[name](vocab_size)
+    QUOTED[name] = sum(b'"' in token for token in vocab)
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=eos)
     _executor(llm).grammars = Grammars(None, vocab_size, eos, tokenizer_info=info, num_threads=fill_threads)
     return lambda ids: b"".join(vocab[i] for i in ids if i not in eos).decode("utf-8", "replace")
@@ -259,6 +261,8 @@ def main() -> int:
         _host_table(num_constrained, args.host_steps)
     print(f"\ndevice {args.device}, overlap {overlap}, {args.rows} rows x {args.max_tokens} tokens, correctness "
           f"{valid}/{min(16, len(prompts))} constrained outputs valid")  # fmt: skip
+    for name, count in QUOTED.items():
+        print(f"vocabulary {name}: {count} of its tokens hold a quote")
     _print_diagnosis(diagnosis)
     print(f"\n{'batch':<56}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
     for suffix, ((t_plain, n_plain), (t_mixed, n_mixed)) in results.items():
