@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the lo
     from fnvllm.executor.sampler import HostGrammarMask
 
 GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
+ROWS_PER_FILL_THREAD = 2  # a batched fill uses at most one xgrammar thread per this many rows (``Grammars._batch``)
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
 
 
@@ -351,14 +352,20 @@ class Grammars:
         if len(filled) == 1:
             filled[0].fill_next_token_bitmask(bitmask, indices[0])
         elif filled:
-            caller = threading.get_ident()
-            if caller not in self._batches:
-                threads = max(1, self.num_threads // self.num_workers)
-                self._batches[caller] = import_xgrammar().BatchGrammarMatcher(threads)
-            self._batches[caller].batch_fill_next_token_bitmask(filled, bitmask, indices)
+            self._batch(len(filled)).batch_fill_next_token_bitmask(filled, bitmask, indices)
         self.stats.fill_s += time.perf_counter() - start
         self.stats.num_fills += 1
         self.stats.rows_filled += len(filled)
+
+    def _batch(self, num_rows: int) -> Any:
+        """The calling thread's xgrammar BatchGrammarMatcher for a fill of ``num_rows`` rows: this worker's share of
+        ``num_threads``, but at most one thread per ROWS_PER_FILL_THREAD rows (xgrammar starts its threads at every
+        call, ~20-60 us each: a thread for one or two rows costs more than it saves)."""
+        share = max(1, self.num_threads // self.num_workers)
+        key = (threading.get_ident(), max(1, min(share, num_rows // ROWS_PER_FILL_THREAD)))
+        if key not in self._batches:
+            self._batches[key] = import_xgrammar().BatchGrammarMatcher(key[1])
+        return self._batches[key]
 
     def _worker(self) -> ThreadPoolExecutor:
         """The threads that run ``advance`` (``num_workers``), started on first use."""
