@@ -155,6 +155,46 @@ def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.M
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
 
 
+@pytest.mark.usefixtures("overlapping")
+def test_a_forward_never_waits_for_its_masks(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlapped steps with constrained rows: each step whose masks the grammar thread fills has its forward
+    queued before that fill starts, and samples only after it (the rule of docs/structured_outputs.md); the fill
+    starts when the previous step's tokens are collected."""
+    events: list[tuple[str, int]] = []
+    hidden, sample, accept = ModelExecutor._hidden_at_samples, ModelExecutor._sample, ModelExecutor._accept
+
+    def forward(self: ModelExecutor, plan: Any, feed: Any) -> Any:
+        events.append(("forward", plan.step))
+        return hidden(self, plan, feed)
+
+    def sampled(self: ModelExecutor, launched: Any, logits: Any) -> None:
+        events.append(("sample", launched.plan.step))
+        sample(self, launched, logits)
+
+    def accepted(self: ModelExecutor, collected: Any, tokens: list[int]) -> None:
+        events.append(("collect", collected.plan.step))
+        accept(self, collected, tokens)
+        if self._deferred is not None and self._deferred.pending is not None:
+            events.append(("fill", self._deferred.plan.step))
+
+    monkeypatch.setattr(ModelExecutor, "_hidden_at_samples", forward)
+    monkeypatch.setattr(ModelExecutor, "_sample", sampled)
+    monkeypatch.setattr(ModelExecutor, "_accept", accepted)
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=True)
+    _check(llm.generate(["The story"] * 7, _params(5)))
+    llm.loop.drain()
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+    fills = [k for k, (kind, _) in enumerate(events) if kind == "fill"]
+    assert fills, "no step had its masks filled on the grammar thread"
+    for k in fills:  # a dropped speculative step's number runs again: look at this run's events only
+        step = events[k][1]
+        queued = max(i for i, event in enumerate(events[:k]) if event == ("forward", step))
+        assert ("collect", step - 1) in events[queued:k]  # the fill starts once the tokens it needs are in
+        assert ("sample", step) not in events[queued:k]  # ... and the step has not sampled before it
+    sampled_after = [k for k in fills if ("sample", events[k][1]) in events[k:]]
+    assert sampled_after  # (the last fills may belong to steps dropped at the end)
+
+
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
 def test_masked_tokens_are_never_sampled(kernels: bool) -> None:
     """Randomised: for random logits, masks and settings, a masked row's token is always an allowed one (torch
