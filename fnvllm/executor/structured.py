@@ -136,7 +136,8 @@ class GrammarStats:
     fill_s / accept_s: inside xgrammar's fill and accept calls (on the grammar workers, or on the caller's thread
     when it fills or accepts itself); num_fills / rows_filled: the fill calls and the rows they filled. wait_s: the
     caller blocked in ``Grammars.wait`` for a fill that had not finished (what the fill adds to the engine loop's
-    critical path); num_waits: the waits. Benchmarks read it (benchmarks/bench_structured.py).
+    critical path); num_waits: the waits. With several grammar workers their times add up (and two workers'
+    updates may race: the sums are for benchmarks, benchmarks/bench_structured.py, not for accounting).
     """
 
     fill_s: float = 0.0
