@@ -360,7 +360,8 @@ def _print_diagnosis(diagnosis: dict[str, dict[str, float]]) -> None:
     if not diagnosis:
         return
     names = list(next(iter(diagnosis.values())))
-    print("\nper decode step, ms (timeline: gpu = device time of a step, cpu = host time of a loop cycle, gap = device")
+    print("\nper decode step, ms (timeline: gpu = device time of a step, from its forward to its sampler, so a step")
+    print("that samples late counts the device's wait for its masks; cpu = host time of a loop cycle; gap = device")
     print("idle before a step; fill / accept = in xgrammar's calls; wait = engine loop blocked on the fill)")
     print(f"{'configuration':<22}" + "".join(f"{name:>16}" for name in names))
     for label, row in diagnosis.items():
