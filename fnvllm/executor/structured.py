@@ -12,9 +12,10 @@ it installed that is an InvalidRequestError naming the package (``check_structur
 is added, before anything runs).
 
 Overlapped steps: see ``ModelExecutor.launch`` and docs/structured_outputs.md (a step with a constrained row fed
-by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). Then
-``advance`` runs the accept and the next masks' fill on a worker thread, while the engine loop commits and plans;
-xgrammar does both without holding the GIL.
+by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). By default
+the collect that brings the tokens accepts them and fills the next masks itself (``accept``, ``masks``); with
+``ModelExecutor.sample_deferred_at = "launch"``, ``advance`` runs both on a worker thread while the engine loop
+commits and plans (xgrammar does both without holding the GIL). ``Grammars.stats`` says where the time went.
 """
 
 from __future__ import annotations
