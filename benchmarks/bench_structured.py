@@ -5,18 +5,32 @@ python benchmarks/bench_structured.py                       # H200: random Qwen3
 python benchmarks/bench_structured.py --model PATH          # a checkpoint folder (its tokenizer, if it has one)
 python benchmarks/bench_structured.py --device cpu --model-shape demo --rows 32 --fraction 0.5 --max-tokens 32
 
-Without a tokenizer (the random checkpoints) the grammars use a synthetic vocabulary of the model's size (byte
-tokens plus random JSON-ish strings of 2-8 bytes), so the mask work is that of a real vocabulary's size.
+Without a tokenizer (the random checkpoints) the grammars get a vocabulary of the model's size, ``--vocabulary``:
+
+- ``bpe`` (default): a real byte-level BPE vocabulary learned from this Python's standard library (the demo
+  model's recipe, ``fnvllm.demo.data``: ~41k tokens of code and English), then multilingual tokens (CJK, Hangul,
+  Cyrillic, Arabic, kana, Devanagari, accented Latin: 1-4 characters, some with a leading space) up to the size,
+  as Qwen's 151,936 ids are mostly multilingual. What a JSON mask costs depends on how many tokens hold a quote
+  (xgrammar must check those against the rest of the grammar at run time inside a string): 987 here (2.4 % of the
+  BPE part), against ~10,100 (6.6 % of all) in the synthetic one.
+- ``synthetic``: byte tokens plus random JSON-ish strings of 2-8 bytes; a worst case (one token in 15 holds a
+  quote, followed by random characters), ~20x the bpe vocabulary's fill time per row inside a string.
+
+The other vocabulary is timed too (``--other-vocabulary``, on by default), so both ratios are printed.
 
 Every row generates exactly --max-tokens tokens in both runs: unconstrained rows ignore EOS, constrained rows
 follow a schema that cannot end sooner (an array of at least 10,000 objects), so the two runs do the same work
-apart from the masks. Needs xgrammar (``pip install xgrammar``); without it the script says so and exits 0.
+apart from the masks. After the timed runs, one more run of each batch with the step timeline on gives the
+device / host / idle ms per step, and the grammar stats give where the host's grammar time went per step (the
+fill and the accept on the grammar worker, and the engine loop's wait for the fill: what the fill adds to the
+critical path). Needs xgrammar (``pip install xgrammar``); without it the script says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import random
 import sys
@@ -63,6 +77,9 @@ def _args() -> argparse.Namespace:
                    help="also time the mix with deferred steps sampled at collect (default on)")  # fmt: skip
     p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
     p.add_argument("--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1)")
+    p.add_argument("--vocabulary", choices=VOCABS, default="bpe", help="of a checkpoint without a tokenizer")
+    p.add_argument("--other-vocabulary", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the mix with the other --vocabulary (default on)")  # fmt: skip
     return p.parse_args()
 
 
@@ -93,12 +110,54 @@ def _synthetic_vocab(size: int) -> list[bytes]:
     return vocab
 
 
-def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
-    """(the LLM, a decode function of token ids) with grammars attached."""
-    import xgrammar as xgr
+# Unicode blocks of the multilingual tokens that fill a bpe vocabulary up to the model's size.
+SCRIPTS = ((0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0x0400, 0x04FF), (0x0600, 0x06FF), (0x3040, 0x30FF),
+           (0x0900, 0x097F), (0x00C0, 0x024F))  # fmt: skip
 
+
+@functools.cache
+def _bpe_vocab(size: int) -> list[bytes]:
+    """A byte-level BPE vocabulary learned from the standard library (at most ``size`` tokens; ~41k reach the
+    tokenizers trainer's minimum pair count of 2), then distinct multilingual tokens up to ``size`` (module
+    docstring). Seconds to build; deterministic."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from fnvllm.demo.data import corpus_files, read_texts
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    backend.train_from_iterator(read_texts(corpus_files()), trainer=trainer)
+    to_byte = _byte_decoder()
+    learned = sorted(backend.get_vocab().items(), key=lambda item: item[1])
+    vocab = [bytes(to_byte[ch] for ch in text) for text, _ in learned]
+    seen, rng = set(vocab), random.Random(0)
+    while len(vocab) < size:
+        low, high = rng.choice(SCRIPTS)
+        text = "".join(chr(rng.randint(low, high)) for _ in range(rng.randint(1, 4)))
+        token = ((" " if rng.random() < 0.3 else "") + text).encode()
+        if token not in seen:
+            seen.add(token)
+            vocab.append(token)
+    return vocab
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE token -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+VOCABS = {"bpe": _bpe_vocab, "synthetic": _synthetic_vocab}
+QUOTED: dict[str, int] = {}  # per vocabulary attached: how many of its tokens hold a quote (module docstring)
+
+
+def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
+    """(the LLM, a decode function of token ids) with grammars attached (over ``args.vocabulary`` when the checkpoint
+    has no tokenizer)."""
     from fnvllm.engine.text import has_tokenizer_files
-    from fnvllm.executor.structured import Grammars
     from fnvllm.llm import LLM
 
     has_tokenizer = has_tokenizer_files(folder)
@@ -107,17 +166,31 @@ def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
         options |= {"dtype": "float32", "attention_backend": "torch"}
     llm = LLM(folder, load_tokenizer=has_tokenizer, **options)
     if has_tokenizer:
-        grammars = getattr(llm.executor, "local", llm.executor).grammars
+        grammars = _executor(llm).grammars
         if grammars is not None and args.fill_threads:
             grammars.num_threads = args.fill_threads
         return llm, lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)
+    return llm, _attach_vocab(llm, args.vocabulary, args.fill_threads)
+
+
+def _executor(llm: Any) -> Any:
+    """The LLM's ModelExecutor (rank 0's under tensor parallelism)."""
+    return getattr(llm.executor, "local", llm.executor)
+
+
+def _attach_vocab(llm: Any, name: str, fill_threads: int | None) -> Any:
+    """Give the executor Grammars over the ``name`` vocabulary of the model's size; returns a decode function."""
+    import xgrammar as xgr
+
+    from fnvllm.executor.structured import Grammars
+
     vocab_size = llm.model_config.vocab_size
     eos = sorted(llm.engine.config.eos_token_ids)
-    vocab = _synthetic_vocab(vocab_size)
+    vocab = VOCABS[name](vocab_size)
+    QUOTED[name] = sum(b'"' in token for token in vocab)
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=eos)
-    executor = getattr(llm.executor, "local", llm.executor)
-    executor.grammars = Grammars(None, vocab_size, eos, tokenizer_info=info, num_threads=args.fill_threads)
-    return llm, lambda ids: b"".join(vocab[i] for i in ids if i not in eos).decode("utf-8", "replace")
+    _executor(llm).grammars = Grammars(None, vocab_size, eos, tokenizer_info=info, num_threads=fill_threads)
+    return lambda ids: b"".join(vocab[i] for i in ids if i not in eos).decode("utf-8", "replace")
 
 
 def _prompts(llm: Any, rows: int, length: int) -> list[list[int]]:
@@ -167,62 +240,133 @@ def _interleaved(llm: Any, prompts: list[list[int]], batches: list[list[Any]], r
 
 
 def main() -> int:
-    """Build, check, time; print a table last."""
+    """Build, check, time; print the tables last."""
     args = _args()
     try:
         import xgrammar  # noqa: F401
     except ImportError:
         print("bench_structured: xgrammar is not installed (pip install xgrammar, or carry its wheel); skipped.")
         return 0
-    from fnvllm.state import SamplingParams, StructuredOutput
-
     with _checkpoint(args) as folder:
         llm, decode = _build(args, folder)
         prompts = _prompts(llm, args.rows, args.prompt_len)
         valid = _check_correctness(llm, decode, prompts)
-        long_spec = StructuredOutput.json_schema(LONG_SCHEMA)
-        plain = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)] * args.rows
-        num_constrained = round(args.rows * args.fraction)
-        mixed = list(plain)
-        for i in range(num_constrained):  # spread over the batch
-            mixed[i * args.rows // max(num_constrained, 1)] = SamplingParams(
-                max_tokens=args.max_tokens, temperature=1.0, structured=long_spec
-            )
+        plain, mixed = _batches(args)
         _timed(llm, prompts[:16], mixed[:16])  # warm-up: compile, graphs
-        results = {"": _interleaved(llm, prompts, [plain, mixed], args.repeats)}
+        results, diagnosis = _variants(args, llm, folder, prompts, plain, mixed)
         overlap = llm.loop.overlap
-        executor = getattr(llm.executor, "local", llm.executor)
-        if overlap and args.variants:  # the other place a deferred step may sample (ModelExecutor docstring)
-            executor.sample_deferred_at = "collect"
-            results[", sampled at collect"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
-            executor.sample_deferred_at = "launch"
-            default = executor.grammars
-            for workers in (4, 8):  # grammar workers that each accept and fill a chunk of the rows
-                executor.grammars = _with_workers(default, workers)
-                results[f", {workers} grammar workers"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
-            executor.grammars = default
-        if args.plain and overlap:
-            from fnvllm.engine.loop import EngineLoop
-
-            llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
-            results[", plain steps"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
         llm.close()
+    num_constrained = sum(p.structured is not None for p in mixed)
     if args.host_steps:
         _host_table(num_constrained, args.host_steps)
     print(f"\ndevice {args.device}, overlap {overlap}, {args.rows} rows x {args.max_tokens} tokens, correctness "
           f"{valid}/{min(16, len(prompts))} constrained outputs valid")  # fmt: skip
-    print(f"{'batch':<48}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
+    for name, count in QUOTED.items():
+        print(f"vocabulary {name}: {count} of its tokens hold a quote")
+    print(f"\n{'batch':<56}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
     for suffix, ((t_plain, n_plain), (t_mixed, n_mixed)) in results.items():
         label = f"{num_constrained} constrained ({args.fraction:.0%}){suffix}"
         for name, seconds, tokens in ((f"unconstrained{suffix}", t_plain, n_plain), (label, t_mixed, n_mixed)):
             step_ms = 1e3 * seconds / args.max_tokens
-            print(f"{name:<48}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
-        print(f"{'mixed / unconstrained time' + suffix:<48}{t_mixed / t_plain:>10.3f}")
+            print(f"{name:<56}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
+        print(f"{'mixed / unconstrained time' + suffix:<56}{t_mixed / t_plain:>10.3f}")
+    _print_diagnosis(diagnosis)
+    for suffix in diagnosis:  # last, so that a log cut to its tail keeps the target's numbers
+        (t_plain, _), (t_mixed, _) = results[suffix]
+        print(f"summary{suffix or ' (default)'}: mixed / unconstrained time {t_mixed / t_plain:.3f}")
     return 0
 
 
-def _with_workers(grammars: Any, workers: int) -> Any:
-    """A Grammars like ``grammars`` with ``workers`` grammar workers sharing its xgrammar threads."""
+def _batches(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """(all rows unconstrained, the mix): ``args.fraction`` of the rows under LONG_SCHEMA, spread over the batch."""
+    from fnvllm.state import SamplingParams, StructuredOutput
+
+    long_spec = StructuredOutput.json_schema(LONG_SCHEMA)
+    plain = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)] * args.rows
+    num_constrained = round(args.rows * args.fraction)
+    mixed = list(plain)
+    for i in range(num_constrained):
+        mixed[i * args.rows // max(num_constrained, 1)] = SamplingParams(
+            max_tokens=args.max_tokens, temperature=1.0, structured=long_spec
+        )
+    return plain, mixed
+
+
+def _variants(
+    args: argparse.Namespace, llm: Any, folder: Path, prompts: list[list[int]], plain: list[Any], mixed: list[Any]
+) -> tuple[dict[str, list[tuple[float, int]]], dict[str, dict[str, float]]]:
+    """Per configuration (a label suffix), the timed (plain, mixed) pair; and the per-step diagnosis of the default
+    configuration (and of the other vocabulary)."""
+    from fnvllm.engine.text import has_tokenizer_files
+
+    executor = _executor(llm)
+    vocab_label = "" if has_tokenizer_files(folder) else f" [{args.vocabulary} vocab]"
+    results = {vocab_label: _interleaved(llm, prompts, [plain, mixed], args.repeats)}
+    diagnosis = {vocab_label: _diagnose(llm, prompts, plain, mixed)}
+    default = executor.grammars
+    if args.other_vocabulary and vocab_label:
+        other = next(name for name in VOCABS if name != args.vocabulary)
+        _attach_vocab(llm, other, args.fill_threads)
+        _timed(llm, prompts[:16], mixed[:16])  # compiles the schema for this vocabulary
+        results[f" [{other} vocab]"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+        diagnosis[f" [{other} vocab]"] = _diagnose(llm, prompts, plain, mixed)
+        executor.grammars = default
+    overlap = llm.loop.overlap
+    if overlap and args.variants:
+        executor.sample_deferred_at = "launch"  # the other place a deferred step may sample (ModelExecutor)
+        results[f"{vocab_label}, sampled at launch"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+        executor.sample_deferred_at = "collect"
+        half = max(1, default.num_threads // 2)
+        executor.grammars = _with_workers(default, 1, half)
+        results[f"{vocab_label}, {half} fill threads"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+        executor.grammars = default
+    if args.plain and overlap:
+        from fnvllm.engine.loop import EngineLoop
+
+        llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+        results[f"{vocab_label}, plain steps"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
+    return results, diagnosis
+
+
+def _diagnose(llm: Any, prompts: list[list[int]], plain: list[Any], mixed: list[Any]) -> dict[str, float]:
+    """One more run of each batch with the step timeline on (in memory) and the grammar stats reset: ms per decode
+    step of device time, host time and device idle gap (each batch), and the grammar work of the mix per step."""
+    from fnvllm.executor.timeline import StepTimeline
+
+    executor = _executor(llm)
+    saved = executor.timeline
+    out: dict[str, float] = {}
+    for name, params in (("plain", plain), ("mixed", mixed)):
+        executor.timeline = StepTimeline(None, executor._timeline_header(), executor.device)
+        executor.grammars.reset_stats()
+        seconds, _ = _timed(llm, prompts, params)
+        decode = executor.timeline.summary().get("decode", {})
+        out |= {f"{name} {k}": decode.get(f"mean_{k}_ms", float("nan")) for k in ("gpu", "cpu", "gap")}
+        out[f"{name} ms/step"] = 1e3 * seconds / max(1, params[0].max_tokens)
+    stats = executor.grammars.reset_stats()
+    steps = max(1, stats.num_fills)
+    out |= {"fill": 1e3 * stats.fill_s / steps, "accept": 1e3 * stats.accept_s / steps,
+            "wait": 1e3 * stats.wait_s / steps, "rows/fill": stats.rows_filled / steps}  # fmt: skip
+    executor.timeline = saved
+    return out
+
+
+def _print_diagnosis(diagnosis: dict[str, dict[str, float]]) -> None:
+    """The per-step table of ``_diagnose`` (one row per configuration)."""
+    if not diagnosis:
+        return
+    names = list(next(iter(diagnosis.values())))
+    print("\nper decode step, ms (timeline: gpu = device time of a step, from its forward to its sampler, so a step")
+    print("that samples late counts the device's wait for its masks; cpu = host time of a loop cycle; gap = device")
+    print("idle before a step; fill / accept = in xgrammar's calls; wait = engine loop blocked on the fill)")
+    print(f"{'configuration':<22}" + "".join(f"{name:>16}" for name in names))
+    for label, row in diagnosis.items():
+        print(f"{label.strip() or 'default':<22}" + "".join(f"{row[name]:>16.3f}" for name in names))
+
+
+def _with_workers(grammars: Any, workers: int, threads: int | None = None) -> Any:
+    """A Grammars like ``grammars`` with ``workers`` grammar workers sharing ``threads`` xgrammar threads (default:
+    as many as ``grammars``)."""
     from fnvllm.executor.structured import Grammars
 
     return Grammars(
@@ -230,18 +374,19 @@ def _with_workers(grammars: Any, workers: int) -> Any:
         grammars.vocab_size,
         grammars.stop_ids,
         grammars.tokenizer_info,
-        grammars.num_threads,
+        threads or grammars.num_threads,
         workers,
     )
 
 
 def _host_table(rows: int, steps: int) -> None:
-    """benchmarks/structured_host.py's table for ``rows`` constrained rows (1, 8, all but one xgrammar threads on
-    one worker; 4, 8, 15 workers)."""
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies (1, 8, all but one
+    xgrammar threads on one worker; 4 workers of 4 threads)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import structured_host
 
-    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4,8x2,15x1"]
+    structured_host.VOCABS = VOCABS  # this module's, whose vocabularies are built already
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4"]
     structured_host.main()
 
 

@@ -1,6 +1,6 @@
 """Host cost per step of grammar-constrained rows: the mask fill and the token accept, on the CPU only.
 
-python benchmarks/structured_host.py                         # 64 rows, a 151,936-token vocabulary, 64 steps
+python benchmarks/structured_host.py                         # 64 rows, 151,936-token vocabularies, 64 steps
 python benchmarks/structured_host.py --rows 8 --steps 8 --vocab 4096 --threads 1
 
 R matchers of bench_structured.py's long JSON schema walk the grammar for --steps steps; each step every row takes
@@ -15,7 +15,8 @@ a random token its mask allows (numpy, not timed). Per step it times, in millise
   --host-ms of Python work (standing for the engine loop's commit and planning, which run meanwhile), then
   ``Grammars.wait``: the time past --host-ms is what the grammar work adds to the host's critical path.
 
-The vocabulary is bench_structured.py's synthetic one (byte tokens plus random JSON-ish strings) unless --model
+The vocabularies are bench_structured.py's (``--vocabulary``: its BPE one learned from the standard library and padded
+with multilingual tokens, its synthetic worst case of random JSON-ish strings, or both, the default) unless --model
 names a checkpoint folder with a tokenizer. Needs xgrammar; without it the script says so and exits 0.
 """
 
@@ -31,14 +32,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_structured's schema and vocabulary
 
-from bench_structured import LONG_SCHEMA, _synthetic_vocab
+from bench_structured import LONG_SCHEMA, VOCABS
 
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=64, help="constrained rows")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=151936, help="synthetic vocabulary size (Qwen3's by default)")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
+    p.add_argument("--vocabulary", choices=[*VOCABS, "both"], default="both", help="bench_structured.py's vocabulary")
     p.add_argument("--model", default=None, help="a checkpoint folder whose tokenizer to use instead")
     p.add_argument("--threads", default="1,auto,4x4", help="comma-separated fill thread counts ('auto': all cores "
                    "but 1); WxT: W grammar workers (each its chunk of rows) of T xgrammar threads each")  # fmt: skip
@@ -46,8 +48,8 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _grammars(args: argparse.Namespace, threads: int, workers: int = 1) -> Any:
-    """A Grammars over the synthetic vocabulary (or --model's tokenizer)."""
+def _grammars(args: argparse.Namespace, vocab: str, threads: int, workers: int = 1) -> Any:
+    """A Grammars over bench_structured.py's ``vocab`` vocabulary (or --model's tokenizer)."""
     import xgrammar as xgr
 
     from fnvllm.executor.structured import Grammars
@@ -57,18 +59,12 @@ def _grammars(args: argparse.Namespace, threads: int, workers: int = 1) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], num_threads=threads, num_workers=workers)
-    info = xgr.TokenizerInfo(_vocab(args.vocab), xgr.VocabType.RAW, vocab_size=args.vocab, stop_token_ids=[0])
-    return Grammars(None, args.vocab, [0], tokenizer_info=info, num_threads=threads, num_workers=workers)
+    size = args.vocab
+    info = xgr.TokenizerInfo(VOCABS[vocab](size), xgr.VocabType.RAW, vocab_size=size, stop_token_ids=[0])
+    return Grammars(None, size, [0], tokenizer_info=info, num_threads=threads, num_workers=workers)
 
 
-_VOCABS: dict[int, list[bytes]] = {}
 WARMUP = 2  # untimed steps before the timed ones
-
-
-def _vocab(size: int) -> list[bytes]:
-    if size not in _VOCABS:
-        _VOCABS[size] = _synthetic_vocab(size)
-    return _VOCABS[size]
 
 
 def _busy(ms: float) -> None:
@@ -78,14 +74,14 @@ def _busy(ms: float) -> None:
         sum(range(200))
 
 
-def _walk(args: argparse.Namespace, threads: int, workers: int) -> dict[str, float]:
+def _walk(args: argparse.Namespace, vocab: str, threads: int, workers: int) -> dict[str, float]:
     """Milliseconds per step of each timed part (module docstring)."""
     import xgrammar as xgr
 
     from fnvllm.executor.structured import Matcher
     from fnvllm.state import StructuredOutput
 
-    grammars = _grammars(args, threads * workers, workers)
+    grammars = _grammars(args, vocab, threads * workers, workers)
     compiled = grammars._compile(StructuredOutput.json_schema(LONG_SCHEMA))
     matchers = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]
     twins = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(args.rows)]  # accept inline, timed alone
@@ -137,16 +133,18 @@ def main() -> int:
     specs = [
         f"1x{default_fill_threads()}" if t == "auto" else t if "x" in t else f"1x{t}" for t in args.threads.split(",")
     ]
+    vocabs = ["tokenizer"] if args.model else list(VOCABS) if args.vocabulary == "both" else [args.vocabulary]
     results = {}
-    for spec in dict.fromkeys(specs):
-        workers, threads = map(int, spec.split("x"))
-        results[spec] = _walk(args, threads, workers)
-    vocab = args.model or f"synthetic {args.vocab}"
-    print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary {vocab}")
+    for vocab in vocabs:
+        for spec in dict.fromkeys(specs):
+            workers, threads = map(int, spec.split("x"))
+            results[vocab, spec] = _walk(args, vocab, threads, workers)
     names = list(next(iter(results.values())))
-    print(f"{'workers x threads':>18}" + "".join(f"{name + ' ms':>30}" for name in names))
-    for spec, row in results.items():
-        print(f"{spec:>18}" + "".join(f"{row[name]:>30.3f}" for name in names))
+    print(f"\n{args.rows} constrained rows (long JSON schema), {args.steps} steps, vocabulary size {args.vocab}")
+    print(f"{'vocabulary':>12}{'workers x threads':>18}" + "".join(f"{name + ' ms':>30}" for name in names))
+    for (vocab, spec), row in results.items():
+        label = args.model or vocab
+        print(f"{label:>12}{spec:>18}" + "".join(f"{row[name]:>30.3f}" for name in names))
     return 0
 
 

@@ -155,6 +155,49 @@ def test_overlapped_steps_give_the_plain_outputs(llm: LLM, monkeypatch: pytest.M
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
 
 
+@pytest.mark.usefixtures("overlapping")
+@pytest.mark.parametrize("where", ["collect", "launch"])
+def test_a_forward_never_waits_for_its_masks(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Overlapped steps with constrained rows: a step whose masks need the previous step's tokens has its forward
+    queued before those tokens are collected, and samples only after (its masks filled at that collect, or on the
+    grammar thread started there and waited for at the next launch): the rule of docs/structured_outputs.md."""
+    monkeypatch.setattr(llm.engine.executor, "sample_deferred_at", where)
+    events: list[tuple[str, int]] = []
+    hidden, sample, accept = ModelExecutor._hidden_at_samples, ModelExecutor._sample, ModelExecutor._accept
+
+    def forward(self: ModelExecutor, plan: Any, feed: Any) -> Any:
+        events.append(("forward", plan.step))
+        return hidden(self, plan, feed)
+
+    def sampled(self: ModelExecutor, launched: Any, logits: Any) -> None:
+        events.append(("sample", launched.plan.step))
+        sample(self, launched, logits)
+
+    def accepted(self: ModelExecutor, collected: Any, tokens: list[int]) -> None:
+        events.append(("collect", collected.plan.step))
+        accept(self, collected, tokens)
+        if self._deferred is not None and self._deferred.pending is not None:
+            events.append(("fill", self._deferred.plan.step))
+
+    monkeypatch.setattr(ModelExecutor, "_hidden_at_samples", forward)
+    monkeypatch.setattr(ModelExecutor, "_sample", sampled)
+    monkeypatch.setattr(ModelExecutor, "_accept", accepted)
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=True)
+    _check(llm.generate(["The story"] * 7, _params(5)))
+    llm.loop.drain()
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+    deferred = 0
+    for k, (kind, step) in enumerate(events):
+        if kind != "sample":
+            continue
+        queued = max(i for i, event in enumerate(events[:k]) if event == ("forward", step))  # this run of the step
+        if ("collect", step - 1) in events[queued:k]:  # it waited for the previous step's tokens
+            deferred += 1
+            assert where == "collect" or ("fill", step) in events[queued:k]
+    assert deferred > 0
+    assert any(kind == "fill" for kind, _ in events) == (where == "launch")
+
+
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
 def test_masked_tokens_are_never_sampled(kernels: bool) -> None:
     """Randomised: for random logits, masks and settings, a masked row's token is always an allowed one (torch

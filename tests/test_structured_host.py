@@ -209,3 +209,30 @@ def test_two_engines_restore_the_original_switch_interval(grammars: Grammars) ->
     assert sys.getswitchinterval() < before
     other.wait(second)
     assert sys.getswitchinterval() == before
+
+
+def test_stats_count_fills_accepts_and_waits(grammars: Grammars) -> None:
+    """Grammars.stats counts each fill and the rows it filled (an ended row is not filled), the accepts' time and
+    each wait for a mask of advance; reset_stats hands them back and counts from zero again."""
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=grammars.tokenizer_info, num_threads=2)
+    live, other, ended = _matchers(grammars, ['{"name": "a', '{"name": "a", "n": 1', '{"name": "a", "n": 1}'])
+    assert ended.matcher.accept_token(STOP)
+    grammars.masks([live, None, other, ended])
+    pending = grammars.advance(["a", "b"], [live, other], [ord("b") - 31, STOP], [live])
+    assert pending is not None
+    grammars.wait(pending)
+    stats = grammars.reset_stats()
+    assert (stats.num_fills, stats.rows_filled, stats.num_waits) == (2, 3, 1)
+    assert stats.fill_s > 0 and stats.accept_s > 0 and stats.wait_s >= 0
+    assert grammars.stats.num_fills == grammars.stats.rows_filled == grammars.stats.num_waits == 0
+
+
+def test_a_small_fill_starts_few_threads(grammars: Grammars) -> None:
+    """A batched fill uses at most one xgrammar thread per ROWS_PER_FILL_THREAD rows (xgrammar starts its threads
+    at every call), and never more than num_threads; the masks are the same whatever the thread count."""
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=grammars.tokenizer_info, num_threads=8)
+    matchers = _matchers(grammars, PREFIXES * 4)
+    masks = [grammars.masks(matchers[:n]) for n in (2, 5, 20)]
+    assert sorted(threads for _, threads in grammars._batches) == [1, 2, 8]
+    assert all(mask is not None for mask in masks)
+    assert torch.equal(masks[0].bitmask, masks[2].bitmask[:2]) and torch.equal(masks[1].bitmask, masks[2].bitmask[:5])

@@ -281,11 +281,12 @@ class ModelExecutor:
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
-        # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
-        # its masks filled on the grammar thread while the host commits and plans (the host's critical path does not
-        # wait for the fill); "collect" = at the end of the collect that accepted its tokens, its masks filled there
-        # (the device samples sooner; the host commits and plans later). benchmarks/bench_structured.py times both.
-        self.sample_deferred_at: Literal["launch", "collect"] = "launch"
+        # Where a deferred step (a constrained row fed by the step in flight) samples: "collect" = at the end of the
+        # collect that accepted its tokens, its masks filled there (the device gets the sampler while it still runs
+        # the step's forward; the host commits and plans after the fill); "launch" = at the next launch, its masks
+        # filled on the grammar thread while the host commits and plans. "collect" measured faster on the H200
+        # (docs/structured_outputs.md); benchmarks/bench_structured.py times both.
+        self.sample_deferred_at: Literal["launch", "collect"] = "collect"
         self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------
@@ -581,9 +582,10 @@ class ModelExecutor:
             self._sample(launched, logits)
 
     def _accept(self, collected: Launched, tokens: list[int]) -> None:
-        """The constrained rows' matchers accept ``collected``'s tokens. When the deferred step waits for them, the
-        grammar thread accepts them and goes on to fill that step's masks, while the host commits and plans; the
-        next launch samples it."""
+        """The constrained rows' matchers accept ``collected``'s tokens. When the deferred step waits for them, it
+        samples now, its masks filled here (``sample_deferred_at`` "collect"), or the grammar thread accepts them
+        and goes on to fill that step's masks while the host commits and plans, and the next launch samples it
+        ("launch")."""
         assert self.grammars is not None  # a constrained row ran
         ids = [collected.plan.seq_ids[i] for i in collected.rows]
         deferred = self._deferred

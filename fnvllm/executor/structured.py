@@ -12,9 +12,10 @@ it installed that is an InvalidRequestError naming the package (``check_structur
 is added, before anything runs).
 
 Overlapped steps: see ``ModelExecutor.launch`` and docs/structured_outputs.md (a step with a constrained row fed
-by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). Then
-``advance`` runs the accept and the next masks' fill on a worker thread, while the engine loop commits and plans;
-xgrammar does both without holding the GIL.
+by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). By default
+the collect that brings the tokens accepts them and fills the next masks itself (``accept``, ``masks``); with
+``ModelExecutor.sample_deferred_at = "launch"``, ``advance`` runs both on a worker thread while the engine loop
+commits and plans (xgrammar does both without holding the GIL). ``Grammars.stats`` says where the time went.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the lo
     from fnvllm.executor.sampler import HostGrammarMask
 
 GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
+ROWS_PER_FILL_THREAD = 2  # a batched fill uses at most one xgrammar thread per this many rows (``Grammars._batch``)
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
 
 
@@ -127,6 +130,25 @@ class PendingMask:
     work: tuple[Future[list[tuple[str, Matcher]]], ...]
 
 
+@attrs.define
+class GrammarStats:
+    """Where the host's grammar time went since the last ``Grammars.reset_stats`` (seconds, summed over steps).
+
+    fill_s / accept_s: inside xgrammar's fill and accept calls (on the grammar workers, or on the caller's thread
+    when it fills or accepts itself); num_fills / rows_filled: the fill calls and the rows they filled. wait_s: the
+    caller blocked in ``Grammars.wait`` for a fill that had not finished (what the fill adds to the engine loop's
+    critical path); num_waits: the waits. With several grammar workers their times add up (and two workers'
+    updates may race: the sums are for benchmarks, benchmarks/bench_structured.py, not for accounting).
+    """
+
+    fill_s: float = 0.0
+    accept_s: float = 0.0
+    wait_s: float = 0.0
+    num_fills: int = 0
+    rows_filled: int = 0
+    num_waits: int = 0
+
+
 @attrs.define(eq=False)
 class Matcher:
     """One request life's matcher and how many tokens it has accepted."""
@@ -174,6 +196,12 @@ class Grammars:
         self._batches: dict[int, Any] = {}
         self._compiled: dict[tuple[str, str], Any] = {}
         self._live: dict[str, Matcher] = {}
+        self.stats = GrammarStats()
+
+    def reset_stats(self) -> GrammarStats:
+        """The stats so far; counting starts again from zero."""
+        stats, self.stats = self.stats, GrammarStats()
+        return stats
 
     @property
     def words(self) -> int:
@@ -250,10 +278,13 @@ class Grammars:
     def wait(self, pending: PendingMask) -> HostGrammarMask:
         """The filled mask of ``advance`` once the workers are done (re-raising what they raised); forgets the
         matchers whose grammar ended with the accepted tokens."""
+        start = time.perf_counter()
         try:
             ended = [pair for work in pending.work for pair in work.result()]
         finally:
             self._restore_switch_interval()
+            self.stats.wait_s += time.perf_counter() - start
+            self.stats.num_waits += 1
         for rid, live in ended:
             if self._live.get(rid) is live:
                 del self._live[rid]
@@ -295,15 +326,16 @@ class Grammars:
         self._fill(fills, bitmask)
         return ended
 
-    @staticmethod
-    def _accept(rows: list[tuple[str, Matcher, int]]) -> list[tuple[str, Matcher]]:
+    def _accept(self, rows: list[tuple[str, Matcher, int]]) -> list[tuple[str, Matcher]]:
         """Each (id, matcher, token) row's matcher accepts its token (one xgrammar call); returns the (id, matcher)
         pairs whose grammar ended. A matcher already ended is skipped (a dropped speculative row's token)."""
         rows = [row for row in rows if not row[1].matcher.is_terminated()]
         if not rows:
             return []
         xgr = import_xgrammar()
+        start = time.perf_counter()
         accepted = xgr.BatchGrammarMatcher.batch_accept_token([r[1].matcher for r in rows], [r[2] for r in rows])
+        self.stats.accept_s += time.perf_counter() - start
         for (_, live, _), ok in zip(rows, accepted, strict=True):
             live.accepted += ok
         return [(rid, live) for rid, live, _ in rows if live.matcher.is_terminated()]
@@ -318,14 +350,24 @@ class Grammars:
             else:
                 filled.append(live.matcher)
                 indices.append(row)
+        start = time.perf_counter()
         if len(filled) == 1:
             filled[0].fill_next_token_bitmask(bitmask, indices[0])
         elif filled:
-            caller = threading.get_ident()
-            if caller not in self._batches:
-                threads = max(1, self.num_threads // self.num_workers)
-                self._batches[caller] = import_xgrammar().BatchGrammarMatcher(threads)
-            self._batches[caller].batch_fill_next_token_bitmask(filled, bitmask, indices)
+            self._batch(len(filled)).batch_fill_next_token_bitmask(filled, bitmask, indices)
+        self.stats.fill_s += time.perf_counter() - start
+        self.stats.num_fills += 1
+        self.stats.rows_filled += len(filled)
+
+    def _batch(self, num_rows: int) -> Any:
+        """The calling thread's xgrammar BatchGrammarMatcher for a fill of ``num_rows`` rows: this worker's share of
+        ``num_threads``, but at most one thread per ROWS_PER_FILL_THREAD rows (xgrammar starts its threads at every
+        call, ~20-60 us each: a thread for one or two rows costs more than it saves)."""
+        share = max(1, self.num_threads // self.num_workers)
+        key = (threading.get_ident(), max(1, min(share, num_rows // ROWS_PER_FILL_THREAD)))
+        if key not in self._batches:
+            self._batches[key] = import_xgrammar().BatchGrammarMatcher(key[1])
+        return self._batches[key]
 
     def _worker(self) -> ThreadPoolExecutor:
         """The threads that run ``advance`` (``num_workers``), started on first use."""
