@@ -35,6 +35,8 @@ CONFIGS = (
     SkinnyConfig(16, 16, 32, 4, fused_reduce=False),  # the separate sum kernel
     SkinnyConfig(16, 16, 32, 3, use_dot=False),  # CUDA cores, an odd split
     SkinnyConfig(16, 8, 64, 1, use_dot=False),
+    SkinnyConfig(16, 16, 32, 3, num_stages=1, preload=True),  # weights a tile ahead in registers, odd split
+    SkinnyConfig(16, 8, 512, 1, use_dot=False, num_stages=1, preload=True),  # one tile per program
 )
 
 
@@ -101,8 +103,13 @@ def test_cuda_core_variant_takes_unpadded_rows() -> None:
         skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=True))
 
 
+PRELOAD_ONE_TILE = SkinnyConfig(4, 8, 128, 1, use_dot=False, num_stages=1, preload=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+@pytest.mark.parametrize(
+    "config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False), PRELOAD_ONE_TILE]
+)
 def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, config: SkinnyConfig) -> None:
     """glu=True (SiLU-and-mul on load) gives the same bits as fused_ops.silu_and_mul followed by the kernel."""
     gen = torch.Generator().manual_seed(13)
@@ -117,7 +124,9 @@ def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, co
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+@pytest.mark.parametrize(
+    "config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False), PRELOAD_ONE_TILE]
+)
 def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
     dtype: torch.dtype, with_residual: bool, config: SkinnyConfig
 ) -> None:
@@ -140,6 +149,22 @@ def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
     torch.testing.assert_close(got.float(), want.float(), **tol)
     with pytest.raises(ValueError, match="both"):
         skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, x, None))
+
+
+def test_norm_statistics_in_narrow_steps_match_one_wide_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norm prologue's row statistics give the same bits whether read in one wide step or in 16-column steps
+    (a ragged last step included)."""
+    gen = torch.Generator().manual_seed(17)
+    x, res = (torch.randn(3, 200, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    nw = (torch.rand(200, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(24, 200, generator=gen) / 10).to(DEVICE, torch.bfloat16)
+    cfg = SkinnyConfig(16, 8, 64, 2)
+    wide = skinny_linear(x, w, None, cfg, norm=Norm(nw, 1e-6, res, torch.empty_like(x)))
+    monkeypatch.setattr(skinny_gemm, "_NORM_ELEMENTS", 256)  # 16 rows x 16 columns a step: 13 steps
+    narrow_res = torch.empty_like(x)
+    narrow = skinny_linear(x, w, None, cfg, norm=Norm(nw, 1e-6, res, narrow_res))
+    torch.testing.assert_close(narrow.float(), wide.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(narrow_res, x + res)
 
 
 def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear() -> None:

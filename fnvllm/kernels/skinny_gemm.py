@@ -110,7 +110,9 @@ def _skinny_kernel(
     NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
+    PRELOAD_W: tl.constexpr,
     W_LINE: tl.constexpr,  # weight elements per 128-byte cache line
+    NORM_BLOCK: tl.constexpr,  # K columns per step of the NORM statistics loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -130,6 +132,9 @@ def _skinny_kernel(
     PREFETCH_W: before waiting on the previous kernel (programmatic dependent launch), ask for this program's
     whole weight slice to be brought into L2 (prefetch.global.L2, one per 128-byte line), so the weight stream
     overlaps the previous kernel and the loop after the wait reads L2. GPU only (inline PTX).
+    PRELOAD_W: load the first (BLOCK_N, BLOCK_K) weight tile into registers before that wait, and each next tile
+    one step ahead (a register double buffer): with one tile per program (k_per_split <= BLOCK_K) the program's
+    whole weight read overlaps the previous kernel and only x is read after the wait.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -142,17 +147,24 @@ def _skinny_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH_W:  # the weight slice streams into L2 while the previous kernel finishes (no kernel writes weights)
         _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K, W_LINE)
+    w_next = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    if PRELOAD_W:  # weights: no kernel writes them, so they may be read before the wait
+        w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         write_res = (pid_n == 0) & (pid_k == 0)
         inv_rms = _rows_inv_rms(
-            x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, BLOCK_K
+            x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, NORM_BLOCK
         )
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
+        if PRELOAD_W:
+            w = w_next
+            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
+        else:
+            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -302,6 +314,8 @@ class SkinnyConfig(NamedTuple):
     partials). num_warps / num_stages: Triton launch options. use_dot: tensor cores (tl.dot, rows padded to 16)
     or CUDA cores (broadcast products and tl.sum; no padding, for 1-4 rows). fused_reduce: with split_k > 1, the
     last program of each column block sums the partials (no second kernel); False launches ``_sum_splits_kernel``.
+    preload: read the first weight tile into registers before the programmatic-dependent-launch wait, the next
+    ones a step ahead (``PRELOAD_W``); best with one tile per program (block_k >= K / split_k) and num_stages 1.
     """
 
     block_m: int
@@ -312,6 +326,7 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 4
     use_dot: bool = True
     fused_reduce: bool = True
+    preload: bool = False
 
 
 # Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep, CUDA-graph replays, weights
@@ -482,8 +497,10 @@ def _launch_skinny(
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
-        PREFETCH_W=prefetch_weights(x.device),
+        PREFETCH_W=prefetch_weights(x.device) and not cfg.preload,
+        PRELOAD_W=cfg.preload,
         W_LINE=max(1, 128 // weight.element_size()),
+        NORM_BLOCK=_norm_block(in_features, cfg.block_m),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -506,6 +523,17 @@ def _launch_skinny(
             SPLIT=cfg.split_k,
             BLOCK=block,
         )
+
+
+# float32 values the norm prologue's statistics loop holds per step (BLOCK_M rows x NORM_BLOCK columns): a whole
+# 1024-wide row per step at one row, so the rows' statistics cost one L2 round trip, not K / BLOCK_K of them.
+_NORM_ELEMENTS = 8192
+
+
+def _norm_block(in_features: int, block_m: int) -> int:
+    """K columns per step of the norm prologue's statistics loop: the row's width (a power of two) capped so
+    that a step holds at most _NORM_ELEMENTS values, at least 16."""
+    return max(16, min(int(triton.next_power_of_2(max(1, in_features))), _NORM_ELEMENTS // block_m))
 
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
