@@ -48,7 +48,8 @@ __all__ = [
 # anything: at that point every earlier kernel has completed. Each of our kernels that is launched this way
 # signals its own dependents only after that wait, so at most two kernels overlap. On by default (bit-exact, and
 # ~15 % less device time per decode step at 1 request on the H200: BENCHMARKS.md); FNVLLM_PDL=0 turns it off.
-_PDL = {"enabled": os.environ.get("FNVLLM_PDL", "1") != "0"}
+PDL_DEFAULT = os.environ.get("FNVLLM_PDL", "1") != "0"
+_PDL = {"enabled": PDL_DEFAULT}
 
 
 def set_pdl(enabled: bool) -> None:
