@@ -443,11 +443,13 @@ def print_fused(rows: list[dict]) -> None:
         cfg = tuple(r["fused_cfg"]) if r["fused_cfg"] else None
         print(f"{r['kind']:>5} {r['shape']:>5} {r['gemm']:>8} {r['m']:>3} {r['unfused_us']:>8.2f} {r['plain']:>7} "
               f"{r['fused_us']:>8.2f} {cfg}")  # fmt: skip
-    print("\nFUSED_TIMES = {  # (kind, N, K, rows bucket): (fused us, unfused us); fused config = the TUNED one")
+    print("\nFUSED_TIMES = {  # (kind, N, K, rows bucket): Fused(config, fused us, unfused us)")
     for r in rows:
+        if r["fused_cfg"] is None:
+            continue
         key = (r["kind"], r["n"], r["k"], bucket_of(r["m"]))
-        cfg = _cfg_literal(r["fused_cfg"]) if r["fused_cfg"] else None
-        print(f"    {key}: ({r['fused_us']:.2f}, {r['unfused_us']:.2f}),  # {r['shape']} {r['gemm']} at {cfg}")
+        print(f"    {key}: Fused({_cfg_literal(r['fused_cfg'])}, {r['fused_us']:.2f}, {r['unfused_us']:.2f}),"
+              f"  # {r['shape']} {r['gemm']}")  # fmt: skip
     print("}")
 
 

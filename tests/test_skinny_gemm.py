@@ -10,9 +10,13 @@ import torch.nn.functional as F
 from fnvllm.kernels import skinny_gemm
 from fnvllm.kernels.fused_ops import fused_add_rmsnorm, rmsnorm, rmsnorm_ref, silu_and_mul
 from fnvllm.kernels.skinny_gemm import (
+    FUSED_TIMES,
     TUNED_CONFIGS,
+    Fused,
     Norm,
     SkinnyConfig,
+    Tuned,
+    fused_config,
     linear,
     norm_linear,
     prefers_fused,
@@ -194,13 +198,29 @@ def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:
 def test_tuned_table_serves_its_row_bucket_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry for the 16-row bucket serves 2..16 rows (rows padded), neither 1 row nor 17; it makes the product
     skinny there and only there."""
-    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), SkinnyConfig(16, 8, 32, 2))
-    monkeypatch.setattr(skinny_gemm, "BEATS_CUBLAS", frozenset({(40, 64, 16)}))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), Tuned(SkinnyConfig(16, 8, 32, 2), 4.0, 5.0))
     assert tuned_config(3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
     assert tuned_config(1, 40, 64) is None and tuned_config(17, 40, 64) is None and tuned_config(3, 40, 80) is None
     assert prefers_skinny(3, 40, 64) and not prefers_skinny(1, 40, 64) and not prefers_skinny(17, 40, 64)
-    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), SkinnyConfig(1, 8, 32, 2, use_dot=False))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), Tuned(SkinnyConfig(1, 8, 32, 2, use_dot=False), 6.0, 5.0))
     assert tuned_config(1, 40, 64) == SkinnyConfig(1, 8, 32, 2, use_dot=False)
+    assert not prefers_skinny(1, 40, 64)  # measured slower than cuBLAS: kept there
+
+
+def test_fused_table_decides_where_it_has_an_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FUSED_TIMES entry fuses its kind only where it measured faster than the two launches, with its own
+    config (block_m fitted to the rows); without one the plain tuned config serves."""
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), Tuned(SkinnyConfig(1, 8, 32, 2, use_dot=False), 6.0, 5.0))
+    fused_cfg = SkinnyConfig(1, 8, 64, 1, 4, 1, use_dot=False, preload=True)
+    monkeypatch.setitem(FUSED_TIMES, ("norm", 40, 64, 1), Fused(fused_cfg, 3.0, 6.5))
+    monkeypatch.setitem(FUSED_TIMES, ("silu", 40, 64, 1), Fused(fused_cfg, 7.0, 6.5))
+    assert prefers_fused("norm", 1, 40, 64) and not prefers_fused("silu", 1, 40, 64)
+    assert fused_config("norm", 1, 40, 64) == fused_cfg
+    assert fused_config("silu", 3, 40, 64) is None  # no 16-row entry of either table
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), Tuned(SkinnyConfig(16, 8, 32, 2), 6.0, 5.0))
+    assert fused_config("norm", 3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
+    with pytest.raises(ValueError, match="kind"):
+        prefers_fused("gelu", 1, 40, 64)
 
 
 def test_shipped_table_never_replaces_cublas_where_it_lost() -> None:
@@ -208,7 +228,8 @@ def test_shipped_table_never_replaces_cublas_where_it_lost() -> None:
     cuBLAS; with a norm to fuse, qkv and gate_up go skinny up to NORM_MAX_ROWS rows only."""
     assert not prefers_skinny(1, 4096, 1024) and prefers_skinny(16, 4096, 1024)
     assert not any(prefers_skinny(m, 6144, 1024) for m in (1, 16, 64)) and not prefers_skinny(64, 1024, 2048)
-    assert prefers_fused(1, 4096, 1024) and prefers_fused(16, 6144, 1024) and not prefers_fused(64, 6144, 1024)
+    assert prefers_fused("norm", 1, 4096, 1024) and prefers_fused("norm", 16, 6144, 1024)
+    assert not prefers_fused("norm", 64, 6144, 1024)
 
 
 def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:

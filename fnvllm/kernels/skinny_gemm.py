@@ -22,9 +22,9 @@ gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the four
 
 Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_and_mul`` / ``fused_add_rmsnorm``):
 ``linear(x, weight, bias)``, ``silu_mul_linear(gate_up, weight, bias)`` and ``norm_linear(x, residual, norm_weight,
-eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS:
-``BEATS_CUBLAS``) or, with a prologue to fuse, ``prefers_fused`` picks, to this kernel, and everything else to
-cuBLAS after the unfused ops.
+eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS: the
+``TUNED_CONFIGS`` entries) or, with a prologue to fuse, ``prefers_fused`` picks (``FUSED_TIMES``), to this kernel,
+and everything else to cuBLAS after the unfused ops.
 """
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ from fnvllm.kernels.fused_ops import (
 )
 
 __all__ = [
-    "BEATS_CUBLAS",
+    "FUSED_TIMES",
     "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
+    "Fused",
     "Norm",
     "SkinnyConfig",
+    "Tuned",
+    "fused_config",
     "linear",
     "linear_ref",
     "norm_linear",
@@ -329,33 +332,48 @@ class SkinnyConfig(NamedTuple):
     preload: bool = False
 
 
-# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep, CUDA-graph replays, weights
-# past L2), by (N, K, rows bucket): M rows fall in the bucket of the smallest measured row count >= M (1; 2-16;
-# 17-64). ``BEATS_CUBLAS`` lists the entries faster than cuBLAS for the plain product; the others are still the
-# kernel's best shape when a fusion (norm or SiLU prologue) makes it take the product. Products without an entry
-# keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured 2026-12-01 (Qwen3-0.6B shapes),
-# us per call, cuBLAS -> skinny: qkv 1 row 4.96 -> 5.13, 16 rows 5.32 -> 5.21, 64 rows 5.40 -> 5.20; o_proj 1 row
-# 10.46 -> 5.23, 16 rows 5.87 -> 5.36, 64 rows 5.80 -> 6.18; gate_up 6.32 -> 6.33, 6.24 -> 6.38, 6.44 -> 6.69;
-# down_proj 7.56 -> 6.19, 7.85 -> 6.25, 7.92 -> 6.82.
+class Tuned(NamedTuple):
+    """A measured entry of the tuned table: the best launch config found for a (N, K, rows bucket), its time and
+    cuBLAS's for the same product (us per call, CUDA-graph replays, weights past L2, benchmarks/sweep_small.py)."""
+
+    config: SkinnyConfig
+    skinny_us: float
+    cublas_us: float
+
+
+class Fused(NamedTuple):
+    """A measured fused prologue (kind "norm": residual add + RMSNorm; "silu": SiLU-and-mul) at a (N, K, rows
+    bucket): the config of the one fused launch, its time and that of the two launches it replaces (the norm or
+    activation kernel, then the faster plain product), us per call (benchmarks/sweep_small.py)."""
+
+    config: SkinnyConfig
+    fused_us: float
+    unfused_us: float
+
+
+# Launch shapes measured best on the H200, by (N, K, rows bucket): M rows fall in the bucket of the smallest
+# measured row count >= M (1; 2-16; 17-64). ``prefers_skinny`` sends a plain product to the kernel where its entry
+# is faster than cuBLAS; the others are still the kernel's best shape when a fusion makes it take the product.
+# Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured
+# 2026-12-01 (Qwen3-0.6B shapes, benchmarks/bench_small_batch.py's sweep, PDL off).
 MEASURED_ROWS = (1, 16, 64)
-TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
-    (4096, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (4096, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (4096, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
-    (1024, 2048, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 2048, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 2048, 64): SkinnyConfig(64, 16, 256, 1, 4, 3),
-    (6144, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (6144, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (6144, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
-    (1024, 3072, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 3072, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 3072, 64): SkinnyConfig(64, 32, 128, 4, 4, 4),
+TUNED_CONFIGS: dict[tuple[int, int, int], Tuned] = {
+    (4096, 1024, 1): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 5.13, 4.96),  # 0.6b qkv
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 5.21, 5.32),
+    (4096, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 5.20, 5.40),
+    (1024, 2048, 1): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.23, 10.46),  # 0.6b o_proj
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.36, 5.87),
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 6.18, 5.80),
+    (6144, 1024, 1): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 6.33, 6.32),  # 0.6b gate_up
+    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 6.38, 6.24),
+    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.69, 6.44),
+    (1024, 3072, 1): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 6.19, 7.56),  # 0.6b down_proj
+    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 6.25, 7.85),
+    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.82, 7.92),
 }
-BEATS_CUBLAS = frozenset(
-    {(4096, 1024, 16), (4096, 1024, 64), (1024, 2048, 1), (1024, 2048, 16), (1024, 3072, 1), (1024, 3072, 16),
-     (1024, 3072, 64)}
-)  # fmt: skip
+# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket): ``prefers_fused``
+# fuses where the entry is faster; shapes without one keep its rule.
+FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {}
 
 
 def rows_bucket(num_rows: int) -> int | None:
@@ -365,8 +383,20 @@ def rows_bucket(num_rows: int) -> int | None:
 
 def tuned_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
     """The measured config for (M, N, K) from ``TUNED_CONFIGS`` (block_m fitted to M), or None."""
-    cfg = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
-    return None if cfg is None else cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
+    tuned = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
+    return None if tuned is None else _fit_rows(tuned.config, num_rows)
+
+
+def fused_config(kind: str, num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
+    """The measured config of the fused ``kind`` ("norm" or "silu") product for (M, N, K) from ``FUSED_TIMES``
+    (block_m fitted to M), else the plain product's ``tuned_config``, or None."""
+    fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
+    return tuned_config(num_rows, out_features, in_features) if fused is None else _fit_rows(fused.config, num_rows)
+
+
+def _fit_rows(cfg: SkinnyConfig, num_rows: int) -> SkinnyConfig:
+    """cfg with block_m fitted to num_rows (M padded to a power of two, >= 16 with tl.dot)."""
+    return cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
 
 
 @functools.cache
@@ -537,25 +567,33 @@ def _norm_block(in_features: int, block_m: int) -> int:
 
 
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether ``skinny_linear`` beats cuBLAS for this plain product, by the H200 measurements of
-    benchmarks/bench_small_batch.py: the measured entries in ``BEATS_CUBLAS``; for shapes not measured at this
-    row bucket, narrow, deep products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a reduce) at <=
-    SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM")."""
+    """Whether ``skinny_linear`` beats cuBLAS for this plain product, by the H200 measurements: a ``TUNED_CONFIGS``
+    entry at this rows bucket decides (its time against cuBLAS's); for shapes not measured there, narrow, deep
+    products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a reduce) at <= SKINNY_MAX_ROWS rows
+    (BENCHMARKS.md, "skinny bf16 GEMM")."""
     bucket = rows_bucket(num_rows)
     if num_rows <= 0 or bucket is None:
         return False
-    key = (out_features, in_features, bucket)
-    if key in TUNED_CONFIGS:
-        return key in BEATS_CUBLAS
+    tuned = TUNED_CONFIGS.get((out_features, in_features, bucket))
+    if tuned is not None:
+        return tuned.skinny_us < tuned.cublas_us
     return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
 
 
-def prefers_fused(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether a projection with a prologue to fuse (RMSNorm, SiLU-and-mul) goes to the skinny kernel: at <=
-    NORM_MAX_ROWS rows when the kernel has a measured config there (one ~5 us launch instead of the op's ~1.6 us
-    launch plus cuBLAS's ~5 us, where plain cuBLAS is at most ~0.2 us faster), or wherever the plain product
-    prefers it."""
-    if 0 < num_rows <= NORM_MAX_ROWS and tuned_config(num_rows, out_features, in_features) is not None:
+def prefers_fused(kind: str, num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a projection with a prologue to fuse (kind "norm": residual add + RMSNorm, "silu": SiLU-and-mul)
+    goes to the skinny kernel at M rows: a ``FUSED_TIMES`` entry at this rows bucket decides (fused against the
+    two launches) up to NORM_MAX_ROWS rows; without one, at <= NORM_MAX_ROWS rows when the kernel has a measured
+    config there (one ~5 us launch instead of the op's ~1.6 us launch plus cuBLAS's ~5 us), or wherever the
+    plain product prefers it."""
+    if kind not in ("norm", "silu"):
+        raise ValueError(f"prefers_fused kind must be 'norm' or 'silu', got {kind!r}")
+    if not 0 < num_rows <= NORM_MAX_ROWS:
+        return kind == "silu" and prefers_skinny(num_rows, out_features, in_features)
+    fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
+    if fused is not None:
+        return fused.fused_us < fused.unfused_us
+    if tuned_config(num_rows, out_features, in_features) is not None:
         return True
     return prefers_skinny(num_rows, out_features, in_features)
 
@@ -587,9 +625,11 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     MLP's activation and down projection. Where ``prefers_fused`` picks the product (on a GPU), one skinny launch
     computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
     rows, flat = _rows(gate_up)
-    if not on_gpu(gate_up) or not prefers_fused(rows, weight.shape[0], weight.shape[1]):
-        return F.linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
-    return skinny_linear(flat, weight, bias, glu=True).reshape(*gate_up.shape[:-1], weight.shape[0])
+    out_features, in_features = weight.shape
+    if not on_gpu(gate_up) or not prefers_fused("silu", rows, out_features, in_features):
+        return linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
+    cfg = fused_config("silu", rows, out_features, in_features)
+    return skinny_linear(flat, weight, bias, cfg, glu=True).reshape(*gate_up.shape[:-1], out_features)
 
 
 def norm_linear(
@@ -606,11 +646,12 @@ def norm_linear(
     otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
     fits = rows <= NORM_MAX_ROWS and x.dim() == 2 and x.is_contiguous()
-    if on_gpu(x) and fits and prefers_fused(rows, out_features, in_features):
+    if on_gpu(x) and fits and prefers_fused("norm", rows, out_features, in_features):
         residual = None if residual is None else residual.contiguous()
         new_residual = x if residual is None else torch.empty_like(x)
         norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
-        return skinny_linear(x, weight, bias, norm=norm), new_residual
+        cfg = fused_config("norm", rows, out_features, in_features)
+        return skinny_linear(x, weight, bias, cfg, norm=norm), new_residual
     if residual is None:
         return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
     normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
