@@ -489,10 +489,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merge the live partitions of (sequence program_id(0), query head program_id(1)) by log-sum-exp."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    wait_for_previous_kernel(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_live = tl.cdiv(seq_len, PARTITION_SIZE)
     if num_live > 1:  # otherwise the partition kernel wrote the output
@@ -594,7 +596,9 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             PARTITION_SIZE=cfg.partition_size,
             CHUNK=_REDUCE_CHUNK,
+            USE_PDL=use_pdl(q.device),
             num_warps=4 if head_dim >= 128 else 2,
+            **pdl_launch(q.device),
         )
     return out
 
