@@ -297,17 +297,27 @@ def three_launches(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 16])
-def test_gpu_in_kernel_reduce_is_exact_over_graph_replays(m: int) -> None:
+@pytest.mark.parametrize(
+    "m,cfg",
+    [
+        (1, SkinnyConfig(16, 16, 128, 4)),
+        (16, SkinnyConfig(16, 16, 128, 4)),
+        (1, SkinnyConfig(1, 8, 1024, 4, 4, 1, use_dot=False, preload=True)),  # weights read before the PDL wait
+        (16, SkinnyConfig(16, 32, 256, 2, 4, 1, preload=True)),
+    ],
+)
+def test_gpu_in_kernel_reduce_is_exact_over_graph_replays(m: int, cfg: SkinnyConfig) -> None:
     """At Qwen3-0.6B's four projections (norm and SiLU prologues included), 20 CUDA-graph replays of split-K
-    launches with the in-kernel reduce give the eager result bit for bit (no lost or early partials)."""
-    cfg = SkinnyConfig(16, 16, 128, 4)
+    launches with the in-kernel reduce, weights loaded ahead or not, give the eager result bit for bit (no lost or
+    early partials), and that result is F.linear's to bf16 rounding."""
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         norm = Norm(torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6, torch.randn_like(x), x * 0)
         gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         eager = [t.clone() for t in three_launches(x, gate_up, w, norm, cfg)]
+        exact = F.linear(x.float(), w.float())
+        assert (eager[0].float() - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = three_launches(x, gate_up, w, norm, cfg)
