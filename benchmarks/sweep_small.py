@@ -232,7 +232,11 @@ def _try_gemm(timer: Timer, cfg: SkinnyConfig, case: GemmCase, row: dict) -> Non
         row["wrong"] += 1
         print(f"WRONG: {case.shape} {case.name} m={case.m} {cfg}")
         return
-    us = time_gemm(timer, functools.partial(skinny_linear, config=cfg), case)
+    try:
+        us = time_gemm(timer, functools.partial(skinny_linear, config=cfg), case)
+    except Exception as e:  # e.g. a graph capture failing: reported, the sweep goes on
+        print(f"FAILED timing: {case.shape} {case.name} m={case.m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+        return
     row["top"] = sorted([*row["top"], (us, cfg)], key=lambda t: t[0])[:3]
     if us < row["best_us"]:
         row["best_us"], row["best_cfg"] = us, cfg
@@ -296,10 +300,14 @@ def sweep_fused(timer: Timer, budget: Budget, cases: dict, out: list[dict]) -> N
         row["fused_us"], row["fused_cfg"] = float("inf"), None
         for _, cfg in grow["top"]:
             fn = make(cfg)
-            if not _gemm_ok(fn(x, case.weights[0]), exact):
-                print(f"WRONG: fused {kind} {shape} {name} m={m} {cfg}")
+            try:
+                if not _gemm_ok(fn(x, case.weights[0]), exact):
+                    print(f"WRONG: fused {kind} {shape} {name} m={m} {cfg}")
+                    continue
+                us = time_gemm(timer, fn, fcase)
+            except Exception as e:  # reported, the sweep goes on
+                print(f"FAILED: fused {kind} {shape} {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
                 continue
-            us = time_gemm(timer, fn, fcase)
             if us < row["fused_us"]:
                 row["fused_us"], row["fused_cfg"] = us, cfg
         out.append(row)
@@ -389,13 +397,12 @@ def sweep_attention(timer: Timer, budget: Budget, heads: tuple[int, int, int], b
         for case, row in zip(cases, rows, strict=True):
             try:
                 got = attn_call(case, knobs, 0).float()
+                if (got - case.ref).abs().max().item() > 2e-2:
+                    print(f"WRONG: attn b={case.b} ctx={case.ctx} {label}")
+                    continue
+                row["times"][label] = timer.us(functools.partial(attn_call, case, knobs), len(case.caches))
             except Exception as e:  # a shape the compiler refuses is skipped
                 print(f"FAILED: attn b={case.b} ctx={case.ctx} {label}: {type(e).__name__}: {str(e)[:100]}")
-                continue
-            if (got - case.ref).abs().max().item() > 2e-2:
-                print(f"WRONG: attn b={case.b} ctx={case.ctx} {label}")
-                continue
-            row["times"][label] = timer.us(functools.partial(attn_call, case, knobs), len(case.caches))
 
 
 def _knob_label(knobs: dict[str, object]) -> str:
