@@ -17,8 +17,10 @@ its reference before it is timed (a WRONG line, never a table entry, when not):
 Timing: CUDA-graph replays of many calls (launch overhead excluded, as in the engine's decode graphs), each call
 reading a different copy of the weights or KV cache (256 MiB of copies, 5x the L2), with programmatic dependent
 launch on (the default), so a kernel's prologue overlaps the one before it as in a decode step.
+4. step: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device us) at B = 1, 16, 64 under
+   main's tables at 5476cd1 (base), under this sweep's tables (tuned) and with the fused prologues on (tuned+fused).
 Printed last: per-part tables (us per call) and Python literals to paste: ``TUNED_CONFIGS`` and ``FUSED_TIMES``
-(skinny_gemm.py) and the attention matrix (decode_attention.py's small-batch choice).
+(skinny_gemm.py), the attention matrix and ``SMALL_BATCH_DECODE`` (decode_attention.py).
 
 Without a GPU, --smoke runs every part at tiny shapes under Triton's interpreter (checks only; times are not
 device times), to test the script itself.
@@ -27,6 +29,7 @@ device times), to test the script itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -387,7 +390,7 @@ def sweep_attention(timer: Timer, budget: Budget, heads: tuple[int, int, int], b
         auto = auto_partition_size(case.b, heads[1], block * width)
         row = {"part": "attn", "b": case.b, "ctx": case.ctx, "auto": f"p{auto} fused={fuses_reduce(case.b, heads[1])}"}
         row["auto_us"] = timer.us(functools.partial(attn_call, case, {}), len(case.caches))
-        row["times"] = {}
+        row["times"], row["knobs"] = {}, {}
         rows.append(row)
         out.append(row)
     for knobs in attn_candidates(block * width):
@@ -401,6 +404,7 @@ def sweep_attention(timer: Timer, budget: Budget, heads: tuple[int, int, int], b
                     print(f"WRONG: attn b={case.b} ctx={case.ctx} {label}")
                     continue
                 row["times"][label] = timer.us(functools.partial(attn_call, case, knobs), len(case.caches))
+                row["knobs"][label] = knobs
             except Exception as e:  # a shape the compiler refuses is skipped
                 print(f"FAILED: attn b={case.b} ctx={case.ctx} {label}: {type(e).__name__}: {str(e)[:100]}")
 
@@ -409,6 +413,97 @@ def _knob_label(knobs: dict[str, object]) -> str:
     """A short name of a knob set: p<partition> t<tile> w<warps> s<stages> F (in-kernel merge) or R (reduce)."""
     merge = "F" if knobs["fused_reduce"] else "R"
     return f"p{knobs['partition_size']} t{knobs['tile_size']} w{knobs['num_warps']} s{knobs['num_stages']} {merge}"
+
+
+# ---------------------------------------------------------------------------------------------- part 4: step
+
+
+def swept_tables(out: list[dict]) -> tuple[dict, dict, dict]:
+    """(TUNED_CONFIGS, FUSED_TIMES, SMALL_BATCH_DECODE) as this sweep measured them: every GEMM case's best config
+    with its times; every fused case that ran; per batch bucket the attention knobs with the least time summed
+    over the contexts, where that beats the automatic choice."""
+    from fnvllm.kernels.decode_attention import DecodeKernelConfig
+    from fnvllm.kernels.skinny_gemm import Fused, Tuned
+
+    tuned = {(r["n"], r["k"], bucket_of(r["m"])): Tuned(r["best_cfg"], r["best_us"], r["cublas_us"])
+             for r in out if r["part"] == "gemm"}  # fmt: skip
+    fused = {(r["kind"], r["n"], r["k"], bucket_of(r["m"])): Fused(r["fused_cfg"], r["fused_us"], r["unfused_us"])
+             for r in out if r["part"] == "fused" and r["fused_cfg"] is not None}  # fmt: skip
+    decode = {}
+    for b, (label, _) in best_attention(out).items():
+        if label is not None:
+            knobs = next(r["knobs"][label] for r in out if r["part"] == "attn" and label in r["knobs"])
+            decode[b] = DecodeKernelConfig(**knobs)  # type: ignore[arg-type]
+    return tuned, fused, decode
+
+
+def best_attention(out: list[dict]) -> dict[int, tuple[str | None, float]]:
+    """Per batch size: (the knob set with the least time summed over the contexts, or None when the automatic
+    choice is faster or nothing ran on every context; that sum)."""
+    best: dict[int, tuple[str | None, float]] = {}
+    for b in sorted({r["b"] for r in out if r["part"] == "attn"}):
+        rows = [r for r in out if r["part"] == "attn" and r["b"] == b]
+        choice: tuple[str | None, float] = (None, sum(r["auto_us"] for r in rows))
+        for label in set().union(*(r["times"] for r in rows)):
+            if all(label in r["times"] for r in rows):
+                total = sum(r["times"][label] for r in rows)
+                if total < choice[1]:
+                    choice = (label, total)
+        best[b] = choice
+    return best
+
+
+@contextlib.contextmanager
+def using_tables(tuned: dict, fused: dict, decode: dict) -> Iterator[None]:
+    """Within: skinny_gemm's and decode_attention's tables replaced by these (restored after)."""
+    from fnvllm.kernels import decode_attention, skinny_gemm
+
+    tables = (skinny_gemm.TUNED_CONFIGS, skinny_gemm.FUSED_TIMES, decode_attention.SMALL_BATCH_DECODE)
+    saved = [dict(t) for t in tables]
+    for table, new in zip(tables, (tuned, fused, decode), strict=True):
+        table.clear()
+        table.update(new)
+    skinny_gemm.skinny_config.cache_clear()
+    try:
+        yield
+    finally:
+        for table, kept in zip(tables, saved, strict=True):
+            table.clear()
+            table.update(kept)
+        skinny_gemm.skinny_config.cache_clear()
+
+
+def sweep_step(batches: tuple[int, ...], out: list[dict]) -> None:
+    """Part 4: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device time) under main's
+    tables at 5476cd1 (base), under this sweep's tables (tuned) and with the fused prologues too (tuned+fused),
+    logits compared with base's."""
+    from bench_small_batch import base_tables, build_models, run_step, step_inputs
+
+    from fnvllm.kernels.backends import get_backend
+
+    tables = swept_tables(out)
+    models, backend = build_models("0.6b"), get_backend("triton")
+    variants = {"base": ("base", base_tables), "tuned": ("new", None), "tuned+fused": ("fused", None)}
+    for b in batches:
+        ids, caches, meta = step_inputs(models["new"], b)
+        row: dict[str, object] = {"part": "step", "b": b}
+        logits = {}
+        for label, (model, ctx) in variants.items():
+            step = functools.partial(run_step, models[model], ids, caches, meta, backend)
+            with ctx() if ctx is not None else using_tables(*tables):
+                try:
+                    logits[label] = step(0).float()
+                    row[label] = graph_time_us(step, 1, repeats=20)
+                except Exception as e:  # reported in the table
+                    print(f"FAILED: step b={b} {label}: {type(e).__name__}: {str(e)[:150]}")
+                    row[label] = float("nan")
+        for label in ("tuned", "tuned+fused"):
+            if label in logits and "base" in logits:
+                same = (logits["base"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
+                row[f"{label} diff"] = (logits["base"] - logits[label]).abs().max().item()
+                row[f"{label} same"] = same
+        out.append(row)
+        del caches
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -477,12 +572,40 @@ def print_attention(rows: list[dict]) -> None:
         print(f"{label:>22} " + " ".join(f"{r['times'].get(label, float('nan')):>8.2f}" for r in rows))
 
 
+def print_sweeps(out: list[dict]) -> None:
+    """Parts 1-3's tables and literals."""
+    print_gemm([r for r in out if r["part"] == "gemm"])
+    print_fused([r for r in out if r["part"] == "fused"])
+    print_attention([r for r in out if r["part"] == "attn"])
+    print_decode_table(out)
+
+
+def print_step(rows: list[dict]) -> None:
+    """Part 4's table: us per decode step."""
+    if not rows:
+        return
+    print(f"\n{'B':>3} {'base us':>9} {'tuned us':>9} {'tuned+fused':>11}  checks vs base (max |diff|, argmax same)")
+    for r in rows:
+        checks = " ".join(f"{k}={v:.3g}" for k, v in r.items() if k.endswith(("diff", "same")))
+        print(f"{r['b']:>3} {r['base']:>9.1f} {r['tuned']:>9.1f} {r['tuned+fused']:>11.1f}  {checks}")
+
+
+def print_decode_table(out: list[dict]) -> None:
+    """The SMALL_BATCH_DECODE literal: per batch bucket the best knob set over both contexts (when it beats auto)."""
+    tables = swept_tables(out)[2] if any(r["part"] == "attn" for r in out) else {}
+    print("\nSMALL_BATCH_DECODE = {  # batch bucket: knobs (least time summed over the contexts, beating auto)")
+    for b, (label, total) in best_attention(out).items():
+        if b in tables:
+            print(f"    {b}: {tables[b]!r},  # {label}: {total:.2f} us summed")
+    print("}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=150.0, help="seconds for the sweeps (setup not counted)")
     parser.add_argument("--shapes", default="0.6b,8b", help="comma-separated: 0.6b, 8b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (1, 16, 64 buckets)")
-    parser.add_argument("--parts", default="gemm,fused,attn", help="comma-separated: gemm, fused, attn")
+    parser.add_argument("--parts", default="gemm,fused,attn,step", help="comma-separated: gemm, fused, attn, step")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter, no GPU needed")
     parser.add_argument("--json", default=None, help="append one JSON line per result here")
     args = parser.parse_args()
@@ -496,6 +619,7 @@ def main() -> None:
     budget, parts, rows = Budget(args.budget_s), args.parts.split(","), [int(r) for r in args.rows.split(",")]
     gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
     out: list[dict] = []
+    printed = False
     try:
         cases: dict = {}
         if "gemm" in parts or "fused" in parts:
@@ -508,11 +632,16 @@ def main() -> None:
             budget.open_part(SHARES["attn"])
             heads, block, width, batches = ((4, 2, 16), 16, 8, (1, 3)) if smoke else (HEADS["0.6b"], 256, 16, BATCHES)
             sweep_attention(timer, budget, heads, batches, block, width, device, out)
+        if "step" in parts and not smoke:
+            print_sweeps(out)  # before the whole-model part, which could fail on its own
+            printed = True
+            fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
+            sweep_step(BATCHES, out)
     finally:
         fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
-        print_gemm([r for r in out if r["part"] == "gemm"])
-        print_fused([r for r in out if r["part"] == "fused"])
-        print_attention([r for r in out if r["part"] == "attn"])
+        if not printed:
+            print_sweeps(out)
+        print_step([r for r in out if r["part"] == "step"])
         print(f"\n(sweep took {time.perf_counter() - budget.start:.0f} s, budget {args.budget_s:.0f} s)")
     if args.json:
         with open(args.json, "a") as f:
