@@ -223,17 +223,26 @@ def test_fused_table_decides_where_it_has_an_entry(monkeypatch: pytest.MonkeyPat
         prefers_fused("gelu", 1, 40, 64)
 
 
-def test_shipped_table_never_replaces_cublas_where_it_lost() -> None:
-    """The measured table keeps Qwen3-0.6B's plain qkv at one row, gate_up at every size and o_proj at 64 rows on
-    cuBLAS; with a norm to fuse, qkv and gate_up go skinny up to NORM_MAX_ROWS rows only."""
-    assert not prefers_skinny(1, 4096, 1024) and prefers_skinny(16, 4096, 1024)
-    assert not any(prefers_skinny(m, 6144, 1024) for m in (1, 16, 64)) and not prefers_skinny(64, 1024, 2048)
-    assert prefers_fused("norm", 1, 4096, 1024) and prefers_fused("norm", 16, 6144, 1024)
-    assert not prefers_fused("norm", 64, 6144, 1024)
+def test_shipped_tables_decide_by_their_measured_times() -> None:
+    """Every shipped TUNED_CONFIGS entry sends its plain product to the kernel exactly where it measured faster than
+    cuBLAS, at every row count of its bucket, with a launchable config; every FUSED_TIMES entry fuses exactly where
+    the one launch measured faster than the two."""
+    for (n, k, bucket), tuned in TUNED_CONFIGS.items():
+        lowest = 1 + max((r for r in skinny_gemm.MEASURED_ROWS if r < bucket), default=0)
+        for m in {lowest, bucket}:
+            assert prefers_skinny(m, n, k) == (tuned.skinny_us < tuned.cublas_us), (n, k, m)
+            cfg = tuned_config(m, n, k)
+            assert cfg is not None and cfg.block_m >= m and cfg.split_k >= 1 and cfg.block_k >= 16
+    for (kind, n, k, bucket), fused in FUSED_TIMES.items():
+        assert bucket <= skinny_gemm.NORM_MAX_ROWS
+        assert prefers_fused(kind, bucket, n, k) == (fused.fused_us < fused.unfused_us), (kind, n, k, bucket)
+        assert fused_config(kind, bucket, n, k).block_m >= bucket
 
 
-def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:
-    """The measured rule: few rows, N <= 2048 and K >= 2N (Qwen3-0.6B's o_proj and down_proj), nothing else."""
+def test_dispatch_picks_narrow_deep_products_at_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without table entries, the rule: few rows, N <= 2048 and K >= 2N (Qwen3-0.6B's o_proj and down_proj),
+    nothing else."""
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", {})
     assert prefers_skinny(1, 1024, 2048) and prefers_skinny(16, 1024, 3072)
     assert not prefers_skinny(17, 1024, 2048)  # too many rows
     assert not prefers_skinny(1, 4096, 1024)  # wide and shallow: cuBLAS
