@@ -139,9 +139,11 @@ def gemm_candidates(m: int) -> list[SkinnyConfig]:
     dm = max(16, bm)
     out: list[SkinnyConfig] = []
     if m <= 4:  # CUDA cores, rows unpadded
-        for bn, bk, warps in ((8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 1024, 8), (8, 256, 4)):
-            out += [SkinnyConfig(bm, bn, bk, s, warps, 1, use_dot=False, preload=True) for s in (1, 2, 4)]
-        out += [SkinnyConfig(bm, 8, 1024, 8, 4, 1, use_dot=False, preload=True)]
+        pre = [(8, 1024, 4, (1, 2, 4)), (4, 1024, 4, (1, 2)), (8, 2048, 8, (1,)), (4, 2048, 4, (1,)),
+               (16, 512, 4, (1, 2, 4)), (8, 512, 4, (1, 2, 4)), (16, 1024, 8, (1, 2, 4)), (8, 1024, 4, (8,)),
+               (8, 256, 4, (1, 2, 4)), (4, 512, 2, (1, 2, 4))]  # fmt: skip
+        for bn, bk, warps, splits in pre:
+            out += [SkinnyConfig(bm, bn, bk, s, warps, 1, use_dot=False, preload=True) for s in splits]
         out += [SkinnyConfig(bm, 8, 256, s, 4, 3, use_dot=False) for s in (1, 2, 4)]
         out += [SkinnyConfig(bm, 16, 256, s, 4, 3, use_dot=False) for s in (1, 2, 4)]
     tiles = ((16, 256, 4, 1, True), (32, 256, 4, 1, True), (16, 512, 4, 1, True), (32, 128, 4, 4, False),

@@ -114,6 +114,7 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
     PRELOAD_W: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # k_per_split <= BLOCK_K: every program's K range is one tile
     W_LINE: tl.constexpr,  # weight elements per 128-byte cache line
     NORM_BLOCK: tl.constexpr,  # K columns per step of the NORM statistics loop
     BLOCK_M: tl.constexpr,
@@ -165,7 +166,8 @@ def _skinny_kernel(
         k_ok = ks < k_end
         if PRELOAD_W:
             w = w_next
-            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
+            if not ONE_TILE:  # (with one tile per program the next would be all masked: no registers for it)
+                w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
         else:
             w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
@@ -529,6 +531,7 @@ def _launch_skinny(
         USE_PDL=use_pdl(x.device),
         PREFETCH_W=prefetch_weights(x.device) and not cfg.preload,
         PRELOAD_W=cfg.preload,
+        ONE_TILE=k_per_split <= cfg.block_k,
         W_LINE=max(1, 128 // weight.element_size()),
         NORM_BLOCK=_norm_block(in_features, cfg.block_m),
         BLOCK_M=cfg.block_m,
