@@ -67,6 +67,19 @@ CONTEXTS = ((100, 400), (100, 1024))
 BATCHES = (1, 16, 64)
 
 
+START = time.perf_counter()  # the wall clock of the whole run (a caller may kill it: see --step-until-s)
+_NOTES = {"printed": 0, "dropped": 0}
+
+
+def note(line: str) -> None:
+    """Print a WRONG / FAILED line, the first 8 only (the rest are counted), so the tables stay in a short tail."""
+    if _NOTES["printed"] < 8:
+        print(line, flush=True)
+        _NOTES["printed"] += 1
+    else:
+        _NOTES["dropped"] += 1
+
+
 class Timer(NamedTuple):
     """How a part times fn(i), i = 0 .. calls - 1: device us per call (a CUDA graph), or host us (smoke)."""
 
@@ -132,30 +145,54 @@ def bucket_of(m: int) -> int:
     return 1 if m <= 1 else 16 if m <= 16 else 64
 
 
+# (block_n, block_k, split_k, num_warps, num_stages, preload) per rows bucket, most promising first (a 60 s budget
+# tries the first ~6 of each): one weight tile per program read before the PDL wait, then deeper K loops.
+_ONE_ROW = (
+    (8, 1024, 1, 4, 1, True),
+    (8, 1024, 2, 4, 1, True),
+    (4, 1024, 1, 4, 1, True),
+    (8, 1024, 4, 4, 1, True),
+    (16, 512, 2, 4, 1, True),
+    (4, 2048, 1, 4, 1, True),
+    (8, 512, 2, 4, 1, True),
+    (16, 1024, 1, 8, 1, True),
+    (4, 1024, 2, 4, 1, True),
+    (8, 2048, 1, 8, 1, True),
+    (16, 512, 4, 4, 1, True),
+    (8, 256, 4, 4, 1, True),
+    (8, 256, 2, 4, 3, False),
+    (16, 256, 2, 4, 3, False),
+    (4, 512, 2, 2, 1, True),
+    (8, 512, 4, 4, 1, True),
+)
+_SIXTEEN_ROWS = (
+    (16, 256, 1, 4, 1, True),
+    (32, 256, 1, 4, 1, True),
+    (16, 512, 1, 4, 1, True),
+    (16, 256, 2, 4, 1, True),
+    (32, 512, 1, 8, 1, True),
+    (16, 1024, 1, 8, 1, True),
+    (32, 256, 2, 4, 1, True),
+    (16, 512, 2, 4, 1, True),
+    (64, 128, 1, 4, 3, False),
+    (16, 128, 2, 4, 4, False),
+    (32, 128, 2, 4, 4, False),
+    (64, 256, 1, 8, 1, True),
+)
+_SIXTY_FOUR_ROWS = ((32, 256, 1, 4, 1, True), (16, 256, 1, 4, 3, False), (64, 128, 1, 4, 3, False),
+                    (32, 128, 2, 4, 4, False), (16, 512, 1, 8, 1, True), (32, 256, 2, 4, 1, True),
+                    (64, 64, 1, 4, 4, False), (16, 256, 2, 4, 1, True), (64, 256, 1, 8, 1, True),
+                    (32, 512, 1, 8, 1, True), (16, 256, 4, 4, 3, False), (32, 128, 4, 4, 4, False))  # fmt: skip
+
+
 def gemm_candidates(m: int) -> list[SkinnyConfig]:
-    """Launch configs tried at m rows, most promising first: one weight tile per program loaded before the PDL
-    wait (preload) over CUDA cores at one row / tensor cores above, then deeper K loops with L2 prefetch."""
+    """Launch configs tried at m rows, most promising first: CUDA cores with rows unpadded at one row, tensor
+    cores (rows padded to 16) above."""
     bm = 1 << max(0, (m - 1).bit_length())
-    dm = max(16, bm)
-    out: list[SkinnyConfig] = []
-    if m <= 4:  # CUDA cores, rows unpadded
-        pre = [(8, 1024, 4, (1, 2, 4)), (4, 1024, 4, (1, 2)), (8, 2048, 8, (1,)), (4, 2048, 4, (1,)),
-               (16, 512, 4, (1, 2, 4)), (8, 512, 4, (1, 2, 4)), (16, 1024, 8, (1, 2, 4)), (8, 1024, 4, (8,)),
-               (8, 256, 4, (1, 2, 4)), (4, 512, 2, (1, 2, 4))]  # fmt: skip
-        for bn, bk, warps, splits in pre:
-            out += [SkinnyConfig(bm, bn, bk, s, warps, 1, use_dot=False, preload=True) for s in splits]
-        out += [SkinnyConfig(bm, 8, 256, s, 4, 3, use_dot=False) for s in (1, 2, 4)]
-        out += [SkinnyConfig(bm, 16, 256, s, 4, 3, use_dot=False) for s in (1, 2, 4)]
-    tiles = ((16, 256, 4, 1, True), (32, 256, 4, 1, True), (16, 512, 4, 1, True), (32, 128, 4, 4, False),
-             (32, 512, 8, 1, True), (64, 128, 4, 3, False), (16, 128, 4, 4, False), (64, 256, 8, 1, True),
-             (16, 1024, 8, 1, True))  # fmt: skip
-    if dm >= 64:
-        tiles = ((32, 128, 4, 4, False), (16, 256, 4, 3, False), (32, 256, 4, 1, True), (64, 128, 4, 3, False),
-                 (16, 256, 4, 1, True), (64, 64, 4, 4, False), (32, 256, 8, 1, True), (16, 512, 8, 1, True),
-                 (64, 256, 8, 1, True))  # fmt: skip
-    for bn, bk, warps, stages, preload in tiles:
-        out += [SkinnyConfig(dm, bn, bk, s, warps, stages, preload=preload) for s in (1, 2, 4)]
-    return out
+    if m <= 1:
+        return [SkinnyConfig(bm, *t[:5], use_dot=False, preload=t[5]) for t in _ONE_ROW]
+    table = _SIXTEEN_ROWS if m <= 16 else _SIXTY_FOUR_ROWS
+    return [SkinnyConfig(max(16, bm), *t[:5], preload=t[5]) for t in table]
 
 
 def _gemm_ok(got: torch.Tensor, exact: torch.Tensor) -> bool:
@@ -231,16 +268,16 @@ def _try_gemm(timer: Timer, cfg: SkinnyConfig, case: GemmCase, row: dict) -> Non
     try:
         ok = _gemm_ok(skinny_linear(case.x, case.weights[0], None, cfg), case.exact)
     except Exception as e:  # a config the compiler refuses (shared memory, registers) is skipped, not fatal
-        print(f"FAILED: {case.shape} {case.name} m={case.m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+        note(f"FAILED: {case.shape} {case.name} m={case.m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
         return
     if not ok:
         row["wrong"] += 1
-        print(f"WRONG: {case.shape} {case.name} m={case.m} {cfg}")
+        note(f"WRONG: {case.shape} {case.name} m={case.m} {cfg}")
         return
     try:
         us = time_gemm(timer, functools.partial(skinny_linear, config=cfg), case)
     except Exception as e:  # e.g. a graph capture failing: reported, the sweep goes on
-        print(f"FAILED timing: {case.shape} {case.name} m={case.m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+        note(f"FAILED timing: {case.shape} {case.name} m={case.m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
         return
     row["top"] = sorted([*row["top"], (us, cfg)], key=lambda t: t[0])[:3]
     if us < row["best_us"]:
@@ -303,15 +340,15 @@ def sweep_fused(timer: Timer, budget: Budget, cases: dict, out: list[dict]) -> N
         fcase = case._replace(x=x, exact=exact)
         row["unfused_us"] = time_gemm(timer, unfused, fcase)
         row["fused_us"], row["fused_cfg"] = float("inf"), None
-        for _, cfg in grow["top"]:
+        for _, cfg in grow["top"][:2]:
             fn = make(cfg)
             try:
                 if not _gemm_ok(fn(x, case.weights[0]), exact):
-                    print(f"WRONG: fused {kind} {shape} {name} m={m} {cfg}")
+                    note(f"WRONG: fused {kind} {shape} {name} m={m} {cfg}")
                     continue
                 us = time_gemm(timer, fn, fcase)
             except Exception as e:  # reported, the sweep goes on
-                print(f"FAILED: fused {kind} {shape} {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                note(f"FAILED: fused {kind} {shape} {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
                 continue
             if us < row["fused_us"]:
                 row["fused_us"], row["fused_cfg"] = us, cfg
@@ -371,9 +408,9 @@ def attn_candidates(max_context: int) -> list[dict[str, object]]:
     sequence fits), then finer splits with the merge in-kernel or by the reduce kernel."""
     out: list[dict[str, object]] = []
     for part, tile, warps, stages, fused in (
-        (512, 64, 4, 3, True), (256, 64, 4, 3, True), (1024, 64, 4, 3, True), (128, 64, 4, 3, True),
-        (512, 128, 8, 2, True), (256, 128, 8, 2, True), (128, 32, 4, 3, True), (64, 64, 4, 3, True),
-        (256, 64, 4, 3, False), (128, 64, 4, 3, False), (64, 64, 4, 3, False), (512, 32, 4, 4, True),
+        (512, 64, 4, 3, True), (256, 64, 4, 3, True), (128, 64, 4, 3, True), (1024, 64, 4, 3, True),
+        (256, 64, 4, 3, False), (512, 128, 8, 2, True), (128, 32, 4, 3, True), (64, 64, 4, 3, True),
+        (256, 128, 8, 2, True), (128, 64, 4, 3, False), (64, 64, 4, 3, False), (512, 32, 4, 4, True),
         (256, 32, 4, 4, True), (max_context, 64, 4, 3, True), (512, 64, 8, 3, True), (256, 64, 8, 3, True),
         (128, 128, 8, 2, True), (1024, 128, 8, 2, True), (512, 64, 4, 2, True), (64, 32, 4, 3, False),
     ):  # fmt: skip
@@ -403,12 +440,12 @@ def sweep_attention(timer: Timer, budget: Budget, heads: tuple[int, int, int], b
             try:
                 got = attn_call(case, knobs, 0).float()
                 if (got - case.ref).abs().max().item() > 2e-2:
-                    print(f"WRONG: attn b={case.b} ctx={case.ctx} {label}")
+                    note(f"WRONG: attn b={case.b} ctx={case.ctx} {label}")
                     continue
                 row["times"][label] = timer.us(functools.partial(attn_call, case, knobs), len(case.caches))
                 row["knobs"][label] = knobs
             except Exception as e:  # a shape the compiler refuses is skipped
-                print(f"FAILED: attn b={case.b} ctx={case.ctx} {label}: {type(e).__name__}: {str(e)[:100]}")
+                note(f"FAILED: attn b={case.b} ctx={case.ctx} {label}: {type(e).__name__}: {str(e)[:100]}")
 
 
 def _knob_label(knobs: dict[str, object]) -> str:
@@ -475,7 +512,7 @@ def using_tables(tuned: dict, fused: dict, decode: dict) -> Iterator[None]:
         skinny_gemm.skinny_config.cache_clear()
 
 
-def sweep_step(batches: tuple[int, ...], out: list[dict]) -> None:
+def sweep_step(batches: tuple[int, ...], out: list[dict], until_s: float) -> None:
     """Part 4: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device time) under main's
     tables at 5476cd1 (base), under this sweep's tables (tuned) and with the fused prologues too (tuned+fused),
     logits compared with base's."""
@@ -487,6 +524,9 @@ def sweep_step(batches: tuple[int, ...], out: list[dict]) -> None:
     models, backend = build_models("0.6b"), get_backend("triton")
     variants = {"base": ("base", base_tables), "tuned": ("new", None), "tuned+fused": ("fused", None)}
     for b in batches:
+        if time.perf_counter() - START > until_s:
+            print(f"step: B={b} and larger not run (past {until_s:.0f} s of wall time)", flush=True)
+            break
         ids, caches, meta = step_inputs(models["new"], b)
         row: dict[str, object] = {"part": "step", "b": b}
         logits = {}
@@ -497,7 +537,7 @@ def sweep_step(batches: tuple[int, ...], out: list[dict]) -> None:
                     logits[label] = step(0).float()
                     row[label] = graph_time_us(step, 1, repeats=20)
                 except Exception as e:  # reported in the table
-                    print(f"FAILED: step b={b} {label}: {type(e).__name__}: {str(e)[:150]}")
+                    note(f"FAILED: step b={b} {label}: {type(e).__name__}: {str(e)[:150]}")
                     row[label] = float("nan")
         for label in ("tuned", "tuned+fused"):
             if label in logits and "base" in logits:
@@ -505,6 +545,7 @@ def sweep_step(batches: tuple[int, ...], out: list[dict]) -> None:
                 row[f"{label} diff"] = (logits["base"] - logits[label]).abs().max().item()
                 row[f"{label} same"] = same
         out.append(row)
+        print_step([row])
         del caches
 
 
@@ -521,6 +562,11 @@ def print_gemm(rows: list[dict]) -> None:
         tbs, cfg = r["mb"] / r["best_us"], tuple(r["best_cfg"])
         print(f"{r['shape']:>5} {r['gemm']:>8} {r['m']:>3} {r['mb']:>6.1f} {r['cublas_us']:>7.2f} "
               f"{r['shipped_us']:>7.2f} {r['best_us']:>7.2f} {tbs:>5.2f} {r['tried']:>5} {cfg}")  # fmt: skip
+    print_tuned_literal(rows)
+
+
+def print_tuned_literal(rows: list[dict]) -> None:
+    """The TUNED_CONFIGS literal of part 1's rows."""
     print("\nTUNED_CONFIGS = {  # (N, K, rows bucket): Tuned(config, skinny us, cuBLAS us)")
     for r in rows:
         key = (r["n"], r["k"], bucket_of(r["m"]))
@@ -547,6 +593,11 @@ def print_fused(rows: list[dict]) -> None:
         cfg = tuple(r["fused_cfg"]) if r["fused_cfg"] else None
         print(f"{r['kind']:>5} {r['shape']:>5} {r['gemm']:>8} {r['m']:>3} {r['unfused_us']:>8.2f} {r['plain']:>7} "
               f"{r['fused_us']:>8.2f} {cfg}")  # fmt: skip
+    print_fused_literal(rows)
+
+
+def print_fused_literal(rows: list[dict]) -> None:
+    """The FUSED_TIMES literal of part 2's rows."""
     print("\nFUSED_TIMES = {  # (kind, N, K, rows bucket): Fused(config, fused us, unfused us)")
     for r in rows:
         if r["fused_cfg"] is None:
@@ -602,15 +653,35 @@ def print_decode_table(out: list[dict]) -> None:
     print("}")
 
 
+def print_literals(out: list[dict]) -> None:
+    """The tables to paste, compactly (printed last, so a cut tail keeps them)."""
+    print("\n==== tables to paste (this run) ====")
+    gemm = [r for r in out if r["part"] == "gemm"]
+    if gemm:
+        print_tuned_literal(gemm)
+    fused = [r for r in out if r["part"] == "fused"]
+    if fused:
+        print_fused_literal(fused)
+    if any(r["part"] == "attn" for r in out):
+        print_decode_table(out)
+    print_step([r for r in out if r["part"] == "step"])
+    if _NOTES["dropped"]:
+        print(f"({_NOTES['dropped']} more WRONG/FAILED lines not shown)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-s", type=float, default=150.0, help="seconds for the sweeps (setup not counted)")
-    parser.add_argument("--shapes", default="0.6b,8b", help="comma-separated: 0.6b, 8b")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="seconds for parts 1-3 (setup included)")
+    parser.add_argument("--shapes", default="0.6b", help="comma-separated: 0.6b, 8b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (1, 16, 64 buckets)")
     parser.add_argument("--parts", default="gemm,fused,attn,step", help="comma-separated: gemm, fused, attn, step")
+    parser.add_argument(
+        "--step-until-s", type=float, default=150.0, help="wall seconds after which part 4 starts no new batch size"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter, no GPU needed")
     parser.add_argument("--json", default=None, help="append one JSON line per result here")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a killed run keeps what it printed
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("sweep_small.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
@@ -621,30 +692,29 @@ def main() -> None:
     budget, parts, rows = Budget(args.budget_s), args.parts.split(","), [int(r) for r in args.rows.split(",")]
     gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
     out: list[dict] = []
-    printed = False
     try:
         cases: dict = {}
         if "gemm" in parts or "fused" in parts:
             budget.open_part(SHARES["gemm"] if "gemm" in parts else 0.0)
             cases = sweep_gemms(timer, budget, gemms, rows, device, out) if "gemm" in parts else {}
+            print_gemm([r for r in out if r["part"] == "gemm"])
         if "fused" in parts:
             budget.open_part(SHARES["fused"])
             sweep_fused(timer, budget, cases, out)
+            print_fused([r for r in out if r["part"] == "fused"])
         if "attn" in parts:
             budget.open_part(SHARES["attn"])
             heads, block, width, batches = ((4, 2, 16), 16, 8, (1, 3)) if smoke else (HEADS["0.6b"], 256, 16, BATCHES)
             sweep_attention(timer, budget, heads, batches, block, width, device, out)
+            print_attention([r for r in out if r["part"] == "attn"])
+        print(f"\n(parts 1-3 took {time.perf_counter() - START:.0f} s of wall time)", flush=True)
         if "step" in parts and not smoke:
-            print_sweeps(out)  # before the whole-model part, which could fail on its own
-            printed = True
             fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
-            sweep_step(BATCHES, out)
+            sweep_step(BATCHES, out, args.step_until_s)
     finally:
         fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
-        if not printed:
-            print_sweeps(out)
-        print_step([r for r in out if r["part"] == "step"])
-        print(f"\n(sweep took {time.perf_counter() - budget.start:.0f} s, budget {args.budget_s:.0f} s)")
+        print_literals(out)
+        print(f"\n(sweep took {time.perf_counter() - START:.0f} s, budget {args.budget_s:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "a") as f:
             for row in out:
