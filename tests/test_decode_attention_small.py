@@ -24,8 +24,20 @@ def test_small_batch_table_serves_its_bucket_and_caps_the_partition(monkeypatch:
     assert small_batch_config(2, 4096, False) == SPLIT_REDUCE and small_batch_config(16, 64, False) == SPLIT_REDUCE
     assert small_batch_config(1, 8, False).partition_size == 16  # never below one tile
     assert small_batch_config(17, 4096, False) is None and small_batch_config(1, 4096, True) is None
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {1: None, 16: SPLIT_REDUCE})
+    assert small_batch_config(1, 4096, False) is None and small_batch_config(2, 4096, False) == SPLIT_REDUCE
     monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {})
     assert small_batch_config(1, 4096, False) is None
+
+
+def test_shipped_small_batch_table_is_launchable() -> None:
+    """Every shipped entry passes the launcher's config checks, merges split partials somehow, and one sequence
+    keeps the automatic rules (the measured best there)."""
+    assert small_batch_config(1, 4096, False) is None
+    for cfg in decode_attention.SMALL_BATCH_DECODE.values():
+        if cfg is not None:
+            decode_attention._check_config(cfg)
+            assert cfg.fused_reduce is not None
 
 
 @pytest.mark.parametrize("entry", [ONE_PARTITION, SPLIT_REDUCE], ids=["one-partition", "split-reduce"])

@@ -158,19 +158,29 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
 
 
 # Small batches of 16-bit caches, measured on the H200 (benchmarks/sweep_small.py, part 3: B = 1, 16, 64, contexts
-# U(100, 400) and U(100, 1024), tables 16 blocks of 256): the launch knobs by batch bucket (the entry of the
-# smallest key >= B), replacing ``auto_partition_size`` and ``fuses_reduce`` there (partition_size is capped at
-# the table's width). Empty: the rules below.
-SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig] = {}
+# U(100, 400) and U(100, 1024), tables 16 blocks of 256, PDL on, 2026-12-01 23:50): the launch knobs by batch
+# bucket (the entry of the smallest key >= B), replacing ``auto_partition_size`` and ``fuses_reduce`` there
+# (partition_size capped at the table's width), chosen by the least time summed over both contexts. B = 16:
+# 256-token partitions merged in-kernel, 29.8 us against 32.7 (auto: 512, in-kernel); B = 64: 1024-token
+# partitions, 77.4 against 78.0. One sequence keeps the automatic rules (None: 64-token partitions and the reduce
+# kernel, 10.0 us against 10.1 for the best other knobs).
+SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig | None] = {
+    1: None,
+    16: DecodeKernelConfig(partition_size=256, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True),
+    64: DecodeKernelConfig(partition_size=1024, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True),
+}
 
 
 def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
     """The measured knobs for a batch of num_seqs sequences (``SMALL_BATCH_DECODE``), partition capped at the
-    table's max_context tokens (a power of two); None for FP8 caches, unmeasured batch sizes and empty tables."""
+    table's max_context tokens (a power of two); None (the automatic rules) for FP8 caches, unmeasured batch
+    sizes, buckets whose entry is None and empty tables."""
     bucket = next((b for b in sorted(SMALL_BATCH_DECODE) if b >= num_seqs), None)
     if fp8 or bucket is None or num_seqs <= 0:
         return None
     cfg = SMALL_BATCH_DECODE[bucket]
+    if cfg is None:
+        return None
     cap = max(cfg.tile_size, int(triton.next_power_of_2(max(1, max_context))))
     return dataclasses.replace(cfg, partition_size=min(cfg.partition_size, cap))
 

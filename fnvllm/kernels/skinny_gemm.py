@@ -357,25 +357,34 @@ class Fused(NamedTuple):
 # measured row count >= M (1; 2-16; 17-64). ``prefers_skinny`` sends a plain product to the kernel where its entry
 # is faster than cuBLAS; the others are still the kernel's best shape when a fusion makes it take the product.
 # Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured
-# 2026-12-01 (Qwen3-0.6B shapes, benchmarks/bench_small_batch.py's sweep, PDL off).
+# 2026-12-01 23:50 (Qwen3-0.6B shapes, benchmarks/sweep_small.py --budget-s 60, PDL on, CUDA-graph replays,
+# weights past L2): us per call, skinny against cuBLAS.
 MEASURED_ROWS = (1, 16, 64)
 TUNED_CONFIGS: dict[tuple[int, int, int], Tuned] = {
-    (4096, 1024, 1): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 5.13, 4.96),  # 0.6b qkv
-    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 5.21, 5.32),
-    (4096, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 5.20, 5.40),
-    (1024, 2048, 1): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.23, 10.46),  # 0.6b o_proj
-    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.36, 5.87),
-    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 6.18, 5.80),
-    (6144, 1024, 1): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 6.33, 6.32),  # 0.6b gate_up
-    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 6.38, 6.24),
-    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.69, 6.44),
-    (1024, 3072, 1): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 6.19, 7.56),  # 0.6b down_proj
-    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 6.25, 7.85),
-    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.82, 7.92),
+    (4096, 1024, 1): Tuned(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 3.76, 4.93),  # 0.6b qkv
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.66, 5.47),
+    (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.83, 5.34),
+    (1024, 2048, 1): Tuned(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 2.61, 12.60),  # 0.6b o
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 4.19, 5.84),
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.94, 5.84),
+    (6144, 1024, 1): Tuned(SkinnyConfig(1, 4, 1024, 1, 4, 1, use_dot=False, preload=True), 5.71, 6.16),  # gate_up
+    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 5.96),
+    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.88, 6.38),
+    (1024, 3072, 1): Tuned(SkinnyConfig(1, 4, 2048, 1, 4, 1, use_dot=False, preload=True), 3.84, 7.44),  # 0.6b down
+    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.29, 7.75),
+    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.23, 7.91),
 }
-# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket): ``prefers_fused``
-# fuses where the entry is faster; shapes without one keep its rule.
-FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {}
+# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket), same run:
+# ``prefers_fused`` fuses where the entry is faster (one row: all three; 16 rows: none); shapes without one keep
+# its rule. Above NORM_MAX_ROWS nothing is fused (SiLU in down_proj at 64 rows cost ~13 us a layer more).
+FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
+    ("norm", 4096, 1024, 1): Fused(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 4.09, 5.06),
+    ("norm", 4096, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 9.56, 6.18),
+    ("norm", 6144, 1024, 1): Fused(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 6.99, 7.10),
+    ("norm", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 13.79, 7.97),
+    ("silu", 1024, 3072, 1): Fused(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 4.19, 5.42),
+    ("silu", 1024, 3072, 16): Fused(SkinnyConfig(16, 32, 128, 4, 4, 4), 17.46, 6.92),
+}
 
 
 def rows_bucket(num_rows: int) -> int | None:
@@ -585,14 +594,14 @@ def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
 
 def prefers_fused(kind: str, num_rows: int, out_features: int, in_features: int) -> bool:
     """Whether a projection with a prologue to fuse (kind "norm": residual add + RMSNorm, "silu": SiLU-and-mul)
-    goes to the skinny kernel at M rows: a ``FUSED_TIMES`` entry at this rows bucket decides (fused against the
-    two launches) up to NORM_MAX_ROWS rows; without one, at <= NORM_MAX_ROWS rows when the kernel has a measured
-    config there (one ~5 us launch instead of the op's ~1.6 us launch plus cuBLAS's ~5 us), or wherever the
-    plain product prefers it."""
+    goes to the skinny kernel at M rows: never above NORM_MAX_ROWS rows; below, a ``FUSED_TIMES`` entry at this
+    rows bucket decides (fused against the two launches); without one, when the kernel has a measured config
+    there (one ~5 us launch instead of the op's ~1.6 us launch plus cuBLAS's ~5 us), or wherever the plain
+    product prefers it."""
     if kind not in ("norm", "silu"):
         raise ValueError(f"prefers_fused kind must be 'norm' or 'silu', got {kind!r}")
     if not 0 < num_rows <= NORM_MAX_ROWS:
-        return kind == "silu" and prefers_skinny(num_rows, out_features, in_features)
+        return False
     fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
     if fused is not None:
         return fused.fused_us < fused.unfused_us
