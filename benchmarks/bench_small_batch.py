@@ -1,44 +1,44 @@
 """Small-batch decode on the GPU, kernel by kernel, old against new (Qwen3-0.6B shape, bf16, H200).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_small_batch.py [--shape 0.6b|8b] [--rows 1,16,64] [--json FILE]
+    PYTHONPATH=$PWD python3 benchmarks/bench_small_batch.py [--shape 0.6b|8b] [--rows 1,16,64] [--sweep] [--json FILE]
 
 Every kernel is checked against its reference first (a WRONG flag in the table when not), then timed as CUDA-graph
 replays (launch overhead excluded, as in the engine's decode graphs) with its large inputs rotated past the 50 MiB
-L2 (each call of the graph reads a different copy of the weights or KV cache, as 28 layers do).
-1. The four projections at M rows: cuBLAS (``F.linear``), the dispatch of ``skinny_gemm.linear`` before this
-   change (old: cuBLAS, or the skinny kernel plus its split-K sum kernel), the skinny kernel with the in-kernel
-   split-K reduce at its default config (new), and a sweep of launch configs (best kept, printed as a
-   TUNED_CONFIGS line to paste).
+L2 (each call of the graph reads a different copy of the weights or KV cache, as 28 layers do), with programmatic
+dependent launch as the checkout defaults it (on, on Hopper). "Base" tables are main's at 5476cd1
+(``BASE_TUNED``; no fused-prologue or small-batch decode entries).
+1. The four projections at M rows: cuBLAS (``F.linear``), an old dispatch (cuBLAS, or the skinny kernel plus its
+   split-K sum kernel), the skinny kernel at this checkout's config (new) and, with --sweep, a few launch configs
+   (benchmarks/sweep_small.py sweeps more, within a time budget).
    Also SiLU-and-mul + down_proj: two launches (old) against the skinny kernel loading silu(gate) * up (new),
    and residual add + RMSNorm + qkv / gate_up: two launches (old) against the skinny kernel normalising on load.
 2. q/k norm + rotary + KV store: two ``norm_rotary`` launches and ``store_kv`` (old) against the one fused kernel
    ``store_kv.norm_rope_store`` (new), at M decode rows.
-3. Decode attention, auto partition size, contexts U(100, 1024): partials merged by the reduce kernel (old) or
-   by the last partition in-kernel (new), at B = M sequences.
-4. The whole decode step (28 layers + logits, one CUDA graph replay, device time only) of the model with the
-   Triton ops before this change (old), after it (new: the defaults), after it with the norm / SiLU prologues
-   fused into the projections (fused: FNVLLM_FUSED_PROLOGUES=1), and both with programmatic dependent launch
-   (FNVLLM_PDL=1, each checked bit-exact over graph replays), at B = M sequences, logits compared.
+3. Decode attention as the launcher picks it, contexts U(100, 1024), under the base tables (old) and this
+   checkout's (new), at B = M sequences.
+4. The whole decode step (28 layers + logits, one CUDA graph replay, device time only): the base step (main's ops
+   and tables at 5476cd1), this checkout's defaults (new) and the defaults with the norm / SiLU prologues fused
+   where ``prefers_fused`` says (fused), at B = M sequences; the new variants checked bit-exact over graph replays
+   and against the base logits.
 Tables last: one line per measurement, microseconds per call.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import functools
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-import attrs
 import torch
 import torch.nn.functional as F
 
 from fnvllm.kernels import fused_ops, store_kv
 from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from fnvllm.kernels.skinny_gemm import TUNED_CONFIGS, Norm, SkinnyConfig, skinny_config, skinny_linear
+from fnvllm.kernels.skinny_gemm import TUNED_CONFIGS, Norm, SkinnyConfig, Tuned, skinny_config, skinny_linear
 
 GEMMS = {
     "0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
@@ -291,51 +291,87 @@ def decode_case(shape: str, b: int) -> dict[str, object]:
     return {"q": q, "caches": caches, "tables": tables, "seq_lens": seq_lens, "scale": dim**-0.5}
 
 
-def decode_call(case: dict[str, object], fused: bool, i: int) -> torch.Tensor:
-    """paged_decode_attention on the i-th copy (cyclically), the partials merged in-kernel when ``fused``."""
+def decode_call(case: dict[str, object], i: int) -> torch.Tensor:
+    """paged_decode_attention, its knobs chosen by the launcher, on the i-th copy (cyclically)."""
     caches, tables = case["caches"], case["tables"]
     k_cache, v_cache = caches[i % len(caches)]  # type: ignore[index, arg-type]
     table = tables[i % len(tables)]  # type: ignore[index, arg-type]
-    return paged_decode_attention(
-        case["q"], k_cache, v_cache, table, case["seq_lens"], case["scale"], fused_reduce=fused
-    )  # type: ignore[arg-type]
+    return paged_decode_attention(case["q"], k_cache, v_cache, table, case["seq_lens"], case["scale"])  # type: ignore[arg-type]
 
 
 def bench_decode(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
-    """Part 3: decode attention with the reduce kernel (old) and with the in-kernel merge (new)."""
+    """Part 3: decode attention as the launcher picks it under the base tables (old) and this checkout's (new)."""
     for b in rows:
         case = decode_case(shape, b)
         (k_cache, v_cache), table = case["caches"][0], case["tables"][0]  # type: ignore[index]
         ref = paged_decode_attention_ref(
             case["q"].float(), k_cache.float(), v_cache.float(), table, case["seq_lens"], case["scale"]
         )  # type: ignore[union-attr, arg-type]
-        ok = all((decode_call(case, f, 0).float() - ref).abs().max().item() < 2e-2 for f in (False, True))
         copies = len(case["caches"])  # type: ignore[arg-type]
-        row = {"part": "decode", "shape": shape, "b": b, "ok": ok}
-        row["old_us"] = graph_time_us(functools.partial(decode_call, case, False), copies)
-        row["new_us"] = graph_time_us(functools.partial(decode_call, case, True), copies)
+        row: dict[str, object] = {"part": "decode", "shape": shape, "b": b, "ok": True}
+        for label in ("old", "new"):
+            with base_tables() if label == "old" else contextlib.nullcontext():
+                ok = (decode_call(case, 0).float() - ref).abs().max().item() < 2e-2
+                row["ok"] = row["ok"] and ok
+                row[f"{label}_us"] = graph_time_us(functools.partial(decode_call, case), copies)
         out.append(row)
 
 
-def build_models(shape: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
-    """(old, new, fused): the model of ``shape`` (random bf16 weights, shared values) with the Triton ops before
-    this change (unfused prologue, separate SiLU-and-mul, the old GEMM dispatch), after it (the defaults), and after
-    it with the norm / SiLU prologues fused into the projections (FNVLLM_FUSED_PROLOGUES=1)."""
+# skinny_gemm.TUNED_CONFIGS as main had it at 5476cd1 (before benchmarks/sweep_small.py's tables): the "base" step.
+BASE_TUNED = {
+    (4096, 1024, 1): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 5.13, 4.96),
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 5.21, 5.32),
+    (4096, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 5.20, 5.40),
+    (1024, 2048, 1): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.23, 10.46),
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.36, 5.87),
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 6.18, 5.80),
+    (6144, 1024, 1): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 6.33, 6.32),
+    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 128, 1, 4, 4), 6.38, 6.24),
+    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.69, 6.44),
+    (1024, 3072, 1): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 6.19, 7.56),
+    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 6.25, 7.85),
+    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.82, 7.92),
+}
+
+
+@contextlib.contextmanager
+def base_tables() -> Iterator[None]:
+    """Within: the tuned tables as at 5476cd1 (BASE_TUNED, no fused-prologue or small-batch decode entries)."""
+    from fnvllm.kernels import decode_attention, skinny_gemm
+
+    saved = dict(skinny_gemm.TUNED_CONFIGS), dict(skinny_gemm.FUSED_TIMES), dict(decode_attention.SMALL_BATCH_DECODE)
+    tables = (skinny_gemm.TUNED_CONFIGS, skinny_gemm.FUSED_TIMES, decode_attention.SMALL_BATCH_DECODE)
+    for table, base in zip(tables, (BASE_TUNED, {}, {}), strict=True):
+        table.clear()
+        table.update(base)
+    skinny_config.cache_clear()
+    try:
+        yield
+    finally:
+        for table, kept in zip(tables, saved, strict=True):
+            table.clear()
+            table.update(kept)
+        skinny_config.cache_clear()
+
+
+def build_models(shape: str) -> dict[str, torch.nn.Module]:
+    """The model of ``shape`` (random bf16 weights, shared values) with: "base", the Triton ops as main had them at
+    5476cd1 (no fused prologues; run under ``base_tables``); "new", the defaults of this checkout; "fused", the
+    defaults with the norm / SiLU prologues fused into the projections wherever ``prefers_fused`` says."""
     from fnvllm.model import DecoderForCausalLM, ModelConfig
     from fnvllm.model.ops import triton_ops
     from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_SHAPES
 
     name = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}[shape]
     config = ModelConfig.from_dict({**_QWEN3_COMMON, **QWEN3_SHAPES[name], "torch_dtype": "bfloat16"})
-    new_ops = triton_ops(fused_prologues=False)
-    old_ops = attrs.evolve(new_ops, linear=old_linear, norm_rope_store=None)
-    models = []
-    for ops in (old_ops, new_ops, triton_ops(fused_prologues=True)):
+    variants = {"base": triton_ops(fused_prologues=False), "new": triton_ops(), "fused": triton_ops(True)}
+    models = {}
+    for label, ops in variants.items():
         with torch.device("cuda"):
-            models.append(DecoderForCausalLM(config, ops).eval())  # parameters in the config's bf16
-    for model in models[1:]:
-        model.load_state_dict(models[0].state_dict())
-    return models[0], models[1], models[2]
+            models[label] = DecoderForCausalLM(config, ops).eval()  # parameters in the config's bf16
+    for label in ("new", "fused"):
+        models[label].load_state_dict(models["base"].state_dict())
+    return models
 
 
 def step_inputs(model: torch.nn.Module, b: int) -> tuple[torch.Tensor, list, object]:
@@ -368,87 +404,57 @@ def run_step(
         return model.compute_logits(model(ids, meta.positions, caches, meta, backend))  # type: ignore[attr-defined]
 
 
-def bench_pdl_step(step: Callable[[int], torch.Tensor], expected: torch.Tensor) -> tuple[float, str]:
-    """(us per step, check) of the new step with programmatic dependent launch on: the check is "exact" when 10
-    graph replays all give exactly the logits of the step without it, else what went wrong."""
-    from fnvllm.kernels.fused_ops import set_pdl
-
-    set_pdl(True)
-    try:
-        if not torch.equal(step(0).float(), expected):
-            return float("nan"), "eager differs"
-        us = graph_time_us(step, 1, repeats=20)
-        graph, static = torch.cuda.CUDAGraph(), None
-        with torch.cuda.graph(graph):
-            static = step(0)
-        for _ in range(10):
-            graph.replay()
-            torch.cuda.synchronize()
-            if not torch.equal(static.float(), expected):
-                return us, "replay differs"
-        return us, "exact"
-    except Exception as e:  # reported in the table: PDL may be unsupported by this torch / triton
-        return float("nan"), f"failed: {type(e).__name__}: {str(e)[:80]}"
-    finally:
-        set_pdl(False)
+def replays_exact(step: Callable[[int], torch.Tensor], expected: torch.Tensor) -> str:
+    """ "exact" when 10 CUDA-graph replays of the step all give the eager step's logits bit for bit (split-K
+    counters, PDL weight preloads), else what differed."""
+    graph, static = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        static = step(0)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(static.float(), expected):
+            return "replay differs"
+    return "exact"
 
 
 def bench_step(shape: str, rows: list[int], out: list[dict[str, object]]) -> None:
-    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph): old ops, new ops (the
-    defaults), new ops with the fused prologues; then, once every row has those, both new variants with
-    programmatic dependent launch (checked exact against the same variant without it; last, so a failure there
-    loses nothing else)."""
+    """Part 4: the whole decode step's device time (forward + logits, one CUDA graph), PDL on (the default): the
+    base step (main at 5476cd1: its ops and tables), the new defaults, and the new ones with the fused prologues;
+    each new variant checked bit-exact over graph replays and against the base logits."""
     from fnvllm.kernels.backends import get_backend
 
-    old, new, fused_model = build_models(shape)
+    models = build_models(shape)
     backend = get_backend("triton")
-    pending = []
     for b in rows:
-        ids, caches, meta = step_inputs(new, b)
+        ids, caches, meta = step_inputs(models["new"], b)
         row: dict[str, object] = {"part": "step", "shape": shape, "b": b}
-        row |= {"new_pdl_us": float("nan"), "new_pdl": "not run", "fused_pdl_us": float("nan"), "fused_pdl": "not run"}
         steps = {label: functools.partial(run_step, model, ids, caches, meta, backend)
-                 for label, model in (("old", old), ("new", new), ("fused", fused_model))}  # fmt: skip
-        logits = time_step_variants(steps, row)
-        top = logits["old"].abs().max().item()
+                 for label, model in models.items()}  # fmt: skip
+        logits = {}
+        for label, step in steps.items():
+            with base_tables() if label == "base" else contextlib.nullcontext():
+                logits[label] = step(0).float()
+                row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
+                row[f"{label}_replay"] = replays_exact(step, logits[label])
+        top = logits["base"].abs().max().item()
         row["ok"] = True
         for label in ("new", "fused"):
-            diff = (logits["old"] - logits[label]).abs().max().item()
-            same = (logits["old"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
-            row["ok"] = row["ok"] and diff < 0.1 * top and same >= 0.9
+            diff = (logits["base"] - logits[label]).abs().max().item()
+            same = (logits["base"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
+            row["ok"] = row["ok"] and diff < 0.1 * top and same >= 0.9 and row[f"{label}_replay"] == "exact"
             row[f"{label}_diff"], row[f"{label}_same"] = diff, same
         out.append(row)
-        pending.append((row, steps, logits))
-    for row, steps, logits in pending:
-        for label in ("new", "fused"):
-            row[f"{label}_pdl_us"], row[f"{label}_pdl"] = bench_pdl_step(steps[label], logits[label])
-    del old, new, fused_model, pending
+    del models
     torch.cuda.empty_cache()
 
 
-def time_step_variants(steps: dict[str, Callable[[int], torch.Tensor]], row: dict[str, object]) -> dict:
-    """Time each variant's step into row[label + "_us"]; returns each variant's float logits. "old" runs with the
-    decode reduce kernel, as before this change."""
-    from fnvllm.kernels import decode_attention
-
-    default, logits = decode_attention.DEFAULT_DECODE_CONFIG, {}
-    for label, step in steps.items():
-        if label == "old":
-            decode_attention.DEFAULT_DECODE_CONFIG = dataclasses.replace(default, fused_reduce=False)
-        try:
-            logits[label] = step(0).float()
-            row[f"{label}_us"] = graph_time_us(step, 1, repeats=20)
-        finally:
-            decode_attention.DEFAULT_DECODE_CONFIG = default
-    return logits
-
-
 def step_note(r: dict[str, object]) -> str:
-    """The step row's other variants: fused prologues and PDL times and the logit checks."""
+    """The step row's other columns: the fused-prologue variant, replay checks and the logit checks vs base."""
     return (
-        f"  | fused {r['fused_us']:.2f} | new+PDL {r['new_pdl_us']:.2f} ({r['new_pdl']}) | fused+PDL "
-        f"{r['fused_pdl_us']:.2f} ({r['fused_pdl']}) | vs old: max diff {r['new_diff']:.3g} / {r['fused_diff']:.3g}"
-        f", argmax same {r['new_same']:.2f} / {r['fused_same']:.2f}"
+        f"  | fused {r['fused_us']:.2f} | new/base {r['new_us'] / r['base_us']:.3f} | replays {r['new_replay']} / "
+        f"{r['fused_replay']} | vs base: max diff {r['new_diff']:.3g} / {r['fused_diff']:.3g}, argmax same "
+        f"{r['new_same']:.2f} / {r['fused_same']:.2f}"
     )
 
 
@@ -481,17 +487,15 @@ def print_tables(out: list[dict[str, object]]) -> None:
             print(f"\n{part:>16} {key:>3} {'old us':>8} {'new us':>8} ok")
             for r in rows:
                 extra = step_note(r) if part == "step" else ""
-                print(
-                    f"{'':>16} {r[key]:>3} {r['old_us']:>8.2f} {r['new_us']:>8.2f} "
-                    f"{'ok' if r['ok'] else 'WRONG'}{extra}"
-                )
+                old = r["base_us"] if part == "step" else r["old_us"]
+                print(f"{'':>16} {r[key]:>3} {old:>8.2f} {r['new_us']:>8.2f} {'ok' if r['ok'] else 'WRONG'}{extra}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(GEMMS), default="0.6b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (decode batch sizes)")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the skinny launch-config sweep")
+    parser.add_argument("--sweep", action="store_true", help="also sweep skinny configs (sweep_small.py does more)")
     parser.add_argument("--no-step", action="store_true", help="skip the whole-step timing (part 4)")
     parser.add_argument("--json", default=None, help="append one JSON line per measurement here")
     args = parser.parse_args()
@@ -501,7 +505,7 @@ def main() -> None:
     torch.manual_seed(0)
     start = time.perf_counter()
     out: list[dict[str, object]] = []
-    bench_gemms(args.shape, rows, not args.no_sweep, out)
+    bench_gemms(args.shape, rows, args.sweep, out)
     bench_norm_rope_store(args.shape, rows, out)
     bench_decode(args.shape, rows, out)
     print_tables(out)  # parts 1-3 now: part 4 builds whole models and could fail on its own

@@ -61,12 +61,13 @@ def test_triton_ops_model_matches_torch_ops(tmp_path: Path, family: str, fp8: bo
     torch.testing.assert_close(run(ours, tokens, fp8), run(ref, tokens, fp8), atol=1e-4, rtol=1e-4)
 
 
-def test_fused_prologues_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton ops fuse norms and SiLU into the projections only when asked (argument or environment)."""
+def test_fused_prologues_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton ops fuse norms and SiLU into the projections (where measured faster) unless the environment
+    turns them off."""
     monkeypatch.delenv("FNVLLM_FUSED_PROLOGUES", raising=False)
-    assert ops_for("triton").norm_linear is None and ops_for("triton").silu_mul_linear is None
-    monkeypatch.setenv("FNVLLM_FUSED_PROLOGUES", "1")
     assert ops_for("triton").norm_linear is not None and ops_for("triton").silu_mul_linear is not None
+    monkeypatch.setenv("FNVLLM_FUSED_PROLOGUES", "0")
+    assert ops_for("triton").norm_linear is None and ops_for("triton").silu_mul_linear is None
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])

@@ -10,9 +10,13 @@ import torch.nn.functional as F
 from fnvllm.kernels import skinny_gemm
 from fnvllm.kernels.fused_ops import fused_add_rmsnorm, rmsnorm, rmsnorm_ref, silu_and_mul
 from fnvllm.kernels.skinny_gemm import (
+    FUSED_TIMES,
     TUNED_CONFIGS,
+    Fused,
     Norm,
     SkinnyConfig,
+    Tuned,
+    fused_config,
     linear,
     norm_linear,
     prefers_fused,
@@ -35,6 +39,8 @@ CONFIGS = (
     SkinnyConfig(16, 16, 32, 4, fused_reduce=False),  # the separate sum kernel
     SkinnyConfig(16, 16, 32, 3, use_dot=False),  # CUDA cores, an odd split
     SkinnyConfig(16, 8, 64, 1, use_dot=False),
+    SkinnyConfig(16, 16, 32, 3, num_stages=1, preload=True),  # weights a tile ahead in registers, odd split
+    SkinnyConfig(16, 8, 512, 1, use_dot=False, num_stages=1, preload=True),  # one tile per program
 )
 
 
@@ -101,8 +107,13 @@ def test_cuda_core_variant_takes_unpadded_rows() -> None:
         skinny_linear(x, w, None, SkinnyConfig(1, 8, 32, 2, use_dot=True))
 
 
+PRELOAD_ONE_TILE = SkinnyConfig(4, 8, 128, 1, use_dot=False, num_stages=1, preload=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+@pytest.mark.parametrize(
+    "config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False), PRELOAD_ONE_TILE]
+)
 def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, config: SkinnyConfig) -> None:
     """glu=True (SiLU-and-mul on load) gives the same bits as fused_ops.silu_and_mul followed by the kernel."""
     gen = torch.Generator().manual_seed(13)
@@ -117,7 +128,9 @@ def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, co
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False)])
+@pytest.mark.parametrize(
+    "config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False), PRELOAD_ONE_TILE]
+)
 def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
     dtype: torch.dtype, with_residual: bool, config: SkinnyConfig
 ) -> None:
@@ -140,6 +153,22 @@ def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
     torch.testing.assert_close(got.float(), want.float(), **tol)
     with pytest.raises(ValueError, match="both"):
         skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, x, None))
+
+
+def test_norm_statistics_in_narrow_steps_match_one_wide_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norm prologue's row statistics give the same bits whether read in one wide step or in 16-column steps
+    (a ragged last step included)."""
+    gen = torch.Generator().manual_seed(17)
+    x, res = (torch.randn(3, 200, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    nw = (torch.rand(200, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(24, 200, generator=gen) / 10).to(DEVICE, torch.bfloat16)
+    cfg = SkinnyConfig(16, 8, 64, 2)
+    wide = skinny_linear(x, w, None, cfg, norm=Norm(nw, 1e-6, res, torch.empty_like(x)))
+    monkeypatch.setattr(skinny_gemm, "_NORM_ELEMENTS", 256)  # 16 rows x 16 columns a step: 13 steps
+    narrow_res = torch.empty_like(x)
+    narrow = skinny_linear(x, w, None, cfg, norm=Norm(nw, 1e-6, res, narrow_res))
+    torch.testing.assert_close(narrow.float(), wide.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(narrow_res, x + res)
 
 
 def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear() -> None:
@@ -169,25 +198,51 @@ def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:
 def test_tuned_table_serves_its_row_bucket_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry for the 16-row bucket serves 2..16 rows (rows padded), neither 1 row nor 17; it makes the product
     skinny there and only there."""
-    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), SkinnyConfig(16, 8, 32, 2))
-    monkeypatch.setattr(skinny_gemm, "BEATS_CUBLAS", frozenset({(40, 64, 16)}))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), Tuned(SkinnyConfig(16, 8, 32, 2), 4.0, 5.0))
     assert tuned_config(3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
     assert tuned_config(1, 40, 64) is None and tuned_config(17, 40, 64) is None and tuned_config(3, 40, 80) is None
     assert prefers_skinny(3, 40, 64) and not prefers_skinny(1, 40, 64) and not prefers_skinny(17, 40, 64)
-    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), SkinnyConfig(1, 8, 32, 2, use_dot=False))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), Tuned(SkinnyConfig(1, 8, 32, 2, use_dot=False), 6.0, 5.0))
     assert tuned_config(1, 40, 64) == SkinnyConfig(1, 8, 32, 2, use_dot=False)
+    assert not prefers_skinny(1, 40, 64)  # measured slower than cuBLAS: kept there
 
 
-def test_shipped_table_never_replaces_cublas_where_it_lost() -> None:
-    """The measured table keeps Qwen3-0.6B's plain qkv at one row, gate_up at every size and o_proj at 64 rows on
-    cuBLAS; with a norm to fuse, qkv and gate_up go skinny up to NORM_MAX_ROWS rows only."""
-    assert not prefers_skinny(1, 4096, 1024) and prefers_skinny(16, 4096, 1024)
-    assert not any(prefers_skinny(m, 6144, 1024) for m in (1, 16, 64)) and not prefers_skinny(64, 1024, 2048)
-    assert prefers_fused(1, 4096, 1024) and prefers_fused(16, 6144, 1024) and not prefers_fused(64, 6144, 1024)
+def test_fused_table_decides_where_it_has_an_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FUSED_TIMES entry fuses its kind only where it measured faster than the two launches, with its own
+    config (block_m fitted to the rows); without one the plain tuned config serves."""
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), Tuned(SkinnyConfig(1, 8, 32, 2, use_dot=False), 6.0, 5.0))
+    fused_cfg = SkinnyConfig(1, 8, 64, 1, 4, 1, use_dot=False, preload=True)
+    monkeypatch.setitem(FUSED_TIMES, ("norm", 40, 64, 1), Fused(fused_cfg, 3.0, 6.5))
+    monkeypatch.setitem(FUSED_TIMES, ("silu", 40, 64, 1), Fused(fused_cfg, 7.0, 6.5))
+    assert prefers_fused("norm", 1, 40, 64) and not prefers_fused("silu", 1, 40, 64)
+    assert fused_config("norm", 1, 40, 64) == fused_cfg
+    assert fused_config("silu", 3, 40, 64) is None  # no 16-row entry of either table
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), Tuned(SkinnyConfig(16, 8, 32, 2), 6.0, 5.0))
+    assert fused_config("norm", 3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
+    with pytest.raises(ValueError, match="kind"):
+        prefers_fused("gelu", 1, 40, 64)
 
 
-def test_dispatch_picks_narrow_deep_products_at_few_rows() -> None:
-    """The measured rule: few rows, N <= 2048 and K >= 2N (Qwen3-0.6B's o_proj and down_proj), nothing else."""
+def test_shipped_tables_decide_by_their_measured_times() -> None:
+    """Every shipped TUNED_CONFIGS entry sends its plain product to the kernel exactly where it measured faster than
+    cuBLAS, at every row count of its bucket, with a launchable config; every FUSED_TIMES entry fuses exactly where
+    the one launch measured faster than the two."""
+    for (n, k, bucket), tuned in TUNED_CONFIGS.items():
+        lowest = 1 + max((r for r in skinny_gemm.MEASURED_ROWS if r < bucket), default=0)
+        for m in {lowest, bucket}:
+            assert prefers_skinny(m, n, k) == (tuned.skinny_us < tuned.cublas_us), (n, k, m)
+            cfg = tuned_config(m, n, k)
+            assert cfg is not None and cfg.block_m >= m and cfg.split_k >= 1 and cfg.block_k >= 16
+    for (kind, n, k, bucket), fused in FUSED_TIMES.items():
+        assert bucket <= skinny_gemm.NORM_MAX_ROWS
+        assert prefers_fused(kind, bucket, n, k) == (fused.fused_us < fused.unfused_us), (kind, n, k, bucket)
+        assert fused_config(kind, bucket, n, k).block_m >= bucket
+
+
+def test_dispatch_picks_narrow_deep_products_at_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without table entries, the rule: few rows, N <= 2048 and K >= 2N (Qwen3-0.6B's o_proj and down_proj),
+    nothing else."""
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", {})
     assert prefers_skinny(1, 1024, 2048) and prefers_skinny(16, 1024, 3072)
     assert not prefers_skinny(17, 1024, 2048)  # too many rows
     assert not prefers_skinny(1, 4096, 1024)  # wide and shallow: cuBLAS
@@ -216,10 +271,11 @@ def test_bad_shapes_name_the_problem() -> None:
         skinny_linear(torch.zeros(65, 16, device=DEVICE), w)
 
 
-def test_config_fills_the_gpu() -> None:
+def test_config_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The heuristic launch (shapes without a measured config) has about two programs per SM or more."""
-    for n, k in ((6144, 4096), (4096, 12288), (2048, 512)):  # no measured entry
-        cfg = skinny_config(1, n, k)
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", {})
+    for n, k in ((6144, 4096), (4096, 12288), (2048, 512)):
+        cfg = skinny_config.__wrapped__(1, n, k)  # uncached: the table is empty here
         programs = -(-n // cfg.block_n) * cfg.split_k
         assert programs >= 256, (n, k, cfg)
         assert k // cfg.split_k >= cfg.block_k  # every split has work
@@ -251,17 +307,27 @@ def three_launches(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 16])
-def test_gpu_in_kernel_reduce_is_exact_over_graph_replays(m: int) -> None:
+@pytest.mark.parametrize(
+    "m,cfg",
+    [
+        (1, SkinnyConfig(16, 16, 128, 4)),
+        (16, SkinnyConfig(16, 16, 128, 4)),
+        (1, SkinnyConfig(1, 8, 1024, 4, 4, 1, use_dot=False, preload=True)),  # weights read before the PDL wait
+        (16, SkinnyConfig(16, 32, 256, 2, 4, 1, preload=True)),
+    ],
+)
+def test_gpu_in_kernel_reduce_is_exact_over_graph_replays(m: int, cfg: SkinnyConfig) -> None:
     """At Qwen3-0.6B's four projections (norm and SiLU prologues included), 20 CUDA-graph replays of split-K
-    launches with the in-kernel reduce give the eager result bit for bit (no lost or early partials)."""
-    cfg = SkinnyConfig(16, 16, 128, 4)
+    launches with the in-kernel reduce, weights loaded ahead or not, give the eager result bit for bit (no lost or
+    early partials), and that result is F.linear's to bf16 rounding."""
     for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         norm = Norm(torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6, torch.randn_like(x), x * 0)
         gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         eager = [t.clone() for t in three_launches(x, gate_up, w, norm, cfg)]
+        exact = F.linear(x.float(), w.float())
+        assert (eager[0].float() - exact).abs().max().item() <= 2 * exact.abs().max().item() * 2**-8
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = three_launches(x, gate_up, w, norm, cfg)

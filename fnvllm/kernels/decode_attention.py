@@ -157,6 +157,34 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
     return size
 
 
+# Small batches of 16-bit caches, measured on the H200 (benchmarks/sweep_small.py, part 3: B = 1, 16, 64, contexts
+# U(100, 400) and U(100, 1024), tables 16 blocks of 256, PDL on, 2026-12-01 23:50): the launch knobs by batch
+# bucket (the entry of the smallest key >= B), replacing ``auto_partition_size`` and ``fuses_reduce`` there
+# (partition_size capped at the table's width), chosen by the least time summed over both contexts. B = 16:
+# 256-token partitions merged in-kernel, 29.8 us against 32.7 (auto: 512, in-kernel); B = 64: 1024-token
+# partitions, 77.4 against 78.0. One sequence keeps the automatic rules (None: 64-token partitions and the reduce
+# kernel, 10.0 us against 10.1 for the best other knobs).
+SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig | None] = {
+    1: None,
+    16: DecodeKernelConfig(partition_size=256, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True),
+    64: DecodeKernelConfig(partition_size=1024, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True),
+}
+
+
+def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
+    """The measured knobs for a batch of num_seqs sequences (``SMALL_BATCH_DECODE``), partition capped at the
+    table's max_context tokens (a power of two); None (the automatic rules) for FP8 caches, unmeasured batch
+    sizes, buckets whose entry is None and empty tables."""
+    bucket = next((b for b in sorted(SMALL_BATCH_DECODE) if b >= num_seqs), None)
+    if fp8 or bucket is None or num_seqs <= 0:
+        return None
+    cfg = SMALL_BATCH_DECODE[bucket]
+    if cfg is None:
+        return None
+    cap = max(cfg.tile_size, int(triton.next_power_of_2(max(1, max_context))))
+    return dataclasses.replace(cfg, partition_size=min(cfg.partition_size, cap))
+
+
 def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
     """Whether split partials are merged in the partition kernel by default: above TINY_BATCH_PAIRS (sequence, KV
     head) pairs (measured on the H200: see the module docstring)."""
@@ -489,10 +517,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merge the live partitions of (sequence program_id(0), query head program_id(1)) by log-sum-exp."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    wait_for_previous_kernel(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_live = tl.cdiv(seq_len, PARTITION_SIZE)
     if num_live > 1:  # otherwise the partition kernel wrote the output
@@ -542,14 +572,20 @@ def paged_decode_attention(
 
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
     marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG (FP8 caches:
-    DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes.
+    DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes;
+    small batches of 16-bit caches with a measured entry take theirs (``small_batch_config``).
     `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
     captured in a CUDA graph.
     """
     base = DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    measured = small_batch_config(q.shape[0], max_context, is_fp8(k_cache))
+    if measured is not None:  # the measured small-batch knobs stand in for the defaults and the auto rules
+        base = measured
+        partition_size = partition_size or measured.partition_size
+        fused_reduce = measured.fused_reduce if fused_reduce is None else fused_reduce
     if partition_size is None:  # by shape, and never shorter than one tile
-        max_context = block_tables.shape[1] * k_cache.shape[1]
         auto = auto_partition_size(q.shape[0], k_cache.shape[2], max_context)
         partition_size = max(auto, tile_size or base.tile_size)
     cfg = _resolve_config(
@@ -594,7 +630,9 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             PARTITION_SIZE=cfg.partition_size,
             CHUNK=_REDUCE_CHUNK,
+            USE_PDL=use_pdl(q.device),
             num_warps=4 if head_dim >= 128 else 2,
+            **pdl_launch(q.device),
         )
     return out
 

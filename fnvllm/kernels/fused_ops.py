@@ -48,7 +48,8 @@ __all__ = [
 # anything: at that point every earlier kernel has completed. Each of our kernels that is launched this way
 # signals its own dependents only after that wait, so at most two kernels overlap. On by default (bit-exact, and
 # ~15 % less device time per decode step at 1 request on the H200: BENCHMARKS.md); FNVLLM_PDL=0 turns it off.
-_PDL = {"enabled": os.environ.get("FNVLLM_PDL", "1") != "0"}
+PDL_DEFAULT = os.environ.get("FNVLLM_PDL", "1") != "0"
+_PDL = {"enabled": PDL_DEFAULT}
 
 
 def set_pdl(enabled: bool) -> None:
@@ -188,11 +189,12 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, j] = silu(x[t, j]) * x[t, n_cols + j] for the column block program_id(1) of row program_id(0)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    wait_for_previous_kernel(USE_PDL)
     gate = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
@@ -211,7 +213,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n_cols))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(n_cols, block))](
-        x, out, x.stride(0), n_cols, BLOCK=block, num_warps=_row_warps(block)
+        x,
+        out,
+        x.stride(0),
+        n_cols,
+        BLOCK=block,
+        USE_PDL=use_pdl(x.device),
+        num_warps=_row_warps(block),
+        **pdl_launch(x.device),
     )
     return out
 

@@ -5,7 +5,10 @@ At M <= 64 rows a linear layer is a read of its weight: y (M, N) = x (M, K) @ W 
 and next to nothing else. On the H200 every such launch, cuBLAS's or ours, costs ~5 us for 4 to 12 MB of weights
 (a latency floor: launch, the first DRAM round trip, the drain), so at one request what pays is fewer launches:
 the residual add + RMSNorm before qkv and gate/up, and the SiLU-and-mul before down_proj, run inside the GEMM's
-load, and split-K partials are summed inside the GEMM.
+load, and split-K partials are summed inside the GEMM. Under programmatic dependent launch a program may read its
+weight tile before the previous kernel has finished (``preload``: weights are never written by a kernel), so
+the DRAM round trip overlaps that kernel and only x is read after the wait: one-row GEMVs of one 1-2K-wide tile
+per program (CUDA cores, rows unpadded) then take 2.6-5.7 us against cuBLAS's 4.9-12.6 (``TUNED_CONFIGS``).
 
 Algorithm: one program per (block of BLOCK_N output features, split s of K). It walks its K range in BLOCK_K
 steps, loading a (BLOCK_N, BLOCK_K) tile of W (contiguous rows of the nn.Linear layout) and the matching
@@ -17,14 +20,14 @@ atomic adds), adds the bias, rounds and resets the counter (``fused_reduce``; or
 Input prologues: ``glu`` (x = [gate | up], input silu(gate) * up) and ``norm`` (input rmsnorm(x + residual), each
 program computing the rows' statistics over all of K first, program (0, 0) writing the new residual stream).
 
-Worked example (Qwen3-0.6B, M = 1): o_proj N = 1024, K = 2048 -> BLOCK_N 32 gives 32 column blocks, SPLIT_K 4
+Worked example (Qwen3-0.6B, M = 16): o_proj N = 1024, K = 2048 -> BLOCK_N 32 gives 32 column blocks, SPLIT_K 4
 gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the fourth of a block to finish sums.
 
 Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_and_mul`` / ``fused_add_rmsnorm``):
 ``linear(x, weight, bias)``, ``silu_mul_linear(gate_up, weight, bias)`` and ``norm_linear(x, residual, norm_weight,
-eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS:
-``BEATS_CUBLAS``) or, with a prologue to fuse, ``prefers_fused`` picks, to this kernel, and everything else to
-cuBLAS after the unfused ops.
+eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS: the
+``TUNED_CONFIGS`` entries) or, with a prologue to fuse, ``prefers_fused`` picks (``FUSED_TIMES``), to this kernel,
+and everything else to cuBLAS after the unfused ops.
 """
 
 from __future__ import annotations
@@ -48,12 +51,15 @@ from fnvllm.kernels.fused_ops import (
 )
 
 __all__ = [
-    "BEATS_CUBLAS",
+    "FUSED_TIMES",
     "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
+    "Fused",
     "Norm",
     "SkinnyConfig",
+    "Tuned",
+    "fused_config",
     "linear",
     "linear_ref",
     "norm_linear",
@@ -110,7 +116,10 @@ def _skinny_kernel(
     NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
+    PRELOAD_W: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # k_per_split <= BLOCK_K: every program's K range is one tile
     W_LINE: tl.constexpr,  # weight elements per 128-byte cache line
+    NORM_BLOCK: tl.constexpr,  # K columns per step of the NORM statistics loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -130,6 +139,9 @@ def _skinny_kernel(
     PREFETCH_W: before waiting on the previous kernel (programmatic dependent launch), ask for this program's
     whole weight slice to be brought into L2 (prefetch.global.L2, one per 128-byte line), so the weight stream
     overlaps the previous kernel and the loop after the wait reads L2. GPU only (inline PTX).
+    PRELOAD_W: load the first (BLOCK_N, BLOCK_K) weight tile into registers before that wait, and each next tile
+    one step ahead (a register double buffer): with one tile per program (k_per_split <= BLOCK_K) the program's
+    whole weight read overlaps the previous kernel and only x is read after the wait.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -142,17 +154,25 @@ def _skinny_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH_W:  # the weight slice streams into L2 while the previous kernel finishes (no kernel writes weights)
         _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K, W_LINE)
+    w_next = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    if PRELOAD_W:  # weights: no kernel writes them, so they may be read before the wait
+        w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         write_res = (pid_n == 0) & (pid_k == 0)
         inv_rms = _rows_inv_rms(
-            x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, BLOCK_K
+            x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, NORM_BLOCK
         )
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
+        if PRELOAD_W:
+            w = w_next
+            if not ONE_TILE:  # (with one tile per program the next would be all masked: no registers for it)
+                w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
+        else:
+            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, k_end, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -302,6 +322,8 @@ class SkinnyConfig(NamedTuple):
     partials). num_warps / num_stages: Triton launch options. use_dot: tensor cores (tl.dot, rows padded to 16)
     or CUDA cores (broadcast products and tl.sum; no padding, for 1-4 rows). fused_reduce: with split_k > 1, the
     last program of each column block sums the partials (no second kernel); False launches ``_sum_splits_kernel``.
+    preload: read the first weight tile into registers before the programmatic-dependent-launch wait, the next
+    ones a step ahead (``PRELOAD_W``); best with one tile per program (block_k >= K / split_k) and num_stages 1.
     """
 
     block_m: int
@@ -312,35 +334,60 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 4
     use_dot: bool = True
     fused_reduce: bool = True
+    preload: bool = False
 
 
-# Launch shapes measured best on the H200 (benchmarks/bench_small_batch.py's sweep, CUDA-graph replays, weights
-# past L2), by (N, K, rows bucket): M rows fall in the bucket of the smallest measured row count >= M (1; 2-16;
-# 17-64). ``BEATS_CUBLAS`` lists the entries faster than cuBLAS for the plain product; the others are still the
-# kernel's best shape when a fusion (norm or SiLU prologue) makes it take the product. Products without an entry
-# keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured 2026-12-01 (Qwen3-0.6B shapes),
-# us per call, cuBLAS -> skinny: qkv 1 row 4.96 -> 5.13, 16 rows 5.32 -> 5.21, 64 rows 5.40 -> 5.20; o_proj 1 row
-# 10.46 -> 5.23, 16 rows 5.87 -> 5.36, 64 rows 5.80 -> 6.18; gate_up 6.32 -> 6.33, 6.24 -> 6.38, 6.44 -> 6.69;
-# down_proj 7.56 -> 6.19, 7.85 -> 6.25, 7.92 -> 6.82.
+class Tuned(NamedTuple):
+    """A measured entry of the tuned table: the best launch config found for a (N, K, rows bucket), its time and
+    cuBLAS's for the same product (us per call, CUDA-graph replays, weights past L2, benchmarks/sweep_small.py)."""
+
+    config: SkinnyConfig
+    skinny_us: float
+    cublas_us: float
+
+
+class Fused(NamedTuple):
+    """A measured fused prologue (kind "norm": residual add + RMSNorm; "silu": SiLU-and-mul) at a (N, K, rows
+    bucket): the config of the one fused launch, its time and that of the two launches it replaces (the norm or
+    activation kernel, then the faster plain product), us per call (benchmarks/sweep_small.py)."""
+
+    config: SkinnyConfig
+    fused_us: float
+    unfused_us: float
+
+
+# Launch shapes measured best on the H200, by (N, K, rows bucket): M rows fall in the bucket of the smallest
+# measured row count >= M (1; 2-16; 17-64). ``prefers_skinny`` sends a plain product to the kernel where its entry
+# is faster than cuBLAS; the others are still the kernel's best shape when a fusion makes it take the product.
+# Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured
+# 2026-12-01 23:50 (Qwen3-0.6B shapes, benchmarks/sweep_small.py --budget-s 60, PDL on, CUDA-graph replays,
+# weights past L2): us per call, skinny against cuBLAS.
 MEASURED_ROWS = (1, 16, 64)
-TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
-    (4096, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (4096, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (4096, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
-    (1024, 2048, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 2048, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 2048, 64): SkinnyConfig(64, 16, 256, 1, 4, 3),
-    (6144, 1024, 1): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (6144, 1024, 16): SkinnyConfig(16, 32, 128, 1, 4, 4),
-    (6144, 1024, 64): SkinnyConfig(64, 32, 128, 1, 4, 4),
-    (1024, 3072, 1): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 3072, 16): SkinnyConfig(16, 32, 128, 4, 4, 4),
-    (1024, 3072, 64): SkinnyConfig(64, 32, 128, 4, 4, 4),
+TUNED_CONFIGS: dict[tuple[int, int, int], Tuned] = {
+    (4096, 1024, 1): Tuned(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 3.76, 4.93),  # 0.6b qkv
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.66, 5.47),
+    (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.83, 5.34),
+    (1024, 2048, 1): Tuned(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 2.61, 12.60),  # 0.6b o
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 4.19, 5.84),
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.94, 5.84),
+    (6144, 1024, 1): Tuned(SkinnyConfig(1, 4, 1024, 1, 4, 1, use_dot=False, preload=True), 5.71, 6.16),  # gate_up
+    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 5.96),
+    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.88, 6.38),
+    (1024, 3072, 1): Tuned(SkinnyConfig(1, 4, 2048, 1, 4, 1, use_dot=False, preload=True), 3.84, 7.44),  # 0.6b down
+    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.29, 7.75),
+    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.23, 7.91),
 }
-BEATS_CUBLAS = frozenset(
-    {(4096, 1024, 16), (4096, 1024, 64), (1024, 2048, 1), (1024, 2048, 16), (1024, 3072, 1), (1024, 3072, 16),
-     (1024, 3072, 64)}
-)  # fmt: skip
+# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket), same run:
+# ``prefers_fused`` fuses where the entry is faster (one row: all three; 16 rows: none); shapes without one keep
+# its rule. Above NORM_MAX_ROWS nothing is fused (SiLU in down_proj at 64 rows cost ~13 us a layer more).
+FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
+    ("norm", 4096, 1024, 1): Fused(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 4.09, 5.06),
+    ("norm", 4096, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 9.56, 6.18),
+    ("norm", 6144, 1024, 1): Fused(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 6.99, 7.10),
+    ("norm", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 13.79, 7.97),
+    ("silu", 1024, 3072, 1): Fused(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 4.19, 5.42),
+    ("silu", 1024, 3072, 16): Fused(SkinnyConfig(16, 32, 128, 4, 4, 4), 17.46, 6.92),
+}
 
 
 def rows_bucket(num_rows: int) -> int | None:
@@ -350,8 +397,20 @@ def rows_bucket(num_rows: int) -> int | None:
 
 def tuned_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
     """The measured config for (M, N, K) from ``TUNED_CONFIGS`` (block_m fitted to M), or None."""
-    cfg = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
-    return None if cfg is None else cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
+    tuned = TUNED_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
+    return None if tuned is None else _fit_rows(tuned.config, num_rows)
+
+
+def fused_config(kind: str, num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
+    """The measured config of the fused ``kind`` ("norm" or "silu") product for (M, N, K) from ``FUSED_TIMES``
+    (block_m fitted to M), else the plain product's ``tuned_config``, or None."""
+    fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
+    return tuned_config(num_rows, out_features, in_features) if fused is None else _fit_rows(fused.config, num_rows)
+
+
+def _fit_rows(cfg: SkinnyConfig, num_rows: int) -> SkinnyConfig:
+    """cfg with block_m fitted to num_rows (M padded to a power of two, >= 16 with tl.dot)."""
+    return cfg._replace(block_m=_block_m(num_rows, cfg.use_dot))
 
 
 @functools.cache
@@ -482,8 +541,11 @@ def _launch_skinny(
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
-        PREFETCH_W=prefetch_weights(x.device),
+        PREFETCH_W=prefetch_weights(x.device) and not cfg.preload,
+        PRELOAD_W=cfg.preload,
+        ONE_TILE=k_per_split <= cfg.block_k,
         W_LINE=max(1, 128 // weight.element_size()),
+        NORM_BLOCK=_norm_block(in_features, cfg.block_m),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -508,26 +570,45 @@ def _launch_skinny(
         )
 
 
+# float32 values the norm prologue's statistics loop holds per step (BLOCK_M rows x NORM_BLOCK columns): a whole
+# 1024-wide row per step at one row, so the rows' statistics cost one L2 round trip, not K / BLOCK_K of them.
+_NORM_ELEMENTS = 8192
+
+
+def _norm_block(in_features: int, block_m: int) -> int:
+    """K columns per step of the norm prologue's statistics loop: the row's width (a power of two) capped so
+    that a step holds at most _NORM_ELEMENTS values, at least 16."""
+    return max(16, min(int(triton.next_power_of_2(max(1, in_features))), _NORM_ELEMENTS // block_m))
+
+
 def prefers_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether ``skinny_linear`` beats cuBLAS for this plain product, by the H200 measurements of
-    benchmarks/bench_small_batch.py: the measured entries in ``BEATS_CUBLAS``; for shapes not measured at this
-    row bucket, narrow, deep products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a reduce) at <=
-    SKINNY_MAX_ROWS rows (BENCHMARKS.md, "skinny bf16 GEMM")."""
+    """Whether ``skinny_linear`` beats cuBLAS for this plain product, by the H200 measurements: a ``TUNED_CONFIGS``
+    entry at this rows bucket decides (its time against cuBLAS's); for shapes not measured there, narrow, deep
+    products (N <= 2048 and K >= 2N, where cuBLAS splits K and pays a reduce) at <= SKINNY_MAX_ROWS rows
+    (BENCHMARKS.md, "skinny bf16 GEMM")."""
     bucket = rows_bucket(num_rows)
     if num_rows <= 0 or bucket is None:
         return False
-    key = (out_features, in_features, bucket)
-    if key in TUNED_CONFIGS:
-        return key in BEATS_CUBLAS
+    tuned = TUNED_CONFIGS.get((out_features, in_features, bucket))
+    if tuned is not None:
+        return tuned.skinny_us < tuned.cublas_us
     return num_rows <= SKINNY_MAX_ROWS and out_features <= 2048 and in_features >= 2 * out_features
 
 
-def prefers_fused(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether a projection with a prologue to fuse (RMSNorm, SiLU-and-mul) goes to the skinny kernel: at <=
-    NORM_MAX_ROWS rows when the kernel has a measured config there (one ~5 us launch instead of the op's ~1.6 us
-    launch plus cuBLAS's ~5 us, where plain cuBLAS is at most ~0.2 us faster), or wherever the plain product
-    prefers it."""
-    if 0 < num_rows <= NORM_MAX_ROWS and tuned_config(num_rows, out_features, in_features) is not None:
+def prefers_fused(kind: str, num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a projection with a prologue to fuse (kind "norm": residual add + RMSNorm, "silu": SiLU-and-mul)
+    goes to the skinny kernel at M rows: never above NORM_MAX_ROWS rows; below, a ``FUSED_TIMES`` entry at this
+    rows bucket decides (fused against the two launches); without one, when the kernel has a measured config
+    there (one ~5 us launch instead of the op's ~1.6 us launch plus cuBLAS's ~5 us), or wherever the plain
+    product prefers it."""
+    if kind not in ("norm", "silu"):
+        raise ValueError(f"prefers_fused kind must be 'norm' or 'silu', got {kind!r}")
+    if not 0 < num_rows <= NORM_MAX_ROWS:
+        return False
+    fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
+    if fused is not None:
+        return fused.fused_us < fused.unfused_us
+    if tuned_config(num_rows, out_features, in_features) is not None:
         return True
     return prefers_skinny(num_rows, out_features, in_features)
 
@@ -559,9 +640,11 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     MLP's activation and down projection. Where ``prefers_fused`` picks the product (on a GPU), one skinny launch
     computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
     rows, flat = _rows(gate_up)
-    if not on_gpu(gate_up) or not prefers_fused(rows, weight.shape[0], weight.shape[1]):
-        return F.linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
-    return skinny_linear(flat, weight, bias, glu=True).reshape(*gate_up.shape[:-1], weight.shape[0])
+    out_features, in_features = weight.shape
+    if not on_gpu(gate_up) or not prefers_fused("silu", rows, out_features, in_features):
+        return linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
+    cfg = fused_config("silu", rows, out_features, in_features)
+    return skinny_linear(flat, weight, bias, cfg, glu=True).reshape(*gate_up.shape[:-1], out_features)
 
 
 def norm_linear(
@@ -578,11 +661,12 @@ def norm_linear(
     otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
     fits = rows <= NORM_MAX_ROWS and x.dim() == 2 and x.is_contiguous()
-    if on_gpu(x) and fits and prefers_fused(rows, out_features, in_features):
+    if on_gpu(x) and fits and prefers_fused("norm", rows, out_features, in_features):
         residual = None if residual is None else residual.contiguous()
         new_residual = x if residual is None else torch.empty_like(x)
         norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
-        return skinny_linear(x, weight, bias, norm=norm), new_residual
+        cfg = fused_config("norm", rows, out_features, in_features)
+        return skinny_linear(x, weight, bias, cfg, norm=norm), new_residual
     if residual is None:
         return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
     normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)

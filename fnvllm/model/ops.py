@@ -87,9 +87,9 @@ def compiled_ops() -> ModelOps:
     )
 
 
-# Projections with their prologue fused (``norm_linear``, ``silu_mul_linear``) are opt-in until measured on the
-# H200 within a whole decode step (benchmarks/bench_small_batch.py, part 4, "fused" column):
-# FNVLLM_FUSED_PROLOGUES=1.
+# Projections with their prologue fused (``norm_linear``, ``silu_mul_linear``): on by default, each shape fused
+# only where ``skinny_gemm.FUSED_TIMES`` measured it faster (one row on the H200; the whole Qwen3-0.6B decode step
+# at one request 870 -> 832 us, benchmarks/sweep_small.py part 4); FNVLLM_FUSED_PROLOGUES=0 turns them off.
 FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 
 
@@ -97,12 +97,13 @@ def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
 
     fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
-    down_proj at few rows (``norm_linear``, ``silu_mul_linear``); None reads FNVLLM_FUSED_PROLOGUES (default off).
+    down_proj at few rows (``norm_linear``, ``silu_mul_linear``, where measured faster); None reads
+    FNVLLM_FUSED_PROLOGUES (default on).
     """
     from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     if fused_prologues is None:
-        fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "0") == "1"
+        fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "1") != "0"
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,

@@ -1,0 +1,62 @@
+"""Decode attention's measured small-batch knobs (``SMALL_BATCH_DECODE``): which batches take them, and that the
+kernel under them still matches its reference (Triton's interpreter without a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_kernels_triton import TOLERANCE, rel_err, run_decode
+
+from fnvllm.kernels import decode_attention
+from fnvllm.kernels.decode_attention import DecodeKernelConfig, small_batch_config
+
+ONE_PARTITION = DecodeKernelConfig(partition_size=4096, tile_size=16, num_stages=2, fused_reduce=True)
+SPLIT_REDUCE = DecodeKernelConfig(partition_size=32, tile_size=16, num_warps=2, fused_reduce=False)
+
+
+def test_small_batch_table_serves_its_bucket_and_caps_the_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry serves batches up to its key (the smallest key >= B), with the partition capped at the table's
+    width (a power of two, at least a tile); FP8 caches, larger batches and an empty table get None."""
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {1: ONE_PARTITION, 16: SPLIT_REDUCE})
+    assert small_batch_config(1, 300, False) == dataclasses.replace(ONE_PARTITION, partition_size=512)
+    assert small_batch_config(2, 4096, False) == SPLIT_REDUCE and small_batch_config(16, 64, False) == SPLIT_REDUCE
+    assert small_batch_config(1, 8, False).partition_size == 16  # never below one tile
+    assert small_batch_config(17, 4096, False) is None and small_batch_config(1, 4096, True) is None
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {1: None, 16: SPLIT_REDUCE})
+    assert small_batch_config(1, 4096, False) is None and small_batch_config(2, 4096, False) == SPLIT_REDUCE
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {})
+    assert small_batch_config(1, 4096, False) is None
+
+
+def test_shipped_small_batch_table_is_launchable() -> None:
+    """Every shipped entry passes the launcher's config checks, merges split partials somehow, and one sequence
+    keeps the automatic rules (the measured best there)."""
+    assert small_batch_config(1, 4096, False) is None
+    for cfg in decode_attention.SMALL_BATCH_DECODE.values():
+        if cfg is not None:
+            decode_attention._check_config(cfg)
+            assert cfg.fused_reduce is not None
+
+
+@pytest.mark.parametrize("entry", [ONE_PARTITION, SPLIT_REDUCE], ids=["one-partition", "split-reduce"])
+@pytest.mark.parametrize("lengths", [[47], [1, 16, 33, 0, 64, 47]], ids=["one-seq", "six-seqs"])
+def test_decode_under_measured_knobs_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, entry: DecodeKernelConfig, lengths: list[int]
+) -> None:
+    """With a measured entry for the batch (one partition per sequence, or 32-token splits merged by the reduce
+    kernel), bf16 decode attention matches the float32 reference, padding rows zero."""
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {8: entry})
+    out, ref = run_decode(lengths, 4, 2, 16, torch.bfloat16, width=5)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    for row, n in enumerate(lengths):
+        if n == 0:
+            assert torch.all(out[row] == 0)
+
+
+def test_explicit_knobs_override_the_measured_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller's partition size and merge choice win over the table's (float32, exact to rounding)."""
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {8: ONE_PARTITION})
+    out, ref = run_decode([40, 70], 4, 2, 16, torch.float32, partition_size=32, fused_reduce=False)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
