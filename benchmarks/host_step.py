@@ -33,10 +33,12 @@ GPU (H200, Qwen3-0.6B shape by default there, random weights; a table is printed
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import gc
 import math
 import os
+import pstats
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +54,7 @@ import fnvllm.executor.cuda_graphs as graphs_module
 import fnvllm.executor.model_executor as executor_module
 import fnvllm.state.overlap as overlap_module
 from fnvllm.bench import write_checkpoint
+from fnvllm.cli.bench import PRESETS
 from fnvllm.engine.core import Engine
 from fnvllm.engine.loop import EngineLoop
 from fnvllm.engine.output import OutputProcessor, RequestTracker
@@ -181,11 +184,20 @@ def install(clock: PhaseClock, llm: LLM) -> Iterator[None]:
                 setattr(target, attr, original)
 
 
-def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tuple[dict[str, float], str]:
-    """Per-step ms per phase over ``steps`` decode steps of ``batch`` requests; also the timeline means line."""
+def measure(
+    llm: LLM,
+    batch: int,
+    steps: int,
+    warm: int,
+    prompt_len: int,
+    sampling: dict[str, Any] | None = None,
+    profile: int = 0,
+) -> tuple[dict[str, float], str]:
+    """Per-step ms per phase over ``steps`` decode steps of ``batch`` requests; also the timeline means line.
+    ``sampling``: SamplingParams fields on top of temperature 0.6 (``--logprobs``, ``--preset``)."""
     loop = llm.loop
     loop.overlap = True  # the overlapped loop's host work, on the CPU too (its launch runs the step at once)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64, **(sampling or {}))
     base = len(loop.state.requests) + loop.stats.num_steps * 1000
     trackers = []
     for i in range(batch):
@@ -203,9 +215,17 @@ def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tup
     if timeline is not None:
         timeline.records.clear()
     clock = PhaseClock()
+    profiler = cProfile.Profile() if profile else None
     with install(clock, llm), gc_clock(clock):
+        if profiler is not None:
+            profiler.enable()
         for _ in range(steps):
             loop.step()
+        if profiler is not None:
+            profiler.disable()
+    if profiler is not None:
+        print(f"B={batch}: cProfile of {steps} steps, top {profile} by tottime")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     per_step = {k: 1e3 * v / steps for k, v in clock.seconds.items()}
     calls = {k: n / steps for k, n in clock.calls.items()}
     line = "calls/step: " + ", ".join(
@@ -255,12 +275,21 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the engine is built")
+    parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
     args = parser.parse_args()
+    sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    if args.logprobs is not None:
+        sampling["logprobs"] = args.logprobs
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
     shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
-    print(f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on", flush=True)
+    print(
+        f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on, sampling {sampling}",
+        flush=True,
+    )
     folder = write_checkpoint(shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
     timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
     os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
@@ -275,7 +304,7 @@ def main() -> None:
         gc.freeze()
     results: dict[int, tuple[dict[str, float], str]] = {}
     for b in batches:  # a table after each batch size, so that a later failure still leaves the earlier ones
-        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len)
+        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len, sampling, args.profile)
         print_table(results, on_gpu)
         print(flush=True)
 
