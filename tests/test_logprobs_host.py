@@ -1,12 +1,21 @@
-"""The executor's host conversion of a step's logprob tensors into per-row TokenLogprobs (``_host_logprobs``)."""
+"""Logprobs on the host: a step's tensors as lazy per-row TokenLogprobs (``_host_logprobs``, ``StepLogprobs``), by
+request (``RequestLogprobs``), per request (``LogprobList``), and the engine keeping none built while requests run."""
 
 from __future__ import annotations
 
-import torch
+import gc
+from pathlib import Path
 
+import torch
+from tiny_models import write_family
+
+from fnvllm.engine.output import RequestTracker
 from fnvllm.executor.base import TokenLogprobs
+from fnvllm.executor.logprob_rows import LogprobList, RequestLogprobs
 from fnvllm.executor.model_executor import _host_logprobs
 from fnvllm.executor.sampler import Logprobs
+from fnvllm.llm import LLM
+from fnvllm.state import SamplingParams
 
 
 def _logprobs(num_rows: int, width: int) -> Logprobs:
@@ -58,3 +67,57 @@ def test_every_row_asking_zero() -> None:
     lp, tokens = _logprobs(2, 0), [4, 5]
     got = _host_logprobs(lp, tokens, (0, 0))
     assert got == (TokenLogprobs(4, 0.0, ()), TokenLogprobs(5, -0.5, ()))
+
+
+def test_step_logprobs_select_keeps_flagged_rows() -> None:
+    """``select`` keeps the flagged rows' entries (built from the shared lists), in order."""
+    asked = (2, None, 2, 1)
+    lp, tokens = _logprobs(3, 2), [1, 2, 3, 4]
+    step = _host_logprobs(lp, tokens, asked)
+    full = _expected(lp, tokens, asked)
+    assert step.select((True, False, False, True)) == (full[0], full[3])
+    assert (
+        _host_logprobs(lp, tokens[:3], (2, 2, 2)).select((False, True, True)) == _expected(lp, [1, 2, 3], (2, 2, 2))[1:]
+    )
+
+
+def test_request_logprobs_maps_only_rows_that_asked() -> None:
+    """By request id: rows that asked map to their entry, the others are absent; a reference names the row."""
+    asked = (2, None, 2)
+    lp, tokens = _logprobs(2, 2), [5, 6, 7]
+    step = _host_logprobs(lp, tokens, asked)
+    by_id = RequestLogprobs(("a", "b", "c"), step)
+    assert dict(by_id) == {"a": step[0], "c": step[2]}
+    assert "b" not in by_id and by_id.reference("b") is None and by_id.reference("c") == (step, 2)
+
+
+def test_logprob_list_builds_references_once() -> None:
+    """A request's list reads references and given entries alike, and ``materialize`` keeps what it built."""
+    lp, tokens = _logprobs(2, 2), [5, 6]
+    step = _host_logprobs(lp, tokens, (2, 2))
+    given = TokenLogprobs(9, -0.25, ((9, -0.25),))
+    entries = LogprobList()
+    entries.append_reference(step, 1)
+    entries.append(given)
+    entries.append_reference(step, 0)
+    assert entries[-1] == step[0] and entries[1:] == (given, step[0])
+    built = entries.materialize()
+    assert built == (step[1], given, step[0]) and entries.materialize()[0] is built[0]
+
+
+def test_trackers_keep_no_token_logprobs_while_requests_run(tmp_path: Path) -> None:
+    """While requests with logprobs run, the engine keeps no TokenLogprobs objects (rows are built when read), and
+    the finished outputs carry every entry."""
+    llm = LLM(write_family(tmp_path, "qwen3"), dtype="float32", block_size=8, num_blocks=64)
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logprobs=2)
+    trackers = [RequestTracker(i, f"r{i}", None, (3, 4, 5 + i), params, None) for i in range(3)]
+    llm.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
+    for _ in range(4):
+        llm.loop.step()
+    assert llm.loop.has_unfinished and all(len(t.logprobs) >= 2 for t in trackers)
+    assert not any(type(o) is TokenLogprobs for o in gc.get_objects())
+    while llm.loop.has_unfinished:
+        llm.loop.step()
+    outputs = [t.result() for t in trackers]
+    assert all(o.logprobs is not None and len(o.logprobs) == 6 for o in outputs)
+    assert all(isinstance(lp, TokenLogprobs) and len(lp.top) == 2 for o in outputs for lp in o.logprobs or ())

@@ -31,12 +31,13 @@ import numpy as np
 import torch
 
 from fnvllm.config import EngineConfig
-from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
+from fnvllm.executor.base import ExecuteResult, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
+from fnvllm.executor.logprob_rows import StepLogprobs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
@@ -700,25 +701,10 @@ def _copy_scored(scored: list[ScoredRow]) -> HostCopy | None:
     return HostCopy.start([t for row in scored for t in row.tensors()]) if scored else None
 
 
-def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> tuple[TokenLogprobs | None, ...]:
+def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> StepLogprobs:
     """Per sampled row, its TokenLogprobs (the sampled token's logprob and its first n top entries; n may be 0) or
-    None where it did not ask. ``lp`` holds the rows that asked, in order.
+    None where it did not ask. ``lp`` holds the rows that asked, in order (host tensors).
 
-    This runs every step for every row that asked (256 x 6 entries at the bench's --logprobs 5), so the common
-    case (every row asked for the same n, the tensors' width) is built by C-level maps over the whole batch's
-    lists: one ``tolist`` per tensor, no per-row Python frame (half the host time of a per-row loop)."""
-    sampled = lp.sampled_logprobs.tolist()
-    width = lp.top_ids.shape[1] if lp.top_ids.dim() == 2 else 0
-    top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    if len(sampled) == len(asked) and asked.count(width) == len(asked):  # every row asked for the same n
-        tops = map(tuple, map(zip, top_ids, top_values))  # (L,) of ((id, logprob), ...), best first
-        return tuple(map(TokenLogprobs, tokens, sampled, tops))
-    out: list[TokenLogprobs | None] = []
-    k = 0  # the row's place among the rows that asked
-    for i, n in enumerate(asked):
-        if n is None:
-            out.append(None)
-            continue
-        out.append(TokenLogprobs(tokens[i], sampled[k], tuple(zip(top_ids[k][:n], top_values[k][:n], strict=True))))
-        k += 1
-    return tuple(out)
+    This runs every step (256 rows x 6 entries at the bench's --logprobs 5), so the rows are not built here: the
+    step's three lists are kept and each row's TokenLogprobs is built when read (``StepLogprobs``)."""
+    return StepLogprobs.from_host(tokens, asked, lp.sampled_logprobs, lp.top_ids, lp.top_logprobs)

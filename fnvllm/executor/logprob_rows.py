@@ -1,0 +1,240 @@
+"""Logprobs kept as one step's flat host lists, each row's ``TokenLogprobs`` built only when it is read.
+
+Why (issue 19, ``--logprobs 5`` at 256 rows): building 256 ``TokenLogprobs`` (each with a tuple of n (id, logprob)
+pairs) every step and keeping them in the request trackers cost the host more than the sampling itself. The
+building is a few hundred microseconds; the larger part was the garbage collector: every retained
+``TokenLogprobs`` is a tracked object, so the young generation filled every few hundred rows and full collections
+walked the whole growing heap (on the CPU, 256 rows x 600 steps: ~3 ms of collection per step against ~0.05 ms
+when a step keeps only a reference to its lists and each row its index; ``benchmarks/host_step.py --logprobs 5``).
+
+So a step's logprobs are one ``StepLogprobs`` (three flat lists: no per-row objects), the engine's per-request
+view of a step is ``RequestLogprobs`` (a mapping built lazily over it), and a request's history is a
+``LogprobList`` of (step, row) references that builds its ``TokenLogprobs`` when read, once, and keeps them (the
+tracker builds them when the request finishes: ``RequestTracker.close``). Readers see the public types unchanged:
+sequences and mappings of ``TokenLogprobs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import compress, repeat
+from typing import overload
+
+import torch
+
+from fnvllm.executor.base import TokenLogprobs
+
+
+class StepLogprobs(Sequence["TokenLogprobs | None"]):
+    """One step's logprobs per sampled row (plan order): a ``TokenLogprobs``, or None where the row did not ask.
+
+    Holds the rows that asked as flat lists: ``sampled[k]`` the sampled token's logprob of the k-th such row,
+    ``ids`` / ``values`` its ``width`` best (id, logprob) from ``k * width``, best first. A row that asked for
+    n < width keeps its first n. ``places[i]``: row i's k, or None (did not ask); None for the whole tuple when
+    every row asked for ``width`` (k == i). Compares equal to the tuple of its entries.
+    """
+
+    __slots__ = ("_asked", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        asked: Sequence[int | None],
+        sampled: list[float],
+        ids: list[int],
+        values: list[float],
+        width: int,
+        places: Sequence[int | None] | None = None,
+    ) -> None:
+        if len(tokens) != len(asked):
+            raise ValueError(f"tokens and asked must have one entry per sampled row, got {len(tokens)}, {len(asked)}")
+        self._tokens, self._asked, self._width = tokens, asked, width
+        self._sampled, self._ids, self._values = sampled, ids, values
+        if places is None and (len(sampled) != len(asked) or asked.count(width) != len(asked)):
+            k = iter(range(len(sampled)))
+            places = tuple(None if n is None else next(k) for n in asked)
+        self._places = places
+
+    @classmethod
+    def from_host(
+        cls, tokens: Sequence[int], asked: Sequence[int | None], sampled: torch.Tensor, top_ids: torch.Tensor,
+        top_values: torch.Tensor,
+    ) -> StepLogprobs:  # fmt: skip
+        """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked):
+        three ``tolist`` calls, the tensors themselves not kept (their pinned buffers are reused)."""
+        width = top_ids.shape[1] if top_ids.dim() == 2 else 0
+        return cls(
+            tokens, asked, sampled.tolist(), top_ids.reshape(-1).tolist(), top_values.reshape(-1).tolist(), width
+        )
+
+    def __len__(self) -> int:
+        return len(self._asked)
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprobs | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[TokenLogprobs | None, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs | None, ...] | None:
+        if isinstance(i, slice):
+            return tuple(map(self.entry, range(len(self))[i]))
+        return self.entry(range(len(self))[i])
+
+    def entry(self, row: int) -> TokenLogprobs | None:
+        """Row ``row``'s TokenLogprobs (0 <= row < len), built now, or None when it did not ask."""
+        n = self._asked[row]
+        if n is None:
+            return None
+        k = row if self._places is None else self._places[row]
+        assert k is not None  # a row that asked has a place
+        at = k * self._width
+        pairs = tuple(zip(self._ids[at : at + n], self._values[at : at + n], strict=True))
+        return TokenLogprobs(self._tokens[row], self._sampled[k], pairs)
+
+    def asked(self, row: int) -> bool:
+        """True when row ``row`` asked for logprobs."""
+        return self._asked[row] is not None
+
+    def __iter__(self) -> Iterator[TokenLogprobs | None]:
+        if self._places is not None:
+            return map(self.entry, range(len(self)))
+        width, ids, values = self._width, self._ids, self._values
+        starts = range(0, len(ids), width) if width else repeat(0, len(self))
+        tops = (tuple(zip(ids[at : at + width], values[at : at + width], strict=True)) for at in starts)
+        return map(TokenLogprobs, self._tokens, self._sampled, tops)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]  # compares by value, like the tuple it stands for
+
+    def __repr__(self) -> str:
+        return f"StepLogprobs({tuple(self)!r})"
+
+    def select(self, keep: Sequence[bool]) -> StepLogprobs:
+        """The rows flagged in ``keep`` (one flag per row), sharing this step's lists."""
+        if len(keep) != len(self):
+            raise ValueError(f"keep must have one flag per row ({len(self)}), got {len(keep)}")
+        places = range(len(self)) if self._places is None else self._places
+        return StepLogprobs(
+            tuple(compress(self._tokens, keep)),
+            tuple(compress(self._asked, keep)),
+            self._sampled,
+            self._ids,
+            self._values,
+            self._width,
+            tuple(compress(places, keep)),
+        )
+
+
+class RequestLogprobs(Mapping[str, TokenLogprobs]):
+    """One step's logprobs by request id: the rows of ``step`` (``seq_ids``, in the same order) that asked. Each
+    value is built when read; ``reference`` hands out the (step, row) instead, for a ``LogprobList``."""
+
+    __slots__ = ("_index", "_seq_ids", "_step")
+
+    def __init__(self, seq_ids: Sequence[str], step: StepLogprobs) -> None:
+        if len(seq_ids) != len(step):
+            raise ValueError(f"seq_ids must name every row of the step ({len(step)}), got {len(seq_ids)}")
+        self._seq_ids, self._step = seq_ids, step
+        self._index: dict[str, int] | None = None
+
+    def _rows(self) -> dict[str, int]:
+        """Request id -> row, of the rows that asked (built on first use)."""
+        if self._index is None:
+            step = self._step
+            self._index = {rid: i for i, rid in enumerate(self._seq_ids) if step.asked(i)}
+        return self._index
+
+    def reference(self, request_id: str) -> tuple[StepLogprobs, int] | None:
+        """(step, row) of ``request_id``'s logprobs, or None when it has none this step."""
+        row = self._rows().get(request_id)
+        return None if row is None else (self._step, row)
+
+    def __getitem__(self, request_id: str) -> TokenLogprobs:
+        entry = self._step.entry(self._rows()[request_id])
+        assert entry is not None  # only rows that asked are in the index
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows())
+
+    def __len__(self) -> int:
+        return len(self._rows())
+
+    def __repr__(self) -> str:
+        return f"RequestLogprobs({dict(self)!r})"
+
+
+class LogprobList(Sequence[TokenLogprobs]):
+    """A request's logprobs, one per generated token: (step, row) references (or ``TokenLogprobs`` given as
+    they are), each built on first read and kept from then on (``materialize``)."""
+
+    __slots__ = ("_built", "_rows", "_sources")
+
+    def __init__(self) -> None:
+        self._sources: list[StepLogprobs | TokenLogprobs] = []
+        self._rows: list[int | None] = []  # the row in its StepLogprobs; None for a TokenLogprobs given as is
+        self._built: list[TokenLogprobs] = []  # the first len(_built) entries, built
+
+    def append(self, logprobs: TokenLogprobs) -> None:
+        """Add one entry as it is."""
+        self._sources.append(logprobs)
+        self._rows.append(None)
+
+    def append_reference(self, step: StepLogprobs, row: int) -> None:
+        """Add row ``row`` of ``step`` (a row that asked), to be built when read."""
+        self._sources.append(step)
+        self._rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def _entry(self, i: int) -> TokenLogprobs:
+        if i < len(self._built):
+            return self._built[i]
+        source, row = self._sources[i], self._rows[i]
+        if row is None:
+            assert isinstance(source, TokenLogprobs)
+            return source
+        assert isinstance(source, StepLogprobs)
+        entry = source.entry(row)
+        assert entry is not None  # references are only taken to rows that asked
+        return entry
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprobs: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[TokenLogprobs, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs, ...]:
+        if isinstance(i, slice):
+            return tuple(map(self._entry, range(len(self))[i]))
+        return self._entry(range(len(self))[i])
+
+    def __iter__(self) -> Iterator[TokenLogprobs]:
+        return iter(self.materialize())
+
+    def materialize(self) -> tuple[TokenLogprobs, ...]:
+        """Every entry, built once (later calls build only the entries added since) and dropped from the
+        references, which then no longer keep their steps' lists alive."""
+        start = len(self._built)
+        if start < len(self._sources):
+            self._built.extend(map(self._entry, range(start, len(self._sources))))
+            self._sources[start:] = self._built[start:]
+            self._rows[start:] = [None] * (len(self._rows) - start)
+        return tuple(self._built)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LogprobList({tuple(self)!r})"
