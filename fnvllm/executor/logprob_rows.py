@@ -89,7 +89,7 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         k = row if self._places is None else self._places[row]
         assert k is not None  # a row that asked has a place
         at = k * self._width
-        pairs = tuple(zip(self._ids[at : at + n], self._values[at : at + n], strict=True))
+        pairs = tuple(zip(self._ids[at : at + n], self._values[at : at + n], strict=False))  # equal by construction
         return TokenLogprobs(self._tokens[row], self._sampled[k], pairs)
 
     def asked(self, row: int) -> bool:
@@ -101,7 +101,7 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
             return map(self.entry, range(len(self)))
         width, ids, values = self._width, self._ids, self._values
         starts = range(0, len(ids), width) if width else repeat(0, len(self))
-        tops = (tuple(zip(ids[at : at + width], values[at : at + width], strict=True)) for at in starts)
+        tops = (tuple(zip(ids[at : at + width], values[at : at + width], strict=False)) for at in starts)
         return map(TokenLogprobs, self._tokens, self._sampled, tops)
 
     def __eq__(self, other: object) -> bool:
@@ -224,9 +224,11 @@ class LogprobList(Sequence[TokenLogprobs]):
         references, which then no longer keep their steps' lists alive."""
         start = len(self._built)
         if start < len(self._sources):
-            self._built.extend(map(self._entry, range(start, len(self._sources))))
-            self._sources[start:] = self._built[start:]
-            self._rows[start:] = [None] * (len(self._rows) - start)
+            sources, rows = self._sources[start:], self._rows[start:]
+            new = [s if r is None else s.entry(r) for s, r in zip(sources, rows, strict=True)]  # type: ignore[union-attr]
+            self._built.extend(new)  # type: ignore[arg-type]  # references are only taken to rows that asked
+            self._sources[start:] = new  # type: ignore[assignment]
+            self._rows[start:] = [None] * len(new)
         return tuple(self._built)
 
     def __eq__(self, other: object) -> bool:
