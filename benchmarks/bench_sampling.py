@@ -199,6 +199,23 @@ def device_ms(fn: Callable[[], Any], iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def logprob_chunks(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> dict[str, float]:
+    """Device ms of ``compute_logprobs`` (n 5) with each largest candidate chunk (``LOGPROB_MAX_CHUNK``), each
+    checked against torch.topk over whole rows first (the same top values within 1e-4)."""
+    from fnvllm.executor import sampler
+
+    want = sampler.compute_logprobs(logits, tokens, rows, 5, False)
+    default, out = sampler.LOGPROB_MAX_CHUNK, {}
+    for chunk in (256, 512, 1024):  # 128: more than 1024 chunks of a 151,936 row, so torch.topk on rows
+        sampler.LOGPROB_MAX_CHUNK = chunk
+        got = sampler.compute_logprobs(logits, tokens, rows, 5, True)
+        same = torch.allclose(got.top_logprobs, want.top_logprobs, atol=1e-4)  # ids may differ only at ties
+        label = f"logprobs 5, candidates of chunks <= {chunk}" + ("" if same else " (MISMATCH vs torch.topk)")
+        out[label] = device_ms(lambda: sampler.compute_logprobs(logits, tokens, rows, 5, True))
+    sampler.LOGPROB_MAX_CHUNK = default
+    return out
+
+
 def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
     """Device ms of the pieces the cases are made of, at 256 rows (to see where a case's time goes). "flat": the
     logits of a random-weight checkpoint (std ~0.64, many bf16 ties), where the filter kernel's search can be slow."""
@@ -224,6 +241,7 @@ def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
         "logprob candidates (lse + top-5 chunks)": device_ms(lambda: logprob_candidates(logits, rows, 5)),
         "logprobs 5, chunk candidates (default)": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, True)),
         "logprobs 5, torch.topk on rows": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, False)),
+        **logprob_chunks(logits, tokens, rows),
         "torch.topk 5": device_ms(lambda: logits.topk(5, dim=-1)),
         "torch.topk 84 (top-k 20 candidates)": device_ms(lambda: logits.topk(84, dim=-1)),
     }

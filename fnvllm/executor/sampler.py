@@ -501,10 +501,16 @@ class Sampler:
         return SamplerOutput(packed=packed, logprobs=compute_logprobs(raw, packed[0], rows, num_top, kernels))
 
 
+# The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
+# so a smaller chunk means fewer candidates to gather and sort (n x chunk per row) but more chunk summaries.
+LOGPROB_MAX_CHUNK = 1024
+
+
 def _logprob_chunk(vocab: int, num_top: int) -> int | None:
-    """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to 1024 whose num_top chunks
-    stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on whole rows)."""
-    chunk = 1024
+    """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to LOGPROB_MAX_CHUNK whose
+    num_top chunks stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on
+    whole rows)."""
+    chunk = LOGPROB_MAX_CHUNK
     while chunk >= 16 and max(num_top, 1) * chunk * 4 > vocab:
         chunk //= 2
     return chunk if chunk >= 16 and -(-vocab // chunk) <= 1024 else None
