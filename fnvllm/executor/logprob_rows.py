@@ -92,6 +92,11 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         pairs = tuple(zip(self._ids[at : at + n], self._values[at : at + n], strict=False))  # equal by construction
         return TokenLogprobs(self._tokens[row], self._sampled[k], pairs)
 
+    @property
+    def every_row_asked(self) -> bool:
+        """True when every row asked for the same count (row i's entries are the i-th of the lists)."""
+        return self._places is None
+
     def asked(self, row: int) -> bool:
         """True when row ``row`` asked for logprobs."""
         return self._asked[row] is not None
@@ -146,7 +151,10 @@ class RequestLogprobs(Mapping[str, TokenLogprobs]):
         """Request id -> row, of the rows that asked (built on first use)."""
         if self._index is None:
             step = self._step
-            self._index = {rid: i for i, rid in enumerate(self._seq_ids) if step.asked(i)}
+            if step.every_row_asked:  # the common case: one C-level pass
+                self._index = dict(zip(self._seq_ids, range(len(step)), strict=True))
+            else:
+                self._index = {rid: i for i, rid in enumerate(self._seq_ids) if step.asked(i)}
         return self._index
 
     def reference(self, request_id: str) -> tuple[StepLogprobs, int] | None:

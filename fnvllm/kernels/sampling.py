@@ -301,7 +301,9 @@ def logprob_candidates(
     One pass-1 launch over every chunk of those rows (a scale of 0 reads the raw logits), one combine launch and
     one gather; requires num_top <= the chunks. Why the candidates hold them: a chunk holding one of a row's n
     best tokens has a maximum at least that token's, and fewer than n chunks can have a larger one, so it is
-    among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf."""
+    among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf.
+    The gather is one launch (``_logprob_gather_kernel``): in torch it was ~8 elementwise passes over the (L,
+    n x chunk) candidates (id arithmetic, masks, take, upcast, fill), each a launch from the host every step."""
     num_chunks = _check_source(logits, chunk)
     if not 0 <= num_top <= num_chunks:
         raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
@@ -320,12 +322,38 @@ def logprob_candidates(
             stats, lse, chunks, num_programs, num_chunks, num_top,
             CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
         )  # fmt: skip
-    vocab = logits.shape[1]
-    ids = (chunks.long()[:, :, None] * chunk + torch.arange(chunk, device=device)).view(num_programs, -1)  # (L, n*c)
-    inside = ids < vocab
-    flat = rows.long()[:, None] * vocab + torch.where(inside, ids, 0)  # torch.take reads the logical row-major order
-    values = torch.take(logits, flat).float().masked_fill_(~inside, float("-inf"))
+    values = torch.empty((num_programs, num_top * chunk), dtype=torch.float32, device=device)  # (L, n*c)
+    ids = torch.empty((num_programs, num_top * chunk), dtype=torch.int64, device=device)
+    if num_programs and num_top:  # one launch in place of ~8 elementwise passes over the (L, n*c) candidates
+        _logprob_gather_kernel[(num_programs, num_top)](
+            logits, rows, chunks, values, ids, logits.stride(0), logits.shape[1], num_top, CHUNK_SIZE=chunk,
+            num_warps=4,
+        )  # fmt: skip
     return lse, values, ids
+
+
+@triton.jit(do_not_specialize=["num_top"])
+def _logprob_gather_kernel(
+    logits_ptr,  # (R, V) raw logits
+    rows_ptr,  # (L,) int32 / int64 batch rows
+    chunks_ptr,  # (L, N) int32 chunks chosen by _logprob_combine_kernel
+    values_ptr,  # (L, N * CHUNK_SIZE) float32: receives the chunks' logits, -inf past the vocabulary
+    ids_ptr,  # (L, N * CHUNK_SIZE) int64: receives their token ids (past the vocabulary too)
+    stride_row,
+    vocab_size,
+    num_top,
+    CHUNK_SIZE: tl.constexpr,
+):
+    """Program (i, j): copy chunk chunks[i, j] of logits row rows[i] to candidates slot j of row i."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    chunk = tl.load(chunks_ptr + i * num_top + j).to(tl.int64)
+    cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    at = (i * num_top + j).to(tl.int64) * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    tl.store(values_ptr + at, x)
+    tl.store(ids_ptr + at, cols)
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:
