@@ -28,6 +28,14 @@ cpu_ms per decode step). CPU (tiny model, ~1 minute):
 GPU (H200, Qwen3-0.6B shape by default there, random weights; a table is printed after each batch size):
 
     PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 1,16,64,256
+
+The sampling settings users send (issue 19's table: each must cost the host little more than temperature alone):
+``--logprobs N``, ``--preset qwen3`` (top_p 0.95, top_k 20); ``--profile N`` prints a cProfile of the timed steps
+(top N by tottime) before each table, ``--freeze-gc`` shows what the garbage collector's full passes cost. The
+256-row comparison on the H200 (~2 minutes):
+
+    for f in "" "--logprobs 5" "--preset qwen3" "--logprobs 5 --freeze-gc"; do
+        PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --steps 100 --profile 25 $f; done
 """
 
 from __future__ import annotations
