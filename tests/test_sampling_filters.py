@@ -283,3 +283,22 @@ def test_sampler_logprobs_by_kernels_equal_the_references() -> None:
     torch.testing.assert_close(got.sampled_logprobs, want.sampled_logprobs)
     expected = logits.float().log_softmax(dim=-1)[[0, 1, 2, 3, 5]].topk(5, dim=-1).values
     torch.testing.assert_close(got.top_logprobs, expected)
+
+
+def test_finer_filter_chunks_draw_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With finer chunk maxima for the filter kernel (``FILTER_CHUNK``), top-k (and top-p) rows draw the tokens of
+    the default path on the same uniforms (seeded rows), a greedy row beside them untouched."""
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+
+    vocab = 8192  # two chunks of sample_rows' 4096, sixteen of 512
+    logits = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(11)) * 3).to(DEVICE)
+    settings = [(20, 0.95), (5, 1.0), (50, 0.5), (1000, 0.9)]
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(settings)]
+    params.append(SamplingParams(temperature=0.0))
+    batch = prepare_sampling(params, [3] * 5, [None] * 5, vocab, DEVICE)
+    want = Sampler(kernels=True).sample(logits, batch).token_ids
+    monkeypatch.setattr(fused_sampling, "FILTER_CHUNK", 512)
+    got = Sampler(kernels=True).sample(logits, batch).token_ids
+    assert got.tolist() == want.tolist()
+    assert got[4].item() == logits[4].argmax().item()

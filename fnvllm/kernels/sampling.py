@@ -45,6 +45,7 @@ from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of samp
 __all__ = [
     "CHUNK",
     "RowSampling",
+    "chunk_summaries",
     "fused_sample",
     "logprob_candidates",
     "philox_uniforms",
@@ -260,6 +261,23 @@ def sample_rows(
         logits.stride(0), num_programs, num_rows, logits.shape[1], num_chunks, seed,
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
+    return stats
+
+
+def chunk_summaries(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(3, R, C) chunk summaries (max of the scaled logits, partition sum, non-finite flag) of batch rows ``rows``
+    ((R,) int32 / int64; logits holds every batch row at its own index) in chunks of ``chunk`` tokens: pass 1 of
+    ``sample_rows`` alone, at another chunk size (``fused_sampling.FILTER_CHUNK``: finer maxima let the filter
+    kernel skip more of a top-k row)."""
+    num_chunks = _check_source(logits, chunk)
+    num_programs = rows.shape[0]
+    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
+    if num_programs:
+        argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+        _chunk_stats_kernel[(num_programs, num_chunks)](
+            logits, scale, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
+        )  # fmt: skip
     return stats
 
 
