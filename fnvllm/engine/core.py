@@ -46,7 +46,9 @@ from fnvllm.state.overlap import Folded, Speculation, fold_speculation
 @attrs.frozen
 class EngineOutput:
     """A committed step: the core's StepOutput plus logprobs of the requests that asked for them (of the sampled
-    tokens, and of the prompt tokens this step fed: ``SamplingParams.prompt_logprobs``)."""
+    tokens, and of the prompt tokens this step fed: ``SamplingParams.prompt_logprobs``). ``logprobs`` maps each
+    request id to its TokenLogprobs; from the model executor it is a ``RequestLogprobs``, which builds an entry
+    only when it is read (``fnvllm.executor.logprob_rows``)."""
 
     output: StepOutput
     logprobs: Mapping[str, TokenLogprobs] = attrs.field(factory=dict)
