@@ -121,3 +121,23 @@ def test_trackers_keep_no_token_logprobs_while_requests_run(tmp_path: Path) -> N
     outputs = [t.result() for t in trackers]
     assert all(o.logprobs is not None and len(o.logprobs) == 6 for o in outputs)
     assert all(isinstance(lp, TokenLogprobs) and len(lp.top) == 2 for o in outputs for lp in o.logprobs or ())
+
+
+def test_pinned_ring_logprob_views_hold_each_tensor() -> None:
+    """A ring slot's second buffer gives views shaped like the step's logprob tensors (16-byte aligned, an empty
+    tensor gets none) that hold what is copied into them, and refuses tensors that do not fit."""
+    from fnvllm.executor.model_executor import PinnedRing
+
+    ring = PinnedRing.__new__(PinnedRing)  # the buffers, without pinned memory (a CPU machine has none)
+    ring.extras = [torch.zeros(256, dtype=torch.uint8)]
+    lp = _logprobs(3, 5)
+    tensors = [lp.top_logprobs, lp.top_ids, lp.sampled_logprobs, torch.empty(3, 0)]
+    views = ring.extra_views(0, tensors)
+    assert views is not None and views[3] is None
+    for view, t in zip(views[:3], tensors[:3], strict=True):
+        assert view is not None and view.dtype == t.dtype and view.shape == t.shape
+        view.copy_(t)
+    assert all(torch.equal(v, t) for v, t in zip(views[:3], tensors[:3], strict=True) if v is not None)
+    offsets = [v.data_ptr() - ring.extras[0].data_ptr() for v in views[:3] if v is not None]
+    assert offsets == [0, 64, 192]  # 60 bytes -> 64, 120 -> 128 more
+    assert ring.extra_views(0, [torch.zeros(40, dtype=torch.int64)]) is None  # 320 bytes > 256

@@ -56,6 +56,7 @@ from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
 _LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs, in one C-level map
+_LOGPROB_BYTES_PER_ROW = 256  # >= MAX_LOGPROBS (20) x (4 + 8) + 4 + alignment: a row's logprobs on the host
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
@@ -148,19 +149,20 @@ class HostCopy:
     @classmethod
     def start(cls, tensors: Sequence[torch.Tensor], ring: PinnedRing | None = None) -> HostCopy:
         """Queue the copies (on the CPU the tensors are already there). ``ring``: the first tensor (a step's
-        packed (2, S) int64 samples) goes to the ring's next buffer, and the ring's event marks the copies done."""
+        packed (2, S) int64 samples) goes to the ring's next buffer, the others (the step's logprobs) to views of
+        that slot's second buffer when they fit, and the ring's event marks the copies done."""
         if not tensors or tensors[0].device.type != "cuda":
             return cls(tuple(tensors), None)
         slot = None if ring is None else ring.take(tensors[0])
+        targets: list[torch.Tensor | None] = [None] * len(tensors)
         if ring is not None and slot is not None:
-            first, done = ring.view(slot, tensors[0]), ring.events[slot]
+            targets[0], done = ring.view(slot, tensors[0]), ring.events[slot]
+            targets[1:] = ring.extra_views(slot, tensors[1:]) or targets[1:]
         else:
-            first, done = None, torch.cuda.Event()
+            done = torch.cuda.Event()
         copies = tuple(
-            (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if first is None or i else first).copy_(
-                t, non_blocking=True
-            )
-            for i, t in enumerate(tensors)
+            (_pinned_like(t) if dst is None else dst).copy_(t, non_blocking=True)
+            for dst, t in zip(targets, tensors, strict=True)
         )
         done.record()
         copy = cls(copies, done, None if ring is None or slot is None else (ring, slot))
@@ -194,6 +196,10 @@ class PinnedRing:
 
     def __init__(self, max_rows: int, size: int = 4) -> None:
         self.buffers = [torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
+        # the same step's logprobs ((L, n) float32 and int64, (L,) float32; n <= MAX_LOGPROBS), as byte views: a
+        # fresh pinned tensor of a new size (every prefill step's L differs) asks the driver for pinned memory
+        extra = max_rows * _LOGPROB_BYTES_PER_ROW
+        self.extras = [torch.empty(extra, dtype=torch.uint8, pin_memory=True) for _ in range(size)]
         self.events = [torch.cuda.Event() for _ in range(size)]
         self.owners: list[object | None] = [None] * size  # the HostCopy holding each buffer, None when free
 
@@ -210,6 +216,21 @@ class PinnedRing:
     def view(self, slot: int, packed: torch.Tensor) -> torch.Tensor:
         """Buffer ``slot`` as a contiguous tensor of ``packed``'s shape."""
         return self.buffers[slot][: packed.numel()].view(packed.shape)
+
+    def extra_views(self, slot: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """Views of slot ``slot``'s second buffer shaped like ``tensors`` (each from a 16-byte boundary), None
+        when they do not all fit; an empty tensor gets None (a fresh, empty one)."""
+        buffer, at, views = self.extras[slot], 0, list[torch.Tensor | None]()
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            if size == 0:
+                views.append(None)
+                continue
+            if at + size > buffer.numel():
+                return None
+            views.append(buffer[at : at + size].view(t.dtype).view(t.shape))
+            at += -(-size // 16) * 16
+        return views
 
     def release_all(self) -> None:
         """Every buffer free (the executor was reset: no step in flight will be collected)."""
@@ -627,7 +648,8 @@ class ModelExecutor:
             self.guard.wait(launched.host.done)
         packed, *logprobs = launched.host.wait()
         tokens, flags = packed.tolist()
-        launched.host.release()  # read: its ring buffer may take a later step's samples
+        rows = _host_logprobs(Logprobs(*logprobs), tokens, launched.asked) if logprobs else None  # copied out
+        launched.host.release()  # read: its ring buffers may take a later step's samples
         if timer is not None:
             timer.finish(plan, launched.graph)
         if any(flags):
@@ -635,9 +657,9 @@ class ModelExecutor:
         if any(launched.matchers):
             self._accept(launched, tokens)
         launched.collected = True
-        if not logprobs:
+        if rows is None:
             return ExecuteResult(tuple(tokens), prompt_logprobs=prompt)
-        return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked), prompt)
+        return ExecuteResult(tuple(tokens), rows, prompt)
 
     def discard(self, launched: object) -> None:
         """A launched step will not be collected: expect its step number next. Its device work still runs (in
@@ -674,6 +696,11 @@ class ModelExecutor:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
         }
+
+
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor of ``t``'s shape and dtype in pinned host memory (torch's caching pinned allocator)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 def _sampled_rows(plan: StepPlan) -> tuple[int, ...]:
