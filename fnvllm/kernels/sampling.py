@@ -289,13 +289,19 @@ def _logprob_combine_kernel(
     stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
     lse_ptr,  # (L,) float32: receives log sum exp of the row
     chunks_ptr,  # (L, N) int32: receives the N chunks with the largest maxima, best first
+    logits_ptr,  # (R, V) raw logits (read when HAS_TOKENS)
+    rows_ptr,  # (L,) int32 / int64 batch rows (read when HAS_TOKENS)
+    tokens_ptr,  # (B,) int64 sampled ids by batch row (read when HAS_TOKENS)
+    sampled_ptr,  # (L,) float32: receives the sampled token's logprob (when HAS_TOKENS)
+    stride_row,
     num_programs,
     num_chunks,
     num_top,
     CHUNKS_PAD: tl.constexpr,
+    HAS_TOKENS: tl.constexpr,
 ):
-    """Row program_id(0): its log-partition, and the num_top chunks holding its num_top largest logits (a runtime
-    count: a new logprobs count compiles nothing)."""
+    """Row program_id(0): its log-partition, the num_top chunks holding its num_top largest logits (a runtime
+    count: a new logprobs count compiles nothing) and, with HAS_TOKENS, the sampled token's logprob."""
     i = tl.program_id(0)
     ids = tl.arange(0, CHUNKS_PAD)
     live = ids < num_chunks
@@ -303,7 +309,12 @@ def _logprob_combine_kernel(
     maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
     sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
     top = tl.max(maxima, axis=0)
-    tl.store(lse_ptr + i, top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0)))
+    lse = top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0))
+    tl.store(lse_ptr + i, lse)
+    if HAS_TOKENS:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        token = tl.load(tokens_ptr + row).to(tl.int64)
+        tl.store(sampled_ptr + i, tl.load(logits_ptr + row * stride_row + token).to(tl.float32) - lse)
     for j in range(num_top):
         best = tl.max(maxima, axis=0)
         chunk = tl.min(tl.where(maxima == best, ids, CHUNKS_PAD), axis=0)
@@ -312,7 +323,12 @@ def _logprob_combine_kernel(
 
 
 def logprob_candidates(
-    logits: torch.Tensor, rows: torch.Tensor, num_top: int, chunk: int = LOGPROB_CHUNK
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    num_top: int,
+    chunk: int = LOGPROB_CHUNK,
+    tokens: torch.Tensor | None = None,
+    sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the raw logits rows ``rows`` ((L,) int32 or int64, distinct): (lse (L,) float32 log sum exp of each;
     values (L, num_top * chunk) float32 and ids int64: candidates that hold each row's num_top largest logits).
@@ -321,7 +337,11 @@ def logprob_candidates(
     best tokens has a maximum at least that token's, and fewer than n chunks can have a larger one, so it is
     among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf.
     The gather is one launch (``_logprob_gather_kernel``): in torch it was ~8 elementwise passes over the (L,
-    n x chunk) candidates (id arithmetic, masks, take, upcast, fill), each a launch from the host every step."""
+    n x chunk) candidates (id arithmetic, masks, take, upcast, fill), each a launch from the host every step.
+    tokens / sampled: (B,) int64 sampled ids by batch row, and an (L,) float32 tensor that receives each row's
+    sampled token's logprob (the combine launch computes it; both or neither)."""
+    if (tokens is None) != (sampled is None):
+        raise ValueError("tokens and sampled go together: pass both or neither")
     num_chunks = _check_source(logits, chunk)
     if not 0 <= num_top <= num_chunks:
         raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
@@ -337,8 +357,9 @@ def logprob_candidates(
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
         )  # fmt: skip
         _logprob_combine_kernel[(num_programs,)](
-            stats, lse, chunks, num_programs, num_chunks, num_top,
-            CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
+            stats, lse, chunks, logits, rows, lse if tokens is None else tokens, lse if sampled is None else sampled,
+            logits.stride(0), num_programs, num_chunks, num_top,
+            CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), HAS_TOKENS=tokens is not None,
         )  # fmt: skip
     values = torch.empty((num_programs, num_top * chunk), dtype=torch.float32, device=device)  # (L, n*c)
     ids = torch.empty((num_programs, num_top * chunk), dtype=torch.int64, device=device)
