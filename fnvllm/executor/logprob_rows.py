@@ -1,13 +1,13 @@
-"""Logprobs kept as one step's flat host lists, each row's ``TokenLogprobs`` built only when it is read.
+"""Logprobs kept as one step's flat host arrays, each row's ``TokenLogprobs`` built only when it is read.
 
 Why (issue 19, ``--logprobs 5`` at 256 rows): building 256 ``TokenLogprobs`` (each with a tuple of n (id, logprob)
 pairs) every step and keeping them in the request trackers cost the host more than the sampling itself. The
 building is a few hundred microseconds; the larger part was the garbage collector: every retained
 ``TokenLogprobs`` is a tracked object, so the young generation filled every few hundred rows and full collections
 walked the whole growing heap (on the CPU, 256 rows x 600 steps: ~3 ms of collection per step against ~0.05 ms
-when a step keeps only a reference to its lists and each row its index; ``benchmarks/host_step.py --logprobs 5``).
+when a step keeps only a reference to its arrays and each row its index; ``benchmarks/host_step.py --logprobs 5``).
 
-So a step's logprobs are one ``StepLogprobs`` (three flat lists: no per-row objects), the engine's per-request
+So a step's logprobs are one ``StepLogprobs`` (three flat numpy arrays: no per-row objects), the engine's per-request
 view of a step is ``RequestLogprobs`` (a mapping built lazily over it), and a request's history is a
 ``LogprobList`` of (step, row) references that builds its ``TokenLogprobs`` when read, once, and keeps them (the
 tracker builds them when the request finishes: ``RequestTracker.close``). Readers see the public types unchanged:
@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from typing import overload
 
+import numpy as np
 import torch
 
 from fnvllm.executor.base import TokenLogprobs
@@ -28,7 +29,7 @@ from fnvllm.executor.base import TokenLogprobs
 class StepLogprobs(Sequence["TokenLogprobs | None"]):
     """One step's logprobs per sampled row (plan order): a ``TokenLogprobs``, or None where the row did not ask.
 
-    Holds the rows that asked as flat lists: ``sampled[k]`` the sampled token's logprob of the k-th such row,
+    Holds the rows that asked as flat numpy arrays: ``sampled[k]`` the sampled token's logprob of the k-th such row,
     ``ids`` / ``values`` its ``width`` best (id, logprob) from ``k * width``, best first. A row that asked for
     n < width keeps its first n. ``places[i]``: row i's k, or None (did not ask); None for the whole tuple when
     every row asked for ``width`` (k == i). Compares equal to the tuple of its entries.
@@ -40,9 +41,9 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         self,
         tokens: Sequence[int],
         asked: Sequence[int | None],
-        sampled: list[float],
-        ids: list[int],
-        values: list[float],
+        sampled: np.ndarray,
+        ids: np.ndarray,
+        values: np.ndarray,
         width: int,
         places: Sequence[int | None] | None = None,
     ) -> None:
@@ -61,11 +62,11 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         top_values: torch.Tensor,
     ) -> StepLogprobs:  # fmt: skip
         """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked):
-        three ``tolist`` calls, the tensors themselves not kept (their pinned buffers are reused)."""
+        three small numpy copies (the tensors' pinned buffers are reused; numpy keeps a row's entries in one
+        cache line, where lists of Python numbers scatter them: a row built long after its step reads fast)."""
         width = top_ids.shape[1] if top_ids.dim() == 2 else 0
-        return cls(
-            tokens, asked, sampled.tolist(), top_ids.reshape(-1).tolist(), top_values.reshape(-1).tolist(), width
-        )
+        flat = [t.reshape(-1).numpy().copy() for t in (sampled, top_ids, top_values)]
+        return cls(tokens, asked, flat[0], flat[1], flat[2], width)
 
     def __len__(self) -> int:
         return len(self._asked)
@@ -89,12 +90,12 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         k = row if self._places is None else self._places[row]
         assert k is not None  # a row that asked has a place
         at = k * self._width
-        pairs = tuple(zip(self._ids[at : at + n], self._values[at : at + n], strict=False))  # equal by construction
-        return TokenLogprobs(self._tokens[row], self._sampled[k], pairs)
+        ids, values = self._ids[at : at + n].tolist(), self._values[at : at + n].tolist()
+        return TokenLogprobs(self._tokens[row], float(self._sampled[k]), tuple(zip(ids, values, strict=True)))
 
     @property
     def every_row_asked(self) -> bool:
-        """True when every row asked for the same count (row i's entries are the i-th of the lists)."""
+        """True when every row asked for the same count (row i's entries are the i-th of the arrays)."""
         return self._places is None
 
     def asked(self, row: int) -> bool:
@@ -104,10 +105,10 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
     def __iter__(self) -> Iterator[TokenLogprobs | None]:
         if self._places is not None:
             return map(self.entry, range(len(self)))
-        width, ids, values = self._width, self._ids, self._values
+        width, ids, values = self._width, self._ids.tolist(), self._values.tolist()
         starts = range(0, len(ids), width) if width else repeat(0, len(self))
         tops = (tuple(zip(ids[at : at + width], values[at : at + width], strict=False)) for at in starts)
-        return map(TokenLogprobs, self._tokens, self._sampled, tops)
+        return map(TokenLogprobs, self._tokens, self._sampled.tolist(), tops)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -120,7 +121,7 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         return f"StepLogprobs({tuple(self)!r})"
 
     def select(self, keep: Sequence[bool]) -> StepLogprobs:
-        """The rows flagged in ``keep`` (one flag per row), sharing this step's lists."""
+        """The rows flagged in ``keep`` (one flag per row), sharing this step's arrays."""
         if len(keep) != len(self):
             raise ValueError(f"keep must have one flag per row ({len(self)}), got {len(keep)}")
         places = range(len(self)) if self._places is None else self._places
@@ -229,7 +230,7 @@ class LogprobList(Sequence[TokenLogprobs]):
 
     def materialize(self) -> tuple[TokenLogprobs, ...]:
         """Every entry, built once (later calls build only the entries added since) and dropped from the
-        references, which then no longer keep their steps' lists alive."""
+        references, which then no longer keep their steps' arrays alive."""
         start = len(self._built)
         if start < len(self._sources):
             sources, rows = self._sources[start:], self._rows[start:]
