@@ -141,3 +141,15 @@ def test_pinned_ring_logprob_views_hold_each_tensor() -> None:
     offsets = [v.data_ptr() - ring.extras[0].data_ptr() for v in views[:3] if v is not None]
     assert offsets == [0, 64, 192]  # 60 bytes -> 64, 120 -> 128 more
     assert ring.extra_views(0, [torch.zeros(40, dtype=torch.int64)]) is None  # 320 bytes > 256
+
+
+def test_logprob_list_of_references_builds_what_each_row_gives() -> None:
+    """A list of references only (one request's rows across steps, bulk-built) equals its rows built one by one,
+    with n 0 too."""
+    for width, asked in ((3, (3, None, 3)), (0, (0, None, 0))):
+        steps = [_host_logprobs(_logprobs(2, width), [10 * s, 10 * s + 1, 10 * s + 2], asked) for s in range(3)]
+        entries = LogprobList()
+        for s, step in enumerate(steps):
+            entries.append_reference(step, 2 * (s % 2))  # rows 0, 2, 0: both asked
+        want = (steps[0][0], steps[1][2], steps[2][0])
+        assert entries.materialize() == want and all(e is not None for e in want)

@@ -234,9 +234,13 @@ class LogprobList(Sequence[TokenLogprobs]):
         start = len(self._built)
         if start < len(self._sources):
             sources, rows = self._sources[start:], self._rows[start:]
-            new = [s if r is None else s.entry(r) for s, r in zip(sources, rows, strict=True)]  # type: ignore[union-attr]
-            self._built.extend(new)  # type: ignore[arg-type]  # references are only taken to rows that asked
-            self._sources[start:] = new  # type: ignore[assignment]
+            new: list[TokenLogprobs] | None = None
+            if None not in rows:  # references only (a request's rows): built together
+                new = _build_rows(sources, rows)  # type: ignore[arg-type]
+            if new is None:
+                new = [s if r is None else s.entry(r) for s, r in zip(sources, rows, strict=True)]  # type: ignore
+            self._built.extend(new)
+            self._sources[start:] = new
             self._rows[start:] = [None] * len(new)
         return tuple(self._built)
 
@@ -249,3 +253,32 @@ class LogprobList(Sequence[TokenLogprobs]):
 
     def __repr__(self) -> str:
         return f"LogprobList({tuple(self)!r})"
+
+
+def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs] | None:
+    """The entries of (step, row) references that all asked for the same n (one request's), built together: one
+    pass gathers each row's place, then one numpy concatenation and C-level maps build the entries (about a
+    third of the time of building each alone, ``StepLogprobs.entry``). None when the rows' counts differ."""
+    tokens, sampled, ids, values = [], [], [], []
+    count = None
+    for step, row in zip(steps, rows, strict=True):
+        n = step._asked[row]
+        if n is None or (count is not None and n != count):
+            return None
+        count = n
+        k = row if step._places is None else step._places[row]
+        assert k is not None  # a row that asked has a place
+        at = k * step._width
+        tokens.append(step._tokens[row])
+        sampled.append(step._sampled[k])
+        ids.append(step._ids[at : at + n])
+        values.append(step._values[at : at + n])
+    if not tokens or count is None:
+        return []
+    logprobs = np.array(sampled, dtype=np.float32).tolist()
+    if count == 0:
+        return list(map(TokenLogprobs, tokens, logprobs, repeat(())))
+    flat_ids, flat_values = np.concatenate(ids).tolist(), np.concatenate(values).tolist()
+    id_rows, value_rows = zip(*[iter(flat_ids)] * count, strict=True), zip(*[iter(flat_values)] * count, strict=True)
+    tops = map(tuple, map(zip, id_rows, value_rows))  # ((id, logprob), ...) per row, best first
+    return list(map(TokenLogprobs, tokens, logprobs, tops))
