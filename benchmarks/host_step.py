@@ -275,6 +275,47 @@ def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) 
         print(f"B={b} {results[b][1]}")
 
 
+def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
+    """The logprobs' host path alone, no model (``--output-path``): ``rows`` requests ending at steps spread evenly
+    over ``steps``, each step's logprob tensors through the executor's conversion, ``Engine``'s output and the
+    trackers (a request's entries are built when it finishes); prints the per-step ms (mean, p50, max) and the
+    garbage collector's share. The bench's shape without its device: where the host's time per step goes."""
+    import random
+
+    from fnvllm.engine.output import OutputProcessor
+    from fnvllm.executor.base import ExecuteResult
+    from fnvllm.executor.model_executor import _host_logprobs
+    from fnvllm.executor.sampler import Logprobs
+    from fnvllm.state.request import FinishedRequest, StepOutput
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, logprobs=logprobs, ignore_eos=True, max_tokens=steps + 1)
+    ends = {f"r{i}": rng.randint(steps // 10, steps) for i in range(rows)}
+    processor = OutputProcessor()
+    for i, rid in enumerate(ends):
+        processor.add(RequestTracker(i, rid, None, (1, 2, 3), params, None))
+    clock = PhaseClock()
+    times: list[float] = []
+    with gc_clock(clock):
+        for step in range(steps + 1):
+            ids = tuple(rid for rid, end in ends.items() if end >= step)
+            num = len(ids)
+            lp = Logprobs(torch.randn(num, logprobs), torch.randint(0, 150_000, (num, logprobs)), torch.randn(num))
+            plan = StepPlan(step, 16, ids, ((1,),) * num, (0,) * num, ((0,),) * num, (True,) * num)
+            finished = tuple(FinishedRequest(rid, 3, (), "length") for rid in ids if ends[rid] == step)
+            t0 = time.perf_counter()
+            tokens = list(range(num))
+            result = ExecuteResult(tuple(tokens), _host_logprobs(lp, tokens, (logprobs,) * num))
+            out = Engine._output(plan, StepOutput(step, ids, tuple(tokens), finished), result)
+            processor.process(None, out)  # type: ignore[arg-type]  # no stop strings: the state is not read
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    mean = 1e3 * sum(times) / len(times)
+    gc_ms = 1e3 * clock.seconds.get("gc", 0.0) / len(times)
+    print(f"output path, {rows} rows, logprobs {logprobs}, {len(times)} steps: {mean:.3f} ms/step mean, "
+          f"p50 {1e3 * times[len(times) // 2]:.3f}, max {1e3 * times[-1]:.1f}; gc {gc_ms:.3f} ms/step")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
@@ -286,7 +327,11 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
+    parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
     args = parser.parse_args()
+    if args.output_path:
+        output_path(args.output_path, args.logprobs or 5)
+        return
     sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
     if args.logprobs is not None:
         sampling["logprobs"] = args.logprobs
