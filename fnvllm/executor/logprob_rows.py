@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import compress, repeat
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
-import torch
 
 from fnvllm.executor.base import TokenLogprobs
+
+if TYPE_CHECKING:  # the engine (and the simulator, which imports no torch) use this module without tensors
+    import torch
 
 
 class StepLogprobs(Sequence["TokenLogprobs | None"]):
