@@ -199,6 +199,31 @@ def device_ms(fn: Callable[[], Any], iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def guarded(experiment: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """The experiment's numbers, or one line naming its error (an experiment must not lose the others)."""
+    try:
+        return experiment()
+    except Exception as error:  # reported in the table, not raised
+        return {f"FAILED: {type(error).__name__}: {str(error)[:60]}": float("nan")}
+
+
+def logprob_chunks(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> dict[str, float]:
+    """Device ms of ``compute_logprobs`` (n 5) with each largest candidate chunk (``LOGPROB_MAX_CHUNK``), each
+    checked against torch.topk over whole rows first (the same top values within 1e-4)."""
+    from fnvllm.executor import sampler
+
+    want = sampler.compute_logprobs(logits, tokens, rows, 5, False)
+    default, out = sampler.LOGPROB_MAX_CHUNK, {}
+    for chunk in (256, 512, 1024):  # 128: more than 1024 chunks of a 151,936 row, so torch.topk on rows
+        sampler.LOGPROB_MAX_CHUNK = chunk
+        got = sampler.compute_logprobs(logits, tokens, rows, 5, True)
+        same = torch.allclose(got.top_logprobs, want.top_logprobs, atol=1e-4)  # ids may differ only at ties
+        label = f"logprobs 5, candidates of chunks <= {chunk}" + ("" if same else " (MISMATCH vs torch.topk)")
+        out[label] = device_ms(lambda: sampler.compute_logprobs(logits, tokens, rows, 5, True))
+    sampler.LOGPROB_MAX_CHUNK = default
+    return out
+
+
 def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
     """Device ms of the pieces the cases are made of, at 256 rows (to see where a case's time goes). "flat": the
     logits of a random-weight checkpoint (std ~0.64, many bf16 ties), where the filter kernel's search can be slow."""
@@ -212,6 +237,8 @@ def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
     flat = (logits.float() * (0.64 / 3)).to(torch.bfloat16)
     qwen = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20)] * ROWS
     qwen_batch = prepare_sampling(qwen, [0] * ROWS, [None] * ROWS, VOCAB, logits.device)
+    seeded = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=i) for i in range(ROWS)]
+    seeded_qwen = prepare_sampling(seeded, [0] * ROWS, [None] * ROWS, VOCAB, logits.device)
     pen = [SamplingParams(temperature=0.6, repetition_penalty=1.05)] * ROWS
     history, plan = slot_history(pen, histories, logits.device)
     penalties = history.penalties(plan, list(range(ROWS)))
@@ -224,6 +251,7 @@ def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
         "logprob candidates (lse + top-5 chunks)": device_ms(lambda: logprob_candidates(logits, rows, 5)),
         "logprobs 5, chunk candidates (default)": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, True)),
         "logprobs 5, torch.topk on rows": device_ms(lambda: compute_logprobs(logits, tokens, rows, 5, False)),
+        **guarded(lambda: logprob_chunks(logits, tokens, rows)),
         "torch.topk 5": device_ms(lambda: logits.topk(5, dim=-1)),
         "torch.topk 84 (top-k 20 candidates)": device_ms(lambda: logits.topk(84, dim=-1)),
     }
@@ -235,6 +263,26 @@ def parts(logits: torch.Tensor, histories: list[Any]) -> dict[str, float]:
             label = f"preset{name}, " + ("filter kernel (default)" if by_kernel else "torch.topk candidates")
             out[label] = device_ms(lambda s=source: Sampler(0).sample(s, qwen_batch))
         fused_sampling.TOP_K_BY_FILTER_KERNEL = True
+        out |= guarded(lambda s=source, n=name: filter_chunks(s, n, qwen_batch, seeded_qwen))
+    return out
+
+
+def filter_chunks(source: torch.Tensor, name: str, batch: Any, seeded: Any) -> dict[str, float]:
+    """Device ms of the preset's sampling with the filter kernel skipping by finer chunk maxima (FILTER_CHUNK),
+    each checked first: the seeded rows draw the default path's tokens."""
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.sampler import Sampler
+
+    out = {}
+    want = Sampler(0).sample(source, seeded).token_ids
+    try:
+        for chunk in (512, 1024, 2048):
+            fused_sampling.FILTER_CHUNK = chunk
+            same = torch.equal(Sampler(0).sample(source, seeded).token_ids, want)
+            label = f"preset{name}, filter kernel, maxima of {chunk}" + ("" if same else " (TOKENS DIFFER)")
+            out[label] = device_ms(lambda: Sampler(0).sample(source, batch))
+    finally:
+        fused_sampling.FILTER_CHUNK = None
     return out
 
 
@@ -287,14 +335,14 @@ def main() -> None:
     del logits
     old = baseline(args.baseline, args.iters) if args.baseline else None
     new = measure(args.iters)
+    print("correctness: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))
+    print(table(new, old), flush=True)  # first: the parts below are experiments, and may fail on their own
     logits, histories = make_inputs()
     pieces = parts(logits, histories)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"new": new, "old": old, "parts": pieces, "failures": failures}, f, indent=1)
-    print("correctness: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))
-    print("\n".join(f"{name:<40} {ms:>8.3f} ms (device)" for name, ms in pieces.items()))
-    print(table(new, old))
+    print("\n".join(f"{name:<48} {ms:>8.3f} ms (device)" for name, ms in pieces.items()))
 
 
 if __name__ == "__main__":

@@ -28,15 +28,25 @@ cpu_ms per decode step). CPU (tiny model, ~1 minute):
 GPU (H200, Qwen3-0.6B shape by default there, random weights; a table is printed after each batch size):
 
     PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 1,16,64,256
+
+The sampling settings users send (issue 19's table: each must cost the host little more than temperature alone):
+``--logprobs N``, ``--preset qwen3`` (top_p 0.95, top_k 20); ``--profile N`` prints a cProfile of the timed steps
+(top N by tottime) before each table, ``--freeze-gc`` shows what the garbage collector's full passes cost. The
+256-row comparison on the H200 (~2 minutes):
+
+    for f in "" "--logprobs 5" "--preset qwen3" "--logprobs 5 --freeze-gc"; do
+        PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --steps 100 --profile 25 $f; done
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import gc
 import math
 import os
+import pstats
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +62,7 @@ import fnvllm.executor.cuda_graphs as graphs_module
 import fnvllm.executor.model_executor as executor_module
 import fnvllm.state.overlap as overlap_module
 from fnvllm.bench import write_checkpoint
+from fnvllm.cli.bench import PRESETS
 from fnvllm.engine.core import Engine
 from fnvllm.engine.loop import EngineLoop
 from fnvllm.engine.output import OutputProcessor, RequestTracker
@@ -181,11 +192,20 @@ def install(clock: PhaseClock, llm: LLM) -> Iterator[None]:
                 setattr(target, attr, original)
 
 
-def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tuple[dict[str, float], str]:
-    """Per-step ms per phase over ``steps`` decode steps of ``batch`` requests; also the timeline means line."""
+def measure(
+    llm: LLM,
+    batch: int,
+    steps: int,
+    warm: int,
+    prompt_len: int,
+    sampling: dict[str, Any] | None = None,
+    profile: int = 0,
+) -> tuple[dict[str, float], str]:
+    """Per-step ms per phase over ``steps`` decode steps of ``batch`` requests; also the timeline means line.
+    ``sampling``: SamplingParams fields on top of temperature 0.6 (``--logprobs``, ``--preset``)."""
     loop = llm.loop
     loop.overlap = True  # the overlapped loop's host work, on the CPU too (its launch runs the step at once)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64, **(sampling or {}))
     base = len(loop.state.requests) + loop.stats.num_steps * 1000
     trackers = []
     for i in range(batch):
@@ -203,9 +223,17 @@ def measure(llm: LLM, batch: int, steps: int, warm: int, prompt_len: int) -> tup
     if timeline is not None:
         timeline.records.clear()
     clock = PhaseClock()
+    profiler = cProfile.Profile() if profile else None
     with install(clock, llm), gc_clock(clock):
+        if profiler is not None:
+            profiler.enable()
         for _ in range(steps):
             loop.step()
+        if profiler is not None:
+            profiler.disable()
+    if profiler is not None:
+        print(f"B={batch}: cProfile of {steps} steps, top {profile} by tottime")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     per_step = {k: 1e3 * v / steps for k, v in clock.seconds.items()}
     calls = {k: n / steps for k, n in clock.calls.items()}
     line = "calls/step: " + ", ".join(
@@ -247,6 +275,47 @@ def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) 
         print(f"B={b} {results[b][1]}")
 
 
+def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
+    """The logprobs' host path alone, no model (``--output-path``): ``rows`` requests ending at steps spread evenly
+    over ``steps``, each step's logprob tensors through the executor's conversion, ``Engine``'s output and the
+    trackers (a request's entries are built when it finishes); prints the per-step ms (mean, p50, max) and the
+    garbage collector's share. The bench's shape without its device: where the host's time per step goes."""
+    import random
+
+    from fnvllm.engine.output import OutputProcessor
+    from fnvllm.executor.base import ExecuteResult
+    from fnvllm.executor.model_executor import _host_logprobs
+    from fnvllm.executor.sampler import Logprobs
+    from fnvllm.state.request import FinishedRequest, StepOutput
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, logprobs=logprobs, ignore_eos=True, max_tokens=steps + 1)
+    ends = {f"r{i}": rng.randint(steps // 10, steps) for i in range(rows)}
+    processor = OutputProcessor()
+    for i, rid in enumerate(ends):
+        processor.add(RequestTracker(i, rid, None, (1, 2, 3), params, None))
+    clock = PhaseClock()
+    times: list[float] = []
+    with gc_clock(clock):
+        for step in range(steps + 1):
+            ids = tuple(rid for rid, end in ends.items() if end >= step)
+            num = len(ids)
+            lp = Logprobs(torch.randn(num, logprobs), torch.randint(0, 150_000, (num, logprobs)), torch.randn(num))
+            plan = StepPlan(step, 16, ids, ((1,),) * num, (0,) * num, ((0,),) * num, (True,) * num)
+            finished = tuple(FinishedRequest(rid, 3, (), "length") for rid in ids if ends[rid] == step)
+            t0 = time.perf_counter()
+            tokens = list(range(num))
+            result = ExecuteResult(tuple(tokens), _host_logprobs(lp, tokens, (logprobs,) * num))
+            out = Engine._output(plan, StepOutput(step, ids, tuple(tokens), finished), result)
+            processor.process(None, out)  # type: ignore[arg-type]  # no stop strings: the state is not read
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    mean = 1e3 * sum(times) / len(times)
+    gc_ms = 1e3 * clock.seconds.get("gc", 0.0) / len(times)
+    print(f"output path, {rows} rows, logprobs {logprobs}, {len(times)} steps: {mean:.3f} ms/step mean, "
+          f"p50 {1e3 * times[len(times) // 2]:.3f}, max {1e3 * times[-1]:.1f}; gc {gc_ms:.3f} ms/step")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
@@ -255,12 +324,25 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the engine is built")
+    parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
+    parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
     args = parser.parse_args()
+    if args.output_path:
+        output_path(args.output_path, args.logprobs or 5)
+        return
+    sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    if args.logprobs is not None:
+        sampling["logprobs"] = args.logprobs
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
     shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
-    print(f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on", flush=True)
+    print(
+        f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on, sampling {sampling}",
+        flush=True,
+    )
     folder = write_checkpoint(shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
     timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
     os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
@@ -275,7 +357,7 @@ def main() -> None:
         gc.freeze()
     results: dict[int, tuple[dict[str, float], str]] = {}
     for b in batches:  # a table after each batch size, so that a later failure still leaves the earlier ones
-        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len)
+        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len, sampling, args.profile)
         print_table(results, on_gpu)
         print(flush=True)
 

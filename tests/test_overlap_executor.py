@@ -215,6 +215,34 @@ def test_pinned_ring_hands_a_buffer_out_once_until_released() -> None:
     assert ring.owners[fourth.ring_slot[1]] is fourth, "a stale release leaves the new owner's buffer alone"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="pinned host memory and events need a GPU")
+def test_pinned_ring_holds_a_steps_logprobs_in_its_slot() -> None:
+    """A step's logprob tensors travel in its ring slot's second buffer (no fresh pinned tensor) and arrive intact;
+    tensors too large for it take fresh ones."""
+    import torch
+
+    from fnvllm.executor.model_executor import HostCopy, PinnedRing
+
+    ring = PinnedRing(max_rows=4, size=2)
+    packed = torch.tensor([[5, 6], [0, 0]], device="cuda")
+    values, ids = torch.randn(2, 3, device="cuda"), torch.randint(0, 1000, (2, 3), device="cuda")
+    sampled = torch.randn(2, device="cuda")
+    copy = HostCopy.start([packed, values, ids, sampled], ring)
+    assert copy.ring_slot is not None
+    slot = copy.ring_slot[1]
+    host = copy.wait()
+    extra = ring.extras[slot]
+    assert all(extra.data_ptr() <= t.data_ptr() < extra.data_ptr() + extra.numel() for t in host[1:])
+    assert [t.cpu().tolist() for t in (values, ids, sampled)] == [t.tolist() for t in host[1:]]
+    copy.release()
+    big = torch.randn(4, 200, device="cuda")  # 3,200 bytes > the slot's 4 x 256
+    other = HostCopy.start([packed, big], ring)
+    inside = any(e.data_ptr() <= other.tensors[1].data_ptr() < e.data_ptr() + e.numel() for e in ring.extras)
+    assert torch.equal(other.wait()[1], big.cpu()) and not inside
+    other.release()
+
+
 def test_decode_only_means_one_token_and_a_sample_per_row() -> None:
     """``is_decode_only`` (the CUDA-graph test) holds for one-token rows that all sample, and not for a step that
     mixes a zero-token and a two-token row (as many tokens as rows), nor for a row that does not sample."""

@@ -195,6 +195,23 @@ def test_logprob_candidates_give_the_log_partition_and_hold_the_top_n() -> None:
     assert bool((picked < 1000).all()) and all(len(set(r)) == 3 for r in picked.tolist())
 
 
+def test_logprob_candidates_are_the_chosen_chunks_copied() -> None:
+    """Each candidate slot holds whole chunks of its row: the logit of each id, -inf past the vocabulary,
+    and the chunks are the rows' n with the largest maxima, best first."""
+    from fnvllm.kernels.sampling import logprob_candidates
+
+    logits = (torch.randperm(1200, generator=torch.Generator().manual_seed(3)).view(4, 300) / 100.0).to(DEVICE)
+    rows = torch.tensor([3, 1], dtype=torch.int64, device=DEVICE)  # distinct logits: no tie among chunk maxima
+    _, values, ids = logprob_candidates(logits, rows, 2, chunk=64)
+    source = logits[rows.long()].float().cpu()  # (2, 300)
+    ids, values = ids.cpu(), values.cpu()
+    inside = ids < 300
+    assert torch.equal(values[inside], source.gather(1, ids.clamp(max=299))[inside])
+    assert bool(torch.isinf(values[~inside]).all()) and int((~inside).sum()) in (0, 20, 40)
+    maxima = torch.nn.functional.pad(source, (0, 20), value=float("-inf")).view(2, 5, 64).amax(-1)  # (2, 5)
+    assert torch.equal(ids[:, ::64] // 64, maxima.topk(2, dim=-1).indices)
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5])
 def test_candidates_pick_matches_the_sorting_reference(top_p: float) -> None:
     """The candidates kernel draws what filtered_sample_sorted draws over the same candidates and uniforms
@@ -266,3 +283,22 @@ def test_sampler_logprobs_by_kernels_equal_the_references() -> None:
     torch.testing.assert_close(got.sampled_logprobs, want.sampled_logprobs)
     expected = logits.float().log_softmax(dim=-1)[[0, 1, 2, 3, 5]].topk(5, dim=-1).values
     torch.testing.assert_close(got.top_logprobs, expected)
+
+
+def test_finer_filter_chunks_draw_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With finer chunk maxima for the filter kernel (``FILTER_CHUNK``), top-k (and top-p) rows draw the tokens of
+    the default path on the same uniforms (seeded rows), a greedy row beside them untouched."""
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+
+    vocab = 8192  # two chunks of sample_rows' 4096, sixteen of 512
+    logits = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(11)) * 3).to(DEVICE)
+    settings = [(20, 0.95), (5, 1.0), (50, 0.5), (1000, 0.9)]
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate(settings)]
+    params.append(SamplingParams(temperature=0.0))
+    batch = prepare_sampling(params, [3] * 5, [None] * 5, vocab, DEVICE)
+    want = Sampler(kernels=True).sample(logits, batch).token_ids
+    monkeypatch.setattr(fused_sampling, "FILTER_CHUNK", 512)
+    got = Sampler(kernels=True).sample(logits, batch).token_ids
+    assert got.tolist() == want.tolist()
+    assert got[4].item() == logits[4].argmax().item()

@@ -27,6 +27,7 @@ from fnvllm.executor.base import (
     TokenLogprobs,
     supports_overlap,
 )
+from fnvllm.executor.logprob_rows import RequestLogprobs, StepLogprobs
 from fnvllm.state import (
     FCFS,
     CoreConfig,
@@ -45,7 +46,9 @@ from fnvllm.state.overlap import Folded, Speculation, fold_speculation
 @attrs.frozen
 class EngineOutput:
     """A committed step: the core's StepOutput plus logprobs of the requests that asked for them (of the sampled
-    tokens, and of the prompt tokens this step fed: ``SamplingParams.prompt_logprobs``)."""
+    tokens, and of the prompt tokens this step fed: ``SamplingParams.prompt_logprobs``). ``logprobs`` maps each
+    request id to its TokenLogprobs; from the model executor it is a ``RequestLogprobs``, which builds an entry
+    only when it is read (``fnvllm.executor.logprob_rows``)."""
 
     output: StepOutput
     logprobs: Mapping[str, TokenLogprobs] = attrs.field(factory=dict)
@@ -110,7 +113,11 @@ class Engine:
         """The launched step's result, with the tokens (and logprobs) of the rows ``keep`` drops removed."""
         result = self._overlapping.collect(launched)
         if keep is not None and not all(keep):
-            logprobs = tuple(compress(result.logprobs, keep)) if result.logprobs else ()
+            logprobs: Sequence[TokenLogprobs | None] = ()
+            if isinstance(result.logprobs, StepLogprobs):
+                logprobs = result.logprobs.select(keep)  # no row built
+            elif result.logprobs:
+                logprobs = tuple(compress(result.logprobs, keep))
             result = ExecuteResult(tuple(compress(result.token_ids, keep)), logprobs, result.prompt_logprobs)
         return result
 
@@ -130,11 +137,17 @@ class Engine:
 
     @staticmethod
     def _output(plan: StepPlan, output: StepOutput, result: ExecuteResult) -> EngineOutput:
-        """The committed step's output with the logprobs of the rows that asked."""
-        logprobs = {}
+        """The committed step's output with the logprobs of the rows that asked (a ``StepLogprobs`` stays lazy: a
+        ``RequestLogprobs`` over it builds no row until one is read)."""
+        logprobs: Mapping[str, TokenLogprobs] = {}
         if result.logprobs:
-            sampled_ids = [rid for rid, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample]
-            logprobs = {rid: lp for rid, lp in zip(sampled_ids, result.logprobs, strict=True) if lp is not None}
+            every = plan.num_samples == plan.num_seqs  # a decode step: every row sampled, in plan order
+            sampled_ids = plan.seq_ids if every else tuple(compress(plan.seq_ids, plan.sample))
+            if isinstance(result.logprobs, StepLogprobs):
+                logprobs = RequestLogprobs(sampled_ids, result.logprobs)
+            else:
+                pairs = zip(sampled_ids, result.logprobs, strict=True)
+                logprobs = {rid: lp for rid, lp in pairs if lp is not None}
         return EngineOutput(output, logprobs, result.prompt_logprobs)
 
     def check_plan(self, state: EngineState, plan: StepPlan) -> None:

@@ -18,6 +18,7 @@ import attrs
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine.core import EngineOutput
 from fnvllm.executor.base import PromptLogprobs, TokenLogprobs
+from fnvllm.executor.logprob_rows import LogprobList, RequestLogprobs, StepLogprobs
 from fnvllm.state import EngineState, FinishReason, SamplingParams, finish
 
 
@@ -121,7 +122,7 @@ class RequestTracker:
         self.index, self.request_id, self.prompt, self.prompt_ids = index, request_id, prompt, prompt_ids
         self.params, self.detokenizer, self.on_delta = params, detokenizer, on_delta
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
+        self.logprobs = LogprobList()  # a Sequence[TokenLogprobs]: each entry built when read (or at close)
         self.finish_reason: FinishReason | None = None
         self.deltas: deque[StreamDelta] = deque()
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
@@ -145,12 +146,15 @@ class RequestTracker:
         """True once the request ended (its last delta is queued or delivered)."""
         return self.finish_reason is not None
 
-    def add_token(self, token: int, logprobs: TokenLogprobs | None, now: float) -> str:
-        """Record one sampled token; returns the new text (empty while held back). Sets "stop" on a stop string."""
+    def add_token(self, token: int, logprobs: TokenLogprobs | tuple[StepLogprobs, int] | None, now: float) -> str:
+        """Record one sampled token and its logprobs (a TokenLogprobs, or a row of a step's ``StepLogprobs`` to be
+        built when read); returns the new text (empty while held back). Sets "stop" on a stop string."""
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
-        if logprobs is not None:
+        if isinstance(logprobs, tuple):
+            self.logprobs.append_reference(*logprobs)
+        elif logprobs is not None:
             self.logprobs.append(logprobs)
         if self.detokenizer is None:
             return ""
@@ -164,6 +168,7 @@ class RequestTracker:
         if self.finish_reason is None:
             self.finish_reason = reason
         self.finish_time = now
+        self.logprobs.materialize()  # built now, in the loop's host time, not all at once when results are read
         if self.detokenizer is None:
             return ""
         flushed = self.detokenizer.finish()
@@ -199,7 +204,7 @@ class RequestTracker:
             text=self.detokenizer.text if self.detokenizer is not None else "",
             token_ids=tuple(self.token_ids),
             finish_reason=self.finish_reason,
-            logprobs=tuple(self.logprobs) if self.params.logprobs is not None else None,
+            logprobs=self.logprobs.materialize() if self.params.logprobs is not None else None,
             metrics=self.metrics(),
             prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
@@ -256,11 +261,13 @@ class OutputProcessor:
             tracker = self.trackers.get(rid)
             if tracker is not None:
                 tracker.add_prompt_logprobs(scored)
+        logprobs = out.logprobs
+        lookup = logprobs.reference if isinstance(logprobs, RequestLogprobs) else logprobs.get  # lazy: no row built
         for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
             tracker = self.trackers.get(rid)
             if tracker is None:
                 continue  # driven by hand, not tracked
-            text = tracker.add_token(token, out.logprobs.get(rid), now)
+            text = tracker.add_token(token, lookup(rid) if logprobs else None, now)
             if tracker.finish_reason == "stop" and rid not in finished:
                 state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
                 finished[rid] = "stop"

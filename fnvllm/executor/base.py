@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -40,13 +40,15 @@ class PromptLogprobs:
 
 @attrs.frozen
 class ExecuteResult:
-    """One token per sampling sequence of the plan (in plan order), and their logprobs where asked.
+    """One token per sampling sequence of the plan (in plan order), and their logprobs where asked (one entry per
+    sampled row, None where it did not ask: a tuple, or a sequence that builds each entry when read, as
+    ``fnvllm.executor.logprob_rows.StepLogprobs`` does).
 
     prompt_logprobs: per request id, the prompt logprobs of the tokens this step fed (requests that asked).
     """
 
     token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    logprobs: Sequence[TokenLogprobs | None] = ()
     prompt_logprobs: Mapping[str, PromptLogprobs] = attrs.field(factory=dict)
 
 

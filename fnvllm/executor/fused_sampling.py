@@ -52,6 +52,11 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor |
 # per sampling call by the kernel, 0.62 by the candidates (torch.topk alone: 0.44 ms); with logits of a random-weight
 # checkpoint's spread (std 0.64): 0.52 and 0.65.
 TOP_K_BY_FILTER_KERNEL = True
+# Chunk of the maxima the filter kernel skips by, when every filtered row has a top-k and they are sampled from the
+# logits as they are (None: ``sample_rows``' own, CHUNK 4096, 38 chunks a row). A top-k row compacts every chunk
+# whose maximum reaches its k-th largest chunk maximum: with 38 chunks and top_k 20, about half the row; with
+# chunks of 1024, 20 of 149. Finer maxima cost one more read of those rows (``chunk_summaries``).
+FILTER_CHUNK: int | None = None
 
 
 def sample_with_kernels(
@@ -69,7 +74,7 @@ def sample_with_kernels(
     candidates). Measured on the H200 at 256 rows x 151,936 (bench_sampling.py): top_p 0.95 / top_k 20 by the
     kernel 0.49 ms per call, by torch.topk candidates 0.62 ms (torch.topk alone 0.44 ms); min-p alone runs at full
     speed with the kernel and slowly with a full sort."""
-    from fnvllm.kernels.sampling import RowSampling, sample_rows
+    from fnvllm.kernels.sampling import RowSampling, chunk_summaries, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
     device = logits.device
@@ -90,6 +95,11 @@ def sample_with_kernels(
             continue
         if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
+            if FILTER_CHUNK is not None and batch.candidates is not None and source is logits:
+                fine = chunk_summaries(logits, batch.scale, group.filtered, FILTER_CHUNK)  # (3, F, C')
+                programs = torch.arange(group.filtered.shape[0], dtype=torch.int32, device=device)
+                filtered_pick(source, group.filtered, group.filtered, programs, fine, *settings, chunk=FILTER_CHUNK)
+                continue
             filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:
             _filtered_by_sorting(source, group, batch, state.drawn, state.out)

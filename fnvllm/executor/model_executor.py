@@ -31,12 +31,13 @@ import numpy as np
 import torch
 
 from fnvllm.config import EngineConfig
-from fnvllm.executor.base import ExecuteResult, TokenLogprobs, check_step
+from fnvllm.executor.base import ExecuteResult, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
+from fnvllm.executor.logprob_rows import StepLogprobs
 from fnvllm.executor.mixed_graphs import MixedGraphs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
@@ -57,6 +58,7 @@ from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
 _LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs, in one C-level map
+_LOGPROB_BYTES_PER_ROW = 256  # >= MAX_LOGPROBS (20) x (4 + 8) + 4 + alignment: a row's logprobs on the host
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
@@ -149,19 +151,20 @@ class HostCopy:
     @classmethod
     def start(cls, tensors: Sequence[torch.Tensor], ring: PinnedRing | None = None) -> HostCopy:
         """Queue the copies (on the CPU the tensors are already there). ``ring``: the first tensor (a step's
-        packed (2, S) int64 samples) goes to the ring's next buffer, and the ring's event marks the copies done."""
+        packed (2, S) int64 samples) goes to the ring's next buffer, the others (the step's logprobs) to views of
+        that slot's second buffer when they fit, and the ring's event marks the copies done."""
         if not tensors or tensors[0].device.type != "cuda":
             return cls(tuple(tensors), None)
         slot = None if ring is None else ring.take(tensors[0])
+        targets: list[torch.Tensor | None] = [None] * len(tensors)
         if ring is not None and slot is not None:
-            first, done = ring.view(slot, tensors[0]), ring.events[slot]
+            targets[0], done = ring.view(slot, tensors[0]), ring.events[slot]
+            targets[1:] = ring.extra_views(slot, tensors[1:]) or targets[1:]
         else:
-            first, done = None, torch.cuda.Event()
+            done = torch.cuda.Event()
         copies = tuple(
-            (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if first is None or i else first).copy_(
-                t, non_blocking=True
-            )
-            for i, t in enumerate(tensors)
+            (_pinned_like(t) if dst is None else dst).copy_(t, non_blocking=True)
+            for dst, t in zip(targets, tensors, strict=True)
         )
         done.record()
         copy = cls(copies, done, None if ring is None or slot is None else (ring, slot))
@@ -195,6 +198,10 @@ class PinnedRing:
 
     def __init__(self, max_rows: int, size: int = 4) -> None:
         self.buffers = [torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
+        # the same step's logprobs ((L, n) float32 and int64, (L,) float32; n <= MAX_LOGPROBS), as byte views: a
+        # fresh pinned tensor of a new size (every prefill step's L differs) asks the driver for pinned memory
+        extra = max_rows * _LOGPROB_BYTES_PER_ROW
+        self.extras = [torch.empty(extra, dtype=torch.uint8, pin_memory=True) for _ in range(size)]
         self.events = [torch.cuda.Event() for _ in range(size)]
         self.owners: list[object | None] = [None] * size  # the HostCopy holding each buffer, None when free
 
@@ -211,6 +218,21 @@ class PinnedRing:
     def view(self, slot: int, packed: torch.Tensor) -> torch.Tensor:
         """Buffer ``slot`` as a contiguous tensor of ``packed``'s shape."""
         return self.buffers[slot][: packed.numel()].view(packed.shape)
+
+    def extra_views(self, slot: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """Views of slot ``slot``'s second buffer shaped like ``tensors`` (each from a 16-byte boundary), None
+        when they do not all fit; an empty tensor gets None (a fresh, empty one)."""
+        buffer, at, views = self.extras[slot], 0, list[torch.Tensor | None]()
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            if size == 0:
+                views.append(None)
+                continue
+            if at + size > buffer.numel():
+                return None
+            views.append(buffer[at : at + size].view(t.dtype).view(t.shape))
+            at += -(-size // 16) * 16
+        return views
 
     def release_all(self) -> None:
         """Every buffer free (the executor was reset: no step in flight will be collected)."""
@@ -658,7 +680,8 @@ class ModelExecutor:
             self.guard.wait(launched.host.done)
         packed, *logprobs = launched.host.wait()
         tokens, flags = packed.tolist()
-        launched.host.release()  # read: its ring buffer may take a later step's samples
+        rows = _host_logprobs(Logprobs(*logprobs), tokens, launched.asked) if logprobs else None  # copied out
+        launched.host.release()  # read: its ring buffers may take a later step's samples
         if timer is not None:
             timer.finish(plan, launched.graph)
         if any(flags):
@@ -666,9 +689,9 @@ class ModelExecutor:
         if any(launched.matchers):
             self._accept(launched, tokens)
         launched.collected = True
-        if not logprobs:
+        if rows is None:
             return ExecuteResult(tuple(tokens), prompt_logprobs=prompt)
-        return ExecuteResult(tuple(tokens), _host_logprobs(Logprobs(*logprobs), tokens, launched.asked), prompt)
+        return ExecuteResult(tuple(tokens), rows, prompt)
 
     def discard(self, launched: object) -> None:
         """A launched step will not be collected: expect its step number next. Its device work still runs (in
@@ -707,6 +730,11 @@ class ModelExecutor:
         }
 
 
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor of ``t``'s shape and dtype in pinned host memory (torch's caching pinned allocator)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
 def _sampled_rows(plan: StepPlan) -> tuple[int, ...]:
     """The plan rows that sample, in order (every row, in a decode step: then one C-level ``range``)."""
     if plan.num_samples == plan.num_seqs:
@@ -732,17 +760,10 @@ def _copy_scored(scored: list[ScoredRow]) -> HostCopy | None:
     return HostCopy.start([t for row in scored for t in row.tensors()]) if scored else None
 
 
-def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> tuple[TokenLogprobs | None, ...]:
+def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None]) -> StepLogprobs:
     """Per sampled row, its TokenLogprobs (the sampled token's logprob and its first n top entries; n may be 0) or
-    None where it did not ask. ``lp`` holds the rows that asked, in order."""
-    sampled = lp.sampled_logprobs.tolist()
-    top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    out: list[TokenLogprobs | None] = []
-    k = 0  # the row's place among the rows that asked
-    for i, n in enumerate(asked):
-        if n is None:
-            out.append(None)
-            continue
-        out.append(TokenLogprobs(tokens[i], sampled[k], tuple(zip(top_ids[k][:n], top_values[k][:n], strict=True))))
-        k += 1
-    return tuple(out)
+    None where it did not ask. ``lp`` holds the rows that asked, in order (host tensors).
+
+    This runs every step (256 rows x 6 entries at the bench's --logprobs 5), so the rows are not built here: the
+    step's three lists are kept and each row's TokenLogprobs is built when read (``StepLogprobs``)."""
+    return StepLogprobs.from_host(tokens, asked, lp.sampled_logprobs, lp.top_ids, lp.top_logprobs)

@@ -501,10 +501,16 @@ class Sampler:
         return SamplerOutput(packed=packed, logprobs=compute_logprobs(raw, packed[0], rows, num_top, kernels))
 
 
+# The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
+# so a smaller chunk means fewer candidates to gather and sort (n x chunk per row) but more chunk summaries.
+LOGPROB_MAX_CHUNK = 1024
+
+
 def _logprob_chunk(vocab: int, num_top: int) -> int | None:
-    """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to 1024 whose num_top chunks
-    stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on whole rows)."""
-    chunk = 1024
+    """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to LOGPROB_MAX_CHUNK whose
+    num_top chunks stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on
+    whole rows)."""
+    chunk = LOGPROB_MAX_CHUNK
     while chunk >= 16 and max(num_top, 1) * chunk * 4 > vocab:
         chunk //= 2
     return chunk if chunk >= 16 and -(-vocab // chunk) <= 1024 else None
@@ -519,18 +525,19 @@ def compute_logprobs(
     the n chunks that hold the n best, 1/30 of a row at n 5; torch.topk over whole rows took 0.43 ms at 256 x
     151,936 on the H200); otherwise from logsumexp and torch.topk over the rows."""
     vocab = logits.shape[1]
-    chosen = torch.take(logits, rows.long() * vocab + token_ids.index_select(0, rows)).float()  # (L,)
     chunk = _logprob_chunk(vocab, num_top) if kernels else None
     if chunk is not None:
         from fnvllm.kernels.sampling import logprob_candidates
 
-        lse, values, ids = logprob_candidates(logits, rows, max(num_top, 1), chunk)
+        sampled = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)  # (L,), by the combine
+        lse, values, ids = logprob_candidates(logits, rows, max(num_top, 1), chunk, token_ids, sampled)
         top = values.topk(num_top, dim=-1)
-        top_values, top_ids = top.values, ids.gather(1, top.indices)
-    else:
-        subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
-        lse = log_partition_ref(subset)
-        top_values, top_ids = subset.topk(num_top, dim=-1)
+        top_ids = ids.gather(1, top.indices)
+        return Logprobs(top_logprobs=top.values - lse[:, None], top_ids=top_ids, sampled_logprobs=sampled)
+    chosen = torch.take(logits, rows.long() * vocab + token_ids.index_select(0, rows)).float()  # (L,)
+    subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
+    lse = log_partition_ref(subset)
+    top_values, top_ids = subset.topk(num_top, dim=-1)
     return Logprobs(
         top_logprobs=top_values.float() - lse[:, None],
         top_ids=top_ids,

@@ -45,6 +45,7 @@ from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of samp
 __all__ = [
     "CHUNK",
     "RowSampling",
+    "chunk_summaries",
     "fused_sample",
     "logprob_candidates",
     "philox_uniforms",
@@ -263,6 +264,23 @@ def sample_rows(
     return stats
 
 
+def chunk_summaries(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(3, R, C) chunk summaries (max of the scaled logits, partition sum, non-finite flag) of batch rows ``rows``
+    ((R,) int32 / int64; logits holds every batch row at its own index) in chunks of ``chunk`` tokens: pass 1 of
+    ``sample_rows`` alone, at another chunk size (``fused_sampling.FILTER_CHUNK``: finer maxima let the filter
+    kernel skip more of a top-k row)."""
+    num_chunks = _check_source(logits, chunk)
+    num_programs = rows.shape[0]
+    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
+    if num_programs:
+        argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+        _chunk_stats_kernel[(num_programs, num_chunks)](
+            logits, scale, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
+        )  # fmt: skip
+    return stats
+
+
 LOGPROB_CHUNK = 1024  # chunk of the logprob rows' summaries: the top-n candidates are n chunks of this many tokens
 
 
@@ -271,13 +289,19 @@ def _logprob_combine_kernel(
     stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
     lse_ptr,  # (L,) float32: receives log sum exp of the row
     chunks_ptr,  # (L, N) int32: receives the N chunks with the largest maxima, best first
+    logits_ptr,  # (R, V) raw logits (read when HAS_TOKENS)
+    rows_ptr,  # (L,) int32 / int64 batch rows (read when HAS_TOKENS)
+    tokens_ptr,  # (B,) int64 sampled ids by batch row (read when HAS_TOKENS)
+    sampled_ptr,  # (L,) float32: receives the sampled token's logprob (when HAS_TOKENS)
+    stride_row,
     num_programs,
     num_chunks,
     num_top,
     CHUNKS_PAD: tl.constexpr,
+    HAS_TOKENS: tl.constexpr,
 ):
-    """Row program_id(0): its log-partition, and the num_top chunks holding its num_top largest logits (a runtime
-    count: a new logprobs count compiles nothing)."""
+    """Row program_id(0): its log-partition, the num_top chunks holding its num_top largest logits (a runtime
+    count: a new logprobs count compiles nothing) and, with HAS_TOKENS, the sampled token's logprob."""
     i = tl.program_id(0)
     ids = tl.arange(0, CHUNKS_PAD)
     live = ids < num_chunks
@@ -285,7 +309,12 @@ def _logprob_combine_kernel(
     maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
     sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
     top = tl.max(maxima, axis=0)
-    tl.store(lse_ptr + i, top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0)))
+    lse = top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0))
+    tl.store(lse_ptr + i, lse)
+    if HAS_TOKENS:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        token = tl.load(tokens_ptr + row).to(tl.int64)
+        tl.store(sampled_ptr + i, tl.load(logits_ptr + row * stride_row + token).to(tl.float32) - lse)
     for j in range(num_top):
         best = tl.max(maxima, axis=0)
         chunk = tl.min(tl.where(maxima == best, ids, CHUNKS_PAD), axis=0)
@@ -294,14 +323,25 @@ def _logprob_combine_kernel(
 
 
 def logprob_candidates(
-    logits: torch.Tensor, rows: torch.Tensor, num_top: int, chunk: int = LOGPROB_CHUNK
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    num_top: int,
+    chunk: int = LOGPROB_CHUNK,
+    tokens: torch.Tensor | None = None,
+    sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the raw logits rows ``rows`` ((L,) int32 or int64, distinct): (lse (L,) float32 log sum exp of each;
     values (L, num_top * chunk) float32 and ids int64: candidates that hold each row's num_top largest logits).
     One pass-1 launch over every chunk of those rows (a scale of 0 reads the raw logits), one combine launch and
     one gather; requires num_top <= the chunks. Why the candidates hold them: a chunk holding one of a row's n
     best tokens has a maximum at least that token's, and fewer than n chunks can have a larger one, so it is
-    among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf."""
+    among the n chunks with the largest maxima. Positions past the vocabulary (a partial last chunk) are -inf.
+    The gather is one launch (``_logprob_gather_kernel``): in torch it was ~8 elementwise passes over the (L,
+    n x chunk) candidates (id arithmetic, masks, take, upcast, fill), each a launch from the host every step.
+    tokens / sampled: (B,) int64 sampled ids by batch row, and an (L,) float32 tensor that receives each row's
+    sampled token's logprob (the combine launch computes it; both or neither)."""
+    if (tokens is None) != (sampled is None):
+        raise ValueError("tokens and sampled go together: pass both or neither")
     num_chunks = _check_source(logits, chunk)
     if not 0 <= num_top <= num_chunks:
         raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
@@ -317,15 +357,42 @@ def logprob_candidates(
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
         )  # fmt: skip
         _logprob_combine_kernel[(num_programs,)](
-            stats, lse, chunks, num_programs, num_chunks, num_top,
-            CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))),
+            stats, lse, chunks, logits, rows, lse if tokens is None else tokens, lse if sampled is None else sampled,
+            logits.stride(0), num_programs, num_chunks, num_top,
+            CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), HAS_TOKENS=tokens is not None,
         )  # fmt: skip
-    vocab = logits.shape[1]
-    ids = (chunks.long()[:, :, None] * chunk + torch.arange(chunk, device=device)).view(num_programs, -1)  # (L, n*c)
-    inside = ids < vocab
-    flat = rows.long()[:, None] * vocab + torch.where(inside, ids, 0)  # torch.take reads the logical row-major order
-    values = torch.take(logits, flat).float().masked_fill_(~inside, float("-inf"))
+    values = torch.empty((num_programs, num_top * chunk), dtype=torch.float32, device=device)  # (L, n*c)
+    ids = torch.empty((num_programs, num_top * chunk), dtype=torch.int64, device=device)
+    if num_programs and num_top:  # one launch in place of ~8 elementwise passes over the (L, n*c) candidates
+        _logprob_gather_kernel[(num_programs, num_top)](
+            logits, rows, chunks, values, ids, logits.stride(0), logits.shape[1], num_top, CHUNK_SIZE=chunk,
+            num_warps=4,
+        )  # fmt: skip
     return lse, values, ids
+
+
+@triton.jit(do_not_specialize=["num_top"])
+def _logprob_gather_kernel(
+    logits_ptr,  # (R, V) raw logits
+    rows_ptr,  # (L,) int32 / int64 batch rows
+    chunks_ptr,  # (L, N) int32 chunks chosen by _logprob_combine_kernel
+    values_ptr,  # (L, N * CHUNK_SIZE) float32: receives the chunks' logits, -inf past the vocabulary
+    ids_ptr,  # (L, N * CHUNK_SIZE) int64: receives their token ids (past the vocabulary too)
+    stride_row,
+    vocab_size,
+    num_top,
+    CHUNK_SIZE: tl.constexpr,
+):
+    """Program (i, j): copy chunk chunks[i, j] of logits row rows[i] to candidates slot j of row i."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    chunk = tl.load(chunks_ptr + i * num_top + j).to(tl.int64)
+    cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    at = (i * num_top + j).to(tl.int64) * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    tl.store(values_ptr + at, x)
+    tl.store(ids_ptr + at, cols)
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:

@@ -1,0 +1,286 @@
+"""Logprobs kept as one step's flat host arrays, each row's ``TokenLogprobs`` built only when it is read.
+
+Why (issue 19, ``--logprobs 5`` at 256 rows): building 256 ``TokenLogprobs`` (each with a tuple of n (id, logprob)
+pairs) every step and keeping them in the request trackers cost the host more than the sampling itself. The
+building is a few hundred microseconds; the larger part was the garbage collector: every retained
+``TokenLogprobs`` is a tracked object, so the young generation filled every few hundred rows and full collections
+walked the whole growing heap (on the CPU, 256 rows x 600 steps: ~3 ms of collection per step against ~0.05 ms
+when a step keeps only a reference to its arrays and each row its index; ``benchmarks/host_step.py --logprobs 5``).
+
+So a step's logprobs are one ``StepLogprobs`` (three flat numpy arrays: no per-row objects), the engine's per-request
+view of a step is ``RequestLogprobs`` (a mapping built lazily over it), and a request's history is a
+``LogprobList`` of (step, row) references that builds its ``TokenLogprobs`` when read, once, and keeps them (the
+tracker builds them when the request finishes: ``RequestTracker.close``). Readers see the public types unchanged:
+sequences and mappings of ``TokenLogprobs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import compress, repeat
+from typing import TYPE_CHECKING, overload
+
+import numpy as np
+
+from fnvllm.executor.base import TokenLogprobs
+
+if TYPE_CHECKING:  # the engine (and the simulator, which imports no torch) use this module without tensors
+    import torch
+
+
+class StepLogprobs(Sequence["TokenLogprobs | None"]):
+    """One step's logprobs per sampled row (plan order): a ``TokenLogprobs``, or None where the row did not ask.
+
+    Holds the rows that asked as flat numpy arrays: ``sampled[k]`` the sampled token's logprob of the k-th such row,
+    ``ids`` / ``values`` its ``width`` best (id, logprob) from ``k * width``, best first. A row that asked for
+    n < width keeps its first n. ``places[i]``: row i's k, or None (did not ask); None for the whole tuple when
+    every row asked for ``width`` (k == i). Compares equal to the tuple of its entries.
+    """
+
+    __slots__ = ("_asked", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        asked: Sequence[int | None],
+        sampled: np.ndarray,
+        ids: np.ndarray,
+        values: np.ndarray,
+        width: int,
+        places: Sequence[int | None] | None = None,
+    ) -> None:
+        if len(tokens) != len(asked):
+            raise ValueError(f"tokens and asked must have one entry per sampled row, got {len(tokens)}, {len(asked)}")
+        self._tokens, self._asked, self._width = tokens, asked, width
+        self._sampled, self._ids, self._values = sampled, ids, values
+        if places is None and (len(sampled) != len(asked) or asked.count(width) != len(asked)):
+            k = iter(range(len(sampled)))
+            places = tuple(None if n is None else next(k) for n in asked)
+        self._places = places
+
+    @classmethod
+    def from_host(
+        cls, tokens: Sequence[int], asked: Sequence[int | None], sampled: torch.Tensor, top_ids: torch.Tensor,
+        top_values: torch.Tensor,
+    ) -> StepLogprobs:  # fmt: skip
+        """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked):
+        three small numpy copies (the tensors' pinned buffers are reused; numpy keeps a row's entries in one
+        cache line, where lists of Python numbers scatter them: a row built long after its step reads fast)."""
+        width = top_ids.shape[1] if top_ids.dim() == 2 else 0
+        flat = [t.reshape(-1).numpy().copy() for t in (sampled, top_ids, top_values)]
+        return cls(tokens, asked, flat[0], flat[1], flat[2], width)
+
+    def __len__(self) -> int:
+        return len(self._asked)
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprobs | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[TokenLogprobs | None, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs | None, ...] | None:
+        if isinstance(i, slice):
+            return tuple(map(self.entry, range(len(self))[i]))
+        return self.entry(range(len(self))[i])
+
+    def entry(self, row: int) -> TokenLogprobs | None:
+        """Row ``row``'s TokenLogprobs (0 <= row < len), built now, or None when it did not ask."""
+        n = self._asked[row]
+        if n is None:
+            return None
+        k = row if self._places is None else self._places[row]
+        assert k is not None  # a row that asked has a place
+        at = k * self._width
+        ids, values = self._ids[at : at + n].tolist(), self._values[at : at + n].tolist()
+        return TokenLogprobs(self._tokens[row], float(self._sampled[k]), tuple(zip(ids, values, strict=True)))
+
+    @property
+    def every_row_asked(self) -> bool:
+        """True when every row asked for the same count (row i's entries are the i-th of the arrays)."""
+        return self._places is None
+
+    def asked(self, row: int) -> bool:
+        """True when row ``row`` asked for logprobs."""
+        return self._asked[row] is not None
+
+    def __iter__(self) -> Iterator[TokenLogprobs | None]:
+        if self._places is not None:
+            return map(self.entry, range(len(self)))
+        width, ids, values = self._width, self._ids.tolist(), self._values.tolist()
+        starts = range(0, len(ids), width) if width else repeat(0, len(self))
+        tops = (tuple(zip(ids[at : at + width], values[at : at + width], strict=False)) for at in starts)
+        return map(TokenLogprobs, self._tokens, self._sampled.tolist(), tops)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]  # compares by value, like the tuple it stands for
+
+    def __repr__(self) -> str:
+        return f"StepLogprobs({tuple(self)!r})"
+
+    def select(self, keep: Sequence[bool]) -> StepLogprobs:
+        """The rows flagged in ``keep`` (one flag per row), sharing this step's arrays."""
+        if len(keep) != len(self):
+            raise ValueError(f"keep must have one flag per row ({len(self)}), got {len(keep)}")
+        places = range(len(self)) if self._places is None else self._places
+        return StepLogprobs(
+            tuple(compress(self._tokens, keep)),
+            tuple(compress(self._asked, keep)),
+            self._sampled,
+            self._ids,
+            self._values,
+            self._width,
+            tuple(compress(places, keep)),
+        )
+
+
+class RequestLogprobs(Mapping[str, TokenLogprobs]):
+    """One step's logprobs by request id: the rows of ``step`` (``seq_ids``, in the same order) that asked. Each
+    value is built when read; ``reference`` hands out the (step, row) instead, for a ``LogprobList``."""
+
+    __slots__ = ("_index", "_seq_ids", "_step")
+
+    def __init__(self, seq_ids: Sequence[str], step: StepLogprobs) -> None:
+        if len(seq_ids) != len(step):
+            raise ValueError(f"seq_ids must name every row of the step ({len(step)}), got {len(seq_ids)}")
+        self._seq_ids, self._step = seq_ids, step
+        self._index: dict[str, int] | None = None
+
+    def _rows(self) -> dict[str, int]:
+        """Request id -> row, of the rows that asked (built on first use)."""
+        if self._index is None:
+            step = self._step
+            if step.every_row_asked:  # the common case: one C-level pass
+                self._index = dict(zip(self._seq_ids, range(len(step)), strict=True))
+            else:
+                self._index = {rid: i for i, rid in enumerate(self._seq_ids) if step.asked(i)}
+        return self._index
+
+    def reference(self, request_id: str) -> tuple[StepLogprobs, int] | None:
+        """(step, row) of ``request_id``'s logprobs, or None when it has none this step."""
+        row = self._rows().get(request_id)
+        return None if row is None else (self._step, row)
+
+    def __getitem__(self, request_id: str) -> TokenLogprobs:
+        entry = self._step.entry(self._rows()[request_id])
+        assert entry is not None  # only rows that asked are in the index
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows())
+
+    def __len__(self) -> int:
+        return len(self._rows())
+
+    def __repr__(self) -> str:
+        return f"RequestLogprobs({dict(self)!r})"
+
+
+class LogprobList(Sequence[TokenLogprobs]):
+    """A request's logprobs, one per generated token: (step, row) references (or ``TokenLogprobs`` given as
+    they are), each built on first read and kept from then on (``materialize``)."""
+
+    __slots__ = ("_built", "_rows", "_sources")
+
+    def __init__(self) -> None:
+        self._sources: list[StepLogprobs | TokenLogprobs] = []
+        self._rows: list[int | None] = []  # the row in its StepLogprobs; None for a TokenLogprobs given as is
+        self._built: list[TokenLogprobs] = []  # the first len(_built) entries, built
+
+    def append(self, logprobs: TokenLogprobs) -> None:
+        """Add one entry as it is."""
+        self._sources.append(logprobs)
+        self._rows.append(None)
+
+    def append_reference(self, step: StepLogprobs, row: int) -> None:
+        """Add row ``row`` of ``step`` (a row that asked), to be built when read."""
+        self._sources.append(step)
+        self._rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def _entry(self, i: int) -> TokenLogprobs:
+        if i < len(self._built):
+            return self._built[i]
+        source, row = self._sources[i], self._rows[i]
+        if row is None:
+            assert isinstance(source, TokenLogprobs)
+            return source
+        assert isinstance(source, StepLogprobs)
+        entry = source.entry(row)
+        assert entry is not None  # references are only taken to rows that asked
+        return entry
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprobs: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[TokenLogprobs, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs, ...]:
+        if isinstance(i, slice):
+            return tuple(map(self._entry, range(len(self))[i]))
+        return self._entry(range(len(self))[i])
+
+    def __iter__(self) -> Iterator[TokenLogprobs]:
+        return iter(self.materialize())
+
+    def materialize(self) -> tuple[TokenLogprobs, ...]:
+        """Every entry, built once (later calls build only the entries added since) and dropped from the
+        references, which then no longer keep their steps' arrays alive."""
+        start = len(self._built)
+        if start < len(self._sources):
+            sources, rows = self._sources[start:], self._rows[start:]
+            new: list[TokenLogprobs] | None = None
+            if None not in rows:  # references only (a request's rows): built together
+                new = _build_rows(sources, rows)  # type: ignore[arg-type]
+            if new is None:
+                new = [s if r is None else s.entry(r) for s, r in zip(sources, rows, strict=True)]  # type: ignore
+            self._built.extend(new)
+            self._sources[start:] = new
+            self._rows[start:] = [None] * len(new)
+        return tuple(self._built)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LogprobList({tuple(self)!r})"
+
+
+def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs] | None:
+    """The entries of (step, row) references that all asked for the same n (one request's), built together: one
+    pass gathers each row's place, then one numpy concatenation and C-level maps build the entries (about a
+    third of the time of building each alone, ``StepLogprobs.entry``). None when the rows' counts differ."""
+    tokens, sampled, ids, values = [], [], [], []
+    count = None
+    for step, row in zip(steps, rows, strict=True):
+        n = step._asked[row]
+        if n is None or (count is not None and n != count):
+            return None
+        count = n
+        k = row if step._places is None else step._places[row]
+        assert k is not None  # a row that asked has a place
+        at = k * step._width
+        tokens.append(step._tokens[row])
+        sampled.append(step._sampled[k])
+        ids.append(step._ids[at : at + n])
+        values.append(step._values[at : at + n])
+    if not tokens or count is None:
+        return []
+    logprobs = np.array(sampled, dtype=np.float32).tolist()
+    if count == 0:
+        return list(map(TokenLogprobs, tokens, logprobs, repeat(())))
+    flat_ids, flat_values = np.concatenate(ids).tolist(), np.concatenate(values).tolist()
+    id_rows, value_rows = zip(*[iter(flat_ids)] * count, strict=True), zip(*[iter(flat_values)] * count, strict=True)
+    tops = map(tuple, map(zip, id_rows, value_rows))  # ((id, logprob), ...) per row, best first
+    return list(map(TokenLogprobs, tokens, logprobs, tops))
