@@ -232,3 +232,18 @@ def test_every_generation_config_eos_id_stops(tmp_path: Path) -> None:
     assert out.token_ids == free.token_ids[: stop_at + 1]
     ignoring = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert ignoring[0].token_ids == free.token_ids
+
+
+def test_building_an_engine_freezes_its_startup_heap(ckpt: Path) -> None:
+    """After an LLM is built its modules sit in the collector's permanent generation: a full collection during
+    a run does not walk them."""
+    import gc
+
+    gc.unfreeze()
+    llm = LLM(ckpt, dtype="float32", num_blocks=64)
+    try:
+        model = llm.engine.executor.model
+        assert gc.get_freeze_count() > 0
+        assert not any(obj is model for obj in gc.get_objects())  # frozen objects are in no generation
+    finally:
+        llm.close()
