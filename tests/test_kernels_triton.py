@@ -9,6 +9,7 @@ bfloat16 (the interpreter also rounds bf16 by truncation).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -435,12 +436,12 @@ def test_gpu_decode_cuda_graph_replay() -> None:
     q = torch.randn(num_seqs, 16, 128, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.randint(1, width * block_size, (num_seqs,), device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
-    workspace = decode_attention.make_decode_workspace(q, table, block_size)
-    attend = decode_attention.paged_decode_attention
-    attend(q, k_cache, v_cache, table, seq_lens, 0.088, out, workspace=workspace)  # compile outside capture
+    workspace = decode_attention.make_decode_workspace(q, table, block_size, partition_size=512)
+    attend = functools.partial(decode_attention.paged_decode_attention, partition_size=512, workspace=workspace)
+    attend(q, k_cache, v_cache, table, seq_lens, 0.088, out)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attend(q, k_cache, v_cache, table, seq_lens, 0.088, out, workspace=workspace)
+        attend(q, k_cache, v_cache, table, seq_lens, 0.088, out)
     seq_lens.copy_(torch.randint(0, width * block_size, (num_seqs,), device="cuda", dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     graph.replay()

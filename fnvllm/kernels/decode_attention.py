@@ -209,7 +209,9 @@ def num_decode_partitions(block_tables: torch.Tensor, block_size: int, partition
 def make_decode_workspace(
     q: torch.Tensor, block_tables: torch.Tensor, block_size: int, partition_size: int | None = None
 ) -> DecodeWorkspace:
-    """Allocate the split-K workspace for q (B, Hq, D) and block_tables (B, max_blocks)."""
+    """Allocate the split-K workspace for q (B, Hq, D) and block_tables (B, max_blocks), for launches with this
+    ``partition_size`` (None: DEFAULT_DECODE_CONFIG's; pass the same to ``paged_decode_attention``, whose own
+    choice for small batches may differ)."""
     partition_size = partition_size or DEFAULT_DECODE_CONFIG.partition_size
     num_seqs, num_heads, head_dim = q.shape
     num_parts = num_decode_partitions(block_tables, block_size, partition_size)
