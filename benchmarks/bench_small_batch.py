@@ -70,6 +70,7 @@ def graph_time_us(fn: Callable[[int], object], calls: int, repeats: int = 5) -> 
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1000 / calls)
+    del graph  # its memory pool goes back before the next capture
     return best
 
 

@@ -45,6 +45,7 @@ if "--smoke" in sys.argv:  # before Triton is imported: the kernels run in its i
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_small_batch import graph_time_us
 from fnvllm.kernels import fused_ops
 from fnvllm.kernels.decode_attention import (
     auto_partition_size,
@@ -84,32 +85,6 @@ class Timer(NamedTuple):
     """How a part times fn(i), i = 0 .. calls - 1: device us per call (a CUDA graph), or host us (smoke)."""
 
     us: Callable[[Callable[[int], object], int], float]
-
-
-def graph_time_us(fn: Callable[[int], object], calls: int, repeats: int = 5) -> float:
-    """Best mean device microseconds of fn(i) for i in 0..calls-1, captured in one CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(calls, 2)):  # warm-up: compiles
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / calls)
-    del graph
-    return best
 
 
 def host_time_us(fn: Callable[[int], object], calls: int) -> float:
