@@ -37,6 +37,7 @@ CPU_RUNS: dict[str, list[str]] = {
                             "--repeats", "1"],
     "logprobs_bias_check.py": ["--device", "cpu", "--skip-cost"],
     "structured_host.py": ["--rows", "2", "--steps", "2", "--vocab", "512", "--threads", "1"],
+    "sweep_small.py": ["--smoke", "--budget-s", "5"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
