@@ -235,15 +235,29 @@ def test_every_generation_config_eos_id_stops(tmp_path: Path) -> None:
 
 
 def test_building_an_engine_freezes_its_startup_heap(ckpt: Path) -> None:
-    """After an LLM is built its modules sit in the collector's permanent generation: a full collection during
-    a run does not walk them."""
+    """After an engine is built its objects sit in the collector's permanent generation (a full collection during
+    a run does not walk them); an engine dropped before the next build, even one held in a reference cycle, is
+    freed by that build, not kept frozen."""
     import gc
+    import weakref
 
-    gc.unfreeze()
-    llm = LLM(ckpt, dtype="float32", num_blocks=64)
-    try:
-        model = llm.engine.executor.model
+    from fnvllm.config import EngineConfig
+    from fnvllm.engine.build import build_engine
+
+    config = EngineConfig(dtype="float32", num_blocks=64)
+
+    def build_in_a_cycle() -> weakref.ref[torch.nn.Module]:
+        box: list[object] = []
+        parts = build_engine(ckpt, config, load_tokenizer=False, on_step=lambda *_: box)
+        box.append(parts)  # a cycle (parts -> loop -> hook -> box -> parts) among objects frozen by the build
         assert gc.get_freeze_count() > 0
-        assert not any(obj is model for obj in gc.get_objects())  # frozen objects are in no generation
-    finally:
-        llm.close()
+        assert not any(obj is parts.executor.model for obj in gc.get_objects())  # frozen: in no generation
+        parts.close()
+        return weakref.ref(parts.executor.model)
+
+    dropped = build_in_a_cycle()
+    assert dropped() is not None  # held by the cycle, which no collection reaches while it is frozen
+    gc.collect()
+    assert dropped() is not None
+    build_engine(ckpt, config, load_tokenizer=False).close()  # unfreezes, collects, then freezes again
+    assert dropped() is None

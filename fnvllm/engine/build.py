@@ -128,7 +128,10 @@ def _freeze_startup_heap() -> None:
     (plans, outputs, logprob rows), which trigger full collections; without this each one walks the whole startup
     heap too, a pause the device sees as idle time between steps. Process-wide, as in vLLM's start-up; cycles
     among frozen objects are only collected after ``gc.unfreeze()``, which runs at exit (so that extension types
-    are finalized at shutdown as usual)."""
+    are finalized at shutdown as usual) and first here: an engine dropped before this one was built is collected
+    now, so a process that builds many engines (tests, notebooks) keeps at most the dropped ones of the latest
+    build frozen."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     _unfreeze_at_exit()
