@@ -40,7 +40,7 @@ Logits = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 # Table rows at full width go with the staged copy while they are at most this many bytes (B x W x 4).
-_INLINE_TABLE_BYTES = 256 * 1024
+INLINE_TABLE_BYTES = 256 * 1024
 
 
 @attrs.frozen
@@ -88,6 +88,22 @@ class HostStage:
         self.ready = torch.cuda.Event()
 
 
+class HostStages:
+    """Two pinned ``HostStage`` buffers used in turn, so the host fills one while the copy from the other may
+    still be queued behind the step in flight."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.stages = [HostStage(layout) for _ in range(2)]
+        self.next_index = 0
+
+    def next(self) -> HostStage:
+        """The buffer to fill next, once the copy that last read it has run."""
+        host = self.stages[self.next_index]
+        self.next_index = 1 - self.next_index
+        host.ready.synchronize()
+        return host
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (and max_num_seqs itself)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
@@ -127,8 +143,7 @@ class DecodeGraphs:
         )
         self.slot_mapping.fill_(self.scratch_slot)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hosts = [HostStage(self.layout) for _ in range(2)]
-        self.next_host = 0
+        self.hosts = HostStages(self.layout)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}  # buckets that compute the lm_head too
@@ -174,19 +189,12 @@ class DecodeGraphs:
         """``run`` for an all-decode ``plan``, its rows written straight into the pinned stage (``stage_decode``)
         when its tables go with the staged copy; otherwise through ``prepare_decode`` and ``run``."""
         b = plan.num_seqs
-        if b * self.layout.max_blocks * 4 > _INLINE_TABLE_BYTES:
+        if b * self.layout.max_blocks * 4 > INLINE_TABLE_BYTES:
             a = prepare_decode(plan)
             return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
-        host = self._next_stage()
+        host = self.hosts.next()
         stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None)
         return self._replay(host, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
-
-    def _next_stage(self) -> HostStage:
-        """The pinned buffer to fill next, once the copy that last read it has run."""
-        host = self.hosts[self.next_host]
-        self.next_host = 1 - self.next_host
-        host.ready.synchronize()
-        return host
 
     def _replay(
         self, host: HostStage, b: int, end: int, tables: np.ndarray | None, feed: Feed | None
@@ -223,11 +231,11 @@ class DecodeGraphs:
         ``feed``: device ids replacing some or all of ``input_ids`` (the previous step's samples, for an
         overlapped step). Nothing here waits for the device."""
         b = len(input_ids)
-        host = self._next_stage()
+        host = self.hosts.next()
         ids, pos, slots_, lens, tables = host.arrays
         ids[:b], pos[:b], slots_[:b], lens[:b] = input_ids, positions, slots, seq_lens
         width = block_tables.shape[1]
-        inline_tables = b * self.layout.max_blocks * 4 <= _INLINE_TABLE_BYTES
+        inline_tables = b * self.layout.max_blocks * 4 <= INLINE_TABLE_BYTES
         if inline_tables:
             tables[:b, :width] = block_tables
         end = self.layout.tables_offset + (b * self.layout.max_blocks * 4 if inline_tables else 0)

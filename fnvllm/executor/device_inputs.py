@@ -50,10 +50,8 @@ def build_attention_metadata(
     lens = np.asarray(q_lens, dtype=np.int64)  # (B,)
     cu = np.zeros(len(lens) + 1, dtype=np.int64)  # (B+1,)
     np.cumsum(lens, out=cu[1:])
-    positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], lens)  # (T,)
     table = _pad_block_tables(block_tables)  # (B, max_blocks)
-    seq_of_token = np.repeat(np.arange(len(lens)), lens)  # (T,)
-    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size  # (T,)
+    positions, slots = token_positions_and_slots(starts, lens, table, block_size)
     seq_lens = starts + lens
     return AttentionMetadata(
         positions=upload(positions, device),
@@ -65,6 +63,18 @@ def build_attention_metadata(
         max_seqlen_k=int(seq_lens.max()),
         block_size=block_size,
     )
+
+
+def token_positions_and_slots(
+    starts: np.ndarray, q_lens: np.ndarray, tables: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(T,) int64 positions and KV slots of the flat token batch: sequence b feeds q_lens[b] tokens from
+    starts[b] (both (B,) int64), its blocks in row b of ``tables`` (B, w)."""
+    offsets = np.cumsum(q_lens) - q_lens  # (B,) where each sequence's tokens start in the flat batch
+    positions = np.arange(int(q_lens.sum())) + np.repeat(starts - offsets, q_lens)  # (T,)
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)  # (T,)
+    blocks = tables[seq_of_token, positions // block_size].astype(np.int64)  # (T,)
+    return positions, blocks * block_size + positions % block_size
 
 
 def _validate_batch(

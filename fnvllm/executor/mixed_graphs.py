@@ -36,15 +36,13 @@ import attrs
 import numpy as np
 import torch
 
-from fnvllm.executor.cuda_graphs import Forward, HostStage
-from fnvllm.executor.device_inputs import upload
-from fnvllm.executor.inputs import Feed
+from fnvllm.executor.cuda_graphs import INLINE_TABLE_BYTES, Forward, HostStages
+from fnvllm.executor.device_inputs import token_positions_and_slots, upload
+from fnvllm.executor.inputs import Feed, pad_tables
 from fnvllm.kernels.attention import AttentionMetadata
 from fnvllm.kernels.prefill_work import prefill_work_list
 from fnvllm.state import StepPlan
 
-# Table rows at full width go with the staged copy while they are at most this many bytes (B x W x 4).
-_INLINE_TABLE_BYTES = 256 * 1024
 _SMALL_BUCKETS = (16, 32, 64, 128)
 _BUCKET_STEP = 128
 
@@ -109,16 +107,18 @@ class Bucket:
     work_rows: int
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class StagedStep:
-    """What ``stage_mixed`` wrote: the step's ``num_tokens`` (T), ``num_seqs`` (B), ``num_samples`` (S), and the
-    bytes of the staged buffer to send (``end``; the tables of rows :B when ``inline_tables``)."""
+    """What ``stage_mixed`` wrote: the step's ``num_tokens`` (T), ``num_seqs`` (B), ``num_samples`` (S), the
+    bytes of the staged buffer to send (``end``; the tables of rows :B when ``inline_tables``), and the step's
+    (B, w) block ``tables`` (to upload apart when not inline)."""
 
     num_tokens: int
     num_seqs: int
     num_samples: int
     end: int
     inline_tables: bool
+    tables: np.ndarray
 
 
 def stage_mixed(
@@ -131,9 +131,9 @@ def stage_mixed(
 ) -> StagedStep:
     """Write ``plan`` (a mixed step of at most ``bucket.tokens`` tokens) and the bucket's padding into the staged
     host ``arrays`` (``MixedLayout.views`` of a pinned buffer, as numpy). The tables of rows :B go in too when they
-    fit ``_INLINE_TABLE_BYTES`` at full width; otherwise the caller uploads them apart (``padded_tables``)."""
+    fit ``INLINE_TABLE_BYTES`` at full width; otherwise the caller uploads ``StagedStep.tables`` apart."""
     ids, pos, slots, sample_index, cu, seq_lens, work, tables = arrays
-    b, bs, n = plan.num_seqs, plan.block_size, bucket.tokens
+    b, n = plan.num_seqs, bucket.tokens
     q_lens = np.fromiter(map(len, plan.input_tokens), dtype=np.int64, count=b)  # (B,)
     t = int(q_lens.sum())
     starts = np.fromiter(plan.start_positions, dtype=np.int64, count=b)  # (B,)
@@ -143,30 +143,17 @@ def stage_mixed(
     seq_lens[:b] = starts + q_lens
     seq_lens[b : bucket.seqs] = 0
     ids[:t] = np.fromiter(itertools.chain.from_iterable(plan.input_tokens), dtype=np.int64, count=t)
-    positions = pos[:t]
-    positions[:] = np.arange(t) + np.repeat(starts - cu[:b].astype(np.int64), q_lens)
-    table = padded_tables(plan.block_tables)  # (B, w)
-    seq_of_token = np.repeat(np.arange(b), q_lens)  # (T,)
-    np.add(table[seq_of_token, positions // bs].astype(np.int64) * bs, positions % bs, out=slots[:t])
+    table = pad_tables(plan.block_tables)  # (B, w)
+    pos[:t], slots[:t] = token_positions_and_slots(starts, q_lens, table, plan.block_size)
     ids[t:n], pos[t:n], slots[t:n] = 0, 0, scratch_slot  # padding tokens
     work[: bucket.work_rows] = prefill_work_list(q_lens, tokens_per_tile, bucket.work_rows)
     sampled = np.flatnonzero(np.asarray(plan.sample, dtype=bool))  # (S,)
     sample_index[: len(sampled)] = (cu[1 : b + 1].astype(np.int64) - 1)[sampled]
-    inline = b * layout.max_blocks * 4 <= _INLINE_TABLE_BYTES
+    inline = b * layout.max_blocks * 4 <= INLINE_TABLE_BYTES
     if inline:
         tables[:b, : table.shape[1]] = table
     end = layout.tables_offset + (b * layout.max_blocks * 4 if inline else 0)
-    return StagedStep(t, b, len(sampled), end, inline)
-
-
-def padded_tables(block_tables: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    """(B, w) int32 block tables right-padded with 0 (w = the longest, at least 1)."""
-    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))  # (B,)
-    width = max(1, int(lens.max(initial=0)))
-    out = np.zeros((len(block_tables), width), dtype=np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
-    out[np.arange(width) < lens[:, None]] = flat  # row-major: the tables' order
-    return out
+    return StagedStep(t, b, len(sampled), end, inline, table)
 
 
 class MixedGraphs:
@@ -202,8 +189,7 @@ class MixedGraphs:
         self.inputs = self.layout.views(self.staged)
         self.inputs[2].fill_(self.scratch_slot)
         self.inputs[6][:, 1] = self.layout.work_rows  # every work row asks for no tile until a step writes it
-        self.hosts = [HostStage(self.layout) for _ in range(2)]
-        self.next_host = 0
+        self.hosts = HostStages(self.layout)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture_all(forward)
@@ -250,16 +236,13 @@ class MixedGraphs:
         the bucket and return the sampled rows' hidden states (S, H)."""
         total = sum(map(len, plan.input_tokens))
         bucket = next(b for b in self.buckets if b.tokens >= total)
-        host = self.hosts[self.next_host]
-        self.next_host = 1 - self.next_host
-        host.ready.synchronize()  # the copy that last read this buffer has run
+        host = self.hosts.next()
         step = stage_mixed(plan, host.arrays, self.layout, bucket, self.scratch_slot, self.tokens_per_tile)
         self.staged[: step.end].copy_(host.buffer[: step.end], non_blocking=True)
         host.ready.record()
         ids, sample_index, tables = self.inputs[0], self.inputs[3], self.inputs[7]
         if not step.inline_tables:
-            table = padded_tables(plan.block_tables)
-            tables[: step.num_seqs, : table.shape[1]].copy_(upload(table, self.staged.device))
+            tables[: step.num_seqs, : step.tables.shape[1]].copy_(upload(step.tables, self.staged.device))
         if feed is not None:
             fed = feed.apply(ids[: step.num_tokens], token_rows=True)
             if fed.data_ptr() != ids.data_ptr():
