@@ -46,3 +46,36 @@ def test_staged_rows_equal_prepare_decode(plan: StepPlan, fill_ids: bool) -> Non
     assert np.array_equal(lens[:b], expected.seq_lens)
     for row, table in enumerate(plan.block_tables):
         assert tuple(tables[row, : len(table)]) == table
+
+
+@given(data=st.data(), steps=st.integers(2, 5))
+def test_incremental_staging_equals_prepare_decode(data: st.DataObject, steps: int) -> None:
+    """Staged step after step with the tracked table objects, rows that keep their table object (in the same row
+    or moved to another) are skipped and every other row is rewritten: each step's arrays are prepare_decode's."""
+    layout = StagedLayout(8, 6)
+    buffer = np.full(layout.num_bytes, 0x7F, dtype=np.uint8)
+    arrays = tuple(t.numpy() for t in layout.views(torch.from_numpy(buffer)))
+    staged: list[tuple[int, ...] | None] = [None] * 8
+    previous: tuple[tuple[int, ...], ...] = ()
+    for _ in range(steps):
+        plan = data.draw(decode_plans())
+        if previous:  # reuse earlier table objects where they fit, in any row (a row that moved or stayed)
+            tables = list(plan.block_tables)
+            for row in range(len(tables)):
+                if data.draw(st.booleans()):
+                    tables[row] = data.draw(st.sampled_from(previous))
+            plan = _with_tables(plan, tuple(tables))
+        stage_decode(plan, arrays, True, staged)
+        expected = prepare_decode(plan)
+        b = plan.num_seqs
+        assert np.array_equal(arrays[2][:b], expected.slots)
+        for row, table in enumerate(plan.block_tables):
+            assert tuple(arrays[4][row, : len(table)]) == table
+        previous = plan.block_tables
+
+
+def _with_tables(plan: StepPlan, tables: tuple[tuple[int, ...], ...]) -> StepPlan:
+    """``plan`` with these block tables, each row's position moved into its table's last block."""
+    bs = plan.block_size
+    positions = tuple((len(t) - 1) * bs + p % bs for t, p in zip(tables, plan.start_positions, strict=True))
+    return StepPlan(0, bs, plan.seq_ids, plan.input_tokens, positions, tables, plan.sample)

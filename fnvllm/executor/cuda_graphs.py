@@ -80,20 +80,25 @@ class Layout(Protocol):
 
 
 class HostStage:
-    """A pinned host buffer in a ``Layout`` with numpy views to fill, and the event of its last copy."""
+    """A pinned host buffer in a ``Layout`` with numpy views to fill, and the event of its last copy.
 
-    def __init__(self, layout: Layout) -> None:
+    table_rows: rows whose staged block table objects are tracked in ``staged_tables`` (the decode graphs'
+    ``stage_decode`` rewrites only the rows whose table changed)."""
+
+    def __init__(self, layout: Layout, table_rows: int = 0) -> None:
         self.buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, pin_memory=True)
         self.arrays = tuple(t.numpy() for t in layout.views(self.buffer))
         self.ready = torch.cuda.Event()
+        # the block table object staged in each row (``stage_decode``); None where a row's table is unknown
+        self.staged_tables: list[tuple[int, ...] | None] = [None] * table_rows
 
 
 class HostStages:
     """Two pinned ``HostStage`` buffers used in turn, so the host fills one while the copy from the other may
     still be queued behind the step in flight."""
 
-    def __init__(self, layout: Layout) -> None:
-        self.stages = [HostStage(layout) for _ in range(2)]
+    def __init__(self, layout: Layout, table_rows: int = 0) -> None:
+        self.stages = [HostStage(layout, table_rows) for _ in range(2)]
         self.next_index = 0
 
     def next(self) -> HostStage:
@@ -143,7 +148,7 @@ class DecodeGraphs:
         )
         self.slot_mapping.fill_(self.scratch_slot)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hosts = HostStages(self.layout)
+        self.hosts = HostStages(self.layout, table_rows=n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}  # buckets that compute the lm_head too
@@ -193,7 +198,7 @@ class DecodeGraphs:
             a = prepare_decode(plan)
             return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
         host = self.hosts.next()
-        stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None)
+        stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None, staged=host.staged_tables)
         return self._replay(host, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
 
     def _replay(
@@ -238,5 +243,6 @@ class DecodeGraphs:
         inline_tables = b * self.layout.max_blocks * 4 <= INLINE_TABLE_BYTES
         if inline_tables:
             tables[:b, :width] = block_tables
+            host.staged_tables[:b] = [None] * b  # rows written from an array: no table object to match
         end = self.layout.tables_offset + (b * self.layout.max_blocks * 4 if inline_tables else 0)
         return self._replay(host, b, end, None if inline_tables else block_tables, feed)
