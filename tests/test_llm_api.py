@@ -261,3 +261,24 @@ def test_building_an_engine_freezes_its_startup_heap(ckpt: Path) -> None:
     assert dropped() is not None
     build_engine(ckpt, config, load_tokenizer=False).close()  # unfreezes, collects, then freezes again
     assert dropped() is None
+
+
+def test_building_an_engine_raises_the_young_gc_threshold_only(ckpt: Path) -> None:
+    """A build raises the collector's first threshold to YOUNG_GC_THRESHOLD, keeps the older ones, and keeps a
+    larger first threshold the user set."""
+    import gc
+
+    from fnvllm.config import EngineConfig
+    from fnvllm.engine.build import YOUNG_GC_THRESHOLD, build_engine
+
+    config = EngineConfig(dtype="float32", num_blocks=64)
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 7, 9)
+        build_engine(ckpt, config, load_tokenizer=False).close()
+        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, 7, 9)
+        gc.set_threshold(4 * YOUNG_GC_THRESHOLD, 3, 4)
+        build_engine(ckpt, config, load_tokenizer=False).close()
+        assert gc.get_threshold() == (4 * YOUNG_GC_THRESHOLD, 3, 4)
+    finally:
+        gc.set_threshold(*saved)
