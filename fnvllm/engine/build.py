@@ -147,7 +147,7 @@ def _raise_young_threshold() -> None:
 
     The first threshold counts container objects allocated and not yet freed; a step whose outputs are kept (a
     stream's queued deltas, logprob rows, output chunks) crosses 700 about once a step at 256 rows. Measured on the
-    H200's host with `.gpu/gcprobe.py` (256 rows whose deltas queue up): 0.77 young passes a step and 0.166 ms of
+    H200's host with `benchmarks/gc_probe.py` (256 rows whose deltas queue up): 0.77 young passes a step and 0.166 ms of
     collection per step at 700, 0.075 ms at 10,000 (BENCHMARKS.md). A pass over 10,000 young objects takes about a
     millisecond, which a large step hides behind the device."""
     first, *older = gc.get_threshold()
