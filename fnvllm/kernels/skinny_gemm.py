@@ -112,6 +112,7 @@ def _skinny_kernel(
     FUSED_REDUCE: tl.constexpr,
     USE_DOT: tl.constexpr,
     GLU: tl.constexpr,
+    GLU_OUT: tl.constexpr,
     NORM: tl.constexpr,
     NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -142,13 +143,20 @@ def _skinny_kernel(
     PRELOAD_W: load the first (BLOCK_N, BLOCK_K) weight tile into registers before that wait, and each next tile
     one step ahead (a register double buffer): with one tile per program (k_per_split <= BLOCK_K) the program's
     whole weight read overlaps the previous kernel and only x is read after the wait.
+    GLU_OUT: W is [gate | up] (N = 2I rows) and the output is silu(x @ gate^T) * (x @ up^T), (M, I): the SiLU-and-mul
+    after a gate/up projection fused into its epilogue. Column block pid_n computes gate rows pid_n * BLOCK_N / 2 ..
+    and the same up rows (``_glu_cols``), each product rounded to x's dtype before the activation, as the unfused
+    projection and ``fused_ops.silu_and_mul`` round.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU_OUT:
+        cols, col_ok = _glu_cols(pid_n, N, BLOCK_N)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     row_ok = rows < M
-    col_ok = cols < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -197,15 +205,58 @@ def _skinny_kernel(
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_output(out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
     else:
         part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mask)
         if FUSED_REDUCE:
             _sum_partials_if_last(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
-                HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
+                rows, row_ok, pid_n, N, stride_om, HAS_BIAS, SPLIT, GLU_OUT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _glu_cols(pid_n, N, BLOCK_N: tl.constexpr):
+    """(BLOCK_N,) weight rows of GLU_OUT column block pid_n and their validity: the first half gate rows
+    pid_n * BLOCK_N / 2 + j, the second half the up rows I + pid_n * BLOCK_N / 2 + j (I = N / 2)."""
+    half: tl.constexpr = BLOCK_N // 2
+    j = tl.arange(0, BLOCK_N)
+    act_col = pid_n * half + j % half  # (BLOCK_N,) the activation column each weight row feeds
+    cols = tl.where(j < half, act_col, N // 2 + act_col)
+    return cols, act_col < N // 2
+
+
+@triton.jit
+def _store_output(
+    out_ptr,
+    acc,
+    rows,
+    row_ok,
+    out_offs,
+    mask,
+    pid_n,
+    N,
+    stride_om,
+    GLU_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Store the float32 tile acc (BLOCK_M, BLOCK_N) to out: as is at out_offs, or with GLU_OUT its activation
+    silu(gate) * up (BLOCK_M, BLOCK_N / 2) at columns pid_n * BLOCK_N / 2 .. of out (M, N / 2)."""
+    dtype = out_ptr.dtype.element_ty
+    if GLU_OUT:
+        half: tl.constexpr = BLOCK_N // 2
+        pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1))  # (BLOCK_M, half, [gate, up])
+        gate, up = tl.split(pairs)
+        gate = gate.to(dtype).to(tl.float32)  # rounded as the unfused projection's output
+        up = up.to(dtype).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        act_cols = pid_n * half + tl.arange(0, half)
+        act_mask = row_ok[:, None] & (act_cols < N // 2)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + act_cols[None, :], act.to(dtype), mask=act_mask)
+    else:
+        tl.store(out_ptr + out_offs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -275,8 +326,14 @@ def _sum_partials_if_last(
     col_ok,
     mask,
     slab,
+    rows,
+    row_ok,
+    pid_n,
+    N,
+    stride_om,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    GLU_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -294,7 +351,7 @@ def _sum_partials_if_last(
             total += tl.load(part_ptr + s * slab + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
             total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_output(out_ptr, total, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
         tl.atomic_xchg(count_ptr, 0)
 
 
@@ -442,9 +499,12 @@ def skinny_linear(
     config: SkinnyConfig | None = None,
     glu: bool = False,
     norm: Norm | None = None,
+    glu_out: bool = False,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
     glu: x is [gate | up] (M, 2K) and the product is silu_and_mul(x) @ weight^T (SiLU-and-mul done on load).
+    glu_out: weight is [gate | up] (2I, K) and the result is silu_and_mul(x @ weight^T + bias), (M, I) (SiLU-and-mul
+    done in the epilogue; needs an even block_n, and with split_k > 1 the in-kernel sum).
     norm: the product's input is the RMSNorm of x (+ norm.residual), computed on load; x + residual is written
     to norm.residual_out (see ``Norm``).
 
@@ -460,13 +520,27 @@ def skinny_linear(
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("skinny_linear needs x and weight contiguous in their last dimension")
     cfg = config or skinny_config(num_rows, out_features, in_features)
-    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if glu_out:
+        _check_glu_out(cfg, out_features, glu)
+    out = torch.empty(num_rows, out_features // 2 if glu_out else out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
     if norm is not None:
         _check_norm(norm, x)
-    _launch_skinny(x, weight, bias, out, cfg, glu, norm)
+    _launch_skinny(x, weight, bias, out, cfg, glu, norm, glu_out)
     return out
+
+
+def _check_glu_out(cfg: SkinnyConfig, out_features: int, glu: bool) -> None:
+    """Raise ValueError unless a GLU epilogue can run: an even number of weight rows, an even block_n (>= 32 with
+    tl.dot, whose halves are >= 16 wide), the in-kernel split sum, and no GLU prologue too."""
+    if out_features % 2 or cfg.block_n % 2 or (cfg.use_dot and cfg.block_n < 32):
+        raise ValueError(f"glu_out needs an even weight row count and block_n (>= 32 with use_dot), got "
+                         f"{out_features} rows, block_n {cfg.block_n}")  # fmt: skip
+    if cfg.split_k > 1 and not cfg.fused_reduce:
+        raise ValueError("glu_out with split_k > 1 needs fused_reduce=True (the separate sum kernel has no epilogue)")
+    if glu:
+        raise ValueError("glu (SiLU-and-mul prologue) and glu_out (epilogue) cannot both be set")
 
 
 class Norm(NamedTuple):
@@ -504,12 +578,14 @@ def _launch_skinny(
     cfg: SkinnyConfig,
     glu: bool,
     norm: Norm | None = None,
+    glu_out: bool = False,
 ) -> None:
-    """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out."""
+    """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out
+    (its SiLU-and-mul with glu_out)."""
     num_rows, (out_features, in_features) = x.shape[0], weight.shape
     if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
-    col_blocks = triton.cdiv(out_features, cfg.block_n)
+    col_blocks = triton.cdiv(out_features // 2, cfg.block_n // 2) if glu_out else triton.cdiv(out_features, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
     part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
@@ -538,6 +614,7 @@ def _launch_skinny(
         FUSED_REDUCE=cfg.fused_reduce,
         USE_DOT=cfg.use_dot,
         GLU=glu,
+        GLU_OUT=glu_out,
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
