@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_small_batch import graph_time_us
-from fnvllm.kernels import fused_ops
+from fnvllm.kernels import fused_ops, skinny_gemm
 from fnvllm.kernels.decode_attention import (
     auto_partition_size,
     fuses_reduce,
@@ -67,7 +67,7 @@ GEMMS = {
 SMOKE_GEMMS = {"tiny": {"qkv": (64, 96), "o": (96, 40), "gate_up": (64, 80), "down": (80, 40)}}
 HEADS = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}
 ROTATE_BYTES = 256 << 20
-SHARES = {"attn": 0.45, "gemm": 0.45, "fused": 0.1}  # of the budget; unspent time moves on
+SHARES = {"attn": 0.4, "gemm": 0.4, "glu": 0.2, "fused": 0.1}  # of the budget; unspent time moves on
 # Decode contexts of the attention cases: the latency bench's first (prompts of 100-128 ids + 256 outputs), which
 # picks the knobs, then a longer one that guards against knobs that only pay at short contexts (``best_attention``).
 CONTEXTS = ((100, 384), (100, 1024))
@@ -339,6 +339,59 @@ def sweep_fused(timer: Timer, budget: Budget, cases: dict, out: list[dict]) -> N
         out.append(row)
 
 
+# ---------------------------------------------------------------------------------------------- glu epilogue
+
+# (block_n, block_k, split_k, num_warps, num_stages, preload) of the gate/up projection with SiLU-and-mul in its
+# epilogue (block_n even, >= 32 with tl.dot: half gate rows, half up rows), per rows bucket.
+_GLU_KNOBS = {
+    16: ((32, 256, 1, 4, 1, True), (32, 1024, 1, 8, 1, True), (32, 512, 1, 8, 1, True), (64, 256, 1, 4, 1, True),
+         (32, 512, 2, 8, 1, True), (32, 128, 1, 4, 4, False), (64, 128, 1, 4, 3, False)),
+    64: ((32, 256, 1, 4, 1, True), (64, 128, 1, 4, 3, False), (32, 128, 1, 4, 4, False), (32, 256, 2, 4, 1, True),
+         (64, 64, 1, 4, 4, False), (32, 512, 2, 8, 1, True)),
+}  # fmt: skip
+
+
+def _linear_then_silu(x: torch.Tensor, w: torch.Tensor) -> object:
+    """The checkout's gate/up projection (``skinny_gemm.linear``: cuBLAS or the skinny kernel, by its tables), then
+    the SiLU-and-mul kernel: the two launches the epilogue replaces."""
+    return fused_ops.silu_and_mul(skinny_gemm.linear(x, w))
+
+
+def sweep_glu(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device: str, out: list[dict]) -> None:
+    """Part: gate/up + SiLU-and-mul as one launch (``glu_out``) at 16 and 64 rows, against the two launches."""
+    for shape, projections in gemms.items():
+        k, n = projections["gate_up"]
+        copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        for m in rows:
+            bucket = bucket_of(m)
+            if bucket not in _GLU_KNOBS or budget.left() <= 0:
+                continue
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            case = GemmCase(shape, "gate_up", m, k, n, x, weights, fused_ops.silu_and_mul(F.linear(x, weights[0])))
+            row: dict[str, object] = {"part": "fused", "kind": "glu", "shape": shape, "gemm": "gate_up", "m": m}
+            row |= {"n": n, "k": k, "plain": "checkout", "fused_us": float("inf"), "fused_cfg": None}
+            row["unfused_us"] = time_gemm(timer, _linear_then_silu, case)
+            for t in _GLU_KNOBS[bucket]:
+                if budget.left() <= 0:
+                    break
+                cfg = SkinnyConfig(max(16, 1 << max(0, (m - 1).bit_length())), *t[:5], preload=t[5])
+                fn = functools.partial(skinny_linear, config=cfg, glu_out=True)
+                try:
+                    got = fn(x, weights[0]).float()
+                    if (got - case.exact.float()).abs().max().item() > 2 * case.exact.abs().max().item() * 2**-7:
+                        note(f"WRONG: glu {shape} m={m} {cfg}")
+                        continue
+                    us = time_gemm(timer, fn, case)
+                except Exception as e:  # a config the compiler refuses is skipped
+                    note(f"FAILED: glu {shape} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                if us < row["fused_us"]:
+                    row["fused_us"], row["fused_cfg"] = us, cfg
+            out.append(row)
+        del weights
+
+
 # ---------------------------------------------------------------------------------------------- part 3: attention
 
 
@@ -391,9 +444,9 @@ def attn_call(case: AttnCase, knobs: dict[str, object], i: int) -> torch.Tensor:
 # workload's contexts (every sequence inside one 512-token partition): one partition per (sequence, KV head) with
 # its first tile read before the launch wait, then finer splits, bigger tiles, and the shipped entries unpreloaded.
 _ATTN_KNOBS = (
-    (4096, 64, 4, 3, True, True, False), (256, 64, 4, 3, True, True, False), (4096, 64, 4, 3, True, False, False),
-    (512, 64, 4, 2, True, True, False), (128, 64, 4, 3, True, True, False), (64, 64, 4, 3, False, True, False),
-    (4096, 128, 8, 2, True, True, False), (256, 128, 8, 2, True, True, False), (128, 64, 4, 3, False, True, False),
+    (4096, 64, 4, 3, True, True, False), (256, 64, 4, 3, True, True, False), (64, 64, 4, 3, False, True, False),
+    (512, 64, 4, 2, True, True, False), (128, 64, 4, 3, True, True, False), (4096, 128, 8, 2, True, True, False),
+    (128, 64, 4, 3, False, True, False), (4096, 64, 4, 3, True, False, False), (256, 128, 8, 2, True, True, False),
     (64, 64, 4, 3, True, True, False), (4096, 64, 8, 3, True, True, False), (1024, 64, 4, 3, True, True, False),
     (256, 64, 4, 3, False, True, False), (4096, 32, 4, 4, True, True, False), (4096, 64, 4, 1, True, True, True),
     (256, 64, 4, 3, True, False, False), (1024, 64, 4, 3, True, False, False), (512, 64, 4, 2, True, False, False),
@@ -518,10 +571,21 @@ def using_tables(tuned: dict, fused: dict, decode: dict) -> Iterator[None]:
         skinny_gemm.skinny_config.cache_clear()
 
 
-def step_variants() -> dict[str, tuple[str, bool]]:
-    """The decode steps part 4 times: label -> (model ops, under this sweep's tables?). "checkout": this
-    checkout's ops and tables; "swept": the same ops under the tables this run measured."""
-    return {"checkout": ("triton", False), "swept": ("triton", True)}
+def step_variants() -> dict[str, tuple[str, str]]:
+    """The decode steps part 4 times: label -> (model ops, tables). "checkout": this checkout's ops and tables;
+    "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured."""
+    return {"checkout": ("triton", "none"), "swept attn": ("triton", "attn"), "swept": ("triton", "all")}
+
+
+def _variant_tables(which: str, tables: tuple[dict, dict, dict]) -> contextlib.AbstractContextManager:
+    """The tables a step variant runs under (``step_variants``)."""
+    from fnvllm.kernels import skinny_gemm as sg
+
+    if which == "none":
+        return contextlib.nullcontext()
+    if which == "attn":
+        return using_tables(dict(sg.TUNED_CONFIGS), dict(sg.FUSED_TIMES), tables[2])
+    return using_tables(*tables)
 
 
 def sweep_step(batches: tuple[int, ...], out: list[dict], until_s: float) -> None:
@@ -542,9 +606,9 @@ def sweep_step(batches: tuple[int, ...], out: list[dict], until_s: float) -> Non
         ids, caches, meta = step_inputs(models["triton"], b, LATENCY_CONTEXT)
         row: dict[str, object] = {"part": "step", "b": b}
         logits = {}
-        for label, (ops, swept) in variants.items():
+        for label, (ops, which) in variants.items():
             step = functools.partial(run_step, models[ops], ids, caches, meta, backend)
-            with using_tables(*tables) if swept else contextlib.nullcontext():
+            with _variant_tables(which, tables):
                 try:
                     logits[label] = step(0).float()
                     row[label] = graph_time_us(step, 1, repeats=20)
@@ -687,17 +751,60 @@ def print_literals(out: list[dict]) -> None:
         print(f"({_NOTES['dropped']} more WRONG/FAILED lines not shown)")
 
 
+def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
+    """``swept_tables``, except that at a batch size where part 4 timed the "swept" step slower than the
+    checkout's (or did not time it), that size's rows bucket keeps the checkout's entries in all three tables."""
+    from fnvllm.kernels import decode_attention
+    from fnvllm.kernels import skinny_gemm as sg
+
+    tuned, fused, decode = swept_tables(out)
+    steps = {r["b"]: r for r in out if r["part"] == "step"}
+    for b in BATCHES:
+        r = steps.get(b)
+        if r is not None and r.get("swept", float("nan")) < r.get("checkout", float("nan")):
+            continue
+        bucket = bucket_of(b)
+        tuned = {k: v for k, v in tuned.items() if k[2] != bucket} | {
+            k: v for k, v in sg.TUNED_CONFIGS.items() if k[2] == bucket
+        }
+        fused = {k: v for k, v in fused.items() if k[3] != bucket} | {
+            k: v for k, v in sg.FUSED_TIMES.items() if k[3] == bucket
+        }
+        if b in decode_attention.SMALL_BATCH_DECODE:
+            decode[b] = decode_attention.SMALL_BATCH_DECODE[b]
+        else:
+            decode.pop(b, None)
+    return tuned, fused, decode
+
+
+def write_verified_tables(out: list[dict], path: str) -> None:
+    """Pickle ``verified_tables`` to path and say which batch sizes take this run's tables."""
+    import pickle
+
+    tables = verified_tables(out)
+    with open(path, "wb") as f:
+        pickle.dump(tables, f)
+    steps = {r["b"]: r for r in out if r["part"] == "step"}
+    taken = [b for b, r in steps.items() if r.get("swept", float("nan")) < r.get("checkout", float("nan"))]
+    print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=60.0, help="seconds for parts 1-3 (setup included)")
     parser.add_argument("--shapes", default="0.6b", help="comma-separated: 0.6b, 8b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (1, 16, 64 buckets)")
-    parser.add_argument("--parts", default="attn,gemm,fused,step", help="comma-separated: attn, gemm, fused, step")
+    parser.add_argument(
+        "--parts", default="attn,gemm,glu,fused,step", help="comma-separated: attn, gemm, glu, fused, step"
+    )
     parser.add_argument(
         "--step-until-s", type=float, default=150.0, help="wall seconds after which part 4 starts no new batch size"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter, no GPU needed")
     parser.add_argument("--json", default=None, help="append one JSON line per result here")
+    parser.add_argument(
+        "--tables-out", default=None, help="pickle the verified tables here (for benchmarks/latency_tables.py)"
+    )
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a killed run keeps what it printed
     smoke = args.smoke
@@ -722,10 +829,15 @@ def main() -> None:
             budget.open_part(SHARES["gemm"] if "gemm" in parts else 0.0)
             cases = sweep_gemms(timer, budget, gemms, rows, device, out) if "gemm" in parts else {}
             print_gemm([r for r in out if r["part"] == "gemm"])
+        if "glu" in parts:
+            budget.open_part(SHARES["glu"])
+            glu_gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
+            sweep_glu(timer, budget, glu_gemms, [m for m in rows if m > 1], device, out)
+            print_fused([r for r in out if r["part"] == "fused" and r["kind"] == "glu"])
         if "fused" in parts:
             budget.open_part(SHARES["fused"])
             sweep_fused(timer, budget, cases, out)
-            print_fused([r for r in out if r["part"] == "fused"])
+            print_fused([r for r in out if r["part"] == "fused" and r["kind"] != "glu"])
         print(f"\n(parts 1-3 took {time.perf_counter() - START:.0f} s of wall time)", flush=True)
         if "step" in parts and not smoke:
             fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
@@ -734,6 +846,8 @@ def main() -> None:
         fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
         print_literals(out)
         print(f"\n(sweep took {time.perf_counter() - START:.0f} s, budget {args.budget_s:.0f} s)", flush=True)
+        if args.tables_out:
+            write_verified_tables(out, args.tables_out)
     if args.json:
         with open(args.json, "a") as f:
             for row in out:

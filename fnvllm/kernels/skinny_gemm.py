@@ -63,6 +63,7 @@ __all__ = [
     "linear",
     "linear_ref",
     "norm_linear",
+    "norm_mlp",
     "prefers_fused",
     "prefers_skinny",
     "rows_bucket",
@@ -677,9 +678,13 @@ def prefers_fused(kind: str, num_rows: int, out_features: int, in_features: int)
     goes to the skinny kernel at M rows: never above NORM_MAX_ROWS rows; below, a ``FUSED_TIMES`` entry at this
     rows bucket decides (fused against the two launches); without one, when the kernel has a measured config
     there (one ~5 us launch instead of the op's ~1.6 us launch plus cuBLAS's ~5 us), or wherever the plain
-    product prefers it."""
+    product prefers it. Kind "glu" (the SiLU-and-mul epilogue of a gate/up projection, ``glu_out``) is taken only
+    where a ``FUSED_TIMES`` entry measured it faster, up to 64 rows."""
+    if kind == "glu":
+        fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
+        return num_rows > 0 and fused is not None and fused.fused_us < fused.unfused_us
     if kind not in ("norm", "silu"):
-        raise ValueError(f"prefers_fused kind must be 'norm' or 'silu', got {kind!r}")
+        raise ValueError(f"prefers_fused kind must be 'norm', 'silu' or 'glu', got {kind!r}")
     if not 0 < num_rows <= NORM_MAX_ROWS:
         return False
     fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
@@ -748,3 +753,31 @@ def norm_linear(
         return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
     normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), new_residual
+
+
+def norm_mlp(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(down(silu_and_mul(gate_up(rmsnorm(x + residual)))), x + residual) for x, residual (T, K): a gated MLP after
+    its residual add + RMSNorm (residual None: rmsnorm(x), and x itself), gate_up_weight [gate | up] (2I, K),
+    down_weight (N, I). Where ``prefers_fused("glu", ...)`` picks the rows (on a GPU), the activation runs in the
+    gate/up projection's epilogue (``glu_out``: no SiLU-and-mul launch); otherwise ``norm_linear`` then
+    ``silu_mul_linear``, each fusing where it measured faster."""
+    rows, (gu_rows, in_features) = x.shape[0], gate_up_weight.shape
+    if on_gpu(x) and x.dim() == 2 and prefers_fused("glu", rows, gu_rows, in_features):
+        if residual is None:
+            normed, new_residual = rmsnorm(x, norm_weight, eps), x
+        else:
+            normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
+        cfg = fused_config("glu", rows, gu_rows, in_features)
+        act = skinny_linear(normed.contiguous(), gate_up_weight, gate_up_bias, cfg, glu_out=True)  # (T, I)
+        return linear(act, down_weight, down_bias), new_residual
+    gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
+    return silu_mul_linear(gate_up, down_weight, down_bias), new_residual
