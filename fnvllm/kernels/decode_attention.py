@@ -53,7 +53,7 @@ GqaMode = Literal["dot", "sum"]
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
-_MERGE_M0: tl.constexpr = tl.constexpr(-1.0e30)  # the merges' initial running max: finite, below any lse
+_MERGE_M0 = tl.constexpr(-1.0e30)  # the merges' initial running max: finite, below any lse
 
 
 # Split-K arrival counters (int32), per device: zero between launches, since the last program of each counted
@@ -449,7 +449,14 @@ def _decode_partition_kernel(
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         first = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
-        loop_start = start
+        loop_start = start + TILE if PRELOAD_KV else start
+        offs = next_tile_offsets(
+            table_row, first, start, loop_start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+            PARTITION_SIZE, TILE,
+        )  # fmt: skip
+        mask = loop_start + tl.arange(0, TILE) < end  # (TILE,) tokens of the loop's first tile inside the partition
+        if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
+            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
         if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
             fresh = tok0 == seq_len - 1
             k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
@@ -458,14 +465,6 @@ def _decode_partition_kernel(
             m, l, acc = attend_tile(
                 q, k, v, (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
             )
-            loop_start = start + TILE
-        offs = next_tile_offsets(
-            table_row, first, start, loop_start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
-            PARTITION_SIZE, TILE,
-        )  # fmt: skip
-        mask = loop_start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
-        if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
-            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
         for t0 in range(loop_start, end, TILE):
             tok_mask = mask
             if PREFETCH:

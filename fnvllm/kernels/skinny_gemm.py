@@ -221,10 +221,9 @@ def _skinny_kernel(
 def _glu_cols(pid_n, N, BLOCK_N: tl.constexpr):
     """(BLOCK_N,) weight rows of GLU_OUT column block pid_n and their validity: the first half gate rows
     pid_n * BLOCK_N / 2 + j, the second half the up rows I + pid_n * BLOCK_N / 2 + j (I = N / 2)."""
-    half: tl.constexpr = BLOCK_N // 2
     j = tl.arange(0, BLOCK_N)
-    act_col = pid_n * half + j % half  # (BLOCK_N,) the activation column each weight row feeds
-    cols = tl.where(j < half, act_col, N // 2 + act_col)
+    act_col = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)  # (BLOCK_N,) the activation column each weight row feeds
+    cols = tl.where(j < BLOCK_N // 2, act_col, N // 2 + act_col)
     return cols, act_col < N // 2
 
 
@@ -247,13 +246,12 @@ def _store_output(
     silu(gate) * up (BLOCK_M, BLOCK_N / 2) at columns pid_n * BLOCK_N / 2 .. of out (M, N / 2)."""
     dtype = out_ptr.dtype.element_ty
     if GLU_OUT:
-        half: tl.constexpr = BLOCK_N // 2
-        pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1))  # (BLOCK_M, half, [gate, up])
+        pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))  # (BLOCK_M, BLOCK_N / 2, 2)
         gate, up = tl.split(pairs)
         gate = gate.to(dtype).to(tl.float32)  # rounded as the unfused projection's output
         up = up.to(dtype).to(tl.float32)
         act = gate / (1.0 + tl.exp(-gate)) * up
-        act_cols = pid_n * half + tl.arange(0, half)
+        act_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         act_mask = row_ok[:, None] & (act_cols < N // 2)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_om + act_cols[None, :], act.to(dtype), mask=act_mask)
     else:
