@@ -784,10 +784,15 @@ def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
 
 
 def decode_qkv_verified(out: list[dict]) -> bool:
-    """Whether part 4 timed the "swept+qkv" step faster than "swept" at every batch size (all three timed)."""
+    """Whether part 4 timed the "swept+qkv" step faster than "swept" at every batch size (all three timed), its
+    logits as close to the checkout's as the swept step's (max |diff| at most twice that, or 0.1)."""
     steps = [r for r in out if r["part"] == "step"]
-    faster = [r.get("swept+qkv", float("nan")) < r.get("swept", float("nan")) for r in steps]
-    return len(faster) == len(BATCHES) and all(faster)
+    ok = [
+        r.get("swept+qkv", float("nan")) < r.get("swept", float("nan"))
+        and r.get("swept+qkv diff", float("inf")) <= max(0.1, 2 * r.get("swept diff", 0.0))
+        for r in steps
+    ]
+    return len(ok) == len(BATCHES) and all(ok)
 
 
 def write_verified_tables(out: list[dict], path: str) -> None:
