@@ -381,12 +381,12 @@ def _decode_partition_kernel(
     k_scale_ptr,  # (Hkv,) float32 dequantization scales of an FP8 cache (unread otherwise)
     v_scale_ptr,
     counter_ptr,  # (B * Hkv,) int32 arrival counters of the fused merge, zero between launches
-    q_norm_ptr,  # FUSED_QKV: (D,) q_norm and k_norm weights (unread without QK_NORM), (B, D/2) float32 cos / sin
-    k_norm_ptr,  # rows of this step's positions, (B,) slots of this step's tokens (unread otherwise)
-    cos_ptr,
+    q_norm_ptr,  # FUSED_QKV only (unread otherwise): (D,) q_norm weight (unread without QK_NORM)
+    k_norm_ptr,  # (D,) k_norm weight (unread without QK_NORM)
+    cos_ptr,  # (B, D/2) float32 rows of this step's positions, row stride stride_rope
     sin_ptr,
-    slot_ptr,
-    eps,
+    slot_ptr,  # (B,) cache slots of this step's tokens
+    eps,  # the q/k norms' epsilon
     scale_log2,  # scale * log2(e)
     stride_qb,
     stride_qh,
@@ -493,11 +493,14 @@ def _decode_partition_kernel(
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         first = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
-        loop_start = start + TILE if PRELOAD_KV else start
-        offs = next_tile_offsets(
-            table_row, first, start, loop_start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
-            PARTITION_SIZE, TILE,
-        )  # fmt: skip
+        loop_start = start
+        offs = first
+        if PRELOAD_KV:  # the first tile is peeled (below): the loop starts at the second
+            loop_start = start + TILE
+            offs = next_tile_offsets(
+                table_row, first, start, loop_start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                PARTITION_SIZE, TILE,
+            )  # fmt: skip
         mask = loop_start + tl.arange(0, TILE) < end_kv  # (TILE,) tokens of the loop's first tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
             k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
