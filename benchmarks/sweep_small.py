@@ -837,26 +837,28 @@ def main() -> None:
     timer = Timer(host_time_us if smoke else graph_time_us)
     budget, parts, rows = Budget(args.budget_s), args.parts.split(","), [int(r) for r in args.rows.split(",")]
     gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
+    asked = sum(SHARES[p] for p in parts if p in SHARES) or 1.0
+    shares = {p: SHARES[p] / asked for p in parts if p in SHARES}  # the budget split over the parts asked for
     out: list[dict] = []
     try:
         cases: dict = {}
         if "attn" in parts:  # first: the part this run is for (a kill later keeps its table)
-            budget.open_part(SHARES["attn"])
+            budget.open_part(shares["attn"])
             heads, block, width, batches = ((4, 2, 16), 16, 8, (1, 3)) if smoke else (HEADS["0.6b"], 256, 16, BATCHES)
             sweep_attention(timer, budget, heads, batches, block, width, device, out)
             print_attention([r for r in out if r["part"] == "attn"])
             print_decode_table(out)
         if "gemm" in parts or "fused" in parts:
-            budget.open_part(SHARES["gemm"] if "gemm" in parts else 0.0)
+            budget.open_part(shares.get("gemm", 0.0))
             cases = sweep_gemms(timer, budget, gemms, rows, device, out) if "gemm" in parts else {}
             print_gemm([r for r in out if r["part"] == "gemm"])
         if "glu" in parts:
-            budget.open_part(SHARES["glu"])
+            budget.open_part(shares["glu"])
             glu_gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
             sweep_glu(timer, budget, glu_gemms, [m for m in rows if m > 1], device, out)
             print_fused([r for r in out if r["part"] == "fused" and r["kind"] == "glu"])
         if "fused" in parts:
-            budget.open_part(SHARES["fused"])
+            budget.open_part(shares["fused"])
             sweep_fused(timer, budget, cases, out)
             print_fused([r for r in out if r["part"] == "fused" and r["kind"] != "glu"])
         print(f"\n(parts 1-3 took {time.perf_counter() - START:.0f} s of wall time)", flush=True)
