@@ -97,7 +97,8 @@ class DecodeKernelConfig:
     preload_kv: read each partition's first K/V tile before the programmatic-dependent-launch wait (all but this
         step's token, which is read after it), so it streams while the previous kernel (the K/V store) finishes.
         Only for callers whose kernel right before stores nothing but this step's tokens into the caches (the
-        decoder layer's norm_rope_store / store_kv).
+        decoder layer's norm_rope_store / store_kv). Off in every shipped entry: faster alone at one sequence, slower
+        in the whole step (``SMALL_BATCH_DECODE``'s note).
     """
 
     partition_size: int = 512
@@ -169,7 +170,11 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
 # (partition_size capped at the table's width), chosen by the least time summed over both contexts. B = 16:
 # 256-token partitions merged in-kernel, 29.8 us against 32.7 (auto: 512, in-kernel); B = 64: 1024-token
 # partitions, 77.4 against 78.0. One sequence keeps the automatic rules (None: 64-token partitions and the reduce
-# kernel, 10.0 us against 10.1 for the best other knobs).
+# kernel, 10.0 us against 10.1 for the best other knobs). Rechecked 2026-12-02 02:15 at the latency bench's
+# contexts U(100, 384) with 20 knob sets, ``preload_kv`` among them: alone, one sequence's attention took 4.83 us
+# preloaded against 5.00 and 16 sequences' 9.74 (one 4096-token partition, 128-token tiles, preloaded) against
+# 12.46, but the whole decode step with the one-sequence pick measured 797.6 us against 785.9 (the 16-sequence pick
+# fails the U(100, 1024) guard, 22.3 against 17.0), so the entries stand.
 SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig | None] = {
     1: None,
     16: DecodeKernelConfig(partition_size=256, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True),

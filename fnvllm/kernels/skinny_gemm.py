@@ -415,27 +415,33 @@ class Fused(NamedTuple):
 # Launch shapes measured best on the H200, by (N, K, rows bucket): M rows fall in the bucket of the smallest
 # measured row count >= M (1; 2-16; 17-64). ``prefers_skinny`` sends a plain product to the kernel where its entry
 # is faster than cuBLAS; the others are still the kernel's best shape when a fusion makes it take the product.
-# Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured
-# 2026-12-01 23:50 (Qwen3-0.6B shapes, benchmarks/sweep_small.py --budget-s 60, PDL on, CUDA-graph replays,
-# weights past L2): us per call, skinny against cuBLAS.
+# Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured on the
+# Qwen3-0.6B shapes (benchmarks/sweep_small.py, PDL on, CUDA-graph replays, weights past L2; us per call, skinny
+# against cuBLAS): one row 2026-12-01 23:50 (--budget-s 60); 16 and 64 rows 2026-12-02 02:15 (--parts
+# attn,gemm,glu,step --rows 16,64 --budget-s 55: 12 configs tried per bucket; o and down at 16 rows now take 256-wide
+# K steps with the weights read ahead, the whole step at B = 16 verified faster with them and the GLU epilogue below).
 MEASURED_ROWS = (1, 16, 64)
 TUNED_CONFIGS: dict[tuple[int, int, int], Tuned] = {
     (4096, 1024, 1): Tuned(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 3.76, 4.93),  # 0.6b qkv
-    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.66, 5.47),
-    (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.83, 5.34),
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.65, 5.32),
+    (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.68, 5.44),
     (1024, 2048, 1): Tuned(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 2.61, 12.60),  # 0.6b o
-    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 4.19, 5.84),
-    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.94, 5.84),
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 256, 4, 4, 1, preload=True), 4.18, 5.91),
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.90, 5.83),
     (6144, 1024, 1): Tuned(SkinnyConfig(1, 4, 1024, 1, 4, 1, use_dot=False, preload=True), 5.71, 6.16),  # gate_up
-    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 5.96),
-    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.88, 6.38),
+    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 6.08),
+    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.71, 6.28),
     (1024, 3072, 1): Tuned(SkinnyConfig(1, 4, 2048, 1, 4, 1, use_dot=False, preload=True), 3.84, 7.44),  # 0.6b down
-    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.29, 7.75),
-    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.23, 7.91),
+    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 256, 4, 4, 1, preload=True), 5.18, 7.74),
+    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.23, 7.97),
 }
-# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket), same run:
+# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket), in the one-row run:
 # ``prefers_fused`` fuses where the entry is faster (one row: all three; 16 rows: none); shapes without one keep
-# its rule. Above NORM_MAX_ROWS nothing is fused (SiLU in down_proj at 64 rows cost ~13 us a layer more).
+# its rule. Above NORM_MAX_ROWS no prologue is fused (SiLU in down_proj at 64 rows cost ~13 us a layer more).
+# "glu" (SiLU-and-mul in gate/up's epilogue, ``norm_mlp``), in the 16/64-row run: 16 rows 6.20 us against 7.83 for
+# cuBLAS's gate/up and the SiLU kernel; the whole decode step at B = 16 (latency contexts) 1139.2 us against 1206.0
+# with it and the 16-row configs above. At 64 rows it measured 6.91 against 8.15 alone, but the whole step at B = 64
+# 1574.1 us against 1552.8 without it: no entry there.
 FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
     ("norm", 4096, 1024, 1): Fused(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 4.09, 5.06),
     ("norm", 4096, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 9.56, 6.18),
@@ -443,6 +449,7 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
     ("norm", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 13.79, 7.97),
     ("silu", 1024, 3072, 1): Fused(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 4.19, 5.42),
     ("silu", 1024, 3072, 16): Fused(SkinnyConfig(16, 32, 128, 4, 4, 4), 17.46, 6.92),
+    ("glu", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.20, 7.83),
 }
 
 

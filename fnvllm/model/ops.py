@@ -102,7 +102,10 @@ def compiled_ops() -> ModelOps:
 # at one request 870 -> 832 us, benchmarks/sweep_small.py part 4); FNVLLM_FUSED_PROLOGUES=0 turns them off.
 FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 # The attention prologue (q/k norms, rotary, the K/V store) inside the decode kernel (``decode_qkv_attention``):
-# FNVLLM_DECODE_QKV=1 turns it on.
+# off by default, FNVLLM_DECODE_QKV=1 turns it on. One launch fewer per layer, but each partition program then
+# waits for the qkv projection before it can start its own q, and the whole Qwen3-0.6B decode step measured slower
+# with it on the H200 (benchmarks/sweep_small.py, 2026-12-02 02:15, us per step at B = 1 / 16 / 64: 809.5 / 1154.2 /
+# 1657.5 against 799.3 / 1139.2 / 1574.1 without).
 DECODE_QKV_ENV = "FNVLLM_DECODE_QKV"
 DECODE_QKV_DEFAULT = "0"
 
