@@ -359,8 +359,7 @@ def build_models(shape: str, variants: set[str] | None = None) -> dict[str, torc
     """The model of ``shape`` (random bf16 weights, shared values) with: "base", the Triton ops as main had them at
     5476cd1 (no fused prologues; run under ``base_tables``); "new" (also "triton"), the defaults of this checkout;
     "fused", the defaults with the norm / SiLU prologues fused into the projections wherever ``prefers_fused``
-    says; "qkv", the defaults with the attention prologue inside the decode kernel (``decode_qkv``).
-    ``variants``: the labels to build (default base, new, fused)."""
+    says. ``variants``: the labels to build (default base, new, fused)."""
     from fnvllm.model import DecoderForCausalLM, ModelConfig
     from fnvllm.model.ops import triton_ops
     from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_SHAPES
@@ -368,7 +367,7 @@ def build_models(shape: str, variants: set[str] | None = None) -> dict[str, torc
     name = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}[shape]
     config = ModelConfig.from_dict({**_QWEN3_COMMON, **QWEN3_SHAPES[name], "torch_dtype": "bfloat16"})
     makers = {"base": lambda: triton_ops(fused_prologues=False), "new": triton_ops, "triton": triton_ops,
-              "fused": lambda: triton_ops(True), "qkv": lambda: triton_ops(decode_qkv=True)}  # fmt: skip
+              "fused": lambda: triton_ops(True)}  # fmt: skip
     models: dict[str, torch.nn.Module] = {}
     for label in sorted(variants or {"base", "new", "fused"}):
         with torch.device("cuda"):

@@ -4,26 +4,22 @@
     PYTHONPATH=$PWD python3 benchmarks/latency_tables.py --tables /tmp/tables.pkl \\
         bench --model-shape qwen3-0.6b --latency 1,16,64 --profile
 
-The pickle holds TUNED_CONFIGS, FUSED_TIMES and SMALL_BATCH_DECODE (``sweep_small.verified_tables``) and whether the
-decode kernel's attention prologue measured faster; they replace skinny_gemm's and decode_attention's tables in
-this process (and set FNVLLM_DECODE_QKV) before the engine is built, so its CUDA graphs capture the swept launches:
-the end-to-end measure of tables not yet pasted into the code. A missing or unreadable file keeps the checkout's
-tables (said on the first line).
+The pickle holds TUNED_CONFIGS, FUSED_TIMES and SMALL_BATCH_DECODE (``sweep_small.verified_tables``); they replace
+skinny_gemm's and decode_attention's tables in this process before the engine is built, so its CUDA graphs capture
+the swept launches: the end-to-end measure of tables not yet pasted into the code. A missing or unreadable file
+keeps the checkout's tables (said on the first line).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import sys
 
 
 def install_tables(path: str) -> str:
-    """Replace the three tables by the pickled ones (and turn the decode kernel's attention prologue on when the
-    sweep verified it: FNVLLM_DECODE_QKV); returns what was done, for the log."""
+    """Replace the three tables by the pickled ones; returns what was done, for the log."""
     from fnvllm.kernels import decode_attention, skinny_gemm
-    from fnvllm.model.ops import DECODE_QKV_ENV
 
     try:
         with open(path, "rb") as f:
@@ -36,11 +32,8 @@ def install_tables(path: str) -> str:
         table.clear()
         table.update(new)
     skinny_gemm.skinny_config.cache_clear()
-    if saved.get("decode_qkv"):
-        os.environ[DECODE_QKV_ENV] = "1"
     glu = sorted(key for key, v in fused.items() if key[0] == "glu" and v.fused_us < v.unfused_us)
-    qkv = os.environ.get(DECODE_QKV_ENV, "(unset)")
-    return f"tables: {path}: SMALL_BATCH_DECODE {decode}; faster GLU epilogues {glu}; {DECODE_QKV_ENV}={qkv}"
+    return f"tables: {path}: SMALL_BATCH_DECODE {decode}; faster GLU epilogues {glu}"
 
 
 def main() -> int:

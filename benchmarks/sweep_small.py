@@ -573,14 +573,8 @@ def using_tables(tuned: dict, fused: dict, decode: dict) -> Iterator[None]:
 
 def step_variants() -> dict[str, tuple[str, str]]:
     """The decode steps part 4 times: label -> (model ops, tables). "checkout": this checkout's ops and tables;
-    "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured;
-    "swept+qkv": that, with the attention prologue inside the decode kernel (``ops.decode_qkv_attention``)."""
-    return {
-        "checkout": ("triton", "none"),
-        "swept attn": ("triton", "attn"),
-        "swept": ("triton", "all"),
-        "swept+qkv": ("qkv", "all"),
-    }
+    "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured."""
+    return {"checkout": ("triton", "none"), "swept attn": ("triton", "attn"), "swept": ("triton", "all")}
 
 
 def _variant_tables(which: str, tables: tuple[dict, dict, dict]) -> contextlib.AbstractContextManager:
@@ -783,31 +777,16 @@ def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
     return tuned, fused, decode
 
 
-def decode_qkv_verified(out: list[dict]) -> bool:
-    """Whether part 4 timed the "swept+qkv" step faster than "swept" at every batch size (all three timed), its
-    logits as close to the checkout's as the swept step's (max |diff| at most twice that, or 0.1)."""
-    steps = [r for r in out if r["part"] == "step"]
-    ok = [
-        r.get("swept+qkv", float("nan")) < r.get("swept", float("nan"))
-        and r.get("swept+qkv diff", float("inf")) <= max(0.1, 2 * r.get("swept diff", 0.0))
-        for r in steps
-    ]
-    return len(ok) == len(BATCHES) and all(ok)
-
-
 def write_verified_tables(out: list[dict], path: str) -> None:
-    """Pickle ``verified_tables`` (and ``decode_qkv_verified``) to path; say which batch sizes take this run's
-    tables."""
+    """Pickle ``verified_tables`` to path; say which batch sizes take this run's tables."""
     import pickle
 
     tuned, fused, decode = verified_tables(out)
-    qkv = decode_qkv_verified(out)
     with open(path, "wb") as f:
-        pickle.dump({"tuned": tuned, "fused": fused, "decode": decode, "decode_qkv": qkv}, f)
+        pickle.dump({"tuned": tuned, "fused": fused, "decode": decode}, f)
     steps = {r["b"]: r for r in out if r["part"] == "step"}
     taken = [b for b, r in steps.items() if r.get("swept", float("nan")) < r.get("checkout", float("nan"))]
-    print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere; "
-          f"decode_qkv {'on' if qkv else 'off'})")  # fmt: skip
+    print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere)")
 
 
 def main() -> None:

@@ -33,6 +33,11 @@ Worked example: block_size 16, block_tables of width 8 (128 slots), partition_si
 length 70 runs partitions 0 (tokens 0..63, blocks table[0..3]) and 1 (tokens 64..69, block table[4]); both
 write partials and the reduce merges them. A sequence of length 40 runs partition 0 only (partition 1 exits)
 and writes its output directly; the reduce skips it. A padding row of length 0 writes zeros from partition 0.
+
+Tried and dropped (H200, 2026-12-02, benchmarks/sweep_small.py): doing norm_rope_store's work (q/k norms, rotary,
+the K/V store) inside this kernel, one launch fewer per layer (commit 9dfb9fd): the whole Qwen3-0.6B decode step
+measured slower at B = 1 / 16 / 64 (809.5 / 1154.2 / 1657.5 us against 799.3 / 1139.2 / 1574.1), since every
+partition program then waits for the qkv projection before it can form its q.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import triton.language as tl
 
 from fnvllm.kernels.attention import KVCache, _decode_attention
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
-from fnvllm.kernels.fused_ops import norm_rope_heads, pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 
 GqaMode = Literal["dot", "sum"]
 _LOG2E = math.log2(math.e)
@@ -200,20 +205,6 @@ def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
     """Whether split partials are merged in the partition kernel by default: above TINY_BATCH_PAIRS (sequence, KV
     head) pairs (measured on the H200: see the module docstring)."""
     return num_seqs * num_kv_heads > TINY_BATCH_PAIRS
-
-
-class QkvPrologue(NamedTuple):
-    """This step's attention prologue, done by the decode kernel (``paged_decode_attention_qkv``): the qkv
-    projection's rows (B, (Hq + 2 Hkv) D), the q/k RMSNorm weights ((D,) each, or both None), their eps, cos / sin
-    (B, D/2) float32 of the step's positions, and the (B,) cache slots of the step's tokens."""
-
-    qkv: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 class DecodeWorkspace(NamedTuple):
@@ -386,12 +377,6 @@ def _decode_partition_kernel(
     k_scale_ptr,  # (Hkv,) float32 dequantization scales of an FP8 cache (unread otherwise)
     v_scale_ptr,
     counter_ptr,  # (B * Hkv,) int32 arrival counters of the fused merge, zero between launches
-    q_norm_ptr,  # FUSED_QKV only (unread otherwise): (D,) q_norm weight (unread without QK_NORM)
-    k_norm_ptr,  # (D,) k_norm weight (unread without QK_NORM)
-    cos_ptr,  # (B, D/2) float32 rows of this step's positions, row stride stride_rope
-    sin_ptr,
-    slot_ptr,  # (B,) cache slots of this step's tokens
-    eps,  # the q/k norms' epsilon
     scale_log2,  # scale * log2(e)
     stride_qb,
     stride_qh,
@@ -401,7 +386,6 @@ def _decode_partition_kernel(
     stride_ct,
     stride_ch,
     stride_bt,
-    stride_rope,
     num_heads,
     num_kv_heads,
     num_parts,
@@ -423,8 +407,6 @@ def _decode_partition_kernel(
     MERGE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
-    FUSED_QKV: tl.constexpr,
-    QK_NORM: tl.constexpr,
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -437,11 +419,7 @@ def _decode_partition_kernel(
     of K/V before waiting for the previous kernel, so that DRAM read overlaps it: none of them is written by the
     kernel before (the step's inputs are copied before its first kernel, and a cached token's K/V was stored in an
     earlier step), except this step's own token at seq_len - 1, which the store kernel just wrote: that row is
-    masked out of the preload and read after the wait.
-    FUSED_QKV: q_ptr / stride_qb point at the qkv projection's rows (B, (Hq + 2 Hkv) D), and the kernel does
-    ``store_kv.norm_rope_store``'s work itself: q and this step's k RMS-normalised per head (QK_NORM) and rotated
-    in registers, v read from the row; this step's token (at seq_len - 1) is attended from registers first by the
-    partition holding it, which also stores its k and v into the caches; no program reads that slot."""
+    masked out of the preload and read after the wait."""
     if HEADS_INNER:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -472,29 +450,12 @@ def _decode_partition_kernel(
             tl.store(out_ptr + out_offs, zeros, mask=g_mask[:, None])
     elif start < seq_len:
         end = tl.minimum(start + PARTITION_SIZE, seq_len)
+        q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
+        if Q_FP16:
+            q = q.to(tl.float16)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        end_kv = end  # cached tokens of the partition end here
-        if FUSED_QKV:
-            dtype = out_ptr.dtype.element_ty
-            half = tl.arange(0, HEAD_DIM // 2)
-            cos = tl.load(cos_ptr + seq64 * stride_rope + half)[None, :].to(tl.float32)  # (1, D/2)
-            sin = tl.load(sin_ptr + seq64 * stride_rope + half)[None, :].to(tl.float32)
-            row = q_ptr + seq64 * stride_qb
-            q_ptrs = row + heads[:, None] * stride_qh  # (GROUP_PAD, 1)
-            q = rope_rows(q_ptrs, g_mask[:, None], q_norm_ptr, cos, sin, eps, QK_NORM, dtype, GROUP_PAD, HEAD_DIM // 2)
-            end_kv = tl.minimum(end, seq_len - 1)
-            if end == seq_len:  # this partition holds the step's token: attend it first, store its k and v
-                m, l, acc = attend_new_token(
-                    q, row + (num_heads + kv_head) * HEAD_DIM, row + (num_heads + num_kv_heads + kv_head) * HEAD_DIM,
-                    k_norm_ptr, cos, sin, eps, tl.load(slot_ptr + seq).to(tl.int64) * stride_ct + kv_head * stride_ch,
-                    k_cache_ptr, v_cache_ptr, m, l, acc, scale_log2, QK_NORM, HEAD_DIM,
-                )  # fmt: skip
-        else:
-            q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
-        if Q_FP16:
-            q = q.to(tl.float16)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         first = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
@@ -506,21 +467,18 @@ def _decode_partition_kernel(
                 table_row, first, start, loop_start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
                 PARTITION_SIZE, TILE,
             )  # fmt: skip
-        mask = loop_start + tl.arange(0, TILE) < end_kv  # (TILE,) tokens of the loop's first tile inside the partition
+        mask = loop_start + tl.arange(0, TILE) < end  # (TILE,) tokens of the loop's first tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
             k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
         if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
-            k, v = k_pre, v_pre
-            if not FUSED_QKV:
-                fresh = tok0 == seq_len - 1
-                k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
-                k = tl.where(fresh[:, None], k_new, k_pre)
-                v = tl.where(fresh[:, None], v_new, v_pre)
+            fresh = tok0 == seq_len - 1
+            k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
+            k = tl.where(fresh[:, None], k_new, k_pre).to(q.dtype)
+            v = tl.where(fresh[:, None], v_new, v_pre).to(q.dtype)
             m, l, acc = attend_tile(
-                q, k.to(q.dtype), v.to(q.dtype), (tok0 < end_kv)[None, :], m, l, acc, scale_log2, True, USE_DOT,
-                DOT_PRECISION, UPCAST_DOT,
-            )  # fmt: skip
-        for t0 in range(loop_start, end_kv, TILE):
+                q, k, v, (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
+            )
+        for t0 in range(loop_start, end, TILE):
             tok_mask = mask
             if PREFETCH:
                 k, v = k_next, v_next
@@ -532,7 +490,7 @@ def _decode_partition_kernel(
                 table_row, first, start, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
                 PARTITION_SIZE, TILE,
             )  # fmt: skip
-            mask = t0 + TILE + tl.arange(0, TILE) < end_kv
+            mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
                 k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
             m, l, acc = attend_tile(
@@ -557,62 +515,6 @@ def _decode_partition_kernel(
                         num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
                     )  # fmt: skip
                     tl.atomic_xchg(counter_ptr + seq64 * num_kv_heads + kv_head, 0)
-
-
-@triton.jit
-def rope_rows(
-    row_ptrs,
-    mask,
-    w_ptr,
-    cos,
-    sin,
-    eps,
-    HAS_NORM: tl.constexpr,
-    dtype: tl.constexpr,
-    ROWS: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """(ROWS, 2 HALF) in dtype: the heads whose first elements row_ptrs (ROWS, 1) point at, RMS-normalised by w
-    (HAS_NORM) and rotated (``fused_ops.norm_rope_heads``, rounded as ``store_kv.norm_rope_store`` rounds), halves
-    rejoined; rows where mask (ROWS, 1) is False are 0. cos / sin: (1, HALF) float32."""
-    half = tl.arange(0, HALF)
-    y1, y2 = norm_rope_heads(row_ptrs + half[None, :], mask, w_ptr, cos, sin, eps, HALF, HAS_NORM, dtype)
-    both = tl.join(y1.to(dtype), y2.to(dtype))  # (ROWS, HALF, 2)
-    return tl.reshape(tl.permute(both, (0, 2, 1)), (ROWS, 2 * HALF))  # (ROWS, D): [y1 | y2]
-
-
-@triton.jit
-def attend_new_token(
-    q,
-    k_row_ptr,
-    v_row_ptr,
-    k_norm_ptr,
-    cos,
-    sin,
-    eps,
-    cache_offs,
-    k_cache_ptr,
-    v_cache_ptr,
-    m,
-    l,
-    acc,
-    scale_log2,
-    QK_NORM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """This step's token from its qkv row: k normed and rotated, v as is, attended by q (R, D) as one online-softmax
-    step (CUDA cores: a single key), and both stored at cache_offs of the caches; returns the new (m, l, acc)."""
-    dtype = q.dtype
-    one = tl.arange(0, 1)[:, None] < 1  # (1, 1) True
-    k_ptrs = k_row_ptr + tl.zeros([1, 1], tl.int32)
-    k = rope_rows(k_ptrs, one, k_norm_ptr, cos, sin, eps, QK_NORM, dtype, 1, HEAD_DIM // 2)  # (1, D)
-    d = tl.arange(0, HEAD_DIM)
-    v = tl.load(v_row_ptr + d[None, :])  # (1, D)
-    k = k.to(k_cache_ptr.dtype.element_ty)
-    v = v.to(v_cache_ptr.dtype.element_ty)
-    tl.store(k_cache_ptr + cache_offs + d[None, :], k)
-    tl.store(v_cache_ptr + cache_offs + d[None, :], v)
-    return attend_tile(q, k.to(dtype), v.to(dtype), one, m, l, acc, scale_log2, False, False, "ieee", False)
 
 
 @triton.jit
@@ -733,7 +635,6 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    prologue: QkvPrologue | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (B, Hq, D) over the paged caches; returns (B, Hq, D) in q's dtype (into `out`).
 
@@ -773,7 +674,7 @@ def paged_decode_attention(
     check_kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out = torch.empty_like(q) if out is None else out
     num_parts = num_decode_partitions(block_tables, block_size, cfg.partition_size)
     if num_parts == 1:
         workspace = None  # every sequence fits one partition: no partials, no reduce
@@ -784,7 +685,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     kv = KVCache(k_cache, v_cache, k_scale, v_scale)
-    _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg, prologue)
+    _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
     if workspace is not None and not cfg.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
@@ -815,10 +716,8 @@ def _launch_partitions(
     workspace: DecodeWorkspace | None,
     num_parts: int,
     cfg: DecodeKernelConfig,
-    prologue: QkvPrologue | None = None,
 ) -> None:
-    """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner; with a
-    prologue, q is the q columns of prologue.qkv (see ``paged_decode_attention_qkv``)."""
+    """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv.k, kv.v
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -841,7 +740,6 @@ def _launch_partitions(
         seq_lens if kv.k_scale is None else kv.k_scale,  # any pointer where the kernel reads no scale
         seq_lens if kv.v_scale is None else kv.v_scale,
         counters,
-        *_prologue_args(prologue, seq_lens),
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -851,7 +749,6 @@ def _launch_partitions(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        prologue.cos.stride(0) if prologue is not None else 0,
         num_heads,
         num_kv_heads,
         num_parts,
@@ -873,99 +770,10 @@ def _launch_partitions(
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
         USE_PDL=use_pdl(q.device),
         PRELOAD_KV=cfg.preload_kv,
-        FUSED_QKV=prologue is not None,
-        QK_NORM=prologue is not None and prologue.q_weight is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
     )
-
-
-def _prologue_args(prologue: QkvPrologue | None, seq_lens: torch.Tensor) -> tuple[object, ...]:
-    """The kernel's (q_norm, k_norm, cos, sin, slots, eps) arguments: the prologue's, or placeholders it never
-    reads (seq_lens for every pointer)."""
-    if prologue is None:
-        return (seq_lens,) * 5 + (0.0,)
-    p = prologue
-    q_w = p.q_weight if p.q_weight is not None else p.cos
-    k_w = p.k_weight if p.k_weight is not None else p.cos
-    return q_w, k_w, p.cos, p.sin, p.slot_mapping, p.eps
-
-
-def paged_decode_attention_qkv(
-    qkv: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    **knobs: object,
-) -> torch.Tensor:
-    """A decode step's attention from the qkv projection in one launch: ``store_kv.norm_rope_store`` (q/k per-head
-    RMSNorm when the weights are given, rotary, this step's k and v stored at slot_mapping) and
-    ``paged_decode_attention`` over the caches, with this step's token taken from registers (the kernel's
-    FUSED_QKV). qkv (B, (Hq + 2 Hkv) D) with a contiguous last dim, one row per sequence; 16-bit or float32 caches
-    of qkv's dtype (not FP8); cos / sin (B, D/2) float32; the rest as ``paged_decode_attention`` (knobs too).
-    Returns (B, Hq, D); matches ``paged_decode_attention_qkv_ref``. Reads no device values (graph-capturable)."""
-    from fnvllm.kernels.fused_ops import _check_rotary_args
-    from fnvllm.kernels.store_kv import _check_fused_args, _check_store_args
-
-    head_dim = _check_fused_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, k_cache)
-    if is_fp8(k_cache) or k_cache.dtype != qkv.dtype:
-        raise ValueError(f"paged_decode_attention_qkv needs caches of qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
-    num_seqs = qkv.shape[0]
-    q = qkv[:, : num_heads * head_dim].view(num_seqs, num_heads, head_dim)  # (B, Hq, D), strided rows
-    _check_rotary_args(q, cos, sin)
-    if cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos and sin must share their row stride, got {cos.stride(0)} and {sin.stride(0)}")
-    k_view = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_seqs, num_kv_heads, -1)
-    _check_store_args(k_view, k_view, k_cache, v_cache, slot_mapping)
-    prologue = QkvPrologue(qkv, q_weight, k_weight, eps, cos, sin, slot_mapping)
-    return paged_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        scale,
-        out,
-        prologue=prologue,
-        **knobs,  # type: ignore[arg-type]
-    )
-
-
-def paged_decode_attention_qkv_ref(
-    qkv: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Torch reference of ``paged_decode_attention_qkv``: ``norm_rope_store_ref`` (stores k, v in place), then
-    ``paged_decode_attention_ref``; (B, Hq, D)."""
-    from fnvllm.kernels.store_kv import norm_rope_store_ref
-
-    args = (qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slot_mapping)
-    q = norm_rope_store_ref(*args)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def fp8_compute_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

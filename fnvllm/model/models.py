@@ -115,12 +115,6 @@ class Attention(nn.Module):
         k_w = self.k_norm.weight if has_norm and self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         k_cache, v_cache, k_scale, v_scale = kv_cache
-        decode = self.ops.decode_qkv_attention
-        if decode is not None and meta.max_seqlen_q == 1 and backend.name == "triton" and k_cache.dtype == qkv.dtype:
-            return decode(
-                qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, k_cache, v_cache, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens, self.scale,
-            )  # fmt: skip  # (B, Hq, D): norm, rope, K/V store and attention in the decode kernel
         q = fused(
             qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, k_cache, v_cache, meta.slot_mapping,
             k_scale, v_scale,

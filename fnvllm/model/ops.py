@@ -54,10 +54,6 @@ class ModelOps:
     gate_up_weight, gate_up_bias, down_weight, down_bias) -> (y, new_residual)`` (``skinny_gemm.norm_mlp``: the
     SiLU-and-mul in the gate/up projection's epilogue where measured faster, else ``norm_linear`` and
     ``silu_mul_linear``), or None: those two ops. Used only when both projections are in the model's dtype.
-    decode_qkv_attention: an all-decode step's attention from the qkv projection, ``(qkv, num_heads, num_kv_heads,
-    q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale) -> (B, Hq,
-    D)`` (``decode_attention.paged_decode_attention_qkv``: norm_rope_store's work inside the decode kernel, one
-    launch instead of two), or None. Used with the triton backend and caches in the model's dtype.
     """
 
     name: str
@@ -75,7 +71,6 @@ class ModelOps:
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    decode_qkv_attention: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -101,30 +96,19 @@ def compiled_ops() -> ModelOps:
 # only where ``skinny_gemm.FUSED_TIMES`` measured it faster (one row on the H200; the whole Qwen3-0.6B decode step
 # at one request 870 -> 832 us, benchmarks/sweep_small.py part 4); FNVLLM_FUSED_PROLOGUES=0 turns them off.
 FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
-# The attention prologue (q/k norms, rotary, the K/V store) inside the decode kernel (``decode_qkv_attention``):
-# off by default, FNVLLM_DECODE_QKV=1 turns it on. One launch fewer per layer, but each partition program then
-# waits for the qkv projection before it can start its own q, and the whole Qwen3-0.6B decode step measured slower
-# with it on the H200 (benchmarks/sweep_small.py, 2026-12-02 02:15, us per step at B = 1 / 16 / 64: 809.5 / 1154.2 /
-# 1657.5 against 799.3 / 1139.2 / 1574.1 without).
-DECODE_QKV_ENV = "FNVLLM_DECODE_QKV"
-DECODE_QKV_DEFAULT = "0"
 
 
-def triton_ops(fused_prologues: bool | None = None, decode_qkv: bool | None = None) -> ModelOps:
+def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
 
     fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
     down_proj, or in gate-up's epilogue, at few rows (``norm_linear``, ``silu_mul_linear``, ``norm_mlp``, where
     measured faster); None reads FNVLLM_FUSED_PROLOGUES (default on).
-    decode_qkv: an all-decode step's q/k norms, rotary and K/V store inside the decode attention kernel
-    (``decode_qkv_attention``); None reads FNVLLM_DECODE_QKV (default DECODE_QKV_DEFAULT).
     """
-    from fnvllm.kernels import decode_attention, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
+    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     if fused_prologues is None:
         fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "1") != "0"
-    if decode_qkv is None:
-        decode_qkv = os.environ.get(DECODE_QKV_ENV, DECODE_QKV_DEFAULT) != "0"
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -139,7 +123,6 @@ def triton_ops(fused_prologues: bool | None = None, decode_qkv: bool | None = No
         skinny_gemm.silu_mul_linear if fused_prologues else None,
         skinny_gemm.norm_linear if fused_prologues else None,
         skinny_gemm.norm_mlp if fused_prologues else None,
-        decode_attention.paged_decode_attention_qkv if decode_qkv else None,
     )
 
 
