@@ -355,35 +355,39 @@ def base_tables() -> Iterator[None]:
         skinny_config.cache_clear()
 
 
-def build_models(shape: str) -> dict[str, torch.nn.Module]:
+def build_models(shape: str, variants: set[str] | None = None) -> dict[str, torch.nn.Module]:
     """The model of ``shape`` (random bf16 weights, shared values) with: "base", the Triton ops as main had them at
-    5476cd1 (no fused prologues; run under ``base_tables``); "new", the defaults of this checkout; "fused", the
-    defaults with the norm / SiLU prologues fused into the projections wherever ``prefers_fused`` says."""
+    5476cd1 (no fused prologues; run under ``base_tables``); "new" (also "triton"), the defaults of this checkout;
+    "fused", the defaults with the norm / SiLU prologues fused into the projections wherever ``prefers_fused``
+    says. ``variants``: the labels to build (default base, new, fused)."""
     from fnvllm.model import DecoderForCausalLM, ModelConfig
     from fnvllm.model.ops import triton_ops
     from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_SHAPES
 
     name = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b"}[shape]
     config = ModelConfig.from_dict({**_QWEN3_COMMON, **QWEN3_SHAPES[name], "torch_dtype": "bfloat16"})
-    variants = {"base": triton_ops(fused_prologues=False), "new": triton_ops(), "fused": triton_ops(True)}
-    models = {}
-    for label, ops in variants.items():
+    makers = {"base": lambda: triton_ops(fused_prologues=False), "new": triton_ops, "triton": triton_ops,
+              "fused": lambda: triton_ops(True)}  # fmt: skip
+    models: dict[str, torch.nn.Module] = {}
+    for label in sorted(variants or {"base", "new", "fused"}):
         with torch.device("cuda"):
-            models[label] = DecoderForCausalLM(config, ops).eval()  # parameters in the config's bf16
-    for label in ("new", "fused"):
-        models[label].load_state_dict(models["base"].state_dict())
+            models[label] = DecoderForCausalLM(config, makers[label]()).eval()  # parameters in the config's bf16
+        if len(models) > 1:
+            models[label].load_state_dict(next(iter(models.values())).state_dict())
     return models
 
 
-def step_inputs(model: torch.nn.Module, b: int) -> tuple[torch.Tensor, list, object]:
-    """(input ids, per-layer KV caches, metadata) of one decode step of b sequences, contexts U(100, 1024), block
+def step_inputs(
+    model: torch.nn.Module, b: int, context: tuple[int, int] = (100, 1024)
+) -> tuple[torch.Tensor, list, object]:
+    """(input ids, per-layer KV caches, metadata) of one decode step of b sequences, contexts U(*context), block
     256, tables 16 blocks wide (as the engine's graphs capture them)."""
     from fnvllm.executor.device_inputs import build_attention_metadata
     from fnvllm.kernels.attention import KVCache
 
     config, block, width = model.config, 256, 16
     rng = random.Random(b)
-    lens = [rng.randint(100, 1024) for _ in range(b)]
+    lens = [rng.randint(*context) for _ in range(b)]
     tables, next_block = [], 1
     for n in lens:
         nb = -(-n // block)

@@ -1,26 +1,30 @@
 """Budgeted on-GPU sweep of the small-batch decode kernels (H200): launch configs to paste into the tuned tables.
 
     PYTHONPATH=$PWD python3 benchmarks/sweep_small.py --budget-s 150 [--shapes 0.6b,8b] [--rows 1,16,64]
-        [--parts gemm,fused,attn] [--json FILE]
+        [--parts attn,gemm,fused,step] [--json FILE]
 
-Three parts, each given a share of the budget (what one leaves goes to the next), every candidate checked against
-its reference before it is timed (a WRONG line, never a table entry, when not):
-1. gemm: the skinny GEMM (``skinny_gemm.skinny_linear``) at each (rows bucket, N, K) of the Qwen3-0.6B and 8B
+The parts asked for run in this order, each given a share of the budget (what one leaves goes to the next), every
+candidate checked against its reference before it is timed (a WRONG line, never a table entry, when not):
+1. attn: decode attention (``paged_decode_attention``) at B = 1, 16, 64 sequences (block 256, tables 16 blocks
+   wide as the engine's graphs capture them) against the checkout's own choice: partition sizes, tiles, warps,
+   stages, the merge in-kernel or by the reduce kernel, and the first K/V tile read before the launch wait
+   (``preload_kv``). Knobs are picked per batch by their time at the latency bench's contexts (U(100, 384):
+   prompts of 100-128 ids plus 256 outputs), among those within GUARD of the checkout's choice at U(100, 1024).
+2. gemm: the skinny GEMM (``skinny_gemm.skinny_linear``) at each (rows bucket, N, K) of the Qwen3-0.6B and 8B
    projections, against cuBLAS (``F.linear``) and the shipped config. Candidates are tried in priority order, each
    on every shape of its rows bucket (one compile serves them all), until the part's time is spent.
-2. fused: the residual add + RMSNorm inside qkv / gate_up and SiLU-and-mul inside down_proj (one launch) at the
+3. fused: the residual add + RMSNorm inside qkv / gate_up and SiLU-and-mul inside down_proj (one launch) at the
    best plain configs, against the two launches they replace (the norm / activation kernel, then the faster of
    cuBLAS and the best skinny config).
-3. attn: decode attention (``paged_decode_attention``) at B = 1, 16, 64 sequences with contexts U(100, 400) and
-   U(100, 1024) (block 256, tables 16 blocks wide as the engine's graphs capture them), against the shipped
-   automatic choice: partition sizes, tiles, warps, stages, and the merge in-kernel or by the reduce kernel.
 Timing: CUDA-graph replays of many calls (launch overhead excluded, as in the engine's decode graphs), each call
 reading a different copy of the weights or KV cache (256 MiB of copies, 5x the L2), with programmatic dependent
 launch on (the default), so a kernel's prologue overlaps the one before it as in a decode step.
-4. step: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device us) at B = 1, 16, 64 under
-   main's tables at 5476cd1 (base), under this sweep's tables (tuned) and with the fused prologues on (tuned+fused).
-Printed last: per-part tables (us per call) and Python literals to paste: ``TUNED_CONFIGS`` and ``FUSED_TIMES``
-(skinny_gemm.py), the attention matrix and ``SMALL_BATCH_DECODE`` (decode_attention.py).
+4. step: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device us) at B = 1, 16, 64 with the
+   latency bench's contexts, under this checkout's tables ("checkout") and under them with this run's
+   measurements put in ("swept"), logits compared.
+Printed after each part and again last: the tables (us per call) and Python literals to paste:
+``SMALL_BATCH_DECODE`` (decode_attention.py; the checkout's, with this run's picks put in), the entries of
+``TUNED_CONFIGS`` and ``FUSED_TIMES`` (skinny_gemm.py) for the cases this run measured.
 
 Without a GPU, --smoke runs every part at tiny shapes under Triton's interpreter (checks only; times are not
 device times), to test the script itself.
@@ -46,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_small_batch import graph_time_us
-from fnvllm.kernels import fused_ops
+from fnvllm.kernels import fused_ops, skinny_gemm
 from fnvllm.kernels.decode_attention import (
     auto_partition_size,
     fuses_reduce,
@@ -63,8 +67,11 @@ GEMMS = {
 SMOKE_GEMMS = {"tiny": {"qkv": (64, 96), "o": (96, 40), "gate_up": (64, 80), "down": (80, 40)}}
 HEADS = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}
 ROTATE_BYTES = 256 << 20
-SHARES = {"gemm": 0.5, "fused": 0.15, "attn": 0.35}  # of the budget; unspent time moves on
-CONTEXTS = ((100, 400), (100, 1024))
+SHARES = {"attn": 0.45, "gemm": 0.35, "glu": 0.2, "fused": 0.1}  # of the budget; unspent time moves on
+# Decode contexts of the attention cases: the latency bench's first (prompts of 100-128 ids + 256 outputs), which
+# picks the knobs, then a longer one that guards against knobs that only pay at short contexts (``best_attention``).
+CONTEXTS = ((100, 384), (100, 1024))
+LATENCY_CONTEXT = CONTEXTS[0]
 BATCHES = (1, 16, 64)
 
 
@@ -140,24 +147,26 @@ _ONE_ROW = (
     (4, 512, 2, 2, 1, True),
     (8, 512, 4, 4, 1, True),
 )
+# 16 and 64 rows: first the configs whose whole weight slice per program is one tile read before the PDL wait (K
+# split so that a split is one tile), then the earlier lists' best shapes.
 _SIXTEEN_ROWS = (
-    (16, 256, 1, 4, 1, True),
-    (32, 256, 1, 4, 1, True),
-    (16, 512, 1, 4, 1, True),
-    (16, 256, 2, 4, 1, True),
-    (32, 512, 1, 8, 1, True),
     (16, 1024, 1, 8, 1, True),
-    (32, 256, 2, 4, 1, True),
+    (16, 1024, 2, 8, 1, True),
+    (16, 1024, 3, 8, 1, True),
     (16, 512, 2, 4, 1, True),
+    (32, 512, 2, 8, 1, True),
+    (16, 512, 4, 4, 1, True),
+    (32, 256, 4, 4, 1, True),
+    (16, 256, 4, 4, 1, True),
+    (32, 256, 1, 4, 1, True),
+    (16, 256, 1, 4, 1, True),
+    (32, 128, 4, 4, 4, False),
     (64, 128, 1, 4, 3, False),
-    (16, 128, 2, 4, 4, False),
-    (32, 128, 2, 4, 4, False),
-    (64, 256, 1, 8, 1, True),
 )
-_SIXTY_FOUR_ROWS = ((32, 256, 1, 4, 1, True), (16, 256, 1, 4, 3, False), (64, 128, 1, 4, 3, False),
-                    (32, 128, 2, 4, 4, False), (16, 512, 1, 8, 1, True), (32, 256, 2, 4, 1, True),
-                    (64, 64, 1, 4, 4, False), (16, 256, 2, 4, 1, True), (64, 256, 1, 8, 1, True),
-                    (32, 512, 1, 8, 1, True), (16, 256, 4, 4, 3, False), (32, 128, 4, 4, 4, False))  # fmt: skip
+_SIXTY_FOUR_ROWS = ((32, 256, 4, 4, 1, True), (16, 256, 4, 4, 1, True), (16, 512, 2, 8, 1, True),
+                    (32, 256, 1, 4, 1, True), (16, 256, 2, 4, 1, True), (32, 512, 2, 8, 1, True),
+                    (16, 256, 3, 4, 1, True), (32, 128, 4, 4, 4, False), (64, 128, 1, 4, 3, False),
+                    (16, 256, 1, 4, 3, False), (32, 128, 2, 4, 4, False), (64, 64, 1, 4, 4, False))  # fmt: skip
 
 
 def gemm_candidates(m: int) -> list[SkinnyConfig]:
@@ -330,6 +339,59 @@ def sweep_fused(timer: Timer, budget: Budget, cases: dict, out: list[dict]) -> N
         out.append(row)
 
 
+# ---------------------------------------------------------------------------------------------- glu epilogue
+
+# (block_n, block_k, split_k, num_warps, num_stages, preload) of the gate/up projection with SiLU-and-mul in its
+# epilogue (block_n even, >= 32 with tl.dot: half gate rows, half up rows), per rows bucket.
+_GLU_KNOBS = {
+    16: ((32, 256, 1, 4, 1, True), (32, 1024, 1, 8, 1, True), (32, 512, 1, 8, 1, True), (64, 256, 1, 4, 1, True),
+         (32, 512, 2, 8, 1, True), (32, 128, 1, 4, 4, False), (64, 128, 1, 4, 3, False)),
+    64: ((32, 256, 1, 4, 1, True), (64, 128, 1, 4, 3, False), (32, 128, 1, 4, 4, False), (32, 256, 2, 4, 1, True),
+         (64, 64, 1, 4, 4, False), (32, 512, 2, 8, 1, True)),
+}  # fmt: skip
+
+
+def _linear_then_silu(x: torch.Tensor, w: torch.Tensor) -> object:
+    """The checkout's gate/up projection (``skinny_gemm.linear``: cuBLAS or the skinny kernel, by its tables), then
+    the SiLU-and-mul kernel: the two launches the epilogue replaces."""
+    return fused_ops.silu_and_mul(skinny_gemm.linear(x, w))
+
+
+def sweep_glu(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device: str, out: list[dict]) -> None:
+    """Part: gate/up + SiLU-and-mul as one launch (``glu_out``) at 16 and 64 rows, against the two launches."""
+    for shape, projections in gemms.items():
+        k, n = projections["gate_up"]
+        copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        for m in rows:
+            bucket = bucket_of(m)
+            if bucket not in _GLU_KNOBS or budget.left() <= 0:
+                continue
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            case = GemmCase(shape, "gate_up", m, k, n, x, weights, fused_ops.silu_and_mul(F.linear(x, weights[0])))
+            row: dict[str, object] = {"part": "fused", "kind": "glu", "shape": shape, "gemm": "gate_up", "m": m}
+            row |= {"n": n, "k": k, "plain": "checkout", "fused_us": float("inf"), "fused_cfg": None}
+            row["unfused_us"] = time_gemm(timer, _linear_then_silu, case)
+            for t in _GLU_KNOBS[bucket]:
+                if budget.left() <= 0:
+                    break
+                cfg = SkinnyConfig(max(16, 1 << max(0, (m - 1).bit_length())), *t[:5], preload=t[5])
+                fn = functools.partial(skinny_linear, config=cfg, glu_out=True)
+                try:
+                    got = fn(x, weights[0]).float()
+                    if (got - case.exact.float()).abs().max().item() > 2 * case.exact.abs().max().item() * 2**-7:
+                        note(f"WRONG: glu {shape} m={m} {cfg}")
+                        continue
+                    us = time_gemm(timer, fn, case)
+                except Exception as e:  # a config the compiler refuses is skipped
+                    note(f"FAILED: glu {shape} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                if us < row["fused_us"]:
+                    row["fused_us"], row["fused_cfg"] = us, cfg
+            out.append(row)
+        del weights
+
+
 # ---------------------------------------------------------------------------------------------- part 3: attention
 
 
@@ -378,19 +440,27 @@ def attn_call(case: AttnCase, knobs: dict[str, object], i: int) -> torch.Tensor:
     return paged_decode_attention(case.q, k_cache, v_cache, table, case.seq_lens, case.q.shape[-1] ** -0.5, **knobs)
 
 
+# (partition, tile, warps, stages, in-kernel merge, preload_kv, prefetch), most promising first for the latency
+# workload's contexts (every sequence inside one 512-token partition): one partition per (sequence, KV head) with
+# its first tile read before the launch wait, then finer splits, bigger tiles, and the shipped entries unpreloaded.
+_ATTN_KNOBS = (
+    (4096, 64, 4, 3, True, True, False), (256, 64, 4, 3, True, True, False), (64, 64, 4, 3, False, True, False),
+    (512, 64, 4, 2, True, True, False), (128, 64, 4, 3, True, True, False), (4096, 128, 8, 2, True, True, False),
+    (128, 64, 4, 3, False, True, False), (4096, 64, 4, 3, True, False, False), (256, 128, 8, 2, True, True, False),
+    (64, 64, 4, 3, True, True, False), (4096, 64, 8, 3, True, True, False), (1024, 64, 4, 3, True, True, False),
+    (256, 64, 4, 3, False, True, False), (4096, 32, 4, 4, True, True, False), (4096, 64, 4, 1, True, True, True),
+    (256, 64, 4, 3, True, False, False), (1024, 64, 4, 3, True, False, False), (512, 64, 4, 2, True, False, False),
+    (128, 128, 8, 2, True, True, False), (64, 32, 4, 3, False, True, False),
+)  # fmt: skip
+
+
 def attn_candidates(max_context: int) -> list[dict[str, object]]:
-    """Knob sets tried, most promising first: one partition covering the short contexts (no merge at all when a
-    sequence fits), then finer splits with the merge in-kernel or by the reduce kernel."""
+    """Knob sets tried, most promising first (``_ATTN_KNOBS``), partitions capped at the table's width."""
     out: list[dict[str, object]] = []
-    for part, tile, warps, stages, fused in (
-        (512, 64, 4, 3, True), (256, 64, 4, 3, True), (128, 64, 4, 3, True), (1024, 64, 4, 3, True),
-        (256, 64, 4, 3, False), (512, 128, 8, 2, True), (128, 32, 4, 3, True), (64, 64, 4, 3, True),
-        (256, 128, 8, 2, True), (128, 64, 4, 3, False), (64, 64, 4, 3, False), (512, 32, 4, 4, True),
-        (256, 32, 4, 4, True), (max_context, 64, 4, 3, True), (512, 64, 8, 3, True), (256, 64, 8, 3, True),
-        (128, 128, 8, 2, True), (1024, 128, 8, 2, True), (512, 64, 4, 2, True), (64, 32, 4, 3, False),
-    ):  # fmt: skip
-        out.append({"partition_size": min(part, max_context), "tile_size": tile, "num_warps": warps,
-                    "num_stages": stages, "fused_reduce": fused})  # fmt: skip
+    for part, tile, warps, stages, fused, preload, prefetch in _ATTN_KNOBS:
+        out.append({"partition_size": min(part, max_context), "tile_size": min(tile, max_context),
+                    "num_warps": warps, "num_stages": stages, "fused_reduce": fused, "preload_kv": preload,
+                    "prefetch": prefetch})  # fmt: skip
     return out
 
 
@@ -424,26 +494,34 @@ def sweep_attention(timer: Timer, budget: Budget, heads: tuple[int, int, int], b
 
 
 def _knob_label(knobs: dict[str, object]) -> str:
-    """A short name of a knob set: p<partition> t<tile> w<warps> s<stages> F (in-kernel merge) or R (reduce)."""
+    """A short name of a knob set: p<partition> t<tile> w<warps> s<stages> F (in-kernel merge) or R (reduce), then
+    L when the first tile is preloaded before the launch wait and P with the register prefetch."""
     merge = "F" if knobs["fused_reduce"] else "R"
-    return f"p{knobs['partition_size']} t{knobs['tile_size']} w{knobs['num_warps']} s{knobs['num_stages']} {merge}"
+    extra = ("L" if knobs.get("preload_kv") else "") + ("P" if knobs.get("prefetch") else "")
+    label = f"p{knobs['partition_size']} t{knobs['tile_size']} w{knobs['num_warps']} s{knobs['num_stages']} {merge}"
+    return f"{label}{extra}"
 
 
 # ---------------------------------------------------------------------------------------------- part 4: step
 
 
 def swept_tables(out: list[dict]) -> tuple[dict, dict, dict]:
-    """(TUNED_CONFIGS, FUSED_TIMES, SMALL_BATCH_DECODE) as this sweep measured them: every GEMM case's best config
-    with its times; every fused case that ran; per batch bucket the attention knobs with the least time summed
-    over the contexts, where that beats the automatic choice."""
+    """(TUNED_CONFIGS, FUSED_TIMES, SMALL_BATCH_DECODE): this checkout's tables with what this sweep measured put
+    in: every GEMM case's best config with its times; every fused case that ran; per batch bucket the attention
+    knobs ``best_attention`` picks (buckets where the checkout's own choice won keep their entry)."""
+    from fnvllm.kernels import decode_attention, skinny_gemm
     from fnvllm.kernels.decode_attention import DecodeKernelConfig
     from fnvllm.kernels.skinny_gemm import Fused, Tuned
 
-    tuned = {(r["n"], r["k"], bucket_of(r["m"])): Tuned(r["best_cfg"], r["best_us"], r["cublas_us"])
-             for r in out if r["part"] == "gemm"}  # fmt: skip
-    fused = {(r["kind"], r["n"], r["k"], bucket_of(r["m"])): Fused(r["fused_cfg"], r["fused_us"], r["unfused_us"])
-             for r in out if r["part"] == "fused" and r["fused_cfg"] is not None}  # fmt: skip
-    decode = {}
+    tuned = dict(skinny_gemm.TUNED_CONFIGS) | {
+        (r["n"], r["k"], bucket_of(r["m"])): Tuned(r["best_cfg"], r["best_us"], r["cublas_us"])
+        for r in out if r["part"] == "gemm"
+    }  # fmt: skip
+    fused = dict(skinny_gemm.FUSED_TIMES) | {
+        (r["kind"], r["n"], r["k"], bucket_of(r["m"])): Fused(r["fused_cfg"], r["fused_us"], r["unfused_us"])
+        for r in out if r["part"] == "fused" and r["fused_cfg"] is not None
+    }  # fmt: skip
+    decode = dict(decode_attention.SMALL_BATCH_DECODE)
     for b, (label, _) in best_attention(out).items():
         if label is not None:
             knobs = next(r["knobs"][label] for r in out if r["part"] == "attn" and label in r["knobs"])
@@ -451,18 +529,24 @@ def swept_tables(out: list[dict]) -> tuple[dict, dict, dict]:
     return tuned, fused, decode
 
 
+# A knob set is picked for a batch by its time at the first context of CONTEXTS (the latency workload's), among
+# those no more than GUARD x the checkout's own choice at the others (long contexts must not pay for it).
+GUARD = 1.10
+
+
 def best_attention(out: list[dict]) -> dict[int, tuple[str | None, float]]:
-    """Per batch size: (the knob set with the least time summed over the contexts, or None when the automatic
-    choice is faster or nothing ran on every context; that sum)."""
+    """Per batch size: (the knob set with the least time at the first context among those within GUARD of the
+    checkout's choice at the other contexts, or None when the checkout's choice is faster or nothing qualified;
+    that time)."""
     best: dict[int, tuple[str | None, float]] = {}
     for b in sorted({r["b"] for r in out if r["part"] == "attn"}):
         rows = [r for r in out if r["part"] == "attn" and r["b"] == b]
-        choice: tuple[str | None, float] = (None, sum(r["auto_us"] for r in rows))
-        for label in set().union(*(r["times"] for r in rows)):
-            if all(label in r["times"] for r in rows):
-                total = sum(r["times"][label] for r in rows)
-                if total < choice[1]:
-                    choice = (label, total)
+        primary, guards = rows[0], rows[1:]
+        choice: tuple[str | None, float] = (None, primary["auto_us"])
+        for label, us in primary["times"].items():
+            guarded = all(label in r["times"] and r["times"][label] <= GUARD * r["auto_us"] for r in guards)
+            if guarded and us < choice[1]:
+                choice = (label, us)
         best[b] = choice
     return best
 
@@ -487,37 +571,54 @@ def using_tables(tuned: dict, fused: dict, decode: dict) -> Iterator[None]:
         skinny_gemm.skinny_config.cache_clear()
 
 
+def step_variants() -> dict[str, tuple[str, str]]:
+    """The decode steps part 4 times: label -> (model ops, tables). "checkout": this checkout's ops and tables;
+    "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured."""
+    return {"checkout": ("triton", "none"), "swept attn": ("triton", "attn"), "swept": ("triton", "all")}
+
+
+def _variant_tables(which: str, tables: tuple[dict, dict, dict]) -> contextlib.AbstractContextManager:
+    """The tables a step variant runs under (``step_variants``)."""
+    from fnvllm.kernels import skinny_gemm as sg
+
+    if which == "none":
+        return contextlib.nullcontext()
+    if which == "attn":
+        return using_tables(dict(sg.TUNED_CONFIGS), dict(sg.FUSED_TIMES), tables[2])
+    return using_tables(*tables)
+
+
 def sweep_step(batches: tuple[int, ...], out: list[dict], until_s: float) -> None:
-    """Part 4: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device time) under main's
-    tables at 5476cd1 (base), under this sweep's tables (tuned) and with the fused prologues too (tuned+fused),
-    logits compared with base's."""
-    from bench_small_batch import base_tables, build_models, run_step, step_inputs
+    """Part 4: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device time) at the latency
+    workload's contexts (``LATENCY_CONTEXT``), per ``step_variants``, logits compared with the checkout's."""
+    from bench_small_batch import build_models, run_step, step_inputs
 
     from fnvllm.kernels.backends import get_backend
 
     tables = swept_tables(out)
-    models, backend = build_models("0.6b"), get_backend("triton")
-    variants = {"base": ("base", base_tables), "tuned": ("new", None), "tuned+fused": ("fused", None)}
+    variants = step_variants()
+    models = build_models("0.6b", {ops for ops, _ in variants.values()})
+    backend = get_backend("triton")
     for b in batches:
         if time.perf_counter() - START > until_s:
             print(f"step: B={b} and larger not run (past {until_s:.0f} s of wall time)", flush=True)
             break
-        ids, caches, meta = step_inputs(models["new"], b)
+        ids, caches, meta = step_inputs(models["triton"], b, LATENCY_CONTEXT)
         row: dict[str, object] = {"part": "step", "b": b}
         logits = {}
-        for label, (model, ctx) in variants.items():
-            step = functools.partial(run_step, models[model], ids, caches, meta, backend)
-            with ctx() if ctx is not None else using_tables(*tables):
+        for label, (ops, which) in variants.items():
+            step = functools.partial(run_step, models[ops], ids, caches, meta, backend)
+            with _variant_tables(which, tables):
                 try:
                     logits[label] = step(0).float()
                     row[label] = graph_time_us(step, 1, repeats=20)
                 except Exception as e:  # reported in the table
                     note(f"FAILED: step b={b} {label}: {type(e).__name__}: {str(e)[:150]}")
                     row[label] = float("nan")
-        for label in ("tuned", "tuned+fused"):
-            if label in logits and "base" in logits:
-                same = (logits["base"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
-                row[f"{label} diff"] = (logits["base"] - logits[label]).abs().max().item()
+        for label in variants:
+            if label != "checkout" and label in logits and "checkout" in logits:
+                same = (logits["checkout"].argmax(-1) == logits[label].argmax(-1)).float().mean().item()
+                row[f"{label} diff"] = (logits["checkout"] - logits[label]).abs().max().item()
                 row[f"{label} same"] = same
         out.append(row)
         print_step([row])
@@ -609,22 +710,28 @@ def print_sweeps(out: list[dict]) -> None:
 
 
 def print_step(rows: list[dict]) -> None:
-    """Part 4's table: us per decode step."""
+    """Part 4's table: device us per decode step, per variant."""
     if not rows:
         return
-    print(f"\n{'B':>3} {'base us':>9} {'tuned us':>9} {'tuned+fused':>11}  checks vs base (max |diff|, argmax same)")
+    labels = list(step_variants())
+    print(
+        f"\n{'B':>3} " + " ".join(f"{label:>14}" for label in labels) + "  checks vs checkout (max |diff|, argmax same)"
+    )
     for r in rows:
         checks = " ".join(f"{k}={v:.3g}" for k, v in r.items() if k.endswith(("diff", "same")))
-        print(f"{r['b']:>3} {r['base']:>9.1f} {r['tuned']:>9.1f} {r['tuned+fused']:>11.1f}  {checks}")
+        times = " ".join(f"{r.get(label, float('nan')):>14.1f}" for label in labels)
+        print(f"{r['b']:>3} {times}  {checks}")
 
 
 def print_decode_table(out: list[dict]) -> None:
-    """The SMALL_BATCH_DECODE literal: per batch bucket the best knob set over both contexts (when it beats auto)."""
+    """The SMALL_BATCH_DECODE literal: the checkout's entries with this run's picks (``best_attention``) put in."""
     tables = swept_tables(out)[2] if any(r["part"] == "attn" for r in out) else {}
-    print("\nSMALL_BATCH_DECODE = {  # batch bucket: knobs (least time summed over the contexts, beating auto)")
-    for b, (label, total) in best_attention(out).items():
-        if b in tables:
-            print(f"    {b}: {tables[b]!r},  # {label}: {total:.2f} us summed")
+    picks = best_attention(out)
+    print("\nSMALL_BATCH_DECODE = {  # batch bucket: knobs (this run's pick at the latency context, or kept)")
+    for b, cfg in sorted(tables.items()):
+        label, us = picks.get(b, (None, float("nan")))
+        why = f"{label}: {us:.2f} us" if label is not None else "kept (checkout's choice not beaten)"
+        print(f"    {b}: {cfg!r},  # {why}")
     print("}")
 
 
@@ -644,17 +751,60 @@ def print_literals(out: list[dict]) -> None:
         print(f"({_NOTES['dropped']} more WRONG/FAILED lines not shown)")
 
 
+def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
+    """``swept_tables``, except that at a batch size where part 4 timed the "swept" step slower than the
+    checkout's (or did not time it), that size's rows bucket keeps the checkout's entries in all three tables."""
+    from fnvllm.kernels import decode_attention
+    from fnvllm.kernels import skinny_gemm as sg
+
+    tuned, fused, decode = swept_tables(out)
+    steps = {r["b"]: r for r in out if r["part"] == "step"}
+    for b in BATCHES:
+        r = steps.get(b)
+        if r is not None and r.get("swept", float("nan")) < r.get("checkout", float("nan")):
+            continue
+        bucket = bucket_of(b)
+        tuned = {k: v for k, v in tuned.items() if k[2] != bucket} | {
+            k: v for k, v in sg.TUNED_CONFIGS.items() if k[2] == bucket
+        }
+        fused = {k: v for k, v in fused.items() if k[3] != bucket} | {
+            k: v for k, v in sg.FUSED_TIMES.items() if k[3] == bucket
+        }
+        if b in decode_attention.SMALL_BATCH_DECODE:
+            decode[b] = decode_attention.SMALL_BATCH_DECODE[b]
+        else:
+            decode.pop(b, None)
+    return tuned, fused, decode
+
+
+def write_verified_tables(out: list[dict], path: str) -> None:
+    """Pickle ``verified_tables`` to path; say which batch sizes take this run's tables."""
+    import pickle
+
+    tuned, fused, decode = verified_tables(out)
+    with open(path, "wb") as f:
+        pickle.dump({"tuned": tuned, "fused": fused, "decode": decode}, f)
+    steps = {r["b"]: r for r in out if r["part"] == "step"}
+    taken = [b for b, r in steps.items() if r.get("swept", float("nan")) < r.get("checkout", float("nan"))]
+    print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=60.0, help="seconds for parts 1-3 (setup included)")
     parser.add_argument("--shapes", default="0.6b", help="comma-separated: 0.6b, 8b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (1, 16, 64 buckets)")
-    parser.add_argument("--parts", default="gemm,fused,attn,step", help="comma-separated: gemm, fused, attn, step")
+    parser.add_argument(
+        "--parts", default="attn,gemm,glu,fused,step", help="comma-separated: attn, gemm, glu, fused, step"
+    )
     parser.add_argument(
         "--step-until-s", type=float, default=150.0, help="wall seconds after which part 4 starts no new batch size"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter, no GPU needed")
     parser.add_argument("--json", default=None, help="append one JSON line per result here")
+    parser.add_argument(
+        "--tables-out", default=None, help="pickle the verified tables here (for benchmarks/latency_tables.py)"
+    )
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a killed run keeps what it printed
     smoke = args.smoke
@@ -666,22 +816,30 @@ def main() -> None:
     timer = Timer(host_time_us if smoke else graph_time_us)
     budget, parts, rows = Budget(args.budget_s), args.parts.split(","), [int(r) for r in args.rows.split(",")]
     gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
+    asked = sum(SHARES[p] for p in parts if p in SHARES) or 1.0
+    shares = {p: SHARES[p] / asked for p in parts if p in SHARES}  # the budget split over the parts asked for
     out: list[dict] = []
     try:
         cases: dict = {}
-        if "gemm" in parts or "fused" in parts:
-            budget.open_part(SHARES["gemm"] if "gemm" in parts else 0.0)
-            cases = sweep_gemms(timer, budget, gemms, rows, device, out) if "gemm" in parts else {}
-            print_gemm([r for r in out if r["part"] == "gemm"])
-        if "fused" in parts:
-            budget.open_part(SHARES["fused"])
-            sweep_fused(timer, budget, cases, out)
-            print_fused([r for r in out if r["part"] == "fused"])
-        if "attn" in parts:
-            budget.open_part(SHARES["attn"])
+        if "attn" in parts:  # first: the part this run is for (a kill later keeps its table)
+            budget.open_part(shares["attn"])
             heads, block, width, batches = ((4, 2, 16), 16, 8, (1, 3)) if smoke else (HEADS["0.6b"], 256, 16, BATCHES)
             sweep_attention(timer, budget, heads, batches, block, width, device, out)
             print_attention([r for r in out if r["part"] == "attn"])
+            print_decode_table(out)
+        if "gemm" in parts or "fused" in parts:
+            budget.open_part(shares.get("gemm", 0.0))
+            cases = sweep_gemms(timer, budget, gemms, rows, device, out) if "gemm" in parts else {}
+            print_gemm([r for r in out if r["part"] == "gemm"])
+        if "glu" in parts:
+            budget.open_part(shares["glu"])
+            glu_gemms = SMOKE_GEMMS if smoke else {s: GEMMS[s] for s in args.shapes.split(",")}
+            sweep_glu(timer, budget, glu_gemms, [m for m in rows if m > 1], device, out)
+            print_fused([r for r in out if r["part"] == "fused" and r["kind"] == "glu"])
+        if "fused" in parts:
+            budget.open_part(shares["fused"])
+            sweep_fused(timer, budget, cases, out)
+            print_fused([r for r in out if r["part"] == "fused" and r["kind"] != "glu"])
         print(f"\n(parts 1-3 took {time.perf_counter() - START:.0f} s of wall time)", flush=True)
         if "step" in parts and not smoke:
             fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
@@ -690,6 +848,8 @@ def main() -> None:
         fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
         print_literals(out)
         print(f"\n(sweep took {time.perf_counter() - START:.0f} s, budget {args.budget_s:.0f} s)", flush=True)
+        if args.tables_out:
+            write_verified_tables(out, args.tables_out)
     if args.json:
         with open(args.json, "a") as f:
             for row in out:

@@ -38,6 +38,8 @@ CPU_RUNS: dict[str, list[str]] = {
     "logprobs_bias_check.py": ["--device", "cpu", "--skip-cost"],
     "structured_host.py": ["--rows", "2", "--steps", "2", "--vocab", "512", "--threads", "1"],
     "sweep_small.py": ["--smoke", "--budget-s", "5"],
+    "latency_tables.py": ["--tables", "{tmp}/missing.pkl", "bench", "--model-shape", "tiny", "--latency", "1",
+                          "--max-output-len", "4"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's

@@ -33,6 +33,11 @@ Worked example: block_size 16, block_tables of width 8 (128 slots), partition_si
 length 70 runs partitions 0 (tokens 0..63, blocks table[0..3]) and 1 (tokens 64..69, block table[4]); both
 write partials and the reduce merges them. A sequence of length 40 runs partition 0 only (partition 1 exits)
 and writes its output directly; the reduce skips it. A padding row of length 0 writes zeros from partition 0.
+
+Tried and dropped (H200, 2026-12-02, benchmarks/sweep_small.py): doing norm_rope_store's work (q/k norms, rotary,
+the K/V store) inside this kernel, one launch fewer per layer (commit 9dfb9fd): the whole Qwen3-0.6B decode step
+measured slower at B = 1 / 16 / 64 (809.5 / 1154.2 / 1657.5 us against 799.3 / 1139.2 / 1574.1), since every
+partition program then waits for the qkv projection before it can form its q.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ GqaMode = Literal["dot", "sum"]
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
+_MERGE_M0 = tl.constexpr(-1.0e30)  # the merges' initial running max: finite, below any lse
 
 
 # Split-K arrival counters (int32), per device: zero between launches, since the last program of each counted
@@ -93,6 +99,11 @@ class DecodeKernelConfig:
     fused_reduce: the last partition of a split (sequence, KV head) to finish merges the partials itself (an
         atomic arrival counter per pair); False launches the separate reduce kernel (grid (B, Hq)) instead; None
         picks by shape (``fuses_reduce``).
+    preload_kv: read each partition's first K/V tile before the programmatic-dependent-launch wait (all but this
+        step's token, which is read after it), so it streams while the previous kernel (the K/V store) finishes.
+        Only for callers whose kernel right before stores nothing but this step's tokens into the caches (the
+        decoder layer's norm_rope_store / store_kv). Off in every shipped entry: faster alone at one sequence, slower
+        in the whole step (``SMALL_BATCH_DECODE``'s note).
     """
 
     partition_size: int = 512
@@ -103,6 +114,7 @@ class DecodeKernelConfig:
     prefetch: bool = False
     heads_inner: bool = True
     fused_reduce: bool | None = None
+    preload_kv: bool = False
 
 
 # Why these defaults (first choices for an H200 at B=256, context U(100, 2048), Hkv 8, D 128, bf16, checked only by
@@ -163,7 +175,11 @@ def auto_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> i
 # (partition_size capped at the table's width), chosen by the least time summed over both contexts. B = 16:
 # 256-token partitions merged in-kernel, 29.8 us against 32.7 (auto: 512, in-kernel); B = 64: 1024-token
 # partitions, 77.4 against 78.0. One sequence keeps the automatic rules (None: 64-token partitions and the reduce
-# kernel, 10.0 us against 10.1 for the best other knobs).
+# kernel, 10.0 us against 10.1 for the best other knobs). Rechecked 2026-12-02 02:15 at the latency bench's
+# contexts U(100, 384) with 20 knob sets, ``preload_kv`` among them: alone, one sequence's attention took 4.83 us
+# preloaded against 5.00 and 16 sequences' 9.74 (one 4096-token partition, 128-token tiles, preloaded) against
+# 12.46, but the whole decode step with the one-sequence pick measured 797.6 us against 785.9 (the 16-sequence pick
+# fails the U(100, 1024) guard, 22.3 against 17.0), so the entries stand.
 SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig | None] = {
     1: None,
     16: DecodeKernelConfig(partition_size=256, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True),
@@ -279,6 +295,29 @@ def kv_tile_offsets(
 
 
 @triton.jit
+def next_tile_offsets(
+    table_row_ptr,
+    first,
+    start,
+    t0,
+    limit,
+    head,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """``kv_tile_offsets`` of the tile at t0 of the partition starting at `start`, whose first tile's offsets are
+    `first`: when the partition lies inside one block (PARTITION_SIZE divides BLOCK_SIZE) they are `first` shifted
+    by t0 - start rows, with no block-table read."""
+    if BLOCK_SIZE % PARTITION_SIZE == 0:
+        return first + (t0 - start) * stride_ct
+    return kv_tile_offsets(table_row_ptr, t0, limit, head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+
+
+@triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
     """K and V tiles (N, D) at cache offsets offs (N,); rows where mask (N,) is False read nothing (zeros)."""
     ptrs = offs[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # (N, D)
@@ -367,6 +406,7 @@ def _decode_partition_kernel(
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PRELOAD_KV: tl.constexpr,
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -374,7 +414,12 @@ def _decode_partition_kernel(
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
-    last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
+    last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel.
+    PRELOAD_KV: under programmatic dependent launch, read seq_lens, the first tile's block id and the first tile
+    of K/V before waiting for the previous kernel, so that DRAM read overlaps it: none of them is written by the
+    kernel before (the step's inputs are copied before its first kernel, and a cached token's K/V was stored in an
+    earlier step), except this step's own token at seq_len - 1, which the store kernel just wrote: that row is
+    masked out of the preload and read after the wait."""
     if HEADS_INNER:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -382,14 +427,22 @@ def _decode_partition_kernel(
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    wait_for_previous_kernel(USE_PDL)
-    seq_len = tl.load(seq_lens_ptr + seq)
     start = part * PARTITION_SIZE
+    seq64 = seq.to(tl.int64)
+    table_row = block_tables_ptr + seq64 * stride_bt
+    tok0 = start + tl.arange(0, TILE)  # the partition's first tile
+    if PRELOAD_KV:  # read before the wait: see the docstring
+        seq_len = tl.load(seq_lens_ptr + seq)
+        end0 = tl.minimum(start + PARTITION_SIZE, seq_len)
+        offs0 = kv_tile_offsets(table_row, start, end0, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+        k_pre, v_pre = load_kv_tile(k_cache_ptr, v_cache_ptr, offs0, tok0 < tl.minimum(end0, seq_len - 1), HEAD_DIM)
+    wait_for_previous_kernel(USE_PDL)
+    if not PRELOAD_KV:
+        seq_len = tl.load(seq_lens_ptr + seq)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     g_mask = g < GROUP
     heads = kv_head * GROUP + g  # (GROUP_PAD,) query heads of this KV group
-    seq64 = seq.to(tl.int64)
     out_offs = seq64 * stride_ob + heads[:, None] * stride_oh + d[None, :]  # (GROUP_PAD, D)
     if seq_len == 0:
         if part == 0:  # padding row: finite zeros, no KV read
@@ -400,17 +453,32 @@ def _decode_partition_kernel(
         q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
         if Q_FP16:
             q = q.to(tl.float16)
-        table_row = block_tables_ptr + seq64 * stride_bt
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
-        offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
-        mask = start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
+        first = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+        loop_start = start
+        offs = first
+        if PRELOAD_KV:  # the first tile is peeled (below): the loop starts at the second
+            loop_start = start + TILE
+            offs = next_tile_offsets(
+                table_row, first, start, loop_start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                PARTITION_SIZE, TILE,
+            )  # fmt: skip
+        mask = loop_start + tl.arange(0, TILE) < end  # (TILE,) tokens of the loop's first tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
             k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-        for t0 in range(start, end, TILE):
+        if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
+            fresh = tok0 == seq_len - 1
+            k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
+            k = tl.where(fresh[:, None], k_new, k_pre).to(q.dtype)
+            v = tl.where(fresh[:, None], v_new, v_pre).to(q.dtype)
+            m, l, acc = attend_tile(
+                q, k, v, (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
+            )
+        for t0 in range(loop_start, end, TILE):
             tok_mask = mask
             if PREFETCH:
                 k, v = k_next, v_next
@@ -418,9 +486,10 @@ def _decode_partition_kernel(
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
             k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
-            offs = kv_tile_offsets(
-                table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
-            )
+            offs = next_tile_offsets(
+                table_row, first, start, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                PARTITION_SIZE, TILE,
+            )  # fmt: skip
             mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
                 k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
@@ -476,15 +545,9 @@ def merge_partitions(
     g_ok = g < GROUP
     heads = kv_head * GROUP + g  # (MERGE_GROUP,)
     base = (seq64 * num_heads + heads) * num_parts  # (MERGE_GROUP,) first workspace row of each head
-    m_vec = tl.full([MERGE_GROUP, CHUNK], float("-inf"), tl.float32)
-    for c0 in range(0, num_live, CHUNK):
-        ok = g_ok[:, None] & (c0 + c < num_live)[None, :]
-        lse = tl.load(
-            part_lse_ptr + base[:, None] + c0 + c[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
-        )
-        m_vec = tl.maximum(m_vec, lse)
-    m = tl.max(m_vec, axis=1)  # (MERGE_GROUP,)
-    m = tl.where(g_ok, m, 0.0)  # padded heads: finite, so their (unstored) weights stay NaN-free
+    # One pass with a running max (one round trip to L2 when the partials fit a chunk): m starts finite, so a
+    # padded head (every weight 0) rescales by exp2(0) = 1 and stays NaN-free.
+    m = tl.full([MERGE_GROUP], _MERGE_M0, tl.float32)
     l_vec = tl.zeros([MERGE_GROUP, CHUNK], tl.float32)
     acc = tl.zeros([MERGE_GROUP, HEAD_DIM], tl.float32)
     for c0 in range(0, num_live, CHUNK):
@@ -497,9 +560,12 @@ def merge_partitions(
             other=0.0,
             cache_modifier=".cg",
         )  # (MERGE_GROUP, CHUNK, D)
-        w = tl.exp2(lse - m[:, None])  # (MERGE_GROUP, CHUNK), 0 where not live
-        l_vec += w
-        acc += tl.sum(w[:, :, None] * o, axis=1)
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        alpha = tl.exp2(m - m_new)  # (MERGE_GROUP,)
+        w = tl.exp2(lse - m_new[:, None])  # (MERGE_GROUP, CHUNK), 0 where not live
+        l_vec = l_vec * alpha[:, None] + w
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        m = m_new
     l_sum = tl.sum(l_vec, axis=1)
     out = acc / tl.where(g_ok, l_sum, 1.0)[:, None]
     out_offs = seq64 * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -531,20 +597,19 @@ def _decode_reduce_kernel(
         base = (seq.to(tl.int64) * num_heads + head) * num_parts
         c = tl.arange(0, CHUNK)
         d = tl.arange(0, HEAD_DIM)
-        m_vec = tl.full([CHUNK], float("-inf"), tl.float32)
-        for c0 in range(0, num_live, CHUNK):
-            lse = tl.load(part_lse_ptr + base + c0 + c, mask=c0 + c < num_live, other=float("-inf"))
-            m_vec = tl.maximum(m_vec, lse)
-        m = tl.max(m_vec, axis=0)
+        m = tl.full([], _MERGE_M0, tl.float32)  # one pass with a running max (see ``merge_partitions``)
         l_vec = tl.zeros([CHUNK], tl.float32)
         acc = tl.zeros([HEAD_DIM], tl.float32)
         for c0 in range(0, num_live, CHUNK):
             live = c0 + c < num_live
             lse = tl.load(part_lse_ptr + base + c0 + c, mask=live, other=float("-inf"))
             o = tl.load(part_out_ptr + (base + c0 + c)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-            w = tl.exp2(lse - m)  # (CHUNK,)
-            l_vec += w
-            acc += tl.sum(w[:, None] * o, axis=0)
+            m_new = tl.maximum(m, tl.max(lse, axis=0))
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)  # (CHUNK,)
+            l_vec = l_vec * alpha + w
+            acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+            m = m_new
         out = acc / tl.sum(l_vec, axis=0)
         tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -566,6 +631,7 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_inner: bool | None = None,
     fused_reduce: bool | None = None,
+    preload_kv: bool | None = None,
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -600,6 +666,7 @@ def paged_decode_attention(
         prefetch=prefetch,
         heads_inner=heads_inner,
         fused_reduce=fused_reduce,
+        preload_kv=preload_kv,
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
@@ -702,6 +769,7 @@ def _launch_partitions(
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
         USE_PDL=use_pdl(q.device),
+        PRELOAD_KV=cfg.preload_kv,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),

@@ -63,6 +63,7 @@ __all__ = [
     "linear",
     "linear_ref",
     "norm_linear",
+    "norm_mlp",
     "prefers_fused",
     "prefers_skinny",
     "rows_bucket",
@@ -112,6 +113,7 @@ def _skinny_kernel(
     FUSED_REDUCE: tl.constexpr,
     USE_DOT: tl.constexpr,
     GLU: tl.constexpr,
+    GLU_OUT: tl.constexpr,
     NORM: tl.constexpr,
     NORM_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -142,13 +144,20 @@ def _skinny_kernel(
     PRELOAD_W: load the first (BLOCK_N, BLOCK_K) weight tile into registers before that wait, and each next tile
     one step ahead (a register double buffer): with one tile per program (k_per_split <= BLOCK_K) the program's
     whole weight read overlaps the previous kernel and only x is read after the wait.
+    GLU_OUT: W is [gate | up] (N = 2I rows) and the output is silu(x @ gate^T) * (x @ up^T), (M, I): the SiLU-and-mul
+    after a gate/up projection fused into its epilogue. Column block pid_n computes gate rows pid_n * BLOCK_N / 2 ..
+    and the same up rows (``_glu_cols``), each product rounded to x's dtype before the activation, as the unfused
+    projection and ``fused_ops.silu_and_mul`` round.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU_OUT:
+        cols, col_ok = _glu_cols(pid_n, N, BLOCK_N)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     row_ok = rows < M
-    col_ok = cols < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -197,15 +206,56 @@ def _skinny_kernel(
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_output(out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
     else:
         part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mask)
         if FUSED_REDUCE:
             _sum_partials_if_last(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
-                HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N,
+                rows, row_ok, pid_n, N, stride_om, HAS_BIAS, SPLIT, GLU_OUT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _glu_cols(pid_n, N, BLOCK_N: tl.constexpr):
+    """(BLOCK_N,) weight rows of GLU_OUT column block pid_n and their validity: the first half gate rows
+    pid_n * BLOCK_N / 2 + j, the second half the up rows I + pid_n * BLOCK_N / 2 + j (I = N / 2)."""
+    j = tl.arange(0, BLOCK_N)
+    act_col = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)  # (BLOCK_N,) the activation column each weight row feeds
+    cols = tl.where(j < BLOCK_N // 2, act_col, N // 2 + act_col)
+    return cols, act_col < N // 2
+
+
+@triton.jit
+def _store_output(
+    out_ptr,
+    acc,
+    rows,
+    row_ok,
+    out_offs,
+    mask,
+    pid_n,
+    N,
+    stride_om,
+    GLU_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Store the float32 tile acc (BLOCK_M, BLOCK_N) to out: as is at out_offs, or with GLU_OUT its activation
+    silu(gate) * up (BLOCK_M, BLOCK_N / 2) at columns pid_n * BLOCK_N / 2 .. of out (M, N / 2)."""
+    dtype = out_ptr.dtype.element_ty
+    if GLU_OUT:
+        pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))  # (BLOCK_M, BLOCK_N / 2, 2)
+        gate, up = tl.split(pairs)
+        gate = gate.to(dtype).to(tl.float32)  # rounded as the unfused projection's output
+        up = up.to(dtype).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        act_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        act_mask = row_ok[:, None] & (act_cols < N // 2)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + act_cols[None, :], act.to(dtype), mask=act_mask)
+    else:
+        tl.store(out_ptr + out_offs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -275,8 +325,14 @@ def _sum_partials_if_last(
     col_ok,
     mask,
     slab,
+    rows,
+    row_ok,
+    pid_n,
+    N,
+    stride_om,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    GLU_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -294,7 +350,7 @@ def _sum_partials_if_last(
             total += tl.load(part_ptr + s * slab + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
             total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_output(out_ptr, total, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
         tl.atomic_xchg(count_ptr, 0)
 
 
@@ -359,27 +415,33 @@ class Fused(NamedTuple):
 # Launch shapes measured best on the H200, by (N, K, rows bucket): M rows fall in the bucket of the smallest
 # measured row count >= M (1; 2-16; 17-64). ``prefers_skinny`` sends a plain product to the kernel where its entry
 # is faster than cuBLAS; the others are still the kernel's best shape when a fusion makes it take the product.
-# Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured
-# 2026-12-01 23:50 (Qwen3-0.6B shapes, benchmarks/sweep_small.py --budget-s 60, PDL on, CUDA-graph replays,
-# weights past L2): us per call, skinny against cuBLAS.
+# Products without an entry keep ``prefers_skinny``'s shape rule and ``skinny_config``'s heuristic. Measured on the
+# Qwen3-0.6B shapes (benchmarks/sweep_small.py, PDL on, CUDA-graph replays, weights past L2; us per call, skinny
+# against cuBLAS): one row 2026-12-01 23:50 (--budget-s 60); 16 and 64 rows 2026-12-02 02:15 (--parts
+# attn,gemm,glu,step --rows 16,64 --budget-s 55: 12 configs tried per bucket; o and down at 16 rows now take 256-wide
+# K steps with the weights read ahead, the whole step at B = 16 verified faster with them and the GLU epilogue below).
 MEASURED_ROWS = (1, 16, 64)
 TUNED_CONFIGS: dict[tuple[int, int, int], Tuned] = {
     (4096, 1024, 1): Tuned(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 3.76, 4.93),  # 0.6b qkv
-    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.66, 5.47),
-    (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.83, 5.34),
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.65, 5.32),
+    (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.68, 5.44),
     (1024, 2048, 1): Tuned(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 2.61, 12.60),  # 0.6b o
-    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 4.19, 5.84),
-    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.94, 5.84),
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 256, 4, 4, 1, preload=True), 4.18, 5.91),
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.90, 5.83),
     (6144, 1024, 1): Tuned(SkinnyConfig(1, 4, 1024, 1, 4, 1, use_dot=False, preload=True), 5.71, 6.16),  # gate_up
-    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 5.96),
-    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.88, 6.38),
+    (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 6.08),
+    (6144, 1024, 64): Tuned(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.71, 6.28),
     (1024, 3072, 1): Tuned(SkinnyConfig(1, 4, 2048, 1, 4, 1, use_dot=False, preload=True), 3.84, 7.44),  # 0.6b down
-    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 128, 4, 4, 4), 5.29, 7.75),
-    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.23, 7.91),
+    (1024, 3072, 16): Tuned(SkinnyConfig(16, 32, 256, 4, 4, 1, preload=True), 5.18, 7.74),
+    (1024, 3072, 64): Tuned(SkinnyConfig(64, 32, 128, 4, 4, 4), 6.23, 7.97),
 }
-# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket), same run:
+# Fused prologues measured against the two launches they replace, by (kind, N, K, rows bucket), in the one-row run:
 # ``prefers_fused`` fuses where the entry is faster (one row: all three; 16 rows: none); shapes without one keep
-# its rule. Above NORM_MAX_ROWS nothing is fused (SiLU in down_proj at 64 rows cost ~13 us a layer more).
+# its rule. Above NORM_MAX_ROWS no prologue is fused (SiLU in down_proj at 64 rows cost ~13 us a layer more).
+# "glu" (SiLU-and-mul in gate/up's epilogue, ``norm_mlp``), in the 16/64-row run: 16 rows 6.20 us against 7.83 for
+# cuBLAS's gate/up and the SiLU kernel; the whole decode step at B = 16 (latency contexts) 1139.2 us against 1206.0
+# with it and the 16-row configs above. At 64 rows it measured 6.91 against 8.15 alone, but the whole step at B = 64
+# 1574.1 us against 1552.8 without it: no entry there.
 FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
     ("norm", 4096, 1024, 1): Fused(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 4.09, 5.06),
     ("norm", 4096, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 9.56, 6.18),
@@ -387,6 +449,7 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
     ("norm", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 128, 1, 4, 4), 13.79, 7.97),
     ("silu", 1024, 3072, 1): Fused(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 4.19, 5.42),
     ("silu", 1024, 3072, 16): Fused(SkinnyConfig(16, 32, 128, 4, 4, 4), 17.46, 6.92),
+    ("glu", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.20, 7.83),
 }
 
 
@@ -442,9 +505,12 @@ def skinny_linear(
     config: SkinnyConfig | None = None,
     glu: bool = False,
     norm: Norm | None = None,
+    glu_out: bool = False,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
     glu: x is [gate | up] (M, 2K) and the product is silu_and_mul(x) @ weight^T (SiLU-and-mul done on load).
+    glu_out: weight is [gate | up] (2I, K) and the result is silu_and_mul(x @ weight^T + bias), (M, I) (SiLU-and-mul
+    done in the epilogue; needs an even block_n, and with split_k > 1 the in-kernel sum).
     norm: the product's input is the RMSNorm of x (+ norm.residual), computed on load; x + residual is written
     to norm.residual_out (see ``Norm``).
 
@@ -460,13 +526,27 @@ def skinny_linear(
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("skinny_linear needs x and weight contiguous in their last dimension")
     cfg = config or skinny_config(num_rows, out_features, in_features)
-    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if glu_out:
+        _check_glu_out(cfg, out_features, glu)
+    out = torch.empty(num_rows, out_features // 2 if glu_out else out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
     if norm is not None:
         _check_norm(norm, x)
-    _launch_skinny(x, weight, bias, out, cfg, glu, norm)
+    _launch_skinny(x, weight, bias, out, cfg, glu, norm, glu_out)
     return out
+
+
+def _check_glu_out(cfg: SkinnyConfig, out_features: int, glu: bool) -> None:
+    """Raise ValueError unless a GLU epilogue can run: an even number of weight rows, an even block_n (>= 32 with
+    tl.dot, whose halves are >= 16 wide), the in-kernel split sum, and no GLU prologue too."""
+    if out_features % 2 or cfg.block_n % 2 or (cfg.use_dot and cfg.block_n < 32):
+        raise ValueError(f"glu_out needs an even weight row count and block_n (>= 32 with use_dot), got "
+                         f"{out_features} rows, block_n {cfg.block_n}")  # fmt: skip
+    if cfg.split_k > 1 and not cfg.fused_reduce:
+        raise ValueError("glu_out with split_k > 1 needs fused_reduce=True (the separate sum kernel has no epilogue)")
+    if glu:
+        raise ValueError("glu (SiLU-and-mul prologue) and glu_out (epilogue) cannot both be set")
 
 
 class Norm(NamedTuple):
@@ -504,12 +584,14 @@ def _launch_skinny(
     cfg: SkinnyConfig,
     glu: bool,
     norm: Norm | None = None,
+    glu_out: bool = False,
 ) -> None:
-    """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out."""
+    """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out
+    (its SiLU-and-mul with glu_out)."""
     num_rows, (out_features, in_features) = x.shape[0], weight.shape
     if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
-    col_blocks = triton.cdiv(out_features, cfg.block_n)
+    col_blocks = triton.cdiv(out_features // 2, cfg.block_n // 2) if glu_out else triton.cdiv(out_features, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
     part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
@@ -538,6 +620,7 @@ def _launch_skinny(
         FUSED_REDUCE=cfg.fused_reduce,
         USE_DOT=cfg.use_dot,
         GLU=glu,
+        GLU_OUT=glu_out,
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
         USE_PDL=use_pdl(x.device),
@@ -600,9 +683,13 @@ def prefers_fused(kind: str, num_rows: int, out_features: int, in_features: int)
     goes to the skinny kernel at M rows: never above NORM_MAX_ROWS rows; below, a ``FUSED_TIMES`` entry at this
     rows bucket decides (fused against the two launches); without one, when the kernel has a measured config
     there (one ~5 us launch instead of the op's ~1.6 us launch plus cuBLAS's ~5 us), or wherever the plain
-    product prefers it."""
+    product prefers it. Kind "glu" (the SiLU-and-mul epilogue of a gate/up projection, ``glu_out``) is taken only
+    where a ``FUSED_TIMES`` entry measured it faster, up to 64 rows."""
+    if kind == "glu":
+        fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
+        return num_rows > 0 and fused is not None and fused.fused_us < fused.unfused_us
     if kind not in ("norm", "silu"):
-        raise ValueError(f"prefers_fused kind must be 'norm' or 'silu', got {kind!r}")
+        raise ValueError(f"prefers_fused kind must be 'norm', 'silu' or 'glu', got {kind!r}")
     if not 0 < num_rows <= NORM_MAX_ROWS:
         return False
     fused = FUSED_TIMES.get((kind, out_features, in_features, rows_bucket(num_rows) or 0))
@@ -671,3 +758,31 @@ def norm_linear(
         return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
     normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), new_residual
+
+
+def norm_mlp(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(down(silu_and_mul(gate_up(rmsnorm(x + residual)))), x + residual) for x, residual (T, K): a gated MLP after
+    its residual add + RMSNorm (residual None: rmsnorm(x), and x itself), gate_up_weight [gate | up] (2I, K),
+    down_weight (N, I). Where ``prefers_fused("glu", ...)`` picks the rows (on a GPU), the activation runs in the
+    gate/up projection's epilogue (``glu_out``: no SiLU-and-mul launch); otherwise ``norm_linear`` then
+    ``silu_mul_linear``, each fusing where it measured faster."""
+    rows, (gu_rows, in_features) = x.shape[0], gate_up_weight.shape
+    if on_gpu(x) and x.dim() == 2 and prefers_fused("glu", rows, gu_rows, in_features):
+        if residual is None:
+            normed, new_residual = rmsnorm(x, norm_weight, eps), x
+        else:
+            normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
+        cfg = fused_config("glu", rows, gu_rows, in_features)
+        act = skinny_linear(normed.contiguous(), gate_up_weight, gate_up_bias, cfg, glu_out=True)  # (T, I)
+        return linear(act, down_weight, down_bias), new_residual
+    gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
+    return silu_mul_linear(gate_up, down_weight, down_bias), new_residual

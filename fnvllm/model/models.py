@@ -138,6 +138,24 @@ class MLP(nn.Module):
         """x (T, hidden_size) -> (T, hidden_size)."""
         return self.down(self.gate_up_proj(x))
 
+    def fuses_norm_mlp(self) -> bool:
+        """Whether ``norm_forward`` applies: the ops have ``norm_mlp`` and both projections are in the model's
+        dtype (FP8 weights keep their own GEMM)."""
+        in_dtype = self.gate_up_proj.weight_scale_inv is None and self.down_proj.weight_scale_inv is None
+        return self.ops.norm_mlp is not None and in_dtype
+
+    def norm_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(rmsnorm(x + residual)), x + residual) by ``ops.norm_mlp`` (see ``fuses_norm_mlp``)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        bias = down.bias if down.adds_bias else None
+        norm_mlp = self.ops.norm_mlp
+        if norm_mlp is None:
+            raise RuntimeError("MLP.norm_forward needs ops.norm_mlp (see fuses_norm_mlp)")
+        y, residual = norm_mlp(x, residual, norm_weight, eps, gate_up.weight, gate_up.bias, down.weight, bias)
+        return all_reduce(y, self.tp), residual
+
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on."""
         glu = self.ops.silu_mul_linear
@@ -185,6 +203,8 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = (in_norm(hidden), hidden) if residual is None else in_norm.add_and_norm(hidden, residual)
             hidden = attn(hidden, rope, kv_cache, meta, backend)
+        if isinstance(mlp, MLP) and mlp.fuses_norm_mlp():  # norm, gate/up, activation, down: ``ops.norm_mlp``
+            return mlp.norm_forward(hidden, residual, post_norm.weight, post_norm.eps)
         if norm_linear is not None and isinstance(mlp, MLP) and mlp.gate_up_proj.weight_scale_inv is None:
             proj = mlp.gate_up_proj
             gate_up, residual = norm_linear(hidden, residual, post_norm.weight, post_norm.eps, proj.weight, proj.bias)

@@ -50,6 +50,10 @@ class ModelOps:
     norm_linear: a layer's residual add + RMSNorm and the projection after it, ``(x, residual, norm_weight,
     eps, weight, bias) -> (y, new_residual)`` (``skinny_gemm.norm_linear``: one launch at few rows), or None:
     ``add_rmsnorm`` then ``linear``.
+    norm_mlp: a layer's residual add + RMSNorm and its whole gated MLP, ``(x, residual, norm_weight, eps,
+    gate_up_weight, gate_up_bias, down_weight, down_bias) -> (y, new_residual)`` (``skinny_gemm.norm_mlp``: the
+    SiLU-and-mul in the gate/up projection's epilogue where measured faster, else ``norm_linear`` and
+    ``silu_mul_linear``), or None: those two ops. Used only when both projections are in the model's dtype.
     """
 
     name: str
@@ -66,6 +70,7 @@ class ModelOps:
     norm_rope_store: Callable[..., torch.Tensor] | None = None
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -97,8 +102,8 @@ def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
 
     fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
-    down_proj at few rows (``norm_linear``, ``silu_mul_linear``, where measured faster); None reads
-    FNVLLM_FUSED_PROLOGUES (default on).
+    down_proj, or in gate-up's epilogue, at few rows (``norm_linear``, ``silu_mul_linear``, ``norm_mlp``, where
+    measured faster); None reads FNVLLM_FUSED_PROLOGUES (default on).
     """
     from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
@@ -117,6 +122,7 @@ def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
         store_kv.norm_rope_store,
         skinny_gemm.silu_mul_linear if fused_prologues else None,
         skinny_gemm.norm_linear if fused_prologues else None,
+        skinny_gemm.norm_mlp if fused_prologues else None,
     )
 
 
