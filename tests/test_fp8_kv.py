@@ -189,6 +189,40 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_path", ["wgmma", "wgmma_qk8"])
+def test_decode_fp8_transposed_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
+    """The transposed FP8 decode products (K q^T, V^T P^T) match the torch reference, split or not, with GQA 4;
+    "wgmma_qk8" rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
+    gen = torch.Generator().manual_seed(13)
+    lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
+    table = random_tables(lengths, block_size, gen)
+    _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    table = table.to(DEVICE)
+    scale = head_dim**-0.5
+    q_ref = q.float().to(fp8.FP8_DTYPE).float() if fp8_path == "wgmma_qk8" else q.float()
+    ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, scale, k_scale, v_scale)
+    for partition_size in (32, 128):
+        out = paged_decode_attention(
+            q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=16, fp8_path=fp8_path,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        assert rel_err(out.float(), ref) < TOLERANCE[dtype]
+
+
+def test_fp8_path_is_checked() -> None:
+    """An unknown fp8_path, or a transposed one with gqa_mode "sum", is a ValueError naming the knob."""
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 16, device=DEVICE).to(fp8.FP8_DTYPE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    seq_lens, scales = torch.ones(1, dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE)
+    for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma", "gqa_mode": "sum"}):
+        with pytest.raises(ValueError, match="fp8_path"):
+            paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, k_scale=scales, v_scale=scales, **knobs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_fp8_matches_reference(dtype: torch.dtype) -> None:
     """The Triton varlen prefill kernel on FP8 caches (chunks over cached prefixes, a decode row) matches the
     torch reference."""

@@ -48,8 +48,11 @@ import triton.language as tl
 from fnvllm.kernels.attention import KVCache, _decode_attention
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
+Fp8Path = Literal["mma", "wgmma", "wgmma_qk8"]
+FP8_PATHS: tuple[str, ...] = ("mma", "wgmma", "wgmma_qk8")
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -93,6 +96,12 @@ class DecodeKernelConfig:
     fused_reduce: the last partition of a split (sequence, KV head) to finish merges the partials itself (an
         atomic arrival counter per pair); False launches the separate reduce kernel (grid (B, Hq)) instead; None
         picks by shape (``fuses_reduce``).
+    fp8_path: how an FP8 cache's tiles are multiplied (ignored for 16-bit caches; needs gqa_mode "dot"):
+        "mma": q K^T and P V with the tiles widened to float16 in the dot operands' registers (mma.sync);
+        "wgmma": transposed, K q^T and V^T P^T (the tile's tokens as the product's rows, so Hopper's warpgroup
+        MMA applies), the tiles widened to float16 one 32-bit word (4 values) at a time where loaded;
+        "wgmma_qk8": as "wgmma", but the scores K q^T multiply the e4m3 keys as stored with q rounded to e4m3
+        (no widening of K at all; q's rounding adds to the error, see docs/fp8.md).
     """
 
     partition_size: int = 512
@@ -103,6 +112,7 @@ class DecodeKernelConfig:
     prefetch: bool = False
     heads_inner: bool = True
     fused_reduce: bool | None = None
+    fp8_path: Fp8Path = "mma"
 
 
 # Why these defaults (first choices for an H200 at B=256, context U(100, 2048), Hkv 8, D 128, bf16, checked only by
@@ -325,6 +335,60 @@ def attend_tile(
     return m_new, l, acc * alpha[:, None] + pv
 
 
+# e4m3 -> float16 of 4 values in one 32-bit word: two cvt.rn.f16x2.e4m3x2 (sm_89+), no byte repacking.
+_E4M3X4_TO_F16_ASM = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+
+
+@triton.jit
+def widen_e4m3(x, ASM: tl.constexpr):
+    """float8_e4m3fn x -> float16 (exact). ASM (GPU only): inline PTX on 32-bit words of 4 values in the layout
+    x was loaded in (not pure, so Triton keeps it there), where Triton's cast repacks byte by byte."""
+    if ASM:
+        u = x.to(tl.uint8, bitcast=True)
+        return tl.inline_asm_elementwise(_E4M3X4_TO_F16_ASM, "=r,=r,r", [u], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(tl.float16)
+
+
+@triton.jit
+def attend_tile_kq(
+    qt,
+    k,
+    v,
+    visible,
+    m,
+    l,
+    acct,
+    scale_log2,
+    QK_FP8: tl.constexpr,
+    P_FP16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step, transposed: scores S^T = K q^T (N, R) and acc^T (D, R) += V^T P^T, so the tile's
+    N tokens (and D) are the products' rows (Hopper's warpgroup MMA needs >= 64 of them).
+
+    qt (D, R): float16 or float32, or e4m3 when QK_FP8 (then K enters the product as stored); k, v (N, D) e4m3
+    tiles, widened to float16 (then to float32 unless P_FP16, which also rounds P to float16); visible (N, 1);
+    m, l (R,) base 2; acct (D, R) float32. Returns (m, l, acct)."""
+    cd = tl.float16 if P_FP16 else tl.float32
+    if QK_FP8:
+        st = dot(k, qt, "tf32", UPCAST_DOT)  # (N, R), e4m3 x e4m3 on the GPU
+    else:
+        st = dot(widen_e4m3(k, not UPCAST_DOT).to(cd), qt, DOT_PRECISION, UPCAST_DOT)  # (N, R)
+    st = tl.where(visible, st * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(st, axis=0))
+    alpha = tl.exp2(m - m_new)
+    pt = tl.exp2(st - m_new[None, :])  # (N, R)
+    l = l * alpha + tl.sum(pt, axis=0)
+    vt = tl.trans(widen_e4m3(v, not UPCAST_DOT).to(cd))  # (D, N)
+    return m_new, l, acct * alpha[None, :] + dot(vt, pt.to(cd), DOT_PRECISION, UPCAST_DOT)
+
+
 @triton.jit
 def _decode_partition_kernel(
     q_ptr,
@@ -363,6 +427,8 @@ def _decode_partition_kernel(
     HEADS_INNER: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
+    KQ: tl.constexpr,
+    QK_FP8: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -373,6 +439,8 @@ def _decode_partition_kernel(
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
+    KQ (FP8 only): the transposed products of ``attend_tile_kq`` (fp8_path "wgmma"); QK_FP8 with it: q rounded
+    to e4m3 and K used as stored (fp8_path "wgmma_qk8").
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
     if HEADS_INNER:
@@ -404,6 +472,15 @@ def _decode_partition_kernel(
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if KQ:
+            acct = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+            if QK_FP8:
+                if UPCAST_DOT:  # the interpreter's float32 -> e4m3 cast is wrong: the bits computed instead
+                    qt = tl.trans(e4m3_bits(q.to(tl.float32)).to(tl.float8e4nv, bitcast=True))
+                else:
+                    qt = tl.trans(q.to(tl.float32).to(tl.float8e4nv))
+            else:
+                qt = tl.trans(q)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
@@ -416,7 +493,8 @@ def _decode_partition_kernel(
                 k, v = k_next, v_next
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
+            if not KQ:
+                k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
                 table_row, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE
@@ -424,9 +502,16 @@ def _decode_partition_kernel(
             mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
                 k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            m, l, acc = attend_tile(
-                q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
-            )
+            if KQ:
+                m, l, acct = attend_tile_kq(
+                    qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, QK_FP8, Q_FP16, DOT_PRECISION, UPCAST_DOT
+                )
+            else:
+                m, l, acc = attend_tile(
+                    q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
+                )
+        if KQ:
+            acc = tl.trans(acct)
         o = acc / l[:, None]  # (GROUP_PAD, D)
         if KV_FP8:  # the reduce is linear in each partial output, so scaling them here scales the result
             o = o * tl.load(v_scale_ptr + kv_head)
@@ -566,6 +651,7 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_inner: bool | None = None,
     fused_reduce: bool | None = None,
+    fp8_path: Fp8Path | None = None,
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -600,6 +686,7 @@ def paged_decode_attention(
         prefetch=prefetch,
         heads_inner=heads_inner,
         fused_reduce=fused_reduce,
+        fp8_path=fp8_path,
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
@@ -660,6 +747,7 @@ def _launch_partitions(
     fused = workspace is not None and cfg.fused_reduce
     counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
     merge_group = int(triton.next_power_of_2(group))
+    kq = kv.k_scale is not None and cfg.fp8_path != "mma"  # the transposed FP8 products (attend_tile_kq)
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -687,7 +775,7 @@ def _launch_partitions(
         num_parts,
         HEAD_DIM=head_dim,
         GROUP=group,
-        GROUP_PAD=_group_pad(group, cfg.gqa_mode),
+        GROUP_PAD=_group_pad(group, cfg.gqa_mode, kq),
         BLOCK_SIZE=block_size,
         PARTITION_SIZE=cfg.partition_size,
         TILE=cfg.tile_size,
@@ -698,6 +786,8 @@ def _launch_partitions(
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
+        KQ=kq,
+        QK_FP8=kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8",
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
@@ -730,9 +820,10 @@ def upcast_dot(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _group_pad(group: int, gqa_mode: GqaMode) -> int:
-    """Rows the G query heads of a KV group are padded to: >= 16 for tl.dot, a power of two >= 2 for tl.sum."""
-    return max(16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
+def _group_pad(group: int, gqa_mode: GqaMode, kq: bool = False) -> int:
+    """Rows the G query heads of a KV group are padded to: >= 16 for tl.dot, a power of two >= 2 for tl.sum, >= 8
+    for the transposed FP8 products (the heads are the warpgroup MMA's N, which may be 8)."""
+    return max(8 if kq else 16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
 
 
 def _resolve_config(base: DecodeKernelConfig, **knobs: object) -> DecodeKernelConfig:
@@ -753,6 +844,8 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
     """Raise ValueError naming the knob when the launch configuration is unusable."""
     if cfg.gqa_mode not in ("dot", "sum"):
         raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
+    if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
+        raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 16 if cfg.gqa_mode == "dot" else 1
