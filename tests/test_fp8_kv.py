@@ -189,10 +189,11 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_path", ["wgmma", "wgmma_qk8"])
-def test_decode_fp8_transposed_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
-    """The transposed FP8 decode products (K q^T, V^T P^T) match the torch reference, split or not, with GQA 4;
-    "wgmma_qk8" rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
+@pytest.mark.parametrize("fp8_path", ["mma_words", "wgmma", "wgmma_qk8"])
+def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
+    """Every other FP8 decode path (tiles widened where loaded; the transposed products K q^T, V^T P^T) matches
+    the torch reference, split or not, with GQA 4; "wgmma_qk8" rounds q to e4m3 first, so its reference gets the
+    e4m3-rounded q."""
     gen = torch.Generator().manual_seed(13)
     lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
     table = random_tables(lengths, block_size, gen)

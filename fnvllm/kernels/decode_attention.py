@@ -51,8 +51,8 @@ from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kern
 from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
-Fp8Path = Literal["mma", "wgmma", "wgmma_qk8"]
-FP8_PATHS: tuple[str, ...] = ("mma", "wgmma", "wgmma_qk8")
+Fp8Path = Literal["mma", "mma_words", "wgmma", "wgmma_qk8"]
+FP8_PATHS: tuple[str, ...] = ("mma", "mma_words", "wgmma", "wgmma_qk8")
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -98,6 +98,8 @@ class DecodeKernelConfig:
         picks by shape (``fuses_reduce``).
     fp8_path: how an FP8 cache's tiles are multiplied (ignored for 16-bit caches; needs gqa_mode "dot"):
         "mma": q K^T and P V with the tiles widened to float16 in the dot operands' registers (mma.sync);
+        "mma_words": the same products, the tiles widened where loaded (``widen_e4m3``: 4 values a 32-bit word)
+        and staged through shared memory as float16;
         "wgmma": transposed, K q^T and V^T P^T (the tile's tokens as the product's rows, so Hopper's warpgroup
         MMA applies), the tiles widened to float16 one 32-bit word (4 values) at a time where loaded;
         "wgmma_qk8": as "wgmma", but the scores K q^T multiply the e4m3 keys as stored with q rounded to e4m3
@@ -429,6 +431,7 @@ def _decode_partition_kernel(
     Q_FP16: tl.constexpr,
     KQ: tl.constexpr,
     QK_FP8: tl.constexpr,
+    WORDS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -440,7 +443,8 @@ def _decode_partition_kernel(
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
     KQ (FP8 only): the transposed products of ``attend_tile_kq`` (fp8_path "wgmma"); QK_FP8 with it: q rounded
-    to e4m3 and K used as stored (fp8_path "wgmma_qk8").
+    to e4m3 and K used as stored (fp8_path "wgmma_qk8"). WORDS (FP8, float16 q): tiles widened where loaded
+    (fp8_path "mma_words").
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
     if HEADS_INNER:
@@ -493,7 +497,9 @@ def _decode_partition_kernel(
                 k, v = k_next, v_next
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            if not KQ:
+            if WORDS:  # float16 q (Q_FP16)
+                k, v = widen_e4m3(k, not UPCAST_DOT), widen_e4m3(v, not UPCAST_DOT)
+            elif not KQ:
                 k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
@@ -787,6 +793,7 @@ def _launch_partitions(
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
         KQ=kq,
+        WORDS=kv.k_scale is not None and cfg.fp8_path == "mma_words" and fp8_compute_fp16(q, kv.k),
         QK_FP8=kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8",
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
