@@ -1,6 +1,6 @@
 """FP8 KV cache on one GPU: the Triton kernels against the torch reference at real sizes, then decode speed.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep] [--quick]
 
 (a) correctness, bf16 queries over float8_e4m3fn caches with per-head scales (Hq 16 / Hkv 8 / D 128):
     store_kv at 8192 tokens (bit-exact against ``fp8.quantize_fp8``: mismatched bytes are counted), decode (64
@@ -8,13 +8,16 @@
     against the torch FP8 reference (tolerance 1e-2 of ||ref||), and the FP8 reference against the bf16 one on
     the same (unquantized) values, for information;
 (b) decode speed on benchmarks/bench_attention.py's problem (B=256, context U(100, 2048), 256-token blocks in
-    random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults plus
-    a short coordinate sweep (tile size, stages, warps, partition size), and once with the tiles widened to
-    bfloat16 instead of float16 (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
+    random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults, then
+    FP8_CANDIDATES (each ``fp8_path`` with its likely knobs, best guess first; each checked against the reference,
+    "wgmma_qk8" against the reference over e4m3-rounded queries), then a short coordinate sweep around the best
+    (partition size, stages, warps, tile), and once with the tiles widened to bfloat16 instead of float16
+    (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
     sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
     (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and >= 1.85x the bf16 tokens/s;
 (c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
-A short table comes last; --json writes every number.
+A short table comes last (and once early, after the candidates); --json writes every number. --quick skips (a)
+and (c) (for a short GPU call).
 """
 
 from __future__ import annotations
@@ -48,11 +51,29 @@ from fnvllm.kernels import store_kv as skv
 from fnvllm.kernels.decode_attention import DecodeKernelConfig
 from fnvllm.kernels.fp8 import quantize_fp8
 
+# Knob sets tried first (on top of the launcher's FP8 choice at B=256), best guess first: per fp8_path, the
+# configurations whose sm_90 SASS (compiled on the CPU) had the fewest instructions per token at an occupancy of
+# two or more programs per SM: warpgroup-MMA paths at tiles of 128 and 2 stages ~17-21 warp instructions per
+# token and KV head, against ~40 for "mma" (the default so far).
+FP8_CANDIDATES: tuple[dict[str, object], ...] = (
+    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "mma_words", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma", "tile_size": 64, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 8},
+    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 2, "num_warps": 8},
+    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 256, "num_stages": 2, "num_warps": 8},
+)
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
-    tuple({"tile_size": v} for v in (32, 64, 128)),
+    tuple({"partition_size": v} for v in (512, 1024, 2048)),
     tuple({"num_stages": v} for v in (2, 3, 4)),
     tuple({"num_warps": v} for v in (4, 8)),
-    tuple({"partition_size": v} for v in (512, 1024)),
+    tuple({"tile_size": v} for v in (64, 128)),
 )
 
 
@@ -173,30 +194,57 @@ def time_decode(q: torch.Tensor, p: Paged | Fp8Paged, tables: torch.Tensor, seq_
     )
 
 
+def describe8(cfg: DecodeKernelConfig) -> str:
+    """describe(cfg) with the FP8 path."""
+    return f"{describe(cfg)} path={cfg.fp8_path}"
+
+
 def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
-    """(b): bf16 at its defaults (one partition, as the launcher picks at B=256), FP8 at its defaults then swept."""
+    """(b): bf16 at its defaults (one partition, as the launcher picks at B=256), FP8 at its defaults, then the
+    candidates and a coordinate sweep around the best; a config whose output misses the reference by more than
+    1e-2 counts as failed (infinitely slow)."""
     q, p = decode_problem(256)
     f = to_fp8(p, *scales(6))
     partition = dec.auto_partition_size(q.shape[0], HKV, p.tables.shape[1] * 256)
     bf16_cfg = dataclasses.replace(dec.DEFAULT_DECODE_CONFIG, partition_size=partition)
     bf16_s = time_decode(q, p, p.tables, p.seq_lens, bf16_cfg)
     print(f"  decode bf16 {describe(bf16_cfg)}  {bf16_s * 1e6:8.1f} us  {p.kv_bytes / bf16_s / 1e12:5.2f} TB/s")
+    refs = {
+        rounded: dec.paged_decode_attention_ref(
+            q.float().to(torch.float8_e4m3fn).float() if rounded else q,
+            *(f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, f.k_scale, f.v_scale),
+        ).float()
+        for rounded in (False, True)
+    }
     seen: dict[DecodeKernelConfig, float] = {}
+    errors: dict[str, float] = {}
 
     def measure(cfg: DecodeKernelConfig) -> float:
         if cfg not in seen:
             try:
-                seen[cfg] = time_decode(q, f, p.tables, p.seq_lens, cfg)
+                out = run_decode(q, f, p, cfg)
+                err = rel_err(out, refs[cfg.fp8_path == "wgmma_qk8"])
+                errors[describe8(cfg)] = err
+                seen[cfg] = time_decode(q, f, p.tables, p.seq_lens, cfg) if err <= 1e-2 else math.inf
+                note = f"err {err:.1e}" + ("" if err <= 1e-2 else " FAIL")
             except Exception as e:  # a config that does not compile or fit: recorded, not fatal
                 seen[cfg] = math.inf
-                print(f"  decode fp8 {describe(cfg)}  failed: {type(e).__name__}: {str(e)[:80]}")
+                note = f"failed: {type(e).__name__}: {str(e)[:80]}"
             print(
-                f"  decode fp8  {describe(cfg)}  {seen[cfg] * 1e6:8.1f} us  {f.kv_bytes / seen[cfg] / 1e12:5.2f} TB/s"
+                f"  decode fp8  {describe8(cfg)}  {seen[cfg] * 1e6:8.1f} us  {f.kv_bytes / seen[cfg] / 1e12:5.2f} TB/s"
+                f"  {note}",
+                flush=True,
             )
         return seen[cfg]
 
     start = dataclasses.replace(dec.DEFAULT_FP8_DECODE_CONFIG, partition_size=partition)
     best = start
+    measure(start)
+    for change in FP8_CANDIDATES if sweep else ():
+        cand = dataclasses.replace(start, **change)
+        if time.perf_counter() < deadline and measure(cand) < measure(best):
+            best = cand
+    early_summary(bf16_s, seen, f.kv_bytes)
     for step in FP8_SWEEP if sweep else ():
         for change in step:
             cand = dataclasses.replace(best, **change)
@@ -204,7 +252,8 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
                 continue
             if measure(cand) < measure(best):
                 best = cand
-    bf16_compute_s = time_bf16_compute(q, f, p, best)
+    results["decode_errors"] = errors
+    bf16_compute_s = time_bf16_compute(q, f, p, best) if best.fp8_path == "mma" else math.inf
     out = dec.paged_decode_attention(
         q,
         f.k_cache,
@@ -216,8 +265,8 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         v_scale=f.v_scale,
         **dataclasses.asdict(best),
     )
-    ref = dec.paged_decode_attention_ref(q, f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, f.k_scale, f.v_scale)
-    record(results, "decode fp8 bench problem, best config", rel_err(out, ref), 1e-2)
+    ref = refs[best.fp8_path == "wgmma_qk8"]
+    record(results, f"decode fp8 bench problem, best config ({best.fp8_path})", rel_err(out, ref), 1e-2)
     results["decode"] = {
         "bf16": {"us": bf16_s * 1e6, "tb_s": p.kv_bytes / bf16_s / 1e12, "config": dataclasses.asdict(bf16_cfg)},
         "fp8_default": {"us": measure(start) * 1e6, "tb_s": f.kv_bytes / measure(start) / 1e12},
@@ -226,6 +275,25 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         "records": [{**dataclasses.asdict(c), "us": s * 1e6} for c, s in seen.items()],
         "bytes": {"bf16": p.kv_bytes, "fp8": f.kv_bytes},
     }
+
+
+def run_decode(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig) -> torch.Tensor:
+    """One FP8 decode with cfg's knobs into a NaN-filled output (float32 copy)."""
+    out = torch.full_like(q, float("nan"))
+    dec.paged_decode_attention(
+        q, f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, out, k_scale=f.k_scale, v_scale=f.v_scale,
+        **dataclasses.asdict(cfg),
+    )  # fmt: skip
+    return out.float()
+
+
+def early_summary(bf16_s: float, seen: dict[DecodeKernelConfig, float], fp8_bytes: int) -> None:
+    """The fastest FP8 configurations so far against bf16 (printed before the coordinate sweep)."""
+    print("\n== early: fastest FP8 decode configs (B=256, U(100, 2048)) ==")
+    print(f"| bf16 defaults | {bf16_s * 1e6:.1f} us | 1.00x |")
+    for cfg, s in sorted(seen.items(), key=lambda kv: kv[1])[:6]:
+        print(f"| {describe8(cfg)} | {s * 1e6:.1f} us | {fp8_bytes / s / 1e12:.2f} TB/s | {bf16_s / s:.2f}x |")
+    print(flush=True)
 
 
 def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig) -> float:
@@ -291,7 +359,7 @@ def summary(results: dict) -> None:
         )
         for key, label in rows:
             print(f"| {label} | {d[key]['us']:.1f} | {d[key]['tb_s']:.2f} | {base / d[key]['us']:.2f}x |")
-        best = {k: d["fp8_best"][k] for k in ("partition_size", "tile_size", "num_warps", "num_stages")}
+        best = {k: d["fp8_best"][k] for k in ("partition_size", "tile_size", "num_warps", "num_stages", "fp8_path")}
         print(f"best fp8 decode knobs: {best}")
     if "prefill" in results:
         pf = results["prefill"]
@@ -309,16 +377,19 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH")
     parser.add_argument("--budget-s", type=float, default=150.0, help="seconds the decode sweep may take (after (a))")
     parser.add_argument("--no-sweep", action="store_true", help="time the defaults only")
+    parser.add_argument("--quick", action="store_true", help="decode speed only: skip (a) and (c)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_kv.py needs a CUDA GPU")
     t0 = time.perf_counter()
     results: dict = {"correctness": [], "fp8_vs_bf16_reference": {}, "device": torch.cuda.get_device_name()}
-    correctness(results)
+    if not args.quick:
+        correctness(results)
     torch.cuda.empty_cache()
     bench_decode(results, time.perf_counter() + args.budget_s * 0.85, not args.no_sweep)
     torch.cuda.empty_cache()
-    bench_prefill(results)
+    if not args.quick:
+        bench_prefill(results)
     results["seconds"] = time.perf_counter() - t0
     if args.json:
         with open(args.json, "w") as fh:
