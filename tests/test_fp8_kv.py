@@ -437,6 +437,30 @@ def test_fp8_kernels_at_real_sizes() -> None:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("fp8_path", ["mma", "mma_words", "wgmma", "wgmma_qk8"])
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_fp8_decode_paths_at_real_sizes(fp8_path: str, num_heads: int) -> None:
+    """On a GPU, every FP8 decode path at the Qwen3-0.6B / 8B head shapes (16 or 32 q heads over 8 KV heads, D 128,
+    256-token blocks), split into partitions and not, tiles of 64 and 128, matches the reference within 1e-2
+    ("wgmma_qk8": the reference over e4m3-rounded queries)."""
+    gen = torch.Generator().manual_seed(8)
+    lengths, block_size, num_kv_heads, head_dim = [1, 300, 1000, 2048, 513, 0, 64], 256, 8, 128
+    table = random_tables(lengths, block_size, gen)
+    _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
+    table, seq_lens = table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).cuda().bfloat16()
+    q_ref = q.float().to(fp8.FP8_DTYPE).float() if fp8_path == "wgmma_qk8" else q
+    ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, head_dim**-0.5, k_scale, v_scale).float()
+    for partition_size, tile_size in ((4096, 128), (512, 64), (64, 64)):
+        out = paged_decode_attention(
+            q, k8, v8, table, seq_lens, head_dim**-0.5, partition_size=partition_size, tile_size=tile_size,
+            num_stages=2, fp8_path=fp8_path, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        assert rel_err(out.float(), ref) < 1e-2, (partition_size, tile_size)
+
+
+@pytest.mark.gpu
+@gpu
 def test_fp8_kv_cuda_graphs_match_eager(tmp_path: Path) -> None:
     """On a GPU (Triton backend), FP8-cache greedy tokens are the same with CUDA graphs and overlap as eager."""
     path = tiny_bf16(tmp_path)
