@@ -10,7 +10,7 @@
 (b) decode speed on benchmarks/bench_attention.py's problem (B=256, context U(100, 2048), 256-token blocks in
     random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults, then
     FP8_CANDIDATES (each ``fp8_path`` with its likely knobs, best guess first; each checked against the reference,
-    "wgmma_qk8" against the reference over e4m3-rounded queries), then a short coordinate sweep around the best
+    the "_qk8" paths against the reference over e4m3-rounded queries), then a short coordinate sweep around the best
     (partition size, stages, warps, tile), and once with the tiles widened to bfloat16 instead of float16
     (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
     sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
@@ -58,6 +58,8 @@ from fnvllm.kernels.fp8 import quantize_fp8
 FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "mma_words", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma", "tile_size": 64, "num_stages": 2, "num_warps": 4},
@@ -223,7 +225,7 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         if cfg not in seen:
             try:
                 out = run_decode(q, f, p, cfg)
-                err = rel_err(out, refs[cfg.fp8_path == "wgmma_qk8"])
+                err = rel_err(out, refs["_qk8" in cfg.fp8_path])
                 errors[describe8(cfg)] = err
                 seen[cfg] = time_decode(q, f, p.tables, p.seq_lens, cfg) if err <= 1e-2 else math.inf
                 note = f"err {err:.1e}" + ("" if err <= 1e-2 else " FAIL")
@@ -265,7 +267,7 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         v_scale=f.v_scale,
         **dataclasses.asdict(best),
     )
-    ref = refs[best.fp8_path == "wgmma_qk8"]
+    ref = refs["_qk8" in best.fp8_path]
     record(results, f"decode fp8 bench problem, best config ({best.fp8_path})", rel_err(out, ref), 1e-2)
     results["decode"] = {
         "bf16": {"us": bf16_s * 1e6, "tb_s": p.kv_bytes / bf16_s / 1e12, "config": dataclasses.asdict(bf16_cfg)},

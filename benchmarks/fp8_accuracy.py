@@ -40,9 +40,9 @@ from fnvllm.kernels import decode_attention as dec
 from fnvllm.kernels.fp8 import FP8_DTYPE
 
 # Not an EngineConfig field: the FP8 decode kernel's ``fp8_path`` for this option set. On a GPU it replaces
-# DEFAULT_FP8_DECODE_CONFIG's while the set runs; on the CPU (torch backend) "wgmma_qk8" is emulated by rounding
-# the decode steps' queries to e4m3 (what that path does before its K q^T product; its other roundings, P to
-# float16, are the same as the default path's).
+# DEFAULT_FP8_DECODE_CONFIG's while the set runs; on the CPU (torch backend) the "_qk8" paths are emulated by
+# rounding the decode steps' queries to e4m3 (what they do before their K q^T product; their other roundings, P to
+# float16, are the same as the "mma" path's).
 DECODE_PATH = "fp8_decode_path"
 
 OPTION_SETS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -90,7 +90,7 @@ def supported(options: dict[str, Any]) -> list[str]:
 
 def make_executor(path: Path, device: str, options: dict[str, Any], num_blocks: int) -> ModelExecutor:
     """A ModelExecutor for ``path`` with the engine options (eager: the loop below drives the model itself); a
-    DECODE_PATH option sets the FP8 decode kernel's path (GPU) or emulates "wgmma_qk8" (CPU, see DECODE_PATH)."""
+    DECODE_PATH option sets the FP8 decode kernel's path (GPU) or emulates a "_qk8" one (CPU, see DECODE_PATH)."""
     engine_options = {k: v for k, v in options.items() if k != DECODE_PATH}
     config = EngineConfig(
         device=device, block_size=BLOCK_SIZE, num_blocks=num_blocks, enforce_eager=True, max_num_seqs=64,
@@ -100,10 +100,8 @@ def make_executor(path: Path, device: str, options: dict[str, Any], num_blocks: 
     path_choice = options.get(DECODE_PATH, dec.FP8_PATHS[0])
     if ex.device.type == "cuda":
         dec.DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_FP8, fp8_path=path_choice)
-    elif path_choice == "wgmma_qk8":
+    elif "_qk8" in path_choice:  # the other paths compute what the torch backend does (up to float32 rounding)
         ex.backend = attrs.evolve(ex.backend, attend=_decode_q_e4m3(ex.backend.attend))
-    elif path_choice != dec.FP8_PATHS[0]:
-        raise SystemExit(f"{DECODE_PATH}={path_choice!r} has no CPU emulation")
     return ex
 
 

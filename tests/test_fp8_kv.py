@@ -189,11 +189,11 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_path", ["mma_words", "wgmma", "wgmma_qk8"])
+@pytest.mark.parametrize("fp8_path", ["mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves"])
 def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
     """Every other FP8 decode path (tiles widened where loaded; the transposed products K q^T, V^T P^T) matches
-    the torch reference, split or not, with GQA 4; "wgmma_qk8" rounds q to e4m3 first, so its reference gets the
-    e4m3-rounded q."""
+    the torch reference, split or not, with GQA 4; the "_qk8" paths round q to e4m3 first, so their reference gets
+    the e4m3-rounded q."""
     gen = torch.Generator().manual_seed(13)
     lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
     table = random_tables(lengths, block_size, gen)
@@ -202,11 +202,12 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     table = table.to(DEVICE)
     scale = head_dim**-0.5
-    q_ref = q.float().to(fp8.FP8_DTYPE).float() if fp8_path == "wgmma_qk8" else q.float()
+    q_ref = q.float().to(fp8.FP8_DTYPE).float() if "_qk8" in fp8_path else q.float()
     ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, scale, k_scale, v_scale)
+    tile = 32 if fp8_path.endswith("_halves") else 16
     for partition_size in (32, 128):
         out = paged_decode_attention(
-            q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=16, fp8_path=fp8_path,
+            q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=tile, fp8_path=fp8_path,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         assert rel_err(out.float(), ref) < TOLERANCE[dtype]
@@ -437,19 +438,19 @@ def test_fp8_kernels_at_real_sizes() -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fp8_path", ["mma", "mma_words", "wgmma", "wgmma_qk8"])
+@pytest.mark.parametrize("fp8_path", ["mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves"])
 @pytest.mark.parametrize("num_heads", [16, 32])
 def test_fp8_decode_paths_at_real_sizes(fp8_path: str, num_heads: int) -> None:
     """On a GPU, every FP8 decode path at the Qwen3-0.6B / 8B head shapes (16 or 32 q heads over 8 KV heads, D 128,
     256-token blocks), split into partitions and not, tiles of 64 and 128, matches the reference within 1e-2
-    ("wgmma_qk8": the reference over e4m3-rounded queries)."""
+    (the "_qk8" paths: the reference over e4m3-rounded queries)."""
     gen = torch.Generator().manual_seed(8)
     lengths, block_size, num_kv_heads, head_dim = [1, 300, 1000, 2048, 513, 0, 64], 256, 8, 128
     table = random_tables(lengths, block_size, gen)
     _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
     table, seq_lens = table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).cuda().bfloat16()
-    q_ref = q.float().to(fp8.FP8_DTYPE).float() if fp8_path == "wgmma_qk8" else q
+    q_ref = q.float().to(fp8.FP8_DTYPE).float() if "_qk8" in fp8_path else q
     ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, head_dim**-0.5, k_scale, v_scale).float()
     for partition_size, tile_size in ((4096, 128), (512, 64), (64, 64)):
         out = paged_decode_attention(
