@@ -70,6 +70,8 @@ FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 256, "num_stages": 2, "num_warps": 8},
+    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 4, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 3, "num_warps": 4},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
     tuple({"partition_size": v} for v in (512, 1024, 2048)),
