@@ -51,33 +51,28 @@ from fnvllm.kernels import store_kv as skv
 from fnvllm.kernels.decode_attention import DecodeKernelConfig
 from fnvllm.kernels.fp8 import quantize_fp8
 
-# Knob sets tried first (on top of the launcher's FP8 choice at B=256), best guess first: per fp8_path, the
-# configurations whose sm_90 SASS (compiled on the CPU) had the fewest instructions per token at an occupancy of
-# two or more programs per SM: warpgroup-MMA paths at tiles of 128 and 2 stages ~17-21 warp instructions per
-# token and KV head, against ~40 for "mma" (the default so far).
+# Knob sets tried first (on top of the launcher's FP8 choice at B=256), most likely first: every new fp8_path at
+# tiles of 128 and 64 and 2-3 stages, then a few more warps. In their sm_90 SASS (compiled on the CPU) the
+# warpgroup-MMA paths take ~17-21 warp instructions per token and KV head at tiles of 128 and 2 stages (2-3
+# programs an SM), ~24-27 at tiles of 64 (4-5 an SM), against ~40 for "mma" (the default so far).
 FP8_CANDIDATES: tuple[dict[str, object], ...] = (
-    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "wgmma_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "mma_words", "tile_size": 128, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "wgmma", "tile_size": 64, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 2, "num_warps": 4},
+    *(
+        {"fp8_path": path, "tile_size": tile, "num_stages": stages, "num_warps": 4}
+        for tile, stages in ((128, 2), (64, 2), (64, 3), (128, 3))
+        for path in ("wgmma_qk8", "wgmma", "wgmma_qk8_halves", "wgmma_halves", "mma_words")
+        if not (path.endswith("_halves") and tile < 128)
+    ),
+    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 4, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 8},
     {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 2, "num_warps": 8},
-    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
-    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
-    {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 256, "num_stages": 2, "num_warps": 8},
-    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 4, "num_warps": 4},
-    {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 3, "num_warps": 4},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
-    tuple({"partition_size": v} for v in (512, 1024, 2048)),
+    tuple({"partition_size": v} for v in (256, 512, 1024, 2048)),
     tuple({"num_stages": v} for v in (2, 3, 4)),
     tuple({"num_warps": v} for v in (4, 8)),
     tuple({"tile_size": v} for v in (64, 128)),
+    ({"heads_inner": False},),
 )
 
 
