@@ -44,6 +44,7 @@ from fnvllm.kernels.fp8 import FP8_DTYPE
 # rounding the decode steps' queries to e4m3 (what they do before their K q^T product; their other roundings, P to
 # float16, are the same as the "mma" path's).
 DECODE_PATH = "fp8_decode_path"
+DEFAULT_FP8 = dec.DEFAULT_FP8_DECODE_CONFIG  # the launcher's FP8 knobs as shipped (option sets without DECODE_PATH)
 
 OPTION_SETS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("fp8 KV", {"kv_cache_dtype": "fp8"}),
@@ -97,15 +98,12 @@ def make_executor(path: Path, device: str, options: dict[str, Any], num_blocks: 
         **engine_options,
     )  # fmt: skip
     ex = ModelExecutor(path, config)
-    path_choice = options.get(DECODE_PATH, dec.FP8_PATHS[0])
+    path_choice = options.get(DECODE_PATH, DEFAULT_FP8.fp8_path)
     if ex.device.type == "cuda":
         dec.DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_FP8, fp8_path=path_choice)
     elif "_qk8" in path_choice:  # the other paths compute what the torch backend does (up to float32 rounding)
         ex.backend = attrs.evolve(ex.backend, attend=_decode_q_e4m3(ex.backend.attend))
     return ex
-
-
-DEFAULT_FP8 = dec.DEFAULT_FP8_DECODE_CONFIG
 
 
 def _decode_q_e4m3(attend: Any) -> Any:
