@@ -9,15 +9,19 @@
     the same (unquantized) values, for information;
 (b) decode speed on benchmarks/bench_attention.py's problem (B=256, context U(100, 2048), 256-token blocks in
     random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults, then
-    FP8_CANDIDATES (each ``fp8_path`` with its likely knobs, best guess first; each checked against the reference,
-    the "_qk8" paths against the reference over e4m3-rounded queries), then a short coordinate sweep around the best
-    (partition size, stages, warps, tile), and once with the tiles widened to bfloat16 instead of float16
-    (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
+    FP8_CANDIDATES (other ``fp8_path`` choices; each checked against the reference, the "_qk8" paths against
+    the reference over e4m3-rounded queries), then a short coordinate sweep around the best (partition size,
+    stages, warps, tile), and once with the tiles widened to bfloat16 instead of float16 (``fp8_compute_fp16``
+    off: the choice it documents; "mma" path only). Bytes = the KV actually read:
     sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
     (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and >= 1.85x the bf16 tokens/s;
+(b2) read probes: the same KV bytes read by a kernel that only loads them (XOR-folded, no attention math), by
+    the decode kernel's access pattern (a program reads one KV head's slice of each token row: 128 contiguous
+    bytes for FP8, 256 for bf16) and by wider ones (2-8 heads a program: 256-1024 contiguous bytes for FP8): what
+    the pattern itself allows, apart from the kernel's work;
 (c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
 A short table comes last (and once early, after the candidates); --json writes every number. --quick skips (a)
-and (c) (for a short GPU call).
+and (c) (for a short GPU call); (b2) always runs (a few seconds).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import random
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from benchmarks.bench_attention import (
     DEV,
@@ -51,21 +57,17 @@ from fnvllm.kernels import store_kv as skv
 from fnvllm.kernels.decode_attention import DecodeKernelConfig
 from fnvllm.kernels.fp8 import quantize_fp8
 
-# Knob sets tried first (on top of the launcher's FP8 choice at B=256), most likely first: every new fp8_path at
-# tiles of 128 and 64 and 2-3 stages, then a few more warps. In their sm_90 SASS (compiled on the CPU) the
-# warpgroup-MMA paths take ~17-21 warp instructions per token and KV head at tiles of 128 and 2 stages (2-3
-# programs an SM), ~24-27 at tiles of 64 (4-5 an SM), against ~40 for "mma" (the default so far).
+# Knob sets tried after the default (on top of the launcher's FP8 choice at B=256). The H200 call of 2026-12-02
+# (02:15) measured every fp8_path at tiles of 64 and 128, 2-4 stages, 4 and 8 warps: "wgmma_qk8" at tiles of 128
+# and 2-3 stages 197.8-198.2 us, level with "mma" (198.0); "wgmma" (K widened too) 256.9, the halves 209.8-285.5,
+# "mma_words" 286-341, 8 warps 246-305 (docs/fp8.md). Kept: the closest ones, to follow them across Triton versions.
 FP8_CANDIDATES: tuple[dict[str, object], ...] = (
-    *(
-        {"fp8_path": path, "tile_size": tile, "num_stages": stages, "num_warps": 4}
-        for tile, stages in ((128, 2), (64, 2), (64, 3), (128, 3))
-        for path in ("wgmma_qk8", "wgmma", "wgmma_qk8_halves", "wgmma_halves", "mma_words")
-        if not (path.endswith("_halves") and tile < 128)
-    ),
-    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 4, "num_warps": 4},
-    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 8},
-    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 2, "num_warps": 8},
-    {"fp8_path": "wgmma_qk8", "tile_size": 256, "num_stages": 2, "num_warps": 8},
+    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 3, "num_warps": 4},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
     tuple({"partition_size": v} for v in (256, 512, 1024, 2048)),
@@ -313,6 +315,85 @@ def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelC
     return seconds
 
 
+# ------------------------------------------------------------------------------------------------ (b2) read probes
+
+
+@triton.jit
+def _read_probe_kernel(
+    k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_cb, stride_ct, stride_bt,
+    WORDS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Read what a decode program reads, and nothing else: program (g, b) walks sequence b's tokens through the
+    block table, TILE at a time, and loads the WORDS consecutive 32-bit words of head group g from each token's
+    K and V rows (one KV head of an FP8 cache = 32 words, of a bf16 one 64), XOR-folding them (one integer op a
+    word), then stores one word so nothing is optimised away."""
+    group, seq = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    cols = group * WORDS + tl.arange(0, WORDS)
+    acc = tl.zeros([TILE, WORDS], tl.int32)
+    for t0 in range(0, seq_len, TILE):
+        tok = t0 + tl.arange(0, TILE)
+        live = tok < seq_len
+        block = tl.load(tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+        rows = block * stride_cb + (tok % BLOCK_SIZE) * stride_ct
+        ptrs = rows[:, None] + cols[None, :]
+        acc ^= tl.load(k_ptr + ptrs, mask=live[:, None], other=0) ^ tl.load(v_ptr + ptrs, mask=live[:, None], other=0)
+    tl.store(out_ptr + seq * tl.num_programs(0) + group, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
+
+
+PROBE_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (KV heads a program reads, FP8 tile tokens (bf16: half), stages)
+    (1, 128, 3),
+    (1, 64, 3),
+    (2, 64, 3),
+    (4, 32, 3),
+    (8, 16, 3),
+)  # 32 KiB of K + V a tile (the (1, 64) entry: 16 KiB); ~104 registers a thread, no cp.async pipelining
+
+
+def probe_seconds(k: torch.Tensor, v: torch.Tensor, p: Paged, heads: int, tile: int, stages: int) -> float:
+    """Seconds per read probe over caches k, v viewed as int32 words, `heads` KV heads a program."""
+    kw, vw = k.view(torch.int32), v.view(torch.int32)  # (blocks, block_size, Hkv, head words)
+    words = heads * kw.shape[3]
+    groups = HKV // heads
+    out = torch.empty(p.seq_lens.shape[0] * groups, dtype=torch.int32, device=DEV)
+    stride_cb, stride_ct = kw.stride(0), kw.stride(1)
+
+    def launch() -> None:
+        _read_probe_kernel[(groups, p.seq_lens.shape[0])](
+            kw, vw, p.tables, p.seq_lens, out, stride_cb, stride_ct, p.tables.stride(0),
+            WORDS=words, BLOCK_SIZE=kw.shape[1], TILE=tile, num_warps=4, num_stages=stages,
+        )  # fmt: skip
+
+    return graph_seconds(launch)
+
+
+def bench_read_probes(results: dict) -> None:
+    """(b2): how fast the decode problem's KV bytes can be read at all, by the decode kernel's access pattern (one
+    KV head's row slice a program: 128 contiguous bytes a token for FP8, 256 for bf16) and by wider ones (2-8
+    heads a program), bf16 and FP8 caches."""
+    q, p = decode_problem(256)
+    f = to_fp8(p, *scales(6))
+    rows = []
+    for name, k, v, nbytes in (("fp8", f.k_cache, f.v_cache, f.kv_bytes), ("bf16", p.k_cache, p.v_cache, p.kv_bytes)):
+        for heads, tile, stages in PROBE_CONFIGS:
+            tile = tile // k.element_size()  # the same bytes a tile for both caches
+            try:
+                sec = probe_seconds(k, v, p, heads, tile, stages)
+            except Exception as e:  # recorded, not fatal
+                print(f"  read probe {name} heads={heads} tile={tile}: failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            seg = heads * k.shape[3] * k.element_size()
+            rows.append({"cache": name, "heads": heads, "tile": tile, "stages": stages, "us": sec * 1e6,
+                         "tb_s": nbytes / sec / 1e12, "segment_bytes": seg})  # fmt: skip
+            print(
+                f"  read probe {name:4s} {heads} KV head(s) a program ({seg:4d} B a token row), tile {tile:3d}, "
+                f"stages {stages}: {sec * 1e6:7.1f} us  {nbytes / sec / 1e12:5.2f} TB/s",
+                flush=True,
+            )
+    results["read_probes"] = rows
+    del q
+
+
 # ------------------------------------------------------------------------------------------------ (c) prefill
 
 
@@ -386,6 +467,8 @@ def main() -> None:
         correctness(results)
     torch.cuda.empty_cache()
     bench_decode(results, time.perf_counter() + args.budget_s * 0.85, not args.no_sweep)
+    torch.cuda.empty_cache()
+    bench_read_probes(results)
     torch.cuda.empty_cache()
     if not args.quick:
         bench_prefill(results)
