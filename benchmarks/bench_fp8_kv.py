@@ -68,6 +68,11 @@ FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    # two KV heads a program (256 contiguous bytes a token row, as the bf16 kernel reads): new, not yet measured
+    {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "mma_pairs", "tile_size": 32, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 8},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
     tuple({"partition_size": v} for v in (256, 512, 1024, 2048)),

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from fnvllm.config import EngineConfig  # noqa: E402
 from fnvllm.kernels import fp8  # noqa: E402
 from fnvllm.kernels.backends import available_backends, resolve_backend  # noqa: E402
-from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from fnvllm.kernels.decode_attention import FP8_PATHS, paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from fnvllm.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from fnvllm.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from fnvllm.llm import LLM  # noqa: E402
@@ -189,11 +189,13 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_path", ["mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves"])
+@pytest.mark.parametrize(
+    "fp8_path", ["mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves", "mma_pairs"]
+)
 def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
-    """Every other FP8 decode path (tiles widened where loaded; the transposed products K q^T, V^T P^T) matches
-    the torch reference, split or not, with GQA 4; the "_qk8" paths round q to e4m3 first, so their reference gets
-    the e4m3-rounded q."""
+    """Every other FP8 decode path (tiles widened where loaded; the transposed products K q^T, V^T P^T; two KV
+    heads a program) matches the torch reference, split (partials merged by the reduce kernel or in-kernel) or
+    not, with GQA 4; the "_qk8" paths round q to e4m3 first, so their reference gets the e4m3-rounded q."""
     gen = torch.Generator().manual_seed(13)
     lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
     table = random_tables(lengths, block_size, gen)
@@ -205,12 +207,12 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
     q_ref = q.float().to(fp8.FP8_DTYPE).float() if "_qk8" in fp8_path else q.float()
     ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, scale, k_scale, v_scale)
     tile = 32 if fp8_path.endswith("_halves") else 16
-    for partition_size in (32, 128):
+    for partition_size, fused in ((32, False), (32, True), (128, None)):
         out = paged_decode_attention(
             q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=tile, fp8_path=fp8_path,
-            k_scale=k_scale, v_scale=v_scale,
+            fused_reduce=fused, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
-        assert rel_err(out.float(), ref) < TOLERANCE[dtype]
+        assert rel_err(out.float(), ref) < TOLERANCE[dtype], (partition_size, fused)
 
 
 def test_fp8_path_is_checked() -> None:
@@ -438,7 +440,7 @@ def test_fp8_kernels_at_real_sizes() -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fp8_path", ["mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves"])
+@pytest.mark.parametrize("fp8_path", FP8_PATHS)
 @pytest.mark.parametrize("num_heads", [16, 32])
 def test_fp8_decode_paths_at_real_sizes(fp8_path: str, num_heads: int) -> None:
     """On a GPU, every FP8 decode path at the Qwen3-0.6B / 8B head shapes (16 or 32 q heads over 8 KV heads, D 128,

@@ -51,8 +51,10 @@ from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kern
 from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
-Fp8Path = Literal["mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves"]
-FP8_PATHS: tuple[str, ...] = ("mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves")
+Fp8Path = Literal["mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves", "mma_pairs"]
+FP8_PATHS: tuple[str, ...] = (
+    "mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves", "mma_pairs",
+)  # fmt: skip
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -105,7 +107,9 @@ class DecodeKernelConfig:
         "wgmma_qk8": as "wgmma", but the scores K q^T multiply the e4m3 keys as stored with q rounded to e4m3
         (no widening of K at all; q's rounding adds to the error, see docs/fp8.md);
         "wgmma_halves" / "wgmma_qk8_halves": as those, each tile loaded and multiplied as two halves under one
-        softmax step (``attend_halves_kq``: half the shared memory for the widened V, so more programs fit an SM).
+        softmax step (``attend_halves_kq``: half the shared memory for the widened V, so more programs fit an SM);
+        "mma_pairs": as "mma", but each program serves two neighbouring KV heads (``_decode_pairs_kernel``), so
+        it reads 2 x D contiguous bytes of every token row instead of D (an even Hkv only).
     """
 
     partition_size: int = 512
@@ -584,6 +588,90 @@ def _decode_partition_kernel(
 
 
 @triton.jit
+def _decode_pairs_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    k_scale_ptr, v_scale_ptr, counter_ptr, scale_log2,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    num_heads, num_kv_heads, num_parts,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    Q_FP16: tl.constexpr, FUSED_REDUCE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``_decode_partition_kernel`` (FP8 caches, "dot", no prefetch) for the two KV heads 2 program_id(0) and
+    2 program_id(0) + 1 of one sequence and partition: each tile is read as (2, TILE, D), the two heads' slices
+    of a token row being neighbours in memory (2 x D contiguous bytes), and both heads are attended with batched
+    products ((2, G, D) x (2, D, TILE)). Split partials are merged as there, the pair counting in on the
+    counter of its first head and the last partition merging both heads."""
+    pair = tl.program_id(0)
+    seq = tl.program_id(1)
+    part = tl.program_id(2)
+    wait_for_previous_kernel(USE_PDL)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION_SIZE
+    i = tl.arange(0, 2)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    kv_heads = 2 * pair + i  # (2,)
+    heads = kv_heads[:, None] * GROUP + g[None, :]  # (2, GROUP_PAD)
+    h_mask = (g[None, :] < GROUP) & (i[:, None] < 2)  # (2, GROUP_PAD)
+    seq64 = seq.to(tl.int64)
+    out_offs = seq64 * stride_ob + heads[:, :, None] * stride_oh + d[None, None, :]  # (2, GROUP_PAD, D)
+    if seq_len == 0:
+        if part == 0:  # padding row: finite zeros, no KV read
+            zeros = tl.zeros([2, GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + out_offs, zeros, mask=h_mask[:, :, None])
+    elif start < seq_len:
+        end = tl.minimum(start + PARTITION_SIZE, seq_len)
+        q = tl.load(
+            q_ptr + seq64 * stride_qb + heads[:, :, None] * stride_qh + d[None, None, :],
+            mask=h_mask[:, :, None],
+            other=0.0,
+        )  # (2, GROUP_PAD, D)
+        if Q_FP16:
+            q = q.to(tl.float16)
+        scale_2 = scale_log2 * tl.load(k_scale_ptr + kv_heads)  # (2,)
+        table_row = block_tables_ptr + seq64 * stride_bt
+        m = tl.full([2, GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([2, GROUP_PAD], tl.float32)
+        acc = tl.zeros([2, GROUP_PAD, HEAD_DIM], tl.float32)
+        slice_offs = i[:, None, None] * stride_ch + d[None, None, :]  # (2, 1, D) within a token row
+        for t0 in range(start, end, TILE):
+            offs = kv_tile_offsets(table_row, t0, end, 2 * pair, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+            mask = t0 + tl.arange(0, TILE) < end  # (TILE,)
+            ptrs = offs[None, :, None] + slice_offs  # (2, TILE, D)
+            k = tl.load(k_cache_ptr + ptrs, mask=mask[None, :, None], other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + ptrs, mask=mask[None, :, None], other=0.0).to(q.dtype)
+            s = dot(q, tl.trans(k, (0, 2, 1)), DOT_PRECISION, UPCAST_DOT) * scale_2[:, None, None]  # (2, G, TILE)
+            s = tl.where(mask[None, None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=2))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, :, None])
+            l = l * alpha + tl.sum(p, axis=2)
+            acc = acc * alpha[:, :, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+            m = m_new
+        o = acc / l[:, :, None] * tl.load(v_scale_ptr + kv_heads)[:, None, None]  # (2, GROUP_PAD, D)
+        if seq_len <= PARTITION_SIZE:  # the only live partition: final output
+            tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, :, None])
+        else:
+            slot = (seq64 * num_heads + heads) * num_parts + part  # (2, GROUP_PAD)
+            tl.store(part_out_ptr + slot[:, :, None] * HEAD_DIM + d[None, None, :], o, mask=h_mask[:, :, None])
+            tl.store(part_lse_ptr + slot, m + tl.log2(l), mask=h_mask)
+            if FUSED_REDUCE:
+                tl.debug_barrier()  # every thread's partials are stored before the program's one atomic
+                counter = counter_ptr + seq64 * num_kv_heads + 2 * pair
+                done = tl.atomic_add(counter, 1, sem="acq_rel")
+                num_live = tl.cdiv(seq_len, PARTITION_SIZE)
+                if done == num_live - 1:  # the last live partition of this (sequence, KV head pair)
+                    for h in tl.static_range(2):
+                        merge_partitions(
+                            out_ptr, part_out_ptr, part_lse_ptr, seq64, 2 * pair + h, num_live, stride_ob,
+                            stride_oh, num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
+                        )  # fmt: skip
+                    tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
 def merge_partitions(
     out_ptr,
     part_out_ptr,
@@ -755,7 +843,10 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     kv = KVCache(k_cache, v_cache, k_scale, v_scale)
-    _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+    if kv.k_scale is not None and cfg.fp8_path == "mma_pairs":
+        _launch_pairs(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+    else:
+        _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
     if workspace is not None and not cfg.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
@@ -848,6 +939,41 @@ def _launch_partitions(
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
     )
+
+
+def _launch_pairs(
+    q: torch.Tensor,
+    kv: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace | None,
+    num_parts: int,
+    cfg: DecodeKernelConfig,
+) -> None:
+    """Launch ``_decode_pairs_kernel`` (FP8 caches, fp8_path "mma_pairs") on grid (Hkv / 2, B, P)."""
+    num_seqs, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv.k, kv.v
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_kv_heads % 2:
+        raise ValueError(f"fp8_path 'mma_pairs' needs an even number of KV heads, got {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    part_out, part_lse = workspace if workspace is not None else (out, out)
+    fused = workspace is not None and cfg.fused_reduce
+    counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
+    merge_group = int(triton.next_power_of_2(group))
+    _decode_pairs_kernel[(num_kv_heads // 2, num_seqs, num_parts)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, kv.k_scale, kv.v_scale, counters,
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads, num_kv_heads, num_parts,
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=_group_pad(group, "dot"), BLOCK_SIZE=block_size,
+        PARTITION_SIZE=cfg.partition_size, TILE=cfg.tile_size, DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.device), Q_FP16=fp8_compute_fp16(q, k_cache), FUSED_REDUCE=fused,
+        MERGE_GROUP=merge_group, MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
+        USE_PDL=use_pdl(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q.device),
+    )  # fmt: skip
 
 
 def fp8_compute_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
