@@ -60,14 +60,12 @@ from fnvllm.kernels.fp8 import quantize_fp8
 # Knob sets tried after the default (on top of the launcher's FP8 choice at B=256). The H200 call of 2026-12-02
 # (02:15) measured every fp8_path at tiles of 64 and 128, 2-4 stages, 4 and 8 warps: "wgmma_qk8" at tiles of 128
 # and 2-3 stages 197.8-198.2 us, level with "mma" (198.0); "wgmma" (K widened too) 256.9, the halves 209.8-285.5,
-# "mma_words" 286-341, 8 warps 246-305 (docs/fp8.md). Kept: the closest ones, to follow them across Triton versions.
+# "mma_words" 286-341, 8 warps 246-305 (docs/fp8.md; the slower paths were removed since). Kept: the closest
+# ones, to follow them across Triton versions.
 FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
-    {"fp8_path": "wgmma_qk8_halves", "tile_size": 128, "num_stages": 2, "num_warps": 4},
-    {"fp8_path": "wgmma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
-    {"fp8_path": "mma_words", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     # two KV heads a program (256 contiguous bytes a token row, as the bf16 kernel reads): new, not yet measured
     {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 2, "num_warps": 4},

@@ -189,13 +189,11 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "fp8_path", ["mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves", "mma_pairs"]
-)
+@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs"])
 def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
-    """Every other FP8 decode path (tiles widened where loaded; the transposed products K q^T, V^T P^T; two KV
-    heads a program) matches the torch reference, split (partials merged by the reduce kernel or in-kernel) or
-    not, with GQA 4; the "_qk8" paths round q to e4m3 first, so their reference gets the e4m3-rounded q."""
+    """The other FP8 decode paths (the transposed products K q^T, V^T P^T; two KV heads a program) match the
+    torch reference, split (partials merged by the reduce kernel or in-kernel) or not, with GQA 4; "wgmma_qk8"
+    rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
     gen = torch.Generator().manual_seed(13)
     lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
     table = random_tables(lengths, block_size, gen)
@@ -206,7 +204,7 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
     scale = head_dim**-0.5
     q_ref = q.float().to(fp8.FP8_DTYPE).float() if "_qk8" in fp8_path else q.float()
     ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, scale, k_scale, v_scale)
-    tile = 32 if fp8_path.endswith("_halves") else 16
+    tile = 16
     for partition_size, fused in ((32, False), (32, True), (128, None)):
         out = paged_decode_attention(
             q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=tile, fp8_path=fp8_path,
@@ -221,7 +219,7 @@ def test_fp8_path_is_checked() -> None:
     cache = torch.zeros(2, 16, 1, 16, device=DEVICE).to(fp8.FP8_DTYPE)
     table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     seq_lens, scales = torch.ones(1, dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE)
-    for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma", "gqa_mode": "sum"}):
+    for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma_qk8", "gqa_mode": "sum"}):
         with pytest.raises(ValueError, match="fp8_path"):
             paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, k_scale=scales, v_scale=scales, **knobs)
 

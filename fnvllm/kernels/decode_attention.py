@@ -51,10 +51,8 @@ from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kern
 from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
-Fp8Path = Literal["mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves", "mma_pairs"]
-FP8_PATHS: tuple[str, ...] = (
-    "mma", "mma_words", "wgmma", "wgmma_qk8", "wgmma_halves", "wgmma_qk8_halves", "mma_pairs",
-)  # fmt: skip
+Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs"]
+FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs")
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -100,16 +98,12 @@ class DecodeKernelConfig:
         picks by shape (``fuses_reduce``).
     fp8_path: how an FP8 cache's tiles are multiplied (ignored for 16-bit caches; needs gqa_mode "dot"):
         "mma": q K^T and P V with the tiles widened to float16 in the dot operands' registers (mma.sync);
-        "mma_words": the same products, the tiles widened where loaded (``widen_e4m3``: 4 values a 32-bit word)
-        and staged through shared memory as float16;
-        "wgmma": transposed, K q^T and V^T P^T (the tile's tokens as the product's rows, so Hopper's warpgroup
-        MMA applies), the tiles widened to float16 one 32-bit word (4 values) at a time where loaded;
-        "wgmma_qk8": as "wgmma", but the scores K q^T multiply the e4m3 keys as stored with q rounded to e4m3
-        (no widening of K at all; q's rounding adds to the error, see docs/fp8.md);
-        "wgmma_halves" / "wgmma_qk8_halves": as those, each tile loaded and multiplied as two halves under one
-        softmax step (``attend_halves_kq``: half the shared memory for the widened V, so more programs fit an SM);
+        "wgmma_qk8": transposed, S^T = K q^T and out^T = V^T P^T (the tile's tokens as the rows of the first
+        product, so Hopper's warpgroup MMA applies), K multiplied as stored in e4m3 with q rounded to e4m3 (its
+        rounding adds to the error, see docs/fp8.md), V widened to float16 where loaded (``widen_e4m3``);
         "mma_pairs": as "mma", but each program serves two neighbouring KV heads (``_decode_pairs_kernel``), so
         it reads 2 x D contiguous bytes of every token row instead of D (an even Hkv only).
+        Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster.
     """
 
     partition_size: int = 512
@@ -372,7 +366,6 @@ def attend_tile_kq(
     l,
     acct,
     scale_log2,
-    QK_FP8: tl.constexpr,
     P_FP16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -380,14 +373,11 @@ def attend_tile_kq(
     """One online-softmax step, transposed: scores S^T = K q^T (N, R) and acc^T (D, R) += V^T P^T, so the tile's
     N tokens (and D) are the products' rows (Hopper's warpgroup MMA needs >= 64 of them).
 
-    qt (D, R): float16 or float32, or e4m3 when QK_FP8 (then K enters the product as stored); k, v (N, D) e4m3
-    tiles, widened to float16 (then to float32 unless P_FP16, which also rounds P to float16); visible (N, 1);
-    m, l (R,) base 2; acct (D, R) float32. Returns (m, l, acct)."""
+    qt (D, R) e4m3 (K enters the product as stored); k, v (N, D) e4m3 tiles, V widened to float16 (then to
+    float32 unless P_FP16, which also rounds P to float16); visible (N, 1); m, l (R,) base 2; acct (D, R) float32.
+    Returns (m, l, acct)."""
     cd = tl.float16 if P_FP16 else tl.float32
-    if QK_FP8:
-        st = dot(k, qt, "tf32", UPCAST_DOT)  # (N, R), e4m3 x e4m3 on the GPU
-    else:
-        st = dot(widen_e4m3(k, not UPCAST_DOT).to(cd), qt, DOT_PRECISION, UPCAST_DOT)  # (N, R)
+    st = dot(k, qt, "tf32", UPCAST_DOT)  # (N, R), e4m3 x e4m3 on the GPU
     st = tl.where(visible, st * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(st, axis=0))
     alpha = tl.exp2(m - m_new)
@@ -395,34 +385,6 @@ def attend_tile_kq(
     l = l * alpha + tl.sum(pt, axis=0)
     vt = tl.trans(widen_e4m3(v, not UPCAST_DOT).to(cd))  # (D, N)
     return m_new, l, acct * alpha[None, :] + dot(vt, pt.to(cd), DOT_PRECISION, UPCAST_DOT)
-
-
-@triton.jit
-def attend_halves_kq(
-    qt, k0, v0, k1, v1, vis0, vis1, m, l, acct, scale_log2,
-    QK_FP8: tl.constexpr, P_FP16: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):  # fmt: skip
-    """``attend_tile_kq`` over a tile given as two halves (k0, v0: its first N/2 tokens; k1, v1: the rest), one
-    online-softmax step for both: each half's V is widened and staged for the product on its own (half the
-    shared memory of a whole tile)."""
-    cd = tl.float16 if P_FP16 else tl.float32
-    if QK_FP8:
-        s0 = dot(k0, qt, "tf32", UPCAST_DOT)
-        s1 = dot(k1, qt, "tf32", UPCAST_DOT)
-    else:
-        s0 = dot(widen_e4m3(k0, not UPCAST_DOT).to(cd), qt, DOT_PRECISION, UPCAST_DOT)
-        s1 = dot(widen_e4m3(k1, not UPCAST_DOT).to(cd), qt, DOT_PRECISION, UPCAST_DOT)
-    s0 = tl.where(vis0, s0 * scale_log2, float("-inf"))
-    s1 = tl.where(vis1, s1 * scale_log2, float("-inf"))
-    m_new = tl.maximum(m, tl.maximum(tl.max(s0, axis=0), tl.max(s1, axis=0)))
-    alpha = tl.exp2(m - m_new)
-    p0 = tl.exp2(s0 - m_new[None, :])
-    p1 = tl.exp2(s1 - m_new[None, :])
-    l = l * alpha + tl.sum(p0, axis=0) + tl.sum(p1, axis=0)
-    acct = acct * alpha[None, :]
-    acct += dot(tl.trans(widen_e4m3(v0, not UPCAST_DOT).to(cd)), p0.to(cd), DOT_PRECISION, UPCAST_DOT)
-    acct += dot(tl.trans(widen_e4m3(v1, not UPCAST_DOT).to(cd)), p1.to(cd), DOT_PRECISION, UPCAST_DOT)
-    return m_new, l, acct
 
 
 @triton.jit
@@ -464,9 +426,6 @@ def _decode_partition_kernel(
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
     KQ: tl.constexpr,
-    QK_FP8: tl.constexpr,
-    WORDS: tl.constexpr,
-    HALVES: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -477,9 +436,7 @@ def _decode_partition_kernel(
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
-    KQ (FP8 only): the transposed products of ``attend_tile_kq`` (fp8_path "wgmma"); QK_FP8 with it: q rounded
-    to e4m3 and K used as stored (fp8_path "wgmma_qk8"); HALVES with it: ``attend_halves_kq`` ("..._halves").
-    WORDS (FP8, float16 q): tiles widened where loaded (fp8_path "mma_words").
+    KQ (FP8 only): the transposed products of ``attend_tile_kq``, q rounded to e4m3 (fp8_path "wgmma_qk8").
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel."""
     if HEADS_INNER:
@@ -513,41 +470,23 @@ def _decode_partition_kernel(
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         if KQ:
             acct = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
-            if QK_FP8:
-                if UPCAST_DOT:  # the interpreter's float32 -> e4m3 cast is wrong: the bits computed instead
-                    qt = tl.trans(e4m3_bits(q.to(tl.float32)).to(tl.float8e4nv, bitcast=True))
-                else:
-                    qt = tl.trans(q.to(tl.float32).to(tl.float8e4nv))
+            if UPCAST_DOT:  # the interpreter's float32 -> e4m3 cast is wrong: the bits computed instead
+                qt = tl.trans(e4m3_bits(q.to(tl.float32)).to(tl.float8e4nv, bitcast=True))
             else:
-                qt = tl.trans(q)
+                qt = tl.trans(q.to(tl.float32).to(tl.float8e4nv))
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         offs = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
         mask = start + tl.arange(0, TILE) < end  # (TILE,) tokens of the tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
             k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-        if HALVES:  # KQ only
-            for t0 in range(start, end, TILE):
-                strides = (kv_head, stride_cb, stride_ct, stride_ch)
-                h0 = kv_tile_offsets(table_row, t0, end, *strides, BLOCK_SIZE, TILE // 2)
-                h1 = kv_tile_offsets(table_row, t0 + TILE // 2, end, *strides, BLOCK_SIZE, TILE // 2)
-                m0 = t0 + tl.arange(0, TILE // 2) < end
-                m1 = t0 + TILE // 2 + tl.arange(0, TILE // 2) < end
-                k0, v0 = load_kv_tile(k_cache_ptr, v_cache_ptr, h0, m0, HEAD_DIM)
-                k1, v1 = load_kv_tile(k_cache_ptr, v_cache_ptr, h1, m1, HEAD_DIM)
-                m, l, acct = attend_halves_kq(
-                    qt, k0, v0, k1, v1, m0[:, None], m1[:, None], m, l, acct, scale_log2, QK_FP8, Q_FP16,
-                    DOT_PRECISION, UPCAST_DOT,
-                )  # fmt: skip
-        for t0 in range(start, start if HALVES else end, TILE):
+        for t0 in range(start, end, TILE):
             tok_mask = mask
             if PREFETCH:
                 k, v = k_next, v_next
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            if WORDS:  # float16 q (Q_FP16)
-                k, v = widen_e4m3(k, not UPCAST_DOT), widen_e4m3(v, not UPCAST_DOT)
-            elif not KQ:
+            if not KQ:
                 k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = kv_tile_offsets(
@@ -558,7 +497,7 @@ def _decode_partition_kernel(
                 k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
             if KQ:
                 m, l, acct = attend_tile_kq(
-                    qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, QK_FP8, Q_FP16, DOT_PRECISION, UPCAST_DOT
+                    qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT
                 )
             else:
                 m, l, acc = attend_tile(
@@ -888,7 +827,7 @@ def _launch_partitions(
     fused = workspace is not None and cfg.fused_reduce
     counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
     merge_group = int(triton.next_power_of_2(group))
-    kq = kv.k_scale is not None and cfg.fp8_path.startswith("wgmma")  # the transposed FP8 products
+    kq = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed FP8 products
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -928,9 +867,6 @@ def _launch_partitions(
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
         KQ=kq,
-        HALVES=kq and cfg.fp8_path.endswith("_halves"),
-        WORDS=kv.k_scale is not None and cfg.fp8_path == "mma_words" and fp8_compute_fp16(q, kv.k),
-        QK_FP8=kq and "_qk8" in cfg.fp8_path,
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
@@ -1024,8 +960,6 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
         raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
     if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
         raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
-    if cfg.fp8_path.endswith("_halves") and cfg.tile_size < 32:
-        raise ValueError(f"fp8_path {cfg.fp8_path!r} needs tile_size >= 32 (two halves of >= 16), got {cfg.tile_size}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 16 if cfg.gqa_mode == "dot" else 1
