@@ -214,12 +214,13 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
 
 
 def test_fp8_path_is_checked() -> None:
-    """An unknown fp8_path, or a transposed one with gqa_mode "sum", is a ValueError naming the knob."""
+    """An unknown fp8_path, a transposed one with gqa_mode "sum", or "mma_pairs" over an odd number of KV heads is
+    a ValueError naming the knob."""
     q = torch.zeros(1, 2, 16, device=DEVICE)
     cache = torch.zeros(2, 16, 1, 16, device=DEVICE).to(fp8.FP8_DTYPE)
     table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     seq_lens, scales = torch.ones(1, dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE)
-    for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma_qk8", "gqa_mode": "sum"}):
+    for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma_qk8", "gqa_mode": "sum"}, {"fp8_path": "mma_pairs"}):
         with pytest.raises(ValueError, match="fp8_path"):
             paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, k_scale=scales, v_scale=scales, **knobs)
 
