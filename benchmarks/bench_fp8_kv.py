@@ -1,6 +1,6 @@
 """FP8 KV cache on one GPU: the Triton kernels against the torch reference at real sizes, then decode speed.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep] [--quick]
 
 (a) correctness, bf16 queries over float8_e4m3fn caches with per-head scales (Hq 16 / Hkv 8 / D 128):
     store_kv at 8192 tokens (bit-exact against ``fp8.quantize_fp8``: mismatched bytes are counted), decode (64
@@ -8,13 +8,20 @@
     against the torch FP8 reference (tolerance 1e-2 of ||ref||), and the FP8 reference against the bf16 one on
     the same (unquantized) values, for information;
 (b) decode speed on benchmarks/bench_attention.py's problem (B=256, context U(100, 2048), 256-token blocks in
-    random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults plus
-    a short coordinate sweep (tile size, stages, warps, partition size), and once with the tiles widened to
-    bfloat16 instead of float16 (``fp8_compute_fp16`` off: the choice it documents). Bytes = the KV actually read:
+    random order, caches 1.5x the blocks in use), bf16 with its default knobs and FP8 with the FP8 defaults, then
+    FP8_CANDIDATES (other ``fp8_path`` choices; each checked against the reference, the "_qk8" paths against
+    the reference over e4m3-rounded queries), then a short coordinate sweep around the best (partition size,
+    stages, warps, tile), and once with the tiles widened to bfloat16 instead of float16 (``fp8_compute_fp16``
+    off: the choice it documents; "mma" path only). Bytes = the KV actually read:
     sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
     (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and >= 1.85x the bf16 tokens/s;
+(b2) read probes: the same KV bytes read by a kernel that only loads them (XOR-folded, no attention math), by
+    the decode kernel's access pattern (a program reads one KV head's slice of each token row: 128 contiguous
+    bytes for FP8, 256 for bf16) and by wider ones (2-8 heads a program: 256-1024 contiguous bytes for FP8): what
+    the pattern itself allows, apart from the kernel's work;
 (c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
-A short table comes last; --json writes every number.
+A short table comes last (and once early, after the candidates); --json writes every number. --quick skips (a)
+and (c) (for a short GPU call); (b2) always runs (a few seconds).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import random
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from benchmarks.bench_attention import (
     DEV,
@@ -48,11 +57,27 @@ from fnvllm.kernels import store_kv as skv
 from fnvllm.kernels.decode_attention import DecodeKernelConfig
 from fnvllm.kernels.fp8 import quantize_fp8
 
+# Knob sets tried after the default (on top of the launcher's FP8 choice at B=256). The H200 call of 2026-12-02
+# (02:15) measured every fp8_path at tiles of 64 and 128, 2-4 stages, 4 and 8 warps: "wgmma_qk8" at tiles of 128
+# and 2-3 stages 197.8-198.2 us, level with "mma" (198.0); "wgmma" (K widened too) 256.9, the halves 209.8-285.5,
+# "mma_words" 286-341, 8 warps 246-305 (docs/fp8.md; the slower paths were removed since). Kept: the closest
+# ones, to follow them across Triton versions.
+FP8_CANDIDATES: tuple[dict[str, object], ...] = (
+    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    # two KV heads a program (256 contiguous bytes a token row, as the bf16 kernel reads): new, not yet measured
+    {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 2, "num_warps": 4},
+    {"fp8_path": "mma_pairs", "tile_size": 32, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 8},
+)
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
-    tuple({"tile_size": v} for v in (32, 64, 128)),
+    tuple({"partition_size": v} for v in (256, 512, 1024, 2048)),
     tuple({"num_stages": v} for v in (2, 3, 4)),
     tuple({"num_warps": v} for v in (4, 8)),
-    tuple({"partition_size": v} for v in (512, 1024)),
+    tuple({"tile_size": v} for v in (64, 128)),
+    ({"heads_inner": False},),
 )
 
 
@@ -173,30 +198,57 @@ def time_decode(q: torch.Tensor, p: Paged | Fp8Paged, tables: torch.Tensor, seq_
     )
 
 
+def describe8(cfg: DecodeKernelConfig) -> str:
+    """describe(cfg) with the FP8 path."""
+    return f"{describe(cfg)} path={cfg.fp8_path}"
+
+
 def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
-    """(b): bf16 at its defaults (one partition, as the launcher picks at B=256), FP8 at its defaults then swept."""
+    """(b): bf16 at its defaults (one partition, as the launcher picks at B=256), FP8 at its defaults, then the
+    candidates and a coordinate sweep around the best; a config whose output misses the reference by more than
+    1e-2 counts as failed (infinitely slow)."""
     q, p = decode_problem(256)
     f = to_fp8(p, *scales(6))
     partition = dec.auto_partition_size(q.shape[0], HKV, p.tables.shape[1] * 256)
     bf16_cfg = dataclasses.replace(dec.DEFAULT_DECODE_CONFIG, partition_size=partition)
     bf16_s = time_decode(q, p, p.tables, p.seq_lens, bf16_cfg)
     print(f"  decode bf16 {describe(bf16_cfg)}  {bf16_s * 1e6:8.1f} us  {p.kv_bytes / bf16_s / 1e12:5.2f} TB/s")
+    refs = {
+        rounded: dec.paged_decode_attention_ref(
+            q.float().to(torch.float8_e4m3fn).float() if rounded else q,
+            *(f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, f.k_scale, f.v_scale),
+        ).float()
+        for rounded in (False, True)
+    }
     seen: dict[DecodeKernelConfig, float] = {}
+    errors: dict[str, float] = {}
 
     def measure(cfg: DecodeKernelConfig) -> float:
         if cfg not in seen:
             try:
-                seen[cfg] = time_decode(q, f, p.tables, p.seq_lens, cfg)
+                out = run_decode(q, f, p, cfg)
+                err = rel_err(out, refs["_qk8" in cfg.fp8_path])
+                errors[describe8(cfg)] = err
+                seen[cfg] = time_decode(q, f, p.tables, p.seq_lens, cfg) if err <= 1e-2 else math.inf
+                note = f"err {err:.1e}" + ("" if err <= 1e-2 else " FAIL")
             except Exception as e:  # a config that does not compile or fit: recorded, not fatal
                 seen[cfg] = math.inf
-                print(f"  decode fp8 {describe(cfg)}  failed: {type(e).__name__}: {str(e)[:80]}")
+                note = f"failed: {type(e).__name__}: {str(e)[:80]}"
             print(
-                f"  decode fp8  {describe(cfg)}  {seen[cfg] * 1e6:8.1f} us  {f.kv_bytes / seen[cfg] / 1e12:5.2f} TB/s"
+                f"  decode fp8  {describe8(cfg)}  {seen[cfg] * 1e6:8.1f} us  {f.kv_bytes / seen[cfg] / 1e12:5.2f} TB/s"
+                f"  {note}",
+                flush=True,
             )
         return seen[cfg]
 
     start = dataclasses.replace(dec.DEFAULT_FP8_DECODE_CONFIG, partition_size=partition)
     best = start
+    measure(start)
+    for change in FP8_CANDIDATES if sweep else ():
+        cand = dataclasses.replace(start, **change)
+        if time.perf_counter() < deadline and measure(cand) < measure(best):
+            best = cand
+    early_summary(bf16_s, seen, f.kv_bytes)
     for step in FP8_SWEEP if sweep else ():
         for change in step:
             cand = dataclasses.replace(best, **change)
@@ -204,20 +256,13 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
                 continue
             if measure(cand) < measure(best):
                 best = cand
-    bf16_compute_s = time_bf16_compute(q, f, p, best)
-    out = dec.paged_decode_attention(
-        q,
-        f.k_cache,
-        f.v_cache,
-        p.tables,
-        p.seq_lens,
-        0.088,
-        k_scale=f.k_scale,
-        v_scale=f.v_scale,
-        **dataclasses.asdict(best),
-    )
-    ref = dec.paged_decode_attention_ref(q, f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, f.k_scale, f.v_scale)
-    record(results, "decode fp8 bench problem, best config", rel_err(out, ref), 1e-2)
+    results["decode_errors"] = errors
+    bf16_compute_s = time_bf16_compute(q, f, p, best) if best.fp8_path == "mma" else math.inf
+    try:
+        err = rel_err(run_decode(q, f, p, best), refs["_qk8" in best.fp8_path])
+    except Exception:  # every config failed: recorded as a FAIL
+        err = math.inf
+    record(results, f"decode fp8 bench problem, best config ({best.fp8_path})", err, 1e-2)
     results["decode"] = {
         "bf16": {"us": bf16_s * 1e6, "tb_s": p.kv_bytes / bf16_s / 1e12, "config": dataclasses.asdict(bf16_cfg)},
         "fp8_default": {"us": measure(start) * 1e6, "tb_s": f.kv_bytes / measure(start) / 1e12},
@@ -226,6 +271,25 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         "records": [{**dataclasses.asdict(c), "us": s * 1e6} for c, s in seen.items()],
         "bytes": {"bf16": p.kv_bytes, "fp8": f.kv_bytes},
     }
+
+
+def run_decode(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig) -> torch.Tensor:
+    """One FP8 decode with cfg's knobs into a NaN-filled output (float32 copy)."""
+    out = torch.full_like(q, float("nan"))
+    dec.paged_decode_attention(
+        q, f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, out, k_scale=f.k_scale, v_scale=f.v_scale,
+        **dataclasses.asdict(cfg),
+    )  # fmt: skip
+    return out.float()
+
+
+def early_summary(bf16_s: float, seen: dict[DecodeKernelConfig, float], fp8_bytes: int) -> None:
+    """The fastest FP8 configurations so far against bf16 (printed before the coordinate sweep)."""
+    print("\n== early: fastest FP8 decode configs (B=256, U(100, 2048)) ==")
+    print(f"| bf16 defaults | {bf16_s * 1e6:.1f} us | 1.00x |")
+    for cfg, s in sorted(seen.items(), key=lambda kv: kv[1])[:6]:
+        print(f"| {describe8(cfg)} | {s * 1e6:.1f} us | {fp8_bytes / s / 1e12:.2f} TB/s | {bf16_s / s:.2f}x |")
+    print(flush=True)
 
 
 def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig) -> float:
@@ -244,6 +308,85 @@ def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelC
         f"  decode fp8  {describe(cfg)} bf16 compute  {seconds * 1e6:8.1f} us  {f.kv_bytes / seconds / 1e12:5.2f} TB/s"
     )
     return seconds
+
+
+# ------------------------------------------------------------------------------------------------ (b2) read probes
+
+
+@triton.jit
+def _read_probe_kernel(
+    k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_cb, stride_ct, stride_bt,
+    WORDS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Read what a decode program reads, and nothing else: program (g, b) walks sequence b's tokens through the
+    block table, TILE at a time, and loads the WORDS consecutive 32-bit words of head group g from each token's
+    K and V rows (one KV head of an FP8 cache = 32 words, of a bf16 one 64), XOR-folding them (one integer op a
+    word), then stores one word so nothing is optimised away."""
+    group, seq = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    cols = group * WORDS + tl.arange(0, WORDS)
+    acc = tl.zeros([TILE, WORDS], tl.int32)
+    for t0 in range(0, seq_len, TILE):
+        tok = t0 + tl.arange(0, TILE)
+        live = tok < seq_len
+        block = tl.load(tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+        rows = block * stride_cb + (tok % BLOCK_SIZE) * stride_ct
+        ptrs = rows[:, None] + cols[None, :]
+        acc ^= tl.load(k_ptr + ptrs, mask=live[:, None], other=0) ^ tl.load(v_ptr + ptrs, mask=live[:, None], other=0)
+    tl.store(out_ptr + seq * tl.num_programs(0) + group, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
+
+
+PROBE_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (KV heads a program reads, FP8 tile tokens (bf16: half), stages)
+    (1, 128, 3),
+    (1, 64, 3),
+    (2, 64, 3),
+    (4, 32, 3),
+    (8, 16, 3),
+)  # 32 KiB of K + V a tile (the (1, 64) entry: 16 KiB); ~104 registers a thread, no cp.async pipelining
+
+
+def probe_seconds(k: torch.Tensor, v: torch.Tensor, p: Paged, heads: int, tile: int, stages: int) -> float:
+    """Seconds per read probe over caches k, v viewed as int32 words, `heads` KV heads a program."""
+    kw, vw = k.view(torch.int32), v.view(torch.int32)  # (blocks, block_size, Hkv, head words)
+    words = heads * kw.shape[3]
+    groups = HKV // heads
+    out = torch.empty(p.seq_lens.shape[0] * groups, dtype=torch.int32, device=DEV)
+    stride_cb, stride_ct = kw.stride(0), kw.stride(1)
+
+    def launch() -> None:
+        _read_probe_kernel[(groups, p.seq_lens.shape[0])](
+            kw, vw, p.tables, p.seq_lens, out, stride_cb, stride_ct, p.tables.stride(0),
+            WORDS=words, BLOCK_SIZE=kw.shape[1], TILE=tile, num_warps=4, num_stages=stages,
+        )  # fmt: skip
+
+    return graph_seconds(launch)
+
+
+def bench_read_probes(results: dict) -> None:
+    """(b2): how fast the decode problem's KV bytes can be read at all, by the decode kernel's access pattern (one
+    KV head's row slice a program: 128 contiguous bytes a token for FP8, 256 for bf16) and by wider ones (2-8
+    heads a program), bf16 and FP8 caches."""
+    q, p = decode_problem(256)
+    f = to_fp8(p, *scales(6))
+    rows = []
+    for name, k, v, nbytes in (("fp8", f.k_cache, f.v_cache, f.kv_bytes), ("bf16", p.k_cache, p.v_cache, p.kv_bytes)):
+        for heads, tile, stages in PROBE_CONFIGS:
+            tile = tile // k.element_size()  # the same bytes a tile for both caches
+            try:
+                sec = probe_seconds(k, v, p, heads, tile, stages)
+            except Exception as e:  # recorded, not fatal
+                print(f"  read probe {name} heads={heads} tile={tile}: failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            seg = heads * k.shape[3] * k.element_size()
+            rows.append({"cache": name, "heads": heads, "tile": tile, "stages": stages, "us": sec * 1e6,
+                         "tb_s": nbytes / sec / 1e12, "segment_bytes": seg})  # fmt: skip
+            print(
+                f"  read probe {name:4s} {heads} KV head(s) a program ({seg:4d} B a token row), tile {tile:3d}, "
+                f"stages {stages}: {sec * 1e6:7.1f} us  {nbytes / sec / 1e12:5.2f} TB/s",
+                flush=True,
+            )
+    results["read_probes"] = rows
+    del q
 
 
 # ------------------------------------------------------------------------------------------------ (c) prefill
@@ -291,13 +434,18 @@ def summary(results: dict) -> None:
         )
         for key, label in rows:
             print(f"| {label} | {d[key]['us']:.1f} | {d[key]['tb_s']:.2f} | {base / d[key]['us']:.2f}x |")
-        best = {k: d["fp8_best"][k] for k in ("partition_size", "tile_size", "num_warps", "num_stages")}
+        best = {k: d["fp8_best"][k] for k in ("partition_size", "tile_size", "num_warps", "num_stages", "fp8_path")}
         print(f"best fp8 decode knobs: {best}")
     if "prefill" in results:
         pf = results["prefill"]
         print(
             f"prefill mixed 8192 tokens: bf16 {pf['bf16']['us']:.0f} us ({pf['bf16']['tflop_s']:.1f} TFLOP/s), "
             f"fp8 {pf['fp8']['us']:.0f} us ({pf['fp8']['tflop_s']:.1f} TFLOP/s)"
+        )
+    for r in results.get("read_probes", ()):
+        print(
+            f"read probe {r['cache']:4s} {r['heads']} KV head(s) a program ({r['segment_bytes']} B a token row, tile "
+            f"{r['tile']}): {r['us']:.1f} us, {r['tb_s']:.2f} TB/s"
         )
     passed = sum(r["pass"] for r in results["correctness"])
     print(f"correctness: {passed} PASS, {len(results['correctness']) - passed} FAIL")
@@ -309,16 +457,21 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH")
     parser.add_argument("--budget-s", type=float, default=150.0, help="seconds the decode sweep may take (after (a))")
     parser.add_argument("--no-sweep", action="store_true", help="time the defaults only")
+    parser.add_argument("--quick", action="store_true", help="decode speed only: skip (a) and (c)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_kv.py needs a CUDA GPU")
     t0 = time.perf_counter()
     results: dict = {"correctness": [], "fp8_vs_bf16_reference": {}, "device": torch.cuda.get_device_name()}
-    correctness(results)
+    if not args.quick:
+        correctness(results)
     torch.cuda.empty_cache()
     bench_decode(results, time.perf_counter() + args.budget_s * 0.85, not args.no_sweep)
     torch.cuda.empty_cache()
-    bench_prefill(results)
+    bench_read_probes(results)
+    torch.cuda.empty_cache()
+    if not args.quick:
+        bench_prefill(results)
     results["seconds"] = time.perf_counter() - t0
     if args.json:
         with open(args.json, "w") as fh:

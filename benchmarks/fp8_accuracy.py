@@ -21,6 +21,7 @@ FP8-weights work lands). A short table comes last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -35,11 +36,22 @@ import torch
 from fnvllm.config import EngineConfig
 from fnvllm.executor.device_inputs import build_attention_metadata
 from fnvllm.executor.model_executor import ModelExecutor
+from fnvllm.kernels import decode_attention as dec
+from fnvllm.kernels.fp8 import FP8_DTYPE
+
+# Not an EngineConfig field: the FP8 decode kernel's ``fp8_path`` for this option set. On a GPU it replaces
+# DEFAULT_FP8_DECODE_CONFIG's while the set runs; on the CPU (torch backend) the "_qk8" paths are emulated by
+# rounding the decode steps' queries to e4m3 (what they do before their K q^T product; their other roundings, P to
+# float16, are the same as the "mma" path's).
+DECODE_PATH = "fp8_decode_path"
+DEFAULT_FP8 = dec.DEFAULT_FP8_DECODE_CONFIG  # the launcher's FP8 knobs as shipped (option sets without DECODE_PATH)
 
 OPTION_SETS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("fp8 KV", {"kv_cache_dtype": "fp8"}),
+    ("fp8 KV, decode q e4m3", {"kv_cache_dtype": "fp8", DECODE_PATH: "wgmma_qk8"}),
     ("fp8 weights", {"quantization": "fp8"}),
     ("fp8 weights + KV", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+    ("fp8 weights + KV, decode q e4m3", {"quantization": "fp8", "kv_cache_dtype": "fp8", DECODE_PATH: "wgmma_qk8"}),
 )
 PROMPTS = (
     "def fib(",
@@ -73,16 +85,36 @@ class Run:
 
 def supported(options: dict[str, Any]) -> list[str]:
     """The option names EngineConfig does not have (empty when the set can run)."""
-    known = {a.name for a in attrs.fields(EngineConfig)}
+    known = {a.name for a in attrs.fields(EngineConfig)} | {DECODE_PATH}
     return sorted(set(options) - known)
 
 
 def make_executor(path: Path, device: str, options: dict[str, Any], num_blocks: int) -> ModelExecutor:
-    """A ModelExecutor for ``path`` with the engine options (eager: the loop below drives the model itself)."""
+    """A ModelExecutor for ``path`` with the engine options (eager: the loop below drives the model itself); a
+    DECODE_PATH option sets the FP8 decode kernel's path (GPU) or emulates a "_qk8" one (CPU, see DECODE_PATH)."""
+    engine_options = {k: v for k, v in options.items() if k != DECODE_PATH}
     config = EngineConfig(
-        device=device, block_size=BLOCK_SIZE, num_blocks=num_blocks, enforce_eager=True, max_num_seqs=64, **options
-    )
-    return ModelExecutor(path, config)
+        device=device, block_size=BLOCK_SIZE, num_blocks=num_blocks, enforce_eager=True, max_num_seqs=64,
+        **engine_options,
+    )  # fmt: skip
+    ex = ModelExecutor(path, config)
+    path_choice = options.get(DECODE_PATH, DEFAULT_FP8.fp8_path)
+    if ex.device.type == "cuda":
+        dec.DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_FP8, fp8_path=path_choice)
+    elif "_qk8" in path_choice:  # the other paths compute what the torch backend does (up to float32 rounding)
+        ex.backend = attrs.evolve(ex.backend, attend=_decode_q_e4m3(ex.backend.attend))
+    return ex
+
+
+def _decode_q_e4m3(attend: Any) -> Any:
+    """``attend`` with the queries of all-decode steps rounded to e4m3 first (and back to their dtype)."""
+
+    def wrapped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, *args: Any, **kw: Any):
+        if meta.max_seqlen_q == 1 and k_cache.dtype == FP8_DTYPE:
+            q = q.float().to(FP8_DTYPE).to(q.dtype)
+        return attend(q, k_cache, v_cache, meta, *args, **kw)
+
+    return wrapped
 
 
 @torch.inference_mode()

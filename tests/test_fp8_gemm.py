@@ -149,6 +149,16 @@ def test_tuned_blockwise_shapes_are_valid_and_bounded() -> None:
     assert g._tuned(g.TUNED_BLOCKWISE, 40, 6144, 4096) is None
 
 
+def test_fused_swap_routing_is_per_measured_shape() -> None:
+    """fp8_linear quantizes inside the swap kernel only for the measured weight shape (o, 4096 x 4096) and only up
+    to its token bound; other shapes, larger M and M = 0 keep the two-launch path."""
+    assert g.swaps_fused(1, 4096, 4096) and g.swaps_fused(16, 4096, 4096)
+    assert not g.swaps_fused(17, 4096, 4096) and not g.swaps_fused(0, 4096, 4096)
+    assert not g.swaps_fused(1, 24576, 4096) and not g.swaps_fused(1, 4096, 12288)
+    for (n, k), up_to in g.SWAP_FUSED_MAX_M.items():
+        assert 0 < up_to <= g.SWAP_MAX_M and n % 128 == 0 and k % 128 == 0
+
+
 def test_split_counters_return_to_zero() -> None:
     """With reduce="last" the tile counters are back at zero after a launch (so the next launch, or CUDA-graph
     replay, starts clean), and a second call gives the same bits (the sum order is fixed)."""

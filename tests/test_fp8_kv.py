@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from fnvllm.config import EngineConfig  # noqa: E402
 from fnvllm.kernels import fp8  # noqa: E402
 from fnvllm.kernels.backends import available_backends, resolve_backend  # noqa: E402
-from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from fnvllm.kernels.decode_attention import FP8_PATHS, paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from fnvllm.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from fnvllm.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from fnvllm.llm import LLM  # noqa: E402
@@ -186,6 +186,43 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
     )
     ref = paged_decode_attention_ref(q, k8, v8, table, seq_lens, scale, k_scale, v_scale)
     assert rel_err(out.float(), ref.float()) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs"])
+def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
+    """The other FP8 decode paths (the transposed products K q^T, V^T P^T; two KV heads a program) match the
+    torch reference, split (partials merged by the reduce kernel or in-kernel) or not, with GQA 4; "wgmma_qk8"
+    rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
+    gen = torch.Generator().manual_seed(13)
+    lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
+    table = random_tables(lengths, block_size, gen)
+    _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    table = table.to(DEVICE)
+    scale = head_dim**-0.5
+    q_ref = q.float().to(fp8.FP8_DTYPE).float() if "_qk8" in fp8_path else q.float()
+    ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, scale, k_scale, v_scale)
+    tile = 16
+    for partition_size, fused in ((32, False), (32, True), (128, None)):
+        out = paged_decode_attention(
+            q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=tile, fp8_path=fp8_path,
+            fused_reduce=fused, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        assert rel_err(out.float(), ref) < TOLERANCE[dtype], (partition_size, fused)
+
+
+def test_fp8_path_is_checked() -> None:
+    """An unknown fp8_path, a transposed one with gqa_mode "sum", or "mma_pairs" over an odd number of KV heads is
+    a ValueError naming the knob."""
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 16, device=DEVICE).to(fp8.FP8_DTYPE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    seq_lens, scales = torch.ones(1, dtype=torch.int32, device=DEVICE), torch.ones(1, device=DEVICE)
+    for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma_qk8", "gqa_mode": "sum"}, {"fp8_path": "mma_pairs"}):
+        with pytest.raises(ValueError, match="fp8_path"):
+            paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, k_scale=scales, v_scale=scales, **knobs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -398,6 +435,30 @@ def test_fp8_kernels_at_real_sizes() -> None:
     args = (qp, k8, v8, cu, seq_lens, table, max(q_lens), head_dim**-0.5)
     out = paged_prefill_attention(*args, k_scale=k_scale, v_scale=v_scale)
     assert rel_err(out.float(), paged_prefill_attention_ref(*args, k_scale, v_scale).float()) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fp8_path", FP8_PATHS)
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_fp8_decode_paths_at_real_sizes(fp8_path: str, num_heads: int) -> None:
+    """On a GPU, every FP8 decode path at the Qwen3-0.6B / 8B head shapes (16 or 32 q heads over 8 KV heads, D 128,
+    256-token blocks), split into partitions and not, tiles of 64 and 128, matches the reference within 1e-2
+    (the "_qk8" paths: the reference over e4m3-rounded queries)."""
+    gen = torch.Generator().manual_seed(8)
+    lengths, block_size, num_kv_heads, head_dim = [1, 300, 1000, 2048, 513, 0, 64], 256, 8, 128
+    table = random_tables(lengths, block_size, gen)
+    _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
+    table, seq_lens = table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).cuda().bfloat16()
+    q_ref = q.float().to(fp8.FP8_DTYPE).float() if "_qk8" in fp8_path else q
+    ref = paged_decode_attention_ref(q_ref, k8, v8, table, seq_lens, head_dim**-0.5, k_scale, v_scale).float()
+    for partition_size, tile_size in ((4096, 128), (512, 64), (64, 64)):
+        out = paged_decode_attention(
+            q, k8, v8, table, seq_lens, head_dim**-0.5, partition_size=partition_size, tile_size=tile_size,
+            num_stages=2, fp8_path=fp8_path, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        assert rel_err(out.float(), ref) < 1e-2, (partition_size, tile_size)
 
 
 @pytest.mark.gpu

@@ -53,8 +53,11 @@ import triton.language as tl
 from fnvllm.kernels.attention import KVCache, _decode_attention
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
+Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs"]
+FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs")
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -104,6 +107,14 @@ class DecodeKernelConfig:
         Only for callers whose kernel right before stores nothing but this step's tokens into the caches (the
         decoder layer's norm_rope_store / store_kv). Off in every shipped entry: faster alone at one sequence, slower
         in the whole step (``SMALL_BATCH_DECODE``'s note).
+    fp8_path: how an FP8 cache's tiles are multiplied (ignored for 16-bit caches; needs gqa_mode "dot"):
+        "mma": q K^T and P V with the tiles widened to float16 in the dot operands' registers (mma.sync);
+        "wgmma_qk8": transposed, S^T = K q^T and out^T = V^T P^T (the tile's tokens as the rows of the first
+        product, so Hopper's warpgroup MMA applies), K multiplied as stored in e4m3 with q rounded to e4m3 (its
+        rounding adds to the error, see docs/fp8.md), V widened to float16 where loaded (``widen_e4m3``);
+        "mma_pairs": as "mma", but each program serves two neighbouring KV heads (``_decode_pairs_kernel``), so
+        it reads 2 x D contiguous bytes of every token row instead of D (an even Hkv only).
+        Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster.
     """
 
     partition_size: int = 512
@@ -115,6 +126,7 @@ class DecodeKernelConfig:
     heads_inner: bool = True
     fused_reduce: bool | None = None
     preload_kv: bool = False
+    fp8_path: Fp8Path = "mma"
 
 
 # Why these defaults (first choices for an H200 at B=256, context U(100, 2048), Hkv 8, D 128, bf16, checked only by
@@ -364,6 +376,56 @@ def attend_tile(
     return m_new, l, acc * alpha[:, None] + pv
 
 
+# e4m3 -> float16 of 4 values in one 32-bit word: two cvt.rn.f16x2.e4m3x2 (sm_89+), no byte repacking.
+_E4M3X4_TO_F16_ASM = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+
+
+@triton.jit
+def widen_e4m3(x, ASM: tl.constexpr):
+    """float8_e4m3fn x -> float16 (exact). ASM (GPU only): inline PTX on 32-bit words of 4 values in the layout
+    x was loaded in (not pure, so Triton keeps it there), where Triton's cast repacks byte by byte."""
+    if ASM:
+        u = x.to(tl.uint8, bitcast=True)
+        return tl.inline_asm_elementwise(_E4M3X4_TO_F16_ASM, "=r,=r,r", [u], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(tl.float16)
+
+
+@triton.jit
+def attend_tile_kq(
+    qt,
+    k,
+    v,
+    visible,
+    m,
+    l,
+    acct,
+    scale_log2,
+    P_FP16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step, transposed: scores S^T = K q^T (N, R) and acc^T (D, R) += V^T P^T, so the tile's
+    N tokens (and D) are the products' rows (Hopper's warpgroup MMA needs >= 64 of them).
+
+    qt (D, R) e4m3 (K enters the product as stored); k, v (N, D) e4m3 tiles, V widened to float16 (then to
+    float32 unless P_FP16, which also rounds P to float16); visible (N, 1); m, l (R,) base 2; acct (D, R) float32.
+    Returns (m, l, acct)."""
+    cd = tl.float16 if P_FP16 else tl.float32
+    st = dot(k, qt, "tf32", UPCAST_DOT)  # (N, R), e4m3 x e4m3 on the GPU
+    st = tl.where(visible, st * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(st, axis=0))
+    alpha = tl.exp2(m - m_new)
+    pt = tl.exp2(st - m_new[None, :])  # (N, R)
+    l = l * alpha + tl.sum(pt, axis=0)
+    vt = tl.trans(widen_e4m3(v, not UPCAST_DOT).to(cd))  # (D, N)
+    return m_new, l, acct * alpha[None, :] + dot(vt, pt.to(cd), DOT_PRECISION, UPCAST_DOT)
+
+
 @triton.jit
 def _decode_partition_kernel(
     q_ptr,
@@ -402,6 +464,7 @@ def _decode_partition_kernel(
     HEADS_INNER: tl.constexpr,
     KV_FP8: tl.constexpr,
     Q_FP16: tl.constexpr,
+    KQ: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -413,6 +476,7 @@ def _decode_partition_kernel(
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
+    KQ (FP8 only): the transposed products of ``attend_tile_kq``, q rounded to e4m3 (fp8_path "wgmma_qk8").
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel.
     PRELOAD_KV: under programmatic dependent launch, read seq_lens, the first tile's block id and the first tile
@@ -456,6 +520,12 @@ def _decode_partition_kernel(
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if KQ:
+            acct = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+            if UPCAST_DOT:  # the interpreter's float32 -> e4m3 cast is wrong: the bits computed instead
+                qt = tl.trans(e4m3_bits(q.to(tl.float32)).to(tl.float8e4nv, bitcast=True))
+            else:
+                qt = tl.trans(q.to(tl.float32).to(tl.float8e4nv))
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         first = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
@@ -484,7 +554,8 @@ def _decode_partition_kernel(
                 k, v = k_next, v_next
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
+            if not KQ:
+                k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = next_tile_offsets(
                 table_row, first, start, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
@@ -493,9 +564,16 @@ def _decode_partition_kernel(
             mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
                 k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            m, l, acc = attend_tile(
-                q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
-            )
+            if KQ:
+                m, l, acct = attend_tile_kq(
+                    qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT
+                )
+            else:
+                m, l, acc = attend_tile(
+                    q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
+                )
+        if KQ:
+            acc = tl.trans(acct)
         o = acc / l[:, None]  # (GROUP_PAD, D)
         if KV_FP8:  # the reduce is linear in each partial output, so scaling them here scales the result
             o = o * tl.load(v_scale_ptr + kv_head)
@@ -515,6 +593,90 @@ def _decode_partition_kernel(
                         num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
                     )  # fmt: skip
                     tl.atomic_xchg(counter_ptr + seq64 * num_kv_heads + kv_head, 0)
+
+
+@triton.jit
+def _decode_pairs_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    k_scale_ptr, v_scale_ptr, counter_ptr, scale_log2,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    num_heads, num_kv_heads, num_parts,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    Q_FP16: tl.constexpr, FUSED_REDUCE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``_decode_partition_kernel`` (FP8 caches, "dot", no prefetch) for the two KV heads 2 program_id(0) and
+    2 program_id(0) + 1 of one sequence and partition: each tile is read as (2, TILE, D), the two heads' slices
+    of a token row being neighbours in memory (2 x D contiguous bytes), and both heads are attended with batched
+    products ((2, G, D) x (2, D, TILE)). Split partials are merged as there, the pair counting in on the
+    counter of its first head and the last partition merging both heads."""
+    pair = tl.program_id(0)
+    seq = tl.program_id(1)
+    part = tl.program_id(2)
+    wait_for_previous_kernel(USE_PDL)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION_SIZE
+    i = tl.arange(0, 2)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    kv_heads = 2 * pair + i  # (2,)
+    heads = kv_heads[:, None] * GROUP + g[None, :]  # (2, GROUP_PAD)
+    h_mask = (g[None, :] < GROUP) & (i[:, None] < 2)  # (2, GROUP_PAD)
+    seq64 = seq.to(tl.int64)
+    out_offs = seq64 * stride_ob + heads[:, :, None] * stride_oh + d[None, None, :]  # (2, GROUP_PAD, D)
+    if seq_len == 0:
+        if part == 0:  # padding row: finite zeros, no KV read
+            zeros = tl.zeros([2, GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + out_offs, zeros, mask=h_mask[:, :, None])
+    elif start < seq_len:
+        end = tl.minimum(start + PARTITION_SIZE, seq_len)
+        q = tl.load(
+            q_ptr + seq64 * stride_qb + heads[:, :, None] * stride_qh + d[None, None, :],
+            mask=h_mask[:, :, None],
+            other=0.0,
+        )  # (2, GROUP_PAD, D)
+        if Q_FP16:
+            q = q.to(tl.float16)
+        scale_2 = scale_log2 * tl.load(k_scale_ptr + kv_heads)  # (2,)
+        table_row = block_tables_ptr + seq64 * stride_bt
+        m = tl.full([2, GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([2, GROUP_PAD], tl.float32)
+        acc = tl.zeros([2, GROUP_PAD, HEAD_DIM], tl.float32)
+        slice_offs = i[:, None, None] * stride_ch + d[None, None, :]  # (2, 1, D) within a token row
+        for t0 in range(start, end, TILE):
+            offs = kv_tile_offsets(table_row, t0, end, 2 * pair, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+            mask = t0 + tl.arange(0, TILE) < end  # (TILE,)
+            ptrs = offs[None, :, None] + slice_offs  # (2, TILE, D)
+            k = tl.load(k_cache_ptr + ptrs, mask=mask[None, :, None], other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + ptrs, mask=mask[None, :, None], other=0.0).to(q.dtype)
+            s = dot(q, tl.trans(k, (0, 2, 1)), DOT_PRECISION, UPCAST_DOT) * scale_2[:, None, None]  # (2, G, TILE)
+            s = tl.where(mask[None, None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=2))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, :, None])
+            l = l * alpha + tl.sum(p, axis=2)
+            acc = acc * alpha[:, :, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+            m = m_new
+        o = acc / l[:, :, None] * tl.load(v_scale_ptr + kv_heads)[:, None, None]  # (2, GROUP_PAD, D)
+        if seq_len <= PARTITION_SIZE:  # the only live partition: final output
+            tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, :, None])
+        else:
+            slot = (seq64 * num_heads + heads) * num_parts + part  # (2, GROUP_PAD)
+            tl.store(part_out_ptr + slot[:, :, None] * HEAD_DIM + d[None, None, :], o, mask=h_mask[:, :, None])
+            tl.store(part_lse_ptr + slot, m + tl.log2(l), mask=h_mask)
+            if FUSED_REDUCE:
+                tl.debug_barrier()  # every thread's partials are stored before the program's one atomic
+                counter = counter_ptr + seq64 * num_kv_heads + 2 * pair
+                done = tl.atomic_add(counter, 1, sem="acq_rel")
+                num_live = tl.cdiv(seq_len, PARTITION_SIZE)
+                if done == num_live - 1:  # the last live partition of this (sequence, KV head pair)
+                    for h in tl.static_range(2):
+                        merge_partitions(
+                            out_ptr, part_out_ptr, part_lse_ptr, seq64, 2 * pair + h, num_live, stride_ob,
+                            stride_oh, num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
+                        )  # fmt: skip
+                    tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -632,6 +794,7 @@ def paged_decode_attention(
     heads_inner: bool | None = None,
     fused_reduce: bool | None = None,
     preload_kv: bool | None = None,
+    fp8_path: Fp8Path | None = None,
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -667,6 +830,7 @@ def paged_decode_attention(
         heads_inner=heads_inner,
         fused_reduce=fused_reduce,
         preload_kv=preload_kv,
+        fp8_path=fp8_path,
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
@@ -685,7 +849,10 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     kv = KVCache(k_cache, v_cache, k_scale, v_scale)
-    _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+    if kv.k_scale is not None and cfg.fp8_path == "mma_pairs":
+        _launch_pairs(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+    else:
+        _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
     if workspace is not None and not cfg.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
@@ -727,6 +894,7 @@ def _launch_partitions(
     fused = workspace is not None and cfg.fused_reduce
     counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
     merge_group = int(triton.next_power_of_2(group))
+    kq = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed FP8 products
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -754,7 +922,7 @@ def _launch_partitions(
         num_parts,
         HEAD_DIM=head_dim,
         GROUP=group,
-        GROUP_PAD=_group_pad(group, cfg.gqa_mode),
+        GROUP_PAD=_group_pad(group, cfg.gqa_mode, kq),
         BLOCK_SIZE=block_size,
         PARTITION_SIZE=cfg.partition_size,
         TILE=cfg.tile_size,
@@ -765,6 +933,7 @@ def _launch_partitions(
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
         Q_FP16=fp8_compute_fp16(q, kv.k),
+        KQ=kq,
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
@@ -774,6 +943,41 @@ def _launch_partitions(
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
     )
+
+
+def _launch_pairs(
+    q: torch.Tensor,
+    kv: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace | None,
+    num_parts: int,
+    cfg: DecodeKernelConfig,
+) -> None:
+    """Launch ``_decode_pairs_kernel`` (FP8 caches, fp8_path "mma_pairs") on grid (Hkv / 2, B, P)."""
+    num_seqs, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv.k, kv.v
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_kv_heads % 2:
+        raise ValueError(f"fp8_path 'mma_pairs' needs an even number of KV heads, got {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    part_out, part_lse = workspace if workspace is not None else (out, out)
+    fused = workspace is not None and cfg.fused_reduce
+    counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
+    merge_group = int(triton.next_power_of_2(group))
+    _decode_pairs_kernel[(num_kv_heads // 2, num_seqs, num_parts)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, kv.k_scale, kv.v_scale, counters,
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads, num_kv_heads, num_parts,
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=_group_pad(group, "dot"), BLOCK_SIZE=block_size,
+        PARTITION_SIZE=cfg.partition_size, TILE=cfg.tile_size, DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.device), Q_FP16=fp8_compute_fp16(q, k_cache), FUSED_REDUCE=fused,
+        MERGE_GROUP=merge_group, MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
+        USE_PDL=use_pdl(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q.device),
+    )  # fmt: skip
 
 
 def fp8_compute_fp16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -798,9 +1002,10 @@ def upcast_dot(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _group_pad(group: int, gqa_mode: GqaMode) -> int:
-    """Rows the G query heads of a KV group are padded to: >= 16 for tl.dot, a power of two >= 2 for tl.sum."""
-    return max(16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
+def _group_pad(group: int, gqa_mode: GqaMode, kq: bool = False) -> int:
+    """Rows the G query heads of a KV group are padded to: >= 16 for tl.dot, a power of two >= 2 for tl.sum, >= 8
+    for the transposed FP8 products (the heads are the warpgroup MMA's N, which may be 8)."""
+    return max(8 if kq else 16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
 
 
 def _resolve_config(base: DecodeKernelConfig, **knobs: object) -> DecodeKernelConfig:
@@ -821,6 +1026,10 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
     """Raise ValueError naming the knob when the launch configuration is unusable."""
     if cfg.gqa_mode not in ("dot", "sum"):
         raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
+    if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
+        raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
+    if cfg.preload_kv and cfg.fp8_path != "mma":  # the peeled first tile is attended with the untransposed products
+        raise ValueError(f"preload_kv needs fp8_path 'mma', got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 16 if cfg.gqa_mode == "dot" else 1

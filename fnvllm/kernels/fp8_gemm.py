@@ -118,10 +118,10 @@ def fp8_linear(
     """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
     up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
     activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
-    variant ``fp8_gemm_swap_bf16`` quantizes in the kernel, one launch fewer, not yet timed on a GPU); up to
-    BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured TUNED_BLOCKWISE shape; above,
-    cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128 blocks,
-    else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
+    variant ``fp8_gemm_swap_bf16``, which quantizes in the kernel, one launch fewer, for the weights in
+    SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured TUNED_BLOCKWISE
+    shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole
+    128 x 128 blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
@@ -130,6 +130,8 @@ def fp8_linear(
     _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
     if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
+    elif swaps_fused(m, *w.shape):
+        out = fp8_gemm_swap_bf16(x, w, w_scale)
     elif m <= SWAP_MAX_M:
         out = fp8_gemm_swap(*quantize_activations(x), w, w_scale, x.dtype)
     elif m <= BLOCKWISE_MAX_M and _tuned(TUNED_BLOCKWISE, m, *w.shape) is not None:
@@ -155,6 +157,16 @@ SWAP_MAX_M = 32
 # 38.1, down 27.2 vs 40.2; qkv 17.9 vs 18.2 is left to cuBLAS). At M = 128 and 256 cuBLAS was ahead on all four.
 # With 64-token tiles, 33-64 tokens run the same programs as 64.
 BLOCKWISE_MAX_M = 64
+# Weights (N, K) whose products of at most this many tokens run ``fp8_gemm_swap_bf16`` (the activation quantization
+# inside the swap kernel: one launch fewer) instead of quantization + ``fp8_gemm_swap``, where that measured faster
+# (H200, bench_fp8_gemm.py at 7d1055e, us, fused vs two launches: o (4096 x 4096) 10.8 vs 11.5 at M = 1, 11.0 vs
+# 12.8 at 4, 11.6 vs 14.2 at 16, 15.8 vs 15.6 at 32; gate_up and down were slower fused at every M).
+SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {(4096, 4096): 16}
+
+
+def swaps_fused(m: int, n: int, k: int) -> bool:
+    """Whether ``fp8_linear`` takes ``fp8_gemm_swap_bf16`` for M tokens of an (N, K) weight (SWAP_FUSED_MAX_M)."""
+    return 0 < m <= min(SWAP_MAX_M, SWAP_FUSED_MAX_M.get((n, k), 0))
 
 
 @functools.cache
