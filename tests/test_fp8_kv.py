@@ -475,3 +475,18 @@ def test_fp8_kv_cuda_graphs_match_eager(tmp_path: Path) -> None:
         runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.close()
     assert runs[0] == runs[1]
+
+
+def test_fp8_path_default_from_the_environment() -> None:
+    """FNVLLM_FP8_PATH sets the FP8 decode default's fp8_path; a value outside FP8_PATHS is refused, naming it."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from fnvllm.kernels.decode_attention import DEFAULT_FP8_DECODE_CONFIG as c; print(c.fp8_path)"
+    env = {**os.environ, "FNVLLM_FP8_PATH": "mma_pairs"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "mma_pairs"
+    env["FNVLLM_FP8_PATH"] = "fast"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "FNVLLM_FP8_PATH must be one of" in bad.stderr

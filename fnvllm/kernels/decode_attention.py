@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Literal, NamedTuple
 
 import torch
@@ -143,7 +144,11 @@ class DecodeKernelConfig:
 DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
 # The knobs for FP8 caches (half the bytes a tile): tiles of 128 tokens, the best of benchmarks/bench_fp8_kv.py's
 # sweep on the H200 (BENCHMARKS.md, "FP8 decode attention").
-DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_DECODE_CONFIG, tile_size=128)
+# FNVLLM_FP8_PATH picks the default ``fp8_path`` (one of FP8_PATHS; "mma" when unset), to measure a path end to end.
+FP8_PATH_DEFAULT = os.environ.get("FNVLLM_FP8_PATH", "mma")
+if FP8_PATH_DEFAULT not in FP8_PATHS:
+    raise ValueError(f"FNVLLM_FP8_PATH must be one of {FP8_PATHS}, got {FP8_PATH_DEFAULT!r}")
+DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_DECODE_CONFIG, tile_size=128, fp8_path=FP8_PATH_DEFAULT)
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without
 # splitting (132 SMs x ~3 resident programs each, ~2.5 waves), so the launcher gives each sequence one partition:
