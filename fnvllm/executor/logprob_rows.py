@@ -9,9 +9,14 @@ when a step keeps only a reference to its arrays and each row its index; ``bench
 
 So a step's logprobs are one ``StepLogprobs`` (three flat numpy arrays: no per-row objects), the engine's per-request
 view of a step is ``RequestLogprobs`` (a mapping built lazily over it), and a request's history is a
-``LogprobList`` of (step, row) references that builds its ``TokenLogprobs`` when read, once, and keeps them (the
-tracker builds them when the request finishes: ``RequestTracker.close``). Readers see the public types unchanged:
-sequences and mappings of ``TokenLogprobs``.
+``LogprobList`` holding, per token, the step's ``RequestLogprobs`` itself: the output loop appends that one shared
+object to each tracker (one list append per row; no row is found, built or wrapped while the loop runs). The
+request's row in each step is found, and its ``TokenLogprobs`` built, only when the entries are read: a finished
+request's ``RequestOutput.logprobs`` is a ``LogprobView`` that builds all of them in bulk on first read (measured
+on the CPU, ``benchmarks/host_step.py --output-path 1000``: building every entry when requests finished cost ~0.6
+ms per step of the loop at 256 rows; a caller that never reads them, like the throughput bench, now pays nothing,
+one that reads them pays it when reading). Readers see sequences of ``TokenLogprobs`` as before: a view compares,
+hashes, prints and pickles as the tuple of its entries.
 """
 
 from __future__ import annotations
@@ -181,25 +186,23 @@ class RequestLogprobs(Mapping[str, TokenLogprobs]):
 
 
 class LogprobList(Sequence[TokenLogprobs]):
-    """A request's logprobs, one per generated token: (step, row) references (or ``TokenLogprobs`` given as
-    they are), each built on first read and kept from then on (``materialize``)."""
+    """A request's logprobs, one per generated token: each entry is a ``TokenLogprobs`` given as it is, or the
+    step's ``RequestLogprobs``, in which this request's row is found when the entry is read. Appending costs one
+    list append per token (no per-token object, nothing for the garbage collector to walk); entries are built on
+    first read and kept from then on (``materialize``). ``view`` hands out a read-only prefix (``LogprobView``:
+    what ``RequestOutput.logprobs`` holds), built only if someone reads it."""
 
-    __slots__ = ("_built", "_rows", "_sources")
+    __slots__ = ("_built", "_sources", "request_id")
 
-    def __init__(self) -> None:
-        self._sources: list[StepLogprobs | TokenLogprobs] = []
-        self._rows: list[int | None] = []  # the row in its StepLogprobs; None for a TokenLogprobs given as is
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._sources: list[TokenLogprobs | RequestLogprobs] = []
         self._built: list[TokenLogprobs] = []  # the first len(_built) entries, built
 
-    def append(self, logprobs: TokenLogprobs) -> None:
-        """Add one entry as it is."""
+    def append(self, logprobs: TokenLogprobs | RequestLogprobs) -> None:
+        """Add one entry: a TokenLogprobs as it is, or a step's ``RequestLogprobs`` (which holds this request's
+        row), to be built when read."""
         self._sources.append(logprobs)
-        self._rows.append(None)
-
-    def append_reference(self, step: StepLogprobs, row: int) -> None:
-        """Add row ``row`` of ``step`` (a row that asked), to be built when read."""
-        self._sources.append(step)
-        self._rows.append(row)
 
     def __len__(self) -> int:
         return len(self._sources)
@@ -207,14 +210,10 @@ class LogprobList(Sequence[TokenLogprobs]):
     def _entry(self, i: int) -> TokenLogprobs:
         if i < len(self._built):
             return self._built[i]
-        source, row = self._sources[i], self._rows[i]
-        if row is None:
-            assert isinstance(source, TokenLogprobs)
+        source = self._sources[i]
+        if isinstance(source, TokenLogprobs):
             return source
-        assert isinstance(source, StepLogprobs)
-        entry = source.entry(row)
-        assert entry is not None  # references are only taken to rows that asked
-        return entry
+        return source[self.request_id]
 
     @overload
     def __getitem__(self, i: int) -> TokenLogprobs: ...
@@ -230,21 +229,24 @@ class LogprobList(Sequence[TokenLogprobs]):
     def __iter__(self) -> Iterator[TokenLogprobs]:
         return iter(self.materialize())
 
-    def materialize(self) -> tuple[TokenLogprobs, ...]:
-        """Every entry, built once (later calls build only the entries added since) and dropped from the
-        references, which then no longer keep their steps' arrays alive."""
+    def build(self, count: int | None = None) -> None:
+        """Build the first ``count`` entries (default: all) that are not built yet, and drop their references
+        (which then no longer keep their steps' arrays alive)."""
+        stop = len(self._sources) if count is None else min(count, len(self._sources))
         start = len(self._built)
-        if start < len(self._sources):
-            sources, rows = self._sources[start:], self._rows[start:]
-            new: list[TokenLogprobs] | None = None
-            if None not in rows:  # references only (a request's rows): built together
-                new = _build_rows(sources, rows)  # type: ignore[arg-type]
-            if new is None:
-                new = [s if r is None else s.entry(r) for s, r in zip(sources, rows, strict=True)]  # type: ignore
+        if start < stop:
+            new = _build_entries(self._sources[start:stop], self.request_id)
             self._built.extend(new)
-            self._sources[start:] = new
-            self._rows[start:] = [None] * len(new)
+            self._sources[start:stop] = new
+
+    def materialize(self) -> tuple[TokenLogprobs, ...]:
+        """Every entry, built once (later calls build only the entries added since)."""
+        self.build()
         return tuple(self._built)
+
+    def view(self) -> LogprobView:
+        """The entries so far, read-only (later appends do not show), built when first read."""
+        return LogprobView(self, len(self))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -255,6 +257,93 @@ class LogprobList(Sequence[TokenLogprobs]):
 
     def __repr__(self) -> str:
         return f"LogprobList({tuple(self)!r})"
+
+
+class LogprobView(Sequence[TokenLogprobs]):
+    """The first ``count`` entries of a request's ``LogprobList``, as an immutable sequence of ``TokenLogprobs``
+    (``RequestOutput.logprobs``). Nothing is built until it is read; the first read builds every entry (in bulk,
+    about a third of the time of one by one) and keeps the tuple. It compares, hashes, prints and pickles as that
+    tuple (a pickled view loads as a plain tuple)."""
+
+    __slots__ = ("_count", "_entries", "_source")
+
+    def __init__(self, source: LogprobList, count: int) -> None:
+        if not 0 <= count <= len(source):
+            raise ValueError(f"count must be in [0, {len(source)}] (the list's length), got {count}")
+        self._source: LogprobList | None = source
+        self._count = count
+        self._entries: tuple[TokenLogprobs, ...] | None = None
+
+    def entries(self) -> tuple[TokenLogprobs, ...]:
+        """Every entry, as a tuple (built on the first call, then kept; the list is then no longer referenced)."""
+        if self._entries is None:
+            assert self._source is not None  # dropped only once the entries are built
+            self._source.build(self._count)
+            self._entries = tuple(self._source._built[: self._count])
+            self._source = None
+        return self._entries
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprobs: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[TokenLogprobs, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs, ...]:
+        return self.entries()[i]
+
+    def __iter__(self) -> Iterator[TokenLogprobs]:
+        return iter(self.entries())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LogprobView):
+            other = other.entries()
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and self.entries() == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self.entries())
+
+    def __repr__(self) -> str:
+        return repr(self.entries())
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[TokenLogprobs, ...]]]:
+        return tuple, (self.entries(),)
+
+
+def _build_entries(sources: Sequence[TokenLogprobs | RequestLogprobs], request_id: str) -> list[TokenLogprobs]:
+    """The entries of ``sources`` for ``request_id``: given ones as they are, each run of step references built
+    together (``_build_rows``). Raises KeyError when a step holds no row of ``request_id``."""
+    out: list[TokenLogprobs] = []
+    steps: list[StepLogprobs] = []
+    rows: list[int] = []
+    for source in sources:
+        if isinstance(source, TokenLogprobs):
+            out.extend(_build_run(steps, rows))
+            steps, rows = [], []
+            out.append(source)
+            continue
+        reference = source.reference(request_id)
+        if reference is None:
+            raise KeyError(f"request {request_id!r} has no logprobs in this step (it did not ask for them)")
+        steps.append(reference[0])
+        rows.append(reference[1])
+    out.extend(_build_run(steps, rows))
+    return out
+
+
+def _build_run(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs]:
+    """The entries of (step, row) references: in bulk when they asked for the same count, else one by one."""
+    built = _build_rows(steps, rows)
+    if built is not None:
+        return built
+    entries = [step.entry(row) for step, row in zip(steps, rows, strict=True)]
+    assert None not in entries  # references are only taken to rows that asked
+    return entries  # type: ignore[return-value]
 
 
 def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs] | None:
