@@ -252,27 +252,35 @@ def measure(
     return per_step, line
 
 
-def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) -> None:
-    """One column per batch size, one row per phase (ms per step), then host = step - wait."""
-    batches = sorted(results)
-    header = f"{'phase (ms/step)':<24}" + "".join(f"{f'B={b}':>10}" for b in batches)
+def print_table(results: dict[str, tuple[dict[str, float], str]], on_gpu: bool) -> None:
+    """One column per measured run ("B=256", or "B=256 plain" / "B=256 logprobs=5" when settings are compared),
+    one row per phase (ms per step), then host = step - wait (on the CPU also without the device's work), and,
+    where a batch size has a plain column, each column's host ms per step over that plain one."""
+    labels = list(results)
+    width = max(10, *(len(label) + 2 for label in labels))
+    header = f"{'phase (ms/step)':<24}" + "".join(f"{label:>{width}}" for label in labels)
     print(header)
     print("-" * len(header))
     printed: set[str] = set()
     for name, depth, _, _ in PHASES:
-        if name in printed or not any(name in results[b][0] for b in batches):
+        if name in printed or not any(name in results[c][0] for c in labels):
             continue
         printed.add(name)
         label = "  " * depth + name
-        print(f"{label:<24}" + "".join(f"{results[b][0].get(name, 0.0):>10.3f}" for b in batches))
+        print(f"{label:<24}" + "".join(f"{results[c][0].get(name, 0.0):>{width}.3f}" for c in labels))
     print("-" * len(header))
-    host = {b: results[b][0].get("step", 0.0) - results[b][0].get("wait", 0.0) for b in batches}
-    print(f"{'host (step - wait)':<24}" + "".join(f"{host[b]:>10.3f}" for b in batches))
-    if not on_gpu:
-        bare = {b: host[b] - sum(results[b][0].get(k, 0.0) for k in DEVICE_WORK) for b in batches}
-        print(f"{'host w/o compute':<24}" + "".join(f"{bare[b]:>10.3f}" for b in batches))
-    for b in batches:
-        print(f"B={b} {results[b][1]}")
+    host = {c: results[c][0].get("step", 0.0) - results[c][0].get("wait", 0.0) for c in labels}
+    print(f"{'host (step - wait)':<24}" + "".join(f"{host[c]:>{width}.3f}" for c in labels))
+    if not on_gpu:  # the device's work ran on the host: what a GPU would leave
+        host = {c: host[c] - sum(results[c][0].get(k, 0.0) for k in DEVICE_WORK) for c in labels}
+        print(f"{'host w/o compute':<24}" + "".join(f"{host[c]:>{width}.3f}" for c in labels))
+    plain = {c.split()[0]: host[c] for c in labels if c.endswith(" plain")}
+    if plain and len(plain) < len(labels):
+        over = [host[c] - plain[c.split()[0]] if c.split()[0] in plain else None for c in labels]
+        cells = "".join(" " * width if v is None else f"{v:>+{width}.3f}" for v in over)
+        print(f"{'host over plain':<24}{cells}")
+    for c in labels:
+        print(f"{c}: {results[c][1]}")
 
 
 def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
@@ -284,6 +292,7 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
 
     from fnvllm.engine.output import OutputProcessor
     from fnvllm.executor.base import ExecuteResult
+    from fnvllm.executor.logprob_rows import LogprobView
     from fnvllm.executor.model_executor import _host_logprobs
     from fnvllm.executor.sampler import Logprobs
     from fnvllm.state.request import FinishedRequest, StepOutput
@@ -292,8 +301,9 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
     params = SamplingParams(temperature=0.6, logprobs=logprobs, ignore_eos=True, max_tokens=steps + 1)
     ends = {f"r{i}": rng.randint(steps // 10, steps) for i in range(rows)}
     processor = OutputProcessor()
-    for i, rid in enumerate(ends):
-        processor.add(RequestTracker(i, rid, None, (1, 2, 3), params, None))
+    trackers = [RequestTracker(i, rid, None, (1, 2, 3), params, None) for i, rid in enumerate(ends)]
+    for tracker in trackers:
+        processor.add(tracker)
     clock = PhaseClock()
     times: list[float] = []
     with gc_clock(clock):
@@ -309,11 +319,17 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
             out = Engine._output(plan, StepOutput(step, ids, tuple(tokens), finished), result)
             processor.process(None, out)  # type: ignore[arg-type]  # no stop strings: the state is not read
             times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    outputs = [t.result() for t in trackers]
+    num_entries = sum(len(o.logprobs.entries()) for o in outputs if isinstance(o.logprobs, LogprobView))
+    read_s = time.perf_counter() - t0
     times.sort()
     mean = 1e3 * sum(times) / len(times)
     gc_ms = 1e3 * clock.seconds.get("gc", 0.0) / len(times)
     print(f"output path, {rows} rows, logprobs {logprobs}, {len(times)} steps: {mean:.3f} ms/step mean, "
           f"p50 {1e3 * times[len(times) // 2]:.3f}, max {1e3 * times[-1]:.1f}; gc {gc_ms:.3f} ms/step")  # fmt: skip
+    print(f"then reading every output's logprobs (built on first read): {1e3 * read_s:.1f} ms for {num_entries} "
+          f"entries, {1e6 * read_s / max(num_entries, 1):.2f} us each")  # fmt: skip
 
 
 def main() -> None:
@@ -325,6 +341,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the engine is built")
     parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    parser.add_argument(
+        "--with-plain", action="store_true", help="with --logprobs: also measure each batch without them, side by side"
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
     parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
@@ -335,6 +354,12 @@ def main() -> None:
     sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
     if args.logprobs is not None:
         sampling["logprobs"] = args.logprobs
+    runs = [("", sampling)]
+    if args.logprobs is not None and args.with_plain:  # side by side, same engine and run: the logprobs' host cost
+        runs = [
+            (" plain", {k: v for k, v in sampling.items() if k != "logprobs"}),
+            (f" logprobs={args.logprobs}", sampling),
+        ]
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
     shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
@@ -355,9 +380,10 @@ def main() -> None:
     llm = LLM(folder, load_tokenizer=False, **options)
     if args.freeze_gc:
         gc.freeze()
-    results: dict[int, tuple[dict[str, float], str]] = {}
+    results: dict[str, tuple[dict[str, float], str]] = {}
     for b in batches:  # a table after each batch size, so that a later failure still leaves the earlier ones
-        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len, sampling, args.profile)
+        for suffix, settings in runs:
+            results[f"B={b}{suffix}"] = measure(llm, b, args.steps, args.warm, args.prompt_len, settings, args.profile)
         print_table(results, on_gpu)
         print(flush=True)
 

@@ -21,7 +21,10 @@ hashes, prints and pickles as the tuple of its entries.
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from itertools import compress, repeat
 from typing import TYPE_CHECKING, overload
 
@@ -42,7 +45,7 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
     every row asked for ``width`` (k == i). Compares equal to the tuple of its entries.
     """
 
-    __slots__ = ("_asked", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
+    __slots__ = ("_asked", "_base", "_block", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
 
     def __init__(
         self,
@@ -62,18 +65,31 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
             k = iter(range(len(sampled)))
             places = tuple(None if n is None else next(k) for n in asked)
         self._places = places
+        self._block: _Block | None = None  # with from_host: the arena block the arrays view, from row _base
+        self._base = 0
 
     @classmethod
     def from_host(
         cls, tokens: Sequence[int], asked: Sequence[int | None], sampled: torch.Tensor, top_ids: torch.Tensor,
         top_values: torch.Tensor,
     ) -> StepLogprobs:  # fmt: skip
-        """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked):
-        three small numpy copies (the tensors' pinned buffers are reused; numpy keeps a row's entries in one
-        cache line, where lists of Python numbers scatter them: a row built long after its step reads fast)."""
+        """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked),
+        copied into the next L rows of this thread's arena block of width n (the tensors' pinned buffers are
+        reused): rows of many steps side by side, so that a request's rows across its steps are gathered by one
+        numpy index per block when read (``_build_rows``), and no per-step arrays are allocated."""
         width = top_ids.shape[1] if top_ids.dim() == 2 else 0
-        flat = [t.reshape(-1).numpy().copy() for t in (sampled, top_ids, top_values)]
-        return cls(tokens, asked, flat[0], flat[1], flat[2], width)
+        num_rows = sampled.shape[0]
+        block, base = _take(width, num_rows)
+        end = base + num_rows
+        block.sampled[base:end] = sampled.numpy()
+        block.ids[base:end] = top_ids.numpy().reshape(num_rows, width)
+        block.values[base:end] = top_values.numpy().reshape(num_rows, width)
+        step = cls(
+            tokens, asked, block.sampled[base:end], block.ids[base:end].reshape(-1),
+            block.values[base:end].reshape(-1), width,
+        )  # fmt: skip
+        step._block, step._base = block, base
+        return step
 
     def __len__(self) -> int:
         return len(self._asked)
@@ -132,7 +148,7 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         if len(keep) != len(self):
             raise ValueError(f"keep must have one flag per row ({len(self)}), got {len(keep)}")
         places = range(len(self)) if self._places is None else self._places
-        return StepLogprobs(
+        chosen = StepLogprobs(
             tuple(compress(self._tokens, keep)),
             tuple(compress(self._asked, keep)),
             self._sampled,
@@ -141,6 +157,8 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
             self._width,
             tuple(compress(places, keep)),
         )
+        chosen._block, chosen._base = self._block, self._base
+        return chosen
 
 
 class RequestLogprobs(Mapping[str, TokenLogprobs]):
@@ -235,7 +253,8 @@ class LogprobList(Sequence[TokenLogprobs]):
         stop = len(self._sources) if count is None else min(count, len(self._sources))
         start = len(self._built)
         if start < stop:
-            new = _build_entries(self._sources[start:stop], self.request_id)
+            with _collector_paused():
+                new = _build_entries(self._sources[start:stop], self.request_id)
             self._built.extend(new)
             self._sources[start:stop] = new
 
@@ -315,6 +334,21 @@ class LogprobView(Sequence[TokenLogprobs]):
         return tuple, (self.entries(),)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off while a request's entries are built (~7 tracked objects each): with it on, the
+    young generation filled every ~100 entries and, as the built entries piled up, full collections walked the
+    whole heap again and again (on the CPU, reading 256 requests' 142,510 entries: 10.4 us each with it on, 2.3
+    with it paused per request, ``benchmarks/host_step.py --output-path 1000``). Nothing built here is garbage."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _build_entries(sources: Sequence[TokenLogprobs | RequestLogprobs], request_id: str) -> list[TokenLogprobs]:
     """The entries of ``sources`` for ``request_id``: given ones as they are, each run of step references built
     together (``_build_rows``). Raises KeyError when a step holds no row of ``request_id``."""
@@ -327,11 +361,11 @@ def _build_entries(sources: Sequence[TokenLogprobs | RequestLogprobs], request_i
             steps, rows = [], []
             out.append(source)
             continue
-        reference = source.reference(request_id)
-        if reference is None:
+        row = source._rows().get(request_id)
+        if row is None:
             raise KeyError(f"request {request_id!r} has no logprobs in this step (it did not ask for them)")
-        steps.append(reference[0])
-        rows.append(reference[1])
+        steps.append(source._step)
+        rows.append(row)
     out.extend(_build_run(steps, rows))
     return out
 
@@ -347,29 +381,67 @@ def _build_run(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[Token
 
 
 def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs] | None:
-    """The entries of (step, row) references that all asked for the same n (one request's), built together: one
-    pass gathers each row's place, then one numpy concatenation and C-level maps build the entries (about a
-    third of the time of building each alone, ``StepLogprobs.entry``). None when the rows' counts differ."""
-    tokens, sampled, ids, values = [], [], [], []
+    """The entries of (step, row) references that all asked for the same n (one request's) from arena blocks
+    (``StepLogprobs.from_host``), built together: one pass finds each row's place in its block, one numpy index
+    per block gathers them, and C-level maps build the entries. None when the rows' counts differ or a step has
+    no block (then each is built alone, ``StepLogprobs.entry``)."""
+    tokens: list[int] = []
+    places: list[int] = []
+    blocks: list[tuple[_Block, int]] = []  # each block and the entry its run starts at
     count = None
     for step, row in zip(steps, rows, strict=True):
-        n = step._asked[row]
-        if n is None or (count is not None and n != count):
+        n, block = step._asked[row], step._block
+        if n is None or block is None or (count is not None and n != count):
             return None
         count = n
         k = row if step._places is None else step._places[row]
         assert k is not None  # a row that asked has a place
-        at = k * step._width
+        if not blocks or blocks[-1][0] is not block:
+            blocks.append((block, len(places)))
         tokens.append(step._tokens[row])
-        sampled.append(step._sampled[k])
-        ids.append(step._ids[at : at + n])
-        values.append(step._values[at : at + n])
-    if not tokens or count is None:
+        places.append(step._base + k)
+    if count is None:
         return []
-    logprobs = np.array(sampled, dtype=np.float32).tolist()
+    at = np.array(places, dtype=np.intp)
+    ends = [start for _, start in blocks[1:]] + [len(places)]
+    runs = [(block, at[start:end]) for (block, start), end in zip(blocks, ends, strict=True)]
+    logprobs = np.concatenate([block.sampled[index] for block, index in runs]).tolist()
     if count == 0:
         return list(map(TokenLogprobs, tokens, logprobs, repeat(())))
-    flat_ids, flat_values = np.concatenate(ids).tolist(), np.concatenate(values).tolist()
+    flat_ids = np.concatenate([block.ids[index, :count] for block, index in runs], axis=None).tolist()
+    flat_values = np.concatenate([block.values[index, :count] for block, index in runs], axis=None).tolist()
     id_rows, value_rows = zip(*[iter(flat_ids)] * count, strict=True), zip(*[iter(flat_values)] * count, strict=True)
     tops = map(tuple, map(zip, id_rows, value_rows))  # ((id, logprob), ...) per row, best first
     return list(map(TokenLogprobs, tokens, logprobs, tops))
+
+
+BLOCK_BYTES = 1 << 22  # an arena block's size: 4 MiB, ~65,000 rows of width 5 (~250 steps of 256 rows)
+
+
+class _Block:
+    """Rows of logprobs of one width, filled step after step (``_take``): sampled (R,) float32, ids (R, width)
+    int64 and values (R, width) float32. Lives as long as a step that views it."""
+
+    __slots__ = ("ids", "sampled", "used", "values")
+
+    def __init__(self, num_rows: int, width: int) -> None:
+        self.sampled = np.empty(num_rows, dtype=np.float32)
+        self.ids = np.empty((num_rows, width), dtype=np.int64)
+        self.values = np.empty((num_rows, width), dtype=np.float32)
+        self.used = 0
+
+
+_arena = threading.local()  # per thread (each engine loop its own): width -> the block being filled
+
+
+def _take(width: int, num_rows: int) -> tuple[_Block, int]:
+    """The next ``num_rows`` free rows of this thread's block of ``width`` (a fresh block when it is full)."""
+    blocks: dict[int, _Block] | None = getattr(_arena, "blocks", None)
+    if blocks is None:
+        blocks = _arena.blocks = {}
+    block = blocks.get(width)
+    if block is None or block.used + num_rows > block.sampled.shape[0]:
+        block = blocks[width] = _Block(max(num_rows, BLOCK_BYTES // (4 + 12 * width)), width)
+    base = block.used
+    block.used += num_rows
+    return block, base
