@@ -335,6 +335,7 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint folder to reuse (written there if absent)")
     parser.add_argument("--batches", default="1,16,64,256", help="comma-separated request counts")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
@@ -368,7 +369,9 @@ def main() -> None:
         f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on, sampling {sampling}",
         flush=True,
     )
-    folder = write_checkpoint(shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
+    folder = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="fnvllm-host-"))
+    if not (folder / "config.json").exists():
+        write_checkpoint(shape, folder)
     timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
     os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
     options: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": max(batches)}
