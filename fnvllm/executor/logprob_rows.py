@@ -241,7 +241,11 @@ class LogprobList(Sequence[TokenLogprobs]):
 
     def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs, ...]:
         if isinstance(i, slice):
-            return tuple(map(self._entry, range(len(self))[i]))
+            rows = range(len(self))[i]
+            if rows.step == 1 and rows.start <= len(self._built):  # the entries after those built (a server's
+                self.build(rows.stop)  # newest, step after step): built, kept, their steps no longer referenced
+                return tuple(self._built[rows.start : rows.stop])
+            return tuple(map(self._entry, rows))
         return self._entry(range(len(self))[i])
 
     def __iter__(self) -> Iterator[TokenLogprobs]:
@@ -371,8 +375,9 @@ def _build_entries(sources: Sequence[TokenLogprobs | RequestLogprobs], request_i
 
 
 def _build_run(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs]:
-    """The entries of (step, row) references: in bulk when they asked for the same count, else one by one."""
-    built = _build_rows(steps, rows)
+    """The entries of (step, row) references: in bulk when there are many and they asked for the same count,
+    else one by one (a bulk build's few numpy calls cost more than a handful of rows built alone)."""
+    built = _build_rows(steps, rows) if len(steps) >= BULK_MIN_ROWS else None
     if built is not None:
         return built
     entries = [step.entry(row) for step, row in zip(steps, rows, strict=True)]
@@ -415,6 +420,7 @@ def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[Toke
     return list(map(TokenLogprobs, tokens, logprobs, tops))
 
 
+BULK_MIN_ROWS = 16  # fewer rows than this are built one by one (``_build_run``)
 BLOCK_BYTES = 1 << 22  # an arena block's size: 4 MiB, ~65,000 rows of width 5 (~250 steps of 256 rows)
 
 
