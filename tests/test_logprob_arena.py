@@ -10,7 +10,7 @@ import torch
 
 import fnvllm.executor.logprob_rows as rows_module
 from fnvllm.engine.core import EngineOutput
-from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.engine.output import OutputProcessor, RequestTracker, discard_delta
 from fnvllm.executor.base import TokenLogprobs
 from fnvllm.executor.logprob_rows import LogprobList, LogprobView, RequestLogprobs, StepLogprobs
 from fnvllm.state import SamplingParams
@@ -117,3 +117,18 @@ def test_processor_hands_trackers_their_steps_rows() -> None:
         got = outputs[rid].logprobs
         assert isinstance(got, LogprobView) and got._entries is None  # not built until read
         assert got == tuple(want[rid])
+
+
+def test_processor_builds_no_delta_for_a_discarding_tracker() -> None:
+    """A tracker whose ``on_delta`` is ``discard_delta`` (``LLM.generate``'s) gets no outbox entry, yet records its
+    token and finishes; a queueing tracker beside it gets its delta."""
+    processor = OutputProcessor()
+    params = SamplingParams(max_tokens=1)
+    dropping = RequestTracker(0, "d", None, (1,), params, None, on_delta=discard_delta)
+    queueing = RequestTracker(1, "k", None, (1,), params, None)
+    processor.add(dropping)
+    processor.add(queueing)
+    finished = tuple(FinishedRequest(rid, 1, (7,), "length") for rid in ("d", "k"))
+    _, outbox = processor.process(None, EngineOutput(StepOutput(0, ("d", "k"), (7, 8), finished)))  # type: ignore[arg-type]
+    assert [tracker for tracker, _ in outbox] == [queueing] and outbox[0][1].finish_reason == "length"
+    assert dropping.finished and dropping.token_ids == [7] and dropping.result().finish_reason == "length"
