@@ -65,7 +65,7 @@ from fnvllm.bench import write_checkpoint
 from fnvllm.cli.bench import PRESETS
 from fnvllm.engine.core import Engine
 from fnvllm.engine.loop import EngineLoop
-from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.engine.output import OutputProcessor, RequestTracker, discard_delta
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.executor.model_executor import HostCopy, ModelExecutor
@@ -207,10 +207,10 @@ def measure(
     loop.overlap = True  # the overlapped loop's host work, on the CPU too (its launch runs the step at once)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64, **(sampling or {}))
     base = len(loop.state.requests) + loop.stats.num_steps * 1000
-    trackers = []
+    trackers = []  # dropping their deltas, as LLM.generate's do (the bench's path: no delta is built)
     for i in range(batch):
         ids = tuple((7 * i + j) % 5000 + 10 for j in range(prompt_len))
-        trackers.append(RequestTracker(i, f"b{batch}-{base}-{i}", None, ids, params, None))
+        trackers.append(RequestTracker(i, f"b{batch}-{base}-{i}", None, ids, params, None, discard_delta))
     loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
     plans: list[StepPlan] = []
     loop.on_step = lambda _state, plan, _out: plans.append(plan)
