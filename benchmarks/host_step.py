@@ -69,7 +69,7 @@ from fnvllm.engine.output import OutputProcessor, RequestTracker, discard_delta
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.executor.model_executor import HostCopy, ModelExecutor
-from fnvllm.executor.sampler import Sampler
+from fnvllm.executor.sampler import Sampler, prepare_sampling
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams, StepPlan
 
@@ -332,6 +332,60 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
           f"entries, {1e6 * read_s / max(num_entries, 1):.2f} us each")  # fmt: skip
 
 
+def sampler_ops(iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int = 5) -> None:
+    """The host's time per call of the sampler's pieces (``--sampler-ops N``), with the device running freely
+    behind: ``Sampler.sample`` of ``rows`` temperature rows without and with logprobs, and the logprob pieces
+    alone (``compute_logprobs`` and its torch calls). No model: random bf16 logits of ``vocab`` tokens. A piece
+    whose host time is far above its launch count x ~5 us waits for the device (a hidden synchronisation)."""
+    from fnvllm.executor.sampler import compute_logprobs
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    logits = torch.randn(rows, vocab, device=device).to(torch.bfloat16)
+    plain = [SamplingParams(temperature=0.6)] * rows
+    asking = [SamplingParams(temperature=0.6, logprobs=logprobs)] * rows
+    batches = {
+        k: prepare_sampling(p, [0] * rows, [None] * rows, vocab, device) for k, p in (("plain", plain), ("lp", asking))
+    }
+    sampler = Sampler(seed=0)
+    tokens = sampler.sample(logits, batches["plain"]).packed[0]
+    lp_rows = batches["lp"].logprob_rows
+    assert lp_rows is not None
+    kernels = device.type == "cuda"
+    pieces: dict[str, Callable[[], object]] = {
+        "sampler.sample plain": lambda: sampler.sample(logits, batches["plain"]),
+        f"sampler.sample logprobs={logprobs}": lambda: sampler.sample(logits, batches["lp"]),
+        "compute_logprobs": lambda: compute_logprobs(logits, tokens, lp_rows, logprobs, kernels),
+    }
+    if kernels:
+        from fnvllm.kernels.sampling import logprob_candidates
+
+        sampled = torch.empty(rows, dtype=torch.float32, device=device)
+        lse, values, ids = logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled)
+        top = values.topk(logprobs, dim=-1)
+        pieces |= {
+            "  logprob_candidates": lambda: logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled),
+            "  topk": lambda: values.topk(logprobs, dim=-1),
+            "  gather": lambda: ids.gather(1, top.indices),
+            "  sub": lambda: top.values - lse[:, None],
+            "  torch.empty": lambda: torch.empty(rows, dtype=torch.float32, device=device),
+        }
+    print(f"sampler ops: {rows} rows x {vocab} on {device}, host us per call (mean of {iters}; device free-running)")
+    for name, fn in pieces.items():
+        fn()
+        if kernels:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = time.perf_counter() - t0
+        if kernels:
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        print(
+            f"{name:<32}{1e6 * host / iters:>9.1f} us host {1e6 * total / iters:>9.1f} us with the device", flush=True
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
@@ -347,8 +401,12 @@ def main() -> None:
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
+    parser.add_argument("--sampler-ops", type=int, default=0, help="only the sampler's pieces' host time, N calls")
     parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
     args = parser.parse_args()
+    if args.sampler_ops:
+        sampler_ops(args.sampler_ops, logprobs=args.logprobs or 5)
+        return
     if args.output_path:
         output_path(args.output_path, args.logprobs or 5)
         return
