@@ -414,7 +414,7 @@ class SamplingMemo:
         return None
 
     def keep(
-        self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device, batch: SamplingBatch
+        self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device, batch: SamplingBatch | None
     ) -> None:
         """Remember ``batch`` for ``params`` (or forget the last one when ``batch`` is None: not reusable)."""
         self.params, self.key, self.batch = (
