@@ -42,7 +42,8 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
     Holds the rows that asked as flat numpy arrays: ``sampled[k]`` the sampled token's logprob of the k-th such row,
     ``ids`` / ``values`` its ``width`` best (id, logprob) from ``k * width``, best first. A row that asked for
     n < width keeps its first n. ``places[i]``: row i's k, or None (did not ask); None for the whole tuple when
-    every row asked for ``width`` (k == i). Compares equal to the tuple of its entries.
+    every row asked for ``width`` (k == i). Compares equal to the tuple of its entries. From ``from_host`` the
+    arrays are views of rows ``_base`` on of an arena ``_Block`` shared with other steps (read in bulk per request).
     """
 
     __slots__ = ("_asked", "_base", "_block", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
