@@ -36,6 +36,16 @@ The sampling settings users send (issue 19's table: each must cost the host litt
 
     for f in "" "--logprobs 5" "--preset qwen3" "--logprobs 5 --freeze-gc"; do
         PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --steps 100 --profile 25 $f; done
+
+``--logprobs N --with-plain`` measures each batch size twice in one run, without and with logprobs, side by side,
+and ends the table with each column's host ms per step over its plain column (the logprobs' host cost):
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --logprobs 5 --with-plain --freeze-gc
+
+The requests drop their deltas as ``LLM.generate``'s do. ``--checkpoint DIR`` reuses (or writes once) the random
+checkpoint. Two parts alone: ``--output-path N`` (the logprobs' host path over N steps, no model, then the cost of
+reading every output's logprobs) and ``--sampler-ops N`` (the host's us per call of ``Sampler.sample`` with and
+without logprobs and of the logprob torch calls, at 256 rows x 151,936, the device free-running behind).
 """
 
 from __future__ import annotations
