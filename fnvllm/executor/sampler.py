@@ -557,16 +557,25 @@ class Sampler:
 # The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
 # so a smaller chunk means fewer candidates to gather and sort (n x chunk per row) but more chunk summaries.
 LOGPROB_MAX_CHUNK = 1024
+# The most candidates per row the chunk is chosen for (when a chunk allows it): torch.topk over the candidates takes
+# its multi-block path (per radix pass two launches, two CUB scans with their allocations, a memset: ~0.2 ms of host
+# time per call, cProfile of benchmarks/host_step.py --logprobs 5 at 256 rows on the H200) for 200-799 rows of
+# >= 3000 candidates (80-199 rows: >= 5000), and one launch (plus the sort of the n results) below that.
+LOGPROB_MAX_CANDIDATES = 2560
 
 
 def _logprob_chunk(vocab: int, num_top: int) -> int | None:
     """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to LOGPROB_MAX_CHUNK whose
-    num_top chunks stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on
-    whole rows)."""
-    chunk = LOGPROB_MAX_CHUNK
-    while chunk >= 16 and max(num_top, 1) * chunk * 4 > vocab:
-        chunk //= 2
-    return chunk if chunk >= 16 and -(-vocab // chunk) <= 1024 else None
+    num_top chunks stay within a quarter of the row, in at most 1024 chunks, and hold at most
+    LOGPROB_MAX_CANDIDATES candidates (when no such chunk holds that few: the smallest of the others). None: no
+    such chunk, torch.topk on whole rows."""
+    n = max(num_top, 1)
+    chunks = [LOGPROB_MAX_CHUNK >> i for i in range(LOGPROB_MAX_CHUNK.bit_length()) if LOGPROB_MAX_CHUNK >> i >= 16]
+    valid = [c for c in chunks if n * c * 4 <= vocab and -(-vocab // c) <= 1024]  # largest first
+    if not valid:
+        return None
+    few = [c for c in valid if n * c <= LOGPROB_MAX_CANDIDATES]
+    return few[0] if few else valid[-1]
 
 
 def compute_logprobs(
