@@ -5,7 +5,8 @@ The bench workload (``fnvllm.workloads.bench_workload``) is generated once per s
 code with ``PYTHONPATH=that/tree``). Then the latency runs: N requests with prompts of 100-128 tokens and 256
 output tokens each, warm (run once untimed), reported as milliseconds per decode step (wall / output tokens per
 request). Uses only the public API, so it runs against older trees too. A variant may be named more than once
-(``--variants temperature,logprobs,temperature,logprobs``: alternated, for the ratio of two in one process);
+(``--variants temperature,logprobs,temperature,logprobs``: alternated, for the ratio of two in one process); each
+variant first runs a short untimed warm-up with its own settings (``warm``), so no variant times a first use;
 ``--timeline`` adds each variant's decode steps' mean device and host ms per step (``FNVLLM_TIMELINE``).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_settings.py --label head --json $OUT/settings_head.jsonl
@@ -43,6 +44,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "min_p": {"min_p": 0.05},
     "logprobs": {"logprobs": 5},
 }
+
+
+def warm(llm: LLM, extra: dict[str, Any], num_requests: int) -> None:
+    """A short untimed run with ``extra`` first, so that each variant's first uses (a kernel variant compiled, a
+    path's first launch at some batch size) fall outside its timed run: ``num_requests`` 16-token prompts ending
+    four at a time, so the batch shrinks from ``num_requests`` rows to a few, one step after another."""
+    prompts = [[(7 * i + j) % 10000 for j in range(16)] for i in range(num_requests)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2 + i // 4, **extra) for i in range(num_requests)
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
 
 
 def throughput(llm: LLM, extra: dict[str, Any], num_requests: int) -> dict[str, Any]:
@@ -111,6 +123,7 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     results = []
     for name in filter(None, args.variants.split(",")):
+        warm(llm, VARIANTS[name], args.num_requests)  # the same warm-up before each variant, untimed
         results.append({"label": args.label, "what": name, **throughput(llm, VARIANTS[name], args.num_requests)})
         print(json.dumps(results[-1]), flush=True)
     for batch in map(int, filter(None, args.batches.split(","))):
