@@ -416,8 +416,7 @@ def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[Toke
         return list(map(TokenLogprobs, tokens, logprobs, repeat(())))
     flat_ids = np.concatenate([block.ids[index, :count] for block, index in runs], axis=None).tolist()
     flat_values = np.concatenate([block.values[index, :count] for block, index in runs], axis=None).tolist()
-    id_rows, value_rows = zip(*[iter(flat_ids)] * count, strict=True), zip(*[iter(flat_values)] * count, strict=True)
-    tops = map(tuple, map(zip, id_rows, value_rows))  # ((id, logprob), ...) per row, best first
+    tops = zip(*[iter(zip(flat_ids, flat_values, strict=True))] * count, strict=True)  # ((id, logprob), ...) a row
     return list(map(TokenLogprobs, tokens, logprobs, tops))
 
 
