@@ -347,7 +347,7 @@ def sampler_ops(iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int
     behind: ``Sampler.sample`` of ``rows`` temperature rows without and with logprobs, and the logprob pieces
     alone (``compute_logprobs`` and its torch calls). No model: random bf16 logits of ``vocab`` tokens. A piece
     whose host time is far above its launch count x ~5 us waits for the device (a hidden synchronisation)."""
-    from fnvllm.executor.sampler import compute_logprobs
+    from fnvllm.executor.sampler import _logprob_chunk, compute_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     logits = torch.randn(rows, vocab, device=device).to(torch.bfloat16)
@@ -369,12 +369,17 @@ def sampler_ops(iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int
     if kernels:
         from fnvllm.kernels.sampling import logprob_candidates
 
+        chunk = _logprob_chunk(vocab, logprobs) or 1024
         sampled = torch.empty(rows, dtype=torch.float32, device=device)
-        lse, values, ids = logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled)
+        lse, values, ids = logprob_candidates(logits, lp_rows, logprobs, chunk, tokens, sampled)
+        wide = logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled)[1]  # the chunk before the cap
         top = values.topk(logprobs, dim=-1)
         pieces |= {
-            "  logprob_candidates": lambda: logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled),
-            "  topk": lambda: values.topk(logprobs, dim=-1),
+            f"  logprob_candidates ({chunk})": lambda: logprob_candidates(
+                logits, lp_rows, logprobs, chunk, tokens, sampled
+            ),
+            f"  topk of {values.shape[1]}": lambda: values.topk(logprobs, dim=-1),
+            f"  topk of {wide.shape[1]}": lambda: wide.topk(logprobs, dim=-1),
             "  gather": lambda: ids.gather(1, top.indices),
             "  sub": lambda: top.values - lse[:, None],
             "  torch.empty": lambda: torch.empty(rows, dtype=torch.float32, device=device),
