@@ -342,7 +342,9 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
           f"entries, {1e6 * read_s / max(num_entries, 1):.2f} us each")  # fmt: skip
 
 
-def sampler_ops(iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int = 5) -> None:
+def sampler_ops(
+    iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int = 5, kernels: bool | None = None
+) -> None:
     """The host's time per call of the sampler's pieces (``--sampler-ops N``), with the device running freely
     behind: ``Sampler.sample`` of ``rows`` temperature rows without and with logprobs, and the logprob pieces
     alone (``compute_logprobs`` and its torch calls). No model: random bf16 logits of ``vocab`` tokens. A piece
@@ -356,11 +358,11 @@ def sampler_ops(iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int
     batches = {
         k: prepare_sampling(p, [0] * rows, [None] * rows, vocab, device) for k, p in (("plain", plain), ("lp", asking))
     }
-    sampler = Sampler(seed=0)
+    kernels = device.type == "cuda" if kernels is None else kernels  # the Triton kernels (interpreted on a CPU)
+    sampler = Sampler(seed=0, kernels=kernels)
     tokens = sampler.sample(logits, batches["plain"]).packed[0]
     lp_rows = batches["lp"].logprob_rows
     assert lp_rows is not None
-    kernels = device.type == "cuda"
     pieces: dict[str, Callable[[], object]] = {
         "sampler.sample plain": lambda: sampler.sample(logits, batches["plain"]),
         f"sampler.sample logprobs={logprobs}": lambda: sampler.sample(logits, batches["lp"]),
@@ -387,13 +389,13 @@ def sampler_ops(iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int
     print(f"sampler ops: {rows} rows x {vocab} on {device}, host us per call (mean of {iters}; device free-running)")
     for name, fn in pieces.items():
         fn()
-        if kernels:
+        if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         host = time.perf_counter() - t0
-        if kernels:
+        if device.type == "cuda":
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
         print(
