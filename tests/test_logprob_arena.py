@@ -132,3 +132,20 @@ def test_processor_builds_no_delta_for_a_discarding_tracker() -> None:
     _, outbox = processor.process(None, EngineOutput(StepOutput(0, ("d", "k"), (7, 8), finished)))  # type: ignore[arg-type]
     assert [tracker for tracker, _ in outbox] == [queueing] and outbox[0][1].finish_reason == "length"
     assert dropping.finished and dropping.token_ids == [7] and dropping.result().finish_reason == "length"
+
+
+def test_building_leaves_the_collector_as_it_found_it() -> None:
+    """A bulk build pauses the garbage collector and restores its state: on stays on, off stays off."""
+    import gc
+
+    sources, want = _history(random.Random(9), rows_module.BULK_MIN_ROWS, 2)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            entries = LogprobList("x")
+            for source in sources:
+                entries.append(source)
+            assert entries.materialize() == tuple(want) and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
