@@ -214,13 +214,14 @@ def logprob_chunks(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tenso
 
     want = sampler.compute_logprobs(logits, tokens, rows, 5, False)
     default, out = sampler.LOGPROB_MAX_CHUNK, {}
+    cap, sampler.LOGPROB_MAX_CANDIDATES = sampler.LOGPROB_MAX_CANDIDATES, 1 << 30  # the chunk as given
     for chunk in (256, 512, 1024):  # 128: more than 1024 chunks of a 151,936 row, so torch.topk on rows
         sampler.LOGPROB_MAX_CHUNK = chunk
         got = sampler.compute_logprobs(logits, tokens, rows, 5, True)
         same = torch.allclose(got.top_logprobs, want.top_logprobs, atol=1e-4)  # ids may differ only at ties
         label = f"logprobs 5, candidates of chunks <= {chunk}" + ("" if same else " (MISMATCH vs torch.topk)")
         out[label] = device_ms(lambda: sampler.compute_logprobs(logits, tokens, rows, 5, True))
-    sampler.LOGPROB_MAX_CHUNK = default
+    sampler.LOGPROB_MAX_CHUNK, sampler.LOGPROB_MAX_CANDIDATES = default, cap
     return out
 
 

@@ -4,7 +4,10 @@ The bench workload (``fnvllm.workloads.bench_workload``) is generated once per s
 ``LLM`` (the checkpoint is written once to ``--checkpoint`` and reused by later runs, e.g. of another commit's
 code with ``PYTHONPATH=that/tree``). Then the latency runs: N requests with prompts of 100-128 tokens and 256
 output tokens each, warm (run once untimed), reported as milliseconds per decode step (wall / output tokens per
-request). Uses only the public API, so it runs against older trees too.
+request). Uses only the public API, so it runs against older trees too. A variant may be named more than once
+(``--variants temperature,logprobs,temperature,logprobs``: alternated, for the ratio of two in one process); each
+variant first runs a short untimed warm-up with its own settings (``warm``), so no variant times a first use;
+``--timeline`` adds each variant's decode steps' mean device and host ms per step (``FNVLLM_TIMELINE``).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_settings.py --label head --json $OUT/settings_head.jsonl
 """
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,14 +46,49 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def throughput(llm: LLM, extra: dict[str, Any], num_requests: int) -> float:
-    """Output tok/s of the bench workload with ``extra`` added to every request's sampling params."""
+def warm(llm: LLM, extra: dict[str, Any], num_requests: int) -> None:
+    """A short untimed run with ``extra`` first, so that each variant's first uses (a kernel variant compiled, a
+    path's first launch at some batch size) fall outside its timed run: ``num_requests`` 16-token prompts ending
+    four at a time, so the batch shrinks from ``num_requests`` rows to a few, one step after another."""
+    prompts = [[(7 * i + j) % 10000 for j in range(16)] for i in range(num_requests)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2 + i // 4, **extra) for i in range(num_requests)
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
+
+
+def throughput(llm: LLM, extra: dict[str, Any], num_requests: int) -> dict[str, Any]:
+    """Output tok/s of the bench workload with ``extra`` added to every request's sampling params; with logprobs,
+    also what reading every output's logprobs afterwards costs (they may be built only when read: ``read_ms``,
+    and tok/s counting that time too); with a timeline (``--timeline``), the decode steps' mean device and host
+    ms per step and the share of decode steps whose host time exceeded their device time."""
     prompts, params = bench_workload(num_requests)
     params = [attrs.evolve(p, **extra) for p in params]
+    timeline = getattr(getattr(llm, "executor", None), "timeline", None)
+    if timeline is not None:
+        timeline.records.clear()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / seconds
+    tokens = sum(len(o.token_ids) for o in outs)
+    result: dict[str, Any] = {"tok_s": round(tokens / seconds)}
+    if extra.get("logprobs") is not None:
+        start = time.perf_counter()
+        entries = sum(len(tuple(o.logprobs or ())) for o in outs)
+        read_s = time.perf_counter() - start
+        result.update(
+            read_ms=round(1e3 * read_s, 1), entries=entries, tok_s_with_read=round(tokens / (seconds + read_s))
+        )
+    if timeline is not None:
+        decode = [r for r in timeline.records if r["num_prefill_tokens"] == 0]
+        if decode:
+            result.update(
+                decode_steps=len(decode),
+                gpu_ms=round(sum(r["gpu_ms"] for r in decode) / len(decode), 3),
+                cpu_ms=round(sum(r["cpu_ms"] for r in decode) / len(decode), 3),
+                host_bound=round(sum(r["cpu_ms"] > r["gpu_ms"] for r in decode) / len(decode), 3),
+            )
+    return result
 
 
 def step_ms(llm: LLM, batch: int, output_len: int = 256) -> float:
@@ -70,8 +110,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--timeline", action="store_true", help="per variant: decode steps' device and host ms")
     parser.add_argument("--json", default=None, help="append one JSON line per result here")
     args = parser.parse_args()
+    if args.timeline and "FNVLLM_TIMELINE" not in os.environ:  # before the engine is built: it opens the timeline
+        os.environ["FNVLLM_TIMELINE"] = os.path.join(tempfile.mkdtemp(prefix="fnvllm-settings-tl-"), "steps.jsonl")
     folder = Path(args.checkpoint)
     if not (folder / "config.json").exists():
         write_checkpoint(args.model_shape, folder)
@@ -80,9 +123,8 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     results = []
     for name in filter(None, args.variants.split(",")):
-        results.append(
-            {"label": args.label, "what": name, "tok_s": round(throughput(llm, VARIANTS[name], args.num_requests))}
-        )
+        warm(llm, VARIANTS[name], args.num_requests)  # the same warm-up before each variant, untimed
+        results.append({"label": args.label, "what": name, **throughput(llm, VARIANTS[name], args.num_requests)})
         print(json.dumps(results[-1]), flush=True)
     for batch in map(int, filter(None, args.batches.split(","))):
         results.append({"label": args.label, "what": f"step_ms_{batch}", "ms": round(step_ms(llm, batch), 3)})

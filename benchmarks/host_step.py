@@ -36,6 +36,16 @@ The sampling settings users send (issue 19's table: each must cost the host litt
 
     for f in "" "--logprobs 5" "--preset qwen3" "--logprobs 5 --freeze-gc"; do
         PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --steps 100 --profile 25 $f; done
+
+``--logprobs N --with-plain`` measures each batch size twice in one run, without and with logprobs, side by side,
+and ends the table with each column's host ms per step over its plain column (the logprobs' host cost):
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --logprobs 5 --with-plain --freeze-gc
+
+The requests drop their deltas as ``LLM.generate``'s do. ``--checkpoint DIR`` reuses (or writes once) the random
+checkpoint. Two parts alone: ``--output-path N`` (the logprobs' host path over N steps, no model, then the cost of
+reading every output's logprobs) and ``--sampler-ops N`` (the host's us per call of ``Sampler.sample`` with and
+without logprobs and of the logprob torch calls, at 256 rows x 151,936, the device free-running behind).
 """
 
 from __future__ import annotations
@@ -65,11 +75,11 @@ from fnvllm.bench import write_checkpoint
 from fnvllm.cli.bench import PRESETS
 from fnvllm.engine.core import Engine
 from fnvllm.engine.loop import EngineLoop
-from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.engine.output import OutputProcessor, RequestTracker, discard_delta
 from fnvllm.executor.cuda_graphs import DecodeGraphs
 from fnvllm.executor.inputs import is_decode_only
 from fnvllm.executor.model_executor import HostCopy, ModelExecutor
-from fnvllm.executor.sampler import Sampler
+from fnvllm.executor.sampler import Sampler, prepare_sampling
 from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams, StepPlan
 
@@ -207,10 +217,10 @@ def measure(
     loop.overlap = True  # the overlapped loop's host work, on the CPU too (its launch runs the step at once)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warm + steps + 64, **(sampling or {}))
     base = len(loop.state.requests) + loop.stats.num_steps * 1000
-    trackers = []
+    trackers = []  # dropping their deltas, as LLM.generate's do (the bench's path: no delta is built)
     for i in range(batch):
         ids = tuple((7 * i + j) % 5000 + 10 for j in range(prompt_len))
-        trackers.append(RequestTracker(i, f"b{batch}-{base}-{i}", None, ids, params, None))
+        trackers.append(RequestTracker(i, f"b{batch}-{base}-{i}", None, ids, params, None, discard_delta))
     loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
     plans: list[StepPlan] = []
     loop.on_step = lambda _state, plan, _out: plans.append(plan)
@@ -252,27 +262,35 @@ def measure(
     return per_step, line
 
 
-def print_table(results: dict[int, tuple[dict[str, float], str]], on_gpu: bool) -> None:
-    """One column per batch size, one row per phase (ms per step), then host = step - wait."""
-    batches = sorted(results)
-    header = f"{'phase (ms/step)':<24}" + "".join(f"{f'B={b}':>10}" for b in batches)
+def print_table(results: dict[str, tuple[dict[str, float], str]], on_gpu: bool) -> None:
+    """One column per measured run ("B=256", or "B=256 plain" / "B=256 logprobs=5" when settings are compared),
+    one row per phase (ms per step), then host = step - wait (on the CPU also without the device's work), and,
+    where a batch size has a plain column, each column's host ms per step over that plain one."""
+    labels = list(results)
+    width = max(10, *(len(label) + 2 for label in labels))
+    header = f"{'phase (ms/step)':<24}" + "".join(f"{label:>{width}}" for label in labels)
     print(header)
     print("-" * len(header))
     printed: set[str] = set()
     for name, depth, _, _ in PHASES:
-        if name in printed or not any(name in results[b][0] for b in batches):
+        if name in printed or not any(name in results[c][0] for c in labels):
             continue
         printed.add(name)
         label = "  " * depth + name
-        print(f"{label:<24}" + "".join(f"{results[b][0].get(name, 0.0):>10.3f}" for b in batches))
+        print(f"{label:<24}" + "".join(f"{results[c][0].get(name, 0.0):>{width}.3f}" for c in labels))
     print("-" * len(header))
-    host = {b: results[b][0].get("step", 0.0) - results[b][0].get("wait", 0.0) for b in batches}
-    print(f"{'host (step - wait)':<24}" + "".join(f"{host[b]:>10.3f}" for b in batches))
-    if not on_gpu:
-        bare = {b: host[b] - sum(results[b][0].get(k, 0.0) for k in DEVICE_WORK) for b in batches}
-        print(f"{'host w/o compute':<24}" + "".join(f"{bare[b]:>10.3f}" for b in batches))
-    for b in batches:
-        print(f"B={b} {results[b][1]}")
+    host = {c: results[c][0].get("step", 0.0) - results[c][0].get("wait", 0.0) for c in labels}
+    print(f"{'host (step - wait)':<24}" + "".join(f"{host[c]:>{width}.3f}" for c in labels))
+    if not on_gpu:  # the device's work ran on the host: what a GPU would leave
+        host = {c: host[c] - sum(results[c][0].get(k, 0.0) for k in DEVICE_WORK) for c in labels}
+        print(f"{'host w/o compute':<24}" + "".join(f"{host[c]:>{width}.3f}" for c in labels))
+    plain = {c.split()[0]: host[c] for c in labels if c.endswith(" plain")}
+    if plain and len(plain) < len(labels):
+        over = [host[c] - plain[c.split()[0]] if c.split()[0] in plain else None for c in labels]
+        cells = "".join(" " * width if v is None else f"{v:>+{width}.3f}" for v in over)
+        print(f"{'host over plain':<24}{cells}")
+    for c in labels:
+        print(f"{c}: {results[c][1]}")
 
 
 def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
@@ -284,6 +302,7 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
 
     from fnvllm.engine.output import OutputProcessor
     from fnvllm.executor.base import ExecuteResult
+    from fnvllm.executor.logprob_rows import LogprobView
     from fnvllm.executor.model_executor import _host_logprobs
     from fnvllm.executor.sampler import Logprobs
     from fnvllm.state.request import FinishedRequest, StepOutput
@@ -292,8 +311,9 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
     params = SamplingParams(temperature=0.6, logprobs=logprobs, ignore_eos=True, max_tokens=steps + 1)
     ends = {f"r{i}": rng.randint(steps // 10, steps) for i in range(rows)}
     processor = OutputProcessor()
-    for i, rid in enumerate(ends):
-        processor.add(RequestTracker(i, rid, None, (1, 2, 3), params, None))
+    trackers = [RequestTracker(i, rid, None, (1, 2, 3), params, None) for i, rid in enumerate(ends)]
+    for tracker in trackers:
+        processor.add(tracker)
     clock = PhaseClock()
     times: list[float] = []
     with gc_clock(clock):
@@ -309,32 +329,113 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
             out = Engine._output(plan, StepOutput(step, ids, tuple(tokens), finished), result)
             processor.process(None, out)  # type: ignore[arg-type]  # no stop strings: the state is not read
             times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    outputs = [t.result() for t in trackers]
+    num_entries = sum(len(o.logprobs.entries()) for o in outputs if isinstance(o.logprobs, LogprobView))
+    read_s = time.perf_counter() - t0
     times.sort()
     mean = 1e3 * sum(times) / len(times)
     gc_ms = 1e3 * clock.seconds.get("gc", 0.0) / len(times)
     print(f"output path, {rows} rows, logprobs {logprobs}, {len(times)} steps: {mean:.3f} ms/step mean, "
           f"p50 {1e3 * times[len(times) // 2]:.3f}, max {1e3 * times[-1]:.1f}; gc {gc_ms:.3f} ms/step")  # fmt: skip
+    print(f"then reading every output's logprobs (built on first read): {1e3 * read_s:.1f} ms for {num_entries} "
+          f"entries, {1e6 * read_s / max(num_entries, 1):.2f} us each")  # fmt: skip
+
+
+def sampler_ops(
+    iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int = 5, kernels: bool | None = None
+) -> None:
+    """The host's time per call of the sampler's pieces (``--sampler-ops N``), with the device running freely
+    behind: ``Sampler.sample`` of ``rows`` temperature rows without and with logprobs, and the logprob pieces
+    alone (``compute_logprobs`` and its torch calls). No model: random bf16 logits of ``vocab`` tokens. A piece
+    whose host time is far above its launch count x ~5 us waits for the device (a hidden synchronisation)."""
+    from fnvllm.executor.sampler import _logprob_chunk, compute_logprobs
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    logits = torch.randn(rows, vocab, device=device).to(torch.bfloat16)
+    plain = [SamplingParams(temperature=0.6)] * rows
+    asking = [SamplingParams(temperature=0.6, logprobs=logprobs)] * rows
+    batches = {
+        k: prepare_sampling(p, [0] * rows, [None] * rows, vocab, device) for k, p in (("plain", plain), ("lp", asking))
+    }
+    kernels = device.type == "cuda" if kernels is None else kernels  # the Triton kernels (interpreted on a CPU)
+    sampler = Sampler(seed=0, kernels=kernels)
+    tokens = sampler.sample(logits, batches["plain"]).packed[0]
+    lp_rows = batches["lp"].logprob_rows
+    assert lp_rows is not None
+    pieces: dict[str, Callable[[], object]] = {
+        "sampler.sample plain": lambda: sampler.sample(logits, batches["plain"]),
+        f"sampler.sample logprobs={logprobs}": lambda: sampler.sample(logits, batches["lp"]),
+        "compute_logprobs": lambda: compute_logprobs(logits, tokens, lp_rows, logprobs, kernels),
+    }
+    if kernels:
+        from fnvllm.kernels.sampling import logprob_candidates
+
+        chunk = _logprob_chunk(vocab, logprobs) or 1024
+        sampled = torch.empty(rows, dtype=torch.float32, device=device)
+        lse, values, ids = logprob_candidates(logits, lp_rows, logprobs, chunk, tokens, sampled)
+        wide = logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled)[1]  # the chunk before the cap
+        top = values.topk(logprobs, dim=-1)
+        pieces |= {
+            f"  logprob_candidates ({chunk})": lambda: logprob_candidates(
+                logits, lp_rows, logprobs, chunk, tokens, sampled
+            ),
+            f"  topk of {values.shape[1]}": lambda: values.topk(logprobs, dim=-1),
+            f"  topk of {wide.shape[1]}": lambda: wide.topk(logprobs, dim=-1),
+            "  gather": lambda: ids.gather(1, top.indices),
+            "  sub": lambda: top.values - lse[:, None],
+            "  torch.empty": lambda: torch.empty(rows, dtype=torch.float32, device=device),
+        }
+    print(f"sampler ops: {rows} rows x {vocab} on {device}, host us per call (mean of {iters}; device free-running)")
+    for name, fn in pieces.items():
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        print(
+            f"{name:<32}{1e6 * host / iters:>9.1f} us host {1e6 * total / iters:>9.1f} us with the device", flush=True
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint folder to reuse (written there if absent)")
     parser.add_argument("--batches", default="1,16,64,256", help="comma-separated request counts")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     parser.add_argument("--warm", type=int, default=10, help="untimed decode steps first")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the engine is built")
     parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    parser.add_argument(
+        "--with-plain", action="store_true", help="with --logprobs: also measure each batch without them, side by side"
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
+    parser.add_argument("--sampler-ops", type=int, default=0, help="only the sampler's pieces' host time, N calls")
     parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
     args = parser.parse_args()
+    if args.sampler_ops:
+        sampler_ops(args.sampler_ops, logprobs=args.logprobs or 5)
+        return
     if args.output_path:
         output_path(args.output_path, args.logprobs or 5)
         return
     sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
     if args.logprobs is not None:
         sampling["logprobs"] = args.logprobs
+    runs = [("", sampling)]
+    if args.logprobs is not None and args.with_plain:  # side by side, same engine and run: the logprobs' host cost
+        runs = [
+            (" plain", {k: v for k, v in sampling.items() if k != "logprobs"}),
+            (f" logprobs={args.logprobs}", sampling),
+        ]
     batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
     shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
@@ -343,7 +444,9 @@ def main() -> None:
         f"host_step: {shape} on {device}, {args.steps} decode steps per batch, overlap forced on, sampling {sampling}",
         flush=True,
     )
-    folder = write_checkpoint(shape, Path(tempfile.mkdtemp(prefix="fnvllm-host-")))
+    folder = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="fnvllm-host-"))
+    if not (folder / "config.json").exists():
+        write_checkpoint(shape, folder)
     timeline_path = Path(tempfile.mkdtemp(prefix="fnvllm-host-tl-")) / "timeline.jsonl"
     os.environ["FNVLLM_TIMELINE"] = str(timeline_path)
     options: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": max(batches)}
@@ -355,9 +458,10 @@ def main() -> None:
     llm = LLM(folder, load_tokenizer=False, **options)
     if args.freeze_gc:
         gc.freeze()
-    results: dict[int, tuple[dict[str, float], str]] = {}
+    results: dict[str, tuple[dict[str, float], str]] = {}
     for b in batches:  # a table after each batch size, so that a later failure still leaves the earlier ones
-        results[b] = measure(llm, b, args.steps, args.warm, args.prompt_len, sampling, args.profile)
+        for suffix, settings in runs:
+            results[f"B={b}{suffix}"] = measure(llm, b, args.steps, args.warm, args.prompt_len, settings, args.profile)
         print_table(results, on_gpu)
         print(flush=True)
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from fnvllm.config import EngineConfig
 from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelta
 from fnvllm.engine.build import build_engine
+from fnvllm.engine.output import discard_delta
 from fnvllm.engine.text import render_chat
 from fnvllm.state import EngineState, InvalidRequestError, SamplingParams
 from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
@@ -96,7 +97,7 @@ class LLM:
     def _generate(
         self, encoded: list[Encoded], params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
     ) -> list[RequestOutput]:
-        trackers = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=_discard)
+        trackers = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=discard_delta)  # no deltas
         bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
         start, num_done = time.perf_counter(), 0
         with self._aborting_on_exit(trackers):
@@ -282,7 +283,3 @@ def _check_conversation(conversation: object, name: str) -> None:
             raise RequestTypeError(
                 f"{name}[{i}] must be a {{'role': str, 'content': str}} mapping, got {show(message)}"
             )
-
-
-def _discard(_: StreamDelta) -> None:
-    """``on_delta`` for ``generate``: it returns whole outputs, so deltas need no queue."""

@@ -4,8 +4,10 @@ request (``RequestLogprobs``), per request (``LogprobList``), and the engine kee
 from __future__ import annotations
 
 import gc
+import pickle
 from pathlib import Path
 
+import pytest
 import torch
 from tiny_models import write_family
 
@@ -92,22 +94,49 @@ def test_request_logprobs_maps_only_rows_that_asked() -> None:
 
 
 def test_logprob_list_builds_references_once() -> None:
-    """A request's list reads references and given entries alike, and ``materialize`` keeps what it built."""
+    """A request's list reads step references (its own row found by id) and given entries alike, and
+    ``materialize`` keeps what it built."""
     lp, tokens = _logprobs(2, 2), [5, 6]
     step = _host_logprobs(lp, tokens, (2, 2))
     given = TokenLogprobs(9, -0.25, ((9, -0.25),))
-    entries = LogprobList()
-    entries.append_reference(step, 1)
+    entries, other = LogprobList("b"), LogprobList("a")
+    for target in (entries, other):
+        target.append(RequestLogprobs(("a", "b"), step))
     entries.append(given)
-    entries.append_reference(step, 0)
-    assert entries[-1] == step[0] and entries[1:] == (given, step[0])
+    entries.append(RequestLogprobs(("b", "c"), step))
+    assert entries[-1] == step[0] and entries[1:] == (given, step[0]) and other[0] == step[0]
     built = entries.materialize()
     assert built == (step[1], given, step[0]) and entries.materialize()[0] is built[0]
 
 
+def test_logprob_list_raises_for_a_step_without_its_row() -> None:
+    """Reading an entry whose step holds no row of the request (it did not ask there) raises KeyError."""
+    step = _host_logprobs(_logprobs(1, 2), [5, 6], (2, None))
+    entries = LogprobList("b")
+    entries.append(RequestLogprobs(("a", "b"), step))
+    with pytest.raises(KeyError):
+        entries.materialize()
+
+
+def test_logprob_view_is_a_lazy_immutable_tuple() -> None:
+    """A view holds the entries appended before it was taken, builds nothing until read, and compares, hashes,
+    prints and pickles as the tuple of its entries (loading as a plain tuple)."""
+    step = _host_logprobs(_logprobs(2, 2), [5, 6], (2, 2))
+    entries = LogprobList("a")
+    entries.append(RequestLogprobs(("a", "b"), step))
+    view = entries.view()
+    entries.append(RequestLogprobs(("b", "a"), step))
+    assert len(view) == 1 and entries._built == []  # nothing built yet
+    want = (step[0],)
+    assert view == want and want == view and hash(view) == hash(want) and repr(view) == repr(want)
+    assert view[0] == step[0] and view[-1:] == want and list(view) == list(want)
+    assert pickle.loads(pickle.dumps(view)) == want and type(pickle.loads(pickle.dumps(view))) is tuple
+    assert entries.materialize() == (step[0], step[1])
+
+
 def test_trackers_keep_no_token_logprobs_while_requests_run(tmp_path: Path) -> None:
-    """While requests with logprobs run, the engine keeps no TokenLogprobs objects (rows are built when read), and
-    the finished outputs carry every entry."""
+    """While requests with logprobs run, and after they finish until their outputs' logprobs are read, the engine
+    keeps no TokenLogprobs objects (rows are built when read); the outputs carry every entry."""
     llm = LLM(write_family(tmp_path, "qwen3"), dtype="float32", block_size=8, num_blocks=64)
     params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logprobs=2)
     trackers = [RequestTracker(i, f"r{i}", None, (3, 4, 5 + i), params, None) for i in range(3)]
@@ -120,6 +149,7 @@ def test_trackers_keep_no_token_logprobs_while_requests_run(tmp_path: Path) -> N
         llm.loop.step()
     outputs = [t.result() for t in trackers]
     assert all(o.logprobs is not None and len(o.logprobs) == 6 for o in outputs)
+    assert not any(type(o) is TokenLogprobs for o in gc.get_objects())  # finished, but not read yet: none built
     assert all(isinstance(lp, TokenLogprobs) and len(lp.top) == 2 for o in outputs for lp in o.logprobs or ())
 
 
@@ -144,12 +174,13 @@ def test_pinned_ring_logprob_views_hold_each_tensor() -> None:
 
 
 def test_logprob_list_of_references_builds_what_each_row_gives() -> None:
-    """A list of references only (one request's rows across steps, bulk-built) equals its rows built one by one,
-    with n 0 too."""
+    """A list of step references only (one request's rows across steps, bulk-built) equals its rows built one by
+    one, with n 0 too, and with the request's row moving between steps."""
     for width, asked in ((3, (3, None, 3)), (0, (0, None, 0))):
         steps = [_host_logprobs(_logprobs(2, width), [10 * s, 10 * s + 1, 10 * s + 2], asked) for s in range(3)]
-        entries = LogprobList()
+        entries = LogprobList("x")
         for s, step in enumerate(steps):
-            entries.append_reference(step, 2 * (s % 2))  # rows 0, 2, 0: both asked
+            ids = ("x", "y", "z") if s % 2 == 0 else ("z", "y", "x")  # rows 0, 2, 0: both asked
+            entries.append(RequestLogprobs(ids, step))
         want = (steps[0][0], steps[1][2], steps[2][0])
         assert entries.materialize() == want and all(e is not None for e in want)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.engine.core import EngineOutput
 from fnvllm.executor.base import PromptLogprobs, TokenLogprobs
-from fnvllm.executor.logprob_rows import LogprobList, RequestLogprobs, StepLogprobs
+from fnvllm.executor.logprob_rows import LogprobList, RequestLogprobs
 from fnvllm.state import EngineState, FinishReason, SamplingParams, finish
 
 
@@ -60,7 +60,9 @@ class RequestOutput:
     text: generated text (stop string excluded unless include_stop_str_in_output; special tokens skipped).
     token_ids: generated ids (including an EOS or stop token that ended it).
     finish_reason: "stop", "length" or "abort"; None while it runs.
-    logprobs: one entry per generated token when SamplingParams.logprobs was set, else None.
+    logprobs: one entry per generated token when SamplingParams.logprobs was set, else None. From the engine it
+        is a ``LogprobView``: an immutable sequence that builds its entries when first read (equal to, hashing
+        and pickling as the tuple of them), so a caller that never reads them never pays for building them.
     metrics: arrival / first-token / finish times and prefix-cache savings.
     prompt_logprobs: when SamplingParams.prompt_logprobs was set, one entry per prompt token: None for the first,
         then the token's logprob given the tokens before it and the top-k there (``TokenLogprobs``); else None.
@@ -72,7 +74,7 @@ class RequestOutput:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
-    logprobs: tuple[TokenLogprobs, ...] | None = None
+    logprobs: Sequence[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
@@ -122,7 +124,8 @@ class RequestTracker:
         self.index, self.request_id, self.prompt, self.prompt_ids = index, request_id, prompt, prompt_ids
         self.params, self.detokenizer, self.on_delta = params, detokenizer, on_delta
         self.token_ids: list[int] = []
-        self.logprobs = LogprobList()  # a Sequence[TokenLogprobs]: each entry built when read (or at close)
+        self.logprobs = LogprobList(request_id)  # a Sequence[TokenLogprobs]: each entry built when read
+        self.wants_logprobs = params.logprobs is not None
         self.finish_reason: FinishReason | None = None
         self.deltas: deque[StreamDelta] = deque()
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
@@ -146,15 +149,14 @@ class RequestTracker:
         """True once the request ended (its last delta is queued or delivered)."""
         return self.finish_reason is not None
 
-    def add_token(self, token: int, logprobs: TokenLogprobs | tuple[StepLogprobs, int] | None, now: float) -> str:
-        """Record one sampled token and its logprobs (a TokenLogprobs, or a row of a step's ``StepLogprobs`` to be
-        built when read); returns the new text (empty while held back). Sets "stop" on a stop string."""
+    def add_token(self, token: int, logprobs: TokenLogprobs | RequestLogprobs | None, now: float) -> str:
+        """Record one sampled token and its logprobs (a TokenLogprobs, or the step's ``RequestLogprobs``, which holds
+        this request's row, built when read; ignored unless the request asked for logprobs); returns the new text
+        (empty while held back). Sets "stop" on a stop string."""
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
-        if isinstance(logprobs, tuple):
-            self.logprobs.append_reference(*logprobs)
-        elif logprobs is not None:
+        if logprobs is not None and self.wants_logprobs:
             self.logprobs.append(logprobs)
         if self.detokenizer is None:
             return ""
@@ -168,7 +170,6 @@ class RequestTracker:
         if self.finish_reason is None:
             self.finish_reason = reason
         self.finish_time = now
-        self.logprobs.materialize()  # built now, in the loop's host time, not all at once when results are read
         if self.detokenizer is None:
             return ""
         flushed = self.detokenizer.finish()
@@ -204,13 +205,19 @@ class RequestTracker:
             text=self.detokenizer.text if self.detokenizer is not None else "",
             token_ids=tuple(self.token_ids),
             finish_reason=self.finish_reason,
-            logprobs=self.logprobs.materialize() if self.params.logprobs is not None else None,
+            logprobs=self.logprobs.view() if self.wants_logprobs else None,  # built if and when it is read
             metrics=self.metrics(),
             prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
 
 Outbox = list[tuple[RequestTracker, StreamDelta]]
+
+
+def discard_delta(_: StreamDelta) -> None:
+    """An ``on_delta`` that drops every delta, for a caller that reads whole outputs (``LLM.generate``): the output
+    loop then builds no delta for that request at all (at 256 rows, building the deltas was about a third of the
+    loop's routing time on the host)."""
 
 
 def deliver_all(outbox: Outbox, errors: list[BaseException]) -> None:
@@ -261,18 +268,29 @@ class OutputProcessor:
             tracker = self.trackers.get(rid)
             if tracker is not None:
                 tracker.add_prompt_logprobs(scored)
-        logprobs = out.logprobs
-        lookup = logprobs.reference if isinstance(logprobs, RequestLogprobs) else logprobs.get  # lazy: no row built
+        shared, lookup = _logprob_routes(out.logprobs)
         for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
             tracker = self.trackers.get(rid)
             if tracker is None:
                 continue  # driven by hand, not tracked
-            text = tracker.add_token(token, lookup(rid) if logprobs else None, now)
+            text = tracker.add_token(token, shared if lookup is None else lookup(rid), now)
             if tracker.finish_reason == "stop" and rid not in finished:
                 state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
                 finished[rid] = "stop"
             if rid in finished:
                 text += tracker.close(finished[rid], now)
                 del self.trackers[rid]
-            outbox.append((tracker, tracker.delta(text, (token,))))
+            if tracker.on_delta is not discard_delta:  # no delta is built for a caller that drops them
+                outbox.append((tracker, tracker.delta(text, (token,))))
         return state, outbox
+
+
+def _logprob_routes(
+    logprobs: Mapping[str, TokenLogprobs],
+) -> tuple[RequestLogprobs | None, Callable[[str], TokenLogprobs | None] | None]:
+    """How a step's logprobs reach each tracker: (shared, None) hands every tracker the step's ``RequestLogprobs``
+    as it is (no row is built or even found while the loop runs: a tracker's entry is one list append); (None,
+    lookup) looks each request up in a plain mapping; (None, None) when there are none."""
+    if isinstance(logprobs, RequestLogprobs):
+        return logprobs, None
+    return None, (logprobs.get if logprobs else None)

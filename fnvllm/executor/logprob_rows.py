@@ -9,14 +9,22 @@ when a step keeps only a reference to its arrays and each row its index; ``bench
 
 So a step's logprobs are one ``StepLogprobs`` (three flat numpy arrays: no per-row objects), the engine's per-request
 view of a step is ``RequestLogprobs`` (a mapping built lazily over it), and a request's history is a
-``LogprobList`` of (step, row) references that builds its ``TokenLogprobs`` when read, once, and keeps them (the
-tracker builds them when the request finishes: ``RequestTracker.close``). Readers see the public types unchanged:
-sequences and mappings of ``TokenLogprobs``.
+``LogprobList`` holding, per token, the step's ``RequestLogprobs`` itself: the output loop appends that one shared
+object to each tracker (one list append per row; no row is found, built or wrapped while the loop runs). The
+request's row in each step is found, and its ``TokenLogprobs`` built, only when the entries are read: a finished
+request's ``RequestOutput.logprobs`` is a ``LogprobView`` that builds all of them in bulk on first read (measured
+on the CPU, ``benchmarks/host_step.py --output-path 1000``: building every entry when requests finished cost ~0.6
+ms per step of the loop at 256 rows; a caller that never reads them, like the throughput bench, now pays nothing,
+one that reads them pays it when reading). Readers see sequences of ``TokenLogprobs`` as before: a view compares,
+hashes, prints and pickles as the tuple of its entries.
 """
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from itertools import compress, repeat
 from typing import TYPE_CHECKING, overload
 
@@ -34,10 +42,11 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
     Holds the rows that asked as flat numpy arrays: ``sampled[k]`` the sampled token's logprob of the k-th such row,
     ``ids`` / ``values`` its ``width`` best (id, logprob) from ``k * width``, best first. A row that asked for
     n < width keeps its first n. ``places[i]``: row i's k, or None (did not ask); None for the whole tuple when
-    every row asked for ``width`` (k == i). Compares equal to the tuple of its entries.
+    every row asked for ``width`` (k == i). Compares equal to the tuple of its entries. From ``from_host`` the
+    arrays are views of rows ``_base`` on of an arena ``_Block`` shared with other steps (read in bulk per request).
     """
 
-    __slots__ = ("_asked", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
+    __slots__ = ("_asked", "_base", "_block", "_ids", "_places", "_sampled", "_tokens", "_values", "_width")
 
     def __init__(
         self,
@@ -57,18 +66,31 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
             k = iter(range(len(sampled)))
             places = tuple(None if n is None else next(k) for n in asked)
         self._places = places
+        self._block: _Block | None = None  # with from_host: the arena block the arrays view, from row _base
+        self._base = 0
 
     @classmethod
     def from_host(
         cls, tokens: Sequence[int], asked: Sequence[int | None], sampled: torch.Tensor, top_ids: torch.Tensor,
         top_values: torch.Tensor,
     ) -> StepLogprobs:  # fmt: skip
-        """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked):
-        three small numpy copies (the tensors' pinned buffers are reused; numpy keeps a row's entries in one
-        cache line, where lists of Python numbers scatter them: a row built long after its step reads fast)."""
+        """From the host copies of the sampler's ``Logprobs`` ((L,), (L, n), (L, n) of the L rows that asked),
+        copied into the next L rows of this thread's arena block of width n (the tensors' pinned buffers are
+        reused): rows of many steps side by side, so that a request's rows across its steps are gathered by one
+        numpy index per block when read (``_build_rows``), and no per-step arrays are allocated."""
         width = top_ids.shape[1] if top_ids.dim() == 2 else 0
-        flat = [t.reshape(-1).numpy().copy() for t in (sampled, top_ids, top_values)]
-        return cls(tokens, asked, flat[0], flat[1], flat[2], width)
+        num_rows = sampled.shape[0]
+        block, base = _take(width, num_rows)
+        end = base + num_rows
+        block.sampled[base:end] = sampled.numpy()
+        block.ids[base:end] = top_ids.numpy().reshape(num_rows, width)
+        block.values[base:end] = top_values.numpy().reshape(num_rows, width)
+        step = cls(
+            tokens, asked, block.sampled[base:end], block.ids[base:end].reshape(-1),
+            block.values[base:end].reshape(-1), width,
+        )  # fmt: skip
+        step._block, step._base = block, base
+        return step
 
     def __len__(self) -> int:
         return len(self._asked)
@@ -127,7 +149,7 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
         if len(keep) != len(self):
             raise ValueError(f"keep must have one flag per row ({len(self)}), got {len(keep)}")
         places = range(len(self)) if self._places is None else self._places
-        return StepLogprobs(
+        chosen = StepLogprobs(
             tuple(compress(self._tokens, keep)),
             tuple(compress(self._asked, keep)),
             self._sampled,
@@ -136,6 +158,8 @@ class StepLogprobs(Sequence["TokenLogprobs | None"]):
             self._width,
             tuple(compress(places, keep)),
         )
+        chosen._block, chosen._base = self._block, self._base
+        return chosen
 
 
 class RequestLogprobs(Mapping[str, TokenLogprobs]):
@@ -181,25 +205,23 @@ class RequestLogprobs(Mapping[str, TokenLogprobs]):
 
 
 class LogprobList(Sequence[TokenLogprobs]):
-    """A request's logprobs, one per generated token: (step, row) references (or ``TokenLogprobs`` given as
-    they are), each built on first read and kept from then on (``materialize``)."""
+    """A request's logprobs, one per generated token: each entry is a ``TokenLogprobs`` given as it is, or the
+    step's ``RequestLogprobs``, in which this request's row is found when the entry is read. Appending costs one
+    list append per token (no per-token object, nothing for the garbage collector to walk); entries are built on
+    first read and kept from then on (``materialize``). ``view`` hands out a read-only prefix (``LogprobView``:
+    what ``RequestOutput.logprobs`` holds), built only if someone reads it."""
 
-    __slots__ = ("_built", "_rows", "_sources")
+    __slots__ = ("_built", "_sources", "request_id")
 
-    def __init__(self) -> None:
-        self._sources: list[StepLogprobs | TokenLogprobs] = []
-        self._rows: list[int | None] = []  # the row in its StepLogprobs; None for a TokenLogprobs given as is
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._sources: list[TokenLogprobs | RequestLogprobs] = []
         self._built: list[TokenLogprobs] = []  # the first len(_built) entries, built
 
-    def append(self, logprobs: TokenLogprobs) -> None:
-        """Add one entry as it is."""
+    def append(self, logprobs: TokenLogprobs | RequestLogprobs) -> None:
+        """Add one entry: a TokenLogprobs as it is, or a step's ``RequestLogprobs`` (which holds this request's
+        row), to be built when read."""
         self._sources.append(logprobs)
-        self._rows.append(None)
-
-    def append_reference(self, step: StepLogprobs, row: int) -> None:
-        """Add row ``row`` of ``step`` (a row that asked), to be built when read."""
-        self._sources.append(step)
-        self._rows.append(row)
 
     def __len__(self) -> int:
         return len(self._sources)
@@ -207,14 +229,10 @@ class LogprobList(Sequence[TokenLogprobs]):
     def _entry(self, i: int) -> TokenLogprobs:
         if i < len(self._built):
             return self._built[i]
-        source, row = self._sources[i], self._rows[i]
-        if row is None:
-            assert isinstance(source, TokenLogprobs)
+        source = self._sources[i]
+        if isinstance(source, TokenLogprobs):
             return source
-        assert isinstance(source, StepLogprobs)
-        entry = source.entry(row)
-        assert entry is not None  # references are only taken to rows that asked
-        return entry
+        return source[self.request_id]
 
     @overload
     def __getitem__(self, i: int) -> TokenLogprobs: ...
@@ -224,27 +242,35 @@ class LogprobList(Sequence[TokenLogprobs]):
 
     def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs, ...]:
         if isinstance(i, slice):
-            return tuple(map(self._entry, range(len(self))[i]))
+            rows = range(len(self))[i]
+            if rows.step == 1 and rows.start <= len(self._built):  # the entries after those built (a server's
+                self.build(rows.stop)  # newest, step after step): built, kept, their steps no longer referenced
+                return tuple(self._built[rows.start : rows.stop])
+            return tuple(map(self._entry, rows))
         return self._entry(range(len(self))[i])
 
     def __iter__(self) -> Iterator[TokenLogprobs]:
         return iter(self.materialize())
 
-    def materialize(self) -> tuple[TokenLogprobs, ...]:
-        """Every entry, built once (later calls build only the entries added since) and dropped from the
-        references, which then no longer keep their steps' arrays alive."""
+    def build(self, count: int | None = None) -> None:
+        """Build the first ``count`` entries (default: all) that are not built yet, and drop their references
+        (which then no longer keep their steps' arrays alive)."""
+        stop = len(self._sources) if count is None else min(count, len(self._sources))
         start = len(self._built)
-        if start < len(self._sources):
-            sources, rows = self._sources[start:], self._rows[start:]
-            new: list[TokenLogprobs] | None = None
-            if None not in rows:  # references only (a request's rows): built together
-                new = _build_rows(sources, rows)  # type: ignore[arg-type]
-            if new is None:
-                new = [s if r is None else s.entry(r) for s, r in zip(sources, rows, strict=True)]  # type: ignore
+        if start < stop:
+            with _collector_paused():
+                new = _build_entries(self._sources[start:stop], self.request_id)
             self._built.extend(new)
-            self._sources[start:] = new
-            self._rows[start:] = [None] * len(new)
+            self._sources[start:stop] = new
+
+    def materialize(self) -> tuple[TokenLogprobs, ...]:
+        """Every entry, built once (later calls build only the entries added since)."""
+        self.build()
         return tuple(self._built)
+
+    def view(self) -> LogprobView:
+        """The entries so far, read-only (later appends do not show), built when first read."""
+        return LogprobView(self, len(self))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -257,30 +283,171 @@ class LogprobList(Sequence[TokenLogprobs]):
         return f"LogprobList({tuple(self)!r})"
 
 
+class LogprobView(Sequence[TokenLogprobs]):
+    """The first ``count`` entries of a request's ``LogprobList``, as an immutable sequence of ``TokenLogprobs``
+    (``RequestOutput.logprobs``). Nothing is built until it is read; the first read builds every entry (in bulk,
+    about a third of the time of one by one) and keeps the tuple. It compares, hashes, prints and pickles as that
+    tuple (a pickled view loads as a plain tuple)."""
+
+    __slots__ = ("_count", "_entries", "_source")
+
+    def __init__(self, source: LogprobList, count: int) -> None:
+        if not 0 <= count <= len(source):
+            raise ValueError(f"count must be in [0, {len(source)}] (the list's length), got {count}")
+        self._source: LogprobList | None = source
+        self._count = count
+        self._entries: tuple[TokenLogprobs, ...] | None = None
+
+    def entries(self) -> tuple[TokenLogprobs, ...]:
+        """Every entry, as a tuple (built on the first call, then kept; the list is then no longer referenced)."""
+        if self._entries is None:
+            assert self._source is not None  # dropped only once the entries are built
+            self._source.build(self._count)
+            self._entries = tuple(self._source._built[: self._count])
+            self._source = None
+        return self._entries
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprobs: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[TokenLogprobs, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> TokenLogprobs | tuple[TokenLogprobs, ...]:
+        return self.entries()[i]
+
+    def __iter__(self) -> Iterator[TokenLogprobs]:
+        return iter(self.entries())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LogprobView):
+            other = other.entries()
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and self.entries() == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self.entries())
+
+    def __repr__(self) -> str:
+        return repr(self.entries())
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[TokenLogprobs, ...]]]:
+        return tuple, (self.entries(),)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off while a request's entries are built (~7 tracked objects each): with it on, the
+    young generation filled every ~100 entries and, as the built entries piled up, full collections walked the
+    whole heap again and again (on the CPU, reading 256 requests' 142,510 entries: 10.4 us each with it on, 2.3
+    with it paused per request, ``benchmarks/host_step.py --output-path 1000``). Nothing built here is garbage."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _build_entries(sources: Sequence[TokenLogprobs | RequestLogprobs], request_id: str) -> list[TokenLogprobs]:
+    """The entries of ``sources`` for ``request_id``: given ones as they are, each run of step references built
+    together (``_build_rows``). Raises KeyError when a step holds no row of ``request_id``."""
+    out: list[TokenLogprobs] = []
+    steps: list[StepLogprobs] = []
+    rows: list[int] = []
+    for source in sources:
+        if isinstance(source, TokenLogprobs):
+            out.extend(_build_run(steps, rows))
+            steps, rows = [], []
+            out.append(source)
+            continue
+        row = source._rows().get(request_id)
+        if row is None:
+            raise KeyError(f"request {request_id!r} has no logprobs in this step (it did not ask for them)")
+        steps.append(source._step)
+        rows.append(row)
+    out.extend(_build_run(steps, rows))
+    return out
+
+
+def _build_run(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs]:
+    """The entries of (step, row) references: in bulk when there are many and they asked for the same count,
+    else one by one (a bulk build's few numpy calls cost more than a handful of rows built alone)."""
+    built = _build_rows(steps, rows) if len(steps) >= BULK_MIN_ROWS else None
+    if built is not None:
+        return built
+    entries = [step.entry(row) for step, row in zip(steps, rows, strict=True)]
+    assert None not in entries  # references are only taken to rows that asked
+    return entries  # type: ignore[return-value]
+
+
 def _build_rows(steps: Sequence[StepLogprobs], rows: Sequence[int]) -> list[TokenLogprobs] | None:
-    """The entries of (step, row) references that all asked for the same n (one request's), built together: one
-    pass gathers each row's place, then one numpy concatenation and C-level maps build the entries (about a
-    third of the time of building each alone, ``StepLogprobs.entry``). None when the rows' counts differ."""
-    tokens, sampled, ids, values = [], [], [], []
+    """The entries of (step, row) references that all asked for the same n (one request's) from arena blocks
+    (``StepLogprobs.from_host``), built together: one pass finds each row's place in its block, one numpy index
+    per block gathers them, and C-level maps build the entries. None when the rows' counts differ or a step has
+    no block (then each is built alone, ``StepLogprobs.entry``)."""
+    tokens: list[int] = []
+    places: list[int] = []
+    blocks: list[tuple[_Block, int]] = []  # each block and the entry its run starts at
     count = None
     for step, row in zip(steps, rows, strict=True):
-        n = step._asked[row]
-        if n is None or (count is not None and n != count):
+        n, block = step._asked[row], step._block
+        if n is None or block is None or (count is not None and n != count):
             return None
         count = n
         k = row if step._places is None else step._places[row]
         assert k is not None  # a row that asked has a place
-        at = k * step._width
+        if not blocks or blocks[-1][0] is not block:
+            blocks.append((block, len(places)))
         tokens.append(step._tokens[row])
-        sampled.append(step._sampled[k])
-        ids.append(step._ids[at : at + n])
-        values.append(step._values[at : at + n])
-    if not tokens or count is None:
+        places.append(step._base + k)
+    if count is None:
         return []
-    logprobs = np.array(sampled, dtype=np.float32).tolist()
+    at = np.array(places, dtype=np.intp)
+    ends = [start for _, start in blocks[1:]] + [len(places)]
+    runs = [(block, at[start:end]) for (block, start), end in zip(blocks, ends, strict=True)]
+    logprobs = np.concatenate([block.sampled[index] for block, index in runs]).tolist()
     if count == 0:
         return list(map(TokenLogprobs, tokens, logprobs, repeat(())))
-    flat_ids, flat_values = np.concatenate(ids).tolist(), np.concatenate(values).tolist()
-    id_rows, value_rows = zip(*[iter(flat_ids)] * count, strict=True), zip(*[iter(flat_values)] * count, strict=True)
-    tops = map(tuple, map(zip, id_rows, value_rows))  # ((id, logprob), ...) per row, best first
+    flat_ids = np.concatenate([block.ids[index, :count] for block, index in runs], axis=None).tolist()
+    flat_values = np.concatenate([block.values[index, :count] for block, index in runs], axis=None).tolist()
+    tops = zip(*[iter(zip(flat_ids, flat_values, strict=True))] * count, strict=True)  # ((id, logprob), ...) a row
     return list(map(TokenLogprobs, tokens, logprobs, tops))
+
+
+BULK_MIN_ROWS = 16  # fewer rows than this are built one by one (``_build_run``)
+BLOCK_BYTES = 1 << 22  # an arena block's size: 4 MiB, ~65,000 rows of width 5 (~250 steps of 256 rows)
+
+
+class _Block:
+    """Rows of logprobs of one width, filled step after step (``_take``): sampled (R,) float32, ids (R, width)
+    int64 and values (R, width) float32. Lives as long as a step that views it."""
+
+    __slots__ = ("ids", "sampled", "used", "values")
+
+    def __init__(self, num_rows: int, width: int) -> None:
+        self.sampled = np.empty(num_rows, dtype=np.float32)
+        self.ids = np.empty((num_rows, width), dtype=np.int64)
+        self.values = np.empty((num_rows, width), dtype=np.float32)
+        self.used = 0
+
+
+_arena = threading.local()  # per thread (each engine loop its own): width -> the block being filled
+
+
+def _take(width: int, num_rows: int) -> tuple[_Block, int]:
+    """The next ``num_rows`` free rows of this thread's block of ``width`` (a fresh block when it is full)."""
+    blocks: dict[int, _Block] | None = getattr(_arena, "blocks", None)
+    if blocks is None:
+        blocks = _arena.blocks = {}
+    block = blocks.get(width)
+    if block is None or block.used + num_rows > block.sampled.shape[0]:
+        block = blocks[width] = _Block(max(num_rows, BLOCK_BYTES // (4 + 12 * width)), width)
+    base = block.used
+    block.used += num_rows
+    return block, base

@@ -40,7 +40,7 @@ from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare
 from fnvllm.executor.logprob_rows import StepLogprobs
 from fnvllm.executor.mixed_graphs import MixedGraphs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
-from fnvllm.executor.sampler import Logprobs, Sampler, prepare_sampling
+from fnvllm.executor.sampler import Logprobs, Sampler, SamplingMemo, prepare_sampling
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
@@ -303,6 +303,7 @@ class ModelExecutor:
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
+        self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
         # Where a deferred step (a constrained row fed by the step in flight) samples: "collect" = at the end of the
         # collect that accepted its tokens, its masks filled there (the device gets the sampler while it still runs
         # the step's forward; the host commits and plans after the fill); "launch" = at the next launch, its masks
@@ -639,6 +640,7 @@ class ModelExecutor:
             self.model_config.vocab_size,
             self.device,
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
+            self._sampling_memo,
         )
         if self.grammars is not None and any(launched.matchers):
             pending, launched.pending = launched.pending, None

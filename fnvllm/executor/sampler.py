@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from operator import attrgetter
 
 import attrs
 import numpy as np
@@ -281,6 +282,9 @@ def _check_lengths(params: Sequence[object], num_generated: Sequence[int], histo
         raise ValueError(f"num_generated must be >= 0 for every row, got {list(num_generated)}")
 
 
+_LOGPROBS = attrgetter("logprobs")  # each row's SamplingParams.logprobs, in one C-level map
+
+
 @attrs.define
 class _Rows:
     """Per-row host values gathered in one pass (this runs every step for every row: no per-row calls)."""
@@ -302,14 +306,12 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
     (scale 0, filters off) and never filter or use a seed."""
     num_rows = len(params)
     rows = _Rows([0.0] * num_rows, [1.0] * num_rows, [0.0] * num_rows, [0] * num_rows)
+    _gather_logprobs(rows, params)
     for i, p in enumerate(params):
         if p.needs_history:
             rows.penalised.append(i)
         if p.logit_bias:
             rows.biased.append(i)
-        if p.logprobs is not None:
-            rows.logprobs.append(i)
-            rows.max_logprobs = max(rows.max_logprobs or 0, p.logprobs)
         if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1:
             continue
         rows.scale[i], rows.top_p[i], rows.min_p[i] = 1.0 / p.temperature, p.top_p, p.min_p
@@ -320,6 +322,20 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
         if p.seed is not None:
             rows.seeded.append(i)
     return rows
+
+
+def _gather_logprobs(rows: _Rows, params: Sequence[SamplingParams]) -> None:
+    """``rows.logprobs`` and ``rows.max_logprobs`` in C-level passes (every row asking is the common case: at 256
+    rows a per-row append and max in ``_gather``'s loop doubled its time)."""
+    counts = list(map(_LOGPROBS, params))
+    num_none = counts.count(None)
+    if num_none == len(counts):
+        return
+    if num_none == 0:
+        rows.logprobs, rows.max_logprobs = list(range(len(counts))), max(counts)
+        return
+    rows.logprobs = [i for i, n in enumerate(counts) if n is not None]
+    rows.max_logprobs = max(counts[i] for i in rows.logprobs)
 
 
 def _group_lists(rows: _Rows, num_rows: int) -> list[list[int]]:
@@ -378,6 +394,34 @@ def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: t
     return [v.view(torch.float32) for v in views[:4]] + views[4:]
 
 
+class SamplingMemo:
+    """The last SamplingBatch that depended on its rows' params alone (no seeded or penalised row: those read the
+    step's counts or tokens), and the params sequence it was built for. While no request joins or leaves, the core
+    hands each decode step the same params tuple (the running columns'), so ``prepare_sampling`` given that same
+    object returns the kept batch: no per-row pass, no upload (its device tensors are only read by the sampler).
+    Why: prepare_sampling was 0.41 ms of the host's 3.3 ms per decode step at 256 rows on the H200
+    (``benchmarks/host_step.py``), spent on the same values every step."""
+
+    def __init__(self) -> None:
+        self.params: Sequence[SamplingParams] | None = None
+        self.key: tuple[int, torch.device] | None = None
+        self.batch: SamplingBatch | None = None
+
+    def get(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatch | None:
+        """The kept batch when ``params`` is the very sequence it was built for (same vocabulary and device)."""
+        if params is self.params and self.key == (vocab_size, device):
+            return self.batch
+        return None
+
+    def keep(
+        self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device, batch: SamplingBatch | None
+    ) -> None:
+        """Remember ``batch`` for ``params`` (or forget the last one when ``batch`` is None: not reusable)."""
+        self.params, self.key, self.batch = (
+            (None, None, None) if batch is None else (params, (vocab_size, device), batch)
+        )
+
+
 def prepare_sampling(
     params: Sequence[SamplingParams],
     num_generated: Sequence[int],
@@ -385,6 +429,7 @@ def prepare_sampling(
     vocab_size: int,
     device: torch.device | str,
     penalties: Penalties | None = None,
+    memo: SamplingMemo | None = None,
 ) -> SamplingBatch:
     """Build one step's SamplingBatch on `device` for the rows that sample, in batch order (one host -> device
     copy, plus the penalty lists when a row has a penalty).
@@ -393,12 +438,17 @@ def prepare_sampling(
     histories[i]: prompt and output tokens, required for rows with a penalty unless ``penalties`` is given,
     ignored otherwise. penalties: the penalised rows' penalties built elsewhere (the executor's per-slot token
     buffer, ``fnvllm.executor.history``); then ``histories`` is not read.
+    memo: the last reusable batch (``SamplingMemo``): returned as it is when ``params`` is the sequence it was
+    built for, and replaced by this one otherwise.
     Raises ValueError on mismatched lengths or a missing history, InvalidRequestError on out-of-vocab ids.
     """
+    device = torch.device(device)
+    kept = None if memo is None else memo.get(params, vocab_size, device)
+    if kept is not None:
+        return kept
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     _check_lengths(params, num_generated, histories if penalties is None else [None] * len(params))
-    device = torch.device(device)
     num_rows = len(params)
     rows = _gather(params, vocab_size)
     uniforms = np.zeros(num_rows, dtype=np.float32)
@@ -413,7 +463,7 @@ def prepare_sampling(
     views = _upload(rows, uniforms, _group_lists(rows, num_rows), device)
     scale, top_p, min_p, uniform, top_k, fixed, logprob_rows, *lists = views
     plain, penalised = _make_groups(lists, num_rows, len(rows.penalised))
-    return SamplingBatch(
+    batch = SamplingBatch(
         scale=scale,
         top_p=top_p,
         min_p=min_p,
@@ -431,6 +481,9 @@ def prepare_sampling(
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
         logit_bias=prepare_logit_bias(params, device, rows.biased) if rows.biased else None,
     )
+    if memo is not None:  # seeded rows' uniforms and penalised rows' penalties change every step
+        memo.keep(params, vocab_size, device, None if rows.seeded or rows.penalised else batch)
+    return batch
 
 
 TIE_MARGIN = 64  # candidates past the largest top-k: tokens tied with a row's k-th logit are kept, as by sorting
@@ -504,16 +557,25 @@ class Sampler:
 # The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
 # so a smaller chunk means fewer candidates to gather and sort (n x chunk per row) but more chunk summaries.
 LOGPROB_MAX_CHUNK = 1024
+# The most candidates per row the chunk is chosen for (when a chunk allows it): torch.topk over the candidates takes
+# its multi-block path (per radix pass two launches, two CUB scans with their allocations, a memset: ~0.2 ms of host
+# time per call, cProfile of benchmarks/host_step.py --logprobs 5 at 256 rows on the H200) for 200-799 rows of
+# >= 3000 candidates (80-199 rows: >= 5000), and one launch (plus the sort of the n results) below that.
+LOGPROB_MAX_CANDIDATES = 2560
 
 
 def _logprob_chunk(vocab: int, num_top: int) -> int | None:
     """The chunk of ``logprob_candidates`` for these rows: the largest power of two up to LOGPROB_MAX_CHUNK whose
-    num_top chunks stay within a quarter of the row, in at most 1024 chunks (None: no such chunk, torch.topk on
-    whole rows)."""
-    chunk = LOGPROB_MAX_CHUNK
-    while chunk >= 16 and max(num_top, 1) * chunk * 4 > vocab:
-        chunk //= 2
-    return chunk if chunk >= 16 and -(-vocab // chunk) <= 1024 else None
+    num_top chunks stay within a quarter of the row, in at most 1024 chunks, and hold at most
+    LOGPROB_MAX_CANDIDATES candidates (when no such chunk holds that few: the smallest of the others). None: no
+    such chunk, torch.topk on whole rows."""
+    n = max(num_top, 1)
+    chunks = [LOGPROB_MAX_CHUNK >> i for i in range(LOGPROB_MAX_CHUNK.bit_length()) if LOGPROB_MAX_CHUNK >> i >= 16]
+    valid = [c for c in chunks if n * c * 4 <= vocab and -(-vocab // c) <= 1024]  # largest first
+    if not valid:
+        return None
+    few = [c for c in valid if n * c <= LOGPROB_MAX_CANDIDATES]
+    return few[0] if few else valid[-1]
 
 
 def compute_logprobs(
