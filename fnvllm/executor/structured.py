@@ -20,13 +20,22 @@ commits and plans (xgrammar does both without holding the GIL). ``Grammars.stats
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
+import pickle
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -40,6 +49,11 @@ if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the lo
 
     from fnvllm.executor.sampler import HostGrammarMask
 
+# Where the matchers live: a grammar process of their own (True), or this process (False, with ``advance`` on
+# worker threads); None: a process where CUDA is available (overlapped steps), else this process. ``Grammars(process=)``
+# overrides it per object.
+GRAMMAR_PROCESS: bool | None = None
+MASK_SLOTS = 4  # bitmask buffers the grammar process fills in turn (a step's is read by its upload, queued later)
 GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
 ROWS_PER_FILL_THREAD = 2  # a batched fill uses at most one xgrammar thread per this many rows (``Grammars._batch``)
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
@@ -83,10 +97,14 @@ def check_structured(params: SamplingParams) -> None:
         raise InvalidRequestError(f"SamplingParams.structured ({field}) does not compile: {error}") from error
 
 
+MAX_FILL_THREADS = 8  # more measured slower on the H200's host (64 rows: 0.88 ms on 8 threads, 1.29 on 15)
+
+
 def default_fill_threads() -> int:
     """Threads for the mask fills: every core this process may use but one (left to the engine loop, which commits
-    and plans while the fill runs)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else max(1, os.cpu_count() or 1)
+    and plans while the fill runs), at most MAX_FILL_THREADS (xgrammar starts its threads at every call)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_FILL_THREADS, cores - 1))
 
 
 class _SwitchInterval:
@@ -128,6 +146,7 @@ class PendingMask:
 
     host: HostGrammarMask
     work: tuple[Future[list[tuple[str, Matcher]]], ...]
+    ticket: int | None = None  # the grammar process's fill (``Grammars(process=True)``), answered in order
 
 
 @attrs.define
@@ -157,6 +176,17 @@ class Matcher:
     accepted: int = 0
 
 
+@attrs.define(eq=False)
+class RemoteMatcher:
+    """One request life's matcher in the grammar process (``Grammars(process=True)``): its number there, how many
+    tokens it has been given, and whether its grammar ended (it was given a stop id: the mask allowed one only once
+    the grammar was complete, so the matcher there ended with it)."""
+
+    mid: int
+    accepted: int = 0
+    ended: bool = False
+
+
 class Grammars:
     """Compiled grammars (cached by (kind, text)) and per-request matchers for one tokenizer.
 
@@ -164,9 +194,12 @@ class Grammars:
     may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
     tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
     without a tokenizer). num_threads: xgrammar's threads for filling several rows' masks (default: every core
-    but one, ``default_fill_threads``). num_workers: the grammar worker threads of ``advance``, each accepting
-    and filling its own chunk of the rows (with num_threads / num_workers of xgrammar's threads). The compiler is
-    built on first use, so an engine whose requests are unconstrained never imports xgrammar.
+    but one, at most 8: ``default_fill_threads``). num_workers: the grammar worker threads of ``advance``, each
+    accepting and filling its own chunk of the rows (with num_threads / num_workers of xgrammar's threads; this
+    process only). process: keep the matchers in a grammar process of their own (``GrammarProcess``; started with the
+    first constrained row) instead of this one; None: GRAMMAR_PROCESS, whose None means a process where CUDA is
+    available. The compiler is built on first use, so an engine whose requests are unconstrained never imports
+    xgrammar (nor starts a process).
     """
 
     def __init__(
@@ -177,9 +210,10 @@ class Grammars:
         tokenizer_info: Any = None,
         num_threads: int | None = None,
         num_workers: int = 1,
+        process: bool | None = None,
     ) -> None:
         if num_threads is not None and num_threads < 1:
-            raise ValueError(f"Grammars.num_threads must be >= 1 (or None: every core but one), got {num_threads}")
+            raise ValueError(f"Grammars.num_threads must be >= 1 (or None: default_fill_threads()), got {num_threads}")
         if num_workers < 1:
             raise ValueError(f"Grammars.num_workers must be >= 1, got {num_workers}")
         self.tokenizer = tokenizer
@@ -195,8 +229,38 @@ class Grammars:
         # caller's, the grammar worker's): one object must not fill from two threads at once.
         self._batches: dict[int, Any] = {}
         self._compiled: dict[tuple[str, str], Any] = {}
-        self._live: dict[str, Matcher] = {}
+        self._live: dict[str, Matcher | RemoteMatcher] = {}
+        self.process = process
+        self._remote: GrammarProcess | None = None
         self.stats = GrammarStats()
+
+    @property
+    def uses_process(self) -> bool:
+        """Whether the matchers live in a grammar process (``process``, else GRAMMAR_PROCESS, else whether CUDA is
+        available: torch is imported by then on an executor that can use it)."""
+        choice = GRAMMAR_PROCESS if self.process is None else self.process
+        if choice is None:
+            torch = sys.modules.get("torch")
+            return torch is not None and torch.cuda.is_available()
+        return choice
+
+    def _process(self) -> GrammarProcess:
+        """The grammar process, started on first use with this object's vocabulary."""
+        if self._remote is None:
+            xgr = import_xgrammar()
+            info = self.tokenizer_info or xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            self.tokenizer_info = info
+            self._remote = GrammarProcess(info.serialize_json(), self.vocab_size, self.num_threads)
+        return self._remote
+
+    def close(self) -> None:
+        """Stop the grammar process, if one runs (a later constrained row starts another). Idempotent."""
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
+            self._live.clear()
 
     def reset_stats(self) -> GrammarStats:
         """The stats so far; counting starts again from zero."""
@@ -224,7 +288,8 @@ class Grammars:
         """Per sampled row (``rows``: plan rows, in order), the matcher of its request life, or None when it is
         unconstrained. A row admitted with nothing generated is a new life (an id may be reused): it gets a fresh
         matcher; a preempted request re-admitted with its tokens keeps its own."""
-        out: list[Matcher | None] = []
+        out: list[Matcher | RemoteMatcher | None] = []
+        remote = self._process() if self.uses_process else None
         for i in rows:
             spec = plan.params[i].structured
             if spec is None:
@@ -233,7 +298,12 @@ class Grammars:
             rid = plan.seq_ids[i]
             live = self._live.get(rid)
             if live is None or (i >= plan.num_continuing and plan.num_generated[i] == 0):
-                live = Matcher(import_xgrammar().GrammarMatcher(self._compile(spec)))
+                if live is not None and remote is not None and isinstance(live, RemoteMatcher):
+                    remote.drop([live])
+                if remote is not None:
+                    live = remote.new(spec)
+                else:
+                    live = Matcher(import_xgrammar().GrammarMatcher(self._compile(spec)))
                 self._live[rid] = live
             out.append(live)
         return tuple(out)
@@ -243,6 +313,13 @@ class Grammars:
         calling thread; None when none is constrained. Each row allows the tokens its matcher accepts next; a row
         whose grammar already ended (a speculative row of a request that finished in the step before: its token is
         dropped) allows any. pinned: the buffer is bound for a GPU."""
+        if self._remote is not None and _remote_rows(matchers):
+            sent = self._remote.fill(matchers, pinned)  # type: ignore[arg-type]
+            if sent is None:
+                return None
+            host, ticket = sent
+            self._count_remote(ticket, 0.0)
+            return host
         host = self._allocate(matchers, pinned)
         if host is not None:
             self._fill(_numbered(matchers), host.bitmask)
@@ -261,7 +338,12 @@ class Grammars:
         GIL, so the caller goes on (commit, planning) until it needs the mask (``wait``). No matcher may be used
         before then. With ``num_workers`` > 1 the following rows are cut into that many chunks, each accepted then
         filled by its own worker (so the accepts run in parallel too). None when ``following`` has no constrained
-        row (the tokens are accepted at once)."""
+        row (the tokens are accepted at once). With a grammar process, both go to it and it does both while the
+        caller goes on (``wait`` receives the mask)."""
+        if self._remote is not None and (_remote_rows(matchers) or _remote_rows(following)):
+            self.accept(seq_ids, matchers, tokens)
+            sent = self._remote.fill(following, pinned)  # type: ignore[arg-type]
+            return None if sent is None else PendingMask(sent[0], (), sent[1])
         host = self._allocate(following, pinned)
         if host is None:
             self.accept(seq_ids, matchers, tokens)
@@ -278,6 +360,9 @@ class Grammars:
     def wait(self, pending: PendingMask) -> HostGrammarMask:
         """The filled mask of ``advance`` once the workers are done (re-raising what they raised); forgets the
         matchers whose grammar ended with the accepted tokens."""
+        if pending.ticket is not None:
+            self._count_remote(pending.ticket, time.perf_counter())
+            return pending.host
         start = time.perf_counter()
         try:
             ended = [pair for work in pending.work for pair in work.result()]
@@ -293,6 +378,10 @@ class Grammars:
     def cancel(self, pending: PendingMask) -> None:
         """``wait`` for a mask that will not be used (its step was dropped): never raises; what the workers raised
         is dropped with the step."""
+        if pending.ticket is not None:
+            with contextlib.suppress(RuntimeError):
+                self.wait(pending)
+            return
         if all(work.exception() is None for work in pending.work):
             self.wait(pending)
         self._restore_switch_interval()
@@ -304,10 +393,36 @@ class Grammars:
 
     def accept(self, seq_ids: Sequence[str], matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
         """Advance each constrained row's matcher by the token sampled for it (the mask allowed it, so the matcher
-        accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten."""
+        accepts it); a matcher whose grammar ended (it accepted a stop id, which ends the request) is forgotten.
+        With a grammar process the accepts are queued for it (sent with the next fill)."""
+        if self._remote is not None and _remote_rows(matchers):
+            rows = [(live, token) for live, token in zip(matchers, tokens, strict=True) if live is not None]
+            ended = {id(m) for m in self._remote.accept(rows, self._stop_set)}  # type: ignore[arg-type]
+            if ended:
+                for rid, live in zip(seq_ids, matchers, strict=True):
+                    if id(live) in ended and self._live.get(rid) is live:
+                        del self._live[rid]
+            return
         for rid, live in self._accept(_constrained(seq_ids, matchers, tokens)):
             if self._live.get(rid) is live:
                 del self._live[rid]
+
+    def _count_remote(self, ticket: int, waited_from: float) -> None:
+        """Wait for the grammar process's fill ``ticket`` and add its times to the stats (``waited_from``: when the
+        caller started waiting, 0.0 when it was not a ``wait``)."""
+        accept_s, fill_s, rows = self._process().result(ticket)
+        stats = self.stats
+        stats.accept_s += accept_s
+        stats.fill_s += fill_s
+        stats.num_fills += 1
+        stats.rows_filled += rows
+        if waited_from:
+            stats.wait_s += time.perf_counter() - waited_from
+            stats.num_waits += 1
+
+    @property
+    def _stop_set(self) -> frozenset[int]:
+        return frozenset(self.stop_ids)
 
     def _allocate(self, matchers: Sequence[Matcher | None], pinned: bool) -> HostGrammarMask | None:
         """An unfilled buffer for the constrained rows among ``matchers``, None when there is none."""
@@ -378,13 +493,21 @@ class Grammars:
     def prune(self, live: Container[str]) -> None:
         """Drop the matchers of requests not in ``live`` (they finished by length or a stop string, or were
         aborted). A step already launched keeps the matchers it holds."""
-        for rid in [rid for rid in self._live if rid not in live]:
+        gone = [rid for rid in self._live if rid not in live]
+        if self._remote is not None:
+            self._remote.drop(m for rid in gone if isinstance(m := self._live[rid], RemoteMatcher))
+        for rid in gone:
             del self._live[rid]
 
     @property
     def num_live(self) -> int:
         """Matchers held (tests)."""
         return len(self._live)
+
+
+def _remote_rows(matchers: Sequence[object]) -> bool:
+    """Whether any of ``matchers`` lives in the grammar process."""
+    return any(isinstance(m, RemoteMatcher) for m in matchers)
 
 
 def _constrained(
@@ -411,3 +534,266 @@ def _chunks(
     chunks = [([by_matcher.pop(id(m)) for _, m in part if id(m) in by_matcher], part) for part in parts]
     chunks[0][0].extend(by_matcher.values())
     return chunks
+
+
+class GrammarProcess:
+    """The parent's side of a grammar process: a Python process of its own (``python -m
+    fnvllm.executor.structured``) that holds the matchers and runs every accept and fill, so that xgrammar's work
+    and the engine loop's Python never share a GIL (in one process the grammar thread's work measured as if it ran
+    after the loop's, not beside it: docs/structured_outputs.md).
+
+    Messages go over a socket pair, each a pickled tuple: the ops queued since the last message (new matchers,
+    dropped ones, accepted tokens), then an optional fill into one of MASK_SLOTS bitmask slots of a shared memory
+    file (pinned for the device's copy when ``pinned``). Only a fill is answered, in order: (ticket, error, accept
+    seconds, fill seconds, rows filled). Accepts are never waited for: a matcher ends exactly when it accepts a stop
+    id, which the parent knows without asking.
+    """
+
+    def __init__(self, info_json: str, vocab_size: int, num_threads: int) -> None:
+        self.words = (vocab_size + 31) // 32
+        parent, child = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        cmd = [sys.executable, "-m", "fnvllm.executor.structured", str(child.fileno())]
+        self._proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), env=env)
+        child.close()
+        self._conn = Connection(parent.detach())
+        self._conn.send(("init", info_json, vocab_size, num_threads))
+        self._ops: list[tuple[Any, ...]] = []
+        self._next_mid = 0
+        self._tickets = 0  # fills sent
+        self._answered = 0  # fills answered
+        self._replies: dict[int, tuple[Any, ...]] = {}
+        self._capacity = 0  # rows per slot
+        self._slots: list[Any] = []  # per slot, its int32 tensor (the current map's)
+        self._marks: list[Any] = [None] * MASK_SLOTS  # per slot, an event after its last upload was queued (CUDA)
+        self._next_slot = 0
+        self._last_slot: int | None = None
+        self._maps: list[tuple[Any, str, bool]] = []  # (tensor, path, pinned) of every map made, freed at close
+        self._finalizer = weakref.finalize(self, _close_process, self._proc, self._conn, self._maps)
+
+    def new(self, spec: StructuredOutput) -> RemoteMatcher:
+        """A fresh matcher of ``spec`` (compiled there, once per (kind, text))."""
+        mid, self._next_mid = self._next_mid, self._next_mid + 1
+        self._ops.append(("new", mid, spec.kind, spec.text))
+        return RemoteMatcher(mid)
+
+    def drop(self, matchers: Iterable[RemoteMatcher]) -> None:
+        """Forget matchers (their requests left)."""
+        self._ops.extend(("drop", m.mid) for m in matchers)
+
+    def accept(self, rows: Sequence[tuple[RemoteMatcher, int]], stop_ids: Container[int]) -> list[RemoteMatcher]:
+        """Queue each (matcher, token) accept, skipping ended matchers; returns those that end with it."""
+        ended = []
+        for live, token in rows:
+            if live.ended:
+                continue
+            self._ops.append(("accept", live.mid, token))
+            live.accepted += 1
+            if token in stop_ids:
+                live.ended = True
+                ended.append(live)
+        return ended
+
+    def fill(self, matchers: Sequence[RemoteMatcher | None], pinned: bool) -> tuple[HostGrammarMask, int] | None:
+        """Send the queued ops and a fill of the masks of the constrained rows among ``matchers`` (their positions
+        are the batch rows, as for ``Grammars.masks``); returns the mask (filled once ``result`` returns) and its
+        ticket, or None (the ops are sent all the same) when none is constrained."""
+        positions = [k for k, m in enumerate(matchers) if m is not None]
+        if not positions:
+            self.flush()
+            return None
+        host = self._take(len(positions), pinned)
+        rows = [m.mid for m in matchers if m is not None]
+        host.rows.numpy()[:] = positions
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        self._send(("fill", self._last_slot, rows))
+        return host, ticket
+
+    def flush(self) -> None:
+        """Send the queued ops (nothing is answered)."""
+        if self._ops:
+            self._send(None)
+
+    def result(self, ticket: int) -> tuple[float, float, int]:
+        """Wait for fill ``ticket``; (accept seconds, fill seconds, rows filled) in the grammar process. Raises
+        RuntimeError with the grammar process's error, or when it exited."""
+        while ticket not in self._replies:
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError) as error:
+                raise RuntimeError(f"the grammar process exited (code {self._proc.poll()})") from error
+            self._replies[reply[0]] = reply
+            self._answered += 1
+        _, error, accept_s, fill_s, rows = self._replies.pop(ticket)
+        if error is not None:
+            raise RuntimeError(f"the grammar process failed: {error}")
+        return accept_s, fill_s, rows
+
+    def close(self) -> None:
+        """Stop the process and free the shared buffers. Idempotent."""
+        self._finalizer()
+
+    def _send(self, fill: tuple[Any, ...] | None) -> None:
+        ops, self._ops = self._ops, []
+        try:
+            self._conn.send_bytes(pickle.dumps((ops, fill), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as error:
+            raise RuntimeError(f"the grammar process exited (code {self._proc.poll()})") from error
+
+    def _take(self, num_rows: int, pinned: bool) -> HostGrammarMask:
+        """The next slot's buffer for ``num_rows`` rows (a larger map first when they do not fit), once the copy
+        that last read that slot has run."""
+        import torch
+
+        from fnvllm.executor.sampler import HostGrammarMask
+
+        if num_rows > self._capacity or (pinned and not self._maps[-1][2]):
+            self._map(max(num_rows, 2 * self._capacity, 64), pinned)
+        if self._last_slot is not None and torch.cuda.is_available() and self._maps[-1][2]:
+            mark = torch.cuda.Event()
+            mark.record()  # behind the upload of the slot taken last (queued by now, if it is ever used)
+            self._marks[self._last_slot] = mark
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % MASK_SLOTS
+        if self._marks[slot] is not None:
+            self._marks[slot].synchronize()
+            self._marks[slot] = None
+        self._last_slot = slot
+        offset = (num_rows * self.words + 1) // 2 * 2
+        return HostGrammarMask(self._slots[slot][: offset + 2 * num_rows], num_rows, self.words)
+
+    def _map(self, capacity: int, pinned: bool) -> None:
+        """A new shared file of MASK_SLOTS slots of ``capacity`` rows (pinned for CUDA copies when ``pinned``),
+        mapped here and, with the next message, there; the old map stays until close (a copy may read it)."""
+        import torch
+
+        slot_words = -(-((capacity * self.words + 1) // 2 * 2 + 2 * capacity) // 1024) * 1024
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="fnvllm-grammar-", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.truncate(4 * slot_words * MASK_SLOTS)
+        with open(path, "r+b") as f:
+            buffer = mmap.mmap(f.fileno(), 4 * slot_words * MASK_SLOTS)
+        flat = torch.frombuffer(buffer, dtype=torch.int32)
+        if pinned:
+            from torch.cuda._pin_memory_utils import pin_memory
+
+            pin_memory(flat.data_ptr(), flat.numel() * 4)
+        self._maps.append((flat, path, pinned))
+        self._slots = [flat[k * slot_words : (k + 1) * slot_words] for k in range(MASK_SLOTS)]
+        self._marks = [None] * MASK_SLOTS
+        self._capacity = capacity
+        self._ops.append(("map", path, slot_words))
+
+
+def _close_process(proc: subprocess.Popen[bytes], conn: Connection, maps: list[tuple[Any, str, bool]]) -> None:
+    """Stop a grammar process (it exits at the end of its input) and free the shared maps."""
+    conn.close()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for flat, path, pinned in maps:
+        if pinned:
+            from torch.cuda._pin_memory_utils import unpin_memory
+
+            unpin_memory(flat.data_ptr())
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    maps.clear()
+
+
+def _serve(fd: int) -> None:
+    """The grammar process: apply each message's ops in order, answer each fill (``GrammarProcess``); exit at the
+    end of the input. An error is answered with the next fill (the ops after it in that message are skipped)."""
+    import numpy as np
+
+    conn = Connection(fd)
+    _, info_json, vocab_size, num_threads = conn.recv()
+    xgr = import_xgrammar()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json))
+    compiled: dict[tuple[str, str], Any] = {}
+    matchers: dict[int, Any] = {}
+    batches: dict[int, Any] = {}
+    slots: list[np.ndarray] = []
+    words = (vocab_size + 31) // 32
+    error: str | None = None
+    accept_s, ticket = 0.0, 0
+    while True:
+        try:
+            ops, fill = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            start = time.perf_counter()
+            accepts: list[tuple[Any, int]] = []
+            for op in ops:
+                if op[0] == "accept":
+                    matcher = matchers.get(op[1])
+                    if any(m is matcher for m, _ in accepts):  # a second token for it: the first goes first
+                        _flush_accepts(xgr, accepts)
+                    if matcher is not None and not matcher.is_terminated():
+                        accepts.append((matcher, op[2]))
+                    continue
+                _flush_accepts(xgr, accepts)
+                if op[0] == "new":
+                    key = (op[2], op[3])
+                    if key not in compiled:
+                        compiled[key] = compiler.compile_grammar(_grammar(xgr, StructuredOutput(*key)))
+                    matchers[op[1]] = xgr.GrammarMatcher(compiled[key])
+                elif op[0] == "drop":
+                    matchers.pop(op[1], None)
+                elif op[0] == "map":
+                    with open(op[1], "r+b") as f:
+                        flat = np.frombuffer(mmap.mmap(f.fileno(), 0), dtype=np.int32)
+                    slots = [flat[k * op[2] : (k + 1) * op[2]] for k in range(len(flat) // op[2])]
+            _flush_accepts(xgr, accepts)
+            accept_s += time.perf_counter() - start
+        except Exception:  # answered with the next fill
+            error = error or traceback.format_exc()
+        if fill is None:
+            continue
+        _, slot, mids = fill
+        fill_s, rows = 0.0, 0
+        if error is None:
+            try:
+                start = time.perf_counter()
+                rows = _fill_rows(xgr, batches, num_threads, [matchers.get(m) for m in mids], slots[slot], words)
+                fill_s = time.perf_counter() - start
+            except Exception:
+                error = traceback.format_exc()
+        conn.send((ticket, error, accept_s, fill_s, rows))
+        error, accept_s, ticket = None, 0.0, ticket + 1
+
+
+def _flush_accepts(xgr: Any, accepts: list[tuple[Any, int]]) -> None:
+    """Accept the queued (matcher, token) pairs with one xgrammar call (a matcher appears at most once: one token a
+    row per step), then empty the queue."""
+    if accepts:
+        xgr.BatchGrammarMatcher.batch_accept_token([a[0] for a in accepts], [a[1] for a in accepts])
+        accepts.clear()
+
+
+def _fill_rows(xgr: Any, batches: dict[int, Any], num_threads: int, matchers: list[Any], slot: Any, words: int) -> int:
+    """Fill bitmask row k of ``slot`` for matchers[k] (an ended or unknown one allows any token); returns the rows
+    xgrammar filled."""
+    bitmask = slot[: len(matchers) * words].reshape(len(matchers), words)
+    filled, indices = [], []
+    for row, matcher in enumerate(matchers):
+        if matcher is None or matcher.is_terminated():
+            bitmask[row] = -1
+        else:
+            filled.append(matcher)
+            indices.append(row)
+    if len(filled) == 1:
+        filled[0].fill_next_token_bitmask(bitmask, indices[0])
+    elif filled:
+        threads = max(1, min(num_threads, len(filled) // ROWS_PER_FILL_THREAD))
+        if threads not in batches:
+            batches[threads] = xgr.BatchGrammarMatcher(threads)
+        batches[threads].batch_fill_next_token_bitmask(filled, bitmask, indices)
+    return len(filled)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
