@@ -1,0 +1,168 @@
+"""The grammar process (``Grammars(process=True)``): its masks are the in-process matchers' bit for bit through
+accepts, fills and advances; it ends matchers on stop ids, forgets pruned ones, counts its work in the stats and
+reports its failures; and an engine with overlapped steps fills every mask there (counted, not timed)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fnvllm.demo
+from fnvllm.engine.loop import EngineLoop
+from fnvllm.executor.model_executor import ModelExecutor
+from fnvllm.executor.structured import Grammars, Matcher, RemoteMatcher
+from fnvllm.llm import LLM
+from fnvllm.state import SamplingParams, StructuredOutput
+
+xgr = pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the serve extra)")
+
+VOCAB = 300
+STOP = 0
+SCHEMA = StructuredOutput.json_schema(
+    {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}
+)
+
+
+@pytest.fixture(scope="module")
+def info() -> object:
+    """A small vocabulary's TokenizerInfo: the stop token, byte tokens, then JSON-ish strings."""
+    rng = random.Random(0)
+    vocab = [b"<eos>"] + [bytes([i]) for i in range(32, 127)]
+    while len(vocab) < VOCAB:
+        vocab.append(bytes(rng.choice(b'abc{}[]":, 0123456789') for _ in range(rng.randint(2, 5))))
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[STOP])
+
+
+@pytest.fixture(scope="module")
+def remote(info: object) -> Grammars:
+    """Grammars whose matchers live in a grammar process (one for the module: it takes a second to start)."""
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=2, process=True)
+    yield grammars
+    grammars.close()
+
+
+def _pick(bitmask: torch.Tensor, rng: random.Random) -> list[int]:
+    """A random allowed token per row of an (R, W) int32 bitmask."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
+    return [rng.choice(np.flatnonzero(row).tolist()) for row in bits]
+
+
+def test_process_masks_equal_this_process_masks(remote: Grammars, info: object) -> None:
+    """Walking five matchers for 60 steps (random allowed tokens, steps alternating accept-then-masks and
+    advance-then-wait, an unconstrained row among them), the grammar process's masks and rows equal the in-process
+    matchers' every step, and both end the same matchers."""
+    local = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=2, process=False)
+    process = remote._process()
+    theirs = [process.new(SCHEMA) for _ in range(5)]
+    ours = [Matcher(xgr.GrammarMatcher(local._compile(SCHEMA))) for _ in range(5)]
+    ids = [f"r{k}" for k in range(5)]
+    rng = random.Random(1)
+    tokens: list[int] | None = None
+    for step in range(60):
+        batch_theirs, batch_ours = [theirs[0], None, *theirs[1:]], [ours[0], None, *ours[1:]]
+        if tokens is None or step % 2:
+            if tokens is not None:
+                remote.accept(ids, theirs, tokens)
+            got = remote.masks(batch_theirs)
+        else:
+            pending = remote.advance(ids, theirs, tokens, batch_theirs)
+            assert pending is not None and pending.ticket is not None
+            got = remote.wait(pending)
+        if tokens is not None:
+            local.accept(ids, ours, tokens)
+        expected = local.masks(batch_ours)
+        assert got is not None and expected is not None
+        assert torch.equal(got.bitmask, expected.bitmask)
+        assert got.rows.tolist() == expected.rows.tolist() == [0, 2, 3, 4, 5]
+        tokens = _pick(expected.bitmask, rng)
+    assert [m.ended for m in theirs] == [m.matcher.is_terminated() for m in ours]
+
+
+def test_a_stop_id_ends_the_matcher_and_prune_forgets_it(remote: Grammars) -> None:
+    """A matcher given a stop id (allowed once its grammar is complete) ends: it leaves the live matchers, and its
+    next mask allows every token; prune drops the others' matchers, there and here."""
+    process = remote._process()
+    done, other = process.new(SCHEMA), process.new(SCHEMA)
+    remote._live.update({"done": done, "other": other})
+    text = '{"name": "a", "n": 1}'
+    for ch in text.encode():
+        remote.accept(["done"], [done], [ch - 31])  # byte tokens: id = byte - 31
+        remote.masks([done])
+    remote.accept(["done"], [done], [STOP])
+    assert done.ended and "done" not in remote._live and done.accepted == len(text) + 1
+    host = remote.masks([done, other])
+    assert host is not None and bool((host.bitmask[0] == -1).all()) and not bool((host.bitmask[1] == -1).all())
+    remote.prune(())
+    assert remote.num_live == 0
+
+
+def test_stats_count_the_process_fills(remote: Grammars) -> None:
+    """Each fill of the grammar process counts in Grammars.stats (its rows, its times), each wait too."""
+    process = remote._process()
+    a, b = process.new(SCHEMA), process.new(SCHEMA)
+    remote.reset_stats()
+    remote.masks([a, None, b])
+    pending = remote.advance(["a", "b"], [a, b], [ord("{") - 31, ord("{") - 31], [a, b])
+    assert pending is not None
+    remote.wait(pending)
+    stats = remote.reset_stats()
+    assert (stats.num_fills, stats.rows_filled, stats.num_waits) == (2, 4, 1)
+    assert stats.fill_s > 0 and stats.accept_s > 0
+
+
+def test_a_dead_process_is_a_clear_error(info: object) -> None:
+    """When the grammar process has died, the next fill raises RuntimeError saying so (not a hang); a cancelled
+    pending mask is dropped without raising."""
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=1, process=True)
+    process = grammars._process()
+    live = process.new(SCHEMA)
+    assert grammars.masks([live]) is not None
+    pending = grammars.advance(["a"], [live], [ord("{") - 31], [live])
+    assert pending is not None
+    grammars.wait(pending)
+    process._proc.kill()
+    process._proc.wait()
+    with pytest.raises(RuntimeError, match="grammar process"):
+        grammars.masks([live])
+    grammars.close()
+
+
+DEMO = Path(fnvllm.demo.__file__).parent / "checkpoint"
+
+
+def test_overlapped_engine_fills_every_mask_in_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine with overlapped steps (as on a GPU) and the grammar process: constrained and unconstrained seeded
+    rows give plain stepping's tokens, the constrained outputs follow their schema, and every mask was filled in
+    the grammar process (this process's fill never ran; deferred steps' masks were waited for at launch)."""
+    monkeypatch.setattr(ModelExecutor, "supports_overlap", property(lambda self: True))
+    llm = LLM(DEMO, dtype="float32", block_size=8, num_blocks=256, max_num_seqs=8)
+    grammars = llm.engine.executor.grammars
+    assert isinstance(grammars, Grammars) and llm.engine.executor.sample_deferred_at == "launch"
+    grammars.process = True
+    local_fills: list[int] = []
+    fill = Grammars._fill
+    monkeypatch.setattr(Grammars, "_fill", lambda self, *a: local_fills.append(1) or fill(self, *a))
+    schema = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}})
+    params = [
+        SamplingParams(max_tokens=40, seed=k, structured=schema if k % 2 else None, ignore_eos=k % 2 == 0)
+        for k in range(6)
+    ]
+    prompts = ["The story", "def f", "Once", "A", "import", "x"]
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    grammars.reset_stats()
+    llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=True)
+    overlapped = llm.generate(prompts, params, use_tqdm=False)
+    stats = grammars.reset_stats()
+    assert llm.loop.overlap_stats.kept > 0
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
+    assert all(isinstance(m, RemoteMatcher) for m in grammars._live.values())
+    assert stats.num_fills > 0 and stats.num_waits > 0 and not local_fills
+    for out in overlapped[1::2]:
+        assert out.finish_reason == "stop" and json.loads(out.text) in ({"a": "x"}, {"a": "y"}, {}), out.text
+    grammars.close()
