@@ -325,7 +325,7 @@ def validates(value: Any, schema: dict[str, Any]) -> bool:
 def test_generated_schemas_always_give_valid_json(llm: LLM, schema: dict[str, Any], seed: int) -> None:
     """Property: for any generated (bounded) schema, the demo model's constrained output parses and validates."""
     spec = StructuredOutput.json_schema(schema)
-    params = [SamplingParams(max_tokens=200, temperature=t, seed=seed, structured=spec) for t in (0.0, 1.0, 2.0)]
+    params = [SamplingParams(max_tokens=500, temperature=t, seed=seed, structured=spec) for t in (0.0, 1.0, 2.0)]
     for out in llm.generate(["The story", "{", "def f"], params, use_tqdm=False):
         assert out.finish_reason == "stop", (schema, out.text)
         assert validates(json.loads(out.text), schema), (schema, out.text)

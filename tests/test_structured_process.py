@@ -5,6 +5,7 @@ reports its failures; and an engine with overlapped steps fills every mask there
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -50,6 +51,20 @@ def _pick(bitmask: torch.Tensor, rng: random.Random) -> list[int]:
     """A random allowed token per row of an (R, W) int32 bitmask."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
     return [rng.choice(np.flatnonzero(row).tolist()) for row in bits]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_the_loop_thread_and_the_process_split_the_cores(info: object) -> None:
+    """(First in the module: its other tests' grammar process holds half the cores.) Starting a grammar process
+    gives it half the cores and the calling (engine loop) thread the other half, so
+    that a socket write never runs the process on the writer's core; close gives the thread its cores back."""
+    before = os.sched_getaffinity(0)
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=1, process=True)
+    process = grammars._process()
+    mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(process._proc.pid)
+    assert mine and theirs and not mine & theirs and mine | theirs == before
+    grammars.close()
+    assert os.sched_getaffinity(0) == before
 
 
 def test_process_masks_equal_this_process_masks(remote: Grammars, info: object) -> None:
