@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -59,6 +60,7 @@ GRAMMAR_PROCESS: bool | None = None
 SPLIT_CORES = True
 MASK_SLOTS = 4  # bitmask buffers the grammar process fills in turn (a step's is read by its upload, queued later)
 GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
+_STRUCTURED = attrgetter("structured")  # a SamplingParams' constraint, in C-level maps
 ROWS_PER_FILL_THREAD = 2  # a batched fill uses at most one xgrammar thread per this many rows (``Grammars._batch``)
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'fnvllm[serve]' (or pip install xgrammar)"
 
@@ -292,13 +294,12 @@ class Grammars:
         """Per sampled row (``rows``: plan rows, in order), the matcher of its request life, or None when it is
         unconstrained. A row admitted with nothing generated is a new life (an id may be reused): it gets a fresh
         matcher; a preempted request re-admitted with its tokens keeps its own."""
-        out: list[Matcher | RemoteMatcher | None] = []
+        params = plan.params
+        specs = list(map(_STRUCTURED, params)) if len(rows) == len(params) else [params[i].structured for i in rows]
+        out: list[Matcher | RemoteMatcher | None] = [None] * len(rows)
         remote = self._process() if self.uses_process else None
-        for i in rows:
-            spec = plan.params[i].structured
-            if spec is None:
-                out.append(None)
-                continue
+        for k in [k for k, spec in enumerate(specs) if spec is not None]:  # rows are 0..B-1 when they are all
+            i, spec = rows[k], specs[k]
             rid = plan.seq_ids[i]
             live = self._live.get(rid)
             if live is None or (i >= plan.num_continuing and plan.num_generated[i] == 0):
@@ -309,7 +310,7 @@ class Grammars:
                 else:
                     live = Matcher(import_xgrammar().GrammarMatcher(self._compile(spec)))
                 self._live[rid] = live
-            out.append(live)
+            out[k] = live
         return tuple(out)
 
     def masks(self, matchers: Sequence[Matcher | None], pinned: bool = False) -> HostGrammarMask | None:
@@ -510,8 +511,9 @@ class Grammars:
 
 
 def _remote_rows(matchers: Sequence[object]) -> bool:
-    """Whether any of ``matchers`` lives in the grammar process."""
-    return any(isinstance(m, RemoteMatcher) for m in matchers)
+    """Whether ``matchers`` live in the grammar process (one Grammars makes matchers of one kind: the first
+    constrained row's says)."""
+    return isinstance(next(filter(None, matchers), None), RemoteMatcher)
 
 
 def _constrained(
@@ -610,7 +612,7 @@ class GrammarProcess:
             self.flush()
             return None
         host = self._take(len(positions), pinned)
-        rows = [m.mid for m in matchers if m is not None]
+        rows = [matchers[k].mid for k in positions]  # type: ignore[union-attr]
         host.rows.numpy()[:] = positions
         ticket, self._tickets = self._tickets, self._tickets + 1
         self._send(("fill", self._last_slot, rows))
