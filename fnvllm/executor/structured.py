@@ -322,9 +322,7 @@ class Grammars:
             sent = self._remote.fill(matchers, pinned)  # type: ignore[arg-type]
             if sent is None:
                 return None
-            host, ticket = sent
-            self._count_remote(ticket, 0.0)
-            return host
+            return self._count_remote(*sent, 0.0)
         host = self._allocate(matchers, pinned)
         if host is not None:
             self._fill(_numbered(matchers), host.bitmask)
@@ -366,8 +364,7 @@ class Grammars:
         """The filled mask of ``advance`` once the workers are done (re-raising what they raised); forgets the
         matchers whose grammar ended with the accepted tokens."""
         if pending.ticket is not None:
-            self._count_remote(pending.ticket, time.perf_counter())
-            return pending.host
+            return self._count_remote(pending.host, pending.ticket, time.perf_counter())
         start = time.perf_counter()
         try:
             ended = [pair for work in pending.work for pair in work.result()]
@@ -412,10 +409,10 @@ class Grammars:
             if self._live.get(rid) is live:
                 del self._live[rid]
 
-    def _count_remote(self, ticket: int, waited_from: float) -> None:
-        """Wait for the grammar process's fill ``ticket`` and add its times to the stats (``waited_from``: when the
-        caller started waiting, 0.0 when it was not a ``wait``)."""
-        accept_s, fill_s, rows = self._process().result(ticket)
+    def _count_remote(self, host: HostGrammarMask, ticket: int, waited_from: float) -> HostGrammarMask:
+        """The grammar process's fill ``ticket`` into ``host``, once done (its times added to the stats;
+        ``waited_from``: when the caller started waiting, 0.0 when it was not a ``wait``)."""
+        host, accept_s, fill_s, rows = self._process().result(ticket, host)
         stats = self.stats
         stats.accept_s += accept_s
         stats.fill_s += fill_s
@@ -424,6 +421,7 @@ class Grammars:
         if waited_from:
             stats.wait_s += time.perf_counter() - waited_from
             stats.num_waits += 1
+        return host
 
     @property
     def _stop_set(self) -> frozenset[int]:
@@ -578,6 +576,8 @@ class GrammarProcess:
         self._next_slot = 0
         self._last_slot: int | None = None
         self._maps: list[tuple[Any, str, bool]] = []  # (tensor, path, pinned) of every map made, freed at close
+        self.pin_failed = False  # CUDA would not pin the shared file: masks are copied to pinned buffers instead
+        self._copy_pinned: set[int] = set()  # tickets whose mask goes to a pinned buffer (``pin_failed``)
         self._finalizer = weakref.finalize(self, _close_process, self._proc, self._conn, self._maps)
 
     def new(self, spec: StructuredOutput) -> RemoteMatcher:
@@ -615,6 +615,8 @@ class GrammarProcess:
         rows = [matchers[k].mid for k in positions]  # type: ignore[union-attr]
         host.rows.numpy()[:] = positions
         ticket, self._tickets = self._tickets, self._tickets + 1
+        if pinned and self.pin_failed:
+            self._copy_pinned.add(ticket)
         self._send(("fill", self._last_slot, rows))
         return host, ticket
 
@@ -623,11 +625,15 @@ class GrammarProcess:
         if self._ops:
             self._send(None)
 
-    def result(self, ticket: int) -> tuple[float, float, int]:
-        """Wait for fill ``ticket``; (accept seconds, fill seconds, rows filled) in the grammar process. Raises
-        RuntimeError with the grammar process's error, or when it exited."""
+    def result(self, ticket: int, host: HostGrammarMask) -> tuple[HostGrammarMask, float, float, int]:
+        """Wait for fill ``ticket`` into ``host``; the filled mask (``host``, or its copy in a pinned buffer when
+        the shared file could not be pinned) and (accept seconds, fill seconds, rows filled) in the grammar process.
+        Raises RuntimeError with the grammar process's error, or when it exited."""
         while ticket not in self._replies:
             try:
+                while not self._conn.poll(1.0):  # never a hang on a process that died
+                    if self._proc.poll() is not None:
+                        raise EOFError
                 reply = self._conn.recv()
             except (EOFError, OSError) as error:
                 raise RuntimeError(f"the grammar process exited (code {self._proc.poll()})") from error
@@ -636,7 +642,10 @@ class GrammarProcess:
         _, error, accept_s, fill_s, rows = self._replies.pop(ticket)
         if error is not None:
             raise RuntimeError(f"the grammar process failed: {error}")
-        return accept_s, fill_s, rows
+        if ticket in self._copy_pinned:
+            self._copy_pinned.discard(ticket)
+            host = _pinned_copy(host)
+        return host, accept_s, fill_s, rows
 
     def close(self) -> None:
         """Stop the process and free the shared buffers; the calling thread gets back the cores it had before the
@@ -660,7 +669,7 @@ class GrammarProcess:
 
         from fnvllm.executor.sampler import HostGrammarMask
 
-        if num_rows > self._capacity or (pinned and not self._maps[-1][2]):
+        if num_rows > self._capacity or (pinned and not self._maps[-1][2] and not self.pin_failed):
             self._map(max(num_rows, 2 * self._capacity, 64), pinned)
         if self._last_slot is not None and torch.cuda.is_available() and self._maps[-1][2]:
             mark = torch.cuda.Event()
@@ -691,12 +700,24 @@ class GrammarProcess:
         if pinned:
             from torch.cuda._pin_memory_utils import pin_memory
 
-            pin_memory(flat.data_ptr(), flat.numel() * 4)
+            try:
+                pin_memory(flat.data_ptr(), flat.numel() * 4)
+            except RuntimeError:  # the driver refused (e.g. a pinned-memory limit): copy each mask instead
+                pinned, self.pin_failed = False, True
         self._maps.append((flat, path, pinned))
         self._slots = [flat[k * slot_words : (k + 1) * slot_words] for k in range(MASK_SLOTS)]
         self._marks = [None] * MASK_SLOTS
         self._capacity = capacity
         self._ops.append(("map", path, slot_words))
+
+
+def _pinned_copy(host: HostGrammarMask) -> HostGrammarMask:
+    """``host``'s mask and rows in a fresh pinned buffer (torch's caching pinned allocator)."""
+    from fnvllm.executor.sampler import HostGrammarMask
+
+    copy = HostGrammarMask.allocate(host.rows.tolist(), host.words, pinned=True)
+    copy.bitmask.copy_(host.bitmask)
+    return copy
 
 
 def _split_cores(pid: int) -> tuple[list[int], list[int]] | None:
@@ -727,7 +748,8 @@ def _close_process(proc: subprocess.Popen[bytes], conn: Connection, maps: list[t
         if pinned:
             from torch.cuda._pin_memory_utils import unpin_memory
 
-            unpin_memory(flat.data_ptr())
+            with contextlib.suppress(AssertionError, RuntimeError):  # at exit CUDA may be gone already
+                unpin_memory(flat.data_ptr())
         with contextlib.suppress(OSError):
             os.unlink(path)
     maps.clear()
