@@ -306,7 +306,9 @@ def _batches(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     return plain, mixed
 
 
-VARIANTS = ("thread-launch", "thread-collect", "process-collect")  # besides the default (process where CUDA is)
+# Besides the default (a grammar process where CUDA is, sampled at launch): BACKEND-WHERE, BACKEND "thread" (this
+# process's grammar thread), "process" or "processN" (N worker threads in the process), WHERE "launch" or "collect".
+VARIANTS = ("thread-launch", "thread-collect", "process2-launch", "process-collect")
 
 
 def _variants(
@@ -332,11 +334,10 @@ def _variants(
     overlap = llm.loop.overlap
     names = [name for name in args.variants.split(",") if name] if overlap else []
     for name in names:
-        where, sampled = name.split("-")
-        configs[f"{vocab_label}, {where}, sampled at {sampled}"] = (
-            _with_workers(default, 1, process=where == "process"),
-            sampled,
-        )
+        backend, sampled = name.split("-")
+        workers = int(backend.removeprefix("process") or 1) if backend.startswith("process") else 1
+        grammars = _with_workers(default, workers, process=backend.startswith("process"))
+        configs[f"{vocab_label}, {backend}, sampled at {sampled}"] = (grammars, sampled)
     results = _rounds(llm, prompts, plain, mixed, configs, args, num_constrained)
     executor.grammars, executor.sample_deferred_at = default, configs[vocab_label][1]
     if args.other_vocabulary and vocab_label:

@@ -71,6 +71,19 @@ def test_process_masks_equal_this_process_masks(remote: Grammars, info: object) 
     """Walking five matchers for 60 steps (random allowed tokens, steps alternating accept-then-masks and
     advance-then-wait, an unconstrained row among them), the grammar process's masks and rows equal the in-process
     matchers' every step, and both end the same matchers."""
+    _walk_both(remote, info, 60)
+
+
+def test_process_workers_fill_as_one_does(info: object) -> None:
+    """A grammar process with two worker threads (each accepting and filling its chunk of the rows) gives the
+    in-process matchers' masks every step too."""
+    grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=2, num_workers=2, process=True)
+    _walk_both(grammars, info, 30)
+    grammars.close()
+
+
+def _walk_both(remote: Grammars, info: object, steps: int) -> None:
+    """Walk five matchers in ``remote``'s process and five here for ``steps`` steps; assert equal masks each."""
     local = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=2, process=False)
     process = remote._process()
     theirs = [process.new(SCHEMA) for _ in range(5)]
@@ -78,7 +91,7 @@ def test_process_masks_equal_this_process_masks(remote: Grammars, info: object) 
     ids = [f"r{k}" for k in range(5)]
     rng = random.Random(1)
     tokens: list[int] | None = None
-    for step in range(60):
+    for step in range(steps):
         batch_theirs, batch_ours = [theirs[0], None, *theirs[1:]], [ours[0], None, *ours[1:]]
         if tokens is None or step % 2:
             if tokens is not None:

@@ -258,7 +258,7 @@ class Grammars:
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
             )
             self.tokenizer_info = info
-            self._remote = GrammarProcess(info.serialize_json(), self.vocab_size, self.num_threads)
+            self._remote = GrammarProcess(info.serialize_json(), self.vocab_size, self.num_threads, self.num_workers)
         return self._remote
 
     def close(self) -> None:
@@ -553,7 +553,7 @@ class GrammarProcess:
     id, which the parent knows without asking.
     """
 
-    def __init__(self, info_json: str, vocab_size: int, num_threads: int) -> None:
+    def __init__(self, info_json: str, vocab_size: int, num_threads: int, num_workers: int = 1) -> None:
         self.words = (vocab_size + 31) // 32
         parent, child = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -564,7 +564,7 @@ class GrammarProcess:
         self._affinity = (threading.get_ident(), os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         self.cores = _split_cores(self._proc.pid)  # (the loop thread's, the process's), or None: not split
         threads = num_threads if self.cores is None else max(1, min(num_threads, len(self.cores[1])))
-        self._conn.send(("init", info_json, vocab_size, threads))
+        self._conn.send(("init", info_json, vocab_size, threads, num_workers))
         self._ops: list[tuple[Any, ...]] = []
         self._next_mid = 0
         self._tickets = 0  # fills sent
@@ -761,12 +761,13 @@ def _serve(fd: int) -> None:
     import numpy as np
 
     conn = Connection(fd)
-    _, info_json, vocab_size, num_threads = conn.recv()
+    _, info_json, vocab_size, num_threads, num_workers = conn.recv()
+    pool = ThreadPoolExecutor(num_workers) if num_workers > 1 else None
     xgr = import_xgrammar()
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json))
     compiled: dict[tuple[str, str], Any] = {}
     matchers: dict[int, Any] = {}
-    batches: dict[int, Any] = {}
+    batches: dict[Any, Any] = {}
     slots: list[np.ndarray] = []
     words = (vocab_size + 31) // 32
     error: str | None = None
@@ -799,7 +800,8 @@ def _serve(fd: int) -> None:
                     with open(op[1], "r+b") as f:
                         flat = np.frombuffer(mmap.mmap(f.fileno(), 0), dtype=np.int32)
                     slots = [flat[k * op[2] : (k + 1) * op[2]] for k in range(len(flat) // op[2])]
-            _flush_accepts(xgr, accepts)
+            if fill is None or pool is None:
+                _flush_accepts(xgr, accepts)
             accept_s += time.perf_counter() - start
         except Exception:  # answered with the next fill
             error = error or traceback.format_exc()
@@ -810,7 +812,12 @@ def _serve(fd: int) -> None:
         if error is None:
             try:
                 start = time.perf_counter()
-                rows = _fill_rows(xgr, batches, num_threads, [matchers.get(m) for m in mids], slots[slot], words)
+                rows_of = [matchers.get(m) for m in mids]
+                if pool is None:
+                    rows = _fill_rows(xgr, batches, num_threads, rows_of, slots[slot], words)
+                else:  # each worker accepts the tokens of its chunk's matchers, then fills the chunk
+                    chunked = (pool, num_workers, num_threads)
+                    rows = _fill_in_chunks(xgr, chunked, batches, accepts, rows_of, slots[slot], words)
                 fill_s = time.perf_counter() - start
             except Exception:
                 error = traceback.format_exc()
@@ -826,9 +833,41 @@ def _flush_accepts(xgr: Any, accepts: list[tuple[Any, int]]) -> None:
         accepts.clear()
 
 
-def _fill_rows(xgr: Any, batches: dict[int, Any], num_threads: int, matchers: list[Any], slot: Any, words: int) -> int:
+def _fill_in_chunks(
+    xgr: Any,
+    chunked: tuple[ThreadPoolExecutor, int, int],
+    batches: dict[Any, Any],
+    accepts: list[tuple[Any, int]],
+    matchers: list[Any],
+    slot: Any,
+    words: int,
+) -> int:
+    """The grammar process's fill with its worker threads: the rows cut into one contiguous chunk per worker, each
+    accepting its matchers' queued tokens, then filling its rows (on num_threads / workers of xgrammar's threads);
+    the accepts of matchers not filled go first, here. Returns the rows xgrammar filled."""
+    pool, workers, num_threads = chunked
+    size = -(-len(matchers) // workers)
+    by_matcher = {id(m): (m, t) for m, t in accepts}
+    chunks = []
+    for begin in range(0, len(matchers), size):
+        part = matchers[begin : begin + size]
+        chunks.append((begin, part, [by_matcher.pop(id(m)) for m in part if id(m) in by_matcher]))
+    _flush_accepts(xgr, list(by_matcher.values()))
+    accepts.clear()
+    threads = max(1, num_threads // workers)
+
+    def run(begin: int, part: list[Any], mine: list[tuple[Any, int]]) -> int:
+        _flush_accepts(xgr, mine)
+        return _fill_rows(xgr, batches, threads, part, slot[begin * words :], words, key=begin)
+
+    return sum(pool.map(lambda chunk: run(*chunk), chunks))
+
+
+def _fill_rows(
+    xgr: Any, batches: dict[Any, Any], num_threads: int, matchers: list[Any], slot: Any, words: int, key: int = 0
+) -> int:
     """Fill bitmask row k of ``slot`` for matchers[k] (an ended or unknown one allows any token); returns the rows
-    xgrammar filled."""
+    xgrammar filled. ``key``: which worker's BatchGrammarMatchers to use (one object fills from one thread)."""
     bitmask = slot[: len(matchers) * words].reshape(len(matchers), words)
     filled, indices = [], []
     for row, matcher in enumerate(matchers):
@@ -841,9 +880,9 @@ def _fill_rows(xgr: Any, batches: dict[int, Any], num_threads: int, matchers: li
         filled[0].fill_next_token_bitmask(bitmask, indices[0])
     elif filled:
         threads = max(1, min(num_threads, len(filled) // ROWS_PER_FILL_THREAD))
-        if threads not in batches:
-            batches[threads] = xgr.BatchGrammarMatcher(threads)
-        batches[threads].batch_fill_next_token_bitmask(filled, bitmask, indices)
+        if (key, threads) not in batches:
+            batches[key, threads] = xgr.BatchGrammarMatcher(threads)
+        batches[key, threads].batch_fill_next_token_bitmask(filled, bitmask, indices)
     return len(filled)
 
 
