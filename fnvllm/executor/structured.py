@@ -561,8 +561,7 @@ class GrammarProcess:
         self._proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), env=env)
         child.close()
         self._conn = Connection(parent.detach())
-        self._affinity = (threading.get_ident(), os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        self.cores = _split_cores(self._proc.pid)  # (the loop thread's, the process's), or None: not split
+        self.cores = _CORES.split(self._proc.pid)  # (the loop thread's, the process's), or None: not split
         threads = num_threads if self.cores is None else max(1, min(num_threads, len(self.cores[1])))
         self._conn.send(("init", info_json, vocab_size, threads, num_workers))
         self._ops: list[tuple[Any, ...]] = []
@@ -651,8 +650,8 @@ class GrammarProcess:
         """Stop the process and free the shared buffers; the calling thread gets back the cores it had before the
         split, if it is the thread that made it. Idempotent."""
         self._finalizer()
-        if self.cores is not None and self._affinity is not None and self._affinity[0] == threading.get_ident():
-            os.sched_setaffinity(0, self._affinity[1])
+        if self.cores is not None:
+            _CORES.release()
             self.cores = None
 
     def _send(self, fill: tuple[Any, ...] | None) -> None:
@@ -720,21 +719,48 @@ def _pinned_copy(host: HostGrammarMask) -> HostGrammarMask:
     return copy
 
 
-def _split_cores(pid: int) -> tuple[list[int], list[int]] | None:
-    """With SPLIT_CORES and at least two cores: the calling thread (the engine loop's) keeps the first half of the
-    cores it may use, process ``pid`` gets the others; returns both halves (None when not split)."""
-    if not SPLIT_CORES or not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None
-    mine, theirs = cores[: (len(cores) + 1) // 2], cores[(len(cores) + 1) // 2 :]
-    try:
-        os.sched_setaffinity(pid, theirs)
-        os.sched_setaffinity(0, mine)
-    except OSError:  # a process that may not change affinities: leave both as they are
-        return None
-    return mine, theirs
+class _CoreSplit:
+    """The split of the cores between the engine loop's thread and the grammar processes (SPLIT_CORES): the first
+    split saves the thread's cores and keeps their first half for it; every grammar process gets the other half.
+    Counted, so that the thread gets its cores back when the last process is closed (from that thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: tuple[int, set[int]] | None = None  # (thread ident, its cores before the split)
+
+    def split(self, pid: int) -> tuple[list[int], list[int]] | None:
+        """Give process ``pid`` its half (and the calling thread its own, at the first split); both halves, or None
+        when not split (SPLIT_CORES off, fewer than two cores, or affinities that may not change)."""
+        if not SPLIT_CORES or not hasattr(os, "sched_getaffinity"):
+            return None
+        with self._lock:
+            cores = sorted(os.sched_getaffinity(0) if self._saved is None else self._saved[1])
+            if len(cores) < 2:
+                return None
+            mine, theirs = cores[: (len(cores) + 1) // 2], cores[(len(cores) + 1) // 2 :]
+            try:
+                os.sched_setaffinity(pid, theirs)
+                if self._saved is None:
+                    saved = (threading.get_ident(), os.sched_getaffinity(0))
+                    os.sched_setaffinity(0, mine)
+                    self._saved = saved
+            except OSError:  # not allowed to change affinities: leave them
+                return None
+            self._users += 1
+            return mine, theirs
+
+    def release(self) -> None:
+        """One process fewer; after the last, the thread that split gets its cores back (if it is the caller)."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._saved is not None:
+                if self._saved[0] == threading.get_ident():
+                    os.sched_setaffinity(0, self._saved[1])
+                self._saved = None
+
+
+_CORES = _CoreSplit()
 
 
 def _close_process(proc: subprocess.Popen[bytes], conn: Connection, maps: list[tuple[Any, str, bool]]) -> None:
