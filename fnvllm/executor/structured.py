@@ -11,11 +11,16 @@ xgrammar is optional: importing this module does not import it; the first constr
 it installed that is an InvalidRequestError naming the package (``check_structured`` raises it when the request
 is added, before anything runs).
 
+Where the matchers live: on a GPU, in a grammar process of their own (``GrammarProcess``, this module run as
+``python -m fnvllm.executor.structured``), which accepts and fills beside the engine loop without sharing its GIL;
+on the CPU (or with ``Grammars(process=False)``), in this process.
+
 Overlapped steps: see ``ModelExecutor.launch`` and docs/structured_outputs.md (a step with a constrained row fed
 by the step still in flight samples once that step's tokens are accepted; its forward still overlaps). By default
-the collect that brings the tokens accepts them and fills the next masks itself (``accept``, ``masks``); with
-``ModelExecutor.sample_deferred_at = "launch"``, ``advance`` runs both on a worker thread while the engine loop
-commits and plans (xgrammar does both without holding the GIL). ``Grammars.stats`` says where the time went.
+(``ModelExecutor.sample_deferred_at = "launch"``) the collect that brings the tokens hands them over with
+``advance`` (to the grammar process, or a grammar thread here), which accepts them and fills the next masks while
+the engine loop commits and plans; the next launch receives the masks (``wait``) and samples. With "collect" the
+collect accepts and fills itself (``accept``, ``masks``). ``Grammars.stats`` says where the time went.
 """
 
 from __future__ import annotations
