@@ -230,6 +230,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
+        self._stop_set = frozenset(self.stop_ids)
         self.tokenizer_info = tokenizer_info
         self.num_threads = num_threads or default_fill_threads()
         self.num_workers = num_workers
@@ -427,10 +428,6 @@ class Grammars:
             stats.wait_s += time.perf_counter() - waited_from
             stats.num_waits += 1
         return host
-
-    @property
-    def _stop_set(self) -> frozenset[int]:
-        return frozenset(self.stop_ids)
 
     def _allocate(self, matchers: Sequence[Matcher | None], pinned: bool) -> HostGrammarMask | None:
         """An unfilled buffer for the constrained rows among ``matchers``, None when there is none."""
