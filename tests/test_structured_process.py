@@ -8,6 +8,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,7 +167,8 @@ DEMO = Path(fnvllm.demo.__file__).parent / "checkpoint"
 def test_overlapped_engine_fills_every_mask_in_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine with overlapped steps (as on a GPU) and the grammar process: constrained and unconstrained seeded
     rows give plain stepping's tokens, the constrained outputs follow their schema, and every mask was filled in
-    the grammar process (this process's fill never ran; deferred steps' masks were waited for at launch)."""
+    the grammar process (this process's fill never ran); a deferred step's tokens went to the process in the
+    collect that brought them (advance) and its masks were received in the next launch (wait), as the docs say."""
     monkeypatch.setattr(ModelExecutor, "supports_overlap", property(lambda self: True))
     llm = LLM(DEMO, dtype="float32", block_size=8, num_blocks=256, max_num_seqs=8)
     grammars = llm.engine.executor.grammars
@@ -175,6 +177,13 @@ def test_overlapped_engine_fills_every_mask_in_the_process(monkeypatch: pytest.M
     local_fills: list[int] = []
     fill = Grammars._fill
     monkeypatch.setattr(Grammars, "_fill", lambda self, *a: local_fills.append(1) or fill(self, *a))
+    inside: list[str] = []  # the executor call running now
+    calls: list[tuple[str, str]] = []  # (grammars call, executor call it ran in)
+    for name in ("launch", "collect"):
+        monkeypatch.setattr(ModelExecutor, name, _marking(getattr(ModelExecutor, name), name, inside))
+    for name in ("advance", "wait"):
+        original = getattr(Grammars, name)
+        monkeypatch.setattr(Grammars, name, _recording(original, name, inside, calls))
     schema = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}})
     params = [
         SamplingParams(max_tokens=40, seed=k, structured=schema if k % 2 else None, ignore_eos=k % 2 == 0)
@@ -191,6 +200,31 @@ def test_overlapped_engine_fills_every_mask_in_the_process(monkeypatch: pytest.M
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
     assert all(isinstance(m, RemoteMatcher) for m in grammars._live.values())
     assert stats.num_fills > 0 and stats.num_waits > 0 and not local_fills
+    assert {"advance", "wait"} <= {name for name, _ in calls}
+    assert all(where == ("collect" if name == "advance" else "launch") for name, where in calls), calls
     for out in overlapped[1::2]:
         assert out.finish_reason == "stop" and json.loads(out.text) in ({"a": "x"}, {"a": "y"}, {}), out.text
     grammars.close()
+
+
+def _marking(method: Any, name: str, inside: list[str]) -> Any:
+    """``method`` that pushes ``name`` on ``inside`` while it runs."""
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inside.append(name)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    return run
+
+
+def _recording(method: Any, name: str, inside: list[str], calls: list[tuple[str, str]]) -> Any:
+    """``method`` that records (``name``, the executor call it ran in) in ``calls``."""
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append((name, inside[-1] if inside else ""))
+        return method(self, *args, **kwargs)
+
+    return run
