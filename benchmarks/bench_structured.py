@@ -208,6 +208,40 @@ def _prompts(llm: Any, rows: int, length: int) -> list[list[int]]:
     return [[rng.randrange(3, top) for _ in range(length)] for _ in range(rows)]
 
 
+def _preflight(llm: Any) -> bool:
+    """When the default grammars use a grammar process: start it and send one mask through it to the device; if
+    that fails, say why and fall back to this process's matchers (so the run still times the rest). Returns
+    whether grammar processes work here."""
+    from fnvllm.state import StructuredOutput
+
+    grammars = _executor(llm).grammars
+    if grammars is None or not grammars.uses_process:
+        return True
+    try:
+        remote = grammars._process()
+        live = remote.new(StructuredOutput.json_schema(SMALL_SCHEMA))
+        device = _executor(llm).device
+        host = grammars.masks([live], pinned=device.type == "cuda")
+        if host is None:
+            raise RuntimeError("no mask came back for a constrained row")
+        mask = host.upload(device)
+        allowed = int(mask.bitmask.ne(0).sum().item())
+        remote.drop([live])
+        pinned = bool(remote._maps and remote._maps[-1][2])
+        print(f"grammar process: up (masks pinned: {pinned}, pin failed: {remote.pin_failed}, cores {remote.cores}); "
+              f"first mask allows {allowed} words", flush=True)  # fmt: skip
+        return True
+    except Exception as error:  # any failure: report it, time the rest without the process
+        import traceback
+
+        traceback.print_exc()
+        print(f"grammar process FAILED ({error!r}): the default falls back to this process's matchers", flush=True)
+        grammars.close()
+        grammars.process = False
+        PROCESS[0] = False
+        return False
+
+
 def _check_correctness(llm: Any, decode: Any, prompts: list[list[int]]) -> int:
     """Run up to 16 small-schema rows to completion; every one must stop, parse and satisfy SMALL_SCHEMA; returns
     how many did."""
@@ -259,6 +293,8 @@ def main() -> int:
         return 0
     with _checkpoint(args) as folder:
         llm, decode = _build(args, folder)
+        if not _preflight(llm):
+            args.variants = ",".join(v for v in args.variants.split(",") if v.startswith("thread"))
         prompts = _prompts(llm, args.rows, args.prompt_len)
         valid = _check_correctness(llm, decode, prompts)
         plain, mixed = _batches(args)
