@@ -268,7 +268,8 @@ class Grammars:
         return self._remote
 
     def close(self) -> None:
-        """Stop the grammar process, if one runs (a later constrained row starts another). Idempotent."""
+        """Stop the grammar process, if one runs (a later constrained row starts another), and forget the live
+        matchers: call it once no constrained request runs. Idempotent."""
         if self._remote is not None:
             self._remote.close()
             self._remote = None
