@@ -63,6 +63,7 @@ GRAMMAR_PROCESS: bool | None = None
 # the reader "synchronously", which Linux places on the writer's core when it may, so the loop would stall behind
 # the process's whole accept and fill (measured: 9 ms writes on a 2-core machine, 0.07 ms with the cores split).
 SPLIT_CORES = True
+PROCESS_WORKERS = 1  # the grammar process's worker threads when Grammars(num_workers=None) (each its chunk of rows)
 MASK_SLOTS = 4  # bitmask buffers the grammar process fills in turn (a step's is read by its upload, queued later)
 GIL_SWITCH_S = 1e-4  # the GIL switch interval while the grammar worker runs (``Grammars.advance``)
 _STRUCTURED = attrgetter("structured")  # a SamplingParams' constraint, in C-level maps
@@ -220,20 +221,20 @@ class Grammars:
         stop_ids: Iterable[int],
         tokenizer_info: Any = None,
         num_threads: int | None = None,
-        num_workers: int = 1,
+        num_workers: int | None = None,
         process: bool | None = None,
     ) -> None:
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"Grammars.num_threads must be >= 1 (or None: default_fill_threads()), got {num_threads}")
-        if num_workers < 1:
-            raise ValueError(f"Grammars.num_workers must be >= 1, got {num_workers}")
+        if num_workers is not None and num_workers < 1:
+            raise ValueError(f"Grammars.num_workers must be >= 1 (or None: the default), got {num_workers}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self._stop_set = frozenset(self.stop_ids)
         self.tokenizer_info = tokenizer_info
         self.num_threads = num_threads or default_fill_threads()
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # None: 1 on the grammar thread, PROCESS_WORKERS in a grammar process
         self._pool: ThreadPoolExecutor | None = None  # the grammar worker (``advance``), started on first use
         self._lowered = False  # whether this object holds the GIL switch interval lowered (``advance`` to ``wait``)
         self._compiler: Any = None
@@ -264,7 +265,8 @@ class Grammars:
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
             )
             self.tokenizer_info = info
-            self._remote = GrammarProcess(info.serialize_json(), self.vocab_size, self.num_threads, self.num_workers)
+            workers = self.num_workers or PROCESS_WORKERS
+            self._remote = GrammarProcess(info.serialize_json(), self.vocab_size, self.num_threads, workers)
         return self._remote
 
     def close(self) -> None:
@@ -364,7 +366,7 @@ class Grammars:
             _SWITCH.lower()
             self._lowered = True
         pool, bitmask = self._worker(), host.bitmask
-        chunks = _chunks(_constrained(seq_ids, matchers, tokens), _numbered(following), self.num_workers)
+        chunks = _chunks(_constrained(seq_ids, matchers, tokens), _numbered(following), self.num_workers or 1)
         return PendingMask(host, tuple(pool.submit(self._advance, acc, fill, bitmask) for acc, fill in chunks))
 
     def wait(self, pending: PendingMask) -> HostGrammarMask:
@@ -484,7 +486,7 @@ class Grammars:
         """The calling thread's xgrammar BatchGrammarMatcher for a fill of ``num_rows`` rows: this worker's share of
         ``num_threads``, but at most one thread per ROWS_PER_FILL_THREAD rows (xgrammar starts its threads at every
         call, ~20-60 us each: a thread for one or two rows costs more than it saves)."""
-        share = max(1, self.num_threads // self.num_workers)
+        share = max(1, self.num_threads // (self.num_workers or 1))
         key = (threading.get_ident(), max(1, min(share, num_rows // ROWS_PER_FILL_THREAD)))
         if key not in self._batches:
             self._batches[key] = import_xgrammar().BatchGrammarMatcher(key[1])
@@ -493,7 +495,7 @@ class Grammars:
     def _worker(self) -> ThreadPoolExecutor:
         """The threads that run ``advance`` (``num_workers``), started on first use."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="fnvllm-grammar")
+            self._pool = ThreadPoolExecutor(max_workers=self.num_workers or 1, thread_name_prefix="fnvllm-grammar")
         return self._pool
 
     def prune(self, live: Container[str]) -> None:
