@@ -595,14 +595,16 @@ class GrammarProcess:
         self._ops.extend(("drop", m.mid) for m in matchers)
 
     def accept(self, rows: Sequence[tuple[RemoteMatcher, int]], stop_ids: Container[int]) -> list[RemoteMatcher]:
-        """Queue each (matcher, token) accept, skipping ended matchers; returns those that end with it."""
+        """Queue each (matcher, token) accept, skipping ended matchers; returns those that end with it (dropped there
+        once they have)."""
         ended = []
         for live, token in rows:
             if live.ended:
                 continue
             self._ops.append(("accept", live.mid, token))
             live.accepted += 1
-            if token in stop_ids:
+            if token in stop_ids:  # it ends there too: forgotten after the accept (a later fill of it allows any)
+                self._ops.append(("drop", live.mid))
                 live.ended = True
                 ended.append(live)
         return ended
