@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import random
 import sys
 import tempfile
@@ -155,6 +156,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 VOCABS = {"bpe": _bpe_vocab, "synthetic": _synthetic_vocab}
+ALL_CORES = os.sched_getaffinity(0)  # before any grammar process split them (the thread variants run on them all)
 PROCESS: list[bool | None] = [None]  # --process, for every Grammars attached here
 QUOTED: dict[str, int] = {}  # per vocabulary attached: how many of its tokens hold a quote (module docstring)
 
@@ -404,13 +406,16 @@ def _rounds(
     rounds in which every configuration runs both batches in turn; the table is printed after each round."""
     executor = _executor(llm)
     best: dict[str, list[tuple[float, int]]] = {label: [(float("inf"), 0)] * 2 for label in configs}
+    split = os.sched_getaffinity(0)  # this thread's cores: half of them once a grammar process split them
     for round_ in range(args.repeats):
         for label, (grammars, sampled) in configs.items():
             executor.grammars, executor.sample_deferred_at = grammars, sampled
+            os.sched_setaffinity(0, split if grammars.uses_process else ALL_CORES)  # threads here get every core
             if round_ == 0 and grammars is not configs[next(iter(configs))][0]:
                 _timed(llm, prompts[:16], mixed[:16])  # starts its process, compiles its schema
             for k, params in enumerate((plain, mixed)):
                 best[label][k] = min(best[label][k], _timed(llm, prompts, params))
+        os.sched_setaffinity(0, split)
         print(f"\nafter round {round_ + 1} of {args.repeats}:")
         _print_results(best, args, num_constrained)
     return best
