@@ -476,13 +476,13 @@ def _with_workers(grammars: Any, workers: int, threads: int | None = None, proce
 
 
 def _host_table(rows: int, steps: int) -> None:
-    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies (1, 8, all but one
-    xgrammar threads on one worker; 4 workers of 4 threads)."""
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies (1, 8, the default
+    xgrammar threads on one worker; 4 workers of 4 threads; the grammar process with the default threads)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import structured_host
 
     structured_host.VOCABS = VOCABS  # this module's, whose vocabularies are built already
-    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4"]
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4,p1xauto"]
     structured_host.main()
 
 
