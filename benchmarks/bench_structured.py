@@ -437,6 +437,7 @@ def _diagnose(llm: Any, prompts: list[list[int]], plain: list[Any], mixed: list[
         out |= {f"{name} {k}": decode.get(f"mean_{k}_ms", float("nan")) for k in ("gpu", "cpu", "gap")}
         out[f"{name} ms/step"] = 1e3 * seconds / max(1, params[0].max_tokens)
     out["ms/step ratio"] = out["mixed ms/step"] / out["plain ms/step"]
+    out["cpu ratio"] = out["mixed cpu"] / out["plain cpu"]  # the host's cycle: what bounds a host-bound step
     stats = executor.grammars.reset_stats()
     steps = max(1, stats.num_fills)
     out |= {"fill": 1e3 * stats.fill_s / steps, "accept": 1e3 * stats.accept_s / steps,
