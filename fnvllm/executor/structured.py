@@ -597,16 +597,20 @@ class GrammarProcess:
     def accept(self, rows: Sequence[tuple[RemoteMatcher, int]], stop_ids: Container[int]) -> list[RemoteMatcher]:
         """Queue each (matcher, token) accept, skipping ended matchers; returns those that end with it (dropped there
         once they have)."""
-        ended = []
+        ended, mids, tokens = [], [], []
         for live, token in rows:
             if live.ended:
                 continue
-            self._ops.append(("accept", live.mid, token))
+            mids.append(live.mid)
+            tokens.append(token)
             live.accepted += 1
-            if token in stop_ids:  # it ends there too: forgotten after the accept (a later fill of it allows any)
-                self._ops.append(("drop", live.mid))
+            if token in stop_ids:
                 live.ended = True
                 ended.append(live)
+        if mids:  # one op: the process accepts them with one xgrammar call
+            self._ops.append(("accept", mids, tokens))
+        # the ended ones end there too: forgotten after their accept (a later fill of one allows any token)
+        self._ops.extend(("drop", m.mid) for m in ended)
         return ended
 
     def fill(self, matchers: Sequence[RemoteMatcher | None], pinned: bool) -> tuple[HostGrammarMask, int] | None:
@@ -814,15 +818,10 @@ def _serve(fd: int) -> None:
             start = time.perf_counter()
             accepts: list[tuple[Any, int]] = []
             for op in ops:
-                if op[0] == "accept":
-                    matcher = matchers.get(op[1])
-                    if any(m is matcher for m, _ in accepts):  # a second token for it: the first goes first
-                        _flush_accepts(xgr, accepts)
-                    if matcher is not None and not matcher.is_terminated():
-                        accepts.append((matcher, op[2]))
-                    continue
-                _flush_accepts(xgr, accepts)
-                if op[0] == "new":
+                _flush_accepts(xgr, accepts)  # an earlier step's tokens go first
+                if op[0] == "accept":  # a step's tokens (one per matcher): accepted at the next op, or by the fill
+                    accepts = [(m, t) for m, t in zip(map(matchers.get, op[1]), op[2], strict=True) if m is not None]
+                elif op[0] == "new":
                     key = (op[2], op[3])
                     if key not in compiled:
                         compiled[key] = compiler.compile_grammar(_grammar(xgr, StructuredOutput(*key)))
@@ -899,12 +898,13 @@ def _fill_in_chunks(
 def _fill_rows(
     xgr: Any, batches: dict[Any, Any], num_threads: int, matchers: list[Any], slot: Any, words: int, key: int = 0
 ) -> int:
-    """Fill bitmask row k of ``slot`` for matchers[k] (an ended or unknown one allows any token); returns the rows
-    xgrammar filled. ``key``: which worker's BatchGrammarMatchers to use (one object fills from one thread)."""
+    """Fill bitmask row k of ``slot`` for matchers[k] (None, a matcher dropped because its grammar ended or its
+    request left, allows any token); returns the rows xgrammar filled. ``key``: which worker's BatchGrammarMatchers
+    to use (one object fills from one thread)."""
     bitmask = slot[: len(matchers) * words].reshape(len(matchers), words)
     filled, indices = [], []
     for row, matcher in enumerate(matchers):
-        if matcher is None or matcher.is_terminated():
+        if matcher is None:
             bitmask[row] = -1
         else:
             filled.append(matcher)
