@@ -56,9 +56,10 @@ def _pick(bitmask: torch.Tensor, rng: random.Random) -> list[int]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
 def test_the_loop_thread_and_the_process_split_the_cores(info: object) -> None:
-    """(First in the module: its other tests' grammar process holds half the cores.) Starting a grammar process
-    gives it half the cores and the calling (engine loop) thread the other half, so
-    that a socket write never runs the process on the writer's core; close gives the thread its cores back."""
+    """(First in the module: its other tests' grammar process holds the split.) Starting a grammar process splits
+    the cores: the calling (engine loop) thread keeps some, the process gets the others (disjoint, all of them), so
+    that a socket write never runs the process on the writer's core; close gives the thread its cores back. The
+    split keeps a physical core's hyperthreads on one side and gives the loop a quarter of the cores."""
     before = os.sched_getaffinity(0)
     grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=1, process=True)
     process = grammars._process()
@@ -66,6 +67,17 @@ def test_the_loop_thread_and_the_process_split_the_cores(info: object) -> None:
     assert mine and theirs and not mine & theirs and mine | theirs == before
     grammars.close()
     assert os.sched_getaffinity(0) == before
+
+
+def test_the_split_keeps_hyperthreads_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 8 physical cores of two hyperthreads each (cpu k and k + 8), the loop keeps two whole physical cores and
+    the process gets the other six; one physical core is not split."""
+    from fnvllm.executor import structured
+
+    monkeypatch.setattr(structured, "_siblings", lambda cpu: f"{cpu % 8},{cpu % 8 + 8}")
+    mine, theirs = structured._halves(set(range(16)))
+    assert mine == [0, 8, 1, 9] and theirs == [2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+    assert structured._halves({0, 8}) == ([], [])
 
 
 def test_process_masks_equal_this_process_masks(remote: Grammars, info: object) -> None:

@@ -42,6 +42,7 @@ from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from operator import attrgetter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -59,9 +60,9 @@ if TYPE_CHECKING:  # the loop imports this module, and the simulator runs the lo
 # worker threads); None: a process where CUDA is available (overlapped steps), else this process. ``Grammars(process=)``
 # overrides it per object.
 GRAMMAR_PROCESS: bool | None = None
-# Split the cores between the engine loop's thread and the grammar process (each half its own): a socket write wakes
-# the reader "synchronously", which Linux places on the writer's core when it may, so the loop would stall behind
-# the process's whole accept and fill (measured: 9 ms writes on a 2-core machine, 0.07 ms with the cores split).
+# Split the cores between the engine loop's thread and the grammar process (``_halves``): a socket write wakes the
+# reader "synchronously", which Linux places on the writer's core when it may, so the loop would stall behind the
+# process's whole accept and fill (measured: 9 ms writes on a 2-core machine, 0.07 ms with the cores split).
 SPLIT_CORES = True
 PROCESS_WORKERS = 1  # the grammar process's worker threads when Grammars(num_workers=None) (each its chunk of rows)
 MASK_SLOTS = 4  # bitmask buffers the grammar process fills in turn (a step's is read by its upload, queued later)
@@ -732,7 +733,7 @@ def _pinned_copy(host: HostGrammarMask) -> HostGrammarMask:
 
 class _CoreSplit:
     """The split of the cores between the engine loop's thread and the grammar processes (SPLIT_CORES): the first
-    split saves the thread's cores and keeps their first half for it; every grammar process gets the other half.
+    split saves the thread's cores and keeps its share of them (``_halves``); every grammar process gets the rest.
     Counted, so that the thread gets its cores back when the last process is closed (from that thread)."""
 
     def __init__(self) -> None:
@@ -741,15 +742,14 @@ class _CoreSplit:
         self._saved: tuple[int, set[int]] | None = None  # (thread ident, its cores before the split)
 
     def split(self, pid: int) -> tuple[list[int], list[int]] | None:
-        """Give process ``pid`` its half (and the calling thread its own, at the first split); both halves, or None
+        """Give process ``pid`` its cores (and the calling thread its own, at the first split); both sets, or None
         when not split (SPLIT_CORES off, fewer than two cores, or affinities that may not change)."""
         if not SPLIT_CORES or not hasattr(os, "sched_getaffinity"):
             return None
         with self._lock:
-            cores = sorted(os.sched_getaffinity(0) if self._saved is None else self._saved[1])
-            if len(cores) < 2:
+            mine, theirs = _halves(os.sched_getaffinity(0) if self._saved is None else self._saved[1])
+            if not mine or not theirs:
                 return None
-            mine, theirs = cores[: (len(cores) + 1) // 2], cores[(len(cores) + 1) // 2 :]
             try:
                 os.sched_setaffinity(pid, theirs)
                 if self._saved is None:
@@ -772,6 +772,30 @@ class _CoreSplit:
 
 
 _CORES = _CoreSplit()
+# The engine loop's thread keeps 1 / LOOP_CORES_SHARE of the physical cores (at least one); the process, the rest.
+LOOP_CORES_SHARE = 4
+
+
+def _halves(cores: set[int]) -> tuple[list[int], list[int]]:
+    """(the loop thread's cores, the grammar process's): whole physical cores (a core's hyperthreads stay together,
+    so xgrammar's threads never share a physical core with the loop), 1 / LOOP_CORES_SHARE of them (at least one)
+    for the loop; ([], []) with fewer than two physical cores."""
+    groups: dict[str, list[int]] = {}
+    for cpu in sorted(cores):
+        groups.setdefault(_siblings(cpu), []).append(cpu)
+    physical = list(groups.values())
+    if len(physical) < 2:
+        return [], []
+    keep = max(1, len(physical) // LOOP_CORES_SHARE)
+    return [c for g in physical[:keep] for c in g], [c for g in physical[keep:] for c in g]
+
+
+def _siblings(cpu: int) -> str:
+    """The hyperthreads of ``cpu``'s physical core as Linux lists them (the cpu itself when unknown)."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(cpu)
 
 
 def _close_process(proc: subprocess.Popen[bytes], conn: Connection, maps: list[tuple[Any, str, bool]]) -> None:
