@@ -577,7 +577,8 @@ class GrammarProcess:
         self._replies: dict[int, tuple[Any, ...]] = {}
         self._capacity = 0  # rows per slot
         self._slots: list[Any] = []  # per slot, its int32 tensor (the current map's)
-        self._marks: list[Any] = [None] * MASK_SLOTS  # per slot, an event after its last upload was queued (CUDA)
+        self._marks = [False] * MASK_SLOTS  # per slot: its event was recorded after its last upload was queued
+        self._events: list[Any] = []  # per slot, that CUDA event (pinned slots only)
         self._next_slot = 0
         self._last_slot: int | None = None
         self._maps: list[tuple[Any, str, bool]] = []  # (tensor, path, pinned) of every map made, freed at close
@@ -682,15 +683,16 @@ class GrammarProcess:
 
         if num_rows > self._capacity or (pinned and not self._maps[-1][2] and not self.pin_failed):
             self._map(max(num_rows, 2 * self._capacity, 64), pinned)
-        if self._last_slot is not None and torch.cuda.is_available() and self._maps[-1][2]:
-            mark = torch.cuda.Event()
-            mark.record()  # behind the upload of the slot taken last (queued by now, if it is ever used)
-            self._marks[self._last_slot] = mark
+        if self._last_slot is not None and self._maps[-1][2]:
+            if not self._events:
+                self._events = [torch.cuda.Event() for _ in range(MASK_SLOTS)]
+            self._events[self._last_slot].record()  # behind the upload of the slot taken last (queued by now)
+            self._marks[self._last_slot] = True
         slot = self._next_slot
         self._next_slot = (slot + 1) % MASK_SLOTS
-        if self._marks[slot] is not None:
-            self._marks[slot].synchronize()
-            self._marks[slot] = None
+        if self._marks[slot]:
+            self._events[slot].synchronize()
+            self._marks[slot] = False
         self._last_slot = slot
         offset = (num_rows * self.words + 1) // 2 * 2
         return HostGrammarMask(self._slots[slot][: offset + 2 * num_rows], num_rows, self.words)
@@ -717,7 +719,9 @@ class GrammarProcess:
                 pinned, self.pin_failed = False, True
         self._maps.append((flat, path, pinned))
         self._slots = [flat[k * slot_words : (k + 1) * slot_words] for k in range(MASK_SLOTS)]
-        self._marks = [None] * MASK_SLOTS
+        self._marks = [False] * MASK_SLOTS
+        self._last_slot = None  # the old map's: its buffers stay alive, so its copies need no wait
+        self._next_slot = 0
         self._capacity = capacity
         self._ops.append(("map", path, slot_words))
 
