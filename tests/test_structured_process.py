@@ -4,6 +4,7 @@ reports its failures; and an engine with overlapped steps fills every mask there
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -154,6 +155,26 @@ def test_stats_count_the_process_fills(remote: Grammars) -> None:
     stats = remote.reset_stats()
     assert (stats.num_fills, stats.rows_filled, stats.num_waits) == (2, 4, 1)
     assert stats.fill_s > 0 and stats.accept_s > 0
+
+
+def test_the_process_stops_with_its_grammars(info: object) -> None:
+    """The grammar process and its shared file go away on every exit path: the file is unlinked once both sides
+    mapped it, close stops the process, and a Grammars dropped without close stops its process when collected
+    (the loop thread's cores come back too)."""
+    before = os.sched_getaffinity(0)
+    for closing in (True, False):
+        grammars = Grammars(None, VOCAB, [STOP], tokenizer_info=info, num_threads=1, process=True)
+        process = grammars._process()
+        assert grammars.masks([process.new(SCHEMA)]) is not None
+        path, proc = process._maps[-1][1], process._proc
+        assert not os.path.exists(path)  # the grammar process unlinked it after mapping it
+        if closing:
+            grammars.close()
+        else:
+            del grammars, process
+            gc.collect()
+        assert proc.wait(timeout=10) == 0
+    assert os.sched_getaffinity(0) == before  # (the split, when another grammar process still holds it, stays)
 
 
 def test_a_dead_process_is_a_clear_error(info: object) -> None:

@@ -584,7 +584,8 @@ class GrammarProcess:
         self._maps: list[tuple[Any, str, bool]] = []  # (tensor, path, pinned) of every map made, freed at close
         self.pin_failed = False  # CUDA would not pin the shared file: masks are copied to pinned buffers instead
         self._copy_pinned: set[int] = set()  # tickets whose mask goes to a pinned buffer (``pin_failed``)
-        self._finalizer = weakref.finalize(self, _close_process, self._proc, self._conn, self._maps)
+        split = self.cores is not None
+        self._finalizer = weakref.finalize(self, _close_process, self._proc, self._conn, self._maps, split)
 
     def new(self, spec: StructuredOutput) -> RemoteMatcher:
         """A fresh matcher of ``spec`` (compiled there, once per (kind, text))."""
@@ -663,9 +664,7 @@ class GrammarProcess:
         """Stop the process and free the shared buffers; the calling thread gets back the cores it had before the
         split, if it is the thread that made it. Idempotent."""
         self._finalizer()
-        if self.cores is not None:
-            _CORES.release()
-            self.cores = None
+        self.cores = None
 
     def _send(self, fill: tuple[Any, ...] | None) -> None:
         ops, self._ops = self._ops, []
@@ -802,8 +801,14 @@ def _siblings(cpu: int) -> str:
         return str(cpu)
 
 
-def _close_process(proc: subprocess.Popen[bytes], conn: Connection, maps: list[tuple[Any, str, bool]]) -> None:
-    """Stop a grammar process (it exits at the end of its input) and free the shared maps."""
+def _close_process(
+    proc: subprocess.Popen[bytes], conn: Connection, maps: list[tuple[Any, str, bool]], split: bool
+) -> None:
+    """Stop a grammar process (it exits at the end of its input), free the shared maps, and give up its share of
+    the core split (``split``). Run once: by ``GrammarProcess.close``, when the object is collected, or at exit (a
+    killed engine's process sees the end of its input and exits too; the maps' files are unlinked once mapped)."""
+    if split:
+        _CORES.release()
     conn.close()
     try:
         proc.wait(timeout=5)
@@ -859,6 +864,8 @@ def _serve(fd: int) -> None:
                 elif op[0] == "map":
                     with open(op[1], "r+b") as f:
                         flat = np.frombuffer(mmap.mmap(f.fileno(), 0), dtype=np.int32)
+                    with contextlib.suppress(OSError):  # both processes have it mapped: no file left behind a kill
+                        os.unlink(op[1])
                     slots = [flat[k * op[2] : (k + 1) * op[2]] for k in range(len(flat) // op[2])]
             if fill is None or pool is None:
                 _flush_accepts(xgr, accepts)
