@@ -828,8 +828,11 @@ def _close_process(
 def _serve(fd: int) -> None:
     """The grammar process: apply each message's ops in order, answer each fill (``GrammarProcess``); exit at the
     end of the input. An error is answered with the next fill (the ops after it in that message are skipped)."""
+    import signal
+
     import numpy as np
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; this process ends at its EOF
     conn = Connection(fd)
     _, info_json, vocab_size, num_threads, num_workers = conn.recv()
     pool = ThreadPoolExecutor(num_workers) if num_workers > 1 else None
