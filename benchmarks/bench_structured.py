@@ -308,6 +308,7 @@ def main() -> int:
         results, diagnosis = _variants(args, llm, folder, prompts, plain, mixed, num_constrained)
         llm.close()
     if args.host_steps:
+        os.sched_setaffinity(0, ALL_CORES)  # the table's own fills (and "auto" threads) as on an unsplit machine
         _host_table(num_constrained, args.host_steps)
     for name, count in QUOTED.items():
         print(f"vocabulary {name}: {count} of its tokens hold a quote")
