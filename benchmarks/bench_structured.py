@@ -34,6 +34,7 @@ import functools
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -346,8 +347,9 @@ def _batches(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
 
 
 # Besides the default (a grammar process where CUDA is, sampled at launch): BACKEND-WHERE, BACKEND "thread" (this
-# process's grammar thread), "process" or "processN" (N worker threads in the process), WHERE "launch" or "collect".
-VARIANTS = ("thread-collect", "thread-launch", "process2-launch")  # process-collect measured 2.01x (2026-12-02)
+# process's grammar thread), "process" or "processN" (N worker threads in the process), either with "tT" (T xgrammar
+# threads in all, default the default's), WHERE "launch" or "collect". process-collect measured 2.01x (2026-12-02).
+VARIANTS = ("thread-collect", "thread-launch", "process2-launch", "process1t4-launch")
 
 
 def _variants(
@@ -373,9 +375,12 @@ def _variants(
     overlap = llm.loop.overlap
     names = [name for name in args.variants.split(",") if name] if overlap else []
     for name in names:
-        backend, sampled = name.split("-")
-        workers = int(backend.removeprefix("process") or 1) if backend.startswith("process") else 1
-        grammars = _with_workers(default, workers, process=backend.startswith("process"))
+        found = re.fullmatch(r"(thread|process)(\d*)(?:t(\d+))?-(launch|collect)", name)
+        if found is None:
+            raise SystemExit(f"--variants: {name!r} is not BACKEND-WHERE (e.g. thread-collect, process2t4-launch)")
+        kind, workers, threads, sampled = found.groups()
+        backend = name.removesuffix(f"-{sampled}")
+        grammars = _with_workers(default, int(workers or 1), int(threads or 0) or None, process=kind == "process")
         configs[f"{vocab_label}, {backend}, sampled at {sampled}"] = (grammars, sampled)
     results = _rounds(llm, prompts, plain, mixed, configs, args, num_constrained)
     executor.grammars, executor.sample_deferred_at = default, configs[vocab_label][1]
