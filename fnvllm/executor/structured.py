@@ -211,8 +211,9 @@ class Grammars:
     accepting and filling its own chunk of the rows (with num_threads / num_workers of xgrammar's threads; this
     process only). process: keep the matchers in a grammar process of their own (``GrammarProcess``; started with the
     first constrained row) instead of this one; None: GRAMMAR_PROCESS, whose None means a process where CUDA is
-    available. The compiler is built on first use, so an engine whose requests are unconstrained never imports
-    xgrammar (nor starts a process).
+    available (chosen at the first constrained row; a running process is used until ``close``). The compiler is
+    built on first use, so an engine whose requests are unconstrained never imports xgrammar (nor starts a
+    process).
     """
 
     def __init__(
@@ -307,7 +308,7 @@ class Grammars:
         params = plan.params
         specs = list(map(_STRUCTURED, params)) if len(rows) == len(params) else [params[i].structured for i in rows]
         out: list[Matcher | RemoteMatcher | None] = [None] * len(rows)
-        remote = self._process() if self.uses_process else None
+        remote = self._remote if self._remote is not None else self._process() if self.uses_process else None
         for k in [k for k, spec in enumerate(specs) if spec is not None]:  # rows are 0..B-1 when they are all
             i, spec = rows[k], specs[k]
             rid = plan.seq_ids[i]
