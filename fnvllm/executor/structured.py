@@ -207,13 +207,13 @@ class Grammars:
     may exceed the tokenizer's; stop_ids: the engine's EOS ids (the only ids a complete grammar allows).
     tokenizer_info: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks on checkpoints
     without a tokenizer). num_threads: xgrammar's threads for filling several rows' masks (default: every core
-    but one, at most 8: ``default_fill_threads``). num_workers: the grammar worker threads of ``advance``, each
-    accepting and filling its own chunk of the rows (with num_threads / num_workers of xgrammar's threads; this
-    process only). process: keep the matchers in a grammar process of their own (``GrammarProcess``; started with the
-    first constrained row) instead of this one; None: GRAMMAR_PROCESS, whose None means a process where CUDA is
-    available (chosen at the first constrained row; a running process is used until ``close``). The compiler is
-    built on first use, so an engine whose requests are unconstrained never imports xgrammar (nor starts a
-    process).
+    but one, at most 8: ``default_fill_threads``). num_workers: how many workers split each step's rows, each
+    accepting and filling its own chunk (with num_threads / num_workers of xgrammar's threads): the grammar threads
+    of ``advance`` here, or threads of the grammar process; None: 1 here, PROCESS_WORKERS there. process: keep
+    the matchers in a grammar process of their own (``GrammarProcess``; started with the first constrained row)
+    instead of this one; None: GRAMMAR_PROCESS, whose None means a process where CUDA is available (chosen at
+    the first constrained row; a running process is used until ``close``). The compiler is built on first use, so
+    an engine whose requests are unconstrained never imports xgrammar (nor starts a process).
     """
 
     def __init__(
