@@ -26,13 +26,47 @@ from __future__ import annotations
 
 import math
 
-from fnvllm.sim.hardware import HardwareProfile, Overheads
+import attrs
+
+from fnvllm.sim.hardware import SMALL_BATCHES, HardwareProfile, Overheads
 from fnvllm.sim.model import ModelShape
 from fnvllm.state.plan import StepShape, step_shape
 
-__all__ = ["CostModel", "StepShape", "step_shape"]
+__all__ = ["SMALL_BATCHES", "CostModel", "DeviceTerms", "StepShape", "graph_batch_sizes", "step_shape"]
 
 _US = 1e-6
+_CACHE_LIMIT = 1 << 16  # (tokens, samples) -> matmul roofline entries kept per cost model
+GRAPH_LOGITS_MAX_ROWS = 64  # decode graphs of at most this many rows compute the LM head in the graph, padding too
+
+
+def graph_batch_sizes(max_seqs: int) -> list[int]:
+    """The batch sizes the engine captures decode graphs for, up to ``max_seqs`` (as
+    ``fnvllm.executor.cuda_graphs.graph_batch_sizes``: 1, 2, 4, 8, then every multiple of 16, and max_seqs)."""
+    if max_seqs < 1:
+        return []
+    sizes = [b for b in SMALL_BATCHES if b < max_seqs] + list(range(16, max_seqs, 16))
+    return sorted({*sizes, max_seqs})
+
+
+def _bucket_table(max_seqs: int) -> list[int]:
+    """rows -> the captured batch size that runs them, for rows 0..max_seqs (0 -> 0)."""
+    table, sizes = [0], graph_batch_sizes(max_seqs)
+    for size, below in zip(sizes, [0, *sizes], strict=False):
+        table += [size] * (size - below)
+    return table
+
+
+@attrs.frozen
+class DeviceTerms:
+    """The device model's inputs for one step (``CostModel.device_terms``): the matmul and attention rooflines
+    (seconds), the rows and tokens the device computes (a decode graph's padding included), and the index of its
+    graph in SMALL_BATCHES (None when it is not one of those)."""
+
+    linear_s: float
+    attention_s: float
+    rows: int
+    tokens: int
+    small: int | None
 
 
 class CostModel:
@@ -52,6 +86,8 @@ class CostModel:
         # (weights, input width, output width) of each matmul of a layer
         self._matmuls = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h), (2 * h * i, h, 2 * i), (i * h, i, h))
         self._bw, self._flops = hardware.bytes_per_s, hardware.flops_per_s
+        self._buckets = _bucket_table(hardware.graph_max_seqs)
+        self._linear_cache: dict[tuple[int, int], float] = {}
 
     def layer_parts_s(self, shape: StepShape) -> list[tuple[str, float]]:
         """Roofline seconds of each matmul of one layer: qkv, o, gate_up, down."""
@@ -86,6 +122,42 @@ class CostModel:
         layer = sum(seconds for _, seconds in self.layer_parts_s(shape))
         return self.model.layers * layer + self.lm_head_s(shape)
 
+    def _linear_of(self, tokens: int, samples: int) -> float:
+        """``linear_s`` of a step of ``tokens`` fed tokens and ``samples`` sampled rows (no object built)."""
+        if (tokens, samples) in self._linear_cache:
+            return self._linear_cache[tokens, samples]
+        b, bw, fl = self.model.dtype_bytes, self._bw, self._flops
+        layer = sum(
+            max(b * (w + tokens * (w_in + w_out)) / bw, 2 * tokens * w / fl) for w, w_in, w_out in self._matmuls
+        )
+        head = 0.0
+        if samples:
+            weights = self.model.vocab * self.model.hidden
+            head = max((b * weights + 8 * samples * self.model.vocab) / bw, 2 * samples * weights / fl)
+        value = self.model.layers * layer + head
+        if len(self._linear_cache) < _CACHE_LIMIT:
+            self._linear_cache[tokens, samples] = value
+        return value
+
+    def padded_rows(self, shape: StepShape) -> int:
+        """The rows the device computes for the step: a decode-only CUDA-graph step runs the graph of the smallest
+        captured batch size that holds its rows (``graph_batch_sizes``), its padding rows included; any other
+        step its own rows."""
+        rows = shape.num_seqs
+        if shape.graph and not shape.num_prefill_tokens and rows < len(self._buckets):
+            return self._buckets[rows]
+        return rows
+
+    def device_terms(self, shape: StepShape) -> DeviceTerms:
+        """What the device model multiplies by the profile's overheads (``compute_s``; the fit's columns)."""
+        rows = self.padded_rows(shape)
+        if shape.graph and not shape.num_prefill_tokens:  # a decode graph: its padding rows feed and sample too
+            samples = rows if rows <= GRAPH_LOGITS_MAX_ROWS else shape.num_samples
+            small = SMALL_BATCHES.index(rows) if rows in SMALL_BATCHES else None
+            return DeviceTerms(self._linear_of(rows, samples), self.attention_s(shape), rows, rows, small)
+        linear = self._linear_of(shape.num_tokens, shape.num_samples)
+        return DeviceTerms(linear, self.attention_s(shape), rows, shape.num_tokens, None)
+
     def roofline_s(self, shape: StepShape) -> float:
         """The step's roofline time: matmuls plus attention, each part at its own bound."""
         return self.linear_s(shape) + self.attention_s(shape) if shape.num_seqs else 0.0
@@ -103,14 +175,20 @@ class CostModel:
 
     def compute_s(self, shape: StepShape) -> float:
         """Predicted time of the step's kernels on the device, launched: scaled rooflines plus the fitted
-        per-step, per-row and per-token terms (0 for an empty step)."""
+        per-step, per-row and per-token terms (0 for an empty step). A decode-only graph step is priced at its
+        graph's batch size (``padded_rows``: the padding rows compute too), and one of the smallest graphs
+        (``SMALL_BATCHES``) takes its own per-step constant when the profile has them (``Overheads.small_us``)
+        instead of step_us + log_seq_us * log2(rows)."""
         if not shape.num_seqs:
             return 0.0
         o = self.overheads(shape)
-        extra = o.step_us + o.seq_us * shape.num_seqs + o.token_us * shape.num_tokens
-        if o.log_seq_us:
-            extra += o.log_seq_us * math.log2(shape.num_seqs)
-        return o.scale * self.linear_s(shape) + o.attn_scale * self.attention_s(shape) + extra * _US
+        t = self.device_terms(shape)
+        if t.small is not None and o.small_us:
+            constant = o.small_us[t.small]
+        else:
+            constant = o.step_us + (o.log_seq_us * math.log2(t.rows) if o.log_seq_us else 0.0)
+        extra = constant + o.seq_us * t.rows + o.token_us * t.tokens
+        return o.scale * t.linear_s + o.attn_scale * t.attention_s + extra * _US
 
     def gap_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
         """Predicted host gap of a plain (not overlapped) loop after the step (0 for an empty step)."""

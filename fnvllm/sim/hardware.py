@@ -38,6 +38,12 @@ MAX_TFLOPS = 1e7
 MAX_MEMORY_GIB = 1e7
 MAX_GRAPH_SEQS = 1 << 20
 MAX_GRAPH_TOKENS = 1 << 24
+SMALL_BATCHES = (1, 2, 4, 8)  # the smallest decode graphs the engine captures: each has its own constant (small_us)
+
+
+def _as_tuple(value: Any) -> Any:
+    """A list read from JSON as a tuple (anything else unchanged, for the check to name)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @attrs.frozen
@@ -47,7 +53,10 @@ class Overheads:
     Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
     token_us * tokens + log_seq_us * log2(seqs). A scale of 1.25 means the kernels reach 80% of the ceilings. The
     log term is the small-batch step: going from one row to a few costs more per row than going from 64 to 128
-    (kernels that run one row in one block run several in as many, and the sampler's per-row passes).
+    (kernels that run one row in one block run several in as many, and the sampler's per-row passes). A decode
+    graph step counts the rows of the graph it replays (its padding rows compute too: 5 rows run the 8-row graph),
+    and those of 1, 2, 4 and 8 rows (SMALL_BATCHES: each with kernels of its own, e.g. a matrix-vector product at
+    one row) take small_us[i] instead of step_us + log_seq_us * log2(rows) when small_us is set (4 values).
 
     Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
     timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
@@ -85,6 +94,7 @@ class Overheads:
     launch_us: float = 0.0
     launch_seq_us: float = 0.0
     launch_token_us: float = 0.0
+    small_us: tuple[float, ...] = attrs.field(default=(), converter=_as_tuple)
 
     @property
     def has_host_model(self) -> bool:
@@ -93,8 +103,17 @@ class Overheads:
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
+            if field.name == "small_us":
+                continue
             high = MAX_SCALE if field.name.endswith("scale") else MAX_US
             check_real_in(getattr(self, field.name), f"Overheads.{field.name}", 0.0, high)
+        if not isinstance(self.small_us, tuple) or len(self.small_us) not in (0, len(SMALL_BATCHES)):
+            raise SimInputError(
+                f"Overheads.small_us must be empty or a list of {len(SMALL_BATCHES)} numbers (the step constants of "
+                f"decode graphs of {', '.join(map(str, SMALL_BATCHES))} rows), got {self.small_us!r}"
+            )
+        for batch, value in zip(SMALL_BATCHES, self.small_us, strict=False):
+            check_real_in(value, f"Overheads.small_us (batch {batch})", 0.0, MAX_US)
 
 
 @attrs.frozen
