@@ -312,7 +312,7 @@ def _fit_device_and_gap(
         plain = []
     k = _device_columns(cost, [shapes[i] for i in [*rows, *plain]])
     gap = np.zeros((len(k), len(_GAP)))
-    gap[len(rows) :] = _features(shapes, records, plain)[:, : len(_GAP)]
+    gap[len(rows) :] = _gap_features(shapes, records, plain)
     y = np.array(
         [float(records[i]["gpu_ms"]) * 1e3 for i in rows]
         + [(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in plain]
@@ -343,13 +343,26 @@ def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[i
 
 
 def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
-    """Host-side columns of the chosen rows: 1, rows, new rows, tokens, sampled rows."""
+    """Host-side columns of the chosen rows (``_HOST``'s order): 1, rows, new rows, tokens, sampled rows, context
+    tokens (the KV the rows read: their block tables, uploaded each step, grow with it)."""
     return np.array(
         [
-            [1.0, shapes[i].num_seqs, record_new_seqs(records[i]), shapes[i].num_tokens, shapes[i].num_samples]
+            [
+                1.0,
+                shapes[i].num_seqs,
+                record_new_seqs(records[i]),
+                shapes[i].num_tokens,
+                shapes[i].num_samples,
+                shapes[i].context_tokens,
+            ]
             for i in rows
         ]
-    ).reshape(len(rows), 5)
+    ).reshape(len(rows), len(_HOST))
+
+
+def _gap_features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
+    """The plain gap's columns (``_GAP``'s order): ``_features`` without the sampled rows."""
+    return _features(shapes, records, rows)[:, _GAP_OF_HOST]
 
 
 def _fit_gap(
@@ -360,13 +373,13 @@ def _fit_gap(
     predicts for it, so the gap model also carries the host's input preparation that a plain step's device timer
     holds. Fewer than MIN_ROWS such steps keep ``base``'s."""
     rows = _rows_of_mode(records, overlap=False)
-    names = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+    names = _GAP
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
     gaps = walls - np.array([priced.device_s(shapes[i]) * 1e6 for i in rows])
-    x = _features(shapes, records, rows)[:, :4]
-    coef = fit_relative(x, gaps, np.zeros(4), np.full(4, np.inf), scale=walls, shift=False)
+    x, n = _gap_features(shapes, records, rows), len(_GAP)
+    coef = fit_relative(x, gaps, np.zeros(n), np.full(n, np.inf), scale=walls, shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
@@ -385,7 +398,7 @@ def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
     rows = [
         i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i] and not records[i].get(NEXT_EAGER)
     ]
-    names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
+    names = _HOST
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
@@ -568,6 +581,7 @@ def _fit_launch(
     return dict(zip(_LAUNCH, map(float, fit_nonnegative(x, np.maximum(extra, 0.0))), strict=True))
 
 
-_HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
-_GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+_HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us", "host_context_us")
+_GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us", "gap_context_us")
+_GAP_OF_HOST = [0, 1, 2, 3, 5]  # the host columns the gap has (no sampled rows)
 _LAUNCH = ("launch_us", "launch_seq_us", "launch_token_us")

@@ -196,7 +196,7 @@ class CostModel:
             return 0.0
         o = self.overheads(shape)
         gap = o.gap_us + o.gap_seq_us * shape.num_seqs + o.gap_new_seq_us * num_new_seqs
-        return (gap + o.gap_token_us * shape.num_tokens) * _US
+        return (gap + o.gap_token_us * shape.num_tokens + o.gap_context_us * shape.context_tokens) * _US
 
     def host_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
         """Predicted host time of the loop cycle that runs the step (0 for an empty step)."""
@@ -204,7 +204,8 @@ class CostModel:
             return 0.0
         o = self.overheads(shape)
         host = o.host_us + o.host_seq_us * shape.num_seqs + o.host_new_seq_us * num_new_seqs
-        return (host + o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples) * _US
+        host += o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples
+        return (host + o.host_context_us * shape.context_tokens) * _US
 
     def launch_s(self, shape: StepShape) -> float:
         """Predicted host time of launching the step's kernels one by one, which the device waits for

@@ -60,11 +60,12 @@ class Overheads:
 
     Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
     timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
-    whose data crosses to the device once) + host_token_us * tokens + host_sample_us * sampled rows.
+    whose data crosses to the device once) + host_token_us * tokens + host_sample_us * sampled rows +
+    host_context_us * context tokens (the KV the rows read: their block tables grow with it).
 
     Plain-loop gap (the host time the device waits for between steps when the loop does not overlap: the part of
     the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
-    gap_new_seq_us * new seqs + gap_token_us * tokens.
+    gap_new_seq_us * new seqs + gap_token_us * tokens + gap_context_us * context tokens.
 
     Launch: host time to launch the step's kernels, which the device waits for = launch_us + launch_seq_us * seqs
     + launch_token_us * tokens. An eager step launches kernel by kernel (~20 ms on the H200 for the 0.6B shape), so
@@ -91,6 +92,8 @@ class Overheads:
     host_new_seq_us: float = 0.0
     host_token_us: float = 0.0
     host_sample_us: float = 0.0
+    host_context_us: float = 0.0
+    gap_context_us: float = 0.0
     launch_us: float = 0.0
     launch_seq_us: float = 0.0
     launch_token_us: float = 0.0
@@ -99,7 +102,8 @@ class Overheads:
     @property
     def has_host_model(self) -> bool:
         """True when any host-time coefficient is set (the overlap rule applies)."""
-        return any((self.host_us, self.host_seq_us, self.host_new_seq_us, self.host_token_us, self.host_sample_us))
+        host = (self.host_us, self.host_seq_us, self.host_new_seq_us, self.host_token_us, self.host_sample_us)
+        return any((*host, self.host_context_us))
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
