@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 ENGINE = {"block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
 QUICK = {"num_requests": 24, "request_rate": 8.0, "max_input_len": 128, "max_output_len": 110, "check_rates": "12"}
@@ -124,9 +125,9 @@ async def _timed_load(
     return [timing for timing, _ in results], [sent for _, sent in results]
 
 
-def simulate_same(trace: Path, options: dict[str, Any]) -> tuple[list[float], list[float]]:
+def simulate_same(trace: Path, options: dict[str, Any]) -> tuple[list[float], list[float], list[int]]:
     """Simulate the requests of ``trace`` (their arrivals, prompt lengths and max_tokens) under the served engine's
-    options; returns per-request TTFT and TPOT."""
+    options; returns per-request TTFT, TPOT and requests in flight at its arrival (``in_flight_at_arrival``)."""
     from fnvllm.sim import SimSpec, run_spec
 
     result, _ = run_spec(SimSpec(workload=str(trace), **ENGINE, **options))
@@ -136,7 +137,7 @@ def simulate_same(trace: Path, options: dict[str, Any]) -> tuple[list[float], li
         (finish - first) / (n - 1) if n > 1 else math.nan
         for finish, first, n in zip(rec.finish, rec.first_token, rec.num_output, strict=True)
     ]
-    return ttft, tpot
+    return ttft, tpot, rec.in_flight_at_arrival()
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -379,9 +380,10 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
         candidates = []
         for cycle in (True, False):
             fitted = attrs.evolve(given, serving=attrs.evolve(serving, cycle=cycle), **graph_limits(records, given))
-            ttft, _ = simulate_profile(out, fitted, options)
-            latency = fit_latency(measured, measured_ttft, ttft)
-            fitted = attrs.evolve(fitted, serving=attrs.evolve(fitted.serving, latency_us=latency * 1e6))
+            ttft, _, in_flight = simulate_profile(out, fitted, options)
+            latency, per_stream = fit_latency(measured, measured_ttft, ttft, in_flight)
+            latencies = {"latency_us": latency * 1e6, "latency_stream_us": per_stream * 1e6}
+            fitted = attrs.evolve(fitted, serving=attrs.evolve(fitted.serving, **latencies))
             rows = _compare_with(out, fitted, measured, options)
             tables[f"served_fit ({'cycle by cycle' if cycle else 'step by step'})"] = rows
             candidates.append((max(abs(r["error"]) for r in rows if r["p"] == "p50"), not cycle, fitted))
@@ -391,7 +393,8 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
         timing = "cycle by cycle" if fitted.serving.cycle else "step by step"
         print(
             f"\nfitted serving section: {out / 'profile_served.json'} (timed {timing}: worst p50 error {worst:.1%}; "
-            f"server latency {fitted.serving.latency_us / 1e3:.2f} ms)"
+            f"server latency {fitted.serving.latency_us / 1e3:.2f} ms + "
+            f"{fitted.serving.latency_stream_us / 1e3:.3f} ms per request in flight)"
         )
     chosen = load_profile(out / "profile_served.json") if "served_fit" in tables else given
     checks = {f"{CHECK_PREFIX}{folder.name.removeprefix(CHECK_PREFIX)}": folder for folder in check_folders(out)}
@@ -475,18 +478,53 @@ def served_load(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fit_latency(
-    measured: dict[str, dict[float, float]], measured_ttft: Sequence[float] | None, simulated_ttft: Sequence[float]
-) -> float:
-    """The server's own latency per request (seconds, >= 0): the median of measured - simulated TTFT over the
-    same requests (with only the measured quantiles: the difference of the medians)."""
+    measured: dict[str, dict[float, float]],
+    measured_ttft: Sequence[float] | None,
+    simulated_ttft: Sequence[float],
+    in_flight: Sequence[int] | None = None,
+) -> tuple[float, float]:
+    """The server's own latency per request (seconds, >= 0): a + b x (requests in flight at its arrival, in the
+    simulation), fitted on the median of measured - simulated TTFT over the same requests (``median_line``);
+    without ``in_flight``, b = 0 and a is the median difference; with only the measured quantiles, the difference
+    of the medians."""
     if measured_ttft is None:
-        return max(measured["ttft"][0.5] - quantile(simulated_ttft, 0.5), 0.0)
-    diffs = [m - s for m, s in zip(measured_ttft, simulated_ttft, strict=True) if not math.isnan(m - s)]
-    return max(quantile(diffs, 0.5), 0.0) if diffs else 0.0
+        return max(measured["ttft"][0.5] - quantile(simulated_ttft, 0.5), 0.0), 0.0
+    pairs = [
+        (m - s, float(n))
+        for m, s, n in zip(measured_ttft, simulated_ttft, in_flight or [0] * len(simulated_ttft), strict=True)
+        if not math.isnan(m - s)
+    ]
+    if not pairs:
+        return 0.0, 0.0
+    if in_flight is None:
+        return max(quantile([d for d, _ in pairs], 0.5), 0.0), 0.0
+    return median_line([n for _, n in pairs], [d for d, _ in pairs])
 
 
-def simulate_profile(out: Path, profile: Any, options: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """Per-request TTFT and TPOT of the saved trace simulated with ``profile`` (written beside it)."""
+def median_line(x: Sequence[float], y: Sequence[float], iterations: int = 100) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum |y - a - b x| (a line through the medians, which the tails of a latency
+    distribution do not pull), by iteratively reweighted least squares; b = 0 when x does not vary or the slope
+    would be negative, a = 0 when the intercept would be."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    median = max(float(np.median(ys)), 0.0)
+    if len(xs) < 2 or float(np.ptp(xs)) == 0.0:
+        return median, 0.0
+    a, b = median, 0.0
+    scale = max(float(np.median(np.abs(ys - median))), 1e-9)
+    for _ in range(iterations):
+        w = 1.0 / np.maximum(np.abs(ys - a - b * xs), 1e-3 * scale)
+        design = np.column_stack([np.ones_like(xs), xs]) * np.sqrt(w)[:, None]
+        a, b = np.linalg.lstsq(design, ys * np.sqrt(w), rcond=None)[0]
+    if b < 0:
+        return median, 0.0
+    if a < 0:
+        return 0.0, max(float(np.median(ys / np.maximum(xs, 1.0))), 0.0)
+    return float(a), float(b)
+
+
+def simulate_profile(out: Path, profile: Any, options: dict[str, Any]) -> tuple[list[float], list[float], list[int]]:
+    """Per-request TTFT, TPOT and requests in flight at arrival of the saved trace simulated with ``profile``
+    (written beside it)."""
     from fnvllm.sim import save_profile
 
     path = out / "profile_simulated.json"
@@ -497,7 +535,7 @@ def simulate_profile(out: Path, profile: Any, options: dict[str, Any]) -> tuple[
 def _compare_with(
     out: Path, profile: Any, measured: dict[str, dict[float, float]], options: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    ttft, tpot = simulate_profile(out, profile, options)
+    ttft, tpot, _ = simulate_profile(out, profile, options)
     return compare(measured, {"ttft": ttft, "tpot": tpot})
 
 

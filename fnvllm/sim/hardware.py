@@ -131,7 +131,10 @@ class Serving:
     profile's). latency_us: the server's own time on every request outside the engine (HTTP, the pipe to and from
     the engine process, server-sent events, and the overlapped loop's one-step lag before a new request joins a
     plan), added to each request's first token and finish as the client sees them: TTFT and end-to-end latency
-    grow by it, TPOT does not. calibrated_from: the served timeline it was fitted from. cycle: time the served loop
+    grow by it, TPOT does not. latency_stream_us: more of that latency per request in flight when the request
+    arrived (the web process and the client handle every stream's events in one event loop each: a new stream's
+    first token waits behind the others'; measured on the H200, ~0.18 ms per stream on top of ~3.7 ms).
+    calibrated_from: the served timeline it was fitted from. cycle: time the served loop
     cycle by cycle (``SimExecutor``'s served timing: an eager step's launch holds back the step before it, arrivals
     join the step launched after they come); False: step by step, max(device, host) per step as offline, with
     these overheads (the served check keeps whichever of the two predicts its run better).
@@ -142,12 +145,14 @@ class Serving:
     latency_us: float = 0.0
     calibrated_from: str = ""
     cycle: bool = True
+    latency_stream_us: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         for kind in ("eager", "graph"):
             if not isinstance(getattr(self, kind), Overheads):
                 raise SimInputError(f"Serving.{kind} must be Overheads")
         check_real_in(self.latency_us, "Serving.latency_us", 0.0, MAX_US)
+        check_real_in(self.latency_stream_us, "Serving.latency_stream_us", 0.0, MAX_US)
         check_text(self.calibrated_from, "Serving.calibrated_from", non_empty=False)
         check_bool_field(self.cycle, "Serving.cycle")
 
