@@ -191,29 +191,63 @@ def _priced(cost: CostModel, device: Overheads) -> CostModel:
 
 FLOOR_QUANTILES = (0, 5, 10, 15, 20, 25, 30, 40, 50, 60)  # launch floors tried: these percentiles of device times
 FLOOR_MARGIN = 1.15  # steps under this many times a tried floor are left to it, not to the kernel fit
+FLOOR_GAIN = 0.05  # a launch floor is kept only when it cuts the eager steps' squared relative error by this share
 
 
 def _fit_launched_device(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The device model of an eager kind: max(kernels, launch floor). Each floor tried (none, then FLOOR_QUANTILES
-    of the steps' device times) takes the steps within FLOOR_MARGIN of it; the kernel model (``_fit_device``) is
-    fitted on the rest; the pair with the least relative squared error over every step wins (a run's first step
-    included: a small eager step shows the floor as any other)."""
+    """The device model of an eager kind: max(kernels, launch - the launch hidden behind the step before, the
+    record's HIDDEN: its device time in an overlapped loop, 0 in a plain one or after an idle device). Each launch
+    tried (none, then FLOOR_QUANTILES of the device times of the steps that hide none, and of all steps) leaves to
+    the launch the steps within FLOOR_MARGIN of their exposed launch; the kernel model (``_fit_device``) is fitted
+    on the rest; the pair with the least relative squared error over every step wins (a run's first step included:
+    a small eager step shows the launch as any other)."""
     times = np.array([float(r["gpu_ms"]) * 1e3 for r in records])
-    best, best_loss = _fit_device(cost, shapes, records, base), np.inf
-    for floor in sorted({0.0, *np.percentile(times, FLOOR_QUANTILES[1:]).tolist()}):
-        rest = [i for i, t in enumerate(times) if t > FLOOR_MARGIN * floor]
+    hidden = np.array([float(r.get(HIDDEN, 0.0)) * 1e3 for r in records])
+    exposed_times = times[hidden == 0] if (hidden == 0).any() else times
+    tried = {0.0, *np.percentile(exposed_times, FLOOR_QUANTILES[1:]), *np.percentile(times, FLOOR_QUANTILES[1:])}
+    best, best_loss, no_floor_loss = _fit_device(cost, shapes, records, base), np.inf, np.inf
+    for floor in sorted(float(f) for f in tried):
+        exposed = np.maximum(floor - hidden, 0.0)
+        rest = [i for i, t in enumerate(times) if t > FLOOR_MARGIN * exposed[i]]
         if len(rest) < MIN_ROWS:
             continue
         kernels = _fit_device(cost, [shapes[i] for i in rest], [records[i] for i in rest], base)
-        device = attrs.evolve(kernels, launch_us=float(floor))
+        device = attrs.evolve(kernels, launch_us=floor)
         priced = _priced(cost, device)
-        predicted = np.array([priced.device_s(shape) * 1e6 for shape in shapes])
+        predicted = np.maximum([priced.compute_s(shape) * 1e6 for shape in shapes], exposed)
         loss = float(np.sum(((predicted - times) / np.maximum(times, 1.0)) ** 2))
-        if loss < best_loss:
+        if floor == 0.0:
+            no_floor_loss = loss
+        if loss < best_loss and (floor == 0.0 or loss < (1 - FLOOR_GAIN) * no_floor_loss):
             best, best_loss = device, loss
     return best
+
+
+HIDDEN = "hidden_ms"  # a key fit_profile adds: the device time of the step before, when it hides this one's launch
+
+
+def hidden_launch_ms(records: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per record of a timeline, the device time of the record before it when the loop overlapped them (the host
+    launched this step while the device ran that one: so much of its launch is hidden); 0 for a plain step, a
+    run's first step, a step after an idle device longer than that (the log's gap_ms), and a step whose
+    predecessor is not the record before (another run, a gap in the log)."""
+    out, before = [], None
+    for record in records:
+        consecutive = (
+            before is not None
+            and "step" in record
+            and "step" in before
+            and int(record["step"]) == int(before["step"]) + 1
+        )
+        hides = consecutive and not record.get("first_in_run")
+        if hides and before is not None and float(record.get("gap_ms", 0.0)) < float(before["gpu_ms"]):
+            out.append(float(before["gpu_ms"]))
+        else:
+            out.append(0.0)
+        before = record
+    return out
 
 
 def _fit_device(
@@ -377,7 +411,10 @@ def _fit_gap(
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
-    gaps = walls - np.array([priced.device_s(shapes[i]) * 1e6 for i in rows])
+    hidden = [float(records[i].get(HIDDEN, 0.0)) / 1e3 for i in rows]
+    gaps = walls - np.array(
+        [priced.step_times(shapes[i], 0, False, h)[0] * 1e6 for i, h in zip(rows, hidden, strict=True)]
+    )
     x, n = _gap_features(shapes, records, rows), len(_GAP)
     coef = fit_relative(x, gaps, np.zeros(n), np.full(n, np.inf), scale=walls, shift=False)
     return dict(zip(names, map(float, coef), strict=True))
@@ -429,7 +466,10 @@ def fit_profile(
     cost = CostModel(model, base)
     kinds = {"eager": base.eager, "graph": base.graph}
     nexts = [*records[1:], None]
-    marked = [{**r, NEXT_EAGER: n is not None and not bool(n["graph"])} for r, n in zip(records, nexts, strict=True)]
+    marked = [
+        {**r, NEXT_EAGER: n is not None and not bool(n["graph"]), HIDDEN: h}
+        for r, n, h in zip(records, nexts, hidden_launch_ms(records), strict=True)
+    ]
     for kind, is_graph in (("eager", False), ("graph", True)):
         rows = [r for r in marked if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
         if len(rows) >= MIN_ROWS:
@@ -475,12 +515,12 @@ def prediction_error(
     relative error per step, and the measured and predicted totals in seconds."""
     cost = CostModel(model, profile)
     measured, predicted, errors = 0.0, 0.0, []
-    for record in records:
+    for record, hidden in zip(records, hidden_launch_ms(records), strict=True):
         shape = record_shape(record)
         if not shape.num_seqs:
             continue
         m = (float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))) / 1e3
-        p = cost.wall_s(shape, record_new_seqs(record), record_overlap(record))
+        p = cost.wall_s(shape, record_new_seqs(record), record_overlap(record), hidden / 1e3)
         measured, predicted = measured + m, predicted + p
         errors.append(abs(p - m) / m if m > 0 else 0.0)
     return {

@@ -215,17 +215,24 @@ class CostModel:
         o = self.overheads(shape)
         return (o.launch_us + o.launch_seq_us * shape.num_seqs + o.launch_token_us * shape.num_tokens) * _US
 
-    def wall_s(self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None) -> float:
+    def wall_s(
+        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None, hidden_s: float = 0.0
+    ) -> float:
         """Wall time the step occupies: max(device, host) when steps overlap (``overlap`` None: this model's
-        setting) and the profile has a host model, else device + plain gap."""
-        return self.step_times(shape, num_new_seqs, overlap)[2]
+        setting) and the profile has a host model, else device + plain gap. ``hidden_s``: see ``step_times``."""
+        return self.step_times(shape, num_new_seqs, overlap, hidden_s)[2]
 
     def step_times(
-        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None
+        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None, hidden_s: float = 0.0
     ) -> tuple[float, float, float]:
-        """(device, host, wall) seconds of the step, each priced once (see ``wall_s``)."""
-        device, host = self.device_s(shape), self.host_s(shape, num_new_seqs)
-        if (self.overlap if overlap is None else overlap) and self.overheads(shape).has_host_model:
+        """(device, host, wall) seconds of the step, each priced once (see ``wall_s``). ``hidden_s``: the device
+        time of the step before, when the loop overlaps steps: the host launches this step while the device runs
+        that one, so that much of this step's launch (``launch_s``) is hidden and the device waits only for the
+        rest (a plain loop, or the first step after an idle device, waits for all of it)."""
+        overlapped = (self.overlap if overlap is None else overlap) and self.overheads(shape).has_host_model
+        host = self.host_s(shape, num_new_seqs)
+        device = max(self.compute_s(shape), self.launch_s(shape) - hidden_s) if shape.num_seqs else 0.0
+        if overlapped:
             return device, host, max(device, host)
         return device, host, device + self.gap_s(shape, num_new_seqs)
 

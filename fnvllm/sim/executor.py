@@ -93,6 +93,8 @@ class SimExecutor:
         self.last_device_s = self.last_gap_s = self.last_host_s = 0.0
         self.last_new_seqs = 0
         self._times = getattr(cost, "step_times", None) or self._device_plus_gap
+        self._hides = isinstance(cost, CostModel)  # its step_times takes the step before's device time (hidden_s)
+        self._device_before = 0.0  # the last step's device time (0 after an idle device): it hides the next launch
         serving = getattr(cost.hardware, "serving", None) if getattr(cost, "serving", False) else None
         self.served = bool(serving is not None and serving.cycle and getattr(cost, "overlap", False))
         self.device_free = clock  # served timing: when the device finishes the last launched step
@@ -119,8 +121,11 @@ class SimExecutor:
         if self.served:
             self._served_cycle(shape, new)
         else:
-            device, host, wall = self._times(shape, new)
+            device, host, wall = (
+                self._times(shape, new, None, self._device_before) if self._hides else self._times(shape, new)
+            )
             self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
+            self._device_before = device
             self.clock += wall
         return ExecuteResult(self.token_source.tokens(plan) if plan.num_samples else ())
 
@@ -159,6 +164,8 @@ class SimExecutor:
         self.next_step = next_step
 
     def advance_to(self, time_s: float) -> None:
-        """Move the clock forward to ``time_s`` (never backward)."""
+        """Move the clock forward to ``time_s`` (never backward); a device left idle hides no launch."""
+        if time_s > self.clock:
+            self._device_before = 0.0
         self.clock = max(self.clock, time_s)
         self.device_free = max(self.device_free, min(self.clock, time_s))
