@@ -75,13 +75,14 @@ def test_step_shape_counts_a_mixed_plan() -> None:
 
 
 def test_roofline_of_a_decode_step_is_the_weight_and_kv_read() -> None:
-    """A 1-sequence decode is memory bound: its roofline is (layer weights + KV + LM head) bytes / bandwidth."""
+    """A 1-sequence decode is memory bound: its roofline is the weights (layers + LM head) over the bandwidth
+    matmuls stream them at, plus the KV over the read bandwidth."""
     cost = CostModel(QWEN3_06B, H200)
     shape = step_shape(_plan([1], [999]), graph_max_seqs=0)
     m = QWEN3_06B
-    layer_bytes = 2 * (m.layer_params + 1000 * 2 * m.kv_size)
-    head_bytes = 2 * m.vocab * m.hidden + 8 * m.vocab
-    expected = (m.layers * layer_bytes + head_bytes) / H200.bytes_per_s
+    weight_bytes = m.layers * 2 * m.layer_params + 2 * m.vocab * m.hidden + 8 * m.vocab
+    kv_bytes = m.layers * 2 * 1000 * 2 * m.kv_size
+    expected = weight_bytes / H200.matmul_bytes_per_s + kv_bytes / H200.bytes_per_s
     assert cost.roofline_s(shape) == pytest.approx(expected, rel=0.01)
 
 

@@ -30,7 +30,7 @@ SERVED = attrs.evolve(
 
 def _zero_rooflines(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` with ceilings so high that every roofline is ~0 (times are the fitted constants alone)."""
-    return attrs.evolve(profile, mem_bandwidth_gbs=1e7, matmul_tflops=1e7)
+    return attrs.evolve(profile, mem_bandwidth_gbs=1e7, matmul_tflops=1e7, matmul_bandwidth_gbs=1e7)
 
 
 def test_serving_section_round_trips_and_names_a_bad_field(tmp_path: Path) -> None:

@@ -331,13 +331,16 @@ def _fit_device_and_gap(
     gpu_ms is the kernels' time), on the device columns; and plain steps, whose wall time (gpu_ms + gap_ms) is
     device + gap, on the device and the gap columns. So the plain steps also tell the device model what the
     overlapped ones cannot (a one-row step is host-bound when overlapped, but device + gap when plain), and the gap
-    stays a function of the host's work. Fewer than MIN_ROWS device-bound steps: every overlapped step counts; no
-    overlapped step: the device on the plain steps' gpu_ms and the gap after it (``_fit_device``, ``_fit_gap``);
-    fewer than MIN_ROWS plain steps: the gap stays ``base``'s."""
+    stays a function of the host's work. The matmul scale stays ``base``'s (the eager fit's: the same matmul
+    kernels; decode steps' matmul roofline hardly changes with their rows, and the few mixed graph steps of an
+    offline log are no ground to fit it on). Fewer than MIN_ROWS device-bound steps: every overlapped step counts;
+    fewer than MIN_ROWS plain steps: the gap stays ``base``'s; no overlapped step, or a log that does not say its
+    loop mode: the device on the steps' gpu_ms, then the gap on what it leaves of each plain step's wall time
+    (``_fit_device``, ``_fit_gap``)."""
     steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
     overlapped = [i for i in steady if record_overlap(records[i]) is not False]
     plain = _rows_of_mode(records, overlap=False) if len(overlapped) < len(steady) else []
-    if len(overlapped) < MIN_ROWS:
+    if len(overlapped) < MIN_ROWS or all(record_overlap(r) is None for r in records):  # or the log does not say
         device = _fit_device(cost, shapes, records, base)
         return device, _fit_gap(shapes, records, base, _priced(cost, device))
     bound = [i for i in overlapped if _device_bound(records[i])]
@@ -352,6 +355,7 @@ def _fit_device_and_gap(
         + [(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in plain]
     )
     lower, upper, prior = _device_bounds(base)
+    lower[-1] = upper[-1] = base.scale  # graphs replay the eager steps' matmuls: decode steps cannot tell the scale
     n = len(_GAP)
     lower, upper = np.concatenate([lower, np.zeros(n)]), np.concatenate([upper, np.full(n, np.inf)])
     prior = np.concatenate([prior, np.zeros(n)])  # a gap column the plain steps cannot tell apart: 0

@@ -39,6 +39,20 @@ _CACHE_LIMIT = 1 << 16  # (tokens, samples) -> matmul roofline entries kept per 
 GRAPH_LOGITS_MAX_ROWS = 64  # decode graphs of at most this many rows compute the LM head in the graph, padding too
 
 
+MATMUL_BOUND_POWER = 2.5  # how sharply a matmul turns from weight-bound to FLOP-bound (``matmul_bound``)
+
+
+def matmul_bound(memory_s: float, compute_s: float) -> float:
+    """A matmul's roofline time from its memory and compute times: (memory^p + compute^p)^(1/p) with p =
+    MATMUL_BOUND_POWER, the larger of the two where one dominates, above both where they are close (a GEMM of a
+    few hundred rows neither streams its weights at full bandwidth nor computes at the full rate: one Qwen3-8B
+    layer's bf16 GEMMs on the H200 took 108.5 / 112.0 / 153.3 / 3,867.5 us at 1 / 64 / 256 / 8192 rows, this
+    gives 108.6 / 109.1 / 155.3 / 3,987 with the h200 ceilings)."""
+    if not compute_s:
+        return memory_s
+    return (memory_s**MATMUL_BOUND_POWER + compute_s**MATMUL_BOUND_POWER) ** (1 / MATMUL_BOUND_POWER)
+
+
 def graph_batch_sizes(max_seqs: int) -> list[int]:
     """The batch sizes the engine captures decode graphs for, up to ``max_seqs`` (as
     ``fnvllm.executor.cuda_graphs.graph_batch_sizes``: 1, 2, 4, 8, then every multiple of 16, and max_seqs)."""
@@ -86,15 +100,16 @@ class CostModel:
         # (weights, input width, output width) of each matmul of a layer
         self._matmuls = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h), (2 * h * i, h, 2 * i), (i * h, i, h))
         self._bw, self._flops = hardware.bytes_per_s, hardware.flops_per_s
+        self._mm_bw = hardware.matmul_bytes_per_s
         self._buckets = _bucket_table(hardware.graph_max_seqs)
         self._linear_cache: dict[tuple[int, int], float] = {}
 
     def layer_parts_s(self, shape: StepShape) -> list[tuple[str, float]]:
         """Roofline seconds of each matmul of one layer: qkv, o, gate_up, down."""
-        b, t, bw, fl = self.model.dtype_bytes, shape.num_tokens, self._bw, self._flops
+        b, t, bw, fl = self.model.dtype_bytes, shape.num_tokens, self._mm_bw, self._flops
         names = ("qkv", "o", "gate_up", "down")
         return [
-            (name, max(b * (w + t * (w_in + w_out)) / bw, 2 * t * w / fl))
+            (name, matmul_bound(b * (w + t * (w_in + w_out)) / bw, 2 * t * w / fl))
             for name, (w, w_in, w_out) in zip(names, self._matmuls, strict=True)
         ]
 
@@ -113,7 +128,7 @@ class CostModel:
         m = self.model
         weights = m.vocab * m.hidden
         nbytes = m.dtype_bytes * weights + 8 * s * m.vocab
-        return max(nbytes / self._bw, 2 * s * weights / self._flops)
+        return matmul_bound(nbytes / self._mm_bw, 2 * s * weights / self._flops)
 
     def linear_s(self, shape: StepShape) -> float:
         """Roofline seconds of every matmul of the step: the layers' projections and the LM head."""
@@ -126,14 +141,15 @@ class CostModel:
         """``linear_s`` of a step of ``tokens`` fed tokens and ``samples`` sampled rows (no object built)."""
         if (tokens, samples) in self._linear_cache:
             return self._linear_cache[tokens, samples]
-        b, bw, fl = self.model.dtype_bytes, self._bw, self._flops
+        b, bw, fl = self.model.dtype_bytes, self._mm_bw, self._flops
         layer = sum(
-            max(b * (w + tokens * (w_in + w_out)) / bw, 2 * tokens * w / fl) for w, w_in, w_out in self._matmuls
+            matmul_bound(b * (w + tokens * (w_in + w_out)) / bw, 2 * tokens * w / fl)
+            for w, w_in, w_out in self._matmuls
         )
         head = 0.0
         if samples:
             weights = self.model.vocab * self.model.hidden
-            head = max((b * weights + 8 * samples * self.model.vocab) / bw, 2 * samples * weights / fl)
+            head = matmul_bound((b * weights + 8 * samples * self.model.vocab) / bw, 2 * samples * weights / fl)
         value = self.model.layers * layer + head
         if len(self._linear_cache) < _CACHE_LIMIT:
             self._linear_cache[tokens, samples] = value
