@@ -331,12 +331,13 @@ def _fit_device_and_gap(
     gpu_ms is the kernels' time), on the device columns; and plain steps, whose wall time (gpu_ms + gap_ms) is
     device + gap, on the device and the gap columns. So the plain steps also tell the device model what the
     overlapped ones cannot (a one-row step is host-bound when overlapped, but device + gap when plain), and the gap
-    stays a function of the host's work. The matmul scale stays ``base``'s (the eager fit's: the same matmul
-    kernels; decode steps' matmul roofline hardly changes with their rows, and the few mixed graph steps of an
-    offline log are no ground to fit it on). Fewer than MIN_ROWS device-bound steps: every overlapped step counts;
-    fewer than MIN_ROWS plain steps: the gap stays ``base``'s; no overlapped step, or a log that does not say its
-    loop mode: the device on the steps' gpu_ms, then the gap on what it leaves of each plain step's wall time
-    (``_fit_device``, ``_fit_gap``)."""
+    stays a function of the host's work. A host-paced overlapped step bounds its kernels' time by its device timer:
+    the fit is redone with those it prices above that bound at the bound (``_over_bound``, a censored fit). The
+    matmul scale stays ``base``'s (the eager fit's: the same matmul kernels; decode steps' matmul roofline hardly
+    changes with their rows, and the few mixed graph steps of an offline log are no ground to fit it on). Fewer
+    than MIN_ROWS device-bound steps: every overlapped step counts; fewer than MIN_ROWS plain steps: the gap stays
+    ``base``'s; no overlapped step, or a log that does not say its loop mode: the device on the steps' gpu_ms, then
+    the gap on what it leaves of each plain step's wall time (``_fit_device``, ``_fit_gap``)."""
     steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
     overlapped = [i for i in steady if record_overlap(records[i]) is not False]
     plain = _rows_of_mode(records, overlap=False) if len(overlapped) < len(steady) else []
@@ -345,24 +346,41 @@ def _fit_device_and_gap(
         return device, _fit_gap(shapes, records, base, _priced(cost, device))
     bound = [i for i in overlapped if _device_bound(records[i])]
     rows = bound if len(bound) >= MIN_ROWS else overlapped
+    paced = [i for i in overlapped if i not in set(rows)]  # host-paced: their kernels took at most gpu_ms
     if len(plain) < MIN_ROWS:
         plain = []
-    k = _device_columns(cost, [shapes[i] for i in [*rows, *plain]])
-    gap = np.zeros((len(k), len(_GAP)))
-    gap[len(rows) :] = _gap_features(shapes, records, plain)
-    y = np.array(
-        [float(records[i]["gpu_ms"]) * 1e3 for i in rows]
-        + [(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in plain]
-    )
     lower, upper, prior = _device_bounds(base)
     lower[-1] = upper[-1] = base.scale  # graphs replay the eager steps' matmuls: decode steps cannot tell the scale
     n = len(_GAP)
     lower, upper = np.concatenate([lower, np.zeros(n)]), np.concatenate([upper, np.full(n, np.inf)])
     prior = np.concatenate([prior, np.zeros(n)])  # a gap column the plain steps cannot tell apart: 0
-    coef = fit_relative(np.hstack([k, gap]), y, lower, upper, prior, shift=False)
-    device = _device_overheads(coef[: k.shape[1]], k)
+    for _ in range(CENSORED_ROUNDS):
+        k = _device_columns(cost, [shapes[i] for i in [*rows, *plain]])
+        gap = np.zeros((len(k), n))
+        gap[len(rows) :] = _gap_features(shapes, records, plain)
+        y = np.array(
+            [float(records[i]["gpu_ms"]) * 1e3 for i in rows]
+            + [(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in plain]
+        )
+        coef = fit_relative(np.hstack([k, gap]), y, lower, upper, prior, shift=False)
+        device = _device_overheads(coef[: k.shape[1]], k)
+        over = _over_bound(_priced(cost, device), shapes, records, paced)
+        if not over:
+            break
+        rows, paced = [*rows, *over], [i for i in paced if i not in set(over)]
     gaps = dict(zip(_GAP, map(float, coef[k.shape[1] :]), strict=True)) if plain else _base_gap(base)
     return device, gaps
+
+
+CENSORED_ROUNDS = 5  # refits that add host-paced steps priced above their device timer (``_over_bound``)
+
+
+def _over_bound(
+    priced: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], paced: Sequence[int]
+) -> list[int]:
+    """The host-paced steps whose predicted kernel time exceeds their device timer by more than 2 %: the timer
+    holds the kernels and the wait for the host, so it bounds them; such a step joins the fit at its timer."""
+    return [i for i in paced if priced.compute_s(shapes[i]) * 1e3 > 1.02 * float(records[i]["gpu_ms"])]
 
 
 def _base_gap(base: Overheads) -> dict[str, float]:
