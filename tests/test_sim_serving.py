@@ -354,3 +354,33 @@ def test_serve_check_checks_the_fitted_section_out_of_sample(tmp_path: Path, cap
     head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rate/s"])
     assert [line.split()[:3] for line in lines[head + 1 : head + 3]] == [["30", "80", "fitted"], ["60", "80", "out"]]
     assert lines[head + 3].startswith("worst out-of-sample p50")
+
+
+def test_an_eager_launch_hides_behind_the_step_before() -> None:
+    """The device waits for the part of an eager step's launch (18 ms) that the step before does not hide: all of
+    it after an idle device, none after a step of 20 ms, 8 ms after one of 10 ms; the executor passes the last
+    step's device time on (a second eager step in a row runs at its kernels' 1 ms) and forgets it over an idle gap
+    (the next one waits for its whole launch again)."""
+    from fnvllm.state import SamplingParams, StepPlan
+
+    profile = _zero_rooflines(attrs.evolve(H200, eager=attrs.evolve(EAGER, step_us=1000.0), serving=None))
+    cost = CostModel(MODEL, attrs.evolve(profile, graph_max_seqs=0, graph_mixed_tokens=0))
+    assert cost.step_times(MIXED, 0, True, 0.0)[0] == pytest.approx(0.018, rel=1e-3)
+    assert cost.step_times(MIXED, 0, True, 0.020)[0] == pytest.approx(0.001, rel=1e-2)  # its kernels' 1 ms
+    assert cost.step_times(MIXED, 0, False, 0.010)[0] == pytest.approx(0.008, rel=1e-3)
+
+    def prefill(step: int) -> StepPlan:
+        return StepPlan(
+            step=step, block_size=16, seq_ids=("a",), input_tokens=((1,) * 64,), start_positions=(0,),
+            block_tables=((0, 1, 2, 3),), sample=(True,), params=(SamplingParams(),), num_generated=(0,),
+            histories=(None,),
+        )  # fmt: skip
+
+    ex = SimExecutor(cost)
+    devices = []
+    for step in range(3):
+        if step == 2:
+            ex.advance_to(ex.clock + 1.0)  # idle: the next launch hides behind nothing
+        ex.execute(prefill(step))
+        devices.append(ex.last_device_s)
+    assert devices == pytest.approx([0.018, 0.001, 0.018], rel=1e-2)
