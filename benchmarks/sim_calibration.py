@@ -318,6 +318,25 @@ def served_lines(tables: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]
     return lines
 
 
+BUILTIN_FILE = Path(__file__).resolve().parent.parent / "fnvllm" / "sim" / "hardware.py"
+BUILTIN_START, BUILTIN_END = "# Fitted by benchmarks/sim_calibration.py", "BUILTIN_PROFILES"
+
+
+def ship(snippet: str, path: Path = BUILTIN_FILE) -> None:
+    """Write ``snippet`` (``ship_snippet``) over the H200 profile in ``path`` (fnvllm/sim/hardware.py: from its
+    provenance comment to BUILTIN_PROFILES) and format the file with ruff when it is installed."""
+    import shutil
+    import subprocess
+
+    text = path.read_text()
+    start, end = text.index(BUILTIN_START), text.index(BUILTIN_END)
+    path.write_text(text[:start] + snippet.rstrip() + "\n" + text[end:])
+    ruff = shutil.which("ruff")
+    if ruff:
+        subprocess.run([ruff, "format", "--quiet", str(path)], check=False)
+    print(f"wrote the fitted profile into {path} as the built-in h200 (review and commit it)")
+
+
 def _commit() -> str:
     """The repository's HEAD commit ("" outside a git checkout)."""
     import subprocess
@@ -339,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--served",
         default=None,
         help="a served run's folder (benchmarks/sim_serve_check.py --out): fit the profile's serving section on it",
+    )
+    parser.add_argument(
+        "--ship",
+        action="store_true",
+        help="write the fitted profile over fnvllm/sim/hardware.py's built-in h200 (what h200_profile.py.txt holds)",
     )
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-calibration-"))
@@ -366,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     served = add_serving(out, Path(args.served)) if args.served else []
     snippet = ship_snippet(load_profile(out / "profile.json"), rows, _commit(), served)
     (out / "h200_profile.py.txt").write_text(snippet + "\n")
+    if args.ship:
+        ship(snippet)
     print(f"\nprofile: {out / 'profile.json'} (fnvllm simulate --hardware {out / 'profile.json'} ...)")
     print(f"as fnvllm/sim/hardware.py's H200: {out / 'h200_profile.py.txt'}")
     return 0
