@@ -9,6 +9,7 @@ and steps):
 
     decode-N   N in 1, 16, 64, 256 requests: prompts U(100, 300), outputs U(200, 400)   (host-bound at low N)
     prefill-N  N in 16, 64, 512 requests: prompts U(1000, 2000), outputs U(4, 16)       (FLOP-bound, mixed steps)
+    long-128   128 requests: prompts U(3000, 3900), outputs U(4, 16)                   (attention-heavy prefill)
     bench      the nano-vllm bench (256 requests, prompts and outputs U(100, 1024))
 
 each with overlapped steps and without (``-plain``). Then it fits a profile on every run's steps
@@ -52,6 +53,7 @@ from fnvllm.sim.timeline import header_model, read_timeline
 
 DECODE = ((100, 300), (200, 400))  # (prompt range, output range)
 PREFILL = ((1000, 2000), (4, 16))
+LONG = ((3000, 3900), (4, 16))  # long prompts: a prefill step's attention grows with their square
 BENCH = ((100, 1024), (100, 1024))
 
 
@@ -75,6 +77,7 @@ def regimes(quick: bool) -> list[Regime]:
     """The calibration set; ``quick`` (a CPU dry run): a few small requests per regime, short lengths."""
     families = [(f"decode-{n}", n, *DECODE) for n in (1, 16, 64, 256)]
     families += [(f"prefill-{n}", n, *PREFILL) for n in (16, 64, 512)]
+    families.append(("long-128", 128, *LONG))
     families.append(("bench", 256, *BENCH))
     out = []
     for name, n, prompts, outputs in families:
@@ -369,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     set_ = regimes(args.quick)
     if args.refit:
+        set_ = [r for r in set_ if (out / f"{r.name}.run.json").exists()]  # a folder from before a regime existed
         runs = [out / f"{r.name}.run.json" for r in set_]
         device_name = read_run(runs[0]).device_name
     else:

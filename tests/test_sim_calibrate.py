@@ -212,18 +212,22 @@ def test_calibration_set_script_runs_fits_and_replays_on_cpu(
 ) -> None:
     """benchmarks/sim_calibration.py --quick on the tiny shape (CPU): every regime runs with a run record, the
     fitted profile is named after the device and records the model, every run replays with the engine's plans,
-    and the table prints one line per regime."""
+    and the table prints one line per regime; --refit of a folder without some regime's runs fits the others."""
     from benchmarks import sim_calibration
 
     assert sim_calibration.main(["--out", str(tmp_path), "--model-shape", "tiny", "--quick"]) == 0
     rows = json.loads((tmp_path / "report.json").read_text())
     names = [r.name for r in sim_calibration.regimes(quick=True)]
-    assert [row["regime"] for row in rows] == names and len(names) == 16
+    assert [row["regime"] for row in rows] == names and len(names) == 18
     assert all(row["same_plans"] for row in rows)
     profile = load_profile(tmp_path / "profile.json")
     assert profile.name == "cpu" and profile.model is not None and profile.model["hidden_size"] == 128
     out = capsys.readouterr().out
-    assert "worst |error| held_out" in out and "prefill-512-plain" in out
+    assert "worst |error| held_out" in out and "prefill-512-plain" in out and "long-128-plain" in out
+    for name in ("long-128", "long-128-plain"):  # a folder from before the regime existed refits without it
+        (tmp_path / f"{name}.run.json").unlink()
+    assert sim_calibration.main(["--out", str(tmp_path), "--refit", "--quick"]) == 0
+    assert len(json.loads((tmp_path / "report.json").read_text())) == 16
 
 
 def _regime_log(tmp_path: Path, name: str, **options: object) -> list[dict]:
