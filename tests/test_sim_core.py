@@ -96,13 +96,14 @@ def test_roofline_of_a_long_prefill_is_compute_bound() -> None:
 
 
 def test_executor_advances_the_clock_and_rejects_stale_plans() -> None:
-    """execute() adds the plan's predicted time to the clock and refuses a repeated step."""
+    """execute() adds the plan's predicted time to the clock (the first step, after an idle device, as a plain
+    loop's step: device + gap) and refuses a repeated step."""
     cost = CostModel(QWEN3_06B, H200)
     executor = SimExecutor(cost)
     plan = _plan([1, 1], [10, 20])
     result = executor.execute(plan)
-    assert result.token_ids == (3, 3)
-    assert executor.clock == pytest.approx(cost.step_s(step_shape(plan, H200.graph_max_seqs)))
+    assert result.token_ids == (3, 3) and executor.last_plain
+    assert executor.clock == pytest.approx(cost.wall_s(step_shape(plan, H200.graph_max_seqs), 0, False))
     with pytest.raises(StalePlanError):
         executor.execute(plan)
 
@@ -333,8 +334,8 @@ def test_decode_graph_steps_are_priced_at_their_captured_batch() -> None:
 
 def test_small_graphs_take_their_own_step_constant(tmp_path: Path) -> None:
     """With small_us set, a 1-row decode graph step's constant is small_us[0] instead of step_us + the log term
-    (and a 16-row one keeps the curve); small_us must hold 0 or 4 numbers >= 0 (an error names it) and survives
-    a JSON round trip."""
+    (and a 16-row one keeps the curve); small_us holds at most 4 numbers >= 0 (an error names it) and survives a
+    JSON round trip."""
     import attrs
 
     from fnvllm.sim import Overheads, StepShape
@@ -348,7 +349,7 @@ def test_small_graphs_take_their_own_step_constant(tmp_path: Path) -> None:
     with_small = CostModel(QWEN3_06B, attrs.evolve(H200, graph=small))
     assert with_curve.compute_s(one) - with_small.compute_s(one) == pytest.approx(400e-6)
     assert with_small.compute_s(sixteen) == pytest.approx(with_curve.compute_s(sixteen))
-    for bad in ((1.0, 2.0, 3.0), (1.0, -2.0, 3.0, 4.0), "fast"):
+    for bad in ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (1.0, -2.0, 3.0, 4.0), "fast"):
         with pytest.raises(SimInputError, match="small_us"):
             Overheads(small_us=bad)  # type: ignore[arg-type]
     save_profile(attrs.evolve(H200, graph=small), tmp_path / "p.json")

@@ -58,7 +58,7 @@ def graph_batch_sizes(max_seqs: int) -> list[int]:
     ``fnvllm.executor.cuda_graphs.graph_batch_sizes``: 1, 2, 4, 8, then every multiple of 16, and max_seqs)."""
     if max_seqs < 1:
         return []
-    sizes = [b for b in SMALL_BATCHES if b < max_seqs] + list(range(16, max_seqs, 16))
+    sizes = [b for b in (1, 2, 4, 8) if b < max_seqs] + list(range(16, max_seqs, 16))
     return sorted({*sizes, max_seqs})
 
 
@@ -199,7 +199,7 @@ class CostModel:
             return 0.0
         o = self.overheads(shape)
         t = self.device_terms(shape)
-        if t.small is not None and o.small_us:
+        if t.small is not None and t.small < len(o.small_us):
             constant = o.small_us[t.small]
         else:
             constant = o.step_us + (o.log_seq_us * math.log2(t.rows) if o.log_seq_us else 0.0)

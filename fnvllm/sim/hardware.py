@@ -56,7 +56,7 @@ class Overheads:
     (kernels that run one row in one block run several in as many, and the sampler's per-row passes). A decode
     graph step counts the rows of the graph it replays (its padding rows compute too: 5 rows run the 8-row graph),
     and those of 1, 2, 4 and 8 rows (SMALL_BATCHES: each with kernels of its own, e.g. a matrix-vector product at
-    one row) take small_us[i] instead of step_us + log_seq_us * log2(rows) when small_us is set (4 values).
+    one row) take small_us[i] instead of step_us + log_seq_us * log2(rows) when small_us has an i-th value.
 
     Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
     timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
@@ -111,10 +111,10 @@ class Overheads:
                 continue
             high = MAX_SCALE if field.name.endswith("scale") else MAX_US
             check_real_in(getattr(self, field.name), f"Overheads.{field.name}", 0.0, high)
-        if not isinstance(self.small_us, tuple) or len(self.small_us) not in (0, len(SMALL_BATCHES)):
+        if not isinstance(self.small_us, tuple) or len(self.small_us) > len(SMALL_BATCHES):
             raise SimInputError(
-                f"Overheads.small_us must be empty or a list of {len(SMALL_BATCHES)} numbers (the step constants of "
-                f"decode graphs of {', '.join(map(str, SMALL_BATCHES))} rows), got {self.small_us!r}"
+                f"Overheads.small_us must be a list of at most {len(SMALL_BATCHES)} numbers (the step constants of "
+                f"decode graphs of {', '.join(map(str, SMALL_BATCHES))} rows, in order), got {self.small_us!r}"
             )
         for batch, value in zip(SMALL_BATCHES, self.small_us, strict=False):
             check_real_in(value, f"Overheads.small_us (batch {batch})", 0.0, MAX_US)

@@ -259,6 +259,7 @@ def _timeline_hook(
     def hook(state: EngineState, plan: StepPlan, output: StepOutput) -> None:
         ex = executor
         if ex.last_shape is not None and not plan.is_empty:
-            writer.step(plan.step, ex.last_shape, ex.last_device_s, ex.last_gap_s, ex.last_host_s, ex.last_new_seqs)
+            times = (ex.last_device_s, ex.last_gap_s, ex.last_host_s)
+            writer.step(plan.step, ex.last_shape, *times, ex.last_new_seqs, overlap and ex.last_plain)
 
     return hook
