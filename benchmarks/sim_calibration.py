@@ -307,14 +307,18 @@ def add_serving(out: Path, served: Path) -> list[str]:
 
 
 def served_lines(tables: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """One line per served run of ``sim_serve_check.analyse``'s tables: the fitted one, then the out-of-sample
-    checks (``rate-R``), each with its TTFT and TPOT p50 / p90 errors."""
+    """One line per served run of ``sim_serve_check.analyse``'s tables: the fitted one, the out-of-sample checks
+    (``rate-R``), then each run with the latency fitted on every rate (the shipped profile), each with its TTFT and
+    TPOT p50 / p90 errors."""
     lines = []
     for name, rows in tables.items():
-        if name != "served_fit" and not name.startswith("rate-"):
+        if name != "served_fit" and not name.startswith(("rate-", "all_rates")):
             continue
         err = {(r["metric"], r["p"]): r["error"] for r in rows}
-        label = "fitted run" if name == "served_fit" else f"{name.removeprefix('rate-')}/s out of sample"
+        if name.startswith("all_rates"):
+            label = f"latency fitted on every rate, {name.removeprefix('all_rates').strip() or 'fitted run'}"
+        else:
+            label = "fitted run" if name == "served_fit" else f"{name.removeprefix('rate-')}/s out of sample"
         lines.append(
             f"{label} {err['ttft', 'p50']:+.1%} / {err['ttft', 'p90']:+.1%}, "
             f"{err['tpot', 'p50']:+.1%} / {err['tpot', 'p90']:+.1%}"

@@ -359,7 +359,9 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
     with a serving section fitted on this run's timeline (``fit_serving``) and the server's latency fitted on the
     clients' TTFT, timed cycle by cycle and step by step (``Serving.cycle``); writes the fitted profile with the
     timing that predicts the run better (worst p50 error; cycle by cycle on a tie) to profile_served.json, and
-    analysis.json, and prints the tables ("served_fit" in the returned tables: the chosen one)."""
+    analysis.json, and prints the tables ("served_fit" in the returned tables: the chosen one). With check runs
+    beside it (``check_folders``), it checks that profile on them, out of sample ("rate-R"), then refits the
+    latency on every run (``pool_latency``: profile_served.json is then that one, "all_rates" in the tables)."""
     import attrs
 
     from fnvllm.sim import load_profile, save_profile
@@ -411,7 +413,51 @@ def analyse(out: Path, hardware: str) -> dict[str, list[dict[str, Any]]]:
             print(f"\nout of sample: {checks[name]} (the served profile fitted on {out})")
             print_table(rows)
     print_rates(out, tables, checks)
+    if checks and "served_fit" in tables:
+        pool_latency(out, chosen, list(checks.values()), tables)
     return tables
+
+
+def pool_latency(out: Path, fitted: Any, folders: Sequence[Path], tables: dict[str, list[dict[str, Any]]]) -> None:
+    """The profile to ship: ``fitted`` (the serving section fitted on the run in ``out``) with the server's
+    latency fitted again on every served run, ``out`` and the check runs in ``folders`` together (the latency
+    outside the engine grows with the load across runs faster than within one: a line through the medians of all
+    of them spans the loads a capacity plan asks about). Writes it to profile_served.json (the fit on ``out``
+    alone stays in profile_fit_run.json), adds its rows to ``tables`` ("all_rates", "all_rates rate-R") and prints
+    the per-rate table of it (in sample)."""
+    import attrs
+
+    from fnvllm.sim import save_profile
+
+    runs = [out, *folders]
+    zero = attrs.evolve(fitted, serving=attrs.evolve(fitted.serving, latency_us=0.0, latency_stream_us=0.0))
+    diffs: list[float] = []
+    loads: list[float] = []
+    for folder in runs:
+        run, _, measured_ttft = load_served(folder)
+        if measured_ttft is None:
+            return
+        options = {"model": _model_file(folder, run["model"]), "max_model_len": run["engine"]["max_model_len"]}
+        ttft, _, in_flight = simulate_profile(folder, zero, {**options, "overlap": run["overlap"], "serve": True})
+        pairs = [(m - t, float(n)) for m, t, n in zip(measured_ttft, ttft, in_flight, strict=True) if m == m]
+        diffs += [d for d, _ in pairs]
+        loads += [n for _, n in pairs]
+    latency, per_stream = median_line(loads, diffs)
+    latencies = {"latency_us": latency * 1e6, "latency_stream_us": per_stream * 1e6}
+    pooled = attrs.evolve(fitted, serving=attrs.evolve(fitted.serving, **latencies))
+    save_profile(fitted, out / "profile_fit_run.json")
+    save_profile(pooled, out / "profile_served.json")
+    entries = []
+    for folder in runs:
+        name = "all_rates" if folder == out else f"all_rates {CHECK_PREFIX}{folder.name.removeprefix(CHECK_PREFIX)}"
+        tables[name] = check_served(folder, pooled)
+        entries.append(("in sample", folder, tables[name]))
+    (out / "analysis.json").write_text(json.dumps({**load_served(out)[0], "tables": tables}, indent=1))
+    print(
+        f"\nthe profile to ship: {out / 'profile_served.json'}: the serving section fitted on {out.name}, the server "
+        f"latency on every rate: {latency * 1e3:.2f} ms + {per_stream * 1e3:.3f} ms per request in flight"
+    )
+    _rate_lines(entries)
 
 
 def check_folders(out: Path) -> list[Path]:
@@ -440,6 +486,15 @@ def print_rates(out: Path, tables: dict[str, list[dict[str, Any]]], checks: dict
     if "served_fit" not in tables:
         return
     runs = [("fitted", out, tables["served_fit"])] + [("out of sample", f, tables[n]) for n, f in checks.items()]
+    _rate_lines(runs)
+    outside = [abs(r["error"]) for n in checks for r in tables[n] if r["p"] == "p50"]
+    if outside:
+        verdict = "met" if max(outside) <= 0.15 else "NOT met"
+        print(f"worst out-of-sample p50 |error|: {max(outside):.1%} (target <= 15 %: {verdict})")
+
+
+def _rate_lines(runs: Sequence[tuple[str, Path, Sequence[dict[str, Any]]]]) -> None:
+    """The per-rate table: one line per (sample label, run folder, comparison rows)."""
     print(f"\n{'rate/s':>7} {'requests':>8} {'sample':<14} {'TTFT p50':>9} {'p90':>7} {'TPOT p50':>9} {'p90':>7}")
     for kind, folder, rows in runs:
         rate = _run_args(folder).get("request_rate")
@@ -449,10 +504,6 @@ def print_rates(out: Path, tables: dict[str, list[dict[str, Any]]], checks: dict
             f"{'-' if rate is None else f'{float(rate):g}':>7} {n:>8} {kind:<14} {err['ttft', 'p50']:>+9.1%} "
             f"{err['ttft', 'p90']:>+7.1%} {err['tpot', 'p50']:>+9.1%} {err['tpot', 'p90']:>+7.1%}"
         )
-    outside = [abs(r["error"]) for n in checks for r in tables[n] if r["p"] == "p50"]
-    if outside:
-        verdict = "met" if max(outside) <= 0.15 else "NOT met"
-        print(f"worst out-of-sample p50 |error|: {max(outside):.1%} (target <= 15 %: {verdict})")
 
 
 def graph_limits(records: Sequence[dict[str, Any]], given: Any) -> dict[str, int]:

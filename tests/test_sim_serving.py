@@ -338,8 +338,9 @@ def _served_folder(out: Path, profile_path: Path, rate: float, seed: int) -> Non
 
 def test_serve_check_checks_the_fitted_section_out_of_sample(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A served folder with a check run beside it (rate-60/): the serving section fitted on the 30/s run predicts
-    the 60/s run it never saw (TPOT p50 within 5 %, TTFT p50 within 15 %: both were made by the same profile), and
-    the per-rate table marks which run was fitted and which is out of sample."""
+    the 60/s run it never saw (TPOT p50 within 5 %, TTFT p50 within 15 %: both were made by the same profile), the
+    per-rate table marks which run was fitted and which is out of sample, and the profile written to ship has its
+    latency refitted on both runs (TTFT p50 within 15 % on each)."""
     from benchmarks import sim_serve_check
 
     true = attrs.evolve(SERVED, serving=attrs.evolve(SERVED.serving, latency_us=3000.0, latency_stream_us=100.0))
@@ -354,6 +355,13 @@ def test_serve_check_checks_the_fitted_section_out_of_sample(tmp_path: Path, cap
     head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rate/s"])
     assert [line.split()[:3] for line in lines[head + 1 : head + 3]] == [["30", "80", "fitted"], ["60", "80", "out"]]
     assert lines[head + 3].startswith("worst out-of-sample p50")
+    # the profile to ship: the latency refitted on both runs, the fit on the first alone kept beside it
+    assert (tmp_path / "serve" / "profile_fit_run.json").is_file()
+    shipped = load_profile(tmp_path / "serve" / "profile_served.json")
+    assert shipped.serving is not None and shipped.serving.latency_stream_us >= 0
+    for name in ("all_rates", "all_rates rate-60"):
+        pooled = {(r["metric"], r["p"]): r["error"] for r in tables[name]}
+        assert abs(pooled["ttft", "p50"]) < 0.15, name
 
 
 def test_an_eager_launch_hides_behind_the_step_before() -> None:
