@@ -267,14 +267,16 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-02 (commit 1d2c98a): qwen3-0.6b shape, block 256, budget 16384,
+# Fitted by benchmarks/sim_calibration.py on 2026-12-02 (commit 69512d1): qwen3-0.6b shape, block 256, budget 16384,
 # max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
 # out): decode-1 +2.0% / +2.4%, decode-1-plain -0.6% / -1.2%, decode-16 -5.7% / -8.0%, decode-16-plain -2.8% / -6.6%,
 # decode-64 -1.2% / -0.1%, decode-64-plain +6.8% / +10.5%, decode-256 -2.6% / -2.3%, decode-256-plain -3.9% / -11.7%,
 # prefill-16 -2.4% / -3.6%, prefill-16-plain +5.8% / +8.0%, prefill-64 -1.1% / -1.5%, prefill-64-plain -2.9% / -3.1%,
 # prefill-512 -1.2% / -10.9%, prefill-512-plain -1.8% / -9.1%, bench +1.5% / +1.6%, bench-plain +0.5% / +9.3%. Served
 # (TTFT p50 / p90, TPOT p50 / p90 errors): fitted run +0.8% / -17.7%, -0.9% / -3.8%; 25/s out of sample +19.9% /
-# +6.0%, +3.2% / +3.7%; 75/s out of sample +4.7% / -27.3%, +7.4% / +9.5%.
+# +6.0%, +3.2% / +3.7%; 75/s out of sample +4.7% / -27.3%, +7.4% / +9.5%; latency fitted on every rate, fitted run
+# -4.5% / -20.5%, -0.9% / -3.8%; latency fitted on every rate, rate-25 +5.3% / -4.4%, +3.2% / +3.7%; latency fitted on
+# every rate, rate-75 +5.9% / -25.0%, +7.4% / +9.5%.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -390,10 +392,10 @@ H200 = HardwareProfile(
             launch_token_us=0.0,
             small_us=(481.31024723228023, 833.6539072153379, 786.9040567530576, 787.622919854822),
         ),
-        latency_us=4644.722283358905,
+        latency_us=3266.676807763659,
         calibrated_from="/tmp/simw/mserve/served_timeline.jsonl",
         cycle=False,
-        latency_stream_us=73.43559120445447,
+        latency_stream_us=113.0959265324717,
     ),
     matmul_bandwidth_gbs=3560.0,
 )
