@@ -435,6 +435,14 @@ def sampler_ops(
     assert lp_rows is not None and now_lp is not None
     chunk = _logprob_chunk(vocab, logprobs) or 1024
     old_lp = round1_logprobs(logits, tokens, lp_rows, logprobs, chunk)
+    if kernels:  # the packed logprobs against the stable-sort reference (equal logits: the lowest id first)
+        from fnvllm.kernels.sampling import logprob_top_ref
+
+        want = logprob_top_ref(logits, lp_rows, logprobs, tokens)
+        got = (now_lp.top_logprobs, now_lp.top_ids, now_lp.sampled_logprobs)
+        worst = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got[::2], want[::2], strict=True))
+        same = bool(torch.equal(got[1], want[1]))
+        print(f"check: logprob_top vs reference: ids {'equal' if same else 'DIFFER'}, max |logprob diff| {worst:.2e}")
     ring = PinnedRing(rows) if on_gpu else None
 
     def copy(tensors: list[torch.Tensor]) -> None:
