@@ -452,7 +452,7 @@ def sampler_ops(
         "sampler.sample plain": lambda: sampler.sample(logits, batches["plain"]),
         f"sampler.sample logprobs={logprobs}": lambda: sampler.sample(logits, batches["lp"]),
         "  compute_logprobs (now)": lambda: compute_logprobs(
-            logits, tokens, lp_rows, logprobs, kernels, sampler._logprob_scratch
+            logits, tokens, lp_rows, logprobs, kernels, sampler._scratch
         ),
         "  compute_logprobs (round 1)": lambda: round1_logprobs(logits, tokens, lp_rows, logprobs, chunk),
         f"host copy now ({1 + len(now_lp.copied())} tensors)": lambda: copy([out.packed, *now_lp.copied()]),

@@ -1,5 +1,5 @@
 """Logprobs in two launches into one packed tensor (``fnvllm.kernels.sampling.logprob_top``) against its torch
-reference, its kept device scratch (``LogprobScratch``), and the packed tensor's host views (``Logprobs``)."""
+reference, its kept device scratch (``SamplingScratch``), and the packed tensor's host views (``Logprobs``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fnvllm.executor.sampler import Logprobs, Sampler, compute_logprobs, prepare_sampling
-from fnvllm.kernels.sampling import LogprobScratch, logprob_top, logprob_top_ref
+from fnvllm.kernels.sampling import SamplingScratch, logprob_top, logprob_top_ref
 from fnvllm.state import SamplingParams
+from fnvllm.state.plan import TokenHistory
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,11 +74,13 @@ def test_logprob_top_rejects_more_tops_than_chunks() -> None:
 def test_scratch_is_kept_for_the_same_sizes_and_regrown_for_others() -> None:
     """The scratch hands out the same tensors for the same sizes, other ones (grown) for larger sizes, and the
     results stay the reference's through a growth and back (the zero scales are never overwritten)."""
-    scratch = LogprobScratch()
+    scratch = SamplingScratch()
     device = torch.device(DEVICE)
-    first = scratch.views(2, 16, 4, device)
-    assert all(a is b for a, b in zip(first, scratch.views(2, 16, 4, device), strict=True))
-    assert first[0].shape == (3, 2, 16) and first[1].shape == (2, 16) and first[2].shape == (4,)
+    first = (*scratch.chunk_stats(2, 16, device), scratch.zeros(4, device), scratch.drawn(4, device))
+    again = (*scratch.chunk_stats(2, 16, device), scratch.zeros(4, device), scratch.drawn(4, device))
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    assert [tuple(t.shape) for t in first] == [(3, 2, 16), (2, 16), (4,), (3, 4)]
+    assert first[1].dtype == torch.int32 and first[3].data_ptr() != first[0].data_ptr()
     tokens = torch.tensor([3, 1, 4, 1, 5, 9], device=DEVICE)
     small, large = _logits(6, 1000, seed=2), _logits(6, 1000, seed=3)
     few = torch.tensor([1, 4], dtype=torch.int32, device=DEVICE)
@@ -85,7 +88,7 @@ def test_scratch_is_kept_for_the_same_sizes_and_regrown_for_others() -> None:
     for logits, rows in ((small, few), (large, every), (small, few)):
         got = logprob_top(logits, rows, 3, 64, tokens, scratch)[:3]
         _assert_same(got, logprob_top_ref(logits, rows, 3, tokens))
-    assert bool((scratch.views(2, 16, 6, device)[2] == 0).all())
+    assert bool((scratch.zeros(6, device) == 0).all())
 
 
 def test_host_views_split_a_copy_of_the_packed_tensor() -> None:
@@ -94,7 +97,7 @@ def test_host_views_split_a_copy_of_the_packed_tensor() -> None:
     logits = _logits(3, 600, seed=4)
     rows = torch.tensor([0, 2], dtype=torch.int64, device=DEVICE)
     tokens = torch.tensor([10, 20, 30], device=DEVICE)
-    lp = compute_logprobs(logits, tokens, rows, 2, kernels=True, scratch=LogprobScratch())
+    lp = compute_logprobs(logits, tokens, rows, 2, kernels=True, scratch=SamplingScratch())
     assert lp.packed is not None and lp.copied() == (lp.packed,)
     host = lp.host_views([lp.packed.cpu().clone()])
     for got, want in ((host.top_logprobs, lp.top_logprobs), (host.top_ids, lp.top_ids)):
@@ -120,5 +123,27 @@ def test_sampler_keeps_one_scratch_and_matches_the_references() -> None:
         torch.testing.assert_close(got.top_logprobs, want.top_logprobs)
         assert torch.equal(got.top_ids, want.top_ids)
         torch.testing.assert_close(got.sampled_logprobs, want.sampled_logprobs)
-        scratches.append(sampler._logprob_scratch)
+        scratches.append(sampler._scratch)
     assert scratches[0] is not None and scratches[1] is scratches[0]
+
+
+def test_one_sampler_keeps_its_scratch_across_batch_shapes() -> None:
+    """A sampler whose scratch served other shapes before (plain, penalised and top-k rows, logprobs, fewer rows)
+    draws each batch's tokens and logprobs as a fresh sampler does (seeded rows: the same uniforms)."""
+    vocab = 512
+    shapes = [
+        [SamplingParams(temperature=0.8, seed=i) for i in range(4)],
+        [SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.3, seed=i, logprobs=2) for i in range(3)],
+        [SamplingParams(temperature=0.5, seed=9, logprobs=4), SamplingParams(temperature=0.0)],
+        [SamplingParams(temperature=0.8, seed=i) for i in range(4)],
+    ]
+    kept = Sampler(kernels=True)
+    for k, params in enumerate(shapes):
+        n = len(params)
+        histories = [TokenHistory(prompt=(1, 2), output=(3,))] * n
+        batch = prepare_sampling(params, [3] * n, histories, vocab, DEVICE)
+        logits = _logits(n, vocab, seed=20 + k)
+        got, want = kept.sample(logits, batch), Sampler(kernels=True).sample(logits, batch)
+        assert torch.equal(got.packed, want.packed)
+        if want.logprobs is not None:
+            assert got.logprobs is not None and torch.equal(got.logprobs.packed, want.logprobs.packed)

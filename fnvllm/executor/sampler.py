@@ -63,7 +63,7 @@ from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
 from fnvllm.state.plan import TokenHistory
 
 if TYPE_CHECKING:  # the kernels module needs Triton, which the CPU build of torch may lack
-    from fnvllm.kernels.sampling import LogprobScratch
+    from fnvllm.kernels.sampling import SamplingScratch
 
 
 @attrs.frozen(eq=False)
@@ -543,7 +543,7 @@ class Sampler:
         self._has_triton = _has_triton()
         self._calls = 0
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._logprob_scratch: LogprobScratch | None = None  # the logprob kernels' device scratch, kept
+        self._scratch: SamplingScratch | None = None  # the kernels' device scratch, kept between steps
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The references' generator for `device`, created on first use."""
@@ -572,18 +572,18 @@ class Sampler:
         if self._uses_kernels(logits.device):
             key = (self.seed * 1_000_003 + self._calls) % 2**31
             self._calls += 1
-            packed = sample_with_kernels(logits, batch, key, self.filter_kernel)
+            if self._scratch is None:
+                from fnvllm.kernels.sampling import SamplingScratch
+
+                self._scratch = SamplingScratch()
+            packed = sample_with_kernels(logits, batch, key, self.filter_kernel, self._scratch)
         else:
             packed = sample_with_references(logits, batch, self._generator(logits.device))
         rows, num_top = batch.logprob_rows, batch.max_logprobs
         if rows is None or num_top is None:
             return SamplerOutput(packed=packed, logprobs=None)
         kernels = self._uses_kernels(raw.device)
-        if kernels and self._logprob_scratch is None:
-            from fnvllm.kernels.sampling import LogprobScratch
-
-            self._logprob_scratch = LogprobScratch()
-        logprobs = compute_logprobs(raw, packed[0], rows, num_top, kernels, self._logprob_scratch)
+        logprobs = compute_logprobs(raw, packed[0], rows, num_top, kernels, self._scratch)
         return SamplerOutput(packed=packed, logprobs=logprobs)
 
 
@@ -617,13 +617,13 @@ def compute_logprobs(
     rows: torch.Tensor,
     num_top: int,
     kernels: bool = False,
-    scratch: LogprobScratch | None = None,
+    scratch: SamplingScratch | None = None,
 ) -> Logprobs:
     """Top-`num_top` and sampled-token log-probabilities of the raw logits (B, V) for rows ``rows`` ((L,) distinct,
     ascending), given the sampled token_ids (B,). With ``kernels`` two launches (``fnvllm.kernels.sampling.
     logprob_top``: one pass over every chunk of those rows, then per row its log-partition, its n best chunks and
     their n best logits; torch.topk over whole rows took 0.43 ms at 256 x 151,936 on the H200) into one packed
-    tensor (``Logprobs.packed``), with ``scratch`` (``LogprobScratch``) its reused device scratch; otherwise from
+    tensor (``Logprobs.packed``), with ``scratch`` (``SamplingScratch``) its reused device scratch; otherwise from
     logsumexp and torch.topk over the rows."""
     vocab = logits.shape[1]
     chunk = _logprob_chunk(vocab, num_top) if kernels else None

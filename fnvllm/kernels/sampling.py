@@ -44,8 +44,8 @@ from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of samp
 
 __all__ = [
     "CHUNK",
-    "LogprobScratch",
     "RowSampling",
+    "SamplingScratch",
     "chunk_summaries",
     "fused_sample",
     "logprob_candidates",
@@ -232,6 +232,7 @@ def sample_rows(
     rows: torch.Tensor | None = None,
     dense: bool = False,
     chunk: int = CHUNK,
+    scratch: SamplingScratch | None = None,
 ) -> torch.Tensor:
     """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``);
     returns the chunk summaries (3, R, C) (max, partition sum, non-finite flag of program i's row chunk c), which
@@ -239,7 +240,8 @@ def sample_rows(
 
     rows: None = every batch row; else (R,) int32 or int64, the batch rows to sample. dense: logits row i holds
     batch row rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index.
-    ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one.
+    ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one. scratch: where the chunk
+    summaries go (``SamplingScratch``: the returned summaries are valid until the scratch's next use; None: fresh).
     """
     num_chunks = _check_source(logits, chunk)
     num_rows = batch.out.shape[1]
@@ -252,8 +254,11 @@ def sample_rows(
     if logits.shape[0] != expected:
         raise ValueError(f"logits must have {expected} rows (dense={dense}), got {logits.shape[0]}")
     row_ids = rows if rows is not None else batch.scale  # unused pointer when HAS_ROWS is False
-    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
-    argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+    if scratch is None:
+        stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
+        argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+    else:
+        stats, argmax = scratch.chunk_stats(num_programs, num_chunks, logits.device)
     flags = {"HAS_ROWS": rows is not None, "DENSE_SOURCE": dense and rows is not None}
     _chunk_stats_kernel[(num_programs, num_chunks)](
         logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
@@ -451,39 +456,61 @@ def _logprob_top_kernel(
         x = tl.where(cols == pick, float("-inf"), x)
 
 
-class LogprobScratch:
-    """``logprob_top``'s device scratch (chunk summaries, their unused argmax, the zero scales), kept between calls
-    and grown on demand: a step's fresh tensors cost the host an allocator call each, every step. Reuse is safe
-    on one stream (a later call's kernels run after an earlier call's readers); the outputs are not kept here."""
+class SamplingScratch:
+    """The sampling kernels' device scratch (chunk summaries and their argmax, the rows' drawn uniforms and maxima,
+    the zero scales of the logprobs' raw summaries), kept between calls and grown on demand: fresh tensors cost
+    the host an allocator call each, every step. Reuse is safe on one stream: a later call's kernels run after an
+    earlier call's readers. Only scratch that no caller keeps lives here (never the samples or the logprobs)."""
+
+    _MAX_VIEWS = 64  # prefill steps' row counts vary: the view cache is cleared past this many shapes
 
     def __init__(self) -> None:
-        self._float = torch.empty(0)
-        self._zeros = torch.empty(0)  # never written: a scale of 0 reads the raw logits
-        self._views: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
 
-    def views(
-        self, num_programs: int, num_chunks: int, num_rows: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(stats (3, L, C) float32, argmax (L, C) int32, zeros (R,) float32) on ``device``; the same tensors for
-        the same sizes (a decode step's rows are last step's)."""
-        key = (num_programs, num_chunks, num_rows, device)
+    def _buffer(self, name: str, numel: int, device: torch.device, zero: bool = False) -> torch.Tensor:
+        """Float32 buffer ``name`` of at least ``numel`` on ``device`` (doubled when it grows; its views dropped)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.device != device or buffer.numel() < numel:
+            size = max(numel, 0 if buffer is None else 2 * buffer.numel())
+            buffer = (torch.zeros if zero else torch.empty)(size, dtype=torch.float32, device=device)
+            self._buffers[name] = buffer
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # the old buffer's views
+        return buffer
+
+    def _keep(self, key: tuple[object, ...], views: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if len(self._views) >= self._MAX_VIEWS:
+            self._views.clear()
+        self._views[key] = views
+        return views
+
+    def chunk_stats(self, num_programs: int, num_chunks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(stats (3, R, C) float32, argmax (R, C) int32) for ``_chunk_stats_kernel``; the same tensors for the
+        same sizes (a decode step's are last step's)."""
+        key = ("stats", num_programs, num_chunks, device)
         kept = self._views.get(key)
         if kept is not None:
             return kept
         cells = num_programs * num_chunks
-        if self._float.device != device or self._float.numel() < 4 * cells:
-            self._float = torch.empty(max(4 * cells, 2 * self._float.numel()), dtype=torch.float32, device=device)
-            self._views.clear()  # views of the old buffer; it is freed once they are
-        if self._zeros.device != device or self._zeros.numel() < num_rows:
-            self._zeros = torch.zeros(max(num_rows, 2 * self._zeros.numel()), dtype=torch.float32, device=device)
-            self._views.clear()
-        stats = self._float[: 3 * cells].view(3, num_programs, num_chunks)
-        argmax = self._float[3 * cells : 4 * cells].view(torch.int32).view(num_programs, num_chunks)
-        zeros = self._zeros[:num_rows]
-        if len(self._views) >= 32:  # prefill steps' row counts vary: keep the view cache small
-            self._views.clear()
-        self._views[key] = (stats, argmax, zeros)
-        return stats, argmax, zeros
+        flat = self._buffer("stats", 4 * cells, device)
+        stats = flat[: 3 * cells].view(3, num_programs, num_chunks)
+        return self._keep(key, (stats, flat[3 * cells : 4 * cells].view(torch.int32).view(num_programs, num_chunks)))
+
+    def drawn(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """(3, B) float32 for ``RowSampling.drawn`` (written before it is read, within one sampling call)."""
+        key = ("drawn", num_rows, device)
+        kept = self._views.get(key)
+        if kept is None:
+            kept = self._keep(key, (self._buffer("drawn", 3 * num_rows, device)[: 3 * num_rows].view(3, num_rows),))
+        return kept[0]
+
+    def zeros(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """(B,) float32 zeros, never written: the scales of summaries of the raw logits."""
+        key = ("zeros", num_rows, device)
+        kept = self._views.get(key)
+        if kept is None:
+            kept = self._keep(key, (self._buffer("zeros", num_rows, device, zero=True)[:num_rows],))
+        return kept[0]
 
 
 def logprob_top(
@@ -492,7 +519,7 @@ def logprob_top(
     num_top: int,
     chunk: int,
     tokens: torch.Tensor,
-    scratch: LogprobScratch | None = None,
+    scratch: SamplingScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the raw logits rows ``rows`` ((L,) int32 or int64, distinct) in two launches: (top values
     (L, num_top) float32, best first; their ids (L, num_top) int64; the sampled token's (L,) float32; packed: one
@@ -511,8 +538,9 @@ def logprob_top(
     values = packed[top_bytes : top_bytes + top_bytes // 2].view(torch.float32).view(num_programs, num_top)
     sampled = packed[top_bytes + top_bytes // 2 :].view(torch.float32)
     if num_programs:
-        scratch = LogprobScratch() if scratch is None else scratch
-        stats, argmax, zeros = scratch.views(num_programs, num_chunks, logits.shape[0], device)
+        scratch = SamplingScratch() if scratch is None else scratch
+        stats, argmax = scratch.chunk_stats(num_programs, num_chunks, device)
+        zeros = scratch.zeros(logits.shape[0], device)
         _chunk_stats_kernel[(num_programs, num_chunks)](
             logits, zeros, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
