@@ -3,6 +3,11 @@ reference, its kept device scratch (``SamplingScratch``), and the packed tensor'
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -147,3 +152,20 @@ def test_one_sampler_keeps_its_scratch_across_batch_shapes() -> None:
         assert torch.equal(got.packed, want.packed)
         if want.logprobs is not None:
             assert got.logprobs is not None and torch.equal(got.logprobs.packed, want.logprobs.packed)
+
+
+def test_sampler_ops_counts_fewer_host_ops_than_round_one() -> None:
+    """``benchmarks/host_step.py --sampler-ops`` checks logprob_top against the reference and counts fewer
+    allocations, torch ops and Triton launches for the logprobs now than round 1's path, and half the copies."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    script = str(root / "benchmarks" / "host_step.py")
+    result = subprocess.run(
+        [sys.executable, script, "--sampler-ops", "1"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ids equal" in result.stdout
+    rows = {line[:34].strip(): line[34:].split() for line in result.stdout.splitlines()}
+    now, old = rows["compute_logprobs (now)"], rows["compute_logprobs (round 1)"]
+    assert all(int(now[k]) < int(old[k]) for k in (0, 1, 3))  # aten ops, allocations, Triton launches
+    assert "host copy now (2 tensors)" in rows and "host copy round 1 (4 tensors)" in rows
