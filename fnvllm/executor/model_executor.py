@@ -200,7 +200,8 @@ class PinnedRing:
 
     def __init__(self, max_rows: int, size: int = 4) -> None:
         self.buffers = [torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
-        # the same step's logprobs ((L, n) float32 and int64, (L,) float32; n <= MAX_LOGPROBS), as byte views: a
+        # the same step's logprobs (the kernels' one packed uint8 tensor, or (L, n) float32 and int64 and (L,)
+        # float32 from the references; n <= MAX_LOGPROBS), as byte views: a
         # fresh pinned tensor of a new size (every prefill step's L differs) asks the driver for pinned memory
         extra = max_rows * _LOGPROB_BYTES_PER_ROW
         self.extras = [torch.empty(extra, dtype=torch.uint8, pin_memory=True) for _ in range(size)]
