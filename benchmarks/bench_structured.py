@@ -32,7 +32,9 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -73,10 +75,14 @@ def _args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each batch (the best is reported)")
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
                    help="also time both batches with overlapped steps off (default on)")  # fmt: skip
-    p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the mix with deferred steps sampled at collect (default on)")  # fmt: skip
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"other configurations to time, comma-separated, of {', '.join(VARIANTS)}")  # fmt: skip
     p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
-    p.add_argument("--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1)")
+    p.add_argument(
+        "--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1, at most 8)"
+    )
+    p.add_argument("--process", action=argparse.BooleanOptionalAction, default=None,
+                   help="the default's matchers in a grammar process (default: where CUDA is)")  # fmt: skip
     p.add_argument("--vocabulary", choices=VOCABS, default="bpe", help="of a checkpoint without a tokenizer")
     p.add_argument("--other-vocabulary", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the mix with the other --vocabulary (default on)")  # fmt: skip
@@ -151,6 +157,8 @@ def _byte_decoder() -> dict[str, int]:
 
 
 VOCABS = {"bpe": _bpe_vocab, "synthetic": _synthetic_vocab}
+ALL_CORES = os.sched_getaffinity(0)  # before any grammar process split them (the thread variants run on them all)
+PROCESS: list[bool | None] = [None]  # --process, for every Grammars attached here
 QUOTED: dict[str, int] = {}  # per vocabulary attached: how many of its tokens hold a quote (module docstring)
 
 
@@ -169,6 +177,8 @@ def _build(args: argparse.Namespace, folder: Path) -> tuple[Any, Any]:
         grammars = _executor(llm).grammars
         if grammars is not None and args.fill_threads:
             grammars.num_threads = args.fill_threads
+        if grammars is not None:
+            grammars.process = args.process
         return llm, lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)
     return llm, _attach_vocab(llm, args.vocabulary, args.fill_threads)
 
@@ -189,7 +199,9 @@ def _attach_vocab(llm: Any, name: str, fill_threads: int | None) -> Any:
     vocab = VOCABS[name](vocab_size)
     QUOTED[name] = sum(b'"' in token for token in vocab)
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=eos)
-    _executor(llm).grammars = Grammars(None, vocab_size, eos, tokenizer_info=info, num_threads=fill_threads)
+    _executor(llm).grammars = Grammars(
+        None, vocab_size, eos, tokenizer_info=info, num_threads=fill_threads, process=PROCESS[0]
+    )
     return lambda ids: b"".join(vocab[i] for i in ids if i not in eos).decode("utf-8", "replace")
 
 
@@ -197,6 +209,40 @@ def _prompts(llm: Any, rows: int, length: int) -> list[list[int]]:
     rng = random.Random(1)
     top = min(llm.model_config.vocab_size, 1000)
     return [[rng.randrange(3, top) for _ in range(length)] for _ in range(rows)]
+
+
+def _preflight(llm: Any) -> bool:
+    """When the default grammars use a grammar process: start it and send one mask through it to the device; if
+    that fails, say why and fall back to this process's matchers (so the run still times the rest). Returns
+    whether grammar processes work here."""
+    from fnvllm.state import StructuredOutput
+
+    grammars = _executor(llm).grammars
+    if grammars is None or not grammars.uses_process:
+        return True
+    try:
+        remote = grammars._process()
+        live = remote.new(StructuredOutput.json_schema(SMALL_SCHEMA))
+        device = _executor(llm).device
+        host = grammars.masks([live], pinned=device.type == "cuda")
+        if host is None:
+            raise RuntimeError("no mask came back for a constrained row")
+        mask = host.upload(device)
+        allowed = int(mask.bitmask.ne(0).sum().item())
+        remote.drop([live])
+        pinned = bool(remote._maps and remote._maps[-1][2])
+        print(f"grammar process: up (masks pinned: {pinned}, pin failed: {remote.pin_failed}, cores {remote.cores}); "
+              f"first mask allows {allowed} words", flush=True)  # fmt: skip
+        return True
+    except Exception as error:  # any failure: report it, time the rest without the process
+        import traceback
+
+        traceback.print_exc()
+        print(f"grammar process FAILED ({error!r}): the default falls back to this process's matchers", flush=True)
+        grammars.close()
+        grammars.process = False
+        PROCESS[0] = False
+        return False
 
 
 def _check_correctness(llm: Any, decode: Any, prompts: list[list[int]]) -> int:
@@ -240,8 +286,9 @@ def _interleaved(llm: Any, prompts: list[list[int]], batches: list[list[Any]], r
 
 
 def main() -> int:
-    """Build, check, time; print the tables last."""
+    """Build, check, time; print each table as soon as it is known (a run cut short keeps them), the summary last."""
     args = _args()
+    PROCESS[0] = args.process
     try:
         import xgrammar  # noqa: F401
     except ImportError:
@@ -249,32 +296,39 @@ def main() -> int:
         return 0
     with _checkpoint(args) as folder:
         llm, decode = _build(args, folder)
+        if not _preflight(llm):
+            args.variants = ",".join(v for v in args.variants.split(",") if v.startswith("thread"))
         prompts = _prompts(llm, args.rows, args.prompt_len)
         valid = _check_correctness(llm, decode, prompts)
         plain, mixed = _batches(args)
         _timed(llm, prompts[:16], mixed[:16])  # warm-up: compile, graphs
-        results, diagnosis = _variants(args, llm, folder, prompts, plain, mixed)
-        overlap = llm.loop.overlap
+        num_constrained = sum(p.structured is not None for p in mixed)
+        print(f"\ndevice {args.device}, overlap {llm.loop.overlap}, {args.rows} rows x {args.max_tokens} tokens, "
+              f"{num_constrained} constrained, correctness {valid}/{min(16, len(prompts))} constrained outputs valid, "
+              f"grammar process {_executor(llm).grammars.uses_process}", flush=True)  # fmt: skip
+        results, diagnosis = _variants(args, llm, folder, prompts, plain, mixed, num_constrained)
         llm.close()
-    num_constrained = sum(p.structured is not None for p in mixed)
     if args.host_steps:
+        os.sched_setaffinity(0, ALL_CORES)  # the table's own fills (and "auto" threads) as on an unsplit machine
         _host_table(num_constrained, args.host_steps)
-    print(f"\ndevice {args.device}, overlap {overlap}, {args.rows} rows x {args.max_tokens} tokens, correctness "
-          f"{valid}/{min(16, len(prompts))} constrained outputs valid")  # fmt: skip
     for name, count in QUOTED.items():
         print(f"vocabulary {name}: {count} of its tokens hold a quote")
-    print(f"\n{'batch':<56}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
+    _print_results(results, args, num_constrained)
+    _print_diagnosis(diagnosis)
+    for suffix, ((t_plain, _), (t_mixed, _)) in results.items():  # last: a log cut to its tail keeps the target
+        print(f"summary{suffix or ' (default)'}: mixed / unconstrained time {t_mixed / t_plain:.3f}")
+    return 0
+
+
+def _print_results(results: dict[str, list[tuple[float, int]]], args: argparse.Namespace, num_constrained: int) -> None:
+    """The timed pairs: seconds, tokens, tok/s and ms per step of each batch, and the ratio."""
+    print(f"\n{'batch':<64}{'seconds':>10}{'tokens':>10}{'tok/s':>12}{'ms/step':>10}")
     for suffix, ((t_plain, n_plain), (t_mixed, n_mixed)) in results.items():
         label = f"{num_constrained} constrained ({args.fraction:.0%}){suffix}"
         for name, seconds, tokens in ((f"unconstrained{suffix}", t_plain, n_plain), (label, t_mixed, n_mixed)):
             step_ms = 1e3 * seconds / args.max_tokens
-            print(f"{name:<56}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
-        print(f"{'mixed / unconstrained time' + suffix:<56}{t_mixed / t_plain:>10.3f}")
-    _print_diagnosis(diagnosis)
-    for suffix in diagnosis:  # last, so that a log cut to its tail keeps the target's numbers
-        (t_plain, _), (t_mixed, _) = results[suffix]
-        print(f"summary{suffix or ' (default)'}: mixed / unconstrained time {t_mixed / t_plain:.3f}")
-    return 0
+            print(f"{name:<64}{seconds:>10.3f}{tokens:>10}{tokens / seconds:>12.0f}{step_ms:>10.2f}")
+        print(f"{'mixed / unconstrained time' + suffix:<64}{t_mixed / t_plain:>10.3f}", flush=True)
 
 
 def _batches(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
@@ -292,18 +346,44 @@ def _batches(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     return plain, mixed
 
 
+# Besides the default (a grammar process where CUDA is, sampled at launch): BACKEND-WHERE, BACKEND "thread" (this
+# process's grammar thread), "process" or "processN" (N worker threads in the process), either with "tT" (T xgrammar
+# threads in all, default the default's), WHERE "launch" or "collect". process-collect measured 2.01x (2026-12-02).
+VARIANTS = ("thread-collect", "thread-launch", "process2-launch", "process1t4-launch")
+
+
 def _variants(
-    args: argparse.Namespace, llm: Any, folder: Path, prompts: list[list[int]], plain: list[Any], mixed: list[Any]
+    args: argparse.Namespace,
+    llm: Any,
+    folder: Path,
+    prompts: list[list[int]],
+    plain: list[Any],
+    mixed: list[Any],
+    num_constrained: int,
 ) -> tuple[dict[str, list[tuple[float, int]]], dict[str, dict[str, float]]]:
     """Per configuration (a label suffix), the timed (plain, mixed) pair; and the per-step diagnosis of the default
-    configuration (and of the other vocabulary)."""
+    configuration (and of the other vocabulary). The default's diagnosis is printed at once, then the pairs of the
+    default and of each variant after every round (the configurations take turns, so drift hits all alike)."""
     from fnvllm.engine.text import has_tokenizer_files
 
     executor = _executor(llm)
     vocab_label = "" if has_tokenizer_files(folder) else f" [{args.vocabulary} vocab]"
-    results = {vocab_label: _interleaved(llm, prompts, [plain, mixed], args.repeats)}
-    diagnosis = {vocab_label: _diagnose(llm, prompts, plain, mixed)}
     default = executor.grammars
+    diagnosis = {vocab_label: _diagnose(llm, prompts, plain, mixed)}
+    _print_diagnosis(diagnosis)
+    configs = {vocab_label: (default, executor.sample_deferred_at)}
+    overlap = llm.loop.overlap
+    names = [name for name in args.variants.split(",") if name] if overlap else []
+    for name in names:
+        found = re.fullmatch(r"(thread|process)(\d*)(?:t(\d+))?-(launch|collect)", name)
+        if found is None:
+            raise SystemExit(f"--variants: {name!r} is not BACKEND-WHERE (e.g. thread-collect, process2t4-launch)")
+        kind, workers, threads, sampled = found.groups()
+        backend = name.removesuffix(f"-{sampled}")
+        grammars = _with_workers(default, int(workers or 1), int(threads or 0) or None, process=kind == "process")
+        configs[f"{vocab_label}, {backend}, sampled at {sampled}"] = (grammars, sampled)
+    results = _rounds(llm, prompts, plain, mixed, configs, args, num_constrained)
+    executor.grammars, executor.sample_deferred_at = default, configs[vocab_label][1]
     if args.other_vocabulary and vocab_label:
         other = next(name for name in VOCABS if name != args.vocabulary)
         _attach_vocab(llm, other, args.fill_threads)
@@ -311,21 +391,40 @@ def _variants(
         results[f" [{other} vocab]"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
         diagnosis[f" [{other} vocab]"] = _diagnose(llm, prompts, plain, mixed)
         executor.grammars = default
-    overlap = llm.loop.overlap
-    if overlap and args.variants:
-        executor.sample_deferred_at = "launch"  # the other place a deferred step may sample (ModelExecutor)
-        results[f"{vocab_label}, sampled at launch"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
-        executor.sample_deferred_at = "collect"
-        half = max(1, default.num_threads // 2)
-        executor.grammars = _with_workers(default, 1, half)
-        results[f"{vocab_label}, {half} fill threads"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
-        executor.grammars = default
     if args.plain and overlap:
         from fnvllm.engine.loop import EngineLoop
 
         llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
         results[f"{vocab_label}, plain steps"] = _interleaved(llm, prompts, [plain, mixed], args.repeats)
     return results, diagnosis
+
+
+def _rounds(
+    llm: Any,
+    prompts: list[list[int]],
+    plain: list[Any],
+    mixed: list[Any],
+    configs: dict[str, tuple[Any, str]],
+    args: argparse.Namespace,
+    num_constrained: int,
+) -> dict[str, list[tuple[float, int]]]:
+    """Per configuration (grammars, where a deferred step samples), the best (plain, mixed) over ``args.repeats``
+    rounds in which every configuration runs both batches in turn; the table is printed after each round."""
+    executor = _executor(llm)
+    best: dict[str, list[tuple[float, int]]] = {label: [(float("inf"), 0)] * 2 for label in configs}
+    split = os.sched_getaffinity(0)  # this thread's cores: half of them once a grammar process split them
+    for round_ in range(args.repeats):
+        for label, (grammars, sampled) in configs.items():
+            executor.grammars, executor.sample_deferred_at = grammars, sampled
+            os.sched_setaffinity(0, split if grammars.uses_process else ALL_CORES)  # threads here get every core
+            if round_ == 0 and grammars is not configs[next(iter(configs))][0]:
+                _timed(llm, prompts[:16], mixed[:16])  # starts its process, compiles its schema
+            for k, params in enumerate((plain, mixed)):
+                best[label][k] = min(best[label][k], _timed(llm, prompts, params))
+        os.sched_setaffinity(0, split)
+        print(f"\nafter round {round_ + 1} of {args.repeats}:")
+        _print_results(best, args, num_constrained)
+    return best
 
 
 def _diagnose(llm: Any, prompts: list[list[int]], plain: list[Any], mixed: list[Any]) -> dict[str, float]:
@@ -343,6 +442,8 @@ def _diagnose(llm: Any, prompts: list[list[int]], plain: list[Any], mixed: list[
         decode = executor.timeline.summary().get("decode", {})
         out |= {f"{name} {k}": decode.get(f"mean_{k}_ms", float("nan")) for k in ("gpu", "cpu", "gap")}
         out[f"{name} ms/step"] = 1e3 * seconds / max(1, params[0].max_tokens)
+    out["ms/step ratio"] = out["mixed ms/step"] / out["plain ms/step"]
+    out["cpu ratio"] = out["mixed cpu"] / out["plain cpu"]  # the host's cycle: what bounds a host-bound step
     stats = executor.grammars.reset_stats()
     steps = max(1, stats.num_fills)
     out |= {"fill": 1e3 * stats.fill_s / steps, "accept": 1e3 * stats.accept_s / steps,
@@ -362,11 +463,12 @@ def _print_diagnosis(diagnosis: dict[str, dict[str, float]]) -> None:
     print(f"{'configuration':<22}" + "".join(f"{name:>16}" for name in names))
     for label, row in diagnosis.items():
         print(f"{label.strip() or 'default':<22}" + "".join(f"{row[name]:>16.3f}" for name in names))
+    print(flush=True)
 
 
-def _with_workers(grammars: Any, workers: int, threads: int | None = None) -> Any:
+def _with_workers(grammars: Any, workers: int, threads: int | None = None, process: bool | None = None) -> Any:
     """A Grammars like ``grammars`` with ``workers`` grammar workers sharing ``threads`` xgrammar threads (default:
-    as many as ``grammars``)."""
+    as many as ``grammars``), in a grammar process or this one (``process``; None: the default)."""
     from fnvllm.executor.structured import Grammars
 
     return Grammars(
@@ -376,17 +478,18 @@ def _with_workers(grammars: Any, workers: int, threads: int | None = None) -> An
         grammars.tokenizer_info,
         threads or grammars.num_threads,
         workers,
+        process,
     )
 
 
 def _host_table(rows: int, steps: int) -> None:
-    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies (1, 8, all but one
-    xgrammar threads on one worker; 4 workers of 4 threads)."""
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies (1, 8, the default
+    xgrammar threads on one worker; 4 workers of 4 threads; the grammar process with the default threads)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import structured_host
 
     structured_host.VOCABS = VOCABS  # this module's, whose vocabularies are built already
-    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4"]
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4,p1xauto"]
     structured_host.main()
 
 

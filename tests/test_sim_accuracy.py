@@ -18,6 +18,7 @@ TRUE = HardwareProfile(
     name="true",
     mem_bandwidth_gbs=H200.mem_bandwidth_gbs,
     matmul_tflops=H200.matmul_tflops,
+    matmul_bandwidth_gbs=H200.matmul_bandwidth_gbs,
     memory_gib=H200.memory_gib,
     graph_max_seqs=512,
     eager=Overheads(scale=1.3, attn_scale=1.8, step_us=250.0, seq_us=3.0, token_us=0.2, gap_us=80.0, gap_seq_us=0.5),

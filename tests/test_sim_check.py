@@ -69,7 +69,9 @@ def test_check_reports_the_error_of_a_wrong_profile(tmp_path: Path, capsys: pyte
     timeline = _record_simulated_run(tmp_path, overlap=True)
     save_profile(TRUE, tmp_path / "true.json")
     slower = {"eager": attrs.evolve(TRUE.eager, step_us=TRUE.eager.step_us + 5000.0)}
-    wrong = attrs.evolve(TRUE, graph=attrs.evolve(TRUE.graph, step_us=TRUE.graph.step_us + 5000.0), **slower)
+    small = tuple(us + 5000.0 for us in TRUE.graph.small_us)  # the 1-8 row graphs' own constants
+    graph = attrs.evolve(TRUE.graph, step_us=TRUE.graph.step_us + 5000.0, small_us=small)
+    wrong = attrs.evolve(TRUE, graph=graph, **slower)
     assert check_run(timeline, run_path(timeline), wrong).error > 0.05
     code = main(["simulate", "--check", str(timeline), "--hardware", str(tmp_path / "true.json")])
     out = capsys.readouterr().out

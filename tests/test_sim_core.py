@@ -75,13 +75,14 @@ def test_step_shape_counts_a_mixed_plan() -> None:
 
 
 def test_roofline_of_a_decode_step_is_the_weight_and_kv_read() -> None:
-    """A 1-sequence decode is memory bound: its roofline is (layer weights + KV + LM head) bytes / bandwidth."""
+    """A 1-sequence decode is memory bound: its roofline is the weights (layers + LM head) over the bandwidth
+    matmuls stream them at, plus the KV over the read bandwidth."""
     cost = CostModel(QWEN3_06B, H200)
     shape = step_shape(_plan([1], [999]), graph_max_seqs=0)
     m = QWEN3_06B
-    layer_bytes = 2 * (m.layer_params + 1000 * 2 * m.kv_size)
-    head_bytes = 2 * m.vocab * m.hidden + 8 * m.vocab
-    expected = (m.layers * layer_bytes + head_bytes) / H200.bytes_per_s
+    weight_bytes = m.layers * 2 * m.layer_params + 2 * m.vocab * m.hidden + 8 * m.vocab
+    kv_bytes = m.layers * 2 * 1000 * 2 * m.kv_size
+    expected = weight_bytes / H200.matmul_bytes_per_s + kv_bytes / H200.bytes_per_s
     assert cost.roofline_s(shape) == pytest.approx(expected, rel=0.01)
 
 
@@ -95,13 +96,14 @@ def test_roofline_of_a_long_prefill_is_compute_bound() -> None:
 
 
 def test_executor_advances_the_clock_and_rejects_stale_plans() -> None:
-    """execute() adds the plan's predicted time to the clock and refuses a repeated step."""
+    """execute() adds the plan's predicted time to the clock (the first step, after an idle device, as a plain
+    loop's step: device + gap) and refuses a repeated step."""
     cost = CostModel(QWEN3_06B, H200)
     executor = SimExecutor(cost)
     plan = _plan([1, 1], [10, 20])
     result = executor.execute(plan)
-    assert result.token_ids == (3, 3)
-    assert executor.clock == pytest.approx(cost.step_s(step_shape(plan, H200.graph_max_seqs)))
+    assert result.token_ids == (3, 3) and executor.last_plain
+    assert executor.clock == pytest.approx(cost.wall_s(step_shape(plan, H200.graph_max_seqs), 0, False))
     with pytest.raises(StalePlanError):
         executor.execute(plan)
 
@@ -306,3 +308,63 @@ def test_simulated_arrivals_keep_their_priorities() -> None:
     result = simulate(requests, config, SimExecutor(CostModel(QWEN3_06B, H200)), get_policy("priority"))
     order = sorted(range(len(requests)), key=lambda i: result.recorder.first_scheduled[i])
     assert order == [3, 1, 2, 0]
+
+
+def test_decode_graph_steps_are_priced_at_their_captured_batch() -> None:
+    """A decode graph step of 5 rows replays the 8-row graph: its device time equals that of 8 rows reading the
+    same KV (padding rows compute); an eager step of 5 rows costs less than one of 8; the sizes are the engine's."""
+    import attrs
+
+    from fnvllm.sim import Overheads, StepShape
+    from fnvllm.sim.cost import graph_batch_sizes
+
+    profile = attrs.evolve(H200, graph=Overheads(step_us=300.0, seq_us=5.0), eager=Overheads(seq_us=5.0))
+    cost = CostModel(QWEN3_06B, profile)
+
+    def decode(rows: int, graph: bool) -> StepShape:
+        return StepShape(rows, rows, rows, 0, 4000, 4000, rows, graph)
+
+    assert cost.device_s(decode(5, True)) == pytest.approx(cost.device_s(decode(8, True)), rel=1e-3)  # q, out: 5 rows
+    assert cost.device_s(decode(9, True)) > cost.device_s(decode(8, True))
+    assert cost.compute_s(decode(5, False)) < cost.compute_s(decode(8, False))
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    torch_sizes = pytest.importorskip("fnvllm.executor.cuda_graphs").graph_batch_sizes
+    assert all(graph_batch_sizes(n) == torch_sizes(n) for n in (1, 3, 8, 16, 17, 100, 512))
+
+
+def test_small_graphs_take_their_own_step_constant(tmp_path: Path) -> None:
+    """With small_us set, a 1-row decode graph step's constant is small_us[0] instead of step_us + the log term
+    (and a 16-row one keeps the curve); small_us holds at most 4 numbers >= 0 (an error names it) and survives a
+    JSON round trip."""
+    import attrs
+
+    from fnvllm.sim import Overheads, StepShape
+    from fnvllm.sim.checks import SimInputError
+    from fnvllm.sim.hardware import load_profile, save_profile
+
+    curve = Overheads(step_us=800.0, log_seq_us=20.0)
+    small = attrs.evolve(curve, small_us=(400.0, 700.0, 750.0, 790.0))
+    one, sixteen = StepShape(1, 1, 1, 0, 300, 300, 1, True), StepShape(16, 16, 16, 0, 4800, 4800, 16, True)
+    with_curve = CostModel(QWEN3_06B, attrs.evolve(H200, graph=curve))
+    with_small = CostModel(QWEN3_06B, attrs.evolve(H200, graph=small))
+    assert with_curve.compute_s(one) - with_small.compute_s(one) == pytest.approx(400e-6)
+    assert with_small.compute_s(sixteen) == pytest.approx(with_curve.compute_s(sixteen))
+    for bad in ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (1.0, -2.0, 3.0, 4.0), "fast"):
+        with pytest.raises(SimInputError, match="small_us"):
+            Overheads(small_us=bad)  # type: ignore[arg-type]
+    save_profile(attrs.evolve(H200, graph=small), tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").graph.small_us == small.small_us
+
+
+def test_host_time_grows_with_the_context() -> None:
+    """host_context_us and gap_context_us charge per context token: doubling a decode step's context adds
+    exactly their share to its host time and plain gap."""
+    import attrs
+
+    from fnvllm.sim import Overheads, StepShape
+
+    over = Overheads(host_us=500.0, host_context_us=0.01, gap_us=100.0, gap_context_us=0.004)
+    cost = CostModel(QWEN3_06B, attrs.evolve(H200, graph=over))
+    short, long = StepShape(8, 8, 8, 0, 4000, 4000, 8, True), StepShape(8, 8, 8, 0, 8000, 8000, 8, True)
+    assert cost.host_s(long) - cost.host_s(short) == pytest.approx(4000 * 0.01e-6)
+    assert cost.gap_s(long) - cost.gap_s(short) == pytest.approx(4000 * 0.004e-6)

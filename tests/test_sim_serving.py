@@ -30,7 +30,7 @@ SERVED = attrs.evolve(
 
 def _zero_rooflines(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` with ceilings so high that every roofline is ~0 (times are the fitted constants alone)."""
-    return attrs.evolve(profile, mem_bandwidth_gbs=1e7, matmul_tflops=1e7)
+    return attrs.evolve(profile, mem_bandwidth_gbs=1e7, matmul_tflops=1e7, matmul_bandwidth_gbs=1e7)
 
 
 def test_serving_section_round_trips_and_names_a_bad_field(tmp_path: Path) -> None:
@@ -250,3 +250,145 @@ def test_cli_calibrate_fits_a_serving_section_from_a_served_timeline(tmp_path: P
     run = [*cli, "--hardware", str(tmp_path / "p.json"), "--serve", "--num-requests", "30", "--json", "--no-progress"]
     done = subprocess.run(run, capture_output=True, text=True, env=env)
     assert done.returncode == 0 and json.loads(done.stdout)["num_finished"] == 30, done.stderr
+
+
+def test_median_line_ignores_the_tail() -> None:
+    """median_line recovers a + b x from data whose tenth of points sit far above the line (a latency tail),
+    returns b = 0 for a negative slope or a constant x, and the median there."""
+    import numpy as np
+
+    from benchmarks.sim_serve_check import median_line
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(5, 60, size=400).astype(float)
+    y = 0.004 + 0.0002 * x + rng.normal(0, 0.0002, size=400)
+    y[::10] += 0.05
+    a, b = median_line(x.tolist(), y.tolist())
+    assert a == pytest.approx(0.004, abs=3e-4) and b == pytest.approx(0.0002, rel=0.1)
+    assert median_line(x.tolist(), (0.01 - 0.0001 * x).tolist())[1] == 0.0
+    assert median_line([3.0] * 5, [1.0, 2.0, 3.0, 4.0, 50.0]) == (3.0, 0.0)
+
+
+def test_served_latency_grows_with_the_requests_in_flight(tmp_path: Path) -> None:
+    """With Serving.latency_stream_us, each request's TTFT and end-to-end latency grow by latency_us +
+    latency_stream_us x the requests in flight when it arrived (the recorder's count), and its TPOT not at all."""
+    spec = {"workload": "poisson", "num_requests": 60, "rate": 200.0, "output_mean": 30, "prompt_mean": 200}
+    base = attrs.evolve(SERVED, serving=attrs.evolve(SERVED.serving, latency_us=0.0))
+    runs = {}
+    for name, stream_us in (("flat", 0.0), ("per_stream", 300.0)):
+        profile = attrs.evolve(base, serving=attrs.evolve(base.serving, latency_us=1000.0, latency_stream_us=stream_us))
+        save_profile(profile, tmp_path / f"{name}.json")
+        result, _ = run_spec(SimSpec(**spec, hardware=str(tmp_path / f"{name}.json"), serve=True))
+        runs[name] = result.recorder
+    flat, per_stream = runs["flat"], runs["per_stream"]
+    in_flight = per_stream.in_flight_at_arrival()
+    assert max(in_flight) > min(in_flight)  # the load varies, so the delays do
+    for i, n in enumerate(in_flight):
+        assert per_stream.first_token[i] - flat.first_token[i] == pytest.approx(300e-6 * n, abs=1e-9)
+        assert per_stream.finish[i] - flat.finish[i] == pytest.approx(300e-6 * n, abs=1e-9)
+    with pytest.raises(SimInputError, match="latency_stream_us"):
+        Serving(latency_stream_us=-1.0)
+
+
+def test_split_timeline_cuts_at_the_pauses_before_each_load(tmp_path: Path) -> None:
+    """split_timeline writes each load's steps (between the pauses before the loads; the warm-up's first) with
+    the header to its folder."""
+    from benchmarks.sim_serve_check import split_timeline
+
+    header = json.dumps({"model": MODEL.to_config(), "block_size": 256, "device": "cuda"})
+    ends = [0.0, 0.01, 0.02] + [2.5 + 0.002 * i for i in range(50)] + [5.0 + 0.003 * i for i in range(30)]
+    steps = [json.dumps({**DECODE.to_record(), "step": i, "gpu_ms": 2.0, "end_s": t}) for i, t in enumerate(ends)]
+    (tmp_path / "server.jsonl").write_text("\n".join([header, *steps]) + "\n")
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+    split_timeline(tmp_path / "server.jsonl", folders)
+    for folder, (first, count) in zip(folders, ((3, 50), (53, 30)), strict=True):
+        lines = (folder / "served_timeline.jsonl").read_text().splitlines()
+        assert lines[0] == header and len(lines) == count + 1
+        assert json.loads(lines[1])["step"] == first
+
+
+def _served_folder(out: Path, profile_path: Path, rate: float, seed: int) -> None:
+    """A saved served run (what sim_serve_check writes per load) made by simulating ``rate`` requests a second
+    under the profile at ``profile_path``: trace, per-request timings, timeline segment, run record."""
+    import random
+
+    from benchmarks import sim_serve_check
+
+    out.mkdir(parents=True)
+    engine = {**sim_serve_check.ENGINE, "max_model_len": 1024}
+    rng, t, trace = random.Random(seed), 0.0, []
+    for _ in range(80):
+        trace.append({"arrival_s": t, "prompt_len": rng.randint(150, 300), "output_len": rng.randint(20, 40)})
+        t += rng.expovariate(rate)
+    (out / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace))
+    with (out / "served_timeline.jsonl").open("w") as timeline:
+        spec = SimSpec(workload=str(out / "trace.jsonl"), hardware=str(profile_path), serve=True, **engine)
+        result, _ = run_spec(spec, timeline=timeline)
+    rec = result.recorder
+    with (out / "measured.jsonl").open("w") as f:
+        for first, arrival, finish, n in zip(rec.first_token, rec.arrival, rec.finish, rec.num_output, strict=True):
+            row = {"ttft": first - arrival, "tpot": (finish - first) / (n - 1), "e2e": finish - arrival}
+            f.write(json.dumps(row | {"num_tokens": n}) + "\n")
+    args = {"model_shape": "qwen3-0.6b", "request_rate": rate, "num_requests": len(trace)}
+    run = {"device": "sim", "args": args, "engine": engine, "overlap": True, "timeline": "segment"}
+    (out / "run.json").write_text(json.dumps(run | {"model": MODEL.to_config()}))
+
+
+def test_serve_check_checks_the_fitted_section_out_of_sample(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A served folder with a check run beside it (rate-60/): the serving section fitted on the 30/s run predicts
+    the 60/s run it never saw (TPOT p50 within 5 %, TTFT p50 within 15 %: both were made by the same profile), the
+    per-rate table marks which run was fitted and which is out of sample, and the profile written to ship has its
+    latency refitted on both runs (TTFT p50 within 15 % on each)."""
+    from benchmarks import sim_serve_check
+
+    true = attrs.evolve(SERVED, serving=attrs.evolve(SERVED.serving, latency_us=3000.0, latency_stream_us=100.0))
+    save_profile(true, tmp_path / "true.json")
+    _served_folder(tmp_path / "serve", tmp_path / "true.json", 30.0, seed=1)
+    _served_folder(tmp_path / "serve" / "rate-60", tmp_path / "true.json", 60.0, seed=2)
+    save_profile(attrs.evolve(SERVED, serving=None), tmp_path / "offline.json")
+    tables = sim_serve_check.analyse(tmp_path / "serve", str(tmp_path / "offline.json"))
+    check = {(r["metric"], r["p"]): r["error"] for r in tables["rate-60"]}
+    assert abs(check["tpot", "p50"]) < 0.05 and abs(check["ttft", "p50"]) < 0.15
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rate/s"])
+    assert [line.split()[:3] for line in lines[head + 1 : head + 3]] == [["30", "80", "fitted"], ["60", "80", "out"]]
+    assert lines[head + 3].startswith("worst out-of-sample p50")
+    # the profile to ship: the latency refitted on both runs, the fit on the first alone kept beside it
+    assert (tmp_path / "serve" / "profile_fit_run.json").is_file()
+    shipped = load_profile(tmp_path / "serve" / "profile_served.json")
+    assert shipped.serving is not None and shipped.serving.latency_stream_us >= 0
+    for name in ("all_rates", "all_rates rate-60"):
+        pooled = {(r["metric"], r["p"]): r["error"] for r in tables[name]}
+        assert abs(pooled["ttft", "p50"]) < 0.15, name
+
+
+def test_an_eager_launch_hides_behind_the_step_before() -> None:
+    """The device waits for the part of an eager step's launch (18 ms) that the step before does not hide: all of
+    it after an idle device, none after a step of 20 ms, 8 ms after one of 10 ms; the executor passes the last
+    step's device time on (a second eager step in a row runs at its kernels' 1 ms) and forgets it over an idle gap
+    (the next one waits for its whole launch again)."""
+    from fnvllm.state import SamplingParams, StepPlan
+
+    profile = _zero_rooflines(attrs.evolve(H200, eager=attrs.evolve(EAGER, step_us=1000.0), serving=None))
+    cost = CostModel(MODEL, attrs.evolve(profile, graph_max_seqs=0, graph_mixed_tokens=0))
+    assert cost.step_times(MIXED, 0, True, 0.0)[0] == pytest.approx(0.018, rel=1e-3)
+    assert cost.step_times(MIXED, 0, True, 0.020)[0] == pytest.approx(0.001, rel=1e-2)  # its kernels' 1 ms
+    assert cost.step_times(MIXED, 0, False, 0.010)[0] == pytest.approx(0.008, rel=1e-3)
+
+    def prefill(step: int) -> StepPlan:
+        return StepPlan(
+            step=step, block_size=16, seq_ids=("a",), input_tokens=((1,) * 64,), start_positions=(0,),
+            block_tables=((0, 1, 2, 3),), sample=(True,), params=(SamplingParams(),), num_generated=(0,),
+            histories=(None,),
+        )  # fmt: skip
+
+    ex = SimExecutor(cost)
+    devices = []
+    for step in range(3):
+        if step == 2:
+            ex.advance_to(ex.clock + 1.0)  # idle: the next launch hides behind nothing
+        ex.execute(prefill(step))
+        devices.append(ex.last_device_s)
+    assert devices == pytest.approx([0.018, 0.001, 0.018], rel=1e-2)

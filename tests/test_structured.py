@@ -325,7 +325,7 @@ def validates(value: Any, schema: dict[str, Any]) -> bool:
 def test_generated_schemas_always_give_valid_json(llm: LLM, schema: dict[str, Any], seed: int) -> None:
     """Property: for any generated (bounded) schema, the demo model's constrained output parses and validates."""
     spec = StructuredOutput.json_schema(schema)
-    params = [SamplingParams(max_tokens=200, temperature=t, seed=seed, structured=spec) for t in (0.0, 1.0, 2.0)]
+    params = [SamplingParams(max_tokens=500, temperature=t, seed=seed, structured=spec) for t in (0.0, 1.0, 2.0)]
     for out in llm.generate(["The story", "{", "def f"], params, use_tqdm=False):
         assert out.finish_reason == "stop", (schema, out.text)
         assert validates(json.loads(out.text), schema), (schema, out.text)
@@ -354,13 +354,16 @@ def test_tensor_parallel_rank0_enforces_the_grammar(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real overlapped steps, CUDA graphs)")
 def test_gpu_overlapped_constrained_rows_match_plain_steps() -> None:
-    """On a GPU (overlap on by default, CUDA graphs, the Triton sampler), constrained and unconstrained seeded rows
-    give plain stepping's tokens, and the constrained outputs follow their grammars."""
+    """On a GPU (overlap on by default, CUDA graphs, the Triton sampler, the grammar process with its pinned
+    shared masks), constrained and unconstrained seeded rows give plain stepping's tokens, and the constrained
+    outputs follow their grammars."""
     llm = LLM(DEMO, dtype="bfloat16", device="cuda", max_num_seqs=16, enable_prefix_caching=False)
     assert llm.loop.overlap
     prompts = ["The story", "def f", "Once", "A", "import", "x", "The"]
     overlapped = llm.generate(prompts, _params(7), use_tqdm=False)
     assert llm.loop.overlap_stats.kept > 0
+    grammars = llm.engine.executor.grammars
+    assert grammars is not None and grammars._remote is not None and not grammars._remote.pin_failed
     llm.loop.drain()
     llm.loop = EngineLoop(llm.engine, state=llm.loop.state, overlap=False)
     plain = llm.generate(prompts, _params(7), use_tqdm=False)

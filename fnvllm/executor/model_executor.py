@@ -307,12 +307,11 @@ class ModelExecutor:
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
-        # Where a deferred step (a constrained row fed by the step in flight) samples: "collect" = at the end of the
-        # collect that accepted its tokens, its masks filled there (the device gets the sampler while it still runs
-        # the step's forward; the host commits and plans after the fill); "launch" = at the next launch, its masks
-        # filled on the grammar thread while the host commits and plans. "collect" measured faster on the H200
-        # (docs/structured_outputs.md); benchmarks/bench_structured.py times both.
-        self.sample_deferred_at: Literal["launch", "collect"] = "collect"
+        # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
+        # its tokens accepted and masks filled by the grammar process (or thread) while the host commits and plans;
+        # "collect" = at the end of the collect that accepted its tokens, its masks filled there (on the host's
+        # critical path). docs/structured_outputs.md; benchmarks/bench_structured.py times both.
+        self.sample_deferred_at: Literal["launch", "collect"] = "launch"
         self.prompt_scorer = PromptScorer()  # prompt logprobs: each slot's last chunk row between steps
 
     # ---- memory ------------------------------------------------------------------------------------------

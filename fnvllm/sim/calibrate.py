@@ -25,7 +25,7 @@ profile JSON, run the engine there with FNVLLM_TIMELINE set, and fit with ``--ba
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,7 +33,7 @@ import attrs
 import numpy as np
 
 from fnvllm.sim.cost import CostModel, StepShape
-from fnvllm.sim.hardware import HardwareProfile, Overheads, Serving
+from fnvllm.sim.hardware import SMALL_BATCHES, HardwareProfile, Overheads, Serving
 from fnvllm.sim.model import ModelShape
 from fnvllm.sim.timeline import record_new_seqs, record_overlap, record_shape
 
@@ -87,10 +87,9 @@ def fit_bounded(
     """Weighted least-squares coefficients of ``y ~ x`` with ``lower <= coef <= upper`` (box constraints).
 
     A column the data cannot tell apart from the columns before it is not fitted: it keeps its ``prior``
-    coefficient (default the lower bound), clipped into its bounds. The rest is solved exactly: the optimum of a
-    box-constrained least-squares problem has each coefficient free or at one of its bounds, so every such
-    assignment is solved (on the normal equations: a handful of columns, so at most 3**k small solves) and the
-    feasible one with the least residual wins. ``weights``: per-row weights (e.g. 1/y for relative error).
+    coefficient (default the lower bound), clipped into its bounds. The rest is solved exactly, by a primal
+    active-set method on the normal equations (``_box_least_squares``). ``weights``: per-row weights (e.g. 1/y
+    for relative error).
     """
     prior = lower.astype(float).copy() if prior is None else np.clip(prior.astype(float), lower, upper)
     w = np.ones(len(y)) if weights is None else weights
@@ -98,19 +97,50 @@ def fit_bounded(
     fixed = [j for j in range(x.shape[1]) if j not in active]
     target = (y - x[:, fixed] @ prior[fixed]) * w
     a = x[:, active] * w[:, None]
-    gram, moment = a.T @ a, a.T @ target
-    lo, hi = lower[active], upper[active]
-    best, best_loss = np.clip(np.zeros(len(active)), lo, hi), np.inf
-    for states in itertools.product((0, 1, 2), repeat=len(active)):  # free, at lower, at upper
-        coef = _solve_with_bounds(gram, moment, lo, hi, states)
-        if coef is None:
-            continue
-        loss = float(coef @ gram @ coef - 2 * coef @ moment)
-        if loss < best_loss - 1e-12 * abs(best_loss if np.isfinite(best_loss) else 1.0):
-            best, best_loss = coef, loss
+    norms = np.linalg.norm(a, axis=0)  # solved on unit columns: the normal equations stay well conditioned
+    norms = np.where(norms > 0, norms, 1.0)
+    unit = a / norms
+    coef = _box_least_squares(unit.T @ unit, unit.T @ target, lower[active] * norms, upper[active] * norms)
     out = prior.copy()
-    out[active] = best
+    out[active] = np.clip(coef / norms, lower[active], upper[active])
     return out
+
+
+def _box_least_squares(gram: np.ndarray, moment: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """argmin of c @ gram @ c - 2 c @ moment over lo <= c <= hi (gram positive definite), by the primal
+    active-set method: solve for the free coefficients with the others held at their bounds, step towards that
+    solution until a coefficient meets a bound (it joins the bounds), and when the step is whole, release the
+    bound coefficient whose gradient points most into the box; stop when none does (the optimum's conditions)."""
+    n = len(moment)
+    c = np.clip(np.zeros(n), lo, hi)
+    at = (c == lo) & np.isfinite(lo) | (c == hi) & np.isfinite(hi)  # the working set: coefficients on a bound
+    for _ in range(50 * (n + 1)):
+        free = np.flatnonzero(~at)
+        target = c.copy()
+        if len(free):
+            bound = np.flatnonzero(at)
+            rhs = moment[free] - gram[np.ix_(free, bound)] @ c[bound]
+            target[free] = np.linalg.lstsq(gram[np.ix_(free, free)], rhs, rcond=None)[0]
+        step = target - c
+        if np.abs(step).max(initial=0.0) > 1e-12 * (1.0 + np.abs(c).max(initial=0.0)):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                room = np.where(step < 0, (lo - c) / step, np.where(step > 0, (hi - c) / step, np.inf))
+            room[at] = np.inf
+            j = int(np.argmin(room))
+            alpha = min(1.0, float(room[j]))
+            c = c + alpha * step
+            if alpha < 1.0:
+                c[j] = lo[j] if step[j] < 0 else hi[j]
+                at[j] = True
+                continue
+        gradient = gram @ c - moment  # half the loss's gradient
+        pull = np.where(np.isclose(c, lo) & at, -gradient, np.where(np.isclose(c, hi) & at, gradient, 0.0))
+        pull[lo == hi] = 0.0
+        j = int(np.argmax(pull))
+        if pull[j] <= 1e-12 * (1.0 + np.abs(moment).max(initial=0.0)):
+            return c
+        at[j] = False
+    return c
 
 
 WEIGHT_POWER = 1.0  # fits weigh a step's squared error by 1 / its time ** this (0: absolute, 1: relative error)
@@ -136,26 +166,6 @@ def fit_relative(
     return coef
 
 
-def _solve_with_bounds(
-    gram: np.ndarray, moment: np.ndarray, lo: np.ndarray, hi: np.ndarray, states: tuple[int, ...]
-) -> np.ndarray | None:
-    """The least-squares coefficients with those in state 1 at ``lo``, in state 2 at ``hi`` and the rest free;
-    None when a bound is infinite or a free coefficient falls outside its bounds."""
-    at = np.array(states)
-    if np.isinf(hi[at == 2]).any() or np.isinf(lo[at == 1]).any():
-        return None
-    coef = np.where(at == 2, hi, lo).astype(float)
-    free = np.flatnonzero(at == 0)
-    if len(free):
-        bound = np.flatnonzero(at != 0)
-        rhs = moment[free] - gram[np.ix_(free, bound)] @ coef[bound]
-        solution, *_ = np.linalg.lstsq(gram[np.ix_(free, free)], rhs, rcond=None)
-        if (solution < lo[free] - 1e-9).any() or (solution > hi[free] + 1e-9).any():
-            return None
-        coef[free] = np.clip(solution, lo[free], hi[free])  # within 1e-9 of a bound: on it
-    return coef
-
-
 def _fit_kind(
     cost: CostModel,
     shapes: Sequence[StepShape],
@@ -163,11 +173,14 @@ def _fit_kind(
     base: Overheads,
     launched: bool = False,
 ) -> Overheads:
-    """The overheads of one kind of step: device (``_fit_device``; with ``launched``, an eager kind, with a launch
-    floor: ``_fit_launched_device``), then plain gap (on what the device model leaves of each plain step's wall
-    time) and host."""
-    device = _fit_launched_device(cost, shapes, records, base) if launched else _fit_device(cost, shapes, records, base)
-    gap = _fit_gap(shapes, records, base, _priced(cost, device))
+    """The overheads of one kind of step. An eager kind (``launched``): device with a launch floor
+    (``_fit_launched_device``), then the plain gap on what the device model leaves of each plain step's wall time.
+    A graph kind: device and plain gap in one fit (``_fit_device_and_gap``). Then the host cycle (``_fit_host``)."""
+    if launched:
+        device = _fit_launched_device(cost, shapes, records, base)
+        gap = _fit_gap(shapes, records, base, _priced(cost, device))
+    else:
+        device, gap = _fit_device_and_gap(cost, shapes, records, base)
     return attrs.evolve(device, **gap, **_fit_host(shapes, records, base))
 
 
@@ -178,29 +191,63 @@ def _priced(cost: CostModel, device: Overheads) -> CostModel:
 
 FLOOR_QUANTILES = (0, 5, 10, 15, 20, 25, 30, 40, 50, 60)  # launch floors tried: these percentiles of device times
 FLOOR_MARGIN = 1.15  # steps under this many times a tried floor are left to it, not to the kernel fit
+FLOOR_GAIN = 0.05  # a launch floor is kept only when it cuts the eager steps' squared relative error by this share
 
 
 def _fit_launched_device(
     cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
 ) -> Overheads:
-    """The device model of an eager kind: max(kernels, launch floor). Each floor tried (none, then FLOOR_QUANTILES
-    of the steps' device times) takes the steps within FLOOR_MARGIN of it; the kernel model (``_fit_device``) is
-    fitted on the rest; the pair with the least relative squared error over every step wins (a run's first step
-    included: a small eager step shows the floor as any other)."""
+    """The device model of an eager kind: max(kernels, launch - the launch hidden behind the step before, the
+    record's HIDDEN: its device time in an overlapped loop, 0 in a plain one or after an idle device). Each launch
+    tried (none, then FLOOR_QUANTILES of the device times of the steps that hide none, and of all steps) leaves to
+    the launch the steps within FLOOR_MARGIN of their exposed launch; the kernel model (``_fit_device``) is fitted
+    on the rest; the pair with the least relative squared error over every step wins (a run's first step included:
+    a small eager step shows the launch as any other)."""
     times = np.array([float(r["gpu_ms"]) * 1e3 for r in records])
-    best, best_loss = _fit_device(cost, shapes, records, base), np.inf
-    for floor in sorted({0.0, *np.percentile(times, FLOOR_QUANTILES[1:]).tolist()}):
-        rest = [i for i, t in enumerate(times) if t > FLOOR_MARGIN * floor]
+    hidden = np.array([float(r.get(HIDDEN, 0.0)) * 1e3 for r in records])
+    exposed_times = times[hidden == 0] if (hidden == 0).any() else times
+    tried = {0.0, *np.percentile(exposed_times, FLOOR_QUANTILES[1:]), *np.percentile(times, FLOOR_QUANTILES[1:])}
+    best, best_loss, no_floor_loss = _fit_device(cost, shapes, records, base), np.inf, np.inf
+    for floor in sorted(float(f) for f in tried):
+        exposed = np.maximum(floor - hidden, 0.0)
+        rest = [i for i, t in enumerate(times) if t > FLOOR_MARGIN * exposed[i]]
         if len(rest) < MIN_ROWS:
             continue
         kernels = _fit_device(cost, [shapes[i] for i in rest], [records[i] for i in rest], base)
-        device = attrs.evolve(kernels, launch_us=float(floor))
+        device = attrs.evolve(kernels, launch_us=floor)
         priced = _priced(cost, device)
-        predicted = np.array([priced.device_s(shape) * 1e6 for shape in shapes])
+        predicted = np.maximum([priced.compute_s(shape) * 1e6 for shape in shapes], exposed)
         loss = float(np.sum(((predicted - times) / np.maximum(times, 1.0)) ** 2))
-        if loss < best_loss:
+        if floor == 0.0:
+            no_floor_loss = loss
+        if loss < best_loss and (floor == 0.0 or loss < (1 - FLOOR_GAIN) * no_floor_loss):
             best, best_loss = device, loss
     return best
+
+
+HIDDEN = "hidden_ms"  # a key fit_profile adds: the device time of the step before, when it hides this one's launch
+
+
+def hidden_launch_ms(records: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per record of a timeline, the device time of the record before it when the loop overlapped them (the host
+    launched this step while the device ran that one: so much of its launch is hidden); 0 for a plain step, a
+    run's first step, a step after an idle device longer than that (the log's gap_ms), and a step whose
+    predecessor is not the record before (another run, a gap in the log)."""
+    out, before = [], None
+    for record in records:
+        consecutive = (
+            before is not None
+            and "step" in record
+            and "step" in before
+            and int(record["step"]) == int(before["step"]) + 1
+        )
+        hides = consecutive and not record.get("first_in_run")
+        if hides and before is not None and float(record.get("gap_ms", 0.0)) < float(before["gpu_ms"]):
+            out.append(float(before["gpu_ms"]))
+        else:
+            out.append(0.0)
+        before = record
+    return out
 
 
 def _fit_device(
@@ -217,17 +264,128 @@ def _fit_device(
     steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
     overlapped = [i for i in steady if record_overlap(records[i]) is not False]
     rows = overlapped if len(overlapped) >= MIN_ROWS else steady
-    fit_shapes = [shapes[i] for i in rows]
-    linear = [cost.linear_s(s) * 1e6 for s in fit_shapes]
-    attention = [cost.attention_s(s) * 1e6 for s in fit_shapes]
-    ones, seqs = np.ones(len(rows)), np.array([s.num_seqs for s in fit_shapes], dtype=float)
-    x = np.column_stack([ones, attention, seqs, np.log2(seqs), [s.num_tokens for s in fit_shapes], linear])
+    x = _device_columns(cost, [shapes[i] for i in rows])
     y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
-    lower = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    upper = np.array([np.inf, MAX_ROOFLINE_SCALE, np.inf, np.inf, np.inf, MAX_ROOFLINE_SCALE])
-    prior = np.array([0.0, base.attn_scale, 0.0, 0.0, 0.0, base.scale])
-    step, attn_scale, seq, log_seq, token, scale = map(float, fit_relative(x, y, lower, upper, prior))
-    return Overheads(scale=scale, attn_scale=attn_scale, step_us=step, seq_us=seq, token_us=token, log_seq_us=log_seq)
+    lower, upper, prior = _device_bounds(base)
+    return _device_overheads(fit_relative(x, y, lower, upper, prior), x)
+
+
+_DEVICE = ("step_us", "attn_scale", "seq_us", "log_seq_us", "token_us")  # the device columns before small_us
+
+
+def _device_columns(cost: CostModel, shapes: Sequence[StepShape]) -> np.ndarray:
+    """The device model's columns (``CostModel.compute_s``), one row per step: 1 (step_us), attention roofline
+    us (attn_scale), rows (seq_us), log2 rows (log_seq_us), tokens (token_us), one indicator per SMALL_BATCHES
+    graph (small_us: such a step has no step_us and log term), matmul roofline us (scale). Rows and tokens of a
+    decode graph are its graph's (padding included)."""
+    out = np.zeros((len(shapes), len(_DEVICE) + len(SMALL_BATCHES) + 1))
+    for i, shape in enumerate(shapes):
+        t = cost.device_terms(shape)
+        out[i, 1:5] = t.attention_s * 1e6, t.rows, math.log2(t.rows), t.tokens
+        out[i, -1] = t.linear_s * 1e6
+        if t.small is None:
+            out[i, 0] = 1.0
+        else:
+            out[i, len(_DEVICE) + t.small], out[i, 3] = 1.0, 0.0
+    return out
+
+
+def _device_bounds(base: Overheads) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lower and upper bounds and priors of the device columns (``_device_columns``)."""
+    n = len(_DEVICE) + len(SMALL_BATCHES) + 1
+    lower, upper, prior = np.zeros(n), np.full(n, np.inf), np.zeros(n)
+    for j in (1, n - 1):  # the roofline scales
+        lower[j], upper[j] = 1.0, MAX_ROOFLINE_SCALE
+    prior[1], prior[-1] = base.attn_scale, base.scale
+    return lower, upper, prior
+
+
+def _device_overheads(coef: np.ndarray, x: np.ndarray) -> Overheads:
+    """Overheads from fitted device coefficients; a SMALL_BATCHES graph the data holds no step of takes the
+    constant of the curve (step_us + log_seq_us * log2(rows)); no small graph at all: small_us stays empty."""
+    values = dict(zip(_DEVICE, map(float, coef), strict=False))
+    seen = np.abs(x[:, len(_DEVICE) : len(_DEVICE) + len(SMALL_BATCHES)]).sum(axis=0) > 0
+    small: tuple[float, ...] = ()
+    if seen.any():
+        curve = [values["step_us"] + values["log_seq_us"] * math.log2(b) for b in SMALL_BATCHES]
+        small = tuple(float(coef[len(_DEVICE) + k]) if seen[k] else curve[k] for k in range(len(SMALL_BATCHES)))
+    return Overheads(scale=float(coef[-1]), small_us=small, **values)
+
+
+DEVICE_BOUND_MARGIN = 0.05  # an overlapped step whose device time exceeds its host cycle by this share set the pace
+
+
+def _device_bound(record: Mapping[str, Any]) -> bool:
+    """True when an overlapped step's device time was its kernels': the host's cycle (cpu_ms) ended more than
+    DEVICE_BOUND_MARGIN of it earlier and the device did not idle before it. Otherwise the host set the pace, and
+    the device timer (which starts when the host begins the step) also holds the host's share."""
+    gpu, cpu = float(record["gpu_ms"]), float(record.get("cpu_ms", 0.0))
+    return gpu - cpu > DEVICE_BOUND_MARGIN * gpu and float(record.get("gap_ms", 0.0)) <= HOST_BOUND_GAP_MS
+
+
+def _fit_device_and_gap(
+    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+) -> tuple[Overheads, dict[str, float]]:
+    """The device model and the plain loop's gap of a graph kind, in one least-squares fit (relative error, a
+    run's first step left out) of two kinds of rows: overlapped steps whose device set the pace (``_device_bound``:
+    gpu_ms is the kernels' time), on the device columns; and plain steps, whose wall time (gpu_ms + gap_ms) is
+    device + gap, on the device and the gap columns. So the plain steps also tell the device model what the
+    overlapped ones cannot (a one-row step is host-bound when overlapped, but device + gap when plain), and the gap
+    stays a function of the host's work. A host-paced overlapped step bounds its kernels' time by its device timer:
+    the fit is redone with those it prices above that bound at the bound (``_over_bound``, a censored fit). The
+    matmul scale stays ``base``'s (the eager fit's: the same matmul kernels; decode steps' matmul roofline hardly
+    changes with their rows, and the few mixed graph steps of an offline log are no ground to fit it on). Fewer
+    than MIN_ROWS device-bound steps: every overlapped step counts; fewer than MIN_ROWS plain steps: the gap stays
+    ``base``'s; no overlapped step, or a log that does not say its loop mode: the device on the steps' gpu_ms, then
+    the gap on what it leaves of each plain step's wall time (``_fit_device``, ``_fit_gap``)."""
+    steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
+    overlapped = [i for i in steady if record_overlap(records[i]) is not False]
+    plain = _rows_of_mode(records, overlap=False) if len(overlapped) < len(steady) else []
+    if len(overlapped) < MIN_ROWS or all(record_overlap(r) is None for r in records):  # or the log does not say
+        device = _fit_device(cost, shapes, records, base)
+        return device, _fit_gap(shapes, records, base, _priced(cost, device))
+    bound = [i for i in overlapped if _device_bound(records[i])]
+    rows = bound if len(bound) >= MIN_ROWS else overlapped
+    paced = [i for i in overlapped if i not in set(rows)]  # host-paced: their kernels took at most gpu_ms
+    if len(plain) < MIN_ROWS:
+        plain = []
+    lower, upper, prior = _device_bounds(base)
+    lower[-1] = upper[-1] = base.scale  # graphs replay the eager steps' matmuls: decode steps cannot tell the scale
+    n = len(_GAP)
+    lower, upper = np.concatenate([lower, np.zeros(n)]), np.concatenate([upper, np.full(n, np.inf)])
+    prior = np.concatenate([prior, np.zeros(n)])  # a gap column the plain steps cannot tell apart: 0
+    for _ in range(CENSORED_ROUNDS):
+        k = _device_columns(cost, [shapes[i] for i in [*rows, *plain]])
+        gap = np.zeros((len(k), n))
+        gap[len(rows) :] = _gap_features(shapes, records, plain)
+        y = np.array(
+            [float(records[i]["gpu_ms"]) * 1e3 for i in rows]
+            + [(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in plain]
+        )
+        coef = fit_relative(np.hstack([k, gap]), y, lower, upper, prior, shift=False)
+        device = _device_overheads(coef[: k.shape[1]], k)
+        over = _over_bound(_priced(cost, device), shapes, records, paced)
+        if not over:
+            break
+        rows, paced = [*rows, *over], [i for i in paced if i not in set(over)]
+    gaps = dict(zip(_GAP, map(float, coef[k.shape[1] :]), strict=True)) if plain else _base_gap(base)
+    return device, gaps
+
+
+CENSORED_ROUNDS = 5  # refits that add host-paced steps priced above their device timer (``_over_bound``)
+
+
+def _over_bound(
+    priced: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], paced: Sequence[int]
+) -> list[int]:
+    """The host-paced steps whose predicted kernel time exceeds their device timer by more than 2 %: the timer
+    holds the kernels and the wait for the host, so it bounds them; such a step joins the fit at its timer."""
+    return [i for i in paced if priced.compute_s(shapes[i]) * 1e3 > 1.02 * float(records[i]["gpu_ms"])]
+
+
+def _base_gap(base: Overheads) -> dict[str, float]:
+    """``base``'s plain-gap coefficients."""
+    return {name: getattr(base, name) for name in _GAP}
 
 
 def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[int]:
@@ -241,13 +399,26 @@ def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[i
 
 
 def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
-    """Host-side columns of the chosen rows: 1, rows, new rows, tokens, sampled rows."""
+    """Host-side columns of the chosen rows (``_HOST``'s order): 1, rows, new rows, tokens, sampled rows, context
+    tokens (the KV the rows read: their block tables, uploaded each step, grow with it)."""
     return np.array(
         [
-            [1.0, shapes[i].num_seqs, record_new_seqs(records[i]), shapes[i].num_tokens, shapes[i].num_samples]
+            [
+                1.0,
+                shapes[i].num_seqs,
+                record_new_seqs(records[i]),
+                shapes[i].num_tokens,
+                shapes[i].num_samples,
+                shapes[i].context_tokens,
+            ]
             for i in rows
         ]
-    ).reshape(len(rows), 5)
+    ).reshape(len(rows), len(_HOST))
+
+
+def _gap_features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
+    """The plain gap's columns (``_GAP``'s order): ``_features`` without the sampled rows."""
+    return _features(shapes, records, rows)[:, _GAP_OF_HOST]
 
 
 def _fit_gap(
@@ -258,13 +429,16 @@ def _fit_gap(
     predicts for it, so the gap model also carries the host's input preparation that a plain step's device timer
     holds. Fewer than MIN_ROWS such steps keep ``base``'s."""
     rows = _rows_of_mode(records, overlap=False)
-    names = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+    names = _GAP
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
     walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
-    gaps = walls - np.array([priced.device_s(shapes[i]) * 1e6 for i in rows])
-    x = _features(shapes, records, rows)[:, :4]
-    coef = fit_relative(x, gaps, np.zeros(4), np.full(4, np.inf), scale=walls, shift=False)
+    hidden = [float(records[i].get(HIDDEN, 0.0)) / 1e3 for i in rows]
+    gaps = walls - np.array(
+        [priced.step_times(shapes[i], 0, False, h)[0] * 1e6 for i, h in zip(rows, hidden, strict=True)]
+    )
+    x, n = _gap_features(shapes, records, rows), len(_GAP)
+    coef = fit_relative(x, gaps, np.zeros(n), np.full(n, np.inf), scale=walls, shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
@@ -274,29 +448,26 @@ HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than th
 
 def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
     """The host-cycle coefficients (>= 0, relative error), fitted on overlapped steps (all steps when the log does
-    not say): on the step's wall time (gpu_ms + gap_ms) where the device idled (the host set the pace), else on
-    ``cpu_ms``. Left out: steps followed by an eager step (``NEXT_EAGER``: their cycle also launched that step's
-    kernels one by one, which its own device time holds). Fewer than MIN_ROWS such steps, or a log without
+    not say): where the host set the pace (not ``_device_bound``), on the step's wall time (gpu_ms + gap_ms: wall
+    = host under the overlap rule); elsewhere on ``cpu_ms`` plus the part of a cycle it does not time (the wait's
+    own cost and the step's bookkeeping after it: the median of wall - cpu_ms over the host-paced steps, when at
+    least MIN_ROWS say). Left out: steps followed by an eager step (``NEXT_EAGER``: their cycle also launched that
+    step's kernels one by one, which its own device time holds). Fewer than MIN_ROWS such steps, or a log without
     ``cpu_ms``, keep ``base``'s."""
     rows = [
         i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i] and not records[i].get(NEXT_EAGER)
     ]
-    names = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
+    names = _HOST
     if len(rows) < MIN_ROWS:
         return {name: getattr(base, name) for name in names}
-    host = np.array([_host_time_ms(records[i]) * 1e3 for i in rows])
+    walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
+    cpu = np.array([float(records[i]["cpu_ms"]) * 1e3 for i in rows])
+    paced = np.array([not _device_bound(records[i]) for i in rows])
+    untimed = max(float(np.median((walls - cpu)[paced])), 0.0) if paced.sum() >= MIN_ROWS else 0.0
+    host = np.where(paced, np.maximum(walls, cpu), cpu + untimed)
     n = len(names)
     coef = fit_relative(_features(shapes, records, rows), host, np.zeros(n), np.full(n, np.inf), shift=False)
     return dict(zip(names, map(float, coef), strict=True))
-
-
-def _host_time_ms(record: Mapping[str, Any]) -> float:
-    """The host time of an overlapped step: its wall time when the device waited for the host (wall = host under
-    the overlap rule), else cpu_ms."""
-    gap = float(record.get("gap_ms", 0.0))
-    if gap > HOST_BOUND_GAP_MS:
-        return max(float(record["cpu_ms"]), float(record["gpu_ms"]) + gap)
-    return float(record["cpu_ms"])
 
 
 def fit_profile(
@@ -317,7 +488,10 @@ def fit_profile(
     cost = CostModel(model, base)
     kinds = {"eager": base.eager, "graph": base.graph}
     nexts = [*records[1:], None]
-    marked = [{**r, NEXT_EAGER: n is not None and not bool(n["graph"])} for r, n in zip(records, nexts, strict=True)]
+    marked = [
+        {**r, NEXT_EAGER: n is not None and not bool(n["graph"]), HIDDEN: h}
+        for r, n, h in zip(records, nexts, hidden_launch_ms(records), strict=True)
+    ]
     for kind, is_graph in (("eager", False), ("graph", True)):
         rows = [r for r in marked if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
         if len(rows) >= MIN_ROWS:
@@ -363,12 +537,12 @@ def prediction_error(
     relative error per step, and the measured and predicted totals in seconds."""
     cost = CostModel(model, profile)
     measured, predicted, errors = 0.0, 0.0, []
-    for record in records:
+    for record, hidden in zip(records, hidden_launch_ms(records), strict=True):
         shape = record_shape(record)
         if not shape.num_seqs:
             continue
         m = (float(record["gpu_ms"]) + float(record.get("gap_ms", 0.0))) / 1e3
-        p = cost.wall_s(shape, record_new_seqs(record), record_overlap(record))
+        p = cost.wall_s(shape, record_new_seqs(record), record_overlap(record), hidden / 1e3)
         measured, predicted = measured + m, predicted + p
         errors.append(abs(p - m) / m if m > 0 else 0.0)
     return {
@@ -469,6 +643,7 @@ def _fit_launch(
     return dict(zip(_LAUNCH, map(float, fit_nonnegative(x, np.maximum(extra, 0.0))), strict=True))
 
 
-_HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us")
-_GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us")
+_HOST = ("host_us", "host_seq_us", "host_new_seq_us", "host_token_us", "host_sample_us", "host_context_us")
+_GAP = ("gap_us", "gap_seq_us", "gap_new_seq_us", "gap_token_us", "gap_context_us")
+_GAP_OF_HOST = [0, 1, 2, 3, 5]  # the host columns the gap has (no sampled rows)
 _LAUNCH = ("launch_us", "launch_seq_us", "launch_token_us")

@@ -127,7 +127,7 @@ def fit_request_us(
         first = records[0]
         end = next(float(s["end_s"]) for s in run.steps if int(s["step"]) == int(first["step"]))
         shape = record_shape(first)
-        setup_us = ((end - t0) - cost.wall_s(shape, record_new_seqs(first), run.overlap)) * 1e6
+        setup_us = ((end - t0) - cost.wall_s(shape, record_new_seqs(first), False)) * 1e6  # after idle: plain
         num, den = num + setup_us * burst, den + burst * burst
     return max(num / den, 0.0) if den else 0.0
 

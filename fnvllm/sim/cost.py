@@ -26,13 +26,61 @@ from __future__ import annotations
 
 import math
 
-from fnvllm.sim.hardware import HardwareProfile, Overheads
+import attrs
+
+from fnvllm.sim.hardware import SMALL_BATCHES, HardwareProfile, Overheads
 from fnvllm.sim.model import ModelShape
 from fnvllm.state.plan import StepShape, step_shape
 
-__all__ = ["CostModel", "StepShape", "step_shape"]
+__all__ = ["SMALL_BATCHES", "CostModel", "DeviceTerms", "StepShape", "graph_batch_sizes", "step_shape"]
 
 _US = 1e-6
+_CACHE_LIMIT = 1 << 16  # (tokens, samples) -> matmul roofline entries kept per cost model
+GRAPH_LOGITS_MAX_ROWS = 64  # decode graphs of at most this many rows compute the LM head in the graph, padding too
+
+
+MATMUL_BOUND_POWER = 2.5  # how sharply a matmul turns from weight-bound to FLOP-bound (``matmul_bound``)
+
+
+def matmul_bound(memory_s: float, compute_s: float) -> float:
+    """A matmul's roofline time from its memory and compute times: (memory^p + compute^p)^(1/p) with p =
+    MATMUL_BOUND_POWER, the larger of the two where one dominates, above both where they are close (a GEMM of a
+    few hundred rows neither streams its weights at full bandwidth nor computes at the full rate: one Qwen3-8B
+    layer's bf16 GEMMs on the H200 took 108.5 / 112.0 / 153.3 / 3,867.5 us at 1 / 64 / 256 / 8192 rows, this
+    gives 108.6 / 109.1 / 155.3 / 3,987 with the h200 ceilings)."""
+    if not compute_s:
+        return memory_s
+    return (memory_s**MATMUL_BOUND_POWER + compute_s**MATMUL_BOUND_POWER) ** (1 / MATMUL_BOUND_POWER)
+
+
+def graph_batch_sizes(max_seqs: int) -> list[int]:
+    """The batch sizes the engine captures decode graphs for, up to ``max_seqs`` (as
+    ``fnvllm.executor.cuda_graphs.graph_batch_sizes``: 1, 2, 4, 8, then every multiple of 16, and max_seqs)."""
+    if max_seqs < 1:
+        return []
+    sizes = [b for b in (1, 2, 4, 8) if b < max_seqs] + list(range(16, max_seqs, 16))
+    return sorted({*sizes, max_seqs})
+
+
+def _bucket_table(max_seqs: int) -> list[int]:
+    """rows -> the captured batch size that runs them, for rows 0..max_seqs (0 -> 0)."""
+    table, sizes = [0], graph_batch_sizes(max_seqs)
+    for size, below in zip(sizes, [0, *sizes], strict=False):
+        table += [size] * (size - below)
+    return table
+
+
+@attrs.frozen
+class DeviceTerms:
+    """The device model's inputs for one step (``CostModel.device_terms``): the matmul and attention rooflines
+    (seconds), the rows and tokens the device computes (a decode graph's padding included), and the index of its
+    graph in SMALL_BATCHES (None when it is not one of those)."""
+
+    linear_s: float
+    attention_s: float
+    rows: int
+    tokens: int
+    small: int | None
 
 
 class CostModel:
@@ -52,13 +100,16 @@ class CostModel:
         # (weights, input width, output width) of each matmul of a layer
         self._matmuls = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h), (2 * h * i, h, 2 * i), (i * h, i, h))
         self._bw, self._flops = hardware.bytes_per_s, hardware.flops_per_s
+        self._mm_bw = hardware.matmul_bytes_per_s
+        self._buckets = _bucket_table(hardware.graph_max_seqs)
+        self._linear_cache: dict[tuple[int, int], float] = {}
 
     def layer_parts_s(self, shape: StepShape) -> list[tuple[str, float]]:
         """Roofline seconds of each matmul of one layer: qkv, o, gate_up, down."""
-        b, t, bw, fl = self.model.dtype_bytes, shape.num_tokens, self._bw, self._flops
+        b, t, bw, fl = self.model.dtype_bytes, shape.num_tokens, self._mm_bw, self._flops
         names = ("qkv", "o", "gate_up", "down")
         return [
-            (name, max(b * (w + t * (w_in + w_out)) / bw, 2 * t * w / fl))
+            (name, matmul_bound(b * (w + t * (w_in + w_out)) / bw, 2 * t * w / fl))
             for name, (w, w_in, w_out) in zip(names, self._matmuls, strict=True)
         ]
 
@@ -77,7 +128,7 @@ class CostModel:
         m = self.model
         weights = m.vocab * m.hidden
         nbytes = m.dtype_bytes * weights + 8 * s * m.vocab
-        return max(nbytes / self._bw, 2 * s * weights / self._flops)
+        return matmul_bound(nbytes / self._mm_bw, 2 * s * weights / self._flops)
 
     def linear_s(self, shape: StepShape) -> float:
         """Roofline seconds of every matmul of the step: the layers' projections and the LM head."""
@@ -85,6 +136,43 @@ class CostModel:
             return 0.0
         layer = sum(seconds for _, seconds in self.layer_parts_s(shape))
         return self.model.layers * layer + self.lm_head_s(shape)
+
+    def _linear_of(self, tokens: int, samples: int) -> float:
+        """``linear_s`` of a step of ``tokens`` fed tokens and ``samples`` sampled rows (no object built)."""
+        if (tokens, samples) in self._linear_cache:
+            return self._linear_cache[tokens, samples]
+        b, bw, fl = self.model.dtype_bytes, self._mm_bw, self._flops
+        layer = sum(
+            matmul_bound(b * (w + tokens * (w_in + w_out)) / bw, 2 * tokens * w / fl)
+            for w, w_in, w_out in self._matmuls
+        )
+        head = 0.0
+        if samples:
+            weights = self.model.vocab * self.model.hidden
+            head = matmul_bound((b * weights + 8 * samples * self.model.vocab) / bw, 2 * samples * weights / fl)
+        value = self.model.layers * layer + head
+        if len(self._linear_cache) < _CACHE_LIMIT:
+            self._linear_cache[tokens, samples] = value
+        return value
+
+    def padded_rows(self, shape: StepShape) -> int:
+        """The rows the device computes for the step: a decode-only CUDA-graph step runs the graph of the smallest
+        captured batch size that holds its rows (``graph_batch_sizes``), its padding rows included; any other
+        step its own rows."""
+        rows = shape.num_seqs
+        if shape.graph and not shape.num_prefill_tokens and rows < len(self._buckets):
+            return self._buckets[rows]
+        return rows
+
+    def device_terms(self, shape: StepShape) -> DeviceTerms:
+        """What the device model multiplies by the profile's overheads (``compute_s``; the fit's columns)."""
+        rows = self.padded_rows(shape)
+        if shape.graph and not shape.num_prefill_tokens:  # a decode graph: its padding rows feed and sample too
+            samples = rows if rows <= GRAPH_LOGITS_MAX_ROWS else shape.num_samples
+            small = SMALL_BATCHES.index(rows) if rows in SMALL_BATCHES else None
+            return DeviceTerms(self._linear_of(rows, samples), self.attention_s(shape), rows, rows, small)
+        linear = self._linear_of(shape.num_tokens, shape.num_samples)
+        return DeviceTerms(linear, self.attention_s(shape), rows, shape.num_tokens, None)
 
     def roofline_s(self, shape: StepShape) -> float:
         """The step's roofline time: matmuls plus attention, each part at its own bound."""
@@ -103,14 +191,20 @@ class CostModel:
 
     def compute_s(self, shape: StepShape) -> float:
         """Predicted time of the step's kernels on the device, launched: scaled rooflines plus the fitted
-        per-step, per-row and per-token terms (0 for an empty step)."""
+        per-step, per-row and per-token terms (0 for an empty step). A decode-only graph step is priced at its
+        graph's batch size (``padded_rows``: the padding rows compute too), and one of the smallest graphs
+        (``SMALL_BATCHES``) takes its own per-step constant when the profile has them (``Overheads.small_us``)
+        instead of step_us + log_seq_us * log2(rows)."""
         if not shape.num_seqs:
             return 0.0
         o = self.overheads(shape)
-        extra = o.step_us + o.seq_us * shape.num_seqs + o.token_us * shape.num_tokens
-        if o.log_seq_us:
-            extra += o.log_seq_us * math.log2(shape.num_seqs)
-        return o.scale * self.linear_s(shape) + o.attn_scale * self.attention_s(shape) + extra * _US
+        t = self.device_terms(shape)
+        if t.small is not None and t.small < len(o.small_us):
+            constant = o.small_us[t.small]
+        else:
+            constant = o.step_us + (o.log_seq_us * math.log2(t.rows) if o.log_seq_us else 0.0)
+        extra = constant + o.seq_us * t.rows + o.token_us * t.tokens
+        return o.scale * t.linear_s + o.attn_scale * t.attention_s + extra * _US
 
     def gap_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
         """Predicted host gap of a plain (not overlapped) loop after the step (0 for an empty step)."""
@@ -118,7 +212,7 @@ class CostModel:
             return 0.0
         o = self.overheads(shape)
         gap = o.gap_us + o.gap_seq_us * shape.num_seqs + o.gap_new_seq_us * num_new_seqs
-        return (gap + o.gap_token_us * shape.num_tokens) * _US
+        return (gap + o.gap_token_us * shape.num_tokens + o.gap_context_us * shape.context_tokens) * _US
 
     def host_s(self, shape: StepShape, num_new_seqs: int = 0) -> float:
         """Predicted host time of the loop cycle that runs the step (0 for an empty step)."""
@@ -126,7 +220,8 @@ class CostModel:
             return 0.0
         o = self.overheads(shape)
         host = o.host_us + o.host_seq_us * shape.num_seqs + o.host_new_seq_us * num_new_seqs
-        return (host + o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples) * _US
+        host += o.host_token_us * shape.num_tokens + o.host_sample_us * shape.num_samples
+        return (host + o.host_context_us * shape.context_tokens) * _US
 
     def launch_s(self, shape: StepShape) -> float:
         """Predicted host time of launching the step's kernels one by one, which the device waits for
@@ -136,17 +231,24 @@ class CostModel:
         o = self.overheads(shape)
         return (o.launch_us + o.launch_seq_us * shape.num_seqs + o.launch_token_us * shape.num_tokens) * _US
 
-    def wall_s(self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None) -> float:
+    def wall_s(
+        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None, hidden_s: float = 0.0
+    ) -> float:
         """Wall time the step occupies: max(device, host) when steps overlap (``overlap`` None: this model's
-        setting) and the profile has a host model, else device + plain gap."""
-        return self.step_times(shape, num_new_seqs, overlap)[2]
+        setting) and the profile has a host model, else device + plain gap. ``hidden_s``: see ``step_times``."""
+        return self.step_times(shape, num_new_seqs, overlap, hidden_s)[2]
 
     def step_times(
-        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None
+        self, shape: StepShape, num_new_seqs: int = 0, overlap: bool | None = None, hidden_s: float = 0.0
     ) -> tuple[float, float, float]:
-        """(device, host, wall) seconds of the step, each priced once (see ``wall_s``)."""
-        device, host = self.device_s(shape), self.host_s(shape, num_new_seqs)
-        if (self.overlap if overlap is None else overlap) and self.overheads(shape).has_host_model:
+        """(device, host, wall) seconds of the step, each priced once (see ``wall_s``). ``hidden_s``: the device
+        time of the step before, when the loop overlaps steps: the host launches this step while the device runs
+        that one, so that much of this step's launch (``launch_s``) is hidden and the device waits only for the
+        rest (a plain loop, or the first step after an idle device, waits for all of it)."""
+        overlapped = (self.overlap if overlap is None else overlap) and self.overheads(shape).has_host_model
+        host = self.host_s(shape, num_new_seqs)
+        device = max(self.compute_s(shape), self.launch_s(shape) - hidden_s) if shape.num_seqs else 0.0
+        if overlapped:
             return device, host, max(device, host)
         return device, host, device + self.gap_s(shape, num_new_seqs)
 

@@ -71,8 +71,10 @@ def mixed_graph(shape: StepShape, graph_max_seqs: int) -> StepShape:
 class SimExecutor:
     """Applies plans to a simulated device: a clock (seconds) advanced by ``cost``, tokens from ``tokens``.
 
-    clock: simulated time now (the end of the last step). last_shape / last_device_s / last_gap_s /
-    last_host_s / last_new_seqs: the last plan's shape, device time, the wall time beyond it (device idle), its
+    clock: simulated time now (the end of the last step). last_plain: the last step came after an idle device, so
+    it was priced as a plain loop's step (device + gap: no step before hides its host work or launch). last_shape /
+    last_device_s / last_gap_s / last_host_s / last_new_seqs: the last plan's shape, device time, the wall time
+    beyond it (device idle), its
     host time and its rows new since the plan before (for logs and plots). ``advance_to(t)`` moves an idle clock
     forward (a jump to the next arrival).
 
@@ -93,6 +95,9 @@ class SimExecutor:
         self.last_device_s = self.last_gap_s = self.last_host_s = 0.0
         self.last_new_seqs = 0
         self._times = getattr(cost, "step_times", None) or self._device_plus_gap
+        self._hides = isinstance(cost, CostModel)  # its step_times takes the step before's device time (hidden_s)
+        self._device_before = 0.0  # the last step's device time (0 after an idle device): it hides the next launch
+        self.last_plain = False  # the last step ran after an idle device: priced as a plain loop's step
         serving = getattr(cost.hardware, "serving", None) if getattr(cost, "serving", False) else None
         self.served = bool(serving is not None and serving.cycle and getattr(cost, "overlap", False))
         self.device_free = clock  # served timing: when the device finishes the last launched step
@@ -119,8 +124,13 @@ class SimExecutor:
         if self.served:
             self._served_cycle(shape, new)
         else:
-            device, host, wall = self._times(shape, new)
+            self.last_plain = self._hides and self._device_before == 0.0
+            if self._hides:  # after an idle device, the host's work for the step is not hidden: priced plainly
+                device, host, wall = self._times(shape, new, False if self.last_plain else None, self._device_before)
+            else:
+                device, host, wall = self._times(shape, new)
             self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
+            self._device_before = device
             self.clock += wall
         return ExecuteResult(self.token_source.tokens(plan) if plan.num_samples else ())
 
@@ -159,6 +169,8 @@ class SimExecutor:
         self.next_step = next_step
 
     def advance_to(self, time_s: float) -> None:
-        """Move the clock forward to ``time_s`` (never backward)."""
+        """Move the clock forward to ``time_s`` (never backward); a device left idle hides no launch."""
+        if time_s > self.clock:
+            self._device_before = 0.0
         self.clock = max(self.clock, time_s)
         self.device_free = max(self.device_free, min(self.clock, time_s))

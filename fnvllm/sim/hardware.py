@@ -38,6 +38,12 @@ MAX_TFLOPS = 1e7
 MAX_MEMORY_GIB = 1e7
 MAX_GRAPH_SEQS = 1 << 20
 MAX_GRAPH_TOKENS = 1 << 24
+SMALL_BATCHES = (1, 2, 4, 8)  # the smallest decode graphs the engine captures: each has its own constant (small_us)
+
+
+def _as_tuple(value: Any) -> Any:
+    """A list read from JSON as a tuple (anything else unchanged, for the check to name)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @attrs.frozen
@@ -47,15 +53,19 @@ class Overheads:
     Device time = scale * matmul roofline + attn_scale * attention roofline + step_us + seq_us * seqs +
     token_us * tokens + log_seq_us * log2(seqs). A scale of 1.25 means the kernels reach 80% of the ceilings. The
     log term is the small-batch step: going from one row to a few costs more per row than going from 64 to 128
-    (kernels that run one row in one block run several in as many, and the sampler's per-row passes).
+    (kernels that run one row in one block run several in as many, and the sampler's per-row passes). A decode
+    graph step counts the rows of the graph it replays (its padding rows compute too: 5 rows run the 8-row graph),
+    and those of 1, 2, 4 and 8 rows (SMALL_BATCHES: each with kernels of its own, e.g. a matrix-vector product at
+    one row) take small_us[i] instead of step_us + log_seq_us * log2(rows) when small_us has an i-th value.
 
     Host time of one loop cycle (schedule, commit, output routing, input preparation, kernel launches: the
     timeline's ``cpu_ms``) = host_us + host_seq_us * seqs + host_new_seq_us * new seqs (rows admitted this step,
-    whose data crosses to the device once) + host_token_us * tokens + host_sample_us * sampled rows.
+    whose data crosses to the device once) + host_token_us * tokens + host_sample_us * sampled rows +
+    host_context_us * context tokens (the KV the rows read: their block tables grow with it).
 
     Plain-loop gap (the host time the device waits for between steps when the loop does not overlap: the part of
     the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
-    gap_new_seq_us * new seqs + gap_token_us * tokens.
+    gap_new_seq_us * new seqs + gap_token_us * tokens + gap_context_us * context tokens.
 
     Launch: host time to launch the step's kernels, which the device waits for = launch_us + launch_seq_us * seqs
     + launch_token_us * tokens. An eager step launches kernel by kernel (~20 ms on the H200 for the 0.6B shape), so
@@ -82,19 +92,32 @@ class Overheads:
     host_new_seq_us: float = 0.0
     host_token_us: float = 0.0
     host_sample_us: float = 0.0
+    host_context_us: float = 0.0
+    gap_context_us: float = 0.0
     launch_us: float = 0.0
     launch_seq_us: float = 0.0
     launch_token_us: float = 0.0
+    small_us: tuple[float, ...] = attrs.field(default=(), converter=_as_tuple)
 
     @property
     def has_host_model(self) -> bool:
         """True when any host-time coefficient is set (the overlap rule applies)."""
-        return any((self.host_us, self.host_seq_us, self.host_new_seq_us, self.host_token_us, self.host_sample_us))
+        host = (self.host_us, self.host_seq_us, self.host_new_seq_us, self.host_token_us, self.host_sample_us)
+        return any((*host, self.host_context_us))
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
+            if field.name == "small_us":
+                continue
             high = MAX_SCALE if field.name.endswith("scale") else MAX_US
             check_real_in(getattr(self, field.name), f"Overheads.{field.name}", 0.0, high)
+        if not isinstance(self.small_us, tuple) or len(self.small_us) > len(SMALL_BATCHES):
+            raise SimInputError(
+                f"Overheads.small_us must be a list of at most {len(SMALL_BATCHES)} numbers (the step constants of "
+                f"decode graphs of {', '.join(map(str, SMALL_BATCHES))} rows, in order), got {self.small_us!r}"
+            )
+        for batch, value in zip(SMALL_BATCHES, self.small_us, strict=False):
+            check_real_in(value, f"Overheads.small_us (batch {batch})", 0.0, MAX_US)
 
 
 @attrs.frozen
@@ -108,7 +131,10 @@ class Serving:
     profile's). latency_us: the server's own time on every request outside the engine (HTTP, the pipe to and from
     the engine process, server-sent events, and the overlapped loop's one-step lag before a new request joins a
     plan), added to each request's first token and finish as the client sees them: TTFT and end-to-end latency
-    grow by it, TPOT does not. calibrated_from: the served timeline it was fitted from. cycle: time the served loop
+    grow by it, TPOT does not. latency_stream_us: more of that latency per request in flight when the request
+    arrived (the web process and the client handle every stream's events in one event loop each: a new stream's
+    first token waits behind the others'; measured on the H200, ~0.18 ms per stream on top of ~3.7 ms).
+    calibrated_from: the served timeline it was fitted from. cycle: time the served loop
     cycle by cycle (``SimExecutor``'s served timing: an eager step's launch holds back the step before it, arrivals
     join the step launched after they come); False: step by step, max(device, host) per step as offline, with
     these overheads (the served check keeps whichever of the two predicts its run better).
@@ -119,12 +145,14 @@ class Serving:
     latency_us: float = 0.0
     calibrated_from: str = ""
     cycle: bool = True
+    latency_stream_us: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         for kind in ("eager", "graph"):
             if not isinstance(getattr(self, kind), Overheads):
                 raise SimInputError(f"Serving.{kind} must be Overheads")
         check_real_in(self.latency_us, "Serving.latency_us", 0.0, MAX_US)
+        check_real_in(self.latency_stream_us, "Serving.latency_stream_us", 0.0, MAX_US)
         check_text(self.calibrated_from, "Serving.calibrated_from", non_empty=False)
         check_bool_field(self.cycle, "Serving.cycle")
 
@@ -153,7 +181,9 @@ class HardwareProfile:
     """One accelerator (or CPU) as the simulator sees it.
 
     name: label. mem_bandwidth_gbs: achievable read bandwidth, GB/s (1e9 bytes). matmul_tflops: dense matmul
-    rate in the model's dtype. memory_gib: device memory (sizes the KV cache when num_blocks is not given).
+    rate in the model's dtype. matmul_bandwidth_gbs: the bandwidth matmuls stream their weights at (None: the
+    read bandwidth; on the H200 cuBLAS bf16 GEMMs of a few rows reach ~3,560 GB/s of the 4,160 a copy reaches).
+    memory_gib: device memory (sizes the KV cache when num_blocks is not given).
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
     graph_mixed_tokens: mixed steps (some row prefills) of at most this many tokens, and at most graph_max_seqs
     rows, count as CUDA-graph steps too (0: a mixed step always runs eagerly).
@@ -176,6 +206,7 @@ class HardwareProfile:
     model: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
     request_us: float = 0.0
     serving: Serving | None = None
+    matmul_bandwidth_gbs: float | None = None
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "HardwareProfile.name")
@@ -189,6 +220,8 @@ class HardwareProfile:
                 raise SimInputError(f"HardwareProfile.{kind} must be Overheads")
         check_text(self.calibrated_from, "HardwareProfile.calibrated_from", non_empty=False)
         check_real_in(self.request_us, "HardwareProfile.request_us", 0.0, MAX_US)
+        if self.matmul_bandwidth_gbs is not None:
+            check_positive(self.matmul_bandwidth_gbs, "HardwareProfile.matmul_bandwidth_gbs", MAX_BANDWIDTH_GBS)
         if self.serving is not None and not isinstance(self.serving, Serving):
             raise SimInputError("HardwareProfile.serving must be Serving or None")
         if self.model is not None:
@@ -200,6 +233,13 @@ class HardwareProfile:
     def bytes_per_s(self) -> float:
         """Memory bandwidth in bytes per second."""
         return self.mem_bandwidth_gbs * 1e9
+
+    @property
+    def matmul_bytes_per_s(self) -> float:
+        """The bandwidth matmuls stream their weights at, bytes per second (``matmul_bandwidth_gbs``, else the
+        memory bandwidth)."""
+        gbs = self.mem_bandwidth_gbs if self.matmul_bandwidth_gbs is None else self.matmul_bandwidth_gbs
+        return gbs * 1e9
 
     @property
     def flops_per_s(self) -> float:
@@ -227,18 +267,16 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py --refit --served on the H200 runs of 2026-12-02 (merged main adaef2d: PDL,
-# mixed-step CUDA graphs up to 2048 tokens, tuned small-batch kernels; Qwen3-0.6B shape, block 256, budget 16384,
-# max_num_seqs 512, CUDA graphs, the 16 regimes of that script, overlapped and plain) and the served Poisson run of
-# benchmarks/sim_serve_check.py (600 requests at 50/s). Error per regime as fitted / held out: decode-1 -4.3 /
-# +3.8 %, decode-1-plain +11.3 / +25.2 %, decode-16 -9.4 / -10.2 %, decode-16-plain -8.5 / -11.1 %, decode-64
-# +1.4 / +1.9 %, decode-64-plain +3.2 / +4.4 %, decode-256 -0.2 / +0.0 %, decode-256-plain +6.0 / +12.5 %,
-# prefill-16 -5.0 / -5.2 %, prefill-16-plain -1.2 / -2.6 %, prefill-64 -4.3 / -4.6 %, prefill-64-plain -2.4 /
-# -1.2 %, prefill-512 -1.3 / -7.4 %, prefill-512-plain -0.8 / -5.9 %, bench +1.0 / +1.6 %, bench-plain -5.4 / -7.6 %.
-# Served (serving section, in sample): measured TTFT p50 / p90 10.28 / 14.72 ms, TPOT 1.82 / 1.96 ms; simulated step
-# by step 10.23 / 11.71 and 1.76 / 1.89 (p50 -0.4 % / -3.4 %; the fitted server latency is 6.42 ms). graph_max_seqs
-# and graph_mixed_tokens are set to what the engine captures (512 rows, 2048 tokens; the fit saw at most 256 / 1975).
-# Refit whenever the engine changes: benchmarks/sim_h200_check.sh (ONLY=calibration, then ONLY=serve).
+# Fitted by benchmarks/sim_calibration.py on 2026-12-02 (commit 69512d1): qwen3-0.6b shape, block 256, budget 16384,
+# max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
+# out): decode-1 +2.0% / +2.4%, decode-1-plain -0.6% / -1.2%, decode-16 -5.7% / -8.0%, decode-16-plain -2.8% / -6.6%,
+# decode-64 -1.2% / -0.1%, decode-64-plain +6.8% / +10.5%, decode-256 -2.6% / -2.3%, decode-256-plain -3.9% / -11.7%,
+# prefill-16 -2.4% / -3.6%, prefill-16-plain +5.8% / +8.0%, prefill-64 -1.1% / -1.5%, prefill-64-plain -2.9% / -3.1%,
+# prefill-512 -1.2% / -10.9%, prefill-512-plain -1.8% / -9.1%, bench +1.5% / +1.6%, bench-plain +0.5% / +9.3%. Served
+# (TTFT p50 / p90, TPOT p50 / p90 errors): fitted run +0.8% / -17.7%, -0.9% / -3.8%; 25/s out of sample +19.9% /
+# +6.0%, +3.2% / +3.7%; 75/s out of sample +4.7% / -27.3%, +7.4% / +9.5%; latency fitted on every rate, fitted run
+# -4.5% / -20.5%, -0.9% / -3.8%; latency fitted on every rate, rate-25 +5.3% / -4.4%, +3.2% / +3.7%; latency fitted on
+# every rate, rate-75 +5.9% / -25.0%, +7.4% / +9.5%.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -248,43 +286,49 @@ H200 = HardwareProfile(
     graph_mixed_tokens=2048,
     eager=Overheads(
         scale=1.0,
-        attn_scale=2.675404059407655,
-        step_us=241.8381893566549,
+        attn_scale=2.4874274115371873,
+        step_us=9925.928718246989,
         seq_us=0.0,
-        token_us=0.5939937019065938,
+        token_us=0.029605467841939147,
         log_seq_us=0.0,
-        gap_us=5042.712644003116,
-        gap_seq_us=0.0,
+        gap_us=1342.859235025003,
+        gap_seq_us=1.1196583644665443,
         gap_new_seq_us=0.0,
-        gap_token_us=0.0,
+        gap_token_us=0.18167581999298135,
         host_us=0.0,
         host_seq_us=0.0,
         host_new_seq_us=0.0,
         host_token_us=1.77915,
         host_sample_us=0.0,
-        launch_us=0.0,
+        host_context_us=0.0,
+        gap_context_us=0.007163723662740842,
+        launch_us=25495.7,
         launch_seq_us=0.0,
         launch_token_us=0.0,
+        small_us=(),
     ),
     graph=Overheads(
         scale=1.0,
         attn_scale=1.0,
-        step_us=692.4506732260567,
+        step_us=886.6674151995428,
         seq_us=0.0,
         token_us=0.0,
-        log_seq_us=42.78793183651473,
-        gap_us=413.1759965880763,
-        gap_seq_us=0.9056326409734514,
+        log_seq_us=0.0,
+        gap_us=390.83315208237525,
+        gap_seq_us=3.408914434675568,
         gap_new_seq_us=0.0,
-        gap_token_us=2.7663114511674447,
-        host_us=1037.2094008498245,
-        host_seq_us=5.005257626207726,
+        gap_token_us=0.0,
+        host_us=1210.9510916327624,
+        host_seq_us=3.701260030001305,
         host_new_seq_us=0.0,
         host_token_us=0.0,
         host_sample_us=0.0,
+        host_context_us=0.004909174652365405,
+        gap_context_us=0.0029831382519361553,
         launch_us=0.0,
         launch_seq_us=0.0,
         launch_token_us=0.0,
+        small_us=(541.0014353537351, 858.3824487188241, 897.9900444176708, 892.0174329581162),
     ),
     calibrated_from="benchmarks/sim_calibration.py",
     model={
@@ -300,52 +344,60 @@ H200 = HardwareProfile(
         "max_position_embeddings": 40960,
         "name": "qwen3-0.6b",
     },
-    request_us=120.51531663324143,
+    request_us=145.18782716848713,
     serving=Serving(
         eager=Overheads(
             scale=1.0,
-            attn_scale=2.675404059407655,
-            step_us=241.8381893566549,
+            attn_scale=2.4874274115371873,
+            step_us=9925.928718246989,
             seq_us=0.0,
-            token_us=0.5939937019065938,
+            token_us=0.029605467841939147,
             log_seq_us=0.0,
-            gap_us=5042.712644003116,
-            gap_seq_us=0.0,
+            gap_us=1342.859235025003,
+            gap_seq_us=1.1196583644665443,
             gap_new_seq_us=0.0,
-            gap_token_us=0.0,
+            gap_token_us=0.18167581999298135,
             host_us=0.0,
             host_seq_us=0.0,
             host_new_seq_us=0.0,
             host_token_us=1.77915,
             host_sample_us=0.0,
+            host_context_us=0.0,
+            gap_context_us=0.007163723662740842,
             launch_us=0.0,
             launch_seq_us=0.0,
             launch_token_us=0.0,
+            small_us=(),
         ),
         graph=Overheads(
             scale=1.0,
             attn_scale=1.0,
-            step_us=707.3486365425281,
+            step_us=807.5752592029563,
             seq_us=0.0,
-            token_us=2.847946625515462,
-            log_seq_us=68.16548949603748,
-            gap_us=413.1759965880763,
-            gap_seq_us=0.9056326409734514,
+            token_us=2.5666300863403424,
+            log_seq_us=20.85843191185764,
+            gap_us=390.83315208237525,
+            gap_seq_us=3.408914434675568,
             gap_new_seq_us=0.0,
-            gap_token_us=2.7663114511674447,
-            host_us=1211.9023139671824,
-            host_seq_us=19.128834811990924,
-            host_new_seq_us=100.69090448382099,
-            host_token_us=0.13024068048884985,
+            gap_token_us=0.0,
+            host_us=1124.3443228385786,
+            host_seq_us=15.674851335005302,
+            host_new_seq_us=139.00218206863872,
+            host_token_us=0.0,
             host_sample_us=0.0,
+            host_context_us=0.0,
+            gap_context_us=0.0029831382519361553,
             launch_us=0.0,
             launch_seq_us=0.0,
             launch_token_us=0.0,
+            small_us=(481.31024723228023, 833.6539072153379, 786.9040567530576, 787.622919854822),
         ),
-        latency_us=6422.1251801606095,
-        calibrated_from="/tmp/s4sim/serve/served_timeline.jsonl",
+        latency_us=3266.676807763659,
+        calibrated_from="/tmp/simw/mserve/served_timeline.jsonl",
         cycle=False,
+        latency_stream_us=113.0959265324717,
     ),
+    matmul_bandwidth_gbs=3560.0,
 )
 BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
 

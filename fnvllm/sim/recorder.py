@@ -12,6 +12,7 @@ also got a token in the previous step has the same latency, so one pair covers t
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -105,13 +106,30 @@ class Recorder:
             self._last_token.pop(f.request_id, None)
         return len(output.finished)
 
-    def delay_delivery(self, seconds: float) -> None:
-        """Every token reaches its client ``seconds`` after the step that emitted it (a server's own latency):
-        first-token and finish times move by it (TTFT and end-to-end latency grow; TPOT and ITL do not)."""
-        if seconds < 0 or math.isnan(seconds):
-            raise ValueError(f"seconds must be a number >= 0, got {seconds}")
-        self.first_token = [t + seconds for t in self.first_token]
-        self.finish = [t + seconds for t in self.finish]
+    def delay_delivery(self, seconds: float, per_in_flight: float = 0.0) -> None:
+        """Every request's tokens reach its client ``seconds`` + ``per_in_flight`` x (requests in flight when it
+        arrived, ``in_flight_at_arrival``) after the step that emitted them (a server's own latency, which grows
+        with the streams it serves): first-token and finish times move by it (TTFT and end-to-end latency grow;
+        TPOT and ITL do not)."""
+        for name, value in (("seconds", seconds), ("per_in_flight", per_in_flight)):
+            if value < 0 or math.isnan(value):
+                raise ValueError(f"{name} must be a number >= 0, got {value}")
+        if per_in_flight:
+            delays = [seconds + per_in_flight * n for n in self.in_flight_at_arrival()]
+        else:
+            delays = [seconds] * len(self.first_token)
+        self.first_token = [t + d for t, d in zip(self.first_token, delays, strict=True)]
+        self.finish = [t + d for t, d in zip(self.finish, delays, strict=True)]
+
+    def in_flight_at_arrival(self) -> list[int]:
+        """Per request, the requests running or waiting after the first step that ended at or after its arrival
+        (0 when none did: it arrived to an idle engine after the last step)."""
+        ends, running, waiting = self.step_end, self.num_running, self.num_waiting
+        out = []
+        for arrival in self.arrival:
+            k = bisect.bisect_left(ends, arrival)
+            out.append(running[k] + waiting[k] if k < len(ends) else 0)
+        return out
 
     def _admissions(self, plan: StepPlan, start: float) -> None:
         """First-scheduled times and prefix-cache hits of the requests admitted by ``plan``

@@ -62,8 +62,8 @@ class SimSpec:
     The rest are the engine's scheduling options; num_blocks None = sized from the profile's memory. overlap: the
     engine overlaps host work with the device (its default on CUDA; priced by the profile's host model). serve:
     the requests are served by ``fnvllm serve``: steps are priced by the profile's ``serving`` overheads and each
-    request's tokens reach its client the profile's ``serving.latency_us`` later (a profile without a serving
-    section prices serving like ``LLM.generate``).
+    request's tokens reach its client the profile's ``serving.latency_us`` (+ ``latency_stream_us`` per request in
+    flight when it arrived) later (a profile without a serving section prices serving like ``LLM.generate``).
     """
 
     workload: str = "poisson"
@@ -243,8 +243,9 @@ def run_spec(
         on_step=hook,
         progress=progress,
     )
-    if spec.serve and hardware.serving is not None and hardware.serving.latency_us:
-        result.recorder.delay_delivery(hardware.serving.latency_us * 1e-6)
+    serving = hardware.serving
+    if spec.serve and serving is not None and (serving.latency_us or serving.latency_stream_us):
+        result.recorder.delay_delivery(serving.latency_us * 1e-6, serving.latency_stream_us * 1e-6)
     return result, summarize(result.recorder, result.end_s)
 
 
@@ -258,6 +259,7 @@ def _timeline_hook(
     def hook(state: EngineState, plan: StepPlan, output: StepOutput) -> None:
         ex = executor
         if ex.last_shape is not None and not plan.is_empty:
-            writer.step(plan.step, ex.last_shape, ex.last_device_s, ex.last_gap_s, ex.last_host_s, ex.last_new_seqs)
+            times = (ex.last_device_s, ex.last_gap_s, ex.last_host_s)
+            writer.step(plan.step, ex.last_shape, *times, ex.last_new_seqs, overlap and ex.last_plain)
 
     return hook

@@ -140,11 +140,21 @@ class TimelineWriter:
         self._write(header)
 
     def step(
-        self, index: int, shape: StepShape, gpu_s: float, gap_s: float, cpu_s: float = 0.0, num_new_seqs: int = 0
+        self,
+        index: int,
+        shape: StepShape,
+        gpu_s: float,
+        gap_s: float,
+        cpu_s: float = 0.0,
+        num_new_seqs: int = 0,
+        plain: bool = False,
     ) -> None:
-        """One step's record (times in milliseconds in the file)."""
+        """One step's record (times in milliseconds in the file); ``plain``: the step ran plainly in an overlapped
+        loop (the first after an idle device: ``"overlap": false`` in its record)."""
         record = {"step": index, **shape.to_record(), "num_new_seqs": num_new_seqs}
         record.update(gpu_ms=gpu_s * 1e3, cpu_ms=cpu_s * 1e3, gap_ms=gap_s * 1e3)
+        if plain:
+            record["overlap"] = False
         self._write(record)
 
     def _write(self, record: Mapping[str, Any]) -> None:
