@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fnvllm.engine.core as core_module
 import fnvllm.engine.loop as loop_module
@@ -342,64 +343,141 @@ def output_path(steps: int, logprobs: int, rows: int = 256) -> None:
           f"entries, {1e6 * read_s / max(num_entries, 1):.2f} us each")  # fmt: skip
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a call runs on the host (allocations, views, the rest) and, with ``triton_launches``,
+    its Triton launches: on a GPU each non-view op is a launch or an allocator call, so the counts say what a
+    change saves without a GPU (``--sampler-ops`` on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocs = self.views = self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name.startswith(("empty", "zeros", "ones", "full", "new_empty", "new_zeros")):
+            self.allocs += 1
+        elif func.is_view or name in ("view", "_unsafe_view", "slice", "select", "as_strided", "alias"):
+            self.views += 1
+        else:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def triton_launches() -> Iterator[list[int]]:
+    """A one-element list counting Triton kernel launches (compiled or interpreted) inside the block; torch ops
+    inside a launch (the interpreter's copies) are hidden from an ``OpCounter``."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    count = [0]
+    originals = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
+
+    def counted(run: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(run)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            count[0] += 0 if kwargs.get("warmup") else 1
+            with _disable_current_modes():  # the interpreter's own torch calls are not the launch's host ops
+                return run(self, *args, **kwargs)
+
+        return wrapper
+
+    for cls, run in originals:
+        cls.run = counted(run)  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        for cls, run in originals:
+            cls.run = run  # type: ignore[method-assign]
+
+
+def round1_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, num_top: int, chunk: int) -> Any:
+    """The logprobs as round 1 computed them (h-logp e56110f), for the side by side: an (L,) allocation, three
+    launches (``logprob_candidates``: chunk summaries, combine, gather), torch.topk of the candidates, a gather
+    and a subtraction; three tensors for the host copy."""
+    from fnvllm.executor.sampler import Logprobs
+    from fnvllm.kernels.sampling import logprob_candidates
+
+    sampled = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    lse, values, ids = logprob_candidates(logits, rows, max(num_top, 1), chunk, tokens, sampled)
+    top = values.topk(num_top, dim=-1)
+    return Logprobs(top.values - lse[:, None], ids.gather(1, top.indices), sampled)
+
+
 def sampler_ops(
     iters: int, rows: int = 256, vocab: int = 151_936, logprobs: int = 5, kernels: bool | None = None
 ) -> None:
-    """The host's time per call of the sampler's pieces (``--sampler-ops N``), with the device running freely
-    behind: ``Sampler.sample`` of ``rows`` temperature rows without and with logprobs, and the logprob pieces
-    alone (``compute_logprobs`` and its torch calls). No model: random bf16 logits of ``vocab`` tokens. A piece
-    whose host time is far above its launch count x ~5 us waits for the device (a hidden synchronisation)."""
+    """Per call of the sampler's pieces (``--sampler-ops N``): the host ops it runs (aten ops that launch or
+    allocate, views, Triton launches: counted on the CPU too, where the Triton kernels run interpreted) and, on
+    a GPU, the host's us per call with the device running freely behind. Pieces: ``Sampler.sample`` of ``rows``
+    temperature rows without and with logprobs, ``compute_logprobs`` now and as round 1 did it, and the step's
+    host copy (now: the samples and one packed logprobs tensor; round 1: the samples and three tensors). No
+    model: random bf16 logits of ``vocab`` tokens (on the CPU: 8 x 4096, the counts do not depend on the size).
+    A piece whose host time is far above its launch count x ~5 us waits for the device."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported: run on the CPU
+        rows, vocab = min(rows, 8), min(vocab, 4096)
+    from fnvllm.executor.model_executor import PinnedRing
     from fnvllm.executor.sampler import _logprob_chunk, compute_logprobs
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if on_gpu else "cpu")
     logits = torch.randn(rows, vocab, device=device).to(torch.bfloat16)
     plain = [SamplingParams(temperature=0.6)] * rows
     asking = [SamplingParams(temperature=0.6, logprobs=logprobs)] * rows
     batches = {
         k: prepare_sampling(p, [0] * rows, [None] * rows, vocab, device) for k, p in (("plain", plain), ("lp", asking))
     }
-    kernels = device.type == "cuda" if kernels is None else kernels  # the Triton kernels (interpreted on a CPU)
+    kernels = True if kernels is None else kernels  # the Triton kernels (interpreted on a CPU)
     sampler = Sampler(seed=0, kernels=kernels)
-    tokens = sampler.sample(logits, batches["plain"]).packed[0]
-    lp_rows = batches["lp"].logprob_rows
-    assert lp_rows is not None
+    out = sampler.sample(logits, batches["lp"])
+    tokens, lp_rows, now_lp = out.packed[0], batches["lp"].logprob_rows, out.logprobs
+    assert lp_rows is not None and now_lp is not None
+    chunk = _logprob_chunk(vocab, logprobs) or 1024
+    old_lp = round1_logprobs(logits, tokens, lp_rows, logprobs, chunk)
+    if kernels:  # the packed logprobs against the stable-sort reference (equal logits: the lowest id first)
+        from fnvllm.kernels.sampling import logprob_top_ref
+
+        want = logprob_top_ref(logits, lp_rows, logprobs, tokens)
+        got = (now_lp.top_logprobs, now_lp.top_ids, now_lp.sampled_logprobs)
+        worst = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got[::2], want[::2], strict=True))
+        same = bool(torch.equal(got[1], want[1]))
+        print(f"check: logprob_top vs reference: ids {'equal' if same else 'DIFFER'}, max |logprob diff| {worst:.2e}")
+    ring = PinnedRing(rows) if on_gpu else None
+
+    def copy(tensors: list[torch.Tensor]) -> None:
+        HostCopy.start(tensors, ring).release()
+
     pieces: dict[str, Callable[[], object]] = {
         "sampler.sample plain": lambda: sampler.sample(logits, batches["plain"]),
         f"sampler.sample logprobs={logprobs}": lambda: sampler.sample(logits, batches["lp"]),
-        "compute_logprobs": lambda: compute_logprobs(logits, tokens, lp_rows, logprobs, kernels),
+        "  compute_logprobs (now)": lambda: compute_logprobs(
+            logits, tokens, lp_rows, logprobs, kernels, sampler._scratch
+        ),
+        "  compute_logprobs (round 1)": lambda: round1_logprobs(logits, tokens, lp_rows, logprobs, chunk),
+        f"host copy now ({1 + len(now_lp.copied())} tensors)": lambda: copy([out.packed, *now_lp.copied()]),
+        f"host copy round 1 ({1 + len(old_lp.copied())} tensors)": lambda: copy([out.packed, *old_lp.copied()]),
     }
-    if kernels:
-        from fnvllm.kernels.sampling import logprob_candidates
-
-        chunk = _logprob_chunk(vocab, logprobs) or 1024
-        sampled = torch.empty(rows, dtype=torch.float32, device=device)
-        lse, values, ids = logprob_candidates(logits, lp_rows, logprobs, chunk, tokens, sampled)
-        wide = logprob_candidates(logits, lp_rows, logprobs, 1024, tokens, sampled)[1]  # the chunk before the cap
-        top = values.topk(logprobs, dim=-1)
-        pieces |= {
-            f"  logprob_candidates ({chunk})": lambda: logprob_candidates(
-                logits, lp_rows, logprobs, chunk, tokens, sampled
-            ),
-            f"  topk of {values.shape[1]}": lambda: values.topk(logprobs, dim=-1),
-            f"  topk of {wide.shape[1]}": lambda: wide.topk(logprobs, dim=-1),
-            "  gather": lambda: ids.gather(1, top.indices),
-            "  sub": lambda: top.values - lse[:, None],
-            "  torch.empty": lambda: torch.empty(rows, dtype=torch.float32, device=device),
-        }
-    print(f"sampler ops: {rows} rows x {vocab} on {device}, host us per call (mean of {iters}; device free-running)")
+    print(f"sampler ops: {rows} rows x {vocab} on {device}, per call: host ops and (GPU) host us, mean of {iters}")
+    print(f"{'piece':<34}{'aten':>6}{'alloc':>6}{'view':>6}{'triton':>7}{'host us':>10}{'w/ device':>11}")
     for name, fn in pieces.items():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
+        counter = OpCounter()
+        with triton_launches() as launches, counter:
             fn()
-        host = time.perf_counter() - t0
-        if device.type == "cuda":
+        host = total = float("nan")
+        if on_gpu:
             torch.cuda.synchronize()
-        total = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t0
         print(
-            f"{name:<32}{1e6 * host / iters:>9.1f} us host {1e6 * total / iters:>9.1f} us with the device", flush=True
+            f"{name:<34}{counter.ops:>6}{counter.allocs:>6}{counter.views:>6}{launches[0]:>7}"
+            f"{1e6 * host / iters:>10.1f}{1e6 * total / iters:>11.1f}",
+            flush=True,
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import attrgetter, countOf
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from fnvllm.state import EngineState, InvalidRequestError, SamplingParams
 from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
 from fnvllm.state.errors import RequestTypeError
 from fnvllm.state.request import check_request
+
+_FINISH_REASON = attrgetter("finish_reason")  # a tracker's; None while it runs
 
 Prompt = str | Sequence[int]
 Encoded = tuple[str | None, tuple[int, ...]]  # (text or None for token-id prompts, token ids)
@@ -99,16 +102,17 @@ class LLM:
     ) -> list[RequestOutput]:
         trackers = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=discard_delta)  # no deltas
         bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
-        start, num_done = time.perf_counter(), 0
+        start, pending = time.perf_counter(), trackers
         with self._aborting_on_exit(trackers):
-            while num_done < len(trackers):
+            while pending:  # per step: one C-level count over the unfinished trackers (a list pruned as they end)
                 self.loop.step()
-                done = sum(t.finished for t in trackers)
-                if done > num_done:
-                    num_tokens = sum(len(t.token_ids) for t in trackers)
-                    bar.update(done - num_done)
-                    bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
-                    num_done = done
+                still = countOf(map(_FINISH_REASON, pending), None)
+                if still < len(pending):
+                    bar.update(len(pending) - still)
+                    pending = [t for t in pending if t.finish_reason is None]
+                    if use_tqdm:
+                        num_tokens = sum(len(t.token_ids) for t in trackers)
+                        bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
         bar.close()
         return [t.result() for t in trackers]
 

@@ -29,6 +29,7 @@ from fnvllm.kernels.sampling_ref import filtered_sample_sorted, sample_rows_ref
 
 if TYPE_CHECKING:
     from fnvllm.executor.sampler import RowGroup, SamplingBatch
+    from fnvllm.kernels.sampling import SamplingScratch
 
 __all__ = [
     "NonFiniteLogitsError",
@@ -60,7 +61,11 @@ FILTER_CHUNK: int | None = None
 
 
 def sample_with_kernels(
-    logits: torch.Tensor, batch: SamplingBatch, seed: int, filter_kernel: bool = False
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    seed: int,
+    filter_kernel: bool = False,
+    scratch: SamplingScratch | None = None,
 ) -> torch.Tensor:
     """(2, B) int64 tokens and non-finite flags by the Triton kernels; ``seed`` keys unseeded rows' Philox.
 
@@ -73,7 +78,8 @@ def sample_with_kernels(
     0.95 / top_k 20 fell from 22.6k to 11.6k output tok/s end to end before top-k rows compacted their
     candidates). Measured on the H200 at 256 rows x 151,936 (bench_sampling.py): top_p 0.95 / top_k 20 by the
     kernel 0.49 ms per call, by torch.topk candidates 0.62 ms (torch.topk alone 0.44 ms); min-p alone runs at full
-    speed with the kernel and slowly with a full sort."""
+    speed with the kernel and slowly with a full sort. scratch: the kernels' device scratch kept between calls
+    (``fnvllm.kernels.sampling.SamplingScratch``; None: fresh tensors)."""
     from fnvllm.kernels.sampling import RowSampling, chunk_summaries, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
 
@@ -82,7 +88,11 @@ def sample_with_kernels(
         scale=batch.scale,
         fixed=batch.fixed,
         uniforms=batch.uniforms,
-        drawn=torch.empty((3, batch.num_rows), dtype=torch.float32, device=device),  # uniforms, maxima, sums
+        drawn=(  # uniforms, maxima, sums
+            torch.empty((3, batch.num_rows), dtype=torch.float32, device=device)
+            if scratch is None
+            else scratch.drawn(batch.num_rows, device)
+        ),
         out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
     )
     work = penalised_copy(logits, batch)
@@ -90,7 +100,7 @@ def sample_with_kernels(
         if group is None or source is None:
             continue
         dense = source is work and group.rows is not None
-        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense)
+        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense, scratch=scratch)
         if not group.filtered.shape[0]:
             continue
         if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):

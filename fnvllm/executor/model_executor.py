@@ -108,7 +108,8 @@ class Launched:
     plan: the plan it runs. rows: the plan rows that sample, in order. packed: (2, S) int64 on the device, the
     sampled ids then a 0/1 non-finite flag per row (None when nothing is sampled here). host: its copy in host
     memory, and the logprobs tensors' (``HostCopy``), queued right behind the sampler, so that waiting for
-    them does not wait for a step launched later. asked: each sampled row's logprobs count.
+    them does not wait for a step launched later. asked: each sampled row's logprobs count. logprobs: the
+    sampler's logprobs on the device (None: no row asked), whose layout splits their host copy at collect.
     matchers: per sampled row, its grammar matcher (None: unconstrained), advanced by the tokens at collect.
     deferred: the logits of a step whose sampling waits for the host to accept the previous step's tokens (a
     constrained row fed from a step still in flight); ``packed`` is filled when it samples (``_sample_deferred``).
@@ -132,6 +133,7 @@ class Launched:
     pending: PendingMask | None = None
     collected: bool = False
     prompt: tuple[ScoredRow, ...] = ()
+    logprobs: Logprobs | None = None
     prompt_host: HostCopy | None = None
 
 
@@ -198,7 +200,8 @@ class PinnedRing:
 
     def __init__(self, max_rows: int, size: int = 4) -> None:
         self.buffers = [torch.empty(2 * max_rows, dtype=torch.int64, pin_memory=True) for _ in range(size)]
-        # the same step's logprobs ((L, n) float32 and int64, (L,) float32; n <= MAX_LOGPROBS), as byte views: a
+        # the same step's logprobs (the kernels' one packed uint8 tensor, or (L, n) float32 and int64 and (L,)
+        # float32 from the references; n <= MAX_LOGPROBS), as byte views: a
         # fresh pinned tensor of a new size (every prefill step's L differs) asks the driver for pinned memory
         extra = max_rows * _LOGPROB_BYTES_PER_ROW
         self.extras = [torch.empty(extra, dtype=torch.uint8, pin_memory=True) for _ in range(size)]
@@ -654,8 +657,9 @@ class ModelExecutor:
         self.history.record(plan, rows, packed[0])
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
-        copied = [packed] if logprobs is None else [packed, *attrs.astuple(logprobs, recurse=False)]
+        copied = [packed] if logprobs is None else [packed, *logprobs.copied()]  # the kernels' logprobs: one tensor
         launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring)
+        launched.logprobs = logprobs
         launched.asked = tuple(map(_LOGPROBS, params))
         if timer is not None:
             timer.launched()
@@ -679,9 +683,10 @@ class ModelExecutor:
             timer.waiting()
         if self.guard is not None:
             self.guard.wait(launched.host.done)
-        packed, *logprobs = launched.host.wait()
+        packed, *copies = launched.host.wait()
         tokens, flags = packed.tolist()
-        rows = _host_logprobs(Logprobs(*logprobs), tokens, launched.asked) if logprobs else None  # copied out
+        device_lp = launched.logprobs
+        rows = None if device_lp is None else _host_logprobs(device_lp.host_views(copies), tokens, launched.asked)
         launched.host.release()  # read: its ring buffers may take a later step's samples
         if timer is not None:
             timer.finish(plan, launched.graph)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -60,6 +61,9 @@ from fnvllm.executor.seeded_noise import seeded_uniforms
 from fnvllm.kernels.sampling_ref import log_partition_ref
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
 from fnvllm.state.plan import TokenHistory
+
+if TYPE_CHECKING:  # the kernels module needs Triton, which the CPU build of torch may lack
+    from fnvllm.kernels.sampling import SamplingScratch
 
 
 @attrs.frozen(eq=False)
@@ -243,11 +247,34 @@ class Logprobs:
     top_logprobs / top_ids: (L, n) float32 / int64, n = the batch's max_logprobs, best first; a row that asked
     for fewer keeps the first ones it asked for.
     sampled_logprobs: (L,) float32 log-probability of the token that was sampled.
+    packed: a uint8 tensor the other three are views of (the kernels' path: one copy to the host brings them all,
+    ``host_views`` splits it there), or None (three tensors of their own).
     """
 
     top_logprobs: torch.Tensor
     top_ids: torch.Tensor
     sampled_logprobs: torch.Tensor
+    packed: torch.Tensor | None = None
+
+    def copied(self) -> tuple[torch.Tensor, ...]:
+        """The tensors to copy to the host: ``packed`` alone when set, else the three."""
+        if self.packed is not None:
+            return (self.packed,)
+        return (self.top_logprobs, self.top_ids, self.sampled_logprobs)
+
+    def host_views(self, copies: Sequence[torch.Tensor]) -> Logprobs:
+        """These logprobs over their host copies (``copied()``'s tensors, in order): with ``packed``, views of its
+        copy at the three tensors' byte offsets."""
+        if self.packed is None:
+            top_logprobs, top_ids, sampled_logprobs = copies
+            return Logprobs(top_logprobs, top_ids, sampled_logprobs)
+        (buffer,) = copies
+        base = self.packed.data_ptr()
+        views = []
+        for t in (self.top_logprobs, self.top_ids, self.sampled_logprobs):
+            at = t.data_ptr() - base
+            views.append(buffer[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+        return Logprobs(*views, packed=buffer)
 
 
 @attrs.frozen(eq=False)
@@ -516,6 +543,7 @@ class Sampler:
         self._has_triton = _has_triton()
         self._calls = 0
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._scratch: SamplingScratch | None = None  # the kernels' device scratch, kept between steps
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The references' generator for `device`, created on first use."""
@@ -544,14 +572,19 @@ class Sampler:
         if self._uses_kernels(logits.device):
             key = (self.seed * 1_000_003 + self._calls) % 2**31
             self._calls += 1
-            packed = sample_with_kernels(logits, batch, key, self.filter_kernel)
+            if self._scratch is None:
+                from fnvllm.kernels.sampling import SamplingScratch
+
+                self._scratch = SamplingScratch()
+            packed = sample_with_kernels(logits, batch, key, self.filter_kernel, self._scratch)
         else:
             packed = sample_with_references(logits, batch, self._generator(logits.device))
         rows, num_top = batch.logprob_rows, batch.max_logprobs
         if rows is None or num_top is None:
             return SamplerOutput(packed=packed, logprobs=None)
         kernels = self._uses_kernels(raw.device)
-        return SamplerOutput(packed=packed, logprobs=compute_logprobs(raw, packed[0], rows, num_top, kernels))
+        logprobs = compute_logprobs(raw, packed[0], rows, num_top, kernels, self._scratch)
+        return SamplerOutput(packed=packed, logprobs=logprobs)
 
 
 # The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
@@ -579,23 +612,26 @@ def _logprob_chunk(vocab: int, num_top: int) -> int | None:
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int, kernels: bool = False
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    num_top: int,
+    kernels: bool = False,
+    scratch: SamplingScratch | None = None,
 ) -> Logprobs:
     """Top-`num_top` and sampled-token log-probabilities of the raw logits (B, V) for rows ``rows`` ((L,) distinct,
-    ascending), given the sampled token_ids (B,). With ``kernels`` the log-partition and the top-n come from one
-    pass over every chunk of those rows (``fnvllm.kernels.sampling.logprob_candidates``: torch.topk then sorts only
-    the n chunks that hold the n best, 1/30 of a row at n 5; torch.topk over whole rows took 0.43 ms at 256 x
-    151,936 on the H200); otherwise from logsumexp and torch.topk over the rows."""
+    ascending), given the sampled token_ids (B,). With ``kernels`` two launches (``fnvllm.kernels.sampling.
+    logprob_top``: one pass over every chunk of those rows, then per row its log-partition, its n best chunks and
+    their n best logits; torch.topk over whole rows took 0.43 ms at 256 x 151,936 on the H200) into one packed
+    tensor (``Logprobs.packed``), with ``scratch`` (``SamplingScratch``) its reused device scratch; otherwise from
+    logsumexp and torch.topk over the rows."""
     vocab = logits.shape[1]
     chunk = _logprob_chunk(vocab, num_top) if kernels else None
     if chunk is not None:
-        from fnvllm.kernels.sampling import logprob_candidates
+        from fnvllm.kernels.sampling import logprob_top
 
-        sampled = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)  # (L,), by the combine
-        lse, values, ids = logprob_candidates(logits, rows, max(num_top, 1), chunk, token_ids, sampled)
-        top = values.topk(num_top, dim=-1)
-        top_ids = ids.gather(1, top.indices)
-        return Logprobs(top_logprobs=top.values - lse[:, None], top_ids=top_ids, sampled_logprobs=sampled)
+        values, ids, sampled, packed = logprob_top(logits, rows, num_top, chunk, token_ids, scratch)
+        return Logprobs(top_logprobs=values, top_ids=ids, sampled_logprobs=sampled, packed=packed)
     chosen = torch.take(logits, rows.long() * vocab + token_ids.index_select(0, rows)).float()  # (L,)
     subset = logits if rows.shape[0] == logits.shape[0] else logits.index_select(0, rows)  # (L, V)
     lse = log_partition_ref(subset)

@@ -45,9 +45,12 @@ from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of samp
 __all__ = [
     "CHUNK",
     "RowSampling",
+    "SamplingScratch",
     "chunk_summaries",
     "fused_sample",
     "logprob_candidates",
+    "logprob_top",
+    "logprob_top_ref",
     "philox_uniforms",
     "sample_ref",
     "sample_rows",
@@ -229,6 +232,7 @@ def sample_rows(
     rows: torch.Tensor | None = None,
     dense: bool = False,
     chunk: int = CHUNK,
+    scratch: SamplingScratch | None = None,
 ) -> torch.Tensor:
     """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``);
     returns the chunk summaries (3, R, C) (max, partition sum, non-finite flag of program i's row chunk c), which
@@ -236,7 +240,8 @@ def sample_rows(
 
     rows: None = every batch row; else (R,) int32 or int64, the batch rows to sample. dense: logits row i holds
     batch row rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index.
-    ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one.
+    ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one. scratch: where the chunk
+    summaries go (``SamplingScratch``: the returned summaries are valid until the scratch's next use; None: fresh).
     """
     num_chunks = _check_source(logits, chunk)
     num_rows = batch.out.shape[1]
@@ -249,8 +254,11 @@ def sample_rows(
     if logits.shape[0] != expected:
         raise ValueError(f"logits must have {expected} rows (dense={dense}), got {logits.shape[0]}")
     row_ids = rows if rows is not None else batch.scale  # unused pointer when HAS_ROWS is False
-    stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
-    argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+    if scratch is None:
+        stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
+        argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
+    else:
+        stats, argmax = scratch.chunk_stats(num_programs, num_chunks, logits.device)
     flags = {"HAS_ROWS": rows is not None, "DENSE_SOURCE": dense and rows is not None}
     _chunk_stats_kernel[(num_programs, num_chunks)](
         logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
@@ -393,6 +401,170 @@ def _logprob_gather_kernel(
     at = (i * num_top + j).to(tl.int64) * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
     tl.store(values_ptr + at, x)
     tl.store(ids_ptr + at, cols)
+
+
+# ---- logprobs in two launches: chunk summaries, then one program per row for everything else --------------------
+
+
+@triton.jit(do_not_specialize=["num_programs", "num_chunks", "num_top"])
+def _logprob_top_kernel(
+    stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
+    logits_ptr,  # (R, V) raw logits
+    rows_ptr,  # (L,) int32 / int64 batch rows
+    tokens_ptr,  # (B,) int64 sampled ids by batch row
+    values_ptr,  # (L, N) float32: receives the top-N logprobs, best first
+    ids_ptr,  # (L, N) int64: receives their token ids
+    sampled_ptr,  # (L,) float32: receives the sampled token's logprob
+    stride_row,
+    vocab_size,
+    num_programs,
+    num_chunks,
+    num_top,
+    CHUNKS_PAD: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    TOP_PAD: tl.constexpr,
+):
+    """Row program_id(0): its log-partition from the chunk summaries, the sampled token's logprob, the num_top
+    chunks with the largest maxima (they hold the row's num_top largest logits), and the num_top best of those
+    chunks' logits by repeated selection in registers (equal logits: the lowest id first)."""
+    i = tl.program_id(0)
+    ids = tl.arange(0, CHUNKS_PAD)
+    live = ids < num_chunks
+    at = i * num_chunks + ids
+    maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
+    sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
+    top = tl.max(maxima, axis=0)
+    lse = top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0))
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    tl.store(sampled_ptr + i, tl.load(logits_ptr + row * stride_row + token).to(tl.float32) - lse)
+    slots = tl.arange(0, TOP_PAD)
+    chosen = num_chunks + slots  # unused slots: chunks past the vocabulary (masked; ids above every real one)
+    for j in range(num_top):
+        best = tl.max(maxima, axis=0)
+        chunk = tl.min(tl.where(maxima == best, ids, CHUNKS_PAD), axis=0)
+        chosen = tl.where(slots == j, chunk, chosen)
+        maxima = tl.where(ids == chunk, float("-inf"), maxima)
+    cols = chosen[:, None] * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)[None, :]  # (TOP_PAD, CHUNK_SIZE) distinct ids
+    held = (slots[:, None] < num_top) & (cols < vocab_size)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=held, other=float("-inf")).to(tl.float32)
+    for j in range(num_top):
+        best = tl.max(tl.max(x, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(x == best, cols, 2147483647), axis=1), axis=0)
+        tl.store(values_ptr + i * num_top + j, best - lse)
+        tl.store(ids_ptr + i * num_top + j, pick.to(tl.int64))
+        x = tl.where(cols == pick, float("-inf"), x)
+
+
+class SamplingScratch:
+    """The sampling kernels' device scratch (chunk summaries and their argmax, the rows' drawn uniforms and maxima,
+    the zero scales of the logprobs' raw summaries), kept between calls and grown on demand: fresh tensors cost
+    the host an allocator call each, every step. Reuse is safe on one stream: a later call's kernels run after an
+    earlier call's readers. Only scratch that no caller keeps lives here (never the samples or the logprobs)."""
+
+    _MAX_VIEWS = 64  # prefill steps' row counts vary: the view cache is cleared past this many shapes
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
+
+    def _buffer(self, name: str, numel: int, device: torch.device, zero: bool = False) -> torch.Tensor:
+        """Float32 buffer ``name`` of at least ``numel`` on ``device`` (doubled when it grows; its views dropped)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.device != device or buffer.numel() < numel:
+            size = max(numel, 0 if buffer is None else 2 * buffer.numel())
+            buffer = (torch.zeros if zero else torch.empty)(size, dtype=torch.float32, device=device)
+            self._buffers[name] = buffer
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # the old buffer's views
+        return buffer
+
+    def _keep(self, key: tuple[object, ...], views: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if len(self._views) >= self._MAX_VIEWS:
+            self._views.clear()
+        self._views[key] = views
+        return views
+
+    def chunk_stats(self, num_programs: int, num_chunks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(stats (3, R, C) float32, argmax (R, C) int32) for ``_chunk_stats_kernel``; the same tensors for the
+        same sizes (a decode step's are last step's)."""
+        key = ("stats", num_programs, num_chunks, device)
+        kept = self._views.get(key)
+        if kept is not None:
+            return kept
+        cells = num_programs * num_chunks
+        flat = self._buffer("stats", 4 * cells, device)
+        stats = flat[: 3 * cells].view(3, num_programs, num_chunks)
+        return self._keep(key, (stats, flat[3 * cells : 4 * cells].view(torch.int32).view(num_programs, num_chunks)))
+
+    def drawn(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """(3, B) float32 for ``RowSampling.drawn`` (written before it is read, within one sampling call)."""
+        key = ("drawn", num_rows, device)
+        kept = self._views.get(key)
+        if kept is None:
+            kept = self._keep(key, (self._buffer("drawn", 3 * num_rows, device)[: 3 * num_rows].view(3, num_rows),))
+        return kept[0]
+
+    def zeros(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """(B,) float32 zeros, never written: the scales of summaries of the raw logits."""
+        key = ("zeros", num_rows, device)
+        kept = self._views.get(key)
+        if kept is None:
+            kept = self._keep(key, (self._buffer("zeros", num_rows, device, zero=True)[:num_rows],))
+        return kept[0]
+
+
+def logprob_top(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    num_top: int,
+    chunk: int,
+    tokens: torch.Tensor,
+    scratch: SamplingScratch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the raw logits rows ``rows`` ((L,) int32 or int64, distinct) in two launches: (top values
+    (L, num_top) float32, best first; their ids (L, num_top) int64; the sampled token's (L,) float32; packed: one
+    uint8 tensor the other three are views of, so one copy brings them to the host). tokens: (B,) int64 sampled
+    ids by batch row. Launch 1 summarises every chunk of those rows (``_chunk_stats_kernel``, scale 0: the raw
+    logits); launch 2 (``_logprob_top_kernel``) does per row what ``logprob_candidates``, torch.topk, a gather
+    and a subtraction did in five launches and ten allocations. Equal logits: the lowest id first.
+    Reference: ``logprob_top_ref``. scratch: reused device scratch (None: fresh)."""
+    num_chunks = _check_source(logits, chunk)
+    if not 0 <= num_top <= num_chunks:
+        raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
+    num_programs, device = rows.shape[0], logits.device
+    top_bytes = num_programs * num_top * 8
+    packed = torch.empty(top_bytes + top_bytes // 2 + num_programs * 4, dtype=torch.uint8, device=device)
+    ids = packed[:top_bytes].view(torch.int64).view(num_programs, num_top)
+    values = packed[top_bytes : top_bytes + top_bytes // 2].view(torch.float32).view(num_programs, num_top)
+    sampled = packed[top_bytes + top_bytes // 2 :].view(torch.float32)
+    if num_programs:
+        scratch = SamplingScratch() if scratch is None else scratch
+        stats, argmax = scratch.chunk_stats(num_programs, num_chunks, device)
+        zeros = scratch.zeros(logits.shape[0], device)
+        _chunk_stats_kernel[(num_programs, num_chunks)](
+            logits, zeros, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
+        )  # fmt: skip
+        top_pad = max(2, int(triton.next_power_of_2(max(num_top, 1))))
+        _logprob_top_kernel[(num_programs,)](
+            stats, logits, rows, tokens, values, ids, sampled, logits.stride(0), logits.shape[1], num_programs,
+            num_chunks, num_top, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), CHUNK_SIZE=chunk,
+            TOP_PAD=top_pad, num_warps=8 if top_pad * chunk > 2048 else 4,
+        )  # fmt: skip
+    return values, ids, sampled, packed
+
+
+def logprob_top_ref(
+    logits: torch.Tensor, rows: torch.Tensor, num_top: int, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of ``logprob_top`` (without the packing): (top logprobs (L, n) float32 best first, their ids
+    (L, n) int64 (equal logits: the lowest id first), the sampled token's logprob (L,) float32)."""
+    subset = logits.index_select(0, rows.long()).float()  # (L, V)
+    lse = subset.logsumexp(dim=-1)
+    order = torch.sort(subset, dim=-1, descending=True, stable=True)  # stable: equal logits keep id order
+    top_values, top_ids = order.values[:, :num_top], order.indices[:, :num_top]
+    chosen = subset.gather(1, tokens.index_select(0, rows.long())[:, None])[:, 0]
+    return top_values - lse[:, None], top_ids, chosen - lse
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = CHUNK) -> torch.Tensor:
