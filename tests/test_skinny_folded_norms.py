@@ -1,0 +1,117 @@
+"""Folded norms: the skinny GEMM's residual-add epilogue with the next RMSNorm's statistics (``skinny_linear_add``)
+and the norm prologue that reads them (``Norm(stats=...)``), against their torch references under Triton's CPU
+interpreter at tiny, odd shapes; and a tiny model whose layers fold both norms, against the torch ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fnvllm.kernels import skinny_gemm
+from fnvllm.kernels.reference import RowStats, linear_add_stats_ref, rmsnorm_ref, stats_rmsnorm_ref
+from fnvllm.kernels.skinny_gemm import Norm, SkinnyConfig, skinny_linear, skinny_linear_add
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (M, N, K): one row, odd widths leaving partial column blocks and K tails, a full 16-row block.
+SHAPES = ((1, 24, 40), (3, 50, 300), (16, 32, 256))
+CONFIGS = (
+    SkinnyConfig(16, 32, 32, 1),
+    SkinnyConfig(16, 16, 32, 4),  # split K, summed in-kernel, then the epilogue
+    SkinnyConfig(16, 16, 512, 1, num_stages=1, preload=True),  # one tile per program
+    SkinnyConfig(16, 8, 64, 2, use_dot=False),  # CUDA cores
+)
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """x (M, K), weight (N, K), bias (N,), residual (M, N), seeded by the shape."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
+    return x, w, b, res
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_float32_add_epilogue_matches_reference(shape: tuple[int, int, int], config: SkinnyConfig) -> None:
+    """In float32 every launch shape gives F.linear + residual and partials summing to its rows' sums of squares."""
+    m, n, k = shape
+    x, w, b, res = _inputs(m, n, k, torch.float32)
+    got, stats = skinny_linear_add(x, w, b, res, config)
+    ref, ref_stats = linear_add_stats_ref(x, res, w, b)
+    assert stats.shape == (-(-n // config.block_n), m)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(stats.sum(dim=0), ref_stats.partials.sum(dim=0), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS[:3])
+def test_float32_stats_prologue_matches_rmsnorm_then_linear(shape: tuple[int, int, int], config: SkinnyConfig) -> None:
+    """A norm prologue fed a stream's RowStats gives F.linear(rmsnorm(stream)), as the reference from the stats
+    and as rmsnorm_ref from the rows themselves."""
+    m, n, k = shape
+    stream, w, b, _ = _inputs(m, n, k, torch.float32)
+    nw = torch.rand(k, generator=torch.Generator().manual_seed(k)).to(DEVICE) + 0.5
+    partials = torch.stack([c.pow(2).sum(dim=-1) for c in stream.split(7, dim=-1)])  # (P, M), P = ceil(K / 7)
+    got = skinny_linear(stream, w, b, config, norm=Norm(nw, 1e-6, stats=partials))
+    from_stats = F.linear(stats_rmsnorm_ref(stream, RowStats(partials), nw, 1e-6), w, b)
+    torch.testing.assert_close(got, from_stats, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, F.linear(rmsnorm_ref(stream, nw, 1e-6), w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_chain_stays_within_rounding_of_the_unfused_ops() -> None:
+    """In bf16, o_proj + residual add (epilogue) then a norm + projection (prologue from its stats) stay within
+    bf16 rounding of F.linear, the add and rmsnorm_ref done one by one."""
+    m, n, k = 5, 64, 96
+    x, w, b, res = _inputs(m, n, k, torch.bfloat16)
+    w2 = (torch.randn(48, n, generator=torch.Generator().manual_seed(3)) / n**0.5).to(DEVICE, torch.bfloat16)
+    nw = torch.ones(n, dtype=torch.bfloat16, device=DEVICE)
+    cfg = SkinnyConfig(16, 16, 32, 2)
+    stream, stats = skinny_linear_add(x, w, b, res, cfg)
+    ref_stream = F.linear(x, w, b) + res
+    assert (stream.float() - ref_stream.float()).abs().max().item() <= ref_stream.float().abs().max().item() * 2**-7
+    got = skinny_linear(stream, w2, None, cfg, norm=Norm(nw, 1e-6, stats=stats)).float()
+    ref = F.linear(rmsnorm_ref(ref_stream, nw, 1e-6), w2).float()
+    assert (got - ref).abs().max().item() <= ref.abs().max().item() * 2**-6
+
+
+def test_folded_launches_reject_what_they_cannot_run() -> None:
+    """Stats with a residual, malformed stats, a wrong residual and a split without the in-kernel sum are refused."""
+    x, w, b, res = _inputs(3, 16, 32, torch.float32)
+    nw = torch.ones(32, device=DEVICE)
+    stats = torch.ones(2, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="stats and residual"):
+        skinny_linear(x, w, None, norm=Norm(nw, 1e-6, x, torch.empty_like(x), stats=stats))
+    with pytest.raises(ValueError, match="norm stats must be"):
+        skinny_linear(x, w, None, norm=Norm(nw, 1e-6, stats=torch.ones(2, 4, device=DEVICE)))
+    with pytest.raises(ValueError, match="residual must be"):
+        skinny_linear_add(x, w, b, res[:, :8])
+    with pytest.raises(ValueError, match="fused_reduce"):
+        skinny_linear_add(x, w, b, res, SkinnyConfig(16, 16, 16, 2, fused_reduce=False))
+
+
+def test_model_with_folded_norms_matches_torch_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen3 whose layers fold both residual add + RMSNorm launches into their projections (FOLD_ROWS set
+    for its row counts) gives the torch-ops logits through prefill chunks and decodes."""
+    from test_fused_layer import CHUNKS, run
+
+    from fnvllm.model import ModelConfig, load_model
+    from fnvllm.model.ops import TORCH_OPS, triton_ops
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path, "qwen3", num_heads=4, num_kv_heads=2, num_layers=2)
+    config = ModelConfig.from_pretrained(path)
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {1, 16})
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
+    ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    hidden = torch.zeros(1, config.hidden_size, device=DEVICE)
+    assert ours.model.layers[0].folds(hidden, None) and not ref.model.layers[0].folds(hidden, None)
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(
+        run(ours, tokens.to(DEVICE), False), run(ref, tokens.to(DEVICE), False), atol=1e-4, rtol=1e-4
+    )
