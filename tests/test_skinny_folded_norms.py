@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fnvllm.kernels import skinny_gemm
 from fnvllm.kernels.reference import RowStats, linear_add_stats_ref, rmsnorm_ref, stats_rmsnorm_ref
-from fnvllm.kernels.skinny_gemm import Norm, SkinnyConfig, skinny_linear, skinny_linear_add
+from fnvllm.kernels.skinny_gemm import FUSED_TIMES, Fused, Norm, SkinnyConfig, skinny_linear, skinny_linear_add
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K): one row, odd widths leaving partial column blocks and K tails, a full 16-row block.
@@ -94,9 +94,13 @@ def test_folded_launches_reject_what_they_cannot_run() -> None:
         skinny_linear_add(x, w, b, res, SkinnyConfig(16, 16, 16, 2, fused_reduce=False))
 
 
-def test_model_with_folded_norms_matches_torch_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("glu_16", [False, True])
+def test_model_with_folded_norms_matches_torch_ops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, glu_16: bool
+) -> None:
     """A tiny Qwen3 whose layers fold both residual add + RMSNorm launches into their projections (FOLD_ROWS set
-    for its row counts) gives the torch-ops logits through prefill chunks and decodes."""
+    for its row counts; with glu_16 the SiLU-and-mul in gate/up's epilogue at its 2-16-row chunks) gives the
+    torch-ops logits through prefill chunks and decodes."""
     from test_fused_layer import CHUNKS, run
 
     from fnvllm.model import ModelConfig, load_model
@@ -107,6 +111,9 @@ def test_model_with_folded_norms_matches_torch_ops(tmp_path: Path, monkeypatch: 
     config = ModelConfig.from_pretrained(path)
     monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {1, 16})
     monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
+    if glu_16:
+        key = ("glu", 2 * config.intermediate_size, config.hidden_size, 16)
+        monkeypatch.setitem(FUSED_TIMES, key, Fused(SkinnyConfig(16, 32, 64, 1), 1.0, 2.0))
     ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
     ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
     hidden = torch.zeros(1, config.hidden_size, device=DEVICE)

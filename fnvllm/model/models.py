@@ -252,6 +252,8 @@ class DecoderLayer(nn.Module):
         """``forward`` with the residual adds in o_proj's and down_proj's epilogues and the norms in qkv's and
         gate/up's prologues (``ops.fold_norms``): -> (residual stream, its RowStats)."""
         fold, attn, mlp = self.input_layernorm.ops.fold_norms, self.self_attn, self.mlp
+        if fold is None or not isinstance(mlp, MLP):
+            raise RuntimeError("DecoderLayer._folded_forward needs ops.fold_norms and a dense MLP (see folds)")
         in_norm, post_norm, qkv_proj = self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj
         if isinstance(residual, RowStats):
             stream = hidden
