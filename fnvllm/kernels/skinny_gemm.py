@@ -197,6 +197,10 @@ def _skinny_kernel(
         inv_rms = _rows_inv_rms(
             x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, NORM_BLOCK
         )
+    res = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    if RES_OUT:  # the residual is final after the wait: read it now, beside the weights, not after the loop
+        res_mask = row_ok[:, None] & col_ok[None, :]
+        res = tl.load(res_ptr + rows[:, None] * stride_om + cols[None, :], mask=res_mask, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -231,7 +235,7 @@ def _skinny_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         _store_output(
-            out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, M, N, stride_om, res_ptr, stats_out_ptr,
+            out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, M, N, stride_om, res, stats_out_ptr,
             GLU_OUT, RES_OUT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
@@ -240,7 +244,7 @@ def _skinny_kernel(
         if FUSED_REDUCE:
             _sum_partials_if_last(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
-                rows, row_ok, pid_n, M, N, stride_om, res_ptr, stats_out_ptr, HAS_BIAS, SPLIT, GLU_OUT, RES_OUT,
+                rows, row_ok, pid_n, M, N, stride_om, res, stats_out_ptr, HAS_BIAS, SPLIT, GLU_OUT, RES_OUT,
                 BLOCK_M, BLOCK_N,
             )  # fmt: skip
 
@@ -267,7 +271,7 @@ def _store_output(
     M,
     N,
     stride_om,
-    res_ptr,
+    res,
     stats_out_ptr,
     GLU_OUT: tl.constexpr,
     RES_OUT: tl.constexpr,
@@ -276,7 +280,8 @@ def _store_output(
 ):
     """Store the float32 tile acc (BLOCK_M, BLOCK_N) to out: as is at out_offs, or with GLU_OUT its activation
     silu(gate) * up (BLOCK_M, BLOCK_N / 2) at columns pid_n * BLOCK_N / 2 .. of out (M, N / 2), or with RES_OUT
-    round(round(acc) + residual) with the rows' sums of squares of that over these columns to stats_out[pid_n]."""
+    round(round(acc) + res) (res: the residual's tile, read early) and the rows' sums of squares of that over
+    these columns to stats_out[pid_n]."""
     dtype = out_ptr.dtype.element_ty
     if GLU_OUT:
         pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))  # (BLOCK_M, BLOCK_N / 2, 2)
@@ -290,7 +295,6 @@ def _store_output(
     else:
         y = acc.to(dtype)
         if RES_OUT:  # the residual add of fused_add_rmsnorm (float32 sum, rounded) and its norm's statistics
-            res = tl.load(res_ptr + out_offs, mask=mask, other=0.0)
             y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
             h = tl.where(mask, y.to(tl.float32), 0.0)
             tl.store(stats_out_ptr + pid_n * M + rows, tl.sum(h * h, axis=1), mask=row_ok)
@@ -380,7 +384,7 @@ def _sum_partials_if_last(
     M,
     N,
     stride_om,
-    res_ptr,
+    res,
     stats_out_ptr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -404,7 +408,7 @@ def _sum_partials_if_last(
         if HAS_BIAS:
             total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         _store_output(
-            out_ptr, total, rows, row_ok, out_offs, mask, pid_n, M, N, stride_om, res_ptr, stats_out_ptr,
+            out_ptr, total, rows, row_ok, out_offs, mask, pid_n, M, N, stride_om, res, stats_out_ptr,
             GLU_OUT, RES_OUT, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         tl.atomic_xchg(count_ptr, 0)
