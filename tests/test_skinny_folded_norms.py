@@ -122,3 +122,36 @@ def test_model_with_folded_norms_matches_torch_ops(
     torch.testing.assert_close(
         run(ours, tokens.to(DEVICE), False), run(ref, tokens.to(DEVICE), False), atol=1e-4, rtol=1e-4
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_folded_chain_over_graph_replays_at_qwen3_sizes(m: int) -> None:
+    """o_proj + residual add (epilogue) then rmsnorm + qkv (prologue from its stats), Qwen3-0.6B sizes with the
+    tuned configs, captured in one CUDA graph (programmatic dependent launch on) and replayed with new inputs:
+    every replay within bf16 noise of F.linear, the add and rmsnorm_ref one by one."""
+    from fnvllm.kernels.skinny_gemm import linear_add_stats, stats_norm_linear
+
+    gen = torch.Generator().manual_seed(m)
+    w_o = (torch.randn(1024, 2048, generator=gen) / 2048**0.5).bfloat16().cuda()
+    w_qkv = (torch.randn(4096, 1024, generator=gen) / 1024**0.5).bfloat16().cuda()
+    nw = (torch.rand(1024, generator=gen) + 0.5).bfloat16().cuda()
+    x, res = torch.empty(m, 2048, device="cuda").bfloat16(), torch.empty(m, 1024, device="cuda").bfloat16()
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        stream, stats = linear_add_stats(x, res, w_o)
+        return stream, stats_norm_linear(stream, stats, nw, 1e-6, w_qkv)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream, qkv = step()
+    for i in range(3):
+        x.copy_(torch.randn(m, 2048, generator=torch.Generator().manual_seed(i)).bfloat16())
+        res.copy_(torch.randn(m, 1024, generator=torch.Generator().manual_seed(100 + i)).bfloat16())
+        graph.replay()
+        ref_stream = F.linear(x, w_o) + res
+        ref_qkv = F.linear(rmsnorm_ref(ref_stream, nw, 1e-6), w_qkv)
+        assert (stream.float() - ref_stream.float()).abs().max().item() < 0.05
+        assert (qkv.float() - ref_qkv.float()).abs().max().item() < 0.05 * ref_qkv.float().abs().max().item()
