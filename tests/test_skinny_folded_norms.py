@@ -155,3 +155,45 @@ def test_folded_chain_over_graph_replays_at_qwen3_sizes(m: int) -> None:
         ref_qkv = F.linear(rmsnorm_ref(ref_stream, nw, 1e-6), w_qkv)
         assert (stream.float() - ref_stream.float()).abs().max().item() < 0.05
         assert (qkv.float() - ref_qkv.float()).abs().max().item() < 0.05 * ref_qkv.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dense_layers", [[0], [1]])
+def test_folded_layers_mixed_with_moe_layers_match_torch_ops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dense_layers: list[int]
+) -> None:
+    """A tiny Qwen3-MoE whose dense layer folds its norms and whose sparse layer does not (dense first: the sparse
+    layer gets RowStats and normalises the stream itself; dense second: it folds from a plain residual) gives the
+    torch-ops logits."""
+    from test_fused_layer import CHUNKS, run
+
+    from fnvllm.model import ModelConfig, load_model
+    from fnvllm.model.ops import TORCH_OPS, triton_ops
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    path = write_tiny_checkpoint(
+        tmp_path, "qwen3_moe", head_dim=32, num_layers=2, moe={**moe, "mlp_only_layers": dense_layers}
+    )
+    config = ModelConfig.from_pretrained(path)
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {1, 16})
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
+    ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    hidden = torch.zeros(1, config.hidden_size, device=DEVICE)
+    assert [layer.folds(hidden, None) for layer in ours.model.layers] == [i in dense_layers for i in range(2)]
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(
+        run(ours, tokens.to(DEVICE), False), run(ref, tokens.to(DEVICE), False), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_folding_applies_only_on_a_gpu_at_listed_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """folds_norms: False with FOLD_ROWS empty, off a GPU, for zero rows or above 64; True at a listed bucket."""
+    from fnvllm.kernels.skinny_gemm import folds_norms
+
+    rows = {m: torch.zeros(m, 8) for m in (0, 1, 5, 16, 17, 64, 65)}
+    assert not any(folds_norms(h) for h in rows.values())  # FOLD_ROWS as shipped, or a CPU tensor
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {16})
+    assert not folds_norms(rows[16])  # CPU tensors never fold
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
+    assert [m for m, h in rows.items() if folds_norms(h)] == [5, 16]
