@@ -28,6 +28,14 @@ Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_
 eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS: the
 ``TUNED_CONFIGS`` entries) or, with a prologue to fuse, ``prefers_fused`` picks (``FUSED_TIMES``), to this kernel,
 and everything else to cuBLAS after the unfused ops.
+
+Folded norms (``FOLDED_NORMS``, at the rows buckets of ``FOLD_ROWS``): a decoder layer's two residual add + RMSNorm
+launches disappear. o_proj and down_proj add the residual in their epilogue (``skinny_linear_add``) and each column
+block writes its rows' sums of squares over its columns, a (column blocks, M) float32 array (``RowStats``: no
+atomics, no zeroing, deterministic); qkv and gate/up read those few KiB from L2 in their prologue, sum them and
+normalise their input as they load it (``Norm(stats=...)``), with no pass over the rows. References:
+``reference.linear_add_stats_ref`` and ``stats_rmsnorm_ref``. The layer's residual stream is then the projection's
+output itself, and the layer hands ``RowStats`` to the next as its residual.
 """
 
 from __future__ import annotations
