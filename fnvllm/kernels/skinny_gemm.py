@@ -29,13 +29,13 @@ eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (meas
 ``TUNED_CONFIGS`` entries) or, with a prologue to fuse, ``prefers_fused`` picks (``FUSED_TIMES``), to this kernel,
 and everything else to cuBLAS after the unfused ops.
 
-Folded norms (``FOLDED_NORMS``, at the rows buckets of ``FOLD_ROWS``): a decoder layer's two residual add + RMSNorm
-launches disappear. o_proj and down_proj add the residual in their epilogue (``skinny_linear_add``) and each column
-block writes its rows' sums of squares over its columns, a (column blocks, M) float32 array (``RowStats``: no
-atomics, no zeroing, deterministic); qkv and gate/up read those few KiB from L2 in their prologue, sum them and
-normalise their input as they load it (``Norm(stats=...)``), with no pass over the rows. References:
-``reference.linear_add_stats_ref`` and ``stats_rmsnorm_ref``. The layer's residual stream is then the projection's
-output itself, and the layer hands ``RowStats`` to the next as its residual.
+Folded norms (``FOLDED_NORMS``, at the rows buckets where ``FOLD_TIMES`` measured them faster): a decoder layer's
+two residual add + RMSNorm launches disappear. o_proj and down_proj add the residual in their epilogue
+(``skinny_linear_add``) and each column block writes its rows' sums of squares over its columns, a (column blocks,
+M) float32 array (``RowStats``: no atomics, no zeroing, deterministic); qkv and gate/up read those few KiB from L2
+in their prologue, sum them and normalise their input as they load it (``Norm(stats=...)``), with no pass over the
+rows. References: ``reference.linear_add_stats_ref`` and ``stats_rmsnorm_ref``. The layer's residual stream is
+then the projection's output itself, and the layer hands ``RowStats`` to the next as its residual.
 """
 
 from __future__ import annotations
@@ -62,11 +62,12 @@ from fnvllm.kernels.reference import RowStats
 
 __all__ = [
     "FOLDED_NORMS",
-    "FOLD_ROWS",
+    "FOLD_TIMES",
     "FUSED_TIMES",
     "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
+    "Folded",
     "FoldedNorms",
     "Fused",
     "Norm",
@@ -923,18 +924,27 @@ def norm_mlp(
 
 
 # ------------------------------------------------------------------------------- folded norms (residual statistics)
+class Folded(NamedTuple):
+    """The whole Qwen3-0.6B decode step (device us, one CUDA graph, benchmarks/sweep_small.py part 4) at a rows
+    bucket with the norms folded and without (this checkout's other tables)."""
+
+    folded_us: float
+    unfolded_us: float
+
+
 # Rows buckets (of MEASURED_ROWS) at which a decoder layer folds its two residual add + RMSNorm launches into its
-# projections (``FoldedNorms``): o_proj and down_proj add the residual in their epilogue and leave the rows'
-# statistics; qkv and gate/up normalise in their prologue from them. Empty until a whole-step measurement says
-# faster (benchmarks/sweep_small.py part 4, variant "folded").
-FOLD_ROWS: set[int] = set()
+# projections (``FoldedNorms``) where the entry measured faster: o_proj and down_proj add the residual in their
+# epilogue and leave the rows' statistics; qkv and gate/up normalise in their prologue from them. No entry: not
+# folded (benchmarks/sweep_small.py part 4, variant "folded", measures one).
+FOLD_TIMES: dict[int, Folded] = {}
 
 
 def folds_norms(hidden: torch.Tensor) -> bool:
-    """Whether a decoder layer with hidden state (M, hidden) folds its norms into its projections: on a GPU, M's
-    rows bucket in FOLD_ROWS."""
+    """Whether a decoder layer with hidden state (M, hidden) folds its norms into its projections: on a GPU, where
+    the ``FOLD_TIMES`` entry of M's rows bucket measured the folded step faster."""
     num_rows = hidden.shape[0]
-    return on_gpu(hidden) and num_rows > 0 and rows_bucket(num_rows) in FOLD_ROWS
+    times = FOLD_TIMES.get(rows_bucket(num_rows) or 0) if num_rows > 0 else None
+    return times is not None and times.folded_us < times.unfolded_us and on_gpu(hidden)
 
 
 def _plain_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
