@@ -576,7 +576,7 @@ def step_variants(swept: bool = True) -> dict[str, tuple[str, str]]:
     """The decode steps part 4 times: label -> (model ops, tables). "checkout": this checkout's ops and tables;
     "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured (these
     two only when parts 1-3 ran: swept); "folded": the checkout's tables with both residual add + RMSNorm launches
-    of every layer folded into its projections at B = 1, 16, 64 (``skinny_gemm.FOLD_TIMES``); "folded glu": that
+    of every layer folded into its projections at B = 1, 16, 64 (``skinny_gemm.FOLD_ROWS``); "folded glu": that
     with the SiLU-and-mul in gate/up's epilogue at 64 rows too (``GLU_64``; the checkout has it at 16 rows)."""
     swept_variants = {"swept attn": ("triton", "attn"), "swept": ("triton", "all")} if swept else {}
     folded = {"folded": ("triton", "fold"), "folded glu": ("triton", "fold glu")}
@@ -587,21 +587,19 @@ def step_variants(swept: bool = True) -> dict[str, tuple[str, str]]:
 # gate/up and the SiLU kernel); the "folded glu" step variant plants it when the checkout has no entry there.
 GLU_64 = (("glu", 6144, 1024, 64), skinny_gemm.Fused(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.91, 8.15))
 FOLD_BUCKETS = {1, 16, 64}
-# The FOLD_TIMES entry a step variant plants to fold at a bucket before it is measured (times, not measurements).
-FOLD_ON = skinny_gemm.Folded(folded_us=0.0, unfolded_us=1.0)
 
 
 @contextlib.contextmanager
 def folding(buckets: set[int]) -> Iterator[None]:
-    """Within: ``skinny_gemm.FOLD_TIMES`` folds at these buckets, only (restored after)."""
-    saved = dict(skinny_gemm.FOLD_TIMES)
-    skinny_gemm.FOLD_TIMES.clear()
-    skinny_gemm.FOLD_TIMES.update(dict.fromkeys(buckets, FOLD_ON))
+    """Within: ``skinny_gemm.FOLD_ROWS`` is buckets (restored after)."""
+    saved = set(skinny_gemm.FOLD_ROWS)
+    skinny_gemm.FOLD_ROWS.clear()
+    skinny_gemm.FOLD_ROWS.update(buckets)
     try:
         yield
     finally:
-        skinny_gemm.FOLD_TIMES.clear()
-        skinny_gemm.FOLD_TIMES.update(saved)
+        skinny_gemm.FOLD_ROWS.clear()
+        skinny_gemm.FOLD_ROWS.update(saved)
 
 
 def _variant_tables(which: str, tables: tuple[dict, dict, dict]) -> contextlib.AbstractContextManager:
@@ -789,15 +787,14 @@ def print_literals(out: list[dict]) -> None:
 
 
 def print_fold_literal(out: list[dict]) -> None:
-    """The FOLD_TIMES literal (skinny_gemm.py) from this run's steps, and whether the GLU epilogue at 64 rows goes
-    with it (``folded_picks``)."""
-    fold, glu_64 = folded_picks(out)
-    if not fold:
+    """The FNVLLM_NORM_EPILOGUE value this run's steps say (``folded_picks``), and whether the GLU epilogue at 64
+    rows goes with it."""
+    if not any(r["part"] == "step" for r in out):
         return
-    print("\nFOLD_TIMES = {  # rows bucket: Folded(folded step us, checkout step us)")
-    for b, t in sorted(fold.items()):
-        print(f"    {b}: Folded({t.folded_us:.1f}, {t.unfolded_us:.1f}),")
-    print(f"}}  # GLU epilogue at 64 rows with it: {glu_64}")
+    fold, glu_64 = folded_picks(out)
+    value = ",".join(str(b) for b in sorted(fold)) or "0"
+    print(f"\nfolded norms faster at rows buckets {sorted(fold)}: FNVLLM_NORM_EPILOGUE={value}; GLU epilogue at 64 "
+          f"rows with it: {glu_64}")  # fmt: skip
 
 
 def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
@@ -826,12 +823,12 @@ def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
     return tuned, fused, decode
 
 
-def folded_picks(out: list[dict]) -> tuple[dict[int, skinny_gemm.Folded], bool]:
-    """(``FOLD_TIMES`` entries: per rows bucket, the time of the faster folded step variant among those whose
-    argmax agreed with the checkout's on >= 95% of rows, and the checkout's; whether "folded glu" was that variant at
-    B = 64 and faster than the checkout: then ``GLU_64`` goes with it). Measured against the checkout's tables:
-    with a "swept" step also faster somewhere, the pair is unmeasured."""
-    fold: dict[int, skinny_gemm.Folded] = {}
+def folded_picks(out: list[dict]) -> tuple[set[int], bool]:
+    """(the rows buckets where the faster folded step variant, among those whose argmax agreed with the checkout's
+    on >= 95% of rows, timed faster than the checkout's step; whether "folded glu" was that variant at B = 64:
+    then ``GLU_64`` goes with it). Measured against the checkout's tables: with a "swept" step also faster
+    somewhere, the pair is unmeasured."""
+    fold: set[int] = set()
     glu_64 = False
     for r in out:
         if r["part"] != "step" or "checkout" not in r:
@@ -840,8 +837,9 @@ def folded_picks(out: list[dict]) -> tuple[dict[int, skinny_gemm.Folded], bool]:
         if not agreed:
             continue
         best = min(agreed, key=lambda k: r[k])
-        fold[bucket_of(r["b"])] = skinny_gemm.Folded(r[best], r["checkout"])
-        glu_64 = glu_64 or (r["b"] == 64 and best == "folded glu" and r[best] < r["checkout"])
+        if r[best] < r["checkout"]:
+            fold.add(bucket_of(r["b"]))
+            glu_64 = glu_64 or (r["b"] == 64 and best == "folded glu")
     return fold, glu_64
 
 
@@ -858,7 +856,7 @@ def write_verified_tables(out: list[dict], path: str) -> None:
     steps = {r["b"]: r for r in out if r["part"] == "step"}
     taken = [b for b, r in steps.items() if r.get("swept", float("nan")) < r.get("checkout", float("nan"))]
     print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere; "
-          f"FOLD_TIMES {fold}, GLU epilogue at 64 rows {glu_64})")  # fmt: skip
+          f"FOLD_ROWS {sorted(fold)}, GLU epilogue at 64 rows {glu_64})")  # fmt: skip
 
 
 def main() -> None:

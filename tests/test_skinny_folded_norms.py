@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fnvllm.kernels import skinny_gemm
 from fnvllm.kernels.reference import RowStats, linear_add_stats_ref, rmsnorm_ref, stats_rmsnorm_ref
-from fnvllm.kernels.skinny_gemm import FUSED_TIMES, Folded, Fused, Norm, SkinnyConfig, skinny_linear, skinny_linear_add
+from fnvllm.kernels.skinny_gemm import FUSED_TIMES, Fused, Norm, SkinnyConfig, skinny_linear, skinny_linear_add
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K): one row, odd widths leaving partial column blocks and K tails, a full 16-row block.
@@ -98,9 +98,9 @@ def test_folded_launches_reject_what_they_cannot_run() -> None:
 def test_model_with_folded_norms_matches_torch_ops(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, glu_16: bool
 ) -> None:
-    """A tiny Qwen3 whose layers fold both residual add + RMSNorm launches into their projections (FOLD_TIMES
-    faster at its row counts; with glu_16 the SiLU-and-mul in gate/up's epilogue at its 2-16-row chunks) gives the
-    torch-ops logits through prefill chunks and decodes."""
+    """A tiny Qwen3 whose layers fold both residual add + RMSNorm launches into their projections (FOLD_ROWS
+    holding its row counts' buckets; with glu_16 the SiLU-and-mul in gate/up's epilogue at its 2-16-row chunks)
+    gives the torch-ops logits through prefill chunks and decodes."""
     from test_fused_layer import CHUNKS, run
 
     from fnvllm.model import ModelConfig, load_model
@@ -109,7 +109,7 @@ def test_model_with_folded_norms_matches_torch_ops(
 
     path = write_tiny_checkpoint(tmp_path, "qwen3", num_heads=4, num_kv_heads=2, num_layers=2)
     config = ModelConfig.from_pretrained(path)
-    monkeypatch.setattr(skinny_gemm, "FOLD_TIMES", {1: Folded(1.0, 2.0), 16: Folded(1.0, 2.0)})
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {1, 16})
     monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
     if glu_16:
         key = ("glu", 2 * config.intermediate_size, config.hidden_size, 16)
@@ -175,7 +175,7 @@ def test_folded_layers_mixed_with_moe_layers_match_torch_ops(
         tmp_path, "qwen3_moe", head_dim=32, num_layers=2, moe={**moe, "mlp_only_layers": dense_layers}
     )
     config = ModelConfig.from_pretrained(path)
-    monkeypatch.setattr(skinny_gemm, "FOLD_TIMES", {1: Folded(1.0, 2.0), 16: Folded(1.0, 2.0)})
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {1, 16})
     monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
     ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
     ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
@@ -188,12 +188,22 @@ def test_folded_layers_mixed_with_moe_layers_match_torch_ops(
 
 
 def test_folding_applies_only_on_a_gpu_at_listed_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """folds_norms: False off a GPU, for zero rows, above 64 or where FOLD_TIMES has no faster entry; True at a
-    bucket measured faster."""
+    """folds_norms: False off a GPU, for zero rows, above 64 or at a bucket FOLD_ROWS lacks; True at one it has."""
     from fnvllm.kernels.skinny_gemm import folds_norms
 
     rows = {m: torch.zeros(m, 8) for m in (0, 1, 5, 16, 17, 64, 65)}
-    monkeypatch.setattr(skinny_gemm, "FOLD_TIMES", {1: Folded(2.0, 1.0), 16: Folded(1.0, 2.0)})
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {16})
     assert not folds_norms(rows[16])  # CPU tensors never fold
     monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
     assert [m for m, h in rows.items() if folds_norms(h)] == [5, 16]
+
+
+def test_norm_epilogue_switch_parses_its_values() -> None:
+    """FNVLLM_NORM_EPILOGUE: unset or 0 is off, 1 is every bucket, a list names buckets; anything else is refused."""
+    from fnvllm.kernels.skinny_gemm import fold_rows_from_env
+
+    assert fold_rows_from_env(None) == set() and fold_rows_from_env("0") == set()
+    assert fold_rows_from_env("1") == {1, 16, 64} and fold_rows_from_env("16, 64") == {16, 64}
+    for bad in ("yes", "32", "16,x", ","):
+        with pytest.raises(ValueError, match="FNVLLM_NORM_EPILOGUE"):
+            fold_rows_from_env(bad)

@@ -29,7 +29,7 @@ eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (meas
 ``TUNED_CONFIGS`` entries) or, with a prologue to fuse, ``prefers_fused`` picks (``FUSED_TIMES``), to this kernel,
 and everything else to cuBLAS after the unfused ops.
 
-Folded norms (``FOLDED_NORMS``, at the rows buckets where ``FOLD_TIMES`` measured them faster): a decoder layer's
+Folded norms (``FOLDED_NORMS``, at the rows buckets of ``FOLD_ROWS``; off unless FNVLLM_NORM_EPILOGUE): a layer's
 two residual add + RMSNorm launches disappear. o_proj and down_proj add the residual in their epilogue
 (``skinny_linear_add``) and each column block writes its rows' sums of squares over its columns, a (column blocks,
 M) float32 array (``RowStats``: no atomics, no zeroing, deterministic); qkv and gate/up read those few KiB from L2
@@ -41,6 +41,7 @@ then the projection's output itself, and the layer hands ``RowStats`` to the nex
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -62,18 +63,19 @@ from fnvllm.kernels.reference import RowStats
 
 __all__ = [
     "FOLDED_NORMS",
-    "FOLD_TIMES",
+    "FOLD_ROWS",
     "FUSED_TIMES",
+    "NORM_EPILOGUE_ENV",
     "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
-    "Folded",
     "FoldedNorms",
     "Fused",
     "Norm",
     "RowStats",
     "SkinnyConfig",
     "Tuned",
+    "fold_rows_from_env",
     "folds_norms",
     "fused_config",
     "linear",
@@ -924,27 +926,43 @@ def norm_mlp(
 
 
 # ------------------------------------------------------------------------------- folded norms (residual statistics)
-class Folded(NamedTuple):
-    """The whole Qwen3-0.6B decode step (device us, one CUDA graph, benchmarks/sweep_small.py part 4) at a rows
-    bucket with the norms folded and without (this checkout's other tables)."""
+# Folded norms: off by default until the whole step measures faster on the H200. FNVLLM_NORM_EPILOGUE (read once, at
+# import) turns them on: "1" at every rows bucket (1-64 rows), or a comma-separated list of buckets of
+# MEASURED_ROWS ("16,64"); "0" or unset: off.
+NORM_EPILOGUE_ENV = "FNVLLM_NORM_EPILOGUE"
 
-    folded_us: float
-    unfolded_us: float
+
+def fold_rows_from_env(value: str | None) -> set[int]:
+    """The rows buckets FNVLLM_NORM_EPILOGUE's value turns folding on at (see ``NORM_EPILOGUE_ENV``); ValueError
+    naming the variable for anything else."""
+    text = (value or "0").strip()
+    if text == "0":
+        return set()
+    if text == "1":
+        return set(MEASURED_ROWS)
+    try:
+        buckets = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        buckets = {-1}
+    if not buckets or not buckets <= set(MEASURED_ROWS):
+        raise ValueError(
+            f"{NORM_EPILOGUE_ENV} must be 0, 1 or a comma-separated list of {MEASURED_ROWS}, got {value!r}"
+        )
+    return buckets
 
 
 # Rows buckets (of MEASURED_ROWS) at which a decoder layer folds its two residual add + RMSNorm launches into its
-# projections (``FoldedNorms``) where the entry measured faster: o_proj and down_proj add the residual in their
-# epilogue and leave the rows' statistics; qkv and gate/up normalise in their prologue from them. No entry: not
-# folded (benchmarks/sweep_small.py part 4, variant "folded", measures one).
-FOLD_TIMES: dict[int, Folded] = {}
+# projections (``FoldedNorms``): o_proj and down_proj add the residual in their epilogue and leave the rows'
+# statistics; qkv and gate/up normalise in their prologue from them. Measured by benchmarks/sweep_small.py part 4
+# (variants "folded", "folded glu" against "checkout").
+FOLD_ROWS: set[int] = fold_rows_from_env(os.environ.get(NORM_EPILOGUE_ENV))
 
 
 def folds_norms(hidden: torch.Tensor) -> bool:
-    """Whether a decoder layer with hidden state (M, hidden) folds its norms into its projections: on a GPU, where
-    the ``FOLD_TIMES`` entry of M's rows bucket measured the folded step faster."""
+    """Whether a decoder layer with hidden state (M, hidden) folds its norms into its projections: on a GPU, M's
+    rows bucket in FOLD_ROWS."""
     num_rows = hidden.shape[0]
-    times = FOLD_TIMES.get(rows_bucket(num_rows) or 0) if num_rows > 0 else None
-    return times is not None and times.folded_us < times.unfolded_us and on_gpu(hidden)
+    return num_rows > 0 and rows_bucket(num_rows) in FOLD_ROWS and on_gpu(hidden)
 
 
 def _plain_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
