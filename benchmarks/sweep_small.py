@@ -21,7 +21,9 @@ reading a different copy of the weights or KV cache (256 MiB of copies, 5x the L
 launch on (the default), so a kernel's prologue overlaps the one before it as in a decode step.
 4. step: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device us) at B = 1, 16, 64 with the
    latency bench's contexts, under this checkout's tables ("checkout") and under them with this run's
-   measurements put in ("swept"), logits compared.
+   measurements put in ("swept"), and with the residual add + RMSNorm folded into the projections ("folded",
+   "folded glu": ``skinny_gemm.FOLD_ROWS``, the FNVLLM_NORM_EPILOGUE switch), logits compared. --parts step alone
+   times checkout against the folded variants only.
 Printed after each part and again last: the tables (us per call) and Python literals to paste:
 ``SMALL_BATCH_DECODE`` (decode_attention.py; the checkout's, with this run's picks put in), the entries of
 ``TUNED_CONFIGS`` and ``FUSED_TIMES`` (skinny_gemm.py) for the cases this run measured.

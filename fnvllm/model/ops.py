@@ -60,7 +60,8 @@ class ModelOps:
     ``silu_mul_linear``), or None: those two ops. Used only when both projections are in the model's dtype.
     fold_norms: a decoder layer's two residual add + RMSNorm launches folded into its projections at the rows
     where it ``applies`` (``skinny_gemm.FOLDED_NORMS``: residual add and the norm's statistics in o_proj's and
-    down_proj's epilogues, the norm in qkv's and gate/up's prologues; ``DecoderLayer.folds`` says where), or None.
+    down_proj's epilogues, the norm in qkv's and gate/up's prologues; ``DecoderLayer.folds`` says where: on a GPU,
+    at the rows buckets FNVLLM_NORM_EPILOGUE turns on, none by default), or None.
     """
 
     name: str
