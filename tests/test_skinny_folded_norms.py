@@ -207,3 +207,20 @@ def test_norm_epilogue_switch_parses_its_values() -> None:
     for bad in ("yes", "32", "16,x", ","):
         with pytest.raises(ValueError, match="FNVLLM_NORM_EPILOGUE"):
             fold_rows_from_env(bad)
+
+
+def test_greedy_tokens_with_folded_norms_equal_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine with Triton ops and folded norms at every bucket (decode steps fold) gives transformers' greedy
+    tokens for the mixed prompts (tiny fp32 Qwen3, block size 16)."""
+    from test_llm_equality import check_equal
+    from tiny_models import hf_model, write_family
+
+    from fnvllm.llm import LLM
+
+    monkeypatch.setattr(skinny_gemm, "FOLD_ROWS", {1, 16, 64})
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
+    path = write_family(tmp_path, "qwen3")
+    llm = LLM(path, dtype="float32", block_size=16, num_blocks=256, model_ops="triton")
+    layer = llm.engine.executor.model.model.layers[0]
+    assert layer.folds(torch.zeros(10, layer.input_layernorm.weight.shape[0], device=DEVICE), None)
+    check_equal("qwen3 folded", hf_model(path), llm, "block16")
