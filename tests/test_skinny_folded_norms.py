@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from fnvllm.kernels import skinny_gemm
-from fnvllm.kernels.reference import RowStats, linear_add_stats_ref, rmsnorm_ref, stats_rmsnorm_ref
+from fnvllm.kernels.reference import (
+    RowStats,
+    linear_add_stats_ref,
+    rmsnorm_ref,
+    silu_and_mul_ref,
+    stats_rmsnorm_ref,
+)
 from fnvllm.kernels.skinny_gemm import FUSED_TIMES, Fused, Norm, SkinnyConfig, skinny_linear, skinny_linear_add
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,6 +67,21 @@ def test_float32_stats_prologue_matches_rmsnorm_then_linear(shape: tuple[int, in
     from_stats = F.linear(stats_rmsnorm_ref(stream, RowStats(partials), nw, 1e-6), w, b)
     torch.testing.assert_close(got, from_stats, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got, F.linear(rmsnorm_ref(stream, nw, 1e-6), w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[3]])
+def test_float32_silu_prologue_with_add_epilogue_matches_reference(config: SkinnyConfig) -> None:
+    """A down projection with SiLU-and-mul on load and the residual add after it: F.linear(silu_and_mul(x)) + res
+    and its rows' sums of squares."""
+    m, n, inter = 3, 40, 72
+    gen = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(m, 2 * inter, generator=gen).to(DEVICE)
+    w = (torch.randn(n, inter, generator=gen) / inter**0.5).to(DEVICE)
+    res = torch.randn(m, n, generator=gen).to(DEVICE)
+    got, stats = skinny_linear_add(gate_up, w, None, res, config, glu=True)
+    ref, ref_stats = linear_add_stats_ref(silu_and_mul_ref(gate_up), res, w)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(stats.sum(dim=0), ref_stats.partials.sum(dim=0), rtol=1e-5, atol=1e-3)
 
 
 def test_bfloat16_chain_stays_within_rounding_of_the_unfused_ops() -> None:
