@@ -138,7 +138,7 @@ def test_model_with_folded_norms_matches_torch_ops(
     ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
     ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
     hidden = torch.zeros(1, config.hidden_size, device=DEVICE)
-    assert ours.model.layers[0].folds(hidden, None) and not ref.model.layers[0].folds(hidden, None)
+    assert ours.model.layers[0].folds(hidden) and not ref.model.layers[0].folds(hidden)
     tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(
         run(ours, tokens.to(DEVICE), False), run(ref, tokens.to(DEVICE), False), atol=1e-4, rtol=1e-4
@@ -201,7 +201,7 @@ def test_folded_layers_mixed_with_moe_layers_match_torch_ops(
     ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
     ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
     hidden = torch.zeros(1, config.hidden_size, device=DEVICE)
-    assert [layer.folds(hidden, None) for layer in ours.model.layers] == [i in dense_layers for i in range(2)]
+    assert [layer.folds(hidden) for layer in ours.model.layers] == [i in dense_layers for i in range(2)]
     tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(
         run(ours, tokens.to(DEVICE), False), run(ref, tokens.to(DEVICE), False), atol=1e-4, rtol=1e-4
@@ -243,5 +243,5 @@ def test_greedy_tokens_with_folded_norms_equal_transformers(tmp_path: Path, monk
     path = write_family(tmp_path, "qwen3")
     llm = LLM(path, dtype="float32", block_size=16, num_blocks=256, model_ops="triton")
     layer = llm.engine.executor.model.model.layers[0]
-    assert layer.folds(torch.zeros(10, layer.input_layernorm.weight.shape[0], device=DEVICE), None)
+    assert layer.folds(torch.zeros(10, layer.input_layernorm.weight.shape[0], device=DEVICE))
     check_equal("qwen3 folded", hf_model(path), llm, "block16")

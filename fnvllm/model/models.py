@@ -209,7 +209,7 @@ class DecoderLayer(nn.Module):
         With ``ops.fold_norms`` applying (``folds``), o_proj and down_proj add the residual in their epilogue and
         the layer returns (the residual stream itself, its ``RowStats``); a layer given RowStats as its residual
         reads the stream's norm statistics from it (or, when it does not fold, normalises the stream itself)."""
-        if self.folds(hidden, residual):
+        if self.folds(hidden):
             return self._folded_forward(hidden, residual, rope, kv_cache, meta, backend)
         if isinstance(residual, RowStats):  # hidden is already the residual stream
             residual = None
@@ -231,7 +231,7 @@ class DecoderLayer(nn.Module):
         hidden, residual = post_norm.add_and_norm(hidden, residual)
         return mlp(hidden), residual
 
-    def folds(self, hidden: torch.Tensor, residual: torch.Tensor | RowStats | None) -> bool:
+    def folds(self, hidden: torch.Tensor) -> bool:
         """Whether this layer runs ``_folded_forward``: ``ops.fold_norms`` applies at these rows, one rank, a dense
         MLP, every projection in the model's dtype, a 2-D hidden state."""
         fold, attn, mlp = self.input_layernorm.ops.fold_norms, self.self_attn, self.mlp
