@@ -4,11 +4,10 @@
     PYTHONPATH=$PWD python3 benchmarks/latency_tables.py --tables /tmp/tables.pkl \\
         bench --model-shape qwen3-0.6b --latency 1,16,64 --profile
 
-The pickle holds TUNED_CONFIGS, FUSED_TIMES and SMALL_BATCH_DECODE (``sweep_small.verified_tables``) and the
-folded-norm buckets (FOLD_ROWS, ``sweep_small.folded_picks``); they replace skinny_gemm's and decode_attention's
-tables in this process before the engine is built, so its CUDA graphs capture the swept launches: the end-to-end
-measure of tables not yet pasted into the code. A missing or unreadable file keeps the checkout's tables (said on
-the first line).
+The pickle holds TUNED_CONFIGS, FUSED_TIMES and SMALL_BATCH_DECODE (``sweep_small.verified_tables``); they replace
+skinny_gemm's and decode_attention's tables in this process before the engine is built, so its CUDA graphs capture
+the swept launches: the end-to-end measure of tables not yet pasted into the code. A missing or unreadable file
+keeps the checkout's tables (said on the first line).
 """
 
 from __future__ import annotations
@@ -33,11 +32,8 @@ def install_tables(path: str) -> str:
         table.clear()
         table.update(new)
     skinny_gemm.skinny_config.cache_clear()
-    skinny_gemm.FOLD_ROWS.clear()
-    skinny_gemm.FOLD_ROWS.update(saved.get("fold", ()))
     glu = sorted(key for key, v in fused.items() if key[0] == "glu" and v.fused_us < v.unfused_us)
-    fold = sorted(skinny_gemm.FOLD_ROWS)
-    return f"tables: {path}: SMALL_BATCH_DECODE {decode}; faster GLU epilogues {glu}; folded norms at {fold}"
+    return f"tables: {path}: SMALL_BATCH_DECODE {decode}; faster GLU epilogues {glu}"
 
 
 def main() -> int:

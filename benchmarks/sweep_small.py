@@ -21,9 +21,7 @@ reading a different copy of the weights or KV cache (256 MiB of copies, 5x the L
 launch on (the default), so a kernel's prologue overlaps the one before it as in a decode step.
 4. step: the whole Qwen3-0.6B decode step (28 layers + logits, one CUDA graph, device us) at B = 1, 16, 64 with the
    latency bench's contexts, under this checkout's tables ("checkout") and under them with this run's
-   measurements put in ("swept"), and with the residual add + RMSNorm folded into the projections ("folded",
-   "folded glu": ``skinny_gemm.FOLD_ROWS``, the FNVLLM_NORM_EPILOGUE switch), logits compared. --parts step alone
-   times checkout against the folded variants only.
+   measurements put in ("swept"), logits compared.
 Printed after each part and again last: the tables (us per call) and Python literals to paste:
 ``SMALL_BATCH_DECODE`` (decode_attention.py; the checkout's, with this run's picks put in), the entries of
 ``TUNED_CONFIGS`` and ``FUSED_TIMES`` (skinny_gemm.py) for the cases this run measured.
@@ -75,7 +73,6 @@ SHARES = {"attn": 0.45, "gemm": 0.35, "glu": 0.2, "fused": 0.1}  # of the budget
 CONTEXTS = ((100, 384), (100, 1024))
 LATENCY_CONTEXT = CONTEXTS[0]
 BATCHES = (1, 16, 64)
-STEP_ORDER = (16, 64, 1)  # part 4's batch order: the sizes the folded norms are for first (a cut run keeps them)
 
 
 START = time.perf_counter()  # the wall clock of the whole run (a caller may kill it: see --step-until-s)
@@ -574,53 +571,20 @@ def using_tables(tuned: dict, fused: dict, decode: dict) -> Iterator[None]:
         skinny_gemm.skinny_config.cache_clear()
 
 
-def step_variants(swept: bool = True) -> dict[str, tuple[str, str]]:
+def step_variants() -> dict[str, tuple[str, str]]:
     """The decode steps part 4 times: label -> (model ops, tables). "checkout": this checkout's ops and tables;
-    "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured (these
-    two only when parts 1-3 ran: swept); "folded": the checkout's tables with both residual add + RMSNorm launches
-    of every layer folded into its projections at B = 1, 16, 64 (``skinny_gemm.FOLD_ROWS``); "folded glu": that
-    with the SiLU-and-mul in gate/up's epilogue at 64 rows too (``GLU_64``; the checkout has it at 16 rows)."""
-    swept_variants = {"swept attn": ("triton", "attn"), "swept": ("triton", "all")} if swept else {}
-    folded = {"folded": ("triton", "fold"), "folded glu": ("triton", "fold glu")}
-    return {"checkout": ("triton", "none")} | swept_variants | folded
-
-
-# The GLU epilogue at 64 rows as measured alone on the H200 (2026-12-02 02:15: 6.91 us against 8.15 for cuBLAS's
-# gate/up and the SiLU kernel); the "folded glu" step variant plants it when the checkout has no entry there.
-GLU_64 = (("glu", 6144, 1024, 64), skinny_gemm.Fused(SkinnyConfig(64, 32, 128, 1, 4, 4), 6.91, 8.15))
-FOLD_BUCKETS = {1, 16, 64}
-
-
-@contextlib.contextmanager
-def folding(buckets: set[int]) -> Iterator[None]:
-    """Within: ``skinny_gemm.FOLD_ROWS`` is buckets (restored after)."""
-    saved = set(skinny_gemm.FOLD_ROWS)
-    skinny_gemm.FOLD_ROWS.clear()
-    skinny_gemm.FOLD_ROWS.update(buckets)
-    try:
-        yield
-    finally:
-        skinny_gemm.FOLD_ROWS.clear()
-        skinny_gemm.FOLD_ROWS.update(saved)
+    "swept attn": its GEMM tables with this run's SMALL_BATCH_DECODE; "swept": every table this run measured."""
+    return {"checkout": ("triton", "none"), "swept attn": ("triton", "attn"), "swept": ("triton", "all")}
 
 
 def _variant_tables(which: str, tables: tuple[dict, dict, dict]) -> contextlib.AbstractContextManager:
     """The tables a step variant runs under (``step_variants``)."""
-    from fnvllm.kernels import decode_attention
     from fnvllm.kernels import skinny_gemm as sg
 
     if which == "none":
         return contextlib.nullcontext()
     if which == "attn":
         return using_tables(dict(sg.TUNED_CONFIGS), dict(sg.FUSED_TIMES), tables[2])
-    if which.startswith("fold"):
-        stack = contextlib.ExitStack()
-        if which == "fold glu":
-            fused = dict(sg.FUSED_TIMES)
-            fused.setdefault(*GLU_64)
-            stack.enter_context(using_tables(dict(sg.TUNED_CONFIGS), fused, dict(decode_attention.SMALL_BATCH_DECODE)))
-        stack.enter_context(folding(FOLD_BUCKETS))
-        return stack
     return using_tables(*tables)
 
 
@@ -632,7 +596,7 @@ def sweep_step(batches: tuple[int, ...], out: list[dict], until_s: float) -> Non
     from fnvllm.kernels.backends import get_backend
 
     tables = swept_tables(out)
-    variants = step_variants(swept=any(r["part"] in ("attn", "gemm", "fused") for r in out))
+    variants = step_variants()
     models = build_models("0.6b", {ops for ops, _ in variants.values()})
     backend = get_backend("triton")
     for b in batches:
@@ -749,7 +713,7 @@ def print_step(rows: list[dict]) -> None:
     """Part 4's table: device us per decode step, per variant."""
     if not rows:
         return
-    labels = [k for k in rows[0] if k not in ("part", "b") and not k.endswith(("diff", "same"))]
+    labels = list(step_variants())
     print(
         f"\n{'B':>3} " + " ".join(f"{label:>14}" for label in labels) + "  checks vs checkout (max |diff|, argmax same)"
     )
@@ -783,20 +747,8 @@ def print_literals(out: list[dict]) -> None:
     if any(r["part"] == "attn" for r in out):
         print_decode_table(out)
     print_step([r for r in out if r["part"] == "step"])
-    print_fold_literal(out)
     if _NOTES["dropped"]:
         print(f"({_NOTES['dropped']} more WRONG/FAILED lines not shown)")
-
-
-def print_fold_literal(out: list[dict]) -> None:
-    """The FNVLLM_NORM_EPILOGUE value this run's steps say (``folded_picks``), and whether the GLU epilogue at 64
-    rows goes with it."""
-    if not any(r["part"] == "step" for r in out):
-        return
-    fold, glu_64 = folded_picks(out)
-    value = ",".join(str(b) for b in sorted(fold)) or "0"
-    print(f"\nfolded norms faster at rows buckets {sorted(fold)}: FNVLLM_NORM_EPILOGUE={value}; GLU epilogue at 64 "
-          f"rows with it: {glu_64}")  # fmt: skip
 
 
 def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
@@ -825,40 +777,16 @@ def verified_tables(out: list[dict]) -> tuple[dict, dict, dict]:
     return tuned, fused, decode
 
 
-def folded_picks(out: list[dict]) -> tuple[set[int], bool]:
-    """(the rows buckets where the faster folded step variant, among those whose argmax agreed with the checkout's
-    on >= 95% of rows, timed faster than the checkout's step; whether "folded glu" was that variant at B = 64:
-    then ``GLU_64`` goes with it). Measured against the checkout's tables: with a "swept" step also faster
-    somewhere, the pair is unmeasured."""
-    fold: set[int] = set()
-    glu_64 = False
-    for r in out:
-        if r["part"] != "step" or "checkout" not in r:
-            continue
-        agreed = [k for k in ("folded", "folded glu") if k in r and r.get(f"{k} same", 0.0) >= 0.95]
-        if not agreed:
-            continue
-        best = min(agreed, key=lambda k: r[k])
-        if r[best] < r["checkout"]:
-            fold.add(bucket_of(r["b"]))
-            glu_64 = glu_64 or (r["b"] == 64 and best == "folded glu")
-    return fold, glu_64
-
-
 def write_verified_tables(out: list[dict], path: str) -> None:
-    """Pickle ``verified_tables`` and ``folded_picks`` to path; say which batch sizes take this run's tables."""
+    """Pickle ``verified_tables`` to path; say which batch sizes take this run's tables."""
     import pickle
 
     tuned, fused, decode = verified_tables(out)
-    fold, glu_64 = folded_picks(out)
-    if glu_64:
-        fused.setdefault(*GLU_64)
     with open(path, "wb") as f:
-        pickle.dump({"tuned": tuned, "fused": fused, "decode": decode, "fold": fold}, f)
+        pickle.dump({"tuned": tuned, "fused": fused, "decode": decode}, f)
     steps = {r["b"]: r for r in out if r["part"] == "step"}
     taken = [b for b, r in steps.items() if r.get("swept", float("nan")) < r.get("checkout", float("nan"))]
-    print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere; "
-          f"FOLD_ROWS {sorted(fold)}, GLU epilogue at 64 rows {glu_64})")  # fmt: skip
+    print(f"(verified tables written to {path}: this run's tables at B = {taken}, the checkout's elsewhere)")
 
 
 def main() -> None:
@@ -915,7 +843,7 @@ def main() -> None:
         print(f"\n(parts 1-3 took {time.perf_counter() - START:.0f} s of wall time)", flush=True)
         if "step" in parts and not smoke:
             fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
-            sweep_step(STEP_ORDER, out, args.step_until_s)
+            sweep_step(BATCHES, out, args.step_until_s)
     finally:
         fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
         print_literals(out)

@@ -10,8 +10,6 @@ each head pair up).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -131,27 +129,3 @@ def fp8_linear_ref(
 ) -> torch.Tensor:
     """x (M, K) @ dequantized(w).T (+ bias): the weight dequantized to x's dtype, then F.linear (CPU path)."""
     return F.linear(x, dequantize_fp8_blocks(w, w_scale, x.dtype), bias)
-
-
-class RowStats(NamedTuple):
-    """A residual stream's per-row RMSNorm statistics, left by the projection that produced the stream:
-    partials (P, M) float32 whose sum over P is each row's sum of squares (of the stream rounded to its dtype).
-    A decoder layer whose output is already the residual stream passes this as its residual (folded norms:
-    ``skinny_gemm.FoldedNorms``); a consumer that cannot use it normalises the stream itself."""
-
-    partials: torch.Tensor
-
-
-def linear_add_stats_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, RowStats]:
-    """(F.linear(x, weight, bias) + residual, its RowStats with one partial): a projection and the residual add
-    after it, rounded as ``add_rmsnorm_ref`` rounds (the product in x's dtype, then the sum)."""
-    stream = F.linear(x, weight, bias) + residual
-    return stream, RowStats(stream.float().pow(2).sum(dim=-1)[None, :])
-
-
-def stats_rmsnorm_ref(stream: torch.Tensor, stats: RowStats, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rmsnorm_ref(stream, weight, eps)`` with the mean square taken from stats (summed partials / width)."""
-    mean_sq = stats.partials.sum(dim=0)[:, None] / stream.shape[-1]
-    return weight * (stream.float() * torch.rsqrt(mean_sq + eps)).to(stream.dtype)

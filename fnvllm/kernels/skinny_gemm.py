@@ -28,21 +28,11 @@ Model-facing dispatchers (their references: ``F.linear``, the same after ``silu_
 eps, weight, bias)`` send, on a GPU, the products ``prefers_skinny`` picks (measured faster than cuBLAS: the
 ``TUNED_CONFIGS`` entries) or, with a prologue to fuse, ``prefers_fused`` picks (``FUSED_TIMES``), to this kernel,
 and everything else to cuBLAS after the unfused ops.
-
-Folded norms (``FOLDED_NORMS``, at the rows buckets of ``FOLD_ROWS``; off unless FNVLLM_NORM_EPILOGUE): a layer's
-two residual add + RMSNorm launches disappear. o_proj and down_proj add the residual in their epilogue
-(``skinny_linear_add``) and each column block writes its rows' sums of squares over its columns, a (column blocks,
-M) float32 array (``RowStats``: no atomics, no zeroing, deterministic); qkv and gate/up read those few KiB from L2
-in their prologue, sum them and normalise their input as they load it (``Norm(stats=...)``), with no pass over the
-rows. References: ``reference.linear_add_stats_ref`` and ``stats_rmsnorm_ref``. The layer's residual stream is
-then the projection's output itself, and the layer hands ``RowStats`` to the next as its residual.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -59,27 +49,18 @@ from fnvllm.kernels.fused_ops import (
     use_pdl,
     wait_for_previous_kernel,
 )
-from fnvllm.kernels.reference import RowStats
 
 __all__ = [
-    "FOLDED_NORMS",
-    "FOLD_ROWS",
     "FUSED_TIMES",
-    "NORM_EPILOGUE_ENV",
     "NORM_MAX_ROWS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
-    "FoldedNorms",
     "Fused",
     "Norm",
-    "RowStats",
     "SkinnyConfig",
     "Tuned",
-    "fold_rows_from_env",
-    "folds_norms",
     "fused_config",
     "linear",
-    "linear_add_stats",
     "linear_ref",
     "norm_linear",
     "norm_mlp",
@@ -89,10 +70,7 @@ __all__ = [
     "silu_mul_linear",
     "skinny_config",
     "skinny_linear",
-    "skinny_linear_add",
     "split_counters",
-    "stats_norm_linear",
-    "stats_norm_mlp",
     "tuned_config",
 ]
 
@@ -122,9 +100,6 @@ def _skinny_kernel(
     res_ptr,  # NORM: the residual stream (M, K) added to x first (when NORM_RES), rows strided like x
     res_out_ptr,  # NORM_RES: where x + residual goes (written by program (0, 0))
     norm_w_ptr,  # NORM: the RMSNorm weight (K,)
-    stats_in_ptr,  # STATS_IN: (n_stats, M) float32 per-row partial sums of squares of x (its RMSNorm statistics)
-    stats_out_ptr,  # RES_OUT: (column blocks, M) float32, this launch's per-row partial sums of squares of y
-    n_stats,
     eps,
     M,
     N,
@@ -141,9 +116,6 @@ def _skinny_kernel(
     GLU_OUT: tl.constexpr,
     NORM: tl.constexpr,
     NORM_RES: tl.constexpr,
-    STATS_IN: tl.constexpr,  # NORM from the statistics a previous launch left (stats_in), not from x's rows
-    RES_OUT: tl.constexpr,  # epilogue: y + residual (res_ptr, (M, N) like out) is stored, its statistics too
-    STATS_BLOCK: tl.constexpr,  # n_stats padded to a power of two
     USE_PDL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
     PRELOAD_W: tl.constexpr,
@@ -176,11 +148,6 @@ def _skinny_kernel(
     after a gate/up projection fused into its epilogue. Column block pid_n computes gate rows pid_n * BLOCK_N / 2 ..
     and the same up rows (``_glu_cols``), each product rounded to x's dtype before the activation, as the unfused
     projection and ``fused_ops.silu_and_mul`` round.
-    RES_OUT: the output is y + residual (the decoder's residual stream after this projection, rounded as
-    ``fused_add_rmsnorm`` rounds), and column block pid_n writes the rows' sum of squares over its columns to
-    stats_out[pid_n]: the next norm's statistics, so the RMSNorm launch before the next projection disappears.
-    STATS_IN (with NORM): x is such a stream and its rows' statistics are the sum of stats_in's n_stats partials
-    (a few KiB from L2) instead of a pass over x's rows.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -201,17 +168,11 @@ def _skinny_kernel(
         w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if STATS_IN:
-        inv_rms = _stats_inv_rms(stats_in_ptr, n_stats, rows, row_ok, M, K, eps, STATS_BLOCK)
-    elif NORM:
+    if NORM:
         write_res = (pid_n == 0) & (pid_k == 0)
         inv_rms = _rows_inv_rms(
             x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, NORM_BLOCK
         )
-    res = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    if RES_OUT:  # the residual is final after the wait: read it now, beside the weights, not after the loop
-        res_mask = row_ok[:, None] & col_ok[None, :]
-        res = tl.load(res_ptr + rows[:, None] * stride_om + cols[None, :], mask=res_mask, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -245,18 +206,14 @@ def _skinny_kernel(
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        _store_output(
-            out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, M, N, stride_om, res, stats_out_ptr,
-            GLU_OUT, RES_OUT, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+        _store_output(out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
     else:
         part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mask)
         if FUSED_REDUCE:
             _sum_partials_if_last(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
-                rows, row_ok, pid_n, M, N, stride_om, res, stats_out_ptr, HAS_BIAS, SPLIT, GLU_OUT, RES_OUT,
-                BLOCK_M, BLOCK_N,
+                rows, row_ok, pid_n, N, stride_om, HAS_BIAS, SPLIT, GLU_OUT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
 
 
@@ -279,20 +236,14 @@ def _store_output(
     out_offs,
     mask,
     pid_n,
-    M,
     N,
     stride_om,
-    res,
-    stats_out_ptr,
     GLU_OUT: tl.constexpr,
-    RES_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Store the float32 tile acc (BLOCK_M, BLOCK_N) to out: as is at out_offs, or with GLU_OUT its activation
-    silu(gate) * up (BLOCK_M, BLOCK_N / 2) at columns pid_n * BLOCK_N / 2 .. of out (M, N / 2), or with RES_OUT
-    round(round(acc) + res) (res: the residual's tile, read early) and the rows' sums of squares of that over
-    these columns to stats_out[pid_n]."""
+    silu(gate) * up (BLOCK_M, BLOCK_N / 2) at columns pid_n * BLOCK_N / 2 .. of out (M, N / 2)."""
     dtype = out_ptr.dtype.element_ty
     if GLU_OUT:
         pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))  # (BLOCK_M, BLOCK_N / 2, 2)
@@ -304,12 +255,7 @@ def _store_output(
         act_mask = row_ok[:, None] & (act_cols < N // 2)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_om + act_cols[None, :], act.to(dtype), mask=act_mask)
     else:
-        y = acc.to(dtype)
-        if RES_OUT:  # the residual add of fused_add_rmsnorm (float32 sum, rounded) and its norm's statistics
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            h = tl.where(mask, y.to(tl.float32), 0.0)
-            tl.store(stats_out_ptr + pid_n * M + rows, tl.sum(h * h, axis=1), mask=row_ok)
-        tl.store(out_ptr + out_offs, y, mask=mask)
+        tl.store(out_ptr + out_offs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -368,16 +314,6 @@ def _rows_inv_rms(
 
 
 @triton.jit
-def _stats_inv_rms(stats_ptr, n_stats, rows, row_ok, M, K, eps, STATS_BLOCK: tl.constexpr):
-    """(BLOCK_M,) 1 / sqrt(mean(r^2) + eps) of rows whose sums of squares over K are the sums of the n_stats
-    partials stats (n_stats, M) float32 (written by a RES_OUT launch), summed in partial order."""
-    parts = tl.arange(0, STATS_BLOCK)
-    mask = (parts < n_stats)[:, None] & row_ok[None, :]
-    sums = tl.load(stats_ptr + parts[:, None] * M + rows[None, :], mask=mask, other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(sums, axis=0) / K + eps)
-
-
-@triton.jit
 def _sum_partials_if_last(
     part_ptr,
     bias_ptr,
@@ -392,15 +328,11 @@ def _sum_partials_if_last(
     rows,
     row_ok,
     pid_n,
-    M,
     N,
     stride_om,
-    res,
-    stats_out_ptr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     GLU_OUT: tl.constexpr,
-    RES_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -418,10 +350,7 @@ def _sum_partials_if_last(
             total += tl.load(part_ptr + s * slab + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
             total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        _store_output(
-            out_ptr, total, rows, row_ok, out_offs, mask, pid_n, M, N, stride_om, res, stats_out_ptr,
-            GLU_OUT, RES_OUT, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+        _store_output(out_ptr, total, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
         tl.atomic_xchg(count_ptr, 0)
 
 
@@ -608,44 +537,6 @@ def skinny_linear(
     return out
 
 
-def skinny_linear_add(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    config: SkinnyConfig | None = None,
-    glu: bool = False,
-    norm: Norm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ weight^T + bias + residual, its rows' sums of squares (P, M) float32 in P column partials) with the
-    skinny kernel (M <= 64): a projection with the residual add after it in its epilogue (rounded as
-    ``fused_add_rmsnorm``: the product rounded to x's dtype, then the sum), and the next RMSNorm's statistics,
-    which a later launch reads through ``Norm(stats=...)``. residual (M, N) contiguous in x's dtype. glu / norm
-    as ``skinny_linear``'s (prologues). A split config needs fused_reduce (the epilogue runs in the last split)."""
-    num_rows, in_features = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
-    out_features = weight.shape[0]
-    if weight.shape[1] != in_features or (glu and x.shape[1] != 2 * in_features):
-        raise ValueError(f"weight is {tuple(weight.shape)} but x has {x.shape[1]} features (glu={glu})")
-    if not 0 < num_rows <= 64:
-        raise ValueError(f"skinny_linear_add takes 1 to 64 rows, got {num_rows}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_linear_add needs x and weight contiguous in their last dimension")
-    if residual.shape != (num_rows, out_features) or residual.dtype != x.dtype or not residual.is_contiguous():
-        raise ValueError(f"residual must be contiguous ({num_rows}, {out_features}) {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")  # fmt: skip
-    cfg = config or skinny_config(num_rows, out_features, in_features)
-    if cfg.split_k > 1 and not cfg.fused_reduce:
-        raise ValueError(
-            "skinny_linear_add with split_k > 1 needs fused_reduce=True (the epilogue is the last split's)"
-        )
-    if norm is not None:
-        _check_norm(norm, x)
-    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
-    stats = torch.empty(triton.cdiv(out_features, cfg.block_n), num_rows, dtype=torch.float32, device=x.device)
-    _launch_skinny(x, weight, bias, out, cfg, glu, norm, add=(residual, stats))
-    return out, stats
-
-
 def _check_glu_out(cfg: SkinnyConfig, out_features: int, glu: bool) -> None:
     """Raise ValueError unless a GLU epilogue can run: an even number of weight rows, an even block_n (>= 32 with
     tl.dot, whose halves are >= 16 wide), the in-kernel split sum, and no GLU prologue too."""
@@ -660,14 +551,12 @@ def _check_glu_out(cfg: SkinnyConfig, out_features: int, glu: bool) -> None:
 
 class Norm(NamedTuple):
     """An RMSNorm fused into a skinny GEMM's input: weight (K,), eps, and optionally the residual stream (M, K)
-    added to x first, with residual_out (M, K) receiving x + residual (both contiguous like x); or, instead of a
-    residual, stats: the rows' statistics that a ``skinny_linear_add`` left (then no pass over x's rows)."""
+    added to x first, with residual_out (M, K) receiving x + residual (both contiguous like x)."""
 
     weight: torch.Tensor
     eps: float
     residual: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
-    stats: torch.Tensor | None = None  # (P, M) float32: x's rows' sums of squares in P partials (``RowStats``)
 
 
 def _check_norm(norm: Norm, x: torch.Tensor) -> None:
@@ -679,18 +568,6 @@ def _check_norm(norm: Norm, x: torch.Tensor) -> None:
     for t in (norm.residual, norm.residual_out):
         if t is not None and (t.shape != x.shape or t.stride() != x.stride() or t.dtype != x.dtype):
             raise ValueError(f"norm residual tensors must be like x {tuple(x.shape)} {x.dtype} (same strides)")
-    if norm.stats is not None:
-        if norm.residual is not None:
-            raise ValueError("norm stats and residual cannot both be given (stats describe x itself)")
-        stats = norm.stats
-        if (
-            stats.dim() != 2
-            or stats.shape[1] != x.shape[0]
-            or stats.dtype != torch.float32
-            or not stats.is_contiguous()
-        ):
-            raise ValueError(f"norm stats must be contiguous float32 (P, {x.shape[0]}), got {tuple(stats.shape)} "
-                             f"{stats.dtype}")  # fmt: skip
 
 
 def prefetch_weights(device: torch.device) -> bool:
@@ -708,10 +585,9 @@ def _launch_skinny(
     glu: bool,
     norm: Norm | None = None,
     glu_out: bool = False,
-    add: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out
-    (its SiLU-and-mul with glu_out; plus residual, with the statistics to stats, for add = (residual, stats))."""
+    (its SiLU-and-mul with glu_out)."""
     num_rows, (out_features, in_features) = x.shape[0], weight.shape
     if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
@@ -721,13 +597,6 @@ def _launch_skinny(
     part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
     counters = split_counters(x.device, col_blocks) if split and cfg.fused_reduce else out
     bias_arg = bias if bias is not None else out
-    stats_in = norm.stats if norm is not None else None
-    if add is not None:
-        res_arg: torch.Tensor = add[0]
-    elif norm is not None and norm.residual is not None:
-        res_arg = norm.residual
-    else:
-        res_arg = x
     _skinny_kernel[(col_blocks, cfg.split_k)](
         x,
         weight,
@@ -735,12 +604,9 @@ def _launch_skinny(
         out,
         part,
         counters,
-        res_arg,
+        norm.residual if norm is not None and norm.residual is not None else x,
         norm.residual_out if norm is not None and norm.residual_out is not None else x,
         norm.weight if norm is not None else x,
-        stats_in if stats_in is not None else part,
-        add[1] if add is not None else part,
-        stats_in.shape[0] if stats_in is not None else 0,
         norm.eps if norm is not None else 0.0,
         num_rows,
         out_features,
@@ -757,9 +623,6 @@ def _launch_skinny(
         GLU_OUT=glu_out,
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
-        STATS_IN=stats_in is not None,
-        RES_OUT=add is not None,
-        STATS_BLOCK=int(triton.next_power_of_2(max(1, stats_in.shape[0]))) if stats_in is not None else 1,
         USE_PDL=use_pdl(x.device),
         PREFETCH_W=prefetch_weights(x.device) and not cfg.preload,
         PRELOAD_W=cfg.preload,
@@ -923,123 +786,3 @@ def norm_mlp(
         return linear(act, down_weight, down_bias), new_residual
     gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
     return silu_mul_linear(gate_up, down_weight, down_bias), new_residual
-
-
-# ------------------------------------------------------------------------------- folded norms (residual statistics)
-# Folded norms: off by default until the whole step measures faster on the H200. FNVLLM_NORM_EPILOGUE (read once, at
-# import) turns them on: "1" at every rows bucket (1-64 rows), or a comma-separated list of buckets of
-# MEASURED_ROWS ("16,64"); "0" or unset: off.
-NORM_EPILOGUE_ENV = "FNVLLM_NORM_EPILOGUE"
-
-
-def fold_rows_from_env(value: str | None) -> set[int]:
-    """The rows buckets FNVLLM_NORM_EPILOGUE's value turns folding on at (see ``NORM_EPILOGUE_ENV``); ValueError
-    naming the variable for anything else."""
-    text = (value or "0").strip()
-    if text == "0":
-        return set()
-    if text == "1":
-        return set(MEASURED_ROWS)
-    try:
-        buckets = {int(part) for part in text.split(",") if part.strip()}
-    except ValueError:
-        buckets = {-1}
-    if not buckets or not buckets <= set(MEASURED_ROWS):
-        raise ValueError(
-            f"{NORM_EPILOGUE_ENV} must be 0, 1 or a comma-separated list of {MEASURED_ROWS}, got {value!r}"
-        )
-    return buckets
-
-
-# Rows buckets (of MEASURED_ROWS) at which a decoder layer folds its two residual add + RMSNorm launches into its
-# projections (``FoldedNorms``): o_proj and down_proj add the residual in their epilogue and leave the rows'
-# statistics; qkv and gate/up normalise in their prologue from them. Measured by benchmarks/sweep_small.py part 4
-# (variants "folded", "folded glu" against "checkout").
-FOLD_ROWS: set[int] = fold_rows_from_env(os.environ.get(NORM_EPILOGUE_ENV))
-
-
-def folds_norms(hidden: torch.Tensor) -> bool:
-    """Whether a decoder layer with hidden state (M, hidden) folds its norms into its projections: on a GPU, M's
-    rows bucket in FOLD_ROWS."""
-    num_rows = hidden.shape[0]
-    return num_rows > 0 and rows_bucket(num_rows) in FOLD_ROWS and on_gpu(hidden)
-
-
-def _plain_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
-    """The measured config for the product, or the heuristic's; with the in-kernel split sum (epilogues need it)."""
-    cfg = tuned_config(num_rows, out_features, in_features) or skinny_config(num_rows, out_features, in_features)
-    return cfg._replace(fused_reduce=True)
-
-
-def linear_add_stats(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, RowStats]:
-    """(F.linear(x, weight, bias) + residual, its ``RowStats``) in one skinny launch: an o_proj and the residual add
-    after it. x (T, K), residual (T, N), T <= 64."""
-    rows, flat = _rows(x)
-    cfg = _plain_config(rows, weight.shape[0], weight.shape[1])
-    stream, stats = skinny_linear_add(flat, weight, bias, residual.contiguous(), cfg)
-    return stream, RowStats(stats)
-
-
-def stats_norm_linear(
-    stream: torch.Tensor,
-    stats: RowStats,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """F.linear(rmsnorm(stream), weight, bias) in one skinny launch, the norm's statistics read from stats (no
-    pass over the rows): a qkv projection after a folded residual add."""
-    rows, (out_features, in_features) = stream.shape[0], weight.shape
-    cfg = _plain_config(rows, out_features, in_features)
-    norm = Norm(norm_weight, eps, stats=stats.partials)
-    return skinny_linear(stream.contiguous(), weight, bias, cfg, norm=norm)
-
-
-def stats_norm_mlp(
-    stream: torch.Tensor,
-    stats: RowStats,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_up_weight: torch.Tensor,
-    gate_up_bias: torch.Tensor | None,
-    down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, RowStats]:
-    """(stream + down(silu_and_mul(gate_up(rmsnorm(stream)))), its ``RowStats``): a gated MLP and the residual add
-    after it in two skinny launches (SiLU-and-mul in gate/up's epilogue where ``prefers_fused("glu")``, else in
-    down's prologue where ``prefers_fused("silu")``, else its own kernel), the norm from stats."""
-    rows, (gu_rows, in_features), stream = stream.shape[0], gate_up_weight.shape, stream.contiguous()
-    norm = Norm(norm_weight, eps, stats=stats.partials)
-    down_cfg = _plain_config(rows, down_weight.shape[0], down_weight.shape[1])
-    if prefers_fused("glu", rows, gu_rows, in_features):
-        cfg = fused_config("glu", rows, gu_rows, in_features) or _plain_config(rows, gu_rows, in_features)
-        act = skinny_linear(stream, gate_up_weight, gate_up_bias, cfg, norm=norm, glu_out=True)
-        out, partials = skinny_linear_add(act, down_weight, down_bias, stream, down_cfg)
-        return out, RowStats(partials)
-    gate_up = skinny_linear(stream, gate_up_weight, gate_up_bias, _plain_config(rows, gu_rows, in_features), norm=norm)
-    if prefers_fused("silu", rows, *down_weight.shape):
-        cfg = fused_config("silu", rows, *down_weight.shape) or down_cfg
-        out, partials = skinny_linear_add(
-            gate_up, down_weight, down_bias, stream, cfg._replace(fused_reduce=True), glu=True
-        )
-    else:
-        out, partials = skinny_linear_add(silu_and_mul(gate_up), down_weight, down_bias, stream, down_cfg)
-    return out, RowStats(partials)
-
-
-class FoldedNorms(NamedTuple):
-    """The ops of a decoder layer whose residual add + RMSNorm launches are folded into its projections:
-    ``applies(hidden)`` (``folds_norms``), ``linear_add`` (``linear_add_stats``: o_proj + residual add + statistics),
-    ``norm_linear`` (``stats_norm_linear``: norm + qkv), ``norm_mlp`` (``stats_norm_mlp``: norm + MLP + residual
-    add + statistics)."""
-
-    applies: Callable[[torch.Tensor], bool]
-    linear_add: Callable[..., tuple[torch.Tensor, RowStats]]
-    norm_linear: Callable[..., torch.Tensor]
-    norm_mlp: Callable[..., tuple[torch.Tensor, RowStats]]
-
-
-FOLDED_NORMS = FoldedNorms(folds_norms, linear_add_stats, stats_norm_linear, stats_norm_mlp)

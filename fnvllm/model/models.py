@@ -22,7 +22,6 @@ from torch import nn
 
 from fnvllm.kernels.attention import AttentionMetadata, KVCache, attend_stored, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
-from fnvllm.kernels.reference import RowStats
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
 from fnvllm.model.moe import SparseMoeBlock
@@ -81,23 +80,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size)."""
-        out = self.attend_heads(qkv, rope, kv_cache, meta, backend)
-        return all_reduce(self.o_proj(out), self.tp)  # this rank's heads only, then summed
-
-    def attend_heads(
-        self,
-        qkv: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """The attention output before o_proj, (T, Hq * D), from the qkv projection's output; stores K/V."""
         num_tokens = qkv.shape[0]
         fused = self.ops.norm_rope_store
         if fused is not None:  # q/k norms, rope and the K/V store in one kernel
             out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
-            return out.reshape(num_tokens, -1)
+            return all_reduce(self.o_proj(out.reshape(num_tokens, -1)), self.tp)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -109,7 +96,8 @@ class Attention(nn.Module):
             q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
         k_cache, v_cache, *scales = kv_cache  # FP8 caches carry their (Hkv,) k_scale, v_scale
         out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales)  # (T, Hq, D)
-        return out.reshape(num_tokens, -1)
+        partial = self.o_proj(out.reshape(num_tokens, -1))  # (T, hidden_size), this rank's heads only
+        return all_reduce(partial, self.tp)
 
     def _fused_prologue_attention(
         self,
@@ -196,23 +184,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        residual: torch.Tensor | RowStats | None,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor | RowStats]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block output, residual stream), both (T, hidden_size); residual is None for the first layer.
 
         With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
-        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op).
-        With ``ops.fold_norms`` applying (``folds``), o_proj and down_proj add the residual in their epilogue and
-        the layer returns (the residual stream itself, its ``RowStats``); a layer given RowStats as its residual
-        reads the stream's norm statistics from it (or, when it does not fold, normalises the stream itself)."""
-        if self.folds(hidden):
-            return self._folded_forward(hidden, residual, rope, kv_cache, meta, backend)
-        if isinstance(residual, RowStats):  # hidden is already the residual stream
-            residual = None
+        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op)."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
         in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if norm_linear is not None and attn.qkv_proj.weight_scale_inv is None:
@@ -230,45 +211,6 @@ class DecoderLayer(nn.Module):
             return mlp.down(gate_up), residual
         hidden, residual = post_norm.add_and_norm(hidden, residual)
         return mlp(hidden), residual
-
-    def folds(self, hidden: torch.Tensor) -> bool:
-        """Whether this layer runs ``_folded_forward``: ``ops.fold_norms`` applies at these rows, one rank, a dense
-        MLP, every projection in the model's dtype, a 2-D hidden state."""
-        fold, attn, mlp = self.input_layernorm.ops.fold_norms, self.self_attn, self.mlp
-        if fold is None or hidden.dim() != 2 or self.self_attn.tp.is_parallel or not isinstance(mlp, MLP):
-            return False
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return all(p.weight_scale_inv is None for p in projections) and fold.applies(hidden)
-
-    def _folded_forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | RowStats | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, RowStats]:
-        """``forward`` with the residual adds in o_proj's and down_proj's epilogues and the norms in qkv's and
-        gate/up's prologues (``ops.fold_norms``): -> (residual stream, its RowStats)."""
-        fold, attn, mlp = self.input_layernorm.ops.fold_norms, self.self_attn, self.mlp
-        if fold is None or not isinstance(mlp, MLP):
-            raise RuntimeError("DecoderLayer._folded_forward needs ops.fold_norms and a dense MLP (see folds)")
-        in_norm, post_norm, qkv_proj = self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj
-        if isinstance(residual, RowStats):
-            stream = hidden
-            qkv = fold.norm_linear(stream, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
-        else:
-            normed, stream = (in_norm(hidden), hidden) if residual is None else in_norm.add_and_norm(hidden, residual)
-            qkv = qkv_proj(normed)
-        out = attn.attend_heads(qkv, rope, kv_cache, meta, backend)
-        o_bias = attn.o_proj.bias if attn.o_proj.adds_bias else None
-        stream, stats = fold.linear_add(out, stream, attn.o_proj.weight, o_bias)
-        gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        down_bias = down.bias if down.adds_bias else None
-        return fold.norm_mlp(
-            stream, stats, post_norm.weight, post_norm.eps, gate_up.weight, gate_up.bias, down.weight, down_bias
-        )
 
 
 class DecoderModel(nn.Module):
@@ -298,12 +240,10 @@ class DecoderModel(nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
         rope = self.rotary_emb(positions)  # cos, sin: (T, D/2) each
         hidden = all_reduce(self.embed_tokens(input_ids), self.tp)  # (T, hidden_size)
-        residual: torch.Tensor | RowStats | None = None
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
-        if not isinstance(residual, torch.Tensor):  # None, or RowStats: hidden is the residual stream
-            return self.norm(hidden)
-        return self.norm.add_and_norm(hidden, residual)[0]
+        return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from fnvllm.kernels.skinny_gemm import FoldedNorms
 
 from fnvllm.kernels.reference import (
     add_rmsnorm_ref,
@@ -58,10 +54,6 @@ class ModelOps:
     gate_up_weight, gate_up_bias, down_weight, down_bias) -> (y, new_residual)`` (``skinny_gemm.norm_mlp``: the
     SiLU-and-mul in the gate/up projection's epilogue where measured faster, else ``norm_linear`` and
     ``silu_mul_linear``), or None: those two ops. Used only when both projections are in the model's dtype.
-    fold_norms: a decoder layer's two residual add + RMSNorm launches folded into its projections at the rows
-    where it ``applies`` (``skinny_gemm.FOLDED_NORMS``: residual add and the norm's statistics in o_proj's and
-    down_proj's epilogues, the norm in qkv's and gate/up's prologues; ``DecoderLayer.folds`` says where: on a GPU,
-    at the rows buckets FNVLLM_NORM_EPILOGUE turns on, none by default), or None.
     """
 
     name: str
@@ -79,7 +71,6 @@ class ModelOps:
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    fold_norms: FoldedNorms | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -132,7 +123,6 @@ def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
         skinny_gemm.silu_mul_linear if fused_prologues else None,
         skinny_gemm.norm_linear if fused_prologues else None,
         skinny_gemm.norm_mlp if fused_prologues else None,
-        skinny_gemm.FOLDED_NORMS if fused_prologues else None,
     )
 
 
