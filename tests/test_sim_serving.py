@@ -150,6 +150,24 @@ def test_fit_serving_recovers_host_launch_and_device() -> None:
     assert serving.calibrated_from == "t" and serving.latency_us == 0.0
 
 
+def test_fit_serving_keeps_the_offline_growth_with_the_batch() -> None:
+    """A served run over a narrow range of decode batches whose device time rises steeply with the rows: the
+    served fit keeps the offline profile's growth terms (no steep per-row slope to extrapolate to larger batches)
+    and puts the server's extra device time in the constants."""
+    base = _zero_rooflines(attrs.evolve(H200, graph=attrs.evolve(H200.graph, seq_us=0.0, log_seq_us=30.0)))
+    records = []
+    for k in range(120):
+        rows = (16, 32, 48)[k % 3]
+        shape = StepShape(rows, rows, rows, 0, rows * 300, rows * 300, rows, True)
+        gpu = (700.0 + 10.0 * rows) / 1e3  # 10 us per row: steeper than the offline fit's log2 term
+        record = {"step": k, **shape.to_record(), "num_new_seqs": 0}
+        records.append(record | {"gpu_ms": gpu, "gap_ms": 0.0, "cpu_ms": 1.0, "end_s": k * 0.002})
+    graph = fit_serving(records, MODEL, base, source="t").graph
+    for name in ("seq_us", "log_seq_us", "token_us", "attn_scale", "scale"):
+        assert getattr(graph, name) <= max(getattr(base.graph, name), 1.0 if name.endswith("scale") else 0.0)
+    assert graph.step_us > base.graph.step_us  # the server's extra device time went into the constant
+
+
 def test_fit_profile_finds_the_eager_launch_floor() -> None:
     """Eager steps whose device time is a floor (20 ms) below some size and their kernels' time above it: the
     fit puts the floor in launch_us, and prices both sizes within 5 %."""

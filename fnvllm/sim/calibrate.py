@@ -251,7 +251,11 @@ def hidden_launch_ms(records: Sequence[Mapping[str, Any]]) -> list[float]:
 
 
 def _fit_device(
-    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+    cost: CostModel,
+    shapes: Sequence[StepShape],
+    records: Sequence[Mapping[str, Any]],
+    base: Overheads,
+    per_row_cap: bool = False,
 ) -> Overheads:
     """The device model, by least squares on relative error (each step weighs 1 / its time, so a one-request
     step counts as much as a 256-request one) with the roofline scales bounded to [1, MAX_ROOFLINE_SCALE] and the
@@ -260,17 +264,28 @@ def _fit_device(
     share goes to the plain gap model). The matmul roofline column comes last: in decode-only steps it is an
     affine function of the batch size, so those cannot separate ``scale`` from ``step_us`` / ``seq_us`` and keep
     ``base.scale`` (the caller passes the eager fit's: graphs replay the same matmul kernels). A run's first step
-    is left out (its device time can hold a compile of a new shape)."""
+    is left out (its device time can hold a compile of a new shape). ``per_row_cap``: the terms that grow with
+    the batch's rows (roofline scales, per-row and log2-row terms: ``_GROWING``) may not exceed ``base``'s: a fit
+    on a narrow range of batch sizes (a served run's) would read the step-to-step spread as a steep slope and
+    overprice larger batches (fitted at 50 requests/s on the H200, ~20 rows, it priced the 36-row decodes of a
+    75/s run at 1.93 ms against 1.68 measured). The per-token term stays free (the served run's mixed graph steps,
+    prefills of a few hundred tokens, tell it; the offline regimes hold few of those), and the constants take what
+    the batch size does not explain."""
     steady = [i for i, r in enumerate(records) if not r.get("first_in_run")] or list(range(len(records)))
     overlapped = [i for i in steady if record_overlap(records[i]) is not False]
     rows = overlapped if len(overlapped) >= MIN_ROWS else steady
     x = _device_columns(cost, [shapes[i] for i in rows])
     y = np.array([float(records[i]["gpu_ms"]) * 1e3 for i in rows])
     lower, upper, prior = _device_bounds(base)
+    if per_row_cap:
+        for j, name in _GROWING:
+            upper[j] = max(getattr(base, name), lower[j])
     return _device_overheads(fit_relative(x, y, lower, upper, prior), x)
 
 
 _DEVICE = ("step_us", "attn_scale", "seq_us", "log_seq_us", "token_us")  # the device columns before small_us
+# the device columns that grow with the batch's rows (attention, rows, log2 rows, matmul roofline): (index, field)
+_GROWING = ((1, "attn_scale"), (2, "seq_us"), (3, "log_seq_us"), (-1, "scale"))
 
 
 def _device_columns(cost: CostModel, shapes: Sequence[StepShape]) -> np.ndarray:
@@ -572,7 +587,8 @@ def fit_serving(
             host model (an eager step launches kernel by kernel; fitted only where it adds up to something);
     device: the step's device time (gpu_ms: from when the device reached the step, the end of the step before or
             the start of its launch, to its end; a launch-bound step's device time holds its launch, and the idle
-            gap before a step is the host's, priced by the cycle).
+            gap before a step is the host's, priced by the cycle); its growth with the rows is capped at
+            ``base``'s, fitted over 1 to 512 rows (``_fit_device``'s ``per_row_cap``).
 
     Left out: a run's first step and steps more than STALL_FACTOR times their kind's median (a compile of a new
     shape). A kind with fewer than MIN_ROWS steps keeps ``base``'s overheads. The latency outside the engine is
@@ -591,7 +607,7 @@ def fit_serving(
         if len(kept[kind]) >= MIN_ROWS:
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
             rows = [steps[i] for i in kept[kind]]
-            device = _fit_device(cost, [shapes[i] for i in kept[kind]], rows, prior)
+            device = _fit_device(cost, [shapes[i] for i in kept[kind]], rows, prior, per_row_cap=True)
             host = _fit_served_host(steps, shapes, kept[kind], prior)
             kinds[kind] = attrs.evolve(device, **{n: getattr(prior, n) for n in _GAP}, **host)
     host_cost = CostModel(model, attrs.evolve(base, eager=kinds["eager"], graph=kinds["graph"]))

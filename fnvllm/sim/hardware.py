@@ -267,16 +267,16 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-02 (commit e24beba): qwen3-0.6b shape, block 256, budget 16384,
+# Fitted by benchmarks/sim_calibration.py on 2026-12-02 (commit c6d97a3): qwen3-0.6b shape, block 256, budget 16384,
 # max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
 # out): decode-1 -2.7% / -4.3%, decode-1-plain +3.1% / +6.1%, decode-16 +4.1% / +7.9%, decode-16-plain -0.3% / +1.3%,
 # decode-64 +1.8% / +2.1%, decode-64-plain +1.0% / +1.2%, decode-256 +1.2% / +1.5%, decode-256-plain +0.8% / -0.8%,
 # prefill-16 +1.0% / +0.8%, prefill-16-plain +2.5% / +2.3%, prefill-64 -0.2% / -0.5%, prefill-64-plain -4.3% / -4.6%,
 # prefill-512 -0.9% / -3.2%, prefill-512-plain +0.1% / +0.0%, long-128 -3.3% / -4.6%, long-128-plain -2.0% / -3.2%,
-# bench +1.5% / +2.7%, bench-plain +1.3% / +8.1%. Served (TTFT p50 / p90, TPOT p50 / p90 errors): fitted run +0.3% /
-# -12.9%, +0.6% / +0.3%; 25/s out of sample +12.7% / +0.8%, +2.5% / +1.1%; 75/s out of sample +2.9% / -22.4%, +18.9% /
-# +29.8%; latency fitted on every rate, fitted run -2.4% / -14.2%, +0.6% / +0.3%; latency fitted on every rate,
-# rate-25 +2.6% / -6.2%, +2.5% / +1.1%; latency fitted on every rate, rate-75 +6.0% / -18.9%, +18.9% / +29.8%.
+# bench +1.5% / +2.7%, bench-plain +1.3% / +8.1%. Served (TTFT p50 / p90, TPOT p50 / p90 errors): fitted run +0.2% /
+# -13.0%, -0.6% / -1.3%; 25/s out of sample +14.3% / +5.4%, +6.4% / +5.7%; 75/s out of sample -2.7% / -28.8%, +8.6% /
+# +12.3%; latency fitted on every rate, fitted run -2.2% / -12.9%, -0.6% / -1.3%; latency fitted on every rate,
+# rate-25 -0.1% / -2.8%, +6.4% / +5.7%; latency fitted on every rate, rate-75 +5.7% / -20.5%, +8.6% / +12.3%.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -371,11 +371,11 @@ H200 = HardwareProfile(
         ),
         graph=Overheads(
             scale=1.0,
-            attn_scale=1.1242042417274993,
-            step_us=650.8241873264261,
-            seq_us=5.907875389176612,
-            token_us=2.7394174814321857,
-            log_seq_us=0.0,
+            attn_scale=1.0,
+            step_us=687.2204123834612,
+            seq_us=0.0,
+            token_us=2.797535224619245,
+            log_seq_us=32.591661603337926,
             gap_us=269.9059007646935,
             gap_seq_us=0.8004405580594164,
             gap_new_seq_us=0.0,
@@ -390,12 +390,12 @@ H200 = HardwareProfile(
             launch_us=0.0,
             launch_seq_us=0.0,
             launch_token_us=0.0,
-            small_us=(613.6671827091213, 662.6501258024177, 702.4455547034993, 650.6104888008996),
+            small_us=(620.9240491302027, 677.1643398882786, 731.8004037821746, 707.6561589781513),
         ),
-        latency_us=3157.6264624236146,
-        calibrated_from="/tmp/serve/served_timeline.jsonl",
+        latency_us=2601.4612229786744,
+        calibrated_from="/tmp/sim2serve/served_timeline.jsonl",
         cycle=False,
-        latency_stream_us=111.9031508285407,
+        latency_stream_us=142.17596421301295,
     ),
     matmul_bandwidth_gbs=3560.0,
 )
