@@ -267,7 +267,8 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-02 (commit c6d97a3): qwen3-0.6b shape, block 256, budget 16384,
+# Fitted by benchmarks/sim_calibration.py on 2026-12-02 from H200 runs of main e24beba (refit at c6d97a3):
+# qwen3-0.6b shape, block 256, budget 16384,
 # max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
 # out): decode-1 -2.7% / -4.3%, decode-1-plain +3.1% / +6.1%, decode-16 +4.1% / +7.9%, decode-16-plain -0.3% / +1.3%,
 # decode-64 +1.8% / +2.1%, decode-64-plain +1.0% / +1.2%, decode-256 +1.2% / +1.5%, decode-256-plain +0.8% / -0.8%,
@@ -393,7 +394,7 @@ H200 = HardwareProfile(
             small_us=(620.9240491302027, 677.1643398882786, 731.8004037821746, 707.6561589781513),
         ),
         latency_us=2601.4612229786744,
-        calibrated_from="/tmp/sim2serve/served_timeline.jsonl",
+        calibrated_from="benchmarks/sim_serve_check.py (H200, 2026-12-02, main e24beba): served_timeline.jsonl",
         cycle=False,
         latency_stream_us=142.17596421301295,
     ),
