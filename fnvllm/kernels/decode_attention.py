@@ -878,6 +878,23 @@ def paged_decode_attention(
     return out
 
 
+def _split_outputs(
+    q: torch.Tensor,
+    kv: KVCache,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace | None,
+    cfg: DecodeKernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+    """(partial outputs, partial LSEs, whether the last partition merges them, its arrival counters) of a split
+    launch. Without a workspace (P == 1) the kernel never takes its partial branch, so any tensor fills the
+    slots: ``out`` for the partials, ``seq_lens`` for the counters."""
+    part_out, part_lse = workspace if workspace is not None else (out, out)
+    fused = workspace is not None and bool(cfg.fused_reduce)
+    counters = split_counters(q.device, q.shape[0] * kv.k.shape[2]) if fused else seq_lens
+    return part_out, part_lse, fused, counters
+
+
 def _launch_partitions(
     q: torch.Tensor,
     kv: KVCache,
@@ -894,10 +911,7 @@ def _launch_partitions(
     k_cache, v_cache = kv.k, kv.v
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # Without a workspace (P == 1) the kernel never takes its partial branch; any fp32 tensor fills the slot.
-    part_out, part_lse = workspace if workspace is not None else (out, out)
-    fused = workspace is not None and cfg.fused_reduce
-    counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
+    part_out, part_lse, fused, counters = _split_outputs(q, kv, seq_lens, out, workspace, cfg)
     merge_group = int(triton.next_power_of_2(group))
     kq = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed FP8 products
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
@@ -968,9 +982,7 @@ def _launch_pairs(
     if num_kv_heads % 2:
         raise ValueError(f"fp8_path 'mma_pairs' needs an even number of KV heads, got {num_kv_heads}")
     group = num_heads // num_kv_heads
-    part_out, part_lse = workspace if workspace is not None else (out, out)
-    fused = workspace is not None and cfg.fused_reduce
-    counters = split_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
+    part_out, part_lse, fused, counters = _split_outputs(q, kv, seq_lens, out, workspace, cfg)
     merge_group = int(triton.next_power_of_2(group))
     _decode_pairs_kernel[(num_kv_heads // 2, num_seqs, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, kv.k_scale, kv.v_scale, counters,
