@@ -190,20 +190,16 @@ def test_del_llm_leaves_no_child(tmp_path: Path) -> None:
 
 
 EXIT_SCRIPT = """
-    import os, signal, sys
+    import os, signal, sys, threading, time
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], device="cpu", load_tokenizer=False, tensor_parallel_size=2, attention_backend="torch")
         print(llm.executor.ranks.processes[0].pid, flush=True)
         interrupt = sys.argv[2] == "interrupt"
-        if interrupt:  # Ctrl-C in the middle of a generate call: at its third step, not after a wall time
-            steps = []
-            def ctrl_c(*_):
-                steps.append(1)
-                if len(steps) == 3:
-                    os.kill(os.getpid(), signal.SIGINT)
-            llm.loop.on_step = ctrl_c
+        if interrupt:  # Ctrl-C in the middle of a generate call; each step slowed so the call outlasts the timer
+            llm.loop.on_step = lambda *_: time.sleep(0.05)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         params = SamplingParams(max_tokens=1000 if interrupt else 8, ignore_eos=True)
         llm.generate([[5, 6, 7] * 20] * 4, params, use_tqdm=False)
 """
