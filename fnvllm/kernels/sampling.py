@@ -292,6 +292,19 @@ def chunk_summaries(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tenso
 LOGPROB_CHUNK = 1024  # chunk of the logprob rows' summaries: the top-n candidates are n chunks of this many tokens
 
 
+@triton.jit
+def _row_log_partition(stats_ptr, i, num_programs, num_chunks, CHUNKS_PAD: tl.constexpr):
+    """Row i's chunk ids (padded), chunk maxima (-inf past num_chunks) and log sum exp, from the (3, L, C) chunk
+    summaries: max and partition sum per chunk."""
+    ids = tl.arange(0, CHUNKS_PAD)
+    live = ids < num_chunks
+    at = i * num_chunks + ids
+    maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
+    sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
+    top = tl.max(maxima, axis=0)
+    return ids, maxima, top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0))
+
+
 @triton.jit(do_not_specialize=["num_programs", "num_top"])
 def _logprob_combine_kernel(
     stats_ptr,  # (3, L, C) float32 chunk max / partition sum of the raw logits (scale 0)
@@ -311,13 +324,7 @@ def _logprob_combine_kernel(
     """Row program_id(0): its log-partition, the num_top chunks holding its num_top largest logits (a runtime
     count: a new logprobs count compiles nothing) and, with HAS_TOKENS, the sampled token's logprob."""
     i = tl.program_id(0)
-    ids = tl.arange(0, CHUNKS_PAD)
-    live = ids < num_chunks
-    at = i * num_chunks + ids
-    maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
-    sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
-    top = tl.max(maxima, axis=0)
-    lse = top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0))
+    ids, maxima, lse = _row_log_partition(stats_ptr, i, num_programs, num_chunks, CHUNKS_PAD)
     tl.store(lse_ptr + i, lse)
     if HAS_TOKENS:
         row = tl.load(rows_ptr + i).to(tl.int64)
@@ -428,13 +435,7 @@ def _logprob_top_kernel(
     chunks with the largest maxima (they hold the row's num_top largest logits), and the num_top best of those
     chunks' logits by repeated selection in registers (equal logits: the lowest id first)."""
     i = tl.program_id(0)
-    ids = tl.arange(0, CHUNKS_PAD)
-    live = ids < num_chunks
-    at = i * num_chunks + ids
-    maxima = tl.load(stats_ptr + at, mask=live, other=float("-inf"))
-    sums = tl.load(stats_ptr + num_programs * num_chunks + at, mask=live, other=0.0)
-    top = tl.max(maxima, axis=0)
-    lse = top + tl.log(tl.sum(tl.where(live, sums * tl.exp(maxima - top), 0.0), axis=0))
+    ids, maxima, lse = _row_log_partition(stats_ptr, i, num_programs, num_chunks, CHUNKS_PAD)
     row = tl.load(rows_ptr + i).to(tl.int64)
     token = tl.load(tokens_ptr + row).to(tl.int64)
     tl.store(sampled_ptr + i, tl.load(logits_ptr + row * stride_row + token).to(tl.float32) - lse)
