@@ -60,3 +60,41 @@ def test_explicit_knobs_override_the_measured_entry(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {8: ONE_PARTITION})
     out, ref = run_decode([40, 70], 4, 2, 16, torch.float32, partition_size=32, fused_reduce=False)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_fp8_table_serves_mid_batches_and_leaves_tiny_ones_to_the_rules() -> None:
+    """FP8 caches read ``SMALL_BATCH_DECODE_FP8``: up to 4 sequences keep the automatic rules, 5-128 take their
+    bucket's measured knobs (the FP8 path kept), larger batches none; the 16-bit table is not consulted."""
+    table = decode_attention.SMALL_BATCH_DECODE_FP8
+    for b in (1, 4):
+        assert small_batch_config(b, 4096, True) is None
+    assert small_batch_config(5, 4096, True) == table[16] and small_batch_config(33, 4096, True) == table[64]
+    assert small_batch_config(128, 4096, True) == table[128] and small_batch_config(129, 4096, True) is None
+    assert small_batch_config(20, 256, True).partition_size == 256  # capped at the table's width
+    for cfg in table.values():
+        if cfg is not None:
+            decode_attention._check_config(cfg)
+            assert cfg.fp8_path == decode_attention.FP8_PATH_DEFAULT and cfg.fused_reduce is not None
+    assert small_batch_config(64, 4096, False) == decode_attention.SMALL_BATCH_DECODE[64]
+
+
+def test_fp8_decode_under_a_mid_batch_entry_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six sequences over FP8 caches under a measured FP8 entry (32-token partitions merged in-kernel) match the
+    torch FP8 reference."""
+    from test_fp8_kv import fp8_caches, random_tables
+
+    from fnvllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    entry = DecodeKernelConfig(partition_size=32, tile_size=16, num_warps=2, fused_reduce=True)
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE_FP8", {8: entry})
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 16, 33, 0, 64, 47]
+    table = random_tables(lengths, 16, gen)
+    _, _, k8, v8, k_scale, v_scale = fp8_caches(table, 2, 16, 16, gen)
+    device = k8.device
+    q = torch.randn(len(lengths), 4, 16, generator=gen).to(torch.bfloat16).to(device)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    args = (q, k8, v8, table.to(device), seq_lens, 0.25)
+    out = paged_decode_attention(*args, k_scale=k_scale, v_scale=v_scale)
+    ref = paged_decode_attention_ref(*args, k_scale, v_scale)
+    assert rel_err(out.float(), ref.float()) < TOLERANCE[torch.bfloat16]

@@ -204,14 +204,32 @@ SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig | None] = {
 }
 
 
+# FP8 caches at mid-size batches, measured on the H200 (.gpu/f8mid.py of the sixth session, 2026-12-02 05:40: B
+# sequences of contexts U(300, 2000), tables 16 blocks of 256, CUDA-graph replays, 35 knob sets each, Hq 16 and 32
+# over Hkv 8 agreeing): us per launch, launcher default -> this entry, at Hq 16 / 32: B = 16 28.0 -> 26.9 / 27.4 ->
+# 26.6; 32 44.2 -> 40.6 / 43.6 -> 40.3; 64 72.2 -> 68.1 / 72.4 -> 67.4; 96 98.3 -> 92.0 / 97.4 -> 90.8; 128 118.4 ->
+# 117.7 / 118.4 -> 116.4; from 192 up the defaults (one partition of 128-token tiles) were within 0.7 % of the best.
+# Batches of at most 4 (<= TINY_BATCH_PAIRS pairs at Hkv 8) keep the automatic rules (64-token partitions). Same
+# bucket rule as SMALL_BATCH_DECODE; the FP8 path (``FNVLLM_FP8_PATH``) is kept.
+SMALL_BATCH_DECODE_FP8: dict[int, DecodeKernelConfig | None] = {
+    4: None,
+    16: dataclasses.replace(DEFAULT_FP8_DECODE_CONFIG, partition_size=512, num_stages=2, fused_reduce=True),
+    32: dataclasses.replace(DEFAULT_FP8_DECODE_CONFIG, partition_size=1024, num_stages=2, fused_reduce=True),
+    64: dataclasses.replace(DEFAULT_FP8_DECODE_CONFIG, partition_size=512, tile_size=64, fused_reduce=True),
+    96: dataclasses.replace(DEFAULT_FP8_DECODE_CONFIG, partition_size=512, tile_size=64, fused_reduce=True),
+    128: dataclasses.replace(DEFAULT_FP8_DECODE_CONFIG, partition_size=512, tile_size=64, fused_reduce=True),
+}
+
+
 def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
-    """The measured knobs for a batch of num_seqs sequences (``SMALL_BATCH_DECODE``), partition capped at the
-    table's max_context tokens (a power of two); None (the automatic rules) for FP8 caches, unmeasured batch
-    sizes, buckets whose entry is None and empty tables."""
-    bucket = next((b for b in sorted(SMALL_BATCH_DECODE) if b >= num_seqs), None)
-    if fp8 or bucket is None or num_seqs <= 0:
+    """The measured knobs for a batch of num_seqs sequences (``SMALL_BATCH_DECODE``, or ``SMALL_BATCH_DECODE_FP8``
+    for FP8 caches), partition capped at the table's max_context tokens (a power of two); None (the automatic
+    rules) for unmeasured batch sizes, buckets whose entry is None and empty tables."""
+    table = SMALL_BATCH_DECODE_FP8 if fp8 else SMALL_BATCH_DECODE
+    bucket = next((b for b in sorted(table) if b >= num_seqs), None)
+    if bucket is None or num_seqs <= 0:
         return None
-    cfg = SMALL_BATCH_DECODE[bucket]
+    cfg = table[bucket]
     if cfg is None:
         return None
     cap = max(cfg.tile_size, int(triton.next_power_of_2(max(1, max_context))))
@@ -809,7 +827,7 @@ def paged_decode_attention(
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
     marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG (FP8 caches:
     DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes;
-    small batches of 16-bit caches with a measured entry take theirs (``small_batch_config``).
+    small batches with a measured entry take theirs (``small_batch_config``).
     `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
     captured in a CUDA graph.
