@@ -204,7 +204,7 @@ SMALL_BATCH_DECODE: dict[int, DecodeKernelConfig | None] = {
 }
 
 
-# FP8 caches at mid-size batches, measured on the H200 (.gpu/f8mid.py of the sixth session, 2026-12-02 05:40: B
+# FP8 caches at mid-size batches, measured on the H200 (benchmarks/sweep_decode_mid.py, 2026-12-02 05:20: B
 # sequences of contexts U(300, 2000), tables 16 blocks of 256, CUDA-graph replays, 35 knob sets each, Hq 16 and 32
 # over Hkv 8 agreeing): us per launch, launcher default -> this entry, at Hq 16 / 32: B = 16 28.0 -> 26.9 / 27.4 ->
 # 26.6; 32 44.2 -> 40.6 / 43.6 -> 40.3; 64 72.2 -> 68.1 / 72.4 -> 67.4; 96 98.3 -> 92.0 / 97.4 -> 90.8; 128 118.4 ->
