@@ -86,6 +86,11 @@ SWAP_CASES = [
     (100, 128, 256, g.SwapConfig(64, 64, 1)),
     (20, 200, 1000, g.SwapConfig(64, 16, 3, reduce="launch")),
     (33, 300, 256, g.SwapConfig(256, 32, 1)),
+    # the kernel-side levers: weight tiles by TMA descriptor (zeros past N and K from the descriptor), with
+    # split-K and both reduces; pdl/prefetch (no-ops off the GPU) must not change the result
+    (1, 200, 304, g.SwapConfig(64, 16, 2, tma=True)),
+    (17, 256, 640, g.SwapConfig(128, 32, 3, reduce="launch", tma=True)),
+    (3, 300, 256, g.SwapConfig(256, 16, 1, tma=True, pdl=True, prefetch=True)),
 ]
 
 
@@ -100,7 +105,10 @@ def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapCon
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "config"), [(1, 200, 300, None), (17, 256, 640, g.SwapConfig(128, 32, 3))])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [(1, 200, 300, None), (17, 256, 640, g.SwapConfig(128, 32, 3)), (5, 130, 384, g.SwapConfig(64, 16, 2, tma=True))],
+)
 def test_swap_kernel_quantizing_in_its_prologue_matches_reference(
     m: int, n: int, k: int, config: g.SwapConfig | None
 ) -> None:
@@ -190,6 +198,26 @@ def test_picks_fill_the_sms() -> None:
             sw = g.pick_swap_config(m, n, k, cpu)
             assert _programs(-(-n // sw.block_n) * -(-m // sw.block_t), k // 128, sw.split_k) >= 198
     assert g.pick_small_m_config(1, 64, 128, cpu).split_k == 1
+
+
+def test_tuned_swap_shapes_are_valid_and_bounded() -> None:
+    """Every measured swap launch shape passes its check, is keyed at most SWAP_MAX_M tokens and has tokens per
+    tile covering its key up to 16 (one token tile), so the sweep's table cannot hand fp8_linear a broken launch."""
+    for (n, k, up_to), cfg in g.TUNED_SWAP.items():
+        cfg.check()
+        assert 0 < up_to <= g.SWAP_MAX_M and n > 0 and k > 0
+        assert cfg.block_t >= min(up_to, 16)
+        assert not (cfg.tma or cfg.prefetch) or k % 16 == 0
+
+
+def test_swap_lever_checks() -> None:
+    """The swap kernel's levers refuse what they cannot do: an L2 prefetch without PDL (it runs before the PDL
+    wait), and TMA or prefetch on weights whose rows are not 16-byte multiples."""
+    with pytest.raises(ValueError, match="prefetch needs pdl"):
+        g.SwapConfig(prefetch=True).check()
+    w, scale = _weights(64, 200)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        g.fp8_gemm_swap(*g.quantize_activations_ref(_x(2, 200)), w, scale, torch.float32, g.SwapConfig(tma=True))
 
 
 def test_bad_configs_and_operands_are_refused() -> None:

@@ -61,6 +61,11 @@ from fnvllm.kernels.reference import (
 )
 from fnvllm.kernels.skinny_gemm import _sum_splits_kernel
 
+try:  # host-side TMA descriptors (Triton >= 3.4): SwapConfig.tma
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 # The references live in fnvllm.kernels.reference (torch only: the model imports them without Triton); they are
 # re-exported here beside the kernels tested against them.
 __all__ = [
@@ -642,19 +647,25 @@ def fp8_gemm_blockwise(
     return out
 
 
-@triton.jit
+# Token count and split sizes are not specialized on (1, multiples of 16): one compiled kernel per launch shape
+# serves every M and every weight of a model (they only bound masks and loops), so warm-up and the sweep compile once.
+@triton.jit(do_not_specialize=["M", "K_BLOCKS_PER_SPLIT", "NUM_SPLITS"])
 def _swap_fp8_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
-    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
     a_scale[token, kb], written transposed to out[token, row]. The token tiles of one row tile are neighbours in
     the launch order (axis 0), so they run together and read the weight tile from HBM once. QUANT_A: a is the
     16-bit activations, quantized here per (token, 128 columns) exactly as ``quantize_activations`` does (one
-    launch fewer; each row tile redoes it, cheap for a few tokens)."""
+    launch fewer; each row tile redoes it, cheap for a few tokens). USE_PDL: wait on the previous kernel (under
+    programmatic dependent launch) before reading a; PREFETCH_L2: before that wait, ask L2 for the split's first
+    weight blocks (no earlier kernel writes them); TMA: load the weight tiles through the tensor descriptor
+    w_desc (block (BLOCK_N, 128); zeros past N and K) instead of pointer loads from w_ptr."""
     pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -663,10 +674,16 @@ def _swap_fp8_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
+    if PREFETCH_L2:
+        _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
+    wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
-                    mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
+        if TMA:
+            w = w_desc.load([pid_n * BLOCK_N, kb * 128])
+        else:
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
+                        mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
                     mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
         if QUANT_A:
@@ -702,7 +719,13 @@ def _quantize_tile(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
 @attrs.frozen
 class SwapConfig:
     """Launch shape of ``fp8_gemm_swap``: weight rows per program (16 to 256, power of two), tokens per program
-    (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages."""
+    (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages.
+
+    Kernel-side levers (off by default, today's kernel): pdl: launched under programmatic dependent launch, the
+    kernel waits on the one before it only before reading activations (where the GPU has it, else ignored);
+    prefetch: with pdl, before that wait each program asks L2 for its split's first weight blocks (weights with
+    K a multiple of 16); tma: weight tiles by a TMA tensor descriptor (Triton's host ``TensorDescriptor``; K a
+    multiple of 16) instead of pointer loads."""
 
     block_n: int = 128
     block_t: int = 64
@@ -710,6 +733,9 @@ class SwapConfig:
     num_warps: int = 4
     num_stages: int = 4
     reduce: str = "last"
+    pdl: bool = False
+    prefetch: bool = False
+    tma: bool = False
 
     def check(self) -> None:
         """ValueError naming the field out of its range."""
@@ -719,6 +745,8 @@ class SwapConfig:
             raise ValueError(f"SwapConfig needs split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1: {self}")
         if self.reduce not in SPLIT_REDUCES:
             raise ValueError(f"SwapConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
+        if self.prefetch and not self.pdl:
+            raise ValueError(f"SwapConfig.prefetch needs pdl=True (it runs before the PDL wait): {self}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -787,6 +815,10 @@ def _launch_swap(
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_swap_config(m, n, k, a.device)
     cfg.check()
+    if (cfg.tma or cfg.prefetch) and k % 16:
+        raise ValueError(f"SwapConfig.tma and .prefetch need K a multiple of 16 (16-byte rows), got K={k}")
+    if cfg.tma and TensorDescriptor is None:
+        raise ValueError("SwapConfig.tma needs triton.tools.tensor_descriptor.TensorDescriptor (Triton >= 3.4)")
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)
@@ -796,11 +828,14 @@ def _launch_swap(
     grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
     part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     scales = out if a_scale is None else a_scale
+    pdl = cfg.pdl and use_pdl(a.device)
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if cfg.tma else w
     _swap_fp8_kernel[grid](
-        a, scales, w, w_scale, out, part, locks,
+        a, scales, w, w_desc, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
-        UPCAST=upcast_dot(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch, TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
