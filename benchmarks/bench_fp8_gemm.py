@@ -76,20 +76,21 @@ BLOCKWISE_KNOBS = {  # the most likely first: 256-token tiles and 256-row tiles 
     "num_stages": (3, 4, 5),
     "num_warps": (8, 4),
 }
-SWAP_KNOBS = {  # the levers first (off = today's kernel), then the launch shape; block_t is limited to what M fills
+SWAP_KNOBS = {  # most likely to matter first (a descent cut short by the budget still covers them); the levers
+    # pdl / prefetch / tma are off (today's kernel) in the pick; block_t is limited to what M fills
+    "split_k": (1, 2, 3, 4, 6, 8, 12, 16),
     "pdl": (False, True),
     "prefetch": (False, True),
-    "split_k": (1, 2, 3, 4, 6, 8, 12, 16),
-    "block_n": (128, 64, 256),
     "num_stages": (3, 4, 5, 6, 2),
-    "num_warps": (4, 8),
     "tma": (False, True),
+    "block_n": (128, 64, 256),
+    "num_warps": (4, 8),
     "reduce": ("last", "launch"),
     "block_t": (16, 32, 64, 128, 256),
 }
 # At a token count after the first one swept, a (GEMM, kernel) descends from its best at an earlier M over these
 # knobs only (its split and depth may move with M; the rest rarely does), so the budget reaches every M.
-SWAP_REFINE_KNOBS = ("split_k", "num_stages", "block_t", "pdl", "prefetch", "block_n")
+SWAP_REFINE_KNOBS = ("split_k", "num_stages", "pdl", "prefetch", "block_t", "tma")
 SWAP_VARIANTS = ("swap", "swap_fused")
 
 
