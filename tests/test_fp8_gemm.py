@@ -274,3 +274,28 @@ def test_stream_conversions_on_cuda_agree(convert: str, swap: bool) -> None:
     out = g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(split_k=2, swap=swap, convert=convert))
     ref = g.fp8_linear_ref(x.float(), w, scale)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "config",
+    [
+        g.SwapConfig(128, 16, 4, pdl=True),
+        g.SwapConfig(128, 16, 4, pdl=True, prefetch=True),
+        g.SwapConfig(128, 16, 4, tma=True),
+        g.SwapConfig(256, 16, 2, num_warps=8, tma=True, pdl=True, prefetch=True, reduce="launch"),
+    ],
+)
+@pytest.mark.parametrize("fused", [False, True])
+def test_swap_levers_on_cuda_match_reference(config: g.SwapConfig, fused: bool) -> None:
+    """On the GPU the swap kernel's levers (PDL wait, L2 prefetch before it, TMA weight tiles), quantizing in its
+    prologue or not, give the product of the same quantized operands (relative error < 1e-2)."""
+    w, scale = _weights(6144, 4096, seed=7)
+    x = torch.randn(5, 4096, device="cuda").bfloat16()
+    x_q, x_scale = g.quantize_activations(x)
+    out = (
+        g.fp8_gemm_swap_bf16(x, w, scale, config) if fused else g.fp8_gemm_swap(x_q, x_scale, w, scale, x.dtype, config)
+    )
+    ref = g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
