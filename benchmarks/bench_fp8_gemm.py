@@ -317,8 +317,8 @@ def _starts_and_knobs(
     knobs = {k: tuple(v for v in vs if k != "block_t" or v <= fill) for k, vs in SWAP_KNOBS.items()}
     if not refine:
         return pick, [pick], knobs
-    seeds = [cfg for (name, _, v), cfg in sorted(cfgs.items(), key=lambda e: abs(e[0][1] - m)) if name == gemm.name
-             and v in SWAP_VARIANTS and (v != variant or _ != m)]  # fmt: skip
+    seeds = [cfg for (name, at, v), cfg in sorted(cfgs.items(), key=lambda e: abs(e[0][1] - m)) if name == gemm.name
+             and v in SWAP_VARIANTS and (v, at) != (variant, m)]  # fmt: skip
     seeds = [attrs.evolve(cfg, block_t=min(cfg.block_t, fill)) for cfg in seeds[:2]]  # type: ignore[attr-defined]
     if not seeds:
         return pick, [pick], knobs
