@@ -265,7 +265,8 @@ def descend(
     gemm: Gemm, variant: str, m: int, starts: list[object], knobs: dict[str, tuple], deadline: float
 ) -> tuple[dict[str, float], object | None]:
     """Coordinate descent from the best of configs ``starts``: each knob in turn over its values, the others at
-    the best so far; a candidate must pass the correctness check before it is timed. Returns ({repr(config): µs},
+    the best so far (a swap prefetch candidate also turns pdl on: it needs it); a candidate must pass the
+    correctness check before it is timed. Returns ({repr(config): µs},
     the best config or None when none ran)."""
     results: dict[str, float] = {}
     best, best_us = None, math.inf
@@ -289,7 +290,8 @@ def descend(
         for value in values:
             if time.monotonic() > deadline:
                 return results, best
-            cfg = attrs.evolve(best or starts[0], **{knob: value})  # type: ignore[misc]
+            change = {knob: value, "pdl": True} if (knob, value) == ("prefetch", True) else {knob: value}
+            cfg = attrs.evolve(best or starts[0], **change)  # type: ignore[misc]
             if (us := trial(cfg)) < best_us:
                 best, best_us = cfg, us
     return results, best
