@@ -336,19 +336,21 @@ def run_sweep(
     refine_swaps: bool = False,
 ) -> tuple[_Best, _Cfgs]:
     """(c): the best config per (GEMM, M, kernel) in ``plan``'s order, within the budget (and ``deadline``, a
-    time.monotonic() instant); each (kernel, M, GEMM) gets at most twice its even share of the time left.
+    time.monotonic() instant); each (kernel, M, GEMM) gets at most 1.5 times its share of the time left, the
+    items at the plan's first M weighing three times the others.
     refine_swaps: a swap kernel swept after the GEMM's first swap descent refines (``_starts_and_knobs``)."""
     print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)", flush=True)
     deadline = min(deadline or math.inf, time.monotonic() + budget_s)
     best_times: _Best = {}
     cfgs: _Cfgs = {}
     items = [(variant, m, gemm) for variant, m in plan for gemm in gemms]
+    weights = [3.0 if m == plan[0][1] else 1.0 for _, m, _ in items]  # the first M: full descents, fresh compiles
     for i, (variant, m, gemm) in enumerate(items):
         now = time.monotonic()
         if now > deadline:
             print("  budget spent")
             break
-        item_deadline = min(deadline, now + 2 * (deadline - now) / (len(items) - i))
+        item_deadline = min(deadline, now + 1.5 * (deadline - now) * weights[i] / sum(weights[i:]))
         refine = refine_swaps and any(key[0] == gemm.name and key[2] in SWAP_VARIANTS for key in cfgs)
         pick, starts, knobs = _starts_and_knobs(gemm, variant, m, cfgs, refine)
         results, best = descend(gemm, variant, m, starts, knobs, item_deadline)
@@ -360,7 +362,7 @@ def run_sweep(
         best_times[gemm.name, m, variant], cfgs[gemm.name, m, variant] = finite[repr(best)], best
         pick_us = finite.get(repr(pick), math.nan)
         print(f"  {gemm.name:8} M={m:5} {variant}: best {finite[repr(best)]:.1f} µs "
-              f"({gemm.fp8_bytes / finite[repr(best)] / 1e6:.2f} TB/s) {best}; pick {pick_us:.1f} µs; "
+              f"({gemm.fp8_bytes / finite[repr(best)] / 1e6:.2f} TB/s) {compact(best)}; pick {pick_us:.1f} µs; "
               f"{len(results)} tried", flush=True)  # fmt: skip
     return best_times, cfgs
 
