@@ -157,14 +157,17 @@ def test_tuned_blockwise_shapes_are_valid_and_bounded() -> None:
     assert g._tuned(g.TUNED_BLOCKWISE, 40, 6144, 4096) is None
 
 
-def test_fused_swap_routing_is_per_measured_shape() -> None:
-    """fp8_linear quantizes inside the swap kernel only for the measured weight shape (o, 4096 x 4096) and only up
-    to its token bound; other shapes, larger M and M = 0 keep the two-launch path."""
+def test_fused_swap_routing_is_per_measured_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_linear quantizes inside the swap kernel only for weight shapes in SWAP_FUSED_MAX_M and only up to their
+    token bound; other shapes, larger M and M = 0 keep the two-launch path (the measured table is empty: the two
+    launches won everywhere)."""
+    for (n, k), up_to in g.SWAP_FUSED_MAX_M.items():
+        assert 0 < up_to <= g.SWAP_MAX_M and n % 128 == 0 and k % 128 == 0
+    assert not g.swaps_fused(1, 4096, 4096) or (4096, 4096) in g.SWAP_FUSED_MAX_M
+    monkeypatch.setattr(g, "SWAP_FUSED_MAX_M", {(4096, 4096): 16})
     assert g.swaps_fused(1, 4096, 4096) and g.swaps_fused(16, 4096, 4096)
     assert not g.swaps_fused(17, 4096, 4096) and not g.swaps_fused(0, 4096, 4096)
     assert not g.swaps_fused(1, 24576, 4096) and not g.swaps_fused(1, 4096, 12288)
-    for (n, k), up_to in g.SWAP_FUSED_MAX_M.items():
-        assert 0 < up_to <= g.SWAP_MAX_M and n % 128 == 0 and k % 128 == 0
 
 
 def test_split_counters_return_to_zero() -> None:
@@ -211,13 +214,27 @@ def test_tuned_swap_shapes_are_valid_and_bounded() -> None:
 
 
 def test_swap_lever_checks() -> None:
-    """The swap kernel's levers refuse what they cannot do: an L2 prefetch without PDL (it runs before the PDL
-    wait), and TMA or prefetch on weights whose rows are not 16-byte multiples."""
+    """An L2 prefetch without PDL (it runs before the PDL wait) is refused; TMA and prefetch on weights whose rows
+    are not 16-byte multiples fall back to pointer loads with the same result."""
     with pytest.raises(ValueError, match="prefetch needs pdl"):
         g.SwapConfig(prefetch=True).check()
     w, scale = _weights(64, 200)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        g.fp8_gemm_swap(*g.quantize_activations_ref(_x(2, 200)), w, scale, torch.float32, g.SwapConfig(tma=True))
+    x_q, x_scale = g.quantize_activations_ref(_x(2, 200))
+    cfg = g.SwapConfig(64, 16, 1, tma=True, pdl=True, prefetch=True)
+    out = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, cfg)
+    torch.testing.assert_close(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32), atol=1e-4, rtol=1e-4)
+
+
+def test_small_m_swap_pick_follows_the_swept_pattern() -> None:
+    """Up to SWAP_MAX_M tokens an untuned weight gets the swept pattern (64 x 16 tiles, PDL, TMA, second-launch
+    split sum) with ~4 programs per SM or one split when its tiles already give 2 per SM; above, the old rule."""
+    cpu = torch.device("cpu")
+    small = g.pick_swap_config(8, 2048, 1024, cpu)  # a Qwen3-0.6B-sized weight: 32 tiles, 8 K blocks
+    assert (small.block_n, small.block_t, small.pdl, small.tma, small.reduce) == (64, 16, True, True, "launch")
+    assert small.split_k == 2  # at most one split per four K blocks
+    assert g.pick_swap_config(1, 24576, 4096, cpu).split_k == 1  # 384 tiles >= 2 per SM
+    assert g.pick_swap_config(1, 4096, 12288, cpu).split_k == 9  # 64 tiles -> ~4 programs per SM
+    assert not g.pick_swap_config(64, 4096, 4096, cpu).tma
 
 
 def test_bad_configs_and_operands_are_refused() -> None:

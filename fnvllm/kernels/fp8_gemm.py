@@ -28,7 +28,8 @@ asks L2 for the first blocks of its weight rows (``cp.async.bulk.prefetch.L2``),
 writes, so weight bytes stream in during the previous kernel's tail. On the H200 (bench_fp8_gemm.py at 7d1055e
 against 6eb87a6, bf16 times equal in both runs) cuBLAS's fp8 path (quantization launch + GEMM) measured 2-14 us
 faster per GEMM at 64-256 tokens, the quantization's early start being the only change on that path. The swap
-kernel stays without it: with it, the o GEMM measured 1-1.4 us slower at 1-16 tokens, the others unchanged.
+kernel takes PDL, the prefetch and TMA weight tiles as ``SwapConfig`` knobs; swept per weight and M (TUNED_SWAP),
+PDL and TMA won almost everywhere, the prefetch nowhere (it had made the o GEMM 1-1.4 us slower before).
 
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
@@ -165,8 +166,10 @@ BLOCKWISE_MAX_M = 64
 # Weights (N, K) whose products of at most this many tokens run ``fp8_gemm_swap_bf16`` (the activation quantization
 # inside the swap kernel: one launch fewer) instead of quantization + ``fp8_gemm_swap``, where that measured faster
 # (H200, bench_fp8_gemm.py at 7d1055e, us, fused vs two launches: o (4096 x 4096) 10.8 vs 11.5 at M = 1, 11.0 vs
-# 12.8 at 4, 11.6 vs 14.2 at 16, 15.8 vs 15.6 at 32; gate_up and down were slower fused at every M).
-SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {(4096, 4096): 16}
+# 12.8 at 4, 11.6 vs 14.2 at 16, 15.8 vs 15.6 at 32; gate_up and down were slower fused at every M). With each
+# kernel's swept launch shape (h-f8s at df7e7f5, TUNED_SWAP) the two launches won for every weight at M = 1, 4, 16,
+# 32 (o: 8.4 vs 9.3 us at 1, 9.3 vs 9.5 at 16), so none is fused.
+SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {}
 
 
 def swaps_fused(m: int, n: int, k: int) -> bool:
@@ -723,9 +726,10 @@ class SwapConfig:
 
     Kernel-side levers (off by default, today's kernel): pdl: launched under programmatic dependent launch, the
     kernel waits on the one before it only before reading activations (where the GPU has it, else ignored);
-    prefetch: with pdl, before that wait each program asks L2 for its split's first weight blocks (weights with
-    K a multiple of 16); tma: weight tiles by a TMA tensor descriptor (Triton's host ``TensorDescriptor``; K a
-    multiple of 16) instead of pointer loads."""
+    prefetch: with pdl, before that wait each program asks L2 for its split's first weight blocks; tma: weight
+    tiles by a TMA tensor descriptor (Triton's host ``TensorDescriptor``) instead of pointer loads. prefetch and
+    tma need 16-byte weight rows (K a multiple of 16, an aligned base); elsewhere the kernel runs without them
+    (same result). ``pick_swap_config`` turns pdl and tma on up to SWAP_MAX_M tokens (measured faster)."""
 
     block_n: int = 128
     block_t: int = 64
@@ -751,13 +755,20 @@ class SwapConfig:
 
 @functools.lru_cache(maxsize=4096)
 def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
-    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_SWAP`` entry when there is one, else
-    128-row tiles, all M tokens in one tile up to 128 (else tiles of 128; 8 warps for 128 x 128 tiles), then
-    enough K splits for >= 2 programs per SM (at most one split per four K blocks)."""
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_SWAP`` entry when there is one; else up to
+    SWAP_MAX_M tokens what every swept best shared (H200): 64-row tiles of 16 tokens, PDL, TMA weight tiles, the
+    splits summed by a second launch, and K splits for ~4 programs per SM unless the tiles alone give 2 (at most
+    one split per four K blocks); above, 128-row tiles, all M tokens in one tile up to 128 (else tiles of 128; 8
+    warps for 128 x 128 tiles), then enough K splits for >= 2 programs per SM (as many K blocks per split)."""
     tuned = _tuned(TUNED_SWAP, m, n, k) if device.type == "cuda" else None
     if tuned is not None:
         return tuned
-    target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    if m <= SWAP_MAX_M:  # the pattern of every measured best (TUNED_SWAP)
+        tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
+        split = 1 if tiles >= 2 * sms else max(1, min(triton.cdiv(4 * sms, tiles), triton.cdiv(k, 128) // 4))
+        return SwapConfig(64, 16, split, num_warps=4, num_stages=4, reduce="launch", pdl=True, tma=True)
+    target = 2 * sms
     block_t = min(128, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_t)
     split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, 128) // 4))
@@ -768,7 +779,29 @@ def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig
 # (N, K, up to M tokens): a product takes its (N, K)'s entry with the fewest tokens >= its M; other shapes, and
 # other GPUs' first calls, take the pick functions' rules.
 TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
-TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
+# TUNED_SWAP: H200, bench_fp8_gemm.py --sweep --sweep-kernels swap swap_fused --ms 16 1 4 32 (branch h-f8s at
+# df7e7f5), µs per GEMM with its quantization launch, swept vs before (pick_swap_config's old rule, no levers):
+# qkv 10.3 / 11.1 vs 13.7 / 14.5 at M = 1 / 16, o 8.4 / 9.3 vs 11.0 / 12.1, gate_up 27.6 / 28.8 vs 31.3 / 33.1,
+# down 17.1 / 18.8 vs 20.4 / 22.1; per layer 63.4 / 68.0 us (3.04 / 2.84 TB/s of fp8 bytes) vs 75.8 / 81.4.
+_SWAP = functools.partial(SwapConfig, 64, 16, num_warps=4, reduce="launch")  # 64 x 16 tiles, second-launch sum
+TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {
+    (6144, 4096, 1): _SWAP(split_k=4, num_stages=5, pdl=True, tma=True),  # qkv 10.3 us
+    (6144, 4096, 4): _SWAP(split_k=4, num_stages=4, pdl=True, tma=True),  # qkv 10.2 us
+    (6144, 4096, 16): _SWAP(split_k=4, num_stages=5, pdl=True),  # qkv 11.1 us
+    (6144, 4096, 32): SwapConfig(64, 32, 4, num_warps=4, num_stages=3, reduce="launch", pdl=True),  # qkv 12.0 us
+    (4096, 4096, 1): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # o 8.4 us
+    (4096, 4096, 4): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # o 8.4 us
+    (4096, 4096, 16): _SWAP(split_k=4, num_stages=4, tma=True),  # o 9.3 us
+    (4096, 4096, 32): _SWAP(split_k=3, num_stages=4, pdl=True, tma=True),  # o 9.4 us
+    (24576, 4096, 1): _SWAP(split_k=1, num_stages=5, pdl=True, tma=True),  # gate_up 27.6 us
+    (24576, 4096, 4): _SWAP(split_k=1, num_stages=5, pdl=True, tma=True),  # gate_up 29.0 us
+    (24576, 4096, 16): _SWAP(split_k=1, num_stages=6, pdl=True, tma=True),  # gate_up 28.8 us
+    (24576, 4096, 32): _SWAP(split_k=1, num_stages=3, pdl=True, tma=True),  # gate_up 31.9 us
+    (4096, 12288, 1): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 17.1 us
+    (4096, 12288, 4): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 17.5 us
+    (4096, 12288, 16): _SWAP(split_k=8, num_stages=4, tma=True),  # down 18.8 us
+    (4096, 12288, 32): _SWAP(split_k=6, num_stages=3, pdl=True, tma=True),  # down 20.2 us
+}
 TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {
     (4096, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=5),  # o
     (24576, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),  # gate_up
@@ -815,10 +848,8 @@ def _launch_swap(
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_swap_config(m, n, k, a.device)
     cfg.check()
-    if (cfg.tma or cfg.prefetch) and k % 16:
-        raise ValueError(f"SwapConfig.tma and .prefetch need K a multiple of 16 (16-byte rows), got K={k}")
-    if cfg.tma and TensorDescriptor is None:
-        raise ValueError("SwapConfig.tma needs triton.tools.tensor_descriptor.TensorDescriptor (Triton >= 3.4)")
+    aligned = k % 16 == 0 and w.data_ptr() % 16 == 0  # TMA and bulk prefetch need 16-byte rows
+    tma = cfg.tma and aligned and TensorDescriptor is not None  # else pointer loads (same result)
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)
@@ -829,12 +860,12 @@ def _launch_swap(
     part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     scales = out if a_scale is None else a_scale
     pdl = cfg.pdl and use_pdl(a.device)
-    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if cfg.tma else w
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if tma else w
     _swap_fp8_kernel[grid](
         a, scales, w, w_desc, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
-        UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch, TMA=cfg.tma,
+        UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
