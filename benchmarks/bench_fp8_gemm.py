@@ -23,6 +23,18 @@ The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 
     best, and the best as TUNED_STREAM / TUNED_SWAP / TUNED_BLOCKWISE tables to paste into
     fnvllm/kernels/fp8_gemm.py.
 The last table is the summary: the layer's four GEMMs summed per M for every variant.
+
+Options for the small-M swap kernel's sweep (issue 20), e.g. within a 200 s wall budget::
+
+    timeout 200 python3 benchmarks/bench_fp8_gemm.py --sweep --budget-s 165 --total-s 180 --ms 16 1 4 32 \\
+        --variants shipped --sweep-kernels swap swap_fused
+
+--variants limits (a) and (b); --sweep-kernels swap swap_fused replaces the fixed plan by the two swap kernels
+at each --ms in the order given (the first M gets the full descent over SWAP_KNOBS, including the kernel-side
+levers pdl / prefetch / tma; later ones start from the GEMM's best so far and walk SWAP_REFINE_KNOBS);
+--total-s caps the sweep at that many seconds after the start. At the end: the summary, TUNED_SWAP and
+SWAP_FUSED_MAX_M to paste, and the per-layer table (today's ``fp8_linear`` against the swept tables, µs and TB/s
+of fp8 weight bytes per M), which is also printed before the sweep with today's numbers only.
 """
 
 from __future__ import annotations
@@ -64,14 +76,22 @@ BLOCKWISE_KNOBS = {  # the most likely first: 256-token tiles and 256-row tiles 
     "num_stages": (3, 4, 5),
     "num_warps": (8, 4),
 }
-SWAP_KNOBS = {
-    "reduce": ("last", "launch"),
+SWAP_KNOBS = {  # most likely to matter first (a descent cut short by the budget still covers them); the levers
+    # pdl / prefetch / tma are off (today's kernel) in the pick; block_t is limited to what M fills
+    "split_k": (1, 2, 3, 4, 6, 8, 12, 16),
+    "pdl": (False, True),
+    "prefetch": (False, True),
+    "num_stages": (3, 4, 5, 6, 2),
+    "tma": (False, True),
     "block_n": (128, 64, 256),
-    "block_t": (16, 32, 64, 128, 256),
-    "split_k": (1, 2, 3, 4, 6, 8),
     "num_warps": (4, 8),
-    "num_stages": (3, 4, 5, 2),
+    "reduce": ("last", "launch"),
+    "block_t": (16, 32, 64, 128, 256),
 }
+# At a token count after the first one swept, a (GEMM, kernel) descends from its best at an earlier M over these
+# knobs only (its split and depth may move with M; the rest rarely does), so the budget reaches every M.
+SWAP_REFINE_KNOBS = ("split_k", "num_stages", "pdl", "prefetch", "block_t", "tma")
+SWAP_VARIANTS = ("swap", "swap_fused")
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,6 +101,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also search the kernels' launch knobs")
     parser.add_argument("--budget-s", type=float, default=60.0, help="seconds the sweep may take")
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help="token counts M")
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="variants (a) checks and (b) times"
+    )
+    parser.add_argument(
+        "--sweep-kernels",
+        nargs="+",
+        choices=("all", *SWAP_VARIANTS),
+        default=["all"],
+        help="'all': the fixed plan over every kernel; else only these swap kernels at --ms, in the order given",
+    )
+    parser.add_argument(
+        "--total-s", type=float, help="stop the sweep this many seconds after the script starts (wall budget)"
+    )
     return parser.parse_args()
 
 
@@ -181,15 +214,15 @@ class Gemm:
         return time_us([lambda w=w, s=s: self.call(variant, x, w, s, cfg) for w, s in self.fp8], reps)
 
 
-def run_checks(gemms: list[Gemm], ms: list[int], record: dict) -> bool:
+def run_checks(gemms: list[Gemm], ms: list[int], record: dict, variants: tuple[str, ...] = VARIANTS) -> bool:
     """(a): every fp8 variant at every M; True when all pass (a variant that raises is reported, not failed)."""
     print("(a) correctness: relative error against the float32 product of the same operands")
     ok = True
     for gemm in gemms:
         for m in ms:
             parts = []
-            for variant in VARIANTS[1:]:
-                if not gemm.applies(variant, m):
+            for variant in variants:
+                if variant == "bf16" or not gemm.applies(variant, m):
                     continue
                 try:
                     err = gemm.error(variant, m)
@@ -203,14 +236,16 @@ def run_checks(gemms: list[Gemm], ms: list[int], record: dict) -> bool:
     return ok
 
 
-def run_times(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[str, int, str], float]:
+def run_times(
+    gemms: list[Gemm], ms: list[int], record: dict, variants: tuple[str, ...] = VARIANTS
+) -> dict[tuple[str, int, str], float]:
     """(b): µs per GEMM for every variant that applies and runs."""
     print("(b) time per GEMM (µs; TB/s of weight bytes)")
     times: dict[tuple[str, int, str], float] = {}
     for gemm in gemms:
         for m in ms:
             parts = []
-            for variant in VARIANTS:
+            for variant in variants:
                 if not gemm.applies(variant, m):
                     continue
                 try:
@@ -227,87 +262,200 @@ def run_times(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[str,
 
 
 def descend(
-    gemm: Gemm, variant: str, m: int, start: object, knobs: dict[str, tuple], deadline: float
-) -> dict[str, float]:
-    """Coordinate descent from config ``start``: each knob in turn over its values, the others at the best so
-    far; a candidate must pass the correctness check before it is timed. Returns {repr(config): µs}."""
+    gemm: Gemm, variant: str, m: int, starts: list[object], knobs: dict[str, tuple], deadline: float
+) -> tuple[dict[str, float], object | None]:
+    """Coordinate descent from the best of configs ``starts``: each knob in turn over its values, the others at
+    the best so far (a swap prefetch candidate also turns pdl on: it needs it); a candidate must pass the
+    correctness check before it is timed. Returns ({repr(config): µs},
+    the best config or None when none ran)."""
     results: dict[str, float] = {}
-    best, best_us = start, math.inf
+    best, best_us = None, math.inf
+
+    def trial(cfg: object) -> float:
+        key = repr(cfg)
+        if key not in results:
+            try:
+                ok = gemm.error(variant, m, cfg) < TOLERANCE
+                results[key] = gemm.time(variant, m, cfg) if ok else math.inf
+            except Exception:  # e.g. out of shared memory, or a knob this GPU lacks: not a candidate
+                results[key] = math.inf
+        return results[key]
+
+    for cfg in starts:
+        if time.monotonic() > deadline:
+            return results, best
+        if (us := trial(cfg)) < best_us:
+            best, best_us = cfg, us
     for knob, values in knobs.items():
         for value in values:
             if time.monotonic() > deadline:
-                return results
-            cfg = attrs.evolve(best, **{knob: value})  # type: ignore[misc]
-            key = repr(cfg)
-            if key in results:
-                continue
-            try:
-                if gemm.error(variant, m, cfg) >= TOLERANCE:
-                    results[key] = math.inf
-                    continue
-                results[key] = us = gemm.time(variant, m, cfg)
-            except Exception:  # e.g. out of shared memory: not a candidate
-                results[key] = math.inf
-                continue
-            if us < best_us:
+                return results, best
+            change = {knob: value, "pdl": True} if (knob, value) == ("prefetch", True) else {knob: value}
+            cfg = attrs.evolve(best or starts[0], **change)  # type: ignore[misc]
+            if (us := trial(cfg)) < best_us:
                 best, best_us = cfg, us
-    return results
+    return results, best
 
 
-def run_sweep(gemms: list[Gemm], budget_s: float, record: dict) -> dict[tuple[str, int, str], float]:
-    """(c): the best config per (GEMM, M) for both kernels, within the budget."""
-    print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)")
-    deadline = time.monotonic() + budget_s
-    best_times: dict[tuple[str, int, str], float] = {}
-    plan = [("blockwise", 256), ("blockwise", 64), ("blockwise", 128), ("swap", 1), ("swap", 16), ("blockwise", 32)]
-    plan += [("swap_fused", 1), ("swap", 32), ("swap", 64), ("swap_fused", 16), ("stream", 1), ("stream", 16)]
-    tables: dict[str, list[str]] = {"stream": [], "swap": [], "swap_fused": [], "blockwise": []}
-    for variant, m in plan:
-        for gemm in gemms:
-            if time.monotonic() > deadline:
-                print("  budget spent")
-                print_tables(tables)
-                return best_times
-            device = torch.device(DEVICE)
-            if variant == "stream":
-                pick, knobs = g.pick_small_m_config(m, gemm.n, gemm.k, device), STREAM_KNOBS
-            elif variant == "blockwise":
-                pick, knobs = g.pick_blockwise_config(m, gemm.n, gemm.k, device), BLOCKWISE_KNOBS
-            else:
-                pick, knobs = g.pick_swap_config(m, gemm.n, gemm.k, device), SWAP_KNOBS
-            results = descend(gemm, variant, m, pick, knobs, deadline)
-            finite = {k: v for k, v in results.items() if math.isfinite(v)}
-            record["sweep"][f"{gemm.name} M={m} {variant}"] = finite
-            if not finite:
-                print(f"  {gemm.name:8} M={m:5} {variant}: nothing ran")
-                continue
-            best = min(finite, key=finite.__getitem__)
-            best_times[gemm.name, m, variant] = finite[best]
-            pick_us = finite.get(repr(pick), math.nan)
-            print(f"  {gemm.name:8} M={m:5} {variant}: best {finite[best]:.1f} µs "
-                  f"({gemm.fp8_bytes / finite[best] / 1e6:.2f} TB/s) {best}; pick {pick_us:.1f} µs; "
-                  f"{len(results)} tried")  # fmt: skip
-            tables[variant].append(f"    ({gemm.n}, {gemm.k}, {m}): {best},  # {variant}")
-    print_tables(tables)
-    return best_times
+_Best = dict[tuple[str, int, str], float]
+_Cfgs = dict[tuple[str, int, str], object]
+FIXED_PLAN = [("blockwise", 256), ("blockwise", 64), ("blockwise", 128), ("swap", 1), ("swap", 16), ("blockwise", 32)]
+FIXED_PLAN += [("swap_fused", 1), ("swap", 32), ("swap", 64), ("swap_fused", 16), ("stream", 1), ("stream", 16)]
 
 
-def print_tables(tables: dict[str, list[str]]) -> None:
-    """The sweep's best configs as the TUNED_STREAM / TUNED_SWAP tables of fnvllm.kernels.fp8_gemm."""
-    named = ((("stream",), "TUNED_STREAM"), (("swap_fused", "swap"), "TUNED_SWAP"), (("blockwise",), "TUNED_BLOCKWISE"))
-    for variants, name in named:
-        print(f"  {name} = {{")
-        print("\n".join(line for variant in variants for line in tables[variant]))
-        print("  }")
+def _starts_and_knobs(
+    gemm: Gemm, variant: str, m: int, cfgs: _Cfgs, refine: bool
+) -> tuple[object, list[object], dict[str, tuple]]:
+    """(the default pick, the configs a descent starts from, the knobs it walks) for ``variant`` at M = m. With
+    ``refine``, a swap kernel also starts from its best at the nearest M swept before and from the other swap
+    kernel's best at this M, and then walks only SWAP_REFINE_KNOBS."""
+    device = torch.device(DEVICE)
+    if variant == "stream":
+        return (pick := g.pick_small_m_config(m, gemm.n, gemm.k, device)), [pick], STREAM_KNOBS
+    if variant == "blockwise":
+        return (pick := g.pick_blockwise_config(m, gemm.n, gemm.k, device)), [pick], BLOCKWISE_KNOBS
+    pick = g.pick_swap_config(m, gemm.n, gemm.k, device)
+    fill = max(16, 1 << (m - 1).bit_length())  # no token tile wider than M needs
+    knobs = {k: tuple(v for v in vs if k != "block_t" or v <= fill) for k, vs in SWAP_KNOBS.items()}
+    if not refine:
+        return pick, [pick], knobs
+    seeds = [cfg for (name, at, v), cfg in sorted(cfgs.items(), key=lambda e: abs(e[0][1] - m)) if name == gemm.name
+             and v in SWAP_VARIANTS and (v, at) != (variant, m)]  # fmt: skip
+    seeds = [attrs.evolve(cfg, block_t=min(cfg.block_t, fill)) for cfg in seeds[:2]]  # type: ignore[attr-defined]
+    if not seeds:
+        return pick, [pick], knobs
+    return pick, [pick, *seeds], {k: knobs[k] for k in SWAP_REFINE_KNOBS}
+
+
+def run_sweep(
+    gemms: list[Gemm],
+    budget_s: float,
+    record: dict,
+    plan: list[tuple[str, int]],
+    deadline: float | None = None,
+    refine_swaps: bool = False,
+) -> tuple[_Best, _Cfgs]:
+    """(c): the best config per (GEMM, M, kernel) in ``plan``'s order, within the budget (and ``deadline``, a
+    time.monotonic() instant); each (kernel, M, GEMM) gets at most 1.5 times its share of the time left, the
+    items at the plan's first M weighing three times the others.
+    refine_swaps: a swap kernel swept after the GEMM's first swap descent refines (``_starts_and_knobs``)."""
+    print(f"(c) sweep (coordinate descent, budget {budget_s:.0f} s)", flush=True)
+    deadline = min(deadline or math.inf, time.monotonic() + budget_s)
+    best_times: _Best = {}
+    cfgs: _Cfgs = {}
+    items = [(variant, m, gemm) for variant, m in plan for gemm in gemms]
+    weights = [3.0 if m == plan[0][1] else 1.0 for _, m, _ in items]  # the first M: full descents, fresh compiles
+    for i, (variant, m, gemm) in enumerate(items):
+        now = time.monotonic()
+        if now > deadline:
+            print("  budget spent")
+            break
+        item_deadline = min(deadline, now + 1.5 * (deadline - now) * weights[i] / sum(weights[i:]))
+        refine = refine_swaps and any(key[0] == gemm.name and key[2] in SWAP_VARIANTS for key in cfgs)
+        pick, starts, knobs = _starts_and_knobs(gemm, variant, m, cfgs, refine)
+        results, best = descend(gemm, variant, m, starts, knobs, item_deadline)
+        finite = {k: v for k, v in results.items() if math.isfinite(v)}
+        record["sweep"][f"{gemm.name} M={m} {variant}"] = finite
+        if best is None or not finite:
+            print(f"  {gemm.name:8} M={m:5} {variant}: nothing ran ({len(results)} tried)", flush=True)
+            continue
+        best_times[gemm.name, m, variant], cfgs[gemm.name, m, variant] = finite[repr(best)], best
+        pick_us = finite.get(repr(pick), math.nan)
+        print(f"  {gemm.name:8} M={m:5} {variant}: best {finite[repr(best)]:.1f} µs "
+              f"({gemm.fp8_bytes / finite[repr(best)] / 1e6:.2f} TB/s) {compact(best)}; pick {pick_us:.1f} µs; "
+              f"{len(results)} tried", flush=True)  # fmt: skip
+    return best_times, cfgs
+
+
+def fused_max_m(gemms: list[Gemm], ms: list[int], best: _Best) -> dict[tuple[int, int], int]:
+    """Per weight (N, K): the most tokens up to which the fused swap kernel measured faster than quantization +
+    swap at every swept M (SWAP_FUSED_MAX_M's entries); weights where it never led are left out."""
+    out = {}
+    for gemm in gemms:
+        up_to = 0
+        for m in sorted(ms):
+            fused, plain = best.get((gemm.name, m, "swap_fused")), best.get((gemm.name, m, "swap"))
+            if fused is None or (plain is not None and plain <= fused):
+                break
+            up_to = m
+        if up_to:
+            out[gemm.n, gemm.k] = up_to
+    return out
+
+
+def swept_choice(
+    gemm: Gemm, m: int, best: _Best, cfgs: _Cfgs, fused: dict[tuple[int, int], int]
+) -> tuple[str, float, object] | None:
+    """(kernel, µs, config) that the swept tables would run for ``gemm`` at M = m, or None when unswept."""
+    variant = "swap_fused" if m <= fused.get((gemm.n, gemm.k), 0) else "swap"
+    if (gemm.name, m, variant) not in best:
+        return None
+    return variant, best[gemm.name, m, variant], cfgs[gemm.name, m, variant]
+
+
+def compact(cfg: object) -> str:
+    """``cfg``'s constructor call naming only the fields that differ from their defaults (pasteable, short)."""
+    fields = attrs.fields(type(cfg))
+    changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields if getattr(cfg, f.name) != f.default]
+    return f"{type(cfg).__name__}({', '.join(changed)})"
+
+
+def print_swap_tables(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs) -> None:
+    """The swept swap configs as TUNED_SWAP and SWAP_FUSED_MAX_M literals of fnvllm.kernels.fp8_gemm."""
+    fused = fused_max_m(gemms, ms, best)
+    print("TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {")
+    for gemm in gemms:
+        for m in sorted(ms):
+            choice = swept_choice(gemm, m, best, cfgs, fused)
+            if choice is not None and m <= g.SWAP_MAX_M:
+                note = f"{gemm.name} {choice[0]} {choice[1]:.1f} µs"
+                print(f"    ({gemm.n}, {gemm.k}, {m}): {compact(choice[2])},  # {note}")
+    print("}")
+    print(f"SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {fused}")
+
+
+def print_layer_table(
+    gemms: list[Gemm], ms: list[int], times: dict[tuple[str, int, str], float], best: _Best, cfgs: _Cfgs
+) -> None:
+    """Per M: the layer's four GEMMs by today's dispatch (``shipped``) against the swept tables, µs (TB/s)."""
+    fused = fused_max_m(gemms, ms, best)
+    fp8_bytes = sum(gm.fp8_bytes for gm in gemms)
+    print("\nper layer (qkv + o + gate_up + down), today's fp8_linear vs the swept swap tables: µs (TB/s of fp8 bytes)")
+    print(f"{'M':>4} | {'today':>14} | {'swept':>14} | " + " | ".join(f"{gm.name:>15}" for gm in gemms))
+    for m in sorted(ms):
+        today = [times.get((gm.name, m, "shipped")) for gm in gemms]
+        swept = [swept_choice(gm, m, best, cfgs, fused) for gm in gemms]
+        cells = []
+        for total in (None if None in today else sum(today), None if None in swept else sum(c[1] for c in swept)):
+            cells.append(f"{'-':>14}" if total is None else f"{total:>6.1f} ({fp8_bytes / total / 1e6:.2f})")
+        per = [f"{t or math.nan:>6.1f} -> {c[1] if c else math.nan:>5.1f}" for t, c in zip(today, swept, strict=True)]
+        print(f"{m:>4} | {cells[0]} | {cells[1]} | " + " | ".join(per), flush=True)
+
+
+def print_sweep_tables(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs) -> None:
+    """The sweep's best configs as the TUNED_STREAM / TUNED_BLOCKWISE literals (where swept), then TUNED_SWAP and
+    SWAP_FUSED_MAX_M, to paste into fnvllm/kernels/fp8_gemm.py."""
+    for variant, name in (("stream", "TUNED_STREAM"), ("blockwise", "TUNED_BLOCKWISE")):
+        lines = [f"    ({gm.n}, {gm.k}, {m}): {compact(cfg)},  # {gm.name} {best[key]:.1f} µs"
+                 for gm in gemms for (nm, m, v), cfg in sorted(cfgs.items()) if nm == gm.name and v == variant
+                 for key in [(nm, m, v)]]  # fmt: skip
+        if lines:
+            print(f"{name} = {{", *lines, "}", sep="\n")
+    print_swap_tables(gemms, sorted({m for _, m, v in cfgs if v in SWAP_VARIANTS} | set(ms)), best, cfgs)
 
 
 def print_summary(
-    gemms: list[Gemm], ms: list[int], times: dict[tuple[str, int, str], float], best: dict[tuple[str, int, str], float]
+    gemms: list[Gemm],
+    ms: list[int],
+    times: dict[tuple[str, int, str], float],
+    best: dict[tuple[str, int, str], float],
+    variants: tuple[str, ...] = VARIANTS,
 ) -> None:
     """The layer's four GEMMs summed per M and variant: µs (TB/s of weight bytes); "best" rows from the sweep."""
     fp8_bytes, bf16_bytes = sum(gm.fp8_bytes for gm in gemms), sum(2 * gm.n * gm.k for gm in gemms)
     print("\nsummary: one Qwen3-8B layer's four GEMMs (qkv, o, gate_up, down), µs (TB/s of weight bytes)")
-    columns = [*VARIANTS, "stream best", "swap best", "swap_fused best", "blockwise best"]
+    swept = sorted({variant for _, _, variant in best}, key=VARIANTS.index)
+    columns = [*variants, *(f"{variant} best" for variant in swept)]
     print(f"{'M':>6} | " + " | ".join(f"{c:>16}" for c in columns))
     for m in ms:
         cells = []
@@ -329,12 +477,26 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm.py times Triton and cuBLAS GEMMs: it needs a CUDA GPU")
     began = time.monotonic()
+    ms = sorted(args.ms)
     gemms = [Gemm(name, n, k) for name, (n, k) in GEMMS.items()]
     record: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "times_us": {}, "sweep": {}}
-    ok = run_checks(gemms, args.ms, record)
-    times = run_times(gemms, args.ms, record)
-    best = run_sweep(gemms, args.budget_s, record) if args.sweep else {}
-    print_summary(gemms, args.ms, times, best)
+    variants = tuple(args.variants)
+    ok = run_checks(gemms, ms, record, variants)
+    times = run_times(gemms, ms, record, variants)
+    best: _Best = {}
+    cfgs: _Cfgs = {}
+    print_layer_table(gemms, ms, times, best, cfgs)
+    if args.sweep:
+        deadline = None if args.total_s is None else began + args.total_s
+        if "all" in args.sweep_kernels:
+            best, cfgs = run_sweep(gemms, args.budget_s, record, FIXED_PLAN, deadline)
+        else:  # the swap kernels at the M given, in the order given (the first M gets the full descent)
+            plan = [(variant, m) for m in args.ms for variant in args.sweep_kernels]
+            best, cfgs = run_sweep(gemms, args.budget_s, record, plan, deadline, refine_swaps=True)
+    print_summary(gemms, ms, times, best, variants)
+    if args.sweep:
+        print_sweep_tables(gemms, ms, best, cfgs)
+        print_layer_table(gemms, ms, times, best, cfgs)
     print(f"({time.monotonic() - began:.0f} s; shipped dispatch correct: {ok})")
     if args.json:
         with open(args.json, "w") as f:

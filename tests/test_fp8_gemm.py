@@ -86,6 +86,11 @@ SWAP_CASES = [
     (100, 128, 256, g.SwapConfig(64, 64, 1)),
     (20, 200, 1000, g.SwapConfig(64, 16, 3, reduce="launch")),
     (33, 300, 256, g.SwapConfig(256, 32, 1)),
+    # the kernel-side levers: weight tiles by TMA descriptor (zeros past N and K from the descriptor), with
+    # split-K and both reduces; pdl/prefetch (no-ops off the GPU) must not change the result
+    (1, 200, 304, g.SwapConfig(64, 16, 2, tma=True)),
+    (17, 256, 640, g.SwapConfig(128, 32, 3, reduce="launch", tma=True)),
+    (3, 300, 256, g.SwapConfig(256, 16, 1, tma=True, pdl=True, prefetch=True)),
 ]
 
 
@@ -100,7 +105,10 @@ def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapCon
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "config"), [(1, 200, 300, None), (17, 256, 640, g.SwapConfig(128, 32, 3))])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [(1, 200, 300, None), (17, 256, 640, g.SwapConfig(128, 32, 3)), (5, 130, 384, g.SwapConfig(64, 16, 2, tma=True))],
+)
 def test_swap_kernel_quantizing_in_its_prologue_matches_reference(
     m: int, n: int, k: int, config: g.SwapConfig | None
 ) -> None:
@@ -149,14 +157,17 @@ def test_tuned_blockwise_shapes_are_valid_and_bounded() -> None:
     assert g._tuned(g.TUNED_BLOCKWISE, 40, 6144, 4096) is None
 
 
-def test_fused_swap_routing_is_per_measured_shape() -> None:
-    """fp8_linear quantizes inside the swap kernel only for the measured weight shape (o, 4096 x 4096) and only up
-    to its token bound; other shapes, larger M and M = 0 keep the two-launch path."""
+def test_fused_swap_routing_is_per_measured_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_linear quantizes inside the swap kernel only for weight shapes in SWAP_FUSED_MAX_M and only up to their
+    token bound; other shapes, larger M and M = 0 keep the two-launch path (the measured table is empty: the two
+    launches won everywhere)."""
+    for (n, k), up_to in g.SWAP_FUSED_MAX_M.items():
+        assert 0 < up_to <= g.SWAP_MAX_M and n % 128 == 0 and k % 128 == 0
+    assert not g.swaps_fused(1, 4096, 4096) or (4096, 4096) in g.SWAP_FUSED_MAX_M
+    monkeypatch.setattr(g, "SWAP_FUSED_MAX_M", {(4096, 4096): 16})
     assert g.swaps_fused(1, 4096, 4096) and g.swaps_fused(16, 4096, 4096)
     assert not g.swaps_fused(17, 4096, 4096) and not g.swaps_fused(0, 4096, 4096)
     assert not g.swaps_fused(1, 24576, 4096) and not g.swaps_fused(1, 4096, 12288)
-    for (n, k), up_to in g.SWAP_FUSED_MAX_M.items():
-        assert 0 < up_to <= g.SWAP_MAX_M and n % 128 == 0 and k % 128 == 0
 
 
 def test_split_counters_return_to_zero() -> None:
@@ -190,6 +201,40 @@ def test_picks_fill_the_sms() -> None:
             sw = g.pick_swap_config(m, n, k, cpu)
             assert _programs(-(-n // sw.block_n) * -(-m // sw.block_t), k // 128, sw.split_k) >= 198
     assert g.pick_small_m_config(1, 64, 128, cpu).split_k == 1
+
+
+def test_tuned_swap_shapes_are_valid_and_bounded() -> None:
+    """Every measured swap launch shape passes its check, is keyed at most SWAP_MAX_M tokens and has tokens per
+    tile covering its key up to 16 (one token tile), so the sweep's table cannot hand fp8_linear a broken launch."""
+    for (n, k, up_to), cfg in g.TUNED_SWAP.items():
+        cfg.check()
+        assert 0 < up_to <= g.SWAP_MAX_M and n > 0 and k > 0
+        assert cfg.block_t >= min(up_to, 16)
+        assert not (cfg.tma or cfg.prefetch) or k % 16 == 0
+
+
+def test_swap_lever_checks() -> None:
+    """An L2 prefetch without PDL (it runs before the PDL wait) is refused; TMA and prefetch on weights whose rows
+    are not 16-byte multiples fall back to pointer loads with the same result."""
+    with pytest.raises(ValueError, match="prefetch needs pdl"):
+        g.SwapConfig(prefetch=True).check()
+    w, scale = _weights(64, 200)
+    x_q, x_scale = g.quantize_activations_ref(_x(2, 200))
+    cfg = g.SwapConfig(64, 16, 1, tma=True, pdl=True, prefetch=True)
+    out = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, cfg)
+    torch.testing.assert_close(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32), atol=1e-4, rtol=1e-4)
+
+
+def test_small_m_swap_pick_follows_the_swept_pattern() -> None:
+    """Up to SWAP_MAX_M tokens an untuned weight gets the swept pattern (64 x 16 tiles, PDL, TMA, second-launch
+    split sum) with ~4 programs per SM or one split when its tiles already give 2 per SM; above, the old rule."""
+    cpu = torch.device("cpu")
+    small = g.pick_swap_config(8, 2048, 1024, cpu)  # a Qwen3-0.6B-sized weight: 32 tiles, 8 K blocks
+    assert (small.block_n, small.block_t, small.pdl, small.tma, small.reduce) == (64, 16, True, True, "launch")
+    assert small.split_k == 2  # at most one split per four K blocks
+    assert g.pick_swap_config(1, 24576, 4096, cpu).split_k == 1  # 384 tiles >= 2 per SM
+    assert g.pick_swap_config(1, 4096, 12288, cpu).split_k == 9  # 64 tiles -> ~4 programs per SM
+    assert not g.pick_swap_config(64, 4096, 4096, cpu).tma
 
 
 def test_bad_configs_and_operands_are_refused() -> None:
@@ -245,4 +290,29 @@ def test_stream_conversions_on_cuda_agree(convert: str, swap: bool) -> None:
     x = torch.randn(8, 4096, device="cuda").bfloat16()
     out = g.fp8_gemm_small_m(x, w, scale, g.SmallMConfig(split_k=2, swap=swap, convert=convert))
     ref = g.fp8_linear_ref(x.float(), w, scale)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "config",
+    [
+        g.SwapConfig(128, 16, 4, pdl=True),
+        g.SwapConfig(128, 16, 4, pdl=True, prefetch=True),
+        g.SwapConfig(128, 16, 4, tma=True),
+        g.SwapConfig(256, 16, 2, num_warps=8, tma=True, pdl=True, prefetch=True, reduce="launch"),
+    ],
+)
+@pytest.mark.parametrize("fused", [False, True])
+def test_swap_levers_on_cuda_match_reference(config: g.SwapConfig, fused: bool) -> None:
+    """On the GPU the swap kernel's levers (PDL wait, L2 prefetch before it, TMA weight tiles), quantizing in its
+    prologue or not, give the product of the same quantized operands (relative error < 1e-2)."""
+    w, scale = _weights(6144, 4096, seed=7)
+    x = torch.randn(5, 4096, device="cuda").bfloat16()
+    x_q, x_scale = g.quantize_activations(x)
+    out = (
+        g.fp8_gemm_swap_bf16(x, w, scale, config) if fused else g.fp8_gemm_swap(x_q, x_scale, w, scale, x.dtype, config)
+    )
+    ref = g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2

@@ -28,7 +28,8 @@ asks L2 for the first blocks of its weight rows (``cp.async.bulk.prefetch.L2``),
 writes, so weight bytes stream in during the previous kernel's tail. On the H200 (bench_fp8_gemm.py at 7d1055e
 against 6eb87a6, bf16 times equal in both runs) cuBLAS's fp8 path (quantization launch + GEMM) measured 2-14 us
 faster per GEMM at 64-256 tokens, the quantization's early start being the only change on that path. The swap
-kernel stays without it: with it, the o GEMM measured 1-1.4 us slower at 1-16 tokens, the others unchanged.
+kernel takes PDL, the prefetch and TMA weight tiles as ``SwapConfig`` knobs; swept per weight and M (TUNED_SWAP),
+PDL and TMA won almost everywhere, the prefetch nowhere (it had made the o GEMM 1-1.4 us slower before).
 
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
@@ -60,6 +61,11 @@ from fnvllm.kernels.reference import (
     fp8_linear_ref,
 )
 from fnvllm.kernels.skinny_gemm import _sum_splits_kernel
+
+try:  # host-side TMA descriptors (Triton >= 3.4): SwapConfig.tma
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
 
 # The references live in fnvllm.kernels.reference (torch only: the model imports them without Triton); they are
 # re-exported here beside the kernels tested against them.
@@ -160,8 +166,10 @@ BLOCKWISE_MAX_M = 64
 # Weights (N, K) whose products of at most this many tokens run ``fp8_gemm_swap_bf16`` (the activation quantization
 # inside the swap kernel: one launch fewer) instead of quantization + ``fp8_gemm_swap``, where that measured faster
 # (H200, bench_fp8_gemm.py at 7d1055e, us, fused vs two launches: o (4096 x 4096) 10.8 vs 11.5 at M = 1, 11.0 vs
-# 12.8 at 4, 11.6 vs 14.2 at 16, 15.8 vs 15.6 at 32; gate_up and down were slower fused at every M).
-SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {(4096, 4096): 16}
+# 12.8 at 4, 11.6 vs 14.2 at 16, 15.8 vs 15.6 at 32; gate_up and down were slower fused at every M). With each
+# kernel's swept launch shape (h-f8s at df7e7f5, TUNED_SWAP) the two launches won for every weight at M = 1, 4, 16,
+# 32 (o: 8.4 vs 9.3 us at 1, 9.3 vs 9.5 at 16), so none is fused.
+SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {}
 
 
 def swaps_fused(m: int, n: int, k: int) -> bool:
@@ -642,19 +650,25 @@ def fp8_gemm_blockwise(
     return out
 
 
-@triton.jit
+# Token count and split sizes are not specialized on (1, multiples of 16): one compiled kernel per launch shape
+# serves every M and every weight of a model (they only bound masks and loops), so warm-up and the sweep compile once.
+@triton.jit(do_not_specialize=["M", "K_BLOCKS_PER_SPLIT", "NUM_SPLITS"])
 def _swap_fp8_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
-    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
     a_scale[token, kb], written transposed to out[token, row]. The token tiles of one row tile are neighbours in
     the launch order (axis 0), so they run together and read the weight tile from HBM once. QUANT_A: a is the
     16-bit activations, quantized here per (token, 128 columns) exactly as ``quantize_activations`` does (one
-    launch fewer; each row tile redoes it, cheap for a few tokens)."""
+    launch fewer; each row tile redoes it, cheap for a few tokens). USE_PDL: wait on the previous kernel (under
+    programmatic dependent launch) before reading a; PREFETCH_L2: before that wait, ask L2 for the split's first
+    weight blocks (no earlier kernel writes them); TMA: load the weight tiles through the tensor descriptor
+    w_desc (block (BLOCK_N, 128); zeros past N and K) instead of pointer loads from w_ptr."""
     pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -663,10 +677,16 @@ def _swap_fp8_kernel(
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
+    if PREFETCH_L2:
+        _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
+    wait_for_previous_kernel(USE_PDL)
     for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
         k = kb * 128 + offs_k
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
-                    mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
+        if TMA:
+            w = w_desc.load([pid_n * BLOCK_N, kb * 128])
+        else:
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
+                        mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
                     mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
         if QUANT_A:
@@ -702,7 +722,14 @@ def _quantize_tile(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
 @attrs.frozen
 class SwapConfig:
     """Launch shape of ``fp8_gemm_swap``: weight rows per program (16 to 256, power of two), tokens per program
-    (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages."""
+    (16 to 256, power of two), K splits and how they are summed (as ``SmallMConfig``), Triton's warps and stages.
+
+    Kernel-side levers (off by default, today's kernel): pdl: launched under programmatic dependent launch, the
+    kernel waits on the one before it only before reading activations (where the GPU has it, else ignored);
+    prefetch: with pdl, before that wait each program asks L2 for its split's first weight blocks; tma: weight
+    tiles by a TMA tensor descriptor (Triton's host ``TensorDescriptor``) instead of pointer loads. prefetch and
+    tma need 16-byte weight rows (K a multiple of 16, an aligned base); elsewhere the kernel runs without them
+    (same result). ``pick_swap_config`` turns pdl and tma on up to SWAP_MAX_M tokens (measured faster)."""
 
     block_n: int = 128
     block_t: int = 64
@@ -710,6 +737,9 @@ class SwapConfig:
     num_warps: int = 4
     num_stages: int = 4
     reduce: str = "last"
+    pdl: bool = False
+    prefetch: bool = False
+    tma: bool = False
 
     def check(self) -> None:
         """ValueError naming the field out of its range."""
@@ -719,17 +749,26 @@ class SwapConfig:
             raise ValueError(f"SwapConfig needs split_k >= 1, num_warps in 1..8 (power of 2), num_stages >= 1: {self}")
         if self.reduce not in SPLIT_REDUCES:
             raise ValueError(f"SwapConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
+        if self.prefetch and not self.pdl:
+            raise ValueError(f"SwapConfig.prefetch needs pdl=True (it runs before the PDL wait): {self}")
 
 
 @functools.lru_cache(maxsize=4096)
 def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
-    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_SWAP`` entry when there is one, else
-    128-row tiles, all M tokens in one tile up to 128 (else tiles of 128; 8 warps for 128 x 128 tiles), then
-    enough K splits for >= 2 programs per SM (at most one split per four K blocks)."""
+    """The launch shape for M tokens of an (N, K) weight: the ``TUNED_SWAP`` entry when there is one; else up to
+    SWAP_MAX_M tokens what every swept best shared (H200): 64-row tiles of 16 tokens, PDL, TMA weight tiles, the
+    splits summed by a second launch, and K splits for ~4 programs per SM unless the tiles alone give 2 (at most
+    one split per four K blocks); above, 128-row tiles, all M tokens in one tile up to 128 (else tiles of 128; 8
+    warps for 128 x 128 tiles), then enough K splits for >= 2 programs per SM (as many K blocks per split)."""
     tuned = _tuned(TUNED_SWAP, m, n, k) if device.type == "cuda" else None
     if tuned is not None:
         return tuned
-    target = 2 * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    if m <= SWAP_MAX_M:  # the pattern of every measured best (TUNED_SWAP)
+        tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
+        split = 1 if tiles >= 2 * sms else max(1, min(triton.cdiv(4 * sms, tiles), triton.cdiv(k, 128) // 4))
+        return SwapConfig(64, 16, split, num_warps=4, num_stages=4, reduce="launch", pdl=True, tma=True)
+    target = 2 * sms
     block_t = min(128, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_t)
     split = max(1, min(triton.cdiv(target, tiles), triton.cdiv(k, 128) // 4))
@@ -740,7 +779,29 @@ def pick_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig
 # (N, K, up to M tokens): a product takes its (N, K)'s entry with the fewest tokens >= its M; other shapes, and
 # other GPUs' first calls, take the pick functions' rules.
 TUNED_STREAM: dict[tuple[int, int, int], SmallMConfig] = {}
-TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {}
+# TUNED_SWAP: H200, bench_fp8_gemm.py --sweep --sweep-kernels swap swap_fused --ms 16 1 4 32 (branch h-f8s at
+# df7e7f5), µs per GEMM with its quantization launch, swept vs before (pick_swap_config's old rule, no levers):
+# qkv 10.3 / 11.1 vs 13.7 / 14.5 at M = 1 / 16, o 8.4 / 9.3 vs 11.0 / 12.1, gate_up 27.6 / 28.8 vs 31.3 / 33.1,
+# down 17.1 / 18.8 vs 20.4 / 22.1; per layer 63.4 / 68.0 us (3.04 / 2.84 TB/s of fp8 bytes) vs 75.8 / 81.4.
+_SWAP = functools.partial(SwapConfig, 64, 16, num_warps=4, reduce="launch")  # 64 x 16 tiles, second-launch sum
+TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {
+    (6144, 4096, 1): _SWAP(split_k=4, num_stages=5, pdl=True, tma=True),  # qkv 10.3 us
+    (6144, 4096, 4): _SWAP(split_k=4, num_stages=4, pdl=True, tma=True),  # qkv 10.2 us
+    (6144, 4096, 16): _SWAP(split_k=4, num_stages=5, pdl=True),  # qkv 11.1 us
+    (6144, 4096, 32): SwapConfig(64, 32, 4, num_warps=4, num_stages=3, reduce="launch", pdl=True),  # qkv 12.0 us
+    (4096, 4096, 1): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # o 8.4 us
+    (4096, 4096, 4): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # o 8.4 us
+    (4096, 4096, 16): _SWAP(split_k=4, num_stages=4, tma=True),  # o 9.3 us
+    (4096, 4096, 32): _SWAP(split_k=3, num_stages=4, pdl=True, tma=True),  # o 9.4 us
+    (24576, 4096, 1): _SWAP(split_k=1, num_stages=5, pdl=True, tma=True),  # gate_up 27.6 us
+    (24576, 4096, 4): _SWAP(split_k=1, num_stages=5, pdl=True, tma=True),  # gate_up 29.0 us
+    (24576, 4096, 16): _SWAP(split_k=1, num_stages=6, pdl=True, tma=True),  # gate_up 28.8 us
+    (24576, 4096, 32): _SWAP(split_k=1, num_stages=3, pdl=True, tma=True),  # gate_up 31.9 us
+    (4096, 12288, 1): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 17.1 us
+    (4096, 12288, 4): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 17.5 us
+    (4096, 12288, 16): _SWAP(split_k=8, num_stages=4, tma=True),  # down 18.8 us
+    (4096, 12288, 32): _SWAP(split_k=6, num_stages=3, pdl=True, tma=True),  # down 20.2 us
+}
 TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {
     (4096, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=5),  # o
     (24576, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),  # gate_up
@@ -787,6 +848,8 @@ def _launch_swap(
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_swap_config(m, n, k, a.device)
     cfg.check()
+    aligned = k % 16 == 0 and w.data_ptr() % 16 == 0  # TMA and bulk prefetch need 16-byte rows
+    tma = cfg.tma and aligned and TensorDescriptor is not None  # else pointer loads (same result)
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)
@@ -796,11 +859,14 @@ def _launch_swap(
     grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
     part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     scales = out if a_scale is None else a_scale
+    pdl = cfg.pdl and use_pdl(a.device)
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if tma else w
     _swap_fp8_kernel[grid](
-        a, scales, w, w_scale, out, part, locks,
+        a, scales, w, w_desc, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
-        UPCAST=upcast_dot(a.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
     if mode == _SUM_LAUNCH:
         _sum_splits(part, out)
