@@ -46,8 +46,15 @@ from fnvllm.model.config import CheckpointError, ModelConfig, normalize_dtype, r
 from fnvllm.model.kv_scales import is_kv_scale_name
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
-from fnvllm.model.quant import quantize_fp8_row_groups, scale_blocks, set_row_scales
-from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_targets, zero_vocab_padding
+from fnvllm.model.quant import quantize_fp8_row_groups, row_group_amax, scale_blocks, set_row_scales
+from fnvllm.model.sharding import (
+    SINGLE,
+    TensorParallel,
+    WeightTarget,
+    max_over_ranks,
+    weight_targets,
+    zero_vocab_padding,
+)
 
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
 LOAD_FORMATS = ("auto", "dummy")
@@ -87,7 +94,7 @@ def load_model(
         zero_vocab_padding(model)
         quiet = not tp.is_first or len(files) == 1  # a bar for one shard says nothing
         for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=quiet):
-            _load_file(file, targets, params)
+            _load_file(file, targets, params, tp)
         set_row_scales(model)
     return model.requires_grad_(False).eval()
 
@@ -201,9 +208,12 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor]) -> None:
+def _load_file(
+    file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor], tp: TensorParallel
+) -> None:
     """Copy every needed tensor (or this rank's slice) of one safetensors file into its parameter (rows),
-    converting dtype/device."""
+    converting dtype/device; a tensor quantized at load whose columns are split over the ranks (``tp``) takes the
+    whole rows' scales."""
     with _open(file) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             target = targets.get(name)
@@ -216,15 +226,24 @@ def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[
             if target.fp8_scale is None:
                 dest.copy_(tensor)
             else:
-                _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows)
+                column_slice = target.dim == 1 and target.source is not None
+                group = tp if column_slice else SINGLE
+                _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows, group)
 
 
 def _copy_quantized(
-    tensor: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor, rows: tuple[int, int] | None
+    tensor: torch.Tensor,
+    dest: torch.Tensor,
+    scale: torch.Tensor,
+    rows: tuple[int, int] | None,
+    columns_split: TensorParallel = SINGLE,
 ) -> None:
     """Quantize ``tensor`` to e4m3 in 128-row groups into ``dest``, its scales into the blocks of ``scale`` that
-    cover ``rows`` (all of it when None)."""
-    q, block_scales = quantize_fp8_row_groups(tensor)
+    cover ``rows`` (all of it when None). columns_split: the ranks that hold the other column slices of the same
+    rows; their row-block amaxes are joined (a max over the ranks, a collective every rank calls in the same
+    order) so that the scales are the whole rows'."""
+    amax = max_over_ranks(row_group_amax(tensor), columns_split)
+    q, block_scales = quantize_fp8_row_groups(tensor, amax)
     dest.copy_(q)
     scale = scale if rows is None else scale[slice(*scale_blocks(*rows))]
     scale.copy_(block_scales)

@@ -16,7 +16,10 @@ weight's real value is also ``weight * row_scale`` with one scale per output row
 near the per-tensor FP8 speed where the 128 x 128 block-scaled one does not. Official checkpoints keep their
 stored block scales and no row scale. Worked example, N = 300: row blocks 0:128, 128:256 and 256:300 have scales
 s0, s1, s2; ``weight_scale_inv`` is [[s0, s0, ...], [s1, s1, ...], [s2, s2, ...]] and the row scale is s0 repeated
-128 times, s1 128 times, then s2 44 times.
+128 times, s1 128 times, then s2 44 times. Under tensor parallelism a column-parallel rank holds whole rows (its
+parts start on 128-row blocks), so its row groups are one process's; a row-parallel rank holds a column slice of
+every row, and the loader joins the ranks' row-block amaxes by a max (``sharding.max_over_ranks``) so each rank's
+scales are still those of the whole rows: the same weights as at tensor_parallel_size=1.
 
 Which layers: every linear of the decoder layers (q/k/v, o, gate/up, down); embeddings, norms and the LM head keep
 the model dtype. A fused layer (qkv, gate_up) holds its parts' rows one after another, so a part's first row must
@@ -44,6 +47,7 @@ __all__ = [
     "make_fp8",
     "quantize_fp8_blocks",
     "quantize_fp8_row_groups",
+    "row_group_amax",
     "row_scales",
     "scale_blocks",
     "set_row_scales",
@@ -61,13 +65,27 @@ def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q.view(nb * SCALE_BLOCK, kb * SCALE_BLOCK)[:n, :k].contiguous(), scale
 
 
-def quantize_fp8_row_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_group_amax(weight: torch.Tensor) -> torch.Tensor:
+    """(ceil(N / 128),) float32: the largest |value| of each 128-row block of weight (N, K), over all K."""
+    n, k = weight.shape
+    nb = math.ceil(n / SCALE_BLOCK)
+    rows = F.pad(weight.float(), (0, 0, 0, nb * SCALE_BLOCK - n)).view(nb, SCALE_BLOCK * k)  # (row block, values)
+    return rows.abs().amax(dim=1)
+
+
+def quantize_fp8_row_groups(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight (N, K) in e4m3, scale (ceil(N / 128), ceil(K / 128)) float32) in the block layout, every 128-row
-    block's scales equal: the amax of the whole row block / 448 (see the module docstring)."""
+    block's scales equal: the block's amax / 448 (see the module docstring). amax: the row blocks' amaxes to use
+    (``row_group_amax`` of the whole rows when weight is a column slice of them; None: weight's own)."""
     n, k = weight.shape
     nb, kb = math.ceil(n / SCALE_BLOCK), math.ceil(k / SCALE_BLOCK)
+    amax = row_group_amax(weight) if amax is None else amax
+    if tuple(amax.shape) != (nb,):
+        raise ValueError(f"amax must have one value per 128-row block ({nb},), got {tuple(amax.shape)}")
+    group = (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)  # (nb,)
     rows = F.pad(weight.float(), (0, 0, 0, nb * SCALE_BLOCK - n)).view(nb, SCALE_BLOCK, k)  # (row block, row, col)
-    group = (rows.abs().amax(dim=(1, 2)) / FP8_MAX).clamp(min=MIN_SCALE)  # (nb,)
     q = (rows / group[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nb * SCALE_BLOCK, k)[:n].contiguous(), group[:, None].expand(nb, kb).contiguous()
 

@@ -171,6 +171,13 @@ def broadcast_from_first(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x
 
 
+def max_over_ranks(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The elementwise largest ``x`` over the ranks, in place (nothing at world size 1); returns ``x``."""
+    if tp.is_parallel:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
+    return x
+
+
 def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:
     """The smallest ``value`` any rank holds (every rank gets it)."""
     if not tp.is_parallel:
