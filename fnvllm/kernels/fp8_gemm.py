@@ -156,9 +156,9 @@ def fp8_linear(
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
+    _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
     if row_scale is not None and takes_rowwise(m, x, w):
         return fp8_rowwise_mm(x, w, row_scale, bias)
-    _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
     if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     elif swaps_fused(m, *w.shape):
@@ -938,9 +938,9 @@ def _has_rowwise_scaled_mm(device_index: int) -> bool:
     """Whether torch._scaled_mm takes row-wise scales (scale_a (M, 1), scale_b (1, N) float32) on this GPU: one
     small product is tried once per device."""
     try:
-        w = torch.zeros(32, 32, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
-        x = torch.zeros(16, 32, dtype=torch.bfloat16, device=w.device)
-        fp8_rowwise_mm(x, w, torch.ones(1, 32, device=w.device))
+        w = torch.zeros(256, 256, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
+        x = torch.zeros(16, 256, dtype=torch.bfloat16, device=w.device)
+        fp8_rowwise_mm(x, w, torch.ones(1, 256, device=w.device))
         return True
     except (RuntimeError, TypeError, ValueError):
         return False
