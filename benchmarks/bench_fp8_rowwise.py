@@ -1,6 +1,6 @@
 """Row-group FP8 weights and the row-wise GEMM at Qwen3-8B sizes on one GPU: correctness, then time per layer.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_rowwise.py [--ms 32 64 128 256 512 2048 8192] [--json PATH]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_rowwise.py [--ms 32 64 96 128 256 512 2048 8192] [--json PATH]
 
 The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 24576, down 12288 ->
 4096), weights N(0, 1/K) quantized at load in 128-row groups (``quant.quantize_fp8_row_groups``) with their (1, N)
@@ -37,7 +37,7 @@ from fnvllm.kernels import fp8_gemm as g
 from fnvllm.model.quant import quantize_fp8_row_groups, row_scales
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # name: (N, K)
-MS = (32, 64, 128, 256, 512, 2048, 8192)
+MS = (32, 64, 96, 128, 256, 512, 2048, 8192)
 VARIANTS = ("bf16", "blocks", "rowwise", "rowwise_fast", "quant", "shipped")
 L2_BYTES = 256 << 20  # weight bytes one timing cycles through (well above the 50 MB L2)
 GEMM_TOLERANCE = 1e-2

@@ -898,8 +898,11 @@ def fp8_scaled_mm(
 
 # ---- row-wise FP8 GEMM (per-token activation scales x per-row weight scales) -----------------------------------
 
-# fp8_linear takes the row-wise GEMM for more tokens than this (weights with a row scale). Start: 64, where the
-# Triton kernels' measured range ends (benchmarks/bench_fp8_rowwise.py on the H200 decides).
+# fp8_linear takes the row-wise GEMM for more tokens than this (weights with a row scale). H200, one Qwen3-8B layer's
+# four GEMMs, us (the lead's probe at a0f5696, torch 2.11): the row-wise _scaled_mm alone 99.9 / 95.4 / 114.9 at
+# M = 64 / 128 / 256 against today's path (quantization included) 93.2 / 124.9 / 151.2; so not at 64 (where the
+# tuned blockwise kernel runs), and from 65 on (where cuBLAS's block-scaled GEMM took over) it should pay once its
+# one-launch quantization is added (benchmarks/bench_fp8_rowwise.py measures both).
 ROWWISE_MIN_M = 64
 ROWWISE_ENV = "FNVLLM_FP8_ROWWISE"  # "0": fp8_linear never takes the row-wise GEMM (A/B end to end); "1" (default)
 ROWWISE_PAD_M = 16  # quantize_per_token pads the tokens to a multiple of this (zero rows) for the GEMM
