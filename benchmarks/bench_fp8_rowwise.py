@@ -14,7 +14,7 @@ row scale (``quant.row_scales``).
     without the row scale: today's dispatch, cuBLAS's block-scaled GEMM above 64 tokens), ``rowwise``
     (``fp8_rowwise_mm``: per-token quantization + torch's row-wise ``_scaled_mm``), ``rowwise_fast`` (the same with
     use_fast_accum), ``quant`` (``quantize_per_token`` alone) and ``shipped`` (``fp8_linear`` with the row scale,
-    i.e. what the engine runs; it equals ``blocks`` up to ROWWISE_MIN_M tokens). Each timing replays a CUDA graph
+    i.e. what the engine runs; it equals ``blocks`` up to ``rowwise_min_m`` tokens). Each timing replays a CUDA graph
     of calls on enough weight copies to exceed the 50 MB L2 (weights come from HBM), under CUDA events. A variant
     that fails prints its error and is left out.
 The summary table (us per layer, and the speedup of ``shipped`` over ``blocks`` and over bf16) is printed right
@@ -170,7 +170,8 @@ def run_checks(gemms: list[Gemm], ms: list[int], record: dict) -> bool:
             ok &= passed
             line = " ".join(f"{key}={value:.2e}" for key, value in errors.items())
             print(f"  {gemm.name:8s} M={m:5d} {'ok  ' if passed else 'FAIL'} {line}")
-    print(f"checks: {'all passed' if ok else 'SOME FAILED'}  (ROWWISE={g.ROWWISE}, ROWWISE_MIN_M={g.ROWWISE_MIN_M})")
+    thresholds = f"ROWWISE_MIN_M={g.ROWWISE_MIN_M}, by shape {g.ROWWISE_MIN_M_BY_SHAPE}"
+    print(f"checks: {'all passed' if ok else 'SOME FAILED'}  (ROWWISE={g.ROWWISE}, {thresholds})")
     return ok
 
 

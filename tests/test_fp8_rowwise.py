@@ -154,6 +154,12 @@ def test_rowwise_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -
         g._rowwise_from_env()
 
 
+def test_rowwise_threshold_is_per_weight_shape() -> None:
+    """rowwise_min_m gives a weight shape's measured entry (Qwen3-8B's qkv) and ROWWISE_MIN_M for the others."""
+    assert g.rowwise_min_m(6144, 4096) == g.ROWWISE_MIN_M_BY_SHAPE[(6144, 4096)] < g.ROWWISE_MIN_M
+    assert g.rowwise_min_m(4096, 12288) == g.ROWWISE_MIN_M
+
+
 def test_rowwise_mm_refuses_a_bad_row_scale() -> None:
     """fp8_rowwise_mm names row_scale when it is not (1, N) float32."""
     w = torch.zeros(32, 64, dtype=g.FP8_DTYPE)
@@ -195,11 +201,11 @@ def test_rowwise_gemm_matches_float32_of_the_same_operands(m: int) -> None:
 @needs_cuda
 @pytest.mark.parametrize("m", [65, 256, 1000])
 def test_fp8_linear_takes_the_rowwise_path_within_fp8_error(m: int) -> None:
-    """fp8_linear with a row scale takes the row-wise GEMM above ROWWISE_MIN_M tokens and stays within FP8
+    """fp8_linear with a row scale takes the row-wise GEMM above rowwise_min_m tokens and stays within FP8
     activation error of bf16 F.linear on the dequantized weight (relative error < 5e-2), with the bias added."""
     x, w, scale, rows = _gpu_operands(m)
     bias = torch.randn(384, device="cuda", dtype=torch.bfloat16)
-    assert g.takes_rowwise(m, x, w) == (m > g.ROWWISE_MIN_M and g.ROWWISE)
+    assert g.takes_rowwise(m, x, w) == (m > g.rowwise_min_m(384, 512) and g.ROWWISE)
     out = g.fp8_linear(x, w, scale, bias, row_scale=rows)
     ref = F.linear(x, g.dequantize_fp8_blocks(w, scale, torch.bfloat16), bias)
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 5e-2

@@ -21,11 +21,11 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
 - ``fp8_scaled_mm`` (above SWAP_MAX_M, where torch and the GPU have it): the same activation quantization, then
   cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales,
   sm_90, CUDA >= 12.9).
-- ``fp8_rowwise_mm`` (above ROWWISE_MIN_M, for weights quantized at load in 128-row groups, which carry a (1, N)
-  row scale: ``fnvllm.model.quant``): activations quantized per token (``quantize_per_token``, one float32 scale
-  per row), then torch's row-wise ``_scaled_mm`` (scale_a (M, 1), scale_b (1, N); on sm_90 a CUTLASS kernel that
-  applies both scales in its epilogue, so the main loop is plain fp8 x fp8 like the per-tensor recipe). Off with
-  ``FNVLLM_FP8_ROWWISE=0`` (read at import).
+- ``fp8_rowwise_mm`` (above ``rowwise_min_m`` tokens, for weights quantized at load in 128-row groups, which carry
+  a (1, N) row scale: ``fnvllm.model.quant``): activations quantized per token (``quantize_per_token``, one float32
+  scale per row), then torch's row-wise ``_scaled_mm`` (scale_a (M, 1), scale_b (1, N); on sm_90 a CUTLASS kernel
+  that applies both scales in its epilogue, so the main loop is plain fp8 x fp8 like the per-tensor recipe). Off
+  with ``FNVLLM_FP8_ROWWISE=0`` (read at import).
 
 Programmatic dependent launch (``fused_ops.use_pdl``, on by default on sm_90): the activation quantization and
 ``fp8_gemm_blockwise`` launch early and wait on the kernel before them; before that wait, the blockwise kernel
@@ -144,13 +144,13 @@ def fp8_linear(
     row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M: when the weight
-    has a ``row_scale`` (row groups, (1, N) float32) and ``takes_rowwise`` says so (M > ROWWISE_MIN_M, bf16, the GPU has
-    the recipe), ``fp8_rowwise_mm``; else up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay
-    16-bit); up to SWAP_MAX_M the activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide
-    side, split-K; its variant ``fp8_gemm_swap_bf16``, which quantizes in the kernel, one launch fewer, for the weights
-    in SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured TUNED_BLOCKWISE
-    shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole 128 x 128
-    blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
+    has a ``row_scale`` (row groups, (1, N) float32) and ``takes_rowwise`` says so (M > ``rowwise_min_m``, bf16, the GPU
+    has the recipe), ``fp8_rowwise_mm``; else up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations
+    stay 16-bit); up to SWAP_MAX_M the activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the
+    wide side, split-K; its variant ``fp8_gemm_swap_bf16``, which quantizes in the kernel, one launch fewer, for the
+    weights in SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured
+    TUNED_BLOCKWISE shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is
+    whole 128 x 128 blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
@@ -898,15 +898,22 @@ def fp8_scaled_mm(
 
 # ---- row-wise FP8 GEMM (per-token activation scales x per-row weight scales) -----------------------------------
 
-# fp8_linear takes the row-wise GEMM for more tokens than this (weights with a row scale). H200, one Qwen3-8B layer's
-# four GEMMs, us (the lead's probe at a0f5696, torch 2.11): the row-wise _scaled_mm alone 99.9 / 95.4 / 114.9 at
-# M = 64 / 128 / 256 against today's path (quantization included) 93.2 / 124.9 / 151.2; so not at 64 (where the
-# tuned blockwise kernel runs), and from 65 on (where cuBLAS's block-scaled GEMM took over) it should pay once its
-# one-launch quantization is added (benchmarks/bench_fp8_rowwise.py measures both).
+# fp8_linear takes the row-wise GEMM for more tokens than ROWWISE_MIN_M (weights with a row scale), or than the
+# weight's ROWWISE_MIN_M_BY_SHAPE entry. H200, benchmarks/bench_fp8_rowwise.py at 2ee1fb3 (torch 2.11), us per
+# Qwen3-8B layer (four GEMMs) at M = 32 / 64 / 96 / 128 / 256 / 512 / 2048 / 8192: today's path (quantization
+# included) 98.8 / 94.0 / 115.4 / 116.1 / 134.6 / 206.1 / 741.3 / 2,912; the row-wise path (per-token quantization
+# + _scaled_mm) with fast accumulation 99.0 / 99.9 / 99.2 / 99.6 / 112.3 / 163.4 / 619.3 / 2,377 (without: 116.5 /
+# 107.4 / 104.0 / 104.6 / 115.9 / 176.2 / 682.9 / 2,759). So from 65 tokens on (up to 64 the tuned blockwise kernel
+# wins on gate_up 33.7 vs 35.5 and down 27.0 vs 34.5), except qkv, where it wins from 32 (15.0 vs 16.1 at 32, 15.1
+# vs 18.3 at 64).
 ROWWISE_MIN_M = 64
+ROWWISE_MIN_M_BY_SHAPE: dict[tuple[int, int], int] = {(6144, 4096): 31}  # (N, K): more tokens than this take it
 ROWWISE_ENV = "FNVLLM_FP8_ROWWISE"  # "0": fp8_linear never takes the row-wise GEMM (A/B end to end); "1" (default)
 ROWWISE_PAD_M = 16  # quantize_per_token pads the tokens to a multiple of this (zero rows) for the GEMM
-ROWWISE_FAST_ACCUM = False  # torch._scaled_mm's use_fast_accum (Hopper's FP8 accumulation without promotion)
+# torch._scaled_mm's use_fast_accum (Hopper's FP8 MMA accumulating without periodic float32 promotion): 4-14 %
+# faster above (times above); relative error against float32 of the same operands 2.1e-3 (3.1e-3 at K = 12,288)
+# instead of 1.7e-3, an order below the activations' e4m3 rounding (2.6e-2 against bf16).
+ROWWISE_FAST_ACCUM = True
 _PER_TOKEN_MAX_TILE = 16384  # columns quantize_per_token holds in registers at once (more: two passes)
 
 
@@ -923,17 +930,23 @@ ROWWISE = _rowwise_from_env()
 
 def takes_rowwise(m: int, x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``fp8_linear`` runs M tokens x against a row-group weight w with ``fp8_rowwise_mm``: the switch
-    on, M > ROWWISE_MIN_M, bf16 activations (torch's row-wise kernel writes bf16 only), N and K multiples of 16
-    (cuBLAS's alignment) and the recipe present on x's GPU."""
+    on, M > ``rowwise_min_m`` of w's shape, bf16 activations (torch's row-wise kernel writes bf16 only), N and K
+    multiples of 16 (cuBLAS's alignment) and the recipe present on x's GPU."""
     n, k = w.shape
     return (
         ROWWISE
-        and m > ROWWISE_MIN_M
+        and m > rowwise_min_m(n, k)
         and x.dtype == torch.bfloat16
         and n % 16 == 0
         and k % 16 == 0
         and _has_rowwise_scaled_mm(x.device.index or 0)
     )
+
+
+def rowwise_min_m(n: int, k: int) -> int:
+    """The most tokens of an (N, K) weight that still take the other paths: its ROWWISE_MIN_M_BY_SHAPE entry, else
+    ROWWISE_MIN_M."""
+    return ROWWISE_MIN_M_BY_SHAPE.get((n, k), ROWWISE_MIN_M)
 
 
 @functools.cache
