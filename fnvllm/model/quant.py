@@ -11,7 +11,7 @@ Row groups (``quantization="fp8"`` on a 16/32-bit checkpoint, ``quantize_fp8_row
 takes one scale, the amax of its whole row block (all K columns) / 448, stored in the same block layout (so the
 (ceil(N / 128), ceil(K / 128)) scales have equal columns and every block kernel reads them unchanged). Such a
 weight's real value is also ``weight * row_scale`` with one scale per output row, so the linear carries that
-(1, N) float32 ``weight_row_scale`` (``row_scales``) too, and large products run cuBLAS's row-wise FP8 GEMM
+(1, N) float32 ``weight_row_scale`` (``row_scales``) too, and large products run torch's row-wise FP8 GEMM
 (per-token activation scales times per-column weight scales, ``fp8_gemm.fp8_rowwise_mm``), which on the H200 runs
 near the per-tensor FP8 speed where the 128 x 128 block-scaled one does not. Official checkpoints keep their
 stored block scales and no row scale. Worked example, N = 300: row blocks 0:128, 128:256 and 256:300 have scales
