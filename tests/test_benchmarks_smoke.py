@@ -54,8 +54,16 @@ HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py
     "tp_profile.py",
 )
 # CUDA-only scripts: --help, and a clear refusal on a CPU
-CUDA_ONLY = ("bench_fp8_gemm.py", "bench_fp8_kv.py", "bench_small_batch.py", "gemm_shapes.py", "profile_mixed.py",
-             "sweep_decode_mid.py", "probe_l2_prefetch.py")  # fmt: skip
+CUDA_ONLY = (
+    "bench_fp8_gemm.py",
+    "bench_fp8_kv.py",
+    "bench_fp8_rowwise.py",
+    "bench_small_batch.py",
+    "gemm_shapes.py",
+    "probe_l2_prefetch.py",
+    "profile_mixed.py",
+    "sweep_decode_mid.py",
+)
 SHELL = ("gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
 MODULES = ("__init__.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 

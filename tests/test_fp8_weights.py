@@ -89,13 +89,18 @@ def test_fp8_checkpoint_matches_dequantized_reference(checkpoints: dict[str, Pat
     assert greedy(checkpoints["fp8"], quantization="fp8") == greedy(checkpoints["dequantized"])
 
 
-def test_quantize_at_load_matches_the_fp8_checkpoint_and_stays_close(checkpoints: dict[str, Path]) -> None:
-    """quantization="fp8" on a float32 checkpoint quantizes it exactly as the FP8 writer does (same logits), and
-    its logits stay close to the unquantized model's: RMS error under 15 % of the logits' spread (e4m3 rounds each
-    weight by up to 1/16, ~3.6 % RMS; this random model's seven GEMMs compound it to a measured 10 %)."""
+def test_quantize_at_load_stays_close(checkpoints: dict[str, Path]) -> None:
+    """quantization="fp8" on a float32 checkpoint (128-row groups: the weights themselves are checked in
+    tests/test_fp8_rowwise.py) keeps its logits close to the unquantized model's: RMS error under 15 % of the
+    logits' spread (e4m3 rounds each weight by up to 1/16, ~3.6 % RMS; this random model's seven GEMMs compound it
+    to a measured 10 %), within 10 % of the official 128 x 128 block layout's error."""
     on_load = prefill_logits(checkpoints["src"], quantization="fp8")
-    torch.testing.assert_close(on_load, prefill_logits(checkpoints["fp8"]), atol=1e-5, rtol=1e-5)
     full = prefill_logits(checkpoints["src"])
+    blocks = prefill_logits(checkpoints["fp8"])
+    rms = (on_load - full).pow(2).mean().sqrt()
+    assert rms < 0.15 * full.std()
+    assert rms < 1.1 * (blocks - full).pow(2).mean().sqrt()  # measured: 0.1011 vs 0.1007 of the spread
+    assert (on_load - full).abs().max() < 0.6 * full.std()
     assert (on_load - full).pow(2).mean().sqrt() < 0.15 * full.std()
     assert (on_load - full).abs().max() < 0.6 * full.std()
 

@@ -21,6 +21,11 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
 - ``fp8_scaled_mm`` (above SWAP_MAX_M, where torch and the GPU have it): the same activation quantization, then
   cuBLAS's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales,
   sm_90, CUDA >= 12.9).
+- ``fp8_rowwise_mm`` (above ``rowwise_min_m`` tokens, for weights quantized at load in 128-row groups, which carry
+  a (1, N) row scale: ``fnvllm.model.quant``): activations quantized per token (``quantize_per_token``, one float32
+  scale per row), then torch's row-wise ``_scaled_mm`` (scale_a (M, 1), scale_b (1, N); on sm_90 a CUTLASS kernel
+  that applies both scales in its epilogue, so the main loop is plain fp8 x fp8 like the per-tensor recipe). Off
+  with ``FNVLLM_FP8_ROWWISE=0`` (read at import).
 
 Programmatic dependent launch (``fused_ops.use_pdl``, on by default on sm_90): the activation quantization and
 ``fp8_gemm_blockwise`` launch early and wait on the kernel before them; before that wait, the blockwise kernel
@@ -41,6 +46,7 @@ even: ties differ, nothing else).
 from __future__ import annotations
 
 import functools
+import os
 from typing import TypeVar
 
 import attrs
@@ -83,9 +89,13 @@ __all__ = [
     "fp8_gemm_swap_bf16",
     "fp8_linear",
     "fp8_linear_ref",
+    "fp8_rowwise_mm",
+    "fp8_rowwise_ref",
     "fp8_scaled_mm",
     "quantize_activations",
     "quantize_activations_ref",
+    "quantize_per_token",
+    "quantize_per_token_ref",
 ]
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
@@ -106,6 +116,20 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return x_q.view(m, groups * SCALE_BLOCK)[:, :k].contiguous(), scale
 
 
+def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q (M, K) fp8, x_scale (M, 1) float32): each token (row) scaled to amax 448, scale >= MIN_SCALE."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # (M, 1)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_rowwise_ref(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """What ``fp8_rowwise_mm`` computes from per-token quantized activations (x_q (M, K), x_scale (M, 1)) and a
+    row-group weight (w (N, K), row_scale (1, N)): in float32, cast to dtype."""
+    return ((x_q.float() * x_scale) @ (w.float() * row_scale.reshape(-1, 1)).T).to(dtype)
+
+
 def fp8_blockwise_ref(
     x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -119,21 +143,28 @@ def fp8_blockwise_ref(
 
 
 def fp8_linear(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M:
-    up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations stay 16-bit); up to SWAP_MAX_M the
-    activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the wide side, split-K; its
-    variant ``fp8_gemm_swap_bf16``, which quantizes in the kernel, one launch fewer, for the weights in
-    SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured TUNED_BLOCKWISE
-    shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is whole
-    128 x 128 blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
+    """x (M, K) @ dequantized(w).T (+ bias) in x's dtype. On CUDA with 16-bit activations, by tokens M: when the weight
+    has a ``row_scale`` (row groups, (1, N) float32) and ``takes_rowwise`` says so (M > ``rowwise_min_m``, bf16, the GPU
+    has the recipe), ``fp8_rowwise_mm``; else up to STREAM_MAX_M ``fp8_gemm_small_m`` (streams the weight, activations
+    stay 16-bit); up to SWAP_MAX_M the activations quantized and ``fp8_gemm_swap`` (fp8 tensor cores, weight rows on the
+    wide side, split-K; its variant ``fp8_gemm_swap_bf16``, which quantizes in the kernel, one launch fewer, for the
+    weights in SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured
+    TUNED_BLOCKWISE shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is
+    whole 128 x 128 blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
     _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
+    if row_scale is not None and takes_rowwise(m, x, w):
+        return fp8_rowwise_mm(x, w, row_scale, bias)
     if m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     elif swaps_fused(m, *w.shape):
@@ -927,5 +958,167 @@ def fp8_scaled_mm(
     x_q, x_scale = _pad_rows(x_q, 4), _pad_rows(x_scale, 4)
     scale_a, scale_b = cublas_scale_layouts(x_scale, w_scale)
     out = torch._scaled_mm(x_q, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
+    out = out[:m]
+    return out if bias is None else out.add_(bias)
+
+
+# ---- row-wise FP8 GEMM (per-token activation scales x per-row weight scales) -----------------------------------
+
+# fp8_linear takes the row-wise GEMM for more tokens than ROWWISE_MIN_M (weights with a row scale), or than the
+# weight's ROWWISE_MIN_M_BY_SHAPE entry. H200, benchmarks/bench_fp8_rowwise.py at 2ee1fb3 (torch 2.11), us per
+# Qwen3-8B layer (four GEMMs) at M = 32 / 64 / 96 / 128 / 256 / 512 / 2048 / 8192: today's path (quantization
+# included) 98.8 / 94.0 / 115.4 / 116.1 / 134.6 / 206.1 / 741.3 / 2,912; the row-wise path (per-token quantization
+# + _scaled_mm) with fast accumulation 99.0 / 99.9 / 99.2 / 99.6 / 112.3 / 163.4 / 619.3 / 2,377 (without: 116.5 /
+# 107.4 / 104.0 / 104.6 / 115.9 / 176.2 / 682.9 / 2,759). So from 65 tokens on (up to 64 the tuned blockwise kernel
+# wins on gate_up 33.7 vs 35.5 and down 27.0 vs 34.5), except qkv, where it wins from 32 (15.0 vs 16.1 at 32, 15.1
+# vs 18.3 at 64).
+ROWWISE_MIN_M = 64
+ROWWISE_MIN_M_BY_SHAPE: dict[tuple[int, int], int] = {(6144, 4096): 31}  # (N, K): more tokens than this take it
+ROWWISE_ENV = "FNVLLM_FP8_ROWWISE"  # "0": fp8_linear never takes the row-wise GEMM (A/B end to end); "1" (default)
+ROWWISE_PAD_M = 16  # quantize_per_token pads the tokens to a multiple of this (zero rows) for the GEMM
+# torch._scaled_mm's use_fast_accum (Hopper's FP8 MMA accumulating without periodic float32 promotion): 4-14 %
+# faster above (times above); relative error against float32 of the same operands 2.1e-3 (3.1e-3 at K = 12,288)
+# instead of 1.7e-3, an order below the activations' e4m3 rounding (2.6e-2 against bf16).
+ROWWISE_FAST_ACCUM = True
+_PER_TOKEN_MAX_TILE = 16384  # columns quantize_per_token holds in registers at once (more: two passes)
+
+
+def _rowwise_from_env() -> bool:
+    """ROWWISE_ENV's value as a switch ("1" or unset: on, "0": off); ValueError naming it otherwise."""
+    value = os.environ.get(ROWWISE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ROWWISE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+ROWWISE = _rowwise_from_env()
+
+
+def takes_rowwise(m: int, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` runs M tokens x against a row-group weight w with ``fp8_rowwise_mm``: the switch
+    on, M > ``rowwise_min_m`` of w's shape, bf16 activations (torch's row-wise kernel writes bf16 only), N and K
+    multiples of 16 (cuBLAS's alignment) and the recipe present on x's GPU."""
+    n, k = w.shape
+    return (
+        ROWWISE
+        and m > rowwise_min_m(n, k)
+        and x.dtype == torch.bfloat16
+        and n % 16 == 0
+        and k % 16 == 0
+        and _has_rowwise_scaled_mm(x.device.index or 0)
+    )
+
+
+def rowwise_min_m(n: int, k: int) -> int:
+    """The most tokens of an (N, K) weight that still take the other paths: its ROWWISE_MIN_M_BY_SHAPE entry, else
+    ROWWISE_MIN_M."""
+    return ROWWISE_MIN_M_BY_SHAPE.get((n, k), ROWWISE_MIN_M)
+
+
+@functools.cache
+def _has_rowwise_scaled_mm(device_index: int) -> bool:
+    """Whether torch._scaled_mm takes row-wise scales (scale_a (M, 1), scale_b (1, N) float32) on this GPU: one
+    small product is tried once per device."""
+    try:
+        w = torch.zeros(256, 256, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
+        x = torch.zeros(16, 256, dtype=torch.bfloat16, device=w.device)
+        fp8_rowwise_mm(x, w, torch.ones(1, 256, device=w.device))
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+@triton.jit
+def _quantize_per_token_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+    BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One token (row) per program: scale = max(amax / 448, MIN_SCALE) over its K columns, q = x / scale in e4m3.
+    Rows M and up (the padding) read nothing and write zeros. ONE_TILE: the row fits one BLOCK_K tile, held in
+    registers; otherwise one pass for the amax and a second (from L2) to quantize. ROUND_FIRST as in
+    ``_quantize_activations_kernel``."""
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    k_read = tl.where(row < M, K, 0)  # columns to read: none in the padding rows
+    if ONE_TILE:
+        x = tl.load(x_row + offs, mask=offs < k_read, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+        _store_e4m3(q_row + offs, x / scale, offs < K, FP8_MAX, ROUND_FIRST)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < k_read, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < k_read, other=0.0).to(tl.float32)
+            _store_e4m3(q_row + k0 + offs, x / scale, k0 + offs < K, FP8_MAX, ROUND_FIRST)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _store_e4m3(ptrs, v, mask, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """Store v (float32, already divided by its scale) clamped to +-448 as e4m3 at ``ptrs`` where ``mask``."""
+    q = tl.clamp(v, -FP8_MAX, FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_to_e4m3(q)
+    tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=mask)
+
+
+def quantize_per_token(
+    x: torch.Tensor, pad_rows: int = 1, block_k: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel of ``quantize_per_token_ref``: (x_q (M', K) fp8, x_scale (M', 1) float32) with M' = M rounded up
+    to a multiple of ``pad_rows`` (the extra rows zeros, their scale MIN_SCALE). One launch, one program per row;
+    no host reads of device values (CUDA-graph capturable). block_k: columns per tile (None: the whole row up to
+    16,384 columns, else 8,192 per pass; a power of two)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be 2-D with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
+    if pad_rows < 1:
+        raise ValueError(f"pad_rows must be >= 1, got {pad_rows}")
+    m, k = x.shape
+    if block_k is None:
+        block_k = max(16, triton.next_power_of_2(k))
+        block_k = block_k if block_k <= _PER_TOKEN_MAX_TILE else _PER_TOKEN_MAX_TILE // 2
+    elif block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    rows = triton.cdiv(m, pad_rows) * pad_rows
+    x_q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    x_scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_per_token_kernel[(rows,)](
+            x, x_q, x_scale, m, k, x.stride(0), x_q.stride(0),
+            BLOCK_K=block_k, ONE_TILE=block_k >= k, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+            ROUND_FIRST=upcast_dot(x.device), USE_PDL=use_pdl(x.device),
+            num_warps=min(16, max(4, block_k // 1024)), **pdl_launch(x.device),
+        )  # fmt: skip
+    return x_q, x_scale
+
+
+def fp8_rowwise_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool | None = None,
+) -> torch.Tensor:
+    """x (M, K) bf16 @ (w (N, K) e4m3 * row_scale (1, N)).T (+ bias) with torch's row-wise ``_scaled_mm``: the
+    activations quantized per token (``quantize_per_token``, M padded to ROWWISE_PAD_M and cut back), one scale per
+    weight row. Same numerics as ``fp8_rowwise_ref``. fast_accum: ``_scaled_mm``'s use_fast_accum (None:
+    ROWWISE_FAST_ACCUM)."""
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k or w.dtype != FP8_DTYPE:
+        raise ValueError(f"x (M, K) and e4m3 w (N, K) must agree on K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if tuple(row_scale.shape) != (1, n) or row_scale.dtype != torch.float32 or not row_scale.is_contiguous():
+        raise ValueError(f"row_scale must be contiguous float32 (1, N) = (1, {n}), got {row_scale.dtype} "
+                         f"{tuple(row_scale.shape)}")  # fmt: skip
+    m = x.shape[0]
+    x_q, x_scale = quantize_per_token(x if x.stride(-1) == 1 else x.contiguous(), pad_rows=ROWWISE_PAD_M)
+    accum = ROWWISE_FAST_ACCUM if fast_accum is None else fast_accum
+    out = torch._scaled_mm(x_q, w.t(), scale_a=x_scale, scale_b=row_scale, out_dtype=x.dtype, use_fast_accum=accum)
     out = out[:m]
     return out if bias is None else out.add_(bias)

@@ -17,15 +17,18 @@ rules for which slice are ``sharding.weight_targets``.
 
 FP8 weights (``quant.py``): from an FP8 checkpoint, ``<p>.weight`` (e4m3) and ``<p>.weight_scale_inv`` are copied
 like any other tensor (the scales' slices are in 128 x 128 blocks); with ``quantization="fp8"`` on a 16/32-bit
-checkpoint, each linear's slice is moved to the target device, quantized there in blocks, and written into the
-e4m3 weight and its scales, one tensor at a time as before (host memory never holds more than one tensor).
+checkpoint, each linear's slice is moved to the target device, quantized there in 128-row groups
+(``quant.quantize_fp8_row_groups``: one scale per 128 rows of the slice, all its columns) and written into the e4m3
+weight and its block scales, one tensor at a time as before (host memory never holds more than one tensor); a fused
+layer's parts are quantized one by one. After the last tensor, each such linear's (1, N) row scale is set from its
+block scales (``quant.set_row_scales``).
 
-Dummy weights (``load_format="dummy"``, as vLLM's): no safetensors are read. The model built from the config alone
-is filled on the device with seeded random values shaped like the random checkpoints'
-(``testing.checkpoints``): matrices and embeddings N(0, DUMMY_STD), norm weights 1, biases 0; FP8 linears get such
-a matrix quantized in 128 x 128 blocks. Each parameter draws from its own generator seeded by (seed, its index),
-so a replicated parameter (the router) is equal on every tensor-parallel rank. Used to benchmark shapes whose
-checkpoint is too large to write and read back (Qwen3-30B-A3B: 61 GB).
+Dummy weights (``load_format="dummy"``, as vLLM's): no safetensors are read. The model built from the config alone is
+filled on the device with seeded random values shaped like the random checkpoints' (``testing.checkpoints``): matrices
+and embeddings N(0, DUMMY_STD), norm weights 1, biases 0; FP8 linears get such a matrix quantized in 128-row groups, and
+their row scales. Each parameter draws from its own generator seeded by (seed, its index), so a replicated parameter
+(the router) is equal on every tensor-parallel rank. Used to benchmark shapes whose checkpoint is too large to write and
+read back (Qwen3-30B-A3B: 61 GB).
 """
 
 from __future__ import annotations
@@ -43,8 +46,15 @@ from fnvllm.model.config import CheckpointError, ModelConfig, normalize_dtype, r
 from fnvllm.model.kv_scales import is_kv_scale_name
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
-from fnvllm.model.quant import quantize_fp8_blocks, scale_blocks
-from fnvllm.model.sharding import SINGLE, TensorParallel, WeightTarget, weight_targets, zero_vocab_padding
+from fnvllm.model.quant import quantize_fp8_row_groups, row_group_amax, scale_blocks, set_row_scales
+from fnvllm.model.sharding import (
+    SINGLE,
+    TensorParallel,
+    WeightTarget,
+    max_over_ranks,
+    weight_targets,
+    zero_vocab_padding,
+)
 
 _MAX_LISTED = 50  # names listed in a mismatch error before "(+N more)"
 LOAD_FORMATS = ("auto", "dummy")
@@ -84,7 +94,8 @@ def load_model(
         zero_vocab_padding(model)
         quiet = not tp.is_first or len(files) == 1  # a bar for one shard says nothing
         for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=quiet):
-            _load_file(file, targets, params)
+            _load_file(file, targets, params, tp)
+        set_row_scales(model)
     return model.requires_grad_(False).eval()
 
 
@@ -112,7 +123,8 @@ def _materialise(
 
 
 def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Fill every parameter of ``model`` in place with dummy weights (see the module docstring)."""
+    """Fill every parameter of ``model`` in place with dummy weights (see the module docstring), then the FP8
+    linears' row scales."""
     params = dict(model.named_parameters())
     for index, (name, param) in enumerate(params.items()):
         if name.endswith(".weight_scale_inv"):
@@ -131,6 +143,7 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
                 _copy_quantized(_normal(data.shape, data.device, gen), data, scale.data, None)
             else:
                 raise ValueError(f"dummy weights: parameter {name!r} of dtype {data.dtype} has no fill rule")
+    set_row_scales(model)
 
 
 def _normal(shape: torch.Size, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -195,9 +208,12 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor]) -> None:
+def _load_file(
+    file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor], tp: TensorParallel
+) -> None:
     """Copy every needed tensor (or this rank's slice) of one safetensors file into its parameter (rows),
-    converting dtype/device."""
+    converting dtype/device; a tensor quantized at load whose columns are split over the ranks (``tp``) takes the
+    whole rows' scales."""
     with _open(file) as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             target = targets.get(name)
@@ -210,15 +226,24 @@ def _load_file(file: Path, targets: Mapping[str, WeightTarget], params: Mapping[
             if target.fp8_scale is None:
                 dest.copy_(tensor)
             else:
-                _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows)
+                column_slice = target.dim == 1 and target.source is not None
+                group = tp if column_slice else SINGLE
+                _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows, group)
 
 
 def _copy_quantized(
-    tensor: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor, rows: tuple[int, int] | None
+    tensor: torch.Tensor,
+    dest: torch.Tensor,
+    scale: torch.Tensor,
+    rows: tuple[int, int] | None,
+    columns_split: TensorParallel = SINGLE,
 ) -> None:
-    """Quantize ``tensor`` to e4m3 in 128 x 128 blocks into ``dest``, its scales into the blocks of ``scale``
-    that cover ``rows`` (all of it when None)."""
-    q, block_scales = quantize_fp8_blocks(tensor)
+    """Quantize ``tensor`` to e4m3 in 128-row groups into ``dest``, its scales into the blocks of ``scale`` that
+    cover ``rows`` (all of it when None). columns_split: the ranks that hold the other column slices of the same
+    rows; their row-block amaxes are joined (a max over the ranks, a collective every rank calls in the same
+    order) so that the scales are the whole rows'."""
+    amax = max_over_ranks(row_group_amax(tensor), columns_split)
+    q, block_scales = quantize_fp8_row_groups(tensor, amax)
     dest.copy_(q)
     scale = scale if rows is None else scale[slice(*scale_blocks(*rows))]
     scale.copy_(block_scales)

@@ -79,7 +79,8 @@ class WeightTarget:
     source: (start, end) along ``dim`` of the checkpoint tensor to read (None = the whole tensor).
     full_size: the checkpoint tensor's size along ``dim`` (checked before slicing; None when not sliced).
     fp8_scale: quantize at load (``quantization="fp8"`` on a 16/32-bit checkpoint): the slice read is quantized
-        to e4m3 in 128 x 128 blocks and its scales fill the matching blocks of this parameter (None = copy as is).
+        to e4m3 in 128-row groups (``quant.quantize_fp8_row_groups``) and its scales fill the matching blocks of
+        this parameter (None = copy as is).
     """
 
     param: str
@@ -170,6 +171,13 @@ def broadcast_from_first(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x
 
 
+def max_over_ranks(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The elementwise largest ``x`` over the ranks, in place (nothing at world size 1); returns ``x``."""
+    if tp.is_parallel:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
+    return x
+
+
 def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:
     """The smallest ``value`` any rank holds (every rank gets it)."""
     if not tp.is_parallel:
@@ -210,6 +218,7 @@ class ColumnParallelLinear(nn.Linear):
     """
 
     weight_scale_inv: torch.Tensor | None  # FP8: (ceil(out / 128), ceil(in / 128)) float32 block scales
+    weight_row_scale: torch.Tensor | None  # FP8 quantized at load: (1, out) float32 per-row scales (quant.py)
 
     def __init__(
         self,
@@ -225,17 +234,18 @@ class ColumnParallelLinear(nn.Linear):
         self.quant = quant
         self.matmul = matmul
         self.weight_scale_inv = None
+        self.register_buffer("weight_row_scale", None, persistent=False)
         if quant is not None:
             for name, part in self.parts.items():
                 check_block_aligned(f"{name} rows in the fused layer", *part.rows, self.out_features)
                 if quant.is_checkpoint_fp8:
                     check_block_aligned(f"{name} rows read from the checkpoint", *part.source, part.full_size)
-            make_fp8(self)
+            make_fp8(self, row_groups=not quant.is_checkpoint_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, this rank's out rows): the FP8 GEMMs for FP8 weights, else ``matmul``."""
         if self.weight_scale_inv is not None:
-            return linear_forward(x, self.weight, self.weight_scale_inv, self.bias)
+            return linear_forward(x, self.weight, self.weight_scale_inv, self.bias, self.weight_row_scale)
         return self.matmul(x, self.weight, self.bias)
 
 
@@ -245,6 +255,7 @@ class RowParallelLinear(nn.Linear):
     checkpoint, a rank's columns must start on a 128-column scale block) or None."""
 
     weight_scale_inv: torch.Tensor | None  # FP8: (ceil(out / 128), ceil(in / world / 128)) float32 block scales
+    weight_row_scale: torch.Tensor | None  # FP8 quantized at load: (1, out) float32 per-row scales (quant.py)
 
     def __init__(
         self,
@@ -263,16 +274,17 @@ class RowParallelLinear(nn.Linear):
         self.quant = quant
         self.matmul = matmul
         self.weight_scale_inv = None
+        self.register_buffer("weight_row_scale", None, persistent=False)
         if quant is not None:
             if quant.is_checkpoint_fp8:
                 check_block_aligned("a rank's input columns of a row-parallel layer", *self.source, in_features)
-            make_fp8(self)
+            make_fp8(self, row_groups=not quant.is_checkpoint_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in / world) -> partial (T, out): the FP8 GEMMs for FP8 weights, else ``matmul``."""
         bias = self.bias if self.adds_bias else None
         if self.weight_scale_inv is not None:
-            return linear_forward(x, self.weight, self.weight_scale_inv, bias)
+            return linear_forward(x, self.weight, self.weight_scale_inv, bias, self.weight_row_scale)
         return self.matmul(x, self.weight, bias)
 
 
