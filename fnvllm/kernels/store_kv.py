@@ -451,12 +451,10 @@ def norm_rope_store(
     ``store_kv``'s. grid: "token" (one program per token) or "head" (one per (token block, head)); None:
     ``default_grid()``. Both compute the same bits. Reads no device values (CUDA-graph capturable)."""
     num_tokens = qkv.shape[0]
-    head_dim = _check_fused_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, k_cache)
+    head_dim = k_cache.shape[-1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # (T, Hq, D)
-    _check_rotary_args(q, cos, sin)
-    k_view = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, -1)
-    _check_store_args(k_view, k_view, k_cache, v_cache, slot_mapping)
-    check_kv_scales(k_cache, k_scale, v_scale)
+    check_prologue_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, cos, sin, q, k_cache, v_cache,
+                        slot_mapping, k_scale, v_scale)  # fmt: skip
     if num_tokens == 0:
         return q
     grid = default_grid() if grid is None else grid
@@ -545,6 +543,34 @@ def _launch_heads_grid(
         num_warps=_row_warps(block_t * head_dim),
         **pdl_launch(qkv.device),
     )
+
+
+def check_prologue_args(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the argument unless ``norm_rope_store``'s arguments fit together, with q its
+    (T, Hq, D) output (contiguous, qkv's dtype)."""
+    num_tokens = qkv.shape[0]
+    head_dim = _check_fused_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, k_cache)
+    want = (num_tokens, num_heads, head_dim)
+    if q.shape != want or not q.is_contiguous() or q.dtype != qkv.dtype:
+        raise ValueError(f"q must be a contiguous {want} {qkv.dtype} tensor, got {tuple(q.shape)} {q.dtype}")
+    _check_rotary_args(q, cos, sin)
+    k_view = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, -1)
+    _check_store_args(k_view, k_view, k_cache, v_cache, slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
 
 
 def _check_fused_args(
