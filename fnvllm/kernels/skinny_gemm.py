@@ -144,12 +144,12 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    QKV_EPI: tl.constexpr = False,  # the attention prologue in the epilogue (SPLIT == 1; BLOCK_N divides D)
-    EPI_HEADS: tl.constexpr = 1,  # QKV_EPI: Hq, Hkv, D / 2, q/k norms present, FP8 caches
-    EPI_KV_HEADS: tl.constexpr = 1,
-    EPI_HALF: tl.constexpr = 1,
-    EPI_NORM: tl.constexpr = False,
-    EPI_FP8: tl.constexpr = False,
+    QKV_EPI: tl.constexpr,  # the attention prologue in the epilogue (SPLIT == 1; BLOCK_N divides D)
+    EPI_HEADS: tl.constexpr,  # QKV_EPI: Hq, Hkv, D / 2, q/k norms present, FP8 caches
+    EPI_KV_HEADS: tl.constexpr,
+    EPI_HALF: tl.constexpr,
+    EPI_NORM: tl.constexpr,
+    EPI_FP8: tl.constexpr,
 ):
     """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split).
 
@@ -997,14 +997,16 @@ def norm_linear_rope_store(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (T, Hq, D), x + residual): a decoder layer's residual add + RMSNorm, qkv projection and attention
     prologue (``store_kv.norm_rope_store``: q/k norms, rotary, K / V stored into the caches in place). On a GPU at
-    <= EPILOGUE_MAX_ROWS rows with a fitting config, the prologue runs in the projection's epilogue (and the
-    RMSNorm in its load where ``prefers_fused`` says): one or two launches fewer; otherwise ``norm_linear`` then
-    ``norm_rope_store``. Both give the same bits."""
+    <= EPILOGUE_MAX_ROWS rows where the unfused path's product runs on the skinny kernel too (``prefers_fused``
+    or ``prefers_skinny``) and its config fits, the prologue runs in the projection's epilogue (and the RMSNorm
+    in its load where ``prefers_fused`` says): one launch fewer; otherwise ``norm_linear`` then
+    ``norm_rope_store``. With the product's own config (no ``EPILOGUE_CONFIGS`` entry) both give the same bits."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
     head_dim = k_cache.shape[-1]
     fused_norm = rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features)
+    skinny = fused_norm or prefers_skinny(rows, out_features, in_features)  # the unfused path's product kernel too
     cfg = epilogue_config(rows, out_features, in_features, head_dim, fused_norm)
-    if not on_gpu(x) or cfg is None or x.dim() != 2 or not x.is_contiguous():
+    if not (on_gpu(x) and skinny) or cfg is None or x.dim() != 2 or not x.is_contiguous():
         qkv, new_residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
         q = norm_rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, qk_eps, cos, sin, k_cache, v_cache,
                             slot_mapping, k_scale, v_scale)  # fmt: skip
