@@ -162,3 +162,40 @@ def test_epilogue_config_falls_back_when_nothing_fits(monkeypatch: pytest.Monkey
     entry = SkinnyConfig(1, 16, 32, 1, use_dot=False)
     monkeypatch.setitem(skinny_gemm.EPILOGUE_CONFIGS, (128, 4096, 1), entry)
     assert skinny_gemm.epilogue_config(1, 128, 4096, 16, False) == entry
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, fp8.FP8_DTYPE])
+def test_real_qwen3_shape_on_gpu_over_graph_replays(rows: int, cache_dtype: torch.dtype) -> None:
+    """At the Qwen3-0.6B qkv shape (16 q / 8 kv heads of 128, hidden 1024) the dispatcher's q, residual and caches
+    are the unfused path's bits, eagerly and over CUDA-graph replays (the arrival counters reset themselves)."""
+    hq, hkv, d, hidden = 16, 8, 128, 1024
+    gen = torch.Generator().manual_seed(rows)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).cuda()
+
+    angles = torch.rand(rows, d // 2, generator=gen) * 100
+    x, res, nw, w = rand(rows, hidden), rand(rows, hidden), rand(hidden), rand((hq + 2 * hkv) * d, hidden, scale=0.03)
+    qw, kw = rand(d) + 1, rand(d) + 1
+    slots = torch.randperm(1024, generator=gen)[:rows].cuda()
+    scales = (torch.rand(hkv) + 0.5, torch.rand(hkv) + 0.5) if cache_dtype == fp8.FP8_DTYPE else None
+    pairs = [[torch.zeros(64, 16, hkv, d, device="cuda").to(cache_dtype) for _ in range(2)] for _ in range(2)]
+
+    def rest(pair: list[torch.Tensor]) -> tuple:
+        extra = () if scales is None else tuple(s.cuda() for s in scales)
+        return (hq, hkv, qw, kw, 1e-6, angles.cos().cuda(), angles.sin().cuda(), *pair, slots, *extra)
+
+    qkv, res_old = norm_linear(x, res, nw, 1e-6, w, None)
+    q_old = norm_rope_store(qkv, *rest(pairs[0]))
+    norm_linear_rope_store(x, res, nw, 1e-6, w, None, *rest(pairs[1]))  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_new, res_new = norm_linear_rope_store(x, res, nw, 1e-6, w, None, *rest(pairs[1]))
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(q_old, q_new) and torch.equal(res_old, res_new)
+        assert all(same_bits(a, b) for a, b in zip(pairs[0], pairs[1], strict=True))
