@@ -19,6 +19,9 @@ counter of its column block; the last to arrive sums the SPLIT_K partials in spl
 atomic adds), adds the bias, rounds and resets the counter (``fused_reduce``; or a second kernel does the sum).
 Input prologues: ``glu`` (x = [gate | up], input silu(gate) * up) and ``norm`` (input rmsnorm(x + residual), each
 program computing the rows' statistics over all of K first, program (0, 0) writing the new residual stream).
+Epilogue ``QkvEpilogue`` (a qkv projection, one K split): the last program to finish a head's columns (an arrival
+counter per head) runs the attention prologue for that head (q/k norm, rotary, q out, K / V into the caches), so
+``norm_linear_rope_store`` spares the layer its ``store_kv.norm_rope_store`` launch at <= 16 rows.
 
 Worked example (Qwen3-0.6B, M = 16): o_proj N = 1024, K = 2048 -> BLOCK_N 32 gives 32 column blocks, SPLIT_K 4
 gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the fourth of a block to finish sums.

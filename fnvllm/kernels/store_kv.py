@@ -23,6 +23,11 @@ RMS-normalises each q and k head (Qwen3's q_norm / k_norm; skipped without weigh
 rotated q out and stores the rotated k and the v into the caches (quantized for FP8) -- where the unfused path
 runs norm+rotary on q, norm+rotary on k and ``store_kv`` (three launches). Its reference is
 ``norm_rope_store_ref``; the arithmetic is the unfused kernels', so the outputs are the same bits.
+
+Two grids compute it: "token" (one program per token does all its Hq + 2 Hkv heads; the default) and "head" (one
+program per (block of up to 16 tokens, head): 40 programs at one token for Qwen3-0.6B's 16 q and 8 kv heads, so
+the work spreads over more SMs). The per-head work is ``prologue_head_rows``, which the qkv projection's
+epilogue (``skinny_gemm.norm_linear_rope_store``) runs too.
 """
 
 from __future__ import annotations

@@ -224,7 +224,8 @@ class DecoderLayer(nn.Module):
         """(block output, residual stream), both (T, hidden_size); residual is None for the first layer.
 
         With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
-        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op)."""
+        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op);
+        with ``ops.norm_linear_rope_store`` the attention prologue runs in the qkv projection too."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
         in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if attn.fuses_qkv_epilogue():  # norm, qkv, q/k norms, rotary, K/V store: ``ops.norm_linear_rope_store``
