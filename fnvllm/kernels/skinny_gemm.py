@@ -949,7 +949,10 @@ def norm_mlp(
 
 
 # The attention prologue in the qkv projection's epilogue (``norm_linear_rope_store``): off unless
-# FNVLLM_QKV_EPILOGUE=1, until the H200 measures the whole step with it (benchmarks/bench_qkv_epilogue.py).
+# FNVLLM_QKV_EPILOGUE=1 (``model.ops``). H200, Qwen3-0.6B (benchmarks/bench_qkv_epilogue.py, 2026-12-02 05:35),
+# bit-exact at 1/4/16 rows, bf16 and FP8 caches, over graph replays; the layer's norm + qkv + prologue alone
+# 6.18 us against 6.17 (one row) and 7.94 against 8.12 (16 rows), but the whole decode step slower: 820.2 us
+# against 768.6 (B = 1) and 1185.7 against 1144.5 (B = 16), the per-token grid of ``norm_rope_store`` both times.
 QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
 # Rows up to which the epilogue runs (above, the projection and ``norm_rope_store`` launch separately).
 EPILOGUE_MAX_ROWS = 16

@@ -24,10 +24,11 @@ rotated q out and stores the rotated k and the v into the caches (quantized for 
 runs norm+rotary on q, norm+rotary on k and ``store_kv`` (three launches). Its reference is
 ``norm_rope_store_ref``; the arithmetic is the unfused kernels', so the outputs are the same bits.
 
-Two grids compute it: "token" (one program per token does all its Hq + 2 Hkv heads; the default) and "head" (one
-program per (block of up to 16 tokens, head): 40 programs at one token for Qwen3-0.6B's 16 q and 8 kv heads, so
-the work spreads over more SMs). The per-head work is ``prologue_head_rows``, which the qkv projection's
-epilogue (``skinny_gemm.norm_linear_rope_store``) runs too.
+Two grids compute it: "token" (one program per token does all its Hq + 2 Hkv heads) and "head" (one program per
+(block of up to 16 tokens, head): 40 programs at one token for Qwen3-0.6B's 16 q and 8 kv heads, so the work
+spreads over more SMs; the default at <= 16 tokens, measured faster there, see ``NORM_ROPE_GRIDS``). The
+per-head work is ``prologue_head_rows``, which the qkv projection's epilogue (``skinny_gemm.norm_linear_rope_store``)
+runs too.
 """
 
 from __future__ import annotations
@@ -418,19 +419,31 @@ def _norm_rope_store_heads_kernel(
     )  # fmt: skip
 
 
-# The grid of ``norm_rope_store``: "token" (one program per token does all its heads; the shipped default until
-# the H200 measures the other) or "head" (one program per (block of up to HEAD_GRID_TOKENS tokens, head)).
-# FNVLLM_NORM_ROPE_GRID picks the default.
-NORM_ROPE_GRIDS = ("token", "head")
+# The grid of ``norm_rope_store``: "token" (one program per token does all its heads) or "head" (one program per
+# (block of up to HEAD_GRID_TOKENS tokens, head)); "auto" (the default) takes "head" at <= HEAD_GRID_TOKENS tokens,
+# "token" above (not measured there). H200, Qwen3-0.6B, whole decode step (benchmarks/bench_qkv_epilogue.py,
+# 2026-12-02 05:35): B = 1 768.6 us "token" against 750.6 "head"; B = 16 1144.5 against 1141.0; the layer's
+# norm + qkv + prologue alone at 16 rows 8.12 against 7.58 us. FNVLLM_NORM_ROPE_GRID=token|head|auto overrides.
+NORM_ROPE_GRIDS = ("auto", "token", "head")
 NORM_ROPE_GRID_ENV = "FNVLLM_NORM_ROPE_GRID"
 HEAD_GRID_TOKENS = 16
 
 
 def default_grid() -> str:
-    """The grid ``norm_rope_store`` launches when none is given: FNVLLM_NORM_ROPE_GRID, else "token"."""
-    grid = os.environ.get(NORM_ROPE_GRID_ENV, "token")
+    """The grid ``norm_rope_store`` launches when none is given: FNVLLM_NORM_ROPE_GRID, else "auto"."""
+    grid = os.environ.get(NORM_ROPE_GRID_ENV, "auto")
     if grid not in NORM_ROPE_GRIDS:
         raise ValueError(f"{NORM_ROPE_GRID_ENV} must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
+    return grid
+
+
+def resolve_grid(grid: str, num_tokens: int) -> str:
+    """The concrete grid ("token" or "head") that ``grid`` means for num_tokens tokens ("auto": "head" at <=
+    HEAD_GRID_TOKENS tokens, else "token")."""
+    if grid not in NORM_ROPE_GRIDS:
+        raise ValueError(f"grid must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
+    if grid == "auto":
+        return "head" if num_tokens <= HEAD_GRID_TOKENS else "token"
     return grid
 
 
@@ -453,8 +466,9 @@ def norm_rope_store(
     """``norm_rope_store_ref`` in one kernel: returns the normed, rotated q (T, Hq, D) and stores k (normed,
     rotated) and v into the caches in place. qkv (T, (Hq + 2 Hkv) D) may have strided rows (a contiguous last
     dim); q_weight and k_weight are both (D,) or both None; cos/sin (T, D/2) float32; caches and scales as
-    ``store_kv``'s. grid: "token" (one program per token) or "head" (one per (token block, head)); None:
-    ``default_grid()``. Both compute the same bits. Reads no device values (CUDA-graph capturable)."""
+    ``store_kv``'s. grid: "token" (one program per token), "head" (one per (token block, head)) or "auto"
+    (``resolve_grid``); None: ``default_grid()``. All compute the same bits. Reads no device values (CUDA-graph
+    capturable)."""
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # (T, Hq, D)
@@ -462,10 +476,7 @@ def norm_rope_store(
                         slot_mapping, k_scale, v_scale)  # fmt: skip
     if num_tokens == 0:
         return q
-    grid = default_grid() if grid is None else grid
-    if grid not in NORM_ROPE_GRIDS:
-        raise ValueError(f"grid must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
-    if grid == "head":
+    if resolve_grid(default_grid() if grid is None else grid, num_tokens) == "head":
         _launch_heads_grid(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, q, k_cache, v_cache,
                            slot_mapping, k_scale, v_scale)  # fmt: skip
         return q

@@ -102,7 +102,8 @@ def compiled_ops() -> ModelOps:
 # at one request 870 -> 832 us, benchmarks/sweep_small.py part 4); FNVLLM_FUSED_PROLOGUES=0 turns them off.
 FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 # The attention prologue (q/k norms, rotary, K/V store) in the qkv projection's epilogue at <= 16 rows
-# (``skinny_gemm.norm_linear_rope_store``): off by default until measured on the H200; FNVLLM_QKV_EPILOGUE=1 on.
+# (``skinny_gemm.norm_linear_rope_store``): off by default, the whole Qwen3-0.6B decode step measured slower with it
+# on the H200 (B = 1: 820 against 769 us; see skinny_gemm.QKV_EPILOGUE_ENV); FNVLLM_QKV_EPILOGUE=1 turns it on.
 QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
 
 
