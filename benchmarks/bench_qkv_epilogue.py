@@ -192,8 +192,9 @@ def time_prologue(rows_list: tuple[int, ...]) -> None:
 
 
 def step_models() -> dict[str, torch.nn.Module]:
-    """The Qwen3-0.6B model (random bf16 weights, shared) with the Triton ops per variant: "token" (the
-    defaults), "head" (norm_rope_store on its head grid), "epilogue" (FNVLLM_QKV_EPILOGUE=1)."""
+    """The Qwen3-0.6B model (random bf16 weights, shared) with the Triton ops per variant: "token"
+    (norm_rope_store on its per-token grid, the old default), "head" (on its per-head grid, the default at <= 16
+    tokens since 2026-12-02), "epilogue" (FNVLLM_QKV_EPILOGUE=1)."""
     from fnvllm.model import DecoderForCausalLM, ModelConfig
     from fnvllm.model.ops import triton_ops
     from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_SHAPES
