@@ -85,3 +85,35 @@ def test_skinny_paths_of_the_model_match_torch_ops(
     assert ours.model.layers[0].mlp.ops.norm_linear is not None
     tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(run(ours, tokens, False), run(ref, tokens, False), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_qkv_epilogue_model_gives_the_unfused_logits_bitwise(
+    tmp_path: Path, family: str, fp8: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the attention prologue in the qkv projection's epilogue (decodes and the 6-token chunk; the 11-token
+    chunk too, all <= 16 rows), the logits are the bits of the same skinny paths without it."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: True)
+    monkeypatch.setattr(skinny_gemm, "prefers_skinny", lambda m, n, k: 0 < m <= 16)
+    path = write_tiny_checkpoint(tmp_path, family, num_heads=4, num_kv_heads=2, num_layers=2, dtype="bfloat16")
+    config = ModelConfig.from_pretrained(path)
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True, qkv_epilogue=True))
+    base = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True, qkv_epilogue=False))
+    attn = ours.model.layers[0].self_attn
+    assert attn.fuses_qkv_epilogue() and not base.model.layers[0].self_attn.fuses_qkv_epilogue()
+    n, k = attn.qkv_proj.weight.shape
+    assert skinny_gemm.epilogue_config(1, n, k, config.head_dim, False) is not None  # the epilogue really runs
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(run(ours, tokens, fp8), run(base, tokens, fp8))
+
+
+def test_qkv_epilogue_is_off_unless_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton ops keep the prologue out of the qkv projection unless FNVLLM_QKV_EPILOGUE=1 (and never with
+    the fused prologues off)."""
+    monkeypatch.delenv("FNVLLM_QKV_EPILOGUE", raising=False)
+    assert ops_for("triton").norm_linear_rope_store is None
+    monkeypatch.setenv("FNVLLM_QKV_EPILOGUE", "1")
+    assert ops_for("triton").norm_linear_rope_store is not None
+    monkeypatch.setenv("FNVLLM_FUSED_PROLOGUES", "0")
+    assert ops_for("triton").norm_linear_rope_store is None

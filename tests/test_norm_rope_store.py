@@ -114,3 +114,58 @@ def test_bad_arguments_name_the_problem() -> None:
     kv8 = caches(2, 16, fp8.FP8_DTYPE)
     with pytest.raises(ValueError, match="scale"):
         norm_rope_store(inp["qkv"], 4, 2, None, None, 1e-6, inp["cos"], inp["sin"], *kv8, inp["slots"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3), (8, 1)])
+@pytest.mark.parametrize("num_tokens", [1, 5, 17])
+@pytest.mark.parametrize("norm", [True, False])
+def test_head_grid_equals_token_grid_bitwise(
+    dtype: torch.dtype, heads: tuple[int, int], num_tokens: int, norm: bool
+) -> None:
+    """The "head" grid (one program per token block and head) gives q and caches bit-identical to the "token"
+    grid, over token counts that fill, split and overrun its 16-token blocks."""
+    hq, hkv = heads
+    inp = make_inputs(num_tokens, hq, hkv, 16, dtype, seed=num_tokens + hq)
+    kv_old, kv_new = caches(hkv, 16, dtype), caches(hkv, 16, dtype)
+    q_old = fused(inp, hq, hkv, norm, kv_old, (), fn=lambda *a: norm_rope_store(*a, grid="token"))
+    q_new = fused(inp, hq, hkv, norm, kv_new, (), fn=lambda *a: norm_rope_store(*a, grid="head"))
+    assert torch.equal(q_old, q_new)
+    assert all(torch.equal(a, b) for a, b in zip(kv_old, kv_new, strict=True))
+    assert kv_new[1].abs().sum() > 0
+
+
+def test_head_grid_fp8_store_is_the_token_grid_bits() -> None:
+    """With an FP8 cache and per-head scales the "head" grid stores the same e4m3 bytes as the "token" grid."""
+    inp = make_inputs(6, 4, 2, 16, torch.bfloat16, seed=9)
+    scales = (torch.tensor([0.7, 1.3], device=DEVICE), torch.tensor([1.0, 0.05], device=DEVICE))
+    kv_old, kv_new = caches(2, 16, fp8.FP8_DTYPE), caches(2, 16, fp8.FP8_DTYPE)
+    q_old = fused(inp, 4, 2, True, kv_old, scales, fn=lambda *a: norm_rope_store(*a, grid="token"))
+    q_new = fused(inp, 4, 2, True, kv_new, scales, fn=lambda *a: norm_rope_store(*a, grid="head"))
+    assert torch.equal(q_old, q_new)
+    for a, b in zip(kv_old, kv_new, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_unknown_grid_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown grid, given or from FNVLLM_NORM_ROPE_GRID, is a ValueError naming the choices."""
+    inp = make_inputs(2, 4, 2, 16, torch.float32)
+    kv = caches(2, 16, torch.float32)
+    with pytest.raises(ValueError, match="grid must be one of"):
+        norm_rope_store(inp["qkv"], 4, 2, None, None, 1e-6, inp["cos"], inp["sin"], *kv, inp["slots"], grid="x")
+    monkeypatch.setenv("FNVLLM_NORM_ROPE_GRID", "rows")
+    with pytest.raises(ValueError, match="FNVLLM_NORM_ROPE_GRID"):
+        norm_rope_store(inp["qkv"], 4, 2, None, None, 1e-6, inp["cos"], inp["sin"], *kv, inp["slots"])
+
+
+def test_auto_grid_is_the_head_grid_up_to_16_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default grid is "auto": the per-head grid at 1-16 tokens (measured faster there), the per-token grid
+    above; FNVLLM_NORM_ROPE_GRID overrides it."""
+    from fnvllm.kernels.store_kv import default_grid, resolve_grid
+
+    monkeypatch.delenv("FNVLLM_NORM_ROPE_GRID", raising=False)
+    assert default_grid() == "auto"
+    assert [resolve_grid("auto", n) for n in (1, 16, 17)] == ["head", "head", "token"]
+    assert resolve_grid("token", 1) == "token" and resolve_grid("head", 64) == "head"
+    monkeypatch.setenv("FNVLLM_NORM_ROPE_GRID", "token")
+    assert default_grid() == "token"

@@ -19,6 +19,9 @@ counter of its column block; the last to arrive sums the SPLIT_K partials in spl
 atomic adds), adds the bias, rounds and resets the counter (``fused_reduce``; or a second kernel does the sum).
 Input prologues: ``glu`` (x = [gate | up], input silu(gate) * up) and ``norm`` (input rmsnorm(x + residual), each
 program computing the rows' statistics over all of K first, program (0, 0) writing the new residual stream).
+Epilogue ``QkvEpilogue`` (a qkv projection, one K split): the last program to finish a head's columns (an arrival
+counter per head) runs the attention prologue for that head (q/k norm, rotary, q out, K / V into the caches), so
+``norm_linear_rope_store`` spares the layer its ``store_kv.norm_rope_store`` launch at <= 16 rows.
 
 Worked example (Qwen3-0.6B, M = 16): o_proj N = 1024, K = 2048 -> BLOCK_N 32 gives 32 column blocks, SPLIT_K 4
 gives 128 programs, each streaming 32 rows x 512 columns = 32 KiB of W; the fourth of a block to finish sums.
@@ -41,6 +44,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
+from fnvllm.kernels.fp8 import is_fp8
 from fnvllm.kernels.fused_ops import (
     fused_add_rmsnorm,
     pdl_launch,
@@ -49,6 +53,7 @@ from fnvllm.kernels.fused_ops import (
     use_pdl,
     wait_for_previous_kernel,
 )
+from fnvllm.kernels.store_kv import check_prologue_args, norm_rope_store, prologue_head_rows
 
 __all__ = [
     "FUSED_TIMES",
@@ -57,12 +62,14 @@ __all__ = [
     "TUNED_CONFIGS",
     "Fused",
     "Norm",
+    "QkvEpilogue",
     "SkinnyConfig",
     "Tuned",
     "fused_config",
     "linear",
     "linear_ref",
     "norm_linear",
+    "norm_linear_rope_store",
     "norm_mlp",
     "prefers_fused",
     "prefers_skinny",
@@ -101,6 +108,19 @@ def _skinny_kernel(
     res_out_ptr,  # NORM_RES: where x + residual goes (written by program (0, 0))
     norm_w_ptr,  # NORM: the RMSNorm weight (K,)
     eps,
+    q_out_ptr,  # QKV_EPI: q (M, Hq, D) out; the caches, slots, FP8 scales, q/k norm weights, cos / sin (M, D / 2)
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_ct,
+    stride_st,
+    qk_eps,
     M,
     N,
     K,
@@ -127,6 +147,12 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QKV_EPI: tl.constexpr,  # the attention prologue in the epilogue (SPLIT == 1; BLOCK_N divides D)
+    EPI_HEADS: tl.constexpr,  # QKV_EPI: Hq, Hkv, D / 2, q/k norms present, FP8 caches
+    EPI_KV_HEADS: tl.constexpr,
+    EPI_HALF: tl.constexpr,
+    EPI_NORM: tl.constexpr,
+    EPI_FP8: tl.constexpr,
 ):
     """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split).
 
@@ -148,6 +174,11 @@ def _skinny_kernel(
     after a gate/up projection fused into its epilogue. Column block pid_n computes gate rows pid_n * BLOCK_N / 2 ..
     and the same up rows (``_glu_cols``), each product rounded to x's dtype before the activation, as the unfused
     projection and ``fused_ops.silu_and_mul`` round.
+    QKV_EPI: y is a qkv projection (heads of D = 2 * EPI_HALF columns: Hq q, Hkv k, Hkv v); after storing its
+    columns the program counts itself in on its head's arrival counter, and the last of the head's D / BLOCK_N
+    programs re-reads the head's rounded outputs (L2) and does ``store_kv.norm_rope_store``'s work for it
+    (``prologue_head_rows``: q/k norm, rotary, q written to q_out, K / V stored at the slots), then resets the
+    counter to 0 for the next launch: the attention prologue without a launch of its own.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -207,6 +238,12 @@ def _skinny_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         _store_output(out_ptr, acc, rows, row_ok, out_offs, mask, pid_n, N, stride_om, GLU_OUT, BLOCK_M, BLOCK_N)
+        if QKV_EPI:
+            _qkv_epilogue_if_last(
+                out_ptr, stride_om, counter_ptr, pid_n, rows, row_ok, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, qk_eps,
+                EPI_HEADS, EPI_KV_HEADS, EPI_HALF, EPI_NORM, EPI_FP8, BLOCK_N,
+            )  # fmt: skip
     else:
         part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mask)
@@ -215,6 +252,49 @@ def _skinny_kernel(
                 part_ptr, bias_ptr, out_ptr, counter_ptr + pid_n, part_offs, out_offs, cols, col_ok, mask, M * N,
                 rows, row_ok, pid_n, N, stride_om, HAS_BIAS, SPLIT, GLU_OUT, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _qkv_epilogue_if_last(
+    out_ptr,
+    stride_om,
+    counter_ptr,
+    pid_n,
+    rows,
+    row_ok,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_ct,
+    stride_st,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Count column block pid_n in on its head's counter; the last of the head's programs runs the attention
+    prologue for the head over all rows and resets the counter (the barrier orders every thread's output stores
+    before the program's one release-acquire atomic, as in ``_sum_partials_if_last``)."""
+    head = pid_n // ((2 * HALF) // BLOCK_N)
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + head, 1, sem="acq_rel")
+    if done == (2 * HALF) // BLOCK_N - 1:
+        prologue_head_rows(
+            out_ptr, stride_om, rows, row_ok, head, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
+            v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, eps, NUM_HEADS, NUM_KV_HEADS,
+            HALF, HAS_NORM, KV_FP8,
+        )  # fmt: skip
+        tl.atomic_xchg(counter_ptr + head, 0)
 
 
 @triton.jit
@@ -506,6 +586,7 @@ def skinny_linear(
     glu: bool = False,
     norm: Norm | None = None,
     glu_out: bool = False,
+    epilogue: QkvEpilogue | None = None,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, with the skinny kernel; M <= 64.
     glu: x is [gate | up] (M, 2K) and the product is silu_and_mul(x) @ weight^T (SiLU-and-mul done on load).
@@ -513,6 +594,8 @@ def skinny_linear(
     done in the epilogue; needs an even block_n, and with split_k > 1 the in-kernel sum).
     norm: the product's input is the RMSNorm of x (+ norm.residual), computed on load; x + residual is written
     to norm.residual_out (see ``Norm``).
+    epilogue: the product is a qkv projection and the attention prologue runs in the kernel's epilogue (see
+    ``QkvEpilogue``: q into epilogue.q_out, K / V into the caches); needs split_k 1 and block_n dividing D.
 
     Reads no device values (graph-capturable); the split-K workspace is allocated per call (inside a CUDA graph it
     comes from the graph's private pool). Launches that split K must not run concurrently on two streams of one
@@ -533,7 +616,9 @@ def skinny_linear(
         return out
     if norm is not None:
         _check_norm(norm, x)
-    _launch_skinny(x, weight, bias, out, cfg, glu, norm, glu_out)
+    if epilogue is not None:
+        _check_epilogue(epilogue, cfg, out, glu or glu_out)
+    _launch_skinny(x, weight, bias, out, cfg, glu, norm, glu_out, epilogue)
     return out
 
 
@@ -547,6 +632,75 @@ def _check_glu_out(cfg: SkinnyConfig, out_features: int, glu: bool) -> None:
         raise ValueError("glu_out with split_k > 1 needs fused_reduce=True (the separate sum kernel has no epilogue)")
     if glu:
         raise ValueError("glu (SiLU-and-mul prologue) and glu_out (epilogue) cannot both be set")
+
+
+class QkvEpilogue(NamedTuple):
+    """The attention prologue fused into a qkv projection's epilogue (``store_kv.norm_rope_store``'s arguments
+    after qkv): q_out (M, Hq, D) contiguous receives the normed, rotated q; K (normed, rotated) and V go to the
+    caches at slot_mapping (M,), quantized by k_scale / v_scale for FP8 caches. q_weight / k_weight (D,) or both
+    None (no per-head norm); cos / sin (M, D / 2) float32."""
+
+    q_out: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+def epilogue_fits(cfg: SkinnyConfig, head_dim: int) -> bool:
+    """Whether a launch config can run the qkv epilogue: one K split (every program owns whole output columns)
+    and block_n dividing the head dim (a head's columns are whole programs')."""
+    return cfg.split_k == 1 and head_dim % cfg.block_n == 0
+
+
+def _check_epilogue(epi: QkvEpilogue, cfg: SkinnyConfig, out: torch.Tensor, glu: bool) -> None:
+    """Raise ValueError naming the field unless the epilogue fits the config, the product and its arguments."""
+    head_dim = epi.k_cache.shape[-1]
+    if not epilogue_fits(cfg, head_dim) or glu:
+        raise ValueError(f"the qkv epilogue needs split_k 1, block_n dividing head_dim {head_dim} and no GLU, got "
+                         f"split_k {cfg.split_k}, block_n {cfg.block_n}, glu {glu}")  # fmt: skip
+    check_prologue_args(out, epi.num_heads, epi.num_kv_heads, epi.q_weight, epi.k_weight, epi.cos, epi.sin,
+                        epi.q_out, epi.k_cache, epi.v_cache, epi.slot_mapping, epi.k_scale, epi.v_scale)  # fmt: skip
+
+
+def _epilogue_args(epi: QkvEpilogue | None, out: torch.Tensor) -> tuple[list[object], dict[str, object]]:
+    """The kernel's QKV_EPI pointer / stride arguments and constexprs (placeholders pointing at out without)."""
+    if epi is None:
+        return [out] * 10 + [0, 0, 0.0], {"QKV_EPI": False, "EPI_HEADS": 1, "EPI_KV_HEADS": 1, "EPI_HALF": 1,
+                                           "EPI_NORM": False, "EPI_FP8": False}  # fmt: skip
+    fp8 = is_fp8(epi.k_cache)
+    args = [
+        epi.q_out,
+        epi.k_cache.view(torch.uint8) if fp8 else epi.k_cache,
+        epi.v_cache.view(torch.uint8) if fp8 else epi.v_cache,
+        epi.slot_mapping,
+        epi.k_scale if epi.k_scale is not None else epi.cos,  # any pointer where the kernel reads no scale
+        epi.v_scale if epi.v_scale is not None else epi.cos,
+        epi.q_weight if epi.q_weight is not None else epi.cos,
+        epi.k_weight if epi.k_weight is not None else epi.cos,
+        epi.cos,
+        epi.sin,
+        epi.cos.stride(0),
+        epi.sin.stride(0),
+        epi.eps,
+    ]
+    constexprs = {
+        "QKV_EPI": True,
+        "EPI_HEADS": epi.num_heads,
+        "EPI_KV_HEADS": epi.num_kv_heads,
+        "EPI_HALF": epi.k_cache.shape[-1] // 2,
+        "EPI_NORM": epi.q_weight is not None,
+        "EPI_FP8": fp8,
+    }
+    return args, constexprs
 
 
 class Norm(NamedTuple):
@@ -585,6 +739,7 @@ def _launch_skinny(
     glu: bool,
     norm: Norm | None = None,
     glu_out: bool = False,
+    epilogue: QkvEpilogue | None = None,
 ) -> None:
     """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out
     (its SiLU-and-mul with glu_out)."""
@@ -596,6 +751,9 @@ def _launch_skinny(
     split = cfg.split_k > 1
     part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
     counters = split_counters(x.device, col_blocks) if split and cfg.fused_reduce else out
+    if epilogue is not None:  # one arrival counter per head
+        counters = split_counters(x.device, epilogue.num_heads + 2 * epilogue.num_kv_heads)
+    epi_args, epi_constexprs = _epilogue_args(epilogue, out)
     bias_arg = bias if bias is not None else out
     _skinny_kernel[(col_blocks, cfg.split_k)](
         x,
@@ -608,6 +766,7 @@ def _launch_skinny(
         norm.residual_out if norm is not None and norm.residual_out is not None else x,
         norm.weight if norm is not None else x,
         norm.eps if norm is not None else 0.0,
+        *epi_args,
         num_rows,
         out_features,
         in_features,
@@ -634,6 +793,7 @@ def _launch_skinny(
         BLOCK_K=cfg.block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST_DOT=upcast_dot(x.device),
+        **epi_constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(x.device),
@@ -786,3 +946,88 @@ def norm_mlp(
         return linear(act, down_weight, down_bias), new_residual
     gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
     return silu_mul_linear(gate_up, down_weight, down_bias), new_residual
+
+
+# The attention prologue in the qkv projection's epilogue (``norm_linear_rope_store``): off unless
+# FNVLLM_QKV_EPILOGUE=1 (``model.ops``). H200, Qwen3-0.6B (benchmarks/bench_qkv_epilogue.py, 2026-12-02 05:35),
+# bit-exact at 1/4/16 rows, bf16 and FP8 caches, over graph replays; the layer's norm + qkv + prologue alone
+# 6.18 us against 6.17 (one row) and 7.94 against 8.12 (16 rows), but the whole decode step slower: 820.2 us
+# against 768.6 (B = 1) and 1185.7 against 1144.5 (B = 16), the per-token grid of ``norm_rope_store`` both times.
+QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
+# Rows up to which the epilogue runs (above, the projection and ``norm_rope_store`` launch separately).
+EPILOGUE_MAX_ROWS = 16
+# Launch configs of the epilogue product by rows bucket, where measured better than the plain product's config
+# (none yet: the plain one is used when it fits, ``epilogue_fits``).
+EPILOGUE_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def epilogue_config(
+    num_rows: int, out_features: int, in_features: int, head_dim: int, norm: bool
+) -> SkinnyConfig | None:
+    """The launch config of a qkv projection with the attention prologue in its epilogue at M rows (norm: with
+    the RMSNorm prologue too): an ``EPILOGUE_CONFIGS`` entry, else the product's own (``fused_config("norm")``
+    or ``skinny_config``), when it fits (``epilogue_fits``); None when it does not or M is out of range."""
+    if not 0 < num_rows <= EPILOGUE_MAX_ROWS:
+        return None
+    entry = EPILOGUE_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
+    if entry is not None:
+        cfg = _fit_rows(entry, num_rows)
+    elif norm:
+        cfg = fused_config("norm", num_rows, out_features, in_features) or skinny_config(
+            num_rows, out_features, in_features
+        )
+    else:
+        cfg = skinny_config(num_rows, out_features, in_features)
+    return cfg if epilogue_fits(cfg, head_dim) else None
+
+
+def norm_linear_rope_store(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    qk_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (T, Hq, D), x + residual): a decoder layer's residual add + RMSNorm, qkv projection and attention
+    prologue (``store_kv.norm_rope_store``: q/k norms, rotary, K / V stored into the caches in place). On a GPU at
+    <= EPILOGUE_MAX_ROWS rows where the unfused path's product runs on the skinny kernel too (``prefers_fused``
+    or ``prefers_skinny``) and its config fits, the prologue runs in the projection's epilogue (and the RMSNorm
+    in its load where ``prefers_fused`` says): one launch fewer; otherwise ``norm_linear`` then
+    ``norm_rope_store``. With the product's own config (no ``EPILOGUE_CONFIGS`` entry) both give the same bits."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    head_dim = k_cache.shape[-1]
+    fused_norm = rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features)
+    skinny = fused_norm or prefers_skinny(rows, out_features, in_features)  # the unfused path's product kernel too
+    cfg = epilogue_config(rows, out_features, in_features, head_dim, fused_norm)
+    if not (on_gpu(x) and skinny) or cfg is None or x.dim() != 2 or not x.is_contiguous():
+        qkv, new_residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
+        q = norm_rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, qk_eps, cos, sin, k_cache, v_cache,
+                            slot_mapping, k_scale, v_scale)  # fmt: skip
+        return q, new_residual
+    if fused_norm:
+        residual = None if residual is None else residual.contiguous()
+        new_residual = x if residual is None else torch.empty_like(x)
+        inp, norm = x, Norm(norm_weight, eps, residual, None if residual is None else new_residual)
+    else:
+        inp, new_residual = (
+            (rmsnorm(x, norm_weight, eps), x) if residual is None else fused_add_rmsnorm(x, residual, norm_weight, eps)
+        )
+        norm = None
+    q = torch.empty(rows, num_heads, head_dim, dtype=x.dtype, device=x.device)  # (T, Hq, D)
+    epi = QkvEpilogue(q, num_heads, num_kv_heads, q_weight, k_weight, qk_eps, cos, sin, k_cache, v_cache,
+                      slot_mapping, k_scale, v_scale)  # fmt: skip
+    skinny_linear(inp.contiguous(), weight, bias, cfg, norm=norm, epilogue=epi)
+    return q, new_residual

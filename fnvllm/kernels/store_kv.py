@@ -23,9 +23,17 @@ RMS-normalises each q and k head (Qwen3's q_norm / k_norm; skipped without weigh
 rotated q out and stores the rotated k and the v into the caches (quantized for FP8) -- where the unfused path
 runs norm+rotary on q, norm+rotary on k and ``store_kv`` (three launches). Its reference is
 ``norm_rope_store_ref``; the arithmetic is the unfused kernels', so the outputs are the same bits.
+
+Two grids compute it: "token" (one program per token does all its Hq + 2 Hkv heads) and "head" (one program per
+(block of up to 16 tokens, head): 40 programs at one token for Qwen3-0.6B's 16 q and 8 kv heads, so the work
+spreads over more SMs; the default at <= 16 tokens, measured faster there, see ``NORM_ROPE_GRIDS``). The
+per-head work is ``prologue_head_rows``, which the qkv projection's epilogue (``skinny_gemm.norm_linear_rope_store``)
+runs too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -288,6 +296,157 @@ def _norm_rope_store_kernel(
         tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=kv_mask)
 
 
+@triton.jit
+def _norm_rope_values(x1, x2, w_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+    """``fused_ops.norm_rope_heads`` on loaded float32 halves x1, x2 (R, HALF) of R head rows: the same arithmetic
+    (so the same bits), rotated halves (R, HALF) float32."""
+    if HAS_NORM:
+        j = tl.arange(0, HALF)
+        inv_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # (R,)
+        w1 = tl.load(w_ptr + j)[None, :].to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j)[None, :].to(tl.float32)
+        x1 = (w1 * (x1 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_cache_rows(cache_ptr, scale_ptr, slot_ptr, rows, row_ok, kv_head, x1, x2, NUM_KV_HEADS: tl.constexpr,
+                      HALF: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
+    """Store halves x1, x2 (R, HALF) of KV head kv_head of tokens rows (R,) (where row_ok) at their slots (e4m3
+    bits of x / scale[kv_head] when KV_FP8, else cast to the cache dtype)."""
+    j = tl.arange(0, HALF)
+    mask = row_ok[:, None]
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # (R,)
+    dst = cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + j[None, :]
+    if KV_FP8:
+        heads = kv_head + 0 * j[None, :] + 0 * rows[:, None]  # (R, HALF) head of each value
+        tl.store(dst, quantized_bits(x1, scale_ptr, heads, mask), mask=mask)
+        tl.store(dst + HALF, quantized_bits(x2, scale_ptr, heads, mask), mask=mask)
+    else:
+        tl.store(dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def prologue_head_rows(
+    qkv_ptr,
+    stride_t,
+    rows,  # (R,) token indices (int32)
+    row_ok,  # (R,) which of them exist
+    head,  # scalar: q heads 0 .. Hq - 1, then the Hkv k heads, then the Hkv v heads
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_ct,
+    stride_st,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """``norm_rope_store``'s work for one head of the qkv row layout and the tokens rows: a q head normed, rotated
+    and written to q_out (T, Hq, D); a k head normed, rotated and stored at the tokens' slots; a v head stored.
+    The rows are read with ".cg" (from L2: in the qkv GEMM's epilogue other programs wrote them)."""
+    j = tl.arange(0, HALF)
+    mask = row_ok[:, None]
+    src = qkv_ptr + rows[:, None].to(tl.int64) * stride_t + head * (2 * HALF) + j[None, :]  # (R, HALF)
+    x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: norm and rotary
+        cos = tl.load(cos_ptr + rows[:, None].to(tl.int64) * stride_ct + j[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + rows[:, None].to(tl.int64) * stride_st + j[None, :], mask=mask, other=0.0)
+        if head < NUM_HEADS:
+            r1, r2 = _norm_rope_values(x1, x2, q_w_ptr, cos.to(tl.float32), sin.to(tl.float32), eps, HALF,
+                                       HAS_NORM, dtype)  # fmt: skip
+            q_dst = q_out_ptr + rows[:, None].to(tl.int64) * (NUM_HEADS * 2 * HALF) + head * (2 * HALF) + j[None, :]
+            tl.store(q_dst, r1.to(dtype), mask=mask)
+            tl.store(q_dst + HALF, r2.to(dtype), mask=mask)
+        else:
+            r1, r2 = _norm_rope_values(x1, x2, k_w_ptr, cos.to(tl.float32), sin.to(tl.float32), eps, HALF,
+                                       HAS_NORM, dtype)  # fmt: skip
+            _store_cache_rows(k_cache_ptr, k_scale_ptr, slot_ptr, rows, row_ok, head - NUM_HEADS, r1.to(dtype),
+                              r2.to(dtype), NUM_KV_HEADS, HALF, KV_FP8)  # fmt: skip
+    else:  # v: stored as it is
+        _store_cache_rows(v_cache_ptr, v_scale_ptr, slot_ptr, rows, row_ok, head - NUM_HEADS - NUM_KV_HEADS,
+                          x1.to(dtype), x2.to(dtype), NUM_KV_HEADS, HALF, KV_FP8)  # fmt: skip
+
+
+@triton.jit
+def _norm_rope_store_heads_kernel(
+    qkv_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    eps,
+    num_tokens,
+    stride_t,
+    stride_ct,
+    stride_st,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program (token block program_id(0), head program_id(1) of Hq + 2 Hkv): ``prologue_head_rows`` for that
+    head of BLOCK_T tokens (the "head" grid: more, shorter programs than one per token)."""
+    wait_for_previous_kernel(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    prologue_head_rows(
+        qkv_ptr, stride_t, rows, rows < num_tokens, tl.program_id(1), q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, eps, NUM_HEADS,
+        NUM_KV_HEADS, HALF, HAS_NORM, KV_FP8,
+    )  # fmt: skip
+
+
+# The grid of ``norm_rope_store``: "token" (one program per token does all its heads) or "head" (one program per
+# (block of up to HEAD_GRID_TOKENS tokens, head)); "auto" (the default) takes "head" at <= HEAD_GRID_TOKENS tokens,
+# "token" above (not measured there). H200, Qwen3-0.6B, whole decode step (benchmarks/bench_qkv_epilogue.py,
+# 2026-12-02 05:35): B = 1 768.6 us "token" against 750.6 "head"; B = 16 1144.5 against 1141.0; the layer's
+# norm + qkv + prologue alone at 16 rows 8.12 against 7.58 us. FNVLLM_NORM_ROPE_GRID=token|head|auto overrides.
+NORM_ROPE_GRIDS = ("auto", "token", "head")
+NORM_ROPE_GRID_ENV = "FNVLLM_NORM_ROPE_GRID"
+HEAD_GRID_TOKENS = 16
+
+
+def default_grid() -> str:
+    """The grid ``norm_rope_store`` launches when none is given: FNVLLM_NORM_ROPE_GRID, else "auto"."""
+    grid = os.environ.get(NORM_ROPE_GRID_ENV, "auto")
+    if grid not in NORM_ROPE_GRIDS:
+        raise ValueError(f"{NORM_ROPE_GRID_ENV} must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
+    return grid
+
+
+def resolve_grid(grid: str, num_tokens: int) -> str:
+    """The concrete grid ("token" or "head") that ``grid`` means for num_tokens tokens ("auto": "head" at <=
+    HEAD_GRID_TOKENS tokens, else "token")."""
+    if grid not in NORM_ROPE_GRIDS:
+        raise ValueError(f"grid must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
+    if grid == "auto":
+        return "head" if num_tokens <= HEAD_GRID_TOKENS else "token"
+    return grid
+
+
 def norm_rope_store(
     qkv: torch.Tensor,
     num_heads: int,
@@ -302,19 +461,24 @@ def norm_rope_store(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    grid: str | None = None,
 ) -> torch.Tensor:
-    """``norm_rope_store_ref`` in one kernel (one program per token): returns the normed, rotated q (T, Hq, D) and
-    stores k (normed, rotated) and v into the caches in place. qkv (T, (Hq + 2 Hkv) D) may have strided rows (a
-    contiguous last dim); q_weight and k_weight are both (D,) or both None; cos/sin (T, D/2) float32; caches
-    and scales as ``store_kv``'s. Reads no device values (CUDA-graph capturable)."""
+    """``norm_rope_store_ref`` in one kernel: returns the normed, rotated q (T, Hq, D) and stores k (normed,
+    rotated) and v into the caches in place. qkv (T, (Hq + 2 Hkv) D) may have strided rows (a contiguous last
+    dim); q_weight and k_weight are both (D,) or both None; cos/sin (T, D/2) float32; caches and scales as
+    ``store_kv``'s. grid: "token" (one program per token), "head" (one per (token block, head)) or "auto"
+    (``resolve_grid``); None: ``default_grid()``. All compute the same bits. Reads no device values (CUDA-graph
+    capturable)."""
     num_tokens = qkv.shape[0]
-    head_dim = _check_fused_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, k_cache)
+    head_dim = k_cache.shape[-1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # (T, Hq, D)
-    _check_rotary_args(q, cos, sin)
-    k_view = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, -1)
-    _check_store_args(k_view, k_view, k_cache, v_cache, slot_mapping)
-    check_kv_scales(k_cache, k_scale, v_scale)
+    check_prologue_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, cos, sin, q, k_cache, v_cache,
+                        slot_mapping, k_scale, v_scale)  # fmt: skip
     if num_tokens == 0:
+        return q
+    if resolve_grid(default_grid() if grid is None else grid, num_tokens) == "head":
+        _launch_heads_grid(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, q, k_cache, v_cache,
+                           slot_mapping, k_scale, v_scale)  # fmt: skip
         return q
     fp8 = is_fp8(k_cache)
     _norm_rope_store_kernel[(num_tokens,)](
@@ -345,6 +509,84 @@ def norm_rope_store(
         **pdl_launch(qkv.device),
     )
     return q
+
+
+def _launch_heads_grid(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """``norm_rope_store``'s "head" grid: one program per (block of up to HEAD_GRID_TOKENS tokens, head of the
+    Hq + 2 Hkv), writing q in place and the caches (arguments checked by the caller)."""
+    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    block_t = min(HEAD_GRID_TOKENS, int(triton.next_power_of_2(num_tokens)))
+    fp8 = is_fp8(k_cache)
+    _norm_rope_store_heads_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
+        qkv,
+        q_weight if q_weight is not None else cos,  # any pointer where the kernel reads no weight
+        k_weight if k_weight is not None else cos,
+        cos,
+        sin,
+        q,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
+        slot_mapping,
+        slot_mapping if k_scale is None else k_scale,
+        slot_mapping if v_scale is None else v_scale,
+        eps,
+        num_tokens,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_T=block_t,
+        HAS_NORM=q_weight is not None,
+        KV_FP8=fp8,
+        USE_PDL=use_pdl(qkv.device),
+        num_warps=_row_warps(block_t * head_dim),
+        **pdl_launch(qkv.device),
+    )
+
+
+def check_prologue_args(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the argument unless ``norm_rope_store``'s arguments fit together, with q its
+    (T, Hq, D) output (contiguous, qkv's dtype)."""
+    num_tokens = qkv.shape[0]
+    head_dim = _check_fused_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, k_cache)
+    want = (num_tokens, num_heads, head_dim)
+    if q.shape != want or not q.is_contiguous() or q.dtype != qkv.dtype:
+        raise ValueError(f"q must be a contiguous {want} {qkv.dtype} tensor, got {tuple(q.shape)} {q.dtype}")
+    _check_rotary_args(q, cos, sin)
+    k_view = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, -1)
+    _check_store_args(k_view, k_view, k_cache, v_cache, slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
 
 
 def _check_fused_args(

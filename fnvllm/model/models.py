@@ -110,16 +110,47 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output (T, Hq, D) from the projection qkv, with ``fused`` (``ops.norm_rope_store``, one
         kernel) storing this step's K/V and giving the normed, rotated q."""
+        q = fused(qkv, *self._prologue_args(rope, kv_cache, meta))
+        return attend_stored(q, kv_cache.k, kv_cache.v, meta, self.scale, backend, kv_cache.k_scale, kv_cache.v_scale)
+
+    def _prologue_args(
+        self, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple:
+        """``norm_rope_store``'s arguments after qkv: heads, q/k norm weights (or None) and eps, cos, sin, the
+        caches, the slots and the FP8 scales."""
         has_norm = self.q_norm is not None and self.k_norm is not None
         q_w = self.q_norm.weight if has_norm and self.q_norm is not None else None
         k_w = self.k_norm.weight if has_norm and self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        k_cache, v_cache, k_scale, v_scale = kv_cache
-        q = fused(
-            qkv, self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, k_cache, v_cache, meta.slot_mapping,
-            k_scale, v_scale,
-        )  # fmt: skip
-        return attend_stored(q, k_cache, v_cache, meta, self.scale, backend, k_scale, v_scale)
+        return (self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping,
+                kv_cache.k_scale, kv_cache.v_scale)  # fmt: skip
+
+    def fuses_qkv_epilogue(self) -> bool:
+        """Whether ``norm_forward`` applies: the ops have ``norm_linear_rope_store`` and the qkv weights are in
+        the model's dtype (FP8 weights keep their own GEMM)."""
+        return self.ops.norm_linear_rope_store is not None and self.qkv_proj.weight_scale_inv is None
+
+    def norm_forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(hidden + residual)), hidden + residual) with the residual add + RMSNorm, qkv projection
+        and attention prologue in ``ops.norm_linear_rope_store`` (its qkv epilogue at few rows on a GPU)."""
+        fused = self.ops.norm_linear_rope_store
+        if fused is None:
+            raise RuntimeError("Attention.norm_forward needs ops.norm_linear_rope_store (see fuses_qkv_epilogue)")
+        kv = KVCache(*kv_cache)
+        proj = self.qkv_proj
+        q, residual = fused(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias,
+                            *self._prologue_args(rope, kv, meta))  # fmt: skip
+        out = attend_stored(q, kv.k, kv.v, meta, self.scale, backend, kv.k_scale, kv.v_scale)  # (T, Hq, D)
+        return all_reduce(self.o_proj(out.reshape(q.shape[0], -1)), self.tp), residual
 
 
 class MLP(nn.Module):
@@ -193,10 +224,13 @@ class DecoderLayer(nn.Module):
         """(block output, residual stream), both (T, hidden_size); residual is None for the first layer.
 
         With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
-        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op)."""
+        where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op);
+        with ``ops.norm_linear_rope_store`` the attention prologue runs in the qkv projection too."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
         in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
-        if norm_linear is not None and attn.qkv_proj.weight_scale_inv is None:
+        if attn.fuses_qkv_epilogue():  # norm, qkv, q/k norms, rotary, K/V store: ``ops.norm_linear_rope_store``
+            hidden, residual = attn.norm_forward(hidden, residual, in_norm, rope, kv_cache, meta, backend)
+        elif norm_linear is not None and attn.qkv_proj.weight_scale_inv is None:
             qkv_proj = attn.qkv_proj
             qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
             hidden = attn.attend_projected(qkv, rope, kv_cache, meta, backend)

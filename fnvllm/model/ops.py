@@ -54,6 +54,10 @@ class ModelOps:
     gate_up_weight, gate_up_bias, down_weight, down_bias) -> (y, new_residual)`` (``skinny_gemm.norm_mlp``: the
     SiLU-and-mul in the gate/up projection's epilogue where measured faster, else ``norm_linear`` and
     ``silu_mul_linear``), or None: those two ops. Used only when both projections are in the model's dtype.
+    norm_linear_rope_store: a layer's residual add + RMSNorm, qkv projection and attention prologue,
+    ``(x, residual, norm_weight, eps, qkv_weight, qkv_bias, *norm_rope_store's arguments after qkv) -> (q,
+    new_residual)`` (``skinny_gemm.norm_linear_rope_store``: the prologue in the projection's epilogue at few rows),
+    or None: ``norm_linear`` then ``norm_rope_store``. Used only for a qkv projection in the model's dtype.
     """
 
     name: str
@@ -71,6 +75,7 @@ class ModelOps:
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    norm_linear_rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -96,19 +101,27 @@ def compiled_ops() -> ModelOps:
 # only where ``skinny_gemm.FUSED_TIMES`` measured it faster (one row on the H200; the whole Qwen3-0.6B decode step
 # at one request 870 -> 832 us, benchmarks/sweep_small.py part 4); FNVLLM_FUSED_PROLOGUES=0 turns them off.
 FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
+# The attention prologue (q/k norms, rotary, K/V store) in the qkv projection's epilogue at <= 16 rows
+# (``skinny_gemm.norm_linear_rope_store``): off by default, the whole Qwen3-0.6B decode step measured slower with it
+# on the H200 (B = 1: 820 against 769 us; see skinny_gemm.QKV_EPILOGUE_ENV); FNVLLM_QKV_EPILOGUE=1 turns it on.
+QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
 
 
-def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
+def triton_ops(fused_prologues: bool | None = None, qkv_epilogue: bool | None = None) -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
 
     fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
     down_proj, or in gate-up's epilogue, at few rows (``norm_linear``, ``silu_mul_linear``, ``norm_mlp``, where
     measured faster); None reads FNVLLM_FUSED_PROLOGUES (default on).
+    qkv_epilogue: run the attention prologue in the qkv projection's epilogue at few rows
+    (``norm_linear_rope_store``; only with fused_prologues); None reads FNVLLM_QKV_EPILOGUE (default off).
     """
     from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     if fused_prologues is None:
         fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "1") != "0"
+    if qkv_epilogue is None:
+        qkv_epilogue = os.environ.get(QKV_EPILOGUE_ENV, "0") == "1"
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -123,6 +136,7 @@ def triton_ops(fused_prologues: bool | None = None) -> ModelOps:
         skinny_gemm.silu_mul_linear if fused_prologues else None,
         skinny_gemm.norm_linear if fused_prologues else None,
         skinny_gemm.norm_mlp if fused_prologues else None,
+        skinny_gemm.norm_linear_rope_store if fused_prologues and qkv_epilogue else None,
     )
 
 
