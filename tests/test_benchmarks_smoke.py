@@ -38,6 +38,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "logprobs_bias_check.py": ["--device", "cpu", "--skip-cost"],
     "structured_host.py": ["--rows", "2", "--steps", "2", "--vocab", "512", "--threads", "1"],
     "sweep_small.py": ["--smoke", "--budget-s", "5"],
+    "bench_qkv_epilogue.py": ["--smoke"],
     "gc_probe.py": ["2", "700,10,10", "10000,10,10"],
     "latency_tables.py": ["--tables", "{tmp}/missing.pkl", "bench", "--model-shape", "tiny", "--latency", "1",
                           "--max-output-len", "4"],
