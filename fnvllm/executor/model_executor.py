@@ -162,20 +162,15 @@ class HostCopy:
         behind this step on the compute stream, do not wait for the copy engine (on the H200 the copy started ~5 us
         after the sampling kernel and took ~1.5 us, on the critical path of every small-batch step). The tensor
         is recorded on that stream, so the allocator keeps its memory until the copy ran. With more tensors (the
-        logprobs live in buffers the next step reuses) the copies stay on the compute stream, ordered after the
-        copy stream's (a discarded step's copy may still be queued there, into the ring buffer taken next)."""
+        logprobs live in buffers the next step reuses) the copies stay on the compute stream."""
         if not tensors or tensors[0].device.type != "cuda":
             return cls(tuple(tensors), None)
-        if stream is not None:
-            current = torch.cuda.current_stream(tensors[0].device)
-            if len(tensors) > 1:
-                current.wait_stream(stream)
-            else:
-                stream.wait_stream(current)
-                with torch.cuda.stream(stream):
-                    copy = cls.start(tensors, ring)
-                tensors[0].record_stream(stream)
-                return copy
+        if stream is not None and len(tensors) == 1:
+            stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+            with torch.cuda.stream(stream):
+                copy = cls.start(tensors, ring)
+            tensors[0].record_stream(stream)
+            return copy
         slot = None if ring is None else ring.take(tensors[0])
         targets: list[torch.Tensor | None] = [None] * len(tensors)
         if ring is not None and slot is not None:
