@@ -151,26 +151,12 @@ class HostCopy:
     ring_slot: tuple[PinnedRing, int] | None = None
 
     @classmethod
-    def start(
-        cls, tensors: Sequence[torch.Tensor], ring: PinnedRing | None = None, stream: torch.cuda.Stream | None = None
-    ) -> HostCopy:
+    def start(cls, tensors: Sequence[torch.Tensor], ring: PinnedRing | None = None) -> HostCopy:
         """Queue the copies (on the CPU the tensors are already there). ``ring``: the first tensor (a step's
         packed (2, S) int64 samples) goes to the ring's next buffer, the others (the step's logprobs) to views of
-        that slot's second buffer when they fit, and the ring's event marks the copies done.
-
-        ``stream``: a copy stream for a lone tensor (samples without logprobs), so the next step's kernels, queued
-        behind this step on the compute stream, do not wait for the copy engine (on the H200 the copy started ~5 us
-        after the sampling kernel and took ~1.5 us, on the critical path of every small-batch step). The tensor
-        is recorded on that stream, so the allocator keeps its memory until the copy ran. With more tensors (the
-        logprobs live in buffers the next step reuses) the copies stay on the compute stream."""
+        that slot's second buffer when they fit, and the ring's event marks the copies done."""
         if not tensors or tensors[0].device.type != "cuda":
             return cls(tuple(tensors), None)
-        if stream is not None and len(tensors) == 1:
-            stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-            with torch.cuda.stream(stream):
-                copy = cls.start(tensors, ring)
-            tensors[0].record_stream(stream)
-            return copy
         slot = None if ring is None else ring.take(tensors[0])
         targets: list[torch.Tensor | None] = [None] * len(tensors)
         if ring is not None and slot is not None:
@@ -320,7 +306,6 @@ class ModelExecutor:
         self.grammars: Grammars | None = None
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # HostCopy.start
         self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
         # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
         # its tokens accepted and masks filled by the grammar process (or thread) while the host commits and plans;
@@ -673,7 +658,7 @@ class ModelExecutor:
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *logprobs.copied()]  # the kernels' logprobs: one tensor
-        launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring, self._copy_stream)
+        launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring)
         launched.logprobs = logprobs
         launched.asked = tuple(map(_LOGPROBS, params))
         if timer is not None:

@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.sampling_ref import sample_rows_ref  # the reference of sample_rows (+ filtered_pick)
 
 __all__ = [
@@ -98,12 +97,9 @@ def _chunk_stats_kernel(
     CHUNK_SIZE: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     DENSE_SOURCE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
     """Summarise chunk program_id(1) of program program_id(0)'s row (source row = the program index when
-    DENSE_SOURCE, else the batch row). USE_PDL: launched early (programmatic dependent launch), it waits here for
-    the kernel that wrote the logits."""
-    wait_for_previous_kernel(USE_PDL)
+    DENSE_SOURCE, else the batch row)."""
     i, chunk = tl.program_id(0), tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
     src = i.to(tl.int64) if DENSE_SOURCE else row
@@ -146,11 +142,8 @@ def _pick_kernel(
     CHUNKS_PAD: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     DENSE_SOURCE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    """Combine program program_id(0)'s chunk summaries, take its uniform, and find the sampled token (USE_PDL: as
-    ``_chunk_stats_kernel``'s, waiting for the summaries)."""
-    wait_for_previous_kernel(USE_PDL)
+    """Combine program program_id(0)'s chunk summaries, take its uniform, and find the sampled token."""
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
     src = i.to(tl.int64) if DENSE_SOURCE else row
@@ -266,9 +259,7 @@ def sample_rows(
         argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
     else:
         stats, argmax = scratch.chunk_stats(num_programs, num_chunks, logits.device)
-    # the two launches of every decode step: each starts while the kernel before it finishes (one launch latency
-    # less each, on a small batch's critical path)
-    flags = {"HAS_ROWS": rows is not None, "DENSE_SOURCE": dense and rows is not None, **_pdl(logits.device)}
+    flags = {"HAS_ROWS": rows is not None, "DENSE_SOURCE": dense and rows is not None}
     _chunk_stats_kernel[(num_programs, num_chunks)](
         logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
         CHUNK_SIZE=chunk, num_warps=8, **flags,
@@ -279,11 +270,6 @@ def sample_rows(
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
     return stats
-
-
-def _pdl(device: torch.device) -> dict[str, bool]:
-    """USE_PDL and its launch option for a kernel on ``device`` (``fused_ops.use_pdl``: on by default on sm_90)."""
-    return {"USE_PDL": use_pdl(device), **pdl_launch(device)}
 
 
 def chunk_summaries(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
