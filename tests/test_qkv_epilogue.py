@@ -190,10 +190,11 @@ def test_real_qwen3_shape_on_gpu_over_graph_replays(rows: int, cache_dtype: torc
 
     qkv, res_old = norm_linear(x, res, nw, 1e-6, w, None)
     q_old = norm_rope_store(qkv, *rest(pairs[0]))
-    norm_linear_rope_store(x, res, nw, 1e-6, w, None, *rest(pairs[1]))  # compiled before capture
+    args = rest(pairs[1])  # on the device before the capture (no host-to-device copy may be captured)
+    norm_linear_rope_store(x, res, nw, 1e-6, w, None, *args)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_new, res_new = norm_linear_rope_store(x, res, nw, 1e-6, w, None, *rest(pairs[1]))
+        q_new, res_new = norm_linear_rope_store(x, res, nw, 1e-6, w, None, *args)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
