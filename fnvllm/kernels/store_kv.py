@@ -485,17 +485,7 @@ def norm_rope_store(
         return q
     fp8 = is_fp8(k_cache)
     _norm_rope_store_kernel[(num_tokens,)](
-        qkv,
-        q_weight if q_weight is not None else cos,  # any pointer where the kernel reads no weight
-        k_weight if k_weight is not None else cos,
-        cos,
-        sin,
-        q,
-        k_cache.view(torch.uint8) if fp8 else k_cache,
-        v_cache.view(torch.uint8) if fp8 else v_cache,
-        slot_mapping,
-        slot_mapping if k_scale is None else k_scale,
-        slot_mapping if v_scale is None else v_scale,
+        *_prologue_pointers(qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, k_scale, v_scale),
         eps,
         qkv.stride(0),
         cos.stride(0),
@@ -536,17 +526,7 @@ def _launch_heads_grid(
     block_t = min(HEAD_GRID_TOKENS, int(triton.next_power_of_2(num_tokens)))
     fp8 = is_fp8(k_cache)
     _norm_rope_store_heads_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
-        qkv,
-        q_weight if q_weight is not None else cos,  # any pointer where the kernel reads no weight
-        k_weight if k_weight is not None else cos,
-        cos,
-        sin,
-        q,
-        k_cache.view(torch.uint8) if fp8 else k_cache,
-        v_cache.view(torch.uint8) if fp8 else v_cache,
-        slot_mapping,
-        slot_mapping if k_scale is None else k_scale,
-        slot_mapping if v_scale is None else v_scale,
+        *_prologue_pointers(qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, k_scale, v_scale),
         eps,
         num_tokens,
         qkv.stride(0),
@@ -561,6 +541,38 @@ def _launch_heads_grid(
         USE_PDL=use_pdl(qkv.device),
         num_warps=_row_warps(block_t * head_dim),
         **pdl_launch(qkv.device),
+    )
+
+
+def _prologue_pointers(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The tensor arguments both prologue kernels take first, in order: qkv, the q/k norm weights (cos where there
+    is none: a pointer the kernel never reads), cos, sin, q out, the caches (bytes for FP8), the slots and the FP8
+    scales (the slots where the cache is 16-bit: never read)."""
+    fp8 = is_fp8(k_cache)
+    return (
+        qkv,
+        q_weight if q_weight is not None else cos,
+        k_weight if k_weight is not None else cos,
+        cos,
+        sin,
+        q,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
+        slot_mapping,
+        slot_mapping if k_scale is None else k_scale,
+        slot_mapping if v_scale is None else v_scale,
     )
 
 
