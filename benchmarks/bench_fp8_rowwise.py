@@ -28,11 +28,11 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_fp8_gemm import rel_error, time_us
 from fnvllm.kernels import fp8_gemm as g
 from fnvllm.model.quant import quantize_fp8_row_groups, row_scales
 
@@ -51,30 +51,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help="token counts M")
     parser.add_argument("--json", help="write every number to this file")
     return parser.parse_args()
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float32."""
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
-
-
-def time_us(calls: list[Callable[[], object]], reps: int) -> float:
-    """Mean us of one call: a CUDA graph of all ``calls`` in order, replayed ``reps`` times under CUDA events."""
-    for call in calls:  # compile and warm outside the graph
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
 class Gemm:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import TypeVar
 
 import attrs
@@ -213,10 +214,15 @@ def _has_block_scaled_mm(device_index: int) -> bool:
     """Whether torch._scaled_mm takes DeepSeek-style block scales on this GPU (sm_90 with CUDA >= 12.9): one small
     product is tried once per device. (torch tells the recipes apart by the scales' shapes: with one 128-column
     group a (M, 1) activation scale would read as row-wise, hence K = 512 here.)"""
+    w = torch.zeros(384, 512, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
+    x = torch.zeros(8, 512, dtype=torch.bfloat16, device=w.device)
+    return _runs(lambda: fp8_scaled_mm(x, w, torch.ones(3, 4, device=w.device)))
+
+
+def _runs(product: Callable[[], object]) -> bool:
+    """Whether ``product`` (one small probe product) runs on this GPU and torch: False where it raises."""
     try:
-        w = torch.zeros(384, 512, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
-        x = torch.zeros(8, 512, dtype=torch.bfloat16, device=w.device)
-        fp8_scaled_mm(x, w, torch.ones(3, 4, device=w.device))
+        product()
         return True
     except (RuntimeError, TypeError, ValueError):
         return False
@@ -1019,13 +1025,9 @@ def rowwise_min_m(n: int, k: int) -> int:
 def _has_rowwise_scaled_mm(device_index: int) -> bool:
     """Whether torch._scaled_mm takes row-wise scales (scale_a (M, 1), scale_b (1, N) float32) on this GPU: one
     small product is tried once per device."""
-    try:
-        w = torch.zeros(256, 256, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
-        x = torch.zeros(16, 256, dtype=torch.bfloat16, device=w.device)
-        fp8_rowwise_mm(x, w, torch.ones(1, 256, device=w.device))
-        return True
-    except (RuntimeError, TypeError, ValueError):
-        return False
+    w = torch.zeros(256, 256, dtype=FP8_DTYPE, device=f"cuda:{device_index}")
+    x = torch.zeros(16, 256, dtype=torch.bfloat16, device=w.device)
+    return _runs(lambda: fp8_rowwise_mm(x, w, torch.ones(1, 256, device=w.device)))
 
 
 @triton.jit
