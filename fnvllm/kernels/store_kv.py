@@ -26,7 +26,7 @@ runs norm+rotary on q, norm+rotary on k and ``store_kv`` (three launches). Its r
 
 Two grids compute it: "token" (one program per token does all its Hq + 2 Hkv heads) and "head" (one program per
 (block of up to 16 tokens, head): 40 programs at one token for Qwen3-0.6B's 16 q and 8 kv heads, so the work
-spreads over more SMs; faster alone at <= 16 tokens, but not the default: see ``NORM_ROPE_GRIDS``). The
+spreads over more SMs; faster at <= 16 tokens, where the default "auto" takes it: see ``NORM_ROPE_GRIDS``). The
 per-head work is ``prologue_head_rows``, which the qkv projection's epilogue (``skinny_gemm.norm_linear_rope_store``)
 runs too.
 """
@@ -419,22 +419,22 @@ def _norm_rope_store_heads_kernel(
     )  # fmt: skip
 
 
-# The grid of ``norm_rope_store``: "token" (one program per token does all its heads; the default) or "head" (one
-# program per (block of up to HEAD_GRID_TOKENS tokens, head)); "auto" takes "head" at <= HEAD_GRID_TOKENS tokens,
+# The grid of ``norm_rope_store``: "token" (one program per token does all its heads) or "head" (one program per
+# (block of up to HEAD_GRID_TOKENS tokens, head)); "auto" (the default) takes "head" at <= HEAD_GRID_TOKENS tokens,
 # "token" above (not measured there). H200, Qwen3-0.6B, whole decode step (benchmarks/bench_qkv_epilogue.py,
 # 2026-12-02 05:35): B = 1 768.6 us "token" against 750.6 "head"; B = 16 1144.5 against 1141.0; the layer's
-# norm + qkv + prologue alone at 16 rows 8.12 against 7.58 us. But the latency bench of the merged tree with "auto"
-# (and two other small-batch changes, reverted since) measured 1.173 / 1.232 ms per decode step at 1 / 16 requests
-# (device 0.992 / 1.209) against 0.824 / 1.185 the session before, unexplained and not separated for lack of device
-# time, so "token" stays the default until an engine-level A/B clears "auto". FNVLLM_NORM_ROPE_GRID overrides.
+# norm + qkv + prologue alone at 16 rows 8.12 against 7.58 us. Engine-level A/B (latency bench, one call, main
+# 5d76b68, 2026-12-02 08:05): ms per decode step at 1 / 16 / 64 requests 0.825 / 1.175 / 1.701 with "token"
+# (device 0.818 / 1.156 / 1.622) against 0.806 / 1.161 / 1.745 with "auto" (device 0.799 / 1.142 / 1.622; the 64-row
+# step does not take it). FNVLLM_NORM_ROPE_GRID overrides.
 NORM_ROPE_GRIDS = ("auto", "token", "head")
 NORM_ROPE_GRID_ENV = "FNVLLM_NORM_ROPE_GRID"
 HEAD_GRID_TOKENS = 16
 
 
 def default_grid() -> str:
-    """The grid ``norm_rope_store`` launches when none is given: FNVLLM_NORM_ROPE_GRID, else "token"."""
-    grid = os.environ.get(NORM_ROPE_GRID_ENV, "token")
+    """The grid ``norm_rope_store`` launches when none is given: FNVLLM_NORM_ROPE_GRID, else "auto"."""
+    grid = os.environ.get(NORM_ROPE_GRID_ENV, "auto")
     if grid not in NORM_ROPE_GRIDS:
         raise ValueError(f"{NORM_ROPE_GRID_ENV} must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
     return grid
