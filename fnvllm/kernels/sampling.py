@@ -457,6 +457,14 @@ def _logprob_top_kernel(
         x = tl.where(cols == pick, float("-inf"), x)
 
 
+def _aligned(offset: int, multiple: int) -> int:
+    """offset rounded up to a multiple of ``multiple`` elements (16 bytes' worth). Triton compiles a kernel variant
+    per 16-byte alignment of each pointer argument, so a view whose offset depends on the batch size (e.g. 12 bytes
+    x rows x chunks) would make some batch sizes compile another variant mid-run: measured on the H200, the
+    logprob and penalised-row kernels compiled three variants (~0.8 s of stalls) inside a timed bench run."""
+    return -(-offset // multiple) * multiple
+
+
 class SamplingScratch:
     """The sampling kernels' device scratch (chunk summaries and their argmax, the rows' drawn uniforms and maxima,
     the zero scales of the logprobs' raw summaries), kept between calls and grown on demand: fresh tensors cost
@@ -493,9 +501,10 @@ class SamplingScratch:
         if kept is not None:
             return kept
         cells = num_programs * num_chunks
-        flat = self._buffer("stats", 4 * cells, device)
+        at = _aligned(3 * cells, 4)  # the argmax starts 16-byte aligned for every batch size (see _aligned)
+        flat = self._buffer("stats", at + cells, device)
         stats = flat[: 3 * cells].view(3, num_programs, num_chunks)
-        return self._keep(key, (stats, flat[3 * cells : 4 * cells].view(torch.int32).view(num_programs, num_chunks)))
+        return self._keep(key, (stats, flat[at : at + cells].view(torch.int32).view(num_programs, num_chunks)))
 
     def drawn(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """(3, B) float32 for ``RowSampling.drawn`` (written before it is read, within one sampling call)."""
@@ -533,11 +542,13 @@ def logprob_top(
     if not 0 <= num_top <= num_chunks:
         raise ValueError(f"num_top must be in [0, {num_chunks}] (the chunks), got {num_top}")
     num_programs, device = rows.shape[0], logits.device
-    top_bytes = num_programs * num_top * 8
-    packed = torch.empty(top_bytes + top_bytes // 2 + num_programs * 4, dtype=torch.uint8, device=device)
-    ids = packed[:top_bytes].view(torch.int64).view(num_programs, num_top)
-    values = packed[top_bytes : top_bytes + top_bytes // 2].view(torch.float32).view(num_programs, num_top)
-    sampled = packed[top_bytes + top_bytes // 2 :].view(torch.float32)
+    top = num_programs * num_top
+    at_values = _aligned(8 * top, 16)  # each part starts 16-byte aligned for every row count (see _aligned)
+    at_sampled = _aligned(at_values + 4 * top, 16)
+    packed = torch.empty(at_sampled + 4 * num_programs, dtype=torch.uint8, device=device)
+    ids = packed[: 8 * top].view(torch.int64).view(num_programs, num_top)
+    values = packed[at_values : at_values + 4 * top].view(torch.float32).view(num_programs, num_top)
+    sampled = packed[at_sampled:].view(torch.float32)
     if num_programs:
         scratch = SamplingScratch() if scratch is None else scratch
         stats, argmax = scratch.chunk_stats(num_programs, num_chunks, device)
