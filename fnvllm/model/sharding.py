@@ -300,12 +300,16 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(_normal(torch.empty(per_rank, hidden_size, dtype=dtype), std=1.0))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (T,) -> (T, hidden_size): the rows this rank holds, zeros for the others."""
+        """ids (T,) -> (T, hidden_size): the rows this rank holds, zeros for the others.
+
+        Rows are gathered by indexing (``weight[ids]``), not ``F.embedding``: on CUDA, F.embedding's index_select
+        takes a "small index" kernel for <= 16 ids whose few blocks walk the ids one after another (12.0 us for
+        the 16 ids of a 16-request decode step on the H200, against ~2 us for the elementwise gather)."""
         if not self.is_parallel:
-            return F.embedding(ids, self.weight)
+            return self.weight[ids]
         local = ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (T, hidden_size)
+        rows = self.weight[local.masked_fill(outside, 0)]  # (T, hidden_size)
         return rows.masked_fill(outside[:, None], 0)
 
 
