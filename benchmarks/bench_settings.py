@@ -60,7 +60,37 @@ def warm(llm: LLM, extra: dict[str, Any], num_requests: int) -> None:
     llm.generate(prompts, params, use_tqdm=False)
 
 
-def throughput(llm: LLM, extra: dict[str, Any], num_requests: int) -> dict[str, Any]:
+class CompileLog:
+    """Triton kernel compiles (name, ms) that happen while ``active``: a compile inside a timed run stalls the
+    device for its whole duration (0.1-1 s each on the H200), so ``--log-compiles`` lists them per variant."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.events: list[tuple[str, float]] = []
+
+    def install(self) -> bool:
+        """Wrap Triton's compile entry point (``JITFunction._do_compile``); False where this Triton lacks it."""
+        from triton.runtime import jit
+
+        original = getattr(jit.JITFunction, "_do_compile", None)
+        if original is None:
+            return False
+        log = self
+
+        def logged(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = original(fn, *args, **kwargs)
+            if log.active:
+                log.events.append((fn.__name__, round((time.perf_counter() - start) * 1e3, 1)))
+            return out
+
+        jit.JITFunction._do_compile = logged
+        return True
+
+
+def throughput(
+    llm: LLM, extra: dict[str, Any], num_requests: int, compiles: CompileLog | None = None
+) -> dict[str, Any]:
     """Output tok/s of the bench workload with ``extra`` added to every request's sampling params; with logprobs,
     also what reading every output's logprobs afterwards costs (they may be built only when read: ``read_ms``,
     and tok/s counting that time too); with a timeline (``--timeline``), the decode steps' mean device and host
@@ -70,11 +100,17 @@ def throughput(llm: LLM, extra: dict[str, Any], num_requests: int) -> dict[str, 
     timeline = getattr(getattr(llm, "executor", None), "timeline", None)
     if timeline is not None:
         timeline.records.clear()
+    if compiles is not None:
+        compiles.events.clear()
+        compiles.active = True
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     result: dict[str, Any] = {"tok_s": round(tokens / seconds)}
+    if compiles is not None:
+        compiles.active = False
+        result["compiles"] = list(compiles.events)  # (kernel, ms) compiled inside the timed run
     if extra.get("logprobs") is not None:
         start = time.perf_counter()
         entries = sum(len(tuple(o.logprobs or ())) for o in outs)
@@ -121,7 +157,13 @@ def main() -> None:
         help="keep the prefix cache on (off by default: every variant runs the same prompts, so with it on a later "
         "variant would skip the prefills an earlier one did, and beat it by ~5 %%)",
     )
+    parser.add_argument(
+        "--log-compiles", action="store_true", help="list the Triton compiles inside each variant's timed run"
+    )
     args = parser.parse_args()
+    compiles = CompileLog() if args.log_compiles else None
+    if compiles is not None and not compiles.install():
+        parser.error("--log-compiles: this Triton has no JITFunction._do_compile to wrap")
     if args.timeline and "FNVLLM_TIMELINE" not in os.environ:  # before the engine is built: it opens the timeline
         os.environ["FNVLLM_TIMELINE"] = os.path.join(tempfile.mkdtemp(prefix="fnvllm-settings-tl-"), "steps.jsonl")
     folder = Path(args.checkpoint)
@@ -133,7 +175,9 @@ def main() -> None:
     results = []
     for name in filter(None, args.variants.split(",")):
         warm(llm, VARIANTS[name], args.num_requests)  # the same warm-up before each variant, untimed
-        results.append({"label": args.label, "what": name, **throughput(llm, VARIANTS[name], args.num_requests)})
+        results.append(
+            {"label": args.label, "what": name, **throughput(llm, VARIANTS[name], args.num_requests, compiles)}
+        )
         print(json.dumps(results[-1]), flush=True)
     for batch in map(int, filter(None, args.batches.split(","))):
         results.append({"label": args.label, "what": f"step_ms_{batch}", "ms": round(step_ms(llm, batch), 3)})

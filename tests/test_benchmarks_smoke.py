@@ -30,7 +30,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "host_step.py": ["--model-shape", "tiny", "--batches", "1,2", "--steps", "3", "--warm", "2", "--prompt-len", "8",
                      "--logprobs", "2", "--with-plain", "--preset", "qwen3", "--profile", "5"],
     "bench_settings.py": ["--model-shape", "tiny", "--checkpoint", "{tmp}/ckpt", "--num-requests", "1", "--variants",
-                          "temperature,logprobs", "--batches", "1", "--timeline"],
+                          "temperature,logprobs", "--batches", "1", "--timeline", "--log-compiles"],
     "sim_serve_check.py": ["--model-shape", "tiny", "--quick", "--out", "{tmp}/serve"],
     "fp8_accuracy.py": ["--tokens", "3"],
     "bench_structured.py": ["--model-shape", "tiny", "--device", "cpu", "--rows", "4", "--max-tokens", "4",
