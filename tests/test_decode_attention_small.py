@@ -20,6 +20,7 @@ def test_small_batch_table_serves_its_bucket_and_caps_the_partition(monkeypatch:
     """An entry serves batches up to its key (the smallest key >= B), with the partition capped at the table's
     width (a power of two, at least a tile); FP8 caches, larger batches and an empty table get None."""
     monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {1: ONE_PARTITION, 16: SPLIT_REDUCE})
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE_SHORT", {})
     assert small_batch_config(1, 300, False) == dataclasses.replace(ONE_PARTITION, partition_size=512)
     assert small_batch_config(2, 4096, False) == SPLIT_REDUCE and small_batch_config(16, 64, False) == SPLIT_REDUCE
     assert small_batch_config(1, 8, False).partition_size == 16  # never below one tile
@@ -30,11 +31,58 @@ def test_small_batch_table_serves_its_bucket_and_caps_the_partition(monkeypatch:
     assert small_batch_config(1, 4096, False) is None
 
 
+def test_short_tables_take_the_short_entry_for_its_batch_range_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables of at most SHORT_CONTEXT tokens take a SMALL_BATCH_DECODE_SHORT entry for batches inside its range
+    (16-bit caches only); longer tables, other batch sizes and FP8 caches keep the other tables."""
+    short = DecodeKernelConfig(partition_size=512, tile_size=16, num_stages=2, fused_reduce=True, preload_kv=True)
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE", {1: ONE_PARTITION, 16: SPLIT_REDUCE})
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE_SHORT", {(9, 16): short})
+    limit = decode_attention.SHORT_CONTEXT
+    assert small_batch_config(9, limit, False) == short and small_batch_config(16, 256, False).preload_kv
+    assert small_batch_config(16, 256, False).partition_size == 256  # still capped at the table's width
+    assert (
+        small_batch_config(16, 2 * limit, False) == SPLIT_REDUCE and small_batch_config(8, 256, False) == SPLIT_REDUCE
+    )
+    fp8_entry = decode_attention.SMALL_BATCH_DECODE_FP8[16]  # FP8: its own table
+    assert small_batch_config(12, 256, True) == dataclasses.replace(fp8_entry, partition_size=256)
+    assert small_batch_config(17, 256, False) is None
+
+
+def test_short_graph_widths_name_the_buckets_of_the_short_entries() -> None:
+    """Buckets whose rows take a short entry get a short capture SHORT_CONTEXT tokens wide, in whole blocks, when
+    the full tables are wider; none for FP8 caches, tables already that short, or blocks that do not divide it."""
+    from fnvllm.executor.cuda_graphs import capture_key
+
+    limit = decode_attention.SHORT_CONTEXT
+    buckets = [1, 2, 4, 8, 16, 32]
+    widths = decode_attention.short_graph_widths(buckets, 256, 40960, False)
+    assert widths == {16: limit // 256}
+    assert decode_attention.short_graph_widths(buckets, 256, 40960, True) == {}
+    assert decode_attention.short_graph_widths(buckets, 256, limit, False) == {}
+    assert decode_attention.short_graph_widths(buckets, 3 * limit // 2, 40960, False) == {}
+    full = 40960 // 256
+    assert capture_key(buckets, widths, full, 256, 12, lambda: limit) == (16, limit // 256)
+    assert capture_key(buckets, widths, full, 256, 12, lambda: limit + 1) == (16, full)
+    assert capture_key(buckets, widths, full, 256, 20, lambda: 1 / 0) == (32, full)  # not asked: no short capture
+    assert capture_key(buckets, {}, full, 256, 1, lambda: 1 / 0) == (1, full)
+
+
+def test_decode_under_the_shipped_short_entry_matches_reference() -> None:
+    """Twelve sequences in tables of SHORT_CONTEXT tokens run the shipped short entry (one partition, first tile
+    read before the launch wait, merged in-kernel) and match the float32 reference, padding rows zero."""
+    lengths = [1, 16, 33, 0, 64, 47, 100, 5, 9, 77, 128, 2]
+    width = decode_attention.SHORT_CONTEXT // 64  # blocks of 64 tokens
+    assert decode_attention.small_batch_config(len(lengths), width * 64, False) is not None
+    out, ref = run_decode(lengths, 4, 2, 64, torch.bfloat16, width=width)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    assert torch.all(out[3] == 0)
+
+
 def test_shipped_small_batch_table_is_launchable() -> None:
     """Every shipped entry passes the launcher's config checks, merges split partials somehow, and one sequence
     keeps the automatic rules (the measured best there)."""
     assert small_batch_config(1, 4096, False) is None
-    for cfg in decode_attention.SMALL_BATCH_DECODE.values():
+    for cfg in [*decode_attention.SMALL_BATCH_DECODE.values(), *decode_attention.SMALL_BATCH_DECODE_SHORT.values()]:
         if cfg is not None:
             decode_attention._check_config(cfg)
             assert cfg.fused_reduce is not None

@@ -179,7 +179,7 @@ def test_graph_logits_match_eager(checkpoint: Any) -> None:
     for eager in (True, False):
         llm = LLM(checkpoint, dtype="float32", block_size=4, num_blocks=128, max_num_seqs=4, enforce_eager=eager)
         graphs = llm.executor.graphs
-        assert (graphs is None) == eager and (eager or set(graphs.logits) == set(graphs.sizes))
+        assert (graphs is None) == eager and (eager or {b for b, _ in graphs.logits} == set(graphs.sizes))
         runs.append(llm.generate(PROMPTS[:4], params, use_tqdm=False))
         llm.close()
     for eager_out, graph_out in zip(*runs, strict=True):
@@ -187,6 +187,29 @@ def test_graph_logits_match_eager(checkpoint: Any) -> None:
         assert eager_out.logprobs is not None and graph_out.logprobs is not None
         for a, b in zip(eager_out.logprobs, graph_out.logprobs, strict=True):
             assert abs(a.logprob - b.logprob) < 1e-4 and [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_short_table_graphs_match_eager(checkpoint: Any) -> None:
+    """On a GPU, 12 short sequences replay the 16-row bucket's short-table capture (its own attention knobs):
+    greedy tokens and logprobs are those of eager steps (float32)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = PROMPTS * 2
+    runs = []
+    for eager in (True, False):
+        llm = LLM(checkpoint, dtype="float32", block_size=4, num_blocks=256, max_num_seqs=16, enforce_eager=eager)
+        graphs = llm.executor.graphs
+        assert eager or (
+            graphs is not None and 16 in graphs.short_widths and (16, graphs.short_widths[16]) in graphs.graphs
+        )
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.close()
+    for eager_out, graph_out in zip(*runs, strict=True):
+        assert eager_out.token_ids == graph_out.token_ids
+        assert eager_out.logprobs is not None and graph_out.logprobs is not None
+        for a, b in zip(eager_out.logprobs, graph_out.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
 
 
 @pytest.mark.gpu

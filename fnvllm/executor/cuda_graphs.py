@@ -21,7 +21,7 @@ sequence's end hold stale ids that the kernel never reads (it stops at seq_lens)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
@@ -115,6 +115,25 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({*sizes, max_num_seqs})
 
 
+def capture_key(
+    sizes: list[int],
+    short_widths: Mapping[int, int],
+    full_width: int,
+    block_size: int,
+    num_seqs: int,
+    longest: Callable[[], int],
+) -> tuple[int, int]:
+    """(bucket, table width in blocks) of the capture that runs a decode step of num_seqs rows whose longest
+    context is ``longest()`` tokens (asked only of buckets with a short capture): the bucket's short-table capture
+    when every context fits it, else its full one. Worked example: buckets (1, 2, 4, 8, 16, 32), short_widths {16:
+    2}, blocks of 256: 12 rows up to 512 tokens -> (16, 2); 12 rows with one of 513 -> (16, W); 20 rows -> (32, W)."""
+    bucket = next(s for s in sizes if s >= num_seqs)
+    short = short_widths.get(bucket)
+    if short is not None and longest() <= short * block_size:
+        return bucket, short
+    return bucket, full_width
+
+
 class DecodeGraphs:
     """Captured decode forwards. ``run(...)`` replays the right one; ``can_run(B)`` says whether one fits.
 
@@ -123,6 +142,10 @@ class DecodeGraphs:
     Each of those buckets keeps its (bucket, V) logits in the graph pool (64 rows of Qwen3's 151,936-id vocabulary
     in bfloat16: 175 rows over 8 buckets, 53 MB); larger buckets, where the device's work hides the launch, leave
     the lm_head to the caller.
+
+    short_widths: buckets captured a second time with tables of that many blocks (``decode_attention.
+    short_graph_widths``: the attention knobs of short tables); a step of such a bucket whose contexts all fit
+    replays that capture (a view of the same staged tables, so the host stages the step the same way).
     """
 
     def __init__(
@@ -135,8 +158,12 @@ class DecodeGraphs:
         device: torch.device,
         logits: Logits | None = None,
         logits_max_rows: int = 64,
+        short_widths: Mapping[int, int] | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
+        self.short_widths = {
+            b: w for b, w in (short_widths or {}).items() if b in self.sizes and w < max_blocks_per_seq
+        }
         self.logits_max_rows = logits_max_rows if logits is not None else 0
         self.block_size = block_size
         self.scratch_slot = scratch_block * block_size
@@ -149,28 +176,32 @@ class DecodeGraphs:
         self.slot_mapping.fill_(self.scratch_slot)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hosts = HostStages(self.layout, table_rows=n)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # buckets that compute the lm_head too
+        # keyed by (bucket, table width in blocks): the full width W, and the short width of short_widths' buckets
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # captures that compute the lm_head too
         self._capture_all(forward, logits)
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, width: int) -> AttentionMetadata:
         return AttentionMetadata(
             positions=self.positions[:b],
             slot_mapping=self.slot_mapping[:b],
             cu_seqlens_q=self.cu_seqlens_q[: b + 1],
             seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b],
+            block_tables=self.block_tables[:b, :width],
             max_seqlen_q=1,
-            max_seqlen_k=self.block_tables.shape[1] * self.block_size,
+            max_seqlen_k=width * self.block_size,
             block_size=self.block_size,
         )
 
     def _capture_all(self, forward: Forward, logits: Logits | None) -> None:
-        """Capture every bucket, largest first, in one shared memory pool (the small ones with the lm_head)."""
+        """Capture every bucket (and the short-table ones), largest first, in one shared memory pool (the small
+        ones with the lm_head)."""
         pool = None
-        for b in reversed(self.sizes):
-            meta = self._meta(b)
+        full = self.layout.max_blocks
+        for key in [(b, w) for b in reversed(self.sizes) for w in (full, self.short_widths.get(b)) if w is not None]:
+            b, width = key
+            meta = self._meta(b, width)
             head = logits if b <= self.logits_max_rows else None
             hidden = forward(self.input_ids[:b], self.positions[:b], meta)  # warm-up: compiles, sizes the pool
             if head is not None:
@@ -178,13 +209,17 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = forward(self.input_ids[:b], self.positions[:b], meta)
-                out = head(self.outputs[b]) if head is not None else None
+                self.outputs[key] = forward(self.input_ids[:b], self.positions[:b], meta)
+                out = head(self.outputs[key]) if head is not None else None
             if out is not None:
-                self.logits[b] = out
+                self.logits[key] = out
             pool = graph.pool() if pool is None else pool
-            self.graphs[b] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
+
+    def graph_key(self, num_seqs: int, longest: Callable[[], int]) -> tuple[int, int]:
+        """``capture_key`` of this object's captures."""
+        return capture_key(self.sizes, self.short_widths, self.layout.max_blocks, self.block_size, num_seqs, longest)
 
     def can_run(self, num_seqs: int) -> bool:
         """True when a captured bucket holds ``num_seqs`` decode rows."""
@@ -199,14 +234,22 @@ class DecodeGraphs:
             return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
         host = self.hosts.next()
         stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None, staged=host.staged_tables)
-        return self._replay(host, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
+        key = self.graph_key(b, lambda: max(plan.start_positions) + 1)  # a decode row's context: start + 1
+        return self._replay(host, key, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
 
     def _replay(
-        self, host: HostStage, b: int, end: int, tables: np.ndarray | None, feed: Feed | None
+        self,
+        host: HostStage,
+        key: tuple[int, int],
+        b: int,
+        end: int,
+        tables: np.ndarray | None,
+        feed: Feed | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pad rows b.. of the bucket, send the stage's first ``end`` bytes (``tables``: the block tables to upload
-        apart, when they are not among them), apply ``feed`` and replay; returns the bucket's outputs, rows :b."""
-        bucket = next(s for s in self.sizes if s >= b)
+        """Pad rows b.. of the capture ``key`` ((bucket, table width)), send the stage's first ``end`` bytes
+        (``tables``: the block tables to upload apart, when they are not among them), apply ``feed`` and replay;
+        returns the capture's outputs, rows :b."""
+        bucket = key[0]
         ids, pos, slots, lens, _ = host.arrays
         ids[b:bucket], pos[b:bucket], slots[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
         self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
@@ -217,9 +260,9 @@ class DecodeGraphs:
             fed = feed.apply(self.input_ids[:b], token_rows=False)
             if fed.data_ptr() != self.input_ids.data_ptr():
                 self.input_ids[:b].copy_(fed)
-        self.graphs[bucket].replay()
-        logits = self.logits.get(bucket)
-        return self.outputs[bucket][:b], None if logits is None else logits[:b]
+        self.graphs[key].replay()
+        logits = self.logits.get(key)
+        return self.outputs[key][:b], None if logits is None else logits[:b]
 
     def run(
         self,
@@ -245,4 +288,5 @@ class DecodeGraphs:
             tables[:b, :width] = block_tables
             host.staged_tables[:b] = [None] * b  # rows written from an array: no table object to match
         end = self.layout.tables_offset + (b * self.layout.max_blocks * 4 if inline_tables else 0)
-        return self._replay(host, b, end, None if inline_tables else block_tables, feed)
+        key = self.graph_key(b, lambda: int(seq_lens.max(initial=0)))
+        return self._replay(host, key, b, end, None if inline_tables else block_tables, feed)

@@ -20,6 +20,7 @@ are inside the graphs). Logits are gathered on rank 0, which alone samples; the 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from itertools import compress
 from operator import attrgetter
@@ -32,7 +33,7 @@ import torch
 
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, check_step
-from fnvllm.executor.cuda_graphs import DecodeGraphs
+from fnvllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
@@ -59,6 +60,8 @@ from fnvllm.state.overlap import feed_sources
 _GIB = 1 << 30
 _LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs, in one C-level map
 _LOGPROB_BYTES_PER_ROW = 256  # >= MAX_LOGPROBS (20) x (4 + 8) + 4 + alignment: a row's logprobs on the host
+# "0": decode graphs are captured at full table width only (no short-table captures; an A/B switch).
+SHORT_GRAPHS_ENV = "FNVLLM_SHORT_GRAPHS"
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
@@ -430,7 +433,18 @@ class ModelExecutor:
             self.scratch_block,
             self.device,
             None if self.tp.is_parallel else self.model.compute_logits,  # a rank > 0 computes no logits
+            short_widths=self._short_graph_widths(max_blocks),
         )
+
+    def _short_graph_widths(self, max_blocks: int) -> dict[int, int]:
+        """Decode buckets captured a second time with short tables (``decode_attention.short_graph_widths``): with
+        our Triton attention, unless FNVLLM_SHORT_GRAPHS=0."""
+        if self.backend.name != "triton" or os.environ.get(SHORT_GRAPHS_ENV, "1") == "0":
+            return {}
+        from fnvllm.kernels.decode_attention import short_graph_widths  # Triton: imported where the backend runs
+
+        sizes, bs = graph_batch_sizes(self.config.max_num_seqs), self.config.block_size
+        return short_graph_widths(sizes, bs, max_blocks * bs, self.config.kv_cache_dtype == "fp8")
 
     def _use_mixed_graphs(self) -> bool:
         """Graphs for small mixed steps: with decode graphs, on our Triton attention (its prefill kernel takes a

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -221,15 +222,50 @@ SMALL_BATCH_DECODE_FP8: dict[int, DecodeKernelConfig | None] = {
 }
 
 
+# Short tables. A knob set that wins only while every context is short fails the longer-context guard above, but
+# a table of at most SHORT_CONTEXT tokens cannot hold a longer one: decode CUDA graphs of the batch sizes below are
+# captured twice, at full width and at SHORT_CONTEXT tokens (``short_graph_widths``; fnvllm.executor.cuda_graphs),
+# and a step whose contexts all fit replays the short one, whose launch takes these knobs (as does an eager step
+# with such tables). By (fewest, most) sequences: the entry for 9-16 is the best of sweep_small.py's 20 knob sets at
+# 16 sequences of contexts U(100, 384) (BENCHMARKS.md, fifth session: one partition, 64-token tiles, merged
+# in-kernel, first tile read before the launch wait): 9.76 us against 12.32 for SMALL_BATCH_DECODE's entry (which
+# keeps the long tables: 16.33 us at U(100, 1024) against 19.48 for this one). 16-bit caches only.
+SHORT_CONTEXT = 512
+SMALL_BATCH_DECODE_SHORT: dict[tuple[int, int], DecodeKernelConfig] = {
+    (9, 16): DecodeKernelConfig(
+        partition_size=SHORT_CONTEXT, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True, preload_kv=True
+    ),
+}
+
+
+def short_table_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
+    """The ``SMALL_BATCH_DECODE_SHORT`` knobs for num_seqs sequences whose tables hold at most SHORT_CONTEXT
+    tokens (16-bit caches); None otherwise."""
+    if fp8 or not 0 < max_context <= SHORT_CONTEXT:
+        return None
+    return next((cfg for (lo, hi), cfg in SMALL_BATCH_DECODE_SHORT.items() if lo <= num_seqs <= hi), None)
+
+
+def short_graph_widths(buckets: Sequence[int], block_size: int, max_context: int, fp8: bool) -> dict[int, int]:
+    """Decode graph buckets that get a second capture with short tables, and that table width in blocks: buckets
+    whose rows take a ``SMALL_BATCH_DECODE_SHORT`` entry, when SHORT_CONTEXT is a whole number of blocks below
+    the full tables' max_context tokens (else the full capture is already short, or the short one cannot be)."""
+    width = SHORT_CONTEXT // block_size
+    if fp8 or SHORT_CONTEXT % block_size or max_context <= SHORT_CONTEXT:
+        return {}
+    return {b: width for b in buckets if short_table_config(b, SHORT_CONTEXT, fp8) is not None}
+
+
 def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
-    """The measured knobs for a batch of num_seqs sequences (``SMALL_BATCH_DECODE``, or ``SMALL_BATCH_DECODE_FP8``
-    for FP8 caches), partition capped at the table's max_context tokens (a power of two); None (the automatic
-    rules) for unmeasured batch sizes, buckets whose entry is None and empty tables."""
+    """The measured knobs for a batch of num_seqs sequences (``short_table_config`` for short tables, else
+    ``SMALL_BATCH_DECODE``, or ``SMALL_BATCH_DECODE_FP8`` for FP8 caches), partition capped at the table's
+    max_context tokens (a power of two); None (the automatic rules) for unmeasured batch sizes, buckets whose
+    entry is None and empty tables."""
     table = SMALL_BATCH_DECODE_FP8 if fp8 else SMALL_BATCH_DECODE
     bucket = next((b for b in sorted(table) if b >= num_seqs), None)
     if bucket is None or num_seqs <= 0:
         return None
-    cfg = table[bucket]
+    cfg = short_table_config(num_seqs, max_context, fp8) or table[bucket]
     if cfg is None:
         return None
     cap = max(cfg.tile_size, int(triton.next_power_of_2(max(1, max_context))))
