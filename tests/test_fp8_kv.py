@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from triton_guard import require_triton
@@ -490,3 +491,36 @@ def test_fp8_path_default_from_the_environment() -> None:
     env["FNVLLM_FP8_PATH"] = "fast"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "FNVLLM_FP8_PATH must be one of" in bad.stderr
+
+
+@pytest.mark.parametrize("fp8_path", ["mma", "wgmma_qk8"])
+def test_decode_fp8_in_a_given_order_equals_batch_order(monkeypatch: pytest.MonkeyPatch, fp8_path: str) -> None:
+    """With the step's order (sequences longest first, ``longest_first``) the FP8 decode kernel takes its programs
+    in that order and writes each sequence's row as in batch order; a shuffled order too (any permutation gives
+    the same output); a wrong-shaped order is a ValueError naming seq_order."""
+    from fnvllm.executor.cuda_graphs import longest_first
+    from fnvllm.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "ORDERED_MIN_PROGRAMS", 1)  # the tiny batch counts as large
+    gen = torch.Generator().manual_seed(21)
+    lengths, block_size, num_heads, num_kv_heads, head_dim = [5, 70, 0, 33, 70, 1], 16, 4, 2, 16
+    table = random_tables(lengths, block_size, gen)
+    _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    table = table.to(DEVICE)
+    order = np.zeros(len(lengths), dtype=np.int32)
+    longest_first(np.array(lengths, dtype=np.int32), order)
+    assert order.tolist() == [1, 4, 3, 0, 5, 2]
+    knobs = {"tile_size": 16, "fp8_path": fp8_path, "k_scale": k_scale, "v_scale": v_scale}
+    plain = paged_decode_attention(q, k8, v8, table, seq_lens, 0.25, **knobs)
+    for given in (order, np.array([2, 0, 5, 3, 1, 4], dtype=np.int32)):
+        seq_order = torch.from_numpy(given).to(DEVICE)
+        got = paged_decode_attention(q, k8, v8, table, seq_lens, 0.25, seq_order=seq_order, **knobs)
+        assert torch.equal(got, plain)
+    repeated = torch.zeros(len(lengths), dtype=torch.int32, device=DEVICE)  # serves sequence 0 only: the order is read
+    poisoned = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k8, v8, table, seq_lens, 0.25, poisoned, seq_order=repeated, **knobs)
+    assert torch.equal(poisoned[0], plain[0]) and bool(poisoned[1].isnan().all())
+    with pytest.raises(ValueError, match="seq_order"):
+        paged_decode_attention(q, k8, v8, table, seq_lens, 0.25, seq_order=seq_order.long(), **knobs)

@@ -213,6 +213,29 @@ def test_short_table_graphs_match_eager(checkpoint: Any) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_order_leaves_fp8_tokens_unchanged(checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU with an FP8 cache, decode buckets that stage their rows longest first (the threshold lowered so
+    the test's batch takes it) give the tokens and logprobs of a run without the order (FNVLLM_DECODE_ORDER=0)."""
+    from fnvllm.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "ORDERED_MIN_PROGRAMS", 4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = []
+    for order in ("1", "0"):
+        monkeypatch.setenv("FNVLLM_DECODE_ORDER", order)
+        llm = LLM(checkpoint, block_size=16, num_blocks=64, max_num_seqs=8, kv_cache_dtype="fp8")
+        graphs = llm.executor.graphs
+        assert graphs is not None and (graphs.order_min_rows is not None) == (order == "1")
+        runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        llm.close()
+    for ordered, plain in zip(*runs, strict=True):
+        assert ordered.token_ids == plain.token_ids
+        assert ordered.logprobs is not None and plain.logprobs is not None
+        assert [a.logprob for a in ordered.logprobs] == [b.logprob for b in plain.logprobs]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="pinned host memory and events need a GPU")
 def test_pinned_ring_hands_a_buffer_out_once_until_released() -> None:
     """The samples' copy to the host reuses a ring buffer only after its step was read (or discarded): with every

@@ -8,7 +8,11 @@ kernel answers with zeros without reading any KV. Their hidden states are comput
 Static buffers (N = largest bucket, W = max blocks per sequence), views of ONE device byte buffer:
 
     input_ids (N,) int64   positions (N,) int64   slot_mapping (N,) int64
-    seq_lens (N,) int32    block_tables (N, W) int32   cu_seqlens_q (N+1,) int32 = 0, 1, ..., N (fixed, apart)
+    seq_lens (N,) int32    order (N,) int32    block_tables (N, W) int32
+    cu_seqlens_q (N+1,) int32 = 0, 1, ..., N (fixed, apart)
+
+``order`` is the bucket's rows longest first (``longest_first``), written by the host when the decode kernel
+follows it (``order_min_rows``: FP8 caches at large batches, ``decode_attention.orders_longest_first``).
 
 A step writes its rows into a pinned host buffer of the same layout and sends the prefix it needs (the four (N,)
 arrays and table rows :B) with one host-to-device copy: a decode step of a small batch is launch-bound, and one copy
@@ -53,8 +57,13 @@ class StagedLayout:
 
     @property
     def tables_offset(self) -> int:
-        """Where the (N, W) int32 tables start: after ids, positions, slots (8N bytes each) and seq_lens (4N)."""
-        return 28 * self.num_rows
+        """Where the (N, W) int32 tables start: after ids, positions, slots (8N bytes each), seq_lens and the
+        order (4N each)."""
+        return 32 * self.num_rows
+
+    def order(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The (N,) int32 order (rows longest first) as a view of the uint8 ``buffer``."""
+        return buffer[28 * self.num_rows : 32 * self.num_rows].view(torch.int32)
 
     @property
     def num_bytes(self) -> int:
@@ -115,6 +124,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({*sizes, max_num_seqs})
 
 
+def longest_first(lens: np.ndarray, out: np.ndarray) -> None:
+    """out[:n] = the rows of lens (n,) longest first, equal lengths in row order (a stable sort): the order in which
+    the decode kernel takes a large batch's sequences, so its last wave holds short ones. Worked example: lens
+    (3, 9, 0, 9) -> (1, 3, 0, 2)."""
+    out[: len(lens)] = np.argsort(-lens.astype(np.int64), kind="stable")
+
+
 def capture_key(
     sizes: list[int],
     short_widths: Mapping[int, int],
@@ -159,6 +175,7 @@ class DecodeGraphs:
         logits: Logits | None = None,
         logits_max_rows: int = 64,
         short_widths: Mapping[int, int] | None = None,
+        order_min_rows: int | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.short_widths = {
@@ -175,6 +192,9 @@ class DecodeGraphs:
         )
         self.slot_mapping.fill_(self.scratch_slot)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.order = self.layout.order(self.staged)
+        self.order.copy_(torch.arange(n, dtype=torch.int32))
+        self.order_min_rows = order_min_rows  # buckets of at least this many rows stage their order (None: none)
         self.hosts = HostStages(self.layout, table_rows=n)
         # keyed by (bucket, table width in blocks): the full width W, and the short width of short_widths' buckets
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -192,7 +212,12 @@ class DecodeGraphs:
             max_seqlen_q=1,
             max_seqlen_k=width * self.block_size,
             block_size=self.block_size,
+            decode_order=self.order[:b] if self._orders(b) else None,
         )
+
+    def _orders(self, bucket: int) -> bool:
+        """Whether the bucket's steps stage their rows' order (``longest_first``)."""
+        return self.order_min_rows is not None and bucket >= self.order_min_rows
 
     def _capture_all(self, forward: Forward, logits: Logits | None) -> None:
         """Capture every bucket (and the short-table ones), largest first, in one shared memory pool (the small
@@ -252,6 +277,8 @@ class DecodeGraphs:
         bucket = key[0]
         ids, pos, slots, lens, _ = host.arrays
         ids[b:bucket], pos[b:bucket], slots[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
+        if self._orders(bucket):
+            longest_first(lens[:bucket], self.layout.order(host.buffer).numpy())
         self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
         host.ready.record()
         if tables is not None:

@@ -56,6 +56,9 @@ class AttentionMetadata:
     prefill_work: a mixed step captured in a CUDA graph: the (W, 2) int32 work list of the Triton prefill kernel
         (``prefill_attention.prefill_work_list``), which sizes its grid instead of max_seqlen_q; None otherwise
         (backends without it never see such a step).
+    decode_order: an all-decode step's (B,) int32 sequences longest first, where the executor stages it (the
+        Triton decode kernel takes large FP8 batches in that order); None otherwise. Any order gives the same
+        output.
     """
 
     positions: torch.Tensor
@@ -67,6 +70,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_size: int
     prefill_work: torch.Tensor | None = None
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -272,6 +272,20 @@ def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKern
     return dataclasses.replace(cfg, partition_size=min(cfg.partition_size, cap))
 
 
+# Launches of at least this many (sequence, KV head) programs over an FP8 cache, one partition per sequence, take
+# the sequences longest first when the step gives the order (``seq_order``). Measured on the H200 (branch h-f8a,
+# bench_fp8_kv.py --variants, 2026-12-02; B 256, Hkv 8, contexts U(100, 2048)): 182.8 us with the order against
+# 198.3 without (3.18 against 2.93 TB/s): the last wave of 2,048 programs of 100-2,048 tokens held long ones. The
+# bf16 kernel measured no gain (286.2 against 287.7 us), and smaller launches fit few waves.
+ORDERED_MIN_PROGRAMS = SPLIT_FREE_PROGRAMS
+
+
+def orders_longest_first(num_seqs: int, num_kv_heads: int, num_parts: int, kv: KVCache) -> bool:
+    """Whether a decode launch takes its sequences longest first when given the order: an FP8 cache, one
+    partition per sequence and at least ORDERED_MIN_PROGRAMS (sequence, KV head) programs."""
+    return kv.k_scale is not None and num_parts == 1 and num_seqs * num_kv_heads >= ORDERED_MIN_PROGRAMS
+
+
 def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
     """Whether split partials are merged in the partition kernel by default: above TINY_BATCH_PAIRS (sequence, KV
     head) pairs (measured on the H200: see the module docstring)."""
@@ -498,6 +512,7 @@ def _decode_partition_kernel(
     k_scale_ptr,  # (Hkv,) float32 dequantization scales of an FP8 cache (unread otherwise)
     v_scale_ptr,
     counter_ptr,  # (B * Hkv,) int32 arrival counters of the fused merge, zero between launches
+    order_ptr,  # (B,) int32 the sequences longest first (ORDERED only)
     scale_log2,  # scale * log2(e)
     stride_qb,
     stride_qh,
@@ -529,6 +544,7 @@ def _decode_partition_kernel(
     MERGE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
+    ORDERED: tl.constexpr = False,
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -542,13 +558,20 @@ def _decode_partition_kernel(
     of K/V before waiting for the previous kernel, so that DRAM read overlaps it: none of them is written by the
     kernel before (the step's inputs are copied before its first kernel, and a cached token's K/V was stored in an
     earlier step), except this step's own token at seq_len - 1, which the store kernel just wrote: that row is
-    masked out of the preload and read after the wait."""
+    masked out of the preload and read after the wait.
+    ORDERED: the grid's sequence index r serves sequence order_ptr[r] (a permutation of the batch, longest first:
+    ``orders_longest_first``), so the launch's last wave holds short sequences; the order is a step input, copied
+    before the step's first kernel, so it is read before the wait."""
     if HEADS_INNER:
         kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
+        rank = tl.program_id(1)
     else:
-        seq = tl.program_id(0)
+        rank = tl.program_id(0)
         kv_head = tl.program_id(1)
+    if ORDERED:  # noqa: SIM108 (a compile-time branch)
+        seq = tl.load(order_ptr + rank)
+    else:
+        seq = rank
     part = tl.program_id(2)
     start = part * PARTITION_SIZE
     seq64 = seq.to(tl.int64)
@@ -857,6 +880,7 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (B, Hq, D) over the paged caches; returns (B, Hq, D) in q's dtype (into `out`).
 
@@ -865,8 +889,9 @@ def paged_decode_attention(
     DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes;
     small batches with a measured entry take theirs (``small_batch_config``).
     `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
-    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. Reads no device values, so it can be
-    captured in a CUDA graph.
+    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. seq_order: (B,) int32, the batch's
+    sequences longest first (any permutation of range(B) gives the same output), which the launch follows where
+    ``orders_longest_first`` says it pays. Reads no device values, so it can be captured in a CUDA graph.
     """
     base = DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG
     max_context = block_tables.shape[1] * k_cache.shape[1]
@@ -911,7 +936,11 @@ def paged_decode_attention(
     if kv.k_scale is not None and cfg.fp8_path == "mma_pairs":
         _launch_pairs(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
     else:
-        _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+        ordered = seq_order is not None and orders_longest_first(num_seqs, k_cache.shape[2], num_parts, kv)
+        if ordered and (seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32):
+            raise ValueError(f"seq_order must be ({num_seqs},) int32, got {seq_order.dtype} {tuple(seq_order.shape)}")
+        order = seq_order if ordered else None
+        _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg, order)
     if workspace is not None and not cfg.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
@@ -959,8 +988,10 @@ def _launch_partitions(
     workspace: DecodeWorkspace | None,
     num_parts: int,
     cfg: DecodeKernelConfig,
+    seq_order: torch.Tensor | None = None,
 ) -> None:
-    """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner."""
+    """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner; with
+    ``seq_order`` ((B,) int32, a permutation of the batch) the grid's sequence index r serves seq_order[r]."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv.k, kv.v
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -981,6 +1012,7 @@ def _launch_partitions(
         seq_lens if kv.k_scale is None else kv.k_scale,  # any pointer where the kernel reads no scale
         seq_lens if kv.v_scale is None else kv.v_scale,
         counters,
+        seq_lens if seq_order is None else seq_order,  # any pointer where the kernel reads no order
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -1012,6 +1044,7 @@ def _launch_partitions(
         MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
         USE_PDL=use_pdl(q.device),
         PRELOAD_KV=cfg.preload_kv,
+        ORDERED=seq_order is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),

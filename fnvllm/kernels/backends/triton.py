@@ -27,7 +27,15 @@ def attend(
     """Paged attention of q (T, Hq, D) over the caches (FP8 ones with their (Hkv,) scales); returns (T, Hq, D)."""
     if meta.max_seqlen_q == 1:  # all-decode: T == B
         return paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale=k_scale, v_scale=v_scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            seq_order=meta.decode_order,
         )
     return paged_prefill_attention(
         q,
