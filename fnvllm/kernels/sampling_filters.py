@@ -164,38 +164,12 @@ def _top_k_floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD: tl.constexpr):
     return tl.where(kth > float("-inf"), _key(kth).to(tl.int64), -2147483648)
 
 
-@triton.jit(do_not_specialize=["num_filtered", "num_programs", "num_rows"])
-def _filtered_pick_kernel(
-    logits_ptr,
-    rows_ptr,  # (F,) int32 or int64 batch rows to filter
-    src_ptr,  # (F,) their rows in logits
-    prog_ptr,  # (F,) their rows in stats
-    stats_ptr,  # (3, R, C) float32 chunk summaries of sample_rows; plane 0 holds the chunk maxima
-    scale_ptr,  # (B,) float32 inverse temperatures (> 0 for these rows)
-    top_k_ptr,  # (B,) int32 or int64, 0 = off
-    top_p_ptr,  # (B,) float32, 1 = off
-    min_p_ptr,  # (B,) float32, 0 = off
-    drawn_ptr,  # (3, B) float32 each row's uniform, largest scaled logit and partition sum (from sample_rows)
-    out_ptr,  # (2, B) int64: token ids are written here
-    scratch_ptr,  # (F, CAP) float32: each row's compacted candidates
-    stride_row,
-    vocab_size,
-    num_chunks,
-    num_filtered,
-    num_programs,
-    num_rows,
-    CHUNK: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr,
-    G: tl.constexpr,
-    CAP: tl.constexpr,
-):
-    """Threshold, then draw, for filtered row program_id(0) (see the module doc)."""
-    i = tl.program_id(0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
-    chunk_max_ptr = stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks
+@triton.jit
+def _pick_row(row, row_ptr, chunk_max_ptr, values_ptr, scale_ptr, top_k_ptr, top_p_ptr, min_p_ptr, drawn_ptr, out_ptr,
+              vocab_size, num_chunks, num_rows, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+              SEARCH_BLOCK: tl.constexpr, G: tl.constexpr, CAP: tl.constexpr):  # fmt: skip
+    """Threshold, then draw, for batch row ``row`` (int64) whose logits start at row_ptr and chunk maxima at
+    chunk_max_ptr, compacting top-k candidates into values_ptr (CAP float32): see the module doc."""
     scale = tl.load(scale_ptr + row)
     top = tl.load(drawn_ptr + num_rows + row)
     k = tl.load(top_k_ptr + row)
@@ -209,7 +183,6 @@ def _filtered_pick_kernel(
         if lo == -2147483648:  # k above the chunk count: one count round puts a floor near the threshold
             lo = _search(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, hi, k * 1.0, 1, False,
                          CHUNK, SEARCH_BLOCK, G)  # fmt: skip
-        values_ptr = scratch_ptr + i.to(tl.int64) * CAP
         n = _compact(row_ptr, chunk_max_ptr, num_chunks, vocab_size, scale, top, lo, values_ptr, CAP, CHUNK, BLOCK)
         if n <= CAP:  # the usual case: sort the few candidates, top-p included
             lo = _sorted_threshold(values_ptr, n, k, p, top, CAP)
@@ -239,6 +212,45 @@ def _filtered_pick_kernel(
                 last_kept = tl.maximum(last_kept, tl.max(tl.where(w > 0.0, cols, 0), axis=0))
                 running += tl.sum(w, axis=0)
     tl.store(out_ptr + row, tl.minimum(token, last_kept).to(tl.int64))  # float32 sums may fall short of target
+
+
+@triton.jit(do_not_specialize=["num_filtered", "num_programs", "num_rows"])
+def _filtered_pick_kernel(
+    logits_ptr,
+    rows_ptr,  # (F,) int32 or int64 batch rows to filter
+    src_ptr,  # (F,) their rows in logits
+    prog_ptr,  # (F,) their rows in stats
+    stats_ptr,  # (3, R, C) float32 chunk summaries of sample_rows; plane 0 holds the chunk maxima
+    scale_ptr,  # (B,) float32 inverse temperatures (> 0 for these rows)
+    top_k_ptr,  # (B,) int32 or int64, 0 = off
+    top_p_ptr,  # (B,) float32, 1 = off
+    min_p_ptr,  # (B,) float32, 0 = off
+    drawn_ptr,  # (3, B) float32 each row's uniform, largest scaled logit and partition sum (from sample_rows)
+    out_ptr,  # (2, B) int64: token ids are written here
+    scratch_ptr,  # (F, CAP) float32: each row's compacted candidates
+    stride_row,
+    vocab_size,
+    num_chunks,
+    num_filtered,
+    num_programs,
+    num_rows,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """Threshold, then draw, for filtered row program_id(0) (see the module doc)."""
+    i = tl.program_id(0)
+    _pick_row(
+        tl.load(rows_ptr + i).to(tl.int64),
+        logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row,
+        stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks,
+        scratch_ptr + i.to(tl.int64) * CAP,
+        scale_ptr, top_k_ptr, top_p_ptr, min_p_ptr, drawn_ptr, out_ptr, vocab_size, num_chunks, num_rows,
+        CHUNK, CHUNKS_PAD, BLOCK, SEARCH_BLOCK, G, CAP,
+    )  # fmt: skip
 
 
 def filtered_pick(

@@ -1,0 +1,232 @@
+"""Top-k rows at full GPU parallelism: a candidate pass on a (rows, chunks) grid, then one short program per row.
+
+``fnvllm.kernels.sampling_filters.filtered_pick`` gives each filtered row ONE program, which streams, one after
+another, every chunk whose maximum reaches the row's floor (the k-th largest chunk maximum): on flat logits about
+half the row (20 of 38 chunks of 4096 at top_k 20), ~80k values read by one program, 256 programs for a 132-SM
+GPU: latency-bound (289 us per call at 256 rows on the H200, ~150 GB/s). Here the same candidates are found by
+~10k programs at once, and the per-row work is done in registers:
+
+    pass 1, grid (F, C): program (i, c) exits at once unless chunk c's maximum reaches row i's floor; else it reads
+        the chunk and writes its tokens at or above the floor (scaled logits s = x * (1 / T) and token ids, in id
+        order) into segment (i, c) of a candidate buffer, SEGMENT slots padded with -inf, and their number
+        (possibly above SEGMENT: then the segment is incomplete);
+    pass 2, grid (F,): row i reads its segments (slot j of segment c is live when j < count c), sorts the live
+        values for tau (the k-th largest value, then the nucleus of the top-k, as ``candidates_pick`` does), and
+        draws from the kept tokens in id order at its uniform.
+
+Every token at or above tau is at or above the floor (tau >= tau_k >= floor: the floor's count is >= k), so the
+segments hold the whole kept set. No atomics: each segment belongs to one program, so a row's candidates stay in
+ascending token id order. A row whose segments cannot hold its candidates -- a chunk with more than SEGMENT of
+them (ties), a top-k above the chunk count (no floor from the chunk maxima) or no top-k -- is drawn by the
+per-row path of ``filtered_pick`` in the same pass-2 program (``_pick_row``), so no candidate is ever lost.
+
+Worked example (chunks of 4, top_k 2, SEGMENT 2): a row s = (0 3 1 0 | 2 2 2 0 | 1 0 0 0) has chunk maxima
+(3, 2, 1), floor 2: chunk 2 exits, chunk 0 writes (3, -inf) and count 1, chunk 1 writes (2, 2) and count 3 > 2,
+so that row falls back; with SEGMENT 4, chunk 1 writes (2, 2, 2, -inf), count 3, and the row sorts (3, 2, 2, 2):
+tau_k = 2, and draws among tokens 1, 4, 5, 6.
+
+Same uniforms, same tokens as ``filtered_pick`` and ``filtered_sample_ref``, up to float32 rounding of the kept
+mass (pass 2 sums in registers where ``filtered_pick`` sums block by block; the reference sums in float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fnvllm.kernels.sampling_filters import BLOCK, CANDIDATES, CAPACITY, CHUNK, SEARCH_BLOCK, _key, _pick_row
+
+__all__ = ["SEGMENT", "segmented_pick"]
+
+SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
+
+
+@triton.jit
+def _floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD: tl.constexpr):
+    """(floor key (int32), whether it exists): the key of the k-th largest chunk maximum, when 1 <= k <= chunks."""
+    ids = tl.arange(0, CHUNKS_PAD)
+    m = tl.load(chunk_max_ptr + ids, mask=ids < num_chunks, other=float("-inf")) + 0.0
+    keys = tl.where(ids < num_chunks, _key(m), -2147483648)  # a padding chunk is below every real one
+    rank = tl.sum((keys[None, :] >= keys[:, None]).to(tl.int32), axis=1)  # (C,) chunk maxima at or above each
+    kth = tl.max(tl.where((ids < num_chunks) & (rank >= k), keys, -2147483648), axis=0)
+    return kth, (k >= 1) & (k <= num_chunks)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _segment_kernel(
+    logits_ptr,
+    rows_ptr,  # (F,) int32 or int64 batch rows
+    src_ptr,  # (F,) their rows in logits
+    prog_ptr,  # (F,) their rows in stats
+    stats_ptr,  # (3, R, C) float32 chunk summaries; plane 0 holds the chunk maxima of the scaled logits
+    scale_ptr,  # (B,) float32 inverse temperatures
+    top_k_ptr,  # (B,) int32 or int64
+    values_ptr,  # (F, C, SEGMENT) float32: receives the candidates' scaled logits, -inf past the count
+    ids_ptr,  # (F, C, SEGMENT) int32: receives their token ids
+    counts_ptr,  # (F, C) int32: receives each chunk's candidate count (0 for a chunk below the floor)
+    stride_row,
+    vocab_size,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    SEGMENT: tl.constexpr,
+):
+    """Program (i, c): the tokens of chunk c of filtered row i at or above the row's floor (module doc)."""
+    i, c = tl.program_id(0), tl.program_id(1)
+    cell = i.to(tl.int64) * num_chunks + c
+    chunk_max_ptr = stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    floor, exists = _floor(chunk_max_ptr, num_chunks, tl.load(top_k_ptr + row), CHUNKS_PAD)
+    if exists & (_key(tl.load(chunk_max_ptr + c) + 0.0) >= floor):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < vocab_size
+        row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
+        s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr + row) + 0.0
+        at_least = mask & (_key(s) >= floor)
+        pos = tl.cumsum(at_least.to(tl.int32), axis=0) - 1
+        n = tl.sum(at_least.to(tl.int32), axis=0)
+        slots = tl.arange(0, SEGMENT)
+        tl.store(values_ptr + cell * SEGMENT + slots, float("-inf"), mask=slots >= n)
+        tl.store(values_ptr + cell * SEGMENT + pos, s, mask=at_least & (pos < SEGMENT))
+        tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=at_least & (pos < SEGMENT))
+        tl.store(counts_ptr + cell, n)
+    else:
+        tl.store(counts_ptr + cell, 0)
+
+
+@triton.jit
+def _draw_segments(i, row, values_ptr, ids_ptr, counts_ptr, top_k_ptr, top_p_ptr, min_p_ptr, drawn_ptr, out_ptr,
+                   num_chunks, SEGMENT: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
+    """Threshold, then draw, for filtered row i (batch row ``row``) from its live segment slots, all in registers."""
+    f = tl.arange(0, SLOTS)  # flat slot: segment f // SEGMENT, slot f % SEGMENT
+    chunk = f // SEGMENT
+    count = tl.load(counts_ptr + i.to(tl.int64) * num_chunks + chunk, mask=chunk < num_chunks, other=0)
+    live = (chunk < num_chunks) & (f % SEGMENT < count)
+    at = i.to(tl.int64) * num_chunks * SEGMENT + f
+    s = tl.load(values_ptr + at, mask=live, other=float("-inf"))  # (SLOTS,) id order, -inf where not live
+    top = tl.max(s, axis=0)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    v = tl.sort(s, descending=True)  # (SLOTS,) best first
+    tau_k = tl.sum(tl.where(f == k - 1, v, 0.0), axis=0)
+    e = tl.exp(v - top)  # 0 at the -inf padding
+    target = p * tl.sum(tl.where(v >= tau_k, e, 0.0), axis=0)
+    first = tl.sum((tl.cumsum(e, axis=0) < target).to(tl.int32), axis=0)  # ranks before the mass reaches it
+    tau_p = tl.max(tl.where(f == first, v, float("-inf")), axis=0)  # -inf when rounding ran past the top-k
+    tau = tl.where(p < 1.0, tl.maximum(tau_k, tau_p), tau_k)
+    w = tl.exp(s - top)
+    w = tl.where(live & (s >= tau) & (w >= tl.load(min_p_ptr + row)), w, 0.0)  # kept weights, in id order
+    target = tl.load(drawn_ptr + row) * tl.sum(w, axis=0)
+    crossing = tl.min(tl.where(tl.cumsum(w, axis=0) > target, f, SLOTS), axis=0)
+    picked = tl.minimum(crossing, tl.max(tl.where(w > 0.0, f, 0), axis=0))  # float32 sums may fall short
+    tl.store(out_ptr + row, tl.load(ids_ptr + i.to(tl.int64) * num_chunks * SEGMENT + picked).to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_rows"])
+def _segments_pick_kernel(
+    logits_ptr,
+    rows_ptr,
+    src_ptr,
+    prog_ptr,
+    stats_ptr,
+    scale_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    drawn_ptr,  # (3, B) float32 each row's uniform, largest scaled logit and partition sum (from sample_rows)
+    out_ptr,  # (2, B) int64: token ids are written to plane 0
+    values_ptr,
+    ids_ptr,
+    counts_ptr,
+    scratch_ptr,  # (F, CAP) float32: the fallback's compacted candidates
+    stride_row,
+    vocab_size,
+    num_chunks,
+    num_rows,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """Filtered row program_id(0): from its segments when they hold every candidate, else by ``_pick_row``."""
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    k = tl.load(top_k_ptr + row)
+    chunk_ids = tl.arange(0, CHUNKS_PAD)
+    counts = tl.load(counts_ptr + i.to(tl.int64) * num_chunks + chunk_ids, mask=chunk_ids < num_chunks, other=0)
+    if (k >= 1) & (k <= num_chunks) & (tl.max(counts, axis=0) <= SEGMENT):
+        _draw_segments(i, row, values_ptr, ids_ptr, counts_ptr, top_k_ptr, top_p_ptr, min_p_ptr, drawn_ptr, out_ptr,
+                       num_chunks, SEGMENT, SLOTS)  # fmt: skip
+    else:
+        _pick_row(
+            row,
+            logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row,
+            stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks,
+            scratch_ptr + i.to(tl.int64) * CAP,
+            scale_ptr, top_k_ptr, top_p_ptr, min_p_ptr, drawn_ptr, out_ptr, vocab_size, num_chunks, num_rows,
+            CHUNK, CHUNKS_PAD, BLOCK, SEARCH_BLOCK, G, CAP,
+        )  # fmt: skip
+
+
+def segmented_pick(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    sources: torch.Tensor,
+    programs: torch.Tensor,
+    stats: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    drawn: torch.Tensor,
+    out: torch.Tensor,
+    chunk: int = CHUNK,
+    segment: int = SEGMENT,
+    block: int = BLOCK,
+    capacity: int = CAPACITY,
+) -> None:
+    """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by two launches: the
+    candidate pass on a (rows, chunks) grid, then one program per row (module doc). segment (a power of two): the
+    candidate slots per (row, chunk); a row with more candidates in one chunk falls back to ``filtered_pick``'s
+    per-row path (block and capacity are that path's)."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
+    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
+        raise ValueError(
+            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
+            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
+        )
+    if top_k.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
+    num_chunks = triton.cdiv(logits.shape[1], chunk)
+    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
+        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
+    for name, value in (("block", block), ("chunk", chunk), ("capacity", capacity), ("segment", segment)):
+        if value < 2 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 2, got {value}")
+    num_filtered = rows.shape[0]
+    if num_filtered == 0:
+        return
+    capacity = min(capacity, max(2, int(triton.next_power_of_2(logits.shape[1]))))  # no more than the row holds
+    cells = num_filtered * num_chunks
+    flat = torch.empty(cells * (2 * segment + 1) + num_filtered * capacity, dtype=torch.int32, device=logits.device)
+    values = flat[: cells * segment].view(torch.float32)  # (F, C, SEGMENT)
+    ids = flat[cells * segment : 2 * cells * segment]  # (F, C, SEGMENT)
+    counts = flat[2 * cells * segment : cells * (2 * segment + 1)]  # (F, C)
+    scratch = flat[cells * (2 * segment + 1) :].view(torch.float32)  # (F, capacity)
+    chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
+    _segment_kernel[(num_filtered, num_chunks)](
+        logits, rows, sources, programs, stats, scale, top_k, values, ids, counts, logits.stride(0), logits.shape[1],
+        num_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment, num_warps=8,
+    )  # fmt: skip
+    _segments_pick_kernel[(num_filtered,)](
+        logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, values, ids, counts, scratch,
+        logits.stride(0), logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad,
+        SEGMENT=segment, SLOTS=max(2, int(triton.next_power_of_2(num_chunks * segment))), BLOCK=min(block, chunk),
+        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=8,
+    )  # fmt: skip
