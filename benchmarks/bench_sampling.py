@@ -1,6 +1,11 @@
 """Sampling at the batch users run: 256 rows x 151,936-token bf16 logits, the sampler of this tree vs a baseline.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_sampling.py [--baseline DIR] [--iters 40] [--json PATH]
+    PYTHONPATH=$PWD python3 benchmarks/bench_sampling.py --topk [--iters 20]
+
+--topk: only the A/B of the top-k rows' route (``segmented_pick`` vs ``filtered_pick``) and the penalised rows'
+copy (``float_rows`` vs torch), on flat (std 0.64) and std-3 logits, preset and preset + repetition_penalty:
+device us per sampling call and whether the tokens of 3 seeded steps equal the old route's; a table last.
 
 DIR: the root of an older checkout (its ``fnvllm/`` package), e.g. made on the development machine with
 ``git archive <commit> fnvllm | tar -x -C .bench_base`` and carried to the GPU machine. Its sampler is timed in a
@@ -287,6 +292,155 @@ def filter_chunks(source: torch.Tensor, name: str, batch: Any, seeded: Any) -> d
     return out
 
 
+# ---- --topk: the top-k rows' parallel candidate pass and the penalised rows' copy kernel, old route vs new -------
+
+TOPK_HISTORY_LEN = 1100  # tokens per penalised row's history (prompt + output), as in the bench workload's decode
+TOPK_CASES = {
+    "preset": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+    "preset + rep 1.05": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05},
+}
+TOPK_ROUTES = {  # fused_sampling's switches per route; "old" is main's behaviour
+    "old": {"TOP_K_BY_SEGMENTS": False, "PENALISED_COPY_BY_KERNEL": False},
+    "new": {"TOP_K_BY_SEGMENTS": True, "PENALISED_COPY_BY_KERNEL": True},
+    "segments only": {"TOP_K_BY_SEGMENTS": True, "PENALISED_COPY_BY_KERNEL": False},
+    "copy kernel only": {"TOP_K_BY_SEGMENTS": False, "PENALISED_COPY_BY_KERNEL": True},
+}
+
+
+def routed(flags: dict[str, Any]) -> None:
+    """Set fused_sampling's route switches (and sampling_segments.SEGMENT when given as "SEGMENT")."""
+    from fnvllm.executor import fused_sampling
+    from fnvllm.kernels import sampling_segments
+
+    for name, value in flags.items():
+        setattr(sampling_segments if name == "SEGMENT" else fused_sampling, name, value)
+
+
+def topk_batches(kwargs: dict[str, Any], logits: torch.Tensor, steps: int) -> list[Any]:
+    """``steps`` SamplingBatches of 256 seeded rows with these settings (draw counters 3, 4, ...: other uniforms),
+    penalised rows reading ~TOPK_HISTORY_LEN-token histories from a SlotHistory as the executor does."""
+    from fnvllm.executor.sampler import prepare_sampling
+    from fnvllm.state import SamplingParams
+    from fnvllm.state.plan import TokenHistory
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (ROWS, TOPK_HISTORY_LEN), generator=gen).tolist()
+    half = TOPK_HISTORY_LEN // 2
+    histories = [TokenHistory(prompt=tuple(r[:half]), output=tuple(r[half:])) for r in ids]
+    params = [SamplingParams(**kwargs, seed=1000 + i) for i in range(ROWS)]
+    history, plan = slot_history(params, histories, logits.device)
+    penalties = history.penalties(plan, list(range(ROWS)))
+    return [
+        prepare_sampling(params, [3 + step] * ROWS, [None] * ROWS, VOCAB, logits.device, penalties)
+        for step in range(steps)
+    ]
+
+
+def overflow_stats(logits: torch.Tensor, batch: Any, segment: int) -> str:
+    """Candidates per row at or above the floor (k-th largest chunk maximum) and the rows whose fullest chunk holds
+    more than ``segment`` of them (those fall back to the per-row path), from the logits the filter reads."""
+    from fnvllm.executor.fused_sampling import penalised_copy
+    from fnvllm.kernels.sampling import CHUNK
+
+    source = penalised_copy(logits, batch)
+    source = (logits if source is None else source).float() * batch.scale[:, None]
+    num_chunks = -(-VOCAB // CHUNK)
+    s = torch.nn.functional.pad(source, (0, num_chunks * CHUNK - VOCAB), value=float("-inf"))
+    s = s.view(ROWS, num_chunks, CHUNK)
+    maxima = s.amax(dim=-1)  # (R, C)
+    floor = maxima.sort(dim=-1, descending=True).values.gather(1, (batch.top_k.long() - 1)[:, None])  # (R, 1)
+    counts = (s >= floor[:, :, None]).sum(dim=-1)  # (R, C)
+    over = int((counts.amax(dim=-1) > segment).sum())
+    return f"{counts.sum(dim=-1).float().mean().item():.1f} candidates/row, {over} rows over {segment}/chunk"
+
+
+def kernel_sums(fn: Callable[[], Any], calls: int = 5) -> str:
+    """The kernels of ``fn`` by torch.profiler: us per call each, largest first (one line)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if total > 0:
+            rows.append((total / calls, event.key))
+    rows.sort(reverse=True)
+    return ", ".join(f"{name[:40]} {us:.1f}" for us, name in rows[:6])
+
+
+def topk_route(logits: torch.Tensor, batches: list[Any], flags: dict[str, Any], iters: int) -> tuple[Any, float]:
+    """(tokens (3, R) of the seeded steps, device us per call of the first) with fused_sampling's switches set."""
+    from fnvllm.executor.sampler import Sampler
+
+    routed({"SEGMENT": 16, **flags})
+    sampler = Sampler(0)
+    tokens = torch.stack([sampler.sample(logits, b).token_ids for b in batches])  # (3, R)
+    return tokens, 1e3 * device_ms(lambda: sampler.sample(logits, batches[0]), iters)
+
+
+def topk_case(spread: str, case: str, logits: torch.Tensor, iters: int) -> list[tuple[str, str, str, float, str]]:
+    """One spread and case of ``topk_ab``: every route (segment 8 and 32 too), printed as measured."""
+    from fnvllm.executor.sampler import Sampler
+
+    batches = topk_batches(TOPK_CASES[case], logits, steps=3)
+    print(f"{spread}, {case}: " + overflow_stats(logits, batches[0], 16), flush=True)
+    variants = [(name, flags) for name, flags in TOPK_ROUTES.items() if "rep" in case or "copy" not in name]
+    variants += [(f"new, segment {seg}", {**TOPK_ROUTES["new"], "SEGMENT": seg}) for seg in (8, 32)]
+    results, want = [], None
+    for route, flags in variants:
+        tokens, us = topk_route(logits, batches, flags, iters)
+        want = tokens if want is None else want
+        differ = int((tokens != want).sum())
+        verdict = "PASS" if differ == 0 else f"FAIL ({differ} of {tokens.numel()} differ)"
+        results.append((spread, case, route, us, verdict))
+        print(f"  {route:<20} {us:>8.1f} us  tokens == old: {verdict}", flush=True)
+        if route in ("old", "new"):
+            sampler, batch = Sampler(0), batches[0]
+            sums = guarded_text(lambda: kernel_sums(lambda: sampler.sample(logits, batch)))  # noqa: B023
+            print(f"    kernels (us/call): {sums}", flush=True)
+    routed({"SEGMENT": 16, **TOPK_ROUTES["old"]})
+    assert want is not None
+    agree = (Sampler(kernels=False).sample(logits, batches[0]).token_ids == want[0]).float().mean().item()
+    print(f"  old route == float64 reference on {agree:.1%} of rows (a CDF step within rounding may differ)")
+    return results
+
+
+def topk_ab(iters: int) -> list[tuple[str, str, str, float, str]]:
+    """Per logits spread (flat std 0.64, std 3) and case (preset, + repetition): device us per sampling call of
+    each route (CUDA events), and whether its tokens on 3 seeded steps equal the old route's."""
+    results = []
+    for spread in (0.64, 3.0):
+        gen = torch.Generator().manual_seed(0)
+        logits = (torch.randn(ROWS, VOCAB, generator=gen) * spread).to(torch.bfloat16).cuda()
+        for case in TOPK_CASES:
+            results += topk_case(f"std {spread}", case, logits, iters)
+    return results
+
+
+def guarded_text(fn: Callable[[], str]) -> str:
+    """fn's text, or its error in one line."""
+    try:
+        return fn()
+    except Exception as error:  # a diagnostic must not stop the A/B
+        return f"FAILED: {type(error).__name__}: {str(error)[:80]}"
+
+
+def topk_table(results: list[tuple[str, str, str, float, str]]) -> str:
+    """The --topk summary: per spread, case and route, device us per call, vs the old route, token equality."""
+    head = f"{'logits':<9} {'case':<18} {'route':<20} {'us/call':>8} {'vs old':>7}  tokens == old (3 seeded steps)"
+    lines = [head, "-" * len(head)]
+    old = {(a, b): us for a, b, route, us, _ in results if route == "old"}
+    for spread, case, route, us, verdict in results:
+        lines.append(f"{spread:<9} {case:<18} {route:<20} {us:>8.1f} {us / old[spread, case]:>7.2f}  {verdict}")
+    note = "(256 rows x 151,936 bf16, one Sampler.sample call, device time by CUDA events, medians)"
+    return "\n".join([*lines, note])
+
+
 def measure(iters: int) -> dict[str, dict[str, float]]:
     """Times of every case for the imported fnvllm."""
     logits, histories = make_inputs()
@@ -323,11 +477,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=40, help="timed steps per case (default 40)")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--topk", action="store_true", help="only the top-k / penalised-copy A/B (old vs new route)")
     args = parser.parse_args()
     if args.iters < 1:
         parser.error("--iters must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("bench_sampling needs a CUDA GPU")
+    if args.topk:
+        print(topk_table(topk_ab(args.iters)), flush=True)
+        return
     if args.worker:
         print(json.dumps(measure(args.iters)))
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fnvllm.kernels import sampling, sampling_filters
+from fnvllm.kernels import penalties, sampling, sampling_filters, sampling_segments
 from fnvllm.kernels.sampling_segments import segmented_pick
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,10 +41,11 @@ def _draw(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms: tor
     stats = sampling.sample_rows(logits, state, seed=0, chunk=chunk)
     rows = torch.arange(num_rows, device=DEVICE, dtype=torch.int32)
     args = (logits, rows, rows, rows, stats, on["scale"], on["top_k"], on["top_p"], on["min_p"], state.drawn)
+    block = 32 if chunk < sampling_filters.BLOCK else sampling_filters.BLOCK  # tiny blocks for tiny chunks
     if segment is None:
-        sampling_filters.filtered_pick(*args, state.out, chunk=chunk, block=32)
+        sampling_filters.filtered_pick(*args, state.out, chunk=chunk, block=block)
     else:
-        segmented_pick(*args, state.out, chunk=chunk, segment=segment, block=32)
+        segmented_pick(*args, state.out, chunk=chunk, segment=segment, block=block)
     return state.out[0].tolist()
 
 
@@ -119,3 +120,84 @@ def test_segmented_pick_rejects_bad_arguments() -> None:
         segmented_pick(logits, rows, rows, rows, stats, *tail, chunk=4)
     with pytest.raises(ValueError, match="rows, sources and programs"):
         segmented_pick(logits, rows, rows[:1], rows, stats, *tail)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_float_rows_copies_the_chosen_rows_upcast(dtype: torch.dtype) -> None:
+    """float_rows gives exactly the float32 values of the chosen rows (a vocabulary ending in a partial block), and
+    of every row when no list is given; the source is untouched."""
+    from fnvllm.kernels.penalties import _COPY_BLOCK, float_rows, float_rows_ref
+
+    logits = (torch.randn(5, _COPY_BLOCK + 37, generator=torch.Generator().manual_seed(9)) * 4).to(dtype).to(DEVICE)
+    before = logits.clone()
+    rows = torch.tensor([4, 1, 3], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(float_rows(logits, rows), float_rows_ref(logits, rows))
+    assert torch.equal(float_rows(logits), logits.float())
+    assert torch.equal(logits, before)
+
+
+def test_sampler_routes_top_k_rows_to_segments_and_copies_penalised_rows_by_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With TOP_K_BY_SEGMENTS and PENALISED_COPY_BY_KERNEL on, a batch of top-k rows (plain and penalised, k within
+    and above the 4 chunks of sample_rows' 4096) draws exactly the references' tokens for the same (seeded)
+    uniforms, and the tokens of the default route; a greedy row takes its argmax."""
+    import attrs
+
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+    from fnvllm.state import SamplingParams
+    from fnvllm.state.plan import TokenHistory
+
+    vocab = 3 * sampling.CHUNK + 50
+    rows = [
+        SamplingParams(temperature=0.6, top_k=3, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=0.8, top_k=4, min_p=0.05),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+        SamplingParams(temperature=0.6, top_k=3, top_p=0.95, repetition_penalty=1.05),
+        SamplingParams(temperature=0.0),
+    ]
+    params = [attrs.evolve(p, seed=200 + i) for i, p in enumerate(rows)]
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(len(params), vocab, generator=gen) * 0.64).bfloat16().to(DEVICE)
+    top = logits[4].float().topk(4).indices.tolist()  # the penalised row has seen its best tokens
+    history = TokenHistory(prompt=tuple(top[:2]), output=tuple(top[2:]))
+    histories = [history if p.needs_history else None for p in params]
+    batch = prepare_sampling(params, [2] * len(params), histories, vocab, DEVICE)
+    want = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
+    monkeypatch.setattr(fused_sampling, "TOP_K_BY_SEGMENTS", True)
+    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_BY_KERNEL", True)
+    calls = _count_calls(monkeypatch, [(sampling_segments, "segmented_pick"), (penalties, "float_rows")])
+    got = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
+    assert calls == {"segmented_pick": 2, "float_rows": 1}  # the plain and the penalised group; one copy
+    assert got == want == Sampler(kernels=False).sample(logits, batch).token_ids.tolist()
+    assert got[5] == int(logits[5].argmax())
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, targets: list[tuple[object, str]]) -> dict[str, int]:
+    """Wrap each module function so that calls are counted (the real function still runs); returns the counts."""
+    calls = {name: 0 for _, name in targets}
+    for module, name in targets:
+        real = getattr(module, name)
+
+        def counted(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spread", [0.64, 3.0])
+def test_gpu_segments_equal_the_filter_kernel_at_real_sizes(spread: float) -> None:
+    """256 rows x 151,936 bf16 (flat and std-3 logits), Qwen3's top_k 20 / top_p 0.95, k above the chunk count and
+    min-p rows: segmented_pick draws filtered_pick's tokens for the same uniforms in every row."""
+    vocab = 151936
+    logits = (torch.randn(256, vocab, generator=torch.Generator().manual_seed(5)) * spread).bfloat16().cuda()
+    settings = _settings(256, vocab, [20, 20, 5, 64, 1000, 20], [0.95, 1.0, 0.9, 0.95, 1.0, 0.5], [0.0, 0.05])
+    uniforms = torch.rand(256, generator=torch.Generator().manual_seed(7))
+    old = _draw(logits, settings, uniforms, None, chunk=sampling.CHUNK)
+    assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old

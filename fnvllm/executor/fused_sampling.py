@@ -3,8 +3,9 @@
 ``sample_with_kernels`` (CUDA): for each row group (the rows sampled from the logits as they are, and the
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
 take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
-``filtered_pick`` launch when every such row has a top-k or only a min-p (or, with TOP_K_BY_FILTER_KERNEL off,
-top-k rows from their best candidates: torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch
+``filtered_pick`` launch when every such row has a top-k or only a min-p (with TOP_K_BY_SEGMENTS, top-k rows by
+``segmented_pick``'s two launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
+torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch
 with no penalties and no filters is exactly two kernel launches over the logits. Penalised rows: a float32 copy,
 edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the penalties come from the
 executor's slot buffer).
@@ -39,13 +40,24 @@ __all__ = [
 ]
 
 
-def penalised_copy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-    """(P, V) float32 copy of the penalised rows with their penalties applied, None when no row has one."""
+def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = False) -> torch.Tensor | None:
+    """(P, V) float32 copy of the penalised rows with their penalties applied, None when no row has one. kernels:
+    the copy by ``fnvllm.kernels.penalties.float_rows`` when PENALISED_COPY_BY_KERNEL (one launch that gathers
+    and upcasts), else by torch."""
     if batch.penalised is None or batch.penalties is None:
         return None
     rows = batch.penalised.rows
+    if kernels and PENALISED_COPY_BY_KERNEL:
+        from fnvllm.kernels.penalties import float_rows
+
+        return batch.penalties.apply_(float_rows(logits, rows))
     work = logits.to(torch.float32, copy=True) if rows is None else logits.index_select(0, rows).float()
     return batch.penalties.apply_(work)
+
+
+# The penalised rows' float32 copy by one Triton launch (True) or by torch (False: ``.float()`` of the rows ran at
+# ~2 TB/s on the H200, 112.6 us for 256 x 151,936 bf16; torch.profiler, 2026-12-02).
+PENALISED_COPY_BY_KERNEL = False
 
 
 # Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on
@@ -58,6 +70,11 @@ TOP_K_BY_FILTER_KERNEL = True
 # whose maximum reaches its k-th largest chunk maximum: with 38 chunks and top_k 20, about half the row; with
 # chunks of 1024, 20 of 149. Finer maxima cost one more read of those rows (``chunk_summaries``).
 FILTER_CHUNK: int | None = None
+# Top-k rows on that route by ``segmented_pick`` (``fnvllm.kernels.sampling_segments``: their candidates found by a
+# (rows, chunks) grid, then one short program per row) instead of ``filtered_pick``'s one program per row, which
+# streams every chunk that reaches the row's floor (288.7 us per call at 256 flat rows x 151,936 on the H200,
+# torch.profiler 2026-12-02: latency-bound). Same draws for the same uniforms.
+TOP_K_BY_SEGMENTS = False
 
 
 def sample_with_kernels(
@@ -82,6 +99,7 @@ def sample_with_kernels(
     (``fnvllm.kernels.sampling.SamplingScratch``; None: fresh tensors)."""
     from fnvllm.kernels.sampling import RowSampling, chunk_summaries, sample_rows
     from fnvllm.kernels.sampling_filters import filtered_pick
+    from fnvllm.kernels.sampling_segments import segmented_pick
 
     device = logits.device
     state = RowSampling(
@@ -95,7 +113,7 @@ def sample_with_kernels(
         ),
         out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
     )
-    work = penalised_copy(logits, batch)
+    work = penalised_copy(logits, batch, kernels=True)
     for group, source in ((batch.plain, logits), (batch.penalised, work)):
         if group is None or source is None:
             continue
@@ -105,12 +123,13 @@ def sample_with_kernels(
             continue
         if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):
             settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
+            pick = segmented_pick if TOP_K_BY_SEGMENTS and batch.candidates is not None else filtered_pick
             if FILTER_CHUNK is not None and batch.candidates is not None and source is logits:
                 fine = chunk_summaries(logits, batch.scale, group.filtered, FILTER_CHUNK)  # (3, F, C')
                 programs = torch.arange(group.filtered.shape[0], dtype=torch.int32, device=device)
-                filtered_pick(source, group.filtered, group.filtered, programs, fine, *settings, chunk=FILTER_CHUNK)
+                pick(source, group.filtered, group.filtered, programs, fine, *settings, chunk=FILTER_CHUNK)
                 continue
-            filtered_pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
+            pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
         else:
             _filtered_by_sorting(source, group, batch, state.drawn, state.out)
     return state.out

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import penalize_ref
 
-__all__ = ["OWNED", "penalize_", "penalize_ref"]
+__all__ = ["OWNED", "float_rows", "float_rows_ref", "penalize_", "penalize_ref"]
 
 OWNED = 1 << 30  # the owner bit of a count (output counts are below max_model_len, far below 2**30)
 _BLOCK = 1024  # positions per block
@@ -111,3 +111,39 @@ def penalize_(
             num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK,
         )  # fmt: skip
     return work
+
+
+_COPY_BLOCK = 4096  # elements per program of float_rows
+
+
+@triton.jit
+def _float_rows_kernel(src_ptr, rows_ptr, out_ptr, stride_src, vocab_size, HAS_ROWS: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    """Block program_id(1) of output row program_id(0): source row rows[i] (or i) upcast to float32."""
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab_size
+    x = tl.load(src_ptr + row * stride_src + cols, mask=mask)
+    tl.store(out_ptr + i.to(tl.int64) * vocab_size + cols, x.to(tl.float32), mask=mask)
+
+
+def float_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(P, V) float32 contiguous copy of logits rows ``rows`` ((P,) int32 / int64; None: every row), upcast: one
+    launch on a (rows, blocks) grid, in place of torch's index_select then ``.float()`` (a pass over a (256,
+    151,936) bf16 batch ran at ~2 TB/s on the H200, about half the copy bandwidth). Reference: ``float_rows_ref``."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
+    num_rows = logits.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty((num_rows, logits.shape[1]), dtype=torch.float32, device=logits.device)
+    if num_rows and logits.shape[1]:
+        _float_rows_kernel[(num_rows, triton.cdiv(logits.shape[1], _COPY_BLOCK))](
+            logits, logits if rows is None else rows, out, logits.stride(0), logits.shape[1],
+            HAS_ROWS=rows is not None, BLOCK=_COPY_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def float_rows_ref(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of ``float_rows``."""
+    return (logits if rows is None else logits.index_select(0, rows.long())).float().contiguous()
