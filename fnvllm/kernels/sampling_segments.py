@@ -215,11 +215,10 @@ def segmented_pick(
         return
     capacity = min(capacity, max(2, int(triton.next_power_of_2(logits.shape[1]))))  # no more than the row holds
     cells = num_filtered * num_chunks
-    flat = torch.empty(cells * (2 * segment + 1) + num_filtered * capacity, dtype=torch.int32, device=logits.device)
-    values = flat[: cells * segment].view(torch.float32)  # (F, C, SEGMENT)
-    ids = flat[cells * segment : 2 * cells * segment]  # (F, C, SEGMENT)
-    counts = flat[2 * cells * segment : cells * (2 * segment + 1)]  # (F, C)
-    scratch = flat[cells * (2 * segment + 1) :].view(torch.float32)  # (F, capacity)
+    values, ids, counts, scratch = _views(
+        (cells * segment, cells * segment, cells, num_filtered * capacity), logits.device
+    )  # (F, C, SEGMENT) float32, (F, C, SEGMENT) int32, (F, C) int32, (F, capacity) float32
+    values, scratch = values.view(torch.float32), scratch.view(torch.float32)
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
     _segment_kernel[(num_filtered, num_chunks)](
         logits, rows, sources, programs, stats, scale, top_k, values, ids, counts, logits.stride(0), logits.shape[1],
@@ -231,3 +230,13 @@ def segmented_pick(
         SEGMENT=segment, SLOTS=max(2, int(triton.next_power_of_2(num_chunks * segment))), BLOCK=min(block, chunk),
         SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=8,
     )  # fmt: skip
+
+
+def _views(sizes: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+    """int32 views of these sizes into one buffer, each starting at a multiple of 16 bytes (Triton compiles a kernel
+    variant per pointer alignment: an offset that depends on the row count would compile mid-run)."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 4) * 4)
+    flat = torch.empty(starts[-1], dtype=torch.int32, device=device)
+    return [flat[at : at + size] for at, size in zip(starts, sizes, strict=False)]
