@@ -4,8 +4,9 @@
     PYTHONPATH=$PWD python3 benchmarks/bench_sampling.py --topk [--iters 20]
 
 --topk: only the A/B of the top-k rows' route (``segmented_pick`` vs ``filtered_pick``) and the penalised rows'
-copy (``float_rows`` vs torch), on flat (std 0.64) and std-3 logits, preset and preset + repetition_penalty:
-device us per sampling call and whether the tokens of 3 seeded steps equal the old route's; a table last.
+copy (torch, ``float_rows``, or fused with the first pass: ``merged_summaries``), on flat (std 0.64) and std-3
+logits, preset and preset + repetition_penalty: device us per sampling call and whether the tokens of 3 seeded
+steps equal the old route's; a table last.
 
 DIR: the root of an older checkout (its ``fnvllm/`` package), e.g. made on the development machine with
 ``git archive <commit> fnvllm | tar -x -C .bench_base`` and carried to the GPU machine. Its sampler is timed in a
@@ -299,21 +300,25 @@ TOPK_CASES = {
     "preset": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
     "preset + rep 1.05": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05},
 }
-TOPK_ROUTES = {  # fused_sampling's switches per route; "old" is main's behaviour
-    "old": {"TOP_K_BY_SEGMENTS": False, "PENALISED_COPY_BY_KERNEL": False},
-    "new": {"TOP_K_BY_SEGMENTS": True, "PENALISED_COPY_BY_KERNEL": True},
-    "segments only": {"TOP_K_BY_SEGMENTS": True, "PENALISED_COPY_BY_KERNEL": False},
-    "copy kernel only": {"TOP_K_BY_SEGMENTS": False, "PENALISED_COPY_BY_KERNEL": True},
+_SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED")
+TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old" is main's behaviour
+    "old": (),
+    "new": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_FUSED"),
+    "segments only": ("TOP_K_BY_SEGMENTS",),
+    "segments + copy kernel": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL"),
+    "copy kernel only": ("PENALISED_COPY_BY_KERNEL",),
+    "fused copy only": ("PENALISED_COPY_FUSED",),
 }
 
 
-def routed(flags: dict[str, Any]) -> None:
-    """Set fused_sampling's route switches (and sampling_segments.SEGMENT when given as "SEGMENT")."""
+def routed(on: tuple[str, ...], segment: int = 16) -> None:
+    """Set fused_sampling's route switches (those in ``on`` True, the others False) and sampling_segments.SEGMENT."""
     from fnvllm.executor import fused_sampling
     from fnvllm.kernels import sampling_segments
 
-    for name, value in flags.items():
-        setattr(sampling_segments if name == "SEGMENT" else fused_sampling, name, value)
+    for name in _SWITCHES:
+        setattr(fused_sampling, name, name in on)
+    sampling_segments.SEGMENT = segment
 
 
 def topk_batches(kwargs: dict[str, Any], logits: torch.Tensor, steps: int) -> list[Any]:
@@ -373,11 +378,13 @@ def kernel_sums(fn: Callable[[], Any], calls: int = 5) -> str:
     return ", ".join(f"{name[:40]} {us:.1f}" for us, name in rows[:6])
 
 
-def topk_route(logits: torch.Tensor, batches: list[Any], flags: dict[str, Any], iters: int) -> tuple[Any, float]:
+def topk_route(
+    logits: torch.Tensor, batches: list[Any], on: tuple[str, ...], segment: int, iters: int
+) -> tuple[Any, float]:
     """(tokens (3, R) of the seeded steps, device us per call of the first) with fused_sampling's switches set."""
     from fnvllm.executor.sampler import Sampler
 
-    routed({"SEGMENT": 16, **flags})
+    routed(on, segment)
     sampler = Sampler(0)
     tokens = torch.stack([sampler.sample(logits, b).token_ids for b in batches])  # (3, R)
     return tokens, 1e3 * device_ms(lambda: sampler.sample(logits, batches[0]), iters)
@@ -389,21 +396,21 @@ def topk_case(spread: str, case: str, logits: torch.Tensor, iters: int) -> list[
 
     batches = topk_batches(TOPK_CASES[case], logits, steps=3)
     print(f"{spread}, {case}: " + overflow_stats(logits, batches[0], 16), flush=True)
-    variants = [(name, flags) for name, flags in TOPK_ROUTES.items() if "rep" in case or "copy" not in name]
-    variants += [(f"new, segment {seg}", {**TOPK_ROUTES["new"], "SEGMENT": seg}) for seg in (8, 32)]
+    variants = [(name, on, 16) for name, on in TOPK_ROUTES.items() if "rep" in case or "copy" not in name]
+    variants += [(f"new, segment {seg}", TOPK_ROUTES["new"], seg) for seg in (8, 32)]
     results, want = [], None
-    for route, flags in variants:
-        tokens, us = topk_route(logits, batches, flags, iters)
+    for route, on, segment in variants:
+        tokens, us = topk_route(logits, batches, on, segment, iters)
         want = tokens if want is None else want
         differ = int((tokens != want).sum())
         verdict = "PASS" if differ == 0 else f"FAIL ({differ} of {tokens.numel()} differ)"
         results.append((spread, case, route, us, verdict))
-        print(f"  {route:<20} {us:>8.1f} us  tokens == old: {verdict}", flush=True)
+        print(f"  {route:<22} {us:>8.1f} us  tokens == old: {verdict}", flush=True)
         if route in ("old", "new"):
             sampler, batch = Sampler(0), batches[0]
             sums = guarded_text(lambda: kernel_sums(lambda: sampler.sample(logits, batch)))  # noqa: B023
             print(f"    kernels (us/call): {sums}", flush=True)
-    routed({"SEGMENT": 16, **TOPK_ROUTES["old"]})
+    routed(TOPK_ROUTES["old"])
     assert want is not None
     agree = (Sampler(kernels=False).sample(logits, batches[0]).token_ids == want[0]).float().mean().item()
     print(f"  old route == float64 reference on {agree:.1%} of rows (a CDF step within rounding may differ)")
@@ -432,11 +439,11 @@ def guarded_text(fn: Callable[[], str]) -> str:
 
 def topk_table(results: list[tuple[str, str, str, float, str]]) -> str:
     """The --topk summary: per spread, case and route, device us per call, vs the old route, token equality."""
-    head = f"{'logits':<9} {'case':<18} {'route':<20} {'us/call':>8} {'vs old':>7}  tokens == old (3 seeded steps)"
+    head = f"{'logits':<9} {'case':<18} {'route':<22} {'us/call':>8} {'vs old':>7}  tokens == old (3 seeded steps)"
     lines = [head, "-" * len(head)]
     old = {(a, b): us for a, b, route, us, _ in results if route == "old"}
     for spread, case, route, us, verdict in results:
-        lines.append(f"{spread:<9} {case:<18} {route:<20} {us:>8.1f} {us / old[spread, case]:>7.2f}  {verdict}")
+        lines.append(f"{spread:<9} {case:<18} {route:<22} {us:>8.1f} {us / old[spread, case]:>7.2f}  {verdict}")
     note = "(256 rows x 151,936 bf16, one Sampler.sample call, device time by CUDA events, medians)"
     return "\n".join([*lines, note])
 

@@ -58,6 +58,44 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = F
 # The penalised rows' float32 copy by one Triton launch (True) or by torch (False: ``.float()`` of the rows ran at
 # ~2 TB/s on the H200, 112.6 us for 256 x 151,936 bf16; torch.profiler, 2026-12-02).
 PENALISED_COPY_BY_KERNEL = False
+# The penalised rows' copy fused with sample_rows' first pass (penalties from the slot buffer only): the penalty
+# kernel reads the values it edits from the logits and marks them in a bitmask, then one launch upcasts the other
+# tokens into the copy and summarises the chunks as it goes (``fnvllm.kernels.penalties.merged_summaries``): the
+# logits are read once and the copy written once, never read back for the summaries. Same copy, same tokens.
+PENALISED_COPY_FUSED = False
+
+
+def _penalised_source(
+    logits: torch.Tensor, batch: SamplingBatch, scratch: SamplingScratch | None
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(the penalised rows' penalised float32 copy, or None when no row has a penalty; their pass-1 summaries
+    (stats, argmax) when PENALISED_COPY_FUSED made them with the copy, else None)."""
+    from fnvllm.executor.history import SlotPenalties
+
+    penalties, group = batch.penalties, batch.penalised
+    if not PENALISED_COPY_FUSED or not isinstance(penalties, SlotPenalties) or penalties.counts is None:
+        return penalised_copy(logits, batch, kernels=True), None
+    if group is None:
+        return None, None
+    import triton
+
+    from fnvllm.kernels.penalties import merged_summaries, penalize_from_
+    from fnvllm.kernels.sampling import CHUNK
+
+    vocab, device = logits.shape[1], logits.device
+    num_rows = logits.shape[0] if group.rows is None else group.rows.shape[0]
+    work = torch.empty((num_rows, vocab), dtype=torch.float32, device=device)
+    edited = torch.zeros((num_rows, triton.cdiv(vocab, 32)), dtype=torch.int32, device=device)  # (P, V / 32) bits
+    penalize_from_(work, logits, group.rows, penalties.tokens, penalties.meta, penalties.factors, penalties.counts,
+                   edited)  # fmt: skip
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    if scratch is not None:
+        stats, argmax = scratch.chunk_stats(num_rows, num_chunks, device)
+    else:
+        stats = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=device)
+        argmax = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=device)
+    merged_summaries(logits, group.rows, work, edited, batch.scale, stats, argmax, CHUNK)
+    return work, (stats, argmax)
 
 
 # Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on
@@ -113,12 +151,12 @@ def sample_with_kernels(
         ),
         out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
     )
-    work = penalised_copy(logits, batch, kernels=True)
-    for group, source in ((batch.plain, logits), (batch.penalised, work)):
+    for group, penalised in ((batch.plain, False), (batch.penalised, True)):
+        source, summaries = _penalised_source(logits, batch, scratch) if penalised else (logits, None)
         if group is None or source is None:
             continue
-        dense = source is work and group.rows is not None
-        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense, scratch=scratch)
+        dense = penalised and group.rows is not None
+        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense, scratch=scratch, summaries=summaries)
         if not group.filtered.shape[0]:
             continue
         if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):

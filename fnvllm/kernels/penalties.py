@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import penalize_ref
 
-__all__ = ["OWNED", "float_rows", "float_rows_ref", "penalize_", "penalize_ref"]
+__all__ = ["OWNED", "float_rows", "float_rows_ref", "merged_summaries", "penalize_", "penalize_from_", "penalize_ref"]
 
 OWNED = 1 << 30  # the owner bit of a count (output counts are below max_model_len, far below 2**30)
 _BLOCK = 1024  # positions per block
@@ -44,14 +44,21 @@ def _penalize_kernel(
     meta_ptr,  # (3, P) int64: buffer row, context length ctx, number of outputs (the last ones before ctx)
     factors_ptr,  # (3, P) float32: repetition, frequency, presence
     counts_ptr,  # (G, V) int32 scratch, one row per program, zero on entry and on exit
+    src_ptr,  # FROM_SOURCE: (N, V) logits whose row src_rows[i] (or i) holds row i's values
+    src_rows_ptr,  # FROM_SOURCE and HAS_SRC_ROWS: (P,) int32 / int64
+    edited_ptr,  # FROM_SOURCE: (P, ceil(V / 32)) int32 bitmask, zero on entry: receives the edited tokens' bits
     stride_work,
     stride_tokens,
+    stride_src,
     num_rows,
     vocab_size,
     OWNED_BIT: tl.constexpr,
     BLOCK: tl.constexpr,
+    FROM_SOURCE: tl.constexpr,
+    HAS_SRC_ROWS: tl.constexpr,
 ):
-    """Penalise rows program_id(0), + G, + 2G, ... of ``work`` (G programs; see the module doc)."""
+    """Penalise rows program_id(0), + G, + 2G, ... of ``work`` (G programs; see the module doc); FROM_SOURCE: read
+    each edited value from the source logits (upcast) instead of ``work``, and set its bit in ``edited``."""
     counts = counts_ptr + tl.program_id(0).to(tl.int64) * vocab_size
     ones = tl.full([BLOCK], 1, dtype=tl.int32)
     for i in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):  # int64: i * stride_work
@@ -73,17 +80,39 @@ def _penalize_kernel(
             ok = (pos < ctx) & (tok >= 0) & (tok < vocab_size)
             old = tl.atomic_or(counts + tok, ones * OWNED_BIT, mask=ok)
             owner = ok & ((old & OWNED_BIT) == 0)
-            x = tl.load(work + tok, mask=owner, other=0.0)
+            if FROM_SOURCE:
+                src_row = tl.load(src_rows_ptr + i).to(tl.int64) if HAS_SRC_ROWS else i
+                x = tl.load(src_ptr + src_row * stride_src + tok, mask=owner, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(work + tok, mask=owner, other=0.0)
             x = tl.where(x > 0.0, tl.math.div_rn(x, repetition), x * repetition)
             c = old.to(tl.float32)
             x = x - (frequency * c + presence * (c > 0.0).to(tl.float32))
             tl.store(work + tok, x, mask=owner)
+            if FROM_SOURCE:
+                words = (vocab_size + 31) // 32
+                tl.atomic_or(edited_ptr + i * words + tok // 32, ones << (tok % 32), mask=owner)
         tl.debug_barrier()
         for start in range(0, ctx, BLOCK):  # 3. the scratch back to zero
             pos = start + tl.arange(0, BLOCK)
             tok = tl.load(row_tokens + pos, mask=pos < ctx, other=0)
             tl.store(counts + tok, ones * 0, mask=(pos < ctx) & (tok >= 0) & (tok < vocab_size))
         tl.debug_barrier()
+
+
+def _check_penalize(
+    work: torch.Tensor, tokens: torch.Tensor, meta: torch.Tensor, factors: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Raise ValueError naming the first of penalize_'s arguments that does not fit (see its doc)."""
+    num_rows, vocab = work.shape
+    if work.dtype != torch.float32 or work.stride(1) != 1:
+        raise ValueError(f"work must be float32 with contiguous rows, got {work.dtype}, strides {work.stride()}")
+    if tokens.dtype != torch.int32 or tokens.dim() != 2 or tokens.stride(1) != 1:
+        raise ValueError(f"tokens must be a row-contiguous (N, L) int32 tensor, got {tokens.dtype} {tokens.shape}")
+    if tuple(meta.shape) != (3, num_rows) or tuple(factors.shape) != (3, num_rows):
+        raise ValueError(f"meta and factors must be (3, {num_rows}), got {tuple(meta.shape)}, {tuple(factors.shape)}")
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[0] < 1 or counts.shape[1] != vocab:
+        raise ValueError(f"counts must be (G >= 1, {vocab}) int32, got {counts.dtype} {tuple(counts.shape)}")
 
 
 def penalize_(
@@ -97,18 +126,40 @@ def penalize_(
     scratch that is all zero (and is left so): G programs, each penalising rows g, g + G, ... in turn.
     """
     num_rows, vocab = work.shape
-    if work.dtype != torch.float32 or work.stride(1) != 1:
-        raise ValueError(f"work must be float32 with contiguous rows, got {work.dtype}, strides {work.stride()}")
-    if tokens.dtype != torch.int32 or tokens.dim() != 2 or tokens.stride(1) != 1:
-        raise ValueError(f"tokens must be a row-contiguous (N, L) int32 tensor, got {tokens.dtype} {tokens.shape}")
-    if tuple(meta.shape) != (3, num_rows) or tuple(factors.shape) != (3, num_rows):
-        raise ValueError(f"meta and factors must be (3, {num_rows}), got {tuple(meta.shape)}, {tuple(factors.shape)}")
-    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[0] < 1 or counts.shape[1] != vocab:
-        raise ValueError(f"counts must be (G >= 1, {vocab}) int32, got {counts.dtype} {tuple(counts.shape)}")
+    _check_penalize(work, tokens, meta, factors, counts)
     if num_rows:
         _penalize_kernel[(min(num_rows, counts.shape[0]),)](
-            work, tokens, meta.contiguous(), factors.contiguous(), counts, work.stride(0), tokens.stride(0),
-            num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK,
+            work, tokens, meta.contiguous(), factors.contiguous(), counts, work, work, work, work.stride(0),
+            tokens.stride(0), 0, num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK, FROM_SOURCE=False, HAS_SRC_ROWS=False,
+        )  # fmt: skip
+    return work
+
+
+def penalize_from_(
+    work: torch.Tensor,
+    source: torch.Tensor,
+    rows: torch.Tensor | None,
+    tokens: torch.Tensor,
+    meta: torch.Tensor,
+    factors: torch.Tensor,
+    counts: torch.Tensor,
+    edited: torch.Tensor,
+) -> torch.Tensor:
+    """``penalize_`` for rows whose float32 copy is not made yet: each edited value is read from ``source`` (N, V)
+    (row rows[i] holds row i; rows None: row i) and upcast, written to ``work`` (P, V) float32 (only there: the
+    other tokens of ``work`` stay unwritten), and its bit set in ``edited`` ((P, ceil(V / 32)) int32, zero on
+    entry: bit t % 32 of word t // 32). ``merged_summaries`` then fills the rest of ``work``. Returns ``work``."""
+    num_rows, vocab = work.shape
+    if source.dim() != 2 or source.stride(1) != 1 or source.shape[1] != vocab:
+        raise ValueError(f"source must be (N, {vocab}) with a contiguous last dim, got {tuple(source.shape)}")
+    if tuple(edited.shape) != (num_rows, triton.cdiv(vocab, 32)) or edited.dtype != torch.int32:
+        raise ValueError(f"edited must be ({num_rows}, {triton.cdiv(vocab, 32)}) int32, got {tuple(edited.shape)}")
+    _check_penalize(work, tokens, meta, factors, counts)
+    if num_rows:
+        _penalize_kernel[(min(num_rows, counts.shape[0]),)](
+            work, tokens, meta.contiguous(), factors.contiguous(), counts, source, source if rows is None else rows,
+            edited, work.stride(0), tokens.stride(0), source.stride(0), num_rows, vocab, OWNED_BIT=OWNED,
+            BLOCK=_BLOCK, FROM_SOURCE=True, HAS_SRC_ROWS=rows is not None,
         )  # fmt: skip
     return work
 
@@ -147,3 +198,76 @@ def float_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.
 def float_rows_ref(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of ``float_rows``."""
     return (logits if rows is None else logits.index_select(0, rows.long())).float().contiguous()
+
+
+@triton.jit(do_not_specialize=["num_programs"])
+def _merged_summaries_kernel(
+    src_ptr,  # (N, V) logits: batch row b at row b
+    rows_ptr,  # (P,) int32 / int64 batch rows of the penalised rows (when HAS_ROWS; else row i is batch row i)
+    edited_ptr,  # (P, ceil(V / 32)) int32 bitmask of the tokens penalize_from_ wrote into work
+    work_ptr,  # (P, V) float32: the penalised copy, completed here
+    scale_ptr,  # (B,) float32 inverse temperatures, 0 = greedy (the chunk max of the raw values)
+    stats_ptr,  # (3, P, C) float32: chunk max, chunk partition sum, non-finite flag (as sample_rows' pass 1)
+    argmax_ptr,  # (P, C) int32
+    stride_src,
+    num_programs,
+    vocab_size,
+    num_chunks,
+    CHUNK_SIZE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):
+    """Chunk program_id(1) of penalised row program_id(0): upcast the source's unedited tokens into work, and
+    summarise the chunk's penalised values exactly as ``fnvllm.kernels.sampling``'s pass 1 does."""
+    i, chunk = tl.program_id(0), tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
+    cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    mask = cols < vocab_size
+    bits = tl.load(edited_ptr + i.to(tl.int64) * ((vocab_size + 31) // 32) + cols // 32, mask=mask, other=0)
+    hit = ((bits >> (cols % 32)) & 1) != 0
+    work = work_ptr + i.to(tl.int64) * vocab_size + cols
+    x = tl.load(src_ptr + row * stride_src + cols, mask=mask & ~hit, other=0.0).to(tl.float32)
+    x = tl.where(hit, tl.load(work, mask=mask & hit, other=0.0), x)
+    tl.store(work, x, mask=mask & ~hit)
+    scale = tl.load(scale_ptr + row)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    bad = tl.max((mask & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.float32), axis=0)
+    scaled = tl.where(mask, x * scale, float("-inf"))
+    top = tl.max(scaled, axis=0)
+    first = tl.min(tl.where(scaled == top, cols, vocab_size), axis=0)  # lowest index among equal maxima
+    total = tl.sum(tl.where(mask, tl.exp(scaled - top), 0.0), axis=0)
+    at = i * num_chunks + chunk
+    plane = num_programs * num_chunks
+    tl.store(stats_ptr + at, top)
+    tl.store(stats_ptr + plane + at, total)
+    tl.store(stats_ptr + 2 * plane + at, bad)
+    tl.store(argmax_ptr + at, first)
+
+
+def merged_summaries(
+    source: torch.Tensor,
+    rows: torch.Tensor | None,
+    work: torch.Tensor,
+    edited: torch.Tensor,
+    scale: torch.Tensor,
+    stats: torch.Tensor,
+    argmax: torch.Tensor,
+    chunk: int,
+) -> None:
+    """After ``penalize_from_``: complete the penalised copy ``work`` (P, V) float32 with the upcast source
+    values of every token not in ``edited``, and write ``fnvllm.kernels.sampling.sample_rows``' pass-1 summaries of
+    its rows into stats (3, P, C) and argmax (P, C) int32 (chunks of ``chunk``; scale (B,) by batch row, source
+    (B, V) holding batch row rows[i] (or i) for work row i), in the same pass: the source is read once, the copy
+    written once and never read back for the summaries (``sample_rows(..., summaries=(stats, argmax))`` then draws).
+    The copy and the summaries are exactly those of ``float_rows`` + ``penalize_`` + pass 1."""
+    num_rows, vocab = work.shape
+    num_chunks = triton.cdiv(vocab, chunk)
+    if tuple(stats.shape) != (3, num_rows, num_chunks) or tuple(argmax.shape) != (num_rows, num_chunks):
+        raise ValueError(
+            f"stats and argmax must be (3, {num_rows}, {num_chunks}) and ({num_rows}, {num_chunks}), got "
+            f"{tuple(stats.shape)} and {tuple(argmax.shape)}"
+        )
+    if num_rows:
+        _merged_summaries_kernel[(num_rows, num_chunks)](
+            source, source if rows is None else rows, edited, work, scale, stats, argmax, source.stride(0), num_rows,
+            vocab, num_chunks, CHUNK_SIZE=chunk, HAS_ROWS=rows is not None, num_warps=8,
+        )  # fmt: skip
