@@ -5,10 +5,11 @@ penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair 
 take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
 ``filtered_pick`` launch when every such row has a top-k or only a min-p (with TOP_K_BY_SEGMENTS, top-k rows by
 ``segmented_pick``'s two launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
-torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch
-with no penalties and no filters is exactly two kernel launches over the logits. Penalised rows: a float32 copy,
-edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the penalties come from the
-executor's slot buffer).
+torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch with no penalties and no filters is
+exactly two kernel launches over the logits. Penalised rows: a float32 copy (by torch, or by ``float_rows`` with
+PENALISED_COPY_BY_KERNEL), edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the
+penalties come from the executor's slot buffer); with PENALISED_COPY_FUSED the edits come first (read from the
+logits, marked in a bitmask) and the copy of the other tokens is made by ``sample_rows``' first pass itself.
 
 ``sample_with_references`` (CPU, or anywhere without Triton): the same computation with
 ``fnvllm.kernels.sampling_ref``; uniforms of unseeded rows come from a torch.Generator.
