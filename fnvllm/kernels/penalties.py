@@ -68,6 +68,10 @@ def _penalize_kernel(
         repetition = tl.load(factors_ptr + i)
         frequency = tl.load(factors_ptr + num_rows + i)
         presence = tl.load(factors_ptr + 2 * num_rows + i)
+        if FROM_SOURCE:  # a row with a repetition penalty alone is _repetition_from_kernel's: no pass here
+            counted = (frequency != 0.0) | (presence != 0.0)
+            ctx = tl.where(counted, ctx, 0)
+            first_output = tl.where(counted, first_output, 0)
         work = work_ptr + i * stride_work
         for start in range(first_output, ctx, BLOCK):  # 1. output counts
             pos = start + tl.arange(0, BLOCK)
@@ -98,6 +102,50 @@ def _penalize_kernel(
             tok = tl.load(row_tokens + pos, mask=pos < ctx, other=0)
             tl.store(counts + tok, ones * 0, mask=(pos < ctx) & (tok >= 0) & (tok < vocab_size))
         tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["stride_tokens", "num_rows"])
+def _repetition_from_kernel(
+    work_ptr,  # (P, V) float32: receives the edited values
+    tokens_ptr,  # (N, L) int32 token buffer
+    meta_ptr,  # (3, P) int64: buffer row, context length, number of outputs
+    factors_ptr,  # (3, P) float32: repetition, frequency, presence
+    src_ptr,  # (N, V) logits whose row src_rows[i] (or i) holds row i's values
+    src_rows_ptr,  # (P,) int32 / int64 (when HAS_SRC_ROWS)
+    edited_ptr,  # (P, ceil(V / 32)) int32 bitmask: receives the edited tokens' bits
+    stride_work,
+    stride_tokens,
+    stride_src,
+    num_rows,
+    vocab_size,
+    HAS_SRC_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row program_id(0), if its only penalty is repetition, positions part, part + parts, ... (in BLOCKs) of its
+    context: x = x / r if x > 0 else x * r from the source value. No count and no owner: every position of a
+    token writes the same value (read from the source, never from work), so repeats need no election."""
+    i = tl.program_id(0).to(tl.int64)
+    frequency = tl.load(factors_ptr + num_rows + i)
+    presence = tl.load(factors_ptr + 2 * num_rows + i)
+    ctx = tl.where((frequency == 0.0) & (presence == 0.0), tl.load(meta_ptr + num_rows + i), 0)
+    row_tokens = tokens_ptr + tl.load(meta_ptr + i) * stride_tokens
+    repetition = tl.load(factors_ptr + i)
+    source = src_ptr + (tl.load(src_rows_ptr + i).to(tl.int64) if HAS_SRC_ROWS else i) * stride_src
+    edited = edited_ptr + i * ((vocab_size + 31) // 32)
+    ones = tl.full([BLOCK], 1, dtype=tl.int32)
+    first = tl.program_id(1).to(tl.int64) * BLOCK
+    for start in range(first, ctx, tl.num_programs(1).to(tl.int64) * BLOCK):
+        pos = start + tl.arange(0, BLOCK)
+        tok = tl.load(row_tokens + pos, mask=pos < ctx, other=0)
+        ok = (pos < ctx) & (tok >= 0) & (tok < vocab_size)
+        x = tl.load(source + tok, mask=ok, other=0.0).to(tl.float32)
+        x = tl.where(x > 0.0, tl.math.div_rn(x, repetition), x * repetition)
+        tl.store(work_ptr + i * stride_work + tok, x, mask=ok)
+        tl.atomic_or(edited + tok // 32, ones << (tok % 32), mask=ok)
+
+
+_REPETITION_PARTS = 4  # programs per row of _repetition_from_kernel
+_REPETITION_BLOCK = 256  # positions per block of _repetition_from_kernel
 
 
 def _check_penalize(
@@ -148,7 +196,9 @@ def penalize_from_(
     """``penalize_`` for rows whose float32 copy is not made yet: each edited value is read from ``source`` (N, V)
     (row rows[i] holds row i; rows None: row i) and upcast, written to ``work`` (P, V) float32 (only there: the
     other tokens of ``work`` stay unwritten), and its bit set in ``edited`` ((P, ceil(V / 32)) int32, zero on
-    entry: bit t % 32 of word t // 32). ``merged_summaries`` then fills the rest of ``work``. Returns ``work``."""
+    entry: bit t % 32 of word t // 32). ``merged_summaries`` then fills the rest of ``work``. Returns ``work``.
+    Rows whose only penalty is repetition take a launch of their own on a (rows, 4) grid with no count pass (the
+    edit of a token then depends on its source value alone); the others take ``penalize_``'s three passes."""
     num_rows, vocab = work.shape
     if source.dim() != 2 or source.stride(1) != 1 or source.shape[1] != vocab:
         raise ValueError(f"source must be (N, {vocab}) with a contiguous last dim, got {tuple(source.shape)}")
@@ -156,10 +206,15 @@ def penalize_from_(
         raise ValueError(f"edited must be ({num_rows}, {triton.cdiv(vocab, 32)}) int32, got {tuple(edited.shape)}")
     _check_penalize(work, tokens, meta, factors, counts)
     if num_rows:
+        meta, factors, src_rows = meta.contiguous(), factors.contiguous(), source if rows is None else rows
+        _repetition_from_kernel[(num_rows, _REPETITION_PARTS)](
+            work, tokens, meta, factors, source, src_rows, edited, work.stride(0), tokens.stride(0), source.stride(0),
+            num_rows, vocab, HAS_SRC_ROWS=rows is not None, BLOCK=_REPETITION_BLOCK,
+        )  # fmt: skip
         _penalize_kernel[(min(num_rows, counts.shape[0]),)](
-            work, tokens, meta.contiguous(), factors.contiguous(), counts, source, source if rows is None else rows,
-            edited, work.stride(0), tokens.stride(0), source.stride(0), num_rows, vocab, OWNED_BIT=OWNED,
-            BLOCK=_BLOCK, FROM_SOURCE=True, HAS_SRC_ROWS=rows is not None,
+            work, tokens, meta, factors, counts, source, src_rows, edited, work.stride(0), tokens.stride(0),
+            source.stride(0), num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK, FROM_SOURCE=True,
+            HAS_SRC_ROWS=rows is not None,
         )  # fmt: skip
     return work
 
