@@ -275,3 +275,33 @@ def test_sampler_with_the_fused_penalised_copy_draws_the_same_tokens(monkeypatch
     got = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
     assert calls == {"merged_summaries": 1}
     assert got == want == Sampler(kernels=False).sample(logits, batch).token_ids.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fused_penalised_copy_at_real_sizes() -> None:
+    """256 rows x 151,936 bf16 with 1,100-token histories (repetition alone on most rows, frequency / presence on
+    some): the fused copy and summaries equal float_rows + penalize_ + pass 1 bit for bit."""
+    from fnvllm.kernels.penalties import float_rows, merged_summaries, penalize_, penalize_from_
+
+    vocab, num_rows, ctx = 151936, 256, 1100
+    gen = torch.Generator().manual_seed(31)
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 0.64).bfloat16().cuda()
+    tokens = torch.randint(0, vocab, (num_rows, 2048), generator=gen, dtype=torch.int32).cuda()
+    meta = torch.tensor([list(range(num_rows)), [ctx] * num_rows, [ctx // 2] * num_rows]).cuda()
+    factors = torch.zeros(3, num_rows)
+    factors[0] = 1.05
+    factors[1:, ::8] = 0.3  # every 8th row also has frequency and presence penalties
+    factors = factors.cuda()
+    scale = torch.full((num_rows,), 1 / 0.6).cuda()
+    counts = torch.zeros(128, vocab, dtype=torch.int32).cuda()
+    want = penalize_(float_rows(logits), tokens, meta, factors, counts)
+    work = torch.empty(num_rows, vocab).cuda()
+    edited = torch.zeros(num_rows, -(-vocab // 32), dtype=torch.int32).cuda()
+    penalize_from_(work, logits, None, tokens, meta, factors, counts, edited)
+    chunks = -(-vocab // sampling.CHUNK)
+    stats, argmax = torch.empty(3, num_rows, chunks).cuda(), torch.empty(num_rows, chunks, dtype=torch.int32).cuda()
+    merged_summaries(logits, None, work, edited, scale, stats, argmax, sampling.CHUNK)
+    assert torch.equal(work, want)
+    rows = torch.arange(num_rows, device="cuda")
+    assert torch.equal(stats, sampling.chunk_summaries(want, scale, rows, sampling.CHUNK))

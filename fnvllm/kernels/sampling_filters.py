@@ -25,7 +25,8 @@ maximum can reach the current lower bound:
         settles in a few rounds (worst case about 32 / log2(G) + 1).
 
 Then one pass sums the kept mass (min-p applied) and one more, stopping at the crossing chunk, draws the token.
-Rows without a filter never enter this kernel.
+Rows without a filter never enter this kernel. ``fnvllm.kernels.sampling_segments`` finds top-k rows' candidates on
+a (rows, chunks) grid instead, and hands the rows its segments cannot hold to this per-row path (``_pick_row``).
 
 The log-partition kernel gives log sum exp(x) of the raw logits for the rows that asked for logprobs.
 """
