@@ -299,7 +299,10 @@ TOPK_HISTORY_LEN = 1100  # tokens per penalised row's history (prompt + output),
 TOPK_CASES = {
     "preset": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
     "preset + rep 1.05": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05},
+    "top_k 50, top_p 0.95": {"temperature": 0.6, "top_p": 0.95, "top_k": 50},  # above the 38 chunks: finer maxima
 }
+TOPK_RUNS = [(0.64, "preset"), (0.64, "preset + rep 1.05"), (3.0, "preset"), (3.0, "preset + rep 1.05")]
+TOPK_RUNS += [(0.64, "top_k 50, top_p 0.95")]
 _SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED")
 TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old" is main's behaviour
     "old": (),
@@ -341,22 +344,29 @@ def topk_batches(kwargs: dict[str, Any], logits: torch.Tensor, steps: int) -> li
     ]
 
 
-def overflow_stats(logits: torch.Tensor, batch: Any, segment: int) -> str:
+def overflow_stats(logits: torch.Tensor, batch: Any) -> str:
     """Candidates per row at or above the floor (k-th largest chunk maximum) and the rows whose fullest chunk holds
-    more than ``segment`` of them (those fall back to the per-row path), from the logits the filter reads."""
+    more than a segment of them (those fall back to the per-row path), from the logits the filter reads, at the
+    chunk and segment the segments route takes for these rows."""
+    from fnvllm.executor import fused_sampling
     from fnvllm.executor.fused_sampling import penalised_copy
+    from fnvllm.kernels import sampling_segments
     from fnvllm.kernels.sampling import CHUNK
 
+    chunk, segment = CHUNK, sampling_segments.SEGMENT
+    if int(batch.top_k.max()) > -(-VOCAB // CHUNK):
+        chunk, segment = fused_sampling.SEGMENTS_FINE_CHUNK, fused_sampling.SEGMENTS_FINE_SEGMENT
     source = penalised_copy(logits, batch)
     source = (logits if source is None else source).float() * batch.scale[:, None]
-    num_chunks = -(-VOCAB // CHUNK)
-    s = torch.nn.functional.pad(source, (0, num_chunks * CHUNK - VOCAB), value=float("-inf"))
-    s = s.view(ROWS, num_chunks, CHUNK)
+    num_chunks = -(-VOCAB // chunk)
+    s = torch.nn.functional.pad(source, (0, num_chunks * chunk - VOCAB), value=float("-inf"))
+    s = s.view(ROWS, num_chunks, chunk)
     maxima = s.amax(dim=-1)  # (R, C)
     floor = maxima.sort(dim=-1, descending=True).values.gather(1, (batch.top_k.long() - 1)[:, None])  # (R, 1)
     counts = (s >= floor[:, :, None]).sum(dim=-1)  # (R, C)
     over = int((counts.amax(dim=-1) > segment).sum())
-    return f"{counts.sum(dim=-1).float().mean().item():.1f} candidates/row, {over} rows over {segment}/chunk"
+    mean = counts.sum(dim=-1).float().mean().item()
+    return f"chunks of {chunk}: {mean:.1f} candidates/row, {over} rows with over {segment} in a chunk"
 
 
 def kernel_sums(fn: Callable[[], Any], calls: int = 5) -> str:
@@ -395,9 +405,11 @@ def topk_case(spread: str, case: str, logits: torch.Tensor, iters: int) -> list[
     from fnvllm.executor.sampler import Sampler
 
     batches = topk_batches(TOPK_CASES[case], logits, steps=3)
-    print(f"{spread}, {case}: " + overflow_stats(logits, batches[0], 16), flush=True)
+    print(f"{spread}, {case}: " + guarded_text(lambda: overflow_stats(logits, batches[0])), flush=True)
     variants = [(name, on, 16) for name, on in TOPK_ROUTES.items() if "rep" in case or "copy" not in name]
-    if spread == "std 0.64":  # the bench checkpoint's spread: the one to tune the segment on
+    if "top_k 50" in case:
+        variants = variants[:3]  # old, new, segments only
+    elif spread == "std 0.64":  # the bench checkpoint's spread: the one to tune the segment on
         variants += [(f"new, segment {seg}", TOPK_ROUTES["new"], seg) for seg in (8, 32)]
     results, want = [], None
     for route, on, segment in variants:
@@ -422,12 +434,12 @@ def topk_ab(iters: int) -> list[tuple[str, str, str, float, str]]:
     """Per logits spread (flat std 0.64, std 3) and case (preset, + repetition): device us per sampling call of
     each route (CUDA events), and whether its tokens on 3 seeded steps equal the old route's."""
     results = []
-    for spread in (0.64, 3.0):
+    for run, (spread, case) in enumerate(TOPK_RUNS):
         gen = torch.Generator().manual_seed(0)
         logits = (torch.randn(ROWS, VOCAB, generator=gen) * spread).to(torch.bfloat16).cuda()
-        for case in TOPK_CASES:
-            results += topk_case(f"std {spread}", case, logits, iters)
-        print(topk_table(results), flush=True)  # so far (a kill at the budget keeps it)
+        results += topk_case(f"std {spread}", case, logits, iters)
+        if run in (1, len(TOPK_RUNS) - 1):  # so far (a kill at the budget keeps it), and all of it last
+            print(topk_table(results), flush=True)
     return results
 
 
@@ -441,11 +453,11 @@ def guarded_text(fn: Callable[[], str]) -> str:
 
 def topk_table(results: list[tuple[str, str, str, float, str]]) -> str:
     """The --topk summary: per spread, case and route, device us per call, vs the old route, token equality."""
-    head = f"{'logits':<9} {'case':<18} {'route':<22} {'us/call':>8} {'vs old':>7}  tokens == old (3 seeded steps)"
+    head = f"{'logits':<9} {'case':<20} {'route':<22} {'us/call':>8} {'vs old':>7}  tokens == old (3 seeded steps)"
     lines = [head, "-" * len(head)]
     old = {(a, b): us for a, b, route, us, _ in results if route == "old"}
     for spread, case, route, us, verdict in results:
-        lines.append(f"{spread:<9} {case:<18} {route:<22} {us:>8.1f} {us / old[spread, case]:>7.2f}  {verdict}")
+        lines.append(f"{spread:<9} {case:<20} {route:<22} {us:>8.1f} {us / old[spread, case]:>7.2f}  {verdict}")
     note = "(256 rows x 151,936 bf16, one Sampler.sample call, device time by CUDA events, medians)"
     return "\n".join([*lines, note])
 

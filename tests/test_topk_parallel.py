@@ -305,3 +305,33 @@ def test_gpu_fused_penalised_copy_at_real_sizes() -> None:
     assert torch.equal(work, want)
     rows = torch.arange(num_rows, device="cuda")
     assert torch.equal(stats, sampling.chunk_summaries(want, scale, rows, sampling.CHUNK))
+
+
+def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TOP_K_BY_SEGMENTS, a batch whose largest top-k exceeds sample_rows' chunks (here 4 of 4096; HF's top_k
+    50 against 38 in a real vocabulary) takes finer chunk maxima (SEGMENTS_FINE_CHUNK) so the segments have a floor,
+    and draws exactly the references' tokens (plain rows and a whole penalised batch)."""
+    import attrs
+
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+    from fnvllm.state import SamplingParams
+    from fnvllm.state.plan import TokenHistory
+
+    vocab = 3 * sampling.CHUNK + 50
+    logits = (torch.randn(3, vocab, generator=torch.Generator().manual_seed(23)) * 0.64).bfloat16().to(DEVICE)
+    rows = [
+        SamplingParams(temperature=0.6, top_k=9, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=6, min_p=0.02),
+        SamplingParams(temperature=0.8, top_k=3),
+    ]
+    monkeypatch.setattr(fused_sampling, "TOP_K_BY_SEGMENTS", True)
+    calls = _count_calls(monkeypatch, [(sampling, "chunk_summaries"), (sampling_segments, "segmented_pick")])
+    for penalty in (1.0, 1.2):
+        params = [attrs.evolve(p, seed=300 + i, repetition_penalty=penalty) for i, p in enumerate(rows)]
+        seen = TokenHistory(prompt=(1, 2, 3), output=tuple(logits[0].float().topk(3).indices.tolist()))
+        histories = [seen if p.needs_history else None for p in params]
+        batch = prepare_sampling(params, [2] * 3, histories, vocab, DEVICE)
+        got = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
+        assert got == Sampler(kernels=False).sample(logits, batch).token_ids.tolist()
+    assert calls == {"chunk_summaries": 2, "segmented_pick": 2}

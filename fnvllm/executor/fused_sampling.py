@@ -31,7 +31,7 @@ from fnvllm.kernels.sampling_ref import filtered_sample_sorted, sample_rows_ref
 
 if TYPE_CHECKING:
     from fnvllm.executor.sampler import RowGroup, SamplingBatch
-    from fnvllm.kernels.sampling import SamplingScratch
+    from fnvllm.kernels.sampling import RowSampling, SamplingScratch
 
 __all__ = [
     "NonFiniteLogitsError",
@@ -114,6 +114,11 @@ FILTER_CHUNK: int | None = None
 # streams every chunk that reaches the row's floor (288.7 us per call at 256 flat rows x 151,936 on the H200,
 # torch.profiler 2026-12-02: latency-bound). Same draws for the same uniforms.
 TOP_K_BY_SEGMENTS = False
+# With TOP_K_BY_SEGMENTS, the chunk of the finer maxima taken when a top-k exceeds the 4096-token chunks (HF's
+# default top_k 50 against 38 chunks: 149 chunks of 1024), and the candidate slots per chunk there (149 x 4 sort
+# in one 1024-slot vector per row).
+SEGMENTS_FINE_CHUNK = 1024
+SEGMENTS_FINE_SEGMENT = 4
 
 
 def sample_with_kernels(
@@ -136,9 +141,7 @@ def sample_with_kernels(
     kernel 0.49 ms per call, by torch.topk candidates 0.62 ms (torch.topk alone 0.44 ms); min-p alone runs at full
     speed with the kernel and slowly with a full sort. scratch: the kernels' device scratch kept between calls
     (``fnvllm.kernels.sampling.SamplingScratch``; None: fresh tensors)."""
-    from fnvllm.kernels.sampling import RowSampling, chunk_summaries, sample_rows
-    from fnvllm.kernels.sampling_filters import filtered_pick
-    from fnvllm.kernels.sampling_segments import segmented_pick
+    from fnvllm.kernels.sampling import RowSampling, sample_rows
 
     device = logits.device
     state = RowSampling(
@@ -161,17 +164,41 @@ def sample_with_kernels(
         if not group.filtered.shape[0]:
             continue
         if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):
-            settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
-            pick = segmented_pick if TOP_K_BY_SEGMENTS and batch.candidates is not None else filtered_pick
-            if FILTER_CHUNK is not None and batch.candidates is not None and source is logits:
-                fine = chunk_summaries(logits, batch.scale, group.filtered, FILTER_CHUNK)  # (3, F, C')
-                programs = torch.arange(group.filtered.shape[0], dtype=torch.int32, device=device)
-                pick(source, group.filtered, group.filtered, programs, fine, *settings, chunk=FILTER_CHUNK)
-                continue
-            pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
+            whole = source is logits or group.rows is None  # every batch row at its own index
+            _pick_filtered(source, group, batch, stats, state, whole)
         else:
             _filtered_by_sorting(source, group, batch, state.drawn, state.out)
     return state.out
+
+
+def _pick_filtered(
+    source: torch.Tensor, group: RowGroup, batch: SamplingBatch, stats: torch.Tensor, state: RowSampling, whole: bool
+) -> None:
+    """Redraw the group's filtered rows by ``filtered_pick`` or (TOP_K_BY_SEGMENTS, every row with a top-k)
+    ``segmented_pick``, from ``stats`` (``sample_rows``' summaries of the group) or, when ``whole`` (source holds
+    every batch row at its own index), from finer chunk summaries: FILTER_CHUNK's, or SEGMENTS_FINE_CHUNK's when
+    the largest top-k exceeds the chunks (the segments' floor is the k-th largest chunk maximum: at top_k 50 and 38
+    chunks there is none, and those rows would take the per-row path)."""
+    from fnvllm.executor.sampler import TIE_MARGIN
+    from fnvllm.kernels.sampling import chunk_summaries
+    from fnvllm.kernels.sampling_filters import filtered_pick
+    from fnvllm.kernels.sampling_segments import segmented_pick
+
+    settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
+    segments = TOP_K_BY_SEGMENTS and batch.candidates is not None
+    pick = segmented_pick if segments else filtered_pick
+    chunk, extra = (FILTER_CHUNK if batch.candidates is not None else None), {}
+    num_chunks = stats.shape[2]
+    largest_k = (batch.candidates or 0) - TIE_MARGIN  # at most the batch's largest top-k
+    finer = -(-source.shape[1] // SEGMENTS_FINE_CHUNK) > num_chunks
+    if segments and chunk is None and largest_k > num_chunks and finer:
+        chunk, extra = SEGMENTS_FINE_CHUNK, {"segment": SEGMENTS_FINE_SEGMENT}
+    if chunk is not None and whole:
+        fine = chunk_summaries(source, batch.scale, group.filtered, chunk)  # (3, F, C')
+        programs = torch.arange(group.filtered.shape[0], dtype=torch.int32, device=source.device)
+        pick(source, group.filtered, group.filtered, programs, fine, *settings, chunk=chunk, **extra)
+        return
+    pick(source, group.filtered, group.filtered_sources, group.filtered_programs, stats, *settings)
 
 
 def _filtered_by_sorting(
