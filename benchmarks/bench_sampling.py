@@ -46,6 +46,7 @@ import torch
 
 ROWS, VOCAB, HISTORY_LEN = 256, 151936, 600
 MAX_LEN = 4096  # the slot buffer's row length (max_model_len)
+STARTED = time.perf_counter()  # --topk prints seconds since the start beside each case
 
 
 def cases() -> dict[str, list[dict[str, Any]]]:
@@ -405,11 +406,12 @@ def topk_case(spread: str, case: str, logits: torch.Tensor, iters: int) -> list[
     from fnvllm.executor.sampler import Sampler
 
     batches = topk_batches(TOPK_CASES[case], logits, steps=3)
-    print(f"{spread}, {case}: " + guarded_text(lambda: overflow_stats(logits, batches[0])), flush=True)
+    stats = guarded_text(lambda: overflow_stats(logits, batches[0]))
+    print(f"[{time.perf_counter() - STARTED:.0f} s] {spread}, {case}: {stats}", flush=True)
     variants = [(name, on, 16) for name, on in TOPK_ROUTES.items() if "rep" in case or "copy" not in name]
     if "top_k 50" in case:
         variants = variants[:3]  # old, new, segments only
-    elif spread == "std 0.64":  # the bench checkpoint's spread: the one to tune the segment on
+    elif spread == "std 0.64" and "rep" not in case:  # the bench checkpoint's spread: the one to tune on
         variants += [(f"new, segment {seg}", TOPK_ROUTES["new"], seg) for seg in (8, 32)]
     results, want = [], None
     for route, on, segment in variants:
