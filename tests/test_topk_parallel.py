@@ -231,8 +231,21 @@ def test_fused_penalised_copy_equals_copy_then_penalties_then_summaries(with_row
     assert torch.equal(work, want) and not counts.any()
     batch_rows = rows if with_rows else torch.arange(num_rows, device=DEVICE)
     full = torch.zeros((6, vocab), device=DEVICE).index_copy(0, batch_rows.long(), want)  # batch row b at row b
-    assert torch.equal(stats, sampling.chunk_summaries(full, scale, batch_rows, chunk))
+    assert torch.equal(stats, _first_pass(full, scale, batch_rows, chunk))
     assert bool((edited != 0).any())
+
+
+def _first_pass(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """sample_rows' chunk summaries (3, R, C) of batch rows ``rows`` of logits (every batch row at its index)."""
+    num_rows = logits.shape[0]
+    state = sampling.RowSampling(
+        scale=scale,
+        fixed=torch.zeros(num_rows, dtype=torch.int32, device=logits.device),
+        uniforms=torch.zeros(num_rows, device=logits.device),
+        drawn=torch.empty((3, num_rows), device=logits.device),
+        out=torch.empty((2, num_rows), dtype=torch.int64, device=logits.device),
+    )
+    return sampling.sample_rows(logits, state, seed=0, rows=rows, chunk=chunk).clone()
 
 
 def test_sampler_with_the_fused_penalised_copy_draws_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -304,7 +317,7 @@ def test_gpu_fused_penalised_copy_at_real_sizes() -> None:
     merged_summaries(logits, None, work, edited, scale, stats, argmax, sampling.CHUNK)
     assert torch.equal(work, want)
     rows = torch.arange(num_rows, device="cuda")
-    assert torch.equal(stats, sampling.chunk_summaries(want, scale, rows, sampling.CHUNK))
+    assert torch.equal(stats, _first_pass(want, scale, rows, sampling.CHUNK))
 
 
 def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(monkeypatch: pytest.MonkeyPatch) -> None:
