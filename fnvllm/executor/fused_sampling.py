@@ -57,12 +57,15 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = F
 
 
 # The penalised rows' float32 copy by one Triton launch (True) or by torch (False: ``.float()`` of the rows ran at
-# ~2 TB/s on the H200, 112.6 us for 256 x 151,936 bf16; torch.profiler, 2026-12-02).
-PENALISED_COPY_BY_KERNEL = False
+# ~2 TB/s on the H200, 110 us for 256 x 151,936 bf16). Measured on the H200 (bench_sampling.py --topk, 2026-12-02),
+# preset + repetition_penalty 1.05 at 256 rows, us per sampling call: 764 -> 586 (flat logits), 586 -> 552 (std 3).
+PENALISED_COPY_BY_KERNEL = True
 # The penalised rows' copy fused with sample_rows' first pass (penalties from the slot buffer only): the penalty
 # kernel reads the values it edits from the logits and marks them in a bitmask, then one launch upcasts the other
 # tokens into the copy and summarises the chunks as it goes (``fnvllm.kernels.penalties.merged_summaries``): the
-# logits are read once and the copy written once, never read back for the summaries. Same copy, same tokens.
+# logits are read once and the copy written once, never read back for the summaries. Same copy, same tokens. Off:
+# measured on the H200 (bench_sampling.py --topk, 2026-12-02) its summaries pass took 162 us per call at 256 rows
+# (as long as the copy and the first pass it replaces), and the route 659 us against 469 for the copy kernel.
 PENALISED_COPY_FUSED = False
 
 
@@ -111,14 +114,15 @@ TOP_K_BY_FILTER_KERNEL = True
 FILTER_CHUNK: int | None = None
 # Top-k rows on that route by ``segmented_pick`` (``fnvllm.kernels.sampling_segments``: their candidates found by a
 # (rows, chunks) grid, then one short program per row) instead of ``filtered_pick``'s one program per row, which
-# streams every chunk that reaches the row's floor (288.7 us per call at 256 flat rows x 151,936 on the H200,
-# torch.profiler 2026-12-02: latency-bound). Same draws for the same uniforms.
-TOP_K_BY_SEGMENTS = False
+# streams every chunk that reaches the row's floor (290 us per call at 256 flat rows x 151,936 on the H200,
+# torch.profiler 2026-12-02: latency-bound). Same draws for the same uniforms (bench_sampling.py --topk: the tokens
+# of 3 seeded steps of 256 rows equal, flat and std-3 logits, with and without repetition penalties).
+TOP_K_BY_SEGMENTS = True
 # With TOP_K_BY_SEGMENTS, the chunk of the finer maxima taken when a top-k exceeds the 4096-token chunks (HF's
-# default top_k 50 against 38 chunks: 149 chunks of 1024), and the candidate slots per chunk there (149 x 4 sort
-# in one 1024-slot vector per row).
+# default top_k 50 against 38 chunks: 149 chunks of 1024), and the candidate slots per chunk there (149 x 8 in one
+# 2048-slot vector per row; with 4, 4 of 256 flat rows overflowed and took the per-row path, ~150 us on the H200).
 SEGMENTS_FINE_CHUNK = 1024
-SEGMENTS_FINE_SEGMENT = 4
+SEGMENTS_FINE_SEGMENT = 8
 
 
 def sample_with_kernels(

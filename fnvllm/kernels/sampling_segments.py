@@ -6,6 +6,7 @@ half the row (20 of 38 chunks of 4096 at top_k 20), ~80k values read by one prog
 GPU: latency-bound (289 us per call at 256 rows on the H200, ~150 GB/s). Here the same candidates are found by
 ~10k programs at once, and the per-row work is done in registers:
 
+    pass 0, grid (F,): row i's floor, the k-th largest of its chunk maxima (sorted in registers, once per row);
     pass 1, grid (F, C): program (i, c) exits at once unless chunk c's maximum reaches row i's floor; else it reads
         the chunk and writes its tokens at or above the floor (scaled logits s = x * (1 / T) and token ids, in id
         order) into segment (i, c) of a candidate buffer, SEGMENT slots padded with -inf, and their number
@@ -42,18 +43,31 @@ __all__ = ["SEGMENT", "segmented_pick"]
 SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
 
 
-@triton.jit
-def _floor(chunk_max_ptr, num_chunks, k, CHUNKS_PAD: tl.constexpr):
-    """(floor key (int32), whether it exists): the key of the k-th largest chunk maximum, when 1 <= k <= chunks."""
-    ids = tl.arange(0, CHUNKS_PAD)
-    m = tl.load(chunk_max_ptr + ids, mask=ids < num_chunks, other=float("-inf")) + 0.0
-    keys = tl.where(ids < num_chunks, _key(m), -2147483648)  # a padding chunk is below every real one
-    rank = tl.sum((keys[None, :] >= keys[:, None]).to(tl.int32), axis=1)  # (C,) chunk maxima at or above each
-    kth = tl.max(tl.where((ids < num_chunks) & (rank >= k), keys, -2147483648), axis=0)
-    return kth, (k >= 1) & (k <= num_chunks)
-
-
 @triton.jit(do_not_specialize=["num_chunks"])
+def _floor_kernel(
+    rows_ptr,  # (F,) int32 or int64 batch rows
+    prog_ptr,  # (F,) their rows in stats
+    stats_ptr,  # (3, R, C) float32 chunk summaries; plane 0 holds the chunk maxima of the scaled logits
+    top_k_ptr,  # (B,) int32 or int64
+    floors_ptr,  # (2, F) int32: receives each row's floor key, and 1 where it has one (1 <= k <= chunks)
+    num_filtered,
+    num_chunks,
+    CHUNKS_PAD: tl.constexpr,
+):
+    """Row program_id(0)'s floor: the key of its k-th largest chunk maximum (the chunk maxima sorted in registers,
+    once per row: a rank matrix in each of the (rows, chunks) programs cost O(chunks^2) each, 220 us per call at
+    256 x 38 on the H200)."""
+    i = tl.program_id(0)
+    k = tl.load(top_k_ptr + tl.load(rows_ptr + i).to(tl.int64))
+    ids = tl.arange(0, CHUNKS_PAD)
+    m = tl.load(stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks + ids, mask=ids < num_chunks, other=0.0)
+    keys = tl.where(ids < num_chunks, _key(m + 0.0), -2147483648)  # a padding chunk is below every real one
+    ranked = tl.sort(keys, descending=True)  # (C,) best first, ties kept: the k-th is the k-th largest
+    tl.store(floors_ptr + i, tl.sum(tl.where(ids == k - 1, ranked, 0), axis=0))
+    tl.store(floors_ptr + num_filtered + i, ((k >= 1) & (k <= num_chunks)).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
 def _segment_kernel(
     logits_ptr,
     rows_ptr,  # (F,) int32 or int64 batch rows
@@ -61,24 +75,24 @@ def _segment_kernel(
     prog_ptr,  # (F,) their rows in stats
     stats_ptr,  # (3, R, C) float32 chunk summaries; plane 0 holds the chunk maxima of the scaled logits
     scale_ptr,  # (B,) float32 inverse temperatures
-    top_k_ptr,  # (B,) int32 or int64
+    floors_ptr,  # (2, F) int32 from _floor_kernel
     values_ptr,  # (F, C, SEGMENT) float32: receives the candidates' scaled logits, -inf past the count
     ids_ptr,  # (F, C, SEGMENT) int32: receives their token ids
     counts_ptr,  # (F, C) int32: receives each chunk's candidate count (0 for a chunk below the floor)
     stride_row,
     vocab_size,
     num_chunks,
+    num_filtered,
     CHUNK: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
     SEGMENT: tl.constexpr,
 ):
     """Program (i, c): the tokens of chunk c of filtered row i at or above the row's floor (module doc)."""
     i, c = tl.program_id(0), tl.program_id(1)
     cell = i.to(tl.int64) * num_chunks + c
-    chunk_max_ptr = stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    floor, exists = _floor(chunk_max_ptr, num_chunks, tl.load(top_k_ptr + row), CHUNKS_PAD)
-    if exists & (_key(tl.load(chunk_max_ptr + c) + 0.0) >= floor):
+    chunk_max = tl.load(stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks + c)
+    floor = tl.load(floors_ptr + i)
+    if (tl.load(floors_ptr + num_filtered + i) != 0) & (_key(chunk_max + 0.0) >= floor):
+        row = tl.load(rows_ptr + i).to(tl.int64)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         mask = cols < vocab_size
         row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
@@ -215,14 +229,17 @@ def segmented_pick(
         return
     capacity = min(capacity, max(2, int(triton.next_power_of_2(logits.shape[1]))))  # no more than the row holds
     cells = num_filtered * num_chunks
-    values, ids, counts, scratch = _views(
-        (cells * segment, cells * segment, cells, num_filtered * capacity), logits.device
-    )  # (F, C, SEGMENT) float32, (F, C, SEGMENT) int32, (F, C) int32, (F, capacity) float32
+    values, ids, counts, scratch, floors = _views(
+        (cells * segment, cells * segment, cells, num_filtered * capacity, 2 * num_filtered), logits.device
+    )  # (F, C, SEGMENT) float32, (F, C, SEGMENT) int32, (F, C) int32, (F, capacity) float32, (2, F) int32
     values, scratch = values.view(torch.float32), scratch.view(torch.float32)
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
+    _floor_kernel[(num_filtered,)](
+        rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
+    )
     _segment_kernel[(num_filtered, num_chunks)](
-        logits, rows, sources, programs, stats, scale, top_k, values, ids, counts, logits.stride(0), logits.shape[1],
-        num_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment, num_warps=8,
+        logits, rows, sources, programs, stats, scale, floors, values, ids, counts, logits.stride(0),
+        logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, SEGMENT=segment, num_warps=8 if chunk >= 2048 else 4,
     )  # fmt: skip
     _segments_pick_kernel[(num_filtered,)](
         logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, values, ids, counts, scratch,
