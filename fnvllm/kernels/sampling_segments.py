@@ -60,10 +60,10 @@ def _floor_kernel(
     i = tl.program_id(0)
     k = tl.load(top_k_ptr + tl.load(rows_ptr + i).to(tl.int64))
     ids = tl.arange(0, CHUNKS_PAD)
-    m = tl.load(stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks + ids, mask=ids < num_chunks, other=0.0)
-    keys = tl.where(ids < num_chunks, _key(m + 0.0), -2147483648)  # a padding chunk is below every real one
-    ranked = tl.sort(keys, descending=True)  # (C,) best first, ties kept: the k-th is the k-th largest
-    tl.store(floors_ptr + i, tl.sum(tl.where(ids == k - 1, ranked, 0), axis=0))
+    at = stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks + ids
+    m = tl.load(at, mask=ids < num_chunks, other=float("-inf")) + 0.0  # padding sorts last
+    ranked = tl.sort(m, descending=True)  # (C,) best first, ties kept: the k-th is the k-th largest
+    tl.store(floors_ptr + i, _key(tl.sum(tl.where(ids == k - 1, ranked, 0.0), axis=0) + 0.0))
     tl.store(floors_ptr + num_filtered + i, ((k >= 1) & (k <= num_chunks)).to(tl.int32))
 
 
