@@ -305,11 +305,11 @@ TOPK_CASES = {
 TOPK_RUNS = [(0.64, "preset"), (0.64, "preset + rep 1.05"), (3.0, "preset"), (3.0, "preset + rep 1.05")]
 TOPK_RUNS += [(0.64, "top_k 50, top_p 0.95")]
 _SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED")
-TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old" is main's behaviour
+TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old": main before them, "new": the defaults
     "old": (),
-    "new": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_FUSED"),
+    "new": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL"),
     "segments only": ("TOP_K_BY_SEGMENTS",),
-    "segments + copy kernel": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL"),
+    "segments + fused copy": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_FUSED"),
     "copy kernel only": ("PENALISED_COPY_BY_KERNEL",),
     "fused copy only": ("PENALISED_COPY_FUSED",),
 }

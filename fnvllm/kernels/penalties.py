@@ -280,9 +280,9 @@ def _merged_summaries_kernel(
     bits = tl.load(edited_ptr + i.to(tl.int64) * ((vocab_size + 31) // 32) + cols // 32, mask=mask, other=0)
     hit = ((bits >> (cols % 32)) & 1) != 0
     work = work_ptr + i.to(tl.int64) * vocab_size + cols
-    x = tl.load(src_ptr + row * stride_src + cols, mask=mask & ~hit, other=0.0).to(tl.float32)
-    x = tl.where(hit, tl.load(work, mask=mask & hit, other=0.0), x)
-    tl.store(work, x, mask=mask & ~hit)
+    x = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)  # masked by the row alone:
+    x = tl.where(hit, tl.load(work, mask=mask & hit, other=0.0), x)  # vector loads and stores (per-token masks
+    tl.store(work, x, mask=mask)  # made them scalar); an edited token is written back by the thread that read it
     scale = tl.load(scale_ptr + row)
     scale = tl.where(scale > 0.0, scale, 1.0)
     bad = tl.max((mask & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.float32), axis=0)
