@@ -4,7 +4,7 @@
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
 take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
 ``filtered_pick`` launch when every such row has a top-k or only a min-p (with TOP_K_BY_SEGMENTS, top-k rows by
-``segmented_pick``'s two launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
+``segmented_pick``'s three launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
 torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch with no penalties and no filters is
 exactly two kernel launches over the logits. Penalised rows: a float32 copy (by torch, or by ``float_rows`` with
 PENALISED_COPY_BY_KERNEL), edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the
@@ -116,7 +116,9 @@ FILTER_CHUNK: int | None = None
 # (rows, chunks) grid, then one short program per row) instead of ``filtered_pick``'s one program per row, which
 # streams every chunk that reaches the row's floor (290 us per call at 256 flat rows x 151,936 on the H200,
 # torch.profiler 2026-12-02: latency-bound). Same draws for the same uniforms (bench_sampling.py --topk: the tokens
-# of 3 seeded steps of 256 rows equal, flat and std-3 logits, with and without repetition penalties).
+# of 3 seeded steps of 256 rows equal, flat and std-3 logits, with and without repetition penalties). Measured there
+# with each (row, chunk) program finding its row's floor itself (since computed once per row): us per sampling call
+# at 256 rows, preset 410 -> 379 (flat) and 394 -> 371 (std 3), + repetition_penalty 764 -> 469 with the copy kernel.
 TOP_K_BY_SEGMENTS = True
 # With TOP_K_BY_SEGMENTS, the chunk of the finer maxima taken when a top-k exceeds the 4096-token chunks (HF's
 # default top_k 50 against 38 chunks: 149 chunks of 1024), and the candidate slots per chunk there (149 x 8 in one
