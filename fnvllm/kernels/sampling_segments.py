@@ -206,9 +206,8 @@ def segmented_pick(
 ) -> None:
     """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by three launches: the
     floors (one program per row), the candidate pass on a (rows, chunks) grid, then one program per row (module
-    doc). segment (a power of two; None:
-    SEGMENT): the candidate slots per (row, chunk); a row with more candidates in one chunk falls back to
-    ``filtered_pick``'s per-row path (block and capacity are that path's)."""
+    doc). segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
+    in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's)."""
     segment = SEGMENT if segment is None else segment
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
