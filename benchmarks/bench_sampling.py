@@ -304,11 +304,12 @@ TOPK_CASES = {
 }
 TOPK_RUNS = [(0.64, "preset"), (0.64, "preset + rep 1.05"), (3.0, "preset"), (3.0, "preset + rep 1.05")]
 TOPK_RUNS += [(0.64, "top_k 50, top_p 0.95")]
-_SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED")
+_SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED", "PENALTIES_FROM_SOURCE")
 TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old": main before them, "new": the defaults
     "old": (),
     "new": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL"),
     "segments only": ("TOP_K_BY_SEGMENTS",),
+    "new + pen. from source": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALTIES_FROM_SOURCE"),
     "segments + fused copy": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_FUSED"),
     "copy kernel only": ("PENALISED_COPY_BY_KERNEL",),
     "fused copy only": ("PENALISED_COPY_FUSED",),
@@ -408,7 +409,8 @@ def topk_case(spread: str, case: str, logits: torch.Tensor, iters: int) -> list[
     batches = topk_batches(TOPK_CASES[case], logits, steps=3)
     stats = guarded_text(lambda: overflow_stats(logits, batches[0]))
     print(f"[{time.perf_counter() - STARTED:.0f} s] {spread}, {case}: {stats}", flush=True)
-    variants = [(name, on, 16) for name, on in TOPK_ROUTES.items() if "rep" in case or "copy" not in name]
+    penalty_routes = [name for name in TOPK_ROUTES if "copy" in name or "pen." in name]
+    variants = [(name, on, 16) for name, on in TOPK_ROUTES.items() if "rep" in case or name not in penalty_routes]
     if "top_k 50" in case:
         variants = variants[:3]  # old, new, segments only
     elif spread == "std 0.64" and "rep" not in case:  # the bench checkpoint's spread: the one to tune on

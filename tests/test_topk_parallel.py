@@ -235,6 +235,25 @@ def test_fused_penalised_copy_equals_copy_then_penalties_then_summaries(with_row
     assert bool((edited != 0).any())
 
 
+def test_penalties_from_source_on_the_copy_equal_penalize() -> None:
+    """penalize_from_ without a bitmask, on the float_rows copy (edits read from the source: rows with a repetition
+    penalty alone take the count-free launch, the others the three passes) leaves exactly what penalize_ leaves."""
+    from fnvllm.kernels.penalties import float_rows, penalize_, penalize_from_
+
+    vocab, num_rows = 300, 4
+    gen = torch.Generator().manual_seed(24)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).bfloat16().to(DEVICE)
+    rows = torch.tensor([5, 0, 3, 2], dtype=torch.int64, device=DEVICE)
+    tokens = torch.randint(0, 40, (num_rows + 1, 90), generator=gen, dtype=torch.int32).to(DEVICE)  # many repeats
+    meta = torch.tensor([[4, 0, 2, 1], [90, 60, 1, 33], [40, 0, 1, 33]], device=DEVICE)
+    factors = torch.tensor([[1.3, 0.8, 1.05, 2.0], [0.0, 0.0, -1.0, 0.2], [0.0, 0.0, 0.7, -0.4]], device=DEVICE)
+    counts = torch.zeros(2, vocab, dtype=torch.int32, device=DEVICE)
+    want = penalize_(float_rows(logits, rows), tokens, meta, factors, counts)
+    got = penalize_from_(float_rows(logits, rows), logits, rows, tokens, meta, factors, counts, None)
+    assert torch.equal(got, want) and not counts.any()
+    assert not torch.equal(want, float_rows(logits, rows))  # the case does penalise
+
+
 def _first_pass(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
     """sample_rows' chunk summaries (3, R, C) of batch rows ``rows`` of logits (every batch row at its index)."""
     num_rows = logits.shape[0]
@@ -284,10 +303,14 @@ def test_sampler_with_the_fused_penalised_copy_draws_the_same_tokens(monkeypatch
     want = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
     monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", True)
     monkeypatch.setattr(fused_sampling, "TOP_K_BY_SEGMENTS", True)
-    calls = _count_calls(monkeypatch, [(penalties_kernels, "merged_summaries")])
+    calls = _count_calls(monkeypatch, [(penalties_kernels, "merged_summaries"), (penalties_kernels, "penalize_from_")])
     got = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
-    assert calls == {"merged_summaries": 1}
+    assert calls == {"merged_summaries": 1, "penalize_from_": 1}
     assert got == want == Sampler(kernels=False).sample(logits, batch).token_ids.tolist()
+    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", False)  # the copy kernel, edits from the source
+    monkeypatch.setattr(fused_sampling, "PENALTIES_FROM_SOURCE", True)
+    assert Sampler(kernels=True).sample(logits, batch).token_ids.tolist() == want
+    assert calls == {"merged_summaries": 1, "penalize_from_": 2}
 
 
 @pytest.mark.gpu

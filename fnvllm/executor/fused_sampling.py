@@ -49,9 +49,14 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = F
         return None
     rows = batch.penalised.rows
     if kernels and PENALISED_COPY_BY_KERNEL:
-        from fnvllm.kernels.penalties import float_rows
+        from fnvllm.executor.history import SlotPenalties
+        from fnvllm.kernels.penalties import float_rows, penalize_from_
 
-        return batch.penalties.apply_(float_rows(logits, rows))
+        pen = batch.penalties
+        if PENALTIES_FROM_SOURCE and isinstance(pen, SlotPenalties) and pen.counts is not None:
+            work = float_rows(logits, rows)
+            return penalize_from_(work, logits, rows, pen.tokens, pen.meta, pen.factors, pen.counts, None)
+        return pen.apply_(float_rows(logits, rows))
     work = logits.to(torch.float32, copy=True) if rows is None else logits.index_select(0, rows).float()
     return batch.penalties.apply_(work)
 
@@ -60,6 +65,11 @@ def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = F
 # ~2 TB/s on the H200, 110 us for 256 x 151,936 bf16). Measured on the H200 (bench_sampling.py --topk, 2026-12-02),
 # preset + repetition_penalty 1.05 at 256 rows, us per sampling call: 764 -> 586 (flat logits), 586 -> 552 (std 3).
 PENALISED_COPY_BY_KERNEL = True
+# With the copy kernel and penalties from the slot buffer: each edit reads its value from the logits, not from the
+# copy, so a row whose only penalty is repetition needs no count pass and no owner election (a (rows, 4) grid of
+# ``penalize_from_``; the penalty kernel took 61 us at 256 rows of ~1,100 tokens on the H200, one program per row).
+# Same copy, bit for bit. Off until measured (bench_sampling.py --topk, route "new + penalties from source").
+PENALTIES_FROM_SOURCE = False
 # The penalised rows' copy fused with sample_rows' first pass (penalties from the slot buffer only): the penalty
 # kernel reads the values it edits from the logits and marks them in a bitmask, then one launch upcasts the other
 # tokens into the copy and summarises the chunks as it goes (``fnvllm.kernels.penalties.merged_summaries``): the

@@ -56,9 +56,10 @@ def _penalize_kernel(
     BLOCK: tl.constexpr,
     FROM_SOURCE: tl.constexpr,
     HAS_SRC_ROWS: tl.constexpr,
+    MARK: tl.constexpr,
 ):
     """Penalise rows program_id(0), + G, + 2G, ... of ``work`` (G programs; see the module doc); FROM_SOURCE: read
-    each edited value from the source logits (upcast) instead of ``work``, and set its bit in ``edited``."""
+    each edited value from the source logits (upcast) instead of ``work``, and (MARK) set its bit in ``edited``."""
     counts = counts_ptr + tl.program_id(0).to(tl.int64) * vocab_size
     ones = tl.full([BLOCK], 1, dtype=tl.int32)
     for i in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):  # int64: i * stride_work
@@ -93,7 +94,7 @@ def _penalize_kernel(
             c = old.to(tl.float32)
             x = x - (frequency * c + presence * (c > 0.0).to(tl.float32))
             tl.store(work + tok, x, mask=owner)
-            if FROM_SOURCE:
+            if MARK:
                 words = (vocab_size + 31) // 32
                 tl.atomic_or(edited_ptr + i * words + tok // 32, ones << (tok % 32), mask=owner)
         tl.debug_barrier()
@@ -120,6 +121,7 @@ def _repetition_from_kernel(
     vocab_size,
     HAS_SRC_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    MARK: tl.constexpr,
 ):
     """Row program_id(0), if its only penalty is repetition, positions part, part + parts, ... (in BLOCKs) of its
     context: x = x / r if x > 0 else x * r from the source value. No count and no owner: every position of a
@@ -141,7 +143,8 @@ def _repetition_from_kernel(
         x = tl.load(source + tok, mask=ok, other=0.0).to(tl.float32)
         x = tl.where(x > 0.0, tl.math.div_rn(x, repetition), x * repetition)
         tl.store(work_ptr + i * stride_work + tok, x, mask=ok)
-        tl.atomic_or(edited + tok // 32, ones << (tok % 32), mask=ok)
+        if MARK:
+            tl.atomic_or(edited + tok // 32, ones << (tok % 32), mask=ok)
 
 
 _REPETITION_PARTS = 4  # programs per row of _repetition_from_kernel
@@ -179,6 +182,7 @@ def penalize_(
         _penalize_kernel[(min(num_rows, counts.shape[0]),)](
             work, tokens, meta.contiguous(), factors.contiguous(), counts, work, work, work, work.stride(0),
             tokens.stride(0), 0, num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK, FROM_SOURCE=False, HAS_SRC_ROWS=False,
+            MARK=False,
         )  # fmt: skip
     return work
 
@@ -191,30 +195,33 @@ def penalize_from_(
     meta: torch.Tensor,
     factors: torch.Tensor,
     counts: torch.Tensor,
-    edited: torch.Tensor,
+    edited: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``penalize_`` for rows whose float32 copy is not made yet: each edited value is read from ``source`` (N, V)
-    (row rows[i] holds row i; rows None: row i) and upcast, written to ``work`` (P, V) float32 (only there: the
-    other tokens of ``work`` stay unwritten), and its bit set in ``edited`` ((P, ceil(V / 32)) int32, zero on
-    entry: bit t % 32 of word t // 32). ``merged_summaries`` then fills the rest of ``work``. Returns ``work``.
+    """``penalize_`` with each edited value read from ``source`` (N, V) (row rows[i] holds row i; rows None: row i)
+    and upcast, written to ``work`` (P, V) float32 (only there), and, when ``edited`` is given, its bit set there
+    ((P, ceil(V / 32)) int32, zero on entry: bit t % 32 of word t // 32): for a copy not made yet, which
+    ``merged_summaries`` then completes. Without ``edited``: ``work`` already holds the upcast rows (``float_rows``),
+    and ends exactly as ``penalize_`` leaves it. Returns ``work``.
     Rows whose only penalty is repetition take a launch of their own on a (rows, 4) grid with no count pass (the
     edit of a token then depends on its source value alone); the others take ``penalize_``'s three passes."""
     num_rows, vocab = work.shape
     if source.dim() != 2 or source.stride(1) != 1 or source.shape[1] != vocab:
         raise ValueError(f"source must be (N, {vocab}) with a contiguous last dim, got {tuple(source.shape)}")
-    if tuple(edited.shape) != (num_rows, triton.cdiv(vocab, 32)) or edited.dtype != torch.int32:
-        raise ValueError(f"edited must be ({num_rows}, {triton.cdiv(vocab, 32)}) int32, got {tuple(edited.shape)}")
+    words = triton.cdiv(vocab, 32)
+    if edited is not None and (tuple(edited.shape) != (num_rows, words) or edited.dtype != torch.int32):
+        raise ValueError(f"edited must be ({num_rows}, {words}) int32, got {tuple(edited.shape)}")
     _check_penalize(work, tokens, meta, factors, counts)
     if num_rows:
         meta, factors, src_rows = meta.contiguous(), factors.contiguous(), source if rows is None else rows
         _repetition_from_kernel[(num_rows, _REPETITION_PARTS)](
-            work, tokens, meta, factors, source, src_rows, edited, work.stride(0), tokens.stride(0), source.stride(0),
-            num_rows, vocab, HAS_SRC_ROWS=rows is not None, BLOCK=_REPETITION_BLOCK,
+            work, tokens, meta, factors, source, src_rows, work if edited is None else edited, work.stride(0),
+            tokens.stride(0), source.stride(0), num_rows, vocab, HAS_SRC_ROWS=rows is not None,
+            BLOCK=_REPETITION_BLOCK, MARK=edited is not None,
         )  # fmt: skip
         _penalize_kernel[(min(num_rows, counts.shape[0]),)](
-            work, tokens, meta, factors, counts, source, src_rows, edited, work.stride(0), tokens.stride(0),
-            source.stride(0), num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK, FROM_SOURCE=True,
-            HAS_SRC_ROWS=rows is not None,
+            work, tokens, meta, factors, counts, source, src_rows, work if edited is None else edited, work.stride(0),
+            tokens.stride(0), source.stride(0), num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK, FROM_SOURCE=True,
+            HAS_SRC_ROWS=rows is not None, MARK=edited is not None,
         )  # fmt: skip
     return work
 
