@@ -304,6 +304,7 @@ TOPK_CASES = {
 }
 TOPK_RUNS = [(0.64, "preset"), (0.64, "preset + rep 1.05"), (3.0, "preset"), (3.0, "preset + rep 1.05")]
 TOPK_RUNS += [(0.64, "top_k 50, top_p 0.95")]
+QUICK = False  # --quick: the flat preset and preset + repetition cases only, routes old / new (+ its A/B switch)
 _SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED", "PENALTIES_FROM_SOURCE")
 TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old": main before them, "new": the defaults
     "old": (),
@@ -411,7 +412,9 @@ def topk_case(spread: str, case: str, logits: torch.Tensor, iters: int) -> list[
     print(f"[{time.perf_counter() - STARTED:.0f} s] {spread}, {case}: {stats}", flush=True)
     penalty_routes = [name for name in TOPK_ROUTES if "copy" in name or "pen." in name]
     variants = [(name, on, 16) for name, on in TOPK_ROUTES.items() if "rep" in case or name not in penalty_routes]
-    if "top_k 50" in case:
+    if QUICK:
+        variants = [v for v in variants if v[0] in ("old", "new", "new + pen. from source")]
+    elif "top_k 50" in case:
         variants = variants[:3]  # old, new, segments only
     elif spread == "std 0.64" and "rep" not in case:  # the bench checkpoint's spread: the one to tune on
         variants += [(f"new, segment {seg}", TOPK_ROUTES["new"], seg) for seg in (8, 32)]
@@ -438,11 +441,12 @@ def topk_ab(iters: int) -> list[tuple[str, str, str, float, str]]:
     """Per logits spread (flat std 0.64, std 3) and case (preset, + repetition): device us per sampling call of
     each route (CUDA events), and whether its tokens on 3 seeded steps equal the old route's."""
     results = []
-    for run, (spread, case) in enumerate(TOPK_RUNS):
+    runs = TOPK_RUNS[:2] if QUICK else TOPK_RUNS
+    for run, (spread, case) in enumerate(runs):
         gen = torch.Generator().manual_seed(0)
         logits = (torch.randn(ROWS, VOCAB, generator=gen) * spread).to(torch.bfloat16).cuda()
         results += topk_case(f"std {spread}", case, logits, iters)
-        if run in (1, len(TOPK_RUNS) - 1):  # so far (a kill at the budget keeps it), and all of it last
+        if run in (1, len(runs) - 1):  # so far (a kill at the budget keeps it), and all of it last
             print(topk_table(results), flush=True)
     return results
 
@@ -503,12 +507,15 @@ def main() -> None:
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--topk", action="store_true", help="only the top-k / penalised-copy A/B (old vs new route)")
+    parser.add_argument("--quick", action="store_true", help="with --topk: flat logits, old and new routes only")
     args = parser.parse_args()
     if args.iters < 1:
         parser.error("--iters must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("bench_sampling needs a CUDA GPU")
     if args.topk:
+        global QUICK
+        QUICK = args.quick
         topk_ab(args.iters)  # prints the table after each spread, the whole one last
         return
     if args.worker:
