@@ -43,7 +43,7 @@ __all__ = ["SEGMENT", "segmented_pick"]
 SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
+@triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
 def _floor_kernel(
     rows_ptr,  # (F,) int32 or int64 batch rows
     prog_ptr,  # (F,) their rows in stats
