@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python3 benchmarks/bench_sampling.py --topk [--iters 20]
 
 --topk: only the A/B of the top-k rows' route (``segmented_pick`` vs ``filtered_pick``) and the penalised rows'
-copy (torch, ``float_rows``, or fused with the first pass: ``merged_summaries``), on flat (std 0.64) and std-3
+copy (torch or ``float_rows``), on flat (std 0.64) and std-3
 logits, preset and preset + repetition_penalty: device us per sampling call and whether the tokens of 3 seeded
 steps equal the old route's; a table last.
 
@@ -305,15 +305,13 @@ TOPK_CASES = {
 TOPK_RUNS = [(0.64, "preset"), (0.64, "preset + rep 1.05"), (3.0, "preset"), (3.0, "preset + rep 1.05")]
 TOPK_RUNS += [(0.64, "top_k 50, top_p 0.95")]
 QUICK = False  # --quick: the flat preset and preset + repetition cases only, routes old / new (+ its A/B switch)
-_SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALISED_COPY_FUSED", "PENALTIES_FROM_SOURCE")
+_SWITCHES = ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALTIES_FROM_SOURCE")
 TOPK_ROUTES = {  # fused_sampling's switches per route (those on); "old": main before them, "new": the defaults
     "old": (),
     "new": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL"),
     "segments only": ("TOP_K_BY_SEGMENTS",),
     "new + pen. from source": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_BY_KERNEL", "PENALTIES_FROM_SOURCE"),
-    "segments + fused copy": ("TOP_K_BY_SEGMENTS", "PENALISED_COPY_FUSED"),
     "copy kernel only": ("PENALISED_COPY_BY_KERNEL",),
-    "fused copy only": ("PENALISED_COPY_FUSED",),
 }
 
 

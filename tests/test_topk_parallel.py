@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fnvllm.kernels import penalties, sampling, sampling_filters, sampling_segments
-from fnvllm.kernels import penalties as penalties_kernels
 from fnvllm.kernels.sampling_segments import segmented_pick
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,37 +203,6 @@ def test_gpu_segments_equal_the_filter_kernel_at_real_sizes(spread: float) -> No
     assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
 
 
-@pytest.mark.parametrize("with_rows", [False, True])
-def test_fused_penalised_copy_equals_copy_then_penalties_then_summaries(with_rows: bool) -> None:
-    """penalize_from_ then merged_summaries give bit for bit the float32 copy that float_rows + penalize_ give
-    (signed penalties, repeated tokens, bf16 source with a partial last chunk, a subset of rows or all of them)
-    and the chunk summaries sample_rows' first pass takes of that copy."""
-    from fnvllm.kernels.penalties import float_rows, merged_summaries, penalize_, penalize_from_
-
-    vocab, chunk, num_rows = 300, 64, 4
-    gen = torch.Generator().manual_seed(21)
-    logits = (torch.randn(6, vocab, generator=gen) * 3).bfloat16().to(DEVICE)
-    rows = torch.tensor([5, 0, 3, 2], dtype=torch.int32, device=DEVICE) if with_rows else None
-    source = logits if with_rows else logits[:num_rows].contiguous()
-    tokens = torch.randint(0, vocab, (num_rows + 1, 90), generator=gen, dtype=torch.int32).to(DEVICE)
-    meta = torch.tensor([[4, 0, 2, 1], [90, 60, 1, 33], [40, 0, 1, 33]], device=DEVICE)  # slot, ctx, outputs
-    factors = torch.tensor([[1.3, 0.8, 1.05, 2.0], [0.5, 0.0, -1.0, 0.2], [0.3, 0.0, 0.7, -0.4]], device=DEVICE)
-    scale = torch.tensor([1.7, 0.0, 1.2, 2.5, 1.0, 0.9], device=DEVICE)
-    counts = torch.zeros(2, vocab, dtype=torch.int32, device=DEVICE)
-    want = penalize_(float_rows(source, rows), tokens, meta, factors, counts)
-    work = torch.full((num_rows, vocab), float("nan"), device=DEVICE)  # any content: every token is written
-    edited = torch.zeros((num_rows, -(-vocab // 32)), dtype=torch.int32, device=DEVICE)
-    penalize_from_(work, source, rows, tokens, meta, factors, counts, edited)
-    stats = torch.empty((3, num_rows, 5), device=DEVICE)
-    argmax = torch.empty((num_rows, 5), dtype=torch.int32, device=DEVICE)
-    merged_summaries(source, rows, work, edited, scale, stats, argmax, chunk)
-    assert torch.equal(work, want) and not counts.any()
-    batch_rows = rows if with_rows else torch.arange(num_rows, device=DEVICE)
-    full = torch.zeros((6, vocab), device=DEVICE).index_copy(0, batch_rows.long(), want)  # batch row b at row b
-    assert torch.equal(stats, _first_pass(full, scale, batch_rows, chunk))
-    assert bool((edited != 0).any())
-
-
 def test_penalties_from_source_on_the_copy_equal_penalize() -> None:
     """penalize_from_ without a bitmask, on the float_rows copy (edits read from the source: rows with a repetition
     penalty alone take the count-free launch, the others the three passes) leaves exactly what penalize_ leaves."""
@@ -265,82 +233,6 @@ def _first_pass(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, c
         out=torch.empty((2, num_rows), dtype=torch.int64, device=logits.device),
     )
     return sampling.sample_rows(logits, state, seed=0, rows=rows, chunk=chunk).clone()
-
-
-def test_sampler_with_the_fused_penalised_copy_draws_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With PENALISED_COPY_FUSED (and the segments route) a batch of penalised and plain rows draws exactly the
-    tokens of the default route and of the references for the same seeded uniforms."""
-    import attrs
-
-    from fnvllm.executor import fused_sampling
-    from fnvllm.executor.history import SlotHistory
-    from fnvllm.executor.sampler import Sampler, prepare_sampling
-    from fnvllm.state import SamplingParams, StepPlan
-    from fnvllm.state.plan import TokenHistory
-
-    vocab, num_rows = 2 * sampling.CHUNK + 30, 4
-    rows = [
-        SamplingParams(temperature=0.6, top_k=2, top_p=0.95, repetition_penalty=1.3, seed=1),
-        SamplingParams(temperature=0.8, seed=2),
-        SamplingParams(temperature=0.7, frequency_penalty=0.5, presence_penalty=0.4, seed=3),
-        SamplingParams(temperature=0.0, repetition_penalty=2.0),
-    ]
-    logits = (torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(22)) * 0.64).bfloat16().to(DEVICE)
-    seen = [tuple(logits[i].float().topk(6).indices.tolist()) for i in range(num_rows)]  # each row's best tokens
-    histories = [TokenHistory(prompt=s[:3], output=s[3:]) for s in seen]
-    plan = StepPlan(
-        step=0, block_size=16, seq_ids=tuple(f"r{i}" for i in range(num_rows)),
-        input_tokens=tuple(h.output[-1:] for h in histories), start_positions=(5,) * num_rows,
-        block_tables=((0,),) * num_rows, sample=(True,) * num_rows, params=tuple(rows),
-        num_generated=(3,) * num_rows, histories=tuple(histories), num_admitted=num_rows, slots=tuple(range(num_rows)),
-    )  # fmt: skip
-    history = SlotHistory(num_rows, 16, vocab, torch.device(DEVICE))
-    history.admit(plan)
-    penalties = history.penalties(plan, list(range(num_rows)))
-    assert penalties is not None
-    penalties = attrs.evolve(penalties, counts=torch.zeros(2, vocab, dtype=torch.int32, device=DEVICE))  # kernel
-    batch = prepare_sampling(rows, [3] * num_rows, [None] * num_rows, vocab, DEVICE, penalties)
-    want = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
-    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", True)
-    monkeypatch.setattr(fused_sampling, "TOP_K_BY_SEGMENTS", True)
-    calls = _count_calls(monkeypatch, [(penalties_kernels, "merged_summaries"), (penalties_kernels, "penalize_from_")])
-    got = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()
-    assert calls == {"merged_summaries": 1, "penalize_from_": 1}
-    assert got == want == Sampler(kernels=False).sample(logits, batch).token_ids.tolist()
-    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", False)  # the copy kernel, edits from the source
-    monkeypatch.setattr(fused_sampling, "PENALTIES_FROM_SOURCE", True)
-    assert Sampler(kernels=True).sample(logits, batch).token_ids.tolist() == want
-    assert calls == {"merged_summaries": 1, "penalize_from_": 2}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_fused_penalised_copy_at_real_sizes() -> None:
-    """256 rows x 151,936 bf16 with 1,100-token histories (repetition alone on most rows, frequency / presence on
-    some): the fused copy and summaries equal float_rows + penalize_ + pass 1 bit for bit."""
-    from fnvllm.kernels.penalties import float_rows, merged_summaries, penalize_, penalize_from_
-
-    vocab, num_rows, ctx = 151936, 256, 1100
-    gen = torch.Generator().manual_seed(31)
-    logits = (torch.randn(num_rows, vocab, generator=gen) * 0.64).bfloat16().cuda()
-    tokens = torch.randint(0, vocab, (num_rows, 2048), generator=gen, dtype=torch.int32).cuda()
-    meta = torch.tensor([list(range(num_rows)), [ctx] * num_rows, [ctx // 2] * num_rows]).cuda()
-    factors = torch.zeros(3, num_rows)
-    factors[0] = 1.05
-    factors[1:, ::8] = 0.3  # every 8th row also has frequency and presence penalties
-    factors = factors.cuda()
-    scale = torch.full((num_rows,), 1 / 0.6).cuda()
-    counts = torch.zeros(128, vocab, dtype=torch.int32).cuda()
-    want = penalize_(float_rows(logits), tokens, meta, factors, counts)
-    work = torch.empty(num_rows, vocab).cuda()
-    edited = torch.zeros(num_rows, -(-vocab // 32), dtype=torch.int32).cuda()
-    penalize_from_(work, logits, None, tokens, meta, factors, counts, edited)
-    chunks = -(-vocab // sampling.CHUNK)
-    stats, argmax = torch.empty(3, num_rows, chunks).cuda(), torch.empty(num_rows, chunks, dtype=torch.int32).cuda()
-    merged_summaries(logits, None, work, edited, scale, stats, argmax, sampling.CHUNK)
-    assert torch.equal(work, want)
-    rows = torch.arange(num_rows, device="cuda")
-    assert torch.equal(stats, _first_pass(want, scale, rows, sampling.CHUNK))
 
 
 def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(monkeypatch: pytest.MonkeyPatch) -> None:

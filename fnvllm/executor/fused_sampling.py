@@ -8,8 +8,7 @@ take the argmax, unfiltered rows are done), then the group's top-k / top-p / min
 torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch with no penalties and no filters is
 exactly two kernel launches over the logits. Penalised rows: a float32 copy (by torch, or by ``float_rows`` with
 PENALISED_COPY_BY_KERNEL), edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the
-penalties come from the executor's slot buffer); with PENALISED_COPY_FUSED the edits come first (read from the
-logits, marked in a bitmask) and the copy of the other tokens is made by ``sample_rows``' first pass itself.
+penalties come from the executor's slot buffer).
 
 ``sample_with_references`` (CPU, or anywhere without Triton): the same computation with
 ``fnvllm.kernels.sampling_ref``; uniforms of unseeded rows come from a torch.Generator.
@@ -68,48 +67,9 @@ PENALISED_COPY_BY_KERNEL = True
 # With the copy kernel and penalties from the slot buffer: each edit reads its value from the logits, not from the
 # copy, so a row whose only penalty is repetition needs no count pass and no owner election (a (rows, 4) grid of
 # ``penalize_from_``; the penalty kernel took 61 us at 256 rows of ~1,100 tokens on the H200, one program per row).
-# Same copy, bit for bit. Off until measured (bench_sampling.py --topk, route "new + penalties from source").
+# Same copy, bit for bit. Off: measured on the H200 (bench_sampling.py --topk --quick, 2026-12-02 09:35) 442.8 us per
+# sampling call at 256 flat rows of the preset + repetition_penalty 1.05 against 433.3 without it.
 PENALTIES_FROM_SOURCE = False
-# The penalised rows' copy fused with sample_rows' first pass (penalties from the slot buffer only): the penalty
-# kernel reads the values it edits from the logits and marks them in a bitmask, then one launch upcasts the other
-# tokens into the copy and summarises the chunks as it goes (``fnvllm.kernels.penalties.merged_summaries``): the
-# logits are read once and the copy written once, never read back for the summaries. Same copy, same tokens. Off:
-# measured on the H200 (bench_sampling.py --topk, 2026-12-02) its summaries pass took 162 us per call at 256 rows
-# (as long as the copy and the first pass it replaces), and the route 659 us against 469 for the copy kernel.
-PENALISED_COPY_FUSED = False
-
-
-def _penalised_source(
-    logits: torch.Tensor, batch: SamplingBatch, scratch: SamplingScratch | None
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(the penalised rows' penalised float32 copy, or None when no row has a penalty; their pass-1 summaries
-    (stats, argmax) when PENALISED_COPY_FUSED made them with the copy, else None)."""
-    from fnvllm.executor.history import SlotPenalties
-
-    penalties, group = batch.penalties, batch.penalised
-    if not PENALISED_COPY_FUSED or not isinstance(penalties, SlotPenalties) or penalties.counts is None:
-        return penalised_copy(logits, batch, kernels=True), None
-    if group is None:
-        return None, None
-    import triton
-
-    from fnvllm.kernels.penalties import merged_summaries, penalize_from_
-    from fnvllm.kernels.sampling import CHUNK
-
-    vocab, device = logits.shape[1], logits.device
-    num_rows = logits.shape[0] if group.rows is None else group.rows.shape[0]
-    work = torch.empty((num_rows, vocab), dtype=torch.float32, device=device)
-    edited = torch.zeros((num_rows, triton.cdiv(vocab, 32)), dtype=torch.int32, device=device)  # (P, V / 32) bits
-    penalize_from_(work, logits, group.rows, penalties.tokens, penalties.meta, penalties.factors, penalties.counts,
-                   edited)  # fmt: skip
-    num_chunks = triton.cdiv(vocab, CHUNK)
-    if scratch is not None:
-        stats, argmax = scratch.chunk_stats(num_rows, num_chunks, device)
-    else:
-        stats = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=device)
-        argmax = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=device)
-    merged_summaries(logits, group.rows, work, edited, batch.scale, stats, argmax, CHUNK)
-    return work, (stats, argmax)
 
 
 # Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on
@@ -172,11 +132,11 @@ def sample_with_kernels(
         out=torch.empty((2, batch.num_rows), dtype=torch.int64, device=device),
     )
     for group, penalised in ((batch.plain, False), (batch.penalised, True)):
-        source, summaries = _penalised_source(logits, batch, scratch) if penalised else (logits, None)
+        source = penalised_copy(logits, batch, kernels=True) if penalised else logits
         if group is None or source is None:
             continue
         dense = penalised and group.rows is not None
-        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense, scratch=scratch, summaries=summaries)
+        stats = sample_rows(source, state, seed, rows=group.rows, dense=dense, scratch=scratch)
         if not group.filtered.shape[0]:
             continue
         if filter_kernel or batch.min_p_only or (batch.candidates is not None and TOP_K_BY_FILTER_KERNEL):

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import penalize_ref
 
-__all__ = ["OWNED", "float_rows", "float_rows_ref", "merged_summaries", "penalize_", "penalize_from_", "penalize_ref"]
+__all__ = ["OWNED", "float_rows", "float_rows_ref", "penalize_", "penalize_from_", "penalize_ref"]
 
 OWNED = 1 << 30  # the owner bit of a count (output counts are below max_model_len, far below 2**30)
 _BLOCK = 1024  # positions per block
@@ -199,8 +199,8 @@ def penalize_from_(
 ) -> torch.Tensor:
     """``penalize_`` with each edited value read from ``source`` (N, V) (row rows[i] holds row i; rows None: row i)
     and upcast, written to ``work`` (P, V) float32 (only there), and, when ``edited`` is given, its bit set there
-    ((P, ceil(V / 32)) int32, zero on entry: bit t % 32 of word t // 32): for a copy not made yet, which
-    ``merged_summaries`` then completes. Without ``edited``: ``work`` already holds the upcast rows (``float_rows``),
+    ((P, ceil(V / 32)) int32, zero on entry: bit t % 32 of word t // 32): for a caller that makes the rest of the
+    copy itself. Without ``edited``: ``work`` already holds the upcast rows (``float_rows``),
     and ends exactly as ``penalize_`` leaves it. Returns ``work``.
     Rows whose only penalty is repetition take a launch of their own on a (rows, 4) grid with no count pass (the
     edit of a token then depends on its source value alone); the others take ``penalize_``'s three passes."""
@@ -260,76 +260,3 @@ def float_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.
 def float_rows_ref(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of ``float_rows``."""
     return (logits if rows is None else logits.index_select(0, rows.long())).float().contiguous()
-
-
-@triton.jit(do_not_specialize=["num_programs"])
-def _merged_summaries_kernel(
-    src_ptr,  # (N, V) logits: batch row b at row b
-    rows_ptr,  # (P,) int32 / int64 batch rows of the penalised rows (when HAS_ROWS; else row i is batch row i)
-    edited_ptr,  # (P, ceil(V / 32)) int32 bitmask of the tokens penalize_from_ wrote into work
-    work_ptr,  # (P, V) float32: the penalised copy, completed here
-    scale_ptr,  # (B,) float32 inverse temperatures, 0 = greedy (the chunk max of the raw values)
-    stats_ptr,  # (3, P, C) float32: chunk max, chunk partition sum, non-finite flag (as sample_rows' pass 1)
-    argmax_ptr,  # (P, C) int32
-    stride_src,
-    num_programs,
-    vocab_size,
-    num_chunks,
-    CHUNK_SIZE: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
-):
-    """Chunk program_id(1) of penalised row program_id(0): upcast the source's unedited tokens into work, and
-    summarise the chunk's penalised values exactly as ``fnvllm.kernels.sampling``'s pass 1 does."""
-    i, chunk = tl.program_id(0), tl.program_id(1)
-    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
-    cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-    mask = cols < vocab_size
-    bits = tl.load(edited_ptr + i.to(tl.int64) * ((vocab_size + 31) // 32) + cols // 32, mask=mask, other=0)
-    hit = ((bits >> (cols % 32)) & 1) != 0
-    work = work_ptr + i.to(tl.int64) * vocab_size + cols
-    x = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)  # masked by the row alone:
-    x = tl.where(hit, tl.load(work, mask=mask & hit, other=0.0), x)  # vector loads and stores (per-token masks
-    tl.store(work, x, mask=mask)  # made them scalar); an edited token is written back by the thread that read it
-    scale = tl.load(scale_ptr + row)
-    scale = tl.where(scale > 0.0, scale, 1.0)
-    bad = tl.max((mask & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.float32), axis=0)
-    scaled = tl.where(mask, x * scale, float("-inf"))
-    top = tl.max(scaled, axis=0)
-    first = tl.min(tl.where(scaled == top, cols, vocab_size), axis=0)  # lowest index among equal maxima
-    total = tl.sum(tl.where(mask, tl.exp(scaled - top), 0.0), axis=0)
-    at = i * num_chunks + chunk
-    plane = num_programs * num_chunks
-    tl.store(stats_ptr + at, top)
-    tl.store(stats_ptr + plane + at, total)
-    tl.store(stats_ptr + 2 * plane + at, bad)
-    tl.store(argmax_ptr + at, first)
-
-
-def merged_summaries(
-    source: torch.Tensor,
-    rows: torch.Tensor | None,
-    work: torch.Tensor,
-    edited: torch.Tensor,
-    scale: torch.Tensor,
-    stats: torch.Tensor,
-    argmax: torch.Tensor,
-    chunk: int,
-) -> None:
-    """After ``penalize_from_``: complete the penalised copy ``work`` (P, V) float32 with the upcast source
-    values of every token not in ``edited``, and write ``fnvllm.kernels.sampling.sample_rows``' pass-1 summaries of
-    its rows into stats (3, P, C) and argmax (P, C) int32 (chunks of ``chunk``; scale (B,) by batch row, source
-    (B, V) holding batch row rows[i] (or i) for work row i), in the same pass: the source is read once, the copy
-    written once and never read back for the summaries (``sample_rows(..., summaries=(stats, argmax))`` then draws).
-    The copy and the summaries are exactly those of ``float_rows`` + ``penalize_`` + pass 1."""
-    num_rows, vocab = work.shape
-    num_chunks = triton.cdiv(vocab, chunk)
-    if tuple(stats.shape) != (3, num_rows, num_chunks) or tuple(argmax.shape) != (num_rows, num_chunks):
-        raise ValueError(
-            f"stats and argmax must be (3, {num_rows}, {num_chunks}) and ({num_rows}, {num_chunks}), got "
-            f"{tuple(stats.shape)} and {tuple(argmax.shape)}"
-        )
-    if num_rows:
-        _merged_summaries_kernel[(num_rows, num_chunks)](
-            source, source if rows is None else rows, edited, work, scale, stats, argmax, source.stride(0), num_rows,
-            vocab, num_chunks, CHUNK_SIZE=chunk, HAS_ROWS=rows is not None, num_warps=8,
-        )  # fmt: skip

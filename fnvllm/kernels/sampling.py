@@ -233,7 +233,6 @@ def sample_rows(
     dense: bool = False,
     chunk: int = CHUNK,
     scratch: SamplingScratch | None = None,
-    summaries: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sample batch rows from ``logits`` into ``batch.out`` (and their uniforms and maxima into ``batch.drawn``);
     returns the chunk summaries (3, R, C) (max, partition sum, non-finite flag of program i's row chunk c), which
@@ -243,8 +242,6 @@ def sample_rows(
     batch row rows[i] (a (R, V) copy of those rows); otherwise logits holds every batch row at its own index.
     ``seed`` (0 <= seed < 2**31) keys the Philox uniforms of rows without a fixed one. scratch: where the chunk
     summaries go (``SamplingScratch``: the returned summaries are valid until the scratch's next use; None: fresh).
-    summaries: pass 1's (stats, argmax) of these rows, already made (``fnvllm.kernels.penalties.merged_summaries``,
-    fused with the penalised rows' copy): then only pass 2 runs, and they are returned.
     """
     num_chunks = _check_source(logits, chunk)
     num_rows = batch.out.shape[1]
@@ -258,18 +255,15 @@ def sample_rows(
         raise ValueError(f"logits must have {expected} rows (dense={dense}), got {logits.shape[0]}")
     row_ids = rows if rows is not None else batch.scale  # unused pointer when HAS_ROWS is False
     flags = {"HAS_ROWS": rows is not None, "DENSE_SOURCE": dense and rows is not None}
-    if summaries is not None:
-        stats, argmax = summaries
-    elif scratch is None:
+    if scratch is None:
         stats = torch.empty((3, num_programs, num_chunks), dtype=torch.float32, device=logits.device)
         argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
     else:
         stats, argmax = scratch.chunk_stats(num_programs, num_chunks, logits.device)
-    if summaries is None:
-        _chunk_stats_kernel[(num_programs, num_chunks)](
-            logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
-            CHUNK_SIZE=chunk, num_warps=8, **flags,
-        )  # fmt: skip
+    _chunk_stats_kernel[(num_programs, num_chunks)](
+        logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+        CHUNK_SIZE=chunk, num_warps=8, **flags,
+    )  # fmt: skip
     _pick_kernel[(num_programs,)](
         logits, batch.scale, row_ids, batch.fixed, batch.uniforms, batch.drawn, stats, argmax, batch.out,
         logits.stride(0), num_programs, num_rows, logits.shape[1], num_chunks, seed,

@@ -954,8 +954,11 @@ def norm_mlp(
 # 6.18 us against 6.17 (one row) and 7.94 against 8.12 (16 rows), but the whole decode step slower: 820.2 us
 # against 768.6 (B = 1) and 1185.7 against 1144.5 (B = 16), the per-token grid of ``norm_rope_store`` both times.
 QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
-# Rows up to which the epilogue runs (above, the projection and ``norm_rope_store`` launch separately).
-EPILOGUE_MAX_ROWS = 16
+# Rows up to which the epilogue runs (above, the projection and ``norm_rope_store`` launch separately). One row:
+# on the H200 (2026-12-02, tests/test_qkv_epilogue.py's GPU test, twice) q or the residual differed from the unfused
+# path's bits at 4 rows (bf16 and FP8 caches), while 1 and 16 rows were bit-equal; not yet explained, so the opt-in
+# path stays where it is verified. The kernel itself is tested at 1-17 rows under the interpreter.
+EPILOGUE_MAX_ROWS = 1
 # Launch configs of the epilogue product by rows bucket, where measured better than the plain product's config
 # (none yet: the plain one is used when it fits, ``epilogue_fits``).
 EPILOGUE_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
