@@ -254,6 +254,32 @@ def _filtered_pick_kernel(
     )  # fmt: skip
 
 
+def check_pick_args(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    sources: torch.Tensor,
+    programs: torch.Tensor,
+    stats: torch.Tensor,
+    top_k: torch.Tensor,
+    chunk: int,
+) -> int:
+    """The chunks of a row after checking the arguments ``filtered_pick`` and ``segmented_pick`` share (ValueError
+    naming the first one out of shape or dtype)."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
+    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
+        raise ValueError(
+            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
+            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
+        )
+    if top_k.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
+    num_chunks = triton.cdiv(logits.shape[1], chunk)
+    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
+        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
+    return num_chunks
+
+
 def filtered_pick(
     logits: torch.Tensor,
     rows: torch.Tensor,
@@ -278,18 +304,7 @@ def filtered_pick(
     uniforms, row maxima and partition sums); out (2, B) int64. capacity (a power of two): the most top-k candidates
     a row sorts; beyond it the row searches.
     """
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
-    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
-        raise ValueError(
-            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
-            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
-        )
-    if top_k.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
-    num_chunks = triton.cdiv(logits.shape[1], chunk)
-    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
-        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
+    num_chunks = check_pick_args(logits, rows, sources, programs, stats, top_k, chunk)
     if block & (block - 1) or chunk & (chunk - 1) or capacity & (capacity - 1) or capacity < 2:
         raise ValueError(f"block, chunk and capacity must be powers of two, got {block}, {chunk} and {capacity}")
     if rows.shape[0] == 0:

@@ -36,7 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.sampling_filters import BLOCK, CANDIDATES, CAPACITY, CHUNK, SEARCH_BLOCK, _key, _pick_row
+from fnvllm.kernels.sampling_filters import (
+    BLOCK,
+    CANDIDATES,
+    CAPACITY,
+    CHUNK,
+    SEARCH_BLOCK,
+    _key,
+    _pick_row,
+    check_pick_args,
+)
 
 __all__ = ["SEGMENT", "segmented_pick"]
 
@@ -209,18 +218,7 @@ def segmented_pick(
     doc). segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
     in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's)."""
     segment = SEGMENT if segment is None else segment
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
-    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
-        raise ValueError(
-            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
-            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
-        )
-    if top_k.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
-    num_chunks = triton.cdiv(logits.shape[1], chunk)
-    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
-        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
+    num_chunks = check_pick_args(logits, rows, sources, programs, stats, top_k, chunk)
     for name, value in (("block", block), ("chunk", chunk), ("capacity", capacity), ("segment", segment)):
         if value < 2 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 2, got {value}")
