@@ -55,8 +55,7 @@ def _reference(logits: torch.Tensor, settings: dict[str, torch.Tensor], uniforms
     return sampling_filters.filtered_sample_ref(*args).tolist()
 
 
-@pytest.mark.parametrize("segment", [16, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "segment"), [(torch.float32, 16), (torch.bfloat16, 2)])
 def test_segments_draw_the_reference_and_filter_kernel_tokens(dtype: torch.dtype, segment: int) -> None:
     """Random rows over five 64-token chunks, top-k with and without top-p and min-p (k up to and above the chunk
     count): the same tokens as the reference and as filtered_pick for the same uniforms, whether the segments hold
