@@ -196,6 +196,7 @@ class DecodeGraphs:
         self.order.copy_(torch.arange(n, dtype=torch.int32))
         self.order_min_rows = order_min_rows  # buckets of at least this many rows stage their order (None: none)
         self.hosts = HostStages(self.layout, table_rows=n)
+        self.host_orders = {id(h): self.layout.order(h.buffer).numpy() for h in self.hosts.stages}  # numpy views
         # keyed by (bucket, table width in blocks): the full width W, and the short width of short_widths' buckets
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -278,7 +279,7 @@ class DecodeGraphs:
         ids, pos, slots, lens, _ = host.arrays
         ids[b:bucket], pos[b:bucket], slots[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
         if self._orders(bucket):
-            longest_first(lens[:bucket], self.layout.order(host.buffer).numpy())
+            longest_first(lens[:bucket], self.host_orders[id(host)])
         self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
         host.ready.record()
         if tables is not None:

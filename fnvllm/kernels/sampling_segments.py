@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.sampling import _aligned
 from fnvllm.kernels.sampling_filters import (
     BLOCK,
     CANDIDATES,
@@ -252,6 +253,6 @@ def _views(sizes: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
     variant per pointer alignment: an offset that depends on the row count would compile mid-run)."""
     starts = [0]
     for size in sizes:
-        starts.append(starts[-1] + -(-size // 4) * 4)
+        starts.append(starts[-1] + _aligned(size, 4))
     flat = torch.empty(starts[-1], dtype=torch.int32, device=device)
     return [flat[at : at + size] for at, size in zip(starts, sizes, strict=False)]
