@@ -346,16 +346,17 @@ def time_bf16_compute(q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelC
 
 @triton.jit
 def _read_probe_kernel(
-    k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_cb, stride_ct, stride_bt,
+    k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_cb, stride_ct, stride_bt, stride_cg,
     WORDS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Read what a decode program reads, and nothing else: program (g, b) walks sequence b's tokens through the
     block table, TILE at a time, and loads the WORDS consecutive 32-bit words of head group g from each token's
     K and V rows (one KV head of an FP8 cache = 32 words, of a bf16 one 64), XOR-folding them (one integer op a
-    word), then stores one word so nothing is optimised away."""
+    word), then stores one word so nothing is optimised away. stride_cg: words from one head group to the next
+    (WORDS in the engine's token-major layout; a block's whole token run in the head-major probe layout)."""
     group, seq = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    cols = group * WORDS + tl.arange(0, WORDS)
+    cols = group * stride_cg + tl.arange(0, WORDS)
     acc = tl.zeros([TILE, WORDS], tl.int32)
     for t0 in range(0, seq_len, TILE):
         tok = t0 + tl.arange(0, TILE)
@@ -376,17 +377,26 @@ PROBE_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (KV heads a program reads
 )  # 32 KiB of K + V a tile (the (1, 64) entry: 16 KiB); ~104 registers a thread, no cp.async pipelining
 
 
-def probe_seconds(k: torch.Tensor, v: torch.Tensor, p: Paged, heads: int, tile: int, stages: int) -> float:
-    """Seconds per read probe over caches k, v viewed as int32 words, `heads` KV heads a program."""
+def probe_seconds(
+    k: torch.Tensor, v: torch.Tensor, p: Paged, heads: int, tile: int, stages: int, head_major: bool = False
+) -> float:
+    """Seconds per read probe over caches k, v viewed as int32 words, `heads` KV heads a program. head_major: the
+    same bytes stored (blocks, Hkv, block_size, head words), so one head's tokens of a block are one contiguous
+    run (FlashInfer's HND layout) instead of 128 / 256-byte pieces 1 / 2 KiB apart (one head only)."""
     kw, vw = k.view(torch.int32), v.view(torch.int32)  # (blocks, block_size, Hkv, head words)
+    if head_major:
+        if heads != 1:
+            raise ValueError(f"head_major probes read one KV head a program, got heads={heads}")
+        kw, vw = (w.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for w in (kw, vw))  # same shape, HND bytes
     words = heads * kw.shape[3]
     groups = HKV // heads
     out = torch.empty(p.seq_lens.shape[0] * groups, dtype=torch.int32, device=DEV)
     stride_cb, stride_ct = kw.stride(0), kw.stride(1)
+    stride_cg = kw.stride(2) if head_major else words
 
     def launch() -> None:
         _read_probe_kernel[(groups, p.seq_lens.shape[0])](
-            kw, vw, p.tables, p.seq_lens, out, stride_cb, stride_ct, p.tables.stride(0),
+            kw, vw, p.tables, p.seq_lens, out, stride_cb, stride_ct, p.tables.stride(0), stride_cg,
             WORDS=words, BLOCK_SIZE=kw.shape[1], TILE=tile, num_warps=4, num_stages=stages,
         )  # fmt: skip
 
@@ -400,20 +410,24 @@ def bench_read_probes(results: dict) -> None:
     q, p = decode_problem(256)
     f = to_fp8(p, *scales(6))
     rows = []
+    configs = [(heads, tile, stages, False) for heads, tile, stages in PROBE_CONFIGS]
+    configs += [(1, tile, 3, True) for tile in (128, 64, 256)]  # head-major layout: one head's block contiguous
     for name, k, v, nbytes in (("fp8", f.k_cache, f.v_cache, f.kv_bytes), ("bf16", p.k_cache, p.v_cache, p.kv_bytes)):
-        for heads, tile, stages in PROBE_CONFIGS:
+        for heads, tile, stages, head_major in configs:
             tile = tile // k.element_size()  # the same bytes a tile for both caches
+            layout = "HND" if head_major else "NHD"
             try:
-                sec = probe_seconds(k, v, p, heads, tile, stages)
+                sec = probe_seconds(k, v, p, heads, tile, stages, head_major)
             except Exception as e:  # recorded, not fatal
-                print(f"  read probe {name} heads={heads} tile={tile}: failed: {type(e).__name__}: {str(e)[:80]}")
+                err = f"{type(e).__name__}: {str(e)[:80]}"
+                print(f"  read probe {name} {layout} heads={heads} tile={tile}: failed: {err}")
                 continue
             seg = heads * k.shape[3] * k.element_size()
             rows.append({"cache": name, "heads": heads, "tile": tile, "stages": stages, "us": sec * 1e6,
-                         "tb_s": nbytes / sec / 1e12, "segment_bytes": seg})  # fmt: skip
+                         "tb_s": nbytes / sec / 1e12, "segment_bytes": seg, "layout": layout})  # fmt: skip
             print(
-                f"  read probe {name:4s} {heads} KV head(s) a program ({seg:4d} B a token row), tile {tile:3d}, "
-                f"stages {stages}: {sec * 1e6:7.1f} us  {nbytes / sec / 1e12:5.2f} TB/s",
+                f"  read probe {name:4s} {layout} {heads} KV head(s) a program ({seg:4d} B a token row), "
+                f"tile {tile:3d}, stages {stages}: {sec * 1e6:7.1f} us  {nbytes / sec / 1e12:5.2f} TB/s",
                 flush=True,
             )
     results["read_probes"] = rows
@@ -476,7 +490,8 @@ def summary(results: dict) -> None:
         )
     for r in results.get("read_probes", ()):
         print(
-            f"read probe {r['cache']:4s} {r['heads']} KV head(s) a program ({r['segment_bytes']} B a token row, tile "
+            f"read probe {r['cache']:4s} {r.get('layout', 'NHD')} {r['heads']} KV head(s) a program "
+            f"({r['segment_bytes']} B a token row, tile "
             f"{r['tile']}): {r['us']:.1f} us, {r['tb_s']:.2f} TB/s"
         )
     passed = sum(r["pass"] for r in results["correctness"])

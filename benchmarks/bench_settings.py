@@ -141,6 +141,36 @@ def step_ms(llm: LLM, batch: int, output_len: int = 256) -> float:
     return (time.perf_counter() - start) * 1e3 / output_len
 
 
+def median(values: list[float]) -> float:
+    """The middle value (the mean of the middle two for an even count)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def print_ratios(results: list[dict[str, Any]]) -> None:
+    """A table per sampling variant: the median over its runs of tok/s (and, with --timeline, of the decode steps'
+    device ms per step), each as a ratio to temperature-only's median; one run's tok/s moves 3-5 % from run to run
+    on the H200, so ratios are read over alternated rounds (``--rounds``)."""
+    by_variant: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["what"] in VARIANTS:
+            by_variant.setdefault(r["what"], []).append(r)
+    base = by_variant.get("temperature")
+    if not base:
+        return
+    base_tok = median([r["tok_s"] for r in base])
+    base_gpu = median([r["gpu_ms"] for r in base]) if all("gpu_ms" in r for r in base) else None
+    print("| variant | runs | median tok/s | ratio | tok/s of each run | median decode device ms | ratio (time) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, runs in by_variant.items():
+        tok = median([r["tok_s"] for r in runs])
+        each = " / ".join(str(r["tok_s"]) for r in runs)
+        gpu = median([r["gpu_ms"] for r in runs]) if all("gpu_ms" in r for r in runs) else None
+        gpu_cols = f"{gpu:.3f} | {base_gpu / gpu:.3f}" if gpu and base_gpu else "- | -"
+        print(f"| {name} | {len(runs)} | {tok:,.0f} | {tok / base_tok:.3f} | {each} | {gpu_cols} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", default="head")
@@ -149,6 +179,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--rounds", type=int, default=1, help="run the variant list this many times, alternated")
     parser.add_argument("--timeline", action="store_true", help="per variant: decode steps' device and host ms")
     parser.add_argument("--json", default=None, help="append one JSON line per result here")
     parser.add_argument(
@@ -173,7 +204,7 @@ def main() -> None:
     prompts, params = bench_workload(4)  # warm-up: graphs, kernels, allocator
     llm.generate(prompts, params, use_tqdm=False)
     results = []
-    for name in filter(None, args.variants.split(",")):
+    for name in [v for _ in range(args.rounds) for v in filter(None, args.variants.split(","))]:
         warm(llm, VARIANTS[name], args.num_requests)  # the same warm-up before each variant, untimed
         results.append(
             {"label": args.label, "what": name, **throughput(llm, VARIANTS[name], args.num_requests, compiles)}
@@ -182,6 +213,7 @@ def main() -> None:
     for batch in map(int, filter(None, args.batches.split(","))):
         results.append({"label": args.label, "what": f"step_ms_{batch}", "ms": round(step_ms(llm, batch), 3)})
         print(json.dumps(results[-1]), flush=True)
+    print_ratios(results)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
