@@ -57,7 +57,16 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, upcast_dot
-from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.fused_ops import (
+    Fp8Activations,
+    fused_add_rmsnorm_quant,
+    pdl_launch,
+    rmsnorm_quant,
+    silu_and_mul_quant,
+    use_pdl,
+    wait_for_previous_kernel,
+)
+from fnvllm.kernels.fused_ops import round_to_e4m3 as _round_to_e4m3
 from fnvllm.kernels.reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -81,6 +90,8 @@ __all__ = [
     "SCALE_BLOCK",
     "SMALL_M",
     "BlockwiseConfig",
+    "Fp8Activations",
+    "Fp8Producers",
     "dequantize_fp8_blocks",
     "expand_block_scales",
     "fp8_blockwise_ref",
@@ -90,6 +101,7 @@ __all__ = [
     "fp8_gemm_swap_bf16",
     "fp8_linear",
     "fp8_linear_ref",
+    "fp8_producers",
     "fp8_rowwise_mm",
     "fp8_rowwise_ref",
     "fp8_scaled_mm",
@@ -97,6 +109,7 @@ __all__ = [
     "quantize_activations_ref",
     "quantize_per_token",
     "quantize_per_token_ref",
+    "takes_fp8_activations",
 ]
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
@@ -144,7 +157,7 @@ def fp8_blockwise_ref(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activations,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -158,7 +171,12 @@ def fp8_linear(
     weights in SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured
     TUNED_BLOCKWISE shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is
     whole 128 x 128 blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
-    benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
+    benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs").
+
+    x may also be activations quantized by the kernel that made them (``Fp8Activations``, see
+    ``takes_fp8_activations``): then no quantization runs (``fp8_linear_prepared``)."""
+    if isinstance(x, Fp8Activations):
+        return fp8_linear_prepared(x, w, w_scale, bias)
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -178,6 +196,23 @@ def fp8_linear(
         return fp8_scaled_mm(x, w, w_scale, bias)
     else:
         out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+def fp8_linear_prepared(
+    x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantized activations x @ dequantized(w).T (+ bias) in x.dtype: ``fp8_gemm_swap`` up to SWAP_MAX_M tokens,
+    ``fp8_gemm_blockwise`` above (CUDA); elsewhere the torch reference ``fp8_blockwise_ref``. The GEMM
+    ``fp8_linear`` runs after its own ``quantize_activations`` at those M, so the results are equal."""
+    x_q, x_scale, dtype = x
+    if not x_q.is_cuda:
+        out = fp8_blockwise_ref(x_q, x_scale, w, w_scale, dtype)
+    elif x_q.shape[0] <= SWAP_MAX_M:
+        _split_locks(x_q.device)  # made on the first (eager) call, as in fp8_linear
+        out = fp8_gemm_swap(x_q, x_scale, w, w_scale, dtype)
+    else:
+        out = fp8_gemm_blockwise(x_q, x_scale, w, w_scale, dtype)
     return out if bias is None else out.add_(bias)
 
 
@@ -207,6 +242,56 @@ SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {}
 def swaps_fused(m: int, n: int, k: int) -> bool:
     """Whether ``fp8_linear`` takes ``fp8_gemm_swap_bf16`` for M tokens of an (N, K) weight (SWAP_FUSED_MAX_M)."""
     return 0 < m <= min(SWAP_MAX_M, SWAP_FUSED_MAX_M.get((n, k), 0))
+
+
+# Activations quantized by the kernel that writes them (the RMSNorm before qkv and gate_up, the SiLU-and-mul before
+# down: ``Fp8Producers``), so a small-M GEMM starts from ready fp8 inputs without a quantization launch. Off by
+# default until measured faster end to end on the H200; FNVLLM_FP8_FUSED_QUANT=1 (read when the model's ops are made,
+# ``fnvllm.model.ops.triton_ops``) turns it on, anything but 0 or 1 is a ValueError naming the variable.
+FUSED_QUANT_ENV = "FNVLLM_FP8_FUSED_QUANT"
+
+
+def fused_quant_from_env() -> bool:
+    """FUSED_QUANT_ENV's value as a switch ("0" or unset: off, "1": on); ValueError naming it otherwise."""
+    value = os.environ.get(FUSED_QUANT_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_QUANT_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def takes_fp8_activations(m: int, n: int, k: int, has_row_scale: bool, dtype: torch.dtype) -> bool:
+    """Whether M tokens of ``dtype`` activations for an (N, K) FP8 weight should come quantized by their producer
+    (``Fp8Activations``): exactly where ``fp8_linear`` would run ``quantize_activations`` + ``fp8_gemm_swap`` on
+    them (16-bit, STREAM_MAX_M < M <= SWAP_MAX_M, not the in-kernel quantization of SWAP_FUSED_MAX_M, not the
+    row-wise GEMM, which takes per-token scales, for a weight with a row scale above ``rowwise_min_m``)."""
+    if dtype not in _KERNEL_DTYPES or not STREAM_MAX_M < m <= SWAP_MAX_M or swaps_fused(m, n, k):
+        return False
+    return not (has_row_scale and ROWWISE and dtype == torch.bfloat16 and m > rowwise_min_m(n, k))
+
+
+@attrs.frozen
+class Fp8Producers:
+    """The kernels that write a decoder layer's FP8 GEMM inputs already quantized (``Fp8Activations``), for the
+    model (``ModelOps.fp8_producers``): rmsnorm (x, weight, eps) -> acts; add_rmsnorm (x, residual, weight, eps)
+    -> (acts, new residual); silu_and_mul (gate_up) -> acts. ``applies`` says when the model uses them."""
+
+    rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], Fp8Activations] = rmsnorm_quant
+    add_rmsnorm: Callable[..., tuple[Fp8Activations, torch.Tensor]] = fused_add_rmsnorm_quant
+    silu_and_mul: Callable[[torch.Tensor], Fp8Activations] = silu_and_mul_quant
+
+    def applies(self, x: torch.Tensor, linear: torch.nn.Module) -> bool:
+        """Whether the input x (T, K) of ``linear`` (a projection whose FP8 weights carry ``weight_scale_inv``)
+        should be made quantized: an FP8 weight, x on CUDA, and ``takes_fp8_activations`` for T tokens."""
+        w, w_scale = linear.weight, getattr(linear, "weight_scale_inv", None)
+        if w_scale is None or not x.is_cuda:
+            return False
+        row_scale = getattr(linear, "weight_row_scale", None)
+        return takes_fp8_activations(x.shape[0], *w.shape, row_scale is not None, x.dtype)
+
+
+def fp8_producers() -> Fp8Producers:
+    """The Triton producers of ``Fp8Activations`` (``fused_ops``' ``*_quant`` kernels)."""
+    return Fp8Producers()
 
 
 @functools.cache
@@ -483,14 +568,6 @@ def _sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
 
 
 # ---- large M: fp8 tensor cores ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v rounded (half away from zero) to the e4m3 grid: 3 mantissa bits, subnormal step 2**-9."""
-    exponent = tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625)))  # 2**-6: the smallest normal
-    step = tl.exp2(exponent - 3.0)
-    return tl.where(v < 0, -1.0, 1.0) * tl.floor(tl.abs(v) / step + 0.5) * step
 
 
 @triton.jit

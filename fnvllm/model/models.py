@@ -16,6 +16,7 @@ world size 1 they are no-ops and the layers are plain linears.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from fnvllm.model.sharding import (
     local_heads,
     qkv_parallel,
 )
+
+if TYPE_CHECKING:  # Triton's module: the FP8 producers exist only with the Triton ops
+    from fnvllm.kernels.fused_ops import Fp8Activations
 
 
 class Attention(nn.Module):
@@ -165,8 +169,8 @@ class MLP(nn.Module):
             config.intermediate_size, config.hidden_size, False, config.torch_dtype, tp, config.quantization, ops.linear
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden_size) -> (T, hidden_size)."""
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        """x (T, hidden_size), or already quantized for an FP8 gate_up_proj -> (T, hidden_size)."""
         return self.down(self.gate_up_proj(x))
 
     def fuses_norm_mlp(self) -> bool:
@@ -193,8 +197,11 @@ class MLP(nn.Module):
         if glu is not None and self.down_proj.weight_scale_inv is None:  # activation fused into down_proj's load
             bias = self.down_proj.bias if self.down_proj.adds_bias else None
             partial = glu(gate_up, self.down_proj.weight, bias)  # (T, hidden_size)
-        else:
-            partial = self.down_proj(self.ops.silu_and_mul(gate_up))  # (T, hidden_size)
+        else:  # an FP8 down_proj at few tokens may take its input quantized by the SiLU-and-mul (fp8_producers)
+            producers = self.ops.fp8_producers
+            quantized = producers is not None and producers.applies(gate_up, self.down_proj)
+            act = producers.silu_and_mul(gate_up) if quantized else self.ops.silu_and_mul(gate_up)  # (T, inter)
+            partial = self.down_proj(act)  # (T, hidden_size)
         return all_reduce(partial, self.tp)
 
 
@@ -235,16 +242,30 @@ class DecoderLayer(nn.Module):
             qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
             hidden = attn.attend_projected(qkv, rope, kv_cache, meta, backend)
         else:
-            hidden, residual = (in_norm(hidden), hidden) if residual is None else in_norm.add_and_norm(hidden, residual)
-            hidden = attn(hidden, rope, kv_cache, meta, backend)
+            normed, residual = norm_for(in_norm, hidden, residual, attn.qkv_proj)
+            hidden = attn(normed, rope, kv_cache, meta, backend)
         if isinstance(mlp, MLP) and mlp.fuses_norm_mlp():  # norm, gate/up, activation, down: ``ops.norm_mlp``
             return mlp.norm_forward(hidden, residual, post_norm.weight, post_norm.eps)
         if norm_linear is not None and isinstance(mlp, MLP) and mlp.gate_up_proj.weight_scale_inv is None:
             proj = mlp.gate_up_proj
             gate_up, residual = norm_linear(hidden, residual, post_norm.weight, post_norm.eps, proj.weight, proj.bias)
             return mlp.down(gate_up), residual
-        hidden, residual = post_norm.add_and_norm(hidden, residual)
-        return mlp(hidden), residual
+        normed, residual = norm_for(post_norm, hidden, residual, mlp.gate_up_proj if isinstance(mlp, MLP) else None)
+        return mlp(normed), residual
+
+
+def norm_for(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module | None
+) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) when residual is None (the first layer): the normed
+    value quantized for ``linear`` (``Fp8Activations``, in the norm's launch) when the ops have FP8 producers that
+    apply to it (an FP8 projection at few tokens on a GPU), else the norm's 16-bit output."""
+    producers = norm.ops.fp8_producers
+    if producers is not None and linear is not None and producers.applies(x, linear):
+        if residual is None:
+            return producers.rmsnorm(x, norm.weight, norm.eps), x
+        return producers.add_rmsnorm(x, residual, norm.weight, norm.eps)
+    return (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
 
 
 class DecoderModel(nn.Module):
