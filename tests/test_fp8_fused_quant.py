@@ -154,6 +154,67 @@ def test_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         triton_ops()
 
 
+# ---- the model's wiring (CPU: the producers made to apply there, under the interpreter) -------------------------
+
+# hidden 256 and intermediate 384 give whole 128-column groups and one partial SiLU column block; head_dim 64
+# keeps the qkv parts on 128-row blocks (4 + 2 + 2 heads x 64).
+MODEL_SHAPE: dict[str, Any] = dict(
+    hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=384, vocab_size=128, num_layers=2
+)
+
+
+def _unfused_producers() -> g.Fp8Producers:
+    """Producers made of the unfused kernels and a separate ``quantize_activations`` (what ``fp8_linear`` runs
+    when the switch is off), applying on the CPU too."""
+
+    def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> f.Fp8Activations:
+        return f.Fp8Activations(*g.quantize_activations(f.rmsnorm(x, w, eps)), x.dtype)
+
+    def add_rmsnorm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[Any, torch.Tensor]:
+        normed, residual = f.fused_add_rmsnorm(x, r, w, eps)
+        return f.Fp8Activations(*g.quantize_activations(normed), x.dtype), residual
+
+    def silu_and_mul(x: torch.Tensor) -> f.Fp8Activations:
+        return f.Fp8Activations(*g.quantize_activations(f.silu_and_mul(x)), x.dtype)
+
+    return g.Fp8Producers(rmsnorm, add_rmsnorm, silu_and_mul, device_types=("cpu", "cuda"))
+
+
+@torch.inference_mode()
+def _prefill_logits(path: Path, producers: g.Fp8Producers | None, num_tokens: int = 12) -> torch.Tensor:
+    """Float32 logits of one prompt prefilled through the FP8 model (bf16, quantized at load) on the CPU, its FP8
+    projections' inputs made by ``producers`` (None: 16-bit, the CPU reference path)."""
+    import attrs
+
+    from fnvllm.executor.device_inputs import build_attention_metadata
+    from fnvllm.model import ModelConfig, load_model
+    from fnvllm.model.ops import TORCH_OPS
+
+    config = ModelConfig.from_pretrained(path, dtype="bfloat16", quantization="fp8")
+    model = load_model(path, config, "cpu", ops=attrs.evolve(TORCH_OPS, fp8_producers=producers))
+    ids = [(5 * i + 3) % 120 + 2 for i in range(num_tokens)]
+    blocks = tuple(range(num_tokens // 4 + 1))
+    shape = (len(blocks), 4, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))] * 2
+    meta = build_attention_metadata([0], [num_tokens], [blocks], 4, "cpu")
+    return model.compute_logits(model(torch.tensor(ids), meta.positions, caches, meta)).float()
+
+
+def test_model_with_fused_producers_equals_unfused_quantization(tmp_path: Path) -> None:
+    """The decoder layers' norms and SiLU producing Fp8Activations give the same logits whether the quantization
+    is fused into them or a separate launch after the unfused op; both differ from the 16-bit-activation path
+    (so the producers were used)."""
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **MODEL_SHAPE)
+    fused = _prefill_logits(path, g.Fp8Producers(device_types=("cpu", "cuda")))
+    unfused = _prefill_logits(path, _unfused_producers())
+    plain = _prefill_logits(path, None)
+    assert torch.equal(fused, unfused)
+    assert not torch.equal(fused, plain)
+    assert float((fused - plain).norm() / plain.norm()) < 0.15  # fp8 activations (~0.07 here): close, not equal
+
+
 # ---- GPU: real sizes and the model ----------------------------------------------------------------------------
 
 

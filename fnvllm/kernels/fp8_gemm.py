@@ -273,17 +273,21 @@ def takes_fp8_activations(m: int, n: int, k: int, has_row_scale: bool, dtype: to
 class Fp8Producers:
     """The kernels that write a decoder layer's FP8 GEMM inputs already quantized (``Fp8Activations``), for the
     model (``ModelOps.fp8_producers``): rmsnorm (x, weight, eps) -> acts; add_rmsnorm (x, residual, weight, eps)
-    -> (acts, new residual); silu_and_mul (gate_up) -> acts. ``applies`` says when the model uses them."""
+    -> (acts, new residual); silu_and_mul (gate_up) -> acts. ``applies`` says when the model uses them.
+    device_types: where they apply ("cuda"; the CPU's FP8 path is the torch reference, which keeps 16-bit
+    activations: tests add "cpu" to run the kernels there under Triton's interpreter)."""
 
     rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], Fp8Activations] = rmsnorm_quant
     add_rmsnorm: Callable[..., tuple[Fp8Activations, torch.Tensor]] = fused_add_rmsnorm_quant
     silu_and_mul: Callable[[torch.Tensor], Fp8Activations] = silu_and_mul_quant
+    device_types: tuple[str, ...] = ("cuda",)
 
     def applies(self, x: torch.Tensor, linear: torch.nn.Module) -> bool:
         """Whether the input x (T, K) of ``linear`` (a projection whose FP8 weights carry ``weight_scale_inv``)
-        should be made quantized: an FP8 weight, x on CUDA, and ``takes_fp8_activations`` for T tokens."""
+        should be made quantized: an FP8 weight, x on one of ``device_types``, and ``takes_fp8_activations`` for T
+        tokens."""
         w, w_scale = linear.weight, getattr(linear, "weight_scale_inv", None)
-        if w_scale is None or not x.is_cuda:
+        if w_scale is None or x.device.type not in self.device_types:
             return False
         row_scale = getattr(linear, "weight_row_scale", None)
         return takes_fp8_activations(x.shape[0], *w.shape, row_scale is not None, x.dtype)
