@@ -336,6 +336,8 @@ def _starts_and_knobs(
     pick = g.pick_swap_config(m, gemm.n, gemm.k, device)
     fill = max(16, 1 << (m - 1).bit_length())  # no token tile wider than M needs
     knobs = {k: tuple(v for v in vs if k != "block_t" or v <= fill) for k, vs in SWAP_KNOBS.items()}
+    if variant == "swap_ready":  # from ready inputs the split sum's form is the open question: walk it first
+        knobs = {"reduce": knobs["reduce"], **{k: v for k, v in knobs.items() if k != "reduce"}}
     if not refine:
         return pick, [pick], knobs
     seeds = [cfg for (name, at, v), cfg in sorted(cfgs.items(), key=lambda e: abs(e[0][1] - m)) if name == gemm.name
@@ -562,6 +564,15 @@ def run_chains(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[int
                 out[m, key] = time_us(layer_chain(gemms, m, fused), 20)
             except Exception as e:  # reported, not fatal
                 print(f"  M={m:3} {key}: ERROR {short(e)}")
+        parts = []
+        for gm in gemms:  # the split sum by a second launch vs by the tile's last program, from ready activations
+            cfg = g.pick_swap_config(m, gm.n, gm.k, torch.device(DEVICE))
+            if cfg.split_k == 1:
+                continue
+            for reduce in g.SPLIT_REDUCES:
+                out[m, f"{gm.name} {reduce}"] = gm.time("swap_ready", m, attrs.evolve(cfg, reduce=reduce))
+            parts.append(f"{gm.name} " + " / ".join(f"{out[m, f'{gm.name} {r}']:.1f}" for r in g.SPLIT_REDUCES))
+        print(f"  M={m:3}: swap_ready µs with the split sum {' / '.join(g.SPLIT_REDUCES)}: " + ", ".join(parts))
         diff = chain_check(gemms, m)
         record["chains"][f"M={m} difference"] = diff
         unfused, fused = out.get((m, "chain unfused"), math.nan), out.get((m, "chain fused"), math.nan)
