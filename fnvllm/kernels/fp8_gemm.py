@@ -15,7 +15,9 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
   partials, summed in order by a second kernel) keeps every SM streaming when N is small.
 - ``fp8_gemm_swap`` (STREAM_MAX_M < M <= SWAP_MAX_M): activations quantized per (token, 128 columns)
   (``quantize_activations``), then fp8 x fp8 on the tensor cores with the weight rows on the dot's wide side
-  and the tokens on its narrow side (so 16-256 tokens fill a wgmma), split-K as above.
+  and the tokens on its narrow side (so 16-256 tokens fill a wgmma), split-K as above. The activations may also
+  come quantized by the kernel that wrote them (``fused_ops.Fp8Activations``: the RMSNorm or SiLU-and-mul before
+  the GEMM, ``Fp8Producers``, FNVLLM_FP8_FUSED_QUANT=1), which saves the quantization launch.
 - ``fp8_gemm_blockwise`` (prefill, where cuBLAS lacks the recipe): both operands fp8, (BLOCK_M tokens, 128 rows)
   tiles, x_scale[m, kg] * w_scale[n_block, kg] applied to each 128-deep partial product (DeepSeek-V3's scheme).
 - ``fp8_scaled_mm`` (above SWAP_MAX_M, where torch and the GPU have it): the same activation quantization, then
