@@ -154,6 +154,43 @@ def test_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         triton_ops()
 
 
+# ---- the down projection's split sum in the next norm ------------------------------------------------------------
+
+
+# (M, N, K, split_k): three splits of two K blocks; one split (partials (1, M, N)).
+PARTIAL_CASES = [(3, 192, 768, 3), (1, 128, 256, 1)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), PARTIAL_CASES)
+def test_swap_partials_sum_to_the_swap_output(m: int, n: int, k: int, split_k: int) -> None:
+    """fp8_gemm_swap_partials' splits summed in order (sum_partials) equal fp8_gemm_swap's output, both split sums."""
+    w, w_scale = (t.to(DEVICE) for t in quantize_fp8_blocks(torch.randn(n, k)))
+    x_q, x_scale = g.quantize_activations(_x(m, k, seed=m))
+    for reduce in g.SPLIT_REDUCES:
+        cfg = g.SwapConfig(64, 16, split_k, reduce=reduce)
+        parts = g.fp8_gemm_swap_partials(x_q, x_scale, w, w_scale, cfg)
+        assert parts.shape == (split_k, m, n) and parts.dtype == torch.float32
+        want = g.fp8_gemm_swap(x_q, x_scale, w, w_scale, torch.bfloat16, cfg)
+        assert torch.equal(g.sum_partials(f.SplitPartials(parts, torch.bfloat16)), want)
+
+
+@pytest.mark.parametrize("num_parts", [1, 3])
+def test_add_rmsnorm_quant_sums_split_partials(num_parts: int) -> None:
+    """fused_add_rmsnorm_quant on SplitPartials equals it on their ordered sum (the GEMM's output): residual and
+    quantized output."""
+    gen = torch.Generator().manual_seed(num_parts)
+    parts = torch.randn(num_parts, 3, 256, generator=gen).to(DEVICE)
+    res, w = _x(3, 256, 4), _norm_weight(256)
+    split = f.SplitPartials(parts, torch.bfloat16)
+    acts, new_res = f.fused_add_rmsnorm_quant(split, res, w, 1e-6)
+    want_acts, want_res = f.fused_add_rmsnorm_quant(g.sum_partials(split), res, w, 1e-6)
+    assert torch.equal(new_res, want_res)
+    assert torch.equal(acts.x_scale, want_acts.x_scale)
+    assert torch.equal(acts.x_q.view(torch.uint8), want_acts.x_q.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"SplitPartials\.parts"):
+        f.fused_add_rmsnorm_quant(f.SplitPartials(parts[0], torch.bfloat16), res, w, 1e-6)
+
+
 # ---- the model's wiring (CPU: the producers made to apply there, under the interpreter) -------------------------
 
 # hidden 256 and intermediate 384 give whole 128-column groups and one partial SiLU column block; head_dim 64
@@ -209,10 +246,34 @@ def test_model_with_fused_producers_equals_unfused_quantization(tmp_path: Path) 
     path = write_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **MODEL_SHAPE)
     fused = _prefill_logits(path, g.Fp8Producers(device_types=("cpu", "cuda")))
     unfused = _prefill_logits(path, _unfused_producers())
+    norm_sums = _prefill_logits(path, g.Fp8Producers(sum_down_splits=True, device_types=("cpu", "cuda")))
     plain = _prefill_logits(path, None)
     assert torch.equal(fused, unfused)
+    assert torch.equal(norm_sums, unfused)
     assert not torch.equal(fused, plain)
     assert float((fused - plain).norm() / plain.norm()) < 0.15  # fp8 activations (~0.07 here): close, not equal
+
+
+@torch.inference_mode()
+def test_mlp_hands_down_partials_only_when_asked(tmp_path: Path) -> None:
+    """With sum_down_splits an FP8 MLP returns SplitPartials when its caller sums them (keep_partials), a tensor
+    otherwise; without it always a tensor."""
+    import attrs
+
+    from fnvllm.model import ModelConfig, load_model
+    from fnvllm.model.ops import TORCH_OPS
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **MODEL_SHAPE)
+    config = ModelConfig.from_pretrained(path, dtype="bfloat16", quantization="fp8")
+    x = _x(2, MODEL_SHAPE["hidden_size"], 5)
+    for sums in (True, False):
+        producers = g.Fp8Producers(sum_down_splits=sums, device_types=("cpu", "cuda"))
+        model = load_model(path, config, "cpu", ops=attrs.evolve(TORCH_OPS, fp8_producers=producers))
+        mlp = model.model.layers[0].mlp
+        assert isinstance(mlp(x, keep_partials=True), f.SplitPartials) == sums
+        assert isinstance(mlp(x), torch.Tensor)
+    assert [layer.is_last for layer in model.model.layers] == [False, True]
 
 
 # ---- GPU: real sizes and the model ----------------------------------------------------------------------------
@@ -238,7 +299,8 @@ def test_producers_on_cuda_at_qwen3_8b_sizes(m: int) -> None:
 @needs_cuda
 def test_greedy_tokens_equal_with_the_switch_on_and_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3-shaped model (head_dim 128, widths multiples of 128) with FP8 weights decodes the same greedy tokens
-    with FNVLLM_FP8_FUSED_QUANT=1 as with 0, eagerly and with CUDA graphs."""
+    with FNVLLM_FP8_FUSED_QUANT=1 (also with FNVLLM_FP8_NORM_SUMS_SPLITS=1) as with 0, eagerly and with CUDA
+    graphs."""
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
     from fnvllm.testing.checkpoints import write_tiny_checkpoint
@@ -251,8 +313,9 @@ def test_greedy_tokens_equal_with_the_switch_on_and_off(tmp_path: Path, monkeypa
     prompts = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (5, 17, 30, 9)]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs: dict[tuple[str, bool], list[tuple[int, ...]]] = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv(g.FUSED_QUANT_ENV, switch)
+    for switch in ("0", "1", "1+sums"):
+        monkeypatch.setenv(g.FUSED_QUANT_ENV, switch[0])
+        monkeypatch.setenv(g.NORM_SUMS_SPLITS_ENV, "1" if switch.endswith("sums") else "0")
         for eager in (True, False):
             llm = LLM(path, device="cuda", dtype="bfloat16", quantization="fp8", load_tokenizer=False, num_blocks=64,
                       max_num_seqs=4, enforce_eager=eager)  # fmt: skip
@@ -260,5 +323,6 @@ def test_greedy_tokens_equal_with_the_switch_on_and_off(tmp_path: Path, monkeypa
                 runs[switch, eager] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
             finally:
                 llm.close()
-    assert runs["1", True] == runs["0", True]
-    assert runs["1", False] == runs["0", False]
+    for eager in (True, False):
+        assert runs["1", eager] == runs["0", eager]
+        assert runs["1+sums", eager] == runs["0", eager]

@@ -61,6 +61,7 @@ import triton.language as tl
 from fnvllm.kernels.decode_attention import dot, upcast_dot
 from fnvllm.kernels.fused_ops import (
     Fp8Activations,
+    SplitPartials,
     fused_add_rmsnorm_quant,
     pdl_launch,
     rmsnorm_quant,
@@ -94,6 +95,7 @@ __all__ = [
     "BlockwiseConfig",
     "Fp8Activations",
     "Fp8Producers",
+    "SplitPartials",
     "dequantize_fp8_blocks",
     "expand_block_scales",
     "fp8_blockwise_ref",
@@ -101,7 +103,9 @@ __all__ = [
     "fp8_gemm_small_m",
     "fp8_gemm_swap",
     "fp8_gemm_swap_bf16",
+    "fp8_gemm_swap_partials",
     "fp8_linear",
+    "fp8_linear_partials",
     "fp8_linear_ref",
     "fp8_producers",
     "fp8_rowwise_mm",
@@ -111,6 +115,7 @@ __all__ = [
     "quantize_activations_ref",
     "quantize_per_token",
     "quantize_per_token_ref",
+    "sum_partials",
     "takes_fp8_activations",
 ]
 
@@ -205,12 +210,11 @@ def fp8_linear_prepared(
     x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Quantized activations x @ dequantized(w).T (+ bias) in x.dtype: ``fp8_gemm_swap`` up to SWAP_MAX_M tokens,
-    ``fp8_gemm_blockwise`` above (CUDA); elsewhere the torch reference ``fp8_blockwise_ref``. The GEMM
-    ``fp8_linear`` runs after its own ``quantize_activations`` at those M, so the results are equal."""
+    ``fp8_gemm_blockwise`` above. The GEMM ``fp8_linear`` runs after its own ``quantize_activations`` at those M,
+    so the results are equal. Off CUDA the same kernels run under Triton's interpreter (only tests make
+    ``Fp8Activations`` there: the CPU's FP8 path keeps 16-bit activations)."""
     x_q, x_scale, dtype = x
-    if not x_q.is_cuda:
-        out = fp8_blockwise_ref(x_q, x_scale, w, w_scale, dtype)
-    elif x_q.shape[0] <= SWAP_MAX_M:
+    if x_q.shape[0] <= SWAP_MAX_M:
         _split_locks(x_q.device)  # made on the first (eager) call, as in fp8_linear
         out = fp8_gemm_swap(x_q, x_scale, w, w_scale, dtype)
     else:
@@ -275,29 +279,50 @@ def takes_fp8_activations(m: int, n: int, k: int, has_row_scale: bool, dtype: to
 class Fp8Producers:
     """The kernels that write a decoder layer's FP8 GEMM inputs already quantized (``Fp8Activations``), for the
     model (``ModelOps.fp8_producers``): rmsnorm (x, weight, eps) -> acts; add_rmsnorm (x, residual, weight, eps)
-    -> (acts, new residual); silu_and_mul (gate_up) -> acts. ``applies`` says when the model uses them.
+    -> (acts, new residual), x may be ``SplitPartials``; silu_and_mul (gate_up) -> acts. ``applies`` says when the
+    model uses them.
+    sum_down_splits: the down projection (from the SiLU's acts) leaves its K splits unsummed (``gemm_partials``,
+    ``SplitPartials``) for the next layer's add_rmsnorm to sum, one launch fewer (single process, no bias, not the
+    last layer: the model checks); ``sum_partials`` sums them where that norm does not apply.
     device_types: where they apply ("cuda"; the CPU's FP8 path is the torch reference, which keeps 16-bit
     activations: tests add "cpu" to run the kernels there under Triton's interpreter)."""
 
     rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], Fp8Activations] = rmsnorm_quant
     add_rmsnorm: Callable[..., tuple[Fp8Activations, torch.Tensor]] = fused_add_rmsnorm_quant
     silu_and_mul: Callable[[torch.Tensor], Fp8Activations] = silu_and_mul_quant
+    sum_down_splits: bool = False
+    gemm_partials: Callable[[Fp8Activations, torch.Tensor, torch.Tensor], SplitPartials] = attrs.field(
+        factory=lambda: fp8_linear_partials
+    )
+    sum_partials: Callable[[SplitPartials], torch.Tensor] = attrs.field(factory=lambda: sum_partials)
     device_types: tuple[str, ...] = ("cuda",)
 
-    def applies(self, x: torch.Tensor, linear: torch.nn.Module) -> bool:
-        """Whether the input x (T, K) of ``linear`` (a projection whose FP8 weights carry ``weight_scale_inv``)
-        should be made quantized: an FP8 weight, x on one of ``device_types``, and ``takes_fp8_activations`` for T
-        tokens."""
+    def applies(self, x: torch.Tensor | SplitPartials, linear: torch.nn.Module) -> bool:
+        """Whether the input x (T, K) of ``linear`` (a projection whose FP8 weights carry ``weight_scale_inv``),
+        or the value made from x (its sum, for split partials), should be made quantized: an FP8 weight, x on one
+        of ``device_types``, and ``takes_fp8_activations`` for T tokens."""
+        rows = x.parts[0] if isinstance(x, SplitPartials) else x  # (T, K)
         w, w_scale = linear.weight, getattr(linear, "weight_scale_inv", None)
-        if w_scale is None or x.device.type not in self.device_types:
+        if w_scale is None or rows.device.type not in self.device_types:
             return False
         row_scale = getattr(linear, "weight_row_scale", None)
-        return takes_fp8_activations(x.shape[0], *w.shape, row_scale is not None, x.dtype)
+        return takes_fp8_activations(rows.shape[0], *w.shape, row_scale is not None, x.dtype)
 
 
-def fp8_producers() -> Fp8Producers:
-    """The Triton producers of ``Fp8Activations`` (``fused_ops``' ``*_quant`` kernels)."""
-    return Fp8Producers()
+# The down projection's split sum in the next layer's add + RMSNorm (``Fp8Producers.sum_down_splits``): off by
+# default until measured; FNVLLM_FP8_NORM_SUMS_SPLITS=1 turns it on (with FNVLLM_FP8_FUSED_QUANT=1 only).
+NORM_SUMS_SPLITS_ENV = "FNVLLM_FP8_NORM_SUMS_SPLITS"
+
+
+def fp8_producers(sum_down_splits: bool | None = None) -> Fp8Producers:
+    """The Triton producers of ``Fp8Activations`` (``fused_ops``' ``*_quant`` kernels); sum_down_splits None
+    reads NORM_SUMS_SPLITS_ENV ("0" or unset: off, "1": on; otherwise a ValueError naming it)."""
+    if sum_down_splits is None:
+        value = os.environ.get(NORM_SUMS_SPLITS_ENV, "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{NORM_SUMS_SPLITS_ENV} must be 0 or 1, got {value!r}")
+        sum_down_splits = value == "1"
+    return Fp8Producers(sum_down_splits=sum_down_splits)
 
 
 @functools.cache
@@ -963,8 +988,10 @@ def _launch_swap(
     w_scale: torch.Tensor,
     dtype: torch.dtype,
     config: SwapConfig | None,
+    keep_partials: bool = False,
 ) -> torch.Tensor:
-    """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside)."""
+    """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside).
+    keep_partials: return the splits' float32 partials (S, M, N) unsummed (every split stores one, also S = 1)."""
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_swap_config(m, n, k, a.device)
     cfg.check()
@@ -973,11 +1000,15 @@ def _launch_swap(
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)
-    out = torch.empty((m, n), dtype=dtype, device=a.device)
+    shape = (split, m, n) if keep_partials else (m, n)
+    out = torch.empty(shape, dtype=torch.float32 if keep_partials else dtype, device=a.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
-    part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
+    if keep_partials:  # the kernel stores each split's partial and nothing sums them
+        part, locks, mode = out, out, _SUM_LAUNCH
+    else:
+        part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     scales = out if a_scale is None else a_scale
     pdl = cfg.pdl and use_pdl(a.device)
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if tma else w
@@ -988,8 +1019,37 @@ def _launch_swap(
         UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
-    if mode == _SUM_LAUNCH:
+    if mode == _SUM_LAUNCH and not keep_partials:
         _sum_splits(part, out)
+    return out
+
+
+def fp8_gemm_swap_partials(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: SwapConfig | None = None
+) -> torch.Tensor:
+    """``fp8_gemm_swap`` without its split sum: the float32 partial products (S, M, N) of its S K splits (S from the
+    launch shape; S = 1 too), for a consumer that sums them in split order itself (``fused_ops.SplitPartials``:
+    then out = the sum rounded to the output dtype, exactly what ``fp8_gemm_swap`` returns)."""
+    m, k, _ = _check_gemm_args(x_q, w, w_scale)
+    if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
+        raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
+    return _launch_swap(x_q, x_scale, w, w_scale, torch.float32, config, keep_partials=True)
+
+
+def fp8_linear_partials(x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tensor) -> SplitPartials:
+    """``fp8_linear_prepared(x, w, w_scale)`` (no bias, up to SWAP_MAX_M tokens) left as its split partials
+    (``fp8_gemm_swap_partials``)."""
+    x_q, x_scale, dtype = x
+    return SplitPartials(fp8_gemm_swap_partials(x_q, x_scale, w, w_scale), dtype)
+
+
+def sum_partials(x: SplitPartials) -> torch.Tensor:
+    """The (M, N) output of split partials x (S, M, N) summed in split order, in x.dtype (``_sum_splits``' kernel,
+    as ``fp8_gemm_swap`` sums them)."""
+    parts, dtype = x
+    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
+    if out.numel():
+        _sum_splits(parts, out)
     return out
 
 

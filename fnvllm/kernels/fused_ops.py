@@ -36,6 +36,7 @@ from fnvllm.kernels.reference import norm_rotary_ref, rmsnorm_ref, rotary_ref, s
 
 __all__ = [
     "Fp8Activations",
+    "SplitPartials",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_quant",
     "fused_add_rmsnorm_ref",
@@ -380,6 +381,15 @@ class Fp8Activations(NamedTuple):
     dtype: torch.dtype
 
 
+class SplitPartials(NamedTuple):
+    """A GEMM's output left as the float32 partial products of its K splits, for the next kernel to sum
+    (``fp8_gemm.fp8_gemm_swap_partials``): parts (S, M, N) float32, summed in split order (from 0) and rounded to
+    dtype, the output's 16-bit dtype, gives exactly the GEMM's (M, N) output."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+
 @triton.jit
 def round_to_e4m3(v):
     """v rounded (half away from zero) to the e4m3 grid: 3 mantissa bits, subnormal step 2**-9 (for the
@@ -409,25 +419,35 @@ def store_fp8_groups(y, cols, n_cols, q_row, s_row, first_group, GROUPS: tl.cons
 
 @triton.jit
 def _rmsnorm_quant_kernel(
-    x_ptr, res_ptr, res_out_ptr, w_ptr, q_ptr, s_ptr, eps, n_cols, n_groups,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, res_ptr, res_out_ptr, w_ptr, q_ptr, s_ptr, eps, n_rows, n_cols, n_groups,
+    HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``_rmsnorm_kernel``'s row (the same arithmetic, to its 16-bit output y), then y quantized per 128 columns
-    into q / s (``store_fp8_groups``) instead of stored."""
+    into q / s (``store_fp8_groups``) instead of stored. NUM_PARTS > 0: x_ptr holds (NUM_PARTS, n_rows, n_cols)
+    float32 split partials, summed in split order and rounded to the residual's dtype first (as
+    ``fp8_gemm._sum_splits`` would have written x)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    dtype = res_out_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
     wait_for_previous_kernel(USE_PDL)
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(NUM_PARTS):
+            acc += tl.load(x_ptr + (s * n_rows + row) * n_cols + cols, mask=mask, other=0.0)
+        x = acc.to(dtype)
+    else:
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like torch's add
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like torch's add
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight, as torch
-    y = (w * normed).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm stores (weight and x: one dtype)
+    normed = (h * inv_rms).to(dtype).to(tl.float32)  # cast back before the weight, as torch
+    y = (w * normed).to(dtype).to(tl.float32)  # what rmsnorm stores (weight and x: one dtype)
     store_fp8_groups(y, cols, n_cols, q_ptr + row * n_cols, s_ptr + row * n_groups, 0, BLOCK // 128, ROUND_FIRST)
 
 
@@ -438,13 +458,16 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Activ
 
 
 def fused_add_rmsnorm_quant(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[Fp8Activations, torch.Tensor]:
     """(``rmsnorm_quant(x + residual)``, x + residual) for x, residual (T, N) in one launch: ``fused_add_rmsnorm``
-    with its normalised output quantized (``Fp8Activations``) instead of written; returns new tensors."""
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    with its normalised output quantized (``Fp8Activations``) instead of written; returns new tensors. x may be a
+    GEMM's output left as split partials (``SplitPartials`` of (S, T, N)): summed here, in split order, into
+    exactly the x that GEMM would have written."""
+    shape, dtype, device = _value_meta(x)
+    if tuple(residual.shape) != shape or residual.dtype != dtype or residual.device != device:
         raise ValueError(
-            f"residual must match x ({tuple(x.shape)} {x.dtype} on {x.device}), got {tuple(residual.shape)} "
+            f"residual must match x ({shape} {dtype} on {device}), got {tuple(residual.shape)} "
             f"{residual.dtype} on {residual.device}"
         )
     acts, new_residual = _launch_norm_quant(x, residual, weight, eps)
@@ -459,31 +482,44 @@ def _check_quant_input(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a 2-D bfloat16 or float16 tensor, got {tuple(x.shape)} {x.dtype}")
 
 
+def _value_meta(x: torch.Tensor | SplitPartials) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    """(shape, dtype, device) of the (T, N) value x stands for (split partials: their sum's)."""
+    if isinstance(x, SplitPartials):
+        if x.parts.dim() != 3 or x.parts.dtype != torch.float32:
+            got = f"{tuple(x.parts.shape)} {x.parts.dtype}"
+            raise ValueError(f"SplitPartials.parts must be float32 (S, T, N), got {got}")
+        return tuple(x.parts.shape[1:]), x.dtype, x.parts.device
+    return tuple(x.shape), x.dtype, x.device
+
+
 def _launch_norm_quant(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[Fp8Activations, torch.Tensor | None]:
     """(the normalised x (+ residual) quantized, the new residual or None): one program per row, with the block
     and warps of ``_launch_rmsnorm`` (so the row's sum is reduced in the same order)."""
-    _check_norm_args(x, weight)
-    _check_quant_input(x)
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight must be x's dtype {x.dtype} (the quantized output stands for it), got {weight.dtype}")
-    rows = x.contiguous()  # (T, N)
+    parts = x.parts.contiguous() if isinstance(x, SplitPartials) else None
+    shape, dtype, device = _value_meta(x)
+    rows = torch.empty(shape, dtype=dtype, device=device) if parts is not None else x.contiguous()  # (T, N)
+    _check_norm_args(rows, weight)
+    _check_quant_input(rows)
+    if weight.dtype != dtype:
+        raise ValueError(f"weight must be x's dtype {dtype} (the quantized output stands for it), got {weight.dtype}")
     num_rows, n_cols = rows.shape
     n_groups = triton.cdiv(n_cols, _QUANT_GROUP)
-    x_q = torch.empty(rows.shape, dtype=_E4M3, device=x.device)
-    x_scale = torch.empty((num_rows, n_groups), dtype=torch.float32, device=x.device)
+    x_q = torch.empty(rows.shape, dtype=_E4M3, device=device)
+    x_scale = torch.empty((num_rows, n_groups), dtype=torch.float32, device=device)
     res_rows = None if residual is None else residual.contiguous()
     new_residual = None if res_rows is None else torch.empty_like(rows)
     if num_rows:
         block = max(_QUANT_GROUP, triton.next_power_of_2(n_cols))
         _rmsnorm_quant_kernel[(num_rows,)](
-            rows, rows if res_rows is None else res_rows, rows if new_residual is None else new_residual,
-            weight, x_q, x_scale, eps, n_cols, n_groups,
-            HAS_RESIDUAL=res_rows is not None, BLOCK=block, ROUND_FIRST=x.device.type != "cuda",
-            USE_PDL=use_pdl(x.device), num_warps=_row_warps(triton.next_power_of_2(n_cols)), **pdl_launch(x.device),
+            rows if parts is None else parts, rows if res_rows is None else res_rows,
+            rows if new_residual is None else new_residual, weight, x_q, x_scale, eps, num_rows, n_cols, n_groups,
+            HAS_RESIDUAL=res_rows is not None, NUM_PARTS=0 if parts is None else parts.shape[0], BLOCK=block,
+            ROUND_FIRST=device.type != "cuda", USE_PDL=use_pdl(device),
+            num_warps=_row_warps(triton.next_power_of_2(n_cols)), **pdl_launch(device),
         )  # fmt: skip
-    return Fp8Activations(x_q, x_scale, x.dtype), new_residual
+    return Fp8Activations(x_q, x_scale, dtype), new_residual
 
 
 @triton.jit
