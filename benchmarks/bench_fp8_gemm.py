@@ -516,35 +516,45 @@ def producer_calls(m: int, hidden: int, inter: int) -> dict[str, Callable[[], ob
     }
 
 
-def layer_chain(gemms: list[Gemm], m: int, fused: bool) -> list[Callable[[], object]]:
-    """One call per weight copy of a layer's GEMMs with the ops that make their inputs, each from the one before:
-    add + RMSNorm -> qkv; (attention skipped: o from fixed activations, quantized by its own launch) o -> add +
-    RMSNorm -> gate_up -> SiLU-and-mul -> down. fused: the norms and the SiLU write ``Fp8Activations`` (no
-    quantization launch before qkv, gate_up, down); else 16-bit outputs and ``fp8_linear`` quantizes them."""
+CHAIN_MODES = ("unfused", "fused", "fused+sums")  # FNVLLM_FP8_FUSED_QUANT=0, =1, =1 with FNVLLM_FP8_NORM_SUMS_SPLITS=1
+
+
+def layer_chain(gemms: list[Gemm], m: int, mode: str) -> list[Callable[[], torch.Tensor]]:
+    """One call per weight copy of a layer's GEMMs with the ops that make their inputs, each layer from the one
+    before (its down output and residual): add + RMSNorm -> qkv; (attention skipped: o from fixed activations,
+    quantized by its own launch) o -> add + RMSNorm -> gate_up -> SiLU-and-mul -> down. Each call returns the
+    residual stream after its first norm. mode (CHAIN_MODES): "unfused": 16-bit norm / SiLU outputs, which
+    ``fp8_linear`` quantizes; "fused": they write ``Fp8Activations`` (no quantization launch before qkv,
+    gate_up, down); "fused+sums": also down's K splits left unsummed for the next layer's norm."""
     by_name = {gm.name: gm for gm in gemms}
     hidden = by_name["qkv"].k
     torch.manual_seed(m)
     x, res, attn = (torch.randn(m, hidden, device=DEVICE).bfloat16() for _ in range(3))
     w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).bfloat16()
-    norm = f.fused_add_rmsnorm_quant if fused else f.fused_add_rmsnorm
-    silu = f.silu_and_mul_quant if fused else f.silu_and_mul
+    norm = f.fused_add_rmsnorm if mode == "unfused" else f.fused_add_rmsnorm_quant
+    silu = f.silu_and_mul if mode == "unfused" else f.silu_and_mul_quant
+    state: dict[str, object] = {"hidden": x, "residual": res}
 
     def one(c: int) -> torch.Tensor:
         qkv, o, gate_up, down = (by_name[n].fp8[c % by_name[n].copies] for n in ("qkv", "o", "gate_up", "down"))
-        normed, r = norm(x, res, w, NORM_EPS)
+        normed, residual = norm(state["hidden"], state["residual"], w, NORM_EPS)
         g.fp8_linear(normed, *qkv)
-        out = g.fp8_linear(attn, *o)
-        normed, _ = norm(out, r, w, NORM_EPS)
-        return g.fp8_linear(silu(g.fp8_linear(normed, *gate_up)), *down)
+        normed, state["residual"] = norm(g.fp8_linear(attn, *o), residual, w, NORM_EPS)
+        act = silu(g.fp8_linear(normed, *gate_up))
+        state["hidden"] = g.fp8_linear_partials(act, *down) if mode == "fused+sums" else g.fp8_linear(act, *down)
+        return residual
 
     return [lambda c=c: one(c) for c in range(max(gm.copies for gm in gemms))]
 
 
-def chain_check(gemms: list[Gemm], m: int) -> float:
-    """Relative difference of the fused chain's output (its first copy) against the unfused one's (0 expected:
-    the same operands reach the same kernels)."""
-    unfused, fused = layer_chain(gemms, m, False)[0](), layer_chain(gemms, m, True)[0]()
-    return rel_error(fused, unfused)
+def chain_check(gemms: list[Gemm], m: int) -> dict[str, float]:
+    """Per fused mode: the relative difference of its residual stream after three layers against the unfused
+    chain's (0 expected on a GPU: the same operands reach the same kernels)."""
+    residuals = {}
+    for mode in CHAIN_MODES:
+        calls = layer_chain(gemms, m, mode)
+        residuals[mode] = [call() for call in calls[:3]][-1]
+    return {mode: rel_error(residuals[mode], residuals["unfused"]) for mode in CHAIN_MODES[1:]}
 
 
 def run_chains(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[int, str], float]:
@@ -558,12 +568,11 @@ def run_chains(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[int
             out[m, name] = time_us([call] * PRODUCER_REPEATS, 20)
             parts.append(f"{name} {out[m, name]:.2f}")
         print(f"  M={m:3}: " + ", ".join(parts), flush=True)
-        for fused in (False, True):
-            key = "chain fused" if fused else "chain unfused"
+        for mode in CHAIN_MODES:
             try:
-                out[m, key] = time_us(layer_chain(gemms, m, fused), 20)
+                out[m, f"chain {mode}"] = time_us(layer_chain(gemms, m, mode), 20)
             except Exception as e:  # reported, not fatal
-                print(f"  M={m:3} {key}: ERROR {short(e)}")
+                print(f"  M={m:3} chain {mode}: ERROR {short(e)}")
         parts = []
         for gm in gemms:  # the split sum by a second launch vs by the tile's last program, from ready activations
             cfg = g.pick_swap_config(m, gm.n, gm.k, torch.device(DEVICE))
@@ -573,12 +582,11 @@ def run_chains(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[int
                 out[m, f"{gm.name} {reduce}"] = gm.time("swap_ready", m, attrs.evolve(cfg, reduce=reduce))
             parts.append(f"{gm.name} " + " / ".join(f"{out[m, f'{gm.name} {r}']:.1f}" for r in g.SPLIT_REDUCES))
         print(f"  M={m:3}: swap_ready µs with the split sum {' / '.join(g.SPLIT_REDUCES)}: " + ", ".join(parts))
-        diff = chain_check(gemms, m)
-        record["chains"][f"M={m} difference"] = diff
-        unfused, fused = out.get((m, "chain unfused"), math.nan), out.get((m, "chain fused"), math.nan)
-        print(
-            f"  M={m:3}: chain unfused {unfused:.1f} µs, fused {fused:.1f} µs; outputs differ by {diff:.1e}", flush=True
-        )
+        diffs = chain_check(gemms, m)
+        record["chains"][f"M={m} differences"] = diffs
+        chains = ", ".join(f"{mode} {out.get((m, f'chain {mode}'), math.nan):.1f}" for mode in CHAIN_MODES)
+        print(f"  M={m:3}: chain µs {chains}; residuals differ from unfused by " +
+              ", ".join(f"{mode} {d:.1e}" for mode, d in diffs.items()), flush=True)  # fmt: skip
     record["chains"].update({f"M={m} {name}": us for (m, name), us in out.items()})
     return out
 
@@ -598,13 +606,12 @@ def print_chain_table(
         return None if None in parts else sum(p or 0.0 for p in parts)
 
     print("\nper layer, µs (TB/s of fp8 weight bytes): the 4 GEMMs with quantization launches | from ready fp8 | "
-          "chain with the producers, unfused | fused (FNVLLM_FP8_FUSED_QUANT=1) | saved")  # fmt: skip
-    print(f"{'M':>4} | {'GEMMs+quant':>14} | {'GEMMs ready':>14} | {'chain unfused':>14} | {'chain fused':>14} | saved")
+          "the chain with the producers: unfused | fused (FNVLLM_FP8_FUSED_QUANT=1) | fused + down's split sum in "
+          "the next norm (FNVLLM_FP8_NORM_SUMS_SPLITS=1)")  # fmt: skip
+    print(f"{'M':>4} | {'GEMMs+quant':>14} | {'GEMMs ready':>14} | " + " | ".join(f"{m:>14}" for m in CHAIN_MODES))
     for m in [m for m in ms if m <= g.SWAP_MAX_M]:
-        unfused, fused = chains.get((m, "chain unfused")), chains.get((m, "chain fused"))
-        saved = f"{unfused - fused:>5.1f}" if unfused is not None and fused is not None else "-"
-        print(f"{m:>4} | {cell(gemm_sum(m, 'shipped'))} | {cell(gemm_sum(m, 'swap_ready'))} | {cell(unfused)} | "
-              f"{cell(fused)} | {saved}", flush=True)  # fmt: skip
+        modes = " | ".join(cell(chains.get((m, f"chain {mode}"))) for mode in CHAIN_MODES)
+        print(f"{m:>4} | {cell(gemm_sum(m, 'shipped'))} | {cell(gemm_sum(m, 'swap_ready'))} | {modes}", flush=True)
 
 
 def print_ready_table(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs) -> None:
