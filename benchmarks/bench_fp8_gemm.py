@@ -184,7 +184,8 @@ class Gemm:
     ) -> torch.Tensor:
         """One product by ``variant`` (see (b) in the module docstring); cfg: a kernel config for stream/swap;
         ready: x already quantized (``quantize_activations(x)``), which ``swap_ready`` starts from (None: made here)."""
-        if variant == "swap_ready":
+        if variant == "swap_ready":  # cfg None: the shipped pick for ready activations (TUNED_SWAP_READY)
+            cfg = cfg or g.pick_ready_swap_config(x.shape[0], *w.shape, x.device)
             return g.fp8_gemm_swap(*(ready or g.quantize_activations(x)), w, s, x.dtype, cfg)  # type: ignore[arg-type]
         if variant == "stream":
             return g.fp8_gemm_small_m(x, w, s, cfg)  # type: ignore[arg-type]
@@ -333,7 +334,8 @@ def _starts_and_knobs(
         return (pick := g.pick_small_m_config(m, gemm.n, gemm.k, device)), [pick], STREAM_KNOBS
     if variant == "blockwise":
         return (pick := g.pick_blockwise_config(m, gemm.n, gemm.k, device)), [pick], BLOCKWISE_KNOBS
-    pick = g.pick_swap_config(m, gemm.n, gemm.k, device)
+    pick_config = g.pick_ready_swap_config if variant == "swap_ready" else g.pick_swap_config
+    pick = pick_config(m, gemm.n, gemm.k, device)
     fill = max(16, 1 << (m - 1).bit_length())  # no token tile wider than M needs
     knobs = {k: tuple(v for v in vs if k != "block_t" or v <= fill) for k, vs in SWAP_KNOBS.items()}
     if variant == "swap_ready":  # from ready inputs the split sum's form is the open question: walk it first
@@ -575,7 +577,7 @@ def run_chains(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[int
                 print(f"  M={m:3} chain {mode}: ERROR {short(e)}")
         parts = []
         for gm in gemms:  # the split sum by a second launch vs by the tile's last program, from ready activations
-            cfg = g.pick_swap_config(m, gm.n, gm.k, torch.device(DEVICE))
+            cfg = g.pick_ready_swap_config(m, gm.n, gm.k, torch.device(DEVICE))
             if cfg.split_k == 1:
                 continue
             for reduce in g.SPLIT_REDUCES:
@@ -619,7 +621,7 @@ def print_ready_table(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs
     rows = [(gm, m) for gm in gemms for m in sorted(ms) if (gm.name, m, "swap_ready") in cfgs]
     if not rows:
         return
-    print("TUNED_SWAP (swept from ready fp8 activations, no quantization launch) = {")
+    print("TUNED_SWAP_READY: dict[tuple[int, int, int], SwapConfig] = {  # swept from ready fp8 activations")
     for gm, m in rows:
         key = (gm.name, m, "swap_ready")
         print(f"    ({gm.n}, {gm.k}, {m}): {compact(cfgs[key])},  # {gm.name} {best[key]:.1f} µs")

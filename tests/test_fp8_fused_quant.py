@@ -132,6 +132,23 @@ def test_takes_fp8_activations_follows_fp8_linear_routing(monkeypatch: pytest.Mo
     assert not takes(8, 4096, 4096, False, torch.bfloat16) and takes(9, 4096, 4096, False, torch.bfloat16)
 
 
+def test_ready_swap_table_is_valid_and_falls_back() -> None:
+    """TUNED_SWAP_READY's shapes are valid swap configs up to SWAP_MAX_M with the K split of the two-launch path's
+    shape at each M they cover (so both paths give the same bits); off its entries (and off CUDA) the ready path
+    takes pick_swap_config's shape."""
+    for (n, k, up_to), cfg in g.TUNED_SWAP_READY.items():
+        cfg.check()
+        assert up_to <= g.SWAP_MAX_M
+        for m in range(1, up_to + 1):
+            if g._tuned(g.TUNED_SWAP_READY, m, n, k) is cfg:
+                assert g._tuned(g.TUNED_SWAP, m, n, k).split_k == cfg.split_k  # type: ignore[union-attr]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert g.pick_ready_swap_config(1, 4096, 4096, cpu) == g.pick_swap_config(1, 4096, 4096, cpu)
+    if torch.cuda.is_available():
+        assert g.pick_ready_swap_config(1, 4096, 12288, cuda) == g.TUNED_SWAP_READY[4096, 12288, 1]
+        assert g.pick_ready_swap_config(32, 4096, 12288, cuda) == g.pick_swap_config(32, 4096, 12288, cuda)
+
+
 def test_producers_apply_only_to_fp8_linears_on_cuda() -> None:
     """Fp8Producers.applies: an FP8 projection (weight_scale_inv) and activations on CUDA; a 16-bit one never."""
     producers = g.fp8_producers()

@@ -113,6 +113,7 @@ __all__ = [
     "fp8_rowwise_ref",
     "fp8_scaled_mm",
     "fused_quant_from_env",
+    "pick_ready_swap_config",
     "quantize_activations",
     "quantize_activations_ref",
     "quantize_per_token",
@@ -216,9 +217,10 @@ def fp8_linear_prepared(
     so the results are equal. Off CUDA the same kernels run under Triton's interpreter (only tests make
     ``Fp8Activations`` there: the CPU's FP8 path keeps 16-bit activations)."""
     x_q, x_scale, dtype = x
-    if x_q.shape[0] <= SWAP_MAX_M:
+    m = x_q.shape[0]
+    if m <= SWAP_MAX_M:
         _split_locks(x_q.device)  # made on the first (eager) call, as in fp8_linear
-        out = fp8_gemm_swap(x_q, x_scale, w, w_scale, dtype)
+        out = fp8_gemm_swap(x_q, x_scale, w, w_scale, dtype, pick_ready_swap_config(m, *w.shape, x_q.device))
     else:
         out = fp8_gemm_blockwise(x_q, x_scale, w, w_scale, dtype)
     return out if bias is None else out.add_(bias)
@@ -949,6 +951,32 @@ TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {
     (4096, 12288, 16): _SWAP(split_k=8, num_stages=4, tma=True),  # down 18.8 us
     (4096, 12288, 32): _SWAP(split_k=6, num_stages=3, pdl=True, tma=True),  # down 20.2 us
 }
+# TUNED_SWAP_READY: the swap kernel's launch shapes when its activations come quantized by their producer
+# (``fp8_linear_prepared`` / ``fp8_linear_partials``, FNVLLM_FP8_FUSED_QUANT=1; other shapes and M take TUNED_SWAP).
+# H200, bench_fp8_gemm.py --sweep --sweep-kernels swap_ready --ms 1 16 (branch h-f8q at 0b7e81c, 55 s budget), µs
+# per GEMM from ready fp8 activations, swept vs TUNED_SWAP's shape in the same run: qkv 9.6 / 9.9 vs 9.8 / 10.5
+# at M = 1 / 16, o 7.8 / 8.1 vs 7.8 / 8.6, down 16.1 / 17.1 vs 16.1 / 18.0; per layer 60.6 / 63.0 us (3.19 / 3.06
+# TB/s) vs 61.8 / 64.4. gate_up's swept best (27.0 us at M = 1 without PDL and TMA, 27.9 at 16) is within the
+# run's noise of TUNED_SWAP's (28.1 / 27.4 in its timing pass), so it keeps TUNED_SWAP's; o has no producer (its
+# input comes from attention), so it keeps TUNED_SWAP's too. Every entry keeps TUNED_SWAP's K split at the M it
+# covers, so the fused path sums the same partials in the same order (bit-identical results). As before, the
+# split sum by a second launch beat the tile's last program everywhere (at M = 1: qkv 9.8 vs 11.1, o 7.8 vs
+# 10.0, down 16.2 vs 18.5 us).
+TUNED_SWAP_READY: dict[tuple[int, int, int], SwapConfig] = {
+    (6144, 4096, 1): _SWAP(split_k=4, num_stages=4, pdl=True, tma=True),  # qkv 9.6 us
+    (6144, 4096, 16): _SWAP(split_k=4, num_stages=4, pdl=True, tma=True),  # qkv 9.9 us
+    (4096, 12288, 1): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 16.1 us
+    (4096, 12288, 16): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 17.1 us
+}
+
+
+def pick_ready_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
+    """The swap kernel's launch shape for M tokens of an (N, K) weight from ready fp8 activations: the
+    TUNED_SWAP_READY entry when there is one (on CUDA), else ``pick_swap_config``'s."""
+    tuned = _tuned(TUNED_SWAP_READY, m, n, k) if device.type == "cuda" else None
+    return tuned if tuned is not None else pick_swap_config(m, n, k, device)
+
+
 TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {
     (4096, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=5),  # o
     (24576, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),  # gate_up
@@ -1042,7 +1070,8 @@ def fp8_linear_partials(x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tenso
     """``fp8_linear_prepared(x, w, w_scale)`` (no bias, up to SWAP_MAX_M tokens) left as its split partials
     (``fp8_gemm_swap_partials``)."""
     x_q, x_scale, dtype = x
-    return SplitPartials(fp8_gemm_swap_partials(x_q, x_scale, w, w_scale), dtype)
+    cfg = pick_ready_swap_config(x_q.shape[0], *w.shape, x_q.device)
+    return SplitPartials(fp8_gemm_swap_partials(x_q, x_scale, w, w_scale, cfg), dtype)
 
 
 def sum_partials(x: SplitPartials) -> torch.Tensor:
