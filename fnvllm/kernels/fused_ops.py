@@ -449,8 +449,10 @@ def _rmsnorm_quant_kernel(
     """``_rmsnorm_kernel``'s row (the same arithmetic, to its 16-bit output y), then y quantized per 128 columns
     into q / s (``store_fp8_groups``) instead of stored. The row's sum of squares is taken over the 1-D (BLOCK,)
     row exactly as ``_rmsnorm_kernel`` takes it (same layout, same order); the elementwise rest is done on the row
-    read again (L1 / L2) as (group, 128) tiles, the layout the per-group quantization wants (a reshape of the 1-D
-    row measured ~5 us at 4,096 columns on the H200). NUM_PARTS > 0: x is split partials (``_row_values``)."""
+    read again (L1 / L2) as (group, 128) tiles, the layout the per-group quantization wants. (A reshape of the 1-D
+    row instead took 5.9 us against the unfused kernel's 1.2 at 4,096 columns on the H200: under Triton 3.6 it
+    staged the e4m3 bytes through shared memory and stored them a byte per instruction.) NUM_PARTS > 0: x is
+    split partials (``_row_values``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
