@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from fnvllm.kernels import fp8_gemm as g
+from fnvllm.kernels import fused_ops as f
 from fnvllm.model.quant import quantize_fp8_blocks
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # name: (N, K)
@@ -58,7 +59,7 @@ MS = (1, 4, 16, 32, 64, 128, 256, 8192)
 L2_BYTES = 256 << 20  # weight bytes one timing cycles through (well above the 50 MB L2)
 TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
-VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_fused", "blockwise", "shipped")
+VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_ready", "swap_fused", "blockwise", "shipped")
 STREAM_KNOBS = {
     "convert": ("asm", "asm_hoisted", "cast", "bits"),
     "reduce": ("last", "launch"),
@@ -91,7 +92,7 @@ SWAP_KNOBS = {  # most likely to matter first (a descent cut short by the budget
 # At a token count after the first one swept, a (GEMM, kernel) descends from its best at an earlier M over these
 # knobs only (its split and depth may move with M; the rest rarely does), so the budget reaches every M.
 SWAP_REFINE_KNOBS = ("split_k", "num_stages", "pdl", "prefetch", "block_t", "tma")
-SWAP_VARIANTS = ("swap", "swap_fused")
+SWAP_VARIANTS = ("swap", "swap_fused", "swap_ready")
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,6 +114,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--total-s", type=float, help="stop the sweep this many seconds after the script starts (wall budget)"
+    )
+    parser.add_argument(
+        "--layer-chain",
+        action="store_true",
+        help="(d) time the producers and a layer's GEMMs with the ops that make their inputs, with and without "
+        "the quantization launches (FNVLLM_FP8_FUSED_QUANT's two paths), at the --ms up to SWAP_MAX_M",
     )
     return parser.parse_args()
 
@@ -166,8 +173,20 @@ class Gemm:
         torch.manual_seed(m)
         return torch.randn(m, self.k, device=DEVICE).bfloat16()
 
-    def call(self, variant: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg: object = None) -> torch.Tensor:
-        """One product by ``variant`` (see (b) in the module docstring); cfg: a kernel config for stream/swap."""
+    def call(
+        self,
+        variant: str,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        s: torch.Tensor,
+        cfg: object = None,
+        ready: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One product by ``variant`` (see (b) in the module docstring); cfg: a kernel config for stream/swap;
+        ready: x already quantized (``quantize_activations(x)``), which ``swap_ready`` starts from (None: made here)."""
+        if variant == "swap_ready":  # cfg None: the shipped pick for ready activations (TUNED_SWAP_READY)
+            cfg = cfg or g.pick_ready_swap_config(x.shape[0], *w.shape, x.device)
+            return g.fp8_gemm_swap(*(ready or g.quantize_activations(x)), w, s, x.dtype, cfg)  # type: ignore[arg-type]
         if variant == "stream":
             return g.fp8_gemm_small_m(x, w, s, cfg)  # type: ignore[arg-type]
         if variant == "swap":
@@ -184,7 +203,7 @@ class Gemm:
         """Whether ``variant`` runs at M = m."""
         if variant == "stream":
             return m <= g.SMALL_M
-        if variant == "swap":
+        if variant in ("swap", "swap_ready"):
             return m <= 1024
         if variant == "swap_fused":
             return m <= 256
@@ -211,7 +230,8 @@ class Gemm:
         reps = 3 if m >= 4096 else 20
         if variant == "bf16":
             return time_us([lambda w=w: F.linear(x, w) for w in self.bf16], reps)
-        return time_us([lambda w=w, s=s: self.call(variant, x, w, s, cfg) for w, s in self.fp8], reps)
+        ready = g.quantize_activations(x) if variant == "swap_ready" else None  # made once, outside the timing
+        return time_us([lambda w=w, s=s: self.call(variant, x, w, s, cfg, ready) for w, s in self.fp8], reps)
 
 
 def run_checks(gemms: list[Gemm], ms: list[int], record: dict, variants: tuple[str, ...] = VARIANTS) -> bool:
@@ -314,9 +334,12 @@ def _starts_and_knobs(
         return (pick := g.pick_small_m_config(m, gemm.n, gemm.k, device)), [pick], STREAM_KNOBS
     if variant == "blockwise":
         return (pick := g.pick_blockwise_config(m, gemm.n, gemm.k, device)), [pick], BLOCKWISE_KNOBS
-    pick = g.pick_swap_config(m, gemm.n, gemm.k, device)
+    pick_config = g.pick_ready_swap_config if variant == "swap_ready" else g.pick_swap_config
+    pick = pick_config(m, gemm.n, gemm.k, device)
     fill = max(16, 1 << (m - 1).bit_length())  # no token tile wider than M needs
     knobs = {k: tuple(v for v in vs if k != "block_t" or v <= fill) for k, vs in SWAP_KNOBS.items()}
+    if variant == "swap_ready":  # from ready inputs the split sum's form is the open question: walk it first
+        knobs = {"reduce": knobs["reduce"], **{k: v for k, v in knobs.items() if k != "reduce"}}
     if not refine:
         return pick, [pick], knobs
     seeds = [cfg for (name, at, v), cfg in sorted(cfgs.items(), key=lambda e: abs(e[0][1] - m)) if name == gemm.name
@@ -471,6 +494,140 @@ def print_summary(
         print(f"{m:>6} | " + " | ".join(cells))
 
 
+# ---- (d) the producers of FP8 activations and one layer's chain ---------------------------------------------------
+
+NORM_EPS = 1e-6
+PRODUCER_REPEATS = 16  # calls of one producer per graph (activations stay in L2, as in a decode step)
+
+
+def producer_calls(m: int, hidden: int, inter: int) -> dict[str, Callable[[], object]]:
+    """One call of each op that makes a GEMM input at M = m, unfused (16-bit out, then ``quantize_activations``
+    separately) and fused (``*_quant``: fp8 out)."""
+    torch.manual_seed(m)
+    x, res = (torch.randn(m, hidden, device=DEVICE).bfloat16() for _ in range(2))
+    gate_up = torch.randn(m, 2 * inter, device=DEVICE).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    act = torch.randn(m, inter, device=DEVICE).bfloat16()
+    return {
+        "add_rmsnorm": lambda: f.fused_add_rmsnorm(x, res, w, NORM_EPS),
+        "add_rmsnorm_quant": lambda: f.fused_add_rmsnorm_quant(x, res, w, NORM_EPS),
+        "quantize (hidden)": lambda: g.quantize_activations(x),
+        "silu_and_mul": lambda: f.silu_and_mul(gate_up),
+        "silu_and_mul_quant": lambda: f.silu_and_mul_quant(gate_up),
+        "quantize (inter)": lambda: g.quantize_activations(act),
+    }
+
+
+CHAIN_MODES = ("unfused", "fused", "fused+sums")  # FNVLLM_FP8_FUSED_QUANT=0, =1, =1 with FNVLLM_FP8_NORM_SUMS_SPLITS=1
+
+
+def layer_chain(gemms: list[Gemm], m: int, mode: str) -> list[Callable[[], torch.Tensor]]:
+    """One call per weight copy of a layer's GEMMs with the ops that make their inputs, each layer from the one
+    before (its down output and residual): add + RMSNorm -> qkv; (attention skipped: o from fixed activations,
+    quantized by its own launch) o -> add + RMSNorm -> gate_up -> SiLU-and-mul -> down. Each call returns the
+    residual stream after its first norm. mode (CHAIN_MODES): "unfused": 16-bit norm / SiLU outputs, which
+    ``fp8_linear`` quantizes; "fused": they write ``Fp8Activations`` (no quantization launch before qkv,
+    gate_up, down); "fused+sums": also down's K splits left unsummed for the next layer's norm."""
+    by_name = {gm.name: gm for gm in gemms}
+    hidden = by_name["qkv"].k
+    torch.manual_seed(m)
+    x, res, attn = (torch.randn(m, hidden, device=DEVICE).bfloat16() for _ in range(3))
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).bfloat16()
+    norm = f.fused_add_rmsnorm if mode == "unfused" else f.fused_add_rmsnorm_quant
+    silu = f.silu_and_mul if mode == "unfused" else f.silu_and_mul_quant
+    state: dict[str, object] = {"hidden": x, "residual": res}
+
+    def one(c: int) -> torch.Tensor:
+        qkv, o, gate_up, down = (by_name[n].fp8[c % by_name[n].copies] for n in ("qkv", "o", "gate_up", "down"))
+        normed, residual = norm(state["hidden"], state["residual"], w, NORM_EPS)
+        g.fp8_linear(normed, *qkv)
+        normed, state["residual"] = norm(g.fp8_linear(attn, *o), residual, w, NORM_EPS)
+        act = silu(g.fp8_linear(normed, *gate_up))
+        state["hidden"] = g.fp8_linear_partials(act, *down) if mode == "fused+sums" else g.fp8_linear(act, *down)
+        return residual
+
+    return [lambda c=c: one(c) for c in range(max(gm.copies for gm in gemms))]
+
+
+def chain_check(gemms: list[Gemm], m: int) -> dict[str, float]:
+    """Per fused mode: the relative difference of its residual stream after three layers against the unfused
+    chain's (0 expected on a GPU: the same operands reach the same kernels)."""
+    residuals = {}
+    for mode in CHAIN_MODES:
+        calls = layer_chain(gemms, m, mode)
+        residuals[mode] = [call() for call in calls[:3]][-1]
+    return {mode: rel_error(residuals[mode], residuals["unfused"]) for mode in CHAIN_MODES[1:]}
+
+
+def run_chains(gemms: list[Gemm], ms: list[int], record: dict) -> dict[tuple[int, str], float]:
+    """(d): µs per producer call and per layer chain, both ways, at each M up to SWAP_MAX_M."""
+    print("(d) producers of the GEMM inputs (µs per call) and one layer's chain (µs per layer)", flush=True)
+    hidden, inter = gemms[0].k, gemms[-1].k
+    out: dict[tuple[int, str], float] = {}
+    for m in [m for m in ms if m <= g.SWAP_MAX_M]:
+        parts = []
+        for name, call in producer_calls(m, hidden, inter).items():
+            out[m, name] = time_us([call] * PRODUCER_REPEATS, 20)
+            parts.append(f"{name} {out[m, name]:.2f}")
+        print(f"  M={m:3}: " + ", ".join(parts), flush=True)
+        for mode in CHAIN_MODES:
+            try:
+                out[m, f"chain {mode}"] = time_us(layer_chain(gemms, m, mode), 20)
+            except Exception as e:  # reported, not fatal
+                print(f"  M={m:3} chain {mode}: ERROR {short(e)}")
+        parts = []
+        for gm in gemms:  # the split sum by a second launch vs by the tile's last program, from ready activations
+            cfg = g.pick_ready_swap_config(m, gm.n, gm.k, torch.device(DEVICE))
+            if cfg.split_k == 1:
+                continue
+            for reduce in g.SPLIT_REDUCES:
+                out[m, f"{gm.name} {reduce}"] = gm.time("swap_ready", m, attrs.evolve(cfg, reduce=reduce))
+            parts.append(f"{gm.name} " + " / ".join(f"{out[m, f'{gm.name} {r}']:.1f}" for r in g.SPLIT_REDUCES))
+        print(f"  M={m:3}: swap_ready µs with the split sum {' / '.join(g.SPLIT_REDUCES)}: " + ", ".join(parts))
+        diffs = chain_check(gemms, m)
+        record["chains"][f"M={m} differences"] = diffs
+        chains = ", ".join(f"{mode} {out.get((m, f'chain {mode}'), math.nan):.1f}" for mode in CHAIN_MODES)
+        print(f"  M={m:3}: chain µs {chains}; residuals differ from unfused by " +
+              ", ".join(f"{mode} {d:.1e}" for mode, d in diffs.items()), flush=True)  # fmt: skip
+    record["chains"].update({f"M={m} {name}": us for (m, name), us in out.items()})
+    return out
+
+
+def print_chain_table(
+    gemms: list[Gemm], ms: list[int], times: dict[tuple[str, int, str], float], chains: dict[tuple[int, str], float]
+) -> None:
+    """Per M: the four GEMMs summed with their quantization launches (``shipped``) and from ready fp8 activations
+    (``swap_ready``), and the layer chain unfused vs fused (µs; TB/s of fp8 weight bytes)."""
+    fp8_bytes = sum(gm.fp8_bytes for gm in gemms)
+
+    def cell(us: float | None) -> str:
+        return f"{'-':>14}" if us is None or not math.isfinite(us) else f"{us:>6.1f} ({fp8_bytes / us / 1e6:.2f})"
+
+    def gemm_sum(m: int, variant: str) -> float | None:
+        parts = [times.get((gm.name, m, variant)) for gm in gemms]
+        return None if None in parts else sum(p or 0.0 for p in parts)
+
+    print("\nper layer, µs (TB/s of fp8 weight bytes): the 4 GEMMs with quantization launches | from ready fp8 | "
+          "the chain with the producers: unfused | fused (FNVLLM_FP8_FUSED_QUANT=1) | fused + down's split sum in "
+          "the next norm (FNVLLM_FP8_NORM_SUMS_SPLITS=1)")  # fmt: skip
+    print(f"{'M':>4} | {'GEMMs+quant':>14} | {'GEMMs ready':>14} | " + " | ".join(f"{m:>14}" for m in CHAIN_MODES))
+    for m in [m for m in ms if m <= g.SWAP_MAX_M]:
+        modes = " | ".join(cell(chains.get((m, f"chain {mode}"))) for mode in CHAIN_MODES)
+        print(f"{m:>4} | {cell(gemm_sum(m, 'shipped'))} | {cell(gemm_sum(m, 'swap_ready'))} | {modes}", flush=True)
+
+
+def print_ready_table(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs) -> None:
+    """The swap kernel's best configs swept from ready fp8 activations (``swap_ready``), as TUNED_SWAP entries."""
+    rows = [(gm, m) for gm in gemms for m in sorted(ms) if (gm.name, m, "swap_ready") in cfgs]
+    if not rows:
+        return
+    print("TUNED_SWAP_READY: dict[tuple[int, int, int], SwapConfig] = {  # swept from ready fp8 activations")
+    for gm, m in rows:
+        key = (gm.name, m, "swap_ready")
+        print(f"    ({gm.n}, {gm.k}, {m}): {compact(cfgs[key])},  # {gm.name} {best[key]:.1f} µs")
+    print("}")
+
+
 def main() -> int:
     """Check, time, sweep, print the tables; exit 1 when the shipped dispatch fails a correctness check."""
     args = parse_args()
@@ -479,10 +636,13 @@ def main() -> int:
     began = time.monotonic()
     ms = sorted(args.ms)
     gemms = [Gemm(name, n, k) for name, (n, k) in GEMMS.items()]
-    record: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "times_us": {}, "sweep": {}}
+    record: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "times_us": {}, "sweep": {}, "chains": {}}
     variants = tuple(args.variants)
     ok = run_checks(gemms, ms, record, variants)
     times = run_times(gemms, ms, record, variants)
+    chains = run_chains(gemms, ms, record) if args.layer_chain else {}
+    if chains:
+        print_chain_table(gemms, ms, times, chains)
     best: _Best = {}
     cfgs: _Cfgs = {}
     print_layer_table(gemms, ms, times, best, cfgs)
@@ -496,7 +656,10 @@ def main() -> int:
     print_summary(gemms, ms, times, best, variants)
     if args.sweep:
         print_sweep_tables(gemms, ms, best, cfgs)
+        print_ready_table(gemms, ms, best, cfgs)
         print_layer_table(gemms, ms, times, best, cfgs)
+    if chains:
+        print_chain_table(gemms, ms, times, chains)
     print(f"({time.monotonic() - began:.0f} s; shipped dispatch correct: {ok})")
     if args.json:
         with open(args.json, "w") as f:

@@ -15,7 +15,9 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
   partials, summed in order by a second kernel) keeps every SM streaming when N is small.
 - ``fp8_gemm_swap`` (STREAM_MAX_M < M <= SWAP_MAX_M): activations quantized per (token, 128 columns)
   (``quantize_activations``), then fp8 x fp8 on the tensor cores with the weight rows on the dot's wide side
-  and the tokens on its narrow side (so 16-256 tokens fill a wgmma), split-K as above.
+  and the tokens on its narrow side (so 16-256 tokens fill a wgmma), split-K as above. The activations may also
+  come quantized by the kernel that wrote them (``fused_ops.Fp8Activations``: the RMSNorm or SiLU-and-mul before
+  the GEMM, ``Fp8Producers``, FNVLLM_FP8_FUSED_QUANT=1), which saves the quantization launch.
 - ``fp8_gemm_blockwise`` (prefill, where cuBLAS lacks the recipe): both operands fp8, (BLOCK_M tokens, 128 rows)
   tiles, x_scale[m, kg] * w_scale[n_block, kg] applied to each 128-deep partial product (DeepSeek-V3's scheme).
 - ``fp8_scaled_mm`` (above SWAP_MAX_M, where torch and the GPU have it): the same activation quantization, then
@@ -57,7 +59,17 @@ import triton
 import triton.language as tl
 
 from fnvllm.kernels.decode_attention import dot, upcast_dot
-from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.fused_ops import (
+    Fp8Activations,
+    SplitPartials,
+    fused_add_rmsnorm_quant,
+    pdl_launch,
+    rmsnorm_quant,
+    silu_and_mul_quant,
+    use_pdl,
+    wait_for_previous_kernel,
+)
+from fnvllm.kernels.fused_ops import round_to_e4m3 as _round_to_e4m3
 from fnvllm.kernels.reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -81,6 +93,9 @@ __all__ = [
     "SCALE_BLOCK",
     "SMALL_M",
     "BlockwiseConfig",
+    "Fp8Activations",
+    "Fp8Producers",
+    "SplitPartials",
     "dequantize_fp8_blocks",
     "expand_block_scales",
     "fp8_blockwise_ref",
@@ -88,15 +103,23 @@ __all__ = [
     "fp8_gemm_small_m",
     "fp8_gemm_swap",
     "fp8_gemm_swap_bf16",
+    "fp8_gemm_swap_partials",
     "fp8_linear",
+    "fp8_linear_partials",
+    "fp8_linear_prepared",
     "fp8_linear_ref",
+    "fp8_producers",
     "fp8_rowwise_mm",
     "fp8_rowwise_ref",
     "fp8_scaled_mm",
+    "fused_quant_from_env",
+    "pick_ready_swap_config",
     "quantize_activations",
     "quantize_activations_ref",
     "quantize_per_token",
     "quantize_per_token_ref",
+    "sum_partials",
+    "takes_fp8_activations",
 ]
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
@@ -144,7 +167,7 @@ def fp8_blockwise_ref(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activations,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -158,7 +181,12 @@ def fp8_linear(
     weights in SWAP_FUSED_MAX_M); up to BLOCKWISE_MAX_M ``fp8_gemm_blockwise`` for weights with a measured
     TUNED_BLOCKWISE shape; above, cuBLAS's block-scaled GEMM (``fp8_scaled_mm``) where torch has it and the weight is
     whole 128 x 128 blocks, else ``fp8_gemm_blockwise``. Elsewhere the torch reference. The thresholds come from
-    benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs")."""
+    benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs").
+
+    x may also be activations quantized by the kernel that made them (``Fp8Activations``, see
+    ``takes_fp8_activations``): then no quantization runs (``fp8_linear_prepared``)."""
+    if isinstance(x, Fp8Activations):
+        return fp8_linear_prepared(x, w, w_scale, bias)
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return fp8_linear_ref(x, w, w_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -178,6 +206,23 @@ def fp8_linear(
         return fp8_scaled_mm(x, w, w_scale, bias)
     else:
         out = fp8_gemm_blockwise(*quantize_activations(x), w, w_scale, x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+def fp8_linear_prepared(
+    x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantized activations x @ dequantized(w).T (+ bias) in x.dtype: ``fp8_gemm_swap`` up to SWAP_MAX_M tokens,
+    ``fp8_gemm_blockwise`` above. The GEMM ``fp8_linear`` runs after its own ``quantize_activations`` at those M,
+    so the results are equal. Off CUDA the same kernels run under Triton's interpreter (only tests make
+    ``Fp8Activations`` there: the CPU's FP8 path keeps 16-bit activations)."""
+    x_q, x_scale, dtype = x
+    m = x_q.shape[0]
+    if m <= SWAP_MAX_M:
+        _split_locks(x_q.device)  # made on the first (eager) call, as in fp8_linear
+        out = fp8_gemm_swap(x_q, x_scale, w, w_scale, dtype, pick_ready_swap_config(m, *w.shape, x_q.device))
+    else:
+        out = fp8_gemm_blockwise(x_q, x_scale, w, w_scale, dtype)
     return out if bias is None else out.add_(bias)
 
 
@@ -207,6 +252,81 @@ SWAP_FUSED_MAX_M: dict[tuple[int, int], int] = {}
 def swaps_fused(m: int, n: int, k: int) -> bool:
     """Whether ``fp8_linear`` takes ``fp8_gemm_swap_bf16`` for M tokens of an (N, K) weight (SWAP_FUSED_MAX_M)."""
     return 0 < m <= min(SWAP_MAX_M, SWAP_FUSED_MAX_M.get((n, k), 0))
+
+
+# Activations quantized by the kernel that writes them (the RMSNorm before qkv and gate_up, the SiLU-and-mul before
+# down: ``Fp8Producers``), so a small-M GEMM starts from ready fp8 inputs without a quantization launch. Off by
+# default until measured faster end to end on the H200; FNVLLM_FP8_FUSED_QUANT=1 (read when the model's ops are made,
+# ``fnvllm.model.ops.triton_ops``) turns it on, anything but 0 or 1 is a ValueError naming the variable.
+FUSED_QUANT_ENV = "FNVLLM_FP8_FUSED_QUANT"
+
+
+def fused_quant_from_env() -> bool:
+    """FUSED_QUANT_ENV's value as a switch ("0" or unset: off, "1": on); ValueError naming it otherwise."""
+    value = os.environ.get(FUSED_QUANT_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_QUANT_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def takes_fp8_activations(m: int, n: int, k: int, has_row_scale: bool, dtype: torch.dtype) -> bool:
+    """Whether M tokens of ``dtype`` activations for an (N, K) FP8 weight should come quantized by their producer
+    (``Fp8Activations``): exactly where ``fp8_linear`` would run ``quantize_activations`` + ``fp8_gemm_swap`` on
+    them (16-bit, STREAM_MAX_M < M <= SWAP_MAX_M, not the in-kernel quantization of SWAP_FUSED_MAX_M, not the
+    row-wise GEMM, which takes per-token scales, for a weight with a row scale above ``rowwise_min_m``)."""
+    if dtype not in _KERNEL_DTYPES or not STREAM_MAX_M < m <= SWAP_MAX_M or swaps_fused(m, n, k):
+        return False
+    return not (has_row_scale and ROWWISE and dtype == torch.bfloat16 and m > rowwise_min_m(n, k))
+
+
+@attrs.frozen
+class Fp8Producers:
+    """The kernels that write a decoder layer's FP8 GEMM inputs already quantized (``Fp8Activations``), for the
+    model (``ModelOps.fp8_producers``): rmsnorm (x, weight, eps) -> acts; add_rmsnorm (x, residual, weight, eps)
+    -> (acts, new residual), x may be ``SplitPartials``; silu_and_mul (gate_up) -> acts. ``applies`` says when the
+    model uses them.
+    sum_down_splits: the down projection (from the SiLU's acts) leaves its K splits unsummed (``gemm_partials``,
+    ``SplitPartials``) for the next layer's add_rmsnorm to sum, one launch fewer (single process, no bias, not the
+    last layer: the model checks); ``sum_partials`` sums them where that norm does not apply.
+    device_types: where they apply ("cuda"; the CPU's FP8 path is the torch reference, which keeps 16-bit
+    activations: tests add "cpu" to run the kernels there under Triton's interpreter)."""
+
+    rmsnorm: Callable[[torch.Tensor, torch.Tensor, float], Fp8Activations] = rmsnorm_quant
+    add_rmsnorm: Callable[..., tuple[Fp8Activations, torch.Tensor]] = fused_add_rmsnorm_quant
+    silu_and_mul: Callable[[torch.Tensor], Fp8Activations] = silu_and_mul_quant
+    sum_down_splits: bool = False
+    gemm_partials: Callable[[Fp8Activations, torch.Tensor, torch.Tensor], SplitPartials] = attrs.field(
+        factory=lambda: fp8_linear_partials
+    )
+    sum_partials: Callable[[SplitPartials], torch.Tensor] = attrs.field(factory=lambda: sum_partials)
+    device_types: tuple[str, ...] = ("cuda",)
+
+    def applies(self, x: torch.Tensor | SplitPartials, linear: torch.nn.Module) -> bool:
+        """Whether the input x (T, K) of ``linear`` (a projection whose FP8 weights carry ``weight_scale_inv``),
+        or the value made from x (its sum, for split partials), should be made quantized: an FP8 weight, x on one
+        of ``device_types``, and ``takes_fp8_activations`` for T tokens."""
+        rows = x.parts[0] if isinstance(x, SplitPartials) else x  # (T, K)
+        w, w_scale = linear.weight, getattr(linear, "weight_scale_inv", None)
+        if w_scale is None or rows.device.type not in self.device_types:
+            return False
+        row_scale = getattr(linear, "weight_row_scale", None)
+        return takes_fp8_activations(rows.shape[0], *w.shape, row_scale is not None, x.dtype)
+
+
+# The down projection's split sum in the next layer's add + RMSNorm (``Fp8Producers.sum_down_splits``): off by
+# default until measured; FNVLLM_FP8_NORM_SUMS_SPLITS=1 turns it on (with FNVLLM_FP8_FUSED_QUANT=1 only).
+NORM_SUMS_SPLITS_ENV = "FNVLLM_FP8_NORM_SUMS_SPLITS"
+
+
+def fp8_producers(sum_down_splits: bool | None = None) -> Fp8Producers:
+    """The Triton producers of ``Fp8Activations`` (``fused_ops``' ``*_quant`` kernels); sum_down_splits None
+    reads NORM_SUMS_SPLITS_ENV ("0" or unset: off, "1": on; otherwise a ValueError naming it)."""
+    if sum_down_splits is None:
+        value = os.environ.get(NORM_SUMS_SPLITS_ENV, "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{NORM_SUMS_SPLITS_ENV} must be 0 or 1, got {value!r}")
+        sum_down_splits = value == "1"
+    return Fp8Producers(sum_down_splits=sum_down_splits)
 
 
 @functools.cache
@@ -483,14 +603,6 @@ def _sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
 
 
 # ---- large M: fp8 tensor cores ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v rounded (half away from zero) to the e4m3 grid: 3 mantissa bits, subnormal step 2**-9."""
-    exponent = tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625)))  # 2**-6: the smallest normal
-    step = tl.exp2(exponent - 3.0)
-    return tl.where(v < 0, -1.0, 1.0) * tl.floor(tl.abs(v) / step + 0.5) * step
 
 
 @triton.jit
@@ -839,6 +951,32 @@ TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {
     (4096, 12288, 16): _SWAP(split_k=8, num_stages=4, tma=True),  # down 18.8 us
     (4096, 12288, 32): _SWAP(split_k=6, num_stages=3, pdl=True, tma=True),  # down 20.2 us
 }
+# TUNED_SWAP_READY: the swap kernel's launch shapes when its activations come quantized by their producer
+# (``fp8_linear_prepared`` / ``fp8_linear_partials``, FNVLLM_FP8_FUSED_QUANT=1; other shapes and M take TUNED_SWAP).
+# H200, bench_fp8_gemm.py --sweep --sweep-kernels swap_ready --ms 1 16 (branch h-f8q at 0b7e81c, 55 s budget), µs
+# per GEMM from ready fp8 activations, swept vs TUNED_SWAP's shape in the same run: qkv 9.6 / 9.9 vs 9.8 / 10.5
+# at M = 1 / 16, o 7.8 / 8.1 vs 7.8 / 8.6, down 16.1 / 17.1 vs 16.1 / 18.0; per layer 60.6 / 63.0 us (3.19 / 3.06
+# TB/s) vs 61.8 / 64.4. gate_up's swept best (27.0 us at M = 1 without PDL and TMA, 27.9 at 16) is within the
+# run's noise of TUNED_SWAP's (28.1 / 27.4 in its timing pass), so it keeps TUNED_SWAP's; o has no producer (its
+# input comes from attention), so it keeps TUNED_SWAP's too. Every entry keeps TUNED_SWAP's K split at the M it
+# covers, so the fused path sums the same partials in the same order (bit-identical results). As before, the
+# split sum by a second launch beat the tile's last program everywhere (at M = 1: qkv 9.8 vs 11.1, o 7.8 vs
+# 10.0, down 16.2 vs 18.5 us).
+TUNED_SWAP_READY: dict[tuple[int, int, int], SwapConfig] = {
+    (6144, 4096, 1): _SWAP(split_k=4, num_stages=4, pdl=True, tma=True),  # qkv 9.6 us
+    (6144, 4096, 16): _SWAP(split_k=4, num_stages=4, pdl=True, tma=True),  # qkv 9.9 us
+    (4096, 12288, 1): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 16.1 us
+    (4096, 12288, 16): _SWAP(split_k=8, num_stages=3, pdl=True, tma=True),  # down 17.1 us
+}
+
+
+def pick_ready_swap_config(m: int, n: int, k: int, device: torch.device) -> SwapConfig:
+    """The swap kernel's launch shape for M tokens of an (N, K) weight from ready fp8 activations: the
+    TUNED_SWAP_READY entry when there is one (on CUDA), else ``pick_swap_config``'s."""
+    tuned = _tuned(TUNED_SWAP_READY, m, n, k) if device.type == "cuda" else None
+    return tuned if tuned is not None else pick_swap_config(m, n, k, device)
+
+
 TUNED_BLOCKWISE: dict[tuple[int, int, int], BlockwiseConfig] = {
     (4096, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=3, num_warps=4, num_stages=5),  # o
     (24576, 4096, 64): BlockwiseConfig(block_m=64, block_n=128, split_k=1, num_warps=8, num_stages=4),  # gate_up
@@ -880,8 +1018,10 @@ def _launch_swap(
     w_scale: torch.Tensor,
     dtype: torch.dtype,
     config: SwapConfig | None,
+    keep_partials: bool = False,
 ) -> torch.Tensor:
-    """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside)."""
+    """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside).
+    keep_partials: return the splits' float32 partials (S, M, N) unsummed (every split stores one, also S = 1)."""
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_swap_config(m, n, k, a.device)
     cfg.check()
@@ -890,11 +1030,15 @@ def _launch_swap(
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
     split = triton.cdiv(k_blocks, per_split)
-    out = torch.empty((m, n), dtype=dtype, device=a.device)
+    shape = (split, m, n) if keep_partials else (m, n)
+    out = torch.empty(shape, dtype=torch.float32 if keep_partials else dtype, device=a.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, cfg.block_t), triton.cdiv(n, cfg.block_n), split)
-    part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
+    if keep_partials:  # the kernel stores each split's partial and nothing sums them
+        part, locks, mode = out, out, _SUM_LAUNCH
+    else:
+        part, locks, mode = _split_buffers(out, split, cfg.reduce, grid[0] * grid[1])
     scales = out if a_scale is None else a_scale
     pdl = cfg.pdl and use_pdl(a.device)
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if tma else w
@@ -905,8 +1049,38 @@ def _launch_swap(
         UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
-    if mode == _SUM_LAUNCH:
+    if mode == _SUM_LAUNCH and not keep_partials:
         _sum_splits(part, out)
+    return out
+
+
+def fp8_gemm_swap_partials(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: SwapConfig | None = None
+) -> torch.Tensor:
+    """``fp8_gemm_swap`` without its split sum: the float32 partial products (S, M, N) of its S K splits (S from the
+    launch shape; S = 1 too), for a consumer that sums them in split order itself (``fused_ops.SplitPartials``:
+    then out = the sum rounded to the output dtype, exactly what ``fp8_gemm_swap`` returns)."""
+    m, k, _ = _check_gemm_args(x_q, w, w_scale)
+    if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
+        raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
+    return _launch_swap(x_q, x_scale, w, w_scale, torch.float32, config, keep_partials=True)
+
+
+def fp8_linear_partials(x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tensor) -> SplitPartials:
+    """``fp8_linear_prepared(x, w, w_scale)`` (no bias, up to SWAP_MAX_M tokens) left as its split partials
+    (``fp8_gemm_swap_partials``)."""
+    x_q, x_scale, dtype = x
+    cfg = pick_ready_swap_config(x_q.shape[0], *w.shape, x_q.device)
+    return SplitPartials(fp8_gemm_swap_partials(x_q, x_scale, w, w_scale, cfg), dtype)
+
+
+def sum_partials(x: SplitPartials) -> torch.Tensor:
+    """The (M, N) output of split partials x (S, M, N) summed in split order, in x.dtype (``_sum_splits``' kernel,
+    as ``fp8_gemm_swap`` sums them)."""
+    parts, dtype = x
+    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
+    if out.numel():
+        _sum_splits(parts, out)
     return out
 
 

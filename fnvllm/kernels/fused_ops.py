@@ -9,6 +9,10 @@
   `rotary_ref`): with x = [x1 | x2] halves, out = [x1 cos - x2 sin | x2 cos + x1 sin].
 - `norm_rotary(x, weight, eps, cos, sin)`: Qwen3's per-head q/k RMSNorm and the rotation in one kernel, reading
   the strided q or k view of the qkv projection directly (unfused: a copy, a norm and a rotation, 3 kernels).
+- `rmsnorm_quant`, `fused_add_rmsnorm_quant`, `silu_and_mul_quant`: the same ops writing, instead of their 16-bit
+  result y, y quantized for the FP8 weight GEMMs (`Fp8Activations`: e4m3 values and one float32 scale per
+  (token, 128 columns), exactly `fp8_gemm.quantize_activations(y)`), so the small-M FP8 GEMM after them needs no
+  quantization launch of its own (docs/fp8_weights.md, "Activations quantized by their producer").
 
 Worked example (rmsnorm, eps 0): x = [3, 4] -> mean(x^2) = 12.5, rsqrt = 0.2828 -> [0.8485, 1.1314] * weight.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,15 +35,20 @@ from fnvllm.kernels.reference import add_rmsnorm_ref as fused_add_rmsnorm_ref
 from fnvllm.kernels.reference import norm_rotary_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
 __all__ = [
+    "Fp8Activations",
+    "SplitPartials",
     "fused_add_rmsnorm",
+    "fused_add_rmsnorm_quant",
     "fused_add_rmsnorm_ref",
     "norm_rotary",
     "norm_rotary_ref",
     "rmsnorm",
+    "rmsnorm_quant",
     "rmsnorm_ref",
     "rotary",
     "rotary_ref",
     "silu_and_mul",
+    "silu_and_mul_quant",
     "silu_and_mul_ref",
 ]
 
@@ -350,3 +360,224 @@ def _check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
                 f"{name} must be {want} float32 on {x.device} with a contiguous last dim, got "
                 f"{tuple(t.shape)} {t.dtype}"
             )
+
+
+# ---- producers of FP8 activations --------------------------------------------------------------------------------
+
+_E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = 448.0  # the largest e4m3 value
+_QUANT_GROUP = 128  # columns per activation scale (the weights' 128 x 128 scale blocks: one K block)
+
+
+class Fp8Activations(NamedTuple):
+    """Activations already quantized for the FP8 weight GEMMs (``fp8_gemm.fp8_linear`` takes them in place of x).
+
+    x_q: (M, K) float8_e4m3fn; x_scale: (M, ceil(K / 128)) float32, one scale per (token, 128 columns), so that
+    the activations are x_q[m, k] * x_scale[m, k // 128]; dtype: the 16-bit dtype of the unquantized values (the
+    GEMM's output dtype). Exactly ``fp8_gemm.quantize_activations`` of those values."""
+
+    x_q: torch.Tensor
+    x_scale: torch.Tensor
+    dtype: torch.dtype
+
+
+class SplitPartials(NamedTuple):
+    """A GEMM's output left as the float32 partial products of its K splits, for the next kernel to sum
+    (``fp8_gemm.fp8_gemm_swap_partials``): parts (S, M, N) float32, summed in split order (from 0) and rounded to
+    dtype, the output's 16-bit dtype, gives exactly the GEMM's (M, N) output."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """v rounded (half away from zero) to the e4m3 grid: 3 mantissa bits, subnormal step 2**-9 (for the
+    interpreter, whose float32 -> e4m3 conversion drops the carry of a rounding that crosses a power of two)."""
+    exponent = tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625)))  # 2**-6: the smallest normal
+    step = tl.exp2(exponent - 3.0)
+    return tl.where(v < 0, -1.0, 1.0) * tl.floor(tl.abs(v) / step + 0.5) * step
+
+
+@triton.jit
+def store_fp8_groups(y, cols, n_cols, q_row, s_row, first_group, GROUPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """Quantize y (GROUPS, 128) float32, one token's columns ``cols`` (GROUPS, 128) (first_group * 128 on), as
+    ``fp8_gemm.quantize_activations`` does: per 128 columns scale = max(amax / 448, 1e-12), q = clamp(y / scale)
+    in e4m3 (ROUND_FIRST: rounded to the e4m3 grid in float32 first, the interpreter's fix); store q at q_row +
+    cols (< n_cols) and the scales at s_row + group (groups past the row's last are not stored). Columns past
+    n_cols must hold 0 in y (as the unfused kernel's masked load gives)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1) / 448.0, 1e-12)
+    q = tl.clamp(y / scale[:, None], -448.0, 448.0)
+    if ROUND_FIRST:
+        q = round_to_e4m3(q)
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=cols < n_cols)
+    groups = first_group + tl.arange(0, GROUPS)
+    tl.store(s_row + groups, scale, mask=groups * 128 < n_cols)
+
+
+@triton.jit
+def _group_cols(first, GROUPS: tl.constexpr):
+    """Columns (GROUPS, 128) of GROUPS 128-column groups from column ``first`` on."""
+    return first + tl.arange(0, GROUPS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+
+
+@triton.jit
+def _row_values(x_ptr, res_ptr, row, offs, mask, n_rows, n_cols, HAS_RESIDUAL: tl.constexpr,
+                NUM_PARTS: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """Row ``row`` of x at columns offs (any shape; 0 where not mask) in dtype, plus the residual row rounded like
+    torch's add when HAS_RESIDUAL. NUM_PARTS > 0: x_ptr holds (NUM_PARTS, n_rows, n_cols) float32 split partials,
+    summed in split order from 0 and rounded to dtype (as ``fp8_gemm._sum_splits`` writes a GEMM's output)."""
+    if NUM_PARTS > 0:
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
+        for s in tl.static_range(NUM_PARTS):
+            acc += tl.load(x_ptr + (s * n_rows + row) * n_cols + offs, mask=mask, other=0.0)
+        x = acc.to(dtype)
+    else:
+        x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like torch's add
+    return x
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(
+    x_ptr, res_ptr, res_out_ptr, w_ptr, q_ptr, s_ptr, eps, n_rows, n_cols, n_groups,
+    HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``_rmsnorm_kernel``'s row (the same arithmetic, to its 16-bit output y), then y quantized per 128 columns
+    into q / s (``store_fp8_groups``) instead of stored. The row's sum of squares is taken over the 1-D (BLOCK,)
+    row exactly as ``_rmsnorm_kernel`` takes it (same layout, same order); the elementwise rest is done on the row
+    read again (L1 / L2) as (group, 128) tiles, the layout the per-group quantization wants. (A reshape of the 1-D
+    row instead took 5.9 us against the unfused kernel's 1.2 at 4,096 columns on the H200: under Triton 3.6 it
+    staged the e4m3 bytes through shared memory and stored them a byte per instruction.) NUM_PARTS > 0: x is
+    split partials (``_row_values``)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    cols2 = _group_cols(0, BLOCK // 128)  # (groups, 128)
+    mask2 = cols2 < n_cols
+    dtype = res_out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols2, mask=mask2, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
+    wait_for_previous_kernel(USE_PDL)
+    x = _row_values(x_ptr, res_ptr, row, cols, mask, n_rows, n_cols, HAS_RESIDUAL, NUM_PARTS, dtype)
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    x2 = _row_values(x_ptr, res_ptr, row, cols2, mask2, n_rows, n_cols, HAS_RESIDUAL, NUM_PARTS, dtype)
+    normed = (x2.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)  # cast back before the weight, as torch
+    y = (w * normed).to(dtype).to(tl.float32)  # what rmsnorm stores (weight and x: one dtype)
+    store_fp8_groups(y, cols2, n_cols, q_ptr + row * n_cols, s_ptr + row * n_groups, 0, BLOCK // 128, ROUND_FIRST)
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Activations:
+    """``rmsnorm(x, weight, eps)`` of x (T, N) quantized for the FP8 GEMMs in the same launch (``Fp8Activations``,
+    exactly ``quantize_activations(rmsnorm(x, weight, eps))``); weight in x's 16-bit dtype."""
+    return _launch_norm_quant(x, None, weight, eps)[0]
+
+
+def fused_add_rmsnorm_quant(
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Activations, torch.Tensor]:
+    """(``rmsnorm_quant(x + residual)``, x + residual) for x, residual (T, N) in one launch: ``fused_add_rmsnorm``
+    with its normalised output quantized (``Fp8Activations``) instead of written; returns new tensors. x may be a
+    GEMM's output left as split partials (``SplitPartials`` of (S, T, N)): summed here, in split order, into
+    exactly the x that GEMM would have written."""
+    shape, dtype, device = _value_meta(x)
+    if tuple(residual.shape) != shape or residual.dtype != dtype or residual.device != device:
+        raise ValueError(
+            f"residual must match x ({shape} {dtype} on {device}), got {tuple(residual.shape)} "
+            f"{residual.dtype} on {residual.device}"
+        )
+    acts, new_residual = _launch_norm_quant(x, residual, weight, eps)
+    if new_residual is None:  # pragma: no cover - made whenever a residual is given
+        raise RuntimeError("fused_add_rmsnorm_quant lost its residual")
+    return acts, new_residual
+
+
+def _check_quant_input(x: torch.Tensor) -> None:
+    """ValueError unless x is a 2-D bf16/fp16 tensor (the FP8 GEMMs' activation dtypes)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be a 2-D bfloat16 or float16 tensor, got {tuple(x.shape)} {x.dtype}")
+
+
+def _value_meta(x: torch.Tensor | SplitPartials) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    """(shape, dtype, device) of the (T, N) value x stands for (split partials: their sum's)."""
+    if isinstance(x, SplitPartials):
+        if x.parts.dim() != 3 or x.parts.dtype != torch.float32:
+            got = f"{tuple(x.parts.shape)} {x.parts.dtype}"
+            raise ValueError(f"SplitPartials.parts must be float32 (S, T, N), got {got}")
+        return tuple(x.parts.shape[1:]), x.dtype, x.parts.device
+    return tuple(x.shape), x.dtype, x.device
+
+
+def _launch_norm_quant(
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Activations, torch.Tensor | None]:
+    """(the normalised x (+ residual) quantized, the new residual or None): one program per row, with the block
+    and warps of ``_launch_rmsnorm`` (so the row's sum is reduced in the same order)."""
+    parts = x.parts.contiguous() if isinstance(x, SplitPartials) else None
+    shape, dtype, device = _value_meta(x)
+    rows = torch.empty(shape, dtype=dtype, device=device) if parts is not None else x.contiguous()  # (T, N)
+    _check_norm_args(rows, weight)
+    _check_quant_input(rows)
+    if weight.dtype != dtype:
+        raise ValueError(f"weight must be x's dtype {dtype} (the quantized output stands for it), got {weight.dtype}")
+    num_rows, n_cols = rows.shape
+    n_groups = triton.cdiv(n_cols, _QUANT_GROUP)
+    x_q = torch.empty(rows.shape, dtype=_E4M3, device=device)
+    x_scale = torch.empty((num_rows, n_groups), dtype=torch.float32, device=device)
+    res_rows = None if residual is None else residual.contiguous()
+    new_residual = None if res_rows is None else torch.empty_like(rows)
+    if num_rows:
+        block = max(_QUANT_GROUP, triton.next_power_of_2(n_cols))
+        _rmsnorm_quant_kernel[(num_rows,)](
+            rows if parts is None else parts, rows if res_rows is None else res_rows,
+            rows if new_residual is None else new_residual, weight, x_q, x_scale, eps, num_rows, n_cols, n_groups,
+            HAS_RESIDUAL=res_rows is not None, NUM_PARTS=0 if parts is None else parts.shape[0], BLOCK=block,
+            ROUND_FIRST=device.type != "cuda", USE_PDL=use_pdl(device),
+            num_warps=_row_warps(triton.next_power_of_2(n_cols)), **pdl_launch(device),
+        )  # fmt: skip
+    return Fp8Activations(x_q, x_scale, dtype), new_residual
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, s_ptr, stride_xt, n_cols, n_groups,
+    BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``_silu_and_mul_kernel``'s column block program_id(1) of row program_id(0) (BLOCK a multiple of 128), in
+    (group, 128) tiles (elementwise, so the same values), its 16-bit result quantized per 128 columns into q / s
+    (``store_fp8_groups``) instead of stored."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = _group_cols(tl.program_id(1) * BLOCK, BLOCK // 128)  # (groups, 128)
+    mask = cols < n_cols
+    wait_for_previous_kernel(USE_PDL)
+    gate = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # what silu_and_mul stores
+    first_group = tl.program_id(1) * (BLOCK // 128)
+    q_row, s_row = q_ptr + row * n_cols, s_ptr + row * n_groups
+    store_fp8_groups(y, cols, n_cols, q_row, s_row, first_group, BLOCK // 128, ROUND_FIRST)
+
+
+def silu_and_mul_quant(x: torch.Tensor) -> Fp8Activations:
+    """``silu_and_mul(x)`` for x = [gate | up] (T, 2I) (rows may be strided) quantized for the FP8 GEMMs in the
+    same launch (``Fp8Activations`` of (T, I), exactly ``quantize_activations(silu_and_mul(x))``)."""
+    _check_quant_input(x)
+    if x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be (T, 2I) with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+    num_rows, n_cols = x.shape[0], x.shape[1] // 2
+    n_groups = triton.cdiv(n_cols, _QUANT_GROUP)
+    x_q = torch.empty((num_rows, n_cols), dtype=_E4M3, device=x.device)  # (T, I)
+    x_scale = torch.empty((num_rows, n_groups), dtype=torch.float32, device=x.device)
+    if num_rows and n_cols:
+        block = max(_QUANT_GROUP, min(1024, triton.next_power_of_2(n_cols)))
+        _silu_and_mul_quant_kernel[(num_rows, triton.cdiv(n_cols, block))](
+            x, x_q, x_scale, x.stride(0), n_cols, n_groups,
+            BLOCK=block, ROUND_FIRST=x.device.type != "cuda", USE_PDL=use_pdl(x.device),
+            num_warps=_row_warps(block), **pdl_launch(x.device),
+        )  # fmt: skip
+    return Fp8Activations(x_q, x_scale, x.dtype)

@@ -16,6 +16,7 @@ world size 1 they are no-ops and the layers are plain linears.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from fnvllm.model.sharding import (
     local_heads,
     qkv_parallel,
 )
+
+if TYPE_CHECKING:  # Triton's module: the FP8 producers exist only with the Triton ops
+    from fnvllm.kernels.fused_ops import Fp8Activations, SplitPartials
 
 
 class Attention(nn.Module):
@@ -165,9 +169,10 @@ class MLP(nn.Module):
             config.intermediate_size, config.hidden_size, False, config.torch_dtype, tp, config.quantization, ops.linear
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden_size) -> (T, hidden_size)."""
-        return self.down(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor | Fp8Activations, keep_partials: bool = False) -> torch.Tensor | SplitPartials:
+        """x (T, hidden_size), or already quantized for an FP8 gate_up_proj -> (T, hidden_size); keep_partials: as
+        ``down``'s."""
+        return self.down(self.gate_up_proj(x), keep_partials)
 
     def fuses_norm_mlp(self) -> bool:
         """Whether ``norm_forward`` applies: the ops have ``norm_mlp`` and both projections are in the model's
@@ -187,14 +192,24 @@ class MLP(nn.Module):
         y, residual = norm_mlp(x, residual, norm_weight, eps, gate_up.weight, gate_up.bias, down.weight, bias)
         return all_reduce(y, self.tp), residual
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on."""
+    def down(self, gate_up: torch.Tensor, keep_partials: bool = False) -> torch.Tensor | SplitPartials:
+        """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on. keep_partials:
+        the caller's next op sums split partials (the next layer's input norm), so an FP8 down_proj whose input
+        the producers quantize may return its K splits unsummed (``SplitPartials``, where
+        ``fp8_producers.sum_down_splits``, one process and no bias)."""
         glu = self.ops.silu_mul_linear
         if glu is not None and self.down_proj.weight_scale_inv is None:  # activation fused into down_proj's load
             bias = self.down_proj.bias if self.down_proj.adds_bias else None
             partial = glu(gate_up, self.down_proj.weight, bias)  # (T, hidden_size)
-        else:
-            partial = self.down_proj(self.ops.silu_and_mul(gate_up))  # (T, hidden_size)
+        else:  # an FP8 down_proj at few tokens may take its input quantized by the SiLU-and-mul (fp8_producers)
+            producers = self.ops.fp8_producers
+            quantized = producers is not None and producers.applies(gate_up, self.down_proj)
+            act = producers.silu_and_mul(gate_up) if quantized else self.ops.silu_and_mul(gate_up)  # (T, inter)
+            down = self.down_proj
+            single = not self.tp.is_parallel and down.bias is None  # no all-reduce, no bias after the sum
+            if quantized and keep_partials and single and producers.sum_down_splits:
+                return producers.gemm_partials(act, down.weight, down.weight_scale_inv)  # (S, T, hidden_size)
+            partial = down(act)  # (T, hidden_size)
         return all_reduce(partial, self.tp)
 
 
@@ -211,21 +226,25 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.mlp = SparseMoeBlock(config, ops, tp) if config.is_sparse_layer(index) else MLP(config, ops, tp)
+        self.is_last = index == config.num_hidden_layers - 1  # else the next layer's input norm reads our output
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | SplitPartials,
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
         """(block output, residual stream), both (T, hidden_size); residual is None for the first layer.
 
         With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
         where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op);
-        with ``ops.norm_linear_rope_store`` the attention prologue runs in the qkv projection too."""
+        with ``ops.norm_linear_rope_store`` the attention prologue runs in the qkv projection too. With
+        ``ops.fp8_producers`` the norms and SiLU before FP8 projections write their inputs quantized at few tokens,
+        and (``sum_down_splits``) the block output of a layer but the last may be the down projection's split
+        partials (``SplitPartials``), which the next layer's input norm sums (``norm_for``)."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
         in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if attn.fuses_qkv_epilogue():  # norm, qkv, q/k norms, rotary, K/V store: ``ops.norm_linear_rope_store``
@@ -235,16 +254,38 @@ class DecoderLayer(nn.Module):
             qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
             hidden = attn.attend_projected(qkv, rope, kv_cache, meta, backend)
         else:
-            hidden, residual = (in_norm(hidden), hidden) if residual is None else in_norm.add_and_norm(hidden, residual)
-            hidden = attn(hidden, rope, kv_cache, meta, backend)
+            normed, residual = norm_for(in_norm, hidden, residual, attn.qkv_proj)
+            hidden = attn(normed, rope, kv_cache, meta, backend)
         if isinstance(mlp, MLP) and mlp.fuses_norm_mlp():  # norm, gate/up, activation, down: ``ops.norm_mlp``
             return mlp.norm_forward(hidden, residual, post_norm.weight, post_norm.eps)
         if norm_linear is not None and isinstance(mlp, MLP) and mlp.gate_up_proj.weight_scale_inv is None:
             proj = mlp.gate_up_proj
             gate_up, residual = norm_linear(hidden, residual, post_norm.weight, post_norm.eps, proj.weight, proj.bias)
             return mlp.down(gate_up), residual
-        hidden, residual = post_norm.add_and_norm(hidden, residual)
-        return mlp(hidden), residual
+        if not isinstance(mlp, MLP):
+            normed, residual = norm_for(post_norm, hidden, residual, None)
+            return mlp(normed), residual
+        normed, residual = norm_for(post_norm, hidden, residual, mlp.gate_up_proj)
+        return mlp(normed, keep_partials=not self.is_last), residual
+
+
+def norm_for(
+    norm: RMSNorm, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None, linear: nn.Module | None
+) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) when residual is None (the first layer): the normed
+    value quantized for ``linear`` (``Fp8Activations``, in the norm's launch) when the ops have FP8 producers that
+    apply to it (an FP8 projection at few tokens on a GPU), else the norm's 16-bit output. x may be the previous
+    layer's down projection left as split partials (made only by the producers): summed by the quantizing norm,
+    else first by ``producers.sum_partials``."""
+    producers = norm.ops.fp8_producers
+    applies = producers is not None and linear is not None and producers.applies(x, linear)
+    if not isinstance(x, torch.Tensor) and (not applies or residual is None):  # SplitPartials
+        x = producers.sum_partials(x)
+    if applies:
+        if residual is None:
+            return producers.rmsnorm(x, norm.weight, norm.eps), x
+        return producers.add_rmsnorm(x, residual, norm.weight, norm.eps)
+    return (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
 
 
 class DecoderModel(nn.Module):

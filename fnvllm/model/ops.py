@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -58,6 +59,8 @@ class ModelOps:
     ``(x, residual, norm_weight, eps, qkv_weight, qkv_bias, *norm_rope_store's arguments after qkv) -> (q,
     new_residual)`` (``skinny_gemm.norm_linear_rope_store``: the prologue in the projection's epilogue at few rows),
     or None: ``norm_linear`` then ``norm_rope_store``. Used only for a qkv projection in the model's dtype.
+    fp8_producers: the norms and SiLU-and-mul that write an FP8 projection's input quantized, for few-token steps
+    (``fp8_gemm.Fp8Producers``; FNVLLM_FP8_FUSED_QUANT=1), or None: the projection quantizes its input.
     """
 
     name: str
@@ -76,6 +79,7 @@ class ModelOps:
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     norm_linear_rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    fp8_producers: Any = None  # fp8_gemm.Fp8Producers (imports Triton) or None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -107,7 +111,9 @@ FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
 
 
-def triton_ops(fused_prologues: bool | None = None, qkv_epilogue: bool | None = None) -> ModelOps:
+def triton_ops(
+    fused_prologues: bool | None = None, qkv_epilogue: bool | None = None, fp8_fused_quant: bool | None = None
+) -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
 
     fused_prologues: run each residual add + RMSNorm inside the qkv / gate-up projection and SiLU-and-mul inside
@@ -115,13 +121,17 @@ def triton_ops(fused_prologues: bool | None = None, qkv_epilogue: bool | None = 
     measured faster); None reads FNVLLM_FUSED_PROLOGUES (default on).
     qkv_epilogue: run the attention prologue in the qkv projection's epilogue at few rows
     (``norm_linear_rope_store``; only with fused_prologues); None reads FNVLLM_QKV_EPILOGUE (default off).
+    fp8_fused_quant: FP8 projections' inputs quantized by the kernels that write them at few tokens
+    (``fp8_producers``); None reads FNVLLM_FP8_FUSED_QUANT (default off).
     """
-    from fnvllm.kernels import fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
+    from fnvllm.kernels import fp8_gemm, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     if fused_prologues is None:
         fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "1") != "0"
     if qkv_epilogue is None:
         qkv_epilogue = os.environ.get(QKV_EPILOGUE_ENV, "0") == "1"
+    if fp8_fused_quant is None:
+        fp8_fused_quant = fp8_gemm.fused_quant_from_env()
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -137,6 +147,7 @@ def triton_ops(fused_prologues: bool | None = None, qkv_epilogue: bool | None = 
         skinny_gemm.norm_linear if fused_prologues else None,
         skinny_gemm.norm_mlp if fused_prologues else None,
         skinny_gemm.norm_linear_rope_store if fused_prologues and qkv_epilogue else None,
+        fp8_producers=fp8_gemm.fp8_producers() if fp8_fused_quant else None,
     )
 
 

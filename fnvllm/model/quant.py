@@ -31,12 +31,16 @@ tensor must start on a block too, so that its scales are whole rows (or columns)
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fnvllm.kernels.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCALE_BLOCK, dequantize_fp8_blocks, fp8_linear_ref
+
+if TYPE_CHECKING:  # Triton's module: imported only where the kernels run
+    from fnvllm.kernels.fused_ops import Fp8Activations
 
 __all__ = [
     "FP8_DTYPE",
@@ -136,7 +140,7 @@ def make_fp8(linear: nn.Linear, row_groups: bool) -> None:
 
 
 def linear_forward(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activations,
     weight: torch.Tensor,
     weight_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -145,7 +149,15 @@ def linear_forward(
     """x @ weight.T (+ bias): through the FP8 GEMMs when the weight has block scales (e4m3), else F.linear;
     ``row_scale`` (row-group weights) lets large products take the row-wise GEMM. On a CPU the FP8 reference
     (dequantize, then F.linear); the Triton/cuBLAS paths are imported on first GPU use, so the runtime dependencies
-    (no Triton on a CPU-only install) suffice to load an FP8 model."""
+    (no Triton on a CPU-only install) suffice to load an FP8 model. x may be activations already quantized by
+    the kernel that made them (``fused_ops.Fp8Activations``, only for an FP8 weight): they go straight to the
+    GEMM (``fp8_gemm.fp8_linear``)."""
+    if not isinstance(x, torch.Tensor):  # Fp8Activations: made by the Triton producers, so Triton is here
+        from fnvllm.kernels.fp8_gemm import fp8_linear
+
+        if weight_scale is None:
+            raise ValueError("quantized activations (Fp8Activations) need an FP8 weight with its weight_scale_inv")
+        return fp8_linear(x, weight, weight_scale, bias, row_scale=row_scale)
     if weight_scale is None:
         return F.linear(x, weight, bias)
     if not x.is_cuda:
