@@ -17,7 +17,7 @@ Kernels, picked by the number of tokens M (``fp8_linear``):
   (``quantize_activations``), then fp8 x fp8 on the tensor cores with the weight rows on the dot's wide side
   and the tokens on its narrow side (so 16-256 tokens fill a wgmma), split-K as above. The activations may also
   come quantized by the kernel that wrote them (``fused_ops.Fp8Activations``: the RMSNorm or SiLU-and-mul before
-  the GEMM, ``Fp8Producers``, FNVLLM_FP8_FUSED_QUANT=1), which saves the quantization launch.
+  the GEMM, ``Fp8Producers``; FNVLLM_FP8_FUSED_QUANT=0 turns it off), which saves the quantization launch.
 - ``fp8_gemm_blockwise`` (prefill, where cuBLAS lacks the recipe): both operands fp8, (BLOCK_M tokens, 128 rows)
   tiles, x_scale[m, kg] * w_scale[n_block, kg] applied to each 128-deep partial product (DeepSeek-V3's scheme).
 - ``fp8_scaled_mm`` (above SWAP_MAX_M, where torch and the GPU have it): the same activation quantization, then
@@ -255,15 +255,17 @@ def swaps_fused(m: int, n: int, k: int) -> bool:
 
 
 # Activations quantized by the kernel that writes them (the RMSNorm before qkv and gate_up, the SiLU-and-mul before
-# down: ``Fp8Producers``), so a small-M GEMM starts from ready fp8 inputs without a quantization launch. Off by
-# default until measured faster end to end on the H200; FNVLLM_FP8_FUSED_QUANT=1 (read when the model's ops are made,
-# ``fnvllm.model.ops.triton_ops``) turns it on, anything but 0 or 1 is a ValueError naming the variable.
+# down: ``Fp8Producers``), so a small-M GEMM starts from ready fp8 inputs without a quantization launch. On by
+# default: measured faster end to end on the H200 (2026-12-02, Qwen3-8B shape, FP8 weights + KV, ``fnvllm bench
+# --latency 1,16``: 3.037 / 3.427 ms per decode step against 3.150 / 3.539 with it off; one layer's chain at M = 1 /
+# 16: 63.5 / 69.0 us against 65.6 / 71.0). FNVLLM_FP8_FUSED_QUANT=0 (read when the model's ops are made,
+# ``fnvllm.model.ops.triton_ops``) turns it off, anything but 0 or 1 is a ValueError naming the variable.
 FUSED_QUANT_ENV = "FNVLLM_FP8_FUSED_QUANT"
 
 
 def fused_quant_from_env() -> bool:
-    """FUSED_QUANT_ENV's value as a switch ("0" or unset: off, "1": on); ValueError naming it otherwise."""
-    value = os.environ.get(FUSED_QUANT_ENV, "0")
+    """FUSED_QUANT_ENV's value as a switch ("1" or unset: on, "0": off); ValueError naming it otherwise."""
+    value = os.environ.get(FUSED_QUANT_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{FUSED_QUANT_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -952,7 +954,7 @@ TUNED_SWAP: dict[tuple[int, int, int], SwapConfig] = {
     (4096, 12288, 32): _SWAP(split_k=6, num_stages=3, pdl=True, tma=True),  # down 20.2 us
 }
 # TUNED_SWAP_READY: the swap kernel's launch shapes when its activations come quantized by their producer
-# (``fp8_linear_prepared`` / ``fp8_linear_partials``, FNVLLM_FP8_FUSED_QUANT=1; other shapes and M take TUNED_SWAP).
+# (``fp8_linear_prepared`` / ``fp8_linear_partials``, FNVLLM_FP8_FUSED_QUANT on; other shapes and M take TUNED_SWAP).
 # H200, bench_fp8_gemm.py --sweep --sweep-kernels swap_ready --ms 1 16 (branch h-f8q at 0b7e81c, 55 s budget), µs
 # per GEMM from ready fp8 activations, swept vs TUNED_SWAP's shape in the same run: qkv 9.6 / 9.9 vs 9.8 / 10.5
 # at M = 1 / 16, o 7.8 / 8.1 vs 7.8 / 8.6, down 16.1 / 17.1 vs 16.1 / 18.0; per layer 60.6 / 63.0 us (3.19 / 3.06

@@ -60,7 +60,7 @@ class ModelOps:
     new_residual)`` (``skinny_gemm.norm_linear_rope_store``: the prologue in the projection's epilogue at few rows),
     or None: ``norm_linear`` then ``norm_rope_store``. Used only for a qkv projection in the model's dtype.
     fp8_producers: the norms and SiLU-and-mul that write an FP8 projection's input quantized, for few-token steps
-    (``fp8_gemm.Fp8Producers``; FNVLLM_FP8_FUSED_QUANT=1), or None: the projection quantizes its input.
+    (``fp8_gemm.Fp8Producers``; FNVLLM_FP8_FUSED_QUANT, on by default), or None: the projection quantizes its input.
     """
 
     name: str
@@ -122,7 +122,7 @@ def triton_ops(
     qkv_epilogue: run the attention prologue in the qkv projection's epilogue at few rows
     (``norm_linear_rope_store``; only with fused_prologues); None reads FNVLLM_QKV_EPILOGUE (default off).
     fp8_fused_quant: FP8 projections' inputs quantized by the kernels that write them at few tokens
-    (``fp8_producers``); None reads FNVLLM_FP8_FUSED_QUANT (default off).
+    (``fp8_producers``); None reads FNVLLM_FP8_FUSED_QUANT (default on).
     """
     from fnvllm.kernels import fp8_gemm, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
