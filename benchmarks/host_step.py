@@ -495,6 +495,9 @@ def main() -> None:
         "--with-plain", action="store_true", help="with --logprobs: also measure each batch without them, side by side"
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="HF repetition penalty (1 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty (0 = off)")
+    parser.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (0 = off)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
     parser.add_argument("--sampler-ops", type=int, default=0, help="only the sampler's pieces' host time, N calls")
     parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
@@ -508,6 +511,9 @@ def main() -> None:
     sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
     if args.logprobs is not None:
         sampling["logprobs"] = args.logprobs
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
     runs = [("", sampling)]
     if args.logprobs is not None and args.with_plain:  # side by side, same engine and run: the logprobs' host cost
         runs = [
