@@ -481,6 +481,57 @@ def sampler_ops(
         )
 
 
+def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> None:
+    """The sampling inputs' host work of a decode step alone (``--penalty-host N``), no model: per step, what
+    ``ModelExecutor._sample`` runs on the host before and after the sampler (``prepare_sampling`` through the
+    executor's ``SamplingMemo``, ``SlotHistory.penalties`` and ``SlotHistory.record``) over N decode steps of B
+    rows whose params tuple and slots stay the same (the core's decode steps without joins or leaves), on the
+    CPU. Prints us per step (median of the steps) per batch size. Runs against whichever ``fnvllm`` is on
+    PYTHONPATH, so one script compares two trees."""
+    import statistics
+
+    from fnvllm.executor.history import SlotHistory
+    from fnvllm.executor.sampler import SamplingMemo
+
+    vocab, device = 151_936, torch.device("cpu")
+    print(f"penalty host: sampling {sampling}, {steps} steps, us per step (median): prepare, penalties, record, all")
+    for batch in batches:
+        params = tuple(SamplingParams(temperature=0.6, **sampling) for _ in range(batch))
+        history = SlotHistory(batch, 2048, vocab, device)
+        history.in_use = True
+        memo = SamplingMemo()
+        sampled = torch.zeros(batch, dtype=torch.int64)
+        slots = tuple(range(batch))[::-1]
+        times: list[tuple[float, float, float]] = []
+        for step in range(steps):
+            ctx = 100 + step
+            plan = StepPlan(
+                step=step,
+                block_size=16,
+                seq_ids=tuple(f"r{i}" for i in range(batch)),
+                input_tokens=((5,),) * batch,
+                start_positions=(ctx - 1,) * batch,
+                block_tables=((0,),) * batch,
+                sample=(True,) * batch,
+                params=params,
+                num_generated=(step,) * batch,
+                histories=(None,) * batch,
+                slots=slots,
+            )
+            rows = tuple(range(batch))
+            t0 = time.perf_counter()
+            pen = history.penalties(plan, rows)
+            t1 = time.perf_counter()
+            prepare_sampling(params, plan.num_generated, plan.histories, vocab, device, pen, memo)
+            t2 = time.perf_counter()
+            history.record(plan, rows, sampled)
+            t3 = time.perf_counter()
+            times.append((t2 - t1, t1 - t0, t3 - t2))
+        cols = [1e6 * statistics.median(t[k] for t in times) for k in range(3)]
+        total = 1e6 * statistics.median(sum(t) for t in times)
+        print(f"  B={batch:<5}{cols[0]:>10.1f}{cols[1]:>10.1f}{cols[2]:>10.1f}{total:>10.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
@@ -501,6 +552,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
     parser.add_argument("--sampler-ops", type=int, default=0, help="only the sampler's pieces' host time, N calls")
     parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
+    parser.add_argument(
+        "--penalty-host", type=int, default=0, help="only the sampling inputs' host work (no model) over N steps"
+    )
     args = parser.parse_args()
     if args.sampler_ops:
         sampler_ops(args.sampler_ops, logprobs=args.logprobs or 5)
@@ -514,13 +568,16 @@ def main() -> None:
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.penalty_host:
+        penalty_host(args.penalty_host, batches, sampling)
+        return
     runs = [("", sampling)]
     if args.logprobs is not None and args.with_plain:  # side by side, same engine and run: the logprobs' host cost
         runs = [
             (" plain", {k: v for k, v in sampling.items() if k != "logprobs"}),
             (f" logprobs={args.logprobs}", sampling),
         ]
-    batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
     shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
