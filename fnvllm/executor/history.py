@@ -26,6 +26,12 @@ On a GPU the buffer (42 MB at 256 slots of 40,960 tokens) and the count scratch 
 151,936-token vocabulary) are allocated when the executor starts, before the KV cache is sized, so that a first
 penalised request allocates nothing mid-run; on the CPU the buffer comes with the first penalised request. Steps
 without a penalised row do no work here.
+
+The host's part of a penalised decode step is one small upload: the penalised rows' selection (which rows, their
+slots and penalty factors on the device, ``PenalisedRows``) is kept while the plan's params object, its sampled
+rows and slots stay the same (decode steps without joins or leaves); each step builds only its (slot, context
+length, outputs) columns with numpy and uploads them once, and ``record`` writes the sampled tokens at the columns
+that upload put on the device.
 """
 
 from __future__ import annotations
