@@ -8,10 +8,18 @@ stale one.
 
 from __future__ import annotations
 
-import torch
+import random
+from pathlib import Path
 
+import pytest
+import torch
+from tiny_models import write_family
+
+from fnvllm.engine.loop import EngineLoop
 from fnvllm.executor.history import SlotHistory
+from fnvllm.executor.model_executor import ModelExecutor
 from fnvllm.executor.sampler import Sampler, SamplingMemo, prepare_sampling
+from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams, StepPlan, TokenHistory
 
 VOCAB = 24
@@ -133,3 +141,30 @@ def test_record_writes_each_penalised_row_at_its_context() -> None:
     plan = _plan((1, 0, 2), params, (6, 2, 2))  # moved rows, record without penalties first
     history.record(plan, range(3), torch.tensor([21, 22, 23]))
     assert tokens[1, 6].item() == 21 and tokens[2, 2].item() == 23 and tokens[0, 2].item() == 0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_family(tmp_path_factory.mktemp("penalty_host"), "qwen3")
+
+
+def test_mixed_penalised_rows_leaving_equal_each_alone(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy requests with different penalties (and none), finishing at different steps in an overlapped loop (the
+    kept batch and selection are rebuilt as rows leave), each produce what they produce alone."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 10))] for _ in range(5)]
+    settings = [
+        dict(repetition_penalty=1.8),
+        dict(),
+        dict(presence_penalty=1.5, frequency_penalty=0.7),
+        dict(repetition_penalty=0.6, presence_penalty=-1.0),
+        dict(repetition_penalty=1.8),
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, **s) for i, s in enumerate(settings)]
+    monkeypatch.setattr(ModelExecutor, "supports_overlap", property(lambda self: True))
+    llm = LLM(checkpoint, dtype="float32", block_size=8, num_blocks=256)
+    llm.loop = EngineLoop(llm.engine, overlap=True)
+    together = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [list(llm.generate([p], [q], use_tqdm=False)[0].token_ids) for p, q in zip(prompts, params, strict=True)]
+    assert together == alone
+    assert llm.loop.overlap_stats.kept > 0
