@@ -37,6 +37,15 @@ The sampling settings users send (issue 19's table: each must cost the host litt
     for f in "" "--logprobs 5" "--preset qwen3" "--logprobs 5 --freeze-gc"; do
         PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --steps 100 --profile 25 $f; done
 
+Penalties (issue 19: a penalised batch cost the host 0.6-1.7 ms more per decode step than temperature alone):
+``--repetition-penalty X``, ``--presence-penalty X``, ``--frequency-penalty X``. ``--penalty-host N`` times only
+the sampling inputs' host work around the sampler (``prepare_sampling`` through the executor's memo,
+``SlotHistory.penalties`` and ``record``) over N decode steps, no model; it imports whichever ``fnvllm`` is on
+PYTHONPATH, so one script compares two trees (seconds, CPU):
+
+    for t in /tmp/old-tree $PWD; do PYTHONPATH=$t python3 benchmarks/host_step.py --penalty-host 300 \
+        --batches 64,256 --preset qwen3 --repetition-penalty 1.05; done
+
 ``--logprobs N --with-plain`` measures each batch size twice in one run, without and with logprobs, side by side,
 and ends the table with each column's host ms per step over its plain column (the logprobs' host cost):
 
