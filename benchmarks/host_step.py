@@ -37,6 +37,15 @@ The sampling settings users send (issue 19's table: each must cost the host litt
     for f in "" "--logprobs 5" "--preset qwen3" "--logprobs 5 --freeze-gc"; do
         PYTHONPATH=$PWD python3 benchmarks/host_step.py --batches 256 --steps 100 --profile 25 $f; done
 
+Penalties (issue 19: a penalised batch cost the host 0.6-1.7 ms more per decode step than temperature alone):
+``--repetition-penalty X``, ``--presence-penalty X``, ``--frequency-penalty X``. ``--penalty-host N`` times only
+the sampling inputs' host work around the sampler (``prepare_sampling`` through the executor's memo,
+``SlotHistory.penalties`` and ``record``) over N decode steps, no model; it imports whichever ``fnvllm`` is on
+PYTHONPATH, so one script compares two trees (seconds, CPU):
+
+    for t in /tmp/old-tree $PWD; do PYTHONPATH=$t python3 benchmarks/host_step.py --penalty-host 300 \
+        --batches 64,256 --preset qwen3 --repetition-penalty 1.05; done
+
 ``--logprobs N --with-plain`` measures each batch size twice in one run, without and with logprobs, side by side,
 and ends the table with each column's host ms per step over its plain column (the logprobs' host cost):
 
@@ -481,6 +490,57 @@ def sampler_ops(
         )
 
 
+def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> None:
+    """The sampling inputs' host work of a decode step alone (``--penalty-host N``), no model: per step, what
+    ``ModelExecutor._sample`` runs on the host before and after the sampler (``prepare_sampling`` through the
+    executor's ``SamplingMemo``, ``SlotHistory.penalties`` and ``SlotHistory.record``) over N decode steps of B
+    rows whose params tuple and slots stay the same (the core's decode steps without joins or leaves), on the
+    CPU. Prints us per step (median of the steps) per batch size. Runs against whichever ``fnvllm`` is on
+    PYTHONPATH, so one script compares two trees."""
+    import statistics
+
+    from fnvllm.executor.history import SlotHistory
+    from fnvllm.executor.sampler import SamplingMemo
+
+    vocab, device = 151_936, torch.device("cpu")
+    print(f"penalty host: sampling {sampling}, {steps} steps, us per step (median): prepare, penalties, record, all")
+    for batch in batches:
+        params = tuple(SamplingParams(temperature=0.6, **sampling) for _ in range(batch))
+        history = SlotHistory(batch, 2048, vocab, device)
+        history.in_use = True
+        memo = SamplingMemo()
+        sampled = torch.zeros(batch, dtype=torch.int64)
+        slots = tuple(range(batch))[::-1]
+        times: list[tuple[float, float, float]] = []
+        for step in range(steps):
+            ctx = 100 + step
+            plan = StepPlan(
+                step=step,
+                block_size=16,
+                seq_ids=tuple(f"r{i}" for i in range(batch)),
+                input_tokens=((5,),) * batch,
+                start_positions=(ctx - 1,) * batch,
+                block_tables=((0,),) * batch,
+                sample=(True,) * batch,
+                params=params,
+                num_generated=(step,) * batch,
+                histories=(None,) * batch,
+                slots=slots,
+            )
+            rows = tuple(range(batch))
+            t0 = time.perf_counter()
+            pen = history.penalties(plan, rows)
+            t1 = time.perf_counter()
+            prepare_sampling(params, plan.num_generated, plan.histories, vocab, device, pen, memo)
+            t2 = time.perf_counter()
+            history.record(plan, rows, sampled)
+            t3 = time.perf_counter()
+            times.append((t2 - t1, t1 - t0, t3 - t2))
+        cols = [1e6 * statistics.median(t[k] for t in times) for k in range(3)]
+        total = 1e6 * statistics.median(sum(t) for t in times)
+        print(f"  B={batch:<5}{cols[0]:>10.1f}{cols[1]:>10.1f}{cols[2]:>10.1f}{total:>10.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default=None, help="default: qwen3-0.6b on a GPU, tiny on the CPU")
@@ -495,9 +555,15 @@ def main() -> None:
         "--with-plain", action="store_true", help="with --logprobs: also measure each batch without them, side by side"
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a checkpoint's own sampling")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="HF repetition penalty (1 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty (0 = off)")
+    parser.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (0 = off)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the timed steps: print the top N by tottime")
     parser.add_argument("--sampler-ops", type=int, default=0, help="only the sampler's pieces' host time, N calls")
     parser.add_argument("--output-path", type=int, default=0, help="only the logprobs' host path over N steps")
+    parser.add_argument(
+        "--penalty-host", type=int, default=0, help="only the sampling inputs' host work (no model) over N steps"
+    )
     args = parser.parse_args()
     if args.sampler_ops:
         sampler_ops(args.sampler_ops, logprobs=args.logprobs or 5)
@@ -508,13 +574,19 @@ def main() -> None:
     sampling: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
     if args.logprobs is not None:
         sampling["logprobs"] = args.logprobs
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.penalty_host:
+        penalty_host(args.penalty_host, batches, sampling)
+        return
     runs = [("", sampling)]
     if args.logprobs is not None and args.with_plain:  # side by side, same engine and run: the logprobs' host cost
         runs = [
             (" plain", {k: v for k, v in sampling.items() if k != "logprobs"}),
             (f" logprobs={args.logprobs}", sampling),
         ]
-    batches = [int(b) for b in args.batches.split(",")]
     on_gpu = torch.cuda.is_available()
     shape = args.model_shape or ("qwen3-0.6b" if on_gpu else "tiny")
     device = torch.cuda.get_device_name() if on_gpu else "cpu"

@@ -26,6 +26,12 @@ On a GPU the buffer (42 MB at 256 slots of 40,960 tokens) and the count scratch 
 151,936-token vocabulary) are allocated when the executor starts, before the KV cache is sized, so that a first
 penalised request allocates nothing mid-run; on the CPU the buffer comes with the first penalised request. Steps
 without a penalised row do no work here.
+
+The host's part of a penalised decode step is one small upload: the penalised rows' selection (which rows, their
+slots and penalty factors on the device, ``PenalisedRows``) is kept while the plan's params object, its sampled
+rows and slots stay the same (decode steps without joins or leaves); each step builds only its (slot, context
+length, outputs) columns with numpy and uploads them once, and ``record`` writes the sampled tokens at the columns
+that upload put on the device.
 """
 
 from __future__ import annotations
@@ -74,6 +80,79 @@ def penalize(
     return penalize_ref(work, tokens, meta, factors)
 
 
+@attrs.frozen(eq=False)
+class PenalisedRows:
+    """What the penalised rows of a step depend on apart from its tokens: which of the sampled rows they are, their
+    slots and penalty factors. Kept by ``SlotHistory`` while the rows do not change (a decode step without joins or
+    leaves), so a step uploads only its (slot, context length, outputs) columns.
+
+    rows: (P,) int64 plan rows. positions: (P,) int64 their places among the sampled rows. slots: (P,) int64.
+    every: the penalised rows are every sampled row, in order (positions is 0..P-1). whole: they are every plan
+    row, in order (rows is 0..B-1). factors: (3, P) float32 repetition, frequency, presence on the device.
+    """
+
+    rows: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    every: bool
+    whole: bool
+    factors: torch.Tensor
+    _positions_on: list[torch.Tensor] = attrs.field(factory=list)
+
+    @classmethod
+    def build(cls, plan: StepPlan, rows: Sequence[int], device: torch.device) -> PenalisedRows | None:
+        """The penalised rows among ``rows`` (plan rows, sampling order), None when none has a penalty."""
+        picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
+        if not picked:
+            return None
+        params = [plan.params[i] for _, i in picked]
+        reals = np.array(
+            [
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            dtype=np.float32,
+        )
+        at = np.array([[i for _, i in picked], [k for k, _ in picked]], dtype=np.int64).reshape(2, len(picked))
+        every = len(picked) == len(rows)
+        whole = len(picked) == len(plan.params) and bool((at[0] == np.arange(len(picked))).all())
+        slots = np.array([plan.slots[i] for _, i in picked], dtype=np.int64)
+        return cls(at[0], at[1], slots, every, whole, upload(reals, device))
+
+    def positions_on(self, device: torch.device) -> torch.Tensor:
+        """``positions`` on the device (uploaded on first use, then kept)."""
+        if not self._positions_on:
+            self._positions_on.append(upload(self.positions, device))
+        return self._positions_on[0]
+
+
+@attrs.frozen(eq=False)
+class _KeptRows:
+    """``SlotHistory``'s last selection and what it was built for: the plan's params object, rows and slots."""
+
+    params: Sequence[object]
+    rows: tuple[int, ...]
+    slots: tuple[int, ...]
+    picked: PenalisedRows | None
+
+    def matches(self, plan: StepPlan, rows: Sequence[int]) -> bool:
+        """True when ``plan`` and ``rows`` select the same penalised rows: the very params object (the core hands
+        decode steps the same tuple while no request joins or leaves), equal rows and equal slots."""
+        return plan.params is self.params and tuple(rows) == self.rows and plan.slots == self.slots
+
+
+def _step_columns(plan: StepPlan, picked: PenalisedRows) -> tuple[np.ndarray, np.ndarray]:
+    """(P,) int64 context lengths (start + fed tokens) and generated counts of the penalised rows, this step."""
+    n = len(plan.start_positions)
+    starts = np.fromiter(plan.start_positions, dtype=np.int64, count=n)
+    fed = np.fromiter(map(len, plan.input_tokens), dtype=np.int64, count=n)
+    generated = np.fromiter(plan.num_generated, dtype=np.int64, count=n)
+    if picked.whole:
+        return starts + fed, generated
+    return (starts + fed)[picked.rows], generated[picked.rows]
+
+
 class SlotHistory:
     """The per-slot token buffer of one executor (see the module docstring).
 
@@ -85,6 +164,8 @@ class SlotHistory:
         self.tokens: torch.Tensor | None = None  # (num_slots, max_len) int32
         self.counts: torch.Tensor | None = None  # (min(num_slots, SCRATCH_ROWS), vocab_size) int32 zeros
         self.in_use = False  # a penalised request was admitted: sampled tokens must be recorded
+        self._kept: _KeptRows | None = None  # the last rows' penalised selection (``_picked``)
+        self._step: tuple[StepPlan, PenalisedRows, np.ndarray, torch.Tensor] | None = None  # penalties' columns
         if device.type == "cuda":  # before the KV cache is sized, so that it counts them; and no compile mid-run
             self._buffer()
             self.counts = torch.zeros(min(num_slots, SCRATCH_ROWS), vocab_size, dtype=torch.int32, device=device)
@@ -118,36 +199,50 @@ class SlotHistory:
     def penalties(self, plan: StepPlan, rows: Sequence[int]) -> SlotPenalties | None:
         """The penalties of the sampled ``rows`` (plan rows, in sampling order) that have one, in that
         order (the sampler's penalised rows); None when none has. Reads each one's tokens ``[0, ctx)``."""
-        picked = [i for i in rows if plan.params[i].needs_history]
-        if not picked:
+        picked = self._picked(plan, rows)
+        if picked is None:
             return None
         tokens = self._buffer()
-        ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for i in picked]
-        ints = np.array([[plan.slots[i] for i in picked], ctx, [plan.num_generated[i] for i in picked]], dtype=np.int64)
-        params = [plan.params[i] for i in picked]
-        reals = np.array(
-            [
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-            ],
-            dtype=np.float32,
-        )
-        return SlotPenalties(tokens, upload(ints, self.device), upload(reals, self.device), self.counts)
+        ctx, generated = _step_columns(plan, picked)
+        meta = upload(np.stack([picked.slots, ctx, generated]), self.device)  # (3, P): the step's one copy
+        self._step = (plan, picked, ctx, meta)
+        return SlotPenalties(tokens, meta, picked.factors, self.counts)
 
     def record(self, plan: StepPlan, rows: Sequence[int], sampled: torch.Tensor) -> None:
         """Write each penalised row's new token (``sampled``: (S,) ids of ``rows``, on the device) at its
-        context length, where its next step reads it."""
+        context length, where its next step reads it. After ``penalties`` of the same plan and rows, its upload
+        of the (slot, context length) columns is reused (no copy here unless a row has reached max_len)."""
         if self.tokens is None or not self.in_use:
             return  # no penalised request was ever admitted
-        picked = [(k, i) for k, i in enumerate(rows) if plan.params[i].needs_history]
-        ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for _, i in picked]
-        at = np.array([[k for k, _ in picked], [plan.slots[i] for _, i in picked], ctx], dtype=np.int64)  # (3, P)
-        at = at[:, at[2] < self.max_len]  # a row at max_model_len has finished: nothing reads past it
+        picked = self._picked(plan, rows)
+        if picked is None:
+            return
+        step = self._step
+        if step is not None and step[0] is plan and step[1] is picked:
+            ctx, meta = step[2], step[3]
+        else:
+            ctx, meta = _step_columns(plan, picked)[0], None
+        keep = ctx < self.max_len  # a row at max_model_len has finished: nothing reads past it
+        if meta is not None and keep.all():
+            values = sampled if picked.every else sampled.index_select(0, picked.positions_on(self.device))
+            self.tokens.index_put_((meta[0], meta[1]), values.to(torch.int32))
+            return
+        at = np.stack([picked.positions, picked.slots, ctx])[:, keep]  # (3, P')
         if not at.shape[1]:
             return
         on = upload(at, self.device)
         self.tokens.index_put_((on[1], on[2]), sampled.index_select(0, on[0]).to(torch.int32))
+
+    def _picked(self, plan: StepPlan, rows: Sequence[int]) -> PenalisedRows | None:
+        """The penalised rows among ``rows`` (``PenalisedRows``), kept while the plan's params object, the rows
+        and the slots are the last call's (a decode step without joins or leaves); None when none has a penalty."""
+        kept = self._kept
+        if kept is not None and kept.matches(plan, rows):
+            return kept.picked
+        picked = PenalisedRows.build(plan, rows, self.device)
+        self._kept = _KeptRows(plan.params, tuple(rows), plan.slots, picked)
+        self._step = None
+        return picked
 
     def _buffer(self) -> torch.Tensor:
         if self.tokens is None:

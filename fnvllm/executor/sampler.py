@@ -422,31 +422,76 @@ def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: t
 
 
 class SamplingMemo:
-    """The last SamplingBatch that depended on its rows' params alone (no seeded or penalised row: those read the
-    step's counts or tokens), and the params sequence it was built for. While no request joins or leaves, the core
-    hands each decode step the same params tuple (the running columns'), so ``prepare_sampling`` given that same
-    object returns the kept batch: no per-row pass, no upload (its device tensors are only read by the sampler).
-    Why: prepare_sampling was 0.41 ms of the host's 3.3 ms per decode step at 256 rows on the H200
-    (``benchmarks/host_step.py``), spent on the same values every step."""
+    """The last SamplingBatch that depended on its rows' params alone, or on them and the step's penalties (no
+    seeded row: its uniform reads the step's count), and the params sequence it was built for. While no request
+    joins or leaves, the core hands each decode step the same params tuple (the running columns'), so
+    ``prepare_sampling`` given that same object returns the kept batch: no per-row pass, no upload (its device
+    tensors are only read by the sampler). A kept batch with penalised rows (``penalised``: their batch rows) is
+    returned with this step's penalties in place of the kept ones (``attrs.evolve``: only the penalties read the
+    step's tokens). Why: prepare_sampling was 0.41 ms of the host's 3.3 ms per decode step at 256 rows on the H200
+    (``benchmarks/host_step.py``), spent on the same values every step; penalised batches were rebuilt every step
+    (issue 19: 0.6-1.7 ms more host time per step than temperature alone)."""
 
     def __init__(self) -> None:
         self.params: Sequence[SamplingParams] | None = None
         self.key: tuple[int, torch.device] | None = None
         self.batch: SamplingBatch | None = None
+        self.penalised: list[int] = []
 
     def get(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatch | None:
-        """The kept batch when ``params`` is the very sequence it was built for (same vocabulary and device)."""
+        """The kept batch when ``params`` is the very sequence it was built for (same vocabulary and device); its
+        ``penalties`` are the step it was built in's (``prepare_sampling`` replaces them)."""
         if params is self.params and self.key == (vocab_size, device):
             return self.batch
         return None
 
     def keep(
-        self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device, batch: SamplingBatch | None
+        self,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device,
+        batch: SamplingBatch | None,
+        penalised: Sequence[int] = (),
     ) -> None:
-        """Remember ``batch`` for ``params`` (or forget the last one when ``batch`` is None: not reusable)."""
+        """Remember ``batch`` for ``params`` (or forget the last one when ``batch`` is None: not reusable);
+        ``penalised``: its penalised batch rows (their penalties are rebuilt at each reuse)."""
         self.params, self.key, self.batch = (
             (None, None, None) if batch is None else (params, (vocab_size, device), batch)
         )
+        self.penalised = [] if batch is None else list(penalised)
+
+
+def _step_penalties(
+    params: Sequence[SamplingParams],
+    penalised: list[int],
+    histories: Sequence[TokenHistory | None],
+    vocab_size: int,
+    device: torch.device,
+    given: Penalties | None,
+) -> Penalties | None:
+    """This step's penalties of the ``penalised`` rows: ``given`` (the executor's slot buffer) when set, else built
+    from their ``histories`` (ValueError when one is missing)."""
+    if given is not None:
+        return given
+    subset = [params[i] for i in penalised]
+    return prepare_penalties(subset, [histories[i] for i in penalised], vocab_size, device)
+
+
+def _reuse(
+    kept: SamplingBatch,
+    memo: SamplingMemo,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+    device: torch.device,
+    penalties: Penalties | None,
+) -> SamplingBatch:
+    """The kept batch for this step: as it is, or (penalised rows) with this step's penalties."""
+    if kept.penalised is None:
+        return kept
+    if penalties is None and len(histories) != len(params):
+        raise ValueError(f"histories must have one entry per row, got {len(histories)} for {len(params)} rows")
+    step = _step_penalties(params, memo.penalised, histories, kept.vocab_size, device, penalties)
+    return attrs.evolve(kept, penalties=step)
 
 
 def prepare_sampling(
@@ -471,8 +516,8 @@ def prepare_sampling(
     """
     device = torch.device(device)
     kept = None if memo is None else memo.get(params, vocab_size, device)
-    if kept is not None:
-        return kept
+    if kept is not None and memo is not None:
+        return _reuse(kept, memo, params, histories, device, penalties)
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     _check_lengths(params, num_generated, histories if penalties is None else [None] * len(params))
@@ -484,9 +529,8 @@ def prepare_sampling(
         uniforms[rows.seeded] = seeded_uniforms(seeds, [num_generated[i] for i in rows.seeded])
     if not rows.penalised:
         penalties = None
-    elif penalties is None:
-        subset = [params[i] for i in rows.penalised]
-        penalties = prepare_penalties(subset, [histories[i] for i in rows.penalised], vocab_size, device)
+    else:
+        penalties = _step_penalties(params, rows.penalised, histories, vocab_size, device, penalties)
     views = _upload(rows, uniforms, _group_lists(rows, num_rows), device)
     scale, top_p, min_p, uniform, top_k, fixed, logprob_rows, *lists = views
     plain, penalised = _make_groups(lists, num_rows, len(rows.penalised))
@@ -508,8 +552,8 @@ def prepare_sampling(
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
         logit_bias=prepare_logit_bias(params, device, rows.biased) if rows.biased else None,
     )
-    if memo is not None:  # seeded rows' uniforms and penalised rows' penalties change every step
-        memo.keep(params, vocab_size, device, None if rows.seeded or rows.penalised else batch)
+    if memo is not None:  # seeded rows' uniforms change every step; penalised rows' penalties are swapped at reuse
+        memo.keep(params, vocab_size, device, None if rows.seeded else batch, rows.penalised)
     return batch
 
 
