@@ -4,14 +4,20 @@ Scripts that work on a CPU run end to end on the tiny shape with tiny sizes; scr
 server, or a GPU run's output folder) must at least parse ``--help``, and the CUDA-only ones must refuse a CPU
 with a one-line reason; shell scripts must parse (``bash -n``); helper modules must import. A new file in
 benchmarks/ fails ``test_every_benchmark_file_is_covered`` until it is added to one of the tables below.
+
+The quick checks (``--help``, the CPU refusal, the imports) share one interpreter (tests/script_batch.py runs each
+script as ``__main__`` with its own argv, as ``python SCRIPT`` would), so the suite pays torch's import once, not
+forty times; the end-to-end CPU runs each get their own process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,21 +99,46 @@ def test_cpu_script_runs_on_the_tiny_shape(script: str, tmp_path: Path) -> None:
     assert result.stdout.strip()
 
 
-@pytest.mark.parametrize("script", sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY]))
-def test_help_parses(script: str) -> None:
-    """``--help`` prints a usage line and exits 0 (imports and argument parsing work)."""
-    result = run(sys.executable, str(BENCHMARKS / script), "--help", timeout=120)
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Results of every quick check, run in one interpreter by tests/script_batch.py: ``import:NAME`` (the helper
+    modules, first, so no script has imported them yet), ``help:SCRIPT`` and, without CUDA, ``refuse:SCRIPT``."""
+    jobs = [[f"import:{name}", "-m", [name]] for name in _module_names()]
+    jobs += [[f"help:{s}", str(BENCHMARKS / s), ["--help"]] for s in sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY])]
+    if NO_CUDA:
+        jobs += [[f"refuse:{s}", str(BENCHMARKS / s), []] for s in CUDA_ONLY]
+    folder = tmp_path_factory.mktemp("quick")
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    result = run(sys.executable, str(ROOT / "tests" / "script_batch.py"), str(folder / "jobs.json"),
+                 str(folder / "results.json"), timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "usage:" in result.stdout
+    results: dict[str, dict[str, Any]] = json.loads((folder / "results.json").read_text())
+    return results
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def _module_names() -> list[str]:
+    """The importable names of MODULES (``benchmarks`` for ``__init__.py``)."""
+    return ["benchmarks" if m == "__init__.py" else f"benchmarks.{m.removesuffix('.py')}" for m in MODULES]
+
+
+@pytest.mark.parametrize("script", sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY]))
+def test_help_parses(script: str, quick: dict[str, dict[str, Any]]) -> None:
+    """``--help`` prints a usage line and exits 0 (imports and argument parsing work)."""
+    result = quick[f"help:{script}"]
+    assert result["returncode"] == 0, result["stderr"][-3000:]
+    assert "usage:" in result["stdout"]
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script", CUDA_ONLY)
-def test_cuda_only_script_refuses_a_cpu_in_one_line(script: str) -> None:
+def test_cuda_only_script_refuses_a_cpu_in_one_line(script: str, quick: dict[str, dict[str, Any]]) -> None:
     """Without CUDA the script exits non-zero with one line saying it needs a CUDA GPU, not a traceback."""
-    result = run(sys.executable, str(BENCHMARKS / script), timeout=120)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "needs a CUDA GPU" in result.stderr
+    result = quick[f"refuse:{script}"]
+    assert result["returncode"] != 0 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    assert "needs a CUDA GPU" in result["stderr"]
 
 
 @pytest.mark.parametrize("script", SHELL)
@@ -117,9 +148,8 @@ def test_shell_script_parses(script: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("module", [m.removesuffix(".py") for m in MODULES])
-def test_helper_module_imports(module: str) -> None:
+@pytest.mark.parametrize("module", _module_names())
+def test_helper_module_imports(module: str, quick: dict[str, dict[str, Any]]) -> None:
     """The helper module imports (as the scripts import it)."""
-    name = "benchmarks" if module == "__init__" else f"benchmarks.{module}"
-    result = run(sys.executable, "-c", f"import {name}", timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = quick[f"import:{module}"]
+    assert result["returncode"] == 0, result["stderr"][-3000:]
