@@ -12,7 +12,6 @@ forty times; the end-to-end CPU runs each get their own process.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from script_batch import run_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -106,17 +106,16 @@ NO_CUDA = not torch.cuda.is_available()
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Results of every quick check, run in one interpreter by tests/script_batch.py: ``import:NAME`` (the helper
     modules, first, so no script has imported them yet), ``help:SCRIPT`` and, without CUDA, ``refuse:SCRIPT``."""
-    jobs = [[f"import:{name}", "-m", [name]] for name in _module_names()]
-    jobs += [[f"help:{s}", str(BENCHMARKS / s), ["--help"]] for s in sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY])]
+    jobs: list[dict[str, Any]] = [
+        {"key": f"import:{name}", "run": "import", "target": name} for name in _module_names()
+    ]
+    for script in sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY]):
+        jobs.append({"key": f"help:{script}", "run": "script", "target": str(BENCHMARKS / script), "args": ["--help"]})
     if NO_CUDA:
-        jobs += [[f"refuse:{s}", str(BENCHMARKS / s), []] for s in CUDA_ONLY]
-    folder = tmp_path_factory.mktemp("quick")
-    (folder / "jobs.json").write_text(json.dumps(jobs))
-    result = run(sys.executable, str(ROOT / "tests" / "script_batch.py"), str(folder / "jobs.json"),
-                 str(folder / "results.json"), timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    results: dict[str, dict[str, Any]] = json.loads((folder / "results.json").read_text())
-    return results
+        jobs += [{"key": f"refuse:{s}", "run": "script", "target": str(BENCHMARKS / s)} for s in CUDA_ONLY]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return run_batch(jobs, tmp_path_factory.mktemp("quick"), env)
 
 
 def _module_names() -> list[str]:

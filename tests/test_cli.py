@@ -1,4 +1,5 @@
-"""The ``fnvllm`` command line, run as a real subprocess against the embedded demo model."""
+"""The ``fnvllm`` command line, run as a real subprocess against the embedded demo model (the quick user-error
+cases one after another in one subprocess: tests/script_batch.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from script_batch import run_batch
 
 from fnvllm.cli import build_parser
 from fnvllm.cli._common import engine_options, sampling_params
@@ -129,33 +131,46 @@ def test_demo_says_it_uses_the_embedded_model() -> None:
 TOO_LONG = "x = 1\n" * 400
 
 
-@pytest.mark.parametrize(
-    ("args", "stdin", "code", "needle"),
-    [
-        (["generate", "/no/such/model", "def f("], None, 1, "does not exist"),
-        (["generate", "--model", "/no/such/model", "def f("], None, 1, "does not exist"),
-        (["generate", "--prompts-file", "/no/such/prompts.txt"], None, 1, "cannot read prompts"),
-        (["generate", "--prompts-file", "-"], "{not json\n", 1, "stdin:1: not valid JSON"),
-        (["generate", "--max-tokens", "lots", "def f("], None, 2, "invalid int value"),
-        (["generate", "--temperature", "-1", "def f("], None, 2, "temperature"),
-        (["generate", "--block-size", "0", "def f("], None, 2, "block_size"),
-        (["generate", "--dtype", "float64", "def f("], None, 2, "float64"),
-        (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
-        (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
-        (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
-        (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
-        (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),
-        (["generate"], None, 2, "no prompt given"),
-        (["bench", "--num-requests", "0"], None, 1, "num_requests must be >= 1"),
-    ],
-)
-def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], stdin: str | None, code: int, needle: str) -> None:
+BAD_INPUTS: list[tuple[list[str], str | None, int, str]] = [
+    (["generate", "/no/such/model", "def f("], None, 1, "does not exist"),
+    (["generate", "--model", "/no/such/model", "def f("], None, 1, "does not exist"),
+    (["generate", "--prompts-file", "/no/such/prompts.txt"], None, 1, "cannot read prompts"),
+    (["generate", "--prompts-file", "-"], "{not json\n", 1, "stdin:1: not valid JSON"),
+    (["generate", "--max-tokens", "lots", "def f("], None, 2, "invalid int value"),
+    (["generate", "--temperature", "-1", "def f("], None, 2, "temperature"),
+    (["generate", "--block-size", "0", "def f("], None, 2, "block_size"),
+    (["generate", "--dtype", "float64", "def f("], None, 2, "float64"),
+    (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
+    (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
+    (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
+    (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
+    (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),
+    (["generate"], None, 2, "no prompt given"),
+    (["bench", "--num-requests", "0"], None, 1, "num_requests must be >= 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``python -m fnvllm.cli ARGS`` of every BAD_INPUTS case, run one after another in one interpreter
+    (tests/script_batch.py: each as ``__main__`` with its own argv and stdin), so torch is imported once."""
+    jobs = [
+        {"key": json.dumps([args, stdin]), "run": "module", "target": "fnvllm.cli", "args": args, "stdin": stdin}
+        for args, stdin, _, _ in BAD_INPUTS
+    ]
+    return run_batch(jobs, tmp_path_factory.mktemp("bad-input"), ENV, timeout=300)
+
+
+@pytest.mark.parametrize(("args", "stdin", "code", "needle"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_a_nonzero_exit(
+    args: list[str], stdin: str | None, code: int, needle: str, bad_input_results: dict[str, dict[str, Any]]
+) -> None:
     """Each user error prints one line on stderr naming the problem, exits non-zero, and shows no traceback."""
-    result = fnvllm(*args, stdin=stdin)
-    lines = error_lines(result.stderr)
-    assert result.returncode == code, result.stderr
-    assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    result = bad_input_results[json.dumps([args, stdin])]
+    lines = error_lines(result["stderr"])
+    assert result["returncode"] == code, result["stderr"]
+    assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], result["stderr"]
+    assert "Traceback" not in result["stderr"]
 
 
 def test_debug_shows_the_traceback() -> None:
