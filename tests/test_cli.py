@@ -150,33 +150,49 @@ BAD_INPUTS: list[tuple[list[str], str | None, int, str]] = [
 ]
 
 
+# the other quick runs that end in a user error: key -> (module, arguments); FILE is a file the fixture writes
+QUICK_ERRORS: dict[str, tuple[str, list[str]]] = {
+    "debug": ("fnvllm.cli", ["--debug", "generate", "--temperature", "-1", "def f("]),
+    "model is a file": ("fnvllm.cli", ["generate", "--model", "FILE", "hi"]),
+    "bad latency list": ("fnvllm.cli", ["bench", "--latency", "1,x"]),
+    "bad bench top-p": ("fnvllm", ["bench", "--num-requests", "2", "--top-p", "7"]),
+}
+
+
 @pytest.fixture(scope="module")
-def bad_input_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """``python -m fnvllm.cli ARGS`` of every BAD_INPUTS case, run one after another in one interpreter
-    (tests/script_batch.py: each as ``__main__`` with its own argv and stdin), so torch is imported once."""
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``python -m MODULE ARGS`` of every BAD_INPUTS case (keyed by ``json.dumps([args, stdin])``) and of every
+    QUICK_ERRORS one, run one after another in one interpreter (tests/script_batch.py: each as ``__main__`` with
+    its own argv and stdin), so torch is imported once, not nineteen times."""
+    folder = tmp_path_factory.mktemp("quick-cli")
+    file = folder / "model.safetensors"
+    file.write_bytes(b"x")
     jobs = [
         {"key": json.dumps([args, stdin]), "run": "module", "target": "fnvllm.cli", "args": args, "stdin": stdin}
         for args, stdin, _, _ in BAD_INPUTS
     ]
-    return run_batch(jobs, tmp_path_factory.mktemp("bad-input"), ENV, timeout=300)
+    for key, (module, args) in QUICK_ERRORS.items():
+        args = [str(file) if arg == "FILE" else arg for arg in args]
+        jobs.append({"key": key, "run": "module", "target": module, "args": args})
+    return run_batch(jobs, folder, ENV, timeout=300)
 
 
 @pytest.mark.parametrize(("args", "stdin", "code", "needle"), BAD_INPUTS)
 def test_bad_input_is_one_line_and_a_nonzero_exit(
-    args: list[str], stdin: str | None, code: int, needle: str, bad_input_results: dict[str, dict[str, Any]]
+    args: list[str], stdin: str | None, code: int, needle: str, quick_results: dict[str, dict[str, Any]]
 ) -> None:
     """Each user error prints one line on stderr naming the problem, exits non-zero, and shows no traceback."""
-    result = bad_input_results[json.dumps([args, stdin])]
+    result = quick_results[json.dumps([args, stdin])]
     lines = error_lines(result["stderr"])
     assert result["returncode"] == code, result["stderr"]
     assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], result["stderr"]
     assert "Traceback" not in result["stderr"]
 
 
-def test_debug_shows_the_traceback() -> None:
+def test_debug_shows_the_traceback(quick_results: dict[str, dict[str, Any]]) -> None:
     """``--debug`` shows the traceback of a user error instead of the one-line message."""
-    result = fnvllm("--debug", "generate", "--temperature", "-1", "def f(")
-    assert result.returncode != 0 and "Traceback" in result.stderr
+    result = quick_results["debug"]
+    assert result["returncode"] != 0 and "Traceback" in result["stderr"]
 
 
 def test_every_sampling_and_engine_field_has_a_flag() -> None:
@@ -197,15 +213,11 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
     assert options["block_size"] == 32 and options["seed"] == 9 and options["enable_prefix_caching"] is False
 
 
-def test_generate_model_that_is_a_file_says_so(tmp_path: Path) -> None:
+def test_generate_model_that_is_a_file_says_so(quick_results: dict[str, dict[str, Any]]) -> None:
     """``fnvllm generate --model FILE`` says the path is a file, not that the folder "does not exist"."""
-    file = tmp_path / "model.safetensors"
-    file.write_bytes(b"x")
-    done = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", "generate", "--model", str(file), "hi"], capture_output=True, text=True
-    )
-    assert done.returncode == 1
-    assert "is a file, not a folder" in done.stderr and "does not exist" not in done.stderr
+    done = quick_results["model is a file"]
+    assert done["returncode"] == 1
+    assert "is a file, not a folder" in done["stderr"] and "does not exist" not in done["stderr"]
 
 
 @pytest.mark.parametrize("num_requests", ["1", "3"])
@@ -226,7 +238,7 @@ def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str
     assert not list(tmp_path.glob("fnvllm-bench-*"))
 
 
-def test_bench_latency_mode_reports_each_batch(tmp_path: Path) -> None:
+def test_bench_latency_mode_reports_each_batch(tmp_path: Path, quick_results: dict[str, dict[str, Any]]) -> None:
     """``fnvllm bench --latency 1,3`` runs each batch warm and reports ms per decode step, TPOT and TTFT percentiles
     per request count (each request makes exactly --max-output-len tokens); a bad list is a usage error."""
     env = {**ENV, "TMPDIR": str(tmp_path)}
@@ -241,11 +253,8 @@ def test_bench_latency_mode_reports_each_batch(tmp_path: Path) -> None:
         assert row["ms_per_step"] > 0 and row["tpot_p50_ms"] > 0 and row["tpot_p99_ms"] >= row["tpot_p50_ms"]
         assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
         assert row["decode_timeline"]["steps"] >= 4  # 6 tokens: a prefill step, then decode steps
-    bad = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", "bench", "--latency", "1,x"], capture_output=True, text=True,
-        timeout=60, env=env, check=False,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "comma-separated request counts" in bad.stderr
+    bad = quick_results["bad latency list"]
+    assert bad["returncode"] == 2 and "comma-separated request counts" in bad["stderr"]
 
 
 def test_bench_defaults_depend_on_the_shape() -> None:
@@ -268,7 +277,7 @@ def test_bench_progress_line_reports_tokens_share_and_rate() -> None:
     assert line == "bench: 10 s, 1,000 of 4,000 output tokens (25 %), 100 tok/s"
 
 
-def test_bench_takes_the_sampling_settings_users_send() -> None:
+def test_bench_takes_the_sampling_settings_users_send(quick_results: dict[str, dict[str, Any]]) -> None:
     """``fnvllm bench --preset qwen3 --repetition-penalty 1.05`` samples every request with top-p 0.95 / top-k 20
     and the penalty (reported in the result); an out-of-range setting is one line naming the field, exit 1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -281,8 +290,5 @@ def test_bench_takes_the_sampling_settings_users_send() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["sampling"] == {"top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
     assert result["output_tokens"] > 0
-    bad = subprocess.run(
-        [sys.executable, "-m", "fnvllm", "bench", "--num-requests", "2", "--top-p", "7"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert bad.returncode != 0 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+    bad = quick_results["bad bench top-p"]
+    assert bad["returncode"] != 0 and "top_p" in bad["stderr"] and "Traceback" not in bad["stderr"]
