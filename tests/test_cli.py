@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from fnvllm.demo import model_path
 from fnvllm.state import SamplingParams
 
 FAST = ["--max-tokens", "6", "--num-blocks", "64"]
+TINY_BENCH = ["bench", "--model-shape", "tiny"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -220,16 +222,51 @@ def test_generate_model_that_is_a_file_says_so(quick_results: dict[str, dict[str
     assert "is a file, not a folder" in done["stderr"] and "does not exist" not in done["stderr"]
 
 
+# the ``fnvllm bench`` runs of the tests below: key -> (module, arguments, whether TMPDIR is the run's own folder)
+BENCH_RUNS: dict[str, tuple[str, list[str], bool]] = {
+    "requests 1": ("fnvllm.cli", [*TINY_BENCH, "--num-requests", "1", "--max-output-len", "100", "--json", "--profile"],
+                   True),
+    "requests 3": ("fnvllm.cli", [*TINY_BENCH, "--num-requests", "3", "--max-output-len", "100", "--json"], True),
+    "latency": ("fnvllm.cli", [*TINY_BENCH, "--latency", "1,3", "--max-output-len", "6", "--profile", "--json"], True),
+    "sampling": ("fnvllm", ["bench", "--num-requests", "2", "--preset", "qwen3", "--repetition-penalty", "1.05",
+                            "--max-output-len", "100", "--json"], False),
+}  # fmt: skip
+# which runs each test reads
+BENCH_TESTS = {
+    "test_bench_on_the_cpu_runs_any_request_count_and_cleans_up": ("requests 1", "requests 3"),
+    "test_bench_latency_mode_reports_each_batch": ("latency",),
+    "test_bench_takes_the_sampling_settings_users_send": ("sampling",),
+}
+
+
+@pytest.fixture(scope="module")
+def bench_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """The BENCH_RUNS the selected tests read, each ``python -m MODULE ARGS`` in its own process (with its own
+    TMPDIR where asked), two at a time (CI has two cores; each run is mostly one busy thread): key -> (its
+    CompletedProcess, its TMPDIR folder)."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    keys = [key for test, keys in BENCH_TESTS.items() if test in selected for key in keys]
+
+    def one(key: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        module, args, own_tmp = BENCH_RUNS[key]
+        folder = tmp_path_factory.mktemp("bench")
+        env = {**ENV, "TMPDIR": str(folder)} if own_tmp else {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", module, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False), folder
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        return dict(zip(keys, pool.map(one, keys), strict=True))
+
+
 @pytest.mark.parametrize("num_requests", ["1", "3"])
-def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str, tmp_path: Path) -> None:
+def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(
+    num_requests: str, bench_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]]
+) -> None:
     """``fnvllm bench`` on the tiny shape works with fewer requests than its 4-request warm-up, prints no GPU-only
     fields on a CPU (with --profile too), and deletes the random checkpoint it wrote."""
-    env = {**ENV, "TMPDIR": str(tmp_path)}
-    args = ["bench", "--model-shape", "tiny", "--num-requests", num_requests, "--max-output-len", "100", "--json"]
-    args += ["--profile"] if num_requests == "1" else []
-    result = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
-    )
+    result, tmp_path = bench_runs[f"requests {num_requests}"]
     record = json.loads(ok(result).stdout)
     assert record["requests"] == int(num_requests) and record["device"] == "cpu" and record["output_tokens"] >= 100
     assert not {"floor_tok_per_s", "fraction_of_floor"} & set(record)
@@ -238,14 +275,12 @@ def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str
     assert not list(tmp_path.glob("fnvllm-bench-*"))
 
 
-def test_bench_latency_mode_reports_each_batch(tmp_path: Path, quick_results: dict[str, dict[str, Any]]) -> None:
+def test_bench_latency_mode_reports_each_batch(
+    bench_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]], quick_results: dict[str, dict[str, Any]]
+) -> None:
     """``fnvllm bench --latency 1,3`` runs each batch warm and reports ms per decode step, TPOT and TTFT percentiles
     per request count (each request makes exactly --max-output-len tokens); a bad list is a usage error."""
-    env = {**ENV, "TMPDIR": str(tmp_path)}
-    args = ["bench", "--model-shape", "tiny", "--latency", "1,3", "--max-output-len", "6", "--profile", "--json"]
-    result = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
-    )
+    result, _ = bench_runs["latency"]
     record = json.loads(ok(result).stdout)
     rows = record["latency"]
     assert [row["requests"] for row in rows] == [1, 3]
@@ -277,15 +312,12 @@ def test_bench_progress_line_reports_tokens_share_and_rate() -> None:
     assert line == "bench: 10 s, 1,000 of 4,000 output tokens (25 %), 100 tok/s"
 
 
-def test_bench_takes_the_sampling_settings_users_send(quick_results: dict[str, dict[str, Any]]) -> None:
+def test_bench_takes_the_sampling_settings_users_send(
+    bench_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]], quick_results: dict[str, dict[str, Any]]
+) -> None:
     """``fnvllm bench --preset qwen3 --repetition-penalty 1.05`` samples every request with top-p 0.95 / top-k 20
     and the penalty (reported in the result); an out-of-range setting is one line naming the field, exit 1."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "fnvllm", "bench", "--num-requests", "2", "--preset", "qwen3",
-         "--repetition-penalty", "1.05", "--max-output-len", "100", "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    done, _ = bench_runs["sampling"]
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["sampling"] == {"top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
