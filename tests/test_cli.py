@@ -66,10 +66,55 @@ def test_console_script_is_installed() -> None:
 PROMPTS = ["def fib(", "import "]
 
 
+PROMPTS_FILE = "{prompts file}"  # stands for the file of prompts that the ``generated`` fixture writes
+# the generate/demo runs of the tests below: key -> (arguments, stdin); "plain" runs the console script
+GENERATE_RUNS: dict[str, tuple[list[str], str | None]] = {
+    "plain": (["generate", *PROMPTS, *FAST], None),
+    "folder json": (["generate", str(model_path()), "class A:", "--json", "--logprobs", "2", *FAST], None),
+    "sources": (
+        ["generate", "while ", "-", "--prompts-file", PROMPTS_FILE, "--json", *FAST],
+        json.dumps({"prompt": "x = ["}) + "\n" + json.dumps({"prompt": "y = (\n"}) + "\n",
+    ),
+    "stream": (["generate", *PROMPTS, "--stream", *FAST], None),
+    "stream json": (["generate", *PROMPTS, "--stream", "--json", *FAST], None),
+    "chat json": (["generate", "--chat", "--system", "be brief", "reverse a list", "--json", *FAST], None),
+    "chat stream": (["generate", "--chat", "reverse a list", "--stream", *FAST], None),
+    "demo": (["demo", *FAST], None),
+}
+# which runs each test reads
+GENERATE_TESTS = {
+    "test_generate_prompt_arguments_with_the_embedded_model": ("plain",),
+    "test_generate_model_folder_argument_json": ("folder json",),
+    "test_prompts_from_arguments_stdin_and_file": ("sources",),
+    "test_stream_prints_what_generate_prints": ("plain", "stream", "stream json"),
+    "test_chat_applies_the_chat_template": ("chat json", "chat stream"),
+    "test_demo_says_it_uses_the_embedded_model": ("demo",),
+}
+
+
 @pytest.fixture(scope="module")
-def plain() -> subprocess.CompletedProcess[str]:
+def generated(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The GENERATE_RUNS the selected tests read, each its own ``fnvllm`` process, two at a time (CI has two cores;
+    each run is mostly one busy thread): key -> its CompletedProcess (not yet checked)."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    keys = sorted({key for test, keys in GENERATE_TESTS.items() if test in selected for key in keys})
+    file = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    file.write_text("def a(\n\nclass B:\n")
+
+    def one(key: str) -> subprocess.CompletedProcess[str]:
+        args, stdin = GENERATE_RUNS[key]
+        return fnvllm(*[str(file) if a == PROMPTS_FILE else a for a in args], stdin=stdin, script=key == "plain")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        return dict(zip(keys, pool.map(one, keys), strict=True))
+
+
+@pytest.fixture(scope="module")
+def plain(generated: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
     """``fnvllm generate`` (the console script) on PROMPTS, greedy, as text."""
-    return ok(fnvllm("generate", *PROMPTS, *FAST, script=True))
+    return ok(generated["plain"])
 
 
 def test_generate_prompt_arguments_with_the_embedded_model(plain: subprocess.CompletedProcess[str]) -> None:
@@ -81,9 +126,9 @@ def test_generate_prompt_arguments_with_the_embedded_model(plain: subprocess.Com
     assert "2 requests" in summary and "tok/s" in summary and "prefix-cache" in summary and "preemptions" in summary
 
 
-def test_generate_model_folder_argument_json() -> None:
+def test_generate_model_folder_argument_json(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """A first argument that is a folder is the model; ``--json`` prints one parseable object per request."""
-    result = ok(fnvllm("generate", str(model_path()), "class A:", "--json", "--logprobs", "2", *FAST))
+    result = ok(generated["folder json"])
     [record] = jsonl(result.stdout)
     assert record["prompt"] == "class A:" and record["index"] == 0
     assert len(record["token_ids"]) == len(record["logprobs"]) <= 6
@@ -91,22 +136,21 @@ def test_generate_model_folder_argument_json() -> None:
     assert record["finish_reason"] in ("stop", "length") and record["ttft_s"] >= 0
 
 
-def test_prompts_from_arguments_stdin_and_file(tmp_path: Path) -> None:
+def test_prompts_from_arguments_stdin_and_file(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """Prompts come from the arguments, then stdin ('-', JSON Lines here), then ``--prompts-file`` (one per line,
     blank lines skipped), in that order; --json on stdout stays clean (the summary goes to stderr)."""
-    file = tmp_path / "prompts.txt"
-    file.write_text("def a(\n\nclass B:\n")
-    stdin = json.dumps({"prompt": "x = ["}) + "\n" + json.dumps({"prompt": "y = (\n"}) + "\n"
-    result = ok(fnvllm("generate", "while ", "-", "--prompts-file", str(file), "--json", *FAST, stdin=stdin))
+    result = ok(generated["sources"])  # the file holds "def a(", a blank line and "class B:"
     records = jsonl(result.stdout)
     assert [r["prompt"] for r in records] == ["while ", "x = [", "y = (\n", "def a(", "class B:"]
     assert [r["index"] for r in records] == list(range(5))
 
 
-def test_stream_prints_what_generate_prints(plain: subprocess.CompletedProcess[str]) -> None:
+def test_stream_prints_what_generate_prints(
+    plain: subprocess.CompletedProcess[str], generated: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     """Greedy ``--stream`` prints the same text as plain generate, in prompt order; JSON deltas add up to it."""
-    streamed = ok(fnvllm("generate", *PROMPTS, "--stream", *FAST)).stdout
-    deltas = jsonl(ok(fnvllm("generate", *PROMPTS, "--stream", "--json", *FAST)).stdout)
+    streamed = ok(generated["stream"]).stdout
+    deltas = jsonl(ok(generated["stream json"]).stdout)
     strip = [line for line in plain.stdout.splitlines() if not line.startswith("=====")]
     assert [line for line in streamed.splitlines() if not line.startswith("=====")] == strip
     texts = ["".join(d["text"] for d in deltas if d["index"] == i) for i in range(len(PROMPTS))]
@@ -114,18 +158,18 @@ def test_stream_prints_what_generate_prints(plain: subprocess.CompletedProcess[s
     assert sum(d["finish_reason"] is not None for d in deltas) == len(PROMPTS)
 
 
-def test_chat_applies_the_chat_template() -> None:
+def test_chat_applies_the_chat_template(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``--chat`` wraps the prompt as a user message through the tokenizer's template (a Python comment here)."""
-    result = ok(fnvllm("generate", "--chat", "--system", "be brief", "reverse a list", "--json", *FAST))
+    result = ok(generated["chat json"])
     [record] = jsonl(result.stdout)
     assert record["prompt"] == "# be brief\n# reverse a list\n"
-    streamed = ok(fnvllm("generate", "--chat", "reverse a list", "--stream", *FAST)).stdout
+    streamed = ok(generated["chat stream"]).stdout
     assert "reverse a list" not in streamed  # the reply only
 
 
-def test_demo_says_it_uses_the_embedded_model() -> None:
+def test_demo_says_it_uses_the_embedded_model(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``fnvllm demo`` names the embedded model and prints Python prompts with their continuations."""
-    result = ok(fnvllm("demo", *FAST))
+    result = ok(generated["demo"])
     assert "embedded demo model" in result.stdout and "def fib(n):" in result.stdout
     assert "requests" in error_lines(result.stderr)[-2]
 
