@@ -4,6 +4,10 @@ Scripts that work on a CPU run end to end on the tiny shape with tiny sizes; scr
 server, or a GPU run's output folder) must at least parse ``--help``, and the CUDA-only ones must refuse a CPU
 with a one-line reason; shell scripts must parse (``bash -n``); helper modules must import. A new file in
 benchmarks/ fails ``test_every_benchmark_file_is_covered`` until it is added to one of the tables below.
+
+The quick checks (``--help``, the CPU refusal, the imports) share one interpreter (tests/script_batch.py runs each
+script as ``__main__`` with its own argv, as ``python SCRIPT`` would), so the suite pays torch's import once, not
+forty times; the end-to-end CPU runs each get their own process, two at a time.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from script_batch import run_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -84,30 +91,77 @@ def test_every_benchmark_file_is_covered() -> None:
     assert present == set(covered), f"missing from the tables: {present - set(covered)}; gone: {set(covered) - present}"
 
 
+# the longest CPU runs first, so two at a time finish together (the rest in table order)
+SLOWEST_FIRST = ("sim_serve_check.py", "bench_structured.py", "bench_settings.py")
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The selected CPU_RUNS, each in its own process and temp folder, two at a time (CI has two cores and each
+    run is mostly one busy thread): script -> its CompletedProcess."""
+    selected = {
+        item.callspec.params["script"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_cpu_script_runs_on_the_tiny_shape"
+    }
+    order = [s for s in SLOWEST_FIRST if s in selected] + sorted(selected - set(SLOWEST_FIRST))
+
+    def one(script: str) -> subprocess.CompletedProcess[str]:
+        folder = tmp_path_factory.mktemp(script.removesuffix(".py"))
+        args = [arg.replace("{tmp}", str(folder)) for arg in CPU_RUNS[script]]
+        return run(sys.executable, str(BENCHMARKS / script), *args)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        return dict(zip(order, pool.map(one, order), strict=True))
+
+
 @pytest.mark.parametrize("script", sorted(CPU_RUNS))
-def test_cpu_script_runs_on_the_tiny_shape(script: str, tmp_path: Path) -> None:
+def test_cpu_script_runs_on_the_tiny_shape(script: str, cpu_runs: dict[str, Any]) -> None:
     """The script runs end to end on the CPU with tiny sizes and exits 0 ({tmp} in its arguments: a temp folder)."""
-    args = [arg.replace("{tmp}", str(tmp_path)) for arg in CPU_RUNS[script]]
-    result = run(sys.executable, str(BENCHMARKS / script), *args)
+    result = cpu_runs[script]
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stdout.strip()
 
 
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Results of every quick check, run in one interpreter by tests/script_batch.py: ``import:NAME`` (the helper
+    modules, first, so no script has imported them yet), ``help:SCRIPT`` and, without CUDA, ``refuse:SCRIPT``."""
+    jobs: list[dict[str, Any]] = [
+        {"key": f"import:{name}", "run": "import", "target": name} for name in _module_names()
+    ]
+    for script in sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY]):
+        jobs.append({"key": f"help:{script}", "run": "script", "target": str(BENCHMARKS / script), "args": ["--help"]})
+    if NO_CUDA:
+        jobs += [{"key": f"refuse:{s}", "run": "script", "target": str(BENCHMARKS / s)} for s in CUDA_ONLY]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return run_batch(jobs, tmp_path_factory.mktemp("quick"), env)
+
+
+def _module_names() -> list[str]:
+    """The importable names of MODULES (``benchmarks`` for ``__init__.py``)."""
+    return ["benchmarks" if m == "__init__.py" else f"benchmarks.{m.removesuffix('.py')}" for m in MODULES]
+
+
 @pytest.mark.parametrize("script", sorted([*CPU_RUNS, *HELP_ONLY, *CUDA_ONLY]))
-def test_help_parses(script: str) -> None:
+def test_help_parses(script: str, quick: dict[str, dict[str, Any]]) -> None:
     """``--help`` prints a usage line and exits 0 (imports and argument parsing work)."""
-    result = run(sys.executable, str(BENCHMARKS / script), "--help", timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "usage:" in result.stdout
+    result = quick[f"help:{script}"]
+    assert result["returncode"] == 0, result["stderr"][-3000:]
+    assert "usage:" in result["stdout"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script", CUDA_ONLY)
-def test_cuda_only_script_refuses_a_cpu_in_one_line(script: str) -> None:
+def test_cuda_only_script_refuses_a_cpu_in_one_line(script: str, quick: dict[str, dict[str, Any]]) -> None:
     """Without CUDA the script exits non-zero with one line saying it needs a CUDA GPU, not a traceback."""
-    result = run(sys.executable, str(BENCHMARKS / script), timeout=120)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "needs a CUDA GPU" in result.stderr
+    result = quick[f"refuse:{script}"]
+    assert result["returncode"] != 0 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    assert "needs a CUDA GPU" in result["stderr"]
 
 
 @pytest.mark.parametrize("script", SHELL)
@@ -117,9 +171,8 @@ def test_shell_script_parses(script: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("module", [m.removesuffix(".py") for m in MODULES])
-def test_helper_module_imports(module: str) -> None:
+@pytest.mark.parametrize("module", _module_names())
+def test_helper_module_imports(module: str, quick: dict[str, dict[str, Any]]) -> None:
     """The helper module imports (as the scripts import it)."""
-    name = "benchmarks" if module == "__init__" else f"benchmarks.{module}"
-    result = run(sys.executable, "-c", f"import {name}", timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = quick[f"import:{module}"]
+    assert result["returncode"] == 0, result["stderr"][-3000:]

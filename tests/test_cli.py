@@ -1,4 +1,5 @@
-"""The ``fnvllm`` command line, run as a real subprocess against the embedded demo model."""
+"""The ``fnvllm`` command line, run as a real subprocess against the embedded demo model (the quick user-error
+cases one after another in one subprocess: tests/script_batch.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_batch import run_batch
 
 from fnvllm.cli import build_parser
 from fnvllm.cli._common import engine_options, sampling_params
@@ -19,6 +22,7 @@ from fnvllm.demo import model_path
 from fnvllm.state import SamplingParams
 
 FAST = ["--max-tokens", "6", "--num-blocks", "64"]
+TINY_BENCH = ["bench", "--model-shape", "tiny"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -62,10 +66,55 @@ def test_console_script_is_installed() -> None:
 PROMPTS = ["def fib(", "import "]
 
 
+PROMPTS_FILE = "{prompts file}"  # stands for the file of prompts that the ``generated`` fixture writes
+# the generate/demo runs of the tests below: key -> (arguments, stdin); "plain" runs the console script
+GENERATE_RUNS: dict[str, tuple[list[str], str | None]] = {
+    "plain": (["generate", *PROMPTS, *FAST], None),
+    "folder json": (["generate", str(model_path()), "class A:", "--json", "--logprobs", "2", *FAST], None),
+    "sources": (
+        ["generate", "while ", "-", "--prompts-file", PROMPTS_FILE, "--json", *FAST],
+        json.dumps({"prompt": "x = ["}) + "\n" + json.dumps({"prompt": "y = (\n"}) + "\n",
+    ),
+    "stream": (["generate", *PROMPTS, "--stream", *FAST], None),
+    "stream json": (["generate", *PROMPTS, "--stream", "--json", *FAST], None),
+    "chat json": (["generate", "--chat", "--system", "be brief", "reverse a list", "--json", *FAST], None),
+    "chat stream": (["generate", "--chat", "reverse a list", "--stream", *FAST], None),
+    "demo": (["demo", *FAST], None),
+}
+# which runs each test reads
+GENERATE_TESTS = {
+    "test_generate_prompt_arguments_with_the_embedded_model": ("plain",),
+    "test_generate_model_folder_argument_json": ("folder json",),
+    "test_prompts_from_arguments_stdin_and_file": ("sources",),
+    "test_stream_prints_what_generate_prints": ("plain", "stream", "stream json"),
+    "test_chat_applies_the_chat_template": ("chat json", "chat stream"),
+    "test_demo_says_it_uses_the_embedded_model": ("demo",),
+}
+
+
 @pytest.fixture(scope="module")
-def plain() -> subprocess.CompletedProcess[str]:
+def generated(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The GENERATE_RUNS the selected tests read, each its own ``fnvllm`` process, two at a time (CI has two cores;
+    each run is mostly one busy thread): key -> its CompletedProcess (not yet checked)."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    keys = sorted({key for test, keys in GENERATE_TESTS.items() if test in selected for key in keys})
+    file = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    file.write_text("def a(\n\nclass B:\n")
+
+    def one(key: str) -> subprocess.CompletedProcess[str]:
+        args, stdin = GENERATE_RUNS[key]
+        return fnvllm(*[str(file) if a == PROMPTS_FILE else a for a in args], stdin=stdin, script=key == "plain")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        return dict(zip(keys, pool.map(one, keys), strict=True))
+
+
+@pytest.fixture(scope="module")
+def plain(generated: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
     """``fnvllm generate`` (the console script) on PROMPTS, greedy, as text."""
-    return ok(fnvllm("generate", *PROMPTS, *FAST, script=True))
+    return ok(generated["plain"])
 
 
 def test_generate_prompt_arguments_with_the_embedded_model(plain: subprocess.CompletedProcess[str]) -> None:
@@ -77,9 +126,9 @@ def test_generate_prompt_arguments_with_the_embedded_model(plain: subprocess.Com
     assert "2 requests" in summary and "tok/s" in summary and "prefix-cache" in summary and "preemptions" in summary
 
 
-def test_generate_model_folder_argument_json() -> None:
+def test_generate_model_folder_argument_json(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """A first argument that is a folder is the model; ``--json`` prints one parseable object per request."""
-    result = ok(fnvllm("generate", str(model_path()), "class A:", "--json", "--logprobs", "2", *FAST))
+    result = ok(generated["folder json"])
     [record] = jsonl(result.stdout)
     assert record["prompt"] == "class A:" and record["index"] == 0
     assert len(record["token_ids"]) == len(record["logprobs"]) <= 6
@@ -87,22 +136,21 @@ def test_generate_model_folder_argument_json() -> None:
     assert record["finish_reason"] in ("stop", "length") and record["ttft_s"] >= 0
 
 
-def test_prompts_from_arguments_stdin_and_file(tmp_path: Path) -> None:
+def test_prompts_from_arguments_stdin_and_file(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """Prompts come from the arguments, then stdin ('-', JSON Lines here), then ``--prompts-file`` (one per line,
     blank lines skipped), in that order; --json on stdout stays clean (the summary goes to stderr)."""
-    file = tmp_path / "prompts.txt"
-    file.write_text("def a(\n\nclass B:\n")
-    stdin = json.dumps({"prompt": "x = ["}) + "\n" + json.dumps({"prompt": "y = (\n"}) + "\n"
-    result = ok(fnvllm("generate", "while ", "-", "--prompts-file", str(file), "--json", *FAST, stdin=stdin))
+    result = ok(generated["sources"])  # the file holds "def a(", a blank line and "class B:"
     records = jsonl(result.stdout)
     assert [r["prompt"] for r in records] == ["while ", "x = [", "y = (\n", "def a(", "class B:"]
     assert [r["index"] for r in records] == list(range(5))
 
 
-def test_stream_prints_what_generate_prints(plain: subprocess.CompletedProcess[str]) -> None:
+def test_stream_prints_what_generate_prints(
+    plain: subprocess.CompletedProcess[str], generated: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     """Greedy ``--stream`` prints the same text as plain generate, in prompt order; JSON deltas add up to it."""
-    streamed = ok(fnvllm("generate", *PROMPTS, "--stream", *FAST)).stdout
-    deltas = jsonl(ok(fnvllm("generate", *PROMPTS, "--stream", "--json", *FAST)).stdout)
+    streamed = ok(generated["stream"]).stdout
+    deltas = jsonl(ok(generated["stream json"]).stdout)
     strip = [line for line in plain.stdout.splitlines() if not line.startswith("=====")]
     assert [line for line in streamed.splitlines() if not line.startswith("=====")] == strip
     texts = ["".join(d["text"] for d in deltas if d["index"] == i) for i in range(len(PROMPTS))]
@@ -110,18 +158,18 @@ def test_stream_prints_what_generate_prints(plain: subprocess.CompletedProcess[s
     assert sum(d["finish_reason"] is not None for d in deltas) == len(PROMPTS)
 
 
-def test_chat_applies_the_chat_template() -> None:
+def test_chat_applies_the_chat_template(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``--chat`` wraps the prompt as a user message through the tokenizer's template (a Python comment here)."""
-    result = ok(fnvllm("generate", "--chat", "--system", "be brief", "reverse a list", "--json", *FAST))
+    result = ok(generated["chat json"])
     [record] = jsonl(result.stdout)
     assert record["prompt"] == "# be brief\n# reverse a list\n"
-    streamed = ok(fnvllm("generate", "--chat", "reverse a list", "--stream", *FAST)).stdout
+    streamed = ok(generated["chat stream"]).stdout
     assert "reverse a list" not in streamed  # the reply only
 
 
-def test_demo_says_it_uses_the_embedded_model() -> None:
+def test_demo_says_it_uses_the_embedded_model(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``fnvllm demo`` names the embedded model and prints Python prompts with their continuations."""
-    result = ok(fnvllm("demo", *FAST))
+    result = ok(generated["demo"])
     assert "embedded demo model" in result.stdout and "def fib(n):" in result.stdout
     assert "requests" in error_lines(result.stderr)[-2]
 
@@ -129,39 +177,68 @@ def test_demo_says_it_uses_the_embedded_model() -> None:
 TOO_LONG = "x = 1\n" * 400
 
 
-@pytest.mark.parametrize(
-    ("args", "stdin", "code", "needle"),
-    [
-        (["generate", "/no/such/model", "def f("], None, 1, "does not exist"),
-        (["generate", "--model", "/no/such/model", "def f("], None, 1, "does not exist"),
-        (["generate", "--prompts-file", "/no/such/prompts.txt"], None, 1, "cannot read prompts"),
-        (["generate", "--prompts-file", "-"], "{not json\n", 1, "stdin:1: not valid JSON"),
-        (["generate", "--max-tokens", "lots", "def f("], None, 2, "invalid int value"),
-        (["generate", "--temperature", "-1", "def f("], None, 2, "temperature"),
-        (["generate", "--block-size", "0", "def f("], None, 2, "block_size"),
-        (["generate", "--dtype", "float64", "def f("], None, 2, "float64"),
-        (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
-        (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
-        (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
-        (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
-        (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),
-        (["generate"], None, 2, "no prompt given"),
-        (["bench", "--num-requests", "0"], None, 1, "num_requests must be >= 1"),
-    ],
-)
-def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], stdin: str | None, code: int, needle: str) -> None:
+BAD_INPUTS: list[tuple[list[str], str | None, int, str]] = [
+    (["generate", "/no/such/model", "def f("], None, 1, "does not exist"),
+    (["generate", "--model", "/no/such/model", "def f("], None, 1, "does not exist"),
+    (["generate", "--prompts-file", "/no/such/prompts.txt"], None, 1, "cannot read prompts"),
+    (["generate", "--prompts-file", "-"], "{not json\n", 1, "stdin:1: not valid JSON"),
+    (["generate", "--max-tokens", "lots", "def f("], None, 2, "invalid int value"),
+    (["generate", "--temperature", "-1", "def f("], None, 2, "temperature"),
+    (["generate", "--block-size", "0", "def f("], None, 2, "block_size"),
+    (["generate", "--dtype", "float64", "def f("], None, 2, "float64"),
+    (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
+    (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
+    (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
+    (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
+    (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),
+    (["generate"], None, 2, "no prompt given"),
+    (["bench", "--num-requests", "0"], None, 1, "num_requests must be >= 1"),
+]
+
+
+# the other quick runs that end in a user error: key -> (module, arguments); FILE is a file the fixture writes
+QUICK_ERRORS: dict[str, tuple[str, list[str]]] = {
+    "debug": ("fnvllm.cli", ["--debug", "generate", "--temperature", "-1", "def f("]),
+    "model is a file": ("fnvllm.cli", ["generate", "--model", "FILE", "hi"]),
+    "bad latency list": ("fnvllm.cli", ["bench", "--latency", "1,x"]),
+    "bad bench top-p": ("fnvllm", ["bench", "--num-requests", "2", "--top-p", "7"]),
+}
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``python -m MODULE ARGS`` of every BAD_INPUTS case (keyed by ``json.dumps([args, stdin])``) and of every
+    QUICK_ERRORS one, run one after another in one interpreter (tests/script_batch.py: each as ``__main__`` with
+    its own argv and stdin), so torch is imported once, not nineteen times."""
+    folder = tmp_path_factory.mktemp("quick-cli")
+    file = folder / "model.safetensors"
+    file.write_bytes(b"x")
+    jobs = [
+        {"key": json.dumps([args, stdin]), "run": "module", "target": "fnvllm.cli", "args": args, "stdin": stdin}
+        for args, stdin, _, _ in BAD_INPUTS
+    ]
+    for key, (module, args) in QUICK_ERRORS.items():
+        args = [str(file) if arg == "FILE" else arg for arg in args]
+        jobs.append({"key": key, "run": "module", "target": module, "args": args})
+    return run_batch(jobs, folder, ENV, timeout=300)
+
+
+@pytest.mark.parametrize(("args", "stdin", "code", "needle"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_a_nonzero_exit(
+    args: list[str], stdin: str | None, code: int, needle: str, quick_results: dict[str, dict[str, Any]]
+) -> None:
     """Each user error prints one line on stderr naming the problem, exits non-zero, and shows no traceback."""
-    result = fnvllm(*args, stdin=stdin)
-    lines = error_lines(result.stderr)
-    assert result.returncode == code, result.stderr
-    assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    result = quick_results[json.dumps([args, stdin])]
+    lines = error_lines(result["stderr"])
+    assert result["returncode"] == code, result["stderr"]
+    assert len(lines) == 1 and needle in lines[0] and "error" in lines[0], result["stderr"]
+    assert "Traceback" not in result["stderr"]
 
 
-def test_debug_shows_the_traceback() -> None:
+def test_debug_shows_the_traceback(quick_results: dict[str, dict[str, Any]]) -> None:
     """``--debug`` shows the traceback of a user error instead of the one-line message."""
-    result = fnvllm("--debug", "generate", "--temperature", "-1", "def f(")
-    assert result.returncode != 0 and "Traceback" in result.stderr
+    result = quick_results["debug"]
+    assert result["returncode"] != 0 and "Traceback" in result["stderr"]
 
 
 def test_every_sampling_and_engine_field_has_a_flag() -> None:
@@ -182,27 +259,58 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
     assert options["block_size"] == 32 and options["seed"] == 9 and options["enable_prefix_caching"] is False
 
 
-def test_generate_model_that_is_a_file_says_so(tmp_path: Path) -> None:
+def test_generate_model_that_is_a_file_says_so(quick_results: dict[str, dict[str, Any]]) -> None:
     """``fnvllm generate --model FILE`` says the path is a file, not that the folder "does not exist"."""
-    file = tmp_path / "model.safetensors"
-    file.write_bytes(b"x")
-    done = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", "generate", "--model", str(file), "hi"], capture_output=True, text=True
-    )
-    assert done.returncode == 1
-    assert "is a file, not a folder" in done.stderr and "does not exist" not in done.stderr
+    done = quick_results["model is a file"]
+    assert done["returncode"] == 1
+    assert "is a file, not a folder" in done["stderr"] and "does not exist" not in done["stderr"]
+
+
+# the ``fnvllm bench`` runs of the tests below: key -> (module, arguments, whether TMPDIR is the run's own folder)
+BENCH_RUNS: dict[str, tuple[str, list[str], bool]] = {
+    "requests 1": ("fnvllm.cli", [*TINY_BENCH, "--num-requests", "1", "--max-output-len", "100", "--json", "--profile"],
+                   True),
+    "requests 3": ("fnvllm.cli", [*TINY_BENCH, "--num-requests", "3", "--max-output-len", "100", "--json"], True),
+    "latency": ("fnvllm.cli", [*TINY_BENCH, "--latency", "1,3", "--max-output-len", "6", "--profile", "--json"], True),
+    "sampling": ("fnvllm", ["bench", "--num-requests", "2", "--preset", "qwen3", "--repetition-penalty", "1.05",
+                            "--max-output-len", "100", "--json"], False),
+}  # fmt: skip
+# which runs each test reads
+BENCH_TESTS = {
+    "test_bench_on_the_cpu_runs_any_request_count_and_cleans_up": ("requests 1", "requests 3"),
+    "test_bench_latency_mode_reports_each_batch": ("latency",),
+    "test_bench_takes_the_sampling_settings_users_send": ("sampling",),
+}
+
+
+@pytest.fixture(scope="module")
+def bench_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """The BENCH_RUNS the selected tests read, each ``python -m MODULE ARGS`` in its own process (with its own
+    TMPDIR where asked), two at a time (CI has two cores; each run is mostly one busy thread): key -> (its
+    CompletedProcess, its TMPDIR folder)."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    keys = [key for test, keys in BENCH_TESTS.items() if test in selected for key in keys]
+
+    def one(key: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        module, args, own_tmp = BENCH_RUNS[key]
+        folder = tmp_path_factory.mktemp("bench")
+        env = {**ENV, "TMPDIR": str(folder)} if own_tmp else {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", module, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False), folder
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        return dict(zip(keys, pool.map(one, keys), strict=True))
 
 
 @pytest.mark.parametrize("num_requests", ["1", "3"])
-def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str, tmp_path: Path) -> None:
+def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(
+    num_requests: str, bench_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]]
+) -> None:
     """``fnvllm bench`` on the tiny shape works with fewer requests than its 4-request warm-up, prints no GPU-only
     fields on a CPU (with --profile too), and deletes the random checkpoint it wrote."""
-    env = {**ENV, "TMPDIR": str(tmp_path)}
-    args = ["bench", "--model-shape", "tiny", "--num-requests", num_requests, "--max-output-len", "100", "--json"]
-    args += ["--profile"] if num_requests == "1" else []
-    result = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
-    )
+    result, tmp_path = bench_runs[f"requests {num_requests}"]
     record = json.loads(ok(result).stdout)
     assert record["requests"] == int(num_requests) and record["device"] == "cpu" and record["output_tokens"] >= 100
     assert not {"floor_tok_per_s", "fraction_of_floor"} & set(record)
@@ -211,14 +319,12 @@ def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(num_requests: str
     assert not list(tmp_path.glob("fnvllm-bench-*"))
 
 
-def test_bench_latency_mode_reports_each_batch(tmp_path: Path) -> None:
+def test_bench_latency_mode_reports_each_batch(
+    bench_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]], quick_results: dict[str, dict[str, Any]]
+) -> None:
     """``fnvllm bench --latency 1,3`` runs each batch warm and reports ms per decode step, TPOT and TTFT percentiles
     per request count (each request makes exactly --max-output-len tokens); a bad list is a usage error."""
-    env = {**ENV, "TMPDIR": str(tmp_path)}
-    args = ["bench", "--model-shape", "tiny", "--latency", "1,3", "--max-output-len", "6", "--profile", "--json"]
-    result = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", *args], capture_output=True, text=True, timeout=180, env=env, check=False
-    )
+    result, _ = bench_runs["latency"]
     record = json.loads(ok(result).stdout)
     rows = record["latency"]
     assert [row["requests"] for row in rows] == [1, 3]
@@ -226,11 +332,8 @@ def test_bench_latency_mode_reports_each_batch(tmp_path: Path) -> None:
         assert row["ms_per_step"] > 0 and row["tpot_p50_ms"] > 0 and row["tpot_p99_ms"] >= row["tpot_p50_ms"]
         assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
         assert row["decode_timeline"]["steps"] >= 4  # 6 tokens: a prefill step, then decode steps
-    bad = subprocess.run(
-        [sys.executable, "-m", "fnvllm.cli", "bench", "--latency", "1,x"], capture_output=True, text=True,
-        timeout=60, env=env, check=False,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "comma-separated request counts" in bad.stderr
+    bad = quick_results["bad latency list"]
+    assert bad["returncode"] == 2 and "comma-separated request counts" in bad["stderr"]
 
 
 def test_bench_defaults_depend_on_the_shape() -> None:
@@ -253,21 +356,15 @@ def test_bench_progress_line_reports_tokens_share_and_rate() -> None:
     assert line == "bench: 10 s, 1,000 of 4,000 output tokens (25 %), 100 tok/s"
 
 
-def test_bench_takes_the_sampling_settings_users_send() -> None:
+def test_bench_takes_the_sampling_settings_users_send(
+    bench_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]], quick_results: dict[str, dict[str, Any]]
+) -> None:
     """``fnvllm bench --preset qwen3 --repetition-penalty 1.05`` samples every request with top-p 0.95 / top-k 20
     and the penalty (reported in the result); an out-of-range setting is one line naming the field, exit 1."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "fnvllm", "bench", "--num-requests", "2", "--preset", "qwen3",
-         "--repetition-penalty", "1.05", "--max-output-len", "100", "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    done, _ = bench_runs["sampling"]
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["sampling"] == {"top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
     assert result["output_tokens"] > 0
-    bad = subprocess.run(
-        [sys.executable, "-m", "fnvllm", "bench", "--num-requests", "2", "--top-p", "7"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert bad.returncode != 0 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+    bad = quick_results["bad bench top-p"]
+    assert bad["returncode"] != 0 and "top_p" in bad["stderr"] and "Traceback" not in bad["stderr"]

@@ -48,7 +48,8 @@ def test_logprob_top_equals_its_reference(num_top: int, rows_dtype: torch.dtype)
         assert part.data_ptr() - packed.data_ptr() + part.numel() * part.element_size() <= packed.numel()
 
 
-@pytest.mark.parametrize("num_top", [1, 5, 20])
+# the parts' offsets depend on rows * num_top modulo 4: 1 (5 gave the same offsets as 1) and 20 (a multiple of 4)
+@pytest.mark.parametrize("num_top", [1, 20])
 def test_logprob_and_chunk_scratch_views_start_16_byte_aligned_at_every_row_count(num_top: int) -> None:
     """The views the kernels write through (logprob_top's three packed outputs, the scratch's chunk argmax) start
     at 16-byte offsets for every row count, so a batch size never makes Triton compile another variant mid-run."""

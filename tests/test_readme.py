@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -46,21 +47,23 @@ def env() -> dict[str, str]:
     return {**base, "PYTHONPATH": str(ROOT), "PATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter from a temporary folder, checked to exit 0 without a traceback."""
-    result = subprocess.run(
+def python_run(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (not yet checked)."""
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env(), check=False
     )
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    return result
 
 
-def run_shell(command: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run one README shell command with bash, checked to exit 0."""
-    result = subprocess.run(
+def shell_run(command: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run one README shell command with bash from the repository root (not yet checked)."""
+    return subprocess.run(
         ["bash", "-c", command], capture_output=True, text=True, timeout=timeout, env=env(), check=False, cwd=ROOT
     )
-    assert result.returncode == 0 and "Traceback" not in result.stderr, f"{command}\n{result.stderr[-3000:]}"
+
+
+def checked(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """``result`` after checking it exited 0 without a traceback."""
+    assert result.returncode == 0 and "Traceback" not in result.stderr, f"{result.args}\n{result.stderr[-3000:]}"
     return result
 
 
@@ -69,6 +72,43 @@ def python_block(needle: str) -> str:
     found = [b for b in blocks("python") if needle in b]
     assert len(found) == 1, f"expected one Python block with {needle!r}, found {len(found)}"
     return found[0]
+
+
+def _bench_command() -> str:
+    """The Benchmarks block's ``fnvllm bench`` command."""
+    (command,) = [c for b in blocks("bash") for c in commands(b) if c.startswith("fnvllm bench")]
+    return command
+
+
+# the README runs each test makes (those of the selected tests run two at a time: see ``runs``)
+TEST_RUNS = {
+    "test_first_command_runs_the_demo": "demo",
+    "test_generate_block_runs_on_the_demo_model": "generate",
+    "test_drive_the_scheduler_block_runs_to_the_end": "drive",
+    "test_bench_block_runs_on_the_cpu": "bench",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The README runs of the selected tests, each in a fresh process, two at a time (CI has two cores; each run
+    is mostly one busy thread): key -> its CompletedProcess (not yet checked). The bench block runs without CUDA
+    only (with CUDA it is a GPU benchmark)."""
+    import torch
+
+    selected = {getattr(item, "originalname", None) for item in request.session.items}
+    keys = [key for test, key in TEST_RUNS.items() if test in selected]
+    if torch.cuda.is_available() and "bench" in keys:
+        keys.remove("bench")
+    launch = {
+        "demo": lambda: shell_run(commands(blocks("bash")[0])[0].split("&&")[-1].strip()),
+        "generate": lambda: python_run(python_block("llm.generate(").replace(USER_MODEL, str(model_path()))),
+        "drive": lambda: python_run(python_block("state.has_unfinished")),
+        "bench": lambda: shell_run(_bench_command()),
+    }
+    order = sorted(keys, key=lambda k: k != "bench")  # the longest first
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        return dict(zip(order, pool.map(lambda k: launch[k](), order), strict=True))
 
 
 def test_install_line_installs_the_runtime_then_the_test_and_serve_extras() -> None:
@@ -82,33 +122,31 @@ def test_install_line_installs_the_runtime_then_the_test_and_serve_extras() -> N
     assert re.search(r"^test = \[", pyproject, re.M) and re.search(r"^serve = \[", pyproject, re.M)
 
 
-def test_first_command_runs_the_demo() -> None:
+def test_first_command_runs_the_demo(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``fnvllm demo`` (the end of the install line) runs the embedded model and prints its summary."""
-    result = run_shell(commands(blocks("bash")[0])[0].split("&&")[-1].strip())
+    result = checked(runs["demo"])
     assert "embedded demo model" in result.stdout and "tok/s" in result.stderr
 
 
-def test_generate_block_runs_on_the_demo_model() -> None:
+def test_generate_block_runs_on_the_demo_model(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """The Generate block runs as written with the demo model's folder in place of the user's checkpoint."""
-    block = python_block("llm.generate(")
-    run_python(block.replace(USER_MODEL, str(model_path())))
+    checked(runs["generate"])
 
 
-def test_drive_the_scheduler_block_runs_to_the_end() -> None:
+def test_drive_the_scheduler_block_runs_to_the_end(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """The hand-written engine loop runs as written and prints its finished request."""
-    out = run_python(python_block("state.has_unfinished")).stdout
+    out = checked(runs["drive"]).stdout
     request_id, reason, text = out.split(" ", 2)
     assert request_id == "r0" and reason in ("stop", "length") and text.strip()
 
 
-def test_bench_block_runs_on_the_cpu() -> None:
+def test_bench_block_runs_on_the_cpu(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``fnvllm bench`` from the Benchmarks block runs (the tiny shape on a machine without CUDA)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("with CUDA, `fnvllm bench` runs the Qwen3-0.6B shape: a GPU benchmark, not a doc test")
-    (command,) = [c for b in blocks("bash") for c in commands(b) if c.startswith("fnvllm bench")]
-    result = run_shell(command)
+    result = checked(runs["bench"])
     assert "tok_per_s" in result.stdout and "floor" not in result.stdout
 
 
@@ -134,7 +172,7 @@ def test_curl_commands_answer(server: str) -> None:
         pytest.skip("curl is not installed")
     curls = [c for b in blocks("bash") for c in commands(b) if c.startswith("curl")]
     assert len(curls) == 2
-    plain, streamed = (run_shell(c.replace("localhost:8000", server), timeout=120).stdout for c in curls)
+    plain, streamed = (checked(shell_run(c.replace("localhost:8000", server), timeout=120)).stdout for c in curls)
     assert '"choices"' in plain and '"text"' in plain
     assert streamed.rstrip().endswith("data: [DONE]")
 
@@ -143,5 +181,5 @@ def test_openai_client_block_runs_against_the_demo_server(server: str) -> None:
     """The Python client snippet runs as written against the demo server (it reads the model name from it)."""
     pytest.importorskip("openai", reason="the snippet uses the openai client (test extra)")
     block = python_block("OpenAI(")
-    out = run_python(block.replace("127.0.0.1:8000", server), timeout=120).stdout
+    out = checked(python_run(block.replace("127.0.0.1:8000", server), timeout=120)).stdout
     assert "CompletionUsage" in out

@@ -71,11 +71,10 @@ def test_filtered_pick_equals_reference_given_the_same_uniforms(dtype: torch.dty
     reference's token for the same uniforms, whether top-k rows sort their candidates or (more candidates than
     the capacity) search."""
     logits = (torch.randn(16, 200, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).to(DEVICE)
-    settings = _settings(16, 200, seed=2)
-    for seed in (5, 6):
-        uniforms = torch.rand(16, generator=torch.Generator().manual_seed(seed))
-        got = _run_kernel(logits, settings, uniforms, capacity=capacity)
-        assert got.tolist() == _reference(logits, settings, uniforms).tolist()
+    settings = _settings(16, 200, seed=2)  # each of the 8 filter mixes on two rows
+    uniforms = torch.rand(16, generator=torch.Generator().manual_seed(5))
+    got = _run_kernel(logits, settings, uniforms, capacity=capacity)
+    assert got.tolist() == _reference(logits, settings, uniforms).tolist()
 
 
 @pytest.mark.parametrize("capacity", [128, 8])
@@ -108,11 +107,12 @@ def _ulps(vocab: int) -> torch.Tensor:
     return bits.view(torch.float32)[torch.randperm(vocab, generator=torch.Generator().manual_seed(0))]
 
 
+# one setting that searches its top-p threshold (no top-k) and one that sorts its top-k candidates, with min-p in
+# the final draw (min-p alone only skips both); the exact-equality tests above check every mix against the reference
 @pytest.mark.parametrize(
     "params",
     [
         SamplingParams(temperature=1.3, top_p=0.6),
-        SamplingParams(temperature=0.8, min_p=0.15),
         SamplingParams(temperature=1.0, top_k=5, top_p=0.7, min_p=0.05),
     ],
 )

@@ -62,11 +62,11 @@ def test_segments_draw_the_reference_and_filter_kernel_tokens(dtype: torch.dtype
     every candidate (16) or many rows overflow and fall back (2)."""
     logits = (torch.randn(12, 300, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).to(DEVICE)
     settings = _settings(12, 300, [1, 2, 3, 5, 4, 7], [1.0, 0.9, 0.5, 1.0, 0.95, 0.3], [0.0, 0.0, 0.05, 0.2])
-    for seed in (5, 6):
-        uniforms = torch.rand(12, generator=torch.Generator().manual_seed(seed))
-        want = _reference(logits, settings, uniforms)
-        assert _draw(logits, settings, uniforms, segment) == want
-        assert _draw(logits, settings, uniforms, None) == want
+    seed = 5 if dtype == torch.float32 else 6  # one set of uniforms a case (the interpreter takes ~9 s a set)
+    uniforms = torch.rand(12, generator=torch.Generator().manual_seed(seed))
+    want = _reference(logits, settings, uniforms)
+    assert _draw(logits, settings, uniforms, segment) == want
+    assert _draw(logits, settings, uniforms, None) == want
 
 
 def test_flat_rows_full_of_ties() -> None:
