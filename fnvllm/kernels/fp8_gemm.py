@@ -64,6 +64,7 @@ from fnvllm.kernels.fused_ops import (
     SplitPartials,
     fused_add_rmsnorm_quant,
     pdl_launch,
+    quantize_groups,
     rmsnorm_quant,
     silu_and_mul_quant,
     use_pdl,
@@ -610,7 +611,7 @@ def _sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
 @triton.jit
 def _quantize_activations_kernel(
     x_ptr, q_ptr, s_ptr, K, GROUPS, stride_xm, stride_qm, stride_sm,
-    GROUPS_PER_PROGRAM: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr, ROUND_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """GROUPS_PER_PROGRAM (token, 128-column group)s of one token: scale = max(amax / 448, 1e-12); q = x / scale
     in e4m3. ROUND_FIRST (the interpreter only, whose float32 -> e4m3 conversion drops the carry of a rounding
@@ -621,10 +622,7 @@ def _quantize_activations_kernel(
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     k = groups[:, None] * 128 + tl.arange(0, 128)[None, :]  # (GROUPS_PER_PROGRAM, 128)
     x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-    if ROUND_FIRST:
-        q = _round_to_e4m3(q)
+    q, scale = quantize_groups(x, ROUND_FIRST)
     tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < GROUPS)
 
@@ -642,7 +640,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         _quantize_activations_kernel[(m, triton.cdiv(groups, per_program))](
             x, x_q, x_scale, k, groups, x.stride(0), x_q.stride(0), x_scale.stride(0),
-            GROUPS_PER_PROGRAM=per_program, FP8_MAX=FP8_MAX, ROUND_FIRST=upcast_dot(x.device),
+            GROUPS_PER_PROGRAM=per_program, ROUND_FIRST=upcast_dot(x.device),
             USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
         )  # fmt: skip
     return x_q, x_scale
@@ -808,7 +806,7 @@ def _swap_fp8_kernel(
     a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
-    FP8_MAX: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
+    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
     TMA: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
@@ -841,7 +839,7 @@ def _swap_fp8_kernel(
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
                     mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
         if QUANT_A:
-            a, a_scale = _quantize_tile(a, FP8_MAX, UPCAST)
+            a, a_scale = _quantize_tile(a, UPCAST)
         else:
             a_scale = tl.load(as_ptr + offs_t * stride_asm + kb, mask=offs_t < M, other=0.0)
         if UPCAST:  # the interpreter: exact in float32
@@ -859,14 +857,10 @@ def _swap_fp8_kernel(
 
 
 @triton.jit
-def _quantize_tile(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """(e4m3 x / scale, scale) for a (tokens, 128) tile, scale = max(row amax / 448, 1e-12) per token (the
-    arithmetic of ``_quantize_activations_kernel``; ROUND_FIRST as there)."""
-    x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-    if ROUND_FIRST:
-        q = _round_to_e4m3(q)
+def _quantize_tile(x, ROUND_FIRST: tl.constexpr):
+    """(e4m3 x / scale, scale) for a (tokens, 128) tile, one scale per token (``quantize_groups``, the arithmetic
+    of ``_quantize_activations_kernel``; ROUND_FIRST as there)."""
+    q, scale = quantize_groups(x.to(tl.float32), ROUND_FIRST)
     return q.to(tl.float8e4nv), scale
 
 
@@ -1047,7 +1041,7 @@ def _launch_swap(
     _swap_fp8_kernel[grid](
         a, scales, w, w_desc, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
-        SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None, FP8_MAX=FP8_MAX,
+        SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None,
         UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip

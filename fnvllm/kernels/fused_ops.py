@@ -400,16 +400,25 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def store_fp8_groups(y, cols, n_cols, q_row, s_row, first_group, GROUPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """Quantize y (GROUPS, 128) float32, one token's columns ``cols`` (GROUPS, 128) (first_group * 128 on), as
-    ``fp8_gemm.quantize_activations`` does: per 128 columns scale = max(amax / 448, 1e-12), q = clamp(y / scale)
-    in e4m3 (ROUND_FIRST: rounded to the e4m3 grid in float32 first, the interpreter's fix); store q at q_row +
-    cols (< n_cols) and the scales at s_row + group (groups past the row's last are not stored). Columns past
-    n_cols must hold 0 in y (as the unfused kernel's masked load gives)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=1) / 448.0, 1e-12)
-    q = tl.clamp(y / scale[:, None], -448.0, 448.0)
+def quantize_groups(x, ROUND_FIRST: tl.constexpr):
+    """(q, scale) for x (G, 128) float32, one scale per row of 128 columns: scale = max(amax / 448, 1e-12), q =
+    clamp(x / scale, -448, 448), still float32 (ROUND_FIRST: rounded to the e4m3 grid first, the interpreter's fix,
+    so the caller's conversion to e4m3 is exact). The one definition of the activation quantization: the producers
+    here and ``fp8_gemm``'s quantization kernels all call it, so their e4m3 bytes agree bit for bit."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     if ROUND_FIRST:
         q = round_to_e4m3(q)
+    return q, scale
+
+
+@triton.jit
+def store_fp8_groups(y, cols, n_cols, q_row, s_row, first_group, GROUPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """Quantize y (GROUPS, 128) float32, one token's columns ``cols`` (GROUPS, 128) (first_group * 128 on), as
+    ``fp8_gemm.quantize_activations`` does (``quantize_groups``); store q at q_row + cols (< n_cols) and the scales
+    at s_row + group (groups past the row's last are not stored). Columns past n_cols must hold 0 in y (as the
+    unfused kernel's masked load gives)."""
+    q, scale = quantize_groups(y, ROUND_FIRST)
     tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=cols < n_cols)
     groups = first_group + tl.arange(0, GROUPS)
     tl.store(s_row + groups, scale, mask=groups * 128 < n_cols)
