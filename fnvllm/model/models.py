@@ -295,6 +295,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         dtype = config.torch_dtype
         self.tp = tp
+        self.ops = ops
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -313,12 +314,24 @@ class DecoderModel(nn.Module):
         """Final-normed hidden states (T, hidden_size) for input_ids (T,) at positions (T,)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
-        rope = self.rotary_emb(positions)  # cos, sin: (T, D/2) each
-        hidden = all_reduce(self.embed_tokens(input_ids), self.tp)  # (T, hidden_size)
+        hidden, rope = self._embed(input_ids, positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
         return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
+
+    def _embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The tokens' embeddings (T, hidden_size) and rotary (cos, sin), each (T, D/2): one launch when the ops
+        have ``embed_rope`` and the embedding is whole on this rank, else two gathers (and the ranks' sum)."""
+        if self.ops.embed_rope is not None and not self.embed_tokens.is_parallel:
+            hidden, cos, sin = self.ops.embed_rope(
+                self.embed_tokens.weight, input_ids, self.rotary_emb.cos_sin_cache, positions
+            )
+            return hidden, (cos, sin)
+        rope = self.rotary_emb(positions)
+        return all_reduce(self.embed_tokens(input_ids), self.tp), rope
 
 
 class DecoderForCausalLM(nn.Module):

@@ -61,6 +61,9 @@ class ModelOps:
     or None: ``norm_linear`` then ``norm_rope_store``. Used only for a qkv projection in the model's dtype.
     fp8_producers: the norms and SiLU-and-mul that write an FP8 projection's input quantized, for few-token steps
     (``fp8_gemm.Fp8Producers``; FNVLLM_FP8_FUSED_QUANT, on by default), or None: the projection quantizes its input.
+    embed_rope: the step's embedding rows and rotary-table rows in one launch, ``(weight, ids, cos_sin, positions)
+    -> (hidden, cos, sin)`` (``fnvllm.kernels.embed.embed_rope``), or None: two torch gathers. Used only when the
+    embedding is not split over ranks.
     """
 
     name: str
@@ -80,6 +83,7 @@ class ModelOps:
     norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     norm_linear_rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fp8_producers: Any = None  # fp8_gemm.Fp8Producers (imports Triton) or None
+    embed_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -109,6 +113,9 @@ FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 # (``skinny_gemm.norm_linear_rope_store``): off by default, the whole Qwen3-0.6B decode step measured slower with it
 # on the H200 (B = 1: 820 against 769 us; see skinny_gemm.QKV_EPILOGUE_ENV); FNVLLM_QKV_EPILOGUE=1 turns it on.
 QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
+# The embedding and rotary-table gathers in one Triton launch (``fnvllm.kernels.embed``): on by default;
+# FNVLLM_FUSED_EMBED=0 turns it off (two torch indexing kernels).
+FUSED_EMBED_ENV = "FNVLLM_FUSED_EMBED"
 
 
 def triton_ops(
@@ -124,7 +131,7 @@ def triton_ops(
     fp8_fused_quant: FP8 projections' inputs quantized by the kernels that write them at few tokens
     (``fp8_producers``); None reads FNVLLM_FP8_FUSED_QUANT (default on).
     """
-    from fnvllm.kernels import fp8_gemm, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
+    from fnvllm.kernels import embed, fp8_gemm, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     if fused_prologues is None:
         fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "1") != "0"
@@ -148,6 +155,7 @@ def triton_ops(
         skinny_gemm.norm_mlp if fused_prologues else None,
         skinny_gemm.norm_linear_rope_store if fused_prologues and qkv_epilogue else None,
         fp8_producers=fp8_gemm.fp8_producers() if fp8_fused_quant else None,
+        embed_rope=embed.embed_rope if os.environ.get(FUSED_EMBED_ENV, "1") != "0" else None,
     )
 
 
