@@ -87,6 +87,30 @@ def test_skinny_paths_of_the_model_match_torch_ops(
     torch.testing.assert_close(run(ours, tokens, False), run(ref, tokens, False), atol=1e-4, rtol=1e-4)
 
 
+def test_late_norm_model_matches_torch_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every few-row residual add + RMSNorm run as a late row scale inside its projection (norm + qkv, and
+    norm + gate/up with the SiLU-and-mul epilogue), decodes and prefill chunks still give the torch-ops logits."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: True)
+    monkeypatch.setattr(skinny_gemm, "prefers_skinny", lambda m, n, k: 0 < m <= 16)
+    late = []
+
+    def late_config(m: int, n: int, k: int) -> skinny_gemm.SkinnyConfig | None:
+        late.append(m)
+        return skinny_gemm.SkinnyConfig(max(16, 1 << (m - 1).bit_length()), 16, 32, 1, late_norm=True)
+
+    monkeypatch.setattr(skinny_gemm, "late_norm_config", late_config)
+    path = write_tiny_checkpoint(tmp_path, "qwen3", num_heads=4, num_kv_heads=2, num_layers=2)
+    config = ModelConfig.from_pretrained(path)
+    gu_rows = 2 * config.intermediate_size
+    glu = skinny_gemm.Fused(skinny_gemm.SkinnyConfig(16, 32, 32, 1), 1.0, 2.0)
+    monkeypatch.setitem(skinny_gemm.FUSED_TIMES, ("glu", gu_rows, config.hidden_size, 16), glu)
+    ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=True))
+    ref = load_model(path, config, DEVICE, ops=TORCH_OPS)
+    tokens = torch.randint(0, config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(run(ours, tokens, False), run(ref, tokens, False), atol=1e-4, rtol=1e-4)
+    assert set(late) >= {1, 6, 11}  # every chunk's norms went the late way
+
+
 # (family, fp8 cache): each of the epilogue's q/k-norm and FP8-store branches on and off once (the interpreter
 # takes ~7-20 s a case, and the kernel-level tests of test_qkv_epilogue.py cover the branches' combinations).
 @pytest.mark.parametrize(("family", "fp8"), [("qwen3", True), ("qwen2", False)])

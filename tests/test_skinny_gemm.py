@@ -129,7 +129,15 @@ def test_glu_prologue_equals_silu_and_mul_then_the_kernel(dtype: torch.dtype, co
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize(
-    "config", [SkinnyConfig(16, 16, 32, 4), SkinnyConfig(4, 8, 64, 1, use_dot=False), PRELOAD_ONE_TILE]
+    "config",
+    [
+        SkinnyConfig(16, 16, 32, 4),
+        SkinnyConfig(4, 8, 64, 1, use_dot=False),
+        PRELOAD_ONE_TILE,
+        SkinnyConfig(16, 16, 32, 1, late_norm=True),  # three K steps, three column blocks: the scale at the end
+        SkinnyConfig(4, 8, 64, 1, use_dot=False, late_norm=True),
+        PRELOAD_ONE_TILE._replace(late_norm=True),
+    ],
 )
 def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
     dtype: torch.dtype, with_residual: bool, config: SkinnyConfig
@@ -153,6 +161,16 @@ def test_norm_prologue_equals_add_rmsnorm_then_the_kernel(
     torch.testing.assert_close(got.float(), want.float(), **tol)
     with pytest.raises(ValueError, match="both"):
         skinny_linear(x, w, None, config, norm=Norm(nw, 1e-6, x, None))
+
+
+def test_late_norm_needs_one_split() -> None:
+    """A late norm (the row scale at the end) with split-K is a ValueError naming split_k: a split's partial
+    would see only part of the rows' sums of squares."""
+    x = torch.randn(3, 96).to(DEVICE, torch.bfloat16)
+    w = torch.randn(40, 96).to(DEVICE, torch.bfloat16)
+    nw = torch.ones(96).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="split_k"):
+        skinny_linear(x, w, None, SkinnyConfig(16, 16, 32, 2, late_norm=True), norm=Norm(nw, 1e-6))
 
 
 def test_norm_statistics_in_narrow_steps_match_one_wide_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,6 +239,21 @@ def test_fused_table_decides_where_it_has_an_entry(monkeypatch: pytest.MonkeyPat
     assert fused_config("norm", 3, 40, 64) == SkinnyConfig(16, 8, 32, 2)
     with pytest.raises(ValueError, match="kind"):
         prefers_fused("gelu", 1, 40, 64)
+
+
+def test_late_norm_config_is_the_tuned_one_with_one_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A late norm takes the plain product's measured config (late_norm set) inside LATE_NORM_ROWS, and only
+    where that config has one K split; outside the rows, without an entry, or with split-K, None."""
+    monkeypatch.setattr(skinny_gemm, "LATE_NORM_ROWS", (2, 64))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 16), Tuned(SkinnyConfig(16, 8, 32, 1), 4.0, 5.0))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 1), Tuned(SkinnyConfig(1, 8, 64, 1, use_dot=False), 3.0, 5.0))
+    monkeypatch.setitem(TUNED_CONFIGS, (40, 64, 64), Tuned(SkinnyConfig(64, 8, 32, 2), 4.0, 5.0))
+    assert skinny_gemm.late_norm_config(3, 40, 64) == SkinnyConfig(16, 8, 32, 1, late_norm=True)
+    assert skinny_gemm.late_norm_config(1, 40, 64) is None  # below the rows
+    assert skinny_gemm.late_norm_config(40, 40, 64) is None  # split-K
+    assert skinny_gemm.late_norm_config(3, 48, 64) is None  # no entry
+    monkeypatch.setattr(skinny_gemm, "LATE_NORM_ROWS", (0, 0))
+    assert skinny_gemm.late_norm_config(3, 40, 64) is None  # off
 
 
 def test_shipped_tables_decide_by_their_measured_times() -> None:

@@ -36,6 +36,7 @@ and everything else to cuBLAS after the unfused ops.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -136,6 +137,7 @@ def _skinny_kernel(
     GLU_OUT: tl.constexpr,
     NORM: tl.constexpr,
     NORM_RES: tl.constexpr,
+    NORM_LATE: tl.constexpr,  # NORM: the row scale applied to the accumulator at the end (SPLIT == 1)
     USE_PDL: tl.constexpr,
     PREFETCH_W: tl.constexpr,
     PRELOAD_W: tl.constexpr,
@@ -164,6 +166,12 @@ def _skinny_kernel(
     NORM: the product's input is rmsnorm(x (+ residual when NORM_RES)) by norm_w, rounded where
     ``fused_ops.fused_add_rmsnorm`` rounds: every program first computes the rows' statistics over all of K (x is
     a few KiB per row, read from L2), and program (0, 0) stores x + residual, the new residual stream.
+    NORM_LATE (with NORM, SPLIT == 1): no statistics pass. RMSNorm is a per-row scale, and a row scale commutes
+    with the product: rmsnorm(r) @ W^T = (1 / rms(r)) * ((norm_w * r) @ W^T). So the loop feeds norm_w * r
+    (rounded to x's dtype) to the product while it sums r^2 over the columns it loads (all of K, SPLIT being 1),
+    and the accumulator rows are scaled by 1 / sqrt(mean(r^2) + eps) before the store; the column-block-0
+    programs store x + residual as they load it. One rounding fewer than the unfused ops (which round r / rms(r)
+    to x's dtype before the weight multiplies it): equal up to that rounding, not bit for bit.
     PREFETCH_W: before waiting on the previous kernel (programmatic dependent launch), ask for this program's
     whole weight slice to be brought into L2 (prefetch.global.L2, one per 128-byte line), so the weight stream
     overlaps the previous kernel and the loop after the wait reads L2. GPU only (inline PTX).
@@ -199,7 +207,8 @@ def _skinny_kernel(
         w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK_K)
     wait_for_previous_kernel(USE_PDL)
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM_LATE: the rows' sums of squares, over the loop
+    if NORM and not NORM_LATE:
         write_res = (pid_n == 0) & (pid_k == 0)
         inv_rms = _rows_inv_rms(
             x_ptr, res_ptr, res_out_ptr, rows, row_ok, stride_xm, K, eps, write_res, NORM_RES, BLOCK_M, NORM_BLOCK
@@ -225,13 +234,22 @@ def _skinny_kernel(
             if NORM_RES:
                 res = tl.load(res_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
+                if NORM_LATE and pid_n == 0:  # the new residual stream, by the first column block
+                    tl.store(res_out_ptr + rows[:, None] * stride_xm + ks[None, :], x, mask=x_mask)
             nw = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = (nw[None, :] * normed).to(dtype)
+            if NORM_LATE:
+                h = x.to(tl.float32)
+                sum_sq += tl.sum(h * h, axis=1)
+                x = (nw[None, :] * h).to(dtype)
+            else:
+                normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
+                x = (nw[None, :] * normed).to(dtype)
         if USE_DOT:
             acc += dot(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
         else:  # CUDA cores: (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if NORM and NORM_LATE:
+        acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
     mask = row_ok[:, None] & col_ok[None, :]
     out_offs = rows[:, None] * stride_om + cols[None, :]
     if SPLIT == 1:
@@ -460,6 +478,8 @@ class SkinnyConfig(NamedTuple):
     last program of each column block sums the partials (no second kernel); False launches ``_sum_splits_kernel``.
     preload: read the first weight tile into registers before the programmatic-dependent-launch wait, the next
     ones a step ahead (``PRELOAD_W``); best with one tile per program (block_k >= K / split_k) and num_stages 1.
+    late_norm: a fused RMSNorm prologue scales the accumulator rows at the end instead of computing the rows'
+    statistics first (``NORM_LATE``; split_k 1 only).
     """
 
     block_m: int
@@ -471,6 +491,7 @@ class SkinnyConfig(NamedTuple):
     use_dot: bool = True
     fused_reduce: bool = True
     preload: bool = False
+    late_norm: bool = False
 
 
 class Tuned(NamedTuple):
@@ -531,6 +552,22 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
     ("silu", 1024, 3072, 16): Fused(SkinnyConfig(16, 32, 128, 4, 4, 4), 17.46, 6.92),
     ("glu", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.20, 7.83),
 }
+
+
+# The residual add + RMSNorm before a projection as a row scale at the end of its product (``late_norm``, no
+# statistics pass), at the rows LATE_NORM_ROWS covers, with the plain product's measured config: FNVLLM_LATE_NORM
+# "0" off (the default until measured), "1" from 2 to 64 rows (where the statistics pass made the fused norm lose,
+# FUSED_TIMES), "all" from 1 to 64 rows. Read at import.
+LATE_NORM_ENV = "FNVLLM_LATE_NORM"
+LATE_NORM_ROWS = {"0": (0, 0), "1": (2, 64), "all": (1, 64)}.get(os.environ.get(LATE_NORM_ENV, "0"), (0, 0))
+
+
+def late_norm_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
+    """The config of a projection at M rows with its RMSNorm as a late row scale: the measured plain config
+    (``tuned_config``) with late_norm set, when M is in LATE_NORM_ROWS and that config has one K split; else None."""
+    lo, hi = LATE_NORM_ROWS
+    cfg = tuned_config(num_rows, out_features, in_features) if lo <= num_rows <= hi else None
+    return None if cfg is None or cfg.split_k != 1 else cfg._replace(late_norm=True)
 
 
 def rows_bucket(num_rows: int) -> int | None:
@@ -616,6 +653,8 @@ def skinny_linear(
         return out
     if norm is not None:
         _check_norm(norm, x)
+        if cfg.late_norm and cfg.split_k != 1:
+            raise ValueError(f"a late norm (late_norm=True) needs split_k 1, got {cfg.split_k}")
     if epilogue is not None:
         _check_epilogue(epilogue, cfg, out, glu or glu_out)
     _launch_skinny(x, weight, bias, out, cfg, glu, norm, glu_out, epilogue)
@@ -782,6 +821,7 @@ def _launch_skinny(
         GLU_OUT=glu_out,
         NORM=norm is not None,
         NORM_RES=norm is not None and norm.residual is not None,
+        NORM_LATE=norm is not None and cfg.late_norm,
         USE_PDL=use_pdl(x.device),
         PREFETCH_W=prefetch_weights(x.device) and not cfg.preload,
         PRELOAD_W=cfg.preload,
@@ -907,12 +947,13 @@ def norm_linear(
     ``prefers_fused`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
     otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
-    fits = rows <= NORM_MAX_ROWS and x.dim() == 2 and x.is_contiguous()
-    if on_gpu(x) and fits and prefers_fused("norm", rows, out_features, in_features):
-        residual = None if residual is None else residual.contiguous()
-        new_residual = x if residual is None else torch.empty_like(x)
-        norm = Norm(norm_weight, eps, residual, None if residual is None else new_residual)
-        cfg = fused_config("norm", rows, out_features, in_features)
+    flat = x.dim() == 2 and x.is_contiguous()
+    late = late_norm_config(rows, out_features, in_features) if on_gpu(x) and flat else None
+    if late is not None or (
+        on_gpu(x) and flat and rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, *weight.shape)
+    ):
+        norm, new_residual = _fused_norm(x, residual, norm_weight, eps)
+        cfg = late or fused_config("norm", rows, out_features, in_features)
         return skinny_linear(x, weight, bias, cfg, norm=norm), new_residual
     if residual is None:
         return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
@@ -937,15 +978,30 @@ def norm_mlp(
     ``silu_mul_linear``, each fusing where it measured faster."""
     rows, (gu_rows, in_features) = x.shape[0], gate_up_weight.shape
     if on_gpu(x) and x.dim() == 2 and prefers_fused("glu", rows, gu_rows, in_features):
+        cfg = fused_config("glu", rows, gu_rows, in_features)
+        if late_norm_config(rows, gu_rows, in_features) is not None and cfg is not None and cfg.split_k == 1:
+            norm, new_residual = _fused_norm(x.contiguous(), residual, norm_weight, eps)
+            act = skinny_linear(x.contiguous(), gate_up_weight, gate_up_bias, cfg._replace(late_norm=True), norm=norm,
+                                glu_out=True)  # fmt: skip
+            return linear(act, down_weight, down_bias), new_residual
         if residual is None:
             normed, new_residual = rmsnorm(x, norm_weight, eps), x
         else:
             normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
-        cfg = fused_config("glu", rows, gu_rows, in_features)
         act = skinny_linear(normed.contiguous(), gate_up_weight, gate_up_bias, cfg, glu_out=True)  # (T, I)
         return linear(act, down_weight, down_bias), new_residual
     gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
     return silu_mul_linear(gate_up, down_weight, down_bias), new_residual
+
+
+def _fused_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+) -> tuple[Norm, torch.Tensor]:
+    """The ``Norm`` of a fused residual add + RMSNorm over x (T, K) contiguous, and the new residual stream it
+    fills (x itself when there is no residual)."""
+    residual = None if residual is None else residual.contiguous()
+    new_residual = x if residual is None else torch.empty_like(x)
+    return Norm(norm_weight, eps, residual, None if residual is None else new_residual), new_residual
 
 
 # The attention prologue in the qkv projection's epilogue (``norm_linear_rope_store``): off unless
