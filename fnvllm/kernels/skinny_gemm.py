@@ -234,8 +234,9 @@ def _skinny_kernel(
             if NORM_RES:
                 res = tl.load(res_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-                if NORM_LATE and pid_n == 0:  # the new residual stream, by the first column block
-                    tl.store(res_out_ptr + rows[:, None] * stride_xm + ks[None, :], x, mask=x_mask)
+                if NORM_LATE:  # the new residual stream, by the first column block (a mask, not a branch)
+                    first_block = (rows < tl.where(pid_n == 0, M, 0))[:, None] & k_ok[None, :]
+                    tl.store(res_out_ptr + rows[:, None] * stride_xm + ks[None, :], x, mask=first_block)
             nw = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             if NORM_LATE:
                 h = x.to(tl.float32)
