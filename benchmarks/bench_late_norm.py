@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.bench_small_batch import graph_time_us
 from fnvllm.kernels import fused_ops, skinny_gemm
-from fnvllm.kernels.skinny_gemm import Norm, skinny_linear
+from fnvllm.kernels.skinny_gemm import Norm, SkinnyConfig, skinny_linear
 
 SHAPES = {"qkv": (4096, 1024), "gate_up": (6144, 1024)}
 COPIES = 8
@@ -37,12 +37,19 @@ def measure(m: int, name: str, n: int, k: int, gen: torch.Generator) -> dict:
     tuned = skinny_gemm.tuned_config(m, n, k) or skinny_gemm.skinny_config(m, n, k)
     late_cfg = tuned._replace(late_norm=True) if tuned.split_k == 1 else None
     row: dict = {"m": m, "shape": name, "early_cfg": early_cfg, "late_cfg": late_cfg}
+    candidates = [("early", early_cfg), ("late", late_cfg)]
+    if m > 1:  # configs that compile without register spills with the late norm (sm_90, offline ptxas)
+        candidates += [
+            (f"late_w8_k128_{'pre' if pre else 's3'}_n{bn}", SkinnyConfig(m, bn, 128, 1, 8, 1 if pre else 3,
+                                                                           preload=pre, late_norm=True))
+            for bn, pre in ((32, True), (32, False), (64, False))
+        ]  # fmt: skip
 
     def unfused(i: int) -> object:
         return skinny_gemm.linear(fused_ops.fused_add_rmsnorm(x, res, nw, 1e-6)[0], ws[i % COPIES], None)
 
     row["unfused"] = graph_time_us(unfused, 32)
-    for label, cfg in (("early", early_cfg), ("late", late_cfg)):
+    for label, cfg in candidates:
         if cfg is None:
             continue
 
@@ -71,12 +78,15 @@ def main() -> None:
         for kernel in cache[0].values():
             spills.add((getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)))
     print("skinny kernel variants (n_regs, n_spills):", sorted(spills, key=str))
-    print("| rows | product | unfused us | early us (rel err) | late us (rel err) | late config |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | product | unfused us | fused variant: us (rel err, residual exact) |")
+    print("|---|---|---|---|")
     for r in table:
-        early = f"{r.get('early', float('nan')):.2f} ({r.get('early_err', float('nan')):.1e})"
-        late = f"{r.get('late', float('nan')):.2f} ({r.get('late_err', float('nan')):.1e})"
-        print(f"| {r['m']} | {r['shape']} | {r['unfused']:.2f} | {early} | {late} | {r['late_cfg']} |")
+        cells = [
+            f"{key} {r[key]:.2f} ({r[key + '_err']:.1e}, {r[key + '_res_exact']})"
+            for key in r
+            if key.startswith(("early", "late")) and isinstance(r[key], float) and not key.endswith("_err")
+        ]
+        print(f"| {r['m']} | {r['shape']} | {r['unfused']:.2f} | {'; '.join(cells)} |")
 
 
 if __name__ == "__main__":

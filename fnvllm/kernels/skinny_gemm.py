@@ -557,10 +557,12 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
 
 # The residual add + RMSNorm before a projection as a row scale at the end of its product (``late_norm``, no
 # statistics pass), at the rows LATE_NORM_ROWS covers, with the plain product's measured config: FNVLLM_LATE_NORM
-# "0" off (the default until measured), "1" from 2 to 64 rows (where the statistics pass made the fused norm lose,
-# FUSED_TIMES), "all" from 1 to 64 rows. Read at import.
+# "0" off (the default until measured), "one" at one row, "1" from 2 to 64 rows (where the statistics pass made the
+# fused norm lose, FUSED_TIMES), "all" from 1 to 64 rows. Read at import.
 LATE_NORM_ENV = "FNVLLM_LATE_NORM"
-LATE_NORM_ROWS = {"0": (0, 0), "1": (2, 64), "all": (1, 64)}.get(os.environ.get(LATE_NORM_ENV, "0"), (0, 0))
+LATE_NORM_ROWS = {"0": (0, 0), "one": (1, 1), "1": (2, 64), "all": (1, 64)}.get(
+    os.environ.get(LATE_NORM_ENV, "0"), (0, 0)
+)
 
 
 def late_norm_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:
