@@ -557,11 +557,14 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
 
 # The residual add + RMSNorm before a projection as a row scale at the end of its product (``late_norm``, no
 # statistics pass), at the rows LATE_NORM_ROWS covers, with the plain product's measured config: FNVLLM_LATE_NORM
-# "0" off (the default until measured), "one" at one row, "1" from 2 to 64 rows (where the statistics pass made the
-# fused norm lose, FUSED_TIMES), "all" from 1 to 64 rows. Read at import.
+# "one" (the default) at one row, "0" off, "1" from 2 to 64 rows, "all" from 1 to 64 rows. Read at import. Measured
+# on the H200 (benchmarks/bench_late_norm.py, 2026-12-02; us per call, weights past L2): one row, norm + qkv 3.67
+# late against 3.86 statistics-first and 4.92 unfused, norm + gate/up 6.63 against 7.02 and 6.91; at 16 and 64 rows
+# the late kernel spills registers (ptxas: 288-2,328 stack bytes; the plain 16-row config already holds 232) and
+# loses: 16 rows 8.57 / 11.57 against 6.07 / 7.69 unfused, 64 rows 21.9 / 39.5 against 6.6 / 8.0.
 LATE_NORM_ENV = "FNVLLM_LATE_NORM"
 LATE_NORM_ROWS = {"0": (0, 0), "one": (1, 1), "1": (2, 64), "all": (1, 64)}.get(
-    os.environ.get(LATE_NORM_ENV, "0"), (0, 0)
+    os.environ.get(LATE_NORM_ENV, "one"), (1, 1)
 )
 
 
@@ -826,7 +829,7 @@ def _launch_skinny(
         NORM_RES=norm is not None and norm.residual is not None,
         NORM_LATE=norm is not None and cfg.late_norm,
         USE_PDL=use_pdl(x.device),
-        PREFETCH_W=prefetch_weights(x.device) and not cfg.preload,
+        PREFETCH_W=prefetch_weights(x.device) and not cfg.preload and cfg.block_k * weight.element_size() >= 128,
         PRELOAD_W=cfg.preload,
         ONE_TILE=k_per_split <= cfg.block_k,
         W_LINE=max(1, 128 // weight.element_size()),
