@@ -7,7 +7,7 @@ rows: first the tokens of 3 seeded steps (min_p 0.02 / 0.05 / 0.1 at T 0.6 and 1
 route, its draw in a launch of its own ("new, 2 launches") and fused into the mass launch ("new, fused"), against
 the old route's (>= 99 % equal: a uniform within float32 rounding of a CDF step may differ) and the float64
 reference's; then device time per sampling call (``Sampler.sample`` on a prepared batch) of temperature 0.6 alone
-and of min_p 0.05 by each route:
+and of min_p 0.05 by each route (4w: 4 warps per program in place of 8):
 
     queued: the calls queued behind a GPU sleep, so the host's launch time is hidden: device time alone;
     events: CUDA events around each call as ``bench_sampling.device_ms`` takes them (host-bound calls included);
@@ -32,10 +32,12 @@ import torch
 from benchmarks import bench_sampling as bs  # the bench's inputs, step and timers
 
 STARTED = time.perf_counter()
-ROUTES = {  # (fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.FUSED)
-    "old (filtered_pick)": (False, False),
-    "new, 2 launches": (True, False),
-    "new, fused": (True, True),
+ROUTES = {  # (fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.FUSED, sampling_minp.NUM_WARPS)
+    "old (filtered_pick)": (False, False, 8),
+    "new, 2 launches": (True, False, 8),
+    "new, fused": (True, True, 8),
+    "new, 2 launches, 4w": (True, False, 4),
+    "new, fused, 4w": (True, True, 4),
 }
 T_ONLY = {"temperature": 0.6}
 MIN_P = {"temperature": 0.6, "min_p": 0.05}
@@ -47,7 +49,7 @@ def route(name: str) -> None:
     from fnvllm.executor import fused_sampling
     from fnvllm.kernels import sampling_minp
 
-    fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.FUSED = ROUTES[name]
+    fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.FUSED, sampling_minp.NUM_WARPS = ROUTES[name]
 
 
 def check_params(num_rows: int) -> list[Any]:

@@ -44,11 +44,13 @@ from fnvllm.kernels.decode_attention import split_counters
 from fnvllm.kernels.sampling import CHUNK
 from fnvllm.kernels.sampling_ref import filtered_sample_ref
 
-__all__ = ["FUSED", "filtered_sample_ref", "minp_pick"]
+__all__ = ["FUSED", "NUM_WARPS", "filtered_sample_ref", "minp_pick"]
 
 # Pass B inside pass A's grid (the last program of each row to finish draws it) instead of a launch of its own.
 # Measured on the H200 by benchmarks/bench_sampling_minp.py; the default is the faster of the two there.
 FUSED = False
+# Warps per program of both passes at chunks of 2048 tokens or more (4 below): 4096 bf16 per (row, chunk) program.
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -189,7 +191,7 @@ def minp_pick(
     masses = torch.empty((num_filtered, num_chunks), dtype=torch.float32, device=logits.device)
     counters = split_counters(logits.device, num_filtered) if fused else masses  # unused pointer when not fused
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
-    warps = 8 if chunk >= 2048 else 4
+    warps = NUM_WARPS if chunk >= 2048 else 4
     _mass_kernel[(num_filtered, num_chunks)](
         logits, rows, sources, programs, stats, scale, min_p, drawn, masses, out, counters, logits.stride(0),
         logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad, FUSED=fused, num_warps=warps,
