@@ -142,6 +142,20 @@ def _draw_kernel(logits_ptr, rows_ptr, src_ptr, scale_ptr, min_p_ptr, drawn_ptr,
               stride_row, vocab_size, num_chunks, num_rows, CHUNK, CHUNKS_PAD)  # fmt: skip
 
 
+_MASSES: dict[torch.device, torch.Tensor] = {}
+
+
+def _masses(device: torch.device, numel: int) -> torch.Tensor:
+    """float32 scratch of at least ``numel`` on ``device`` for the chunk masses, kept between calls (no allocator
+    call per step; safe on one stream: a call's draw reads its masses before the next call's pass A writes)."""
+    buf = _MASSES.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _MASSES[device] = buf
+    return buf[:numel]
+
+
 def _check_args(
     logits: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, programs: torch.Tensor, stats: torch.Tensor,
     chunk: int,
@@ -188,7 +202,7 @@ def minp_pick(
     if num_filtered == 0:
         return
     fused = FUSED if fused is None else fused
-    masses = torch.empty((num_filtered, num_chunks), dtype=torch.float32, device=logits.device)
+    masses = _masses(logits.device, num_filtered * num_chunks)  # (F, C)
     counters = split_counters(logits.device, num_filtered) if fused else masses  # unused pointer when not fused
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
     warps = NUM_WARPS if chunk >= 2048 else 4
