@@ -4,10 +4,9 @@
 
 For flat (std 0.64, a random-weight checkpoint's spread) and std-3 bf16 logits of 151,936 tokens, at 256 and 64
 rows: first the tokens of 3 seeded steps (min_p 0.02 / 0.05 / 0.1 at T 0.6 and 1, a few greedy rows) by the new
-route, its draw in a launch of its own ("new, 2 launches") and fused into the mass launch ("new, fused"), against
-the old route's (>= 99 % equal: a uniform within float32 rounding of a CDF step may differ) and the float64
-reference's; then device time per sampling call (``Sampler.sample`` on a prepared batch) of temperature 0.6 alone
-and of min_p 0.05 by each route (4w: 4 warps per program in place of 8):
+route (its default 4 warps per program, and 8) against the old route's (>= 99 % equal: a uniform within float32
+rounding of a CDF step may differ) and the float64 reference's; then device time per sampling call
+(``Sampler.sample`` on a prepared batch) of temperature 0.6 alone and of min_p 0.05 by each route:
 
     queued: the calls queued behind a GPU sleep, so the host's launch time is hidden: device time alone;
     events: CUDA events around each call as ``bench_sampling.device_ms`` takes them (host-bound calls included);
@@ -32,12 +31,10 @@ import torch
 from benchmarks import bench_sampling as bs  # the bench's inputs, step and timers
 
 STARTED = time.perf_counter()
-ROUTES = {  # (fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.FUSED, sampling_minp.NUM_WARPS)
-    "old (filtered_pick)": (False, False, 8),
-    "new, 2 launches": (True, False, 8),
-    "new, fused": (True, True, 8),
-    "new, 2 launches, 4w": (True, False, 4),
-    "new, fused, 4w": (True, True, 4),
+ROUTES = {  # (fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.NUM_WARPS)
+    "old (filtered_pick)": (False, 4),
+    "new (minp_pick)": (True, 4),
+    "new, 8 warps": (True, 8),
 }
 T_ONLY = {"temperature": 0.6}
 MIN_P = {"temperature": 0.6, "min_p": 0.05}
@@ -49,7 +46,7 @@ def route(name: str) -> None:
     from fnvllm.executor import fused_sampling
     from fnvllm.kernels import sampling_minp
 
-    fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.FUSED, sampling_minp.NUM_WARPS = ROUTES[name]
+    fused_sampling.MIN_P_BY_CHUNKS, sampling_minp.NUM_WARPS = ROUTES[name]
 
 
 def check_params(num_rows: int) -> list[Any]:

@@ -1,7 +1,6 @@
 """Min-p-only rows on a (rows, chunks) grid (fnvllm/kernels/sampling_minp.py): for the same uniforms, the same tokens
-as ``filtered_pick`` and the torch reference, with the draw in its own launch or in the mass launch's last program;
-draws fit softmax restricted to the min-p set (chi-square); the sampler takes the route behind MIN_P_BY_CHUNKS.
-Tiny shapes: on CPU the kernels run in Triton's interpreter."""
+as ``filtered_pick`` and the torch reference; draws fit softmax restricted to the min-p set (chi-square); the
+sampler takes the route behind MIN_P_BY_CHUNKS. Tiny shapes: on CPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def _state(scale: torch.Tensor, uniforms: torch.Tensor | None) -> sampling.RowSa
 def _draw(logits: torch.Tensor, scale: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor | None,
           route: str, chunk: int = CHUNK, seed: int = 0) -> list[int]:  # fmt: skip
     """Tokens of every row after sample_rows: the filtered rows (scale > 0 and min_p > 0) redrawn by ``route``
-    ("two", "fused": minp_pick; "filter": filtered_pick), the other rows as sample_rows left them."""
+    ("grid": minp_pick; "filter": filtered_pick), the other rows as sample_rows left them."""
     state = _state(scale, uniforms)
     stats = sampling.sample_rows(logits, state, seed=seed, chunk=chunk)
     rows = torch.nonzero((scale > 0) & (min_p > 0)).flatten().int().to(DEVICE)
@@ -44,8 +43,7 @@ def _draw(logits: torch.Tensor, scale: torch.Tensor, min_p: torch.Tensor, unifor
         args = (state.scale, zeros, ones, min_p, state.drawn, state.out)
         sampling_filters.filtered_pick(logits, rows, rows, rows, stats, *args, chunk=chunk, block=min(chunk, 32))
     else:
-        minp_pick(logits, rows, rows, rows, stats, state.scale, min_p, state.drawn, state.out, chunk=chunk,
-                  fused=route == "fused")  # fmt: skip
+        minp_pick(logits, rows, rows, rows, stats, state.scale, min_p, state.drawn, state.out, chunk=chunk)
     return state.out[0].tolist()
 
 
@@ -58,16 +56,16 @@ def _reference(logits: torch.Tensor, scale: torch.Tensor, min_p: torch.Tensor, u
 
 
 def test_worked_example_of_the_module_doc() -> None:
-    """The module doc's example (chunks of 4, min_p 0.25, u 0.6) draws token 3, by both routes."""
+    """The module doc's example (chunks of 4, min_p 0.25, u 0.6) draws token 3."""
     logits = torch.tensor([[0.0, -1, -3, 0, -2, -1, -5, -5, -4, -6, -5, -9]], device=DEVICE)
     args = (logits, torch.ones(1), torch.tensor([0.25]), torch.tensor([0.6]))
-    assert _draw(*args, "two", chunk=4) == _draw(*args, "fused", chunk=4) == [3]
+    assert _draw(*args, "grid", chunk=4) == [3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_minp_pick_draws_the_filter_kernels_and_the_references_tokens(dtype: torch.dtype) -> None:
     """Rows over a vocabulary of 3 chunks and a partial one, with different min_p and temperatures, seeded uniforms
-    and greedy rows mixed in: both routes draw filtered_pick's and the reference's tokens; greedy rows keep their
+    and greedy rows mixed in: minp_pick draws filtered_pick's and the reference's tokens; greedy rows keep their
     argmax."""
     num_rows, vocab = 10, 3 * CHUNK + 7
     gen = torch.Generator().manual_seed(11 if dtype == torch.float32 else 12)
@@ -78,8 +76,7 @@ def test_minp_pick_draws_the_filter_kernels_and_the_references_tokens(dtype: tor
     want = _reference(logits, scale, min_p, uniforms)
     assert want[1] == int(logits[1].float().argmax()) and want[5] == int(logits[5].float().argmax())
     assert _draw(logits, scale, min_p, uniforms, "filter") == want
-    assert _draw(logits, scale, min_p, uniforms, "two") == want
-    assert _draw(logits, scale, min_p, uniforms, "fused") == want
+    assert _draw(logits, scale, min_p, uniforms, "grid") == want
 
 
 def test_one_chunk_holds_every_kept_token() -> None:
@@ -92,12 +89,10 @@ def test_one_chunk_holds_every_kept_token() -> None:
     uniforms = torch.tensor([0.01, 0.3, 0.55, 0.8, 0.9999])
     want = _reference(logits, scale, min_p, uniforms)
     assert want == [CHUNK + 3, CHUNK + 3, CHUNK + 9, CHUNK + 20, CHUNK + 20]
-    assert _draw(logits, scale, min_p, uniforms, "two") == want
-    assert _draw(logits, scale, min_p, uniforms, "fused") == want
+    assert _draw(logits, scale, min_p, uniforms, "grid") == want
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_group_of_rows_from_a_dense_copy_and_from_the_logits(fused: bool) -> None:
+def test_a_group_of_rows_from_a_dense_copy_and_from_the_logits() -> None:
     """As the sampler's groups: penalised rows sampled from a dense (P, V) copy (sources and programs their
     positions there) and plain rows from the whole logits (sources their batch rows, programs their positions in
     the group) draw the reference's tokens; rows outside the group stay untouched."""
@@ -117,14 +112,13 @@ def test_a_group_of_rows_from_a_dense_copy_and_from_the_logits(fused: bool) -> N
         stats = sampling.sample_rows(source, state, seed=0, rows=group, dense=dense, chunk=CHUNK)
         sources = positions if dense else filtered
         args = (state.scale, min_p.to(DEVICE), state.drawn, state.out)
-        minp_pick(source, filtered, sources, positions, stats, *args, chunk=CHUNK, fused=fused)
+        minp_pick(source, filtered, sources, positions, stats, *args, chunk=CHUNK)
         got = state.out[0].tolist()
         assert [got[i] for i in (5, 1, 2, 3)] == [want[i] for i in (5, 1, 2, 3)]
         assert got[0] == got[4] == -1
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_minp_pick_draws_softmax_restricted_to_the_min_p_set(fused: bool) -> None:
+def test_minp_pick_draws_softmax_restricted_to_the_min_p_set() -> None:
     """Over 240 rows with Philox uniforms (a vocabulary of 10 in chunks of 4), the tokens fit softmax(x / T)
     restricted to the tokens with probability >= min_p * max, renormalised (chi-square; none outside the set)."""
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2, -2.0, 0.8])
@@ -132,21 +126,11 @@ def test_minp_pick_draws_softmax_restricted_to_the_min_p_set(fused: bool) -> Non
     num_rows = 240
     logits = row.expand(num_rows, -1).contiguous().to(DEVICE)
     scale, min_p = torch.full((num_rows,), 1 / 1.2), torch.full((num_rows,), 0.2)
-    tokens = torch.tensor(_draw(logits, scale, min_p, None, "fused" if fused else "two", chunk=4, seed=77))
+    tokens = torch.tensor(_draw(logits, scale, min_p, None, "grid", chunk=4, seed=77))
     probs = filtered_distribution(row, params)
     assert 3 <= int((probs > 0).sum()) < row.numel()  # the filter does cut
     counts = torch.bincount(tokens, minlength=row.numel())
     assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR, counts.tolist()
-
-
-def test_the_fused_route_leaves_its_arrival_counters_at_zero() -> None:
-    """After a fused launch every row's arrival counter is back to 0 (the next launch counts from 0)."""
-    from fnvllm.kernels.decode_attention import split_counters
-
-    logits = torch.randn(4, 3 * CHUNK, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    scale, min_p = torch.ones(4), torch.full((4,), 0.1)
-    _draw(logits, scale, min_p, torch.full((4,), 0.5), "fused")
-    assert not split_counters(torch.device(DEVICE), 4)[:4].any()
 
 
 def test_minp_pick_rejects_bad_arguments() -> None:
@@ -165,8 +149,7 @@ def test_minp_pick_rejects_bad_arguments() -> None:
         minp_pick(logits, rows, rows[:1], rows, stats, *tail)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_sampler_routes_min_p_only_batches_to_the_grid(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+def test_sampler_routes_min_p_only_batches_to_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     """With MIN_P_BY_CHUNKS on, a min-p-only batch (plain rows, a penalised row, a greedy row) is drawn by minp_pick
     (once per group) and gives exactly the references' tokens and the old route's for the same (seeded)
     uniforms; a batch with a top-p row keeps the old route."""
@@ -192,7 +175,6 @@ def test_sampler_routes_min_p_only_batches_to_the_grid(monkeypatch: pytest.Monke
     assert batch.min_p_only
     want = Sampler(kernels=True).sample(logits, batch).token_ids.tolist()  # the old route
     monkeypatch.setattr(fused_sampling, "MIN_P_BY_CHUNKS", True)
-    monkeypatch.setattr(sampling_minp, "FUSED", fused)
     calls = {"minp_pick": 0}
     real = sampling_minp.minp_pick
 
@@ -214,7 +196,7 @@ def test_sampler_routes_min_p_only_batches_to_the_grid(monkeypatch: pytest.Monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spread", [0.64, 3.0])
 def test_gpu_minp_pick_equals_the_filter_kernel_at_real_sizes(spread: float) -> None:
-    """256 rows x 151,936 bf16 (flat and std-3 logits), min_p 0.05 / 0.1 / 0.01 at T 0.6 and 1: both routes draw
+    """256 rows x 151,936 bf16 (flat and std-3 logits), min_p 0.05 / 0.1 / 0.01 at T 0.6 and 1: minp_pick draws
     filtered_pick's tokens for the same uniforms in >= 99 % of rows (a uniform within float32 rounding of a CDF step
     may differ)."""
     num_rows, vocab = 256, 151936
@@ -224,6 +206,5 @@ def test_gpu_minp_pick_equals_the_filter_kernel_at_real_sizes(spread: float) -> 
     min_p = torch.tensor([0.05, 0.1, 0.01])[torch.arange(num_rows) % 3]
     uniforms = torch.rand(num_rows, generator=gen)
     old = torch.tensor(_draw(logits, scale, min_p, uniforms, "filter", chunk=sampling.CHUNK))
-    for route in ("two", "fused"):
-        new = torch.tensor(_draw(logits, scale, min_p, uniforms, route, chunk=sampling.CHUNK))
-        assert (new == old).float().mean().item() >= 0.99, route
+    new = torch.tensor(_draw(logits, scale, min_p, uniforms, "grid", chunk=sampling.CHUNK))
+    assert (new == old).float().mean().item() >= 0.99

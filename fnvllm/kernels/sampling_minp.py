@@ -16,10 +16,17 @@ flat rows x 151,936 bf16 on the H200, six times the 50 us of ``sample_rows``' ow
     pass B, grid (F,): row i adds up its chunk masses (total K), takes the first chunk whose running mass exceeds
         u * K, re-reads only that chunk and draws the token inside it at the remainder.
 
-With FUSED, pass B runs inside pass A's grid: each (i, c) program counts itself in on row i's arrival counter
-(one release-acquire atomic after its mass is stored) and the program that arrives last draws the row and resets
-the counter (as ``fnvllm.kernels.skinny_gemm``'s split-K reduce and the decode kernel's merge do): one launch, so
-the host issues one Triton launch fewer (~15-30 us of host time each).
+Measured on the H200 (benchmarks/bench_sampling_minp.py, 2026-12-02 14:10), device us per sampling call with the
+calls queued behind a GPU sleep (the host's launch time hidden), min_p 0.05 at T 0.6 against temperature alone:
+
+    256 rows x 151,936 bf16, flat (std 0.64):  filtered_pick 362.7, this route 90.1, temperature only 56.3
+    256 rows, std 3:                           182.0, 73.5, 56.1
+    64 rows, flat / std 3:                     155.7 / 90.4, 31.0 / 28.2, 18.2 / 18.2
+
+The draw was also tried inside pass A's grid (the last (i, c) program of each row to finish, counted on an arrival
+counter, drawing the row: one launch fewer for the host to issue): slower on the device everywhere (110.1 against
+93.4 us at 256 flat rows, 8 warps; 34.3 against 31.3 at 64), so pass B keeps its own launch. 4 warps per program
+beat 8 by ~3 % at 256 rows (90.1 against 93.4 flat, 73.5 against 76.2 std 3).
 
 Worked example (chunks of 4, T 1, min_p 0.25, u 0.6): s = (0 -1 -3 0 | -2 -1 -5 -5 | -4 -6 -5 -9), M = 0, so the
 threshold is s >= ln 0.25 = -1.39. Chunk maxima 0, -1, -4: chunk 2 exits (e^-4 < 0.25). Masses: chunk 0 keeps
@@ -40,17 +47,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.decode_attention import split_counters
 from fnvllm.kernels.sampling import CHUNK
 from fnvllm.kernels.sampling_ref import filtered_sample_ref
 
-__all__ = ["FUSED", "NUM_WARPS", "filtered_sample_ref", "minp_pick"]
+__all__ = ["NUM_WARPS", "filtered_sample_ref", "minp_pick"]
 
-# Pass B inside pass A's grid (the last program of each row to finish draws it) instead of a launch of its own.
-# Measured on the H200 by benchmarks/bench_sampling_minp.py; the default is the faster of the two there.
-FUSED = False
-# Warps per program of both passes at chunks of 2048 tokens or more (4 below): 4096 bf16 per (row, chunk) program.
-NUM_WARPS = 8
+# Warps per program of both passes (4096 bf16 per (row, chunk) program at sample_rows' chunk).
+# 4 measured ~3 % faster than 8 at 256 rows on the H200 (module doc).
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -85,7 +89,7 @@ def _draw_row(i, logits_ptr, rows_ptr, src_ptr, scale_ptr, min_p_ptr, drawn_ptr,
     row = tl.load(rows_ptr + i).to(tl.int64)
     ids = tl.arange(0, CHUNKS_PAD)
     at = masses_ptr + i.to(tl.int64) * num_chunks + ids
-    masses = tl.load(at, mask=ids < num_chunks, other=0.0, cache_modifier=".cg")  # L2: stored by other programs
+    masses = tl.load(at, mask=ids < num_chunks, other=0.0)
     target = tl.load(drawn_ptr + row) * tl.sum(masses, axis=0)
     running = tl.cumsum(masses, axis=0)
     last_live = tl.max(tl.where(masses > 0.0, ids, 0), axis=0)  # float32 sums may fall short of the target
@@ -111,27 +115,16 @@ def _mass_kernel(
     min_p_ptr,  # (B,) float32
     drawn_ptr,  # (3, B) float32 each row's uniform and largest scaled logit (from sample_rows)
     masses_ptr,  # (F, C) float32: receives each chunk's kept mass
-    out_ptr,  # (2, B) int64: token ids are written to plane 0 (FUSED)
-    counters_ptr,  # (F,) int32 arrival counters, zero between launches (FUSED)
     stride_row,
     vocab_size,
     num_chunks,
     num_rows,
     CHUNK: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
-    FUSED: tl.constexpr,
 ):
-    """Pass A for program (i, c) (module doc); with FUSED, the row's last program to finish also draws it."""
+    """Pass A for program (i, c) (module doc)."""
     i, c = tl.program_id(0), tl.program_id(1)
     _chunk_mass(i, c, logits_ptr, rows_ptr, src_ptr, prog_ptr, stats_ptr, scale_ptr, min_p_ptr, drawn_ptr, masses_ptr,
                 stride_row, vocab_size, num_chunks, num_rows, CHUNK)  # fmt: skip
-    if FUSED:
-        tl.debug_barrier()  # the mass is stored before the program's one release-acquire atomic
-        done = tl.atomic_add(counters_ptr + i, 1, sem="acq_rel")
-        if done == num_chunks - 1:
-            _draw_row(i, logits_ptr, rows_ptr, src_ptr, scale_ptr, min_p_ptr, drawn_ptr, masses_ptr, out_ptr,
-                      stride_row, vocab_size, num_chunks, num_rows, CHUNK, CHUNKS_PAD)  # fmt: skip
-            tl.atomic_xchg(counters_ptr + i, 0)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_rows"])
@@ -187,7 +180,6 @@ def minp_pick(
     drawn: torch.Tensor,
     out: torch.Tensor,
     chunk: int = CHUNK,
-    fused: bool | None = None,
 ) -> None:
     """Overwrite out[0, rows] with a draw from each row's min-p filtered distribution (rows without a top-k or a
     top-p; ``filtered_pick``'s draws for the same uniforms, by a (rows, chunks) grid: module doc).
@@ -195,23 +187,19 @@ def minp_pick(
     logits (N, V): row sources[i] holds batch row rows[i], whose chunk summaries are stats[:, programs[i]] (what
     ``sample_rows`` returned for these logits, with the same ``chunk``); scale and min_p: (B,) float32 by batch row
     (scale > 0 on these rows); drawn (3, B) float32: what ``sample_rows`` recorded (uniforms, row maxima); out
-    (2, B) int64. fused: the draw in the mass launch's last program per row (None: the module's FUSED).
+    (2, B) int64. Two launches: the chunk masses on a (rows, chunks) grid, then the draw, one program per row.
     """
     num_chunks = _check_args(logits, rows, sources, programs, stats, chunk)
     num_filtered = rows.shape[0]
     if num_filtered == 0:
         return
-    fused = FUSED if fused is None else fused
     masses = _masses(logits.device, num_filtered * num_chunks)  # (F, C)
-    counters = split_counters(logits.device, num_filtered) if fused else masses  # unused pointer when not fused
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
-    warps = NUM_WARPS if chunk >= 2048 else 4
     _mass_kernel[(num_filtered, num_chunks)](
-        logits, rows, sources, programs, stats, scale, min_p, drawn, masses, out, counters, logits.stride(0),
-        logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad, FUSED=fused, num_warps=warps,
+        logits, rows, sources, programs, stats, scale, min_p, drawn, masses, logits.stride(0), logits.shape[1],
+        num_chunks, out.shape[1], CHUNK=chunk, num_warps=NUM_WARPS,
     )  # fmt: skip
-    if not fused:
-        _draw_kernel[(num_filtered,)](
-            logits, rows, sources, scale, min_p, drawn, masses, out, logits.stride(0), logits.shape[1], num_chunks,
-            out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad, num_warps=warps,
-        )  # fmt: skip
+    _draw_kernel[(num_filtered,)](
+        logits, rows, sources, scale, min_p, drawn, masses, out, logits.stride(0), logits.shape[1], num_chunks,
+        out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad, num_warps=NUM_WARPS,
+    )  # fmt: skip
