@@ -95,6 +95,14 @@ TOP_K_BY_SEGMENTS = True
 # 2048-slot vector per row; with 4, 4 of 256 flat rows overflowed and took the per-row path, ~150 us on the H200).
 SEGMENTS_FINE_CHUNK = 1024
 SEGMENTS_FINE_SEGMENT = 8
+# Min-p-only batches (``SamplingBatch.min_p_only``: no filtered row has a top-k or a top-p) by ``minp_pick``
+# (``fnvllm.kernels.sampling_minp``: each chunk's kept mass on a (rows, chunks) grid, then one short draw per row)
+# instead of ``filtered_pick``'s one program per row streaming the row twice (306.9 us per call at 256 flat rows x
+# 151,936 bf16 on the H200, torch.profiler 2026-12-02: latency-bound). Same draws for the same uniforms up to float32
+# rounding of the kept mass. Measured on the H200 (benchmarks/bench_sampling_minp.py, 2026-12-02 14:10): device us
+# per sampling call (host launch time hidden), min_p 0.05 at T 0.6, 256 rows: 362.7 -> 90.1 flat, 182.0 -> 73.5 std 3
+# (temperature only: 56); 64 rows: 155.7 -> 31.0 flat, 90.4 -> 28.2 std 3 (temperature only: 18); seeded tokens equal.
+MIN_P_BY_CHUNKS = False
 
 
 def sample_with_kernels(
@@ -160,6 +168,13 @@ def _pick_filtered(
     from fnvllm.kernels.sampling_filters import filtered_pick
     from fnvllm.kernels.sampling_segments import segmented_pick
 
+    if MIN_P_BY_CHUNKS and batch.min_p_only:  # no row with a top-k or a top-p: ``minp_pick``'s (rows, chunks) grid
+        from fnvllm.kernels import sampling_minp
+
+        sources, programs = group.filtered_sources, group.filtered_programs
+        args = (batch.scale, batch.min_p, state.drawn, state.out)
+        sampling_minp.minp_pick(source, group.filtered, sources, programs, stats, *args)
+        return
     settings = (batch.scale, batch.top_k, batch.top_p, batch.min_p, state.drawn, state.out)
     segments = TOP_K_BY_SEGMENTS and batch.candidates is not None
     pick = segmented_pick if segments else filtered_pick
