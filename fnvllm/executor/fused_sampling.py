@@ -102,7 +102,7 @@ SEGMENTS_FINE_SEGMENT = 8
 # rounding of the kept mass. Measured on the H200 (benchmarks/bench_sampling_minp.py, 2026-12-02 14:10): device us
 # per sampling call (host launch time hidden), min_p 0.05 at T 0.6, 256 rows: 362.7 -> 90.1 flat, 182.0 -> 73.5 std 3
 # (temperature only: 56); 64 rows: 155.7 -> 31.0 flat, 90.4 -> 28.2 std 3 (temperature only: 18); seeded tokens equal.
-MIN_P_BY_CHUNKS = False
+MIN_P_BY_CHUNKS = True
 
 
 def sample_with_kernels(

@@ -354,6 +354,9 @@ class ModelExecutor:
             + [SamplingParams(temperature=0.6)] * 4,
             [SamplingParams(temperature=0.6, logprobs=5)] * 4 + [SamplingParams(temperature=0.6)] * 4,
             [SamplingParams(temperature=0.6, logprobs=5)] * 8,
+            # min-p alone on penalised rows: ``minp_pick`` reading the penalised rows' dense float32 copy
+            [SamplingParams(temperature=0.6, min_p=0.05, repetition_penalty=1.05)] * 4
+            + [SamplingParams(temperature=0.6)] * 4,
         )
         for params in batches:
             params = params[: logits.shape[0]]  # max_num_seqs may be below 8
