@@ -43,15 +43,18 @@ __all__ = [
 def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = False) -> torch.Tensor | None:
     """(P, V) float32 copy of the penalised rows with their penalties applied, None when no row has one. kernels:
     the copy by ``fnvllm.kernels.penalties.float_rows`` when PENALISED_COPY_BY_KERNEL (one launch that gathers
-    and upcasts), else by torch."""
+    and upcasts), else by torch; with PENALISED_COPY_FUSED and penalties from the slot buffer, the copy and the
+    edits by one launch (``penalised_rows``, the same rows bit for bit)."""
     if batch.penalised is None or batch.penalties is None:
         return None
     rows = batch.penalised.rows
     if kernels and PENALISED_COPY_BY_KERNEL:
         from fnvllm.executor.history import SlotPenalties
-        from fnvllm.kernels.penalties import float_rows, penalize_from_
+        from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_from_
 
         pen = batch.penalties
+        if PENALISED_COPY_FUSED and isinstance(pen, SlotPenalties) and pen.counts is not None:
+            return penalised_rows(logits, rows, pen.tokens, pen.meta, pen.factors)
         if PENALTIES_FROM_SOURCE and isinstance(pen, SlotPenalties) and pen.counts is not None:
             work = float_rows(logits, rows)
             return penalize_from_(work, logits, rows, pen.tokens, pen.meta, pen.factors, pen.counts, None)
@@ -70,6 +73,11 @@ PENALISED_COPY_BY_KERNEL = True
 # Same copy, bit for bit. Off: measured on the H200 (bench_sampling.py --topk --quick, 2026-12-02 09:35) 442.8 us per
 # sampling call at 256 flat rows of the preset + repetition_penalty 1.05 against 433.3 without it.
 PENALTIES_FROM_SOURCE = False
+# The copy and the edits in one launch of ``fnvllm.kernels.penalties.penalised_rows`` (a (rows, vocabulary blocks)
+# grid; each block walks its row's history for the tokens in it), in place of float_rows + the penalty kernel
+# (59.6 + 61.3 us at 256 rows of ~1,100 tokens on the H200, torch.profiler 2026-12-02). Same rows bit for bit
+# (tests/test_penalties_kernel.py; benchmarks/bench_penalties.py checks it on the GPU). Off until measured there.
+PENALISED_COPY_FUSED = False
 
 
 # Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on

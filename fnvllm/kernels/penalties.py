@@ -31,7 +31,15 @@ import triton.language as tl
 
 from fnvllm.kernels.sampling_ref import penalize_ref
 
-__all__ = ["OWNED", "float_rows", "float_rows_ref", "penalize_", "penalize_from_", "penalize_ref"]
+__all__ = [
+    "OWNED",
+    "float_rows",
+    "float_rows_ref",
+    "penalised_rows",
+    "penalize_",
+    "penalize_from_",
+    "penalize_ref",
+]
 
 OWNED = 1 << 30  # the owner bit of a count (output counts are below max_model_len, far below 2**30)
 _BLOCK = 1024  # positions per block
@@ -260,3 +268,119 @@ def float_rows(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.
 def float_rows_ref(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of ``float_rows``."""
     return (logits if rows is None else logits.index_select(0, rows.long())).float().contiguous()
+
+
+SEEN = 1 << 30  # the seen bit of ``penalised_rows``' in-row scratch (output counts stay below max_model_len)
+# ``penalised_rows``' tile: vocabulary columns per program (its share of the copy), history positions per pass, warps.
+# Knobs a GPU run sweeps (benchmarks/bench_penalties.py --sweep).
+FUSED_BLOCK = 4096
+FUSED_HISTORY_BLOCK = 1024
+FUSED_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["stride_tokens", "num_rows"])
+def _penalised_rows_kernel(
+    src_ptr,  # (N, V) logits (any float dtype)
+    rows_ptr,  # HAS_ROWS: (P,) int32 / int64 source row of output row i
+    out_ptr,  # (P, V) float32 output, contiguous
+    scratch_ptr,  # the same memory as out_ptr, as int32 (a counted row's block holds its counts, then its values)
+    tokens_ptr,  # (N', L) int32 token buffer
+    meta_ptr,  # (3, P) int64: buffer row, context length ctx, number of outputs (the last ones before ctx)
+    factors_ptr,  # (3, P) float32: repetition, frequency, presence
+    stride_src,
+    stride_tokens,
+    num_rows,
+    vocab_size,
+    HAS_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HISTORY_BLOCK: tl.constexpr,
+    SEEN_BIT: tl.constexpr,
+):
+    """Columns [b * BLOCK, (b + 1) * BLOCK) of output row i (b = program_id(1), i = program_id(0)): the source
+    row upcast, penalised at the tokens of the row's history that fall in them (see ``penalised_rows``)."""
+    i = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i
+    low = tl.program_id(1) * BLOCK
+    cols = low + tl.arange(0, BLOCK)
+    inside = cols < vocab_size
+    source = src_ptr + row * stride_src
+    x = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
+    out = out_ptr + i * vocab_size
+    row_tokens = tokens_ptr + tl.load(meta_ptr + i) * stride_tokens
+    ctx = tl.load(meta_ptr + num_rows + i)
+    first_output = ctx - tl.load(meta_ptr + 2 * num_rows + i)
+    repetition = tl.load(factors_ptr + i)
+    frequency = tl.load(factors_ptr + num_rows + i)
+    presence = tl.load(factors_ptr + 2 * num_rows + i)
+    high = tl.minimum(low + BLOCK, vocab_size)
+    ones = tl.full([HISTORY_BLOCK], 1, dtype=tl.int32)
+    if (frequency != 0.0) | (presence != 0.0):  # counted: the block's counts and seen bits in the block itself
+        scratch = scratch_ptr + i * vocab_size
+        tl.store(scratch + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=inside)
+        tl.debug_barrier()
+        for start in range(0, ctx, HISTORY_BLOCK):
+            pos = start + tl.arange(0, HISTORY_BLOCK)
+            tok = tl.load(row_tokens + pos, mask=pos < ctx, other=-1)
+            ok = (pos < ctx) & (tok >= low) & (tok < high)
+            output = pos >= first_output
+            tl.atomic_add(scratch + tok, ones, mask=ok & output)
+            tl.atomic_or(scratch + tok, ones * SEEN_BIT, mask=ok & (pos < first_output))
+        tl.debug_barrier()
+        state = tl.load(scratch + cols, mask=inside, other=0, cache_modifier=".cg")
+        c = (state & (SEEN_BIT - 1)).to(tl.float32)
+        edited = tl.where(x > 0.0, tl.math.div_rn(x, repetition), x * repetition)
+        edited = edited - (frequency * c + presence * (c > 0.0).to(tl.float32))
+        tl.debug_barrier()
+        tl.store(out + cols, tl.where(state != 0, edited, x), mask=inside)
+    else:  # repetition alone: the copy, then each seen token's value from the source (repeats write the same)
+        tl.store(out + cols, x, mask=inside)
+        tl.debug_barrier()
+        for start in range(0, ctx, HISTORY_BLOCK):
+            pos = start + tl.arange(0, HISTORY_BLOCK)
+            tok = tl.load(row_tokens + pos, mask=pos < ctx, other=-1)
+            ok = (pos < ctx) & (tok >= low) & (tok < high)
+            v = tl.load(source + tok, mask=ok, other=0.0).to(tl.float32)
+            v = tl.where(v > 0.0, tl.math.div_rn(v, repetition), v * repetition)
+            tl.store(out + tok, v, mask=ok)
+
+
+def penalised_rows(
+    logits: torch.Tensor,
+    rows: torch.Tensor | None,
+    tokens: torch.Tensor,
+    meta: torch.Tensor,
+    factors: torch.Tensor,
+    block: int | None = None,
+    history_block: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """(P, V) float32 rows ``rows`` of ``logits`` (None: every row), upcast and penalised, in ONE launch: equal bit
+    for bit to ``penalize_(float_rows(logits, rows), tokens, meta, factors, counts)`` (tokens, meta, factors as
+    there), without a count scratch.
+
+    A (rows, vocabulary blocks) grid: each program upcasts its block of the row, then walks the row's history
+    (~ctx token ids, read by every block of the row from L2) for the tokens in its block. A row with a repetition
+    penalty alone writes its block, then each such token's penalised value computed from the source logits (so a
+    token seen twice writes the same value twice). A row with a presence or frequency penalty first uses its
+    output block as an int32 scratch: zeroed, then one atomic add per output position and one atomic OR of a
+    seen bit per prompt position, then reads it back and writes every column, edited where the scratch is not
+    zero. (A penalty of -0.0 counts as none: a logit of -0.0 may then keep its sign where the old path flips it.)
+    block / history_block / num_warps: the tile (None: FUSED_BLOCK, FUSED_HISTORY_BLOCK, FUSED_WARPS)."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
+    num_rows = logits.shape[0] if rows is None else rows.shape[0]
+    vocab = logits.shape[1]
+    if tokens.dtype != torch.int32 or tokens.dim() != 2 or tokens.stride(1) != 1:
+        raise ValueError(f"tokens must be a row-contiguous (N, L) int32 tensor, got {tokens.dtype} {tokens.shape}")
+    if tuple(meta.shape) != (3, num_rows) or tuple(factors.shape) != (3, num_rows):
+        raise ValueError(f"meta and factors must be (3, {num_rows}), got {tuple(meta.shape)}, {tuple(factors.shape)}")
+    out = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device)
+    if num_rows and vocab:
+        block = block or FUSED_BLOCK
+        _penalised_rows_kernel[(num_rows, triton.cdiv(vocab, block))](
+            logits, logits if rows is None else rows, out, out.view(torch.int32), tokens, meta.contiguous(),
+            factors.contiguous(), logits.stride(0), tokens.stride(0), num_rows, vocab, HAS_ROWS=rows is not None,
+            BLOCK=block, HISTORY_BLOCK=history_block or FUSED_HISTORY_BLOCK, SEEN_BIT=SEEN,
+            num_warps=num_warps or FUSED_WARPS,
+        )  # fmt: skip
+    return out

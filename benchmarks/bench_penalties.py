@@ -1,0 +1,211 @@
+"""The penalised rows' float32 copy and penalty edits on the H200: today's two launches against one (issue 19).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_penalties.py [--iters 20] [--sweep] [--budget 70]
+
+Per case (256 and 64 rows x 151,936 bf16 logits, ~1,100-token histories: a 100-128-token prompt and ~1,000
+outputs, token ids uniform over the vocabulary, as a random-weight checkpoint samples them; one case with heavy
+repeats, ids below 512), the device us per call (CUDA graph of 10 calls, replayed --iters times, median) of:
+
+    copy only     ``float_rows`` alone: the floor (the copy's bytes at the copy bandwidth)
+    old           ``float_rows`` + ``penalize_`` (one program per row, three passes; the executor's path today)
+    from-source   ``float_rows`` + ``penalize_from_`` (PENALTIES_FROM_SOURCE)
+    fused         ``penalised_rows``: the copy and the edits in one (rows, vocabulary blocks) launch
+
+and whether each path's rows equal the old path's bit for bit (``equal``), plus the old path against the torch
+reference (``penalize_ref``, max abs difference). The table is printed after the cases, then ``--sweep`` times the
+fused kernel's tile (block, history block, warps) on the two 256-row cases until ``--budget`` seconds since the
+start have passed, and the table is printed again with the sweep's best tile per case last.
+
+On the CPU ``--check`` runs the paths once on tiny shapes under TRITON_INTERPRET (the bit-equality only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+VOCAB = 151936
+STARTED = time.perf_counter()
+CALLS_PER_GRAPH = 10
+
+
+def make_case(num_rows: int, counted: bool, repeats: bool, vocab: int, seed: int, device: str) -> dict[str, Any]:
+    """Logits, the slot buffer, meta and factors of one case (rows i at slot num_rows - 1 - i, every row penalised:
+    repetition 1.05, and with ``counted`` frequency 0.3 / presence 0.2)."""
+    gen = torch.Generator().manual_seed(seed)
+    big = vocab == VOCAB
+    max_len, tail = (1200, 128) if big else (60, 8)
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(torch.bfloat16)
+    high = 512 if repeats else vocab
+    tokens = torch.randint(0, min(high, vocab), (num_rows, max_len), generator=gen, dtype=torch.int32)
+    prompt = torch.randint(100, 129, (num_rows,), generator=gen) if big else torch.full((num_rows,), 8)
+    ctx = prompt + torch.randint(max_len * 3 // 4, max_len - tail, (num_rows,), generator=gen)
+    meta = torch.stack([torch.arange(num_rows - 1, -1, -1), ctx, ctx - prompt])
+    frequency, presence = (0.3, 0.2) if counted else (0.0, 0.0)
+    factors = torch.tensor([[1.05], [frequency], [presence]]).expand(3, num_rows).contiguous()
+    on = {"logits": logits, "tokens": tokens, "meta": meta, "factors": factors}
+    return {k: v.to(device) for k, v in on.items()} | {"mean_ctx": float(ctx.float().mean())}
+
+
+def paths(case: dict[str, Any]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each path as a no-argument call returning its (P, V) float32 rows."""
+    from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_, penalize_from_
+
+    logits, tokens, meta, factors = case["logits"], case["tokens"], case["meta"], case["factors"]
+    counts = torch.zeros(min(128, logits.shape[0]), logits.shape[1], dtype=torch.int32, device=logits.device)
+    return {
+        "copy only": lambda: float_rows(logits),
+        "old": lambda: penalize_(float_rows(logits), tokens, meta, factors, counts),
+        "from-source": lambda: penalize_from_(float_rows(logits), logits, None, tokens, meta, factors, counts, None),
+        "fused": lambda: penalised_rows(logits, None, tokens, meta, factors),
+    }
+
+
+def device_us(call: Callable[[], Any], iters: int) -> float:
+    """Median device us per call: a CUDA graph of CALLS_PER_GRAPH calls timed by events (plain launches if the
+    capture fails)."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    run: Callable[[], Any]
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(CALLS_PER_GRAPH):
+                    call()
+        torch.cuda.current_stream().wait_stream(stream)
+        run = graph.replay
+    except RuntimeError as exc:  # capture refused: time the launches themselves
+        print(f"  (no CUDA graph: {str(exc)[:80]}; plain launches)")
+
+        def run() -> None:
+            for _ in range(CALLS_PER_GRAPH):
+                call()
+
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
+    return statistics.median(times)
+
+
+CASES = [  # name, rows, counted, repeats
+    ("256 rep", 256, False, False),
+    ("256 rep+pres+freq", 256, True, False),
+    ("64 rep", 64, False, False),
+    ("64 rep+pres+freq", 64, True, False),
+    ("256 rep+pf, ids<512", 256, True, True),
+]
+
+
+def check_equal(case: dict[str, Any]) -> dict[str, str]:
+    """Per path, 'yes' when its rows equal the old path's bit for bit, else the number of differing values; and
+    the old path's max abs difference to the torch reference."""
+    from fnvllm.kernels.penalties import float_rows_ref, penalize_ref
+
+    calls = paths(case)
+    old = calls["old"]()
+    ref = penalize_ref(float_rows_ref(case["logits"]), case["tokens"], case["meta"], case["factors"])
+    out = {"ref": f"{float((old - ref).abs().max()):.1e}"}
+    for name in ("from-source", "fused"):
+        got = calls[name]()
+        same = torch.equal(got.view(torch.int32), old.view(torch.int32))
+        out[name] = "yes" if same else f"NO ({int((got.view(torch.int32) != old.view(torch.int32)).sum())})"
+    return out
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """The table: device us per call per path, the fused one's saving, equality."""
+    print(f"\n{'case':22s} {'ctx':>6s} {'copy':>7s} {'old':>7s} {'from-src':>8s} {'fused':>7s} {'old/fused':>9s} "
+          f"{'eq src':>7s} {'eq fused':>8s} {'old-ref':>8s}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['case']:22s} {r['ctx']:6.0f} {r['copy only']:7.1f} {r['old']:7.1f} {r['from-source']:8.1f} "
+            f"{r['fused']:7.1f} {r['old'] / r['fused']:9.2f} {r['eq']['from-source']:>7s} {r['eq']['fused']:>8s} "
+            f"{r['eq']['ref']:>8s}"
+        )
+
+
+def sweep(case: dict[str, Any], iters: int, budget: float) -> list[tuple[float, tuple[int, int, int]]]:
+    """The fused kernel's us per call per tile (block, history block, warps), until ``budget`` s since the start;
+    each tile's rows checked against the old path."""
+    from fnvllm.kernels.penalties import penalised_rows
+
+    old = paths(case)["old"]()
+    results = []
+    for block, history, warps in itertools.product((2048, 4096, 8192), (256, 512, 1024, 2048), (4, 8)):
+        if time.perf_counter() - STARTED > budget:
+            print("  (sweep stopped: budget)")
+            break
+        args = (case["logits"], None, case["tokens"], case["meta"], case["factors"], block, history, warps)
+        same = torch.equal(penalised_rows(*args).view(torch.int32), old.view(torch.int32))
+        us = device_us(lambda a=args: penalised_rows(*a), iters)
+        results.append((us, (block, history, warps)))
+        print(f"  block {block:5d} history {history:5d} warps {warps}: {us:7.1f} us  equal {same}", flush=True)
+    return sorted(results)
+
+
+def cpu_check() -> None:
+    """Tiny shapes under the interpreter: every path's rows against the old path's."""
+    for name, num_rows, counted, repeats in CASES:
+        case = make_case(min(num_rows, 4), counted, repeats, 300, 1, "cpu")
+        print(name, check_equal(case))
+
+
+def main() -> None:
+    """Parse the arguments and run the cases (and the sweep)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=20, help="graph replays per measurement (median)")
+    parser.add_argument("--sweep", action="store_true", help="time the fused kernel's tiles on the 256-row cases")
+    parser.add_argument(
+        "--budget", type=float, default=70.0, help="seconds since the start after which the sweep stops"
+    )
+    parser.add_argument("--check", action="store_true", help="CPU: bit-equality on tiny shapes (interpreter)")
+    args = parser.parse_args()
+    if args.check or not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        cpu_check()
+        return
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    rows = []
+    cases = {}
+    for name, num_rows, counted, repeats in CASES:
+        case = make_case(num_rows, counted, repeats, VOCAB, 0, "cuda")
+        cases[name] = case
+        row: dict[str, Any] = {"case": name, "ctx": case["mean_ctx"], "eq": check_equal(case)}
+        for path, call in paths(case).items():
+            row[path] = device_us(call, args.iters)
+        rows.append(row)
+        print(f"{name}: {({k: v for k, v in row.items() if k not in ('case', 'ctx')})} "
+              f"[{time.perf_counter() - STARTED:.0f} s]", flush=True)  # fmt: skip
+    print_table(rows)
+    if args.sweep:
+        best = {}
+        for name in ("256 rep", "256 rep+pres+freq"):
+            print(f"\nsweep {name}:")
+            found = sweep(cases[name], args.iters, args.budget)
+            if found:
+                best[name] = found[0]
+        print_table(rows)
+        for name, (us, tile) in best.items():
+            print(f"best tile {name}: block, history block, warps = {tile}: {us:.1f} us")
+    print(f"[{time.perf_counter() - STARTED:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()
