@@ -1,6 +1,6 @@
 """The penalised rows' float32 copy and penalty edits on the H200: today's two launches against one (issue 19).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_penalties.py [--iters 20] [--sweep] [--budget 70]
+    PYTHONPATH=$PWD python3 benchmarks/bench_penalties.py [--iters 20] [--sampler] [--sweep] [--budget 70]
 
 Per case (256 and 64 rows x 151,936 bf16 logits, ~1,100-token histories: a 100-128-token prompt and ~1,000
 outputs, token ids uniform over the vocabulary, as a random-weight checkpoint samples them; one case with heavy
@@ -12,7 +12,9 @@ repeats, ids below 512), the device us per call (CUDA graph of 10 calls, replaye
     fused         ``penalised_rows``: the copy and the edits in one (rows, vocabulary blocks) launch
 
 and whether each path's rows equal the old path's bit for bit (``equal``), plus the old path against the torch
-reference (``penalize_ref``, max abs difference). The table is printed after the cases, then ``--sweep`` times the
+reference (``penalize_ref``, max abs difference). The table is printed after the cases; ``--sampler`` times the
+whole sampling call (256 rows, temperature and Qwen3's preset, the two penalty mixes) with PENALISED_COPY_FUSED
+off and on (and checks the seeded rows' tokens equal); then ``--sweep`` times the
 fused kernel's tile (block, history block, warps) on the two 256-row cases until ``--budget`` seconds since the
 start have passed, and the table is printed again with the sweep's best tile per case last.
 
@@ -22,6 +24,7 @@ On the CPU ``--check`` runs the paths once on tiny shapes under TRITON_INTERPRET
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import statistics
@@ -160,6 +163,53 @@ def sweep(case: dict[str, Any], iters: int, budget: float) -> list[tuple[float, 
     return sorted(results)
 
 
+def sampler_ab(case: dict[str, Any], iters: int) -> list[str]:
+    """The whole sampling call (``Sampler.sample``, every row penalised from the case's slot buffer, seeded rows)
+    with PENALISED_COPY_FUSED off and on, for temperature 0.6 and Qwen3's preset (top_p 0.95, top_k 20), plus the
+    case's penalties: device us per call (plain launches, CUDA events) and whether the tokens are the same."""
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.history import SlotPenalties
+    from fnvllm.executor.sampler import Sampler, prepare_sampling
+    from fnvllm.state import SamplingParams
+
+    logits, num_rows = case["logits"], case["logits"].shape[0]
+    counts = torch.zeros(min(128, num_rows), logits.shape[1], dtype=torch.int32, device=logits.device)
+    penalties = SlotPenalties(case["tokens"], case["meta"], case["factors"], counts)
+    rep, freq, pres = (float(f) for f in case["factors"][:, 0])
+    lines = []
+    for label, extra in (("temperature 0.6", {}), ("preset", {"top_p": 0.95, "top_k": 20})):
+        kwargs = {"repetition_penalty": rep, "frequency_penalty": freq, "presence_penalty": pres, **extra}
+        params = [SamplingParams(temperature=0.6, seed=i, **kwargs) for i in range(num_rows)]
+        batch = prepare_sampling(params, [3] * num_rows, [None] * num_rows, logits.shape[1], logits.device, penalties)
+        sampler, results = Sampler(0, kernels=True), {}
+        for fused in (False, True):
+            fused_sampling.PENALISED_COPY_FUSED = fused
+            tokens = sampler.sample(logits, batch).token_ids
+            call = functools.partial(sampler.sample, logits, batch)
+            results[fused] = (tokens, device_plain_us(call, iters))
+        fused_sampling.PENALISED_COPY_FUSED = False
+        same = torch.equal(results[False][0], results[True][0])
+        lines.append(f"sampler, {label} + penalties: {results[False][1]:.1f} -> {results[True][1]:.1f} us per call "
+                     f"(fused off -> on), tokens equal {same}")  # fmt: skip
+        print(lines[-1], flush=True)
+    return lines
+
+
+def device_plain_us(call: Callable[[], Any], iters: int) -> float:
+    """Median device us per call of plain launches (CUDA events around each call)."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
 def cpu_check() -> None:
     """Tiny shapes under the interpreter: every path's rows against the old path's."""
     for name, num_rows, counted, repeats in CASES:
@@ -175,6 +225,7 @@ def main() -> None:
     parser.add_argument(
         "--budget", type=float, default=70.0, help="seconds since the start after which the sweep stops"
     )
+    parser.add_argument("--sampler", action="store_true", help="the whole sampling call, PENALISED_COPY_FUSED off/on")
     parser.add_argument("--check", action="store_true", help="CPU: bit-equality on tiny shapes (interpreter)")
     args = parser.parse_args()
     if args.check or not torch.cuda.is_available():
@@ -194,6 +245,10 @@ def main() -> None:
         print(f"{name}: {({k: v for k, v in row.items() if k not in ('case', 'ctx')})} "
               f"[{time.perf_counter() - STARTED:.0f} s]", flush=True)  # fmt: skip
     print_table(rows)
+    sampler_lines = []
+    if args.sampler:
+        for name in ("256 rep", "256 rep+pres+freq"):
+            sampler_lines += sampler_ab(cases[name], args.iters)
     if args.sweep:
         best = {}
         for name in ("256 rep", "256 rep+pres+freq"):
@@ -204,6 +259,7 @@ def main() -> None:
         print_table(rows)
         for name, (us, tile) in best.items():
             print(f"best tile {name}: block, history block, warps = {tile}: {us:.1f} us")
+    print("\n".join(sampler_lines))
     print(f"[{time.perf_counter() - STARTED:.0f} s]")
 
 
