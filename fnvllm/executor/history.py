@@ -27,11 +27,16 @@ On a GPU the buffer (42 MB at 256 slots of 40,960 tokens) and the count scratch 
 penalised request allocates nothing mid-run; on the CPU the buffer comes with the first penalised request. Steps
 without a penalised row do no work here.
 
-The host's part of a penalised decode step is one small upload: the penalised rows' selection (which rows, their
-slots and penalty factors on the device, ``PenalisedRows``) is kept while the plan's params object, its sampled
-rows and slots stay the same (decode steps without joins or leaves); each step builds only its (slot, context
-length, outputs) columns with numpy and uploads them once, and ``record`` writes the sampled tokens at the columns
-that upload put on the device.
+The host's part of a penalised decode step is small: the penalised rows' selection (which rows, their slots and
+penalty factors on the device, ``PenalisedRows``) is kept while the plan's params object, its sampled rows and
+slots stay the same (decode steps without joins or leaves); each step builds its (slot, context length, outputs,
+flat index slot * max_len + ctx) columns with numpy, and puts them on the device by one add to the last step's
+columns when every row moved by the same amounts (a decode step: one more token, one more output), else by one
+upload; ``record`` writes the sampled tokens at the flat indices (``put_``) those columns hold.
+
+Worked example: rows in slots (3, 0), contexts (10, 7), outputs (4, 2), max_len 16: columns (3, 0 | 10, 7 | 4, 2 |
+58, 7), uploaded; the next decode step's contexts (11, 8) and outputs (5, 3) moved by 1 and 1, so its columns are
+the last ones + (0 | 1 | 1 | 1) on the device, and ``record`` puts the two sampled tokens at flat 59 and 8.
 """
 
 from __future__ import annotations
@@ -142,11 +147,38 @@ class _KeptRows:
         return plan.params is self.params and tuple(rows) == self.rows and plan.slots == self.slots
 
 
+@attrs.frozen(eq=False)
+class _StepColumns:
+    """One step's penalty columns, kept for ``record`` of the same step and the next step's ``penalties``.
+
+    plan, picked: what they were built for. ctx, generated: (P,) int64 on the host. meta: (4, P) int64 on the
+    device: slot, context length, outputs, and the flat index slot * max_len + ctx of the row's next token.
+    fits: every row's ctx is below max_len (its next token has a place in the buffer).
+    """
+
+    plan: StepPlan
+    picked: PenalisedRows
+    ctx: np.ndarray
+    generated: np.ndarray
+    meta: torch.Tensor
+    fits: bool
+
+
+def _uniform_step(now: np.ndarray, before: np.ndarray) -> int | None:
+    """The one amount every entry of ``now`` moved by since ``before`` (None when they moved by different ones)."""
+    moved = now - before
+    first = int(moved[0])
+    return first if bool((moved == first).all()) else None
+
+
 def _step_columns(plan: StepPlan, picked: PenalisedRows) -> tuple[np.ndarray, np.ndarray]:
-    """(P,) int64 context lengths (start + fed tokens) and generated counts of the penalised rows, this step."""
+    """(P,) int64 context lengths (start + fed tokens) and generated counts of the penalised rows, this step.
+    When every row feeds as many tokens (a decode step: one), that count is added as a scalar (a C-level set of
+    the lengths costs half of an array of them)."""
     n = len(plan.start_positions)
     starts = np.fromiter(plan.start_positions, dtype=np.int64, count=n)
-    fed = np.fromiter(map(len, plan.input_tokens), dtype=np.int64, count=n)
+    lengths = set(map(len, plan.input_tokens))
+    fed = lengths.pop() if len(lengths) == 1 else np.fromiter(map(len, plan.input_tokens), dtype=np.int64, count=n)
     generated = np.fromiter(plan.num_generated, dtype=np.int64, count=n)
     if picked.whole:
         return starts + fed, generated
@@ -165,7 +197,8 @@ class SlotHistory:
         self.counts: torch.Tensor | None = None  # (min(num_slots, SCRATCH_ROWS), vocab_size) int32 zeros
         self.in_use = False  # a penalised request was admitted: sampled tokens must be recorded
         self._kept: _KeptRows | None = None  # the last rows' penalised selection (``_picked``)
-        self._step: tuple[StepPlan, PenalisedRows, np.ndarray, torch.Tensor] | None = None  # penalties' columns
+        self._step: _StepColumns | None = None  # the last ``penalties``' columns
+        self._advances: dict[tuple[int, int], torch.Tensor] = {}  # (4, 1) device steps of meta, by (ctx, outputs)
         if device.type == "cuda":  # before the KV cache is sized, so that it counts them; and no compile mid-run
             self._buffer()
             self.counts = torch.zeros(min(num_slots, SCRATCH_ROWS), vocab_size, dtype=torch.int32, device=device)
@@ -204,9 +237,32 @@ class SlotHistory:
             return None
         tokens = self._buffer()
         ctx, generated = _step_columns(plan, picked)
-        meta = upload(np.stack([picked.slots, ctx, generated]), self.device)  # (3, P): the step's one copy
-        self._step = (plan, picked, ctx, meta)
-        return SlotPenalties(tokens, meta, picked.factors, self.counts)
+        meta = self._advanced(picked, ctx, generated)
+        if meta is None:  # new rows, or rows that moved unevenly: the step's one copy
+            meta = upload(np.stack([picked.slots, ctx, generated, picked.slots * self.max_len + ctx]), self.device)
+        fits = bool(ctx.max() < self.max_len)
+        self._step = _StepColumns(plan, picked, ctx, generated, meta, fits)
+        return SlotPenalties(tokens, meta[:3], picked.factors, self.counts)
+
+    def _advanced(self, picked: PenalisedRows, ctx: np.ndarray, generated: np.ndarray) -> torch.Tensor | None:
+        """The last step's (4, P) meta moved on the device by the amounts every row's context and output count
+        moved since (one device op in place of an upload; the same tensor when nothing moved), when the rows are
+        the last step's and each column moved by one amount (a decode step: 1 and 1); else None."""
+        last = self._step
+        if last is None or last.picked is not picked:
+            return None
+        moved_ctx, moved_out = _uniform_step(ctx, last.ctx), _uniform_step(generated, last.generated)
+        if moved_ctx is None or moved_out is None:
+            return None
+        if moved_ctx == moved_out == 0:
+            return last.meta
+        key = (moved_ctx, moved_out)
+        step = self._advances.get(key)
+        if step is None:
+            if len(self._advances) > 8:
+                self._advances.clear()
+            step = self._advances[key] = upload(np.array([[0], [moved_ctx], [moved_out], [moved_ctx]]), self.device)
+        return last.meta + step
 
     def record(self, plan: StepPlan, rows: Sequence[int], sampled: torch.Tensor) -> None:
         """Write each penalised row's new token (``sampled``: (S,) ids of ``rows``, on the device) at its
@@ -218,15 +274,15 @@ class SlotHistory:
         if picked is None:
             return
         step = self._step
-        if step is not None and step[0] is plan and step[1] is picked:
-            ctx, meta = step[2], step[3]
+        if step is not None and step.plan is plan and step.picked is picked:
+            if step.fits:  # the flat indices ``penalties`` put on the device
+                values = sampled if picked.every else sampled.index_select(0, picked.positions_on(self.device))
+                self.tokens.put_(step.meta[3], values.to(torch.int32))
+                return
+            ctx = step.ctx
         else:
-            ctx, meta = _step_columns(plan, picked)[0], None
+            ctx = _step_columns(plan, picked)[0]
         keep = ctx < self.max_len  # a row at max_model_len has finished: nothing reads past it
-        if meta is not None and keep.all():
-            values = sampled if picked.every else sampled.index_select(0, picked.positions_on(self.device))
-            self.tokens.index_put_((meta[0], meta[1]), values.to(torch.int32))
-            return
         at = np.stack([picked.positions, picked.slots, ctx])[:, keep]  # (3, P')
         if not at.shape[1]:
             return
