@@ -205,13 +205,22 @@ class SlotHistory:
             self._compile()
 
     def _compile(self) -> None:
-        """Run the penalty kernel once on a one-row batch, so that it compiles now, not in the first penalised step
-        (a stall of seconds mid-run); the shapes that specialise it (vocabulary, row strides) are the real ones."""
+        """Run the penalty kernel (and, with PENALISED_COPY_FUSED, ``penalised_rows``) once on a one-row batch, so
+        that it compiles now, not in the first penalised step (a stall of seconds mid-run); the shapes that
+        specialise it (vocabulary, row strides) are the real ones."""
         assert self.tokens is not None and self.counts is not None  # allocated just before
         work = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
         meta = torch.tensor([[0], [2], [1]], dtype=torch.int64, device=self.device)
         factors = torch.tensor([[1.1], [0.5], [0.5]], dtype=torch.float32, device=self.device)
         penalize(work, self.tokens, meta, factors, self.counts)
+        from fnvllm.executor import fused_sampling
+
+        if fused_sampling.PENALISED_COPY_FUSED:  # its copy-and-edit launch, for bf16 logits, every row or some rows
+            from fnvllm.kernels.penalties import penalised_rows
+
+            logits = torch.zeros(1, self.vocab_size, dtype=torch.bfloat16, device=self.device)
+            for rows in (None, torch.zeros(1, dtype=torch.int32, device=self.device)):
+                penalised_rows(logits, rows, self.tokens, meta, factors)
 
     def admit(self, plan: StepPlan) -> None:
         """Write the history of every admitted row that carries one (penalised rows) into its slot."""
