@@ -565,7 +565,30 @@ def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> di
         found[f"B={batch}"] = [*cols, total]
         ops = "  ".join(f"{c.ops / 10:.1f}/{c.allocs / 10:.1f}" for c in counters)
         print(f"  B={batch:<5}{cols[0]:>10.1f}{cols[1]:>10.1f}{cols[2]:>10.1f}{total:>10.1f}   {ops}", flush=True)
+    penalised_copy_ops()
     return found
+
+
+def penalised_copy_ops(rows: int = 4, vocab: int = 512) -> None:
+    """The host calls of the penalised rows' copy as the GPU runs it, counted on the CPU (Triton interpreted):
+    ``float_rows`` + ``penalize_`` (two launches) against ``penalised_rows`` (one), when this tree has it."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported: run on the CPU
+    from fnvllm.kernels import penalties
+
+    logits = torch.randn(rows, vocab).to(torch.bfloat16)
+    tokens = torch.randint(0, vocab, (rows, 16), dtype=torch.int32)
+    meta = torch.tensor([list(range(rows)), [16] * rows, [8] * rows])
+    factors = torch.tensor([[1.05], [0.0], [0.0]]).expand(3, rows).contiguous()
+    counts = torch.zeros(2, vocab, dtype=torch.int32)
+    calls = {"float_rows + penalize_": lambda: penalties.penalize_(penalties.float_rows(logits), tokens, meta,
+                                                                   factors, counts)}  # fmt: skip
+    if hasattr(penalties, "penalised_rows"):
+        calls["penalised_rows"] = lambda: penalties.penalised_rows(logits, None, tokens, meta, factors)
+    for name, call in calls.items():
+        with triton_launches() as launches, OpCounter() as counter:
+            call()
+        print(f"  penalised copy, {name}: {launches[0]} launches, {counter.ops} aten ops, {counter.allocs} allocs, "
+              f"{counter.views} views")  # fmt: skip
 
 
 def penalty_host_ab(baseline: str, rounds: int, argv: list[str]) -> None:

@@ -202,6 +202,7 @@ def test_columns_moved_on_the_device_equal_fresh_ones(monkeypatch: pytest.Monkey
     monkeypatch.setattr(history_module, "upload", lambda a, d: uploads.append(a.shape) or real(a, d))
     params = (SamplingParams(repetition_penalty=1.5), SamplingParams(), SamplingParams(frequency_penalty=0.5))
     history = SlotHistory(num_slots=4, max_len=32, vocab_size=VOCAB, device=CPU)
+    history.advance = True  # as on a GPU
     steps = [  # (slots, ctx, generated, fed), uploads of (4, P) columns expected
         (((0, 1, 3), (5, 6, 9), (1, 0, 4), None), 1),  # new rows: uploaded
         (((0, 1, 3), (6, 7, 10), (2, 1, 5), None), 0),  # a decode step: + (0, 1, 1, 1) on the device
@@ -231,11 +232,11 @@ def test_record_puts_tokens_at_the_moved_columns() -> None:
     row at max_len sends the step to the per-row fallback, which skips it."""
     params = (SamplingParams(repetition_penalty=1.5), SamplingParams(), SamplingParams(presence_penalty=0.5))
     history = SlotHistory(num_slots=3, max_len=8, vocab_size=VOCAB, device=CPU)
-    history.in_use = True
+    history.in_use, history.advance = True, True
     for k in range(4):  # contexts (4, 5, 5) .. (7, 8, 8): the last step's rows 1, 2 are at max_len
-        plan = _decode_plan((0, 1, 2), params, (4 + k, 5 + k, 5 + k), (k, k, k))
-        history.penalties(plan, range(3))
-        history.record(plan, range(3), torch.tensor([10 + k, 20 + k, 30 + k]))
+        plan, rows = _decode_plan((0, 1, 2), params, (4 + k, 5 + k, 5 + k), (k, k, k)), range(3)
+        history.penalties(plan, rows)
+        history.record(plan, rows, torch.tensor([10 + k, 20 + k, 30 + k]))  # the same rows: the kept columns
     tokens = history._buffer()
     assert tokens[0, 4:8].tolist() == [10, 11, 12, 13]
     assert tokens[1].tolist() == [0] * 8  # not penalised
