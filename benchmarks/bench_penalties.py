@@ -1,6 +1,6 @@
 """The penalised rows' float32 copy and penalty edits on the H200: today's two launches against one (issue 19).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_penalties.py [--iters 20] [--sampler] [--sweep] [--budget 70]
+    PYTHONPATH=$PWD python3 benchmarks/bench_penalties.py [--iters 20] [--host] [--sampler] [--sweep] [--budget 70]
 
 Per case (256 and 64 rows x 151,936 bf16 logits, ~1,100-token histories: a 100-128-token prompt and ~1,000
 outputs, token ids uniform over the vocabulary, as a random-weight checkpoint samples them; one case with heavy
@@ -14,7 +14,9 @@ repeats, ids below 512), the device us per call (CUDA graph of 10 calls, replaye
 and whether each path's rows equal the old path's bit for bit (``equal``), plus the old path against the torch
 reference (``penalize_ref``, max abs difference). The table is printed after the cases; ``--sampler`` times the
 whole sampling call (256 rows, temperature and Qwen3's preset, the two penalty mixes) with PENALISED_COPY_FUSED
-off and on (and checks the seeded rows' tokens equal); then ``--sweep`` times the
+off and on (and checks the seeded rows' tokens equal); ``--host`` the host's us per decode step of
+``SlotHistory.penalties`` / ``record`` (kept columns moved on the device vs uploaded), of the token write
+(``index_put_`` vs ``put_``) and of the penalised copy's launches (two vs one); then ``--sweep`` times the
 fused kernel's tile (block, history block, warps) on the two 256-row cases until ``--budget`` seconds since the
 start have passed, and the table is printed again with the sweep's best tile per case last.
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import os
 import statistics
 import time
@@ -144,6 +145,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+SWEEP = [  # (block, history block, warps), the likeliest first (the sweep stops at the budget)
+    (4096, 1024, 4),
+    (4096, 2048, 4),
+    (4096, 512, 4),
+    (8192, 2048, 8),
+    (8192, 1024, 8),
+    (2048, 1024, 4),
+    (2048, 2048, 4),
+    (4096, 1024, 8),
+    (4096, 2048, 8),
+    (8192, 2048, 4),
+    (2048, 512, 2),
+    (2048, 2048, 2),
+    (1024, 1024, 2),
+    (16384, 2048, 16),
+]
+
+
 def sweep(case: dict[str, Any], iters: int, budget: float) -> list[tuple[float, tuple[int, int, int]]]:
     """The fused kernel's us per call per tile (block, history block, warps), until ``budget`` s since the start;
     each tile's rows checked against the old path."""
@@ -151,7 +170,7 @@ def sweep(case: dict[str, Any], iters: int, budget: float) -> list[tuple[float, 
 
     old = paths(case)["old"]()
     results = []
-    for block, history, warps in itertools.product((2048, 4096, 8192), (256, 512, 1024, 2048), (4, 8)):
+    for block, history, warps in SWEEP:
         if time.perf_counter() - STARTED > budget:
             print("  (sweep stopped: budget)")
             break
@@ -210,6 +229,95 @@ def device_plain_us(call: Callable[[], Any], iters: int) -> float:
     return statistics.median(times)
 
 
+def _plan(step: int, batch: int, params: tuple[Any, ...], slots: tuple[int, ...]) -> Any:
+    """Decode step ``step`` of ``batch`` rows: context 1,000 + step, 900 + step outputs, the same params, slots."""
+    from fnvllm.state import StepPlan
+
+    ctx = 1000 + step
+    return StepPlan(
+        step=step,
+        block_size=16,
+        seq_ids=tuple(f"r{i}" for i in range(batch)),
+        input_tokens=((5,),) * batch,
+        start_positions=(ctx - 1,) * batch,
+        block_tables=((0,),) * batch,
+        sample=(True,) * batch,
+        params=params,
+        num_generated=(900 + step,) * batch,
+        histories=(None,) * batch,
+        slots=slots,
+    )
+
+
+def _host_us(call: Callable[[], Any], iters: int) -> float:
+    """Median host us per call (no synchronisation inside: the device runs behind)."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _index_put(tokens: torch.Tensor, meta: torch.Tensor, sampled: torch.Tensor) -> None:
+    """The token write as ``record`` made it before: (slot, ctx) index tensors."""
+    tokens.index_put_((meta[0], meta[1]), sampled.to(torch.int32))
+
+
+def _put(tokens: torch.Tensor, meta: torch.Tensor, sampled: torch.Tensor) -> None:
+    """The token write as ``record`` makes it now: flat indices."""
+    tokens.put_(meta[2], sampled.to(torch.int32))
+
+
+def host_costs(iters: int = 300) -> list[str]:
+    """The host's us per decode step on the GPU machine: ``SlotHistory.penalties`` + ``record`` at 64 and 256
+    rows with the kept columns moved on the device (``advance``, the default on a GPU) and uploaded each step, the
+    token write by ``index_put_`` (before) and ``put_`` (now), and the penalised copy's launches (8 rows: the
+    device stays ahead) by float_rows + penalize_ and by penalised_rows."""
+    from fnvllm.executor.history import SlotHistory
+    from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_
+    from fnvllm.state import SamplingParams
+
+    device, lines = torch.device("cuda"), []
+    for batch in (64, 256):
+        params = tuple(SamplingParams(temperature=0.6, repetition_penalty=1.05) for _ in range(batch))
+        slots, rows = tuple(range(batch))[::-1], tuple(range(batch))
+        sampled = torch.zeros(batch, dtype=torch.int64, device=device)
+        cells = []
+        for advance in (False, True):
+            history = SlotHistory(batch, 2048, VOCAB, device)
+            history.in_use, history.advance = True, advance
+            pen, rec = [], []
+            for step in range(iters):
+                plan = _plan(step, batch, params, slots)
+                t0 = time.perf_counter()
+                history.penalties(plan, rows)
+                t1 = time.perf_counter()
+                history.record(plan, rows, sampled)
+                pen.append(t1 - t0)
+                rec.append(time.perf_counter() - t1)
+            torch.cuda.synchronize()
+            cells.append((statistics.median(pen) * 1e6, statistics.median(rec) * 1e6))
+        (up_p, up_r), (adv_p, adv_r) = cells
+        lines.append(f"host B={batch}: penalties {up_p:.1f} (upload) -> {adv_p:.1f} us (moved on the device), "
+                     f"record {up_r:.1f} / {adv_r:.1f} us")  # fmt: skip
+        tokens = torch.zeros(batch, 2048, dtype=torch.int32, device=device)
+        meta = torch.stack([torch.arange(batch), torch.full((batch,), 5), torch.arange(batch) * 2048 + 5]).to(device)
+        put_old = _host_us(functools.partial(_index_put, tokens, meta, sampled), iters)
+        put_new = _host_us(functools.partial(_put, tokens, meta, sampled), iters)
+        lines.append(f"host B={batch}: token write index_put_ {put_old:.1f} -> put_ {put_new:.1f} us")
+    case = make_case(8, False, False, VOCAB, 2, "cuda")
+    logits, tokens, meta, factors = case["logits"], case["tokens"], case["meta"], case["factors"]
+    counts = torch.zeros(8, VOCAB, dtype=torch.int32, device=device)
+    two = _host_us(lambda: penalize_(float_rows(logits), tokens, meta, factors, counts), iters)
+    one = _host_us(lambda: penalised_rows(logits, None, tokens, meta, factors), iters)
+    lines.append(f"host: penalised copy float_rows + penalize_ {two:.1f} -> penalised_rows {one:.1f} us per call")
+    for line in lines:
+        print(line, flush=True)
+    return lines
+
+
 def cpu_check() -> None:
     """Tiny shapes under the interpreter: every path's rows against the old path's."""
     for name, num_rows, counted, repeats in CASES:
@@ -226,6 +334,7 @@ def main() -> None:
         "--budget", type=float, default=70.0, help="seconds since the start after which the sweep stops"
     )
     parser.add_argument("--sampler", action="store_true", help="the whole sampling call, PENALISED_COPY_FUSED off/on")
+    parser.add_argument("--host", action="store_true", help="the host's us per step of the penalised path's calls")
     parser.add_argument("--check", action="store_true", help="CPU: bit-equality on tiny shapes (interpreter)")
     args = parser.parse_args()
     if args.check or not torch.cuda.is_available():
@@ -245,7 +354,7 @@ def main() -> None:
         print(f"{name}: {({k: v for k, v in row.items() if k not in ('case', 'ctx')})} "
               f"[{time.perf_counter() - STARTED:.0f} s]", flush=True)  # fmt: skip
     print_table(rows)
-    sampler_lines = []
+    sampler_lines = host_costs() if args.host else []
     if args.sampler:
         for name in ("256 rep", "256 rep+pres+freq"):
             sampler_lines += sampler_ab(cases[name], args.iters)
