@@ -303,8 +303,8 @@ def _penalised_rows_kernel(
     low = tl.program_id(1) * BLOCK
     cols = low + tl.arange(0, BLOCK)
     inside = cols < vocab_size
+    high = tl.minimum(low + BLOCK, vocab_size)
     source = src_ptr + row * stride_src
-    x = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
     out = out_ptr + i * vocab_size
     row_tokens = tokens_ptr + tl.load(meta_ptr + i) * stride_tokens
     ctx = tl.load(meta_ptr + num_rows + i)
@@ -312,19 +312,28 @@ def _penalised_rows_kernel(
     repetition = tl.load(factors_ptr + i)
     frequency = tl.load(factors_ptr + num_rows + i)
     presence = tl.load(factors_ptr + 2 * num_rows + i)
-    high = tl.minimum(low + BLOCK, vocab_size)
+    counted = (frequency != 0.0) | (presence != 0.0)
+    alone_ctx = tl.where(counted, 0, ctx)  # ctx for a row of repetition alone, else no position
+    # The history's first HISTORY_BLOCK positions, and (repetition alone) their source values, before the copy's
+    # load: their latency hides behind it; the loops below start after them.
+    pos = tl.arange(0, HISTORY_BLOCK)
+    tok = tl.load(row_tokens + pos, mask=pos < ctx, other=-1)
+    ok = (pos < ctx) & (tok >= low) & (tok < high)
+    v = tl.load(source + tok, mask=ok & (pos < alone_ctx), other=0.0).to(tl.float32)
+    x = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
     ones = tl.full([HISTORY_BLOCK], 1, dtype=tl.int32)
-    if (frequency != 0.0) | (presence != 0.0):  # counted: the block's counts and seen bits in the block itself
+    if counted:  # the block's counts and seen bits in the output block itself
         scratch = scratch_ptr + i * vocab_size
         tl.store(scratch + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=inside)
         tl.debug_barrier()
-        for start in range(0, ctx, HISTORY_BLOCK):
-            pos = start + tl.arange(0, HISTORY_BLOCK)
-            tok = tl.load(row_tokens + pos, mask=pos < ctx, other=-1)
-            ok = (pos < ctx) & (tok >= low) & (tok < high)
-            output = pos >= first_output
-            tl.atomic_add(scratch + tok, ones, mask=ok & output)
-            tl.atomic_or(scratch + tok, ones * SEEN_BIT, mask=ok & (pos < first_output))
+        tl.atomic_add(scratch + tok, ones, mask=ok & (pos >= first_output))
+        tl.atomic_or(scratch + tok, ones * SEEN_BIT, mask=ok & (pos < first_output))
+        for start in range(HISTORY_BLOCK, ctx, HISTORY_BLOCK):
+            at = start + tl.arange(0, HISTORY_BLOCK)
+            seen = tl.load(row_tokens + at, mask=at < ctx, other=-1)
+            hit = (at < ctx) & (seen >= low) & (seen < high)
+            tl.atomic_add(scratch + seen, ones, mask=hit & (at >= first_output))
+            tl.atomic_or(scratch + seen, ones * SEEN_BIT, mask=hit & (at < first_output))
         tl.debug_barrier()
         state = tl.load(scratch + cols, mask=inside, other=0, cache_modifier=".cg")
         c = (state & (SEEN_BIT - 1)).to(tl.float32)
@@ -335,13 +344,13 @@ def _penalised_rows_kernel(
     else:  # repetition alone: the copy, then each seen token's value from the source (repeats write the same)
         tl.store(out + cols, x, mask=inside)
         tl.debug_barrier()
-        for start in range(0, ctx, HISTORY_BLOCK):
-            pos = start + tl.arange(0, HISTORY_BLOCK)
-            tok = tl.load(row_tokens + pos, mask=pos < ctx, other=-1)
-            ok = (pos < ctx) & (tok >= low) & (tok < high)
-            v = tl.load(source + tok, mask=ok, other=0.0).to(tl.float32)
-            v = tl.where(v > 0.0, tl.math.div_rn(v, repetition), v * repetition)
-            tl.store(out + tok, v, mask=ok)
+        tl.store(out + tok, tl.where(v > 0.0, tl.math.div_rn(v, repetition), v * repetition), mask=ok)
+        for start in range(HISTORY_BLOCK, ctx, HISTORY_BLOCK):
+            at = start + tl.arange(0, HISTORY_BLOCK)
+            seen = tl.load(row_tokens + at, mask=at < ctx, other=-1)
+            hit = (at < ctx) & (seen >= low) & (seen < high)
+            w = tl.load(source + seen, mask=hit, other=0.0).to(tl.float32)
+            tl.store(out + seen, tl.where(w > 0.0, tl.math.div_rn(w, repetition), w * repetition), mask=hit)
 
 
 def penalised_rows(
