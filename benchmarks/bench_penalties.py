@@ -133,6 +133,16 @@ def check_equal(case: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def guarded(run: Callable[[], Any], failed: Any = None) -> Any:
+    """What ``run`` returns, or ``failed`` (None: a dict saying so) after printing its error: one path that fails
+    (a compile error on this Triton) must not lose the others' numbers."""
+    try:
+        return run()
+    except Exception as error:  # printed, not raised
+        print(f"  FAILED: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        return {"ref": "-", "from-source": "FAILED", "fused": "FAILED"} if failed is None else failed
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The table: device us per call per path, the fused one's saving, equality."""
     print(f"\n{'case':22s} {'ctx':>6s} {'copy':>7s} {'old':>7s} {'from-src':>8s} {'fused':>7s} {'old/fused':>9s} "
@@ -175,9 +185,10 @@ def sweep(case: dict[str, Any], iters: int, budget: float) -> list[tuple[float, 
             print("  (sweep stopped: budget)")
             break
         args = (case["logits"], None, case["tokens"], case["meta"], case["factors"], block, history, warps)
-        same = torch.equal(penalised_rows(*args).view(torch.int32), old.view(torch.int32))
-        us = device_us(lambda a=args: penalised_rows(*a), iters)
-        results.append((us, (block, history, warps)))
+        same = guarded(lambda a=args: torch.equal(penalised_rows(*a).view(torch.int32), old.view(torch.int32)), "-")
+        us = guarded(lambda a=args: device_us(lambda: penalised_rows(*a), iters), float("nan"))
+        if us == us:  # not NaN
+            results.append((us, (block, history, warps)))
         print(f"  block {block:5d} history {history:5d} warps {warps}: {us:7.1f} us  equal {same}", flush=True)
     return sorted(results)
 
@@ -347,22 +358,22 @@ def main() -> None:
     for name, num_rows, counted, repeats in CASES:
         case = make_case(num_rows, counted, repeats, VOCAB, 0, "cuda")
         cases[name] = case
-        row: dict[str, Any] = {"case": name, "ctx": case["mean_ctx"], "eq": check_equal(case)}
+        row: dict[str, Any] = {"case": name, "ctx": case["mean_ctx"], "eq": guarded(lambda c=case: check_equal(c))}
         for path, call in paths(case).items():
-            row[path] = device_us(call, args.iters)
+            row[path] = guarded(lambda c=call: device_us(c, args.iters), float("nan"))
         rows.append(row)
         print(f"{name}: {({k: v for k, v in row.items() if k not in ('case', 'ctx')})} "
               f"[{time.perf_counter() - STARTED:.0f} s]", flush=True)  # fmt: skip
     print_table(rows)
-    sampler_lines = host_costs() if args.host else []
+    sampler_lines = guarded(host_costs, []) if args.host else []
     if args.sampler:
         for name in ("256 rep", "256 rep+pres+freq"):
-            sampler_lines += sampler_ab(cases[name], args.iters)
+            sampler_lines += guarded(lambda c=cases[name]: sampler_ab(c, args.iters), [])
     if args.sweep:
         best = {}
         for name in ("256 rep", "256 rep+pres+freq"):
             print(f"\nsweep {name}:")
-            found = sweep(cases[name], args.iters, args.budget)
+            found = guarded(lambda c=cases[name]: sweep(c, args.iters, args.budget), [])
             if found:
                 best[name] = found[0]
         print_table(rows)
