@@ -164,3 +164,30 @@ def test_fused_rows_at_the_bench_size_equal_copy_then_edits() -> None:
     factors = factors.cuda()
     want = _two_launches(logits, None, tokens, meta, factors)
     assert torch.equal(_bits(penalised_rows(logits, None, tokens, meta, factors)), _bits(want))
+
+
+@pytest.mark.parametrize("every_row", [True, False])
+def test_penalised_copy_switch_gives_the_same_rows(every_row: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``penalised_copy`` with PENALISED_COPY_FUSED (one launch) gives the rows it gives without (copy, then
+    penalties), bit for bit, for a batch whose every row is penalised and for one with unpenalised rows between."""
+    from fnvllm.executor import fused_sampling
+    from fnvllm.executor.history import SlotPenalties
+    from fnvllm.executor.sampler import prepare_sampling
+    from fnvllm.state import SamplingParams
+
+    _, tokens, meta, factors = _case(6, num_rows=3, max_len=30)
+    pen = [SamplingParams(repetition_penalty=float(factors[0, i]), frequency_penalty=float(factors[1, i]),
+                          presence_penalty=float(factors[2, i])) for i in range(3)]  # fmt: skip
+    params = pen if every_row else [pen[0], SamplingParams(), pen[1], SamplingParams(top_k=3), pen[2]]
+    source = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    counts = torch.zeros(2, VOCAB, dtype=torch.int32)
+    penalties = SlotPenalties(tokens, meta, factors, counts)
+    batch = prepare_sampling(params, [0] * len(params), [None] * len(params), VOCAB, "cpu", penalties)
+    assert (batch.penalised is not None) and ((batch.penalised.rows is None) == every_row)
+    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", False)
+    want = fused_sampling.penalised_copy(source, batch, kernels=True)
+    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", True)
+    got = fused_sampling.penalised_copy(source, batch, kernels=True)
+    assert want is not None and got is not None
+    assert torch.equal(_bits(got), _bits(want))
+    assert not torch.equal(want, float_rows_ref(source, batch.penalised.rows))  # the rows are penalised
