@@ -167,27 +167,54 @@ def test_fused_rows_at_the_bench_size_equal_copy_then_edits() -> None:
 
 
 @pytest.mark.parametrize("every_row", [True, False])
-def test_penalised_copy_switch_gives_the_same_rows(every_row: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``penalised_copy`` with PENALISED_COPY_FUSED (one launch) gives the rows it gives without (copy, then
-    penalties), bit for bit, for a batch whose every row is penalised and for one with unpenalised rows between."""
+@pytest.mark.parametrize(
+    ("route", "counted"),
+    [("PENALISED_COPY_FUSED", True), ("REPETITION_FROM_SOURCE", False), ("REPETITION_FROM_SOURCE", True)],
+)
+def test_penalised_copy_routes_give_the_same_rows(
+    every_row: bool, route: str, counted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``penalised_copy`` on each route (the fused launch; repetition alone from the source, which rows with
+    presence / frequency must not take) gives the rows the old route gives (copy, then penalties), bit for bit, for
+    a batch whose every row is penalised and for one with unpenalised rows between."""
     from fnvllm.executor import fused_sampling
     from fnvllm.executor.history import SlotPenalties
     from fnvllm.executor.sampler import prepare_sampling
     from fnvllm.state import SamplingParams
 
     _, tokens, meta, factors = _case(6, num_rows=3, max_len=30)
+    if not counted:
+        factors[1:] = 0.0  # repetition alone
     pen = [SamplingParams(repetition_penalty=float(factors[0, i]), frequency_penalty=float(factors[1, i]),
                           presence_penalty=float(factors[2, i])) for i in range(3)]  # fmt: skip
     params = pen if every_row else [pen[0], SamplingParams(), pen[1], SamplingParams(top_k=3), pen[2]]
     source = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     counts = torch.zeros(2, VOCAB, dtype=torch.int32)
-    penalties = SlotPenalties(tokens, meta, factors, counts)
+    penalties = SlotPenalties(tokens, meta, factors, counts, counted=counted)
     batch = prepare_sampling(params, [0] * len(params), [None] * len(params), VOCAB, "cpu", penalties)
     assert (batch.penalised is not None) and ((batch.penalised.rows is None) == every_row)
-    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", False)
+    for name in ("PENALISED_COPY_FUSED", "REPETITION_FROM_SOURCE", "PENALTIES_FROM_SOURCE"):
+        monkeypatch.setattr(fused_sampling, name, False)
     want = fused_sampling.penalised_copy(source, batch, kernels=True)
-    monkeypatch.setattr(fused_sampling, "PENALISED_COPY_FUSED", True)
+    monkeypatch.setattr(fused_sampling, route, True)
     got = fused_sampling.penalised_copy(source, batch, kernels=True)
     assert want is not None and got is not None
     assert torch.equal(_bits(got), _bits(want))
     assert not torch.equal(want, float_rows_ref(source, batch.penalised.rows))  # the rows are penalised
+
+
+def test_repetition_from_source_without_the_count_launch_equals_penalize() -> None:
+    """``penalize_from_`` told that no row is counted (one launch, each edit from the source) gives rows of
+    repetition alone as float_rows + penalize_ give them, bit for bit, repeats and a subset of rows included."""
+    from fnvllm.kernels.penalties import penalize_from_
+
+    logits, tokens, meta, factors = _case(8, num_rows=4, max_len=50)
+    factors[1:] = 0.0
+    source = torch.cat([logits, logits.flip(0)]).to(torch.bfloat16)
+    rows = torch.tensor([6, 1, 4, 0])
+    on = [t.to(DEVICE) for t in (source, rows, tokens, meta, factors)]
+    want = _two_launches(*on)
+    counts = torch.zeros(2, VOCAB, dtype=torch.int32, device=DEVICE)
+    got = penalize_from_(float_rows(on[0], on[1]), on[0], on[1], *on[2:], counts, None, counted=False)
+    assert torch.equal(_bits(got), _bits(want))
+    assert not torch.equal(want.cpu(), float_rows_ref(source, rows))

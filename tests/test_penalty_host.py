@@ -241,3 +241,16 @@ def test_record_puts_tokens_at_the_moved_columns() -> None:
     assert tokens[0, 4:8].tolist() == [10, 11, 12, 13]
     assert tokens[1].tolist() == [0] * 8  # not penalised
     assert tokens[2, 5:8].tolist() == [30, 31, 32]  # ctx 8 = max_len: the fourth token has no place
+
+
+def test_penalties_say_whether_a_row_is_counted() -> None:
+    """``SlotPenalties.counted`` is False when every penalised row has repetition alone (the one-launch route) and
+    True as soon as one has a frequency or presence penalty."""
+    history = SlotHistory(num_slots=3, max_len=16, vocab_size=VOCAB, device=CPU)
+    alone = (SamplingParams(repetition_penalty=1.2), SamplingParams(), SamplingParams(repetition_penalty=0.9))
+    got = history.penalties(_plan((0, 1, 2), alone, (3, 4, 5)), range(3))
+    assert got is not None and not got.counted
+    for extra in (dict(frequency_penalty=0.1), dict(presence_penalty=-0.5)):
+        mixed = (*alone[:2], SamplingParams(repetition_penalty=0.9, **extra))
+        got = history.penalties(_plan((0, 1, 2), mixed, (3, 4, 5)), range(3))
+        assert got is not None and got.counted

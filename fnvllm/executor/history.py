@@ -61,13 +61,15 @@ class SlotPenalties:
 
     tokens: the (num_slots, max_len) int32 buffer. meta: (3, P) int64 slot, context length, outputs per row.
     factors: (3, P) float32 repetition, frequency, presence. counts: the (G, V) int32 zero scratch of the kernel,
-    one row per program (None off CUDA: the reference runs there).
+    one row per program (None off CUDA: the reference runs there). counted: some row has a frequency or presence
+    penalty (False: repetition alone everywhere, so the edits need no output counts; True when unknown).
     """
 
     tokens: torch.Tensor
     meta: torch.Tensor
     factors: torch.Tensor
     counts: torch.Tensor | None
+    counted: bool = True
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """In place on the (P, V) float32 logits of the penalised rows: repetition, then presence / frequency."""
@@ -95,6 +97,7 @@ class PenalisedRows:
     rows: (P,) int64 plan rows. positions: (P,) int64 their places among the sampled rows. slots: (P,) int64.
     every: the penalised rows are every sampled row, in order (positions is 0..P-1). whole: they are every plan
     row, in order (rows is 0..B-1). factors: (3, P) float32 repetition, frequency, presence on the device.
+    counted: some row has a frequency or presence penalty.
     """
 
     rows: np.ndarray
@@ -103,6 +106,7 @@ class PenalisedRows:
     every: bool
     whole: bool
     factors: torch.Tensor
+    counted: bool
     _positions_on: list[torch.Tensor] = attrs.field(factory=list)
 
     @classmethod
@@ -124,7 +128,8 @@ class PenalisedRows:
         every = len(picked) == len(rows)
         whole = len(picked) == len(plan.params) and bool((at[0] == np.arange(len(picked))).all())
         slots = np.array([plan.slots[i] for _, i in picked], dtype=np.int64)
-        return cls(at[0], at[1], slots, every, whole, upload(reals, device))
+        counted = bool(reals[1:].any())
+        return cls(at[0], at[1], slots, every, whole, upload(reals, device), counted)
 
     def positions_on(self, device: torch.device) -> torch.Tensor:
         """``positions`` on the device (uploaded on first use, then kept)."""
@@ -211,21 +216,24 @@ class SlotHistory:
             self._compile()
 
     def _compile(self) -> None:
-        """Run the penalty kernel (and, with PENALISED_COPY_FUSED, ``penalised_rows``) once on a one-row batch, so
-        that it compiles now, not in the first penalised step (a stall of seconds mid-run); the shapes that
-        specialise it (vocabulary, row strides) are the real ones."""
+        """Run the penalty kernel, the copy kernel and the route's edit kernels (``penalize_from_``'s with
+        REPETITION_FROM_SOURCE, ``penalised_rows`` with PENALISED_COPY_FUSED; bf16 logits) once on a one-row batch,
+        so that they compile now, not in the first penalised step (a stall of seconds mid-run); the shapes that
+        specialise them (vocabulary, row strides) are the real ones."""
         assert self.tokens is not None and self.counts is not None  # allocated just before
         work = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
         meta = torch.tensor([[0], [2], [1]], dtype=torch.int64, device=self.device)
         factors = torch.tensor([[1.1], [0.5], [0.5]], dtype=torch.float32, device=self.device)
         penalize(work, self.tokens, meta, factors, self.counts)
         from fnvllm.executor import fused_sampling
+        from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_from_
 
-        if fused_sampling.PENALISED_COPY_FUSED:  # its copy-and-edit launch, for bf16 logits, every row or some rows
-            from fnvllm.kernels.penalties import penalised_rows
-
-            logits = torch.zeros(1, self.vocab_size, dtype=torch.bfloat16, device=self.device)
-            for rows in (None, torch.zeros(1, dtype=torch.int32, device=self.device)):
+        logits = torch.zeros(1, self.vocab_size, dtype=torch.bfloat16, device=self.device)
+        for rows in (None, torch.zeros(1, dtype=torch.int32, device=self.device)):  # every row, or some rows
+            work = float_rows(logits, rows)
+            if fused_sampling.REPETITION_FROM_SOURCE or fused_sampling.PENALTIES_FROM_SOURCE:
+                penalize_from_(work, logits, rows, self.tokens, meta, factors, self.counts, None)
+            if fused_sampling.PENALISED_COPY_FUSED:
                 penalised_rows(logits, rows, self.tokens, meta, factors)
 
     def admit(self, plan: StepPlan) -> None:
@@ -257,7 +265,7 @@ class SlotHistory:
             meta = upload(np.stack([picked.slots, ctx, generated, picked.slots * self.max_len + ctx]), self.device)
         fits = bool(ctx.max() < self.max_len)
         self._step = _StepColumns(plan, rows, picked, ctx, generated, meta, fits)
-        return SlotPenalties(tokens, meta[:3], picked.factors, self.counts)
+        return SlotPenalties(tokens, meta[:3], picked.factors, self.counts, picked.counted)
 
     def _advanced(self, picked: PenalisedRows, ctx: np.ndarray, generated: np.ndarray) -> torch.Tensor | None:
         """The last step's (4, P) meta moved on the device by the amounts every row's context and output count

@@ -155,8 +155,8 @@ def _repetition_from_kernel(
             tl.atomic_or(edited + tok // 32, ones << (tok % 32), mask=ok)
 
 
-_REPETITION_PARTS = 4  # programs per row of _repetition_from_kernel
-_REPETITION_BLOCK = 256  # positions per block of _repetition_from_kernel
+REPETITION_PARTS = 4  # programs per row of _repetition_from_kernel (a knob bench_penalties.py --sweep times)
+REPETITION_BLOCK = 256  # positions per block of _repetition_from_kernel
 
 
 def _check_penalize(
@@ -204,14 +204,17 @@ def penalize_from_(
     factors: torch.Tensor,
     counts: torch.Tensor,
     edited: torch.Tensor | None,
+    counted: bool = True,
 ) -> torch.Tensor:
     """``penalize_`` with each edited value read from ``source`` (N, V) (row rows[i] holds row i; rows None: row i)
     and upcast, written to ``work`` (P, V) float32 (only there), and, when ``edited`` is given, its bit set there
     ((P, ceil(V / 32)) int32, zero on entry: bit t % 32 of word t // 32): for a caller that makes the rest of the
     copy itself. Without ``edited``: ``work`` already holds the upcast rows (``float_rows``),
     and ends exactly as ``penalize_`` leaves it. Returns ``work``.
-    Rows whose only penalty is repetition take a launch of their own on a (rows, 4) grid with no count pass (the
-    edit of a token then depends on its source value alone); the others take ``penalize_``'s three passes."""
+    Rows whose only penalty is repetition take a launch of their own on a (rows, REPETITION_PARTS) grid with no
+    count pass (the edit of a token then depends on its source value alone); the others take ``penalize_``'s three
+    passes. counted False: the caller knows that no row has a frequency or presence penalty, and that second launch
+    is skipped (its programs would find no position to count)."""
     num_rows, vocab = work.shape
     if source.dim() != 2 or source.stride(1) != 1 or source.shape[1] != vocab:
         raise ValueError(f"source must be (N, {vocab}) with a contiguous last dim, got {tuple(source.shape)}")
@@ -221,11 +224,13 @@ def penalize_from_(
     _check_penalize(work, tokens, meta, factors, counts)
     if num_rows:
         meta, factors, src_rows = meta.contiguous(), factors.contiguous(), source if rows is None else rows
-        _repetition_from_kernel[(num_rows, _REPETITION_PARTS)](
+        _repetition_from_kernel[(num_rows, REPETITION_PARTS)](
             work, tokens, meta, factors, source, src_rows, work if edited is None else edited, work.stride(0),
             tokens.stride(0), source.stride(0), num_rows, vocab, HAS_SRC_ROWS=rows is not None,
-            BLOCK=_REPETITION_BLOCK, MARK=edited is not None,
+            BLOCK=REPETITION_BLOCK, MARK=edited is not None,
         )  # fmt: skip
+        if not counted:
+            return work
         _penalize_kernel[(min(num_rows, counts.shape[0]),)](
             work, tokens, meta, factors, counts, source, src_rows, work if edited is None else edited, work.stride(0),
             tokens.stride(0), source.stride(0), num_rows, vocab, OWNED_BIT=OWNED, BLOCK=_BLOCK, FROM_SOURCE=True,
@@ -272,10 +277,12 @@ def float_rows_ref(logits: torch.Tensor, rows: torch.Tensor | None = None) -> to
 
 SEEN = 1 << 30  # the seen bit of ``penalised_rows``' in-row scratch (output counts stay below max_model_len)
 # ``penalised_rows``' tile: vocabulary columns per program (its share of the copy), history positions per pass, warps.
-# Knobs a GPU run sweeps (benchmarks/bench_penalties.py --sweep).
-FUSED_BLOCK = 4096
-FUSED_HISTORY_BLOCK = 1024
-FUSED_WARPS = 4
+# Knobs a GPU run sweeps (benchmarks/bench_penalties.py --sweep). The best of 14 tiles on the H200 (mid call
+# 2026-12-02 14:10, 256 rows of ~1,100 tokens, repetition alone): 16384 / 2048 / 16, 86.8 us per call (4096 / 1024 /
+# 4: 126.3; fewer blocks per row walk its history fewer times); with presence and frequency 4096 / 2048 / 8 (171.8).
+FUSED_BLOCK = 16384
+FUSED_HISTORY_BLOCK = 2048
+FUSED_WARPS = 16
 
 
 @triton.jit(do_not_specialize=["stride_tokens", "num_rows"])
