@@ -1,4 +1,4 @@
-"""The penalised rows' float32 copy and penalty edits on the H200: today's two launches against one (issue 19).
+"""The penalised rows' float32 copy and penalty edits on the H200, by each route (issue 19).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_penalties.py [--iters 20] [--host] [--sampler] [--sweep] [--budget 70]
 
@@ -7,18 +7,20 @@ outputs, token ids uniform over the vocabulary, as a random-weight checkpoint sa
 repeats, ids below 512), the device us per call (CUDA graph of 10 calls, replayed --iters times, median) of:
 
     copy only     ``float_rows`` alone: the floor (the copy's bytes at the copy bandwidth)
-    old           ``float_rows`` + ``penalize_`` (one program per row, three passes; the executor's path today)
-    from-source   ``float_rows`` + ``penalize_from_`` (PENALTIES_FROM_SOURCE)
+    old           ``float_rows`` + ``penalize_`` (one program per row, three passes)
+    from-source   ``float_rows`` + ``penalize_from_``, its count launch only for cases with presence / frequency
+                  (REPETITION_FROM_SOURCE, the default route of repetition alone; PENALTIES_FROM_SOURCE otherwise)
     fused         ``penalised_rows``: the copy and the edits in one (rows, vocabulary blocks) launch
 
 and whether each path's rows equal the old path's bit for bit (``equal``), plus the old path against the torch
-reference (``penalize_ref``, max abs difference). The table is printed after the cases; ``--sampler`` times the
-whole sampling call (256 rows, temperature and Qwen3's preset, the two penalty mixes) with PENALISED_COPY_FUSED
-off and on (and checks the seeded rows' tokens equal); ``--host`` the host's us per decode step of
-``SlotHistory.penalties`` / ``record`` (kept columns moved on the device vs uploaded), of the token write
-(``index_put_`` vs ``put_``) and of the penalised copy's launches (two vs one); then ``--sweep`` times the
-fused kernel's tile (block, history block, warps) on the two 256-row cases until ``--budget`` seconds since the
-start have passed, and the table is printed again with the sweep's best tile per case last.
+reference (``penalize_ref``, max abs difference). The table is printed after the cases; ``--host`` then prints
+the host's us per decode step of ``SlotHistory.penalties`` / ``record`` (kept columns moved on the device vs
+uploaded), of the token write (``index_put_`` vs ``put_``) and of the penalised copy's launches (two vs one);
+``--sampler`` the whole sampling call (256 rows, temperature and Qwen3's preset, the two penalty mixes) on each
+route (old, repetition from the source, fused), with the seeded rows' tokens compared; ``--sweep`` the repetition
+kernel's (parts, block) on 256 and 64 rows, then the fused kernel's tile (block, history block, warps) on the two
+256-row cases until ``--budget`` seconds since the start have passed; the table is printed again at the end, with
+each sweep's best.
 
 On the CPU ``--check`` runs the paths once on tiny shapes under TRITON_INTERPRET (the bit-equality only).
 """
@@ -55,7 +57,7 @@ def make_case(num_rows: int, counted: bool, repeats: bool, vocab: int, seed: int
     frequency, presence = (0.3, 0.2) if counted else (0.0, 0.0)
     factors = torch.tensor([[1.05], [frequency], [presence]]).expand(3, num_rows).contiguous()
     on = {"logits": logits, "tokens": tokens, "meta": meta, "factors": factors}
-    return {k: v.to(device) for k, v in on.items()} | {"mean_ctx": float(ctx.float().mean())}
+    return {k: v.to(device) for k, v in on.items()} | {"mean_ctx": float(ctx.float().mean()), "counted": counted}
 
 
 def paths(case: dict[str, Any]) -> dict[str, Callable[[], torch.Tensor]]:
@@ -67,7 +69,9 @@ def paths(case: dict[str, Any]) -> dict[str, Callable[[], torch.Tensor]]:
     return {
         "copy only": lambda: float_rows(logits),
         "old": lambda: penalize_(float_rows(logits), tokens, meta, factors, counts),
-        "from-source": lambda: penalize_from_(float_rows(logits), logits, None, tokens, meta, factors, counts, None),
+        "from-source": lambda: penalize_from_(
+            float_rows(logits), logits, None, tokens, meta, factors, counts, None, case["counted"]
+        ),
         "fused": lambda: penalised_rows(logits, None, tokens, meta, factors),
     }
 
@@ -155,6 +159,30 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+REPETITION_SWEEP = [(4, 256), (8, 128), (8, 256), (16, 64), (16, 128), (2, 512), (32, 64)]  # (parts, block)
+
+
+def repetition_sweep(case: dict[str, Any], iters: int) -> list[tuple[float, tuple[int, int]]]:
+    """float_rows + ``penalize_from_`` (repetition alone, no count launch) per (REPETITION_PARTS, REPETITION_BLOCK),
+    each checked against the old path."""
+    from fnvllm.kernels import penalties
+
+    old = paths(case)["old"]()
+    call = paths(case)["from-source"]
+    default, results = (penalties.REPETITION_PARTS, penalties.REPETITION_BLOCK), []
+    try:
+        for parts, block in REPETITION_SWEEP:
+            penalties.REPETITION_PARTS, penalties.REPETITION_BLOCK = parts, block
+            same = guarded(lambda: torch.equal(call().view(torch.int32), old.view(torch.int32)), "-")
+            us = guarded(lambda: device_us(call, iters), float("nan"))
+            if us == us:  # not NaN
+                results.append((us, (parts, block)))
+            print(f"  parts {parts:3d} block {block:4d}: {us:7.1f} us  equal {same}", flush=True)
+    finally:
+        penalties.REPETITION_PARTS, penalties.REPETITION_BLOCK = default
+    return sorted(results)
+
+
 SWEEP = [  # (block, history block, warps), the likeliest first (the sweep stops at the budget)
     (4096, 1024, 4),
     (4096, 2048, 4),
@@ -193,10 +221,18 @@ def sweep(case: dict[str, Any], iters: int, budget: float) -> list[tuple[float, 
     return sorted(results)
 
 
+ROUTES = {  # fused_sampling's switches per route of the penalised rows (those on)
+    "old": (),
+    "rep. from source": ("REPETITION_FROM_SOURCE",),
+    "fused": ("PENALISED_COPY_FUSED",),
+}
+_ROUTE_SWITCHES = ("REPETITION_FROM_SOURCE", "PENALTIES_FROM_SOURCE", "PENALISED_COPY_FUSED")
+
+
 def sampler_ab(case: dict[str, Any], iters: int) -> list[str]:
     """The whole sampling call (``Sampler.sample``, every row penalised from the case's slot buffer, seeded rows)
-    with PENALISED_COPY_FUSED off and on, for temperature 0.6 and Qwen3's preset (top_p 0.95, top_k 20), plus the
-    case's penalties: device us per call (plain launches, CUDA events) and whether the tokens are the same."""
+    on each route of ROUTES, for temperature 0.6 and Qwen3's preset (top_p 0.95, top_k 20), plus the case's
+    penalties: device us per call (plain launches, CUDA events) and whether the tokens equal the old route's."""
     from fnvllm.executor import fused_sampling
     from fnvllm.executor.history import SlotPenalties
     from fnvllm.executor.sampler import Sampler, prepare_sampling
@@ -204,23 +240,26 @@ def sampler_ab(case: dict[str, Any], iters: int) -> list[str]:
 
     logits, num_rows = case["logits"], case["logits"].shape[0]
     counts = torch.zeros(min(128, num_rows), logits.shape[1], dtype=torch.int32, device=logits.device)
-    penalties = SlotPenalties(case["tokens"], case["meta"], case["factors"], counts)
+    penalties = SlotPenalties(case["tokens"], case["meta"], case["factors"], counts, case["counted"])
     rep, freq, pres = (float(f) for f in case["factors"][:, 0])
+    defaults = {name: getattr(fused_sampling, name) for name in _ROUTE_SWITCHES}
     lines = []
     for label, extra in (("temperature 0.6", {}), ("preset", {"top_p": 0.95, "top_k": 20})):
         kwargs = {"repetition_penalty": rep, "frequency_penalty": freq, "presence_penalty": pres, **extra}
         params = [SamplingParams(temperature=0.6, seed=i, **kwargs) for i in range(num_rows)]
         batch = prepare_sampling(params, [3] * num_rows, [None] * num_rows, logits.shape[1], logits.device, penalties)
-        sampler, results = Sampler(0, kernels=True), {}
-        for fused in (False, True):
-            fused_sampling.PENALISED_COPY_FUSED = fused
+        sampler, cells, want = Sampler(0, kernels=True), [], None
+        for route, on in ROUTES.items():
+            for name in _ROUTE_SWITCHES:
+                setattr(fused_sampling, name, name in on)
             tokens = sampler.sample(logits, batch).token_ids
-            call = functools.partial(sampler.sample, logits, batch)
-            results[fused] = (tokens, device_plain_us(call, iters))
-        fused_sampling.PENALISED_COPY_FUSED = False
-        same = torch.equal(results[False][0], results[True][0])
-        lines.append(f"sampler, {label} + penalties: {results[False][1]:.1f} -> {results[True][1]:.1f} us per call "
-                     f"(fused off -> on), tokens equal {same}")  # fmt: skip
+            want = tokens if want is None else want
+            us = device_plain_us(functools.partial(sampler.sample, logits, batch), iters)
+            cells.append(f"{route} {us:.1f}" + ("" if torch.equal(tokens, want) else " (TOKENS DIFFER)"))
+        for name, value in defaults.items():
+            setattr(fused_sampling, name, value)
+        penalty = "repetition" if not case["counted"] else "rep. + pres. + freq."
+        lines.append(f"sampler, {label} + {penalty}, us per call: " + ", ".join(cells))
         print(lines[-1], flush=True)
     return lines
 
@@ -287,7 +326,7 @@ def host_costs(iters: int = 300) -> list[str]:
     token write by ``index_put_`` (before) and ``put_`` (now), and the penalised copy's launches (8 rows: the
     device stays ahead) by float_rows + penalize_ and by penalised_rows."""
     from fnvllm.executor.history import SlotHistory
-    from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_
+    from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_, penalize_from_
     from fnvllm.state import SamplingParams
 
     device, lines = torch.device("cuda"), []
@@ -323,7 +362,13 @@ def host_costs(iters: int = 300) -> list[str]:
     counts = torch.zeros(8, VOCAB, dtype=torch.int32, device=device)
     two = _host_us(lambda: penalize_(float_rows(logits), tokens, meta, factors, counts), iters)
     one = _host_us(lambda: penalised_rows(logits, None, tokens, meta, factors), iters)
-    lines.append(f"host: penalised copy float_rows + penalize_ {two:.1f} -> penalised_rows {one:.1f} us per call")
+    rep = _host_us(
+        lambda: penalize_from_(float_rows(logits), logits, None, tokens, meta, factors, counts, None, False), iters
+    )
+    lines.append(
+        f"host: penalised copy float_rows + penalize_ {two:.1f}, float_rows + penalize_from_ (repetition alone) "
+        f"{rep:.1f}, penalised_rows {one:.1f} us per call"
+    )
     for line in lines:
         print(line, flush=True)
     return lines
@@ -371,14 +416,19 @@ def main() -> None:
             sampler_lines += guarded(lambda c=cases[name]: sampler_ab(c, args.iters), [])
     if args.sweep:
         best = {}
+        for name in ("256 rep", "64 rep"):
+            print(f"\nrepetition kernel sweep, {name} (float_rows + penalize_from_):")
+            found = guarded(lambda c=cases[name]: repetition_sweep(c, args.iters), [])
+            if found:
+                best[f"{name}, parts / block"] = found[0]
         for name in ("256 rep", "256 rep+pres+freq"):
             print(f"\nsweep {name}:")
             found = guarded(lambda c=cases[name]: sweep(c, args.iters, args.budget), [])
             if found:
-                best[name] = found[0]
+                best[f"{name}, fused tile (block, history block, warps)"] = found[0]
         print_table(rows)
         for name, (us, tile) in best.items():
-            print(f"best tile {name}: block, history block, warps = {tile}: {us:.1f} us")
+            print(f"best {name}: {tile}: {us:.1f} us")
     print("\n".join(sampler_lines))
     print(f"[{time.perf_counter() - STARTED:.0f} s]")
 
