@@ -21,6 +21,17 @@ for a dense (256, 151,936) float32 count tensor. The scratch is (G, V) int32, ze
 
 Worked example: tokens (5, 7, 5 | 7, 7) with 2 outputs, r 2, frequency 1, presence 0.5: counts[7] = 2, counts[5]
 = 0; token 5 becomes x5 / 2 (if positive), token 7 becomes x7 / 2 - (1 * 2 + 0.5).
+
+Why that kernel is slow (61 us at 256 rows of ~1,100 tokens on the H200, for ~282k edits): 128 programs of 4
+warps on 132 SMs, each taking two rows in turn, each row three passes of two 1,024-position blocks, every block a
+chain of dependent global accesses (token ids, then atomics or loads, then stores) behind a barrier: latency, with
+almost nothing to hide it. Two other routes, the same rows bit for bit:
+
+    ``penalize_from_``  each edit reads its value from the source logits, not the copy, so rows of repetition
+                        alone need no count and no owner: a (rows, REPETITION_PARTS) grid of short programs (with
+                        ``float_rows``: 92 us against 131 at 256 rows, 24 against 43 at 64, measured there);
+    ``penalised_rows``  the copy and the edits in one (rows, vocabulary blocks) launch, each block walking its
+                        row's history for the tokens inside it (slower there: every block walks the whole history).
 """
 
 from __future__ import annotations
