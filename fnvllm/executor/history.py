@@ -22,6 +22,9 @@ counts while it runs):
     repetition (HF), on every token seen in prompt or output:   logit = logit / r if logit > 0 else logit * r
     presence / frequency (OpenAI), on output tokens:            logit -= frequency * count + presence * (count > 0)
 
+(When no penalised row has a presence or frequency penalty, ``SlotPenalties.counted`` says so and the sampler takes
+the faster route of ``penalize_from_``: several short programs per row, no counts; ``fused_sampling``.)
+
 On a GPU the buffer (42 MB at 256 slots of 40,960 tokens) and the count scratch (78 MB: 128 rows of a
 151,936-token vocabulary) are allocated when the executor starts, before the KV cache is sized, so that a first
 penalised request allocates nothing mid-run; on the CPU the buffer comes with the first penalised request. Steps
