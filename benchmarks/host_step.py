@@ -46,6 +46,11 @@ PYTHONPATH, so one script compares two trees (seconds, CPU):
     for t in /tmp/old-tree $PWD; do PYTHONPATH=$t python3 benchmarks/host_step.py --penalty-host 300 \
         --batches 64,256 --preset qwen3 --repetition-penalty 1.05; done
 
+or, in one run, both trees in turns (``--rounds`` each, the lowest median per column kept) and the ratios:
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step.py --penalty-host 300 --batches 64,256 --preset qwen3 \
+        --repetition-penalty 1.05 --baseline /tmp/old-tree --rounds 5
+
 ``--logprobs N --with-plain`` measures each batch size twice in one run, without and with logprobs, side by side,
 and ends the table with each column's host ms per step over its plain column (the logprobs' host cost):
 
@@ -63,9 +68,11 @@ import argparse
 import cProfile
 import functools
 import gc
+import json
 import math
 import os
 import pstats
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -490,13 +497,33 @@ def sampler_ops(
         )
 
 
-def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> None:
+def _penalty_plan(step: int, batch: int, params: tuple[Any, ...], slots: tuple[int, ...]) -> StepPlan:
+    """Decode step ``step`` of ``batch`` rows: context 100 + step, ``step`` outputs, the same params and slots."""
+    ctx = 100 + step
+    return StepPlan(
+        step=step,
+        block_size=16,
+        seq_ids=tuple(f"r{i}" for i in range(batch)),
+        input_tokens=((5,),) * batch,
+        start_positions=(ctx - 1,) * batch,
+        block_tables=((0,),) * batch,
+        sample=(True,) * batch,
+        params=params,
+        num_generated=(step,) * batch,
+        histories=(None,) * batch,
+        slots=slots,
+    )
+
+
+def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> dict[str, list[float]]:
     """The sampling inputs' host work of a decode step alone (``--penalty-host N``), no model: per step, what
     ``ModelExecutor._sample`` runs on the host before and after the sampler (``prepare_sampling`` through the
     executor's ``SamplingMemo``, ``SlotHistory.penalties`` and ``SlotHistory.record``) over N decode steps of B
     rows whose params tuple and slots stay the same (the core's decode steps without joins or leaves), on the
-    CPU. Prints us per step (median of the steps) per batch size. Runs against whichever ``fnvllm`` is on
-    PYTHONPATH, so one script compares two trees."""
+    CPU. Prints us per step (median of the steps) per batch size, then the aten ops per step of ``penalties`` and
+    ``record`` (ops / allocations; each a launch or an allocator call on a GPU, ~5 us of host each there), and
+    returns the us columns per batch. Runs against whichever ``fnvllm`` is on PYTHONPATH, so one script compares
+    two trees (``--baseline``)."""
     import statistics
 
     from fnvllm.executor.history import SlotHistory
@@ -504,6 +531,8 @@ def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> No
 
     vocab, device = 151_936, torch.device("cpu")
     print(f"penalty host: sampling {sampling}, {steps} steps, us per step (median): prepare, penalties, record, all")
+    print(f"{'':8}{'prepare':>10}{'penalties':>10}{'record':>10}{'all':>10}   aten ops/allocs: penalties, record")
+    found = {}
     for batch in batches:
         params = tuple(SamplingParams(temperature=0.6, **sampling) for _ in range(batch))
         history = SlotHistory(batch, 2048, vocab, device)
@@ -511,23 +540,18 @@ def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> No
         memo = SamplingMemo()
         sampled = torch.zeros(batch, dtype=torch.int64)
         slots = tuple(range(batch))[::-1]
+        rows = tuple(range(batch))
         times: list[tuple[float, float, float]] = []
-        for step in range(steps):
-            ctx = 100 + step
-            plan = StepPlan(
-                step=step,
-                block_size=16,
-                seq_ids=tuple(f"r{i}" for i in range(batch)),
-                input_tokens=((5,),) * batch,
-                start_positions=(ctx - 1,) * batch,
-                block_tables=((0,),) * batch,
-                sample=(True,) * batch,
-                params=params,
-                num_generated=(step,) * batch,
-                histories=(None,) * batch,
-                slots=slots,
-            )
-            rows = tuple(range(batch))
+        counters = (OpCounter(), OpCounter())
+        for step in range(steps + 10):
+            plan = _penalty_plan(step, batch, params, slots)
+            if step >= steps:  # the last 10 steps: the ops they run (outside the timed ones)
+                with counters[0]:
+                    pen = history.penalties(plan, rows)
+                prepare_sampling(params, plan.num_generated, plan.histories, vocab, device, pen, memo)
+                with counters[1]:
+                    history.record(plan, rows, sampled)
+                continue
             t0 = time.perf_counter()
             pen = history.penalties(plan, rows)
             t1 = time.perf_counter()
@@ -538,7 +562,61 @@ def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> No
             times.append((t2 - t1, t1 - t0, t3 - t2))
         cols = [1e6 * statistics.median(t[k] for t in times) for k in range(3)]
         total = 1e6 * statistics.median(sum(t) for t in times)
-        print(f"  B={batch:<5}{cols[0]:>10.1f}{cols[1]:>10.1f}{cols[2]:>10.1f}{total:>10.1f}", flush=True)
+        found[f"B={batch}"] = [*cols, total]
+        ops = "  ".join(f"{c.ops / 10:.1f}/{c.allocs / 10:.1f}" for c in counters)
+        print(f"  B={batch:<5}{cols[0]:>10.1f}{cols[1]:>10.1f}{cols[2]:>10.1f}{total:>10.1f}   {ops}", flush=True)
+    penalised_copy_ops()
+    return found
+
+
+def penalised_copy_ops(rows: int = 4, vocab: int = 512) -> None:
+    """The host calls of the penalised rows' copy as the GPU runs it, counted on the CPU (Triton interpreted):
+    ``float_rows`` + ``penalize_`` (two launches) against ``penalised_rows`` (one), when this tree has it."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported: run on the CPU
+    from fnvllm.kernels import penalties
+
+    logits = torch.randn(rows, vocab).to(torch.bfloat16)
+    tokens = torch.randint(0, vocab, (rows, 16), dtype=torch.int32)
+    meta = torch.tensor([list(range(rows)), [16] * rows, [8] * rows])
+    factors = torch.tensor([[1.05], [0.0], [0.0]]).expand(3, rows).contiguous()
+    counts = torch.zeros(2, vocab, dtype=torch.int32)
+    calls = {"float_rows + penalize_": lambda: penalties.penalize_(penalties.float_rows(logits), tokens, meta,
+                                                                   factors, counts)}  # fmt: skip
+    if hasattr(penalties, "penalised_rows"):
+        calls["penalised_rows"] = lambda: penalties.penalised_rows(logits, None, tokens, meta, factors)
+    for name, call in calls.items():
+        with triton_launches() as launches, OpCounter() as counter:
+            call()
+        print(f"  penalised copy, {name}: {launches[0]} launches, {counter.ops} aten ops, {counter.allocs} allocs, "
+              f"{counter.views} views")  # fmt: skip
+
+
+def penalty_host_ab(baseline: str, rounds: int, argv: list[str]) -> None:
+    """``--penalty-host N --baseline DIR``: this script's ``--penalty-host`` run ``rounds`` times against the
+    ``fnvllm`` of DIR and of this tree in turn (subprocesses, PYTHONPATH each), then each column's best (lowest)
+    median over the rounds, side by side, and this tree's over the baseline's (the CPU is shared: the lowest of
+    several rounds is the least disturbed)."""
+    import subprocess
+
+    here = str(Path(__file__).resolve().parents[1])
+    trees = {"baseline": str(Path(baseline).resolve()), "this tree": here}
+    best: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for name, tree in trees.items():
+            env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "FNVLLM_PENALTY_HOST_JSON": "1"}
+            out = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True, check=True)
+            if r == 0:
+                print(f"== {name} ({tree}), round 1:\n" + "".join(
+                    line + "\n" for line in out.stdout.splitlines() if not line.startswith("{")), end="")  # fmt: skip
+            got = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+            kept = best.setdefault(name, got)
+            for batch, cols in got.items():
+                kept[batch] = [min(a, b) for a, b in zip(kept[batch], cols, strict=True)]
+    print(f"\npenalty host, best of {rounds} rounds, us per step: prepare, penalties, record, all (baseline -> this)")
+    for batch, old in best["baseline"].items():
+        new = best["this tree"][batch]
+        cells = "  ".join(f"{o:6.1f} -> {n:6.1f} ({n / o:.2f}x)" for o, n in zip(old, new, strict=True))
+        print(f"  {batch:<6}{cells}")
 
 
 def main() -> None:
@@ -564,6 +642,8 @@ def main() -> None:
     parser.add_argument(
         "--penalty-host", type=int, default=0, help="only the sampling inputs' host work (no model) over N steps"
     )
+    parser.add_argument("--baseline", default=None, help="with --penalty-host: a tree to compare, in turns")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: turns per tree (best kept)")
     args = parser.parse_args()
     if args.sampler_ops:
         sampler_ops(args.sampler_ops, logprobs=args.logprobs or 5)
@@ -578,8 +658,15 @@ def main() -> None:
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.penalty_host and args.baseline:
+        argv = [a for a in sys.argv[1:]]
+        at = argv.index("--baseline")
+        penalty_host_ab(args.baseline, args.rounds, argv[:at] + argv[at + 2 :])
+        return
     if args.penalty_host:
-        penalty_host(args.penalty_host, batches, sampling)
+        found = penalty_host(args.penalty_host, batches, sampling)
+        if os.environ.get("FNVLLM_PENALTY_HOST_JSON"):
+            print(json.dumps(found))
         return
     runs = [("", sampling)]
     if args.logprobs is not None and args.with_plain:  # side by side, same engine and run: the logprobs' host cost

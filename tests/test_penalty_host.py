@@ -11,10 +11,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from tiny_models import write_family
 
+import fnvllm.executor.history as history_module
 from fnvllm.engine.loop import EngineLoop
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.model_executor import ModelExecutor
@@ -168,3 +170,87 @@ def test_mixed_penalised_rows_leaving_equal_each_alone(checkpoint: Path, monkeyp
     alone = [list(llm.generate([p], [q], use_tqdm=False)[0].token_ids) for p, q in zip(prompts, params, strict=True)]
     assert together == alone
     assert llm.loop.overlap_stats.kept > 0
+
+
+def _decode_plan(slots: tuple[int, ...], params: tuple[SamplingParams, ...], ctx: tuple[int, ...],
+                 generated: tuple[int, ...], fed: tuple[int, ...] | None = None) -> StepPlan:  # fmt: skip
+    """A plan whose row i (slot slots[i]) feeds fed[i] tokens (default 1) up to context ctx[i], generated[i] outputs."""
+    fed = fed or (1,) * len(slots)
+    return attrs.evolve(
+        _plan(slots, params, ctx),
+        input_tokens=tuple((1,) * f for f in fed),
+        start_positions=tuple(c - f for c, f in zip(ctx, fed, strict=True)),
+        num_generated=generated,
+    )
+
+
+def _meta_of(plan: StepPlan, max_len: int) -> list[list[int]]:
+    """The (4, P) columns a fresh upload would hold: slot, context, outputs, slot * max_len + context."""
+    picked = [i for i in range(plan.num_seqs) if plan.params[i].needs_history]
+    ctx = [plan.start_positions[i] + len(plan.input_tokens[i]) for i in picked]
+    slots = [plan.slots[i] for i in picked]
+    flat = [s * max_len + c for s, c in zip(slots, ctx, strict=True)]
+    return [slots, ctx, [plan.num_generated[i] for i in picked], flat]
+
+
+def test_columns_moved_on_the_device_equal_fresh_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept rows whose contexts and outputs all move by one amount get the last columns plus that amount (no
+    upload; the same tensor when nothing moved); rows moving unevenly, or new rows, are uploaded; every step's
+    columns equal the plan's own, and ``penalties`` hands the kernels the first three."""
+    uploads = []
+    real = history_module.upload
+    monkeypatch.setattr(history_module, "upload", lambda a, d: uploads.append(a.shape) or real(a, d))
+    params = (SamplingParams(repetition_penalty=1.5), SamplingParams(), SamplingParams(frequency_penalty=0.5))
+    history = SlotHistory(num_slots=4, max_len=32, vocab_size=VOCAB, device=CPU)
+    history.advance = True  # as on a GPU
+    steps = [  # (slots, ctx, generated, fed), uploads of (4, P) columns expected
+        (((0, 1, 3), (5, 6, 9), (1, 0, 4), None), 1),  # new rows: uploaded
+        (((0, 1, 3), (6, 7, 10), (2, 1, 5), None), 0),  # a decode step: + (0, 1, 1, 1) on the device
+        (((0, 1, 3), (7, 8, 11), (3, 2, 6), None), 0),  # again
+        (((0, 1, 3), (7, 8, 11), (3, 2, 6), None), 0),  # nothing moved: the same columns
+        (((0, 1, 3), (9, 9, 12), (3, 2, 6), (2, 1, 1)), 1),  # penalised rows' contexts by 2 and 1: uploaded
+        (((0, 1, 3), (11, 10, 14), (3, 2, 7), (2, 1, 2)), 1),  # contexts by 2, outputs by 0 and 1: uploaded
+        (((0, 1, 3), (13, 11, 16), (3, 2, 7), (2, 1, 2)), 0),  # contexts by 2, outputs by 0: on the device
+        (((3, 1, 0), (14, 12, 17), (4, 3, 8), None), 1),  # slots moved under the same params: new selection
+    ]
+    last = None
+    for (slots, ctx, generated, fed), want_uploads in steps:
+        del uploads[:]
+        plan = _decode_plan(slots, params, ctx, generated, fed)
+        got = history.penalties(plan, range(3))
+        assert got is not None and history._step is not None
+        assert history._step.meta.tolist() == _meta_of(plan, 32), (ctx, generated)
+        assert got.meta.tolist() == _meta_of(plan, 32)[:3]
+        assert uploads.count((4, 2)) == want_uploads, (ctx, uploads)  # the (4, P) columns, P = 2
+        if ctx == (7, 8, 11) and last is not None and last[0] == ctx:
+            assert history._step.meta is last[1]
+        last = (ctx, history._step.meta)
+
+
+def test_record_puts_tokens_at_the_moved_columns() -> None:
+    """After columns moved on the device, ``record`` puts each penalised row's token at slot * max_len + ctx, and a
+    row at max_len sends the step to the per-row fallback, which skips it."""
+    params = (SamplingParams(repetition_penalty=1.5), SamplingParams(), SamplingParams(presence_penalty=0.5))
+    history = SlotHistory(num_slots=3, max_len=8, vocab_size=VOCAB, device=CPU)
+    history.in_use, history.advance = True, True
+    for k in range(4):  # contexts (4, 5, 5) .. (7, 8, 8): the last step's rows 1, 2 are at max_len
+        plan, rows = _decode_plan((0, 1, 2), params, (4 + k, 5 + k, 5 + k), (k, k, k)), range(3)
+        history.penalties(plan, rows)
+        history.record(plan, rows, torch.tensor([10 + k, 20 + k, 30 + k]))  # the same rows: the kept columns
+    tokens = history._buffer()
+    assert tokens[0, 4:8].tolist() == [10, 11, 12, 13]
+    assert tokens[1].tolist() == [0] * 8  # not penalised
+    assert tokens[2, 5:8].tolist() == [30, 31, 32]  # ctx 8 = max_len: the fourth token has no place
+
+
+def test_penalties_say_whether_a_row_is_counted() -> None:
+    """``SlotPenalties.counted`` is False when every penalised row has repetition alone (the one-launch route) and
+    True as soon as one has a frequency or presence penalty."""
+    history = SlotHistory(num_slots=3, max_len=16, vocab_size=VOCAB, device=CPU)
+    alone = (SamplingParams(repetition_penalty=1.2), SamplingParams(), SamplingParams(repetition_penalty=0.9))
+    got = history.penalties(_plan((0, 1, 2), alone, (3, 4, 5)), range(3))
+    assert got is not None and not got.counted
+    for extra in (dict(frequency_penalty=0.1), dict(presence_penalty=-0.5)):
+        mixed = (*alone[:2], SamplingParams(repetition_penalty=0.9, **extra))
+        got = history.penalties(_plan((0, 1, 2), mixed, (3, 4, 5)), range(3))
+        assert got is not None and got.counted

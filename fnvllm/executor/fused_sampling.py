@@ -43,18 +43,24 @@ __all__ = [
 def penalised_copy(logits: torch.Tensor, batch: SamplingBatch, kernels: bool = False) -> torch.Tensor | None:
     """(P, V) float32 copy of the penalised rows with their penalties applied, None when no row has one. kernels:
     the copy by ``fnvllm.kernels.penalties.float_rows`` when PENALISED_COPY_BY_KERNEL (one launch that gathers
-    and upcasts), else by torch."""
+    and upcasts), else by torch. With penalties from the slot buffer (the same rows bit for bit on every route):
+    REPETITION_FROM_SOURCE and no row with a frequency or presence penalty, the edits by one launch of
+    ``penalize_from_`` on a (rows, parts) grid, each edit from the logits; PENALISED_COPY_FUSED, the copy and the
+    edits by one launch (``penalised_rows``)."""
     if batch.penalised is None or batch.penalties is None:
         return None
     rows = batch.penalised.rows
     if kernels and PENALISED_COPY_BY_KERNEL:
         from fnvllm.executor.history import SlotPenalties
-        from fnvllm.kernels.penalties import float_rows, penalize_from_
+        from fnvllm.kernels.penalties import float_rows, penalised_rows, penalize_from_
 
         pen = batch.penalties
-        if PENALTIES_FROM_SOURCE and isinstance(pen, SlotPenalties) and pen.counts is not None:
+        if PENALISED_COPY_FUSED and isinstance(pen, SlotPenalties) and pen.counts is not None:
+            return penalised_rows(logits, rows, pen.tokens, pen.meta, pen.factors)
+        slot = isinstance(pen, SlotPenalties) and pen.counts is not None
+        if slot and (PENALTIES_FROM_SOURCE or (REPETITION_FROM_SOURCE and not pen.counted)):
             work = float_rows(logits, rows)
-            return penalize_from_(work, logits, rows, pen.tokens, pen.meta, pen.factors, pen.counts, None)
+            return penalize_from_(work, logits, rows, pen.tokens, pen.meta, pen.factors, pen.counts, None, pen.counted)
         return pen.apply_(float_rows(logits, rows))
     work = logits.to(torch.float32, copy=True) if rows is None else logits.index_select(0, rows).float()
     return batch.penalties.apply_(work)
@@ -70,6 +76,22 @@ PENALISED_COPY_BY_KERNEL = True
 # Same copy, bit for bit. Off: measured on the H200 (bench_sampling.py --topk --quick, 2026-12-02 09:35) 442.8 us per
 # sampling call at 256 flat rows of the preset + repetition_penalty 1.05 against 433.3 without it.
 PENALTIES_FROM_SOURCE = False
+# PENALTIES_FROM_SOURCE's route for a batch whose penalised rows have a repetition penalty alone (``SlotPenalties.
+# counted`` False: known on the host from the params), without its second launch (the count kernel, which had
+# nothing to count there): float_rows + one (rows, REPETITION_PARTS) launch, as many launches as the old route.
+# Measured on the H200 (bench_penalties.py, mid call 2026-12-02 14:10, CUDA graphs, device us per call, rows of
+# ~1,100 tokens): float_rows + penalize_ 131.2 at 256 rows, 43.4 at 64; float_rows + penalize_from_ (with the
+# count launch) 92.2 and 24.0; float_rows alone 63.1 and 16.5. Same rows bit for bit there. Rows with a frequency
+# or presence penalty keep the old route (from the source they took 143.7 against 131.3).
+REPETITION_FROM_SOURCE = True
+# The copy and the edits in one launch of ``fnvllm.kernels.penalties.penalised_rows`` (a (rows, vocabulary blocks)
+# grid; each block walks its row's history for the tokens in it), in place of float_rows + the penalty kernel.
+# Same rows bit for bit. Off: measured on the H200 (bench_penalties.py, mid call 2026-12-02 14:10, device us per
+# call, ~1,100-token rows): repetition alone 126.5 at 256 rows (tile 4096 / 1024 / 4 warps; the best tile, 16384 /
+# 2048 / 16, 86.8) and 34.4 at 64, against 92.2 and 24.0 by float_rows + penalize_from_; with presence and
+# frequency 231.3 (best tile 171.8) against 131.3 by float_rows + penalize_: every block of a row walks the row's
+# whole history, and a counted block makes a round trip through its int32 scratch.
+PENALISED_COPY_FUSED = False
 
 
 # Top-k rows by the filter kernel (True) or by torch.topk candidates and ``candidates_pick`` (False). Measured on
