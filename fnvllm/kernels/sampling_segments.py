@@ -51,6 +51,17 @@ from fnvllm.kernels.sampling_filters import (
 __all__ = ["SEGMENT", "segmented_pick"]
 
 SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
+# The candidate pass by ``_segment_loop_kernel`` (True) instead of ``_floor_kernel`` + ``_segment_kernel`` (one
+# program per (row, chunk): 173 us per call at 256 flat rows on the H200, 2026-12-02, for ~40 MB read: 97 registers
+# a thread at 8 warps, so 2 programs an SM, each waiting on a chain of 4 dependent loads before its chunk's, and half
+# the programs only to find their chunk dead). Its knobs (benchmarks/bench_sampling_topk.py sweeps them): programs
+# per row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks), warps, the next chunk loaded before the
+# current one is compacted, and the floor sorted in each program from the row's chunk maxima (no _floor_kernel).
+SEGMENTS_LOOP = False
+SEGMENT_PROGRAMS = 4
+SEGMENT_WARPS = 8
+SEGMENT_PREFETCH = True
+FOLD_FLOOR = True
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
@@ -117,6 +128,93 @@ def _segment_kernel(
         tl.store(counts_ptr + cell, n)
     else:
         tl.store(counts_ptr + cell, 0)
+
+
+@triton.jit
+def _compact_chunk(x, c, offs, row_ptr, i, num_chunks, vocab_size, scale, floor, values_ptr, ids_ptr, counts_ptr,
+                   CHUNK: tl.constexpr, SEGMENT: tl.constexpr):  # fmt: skip
+    """Chunk c of filtered row i, loaded (x, at offsets offs): write its tokens at or above key ``floor`` into
+    segment (i, c), in id order (values and ids; no -inf padding: pass 2 reads only the first count slots), and
+    their number into counts."""
+    cols = c * CHUNK + offs
+    s = x.to(tl.float32) * scale + 0.0
+    at_least = (cols < vocab_size) & (_key(s) >= floor)
+    flags = at_least.to(tl.int32)
+    pos = tl.cumsum(flags, axis=0) - 1
+    keep = at_least & (pos < SEGMENT)
+    cell = i.to(tl.int64) * num_chunks + c
+    tl.store(values_ptr + cell * SEGMENT + pos, s, mask=keep)
+    tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=keep)
+    tl.store(counts_ptr + cell, tl.sum(flags, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
+def _segment_loop_kernel(
+    logits_ptr,
+    rows_ptr,  # (F,) int32 or int64 batch rows
+    src_ptr,  # (F,) their rows in logits
+    prog_ptr,  # (F,) their rows in stats
+    stats_ptr,  # (3, R, C) float32 chunk summaries; plane 0 holds the chunk maxima of the scaled logits
+    scale_ptr,  # (B,) float32 inverse temperatures
+    top_k_ptr,  # (B,) int32 or int64 (read when FOLD_FLOOR)
+    floors_ptr,  # (2, F) int32 from _floor_kernel (read unless FOLD_FLOOR)
+    values_ptr,  # (F, C, SEGMENT) float32: receives the candidates' scaled logits (slots past the count: stale)
+    ids_ptr,  # (F, C, SEGMENT) int32: receives their token ids
+    counts_ptr,  # (F, C) int32: receives each chunk's candidate count (0 for a chunk below the floor)
+    stride_row,
+    vocab_size,
+    num_chunks,
+    num_filtered,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    FOLD_FLOOR: tl.constexpr,  # the row's floor sorted here from its chunk maxima (no _floor_kernel launch)
+    PREFETCH: tl.constexpr,  # load the program's next live chunk before compacting the current one
+):
+    """Program (i, g) of a (F, G) grid: the candidates of the live chunks (maximum at or above the floor) of
+    filtered row i of rank g, g + G, g + 2G, ... among them, in id order (``_segment_kernel``'s work: no program
+    for a dead chunk; the row's live chunks listed once in registers; module doc)."""
+    i, g = tl.program_id(0), tl.program_id(1)
+    step = tl.num_programs(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
+    scale = tl.load(scale_ptr + row)
+    ids = tl.arange(0, CHUNKS_PAD)
+    m = tl.load(stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks + ids, mask=ids < num_chunks,
+                other=float("-inf")) + 0.0  # fmt: skip
+    if FOLD_FLOOR:
+        k = tl.load(top_k_ptr + row)
+        ranked = tl.sort(m, descending=True)  # as _floor_kernel
+        floor = _key(tl.sum(tl.where(ids == k - 1, ranked, 0.0), axis=0) + 0.0)
+        has = (k >= 1) & (k <= num_chunks)
+    else:
+        floor = tl.load(floors_ptr + i)
+        has = tl.load(floors_ptr + num_filtered + i) != 0
+    live = (_key(m) >= floor) & (ids < num_chunks) & has  # (CHUNKS_PAD,)
+    flags = live.to(tl.int32)
+    rank = tl.cumsum(flags, axis=0) - 1  # a live chunk's rank among the row's live chunks
+    num_live = tl.sum(flags, axis=0)
+    dead = (ids < num_chunks) & (flags == 0) & (ids * 0 + g == 0)  # program 0 of the row zeroes their counts
+    tl.store(counts_ptr + i.to(tl.int64) * num_chunks + ids, flags * 0, mask=dead)
+    offs = tl.arange(0, CHUNK)
+    if PREFETCH:
+        c = tl.sum(tl.where(live & (rank == g), ids, 0), axis=0)
+        end = tl.where(g < num_live, vocab_size, 0)  # nothing to load for a program with no live chunk
+        x = tl.load(row_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < end, other=0.0)
+        for j in range(g, num_live, step):
+            c_next = tl.sum(tl.where(live & (rank == j + step), ids, 0), axis=0)
+            cols_next = c_next * CHUNK + offs
+            end = tl.where(j + step < num_live, vocab_size, 0)
+            x_next = tl.load(row_ptr + cols_next, mask=cols_next < end, other=0.0)
+            _compact_chunk(x, c, offs, row_ptr, i, num_chunks, vocab_size, scale, floor, values_ptr, ids_ptr,
+                           counts_ptr, CHUNK, SEGMENT)  # fmt: skip
+            x, c = x_next, c_next
+    else:
+        for j in range(g, num_live, step):
+            c = tl.sum(tl.where(live & (rank == j), ids, 0), axis=0)
+            x = tl.load(row_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < vocab_size, other=0.0)
+            _compact_chunk(x, c, offs, row_ptr, i, num_chunks, vocab_size, scale, floor, values_ptr, ids_ptr,
+                           counts_ptr, CHUNK, SEGMENT)  # fmt: skip
 
 
 @triton.jit
@@ -233,18 +331,53 @@ def segmented_pick(
     )  # (F, C, SEGMENT) float32, (F, C, SEGMENT) int32, (F, C) int32, (F, capacity) float32, (2, F) int32
     values, scratch = values.view(torch.float32), scratch.view(torch.float32)
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
-    _floor_kernel[(num_filtered,)](
-        rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
-    )
-    _segment_kernel[(num_filtered, num_chunks)](
-        logits, rows, sources, programs, stats, scale, floors, values, ids, counts, logits.stride(0),
-        logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, SEGMENT=segment, num_warps=8 if chunk >= 2048 else 4,
-    )  # fmt: skip
+    if SEGMENTS_LOOP:
+        _candidates_by_loop(logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, chunk,
+                            segment)  # fmt: skip
+    else:
+        _floor_kernel[(num_filtered,)](
+            rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
+        )
+        _segment_kernel[(num_filtered, num_chunks)](
+            logits, rows, sources, programs, stats, scale, floors, values, ids, counts, logits.stride(0),
+            logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, SEGMENT=segment,
+            num_warps=8 if chunk >= 2048 else 4,
+        )  # fmt: skip
     _segments_pick_kernel[(num_filtered,)](
         logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, values, ids, counts, scratch,
         logits.stride(0), logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad,
         SEGMENT=segment, SLOTS=max(2, int(triton.next_power_of_2(num_chunks * segment))), BLOCK=min(block, chunk),
         SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=8,
+    )  # fmt: skip
+
+
+def _candidates_by_loop(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    sources: torch.Tensor,
+    programs: torch.Tensor,
+    stats: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    floors: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    chunk: int,
+    segment: int,
+) -> None:
+    """The candidate pass by ``_segment_loop_kernel`` with the module's knobs (SEGMENTS_LOOP's comment); the floors
+    by ``_floor_kernel`` first unless FOLD_FLOOR."""
+    num_filtered, num_chunks = rows.shape[0], stats.shape[2]
+    chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
+    if not FOLD_FLOOR:
+        _floor_kernel[(num_filtered,)](
+            rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
+        )
+    _segment_loop_kernel[(num_filtered, max(1, min(SEGMENT_PROGRAMS, num_chunks)))](
+        logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, logits.stride(0),
+        logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment,
+        FOLD_FLOOR=FOLD_FLOOR, PREFETCH=SEGMENT_PREFETCH, num_warps=SEGMENT_WARPS,
     )  # fmt: skip
 
 

@@ -1,0 +1,212 @@
+"""The top-k rows' candidate pass (``fnvllm.kernels.sampling_segments``): old route vs the grid kernel vs a sweep of
+the loop kernel's knobs, at Qwen3's preset (temperature 0.6, top_p 0.95, top_k 20).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_sampling_topk.py [--quick]
+
+Per logits (256 and 64 rows x 151,936 bf16, flat std 0.64 and std 3): device us of ``sample_rows`` (the
+temperature-only call) and of the top-k redraw by each route, each timed alone by replaying a CUDA graph of 10 calls
+(no host gaps), and whether the route's tokens on 3 seeded sets of uniforms equal the grid route's (and
+``filtered_pick``'s). Routes: "old" = ``filtered_pick`` (one program per row), "grid" = ``_floor_kernel`` +
+``_segment_kernel`` (the current default), "loop P/W/pre/fold" = ``_segment_loop_kernel`` with P programs per row,
+W warps, prefetch of the next chunk on/off, the floor folded in or by ``_floor_kernel``. The full sweep runs on the
+256 flat rows; the other logits take the best loop variants of that sweep. A table comes last (printed also after
+the sweep, so a kill at the budget keeps it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+VOCAB = 151936
+DEVICE = "cuda"  # the dry run of the tests sets "cpu" (Triton interpreter, tiny rows)
+STARTED = time.perf_counter()
+# (programs per row, warps, prefetch, fold floor); the programs vary without a recompile
+SWEEP = [(p, 8, True, True) for p in (1, 2, 3, 4, 6, 8, 12, 16, 38)]
+SWEEP += [(p, 8, False, True) for p in (2, 4, 8, 38)]
+SWEEP += [(p, w, True, True) for p in (4, 8) for w in (4, 16)]
+SWEEP += [(p, 8, True, False) for p in (4, 8)]
+QUICK_SWEEP = [(p, 8, True, True) for p in (2, 4, 8)] + [(4, 8, False, True)]
+
+
+def log(text: str) -> None:
+    """Print with the seconds since the start."""
+    print(f"[{time.perf_counter() - STARTED:5.1f} s] {text}", flush=True)
+
+
+def graph_us(fn: Callable[[], Any], calls: int = 10, replays: int = 5) -> float:
+    """Device us per call of ``fn`` (already warmed up): a CUDA graph of ``calls`` calls replayed, median of
+    ``replays`` replays by CUDA events; falls back to timing back-to-back calls if the capture fails."""
+    times = []
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run = graph.replay
+    except Exception as error:  # e.g. a capture refused: time launches instead
+        log(f"graph capture failed ({type(error).__name__}: {str(error)[:60]}), timing launches")
+
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
+    run()
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+class Case:
+    """One logits tensor at the preset: its sample_rows state and stats for 3 seeded sets of uniforms."""
+
+    def __init__(self, rows: int, spread: float) -> None:
+        from fnvllm.kernels import sampling
+
+        dev = DEVICE
+        gen = torch.Generator(device=dev).manual_seed(0)
+        self.logits = (torch.randn(rows, VOCAB, generator=gen, device=dev) * spread).to(torch.bfloat16)
+        self.name = f"{rows} rows, std {spread}"
+        self.scale = torch.full((rows,), 1 / 0.6, device=dev)
+        self.top_k = torch.full((rows,), 20, dtype=torch.int64, device=dev)
+        self.top_p = torch.full((rows,), 0.95, device=dev)
+        self.min_p = torch.zeros(rows, device=dev)
+        self.rows = torch.arange(rows, dtype=torch.int32, device=dev)
+        self.states, self.stats = [], []
+        for seed in range(3):
+            uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(10 + seed)).to(dev)
+            state = sampling.RowSampling(
+                scale=self.scale,
+                fixed=torch.ones(rows, dtype=torch.int32, device=dev),
+                uniforms=uniforms,
+                drawn=torch.empty((3, rows), device=dev),
+                out=torch.zeros((2, rows), dtype=torch.int64, device=dev),
+            )
+            self.stats.append(sampling.sample_rows(self.logits, state, seed=0))
+            self.states.append(state)
+
+    def sample_rows(self) -> None:
+        """The temperature-only call (both launches of ``sample_rows``) on the first uniforms."""
+        from fnvllm.kernels import sampling
+
+        sampling.sample_rows(self.logits, self.states[0], seed=0)
+
+    def pick(self, route: str, which: int = 0) -> None:
+        """The top-k redraw of every row by ``route`` ("old" or a segments route, knobs already set)."""
+        from fnvllm.kernels.sampling_filters import filtered_pick
+        from fnvllm.kernels.sampling_segments import segmented_pick
+
+        state = self.states[which]
+        fn = filtered_pick if route == "old" else segmented_pick
+        rows = self.rows
+        fn(self.logits, rows, rows, rows, self.stats[which], self.scale, self.top_k, self.top_p, self.min_p,
+           state.drawn, state.out)  # fmt: skip
+
+    def tokens(self, route: str) -> torch.Tensor:
+        """(3, R) tokens of the route on the 3 sets of uniforms."""
+        out = []
+        for which in range(3):
+            self.states[which].out.zero_()
+            self.pick(route, which)
+            out.append(self.states[which].out[0].clone())
+        return torch.stack(out)
+
+
+def set_route(variant: tuple[int, int, bool, bool] | None) -> str:
+    """Set sampling_segments' knobs for a loop variant (None: the grid kernel); returns the route's label."""
+    from fnvllm.kernels import sampling_segments as seg
+
+    if variant is None:
+        seg.SEGMENTS_LOOP = False
+        return "grid (floor + segment)"
+    programs, warps, prefetch, fold = variant
+    seg.SEGMENTS_LOOP, seg.SEGMENT_PROGRAMS, seg.SEGMENT_WARPS = True, programs, warps
+    seg.SEGMENT_PREFETCH, seg.FOLD_FLOOR = prefetch, fold
+    return f"loop P{programs} W{warps} {'pre' if prefetch else 'nopre'} {'fold' if fold else 'floorK'}"
+
+
+def run_case(case: Case, variants: list[Any], results: list[tuple[str, str, float, float, str]]) -> None:
+    """Time sample_rows, the old route, the grid route and each loop variant on one case; check tokens."""
+    case.sample_rows()
+    t_only = graph_us(case.sample_rows)
+    results.append((case.name, "temperature only (sample_rows)", t_only, 0.0, "-"))
+    log(f"{case.name}: sample_rows {t_only:.1f} us")
+    case.pick("old")
+    old_us = graph_us(lambda: case.pick("old"))
+    old_tokens = case.tokens("old")
+    results.append((case.name, "old (filtered_pick)", t_only + old_us, old_us, "-"))
+    log(f"  old {old_us:.1f} us")
+    want = None
+    for variant in [None, *variants]:
+        label = set_route(variant)
+        try:
+            case.pick("segments")
+            torch.cuda.synchronize()
+            us = graph_us(lambda: case.pick("segments"))
+            got = case.tokens("segments")
+        except Exception as error:  # one variant failing to compile must not stop the sweep
+            log(f"  {label}: FAILED {type(error).__name__}: {str(error)[:200]}")
+            continue
+        want = got if want is None else want
+        differ, vs_old = int((got != want).sum()), int((got != old_tokens).sum())
+        verdict = ("PASS" if differ == 0 else f"FAIL {differ}") + ("" if vs_old == 0 else f" (vs old: {vs_old} differ)")
+        results.append((case.name, label, t_only + us, us, verdict))
+        log(f"  {label:<30} pick {us:7.1f} us  tokens == grid: {verdict}")
+    set_route(None)
+
+
+def table(results: list[tuple[str, str, float, float, str]]) -> str:
+    """Per case and route: device us per sampling call (sample_rows + pick), of the pick alone, vs temperature
+    only, and token equality with the grid route (3 seeded sets of uniforms)."""
+    head = f"{'logits':<18} {'route':<32} {'call us':>8} {'pick us':>8} {'vs T':>6}  tokens == grid"
+    lines = [head, "-" * len(head)]
+    t_only = {name: us for name, route, us, _, _ in results if route.startswith("temperature")}
+    for name, route, us, pick, verdict in results:
+        lines.append(f"{name:<18} {route:<32} {us:>8.1f} {pick:>8.1f} {us / t_only[name]:>6.2f}  {verdict}")
+    return "\n".join([*lines, "(device us, CUDA graphs of 10 calls, medians of 5; preset T 0.6 / top_p 0.95 / k 20)"])
+
+
+def best_variants(results: list[tuple[str, str, float, float, str]], labels: dict[str, Any], n: int) -> list[Any]:
+    """The n fastest loop variants with equal tokens."""
+    ranked = sorted((pick, route) for _, route, _, pick, verdict in results if route in labels and verdict == "PASS")
+    return [labels[route] for _, route in ranked[:n]]
+
+
+def main() -> None:
+    """The sweep on 256 flat rows, then the other logits with the best variants; the table last."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short sweep (4 loop variants)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_sampling_topk needs a CUDA GPU")
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    labels = {set_route(v): v for v in sweep}
+    set_route(None)
+    results: list[tuple[str, str, float, float, str]] = []
+    run_case(Case(256, 0.64), sweep, results)
+    print(table(results), flush=True)
+    best = best_variants(results, labels, 3)
+    log("best loop variants on 256 flat rows: " + ", ".join(set_route(v) for v in best))
+    set_route(None)
+    for rows, spread in ((64, 0.64), (256, 3.0), (64, 3.0)):
+        run_case(Case(rows, spread), best, results)
+    print(table(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
