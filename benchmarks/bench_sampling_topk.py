@@ -26,12 +26,25 @@ import torch
 VOCAB = 151936
 DEVICE = "cuda"  # the dry run of the tests sets "cpu" (Triton interpreter, tiny rows)
 STARTED = time.perf_counter()
-# (programs per row, warps, prefetch, fold floor); the programs vary without a recompile
-SWEEP = [(p, 8, True, True) for p in (1, 2, 3, 4, 6, 8, 12, 16, 38)]
-SWEEP += [(p, 8, False, True) for p in (2, 4, 8, 38)]
-SWEEP += [(p, w, True, True) for p in (4, 8) for w in (4, 16)]
-SWEEP += [(p, 8, True, False) for p in (4, 8)]
-QUICK_SWEEP = [(p, 8, True, True) for p in (2, 4, 8)] + [(4, 8, False, True)]
+# (programs per row (0: SEGMENT_TOTAL in all), warps, prefetch, fold floor, block, SEGMENT_TOTAL); the programs and
+# the total vary without a recompile
+Variant = tuple[int, int, bool, bool, int, int]
+SWEEP: list[Variant] = [(p, 8, True, True, 4096, 1024) for p in (2, 4, 8, 38)]
+SWEEP += [(4, 8, False, True, 4096, 1024)]
+SWEEP += [(p, 8, True, True, 2048, 1024) for p in (2, 4, 8, 16)]
+SWEEP += [(p, 4, True, True, 2048, 1024) for p in (4, 8)]
+SWEEP += [(p, 4, True, True, 1024, 1024) for p in (2, 4, 8, 16, 38)]
+SWEEP += [(p, 4, False, True, 1024, 1024) for p in (4, 8)]
+SWEEP += [(p, 8, True, True, 1024, 1024) for p in (4, 8)]
+SWEEP += [(p, 2, True, True, 1024, 1024) for p in (4, 8)]
+SWEEP += [(p, 2, True, True, 512, 1024) for p in (4, 8)]
+SWEEP += [(4, 4, True, False, 1024, 1024)]
+SWEEP += [(0, 4, True, True, 1024, total) for total in (512, 2048, 4096)]
+QUICK_SWEEP: list[Variant] = [
+    (4, 8, True, True, 4096, 1024),
+    (4, 4, True, True, 1024, 1024),
+    (0, 4, True, True, 1024, 2048),
+]
 
 
 def log(text: str) -> None:
@@ -127,20 +140,31 @@ class Case:
         return torch.stack(out)
 
 
-def set_route(variant: tuple[int, int, bool, bool] | None) -> str:
+def set_route(variant: Variant | None) -> str:
     """Set sampling_segments' knobs for a loop variant (None: the grid kernel); returns the route's label."""
     from fnvllm.kernels import sampling_segments as seg
 
     if variant is None:
         seg.SEGMENTS_LOOP = False
         return "grid (floor + segment)"
-    programs, warps, prefetch, fold = variant
+    programs, warps, prefetch, fold, block, total = variant
     seg.SEGMENTS_LOOP, seg.SEGMENT_PROGRAMS, seg.SEGMENT_WARPS = True, programs, warps
-    seg.SEGMENT_PREFETCH, seg.FOLD_FLOOR = prefetch, fold
-    return f"loop P{programs} W{warps} {'pre' if prefetch else 'nopre'} {'fold' if fold else 'floorK'}"
+    seg.SEGMENT_PREFETCH, seg.FOLD_FLOOR, seg.SEGMENT_BLOCK, seg.SEGMENT_TOTAL = prefetch, fold, block, total
+    per_row = f"P{programs}" if programs else f"T{total}"
+    return f"loop {per_row} W{warps} B{block} {'pre' if prefetch else 'nopre'}{'' if fold else ' floorK'}"
 
 
-def run_case(case: Case, variants: list[Any], results: list[tuple[str, str, float, float, str]]) -> None:
+def auto_variants(best: list[Variant]) -> list[Variant]:
+    """The best variants, plus the first one's kernel with its programs per row set by the total (64-row batches
+    need more programs a row than 256-row ones)."""
+    if not best:
+        return []
+    _, warps, prefetch, fold, block, _ = best[0]
+    extra = [(0, warps, prefetch, fold, block, total) for total in (1024, 2048, 4096)]
+    return best + [v for v in extra if v not in best]
+
+
+def run_case(case: Case, variants: list[Variant], results: list[tuple[str, str, float, float, str]]) -> None:
     """Time sample_rows, the old route, the grid route and each loop variant on one case; check tokens."""
     case.sample_rows()
     t_only = graph_us(case.sample_rows)
@@ -181,16 +205,42 @@ def table(results: list[tuple[str, str, float, float, str]]) -> str:
     return "\n".join([*lines, "(device us, CUDA graphs of 10 calls, medians of 5; preset T 0.6 / top_p 0.95 / k 20)"])
 
 
-def best_variants(results: list[tuple[str, str, float, float, str]], labels: dict[str, Any], n: int) -> list[Any]:
+def best_variants(
+    results: list[tuple[str, str, float, float, str]], labels: dict[str, Variant], n: int
+) -> list[Variant]:
     """The n fastest loop variants with equal tokens."""
     ranked = sorted((pick, route) for _, route, _, pick, verdict in results if route in labels and verdict == "PASS")
     return [labels[route] for _, route in ranked[:n]]
 
 
+def kernel_line(case: Case, variant: Variant | None) -> str:
+    """The pick's kernels by torch.profiler, us per call each (one line), for a route."""
+    from torch.profiler import ProfilerActivity, profile
+
+    label = set_route(variant)
+    try:
+        case.pick("segments")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                case.pick("segments")
+            torch.cuda.synchronize()
+        rows = []
+        for event in prof.key_averages():
+            total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+            if total > 0:
+                rows.append((total / 5, event.key))
+        text = ", ".join(f"{name[:28]} {us:.1f}" for us, name in sorted(rows, reverse=True)[:4])
+    except Exception as error:  # a diagnostic must not stop the run
+        text = f"FAILED {type(error).__name__}: {str(error)[:80]}"
+    set_route(None)
+    return f"  kernels of {label}: {text}"
+
+
 def main() -> None:
     """The sweep on 256 flat rows, then the other logits with the best variants; the table last."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a short sweep (4 loop variants)")
+    parser.add_argument("--quick", action="store_true", help="a short sweep (3 loop variants)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_sampling_topk needs a CUDA GPU")
@@ -198,13 +248,16 @@ def main() -> None:
     labels = {set_route(v): v for v in sweep}
     set_route(None)
     results: list[tuple[str, str, float, float, str]] = []
-    run_case(Case(256, 0.64), sweep, results)
+    first = Case(256, 0.64)
+    run_case(first, sweep, results)
     print(table(results), flush=True)
     best = best_variants(results, labels, 3)
+    for variant in [None, *best[:1]]:
+        log(kernel_line(first, variant))
     log("best loop variants on 256 flat rows: " + ", ".join(set_route(v) for v in best))
     set_route(None)
     for rows, spread in ((64, 0.64), (256, 3.0), (64, 3.0)):
-        run_case(Case(rows, spread), best, results)
+        run_case(Case(rows, spread), auto_variants(best), results)
     print(table(results), flush=True)
 
 

@@ -58,9 +58,11 @@ SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold
 # per row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks), warps, the next chunk loaded before the
 # current one is compacted, and the floor sorted in each program from the row's chunk maxima (no _floor_kernel).
 SEGMENTS_LOOP = False
-SEGMENT_PROGRAMS = 4
+SEGMENT_PROGRAMS = 4  # 0: enough per row for SEGMENT_TOTAL programs in all (a 64-row batch needs more a row)
+SEGMENT_TOTAL = 1024
 SEGMENT_WARPS = 8
 SEGMENT_PREFETCH = True
+SEGMENT_BLOCK = 4096  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
 FOLD_FLOOR = True
 
 
@@ -131,21 +133,24 @@ def _segment_kernel(
 
 
 @triton.jit
-def _compact_chunk(x, c, offs, row_ptr, i, num_chunks, vocab_size, scale, floor, values_ptr, ids_ptr, counts_ptr,
-                   CHUNK: tl.constexpr, SEGMENT: tl.constexpr):  # fmt: skip
-    """Chunk c of filtered row i, loaded (x, at offsets offs): write its tokens at or above key ``floor`` into
-    segment (i, c), in id order (values and ids; no -inf padding: pass 2 reads only the first count slots), and
-    their number into counts."""
-    cols = c * CHUNK + offs
+def _compact_block(x, cols, before, cell, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT: tl.constexpr):
+    """One block of a chunk, loaded (x, at token ids cols): write its tokens at or above key ``floor`` into
+    segment ``cell`` after the ``before`` found in the chunk's earlier blocks, in id order (values and ids; no -inf
+    padding: pass 2 reads only the first count slots); returns the chunk's count so far."""
     s = x.to(tl.float32) * scale + 0.0
     at_least = (cols < vocab_size) & (_key(s) >= floor)
     flags = at_least.to(tl.int32)
-    pos = tl.cumsum(flags, axis=0) - 1
+    pos = before + tl.cumsum(flags, axis=0) - 1
     keep = at_least & (pos < SEGMENT)
-    cell = i.to(tl.int64) * num_chunks + c
     tl.store(values_ptr + cell * SEGMENT + pos, s, mask=keep)
     tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=keep)
-    tl.store(counts_ptr + cell, tl.sum(flags, axis=0))
+    return before + tl.sum(flags, axis=0)
+
+
+@triton.jit
+def _live_chunk(live, rank, ids, j):
+    """The chunk id of live rank j (0 when there is none)."""
+    return tl.sum(tl.where(live & (rank == j), ids, 0), axis=0)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
@@ -168,12 +173,13 @@ def _segment_loop_kernel(
     CHUNK: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
     SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,  # tokens per step (divides CHUNK): a chunk is compacted block after block
     FOLD_FLOOR: tl.constexpr,  # the row's floor sorted here from its chunk maxima (no _floor_kernel launch)
-    PREFETCH: tl.constexpr,  # load the program's next live chunk before compacting the current one
+    PREFETCH: tl.constexpr,  # load the program's next block before compacting the current one
 ):
     """Program (i, g) of a (F, G) grid: the candidates of the live chunks (maximum at or above the floor) of
-    filtered row i of rank g, g + G, g + 2G, ... among them, in id order (``_segment_kernel``'s work: no program
-    for a dead chunk; the row's live chunks listed once in registers; module doc)."""
+    filtered row i of rank g, g + G, g + 2G, ... among them, in id order, BLOCK tokens a step (``_segment_kernel``'s
+    work: no program for a dead chunk; the row's live chunks listed once in registers; module doc)."""
     i, g = tl.program_id(0), tl.program_id(1)
     step = tl.num_programs(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -195,26 +201,36 @@ def _segment_loop_kernel(
     rank = tl.cumsum(flags, axis=0) - 1  # a live chunk's rank among the row's live chunks
     num_live = tl.sum(flags, axis=0)
     dead = (ids < num_chunks) & (flags == 0) & (ids * 0 + g == 0)  # program 0 of the row zeroes their counts
-    tl.store(counts_ptr + i.to(tl.int64) * num_chunks + ids, flags * 0, mask=dead)
-    offs = tl.arange(0, CHUNK)
+    cells = i.to(tl.int64) * num_chunks
+    tl.store(counts_ptr + cells + ids, flags * 0, mask=dead)
+    blocks = CHUNK // BLOCK
+    mine = tl.where(g < num_live, (num_live - g + step - 1) // step, 0)  # live chunks of this program
+    offs = tl.arange(0, BLOCK)
+    n = tl.full([], 0, dtype=tl.int32)  # the current chunk's candidates so far
     if PREFETCH:
-        c = tl.sum(tl.where(live & (rank == g), ids, 0), axis=0)
-        end = tl.where(g < num_live, vocab_size, 0)  # nothing to load for a program with no live chunk
-        x = tl.load(row_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < end, other=0.0)
-        for j in range(g, num_live, step):
-            c_next = tl.sum(tl.where(live & (rank == j + step), ids, 0), axis=0)
-            cols_next = c_next * CHUNK + offs
-            end = tl.where(j + step < num_live, vocab_size, 0)
+        c = _live_chunk(live, rank, ids, g)
+        x = tl.load(row_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < tl.where(mine > 0, vocab_size, 0), other=0.0)
+        for u in range(0, mine * blocks):
+            b = u % blocks
+            c_next = _live_chunk(live, rank, ids, g + ((u + 1) // blocks) * step)
+            cols_next = c_next * CHUNK + ((u + 1) % blocks) * BLOCK + offs
+            end = tl.where(u + 1 < mine * blocks, vocab_size, 0)  # nothing past the program's last block
             x_next = tl.load(row_ptr + cols_next, mask=cols_next < end, other=0.0)
-            _compact_chunk(x, c, offs, row_ptr, i, num_chunks, vocab_size, scale, floor, values_ptr, ids_ptr,
-                           counts_ptr, CHUNK, SEGMENT)  # fmt: skip
+            n = _compact_block(x, c * CHUNK + b * BLOCK + offs, tl.where(b == 0, 0, n), cells + c, vocab_size, scale,
+                               floor, values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+            if b == blocks - 1:
+                tl.store(counts_ptr + cells + c, n)
             x, c = x_next, c_next
     else:
-        for j in range(g, num_live, step):
-            c = tl.sum(tl.where(live & (rank == j), ids, 0), axis=0)
-            x = tl.load(row_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < vocab_size, other=0.0)
-            _compact_chunk(x, c, offs, row_ptr, i, num_chunks, vocab_size, scale, floor, values_ptr, ids_ptr,
-                           counts_ptr, CHUNK, SEGMENT)  # fmt: skip
+        for u in range(0, mine * blocks):
+            b = u % blocks
+            c = _live_chunk(live, rank, ids, g + (u // blocks) * step)
+            cols = c * CHUNK + b * BLOCK + offs
+            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=0.0)
+            n = _compact_block(x, cols, tl.where(b == 0, 0, n), cells + c, vocab_size, scale, floor, values_ptr,
+                               ids_ptr, SEGMENT)  # fmt: skip
+            if b == blocks - 1:
+                tl.store(counts_ptr + cells + c, n)
 
 
 @triton.jit
@@ -374,10 +390,13 @@ def _candidates_by_loop(
         _floor_kernel[(num_filtered,)](
             rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
         )
-    _segment_loop_kernel[(num_filtered, max(1, min(SEGMENT_PROGRAMS, num_chunks)))](
+    if SEGMENT_BLOCK < 2 or SEGMENT_BLOCK & (SEGMENT_BLOCK - 1):
+        raise ValueError(f"SEGMENT_BLOCK must be a power of two >= 2, got {SEGMENT_BLOCK}")
+    per_row = SEGMENT_PROGRAMS if SEGMENT_PROGRAMS > 0 else -(-SEGMENT_TOTAL // num_filtered)
+    _segment_loop_kernel[(num_filtered, max(1, min(per_row, num_chunks)))](
         logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, logits.stride(0),
         logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment,
-        FOLD_FLOOR=FOLD_FLOOR, PREFETCH=SEGMENT_PREFETCH, num_warps=SEGMENT_WARPS,
+        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=SEGMENT_PREFETCH, num_warps=SEGMENT_WARPS,
     )  # fmt: skip
 
 
