@@ -88,19 +88,22 @@ def graph_us(fn: Callable[[], Any], calls: int = 10, replays: int = 5) -> float:
 class Case:
     """One logits tensor at the preset: its sample_rows state and stats for 3 seeded sets of uniforms."""
 
-    def __init__(self, rows: int, spread: float) -> None:
+    def __init__(self, rows: int, spread: float, top_k: int = 20) -> None:
+        from fnvllm.executor.fused_sampling import SEGMENTS_FINE_CHUNK, SEGMENTS_FINE_SEGMENT
         from fnvllm.kernels import sampling
 
         dev = DEVICE
         gen = torch.Generator(device=dev).manual_seed(0)
         self.logits = (torch.randn(rows, VOCAB, generator=gen, device=dev) * spread).to(torch.bfloat16)
-        self.name = f"{rows} rows, std {spread}"
+        self.name = f"{rows} rows, std {spread}" + ("" if top_k == 20 else f", k {top_k}")
         self.scale = torch.full((rows,), 1 / 0.6, device=dev)
-        self.top_k = torch.full((rows,), 20, dtype=torch.int64, device=dev)
+        self.top_k = torch.full((rows,), top_k, dtype=torch.int64, device=dev)
         self.top_p = torch.full((rows,), 0.95, device=dev)
         self.min_p = torch.zeros(rows, device=dev)
         self.rows = torch.arange(rows, dtype=torch.int32, device=dev)
         self.states, self.stats = [], []
+        fine = top_k > -(-VOCAB // sampling.CHUNK)
+        self.fine = {"chunk": SEGMENTS_FINE_CHUNK, "segment": SEGMENTS_FINE_SEGMENT} if fine else {}
         for seed in range(3):
             uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(10 + seed)).to(dev)
             state = sampling.RowSampling(
@@ -111,6 +114,8 @@ class Case:
                 out=torch.zeros((2, rows), dtype=torch.int64, device=dev),
             )
             self.stats.append(sampling.sample_rows(self.logits, state, seed=0))
+            if self.fine:  # fused_sampling's route for a top-k above the chunks: finer maxima, smaller segments
+                self.stats[-1] = sampling.chunk_summaries(self.logits, self.scale, self.rows, self.fine["chunk"])
             self.states.append(state)
 
     def sample_rows(self) -> None:
@@ -125,10 +130,12 @@ class Case:
         from fnvllm.kernels.sampling_segments import segmented_pick
 
         state = self.states[which]
-        fn = filtered_pick if route == "old" else segmented_pick
         rows = self.rows
-        fn(self.logits, rows, rows, rows, self.stats[which], self.scale, self.top_k, self.top_p, self.min_p,
-           state.drawn, state.out)  # fmt: skip
+        args = (self.logits, rows, rows, rows, self.stats[which], self.scale, self.top_k, self.top_p, self.min_p)
+        if route == "old":
+            filtered_pick(*args, state.drawn, state.out, **({"chunk": self.fine["chunk"]} if self.fine else {}))
+        else:
+            segmented_pick(*args, state.drawn, state.out, **self.fine)
 
     def tokens(self, route: str) -> torch.Tensor:
         """(3, R) tokens of the route on the 3 sets of uniforms."""
@@ -197,11 +204,11 @@ def run_case(case: Case, variants: list[Variant], results: list[tuple[str, str, 
 def table(results: list[tuple[str, str, float, float, str]]) -> str:
     """Per case and route: device us per sampling call (sample_rows + pick), of the pick alone, vs temperature
     only, and token equality with the grid route (3 seeded sets of uniforms)."""
-    head = f"{'logits':<18} {'route':<32} {'call us':>8} {'pick us':>8} {'vs T':>6}  tokens == grid"
+    head = f"{'logits':<22} {'route':<32} {'call us':>8} {'pick us':>8} {'vs T':>6}  tokens == grid"
     lines = [head, "-" * len(head)]
     t_only = {name: us for name, route, us, _, _ in results if route.startswith("temperature")}
     for name, route, us, pick, verdict in results:
-        lines.append(f"{name:<18} {route:<32} {us:>8.1f} {pick:>8.1f} {us / t_only[name]:>6.2f}  {verdict}")
+        lines.append(f"{name:<22} {route:<32} {us:>8.1f} {pick:>8.1f} {us / t_only[name]:>6.2f}  {verdict}")
     return "\n".join([*lines, "(device us, CUDA graphs of 10 calls, medians of 5; preset T 0.6 / top_p 0.95 / k 20)"])
 
 
@@ -256,8 +263,8 @@ def main() -> None:
         log(kernel_line(first, variant))
     log("best loop variants on 256 flat rows: " + ", ".join(set_route(v) for v in best))
     set_route(None)
-    for rows, spread in ((64, 0.64), (256, 3.0), (64, 3.0)):
-        run_case(Case(rows, spread), auto_variants(best), results)
+    for rows, spread, top_k in ((64, 0.64, 20), (256, 3.0, 20), (64, 3.0, 20), (256, 0.64, 50)):
+        run_case(Case(rows, spread, top_k), auto_variants(best), results)
     print(table(results), flush=True)
 
 
