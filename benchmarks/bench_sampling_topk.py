@@ -220,6 +220,28 @@ def best_variants(
     return [labels[route] for _, route in ranked[:n]]
 
 
+def pick_warps(case: Case, best: list[Variant], results: list[tuple[str, str, float, float, str]]) -> None:
+    """The best variant with pass 2 (``_segments_pick_kernel``) at 4 and 16 warps instead of 8 (PICK_WARPS)."""
+    from fnvllm.kernels import sampling_segments as seg
+
+    t_only = next(us for name, route, us, _, _ in results if name == case.name and route.startswith("temperature"))
+    for variant in best:
+        for warps in (4, 16):
+            label = set_route(variant) + f" pick W{warps}"
+            seg.PICK_WARPS = warps
+            try:
+                case.pick("segments")
+                us = graph_us(lambda: case.pick("segments"))
+            except Exception as error:  # a diagnostic must not stop the run
+                log(f"  {label}: FAILED {type(error).__name__}: {str(error)[:200]}")
+                continue
+            finally:
+                seg.PICK_WARPS = 8
+            results.append((case.name, label, t_only + us, us, "(not checked)"))
+            log(f"  {label:<30} pick {us:7.1f} us")
+    set_route(None)
+
+
 def kernel_line(case: Case, variant: Variant | None) -> str:
     """The pick's kernels by torch.profiler, us per call each (one line), for a route."""
     from torch.profiler import ProfilerActivity, profile
@@ -262,10 +284,11 @@ def main() -> None:
     for variant in [None, *best[:1]]:
         log(kernel_line(first, variant))
     log("best loop variants on 256 flat rows: " + ", ".join(set_route(v) for v in best))
+    pick_warps(first, best[:1], results)
     set_route(None)
     for rows, spread, top_k in ((64, 0.64, 20), (256, 3.0, 20), (64, 3.0, 20), (256, 0.64, 50)):
         run_case(Case(rows, spread, top_k), auto_variants(best), results)
-    print(table(results), flush=True)
+        print(table(results), flush=True)  # after each case: a kill at the budget keeps the latest
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ SEGMENT_WARPS = 8
 SEGMENT_PREFETCH = True
 SEGMENT_BLOCK = 4096  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
 FOLD_FLOOR = True
+PICK_WARPS = 8  # warps of pass 2's programs (one a row: the draw from the segments, or the per-row fallback)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
@@ -363,7 +364,7 @@ def segmented_pick(
         logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, values, ids, counts, scratch,
         logits.stride(0), logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad,
         SEGMENT=segment, SLOTS=max(2, int(triton.next_power_of_2(num_chunks * segment))), BLOCK=min(block, chunk),
-        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=8,
+        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=PICK_WARPS,
     )  # fmt: skip
 
 
