@@ -204,11 +204,11 @@ def run_case(case: Case, variants: list[Variant], results: list[tuple[str, str, 
 def table(results: list[tuple[str, str, float, float, str]]) -> str:
     """Per case and route: device us per sampling call (sample_rows + pick), of the pick alone, vs temperature
     only, and token equality with the grid route (3 seeded sets of uniforms)."""
-    head = f"{'logits':<22} {'route':<32} {'call us':>8} {'pick us':>8} {'vs T':>6}  tokens == grid"
+    head = f"{'logits':<22} {'route':<38} {'call us':>8} {'pick us':>8} {'vs T':>6}  tokens == grid"
     lines = [head, "-" * len(head)]
     t_only = {name: us for name, route, us, _, _ in results if route.startswith("temperature")}
     for name, route, us, pick, verdict in results:
-        lines.append(f"{name:<22} {route:<32} {us:>8.1f} {pick:>8.1f} {us / t_only[name]:>6.2f}  {verdict}")
+        lines.append(f"{name:<22} {route:<38} {us:>8.1f} {pick:>8.1f} {us / t_only[name]:>6.2f}  {verdict}")
     return "\n".join([*lines, "(device us, CUDA graphs of 10 calls, medians of 5; preset T 0.6 / top_p 0.95 / k 20)"])
 
 
@@ -220,25 +220,38 @@ def best_variants(
     return [labels[route] for _, route in ranked[:n]]
 
 
-def pick_warps(case: Case, best: list[Variant], results: list[tuple[str, str, float, float, str]]) -> None:
-    """The best variant with pass 2 (``_segments_pick_kernel``) at 4 and 16 warps instead of 8 (PICK_WARPS)."""
+PASS2_KNOBS = [("pick W4", {"PICK_WARPS": 4}), ("pick W16", {"PICK_WARPS": 16}), ("seg 8", {"SEGMENT": 8})]
+PASS2_KNOBS += [("seg 8 pick W4", {"SEGMENT": 8, "PICK_WARPS": 4}), ("seg 32", {"SEGMENT": 32})]
+
+
+def pass2_sweep(case: Case, best: list[Variant], results: list[tuple[str, str, float, float, str]]) -> None:
+    """The best variant with pass 2 (``_segments_pick_kernel``) at other warps (PICK_WARPS 8) and segments
+    (SEGMENT 16: with 8, 38 x 8 slots fit a 512-slot sort instead of 1024; a chunk with more candidates sends its
+    row to the per-row fallback); tokens checked against the grid route's (the last ones in ``results``)."""
     from fnvllm.kernels import sampling_segments as seg
 
     t_only = next(us for name, route, us, _, _ in results if name == case.name and route.startswith("temperature"))
+    set_route(None)
+    want = case.tokens("segments")
     for variant in best:
-        for warps in (4, 16):
-            label = set_route(variant) + f" pick W{warps}"
-            seg.PICK_WARPS = warps
+        for suffix, knobs in PASS2_KNOBS:
+            label = set_route(variant) + " " + suffix
+            saved = {name: getattr(seg, name) for name in knobs}
             try:
+                for name, value in knobs.items():
+                    setattr(seg, name, value)
                 case.pick("segments")
                 us = graph_us(lambda: case.pick("segments"))
+                differ = int((case.tokens("segments") != want).sum())
             except Exception as error:  # a diagnostic must not stop the run
                 log(f"  {label}: FAILED {type(error).__name__}: {str(error)[:200]}")
                 continue
             finally:
-                seg.PICK_WARPS = 8
-            results.append((case.name, label, t_only + us, us, "(not checked)"))
-            log(f"  {label:<30} pick {us:7.1f} us")
+                for name, value in saved.items():
+                    setattr(seg, name, value)
+            verdict = "PASS" if differ == 0 else f"FAIL {differ}"
+            results.append((case.name, label, t_only + us, us, verdict))
+            log(f"  {label:<30} pick {us:7.1f} us  tokens == grid: {verdict}")
     set_route(None)
 
 
@@ -284,7 +297,7 @@ def main() -> None:
     for variant in [None, *best[:1]]:
         log(kernel_line(first, variant))
     log("best loop variants on 256 flat rows: " + ", ".join(set_route(v) for v in best))
-    pick_warps(first, best[:1], results)
+    pass2_sweep(first, best[:1], results)
     set_route(None)
     for rows, spread, top_k in ((64, 0.64, 20), (256, 3.0, 20), (64, 3.0, 20), (256, 0.64, 50)):
         run_case(Case(rows, spread, top_k), auto_variants(best), results)
