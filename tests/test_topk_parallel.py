@@ -104,7 +104,7 @@ def test_top_k_above_the_chunk_count_and_rows_without_top_k() -> None:
     assert _draw(logits, settings, uniforms, 8) == _reference(logits, settings, uniforms)
 
 
-def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: bool, fold: bool) -> None:
+def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool) -> None:
     """Route segmented_pick's candidate pass to the loop kernel with these knobs."""
     for name, value in (("SEGMENTS_LOOP", True), ("SEGMENT_PROGRAMS", programs), ("SEGMENT_BLOCK", block),
                         ("SEGMENT_PREFETCH", prefetch), ("FOLD_FLOOR", fold), ("SEGMENT_TOTAL", 24)):  # fmt: skip
@@ -113,13 +113,13 @@ def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: 
 
 @pytest.mark.parametrize(
     ("programs", "block", "prefetch", "fold", "segment"),
-    [(2, 16, True, True, 16), (1, 64, False, False, 16), (0, 32, True, False, 2), (8, 16, False, True, 4)],
+    [(2, 16, 1, True, 16), (1, 64, 0, False, 16), (0, 32, 2, False, 2), (3, 16, 2, True, 16), (8, 16, 0, True, 4)],
 )
 def test_loop_kernel_draws_the_reference_tokens(
-    monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: bool, fold: bool, segment: int
+    monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool, segment: int
 ) -> None:
-    """The loop kernel (a row's live chunks shared by 1, 2, 8 or SEGMENT_TOTAL // rows programs, chunks of 64 taken
-    16, 32 or 64 tokens a step, with and without prefetch, the floor folded in or by _floor_kernel) gives the
+    """The loop kernel (a row's live chunks shared by 1, 2, 3, 8 or SEGMENT_TOTAL // rows programs, chunks of 64
+    taken 16, 32 or 64 tokens a step, 0, 1 or 2 blocks loaded ahead, the floor folded in or by _floor_kernel) gives the
     reference's tokens on random rows with top-k, top-p and min-p, k up to above the chunk count, and rows that
     overflow a segment of 2 or 4 and fall back."""
     logits = (torch.randn(12, 300, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
@@ -141,7 +141,7 @@ def test_loop_kernel_counts_a_chunk_across_its_blocks(monkeypatch: pytest.Monkey
     settings["scale"] = torch.ones(3)
     uniforms = torch.tensor([0.95, 0.75, 0.55])
     want = _reference(logits, settings, uniforms)
-    _loop(monkeypatch, 2, 16, True, True)
+    _loop(monkeypatch, 2, 16, 2, True)
     assert _draw(logits, settings, uniforms, 16) == want
     assert _draw(logits, settings, uniforms, 4) == want
     flat = (torch.randn(16, 256, generator=torch.Generator().manual_seed(2)) * 0.64).bfloat16().to(DEVICE)
@@ -155,7 +155,7 @@ def test_loop_kernel_rejects_a_block_that_is_not_a_power_of_two(monkeypatch: pyt
     """SEGMENT_BLOCK 48 raises ValueError naming it."""
     logits = torch.zeros(2, 128, device=DEVICE)
     settings = _settings(2, 128, [2], [1.0], [0.0])
-    _loop(monkeypatch, 2, 48, True, True)
+    _loop(monkeypatch, 2, 48, 1, True)
     with pytest.raises(ValueError, match="SEGMENT_BLOCK"):
         _draw(logits, settings, torch.rand(2), 4)
 
@@ -258,7 +258,7 @@ def test_gpu_segments_equal_the_filter_kernel_at_real_sizes(spread: float) -> No
     assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
     with pytest.MonkeyPatch.context() as patch:  # the loop kernel, whole chunks and blocks of 1024
         for block in (4096, 1024):
-            _loop(patch, 4, block, True, True)
+            _loop(patch, 4, block, 1, True)
             assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
 
 

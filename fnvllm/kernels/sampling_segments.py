@@ -55,13 +55,13 @@ SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold
 # program per (row, chunk): 173 us per call at 256 flat rows on the H200, 2026-12-02, for ~40 MB read: 97 registers
 # a thread at 8 warps, so 2 programs an SM, each waiting on a chain of 4 dependent loads before its chunk's, and half
 # the programs only to find their chunk dead). Its knobs (benchmarks/bench_sampling_topk.py sweeps them): programs
-# per row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks), warps, the next chunk loaded before the
-# current one is compacted, and the floor sorted in each program from the row's chunk maxima (no _floor_kernel).
+# per row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks), warps, tokens a step, blocks loaded ahead
+# of the one being compacted, and the floor sorted in each program from the row's chunk maxima (no _floor_kernel).
 SEGMENTS_LOOP = False
 SEGMENT_PROGRAMS = 4  # 0: enough per row for SEGMENT_TOTAL programs in all (a 64-row batch needs more a row)
 SEGMENT_TOTAL = 1024
 SEGMENT_WARPS = 8
-SEGMENT_PREFETCH = True
+SEGMENT_PREFETCH = 1  # blocks loaded ahead: 0, 1 or 2
 SEGMENT_BLOCK = 4096  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
 FOLD_FLOOR = True
 PICK_WARPS = 8  # warps of pass 2's programs (one a row: the draw from the segments, or the per-row fallback)
@@ -149,9 +149,12 @@ def _compact_block(x, cols, before, cell, vocab_size, scale, floor, values_ptr, 
 
 
 @triton.jit
-def _live_chunk(live, rank, ids, j):
-    """The chunk id of live rank j (0 when there is none)."""
-    return tl.sum(tl.where(live & (rank == j), ids, 0), axis=0)
+def _unit(live, rank, ids, g, step, u, offs, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Block u of program g's blocks (its chunks are the live ranks g, g + step, ...; CHUNK // BLOCK blocks each):
+    its chunk id (0 past the live chunks) and its token ids."""
+    blocks = CHUNK // BLOCK
+    c = tl.sum(tl.where(live & (rank == g + (u // blocks) * step), ids, 0), axis=0)
+    return c, c * CHUNK + (u % blocks) * BLOCK + offs
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
@@ -176,7 +179,7 @@ def _segment_loop_kernel(
     SEGMENT: tl.constexpr,
     BLOCK: tl.constexpr,  # tokens per step (divides CHUNK): a chunk is compacted block after block
     FOLD_FLOOR: tl.constexpr,  # the row's floor sorted here from its chunk maxima (no _floor_kernel launch)
-    PREFETCH: tl.constexpr,  # load the program's next block before compacting the current one
+    PREFETCH: tl.constexpr,  # blocks loaded ahead of the one being compacted: 0, 1 or 2
 ):
     """Program (i, g) of a (F, G) grid: the candidates of the live chunks (maximum at or above the floor) of
     filtered row i of rank g, g + G, g + 2G, ... among them, in id order, BLOCK tokens a step (``_segment_kernel``'s
@@ -205,33 +208,42 @@ def _segment_loop_kernel(
     cells = i.to(tl.int64) * num_chunks
     tl.store(counts_ptr + cells + ids, flags * 0, mask=dead)
     blocks = CHUNK // BLOCK
-    mine = tl.where(g < num_live, (num_live - g + step - 1) // step, 0)  # live chunks of this program
+    mine = tl.where(g < num_live, (num_live - g + step - 1) // step, 0) * blocks  # this program's blocks
     offs = tl.arange(0, BLOCK)
     n = tl.full([], 0, dtype=tl.int32)  # the current chunk's candidates so far
-    if PREFETCH:
-        c = _live_chunk(live, rank, ids, g)
-        x = tl.load(row_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < tl.where(mine > 0, vocab_size, 0), other=0.0)
-        for u in range(0, mine * blocks):
-            b = u % blocks
-            c_next = _live_chunk(live, rank, ids, g + ((u + 1) // blocks) * step)
-            cols_next = c_next * CHUNK + ((u + 1) % blocks) * BLOCK + offs
-            end = tl.where(u + 1 < mine * blocks, vocab_size, 0)  # nothing past the program's last block
+    if PREFETCH == 0:
+        for u in range(0, mine):
+            c, cols = _unit(live, rank, ids, g, step, u, offs, CHUNK, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=0.0)
+            n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
+                               values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+            if u % blocks == blocks - 1:
+                tl.store(counts_ptr + cells + c, n)
+    elif PREFETCH == 1:
+        c, cols = _unit(live, rank, ids, g, step, 0, offs, CHUNK, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < tl.where(mine > 0, vocab_size, 0), other=0.0)
+        for u in range(0, mine):
+            c_next, cols_next = _unit(live, rank, ids, g, step, u + 1, offs, CHUNK, BLOCK)
+            end = tl.where(u + 1 < mine, vocab_size, 0)  # nothing past the program's last block
             x_next = tl.load(row_ptr + cols_next, mask=cols_next < end, other=0.0)
-            n = _compact_block(x, c * CHUNK + b * BLOCK + offs, tl.where(b == 0, 0, n), cells + c, vocab_size, scale,
-                               floor, values_ptr, ids_ptr, SEGMENT)  # fmt: skip
-            if b == blocks - 1:
+            n = _compact_block(x, c * CHUNK + (u % blocks) * BLOCK + offs, tl.where(u % blocks == 0, 0, n),
+                               cells + c, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+            if u % blocks == blocks - 1:
                 tl.store(counts_ptr + cells + c, n)
             x, c = x_next, c_next
-    else:
-        for u in range(0, mine * blocks):
-            b = u % blocks
-            c = _live_chunk(live, rank, ids, g + (u // blocks) * step)
-            cols = c * CHUNK + b * BLOCK + offs
-            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=0.0)
-            n = _compact_block(x, cols, tl.where(b == 0, 0, n), cells + c, vocab_size, scale, floor, values_ptr,
-                               ids_ptr, SEGMENT)  # fmt: skip
-            if b == blocks - 1:
+    else:  # two blocks ahead
+        c, cols = _unit(live, rank, ids, g, step, 0, offs, CHUNK, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < tl.where(mine > 0, vocab_size, 0), other=0.0)
+        c1, cols1 = _unit(live, rank, ids, g, step, 1, offs, CHUNK, BLOCK)
+        x1 = tl.load(row_ptr + cols1, mask=cols1 < tl.where(mine > 1, vocab_size, 0), other=0.0)
+        for u in range(0, mine):
+            c2, cols2 = _unit(live, rank, ids, g, step, u + 2, offs, CHUNK, BLOCK)
+            x2 = tl.load(row_ptr + cols2, mask=cols2 < tl.where(u + 2 < mine, vocab_size, 0), other=0.0)
+            n = _compact_block(x, c * CHUNK + (u % blocks) * BLOCK + offs, tl.where(u % blocks == 0, 0, n),
+                               cells + c, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+            if u % blocks == blocks - 1:
                 tl.store(counts_ptr + cells + c, n)
+            x, c, x1, c1 = x1, c1, x2, c2
 
 
 @triton.jit
@@ -397,7 +409,7 @@ def _candidates_by_loop(
     _segment_loop_kernel[(num_filtered, max(1, min(per_row, num_chunks)))](
         logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, logits.stride(0),
         logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment,
-        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=SEGMENT_PREFETCH, num_warps=SEGMENT_WARPS,
+        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=int(SEGMENT_PREFETCH), num_warps=SEGMENT_WARPS,
     )  # fmt: skip
 
 
