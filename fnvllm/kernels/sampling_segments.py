@@ -15,6 +15,12 @@ GPU: latency-bound (289 us per call at 256 rows on the H200, ~150 GB/s). Here th
         values for tau (the k-th largest value, then the nucleus of the top-k, as ``candidates_pick`` does), and
         draws from the kept tokens in id order at its uniform.
 
+With SEGMENTS_LOOP, passes 0 and 1 are one launch on a (F, G) grid (``_segment_loop_kernel``): program (i, g)
+sorts row i's chunk maxima for the floor itself, lists the row's live chunks (maximum at or above the floor) in
+registers, and compacts those of rank g, g + G, ... one after another, SEGMENT_BLOCK tokens a step with the next
+blocks already loading: no program for a dead chunk, no chain of dependent loads before each chunk, and fewer
+registers a thread (more programs an SM). Same segments, same counts: the same tokens.
+
 Every token at or above tau is at or above the floor (tau >= tau_k >= floor: the floor's count is >= k), so the
 segments hold the whole kept set. No atomics: each segment belongs to one program, so a row's candidates stay in
 ascending token id order. A row whose segments cannot hold its candidates -- a chunk with more than SEGMENT of
