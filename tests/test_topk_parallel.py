@@ -294,10 +294,15 @@ def _first_pass(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, c
     return sampling.sample_rows(logits, state, seed=0, rows=rows, chunk=chunk).clone()
 
 
-def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("loop", [False, True])
+def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(
+    monkeypatch: pytest.MonkeyPatch, loop: bool
+) -> None:
     """With TOP_K_BY_SEGMENTS, a batch whose largest top-k exceeds sample_rows' chunks (here 4 of 4096; HF's top_k
     50 against 38 in a real vocabulary) takes finer chunk maxima (SEGMENTS_FINE_CHUNK) so the segments have a floor,
-    and draws exactly the references' tokens (plain rows and a whole penalised batch)."""
+    and draws exactly the references' tokens (plain rows and a whole penalised batch), by either candidate pass."""
+    if loop:
+        _loop(monkeypatch, 2, 256, 1, True)
     import attrs
 
     from fnvllm.executor import fused_sampling
