@@ -28,26 +28,18 @@ import torch
 VOCAB = 151936
 DEVICE = "cuda"  # the dry run of the tests sets "cpu" (Triton interpreter, tiny rows)
 STARTED = time.perf_counter()
-# (programs per row (0: SEGMENT_TOTAL in all), warps, prefetch, fold floor, block, SEGMENT_TOTAL); the programs and
-# the total vary without a recompile
-Variant = tuple[int, int, int, bool, int, int]
-SWEEP: list[Variant] = [(p, 8, 1, True, 4096, 1024) for p in (2, 4, 8, 38)]
-SWEEP += [(4, 8, 0, True, 4096, 1024)]
-SWEEP += [(p, 8, 1, True, 2048, 1024) for p in (4, 8)]
-SWEEP += [(p, 4, 1, True, 2048, 1024) for p in (4, 8)]
-SWEEP += [(p, 4, 1, True, 1024, 1024) for p in (4, 8, 16, 38)]
-SWEEP += [(p, 4, 0, True, 1024, 1024) for p in (4, 8)]
-SWEEP += [(p, 8, 1, True, 1024, 1024) for p in (4, 8)]
-SWEEP += [(p, 2, 1, True, 512, 1024) for p in (4, 8)]
-SWEEP += [(4, 4, 1, False, 1024, 1024)]
-SWEEP += [(p, 8, 2, True, 1024, 1024) for p in (4, 8)] + [(p, 8, 2, True, 2048, 1024) for p in (4, 8)]
-SWEEP += [(p, 4, 2, True, 1024, 1024) for p in (4, 8)]
-SWEEP += [(0, 4, 1, True, 1024, total) for total in (512, 2048, 4096)]
-QUICK_SWEEP: list[Variant] = [
-    (4, 8, 1, True, 4096, 1024),
-    (4, 4, 1, True, 1024, 1024),
-    (0, 4, 1, True, 1024, 2048),
-]
+# (programs per row (0: SEGMENT_TOTAL in all), warps, blocks loaded ahead, fold floor, block, SEGMENT_TOTAL,
+# SKIP_EMPTY); the programs and the total vary without a recompile. The mid call of 2026-12-02 14:10 ranked W2 B512
+# pre1 first (now the default: T1024 W2 B512 pre1, P4 at 256 rows); this sweep looks around it.
+Variant = tuple[int, int, int, bool, int, int, bool]
+SWEEP: list[Variant] = [(0, 2, 1, True, 512, 1024, False), (4, 2, 1, True, 512, 1024, True)]
+SWEEP += [(p, 2, 2, True, 512, 1024, skip) for p in (4, 8) for skip in (False, True)]
+SWEEP += [(4, 2, 2, True, 256, 1024, skip) for skip in (False, True)]
+SWEEP += [(p, 1, 2, True, 256, 1024, True) for p in (4, 8)] + [(4, 1, 1, True, 512, 1024, True)]
+SWEEP += [(4, 2, 1, True, 1024, 1024, True), (4, 4, 1, True, 1024, 1024, True), (4, 8, 1, True, 2048, 1024, True)]
+SWEEP += [(4, 8, 1, True, 4096, 1024, True), (4, 2, 1, False, 512, 1024, True)]
+SWEEP += [(0, 2, 2, True, 512, total, True) for total in (2048, 4096)]
+QUICK_SWEEP: list[Variant] = [(0, 2, 1, True, 512, 1024, False), (4, 2, 1, True, 512, 1024, True)]
 
 
 def log(text: str) -> None:
@@ -157,21 +149,28 @@ def set_route(variant: Variant | None) -> str:
     if variant is None:
         seg.SEGMENTS_LOOP = False
         return "grid (floor + segment)"
-    programs, warps, prefetch, fold, block, total = variant
+    programs, warps, prefetch, fold, block, total, skip = variant
     seg.SEGMENTS_LOOP, seg.SEGMENT_PROGRAMS, seg.SEGMENT_WARPS = True, programs, warps
     seg.SEGMENT_PREFETCH, seg.FOLD_FLOOR, seg.SEGMENT_BLOCK, seg.SEGMENT_TOTAL = prefetch, fold, block, total
+    seg.SKIP_EMPTY = skip
+    return label(variant)
+
+
+def label(variant: Variant) -> str:
+    """A loop variant's name in the tables."""
+    programs, warps, prefetch, fold, block, total, skip = variant
     per_row = f"P{programs}" if programs else f"T{total}"
-    return f"loop {per_row} W{warps} B{block} pre{prefetch}{'' if fold else ' floorK'}"
+    return f"loop {per_row} W{warps} B{block} pre{prefetch}{' skip' if skip else ''}{'' if fold else ' floorK'}"
 
 
 def auto_variants(best: list[Variant]) -> list[Variant]:
-    """The best variants, plus the first one's kernel with its programs per row set by the total (64-row batches
-    need more programs a row than 256-row ones)."""
+    """The default variant and the best ones, plus the first one's kernel with its programs per row set by the
+    total (64-row batches need more programs a row than 256-row ones)."""
     if not best:
-        return []
-    _, warps, prefetch, fold, block, _ = best[0]
-    extra = [(0, warps, prefetch, fold, block, total) for total in (1024, 2048, 4096)]
-    return best + [v for v in extra if v not in best]
+        return [SWEEP[0]]
+    _, warps, prefetch, fold, block, _, skip = best[0]
+    extra = [(0, warps, prefetch, fold, block, total, skip) for total in (1024, 2048, 4096)]
+    return [SWEEP[0], *[v for v in best + extra if v != SWEEP[0]]]
 
 
 def run_case(case: Case, variants: list[Variant], results: list[tuple[str, str, float, float, str]]) -> None:
@@ -187,20 +186,20 @@ def run_case(case: Case, variants: list[Variant], results: list[tuple[str, str, 
     log(f"  old {old_us:.1f} us")
     want = None
     for variant in [None, *variants]:
-        label = set_route(variant)
+        route = set_route(variant)
         try:
             case.pick("segments")
             torch.cuda.synchronize()
             us = graph_us(lambda: case.pick("segments"))
             got = case.tokens("segments")
         except Exception as error:  # one variant failing to compile must not stop the sweep
-            log(f"  {label}: FAILED {type(error).__name__}: {str(error)[:200]}")
+            log(f"  {route}: FAILED {type(error).__name__}: {str(error)[:200]}")
             continue
         want = got if want is None else want
         differ, vs_old = int((got != want).sum()), int((got != old_tokens).sum())
         verdict = ("PASS" if differ == 0 else f"FAIL {differ}") + ("" if vs_old == 0 else f" (vs old: {vs_old} differ)")
-        results.append((case.name, label, t_only + us, us, verdict))
-        log(f"  {label:<30} pick {us:7.1f} us  tokens == grid: {verdict}")
+        results.append((case.name, route, t_only + us, us, verdict))
+        log(f"  {route:<30} pick {us:7.1f} us  tokens == grid: {verdict}")
     set_route(None)
 
 
@@ -215,6 +214,17 @@ def table(results: list[tuple[str, str, float, float, str]]) -> str:
     return "\n".join([*lines, "(device us, CUDA graphs of 10 calls, medians of 5; preset T 0.6 / top_p 0.95 / k 20)"])
 
 
+def summary(results: list[tuple[str, str, float, float, str]]) -> str:
+    """Per case: temperature only, the old and grid routes, the default loop variant and the 3 fastest others."""
+    keep = []
+    for name in dict.fromkeys(r[0] for r in results):
+        rows = [r for r in results if r[0] == name]
+        fixed = [r for r in rows if not r[1].startswith("loop") or r[1] == label(SWEEP[0])]
+        fastest = sorted((r for r in rows if r not in fixed), key=lambda r: r[3])[:3]
+        keep += fixed + fastest
+    return table(keep)
+
+
 def best_variants(
     results: list[tuple[str, str, float, float, str]], labels: dict[str, Variant], n: int
 ) -> list[Variant]:
@@ -224,7 +234,6 @@ def best_variants(
 
 
 PASS2_KNOBS = [("pick W4", {"PICK_WARPS": 4}), ("pick W16", {"PICK_WARPS": 16}), ("seg 8", {"SEGMENT": 8})]
-PASS2_KNOBS += [("seg 8 pick W4", {"SEGMENT": 8, "PICK_WARPS": 4}), ("seg 32", {"SEGMENT": 32})]
 
 
 def pass2_sweep(case: Case, best: list[Variant], results: list[tuple[str, str, float, float, str]]) -> None:
@@ -238,7 +247,7 @@ def pass2_sweep(case: Case, best: list[Variant], results: list[tuple[str, str, f
     want = case.tokens("segments")
     for variant in best:
         for suffix, knobs in PASS2_KNOBS:
-            label = set_route(variant) + " " + suffix
+            route = set_route(variant) + " " + suffix
             saved = {name: getattr(seg, name) for name in knobs}
             try:
                 for name, value in knobs.items():
@@ -247,14 +256,14 @@ def pass2_sweep(case: Case, best: list[Variant], results: list[tuple[str, str, f
                 us = graph_us(lambda: case.pick("segments"))
                 differ = int((case.tokens("segments") != want).sum())
             except Exception as error:  # a diagnostic must not stop the run
-                log(f"  {label}: FAILED {type(error).__name__}: {str(error)[:200]}")
+                log(f"  {route}: FAILED {type(error).__name__}: {str(error)[:200]}")
                 continue
             finally:
                 for name, value in saved.items():
                     setattr(seg, name, value)
             verdict = "PASS" if differ == 0 else f"FAIL {differ}"
-            results.append((case.name, label, t_only + us, us, verdict))
-            log(f"  {label:<30} pick {us:7.1f} us  tokens == grid: {verdict}")
+            results.append((case.name, route, t_only + us, us, verdict))
+            log(f"  {route:<30} pick {us:7.1f} us  tokens == grid: {verdict}")
     set_route(None)
 
 
@@ -262,7 +271,7 @@ def kernel_line(case: Case, variant: Variant | None) -> str:
     """The pick's kernels by torch.profiler, us per call each (one line), for a route."""
     from torch.profiler import ProfilerActivity, profile
 
-    label = set_route(variant)
+    route = set_route(variant)
     try:
         case.pick("segments")
         torch.cuda.synchronize()
@@ -279,19 +288,18 @@ def kernel_line(case: Case, variant: Variant | None) -> str:
     except Exception as error:  # a diagnostic must not stop the run
         text = f"FAILED {type(error).__name__}: {str(error)[:80]}"
     set_route(None)
-    return f"  kernels of {label}: {text}"
+    return f"  kernels of {route}: {text}"
 
 
 def main() -> None:
     """The sweep on 256 flat rows, then the other logits with the best variants; the table last."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a short sweep (3 loop variants)")
+    parser.add_argument("--quick", action="store_true", help="a short sweep (2 loop variants)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_sampling_topk needs a CUDA GPU")
     sweep = QUICK_SWEEP if args.quick else SWEEP
-    labels = {set_route(v): v for v in sweep}
-    set_route(None)
+    labels = {label(v): v for v in sweep}
     results: list[tuple[str, str, float, float, str]] = []
     first = Case(256, 0.64)
     run_case(first, sweep, results)
@@ -299,14 +307,15 @@ def main() -> None:
     best = best_variants(results, labels, 3)
     for variant in [None, *best[:1]]:
         log(kernel_line(first, variant))
-    log("best loop variants on 256 flat rows: " + ", ".join(set_route(v) for v in best))
-    set_route(None)
+    log("best loop variants on 256 flat rows: " + ", ".join(label(v) for v in best))
     for rows, spread in ((64, 0.64), (256, 3.0), (64, 3.0)):
-        run_case(Case(rows, spread), auto_variants(best), results)
-        print(table(results), flush=True)  # after each case: a kill at the budget keeps the latest
+        case = Case(rows, spread)
+        run_case(case, auto_variants(best), results)
+        print(table([r for r in results if r[0] == case.name]), flush=True)
     pass2_sweep(first, best[:1], results)  # last: the least likely to matter, and many compiles
     run_case(Case(256, 0.64, 50), auto_variants(best)[:3], results)
-    print(table(results), flush=True)
+    print("summary: per case the default loop variant (" + label(SWEEP[0]) + ") and the 3 fastest others")
+    print(summary(results), flush=True)
 
 
 if __name__ == "__main__":

@@ -104,29 +104,50 @@ def test_top_k_above_the_chunk_count_and_rows_without_top_k() -> None:
     assert _draw(logits, settings, uniforms, 8) == _reference(logits, settings, uniforms)
 
 
-def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool) -> None:
+def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool,
+          skip: bool = False) -> None:  # fmt: skip
     """Route segmented_pick's candidate pass to the loop kernel with these knobs."""
     for name, value in (("SEGMENTS_LOOP", True), ("SEGMENT_PROGRAMS", programs), ("SEGMENT_BLOCK", block),
-                        ("SEGMENT_PREFETCH", prefetch), ("FOLD_FLOOR", fold), ("SEGMENT_TOTAL", 24)):  # fmt: skip
+                        ("SEGMENT_PREFETCH", prefetch), ("FOLD_FLOOR", fold), ("SEGMENT_TOTAL", 24),
+                        ("SKIP_EMPTY", skip)):  # fmt: skip
         monkeypatch.setattr(sampling_segments, name, value)
 
 
 @pytest.mark.parametrize(
-    ("programs", "block", "prefetch", "fold", "segment"),
-    [(2, 16, 1, True, 16), (1, 64, 0, False, 16), (0, 32, 2, False, 2), (3, 16, 2, True, 16), (8, 16, 0, True, 4)],
+    ("programs", "block", "prefetch", "fold", "skip", "segment"),
+    [
+        (2, 16, 1, True, False, 16),
+        (1, 64, 0, False, True, 16),
+        (0, 32, 2, False, False, 2),
+        (3, 16, 2, True, True, 16),
+        (8, 16, 0, True, True, 4),
+    ],
 )
 def test_loop_kernel_draws_the_reference_tokens(
-    monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool, segment: int
+    monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool, skip: bool, segment: int
 ) -> None:
     """The loop kernel (a row's live chunks shared by 1, 2, 3, 8 or SEGMENT_TOTAL // rows programs, chunks of 64
-    taken 16, 32 or 64 tokens a step, 0, 1 or 2 blocks loaded ahead, the floor folded in or by _floor_kernel) gives the
+    taken 16, 32 or 64 tokens a step, 0, 1 or 2 blocks loaded ahead, the floor folded in or by _floor_kernel, blocks
+    without a candidate skipped or not) gives the
     reference's tokens on random rows with top-k, top-p and min-p, k up to above the chunk count, and rows that
     overflow a segment of 2 or 4 and fall back."""
     logits = (torch.randn(12, 300, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
     settings = _settings(12, 300, [1, 2, 3, 5, 4, 7], [1.0, 0.9, 0.5, 1.0, 0.95, 0.3], [0.0, 0.0, 0.05, 0.2])
     uniforms = torch.rand(12, generator=torch.Generator().manual_seed(5))
-    _loop(monkeypatch, programs, block, prefetch, fold)
+    _loop(monkeypatch, programs, block, prefetch, fold, skip)
     assert _draw(logits, settings, uniforms, segment) == _reference(logits, settings, uniforms)
+
+
+def test_grid_kernel_draws_the_reference_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SEGMENTS_LOOP off (_floor_kernel + _segment_kernel, one program per (row, chunk)) the same random rows
+    draw the reference's tokens, with segments that hold every candidate (16) and with overflowing ones (2)."""
+    monkeypatch.setattr(sampling_segments, "SEGMENTS_LOOP", False)
+    logits = (torch.randn(12, 300, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
+    settings = _settings(12, 300, [1, 2, 3, 5, 4, 7], [1.0, 0.9, 0.5, 1.0, 0.95, 0.3], [0.0, 0.0, 0.05, 0.2])
+    uniforms = torch.rand(12, generator=torch.Generator().manual_seed(5))
+    want = _reference(logits, settings, uniforms)
+    assert _draw(logits, settings, uniforms, 16) == want
+    assert _draw(logits, settings, uniforms, 2) == want
 
 
 def test_loop_kernel_counts_a_chunk_across_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,7 +162,7 @@ def test_loop_kernel_counts_a_chunk_across_its_blocks(monkeypatch: pytest.Monkey
     settings["scale"] = torch.ones(3)
     uniforms = torch.tensor([0.95, 0.75, 0.55])
     want = _reference(logits, settings, uniforms)
-    _loop(monkeypatch, 2, 16, 2, True)
+    _loop(monkeypatch, 2, 16, 2, True, True)
     assert _draw(logits, settings, uniforms, 16) == want
     assert _draw(logits, settings, uniforms, 4) == want
     flat = (torch.randn(16, 256, generator=torch.Generator().manual_seed(2)) * 0.64).bfloat16().to(DEVICE)
@@ -249,16 +270,19 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, targets: list[tuple[object, st
 @pytest.mark.parametrize("spread", [0.64, 3.0])
 def test_gpu_segments_equal_the_filter_kernel_at_real_sizes(spread: float) -> None:
     """256 rows x 151,936 bf16 (flat and std-3 logits), Qwen3's top_k 20 / top_p 0.95, k above the chunk count and
-    min-p rows: segmented_pick draws filtered_pick's tokens for the same uniforms in every row."""
+    min-p rows: segmented_pick draws filtered_pick's tokens for the same uniforms in every row, by the grid kernel
+    and by loop kernels of several shapes."""
     vocab = 151936
     logits = (torch.randn(256, vocab, generator=torch.Generator().manual_seed(5)) * spread).bfloat16().cuda()
     settings = _settings(256, vocab, [20, 20, 5, 64, 1000, 20], [0.95, 1.0, 0.9, 0.95, 1.0, 0.5], [0.0, 0.05])
     uniforms = torch.rand(256, generator=torch.Generator().manual_seed(7))
     old = _draw(logits, settings, uniforms, None, chunk=sampling.CHUNK)
-    assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
-    with pytest.MonkeyPatch.context() as patch:  # the loop kernel, whole chunks and blocks of 1024
-        for block in (4096, 1024):
-            _loop(patch, 4, block, 1, True)
+    assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old  # the defaults
+    with pytest.MonkeyPatch.context() as patch:  # the grid kernel, then loop kernels of several shapes
+        patch.setattr(sampling_segments, "SEGMENTS_LOOP", False)
+        assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
+        for programs, block, prefetch, skip in ((4, 4096, 1, False), (8, 1024, 2, True), (0, 256, 2, True)):
+            _loop(patch, programs, block, prefetch, True, skip)
             assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
 
 

@@ -58,18 +58,23 @@ __all__ = ["SEGMENT", "segmented_pick"]
 
 SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
 # The candidate pass by ``_segment_loop_kernel`` (True) instead of ``_floor_kernel`` + ``_segment_kernel`` (one
-# program per (row, chunk): 173 us per call at 256 flat rows on the H200, 2026-12-02, for ~40 MB read: 97 registers
-# a thread at 8 warps, so 2 programs an SM, each waiting on a chain of 4 dependent loads before its chunk's, and half
-# the programs only to find their chunk dead). Its knobs (benchmarks/bench_sampling_topk.py sweeps them): programs
-# per row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks), warps, tokens a step, blocks loaded ahead
-# of the one being compacted, and the floor sorted in each program from the row's chunk maxima (no _floor_kernel).
-SEGMENTS_LOOP = False
-SEGMENT_PROGRAMS = 4  # 0: enough per row for SEGMENT_TOTAL programs in all (a 64-row batch needs more a row)
+# program per (row, chunk), 97 registers a thread at 8 warps, so 2 programs an SM, each waiting on a chain of 4
+# dependent loads before its chunk's, and half the programs only to find their chunk dead). Its knobs: programs per
+# row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks; 0: SEGMENT_TOTAL programs in all), warps,
+# tokens a step, blocks loaded ahead of the one being compacted, the floor sorted in each program from the row's
+# chunk maxima (no _floor_kernel launch). Measured on the H200 (benchmarks/bench_sampling_topk.py, 2026-12-02
+# 14:10, CUDA graphs), device us of the top-k redraw (both passes) at the preset, grid kernel -> loop kernel at these
+# defaults: 256 rows std 3 183.5 -> 108.3, 64 rows std 3 51.3 -> 37.4 (64 flat rows: 37.4; at 256 flat rows it ranked
+# first of the sweep's 28 variants, whose numbers were lost), top_k 50 on the fine chunks 100.9 -> 102.9;
+# filtered_pick 270 / 126 / 319. Same tokens in every case.
+SEGMENTS_LOOP = True
+SEGMENT_PROGRAMS = 0
 SEGMENT_TOTAL = 1024
-SEGMENT_WARPS = 8
+SEGMENT_WARPS = 2
 SEGMENT_PREFETCH = 1  # blocks loaded ahead: 0, 1 or 2
-SEGMENT_BLOCK = 4096  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
+SEGMENT_BLOCK = 512  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
 FOLD_FLOOR = True
+SKIP_EMPTY = False  # count a block first; scan and store only where it holds a candidate
 PICK_WARPS = 8  # warps of pass 2's programs (one a row: the draw from the segments, or the per-row fallback)
 
 
@@ -140,18 +145,28 @@ def _segment_kernel(
 
 
 @triton.jit
-def _compact_block(x, cols, before, cell, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT: tl.constexpr):
+def _compact_block(x, cols, before, cell, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT: tl.constexpr,
+                   SKIP_EMPTY: tl.constexpr):  # fmt: skip
     """One block of a chunk, loaded (x, at token ids cols): write its tokens at or above key ``floor`` into
     segment ``cell`` after the ``before`` found in the chunk's earlier blocks, in id order (values and ids; no -inf
-    padding: pass 2 reads only the first count slots); returns the chunk's count so far."""
+    padding: pass 2 reads only the first count slots); returns the chunk's count so far. SKIP_EMPTY: count first,
+    and scan and store only in a block that holds a candidate (most blocks of a live chunk hold none)."""
     s = x.to(tl.float32) * scale + 0.0
     at_least = (cols < vocab_size) & (_key(s) >= floor)
     flags = at_least.to(tl.int32)
-    pos = before + tl.cumsum(flags, axis=0) - 1
-    keep = at_least & (pos < SEGMENT)
-    tl.store(values_ptr + cell * SEGMENT + pos, s, mask=keep)
-    tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=keep)
-    return before + tl.sum(flags, axis=0)
+    found = tl.sum(flags, axis=0)
+    if SKIP_EMPTY:
+        if found > 0:
+            pos = before + tl.cumsum(flags, axis=0) - 1
+            keep = at_least & (pos < SEGMENT)
+            tl.store(values_ptr + cell * SEGMENT + pos, s, mask=keep)
+            tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=keep)
+    else:
+        pos = before + tl.cumsum(flags, axis=0) - 1
+        keep = at_least & (pos < SEGMENT)
+        tl.store(values_ptr + cell * SEGMENT + pos, s, mask=keep)
+        tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=keep)
+    return before + found
 
 
 @triton.jit
@@ -186,6 +201,7 @@ def _segment_loop_kernel(
     BLOCK: tl.constexpr,  # tokens per step (divides CHUNK): a chunk is compacted block after block
     FOLD_FLOOR: tl.constexpr,  # the row's floor sorted here from its chunk maxima (no _floor_kernel launch)
     PREFETCH: tl.constexpr,  # blocks loaded ahead of the one being compacted: 0, 1 or 2
+    SKIP_EMPTY: tl.constexpr,  # scan and store only in blocks that hold a candidate
 ):
     """Program (i, g) of a (F, G) grid: the candidates of the live chunks (maximum at or above the floor) of
     filtered row i of rank g, g + G, g + 2G, ... among them, in id order, BLOCK tokens a step (``_segment_kernel``'s
@@ -222,7 +238,7 @@ def _segment_loop_kernel(
             c, cols = _unit(live, rank, ids, g, step, u, offs, CHUNK, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=0.0)
             n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
-                               values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+                               values_ptr, ids_ptr, SEGMENT, SKIP_EMPTY)  # fmt: skip
             if u % blocks == blocks - 1:
                 tl.store(counts_ptr + cells + c, n)
     elif PREFETCH == 1:
@@ -232,8 +248,9 @@ def _segment_loop_kernel(
             c_next, cols_next = _unit(live, rank, ids, g, step, u + 1, offs, CHUNK, BLOCK)
             end = tl.where(u + 1 < mine, vocab_size, 0)  # nothing past the program's last block
             x_next = tl.load(row_ptr + cols_next, mask=cols_next < end, other=0.0)
-            n = _compact_block(x, c * CHUNK + (u % blocks) * BLOCK + offs, tl.where(u % blocks == 0, 0, n),
-                               cells + c, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+            cols = c * CHUNK + (u % blocks) * BLOCK + offs
+            n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
+                               values_ptr, ids_ptr, SEGMENT, SKIP_EMPTY)  # fmt: skip
             if u % blocks == blocks - 1:
                 tl.store(counts_ptr + cells + c, n)
             x, c = x_next, c_next
@@ -245,8 +262,9 @@ def _segment_loop_kernel(
         for u in range(0, mine):
             c2, cols2 = _unit(live, rank, ids, g, step, u + 2, offs, CHUNK, BLOCK)
             x2 = tl.load(row_ptr + cols2, mask=cols2 < tl.where(u + 2 < mine, vocab_size, 0), other=0.0)
-            n = _compact_block(x, c * CHUNK + (u % blocks) * BLOCK + offs, tl.where(u % blocks == 0, 0, n),
-                               cells + c, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT)  # fmt: skip
+            cols = c * CHUNK + (u % blocks) * BLOCK + offs
+            n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
+                               values_ptr, ids_ptr, SEGMENT, SKIP_EMPTY)  # fmt: skip
             if u % blocks == blocks - 1:
                 tl.store(counts_ptr + cells + c, n)
             x, c, x1, c1 = x1, c1, x2, c2
@@ -415,7 +433,8 @@ def _candidates_by_loop(
     _segment_loop_kernel[(num_filtered, max(1, min(per_row, num_chunks)))](
         logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, logits.stride(0),
         logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment,
-        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=int(SEGMENT_PREFETCH), num_warps=SEGMENT_WARPS,
+        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=int(SEGMENT_PREFETCH),
+        SKIP_EMPTY=SKIP_EMPTY, num_warps=SEGMENT_WARPS,
     )  # fmt: skip
 
 
