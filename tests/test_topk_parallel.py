@@ -105,11 +105,11 @@ def test_top_k_above_the_chunk_count_and_rows_without_top_k() -> None:
 
 
 def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool,
-          skip: bool = False) -> None:  # fmt: skip
+          skip: bool = False, warps: int = 2, total: int = 24) -> None:  # fmt: skip
     """Route segmented_pick's candidate pass to the loop kernel with these knobs."""
     for name, value in (("SEGMENTS_LOOP", True), ("SEGMENT_PROGRAMS", programs), ("SEGMENT_BLOCK", block),
-                        ("SEGMENT_PREFETCH", prefetch), ("FOLD_FLOOR", fold), ("SEGMENT_TOTAL", 24),
-                        ("SKIP_EMPTY", skip)):  # fmt: skip
+                        ("SEGMENT_PREFETCH", prefetch), ("FOLD_FLOOR", fold), ("SEGMENT_TOTAL", total),
+                        ("SKIP_EMPTY", skip), ("SEGMENT_WARPS", warps)):  # fmt: skip
         monkeypatch.setattr(sampling_segments, name, value)
 
 
@@ -281,8 +281,12 @@ def test_gpu_segments_equal_the_filter_kernel_at_real_sizes(spread: float) -> No
     with pytest.MonkeyPatch.context() as patch:  # the grid kernel, then loop kernels of several shapes
         patch.setattr(sampling_segments, "SEGMENTS_LOOP", False)
         assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
-        for programs, block, prefetch, skip in ((4, 4096, 1, False), (8, 1024, 2, True), (0, 256, 2, True)):
-            _loop(patch, programs, block, prefetch, True, skip)
+        for programs, block, prefetch, skip, warps in (
+            (4, 4096, 1, False, 8),
+            (8, 1024, 2, True, 4),
+            (0, 512, 2, True, 1),
+        ):
+            _loop(patch, programs, block, prefetch, True, skip, warps, total=4096)
             assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
 
 
