@@ -383,9 +383,10 @@ def segmented_pick(
     block: int = BLOCK,
     capacity: int = CAPACITY,
 ) -> None:
-    """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by three launches: the
-    floors (one program per row), the candidate pass on a (rows, chunks) grid, then one program per row (module
-    doc). segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
+    """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by two launches (SEGMENTS_LOOP
+    with FOLD_FLOOR: the candidate pass on a (rows, programs per row) grid, then one program per row) or three (the
+    floors, one program per row; the candidate pass on a (rows, chunks) grid; one program per row; module doc).
+    segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
     in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's)."""
     segment = SEGMENT if segment is None else segment
     num_chunks = check_pick_args(logits, rows, sources, programs, stats, top_k, chunk)
