@@ -104,6 +104,83 @@ def test_top_k_above_the_chunk_count_and_rows_without_top_k() -> None:
     assert _draw(logits, settings, uniforms, 8) == _reference(logits, settings, uniforms)
 
 
+def _loop(monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool,
+          skip: bool = False, warps: int = 2, total: int = 24) -> None:  # fmt: skip
+    """Route segmented_pick's candidate pass to the loop kernel with these knobs."""
+    for name, value in (("SEGMENTS_LOOP", True), ("SEGMENT_PROGRAMS", programs), ("SEGMENT_BLOCK", block),
+                        ("SEGMENT_PREFETCH", prefetch), ("FOLD_FLOOR", fold), ("SEGMENT_TOTAL", total),
+                        ("SKIP_EMPTY", skip), ("SEGMENT_WARPS", warps)):  # fmt: skip
+        monkeypatch.setattr(sampling_segments, name, value)
+
+
+@pytest.mark.parametrize(
+    ("programs", "block", "prefetch", "fold", "skip", "segment"),
+    [
+        (2, 16, 1, True, False, 16),
+        (1, 64, 0, False, True, 16),
+        (0, 32, 2, False, False, 2),
+        (3, 16, 2, True, True, 16),
+        (8, 16, 0, True, True, 4),
+    ],
+)
+def test_loop_kernel_draws_the_reference_tokens(
+    monkeypatch: pytest.MonkeyPatch, programs: int, block: int, prefetch: int, fold: bool, skip: bool, segment: int
+) -> None:
+    """The loop kernel (a row's live chunks shared by 1, 2, 3, 8 or SEGMENT_TOTAL // rows programs, chunks of 64
+    taken 16, 32 or 64 tokens a step, 0, 1 or 2 blocks loaded ahead, the floor folded in or by _floor_kernel, blocks
+    without a candidate skipped or not) gives the
+    reference's tokens on random rows with top-k, top-p and min-p, k up to above the chunk count, and rows that
+    overflow a segment of 2 or 4 and fall back."""
+    logits = (torch.randn(12, 300, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
+    settings = _settings(12, 300, [1, 2, 3, 5, 4, 7], [1.0, 0.9, 0.5, 1.0, 0.95, 0.3], [0.0, 0.0, 0.05, 0.2])
+    uniforms = torch.rand(12, generator=torch.Generator().manual_seed(5))
+    _loop(monkeypatch, programs, block, prefetch, fold, skip)
+    assert _draw(logits, settings, uniforms, segment) == _reference(logits, settings, uniforms)
+
+
+def test_grid_kernel_draws_the_reference_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SEGMENTS_LOOP off (_floor_kernel + _segment_kernel, one program per (row, chunk)) the same random rows
+    draw the reference's tokens, with segments that hold every candidate (16) and with overflowing ones (2)."""
+    monkeypatch.setattr(sampling_segments, "SEGMENTS_LOOP", False)
+    logits = (torch.randn(12, 300, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
+    settings = _settings(12, 300, [1, 2, 3, 5, 4, 7], [1.0, 0.9, 0.5, 1.0, 0.95, 0.3], [0.0, 0.0, 0.05, 0.2])
+    uniforms = torch.rand(12, generator=torch.Generator().manual_seed(5))
+    want = _reference(logits, settings, uniforms)
+    assert _draw(logits, settings, uniforms, 16) == want
+    assert _draw(logits, settings, uniforms, 2) == want
+
+
+def test_loop_kernel_counts_a_chunk_across_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten tied maxima across two 16-token blocks of one chunk: the loop kernel carries the chunk's count from block
+    to block (segment 16: the late ties are drawn from the segment; segment 4: the row falls back), as the
+    reference; and flat bf16 rows full of ties draw the reference's tokens."""
+    row = torch.full((256,), -1.0)
+    row[10:20] = 2.0  # ten ties in chunk 0 (tokens 10-15 in its first block of 16, 16-19 in the second)
+    row[70], row[130], row[200] = 1.0, 1.5, 0.5
+    logits = row.expand(3, -1).contiguous().to(DEVICE)
+    settings = _settings(3, 256, [2, 3, 4], [1.0], [0.0])
+    settings["scale"] = torch.ones(3)
+    uniforms = torch.tensor([0.95, 0.75, 0.55])
+    want = _reference(logits, settings, uniforms)
+    _loop(monkeypatch, 2, 16, 2, True, True)
+    assert _draw(logits, settings, uniforms, 16) == want
+    assert _draw(logits, settings, uniforms, 4) == want
+    flat = (torch.randn(16, 256, generator=torch.Generator().manual_seed(2)) * 0.64).bfloat16().to(DEVICE)
+    settings = _settings(16, 256, [3, 4, 2], [0.95, 1.0], [0.0])
+    settings["scale"] = torch.full((16,), 1 / 0.6)
+    uniforms = torch.linspace(0.02, 0.98, 16)
+    assert _draw(flat, settings, uniforms, 4) == _reference(flat, settings, uniforms)
+
+
+def test_loop_kernel_rejects_a_block_that_is_not_a_power_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SEGMENT_BLOCK 48 raises ValueError naming it."""
+    logits = torch.zeros(2, 128, device=DEVICE)
+    settings = _settings(2, 128, [2], [1.0], [0.0])
+    _loop(monkeypatch, 2, 48, 1, True)
+    with pytest.raises(ValueError, match="SEGMENT_BLOCK"):
+        _draw(logits, settings, torch.rand(2), 4)
+
+
 def test_segmented_pick_rejects_bad_arguments() -> None:
     """A segment that is not a power of two, stats of another chunking and mismatched row lists raise ValueError
     naming them."""
@@ -193,13 +270,24 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, targets: list[tuple[object, st
 @pytest.mark.parametrize("spread", [0.64, 3.0])
 def test_gpu_segments_equal_the_filter_kernel_at_real_sizes(spread: float) -> None:
     """256 rows x 151,936 bf16 (flat and std-3 logits), Qwen3's top_k 20 / top_p 0.95, k above the chunk count and
-    min-p rows: segmented_pick draws filtered_pick's tokens for the same uniforms in every row."""
+    min-p rows: segmented_pick draws filtered_pick's tokens for the same uniforms in every row, by the grid kernel
+    and by loop kernels of several shapes."""
     vocab = 151936
     logits = (torch.randn(256, vocab, generator=torch.Generator().manual_seed(5)) * spread).bfloat16().cuda()
     settings = _settings(256, vocab, [20, 20, 5, 64, 1000, 20], [0.95, 1.0, 0.9, 0.95, 1.0, 0.5], [0.0, 0.05])
     uniforms = torch.rand(256, generator=torch.Generator().manual_seed(7))
     old = _draw(logits, settings, uniforms, None, chunk=sampling.CHUNK)
-    assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
+    assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old  # the defaults
+    with pytest.MonkeyPatch.context() as patch:  # the grid kernel, then loop kernels of several shapes
+        patch.setattr(sampling_segments, "SEGMENTS_LOOP", False)
+        assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
+        for programs, block, prefetch, skip, warps in (
+            (4, 4096, 1, False, 8),
+            (8, 1024, 2, True, 4),
+            (0, 512, 2, True, 1),
+        ):
+            _loop(patch, programs, block, prefetch, True, skip, warps, total=4096)
+            assert _draw(logits, settings, uniforms, 16, chunk=sampling.CHUNK) == old
 
 
 def test_penalties_from_source_on_the_copy_equal_penalize() -> None:
@@ -234,10 +322,15 @@ def _first_pass(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, c
     return sampling.sample_rows(logits, state, seed=0, rows=rows, chunk=chunk).clone()
 
 
-def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("loop", [False, True])
+def test_top_k_above_the_chunks_takes_finer_maxima_on_the_segments_route(
+    monkeypatch: pytest.MonkeyPatch, loop: bool
+) -> None:
     """With TOP_K_BY_SEGMENTS, a batch whose largest top-k exceeds sample_rows' chunks (here 4 of 4096; HF's top_k
     50 against 38 in a real vocabulary) takes finer chunk maxima (SEGMENTS_FINE_CHUNK) so the segments have a floor,
-    and draws exactly the references' tokens (plain rows and a whole penalised batch)."""
+    and draws exactly the references' tokens (plain rows and a whole penalised batch), by either candidate pass."""
+    if loop:
+        _loop(monkeypatch, 2, 256, 1, True)
     import attrs
 
     from fnvllm.executor import fused_sampling

@@ -15,6 +15,12 @@ GPU: latency-bound (289 us per call at 256 rows on the H200, ~150 GB/s). Here th
         values for tau (the k-th largest value, then the nucleus of the top-k, as ``candidates_pick`` does), and
         draws from the kept tokens in id order at its uniform.
 
+With SEGMENTS_LOOP, passes 0 and 1 are one launch on a (F, G) grid (``_segment_loop_kernel``): program (i, g)
+sorts row i's chunk maxima for the floor itself, lists the row's live chunks (maximum at or above the floor) in
+registers, and compacts those of rank g, g + G, ... one after another, SEGMENT_BLOCK tokens a step with the next
+blocks already loading: no program for a dead chunk, no chain of dependent loads before each chunk, and fewer
+registers a thread (more programs an SM). Same segments, same counts: the same tokens.
+
 Every token at or above tau is at or above the floor (tau >= tau_k >= floor: the floor's count is >= k), so the
 segments hold the whole kept set. No atomics: each segment belongs to one program, so a row's candidates stay in
 ascending token id order. A row whose segments cannot hold its candidates -- a chunk with more than SEGMENT of
@@ -51,6 +57,25 @@ from fnvllm.kernels.sampling_filters import (
 __all__ = ["SEGMENT", "segmented_pick"]
 
 SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
+# The candidate pass by ``_segment_loop_kernel`` (True) instead of ``_floor_kernel`` + ``_segment_kernel`` (one
+# program per (row, chunk), 97 registers a thread at 8 warps, so 2 programs an SM, each waiting on a chain of 4
+# dependent loads before its chunk's, and half the programs only to find their chunk dead). Its knobs: programs per
+# row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks; 0: SEGMENT_TOTAL programs in all), warps,
+# tokens a step, blocks loaded ahead of the one being compacted, the floor sorted in each program from the row's
+# chunk maxima (no _floor_kernel launch). Measured on the H200 (benchmarks/bench_sampling_topk.py, 2026-12-02
+# 14:10, CUDA graphs), device us of the top-k redraw (both passes) at the preset, grid kernel -> loop kernel at these
+# defaults: 256 rows std 3 183.5 -> 108.3, 64 rows std 3 51.3 -> 37.4 (64 flat rows: 37.4; at 256 flat rows it ranked
+# first of the sweep's 28 variants, whose numbers were lost), top_k 50 on the fine chunks 100.9 -> 102.9;
+# filtered_pick 270 / 126 / 319. Same tokens in every case.
+SEGMENTS_LOOP = True
+SEGMENT_PROGRAMS = 0
+SEGMENT_TOTAL = 1024
+SEGMENT_WARPS = 2
+SEGMENT_PREFETCH = 1  # blocks loaded ahead: 0, 1 or 2
+SEGMENT_BLOCK = 512  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
+FOLD_FLOOR = True
+SKIP_EMPTY = False  # count a block first; write its candidates one by one (``_compact_block``)
+PICK_WARPS = 8  # warps of pass 2's programs (one a row: the draw from the segments, or the per-row fallback)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
@@ -117,6 +142,150 @@ def _segment_kernel(
         tl.store(counts_ptr + cell, n)
     else:
         tl.store(counts_ptr + cell, 0)
+
+
+@triton.jit
+def _compact_block(x, cols, before, cell, vocab_size, scale, floor, values_ptr, ids_ptr, SEGMENT: tl.constexpr,
+                   SKIP_EMPTY: tl.constexpr):  # fmt: skip
+    """One block of a chunk, loaded (x, at token ids cols): write its tokens at or above key ``floor`` into
+    segment ``cell`` after the ``before`` found in the chunk's earlier blocks, in id order (values and ids; no -inf
+    padding: pass 2 reads only the first count slots); returns the chunk's count so far.
+
+    SKIP_EMPTY: count first; a block with candidates (few: most blocks of a live chunk hold none) writes them one
+    at a time, lowest id first, by two reductions each, with scalar stores; tokens are compared with the floor as
+    floats (3 instructions a token fewer than keys; the same order here: no -0.0 after ``+ 0.0``, and a NaN logit
+    flags its row non-finite). Without it, a scan over the block gives every candidate its slot and one scattered
+    store writes them; but a scattered store takes a layout of one token a thread, so Triton moves the block (loaded
+    8 tokens a thread) through shared memory and computes it twice (576 instructions a warp for a block of 512 at 2
+    warps on sm90, against ~170 for an empty block here)."""
+    s = x.to(tl.float32) * scale + 0.0
+    if SKIP_EMPTY:  # noqa: SIM108 (as floats: the same as by keys but for a NaN, whose row is flagged non-finite)
+        at_least = (cols < vocab_size) & (s >= _value(floor))
+    else:
+        at_least = (cols < vocab_size) & (_key(s) >= floor)
+    flags = at_least.to(tl.int32)
+    found = tl.sum(flags, axis=0)
+    if SKIP_EMPTY:
+        if found > 0:
+            lowest = tl.min(cols, axis=0)  # candidates from this id on are not written yet
+            for t in range(0, tl.minimum(found, SEGMENT - before)):
+                token = tl.min(tl.where(at_least & (cols >= lowest), cols, 2147483647), axis=0)
+                tl.store(values_ptr + cell * SEGMENT + before + t, tl.max(tl.where(cols == token, s, -float("inf")), 0))
+                tl.store(ids_ptr + cell * SEGMENT + before + t, token)
+                lowest = token + 1
+    else:
+        pos = before + tl.cumsum(flags, axis=0) - 1
+        keep = at_least & (pos < SEGMENT)
+        tl.store(values_ptr + cell * SEGMENT + pos, s, mask=keep)
+        tl.store(ids_ptr + cell * SEGMENT + pos, cols, mask=keep)
+    return before + found
+
+
+@triton.jit
+def _value(key):
+    """The float32 of an int32 key of ``_key`` (its inverse)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unit(live, rank, ids, g, step, u, offs, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Block u of program g's blocks (its chunks are the live ranks g, g + step, ...; CHUNK // BLOCK blocks each):
+    its chunk id (0 past the live chunks) and its token ids."""
+    blocks = CHUNK // BLOCK
+    c = tl.sum(tl.where(live & (rank == g + (u // blocks) * step), ids, 0), axis=0)
+    return c, c * CHUNK + (u % blocks) * BLOCK + offs
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_filtered"])
+def _segment_loop_kernel(
+    logits_ptr,
+    rows_ptr,  # (F,) int32 or int64 batch rows
+    src_ptr,  # (F,) their rows in logits
+    prog_ptr,  # (F,) their rows in stats
+    stats_ptr,  # (3, R, C) float32 chunk summaries; plane 0 holds the chunk maxima of the scaled logits
+    scale_ptr,  # (B,) float32 inverse temperatures
+    top_k_ptr,  # (B,) int32 or int64 (read when FOLD_FLOOR)
+    floors_ptr,  # (2, F) int32 from _floor_kernel (read unless FOLD_FLOOR)
+    values_ptr,  # (F, C, SEGMENT) float32: receives the candidates' scaled logits (slots past the count: stale)
+    ids_ptr,  # (F, C, SEGMENT) int32: receives their token ids
+    counts_ptr,  # (F, C) int32: receives each chunk's candidate count (0 for a chunk below the floor)
+    stride_row,
+    vocab_size,
+    num_chunks,
+    num_filtered,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,  # tokens per step (divides CHUNK): a chunk is compacted block after block
+    FOLD_FLOOR: tl.constexpr,  # the row's floor sorted here from its chunk maxima (no _floor_kernel launch)
+    PREFETCH: tl.constexpr,  # blocks loaded ahead of the one being compacted: 0, 1 or 2
+    SKIP_EMPTY: tl.constexpr,  # count each block first, write candidates one by one (_compact_block)
+):
+    """Program (i, g) of a (F, G) grid: the candidates of the live chunks (maximum at or above the floor) of
+    filtered row i of rank g, g + G, g + 2G, ... among them, in id order, BLOCK tokens a step (``_segment_kernel``'s
+    work: no program for a dead chunk; the row's live chunks listed once in registers; module doc)."""
+    i, g = tl.program_id(0), tl.program_id(1)
+    step = tl.num_programs(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    row_ptr = logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row
+    scale = tl.load(scale_ptr + row)
+    ids = tl.arange(0, CHUNKS_PAD)
+    m = tl.load(stats_ptr + tl.load(prog_ptr + i).to(tl.int64) * num_chunks + ids, mask=ids < num_chunks,
+                other=float("-inf")) + 0.0  # fmt: skip
+    if FOLD_FLOOR:
+        k = tl.load(top_k_ptr + row)
+        ranked = tl.sort(m, descending=True)  # as _floor_kernel
+        floor = _key(tl.sum(tl.where(ids == k - 1, ranked, 0.0), axis=0) + 0.0)
+        has = (k >= 1) & (k <= num_chunks)
+    else:
+        floor = tl.load(floors_ptr + i)
+        has = tl.load(floors_ptr + num_filtered + i) != 0
+    live = (_key(m) >= floor) & (ids < num_chunks) & has  # (CHUNKS_PAD,)
+    flags = live.to(tl.int32)
+    rank = tl.cumsum(flags, axis=0) - 1  # a live chunk's rank among the row's live chunks
+    num_live = tl.sum(flags, axis=0)
+    dead = (ids < num_chunks) & (flags == 0) & (ids * 0 + g == 0)  # program 0 of the row zeroes their counts
+    cells = i.to(tl.int64) * num_chunks
+    tl.store(counts_ptr + cells + ids, flags * 0, mask=dead)
+    blocks = CHUNK // BLOCK
+    mine = tl.where(g < num_live, (num_live - g + step - 1) // step, 0) * blocks  # this program's blocks
+    offs = tl.arange(0, BLOCK)
+    n = tl.full([], 0, dtype=tl.int32)  # the current chunk's candidates so far
+    if PREFETCH == 0:
+        for u in range(0, mine):
+            c, cols = _unit(live, rank, ids, g, step, u, offs, CHUNK, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=0.0)
+            n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
+                               values_ptr, ids_ptr, SEGMENT, SKIP_EMPTY)  # fmt: skip
+            if u % blocks == blocks - 1:
+                tl.store(counts_ptr + cells + c, n)
+    elif PREFETCH == 1:
+        c, cols = _unit(live, rank, ids, g, step, 0, offs, CHUNK, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < tl.where(mine > 0, vocab_size, 0), other=0.0)
+        for u in range(0, mine):
+            c_next, cols_next = _unit(live, rank, ids, g, step, u + 1, offs, CHUNK, BLOCK)
+            end = tl.where(u + 1 < mine, vocab_size, 0)  # nothing past the program's last block
+            x_next = tl.load(row_ptr + cols_next, mask=cols_next < end, other=0.0)
+            cols = c * CHUNK + (u % blocks) * BLOCK + offs
+            n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
+                               values_ptr, ids_ptr, SEGMENT, SKIP_EMPTY)  # fmt: skip
+            if u % blocks == blocks - 1:
+                tl.store(counts_ptr + cells + c, n)
+            x, c = x_next, c_next
+    else:  # two blocks ahead
+        c, cols = _unit(live, rank, ids, g, step, 0, offs, CHUNK, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < tl.where(mine > 0, vocab_size, 0), other=0.0)
+        c1, cols1 = _unit(live, rank, ids, g, step, 1, offs, CHUNK, BLOCK)
+        x1 = tl.load(row_ptr + cols1, mask=cols1 < tl.where(mine > 1, vocab_size, 0), other=0.0)
+        for u in range(0, mine):
+            c2, cols2 = _unit(live, rank, ids, g, step, u + 2, offs, CHUNK, BLOCK)
+            x2 = tl.load(row_ptr + cols2, mask=cols2 < tl.where(u + 2 < mine, vocab_size, 0), other=0.0)
+            cols = c * CHUNK + (u % blocks) * BLOCK + offs
+            n = _compact_block(x, cols, tl.where(u % blocks == 0, 0, n), cells + c, vocab_size, scale, floor,
+                               values_ptr, ids_ptr, SEGMENT, SKIP_EMPTY)  # fmt: skip
+            if u % blocks == blocks - 1:
+                tl.store(counts_ptr + cells + c, n)
+            x, c, x1, c1 = x1, c1, x2, c2
 
 
 @triton.jit
@@ -214,9 +383,10 @@ def segmented_pick(
     block: int = BLOCK,
     capacity: int = CAPACITY,
 ) -> None:
-    """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by three launches: the
-    floors (one program per row), the candidate pass on a (rows, chunks) grid, then one program per row (module
-    doc). segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
+    """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by two launches (SEGMENTS_LOOP
+    with FOLD_FLOOR: the candidate pass on a (rows, programs per row) grid, then one program per row) or three (the
+    floors, one program per row; the candidate pass on a (rows, chunks) grid; one program per row; module doc).
+    segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
     in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's)."""
     segment = SEGMENT if segment is None else segment
     num_chunks = check_pick_args(logits, rows, sources, programs, stats, top_k, chunk)
@@ -233,18 +403,57 @@ def segmented_pick(
     )  # (F, C, SEGMENT) float32, (F, C, SEGMENT) int32, (F, C) int32, (F, capacity) float32, (2, F) int32
     values, scratch = values.view(torch.float32), scratch.view(torch.float32)
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
-    _floor_kernel[(num_filtered,)](
-        rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
-    )
-    _segment_kernel[(num_filtered, num_chunks)](
-        logits, rows, sources, programs, stats, scale, floors, values, ids, counts, logits.stride(0),
-        logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, SEGMENT=segment, num_warps=8 if chunk >= 2048 else 4,
-    )  # fmt: skip
+    if SEGMENTS_LOOP:
+        _candidates_by_loop(logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, chunk,
+                            segment)  # fmt: skip
+    else:
+        _floor_kernel[(num_filtered,)](
+            rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
+        )
+        _segment_kernel[(num_filtered, num_chunks)](
+            logits, rows, sources, programs, stats, scale, floors, values, ids, counts, logits.stride(0),
+            logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, SEGMENT=segment,
+            num_warps=8 if chunk >= 2048 else 4,
+        )  # fmt: skip
     _segments_pick_kernel[(num_filtered,)](
         logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, values, ids, counts, scratch,
         logits.stride(0), logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad,
         SEGMENT=segment, SLOTS=max(2, int(triton.next_power_of_2(num_chunks * segment))), BLOCK=min(block, chunk),
-        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=8,
+        SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=PICK_WARPS,
+    )  # fmt: skip
+
+
+def _candidates_by_loop(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    sources: torch.Tensor,
+    programs: torch.Tensor,
+    stats: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    floors: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    chunk: int,
+    segment: int,
+) -> None:
+    """The candidate pass by ``_segment_loop_kernel`` with the module's knobs (SEGMENTS_LOOP's comment); the floors
+    by ``_floor_kernel`` first unless FOLD_FLOOR."""
+    num_filtered, num_chunks = rows.shape[0], stats.shape[2]
+    chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
+    if not FOLD_FLOOR:
+        _floor_kernel[(num_filtered,)](
+            rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
+        )
+    if SEGMENT_BLOCK < 2 or SEGMENT_BLOCK & (SEGMENT_BLOCK - 1):
+        raise ValueError(f"SEGMENT_BLOCK must be a power of two >= 2, got {SEGMENT_BLOCK}")
+    per_row = SEGMENT_PROGRAMS if SEGMENT_PROGRAMS > 0 else -(-SEGMENT_TOTAL // num_filtered)
+    _segment_loop_kernel[(num_filtered, max(1, min(per_row, num_chunks)))](
+        logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, logits.stride(0),
+        logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment,
+        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=int(SEGMENT_PREFETCH),
+        SKIP_EMPTY=SKIP_EMPTY, num_warps=SEGMENT_WARPS,
     )  # fmt: skip
 
 
