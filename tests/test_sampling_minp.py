@@ -197,8 +197,10 @@ def test_sampler_routes_min_p_only_batches_to_the_grid(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("spread", [0.64, 3.0])
 def test_gpu_minp_pick_equals_the_filter_kernel_at_real_sizes(spread: float) -> None:
     """256 rows x 151,936 bf16 (flat and std-3 logits), min_p 0.05 / 0.1 / 0.01 at T 0.6 and 1: minp_pick draws
-    filtered_pick's tokens for the same uniforms in >= 99 % of rows (a uniform within float32 rounding of a CDF step
-    may differ)."""
+    filtered_pick's tokens for the same uniforms in most rows, and where they differ the two tokens sit within
+    float32 rounding of each other on the row's kept-mass CDF (float64): the routes sum the kept mass in different
+    orders, and on flat rows that keep most of 151,936 tokens (min_p 0.01, each token ~1e-5 of the mass) a uniform
+    often lands within that rounding of a step."""
     num_rows, vocab = 256, 151936
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(num_rows, vocab, generator=gen) * spread).bfloat16().cuda()
@@ -207,4 +209,12 @@ def test_gpu_minp_pick_equals_the_filter_kernel_at_real_sizes(spread: float) -> 
     uniforms = torch.rand(num_rows, generator=gen)
     old = torch.tensor(_draw(logits, scale, min_p, uniforms, "filter", chunk=sampling.CHUNK))
     new = torch.tensor(_draw(logits, scale, min_p, uniforms, "grid", chunk=sampling.CHUNK))
-    assert (new == old).float().mean().item() >= 0.99
+    assert (new == old).float().mean().item() >= 0.9
+    s = logits.double().cpu() * scale.double()[:, None]
+    weights = (s - s.amax(dim=1, keepdim=True)).exp()
+    kept = torch.where(weights >= min_p.double()[:, None], weights, 0.0)
+    cdf = kept.cumsum(dim=1) / kept.sum(dim=1, keepdim=True)  # (rows, vocab) kept-mass CDF, float64
+    rows = torch.arange(num_rows)
+    assert bool((kept[rows, new] > 0).all())  # every drawn token is inside its row's min-p set
+    gap = (cdf[rows, new] - cdf[rows, old]).abs()
+    assert gap.max().item() <= 1e-4, gap.max().item()
