@@ -62,19 +62,21 @@ SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold
 # dependent loads before its chunk's, and half the programs only to find their chunk dead). Its knobs: programs per
 # row (each takes every SEGMENT_PROGRAMS-th of the row's live chunks; 0: SEGMENT_TOTAL programs in all), warps,
 # tokens a step, blocks loaded ahead of the one being compacted, the floor sorted in each program from the row's
-# chunk maxima (no _floor_kernel launch). Measured on the H200 (benchmarks/bench_sampling_topk.py, 2026-12-02
-# 14:10, CUDA graphs), device us of the top-k redraw (both passes) at the preset, grid kernel -> loop kernel at these
-# defaults: 256 rows std 3 183.5 -> 108.3, 64 rows std 3 51.3 -> 37.4 (64 flat rows: 37.4; at 256 flat rows it ranked
-# first of the sweep's 28 variants, whose numbers were lost), top_k 50 on the fine chunks 100.9 -> 102.9;
-# filtered_pick 270 / 126 / 319. Same tokens in every case.
+# chunk maxima (no _floor_kernel launch), and SKIP_EMPTY (``_compact_block``). Measured on the H200
+# (benchmarks/bench_sampling_topk.py, final call A of 2026-12-02, CUDA graphs), device us of the top-k redraw (both
+# passes) at the preset, grid kernel -> loop kernel at these defaults: 256 flat rows 184.0 -> 37.6 (the candidate
+# pass 170.5 -> 21.2 us, pass 2 16.2), 256 rows std 3 183.6 -> 37.4, 64 rows 52.3 -> 18.1 (std 3: 51.1 -> 18.3),
+# top_k 50 on the fine chunks 103.0 -> 68.2; filtered_pick 291 / 270 / 133 / 320; sample_rows alone 54.8 (256 rows).
+# The mid call's winner without SKIP_EMPTY (T1024 W2 B512 pre1) took 108.4; SKIP_EMPTY alone brought it to 49.9.
+# Same tokens as the grid kernel in every case (3 seeded sets of uniforms each).
 SEGMENTS_LOOP = True
 SEGMENT_PROGRAMS = 0
-SEGMENT_TOTAL = 1024
-SEGMENT_WARPS = 2
-SEGMENT_PREFETCH = 1  # blocks loaded ahead: 0, 1 or 2
-SEGMENT_BLOCK = 512  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
+SEGMENT_TOTAL = 4096
+SEGMENT_WARPS = 1
+SEGMENT_PREFETCH = 2  # blocks loaded ahead: 0, 1 or 2
+SEGMENT_BLOCK = 256  # tokens per step of a program (at most the chunk: a chunk is compacted block after block)
 FOLD_FLOOR = True
-SKIP_EMPTY = False  # count a block first; write its candidates one by one (``_compact_block``)
+SKIP_EMPTY = True  # count a block first; write its candidates one by one (``_compact_block``)
 PICK_WARPS = 8  # warps of pass 2's programs (one a row: the draw from the segments, or the per-row fallback)
 
 
