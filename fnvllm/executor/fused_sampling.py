@@ -4,7 +4,7 @@
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
 take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
 ``filtered_pick`` launch when every such row has a top-k or only a min-p (with TOP_K_BY_SEGMENTS, top-k rows by
-``segmented_pick``'s three launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
+``segmented_pick``'s two launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
 torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch with no penalties and no filters is
 exactly two kernel launches over the logits. Penalised rows: a float32 copy (by torch, or by ``float_rows`` with
 PENALISED_COPY_BY_KERNEL), edited at each row's seen tokens by one launch of ``fnvllm.kernels.penalties`` (when the
