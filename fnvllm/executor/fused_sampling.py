@@ -3,7 +3,8 @@
 ``sample_with_kernels`` (CUDA): for each row group (the rows sampled from the logits as they are, and the
 penalised rows sampled from their float32 copy) one ``sample_rows`` launch pair samples every row (greedy rows
 take the argmax, unfiltered rows are done), then the group's top-k / top-p / min-p rows are redrawn: by one
-``filtered_pick`` launch when every such row has a top-k or only a min-p (with TOP_K_BY_SEGMENTS, top-k rows by
+``filtered_pick`` launch when every such row has a top-k or only a min-p (min-p-only batches by ``minp_pick``'s
+two launches with MIN_P_BY_CHUNKS; with TOP_K_BY_SEGMENTS, top-k rows by
 ``segmented_pick``'s two launches at full parallelism; with TOP_K_BY_FILTER_KERNEL off, from their best candidates:
 torch.topk, then one ``candidates_pick`` launch), else by sorting. A batch with no penalties and no filters is
 exactly two kernel launches over the logits. Penalised rows: a float32 copy (by torch, or by ``float_rows`` with
