@@ -67,6 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,16,64")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_late_norm.py needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     table = []
     for m in (int(r) for r in args.rows.split(",")):

@@ -54,6 +54,7 @@ CPU_RUNS: dict[str, list[str]] = {
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
     "bench_attention.py",
     "bench_moe.py",
+    "bench_penalties.py",  # without CUDA it runs its bit-equality check on the CPU (interpreter), seconds
     "bench_sampling.py",
     "bench_serve.py",
     "sim_accuracy.py",
@@ -66,6 +67,9 @@ CUDA_ONLY = (
     "bench_fp8_gemm.py",
     "bench_fp8_kv.py",
     "bench_fp8_rowwise.py",
+    "bench_late_norm.py",
+    "bench_sampling_minp.py",
+    "bench_sampling_topk.py",
     "bench_small_batch.py",
     "gemm_shapes.py",
     "probe_l2_prefetch.py",
