@@ -46,6 +46,7 @@ __all__ = [
     "CHUNK",
     "RowSampling",
     "SamplingScratch",
+    "check_row_sources",
     "chunk_summaries",
     "fused_sample",
     "logprob_candidates",
@@ -270,6 +271,26 @@ def sample_rows(
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
     return stats
+
+
+def check_row_sources(
+    logits: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, programs: torch.Tensor, stats: torch.Tensor,
+    chunk: int,
+) -> int:  # fmt: skip
+    """The chunks of a row after checking the arguments every redraw of filtered rows takes (``filtered_pick``,
+    ``segmented_pick``, ``minp_pick``): logits (N, V) with a contiguous last dim, equal-length 1-d rows / sources /
+    programs, and (3, R, C) chunk summaries for ``chunk`` (ValueError naming the first one out of shape)."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
+    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
+        raise ValueError(
+            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
+            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
+        )
+    num_chunks = triton.cdiv(logits.shape[1], chunk)
+    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
+        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
+    return num_chunks
 
 
 def chunk_summaries(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:

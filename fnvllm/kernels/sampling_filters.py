@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.sampling import check_row_sources
 from fnvllm.kernels.sampling_ref import filtered_sample_ref, log_partition_ref
 
 __all__ = ["candidates_pick", "filtered_pick", "filtered_sample_ref", "log_partition", "log_partition_ref"]
@@ -265,19 +266,9 @@ def check_pick_args(
 ) -> int:
     """The chunks of a row after checking the arguments ``filtered_pick`` and ``segmented_pick`` share (ValueError
     naming the first one out of shape or dtype)."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
-    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
-        raise ValueError(
-            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
-            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
-        )
     if top_k.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"top_k must be int32 or int64, got {top_k.dtype}")
-    num_chunks = triton.cdiv(logits.shape[1], chunk)
-    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
-        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
-    return num_chunks
+    return check_row_sources(logits, rows, sources, programs, stats, chunk)
 
 
 def filtered_pick(

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.sampling import CHUNK
+from fnvllm.kernels.sampling import CHUNK, check_row_sources
 from fnvllm.kernels.sampling_ref import filtered_sample_ref
 
 __all__ = ["NUM_WARPS", "filtered_sample_ref", "minp_pick"]
@@ -154,19 +154,9 @@ def _check_args(
     chunk: int,
 ) -> int:  # fmt: skip
     """The chunks of a row after checking ``minp_pick``'s arguments (ValueError naming the first one out of shape)."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"logits must be (N, V) with a contiguous last dim, got shape {tuple(logits.shape)}")
-    if not rows.shape == sources.shape == programs.shape or rows.dim() != 1:
-        raise ValueError(
-            f"rows, sources and programs must be equal-length 1-d, got {tuple(rows.shape)}, "
-            f"{tuple(sources.shape)}, {tuple(programs.shape)}"
-        )
     if chunk < 2 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 2, got {chunk}")
-    num_chunks = triton.cdiv(logits.shape[1], chunk)
-    if stats.dim() != 3 or stats.shape[0] != 3 or stats.shape[2] != num_chunks:
-        raise ValueError(f"stats must be (3, R, {num_chunks}) for chunk {chunk}, got {tuple(stats.shape)}")
-    return num_chunks
+    return check_row_sources(logits, rows, sources, programs, stats, chunk)
 
 
 def minp_pick(
