@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.host_step import penalty_plan
+
 VOCAB = 151936
 STARTED = time.perf_counter()
 CALLS_PER_GRAPH = 10
@@ -279,26 +281,6 @@ def device_plain_us(call: Callable[[], Any], iters: int) -> float:
     return statistics.median(times)
 
 
-def _plan(step: int, batch: int, params: tuple[Any, ...], slots: tuple[int, ...]) -> Any:
-    """Decode step ``step`` of ``batch`` rows: context 1,000 + step, 900 + step outputs, the same params, slots."""
-    from fnvllm.state import StepPlan
-
-    ctx = 1000 + step
-    return StepPlan(
-        step=step,
-        block_size=16,
-        seq_ids=tuple(f"r{i}" for i in range(batch)),
-        input_tokens=((5,),) * batch,
-        start_positions=(ctx - 1,) * batch,
-        block_tables=((0,),) * batch,
-        sample=(True,) * batch,
-        params=params,
-        num_generated=(900 + step,) * batch,
-        histories=(None,) * batch,
-        slots=slots,
-    )
-
-
 def _host_us(call: Callable[[], Any], iters: int) -> float:
     """Median host us per call (no synchronisation inside: the device runs behind)."""
     times = []
@@ -340,7 +322,7 @@ def host_costs(iters: int = 300) -> list[str]:
             history.in_use, history.advance = True, advance
             pen, rec = [], []
             for step in range(iters):
-                plan = _plan(step, batch, params, slots)
+                plan = penalty_plan(step, batch, params, slots, context=1000, outputs=900)
                 t0 = time.perf_counter()
                 history.penalties(plan, rows)
                 t1 = time.perf_counter()

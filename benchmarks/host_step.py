@@ -497,9 +497,12 @@ def sampler_ops(
         )
 
 
-def _penalty_plan(step: int, batch: int, params: tuple[Any, ...], slots: tuple[int, ...]) -> StepPlan:
-    """Decode step ``step`` of ``batch`` rows: context 100 + step, ``step`` outputs, the same params and slots."""
-    ctx = 100 + step
+def penalty_plan(
+    step: int, batch: int, params: tuple[Any, ...], slots: tuple[int, ...], context: int = 100, outputs: int = 0
+) -> StepPlan:
+    """Decode step ``step`` of ``batch`` rows: context ``context`` + step, ``outputs`` + step outputs, the same
+    params and slots (also ``bench_penalties.py``'s steps)."""
+    ctx = context + step
     return StepPlan(
         step=step,
         block_size=16,
@@ -509,7 +512,7 @@ def _penalty_plan(step: int, batch: int, params: tuple[Any, ...], slots: tuple[i
         block_tables=((0,),) * batch,
         sample=(True,) * batch,
         params=params,
-        num_generated=(step,) * batch,
+        num_generated=(outputs + step,) * batch,
         histories=(None,) * batch,
         slots=slots,
     )
@@ -544,7 +547,7 @@ def penalty_host(steps: int, batches: list[int], sampling: dict[str, Any]) -> di
         times: list[tuple[float, float, float]] = []
         counters = (OpCounter(), OpCounter())
         for step in range(steps + 10):
-            plan = _penalty_plan(step, batch, params, slots)
+            plan = penalty_plan(step, batch, params, slots)
             if step >= steps:  # the last 10 steps: the ops they run (outside the timed ones)
                 with counters[0]:
                     pen = history.penalties(plan, rows)

@@ -56,6 +56,19 @@ OWNED = 1 << 30  # the owner bit of a count (output counts are below max_model_l
 _BLOCK = 1024  # positions per block
 
 
+@triton.jit
+def _row_penalty(tokens_ptr, meta_ptr, factors_ptr, i, num_rows, stride_tokens):
+    """Penalised row i's token row in the slot buffer, context length, first output position, and its repetition,
+    frequency and presence factors (meta (3, P): slot, context length, outputs; factors (3, P))."""
+    row_tokens = tokens_ptr + tl.load(meta_ptr + i) * stride_tokens
+    ctx = tl.load(meta_ptr + num_rows + i)
+    first_output = ctx - tl.load(meta_ptr + 2 * num_rows + i)
+    repetition = tl.load(factors_ptr + i)
+    frequency = tl.load(factors_ptr + num_rows + i)
+    presence = tl.load(factors_ptr + 2 * num_rows + i)
+    return row_tokens, ctx, first_output, repetition, frequency, presence
+
+
 @triton.jit(do_not_specialize=["stride_tokens", "num_rows"])
 def _penalize_kernel(
     work_ptr,  # (P, V) float32, edited in place at the row's seen tokens
@@ -82,12 +95,9 @@ def _penalize_kernel(
     counts = counts_ptr + tl.program_id(0).to(tl.int64) * vocab_size
     ones = tl.full([BLOCK], 1, dtype=tl.int32)
     for i in range(tl.program_id(0).to(tl.int64), num_rows, tl.num_programs(0)):  # int64: i * stride_work
-        row_tokens = tokens_ptr + tl.load(meta_ptr + i) * stride_tokens
-        ctx = tl.load(meta_ptr + num_rows + i)
-        first_output = ctx - tl.load(meta_ptr + 2 * num_rows + i)
-        repetition = tl.load(factors_ptr + i)
-        frequency = tl.load(factors_ptr + num_rows + i)
-        presence = tl.load(factors_ptr + 2 * num_rows + i)
+        row_tokens, ctx, first_output, repetition, frequency, presence = _row_penalty(
+            tokens_ptr, meta_ptr, factors_ptr, i, num_rows, stride_tokens
+        )
         if FROM_SOURCE:  # a row with a repetition penalty alone is _repetition_from_kernel's: no pass here
             counted = (frequency != 0.0) | (presence != 0.0)
             ctx = tl.where(counted, ctx, 0)
@@ -324,12 +334,9 @@ def _penalised_rows_kernel(
     high = tl.minimum(low + BLOCK, vocab_size)
     source = src_ptr + row * stride_src
     out = out_ptr + i * vocab_size
-    row_tokens = tokens_ptr + tl.load(meta_ptr + i) * stride_tokens
-    ctx = tl.load(meta_ptr + num_rows + i)
-    first_output = ctx - tl.load(meta_ptr + 2 * num_rows + i)
-    repetition = tl.load(factors_ptr + i)
-    frequency = tl.load(factors_ptr + num_rows + i)
-    presence = tl.load(factors_ptr + 2 * num_rows + i)
+    row_tokens, ctx, first_output, repetition, frequency, presence = _row_penalty(
+        tokens_ptr, meta_ptr, factors_ptr, i, num_rows, stride_tokens
+    )
     counted = (frequency != 0.0) | (presence != 0.0)
     alone_ctx = tl.where(counted, 0, ctx)  # ctx for a row of repetition alone, else no position
     # The history's first HISTORY_BLOCK positions, and (repetition alone) their source values, before the copy's
