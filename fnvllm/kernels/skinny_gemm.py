@@ -560,8 +560,12 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
 # "one" (the default) at one row, "0" off, "1" from 2 to 64 rows, "all" from 1 to 64 rows. Read at import. Measured
 # on the H200 (benchmarks/bench_late_norm.py, 2026-12-02; us per call, weights past L2): one row, norm + qkv 3.67
 # late against 3.86 statistics-first and 4.92 unfused, norm + gate/up 6.63 against 7.02 and 6.91; at 16 and 64 rows
-# the late kernel spills registers (ptxas: 288-2,328 stack bytes; the plain 16-row config already holds 232) and
-# loses: 16 rows 8.57 / 11.57 against 6.07 / 7.69 unfused, 64 rows 21.9 / 39.5 against 6.6 / 8.0.
+# it loses: 16 rows 8.57 / 11.57 against 6.07 / 7.69 unfused, 64 rows 21.9 / 39.5 against 6.6 / 8.0. Registers
+# (ptxas for sm_90 with the launch's 16-byte alignment specialized, 2026-12-02): the plain 16-row qkv config holds
+# 143, the late one 255 and spills 96 bytes; but spills are not the whole cost, since a late norm without the
+# residual add and with 128-wide steps (221-222 registers, no spill) also made the 16-row step slower (BENCHMARKS.md,
+# tenth session): its per-step row reductions and the input's layout change cost more than a launch that
+# programmatic dependent launch already hides.
 LATE_NORM_ENV = "FNVLLM_LATE_NORM"
 LATE_NORM_ROWS = {"0": (0, 0), "one": (1, 1), "1": (2, 64), "all": (1, 64)}.get(
     os.environ.get(LATE_NORM_ENV, "one"), (1, 1)
