@@ -522,13 +522,17 @@ class Fused(NamedTuple):
 # against cuBLAS): one row 2026-12-01 23:50 (--budget-s 60); 16 and 64 rows 2026-12-02 02:15 (--parts
 # attn,gemm,glu,step --rows 16,64 --budget-s 55: 12 configs tried per bucket; o and down at 16 rows now take 256-wide
 # K steps with the weights read ahead, the whole step at B = 16 verified faster with them and the GLU epilogue below).
+# o at 16 rows was re-picked in the whole step (tenth session, BENCHMARKS.md): 512-wide K steps, so each program's
+# whole weight slice (32 rows x 512) is read before the launch wait, during the attention kernel before it; alone
+# 3.90 us against 4.33 for the 256-wide config and 5.53 for cuBLAS (same call), the step at B = 16 1.113-1.116 ms
+# against 1.125-1.127. One-tile or wider variants of qkv, gate/up and down measured slower in the step.
 MEASURED_ROWS = (1, 16, 64)
 TUNED_CONFIGS: dict[tuple[int, int, int], Tuned] = {
     (4096, 1024, 1): Tuned(SkinnyConfig(1, 8, 1024, 1, 4, 1, use_dot=False, preload=True), 3.76, 4.93),  # 0.6b qkv
     (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 4.65, 5.32),
     (4096, 1024, 64): Tuned(SkinnyConfig(64, 64, 128, 1, 4, 3), 4.68, 5.44),
     (1024, 2048, 1): Tuned(SkinnyConfig(1, 8, 2048, 1, 8, 1, use_dot=False, preload=True), 2.61, 12.60),  # 0.6b o
-    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 256, 4, 4, 1, preload=True), 4.18, 5.91),
+    (1024, 2048, 16): Tuned(SkinnyConfig(16, 32, 512, 4, 4, 1, preload=True), 3.90, 5.53),
     (1024, 2048, 64): Tuned(SkinnyConfig(64, 16, 256, 1, 4, 3), 4.90, 5.83),
     (6144, 1024, 1): Tuned(SkinnyConfig(1, 4, 1024, 1, 4, 1, use_dot=False, preload=True), 5.71, 6.16),  # gate_up
     (6144, 1024, 16): Tuned(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.08, 6.08),
