@@ -146,3 +146,42 @@ def test_fp8_decode_under_a_mid_batch_entry_matches_reference(monkeypatch: pytes
     out = paged_decode_attention(*args, k_scale=k_scale, v_scale=v_scale)
     ref = paged_decode_attention_ref(*args, k_scale, v_scale)
     assert rel_err(out.float(), ref.float()) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("knobs", [{"partition_size": 32, "fused_reduce": True}, {"partition_size": 32,
+                         "fused_reduce": False}, {"partition_size": 128}], ids=["merged", "reduce-kernel", "one-part"])  # fmt: skip
+def test_16bit_decode_in_a_given_order_equals_batch_order(monkeypatch: pytest.MonkeyPatch, knobs: dict) -> None:
+    """A bf16 cache's decode launch given the step's order (longest first, or any permutation) takes its programs
+    in that order, split partitions included, and writes every sequence's row bit-equal to batch order."""
+    import numpy as np
+
+    from fnvllm.executor.cuda_graphs import longest_first
+
+    monkeypatch.setattr(decode_attention, "ORDERED_MIN_PROGRAMS_16BIT", 1)  # the tiny batch counts as large
+    lengths = [5, 70, 0, 33, 70, 1]
+    out, _ = run_decode(lengths, 4, 2, 16, torch.bfloat16, tile_size=16, **knobs)
+    order = np.zeros(len(lengths), dtype=np.int32)
+    longest_first(np.array(lengths, dtype=np.int32), order)
+    for given in (order, np.array([2, 0, 5, 3, 1, 4], dtype=np.int32)):
+        seq_order = torch.from_numpy(given).to(out.device)
+        got, _ = run_decode(lengths, 4, 2, 16, torch.bfloat16, tile_size=16, seq_order=seq_order, **knobs)
+        assert torch.equal(got, out)
+    if knobs.get("fused_reduce") is not False:  # (the reduce kernel reads every row's partials in batch order)
+        repeated = torch.zeros(len(lengths), dtype=torch.int32, device=out.device)  # serves sequence 0 only
+        got, _ = run_decode(lengths, 4, 2, 16, torch.bfloat16, tile_size=16, seq_order=repeated, **knobs)
+        assert torch.equal(got[0], out[0]) and bool(got[1].isnan().all())
+
+
+def test_order_rules_by_cache_dtype() -> None:
+    """16-bit caches take the order from ORDERED_MIN_PROGRAMS_16BIT programs whatever the partitions; FP8 caches
+    from ORDERED_MIN_PROGRAMS programs with one partition only."""
+    from fnvllm.kernels.attention import KVCache
+
+    bf16 = KVCache(torch.empty(0), torch.empty(0), None, None)
+    fp8 = KVCache(torch.empty(0), torch.empty(0), torch.ones(1), torch.ones(1))
+    small, large = decode_attention.ORDERED_MIN_PROGRAMS_16BIT, decode_attention.ORDERED_MIN_PROGRAMS
+    assert decode_attention.orders_longest_first(small // 8, 8, 4, bf16)
+    assert not decode_attention.orders_longest_first(small // 8 - 1, 8, 1, bf16)
+    assert not decode_attention.orders_longest_first(small // 8, 8, 1, fp8)
+    assert decode_attention.orders_longest_first(large // 8, 8, 1, fp8)
+    assert not decode_attention.orders_longest_first(large // 8, 8, 2, fp8)

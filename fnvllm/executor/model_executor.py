@@ -62,7 +62,7 @@ _LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs
 _LOGPROB_BYTES_PER_ROW = 256  # >= MAX_LOGPROBS (20) x (4 + 8) + 4 + alignment: a row's logprobs on the host
 # "0": decode graphs are captured at full table width only (no short-table captures; an A/B switch).
 SHORT_GRAPHS_ENV = "FNVLLM_SHORT_GRAPHS"
-# "0": decode steps do not stage their rows longest first (the FP8 decode kernel takes them in batch order).
+# "0": decode steps do not stage their rows longest first (the decode kernel takes them in batch order).
 DECODE_ORDER_ENV = "FNVLLM_DECODE_ORDER"
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
@@ -444,15 +444,15 @@ class ModelExecutor:
 
     def _order_min_rows(self) -> int | None:
         """The fewest rows of a decode bucket that stages its rows longest first, for the Triton decode kernel to
-        take them in that order (FP8 caches at ``decode_attention.ORDERED_MIN_PROGRAMS`` programs and up), unless
-        FNVLLM_DECODE_ORDER=0; None: no bucket does."""
-        off = os.environ.get(DECODE_ORDER_ENV, "1") == "0"
-        if off or self.backend.name != "triton" or self.config.kv_cache_dtype != "fp8":
+        take them in that order (``decode_attention.ordered_min_programs`` programs and up: large batches over an
+        FP8 cache, from 32 rows over a 16-bit one at 8 KV heads), unless FNVLLM_DECODE_ORDER=0; None: no bucket
+        does."""
+        if os.environ.get(DECODE_ORDER_ENV, "1") == "0" or self.backend.name != "triton":
             return None
-        from fnvllm.kernels.decode_attention import ORDERED_MIN_PROGRAMS  # Triton: imported where the backend runs
+        from fnvllm.kernels.decode_attention import ordered_min_programs  # Triton: imported where the backend runs
 
         _, kv_heads = local_heads(self.model_config, self.tp)
-        return -(-ORDERED_MIN_PROGRAMS // kv_heads)
+        return -(-ordered_min_programs(self.config.kv_cache_dtype == "fp8") // kv_heads)
 
     def _short_graph_widths(self, max_blocks: int) -> dict[int, int]:
         """Decode buckets captured a second time with short tables (``decode_attention.short_graph_widths``): with

@@ -276,14 +276,29 @@ def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKern
 # the sequences longest first when the step gives the order (``seq_order``). Measured on the H200 (branch h-f8a,
 # bench_fp8_kv.py --variants, 2026-12-02; B 256, Hkv 8, contexts U(100, 2048)): 182.8 us with the order against
 # 198.3 without (3.18 against 2.93 TB/s): the last wave of 2,048 programs of 100-2,048 tokens held long ones. The
-# bf16 kernel measured no gain (286.2 against 287.7 us), and smaller launches fit few waves.
+# bf16 kernel measured no gain there (286.2 against 287.7 us).
 ORDERED_MIN_PROGRAMS = SPLIT_FREE_PROGRAMS
+# 16-bit caches from this many programs on, whatever the partitions: a launch of 1-2 waves, where the sequences'
+# lengths differ several times over, ends on whichever SM drew the long ones. Measured on the H200 (BENCHMARKS.md,
+# eleventh session; Hq 16 / Hkv 8, 256-token blocks, CUDA-graph replays past L2, us per launch,
+# batch order -> longest first): B 64 at U(100, 384) 23.36 -> 20.77 with the 64-row knobs (4,096-token tables;
+# 512-token tables 23.28 -> 20.98), at U(100, 1024) 47.69 -> 40.27; B 16 (128 programs, one wave) no gain.
+ORDERED_MIN_PROGRAMS_16BIT = 256
+
+
+def ordered_min_programs(fp8: bool) -> int:
+    """The fewest (sequence, KV head) programs of a decode launch that takes its sequences longest first, for an
+    FP8 or a 16-bit cache (``orders_longest_first``)."""
+    return ORDERED_MIN_PROGRAMS if fp8 else ORDERED_MIN_PROGRAMS_16BIT
 
 
 def orders_longest_first(num_seqs: int, num_kv_heads: int, num_parts: int, kv: KVCache) -> bool:
-    """Whether a decode launch takes its sequences longest first when given the order: an FP8 cache, one
-    partition per sequence and at least ORDERED_MIN_PROGRAMS (sequence, KV head) programs."""
-    return kv.k_scale is not None and num_parts == 1 and num_seqs * num_kv_heads >= ORDERED_MIN_PROGRAMS
+    """Whether a decode launch takes its sequences longest first when given the order: an FP8 cache with one
+    partition per sequence and at least ORDERED_MIN_PROGRAMS (sequence, KV head) programs, or a 16-bit cache with
+    at least ORDERED_MIN_PROGRAMS_16BIT."""
+    fp8 = kv.k_scale is not None
+    one_part = num_parts == 1 or not fp8
+    return one_part and num_seqs * num_kv_heads >= ordered_min_programs(fp8)
 
 
 def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
