@@ -3,7 +3,8 @@
 - `rmsnorm(x, weight, eps)`: one program per row; y = weight * (x / sqrt(mean(x^2) + eps)) with the
   normalisation in float32, cast back to x's dtype before the weight (as `rmsnorm_ref` in model/ops.py).
 - `fused_add_rmsnorm(x, residual, weight, eps)`: one pass instead of three: r = x + residual rounded to the
-  input dtype (it is the new residual stream), then rmsnorm(r). Matches `add_rmsnorm_ref`.
+  input dtype (it is the new residual stream), then rmsnorm(r). Matches `add_rmsnorm_ref`. x may be the float32
+  split partials a projection left unsummed (`SplitPartials`): the kernel sums them first, in split order.
 - `silu_and_mul(x)`: x = [gate | up] (T, 2I) -> silu(gate) * up (T, I), computed in float32, rounded once.
 - `rotary(x, cos, sin)`: neox-style rotation of x (T, H, D) by per-token angles, in float32 (as
   `rotary_ref`): with x = [x1 | x2] halves, out = [x1 cos - x2 sin | x2 cos + x1 sin].
@@ -100,25 +101,28 @@ def _rmsnorm_kernel(
     w_ptr,
     out_ptr,
     eps,
+    n_rows,
     n_cols,
     HAS_RESIDUAL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Normalise row program_id(0) of x (after adding the residual row and storing the sum, if HAS_RESIDUAL)."""
+    """Normalise row program_id(0) of x (after adding the residual row and storing the sum, if HAS_RESIDUAL).
+    NUM_PARTS > 0 (with a residual): x is a GEMM's float32 split partials (NUM_PARTS, n_rows, n_cols), summed in
+    split order and rounded to the residual's dtype first (``_row_values``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
     wait_for_previous_kernel(USE_PDL)
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    dtype = res_out_ptr.dtype.element_ty  # x's (res_out is x itself without a residual)
+    x = _row_values(x_ptr, res_ptr, row, cols, mask, n_rows, n_cols, HAS_RESIDUAL, NUM_PARTS, dtype)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like torch's add
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight, as torch
+    normed = (h * inv_rms).to(dtype).to(tl.float32)  # cast back before the weight, as torch
     tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -132,21 +136,24 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual), x + residual) for x, residual (..., N) in one pass; returns new tensors."""
-    _check_norm_args(x, weight)
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    """(rmsnorm(x + residual), x + residual) for x, residual (..., N) in one pass; returns new tensors. x may be a
+    projection's output left as split partials (``SplitPartials`` of (S, T, N), residual (T, N)): summed here, in
+    split order, into exactly the x that projection would have written."""
+    shape, dtype, device = _value_meta(x)
+    if tuple(residual.shape) != shape or residual.dtype != dtype or residual.device != device:
         raise ValueError(
-            f"residual must match x ({tuple(x.shape)} {x.dtype} on {x.device}), got {tuple(residual.shape)} "
+            f"residual must match x ({shape} {dtype} on {device}), got {tuple(residual.shape)} "
             f"{residual.dtype} on {residual.device}"
         )
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, N)
-    res_rows = residual.reshape(-1, x.shape[-1]).contiguous()  # (R, N)
-    new_residual = torch.empty_like(rows)
-    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    _check_norm_args(residual, weight)
+    res_rows = residual.reshape(-1, shape[-1]).contiguous()  # (R, N)
+    rows = x.parts.contiguous() if isinstance(x, SplitPartials) else x.reshape(-1, shape[-1]).contiguous()
+    new_residual = torch.empty_like(res_rows)
+    out = torch.empty(res_rows.shape, dtype=torch.result_type(weight, residual), device=device)
     _launch_rmsnorm(rows, res_rows, new_residual, weight, out, eps)
-    return out.view(x.shape), new_residual.view(x.shape)
+    return out.view(shape), new_residual.view(shape)
 
 
 def _launch_rmsnorm(
@@ -157,8 +164,12 @@ def _launch_rmsnorm(
     out: torch.Tensor,
     eps: float,
 ) -> None:
-    """One program per row of rows (R, N); the residual pair is used when given."""
-    num_rows, n_cols = rows.shape
+    """One program per row of out (R, N); rows is x (R, N), or with a residual its float32 split partials
+    (S, R, N); the residual pair is used when given."""
+    num_rows, n_cols = out.shape
+    parts = rows.shape[0] if rows.dim() == 3 else 0
+    if parts and res_rows is None:
+        raise ValueError("split partials are summed only into a residual add (fused_add_rmsnorm)")
     if num_rows == 0:
         return
     block = triton.next_power_of_2(n_cols)
@@ -169,12 +180,14 @@ def _launch_rmsnorm(
         weight,
         out,
         eps,
+        num_rows,
         n_cols,
         HAS_RESIDUAL=res_rows is not None,
+        NUM_PARTS=parts,
         BLOCK=block,
-        USE_PDL=use_pdl(rows.device),
+        USE_PDL=use_pdl(out.device),
         num_warps=_row_warps(block),
-        **pdl_launch(rows.device),
+        **pdl_launch(out.device),
     )
 
 

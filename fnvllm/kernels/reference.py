@@ -129,3 +129,13 @@ def fp8_linear_ref(
 ) -> torch.Tensor:
     """x (M, K) @ dequantized(w).T (+ bias): the weight dequantized to x's dtype, then F.linear (CPU path)."""
     return F.linear(x, dequantize_fp8_blocks(w, w_scale, x.dtype), bias)
+
+
+def split_partials_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (T, N) output of a projection's float32 split partials parts (S, T, N): summed in split order from the
+    first, rounded once to dtype (as the skinny GEMM sums them when it keeps no partials, and as
+    ``fused_ops.fused_add_rmsnorm`` sums them into the residual add)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total.to(dtype)

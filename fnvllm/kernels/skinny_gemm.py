@@ -47,6 +47,7 @@ import triton.language as tl
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
 from fnvllm.kernels.fp8 import is_fp8
 from fnvllm.kernels.fused_ops import (
+    SplitPartials,
     fused_add_rmsnorm,
     pdl_launch,
     rmsnorm,
@@ -68,6 +69,7 @@ __all__ = [
     "Tuned",
     "fused_config",
     "linear",
+    "linear_partials",
     "linear_ref",
     "norm_linear",
     "norm_linear_rope_store",
@@ -78,7 +80,9 @@ __all__ = [
     "silu_mul_linear",
     "skinny_config",
     "skinny_linear",
+    "skinny_partials",
     "split_counters",
+    "sum_split_partials",
     "tuned_config",
 ]
 
@@ -793,16 +797,22 @@ def _launch_skinny(
     norm: Norm | None = None,
     glu_out: bool = False,
     epilogue: QkvEpilogue | None = None,
+    part: torch.Tensor | None = None,
 ) -> None:
     """Launch the skinny kernel (and, for an unfused split, the sum kernel) writing x @ weight^T + bias to out
-    (its SiLU-and-mul with glu_out)."""
+    (its SiLU-and-mul with glu_out). part: a (split_k, M, N) float32 buffer for a split without the in-kernel sum,
+    where the partials are left unsummed (no sum kernel: the caller's consumer sums them)."""
     num_rows, (out_features, in_features) = x.shape[0], weight.shape
     if cfg.block_m < num_rows or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"config block_m {cfg.block_m} must be >= the {num_rows} rows (and >= 16 with use_dot)")
     col_blocks = triton.cdiv(out_features // 2, cfg.block_n // 2) if glu_out else triton.cdiv(out_features, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cfg.split_k > 1
-    part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
+    keep = part is not None
+    if keep and (not split or cfg.fused_reduce or bias is not None or glu_out or epilogue is not None):
+        raise ValueError("partials are kept only for a plain product with split_k > 1, no bias and no in-kernel sum")
+    if part is None:
+        part = torch.empty(cfg.split_k, num_rows, out_features, dtype=torch.float32, device=x.device) if split else out
     counters = split_counters(x.device, col_blocks) if split and cfg.fused_reduce else out
     if epilogue is not None:  # one arrival counter per head
         counters = split_counters(x.device, epilogue.num_heads + 2 * epilogue.num_kv_heads)
@@ -852,7 +862,7 @@ def _launch_skinny(
         num_stages=cfg.num_stages,
         **pdl_launch(x.device),
     )
-    if split and not cfg.fused_reduce:
+    if split and not cfg.fused_reduce and not keep:
         block = 256
         _sum_splits_kernel[(triton.cdiv(num_rows * out_features, block),)](
             part,
@@ -936,20 +946,73 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return skinny_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_partials(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | SplitPartials:
+    """``linear(x, weight, bias)`` for a projection whose output goes to a residual add + RMSNorm, except that where
+    the skinny kernel takes the product of x (T, K) with its K split (``skinny_config``'s split_k > 1) and there is
+    no bias, the float32 split partials are returned unsummed (``SplitPartials`` of (S, T, N)) for
+    ``fused_ops.fused_add_rmsnorm`` to sum in split order: the same values, with the split sum's arrival counter and
+    re-read off the projection's critical path. Measured on the H200 (CUDA-graph replays past L2, PDL; BENCHMARKS.md,
+    eleventh session), us per call with the in-kernel sum / partials left unsummed: Qwen3-0.6B o_proj at 16 rows
+    4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64 rows 6.19 / 4.02."""
+    rows = x.shape[0]
+    if bias is None and x.dim() == 2 and on_gpu(x) and prefers_skinny(rows, *weight.shape):
+        cfg = skinny_config(rows, *weight.shape)
+        if cfg.split_k > 1 and x.stride(1) == 1 and weight.stride(1) == 1:
+            return skinny_partials(x, weight, cfg)
+    return linear(x, weight, bias)
+
+
+def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> SplitPartials:
+    """The split partials of x (M, K) @ weight (N, K)^T under config (split_k > 1): (split_k, M, N) float32, left
+    unsummed (``SplitPartials``); their sum in split order, rounded to x's dtype, is ``skinny_linear``'s output."""
+    num_rows, out_features = x.shape[0], weight.shape[0]
+    if config.split_k < 2 or num_rows > 64 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"skinny_partials needs split_k > 1, <= 64 rows and matching K, got {config} for "
+                         f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
+    part = torch.empty(config.split_k, num_rows, out_features, dtype=torch.float32, device=x.device)
+    if num_rows:
+        cfg = _fit_rows(config, num_rows)._replace(fused_reduce=False)
+        _launch_skinny(x, weight, None, part[0], cfg, False, part=part)
+    return SplitPartials(part, x.dtype)
+
+
+def sum_split_partials(x: SplitPartials) -> torch.Tensor:
+    """The (M, N) output split partials x (S, M, N) stand for: summed in split order, rounded to x.dtype, by
+    ``_sum_splits_kernel`` (so the rounding is the kernels', also under the interpreter); for the consumers that
+    take no partials. Its reference: ``reference.split_partials_sum_ref``."""
+    parts = x.parts.contiguous()
+    split, num_rows, out_features = parts.shape
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=parts.device)
+    if out.numel():
+        block = 256
+        _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](
+            parts, out, out, num_rows, out_features, out.stride(0), HAS_BIAS=False, SPLIT=split, BLOCK=block
+        )
+    return out
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_partials: bool = False
+) -> torch.Tensor | SplitPartials:
     """``F.linear(silu_and_mul(gate_up), weight, bias)`` for gate_up (..., 2K) = [gate | up], weight (N, K): an
     MLP's activation and down projection. Where ``prefers_fused`` picks the product (on a GPU), one skinny launch
-    computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``."""
+    computes the activation as it loads it; otherwise ``fused_ops.silu_and_mul`` then ``F.linear``, or with
+    keep_partials (a 2-D gate_up whose result goes to a residual add + RMSNorm) ``linear_partials``."""
     rows, flat = _rows(gate_up)
     out_features, in_features = weight.shape
     if not on_gpu(gate_up) or not prefers_fused("silu", rows, out_features, in_features):
-        return linear(silu_and_mul(gate_up.reshape(rows, -1)), weight, bias).reshape(*gate_up.shape[:-1], -1)
+        act = silu_and_mul(gate_up.reshape(rows, -1))
+        if keep_partials and gate_up.dim() == 2:
+            return linear_partials(act, weight, bias)
+        return linear(act, weight, bias).reshape(*gate_up.shape[:-1], -1)
     cfg = fused_config("silu", rows, out_features, in_features)
     return skinny_linear(flat, weight, bias, cfg, glu=True).reshape(*gate_up.shape[:-1], out_features)
 
 
 def norm_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitPartials,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
@@ -959,24 +1022,38 @@ def norm_linear(
     """(linear(rmsnorm(x + residual), weight, bias), x + residual) for x, residual (T, K): a decoder layer's
     residual add, RMSNorm and the projection after it; residual None means rmsnorm(x) and x itself. Where
     ``prefers_fused`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
-    otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``."""
-    rows, (out_features, in_features) = x.shape[0], weight.shape
-    flat = x.dim() == 2 and x.is_contiguous()
-    late = late_norm_config(rows, out_features, in_features) if on_gpu(x) and flat else None
-    if late is not None or (
-        on_gpu(x) and flat and rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, *weight.shape)
-    ):
+    otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``. x may be the previous projection's
+    split partials (``linear_partials``): the add + RMSNorm kernel sums them, or they are summed first where the
+    norm runs inside the projection."""
+    if isinstance(x, SplitPartials) and (residual is None or _norm_prologue(x.parts[0], weight) is not None):
+        x = sum_split_partials(x)
+    cfg = None if isinstance(x, SplitPartials) else _norm_prologue(x, weight)
+    if cfg is not None and isinstance(x, torch.Tensor):
         norm, new_residual = _fused_norm(x, residual, norm_weight, eps)
-        cfg = late or fused_config("norm", rows, out_features, in_features)
         return skinny_linear(x, weight, bias, cfg, norm=norm), new_residual
     if residual is None:
-        return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+        value = x if isinstance(x, torch.Tensor) else sum_split_partials(x)  # (partials were summed above)
+        return linear(rmsnorm(value, norm_weight, eps), weight, bias), value
     normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), new_residual
 
 
+def _norm_prologue(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
+    """The config of ``norm_linear``'s product of x (T, K) by weight with the residual add + RMSNorm inside it (a
+    late norm where ``late_norm_config`` gives one, else where ``prefers_fused`` picks it), or None: unfused."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    if not (on_gpu(x) and x.dim() == 2 and x.is_contiguous()):
+        return None
+    late = late_norm_config(rows, out_features, in_features)
+    if late is not None:
+        return late
+    if rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features):
+        return fused_config("norm", rows, out_features, in_features)
+    return None
+
+
 def norm_mlp(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitPartials,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
@@ -984,28 +1061,37 @@ def norm_mlp(
     gate_up_bias: torch.Tensor | None,
     down_weight: torch.Tensor,
     down_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep_partials: bool = False,
+) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
     """(down(silu_and_mul(gate_up(rmsnorm(x + residual)))), x + residual) for x, residual (T, K): a gated MLP after
     its residual add + RMSNorm (residual None: rmsnorm(x), and x itself), gate_up_weight [gate | up] (2I, K),
     down_weight (N, I). Where ``prefers_fused("glu", ...)`` picks the rows (on a GPU), the activation runs in the
     gate/up projection's epilogue (``glu_out``: no SiLU-and-mul launch); otherwise ``norm_linear`` then
-    ``silu_mul_linear``, each fusing where it measured faster."""
-    rows, (gu_rows, in_features) = x.shape[0], gate_up_weight.shape
-    if on_gpu(x) and x.dim() == 2 and prefers_fused("glu", rows, gu_rows, in_features):
+    ``silu_mul_linear``, each fusing where it measured faster. x may be split partials (see ``norm_linear``);
+    keep_partials: the result goes to a residual add + RMSNorm, so down_proj may leave its own
+    (``linear_partials``)."""
+    value = x.parts[0] if isinstance(x, SplitPartials) else x  # (T, K) in shape and device
+    rows, (gu_rows, in_features) = value.shape[0], gate_up_weight.shape
+    down = linear_partials if keep_partials else linear
+    if on_gpu(value) and value.dim() == 2 and prefers_fused("glu", rows, gu_rows, in_features):
         cfg = fused_config("glu", rows, gu_rows, in_features)
-        if late_norm_config(rows, gu_rows, in_features) is not None and cfg is not None and cfg.split_k == 1:
+        late = late_norm_config(rows, gu_rows, in_features) is not None and cfg is not None and cfg.split_k == 1
+        if isinstance(x, SplitPartials) and (late or residual is None):
+            x = sum_split_partials(x)
+        if late and cfg is not None and isinstance(x, torch.Tensor):
             norm, new_residual = _fused_norm(x.contiguous(), residual, norm_weight, eps)
             act = skinny_linear(x.contiguous(), gate_up_weight, gate_up_bias, cfg._replace(late_norm=True), norm=norm,
                                 glu_out=True)  # fmt: skip
-            return linear(act, down_weight, down_bias), new_residual
+            return down(act, down_weight, down_bias), new_residual
         if residual is None:
-            normed, new_residual = rmsnorm(x, norm_weight, eps), x
+            value = x if isinstance(x, torch.Tensor) else sum_split_partials(x)  # (partials were summed above)
+            normed, new_residual = rmsnorm(value, norm_weight, eps), value
         else:
             normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
         act = skinny_linear(normed.contiguous(), gate_up_weight, gate_up_bias, cfg, glu_out=True)  # (T, I)
-        return linear(act, down_weight, down_bias), new_residual
+        return down(act, down_weight, down_bias), new_residual
     gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
-    return silu_mul_linear(gate_up, down_weight, down_bias), new_residual
+    return silu_mul_linear(gate_up, down_weight, down_bias, keep_partials), new_residual
 
 
 def _fused_norm(
@@ -1055,7 +1141,7 @@ def epilogue_config(
 
 
 def norm_linear_rope_store(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitPartials,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
@@ -1079,7 +1165,10 @@ def norm_linear_rope_store(
     <= EPILOGUE_MAX_ROWS rows where the unfused path's product runs on the skinny kernel too (``prefers_fused``
     or ``prefers_skinny``) and its config fits, the prologue runs in the projection's epilogue (and the RMSNorm
     in its load where ``prefers_fused`` says): one launch fewer; otherwise ``norm_linear`` then
-    ``norm_rope_store``. With the product's own config (no ``EPILOGUE_CONFIGS`` entry) both give the same bits."""
+    ``norm_rope_store``. With the product's own config (no ``EPILOGUE_CONFIGS`` entry) both give the same bits. x
+    may be split partials (``linear_partials``): summed first."""
+    if isinstance(x, SplitPartials):
+        x = sum_split_partials(x)
     rows, (out_features, in_features) = x.shape[0], weight.shape
     head_dim = k_cache.shape[-1]
     fused_norm = rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features)

@@ -11,6 +11,7 @@ live in ``ops.py``, where a model's ``ModelOps`` picks torch, torch.compile or T
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,8 +33,9 @@ class RMSNorm(nn.Module):
         """Normalise x (..., size); same shape and dtype."""
         return self.ops.rmsnorm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual stream update fused with the next norm."""
+    def add_and_norm(self, x: Any, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream update fused with the next norm. x (T, size), or
+        split partials where the ops' add_rmsnorm takes them (``ModelOps.linear_partials``)."""
         return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 

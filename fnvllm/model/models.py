@@ -23,6 +23,7 @@ from torch import nn
 
 from fnvllm.kernels.attention import AttentionMetadata, KVCache, attend_stored, attention
 from fnvllm.kernels.backends import AttentionBackend, get_backend
+from fnvllm.kernels.reference import split_partials_sum_ref
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
 from fnvllm.model.moe import SparseMoeBlock
@@ -71,8 +72,9 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """hidden (T, hidden_size) -> (T, hidden_size); writes this step's K/V (local heads) into kv_cache."""
+    ) -> torch.Tensor | SplitPartials:
+        """hidden (T, hidden_size) -> (T, hidden_size), or its split partials (``_project_out``); writes this step's
+        K/V (local heads) into kv_cache."""
         return self.attend_projected(self.qkv_proj(hidden), rope, kv_cache, meta, backend)
 
     def attend_projected(
@@ -82,13 +84,13 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | SplitPartials:
         """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size)."""
         num_tokens = qkv.shape[0]
         fused = self.ops.norm_rope_store
         if fused is not None:  # q/k norms, rope and the K/V store in one kernel
             out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
-            return all_reduce(self.o_proj(out.reshape(num_tokens, -1)), self.tp)
+            return self._project_out(out.reshape(num_tokens, -1))
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -100,8 +102,16 @@ class Attention(nn.Module):
             q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
         k_cache, v_cache, *scales = kv_cache  # FP8 caches carry their (Hkv,) k_scale, v_scale
         out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales)  # (T, Hq, D)
-        partial = self.o_proj(out.reshape(num_tokens, -1))  # (T, hidden_size), this rank's heads only
-        return all_reduce(partial, self.tp)
+        return self._project_out(out.reshape(num_tokens, -1))
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor | SplitPartials:
+        """o_proj of the attention output (T, Hq * D of this rank's heads), summed over the ranks: (T, hidden_size);
+        or, with ``ops.linear_partials`` in one process and no bias, possibly its split partials left for the
+        post-attention norm to sum (every path of ``DecoderLayer.forward`` after attention takes them)."""
+        o_proj, linear_partials = self.o_proj, self.ops.linear_partials
+        if linear_partials is not None and leaves_partials(o_proj, self.tp):
+            return linear_partials(out, o_proj.weight, None)
+        return all_reduce(o_proj(out), self.tp)  # this rank's heads only, then the sum
 
     def _fused_prologue_attention(
         self,
@@ -136,14 +146,14 @@ class Attention(nn.Module):
 
     def norm_forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | SplitPartials,
         residual: torch.Tensor | None,
         norm: RMSNorm,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
         """(forward(norm(hidden + residual)), hidden + residual) with the residual add + RMSNorm, qkv projection
         and attention prologue in ``ops.norm_linear_rope_store`` (its qkv epilogue at few rows on a GPU)."""
         fused = self.ops.norm_linear_rope_store
@@ -154,7 +164,7 @@ class Attention(nn.Module):
         q, residual = fused(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias,
                             *self._prologue_args(rope, kv, meta))  # fmt: skip
         out = attend_stored(q, kv.k, kv.v, meta, self.scale, backend, kv.k_scale, kv.v_scale)  # (T, Hq, D)
-        return all_reduce(self.o_proj(out.reshape(q.shape[0], -1)), self.tp), residual
+        return self._project_out(out.reshape(q.shape[0], -1)), residual
 
 
 class MLP(nn.Module):
@@ -181,24 +191,36 @@ class MLP(nn.Module):
         return self.ops.norm_mlp is not None and in_dtype
 
     def norm_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(rmsnorm(x + residual)), x + residual) by ``ops.norm_mlp`` (see ``fuses_norm_mlp``)."""
+        self,
+        x: torch.Tensor | SplitPartials,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        keep_partials: bool = False,
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
+        """(forward(rmsnorm(x + residual)), x + residual) by ``ops.norm_mlp`` (see ``fuses_norm_mlp``); x may be
+        split partials; keep_partials: as ``down``'s."""
         gate_up, down = self.gate_up_proj, self.down_proj
         bias = down.bias if down.adds_bias else None
         norm_mlp = self.ops.norm_mlp
         if norm_mlp is None:
             raise RuntimeError("MLP.norm_forward needs ops.norm_mlp (see fuses_norm_mlp)")
+        if keep_partials and self.ops.linear_partials is not None and leaves_partials(down, self.tp):
+            return norm_mlp(x, residual, norm_weight, eps, gate_up.weight, gate_up.bias, down.weight, None,
+                            keep_partials=True)  # fmt: skip
         y, residual = norm_mlp(x, residual, norm_weight, eps, gate_up.weight, gate_up.bias, down.weight, bias)
         return all_reduce(y, self.tp), residual
 
     def down(self, gate_up: torch.Tensor, keep_partials: bool = False) -> torch.Tensor | SplitPartials:
         """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on. keep_partials:
-        the caller's next op sums split partials (the next layer's input norm), so an FP8 down_proj whose input
-        the producers quantize may return its K splits unsummed (``SplitPartials``, where
-        ``fp8_producers.sum_down_splits``, one process and no bias)."""
+        the caller's next op sums split partials (the next layer's input norm), so down_proj may return its K
+        splits unsummed (``SplitPartials``): in one process without a bias, a K-split skinny product where the ops
+        have ``linear_partials``, or an FP8 down_proj whose input the producers quantize where
+        ``fp8_producers.sum_down_splits``."""
         glu = self.ops.silu_mul_linear
         if glu is not None and self.down_proj.weight_scale_inv is None:  # activation fused into down_proj's load
+            if keep_partials and self.ops.linear_partials is not None and leaves_partials(self.down_proj, self.tp):
+                return glu(gate_up, self.down_proj.weight, None, keep_partials=True)
             bias = self.down_proj.bias if self.down_proj.adds_bias else None
             partial = glu(gate_up, self.down_proj.weight, bias)  # (T, hidden_size)
         else:  # an FP8 down_proj at few tokens may take its input quantized by the SiLU-and-mul (fp8_producers)
@@ -209,8 +231,17 @@ class MLP(nn.Module):
             single = not self.tp.is_parallel and down.bias is None  # no all-reduce, no bias after the sum
             if quantized and keep_partials and single and producers.sum_down_splits:
                 return producers.gemm_partials(act, down.weight, down.weight_scale_inv)  # (S, T, hidden_size)
+            linear_partials = self.ops.linear_partials
+            if keep_partials and linear_partials is not None and not quantized and leaves_partials(down, self.tp):
+                return linear_partials(act, down.weight, None)
             partial = down(act)  # (T, hidden_size)
         return all_reduce(partial, self.tp)
+
+
+def leaves_partials(linear: RowParallelLinear, tp: TensorParallel) -> bool:
+    """Whether a row-parallel projection may leave its K splits' float32 partials for the norm after it to sum
+    (``ModelOps.linear_partials``): one process (no all-reduce), weights in the model's dtype, no bias."""
+    return not tp.is_parallel and linear.weight_scale_inv is None and linear.bias is None
 
 
 class DecoderLayer(nn.Module):
@@ -242,9 +273,11 @@ class DecoderLayer(nn.Module):
         With ``ops.norm_linear`` each residual add + RMSNorm runs inside the projection after it (qkv, gate/up),
         where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op);
         with ``ops.norm_linear_rope_store`` the attention prologue runs in the qkv projection too. With
-        ``ops.fp8_producers`` the norms and SiLU before FP8 projections write their inputs quantized at few tokens,
-        and (``sum_down_splits``) the block output of a layer but the last may be the down projection's split
-        partials (``SplitPartials``), which the next layer's input norm sums (``norm_for``)."""
+        ``ops.fp8_producers`` the norms and SiLU before FP8 projections write their inputs quantized at few tokens.
+        Split partials (``SplitPartials``): with ``ops.linear_partials`` the attention output may be o_proj's,
+        which the post-attention norm sums, and the block output of a layer but the last may be down_proj's (so
+        may an FP8 down_proj's with ``sum_down_splits``), which the next layer's input norm sums (``norm_for``,
+        ``norm_linear``, ``norm_mlp``)."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
         in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if attn.fuses_qkv_epilogue():  # norm, qkv, q/k norms, rotary, K/V store: ``ops.norm_linear_rope_store``
@@ -257,11 +290,11 @@ class DecoderLayer(nn.Module):
             normed, residual = norm_for(in_norm, hidden, residual, attn.qkv_proj)
             hidden = attn(normed, rope, kv_cache, meta, backend)
         if isinstance(mlp, MLP) and mlp.fuses_norm_mlp():  # norm, gate/up, activation, down: ``ops.norm_mlp``
-            return mlp.norm_forward(hidden, residual, post_norm.weight, post_norm.eps)
+            return mlp.norm_forward(hidden, residual, post_norm.weight, post_norm.eps, not self.is_last)
         if norm_linear is not None and isinstance(mlp, MLP) and mlp.gate_up_proj.weight_scale_inv is None:
             proj = mlp.gate_up_proj
             gate_up, residual = norm_linear(hidden, residual, post_norm.weight, post_norm.eps, proj.weight, proj.bias)
-            return mlp.down(gate_up), residual
+            return mlp.down(gate_up, keep_partials=not self.is_last), residual
         if not isinstance(mlp, MLP):
             normed, residual = norm_for(post_norm, hidden, residual, None)
             return mlp(normed), residual
@@ -275,12 +308,13 @@ def norm_for(
     """(norm(x + residual), x + residual), or (norm(x), x) when residual is None (the first layer): the normed
     value quantized for ``linear`` (``Fp8Activations``, in the norm's launch) when the ops have FP8 producers that
     apply to it (an FP8 projection at few tokens on a GPU), else the norm's 16-bit output. x may be the previous
-    layer's down projection left as split partials (made only by the producers): summed by the quantizing norm,
-    else first by ``producers.sum_partials``."""
+    layer's down projection or this layer's o_proj left as split partials: summed by the norm's kernel (the
+    quantizing one, or with ``ops.linear_partials`` the add + RMSNorm), else first here."""
     producers = norm.ops.fp8_producers
     applies = producers is not None and linear is not None and producers.applies(x, linear)
-    if not isinstance(x, torch.Tensor) and (not applies or residual is None):  # SplitPartials
-        x = producers.sum_partials(x)
+    norm_sums = residual is not None and (applies or norm.ops.linear_partials is not None)
+    if not isinstance(x, torch.Tensor) and not norm_sums:  # SplitPartials the norm below cannot take
+        x = producers.sum_partials(x) if producers is not None else split_partials_sum_ref(x.parts, x.dtype)
     if applies:
         if residual is None:
             return producers.rmsnorm(x, norm.weight, norm.eps), x

@@ -64,6 +64,11 @@ class ModelOps:
     embed_rope: the step's embedding rows and rotary-table rows in one launch, ``(weight, ids, cos_sin, positions)
     -> (hidden, cos, sin)`` (``fnvllm.kernels.embed.embed_rope``), or None: two torch gathers. Used only when the
     embedding is not split over ranks.
+    linear_partials: o_proj's and down_proj's product when a residual add + RMSNorm follows it, ``(x, weight, None)
+    -> y or SplitPartials`` (``skinny_gemm.linear_partials``: a K-split skinny product's float32 partials left for
+    that norm to sum), or None: ``linear``. Its ops' add_rmsnorm, norm_linear, norm_mlp and norm_linear_rope_store
+    take split partials as x, and its norm_mlp / silu_mul_linear a ``keep_partials`` flag. Used in one process
+    (no all-reduce), without a bias, for projections in the model's dtype.
     """
 
     name: str
@@ -78,12 +83,13 @@ class ModelOps:
     route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] = route_ref
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
     norm_rope_store: Callable[..., torch.Tensor] | None = None
-    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    silu_mul_linear: Callable[..., Any] | None = None  # -> torch.Tensor, or SplitPartials with keep_partials
     norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    norm_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    norm_mlp: Callable[..., tuple[Any, torch.Tensor]] | None = None  # (y or its SplitPartials, new residual)
     norm_linear_rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fp8_producers: Any = None  # fp8_gemm.Fp8Producers (imports Triton) or None
     embed_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    linear_partials: Callable[..., Any] | None = None
 
 
 TORCH_OPS = ModelOps("torch", rmsnorm_ref, add_rmsnorm_ref, rotary_ref, silu_and_mul_ref, norm_rotary_ref)
@@ -113,13 +119,20 @@ FUSED_PROLOGUES_ENV = "FNVLLM_FUSED_PROLOGUES"
 # (``skinny_gemm.norm_linear_rope_store``): off by default, the whole Qwen3-0.6B decode step measured slower with it
 # on the H200 (B = 1: 820 against 769 us; see skinny_gemm.QKV_EPILOGUE_ENV); FNVLLM_QKV_EPILOGUE=1 turns it on.
 QKV_EPILOGUE_ENV = "FNVLLM_QKV_EPILOGUE"
+# o_proj and down_proj at few rows leave their K splits' float32 partials for the residual add + RMSNorm after them
+# to sum (``skinny_gemm.linear_partials``): on by default (BENCHMARKS.md, eleventh session); FNVLLM_SPLIT_PARTIALS=0
+# sums them in the projection's kernel.
+SPLIT_PARTIALS_ENV = "FNVLLM_SPLIT_PARTIALS"
 # The embedding and rotary-table gathers in one Triton launch (``fnvllm.kernels.embed``): on by default;
 # FNVLLM_FUSED_EMBED=0 turns it off (two torch indexing kernels).
 FUSED_EMBED_ENV = "FNVLLM_FUSED_EMBED"
 
 
 def triton_ops(
-    fused_prologues: bool | None = None, qkv_epilogue: bool | None = None, fp8_fused_quant: bool | None = None
+    fused_prologues: bool | None = None,
+    qkv_epilogue: bool | None = None,
+    fp8_fused_quant: bool | None = None,
+    split_partials: bool | None = None,
 ) -> ModelOps:
     """Our Triton kernels (``fnvllm.kernels.fused_ops``); ImportError when Triton is missing.
 
@@ -130,6 +143,8 @@ def triton_ops(
     (``norm_linear_rope_store``; only with fused_prologues); None reads FNVLLM_QKV_EPILOGUE (default off).
     fp8_fused_quant: FP8 projections' inputs quantized by the kernels that write them at few tokens
     (``fp8_producers``); None reads FNVLLM_FP8_FUSED_QUANT (default on).
+    split_partials: o_proj / down_proj leave K-split partials for the norm after them (``linear_partials``); None
+    reads FNVLLM_SPLIT_PARTIALS (default on).
     """
     from fnvllm.kernels import embed, fp8_gemm, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
@@ -139,6 +154,8 @@ def triton_ops(
         qkv_epilogue = os.environ.get(QKV_EPILOGUE_ENV, "0") == "1"
     if fp8_fused_quant is None:
         fp8_fused_quant = fp8_gemm.fused_quant_from_env()
+    if split_partials is None:
+        split_partials = os.environ.get(SPLIT_PARTIALS_ENV, "1") != "0"
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -156,6 +173,7 @@ def triton_ops(
         skinny_gemm.norm_linear_rope_store if fused_prologues and qkv_epilogue else None,
         fp8_producers=fp8_gemm.fp8_producers() if fp8_fused_quant else None,
         embed_rope=embed.embed_rope if os.environ.get(FUSED_EMBED_ENV, "1") != "0" else None,
+        linear_partials=skinny_gemm.linear_partials if split_partials else None,
     )
 
 
