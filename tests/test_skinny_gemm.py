@@ -189,11 +189,13 @@ def test_norm_statistics_in_narrow_steps_match_one_wide_step(monkeypatch: pytest
     torch.testing.assert_close(narrow_res, x + res)
 
 
-def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear() -> None:
-    """On a CPU ``norm_linear`` is fused_add_rmsnorm (rmsnorm without a residual) then F.linear."""
+def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the GPU dispatch (``on_gpu`` false) ``norm_linear`` is fused_add_rmsnorm (rmsnorm without a residual)
+    then F.linear."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: False)  # (the norm kernels still run where x lives)
     gen = torch.Generator().manual_seed(16)
-    x, res = torch.randn(2, 32, generator=gen), torch.randn(2, 32, generator=gen)
-    nw, w = torch.rand(32, generator=gen) + 0.5, torch.randn(24, 32, generator=gen)
+    x, res = torch.randn(2, 32, generator=gen).to(DEVICE), torch.randn(2, 32, generator=gen).to(DEVICE)
+    nw, w = (torch.rand(32, generator=gen) + 0.5).to(DEVICE), torch.randn(24, 32, generator=gen).to(DEVICE)
     y, new_res = norm_linear(x, res, nw, 1e-6, w)
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(y, F.linear(rmsnorm_ref(x + res, nw, 1e-6), w), rtol=1e-5, atol=1e-5)
@@ -202,11 +204,13 @@ def test_norm_linear_off_gpu_is_add_rmsnorm_then_linear() -> None:
     torch.testing.assert_close(y0, F.linear(rmsnorm_ref(x, nw, 1e-6), w), rtol=1e-5, atol=1e-5)
 
 
-def test_silu_mul_linear_off_gpu_is_activation_then_f_linear() -> None:
-    """On a CPU ``silu_mul_linear`` is silu_and_mul then F.linear (leading dims kept)."""
+def test_silu_mul_linear_off_gpu_is_activation_then_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the GPU dispatch (``on_gpu`` false) ``silu_mul_linear`` is silu_and_mul then F.linear (leading dims
+    kept)."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: False)
     gen = torch.Generator().manual_seed(14)
-    x = torch.randn(2, 3, 64, generator=gen)
-    w = torch.randn(24, 32, generator=gen)
+    x = torch.randn(2, 3, 64, generator=gen).to(DEVICE)
+    w = torch.randn(24, 32, generator=gen).to(DEVICE)
     got = silu_mul_linear(x, w, None)
     assert got.shape == (2, 3, 24)
     gate, up = x.chunk(2, dim=-1)

@@ -138,7 +138,9 @@ def test_model_with_split_partials_gives_the_same_logits_bitwise(
     prologues = down_path != "plain"
     ours = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=prologues, split_partials=True))
     base = load_model(path, config, DEVICE, ops=triton_ops(fused_prologues=prologues, split_partials=False))
-    tokens = torch.randint(0, config.vocab_size, (sum(SHORT_CHUNKS),), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, config.vocab_size, (sum(SHORT_CHUNKS),), generator=torch.Generator().manual_seed(5)).to(
+        DEVICE
+    )
     assert torch.equal(run(ours, tokens, False), run(base, tokens, False))
     o_shape = (hidden, config.num_attention_heads * config.head_dim)
     assert o_shape in left and (hidden, inter) in left
