@@ -148,8 +148,14 @@ def test_fp8_decode_under_a_mid_batch_entry_matches_reference(monkeypatch: pytes
     assert rel_err(out.float(), ref.float()) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("knobs", [{"partition_size": 32, "fused_reduce": True}, {"partition_size": 32,
-                         "fused_reduce": False}, {"partition_size": 128}], ids=["merged", "reduce-kernel", "one-part"])  # fmt: skip
+ORDER_KNOBS = {
+    "merged": {"partition_size": 32, "fused_reduce": True},
+    "reduce-kernel": {"partition_size": 32, "fused_reduce": False},
+    "one-part": {"partition_size": 128},
+}
+
+
+@pytest.mark.parametrize("knobs", list(ORDER_KNOBS.values()), ids=list(ORDER_KNOBS))
 def test_16bit_decode_in_a_given_order_equals_batch_order(monkeypatch: pytest.MonkeyPatch, knobs: dict) -> None:
     """A bf16 cache's decode launch given the step's order (longest first, or any permutation) takes its programs
     in that order, split partitions included, and writes every sequence's row bit-equal to batch order."""

@@ -107,10 +107,10 @@ SHORT_CHUNKS = [5, 1, 1]  # a prefill chunk, then decodes (the interpreter's tim
 def test_model_with_split_partials_gives_the_same_logits_bitwise(
     tmp_path: Path, down_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 model whose o_proj and down_proj take two K splits at <= 16 rows: with their partials summed by the
-    norms after them (o_proj's into the post-attention norm, down_proj's into the next layer's input norm, which
-    with the fused prologues runs inside qkv's load and sums them first), decodes and prefill chunks give the
-    logits of the same model summing them in the projections, bit for bit, and both left partials."""
+    """A bf16 model whose projections take two K splits at <= 16 rows: with the partials summed by their consumers
+    (qkv's by the attention prologue, o_proj's by the post-attention norm, down_proj's by the next layer's input
+    norm, which with the fused prologues runs inside qkv's load and sums them first), decodes and prefill chunks
+    give the logits of the same model summing them in the projections, bit for bit, and all three left partials."""
     monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: True)
     monkeypatch.setattr(skinny_gemm, "prefers_skinny", lambda m, n, k: 0 < m <= 16)
     monkeypatch.setattr(skinny_gemm, "skinny_config", lambda m, n, k: SkinnyConfig(16, 16, 32, 2))
@@ -142,5 +142,26 @@ def test_model_with_split_partials_gives_the_same_logits_bitwise(
         DEVICE
     )
     assert torch.equal(run(ours, tokens, False), run(base, tokens, False))
-    o_shape = (hidden, config.num_attention_heads * config.head_dim)
-    assert o_shape in left and (hidden, inter) in left
+    heads = config.num_attention_heads + 2 * config.num_key_value_heads
+    o_shape, qkv_shape = (hidden, config.num_attention_heads * config.head_dim), (heads * config.head_dim, hidden)
+    assert o_shape in left and (hidden, inter) in left and qkv_shape in left
+
+
+@pytest.mark.parametrize("grid", ["head", "token"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_attention_prologue_of_qkv_partials_is_that_of_their_sum(grid: str, cache_dtype: torch.dtype) -> None:
+    """norm_rope_store given the qkv projection's split partials writes the q and the K / V cache bytes it writes
+    for the projection's own (summed) output: the head grid sums them as it reads, the token grid first."""
+    from test_qkv_epilogue import layer_inputs, prologue_args, same_bits
+
+    from fnvllm.kernels.store_kv import norm_rope_store
+
+    hq, hkv, rows = 4, 2, 5
+    inp = layer_inputs(rows, hq, hkv, 11, cache_dtype)
+    parts = skinny_partials(inp["x"], inp["w"], SkinnyConfig(16, 16, 16, 2))
+    summed = skinny_linear(inp["x"], inp["w"], None, SkinnyConfig(16, 16, 16, 2))
+    q_sum = norm_rope_store(summed, *prologue_args(inp, hq, hkv, True, 0), grid=grid)
+    q_parts = norm_rope_store(parts, *prologue_args(inp, hq, hkv, True, 1), grid=grid)
+    assert torch.equal(q_sum, q_parts)
+    assert same_bits(inp["caches"][0], inp["caches"][2]) and same_bits(inp["caches"][1], inp["caches"][3])
+    assert inp["caches"][3].view(torch.uint8).any()

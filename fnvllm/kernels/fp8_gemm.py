@@ -62,6 +62,7 @@ from fnvllm.kernels.decode_attention import dot, upcast_dot
 from fnvllm.kernels.fused_ops import (
     Fp8Activations,
     SplitPartials,
+    _sum_splits_kernel,
     fused_add_rmsnorm_quant,
     pdl_launch,
     quantize_groups,
@@ -80,7 +81,6 @@ from fnvllm.kernels.reference import (
     expand_block_scales,
     fp8_linear_ref,
 )
-from fnvllm.kernels.skinny_gemm import _sum_splits_kernel
 
 try:  # host-side TMA descriptors (Triton >= 3.4): SwapConfig.tma
     from triton.tools.tensor_descriptor import TensorDescriptor

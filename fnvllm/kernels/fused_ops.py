@@ -51,6 +51,7 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_quant",
     "silu_and_mul_ref",
+    "sum_split_partials",
 ]
 
 
@@ -154,6 +155,37 @@ def fused_add_rmsnorm(
     out = torch.empty(res_rows.shape, dtype=torch.result_type(weight, residual), device=device)
     _launch_rmsnorm(rows, res_rows, new_residual, weight, out, eps)
     return out.view(shape), new_residual.view(shape)
+
+
+def sum_split_partials(x: SplitPartials) -> torch.Tensor:
+    """The (M, N) output split partials x (S, M, N) stand for: summed in split order, rounded to x.dtype, by
+    ``_sum_splits_kernel`` (so the rounding is the kernels', also under the interpreter); for the consumers that
+    take no partials. Its reference: ``reference.split_partials_sum_ref``."""
+    parts = x.parts.contiguous()
+    split, num_rows, out_features = parts.shape
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=parts.device)
+    if out.numel():
+        block = 256
+        _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](
+            parts, out, out, num_rows, out_features, out.stride(0), HAS_BIAS=False, SPLIT=split, BLOCK=block
+        )
+    return out
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[m, n] = sum over s of part[s, m, n] (+ bias[n]), summed in split order; one program per BLOCK outputs."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch_rmsnorm(

@@ -48,10 +48,12 @@ from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, 
 from fnvllm.kernels.fp8 import is_fp8
 from fnvllm.kernels.fused_ops import (
     SplitPartials,
+    _sum_splits_kernel,
     fused_add_rmsnorm,
     pdl_launch,
     rmsnorm,
     silu_and_mul,
+    sum_split_partials,
     use_pdl,
     wait_for_previous_kernel,
 )
@@ -60,6 +62,7 @@ from fnvllm.kernels.store_kv import check_prologue_args, norm_rope_store, prolog
 __all__ = [
     "FUSED_TIMES",
     "NORM_MAX_ROWS",
+    "PARTIALS_CONFIGS",
     "SKINNY_MAX_ROWS",
     "TUNED_CONFIGS",
     "Fused",
@@ -74,6 +77,7 @@ __all__ = [
     "norm_linear",
     "norm_linear_rope_store",
     "norm_mlp",
+    "partials_config",
     "prefers_fused",
     "prefers_skinny",
     "rows_bucket",
@@ -315,7 +319,7 @@ def _qkv_epilogue_if_last(
         prologue_head_rows(
             out_ptr, stride_om, rows, row_ok, head, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
             v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, eps, NUM_HEADS, NUM_KV_HEADS,
-            HALF, HAS_NORM, KV_FP8,
+            HALF, HAS_NORM, KV_FP8, 0, 0,
         )  # fmt: skip
         tl.atomic_xchg(counter_ptr + head, 0)
 
@@ -457,22 +461,6 @@ def _sum_partials_if_last(
         tl.atomic_xchg(count_ptr, 0)
 
 
-@triton.jit
-def _sum_splits_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
-):
-    """out[m, n] = sum over s of part[s, m, n] (+ bias[n]), summed in split order; one program per BLOCK outputs."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 class SkinnyConfig(NamedTuple):
     """One skinny launch.
 
@@ -561,6 +549,24 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
     ("silu", 1024, 3072, 16): Fused(SkinnyConfig(16, 32, 128, 4, 4, 4), 17.46, 6.92),
     ("glu", 6144, 1024, 16): Fused(SkinnyConfig(16, 32, 256, 1, 4, 1, preload=True), 6.20, 7.83),
 }
+
+
+# Launch shapes for ``linear_partials`` where leaving the K splits unsummed pays a split the plain product does not
+# take, by (N, K, rows bucket), with their time and the plain entry's (us per call, same timing as TUNED_CONFIGS; H200,
+# BENCHMARKS.md, eleventh session). qkv at 16 rows: two 512-wide splits read before the launch wait, the attention
+# prologue summing them (``store_kv.norm_rope_store``'s head grid); at 64 rows no split measured faster (4.64-6.76
+# against 4.67).
+PARTIALS_CONFIGS: dict[tuple[int, int, int], Tuned] = {
+    (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 512, 2, 4, 1, preload=True), 3.70, 4.59),  # 0.6b qkv
+}
+
+
+def partials_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig:
+    """``linear_partials``' launch shape for (M, N, K): a faster ``PARTIALS_CONFIGS`` entry, else ``skinny_config``."""
+    entry = PARTIALS_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
+    if entry is not None and entry.skinny_us < entry.cublas_us:
+        return _fit_rows(entry.config, num_rows)
+    return skinny_config(num_rows, out_features, in_features)
 
 
 # The residual add + RMSNorm before a projection as a row scale at the end of its product (``late_norm``, no
@@ -949,16 +955,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_partials(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor | SplitPartials:
-    """``linear(x, weight, bias)`` for a projection whose output goes to a residual add + RMSNorm, except that where
-    the skinny kernel takes the product of x (T, K) with its K split (``skinny_config``'s split_k > 1) and there is
-    no bias, the float32 split partials are returned unsummed (``SplitPartials`` of (S, T, N)) for
-    ``fused_ops.fused_add_rmsnorm`` to sum in split order: the same values, with the split sum's arrival counter and
-    re-read off the projection's critical path. Measured on the H200 (CUDA-graph replays past L2, PDL; BENCHMARKS.md,
-    eleventh session), us per call with the in-kernel sum / partials left unsummed: Qwen3-0.6B o_proj at 16 rows
-    4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64 rows 6.19 / 4.02."""
+    """``linear(x, weight, bias)`` for a projection whose consumer sums split partials (the residual add + RMSNorm
+    after o_proj / down_proj, the attention prologue after qkv), except that where the skinny kernel takes the
+    product of x (T, K) with its K split (``partials_config``'s split_k > 1) and there is no bias, the float32 split
+    partials are returned unsummed (``SplitPartials`` of (S, T, N)) for that consumer to sum in split order: the
+    same values, with the split sum's arrival counter and re-read off the projection's critical path. Measured on
+    the H200 (CUDA-graph replays past L2, PDL; BENCHMARKS.md, eleventh session), us per call with the in-kernel sum
+    / partials left unsummed: Qwen3-0.6B o_proj at 16 rows 4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64
+    rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70)."""
     rows = x.shape[0]
     if bias is None and x.dim() == 2 and on_gpu(x) and prefers_skinny(rows, *weight.shape):
-        cfg = skinny_config(rows, *weight.shape)
+        cfg = partials_config(rows, *weight.shape)
         if cfg.split_k > 1 and x.stride(1) == 1 and weight.stride(1) == 1:
             return skinny_partials(x, weight, cfg)
     return linear(x, weight, bias)
@@ -976,21 +983,6 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig)
         cfg = _fit_rows(config, num_rows)._replace(fused_reduce=False)
         _launch_skinny(x, weight, None, part[0], cfg, False, part=part)
     return SplitPartials(part, x.dtype)
-
-
-def sum_split_partials(x: SplitPartials) -> torch.Tensor:
-    """The (M, N) output split partials x (S, M, N) stand for: summed in split order, rounded to x.dtype, by
-    ``_sum_splits_kernel`` (so the rounding is the kernels', also under the interpreter); for the consumers that
-    take no partials. Its reference: ``reference.split_partials_sum_ref``."""
-    parts = x.parts.contiguous()
-    split, num_rows, out_features = parts.shape
-    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=parts.device)
-    if out.numel():
-        block = 256
-        _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](
-            parts, out, out, num_rows, out_features, out.stride(0), HAS_BIAS=False, SPLIT=split, BLOCK=block
-        )
-    return out
 
 
 def silu_mul_linear(
@@ -1018,13 +1010,16 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep_partials: bool = False,
+) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
     """(linear(rmsnorm(x + residual), weight, bias), x + residual) for x, residual (T, K): a decoder layer's
     residual add, RMSNorm and the projection after it; residual None means rmsnorm(x) and x itself. Where
     ``prefers_fused`` picks the product (on a GPU), one skinny launch computes the norm as it loads its input;
     otherwise ``fused_ops.fused_add_rmsnorm`` (or ``rmsnorm``) then ``linear``. x may be the previous projection's
     split partials (``linear_partials``): the add + RMSNorm kernel sums them, or they are summed first where the
-    norm runs inside the projection."""
+    norm runs inside the projection. keep_partials: the caller's consumer sums split partials (a qkv projection's
+    attention prologue), so the unfused product is ``linear_partials``."""
+    product = linear_partials if keep_partials else linear
     if isinstance(x, SplitPartials) and (residual is None or _norm_prologue(x.parts[0], weight) is not None):
         x = sum_split_partials(x)
     cfg = None if isinstance(x, SplitPartials) else _norm_prologue(x, weight)
@@ -1033,9 +1028,9 @@ def norm_linear(
         return skinny_linear(x, weight, bias, cfg, norm=norm), new_residual
     if residual is None:
         value = x if isinstance(x, torch.Tensor) else sum_split_partials(x)  # (partials were summed above)
-        return linear(rmsnorm(value, norm_weight, eps), weight, bias), value
+        return product(rmsnorm(value, norm_weight, eps), weight, bias), value
     normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), new_residual
+    return product(normed, weight, bias), new_residual
 
 
 def _norm_prologue(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:

@@ -42,10 +42,12 @@ import triton.language as tl
 from fnvllm.kernels.attention import write_kv
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import (
+    SplitPartials,
     _check_rotary_args,
     _row_warps,
     norm_rope_heads,
     pdl_launch,
+    sum_split_partials,
     use_pdl,
     wait_for_previous_kernel,
 )
@@ -329,6 +331,19 @@ def _store_cache_rows(cache_ptr, scale_ptr, slot_ptr, rows, row_ok, kv_head, x1,
 
 
 @triton.jit
+def _qkv_values(src, mask, slab, NUM_PARTS: tl.constexpr, dtype: tl.constexpr):
+    """Float32 values of the qkv rows at src (0 where not mask): the 16-bit values, or with NUM_PARTS > 0 the sum
+    of NUM_PARTS float32 partial slabs slab elements apart, in split order from 0 and rounded to dtype, which is the
+    projection's own output (``skinny_gemm``'s in-kernel sum adds them to zeros in the same order)."""
+    if NUM_PARTS > 0:
+        acc = 0.0 + tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, NUM_PARTS):
+            acc += tl.load(src + s * slab, mask=mask, other=0.0, cache_modifier=".cg")
+        return acc.to(dtype).to(tl.float32)
+    return tl.load(src, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
 def prologue_head_rows(
     qkv_ptr,
     stride_t,
@@ -353,16 +368,19 @@ def prologue_head_rows(
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
+    slab,  # NUM_PARTS > 0: elements between two partial slabs (T x stride_t)
+    NUM_PARTS: tl.constexpr,
 ):
     """``norm_rope_store``'s work for one head of the qkv row layout and the tokens rows: a q head normed, rotated
     and written to q_out (T, Hq, D); a k head normed, rotated and stored at the tokens' slots; a v head stored.
-    The rows are read with ".cg" (from L2: in the qkv GEMM's epilogue other programs wrote them)."""
+    The rows are read with ".cg" (from L2: in the qkv GEMM's epilogue other programs wrote them). NUM_PARTS > 0:
+    qkv_ptr holds the projection's float32 split partials (NUM_PARTS slabs), summed here (``_qkv_values``)."""
     j = tl.arange(0, HALF)
     mask = row_ok[:, None]
     src = qkv_ptr + rows[:, None].to(tl.int64) * stride_t + head * (2 * HALF) + j[None, :]  # (R, HALF)
-    x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     dtype = q_out_ptr.dtype.element_ty
+    x1 = _qkv_values(src, mask, slab, NUM_PARTS, dtype)
+    x2 = _qkv_values(src + HALF, mask, slab, NUM_PARTS, dtype)
     if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: norm and rotary
         cos = tl.load(cos_ptr + rows[:, None].to(tl.int64) * stride_ct + j[None, :], mask=mask, other=0.0)
         sin = tl.load(sin_ptr + rows[:, None].to(tl.int64) * stride_st + j[None, :], mask=mask, other=0.0)
@@ -407,6 +425,7 @@ def _norm_rope_store_heads_kernel(
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,  # > 0: qkv_ptr holds that many float32 partial slabs of num_tokens x stride_t
 ):
     """Program (token block program_id(0), head program_id(1) of Hq + 2 Hkv): ``prologue_head_rows`` for that
     head of BLOCK_T tokens (the "head" grid: more, shorter programs than one per token)."""
@@ -415,7 +434,7 @@ def _norm_rope_store_heads_kernel(
     prologue_head_rows(
         qkv_ptr, stride_t, rows, rows < num_tokens, tl.program_id(1), q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, eps, NUM_HEADS,
-        NUM_KV_HEADS, HALF, HAS_NORM, KV_FP8,
+        NUM_KV_HEADS, HALF, HAS_NORM, KV_FP8, num_tokens * stride_t, NUM_PARTS,
     )  # fmt: skip
 
 
@@ -451,7 +470,7 @@ def resolve_grid(grid: str, num_tokens: int) -> str:
 
 
 def norm_rope_store(
-    qkv: torch.Tensor,
+    qkv: torch.Tensor | SplitPartials,
     num_heads: int,
     num_kv_heads: int,
     q_weight: torch.Tensor | None,
@@ -471,17 +490,26 @@ def norm_rope_store(
     dim); q_weight and k_weight are both (D,) or both None; cos/sin (T, D/2) float32; caches and scales as
     ``store_kv``'s. grid: "token" (one program per token), "head" (one per (token block, head)) or "auto"
     (``resolve_grid``); None: ``default_grid()``. All compute the same bits. Reads no device values (CUDA-graph
-    capturable)."""
-    num_tokens = qkv.shape[0]
+    capturable). qkv may be the projection's K-split float32 partials (``SplitPartials`` of (S, T, N), from
+    ``skinny_gemm.linear_partials``): the "head" grid sums them as it reads its rows, into the bits the projection
+    would have written; the "token" grid takes them summed first (``fused_ops.sum_split_partials``)."""
+    parts = None
+    num_tokens = qkv.parts.shape[1] if isinstance(qkv, SplitPartials) else qkv.shape[0]
+    use_heads = num_tokens > 0 and resolve_grid(default_grid() if grid is None else grid, num_tokens) == "head"
+    if isinstance(qkv, SplitPartials):
+        parts = qkv.parts.contiguous() if use_heads else None
+        qkv = (  # the heads grid reads the partials; an unwritten stand-in of their sum's shape serves the checks
+            parts.new_empty(parts.shape[1:], dtype=qkv.dtype) if parts is not None else sum_split_partials(qkv)
+        )
     head_dim = k_cache.shape[-1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # (T, Hq, D)
     check_prologue_args(qkv, num_heads, num_kv_heads, q_weight, k_weight, cos, sin, q, k_cache, v_cache,
                         slot_mapping, k_scale, v_scale)  # fmt: skip
     if num_tokens == 0:
         return q
-    if resolve_grid(default_grid() if grid is None else grid, num_tokens) == "head":
-        _launch_heads_grid(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin, q, k_cache, v_cache,
-                           slot_mapping, k_scale, v_scale)  # fmt: skip
+    if use_heads:
+        _launch_heads_grid(qkv if parts is None else parts, num_heads, num_kv_heads, q_weight, k_weight, eps, cos,
+                           sin, q, k_cache, v_cache, slot_mapping, k_scale, v_scale)  # fmt: skip
         return q
     fp8 = is_fp8(k_cache)
     _norm_rope_store_kernel[(num_tokens,)](
@@ -521,15 +549,17 @@ def _launch_heads_grid(
     v_scale: torch.Tensor | None,
 ) -> None:
     """``norm_rope_store``'s "head" grid: one program per (block of up to HEAD_GRID_TOKENS tokens, head of the
-    Hq + 2 Hkv), writing q in place and the caches (arguments checked by the caller)."""
-    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    Hq + 2 Hkv), writing q in place and the caches (arguments checked by the caller). qkv (T, N) 16-bit, or its
+    float32 split partials (S, T, N), contiguous."""
+    parts = qkv.shape[0] if qkv.dim() == 3 else 0
+    num_tokens, head_dim = qkv.shape[-2], k_cache.shape[-1]
     block_t = min(HEAD_GRID_TOKENS, int(triton.next_power_of_2(num_tokens)))
     fp8 = is_fp8(k_cache)
     _norm_rope_store_heads_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
         *_prologue_pointers(qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, k_scale, v_scale),
         eps,
         num_tokens,
-        qkv.stride(0),
+        qkv.stride(-2),
         cos.stride(0),
         sin.stride(0),
         NUM_HEADS=num_heads,
@@ -539,6 +569,7 @@ def _launch_heads_grid(
         HAS_NORM=q_weight is not None,
         KV_FP8=fp8,
         USE_PDL=use_pdl(qkv.device),
+        NUM_PARTS=parts,
         num_warps=_row_warps(block_t * head_dim),
         **pdl_launch(qkv.device),
     )

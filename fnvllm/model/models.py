@@ -75,22 +75,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor | SplitPartials:
         """hidden (T, hidden_size) -> (T, hidden_size), or its split partials (``_project_out``); writes this step's
         K/V (local heads) into kv_cache."""
-        return self.attend_projected(self.qkv_proj(hidden), rope, kv_cache, meta, backend)
+        qkv_proj, linear_partials = self.qkv_proj, self.ops.linear_partials
+        if linear_partials is not None and qkv_proj.weight_scale_inv is None and self.takes_qkv_partials():
+            return self.attend_projected(linear_partials(hidden, qkv_proj.weight, None), rope, kv_cache, meta, backend)
+        return self.attend_projected(qkv_proj(hidden), rope, kv_cache, meta, backend)
 
     def attend_projected(
         self,
-        qkv: torch.Tensor,
+        qkv: torch.Tensor | SplitPartials,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor | SplitPartials:
-        """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size)."""
-        num_tokens = qkv.shape[0]
+        """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size). qkv may be its
+        split partials (``takes_qkv_partials``): the fused prologue sums them."""
         fused = self.ops.norm_rope_store
         if fused is not None:  # q/k norms, rope and the K/V store in one kernel
             out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
-            return self._project_out(out.reshape(num_tokens, -1))
+            return self._project_out(out.reshape(out.shape[0], -1))
+        if not isinstance(qkv, torch.Tensor):  # SplitPartials: the split ops below take the summed rows
+            qkv = split_partials_sum_ref(qkv.parts, qkv.dtype)
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -116,7 +122,7 @@ class Attention(nn.Module):
     def _fused_prologue_attention(
         self,
         fused: Callable[..., torch.Tensor],
-        qkv: torch.Tensor,
+        qkv: torch.Tensor | SplitPartials,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
@@ -138,6 +144,13 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         return (self.num_heads, self.num_kv_heads, q_w, k_w, eps, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping,
                 kv_cache.k_scale, kv_cache.v_scale)  # fmt: skip
+
+    def takes_qkv_partials(self) -> bool:
+        """Whether ``attend_projected`` may take the qkv projection's split partials: the ops leave partials
+        (``linear_partials``) and fuse the attention prologue (``norm_rope_store`` sums them), and the projection
+        has no bias (a column-parallel qkv needs no all-reduce, so tensor parallelism keeps them)."""
+        ops = self.ops
+        return ops.linear_partials is not None and ops.norm_rope_store is not None and self.qkv_proj.bias is None
 
     def fuses_qkv_epilogue(self) -> bool:
         """Whether ``norm_forward`` applies: the ops have ``norm_linear_rope_store`` and the qkv weights are in
@@ -274,8 +287,9 @@ class DecoderLayer(nn.Module):
         where that projection's weights are in the model's dtype (FP8 weights and MoE blocks keep the norm op);
         with ``ops.norm_linear_rope_store`` the attention prologue runs in the qkv projection too. With
         ``ops.fp8_producers`` the norms and SiLU before FP8 projections write their inputs quantized at few tokens.
-        Split partials (``SplitPartials``): with ``ops.linear_partials`` the attention output may be o_proj's,
-        which the post-attention norm sums, and the block output of a layer but the last may be down_proj's (so
+        Split partials (``SplitPartials``): with ``ops.linear_partials`` the qkv projection's may go to the attention
+        prologue (``Attention.takes_qkv_partials``), the attention output may be o_proj's, which the post-attention
+        norm sums, and the block output of a layer but the last may be down_proj's (so
         may an FP8 down_proj's with ``sum_down_splits``), which the next layer's input norm sums (``norm_for``,
         ``norm_linear``, ``norm_mlp``)."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
@@ -283,8 +297,9 @@ class DecoderLayer(nn.Module):
         if attn.fuses_qkv_epilogue():  # norm, qkv, q/k norms, rotary, K/V store: ``ops.norm_linear_rope_store``
             hidden, residual = attn.norm_forward(hidden, residual, in_norm, rope, kv_cache, meta, backend)
         elif norm_linear is not None and attn.qkv_proj.weight_scale_inv is None:
-            qkv_proj = attn.qkv_proj
-            qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias)
+            qkv_proj, keep = attn.qkv_proj, attn.takes_qkv_partials()
+            qkv, residual = norm_linear(hidden, residual, in_norm.weight, in_norm.eps, qkv_proj.weight, qkv_proj.bias,
+                                        **({"keep_partials": True} if keep else {}))  # fmt: skip
             hidden = attn.attend_projected(qkv, rope, kv_cache, meta, backend)
         else:
             normed, residual = norm_for(in_norm, hidden, residual, attn.qkv_proj)
