@@ -959,7 +959,10 @@ def linear_partials(
     after o_proj / down_proj, the attention prologue after qkv), except that where the skinny kernel takes the
     product of x (T, K) with its K split (``partials_config``'s split_k > 1) and there is no bias, the float32 split
     partials are returned unsummed (``SplitPartials`` of (S, T, N)) for that consumer to sum in split order: the
-    same values, with the split sum's arrival counter and re-read off the projection's critical path. Measured on
+    values the same launch writes when it sums them itself, with the split sum's arrival counter and re-read off
+    the projection's critical path. (Where ``PARTIALS_CONFIGS`` picks a shape the plain product does not use, qkv
+    at 16 rows, the K split differs from ``linear``'s, so the result is rounded differently, as after any re-tuned
+    config.) Measured on
     the H200 (CUDA-graph replays past L2, PDL; BENCHMARKS.md, eleventh session), us per call with the in-kernel sum
     / partials left unsummed: Qwen3-0.6B o_proj at 16 rows 4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64
     rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70)."""
