@@ -289,9 +289,8 @@ class DecoderLayer(nn.Module):
         ``ops.fp8_producers`` the norms and SiLU before FP8 projections write their inputs quantized at few tokens.
         Split partials (``SplitPartials``): with ``ops.linear_partials`` the qkv projection's may go to the attention
         prologue (``Attention.takes_qkv_partials``), the attention output may be o_proj's, which the post-attention
-        norm sums, and the block output of a layer but the last may be down_proj's (so
-        may an FP8 down_proj's with ``sum_down_splits``), which the next layer's input norm sums (``norm_for``,
-        ``norm_linear``, ``norm_mlp``)."""
+        norm sums, and the block output of a layer but the last may be down_proj's (so may an FP8 down_proj's with
+        ``sum_down_splits``), which the next layer's input norm sums (``norm_for``, ``norm_linear``, ``norm_mlp``)."""
         norm_linear, attn, mlp = self.input_layernorm.ops.norm_linear, self.self_attn, self.mlp
         in_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if attn.fuses_qkv_epilogue():  # norm, qkv, q/k norms, rotary, K/V store: ``ops.norm_linear_rope_store``

@@ -66,9 +66,10 @@ class ModelOps:
     embedding is not split over ranks.
     linear_partials: o_proj's and down_proj's product when a residual add + RMSNorm follows it, ``(x, weight, None)
     -> y or SplitPartials`` (``skinny_gemm.linear_partials``: a K-split skinny product's float32 partials left for
-    that norm to sum), or None: ``linear``. Its ops' add_rmsnorm, norm_linear, norm_mlp and norm_linear_rope_store
-    take split partials as x, and its norm_mlp / silu_mul_linear a ``keep_partials`` flag. Used in one process
-    (no all-reduce), without a bias, for projections in the model's dtype.
+    that norm to sum), or None: ``linear``; also qkv's when the attention prologue is ``norm_rope_store``, which
+    sums them. Its ops' add_rmsnorm, norm_linear, norm_mlp, norm_rope_store and norm_linear_rope_store take split
+    partials as x, and its norm_linear / norm_mlp / silu_mul_linear a ``keep_partials`` flag. Used without a bias,
+    for projections in the model's dtype, and for o_proj / down_proj in one process only (no all-reduce).
     """
 
     name: str
