@@ -68,6 +68,7 @@ from fnvllm.kernels.fused_ops import (
     quantize_groups,
     rmsnorm_quant,
     silu_and_mul_quant,
+    sum_split_partials,
     use_pdl,
     wait_for_previous_kernel,
 )
@@ -1070,14 +1071,9 @@ def fp8_linear_partials(x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tenso
     return SplitPartials(fp8_gemm_swap_partials(x_q, x_scale, w, w_scale, cfg), dtype)
 
 
-def sum_partials(x: SplitPartials) -> torch.Tensor:
-    """The (M, N) output of split partials x (S, M, N) summed in split order, in x.dtype (``_sum_splits``' kernel,
-    as ``fp8_gemm_swap`` sums them)."""
-    parts, dtype = x
-    out = torch.empty(parts.shape[1:], dtype=dtype, device=parts.device)
-    if out.numel():
-        _sum_splits(parts, out)
-    return out
+# The (M, N) output of split partials x (S, M, N), summed in split order in x.dtype: the same kernel and order as
+# ``fp8_gemm_swap``'s own sum (``_sum_splits``), shared with the skinny GEMM's partials.
+sum_partials = sum_split_partials
 
 
 def _check_gemm_args(

@@ -76,7 +76,7 @@ class Attention(nn.Module):
         """hidden (T, hidden_size) -> (T, hidden_size), or its split partials (``_project_out``); writes this step's
         K/V (local heads) into kv_cache."""
         qkv_proj, linear_partials = self.qkv_proj, self.ops.linear_partials
-        if linear_partials is not None and qkv_proj.weight_scale_inv is None and self.takes_qkv_partials():
+        if linear_partials is not None and self.takes_qkv_partials():
             return self.attend_projected(linear_partials(hidden, qkv_proj.weight, None), rope, kv_cache, meta, backend)
         return self.attend_projected(qkv_proj(hidden), rope, kv_cache, meta, backend)
 
@@ -89,13 +89,13 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor | SplitPartials:
         """``forward`` from the qkv projection's output (T, (Hq + 2 Hkv) * D) on: -> (T, hidden_size). qkv may be its
-        split partials (``takes_qkv_partials``): the fused prologue sums them."""
+        split partials where ``takes_qkv_partials`` (the fused prologue sums them)."""
         fused = self.ops.norm_rope_store
         if fused is not None:  # q/k norms, rope and the K/V store in one kernel
             out = self._fused_prologue_attention(fused, qkv, rope, KVCache(*kv_cache), meta, backend)
             return self._project_out(out.reshape(out.shape[0], -1))
-        if not isinstance(qkv, torch.Tensor):  # SplitPartials: the split ops below take the summed rows
-            qkv = split_partials_sum_ref(qkv.parts, qkv.dtype)
+        if not isinstance(qkv, torch.Tensor):
+            raise TypeError("qkv split partials need ops.norm_rope_store to sum them (see takes_qkv_partials)")
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
@@ -148,9 +148,11 @@ class Attention(nn.Module):
     def takes_qkv_partials(self) -> bool:
         """Whether ``attend_projected`` may take the qkv projection's split partials: the ops leave partials
         (``linear_partials``) and fuse the attention prologue (``norm_rope_store`` sums them), and the projection
-        has no bias (a column-parallel qkv needs no all-reduce, so tensor parallelism keeps them)."""
-        ops = self.ops
-        return ops.linear_partials is not None and ops.norm_rope_store is not None and self.qkv_proj.bias is None
+        is in the model's dtype with no bias (a column-parallel qkv needs no all-reduce, so tensor parallelism
+        keeps them)."""
+        ops, proj = self.ops, self.qkv_proj
+        fused = ops.linear_partials is not None and ops.norm_rope_store is not None
+        return fused and proj.bias is None and proj.weight_scale_inv is None
 
     def fuses_qkv_epilogue(self) -> bool:
         """Whether ``norm_forward`` applies: the ops have ``norm_linear_rope_store`` and the qkv weights are in
