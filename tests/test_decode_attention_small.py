@@ -67,12 +67,15 @@ def test_short_graph_widths_name_the_buckets_of_the_short_entries() -> None:
     assert capture_key(buckets, {}, full, 256, 1, lambda: 1 / 0) == (1, full)
 
 
-def test_decode_under_the_shipped_short_entry_matches_reference() -> None:
-    """Twelve sequences in tables of SHORT_CONTEXT tokens run the shipped short entry (one partition, first tile
-    read before the launch wait, merged in-kernel) and match the float32 reference, padding rows zero."""
-    lengths = [1, 16, 33, 0, 64, 47, 100, 5, 9, 77, 128, 2]
+@pytest.mark.parametrize("num_seqs", [12, 56], ids=["9-16-rows", "49-64-rows"])
+def test_decode_under_the_shipped_short_entry_matches_reference(num_seqs: int) -> None:
+    """Sequences in tables of SHORT_CONTEXT tokens run the shipped short entry of their batch size (one
+    partition, first tile read before the launch wait, merged in-kernel) and match the float32 reference, padding
+    rows zero."""
+    lengths = ([1, 16, 33, 0, 64, 47, 100, 5, 9, 77, 128, 2] * 5)[:num_seqs]
     width = decode_attention.SHORT_CONTEXT // 64  # blocks of 64 tokens
-    assert decode_attention.small_batch_config(len(lengths), width * 64, False) is not None
+    short = decode_attention.short_table_config(num_seqs, width * 64, False)
+    assert short is not None and short == decode_attention.small_batch_config(num_seqs, width * 64, False)
     out, ref = run_decode(lengths, 4, 2, 64, torch.bfloat16, width=width)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     assert torch.all(out[3] == 0)

@@ -229,11 +229,20 @@ SMALL_BATCH_DECODE_FP8: dict[int, DecodeKernelConfig | None] = {
 # with such tables). By (fewest, most) sequences: the entry for 9-16 is the best of sweep_small.py's 20 knob sets at
 # 16 sequences of contexts U(100, 384) (BENCHMARKS.md, fifth session: one partition, 64-token tiles, merged
 # in-kernel, first tile read before the launch wait): 9.76 us against 12.32 for SMALL_BATCH_DECODE's entry (which
-# keeps the long tables: 16.33 us at U(100, 1024) against 19.48 for this one). 16-bit caches only.
+# keeps the long tables: 16.33 us at U(100, 1024) against 19.48 for this one). The entry for 49-64 takes 32-token
+# tiles, so that a program holds 37 KiB of shared memory instead of 70 and the batch's 392-512 (sequence, KV head)
+# programs fit the GPU at once (4 an SM, where 64-token tiles fit 3: 396 programs, so 64 rows ran 1.3 waves);
+# measured on the H200 (BENCHMARKS.md, twelfth session; 512-token tables, us per launch, the 64-row entry of
+# SMALL_BATCH_DECODE -> this one): 64 sequences at U(228, 256) 22.41 -> 19.28, U(356, 384) 31.07 -> 27.59,
+# U(100, 384) 24.04 -> 21.94; at 48 sequences (384 programs, one wave either way) it lost (15.66 -> 16.40), and at
+# 32 it won alone (13.70 -> 11.82) but not in the whole step (1.364-1.368 -> 1.381 device ms). 16-bit caches only.
 SHORT_CONTEXT = 512
 SMALL_BATCH_DECODE_SHORT: dict[tuple[int, int], DecodeKernelConfig] = {
     (9, 16): DecodeKernelConfig(
         partition_size=SHORT_CONTEXT, tile_size=64, num_warps=4, num_stages=3, fused_reduce=True, preload_kv=True
+    ),
+    (49, 64): DecodeKernelConfig(
+        partition_size=SHORT_CONTEXT, tile_size=32, num_warps=4, num_stages=3, fused_reduce=True, preload_kv=True
     ),
 }
 
