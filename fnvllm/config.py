@@ -27,6 +27,7 @@ MAX_BATCHED_TOKENS = 1 << 24
 MAX_TENSOR_PARALLEL = 1024
 MAX_CPU_KV_CACHE_GIB = 1 << 20
 MAX_MIXED_GRAPH_TOKENS = 4096  # captured mixed-step buckets grow memory and start-up time with this
+MAX_DECODE_STEPS = 64  # decode steps one plan may cover (EngineConfig.num_decode_steps)
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float", "fp32", "bf16", "half", "fp16")
 
@@ -78,6 +79,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "enforce_eager": lambda value: check_bool(value, "EngineConfig.enforce_eager", CONFIG),
     "mixed_graph_tokens": _int("mixed_graph_tokens", 0, MAX_MIXED_GRAPH_TOKENS),
     "overlap_steps": lambda value: check_bool(value, "EngineConfig.overlap_steps", CONFIG),
+    "num_decode_steps": _int("num_decode_steps", 1, MAX_DECODE_STEPS),
     "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
     "kv_cache_dtype": _choice("kv_cache_dtype", "auto", "fp8"),
     "tensor_parallel_size": _int("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL),
@@ -118,6 +120,9 @@ class EngineConfig:
         (a served Poisson load makes many of them); the Triton attention backend only (``executor.mixed_graphs``).
     overlap_steps: on a GPU, plan and launch each decode step while the previous one still runs, feeding it the
         previous step's tokens on the device (``fnvllm.state.overlap``); False runs one step at a time.
+    num_decode_steps: plan up to this many decode steps at once, in [1, 64], where every running request decodes
+        and nothing waits (``fnvllm.state.multistep``): the host schedules and commits once per plan while the
+        device runs the steps back to back; 1 (the default) plans one step at a time.
     model_ops: implementation of the small fused ops (norms, rotary, SiLU-and-mul): "torch", "compile"
         (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
     kv_cache_dtype: KV cache storage: "auto" = the model's dtype; "fp8" = float8_e4m3fn with a float32 scale per
@@ -149,6 +154,7 @@ class EngineConfig:
     enforce_eager: bool = False
     mixed_graph_tokens: int = 2048
     overlap_steps: bool = True
+    num_decode_steps: int = 1
     model_ops: str = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
     tensor_parallel_size: int = 1

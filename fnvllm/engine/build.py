@@ -117,7 +117,7 @@ def build_engine(
     if loaded is not None:  # grammar-constrained requests need the tokenizer's vocabulary (structured.py)
         local = executor.local if isinstance(executor, TensorParallelExecutor) else executor
         local.grammars = Grammars(loaded, model_config.vocab_size, core.eos_token_ids)
-    loop = EngineLoop(Engine(executor, core), on_step=on_step)
+    loop = EngineLoop(Engine(executor, core), on_step=on_step, decode_steps=config.num_decode_steps)
     _freeze_startup_heap()
     return EngineParts(config, model_path, model_config, loaded, executor, loop)
 

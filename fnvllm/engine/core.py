@@ -25,6 +25,7 @@ from fnvllm.executor.base import (
     OverlapExecutor,
     PromptLogprobs,
     TokenLogprobs,
+    execute_steps,
     supports_overlap,
 )
 from fnvllm.executor.logprob_rows import RequestLogprobs, StepLogprobs
@@ -73,14 +74,18 @@ class Engine:
         The plan is checked against ``state`` before the executor sees it: a stale or foreign plan raises
         PlanMismatchError with the executor untouched, so the correct retry still works. If the executor's
         tokens are then rejected by ``commit`` (an id outside the vocabulary), the executor has run the step:
-        ``restore(state)`` brings the two back in step (``EngineLoop`` does this itself)."""
+        ``restore(state)`` brings the two back in step (``EngineLoop`` does this itself). A plan of several decode
+        steps (``fnvllm.state.multistep``) runs them back to back (``execute_steps``)."""
         self.check_plan(state, plan)
-        return self._commit(state, plan, self.executor.execute(plan))
+        return self._commit(state, plan, execute_steps(self.executor, plan))
 
     def launch(self, state: EngineState, plan: StepPlan, fed_by: object | None = None) -> object:
         """Check ``plan`` against ``state`` (as ``step`` does) and start it on an overlapping executor without
-        waiting; ``collect`` commits it. ``fed_by``: see ``OverlapExecutor.launch``."""
+        waiting; ``collect`` commits it. ``fed_by``: see ``OverlapExecutor.launch``. A plan of several decode steps
+        runs with ``step`` (PlanMismatchError here)."""
         self.check_plan(state, plan)
+        if plan.num_steps > 1:
+            raise PlanMismatchError(f"plan {plan.step} covers {plan.num_steps} decode steps: run it with Engine.step")
         return self._overlapping.launch(plan, fed_by)
 
     def collect(

@@ -56,6 +56,7 @@ from fnvllm.state import (
     finish,
     schedule,
 )
+from fnvllm.state.multistep import check_max_steps, decode_steps, schedule_steps
 from fnvllm.state.overlap import Folded, Speculation, reconcile, speculate
 from fnvllm.state.state import add_requests
 
@@ -107,6 +108,10 @@ class EngineLoop:
         (step ``plan.step`` committed, the next one planned: ``pending_step`` is set).
     overlap: overlap steps when the executor supports it (``supports_overlap``); False always steps plainly.
     clock: the time source of the per-request metrics (``time.perf_counter``).
+    decode_steps: plan up to this many decode steps at once where every running request decodes and nothing
+        waits (``fnvllm.state.multistep``): the host schedules, commits and routes once per plan, and the device
+        runs the sub-steps back to back. Such a plan runs as a plain step (not overlapped with the next plan);
+        1 (the default) plans one step at a time.
     While a step is in flight, ``state`` is the state waiting for it to be committed: requests may be added and
     aborted as at any other time, from a tracker's ``on_delta`` or the ``on_step`` hook too.
 
@@ -122,8 +127,10 @@ class EngineLoop:
         on_step: StepHook | None = None,
         overlap: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        decode_steps: int = 1,
     ) -> None:
         self.engine = engine
+        self.decode_steps = check_max_steps(decode_steps)
         self.state = engine.initial_state() if state is None else state
         self.processor = OutputProcessor(clock)
         self.stats = EngineStats()
@@ -195,14 +202,23 @@ class EngineLoop:
         request stays queued and will be recomputed) and re-raises. If user code raises (a tracker's
         ``on_delta``, the ``on_step`` hook), the step completes and the first such exception is raised."""
         errors: list[BaseException] = []
-        out = self._step_overlapped(errors) if self.overlap else self._step_plain(errors)
+        overlapped = self.overlap and (self._flight is not None or not self._plans_steps(self.state))
+        out = self._step_overlapped(errors) if overlapped else self._step_plain(errors)
         if errors:
             raise errors[0]
         return out
 
+    def _plans_steps(self, state: EngineState) -> bool:
+        """Whether the next plan from ``state`` (no plan pending) covers several decode steps."""
+        return self.decode_steps > 1 and decode_steps(state, self.decode_steps) > 1
+
+    def _schedule(self, state: EngineState) -> tuple[EngineState, StepPlan]:
+        """The next plan: ``schedule``, or ``schedule_steps`` with ``decode_steps`` > 1."""
+        return schedule_steps(state, self.decode_steps) if self.decode_steps > 1 else schedule(state)
+
     def _step_plain(self, errors: list[BaseException]) -> EngineOutput:
         before = self.state
-        state, plan = schedule(before)
+        state, plan = self._schedule(before)
         try:
             state, out = self.engine.step(state, plan)
         except BaseException:
@@ -217,8 +233,8 @@ class EngineLoop:
         self._flight = None
         pending = self.state
         speculative, folded = None, None
-        try:
-            spec = speculate(pending, flight.plan)
+        try:  # a batch that may take a multi-step plan next is not speculated: that plan runs plainly
+            spec = None if self._may_plan_steps(pending, flight.plan) else speculate(pending, flight.plan)
             if spec is not None:
                 speculative = self.engine.launch(spec.state, spec.plan, fed_by=flight.launched)
                 state, out, folded = self.engine.collect_folded(
@@ -239,6 +255,14 @@ class EngineLoop:
         self._run_user_code(committed, flight.plan, out, outbox, errors)
         return out
 
+    def _may_plan_steps(self, pending: EngineState, plan: StepPlan) -> bool:
+        """Whether the plan after ``plan`` (pending in ``pending``) may cover several decode steps: with
+        ``decode_steps`` > 1, nothing waits and every row of ``plan`` decodes. Checked before its tokens are known,
+        so it may say yes for a plan that turns out one step long (e.g. a row reaches its limit)."""
+        if self.decode_steps == 1 or pending.waiting or plan.num_admitted:
+            return False
+        return all(len(tokens) == 1 for tokens in plan.input_tokens) and all(plan.sample)
+
     def _adopt_folded(
         self, pending: EngineState, flight: _Flight, folded: Folded, out: EngineOutput, spec: Speculation, run: object
     ) -> tuple[EngineState, Outbox]:
@@ -247,7 +271,7 @@ class EngineLoop:
         planned) is the loop's. Otherwise commit as usual, end the same requests, and reconcile. Returns the state
         the step hook sees and the deltas to deliver."""
         routed, outbox = self.processor.process(folded.state, out)
-        self._count(flight.plan, flight.cached)
+        self._count(flight.plan, flight.cached, len(out.output.new_tokens))
         if routed is folded.state:
             self.state = routed
             self._prune_grammars()
@@ -308,7 +332,7 @@ class EngineLoop:
             raise PlanMismatchError("a step is in flight: call drain() before running steps by hand")
         if plan.step != current.step:
             raise PlanMismatchError(f"plan.step is {plan.step} but the loop's state plans step {current.step} next")
-        if state.pending_step is not None or state.step != plan.step + 1:
+        if state.pending_step is not None or state.step != plan.step + plan.num_steps:
             raise PlanMismatchError(f"state is not step {plan.step} committed (engine.step returns that state)")
 
     def restore(self, state: EngineState | None = None) -> None:
@@ -331,7 +355,7 @@ class EngineLoop:
         """Make the committed step the loop's state (stop strings applied) and count it; returns the deltas to
         deliver. Runs no user code."""
         self.state, outbox = self.processor.process(state, out)
-        self._count(plan, cached)
+        self._count(plan, cached, len(out.output.new_tokens))
         self._prune_grammars()
         return outbox
 
@@ -392,11 +416,12 @@ class EngineLoop:
         self.processor.note_cached(cached)
         return sum(cached.values())
 
-    def _count(self, plan: StepPlan, cached: int) -> None:
+    def _count(self, plan: StepPlan, cached: int, num_tokens: int) -> None:
+        """Add a committed plan (all its sub-steps) and the ``num_tokens`` tokens it gave its requests."""
         s = self.stats
         self.stats = EngineStats(
-            s.num_steps + 1,
+            s.num_steps + plan.num_steps,
             s.num_preemptions + len(plan.preempted),
             s.num_cached_tokens + cached,
-            s.num_generated_tokens + plan.num_samples,
+            s.num_generated_tokens + num_tokens,
         )

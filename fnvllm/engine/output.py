@@ -269,16 +269,19 @@ class OutputProcessor:
             if tracker is not None:
                 tracker.add_prompt_logprobs(scored)
         shared, lookup = _logprob_routes(out.logprobs)
-        for rid, token in zip(out.output.seq_ids, out.output.new_tokens, strict=True):
+        # A multi-step plan's output lists a request once per token it kept: a finished one closes at its last.
+        last = {rid: i for i, rid in enumerate(out.output.seq_ids) if rid in finished} if finished else {}
+        for i, (rid, token) in enumerate(zip(out.output.seq_ids, out.output.new_tokens, strict=True)):
             tracker = self.trackers.get(rid)
             if tracker is None:
                 continue  # driven by hand, not tracked
             text = tracker.add_token(token, shared if lookup is None else lookup(rid), now)
-            if tracker.finish_reason == "stop" and rid not in finished:
+            stopped = tracker.finish_reason == "stop"
+            if stopped and rid not in finished:
                 state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
                 finished[rid] = "stop"
-            if rid in finished:
-                text += tracker.close(finished[rid], now)
+            if stopped or (rid in finished and last.get(rid, i) == i):
+                text += tracker.close(finished[rid] if last.get(rid, i) == i else "stop", now)
                 del self.trackers[rid]
             if tracker.on_delta is not discard_delta:  # no delta is built for a caller that drops them
                 outbox.append((tracker, tracker.delta(text, (token,))))

@@ -8,6 +8,7 @@ from typing import Protocol
 import attrs
 
 from fnvllm.state import StepPlan
+from fnvllm.state.multistep import substep, substep_inputs
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -104,3 +105,35 @@ def check_step(expected: int, plan: StepPlan) -> None:
         raise StalePlanError(
             f"executor expected plan.step {expected}, got {plan.step} (a stale, repeated or skipped plan)"
         )
+
+
+def execute_steps(executor: Executor, plan: StepPlan) -> ExecuteResult:
+    """Run ``plan``, however many decode steps it covers: a one-step plan is ``executor.execute(plan)``; a
+    multi-step plan (``fnvllm.state.multistep``) runs sub-step by sub-step (``substep``), each fed the tokens the
+    one before sampled, through ``launch(..., fed_by=...)`` on an executor that overlaps (the tokens stay on the
+    device, at most two sub-steps in flight) or from the host otherwise. Returns every sub-step's tokens,
+    sub-step-major, as ``commit`` takes them (multi-step plans carry no logprob rows)."""
+    if plan.num_steps == 1:
+        return executor.execute(plan)
+    if supports_overlap(executor):
+        return _launch_steps(executor, plan)  # type: ignore[arg-type]
+    tokens: list[int] = []
+    inputs = plan.input_tokens
+    for index in range(plan.num_steps):
+        result = executor.execute(substep(plan, index, inputs))
+        tokens += result.token_ids
+        inputs = substep_inputs(result.token_ids, 0, plan.num_seqs)
+    return ExecuteResult(tuple(tokens))
+
+
+def _launch_steps(executor: OverlapExecutor, plan: StepPlan) -> ExecuteResult:
+    """``execute_steps`` on an overlapping executor: sub-step j + 1 is launched fed by sub-step j before j is
+    collected, so the device runs them back to back while the host collects."""
+    launched = executor.launch(substep(plan, 0))
+    tokens: list[int] = []
+    for index in range(1, plan.num_steps):
+        following = executor.launch(substep(plan, index), fed_by=launched)
+        tokens += executor.collect(launched).token_ids
+        launched = following
+    tokens += executor.collect(launched).token_ids
+    return ExecuteResult(tuple(tokens))

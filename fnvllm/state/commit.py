@@ -295,6 +295,55 @@ def _commit_rows(fold: _Fold, tokens: Sequence[int]) -> tuple[RunningRows, list[
     return rows.with_progress(*map(tuple, columns)), sampled_ids, sampled
 
 
+def _commit_steps(fold: _Fold, tokens: Sequence[int]) -> tuple[RunningRows, list[str], list[int]]:
+    """A multi-step plan (``fnvllm.state.multistep``): sub-step by sub-step, each live row takes its token as
+    ``_fold_row`` would in a one-step plan, until one stops it; its later tokens are dropped. ``tokens`` are
+    sub-step-major. Returns the new rows and the kept sampled ids and tokens, in sub-step order."""
+    plan, rows = fold.plan, fold.rows
+    num_rows = plan.num_seqs
+    index_of = {rid: i for i, rid in enumerate(rows.ids)}
+    live = [(row, index_of[rid]) for row, rid in enumerate(plan.seq_ids) if rid in index_of]  # not aborted
+    columns: list[list[Any]] = [
+        list(column)
+        for column in (rows.num_computed, rows.num_tokens, rows.output_chunks, rows.output_tails, rows.chain_hashes)
+    ]
+    sampled_ids: list[str] = []
+    sampled: list[int] = []
+    for j in range(plan.num_steps):
+        going = []
+        for row, at in live:
+            token = tokens[j * num_rows + row]
+            sampled_ids.append(plan.seq_ids[row])
+            sampled.append(token)
+            ended = len(fold.finished)
+            current = (column[at] for column in columns[1:])
+            values = _fold_token(fold, at, plan.start_positions[row] + j, token, *current)
+            for column, value in zip(columns, values, strict=True):
+                column[at] = value
+            if len(fold.finished) == ended:
+                going.append((row, at))
+        live = going
+    return rows.with_progress(*map(tuple, columns)), sampled_ids, sampled
+
+
+def _fold_token(
+    fold: _Fold, index: int, start: int, token: int, total: int, chunks: Chunks, tail: Tokens, chain: Tokens
+) -> tuple[Any, ...]:
+    """Running row ``index``, ``total`` tokens long, computed position ``start`` and sampled ``token`` (one
+    sub-step of a multi-step plan), from its current chunks, tail and chain. Returns its new (num_computed,
+    num_tokens, chunks, tail, chain), recording it as finished when the token ends it (as ``_fold_row``)."""
+    end = start + 1
+    if end // fold.period != start // fold.period:  # ``_Fold.advance``, from the row's current columns
+        if end // fold.bs != start // fold.bs:
+            chain = fold.register_full_blocks(index, start, end, chunks, tail, chain)
+        chunks, tail = compact(chunks, tail), ()
+    total += 1
+    tail += (token,)
+    if token in fold.state.stop_token_union or total == fold.rows.token_limits[index]:
+        fold.check_stop(index, token, total, chunks, tail)
+    return end, total, chunks, tail, chain
+
+
 def _decode_prefix(state: EngineState, rows: RunningRows) -> DecodePrefix:
     """The leading plain decodes, found one row at a time (after the general path)."""
     inputs, block_due, remaining, phases = [], [], [], bytearray()
@@ -311,7 +360,9 @@ def _decode_prefix(state: EngineState, rows: RunningRows) -> DecodePrefix:
 
 
 def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[EngineState, StepOutput]:
-    """Apply the executed ``plan`` with its ``sampled`` tokens (one per sequence with sample=True, in order).
+    """Apply the executed ``plan`` with its ``sampled`` tokens (one per sequence with sample=True, in order; for a
+    multi-step plan, ``plan.num_steps`` such rounds one after another, and a row's tokens after one that stops it
+    are dropped: ``fnvllm.state.multistep``).
 
     Returns the new state and the step's output; mutates nothing. Raises PlanMismatchError for a stale plan, a
     wrong number of tokens, or a token that is not an int in [0, vocab_size), leaving the state unchanged.
@@ -321,10 +372,14 @@ def commit(state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[
     _check_rows(state, plan)
     tokens = _as_ints(sampled, state.config.vocab_size)
     fold = _Fold(state, plan)
-    if plan.seq_ids is state.running or plan.seq_ids == state.running:
+    sampled_ids: Sequence[str]
+    if plan.num_steps > 1:
+        rows, sampled_ids, tokens = _commit_steps(fold, tokens)
+        decode = _decode_prefix(state, rows)
+    elif plan.seq_ids is state.running or plan.seq_ids == state.running:
         rows, decode = _commit_running(fold, tokens)
         all_sample = len(tokens) == len(plan.seq_ids)
-        sampled_ids: Sequence[str] = plan.seq_ids if all_sample else tuple(compress(plan.seq_ids, plan.sample))
+        sampled_ids = plan.seq_ids if all_sample else tuple(compress(plan.seq_ids, plan.sample))
     else:
         rows, sampled_ids, tokens = _commit_rows(fold, tokens)
         decode = _decode_prefix(state, rows)

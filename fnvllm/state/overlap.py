@@ -127,9 +127,10 @@ def _feedable(plan: StepPlan, fed: tuple[bool, ...]) -> bool:
 
 def speculate(state: EngineState, plan: StepPlan) -> Speculation | None:
     """Plan the step after ``plan`` (pending in ``state``) before its tokens are known, or None when that plan
-    could not be fed from ``plan``'s sampled ids on the device (see ``can_feed``)."""
+    could not be fed from ``plan``'s sampled ids on the device (see ``can_feed``), or when ``plan`` covers several
+    decode steps (``fnvllm.state.multistep``: its sub-steps are already fed on the device)."""
     placeholder = placeholder_token(state)
-    if placeholder is None:
+    if placeholder is None or plan.num_steps > 1:
         return None
     guessed, output = commit(state, plan, (placeholder,) * plan.num_samples)
     pending, next_plan = schedule(guessed)

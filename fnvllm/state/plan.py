@@ -55,6 +55,11 @@ class StepPlan:
         that the same id named in the previous step.
     slots: each row's slot (``EngineState.slots``): the index of its per-request state on the device. An admitted
         row's slot may have belonged to a request that left; the executor resets what it keeps there.
+    num_steps: decode steps this plan covers (``fnvllm.state.multistep``). Above 1, every row is a decode that
+        feeds its one token at sub-step 0 and, at sub-step j, the token it sampled at sub-step j - 1 (fed on the
+        device), at position start + j; block tables cover all of them; the executor returns num_steps tokens per
+        row, sub-step by sub-step (``substep`` gives each sub-step as a one-step plan). The plan takes the step
+        numbers step .. step + num_steps - 1.
     """
 
     step: int
@@ -70,6 +75,7 @@ class StepPlan:
     preempted: tuple[str, ...] = ()
     num_admitted: int = 0
     slots: tuple[int, ...] = ()
+    num_steps: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -78,13 +84,15 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens fed this step, all sequences together (bounded by max_num_batched_tokens)."""
+        """Tokens fed this step (each sub-step of a multi-step plan), all sequences together (bounded by
+        max_num_batched_tokens)."""
         return sum(len(t) for t in self.input_tokens)
 
     @property
     def num_samples(self) -> int:
-        """Number of tokens the executor must return: one per sequence with sample=True."""
-        return self.sample.count(True)  # C-level identity compares; sum() would add the bools one by one
+        """Number of tokens the executor must return: one per sequence with sample=True, per sub-step."""
+        # C-level identity compares; sum() would add the bools one by one
+        return self.sample.count(True) * self.num_steps
 
     @property
     def is_empty(self) -> bool:
@@ -105,10 +113,10 @@ class StepPlan:
         return dict(zip(self.seq_ids[k:], self.start_positions[k:], strict=True))
 
     def write_blocks(self) -> tuple[tuple[int, ...], ...]:
-        """Per sequence, the block ids whose KV slots this step (re)writes."""
-        bs = self.block_size
+        """Per sequence, the block ids whose KV slots this step (all its sub-steps) (re)writes."""
+        bs, extra = self.block_size, self.num_steps - 1
         return tuple(
-            table[start // bs : (start + len(tokens) - 1) // bs + 1]
+            table[start // bs : (start + len(tokens) + extra - 1) // bs + 1]
             for tokens, start, table in zip(self.input_tokens, self.start_positions, self.block_tables, strict=True)
         )
 

@@ -143,7 +143,8 @@ class StepOutput:
     """What one commit produced, columnar like the plan.
 
     step: the committed plan's step.
-    seq_ids / new_tokens: each sequence that received a token this step and that token, aligned.
+    seq_ids / new_tokens: each sequence that received a token this step and that token, aligned (a multi-step
+        plan's commit lists them sub-step by sub-step, so a sequence appears once per token it kept).
     finished: requests that finished this step (their full output and why).
     """
 

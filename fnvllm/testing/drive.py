@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
-from fnvllm.executor.base import Executor
+from fnvllm.executor.base import Executor, execute_steps
 from fnvllm.state.commit import commit
 from fnvllm.state.config import CoreConfig
+from fnvllm.state.multistep import check_max_steps, schedule_steps
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import StepPlan
 from fnvllm.state.policy import FCFS, Policy
@@ -95,9 +96,10 @@ def run_to_completion(
     policy: Policy = FCFS,
     max_steps: int = 100_000,
     on_step: StepHook | None = None,
+    max_decode_steps: int = 1,
 ) -> RunResult:
     """Run ``requests`` on a fresh engine until every one has finished; see ``drive``."""
-    return drive(initial_state(config, policy), requests, executor, max_steps, on_step)
+    return drive(initial_state(config, policy), requests, executor, max_steps, on_step, max_decode_steps)
 
 
 def drive(
@@ -106,13 +108,17 @@ def drive(
     executor: Executor,
     max_steps: int = 100_000,
     on_step: StepHook | None = None,
+    max_decode_steps: int = 1,
 ) -> RunResult:
     """Continue from ``state``: add ``requests`` (each once ``arrival_step`` steps of this call have run; ties in
     the given order), then schedule / execute / commit until nothing is left. ``on_step(state, plan, output)``
     sees each committed step. ``state`` must have no plan pending; the executor must expect ``state.step`` next.
+    ``max_decode_steps`` > 1 plans up to that many decode steps at once where it can (``schedule_steps``; the
+    executor runs them with ``execute_steps``); ``max_steps`` and arrivals count plans either way.
 
     Raises StepLimitError after ``max_steps`` steps, and whatever ``add_request`` raises for an invalid request.
     """
+    check_max_steps(max_decode_steps)
     pending = sorted(requests, key=lambda spec: spec.arrival_step)  # stable: ties keep the given order
     finished: dict[str, FinishedRequest] = {}
     num_steps = num_preemptions = num_hits = 0
@@ -122,8 +128,8 @@ def drive(
             break
         if num_steps >= max_steps:
             raise StepLimitError(f"{len(state.requests)} requests unfinished after max_steps={max_steps} steps")
-        state, plan = schedule(state)
-        state, output = commit(state, plan, executor.execute(plan).token_ids)
+        state, plan = schedule_steps(state, max_decode_steps) if max_decode_steps > 1 else schedule(state)
+        state, output = commit(state, plan, execute_steps(executor, plan).token_ids)
         finished.update((f.request_id, f) for f in output.finished)
         num_steps += 1
         num_preemptions += len(plan.preempted)
