@@ -26,6 +26,7 @@ from fnvllm.state._pmap import PMap
 from fnvllm.state.commit import compaction_period
 from fnvllm.state.config import CoreConfig
 from fnvllm.state.hashing import chain_hashes
+from fnvllm.state.multistep import substep, substep_inputs
 from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import StepPlan, TokenHistory
 from fnvllm.state.policy import Policy
@@ -147,8 +148,10 @@ def check_queues(state: EngineState) -> None:
 
 
 def check_lengths(state: EngineState) -> None:
-    """num_tokens matches prompt + output; computed KV fits the table; no table holds more than it can use."""
+    """num_tokens matches prompt + output; computed KV fits the table; no table holds more than it can use (a
+    pending plan of K decode steps holds blocks for K - 1 tokens more: ``fnvllm.state.multistep``)."""
     bs = state.config.block_size
+    ahead = 0 if state.pending_step is None else state.step - state.pending_step - 1
     for rid in state.requests:
         n = len(seq_tokens(state, rid))
         if state.num_tokens[rid] != n:
@@ -156,7 +159,7 @@ def check_lengths(state: EngineState) -> None:
         table, computed = state.block_tables.get(rid, ()), state.num_computed.get(rid, 0)
         if not computed <= len(table) * bs or computed > n:
             fail(f"lengths: {rid!r} computed {computed} of {n} tokens with {len(table)} blocks of {bs}")
-        if len(table) > -(-n // bs):
+        if len(table) > -(-(n + ahead) // bs):
             fail(f"lengths: {rid!r} holds {len(table)} blocks for {n} tokens (block size {bs})")
 
 
@@ -332,13 +335,19 @@ def _check_persistent_maps(state: EngineState) -> None:
             fail(f"derived: {name} counts {len(mapping)} of {sum(map(len, shards))} entries; misplaced {misplaced}")
 
 
-def write_plan(kv: ShadowKV, plan: StepPlan) -> None:
-    """Apply the plan's KV writes to the shadow cache, as an executor does (every row, aborted or not).
+def write_plan(kv: ShadowKV, plan: StepPlan, sampled: Sequence[int] = ()) -> None:
+    """Apply the plan's KV writes to the shadow cache, as an executor does (every row, aborted or not); a
+    multi-step plan's sub-steps feed the tokens of ``sampled`` (what the executor returned for it).
 
     Like a transformer's K/V, what is written at position p depends on the whole context: it is the token
     sequence read back through the block table at p - 1, plus the token fed at p. A prefix-cache hit on a block
     computed under another context therefore carries that other context forward, where ``check_kv`` sees it.
     """
+    if plan.num_steps > 1:  # sub-step by sub-step, each fed what the one before sampled
+        for index in range(plan.num_steps):
+            inputs = substep_inputs(sampled, index - 1, plan.num_seqs) if index else None
+            write_plan(kv, substep(plan, index, inputs))
+        return
     bs = plan.block_size
     for tokens, start, table in zip(plan.input_tokens, plan.start_positions, plan.block_tables, strict=True):
         for offset, token in enumerate(tokens):

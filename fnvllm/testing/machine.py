@@ -11,6 +11,7 @@ Everything under test is a hook, so you can check your own policy or scheduler b
     class MyPolicyMachine(CoreStateMachine):
         policy = MY_POLICY                      # a Policy value
         configs = core_configs(max_num_seqs=8)  # the config strategy
+        decode_steps = 4                        # plans of up to 4 decode steps (fnvllm.state.multistep)
 
         def block_hasher(self):                 # replaces the config's block hasher (None keeps it)
             return my_hasher
@@ -34,8 +35,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import fnvllm.state as core
+from fnvllm.executor.base import execute_steps
 from fnvllm.state import CoreConfig, EngineState, InvalidRequestError, PlanMismatchError, Policy, SamplingParams
 from fnvllm.state.hashing import BlockHasher
+from fnvllm.state.multistep import schedule_steps
 from fnvllm.state.plan import StepPlan
 from fnvllm.state.request import Request, StepOutput
 from fnvllm.testing import invariants as inv
@@ -60,6 +63,7 @@ class CoreStateMachine(RuleBasedStateMachine):
 
     configs: ClassVar[st.SearchStrategy[CoreConfig]] = core_configs()
     policy: ClassVar[Policy] = core.FCFS
+    decode_steps: ClassVar[int] = 1  # > 1: the default ``schedule`` plans up to this many decode steps at once
 
     state: EngineState
     config: CoreConfig
@@ -75,8 +79,8 @@ class CoreStateMachine(RuleBasedStateMachine):
     # ----- hooks: override these to test your own scheduler, commit or config -----
 
     def schedule(self, state: EngineState) -> tuple[EngineState, StepPlan]:
-        """The scheduler under test."""
-        return core.schedule(state)
+        """The scheduler under test (``schedule_steps`` when the class sets ``decode_steps`` > 1)."""
+        return schedule_steps(state, self.decode_steps) if self.decode_steps > 1 else core.schedule(state)
 
     def commit(self, state: EngineState, plan: StepPlan, sampled: Sequence[int]) -> tuple[EngineState, StepOutput]:
         """The commit under test."""
@@ -304,7 +308,10 @@ class CoreStateMachine(RuleBasedStateMachine):
         rows = ", ".join(
             f"{r}@{s}+{len(t)}" for r, s, t in zip(plan.seq_ids, plan.start_positions, plan.input_tokens, strict=True)
         )
-        note(f"state, plan = schedule(state)  # step {plan.step}: [{rows}] preempted={list(plan.preempted)}")
+        steps = f" x {plan.num_steps} steps" if plan.num_steps > 1 else ""
+        note(f"state, plan = schedule(state)  # step {plan.step}{steps}: [{rows}] preempted={list(plan.preempted)}")
+        if plan.num_steps > 1:
+            event("multi-step plan")
         inv.check_plan(self.config, before, self.state, plan)
         for i, (rid, history) in enumerate(zip(plan.seq_ids, plan.histories, strict=True)):
             expected = i >= plan.num_continuing and uses_history(self.model.requests[rid].params)
@@ -325,7 +332,7 @@ class CoreStateMachine(RuleBasedStateMachine):
         plan = self.pending
         assert plan is not None
         note(f"state, out = commit(state, plan, {list(sampled)})")
-        inv.write_plan(self.kv, plan)
+        inv.write_plan(self.kv, plan, sampled)
         self.state, output = inv.run_pure(self.commit, self.state, plan, list(sampled))
         self.pending = None
         expected = self.model.commit(plan, sampled)
@@ -339,7 +346,7 @@ class CoreStateMachine(RuleBasedStateMachine):
         """Commit any pending plan, then step with a toy executor until nothing is live, within the bound."""
         toy = CounterToyExecutor(vocab_of(self.config))
         if self.pending is not None:
-            self._commit(toy.execute(self.pending).token_ids)
+            self._commit(execute_steps(toy, self.pending).token_ids)
         live = [self.model.requests[r] for r in self.model.live]
         bound, steps = step_bound(live), 0
         while self.model.live:
@@ -349,7 +356,7 @@ class CoreStateMachine(RuleBasedStateMachine):
             plan = self._schedule()
             if plan.is_empty:
                 inv.fail(f"liveness: nothing scheduled while {self.model.live} are unfinished (a stall)")
-            self._commit(toy.execute(plan).token_ids)
+            self._commit(execute_steps(toy, plan).token_ids)
             steps += 1
         self.check_all()
         if self.state.requests or len(self.state.pool.ref_counts):

@@ -46,10 +46,11 @@ class NaiveModel:
             self.stale.add(rid)
 
     def commit(self, plan: StepPlan, sampled: Sequence[int]) -> StepOutput:
-        """What commit should return: each sampled token appended to its (still live) request, stops applied."""
+        """What commit should return: each sampled token appended to its (still live) request, stops applied; a
+        multi-step plan's tokens sub-step by sub-step (a request that stopped takes no more)."""
         ids, tokens, finished = [], [], []
         sampling = [rid for rid, sample in zip(plan.seq_ids, plan.sample, strict=True) if sample]
-        for rid, token in zip(sampling, sampled, strict=True):
+        for rid, token in zip(sampling * plan.num_steps, sampled, strict=True):
             if rid in self.stale or rid not in self.outputs:
                 continue
             self.outputs[rid].append(token)

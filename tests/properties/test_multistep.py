@@ -13,6 +13,7 @@ import attrs
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
 
 import fnvllm.executor.base as executor_base
 import fnvllm.state.multistep as multistep
@@ -33,6 +34,7 @@ from fnvllm.state.policy import FCFS, PRIORITY, Policy
 from fnvllm.state.state import add_requests, initial_state
 from fnvllm.testing import invariants
 from fnvllm.testing.drive import RequestSpec, run_to_completion
+from fnvllm.testing.machine import CoreStateMachine
 from fnvllm.testing.strategies import core_configs, sampled_for, token_ids, vocab_of, workloads
 from fnvllm.testing.toy import KVToyExecutor
 
@@ -176,6 +178,23 @@ def test_multistep_commit_equals_single_commits(config: CoreConfig, policy: Poli
     fork_and_compare(config, policy, data)
 
 
+class MultiStepMachine(CoreStateMachine):
+    """The core's state machine (add / schedule / commit / abort, between schedule and commit too, against the
+    naive model and the shadow KV cache) with plans of up to 4 decode steps wherever they can be made."""
+
+    decode_steps = 4
+
+
+def test_multistep_core_machine() -> None:
+    """With multi-step plans wherever possible, random scripts keep every invariant of the core's machine, match
+    the naive model token for token and finish every request."""
+    most = min(settings().max_examples, 100)  # the two property tests above draw another 200 (ci) workloads
+    run_state_machine_as_test(
+        MultiStepMachine,
+        settings=settings(max_examples=most, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]),
+    )
+
+
 def test_decode_steps_declines_and_caps() -> None:
     """One step while a request waits, a row is mid-prefill, or a row wants logprobs; otherwise max_steps capped
     at the fewest tokens a row may still generate; a bad max_steps names itself."""
@@ -238,7 +257,7 @@ def test_planted_row_major_block_order_is_caught(monkeypatch: pytest.MonkeyPatch
 
 def test_planted_tokens_after_a_stop_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A multi-step commit that never ends a row inside its plan (the stop check per token dropped): rows run
-    past EOS, stop ids and max_tokens, so outputs differ from single steps'."""
+    past EOS, stop ids and max_tokens, so the tokens delivered differ from single steps'."""
     original = commit_module._fold_token
 
     def keeps_going(fold: commit_module._Fold, index: int, *args: Any) -> tuple[Any, ...]:
@@ -248,7 +267,7 @@ def test_planted_tokens_after_a_stop_are_caught(monkeypatch: pytest.MonkeyPatch)
         return values
 
     monkeypatch.setattr(commit_module, "_fold_token", keeps_going)
-    hunt(outputs_with_and_without)
+    hunt(fork_and_compare)
 
 
 def test_planted_stale_substep_positions_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
