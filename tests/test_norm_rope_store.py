@@ -31,6 +31,28 @@ def make_inputs(
     }
 
 
+# Compiled for a GPU, two float32 kernels that compute the same formula in different orders of fused multiply-adds
+# may differ in the last bits (the interpreter runs numpy: no contraction); 16-bit outputs round that away.
+EXACT_FLOAT32 = DEVICE == "cpu"
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit-equal, except float32 on a GPU: within a few float32 ulps."""
+    if a.dtype == torch.float32 and not EXACT_FLOAT32:
+        torch.testing.assert_close(a, b, rtol=4e-6, atol=1e-6)
+    else:
+        assert torch.equal(a, b)
+
+
+def assert_same_e4m3(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """The same e4m3 bytes; from float32 values on a GPU (see assert_same) a byte may be the next code."""
+    a8, b8 = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    if dtype == torch.float32 and not EXACT_FLOAT32:
+        assert (a8 - b8).abs().max() <= 1
+    else:
+        assert torch.equal(a8, b8)
+
+
 def caches(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed (4 blocks of 16 slots) k and v caches."""
     shape = (4, 16, num_kv_heads, head_dim)
@@ -70,8 +92,9 @@ def test_fused_equals_the_unfused_kernels_bitwise(dtype: torch.dtype, heads: tup
     kv_old, kv_new = caches(hkv, 16, dtype), caches(hkv, 16, dtype)
     q_old = unfused(inp, hq, hkv, norm, kv_old, ())
     q_new = fused(inp, hq, hkv, norm, kv_new, ())
-    assert torch.equal(q_old, q_new)
-    assert all(torch.equal(a, b) for a, b in zip(kv_old, kv_new, strict=True))
+    assert_same(q_old, q_new)
+    for a, b in zip(kv_old, kv_new, strict=True):
+        assert_same(a, b)
     assert kv_new[0].abs().sum() > 0 and kv_new[1].abs().sum() > 0
 
 
@@ -97,9 +120,9 @@ def test_fused_fp8_store_is_the_unfused_bits(dtype: torch.dtype) -> None:
     kv_old, kv_new = caches(2, 16, fp8.FP8_DTYPE), caches(2, 16, fp8.FP8_DTYPE)
     q_old = unfused(inp, 4, 2, True, kv_old, scales)
     q_new = fused(inp, 4, 2, True, kv_new, scales)
-    assert torch.equal(q_old, q_new)
+    assert_same(q_old, q_new)
     for a, b in zip(kv_old, kv_new, strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert_same_e4m3(a, b, dtype)
     assert kv_new[0].view(torch.uint8).any()
 
 
@@ -130,8 +153,9 @@ def test_head_grid_equals_token_grid_bitwise(
     kv_old, kv_new = caches(hkv, 16, dtype), caches(hkv, 16, dtype)
     q_old = fused(inp, hq, hkv, norm, kv_old, (), fn=lambda *a: norm_rope_store(*a, grid="token"))
     q_new = fused(inp, hq, hkv, norm, kv_new, (), fn=lambda *a: norm_rope_store(*a, grid="head"))
-    assert torch.equal(q_old, q_new)
-    assert all(torch.equal(a, b) for a, b in zip(kv_old, kv_new, strict=True))
+    assert_same(q_old, q_new)
+    for a, b in zip(kv_old, kv_new, strict=True):
+        assert_same(a, b)
     assert kv_new[1].abs().sum() > 0
 
 

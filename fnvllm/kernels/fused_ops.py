@@ -57,11 +57,22 @@ __all__ = [
 
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
 # finishes (its programs placed and its prologue run), and waits (griddepcontrol.wait) before it reads or writes
-# anything: at that point every earlier kernel has completed. Each of our kernels that is launched this way
-# signals its own dependents only after that wait, so at most two kernels overlap. On by default (bit-exact, and
-# ~15 % less device time per decode step at 1 request on the H200: BENCHMARKS.md); FNVLLM_PDL=0 turns it off.
+# anything an earlier kernel writes: at that point the kernel before it has completed, and, since that one waited
+# for its own predecessor before completing, so has every earlier kernel. Each of our kernels lets its dependents
+# start (griddepcontrol.launch_dependents) right after that wait, so at most two kernels overlap, except the small
+# kernels between two projections (RMSNorm, SiLU-and-mul, the attention prologue) at EARLY_TRIGGER_ROWS rows, which
+# let the next kernel start before their own wait (``triggers_first``): that kernel is then placed, and reads its
+# weights or first K/V tile (data no kernel of the step writes), while the big kernel before the small one still
+# runs. On by default (bit-exact, and ~15 % less device time per decode step at 1 request on the H200:
+# BENCHMARKS.md); FNVLLM_PDL=0 turns it off.
 PDL_DEFAULT = os.environ.get("FNVLLM_PDL", "1") != "0"
 _PDL = {"enabled": PDL_DEFAULT}
+# Rows (tokens) at which the small kernels let their dependents start before their own wait, measured on the H200
+# (BENCHMARKS.md, thirteenth session; Qwen3-0.6B latency bench, device ms per decode step, on against off, two rounds):
+# 64 rows 1.476 / 1.476 against 1.495 / 1.494, 32 rows 1.338 / 1.337 against 1.364 / 1.363, 16 rows not better
+# (1.125 / 1.083 against 1.072 / 1.086 in an earlier call: not taken), 1 row unchanged; every kernel triggering
+# first instead: 64 rows 1.478 but 16 rows 1.193. FNVLLM_EARLY_TRIGGER=0 turns it off (read at import).
+EARLY_TRIGGER_ROWS = (17, 64) if os.environ.get("FNVLLM_EARLY_TRIGGER", "1") != "0" else (0, 0)
 
 
 def set_pdl(enabled: bool) -> None:
@@ -80,18 +91,32 @@ def _capability_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def triggers_first(device: torch.device, num_rows: int) -> bool:
+    """Whether a small kernel launched under PDL for ``num_rows`` rows lets the next kernel start before its own
+    wait (the TRIGGER_FIRST argument of ``wait_for_previous_kernel``): PDL on and the rows in EARLY_TRIGGER_ROWS."""
+    lo, hi = EARLY_TRIGGER_ROWS
+    return use_pdl(device) and lo <= num_rows <= hi
+
+
 def pdl_launch(device: torch.device) -> dict[str, bool]:
     """Launch keyword arguments for a kernel with a USE_PDL parameter: ``launch_pdl`` when on (else none)."""
     return {"launch_pdl": True} if use_pdl(device) else {}
 
 
 @triton.jit
-def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+def wait_for_previous_kernel(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False):
     """Under programmatic dependent launch: wait until the kernels before this one have completed (their writes
-    visible), then let the next kernel start. A no-op otherwise."""
+    visible), then let the next kernel start; with TRIGGER_FIRST (``triggers_first``) let it start first, then
+    wait. A no-op otherwise. A kernel whose predecessor triggers first may start while kernels before that one
+    still run: before its own wait it reads only what no kernel of the step writes (weights, the step's inputs,
+    cached K/V of earlier tokens)."""
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if TRIGGER_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -108,6 +133,7 @@ def _rmsnorm_kernel(
     NUM_PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,
 ):
     """Normalise row program_id(0) of x (after adding the residual row and storing the sum, if HAS_RESIDUAL).
     NUM_PARTS > 0 (with a residual): x is a GEMM's float32 split partials (NUM_PARTS, n_rows, n_cols), summed in
@@ -116,7 +142,7 @@ def _rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, TRIGGER_FIRST)
     dtype = res_out_ptr.dtype.element_ty  # x's (res_out is x itself without a residual)
     x = _row_values(x_ptr, res_ptr, row, cols, mask, n_rows, n_cols, HAS_RESIDUAL, NUM_PARTS, dtype)
     if HAS_RESIDUAL:
@@ -218,6 +244,7 @@ def _launch_rmsnorm(
         NUM_PARTS=parts,
         BLOCK=block,
         USE_PDL=use_pdl(out.device),
+        TRIGGER_FIRST=triggers_first(out.device, num_rows),
         num_warps=_row_warps(block),
         **pdl_launch(out.device),
     )
@@ -244,12 +271,14 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_xt, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr
+):
     """out[t, j] = silu(x[t, j]) * x[t, n_cols + j] for the column block program_id(1) of row program_id(0)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, TRIGGER_FIRST)
     gate = tl.load(x_ptr + row * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_xt + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
@@ -274,6 +303,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         n_cols,
         BLOCK=block,
         USE_PDL=use_pdl(x.device),
+        TRIGGER_FIRST=triggers_first(out.device, num_rows),
         num_warps=_row_warps(block),
         **pdl_launch(x.device),
     )

@@ -48,6 +48,7 @@ from fnvllm.kernels.fused_ops import (
     norm_rope_heads,
     pdl_launch,
     sum_split_partials,
+    triggers_first,
     use_pdl,
     wait_for_previous_kernel,
 )
@@ -257,10 +258,11 @@ def _norm_rope_store_kernel(
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,
 ):
     """Token program_id(0): q heads normed, rotated and written to q_out (T, Hq, D); k heads normed, rotated and
     stored, v stored, at the token's cache slot (e4m3 bits of value / scale[head] when KV_FP8)."""
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, TRIGGER_FIRST)
     tok = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
@@ -425,11 +427,12 @@ def _norm_rope_store_heads_kernel(
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,
     NUM_PARTS: tl.constexpr,  # > 0: qkv_ptr holds that many float32 partial slabs of num_tokens x stride_t
 ):
     """Program (token block program_id(0), head program_id(1) of Hq + 2 Hkv): ``prologue_head_rows`` for that
     head of BLOCK_T tokens (the "head" grid: more, shorter programs than one per token)."""
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, TRIGGER_FIRST)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     prologue_head_rows(
         qkv_ptr, stride_t, rows, rows < num_tokens, tl.program_id(1), q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -526,6 +529,7 @@ def norm_rope_store(
         HAS_NORM=q_weight is not None,
         KV_FP8=fp8,
         USE_PDL=use_pdl(qkv.device),
+        TRIGGER_FIRST=triggers_first(qkv.device, num_tokens),
         num_warps=_row_warps(triton.next_power_of_2(num_heads) * head_dim),
         **pdl_launch(qkv.device),
     )
@@ -569,6 +573,7 @@ def _launch_heads_grid(
         HAS_NORM=q_weight is not None,
         KV_FP8=fp8,
         USE_PDL=use_pdl(qkv.device),
+        TRIGGER_FIRST=triggers_first(qkv.device, num_tokens),
         NUM_PARTS=parts,
         num_warps=_row_warps(block_t * head_dim),
         **pdl_launch(qkv.device),
