@@ -165,3 +165,23 @@ def test_attention_prologue_of_qkv_partials_is_that_of_their_sum(grid: str, cach
     assert torch.equal(q_sum, q_parts)
     assert same_bits(inp["caches"][0], inp["caches"][2]) and same_bits(inp["caches"][1], inp["caches"][3])
     assert inp["caches"][3].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("rows", [17, 64])
+def test_o_proj_takes_its_partials_shape_at_17_to_64_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-0.6B's o_proj (1024 x 2048) at 17-64 rows leaves the four K splits of its ``PARTIALS_CONFIGS`` entry,
+    where the plain product keeps one split; the norm after it, summing them, gives what it gives for the same
+    launch summing them itself, and the product is the float32 one within bf16 rounding."""
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda x: True)
+    entry = skinny_gemm.PARTIALS_CONFIGS[(1024, 2048, 64)].config
+    assert skinny_gemm.skinny_config(rows, 1024, 2048).split_k == 1 and entry.split_k == 4
+    x, w = _operands(rows, 1024, 2048, 11)
+    left = linear_partials(x, w)
+    assert isinstance(left, SplitPartials) and left.parts.shape == (4, rows, 1024)
+    summed = skinny_linear(x, w, None, skinny_gemm._fit_rows(entry, rows))
+    residual = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16).to(DEVICE)
+    norm_w = torch.rand(1024, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(DEVICE)
+    got, want = fused_add_rmsnorm(left, residual, norm_w, 1e-6), fused_add_rmsnorm(summed, residual, norm_w, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    exact = x.float() @ w.float().t()
+    assert (summed.float() - exact).abs().max() <= 2**-7 * exact.abs().max()

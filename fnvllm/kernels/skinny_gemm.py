@@ -555,9 +555,14 @@ FUSED_TIMES: dict[tuple[str, int, int, int], Fused] = {
 # take, by (N, K, rows bucket), with their time and the plain entry's (us per call, same timing as TUNED_CONFIGS; H200,
 # BENCHMARKS.md, eleventh session). qkv at 16 rows: two 512-wide splits read before the launch wait, the attention
 # prologue summing them (``store_kv.norm_rope_store``'s head grid); at 64 rows no split measured faster (4.64-6.76
-# against 4.67).
+# against 4.67). o_proj at 17-64 rows: four 256-wide K splits of 32-column blocks (128 programs, where the plain
+# entry's one split of 16-column blocks runs 64), summed by the add + RMSNorm after it; the times are of that pair,
+# o_proj then the norm, in a CUDA-graph chain under PDL (fourteenth session: 4.88 / 4.82 us at 64 / 32 rows against
+# 5.89 / 6.57 for the plain entry and the norm; the decode step at 32 / 64 requests 1.359-1.362 / 1.529-1.555 ->
+# 1.318-1.321 / 1.498-1.499 device ms). Like qkv's, this split rounds o_proj differently from the plain product.
 PARTIALS_CONFIGS: dict[tuple[int, int, int], Tuned] = {
     (4096, 1024, 16): Tuned(SkinnyConfig(16, 32, 512, 2, 4, 1, preload=True), 3.70, 4.59),  # 0.6b qkv
+    (1024, 2048, 64): Tuned(SkinnyConfig(64, 32, 256, 4, 4, 3), 4.88, 5.89),  # 0.6b o, with the norm after it
 }
 
 
@@ -961,11 +966,12 @@ def linear_partials(
     partials are returned unsummed (``SplitPartials`` of (S, T, N)) for that consumer to sum in split order: the
     values the same launch writes when it sums them itself, with the split sum's arrival counter and re-read off
     the projection's critical path. (Where ``PARTIALS_CONFIGS`` picks a shape the plain product does not use, qkv
-    at 16 rows, the K split differs from ``linear``'s, so the result is rounded differently, as after any re-tuned
-    config.) Measured on
+    at 16 rows and o_proj at 17-64, the K split differs from ``linear``'s, so the result is rounded differently, as
+    after any re-tuned config.) Measured on
     the H200 (CUDA-graph replays past L2, PDL; BENCHMARKS.md, eleventh session), us per call with the in-kernel sum
     / partials left unsummed: Qwen3-0.6B o_proj at 16 rows 4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64
-    rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70)."""
+    rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70), o_proj at 17-64
+    rows too (with the norm after it: 5.89 -> 4.88 at 64 rows, fourteenth session)."""
     rows = x.shape[0]
     if bias is None and x.dim() == 2 and on_gpu(x) and prefers_skinny(rows, *weight.shape):
         cfg = partials_config(rows, *weight.shape)
