@@ -182,14 +182,14 @@ def test_unknown_grid_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         norm_rope_store(inp["qkv"], 4, 2, None, None, 1e-6, inp["cos"], inp["sin"], *kv, inp["slots"])
 
 
-def test_auto_grid_is_the_head_grid_up_to_16_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default grid is "auto": the per-head grid at 1-16 tokens and the per-token grid above;
+def test_auto_grid_is_the_head_grid_up_to_64_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default grid is "auto": the per-head grid at 1-64 tokens and the per-token grid above;
     FNVLLM_NORM_ROPE_GRID overrides the default."""
     from fnvllm.kernels.store_kv import default_grid, resolve_grid
 
     monkeypatch.delenv("FNVLLM_NORM_ROPE_GRID", raising=False)
     assert default_grid() == "auto"
-    assert [resolve_grid("auto", n) for n in (1, 16, 17)] == ["head", "head", "token"]
+    assert [resolve_grid("auto", n) for n in (1, 16, 17, 64, 65)] == ["head", "head", "head", "head", "token"]
     assert resolve_grid("token", 1) == "token" and resolve_grid("head", 64) == "head"
     monkeypatch.setenv("FNVLLM_NORM_ROPE_GRID", "token")
     assert default_grid() == "token"

@@ -26,7 +26,7 @@ runs norm+rotary on q, norm+rotary on k and ``store_kv`` (three launches). Its r
 
 Two grids compute it: "token" (one program per token does all its Hq + 2 Hkv heads) and "head" (one program per
 (block of up to 16 tokens, head): 40 programs at one token for Qwen3-0.6B's 16 q and 8 kv heads, so the work
-spreads over more SMs; faster at <= 16 tokens, where the default "auto" takes it: see ``NORM_ROPE_GRIDS``). The
+spreads over more SMs; faster at <= 64 tokens, where the default "auto" takes it: see ``NORM_ROPE_GRIDS``). The
 per-head work is ``prologue_head_rows``, which the qkv projection's epilogue (``skinny_gemm.norm_linear_rope_store``)
 runs too.
 """
@@ -441,17 +441,21 @@ def _norm_rope_store_heads_kernel(
     )  # fmt: skip
 
 
-# The grid of ``norm_rope_store``: "token" (one program per token does all its heads) or "head" (one program per
-# (block of up to HEAD_GRID_TOKENS tokens, head)); "auto" (the default) takes "head" at <= HEAD_GRID_TOKENS tokens,
-# "token" above (not measured there). H200, Qwen3-0.6B, whole decode step (benchmarks/bench_qkv_epilogue.py,
-# 2026-12-02 05:35): B = 1 768.6 us "token" against 750.6 "head"; B = 16 1144.5 against 1141.0; the layer's
-# norm + qkv + prologue alone at 16 rows 8.12 against 7.58 us. Engine-level A/B (latency bench, one call, main
-# 5d76b68, 2026-12-02 08:05): ms per decode step at 1 / 16 / 64 requests 0.825 / 1.175 / 1.701 with "token"
-# (device 0.818 / 1.156 / 1.622) against 0.806 / 1.161 / 1.745 with "auto" (device 0.799 / 1.142 / 1.622; the 64-row
-# step does not take it). FNVLLM_NORM_ROPE_GRID overrides.
+# The grid of ``norm_rope_store``: "token" (one program per token does all its heads) or "head" (one program per (block
+# of up to HEAD_GRID_TOKENS tokens, head)); "auto" (the default) takes "head" at <= HEAD_GRID_MAX_TOKENS tokens, "token"
+# above. First measured at <= 16 tokens, H200, Qwen3-0.6B, whole decode step (benchmarks/bench_qkv_epilogue.py,
+# 2026-12-02 05:35): B = 1 768.6 us "token" against 750.6 "head"; B = 16 1144.5 against 1141.0; the layer's norm + qkv +
+# prologue alone at 16 rows 8.12 against 7.58 us. Engine-level A/B (latency bench, one call, main 5d76b68, 2026-12-02
+# 08:05): ms per decode step at 1 / 16 / 64 requests 0.825 / 1.175 / 1.701 with "token" (device 0.818 / 1.156 / 1.622)
+# against 0.806 / 1.161 / 1.745 with "auto" (device 0.799 / 1.142 / 1.622; the 64-row step does not take it). Since
+# extended to 17-64 tokens (HEAD_GRID_MAX_TOKENS): latency bench, one call, main 338e266, 2026-12-04, two alternated
+# rounds, device ms per decode step at 32 / 64 requests 1.318-1.319 / 1.490 with "head" against 1.323 / 1.498-1.499 with
+# "auto" as it was (BENCHMARKS.md, fourteenth session); the same bits either way. Above 64 tokens (prefill chunks, large
+# decode batches) "token" stays (not measured against "head" there). FNVLLM_NORM_ROPE_GRID overrides.
 NORM_ROPE_GRIDS = ("auto", "token", "head")
 NORM_ROPE_GRID_ENV = "FNVLLM_NORM_ROPE_GRID"
-HEAD_GRID_TOKENS = 16
+HEAD_GRID_TOKENS = 16  # tokens per program of the "head" grid
+HEAD_GRID_MAX_TOKENS = 64  # "auto" takes the "head" grid up to this many tokens
 
 
 def default_grid() -> str:
@@ -464,11 +468,11 @@ def default_grid() -> str:
 
 def resolve_grid(grid: str, num_tokens: int) -> str:
     """The concrete grid ("token" or "head") that ``grid`` means for num_tokens tokens ("auto": "head" at <=
-    HEAD_GRID_TOKENS tokens, else "token")."""
+    HEAD_GRID_MAX_TOKENS tokens, else "token")."""
     if grid not in NORM_ROPE_GRIDS:
         raise ValueError(f"grid must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
     if grid == "auto":
-        return "head" if num_tokens <= HEAD_GRID_TOKENS else "token"
+        return "head" if num_tokens <= HEAD_GRID_MAX_TOKENS else "token"
     return grid
 
 
