@@ -450,7 +450,10 @@ def _norm_rope_store_heads_kernel(
 # against 0.806 / 1.161 / 1.745 with "auto" (device 0.799 / 1.142 / 1.622; the 64-row step does not take it). Since
 # extended to 17-64 tokens (HEAD_GRID_MAX_TOKENS): latency bench, one call, main 338e266, 2026-12-04, two alternated
 # rounds, device ms per decode step at 32 / 64 requests 1.318-1.319 / 1.490 with "head" against 1.323 / 1.498-1.499 with
-# "auto" as it was (BENCHMARKS.md, fourteenth session); the same bits either way. Above 64 tokens (prefill chunks, large
+# "auto" as it was (BENCHMARKS.md, fourteenth session). The two grids do the same arithmetic, bit-equal under the
+# interpreter and in the GPU tests' shapes, but not always at Qwen3-0.6B's (16 + 2 x 8 heads of 128) on the H200, where
+# the compiled kernels round some float32 steps differently: greedy tokens of random weights over 48 steps, "token"
+# against "head" at 32 / 64 requests, 1,501 of 1,536 / 3,017 of 3,072 equal. Above 64 tokens (prefill chunks, large
 # decode batches) "token" stays (not measured against "head" there). FNVLLM_NORM_ROPE_GRID overrides.
 NORM_ROPE_GRIDS = ("auto", "token", "head")
 NORM_ROPE_GRID_ENV = "FNVLLM_NORM_ROPE_GRID"
@@ -496,7 +499,8 @@ def norm_rope_store(
     rotated) and v into the caches in place. qkv (T, (Hq + 2 Hkv) D) may have strided rows (a contiguous last
     dim); q_weight and k_weight are both (D,) or both None; cos/sin (T, D/2) float32; caches and scales as
     ``store_kv``'s. grid: "token" (one program per token), "head" (one per (token block, head)) or "auto"
-    (``resolve_grid``); None: ``default_grid()``. All compute the same bits. Reads no device values (CUDA-graph
+    (``resolve_grid``); None: ``default_grid()``. All do the same arithmetic (bit-equal under the interpreter; on a GPU
+    the compiled grids may round a float32 step differently, see NORM_ROPE_GRIDS). Reads no device values (CUDA-graph
     capturable). qkv may be the projection's K-split float32 partials (``SplitPartials`` of (S, T, N), from
     ``skinny_gemm.linear_partials``): the "head" grid sums them as it reads its rows, into the bits the projection
     would have written; the "token" grid takes them summed first (``fused_ops.sum_split_partials``)."""
