@@ -1,7 +1,7 @@
 """Budgeted on-GPU sweep of the small-batch decode kernels (H200): launch configs to paste into the tuned tables.
 
     PYTHONPATH=$PWD python3 benchmarks/sweep_small.py --budget-s 150 [--shapes 0.6b,8b] [--rows 1,16,64]
-        [--parts attn,gemm,fused,step] [--json FILE]
+        [--parts attn,gemm,glu,fused,partials,step] [--json FILE]
 
 The parts asked for run in this order, each given a share of the budget (what one leaves goes to the next), every
 candidate checked against its reference before it is timed (a WRONG line, never a table entry, when not):
@@ -16,6 +16,9 @@ candidate checked against its reference before it is timed (a WRONG line, never 
 3. fused: the residual add + RMSNorm inside qkv / gate_up and SiLU-and-mul inside down_proj (one launch) at the
    best plain configs, against the two launches they replace (the norm / activation kernel, then the faster of
    cuBLAS and the best skinny config).
+   partials: o_proj and down_proj at 2-64 rows left as K-split float32 partials (``skinny_gemm.skinny_partials``)
+   for the residual add + RMSNorm after them, timed as that pair (the norm sums the partials) against the
+   checkout's pair (``linear_partials``, then the norm); prints ``PARTIALS_CONFIGS`` entries where a shape wins.
 Timing: CUDA-graph replays of many calls (launch overhead excluded, as in the engine's decode graphs), each call
 reading a different copy of the weights or KV cache (256 MiB of copies, 5x the L2), with programmatic dependent
 launch on (the default), so a kernel's prologue overlaps the one before it as in a decode step.
@@ -24,7 +27,8 @@ launch on (the default), so a kernel's prologue overlaps the one before it as in
    measurements put in ("swept"), logits compared.
 Printed after each part and again last: the tables (us per call) and Python literals to paste:
 ``SMALL_BATCH_DECODE`` (decode_attention.py; the checkout's, with this run's picks put in), the entries of
-``TUNED_CONFIGS`` and ``FUSED_TIMES`` (skinny_gemm.py) for the cases this run measured.
+``TUNED_CONFIGS``, ``FUSED_TIMES`` and ``PARTIALS_CONFIGS`` (skinny_gemm.py) for the cases this run measured (part 4
+puts the first three in, not the partials).
 
 Without a GPU, --smoke runs every part at tiny shapes under Triton's interpreter (checks only; times are not
 device times), to test the script itself.
@@ -67,7 +71,7 @@ GEMMS = {
 SMOKE_GEMMS = {"tiny": {"qkv": (64, 96), "o": (96, 40), "gate_up": (64, 80), "down": (80, 40)}}
 HEADS = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}
 ROTATE_BYTES = 256 << 20
-SHARES = {"attn": 0.45, "gemm": 0.35, "glu": 0.2, "fused": 0.1}  # of the budget; unspent time moves on
+SHARES = {"attn": 0.45, "gemm": 0.35, "glu": 0.2, "fused": 0.1, "partials": 0.15}  # of the budget; unspent moves on
 # Decode contexts of the attention cases: the latency bench's first (prompts of 100-128 ids + 256 outputs), which
 # picks the knobs, then a longer one that guards against knobs that only pay at short contexts (``best_attention``).
 CONTEXTS = ((100, 384), (100, 1024))
@@ -392,6 +396,72 @@ def sweep_glu(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device
         del weights
 
 
+# ---------------------------------------------------------------------------------------------- split partials
+
+# (block_n, block_k, split_k, num_warps, num_stages, preload) of o_proj / down_proj left as split partials for the
+# residual add + RMSNorm after them, per rows bucket (split_k >= 2), most promising first (the fourteenth session's
+# pair measurements, BENCHMARKS.md).
+_PARTIALS_KNOBS = {
+    16: ((32, 512, 4, 4, 1, True), (32, 256, 8, 4, 3, False), (32, 256, 4, 4, 3, False), (32, 256, 4, 4, 1, True),
+         (32, 128, 8, 4, 3, False), (16, 512, 4, 4, 1, True)),
+    64: ((32, 256, 4, 4, 3, False), (16, 256, 2, 4, 3, False), (32, 128, 4, 4, 4, False), (32, 256, 2, 4, 3, False),
+         (64, 128, 8, 4, 4, False), (16, 128, 4, 4, 4, False), (32, 128, 8, 4, 4, False)),
+}  # fmt: skip
+
+
+def _norm_after(project: Callable, res: torch.Tensor, nw: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> object:
+    """The projection of x by w (its output or its split partials), then the residual add + RMSNorm summing them."""
+    return fused_ops.fused_add_rmsnorm(project(x, w), res, nw, 1e-6)
+
+
+def _add_rmsnorm_exact(y: torch.Tensor, res: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """rmsnorm(y + res) * nw in float32: the pair's reference."""
+    h = y.float() + res.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+
+
+def sweep_partials(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device: str, out: list[dict]) -> None:
+    """Part: o_proj and down_proj at 2-64 rows as split partials, each launch shape timed with the add + RMSNorm
+    after it (which sums them) against the checkout's pair (``skinny_gemm.linear_partials``, then the norm)."""
+    for shape, projections in gemms.items():
+        for name in ("o", "down"):
+            k, n = projections[name]
+            copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+            nw = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
+            for m in rows:
+                bucket = bucket_of(m)
+                if bucket not in _PARTIALS_KNOBS or budget.left() <= 0:
+                    continue
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                res = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+                exact = _add_rmsnorm_exact(F.linear(x.float(), weights[0].float()), res, nw)
+                case = GemmCase(shape, name, m, k, n, x, weights, exact)
+                row: dict[str, object] = {"part": "partials", "shape": shape, "gemm": name, "m": m, "n": n, "k": k}
+                row |= {"best_us": float("inf"), "best_cfg": None}
+                row["checkout_us"] = time_gemm(timer, functools.partial(_norm_after, skinny_gemm.linear_partials,
+                                                                        res, nw), case)  # fmt: skip
+                for t in _PARTIALS_KNOBS[bucket]:
+                    if budget.left() <= 0:
+                        break
+                    cfg = SkinnyConfig(max(16, 1 << max(0, (m - 1).bit_length())), *t[:5], preload=t[5])
+                    project = functools.partial(skinny_gemm.skinny_partials, config=cfg)
+                    fn = functools.partial(_norm_after, project, res, nw)
+                    try:
+                        got = fn(x, weights[0])[0].float()  # type: ignore[index]
+                        if (got - exact).abs().max().item() > 2 * exact.abs().max().item() * 2**-7:
+                            note(f"WRONG: partials {shape} {name} m={m} {cfg}")
+                            continue
+                        us = time_gemm(timer, fn, case)
+                    except Exception as e:  # a config the compiler refuses is skipped
+                        note(f"FAILED: partials {shape} {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                        continue
+                    if us < row["best_us"]:
+                        row["best_us"], row["best_cfg"] = us, cfg
+                out.append(row)
+            del weights
+
+
 # ---------------------------------------------------------------------------------------------- part 3: attention
 
 
@@ -684,6 +754,28 @@ def print_fused_literal(rows: list[dict]) -> None:
     print("}")
 
 
+def print_partials(rows: list[dict]) -> None:
+    """The partials part's table (us per projection + norm pair) and its PARTIALS_CONFIGS literal."""
+    if not rows:
+        return
+    print(f"\n{'shape':>5} {'gemm':>5} {'M':>3} {'checkout':>8} {'best':>8} best config (split partials + norm)")
+    for r in rows:
+        cfg = tuple(r["best_cfg"]) if r["best_cfg"] else None
+        print(f"{r['shape']:>5} {r['gemm']:>5} {r['m']:>3} {r['checkout_us']:>8.2f} {r['best_us']:>8.2f} {cfg}")
+    print_partials_literal(rows)
+
+
+def print_partials_literal(rows: list[dict]) -> None:
+    """PARTIALS_CONFIGS entries where a shape beat the checkout's pair."""
+    print("\nPARTIALS_CONFIGS = {  # (N, K, rows bucket): Tuned(config, pair us, checkout's pair us); winners only")
+    for r in rows:
+        if r["best_cfg"] is not None and r["best_us"] < r["checkout_us"]:
+            key = (r["n"], r["k"], bucket_of(r["m"]))
+            print(f"    {key}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['checkout_us']:.2f}),"
+                  f"  # {r['shape']} {r['gemm']}, with the norm after it")  # fmt: skip
+    print("}")
+
+
 def print_attention(rows: list[dict]) -> None:
     """Part 3: per case the shipped choice and the best knob set, then the whole matrix (us per call)."""
     if not rows:
@@ -705,6 +797,7 @@ def print_sweeps(out: list[dict]) -> None:
     """Parts 1-3's tables and literals."""
     print_gemm([r for r in out if r["part"] == "gemm"])
     print_fused([r for r in out if r["part"] == "fused"])
+    print_partials([r for r in out if r["part"] == "partials"])
     print_attention([r for r in out if r["part"] == "attn"])
     print_decode_table(out)
 
@@ -744,6 +837,9 @@ def print_literals(out: list[dict]) -> None:
     fused = [r for r in out if r["part"] == "fused"]
     if fused:
         print_fused_literal(fused)
+    partials = [r for r in out if r["part"] == "partials"]
+    if partials:
+        print_partials_literal(partials)
     if any(r["part"] == "attn" for r in out):
         print_decode_table(out)
     print_step([r for r in out if r["part"] == "step"])
@@ -795,7 +891,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.6b", help="comma-separated: 0.6b, 8b")
     parser.add_argument("--rows", default="1,16,64", help="comma-separated row counts (1, 16, 64 buckets)")
     parser.add_argument(
-        "--parts", default="attn,gemm,glu,fused,step", help="comma-separated: attn, gemm, glu, fused, step"
+        "--parts",
+        default="attn,gemm,glu,fused,partials,step",
+        help="comma-separated: attn, gemm, glu, fused, partials, step",
     )
     parser.add_argument(
         "--step-until-s", type=float, default=150.0, help="wall seconds after which part 4 starts no new batch size"
@@ -840,6 +938,10 @@ def main() -> None:
             budget.open_part(shares["fused"])
             sweep_fused(timer, budget, cases, out)
             print_fused([r for r in out if r["part"] == "fused" and r["kind"] != "glu"])
+        if "partials" in parts:
+            budget.open_part(shares["partials"])
+            sweep_partials(timer, budget, gemms, [m for m in rows if m > 1], device, out)
+            print_partials([r for r in out if r["part"] == "partials"])
         print(f"\n(parts 1-3 took {time.perf_counter() - START:.0f} s of wall time)", flush=True)
         if "step" in parts and not smoke:
             fused_ops.set_pdl(fused_ops.PDL_DEFAULT)
