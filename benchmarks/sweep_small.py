@@ -61,6 +61,7 @@ from fnvllm.kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
+from fnvllm.kernels.reference import rmsnorm_ref
 from fnvllm.kernels.skinny_gemm import Norm, SkinnyConfig, skinny_config, skinny_linear
 
 # (K, N) of each projection: hidden -> qkv, q heads -> o, hidden -> gate|up, intermediate -> down.
@@ -211,13 +212,18 @@ def time_gemm(timer: Timer, fn: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     return timer.us(functools.partial(_rotating, fn, case.x, case.weights), len(case.weights))
 
 
+def weight_copies(n: int, k: int, device: str) -> list[torch.Tensor]:
+    """bf16 (n, k) weights, as many copies as rotate past L2 on a GPU (two elsewhere)."""
+    copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+
+
 def gemm_cases(gemms: dict[str, dict[str, tuple[int, int]]], rows: list[int], device: str) -> Iterator[GemmCase]:
     """Every (shape, projection, rows) case, weights allocated per projection (rotated past L2 on a GPU)."""
     dtype = torch.bfloat16
     for shape, projections in gemms.items():
         for name, (k, n) in projections.items():
-            copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
-            weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
+            weights = weight_copies(n, k, device)
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 yield GemmCase(shape, name, m, k, n, x, weights, F.linear(x.float(), weights[0].float()))
@@ -355,6 +361,37 @@ _GLU_KNOBS = {
 }  # fmt: skip
 
 
+def best_of_knobs(
+    timer: Timer, budget: Budget, knobs: tuple, case: GemmCase, make: Callable[[SkinnyConfig], Callable], label: str
+) -> tuple[float, SkinnyConfig | None]:
+    """(us, config) of the fastest knob tuple (block_n, block_k, split_k, num_warps, num_stages, preload) at the
+    case's rows whose ``make(config)(x, w)`` matches case.exact within bf16 rounding, tried in order while the
+    budget lasts ((inf, None) when none did); WRONG / FAILED lines for the others."""
+    best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
+    for t in knobs:
+        if budget.left() <= 0:
+            break
+        cfg = SkinnyConfig(max(16, 1 << max(0, (case.m - 1).bit_length())), *t[:5], preload=t[5])
+        fn = make(cfg)
+        try:
+            got = fn(case.x, case.weights[0]).float()
+            if (got - case.exact.float()).abs().max().item() > 2 * case.exact.abs().max().item() * 2**-7:
+                note(f"WRONG: {label} {case.shape} {case.name} m={case.m} {cfg}")
+                continue
+            us = time_gemm(timer, fn, case)
+        except Exception as e:  # a config the compiler refuses is skipped
+            note(f"FAILED: {label} {case.shape} {case.name} m={case.m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        if us < best[0]:
+            best = (us, cfg)
+    return best
+
+
+def _glu_out_at(cfg: SkinnyConfig) -> Callable:
+    """(x, w) -> gate/up with SiLU-and-mul in its epilogue at cfg."""
+    return functools.partial(skinny_linear, config=cfg, glu_out=True)
+
+
 def _linear_then_silu(x: torch.Tensor, w: torch.Tensor) -> object:
     """The checkout's gate/up projection (``skinny_gemm.linear``: cuBLAS or the skinny kernel, by its tables), then
     the SiLU-and-mul kernel: the two launches the epilogue replaces."""
@@ -365,8 +402,7 @@ def sweep_glu(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device
     """Part: gate/up + SiLU-and-mul as one launch (``glu_out``) at 16 and 64 rows, against the two launches."""
     for shape, projections in gemms.items():
         k, n = projections["gate_up"]
-        copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        weights = weight_copies(n, k, device)
         for m in rows:
             bucket = bucket_of(m)
             if bucket not in _GLU_KNOBS or budget.left() <= 0:
@@ -374,24 +410,11 @@ def sweep_glu(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             case = GemmCase(shape, "gate_up", m, k, n, x, weights, fused_ops.silu_and_mul(F.linear(x, weights[0])))
             row: dict[str, object] = {"part": "fused", "kind": "glu", "shape": shape, "gemm": "gate_up", "m": m}
-            row |= {"n": n, "k": k, "plain": "checkout", "fused_us": float("inf"), "fused_cfg": None}
+            row |= {"n": n, "k": k, "plain": "checkout"}
             row["unfused_us"] = time_gemm(timer, _linear_then_silu, case)
-            for t in _GLU_KNOBS[bucket]:
-                if budget.left() <= 0:
-                    break
-                cfg = SkinnyConfig(max(16, 1 << max(0, (m - 1).bit_length())), *t[:5], preload=t[5])
-                fn = functools.partial(skinny_linear, config=cfg, glu_out=True)
-                try:
-                    got = fn(x, weights[0]).float()
-                    if (got - case.exact.float()).abs().max().item() > 2 * case.exact.abs().max().item() * 2**-7:
-                        note(f"WRONG: glu {shape} m={m} {cfg}")
-                        continue
-                    us = time_gemm(timer, fn, case)
-                except Exception as e:  # a config the compiler refuses is skipped
-                    note(f"FAILED: glu {shape} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
-                    continue
-                if us < row["fused_us"]:
-                    row["fused_us"], row["fused_cfg"] = us, cfg
+            row["fused_us"], row["fused_cfg"] = best_of_knobs(
+                timer, budget, _GLU_KNOBS[bucket], case, _glu_out_at, "glu"
+            )
             out.append(row)
         del weights
 
@@ -409,15 +432,17 @@ _PARTIALS_KNOBS = {
 }  # fmt: skip
 
 
-def _norm_after(project: Callable, res: torch.Tensor, nw: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> object:
-    """The projection of x by w (its output or its split partials), then the residual add + RMSNorm summing them."""
-    return fused_ops.fused_add_rmsnorm(project(x, w), res, nw, 1e-6)
+def _norm_after(
+    project: Callable, res: torch.Tensor, nw: torch.Tensor, x: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """The projection of x by w (its output or its split partials), then the residual add + RMSNorm summing them:
+    the normed rows."""
+    return fused_ops.fused_add_rmsnorm(project(x, w), res, nw, 1e-6)[0]
 
 
-def _add_rmsnorm_exact(y: torch.Tensor, res: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
-    """rmsnorm(y + res) * nw in float32: the pair's reference."""
-    h = y.float() + res.float()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+def _partials_pair_at(cfg: SkinnyConfig, res: torch.Tensor, nw: torch.Tensor) -> Callable:
+    """(x, w) -> the projection left as split partials at cfg, then the norm summing them."""
+    return functools.partial(_norm_after, functools.partial(skinny_gemm.skinny_partials, config=cfg), res, nw)
 
 
 def sweep_partials(timer: Timer, budget: Budget, gemms: dict, rows: list[int], device: str, out: list[dict]) -> None:
@@ -426,8 +451,7 @@ def sweep_partials(timer: Timer, budget: Budget, gemms: dict, rows: list[int], d
     for shape, projections in gemms.items():
         for name in ("o", "down"):
             k, n = projections[name]
-            copies = max(2, ROTATE_BYTES // (2 * n * k)) if device == "cuda" else 2
-            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+            weights = weight_copies(n, k, device)
             nw = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
             for m in rows:
                 bucket = bucket_of(m)
@@ -435,29 +459,15 @@ def sweep_partials(timer: Timer, budget: Budget, gemms: dict, rows: list[int], d
                     continue
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 res = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-                exact = _add_rmsnorm_exact(F.linear(x.float(), weights[0].float()), res, nw)
+                exact = rmsnorm_ref(F.linear(x.float(), weights[0].float()) + res.float(), nw.float(), 1e-6)
                 case = GemmCase(shape, name, m, k, n, x, weights, exact)
                 row: dict[str, object] = {"part": "partials", "shape": shape, "gemm": name, "m": m, "n": n, "k": k}
-                row |= {"best_us": float("inf"), "best_cfg": None}
-                row["checkout_us"] = time_gemm(timer, functools.partial(_norm_after, skinny_gemm.linear_partials,
-                                                                        res, nw), case)  # fmt: skip
-                for t in _PARTIALS_KNOBS[bucket]:
-                    if budget.left() <= 0:
-                        break
-                    cfg = SkinnyConfig(max(16, 1 << max(0, (m - 1).bit_length())), *t[:5], preload=t[5])
-                    project = functools.partial(skinny_gemm.skinny_partials, config=cfg)
-                    fn = functools.partial(_norm_after, project, res, nw)
-                    try:
-                        got = fn(x, weights[0])[0].float()  # type: ignore[index]
-                        if (got - exact).abs().max().item() > 2 * exact.abs().max().item() * 2**-7:
-                            note(f"WRONG: partials {shape} {name} m={m} {cfg}")
-                            continue
-                        us = time_gemm(timer, fn, case)
-                    except Exception as e:  # a config the compiler refuses is skipped
-                        note(f"FAILED: partials {shape} {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:100]}")
-                        continue
-                    if us < row["best_us"]:
-                        row["best_us"], row["best_cfg"] = us, cfg
+                checkout = functools.partial(_norm_after, skinny_gemm.linear_partials, res, nw)
+                row["checkout_us"] = time_gemm(timer, checkout, case)
+                row["best_us"], row["best_cfg"] = best_of_knobs(
+                    timer, budget, _PARTIALS_KNOBS[bucket], case, functools.partial(_partials_pair_at, res=res, nw=nw),
+                    "partials",
+                )  # fmt: skip
                 out.append(row)
             del weights
 
