@@ -132,6 +132,25 @@ def bucket_of(m: int) -> int:
     return 1 if m <= 1 else 16 if m <= 16 else 64
 
 
+def one_per_key(rows: list[dict], key: Callable[[dict], tuple]) -> tuple[list[dict], list[dict]]:
+    """(kept, dropped): rows of one table key (its rows bucket) reduced to one, the row measured at the bucket's
+    own row count when there is one, else the one at the most rows; e.g. ``--rows 32,64`` measures two row counts of
+    the 17-64 bucket, and a literal holding both would name its key twice (Python keeps the last silently)."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        k, held = key(r), best.get(key(r))
+        if held is None or (held["m"] != bucket_of(held["m"]) and (r["m"] == bucket_of(r["m"]) or r["m"] > held["m"])):
+            best[k] = r
+    kept = [r for r in rows if best[key(r)] is r]
+    return kept, [r for r in rows if best[key(r)] is not r]
+
+
+def _print_dropped(dropped: list[dict]) -> None:
+    """A comment line per row ``one_per_key`` left out of a literal."""
+    for r in dropped:
+        print(f"    # {r['shape']} {r['gemm']} at {r['m']} rows: measured, left out (its bucket's entry is above)")
+
+
 # (block_n, block_k, split_k, num_warps, num_stages, preload) per rows bucket, most promising first (a 60 s budget
 # tries the first ~6 of each): one weight tile per program read before the PDL wait, then deeper K loops.
 _ONE_ROW = (
@@ -593,13 +612,13 @@ def swept_tables(out: list[dict]) -> tuple[dict, dict, dict]:
     from fnvllm.kernels.decode_attention import DecodeKernelConfig
     from fnvllm.kernels.skinny_gemm import Fused, Tuned
 
+    gemms = one_per_key([r for r in out if r["part"] == "gemm"], _tuned_key)[0]
+    fused_rows = one_per_key([r for r in out if r["part"] == "fused" and r["fused_cfg"] is not None], _fused_key)[0]
     tuned = dict(skinny_gemm.TUNED_CONFIGS) | {
-        (r["n"], r["k"], bucket_of(r["m"])): Tuned(r["best_cfg"], r["best_us"], r["cublas_us"])
-        for r in out if r["part"] == "gemm"
+        _tuned_key(r): Tuned(r["best_cfg"], r["best_us"], r["cublas_us"]) for r in gemms
     }  # fmt: skip
     fused = dict(skinny_gemm.FUSED_TIMES) | {
-        (r["kind"], r["n"], r["k"], bucket_of(r["m"])): Fused(r["fused_cfg"], r["fused_us"], r["unfused_us"])
-        for r in out if r["part"] == "fused" and r["fused_cfg"] is not None
+        _fused_key(r): Fused(r["fused_cfg"], r["fused_us"], r["unfused_us"]) for r in fused_rows
     }  # fmt: skip
     decode = dict(decode_attention.SMALL_BATCH_DECODE)
     for b, (label, _) in best_attention(out).items():
@@ -724,11 +743,22 @@ def print_gemm(rows: list[dict]) -> None:
 def print_tuned_literal(rows: list[dict]) -> None:
     """The TUNED_CONFIGS literal of part 1's rows."""
     print("\nTUNED_CONFIGS = {  # (N, K, rows bucket): Tuned(config, skinny us, cuBLAS us)")
-    for r in rows:
-        key = (r["n"], r["k"], bucket_of(r["m"]))
-        print(f"    {key}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['cublas_us']:.2f}),"
+    kept, dropped = one_per_key(rows, _tuned_key)
+    for r in kept:
+        print(f"    {_tuned_key(r)}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['cublas_us']:.2f}),"
               f"  # {r['shape']} {r['gemm']}")  # fmt: skip
+    _print_dropped(dropped)
     print("}")
+
+
+def _tuned_key(r: dict) -> tuple[int, int, int]:
+    """A GEMM row's TUNED_CONFIGS / PARTIALS_CONFIGS key: (N, K, rows bucket)."""
+    return (r["n"], r["k"], bucket_of(r["m"]))
+
+
+def _fused_key(r: dict) -> tuple[str, int, int, int]:
+    """A fused row's FUSED_TIMES key: (kind, N, K, rows bucket)."""
+    return (r["kind"], r["n"], r["k"], bucket_of(r["m"]))
 
 
 def _cfg_literal(cfg: SkinnyConfig) -> str:
@@ -755,12 +785,11 @@ def print_fused(rows: list[dict]) -> None:
 def print_fused_literal(rows: list[dict]) -> None:
     """The FUSED_TIMES literal of part 2's rows."""
     print("\nFUSED_TIMES = {  # (kind, N, K, rows bucket): Fused(config, fused us, unfused us)")
-    for r in rows:
-        if r["fused_cfg"] is None:
-            continue
-        key = (r["kind"], r["n"], r["k"], bucket_of(r["m"]))
-        print(f"    {key}: Fused({_cfg_literal(r['fused_cfg'])}, {r['fused_us']:.2f}, {r['unfused_us']:.2f}),"
+    kept, dropped = one_per_key([r for r in rows if r["fused_cfg"] is not None], _fused_key)
+    for r in kept:
+        print(f"    {_fused_key(r)}: Fused({_cfg_literal(r['fused_cfg'])}, {r['fused_us']:.2f}, {r['unfused_us']:.2f}),"
               f"  # {r['shape']} {r['gemm']}")  # fmt: skip
+    _print_dropped(dropped)
     print("}")
 
 
@@ -778,11 +807,12 @@ def print_partials(rows: list[dict]) -> None:
 def print_partials_literal(rows: list[dict]) -> None:
     """PARTIALS_CONFIGS entries where a shape beat the checkout's pair."""
     print("\nPARTIALS_CONFIGS = {  # (N, K, rows bucket): Tuned(config, pair us, checkout's pair us); winners only")
-    for r in rows:
-        if r["best_cfg"] is not None and r["best_us"] < r["checkout_us"]:
-            key = (r["n"], r["k"], bucket_of(r["m"]))
-            print(f"    {key}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['checkout_us']:.2f}),"
-                  f"  # {r['shape']} {r['gemm']}, with the norm after it")  # fmt: skip
+    winners = [r for r in rows if r["best_cfg"] is not None and r["best_us"] < r["checkout_us"]]
+    kept, dropped = one_per_key(winners, _tuned_key)
+    for r in kept:
+        print(f"    {_tuned_key(r)}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['checkout_us']:.2f}),"
+              f"  # {r['shape']} {r['gemm']}, with the norm after it")  # fmt: skip
+    _print_dropped(dropped)
     print("}")
 
 
