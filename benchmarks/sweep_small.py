@@ -145,12 +145,6 @@ def one_per_key(rows: list[dict], key: Callable[[dict], tuple]) -> tuple[list[di
     return kept, [r for r in rows if best[key(r)] is not r]
 
 
-def _print_dropped(dropped: list[dict]) -> None:
-    """A comment line per row ``one_per_key`` left out of a literal."""
-    for r in dropped:
-        print(f"    # {r['shape']} {r['gemm']} at {r['m']} rows: measured, left out (its bucket's entry is above)")
-
-
 # (block_n, block_k, split_k, num_warps, num_stages, preload) per rows bucket, most promising first (a 60 s budget
 # tries the first ~6 of each): one weight tile per program read before the PDL wait, then deeper K loops.
 _ONE_ROW = (
@@ -742,12 +736,22 @@ def print_gemm(rows: list[dict]) -> None:
 
 def print_tuned_literal(rows: list[dict]) -> None:
     """The TUNED_CONFIGS literal of part 1's rows."""
-    print("\nTUNED_CONFIGS = {  # (N, K, rows bucket): Tuned(config, skinny us, cuBLAS us)")
-    kept, dropped = one_per_key(rows, _tuned_key)
+    _print_literal(
+        "TUNED_CONFIGS = {  # (N, K, rows bucket): Tuned(config, skinny us, cuBLAS us)", rows, _tuned_key,
+        lambda r: f"Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['cublas_us']:.2f}),"
+                  f"  # {r['shape']} {r['gemm']}",
+    )  # fmt: skip
+
+
+def _print_literal(header: str, rows: list[dict], key: Callable[[dict], tuple], entry: Callable[[dict], str]) -> None:
+    """A table literal: ``header``, one ``key(r): entry(r)`` line per key (``one_per_key``), a comment line per row
+    left out, the closing brace."""
+    print(f"\n{header}")
+    kept, dropped = one_per_key(rows, key)
     for r in kept:
-        print(f"    {_tuned_key(r)}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['cublas_us']:.2f}),"
-              f"  # {r['shape']} {r['gemm']}")  # fmt: skip
-    _print_dropped(dropped)
+        print(f"    {key(r)}: {entry(r)}")
+    for r in dropped:
+        print(f"    # {r['shape']} {r['gemm']} at {r['m']} rows: measured, left out (its bucket's entry is above)")
     print("}")
 
 
@@ -784,13 +788,12 @@ def print_fused(rows: list[dict]) -> None:
 
 def print_fused_literal(rows: list[dict]) -> None:
     """The FUSED_TIMES literal of part 2's rows."""
-    print("\nFUSED_TIMES = {  # (kind, N, K, rows bucket): Fused(config, fused us, unfused us)")
-    kept, dropped = one_per_key([r for r in rows if r["fused_cfg"] is not None], _fused_key)
-    for r in kept:
-        print(f"    {_fused_key(r)}: Fused({_cfg_literal(r['fused_cfg'])}, {r['fused_us']:.2f}, {r['unfused_us']:.2f}),"
-              f"  # {r['shape']} {r['gemm']}")  # fmt: skip
-    _print_dropped(dropped)
-    print("}")
+    _print_literal(
+        "FUSED_TIMES = {  # (kind, N, K, rows bucket): Fused(config, fused us, unfused us)",
+        [r for r in rows if r["fused_cfg"] is not None], _fused_key,
+        lambda r: f"Fused({_cfg_literal(r['fused_cfg'])}, {r['fused_us']:.2f}, {r['unfused_us']:.2f}),"
+                  f"  # {r['shape']} {r['gemm']}",
+    )  # fmt: skip
 
 
 def print_partials(rows: list[dict]) -> None:
@@ -806,14 +809,12 @@ def print_partials(rows: list[dict]) -> None:
 
 def print_partials_literal(rows: list[dict]) -> None:
     """PARTIALS_CONFIGS entries where a shape beat the checkout's pair."""
-    print("\nPARTIALS_CONFIGS = {  # (N, K, rows bucket): Tuned(config, pair us, checkout's pair us); winners only")
-    winners = [r for r in rows if r["best_cfg"] is not None and r["best_us"] < r["checkout_us"]]
-    kept, dropped = one_per_key(winners, _tuned_key)
-    for r in kept:
-        print(f"    {_tuned_key(r)}: Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['checkout_us']:.2f}),"
-              f"  # {r['shape']} {r['gemm']}, with the norm after it")  # fmt: skip
-    _print_dropped(dropped)
-    print("}")
+    _print_literal(
+        "PARTIALS_CONFIGS = {  # (N, K, rows bucket): Tuned(config, pair us, checkout's pair us); winners only",
+        [r for r in rows if r["best_cfg"] is not None and r["best_us"] < r["checkout_us"]], _tuned_key,
+        lambda r: f"Tuned({_cfg_literal(r['best_cfg'])}, {r['best_us']:.2f}, {r['checkout_us']:.2f}),"
+                  f"  # {r['shape']} {r['gemm']}, with the norm after it",
+    )  # fmt: skip
 
 
 def print_attention(rows: list[dict]) -> None:
