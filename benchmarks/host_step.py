@@ -109,6 +109,7 @@ PHASES: tuple[tuple[str, int, Any, str], ...] = (
     ("launch", 1, ModelExecutor, "launch"),
     ("feed", 2, ModelExecutor, "_feed"),
     ("hidden_at_samples", 2, ModelExecutor, "_hidden_at_samples"),
+    ("graph_sample", 3, ModelExecutor, "_graph_sample"),
     ("graph.run_plan", 3, DecodeGraphs, "run_plan"),
     ("stage_decode", 4, graphs_module, "stage_decode"),
     ("replay", 4, torch.cuda.CUDAGraph, "replay"),

@@ -3,6 +3,8 @@ positions, slots, lengths and table rows as ``prepare_decode`` (the arrays ``Dec
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import torch
 from hypothesis import given
@@ -79,3 +81,25 @@ def _with_tables(plan: StepPlan, tables: tuple[tuple[int, ...], ...]) -> StepPla
     bs = plan.block_size
     positions = tuple((len(t) - 1) * bs + p % bs for t, p in zip(tables, plan.start_positions, strict=True))
     return StepPlan(0, bs, plan.seq_ids, plan.input_tokens, positions, tables, plan.sample)
+
+
+def test_staged_views_tile_the_buffer_without_overlap() -> None:
+    """Every staged array (ids, positions, slots, lengths, order, the sampling arrays, live, tables) has its own
+    bytes, aligned for its dtype, and the tables come last (a prefix of the buffer covers table rows :B)."""
+    layout = StagedLayout(8, 6)
+    buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8)
+    ids, pos, slots, lens, tables = layout.views(buffer)
+    views = [ids, pos, slots, lens, layout.order(buffer), *layout.sampling(buffer), tables]
+    spans = sorted((v.data_ptr() - buffer.data_ptr(), v.numel() * v.element_size(), v.element_size()) for v in views)
+    for (start, size, _), (next_start, _, _) in pairwise(spans):
+        assert start + size <= next_start
+    assert all(start % align == 0 for start, _, align in spans)
+    assert spans[-1] == (layout.tables_offset, 4 * 8 * 6, 4) and layout.tables_offset + 4 * 8 * 6 == layout.num_bytes
+    scale, fixed, uniforms, live = layout.sampling(buffer)
+    assert (scale.dtype, fixed.dtype, uniforms.dtype, live.dtype) == (
+        torch.float32,
+        torch.int32,
+        torch.float32,
+        torch.int32,
+    )
+    assert scale.numel() == fixed.numel() == uniforms.numel() == 8 and live.numel() == 2

@@ -236,6 +236,47 @@ def test_decode_order_leaves_fp8_tokens_unchanged(checkpoint: Any, monkeypatch: 
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("prompts", [1, 3, 6])
+def test_sampling_in_the_graph_draws_the_eager_samplers_tokens(
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch, prompts: int
+) -> None:
+    """On a GPU, decode steps whose rows sample by temperature alone (greedy, unseeded, seeded) sample inside the
+    CUDA graph: the same tokens as the eager sampler (FNVLLM_SAMPLE_IN_GRAPH=0), over several engine seeds, with
+    overlapped steps; a batch with a top-p row samples eagerly in both runs and agrees too."""
+    from fnvllm.executor.cuda_graphs import DecodeGraphs
+
+    plain = [
+        SamplingParams(temperature=0.8, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=1.3, seed=5, max_tokens=12, ignore_eos=True),
+    ] * 2
+    filtered = [*plain[:-1], SamplingParams(temperature=0.9, top_p=0.8, max_tokens=10, ignore_eos=True)]
+    staged = {"graph": 0}
+    stage = DecodeGraphs._stage_sample
+
+    def counting(self: DecodeGraphs, host: Any, b: int, sample: Any) -> bool:
+        sampled = stage(self, host, b, sample)
+        staged["graph"] += sampled
+        return sampled
+
+    monkeypatch.setattr(DecodeGraphs, "_stage_sample", counting)
+    for seed in (0, 7):
+        runs = []
+        for in_graph in ("0", "1"):
+            monkeypatch.setenv("FNVLLM_SAMPLE_IN_GRAPH", in_graph)
+            llm = LLM(checkpoint, block_size=16, num_blocks=64, max_num_seqs=8, seed=seed)
+            graphs = llm.executor.graphs
+            assert graphs is not None and (graphs.sample is not None) == (in_graph == "1")
+            before = staged["graph"]
+            outs = [llm.generate(PROMPTS[:prompts], params[:prompts], use_tqdm=False) for params in (plain, filtered)]
+            assert (staged["graph"] > before) == (in_graph == "1"), "temperature rows must sample in the graph"
+            runs.append([o.token_ids for batch in outs for o in batch])
+            llm.close()
+        assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="pinned host memory and events need a GPU")
 def test_pinned_ring_hands_a_buffer_out_once_until_released() -> None:
     """The samples' copy to the host reuses a ring buffer only after its step was read (or discarded): with every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
@@ -288,3 +289,58 @@ def test_cuda_sampling_never_syncs_and_matches_cpu_on_deterministic_rows() -> No
     assert torch.equal(gpu.token_ids.cpu()[deterministic], cpu.token_ids[deterministic])
     assert gpu.logprobs is not None and cpu.logprobs is not None
     torch.testing.assert_close(gpu.logprobs.top_logprobs.cpu(), cpu.logprobs.top_logprobs)
+
+
+def test_temperature_rows_worked_example() -> None:
+    """Rows that sample by temperature alone (greedy rows with filters included: greedy ignores them) give their
+    inverse temperatures and seeded rows; the uniforms of the seeded rows are prepare_sampling's."""
+    from fnvllm.executor.sampler import temperature_rows
+
+    params = [
+        SamplingParams(temperature=0.6),
+        SamplingParams(temperature=0.0, top_p=0.9, top_k=5),
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.8, top_k=1),
+        SamplingParams(temperature=2.0, seed=9, top_k=500),  # a top-k past the vocabulary is off
+    ]
+    rows = temperature_rows(params, 100)
+    assert rows is not None
+    assert rows.scale.dtype == np.float32 and rows.scale.tolist() == pytest.approx([1 / 0.6, 0.0, 1.0, 0.0, 0.5])
+    assert rows.fixed.tolist() == [0, 0, 1, 0, 1] and rows.seeded.tolist() == [2, 4] and rows.seeds == (7, 9)
+    num_generated = [3, 0, 11, 2, 5]
+    batch = _batch(params, 100, num_generated)
+    assert torch.equal(torch.from_numpy(rows.uniforms(num_generated)), batch.uniforms)
+    assert torch.equal(torch.from_numpy(rows.scale), batch.scale)
+    assert torch.equal(torch.from_numpy(rows.fixed), batch.fixed)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"top_k": 20},
+        {"top_p": 0.95},
+        {"min_p": 0.05},
+        {"repetition_penalty": 1.05},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"logit_bias": {3: 1.0}},
+        {"logprobs": 0},
+    ],
+)
+def test_temperature_rows_refuse_any_other_option(extra: dict[str, object]) -> None:
+    """One row with a filter, a penalty, a logit bias or logprobs beside plain rows: the batch is not sampled by
+    temperature alone (the decode graphs leave it to the eager sampler)."""
+    from fnvllm.executor.sampler import temperature_rows
+
+    plain = SamplingParams(temperature=0.7)
+    assert temperature_rows([plain, plain], 100) is not None
+    assert temperature_rows([plain, SamplingParams(temperature=0.7, **extra), plain], 100) is None  # type: ignore[arg-type]
+
+
+def test_temperature_rows_refuse_a_grammar_row() -> None:
+    """A grammar-constrained row (its mask is applied before sampling) is not sampled by temperature alone."""
+    from fnvllm.executor.sampler import temperature_rows
+    from fnvllm.state.params import StructuredOutput
+
+    constrained = SamplingParams(temperature=0.7, structured=StructuredOutput.choice(["a", "b"]))
+    assert temperature_rows([SamplingParams(temperature=0.7), constrained], 100) is None

@@ -8,7 +8,9 @@ kernel answers with zeros without reading any KV. Their hidden states are comput
 Static buffers (N = largest bucket, W = max blocks per sequence), views of ONE device byte buffer:
 
     input_ids (N,) int64   positions (N,) int64   slot_mapping (N,) int64
-    seq_lens (N,) int32    order (N,) int32    block_tables (N, W) int32
+    seq_lens (N,) int32    order (N,) int32
+    scale (N,) float32   fixed (N,) int32   uniforms (N,) float32   live (2,) int32   (sampling in the graph)
+    block_tables (N, W) int32
     cu_seqlens_q (N+1,) int32 = 0, 1, ..., N (fixed, apart)
 
 ``order`` is the bucket's rows longest first (``longest_first``), written by the host when the decode kernel
@@ -21,6 +23,14 @@ alternate, so the host fills one while the copy from the other may still be queu
 event per buffer says when it is free again. When table rows at full width W would be large (long contexts in small
 blocks), the tables go as a separate ``(B, w)`` upload of this step's widest table instead. Columns past a
 sequence's end hold stale ids that the kernel never reads (it stops at seq_lens).
+
+Sampling in the graph (``sample``): the buckets that capture the lm_head capture the sampler's two kernels behind
+it (``fnvllm.kernels.sampling.sample_rows_graphed``), reading each row's inverse temperature, seeded uniform and
+the step's live row count and Philox key from the staged buffer. A step whose rows all sample by temperature alone
+(``GraphSample``: no filter, penalty, bias, logprobs or grammar) stages them and its tokens come out of the
+replay: no eager sampler launches, which cost a one-request step ~0.12 ms of host time (H200,
+``benchmarks/host_step.py``). Any other step stages a live count of 0 (the captured kernels read nothing and
+store nothing) and samples eagerly from the logits as before.
 """
 
 from __future__ import annotations
@@ -43,8 +53,28 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 Logits = Callable[[torch.Tensor], torch.Tensor | None]
 
 
+# sample(logits (N, V), scale (N,), fixed (N,), uniforms (N,), live (2,), out (2 N,)): the sampler's kernels,
+# captured behind the lm_head (``fnvllm.kernels.sampling.sample_rows_graphed``'s contract).
+SampleInGraph = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 # Table rows at full width go with the staged copy while they are at most this many bytes (B x W x 4).
 INLINE_TABLE_BYTES = 256 * 1024
+
+
+@attrs.frozen(eq=False)
+class GraphSample:
+    """How a decode step's B rows sample inside the graph (every row by temperature alone, or greedy).
+
+    scale: (B,) float32 inverse temperature, 0 = greedy. fixed: (B,) int32, 1 where ``uniforms`` holds the row's
+    uniform (a seeded row). uniforms: (B,) float32. key: the step's Philox key for the other rows, in
+    [0, 2**31) (``Sampler.next_key``).
+    """
+
+    scale: np.ndarray
+    fixed: np.ndarray
+    uniforms: np.ndarray
+    key: int
 
 
 @attrs.frozen
@@ -57,13 +87,22 @@ class StagedLayout:
 
     @property
     def tables_offset(self) -> int:
-        """Where the (N, W) int32 tables start: after ids, positions, slots (8N bytes each), seq_lens and the
-        order (4N each)."""
-        return 32 * self.num_rows
+        """Where the (N, W) int32 tables start: after ids, positions, slots (8N bytes each), seq_lens, the order
+        and the three sampling arrays (4N each), and live (8 bytes, padded to 16)."""
+        return 44 * self.num_rows + 16
 
     def order(self, buffer: torch.Tensor) -> torch.Tensor:
         """The (N,) int32 order (rows longest first) as a view of the uint8 ``buffer``."""
         return buffer[28 * self.num_rows : 32 * self.num_rows].view(torch.int32)
+
+    def sampling(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(scale (N,) float32, fixed (N,) int32, uniforms (N,) float32, live (2,) int32) as views of the uint8
+        ``buffer``: what ``GraphSample`` stages for the sampler captured in the graph."""
+        n = self.num_rows
+        scale = buffer[32 * n : 36 * n].view(torch.float32)
+        fixed = buffer[36 * n : 40 * n].view(torch.int32)
+        uniforms = buffer[40 * n : 44 * n].view(torch.float32)
+        return scale, fixed, uniforms, buffer[44 * n : 44 * n + 8].view(torch.int32)
 
     @property
     def num_bytes(self) -> int:
@@ -97,6 +136,8 @@ class HostStage:
     def __init__(self, layout: Layout, table_rows: int = 0) -> None:
         self.buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, pin_memory=True)
         self.arrays = tuple(t.numpy() for t in layout.views(self.buffer))
+        sampling = layout.sampling(self.buffer) if isinstance(layout, StagedLayout) else ()
+        self.sampling = tuple(t.numpy() for t in sampling)  # StagedLayout.sampling's views, or ()
         self.ready = torch.cuda.Event()
         # the block table object staged in each row (``stage_decode``); None where a row's table is unknown
         self.staged_tables: list[tuple[int, ...] | None] = [None] * table_rows
@@ -162,6 +203,9 @@ class DecodeGraphs:
     short_widths: buckets captured a second time with tables of that many blocks (``decode_attention.
     short_graph_widths``: the attention knobs of short tables); a step of such a bucket whose contexts all fit
     replays that capture (a view of the same staged tables, so the host stages the step the same way).
+
+    sample: the sampler's kernels (``SampleInGraph``), captured behind the lm_head in the buckets that have one;
+    ``samples_in_graph(B)`` says whether a step of B rows can sample there (``run_plan``'s ``sample``).
     """
 
     def __init__(
@@ -176,6 +220,7 @@ class DecodeGraphs:
         logits_max_rows: int = 64,
         short_widths: Mapping[int, int] | None = None,
         order_min_rows: int | None = None,
+        sample: SampleInGraph | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.short_widths = {
@@ -194,6 +239,10 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.order = self.layout.order(self.staged)
         self.order.copy_(torch.arange(n, dtype=torch.int32))
+        self.sampling = self.layout.sampling(self.staged)  # scale, fixed, uniforms, live: live[0] = 0 until staged
+        self.sample = sample if logits is not None else None
+        sampled_rows = max((b for b in self.sizes if b <= self.logits_max_rows), default=0)
+        self.samples = torch.zeros(2 * sampled_rows, dtype=torch.int64, device=device)  # (2 B,) tokens, flags
         self.order_min_rows = order_min_rows  # buckets of at least this many rows stage their order (None: none)
         self.hosts = HostStages(self.layout, table_rows=n)
         self.host_orders = {id(h): self.layout.order(h.buffer).numpy() for h in self.hosts.stages}  # numpy views
@@ -231,17 +280,30 @@ class DecodeGraphs:
             head = logits if b <= self.logits_max_rows else None
             hidden = forward(self.input_ids[:b], self.positions[:b], meta)  # warm-up: compiles, sizes the pool
             if head is not None:
-                head(hidden)
+                self._sample_rows(head(hidden), b)  # live[0] is 0 here: compiles, stores nothing
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[key] = forward(self.input_ids[:b], self.positions[:b], meta)
                 out = head(self.outputs[key]) if head is not None else None
+                if out is not None:
+                    self._sample_rows(out, b)
             if out is not None:
                 self.logits[key] = out
             pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
         torch.cuda.synchronize()
+
+    def _sample_rows(self, logits: torch.Tensor | None, b: int) -> None:
+        """Launch (or capture) the sampler's kernels over a bucket's (b, V) logits, when sampling in the graph."""
+        if self.sample is not None and logits is not None:
+            scale, fixed, uniforms, live = self.sampling
+            self.sample(logits, scale[:b], fixed[:b], uniforms[:b], live, self.samples[: 2 * b])
+
+    def samples_in_graph(self, num_seqs: int) -> bool:
+        """True when a decode step of ``num_seqs`` rows replays a capture that samples (``run_plan``'s
+        ``sample``)."""
+        return self.sample is not None and num_seqs <= self.logits_max_rows
 
     def graph_key(self, num_seqs: int, longest: Callable[[], int]) -> tuple[int, int]:
         """``capture_key`` of this object's captures."""
@@ -251,17 +313,38 @@ class DecodeGraphs:
         """True when a captured bucket holds ``num_seqs`` decode rows."""
         return num_seqs <= self.sizes[-1]
 
-    def run_plan(self, plan: StepPlan, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_plan(
+        self, plan: StepPlan, feed: Feed | None = None, sample: GraphSample | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``run`` for an all-decode ``plan``, its rows written straight into the pinned stage (``stage_decode``)
-        when its tables go with the staged copy; otherwise through ``prepare_decode`` and ``run``."""
+        when its tables go with the staged copy; otherwise through ``prepare_decode`` and ``run``. ``sample``:
+        the rows' sampling, when they sample in the graph (``samples_in_graph``); then the third result is their
+        (2, B) int64 tokens and non-finite flags (a view of the graph's buffer, valid until the next replay),
+        else None."""
         b = plan.num_seqs
         if b * self.layout.max_blocks * 4 > INLINE_TABLE_BYTES:
             a = prepare_decode(plan)
-            return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed)
+            return self.run(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, feed, sample)
         host = self.hosts.next()
         stage_decode(plan, host.arrays, fill_ids=feed is None or feed.rows is not None, staged=host.staged_tables)
         key = self.graph_key(b, lambda: max(plan.start_positions) + 1)  # a decode row's context: start + 1
-        return self._replay(host, key, b, self.layout.tables_offset + b * self.layout.max_blocks * 4, None, feed)
+        end = self.layout.tables_offset + b * self.layout.max_blocks * 4
+        return self._replay(host, key, b, end, None, feed, sample)
+
+    def _stage_sample(self, host: HostStage, b: int, sample: GraphSample | None) -> bool:
+        """Write ``sample`` into the stage (live = (B, key)), or live = (0, 0) so that the captured sampler reads
+        and stores nothing; True when the step samples in the graph."""
+        if not host.sampling:
+            return False
+        scale, fixed, uniforms, live = host.sampling
+        if sample is None or not self.samples_in_graph(b):
+            live[0] = 0
+            return False
+        if not 0 <= sample.key < 2**31:
+            raise ValueError(f"sample.key must be in [0, 2**31), got {sample.key}")
+        scale[:b], fixed[:b], uniforms[:b] = sample.scale, sample.fixed, sample.uniforms
+        live[0], live[1] = b, sample.key
+        return True
 
     def _replay(
         self,
@@ -271,13 +354,15 @@ class DecodeGraphs:
         end: int,
         tables: np.ndarray | None,
         feed: Feed | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pad rows b.. of the capture ``key`` ((bucket, table width)), send the stage's first ``end`` bytes
-        (``tables``: the block tables to upload apart, when they are not among them), apply ``feed`` and replay;
-        returns the capture's outputs, rows :b."""
+        sample: GraphSample | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Pad rows b.. of the capture ``key`` ((bucket, table width)), stage ``sample``, send the stage's first
+        ``end`` bytes (``tables``: the block tables to upload apart, when they are not among them), apply ``feed``
+        and replay; returns the capture's outputs, rows :b, and the samples when the graph drew them."""
         bucket = key[0]
         ids, pos, slots, lens, _ = host.arrays
         ids[b:bucket], pos[b:bucket], slots[b:bucket], lens[b:bucket] = 0, 0, self.scratch_slot, 0  # padding
+        sampled = self._stage_sample(host, b, sample)
         if self._orders(bucket):
             longest_first(lens[:bucket], self.host_orders[id(host)])
         self.staged[:end].copy_(host.buffer[:end], non_blocking=True)
@@ -290,7 +375,8 @@ class DecodeGraphs:
                 self.input_ids[:b].copy_(fed)
         self.graphs[key].replay()
         logits = self.logits.get(key)
-        return self.outputs[key][:b], None if logits is None else logits[:b]
+        samples = self.samples[: 2 * b].view(2, b) if sampled else None
+        return self.outputs[key][:b], None if logits is None else logits[:b], samples
 
     def run(
         self,
@@ -300,9 +386,11 @@ class DecodeGraphs:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         feed: Feed | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H) and, when the bucket
-        captured the lm_head, logits (B, V), else None (views of the graph's outputs, valid until the next replay;
+        sample: GraphSample | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Replay the bucket for B = len(input_ids) decode rows; returns hidden (B, H), when the bucket
+        captured the lm_head logits (B, V), else None, and when the rows sampled in the graph (``sample``, see
+        ``run_plan``) their (2, B) samples, else None (views of the graph's outputs, valid until the next replay;
         the device reads them in stream order, so work queued before that replay sees this step's values).
         ``feed``: device ids replacing some or all of ``input_ids`` (the previous step's samples, for an
         overlapped step). Nothing here waits for the device."""
@@ -317,4 +405,4 @@ class DecodeGraphs:
             host.staged_tables[:b] = [None] * b  # rows written from an array: no table object to match
         end = self.layout.tables_offset + (b * self.layout.max_blocks * 4 if inline_tables else 0)
         key = self.graph_key(b, lambda: int(seq_lens.max(initial=0)))
-        return self._replay(host, key, b, end, None if inline_tables else block_tables, feed)
+        return self._replay(host, key, b, end, None if inline_tables else block_tables, feed, sample)

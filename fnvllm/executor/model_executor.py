@@ -33,7 +33,7 @@ import torch
 
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, check_step
-from fnvllm.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from fnvllm.executor.cuda_graphs import DecodeGraphs, GraphSample, SampleInGraph, graph_batch_sizes
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
 from fnvllm.executor.fused_sampling import check_finite
 from fnvllm.executor.history import SlotHistory
@@ -41,7 +41,14 @@ from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare
 from fnvllm.executor.logprob_rows import StepLogprobs
 from fnvllm.executor.mixed_graphs import MixedGraphs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
-from fnvllm.executor.sampler import Logprobs, Sampler, SamplingMemo, prepare_sampling
+from fnvllm.executor.sampler import (
+    Logprobs,
+    Sampler,
+    SamplingMemo,
+    TemperatureRows,
+    prepare_sampling,
+    temperature_rows,
+)
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
@@ -64,6 +71,8 @@ _LOGPROB_BYTES_PER_ROW = 256  # >= MAX_LOGPROBS (20) x (4 + 8) + 4 + alignment: 
 SHORT_GRAPHS_ENV = "FNVLLM_SHORT_GRAPHS"
 # "0": decode steps do not stage their rows longest first (the decode kernel takes them in batch order).
 DECODE_ORDER_ENV = "FNVLLM_DECODE_ORDER"
+# "0": decode graphs do not sample; every step samples eagerly from the graph's logits (an A/B switch).
+SAMPLE_IN_GRAPH_ENV = "FNVLLM_SAMPLE_IN_GRAPH"
 _GRAPH_POOL_RESERVE = _GIB // 2  # captured decode forwards of <= 512 rows need far less; measured, not guessed
 
 
@@ -312,6 +321,8 @@ class ModelExecutor:
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
+        # the last decode params sequence asked about sampling in the graph, and the answer (``_graph_sample``)
+        self._temperature_memo: tuple[Sequence[SamplingParams] | None, TemperatureRows | None] = (None, None)
         # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
         # its tokens accepted and masks filled by the grammar process (or thread) while the host commits and plans;
         # "collect" = at the end of the collect that accepted its tokens, its masks filled there (on the host's
@@ -440,7 +451,28 @@ class ModelExecutor:
             None if self.tp.is_parallel else self.model.compute_logits,  # a rank > 0 computes no logits
             short_widths=self._short_graph_widths(max_blocks),
             order_min_rows=self._order_min_rows(),
+            sample=self._sample_in_graph(),
         )
+
+    def _sample_in_graph(self) -> SampleInGraph | None:
+        """The sampler's kernels for the decode graphs to capture (``DecodeGraphs``' ``sample``), with scratch of
+        their own; None under tensor parallelism (rank 0 samples logits gathered outside the graph), without the
+        Triton kernels, or when SAMPLE_IN_GRAPH_ENV is "0"."""
+        if self.tp.is_parallel or not self.sampler.uses_kernels(self.device):
+            return None
+        if os.environ.get(SAMPLE_IN_GRAPH_ENV, "1") == "0":
+            return None
+        from fnvllm.kernels.sampling import SamplingScratch, sample_rows_graphed  # Triton: where the kernels run
+
+        scratch = SamplingScratch()  # the graphs' own: the eager sampler's may grow (and move) after a capture
+
+        def sample(
+            logits: torch.Tensor, scale: torch.Tensor, fixed: torch.Tensor, uniforms: torch.Tensor,
+            live: torch.Tensor, out: torch.Tensor,
+        ) -> None:  # fmt: skip
+            sample_rows_graphed(logits, scale, fixed, uniforms, live, out, scratch)
+
+        return sample
 
     def _order_min_rows(self) -> int | None:
         """The fewest rows of a decode bucket that stages its rows longest first, for the Triton decode kernel to
@@ -524,22 +556,39 @@ class ModelExecutor:
 
     def _hidden_at_samples(
         self, plan: StepPlan, feed: Feed | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, bool, list[ScoredRow]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool, list[ScoredRow], torch.Tensor | None]:
         """Final hidden states (S, H) of the sampled rows; their logits (S, V) when the CUDA graph computed them
-        too (a small decode bucket: ``DecodeGraphs``), else None; whether a CUDA graph ran; and the prompt
+        too (a small decode bucket: ``DecodeGraphs``), else None; whether a CUDA graph ran; the prompt
         logprobs of the rows that asked (scored from every fed position's hidden state, so such a step runs
-        eagerly). ``feed``: input ids on the device that replace some of the plan's (an overlapped step)."""
+        eagerly); and the (2, S) samples when the graph drew them too (``_graph_sample``), else None. ``feed``:
+        input ids on the device that replace some of the plan's (an overlapped step)."""
         scored_rows = prompt_rows(plan)
         if not scored_rows and self.graphs is not None and is_decode_only(plan) and self.graphs.can_run(plan.num_seqs):
-            hidden, logits = self.graphs.run_plan(plan, feed)
-            return hidden, logits, True, []
+            hidden, logits, samples = self.graphs.run_plan(plan, feed, self._graph_sample(plan))
+            return hidden, logits, True, [], samples
         if not scored_rows and self.mixed_graphs is not None and self.mixed_graphs.can_run(plan):
-            return self.mixed_graphs.run_plan(plan, feed), None, True, []
+            return self.mixed_graphs.run_plan(plan, feed), None, True, [], None
         inputs = self.prepare_inputs(plan)
         input_ids = inputs.input_ids if feed is None else feed.apply(inputs.input_ids, token_rows=True)
         hidden = self._forward(input_ids, inputs.meta.positions, inputs.meta)
         scored = self.prompt_scorer.score(plan, scored_rows, hidden, self.model.compute_logits) if scored_rows else []
-        return hidden[inputs.sample_index], None, False, scored
+        return hidden[inputs.sample_index], None, False, scored, None
+
+    def _graph_sample(self, plan: StepPlan) -> GraphSample | None:
+        """How an all-decode plan's rows sample inside the graph (taking the sampler's next Philox key), or None
+        when they sample eagerly: the bucket captured no sampler, a row samples by more than temperature
+        (``temperature_rows``), or a row does not sample. The answer for a params sequence is kept while the core
+        hands each step the same one (no per-row pass)."""
+        assert self.graphs is not None
+        if not self.graphs.samples_in_graph(plan.num_seqs) or plan.num_samples != plan.num_seqs:
+            return None
+        kept_params, rows = self._temperature_memo
+        if plan.params is not kept_params:
+            rows = temperature_rows(plan.params, self.model_config.vocab_size)
+            self._temperature_memo = (plan.params, rows)
+        if rows is None:
+            return None
+        return GraphSample(rows.scale, rows.fixed, rows.uniforms(plan.num_generated), self.sampler.next_key())
 
     def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
         """The device ids that feed ``plan`` from ``fed_by``'s samples: each row continuing a sequence that
@@ -588,7 +637,7 @@ class ModelExecutor:
         if plan.is_empty:
             return Launched(plan)
         timer = self.timeline.begin() if self.timeline is not None else None
-        hidden, logits, graph, scored = self._hidden_at_samples(plan, feed)
+        hidden, logits, graph, scored, samples = self._hidden_at_samples(plan, feed)
         prompt, prompt_host = tuple(scored), _copy_scored(scored)
         if logits is None and plan.num_samples:
             logits = self.model.compute_logits(hidden)  # None on ranks > 0 too
@@ -604,6 +653,9 @@ class ModelExecutor:
         launched = Launched(
             plan, rows, timer=timer, graph=graph, matchers=matchers, prompt=prompt, prompt_host=prompt_host
         )
+        if samples is not None:  # drawn by the graph (temperature rows only: no matcher, no logprobs)
+            self._sampled(launched, samples, plan.params)
+            return launched
         if any(matchers) and fed_by is not None and self._waits_for_tokens(plan, rows, matchers, fed_by):
             launched.deferred = logits  # its masks need the tokens of ``fed_by``, not yet accepted
             launched.fed_by = fed_by
@@ -664,7 +716,7 @@ class ModelExecutor:
     @torch.inference_mode()  # also from collect (a deferred step), whose logits are inference tensors
     def _sample(self, launched: Launched, logits: torch.Tensor) -> None:
         """Sample ``launched``'s rows from ``logits`` (grammar masks applied) and queue the copy to the host."""
-        plan, rows, timer = launched.plan, launched.rows, launched.timer
+        plan, rows = launched.plan, launched.rows
         every = len(rows) == plan.num_seqs  # a decode step: the plan's columns as they are, no per-row copies
         params = plan.params if every else [plan.params[i] for i in rows]
         batch = prepare_sampling(
@@ -685,16 +737,26 @@ class ModelExecutor:
             if host is not None:  # one non-blocking copy; the logits are this step's own, masked in place
                 batch = attrs.evolve(batch, grammar_mask=host.upload(self.device, scratch=True))
         out = self.sampler.sample(logits, batch)  # every row on one per-row path (fnvllm.executor.sampler)
-        packed, logprobs = out.packed, out.logprobs  # (2, S): tokens, non-finite flags
-        self.history.record(plan, rows, packed[0])
+        self._sampled(launched, out.packed, params, out.logprobs)
+
+    def _sampled(
+        self,
+        launched: Launched,
+        packed: torch.Tensor,
+        params: Sequence[SamplingParams],
+        logprobs: Logprobs | None = None,
+    ) -> None:
+        """Record ``launched``'s samples ((2, S) tokens and non-finite flags on the device, of ``params``' rows)
+        and queue their copy to the host."""
+        self.history.record(launched.plan, launched.rows, packed[0])
         if self.shares_samples:  # the workers feed an overlapped next step from these, as rank 0 does
             broadcast_from_first(packed[0], self.tp)
         copied = [packed] if logprobs is None else [packed, *logprobs.copied()]  # the kernels' logprobs: one tensor
         launched.packed, launched.host = packed, HostCopy.start(copied, self._host_ring)
         launched.logprobs = logprobs
         launched.asked = tuple(map(_LOGPROBS, params))
-        if timer is not None:
-            timer.launched()
+        if launched.timer is not None:
+            launched.timer.launched()
 
     def collect(self, launched: object) -> ExecuteResult:
         """Wait for a launched step; its sampled ids (plan order) and logprobs. The step's one device -> host

@@ -557,6 +557,44 @@ def prepare_sampling(
     return batch
 
 
+@attrs.frozen(eq=False)
+class TemperatureRows:
+    """A batch whose every row samples by temperature alone (greedy rows included): no top-k / top-p / min-p,
+    penalty, logit bias, logprobs or grammar. The decode CUDA graphs sample such a batch inside the replay
+    (``fnvllm.executor.cuda_graphs.GraphSample``), with ``fused_sampling.sample_with_kernels``' draws.
+
+    scale: (B,) float32 inverse temperature, 0 = greedy. fixed: (B,) int32, 1 on the seeded rows. seeded: (S,)
+    int64 those rows; seeds: their seeds.
+    """
+
+    scale: np.ndarray
+    fixed: np.ndarray
+    seeded: np.ndarray
+    seeds: tuple[int, ...]
+
+    def uniforms(self, num_generated: Sequence[int]) -> np.ndarray:
+        """(B,) float32: each seeded row's uniform for its draw number ``num_generated[row]`` (0 elsewhere)."""
+        out = np.zeros(self.scale.shape[0], dtype=np.float32)
+        if self.seeds:
+            out[self.seeded] = seeded_uniforms(list(self.seeds), [num_generated[i] for i in self.seeded])
+        return out
+
+
+def temperature_rows(params: Sequence[SamplingParams], vocab_size: int) -> TemperatureRows | None:
+    """The batch's TemperatureRows, or None when some row needs more than ``sample_rows`` (a filter, a penalty, a
+    logit bias, logprobs or a grammar). Worked example: (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale
+    (1/0.6, 0, 1), fixed (0, 0, 1): a greedy row's filters are off; (T 0.6, top_k 20) -> None."""
+    rows = _gather(params, vocab_size)
+    if rows.filtered or rows.penalised or rows.logprobs or rows.biased:
+        return None
+    if any(p.structured is not None for p in params):
+        return None
+    fixed = np.zeros(len(params), dtype=np.int32)
+    fixed[rows.seeded] = 1
+    seeds = tuple(params[i].seed or 0 for i in rows.seeded)
+    return TemperatureRows(np.array(rows.scale, dtype=np.float32), fixed, np.array(rows.seeded, np.int64), seeds)
+
+
 TIE_MARGIN = 64  # candidates past the largest top-k: tokens tied with a row's k-th logit are kept, as by sorting
 
 
@@ -595,8 +633,16 @@ class Sampler:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _uses_kernels(self, device: torch.device) -> bool:
+    def uses_kernels(self, device: torch.device) -> bool:
+        """Whether sampling on ``device`` runs the Triton kernels (else their torch references)."""
         return self.kernels if self.kernels is not None else device.type == "cuda" and self._has_triton
+
+    def next_key(self) -> int:
+        """The Philox key of the next kernel-sampled step's unseeded rows, in [0, 2**31); each call takes one
+        (the decode CUDA graphs take theirs here too, so a step draws the same uniforms on either path)."""
+        key = (self.seed * 1_000_003 + self._calls) % 2**31
+        self._calls += 1
+        return key
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (B, V) (read in its dtype, computed in float32); the input tensor is
@@ -612,10 +658,9 @@ class Sampler:
         if mask is not None:
             # in place on a copy already made (bias), or on the caller's scratch logits when no row reads them raw
             scratch = logits is not raw or (mask.scratch and batch.logprob_rows is None)
-            logits = apply_grammar_mask(logits, attrs.evolve(mask, scratch=scratch), self._uses_kernels(logits.device))
-        if self._uses_kernels(logits.device):
-            key = (self.seed * 1_000_003 + self._calls) % 2**31
-            self._calls += 1
+            logits = apply_grammar_mask(logits, attrs.evolve(mask, scratch=scratch), self.uses_kernels(logits.device))
+        if self.uses_kernels(logits.device):
+            key = self.next_key()
             if self._scratch is None:
                 from fnvllm.kernels.sampling import SamplingScratch
 
@@ -626,7 +671,7 @@ class Sampler:
         rows, num_top = batch.logprob_rows, batch.max_logprobs
         if rows is None or num_top is None:
             return SamplerOutput(packed=packed, logprobs=None)
-        kernels = self._uses_kernels(raw.device)
+        kernels = self.uses_kernels(raw.device)
         logprobs = compute_logprobs(raw, packed[0], rows, num_top, kernels, self._scratch)
         return SamplerOutput(packed=packed, logprobs=logprobs)
 

@@ -55,6 +55,7 @@ __all__ = [
     "philox_uniforms",
     "sample_ref",
     "sample_rows",
+    "sample_rows_graphed",
     "sample_rows_ref",
 ]
 
@@ -91,6 +92,7 @@ def _chunk_stats_kernel(
     rows_ptr,  # (R,) int32 or int64 batch rows of the programs (when HAS_ROWS)
     stats_ptr,  # (3, R, C) float32: chunk max, chunk partition sum, non-finite flag
     argmax_ptr,  # (R, C) int32: index of the chunk's max (vocabulary index)
+    live_ptr,  # (2,) int32 when GRAPHED: the live rows n (programs >= n read nothing), then the seed
     stride_row,
     num_programs,
     vocab_size,
@@ -98,6 +100,7 @@ def _chunk_stats_kernel(
     CHUNK_SIZE: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     DENSE_SOURCE: tl.constexpr,
+    GRAPHED: tl.constexpr = False,
 ):
     """Summarise chunk program_id(1) of program program_id(0)'s row (source row = the program index when
     DENSE_SOURCE, else the batch row)."""
@@ -107,6 +110,8 @@ def _chunk_stats_kernel(
     scale = tl.load(scale_ptr + row)
     scale = tl.where(scale > 0.0, scale, 1.0)
     cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    if GRAPHED:  # a captured bucket's padding rows (and every row of a step sampled elsewhere) read no logits
+        vocab_size = tl.where(i < tl.load(live_ptr), vocab_size, 0)
     mask = cols < vocab_size
     x = tl.load(logits_ptr + src * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     bad = tl.max((mask & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.float32), axis=0)
@@ -133,6 +138,7 @@ def _pick_kernel(
     stats_ptr,
     argmax_ptr,
     out_ptr,  # (2, B) int64: token ids, non-finite flags
+    live_ptr,  # (2,) int32 when GRAPHED: the live rows n, then the seed (both replace the arguments)
     stride_row,
     num_programs,
     num_rows,
@@ -143,9 +149,19 @@ def _pick_kernel(
     CHUNKS_PAD: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     DENSE_SOURCE: tl.constexpr,
+    GRAPHED: tl.constexpr = False,
 ):
-    """Combine program program_id(0)'s chunk summaries, take its uniform, and find the sampled token."""
+    """Combine program program_id(0)'s chunk summaries, take its uniform, and find the sampled token.
+
+    GRAPHED (a CUDA graph's capture: its arguments are frozen, so what changes per step is read from live_ptr):
+    num_rows and seed come from live_ptr, out and drawn are laid out for those n rows, and programs >= n (the
+    bucket's padding rows) store nothing."""
     i = tl.program_id(0)
+    active = i < num_programs  # every program (a tensor: the stores take it as their mask)
+    if GRAPHED:
+        num_rows = tl.load(live_ptr)
+        seed = tl.load(live_ptr + 1)
+        active = i < num_rows
     row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i.to(tl.int64)
     src = i.to(tl.int64) if DENSE_SOURCE else row
     scale = tl.load(scale_ptr + row)
@@ -167,7 +183,7 @@ def _pick_kernel(
     picked = tl.min(tl.where(running > target, chunk_ids, num_chunks - 1), axis=0)
     remainder = target - tl.sum(tl.where(chunk_ids < picked, weights, 0.0), axis=0)
     cols = picked * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-    mask = cols < vocab_size
+    mask = cols < tl.where(active, vocab_size, 0)  # an inactive program reads nothing
     x = tl.load(logits_ptr + src * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     e = tl.where(mask, tl.exp(x * scale - top), 0.0)
     inside = tl.cumsum(e, axis=0)
@@ -175,11 +191,11 @@ def _pick_kernel(
     last_positive = tl.max(tl.where(e > 0.0, cols, 0), axis=0)  # float32 sums may fall short of the remainder
     sampled = tl.minimum(crossing, last_positive)
     token = tl.where(scale > 0.0, sampled, greedy_token)
-    tl.store(drawn_ptr + row, u)
-    tl.store(drawn_ptr + num_rows + row, top)
-    tl.store(drawn_ptr + 2 * num_rows + row, partition)
-    tl.store(out_ptr + row, token.to(tl.int64))
-    tl.store(out_ptr + num_rows + row, (bad > 0.0).to(tl.int64))
+    tl.store(drawn_ptr + row, u, mask=active)
+    tl.store(drawn_ptr + num_rows + row, top, mask=active)
+    tl.store(drawn_ptr + 2 * num_rows + row, partition, mask=active)
+    tl.store(out_ptr + row, token.to(tl.int64), mask=active)
+    tl.store(out_ptr + num_rows + row, (bad > 0.0).to(tl.int64), mask=active)
 
 
 @triton.jit
@@ -261,16 +277,56 @@ def sample_rows(
         argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
     else:
         stats, argmax = scratch.chunk_stats(num_programs, num_chunks, logits.device)
+    _launch_pair(logits, batch, row_ids, stats, argmax, batch.scale, num_programs, num_rows, num_chunks, seed, chunk,
+                 flags)  # fmt: skip
+    return stats
+
+
+def _launch_pair(
+    logits: torch.Tensor, batch: RowSampling, row_ids: torch.Tensor, stats: torch.Tensor, argmax: torch.Tensor,
+    live: torch.Tensor, num_programs: int, num_rows: int, num_chunks: int, seed: int, chunk: int,
+    flags: dict[str, bool],
+) -> None:  # fmt: skip
+    """Pass 1 over (programs, chunks), then pass 2 over programs (``sample_rows``; ``sample_rows_graphed``)."""
     _chunk_stats_kernel[(num_programs, num_chunks)](
-        logits, batch.scale, row_ids, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
-        CHUNK_SIZE=chunk, num_warps=8, **flags,
+        logits, batch.scale, row_ids, stats, argmax, live, logits.stride(0), num_programs, logits.shape[1],
+        num_chunks, CHUNK_SIZE=chunk, num_warps=8, **flags,
     )  # fmt: skip
     _pick_kernel[(num_programs,)](
-        logits, batch.scale, row_ids, batch.fixed, batch.uniforms, batch.drawn, stats, argmax, batch.out,
+        logits, batch.scale, row_ids, batch.fixed, batch.uniforms, batch.drawn, stats, argmax, batch.out, live,
         logits.stride(0), num_programs, num_rows, logits.shape[1], num_chunks, seed,
         CHUNK_SIZE=chunk, CHUNKS_PAD=max(2, int(triton.next_power_of_2(num_chunks))), num_warps=8, **flags,
     )  # fmt: skip
-    return stats
+
+
+def sample_rows_graphed(
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    fixed: torch.Tensor,
+    uniforms: torch.Tensor,
+    live: torch.Tensor,
+    out: torch.Tensor,
+    scratch: SamplingScratch,
+    chunk: int = CHUNK,
+) -> None:
+    """``sample_rows`` of every row of ``logits`` (N, V) in a form a CUDA graph can capture once and replay each
+    step: what changes per step is read from device memory, not frozen into the launch. live: (2,) int32, the
+    rows n this step samples (0 <= n <= N; rows >= n are a bucket's padding: they read no logits and store
+    nothing; n = 0 samples nothing) and the Philox seed (0 <= seed < 2**31). scale / fixed / uniforms: (N,) as in
+    ``RowSampling`` (rows :n read). out: (2 N,) int64; rows :n's tokens land in out[:n] and their non-finite
+    flags in out[n : 2 n], so ``out[: 2 * n].view(2, n)`` is what ``sample_rows`` returns for those rows. The
+    same tokens as ``sample_rows`` for the same logits, settings and seed."""
+    num_chunks = _check_source(logits, chunk)
+    num_programs = logits.shape[0]
+    if tuple(live.shape) != (2,) or live.dtype != torch.int32:
+        raise ValueError(f"live must be a (2,) int32 tensor, got {tuple(live.shape)} {live.dtype}")
+    if out.shape != (2 * num_programs,) or out.dtype != torch.int64:
+        raise ValueError(f"out must be a ({2 * num_programs},) int64 tensor, got {tuple(out.shape)} {out.dtype}")
+    stats, argmax = scratch.chunk_stats(num_programs, num_chunks, logits.device)
+    drawn = scratch.drawn(num_programs, logits.device)
+    batch = RowSampling(scale=scale, fixed=fixed, uniforms=uniforms, drawn=drawn, out=out)
+    flags = {"HAS_ROWS": False, "DENSE_SOURCE": False, "GRAPHED": True}
+    _launch_pair(logits, batch, scale, stats, argmax, live, num_programs, num_programs, num_chunks, 0, chunk, flags)
 
 
 def check_row_sources(
@@ -304,7 +360,7 @@ def chunk_summaries(logits: torch.Tensor, scale: torch.Tensor, rows: torch.Tenso
     if num_programs:
         argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=logits.device)
         _chunk_stats_kernel[(num_programs, num_chunks)](
-            logits, scale, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            logits, scale, rows, stats, argmax, rows, logits.stride(0), num_programs, logits.shape[1], num_chunks,
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
         )  # fmt: skip
     return stats
@@ -389,7 +445,7 @@ def logprob_candidates(
         argmax = torch.empty((num_programs, num_chunks), dtype=torch.int32, device=device)
         raw = torch.zeros(logits.shape[0], dtype=torch.float32, device=device)  # scale 0: the raw logits
         _chunk_stats_kernel[(num_programs, num_chunks)](
-            logits, raw, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            logits, raw, rows, stats, argmax, rows, logits.stride(0), num_programs, logits.shape[1], num_chunks,
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
         )  # fmt: skip
         _logprob_combine_kernel[(num_programs,)](
@@ -575,7 +631,7 @@ def logprob_top(
         stats, argmax = scratch.chunk_stats(num_programs, num_chunks, device)
         zeros = scratch.zeros(logits.shape[0], device)
         _chunk_stats_kernel[(num_programs, num_chunks)](
-            logits, zeros, rows, stats, argmax, logits.stride(0), num_programs, logits.shape[1], num_chunks,
+            logits, zeros, rows, stats, argmax, rows, logits.stride(0), num_programs, logits.shape[1], num_chunks,
             CHUNK_SIZE=chunk, num_warps=4, HAS_ROWS=True, DENSE_SOURCE=False,
         )  # fmt: skip
         top_pad = max(2, int(triton.next_power_of_2(max(num_top, 1))))
