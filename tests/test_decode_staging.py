@@ -95,11 +95,7 @@ def test_staged_views_tile_the_buffer_without_overlap() -> None:
         assert start + size <= next_start
     assert all(start % align == 0 for start, _, align in spans)
     assert spans[-1] == (layout.tables_offset, 4 * 8 * 6, 4) and layout.tables_offset + 4 * 8 * 6 == layout.num_bytes
-    scale, fixed, uniforms, live = layout.sampling(buffer)
-    assert (scale.dtype, fixed.dtype, uniforms.dtype, live.dtype) == (
-        torch.float32,
-        torch.int32,
-        torch.float32,
-        torch.int32,
-    )
-    assert scale.numel() == fixed.numel() == uniforms.numel() == 8 and live.numel() == 2
+    scale, fixed, uniforms, top_k, top_p, min_p, live = layout.sampling(buffer)
+    dtypes = [t.dtype for t in (scale, fixed, uniforms, top_k, top_p, min_p, live)]
+    assert dtypes == [torch.float32, torch.int32, torch.float32, torch.int32, torch.float32, torch.float32, torch.int32]
+    assert all(t.numel() == 8 for t in (scale, fixed, uniforms, top_k, top_p, min_p)) and live.numel() == 2

@@ -239,25 +239,36 @@ def test_decode_order_leaves_fp8_tokens_unchanged(checkpoint: Any, monkeypatch: 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("prompts", [1, 3, 6])
 def test_sampling_in_the_graph_draws_the_eager_samplers_tokens(
-    checkpoint: Any, monkeypatch: pytest.MonkeyPatch, prompts: int
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, prompts: int
 ) -> None:
-    """On a GPU, decode steps whose rows sample by temperature alone (greedy, unseeded, seeded) sample inside the
-    CUDA graph: the same tokens as the eager sampler (FNVLLM_SAMPLE_IN_GRAPH=0), over several engine seeds, with
-    overlapped steps; a batch with a top-p row samples eagerly in both runs and agrees too."""
+    """On a GPU, decode steps whose rows the graphs can sample (greedy, unseeded, seeded; top-k rows with a top-p or
+    a min-p) sample inside the CUDA graphs: the same tokens as the eager sampler (FNVLLM_SAMPLE_IN_GRAPH=0), over
+    two engine seeds, with overlapped steps; a batch with a top-p row without a top-k samples eagerly in both runs
+    and agrees too. The vocabulary spans 24 of the sampler's 4096-token chunks, so top-k rows up to 24 redraw in
+    the graphs (``fused_sampling.graph_top_k_limit``)."""
     from fnvllm.executor.cuda_graphs import DecodeGraphs
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("vocab"), "qwen3", vocab_size=24 * 4096)
 
     plain = [
         SamplingParams(temperature=0.8, max_tokens=14, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=1.3, seed=5, max_tokens=12, ignore_eos=True),
     ] * 2
-    filtered = [*plain[:-1], SamplingParams(temperature=0.9, top_p=0.8, max_tokens=10, ignore_eos=True)]
-    staged = {"graph": 0}
+    top_k = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.95, max_tokens=13, ignore_eos=True),  # Qwen3's preset
+        SamplingParams(temperature=0.7, max_tokens=11, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=8, max_tokens=10, ignore_eos=True),
+    ] * 2
+    eager_only = [*plain[:-1], SamplingParams(temperature=0.9, top_p=0.8, max_tokens=10, ignore_eos=True)]
+    staged = {"sampled": 0, "filtered": 0}
     stage = DecodeGraphs._stage_sample
 
     def counting(self: DecodeGraphs, host: Any, b: int, sample: Any) -> bool:
         sampled = stage(self, host, b, sample)
-        staged["graph"] += sampled
+        staged["sampled"] += sampled
+        staged["filtered"] += sampled and sample.top_k is not None
         return sampled
 
     monkeypatch.setattr(DecodeGraphs, "_stage_sample", counting)
@@ -265,12 +276,14 @@ def test_sampling_in_the_graph_draws_the_eager_samplers_tokens(
         runs = []
         for in_graph in ("0", "1"):
             monkeypatch.setenv("FNVLLM_SAMPLE_IN_GRAPH", in_graph)
-            llm = LLM(checkpoint, block_size=16, num_blocks=64, max_num_seqs=8, seed=seed)
+            llm = LLM(checkpoint, block_size=16, num_blocks=64, max_num_seqs=8, seed=seed, load_tokenizer=False)
             graphs = llm.executor.graphs
-            assert graphs is not None and (graphs.sample is not None) == (in_graph == "1")
-            before = staged["graph"]
-            outs = [llm.generate(PROMPTS[:prompts], params[:prompts], use_tqdm=False) for params in (plain, filtered)]
-            assert (staged["graph"] > before) == (in_graph == "1"), "temperature rows must sample in the graph"
+            assert graphs is not None and (graphs.sampler is not None) == (in_graph == "1")
+            before = dict(staged)
+            batches = (plain, top_k, eager_only)
+            outs = [llm.generate(PROMPTS[:prompts], params[:prompts], use_tqdm=False) for params in batches]
+            assert (staged["sampled"] > before["sampled"]) == (in_graph == "1"), "the graphs must sample"
+            assert (staged["filtered"] > before["filtered"]) == (in_graph == "1"), "top-k rows must redraw there"
             runs.append([o.token_ids for batch in outs for o in batch])
             llm.close()
         assert runs[0] == runs[1]

@@ -291,10 +291,11 @@ def test_cuda_sampling_never_syncs_and_matches_cpu_on_deterministic_rows() -> No
     torch.testing.assert_close(gpu.logprobs.top_logprobs.cpu(), cpu.logprobs.top_logprobs)
 
 
-def test_temperature_rows_worked_example() -> None:
+def test_graph_rows_worked_example() -> None:
     """Rows that sample by temperature alone (greedy rows with filters included: greedy ignores them) give their
-    inverse temperatures and seeded rows; the uniforms of the seeded rows are prepare_sampling's."""
-    from fnvllm.executor.sampler import temperature_rows
+    inverse temperatures and seeded rows, and no filter arrays; the uniforms, scales and seeded flags are
+    prepare_sampling's."""
+    from fnvllm.executor.sampler import graph_rows
 
     params = [
         SamplingParams(temperature=0.6),
@@ -303,8 +304,8 @@ def test_temperature_rows_worked_example() -> None:
         SamplingParams(temperature=0.8, top_k=1),
         SamplingParams(temperature=2.0, seed=9, top_k=500),  # a top-k past the vocabulary is off
     ]
-    rows = temperature_rows(params, 100)
-    assert rows is not None
+    rows = graph_rows(params, 100)
+    assert rows is not None and rows.top_k is None and rows.top_p is None and rows.min_p is None
     assert rows.scale.dtype == np.float32 and rows.scale.tolist() == pytest.approx([1 / 0.6, 0.0, 1.0, 0.0, 0.5])
     assert rows.fixed.tolist() == [0, 0, 1, 0, 1] and rows.seeded.tolist() == [2, 4] and rows.seeds == (7, 9)
     num_generated = [3, 0, 11, 2, 5]
@@ -314,33 +315,53 @@ def test_temperature_rows_worked_example() -> None:
     assert torch.equal(torch.from_numpy(rows.fixed), batch.fixed)
 
 
+def test_graph_rows_with_top_k_carry_prepare_samplings_filters() -> None:
+    """Rows with a top-k within the limit (with a top-p or a min-p too) beside plain and greedy rows: the filter
+    arrays are prepare_sampling's, neutral on the other rows."""
+    from fnvllm.executor.sampler import graph_rows
+
+    params = [
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, top_k=3),
+        SamplingParams(temperature=1.1, top_k=38, min_p=0.05, seed=4),
+    ]
+    rows = graph_rows(params, 1000, max_top_k=38)
+    assert rows is not None and rows.top_k is not None and rows.top_p is not None and rows.min_p is not None
+    batch = _batch(params, 1000, [0, 0, 0, 6])
+    assert rows.top_k.tolist() == [20, 0, 0, 38] and torch.equal(torch.from_numpy(rows.top_k), batch.top_k)
+    assert torch.equal(torch.from_numpy(rows.top_p), batch.top_p)
+    assert torch.equal(torch.from_numpy(rows.min_p), batch.min_p)
+    assert graph_rows(params, 1000, max_top_k=37) is None, "a top-k past the limit samples eagerly"
+
+
 @pytest.mark.parametrize(
     "extra",
     [
-        {"top_k": 20},
         {"top_p": 0.95},
         {"min_p": 0.05},
-        {"repetition_penalty": 1.05},
+        {"top_k": 20, "repetition_penalty": 1.05},
         {"presence_penalty": 0.5},
         {"frequency_penalty": 0.5},
         {"logit_bias": {3: 1.0}},
         {"logprobs": 0},
+        {"top_k": 41},
     ],
 )
-def test_temperature_rows_refuse_any_other_option(extra: dict[str, object]) -> None:
-    """One row with a filter, a penalty, a logit bias or logprobs beside plain rows: the batch is not sampled by
-    temperature alone (the decode graphs leave it to the eager sampler)."""
-    from fnvllm.executor.sampler import temperature_rows
+def test_graph_rows_refuse_any_other_option(extra: dict[str, object]) -> None:
+    """One row with a filter but no top-k within the limit, a penalty, a logit bias or logprobs beside plain rows:
+    the batch is not sampled in the graphs (they leave it to the eager sampler)."""
+    from fnvllm.executor.sampler import graph_rows
 
     plain = SamplingParams(temperature=0.7)
-    assert temperature_rows([plain, plain], 100) is not None
-    assert temperature_rows([plain, SamplingParams(temperature=0.7, **extra), plain], 100) is None  # type: ignore[arg-type]
+    assert graph_rows([plain, plain], 100, max_top_k=40) is not None
+    assert graph_rows([plain, SamplingParams(temperature=0.7, **extra), plain], 100, max_top_k=40) is None  # type: ignore[arg-type]
 
 
-def test_temperature_rows_refuse_a_grammar_row() -> None:
-    """A grammar-constrained row (its mask is applied before sampling) is not sampled by temperature alone."""
-    from fnvllm.executor.sampler import temperature_rows
+def test_graph_rows_refuse_a_grammar_row() -> None:
+    """A grammar-constrained row (its mask is applied before sampling) is not sampled in the graphs."""
+    from fnvllm.executor.sampler import graph_rows
     from fnvllm.state.params import StructuredOutput
 
     constrained = SamplingParams(temperature=0.7, structured=StructuredOutput.choice(["a", "b"]))
-    assert temperature_rows([SamplingParams(temperature=0.7), constrained], 100) is None
+    assert graph_rows([SamplingParams(temperature=0.7), constrained], 100) is None

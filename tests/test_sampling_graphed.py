@@ -78,3 +78,51 @@ def test_graphed_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="out must be a \\(16,\\) int64"):
         sample_rows_graphed(logits, scale, fixed, uniforms, torch.zeros(2, dtype=torch.int32, device=DEVICE),
                             out[:4], SamplingScratch(), chunk=CHUNK)  # fmt: skip
+
+
+FILTER_VOCAB = 600  # 10 chunks of CHUNK: top-k up to 10 takes the segments
+
+
+@pytest.mark.parametrize("n", [BUCKET, 3])
+def test_graphed_filter_redraws_what_segmented_pick_draws(n: int) -> None:
+    """sample_rows_graphed then segmented_pick_graphed over the whole bucket: the live rows with a top-k (with and
+    without top-p / min-p; flat rows whose candidates overflow a segment take the per-row path) draw what
+    sample_rows + segmented_pick over those rows draw; the other live rows keep sample_rows' token; padding rows
+    store nothing."""
+    from fnvllm.kernels.sampling_segments import segmented_pick, segmented_pick_graphed
+
+    g = torch.Generator().manual_seed(n)
+    logits = torch.randn(BUCKET, FILTER_VOCAB, generator=g) * 2
+    logits[1] = torch.randn(FILTER_VOCAB, generator=g) * 1e-3  # nearly flat: more candidates than a segment holds
+    logits = logits.to(DEVICE)
+    scale, fixed, uniforms = _settings(n, seed_rows=(2,))
+    top_k = torch.tensor([0, 7, 3, 0, 10, 1, 5, 0], dtype=torch.int32)  # rows 0 (greedy) and 3, 7: no filter
+    top_p = torch.tensor([1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.05, 0.0])
+    top_k, top_p, min_p = (t.to(DEVICE) for t in (top_k, top_p, min_p))
+    seed = 99
+
+    expected = RowSampling(
+        scale=scale[:n], fixed=fixed[:n], uniforms=uniforms[:n],
+        drawn=torch.empty((3, n), device=DEVICE), out=torch.empty((2, n), dtype=torch.int64, device=DEVICE),
+    )  # fmt: skip
+    stats = sample_rows(logits[:n], expected, seed, chunk=CHUNK)
+    unfiltered = expected.out.clone()
+    filtered = torch.tensor([i for i in range(n) if top_k[i] >= 1], dtype=torch.int32, device=DEVICE)
+    settings = (scale[:n], top_k[:n], top_p[:n], min_p[:n], expected.drawn, expected.out)
+    segmented_pick(logits[:n], filtered, filtered, filtered, stats, *settings, chunk=CHUNK)
+
+    sentinel = -5
+    out = torch.full((2 * BUCKET,), sentinel, dtype=torch.int64, device=DEVICE)
+    live = torch.tensor([n, seed], dtype=torch.int32, device=DEVICE)
+    scratch = SamplingScratch()
+    sample_rows_graphed(logits, scale, fixed, uniforms, live, out, scratch, chunk=CHUNK)
+    graph_stats, _ = scratch.chunk_stats(BUCKET, FILTER_VOCAB // CHUNK + 1, logits.device)
+    drawn = scratch.drawn(BUCKET, logits.device)
+    rows = torch.arange(BUCKET, dtype=torch.int32, device=DEVICE)
+    segmented_pick_graphed(logits, rows, graph_stats, scale, top_k, top_p, min_p, drawn, out, live, chunk=CHUNK)
+
+    assert out[: 2 * n].view(2, n).tolist() == expected.out.tolist()
+    assert (out[2 * n :] == sentinel).all(), "padding rows must store nothing"
+    redrawn = [i for i in filtered.tolist() if unfiltered[0, i] != expected.out[0, i]]
+    assert redrawn, "some filtered row must draw another token than its unfiltered draw (else nothing is tested)"

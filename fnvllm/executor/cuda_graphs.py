@@ -9,7 +9,8 @@ Static buffers (N = largest bucket, W = max blocks per sequence), views of ONE d
 
     input_ids (N,) int64   positions (N,) int64   slot_mapping (N,) int64
     seq_lens (N,) int32    order (N,) int32
-    scale (N,) float32   fixed (N,) int32   uniforms (N,) float32   live (2,) int32   (sampling in the graph)
+    scale (N,) float32   fixed (N,) int32   uniforms (N,) float32   top_k (N,) int32   top_p (N,) float32
+    min_p (N,) float32   live (2,) int32   (sampling in the graph)
     block_tables (N, W) int32
     cu_seqlens_q (N+1,) int32 = 0, 1, ..., N (fixed, apart)
 
@@ -24,13 +25,16 @@ event per buffer says when it is free again. When table rows at full width W wou
 blocks), the tables go as a separate ``(B, w)`` upload of this step's widest table instead. Columns past a
 sequence's end hold stale ids that the kernel never reads (it stops at seq_lens).
 
-Sampling in the graph (``sample``): the buckets that capture the lm_head capture the sampler's two kernels behind
-it (``fnvllm.kernels.sampling.sample_rows_graphed``), reading each row's inverse temperature, seeded uniform and
-the step's live row count and Philox key from the staged buffer. A step whose rows all sample by temperature alone
-(``GraphSample``: no filter, penalty, bias, logprobs or grammar) stages them and its tokens come out of the
-replay: no eager sampler launches, which cost a one-request step ~0.12 ms of host time (H200,
-``benchmarks/host_step.py``). Any other step stages a live count of 0 (the captured kernels read nothing and
-store nothing) and samples eagerly from the logits as before.
+Sampling in the graph (``sampler``): the buckets that capture the lm_head capture the sampler's two kernels behind
+it (``GraphSampler.sample``: ``fnvllm.kernels.sampling.sample_rows_graphed``), reading each row's inverse
+temperature, seeded uniform and the step's live row count and Philox key from the staged buffer, and capture its
+top-k redraw (``GraphSampler.filter``: ``fnvllm.kernels.sampling_segments.segmented_pick_graphed``, reading the rows'
+top-k / top-p / min-p) in a second, small graph per capture, replayed right behind the first only by steps with
+top-k rows. A step whose rows the graphs can sample (``GraphSample``: temperature, top-k with top-p / min-p; no
+penalty, bias, logprobs or grammar) stages them and its tokens come out of the replay: no eager sampler launches,
+which cost a one-request step 0.19 ms of host time at temperature only (H200, ``benchmarks/host_step.py``). Any
+other step stages a live count of 0 (the captured kernels read nothing and store nothing) and samples eagerly from
+the logits as before.
 """
 
 from __future__ import annotations
@@ -53,9 +57,24 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 Logits = Callable[[torch.Tensor], torch.Tensor | None]
 
 
-# sample(logits (N, V), scale (N,), fixed (N,), uniforms (N,), live (2,), out (2 N,)): the sampler's kernels,
-# captured behind the lm_head (``fnvllm.kernels.sampling.sample_rows_graphed``'s contract).
-SampleInGraph = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+class GraphSampler(Protocol):
+    """The sampler's kernels as the decode graphs capture them (``fnvllm.executor.fused_sampling.KernelGraphSampler``).
+    Arguments are a bucket's N rows; ``live`` (2,) int32 holds the step's live rows n and Philox key; ``out`` (2 N,)
+    int64 receives rows :n's tokens then their non-finite flags."""
+
+    def sample(
+        self, logits: torch.Tensor, scale: torch.Tensor, fixed: torch.Tensor, uniforms: torch.Tensor,
+        live: torch.Tensor, out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Sample every live row by its temperature (``sample_rows_graphed``)."""
+        ...
+
+    def filter(
+        self, logits: torch.Tensor, filters: tuple[torch.Tensor, ...], live: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Redraw the live rows with a top-k after ``sample`` (``segmented_pick_graphed``); filters: (scale, top_k,
+        top_p, min_p), (N,) each."""
+        ...
 
 
 # Table rows at full width go with the staged copy while they are at most this many bytes (B x W x 4).
@@ -68,13 +87,17 @@ class GraphSample:
 
     scale: (B,) float32 inverse temperature, 0 = greedy. fixed: (B,) int32, 1 where ``uniforms`` holds the row's
     uniform (a seeded row). uniforms: (B,) float32. key: the step's Philox key for the other rows, in
-    [0, 2**31) (``Sampler.next_key``).
+    [0, 2**31) (``Sampler.next_key``). top_k / top_p / min_p: (B,) int32 / float32 / float32 (neutral 0 / 1 / 0
+    on rows without a top-k), or None when no row has a top-k (then the filter graph does not run).
     """
 
     scale: np.ndarray
     fixed: np.ndarray
     uniforms: np.ndarray
     key: int
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
 
 
 @attrs.frozen
@@ -88,21 +111,21 @@ class StagedLayout:
     @property
     def tables_offset(self) -> int:
         """Where the (N, W) int32 tables start: after ids, positions, slots (8N bytes each), seq_lens, the order
-        and the three sampling arrays (4N each), and live (8 bytes, padded to 16)."""
-        return 44 * self.num_rows + 16
+        and the six sampling arrays (4N each), and live (8 bytes, padded to 16)."""
+        return 56 * self.num_rows + 16
 
     def order(self, buffer: torch.Tensor) -> torch.Tensor:
         """The (N,) int32 order (rows longest first) as a view of the uint8 ``buffer``."""
         return buffer[28 * self.num_rows : 32 * self.num_rows].view(torch.int32)
 
     def sampling(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(scale (N,) float32, fixed (N,) int32, uniforms (N,) float32, live (2,) int32) as views of the uint8
-        ``buffer``: what ``GraphSample`` stages for the sampler captured in the graph."""
+        """(scale (N,) float32, fixed (N,) int32, uniforms (N,) float32, top_k (N,) int32, top_p (N,) float32,
+        min_p (N,) float32, live (2,) int32) as views of the uint8 ``buffer``: what ``GraphSample`` stages for the
+        sampler captured in the graphs."""
         n = self.num_rows
-        scale = buffer[32 * n : 36 * n].view(torch.float32)
-        fixed = buffer[36 * n : 40 * n].view(torch.int32)
-        uniforms = buffer[40 * n : 44 * n].view(torch.float32)
-        return scale, fixed, uniforms, buffer[44 * n : 44 * n + 8].view(torch.int32)
+        dtypes = (torch.float32, torch.int32, torch.float32, torch.int32, torch.float32, torch.float32)
+        arrays = [buffer[(32 + 4 * k) * n : (36 + 4 * k) * n].view(dtype) for k, dtype in enumerate(dtypes)]
+        return (*arrays, buffer[56 * n : 56 * n + 8].view(torch.int32))
 
     @property
     def num_bytes(self) -> int:
@@ -204,8 +227,9 @@ class DecodeGraphs:
     short_graph_widths``: the attention knobs of short tables); a step of such a bucket whose contexts all fit
     replays that capture (a view of the same staged tables, so the host stages the step the same way).
 
-    sample: the sampler's kernels (``SampleInGraph``), captured behind the lm_head in the buckets that have one;
-    ``samples_in_graph(B)`` says whether a step of B rows can sample there (``run_plan``'s ``sample``).
+    sampler: the sampler's kernels (``GraphSampler``), captured behind the lm_head in the buckets that have one
+    (its top-k redraw in a small graph of its own per capture, ``filters``); ``samples_in_graph(B)`` says whether a
+    step of B rows can sample there (``run_plan``'s ``sample``).
     """
 
     def __init__(
@@ -220,7 +244,7 @@ class DecodeGraphs:
         logits_max_rows: int = 64,
         short_widths: Mapping[int, int] | None = None,
         order_min_rows: int | None = None,
-        sample: SampleInGraph | None = None,
+        sampler: GraphSampler | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.short_widths = {
@@ -239,8 +263,8 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.order = self.layout.order(self.staged)
         self.order.copy_(torch.arange(n, dtype=torch.int32))
-        self.sampling = self.layout.sampling(self.staged)  # scale, fixed, uniforms, live: live[0] = 0 until staged
-        self.sample = sample if logits is not None else None
+        self.sampling = self.layout.sampling(self.staged)  # scale .. min_p, live: live[0] = 0 until staged
+        self.sampler = sampler if logits is not None else None
         sampled_rows = max((b for b in self.sizes if b <= self.logits_max_rows), default=0)
         self.samples = torch.zeros(2 * sampled_rows, dtype=torch.int64, device=device)  # (2 B,) tokens, flags
         self.order_min_rows = order_min_rows  # buckets of at least this many rows stage their order (None: none)
@@ -250,6 +274,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}  # captures that compute the lm_head too
+        self.filters: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # their top-k redraws (with a sampler)
         self._capture_all(forward, logits)
 
     def _meta(self, b: int, width: int) -> AttentionMetadata:
@@ -292,18 +317,31 @@ class DecodeGraphs:
                 self.logits[key] = out
             pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
+            if out is not None and self.sampler is not None:
+                self._filter_rows(out, b)  # warm-up: compiles, stores nothing (live[0] is 0)
+                torch.cuda.synchronize()
+                self.filters[key] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.filters[key], pool=pool):
+                    self._filter_rows(out, b)
         torch.cuda.synchronize()
 
     def _sample_rows(self, logits: torch.Tensor | None, b: int) -> None:
         """Launch (or capture) the sampler's kernels over a bucket's (b, V) logits, when sampling in the graph."""
-        if self.sample is not None and logits is not None:
-            scale, fixed, uniforms, live = self.sampling
-            self.sample(logits, scale[:b], fixed[:b], uniforms[:b], live, self.samples[: 2 * b])
+        if self.sampler is not None and logits is not None:
+            scale, fixed, uniforms, *_, live = self.sampling
+            self.sampler.sample(logits, scale[:b], fixed[:b], uniforms[:b], live, self.samples[: 2 * b])
+
+    def _filter_rows(self, logits: torch.Tensor, b: int) -> None:
+        """Launch (or capture) the top-k redraw over a bucket's (b, V) logits (``GraphSampler.filter``)."""
+        assert self.sampler is not None
+        scale, _, _, top_k, top_p, min_p, live = self.sampling
+        filters = (scale[:b], top_k[:b], top_p[:b], min_p[:b])
+        self.sampler.filter(logits, filters, live, self.samples[: 2 * b])
 
     def samples_in_graph(self, num_seqs: int) -> bool:
         """True when a decode step of ``num_seqs`` rows replays a capture that samples (``run_plan``'s
         ``sample``)."""
-        return self.sample is not None and num_seqs <= self.logits_max_rows
+        return self.sampler is not None and num_seqs <= self.logits_max_rows
 
     def graph_key(self, num_seqs: int, longest: Callable[[], int]) -> tuple[int, int]:
         """``capture_key`` of this object's captures."""
@@ -336,13 +374,15 @@ class DecodeGraphs:
         and stores nothing; True when the step samples in the graph."""
         if not host.sampling:
             return False
-        scale, fixed, uniforms, live = host.sampling
+        scale, fixed, uniforms, top_k, top_p, min_p, live = host.sampling
         if sample is None or not self.samples_in_graph(b):
             live[0] = 0
             return False
         if not 0 <= sample.key < 2**31:
             raise ValueError(f"sample.key must be in [0, 2**31), got {sample.key}")
         scale[:b], fixed[:b], uniforms[:b] = sample.scale, sample.fixed, sample.uniforms
+        if sample.top_k is not None:
+            top_k[:b], top_p[:b], min_p[:b] = sample.top_k, sample.top_p, sample.min_p
         live[0], live[1] = b, sample.key
         return True
 
@@ -374,6 +414,8 @@ class DecodeGraphs:
             if fed.data_ptr() != self.input_ids.data_ptr():
                 self.input_ids[:b].copy_(fed)
         self.graphs[key].replay()
+        if sampled and sample is not None and sample.top_k is not None:
+            self.filters[key].replay()
         logits = self.logits.get(key)
         samples = self.samples[: 2 * b].view(2, b) if sampled else None
         return self.outputs[key][:b], None if logits is None else logits[:b], samples

@@ -34,8 +34,10 @@ if TYPE_CHECKING:
     from fnvllm.kernels.sampling import RowSampling, SamplingScratch
 
 __all__ = [
+    "KernelGraphSampler",
     "NonFiniteLogitsError",
     "check_finite",
+    "graph_top_k_limit",
     "sample_with_kernels",
     "sample_with_references",
 ]
@@ -126,6 +128,55 @@ SEGMENTS_FINE_SEGMENT = 8
 # per sampling call (host launch time hidden), min_p 0.05 at T 0.6, 256 rows: 362.7 -> 90.1 flat, 182.0 -> 73.5 std 3
 # (temperature only: 56); 64 rows: 155.7 -> 31.0 flat, 90.4 -> 28.2 std 3 (temperature only: 18); seeded tokens equal.
 MIN_P_BY_CHUNKS = True
+
+
+def graph_top_k_limit(vocab_size: int) -> int:
+    """The largest top-k the decode CUDA graphs redraw (``KernelGraphSampler.filter``) as ``sample_with_kernels``
+    would: the chunks of ``sample_rows`` (past it the eager path takes finer chunk summaries), or 0 when a module
+    knob sends top-k rows down another route (TOP_K_BY_FILTER_KERNEL, TOP_K_BY_SEGMENTS off, FILTER_CHUNK set)."""
+    from fnvllm.kernels.sampling import CHUNK
+
+    if not (TOP_K_BY_FILTER_KERNEL and TOP_K_BY_SEGMENTS) or FILTER_CHUNK is not None:
+        return 0
+    return -(-vocab_size // CHUNK)
+
+
+class KernelGraphSampler:
+    """The sampler's Triton kernels as the decode CUDA graphs capture them (``fnvllm.executor.cuda_graphs.
+    GraphSampler``): ``sample`` is ``sample_with_kernels``' ``sample_rows`` and ``filter`` its top-k redraw
+    (``segmented_pick``), over a bucket's every row, reading what changes per step from device memory. Its scratch
+    is its own and sized for ``max_rows`` at once: a capture keeps the addresses it saw, so the scratch must never
+    move (the eager sampler's grows on demand)."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        from fnvllm.kernels.sampling import CHUNK, SamplingScratch
+
+        self.scratch = SamplingScratch()
+        self.num_chunks = -(-vocab_size // CHUNK)
+        self.scratch.chunk_stats(max_rows, self.num_chunks, device)  # the largest views first: no later growth
+        self.scratch.drawn(max_rows, device)
+        self.rows = torch.arange(max_rows, dtype=torch.int32, device=device)
+
+    def sample(
+        self, logits: torch.Tensor, scale: torch.Tensor, fixed: torch.Tensor, uniforms: torch.Tensor,
+        live: torch.Tensor, out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """``fnvllm.kernels.sampling.sample_rows_graphed`` with this sampler's scratch."""
+        from fnvllm.kernels.sampling import sample_rows_graphed
+
+        sample_rows_graphed(logits, scale, fixed, uniforms, live, out, self.scratch)
+
+    def filter(
+        self, logits: torch.Tensor, filters: tuple[torch.Tensor, ...], live: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``fnvllm.kernels.sampling_segments.segmented_pick_graphed`` over ``sample``'s summaries and draws."""
+        from fnvllm.kernels.sampling_segments import segmented_pick_graphed
+
+        n = logits.shape[0]
+        stats, _ = self.scratch.chunk_stats(n, self.num_chunks, logits.device)
+        drawn = self.scratch.drawn(n, logits.device)
+        scale, top_k, top_p, min_p = filters
+        segmented_pick_graphed(logits, self.rows[:n], stats, scale, top_k, top_p, min_p, drawn, out, live)
 
 
 def sample_with_kernels(

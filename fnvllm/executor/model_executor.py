@@ -33,21 +33,21 @@ import torch
 
 from fnvllm.config import EngineConfig
 from fnvllm.executor.base import ExecuteResult, check_step
-from fnvllm.executor.cuda_graphs import DecodeGraphs, GraphSample, SampleInGraph, graph_batch_sizes
+from fnvllm.executor.cuda_graphs import DecodeGraphs, GraphSample, graph_batch_sizes
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
-from fnvllm.executor.fused_sampling import check_finite
+from fnvllm.executor.fused_sampling import KernelGraphSampler, check_finite, graph_top_k_limit
 from fnvllm.executor.history import SlotHistory
 from fnvllm.executor.inputs import Feed, PreparedInputs, is_decode_only, prepare_inputs
 from fnvllm.executor.logprob_rows import StepLogprobs
 from fnvllm.executor.mixed_graphs import MixedGraphs
 from fnvllm.executor.prompt_logprobs import PromptScorer, ScoredRow, host_prompt_logprobs, prompt_rows
 from fnvllm.executor.sampler import (
+    GraphRows,
     Logprobs,
     Sampler,
     SamplingMemo,
-    TemperatureRows,
+    graph_rows,
     prepare_sampling,
-    temperature_rows,
 )
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
@@ -322,7 +322,7 @@ class ModelExecutor:
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
         # the last decode params sequence asked about sampling in the graph, and the answer (``_graph_sample``)
-        self._temperature_memo: tuple[Sequence[SamplingParams] | None, TemperatureRows | None] = (None, None)
+        self._graph_rows_memo: tuple[Sequence[SamplingParams] | None, GraphRows | None] = (None, None)
         # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
         # its tokens accepted and masks filled by the grammar process (or thread) while the host commits and plans;
         # "collect" = at the end of the collect that accepted its tokens, its masks filled there (on the host's
@@ -451,28 +451,18 @@ class ModelExecutor:
             None if self.tp.is_parallel else self.model.compute_logits,  # a rank > 0 computes no logits
             short_widths=self._short_graph_widths(max_blocks),
             order_min_rows=self._order_min_rows(),
-            sample=self._sample_in_graph(),
+            sampler=self._graph_sampler(),
         )
 
-    def _sample_in_graph(self) -> SampleInGraph | None:
-        """The sampler's kernels for the decode graphs to capture (``DecodeGraphs``' ``sample``), with scratch of
-        their own; None under tensor parallelism (rank 0 samples logits gathered outside the graph), without the
-        Triton kernels, or when SAMPLE_IN_GRAPH_ENV is "0"."""
+    def _graph_sampler(self) -> KernelGraphSampler | None:
+        """The sampler's kernels for the decode graphs to capture (``DecodeGraphs``' ``sampler``); None under tensor
+        parallelism (rank 0 samples logits gathered outside the graph), without the Triton kernels, or when
+        SAMPLE_IN_GRAPH_ENV is "0"."""
         if self.tp.is_parallel or not self.sampler.uses_kernels(self.device):
             return None
         if os.environ.get(SAMPLE_IN_GRAPH_ENV, "1") == "0":
             return None
-        from fnvllm.kernels.sampling import SamplingScratch, sample_rows_graphed  # Triton: where the kernels run
-
-        scratch = SamplingScratch()  # the graphs' own: the eager sampler's may grow (and move) after a capture
-
-        def sample(
-            logits: torch.Tensor, scale: torch.Tensor, fixed: torch.Tensor, uniforms: torch.Tensor,
-            live: torch.Tensor, out: torch.Tensor,
-        ) -> None:  # fmt: skip
-            sample_rows_graphed(logits, scale, fixed, uniforms, live, out, scratch)
-
-        return sample
+        return KernelGraphSampler(self.config.max_num_seqs, self.model_config.vocab_size, self.device)
 
     def _order_min_rows(self) -> int | None:
         """The fewest rows of a decode bucket that stages its rows longest first, for the Triton decode kernel to
@@ -576,19 +566,21 @@ class ModelExecutor:
 
     def _graph_sample(self, plan: StepPlan) -> GraphSample | None:
         """How an all-decode plan's rows sample inside the graph (taking the sampler's next Philox key), or None
-        when they sample eagerly: the bucket captured no sampler, a row samples by more than temperature
-        (``temperature_rows``), or a row does not sample. The answer for a params sequence is kept while the core
-        hands each step the same one (no per-row pass)."""
+        when they sample eagerly: the bucket captured no sampler, a row needs more than the graphs sample
+        (``graph_rows``: a penalty, a bias, logprobs, a grammar, a filter without a top-k), or a row does not sample.
+        The answer for a params sequence is kept while the core hands each step the same one (no per-row pass)."""
         assert self.graphs is not None
         if not self.graphs.samples_in_graph(plan.num_seqs) or plan.num_samples != plan.num_seqs:
             return None
-        kept_params, rows = self._temperature_memo
+        kept_params, rows = self._graph_rows_memo
         if plan.params is not kept_params:
-            rows = temperature_rows(plan.params, self.model_config.vocab_size)
-            self._temperature_memo = (plan.params, rows)
+            vocab = self.model_config.vocab_size
+            rows = graph_rows(plan.params, vocab, graph_top_k_limit(vocab))
+            self._graph_rows_memo = (plan.params, rows)
         if rows is None:
             return None
-        return GraphSample(rows.scale, rows.fixed, rows.uniforms(plan.num_generated), self.sampler.next_key())
+        uniforms, key = rows.uniforms(plan.num_generated), self.sampler.next_key()
+        return GraphSample(rows.scale, rows.fixed, uniforms, key, rows.top_k, rows.top_p, rows.min_p)
 
     def _feed(self, plan: StepPlan, fed_by: object) -> Feed | None:
         """The device ids that feed ``plan`` from ``fed_by``'s samples: each row continuing a sequence that

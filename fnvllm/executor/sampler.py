@@ -558,19 +558,24 @@ def prepare_sampling(
 
 
 @attrs.frozen(eq=False)
-class TemperatureRows:
-    """A batch whose every row samples by temperature alone (greedy rows included): no top-k / top-p / min-p,
-    penalty, logit bias, logprobs or grammar. The decode CUDA graphs sample such a batch inside the replay
-    (``fnvllm.executor.cuda_graphs.GraphSample``), with ``fused_sampling.sample_with_kernels``' draws.
+class GraphRows:
+    """A batch the decode CUDA graphs sample inside their replay (``fnvllm.executor.cuda_graphs.GraphSample``): every
+    row by temperature (greedy rows included), some with a top-k (1 <= top_k <= the graphs' limit, with or without a
+    top-p / min-p), none with a penalty, a logit bias, logprobs or a grammar. The graphs draw what
+    ``fused_sampling.sample_with_kernels`` draws: ``sample_rows``, then ``segmented_pick`` for the top-k rows.
 
     scale: (B,) float32 inverse temperature, 0 = greedy. fixed: (B,) int32, 1 on the seeded rows. seeded: (S,)
-    int64 those rows; seeds: their seeds.
+    int64 those rows; seeds: their seeds. top_k / top_p / min_p: (B,) int32 / float32 / float32 with the neutral
+    values 0 / 1 / 0 on unfiltered rows, or all None when no row filters.
     """
 
     scale: np.ndarray
     fixed: np.ndarray
     seeded: np.ndarray
     seeds: tuple[int, ...]
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
 
     def uniforms(self, num_generated: Sequence[int]) -> np.ndarray:
         """(B,) float32: each seeded row's uniform for its draw number ``num_generated[row]`` (0 elsewhere)."""
@@ -580,19 +585,28 @@ class TemperatureRows:
         return out
 
 
-def temperature_rows(params: Sequence[SamplingParams], vocab_size: int) -> TemperatureRows | None:
-    """The batch's TemperatureRows, or None when some row needs more than ``sample_rows`` (a filter, a penalty, a
-    logit bias, logprobs or a grammar). Worked example: (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale
-    (1/0.6, 0, 1), fixed (0, 0, 1): a greedy row's filters are off; (T 0.6, top_k 20) -> None."""
+def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int = 0) -> GraphRows | None:
+    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias,
+    logprobs, a grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k past it).
+    Worked example (max_top_k 38): (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale (1/0.6, 0, 1), fixed (0, 0, 1),
+    no filters (a greedy row's are off); (T 0.6, top_k 20, top_p 0.95) -> top_k (20,), top_p (0.95,); (T 0.6,
+    top_p 0.95) -> None."""
     rows = _gather(params, vocab_size)
-    if rows.filtered or rows.penalised or rows.logprobs or rows.biased:
+    if rows.penalised or rows.logprobs or rows.biased:
+        return None
+    if any(not 1 <= rows.top_k[i] <= max_top_k for i in rows.filtered):
         return None
     if any(p.structured is not None for p in params):
         return None
     fixed = np.zeros(len(params), dtype=np.int32)
     fixed[rows.seeded] = 1
     seeds = tuple(params[i].seed or 0 for i in rows.seeded)
-    return TemperatureRows(np.array(rows.scale, dtype=np.float32), fixed, np.array(rows.seeded, np.int64), seeds)
+    scale, seeded = np.array(rows.scale, dtype=np.float32), np.array(rows.seeded, dtype=np.int64)
+    if not rows.filtered:
+        return GraphRows(scale, fixed, seeded, seeds)
+    top_k = np.array(rows.top_k, dtype=np.int32)
+    top_p, min_p = np.array(rows.top_p, dtype=np.float32), np.array(rows.min_p, dtype=np.float32)
+    return GraphRows(scale, fixed, seeded, seeds, top_k, top_p, min_p)
 
 
 TIE_MARGIN = 64  # candidates past the largest top-k: tokens tied with a row's k-th logit are kept, as by sorting

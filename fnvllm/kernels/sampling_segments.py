@@ -54,7 +54,7 @@ from fnvllm.kernels.sampling_filters import (
     check_pick_args,
 )
 
-__all__ = ["SEGMENT", "segmented_pick"]
+__all__ = ["SEGMENT", "segmented_pick", "segmented_pick_graphed"]
 
 SEGMENT = 16  # candidate slots per (row, chunk): iid flat rows at top_k 20 hold at most ~7 per chunk
 # The candidate pass by ``_segment_loop_kernel`` (True) instead of ``_floor_kernel`` + ``_segment_kernel`` (one
@@ -211,6 +211,7 @@ def _segment_loop_kernel(
     values_ptr,  # (F, C, SEGMENT) float32: receives the candidates' scaled logits (slots past the count: stale)
     ids_ptr,  # (F, C, SEGMENT) int32: receives their token ids
     counts_ptr,  # (F, C) int32: receives each chunk's candidate count (0 for a chunk below the floor)
+    live_ptr,  # (1,) int32 when GRAPHED: rows i >= live_ptr[0] (a CUDA graph bucket's padding) compact nothing
     stride_row,
     vocab_size,
     num_chunks,
@@ -222,6 +223,7 @@ def _segment_loop_kernel(
     FOLD_FLOOR: tl.constexpr,  # the row's floor sorted here from its chunk maxima (no _floor_kernel launch)
     PREFETCH: tl.constexpr,  # blocks loaded ahead of the one being compacted: 0, 1 or 2
     SKIP_EMPTY: tl.constexpr,  # count each block first, write candidates one by one (_compact_block)
+    GRAPHED: tl.constexpr = False,
 ):
     """Program (i, g) of a (F, G) grid: the candidates of the live chunks (maximum at or above the floor) of
     filtered row i of rank g, g + G, g + 2G, ... among them, in id order, BLOCK tokens a step (``_segment_kernel``'s
@@ -242,6 +244,8 @@ def _segment_loop_kernel(
     else:
         floor = tl.load(floors_ptr + i)
         has = tl.load(floors_ptr + num_filtered + i) != 0
+    if GRAPHED:
+        has = has & (i < tl.load(live_ptr))
     live = (_key(m) >= floor) & (ids < num_chunks) & has  # (CHUNKS_PAD,)
     flags = live.to(tl.int32)
     rank = tl.cumsum(flags, axis=0) - 1  # a live chunk's rank among the row's live chunks
@@ -335,6 +339,7 @@ def _segments_pick_kernel(
     ids_ptr,
     counts_ptr,
     scratch_ptr,  # (F, CAP) float32: the fallback's compacted candidates
+    live_ptr,  # (1,) int32 when GRAPHED: the live rows n (replaces num_rows)
     stride_row,
     vocab_size,
     num_chunks,
@@ -347,17 +352,24 @@ def _segments_pick_kernel(
     SEARCH_BLOCK: tl.constexpr,
     G: tl.constexpr,
     CAP: tl.constexpr,
+    GRAPHED: tl.constexpr = False,
 ):
-    """Filtered row program_id(0): from its segments when they hold every candidate, else by ``_pick_row``."""
+    """Filtered row program_id(0): from its segments when they hold every candidate, else by ``_pick_row``.
+    GRAPHED (a CUDA graph bucket's every row): only rows below the live count n with a top-k draw; the others keep
+    the token ``sample_rows`` drew."""
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     k = tl.load(top_k_ptr + row)
+    take = i >= 0  # every program (a tensor)
+    if GRAPHED:
+        num_rows = tl.load(live_ptr)
+        take = (i < num_rows) & (k >= 1)
     chunk_ids = tl.arange(0, CHUNKS_PAD)
     counts = tl.load(counts_ptr + i.to(tl.int64) * num_chunks + chunk_ids, mask=chunk_ids < num_chunks, other=0)
-    if (k >= 1) & (k <= num_chunks) & (tl.max(counts, axis=0) <= SEGMENT):
+    if take & (k >= 1) & (k <= num_chunks) & (tl.max(counts, axis=0) <= SEGMENT):
         _draw_segments(i, row, values_ptr, ids_ptr, counts_ptr, top_k_ptr, top_p_ptr, min_p_ptr, drawn_ptr, out_ptr,
                        num_chunks, SEGMENT, SLOTS)  # fmt: skip
-    else:
+    elif take:
         _pick_row(
             row,
             logits_ptr + tl.load(src_ptr + i).to(tl.int64) * stride_row,
@@ -390,6 +402,54 @@ def segmented_pick(
     floors, one program per row; the candidate pass on a (rows, chunks) grid; one program per row; module doc).
     segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
     in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's)."""
+    _segmented_pick(logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, chunk, segment,
+                    block, capacity, None)  # fmt: skip
+
+
+def segmented_pick_graphed(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    stats: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    drawn: torch.Tensor,
+    out: torch.Tensor,
+    live: torch.Tensor,
+    chunk: int = CHUNK,
+) -> None:
+    """``segmented_pick`` over every row of a CUDA graph bucket's logits (N, V), after ``fnvllm.kernels.sampling.
+    sample_rows_graphed`` (whose chunk summaries ``stats``, uniforms and maxima ``drawn`` and samples ``out`` it
+    reads): rows below ``live[0]`` whose top-k is >= 1 are redrawn with their top-k / top-p / min-p, the others keep
+    their token. rows: (N,) int32 0..N-1. A row with 1 <= top-k <= the chunks draws exactly what ``segmented_pick``
+    draws from the same summaries (the same segments: the grid has N rows instead of the filtered ones). chunk:
+    the summaries' (``sample_rows_graphed``'s)."""
+    if tuple(live.shape) not in ((1,), (2,)) or live.dtype != torch.int32:
+        raise ValueError(f"live must be a (1,) or (2,) int32 tensor, got {tuple(live.shape)} {live.dtype}")
+    _segmented_pick(logits, rows, rows, rows, stats, scale, top_k, top_p, min_p, drawn, out, chunk, None, BLOCK,
+                    CAPACITY, live)  # fmt: skip
+
+
+def _segmented_pick(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    sources: torch.Tensor,
+    programs: torch.Tensor,
+    stats: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    drawn: torch.Tensor,
+    out: torch.Tensor,
+    chunk: int,
+    segment: int | None,
+    block: int,
+    capacity: int,
+    live: torch.Tensor | None,
+) -> None:
+    """``segmented_pick``, or (``live``: its live-row count on the device) ``segmented_pick_graphed``."""
     segment = SEGMENT if segment is None else segment
     num_chunks = check_pick_args(logits, rows, sources, programs, stats, top_k, chunk)
     for name, value in (("block", block), ("chunk", chunk), ("capacity", capacity), ("segment", segment)):
@@ -405,9 +465,9 @@ def segmented_pick(
     )  # (F, C, SEGMENT) float32, (F, C, SEGMENT) int32, (F, C) int32, (F, capacity) float32, (2, F) int32
     values, scratch = values.view(torch.float32), scratch.view(torch.float32)
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
-    if SEGMENTS_LOOP:
+    if SEGMENTS_LOOP or live is not None:  # the graphed pass gates its padding rows in the loop kernel only
         _candidates_by_loop(logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, chunk,
-                            segment)  # fmt: skip
+                            segment, live)  # fmt: skip
     else:
         _floor_kernel[(num_filtered,)](
             rows, programs, stats, top_k, floors, num_filtered, num_chunks, CHUNKS_PAD=chunks_pad, num_warps=4
@@ -419,9 +479,11 @@ def segmented_pick(
         )  # fmt: skip
     _segments_pick_kernel[(num_filtered,)](
         logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, values, ids, counts, scratch,
-        logits.stride(0), logits.shape[1], num_chunks, out.shape[1], CHUNK=chunk, CHUNKS_PAD=chunks_pad,
+        rows if live is None else live, logits.stride(0), logits.shape[1], num_chunks,
+        out.shape[-1] if live is None else 0, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
         SEGMENT=segment, SLOTS=max(2, int(triton.next_power_of_2(num_chunks * segment))), BLOCK=min(block, chunk),
         SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=PICK_WARPS,
+        GRAPHED=live is not None,
     )  # fmt: skip
 
 
@@ -439,9 +501,10 @@ def _candidates_by_loop(
     counts: torch.Tensor,
     chunk: int,
     segment: int,
+    live: torch.Tensor | None = None,
 ) -> None:
     """The candidate pass by ``_segment_loop_kernel`` with the module's knobs (SEGMENTS_LOOP's comment); the floors
-    by ``_floor_kernel`` first unless FOLD_FLOOR."""
+    by ``_floor_kernel`` first unless FOLD_FLOOR. live: rows >= live[0] compact nothing (``segmented_pick_graphed``)."""
     num_filtered, num_chunks = rows.shape[0], stats.shape[2]
     chunks_pad = max(2, int(triton.next_power_of_2(num_chunks)))
     if not FOLD_FLOOR:
@@ -452,10 +515,10 @@ def _candidates_by_loop(
         raise ValueError(f"SEGMENT_BLOCK must be a power of two >= 2, got {SEGMENT_BLOCK}")
     per_row = SEGMENT_PROGRAMS if SEGMENT_PROGRAMS > 0 else -(-SEGMENT_TOTAL // num_filtered)
     _segment_loop_kernel[(num_filtered, max(1, min(per_row, num_chunks)))](
-        logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts, logits.stride(0),
-        logits.shape[1], num_chunks, num_filtered, CHUNK=chunk, CHUNKS_PAD=chunks_pad, SEGMENT=segment,
-        BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR, PREFETCH=int(SEGMENT_PREFETCH),
-        SKIP_EMPTY=SKIP_EMPTY, num_warps=SEGMENT_WARPS,
+        logits, rows, sources, programs, stats, scale, top_k, floors, values, ids, counts,
+        rows if live is None else live, logits.stride(0), logits.shape[1], num_chunks, num_filtered, CHUNK=chunk,
+        CHUNKS_PAD=chunks_pad, SEGMENT=segment, BLOCK=min(SEGMENT_BLOCK, chunk), FOLD_FLOOR=FOLD_FLOOR,
+        PREFETCH=int(SEGMENT_PREFETCH), SKIP_EMPTY=SKIP_EMPTY, num_warps=SEGMENT_WARPS, GRAPHED=live is not None,
     )  # fmt: skip
 
 
