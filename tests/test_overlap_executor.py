@@ -237,15 +237,16 @@ def test_decode_order_leaves_fp8_tokens_unchanged(checkpoint: Any, monkeypatch: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("prompts", [1, 3, 6])
+@pytest.mark.parametrize(("prompts", "decode_steps"), [(1, 1), (3, 1), (6, 1), (3, 4)])
 def test_sampling_in_the_graph_draws_the_eager_samplers_tokens(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, prompts: int
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, prompts: int, decode_steps: int
 ) -> None:
     """On a GPU, decode steps whose rows the graphs can sample (greedy, unseeded, seeded; top-k rows with a top-p or
     a min-p) sample inside the CUDA graphs: the same tokens as the eager sampler (FNVLLM_SAMPLE_IN_GRAPH=0), over
     two engine seeds, with overlapped steps; a batch with a top-p row without a top-k samples eagerly in both runs
-    and agrees too. The vocabulary spans 24 of the sampler's 4096-token chunks, so top-k rows up to 24 redraw in
-    the graphs (``fused_sampling.graph_top_k_limit``)."""
+    and agrees too; also with plans of several decode steps (``num_decode_steps``: sub-steps fed from the device
+    one after another). The vocabulary spans 24 of the sampler's 4096-token chunks, so top-k rows up to 24 redraw
+    in the graphs (``fused_sampling.graph_top_k_limit``)."""
     from fnvllm.executor.cuda_graphs import DecodeGraphs
     from fnvllm.testing.checkpoints import write_tiny_checkpoint
 
@@ -260,6 +261,11 @@ def test_sampling_in_the_graph_draws_the_eager_samplers_tokens(
         SamplingParams(temperature=0.9, top_k=20, top_p=0.95, max_tokens=13, ignore_eos=True),  # Qwen3's preset
         SamplingParams(temperature=0.7, max_tokens=11, ignore_eos=True),
         SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=8, max_tokens=10, ignore_eos=True),
+    ] * 2
+    logprobs = [
+        SamplingParams(temperature=0.8, logprobs=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.6, top_k=10, top_p=0.9, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=0, max_tokens=8, ignore_eos=True),
     ] * 2
     eager_only = [*plain[:-1], SamplingParams(temperature=0.9, top_p=0.8, max_tokens=10, ignore_eos=True)]
     staged = {"sampled": 0, "filtered": 0}
@@ -276,17 +282,27 @@ def test_sampling_in_the_graph_draws_the_eager_samplers_tokens(
         runs = []
         for in_graph in ("0", "1"):
             monkeypatch.setenv("FNVLLM_SAMPLE_IN_GRAPH", in_graph)
-            llm = LLM(checkpoint, block_size=16, num_blocks=64, max_num_seqs=8, seed=seed, load_tokenizer=False)
+            llm = LLM(
+                checkpoint, block_size=16, num_blocks=64, max_num_seqs=8, seed=seed, load_tokenizer=False,
+                num_decode_steps=decode_steps,
+            )  # fmt: skip
             graphs = llm.executor.graphs
             assert graphs is not None and (graphs.sampler is not None) == (in_graph == "1")
             before = dict(staged)
-            batches = (plain, top_k, eager_only)
+            batches = (plain, top_k, logprobs, eager_only)
             outs = [llm.generate(PROMPTS[:prompts], params[:prompts], use_tqdm=False) for params in batches]
             assert (staged["sampled"] > before["sampled"]) == (in_graph == "1"), "the graphs must sample"
             assert (staged["filtered"] > before["filtered"]) == (in_graph == "1"), "top-k rows must redraw there"
-            runs.append([o.token_ids for batch in outs for o in batch])
+            runs.append([(o.token_ids, _logprob_values(o)) for batch in outs for o in batch])
             llm.close()
         assert runs[0] == runs[1]
+
+
+def _logprob_values(output: Any) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """Each token's (logprob, top (id, logprob) pairs) of a RequestOutput, None when it asked for none."""
+    if output.logprobs is None:
+        return None
+    return [(entry.logprob, list(entry.top)) for entry in output.logprobs]
 
 
 @pytest.mark.gpu

@@ -344,13 +344,12 @@ def test_graph_rows_with_top_k_carry_prepare_samplings_filters() -> None:
         {"presence_penalty": 0.5},
         {"frequency_penalty": 0.5},
         {"logit_bias": {3: 1.0}},
-        {"logprobs": 0},
         {"top_k": 41},
     ],
 )
 def test_graph_rows_refuse_any_other_option(extra: dict[str, object]) -> None:
-    """One row with a filter but no top-k within the limit, a penalty, a logit bias or logprobs beside plain rows:
-    the batch is not sampled in the graphs (they leave it to the eager sampler)."""
+    """One row with a filter but no top-k within the limit, a penalty or a logit bias beside plain rows: the batch
+    is not sampled in the graphs (they leave it to the eager sampler)."""
     from fnvllm.executor.sampler import graph_rows
 
     plain = SamplingParams(temperature=0.7)
@@ -365,3 +364,23 @@ def test_graph_rows_refuse_a_grammar_row() -> None:
 
     constrained = SamplingParams(temperature=0.7, structured=StructuredOutput.choice(["a", "b"]))
     assert graph_rows([SamplingParams(temperature=0.7), constrained], 100) is None
+
+
+def test_graph_rows_name_the_logprob_rows() -> None:
+    """Logprob rows sample in the graphs too: GraphRows names them (ascending) and the most any asked, as
+    prepare_sampling does; without any, none."""
+    from fnvllm.executor.sampler import graph_rows
+
+    params = [
+        SamplingParams(temperature=0.6, logprobs=2),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.9, top_k=4, logprobs=0),
+    ]
+    rows = graph_rows(params, 1000, max_top_k=10)
+    batch = _batch(params, 1000)
+    assert rows is not None and rows.logprob_rows == (0, 2, 3) and rows.max_logprobs == 5
+    assert batch.logprob_rows is not None and batch.logprob_rows.tolist() == list(rows.logprob_rows)
+    assert batch.max_logprobs == rows.max_logprobs
+    plain = graph_rows([SamplingParams(temperature=0.6)], 1000)
+    assert plain is not None and plain.logprob_rows == () and plain.max_logprobs is None

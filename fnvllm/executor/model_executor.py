@@ -321,8 +321,13 @@ class ModelExecutor:
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
-        # the last decode params sequence asked about sampling in the graph, and the answer (``_graph_sample``)
-        self._graph_rows_memo: tuple[Sequence[SamplingParams] | None, GraphRows | None] = (None, None)
+        # the last decode params sequence asked about sampling in the graph, the answer (``_graph_sample``) and its
+        # logprob rows on the device
+        self._graph_rows_memo: tuple[Sequence[SamplingParams] | None, GraphRows | None, torch.Tensor | None] = (
+            None,
+            None,
+            None,
+        )
         # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
         # its tokens accepted and masks filled by the grammar process (or thread) while the host commits and plans;
         # "collect" = at the end of the collect that accepted its tokens, its masks filled there (on the host's
@@ -572,11 +577,12 @@ class ModelExecutor:
         assert self.graphs is not None
         if not self.graphs.samples_in_graph(plan.num_seqs) or plan.num_samples != plan.num_seqs:
             return None
-        kept_params, rows = self._graph_rows_memo
+        kept_params, rows, _ = self._graph_rows_memo
         if plan.params is not kept_params:
             vocab = self.model_config.vocab_size
             rows = graph_rows(plan.params, vocab, graph_top_k_limit(vocab))
-            self._graph_rows_memo = (plan.params, rows)
+            asked = None if rows is None or not rows.logprob_rows else np.array(rows.logprob_rows, dtype=np.int32)
+            self._graph_rows_memo = (plan.params, rows, None if asked is None else upload(asked, self.device))
         if rows is None:
             return None
         uniforms, key = rows.uniforms(plan.num_generated), self.sampler.next_key()
@@ -645,8 +651,8 @@ class ModelExecutor:
         launched = Launched(
             plan, rows, timer=timer, graph=graph, matchers=matchers, prompt=prompt, prompt_host=prompt_host
         )
-        if samples is not None:  # drawn by the graph (temperature rows only: no matcher, no logprobs)
-            self._sampled(launched, samples, plan.params)
+        if samples is not None:  # drawn by the graph (no matcher: ``graph_rows``)
+            self._sampled(launched, samples, plan.params, self._graph_logprobs(logits, samples))
             return launched
         if any(matchers) and fed_by is not None and self._waits_for_tokens(plan, rows, matchers, fed_by):
             launched.deferred = logits  # its masks need the tokens of ``fed_by``, not yet accepted
@@ -655,6 +661,14 @@ class ModelExecutor:
             return launched
         self._sample(launched, logits)
         return launched
+
+    def _graph_logprobs(self, logits: torch.Tensor, samples: torch.Tensor) -> Logprobs | None:
+        """The logprobs of a step the graph sampled (its rows: ``_graph_rows_memo``), from the graph's raw logits
+        as the eager sampler computes them; None when no row asked."""
+        _, rows, asked = self._graph_rows_memo
+        if rows is None or asked is None or rows.max_logprobs is None:
+            return None
+        return self.sampler.logprobs(logits, samples[0], asked, rows.max_logprobs)
 
     def _matchers(self, plan: StepPlan, rows: tuple[int, ...]) -> tuple[Matcher | None, ...]:
         """Per sampled row, its grammar matcher (all None when no row is constrained)."""

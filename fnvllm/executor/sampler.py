@@ -561,12 +561,14 @@ def prepare_sampling(
 class GraphRows:
     """A batch the decode CUDA graphs sample inside their replay (``fnvllm.executor.cuda_graphs.GraphSample``): every
     row by temperature (greedy rows included), some with a top-k (1 <= top_k <= the graphs' limit, with or without a
-    top-p / min-p), none with a penalty, a logit bias, logprobs or a grammar. The graphs draw what
-    ``fused_sampling.sample_with_kernels`` draws: ``sample_rows``, then ``segmented_pick`` for the top-k rows.
+    top-p / min-p), none with a penalty, a logit bias or a grammar. The graphs draw what
+    ``fused_sampling.sample_with_kernels`` draws: ``sample_rows``, then ``segmented_pick`` for the top-k rows; the
+    logprob rows' logprobs are then computed from the graph's logits as ``Sampler.sample`` computes them.
 
     scale: (B,) float32 inverse temperature, 0 = greedy. fixed: (B,) int32, 1 on the seeded rows. seeded: (S,)
     int64 those rows; seeds: their seeds. top_k / top_p / min_p: (B,) int32 / float32 / float32 with the neutral
-    values 0 / 1 / 0 on unfiltered rows, or all None when no row filters.
+    values 0 / 1 / 0 on unfiltered rows, or all None when no row filters. logprob_rows: the rows that asked for
+    logprobs, ascending; max_logprobs: the most any of them asked (None when none did).
     """
 
     scale: np.ndarray
@@ -576,6 +578,8 @@ class GraphRows:
     top_k: np.ndarray | None = None
     top_p: np.ndarray | None = None
     min_p: np.ndarray | None = None
+    logprob_rows: tuple[int, ...] = ()
+    max_logprobs: int | None = None
 
     def uniforms(self, num_generated: Sequence[int]) -> np.ndarray:
         """(B,) float32: each seeded row's uniform for its draw number ``num_generated[row]`` (0 elsewhere)."""
@@ -586,13 +590,13 @@ class GraphRows:
 
 
 def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int = 0) -> GraphRows | None:
-    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias,
-    logprobs, a grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k past it).
+    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias, a
+    grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k past it).
     Worked example (max_top_k 38): (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale (1/0.6, 0, 1), fixed (0, 0, 1),
     no filters (a greedy row's are off); (T 0.6, top_k 20, top_p 0.95) -> top_k (20,), top_p (0.95,); (T 0.6,
     top_p 0.95) -> None."""
     rows = _gather(params, vocab_size)
-    if rows.penalised or rows.logprobs or rows.biased:
+    if rows.penalised or rows.biased:
         return None
     if any(not 1 <= rows.top_k[i] <= max_top_k for i in rows.filtered):
         return None
@@ -602,11 +606,12 @@ def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int
     fixed[rows.seeded] = 1
     seeds = tuple(params[i].seed or 0 for i in rows.seeded)
     scale, seeded = np.array(rows.scale, dtype=np.float32), np.array(rows.seeded, dtype=np.int64)
+    asked = tuple(rows.logprobs)
     if not rows.filtered:
-        return GraphRows(scale, fixed, seeded, seeds)
+        return GraphRows(scale, fixed, seeded, seeds, logprob_rows=asked, max_logprobs=rows.max_logprobs)
     top_k = np.array(rows.top_k, dtype=np.int32)
     top_p, min_p = np.array(rows.top_p, dtype=np.float32), np.array(rows.min_p, dtype=np.float32)
-    return GraphRows(scale, fixed, seeded, seeds, top_k, top_p, min_p)
+    return GraphRows(scale, fixed, seeded, seeds, top_k, top_p, min_p, asked, rows.max_logprobs)
 
 
 TIE_MARGIN = 64  # candidates past the largest top-k: tokens tied with a row's k-th logit are kept, as by sorting
@@ -685,9 +690,12 @@ class Sampler:
         rows, num_top = batch.logprob_rows, batch.max_logprobs
         if rows is None or num_top is None:
             return SamplerOutput(packed=packed, logprobs=None)
-        kernels = self.uses_kernels(raw.device)
-        logprobs = compute_logprobs(raw, packed[0], rows, num_top, kernels, self._scratch)
-        return SamplerOutput(packed=packed, logprobs=logprobs)
+        return SamplerOutput(packed=packed, logprobs=self.logprobs(raw, packed[0], rows, num_top))
+
+    def logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int) -> Logprobs:
+        """``compute_logprobs`` of the raw ``logits`` (B, V) for ``rows`` ((L,) ascending) and the sampled
+        ``token_ids`` (B,), on this sampler's backend and scratch: what ``sample`` returns for its logprob rows."""
+        return compute_logprobs(logits, token_ids, rows, num_top, self.uses_kernels(logits.device), self._scratch)
 
 
 # The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
