@@ -6,6 +6,8 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from fnvllm.executor.penalties import apply_penalties
@@ -384,3 +386,57 @@ def test_graph_rows_name_the_logprob_rows() -> None:
     assert batch.max_logprobs == rows.max_logprobs
     plain = graph_rows([SamplingParams(temperature=0.6)], 1000)
     assert plain is not None and plain.logprob_rows == () and plain.max_logprobs is None
+
+
+@st.composite
+def _row_params(draw: st.DrawFn) -> SamplingParams:
+    """One row's sampling: any mix of temperature (greedy included), top-k / top-p / min-p, seed, logprobs and, rarely,
+    a penalty or a logit bias."""
+    temperature = draw(st.sampled_from([0.0, 0.5, 1.0, 1.7]))
+    return SamplingParams(
+        temperature=temperature,
+        top_k=draw(st.sampled_from([None, 1, 3, 12, 50])),
+        top_p=draw(st.sampled_from([1.0, 0.9])),
+        min_p=draw(st.sampled_from([0.0, 0.05])),
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**31))),
+        logprobs=draw(st.sampled_from([None, 0, 3])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.0, 1.1])),
+        logit_bias=draw(st.sampled_from([None, None, None, {2: 0.5}])),
+    )
+
+
+@given(params=st.lists(_row_params(), min_size=1, max_size=6), generated=st.integers(0, 40))
+def test_graph_rows_agree_with_prepare_sampling(params: list[SamplingParams], generated: int) -> None:
+    """For any batch: graph_rows refuses it exactly when a row has a penalty or a logit bias, or filters without a
+    top-k in [1, 12]; otherwise every array it stages is prepare_sampling's (so the graphs draw what the eager
+    sampler draws)."""
+    from fnvllm.executor.sampler import graph_rows
+
+    vocab = 40
+    rows = graph_rows(params, vocab, max_top_k=12)
+    batch = _batch(params, vocab, [generated + i for i in range(len(params))], [HISTORY_FOR_GRAPH] * len(params))
+    filtered = [
+        p for p in params
+        if p.temperature >= 1e-5 and p.top_k != 1
+        and ((p.top_k is not None and p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0)
+    ]  # fmt: skip
+    refused = any(p.needs_history or p.logit_bias for p in params) or any(
+        p.top_k is None or not 1 <= p.top_k <= 12 for p in filtered
+    )
+    assert (rows is None) == refused
+    if rows is None:
+        return
+    assert torch.equal(torch.from_numpy(rows.scale), batch.scale)
+    assert torch.equal(torch.from_numpy(rows.fixed), batch.fixed)
+    assert torch.equal(torch.from_numpy(rows.uniforms([generated + i for i in range(len(params))])), batch.uniforms)
+    if rows.top_k is None:
+        assert not filtered
+    else:
+        assert torch.equal(torch.from_numpy(rows.top_k), batch.top_k)
+        assert torch.equal(torch.from_numpy(rows.top_p), batch.top_p)
+        assert torch.equal(torch.from_numpy(rows.min_p), batch.min_p)
+    asked = [] if batch.logprob_rows is None else batch.logprob_rows.tolist()
+    assert list(rows.logprob_rows) == asked and rows.max_logprobs == batch.max_logprobs
+
+
+HISTORY_FOR_GRAPH = TokenHistory((1, 2, 3), (4, 5))
