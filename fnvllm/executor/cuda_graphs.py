@@ -31,10 +31,10 @@ temperature, seeded uniform and the step's live row count and Philox key from th
 top-k redraw (``GraphSampler.filter``: ``fnvllm.kernels.sampling_segments.segmented_pick_graphed``, reading the rows'
 top-k / top-p / min-p) in a second, small graph per capture, replayed right behind the first only by steps with
 top-k rows. A step whose rows the graphs can sample (``GraphSample``: temperature, top-k with top-p / min-p; no
-penalty, bias or grammar; logprob rows' logprobs are computed after the replay) stages them and its tokens come out of the replay: no eager sampler launches,
-which cost a one-request step 0.19 ms of host time at temperature only (H200, ``benchmarks/host_step.py``). Any
-other step stages a live count of 0 (the captured kernels read nothing and store nothing) and samples eagerly from
-the logits as before.
+penalty, bias or grammar; logprob rows' logprobs are computed after the replay) stages them and its tokens come out
+of the replay: no eager sampler launches, which cost a one-request step 0.19 ms of host time at temperature only
+(H200, ``benchmarks/host_step.py``). Any other step stages a live count of 0 (the captured kernels read nothing and
+store nothing) and samples eagerly from the logits as before.
 """
 
 from __future__ import annotations
