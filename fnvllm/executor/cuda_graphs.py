@@ -83,7 +83,7 @@ INLINE_TABLE_BYTES = 256 * 1024
 
 @attrs.frozen(eq=False)
 class GraphSample:
-    """How a decode step's B rows sample inside the graph (every row by temperature alone, or greedy).
+    """How a decode step's B rows sample inside the graphs (a batch ``fnvllm.executor.sampler.graph_rows`` takes).
 
     scale: (B,) float32 inverse temperature, 0 = greedy. fixed: (B,) int32, 1 where ``uniforms`` holds the row's
     uniform (a seeded row). uniforms: (B,) float32. key: the step's Philox key for the other rows, in
