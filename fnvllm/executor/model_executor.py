@@ -647,7 +647,8 @@ class ModelExecutor:
             if timer is not None:
                 timer.launched()
             return Launched(plan, timer=timer, graph=graph, prompt=prompt, prompt_host=prompt_host)
-        matchers = self._matchers(plan, rows)
+        # a step the graph sampled has no constrained row (``graph_rows``): no per-row pass for its matchers
+        matchers = (None,) * len(rows) if samples is not None else self._matchers(plan, rows)
         launched = Launched(
             plan, rows, timer=timer, graph=graph, matchers=matchers, prompt=prompt, prompt_host=prompt_host
         )

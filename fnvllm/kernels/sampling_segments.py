@@ -396,60 +396,15 @@ def segmented_pick(
     segment: int | None = None,
     block: int = BLOCK,
     capacity: int = CAPACITY,
+    *,
+    live: torch.Tensor | None = None,
 ) -> None:
     """``fnvllm.kernels.sampling_filters.filtered_pick`` (same arguments, same draws) by two launches (SEGMENTS_LOOP
     with FOLD_FLOOR: the candidate pass on a (rows, programs per row) grid, then one program per row) or three (the
     floors, one program per row; the candidate pass on a (rows, chunks) grid; one program per row; module doc).
     segment (a power of two; None: SEGMENT): the candidate slots per (row, chunk); a row with more candidates
-    in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's)."""
-    _segmented_pick(logits, rows, sources, programs, stats, scale, top_k, top_p, min_p, drawn, out, chunk, segment,
-                    block, capacity, None)  # fmt: skip
-
-
-def segmented_pick_graphed(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    stats: torch.Tensor,
-    scale: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    drawn: torch.Tensor,
-    out: torch.Tensor,
-    live: torch.Tensor,
-    chunk: int = CHUNK,
-) -> None:
-    """``segmented_pick`` over every row of a CUDA graph bucket's logits (N, V), after ``fnvllm.kernels.sampling.
-    sample_rows_graphed`` (whose chunk summaries ``stats``, uniforms and maxima ``drawn`` and samples ``out`` it
-    reads): rows below ``live[0]`` whose top-k is >= 1 are redrawn with their top-k / top-p / min-p, the others keep
-    their token. rows: (N,) int32 0..N-1. A row with 1 <= top-k <= the chunks draws exactly what ``segmented_pick``
-    draws from the same summaries (the same segments: the grid has N rows instead of the filtered ones). chunk:
-    the summaries' (``sample_rows_graphed``'s)."""
-    if tuple(live.shape) not in ((1,), (2,)) or live.dtype != torch.int32:
-        raise ValueError(f"live must be a (1,) or (2,) int32 tensor, got {tuple(live.shape)} {live.dtype}")
-    _segmented_pick(logits, rows, rows, rows, stats, scale, top_k, top_p, min_p, drawn, out, chunk, None, BLOCK,
-                    CAPACITY, live)  # fmt: skip
-
-
-def _segmented_pick(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    sources: torch.Tensor,
-    programs: torch.Tensor,
-    stats: torch.Tensor,
-    scale: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    drawn: torch.Tensor,
-    out: torch.Tensor,
-    chunk: int,
-    segment: int | None,
-    block: int,
-    capacity: int,
-    live: torch.Tensor | None,
-) -> None:
-    """``segmented_pick``, or (``live``: its live-row count on the device) ``segmented_pick_graphed``."""
+    in one chunk falls back to ``filtered_pick``'s per-row path (block and capacity are that path's). live: the
+    live-row count on the device (``segmented_pick_graphed``), None for a host-sized call."""
     segment = SEGMENT if segment is None else segment
     num_chunks = check_pick_args(logits, rows, sources, programs, stats, top_k, chunk)
     for name, value in (("block", block), ("chunk", chunk), ("capacity", capacity), ("segment", segment)):
@@ -485,6 +440,30 @@ def _segmented_pick(
         SEARCH_BLOCK=min(SEARCH_BLOCK, block, chunk), G=CANDIDATES, CAP=capacity, num_warps=PICK_WARPS,
         GRAPHED=live is not None,
     )  # fmt: skip
+
+
+def segmented_pick_graphed(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    stats: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    drawn: torch.Tensor,
+    out: torch.Tensor,
+    live: torch.Tensor,
+    chunk: int = CHUNK,
+) -> None:
+    """``segmented_pick`` over every row of a CUDA graph bucket's logits (N, V), after ``fnvllm.kernels.sampling.
+    sample_rows_graphed`` (whose chunk summaries ``stats``, uniforms and maxima ``drawn`` and samples ``out`` it
+    reads): rows below ``live[0]`` whose top-k is >= 1 are redrawn with their top-k / top-p / min-p, the others keep
+    their token. rows: (N,) int32 0..N-1. A row with 1 <= top-k <= the chunks draws exactly what ``segmented_pick``
+    draws from the same summaries (the same segments: the grid has N rows instead of the filtered ones). chunk:
+    the summaries' (``sample_rows_graphed``'s)."""
+    if tuple(live.shape) not in ((1,), (2,)) or live.dtype != torch.int32:
+        raise ValueError(f"live must be a (1,) or (2,) int32 tensor, got {tuple(live.shape)} {live.dtype}")
+    segmented_pick(logits, rows, rows, rows, stats, scale, top_k, top_p, min_p, drawn, out, chunk, live=live)
 
 
 def _candidates_by_loop(
