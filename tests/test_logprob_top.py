@@ -153,6 +153,25 @@ def test_sampler_keeps_one_scratch_and_matches_the_references() -> None:
     assert scratches[0] is not None and scratches[1] is scratches[0]
 
 
+def test_logprobs_alone_keep_one_scratch_as_the_decode_graphs_call_them() -> None:
+    """``Sampler.logprobs`` without an eager ``sample`` before it (a step the decode graphs sampled) makes the
+    sampler's scratch once and reuses it, and gives the references' logprobs each step."""
+    vocab = 2000
+    rows = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([5, 6, 7], dtype=torch.int64, device=DEVICE)
+    sampler, scratches = Sampler(kernels=True), []
+    for seed in (3, 4):
+        logits = _logits(3, vocab, seed=seed)
+        got = sampler.logprobs(logits, tokens, rows, 4)
+        want = Sampler(kernels=False).logprobs(logits, tokens, rows, 4)
+        torch.testing.assert_close(got.top_logprobs, want.top_logprobs)
+        assert torch.equal(got.top_ids, want.top_ids)
+        torch.testing.assert_close(got.sampled_logprobs, want.sampled_logprobs)
+        scratches.append(sampler._scratch)
+    assert scratches[0] is not None and scratches[1] is scratches[0]
+    assert Sampler(kernels=False).logprobs(_logits(3, vocab, seed=5), tokens, rows, 4).packed is None
+
+
 def test_one_sampler_keeps_its_scratch_across_batch_shapes() -> None:
     """A sampler whose scratch served other shapes before (plain, penalised and top-k rows, logprobs, fewer rows)
     draws each batch's tokens and logprobs as a fresh sampler does (seeded rows: the same uniforms)."""

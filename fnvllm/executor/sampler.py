@@ -680,11 +680,7 @@ class Sampler:
             logits = apply_grammar_mask(logits, attrs.evolve(mask, scratch=scratch), self.uses_kernels(logits.device))
         if self.uses_kernels(logits.device):
             key = self.next_key()
-            if self._scratch is None:
-                from fnvllm.kernels.sampling import SamplingScratch
-
-                self._scratch = SamplingScratch()
-            packed = sample_with_kernels(logits, batch, key, self.filter_kernel, self._scratch)
+            packed = sample_with_kernels(logits, batch, key, self.filter_kernel, self.scratch())
         else:
             packed = sample_with_references(logits, batch, self._generator(logits.device))
         rows, num_top = batch.logprob_rows, batch.max_logprobs
@@ -694,8 +690,19 @@ class Sampler:
 
     def logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, num_top: int) -> Logprobs:
         """``compute_logprobs`` of the raw ``logits`` (B, V) for ``rows`` ((L,) ascending) and the sampled
-        ``token_ids`` (B,), on this sampler's backend and scratch: what ``sample`` returns for its logprob rows."""
-        return compute_logprobs(logits, token_ids, rows, num_top, self.uses_kernels(logits.device), self._scratch)
+        ``token_ids`` (B,), on this sampler's backend and scratch: what ``sample`` returns for its logprob rows.
+        The decode graphs' logprob rows come here without an eager ``sample`` before them, so the scratch is made
+        here too when missing (a fresh one each step re-allocated and zero-filled its buffers)."""
+        kernels = self.uses_kernels(logits.device)
+        return compute_logprobs(logits, token_ids, rows, num_top, kernels, self.scratch() if kernels else None)
+
+    def scratch(self) -> SamplingScratch:
+        """The kernels' device scratch, made on first use and kept between steps."""
+        if self._scratch is None:
+            from fnvllm.kernels.sampling import SamplingScratch
+
+            self._scratch = SamplingScratch()
+        return self._scratch
 
 
 # The largest chunk of ``logprob_candidates``: each row's top-n come from its n best chunks of this many tokens,
