@@ -267,17 +267,14 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-02 from H200 runs of main e24beba (refit at c6d97a3):
-# qwen3-0.6b shape, block 256, budget 16384,
+# Fitted by benchmarks/sim_calibration.py on 2026-12-04 (commit 98d9544): qwen3-0.6b shape, block 256, budget 16384,
 # max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
-# out): decode-1 -2.7% / -4.3%, decode-1-plain +3.1% / +6.1%, decode-16 +4.1% / +7.9%, decode-16-plain -0.3% / +1.3%,
-# decode-64 +1.8% / +2.1%, decode-64-plain +1.0% / +1.2%, decode-256 +1.2% / +1.5%, decode-256-plain +0.8% / -0.8%,
-# prefill-16 +1.0% / +0.8%, prefill-16-plain +2.5% / +2.3%, prefill-64 -0.2% / -0.5%, prefill-64-plain -4.3% / -4.6%,
-# prefill-512 -0.9% / -3.2%, prefill-512-plain +0.1% / +0.0%, long-128 -3.3% / -4.6%, long-128-plain -2.0% / -3.2%,
-# bench +1.5% / +2.7%, bench-plain +1.3% / +8.1%. Served (TTFT p50 / p90, TPOT p50 / p90 errors): fitted run +0.2% /
-# -13.0%, -0.6% / -1.3%; 25/s out of sample +14.3% / +5.4%, +6.4% / +5.7%; 75/s out of sample -2.7% / -28.8%, +8.6% /
-# +12.3%; latency fitted on every rate, fitted run -2.2% / -12.9%, -0.6% / -1.3%; latency fitted on every rate,
-# rate-25 -0.1% / -2.8%, +6.4% / +5.7%; latency fitted on every rate, rate-75 +5.7% / -20.5%, +8.6% / +12.3%.
+# out): decode-1 -0.6% / -0.5%, decode-1-plain -0.5% / -0.3%, decode-16 +0.8% / +1.4%, decode-16-plain +1.9% / +3.0%,
+# decode-64 +3.0% / +4.9%, decode-64-plain +2.3% / +4.2%, decode-256 -2.1% / -3.2%, decode-256-plain -3.3% / -7.5%,
+# prefill-16 -2.3% / -2.9%, prefill-16-plain -9.8% / -10.6%, prefill-64 -1.4% / -1.8%, prefill-64-plain -4.7% / -4.9%,
+# prefill-512 -0.5% / -1.5%, prefill-512-plain +1.0% / +1.6%, long-128 -3.4% / -4.7%, long-128-plain -2.9% / -4.3%,
+# bench +1.2% / +5.9%, bench-plain +1.7% / +13.2%. The serving section is kept from the 2026-12-02 fit (main e24beba,
+# refit at c6d97a3; its served TTFT / TPOT errors are in BENCHMARKS.md): no served run was refit this time.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -287,12 +284,12 @@ H200 = HardwareProfile(
     graph_mixed_tokens=2048,
     eager=Overheads(
         scale=1.0,
-        attn_scale=2.9696244333926964,
-        step_us=380.84867436542726,
+        attn_scale=3.0542270872997115,
+        step_us=390.27866149772075,
         seq_us=0.0,
-        token_us=0.4873562598031398,
+        token_us=0.49316668698936733,
         log_seq_us=0.0,
-        gap_us=4041.287095920118,
+        gap_us=4327.284650242654,
         gap_seq_us=0.0,
         gap_new_seq_us=0.0,
         gap_token_us=0.0,
@@ -303,7 +300,7 @@ H200 = HardwareProfile(
         host_sample_us=0.0,
         host_context_us=0.0,
         gap_context_us=0.0,
-        launch_us=14501.125,
+        launch_us=22423.100000000002,
         launch_seq_us=0.0,
         launch_token_us=0.0,
         small_us=(),
@@ -311,25 +308,25 @@ H200 = HardwareProfile(
     graph=Overheads(
         scale=1.0,
         attn_scale=1.0,
-        step_us=668.1052591059902,
+        step_us=472.3546016615413,
         seq_us=0.0,
-        token_us=0.0,
-        log_seq_us=32.591661603337926,
-        gap_us=269.9059007646935,
-        gap_seq_us=0.8004405580594164,
+        token_us=0.1275599627453543,
+        log_seq_us=41.121163869085386,
+        gap_us=336.22012465575153,
+        gap_seq_us=1.2219861293336591,
         gap_new_seq_us=0.0,
         gap_token_us=0.0,
-        host_us=505.7593688615043,
-        host_seq_us=1.494847198469867,
+        host_us=377.8607726774428,
+        host_seq_us=3.7980320400393994,
         host_new_seq_us=0.0,
         host_token_us=0.0,
         host_sample_us=0.0,
-        host_context_us=0.005353280859867963,
-        gap_context_us=0.003021477957555164,
+        host_context_us=0.002636997925739499,
+        gap_context_us=0.0020620755391142606,
         launch_us=0.0,
         launch_seq_us=0.0,
         launch_token_us=0.0,
-        small_us=(471.5010736745087, 657.2955628193533, 732.2089707225045, 736.6436681644666),
+        small_us=(418.5487270863416, 596.0836903320011, 621.7258038172832, 658.8894809461524),
     ),
     calibrated_from="benchmarks/sim_calibration.py",
     model={
@@ -345,7 +342,7 @@ H200 = HardwareProfile(
         "max_position_embeddings": 40960,
         "name": "qwen3-0.6b",
     },
-    request_us=164.42173274929607,
+    request_us=112.46761790881517,
     serving=Serving(
         eager=Overheads(
             scale=1.0,
