@@ -41,9 +41,9 @@ TRUE = HardwareProfile(
 )
 
 
-def _synthetic_log(tmp_path: Path, noise: float) -> Path:
-    """A timeline simulated under TRUE (device and gap times jittered by ``noise``, relative)."""
-    save_profile(TRUE, tmp_path / "true.json")
+def _synthetic_log(tmp_path: Path, noise: float, true: HardwareProfile = TRUE) -> Path:
+    """A timeline simulated under ``true`` (device and gap times jittered by ``noise``, relative)."""
+    save_profile(true, tmp_path / "true.json")
     spec = SimSpec(
         workload="poisson",
         num_requests=300,
@@ -93,6 +93,29 @@ def test_fit_recovers_known_overheads(tmp_path: Path) -> None:
     for is_graph in (True, False):
         kind = [r for r in records if r["graph"] is is_graph]
         assert abs(prediction_error(kind, model, fitted)["total_error"]) < 0.01
+
+
+def test_context_terms_are_fitted_only_when_asked(tmp_path: Path) -> None:
+    """A log whose plain gap grows with the context tokens: ``context_terms=True`` recovers the per-token gap and
+    every graph step's gap; by default the context columns are not fitted (0), and the rows and constants take the
+    time."""
+    true = attrs.evolve(TRUE, graph=attrs.evolve(TRUE.graph, gap_context_us=0.05))
+    _, records = read_timeline(_synthetic_log(tmp_path, noise=0.005, true=true))
+    model = load_shape("qwen3-0.6b")
+    base = attrs.evolve(H200, graph=Overheads(scale=1.4))
+    graph_steps = [r for r in records if r["graph"]]
+    contexts = [record_shape(r).context_tokens for r in graph_steps]
+    assert max(contexts) > 2 * min(contexts)  # the context varies, so the column can be told apart
+    with_context = fit_profile(records, model, base, context_terms=True)
+    assert with_context.graph.gap_context_us == pytest.approx(0.05, rel=0.2)
+    fitted_cost, true_cost = CostModel(model, with_context), CostModel(model, true)
+    for record in graph_steps:
+        shape = record_shape(record)
+        assert fitted_cost.gap_s(shape) == pytest.approx(true_cost.gap_s(shape), rel=0.05)
+    default = fit_profile(records, model, base)
+    for kind in (default.eager, default.graph):
+        assert kind.gap_context_us == 0.0 and kind.host_context_us == 0.0
+    assert default.graph.gap_us + default.graph.gap_seq_us > with_context.graph.gap_us + with_context.graph.gap_seq_us
 
 
 def test_fitted_profile_round_trips_through_json(tmp_path: Path) -> None:

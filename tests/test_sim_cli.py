@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
-from fnvllm.sim import H200, save_profile
+from fnvllm.sim import H200, load_profile, save_profile
 
 SMALL = ["--num-requests", "40", "--num-blocks", "600", "--no-progress"]
 
@@ -93,6 +94,23 @@ def test_calibrate_writes_a_profile_that_simulate_accepts(tmp_path: Path) -> Non
     assert again.returncode == 0, again.stderr
     a, b = json.loads(first.stdout), json.loads(again.stdout)
     assert b["duration_s"] == pytest.approx(a["duration_s"], rel=0.02)
+
+
+def test_calibrate_fits_context_terms_only_with_the_flag(tmp_path: Path) -> None:
+    """A timeline simulated with a plain gap that grows per context token: ``calibrate --context-terms`` fits a
+    per-token gap, plain ``calibrate`` leaves it (and the host's) at 0."""
+    true = attrs.evolve(H200, graph=attrs.evolve(H200.graph, gap_context_us=0.05))
+    save_profile(true, tmp_path / "true.json")
+    timeline = ["--timeline", str(tmp_path / "t.jsonl"), "--no-overlap"]  # the plain loop: the gap is its own
+    run = _cli("--json", *timeline, "--hardware", str(tmp_path / "true.json"), *SMALL)
+    assert run.returncode == 0, run.stderr
+    fitted = {}
+    for label, flags in (("plain", []), ("context", ["--context-terms"])):
+        out = _cli("calibrate", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / f"{label}.json"), *flags)
+        assert out.returncode == 0, out.stderr
+        fitted[label] = load_profile(tmp_path / f"{label}.json").graph
+    assert fitted["plain"].gap_context_us == 0.0 and fitted["plain"].host_context_us == 0.0
+    assert fitted["context"].gap_context_us > 0.0
 
 
 def _grid(tmp_path: Path) -> Path:

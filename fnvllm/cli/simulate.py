@@ -173,14 +173,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
     device = str(header.get("device_name") or header.get("device") or "")
     base = base_for(device) if args.base == "auto" else _user_errors(load_profile, args.base)
     name = args.name or (device_profile_name(device) if device else None)
-    profile = _user_errors(fit_profile, records, model, base, source=str(args.log), name=name)
+    profile = _user_errors(
+        fit_profile, records, model, base, source=str(args.log), name=name, context_terms=args.context_terms
+    )
     if run is not None:  # the time to take in a request, from the run's start
         profile = attrs.evolve(profile, request_us=fit_request_us([(run, records)], model, profile))
     if args.served:  # a served run's timeline: the profile's serving section (the server's latency is not in it)
         from fnvllm.sim.calibrate import fit_serving
 
         _, served = _user_errors(read_timeline, args.served)
-        profile = attrs.evolve(profile, serving=_user_errors(fit_serving, served, model, profile, str(args.served)))
+        serving = _user_errors(fit_serving, served, model, profile, str(args.served), args.context_terms)
+        profile = attrs.evolve(profile, serving=serving)
     out = Path(args.out) if args.out else Path(args.log).with_suffix(".profile.json")
     _user_errors(save_profile, profile, out)
     print(f"wrote {out}: profile {profile.name!r} for model {model.name!r} (base {base.name})")
@@ -293,6 +296,11 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
         "--served",
         default=None,
         help="the timeline of a `fnvllm serve` run: fit the profile's serving section (--serve) on it too",
+    )
+    cal.add_argument(
+        "--context-terms",
+        action="store_true",
+        help="also fit host and gap time per context token (host_context_us, gap_context_us; default: 0)",
     )
     cal.set_defaults(func=run_calibrate)
     sweep = actions.add_parser("sweep", help="run a grid of simulations (local processes, or Ray)")

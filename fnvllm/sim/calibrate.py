@@ -172,16 +172,18 @@ def _fit_kind(
     records: Sequence[Mapping[str, Any]],
     base: Overheads,
     launched: bool = False,
+    context: bool = False,
 ) -> Overheads:
     """The overheads of one kind of step. An eager kind (``launched``): device with a launch floor
     (``_fit_launched_device``), then the plain gap on what the device model leaves of each plain step's wall time.
-    A graph kind: device and plain gap in one fit (``_fit_device_and_gap``). Then the host cycle (``_fit_host``)."""
+    A graph kind: device and plain gap in one fit (``_fit_device_and_gap``). Then the host cycle (``_fit_host``).
+    ``context``: fit the host and gap terms per context token too (``fit_profile``'s ``context_terms``)."""
     if launched:
         device = _fit_launched_device(cost, shapes, records, base)
-        gap = _fit_gap(shapes, records, base, _priced(cost, device))
+        gap = _fit_gap(shapes, records, base, _priced(cost, device), context)
     else:
-        device, gap = _fit_device_and_gap(cost, shapes, records, base)
-    return attrs.evolve(device, **gap, **_fit_host(shapes, records, base))
+        device, gap = _fit_device_and_gap(cost, shapes, records, base, context)
+    return attrs.evolve(device, **gap, **_fit_host(shapes, records, base, context))
 
 
 def _priced(cost: CostModel, device: Overheads) -> CostModel:
@@ -339,7 +341,11 @@ def _device_bound(record: Mapping[str, Any]) -> bool:
 
 
 def _fit_device_and_gap(
-    cost: CostModel, shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads
+    cost: CostModel,
+    shapes: Sequence[StepShape],
+    records: Sequence[Mapping[str, Any]],
+    base: Overheads,
+    context: bool = False,
 ) -> tuple[Overheads, dict[str, float]]:
     """The device model and the plain loop's gap of a graph kind, in one least-squares fit (relative error, a
     run's first step left out) of two kinds of rows: overlapped steps whose device set the pace (``_device_bound``:
@@ -358,7 +364,7 @@ def _fit_device_and_gap(
     plain = _rows_of_mode(records, overlap=False) if len(overlapped) < len(steady) else []
     if len(overlapped) < MIN_ROWS or all(record_overlap(r) is None for r in records):  # or the log does not say
         device = _fit_device(cost, shapes, records, base)
-        return device, _fit_gap(shapes, records, base, _priced(cost, device))
+        return device, _fit_gap(shapes, records, base, _priced(cost, device), context)
     bound = [i for i in overlapped if _device_bound(records[i])]
     rows = bound if len(bound) >= MIN_ROWS else overlapped
     paced = [i for i in overlapped if i not in set(rows)]  # host-paced: their kernels took at most gpu_ms
@@ -372,7 +378,7 @@ def _fit_device_and_gap(
     for _ in range(CENSORED_ROUNDS):
         k = _device_columns(cost, [shapes[i] for i in [*rows, *plain]])
         gap = np.zeros((len(k), n))
-        gap[len(rows) :] = _gap_features(shapes, records, plain)
+        gap[len(rows) :] = _gap_features(shapes, records, plain, context)
         y = np.array(
             [float(records[i]["gpu_ms"]) * 1e3 for i in rows]
             + [(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in plain]
@@ -413,9 +419,12 @@ def _rows_of_mode(records: Sequence[Mapping[str, Any]], overlap: bool) -> list[i
     return [i for i in steady if modes[i] is overlap]
 
 
-def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
+def _features(
+    shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int], context: bool = False
+) -> np.ndarray:
     """Host-side columns of the chosen rows (``_HOST``'s order): 1, rows, new rows, tokens, sampled rows, context
-    tokens (the KV the rows read: their block tables, uploaded each step, grow with it)."""
+    tokens (the KV the rows read). Without ``context`` the last column is 0, so its coefficient is not fitted
+    (``fit_bounded`` keeps a column without rank at its prior, 0): see ``fit_profile``'s ``context_terms``."""
     return np.array(
         [
             [
@@ -424,20 +433,26 @@ def _features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
                 record_new_seqs(records[i]),
                 shapes[i].num_tokens,
                 shapes[i].num_samples,
-                shapes[i].context_tokens,
+                shapes[i].context_tokens if context else 0,
             ]
             for i in rows
         ]
     ).reshape(len(rows), len(_HOST))
 
 
-def _gap_features(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int]) -> np.ndarray:
+def _gap_features(
+    shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], rows: Sequence[int], context: bool = False
+) -> np.ndarray:
     """The plain gap's columns (``_GAP``'s order): ``_features`` without the sampled rows."""
-    return _features(shapes, records, rows)[:, _GAP_OF_HOST]
+    return _features(shapes, records, rows, context)[:, _GAP_OF_HOST]
 
 
 def _fit_gap(
-    shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads, priced: CostModel
+    shapes: Sequence[StepShape],
+    records: Sequence[Mapping[str, Any]],
+    base: Overheads,
+    priced: CostModel,
+    context: bool = False,
 ) -> dict[str, float]:
     """The plain loop's gap coefficients, fitted (>= 0, relative error) on the steps that did not overlap (all
     steps when the log does not say): each step's wall time (gpu_ms + gap_ms) less the device time ``priced``
@@ -452,7 +467,7 @@ def _fit_gap(
     gaps = walls - np.array(
         [priced.step_times(shapes[i], 0, False, h)[0] * 1e6 for i, h in zip(rows, hidden, strict=True)]
     )
-    x, n = _gap_features(shapes, records, rows), len(_GAP)
+    x, n = _gap_features(shapes, records, rows, context), len(_GAP)
     coef = fit_relative(x, gaps, np.zeros(n), np.full(n, np.inf), scale=walls, shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
@@ -461,7 +476,9 @@ NEXT_EAGER = "next_eager"  # a key fit_profile adds to a record followed by an e
 HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
 
 
-def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads) -> dict[str, float]:
+def _fit_host(
+    shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]], base: Overheads, context: bool = False
+) -> dict[str, float]:
     """The host-cycle coefficients (>= 0, relative error), fitted on overlapped steps (all steps when the log does
     not say): where the host set the pace (not ``_device_bound``), on the step's wall time (gpu_ms + gap_ms: wall
     = host under the overlap rule); elsewhere on ``cpu_ms`` plus the part of a cycle it does not time (the wait's
@@ -481,7 +498,8 @@ def _fit_host(shapes: Sequence[StepShape], records: Sequence[Mapping[str, Any]],
     untimed = max(float(np.median((walls - cpu)[paced])), 0.0) if paced.sum() >= MIN_ROWS else 0.0
     host = np.where(paced, np.maximum(walls, cpu), cpu + untimed)
     n = len(names)
-    coef = fit_relative(_features(shapes, records, rows), host, np.zeros(n), np.full(n, np.inf), shift=False)
+    x = _features(shapes, records, rows, context)
+    coef = fit_relative(x, host, np.zeros(n), np.full(n, np.inf), shift=False)
     return dict(zip(names, map(float, coef), strict=True))
 
 
@@ -491,9 +509,17 @@ def fit_profile(
     base: HardwareProfile,
     source: str = "",
     name: str | None = None,
+    context_terms: bool = False,
 ) -> HardwareProfile:
     """``base`` with its overheads fitted to ``records`` (timeline step records) of ``model``, named ``name``
     (default: the base's name + "-calibrated") and recording ``model`` (simulate's default model with it).
+
+    ``context_terms``: also fit the host cycle and the plain gap per context token (``host_context_us``,
+    ``gap_context_us``; 0 when off). Off by default: in the H200 calibration runs of 2026-12-04 the host time of
+    steps with equal rows did not grow with their context (256-row plain decode steps: gap 0.71 ms at 95k context
+    tokens, 0.74 at 175k), while the column, nearly collinear with the rows in the decode regimes, took their
+    growth and priced the bench workload's long contexts 13.2 % slow when that regime was held out of the fit
+    (5.7 % without the column).
 
     Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
     eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
@@ -511,7 +537,8 @@ def fit_profile(
         rows = [r for r in marked if bool(r["graph"]) == is_graph and int(r["num_seqs"]) > 0]
         if len(rows) >= MIN_ROWS:
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)  # graphs replay the eager matmuls
-            kinds[kind] = _fit_kind(cost, [record_shape(r) for r in rows], rows, prior, launched=not is_graph)
+            shapes = [record_shape(r) for r in rows]
+            kinds[kind] = _fit_kind(cost, shapes, rows, prior, launched=not is_graph, context=context_terms)
     graph_seqs = [int(r["num_seqs"]) for r in records if r["graph"]]
     mixed = [int(r["num_tokens"]) for r in records if r["graph"] and int(r["num_prefill_tokens"]) > 0]
     return attrs.evolve(
@@ -573,7 +600,11 @@ STALL_FACTOR = 10.0  # a served step slower than this many times its kind's medi
 
 
 def fit_serving(
-    records: Sequence[Mapping[str, Any]], model: ModelShape, base: HardwareProfile, source: str = ""
+    records: Sequence[Mapping[str, Any]],
+    model: ModelShape,
+    base: HardwareProfile,
+    source: str = "",
+    context_terms: bool = False,
 ) -> Serving:
     """The ``serving`` section of a profile, fitted to the timeline ``records`` of a served run (``fnvllm serve``
     under load, FNVLLM_TIMELINE set; overlapped steps), with ``base`` (an offline fit) for what they cannot tell.
@@ -608,7 +639,7 @@ def fit_serving(
             prior = attrs.evolve(kinds[kind], scale=kinds["eager"].scale)
             rows = [steps[i] for i in kept[kind]]
             device = _fit_device(cost, [shapes[i] for i in kept[kind]], rows, prior, per_row_cap=True)
-            host = _fit_served_host(steps, shapes, kept[kind], prior)
+            host = _fit_served_host(steps, shapes, kept[kind], prior, context_terms)
             kinds[kind] = attrs.evolve(device, **{n: getattr(prior, n) for n in _GAP}, **host)
     host_cost = CostModel(model, attrs.evolve(base, eager=kinds["eager"], graph=kinds["graph"]))
     for kind in kinds:
@@ -622,7 +653,11 @@ def _served_wall_ms(record: Mapping[str, Any]) -> float:
 
 
 def _fit_served_host(
-    steps: Sequence[Mapping[str, Any]], shapes: Sequence[StepShape], rows: Sequence[int], prior: Overheads
+    steps: Sequence[Mapping[str, Any]],
+    shapes: Sequence[StepShape],
+    rows: Sequence[int],
+    prior: Overheads,
+    context: bool = False,
 ) -> dict[str, float]:
     """The host cycle of a kind of served step, on ``cpu_ms`` of its steps followed by a graph step (fewer than
     MIN_ROWS such steps: ``prior``'s)."""
@@ -630,7 +665,7 @@ def _fit_served_host(
     if len(clean) < MIN_ROWS:
         return {name: getattr(prior, name) for name in _HOST}
     cpu = np.array([float(steps[i]["cpu_ms"]) * 1e3 for i in clean])
-    coef = fit_nonnegative(_features(shapes, steps, clean), cpu)
+    coef = fit_nonnegative(_features(shapes, steps, clean, context), cpu)
     return dict(zip(_HOST, map(float, coef), strict=True))
 
 

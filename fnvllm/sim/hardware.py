@@ -65,7 +65,8 @@ class Overheads:
 
     Plain-loop gap (the host time the device waits for between steps when the loop does not overlap: the part of
     the cycle before the launch; the launch itself overlaps the device) = gap_us + gap_seq_us * seqs +
-    gap_new_seq_us * new seqs + gap_token_us * tokens + gap_context_us * context tokens.
+    gap_new_seq_us * new seqs + gap_token_us * tokens + gap_context_us * context tokens. The calibration fits the
+    two context terms only when asked (``fit_profile``'s ``context_terms``); the built-in h200 has them at 0.
 
     Launch: host time to launch the step's kernels, which the device waits for = launch_us + launch_seq_us * seqs
     + launch_token_us * tokens. An eager step launches kernel by kernel (~20 ms on the H200 for the 0.6B shape), so
@@ -267,13 +268,14 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-04 (commit 98d9544): qwen3-0.6b shape, block 256, budget 16384,
+# Fitted by benchmarks/sim_calibration.py on 2026-12-04 from H200 runs of main 98d9544 (refit without the context
+# terms, fit_profile's context_terms): qwen3-0.6b shape, block 256, budget 16384,
 # max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
-# out): decode-1 -0.6% / -0.5%, decode-1-plain -0.5% / -0.3%, decode-16 +0.8% / +1.4%, decode-16-plain +1.9% / +3.0%,
-# decode-64 +3.0% / +4.9%, decode-64-plain +2.3% / +4.2%, decode-256 -2.1% / -3.2%, decode-256-plain -3.3% / -7.5%,
-# prefill-16 -2.3% / -2.9%, prefill-16-plain -9.8% / -10.6%, prefill-64 -1.4% / -1.8%, prefill-64-plain -4.7% / -4.9%,
-# prefill-512 -0.5% / -1.5%, prefill-512-plain +1.0% / +1.6%, long-128 -3.4% / -4.7%, long-128-plain -2.9% / -4.3%,
-# bench +1.2% / +5.9%, bench-plain +1.7% / +13.2%. The serving section is kept from the 2026-12-02 fit (main e24beba,
+# out): decode-1 -0.7% / -0.8%, decode-1-plain -0.3% / -0.0%, decode-16 +0.7% / +1.4%, decode-16-plain +2.2% / +3.4%,
+# decode-64 +2.6% / +5.2%, decode-64-plain +2.8% / +5.1%, decode-256 -2.2% / -3.1%, decode-256-plain -2.2% / -4.2%,
+# prefill-16 -2.2% / -2.8%, prefill-16-plain -9.9% / -10.8%, prefill-64 -1.4% / -1.7%, prefill-64-plain -5.0% / -5.2%,
+# prefill-512 -0.5% / -1.5%, prefill-512-plain +1.0% / +1.5%, long-128 -3.3% / -4.7%, long-128-plain -3.0% / -4.4%,
+# bench +2.0% / +8.8%, bench-plain +0.3% / +5.7%. The serving section is kept from the 2026-12-02 fit (main e24beba,
 # refit at c6d97a3; its served TTFT / TPOT errors are in BENCHMARKS.md): no served run was refit this time.
 H200 = HardwareProfile(
     name="h200",
@@ -307,26 +309,26 @@ H200 = HardwareProfile(
     ),
     graph=Overheads(
         scale=1.0,
-        attn_scale=1.0,
-        step_us=472.3546016615413,
+        attn_scale=1.0205754242389566,
+        step_us=493.43709813952836,
         seq_us=0.0,
-        token_us=0.1275599627453543,
-        log_seq_us=41.121163869085386,
-        gap_us=336.22012465575153,
-        gap_seq_us=1.2219861293336591,
+        token_us=0.0,
+        log_seq_us=35.54010525133763,
+        gap_us=338.553411980018,
+        gap_seq_us=2.243001744760393,
         gap_new_seq_us=0.0,
         gap_token_us=0.0,
-        host_us=377.8607726774428,
-        host_seq_us=3.7980320400393994,
+        host_us=383.86341420100456,
+        host_seq_us=5.415229968817985,
         host_new_seq_us=0.0,
         host_token_us=0.0,
         host_sample_us=0.0,
-        host_context_us=0.002636997925739499,
-        gap_context_us=0.0020620755391142606,
+        host_context_us=0.0,
+        gap_context_us=0.0,
         launch_us=0.0,
         launch_seq_us=0.0,
         launch_token_us=0.0,
-        small_us=(418.5487270863416, 596.0836903320011, 621.7258038172832, 658.8894809461524),
+        small_us=(417.83827423426925, 595.3098890622833, 620.0280575464188, 657.4073898480754),
     ),
     calibrated_from="benchmarks/sim_calibration.py",
     model={
