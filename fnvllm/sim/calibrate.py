@@ -15,6 +15,9 @@ device time stays a physical function of the work and carries to other model sha
     gap:     gap_us ~ gap_us + gap_seq_us * seqs + gap_new_seq_us * new_seqs + gap_token_us * tokens
                                                         (on steps of a plain loop)
 
+With ``context_terms`` (off by default: see ``fit_profile``) host and gap also get a column per context token
+(``host_context_us``, ``gap_context_us``).
+
 A record says its loop mode with ``overlap`` (the run recorder and the simulator write it); a log that never says
 fits host and gap on every step. Columns the log cannot tell apart keep the base profile's value (device) or
 fold into the column before them (host, gap): in decode-only steps num_tokens == num_seqs (their cost lands on
