@@ -402,11 +402,34 @@ def test_an_eager_launch_hides_behind_the_step_before() -> None:
             histories=(None,),
         )  # fmt: skip
 
-    ex = SimExecutor(cost)
-    devices = []
-    for step in range(3):
-        if step == 2:
-            ex.advance_to(ex.clock + 1.0)  # idle: the next launch hides behind nothing
-        ex.execute(prefill(step))
-        devices.append(ex.last_device_s)
-    assert devices == pytest.approx([0.018, 0.001, 0.018], rel=1e-2)
+    def devices(cost: CostModel) -> list[float]:
+        ex, out = SimExecutor(cost), []
+        for step in range(3):
+            if step == 2:
+                ex.advance_to(ex.clock + 1.0)  # idle: the next launch hides behind nothing
+            ex.execute(prefill(step))
+            out.append(ex.last_device_s)
+        return out
+
+    assert devices(cost) == pytest.approx([0.018, 0.001, 0.018], rel=1e-2)
+    # a plain loop launches each step after the one before it finished: every step waits for its whole launch
+    plain = CostModel(MODEL, cost.hardware, overlap=False)
+    assert devices(plain) == pytest.approx([0.018, 0.018, 0.018], rel=1e-2)
+
+
+def test_only_an_overlapped_steps_launch_hides_behind_the_step_before_it_in_a_timeline() -> None:
+    """``hidden_launch_ms``: the device time of the record before, for an overlapped step that follows it; 0 for a
+    plain step (its launch began after the step before had finished), a run's first step, a step after an idle
+    gap longer than the step before, and a step that does not follow the record before."""
+    from fnvllm.sim.calibrate import hidden_launch_ms
+
+    def record(step: int, overlap: bool, gap: float = 0.0, **extra: object) -> dict[str, object]:
+        return {"step": step, "gpu_ms": 10.0 + step, "gap_ms": gap, "overlap": overlap, **extra}
+
+    overlapped = [record(0, True), record(1, True), record(2, True, gap=20.0), record(4, True)]
+    assert hidden_launch_ms(overlapped) == [0.0, 10.0, 0.0, 0.0]
+    plain = [record(0, False), record(1, False), record(2, False)]
+    assert hidden_launch_ms(plain) == [0.0, 0.0, 0.0]
+    assert hidden_launch_ms([record(0, True), record(1, True, first_in_run=True)]) == [0.0, 0.0]
+    unsaid = [{"step": 0, "gpu_ms": 5.0}, {"step": 1, "gpu_ms": 5.0}]  # a log that never says its loop mode
+    assert hidden_launch_ms(unsaid) == [0.0, 5.0]

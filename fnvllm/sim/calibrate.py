@@ -246,7 +246,8 @@ def hidden_launch_ms(records: Sequence[Mapping[str, Any]]) -> list[float]:
             and "step" in before
             and int(record["step"]) == int(before["step"]) + 1
         )
-        hides = consecutive and not record.get("first_in_run")
+        # a plain loop launches a step only after the one before it finished: nothing hides its launch
+        hides = consecutive and not record.get("first_in_run") and record_overlap(record) is not False
         if hides and before is not None and float(record.get("gap_ms", 0.0)) < float(before["gpu_ms"]):
             out.append(float(before["gpu_ms"]))
         else:

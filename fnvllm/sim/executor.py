@@ -126,7 +126,9 @@ class SimExecutor:
         else:
             self.last_plain = self._hides and self._device_before == 0.0
             if self._hides:  # after an idle device, the host's work for the step is not hidden: priced plainly
-                device, host, wall = self._times(shape, new, False if self.last_plain else None, self._device_before)
+                # a plain loop launches a step after the one before it finished: nothing hides its launch
+                hidden = self._device_before if self.cost.overlap else 0.0
+                device, host, wall = self._times(shape, new, False if self.last_plain else None, hidden)
             else:
                 device, host, wall = self._times(shape, new)
             self.last_device_s, self.last_gap_s, self.last_host_s = device, wall - device, host
