@@ -268,15 +268,16 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-04 from H200 runs of main 98d9544 (refit after the plain loop's
-# launches stopped hiding behind the step before, without the context terms): qwen3-0.6b shape, block 256, budget 16384,
-# max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
-# out): decode-1 -0.7% / -0.8%, decode-1-plain -0.3% / -0.0%, decode-16 +0.6% / +1.4%, decode-16-plain +2.2% / +3.4%,
-# decode-64 +2.4% / +5.4%, decode-64-plain +2.6% / +5.3%, decode-256 -2.2% / -3.1%, decode-256-plain -1.7% / -3.6%,
-# prefill-16 -3.3% / -3.4%, prefill-16-plain +1.0% / +1.6%, prefill-64 -1.6% / -2.0%, prefill-64-plain -6.6% / -6.9%,
-# prefill-512 -0.5% / -1.3%, prefill-512-plain -0.8% / -1.6%, long-128 -3.4% / -4.7%, long-128-plain -4.1% / -5.5%,
-# bench +2.0% / +8.8%, bench-plain +0.2% / +5.6%. The serving section is kept from the 2026-12-02 fit (main e24beba,
-# refit at c6d97a3; its served TTFT / TPOT errors are in BENCHMARKS.md): no served run was refit this time.
+# Fitted by benchmarks/sim_calibration.py's fit on 2026-12-04 from two H200 calibration runs of the 18 regimes,
+# pooled (main 98d9544 and 2cb4bb7: the same engine; the second machine's host ran ~40 % slower, device within 2 %):
+# qwen3-0.6b shape, block 256, budget 16384, max_num_seqs 512, CUDA graphs, overlapped and plain loops; the context
+# terms not fitted. Error per regime on the first run / the second: decode-1 -0.1% / -2.6%, decode-1-plain +5.6% /
+# -7.9%, decode-16 +2.0% / -0.4%, decode-16-plain +7.8% / -3.4%, decode-64 +4.1% / +2.3%, decode-64-plain +8.4% /
+# -6.9%, decode-256 -0.9% / -6.9%, decode-256-plain +3.5% / -8.2%, prefill-16 +1.7% / -14.9%, prefill-16-plain
+# +9.4% / -5.6%, prefill-64 +1.6% / -2.4%, prefill-64-plain -1.8% / -8.6%, prefill-512 +1.8% / -0.4%,
+# prefill-512-plain +3.5% / -6.1%, long-128 -2.7% / -2.6%, long-128-plain -1.5% / -10.0%, bench +2.2% / -0.4%,
+# bench-plain +2.9% / -0.9%. The serving section is kept from the 2026-12-02 fit (main e24beba, refit at c6d97a3; its
+# served TTFT / TPOT errors are in BENCHMARKS.md): no served run was refit this time.
 H200 = HardwareProfile(
     name="h200",
     mem_bandwidth_gbs=4160.0,
@@ -286,40 +287,40 @@ H200 = HardwareProfile(
     graph_mixed_tokens=2048,
     eager=Overheads(
         scale=1.0,
-        attn_scale=3.0542270872997115,
-        step_us=390.27866149772075,
+        attn_scale=2.886175174230784,
+        step_us=1500.526380275504,
         seq_us=0.0,
-        token_us=0.49316668698936733,
+        token_us=0.5170474923534623,
         log_seq_us=0.0,
         gap_us=0.0,
         gap_seq_us=0.0,
         gap_new_seq_us=0.0,
-        gap_token_us=0.2094260787692955,
-        host_us=0.0,
-        host_seq_us=0.0,
+        gap_token_us=0.2761105866240062,
+        host_us=829.4394185454863,
+        host_seq_us=4.5561277172605426,
         host_new_seq_us=0.0,
-        host_token_us=1.77915,
+        host_token_us=0.10989469929336422,
         host_sample_us=0.0,
         host_context_us=0.0,
         gap_context_us=0.0,
-        launch_us=25604.550000000003,
+        launch_us=29300.28,
         launch_seq_us=0.0,
         launch_token_us=0.0,
         small_us=(),
     ),
     graph=Overheads(
         scale=1.0,
-        attn_scale=1.0205754242389566,
-        step_us=493.43709813952836,
+        attn_scale=1.0126922775595428,
+        step_us=480.60359789223264,
         seq_us=0.0,
         token_us=0.0,
-        log_seq_us=35.54010525133763,
-        gap_us=338.553411980018,
-        gap_seq_us=2.243001744760393,
+        log_seq_us=40.501446852319816,
+        gap_us=398.8663838503449,
+        gap_seq_us=2.822584360017122,
         gap_new_seq_us=0.0,
         gap_token_us=0.0,
-        host_us=383.86341420100456,
-        host_seq_us=5.415229968817985,
+        host_us=425.43908990025335,
+        host_seq_us=5.8408528597504805,
         host_new_seq_us=0.0,
         host_token_us=0.0,
         host_sample_us=0.0,
@@ -328,7 +329,7 @@ H200 = HardwareProfile(
         launch_us=0.0,
         launch_seq_us=0.0,
         launch_token_us=0.0,
-        small_us=(417.83827423426925, 595.3098890622833, 620.0280575464188, 657.4073898480754),
+        small_us=(421.76844256760876, 587.0102476461709, 623.9514300084764, 654.9400300456421),
     ),
     calibrated_from="benchmarks/sim_calibration.py",
     model={
@@ -344,7 +345,7 @@ H200 = HardwareProfile(
         "max_position_embeddings": 40960,
         "name": "qwen3-0.6b",
     },
-    request_us=115.36082795518655,
+    request_us=156.74530334773323,
     serving=Serving(
         eager=Overheads(
             scale=1.0,
