@@ -166,27 +166,41 @@ def build_engine(shape: str, folder: Path, quick: bool) -> Any:
     return llm
 
 
-def fit_and_check(out: Path, runs: Sequence[Path], set_: Sequence[Regime], device_name: str) -> list[dict[str, Any]]:
-    """Fit the profile on every run (and once per held-out family), replay every run; returns the report rows."""
+def fit_and_check(
+    out: Path, runs: Sequence[Path], set_: Sequence[Regime], device_name: str, pooled: Sequence[Path] = ()
+) -> list[dict[str, Any]]:
+    """Fit the profile on every run (and once per held-out family), replay every run; returns the report rows.
+    ``pooled``: folders of earlier runs of this script (the same engine) whose runs join the fit and the checks
+    (their rows carry ``run`` 1, 2, ...; out's 0): the GPU machine's host speed varies between runs, so a profile
+    fitted on runs of several is not tied to one run's host."""
     header, records = read_timeline(out / "steps.jsonl")
     model = header_model(header, name=read_run(runs[0]).model_name or "model")
     device = device_name or str(header.get("device", ""))
     base = base_for(device)
     name = device_profile_name(device)
-    run_data = {path: read_run(path) for path in runs}
-    chosen = {path: run_records(records, run) for path, run in run_data.items()}
+    checked = [(0, regime, path, out / "steps.jsonl") for regime, path in zip(set_, runs, strict=True)]
+    for k, folder in enumerate(pooled, start=1):
+        present = [r for r in set_ if (folder / f"{r.name}.run.json").exists()]
+        checked += [(k, r, folder / f"{r.name}.run.json", folder / "steps.jsonl") for r in present]
+    timelines = {out / "steps.jsonl": records}
+    for folder in pooled:
+        timelines[folder / "steps.jsonl"] = read_timeline(folder / "steps.jsonl")[1]
+    run_data = {path: read_run(path) for _, _, path, _ in checked}
+    chosen = {path: run_records(timelines[timeline], run_data[path]) for _, _, path, timeline in checked}
     profile = _fit(list(run_data.items()), chosen, model, base, name, exclude=None)
     save_profile(attrs.evolve(profile, calibrated_from=str(out / "steps.jsonl")), out / "profile.json")
     builtin = load_profile("h200")
+    held_out = {
+        r.family: _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{r.family}", r) for r in set_
+    }
     rows = []
-    for regime, path in zip(set_, runs, strict=True):
-        held_out = _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{regime.family}", regime)
+    for k, regime, path, timeline in checked:
         results = {
-            "fitted": check_run(out / "steps.jsonl", path, profile, model),
-            "held_out": check_run(out / "steps.jsonl", path, held_out, model),
-            "builtin_h200": check_run(out / "steps.jsonl", path, builtin, model),
+            "fitted": check_run(timeline, path, profile, model),
+            "held_out": check_run(timeline, path, held_out[regime.family], model),
+            "builtin_h200": check_run(timeline, path, builtin, model),
         }
-        rows.append(_row(regime, results))
+        rows.append({**_row(regime, results), "run": k})
     return rows
 
 
@@ -240,18 +254,23 @@ def _row(regime: Regime, results: dict[str, CheckResult]) -> dict[str, Any]:
     return row
 
 
+def _label(row: Mapping[str, Any]) -> str:
+    """A report row's regime, with its run's number when it comes from a pooled folder (``--pool``)."""
+    return row["regime"] if not row.get("run") else f"{row['regime']}@{row['run']}"
+
+
 def print_table(rows: Sequence[dict[str, Any]], device: str = "NVIDIA H200") -> None:
     """The per-regime errors, one line each, the worst |error| of each profile and, for an H200 run, whether
     the fit may replace the built-in h200 profile (its worst error on these runs is within 10 % or the built-in's
     worst; the held-out column is the honest number for runs it was not fitted on)."""
     print(
-        f"\n{'regime':<16} {'reqs':>5} {'steps':>6} {'measured s':>10} {'fitted':>8} {'held-out':>9} "
+        f"\n{'regime':<19} {'reqs':>5} {'steps':>6} {'measured s':>10} {'fitted':>8} {'held-out':>9} "
         f"{'h200':>8} {'plans':>5} {'step |err|':>10}"
     )
     for r in rows:
         step = f"{r['step_mean_abs_error']:.1%}" if r["step_mean_abs_error"] is not None else "-"
         print(
-            f"{r['regime']:<16} {r['requests']:>5} {r['steps']:>6} {r['measured_s']:>10.3f} "
+            f"{_label(r):<19} {r['requests']:>5} {r['steps']:>6} {r['measured_s']:>10.3f} "
             f"{r['fitted_error']:>+8.1%} {r['held_out_error']:>+9.1%} {r['builtin_h200_error']:>+8.1%} "
             f"{'same' if r['same_plans'] else 'diff':>5} {step:>10}"
         )
@@ -279,7 +298,7 @@ def ship_snippet(
 ) -> str:
     """The fitted profile as the Python literal of fnvllm/sim/hardware.py's H200, with its provenance comment
     (the per-regime errors fitted / held out, and ``served``: the served runs' lines of ``served_lines``)."""
-    errors = ", ".join(f"{r['regime']} {r['fitted_error']:+.1%} / {r['held_out_error']:+.1%}" for r in rows)
+    errors = ", ".join(f"{_label(r)} {r['fitted_error']:+.1%} / {r['held_out_error']:+.1%}" for r in rows)
     head = (
         f"Fitted by benchmarks/sim_calibration.py on {time.strftime('%Y-%m-%d')} (commit {commit or 'unknown'}): "
         f"{profile.model and profile.model.get('name')} shape, block 256, budget 16384, max_num_seqs 512, CUDA graphs, "
@@ -368,6 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a served run's folder (benchmarks/sim_serve_check.py --out): fit the profile's serving section on it",
     )
     parser.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        help="with --refit: another run's --out folder whose runs join the fit and the checks (repeatable)",
+    )
+    parser.add_argument(
         "--ship",
         action="store_true",
         help="write the fitted profile over fnvllm/sim/hardware.py's built-in h200 (what h200_profile.py.txt holds)",
@@ -393,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = run_regimes(llm, set_, out, device_name, args.model_shape)
             llm.executor.timeline.close()
             llm.close()
-    rows = fit_and_check(out, runs, set_, device_name)
+    rows = fit_and_check(out, runs, set_, device_name, [Path(p) for p in args.pool])
     (out / "report.json").write_text(json.dumps(rows, indent=1) + "\n")
     print_table(rows, device_name)
     served = add_serving(out, Path(args.served)) if args.served else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import shutil
 from pathlib import Path
 
 import attrs
@@ -251,6 +252,22 @@ def test_calibration_set_script_runs_fits_and_replays_on_cpu(
         (tmp_path / f"{name}.run.json").unlink()
     assert sim_calibration.main(["--out", str(tmp_path), "--refit", "--quick"]) == 0
     assert len(json.loads((tmp_path / "report.json").read_text())) == 16
+    # --pool: another run's folder (here a copy of this one, one regime fewer) joins the fit and the checks
+    other = tmp_path / "other"
+    other.mkdir()
+    for path in tmp_path.glob("*.run.json"):
+        if path.name != "decode-1.run.json":
+            shutil.copy(path, other / path.name)
+    shutil.copy(tmp_path / "steps.jsonl", other / "steps.jsonl")
+    capsys.readouterr()
+    assert sim_calibration.main(["--out", str(tmp_path), "--refit", "--quick", "--pool", str(other)]) == 0
+    pooled = json.loads((tmp_path / "report.json").read_text())
+    assert [r["run"] for r in pooled] == [0] * 16 + [1] * 15
+    first = {r["regime"]: r for r in pooled if r["run"] == 0}
+    for row in (r for r in pooled if r["run"] == 1):  # the same runs: the same measured and fitted times
+        assert row["measured_s"] == first[row["regime"]]["measured_s"]
+        assert row["fitted_s"] == pytest.approx(first[row["regime"]]["fitted_s"])
+    assert "decode-16@1" in capsys.readouterr().out
 
 
 def _regime_log(tmp_path: Path, name: str, **options: object) -> list[dict]:

@@ -268,8 +268,8 @@ class HardwareProfile:
         return cls(**values)
 
 
-# Fitted by benchmarks/sim_calibration.py's fit on 2026-12-04 from two H200 calibration runs of the 18 regimes,
-# pooled (main 98d9544 and 2cb4bb7: the same engine; the second machine's host ran ~40 % slower, device within 2 %):
+# Fitted on 2026-12-04 by `benchmarks/sim_calibration.py --out RUN1 --refit --pool RUN2` from two H200 calibration
+# runs of the 18 regimes (main 98d9544 and 2cb4bb7: the same engine; RUN2's host ran ~40 % slower, device within 2 %):
 # qwen3-0.6b shape, block 256, budget 16384, max_num_seqs 512, CUDA graphs, overlapped and plain loops; the context
 # terms not fitted. Error per regime on the first run / the second: decode-1 -0.1% / -2.6%, decode-1-plain +5.6% /
 # -7.9%, decode-16 +2.0% / -0.4%, decode-16-plain +7.8% / -3.4%, decode-64 +4.1% / +2.3%, decode-64-plain +8.4% /
