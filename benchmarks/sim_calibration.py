@@ -190,8 +190,10 @@ def fit_and_check(
     profile = _fit(list(run_data.items()), chosen, model, base, name, exclude=None)
     save_profile(attrs.evolve(profile, calibrated_from=str(out / "steps.jsonl")), out / "profile.json")
     builtin = load_profile("h200")
+    families = {r.family: r for r in set_}  # one fit per family: a regime and its -plain twin leave out the same runs
     held_out = {
-        r.family: _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{r.family}", r) for r in set_
+        family: _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{family}", regime)
+        for family, regime in families.items()
     }
     rows = []
     for k, regime, path, timeline in checked:
