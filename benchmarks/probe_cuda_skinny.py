@@ -15,7 +15,9 @@ Triton kernels, at 16 rows:
 
 Every product is first checked against a float32 reference. Times are us per launch in a CUDA graph of one launch
 per weight copy (copies past L2), best of five replays of the graph, weight TB/s = weight bytes / time. Measured
-2026-12-04 (BENCHMARKS.md, "Eighteenth session"): no faster than the shipped kernels, so the engine keeps them.
+2026-12-04 (BENCHMARKS.md, "Eighteenth session"): as written here (``__launch_bounds__(256, 1)``, 58-255 registers
+a thread) no faster than the shipped kernels; the bf16 kernels with fewer registers beat them and ship as
+``fnvllm/kernels/cuda_skinny.py``.
 """
 
 from __future__ import annotations

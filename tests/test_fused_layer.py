@@ -27,6 +27,7 @@ CHUNKS = [11, 6, 1, 1, 1]  # two prefill chunks, then decodes
 @torch.inference_mode()
 def run(model: DecoderForCausalLM, tokens: torch.Tensor, fp8: bool) -> torch.Tensor:
     """Logits (L, vocab) for tokens fed in CHUNKS through a paged cache (blocks 3, 1, 4; FP8 with scales)."""
+    tokens = tokens.to(DEVICE)  # (the tests draw them on the CPU; on a GPU machine the model is on "cuda")
     config = model.config
     shape = (6, BLOCK, config.num_key_value_heads, config.head_dim)
     heads = config.num_key_value_heads

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fnvllm.kernels import cuda_skinny
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
 from fnvllm.kernels.fp8 import is_fp8
 from fnvllm.kernels.fused_ops import (
@@ -971,8 +972,12 @@ def linear_partials(
     the H200 (CUDA-graph replays past L2, PDL; BENCHMARKS.md, eleventh session), us per call with the in-kernel sum
     / partials left unsummed: Qwen3-0.6B o_proj at 16 rows 4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64
     rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70), o_proj at 17-64
-    rows too (with the norm after it: 5.89 -> 4.88 at 64 rows, fourteenth session)."""
+    rows too (with the norm after it: 5.89 -> 4.88 at 64 rows, fourteenth session). The products
+    ``cuda_skinny.CUDA_CONFIGS`` lists (Qwen3-0.6B qkv and down_proj at 2-16 rows) take that module's CUDA kernel
+    instead, which returns its own split partials (eighteenth session)."""
     rows = x.shape[0]
+    if bias is None and x.dim() == 2 and on_gpu(x) and (cuda := cuda_skinny.cuda_config("partials", x, weight)):
+        return SplitPartials(cuda_skinny.skinny_partials(x, weight, cuda), x.dtype)
     if bias is None and x.dim() == 2 and on_gpu(x) and prefers_skinny(rows, *weight.shape):
         cfg = partials_config(rows, *weight.shape)
         if cfg.split_k > 1 and x.stride(1) == 1 and weight.stride(1) == 1:
@@ -1073,7 +1078,8 @@ def norm_mlp(
     gate/up projection's epilogue (``glu_out``: no SiLU-and-mul launch); otherwise ``norm_linear`` then
     ``silu_mul_linear``, each fusing where it measured faster. x may be split partials (see ``norm_linear``);
     keep_partials: the result goes to a residual add + RMSNorm, so down_proj may leave its own
-    (``linear_partials``)."""
+    (``linear_partials``). A gate/up projection that ``cuda_skinny.CUDA_CONFIGS`` lists as "glu" runs there
+    (``cuda_skinny.glu_out``, same rounding) at 2-16 rows without a bias."""
     value = x.parts[0] if isinstance(x, SplitPartials) else x  # (T, K) in shape and device
     rows, (gu_rows, in_features) = value.shape[0], gate_up_weight.shape
     down = linear_partials if keep_partials else linear
@@ -1092,7 +1098,12 @@ def norm_mlp(
             normed, new_residual = rmsnorm(value, norm_weight, eps), value
         else:
             normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
-        act = skinny_linear(normed.contiguous(), gate_up_weight, gate_up_bias, cfg, glu_out=True)  # (T, I)
+        normed = normed.contiguous()
+        cuda = cuda_skinny.cuda_config("glu", normed, gate_up_weight) if gate_up_bias is None else None
+        if cuda is not None:
+            act = cuda_skinny.glu_out(normed, gate_up_weight, cuda)  # (T, I)
+        else:
+            act = skinny_linear(normed, gate_up_weight, gate_up_bias, cfg, glu_out=True)  # (T, I)
         return down(act, down_weight, down_bias), new_residual
     gate_up, new_residual = norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
     return silu_mul_linear(gate_up, down_weight, down_bias, keep_partials), new_residual

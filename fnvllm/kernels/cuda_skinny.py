@@ -1,0 +1,293 @@
+"""Few-row bf16 projections in CUDA (compiled at run time by NVRTC): the decode GEMMs at 2-16 rows where they
+measured faster than the Triton skinny kernel (``skinny_gemm``), beside their reference ``F.linear``.
+
+Why CUDA here. At 16 rows a projection is a read of its weight, and in a decode step's chain of launches what it
+costs is how early the read starts and how soon the next launch can start behind it. This kernel loads a thread's
+whole share of the weight into registers, 16 bytes a load, before the programmatic-dependent-launch wait, feeds
+those registers to ``mma.sync`` as they are (no shared-memory staging, no layout conversion: see the k
+permutation below) and needs 62-106 registers a thread, so two to four 8-warp blocks fit on an SM and the next
+projection's blocks are placed, and its weights requested, while this one runs. Triton's dot needs its operands
+in the MMA layout, which costs a shared-memory round trip and registers. Measured on the H200 (BENCHMARKS.md,
+eighteenth session; chains of launches over weight copies past L2, us per launch, Triton's path first): qkv
+3.68 -> 3.29, gate/up with SiLU-and-mul 5.91 -> 4.65 (without the epilogue), down 3.67 -> 3.34; the Qwen3-0.6B
+decode step at 16 requests 1.108 -> 1.020-1.042 device ms with the three swapped in.
+
+Algorithm. A block is 8 warps and 32 weight rows (four n8 tiles); warp w covers its own KB x 32 columns of K and
+the block adds the 8 warps' (16, 32) tiles through shared memory. Grid (N / 32, S): split s covers K columns
+[s * 256 * KB, (s + 1) * 256 * KB) and stores its float32 partial (S, M, N) for the consumer to sum in split
+order (``SplitPartials``). GLU: the weight is [gate | up] (2I rows) and block c takes gate rows 16c..16c+15 and
+the same up rows, S = 1; the epilogue rounds each sum to bf16 and writes silu(gate) * up in bf16 (I columns).
+
+The k permutation. A dot product does not care which k meets which MMA slot as long as x and W agree. In
+``mma.m16n8k16`` thread (g = lane / 4, t = lane % 4) holds the k slots {2t, 2t + 1, 2t + 8, 2t + 9}; here it
+loads the 8 contiguous bf16 at k = base + 8t of weight row n + g and of x rows g and g + 8 (one 16-byte load
+each) and gives words .x/.y (k = 8t .. 8t + 3) to one MMA and .z/.w (8t + 4 .. 8t + 7) to the next: 64
+contiguous bytes of a row per 4 threads. Rows past M read as zeros and are not stored.
+
+Used by ``skinny_gemm.linear_partials`` and ``skinny_gemm.norm_mlp`` for the products ``CUDA_CONFIGS`` lists, on
+sm_90+ GPUs where NVRTC (``torch.cuda._compile_kernel``) compiles the source; anywhere else, or with
+FNVLLM_CUDA_SKINNY=0 (read at import), those products stay on the Triton kernel. A failed compile warns once and
+falls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+SOURCE = r"""
+typedef unsigned int u32;
+
+__device__ __forceinline__ uint4 load_weight(const void* p) {  // weights: read-only, streamed past L1
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned short to_bf16(float v) {  // round to nearest even
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+
+__device__ __forceinline__ float bf16_value(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
+
+template <int KB, bool GLU>
+__device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+                                           void* __restrict__ y, int M, int N, int K) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = GLU ? blockIdx.x * 16 : blockIdx.x * 32;  // GLU: output column; else weight row
+  const int k0 = (blockIdx.y * 8 + warp) * KB * 32;
+  uint4 wr[4][KB];  // n8 tile j, 32-deep block b: read before the wait (no kernel writes weights)
+#pragma unroll
+  for (int b = 0; b < KB; ++b)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = GLU ? (j < 2 ? n0 + 8 * j + g : N / 2 + n0 + 8 * (j - 2) + g) : n0 + 8 * j + g;
+      wr[j][b] = load_weight(w + (size_t)row * K + k0 + 32 * b + 8 * t);
+    }
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
+  asm volatile("griddepcontrol.launch_dependents;");
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 xr[2][KB];  // rows g and g + 8
+#pragma unroll
+  for (int b = 0; b < KB; ++b) {
+    xr[0][b] = g < M ? *(const uint4*)(x + (size_t)g * K + k0 + 32 * b + 8 * t) : zero;
+    xr[1][b] = g + 8 < M ? *(const uint4*)(x + (size_t)(g + 8) * K + k0 + 32 * b + 8 * t) : zero;
+  }
+  float acc[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+#pragma unroll
+  for (int b = 0; b < KB; ++b)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      mma_bf16(acc[j], xr[0][b].x, xr[1][b].x, xr[0][b].y, xr[1][b].y, wr[j][b].x, wr[j][b].y);
+      mma_bf16(acc[j], xr[0][b].z, xr[1][b].z, xr[0][b].w, xr[1][b].w, wr[j][b].z, wr[j][b].w);
+    }
+  __shared__ float red[8][16][33];  // (warp, row, column), padded against bank conflicts
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    red[warp][g][8 * j + 2 * t] = acc[j][0];
+    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+  if (GLU) {  // thread -> (row, output column): silu(gate) * up of the bf16-rounded sums
+    const int row = threadIdx.x >> 4, col = threadIdx.x & 15;
+    float gate = 0.f, up = 0.f;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      gate += red[v][row][col];
+      up += red[v][row][16 + col];
+    }
+    if (row < M) {
+      const float gf = bf16_value(to_bf16(gate)), uf = bf16_value(to_bf16(up));
+      ((unsigned short*)y)[(size_t)row * (N / 2) + n0 + col] = to_bf16(gf / (1.f + expf(-gf)) * uf);
+    }
+  } else {  // thread -> (row, two columns) of this split's float32 partial
+    const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 2;
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      s0 += red[v][row][col];
+      s1 += red[v][row][col + 1];
+    }
+    if (row < M) *(float2*)((float*)y + ((size_t)blockIdx.y * M + row) * N + n0 + col) = make_float2(s0, s1);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) skinny_mma_kb2(const unsigned short* x, const unsigned short* w,
+                                                                 void* y, int M, int N, int K) {
+  skinny_mma<2, false>(x, w, y, M, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(256) skinny_mma_glu_kb4(const unsigned short* x,
+                                                                     const unsigned short* w, void* y, int M, int N,
+                                                                     int K) {
+  skinny_mma<4, true>(x, w, y, M, N, K);
+}
+"""
+
+WARPS = 8
+COLUMNS = 32  # weight rows a block (GLU: 16 gate + 16 up)
+MAX_ROWS = 16
+
+
+class CudaConfig(NamedTuple):
+    """A product's launch shape: kb 32-deep K blocks a warp, split K splits (K = split * 8 * 32 * kb)."""
+
+    kb: int
+    split: int
+
+
+# (kind, N, K) -> config, at 2-16 rows, bf16: measured faster than the Triton path on the H200 (BENCHMARKS.md,
+# eighteenth session). "partials": the product's float32 split partials (qkv, down_proj); "glu": a gate/up
+# projection with SiLU-and-mul in its epilogue.
+CUDA_CONFIGS: dict[tuple[str, int, int], CudaConfig] = {
+    ("partials", 4096, 1024): CudaConfig(2, 2),  # Qwen3-0.6B qkv
+    ("partials", 1024, 3072): CudaConfig(2, 6),  # Qwen3-0.6B down_proj
+    ("glu", 6144, 1024): CudaConfig(4, 1),  # Qwen3-0.6B gate/up
+}
+_KERNELS = {("partials", 2): "skinny_mma_kb2", ("glu", 4): "skinny_mma_glu_kb4"}
+ENV = "FNVLLM_CUDA_SKINNY"
+
+
+def enabled_from_env() -> bool:
+    """ENV's value as a switch ("1" or unset: on, "0": off); ValueError naming it otherwise."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+ENABLED = enabled_from_env()
+
+
+def cuda_config(kind: str, x: torch.Tensor, weight: torch.Tensor) -> CudaConfig | None:
+    """The launch shape for x (M, K) @ weight (N, K)^T as ``kind`` ("partials" or "glu") when this module should
+    take it: on, a ``CUDA_CONFIGS`` entry for (kind, N, K), 2-16 rows, bf16 contiguous operands on an sm_90+ GPU
+    whose kernels compiled; else None."""
+    entry = CUDA_CONFIGS.get((kind, *weight.shape))
+    if entry is None or not ENABLED or not 2 <= x.shape[0] <= MAX_ROWS or x.device.type != "cuda":
+        return None
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return None
+    if not (x.is_contiguous() and weight.is_contiguous()) or (x.data_ptr() | weight.data_ptr()) % 16:
+        return None
+    return entry if _kernels(x.device.index or 0) is not None else None
+
+
+def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.Tensor:
+    """The float32 split partials (S, M, N) of x (M, K) @ weight (N, K)^T: their sum in split order is the product."""
+    (m, k), n = x.shape, weight.shape[0]
+    _check_shape(m, n, k, config)
+    out = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
+    _launch(_KERNELS[("partials", config.kb)], (n // COLUMNS, config.split), x, weight, out, m, n, k)
+    return out
+
+
+def glu_out(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.Tensor:
+    """silu(gate) * up (M, I) in bf16 for [gate | up] = x (M, K) @ weight (2I, K)^T, each product rounded to bf16
+    first (as ``skinny_gemm.skinny_linear(..., glu_out=True)`` rounds)."""
+    (m, k), n = x.shape, weight.shape[0]
+    _check_shape(m, n, k, config)
+    if config.split != 1:
+        raise ValueError(f"glu_out takes one K split, got {config}")
+    out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
+    _launch(_KERNELS[("glu", config.kb)], (n // COLUMNS, 1), x, weight, out, m, n, k)
+    return out
+
+
+def _check_shape(m: int, n: int, k: int, config: CudaConfig) -> None:
+    """ValueError unless the launch shape covers (M, N, K) exactly."""
+    if not 1 <= m <= MAX_ROWS or n % COLUMNS or k != config.split * WARPS * 32 * config.kb:
+        raise ValueError(f"cuda_skinny takes M in [1, {MAX_ROWS}], N a multiple of {COLUMNS} and K = split * "
+                         f"{WARPS * 32} * kb; got M={m}, N={n}, K={k} with {config}")  # fmt: skip
+
+
+@functools.cache
+def _kernels(device_index: int) -> dict[str, Any] | None:
+    """The compiled kernels of SOURCE for a device (sm_90+: griddepcontrol), or None where they cannot be made
+    (older GPU, no NVRTC in this torch, a compile error: warned once)."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(torch.cuda, "_compile_kernel"):
+        return None
+    try:
+        _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
+        with torch.cuda.device(device_index):
+            return {name: torch.cuda._compile_kernel(SOURCE, name) for name in _KERNELS.values()}
+    except Exception as e:  # the Triton path stays: same results up to rounding
+        warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
+                      "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+
+
+class _LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization", ctypes.c_int)]
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttr)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    """The CUDA driver library (cuLaunchKernelEx: a launch with attributes, which torch's wrapper does not take)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib
+
+
+def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ints: int) -> None:
+    """Launch kernel ``name`` on the current stream, 256 threads a block, under programmatic dependent launch
+    when ``fused_ops.use_pdl`` says so (the kernel's griddepcontrol instructions are no-ops otherwise)."""
+    from fnvllm.kernels.fused_ops import use_pdl
+
+    kernels = _kernels(x.device.index or 0)
+    if kernels is None:
+        raise RuntimeError("cuda_skinny kernels are not available on this device (see cuda_config)")
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out)]
+    values = [ctypes.c_int(v) for v in ints]
+    params = (ctypes.c_void_p * (len(ptrs) + len(values)))(
+        *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
+    )
+    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmatic_stream_serialization = 1
+    config = _LaunchConfig(
+        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), 0, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+        ctypes.pointer(attr), 1 if use_pdl(x.device) else 0,
+    )  # fmt: skip
+    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), kernels[name].func, params, None)
+    if err:
+        raise RuntimeError(f"cuda_skinny: cuLaunchKernelEx of {name} failed with CUresult {err}")
