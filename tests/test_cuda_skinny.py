@@ -143,3 +143,21 @@ def test_dispatchers_take_it_and_a_graph_replay_gives_the_same_bits() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(parts, eager_parts) and torch.equal(glu, eager_glu)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_first_use_inside_a_graph_capture_keeps_the_triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Modules are not loaded while a stream captures: a first use there gets None (Triton) and builds nothing;
+    the next use outside the capture builds the kernels and takes the entry."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the kernels need sm_90 (griddepcontrol)")
+    monkeypatch.setattr(cuda_skinny, "_BUILT", {})
+    kind, n, k = PARTIALS[0]
+    x, w = _operands(16, n, k, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        inside = cuda_config(kind, x, w)
+    assert inside is None and cuda_skinny._BUILT == {}
+    assert cuda_config(kind, x, w) == CUDA_CONFIGS[(kind, n, k)]

@@ -223,20 +223,29 @@ def _check_shape(m: int, n: int, k: int, config: CudaConfig) -> None:
                          f"{WARPS * 32} * kb; got M={m}, N={n}, K={k} with {config}")  # fmt: skip
 
 
-@functools.cache
+_BUILT: dict[int, dict[str, Any] | None] = {}  # device index -> its compiled kernels (None: not available)
+
+
 def _kernels(device_index: int) -> dict[str, Any] | None:
     """The compiled kernels of SOURCE for a device (sm_90+: griddepcontrol), or None where they cannot be made
-    (older GPU, no NVRTC in this torch, a compile error: warned once)."""
-    if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(torch.cuda, "_compile_kernel"):
+    (older GPU, no NVRTC in this torch, a compile error: warned once). Made on first use outside CUDA-graph capture
+    (loading a module while a stream captures is not allowed): a first use inside a capture gets None, so that
+    capture keeps the Triton path."""
+    if device_index in _BUILT:
+        return _BUILT[device_index]
+    if torch.cuda.is_current_stream_capturing():
         return None
-    try:
-        _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
-        with torch.cuda.device(device_index):
-            return {name: torch.cuda._compile_kernel(SOURCE, name) for name in _KERNELS.values()}
-    except Exception as e:  # the Triton path stays: same results up to rounding
-        warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
-                      "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
-        return None
+    kernels = None
+    if torch.cuda.get_device_capability(device_index)[0] >= 9 and hasattr(torch.cuda, "_compile_kernel"):
+        try:
+            _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
+            with torch.cuda.device(device_index):
+                kernels = {name: torch.cuda._compile_kernel(SOURCE, name) for name in _KERNELS.values()}
+        except Exception as e:  # the Triton path stays: same results up to rounding
+            warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
+                          "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
+    _BUILT[device_index] = kernels
+    return kernels
 
 
 class _LaunchAttrValue(ctypes.Union):
