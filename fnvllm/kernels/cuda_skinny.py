@@ -9,8 +9,9 @@ permutation below) and needs 62-106 registers a thread, so two to four 8-warp bl
 projection's blocks are placed, and its weights requested, while this one runs. Triton's dot needs its operands
 in the MMA layout, which costs a shared-memory round trip and registers. Measured on the H200 (BENCHMARKS.md,
 eighteenth session; chains of launches over weight copies past L2, us per launch, Triton's path first): qkv
-3.68 -> 3.29, gate/up with SiLU-and-mul 5.91 -> 4.65 (without the epilogue), down 3.67 -> 3.34; the Qwen3-0.6B
-decode step at 16 requests 1.108 -> 1.020-1.042 device ms with the three swapped in.
+3.68 -> 3.29, gate/up 5.91 -> 4.65 (both without the SiLU-and-mul epilogue), down 3.67 -> 3.34; the Qwen3-0.6B
+decode step at 16 requests 1.069-1.081 -> 1.058-1.060 device ms (four alternated rounds, this module off and on),
+where the small kernels between the projections hold back part of that lookahead.
 
 Algorithm. A block is 8 warps and 32 weight rows (four n8 tiles); warp w covers its own KB x 32 columns of K and
 the block adds the 8 warps' (16, 32) tiles through shared memory. Grid (N / 32, S): split s covers K columns
