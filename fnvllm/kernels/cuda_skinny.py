@@ -5,10 +5,10 @@ Why CUDA here. At 16 rows a projection is a read of its weight, and in a decode 
 costs is how early the read starts and how soon the next launch can start behind it. This kernel loads a thread's
 whole share of the weight into registers, 16 bytes a load, before the programmatic-dependent-launch wait, feeds
 those registers to ``mma.sync`` as they are (no shared-memory staging, no layout conversion: see the k
-permutation below) and needs 62-106 registers a thread, so two to four 8-warp blocks fit on an SM and the next
-projection's blocks are placed, and its weights requested, while this one runs. The register count is what
-decided it: the same kernels at 58-210 registers (one to three blocks an SM) were no faster than Triton's
-(``benchmarks/probe_cuda_skinny.py``). Measured on the H200 (BENCHMARKS.md,
+permutation below) and needs 62-106 registers a thread, so two to four 8-warp blocks fit on an SM (our reading,
+not profiled: the next projection's blocks are placed, and its weights requested, while this one runs). The
+register count is what decided it: the same kernels at 58-210 registers (one to three blocks an SM) were no
+faster than Triton's (``benchmarks/probe_cuda_skinny.py``). Measured on the H200 (BENCHMARKS.md,
 eighteenth session; chains of launches over weight copies past L2, us per launch, Triton's path first): qkv
 3.68 -> 3.29, gate/up 5.91 -> 4.65 (both without the SiLU-and-mul epilogue), down 3.67 -> 3.34; the Qwen3-0.6B
 decode step at 16 requests 1.069-1.081 -> 1.058-1.060 device ms (four alternated rounds, this module off and on),
