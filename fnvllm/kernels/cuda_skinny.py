@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 from typing import Any, NamedTuple
 
 import torch
+
+from fnvllm.kernels.fused_ops import env_switch, use_pdl
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -174,10 +175,7 @@ ENV = "FNVLLM_CUDA_SKINNY"
 
 def enabled_from_env() -> bool:
     """ENV's value as a switch ("1" or unset: on, "0": off); ValueError naming it otherwise."""
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(ENV, True)
 
 
 ENABLED = enabled_from_env()
@@ -270,6 +268,8 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTR = ctypes.pointer(_LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION))  # made once: every launch passes it
+_PDL_ATTR.contents.value.programmatic_stream_serialization = 1
 
 
 @functools.cache
@@ -283,8 +283,6 @@ def _libcuda() -> ctypes.CDLL:
 def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ints: int) -> None:
     """Launch kernel ``name`` on the current stream, 256 threads a block, under programmatic dependent launch
     when ``fused_ops.use_pdl`` says so (the kernel's griddepcontrol instructions are no-ops otherwise)."""
-    from fnvllm.kernels.fused_ops import use_pdl
-
     kernels = _kernels(x.device.index or 0)
     if kernels is None:
         raise RuntimeError("cuda_skinny kernels are not available on this device (see cuda_config)")
@@ -293,11 +291,9 @@ def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, 
     params = (ctypes.c_void_p * (len(ptrs) + len(values)))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
     )
-    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value.programmatic_stream_serialization = 1
     config = _LaunchConfig(
         (grid[0], grid[1], 1), (WARPS * 32, 1, 1), 0, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-        ctypes.pointer(attr), 1 if use_pdl(x.device) else 0,
+        _PDL_ATTR, 1 if use_pdl(x.device) else 0,
     )  # fmt: skip
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), kernels[name].func, params, None)
     if err:

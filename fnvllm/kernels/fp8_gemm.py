@@ -48,7 +48,6 @@ even: ties differ, nothing else).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -63,6 +62,7 @@ from fnvllm.kernels.fused_ops import (
     Fp8Activations,
     SplitPartials,
     _sum_splits_kernel,
+    env_switch,
     fused_add_rmsnorm_quant,
     pdl_launch,
     quantize_groups,
@@ -267,10 +267,7 @@ FUSED_QUANT_ENV = "FNVLLM_FP8_FUSED_QUANT"
 
 def fused_quant_from_env() -> bool:
     """FUSED_QUANT_ENV's value as a switch ("1" or unset: on, "0": off); ValueError naming it otherwise."""
-    value = os.environ.get(FUSED_QUANT_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_QUANT_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(FUSED_QUANT_ENV, True)
 
 
 def takes_fp8_activations(m: int, n: int, k: int, has_row_scale: bool, dtype: torch.dtype) -> bool:
@@ -326,10 +323,7 @@ def fp8_producers(sum_down_splits: bool | None = None) -> Fp8Producers:
     """The Triton producers of ``Fp8Activations`` (``fused_ops``' ``*_quant`` kernels); sum_down_splits None
     reads NORM_SUMS_SPLITS_ENV ("0" or unset: off, "1": on; otherwise a ValueError naming it)."""
     if sum_down_splits is None:
-        value = os.environ.get(NORM_SUMS_SPLITS_ENV, "0")
-        if value not in ("0", "1"):
-            raise ValueError(f"{NORM_SUMS_SPLITS_ENV} must be 0 or 1, got {value!r}")
-        sum_down_splits = value == "1"
+        sum_down_splits = env_switch(NORM_SUMS_SPLITS_ENV, False)
     return Fp8Producers(sum_down_splits=sum_down_splits)
 
 
@@ -1157,10 +1151,7 @@ _PER_TOKEN_MAX_TILE = 16384  # columns quantize_per_token holds in registers at 
 
 def _rowwise_from_env() -> bool:
     """ROWWISE_ENV's value as a switch ("1" or unset: on, "0": off); ValueError naming it otherwise."""
-    value = os.environ.get(ROWWISE_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ROWWISE_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(ROWWISE_ENV, True)
 
 
 ROWWISE = _rowwise_from_env()

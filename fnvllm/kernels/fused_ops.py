@@ -55,6 +55,15 @@ __all__ = [
 ]
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """Environment variable ``name`` read as an on/off switch: "1" on, "0" off, unset ``default``; anything else is
+    a ValueError naming the variable."""
+    value = os.environ.get(name, "1" if default else "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
 # finishes (its programs placed and its prologue run), and waits (griddepcontrol.wait) before it reads or writes
 # anything an earlier kernel writes: at that point the kernel before it has completed, and, since that one waited
