@@ -16,6 +16,21 @@ PARTIALS = [key for key in CUDA_CONFIGS if key[0] == "partials"]
 GLU = [key for key in CUDA_CONFIGS if key[0] == "glu"]
 
 
+def _row_range(tile: int) -> tuple[int, int]:
+    """The rows a tile size covers: 2-16, 17-32, 33-64."""
+    index = cuda_skinny.TILE_ROWS.index(tile)
+    return (2 if index == 0 else cuda_skinny.TILE_ROWS[index - 1] + 1), tile
+
+
+def _cases(keys: list[tuple[str, int, int, int]]) -> list[tuple[tuple[str, int, int, int], int]]:
+    """(entry, rows) pairs: each entry at the ends of its row range and one row count between them."""
+    cases = []
+    for key in keys:
+        lo, hi = _row_range(key[3])
+        cases += [(key, m) for m in sorted({lo, (lo + hi) // 2 + 1, hi})]
+    return cases
+
+
 def _operands(m: int, n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) and weight (N, K) in bf16, seeded by the shape, scaled so the products are O(1)."""
     gen = torch.Generator().manual_seed(m * 7919 + n + k)
@@ -25,23 +40,37 @@ def _operands(m: int, n: int, k: int, device: str) -> tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("key", list(CUDA_CONFIGS))
-def test_every_entry_covers_its_k_and_has_a_kernel(key: tuple[str, int, int]) -> None:
+def test_every_entry_covers_its_k_and_has_a_kernel(key: tuple[str, int, int, int]) -> None:
     """Each entry's launch shape spans K exactly (split x 8 warps x 32 x kb) and names a kernel of the source."""
-    kind, n, k = key
+    kind, n, k, tile = key
     cfg = CUDA_CONFIGS[key]
     assert cfg.split * cuda_skinny.WARPS * 32 * cfg.kb == k
-    assert n % cuda_skinny.COLUMNS == 0
-    name = cuda_skinny._KERNELS[(kind, cfg.kb)]
-    assert f"void __launch_bounds__(256) {name}(" in cuda_skinny.SOURCE
+    assert n % cuda_skinny.COLUMNS == 0 and tile in cuda_skinny.TILE_ROWS
+    assert (kind, cfg.kb, tile) in cuda_skinny._KERNELS
     assert kind != "glu" or cfg.split == 1
+
+
+@pytest.mark.parametrize("entry", list(cuda_skinny._KERNELS.items()))
+def test_every_kernel_is_instantiated_with_its_kb_and_tiles(entry: tuple[tuple[str, int, int], str]) -> None:
+    """Each (kind, kb, tile rows) names an entry point SOURCE instantiates with that kb and tile count."""
+    (kind, kb, tile), name = entry
+    macro = "GLU_OUT" if kind == "glu" else "PARTIALS"
+    assert f"\n{macro}({kb}, {tile // 16}, {name})\n" in cuda_skinny.SOURCE
+
+
+def test_tile_rows_and_shared_memory() -> None:
+    """Rows map to the smallest tile holding them; one tile keeps static shared memory, more take (tiles, 8 warps,
+    16, 33) floats."""
+    assert [cuda_skinny.tile_rows(m) for m in (1, 16, 17, 32, 33, 64, 65)] == [16, 16, 32, 32, 64, 64, None]
+    assert [cuda_skinny.shared_bytes(t) for t in (16, 32, 64)] == [0, 2 * 8 * 16 * 33 * 4, 4 * 8 * 16 * 33 * 4]
 
 
 def test_cpu_tensors_never_take_the_cuda_path() -> None:
     """On the CPU every table shape stays on the other path, and linear_partials gives F.linear's product."""
-    for kind, n, k in CUDA_CONFIGS:
-        x, w = _operands(16, n, k, "cpu")
+    for kind, n, k, tile in CUDA_CONFIGS:
+        x, w = _operands(tile, n, k, "cpu")
         assert cuda_config(kind, x, w) is None
-    x, w = _operands(16, *PARTIALS[0][1:], "cpu")
+    x, w = _operands(16, *PARTIALS[0][1:3], "cpu")
     out = skinny_gemm.linear_partials(x, w)
     assert isinstance(out, torch.Tensor) and torch.equal(out, F.linear(x, w))
 
@@ -63,32 +92,39 @@ def test_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
         cuda_skinny.enabled_from_env()
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(17, 4096, 1024), (16, 4010, 1024), (16, 4096, 1000)])
-def test_a_shape_the_launch_does_not_cover_is_refused(m: int, n: int, k: int) -> None:
-    """More than 16 rows, N not a multiple of 32, or K other than split * 256 * kb: a ValueError saying what fits."""
-    with pytest.raises(ValueError, match="M in \\[1, 16\\]"):
-        cuda_skinny._check_shape(m, n, k, CudaConfig(2, 2))
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [(65, 4096, 1024, CudaConfig(2, 2)), (16, 4010, 1024, CudaConfig(2, 2)), (16, 4096, 1000, CudaConfig(2, 2)),
+     (16, 4096, 1024, CudaConfig(1, 4))],
+)  # fmt: skip
+def test_a_shape_the_launch_does_not_cover_is_refused(m: int, n: int, k: int, config: CudaConfig) -> None:
+    """More than 64 rows, N not a multiple of 32, K other than split * 256 * kb, or no kernel for (kb, tile rows):
+    a ValueError saying what fits."""
+    with pytest.raises(ValueError, match="M in \\[1, 64\\]"):
+        cuda_skinny._kernel_for("partials", m, n, k, config)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_the_table_shapes_take_the_cuda_path_on_this_gpu() -> None:
-    """On an sm_90+ GPU the kernels compile and every entry is taken at 2 and 16 rows, not at 1 or 17."""
+    """On an sm_90+ GPU the kernels compile and every entry is taken at both ends of its row range, and not at
+    the rows next to the range that no entry of the same product covers (1 row; past 64)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the kernels need sm_90 (griddepcontrol)")
-    for kind, n, k in CUDA_CONFIGS:
-        for rows, taken in ((1, False), (2, True), (16, True), (17, False)):
+    for kind, n, k, tile in CUDA_CONFIGS:
+        lo, hi = _row_range(tile)
+        for rows in (lo - 1, lo, hi, hi + 1):
             x, w = _operands(rows, n, k, "cuda")
-            assert (cuda_config(kind, x, w) is not None) is taken, (kind, n, k, rows)
+            listed = (kind, n, k, cuda_skinny.tile_rows(rows)) in CUDA_CONFIGS and rows >= 2
+            assert (cuda_config(kind, x, w) is not None) is listed, (kind, n, k, rows)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("key", PARTIALS)
-@pytest.mark.parametrize("m", [2, 5, 16])
-def test_split_partials_sum_to_the_product(key: tuple[str, int, int], m: int) -> None:
+@pytest.mark.parametrize(("key", "m"), _cases(PARTIALS))
+def test_split_partials_sum_to_the_product(key: tuple[str, int, int, int], m: int) -> None:
     """The (S, M, N) float32 partials sum to F.linear's float32 product to float32 rounding."""
-    _, n, k = key
+    _, n, k, _ = key
     x, w = _operands(m, n, k, "cuda")
     parts = cuda_skinny.skinny_partials(x, w, CUDA_CONFIGS[key])
     assert parts.shape == (CUDA_CONFIGS[key].split, m, n) and parts.dtype == torch.float32
@@ -98,12 +134,11 @@ def test_split_partials_sum_to_the_product(key: tuple[str, int, int], m: int) ->
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("key", GLU)
-@pytest.mark.parametrize("m", [2, 7, 16])
-def test_glu_epilogue_matches_silu_and_mul_of_the_product(key: tuple[str, int, int], m: int) -> None:
+@pytest.mark.parametrize(("key", "m"), _cases(GLU))
+def test_glu_epilogue_matches_silu_and_mul_of_the_product(key: tuple[str, int, int, int], m: int) -> None:
     """silu(gate) * up from the products rounded to bf16, as silu_and_mul(F.linear(x, w)): within one bf16
     rounding step (the sums' order differs from cuBLAS's), nearly all elements equal."""
-    _, n, k = key
+    _, n, k, _ = key
     x, w = _operands(m, n, k, "cuda")
     got = cuda_skinny.glu_out(x, w, CUDA_CONFIGS[key])
     ref = silu_and_mul(F.linear(x, w))
@@ -120,11 +155,11 @@ def test_dispatchers_take_it_and_a_graph_replay_gives_the_same_bits() -> None:
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the kernels need sm_90 (griddepcontrol)")
     key = PARTIALS[0]
-    x, w = _operands(16, *key[1:], "cuda")
+    x, w = _operands(16, *key[1:3], "cuda")
     got = skinny_gemm.linear_partials(x, w)
     assert isinstance(got, SplitPartials)
     assert torch.equal(got.parts, cuda_skinny.skinny_partials(x, w, CUDA_CONFIGS[key]))
-    gx, gw = _operands(16, *GLU[0][1:], "cuda")
+    gx, gw = _operands(16, *GLU[0][1:3], "cuda")
     _, down = _operands(16, gx.shape[1], gw.shape[0] // 2, "cuda")  # (K, I): the MLP's down projection
     residual, norm_w = torch.randn_like(gx), torch.rand(gx.shape[1], device="cuda", dtype=torch.bfloat16) + 0.5
     y, new_residual = skinny_gemm.norm_mlp(gx, residual, norm_w, 1e-6, gw, None, down)
@@ -153,11 +188,80 @@ def test_first_use_inside_a_graph_capture_keeps_the_triton_path(monkeypatch: pyt
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the kernels need sm_90 (griddepcontrol)")
     monkeypatch.setattr(cuda_skinny, "_BUILT", {})
-    kind, n, k = PARTIALS[0]
-    x, w = _operands(16, n, k, "cuda")
+    kind, n, k, tile = PARTIALS[0]
+    x, w = _operands(tile, n, k, "cuda")
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         inside = cuda_config(kind, x, w)
     assert inside is None and cuda_skinny._BUILT == {}
-    assert cuda_config(kind, x, w) == CUDA_CONFIGS[(kind, n, k)]
+    assert cuda_config(kind, x, w) == CUDA_CONFIGS[PARTIALS[0]]
+
+
+def _kernel_cases() -> list[tuple[str, int, int, int]]:
+    """(kind, kb, tile rows, rows) for every kernel SOURCE defines, at the ends and the middle of its row range."""
+    return [(kind, kb, tile, m) for kind, kb, tile in cuda_skinny._KERNELS for m in sorted(set(_row_range(tile)) |
+            {sum(_row_range(tile)) // 2})]  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("kind", "kb", "tile", "m"), _kernel_cases())
+def test_every_kernel_gives_the_product_eagerly_and_in_a_graph(kind: str, kb: int, tile: int, m: int) -> None:
+    """Each kernel of SOURCE (listed in CUDA_CONFIGS or not: a benchmark may list it) on a small shape: partials
+    that sum to the float32 product, or silu(gate) * up within a bf16 step of silu_and_mul(F.linear); replaying it
+    in a CUDA graph gives the eager bits (the launches past one tile take dynamic shared memory)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the kernels need sm_90 (griddepcontrol)")
+    config = CudaConfig(kb, 1 if kind == "glu" else 2)
+    k = config.split * cuda_skinny.WARPS * 32 * kb
+    x, w = _operands(m, 256, k, "cuda")
+    run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
+    eager = run(x, w, config)
+    if kind == "glu":
+        ref = silu_and_mul(F.linear(x, w))
+        torch.testing.assert_close(eager.float(), ref.float(), rtol=2**-7, atol=1e-3)
+        assert (eager == ref).float().mean().item() > 0.98
+    else:
+        torch.testing.assert_close(eager.sum(0), F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = run(x, w, config)
+    replayed.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [17, 33, 64])
+def test_norm_mlp_takes_a_listed_glu_entry_past_16_rows(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    """With a "glu" entry for the rows' tile (past 16 rows the gate/up product otherwise goes to cuBLAS and the
+    SiLU-and-mul kernel), norm_mlp computes the activation with glu_out after the add + RMSNorm."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the kernels need sm_90 (griddepcontrol)")
+    n, k = 512, 1024
+    config = CudaConfig(4, 1)
+    monkeypatch.setitem(CUDA_CONFIGS, ("glu", n, k, cuda_skinny.tile_rows(m)), config)
+    x, gw = _operands(m, n, k, "cuda")
+    _, down = _operands(m, k, n // 2, "cuda")
+    residual, norm_w = torch.randn_like(x), torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    y, new_residual = skinny_gemm.norm_mlp(x, residual, norm_w, 1e-6, gw, None, down)
+    normed, expected_residual = fused_add_rmsnorm(x, residual, norm_w, 1e-6)
+    act = cuda_skinny.glu_out(normed.contiguous(), gw, config)
+    assert torch.equal(new_residual, expected_residual) and torch.equal(y, skinny_gemm.linear(act, down))
+
+
+def test_the_benchmark_reads_entries_and_refuses_a_bad_one() -> None:
+    """benchmarks/bench_cuda_skinny.py's --entries: product names or KIND:NxK, KBxS, a tile; a malformed item is a
+    ValueError that quotes it."""
+    from benchmarks.bench_cuda_skinny import parse_entries
+
+    assert parse_entries("gate_up=4x1@64,partials:1024x2048=2x4@32") == {
+        ("glu", 6144, 1024, 64): (4, 1),
+        ("partials", 1024, 2048, 32): (2, 4),
+    }
+    with pytest.raises(ValueError, match="'qkv=2@64'"):
+        parse_entries("qkv=2@64")

@@ -1,5 +1,6 @@
-"""Few-row bf16 projections in CUDA (compiled at run time by NVRTC): the decode GEMMs at 2-16 rows where they
-measured faster than the Triton skinny kernel (``skinny_gemm``), beside their reference ``F.linear``.
+"""Few-row bf16 projections in CUDA (compiled at run time by NVRTC): the decode GEMMs that ``CUDA_CONFIGS`` lists
+(today at 2-16 rows, where they measured faster than the Triton skinny kernel, ``skinny_gemm``), beside their
+reference ``F.linear``.
 
 Why CUDA here. At 16 rows a projection is a read of its weight, and in a decode step's chain of launches what it
 costs is how early the read starts and how soon the next launch can start behind it. This kernel loads a thread's
@@ -20,6 +21,16 @@ the block adds the 8 warps' (16, 32) tiles through shared memory. Grid (N / 32, 
 order (``SplitPartials``). GLU: the weight is [gate | up] (2I rows) and block c takes gate rows 16c..16c+15 and
 the same up rows, S = 1; the epilogue rounds each sum to bf16 and writes silu(gate) * up in bf16 (I columns).
 
+Rows. A kernel holds MT m16 tiles of x (``TILE_ROWS``: 16, 32 or 64 rows; 2-16 rows take the one-tile kernels,
+17-32 two tiles, 33-64 four): the weight registers are loaded once and meet each tile's rows in turn, tiles past M
+are skipped, and the (tile, warp, 16, 33) sums past one tile live in dynamic shared memory (67.6 KiB at four
+tiles, allowed per kernel with ``cuFuncSetAttribute``). ptxas (nvcc 13.0, sm_90a) gives them 56 (kb 1), 76-80
+(kb 2) and 128 (gate/up, kb 4) registers, without spills. The one-tile kernels compile to the same PTX as before the
+tiles were added (modulo labels; checked with nvcc 13.0). At 17-64 rows every block reads its K range of all M
+rows of x from L2 (32 weight rows a block: at 64 rows twice the weight's bytes), so whether these beat cuBLAS and
+the Triton kernel there is a measurement (``benchmarks/bench_cuda_skinny.py``); until one is made the table lists
+no 17-64-row entry and those kernels are only compiled when asked for.
+
 The k permutation. A dot product does not care which k meets which MMA slot as long as x and W agree. In
 ``mma.m16n8k16`` thread (g = lane / 4, t = lane % 4) holds the k slots {2t, 2t + 1, 2t + 8, 2t + 9}; here it
 loads the 8 contiguous bf16 at k = base + 8t of weight row n + g and of x rows g and g + 8 (one 16-byte load
@@ -27,9 +38,9 @@ each) and gives words .x/.y (k = 8t .. 8t + 3) to one MMA and .z/.w (8t + 4 .. 8
 contiguous bytes of a row per 4 threads. Rows past M read as zeros and are not stored.
 
 Used by ``skinny_gemm.linear_partials`` and ``skinny_gemm.norm_mlp`` for the products ``CUDA_CONFIGS`` lists, on
-sm_90+ GPUs where NVRTC (``torch.cuda._compile_kernel``) compiles the source; anywhere else, or with
-FNVLLM_CUDA_SKINNY=0 (read at import), those products stay on the Triton kernel. A failed compile warns once and
-falls back.
+sm_90+ GPUs where NVRTC (``torch.cuda._compile_kernel``) compiles the source (a device's first use compiles the
+kernels the table launches); anywhere else, or with FNVLLM_CUDA_SKINNY=0 (read at import), those products stay
+on the Triton kernel. A failed compile warns once and falls back.
 """
 
 from __future__ import annotations
@@ -68,7 +79,7 @@ __device__ __forceinline__ unsigned short to_bf16(float v) {  // round to neares
 
 __device__ __forceinline__ float bf16_value(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
 
-template <int KB, bool GLU>
+template <int KB, bool GLU, int MT>
 __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                            void* __restrict__ y, int M, int N, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -85,73 +96,94 @@ __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x,
     }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   asm volatile("griddepcontrol.launch_dependents;");
+  // (m16 tile, warp, row, column) sums, padded against bank conflicts; past one tile in dynamic shared memory
+  __shared__ float red_one[MT == 1 ? 8 * 16 * 33 : 1];
+  extern __shared__ float red_dynamic[];
+  float(*red)[8][16][33] = (float(*)[8][16][33])(MT == 1 ? red_one : red_dynamic);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 xr[2][KB];  // rows g and g + 8
 #pragma unroll
-  for (int b = 0; b < KB; ++b) {
-    xr[0][b] = g < M ? *(const uint4*)(x + (size_t)g * K + k0 + 32 * b + 8 * t) : zero;
-    xr[1][b] = g + 8 < M ? *(const uint4*)(x + (size_t)(g + 8) * K + k0 + 32 * b + 8 * t) : zero;
-  }
-  float acc[4][4];
+  for (int mt = 0; mt < MT; ++mt) {
+    if (MT > 1 && 16 * mt >= M) break;  // (one tile: M >= 1 rows always)
+    const int r0 = 16 * mt + g, r1 = r0 + 8;
+    uint4 xr[2][KB];  // rows r0 and r1
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+    for (int b = 0; b < KB; ++b) {
+      xr[0][b] = r0 < M ? *(const uint4*)(x + (size_t)r0 * K + k0 + 32 * b + 8 * t) : zero;
+      xr[1][b] = r1 < M ? *(const uint4*)(x + (size_t)r1 * K + k0 + 32 * b + 8 * t) : zero;
+    }
+    float acc[4][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-  for (int b = 0; b < KB; ++b)
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+#pragma unroll
+    for (int b = 0; b < KB; ++b)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        mma_bf16(acc[j], xr[0][b].x, xr[1][b].x, xr[0][b].y, xr[1][b].y, wr[j][b].x, wr[j][b].y);
+        mma_bf16(acc[j], xr[0][b].z, xr[1][b].z, xr[0][b].w, xr[1][b].w, wr[j][b].z, wr[j][b].w);
+      }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      mma_bf16(acc[j], xr[0][b].x, xr[1][b].x, xr[0][b].y, xr[1][b].y, wr[j][b].x, wr[j][b].y);
-      mma_bf16(acc[j], xr[0][b].z, xr[1][b].z, xr[0][b].w, xr[1][b].w, wr[j][b].z, wr[j][b].w);
+      red[mt][warp][g][8 * j + 2 * t] = acc[j][0];
+      red[mt][warp][g][8 * j + 2 * t + 1] = acc[j][1];
+      red[mt][warp][g + 8][8 * j + 2 * t] = acc[j][2];
+      red[mt][warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
     }
-  __shared__ float red[8][16][33];  // (warp, row, column), padded against bank conflicts
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    red[warp][g][8 * j + 2 * t] = acc[j][0];
-    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
-    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
-    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
   }
   __syncthreads();
-  if (GLU) {  // thread -> (row, output column): silu(gate) * up of the bf16-rounded sums
-    const int row = threadIdx.x >> 4, col = threadIdx.x & 15;
-    float gate = 0.f, up = 0.f;
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      gate += red[v][row][col];
-      up += red[v][row][16 + col];
-    }
-    if (row < M) {
-      const float gf = bf16_value(to_bf16(gate)), uf = bf16_value(to_bf16(up));
-      ((unsigned short*)y)[(size_t)row * (N / 2) + n0 + col] = to_bf16(gf / (1.f + expf(-gf)) * uf);
-    }
-  } else {  // thread -> (row, two columns) of this split's float32 partial
-    const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 2;
-    float s0 = 0.f, s1 = 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+    if (MT > 1 && 16 * mt >= M) break;  // (one tile: M >= 1 rows always)
+    if (GLU) {  // thread -> (row, output column): silu(gate) * up of the bf16-rounded sums
+      const int row = threadIdx.x >> 4, col = threadIdx.x & 15, m = 16 * mt + row;
+      float gate = 0.f, up = 0.f;
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      s0 += red[v][row][col];
-      s1 += red[v][row][col + 1];
+      for (int v = 0; v < 8; ++v) {
+        gate += red[mt][v][row][col];
+        up += red[mt][v][row][16 + col];
+      }
+      if (m < M) {
+        const float gf = bf16_value(to_bf16(gate)), uf = bf16_value(to_bf16(up));
+        ((unsigned short*)y)[(size_t)m * (N / 2) + n0 + col] = to_bf16(gf / (1.f + expf(-gf)) * uf);
+      }
+    } else {  // thread -> (row, two columns) of this split's float32 partial
+      const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 2, m = 16 * mt + row;
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        s0 += red[mt][v][row][col];
+        s1 += red[mt][v][row][col + 1];
+      }
+      if (m < M) *(float2*)((float*)y + ((size_t)blockIdx.y * M + m) * N + n0 + col) = make_float2(s0, s1);
     }
-    if (row < M) *(float2*)((float*)y + ((size_t)blockIdx.y * M + row) * N + n0 + col) = make_float2(s0, s1);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) skinny_mma_kb2(const unsigned short* x, const unsigned short* w,
-                                                                 void* y, int M, int N, int K) {
-  skinny_mma<2, false>(x, w, y, M, N, K);
-}
-
-extern "C" __global__ void __launch_bounds__(256) skinny_mma_glu_kb4(const unsigned short* x,
-                                                                     const unsigned short* w, void* y, int M, int N,
-                                                                     int K) {
-  skinny_mma<4, true>(x, w, y, M, N, K);
-}
+#define PARTIALS(KB, MT, NAME)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned short* x, const unsigned short* w, void* y, \
+                                                         int M, int N, int K) {                                     \
+    skinny_mma<KB, false, MT>(x, w, y, M, N, K);                                                                    \
+  }
+#define GLU_OUT(KB, MT, NAME)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned short* x, const unsigned short* w, void* y, \
+                                                         int M, int N, int K) {                                     \
+    skinny_mma<KB, true, MT>(x, w, y, M, N, K);                                                                     \
+  }
+PARTIALS(2, 1, skinny_mma_kb2)
+PARTIALS(1, 2, skinny_mma_kb1_mt2)
+PARTIALS(2, 2, skinny_mma_kb2_mt2)
+PARTIALS(1, 4, skinny_mma_kb1_mt4)
+PARTIALS(2, 4, skinny_mma_kb2_mt4)
+GLU_OUT(4, 1, skinny_mma_glu_kb4)
+GLU_OUT(4, 2, skinny_mma_glu_kb4_mt2)
+GLU_OUT(4, 4, skinny_mma_glu_kb4_mt4)
 """
 
 WARPS = 8
 COLUMNS = 32  # weight rows a block (GLU: 16 gate + 16 up)
-MAX_ROWS = 16
+TILE_ROWS = (16, 32, 64)  # the kernels' row capacities: one, two or four m16 tiles (MT)
+MAX_ROWS = TILE_ROWS[-1]
 
 
 class CudaConfig(NamedTuple):
@@ -161,15 +193,28 @@ class CudaConfig(NamedTuple):
     split: int
 
 
-# (kind, N, K) -> config, at 2-16 rows, bf16: measured faster than the Triton path on the H200 (BENCHMARKS.md,
-# eighteenth session). "partials": the product's float32 split partials (qkv, down_proj); "glu": a gate/up
-# projection with SiLU-and-mul in its epilogue.
-CUDA_CONFIGS: dict[tuple[str, int, int], CudaConfig] = {
-    ("partials", 4096, 1024): CudaConfig(2, 2),  # Qwen3-0.6B qkv
-    ("partials", 1024, 3072): CudaConfig(2, 6),  # Qwen3-0.6B down_proj
-    ("glu", 6144, 1024): CudaConfig(4, 1),  # Qwen3-0.6B gate/up
+# (kind, N, K, tile rows) -> config, bf16: measured faster than the path it replaces on the H200 (BENCHMARKS.md,
+# eighteenth session for 2-16 rows). "partials": the product's float32 split partials (qkv, down_proj); "glu": a
+# gate/up projection with SiLU-and-mul in its epilogue. Tile rows 16 covers 2-16 rows, 32 covers 17-32, 64 33-64.
+CUDA_CONFIGS: dict[tuple[str, int, int, int], CudaConfig] = {
+    ("partials", 4096, 1024, 16): CudaConfig(2, 2),  # Qwen3-0.6B qkv
+    ("partials", 1024, 3072, 16): CudaConfig(2, 6),  # Qwen3-0.6B down_proj
+    ("glu", 6144, 1024, 16): CudaConfig(4, 1),  # Qwen3-0.6B gate/up
 }
-_KERNELS = {("partials", 2): "skinny_mma_kb2", ("glu", 4): "skinny_mma_glu_kb4"}
+
+
+def kernel_name(kind: str, kb: int, tile: int) -> str:
+    """The SOURCE entry point for a kind ("partials" or "glu"), kb and tile rows, e.g. skinny_mma_glu_kb4_mt2."""
+    return f"skinny_mma{'_glu' if kind == 'glu' else ''}_kb{kb}{'' if tile == 16 else f'_mt{tile // 16}'}"
+
+
+# (kind, kb, tile rows) of the kernels SOURCE defines
+_KERNELS = {
+    (kind, kb, tile): kernel_name(kind, kb, tile)
+    for kind, kb, tile in [("partials", 2, 16), ("partials", 1, 32), ("partials", 2, 32), ("partials", 1, 64),
+                           ("partials", 2, 64), ("glu", 4, 16), ("glu", 4, 32), ("glu", 4, 64)]
+}  # fmt: skip
+_TILES = {name: tile for (_, _, tile), name in _KERNELS.items()}
 ENV = "FNVLLM_CUDA_SKINNY"
 
 
@@ -181,26 +226,49 @@ def enabled_from_env() -> bool:
 ENABLED = enabled_from_env()
 
 
+def tile_rows(num_rows: int) -> int | None:
+    """The smallest kernel row capacity (TILE_ROWS) holding num_rows rows, or None above MAX_ROWS."""
+    return next((tile for tile in TILE_ROWS if tile >= num_rows), None)
+
+
+def shared_bytes(tile: int) -> int:
+    """Dynamic shared memory of a launch with this many tile rows: the (tile, warp, 16, 33) float32 sums past
+    one tile (a one-tile kernel keeps its 16.5 KiB static)."""
+    return 0 if tile == 16 else (tile // 16) * WARPS * 16 * 33 * 4
+
+
+def table_config(kind: str, num_rows: int, weight: torch.Tensor, dtype: torch.dtype) -> CudaConfig | None:
+    """The ``CUDA_CONFIGS`` entry for a ``kind`` product of num_rows rows of ``dtype`` by weight (N, K) when this
+    module is on, the rows are 2-64, both are bf16, the weight is a contiguous CUDA tensor and the kernels compiled
+    for its device; else None. (``cuda_config`` also checks the activation itself.)"""
+    if not ENABLED or not 2 <= num_rows <= MAX_ROWS or weight.device.type != "cuda" or weight.dim() != 2:
+        return None
+    entry = CUDA_CONFIGS.get((kind, *weight.shape, tile_rows(num_rows) or 0))
+    if entry is None or dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        return None
+    name = _KERNELS.get((kind, entry.kb, tile_rows(num_rows) or 0))
+    if name is None or weight.data_ptr() % 16:
+        return None
+    return entry if _kernel(weight.device.index or 0, name) is not None else None
+
+
 def cuda_config(kind: str, x: torch.Tensor, weight: torch.Tensor) -> CudaConfig | None:
     """The launch shape for x (M, K) @ weight (N, K)^T as ``kind`` ("partials" or "glu") when this module should
-    take it: on, a ``CUDA_CONFIGS`` entry for (kind, N, K), 2-16 rows, bf16 contiguous operands on an sm_90+ GPU
-    whose kernels compiled; else None."""
-    entry = CUDA_CONFIGS.get((kind, *weight.shape))
-    if entry is None or not ENABLED or not 2 <= x.shape[0] <= MAX_ROWS or x.device.type != "cuda":
+    take it: ``table_config``'s entry for M rows, with x a contiguous, 16-byte aligned (M, K) tensor on the
+    weight's device; else None."""
+    if x.dim() != 2 or x.shape[1] != weight.shape[-1] or not x.is_contiguous() or x.data_ptr() % 16:
         return None
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+    if x.device != weight.device:
         return None
-    if not (x.is_contiguous() and weight.is_contiguous()) or (x.data_ptr() | weight.data_ptr()) % 16:
-        return None
-    return entry if _kernels(x.device.index or 0) is not None else None
+    return table_config(kind, x.shape[0], weight, x.dtype)
 
 
 def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.Tensor:
     """The float32 split partials (S, M, N) of x (M, K) @ weight (N, K)^T: their sum in split order is the product."""
     (m, k), n = x.shape, weight.shape[0]
-    _check_shape(m, n, k, config)
+    name = _kernel_for("partials", m, n, k, config)
     out = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(_KERNELS[("partials", config.kb)], (n // COLUMNS, config.split), x, weight, out, m, n, k)
+    _launch(name, (n // COLUMNS, config.split), shared_bytes(tile_rows(m) or 0), x, weight, out, m, n, k)
     return out
 
 
@@ -208,44 +276,68 @@ def glu_out(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.
     """silu(gate) * up (M, I) in bf16 for [gate | up] = x (M, K) @ weight (2I, K)^T, each product rounded to bf16
     first (as ``skinny_gemm.skinny_linear(..., glu_out=True)`` rounds)."""
     (m, k), n = x.shape, weight.shape[0]
-    _check_shape(m, n, k, config)
     if config.split != 1:
         raise ValueError(f"glu_out takes one K split, got {config}")
+    name = _kernel_for("glu", m, n, k, config)
     out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-    _launch(_KERNELS[("glu", config.kb)], (n // COLUMNS, 1), x, weight, out, m, n, k)
+    _launch(name, (n // COLUMNS, 1), shared_bytes(tile_rows(m) or 0), x, weight, out, m, n, k)
     return out
 
 
-def _check_shape(m: int, n: int, k: int, config: CudaConfig) -> None:
-    """ValueError unless the launch shape covers (M, N, K) exactly."""
-    if not 1 <= m <= MAX_ROWS or n % COLUMNS or k != config.split * WARPS * 32 * config.kb:
-        raise ValueError(f"cuda_skinny takes M in [1, {MAX_ROWS}], N a multiple of {COLUMNS} and K = split * "
-                         f"{WARPS * 32} * kb; got M={m}, N={n}, K={k} with {config}")  # fmt: skip
+def _kernel_for(kind: str, m: int, n: int, k: int, config: CudaConfig) -> str:
+    """The kernel that covers (M, N, K) exactly under config; ValueError saying what fits otherwise."""
+    tile = tile_rows(m) if m >= 1 else None
+    name = _KERNELS.get((kind, config.kb, tile or 0))
+    if name is None or n % COLUMNS or k != config.split * WARPS * 32 * config.kb:
+        raise ValueError(f"cuda_skinny takes M in [1, {MAX_ROWS}], N a multiple of {COLUMNS}, K = split * "
+                         f"{WARPS * 32} * kb and a kernel for (kind, kb, tile rows) among {sorted(_KERNELS)}; got "
+                         f"{kind} M={m}, N={n}, K={k} with {config}")  # fmt: skip
+    return name
 
 
-_BUILT: dict[int, dict[str, Any] | None] = {}  # device index -> its compiled kernels (None: not available)
+_BUILT: dict[int, dict[str, Any] | None] = {}  # device index -> its compiled kernels by name (None: not available)
 
 
-def _kernels(device_index: int) -> dict[str, Any] | None:
-    """The compiled kernels of SOURCE for a device (sm_90+: griddepcontrol), or None where they cannot be made
-    (older GPU, no NVRTC in this torch, a compile error: warned once). Made on first use outside CUDA-graph capture
-    (loading a module while a stream captures is not allowed): a first use inside a capture gets None, so that
-    capture keeps the Triton path."""
-    if device_index in _BUILT:
-        return _BUILT[device_index]
-    if torch.cuda.is_current_stream_capturing():
+def _table_kernels() -> set[str]:
+    """The kernels ``CUDA_CONFIGS``' entries launch."""
+    return {_KERNELS[(kind, cfg.kb, tile)] for (kind, _, _, tile), cfg in CUDA_CONFIGS.items()}
+
+
+def _kernel(device_index: int, name: str) -> Any | None:
+    """Kernel ``name`` of SOURCE compiled for a device (sm_90+: griddepcontrol), or None where the kernels cannot
+    be made (older GPU, no NVRTC in this torch, a compile error: warned once, and the device keeps the Triton
+    path) or where it is first asked for inside a CUDA-graph capture (loading a module while a stream captures is
+    not allowed: that capture keeps the Triton path). A device's first use compiles every kernel ``CUDA_CONFIGS``
+    launches, so a later capture of any listed shape finds its kernel; other kernels (a benchmark's variants)
+    compile when first asked for."""
+    kernels = _BUILT.get(device_index, {})
+    if kernels is not None and name not in kernels:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        wanted = {name} | (set() if device_index in _BUILT else _table_kernels())
+        kernels = _BUILT[device_index] = _build(device_index, wanted, kernels)
+    return None if kernels is None else kernels[name]
+
+
+def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[str, Any] | None:
+    """kernels with ``names`` compiled for the device added, or None (warned) where they cannot be made."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(torch.cuda, "_compile_kernel"):
         return None
-    kernels = None
-    if torch.cuda.get_device_capability(device_index)[0] >= 9 and hasattr(torch.cuda, "_compile_kernel"):
-        try:
-            _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
-            with torch.cuda.device(device_index):
-                kernels = {name: torch.cuda._compile_kernel(SOURCE, name) for name in _KERNELS.values()}
-        except Exception as e:  # the Triton path stays: same results up to rounding
-            warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
-                          "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
-    _BUILT[device_index] = kernels
-    return kernels
+    made = dict(kernels)
+    try:
+        _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
+        with torch.cuda.device(device_index):
+            for name in sorted(names - made.keys()):
+                made[name] = torch.cuda._compile_kernel(SOURCE, name)
+                shared = shared_bytes(_TILES[name])
+                if shared > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
+                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared)
+                    _check(result, f"cuFuncSetAttribute of {name}")
+    except Exception as e:  # the Triton path stays: same results up to rounding
+        warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
+                      "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+    return made
 
 
 class _LaunchAttrValue(ctypes.Union):
@@ -267,6 +359,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
     ]
 
 
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _PDL_ATTR = ctypes.pointer(_LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION))  # made once: every launch passes it
 _PDL_ATTR.contents.value.programmatic_stream_serialization = 1
@@ -277,24 +370,32 @@ def _libcuda() -> ctypes.CDLL:
     """The CUDA driver library (cuLaunchKernelEx: a launch with attributes, which torch's wrapper does not take)."""
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuFuncSetAttribute.restype = ctypes.c_int
     return lib
 
 
-def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ints: int) -> None:
+def _check(result: int, what: str) -> None:
+    """RuntimeError naming the driver call unless it returned CUDA_SUCCESS (0)."""
+    if result:
+        raise RuntimeError(f"cuda_skinny: {what} failed with CUresult {result}")
+
+
+def _launch(
+    name: str, grid: tuple[int, int], shared: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ints: int
+) -> None:
     """Launch kernel ``name`` on the current stream, 256 threads a block, under programmatic dependent launch
     when ``fused_ops.use_pdl`` says so (the kernel's griddepcontrol instructions are no-ops otherwise)."""
-    kernels = _kernels(x.device.index or 0)
-    if kernels is None:
-        raise RuntimeError("cuda_skinny kernels are not available on this device (see cuda_config)")
+    kernel = _kernel(x.device.index or 0, name)
+    if kernel is None:
+        raise RuntimeError(f"cuda_skinny kernel {name} is not available on this device (see cuda_config)")
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out)]
     values = [ctypes.c_int(v) for v in ints]
     params = (ctypes.c_void_p * (len(ptrs) + len(values)))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
     )
     config = _LaunchConfig(
-        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), 0, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-        _PDL_ATTR, 1 if use_pdl(x.device) else 0,
+        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared,
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(x.device) else 0,
     )  # fmt: skip
-    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), kernels[name].func, params, None)
-    if err:
-        raise RuntimeError(f"cuda_skinny: cuLaunchKernelEx of {name} failed with CUresult {err}")
+    _check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
+           f"cuLaunchKernelEx of {name}")  # fmt: skip

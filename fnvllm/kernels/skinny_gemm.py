@@ -973,7 +973,7 @@ def linear_partials(
     / partials left unsummed: Qwen3-0.6B o_proj at 16 rows 4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64
     rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70), o_proj at 17-64
     rows too (with the norm after it: 5.89 -> 4.88 at 64 rows, fourteenth session). The products
-    ``cuda_skinny.CUDA_CONFIGS`` lists (Qwen3-0.6B qkv and down_proj at 2-16 rows) take that module's CUDA kernel
+    ``cuda_skinny.CUDA_CONFIGS`` lists (Qwen3-0.6B qkv and down_proj at 2-16 rows today) take that module's CUDA kernel
     instead, which returns its own split partials (eighteenth session)."""
     rows = x.shape[0]
     if bias is None and x.dim() == 2 and on_gpu(x) and (cuda := cuda_skinny.cuda_config("partials", x, weight)):
@@ -1078,12 +1078,15 @@ def norm_mlp(
     gate/up projection's epilogue (``glu_out``: no SiLU-and-mul launch); otherwise ``norm_linear`` then
     ``silu_mul_linear``, each fusing where it measured faster. x may be split partials (see ``norm_linear``);
     keep_partials: the result goes to a residual add + RMSNorm, so down_proj may leave its own
-    (``linear_partials``). A gate/up projection that ``cuda_skinny.CUDA_CONFIGS`` lists as "glu" runs there
-    (``cuda_skinny.glu_out``, same rounding) at 2-16 rows without a bias."""
+    (``linear_partials``). A gate/up projection that ``cuda_skinny.CUDA_CONFIGS`` lists as "glu" for the rows'
+    tile runs there (``cuda_skinny.glu_out``, same rounding) without a bias, after an unfused add + RMSNorm, also
+    at rows where ``prefers_fused`` would not fuse the activation."""
     value = x.parts[0] if isinstance(x, SplitPartials) else x  # (T, K) in shape and device
     rows, (gu_rows, in_features) = value.shape[0], gate_up_weight.shape
     down = linear_partials if keep_partials else linear
-    if on_gpu(value) and value.dim() == 2 and prefers_fused("glu", rows, gu_rows, in_features):
+    in_dtype = x.dtype  # the activation's (a SplitPartials carries its output dtype)
+    cuda_rows = gate_up_bias is None and cuda_skinny.table_config("glu", rows, gate_up_weight, in_dtype) is not None
+    if on_gpu(value) and value.dim() == 2 and (cuda_rows or prefers_fused("glu", rows, gu_rows, in_features)):
         cfg = fused_config("glu", rows, gu_rows, in_features)
         late = late_norm_config(rows, gu_rows, in_features) is not None and cfg is not None and cfg.split_k == 1
         if isinstance(x, SplitPartials) and (late or residual is None):

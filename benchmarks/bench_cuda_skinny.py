@@ -1,0 +1,199 @@
+"""The CUDA few-row projections (``fnvllm.kernels.cuda_skinny``) at any row count: their kernels against the path
+each product takes without them, and the engine with table entries not yet in the code.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_cuda_skinny.py kernels [--rows 32,64] [--reps 20]
+    PYTHONPATH=$PWD python3 benchmarks/bench_cuda_skinny.py run --entries gate_up=4x1@64,qkv=2x2@64 \\
+        bench --model CK --model-shape qwen3-0.6b --latency 32,64 --profile
+
+``kernels`` (an sm_90+ GPU): for each Qwen3-0.6B projection (qkv, o and down as float32 split partials; gate/up
+with the SiLU-and-mul epilogue) and each row count, every launch shape the source has a kernel for (kb 32-deep K
+blocks a warp, S K splits, the row count's tile) is first checked against a float32 product (partials: sum
+within 1e-4; gate/up: within a bf16 step of ``silu_and_mul(F.linear)``), then timed as a chain in one CUDA graph, one
+launch per weight copy (copies past L2), best of five replays, against the path without an entry (cuBLAS, and
+``skinny_gemm.linear_partials`` with this module's table as shipped; gate/up: cuBLAS then ``silu_and_mul``). The
+last line is an ``--entries`` value listing the shapes at least 0.1 us faster than that path: a candidate, which
+the whole decode step has to confirm (a chain alone has misled before: BENCHMARKS.md, tenth and fourteenth
+sessions).
+
+``run``: adds ``--entries`` (NAME=KBxS@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape, TILE
+16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process and runs the ``fnvllm`` command after it, so the
+engine's CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Qwen3-0.6B's projections: name -> (kind, N, K)
+SHAPES = {"qkv": ("partials", 4096, 1024), "o": ("partials", 1024, 2048), "gate_up": ("glu", 6144, 1024),
+          "down": ("partials", 1024, 3072)}  # fmt: skip
+MIN_GAIN_US = 0.1  # a variant must beat the path without it by this much to be proposed
+
+
+def parse_entries(spec: str) -> dict[tuple[str, int, int, int], tuple[int, int]]:
+    """NAME=KBxS@TILE,... -> {(kind, N, K, tile): (kb, split)}; ValueError naming the bad item."""
+    entries = {}
+    for item in filter(None, spec.split(",")):
+        try:
+            name, value = item.split("=")
+            shape, tile = value.split("@")[0], int(value.split("@")[1])
+            kb, split = (int(v) for v in shape.split("x"))
+            if name in SHAPES:
+                kind, n, k = SHAPES[name]
+            else:
+                kind, dims = name.split(":")
+                n, k = (int(v) for v in dims.split("x"))
+        except ValueError as e:
+            raise ValueError(f"--entries item {item!r} is not NAME=KBxS@TILE (NAME in {sorted(SHAPES)} or "
+                             f"KIND:NxK): {e}") from None  # fmt: skip
+        entries[(kind, n, k, tile)] = (kb, split)
+    return entries
+
+
+def chain_us(calls: list[Callable[[], object]], reps: int) -> float:
+    """us per call of the calls captured back to back in one CUDA graph, best of five timed rounds of reps."""
+    import torch
+
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (reps * len(calls)))
+    return best
+
+
+def variants(kind: str, k: int, rows: int) -> list[tuple[int, int]]:
+    """(kb, split) launch shapes the source has a kernel for at these rows that span K (glu: one split)."""
+    from fnvllm.kernels import cuda_skinny
+
+    tile = cuda_skinny.tile_rows(rows)
+    found = []
+    for kind_, kb, tile_ in cuda_skinny._KERNELS:
+        per_split = cuda_skinny.WARPS * 32 * kb
+        if kind_ == kind and tile_ == tile and k % per_split == 0 and (kind == "partials" or k == per_split):
+            found.append((kb, k // per_split))
+    return sorted(found)
+
+
+def per_weight(
+    product: Callable[..., object], x: torch.Tensor, weights: list[torch.Tensor], *extra: Any
+) -> list[Callable[[], object]]:
+    """One call of product(x, w, *extra) for each weight copy (the chain ``chain_us`` times)."""
+    return [lambda w=w: product(x, w, *extra) for w in weights]
+
+
+def check(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, config: Any) -> None:
+    """SystemExit unless the kernel's result matches the float32 product (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fnvllm.kernels import cuda_skinny
+    from fnvllm.kernels.fused_ops import silu_and_mul
+
+    if kind == "glu":
+        got, ref = cuda_skinny.glu_out(x, w, config), silu_and_mul(F.linear(x, w))
+        close = torch.allclose(got.float(), ref.float(), rtol=2**-7, atol=1e-3)
+        ok, err = close and (got == ref).float().mean().item() > 0.98, (got.float() - ref.float()).abs().max().item()
+    else:
+        got = cuda_skinny.skinny_partials(x, w, config)
+        err = (got.sum(0) - F.linear(x.float(), w.float())).abs().max().item()
+        ok = err < 1e-4
+    if not ok:
+        raise SystemExit(f"{name} M={x.shape[0]} {config}: max error {err:.3g}")
+
+
+def bench_kernels(rows: list[int], reps: int) -> None:
+    """Check, then time, every variant of every product at each row count; print the proposed entries."""
+    import torch
+    import torch.nn.functional as F
+
+    from fnvllm.kernels import cuda_skinny, skinny_gemm
+    from fnvllm.kernels.fused_ops import silu_and_mul
+
+    proposed = []
+    for name, (kind, n, k) in SHAPES.items():
+        copies = max(2, (512 << 20) // (2 * n * k))
+        weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            if kind == "glu":
+                base = [("cuBLAS + silu_and_mul", per_weight(lambda a, w: silu_and_mul(F.linear(a, w)), x, weights))]
+            else:
+                base = [
+                    ("cuBLAS", per_weight(F.linear, x, weights)),
+                    ("linear_partials as shipped", per_weight(skinny_gemm.linear_partials, x, weights)),
+                ]
+            timed = [(label, chain_us(calls, reps)) for label, calls in base]
+            best_base = min(us for _, us in timed)
+            run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
+            best: tuple[float, str] | None = None
+            for kb, split in variants(kind, k, m):
+                config = cuda_skinny.CudaConfig(kb, split)
+                check(name, kind, x, weights[0], config)
+                us = chain_us(per_weight(run, x, weights, config), reps)
+                timed.append((f"cuda_skinny kb={kb} S={split}", us))
+                if us < best_base - MIN_GAIN_US and (best is None or us < best[0]):
+                    best = (us, f"{name}={kb}x{split}@{cuda_skinny.tile_rows(m)}")
+            mbytes = 2 * n * k / 1e6
+            print(f"== {name} N={n} K={k} M={m}: {mbytes:.1f} MB of weights")
+            for label, us in timed:
+                print(f"   {us:7.2f} us  {mbytes / us:5.2f} TB/s  {label}", flush=True)
+            if best is not None:
+                proposed.append(best[1])
+    print("proposed --entries " + (",".join(proposed) or "(none)"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    kernels = sub.add_parser("kernels", help="check and time every variant against the path without it (GPU)")
+    kernels.add_argument("--rows", default="32,64", help="comma-separated row counts, each 1-64 (default 32,64)")
+    kernels.add_argument("--reps", type=int, default=20, help="graph replays a timed round (default 20)")
+    run = sub.add_parser("run", help="run an fnvllm command with --entries added to CUDA_CONFIGS")
+    run.add_argument("--entries", required=True, help="NAME=KBxS@TILE,... (see the module docstring)")
+    args, rest = parser.parse_known_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+
+    from fnvllm.kernels import cuda_skinny
+
+    if args.mode == "run":
+        for key, (kb, split) in parse_entries(args.entries).items():
+            cuda_skinny.CUDA_CONFIGS[key] = cuda_skinny.CudaConfig(kb, split)
+        print(f"CUDA_CONFIGS: {sorted(cuda_skinny.CUDA_CONFIGS)}", flush=True)
+        from fnvllm.cli import main as cli_main
+
+        return cli_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise SystemExit("bench_cuda_skinny.py kernels needs an sm_90+ CUDA GPU (griddepcontrol, NVRTC)")
+    rows = [int(r) for r in args.rows.split(",")]
+    if not all(1 <= r <= cuda_skinny.MAX_ROWS for r in rows):
+        parser.error(f"--rows must each be 1-{cuda_skinny.MAX_ROWS}, got {args.rows}")
+    bench_kernels(rows, args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
