@@ -79,7 +79,7 @@ CUDA_ONLY = (
     "profile_mixed.py",
     "sweep_decode_mid.py",
 )
-SHELL = ("gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
+SHELL = ("cuda_rows_check.sh", "gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
 MODULES = ("__init__.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 
 

@@ -95,7 +95,7 @@ def test_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k", "config"),
     [(65, 4096, 1024, CudaConfig(2, 2)), (16, 4010, 1024, CudaConfig(2, 2)), (16, 4096, 1000, CudaConfig(2, 2)),
-     (16, 4096, 1024, CudaConfig(1, 4))],
+     (20, 4096, 1024, CudaConfig(4, 1))],
 )  # fmt: skip
 def test_a_shape_the_launch_does_not_cover_is_refused(m: int, n: int, k: int, config: CudaConfig) -> None:
     """More than 64 rows, N not a multiple of 32, K other than split * 256 * kb, or no kernel for (kb, tile rows):

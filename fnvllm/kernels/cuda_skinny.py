@@ -21,15 +21,16 @@ the block adds the 8 warps' (16, 32) tiles through shared memory. Grid (N / 32, 
 order (``SplitPartials``). GLU: the weight is [gate | up] (2I rows) and block c takes gate rows 16c..16c+15 and
 the same up rows, S = 1; the epilogue rounds each sum to bf16 and writes silu(gate) * up in bf16 (I columns).
 
-Rows. A kernel holds MT m16 tiles of x (``TILE_ROWS``: 16, 32 or 64 rows; 2-16 rows take the one-tile kernels,
-17-32 two tiles, 33-64 four): the weight registers are loaded once and meet each tile's rows in turn, tiles past M
-are skipped, and the (tile, warp, 16, 33) sums past one tile live in dynamic shared memory (67.6 KiB at four
-tiles, allowed per kernel with ``cuFuncSetAttribute``). ptxas (nvcc 13.0, sm_90a) gives them 56 (kb 1), 76-80
-(kb 2) and 128 (gate/up, kb 4) registers, without spills. The one-tile kernels compile to the same PTX as before the
-tiles were added (modulo labels; checked with nvcc 13.0). At 17-64 rows every block reads its K range of all M
-rows of x from L2 (32 weight rows a block: at 64 rows twice the weight's bytes), so whether these beat cuBLAS and
-the Triton kernel there is a measurement (``benchmarks/bench_cuda_skinny.py``); until one is made the table lists
-no 17-64-row entry and those kernels are only compiled when asked for.
+Rows. A kernel holds MT m16 tiles of x (``TILE_ROWS``: 16, 32 or 64 rows; 2-16 rows take the one-tile kernels, 17-32
+two tiles, 33-64 four): the weight registers are loaded once and meet each tile's rows in turn, tiles past M are
+skipped, and the (tile, warp, 16, 33) sums past one tile live in dynamic shared memory (67.6 KiB at four tiles,
+allowed per kernel with ``cuFuncSetAttribute``). ptxas (nvcc 13.0, sm_90a) gives them 56 (kb 1), 76-80 (kb 2) and
+128 (gate/up, kb 4) registers, without spills. One-tile kb 1 and kb 4 partials (42 and 102 registers) exist for the
+benchmark's other launch shapes at 2-16 rows (o_proj's, for one). The one-tile kernels compile to the same PTX as
+before the tiles were added (modulo labels; checked with nvcc 13.0). At 17-64 rows every block reads its K range of
+all M rows of x from L2 (32 weight rows a block: at 64 rows twice the weight's bytes), so whether these beat cuBLAS
+and the Triton kernel there is a measurement (``benchmarks/bench_cuda_skinny.py``); until one is made the table
+lists no 17-64-row entry and those kernels are only compiled when asked for.
 
 The k permutation. A dot product does not care which k meets which MMA slot as long as x and W agree. In
 ``mma.m16n8k16`` thread (g = lane / 4, t = lane % 4) holds the k slots {2t, 2t + 1, 2t + 8, 2t + 9}; here it
@@ -170,7 +171,9 @@ __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x,
                                                          int M, int N, int K) {                                     \
     skinny_mma<KB, true, MT>(x, w, y, M, N, K);                                                                     \
   }
+PARTIALS(1, 1, skinny_mma_kb1)
 PARTIALS(2, 1, skinny_mma_kb2)
+PARTIALS(4, 1, skinny_mma_kb4)
 PARTIALS(1, 2, skinny_mma_kb1_mt2)
 PARTIALS(2, 2, skinny_mma_kb2_mt2)
 PARTIALS(1, 4, skinny_mma_kb1_mt4)
@@ -211,8 +214,9 @@ def kernel_name(kind: str, kb: int, tile: int) -> str:
 # (kind, kb, tile rows) of the kernels SOURCE defines
 _KERNELS = {
     (kind, kb, tile): kernel_name(kind, kb, tile)
-    for kind, kb, tile in [("partials", 2, 16), ("partials", 1, 32), ("partials", 2, 32), ("partials", 1, 64),
-                           ("partials", 2, 64), ("glu", 4, 16), ("glu", 4, 32), ("glu", 4, 64)]
+    for kind, kb, tile in [("partials", 1, 16), ("partials", 2, 16), ("partials", 4, 16), ("partials", 1, 32),
+                           ("partials", 2, 32), ("partials", 1, 64), ("partials", 2, 64), ("glu", 4, 16),
+                           ("glu", 4, 32), ("glu", 4, 64)]
 }  # fmt: skip
 _TILES = {name: tile for (_, _, tile), name in _KERNELS.items()}
 ENV = "FNVLLM_CUDA_SKINNY"
