@@ -17,7 +17,10 @@ sessions).
 
 ``run``: adds ``--entries`` (NAME=KBxS@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape, TILE
 16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process and runs the ``fnvllm`` command after it, so the
-engine's CUDA graphs capture them.
+engine's CUDA graphs capture them. ``--early-trigger-rows LO-HI`` also replaces ``fused_ops.EARLY_TRIGGER_ROWS``
+(the rows at which the small kernels between projections let the next launch start before their own wait;
+shipped 17-64): with the lighter CUDA projections at 2-16 rows that range is worth measuring again (the
+thirteenth session measured 1-64 against 17-64 with the Triton projections: no gain at 16 rows).
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ def parse_entries(spec: str) -> dict[tuple[str, int, int, int], tuple[int, int]]
                              f"KIND:NxK): {e}") from None  # fmt: skip
         entries[(kind, n, k, tile)] = (kb, split)
     return entries
+
+
+def parse_rows(spec: str) -> tuple[int, int]:
+    """LO-HI -> (lo, hi) with 0 <= lo <= hi; ValueError naming the value otherwise."""
+    try:
+        lo, hi = (int(v) for v in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"--early-trigger-rows must be LO-HI (e.g. 2-64), got {spec!r}") from None
+    if not 0 <= lo <= hi:
+        raise ValueError(f"--early-trigger-rows needs 0 <= LO <= HI, got {spec!r}")
+    return lo, hi
 
 
 def chain_us(calls: list[Callable[[], object]], reps: int) -> float:
@@ -171,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--reps", type=int, default=20, help="graph replays a timed round (default 20)")
     run = sub.add_parser("run", help="run an fnvllm command with --entries added to CUDA_CONFIGS")
     run.add_argument("--entries", required=True, help="NAME=KBxS@TILE,... (see the module docstring)")
+    run.add_argument("--early-trigger-rows", help="LO-HI: fused_ops.EARLY_TRIGGER_ROWS for this run (shipped 17-64)")
     args, rest = parser.parse_known_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
@@ -180,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "run":
         for key, (kb, split) in parse_entries(args.entries).items():
             cuda_skinny.CUDA_CONFIGS[key] = cuda_skinny.CudaConfig(kb, split)
+        if args.early_trigger_rows:
+            from fnvllm.kernels import fused_ops
+
+            fused_ops.EARLY_TRIGGER_ROWS = parse_rows(args.early_trigger_rows)
         print(f"CUDA_CONFIGS: {sorted(cuda_skinny.CUDA_CONFIGS)}", flush=True)
         from fnvllm.cli import main as cli_main
 

@@ -1,49 +1,81 @@
 #!/usr/bin/env bash
-# One device call on the H200 for cuda_skinny's tile kernels (fnvllm/kernels/cuda_skinny.py): its GPU tests, every
-# kernel variant checked and timed against the path without it (benchmarks/bench_cuda_skinny.py kernels), then the
-# whole decode step with the proposed entries against without them, alternated, at the requests in LATENCY.
-# Logs go to $OUT; the device ms per step of each run prints last. About 8 minutes on a fresh machine.
-#   ROWS=16,32,64 (the kernel bench's rows)  LATENCY=32,64 (the step's requests)  ROUNDS=2
-#   ENTRIES="gate_up=4x1@64,..." skips the kernel bench's proposal and measures these entries instead.
+# One device call on the H200 for cuda_skinny's tile kernels (fnvllm/kernels/cuda_skinny.py), in parts (ONLY):
+#   tests    its GPU tests (every kernel eager and in a CUDA graph, the dispatchers);
+#   kernels  every kernel variant checked and timed against the path without it (benchmarks/bench_cuda_skinny.py
+#            kernels at ROWS), which proposes entries;
+#   step     the whole decode step with the proposed entries (or ENTRIES) against the table as shipped, alternated
+#            ROUNDS times, at the requests in LATENCY;
+#   trigger  the small kernels triggering first at 2-64 rows against the shipped 17-64, alternated, at the
+#            requests in TRIGGER_LATENCY (not in the default ONLY: about 3 minutes more).
+# Logs go to $OUT; each part prints its summary (the step parts: ms per step, device and host ms per step).
+#   ONLY="tests kernels step"  ROWS=16,32,64  LATENCY=16,32,64  ROUNDS=2  TRIGGER_LATENCY=2,8,16  CK=/tmp/ck06
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROWS=${ROWS:-16,32,64}; LATENCY=${LATENCY:-32,64}; ROUNDS=${ROUNDS:-2}
-CK=${CK:-/tmp/ck06}
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_skinny.py > "$OUT/tests.log" 2>&1
-echo "cuda_skinny GPU tests rc=$?"; tail -1 "$OUT/tests.log"
-if [ -z "${ENTRIES:-}" ]; then
+ONLY=${ONLY:-tests kernels step}; ROWS=${ROWS:-16,32,64}; LATENCY=${LATENCY:-16,32,64}; ROUNDS=${ROUNDS:-2}
+TRIGGER_LATENCY=${TRIGGER_LATENCY:-2,8,16}; CK=${CK:-/tmp/ck06}
+want() { [[ " $ONLY " == *" $1 "* ]]; }
+
+summary() {  # the latency rows of the named runs' JSON reports
+  python3 - "$OUT" "$@" <<'EOF'
+import json, sys
+out, names = sys.argv[1], sys.argv[2:]
+print("run            requests  ms/step  device ms/step  host ms/step")
+for name in names:
+    try:
+        report = json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError) as e:
+        print(f"{name:14s} no report ({type(e).__name__})")
+        continue
+    for row in report.get("latency", []):
+        timeline = row.get("decode_timeline") or {}
+        print(f"{name:14s} {row['requests']:8d}  {row['ms_per_step']:7.3f}  {timeline.get('mean_step_ms')!s:>14}  "
+              f"{timeline.get('mean_cpu_ms')!s:>12}")
+EOF
+}
+
+run_step() {  # $1: log name, $2: requests, then bench_cuda_skinny.py run options
+  local name=$1 requests=$2; shift 2
+  timeout 150 python3 benchmarks/bench_cuda_skinny.py run "$@" bench --model "$CK" --model-shape qwen3-0.6b \
+    --latency "$requests" --profile --json > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+}
+
+if want tests; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_skinny.py > "$OUT/tests.log" 2>&1
+  echo "cuda_skinny GPU tests rc=$?"; tail -1 "$OUT/tests.log"
+fi
+ENTRIES=${ENTRIES:-}
+if want kernels && [ -z "$ENTRIES" ]; then
   timeout 200 python3 benchmarks/bench_cuda_skinny.py kernels --rows "$ROWS" > "$OUT/kernels.log" 2>&1
   echo "kernel bench rc=$?"; cat "$OUT/kernels.log"
   ENTRIES=$(sed -n 's/^proposed --entries //p' "$OUT/kernels.log")
   [ "$ENTRIES" = "(none)" ] && ENTRIES=""
 fi
-echo "entries: ${ENTRIES:-(none)}"
-[ -z "$ENTRIES" ] && exit 0
-[ -d "$CK" ] || python3 -c "from pathlib import Path; from fnvllm.bench import write_checkpoint; write_checkpoint('qwen3-0.6b', Path('$CK'))"
-run_step() {  # $1: log name, $2: entries ("" for the table as shipped)
-  timeout 150 python3 benchmarks/bench_cuda_skinny.py run --entries "$2" bench --model "$CK" \
-    --model-shape qwen3-0.6b --latency "$LATENCY" --profile --json > "$OUT/$1.log" 2>&1
-  echo "$1 rc=$?"
-}
-run_step warmup "$ENTRIES"  # Triton's and NVRTC's caches
-for r in $(seq "$ROUNDS"); do
-  run_step "with_$r" "$ENTRIES"
-  run_step "without_$r" ""
-done
-python3 - "$OUT" "$ROUNDS" <<'EOF'
-import json, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
-print("run          requests  ms/step  device ms/step  host ms/step")
-for r in range(1, rounds + 1):
-    for name in (f"with_{r}", f"without_{r}"):
-        try:
-            report = json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
-        except (OSError, ValueError, IndexError) as e:
-            print(f"{name:12s} no report ({type(e).__name__})")
-            continue
-        for row in report.get("latency", []):
-            timeline = row.get("decode_timeline") or {}
-            print(f"{name:12s} {row['requests']:8d}  {row['ms_per_step']:7.3f}  {timeline.get('mean_step_ms')!s:>14}  "
-                  f"{timeline.get('mean_cpu_ms')!s:>12}")
-EOF
+if want step || want trigger; then
+  [ -d "$CK" ] || python3 -c "from pathlib import Path; from fnvllm.bench import write_checkpoint
+write_checkpoint('qwen3-0.6b', Path('$CK'))"
+fi
+if want step; then
+  echo "entries: ${ENTRIES:-(none): no step runs}"
+  if [ -n "$ENTRIES" ]; then
+    run_step warmup "$LATENCY" --entries "$ENTRIES"  # Triton's and NVRTC's caches
+    names=()
+    for r in $(seq "$ROUNDS"); do
+      run_step "with_$r" "$LATENCY" --entries "$ENTRIES"
+      run_step "without_$r" "$LATENCY" --entries ""
+      names+=("with_$r" "without_$r")
+    done
+    summary "${names[@]}"
+  fi
+fi
+if want trigger; then
+  run_step trigger_warmup "$TRIGGER_LATENCY" --entries ""
+  names=()
+  for r in $(seq "$ROUNDS"); do
+    run_step "trigger2_$r" "$TRIGGER_LATENCY" --entries "" --early-trigger-rows 2-64
+    run_step "trigger17_$r" "$TRIGGER_LATENCY" --entries ""
+    names+=("trigger2_$r" "trigger17_$r")
+  done
+  summary "${names[@]}"
+fi

@@ -49,8 +49,8 @@ CPU_RUNS: dict[str, list[str]] = {
     "gc_probe.py": ["2", "700,10,10", "10000,10,10"],
     "latency_tables.py": ["--tables", "{tmp}/missing.pkl", "bench", "--model-shape", "tiny", "--latency", "1",
                           "--max-output-len", "4"],
-    "bench_cuda_skinny.py": ["run", "--entries", "gate_up=4x1@64,partials:1024x2048=2x4@32", "bench",
-                             "--model-shape", "tiny", "--latency", "1", "--max-output-len", "4"],
+    "bench_cuda_skinny.py": ["run", "--entries", "gate_up=4x1@64,partials:1024x2048=2x4@32", "--early-trigger-rows",
+                             "2-64", "bench", "--model-shape", "tiny", "--latency", "1", "--max-output-len", "4"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's

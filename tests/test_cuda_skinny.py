@@ -265,3 +265,13 @@ def test_the_benchmark_reads_entries_and_refuses_a_bad_one() -> None:
     }
     with pytest.raises(ValueError, match="'qkv=2@64'"):
         parse_entries("qkv=2@64")
+
+
+def test_the_benchmark_reads_an_early_trigger_range() -> None:
+    """--early-trigger-rows LO-HI; a malformed or reversed range is a ValueError that quotes it."""
+    from benchmarks.bench_cuda_skinny import parse_rows
+
+    assert parse_rows("2-64") == (2, 64)
+    for bad in ("2", "64-2", "a-b"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_rows(bad)
