@@ -93,15 +93,26 @@ def test_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "config"),
-    [(65, 4096, 1024, CudaConfig(2, 2)), (16, 4010, 1024, CudaConfig(2, 2)), (16, 4096, 1000, CudaConfig(2, 2)),
-     (20, 4096, 1024, CudaConfig(4, 1))],
+    ("m", "n", "k", "weight_k", "config"),
+    [(65, 4096, 1024, 1024, CudaConfig(2, 2)), (16, 4010, 1024, 1024, CudaConfig(2, 2)),
+     (16, 4096, 1000, 1000, CudaConfig(2, 2)), (20, 4096, 1024, 1024, CudaConfig(4, 1)),
+     (16, 4096, 1024, 2048, CudaConfig(2, 2))],
 )  # fmt: skip
-def test_a_shape_the_launch_does_not_cover_is_refused(m: int, n: int, k: int, config: CudaConfig) -> None:
-    """More than 64 rows, N not a multiple of 32, K other than split * 256 * kb, or no kernel for (kb, tile rows):
-    a ValueError saying what fits."""
+def test_a_shape_the_launch_does_not_cover_is_refused(
+    m: int, n: int, k: int, weight_k: int, config: CudaConfig
+) -> None:
+    """More than 64 rows, N not a multiple of 32, K other than split * 256 * kb, no kernel for (kb, tile rows), or
+    x's K not the weight's: a ValueError saying what fits, before anything is launched."""
+    x, w = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, weight_k, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="M in \\[1, 64\\]"):
-        cuda_skinny._kernel_for("partials", m, n, k, config)
+        cuda_skinny.skinny_partials(x, w, config)
+
+
+def test_glu_out_refuses_a_k_split() -> None:
+    """The SiLU-and-mul epilogue needs whole sums: a config with more than one K split is a ValueError."""
+    x, w = torch.empty(16, 1024, dtype=torch.bfloat16), torch.empty(6144, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one K split"):
+        cuda_skinny.glu_out(x, w, CudaConfig(2, 2))
 
 
 @pytest.mark.gpu

@@ -269,8 +269,8 @@ def cuda_config(kind: str, x: torch.Tensor, weight: torch.Tensor) -> CudaConfig 
 
 def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.Tensor:
     """The float32 split partials (S, M, N) of x (M, K) @ weight (N, K)^T: their sum in split order is the product."""
+    name = _kernel_for("partials", x, weight, config)
     (m, k), n = x.shape, weight.shape[0]
-    name = _kernel_for("partials", m, n, k, config)
     out = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
     _launch(name, (n // COLUMNS, config.split), shared_bytes(tile_rows(m) or 0), x, weight, out, m, n, k)
     return out
@@ -279,23 +279,26 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -
 def glu_out(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.Tensor:
     """silu(gate) * up (M, I) in bf16 for [gate | up] = x (M, K) @ weight (2I, K)^T, each product rounded to bf16
     first (as ``skinny_gemm.skinny_linear(..., glu_out=True)`` rounds)."""
-    (m, k), n = x.shape, weight.shape[0]
     if config.split != 1:
         raise ValueError(f"glu_out takes one K split, got {config}")
-    name = _kernel_for("glu", m, n, k, config)
+    name = _kernel_for("glu", x, weight, config)
+    (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
     _launch(name, (n // COLUMNS, 1), shared_bytes(tile_rows(m) or 0), x, weight, out, m, n, k)
     return out
 
 
-def _kernel_for(kind: str, m: int, n: int, k: int, config: CudaConfig) -> str:
-    """The kernel that covers (M, N, K) exactly under config; ValueError saying what fits otherwise."""
+def _kernel_for(kind: str, x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> str:
+    """The kernel that covers x (M, K) @ weight (N, K)^T exactly under config; ValueError saying what fits
+    otherwise."""
+    (m, k), (n, weight_k) = x.shape, weight.shape
     tile = tile_rows(m) if m >= 1 else None
     name = _KERNELS.get((kind, config.kb, tile or 0))
-    if name is None or n % COLUMNS or k != config.split * WARPS * 32 * config.kb:
+    if name is None or n % COLUMNS or k != weight_k or k != config.split * WARPS * 32 * config.kb:
         raise ValueError(f"cuda_skinny takes M in [1, {MAX_ROWS}], N a multiple of {COLUMNS}, K = split * "
-                         f"{WARPS * 32} * kb and a kernel for (kind, kb, tile rows) among {sorted(_KERNELS)}; got "
-                         f"{kind} M={m}, N={n}, K={k} with {config}")  # fmt: skip
+                         f"{WARPS * 32} * kb (x's and the weight's) and a kernel for (kind, kb, tile rows) among "
+                         f"{sorted(_KERNELS)}; got {kind} x {tuple(x.shape)}, weight {tuple(weight.shape)} with "
+                         f"{config}")  # fmt: skip
     return name
 
 
