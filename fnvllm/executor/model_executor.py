@@ -20,7 +20,6 @@ are inside the graphs). Logits are gathered on rank 0, which alone samples; the 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from itertools import compress
 from operator import attrgetter
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from fnvllm.config import EngineConfig
+from fnvllm.env import env_switch
 from fnvllm.executor.base import ExecuteResult, check_step
 from fnvllm.executor.cuda_graphs import DecodeGraphs, GraphSample, graph_batch_sizes
 from fnvllm.executor.device_inputs import build_attention_metadata, upload
@@ -465,7 +465,7 @@ class ModelExecutor:
         SAMPLE_IN_GRAPH_ENV is "0"."""
         if self.tp.is_parallel or not self.sampler.uses_kernels(self.device):
             return None
-        if os.environ.get(SAMPLE_IN_GRAPH_ENV, "1") == "0":
+        if not env_switch(SAMPLE_IN_GRAPH_ENV, True):
             return None
         return KernelGraphSampler(self.config.max_num_seqs, self.model_config.vocab_size, self.device)
 
@@ -474,7 +474,7 @@ class ModelExecutor:
         take them in that order (``decode_attention.ordered_min_programs`` programs and up: large batches over an
         FP8 cache, from 32 rows over a 16-bit one at 8 KV heads), unless FNVLLM_DECODE_ORDER=0; None: no bucket
         does."""
-        if os.environ.get(DECODE_ORDER_ENV, "1") == "0" or self.backend.name != "triton":
+        if not env_switch(DECODE_ORDER_ENV, True) or self.backend.name != "triton":
             return None
         from fnvllm.kernels.decode_attention import ordered_min_programs  # Triton: imported where the backend runs
 
@@ -484,7 +484,7 @@ class ModelExecutor:
     def _short_graph_widths(self, max_blocks: int) -> dict[int, int]:
         """Decode buckets captured a second time with short tables (``decode_attention.short_graph_widths``): with
         our Triton attention, unless FNVLLM_SHORT_GRAPHS=0."""
-        if self.backend.name != "triton" or os.environ.get(SHORT_GRAPHS_ENV, "1") == "0":
+        if self.backend.name != "triton" or not env_switch(SHORT_GRAPHS_ENV, True):
             return {}
         from fnvllm.kernels.decode_attention import short_graph_widths  # Triton: imported where the backend runs
 

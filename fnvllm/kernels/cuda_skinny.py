@@ -53,7 +53,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fnvllm.kernels.fused_ops import env_switch, use_pdl
+from fnvllm.env import env_switch
+from fnvllm.kernels.fused_ops import use_pdl
 
 SOURCE = r"""
 typedef unsigned int u32;

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -52,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.env import env_choice
 from fnvllm.kernels.attention import KVCache, _decode_attention
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
@@ -146,9 +146,7 @@ DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
 # The knobs for FP8 caches (half the bytes a tile): tiles of 128 tokens, the best of benchmarks/bench_fp8_kv.py's
 # sweep on the H200 (BENCHMARKS.md, "FP8 decode attention").
 # FNVLLM_FP8_PATH picks the default ``fp8_path`` (one of FP8_PATHS; "mma" when unset), to measure a path end to end.
-FP8_PATH_DEFAULT = os.environ.get("FNVLLM_FP8_PATH", "mma")
-if FP8_PATH_DEFAULT not in FP8_PATHS:
-    raise ValueError(f"FNVLLM_FP8_PATH must be one of {FP8_PATHS}, got {FP8_PATH_DEFAULT!r}")
+FP8_PATH_DEFAULT = env_choice("FNVLLM_FP8_PATH", FP8_PATHS, "mma")
 DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_DECODE_CONFIG, tile_size=128, fp8_path=FP8_PATH_DEFAULT)
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without

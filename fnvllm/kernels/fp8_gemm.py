@@ -57,12 +57,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fnvllm.env import env_switch
 from fnvllm.kernels.decode_attention import dot, upcast_dot
 from fnvllm.kernels.fused_ops import (
     Fp8Activations,
     SplitPartials,
     _sum_splits_kernel,
-    env_switch,
     fused_add_rmsnorm_quant,
     pdl_launch,
     quantize_groups,

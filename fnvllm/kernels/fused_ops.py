@@ -25,13 +25,13 @@ agree to ~1e-6.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from fnvllm.env import env_switch
 from fnvllm.kernels.reference import add_rmsnorm_ref as fused_add_rmsnorm_ref
 from fnvllm.kernels.reference import norm_rotary_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
@@ -55,15 +55,6 @@ __all__ = [
 ]
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """Environment variable ``name`` read as an on/off switch: "1" on, "0" off, unset ``default``; anything else is
-    a ValueError naming the variable."""
-    value = os.environ.get(name, "1" if default else "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
 # finishes (its programs placed and its prologue run), and waits (griddepcontrol.wait) before it reads or writes
 # anything an earlier kernel writes: at that point the kernel before it has completed, and, since that one waited
@@ -74,14 +65,14 @@ def env_switch(name: str, default: bool) -> bool:
 # weights or first K/V tile (data no kernel of the step writes), while the big kernel before the small one still
 # runs. On by default (bit-exact, and ~15 % less device time per decode step at 1 request on the H200:
 # BENCHMARKS.md); FNVLLM_PDL=0 turns it off.
-PDL_DEFAULT = os.environ.get("FNVLLM_PDL", "1") != "0"
+PDL_DEFAULT = env_switch("FNVLLM_PDL", True)
 _PDL = {"enabled": PDL_DEFAULT}
 # Rows (tokens) at which the small kernels let their dependents start before their own wait, measured on the H200
 # (BENCHMARKS.md, thirteenth session; Qwen3-0.6B latency bench, device ms per decode step, on against off, two rounds):
 # 64 rows 1.476 / 1.476 against 1.495 / 1.494, 32 rows 1.338 / 1.337 against 1.364 / 1.363, 16 rows not better
 # (1.125 / 1.083 against 1.072 / 1.086 in an earlier call: not taken), 1 row unchanged; every kernel triggering
 # first instead: 64 rows 1.478 but 16 rows 1.193. FNVLLM_EARLY_TRIGGER=0 turns it off (read at import).
-EARLY_TRIGGER_ROWS = (17, 64) if os.environ.get("FNVLLM_EARLY_TRIGGER", "1") != "0" else (0, 0)
+EARLY_TRIGGER_ROWS = (17, 64) if env_switch("FNVLLM_EARLY_TRIGGER", True) else (0, 0)
 
 
 def set_pdl(enabled: bool) -> None:

@@ -36,7 +36,6 @@ and everything else to cuBLAS after the unfused ops.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fnvllm.env import env_choice
 from fnvllm.kernels import cuda_skinny
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
 from fnvllm.kernels.fp8 import is_fp8
@@ -587,9 +587,8 @@ def partials_config(num_rows: int, out_features: int, in_features: int) -> Skinn
 # tenth session): its per-step row reductions and the input's layout change cost more than a launch that
 # programmatic dependent launch already hides.
 LATE_NORM_ENV = "FNVLLM_LATE_NORM"
-LATE_NORM_ROWS = {"0": (0, 0), "one": (1, 1), "1": (2, 64), "all": (1, 64)}.get(
-    os.environ.get(LATE_NORM_ENV, "one"), (1, 1)
-)
+_LATE_NORM_CHOICES = {"0": (0, 0), "one": (1, 1), "1": (2, 64), "all": (1, 64)}
+LATE_NORM_ROWS = _LATE_NORM_CHOICES[env_choice(LATE_NORM_ENV, tuple(_LATE_NORM_CHOICES), "one")]
 
 
 def late_norm_config(num_rows: int, out_features: int, in_features: int) -> SkinnyConfig | None:

@@ -33,12 +33,11 @@ runs too.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from fnvllm.env import env_choice
 from fnvllm.kernels.attention import write_kv
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import (
@@ -463,10 +462,7 @@ HEAD_GRID_MAX_TOKENS = 64  # "auto" takes the "head" grid up to this many tokens
 
 def default_grid() -> str:
     """The grid ``norm_rope_store`` launches when none is given: FNVLLM_NORM_ROPE_GRID, else "auto"."""
-    grid = os.environ.get(NORM_ROPE_GRID_ENV, "auto")
-    if grid not in NORM_ROPE_GRIDS:
-        raise ValueError(f"{NORM_ROPE_GRID_ENV} must be one of {NORM_ROPE_GRIDS}, got {grid!r}")
-    return grid
+    return env_choice(NORM_ROPE_GRID_ENV, NORM_ROPE_GRIDS, "auto")
 
 
 def resolve_grid(grid: str, num_tokens: int) -> str:

@@ -16,7 +16,6 @@ against them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from fnvllm.env import env_switch
 from fnvllm.kernels.reference import (
     add_rmsnorm_ref,
     fused_moe_ref,
@@ -150,13 +150,13 @@ def triton_ops(
     from fnvllm.kernels import embed, fp8_gemm, fused_moe, fused_ops, moe_route, skinny_gemm, store_kv
 
     if fused_prologues is None:
-        fused_prologues = os.environ.get(FUSED_PROLOGUES_ENV, "1") != "0"
+        fused_prologues = env_switch(FUSED_PROLOGUES_ENV, True)
     if qkv_epilogue is None:
-        qkv_epilogue = os.environ.get(QKV_EPILOGUE_ENV, "0") == "1"
+        qkv_epilogue = env_switch(QKV_EPILOGUE_ENV, False)
     if fp8_fused_quant is None:
         fp8_fused_quant = fp8_gemm.fused_quant_from_env()
     if split_partials is None:
-        split_partials = os.environ.get(SPLIT_PARTIALS_ENV, "1") != "0"
+        split_partials = env_switch(SPLIT_PARTIALS_ENV, True)
     return ModelOps(
         "triton",
         fused_ops.rmsnorm,
@@ -173,7 +173,7 @@ def triton_ops(
         skinny_gemm.norm_mlp if fused_prologues else None,
         skinny_gemm.norm_linear_rope_store if fused_prologues and qkv_epilogue else None,
         fp8_producers=fp8_gemm.fp8_producers() if fp8_fused_quant else None,
-        embed_rope=embed.embed_rope if os.environ.get(FUSED_EMBED_ENV, "1") != "0" else None,
+        embed_rope=embed.embed_rope if env_switch(FUSED_EMBED_ENV, True) else None,
         linear_partials=skinny_gemm.linear_partials if split_partials else None,
     )
 
