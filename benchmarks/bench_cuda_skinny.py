@@ -1,27 +1,26 @@
-"""The CUDA few-row projections (``fnvllm.kernels.cuda_skinny``) at any row count: their kernels against the path
-each product takes without them, and the engine with table entries not yet in the code.
+"""The CUDA few-row projections (``fnvllm.kernels.cuda_skinny``) at any row count: their kernels against the path each
+product takes without them, and the engine with table entries not yet in the code.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_cuda_skinny.py kernels [--rows 32,64] [--reps 20]
     PYTHONPATH=$PWD python3 benchmarks/bench_cuda_skinny.py run --entries gate_up=4x1@64,qkv=2x2@64 \\
         bench --model CK --model-shape qwen3-0.6b --latency 32,64 --profile
 
-``kernels`` (an sm_90+ GPU): for each Qwen3-0.6B projection (qkv, o and down as float32 split partials; gate/up
-with the SiLU-and-mul epilogue) and each row count, every launch shape the source has a kernel for (kb 32-deep K
-blocks a warp, S K splits, the row count's tile) is first checked against a float32 product (partials: sum
-within 1e-4; gate/up: within a bf16 step of ``silu_and_mul(F.linear)``), then timed as a chain in one CUDA graph, one
-launch per weight copy (copies past L2), best of five replays, against the path without an entry (cuBLAS, and
-``skinny_gemm.linear_partials`` with this module's table as shipped; gate/up: cuBLAS then ``silu_and_mul``). The
-last line is an ``--entries`` value listing the shapes at least 0.1 us faster than that path: a candidate, which
-the whole decode step has to confirm (a chain alone has misled before: BENCHMARKS.md, tenth and fourteenth
-sessions).
+``kernels`` (an sm_90+ GPU): for each Qwen3-0.6B projection (qkv, o and down as float32 split partials; gate/up with
+the SiLU-and-mul epilogue) and each row count, every launch shape the source has a kernel for (kb 32-deep K blocks a
+warp, S K splits, nw warp groups along N, the row count's tile) is first checked against a float32 product
+(partials: sum within 1e-4; gate/up: within a bf16 step of ``silu_and_mul(F.linear)``), then timed as a chain in one
+CUDA graph, one launch per weight copy (copies past L2), best of five replays, against the path without an entry
+(cuBLAS, and ``skinny_gemm.linear_partials`` with this module's table as shipped; gate/up: cuBLAS then
+``silu_and_mul``). A variant whose check fails is reported and skipped. The last line is an ``--entries`` value
+listing the shapes at least 0.1 us faster than that path: a candidate, which the whole decode step has to confirm (a
+chain alone has misled before: BENCHMARKS.md, tenth and fourteenth sessions).
 
-``run``: adds ``--entries`` (NAME=KBxS@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape, TILE
-16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process and runs the ``fnvllm`` command after it, so the
-engine's CUDA graphs capture them. ``--early-trigger-rows LO-HI`` also replaces ``fused_ops.EARLY_TRIGGER_ROWS``
-(the rows at which the small kernels between projections let the next launch start before their own wait;
-shipped 17-64): with the lighter CUDA projections at 2-16 rows that range is worth measuring again (the
-thirteenth session measured 1-64 against 17-64 with the Triton projections: no gain at 16 rows).
-"""
+``run``: adds ``--entries`` (NAME=KBxS[xNW]@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape,
+NW 1 when left out, TILE 16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process and runs the ``fnvllm``
+command after it, so the engine's CUDA graphs capture them. ``--early-trigger-rows LO-HI`` also replaces
+``fused_ops.EARLY_TRIGGER_ROWS`` (the rows at which the small kernels between projections let the next launch start
+before their own wait; shipped 17-64): with the lighter CUDA projections at 2-16 rows that range is worth measuring
+again (the thirteenth session measured 1-64 against 17-64 with the Triton projections: no gain at 16 rows)."""
 
 from __future__ import annotations
 
@@ -40,23 +39,26 @@ SHAPES = {"qkv": ("partials", 4096, 1024), "o": ("partials", 1024, 2048), "gate_
 MIN_GAIN_US = 0.1  # a variant must beat the path without it by this much to be proposed
 
 
-def parse_entries(spec: str) -> dict[tuple[str, int, int, int], tuple[int, int]]:
-    """NAME=KBxS@TILE,... -> {(kind, N, K, tile): (kb, split)}; ValueError naming the bad item."""
+def parse_entries(spec: str) -> dict[tuple[str, int, int, int], tuple[int, int, int]]:
+    """NAME=KBxS[xNW]@TILE,... -> {(kind, N, K, tile): (kb, split, nw)}; ValueError naming the bad item."""
     entries = {}
     for item in filter(None, spec.split(",")):
         try:
             name, value = item.split("=")
             shape, tile = value.split("@")[0], int(value.split("@")[1])
-            kb, split = (int(v) for v in shape.split("x"))
+            numbers = [int(v) for v in shape.split("x")]
+            if len(numbers) not in (2, 3):
+                raise ValueError("the shape is KBxS or KBxSxNW")
+            kb, split, nw = (*numbers, 1)[:3]
             if name in SHAPES:
                 kind, n, k = SHAPES[name]
             else:
                 kind, dims = name.split(":")
                 n, k = (int(v) for v in dims.split("x"))
-        except ValueError as e:
-            raise ValueError(f"--entries item {item!r} is not NAME=KBxS@TILE (NAME in {sorted(SHAPES)} or "
+        except (ValueError, IndexError, KeyError) as e:
+            raise ValueError(f"--entries item {item!r} is not NAME=KBxS[xNW]@TILE (NAME in {sorted(SHAPES)} or "
                              f"KIND:NxK): {e}") from None  # fmt: skip
-        entries[(kind, n, k, tile)] = (kb, split)
+        entries[(kind, n, k, tile)] = (kb, split, nw)
     return entries
 
 
@@ -96,16 +98,18 @@ def chain_us(calls: list[Callable[[], object]], reps: int) -> float:
     return best
 
 
-def variants(kind: str, k: int, rows: int) -> list[tuple[int, int]]:
-    """(kb, split) launch shapes the source has a kernel for at these rows that span K (glu: one split)."""
+def variants(kind: str, n: int, k: int, rows: int) -> list[tuple[int, int, int]]:
+    """(kb, split, nw) launch shapes the source has a kernel for at these rows that span K and N (glu: one
+    split)."""
     from fnvllm.kernels import cuda_skinny
 
     tile = cuda_skinny.tile_rows(rows)
     found = []
-    for kind_, kb, tile_ in cuda_skinny._KERNELS:
-        per_split = cuda_skinny.WARPS * 32 * kb
-        if kind_ == kind and tile_ == tile and k % per_split == 0 and (kind == "partials" or k == per_split):
-            found.append((kb, k // per_split))
+    for kind_, kb, tile_, nw in cuda_skinny._KERNELS:
+        per_split = cuda_skinny.WARPS // nw * 32 * kb
+        fits = k % per_split == 0 and n % (cuda_skinny.COLUMNS * nw) == 0 and (kind == "partials" or k == per_split)
+        if kind_ == kind and tile_ == tile and fits:
+            found.append((kb, k // per_split, nw))
     return sorted(found)
 
 
@@ -116,8 +120,8 @@ def per_weight(
     return [lambda w=w: product(x, w, *extra) for w in weights]
 
 
-def check(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, config: Any) -> None:
-    """SystemExit unless the kernel's result matches the float32 product (see the module docstring)."""
+def check(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, config: Any) -> str | None:
+    """None when the kernel's result matches the float32 product (see the module docstring), else what is wrong."""
     import torch
     import torch.nn.functional as F
 
@@ -132,8 +136,7 @@ def check(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, config: Any) -
         got = cuda_skinny.skinny_partials(x, w, config)
         err = (got.sum(0) - F.linear(x.float(), w.float())).abs().max().item()
         ok = err < 1e-4
-    if not ok:
-        raise SystemExit(f"{name} M={x.shape[0]} {config}: max error {err:.3g}")
+    return None if ok else f"{name} M={x.shape[0]} {config}: max error {err:.3g}"
 
 
 def bench_kernels(rows: list[int], reps: int) -> None:
@@ -161,13 +164,16 @@ def bench_kernels(rows: list[int], reps: int) -> None:
             best_base = min(us for _, us in timed)
             run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
             best: tuple[float, str] | None = None
-            for kb, split in variants(kind, k, m):
-                config = cuda_skinny.CudaConfig(kb, split)
-                check(name, kind, x, weights[0], config)
+            for kb, split, nw in variants(kind, n, k, m):
+                config = cuda_skinny.CudaConfig(kb, split, nw)
+                wrong = check(name, kind, x, weights[0], config)
+                if wrong is not None:
+                    print(f"   FAILED the check, not timed: {wrong}", flush=True)
+                    continue
                 us = chain_us(per_weight(run, x, weights, config), reps)
-                timed.append((f"cuda_skinny kb={kb} S={split}", us))
+                timed.append((f"cuda_skinny kb={kb} S={split} nw={nw}", us))
                 if us < best_base - MIN_GAIN_US and (best is None or us < best[0]):
-                    best = (us, f"{name}={kb}x{split}@{cuda_skinny.tile_rows(m)}")
+                    best = (us, f"{name}={kb}x{split}x{nw}@{cuda_skinny.tile_rows(m)}")
             mbytes = 2 * n * k / 1e6
             print(f"== {name} N={n} K={k} M={m}: {mbytes:.1f} MB of weights")
             for label, us in timed:
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument("--rows", default="32,64", help="comma-separated row counts, each 1-64 (default 32,64)")
     kernels.add_argument("--reps", type=int, default=20, help="graph replays a timed round (default 20)")
     run = sub.add_parser("run", help="run an fnvllm command with --entries added to CUDA_CONFIGS")
-    run.add_argument("--entries", required=True, help="NAME=KBxS@TILE,... (see the module docstring)")
+    run.add_argument("--entries", required=True, help="NAME=KBxS[xNW]@TILE,... (see the module docstring)")
     run.add_argument("--early-trigger-rows", help="LO-HI: fused_ops.EARLY_TRIGGER_ROWS for this run (shipped 17-64)")
     args, rest = parser.parse_known_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -193,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     from fnvllm.kernels import cuda_skinny
 
     if args.mode == "run":
-        for key, (kb, split) in parse_entries(args.entries).items():
-            cuda_skinny.CUDA_CONFIGS[key] = cuda_skinny.CudaConfig(kb, split)
+        for key, (kb, split, nw) in parse_entries(args.entries).items():
+            cuda_skinny.CUDA_CONFIGS[key] = cuda_skinny.CudaConfig(kb, split, nw)
         if args.early_trigger_rows:
             from fnvllm.kernels import fused_ops
 

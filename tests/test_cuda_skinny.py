@@ -44,18 +44,18 @@ def test_every_entry_covers_its_k_and_has_a_kernel(key: tuple[str, int, int, int
     """Each entry's launch shape spans K exactly (split x 8 warps x 32 x kb) and names a kernel of the source."""
     kind, n, k, tile = key
     cfg = CUDA_CONFIGS[key]
-    assert cfg.split * cuda_skinny.WARPS * 32 * cfg.kb == k
-    assert n % cuda_skinny.COLUMNS == 0 and tile in cuda_skinny.TILE_ROWS
-    assert (kind, cfg.kb, tile) in cuda_skinny._KERNELS
+    assert cfg.split * cuda_skinny.WARPS // cfg.nw * 32 * cfg.kb == k
+    assert n % (cuda_skinny.COLUMNS * cfg.nw) == 0 and tile in cuda_skinny.TILE_ROWS
+    assert (kind, cfg.kb, tile, cfg.nw) in cuda_skinny._KERNELS
     assert kind != "glu" or cfg.split == 1
 
 
 @pytest.mark.parametrize("entry", list(cuda_skinny._KERNELS.items()))
-def test_every_kernel_is_instantiated_with_its_kb_and_tiles(entry: tuple[tuple[str, int, int], str]) -> None:
-    """Each (kind, kb, tile rows) names an entry point SOURCE instantiates with that kb and tile count."""
-    (kind, kb, tile), name = entry
+def test_every_kernel_is_instantiated_with_its_kb_and_tiles(entry: tuple[tuple[str, int, int, int], str]) -> None:
+    """Each (kind, kb, tile rows, nw) names an entry point SOURCE instantiates with that kb, tile count and nw."""
+    (kind, kb, tile, nw), name = entry
     macro = "GLU_OUT" if kind == "glu" else "PARTIALS"
-    assert f"\n{macro}({kb}, {tile // 16}, {name})\n" in cuda_skinny.SOURCE
+    assert f"\n{macro}({kb}, {tile // 16}, {nw}, {name})\n" in cuda_skinny.SOURCE
 
 
 def test_tile_rows_and_shared_memory() -> None:
@@ -63,6 +63,7 @@ def test_tile_rows_and_shared_memory() -> None:
     16, 33) floats."""
     assert [cuda_skinny.tile_rows(m) for m in (1, 16, 17, 32, 33, 64, 65)] == [16, 16, 32, 32, 64, 64, None]
     assert [cuda_skinny.shared_bytes(t) for t in (16, 32, 64)] == [0, 2 * 8 * 16 * 33 * 4, 4 * 8 * 16 * 33 * 4]
+    assert cuda_skinny.shared_bytes(64, nw=2) == 4 * 4 * 16 * 65 * 4  # four K warps, 64 columns
 
 
 def test_cpu_tensors_never_take_the_cuda_path() -> None:
@@ -96,13 +97,13 @@ def test_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
     ("m", "n", "k", "weight_k", "config"),
     [(65, 4096, 1024, 1024, CudaConfig(2, 2)), (16, 4010, 1024, 1024, CudaConfig(2, 2)),
      (16, 4096, 1000, 1000, CudaConfig(2, 2)), (20, 4096, 1024, 1024, CudaConfig(4, 1)),
-     (16, 4096, 1024, 2048, CudaConfig(2, 2))],
+     (16, 4096, 1024, 2048, CudaConfig(2, 2)), (20, 4128, 1024, 1024, CudaConfig(2, 4, 2))],
 )  # fmt: skip
 def test_a_shape_the_launch_does_not_cover_is_refused(
     m: int, n: int, k: int, weight_k: int, config: CudaConfig
 ) -> None:
-    """More than 64 rows, N not a multiple of 32, K other than split * 256 * kb, no kernel for (kb, tile rows), or
-    x's K not the weight's: a ValueError saying what fits, before anything is launched."""
+    """More than 64 rows, N not a multiple of 32 * nw, K other than split * 8 / nw * 32 * kb, no kernel for (kb,
+    tile rows, nw), or x's K not the weight's: a ValueError saying what fits, before anything is launched."""
     x, w = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, weight_k, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="M in \\[1, 64\\]"):
         cuda_skinny.skinny_partials(x, w, config)
@@ -209,23 +210,23 @@ def test_first_use_inside_a_graph_capture_keeps_the_triton_path(monkeypatch: pyt
     assert cuda_config(kind, x, w) == CUDA_CONFIGS[PARTIALS[0]]
 
 
-def _kernel_cases() -> list[tuple[str, int, int, int]]:
-    """(kind, kb, tile rows, rows) for every kernel SOURCE defines, at the ends and the middle of its row range."""
-    return [(kind, kb, tile, m) for kind, kb, tile in cuda_skinny._KERNELS for m in sorted(set(_row_range(tile)) |
-            {sum(_row_range(tile)) // 2})]  # fmt: skip
+def _kernel_cases() -> list[tuple[str, int, int, int, int]]:
+    """(kind, kb, tile rows, nw, rows) for every kernel SOURCE defines, at the ends and the middle of its rows."""
+    return [(kind, kb, tile, nw, m) for kind, kb, tile, nw in cuda_skinny._KERNELS
+            for m in sorted(set(_row_range(tile)) | {sum(_row_range(tile)) // 2})]  # fmt: skip
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("kind", "kb", "tile", "m"), _kernel_cases())
-def test_every_kernel_gives_the_product_eagerly_and_in_a_graph(kind: str, kb: int, tile: int, m: int) -> None:
+@pytest.mark.parametrize(("kind", "kb", "tile", "nw", "m"), _kernel_cases())
+def test_every_kernel_gives_the_product_eagerly_and_in_a_graph(kind: str, kb: int, tile: int, nw: int, m: int) -> None:
     """Each kernel of SOURCE (listed in CUDA_CONFIGS or not: a benchmark may list it) on a small shape: partials
     that sum to the float32 product, or silu(gate) * up within a bf16 step of silu_and_mul(F.linear); replaying it
     in a CUDA graph gives the eager bits (the launches past one tile take dynamic shared memory)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the kernels need sm_90 (griddepcontrol)")
-    config = CudaConfig(kb, 1 if kind == "glu" else 2)
-    k = config.split * cuda_skinny.WARPS * 32 * kb
+    config = CudaConfig(kb, 1 if kind == "glu" else 2, nw)
+    k = config.split * cuda_skinny.WARPS // nw * 32 * kb
     x, w = _operands(m, 256, k, "cuda")
     run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
     eager = run(x, w, config)
@@ -270,12 +271,14 @@ def test_the_benchmark_reads_entries_and_refuses_a_bad_one() -> None:
     ValueError that quotes it."""
     from benchmarks.bench_cuda_skinny import parse_entries
 
-    assert parse_entries("gate_up=4x1@64,partials:1024x2048=2x4@32") == {
-        ("glu", 6144, 1024, 64): (4, 1),
-        ("partials", 1024, 2048, 32): (2, 4),
+    assert parse_entries("gate_up=4x1@64,partials:1024x2048=2x4@32,qkv=1x8x2@64") == {
+        ("glu", 6144, 1024, 64): (4, 1, 1),
+        ("partials", 1024, 2048, 32): (2, 4, 1),
+        ("partials", 4096, 1024, 64): (1, 8, 2),
     }
-    with pytest.raises(ValueError, match="'qkv=2@64'"):
-        parse_entries("qkv=2@64")
+    for bad in ("qkv=2@64", "qkv=1x2x3x4@64", "qkv=2x2"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_entries(bad)
 
 
 def test_the_benchmark_reads_an_early_trigger_range() -> None:

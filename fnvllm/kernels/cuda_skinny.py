@@ -15,22 +15,24 @@ eighteenth session; chains of launches over weight copies past L2, us per launch
 decode step at 16 requests 1.069-1.081 -> 1.058-1.060 device ms (four alternated rounds, this module off and on),
 where the small kernels between the projections hold back part of that lookahead.
 
-Algorithm. A block is 8 warps and 32 weight rows (four n8 tiles); warp w covers its own KB x 32 columns of K and
-the block adds the 8 warps' (16, 32) tiles through shared memory. Grid (N / 32, S): split s covers K columns
-[s * 256 * KB, (s + 1) * 256 * KB) and stores its float32 partial (S, M, N) for the consumer to sum in split
-order (``SplitPartials``). GLU: the weight is [gate | up] (2I rows) and block c takes gate rows 16c..16c+15 and
-the same up rows, S = 1; the epilogue rounds each sum to bf16 and writes silu(gate) * up in bf16 (I columns).
+Algorithm. A block is 8 warps and 32 weight rows (four n8 tiles; NW = 1, see Rows for NW = 2); warp w covers its own
+KB x 32 columns of K and the block adds the 8 warps' (16, 32) tiles through shared memory. Grid (N / 32, S): split s
+covers K columns [s * 256 * KB, (s + 1) * 256 * KB) and stores its float32 partial (S, M, N) for the consumer to sum
+in split order (``SplitPartials``). GLU: the weight is [gate | up] (2I rows) and block c takes gate rows 16c..16c+15
+and the same up rows, S = 1; the epilogue rounds each sum to bf16 and writes silu(gate) * up in bf16 (I columns).
 
 Rows. A kernel holds MT m16 tiles of x (``TILE_ROWS``: 16, 32 or 64 rows; 2-16 rows take the one-tile kernels, 17-32
 two tiles, 33-64 four): the weight registers are loaded once and meet each tile's rows in turn, tiles past M are
-skipped, and the (tile, warp, 16, 33) sums past one tile live in dynamic shared memory (67.6 KiB at four tiles,
-allowed per kernel with ``cuFuncSetAttribute``). ptxas (nvcc 13.0, sm_90a) gives them 56 (kb 1), 76-80 (kb 2) and
+skipped, and the (tile, K warp, 16, 32 * NW + 1) sums past one tile live in dynamic shared memory (67.6 KiB at four
+tiles, allowed per kernel with ``cuFuncSetAttribute``). At 17-64 rows every block reads its K range of all M rows of
+x from L2, at 64 rows twice the weight's bytes with 32 weight rows a block; the NW = 2 kernels (partials at 17-64
+rows) split a block's 8 warps into 2 groups of 4 side by side along N, 64 weight rows a block, so x is read once for
+twice the rows (at twice the K splits). ptxas (nvcc 13.0, sm_90a) gives the tile kernels 56 (kb 1), 76-80 (kb 2) and
 128 (gate/up, kb 4) registers, without spills. One-tile kb 1 and kb 4 partials (42 and 102 registers) exist for the
-benchmark's other launch shapes at 2-16 rows (o_proj's, for one). The one-tile kernels compile to the same PTX as
-before the tiles were added (modulo labels; checked with nvcc 13.0). At 17-64 rows every block reads its K range of
-all M rows of x from L2 (32 weight rows a block: at 64 rows twice the weight's bytes), so whether these beat cuBLAS
-and the Triton kernel there is a measurement (``benchmarks/bench_cuda_skinny.py``); until one is made the table
-lists no 17-64-row entry and those kernels are only compiled when asked for.
+benchmark's other launch shapes at 2-16 rows (o_proj's, for one). The one-tile kernels the table lists compile to
+the same PTX as before tiles and groups were added (modulo labels; checked with nvcc 13.0). Whether any of the
+others beat cuBLAS and the Triton kernel is a measurement (``benchmarks/bench_cuda_skinny.py``); until one is made
+the table lists no 17-64-row entry and those kernels are only compiled when asked for.
 
 The k permutation. A dot product does not care which k meets which MMA slot as long as x and W agree. In
 ``mma.m16n8k16`` thread (g = lane / 4, t = lane % 4) holds the k slots {2t, 2t + 1, 2t + 8, 2t + 9}; here it
@@ -81,13 +83,15 @@ __device__ __forceinline__ unsigned short to_bf16(float v) {  // round to neares
 
 __device__ __forceinline__ float bf16_value(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
 
-template <int KB, bool GLU, int MT>
+template <int KB, bool GLU, int MT, int NW>
 __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
                                            void* __restrict__ y, int M, int N, int K) {
+  constexpr int KW = 8 / NW;  // warps along K; NW groups of them side by side along N
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kw = NW == 1 ? warp : warp % KW, nw = NW == 1 ? 0 : warp / KW;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = GLU ? blockIdx.x * 16 : blockIdx.x * 32;  // GLU: output column; else weight row
-  const int k0 = (blockIdx.y * 8 + warp) * KB * 32;
+  const int n0 = GLU ? (blockIdx.x * NW + nw) * 16 : (blockIdx.x * NW + nw) * 32;  // GLU: output column; else row
+  const int k0 = (blockIdx.y * KW + kw) * KB * 32;
   uint4 wr[4][KB];  // n8 tile j, 32-deep block b: read before the wait (no kernel writes weights)
 #pragma unroll
   for (int b = 0; b < KB; ++b)
@@ -98,10 +102,11 @@ __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x,
     }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
   asm volatile("griddepcontrol.launch_dependents;");
-  // (m16 tile, warp, row, column) sums, padded against bank conflicts; past one tile in dynamic shared memory
-  __shared__ float red_one[MT == 1 ? 8 * 16 * 33 : 1];
+  // (m16 tile, K warp, row, column) sums, padded against bank conflicts; past one tile in dynamic shared memory
+  constexpr int COLS = 32 * NW + 1;
+  __shared__ float red_one[MT == 1 ? KW * 16 * COLS : 1];
   extern __shared__ float red_dynamic[];
-  float(*red)[8][16][33] = (float(*)[8][16][33])(MT == 1 ? red_one : red_dynamic);
+  float(*red)[KW][16][COLS] = (float(*)[KW][16][COLS])(MT == 1 ? red_one : red_dynamic);
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -127,74 +132,90 @@ __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x,
       }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      red[mt][warp][g][8 * j + 2 * t] = acc[j][0];
-      red[mt][warp][g][8 * j + 2 * t + 1] = acc[j][1];
-      red[mt][warp][g + 8][8 * j + 2 * t] = acc[j][2];
-      red[mt][warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+      const int c = 32 * nw + 8 * j + 2 * t;
+      red[mt][kw][g][c] = acc[j][0];
+      red[mt][kw][g][c + 1] = acc[j][1];
+      red[mt][kw][g + 8][c] = acc[j][2];
+      red[mt][kw][g + 8][c + 1] = acc[j][3];
     }
   }
   __syncthreads();
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    if (MT > 1 && 16 * mt >= M) break;  // (one tile: M >= 1 rows always)
-    if (GLU) {  // thread -> (row, output column): silu(gate) * up of the bf16-rounded sums
-      const int row = threadIdx.x >> 4, col = threadIdx.x & 15, m = 16 * mt + row;
-      float gate = 0.f, up = 0.f;
+    if (MT > 1 && 16 * mt >= M) break;
 #pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        gate += red[mt][v][row][col];
-        up += red[mt][v][row][16 + col];
-      }
-      if (m < M) {
-        const float gf = bf16_value(to_bf16(gate)), uf = bf16_value(to_bf16(up));
-        ((unsigned short*)y)[(size_t)m * (N / 2) + n0 + col] = to_bf16(gf / (1.f + expf(-gf)) * uf);
-      }
-    } else {  // thread -> (row, two columns) of this split's float32 partial
-      const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 2, m = 16 * mt + row;
-      float s0 = 0.f, s1 = 0.f;
+    for (int q = 0; q < NW; ++q) {  // the block's q-th 32 weight rows (GLU: 16 output columns)
+      if (GLU) {  // thread -> (row, output column): silu(gate) * up of the bf16-rounded sums
+        const int row = threadIdx.x >> 4, col = threadIdx.x & 15, m = 16 * mt + row;
+        float gate = 0.f, up = 0.f;
 #pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        s0 += red[mt][v][row][col];
-        s1 += red[mt][v][row][col + 1];
+        for (int v = 0; v < KW; ++v) {
+          gate += red[mt][v][row][32 * q + col];
+          up += red[mt][v][row][32 * q + 16 + col];
+        }
+        if (m < M) {
+          const float gf = bf16_value(to_bf16(gate)), uf = bf16_value(to_bf16(up));
+          const int out0 = (blockIdx.x * NW + q) * 16;
+          ((unsigned short*)y)[(size_t)m * (N / 2) + out0 + col] = to_bf16(gf / (1.f + expf(-gf)) * uf);
+        }
+      } else {  // thread -> (row, two columns) of this split's float32 partial
+        const int row = threadIdx.x >> 4, col = 32 * q + (threadIdx.x & 15) * 2, m = 16 * mt + row;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int v = 0; v < KW; ++v) {
+          s0 += red[mt][v][row][col];
+          s1 += red[mt][v][row][col + 1];
+        }
+        const int out0 = blockIdx.x * 32 * NW;  // (ints, and float2 units past one group: 8-byte stores)
+        if (m < M && NW == 1)
+          *(float2*)((float*)y + ((size_t)blockIdx.y * M + m) * N + out0 + col) = make_float2(s0, s1);
+        if (m < M && NW > 1)
+          ((float2*)y)[((size_t)blockIdx.y * M + m) * (N / 2) + (out0 + col) / 2] = make_float2(s0, s1);
       }
-      if (m < M) *(float2*)((float*)y + ((size_t)blockIdx.y * M + m) * N + n0 + col) = make_float2(s0, s1);
     }
   }
 }
 
-#define PARTIALS(KB, MT, NAME)                                                                                      \
+#define PARTIALS(KB, MT, NW, NAME)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned short* x, const unsigned short* w, void* y, \
                                                          int M, int N, int K) {                                     \
-    skinny_mma<KB, false, MT>(x, w, y, M, N, K);                                                                    \
+    skinny_mma<KB, false, MT, NW>(x, w, y, M, N, K);                                                                \
   }
-#define GLU_OUT(KB, MT, NAME)                                                                                       \
+#define GLU_OUT(KB, MT, NW, NAME)                                                                                   \
   extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned short* x, const unsigned short* w, void* y, \
                                                          int M, int N, int K) {                                     \
-    skinny_mma<KB, true, MT>(x, w, y, M, N, K);                                                                     \
+    skinny_mma<KB, true, MT, NW>(x, w, y, M, N, K);                                                                 \
   }
-PARTIALS(1, 1, skinny_mma_kb1)
-PARTIALS(2, 1, skinny_mma_kb2)
-PARTIALS(4, 1, skinny_mma_kb4)
-PARTIALS(1, 2, skinny_mma_kb1_mt2)
-PARTIALS(2, 2, skinny_mma_kb2_mt2)
-PARTIALS(1, 4, skinny_mma_kb1_mt4)
-PARTIALS(2, 4, skinny_mma_kb2_mt4)
-GLU_OUT(4, 1, skinny_mma_glu_kb4)
-GLU_OUT(4, 2, skinny_mma_glu_kb4_mt2)
-GLU_OUT(4, 4, skinny_mma_glu_kb4_mt4)
+PARTIALS(1, 1, 1, skinny_mma_kb1)
+PARTIALS(2, 1, 1, skinny_mma_kb2)
+PARTIALS(4, 1, 1, skinny_mma_kb4)
+PARTIALS(1, 2, 1, skinny_mma_kb1_mt2)
+PARTIALS(2, 2, 1, skinny_mma_kb2_mt2)
+PARTIALS(1, 4, 1, skinny_mma_kb1_mt4)
+PARTIALS(2, 4, 1, skinny_mma_kb2_mt4)
+PARTIALS(1, 2, 2, skinny_mma_kb1_mt2_nw2)
+PARTIALS(2, 2, 2, skinny_mma_kb2_mt2_nw2)
+PARTIALS(1, 4, 2, skinny_mma_kb1_mt4_nw2)
+PARTIALS(2, 4, 2, skinny_mma_kb2_mt4_nw2)
+GLU_OUT(4, 1, 1, skinny_mma_glu_kb4)
+GLU_OUT(4, 2, 1, skinny_mma_glu_kb4_mt2)
+GLU_OUT(4, 4, 1, skinny_mma_glu_kb4_mt4)
 """
 
 WARPS = 8
-COLUMNS = 32  # weight rows a block (GLU: 16 gate + 16 up)
+COLUMNS = 32  # weight rows a group of warps covers (GLU: 16 gate + 16 up); a block has nw groups
 TILE_ROWS = (16, 32, 64)  # the kernels' row capacities: one, two or four m16 tiles (MT)
 MAX_ROWS = TILE_ROWS[-1]
 
 
 class CudaConfig(NamedTuple):
-    """A product's launch shape: kb 32-deep K blocks a warp, split K splits (K = split * 8 * 32 * kb)."""
+    """A product's launch shape: kb 32-deep K blocks a warp, split K splits, nw groups of 8 / nw warps side by
+    side along N (each group 32 weight rows, so a block reads x once for 32 * nw rows; K = split * (8 / nw) * 32 *
+    kb)."""
 
     kb: int
     split: int
+    nw: int = 1
 
 
 # (kind, N, K, tile rows) -> config, bf16: measured faster than the path it replaces on the H200 (BENCHMARKS.md,
@@ -207,19 +228,22 @@ CUDA_CONFIGS: dict[tuple[str, int, int, int], CudaConfig] = {
 }
 
 
-def kernel_name(kind: str, kb: int, tile: int) -> str:
-    """The SOURCE entry point for a kind ("partials" or "glu"), kb and tile rows, e.g. skinny_mma_glu_kb4_mt2."""
-    return f"skinny_mma{'_glu' if kind == 'glu' else ''}_kb{kb}{'' if tile == 16 else f'_mt{tile // 16}'}"
+def kernel_name(kind: str, kb: int, tile: int, nw: int = 1) -> str:
+    """The SOURCE entry point for a kind ("partials" or "glu"), kb, tile rows and warp groups along N, e.g.
+    skinny_mma_glu_kb4_mt2 or skinny_mma_kb2_mt4_nw2."""
+    tiles = "" if tile == 16 else f"_mt{tile // 16}"
+    return f"skinny_mma{'_glu' if kind == 'glu' else ''}_kb{kb}{tiles}{'' if nw == 1 else f'_nw{nw}'}"
 
 
-# (kind, kb, tile rows) of the kernels SOURCE defines
+# (kind, kb, tile rows, nw) of the kernels SOURCE defines
 _KERNELS = {
-    (kind, kb, tile): kernel_name(kind, kb, tile)
-    for kind, kb, tile in [("partials", 1, 16), ("partials", 2, 16), ("partials", 4, 16), ("partials", 1, 32),
-                           ("partials", 2, 32), ("partials", 1, 64), ("partials", 2, 64), ("glu", 4, 16),
-                           ("glu", 4, 32), ("glu", 4, 64)]
+    key: kernel_name(*key)
+    for key in [("partials", 1, 16, 1), ("partials", 2, 16, 1), ("partials", 4, 16, 1), ("partials", 1, 32, 1),
+                ("partials", 2, 32, 1), ("partials", 1, 64, 1), ("partials", 2, 64, 1), ("partials", 1, 32, 2),
+                ("partials", 2, 32, 2), ("partials", 1, 64, 2), ("partials", 2, 64, 2), ("glu", 4, 16, 1),
+                ("glu", 4, 32, 1), ("glu", 4, 64, 1)]
 }  # fmt: skip
-_TILES = {name: tile for (_, _, tile), name in _KERNELS.items()}
+_SHAPES = {name: (tile, nw) for (_, _, tile, nw), name in _KERNELS.items()}  # name -> (tile rows, nw)
 ENV = "FNVLLM_CUDA_SKINNY"
 
 
@@ -236,10 +260,10 @@ def tile_rows(num_rows: int) -> int | None:
     return next((tile for tile in TILE_ROWS if tile >= num_rows), None)
 
 
-def shared_bytes(tile: int) -> int:
-    """Dynamic shared memory of a launch with this many tile rows: the (tile, warp, 16, 33) float32 sums past
-    one tile (a one-tile kernel keeps its 16.5 KiB static)."""
-    return 0 if tile == 16 else (tile // 16) * WARPS * 16 * 33 * 4
+def shared_bytes(tile: int, nw: int = 1) -> int:
+    """Dynamic shared memory of a launch with this many tile rows and warp groups: the (tile, K warp, 16,
+    32 * nw + 1) float32 sums past one tile (a one-tile kernel keeps its 16.5 KiB static)."""
+    return 0 if tile == 16 else (tile // 16) * (WARPS // nw) * 16 * (COLUMNS * nw + 1) * 4
 
 
 def table_config(kind: str, num_rows: int, weight: torch.Tensor, dtype: torch.dtype) -> CudaConfig | None:
@@ -251,7 +275,7 @@ def table_config(kind: str, num_rows: int, weight: torch.Tensor, dtype: torch.dt
     entry = CUDA_CONFIGS.get((kind, *weight.shape, tile_rows(num_rows) or 0))
     if entry is None or dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
         return None
-    name = _KERNELS.get((kind, entry.kb, tile_rows(num_rows) or 0))
+    name = _KERNELS.get((kind, entry.kb, tile_rows(num_rows) or 0, entry.nw))
     if name is None or weight.data_ptr() % 16:
         return None
     return entry if _kernel(weight.device.index or 0, name) is not None else None
@@ -273,7 +297,8 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -
     name = _kernel_for("partials", x, weight, config)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
-    _launch(name, (n // COLUMNS, config.split), shared_bytes(tile_rows(m) or 0), x, weight, out, m, n, k)
+    grid = (n // (COLUMNS * config.nw), config.split)
+    _launch(name, grid, shared_bytes(tile_rows(m) or 0, config.nw), x, weight, out, m, n, k)
     return out
 
 
@@ -285,7 +310,7 @@ def glu_out(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.
     name = _kernel_for("glu", x, weight, config)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-    _launch(name, (n // COLUMNS, 1), shared_bytes(tile_rows(m) or 0), x, weight, out, m, n, k)
+    _launch(name, (n // (COLUMNS * config.nw), 1), shared_bytes(tile_rows(m) or 0, config.nw), x, weight, out, m, n, k)
     return out
 
 
@@ -294,12 +319,13 @@ def _kernel_for(kind: str, x: torch.Tensor, weight: torch.Tensor, config: CudaCo
     otherwise."""
     (m, k), (n, weight_k) = x.shape, weight.shape
     tile = tile_rows(m) if m >= 1 else None
-    name = _KERNELS.get((kind, config.kb, tile or 0))
-    if name is None or n % COLUMNS or k != weight_k or k != config.split * WARPS * 32 * config.kb:
-        raise ValueError(f"cuda_skinny takes M in [1, {MAX_ROWS}], N a multiple of {COLUMNS}, K = split * "
-                         f"{WARPS * 32} * kb (x's and the weight's) and a kernel for (kind, kb, tile rows) among "
-                         f"{sorted(_KERNELS)}; got {kind} x {tuple(x.shape)}, weight {tuple(weight.shape)} with "
-                         f"{config}")  # fmt: skip
+    name = _KERNELS.get((kind, config.kb, tile or 0, config.nw))
+    per_split = WARPS // config.nw * 32 * config.kb
+    if name is None or n % (COLUMNS * config.nw) or k != weight_k or k != config.split * per_split:
+        raise ValueError(f"cuda_skinny takes M in [1, {MAX_ROWS}], N a multiple of {COLUMNS} * nw, K = split * "
+                         f"{WARPS} / nw * 32 * kb (x's and the weight's) and a kernel for (kind, kb, tile rows, nw) "
+                         f"among {sorted(_KERNELS)}; got {kind} x {tuple(x.shape)}, weight {tuple(weight.shape)} "
+                         f"with {config}")  # fmt: skip
     return name
 
 
@@ -308,7 +334,7 @@ _BUILT: dict[int, dict[str, Any] | None] = {}  # device index -> its compiled ke
 
 def _table_kernels() -> set[str]:
     """The kernels ``CUDA_CONFIGS``' entries launch."""
-    return {_KERNELS[(kind, cfg.kb, tile)] for (kind, _, _, tile), cfg in CUDA_CONFIGS.items()}
+    return {_KERNELS[(kind, cfg.kb, tile, cfg.nw)] for (kind, _, _, tile), cfg in CUDA_CONFIGS.items()}
 
 
 def _kernel(device_index: int, name: str) -> Any | None:
@@ -337,7 +363,7 @@ def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[
         with torch.cuda.device(device_index):
             for name in sorted(names - made.keys()):
                 made[name] = torch.cuda._compile_kernel(SOURCE, name)
-                shared = shared_bytes(_TILES[name])
+                shared = shared_bytes(*_SHAPES[name])
                 if shared > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
                     result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared)
                     _check(result, f"cuFuncSetAttribute of {name}")
