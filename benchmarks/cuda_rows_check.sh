@@ -4,15 +4,16 @@
 #   kernels  every kernel variant checked and timed against the path without it (benchmarks/bench_cuda_skinny.py
 #            kernels at ROWS), which proposes entries;
 #   step     the whole decode step with the proposed entries (or ENTRIES) against the table as shipped, alternated
-#            ROUNDS times, at the requests in LATENCY;
+#            ROUNDS times, at the requests in LATENCY (default: the entries' tiles, 16, 32 and/or 64);
 #   trigger  the small kernels triggering first at 2-64 rows against the shipped 17-64, alternated, at the
 #            requests in TRIGGER_LATENCY (not in the default ONLY: about 3 minutes more).
 # Logs go to $OUT; each part prints its summary (the step parts: ms per step, device and host ms per step).
-#   ONLY="tests kernels step"  ROWS=16,32,64  LATENCY=16,32,64  ROUNDS=2  TRIGGER_LATENCY=2,8,16  CK=/tmp/ck06
+#   ONLY="tests kernels step"  ROWS=16,32,64  LATENCY=(from the entries)  ROUNDS=2  TRIGGER_LATENCY=2,8,16
+#   CK=/tmp/ck06 (written when missing)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ONLY=${ONLY:-tests kernels step}; ROWS=${ROWS:-16,32,64}; LATENCY=${LATENCY:-16,32,64}; ROUNDS=${ROUNDS:-2}
+ONLY=${ONLY:-tests kernels step}; ROWS=${ROWS:-16,32,64}; LATENCY=${LATENCY:-}; ROUNDS=${ROUNDS:-2}
 TRIGGER_LATENCY=${TRIGGER_LATENCY:-2,8,16}; CK=${CK:-/tmp/ck06}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 
@@ -58,7 +59,10 @@ write_checkpoint('qwen3-0.6b', Path('$CK'))"
 fi
 if want step; then
   echo "entries: ${ENTRIES:-(none): no step runs}"
+  # the requests whose decode steps the entries touch: their tiles (gate_up=4x1@64 -> 64)
+  LATENCY=${LATENCY:-$(echo "$ENTRIES" | tr ',' '\n' | sed -n 's/.*@//p' | sort -n -u | paste -sd, -)}
   if [ -n "$ENTRIES" ]; then
+    echo "requests: $LATENCY"
     run_step warmup "$LATENCY" --entries "$ENTRIES"  # Triton's and NVRTC's caches
     names=()
     for r in $(seq "$ROUNDS"); do
