@@ -11,9 +11,9 @@ warp, S K splits, nw warp groups along N, the row count's tile) is first checked
 (partials: sum within 1e-4; gate/up: within a bf16 step of ``silu_and_mul(F.linear)``), then timed as a chain in one
 CUDA graph, one launch per weight copy (copies past L2), best of five replays, against the path without an entry
 (cuBLAS, and ``skinny_gemm.linear_partials`` with this module's table as shipped; gate/up: cuBLAS then
-``silu_and_mul``). A variant whose check fails is reported and skipped. The last line is an ``--entries`` value
-listing the shapes at least 0.1 us faster than that path: a candidate, which the whole decode step has to confirm (a
-chain alone has misled before: BENCHMARKS.md, tenth and fourteenth sessions).
+``silu_and_mul``, and the listed entry where there is one). A variant whose check fails is reported and skipped. The
+last line is an ``--entries`` value listing the shapes at least 0.1 us faster than that path: a candidate, which the
+whole decode step has to confirm (a chain alone has misled before: BENCHMARKS.md, tenth and fourteenth sessions).
 
 ``run``: adds ``--entries`` (NAME=KBxS[xNW]@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape,
 NW 1 when left out, TILE 16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process and runs the ``fnvllm``
@@ -139,8 +139,9 @@ def check(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, config: Any) -
     return None if ok else f"{name} M={x.shape[0]} {config}: max error {err:.3g}"
 
 
-def bench_kernels(rows: list[int], reps: int) -> None:
-    """Check, then time, every variant of every product at each row count; print the proposed entries."""
+def bench_kernels(rows: list[int], reps: int, device: str = "cuda", weight_mib: int = 512) -> list[str]:
+    """Check, then time, every variant of every product at each row count on ``device``, over weight copies of
+    about ``weight_mib`` MiB a product; print the table and the proposed entries, and return those."""
     import torch
     import torch.nn.functional as F
 
@@ -149,10 +150,10 @@ def bench_kernels(rows: list[int], reps: int) -> None:
 
     proposed = []
     for name, (kind, n, k) in SHAPES.items():
-        copies = max(2, (512 << 20) // (2 * n * k))
-        weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        copies = max(2, (weight_mib << 20) // (2 * n * k))
+        weights = [(torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16) for _ in range(copies)]
         for m in rows:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
             if kind == "glu":
                 base = [("cuBLAS + silu_and_mul", per_weight(lambda a, w: silu_and_mul(F.linear(a, w)), x, weights))]
             else:
@@ -160,12 +161,17 @@ def bench_kernels(rows: list[int], reps: int) -> None:
                     ("cuBLAS", per_weight(F.linear, x, weights)),
                     ("linear_partials as shipped", per_weight(skinny_gemm.linear_partials, x, weights)),
                 ]
+            run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
+            listed = cuda_skinny.CUDA_CONFIGS.get((kind, n, k, cuda_skinny.tile_rows(m) or 0))
+            if listed is not None and kind == "glu":  # (linear_partials already takes a listed partials entry)
+                base.append((f"the listed {listed}", per_weight(run, x, weights, listed)))
             timed = [(label, chain_us(calls, reps)) for label, calls in base]
             best_base = min(us for _, us in timed)
-            run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
             best: tuple[float, str] | None = None
             for kb, split, nw in variants(kind, n, k, m):
                 config = cuda_skinny.CudaConfig(kb, split, nw)
+                if config == listed:
+                    continue  # timed as the shipped path
                 wrong = check(name, kind, x, weights[0], config)
                 if wrong is not None:
                     print(f"   FAILED the check, not timed: {wrong}", flush=True)
@@ -181,6 +187,7 @@ def bench_kernels(rows: list[int], reps: int) -> None:
             if best is not None:
                 proposed.append(best[1])
     print("proposed --entries " + (",".join(proposed) or "(none)"))
+    return proposed
 
 
 def main(argv: list[str] | None = None) -> int:

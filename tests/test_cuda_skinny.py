@@ -289,3 +289,50 @@ def test_the_benchmark_reads_an_early_trigger_range() -> None:
     for bad in ("2", "64-2", "a-b"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_rows(bad)
+
+
+def test_the_kernel_bench_checks_times_and_proposes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/bench_cuda_skinny.py's kernel loop on the CPU, with the CUDA kernels replaced by exact torch products
+    (wrong for the two-group kernels) and the timer by a table: every product and row count is printed, a variant
+    whose check fails is reported and not timed, the listed entry is timed as the shipped path and not proposed,
+    and only the variant faster than every path by MIN_GAIN_US is proposed, at each row count."""
+    import functools
+
+    from benchmarks import bench_cuda_skinny as bench
+    from fnvllm.kernels import fused_ops
+    from fnvllm.kernels.reference import silu_and_mul_ref
+
+    def partials(x: torch.Tensor, w: torch.Tensor, config: CudaConfig) -> torch.Tensor:
+        parts = torch.zeros(config.split, x.shape[0], w.shape[0])
+        parts[0] = F.linear(x.float(), w.float()) + (config.nw == 2)  # the two-group kernels: off by one
+        return parts
+
+    faster = CudaConfig(1, 12)  # down_proj, one tile or four
+
+    def timer(calls: list, reps: int) -> float:
+        for call in calls:
+            call()
+        config = next((a for a in calls[0].args if isinstance(a, CudaConfig)), None)
+        return 2.0 if config == faster else 3.0 if config is None else 3.05
+
+    monkeypatch.setattr(fused_ops, "silu_and_mul", silu_and_mul_ref)
+    monkeypatch.setattr(cuda_skinny, "skinny_partials", partials)
+    monkeypatch.setattr(cuda_skinny, "glu_out", lambda x, w, config: silu_and_mul_ref(F.linear(x, w)))
+    monkeypatch.setattr(bench, "per_weight", lambda product, x, weights, *extra: [
+        functools.partial(product, x, w, *extra) for w in weights])  # fmt: skip
+    monkeypatch.setattr(bench, "chain_us", timer)
+    proposed = bench.bench_kernels([16, 64], reps=1, device="cpu", weight_mib=1)
+    out = capsys.readouterr().out
+    assert proposed == ["down=1x12x1@16", "down=1x12x1@64"]
+    assert out.strip().endswith("proposed --entries down=1x12x1@16,down=1x12x1@64")
+    for name, (_, n, k) in bench.SHAPES.items():
+        assert f"== {name} N={n} K={k} M=16" in out and f"== {name} N={n} K={k} M=64" in out
+    assert "FAILED the check, not timed: qkv M=64 CudaConfig(kb=1, split=8, nw=2)" in out
+    sections = {part.split(":")[0]: part for part in out.split("== ")[1:]}  # "gate_up N=6144 K=1024 M=16" -> rows
+    assert "cuda_skinny kb=1 S=8 nw=2" not in sections["qkv N=4096 K=1024 M=64"]
+    assert "cuda_skinny kb=1 S=4 nw=1" in sections["qkv N=4096 K=1024 M=64"]
+    glu16, glu64 = sections["gate_up N=6144 K=1024 M=16"], sections["gate_up N=6144 K=1024 M=64"]
+    assert "the listed CudaConfig(kb=4, split=1, nw=1)" in glu16 and "cuda_skinny kb=4" not in glu16
+    assert "the listed" not in glu64 and "cuda_skinny kb=4 S=1 nw=1" in glu64
