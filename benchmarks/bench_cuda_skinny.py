@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.probe_cuda_skinny import chain_us  # CUDA-graph chains, best of five rounds (its calls 1-4's timer)
+
 if TYPE_CHECKING:
     import torch
 
@@ -71,31 +73,6 @@ def parse_rows(spec: str) -> tuple[int, int]:
     if not 0 <= lo <= hi:
         raise ValueError(f"--early-trigger-rows needs 0 <= LO <= HI, got {spec!r}")
     return lo, hi
-
-
-def chain_us(calls: list[Callable[[], object]], reps: int) -> float:
-    """us per call of the calls captured back to back in one CUDA graph, best of five timed rounds of reps."""
-    import torch
-
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * len(calls)))
-    return best
 
 
 def variants(kind: str, n: int, k: int, rows: int) -> list[tuple[int, int, int]]:

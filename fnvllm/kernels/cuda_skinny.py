@@ -272,10 +272,11 @@ def table_config(kind: str, num_rows: int, weight: torch.Tensor, dtype: torch.dt
     for its device; else None. (``cuda_config`` also checks the activation itself.)"""
     if not ENABLED or not 2 <= num_rows <= MAX_ROWS or weight.device.type != "cuda" or weight.dim() != 2:
         return None
-    entry = CUDA_CONFIGS.get((kind, *weight.shape, tile_rows(num_rows) or 0))
+    tile = tile_rows(num_rows) or 0
+    entry = CUDA_CONFIGS.get((kind, *weight.shape, tile))
     if entry is None or dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
         return None
-    name = _KERNELS.get((kind, entry.kb, tile_rows(num_rows) or 0, entry.nw))
+    name = _KERNELS.get((kind, entry.kb, tile, entry.nw))
     if name is None or weight.data_ptr() % 16:
         return None
     return entry if _kernel(weight.device.index or 0, name) is not None else None
@@ -287,9 +288,7 @@ def cuda_config(kind: str, x: torch.Tensor, weight: torch.Tensor) -> CudaConfig 
     weight's device; else None."""
     if x.dim() != 2 or x.shape[1] != weight.shape[-1] or not x.is_contiguous() or x.data_ptr() % 16:
         return None
-    if x.device != weight.device:
-        return None
-    return table_config(kind, x.shape[0], weight, x.dtype)
+    return table_config(kind, x.shape[0], weight, x.dtype) if x.device == weight.device else None
 
 
 def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.Tensor:
@@ -298,7 +297,7 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((config.split, m, n), dtype=torch.float32, device=x.device)
     grid = (n // (COLUMNS * config.nw), config.split)
-    _launch(name, grid, shared_bytes(tile_rows(m) or 0, config.nw), x, weight, out, m, n, k)
+    _launch(name, grid, x, weight, out, m, n, k)
     return out
 
 
@@ -310,7 +309,7 @@ def glu_out(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.
     name = _kernel_for("glu", x, weight, config)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-    _launch(name, (n // (COLUMNS * config.nw), 1), shared_bytes(tile_rows(m) or 0, config.nw), x, weight, out, m, n, k)
+    _launch(name, (n // (COLUMNS * config.nw), 1), x, weight, out, m, n, k)
     return out
 
 
@@ -414,11 +413,10 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"cuda_skinny: {what} failed with CUresult {result}")
 
 
-def _launch(
-    name: str, grid: tuple[int, int], shared: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ints: int
-) -> None:
-    """Launch kernel ``name`` on the current stream, 256 threads a block, under programmatic dependent launch
-    when ``fused_ops.use_pdl`` says so (the kernel's griddepcontrol instructions are no-ops otherwise)."""
+def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *ints: int) -> None:
+    """Launch kernel ``name`` on the current stream, 256 threads a block with its tiles' dynamic shared memory
+    (``shared_bytes``), under programmatic dependent launch when ``fused_ops.use_pdl`` says so (the kernel's
+    griddepcontrol instructions are no-ops otherwise)."""
     kernel = _kernel(x.device.index or 0, name)
     if kernel is None:
         raise RuntimeError(f"cuda_skinny kernel {name} is not available on this device (see cuda_config)")
@@ -428,7 +426,7 @@ def _launch(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
     )
     config = _LaunchConfig(
-        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared,
+        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared_bytes(*_SHAPES[name]),
         ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(x.device) else 0,
     )  # fmt: skip
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),

@@ -1101,7 +1101,7 @@ def norm_mlp(
         else:
             normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
         normed = normed.contiguous()
-        cuda = cuda_skinny.cuda_config("glu", normed, gate_up_weight) if gate_up_bias is None else None
+        cuda = cuda_skinny.cuda_config("glu", normed, gate_up_weight) if cuda_rows else None  # (normed's own checks)
         if cuda is not None:
             act = cuda_skinny.glu_out(normed, gate_up_weight, cuda)  # (T, I)
         else:
