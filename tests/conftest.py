@@ -32,3 +32,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+MAX_AUTO_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: object) -> int:
+    """``-n auto`` (the README's test command): a worker per CPU, at most four. Each worker imports torch and
+    Triton and runs mostly one busy thread, so past a few workers a big machine gains little and pays memory.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cpus))
