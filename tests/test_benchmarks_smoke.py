@@ -113,9 +113,12 @@ def cpu_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     }
     order = [s for s in SLOWEST_FIRST if s in selected] + sorted(selected - set(SLOWEST_FIRST))
 
+    # the folders before the threads: a worker's first mktemp creates its base folder, and two threads racing to
+    # create it fail (pytest-xdist workers make it on first use)
+    folders = {script: tmp_path_factory.mktemp(script.removesuffix(".py")) for script in order}
+
     def one(script: str) -> subprocess.CompletedProcess[str]:
-        folder = tmp_path_factory.mktemp(script.removesuffix(".py"))
-        args = [arg.replace("{tmp}", str(folder)) for arg in CPU_RUNS[script]]
+        args = [arg.replace("{tmp}", str(folders[script])) for arg in CPU_RUNS[script]]
         return run(sys.executable, str(BENCHMARKS / script), *args)
 
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:

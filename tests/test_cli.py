@@ -293,9 +293,12 @@ def bench_runs(
     selected = {getattr(item, "originalname", None) for item in request.session.items}
     keys = [key for test, keys in BENCH_TESTS.items() if test in selected for key in keys]
 
+    # the folders before the threads, which would race to create the worker's base folder (test_benchmarks_smoke)
+    folders = {key: tmp_path_factory.mktemp("bench") for key in keys}
+
     def one(key: str) -> tuple[subprocess.CompletedProcess[str], Path]:
         module, args, own_tmp = BENCH_RUNS[key]
-        folder = tmp_path_factory.mktemp("bench")
+        folder = folders[key]
         env = {**ENV, "TMPDIR": str(folder)} if own_tmp else {**os.environ, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", module, *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False), folder
