@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -36,11 +38,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 MAX_AUTO_WORKERS = 4
 
 
-def pytest_xdist_auto_num_workers(config: object) -> int:
-    """``-n auto`` (the README's test command): a worker per CPU, at most four. Each worker imports torch and
+@pytest.hookimpl(hookwrapper=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> Iterator[None]:
+    """``-n auto`` (the README's test command): xdist's worker per CPU, at most four. Each worker imports torch and
     Triton and runs mostly one busy thread, so past a few workers a big machine gains little and pays memory.
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_AUTO_WORKERS, cpus))
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (read by xdist) is not capped."""
+    outcome = yield
+    if not os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        outcome.force_result(min(MAX_AUTO_WORKERS, outcome.get_result()))
