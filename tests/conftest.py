@@ -16,6 +16,10 @@ from hypothesis import HealthCheck, settings
 # Triton decides at @triton.jit time whether to interpret, so this must run before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from _interpreter_speed import speed_up_nested_jit_calls
+
+    speed_up_nested_jit_calls()
 
 settings.register_profile(
     "ci",
