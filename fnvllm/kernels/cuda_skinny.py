@@ -54,6 +54,7 @@ import warnings
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from fnvllm.env import env_switch
 from fnvllm.kernels.fused_ops import use_pdl
@@ -311,6 +312,25 @@ def glu_out(x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> torch.
     out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
     _launch(name, (n // (COLUMNS * config.nw), 1), x, weight, out, m, n, k)
     return out
+
+
+def glu_out_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``glu_out``'s torch reference: the float32 product rounded to bf16, then silu(gate) * up in float32, rounded.
+    The kernel sums in another order, so a gate or up value can round one bf16 step away from this one, which moves
+    its output by up to two steps (``glu_out_matches``)."""
+    gate, up = F.linear(x.float(), weight.float()).to(x.dtype).float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def glu_out_matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``glu_out``'s result got is ``glu_out_ref``'s want up to the rounding the kernel's sum order allows:
+    each element within two bf16 steps of the larger of the two (plus 1e-3 near zero), and at least 98 % equal."""
+    if got.shape != want.shape:
+        return False
+    a, b = got.float(), want.float()
+    # a bf16 step at |v| in [2^e, 2^(e+1)) is 2^(e-7): 8 significant bits
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp(min=2**-126))) - 7)
+    return bool(((a - b).abs() <= 2 * step + 1e-3).all()) and (got == want).float().mean().item() >= 0.98
 
 
 def _kernel_for(kind: str, x: torch.Tensor, weight: torch.Tensor, config: CudaConfig) -> str:
