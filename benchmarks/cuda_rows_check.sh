@@ -30,7 +30,7 @@ for name in names:
         continue
     for row in report.get("latency", []):
         timeline = row.get("decode_timeline") or {}
-        print(f"{name:14s} {row['requests']:8d}  {row['ms_per_step']:7.3f}  {timeline.get('mean_gpu_ms')!s:>14}  "
+        print(f"{name:14s} {row['requests']:8d}  {row['ms_per_step']:7.3f}  {timeline.get('mean_gpu_ms', timeline.get('mean_step_ms'))!s:>14}  "
               f"{timeline.get('mean_cpu_ms')!s:>12}")
 EOF
 }
