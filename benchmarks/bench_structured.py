@@ -78,6 +78,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"other configurations to time, comma-separated, of {', '.join(VARIANTS)}")  # fmt: skip
     p.add_argument("--host-steps", type=int, default=32, help="steps of the host-cost table (0: none)")
+    p.add_argument("--host-vocab", type=int, default=151936,
+                   help="vocabulary size of the host-cost table's grammars (Qwen3's by default)")  # fmt: skip
     p.add_argument(
         "--fill-threads", type=int, default=None, help="xgrammar's fill threads (default: cores - 1, at most 8)"
     )
@@ -310,7 +312,7 @@ def main() -> int:
         llm.close()
     if args.host_steps:
         os.sched_setaffinity(0, ALL_CORES)  # the table's own fills (and "auto" threads) as on an unsplit machine
-        _host_table(num_constrained, args.host_steps)
+        _host_table(num_constrained, args.host_steps, args.host_vocab)
     for name, count in QUOTED.items():
         print(f"vocabulary {name}: {count} of its tokens hold a quote")
     _print_results(results, args, num_constrained)
@@ -482,14 +484,26 @@ def _with_workers(grammars: Any, workers: int, threads: int | None = None, proce
     )
 
 
-def _host_table(rows: int, steps: int) -> None:
-    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies (1, 8, the default
-    xgrammar threads on one worker; 4 workers of 4 threads; the grammar process with the default threads)."""
+def _host_table(rows: int, steps: int, vocab: int) -> None:
+    """benchmarks/structured_host.py's table for ``rows`` constrained rows, both vocabularies of ``vocab`` tokens (1,
+    8, the default xgrammar threads on one worker; 4 workers of 4 threads; the grammar process with the default
+    threads)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import structured_host
 
     structured_host.VOCABS = VOCABS  # this module's, whose vocabularies are built already
-    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--threads", "1,8,auto,4x4,p1xauto"]
+    threads = "1,8,auto,4x4,p1xauto"
+    sys.argv = [
+        sys.argv[0],
+        "--rows",
+        str(max(rows, 1)),
+        "--steps",
+        str(steps),
+        "--vocab",
+        str(vocab),
+        "--threads",
+        threads,
+    ]
     structured_host.main()
 
 

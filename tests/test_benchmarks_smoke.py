@@ -41,7 +41,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "sim_serve_check.py": ["--model-shape", "tiny", "--quick", "--out", "{tmp}/serve"],
     "fp8_accuracy.py": ["--tokens", "3"],
     "bench_structured.py": ["--model-shape", "tiny", "--device", "cpu", "--rows", "4", "--max-tokens", "4",
-                            "--repeats", "1"],
+                            "--repeats", "1", "--host-steps", "2", "--host-vocab", "512"],
     "logprobs_bias_check.py": ["--device", "cpu", "--skip-cost"],
     "structured_host.py": ["--rows", "2", "--steps", "2", "--vocab", "512", "--threads", "1"],
     "sweep_small.py": ["--smoke", "--budget-s", "5"],
