@@ -43,16 +43,48 @@ def test_the_cached_walk_is_installed_and_lists_every_builtin() -> None:
     names = getattr(interpreter._patch_builtin, "builtin_names", None)
     assert names is not None, "tests/conftest.py did not install the cached walk"
     assert tl.tensor in names and tl in names and tl.math in names
-    for module, cached in names.items():  # outside a launch every module is unpatched: the cache matches a walk
-        assert cached == _builtin_names(module), module
-        assert cached, module
+    # every builtin a walk finds now is listed (Triton itself can leave some patched after a launch: a helper that
+    # sees tl.core where its kernel saw only tl patches it and nothing undoes that, so a walk may find fewer)
+    for module, cached in names.items():
+        assert set(_builtin_names(module)) <= set(cached), module
+    assert {"load", "store", "arange", "dot", "where"} <= set(names[tl])
+    assert {"to", "__add__"} <= set(names[tl.tensor]) and {"exp", "sqrt"} <= set(names[tl.math])
+
+
+@triton.jit
+def _failing_kernel(x_ptr, BLOCK: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BLOCK))
+    tl.store(x_ptr + tl.arange(0, BLOCK), _plus_one(x) + tl.zeros((2 * BLOCK,), tl.float32))  # shapes differ
 
 
 @interpreting
 def test_kernels_with_nested_helpers_compute_the_torch_values_and_restore_the_language() -> None:
+    """Helpers inside a launch skip the repeated patching (counted), the values are exact, and after a launch (a
+    failing one too) the language holds its builtins again and no launch is recorded as running."""
+    from triton.runtime import interpreter
+
+    real = interpreter._patch_lang
+    launches = real.launches  # type: ignore[attr-defined]
+    calls: list[object] = []
+
+    def counted(fn: object) -> object:
+        calls.append(real(fn))
+        return calls[-1]
+
     x = torch.randn(300, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
     before = {name: getattr(tl, name) for name in _builtin_names(tl)}
-    _nested_kernel[(3,)](x, out, x.numel(), BLOCK=128)
+    try:
+        interpreter._patch_lang = counted
+        _nested_kernel[(3,)](x, out, x.numel(), BLOCK=128)
+    finally:
+        interpreter._patch_lang = real
     torch.testing.assert_close(out, (x * 2 + 1).clamp(min=0), rtol=0, atol=0)
+    assert len(calls) == 1 + 3 * 2  # the launch, then two helpers in each of three programs
+    assert all(type(scope)().__dict__ == scope.__dict__ for scope in calls[1:])  # the helpers' scopes: empty
     assert {name: getattr(tl, name) for name in _builtin_names(tl)} == before  # every builtin put back
+    assert launches == []
+    with pytest.raises(Exception):  # noqa: B017 (the interpreter's error type varies by version)
+        _failing_kernel[(1,)](x, BLOCK=16)
+    assert {name: getattr(tl, name) for name in _builtin_names(tl)} == before
+    assert launches == []
