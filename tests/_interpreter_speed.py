@@ -34,7 +34,8 @@ from typing import Any
 
 def speed_up_nested_jit_calls() -> bool:
     """Install both changes in Triton's interpreter; False (and nothing changed) when this Triton lacks
-    ``_patch_lang`` / ``_patch_builtin`` / ``_patch_attr`` / ``_LangPatchScope``, or they are installed already."""
+    ``_patch_lang`` / ``_patch_builtin`` / ``_patch_attr`` / ``_LangPatchScope`` / ``GridExecutor``, or they are
+    installed already."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -44,9 +45,10 @@ def speed_up_nested_jit_calls() -> bool:
     walk: Callable[..., None] | None = getattr(interpreter, "_patch_builtin", None)
     patch_attr: Callable[..., None] | None = getattr(interpreter, "_patch_attr", None)
     scope_type: type | None = getattr(interpreter, "_LangPatchScope", None)
+    grid_executor: Any = getattr(interpreter, "GridExecutor", None)
     is_builtin: Callable[[Any], bool] | None = getattr(tl.core, "is_builtin", None)
-    needed = (patch_lang, walk, patch_attr, scope_type, is_builtin)
-    if any(part is None for part in needed) or hasattr(patch_lang, "launches"):
+    needed = (patch_lang, walk, patch_attr, scope_type, grid_executor, is_builtin)
+    if any(part is None for part in needed) or hasattr(patch_lang, "launch"):
         return False
     assert patch_lang is not None and walk is not None and patch_attr is not None  # (for the type checker)
     assert scope_type is not None and is_builtin is not None
@@ -70,37 +72,38 @@ def speed_up_nested_jit_calls() -> bool:
                 patch_attr(module, name, member, builder, scope)
 
     languages = (tl, tl.core)
-    launches: list[frozenset[int]] = []  # the language modules the running launch patched (none between launches)
+    # the language modules the running launch has patched; None outside a launch and before its own patch
+    launch: dict[str, frozenset[int] | None] = {"patched": None}
+    grid_call = grid_executor.__call__
 
     def languages_of(fn: Any) -> frozenset[int]:
         return frozenset(id(value) for value in fn.__globals__.values() if any(value is lang for lang in languages))
 
     def launch_aware_patch_lang(fn: Any) -> Any:
-        seen = languages_of(fn)
-        if launches:  # a helper inside a launch (helpers run only there)
-            if seen <= launches[0]:
-                return scope_type()  # all it sees is patched already: nothing to patch or undo
-            # Triton's own patch (never undone, as in Triton): from here on the launch has these modules patched too.
-            # (Triton's own jit helpers, tl.max or tl.sum, see only tl.core, which a kernel that imports tl alone
-            # leaves to them.)
+        patched = launch["patched"]
+        if patched is None:  # a launch's own patch (or a helper called outside any launch): Triton's
             scope = patch_lang(fn)
-            launches[0] = launches[0] | seen
+            if launch.get("running"):
+                launch["patched"] = languages_of(fn)
             return scope
-        scope = patch_lang(fn)  # a launch: Triton restores this scope when its programs are done
-        launches.append(seen)
-        restore = scope.restore
+        seen = languages_of(fn)
+        if seen <= patched:
+            return scope_type()  # a helper that sees only modules patched already: nothing to patch or undo
+        # Triton's own patch (never undone, as in Triton): from here on the launch has these modules patched too.
+        # (Triton's jit helpers, tl.max or tl.sum, see only tl.core, which a kernel importing tl alone leaves to them.)
+        launch["patched"] = patched | seen
+        return patch_lang(fn)
 
-        def restore_and_end() -> None:
-            try:
-                restore()
-            finally:
-                launches.clear()
-
-        scope.restore = restore_and_end
-        return scope
+    def tracked_launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        launch.update(running=True, patched=None)
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launch.update(running=False, patched=None)
 
     cached_walk.builtin_names = {module: names for module, names in builtins.values()}  # type: ignore[attr-defined]
-    launch_aware_patch_lang.launches = launches  # type: ignore[attr-defined]
+    launch_aware_patch_lang.launch = launch  # type: ignore[attr-defined]
     interpreter._patch_builtin = cached_walk
     interpreter._patch_lang = launch_aware_patch_lang
+    grid_executor.__call__ = tracked_launch
     return True
