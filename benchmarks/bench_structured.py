@@ -492,18 +492,8 @@ def _host_table(rows: int, steps: int, vocab: int) -> None:
     import structured_host
 
     structured_host.VOCABS = VOCABS  # this module's, whose vocabularies are built already
-    threads = "1,8,auto,4x4,p1xauto"
-    sys.argv = [
-        sys.argv[0],
-        "--rows",
-        str(max(rows, 1)),
-        "--steps",
-        str(steps),
-        "--vocab",
-        str(vocab),
-        "--threads",
-        threads,
-    ]
+    sys.argv = [sys.argv[0], "--rows", str(max(rows, 1)), "--steps", str(steps), "--vocab", str(vocab),
+                "--threads", "1,8,auto,4x4,p1xauto"]  # fmt: skip
     structured_host.main()
 
 

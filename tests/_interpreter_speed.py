@@ -72,8 +72,9 @@ def speed_up_nested_jit_calls() -> bool:
                 patch_attr(module, name, member, builder, scope)
 
     languages = (tl, tl.core)
-    # the language modules the running launch has patched; None outside a launch and before its own patch
-    launch: dict[str, frozenset[int] | None] = {"patched": None}
+    # running: inside GridExecutor.__call__; patched: the language modules that launch has patched (None outside a
+    # launch and before its own patch)
+    launch: dict[str, Any] = {"running": False, "patched": None}
     grid_call = grid_executor.__call__
 
     def languages_of(fn: Any) -> frozenset[int]:
@@ -83,7 +84,7 @@ def speed_up_nested_jit_calls() -> bool:
         patched = launch["patched"]
         if patched is None:  # a launch's own patch (or a helper called outside any launch): Triton's
             scope = patch_lang(fn)
-            if launch.get("running"):
+            if launch["running"]:
                 launch["patched"] = languages_of(fn)
             return scope
         seen = languages_of(fn)
