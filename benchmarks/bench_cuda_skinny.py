@@ -15,12 +15,13 @@ CUDA graph, one launch per weight copy (copies past L2), best of five replays, a
 last line is an ``--entries`` value listing the shapes at least 0.1 us faster than that path: a candidate, which the
 whole decode step has to confirm (a chain alone has misled before: BENCHMARKS.md, tenth and fourteenth sessions).
 
-``run``: adds ``--entries`` (NAME=KBxS[xNW]@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape,
-NW 1 when left out, TILE 16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process and runs the ``fnvllm``
-command after it, so the engine's CUDA graphs capture them. ``--early-trigger-rows LO-HI`` also replaces
-``fused_ops.EARLY_TRIGGER_ROWS`` (the rows at which the small kernels between projections let the next launch start
-before their own wait; shipped 17-64): with the lighter CUDA projections at 2-16 rows that range is worth measuring
-again (the thirteenth session measured 1-64 against 17-64 with the Triton projections: no gain at 16 rows)."""
+``run``: adds ``--entries`` (NAME=KBxS[xNW]@TILE, NAME one of qkv, o, gate_up, down, or KIND:NxK for another shape, NW 1
+when left out, TILE 16, 32 or 64) to ``cuda_skinny.CUDA_CONFIGS`` in this process, in place of any ``DEVICE_CONFIGS``
+entry for the same product, and runs the ``fnvllm`` command after it, so the engine's CUDA graphs capture them.
+``--early-trigger-rows LO-HI`` also replaces ``fused_ops.EARLY_TRIGGER_ROWS`` (the rows at which the small kernels
+between projections let the next launch start before their own wait; shipped 17-64): with the lighter CUDA projections
+at 2-16 rows that range is worth measuring again (the thirteenth session measured 1-64 against 17-64 with the Triton
+projections: no gain at 16 rows)."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def bench_kernels(rows: list[int], reps: int, device: str = "cuda", weight_mib: 
                     ("linear_partials as shipped", per_weight(skinny_gemm.linear_partials, x, weights)),
                 ]
             run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
-            listed = cuda_skinny.CUDA_CONFIGS.get((kind, n, k, cuda_skinny.tile_rows(m) or 0))
+            listed = cuda_skinny.listed_config((kind, n, k, cuda_skinny.tile_rows(m) or 0), x.device)
             if listed is not None and kind == "glu":  # (linear_partials already takes a listed partials entry)
                 base.append((f"the listed {listed}", per_weight(run, x, weights, listed)))
             timed = [(label, chain_us(calls, reps)) for label, calls in base]
@@ -164,6 +165,17 @@ def bench_kernels(rows: list[int], reps: int, device: str = "cuda", weight_mib: 
     return proposed
 
 
+def apply_entries(entries: dict[tuple[str, int, int, int], tuple[int, int, int]]) -> None:
+    """Put ``parse_entries``' entries in ``cuda_skinny.CUDA_CONFIGS`` for this process, each in place of any
+    ``DEVICE_CONFIGS`` entry for its product: an entry asked for holds on every GPU model."""
+    from fnvllm.kernels import cuda_skinny
+
+    for key, (kb, split, nw) in entries.items():
+        cuda_skinny.CUDA_CONFIGS[key] = cuda_skinny.CudaConfig(kb, split, nw)
+        for table in cuda_skinny.DEVICE_CONFIGS.values():
+            table.pop(key, None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -180,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from fnvllm.kernels import cuda_skinny
 
     if args.mode == "run":
-        for key, (kb, split, nw) in parse_entries(args.entries).items():
-            cuda_skinny.CUDA_CONFIGS[key] = cuda_skinny.CudaConfig(kb, split, nw)
+        apply_entries(parse_entries(args.entries))
         if args.early_trigger_rows:
             from fnvllm.kernels import fused_ops
 

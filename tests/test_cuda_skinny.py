@@ -8,12 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from fnvllm.kernels import cuda_skinny, skinny_gemm
-from fnvllm.kernels.cuda_skinny import CUDA_CONFIGS, CudaConfig, cuda_config
+from fnvllm.kernels.cuda_skinny import CUDA_CONFIGS, DEVICE_CONFIGS, CudaConfig, cuda_config
 from fnvllm.kernels.fused_ops import SplitPartials, fused_add_rmsnorm, silu_and_mul
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PARTIALS = [key for key in CUDA_CONFIGS if key[0] == "partials"]
 GLU = [key for key in CUDA_CONFIGS if key[0] == "glu"]
+# every launch shape shipped: CUDA_CONFIGS' entries and each GPU model's own (DEVICE_CONFIGS)
+ALL_ENTRIES = [*CUDA_CONFIGS.items(), *(item for table in DEVICE_CONFIGS.values() for item in table.items())]
 
 
 def _row_range(tile: int) -> tuple[int, int]:
@@ -39,11 +41,11 @@ def _operands(m: int, n: int, k: int, device: str) -> tuple[torch.Tensor, torch.
     return x, w
 
 
-@pytest.mark.parametrize("key", list(CUDA_CONFIGS))
-def test_every_entry_covers_its_k_and_has_a_kernel(key: tuple[str, int, int, int]) -> None:
-    """Each entry's launch shape spans K exactly (split x 8 warps x 32 x kb) and names a kernel of the source."""
+@pytest.mark.parametrize(("key", "cfg"), ALL_ENTRIES)
+def test_every_entry_covers_its_k_and_has_a_kernel(key: tuple[str, int, int, int], cfg: CudaConfig) -> None:
+    """Each entry's launch shape (CUDA_CONFIGS' and every GPU model's) spans K exactly (split x 8 warps x 32 x kb)
+    and names a kernel of the source."""
     kind, n, k, tile = key
-    cfg = CUDA_CONFIGS[key]
     assert cfg.split * cuda_skinny.WARPS // cfg.nw * 32 * cfg.kb == k
     assert n % (cuda_skinny.COLUMNS * cfg.nw) == 0 and tile in cuda_skinny.TILE_ROWS
     assert (kind, cfg.kb, tile, cfg.nw) in cuda_skinny._KERNELS
@@ -109,6 +111,38 @@ def test_a_shape_the_launch_does_not_cover_is_refused(
         cuda_skinny.skinny_partials(x, w, config)
 
 
+def test_a_gpu_model_takes_its_own_entries_and_others_the_shared_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """listed_config: on a model DEVICE_CONFIGS names, its entry in place of CUDA_CONFIGS' for that product and
+    CUDA_CONFIGS' for the others; on any other model, CUDA_CONFIGS'; device_table agrees with it for every key."""
+    model, own = "GPU model X", CudaConfig(4, 3)
+    key, other = ("partials", 1024, 3072, 16), ("partials", 4096, 1024, 16)
+    monkeypatch.setitem(DEVICE_CONFIGS, model, {key: own})
+    monkeypatch.setitem(CUDA_CONFIGS, key, CudaConfig(2, 6))
+    monkeypatch.setitem(CUDA_CONFIGS, other, CudaConfig(2, 2))
+    names = {0: model, 1: "GPU model Y"}
+    monkeypatch.setattr(cuda_skinny, "_device_name", names.__getitem__)
+    gpu0, gpu1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    assert cuda_skinny.listed_config(key, gpu0) == own and cuda_skinny.listed_config(other, gpu0) == CudaConfig(2, 2)
+    assert cuda_skinny.listed_config(key, gpu1) == cuda_skinny.listed_config(key, cpu) == CudaConfig(2, 6)
+    assert cuda_skinny.listed_config(("glu", 64, 64, 16), gpu0) is None
+    for device in (gpu0, gpu1):
+        table = cuda_skinny.device_table(names[device.index])
+        assert set(table) == set(CUDA_CONFIGS) and all(table[k] == cuda_skinny.listed_config(k, device) for k in table)
+
+
+def test_the_benchmark_entries_replace_a_gpu_models_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_cuda_skinny.py run --entries: the entry goes in CUDA_CONFIGS and no GPU model keeps its own for that
+    product (what the step runs measure is the entry asked for), the model's other entries stay."""
+    from benchmarks.bench_cuda_skinny import apply_entries
+
+    key, kept = ("partials", 1024, 3072, 16), ("partials", 4096, 1024, 16)
+    monkeypatch.setattr(cuda_skinny, "CUDA_CONFIGS", dict(CUDA_CONFIGS))
+    monkeypatch.setattr(cuda_skinny, "DEVICE_CONFIGS", {"GPU model X": {key: CudaConfig(4, 3), kept: CudaConfig(1, 4)}})
+    apply_entries({key: (1, 12, 1)})
+    assert cuda_skinny.CUDA_CONFIGS[key] == CudaConfig(1, 12)
+    assert cuda_skinny.DEVICE_CONFIGS["GPU model X"] == {kept: CudaConfig(1, 4)}
+
+
 def test_glu_out_refuses_a_k_split() -> None:
     """The SiLU-and-mul epilogue needs whole sums: a config with more than one K split is a ValueError."""
     x, w = torch.empty(16, 1024, dtype=torch.bfloat16), torch.empty(6144, 1024, dtype=torch.bfloat16)
@@ -123,23 +157,29 @@ def test_the_table_shapes_take_the_cuda_path_on_this_gpu() -> None:
     the rows next to the range that no entry of the same product covers (1 row; past 64)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the kernels need sm_90 (griddepcontrol)")
-    for kind, n, k, tile in CUDA_CONFIGS:
+    table = cuda_skinny.device_table(torch.cuda.get_device_name())
+    for kind, n, k, tile in table:
         lo, hi = _row_range(tile)
         for rows in (lo - 1, lo, hi, hi + 1):
             x, w = _operands(rows, n, k, "cuda")
-            listed = (kind, n, k, cuda_skinny.tile_rows(rows)) in CUDA_CONFIGS and rows >= 2
-            assert (cuda_config(kind, x, w) is not None) is listed, (kind, n, k, rows)
+            listed = table.get((kind, n, k, cuda_skinny.tile_rows(rows) or 0)) if rows >= 2 else None
+            assert cuda_config(kind, x, w) == listed, (kind, n, k, rows)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("key", "m"), _cases(PARTIALS))
-def test_split_partials_sum_to_the_product(key: tuple[str, int, int, int], m: int) -> None:
-    """The (S, M, N) float32 partials sum to F.linear's float32 product to float32 rounding."""
+@pytest.mark.parametrize(("key", "m"), _cases([key for key, _ in ALL_ENTRIES if key[0] == "partials"]))
+@pytest.mark.parametrize("table", range(1 + len(DEVICE_CONFIGS)), ids=["shared", *DEVICE_CONFIGS])
+def test_split_partials_sum_to_the_product(key: tuple[str, int, int, int], m: int, table: int) -> None:
+    """The (S, M, N) float32 partials sum to F.linear's float32 product to float32 rounding, for CUDA_CONFIGS'
+    launch shapes and each GPU model's own."""
+    config = [CUDA_CONFIGS, *DEVICE_CONFIGS.values()][table].get(key)
+    if config is None:
+        pytest.skip(f"no entry for {key} in this table")
     _, n, k, _ = key
     x, w = _operands(m, n, k, "cuda")
-    parts = cuda_skinny.skinny_partials(x, w, CUDA_CONFIGS[key])
-    assert parts.shape == (CUDA_CONFIGS[key].split, m, n) and parts.dtype == torch.float32
+    parts = cuda_skinny.skinny_partials(x, w, config)
+    assert parts.shape == (config.split, m, n) and parts.dtype == torch.float32
     exact = F.linear(x.float(), w.float())
     torch.testing.assert_close(parts.sum(0), exact, rtol=1e-5, atol=1e-5)
 
@@ -192,7 +232,7 @@ def test_dispatchers_take_it_and_a_graph_replay_gives_the_same_bits() -> None:
     x, w = _operands(16, *key[1:3], "cuda")
     got = skinny_gemm.linear_partials(x, w)
     assert isinstance(got, SplitPartials)
-    assert torch.equal(got.parts, cuda_skinny.skinny_partials(x, w, CUDA_CONFIGS[key]))
+    assert torch.equal(got.parts, cuda_skinny.skinny_partials(x, w, cuda_skinny.listed_config(key, w.device)))
     gx, gw = _operands(16, *GLU[0][1:3], "cuda")
     _, down = _operands(16, gx.shape[1], gw.shape[0] // 2, "cuda")  # (K, I): the MLP's down projection
     residual, norm_w = torch.randn_like(gx), torch.rand(gx.shape[1], device="cuda", dtype=torch.bfloat16) + 0.5
@@ -204,7 +244,7 @@ def test_dispatchers_take_it_and_a_graph_replay_gives_the_same_bits() -> None:
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        parts = cuda_skinny.skinny_partials(x, w, CUDA_CONFIGS[key])
+        parts = cuda_skinny.skinny_partials(x, w, cuda_skinny.listed_config(key, w.device))
         glu = cuda_skinny.glu_out(gx, gw, CUDA_CONFIGS[GLU[0]])
     for _ in range(3):
         parts.zero_()
@@ -229,7 +269,7 @@ def test_first_use_inside_a_graph_capture_keeps_the_triton_path(monkeypatch: pyt
     with torch.cuda.graph(graph):
         inside = cuda_config(kind, x, w)
     assert inside is None and cuda_skinny._BUILT == {}
-    assert cuda_config(kind, x, w) == CUDA_CONFIGS[PARTIALS[0]]
+    assert cuda_config(kind, x, w) == cuda_skinny.listed_config(PARTIALS[0], w.device)
 
 
 def _kernel_cases() -> list[tuple[str, int, int, int, int]]:

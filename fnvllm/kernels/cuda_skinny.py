@@ -40,10 +40,11 @@ loads the 8 contiguous bf16 at k = base + 8t of weight row n + g and of x rows g
 each) and gives words .x/.y (k = 8t .. 8t + 3) to one MMA and .z/.w (8t + 4 .. 8t + 7) to the next: 64
 contiguous bytes of a row per 4 threads. Rows past M read as zeros and are not stored.
 
-Used by ``skinny_gemm.linear_partials`` and ``skinny_gemm.norm_mlp`` for the products ``CUDA_CONFIGS`` lists, on
-sm_90+ GPUs where NVRTC (``torch.cuda._compile_kernel``) compiles the source (a device's first use compiles the
-kernels the table launches); anywhere else, or with FNVLLM_CUDA_SKINNY=0 (read at import), those products stay
-on the Triton kernel. A failed compile warns once and falls back.
+Used by ``skinny_gemm.linear_partials`` and ``skinny_gemm.norm_mlp`` for the products ``CUDA_CONFIGS`` lists (on
+the GPU models ``DEVICE_CONFIGS`` names, with its launch shapes in place of those listed), on sm_90+ GPUs where
+NVRTC (``torch.cuda._compile_kernel``) compiles the source (a device's first use compiles the kernels its table
+launches); anywhere else, or with FNVLLM_CUDA_SKINNY=0 (read at import), those products stay on the Triton kernel.
+A failed compile warns once and falls back.
 """
 
 from __future__ import annotations
@@ -227,6 +228,14 @@ CUDA_CONFIGS: dict[tuple[str, int, int, int], CudaConfig] = {
     ("partials", 1024, 3072, 16): CudaConfig(2, 6),  # Qwen3-0.6B down_proj
     ("glu", 6144, 1024, 16): CudaConfig(4, 1),  # Qwen3-0.6B gate/up
 }
+# GPU model (``torch.cuda.get_device_name``, exactly) -> entries that take the place of CUDA_CONFIGS' on that model,
+# each measured there in the whole decode step against the entry it replaces (as vLLM keeps tuned kernel configs
+# per device). A model not named here takes CUDA_CONFIGS as they are.
+DEVICE_CONFIGS: dict[str, dict[tuple[str, int, int, int], CudaConfig]] = {
+    # BENCHMARKS.md, twenty-first session, two calls: the Qwen3-0.6B step at 16 requests 1.143-1.144 device ms
+    # against 1.184-1.185 with kb 2 / 6 splits. Not timed on the H200, where kb 2 / 6 won the kernel sweep.
+    "NVIDIA H100 80GB HBM3": {("partials", 1024, 3072, 16): CudaConfig(4, 3)},  # Qwen3-0.6B down_proj
+}
 
 
 def kernel_name(kind: str, kb: int, tile: int, nw: int = 1) -> str:
@@ -274,13 +283,31 @@ def table_config(kind: str, num_rows: int, weight: torch.Tensor, dtype: torch.dt
     if not ENABLED or not 2 <= num_rows <= MAX_ROWS or weight.device.type != "cuda" or weight.dim() != 2:
         return None
     tile = tile_rows(num_rows) or 0
-    entry = CUDA_CONFIGS.get((kind, *weight.shape, tile))
+    entry = listed_config((kind, *weight.shape, tile), weight.device)
     if entry is None or dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
         return None
     name = _KERNELS.get((kind, entry.kb, tile, entry.nw))
     if name is None or weight.data_ptr() % 16:
         return None
     return entry if _kernel(weight.device.index or 0, name) is not None else None
+
+
+def listed_config(key: tuple[str, int, int, int], device: torch.device) -> CudaConfig | None:
+    """The entry for (kind, N, K, tile rows) on a device: on a CUDA device its model's ``DEVICE_CONFIGS`` entry,
+    else ``CUDA_CONFIGS``' (on any device), else None."""
+    own = DEVICE_CONFIGS.get(_device_name(device.index or 0), {}) if device.type == "cuda" else {}
+    return own.get(key) or CUDA_CONFIGS.get(key)
+
+
+def device_table(device_name: str) -> dict[tuple[str, int, int, int], CudaConfig]:
+    """Every entry a GPU model of this name takes: ``CUDA_CONFIGS`` with its ``DEVICE_CONFIGS`` entries in place."""
+    return {**CUDA_CONFIGS, **DEVICE_CONFIGS.get(device_name, {})}
+
+
+@functools.cache
+def _device_name(device_index: int) -> str:
+    """torch.cuda.get_device_name, asked once a device (``listed_config`` runs at each few-row projection)."""
+    return torch.cuda.get_device_name(device_index)
 
 
 def cuda_config(kind: str, x: torch.Tensor, weight: torch.Tensor) -> CudaConfig | None:
@@ -351,23 +378,24 @@ def _kernel_for(kind: str, x: torch.Tensor, weight: torch.Tensor, config: CudaCo
 _BUILT: dict[int, dict[str, Any] | None] = {}  # device index -> its compiled kernels by name (None: not available)
 
 
-def _table_kernels() -> set[str]:
-    """The kernels ``CUDA_CONFIGS``' entries launch."""
-    return {_KERNELS[(kind, cfg.kb, tile, cfg.nw)] for (kind, _, _, tile), cfg in CUDA_CONFIGS.items()}
+def _table_kernels(device_index: int) -> set[str]:
+    """The kernels the device's entries (``device_table``) launch."""
+    table = device_table(_device_name(device_index))
+    return {_KERNELS[(kind, cfg.kb, tile, cfg.nw)] for (kind, _, _, tile), cfg in table.items()}
 
 
 def _kernel(device_index: int, name: str) -> Any | None:
     """Kernel ``name`` of SOURCE compiled for a device (sm_90+: griddepcontrol), or None where the kernels cannot
     be made (older GPU, no NVRTC in this torch, a compile error: warned once, and the device keeps the Triton
     path) or where it is first asked for inside a CUDA-graph capture (loading a module while a stream captures is
-    not allowed: that capture keeps the Triton path). A device's first use compiles every kernel ``CUDA_CONFIGS``
-    launches, so a later capture of any listed shape finds its kernel; other kernels (a benchmark's variants)
-    compile when first asked for."""
+    not allowed: that capture keeps the Triton path). A device's first use compiles every kernel its entries
+    (``device_table``) launch, so a later capture of any listed shape finds its kernel; other kernels (a
+    benchmark's variants) compile when first asked for."""
     kernels = _BUILT.get(device_index, {})
     if kernels is not None and name not in kernels:
         if torch.cuda.is_current_stream_capturing():
             return None
-        wanted = {name} | (set() if device_index in _BUILT else _table_kernels())
+        wanted = {name} | (set() if device_index in _BUILT else _table_kernels(device_index))
         kernels = _BUILT[device_index] = _build(device_index, wanted, kernels)
     return None if kernels is None else kernels[name]
 

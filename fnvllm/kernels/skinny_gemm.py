@@ -972,8 +972,9 @@ def linear_partials(
     / partials left unsummed: Qwen3-0.6B o_proj at 16 rows 4.05 / 2.56, down_proj at 16 rows 5.31 / 3.90, at 64
     rows 6.19 / 4.02; qkv at 16 rows takes a split only here (``PARTIALS_CONFIGS``: 4.59 -> 3.70), o_proj at 17-64
     rows too (with the norm after it: 5.89 -> 4.88 at 64 rows, fourteenth session). The products
-    ``cuda_skinny.CUDA_CONFIGS`` lists (Qwen3-0.6B qkv and down_proj at 2-16 rows today) take that module's CUDA kernel
-    instead, which returns its own split partials (eighteenth session)."""
+    ``cuda_skinny.CUDA_CONFIGS`` lists (Qwen3-0.6B qkv and down_proj at 2-16 rows today; ``DEVICE_CONFIGS`` may give
+    a GPU model its own launch shape) take that module's CUDA kernel instead, which returns its own split partials
+    (eighteenth session)."""
     rows = x.shape[0]
     if bias is None and x.dim() == 2 and on_gpu(x) and (cuda := cuda_skinny.cuda_config("partials", x, weight)):
         return SplitPartials(cuda_skinny.skinny_partials(x, weight, cuda), x.dtype)
