@@ -221,21 +221,20 @@ class CudaConfig(NamedTuple):
 
 
 # (kind, N, K, tile rows) -> config, bf16: measured faster than the path it replaces on the H200 (BENCHMARKS.md,
-# eighteenth session for 2-16 rows). "partials": the product's float32 split partials (qkv, down_proj); "glu": a
-# gate/up projection with SiLU-and-mul in its epilogue. Tile rows 16 covers 2-16 rows, 32 covers 17-32, 64 33-64.
+# eighteenth session for 2-16 rows; down_proj's kb 4 / 3 splits in the twenty-second: 8 / 16-request steps 0.918-0.920
+# / 1.020-1.022 device ms against 0.959-0.961 / 1.060-1.061 with kb 2 / 6, and the same gain on the H100).
+# "partials": the product's float32 split partials (qkv, down_proj); "glu": a gate/up projection with SiLU-and-mul
+# in its epilogue. Tile rows 16 covers 2-16 rows, 32 covers 17-32, 64 33-64.
 CUDA_CONFIGS: dict[tuple[str, int, int, int], CudaConfig] = {
     ("partials", 4096, 1024, 16): CudaConfig(2, 2),  # Qwen3-0.6B qkv
-    ("partials", 1024, 3072, 16): CudaConfig(2, 6),  # Qwen3-0.6B down_proj
+    ("partials", 1024, 3072, 16): CudaConfig(4, 3),  # Qwen3-0.6B down_proj (kb 2 / 6 splits until the 22nd session)
     ("glu", 6144, 1024, 16): CudaConfig(4, 1),  # Qwen3-0.6B gate/up
 }
 # GPU model (``torch.cuda.get_device_name``, exactly) -> entries that take the place of CUDA_CONFIGS' on that model,
 # each measured there in the whole decode step against the entry it replaces (as vLLM keeps tuned kernel configs
 # per device). A model not named here takes CUDA_CONFIGS as they are.
-DEVICE_CONFIGS: dict[str, dict[tuple[str, int, int, int], CudaConfig]] = {
-    # BENCHMARKS.md, twenty-first session, two calls: the Qwen3-0.6B step at 16 requests 1.143-1.144 device ms
-    # against 1.184-1.185 with kb 2 / 6 splits. Not timed on the H200, where kb 2 / 6 won the kernel sweep.
-    "NVIDIA H100 80GB HBM3": {("partials", 1024, 3072, 16): CudaConfig(4, 3)},  # Qwen3-0.6B down_proj
-}
+# None today: the H100's own down_proj entry (twenty-second session) won on the H200 too and moved to CUDA_CONFIGS.
+DEVICE_CONFIGS: dict[str, dict[tuple[str, int, int, int], CudaConfig]] = {}
 
 
 def kernel_name(kind: str, kb: int, tile: int, nw: int = 1) -> str:

@@ -1142,16 +1142,19 @@ def epilogue_config(
     num_rows: int, out_features: int, in_features: int, head_dim: int, norm: bool
 ) -> SkinnyConfig | None:
     """The launch config of a qkv projection with the attention prologue in its epilogue at M rows (norm: with
-    the RMSNorm prologue too): an ``EPILOGUE_CONFIGS`` entry, else the product's own (``fused_config("norm")``
-    or ``skinny_config``), when it fits (``epilogue_fits``); None when it does not or M is out of range."""
+    the RMSNorm prologue too): an ``EPILOGUE_CONFIGS`` entry, else the product's own as ``norm_linear`` picks it
+    (``late_norm_config``, ``fused_config("norm")`` or ``skinny_config``), when it fits (``epilogue_fits``); None
+    when it does not or M is out of range."""
     if not 0 < num_rows <= EPILOGUE_MAX_ROWS:
         return None
     entry = EPILOGUE_CONFIGS.get((out_features, in_features, rows_bucket(num_rows) or 0))
     if entry is not None:
         cfg = _fit_rows(entry, num_rows)
     elif norm:
-        cfg = fused_config("norm", num_rows, out_features, in_features) or skinny_config(
-            num_rows, out_features, in_features
+        cfg = (
+            late_norm_config(num_rows, out_features, in_features)
+            or fused_config("norm", num_rows, out_features, in_features)
+            or skinny_config(num_rows, out_features, in_features)
         )
     else:
         cfg = skinny_config(num_rows, out_features, in_features)
@@ -1189,7 +1192,9 @@ def norm_linear_rope_store(
         x = sum_split_partials(x)
     rows, (out_features, in_features) = x.shape[0], weight.shape
     head_dim = k_cache.shape[-1]
-    fused_norm = rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features)
+    # the RMSNorm inside the product where norm_linear (_norm_prologue) puts it: a late norm, or a fused one
+    late = late_norm_config(rows, out_features, in_features) is not None
+    fused_norm = late or (rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features))
     skinny = fused_norm or prefers_skinny(rows, out_features, in_features)  # the unfused path's product kernel too
     cfg = epilogue_config(rows, out_features, in_features, head_dim, fused_norm)
     if not (on_gpu(x) and skinny) or cfg is None or x.dim() != 2 or not x.is_contiguous():
@@ -1198,9 +1203,7 @@ def norm_linear_rope_store(
                             slot_mapping, k_scale, v_scale)  # fmt: skip
         return q, new_residual
     if fused_norm:
-        residual = None if residual is None else residual.contiguous()
-        new_residual = x if residual is None else torch.empty_like(x)
-        inp, norm = x, Norm(norm_weight, eps, residual, None if residual is None else new_residual)
+        inp, (norm, new_residual) = x, _fused_norm(x, residual, norm_weight, eps)
     else:
         inp, new_residual = (
             (rmsnorm(x, norm_weight, eps), x) if residual is None else fused_add_rmsnorm(x, residual, norm_weight, eps)
