@@ -16,6 +16,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ONLY=${ONLY:-tests kernels step}; ROWS=${ROWS:-16,32,64}; LATENCY=${LATENCY:-}; ROUNDS=${ROUNDS:-2}
 TRIGGER_LATENCY=${TRIGGER_LATENCY:-2,8,16}; CK=${CK:-/tmp/ck06}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
+# which card: a call may get an H100 or an H200, and only numbers from one card compare
+echo "GPU: $(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>&1 | tail -1)"
 
 summary() {  # the latency rows of the named runs' JSON reports
   python3 - "$OUT" "$@" <<'EOF'
