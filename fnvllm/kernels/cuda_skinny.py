@@ -294,8 +294,11 @@ def table_config(kind: str, num_rows: int, weight: torch.Tensor, dtype: torch.dt
 def listed_config(key: tuple[str, int, int, int], device: torch.device) -> CudaConfig | None:
     """The entry for (kind, N, K, tile rows) on a device: on a CUDA device its model's ``DEVICE_CONFIGS`` entry,
     else ``CUDA_CONFIGS``' (on any device), else None."""
-    own = DEVICE_CONFIGS.get(_device_name(device.index or 0), {}) if device.type == "cuda" else {}
-    return own.get(key) or CUDA_CONFIGS.get(key)
+    if DEVICE_CONFIGS and device.type == "cuda":  # (no name asked while no model has entries of its own)
+        own = DEVICE_CONFIGS.get(_device_name(device.index or 0), {}).get(key)
+        if own is not None:
+            return own
+    return CUDA_CONFIGS.get(key)
 
 
 def device_table(device_name: str) -> dict[tuple[str, int, int, int], CudaConfig]:

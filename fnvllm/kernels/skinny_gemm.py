@@ -1192,9 +1192,7 @@ def norm_linear_rope_store(
         x = sum_split_partials(x)
     rows, (out_features, in_features) = x.shape[0], weight.shape
     head_dim = k_cache.shape[-1]
-    # the RMSNorm inside the product where norm_linear (_norm_prologue) puts it: a late norm, or a fused one
-    late = late_norm_config(rows, out_features, in_features) is not None
-    fused_norm = late or (rows <= NORM_MAX_ROWS and prefers_fused("norm", rows, out_features, in_features))
+    fused_norm = _norm_prologue(x, weight) is not None  # the RMSNorm inside the product where norm_linear puts it
     skinny = fused_norm or prefers_skinny(rows, out_features, in_features)  # the unfused path's product kernel too
     cfg = epilogue_config(rows, out_features, in_features, head_dim, fused_norm)
     if not (on_gpu(x) and skinny) or cfg is None or x.dim() != 2 or not x.is_contiguous():
