@@ -51,6 +51,8 @@ CPU_RUNS: dict[str, list[str]] = {
                           "--max-output-len", "4"],
     "bench_cuda_skinny.py": ["run", "--entries", "gate_up=4x1@64,partials:1024x2048=2x4@32", "--early-trigger-rows",
                              "2-64", "bench", "--model-shape", "tiny", "--latency", "1", "--max-output-len", "4"],
+    "probe_step_variants.py": ["no_norms+qkv_p4", "bench", "--model-shape", "tiny", "--latency", "2",
+                               "--max-output-len", "4"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
 HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py's
@@ -79,7 +81,7 @@ CUDA_ONLY = (
     "profile_mixed.py",
     "sweep_decode_mid.py",
 )
-SHELL = ("cuda_rows_check.sh", "gpu_check.sh", "serve_check.sh", "sim_h200_check.sh")
+SHELL = ("cuda_rows_check.sh", "gpu_check.sh", "serve_check.sh", "sim_h200_check.sh", "step_variants.sh")
 MODULES = ("__init__.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 
 

@@ -1,0 +1,100 @@
+"""Run an fnvllm command (``fnvllm.cli``) with one decode-step variant applied: a probe for the whole step, GPU.
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_step_variants.py VARIANT[+VARIANT...] bench --model CK \
+        --model-shape qwen3-0.6b --latency 32,64 --profile --json
+
+Two kinds of variant, both applied in this process before the command runs (they change what the CUDA graphs
+capture, so a run measures the variant's whole decode step; one process per run, alternated with ``base``):
+
+- ``no_norms``, ``no_qkv_norm``, ``no_mlp_norm``: the residual add + RMSNorm launch before every qkv and/or gate/up
+  projection at 2-64 rows is skipped, its output replaced by the residual stream as it stands (wrong values of the
+  right shapes). Not a model: an upper bound on what removing those launches from the chain could save.
+- launch-shape entries for the Qwen3-0.6B projections at 17-64 rows (``TABLE_VARIANTS``): ``skinny_gemm``'s tables
+  with the entry put in, as if measured faster (weights read before the programmatic-dependent-launch wait, where
+  a chain of launches with a norm between them may hide what a chain of GEMMs alone does not).
+
+``base`` applies nothing. Outputs are the command's own (``bench --json``: ms per step, device and host ms per step).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+QKV, O, GATE_UP, DOWN = (4096, 1024, 64), (1024, 2048, 64), (6144, 1024, 64), (1024, 3072, 64)
+# which projection's norm a variant skips, by the projection's output features (Qwen3-0.6B: qkv 4096, gate/up 6144)
+NORM_VARIANTS = {"no_norms": (4096, 6144), "no_qkv_norm": (4096,), "no_mlp_norm": (6144,)}
+
+
+def _table_variants() -> dict[str, Callable[[], None]]:
+    """name -> a function putting one launch-shape entry in skinny_gemm's tables (imported here: after sys.path)."""
+    from fnvllm.kernels import skinny_gemm as sg
+    from fnvllm.kernels.skinny_gemm import Fused, Tuned
+    from fnvllm.kernels.skinny_gemm import SkinnyConfig as C
+
+    def tuned(key: tuple[int, int, int], cfg: C) -> Callable[[], None]:
+        return lambda: sg.TUNED_CONFIGS.__setitem__(key, Tuned(cfg, 1.0, 2.0))
+
+    def partials(key: tuple[int, int, int], cfg: C) -> Callable[[], None]:
+        return lambda: sg.PARTIALS_CONFIGS.__setitem__(key, Tuned(cfg, 1.0, 2.0))
+
+    def glu(cfg: C) -> Callable[[], None]:
+        return lambda: sg.FUSED_TIMES.__setitem__(("glu", *GATE_UP), Fused(cfg, 1.0, 2.0))
+
+    return {
+        "qkv_p4": tuned(QKV, C(64, 32, 256, 4, 4, 1, preload=True)),  # split: the attention prologue sums
+        "qkv_p2": tuned(QKV, C(64, 32, 512, 2, 8, 1, preload=True)),
+        "qkv_1p": tuned(QKV, C(64, 32, 256, 1, 4, 1, preload=True)),
+        "qkv_1p64": tuned(QKV, C(64, 64, 128, 1, 4, 1, preload=True)),
+        "o_p4": partials(O, C(64, 32, 512, 4, 8, 1, preload=True)),
+        "o_p8": partials(O, C(64, 32, 256, 8, 4, 1, preload=True)),
+        "gu_1p": tuned(GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # skinny in place of cuBLAS
+        "glu_1p": glu(C(64, 32, 256, 1, 4, 1, preload=True)),  # SiLU-and-mul in gate/up's epilogue
+        "glu_base": glu(C(64, 32, 128, 1, 4, 4)),
+        "down_p6": tuned(DOWN, C(64, 32, 512, 6, 8, 1, preload=True)),
+        "down_p4": tuned(DOWN, C(64, 32, 256, 4, 4, 1, preload=True)),
+    }
+
+
+def skip_norms(out_features: tuple[int, ...]) -> None:
+    """Replace ``skinny_gemm.fused_add_rmsnorm`` so that before a projection of those output features at 2-64 rows
+    it launches nothing and returns (residual, residual)."""
+    from fnvllm.kernels import skinny_gemm
+
+    real = skinny_gemm.fused_add_rmsnorm
+
+    def patched(x: Any, residual: Any, weight: Any, eps: float) -> Any:
+        caller = sys._getframe(1).f_locals  # norm_linear's weight or norm_mlp's gate_up_weight
+        proj = caller.get("weight", caller.get("gate_up_weight"))
+        if proj is not None and proj.shape[0] in out_features and 2 <= residual.shape[0] <= 64:
+            return residual, residual
+        return real(x, residual, weight, eps)
+
+    skinny_gemm.fused_add_rmsnorm = patched
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: probe_step_variants.py VARIANT[+VARIANT...] FNVLLM_ARGS...\n\n{__doc__}")
+        return 0 if argv else 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    tables = _table_variants()
+    names = argv[0].split("+")
+    unknown = [n for n in names if n != "base" and n not in tables and n not in NORM_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; known: base, {', '.join([*NORM_VARIANTS, *tables])}")
+    for name in names:
+        if name in NORM_VARIANTS:
+            skip_norms(NORM_VARIANTS[name])
+        elif name in tables:
+            tables[name]()
+    print(f"variant {argv[0]}", flush=True)
+    from fnvllm.cli import main as cli_main
+
+    return cli_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
