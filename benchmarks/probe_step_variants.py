@@ -48,11 +48,14 @@ def _table_variants() -> dict[str, Callable[[], None]]:
         "qkv_p2": tuned(QKV, C(64, 32, 512, 2, 8, 1, preload=True)),
         "qkv_1p": tuned(QKV, C(64, 32, 256, 1, 4, 1, preload=True)),
         "qkv_1p64": tuned(QKV, C(64, 64, 128, 1, 4, 1, preload=True)),
+        "qkv_1t": tuned(QKV, C(64, 16, 1024, 1, 8, 1, preload=True)),  # one tile a program: all read before the wait
         "o_p4": partials(O, C(64, 32, 512, 4, 8, 1, preload=True)),
         "o_p8": partials(O, C(64, 32, 256, 8, 4, 1, preload=True)),
         "gu_1p": tuned(GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # skinny in place of cuBLAS
+        "gu_1t": tuned(GATE_UP, C(64, 16, 1024, 1, 8, 1, preload=True)),
         "glu_1p": glu(C(64, 32, 256, 1, 4, 1, preload=True)),  # SiLU-and-mul in gate/up's epilogue
         "glu_base": glu(C(64, 32, 128, 1, 4, 4)),
+        "glu_2t": glu(C(64, 32, 512, 1, 8, 1, preload=True)),
         "down_p6": tuned(DOWN, C(64, 32, 512, 6, 8, 1, preload=True)),
         "down_p4": tuned(DOWN, C(64, 32, 256, 4, 4, 1, preload=True)),
     }
