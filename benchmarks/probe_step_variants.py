@@ -12,6 +12,8 @@ capture, so a run measures the variant's whole decode step; one process per run,
 - launch-shape entries for the Qwen3-0.6B projections at 17-64 rows (``TABLE_VARIANTS``): ``skinny_gemm``'s tables
   with the entry put in, as if measured faster (weights read before the programmatic-dependent-launch wait, where
   a chain of launches with a norm between them may hide what a chain of GEMMs alone does not).
+- ``cuda:ENTRIES``: ``cuda_skinny.CUDA_CONFIGS`` entries in ``bench_cuda_skinny.py run --entries``' form (e.g.
+  ``cuda:gate_up=4x1@32,qkv=2x2@64``): the CUDA kernels, which read a thread's whole weight share before the wait.
 
 ``base`` applies nothing. Outputs are the command's own (``bench --json``: ms per step, device and host ms per step).
 """
@@ -85,7 +87,8 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     tables = _table_variants()
     names = argv[0].split("+")
-    unknown = [n for n in names if n != "base" and n not in tables and n not in NORM_VARIANTS]
+    known = {"base", *tables, *NORM_VARIANTS}
+    unknown = [n for n in names if n not in known and not n.startswith("cuda:")]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: base, {', '.join([*NORM_VARIANTS, *tables])}")
     for name in names:
@@ -93,6 +96,10 @@ def main(argv: list[str]) -> int:
             skip_norms(NORM_VARIANTS[name])
         elif name in tables:
             tables[name]()
+        elif name.startswith("cuda:"):
+            from benchmarks.bench_cuda_skinny import apply_entries, parse_entries
+
+            apply_entries(parse_entries(name.removeprefix("cuda:")))
     print(f"variant {argv[0]}", flush=True)
     from fnvllm.cli import main as cli_main
 
