@@ -82,7 +82,7 @@ def skip_norms(out_features: tuple[int, ...]) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: probe_step_variants.py VARIANT[+VARIANT...] FNVLLM_ARGS...\n\n{__doc__}")
+        print(f"usage: probe_step_variants.py VARIANT[+VARIANT...] fnvllm-args...\n\n{__doc__}")
         return 0 if argv else 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     tables = _table_variants()
