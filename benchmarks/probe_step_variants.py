@@ -12,6 +12,9 @@ capture, so a run measures the variant's whole decode step; one process per run,
 - launch-shape entries for the Qwen3-0.6B projections at 17-64 rows (``TABLE_VARIANTS``): ``skinny_gemm``'s tables
   with the entry put in, as if measured faster (weights read before the programmatic-dependent-launch wait, where
   a chain of launches with a norm between them may hide what a chain of GEMMs alone does not).
+- ``attn16_*`` / ``attn64_*``: the decode attention's knobs for 9-16 / 49-64 sequences at short contexts
+  (``decode_attention.SMALL_BATCH_DECODE_SHORT``, the latency bench's case): finer partitions or tiles than the
+  entry that won alone (fifth and twelfth sessions), since in the step the kernel before it may change the trade.
 - ``cuda:ENTRIES``: ``cuda_skinny.CUDA_CONFIGS`` entries in ``bench_cuda_skinny.py run --entries``' form (e.g.
   ``cuda:gate_up=4x1@32,qkv=2x2@64``): the CUDA kernels, which read a thread's whole weight share before the wait.
 
@@ -32,6 +35,9 @@ NORM_VARIANTS = {"no_norms": (4096, 6144), "no_qkv_norm": (4096,), "no_mlp_norm"
 
 def _table_variants() -> dict[str, Callable[[], None]]:
     """name -> a function putting one launch-shape entry in skinny_gemm's tables (imported here: after sys.path)."""
+    import dataclasses
+
+    from fnvllm.kernels import decode_attention as da
     from fnvllm.kernels import skinny_gemm as sg
     from fnvllm.kernels.skinny_gemm import Fused, Tuned
     from fnvllm.kernels.skinny_gemm import SkinnyConfig as C
@@ -45,7 +51,17 @@ def _table_variants() -> dict[str, Callable[[], None]]:
     def glu(cfg: C) -> Callable[[], None]:
         return lambda: sg.FUSED_TIMES.__setitem__(("glu", *GATE_UP), Fused(cfg, 1.0, 2.0))
 
+    def attention(rows: tuple[int, int], **knobs: Any) -> Callable[[], None]:
+        table = da.SMALL_BATCH_DECODE_SHORT
+        return lambda: table.__setitem__(rows, dataclasses.replace(table[rows], **knobs))
+
     return {
+        "attn16_p256": attention((9, 16), partition_size=256),
+        "attn16_p128": attention((9, 16), partition_size=128),
+        "attn16_t32": attention((9, 16), tile_size=32),
+        "attn16_p128t32": attention((9, 16), partition_size=128, tile_size=32),
+        "attn64_p256": attention((49, 64), partition_size=256),
+        "attn64_t16": attention((49, 64), tile_size=16),
         "qkv_p4": tuned(QKV, C(64, 32, 256, 4, 4, 1, preload=True)),  # split: the attention prologue sums
         "qkv_p2": tuned(QKV, C(64, 32, 512, 2, 8, 1, preload=True)),
         "qkv_1p": tuned(QKV, C(64, 32, 256, 1, 4, 1, preload=True)),
