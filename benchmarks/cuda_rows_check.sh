@@ -19,23 +19,7 @@ want() { [[ " $ONLY " == *" $1 "* ]]; }
 # which card: a call may get an H100 or an H200, and only numbers from one card compare
 echo "GPU: $(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>&1 | tail -1)"
 
-summary() {  # the latency rows of the named runs' JSON reports
-  python3 - "$OUT" "$@" <<'EOF'
-import json, sys
-out, names = sys.argv[1], sys.argv[2:]
-print("run            requests  ms/step  device ms/step  host ms/step")
-for name in names:
-    try:
-        report = json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError) as e:
-        print(f"{name:14s} no report ({type(e).__name__})")
-        continue
-    for row in report.get("latency", []):
-        timeline = row.get("decode_timeline") or {}
-        print(f"{name:14s} {row['requests']:8d}  {row['ms_per_step']:7.3f}  {timeline.get('mean_gpu_ms', timeline.get('mean_step_ms'))!s:>14}  "
-              f"{timeline.get('mean_cpu_ms')!s:>12}")
-EOF
-}
+summary() { python3 benchmarks/step_summary.py "$OUT" "$@"; }  # the latency rows of the named runs' JSON reports
 
 run_step() {  # $1: log name, $2: requests, then bench_cuda_skinny.py run options
   local name=$1 requests=$2; shift 2

@@ -27,39 +27,10 @@ for r in $(seq "$ROUNDS"); do
     i=$((i + 1)); run "${v}_${r}-$i" "$v"; names+=("$(safe "${v}_${r}-$i")")
   done
 done
-report() {  # $1: python code run over the named runs' (name, requests, device ms) rows
-  python3 - "$OUT" "$1" "${names[@]}" <<'PY'
-import json, sys
-out, code, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-rows = []
-print("run                       requests  ms/step  device ms/step  host ms/step")
-for name in names:
-    try:
-        report = json.loads(open(f"{out}/{name}.log").read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError) as e:
-        print(f"{name:25s} no report ({type(e).__name__})")
-        continue
-    for row in report.get("latency", []):
-        t = row.get("decode_timeline") or {}
-        print(f"{name:25s} {row['requests']:8d}  {row['ms_per_step']:7.3f}  {t.get('mean_gpu_ms')!s:>14}  {t.get('mean_cpu_ms')!s:>12}")
-        ms = t.get("mean_gpu_ms", t.get("mean_step_ms"))  # (the CPU's timeline has no device time)
-        if ms is not None:
-            rows.append((name.rsplit("_", 1)[0], row["requests"], ms))
-exec(code)
-PY
-}
-# the winners: variants beating base's mean device ms by 1 % at some batch, best first
-PICK='base = {}
-for v, n, ms in rows:
-    if v == "base": base.setdefault(n, []).append(ms)
-gain = {}
-for v, n, ms in rows:
-    if v != "base" and n in base:
-        gain[v] = max(gain.get(v, 0.0), 1 - ms / (sum(base[n]) / len(base[n])))
-variant = dict(line.rstrip("\n").split("\t") for line in open(f"{out}/variants.tsv"))
-with open(f"{out}/winners.txt", "w") as f:
-    f.write(" ".join(variant[v] for v, g in sorted(gain.items(), key=lambda kv: -kv[1]) if g > 0.01))'
-report "$PICK" > "$OUT/round_summary.txt"; cat "$OUT/round_summary.txt"
+# every run's latency rows, and the winners: variants beating base's mean device ms by 1 % at some batch, best first
+python3 benchmarks/step_summary.py "$OUT" "${names[@]}" --winners "$OUT/winners.txt" --variants "$OUT/variants.tsv" \
+  > "$OUT/round_summary.txt"
+cat "$OUT/round_summary.txt"
 CONFIRM=${CONFIRM:-0}
 if [ "$CONFIRM" -gt 0 ]; then
   winners=$(tr ' ' '\n' < "$OUT/winners.txt" | head -n "$CONFIRM")
@@ -68,5 +39,5 @@ if [ "$CONFIRM" -gt 0 ]; then
   for v in $winners; do
     run "${v}_c" "$v"; run "base_c${#names[@]}" base; names+=("$(safe "${v}_c")" "base_c${#names[@]}")
   done
-  [ ${#names[@]} -gt 0 ] && report "pass"
+  [ ${#names[@]} -gt 0 ] && python3 benchmarks/step_summary.py "$OUT" "${names[@]}"
 fi
