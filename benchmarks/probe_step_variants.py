@@ -15,6 +15,8 @@ capture, so a run measures the variant's whole decode step; one process per run,
 - ``attn16_*`` / ``attn64_*``: the decode attention's knobs for 9-16 / 49-64 sequences at short contexts
   (``decode_attention.SMALL_BATCH_DECODE_SHORT``, the latency bench's case): finer partitions or tiles than the
   entry that won alone (fifth and twelfth sessions), since in the step the kernel before it may change the trade.
+- ``trigger_2``: the small kernels between projections let the next launch start before their own wait from 2 rows
+  (``fused_ops.EARLY_TRIGGER_ROWS`` (2, 64); shipped from 17).
 - ``cuda:ENTRIES``: ``cuda_skinny.CUDA_CONFIGS`` entries in ``bench_cuda_skinny.py run --entries``' form (e.g.
   ``cuda:gate_up=4x1@32,qkv=2x2@64``): the CUDA kernels, which read a thread's whole weight share before the wait.
 
@@ -55,7 +57,13 @@ def _table_variants() -> dict[str, Callable[[], None]]:
         table = da.SMALL_BATCH_DECODE_SHORT
         return lambda: table.__setitem__(rows, dataclasses.replace(table[rows], **knobs))
 
+    def trigger_from(lo: int) -> Callable[[], None]:
+        from fnvllm.kernels import fused_ops
+
+        return lambda: setattr(fused_ops, "EARLY_TRIGGER_ROWS", (lo, fused_ops.EARLY_TRIGGER_ROWS[1]))
+
     return {
+        "trigger_2": trigger_from(2),
         "attn16_p256": attention((9, 16), partition_size=256),
         "attn16_p128": attention((9, 16), partition_size=128),
         "attn16_t32": attention((9, 16), tile_size=32),
