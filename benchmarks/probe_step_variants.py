@@ -26,65 +26,90 @@ capture, so a run measures the variant's whole decode step; one process per run,
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 QKV, O, GATE_UP, DOWN = (4096, 1024, 64), (1024, 2048, 64), (6144, 1024, 64), (1024, 3072, 64)
 # which projection's norm a variant skips, by the projection's output features (Qwen3-0.6B: qkv 4096, gate/up 6144)
 NORM_VARIANTS = {"no_norms": (4096, 6144), "no_qkv_norm": (4096,), "no_mlp_norm": (6144,)}
 
 
-def _table_variants() -> dict[str, Callable[[], None]]:
-    """name -> a function putting one launch-shape entry in skinny_gemm's tables (imported here: after sys.path)."""
+class Gemm(NamedTuple):
+    """A launch-shape variant: ``table`` "tuned" (``TUNED_CONFIGS``: the plain product, or ``linear_partials``' split
+    where split_k > 1), "partials" (``PARTIALS_CONFIGS``) or "glu" (``FUSED_TIMES``' gate/up with SiLU-and-mul), at
+    key (N, K, rows bucket), with this config (a ``skinny_gemm.SkinnyConfig``)."""
+
+    table: str
+    key: tuple[int, int, int]
+    config: Any
+
+
+class Attention(NamedTuple):
+    """An attention variant: ``SMALL_BATCH_DECODE_SHORT[rows]`` with these knobs replaced."""
+
+    rows: tuple[int, int]
+    knobs: dict[str, Any]
+
+
+def gemm_variants() -> dict[str, Gemm]:
+    """name -> the launch shape it puts in skinny_gemm's tables (imported here: after sys.path)."""
+    from fnvllm.kernels.skinny_gemm import SkinnyConfig as C
+
+    return {
+        "qkv_p4": Gemm("tuned", QKV, C(64, 32, 256, 4, 4, 1, preload=True)),  # split: the attention prologue sums
+        "qkv_p2": Gemm("tuned", QKV, C(64, 32, 512, 2, 8, 1, preload=True)),
+        "qkv_1p": Gemm("tuned", QKV, C(64, 32, 256, 1, 4, 1, preload=True)),
+        "qkv_1p64": Gemm("tuned", QKV, C(64, 64, 128, 1, 4, 1, preload=True)),
+        "qkv_1t": Gemm("tuned", QKV, C(64, 16, 1024, 1, 8, 1, preload=True)),  # one tile a program: all before the wait
+        "o_p4": Gemm("partials", O, C(64, 32, 512, 4, 8, 1, preload=True)),
+        "o_p8": Gemm("partials", O, C(64, 32, 256, 8, 4, 1, preload=True)),
+        "gu_1p": Gemm("tuned", GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # skinny in place of cuBLAS
+        "gu_1t": Gemm("tuned", GATE_UP, C(64, 16, 1024, 1, 8, 1, preload=True)),
+        "glu_1p": Gemm("glu", GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # SiLU-and-mul in gate/up's epilogue
+        "glu_base": Gemm("glu", GATE_UP, C(64, 32, 128, 1, 4, 4)),
+        "glu_2t": Gemm("glu", GATE_UP, C(64, 32, 512, 1, 8, 1, preload=True)),
+        "down_p6": Gemm("tuned", DOWN, C(64, 32, 512, 6, 8, 1, preload=True)),
+        "down_p4": Gemm("tuned", DOWN, C(64, 32, 256, 4, 4, 1, preload=True)),
+    }
+
+
+ATTENTION_VARIANTS = {
+    "attn16_p256": Attention((9, 16), {"partition_size": 256}),
+    "attn16_p128": Attention((9, 16), {"partition_size": 128}),
+    "attn16_t32": Attention((9, 16), {"tile_size": 32}),
+    "attn16_p128t32": Attention((9, 16), {"partition_size": 128, "tile_size": 32}),
+    "attn64_p256": Attention((49, 64), {"partition_size": 256}),
+    "attn64_t16": Attention((49, 64), {"tile_size": 16}),
+}
+TRIGGER_VARIANTS = {"trigger_2": 2}  # name -> the fewest rows at which the small kernels trigger first
+
+
+def apply_gemm(variant: Gemm) -> None:
+    """Put the variant's launch shape in its table, as if measured faster than cuBLAS / the unfused pair."""
+    from fnvllm.kernels import skinny_gemm as sg
+
+    if variant.table == "glu":
+        sg.FUSED_TIMES[("glu", *variant.key)] = sg.Fused(variant.config, 1.0, 2.0)
+    else:
+        table = sg.TUNED_CONFIGS if variant.table == "tuned" else sg.PARTIALS_CONFIGS
+        table[variant.key] = sg.Tuned(variant.config, 1.0, 2.0)
+
+
+def apply_attention(variant: Attention) -> None:
+    """Replace the variant's knobs in the short-context attention entry for its sequence counts."""
     import dataclasses
 
     from fnvllm.kernels import decode_attention as da
-    from fnvllm.kernels import skinny_gemm as sg
-    from fnvllm.kernels.skinny_gemm import Fused, Tuned
-    from fnvllm.kernels.skinny_gemm import SkinnyConfig as C
 
-    def tuned(key: tuple[int, int, int], cfg: C) -> Callable[[], None]:
-        return lambda: sg.TUNED_CONFIGS.__setitem__(key, Tuned(cfg, 1.0, 2.0))
+    table = da.SMALL_BATCH_DECODE_SHORT
+    table[variant.rows] = dataclasses.replace(table[variant.rows], **variant.knobs)
 
-    def partials(key: tuple[int, int, int], cfg: C) -> Callable[[], None]:
-        return lambda: sg.PARTIALS_CONFIGS.__setitem__(key, Tuned(cfg, 1.0, 2.0))
 
-    def glu(cfg: C) -> Callable[[], None]:
-        return lambda: sg.FUSED_TIMES.__setitem__(("glu", *GATE_UP), Fused(cfg, 1.0, 2.0))
+def apply_trigger(lowest_rows: int) -> None:
+    """Let the small kernels trigger first from lowest_rows rows (``fused_ops.EARLY_TRIGGER_ROWS``)."""
+    from fnvllm.kernels import fused_ops
 
-    def attention(rows: tuple[int, int], **knobs: Any) -> Callable[[], None]:
-        table = da.SMALL_BATCH_DECODE_SHORT
-        return lambda: table.__setitem__(rows, dataclasses.replace(table[rows], **knobs))
-
-    def trigger_from(lo: int) -> Callable[[], None]:
-        from fnvllm.kernels import fused_ops
-
-        return lambda: setattr(fused_ops, "EARLY_TRIGGER_ROWS", (lo, fused_ops.EARLY_TRIGGER_ROWS[1]))
-
-    return {
-        "trigger_2": trigger_from(2),
-        "attn16_p256": attention((9, 16), partition_size=256),
-        "attn16_p128": attention((9, 16), partition_size=128),
-        "attn16_t32": attention((9, 16), tile_size=32),
-        "attn16_p128t32": attention((9, 16), partition_size=128, tile_size=32),
-        "attn64_p256": attention((49, 64), partition_size=256),
-        "attn64_t16": attention((49, 64), tile_size=16),
-        "qkv_p4": tuned(QKV, C(64, 32, 256, 4, 4, 1, preload=True)),  # split: the attention prologue sums
-        "qkv_p2": tuned(QKV, C(64, 32, 512, 2, 8, 1, preload=True)),
-        "qkv_1p": tuned(QKV, C(64, 32, 256, 1, 4, 1, preload=True)),
-        "qkv_1p64": tuned(QKV, C(64, 64, 128, 1, 4, 1, preload=True)),
-        "qkv_1t": tuned(QKV, C(64, 16, 1024, 1, 8, 1, preload=True)),  # one tile a program: all read before the wait
-        "o_p4": partials(O, C(64, 32, 512, 4, 8, 1, preload=True)),
-        "o_p8": partials(O, C(64, 32, 256, 8, 4, 1, preload=True)),
-        "gu_1p": tuned(GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # skinny in place of cuBLAS
-        "gu_1t": tuned(GATE_UP, C(64, 16, 1024, 1, 8, 1, preload=True)),
-        "glu_1p": glu(C(64, 32, 256, 1, 4, 1, preload=True)),  # SiLU-and-mul in gate/up's epilogue
-        "glu_base": glu(C(64, 32, 128, 1, 4, 4)),
-        "glu_2t": glu(C(64, 32, 512, 1, 8, 1, preload=True)),
-        "down_p6": tuned(DOWN, C(64, 32, 512, 6, 8, 1, preload=True)),
-        "down_p4": tuned(DOWN, C(64, 32, 256, 4, 4, 1, preload=True)),
-    }
+    fused_ops.EARLY_TRIGGER_ROWS = (lowest_rows, fused_ops.EARLY_TRIGGER_ROWS[1])
 
 
 def skip_norms(out_features: tuple[int, ...]) -> None:
@@ -109,17 +134,21 @@ def main(argv: list[str]) -> int:
         print(f"usage: probe_step_variants.py VARIANT[+VARIANT...] fnvllm-args...\n\n{__doc__}")
         return 0 if argv else 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    tables = _table_variants()
+    gemms = gemm_variants()
     names = argv[0].split("+")
-    known = {"base", *tables, *NORM_VARIANTS}
+    known = {"base", *NORM_VARIANTS, *gemms, *ATTENTION_VARIANTS, *TRIGGER_VARIANTS}
     unknown = [n for n in names if n not in known and not n.startswith("cuda:")]
     if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; known: base, {', '.join([*NORM_VARIANTS, *tables])}")
+        raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(sorted(known))}, cuda:ENTRIES")
     for name in names:
         if name in NORM_VARIANTS:
             skip_norms(NORM_VARIANTS[name])
-        elif name in tables:
-            tables[name]()
+        elif name in gemms:
+            apply_gemm(gemms[name])
+        elif name in ATTENTION_VARIANTS:
+            apply_attention(ATTENTION_VARIANTS[name])
+        elif name in TRIGGER_VARIANTS:
+            apply_trigger(TRIGGER_VARIANTS[name])
         elif name.startswith("cuda:"):
             from benchmarks.bench_cuda_skinny import apply_entries, parse_entries
 
