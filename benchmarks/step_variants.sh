@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: whole-decode-step variants (benchmarks/probe_step_variants.py) against base, alternated.
 #   VARIANTS="base no_norms"  SHAPE=qwen3-0.6b  LATENCY=32,64  ROUNDS=2  CK=/tmp/ck06 (written when missing)  WARM=1 (one untimed run first)
+#   CHECK=1: first tests/test_probe_variants.py (each launch-shape variant against its reference).
 #   CONFIRM=0: after the rounds, the (up to) CONFIRM variants whose device ms per step beat base's mean by 1 % at
 #   some batch run once more, each beside base (a second look at a first-round winner in the same call).
 # Logs go to $OUT (VARIANT_ROUND.log); the summary prints ms per step, device and host ms per step of each run.
@@ -19,6 +20,10 @@ run() {  # $1 log name, $2 variant
     --latency "$LATENCY" --profile --json > "$OUT/$(safe "$1").log" 2>&1
   echo "$1 rc=$?"
 }
+if [ "${CHECK:-1}" = 1 ]; then  # the variants' launch shapes against their references, at real shapes on a GPU
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_probe_variants.py > "$OUT/variant_tests.log" 2>&1
+  echo "variant tests rc=$?: $(tail -1 "$OUT/variant_tests.log")"
+fi
 [ "${WARM:-1}" = 1 ] && run warmup base  # Triton's and NVRTC's caches
 names=()
 for r in $(seq "$ROUNDS"); do
