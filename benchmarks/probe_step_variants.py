@@ -9,6 +9,8 @@ capture, so a run measures the variant's whole decode step; one process per run,
 - ``no_norms``, ``no_qkv_norm``, ``no_mlp_norm``: the residual add + RMSNorm launch before every qkv and/or gate/up
   projection at 2-64 rows is skipped, its output replaced by the residual stream as it stands (wrong values of the
   right shapes). Not a model: an upper bound on what removing those launches from the chain could save.
+- ``no_attention``: the attention kernel after the fused prologue (``attend_stored``) is skipped, its output
+  replaced by q: the same kind of bound for the attention launch.
 - launch-shape entries for the Qwen3-0.6B projections at 17-64 rows (``TABLE_VARIANTS``): ``skinny_gemm``'s tables
   with the entry put in, as if measured faster (weights read before the programmatic-dependent-launch wait, where
   a chain of launches with a norm between them may hide what a chain of GEMMs alone does not).
@@ -129,6 +131,14 @@ def skip_norms(out_features: tuple[int, ...]) -> None:
     skinny_gemm.fused_add_rmsnorm = patched
 
 
+def skip_attention() -> None:
+    """Replace the model's ``attend_stored`` (attention over the stored K/V after the fused prologue) by a function
+    that launches nothing and returns q (T, Hq, D): the attention's output shape."""
+    from fnvllm.model import models
+
+    models.attend_stored = lambda q, *args, **kwargs: q
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: probe_step_variants.py VARIANT[+VARIANT...] fnvllm-args...\n\n{__doc__}")
@@ -136,13 +146,15 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     gemms = gemm_variants()
     names = argv[0].split("+")
-    known = {"base", *NORM_VARIANTS, *gemms, *ATTENTION_VARIANTS, *TRIGGER_VARIANTS}
+    known = {"base", "no_attention", *NORM_VARIANTS, *gemms, *ATTENTION_VARIANTS, *TRIGGER_VARIANTS}
     unknown = [n for n in names if n not in known and not n.startswith("cuda:")]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(sorted(known))}, cuda:ENTRIES")
     for name in names:
         if name in NORM_VARIANTS:
             skip_norms(NORM_VARIANTS[name])
+        elif name == "no_attention":
+            skip_attention()
         elif name in gemms:
             apply_gemm(gemms[name])
         elif name in ATTENTION_VARIANTS:

@@ -52,7 +52,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "bench_cuda_skinny.py": ["run", "--entries", "gate_up=4x1@64,partials:1024x2048=2x4@32", "--early-trigger-rows",
                              "2-64", "bench", "--model-shape", "tiny", "--latency", "1", "--max-output-len", "4"],
     "step_summary.py": ["{tmp}", "missing_run", "--winners", "{tmp}/winners.txt"],
-    "probe_step_variants.py": ["no_norms+qkv_p4", "bench", "--model-shape", "tiny", "--latency", "2",
+    "probe_step_variants.py": ["no_norms+no_attention+qkv_p4", "bench", "--model-shape", "tiny", "--latency", "2",
                                "--max-output-len", "4"],
 }  # fmt: skip
 # scripts that need a GPU, a server or a GPU run's output: --help only
