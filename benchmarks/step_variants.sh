@@ -9,10 +9,10 @@ set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 VARIANTS=${VARIANTS:-base no_norms}; LATENCY=${LATENCY:-32,64}; ROUNDS=${ROUNDS:-2}; CK=${CK:-/tmp/ck06}
+SHAPE=${SHAPE:-qwen3-0.6b}
 echo "GPU: $(python3 -c 'import torch; print(torch.cuda.get_device_name())' 2>&1 | tail -1)"
 [ -d "$CK" ] || python3 -c "from pathlib import Path; from fnvllm.bench import write_checkpoint
-write_checkpoint('${SHAPE:-qwen3-0.6b}', Path('$CK'))" > "$OUT/checkpoint.log" 2>&1
-SHAPE=${SHAPE:-qwen3-0.6b}
+write_checkpoint('$SHAPE', Path('$CK'))" > "$OUT/checkpoint.log" 2>&1
 safe() { printf '%s' "$1" | tr -c 'A-Za-z0-9_' '-'; }  # a variant as a file name
 run() {  # $1 log name, $2 variant
   printf '%s\t%s\n' "$(safe "$1" | sed 's/_[^_]*$//')" "$2" >> "$OUT/variants.tsv"

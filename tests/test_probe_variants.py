@@ -5,6 +5,8 @@ engine reads."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,7 @@ def test_gemm_variant_computes_the_product(name: str) -> None:
     for rows in (64, 33) if ON_GPU else (20,):
         x, w = _operands(rows, n if ON_GPU else 64, k)
         exact = F.linear(x.float(), w.float())
-        cfg = variant.config._replace(block_m=max(16, 1 << (rows - 1).bit_length()))
+        cfg = skinny_gemm._fit_rows(variant.config, rows)
         if variant.table == "glu":
             got = skinny_gemm.skinny_linear(x, w, None, cfg, glu_out=True).float()
             gate, up = exact.to(torch.bfloat16).float().chunk(2, dim=-1)
@@ -64,8 +66,7 @@ def test_attention_variant_matches_the_reference(name: str) -> None:
     tables = torch.arange(blocks * batch, dtype=torch.int32, device=DEVICE).view(batch, blocks)
     lens = torch.tensor([100, 300, 511], dtype=torch.int32, device=DEVICE)
     entry = decode_attention.SMALL_BATCH_DECODE_SHORT[variant.rows]
-    knobs = {**{f: getattr(entry, f) for f in ("partition_size", "tile_size", "num_warps", "num_stages",
-                                               "fused_reduce", "preload_kv")}, **variant.knobs}  # fmt: skip
+    knobs = dataclasses.asdict(dataclasses.replace(entry, **variant.knobs))
     out = decode_attention.paged_decode_attention(q, k, v, tables, lens, 0.2, **knobs)
     ref = decode_attention.paged_decode_attention_ref(q, k, v, tables, lens, 0.2)
     assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=4e-3), name
