@@ -16,9 +16,13 @@ capture, so a run measures the variant's whole decode step; one process per run,
   a chain of launches with a norm between them may hide what a chain of GEMMs alone does not).
 - ``attn16_*`` / ``attn64_*``: the decode attention's knobs for 9-16 / 49-64 sequences at short contexts
   (``decode_attention.SMALL_BATCH_DECODE_SHORT``, the latency bench's case): finer partitions or tiles than the
-  entry that won alone (fifth and twelfth sessions), since in the step the kernel before it may change the trade.
+  entry that won alone (fifth and twelfth sessions), since in the step the kernel before it may change the trade;
+  and every other knob of the entry (warps, stages, a 128-token tile, the GQA product, prefetch, no preload, the
+  grid order) alone or in pairs (``_w8``, ``_s2``, ``_nopre``, ``_w8s2``, ...).
 - ``trigger_2``: the small kernels between projections let the next launch start before their own wait from 2 rows
-  (``fused_ops.EARLY_TRIGGER_ROWS`` (2, 64); shipped from 17).
+  (``fused_ops.EARLY_TRIGGER_ROWS`` (2, 64); shipped from 17). ``prologue_first``: the attention prologue alone
+  (``store_kv.norm_rope_store``) does so from 2 rows, so the attention launch is placed, and preloads its first
+  K/V tile, while the qkv projection still runs.
 - ``cuda:ENTRIES``: ``cuda_skinny.CUDA_CONFIGS`` entries in ``bench_cuda_skinny.py run --entries``' form (e.g.
   ``cuda:gate_up=4x1@32,qkv=2x2@64``): the CUDA kernels, which read a thread's whole weight share before the wait.
 
@@ -82,8 +86,30 @@ ATTENTION_VARIANTS = {
     "attn16_p128t32": Attention((9, 16), {"partition_size": 128, "tile_size": 32}),
     "attn64_p256": Attention((49, 64), {"partition_size": 256}),
     "attn64_t16": Attention((49, 64), {"tile_size": 16}),
+    # the knobs the sweeps above left alone: warps, stages, a wider tile, the GQA product, the register double
+    # buffer in place of cp.async stages, no preload before the wait, and the grid's (B, Hkv) order
+    **{
+        f"attn{rows[1]}_{tag}": Attention(rows, knobs)
+        for rows in ((9, 16), (49, 64))
+        for tag, knobs in (
+            ("w8", {"num_warps": 8}),
+            ("w2", {"num_warps": 2}),
+            ("s2", {"num_stages": 2}),
+            ("s4", {"num_stages": 4}),
+            ("t128", {"tile_size": 128}),
+            ("sum", {"gqa_mode": "sum"}),
+            ("pf", {"prefetch": True, "num_stages": 1}),
+            ("nopre", {"preload_kv": False}),
+            ("bh", {"heads_inner": False}),
+            ("w8s2", {"num_warps": 8, "num_stages": 2}),
+            ("t128w8s2", {"tile_size": 128, "num_warps": 8, "num_stages": 2}),
+            ("nopres2", {"preload_kv": False, "num_stages": 2}),
+        )
+    },
 }
-TRIGGER_VARIANTS = {"trigger_2": 2}  # name -> the fewest rows at which the small kernels trigger first
+# name -> (which kernels, the fewest rows at which they trigger first): every small kernel between two projections,
+# or the attention prologue alone (so the attention launch is placed, and preloads, while the qkv product runs)
+TRIGGER_VARIANTS = {"trigger_2": ("small", 2), "prologue_first": ("prologue", 2)}
 
 
 def apply_gemm(variant: Gemm) -> None:
@@ -107,11 +133,16 @@ def apply_attention(variant: Attention) -> None:
     table[variant.rows] = dataclasses.replace(table[variant.rows], **variant.knobs)
 
 
-def apply_trigger(lowest_rows: int) -> None:
-    """Let the small kernels trigger first from lowest_rows rows (``fused_ops.EARLY_TRIGGER_ROWS``)."""
-    from fnvllm.kernels import fused_ops
+def apply_trigger(kernels: str, lowest_rows: int) -> None:
+    """Let the small kernels ("small": ``fused_ops.EARLY_TRIGGER_ROWS``) or the attention prologue alone
+    ("prologue": ``store_kv``'s own ``triggers_first``) trigger first from lowest_rows rows."""
+    from fnvllm.kernels import fused_ops, store_kv
 
-    fused_ops.EARLY_TRIGGER_ROWS = (lowest_rows, fused_ops.EARLY_TRIGGER_ROWS[1])
+    highest = fused_ops.EARLY_TRIGGER_ROWS[1]
+    if kernels == "small":
+        fused_ops.EARLY_TRIGGER_ROWS = (lowest_rows, highest)
+    else:
+        store_kv.triggers_first = lambda device, rows: fused_ops.use_pdl(device) and lowest_rows <= rows <= highest
 
 
 def skip_norms(out_features: tuple[int, ...]) -> None:
@@ -160,7 +191,7 @@ def main(argv: list[str]) -> int:
         elif name in ATTENTION_VARIANTS:
             apply_attention(ATTENTION_VARIANTS[name])
         elif name in TRIGGER_VARIANTS:
-            apply_trigger(TRIGGER_VARIANTS[name])
+            apply_trigger(*TRIGGER_VARIANTS[name])
         elif name.startswith("cuda:"):
             from benchmarks.bench_cuda_skinny import apply_entries, parse_entries
 

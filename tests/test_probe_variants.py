@@ -15,7 +15,7 @@ from triton_guard import require_triton
 DEVICE = require_triton()
 
 from benchmarks import probe_step_variants as probe  # noqa: E402
-from fnvllm.kernels import decode_attention, fused_ops, skinny_gemm  # noqa: E402
+from fnvllm.kernels import decode_attention, fused_ops, skinny_gemm, store_kv  # noqa: E402
 
 GEMMS = probe.gemm_variants()
 ON_GPU = DEVICE == "cuda"
@@ -91,5 +91,10 @@ def test_variants_go_into_the_tables_the_engine_reads(monkeypatch: pytest.Monkey
     probe.apply_attention(probe.ATTENTION_VARIANTS["attn16_p128t32"])
     short = decode_attention.short_table_config(16, 300, False)
     assert short is not None and (short.partition_size, short.tile_size) == (128, 32)
-    probe.apply_trigger(2)
-    assert fused_ops.EARLY_TRIGGER_ROWS == (2, 64)
+    monkeypatch.setattr(store_kv, "triggers_first", store_kv.triggers_first)
+    probe.apply_trigger(*probe.TRIGGER_VARIANTS["prologue_first"])
+    monkeypatch.setattr(fused_ops, "use_pdl", lambda device: True)  # as on a GPU with PDL
+    assert store_kv.triggers_first(torch.device("cpu"), 8) and not store_kv.triggers_first(torch.device("cpu"), 65)
+    assert not fused_ops.triggers_first(torch.device("cpu"), 8)  # the other small kernels keep the shipped rows
+    probe.apply_trigger(*probe.TRIGGER_VARIANTS["trigger_2"])
+    assert fused_ops.EARLY_TRIGGER_ROWS == (2, 64) and fused_ops.triggers_first(torch.device("cpu"), 8)
