@@ -393,6 +393,15 @@ def latency_workload(
     return prompts, [attrs.evolve(params, **(sampling or {}))] * num_requests
 
 
+def latency_floor_ms(
+    config: Any, prompt_lens: Sequence[int], output_tokens: int, read_tb_s: float, kv_dtype_bytes: int = 2
+) -> float:
+    """The bandwidth floor of one step of a latency run, in ms: the run's ``floor_seconds`` (each of its
+    ``output_tokens`` steps reads the weights once and every sequence's K/V so far) over its steps."""
+    lens = [output_tokens] * len(prompt_lens)
+    return 1e3 * floor_seconds(config, prompt_lens, lens, read_tb_s, kv_dtype_bytes) / output_tokens
+
+
 def _percentile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) of ``values`` by nearest rank."""
     ordered = sorted(values)
@@ -406,12 +415,15 @@ def run_latency(
     sampling: Mapping[str, Any] | None = None,
     announce: bool = False,
     output_tokens: int = LATENCY_OUTPUT_TOKENS,
+    read_tb_s: float = H200_READ_TB_S,
     **engine_options: Any,
 ) -> dict[str, Any]:
     """Decode latency at small batches, warm: for each N in ``batches``, N concurrent requests
     (``latency_workload``) run once untimed, then timed. Per N: milliseconds per decode step (the timed run's wall
     time over its ``output_tokens`` steps, prefill included), TPOT and TTFT p50 / p99 over the requests, and
-    the timeline's decode-step summary (device and host ms per step) when FNVLLM_TIMELINE is set."""
+    the timeline's decode-step summary (device and host ms per step) when FNVLLM_TIMELINE is set. On a GPU also
+    the step's bandwidth floor at ``read_tb_s`` (``latency_floor_ms``: weights and K/V, the bytes that grow with
+    N) and ms per step's fraction of it."""
     from fnvllm.llm import LLM
 
     if not batches or min(batches) < 1:
@@ -438,17 +450,23 @@ def run_latency(
             tpot_ms = [1e3 * t for t in tpots if t is not None]
             ttft_ms = [1e3 * t for t in ttfts if t is not None]
             summary = _timeline_summary(llm.executor.timeline, on_gpu)
-            rows.append(
-                {
-                    "requests": num_requests,
-                    "ms_per_step": round(1e3 * seconds / output_tokens, 3),
-                    "tpot_p50_ms": round(_percentile(tpot_ms, 0.5), 3),
-                    "tpot_p99_ms": round(_percentile(tpot_ms, 0.99), 3),
-                    "ttft_p50_ms": round(_percentile(ttft_ms, 0.5), 3),
-                    "ttft_p99_ms": round(_percentile(ttft_ms, 0.99), 3),
-                    "decode_timeline": None if summary is None else summary.get("decode"),
-                }
-            )
+            row: dict[str, Any] = {
+                "requests": num_requests,
+                "ms_per_step": round(1e3 * seconds / output_tokens, 3),
+                "tpot_p50_ms": round(_percentile(tpot_ms, 0.5), 3),
+                "tpot_p99_ms": round(_percentile(tpot_ms, 0.99), 3),
+                "ttft_p50_ms": round(_percentile(ttft_ms, 0.5), 3),
+                "ttft_p99_ms": round(_percentile(ttft_ms, 0.99), 3),
+                "decode_timeline": None if summary is None else summary.get("decode"),
+            }
+            if on_gpu:  # a GPU roofline, as the throughput mode's floor
+                kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2
+                lens = [len(p) for p in prompts]
+                floor_ms = latency_floor_ms(llm.model_config, lens, output_tokens, read_tb_s, kv_bytes)
+                row.update(
+                    floor_ms_per_step=round(floor_ms, 3), fraction_of_floor=round(floor_ms / row["ms_per_step"], 3)
+                )
+            rows.append(row)
         result = {
             "model": str(model) if model else model_shape,
             "device": str(llm.executor.device),

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from fnvllm.bench import attention_flops, floor_seconds, flops_per_token, roofline_seconds, weight_bytes
+from fnvllm.bench import (
+    attention_flops,
+    floor_seconds,
+    flops_per_token,
+    latency_floor_ms,
+    roofline_seconds,
+    weight_bytes,
+)
 from fnvllm.model.config import ModelConfig
 from fnvllm.testing.checkpoints import _QWEN3_COMMON, QWEN3_MOE_SHAPES, QWEN3_SHAPES
 from fnvllm.workloads import bench_workload
@@ -84,3 +91,19 @@ def test_steps_roofline_charges_what_the_steps_read(tmp_path: Path) -> None:
     moe.mkdir()
     _config("qwen3-30b-a3b", moe)
     assert _steps_roofline(moe, [_decode_record(64, 64 * 500)], (4.16, 793.0), 0.005, 64) == {}
+
+
+@pytest.mark.parametrize("kv_dtype_bytes", [2, 1])
+def test_latency_floor_is_one_steps_bytes_at_the_read_rate(kv_dtype_bytes: int, tmp_path: Path) -> None:
+    """A latency run's floor per step: each of its steps reads the weights once and each sequence's K/V so far
+    (prompt + the tokens before it), averaged over the steps; summed here step by step, from the shape's fields."""
+    config = _config("qwen3-0.6b", tmp_path)
+    prompts, steps, tb_s = [100, 128, 117], 256, 4.0
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * kv_dtype_bytes
+    step_bytes = [weight_bytes(config) + sum(p + s for p in prompts) * per_token for s in range(steps)]
+    expected_ms = 1e3 * sum(step_bytes) / len(step_bytes) / (tb_s * 1e12)
+    assert latency_floor_ms(config, prompts, steps, tb_s, kv_dtype_bytes) == pytest.approx(expected_ms)
+    # the K/V share grows with the batch, the weights' does not: 64 sequences of ~240 tokens read more K/V than
+    # the 0.6B shape's weights
+    many = latency_floor_ms(config, [114] * 64, steps, tb_s)
+    assert many > 2 * 1e3 * weight_bytes(config) / (tb_s * 1e12)

@@ -335,6 +335,7 @@ def test_bench_latency_mode_reports_each_batch(
         assert row["ms_per_step"] > 0 and row["tpot_p50_ms"] > 0 and row["tpot_p99_ms"] >= row["tpot_p50_ms"]
         assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
         assert row["decode_timeline"]["steps"] >= 4  # 6 tokens: a prefill step, then decode steps
+        assert not {"floor_ms_per_step", "fraction_of_floor"} & set(row)  # a GPU roofline: not on a CPU
     bad = quick_results["bad latency list"]
     assert bad["returncode"] == 2 and "comma-separated request counts" in bad["stderr"]
 

@@ -110,6 +110,7 @@ def run_latency_mode(args: argparse.Namespace, options: dict[str, Any]) -> int:
             sampling_overrides(args),
             announce=not args.json,
             output_tokens=output_tokens,
+            read_tb_s=args.read_tb_s * options.get("tensor_parallel_size", 1),
             **options,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -117,13 +118,17 @@ def run_latency_mode(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{'requests':>8} {'ms/step':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}  device / host ms per step")
+    print(
+        f"{'requests':>8} {'ms/step':>8} {'floor':>6} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}"
+        "  device / host ms per step"
+    )
     for row in result["latency"]:
         timeline = row["decode_timeline"] or {}
         split = f"{timeline.get('mean_gpu_ms', '-')} / {timeline.get('mean_cpu_ms', '-')}" if timeline else "-"
+        floor = f"{row['floor_ms_per_step']:.3f}" if "floor_ms_per_step" in row else "-"
         print(
-            f"{row['requests']:>8} {row['ms_per_step']:>8.3f} {row['tpot_p50_ms']:>9.3f} {row['tpot_p99_ms']:>9.3f} "
-            f"{row['ttft_p50_ms']:>9.3f}  {split}"
+            f"{row['requests']:>8} {row['ms_per_step']:>8.3f} {floor:>6} {row['tpot_p50_ms']:>9.3f} "
+            f"{row['tpot_p99_ms']:>9.3f} {row['ttft_p50_ms']:>9.3f}  {split}"
         )
     return 0
 
