@@ -193,7 +193,8 @@ def register(sub: Any) -> None:
         default=None,
         metavar="N[,N...]",
         help="latency mode: N concurrent requests (default 1,16,64; prompts of 100-128 ids, 256 output tokens or "
-        "--max-output-len), warm, ms per decode step and TPOT/TTFT p50/p99 (with --profile: device and host ms)",
+        "--max-output-len), warm, ms per decode step and TPOT/TTFT p50/p99 (with --profile: device and host ms; "
+        "on a GPU: the step's floor at --read-tb-s)",
     )
     p.add_argument("--profile", action="store_true", help="record the per-step timeline and print its summary")
     p.add_argument("--json", action="store_true", help="print one JSON object")
