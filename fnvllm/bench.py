@@ -310,7 +310,7 @@ def _run(
         "tok_per_s": round(tokens / seconds, 1),
     }
     if on_gpu:  # the floor is a GPU roofline (read_tb_s): meaningless for a CPU run
-        kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2  # bf16 otherwise, as weight_bytes assumes
+        kv_bytes = _kv_element_bytes(llm)
         lens = [len(p) for p in prompts], [p.max_tokens for p in params]
         read_tb_s, peak_tflops = ceilings
         if getattr(llm.model_config, "quantization", None) is not None:
@@ -330,6 +330,11 @@ def _run(
     if on_gpu and llm.executor.timeline is not None:
         result.update(_steps_roofline(folder, llm.executor.timeline.records, ceilings, seconds, tokens))
     return result
+
+
+def _kv_element_bytes(llm: Any) -> int:
+    """Bytes of one K/V element in the engine's cache: 1 for FP8, else 2 (bf16, as weight_bytes assumes)."""
+    return 1 if llm.config.kv_cache_dtype == "fp8" else 2
 
 
 def _steps_roofline(
@@ -460,9 +465,8 @@ def run_latency(
                 "decode_timeline": None if summary is None else summary.get("decode"),
             }
             if on_gpu:  # a GPU roofline, as the throughput mode's floor
-                kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2
                 lens = [len(p) for p in prompts]
-                floor_ms = latency_floor_ms(llm.model_config, lens, output_tokens, read_tb_s, kv_bytes)
+                floor_ms = latency_floor_ms(llm.model_config, lens, output_tokens, read_tb_s, _kv_element_bytes(llm))
                 row.update(
                     floor_ms_per_step=round(floor_ms, 3), fraction_of_floor=round(floor_ms / row["ms_per_step"], 3)
                 )
