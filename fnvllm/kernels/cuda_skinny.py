@@ -60,7 +60,9 @@ import torch.nn.functional as F
 from fnvllm.env import env_switch
 from fnvllm.kernels.fused_ops import use_pdl
 
-SOURCE = r"""
+# What both sources of few-row kernels (this module's and ``cuda_fp8_skinny``'s) start with: the weight load and a
+# wrapper for one ``mma.sync`` of four A, two B and four float32 C registers (NAME, its PTX instruction).
+PRELUDE = r"""
 typedef unsigned int u32;
 
 __device__ __forceinline__ uint4 load_weight(const void* p) {  // weights: read-only, streamed past L1
@@ -70,12 +72,18 @@ __device__ __forceinline__ uint4 load_weight(const void* p) {  // weights: read-
   return r;
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#define MMA_SYNC(NAME, INSTRUCTION)                                                                    \
+  __device__ __forceinline__ void NAME(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {     \
+    asm volatile(INSTRUCTION " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                  \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                              \
+  }
+"""
+
+SOURCE = (
+    PRELUDE
+    + r"""
+MMA_SYNC(mma_bf16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
 
 __device__ __forceinline__ unsigned short to_bf16(float v) {  // round to nearest even
   unsigned short h;
@@ -203,6 +211,7 @@ GLU_OUT(4, 1, 1, skinny_mma_glu_kb4)
 GLU_OUT(4, 2, 1, skinny_mma_glu_kb4_mt2)
 GLU_OUT(4, 4, 1, skinny_mma_glu_kb4_mt4)
 """
+)
 
 WARPS = 8
 COLUMNS = 32  # weight rows a group of warps covers (GLU: 16 gate + 16 up); a block has nw groups
@@ -470,14 +479,23 @@ def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, 
     kernel = _kernel(x.device.index or 0, name)
     if kernel is None:
         raise RuntimeError(f"cuda_skinny kernel {name} is not available on this device (see cuda_config)")
-    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out)]
+    launch(kernel, name, grid, shared_bytes(*_SHAPES[name]), (x, w, out), ints)
+
+
+def launch(kernel: Any, name: str, grid: tuple[int, int], shared: int, tensors: tuple[torch.Tensor, ...],
+           ints: tuple[int, ...]) -> None:  # fmt: skip
+    """Launch a compiled kernel (``torch.cuda._compile_kernel``'s) on the current stream with ``cuLaunchKernelEx``:
+    its arguments the tensors' pointers, then the ints (as C ints), 256 threads a block, ``shared`` bytes of
+    dynamic shared memory, under programmatic dependent launch when ``fused_ops.use_pdl`` says so."""
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
     values = [ctypes.c_int(v) for v in ints]
     params = (ctypes.c_void_p * (len(ptrs) + len(values)))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
     )
+    device = tensors[0].device
     config = _LaunchConfig(
-        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared_bytes(*_SHAPES[name]),
-        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(x.device) else 0,
+        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared,
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(device) else 0,
     )  # fmt: skip
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
            f"cuLaunchKernelEx of {name}")  # fmt: skip
