@@ -24,11 +24,12 @@ group in two MMAs, 64 contiguous bytes of a row per 4 threads, no shared memory 
 
 In-kernel quantization (the ``_q`` kernels, M <= 8). There x arrives in bf16 and each thread quantizes its own 32
 values of a (row, group) after the wait: the group's largest magnitude is a max over the 4 threads that hold the
-row's group (two shuffles), then scale = max(amax / 448, 1e-12) and q = clamp(x / scale, -448, 448) rounded to
-e4m3 (``cvt.rn.satfinite.e4m3x2.f32``), the division being ``div.full.f32`` as Triton's float32 ``/`` is, so the
-bytes and scales equal ``fp8_gemm.quantize_activations``' bit for bit and the result equals the quantization launch
-followed by the plain kernel. Every block quantizes all of x for itself; at M <= 8 rows (so only A row g is
-loaded) that is at most 8 x K bf16 from L2 a block, against the quantization launch it replaces.
+row's group (two shuffles), then scale = max(amax * (1 / 448), 1e-12) and q = clamp(x / scale, -448, 448) rounded
+to e4m3 (``cvt.rn.satfinite.e4m3x2.f32``), the division being ``div.full.f32`` as Triton's float32 ``/`` is
+(``fused_ops.quantize_groups``, the one definition), so the bytes and scales equal
+``fp8_gemm.quantize_activations``' bit for bit and the result equals the quantization launch followed by the plain
+kernel. Every block quantizes all of x for itself; at M <= 8 rows (so only A row g is loaded) that is at most 8 x K
+bf16 from L2 a block, against the quantization launch it replaces.
 
 Used by ``fp8_gemm.fp8_linear`` for few-token bf16 products of the weights ``FP8_CONFIGS`` lists, on sm_90+ GPUs
 where NVRTC compiles the source; elsewhere, or with FNVLLM_CUDA_SKINNY=0 (``cuda_skinny.ENABLED``), the Triton
@@ -132,7 +133,7 @@ __device__ __forceinline__ void fp8_skinny(const void* __restrict__ x, const flo
       float m = fmaxf(amax16(raw[p][0][0], raw[p][0][1]), amax16(raw[p][1][0], raw[p][1][1]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float scale = fmaxf(div_full(m, 448.f), 1e-12f);
+      const float scale = fmaxf(m * __int_as_float(0x3b124925), 1e-12f);  // amax * (1 / 448), as Triton's
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         xr[p][h][0] = quantize16(raw[p][h][0], raw[p][h][1], scale);
