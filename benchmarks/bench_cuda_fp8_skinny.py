@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="graph replays a timed round")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_cuda_fp8_skinny.py needs a CUDA GPU")
+        print("bench_cuda_fp8_skinny.py needs a CUDA GPU", file=sys.stderr)
         return 1
     print(f"GPU: {torch.cuda.get_device_name()}")
     for name in args.gemms.split(","):
