@@ -38,7 +38,6 @@ path stays. A failed compile warns once and falls back.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -311,35 +310,13 @@ _BUILT: dict[int, dict[str, Any] | None] = {}  # device index -> its compiled ke
 
 
 def _kernel(device_index: int, name: str) -> Any | None:
-    """Kernel ``name`` of SOURCE compiled for a device (sm_90+), or None where the kernels cannot be made (warned
-    once; the device keeps the Triton path) or where first asked for inside a CUDA-graph capture (that capture
-    keeps the Triton path). A device's first use compiles both kernels of every ``FP8_CONFIGS`` entry, so a later
-    capture finds them; others (a benchmark's) compile when first asked for."""
-    kernels = _BUILT.get(device_index, {})
-    if kernels is not None and name not in kernels:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        wanted = {name} | (set() if device_index in _BUILT else _table_kernels())
-        kernels = _BUILT[device_index] = _build(device_index, wanted, kernels)
-    return None if kernels is None else kernels[name]
+    """Kernel ``name`` of SOURCE compiled for a device (``cuda_skinny.compiled_kernel``): a device's first use
+    compiles both kernels of every ``FP8_CONFIGS`` entry, so a later capture finds them; others (a benchmark's)
+    compile when first asked for."""
+    return cuda_skinny.compiled_kernel(_BUILT, device_index, name, SOURCE, _table_kernels, lambda _: 0,
+                                       "cuda_fp8_skinny")  # fmt: skip
 
 
 def _table_kernels() -> set[str]:
     """Both kernels (quantizing or not) of every FP8_CONFIGS entry's p."""
     return {kernel_name(cfg.p, quant) for cfg in FP8_CONFIGS.values() for quant in (False, True)}
-
-
-def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[str, Any] | None:
-    """kernels with ``names`` compiled for the device added, or None (warned) where they cannot be made."""
-    if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(torch.cuda, "_compile_kernel"):
-        return None
-    made = dict(kernels)
-    try:
-        with torch.cuda.device(device_index):
-            for name in sorted(names - made.keys()):
-                made[name] = torch.cuda._compile_kernel(SOURCE, name)
-    except Exception as e:  # the Triton path stays: same results up to rounding
-        warnings.warn(f"cuda_fp8_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
-                      "FP8 projections stay on the Triton kernels", RuntimeWarning, stacklevel=2)  # fmt: skip
-        return None
-    return made

@@ -52,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -396,23 +397,47 @@ def _table_kernels(device_index: int) -> set[str]:
 
 
 def _kernel(device_index: int, name: str) -> Any | None:
-    """Kernel ``name`` of SOURCE compiled for a device (sm_90+: griddepcontrol), or None where the kernels cannot
-    be made (older GPU, no NVRTC in this torch, a compile error: warned once, and the device keeps the Triton
-    path) or where it is first asked for inside a CUDA-graph capture (loading a module while a stream captures is
-    not allowed: that capture keeps the Triton path). A device's first use compiles every kernel its entries
-    (``device_table``) launch, so a later capture of any listed shape finds its kernel; other kernels (a
-    benchmark's variants) compile when first asked for."""
-    kernels = _BUILT.get(device_index, {})
+    """Kernel ``name`` of SOURCE compiled for a device (``compiled_kernel``): a device's first use compiles every
+    kernel its entries (``device_table``) launch, so a later capture of any listed shape finds its kernel; other
+    kernels (a benchmark's variants) compile when first asked for."""
+    return compiled_kernel(_BUILT, device_index, name, SOURCE, lambda: _table_kernels(device_index),
+                           lambda n: shared_bytes(*_SHAPES[n]), "cuda_skinny")  # fmt: skip
+
+
+def compiled_kernel(
+    built: dict[int, dict[str, Any] | None],
+    device_index: int,
+    name: str,
+    source: str,
+    first_use: Callable[[], set[str]],
+    shared: Callable[[str], int],
+    module: str,
+) -> Any | None:
+    """Kernel ``name`` of ``source`` compiled for a device (sm_90+: griddepcontrol), cached in ``built``, or None
+    where the kernels cannot be made (older GPU, no NVRTC in this torch, a compile error: warned once, and the
+    device keeps the Triton path) or where it is first asked for inside a CUDA-graph capture (loading a module
+    while a stream captures is not allowed: that capture keeps the Triton path). A device's first use also compiles
+    ``first_use()``'s kernels; ``shared(name)`` is a kernel's dynamic shared memory (past 48 KiB it is allowed
+    once, at compile time); ``module`` names the caller in the warning."""
+    kernels = built.get(device_index, {})
     if kernels is not None and name not in kernels:
         if torch.cuda.is_current_stream_capturing():
             return None
-        wanted = {name} | (set() if device_index in _BUILT else _table_kernels(device_index))
-        kernels = _BUILT[device_index] = _build(device_index, wanted, kernels)
+        wanted = {name} | (set() if device_index in built else first_use())
+        kernels = built[device_index] = _build(device_index, wanted, kernels, source, shared, module)
     return None if kernels is None else kernels[name]
 
 
-def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[str, Any] | None:
-    """kernels with ``names`` compiled for the device added, or None (warned) where they cannot be made."""
+def _build(
+    device_index: int,
+    names: set[str],
+    kernels: dict[str, Any],
+    source: str,
+    shared: Callable[[str], int],
+    module: str,
+) -> dict[str, Any] | None:
+    """kernels with ``names`` of ``source`` compiled for the device added, or None (warned) where they cannot be
+    made."""
     if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(torch.cuda, "_compile_kernel"):
         return None
     made = dict(kernels)
@@ -420,14 +445,13 @@ def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[
         _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
         with torch.cuda.device(device_index):
             for name in sorted(names - made.keys()):
-                made[name] = torch.cuda._compile_kernel(SOURCE, name)
-                shared = shared_bytes(*_SHAPES[name])
-                if shared > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
-                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared)
+                made[name] = torch.cuda._compile_kernel(source, name)
+                if shared(name) > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
+                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared(name))
                     _check(result, f"cuFuncSetAttribute of {name}")
     except Exception as e:  # the Triton path stays: same results up to rounding
-        warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
-                      "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(f"{module}: NVRTC could not build the kernels ({type(e).__name__}: {e}); those few-row "
+                      "projections stay on the Triton kernels", RuntimeWarning, stacklevel=3)  # fmt: skip
         return None
     return made
 
