@@ -69,6 +69,7 @@ HELP_ONLY = (  # sim_calibration.py's CPU dry run is tests/test_sim_calibrate.py
 )
 # CUDA-only scripts: --help, and a clear refusal on a CPU
 CUDA_ONLY = (
+    "bench_cuda_fp8_skinny.py",
     "bench_fp8_gemm.py",
     "bench_fp8_kv.py",
     "bench_fp8_rowwise.py",

@@ -52,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -60,7 +61,9 @@ import torch.nn.functional as F
 from fnvllm.env import env_switch
 from fnvllm.kernels.fused_ops import use_pdl
 
-SOURCE = r"""
+# What both sources of few-row kernels (this module's and ``cuda_fp8_skinny``'s) start with: the weight load and a
+# wrapper for one ``mma.sync`` of four A, two B and four float32 C registers (NAME, its PTX instruction).
+PRELUDE = r"""
 typedef unsigned int u32;
 
 __device__ __forceinline__ uint4 load_weight(const void* p) {  // weights: read-only, streamed past L1
@@ -70,12 +73,18 @@ __device__ __forceinline__ uint4 load_weight(const void* p) {  // weights: read-
   return r;
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#define MMA_SYNC(NAME, INSTRUCTION)                                                                    \
+  __device__ __forceinline__ void NAME(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {     \
+    asm volatile(INSTRUCTION " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                  \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                              \
+  }
+"""
+
+SOURCE = (
+    PRELUDE
+    + r"""
+MMA_SYNC(mma_bf16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
 
 __device__ __forceinline__ unsigned short to_bf16(float v) {  // round to nearest even
   unsigned short h;
@@ -203,6 +212,7 @@ GLU_OUT(4, 1, 1, skinny_mma_glu_kb4)
 GLU_OUT(4, 2, 1, skinny_mma_glu_kb4_mt2)
 GLU_OUT(4, 4, 1, skinny_mma_glu_kb4_mt4)
 """
+)
 
 WARPS = 8
 COLUMNS = 32  # weight rows a group of warps covers (GLU: 16 gate + 16 up); a block has nw groups
@@ -387,23 +397,47 @@ def _table_kernels(device_index: int) -> set[str]:
 
 
 def _kernel(device_index: int, name: str) -> Any | None:
-    """Kernel ``name`` of SOURCE compiled for a device (sm_90+: griddepcontrol), or None where the kernels cannot
-    be made (older GPU, no NVRTC in this torch, a compile error: warned once, and the device keeps the Triton
-    path) or where it is first asked for inside a CUDA-graph capture (loading a module while a stream captures is
-    not allowed: that capture keeps the Triton path). A device's first use compiles every kernel its entries
-    (``device_table``) launch, so a later capture of any listed shape finds its kernel; other kernels (a
-    benchmark's variants) compile when first asked for."""
-    kernels = _BUILT.get(device_index, {})
+    """Kernel ``name`` of SOURCE compiled for a device (``compiled_kernel``): a device's first use compiles every
+    kernel its entries (``device_table``) launch, so a later capture of any listed shape finds its kernel; other
+    kernels (a benchmark's variants) compile when first asked for."""
+    return compiled_kernel(_BUILT, device_index, name, SOURCE, lambda: _table_kernels(device_index),
+                           lambda n: shared_bytes(*_SHAPES[n]), "cuda_skinny")  # fmt: skip
+
+
+def compiled_kernel(
+    built: dict[int, dict[str, Any] | None],
+    device_index: int,
+    name: str,
+    source: str,
+    first_use: Callable[[], set[str]],
+    shared: Callable[[str], int],
+    module: str,
+) -> Any | None:
+    """Kernel ``name`` of ``source`` compiled for a device (sm_90+: griddepcontrol), cached in ``built``, or None
+    where the kernels cannot be made (older GPU, no NVRTC in this torch, a compile error: warned once, and the
+    device keeps the Triton path) or where it is first asked for inside a CUDA-graph capture (loading a module
+    while a stream captures is not allowed: that capture keeps the Triton path). A device's first use also compiles
+    ``first_use()``'s kernels; ``shared(name)`` is a kernel's dynamic shared memory (past 48 KiB it is allowed
+    once, at compile time); ``module`` names the caller in the warning."""
+    kernels = built.get(device_index, {})
     if kernels is not None and name not in kernels:
         if torch.cuda.is_current_stream_capturing():
             return None
-        wanted = {name} | (set() if device_index in _BUILT else _table_kernels(device_index))
-        kernels = _BUILT[device_index] = _build(device_index, wanted, kernels)
+        wanted = {name} | (set() if device_index in built else first_use())
+        kernels = built[device_index] = _build(device_index, wanted, kernels, source, shared, module)
     return None if kernels is None else kernels[name]
 
 
-def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[str, Any] | None:
-    """kernels with ``names`` compiled for the device added, or None (warned) where they cannot be made."""
+def _build(
+    device_index: int,
+    names: set[str],
+    kernels: dict[str, Any],
+    source: str,
+    shared: Callable[[str], int],
+    module: str,
+) -> dict[str, Any] | None:
+    """kernels with ``names`` of ``source`` compiled for the device added, or None (warned) where they cannot be
+    made."""
     if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(torch.cuda, "_compile_kernel"):
         return None
     made = dict(kernels)
@@ -411,14 +445,13 @@ def _build(device_index: int, names: set[str], kernels: dict[str, Any]) -> dict[
         _libcuda()  # the launch needs cuLaunchKernelEx (CUDA 12+ drivers)
         with torch.cuda.device(device_index):
             for name in sorted(names - made.keys()):
-                made[name] = torch.cuda._compile_kernel(SOURCE, name)
-                shared = shared_bytes(*_SHAPES[name])
-                if shared > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
-                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared)
+                made[name] = torch.cuda._compile_kernel(source, name)
+                if shared(name) > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
+                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared(name))
                     _check(result, f"cuFuncSetAttribute of {name}")
     except Exception as e:  # the Triton path stays: same results up to rounding
-        warnings.warn(f"cuda_skinny: NVRTC could not build the kernels ({type(e).__name__}: {e}); the few-row "
-                      "projections stay on the Triton kernel", RuntimeWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(f"{module}: NVRTC could not build the kernels ({type(e).__name__}: {e}); those few-row "
+                      "projections stay on the Triton kernels", RuntimeWarning, stacklevel=3)  # fmt: skip
         return None
     return made
 
@@ -470,14 +503,23 @@ def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, 
     kernel = _kernel(x.device.index or 0, name)
     if kernel is None:
         raise RuntimeError(f"cuda_skinny kernel {name} is not available on this device (see cuda_config)")
-    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out)]
+    launch(kernel, name, grid, shared_bytes(*_SHAPES[name]), (x, w, out), ints)
+
+
+def launch(kernel: Any, name: str, grid: tuple[int, int], shared: int, tensors: tuple[torch.Tensor, ...],
+           ints: tuple[int, ...]) -> None:  # fmt: skip
+    """Launch a compiled kernel (``torch.cuda._compile_kernel``'s) on the current stream with ``cuLaunchKernelEx``:
+    its arguments the tensors' pointers, then the ints (as C ints), 256 threads a block, ``shared`` bytes of
+    dynamic shared memory, under programmatic dependent launch when ``fused_ops.use_pdl`` says so."""
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
     values = [ctypes.c_int(v) for v in ints]
     params = (ctypes.c_void_p * (len(ptrs) + len(values)))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
     )
+    device = tensors[0].device
     config = _LaunchConfig(
-        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared_bytes(*_SHAPES[name]),
-        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(x.device) else 0,
+        (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared,
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(device) else 0,
     )  # fmt: skip
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
            f"cuLaunchKernelEx of {name}")  # fmt: skip

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.env import env_switch
+from fnvllm.kernels import cuda_fp8_skinny
 from fnvllm.kernels.decode_attention import dot, upcast_dot
 from fnvllm.kernels.fused_ops import (
     Fp8Activations,
@@ -186,7 +187,10 @@ def fp8_linear(
     benchmarks/bench_fp8_gemm.py on the H200 (BENCHMARKS.md, "FP8 weight GEMMs").
 
     x may also be activations quantized by the kernel that made them (``Fp8Activations``, see
-    ``takes_fp8_activations``): then no quantization runs (``fp8_linear_prepared``)."""
+    ``takes_fp8_activations``): then no quantization runs (``fp8_linear_prepared``).
+
+    Ahead of all these, at 1-16 bf16 tokens of a weight ``cuda_fp8_skinny.FP8_CONFIGS`` lists (measured faster
+    there), the CUDA few-row kernel ``cuda_fp8_skinny.fp8_skinny`` (bf16 out, no K split)."""
     if isinstance(x, Fp8Activations):
         return fp8_linear_prepared(x, w, w_scale, bias)
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
@@ -196,7 +200,9 @@ def fp8_linear(
     _split_locks(x.device)  # made on the first (eager) call, so the decode graphs captured later can use them
     if row_scale is not None and takes_rowwise(m, x, w):
         return fp8_rowwise_mm(x, w, row_scale, bias)
-    if m <= STREAM_MAX_M:
+    if (cuda := cuda_fp8_skinny.fp8_config(x, w, w_scale)) is not None:
+        out = _cuda_fp8_linear(x, w, w_scale, cuda)
+    elif m <= STREAM_MAX_M:
         out = fp8_gemm_small_m(x, w, w_scale)
     elif swaps_fused(m, *w.shape):
         out = fp8_gemm_swap_bf16(x, w, w_scale)
@@ -211,16 +217,30 @@ def fp8_linear(
     return out if bias is None else out.add_(bias)
 
 
+def _cuda_fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: cuda_fp8_skinny.Fp8Config
+) -> torch.Tensor:
+    """bf16 x (M <= 16, K) @ dequantized(w).T by the CUDA few-row kernel: quantized in the kernel where its config
+    takes M rows that way, else after ``quantize_activations`` (the same bytes and scales either way)."""
+    if cuda_fp8_skinny.takes_quantization(config, x.shape[0]):
+        return cuda_fp8_skinny.fp8_skinny(x, w, w_scale, config)
+    x_q, x_scale = quantize_activations(x)
+    return cuda_fp8_skinny.fp8_skinny(x_q, w, w_scale, config, x_scale=x_scale)
+
+
 def fp8_linear_prepared(
     x: Fp8Activations, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Quantized activations x @ dequantized(w).T (+ bias) in x.dtype: ``fp8_gemm_swap`` up to SWAP_MAX_M tokens,
-    ``fp8_gemm_blockwise`` above. The GEMM ``fp8_linear`` runs after its own ``quantize_activations`` at those M,
+    """Quantized activations x @ dequantized(w).T (+ bias) in x.dtype: ``cuda_fp8_skinny.fp8_skinny`` for bf16 at
+    1-16 tokens of a weight its table lists, else ``fp8_gemm_swap`` up to SWAP_MAX_M tokens, ``fp8_gemm_blockwise``
+    above. The GEMM ``fp8_linear`` runs after its own ``quantize_activations`` at those M,
     so the results are equal. Off CUDA the same kernels run under Triton's interpreter (only tests make
     ``Fp8Activations`` there: the CPU's FP8 path keeps 16-bit activations)."""
     x_q, x_scale, dtype = x
     m = x_q.shape[0]
-    if m <= SWAP_MAX_M:
+    if dtype == torch.bfloat16 and (cuda := cuda_fp8_skinny.fp8_config(x_q, w, w_scale)) is not None:
+        out = cuda_fp8_skinny.fp8_skinny(x_q, w, w_scale, cuda, x_scale=x_scale)
+    elif m <= SWAP_MAX_M:
         _split_locks(x_q.device)  # made on the first (eager) call, as in fp8_linear
         out = fp8_gemm_swap(x_q, x_scale, w, w_scale, dtype, pick_ready_swap_config(m, *w.shape, x_q.device))
     else:

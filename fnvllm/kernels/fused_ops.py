@@ -474,13 +474,19 @@ def round_to_e4m3(v):
     return tl.where(v < 0, -1.0, 1.0) * tl.floor(tl.abs(v) / step + 0.5) * step
 
 
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # 1 / the largest e4m3 value; a float32 0x3B124925 in the kernels
+
+
 @triton.jit
 def quantize_groups(x, ROUND_FIRST: tl.constexpr):
     """(q, scale) for x (G, 128) float32, one scale per row of 128 columns: scale = max(amax / 448, 1e-12), q =
     clamp(x / scale, -448, 448), still float32 (ROUND_FIRST: rounded to the e4m3 grid first, the interpreter's fix,
     so the caller's conversion to e4m3 is exact). The one definition of the activation quantization: the producers
-    here and ``fp8_gemm``'s quantization kernels all call it, so their e4m3 bytes agree bit for bit."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
+    here and ``fp8_gemm``'s quantization kernels all call it, so their e4m3 bytes agree bit for bit (and
+    ``cuda_fp8_skinny``'s in-kernel quantization repeats it). amax / 448 is written as a product with the float32
+    constant 1 / 448: a division by a constant is lowered differently across Triton versions (3.9 multiplies by
+    an approximate reciprocal), a product is the same bits everywhere."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) * INV_FP8_MAX, 1e-12)
     q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     if ROUND_FIRST:
         q = round_to_e4m3(q)
