@@ -234,7 +234,7 @@ class Fp8Config(NamedTuple):
 # (N, K) -> launch shape, for 1-16 rows. H200 (BENCHMARKS.md, twenty-sixth session): o_proj 7.98 / 8.55 / 9.48 us at
 # 1 / 8 / 16 bf16 rows against the Triton path's 8.37 / 9.16 / 9.25, 7.17-7.73 against 7.82-8.69 from ready e4m3;
 # 8B FP8 decode 3.069 -> 3.010 ms a step at one request, 16 unchanged. Qwen3-8B's qkv and gate_up lose by 20-30 %
-# and the in-kernel quantization loses at every M, so neither is listed.
+# (not listed), and the in-kernel quantization loses at every M (quant_rows stays 0).
 FP8_CONFIGS: dict[tuple[int, int], Fp8Config] = {
     (4096, 4096): Fp8Config(4),  # Qwen3-8B o_proj
 }

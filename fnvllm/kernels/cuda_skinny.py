@@ -446,8 +446,9 @@ def _build(
         with torch.cuda.device(device_index):
             for name in sorted(names - made.keys()):
                 made[name] = torch.cuda._compile_kernel(source, name)
-                if shared(name) > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
-                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, shared(name))
+                dynamic = shared(name)
+                if dynamic > 48 << 10:  # past 48 KiB a launch must be allowed its dynamic shared memory
+                    result = _libcuda().cuFuncSetAttribute(made[name].func, _MAX_DYNAMIC_SHARED, dynamic)
                     _check(result, f"cuFuncSetAttribute of {name}")
     except Exception as e:  # the Triton path stays: same results up to rounding
         warnings.warn(f"{module}: NVRTC could not build the kernels ({type(e).__name__}: {e}); those few-row "
