@@ -100,6 +100,8 @@ ATTENTION_VARIANTS = {
             ("sum", {"gqa_mode": "sum"}),
             ("pf", {"prefetch": True, "num_stages": 1}),
             ("nopre", {"preload_kv": False}),
+            ("pre", {"preload_kv": True}),  # (the shared entries' own knobs, against a GPU model's own entry)
+            ("s3", {"num_stages": 3}),
             ("bh", {"heads_inner": False}),
             ("w8s2", {"num_warps": 8, "num_stages": 2}),
             ("t128w8s2", {"tile_size": 128, "num_warps": 8, "num_stages": 2}),
@@ -124,12 +126,16 @@ def apply_gemm(variant: Gemm) -> None:
 
 
 def apply_attention(variant: Attention) -> None:
-    """Replace the variant's knobs in the short-context attention entry for its sequence counts."""
+    """Replace the variant's knobs in the short-context attention entry for its sequence counts: the GPU model's own
+    (``DEVICE_SHORT_CONFIGS``) where it has one, else the shared table's."""
     import dataclasses
+
+    import torch
 
     from fnvllm.kernels import decode_attention as da
 
-    table = da.SMALL_BATCH_DECODE_SHORT
+    own = da.DEVICE_SHORT_CONFIGS.get(torch.cuda.get_device_name(), {}) if torch.cuda.is_available() else {}
+    table = own if variant.rows in own else da.SMALL_BATCH_DECODE_SHORT
     table[variant.rows] = dataclasses.replace(table[variant.rows], **variant.knobs)
 
 

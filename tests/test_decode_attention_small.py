@@ -194,3 +194,33 @@ def test_order_rules_by_cache_dtype() -> None:
     assert not decode_attention.orders_longest_first(small // 8, 8, 1, fp8)
     assert decode_attention.orders_longest_first(large // 8, 8, 1, fp8)
     assert not decode_attention.orders_longest_first(large // 8, 8, 2, fp8)
+
+
+def test_a_gpu_models_own_short_entries_replace_the_shared_ones_for_that_model_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``DEVICE_SHORT_CONFIGS`` gives a GPU model its own entry for a range SMALL_BATCH_DECODE_SHORT has; other
+    models, no model (CPU tensors) and ranges the model does not list keep the shared entries."""
+    shared = DecodeKernelConfig(partition_size=512, tile_size=16, num_stages=3, fused_reduce=True, preload_kv=True)
+    other = DecodeKernelConfig(partition_size=256, tile_size=32, num_stages=2, fused_reduce=True)
+    monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE_SHORT", {(9, 16): shared, (49, 64): shared})
+    monkeypatch.setattr(decode_attention, "DEVICE_SHORT_CONFIGS", {"GPU A": {(9, 16): other}})
+    limit = decode_attention.SHORT_CONTEXT
+    assert small_batch_config(12, limit, False, "GPU A") == other
+    assert small_batch_config(12, 256, False, "GPU A").partition_size == 256  # capped at the table as before
+    assert small_batch_config(50, limit, False, "GPU A") == shared  # a range the model does not list
+    assert small_batch_config(12, limit, False, "GPU B") == shared and small_batch_config(12, limit, False) == shared
+    assert small_batch_config(12, 2 * limit, False, "GPU A") != other  # long tables: the other tables
+    assert small_batch_config(12, limit, True, "GPU A") != other  # FP8: its own table
+
+
+def test_device_short_entries_only_replace_listed_ranges_and_attend_as_the_reference() -> None:
+    """Every GPU model's own entries are for ranges the shared table lists (which batch sizes get a short CUDA-graph
+    capture is decided without the GPU model), and the kernel under each matches the float32 reference."""
+    for model, entries in decode_attention.DEVICE_SHORT_CONFIGS.items():
+        assert set(entries) <= set(decode_attention.SMALL_BATCH_DECODE_SHORT), model
+        for (lo, hi), cfg in entries.items():
+            assert decode_attention.short_table_config(hi, 256, False, model) == cfg
+            lengths = ([1, 16, 33, 0, 64, 47, 100, 5, 9, 77, 128, 2] * 6)[:hi]
+            out, ref = run_decode(lengths, 4, 2, 64, torch.bfloat16, width=4, **dataclasses.asdict(cfg))
+            assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (model, lo, hi)

@@ -79,6 +79,9 @@ def test_variants_go_into_the_tables_the_engine_reads(monkeypatch: pytest.Monkey
     monkeypatch.setattr(skinny_gemm, "PARTIALS_CONFIGS", dict(skinny_gemm.PARTIALS_CONFIGS))
     monkeypatch.setattr(skinny_gemm, "FUSED_TIMES", dict(skinny_gemm.FUSED_TIMES))
     monkeypatch.setattr(decode_attention, "SMALL_BATCH_DECODE_SHORT", dict(decode_attention.SMALL_BATCH_DECODE_SHORT))
+    own = {model: dict(entries) for model, entries in decode_attention.DEVICE_SHORT_CONFIGS.items()}
+    monkeypatch.setattr(decode_attention, "DEVICE_SHORT_CONFIGS", own)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None  # the model whose entry it edits
     monkeypatch.setattr(fused_ops, "EARLY_TRIGGER_ROWS", fused_ops.EARLY_TRIGGER_ROWS)
     for name in ("qkv_p4", "o_p4", "glu_2t", "down_p6"):
         probe.apply_gemm(GEMMS[name])
@@ -89,7 +92,7 @@ def test_variants_go_into_the_tables_the_engine_reads(monkeypatch: pytest.Monkey
     assert skinny_gemm.fused_config("glu", 64, *probe.GATE_UP[:2]) == GEMMS["glu_2t"].config
     assert skinny_gemm.prefers_skinny(64, *probe.DOWN[:2])
     probe.apply_attention(probe.ATTENTION_VARIANTS["attn16_p128t32"])
-    short = decode_attention.short_table_config(16, 300, False)
+    short = decode_attention.short_table_config(16, 300, False, gpu)
     assert short is not None and (short.partition_size, short.tile_size) == (128, 32)
     monkeypatch.setattr(store_kv, "triggers_first", store_kv.triggers_first)
     probe.apply_trigger(*probe.TRIGGER_VARIANTS["prologue_first"])

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from fnvllm.env import env_switch
-from fnvllm.kernels.fused_ops import use_pdl
+from fnvllm.kernels.fused_ops import gpu_model, use_pdl
 
 # What both sources of few-row kernels (this module's and ``cuda_fp8_skinny``'s) start with: the weight load and a
 # wrapper for one ``mma.sync`` of four A, two B and four float32 C registers (NAME, its PTX instruction).
@@ -316,10 +316,9 @@ def device_table(device_name: str) -> dict[tuple[str, int, int, int], CudaConfig
     return {**CUDA_CONFIGS, **DEVICE_CONFIGS.get(device_name, {})}
 
 
-@functools.cache
 def _device_name(device_index: int) -> str:
-    """torch.cuda.get_device_name, asked once a device (``listed_config`` runs at each few-row projection)."""
-    return torch.cuda.get_device_name(device_index)
+    """The GPU model of a device (``fused_ops.gpu_model``, asked once a device; tests replace this name)."""
+    return gpu_model(device_index)
 
 
 def cuda_config(kind: str, x: torch.Tensor, weight: torch.Tensor) -> CudaConfig | None:

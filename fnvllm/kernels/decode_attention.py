@@ -54,7 +54,7 @@ import triton.language as tl
 from fnvllm.env import env_choice
 from fnvllm.kernels.attention import KVCache, _decode_attention
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
-from fnvllm.kernels.fused_ops import pdl_launch, use_pdl, wait_for_previous_kernel
+from fnvllm.kernels.fused_ops import gpu_model, pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
@@ -245,12 +245,33 @@ SMALL_BATCH_DECODE_SHORT: dict[tuple[int, int], DecodeKernelConfig] = {
 }
 
 
-def short_table_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
+# GPU model (``torch.cuda.get_device_name``, exactly) -> entries that take the place of SMALL_BATCH_DECODE_SHORT's
+# for the same sequence counts on that model (never new ranges: which batch sizes get a short capture does not depend
+# on the GPU), each measured there in the whole decode step against the entry it replaces. A model not named here
+# takes SMALL_BATCH_DECODE_SHORT as it is. H100: the entries' other knobs swept in the whole step (BENCHMARKS.md,
+# twenty-fourth session, call 3), then the two that led run again beside base in two more calls (twenty-seventh
+# session); random Qwen3-0.6B checkpoint, device ms per decode step, three calls:
+# - 9-16 sequences without the first tile read before the wait: 16 requests 1.114 / 1.132 / 1.134 against
+#   1.120 / 1.137 / 1.142;
+# - 49-64 sequences at 2 stages: 64 requests 1.671 / 1.690 / 1.693 against 1.679 / 1.702 / 1.705.
+DEVICE_SHORT_CONFIGS: dict[str, dict[tuple[int, int], DecodeKernelConfig]] = {
+    "NVIDIA H100 80GB HBM3": {
+        (9, 16): dataclasses.replace(SMALL_BATCH_DECODE_SHORT[(9, 16)], preload_kv=False),
+        (49, 64): dataclasses.replace(SMALL_BATCH_DECODE_SHORT[(49, 64)], num_stages=2),
+    },
+}
+
+
+def short_table_config(num_seqs: int, max_context: int, fp8: bool, gpu: str | None = None) -> DecodeKernelConfig | None:
     """The ``SMALL_BATCH_DECODE_SHORT`` knobs for num_seqs sequences whose tables hold at most SHORT_CONTEXT
-    tokens (16-bit caches); None otherwise."""
+    tokens (16-bit caches), ``DEVICE_SHORT_CONFIGS``' in their place on the GPU model ``gpu`` where it lists them;
+    None otherwise."""
     if fp8 or not 0 < max_context <= SHORT_CONTEXT:
         return None
-    return next((cfg for (lo, hi), cfg in SMALL_BATCH_DECODE_SHORT.items() if lo <= num_seqs <= hi), None)
+    rows = next((key for key in SMALL_BATCH_DECODE_SHORT if key[0] <= num_seqs <= key[1]), None)
+    if rows is None:
+        return None
+    return DEVICE_SHORT_CONFIGS.get(gpu or "", {}).get(rows, SMALL_BATCH_DECODE_SHORT[rows])
 
 
 def short_graph_widths(buckets: Sequence[int], block_size: int, max_context: int, fp8: bool) -> dict[int, int]:
@@ -263,16 +284,16 @@ def short_graph_widths(buckets: Sequence[int], block_size: int, max_context: int
     return {b: width for b in buckets if short_table_config(b, SHORT_CONTEXT, fp8) is not None}
 
 
-def small_batch_config(num_seqs: int, max_context: int, fp8: bool) -> DecodeKernelConfig | None:
-    """The measured knobs for a batch of num_seqs sequences (``short_table_config`` for short tables, else
-    ``SMALL_BATCH_DECODE``, or ``SMALL_BATCH_DECODE_FP8`` for FP8 caches), partition capped at the table's
-    max_context tokens (a power of two); None (the automatic rules) for unmeasured batch sizes, buckets whose
-    entry is None and empty tables."""
+def small_batch_config(num_seqs: int, max_context: int, fp8: bool, gpu: str | None = None) -> DecodeKernelConfig | None:
+    """The measured knobs for a batch of num_seqs sequences (``short_table_config`` for short tables, on the GPU
+    model ``gpu``, else ``SMALL_BATCH_DECODE``, or ``SMALL_BATCH_DECODE_FP8`` for FP8 caches), partition capped at
+    the table's max_context tokens (a power of two); None (the automatic rules) for unmeasured batch sizes, buckets
+    whose entry is None and empty tables."""
     table = SMALL_BATCH_DECODE_FP8 if fp8 else SMALL_BATCH_DECODE
     bucket = next((b for b in sorted(table) if b >= num_seqs), None)
     if bucket is None or num_seqs <= 0:
         return None
-    cfg = short_table_config(num_seqs, max_context, fp8) or table[bucket]
+    cfg = short_table_config(num_seqs, max_context, fp8, gpu) or table[bucket]
     if cfg is None:
         return None
     cap = max(cfg.tile_size, int(triton.next_power_of_2(max(1, max_context))))
@@ -909,7 +930,7 @@ def paged_decode_attention(
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
     marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG (FP8 caches:
     DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes;
-    small batches with a measured entry take theirs (``small_batch_config``).
+    small batches with a measured entry take theirs (``small_batch_config``, for q's GPU model).
     `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. seq_order: (B,) int32, the batch's
     sequences longest first (any permutation of range(B) gives the same output), which the launch follows where
@@ -917,7 +938,8 @@ def paged_decode_attention(
     """
     base = DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    measured = small_batch_config(q.shape[0], max_context, is_fp8(k_cache))
+    gpu = gpu_model(q.device.index or 0) if q.is_cuda and DEVICE_SHORT_CONFIGS else None
+    measured = small_batch_config(q.shape[0], max_context, is_fp8(k_cache), gpu)
     if measured is not None:  # the measured small-batch knobs stand in for the defaults and the auto rules
         base = measured
         partition_size = partition_size or measured.partition_size

@@ -91,6 +91,14 @@ def _capability_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+@functools.cache
+def gpu_model(index: int) -> str:
+    """``torch.cuda.get_device_name`` of CUDA device ``index``, asked once a device: the key of the launch tables
+    kept per GPU model (``cuda_skinny.DEVICE_CONFIGS``, ``decode_attention.DEVICE_SHORT_CONFIGS``), which are
+    looked up at every launch."""
+    return torch.cuda.get_device_name(index)
+
+
 def triggers_first(device: torch.device, num_rows: int) -> bool:
     """Whether a small kernel launched under PDL for ``num_rows`` rows lets the next kernel start before its own
     wait (the TRIGGER_FIRST argument of ``wait_for_previous_kernel``): PDL on and the rows in EARLY_TRIGGER_ROWS."""
