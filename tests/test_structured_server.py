@@ -14,6 +14,7 @@ from tiny_models import TINY_SERVER_FLAGS, WEATHER_TOOL, write_tool_chat_model
 
 from fnvllm.serve.server_process import ServerProcess
 
+pytest.importorskip("fastapi", reason="the server needs the [serve] extra (fastapi, uvicorn, prometheus-client)")
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the serve extra)")
 

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+pytest.importorskip("pydantic", reason="tool parsing needs pydantic (the [serve] extra)")
+
 from fnvllm.serve.formats import Choice
 from fnvllm.serve.tool_parsers import (
     REASONING_PARSERS,

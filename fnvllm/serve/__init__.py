@@ -17,11 +17,32 @@ bodies), ``formats`` (response bodies), ``errors`` (OpenAI error JSON), ``metric
 benchmarks). Needs the ``[serve]`` extra: fastapi, uvicorn, prometheus-client.
 """
 
-from fnvllm.serve.app import build_app
-from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, EngineSnapshot
-from fnvllm.serve.engine_process import EngineStartupError, ProcessEngine
-from fnvllm.serve.server import serve
-from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fnvllm.serve.app import build_app
+    from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, EngineSnapshot
+    from fnvllm.serve.engine_process import EngineStartupError, ProcessEngine
+    from fnvllm.serve.server import serve
+    from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
+
+# Public name -> the module that defines it. Imported on first use (PEP 562), so the modules that need no web
+# framework (``formats``, ``tool_parsers``, ``server_process``, ...) import without the [serve] extra.
+_EXPORTS = {
+    "AsyncEngine": "async_engine",
+    "EngineFailure": "stream",
+    "EngineOverloaded": "async_engine",
+    "EngineSnapshot": "async_engine",
+    "EngineStartupError": "engine_process",
+    "ProcessEngine": "engine_process",
+    "RequestStream": "stream",
+    "TokenEvent": "stream",
+    "build_app": "app",
+    "serve": "server",
+}
 
 __all__ = [
     "AsyncEngine",
@@ -35,3 +56,12 @@ __all__ = [
     "build_app",
     "serve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public name ``name``, from its module (imported now); AttributeError for any other name, so that
+    ``from fnvllm.serve import handlers`` still imports the submodule."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
