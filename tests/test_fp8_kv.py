@@ -196,7 +196,8 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
     torch reference, split (partials merged by the reduce kernel or in-kernel) or not, with GQA 4; "wgmma_qk8"
     rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
     gen = torch.Generator().manual_seed(13)
-    lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 16
+    # head_dim 32: the e4m3 product of "wgmma_qk8" is 32 deep on a GPU (16 failed to compile there, H100 2026-12-06)
+    lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 32
     table = random_tables(lengths, block_size, gen)
     _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
@@ -215,8 +216,8 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
 
 
 def test_fp8_path_is_checked() -> None:
-    """An unknown fp8_path, a transposed one with gqa_mode "sum", or "mma_pairs" over an odd number of KV heads is
-    a ValueError naming the knob."""
+    """An unknown fp8_path, a transposed one with gqa_mode "sum" or below head_dim 32, or "mma_pairs" over an odd
+    number of KV heads is a ValueError naming the knob."""
     q = torch.zeros(1, 2, 16, device=DEVICE)
     cache = torch.zeros(2, 16, 1, 16, device=DEVICE).to(fp8.FP8_DTYPE)
     table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
@@ -224,6 +225,10 @@ def test_fp8_path_is_checked() -> None:
     for knobs in ({"fp8_path": "tensor"}, {"fp8_path": "wgmma_qk8", "gqa_mode": "sum"}, {"fp8_path": "mma_pairs"}):
         with pytest.raises(ValueError, match="fp8_path"):
             paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, k_scale=scales, v_scale=scales, **knobs)
+    with pytest.raises(ValueError, match="'wgmma_qk8' needs head_dim >= 32"):  # q and the caches are 16 wide
+        paged_decode_attention(
+            q, cache, cache, table, seq_lens, 1.0, k_scale=scales, v_scale=scales, fp8_path="wgmma_qk8"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -503,7 +508,7 @@ def test_decode_fp8_in_a_given_order_equals_batch_order(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(decode_attention, "ORDERED_MIN_PROGRAMS", 1)  # the tiny batch counts as large
     gen = torch.Generator().manual_seed(21)
-    lengths, block_size, num_heads, num_kv_heads, head_dim = [5, 70, 0, 33, 70, 1], 16, 4, 2, 16
+    lengths, block_size, num_heads, num_kv_heads, head_dim = [5, 70, 0, 33, 70, 1], 16, 4, 2, 32  # qk8: >= 32
     table = random_tables(lengths, block_size, gen)
     _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)

@@ -263,6 +263,11 @@ def test_decode_rejects_bad_arguments() -> None:
         attend(q, cache, cache, table, lens, 1.0, partition_size=16, workspace=bad)
     with pytest.raises(ValueError, match="dtype"):
         attend(q.bfloat16(), cache, cache, table, lens, 1.0)
+    for scale in (0.0, -0.5, float("nan"), float("inf")):  # the kernel scales row maxima: only > 0 is allowed
+        out = torch.full_like(q, 7.0)
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            attend(q, cache, cache, table, lens, scale, out)
+        assert bool((out == 7.0).all())  # nothing launched
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -367,6 +372,8 @@ def test_prefill_rejects_bad_arguments() -> None:
         attend(q, cache, cache, cu, lens, table, 0, 1.0)
     with pytest.raises(ValueError, match="block_m"):
         attend(torch.zeros(3, 32, 16, device=DEVICE), cache, cache, cu, lens, table, 3, 1.0, block_m=16)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        attend(q, cache, cache, cu, lens, table, 3, -1.0)
 
 
 # ---------------------------------------------------------------------------------------------- fused ops

@@ -397,6 +397,15 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def dot_into(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, the product accumulating into acc (float32) in the MMA itself (no separate add, no zeroed
+    accumulator); UPCAST as in ``dot``."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def kv_tile_offsets(
     table_row_ptr,
     t0,
@@ -475,21 +484,23 @@ def attend_tile(
     `visible` (R, N) or (1, N) says which scores count; every row must have seen at least one key by the end.
     """
     if USE_DOT:
-        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT)  # (R, N)
+        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT)  # (R, N), unscaled
     else:
         s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # (R, N)
-    s = s * scale_log2
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # Fewer instructions a tile (the FP8 decode kernel is bound by them, BENCHMARKS.md, twenty-seventh session):
+    # scale_log2 > 0, so the row max of the scaled scores is the scaled row max (rounding is monotonic: the same
+    # bits), one product a row; the exponent's s * scale_log2 - m_new is one FMA an element; and P V accumulates
+    # into the rescaled acc inside the MMA.
+    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2)
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])  # (R, N)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (R, N)
     l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
     if USE_DOT:
-        pv = dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)  # (R, D)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # (R, D)
-    return m_new, l, acc * alpha[:, None] + pv
+        return m_new, l, dot_into(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)  # (R, D)
+    return m_new, l, acc + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
 # e4m3 -> float16 of 4 values in one 32-bit word: two cvt.rn.f16x2.e4m3x2 (sm_89+), no byte repacking.
@@ -963,6 +974,7 @@ def paged_decode_attention(
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out, cfg)
+    check_scale(scale)
     check_kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
@@ -977,6 +989,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     kv = KVCache(k_cache, v_cache, k_scale, v_scale)
+    if kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8" and head_dim < 32:  # (Triton's rule for e4m3 dots)
+        raise ValueError(f"fp8_path 'wgmma_qk8' needs head_dim >= 32 (its e4m3 product is 32 deep), got {head_dim}")
     if kv.k_scale is not None and cfg.fp8_path == "mma_pairs":
         _launch_pairs(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
     else:
@@ -1237,6 +1251,13 @@ def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         )
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q needs a contiguous last dim, and k_cache / v_cache must be contiguous")
+
+
+def check_scale(scale: float) -> None:
+    """Raise ValueError unless the softmax scale is a finite number > 0 (``attend_tile`` scales the row max, not
+    each score, which only a positive scale allows)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:

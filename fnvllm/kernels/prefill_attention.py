@@ -39,6 +39,7 @@ from fnvllm.kernels.decode_attention import (
     attend_tile,
     check_out,
     check_paged_qkv,
+    check_scale,
     dot_precision,
     fp8_compute_fp16,
     kv_tile_offsets,
@@ -222,6 +223,7 @@ def paged_prefill_attention(
     given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg = dataclasses.replace(DEFAULT_PREFILL_CONFIG, **{k: v for k, v in given.items() if v is not None})
     _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, out, cfg)
+    check_scale(scale)
     check_kv_scales(k_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
