@@ -190,7 +190,7 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs"])
+@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs", "mma_v16"])
 def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
     """The other FP8 decode paths (the transposed products K q^T, V^T P^T; two KV heads a program) match the
     torch reference, split (partials merged by the reduce kernel or in-kernel) or not, with GQA 4; "wgmma_qk8"

@@ -58,8 +58,8 @@ from fnvllm.kernels.fused_ops import gpu_model, pdl_launch, use_pdl, wait_for_pr
 from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum"]
-Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs"]
-FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs")
+Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs", "mma_v16"]
+FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs", "mma_v16")
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -116,6 +116,11 @@ class DecodeKernelConfig:
         rounding adds to the error, see docs/fp8.md), V widened to float16 where loaded (``widen_e4m3``);
         "mma_pairs": as "mma", but each program serves two neighbouring KV heads (``_decode_pairs_kernel``), so
         it reads 2 x D contiguous bytes of every token row instead of D (an even Hkv only).
+        "mma_v16": as "mma", but V is widened to float16 where it is read from shared memory in its loaded layout
+        (``widen_e4m3``'s PTX, which Triton keeps in place), so Triton stages the float16 tile through shared memory
+        and reads it transposed with ``ldmatrix``, where "mma" reads the e4m3 tile byte by byte in the dot operand's
+        layout (``benchmarks/sass_count.py``: 128 single-byte shared loads a warp per tile of 128). Not measured on
+        a GPU yet; for 16-bit q (float32 q takes "mma").
         Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster.
     """
 
@@ -599,6 +604,7 @@ def _decode_partition_kernel(
     USE_PDL: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
     ORDERED: tl.constexpr = False,
+    V_WIDE: tl.constexpr = False,  # fp8_path "mma_v16" (FP8 cache, float16 q)
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -691,7 +697,10 @@ def _decode_partition_kernel(
             else:
                 k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
             if not KQ:
-                k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
+                if V_WIDE:  # V widened in the layout it was read in (then staged as float16 for the product)
+                    k, v = k.to(q.dtype), widen_e4m3(v, not UPCAST_DOT)
+                else:
+                    k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = next_tile_offsets(
                 table_row, first, start, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
@@ -1103,6 +1112,7 @@ def _launch_partitions(
         USE_PDL=use_pdl(q.device),
         PRELOAD_KV=cfg.preload_kv,
         ORDERED=seq_order is not None,
+        V_WIDE=kv.k_scale is not None and cfg.fp8_path == "mma_v16" and fp8_compute_fp16(q, kv.k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
@@ -1190,8 +1200,8 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
         raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
     if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
         raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
-    if cfg.preload_kv and cfg.fp8_path != "mma":  # the peeled first tile is attended with the untransposed products
-        raise ValueError(f"preload_kv needs fp8_path 'mma', got {cfg.fp8_path!r}")
+    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16"):  # the peeled first tile: untransposed products
+        raise ValueError(f"preload_kv needs fp8_path 'mma' or 'mma_v16', got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 16 if cfg.gqa_mode == "dot" else 1
