@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
 
 # Public name -> the module that defines it. Imported on first use (PEP 562), so the modules that need no web
-# framework (``formats``, ``tool_parsers``, ``server_process``, ...) import without the [serve] extra.
+# framework (``formats``, ``server_process``, ...) import without the [serve] extra.
 _EXPORTS = {
     "AsyncEngine": "async_engine",
     "EngineFailure": "stream",
