@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.pop("TRITON_INTERPRET", None)  # before Triton's import: this script compiles kernels, never interprets
+if __name__ == "__main__":  # before Triton's import: the script compiles kernels, never interprets (an importer keeps
+    os.environ.pop("TRITON_INTERPRET", None)  # its own setting)
 
 import argparse
 import collections
