@@ -62,12 +62,13 @@ def kernel_signature(kv_fp8: bool) -> dict[str, str]:
 def kernel_constexprs(args: argparse.Namespace) -> dict[str, object]:
     """The constexprs ``_launch_partitions`` passes for these knobs, a bf16 q on a GPU and split partitions."""
     fp8 = args.kv == "fp8"
+    merge_group = int(triton.next_power_of_2(args.group))
     return dict(
         HEAD_DIM=args.head_dim, GROUP=args.group, GROUP_PAD=dec._group_pad(args.group, "dot"), BLOCK_SIZE=args.block,
         PARTITION_SIZE=args.partition, TILE=args.tile, USE_DOT=True, DOT_PRECISION="tf32", UPCAST_DOT=False,
         PREFETCH=False, HEADS_INNER=True, KV_FP8=fp8, Q_FP16=fp8, KQ=fp8 and args.fp8_path == "wgmma_qk8",
-        FUSED_REDUCE=True, MERGE_GROUP=int(triton.next_power_of_2(args.group)),
-        MERGE_CHUNK=max(1, 4096 // (int(triton.next_power_of_2(args.group)) * args.head_dim)), USE_PDL=True,
+        FUSED_REDUCE=True, MERGE_GROUP=merge_group,
+        MERGE_CHUNK=max(1, dec._MERGE_ELEMENTS // (merge_group * args.head_dim)), USE_PDL=True,
         PRELOAD_KV=False, ORDERED=fp8, V_WIDE=fp8 and args.fp8_path == "mma_v16",
     )  # fmt: skip
 
@@ -106,14 +107,20 @@ def sass_and_registers(cubin: bytes) -> tuple[list[str], int]:
             [nvidia_tool("cuobjdump"), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
         )
     registers = re.search(r"REG:(\d+)", usage.stdout)
+    return parse_sass(sass.stdout), int(registers.group(1)) if registers else 0
+
+
+def parse_sass(text: str) -> list[str]:
+    """nvdisasm's listing as its instructions in order (address and encoding comments dropped), each label kept as
+    a ".L_x_N:" line where it stands."""
     lines: list[str] = []
-    for line in sass.stdout.splitlines():
+    for line in text.splitlines():
         label = LABEL.match(line)
         if label:
             lines.append(label.group(1) + ":")
         elif (ins := INSTRUCTION.match(line)) is not None:
             lines.append(ins.group(2))
-    return lines, int(registers.group(1)) if registers else 0
+    return lines
 
 
 def opcodes(lines: list[str]) -> collections.Counter[str]:

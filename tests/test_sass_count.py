@@ -22,19 +22,8 @@ SASS = """
 """
 
 
-def parsed(text: str) -> list[str]:
-    lines: list[str] = []
-    for line in text.splitlines():
-        label = sass_count.LABEL.match(line)
-        if label:
-            lines.append(label.group(1) + ":")
-        elif (ins := sass_count.INSTRUCTION.match(line)) is not None:
-            lines.append(ins.group(2))
-    return lines
-
-
 def test_the_longest_backward_branch_is_the_tile_loop_and_opcodes_keep_their_modifiers() -> None:
-    lines = parsed(SASS)
+    lines = sass_count.parse_sass(SASS)
     assert lines[0] == "MOV R1, c[0x0][0x28]" and ".L_x_1:" in lines
     loop = sass_count.longest_loop(lines)
     assert loop[0] == ".L_x_1:" and loop[-1] == "@P1 BRA `(.L_x_1)"
