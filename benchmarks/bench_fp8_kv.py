@@ -73,12 +73,16 @@ FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "mma_pairs", "tile_size": 32, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 8},
     # V alone widened in its loaded layout, K as "mma" and both still staged by cp.async (unlike "mma_words", which
-    # loaded both by hand): new, not yet measured. Static SASS for sm_90 (benchmarks/sass_count.py, Triton 3.6,
-    # B 256's knobs otherwise): 714 / 448 / 427 instructions a warp in the tile loop, 196 / 126 / 128 registers, at
-    # tiles of 128 and 2 stages / 64 and 3 / 64 and 2, against "mma"'s 1,161 at tiles of 128 (168 registers).
+    # loaded both by hand). Static SASS for sm_90 (benchmarks/sass_count.py, Triton 3.6, B 256's knobs otherwise):
+    # 714 / 448 / 427 instructions a warp in the tile loop, 196 / 126 / 128 registers, at tiles of 128 and 2 stages
+    # / 64 and 3 / 64 and 2, against "mma"'s 1,145 at tiles of 128 (168 registers). H100 (2026-12-06, batch order):
+    # 263.1 / 235.3 / 255.1 us against "mma"'s 227.7; longest first, tiles of 64 and 3 stages level with "mma".
     {"fp8_path": "mma_v16", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "mma_v16", "tile_size": 64, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "mma_v16", "tile_size": 128, "num_stages": 2, "num_warps": 4},
+    # the transposed products with K widened too, q in float16 (370 instructions a warp per tile of 64): on the H100
+    # 11 % slower than "mma" longest first (BENCHMARKS.md, twenty-eighth session); the H200 is not measured
+    {"gqa_mode": "kq", "tile_size": 64, "num_stages": 3, "num_warps": 4},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
     tuple({"partition_size": v} for v in (256, 512, 1024, 2048)),

@@ -23,8 +23,9 @@ LENGTHS = [1, 16, 17, 0, 9, 70, 33]
         {"partition_size": 32, "tile_size": 16, "fused_reduce": False},
         {"partition_size": 128, "tile_size": 16, "prefetch": True, "num_stages": 1},
         {"partition_size": 16, "tile_size": 16, "heads_inner": False},
+        {"partition_size": 32, "tile_size": 16, "gqa_mode": "kq"},
     ],
-    ids=["split-merged", "split-reduce", "one-partition-prefetch", "tile-partitions"],
+    ids=["split-merged", "split-reduce", "one-partition-prefetch", "tile-partitions", "transposed"],
 )
 def test_preloaded_first_tile_matches_reference(dtype: torch.dtype, knobs: dict[str, object]) -> None:
     """With the first tile preloaded (all but the last token) and the last token read after the wait, every row

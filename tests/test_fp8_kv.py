@@ -190,11 +190,12 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs", "mma_v16"])
+@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs", "mma_v16", "gqa_mode=kq"])
 def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
-    """The other FP8 decode paths (the transposed products K q^T, V^T P^T; two KV heads a program) match the
-    torch reference, split (partials merged by the reduce kernel or in-kernel) or not, with GQA 4; "wgmma_qk8"
-    rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
+    """The other FP8 decode paths (the transposed products K q^T, V^T P^T with K as stored or widened; two KV
+    heads a program) match the torch reference, split (partials merged by the reduce kernel or in-kernel) or not,
+    with GQA 4; "wgmma_qk8" rounds q to e4m3 first, so its reference gets the e4m3-rounded q."""
+    knobs = {"gqa_mode": "kq"} if fp8_path == "gqa_mode=kq" else {"fp8_path": fp8_path}
     gen = torch.Generator().manual_seed(13)
     # head_dim 32: the e4m3 product of "wgmma_qk8" is 32 deep on a GPU (16 failed to compile there, H100 2026-12-06)
     lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0, 16], 16, 8, 2, 32
@@ -209,8 +210,8 @@ def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> 
     tile = 16
     for partition_size, fused in ((32, False), (32, True), (128, None)):
         out = paged_decode_attention(
-            q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=tile, fp8_path=fp8_path,
-            fused_reduce=fused, k_scale=k_scale, v_scale=v_scale,
+            q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=tile, fused_reduce=fused,
+            k_scale=k_scale, v_scale=v_scale, **knobs,
         )  # fmt: skip
         assert rel_err(out.float(), ref) < TOLERANCE[dtype], (partition_size, fused)
 
@@ -445,13 +446,14 @@ def test_fp8_kernels_at_real_sizes() -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fp8_path", FP8_PATHS)
+@pytest.mark.parametrize("fp8_path", [*FP8_PATHS, "gqa_mode=kq"])
 @pytest.mark.parametrize("num_heads", [16, 32])
 def test_fp8_decode_paths_at_real_sizes(fp8_path: str, num_heads: int) -> None:
     """On a GPU, every FP8 decode path at the Qwen3-0.6B / 8B head shapes (16 or 32 q heads over 8 KV heads, D 128,
     256-token blocks), split into partitions and not, tiles of 64 and 128, matches the reference within 1e-2
     (the "_qk8" paths: the reference over e4m3-rounded queries)."""
     gen = torch.Generator().manual_seed(8)
+    knobs = {"gqa_mode": "kq"} if fp8_path == "gqa_mode=kq" else {"fp8_path": fp8_path}
     lengths, block_size, num_kv_heads, head_dim = [1, 300, 1000, 2048, 513, 0, 64], 256, 8, 128
     table = random_tables(lengths, block_size, gen)
     _, _, k8, v8, k_scale, v_scale = fp8_caches(table, num_kv_heads, head_dim, block_size, gen)
@@ -462,7 +464,7 @@ def test_fp8_decode_paths_at_real_sizes(fp8_path: str, num_heads: int) -> None:
     for partition_size, tile_size in ((4096, 128), (512, 64), (64, 64)):
         out = paged_decode_attention(
             q, k8, v8, table, seq_lens, head_dim**-0.5, partition_size=partition_size, tile_size=tile_size,
-            num_stages=2, fp8_path=fp8_path, k_scale=k_scale, v_scale=v_scale,
+            num_stages=2, k_scale=k_scale, v_scale=v_scale, **knobs,
         )  # fmt: skip
         assert rel_err(out.float(), ref) < 1e-2, (partition_size, tile_size)
 

@@ -155,9 +155,9 @@ DECODE_LENGTHS = [1, 16, 33, 0, 64, 47]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2), (8, 1)])
-@pytest.mark.parametrize("gqa_mode", ["dot", "sum"])
+@pytest.mark.parametrize("gqa_mode", ["dot", "sum", "kq"])
 def test_decode_gqa_ratios_split_k(num_heads: int, num_kv_heads: int, gqa_mode: str) -> None:
-    """GQA ratios 1/2/4/8, 32-token partitions over 16-token blocks (partials + reduce), both G variants."""
+    """GQA ratios 1/2/4/8, 32-token partitions over 16-token blocks (partials + reduce), every G variant."""
     out, ref = run_decode(
         DECODE_LENGTHS, num_heads, num_kv_heads, 16, torch.float32, partition_size=32, tile_size=16, gqa_mode=gqa_mode
     )
@@ -174,7 +174,7 @@ def test_decode_tiles_spanning_blocks(dtype: torch.dtype, prefetch: bool, heads_
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("gqa_mode", ["dot", "sum"])
+@pytest.mark.parametrize("gqa_mode", ["dot", "sum", "kq"])
 def test_decode_block_256_spans_partitions(gqa_mode: str) -> None:
     """A 256-token block split over 16-token partitions (and 16-token tiles) with bf16 inputs."""
     out, ref = run_decode(
@@ -417,14 +417,14 @@ def test_fused_ops_match_references(dtype: torch.dtype) -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("gqa_mode", ["dot", "sum"])
+@pytest.mark.parametrize("gqa_mode", ["dot", "sum", "kq"])
 def test_gpu_decode_real_sizes(block_size: int, gqa_mode: str) -> None:
     """B 64, Hq 16 / Hkv 8 / D 128, bf16, contexts up to 2048 (and two padding rows), default knobs."""
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 2049, (64,), generator=gen).tolist()
     lengths[:4] = [1, 2048, 0, block_size]
     lengths[-1] = 0
-    tile = {"dot": None, "sum": 16}[gqa_mode]
+    tile = {"dot": None, "sum": 16, "kq": None}[gqa_mode]
     out, ref = run_decode(lengths, 16, 8, block_size, torch.bfloat16, head_dim=128, gqa_mode=gqa_mode, tile_size=tile)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     assert torch.all(out[2] == 0) and torch.all(out[-1] == 0)

@@ -1,10 +1,16 @@
 """benchmarks/sass_count.py's reading of SASS: opcodes with their modifiers, the tile loop as the longest stretch a
-branch jumps back over, and programs an SM from registers and shared memory (the compile itself runs in
-test_benchmarks_smoke.py)."""
+branch jumps back over, programs an SM from registers and shared memory, and the constexprs it compiles with against
+the launcher's (the compile itself runs in test_benchmarks_smoke.py)."""
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
+import torch
+
 from benchmarks import sass_count
+from fnvllm.kernels import decode_attention as dec
 
 # nvdisasm -c lines (address comment, instruction, encoding comment), two loops: a short one, then a longer one
 SASS = """
@@ -38,3 +44,46 @@ def test_programs_an_sm_take_the_tighter_of_registers_and_shared_memory() -> Non
     assert sass_count.programs_per_sm(196, 72 * 1024, 4) == 2  # registers bind
     assert sass_count.programs_per_sm(126, 104 * 1024, 4) == 2  # shared memory binds
     assert sass_count.programs_per_sm(126, 54 * 1024, 4) == 4
+
+
+class _Recorder:
+    """Stands in for the Triton kernel: ``kernel[grid](*args, **kw)`` records kw and launches nothing."""
+
+    def __init__(self) -> None:
+        self.constexprs: dict[str, object] = {}
+
+    def __getitem__(self, grid: object) -> object:
+        return lambda *args, **kw: self.constexprs.update(kw)
+
+
+@pytest.mark.parametrize(
+    "kv,fp8_path,gqa",
+    [("bf16", "mma", "dot"), ("bf16", "mma", "kq"), ("fp8", "mma", "dot"), ("fp8", "mma", "kq"),
+     ("fp8", "mma_v16", "dot"), ("fp8", "wgmma_qk8", "dot")],
+)  # fmt: skip
+def test_the_compiled_constexprs_are_the_launchers(
+    monkeypatch: pytest.MonkeyPatch, kv: str, fp8_path: str, gqa: str
+) -> None:
+    """The knob-dependent constexprs the tool compiles with are those ``_launch_partitions`` passes for the same
+    knobs (a bf16 q; the GPU-only ones, such as UPCAST_DOT and USE_PDL, are the tool's by design)."""
+    recorder = _Recorder()
+    monkeypatch.setattr(dec, "_decode_partition_kernel", recorder)
+    group, head_dim, block, tile = 2, 32, 16, 16
+    q = torch.zeros(2, 2 * group, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(8, block, 2, head_dim, dtype=torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16)
+    scales = torch.ones(2) if kv == "fp8" else None
+    tables, seq_lens = (
+        torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32),
+        torch.tensor([50, 64], dtype=torch.int32),
+    )
+    dec.paged_decode_attention(
+        q, cache, cache, tables, seq_lens, 1.0, partition_size=32, tile_size=tile, fp8_path=fp8_path, gqa_mode=gqa,
+        k_scale=scales, v_scale=scales, fused_reduce=True,
+    )  # fmt: skip
+    args = argparse.Namespace(
+        kv=kv, fp8_path=fp8_path, gqa=gqa, tile=tile, partition=32, group=group, head_dim=head_dim, block=block
+    )
+    tool = sass_count.kernel_constexprs(args)
+    knob_dependent = ["HEAD_DIM", "GROUP", "GROUP_PAD", "BLOCK_SIZE", "PARTITION_SIZE", "TILE", "USE_DOT", "KV_FP8",
+                      "Q_FP16", "KQ", "V_WIDE", "K_E4M3", "FUSED_REDUCE", "MERGE_GROUP", "MERGE_CHUNK"]  # fmt: skip
+    assert {k: tool[k] for k in knob_dependent} == {k: recorder.constexprs[k] for k in knob_dependent}

@@ -57,7 +57,7 @@ from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import gpu_model, pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.store_kv import e4m3_bits
 
-GqaMode = Literal["dot", "sum"]
+GqaMode = Literal["dot", "sum", "kq"]
 Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs", "mma_v16"]
 FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs", "mma_v16")
 _LOG2E = math.log2(math.e)
@@ -92,9 +92,11 @@ class DecodeKernelConfig:
     """Launch knobs of the decode kernel; every launcher default comes from DEFAULT_DECODE_CONFIG.
 
     partition_size: tokens per split-K partition (a power of two, >= tile_size).
-    tile_size: tokens per K/V tile inside a partition (a power of two, >= 16 for "dot").
+    tile_size: tokens per K/V tile inside a partition (a power of two, >= 16 for "dot" and "kq").
     num_warps / num_stages: Triton launch options of the partition kernel (stages pipeline the tile loop).
-    gqa_mode: "dot" serves the G heads of a KV group with tl.dot (G padded to 16 rows), "sum" with broadcast
+    gqa_mode: "dot" serves the G heads of a KV group with tl.dot (G padded to 16 rows), "kq" with the transposed
+        products S^T = K q^T and out^T = V^T P^T (``attend_tile_kq``: the tile's tokens are the rows, the G heads
+        the columns, padded to 8; an FP8 cache's K and V both widened to float16 where loaded), "sum" with broadcast
         products and tl.sum (G padded to a power of two).
     prefetch: issue tile i+1's K/V loads before consuming tile i (a register double buffer): an alternative to
         num_stages, whose cp.async pipelining it replaces (use it with num_stages=1).
@@ -119,9 +121,13 @@ class DecodeKernelConfig:
         "mma_v16": as "mma", but V is widened to float16 where it is read from shared memory in its loaded layout
         (``widen_e4m3``'s PTX, which Triton keeps in place), so Triton stages the float16 tile through shared memory
         and reads it transposed with ``ldmatrix``, where "mma" reads the e4m3 tile byte by byte in the dot operand's
-        layout (``benchmarks/sass_count.py``: 128 single-byte shared loads a warp per tile of 128). Not measured on
-        a GPU yet; for 16-bit q (float32 q takes "mma").
-        Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster.
+        layout (``benchmarks/sass_count.py``: 128 single-byte shared loads a warp per tile of 128); for 16-bit q
+        (float32 q takes "mma"). Measured on an H100 only (BENCHMARKS.md, twenty-eighth session): as fast as "mma"
+        at tiles of 64 and 3 stages (214.1 against 214.3 us at B 256), slower at other knobs.
+        Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster. With gqa_mode "kq" (the
+        transposed products with K widened too and q kept in its dtype) the FP8 tile loop takes 370 instructions a
+        warp per 64 tokens against "mma"'s 1,145 per 128 (``sass_count.py``), yet on an H100 it ran 237-251 us
+        against 214 (BENCHMARKS.md, twenty-eighth session): fewer instructions did not pay there.
     """
 
     partition_size: int = 512
@@ -540,22 +546,33 @@ def attend_tile_kq(
     P_FP16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    K_E4M3: tl.constexpr,
 ):
     """One online-softmax step, transposed: scores S^T = K q^T (N, R) and acc^T (D, R) += V^T P^T, so the tile's
-    N tokens (and D) are the products' rows (Hopper's warpgroup MMA needs >= 64 of them).
+    N tokens (and D) are the first product's rows and the R (>= 8) padded heads its columns, where q K^T pads them
+    to 16 rows: half the products and half the softmax's exponentials.
 
-    qt (D, R) e4m3 (K enters the product as stored); k, v (N, D) e4m3 tiles, V widened to float16 (then to
-    float32 unless P_FP16, which also rounds P to float16); visible (N, 1); m, l (R,) base 2; acct (D, R) float32.
-    Returns (m, l, acct)."""
-    cd = tl.float16 if P_FP16 else tl.float32
-    st = dot(k, qt, "tf32", UPCAST_DOT)  # (N, R), e4m3 x e4m3 on the GPU
+    k, v (N, D) tiles as stored. 16-bit caches: qt (D, R) in q's dtype, P rounded to V's dtype. FP8 caches (KV_FP8):
+    V widened to float16 where loaded (``widen_e4m3``; then to float32 unless P_FP16, which also rounds P to
+    float16), K likewise with qt in q's dtype, or, when K_E4M3, K multiplied as stored with qt rounded to e4m3.
+    visible (N, 1); m, l (R,) base 2; acct (D, R) float32. Returns (m, l, acct)."""
+    if K_E4M3:
+        st = dot(k, qt, "tf32", UPCAST_DOT)  # (N, R), e4m3 x e4m3 on the GPU
+    elif KV_FP8:
+        st = dot(widen_e4m3(k, not UPCAST_DOT).to(qt.dtype), qt, DOT_PRECISION, UPCAST_DOT)
+    else:
+        st = dot(k, qt, DOT_PRECISION, UPCAST_DOT)
     st = tl.where(visible, st * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(st, axis=0))
     alpha = tl.exp2(m - m_new)
     pt = tl.exp2(st - m_new[None, :])  # (N, R)
     l = l * alpha + tl.sum(pt, axis=0)
-    vt = tl.trans(widen_e4m3(v, not UPCAST_DOT).to(cd))  # (D, N)
-    return m_new, l, acct * alpha[None, :] + dot(vt, pt.to(cd), DOT_PRECISION, UPCAST_DOT)
+    if KV_FP8:  # noqa: SIM108 (a compile-time branch)
+        vt = tl.trans(widen_e4m3(v, not UPCAST_DOT).to(tl.float16 if P_FP16 else tl.float32))  # (D, N)
+    else:
+        vt = tl.trans(v)
+    return m_new, l, dot_into(vt, pt.to(vt.dtype), acct * alpha[None, :], DOT_PRECISION, UPCAST_DOT)
 
 
 @triton.jit
@@ -605,13 +622,15 @@ def _decode_partition_kernel(
     PRELOAD_KV: tl.constexpr,
     ORDERED: tl.constexpr = False,
     V_WIDE: tl.constexpr = False,  # fp8_path "mma_v16" (FP8 cache, float16 q)
+    K_E4M3: tl.constexpr = False,  # fp8_path "wgmma_qk8" (KQ)
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
     KV_FP8: the caches hold e4m3; tiles are widened to q's dtype (exactly) in registers, the key scale is folded
     into the softmax scale and the value scale into the output (both are one number per program's KV head).
     Q_FP16: q is converted to float16 first, so the tiles widen to float16 (see ``fp8_compute_fp16``).
-    KQ (FP8 only): the transposed products of ``attend_tile_kq``, q rounded to e4m3 (fp8_path "wgmma_qk8").
+    KQ: the transposed products of ``attend_tile_kq`` (gqa_mode "kq"); K_E4M3 (FP8 only): with K as stored and q
+    rounded to e4m3 (fp8_path "wgmma_qk8").
     FUSED_REDUCE: a split sequence's partitions count themselves in on counter_ptr[seq * Hkv + kv_head], and the
     last live one merges all of them (``merge_partitions``) and resets the counter: no reduce kernel.
     PRELOAD_KV: under programmatic dependent launch, read seq_lens, the first tile's block id and the first tile
@@ -664,7 +683,9 @@ def _decode_partition_kernel(
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         if KQ:
             acct = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
-            if UPCAST_DOT:  # the interpreter's float32 -> e4m3 cast is wrong: the bits computed instead
+            if not K_E4M3:
+                qt = tl.trans(q)
+            elif UPCAST_DOT:  # the interpreter's float32 -> e4m3 cast is wrong: the bits computed instead
                 qt = tl.trans(e4m3_bits(q.to(tl.float32)).to(tl.float8e4nv, bitcast=True))
             else:
                 qt = tl.trans(q.to(tl.float32).to(tl.float8e4nv))
@@ -685,11 +706,18 @@ def _decode_partition_kernel(
         if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
             fresh = tok0 == seq_len - 1
             k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
-            k = tl.where(fresh[:, None], k_new, k_pre).to(q.dtype)
-            v = tl.where(fresh[:, None], v_new, v_pre).to(q.dtype)
-            m, l, acc = attend_tile(
-                q, k, v, (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
-            )
+            k = tl.where(fresh[:, None], k_new, k_pre)
+            v = tl.where(fresh[:, None], v_new, v_pre)
+            if KQ:
+                m, l, acct = attend_tile_kq(
+                    qt, k, v, (tok0 < end)[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT,
+                    KV_FP8, K_E4M3,
+                )  # fmt: skip
+            else:
+                m, l, acc = attend_tile(
+                    q, k.to(q.dtype), v.to(q.dtype), (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT,
+                    DOT_PRECISION, UPCAST_DOT,
+                )  # fmt: skip
         for t0 in range(loop_start, end, TILE):
             tok_mask = mask
             if PREFETCH:
@@ -711,8 +739,9 @@ def _decode_partition_kernel(
                 k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
             if KQ:
                 m, l, acct = attend_tile_kq(
-                    qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT
-                )
+                    qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT, KV_FP8,
+                    K_E4M3,
+                )  # fmt: skip
             else:
                 m, l, acc = attend_tile(
                     q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
@@ -1065,7 +1094,8 @@ def _launch_partitions(
     group = num_heads // num_kv_heads
     part_out, part_lse, fused, counters = _split_outputs(q, kv, seq_lens, out, workspace, cfg)
     merge_group = int(triton.next_power_of_2(group))
-    kq = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed FP8 products
+    k_e4m3 = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed products, K as stored
+    kq = k_e4m3 or cfg.gqa_mode == "kq"
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -1098,7 +1128,7 @@ def _launch_partitions(
         BLOCK_SIZE=block_size,
         PARTITION_SIZE=cfg.partition_size,
         TILE=cfg.tile_size,
-        USE_DOT=cfg.gqa_mode == "dot",
+        USE_DOT=cfg.gqa_mode != "sum",
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device),
         PREFETCH=cfg.prefetch,
@@ -1113,6 +1143,7 @@ def _launch_partitions(
         PRELOAD_KV=cfg.preload_kv,
         ORDERED=seq_order is not None,
         V_WIDE=kv.k_scale is not None and cfg.fp8_path == "mma_v16" and fp8_compute_fp16(q, kv.k),
+        K_E4M3=k_e4m3,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
@@ -1176,7 +1207,7 @@ def upcast_dot(device: torch.device) -> bool:
 
 def _group_pad(group: int, gqa_mode: GqaMode, kq: bool = False) -> int:
     """Rows the G query heads of a KV group are padded to: >= 16 for tl.dot, a power of two >= 2 for tl.sum, >= 8
-    for the transposed FP8 products (the heads are the warpgroup MMA's N, which may be 8)."""
+    for the transposed products (gqa_mode "kq", fp8_path "wgmma_qk8": the heads are the products' N, which may be 8)."""
     return max(8 if kq else 16 if gqa_mode == "dot" else 2, int(triton.next_power_of_2(group)))
 
 
@@ -1196,15 +1227,15 @@ def _is_pow2(n: int) -> bool:
 
 def _check_config(cfg: DecodeKernelConfig) -> None:
     """Raise ValueError naming the knob when the launch configuration is unusable."""
-    if cfg.gqa_mode not in ("dot", "sum"):
-        raise ValueError(f"gqa_mode must be 'dot' or 'sum', got {cfg.gqa_mode!r}")
+    if cfg.gqa_mode not in ("dot", "sum", "kq"):
+        raise ValueError(f"gqa_mode must be 'dot', 'sum' or 'kq', got {cfg.gqa_mode!r}")
     if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
         raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
     if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16"):  # the peeled first tile: untransposed products
         raise ValueError(f"preload_kv needs fp8_path 'mma' or 'mma_v16', got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
-    min_tile = 16 if cfg.gqa_mode == "dot" else 1
+    min_tile = 1 if cfg.gqa_mode == "sum" else 16
     if not (_is_pow2(cfg.tile_size) and cfg.tile_size >= min_tile):
         raise ValueError(f"tile_size must be a power of two >= {min_tile} for {cfg.gqa_mode!r}, got {cfg.tile_size}")
     if cfg.partition_size < cfg.tile_size:
