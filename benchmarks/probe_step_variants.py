@@ -17,8 +17,8 @@ capture, so a run measures the variant's whole decode step; one process per run,
 - ``attn16_*`` / ``attn64_*``: the decode attention's knobs for 9-16 / 49-64 sequences at short contexts
   (``decode_attention.SMALL_BATCH_DECODE_SHORT``, the latency bench's case): finer partitions or tiles than the
   entry that won alone (fifth and twelfth sessions), since in the step the kernel before it may change the trade;
-  and every other knob of the entry (warps, stages, a 128-token tile, the GQA product, prefetch, no preload, the
-  grid order) alone or in pairs (``_w8``, ``_s2``, ``_nopre``, ``_w8s2``, ...).
+  and every other knob of the entry (warps, stages, a 128-token tile, the GQA product (``_sum``, the transposed
+  ``_kq``), prefetch, no preload, the grid order) alone or in pairs (``_w8``, ``_s2``, ``_nopre``, ``_w8s2``, ...).
 - ``trigger_2``: the small kernels between projections let the next launch start before their own wait from 2 rows
   (``fused_ops.EARLY_TRIGGER_ROWS`` (2, 64); shipped from 17). ``prologue_first``: the attention prologue alone
   (``store_kv.norm_rope_store``) does so from 2 rows, so the attention launch is placed, and preloads its first
@@ -106,6 +106,8 @@ ATTENTION_VARIANTS = {
             ("w8s2", {"num_warps": 8, "num_stages": 2}),
             ("t128w8s2", {"tile_size": 128, "num_warps": 8, "num_stages": 2}),
             ("nopres2", {"preload_kv": False, "num_stages": 2}),
+            ("kq", {"gqa_mode": "kq"}),  # the transposed products (heads padded to 8, not 16)
+            ("kqw2", {"gqa_mode": "kq", "num_warps": 2}),
         )
     },
 }
