@@ -2,8 +2,9 @@
 programs an SM, and the SASS of its tile loop counted by opcode. A kernel bound by the instructions a tile costs
 (the FP8 decode kernel: BENCHMARKS.md, twenty-seventh session) can be worked on from these counts, then timed.
 
-    PYTHONPATH=$PWD python3 benchmarks/sass_count.py [--kv fp8|bf16] [--fp8-path mma] [--gqa dot|kq] [--tile 128]
-        [--stages 3] [--warps 4] [--partition 512] [--group 2] [--head-dim 128] [--block 256] [--top 16] [--json PATH]
+    PYTHONPATH=$PWD python3 benchmarks/sass_count.py [--kv fp8|bf16] [--fp8-path mma] [--gqa dot|kq] [--preload]
+        [--tile 128] [--stages 3] [--warps 4] [--partition 512] [--group 2] [--head-dim 128] [--block 256]
+        [--top 16] [--json PATH]
 
 Triton compiles ``decode_attention._decode_partition_kernel`` for sm_90 (``triton.compile`` on an ``ASTSource``
 with ``GPUTarget("cuda", 90, 32)``) with the constexprs ``_launch_partitions`` would pass for these knobs and a
@@ -71,7 +72,7 @@ def kernel_constexprs(args: argparse.Namespace) -> dict[str, object]:
         DOT_PRECISION="tf32", UPCAST_DOT=False, PREFETCH=False, HEADS_INNER=True, KV_FP8=fp8, Q_FP16=fp8, KQ=kq,
         FUSED_REDUCE=True, MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, dec._MERGE_ELEMENTS // (merge_group * args.head_dim)), USE_PDL=True,
-        PRELOAD_KV=False, ORDERED=fp8, V_WIDE=fp8 and args.fp8_path == "mma_v16", K_E4M3=k_e4m3,
+        PRELOAD_KV=args.preload, ORDERED=fp8, V_WIDE=fp8 and args.fp8_path == "mma_v16", K_E4M3=k_e4m3,
     )  # fmt: skip
 
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="the cache's dtype (default fp8)")
     parser.add_argument("--fp8-path", choices=dec.FP8_PATHS, default="mma", help="FP8 caches' product path")
+    parser.add_argument("--preload", action="store_true", help="preload_kv: the first tile read before the wait")
     parser.add_argument("--gqa", choices=("dot", "kq", "sum"), default="dot", help="gqa_mode (default dot)")
     parser.add_argument("--tile", type=int, help="tokens a tile (default: the launcher's default for the dtype)")
     parser.add_argument("--stages", type=int, help="pipeline stages (default: the launcher's default)")

@@ -706,16 +706,17 @@ def _decode_partition_kernel(
         if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
             fresh = tok0 == seq_len - 1
             k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
-            k = tl.where(fresh[:, None], k_new, k_pre)
-            v = tl.where(fresh[:, None], v_new, v_pre)
+            # (k0 / v0: the loop's k / v keep one type, and under KQ an FP8 tile stays e4m3 here)
+            k0 = tl.where(fresh[:, None], k_new, k_pre)
+            v0 = tl.where(fresh[:, None], v_new, v_pre)
             if KQ:
                 m, l, acct = attend_tile_kq(
-                    qt, k, v, (tok0 < end)[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT,
+                    qt, k0, v0, (tok0 < end)[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT,
                     KV_FP8, K_E4M3,
                 )  # fmt: skip
             else:
                 m, l, acc = attend_tile(
-                    q, k.to(q.dtype), v.to(q.dtype), (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT,
+                    q, k0.to(q.dtype), v0.to(q.dtype), (tok0 < end)[None, :], m, l, acc, scale_log2, True, USE_DOT,
                     DOT_PRECISION, UPCAST_DOT,
                 )  # fmt: skip
         for t0 in range(loop_start, end, TILE):
