@@ -172,8 +172,11 @@ def fp8_caches(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partition_size", [32, None])
-def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | None) -> None:
-    """The Triton decode kernel on FP8 caches (split-K or one partition, GQA 2) matches the torch reference."""
+@pytest.mark.parametrize("knobs", [{}, {"preload_kv": True}, {"preload_kv": True, "gqa_mode": "kq"}],
+                         ids=["plain", "preload", "preload-kq"])  # fmt: skip
+def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | None, knobs: dict) -> None:
+    """The Triton decode kernel on FP8 caches (split-K or one partition, GQA 2; the first tile read before the
+    launch wait, with the plain and the transposed products) matches the torch reference."""
     gen = torch.Generator().manual_seed(3)
     lengths, block_size, num_heads, num_kv_heads, head_dim = [1, 37, 70, 0], 16, 4, 2, 16
     table = random_tables(lengths, block_size, gen)
@@ -183,8 +186,9 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
     table = table.to(DEVICE)
     scale = head_dim**-0.5
     out = paged_decode_attention(
-        q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=16, k_scale=k_scale, v_scale=v_scale
-    )
+        q, k8, v8, table, seq_lens, scale, partition_size=partition_size, tile_size=16, k_scale=k_scale,
+        v_scale=v_scale, **knobs,
+    )  # fmt: skip
     ref = paged_decode_attention_ref(q, k8, v8, table, seq_lens, scale, k_scale, v_scale)
     assert rel_err(out.float(), ref.float()) < TOLERANCE[dtype]
 
