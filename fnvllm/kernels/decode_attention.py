@@ -97,7 +97,10 @@ class DecodeKernelConfig:
     gqa_mode: "dot" serves the G heads of a KV group with tl.dot (G padded to 16 rows), "kq" with the transposed
         products S^T = K q^T and out^T = V^T P^T (``attend_tile_kq``: the tile's tokens are the rows, the G heads
         the columns, padded to 8; an FP8 cache's K and V both widened to float16 where loaded), "sum" with broadcast
-        products and tl.sum (G padded to a power of two).
+        products and tl.sum (G padded to a power of two). "kq" is opt-in: its FP8 tile loop is the leanest in SASS
+        (370 instructions a warp per 64 tokens against "mma"'s 1,145 per 128, ``benchmarks/sass_count.py``), yet on an
+        H100 it ran slower (BENCHMARKS.md, twenty-eighth session: B 256 FP8 237 against 214 us, bf16 407 against
+        394; the whole decode step at 16 requests +7 %); the H200 is not measured.
     prefetch: issue tile i+1's K/V loads before consuming tile i (a register double buffer): an alternative to
         num_stages, whose cp.async pipelining it replaces (use it with num_stages=1).
     heads_inner: order the grid (Hkv, B, P) so that consecutive programs are the KV heads of one sequence and
@@ -124,10 +127,7 @@ class DecodeKernelConfig:
         layout (``benchmarks/sass_count.py``: 128 single-byte shared loads a warp per tile of 128); for 16-bit q
         (float32 q takes "mma"). Measured on an H100 only (BENCHMARKS.md, twenty-eighth session): as fast as "mma"
         at tiles of 64 and 3 stages (214.1 against 214.3 us at B 256), slower at other knobs.
-        Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster. With gqa_mode "kq" (the
-        transposed products with K widened too and q kept in its dtype) the FP8 tile loop takes 370 instructions a
-        warp per 64 tokens against "mma"'s 1,145 per 128 (``sass_count.py``), yet on an H100 it ran 237-251 us
-        against 214 (BENCHMARKS.md, twenty-eighth session): fewer instructions did not pay there.
+        Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster.
     """
 
     partition_size: int = 512
