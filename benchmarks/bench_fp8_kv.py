@@ -81,7 +81,8 @@ FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "mma_v16", "tile_size": 64, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "mma_v16", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     # the transposed products with K widened too, q in float16 (370 instructions a warp per tile of 64): on the H100
-    # 11 % slower than "mma" longest first (BENCHMARKS.md, twenty-eighth session); the H200 is not measured
+    # 11 % slower than "mma" longest first, bound by shared memory (BENCHMARKS.md, twenty-eighth session); the H200
+    # is not measured
     {"gqa_mode": "kq", "tile_size": 64, "num_stages": 3, "num_warps": 4},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves
