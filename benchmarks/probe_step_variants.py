@@ -135,8 +135,10 @@ def apply_attention(variant: Attention) -> None:
     import torch
 
     from fnvllm.kernels import decode_attention as da
+    from fnvllm.kernels.fused_ops import gpu_model
 
-    own = da.DEVICE_SHORT_CONFIGS.get(torch.cuda.get_device_name(), {}) if torch.cuda.is_available() else {}
+    # (the launcher's own lookup of the model: fused_ops.gpu_model)
+    own = da.DEVICE_SHORT_CONFIGS.get(gpu_model(torch.cuda.current_device()), {}) if torch.cuda.is_available() else {}
     table = own if variant.rows in own else da.SMALL_BATCH_DECODE_SHORT
     table[variant.rows] = dataclasses.replace(table[variant.rows], **variant.knobs)
 

@@ -1233,7 +1233,7 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
         raise ValueError(f"gqa_mode must be 'dot', 'sum' or 'kq', got {cfg.gqa_mode!r}")
     if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
         raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
-    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16"):  # the peeled first tile: untransposed products
+    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16"):  # no peeled tile in "mma_pairs"; untested in qk8
         raise ValueError(f"preload_kv needs fp8_path 'mma' or 'mma_v16', got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
