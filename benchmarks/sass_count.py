@@ -46,9 +46,10 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA\s+.*`\((\.L_x_\d+)\)")
 
 
-def kernel_signature(kv_fp8: bool) -> dict[str, str]:
-    """Triton types of ``_decode_partition_kernel``'s runtime arguments, in order (bf16 q and out)."""
-    cache = "*fp8e4nv" if kv_fp8 else "*bf16"
+def kernel_signature(kv_fp8: bool, eo: bool = False) -> dict[str, str]:
+    """Triton types of ``_decode_partition_kernel``'s runtime arguments, in order (bf16 q and out; eo: an FP8
+    cache passed as its int16 view, fp8_path "mma_eo")."""
+    cache = "*i16" if eo else "*fp8e4nv" if kv_fp8 else "*bf16"
     sig = {
         "q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
@@ -73,12 +74,13 @@ def kernel_constexprs(args: argparse.Namespace) -> dict[str, object]:
         FUSED_REDUCE=True, MERGE_GROUP=merge_group,
         MERGE_CHUNK=max(1, dec._MERGE_ELEMENTS // (merge_group * args.head_dim)), USE_PDL=True,
         PRELOAD_KV=args.preload, ORDERED=fp8, V_WIDE=fp8 and args.fp8_path == "mma_v16", K_E4M3=k_e4m3,
+        EO=fp8 and args.fp8_path == "mma_eo" and args.gqa == "dot" and args.head_dim >= 32,
     )  # fmt: skip
 
 
 def compile_kernel(args: argparse.Namespace) -> triton.compiler.CompiledKernel:
     """``_decode_partition_kernel`` compiled for sm_90 with these knobs."""
-    sig = kernel_signature(args.kv == "fp8")
+    sig = kernel_signature(args.kv == "fp8", bool(kernel_constexprs(args)["EO"]))
     constexprs = kernel_constexprs(args)
     names = [*sig, *constexprs]
     full = {**sig, **dict.fromkeys(constexprs, "constexpr")}
@@ -152,7 +154,12 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="the cache's dtype (default fp8)")
-    parser.add_argument("--fp8-path", choices=dec.FP8_PATHS, default="mma", help="FP8 caches' product path")
+    parser.add_argument(
+        "--fp8-path",
+        choices=dec.FP8_PATHS,
+        default=dec.FP8_PATH_DEFAULT,
+        help="FP8 caches' product path (default: the launcher's)",
+    )
     parser.add_argument("--preload", action="store_true", help="preload_kv: the first tile read before the wait")
     parser.add_argument("--gqa", choices=("dot", "kq", "sum"), default="dot", help="gqa_mode (default dot)")
     parser.add_argument("--tile", type=int, help="tokens a tile (default: the launcher's default for the dtype)")

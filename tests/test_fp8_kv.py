@@ -194,7 +194,7 @@ def test_decode_fp8_matches_reference(dtype: torch.dtype, partition_size: int | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs", "mma_v16", "gqa_mode=kq"])
+@pytest.mark.parametrize("fp8_path", ["wgmma_qk8", "mma_pairs", "mma_v16", "mma_eo", "gqa_mode=kq"])
 def test_decode_fp8_paths_match_reference(dtype: torch.dtype, fp8_path: str) -> None:
     """The other FP8 decode paths (the transposed products K q^T, V^T P^T with K as stored or widened; two KV
     heads a program) match the torch reference, split (partials merged by the reduce kernel or in-kernel) or not,

@@ -58,8 +58,8 @@ from fnvllm.kernels.fused_ops import gpu_model, pdl_launch, use_pdl, wait_for_pr
 from fnvllm.kernels.store_kv import e4m3_bits
 
 GqaMode = Literal["dot", "sum", "kq"]
-Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs", "mma_v16"]
-FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs", "mma_v16")
+Fp8Path = Literal["mma", "wgmma_qk8", "mma_pairs", "mma_v16", "mma_eo"]
+FP8_PATHS: tuple[str, ...] = ("mma", "wgmma_qk8", "mma_pairs", "mma_v16", "mma_eo")
 _LOG2E = math.log2(math.e)
 _REDUCE_CHUNK = 16  # partitions merged per step of the reduce loop
 _MERGE_ELEMENTS = 4096  # float32 partial values a fused merge holds per step (G x chunk x D; ~32 per thread)
@@ -115,7 +115,8 @@ class DecodeKernelConfig:
         Only for callers whose kernel right before stores nothing but this step's tokens into the caches (the
         decoder layer's norm_rope_store / store_kv). Off in every shipped entry: faster alone at one sequence, slower
         in the whole step (``SMALL_BATCH_DECODE``'s note).
-    fp8_path: how an FP8 cache's tiles are multiplied (ignored for 16-bit caches; needs gqa_mode "dot"):
+    fp8_path: how an FP8 cache's tiles are multiplied (ignored for 16-bit caches; other than "mma" and "mma_eo"
+        needs gqa_mode "dot"):
         "mma": q K^T and P V with the tiles widened to float16 in the dot operands' registers (mma.sync);
         "wgmma_qk8": transposed, S^T = K q^T and out^T = V^T P^T (the tile's tokens as the rows of the first
         product, so Hopper's warpgroup MMA applies), K multiplied as stored in e4m3 with q rounded to e4m3 (its
@@ -128,6 +129,15 @@ class DecodeKernelConfig:
         layout (``benchmarks/sass_count.py``: 128 single-byte shared loads a warp per tile of 128); for 16-bit q
         (float32 q takes "mma"). Measured on an H100 only (BENCHMARKS.md, twenty-eighth session): as fast as "mma"
         at tiles of 64 and 3 stages (214.1 against 214.3 us at B 256), slower at other knobs.
+        "mma_eo" (the default): as "mma", but the tiles are read as int16 pairs of e4m3 bytes and each pair widens
+        in place (``split_e4m3_pairs``: one byte permute and two packed conversions a 32-bit word) into the even
+        and odd columns, which multiply separately (``attend_tile_eo``: q K^T = q_even K_even^T + q_odd K_odd^T,
+        and P V's even and odd output columns): Triton then reads both operands from shared memory with
+        ``ldmatrix``, where "mma" reads them byte by byte. 661 SASS instructions a warp per tile of 128 against
+        1,145 (``benchmarks/sass_count.py``, Triton 3.6). For 16-bit q, gqa_mode "dot" and head_dim >= 32 (else it
+        computes as "mma"). Measured on an H100 (BENCHMARKS.md, twenty-ninth session; B 256, longest first):
+        217.5 against 224.0 us on all 132 SMs, and 215.4 against 258.1 us on 88 SMs (a CUDA green context: an
+        H200's bytes per SM), level with a plain read of the same bytes there (213.4).
         Measured on the H200 (docs/fp8.md): "wgmma_qk8" as fast as "mma", not faster.
     """
 
@@ -157,8 +167,9 @@ class DecodeKernelConfig:
 DEFAULT_DECODE_CONFIG = DecodeKernelConfig()
 # The knobs for FP8 caches (half the bytes a tile): tiles of 128 tokens, the best of benchmarks/bench_fp8_kv.py's
 # sweep on the H200 (BENCHMARKS.md, "FP8 decode attention").
-# FNVLLM_FP8_PATH picks the default ``fp8_path`` (one of FP8_PATHS; "mma" when unset), to measure a path end to end.
-FP8_PATH_DEFAULT = env_choice("FNVLLM_FP8_PATH", FP8_PATHS, "mma")
+# FNVLLM_FP8_PATH picks the default ``fp8_path`` (one of FP8_PATHS; "mma_eo" when unset), to measure a path end to
+# end.
+FP8_PATH_DEFAULT = env_choice("FNVLLM_FP8_PATH", FP8_PATHS, "mma_eo")
 DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_DECODE_CONFIG, tile_size=128, fp8_path=FP8_PATH_DEFAULT)
 
 # A batch whose (sequence, KV head) programs already number this many fills the GPU several times over without
@@ -534,6 +545,56 @@ def widen_e4m3(x, ASM: tl.constexpr):
     return x.to(tl.float16)
 
 
+# Two e4m3 pairs of one 32-bit word (bytes b0 b1 | b2 b3: two int16 elements) -> the float16 pairs (b0, b2) and
+# (b1, b3): one byte permute, two cvt.rn.f16x2.e4m3x2 (sm_89+).
+_E4M3_PAIRS_SPLIT_ASM = tl.constexpr("""{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, 0, 0x3120;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+
+
+@triton.jit
+def split_e4m3_pairs(x, ASM: tl.constexpr):
+    """int16 x (..., C) whose elements hold two e4m3 bytes each -> (its low bytes, its high bytes) as float16
+    (..., C) (exact): an FP8 row's even and odd columns. ASM (GPU only): ``_E4M3_PAIRS_SPLIT_ASM`` on the words
+    of two elements in the layout x was loaded in."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E4M3_PAIRS_SPLIT_ASM, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+        )
+    lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def attend_tile_eo(
+    q_lo, q_hi, k, v, visible, m, l, acc_lo, acc_hi, scale_log2, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """``attend_tile`` over an FP8 tile read as int16 pairs (fp8_path "mma_eo"): k, v (N, D/2) int16; the even
+    and odd columns of K, V and q are multiplied separately (q K^T = q_even K_even^T + q_odd K_odd^T; P V's even
+    and odd output columns are acc_lo, acc_hi (R, D/2)), so each int16 element widens in place with no byte
+    regrouping. q_lo, q_hi (R, D/2) float16. Returns (m, l, acc_lo, acc_hi)."""
+    k_lo, k_hi = split_e4m3_pairs(k, not UPCAST_DOT)
+    s = dot(q_lo, tl.trans(k_lo), DOT_PRECISION, UPCAST_DOT)
+    s = dot_into(q_hi, tl.trans(k_hi), s, DOT_PRECISION, UPCAST_DOT)  # (R, N)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (R, N)
+    l = l * alpha + tl.sum(p, axis=1)
+    v_lo, v_hi = split_e4m3_pairs(v, not UPCAST_DOT)
+    p16 = p.to(tl.float16)
+    acc_lo = dot_into(p16, v_lo, acc_lo * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    acc_hi = dot_into(p16, v_hi, acc_hi * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    return m_new, l, acc_lo, acc_hi
+
+
 @triton.jit
 def attend_tile_kq(
     qt,
@@ -624,6 +685,7 @@ def _decode_partition_kernel(
     ORDERED: tl.constexpr = False,
     V_WIDE: tl.constexpr = False,  # fp8_path "mma_v16" (FP8 cache, float16 q)
     K_E4M3: tl.constexpr = False,  # fp8_path "wgmma_qk8" (KQ)
+    EO: tl.constexpr = False,  # fp8_path "mma_eo": caches passed as int16 views (strides in int16 elements)
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -641,7 +703,9 @@ def _decode_partition_kernel(
     masked out of the preload and read after the wait.
     ORDERED: the grid's sequence index r serves sequence order_ptr[r] (a permutation of the batch, longest first:
     ``orders_longest_first``), so the launch's last wave holds short sequences; the order is a step input, copied
-    before the step's first kernel, so it is read before the wait."""
+    before the step's first kernel, so it is read before the wait.
+    EO: the caches are int16 views of e4m3 (``attend_tile_eo``), a token row D / 2 elements."""
+    KV_COLS: tl.constexpr = HEAD_DIM // (1 + EO)  # cache elements a tile row
     if HEADS_INNER:
         kv_head = tl.program_id(0)
         rank = tl.program_id(1)
@@ -661,7 +725,7 @@ def _decode_partition_kernel(
         seq_len = tl.load(seq_lens_ptr + seq)
         end0 = tl.minimum(start + PARTITION_SIZE, seq_len)
         offs0 = kv_tile_offsets(table_row, start, end0, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
-        k_pre, v_pre = load_kv_tile(k_cache_ptr, v_cache_ptr, offs0, tok0 < tl.minimum(end0, seq_len - 1), HEAD_DIM)
+        k_pre, v_pre = load_kv_tile(k_cache_ptr, v_cache_ptr, offs0, tok0 < tl.minimum(end0, seq_len - 1), KV_COLS)
     wait_for_previous_kernel(USE_PDL)
     if not PRELOAD_KV:
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -682,6 +746,10 @@ def _decode_partition_kernel(
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if EO:
+            q_lo, q_hi = tl.split(tl.reshape(q, (GROUP_PAD, HEAD_DIM // 2, 2)))  # even, odd columns
+            acc_lo = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+            acc_hi = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
         if KQ:
             acct = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
             if not K_E4M3:
@@ -703,10 +771,10 @@ def _decode_partition_kernel(
             )  # fmt: skip
         mask = loop_start + tl.arange(0, TILE) < end  # (TILE,) tokens of the loop's first tile inside the partition
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
-            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, KV_COLS)
         if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
             fresh = tok0 == seq_len - 1
-            k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, HEAD_DIM)
+            k_new, v_new = load_kv_tile(k_cache_ptr, v_cache_ptr, first, fresh, KV_COLS)
             # (k0 / v0: the loop's k / v keep one type, and under KQ an FP8 tile stays e4m3 here)
             k0 = tl.where(fresh[:, None], k_new, k_pre)
             v0 = tl.where(fresh[:, None], v_new, v_pre)
@@ -714,6 +782,11 @@ def _decode_partition_kernel(
                 m, l, acct = attend_tile_kq(
                     qt, k0, v0, (tok0 < end)[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT,
                     KV_FP8, K_E4M3,
+                )  # fmt: skip
+            elif EO:
+                m, l, acc_lo, acc_hi = attend_tile_eo(
+                    q_lo, q_hi, k0, v0, (tok0 < end)[None, :], m, l, acc_lo, acc_hi, scale_log2, DOT_PRECISION,
+                    UPCAST_DOT,
                 )  # fmt: skip
             else:
                 m, l, acc = attend_tile(
@@ -725,8 +798,8 @@ def _decode_partition_kernel(
             if PREFETCH:
                 k, v = k_next, v_next
             else:
-                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
-            if not KQ:
+                k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, KV_COLS)
+            if not KQ and not EO:
                 if V_WIDE:  # V widened in the layout it was read in (then staged as float16 for the product)
                     k, v = k.to(q.dtype), widen_e4m3(v, not UPCAST_DOT)
                 else:
@@ -738,18 +811,24 @@ def _decode_partition_kernel(
             )  # fmt: skip
             mask = t0 + TILE + tl.arange(0, TILE) < end
             if PREFETCH:
-                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM)
+                k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, KV_COLS)
             if KQ:
                 m, l, acct = attend_tile_kq(
                     qt, k, v, tok_mask[:, None], m, l, acct, scale_log2, Q_FP16, DOT_PRECISION, UPCAST_DOT, KV_FP8,
                     K_E4M3,
                 )  # fmt: skip
+            elif EO:
+                m, l, acc_lo, acc_hi = attend_tile_eo(
+                    q_lo, q_hi, k, v, tok_mask[None, :], m, l, acc_lo, acc_hi, scale_log2, DOT_PRECISION, UPCAST_DOT
+                )
             else:
                 m, l, acc = attend_tile(
                     q, k, v, tok_mask[None, :], m, l, acc, scale_log2, True, USE_DOT, DOT_PRECISION, UPCAST_DOT
                 )
         if KQ:
             acc = tl.trans(acct)
+        if EO:
+            acc = tl.reshape(tl.join(acc_lo, acc_hi), (GROUP_PAD, HEAD_DIM))  # columns 2j, 2j + 1 back in place
         o = acc / l[:, None]  # (GROUP_PAD, D)
         if KV_FP8:  # the reduce is linear in each partial output, so scaling them here scales the result
             o = o * tl.load(v_scale_ptr + kv_head)
@@ -1098,6 +1177,12 @@ def _launch_partitions(
     merge_group = int(triton.next_power_of_2(group))
     k_e4m3 = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed products, K as stored
     kq = k_e4m3 or cfg.gqa_mode == "kq"
+    eo = (
+        kv.k_scale is not None and cfg.fp8_path == "mma_eo" and cfg.gqa_mode == "dot" and fp8_compute_fp16(q, kv.k)
+        and head_dim >= 32
+    )  # fmt: skip
+    if eo:  # the caches read as int16 pairs of e4m3 bytes (strides below in int16 elements)
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
     _decode_partition_kernel[grid](
         q,
@@ -1146,6 +1231,7 @@ def _launch_partitions(
         ORDERED=seq_order is not None,
         V_WIDE=kv.k_scale is not None and cfg.fp8_path == "mma_v16" and fp8_compute_fp16(q, kv.k),
         K_E4M3=k_e4m3,
+        EO=eo,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
@@ -1231,10 +1317,12 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
     """Raise ValueError naming the knob when the launch configuration is unusable."""
     if cfg.gqa_mode not in ("dot", "sum", "kq"):
         raise ValueError(f"gqa_mode must be 'dot', 'sum' or 'kq', got {cfg.gqa_mode!r}")
-    if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path != "mma" and cfg.gqa_mode != "dot"):
-        raise ValueError(f"fp8_path must be one of {FP8_PATHS} ('mma' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}")
-    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16"):  # no peeled tile in "mma_pairs"; untested in qk8
-        raise ValueError(f"preload_kv needs fp8_path 'mma' or 'mma_v16', got {cfg.fp8_path!r}")
+    if cfg.fp8_path not in FP8_PATHS or (cfg.fp8_path not in ("mma", "mma_eo") and cfg.gqa_mode != "dot"):
+        raise ValueError(
+            f"fp8_path must be one of {FP8_PATHS} ('mma' or 'mma_eo' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}"
+        )
+    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16", "mma_eo"):  # no peeled tile in "mma_pairs"
+        raise ValueError(f"preload_kv needs fp8_path 'mma', 'mma_v16' or 'mma_eo', got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
     min_tile = 1 if cfg.gqa_mode == "sum" else 16
