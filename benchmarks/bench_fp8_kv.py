@@ -1,6 +1,7 @@
 """FP8 KV cache on one GPU: the Triton kernels against the torch reference at real sizes, then decode speed.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep] [--quick]
+        [--sms N]
 
 (a) correctness, bf16 queries over float8_e4m3fn caches with per-head scales (Hq 16 / Hkv 8 / D 128):
     store_kv at 8192 tokens (bit-exact against ``fp8.quantize_fp8``: mismatched bytes are counted), decode (64
@@ -22,6 +23,10 @@
 (c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
 A short table comes last (and once early, after the candidates); --json writes every number. --quick skips (a)
 and (c) (for a short GPU call); (b2) always runs (a few seconds).
+--sms N runs everything inside a CUDA green context of N SMs (``torch.cuda.green_contexts``; the DRAM stays whole):
+an H100 with 88-96 of its 132 SMs has an H200's bytes per SM, and there the FP8 kernels sat as far behind the read
+probe as on an H200 (BENCHMARKS.md, twenty-ninth session), so an H100 can stand in for the H200's instruction-bound
+regime. The script checks first that kernels, eager and graph-replayed, land on N SMs.
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ from fnvllm.kernels.fp8 import quantize_fp8
 # "mma_words" 286-341, 8 warps 246-305 (docs/fp8.md; the slower paths were removed since). Kept: the closest
 # ones, to follow them across Triton versions.
 FP8_CANDIDATES: tuple[dict[str, object], ...] = (
+    # the default before "mma_eo" (tiles of 128), and "mma_eo" at tiles of 64 (H100 on 88 SMs: 215.4 us against 217.5
+    # at 128)
+    {"fp8_path": "mma", "tile_size": 128, "num_stages": 3, "num_warps": 4},
+    {"fp8_path": "mma_eo", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
@@ -446,6 +455,55 @@ def bench_read_probes(results: dict) -> None:
     del q
 
 
+# ------------------------------------------------------------------------------------------------ --sms
+
+
+@triton.jit
+def _sm_id_kernel(out_ptr, SPIN: tl.constexpr):
+    """out[pid] = the SM program pid ran on, after SPIN dependent float ops (so the grid spreads over the SMs)."""
+    pid = tl.program_id(0)
+    zero = tl.full([1], 0, tl.int32)
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32, is_pure=False, pack=1)
+    acc = pid.to(tl.float32)
+    for _ in range(SPIN):
+        acc = acc * 1.0000001 + 1e-7
+    tl.store(out_ptr + pid + tl.arange(0, 1), sm + (acc > 1e30).to(tl.int32))  # (acc: kept, never true)
+
+
+def sms_used(graph: bool) -> int:
+    """Distinct SMs that 4 x 132 spinning programs ran on, launched eagerly or replayed from a CUDA graph."""
+    out = torch.full((4 * 132,), -1, dtype=torch.int32, device=DEV)
+    launch = lambda: _sm_id_kernel[(out.shape[0],)](out, SPIN=20000)  # noqa: E731
+    launch()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch()
+        out.fill_(-1)
+        g.replay()
+    torch.cuda.synchronize()
+    return len(set(out.tolist()))
+
+
+def limit_sms(num_sms: int) -> object:
+    """Make a CUDA green context of num_sms SMs current for the rest of the process (its default stream becomes
+    torch's current stream), after checking that eager launches and graph replays stay on num_sms SMs; returns
+    the context (keep it alive)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    torch.zeros(1, device=DEV)  # the primary context first
+    try:
+        ctx = GreenContext.create(num_sms=num_sms)
+    except TypeError:  # torch 2.9-2.10: create(num_sms, device_id)
+        ctx = GreenContext.create(num_sms, 0)
+    (getattr(ctx, "set_context", None) or ctx.make_current)()
+    eager, graph = sms_used(False), sms_used(True)
+    print(f"green context of {num_sms} SMs: kernels ran on {eager} SMs eagerly, {graph} from a CUDA graph", flush=True)
+    if max(eager, graph) > num_sms:
+        raise SystemExit(f"--sms {num_sms}: kernels ran on {max(eager, graph)} SMs; the green context does not hold")
+    return ctx
+
+
 # ------------------------------------------------------------------------------------------------ (c) prefill
 
 
@@ -517,11 +575,14 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=150.0, help="seconds the decode sweep may take (after (a))")
     parser.add_argument("--no-sweep", action="store_true", help="time the defaults only")
     parser.add_argument("--quick", action="store_true", help="decode speed only: skip (a) and (c)")
+    parser.add_argument("--sms", type=int, help="run in a CUDA green context of this many SMs (see the docstring)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_kv.py needs a CUDA GPU")
+    green = limit_sms(args.sms) if args.sms else None
     t0 = time.perf_counter()
-    results: dict = {"correctness": [], "fp8_vs_bf16_reference": {}, "device": torch.cuda.get_device_name()}
+    results: dict = {"correctness": [], "fp8_vs_bf16_reference": {}, "device": torch.cuda.get_device_name(),
+                     "sms": args.sms}  # fmt: skip
     if not args.quick:
         correctness(results)
     torch.cuda.empty_cache()
@@ -536,6 +597,7 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
     summary(results)
+    del green
 
 
 if __name__ == "__main__":

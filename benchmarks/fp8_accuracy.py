@@ -45,9 +45,11 @@ from fnvllm.kernels.fp8 import FP8_DTYPE
 # float16, are the same as the "mma" path's).
 DECODE_PATH = "fp8_decode_path"
 DEFAULT_FP8 = dec.DEFAULT_FP8_DECODE_CONFIG  # the launcher's FP8 knobs as shipped (option sets without DECODE_PATH)
+SMALL_BATCH_FP8 = dec.SMALL_BATCH_DECODE_FP8  # and its small-batch entries (this script's 16 prompts take one)
 
 OPTION_SETS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("fp8 KV", {"kv_cache_dtype": "fp8"}),
+    ("fp8 KV, decode path mma", {"kv_cache_dtype": "fp8", DECODE_PATH: "mma"}),
     ("fp8 KV, decode q e4m3", {"kv_cache_dtype": "fp8", DECODE_PATH: "wgmma_qk8"}),
     ("fp8 weights", {"quantization": "fp8"}),
     ("fp8 weights + KV", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
@@ -99,8 +101,12 @@ def make_executor(path: Path, device: str, options: dict[str, Any], num_blocks: 
     )  # fmt: skip
     ex = ModelExecutor(path, config)
     path_choice = options.get(DECODE_PATH, DEFAULT_FP8.fp8_path)
-    if ex.device.type == "cuda":
+    if ex.device.type == "cuda":  # the default and the small-batch entries built from it at import
         dec.DEFAULT_FP8_DECODE_CONFIG = dataclasses.replace(DEFAULT_FP8, fp8_path=path_choice)
+        dec.SMALL_BATCH_DECODE_FP8 = {
+            rows: None if cfg is None else dataclasses.replace(cfg, fp8_path=path_choice)
+            for rows, cfg in SMALL_BATCH_FP8.items()
+        }
     elif "_qk8" in path_choice:  # the other paths compute what the torch backend does (up to float32 rounding)
         ex.backend = attrs.evolve(ex.backend, attend=_decode_q_e4m3(ex.backend.attend))
     return ex
