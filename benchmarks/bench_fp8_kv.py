@@ -13,9 +13,10 @@
     FP8_CANDIDATES (other ``fp8_path`` choices; each checked against the reference, the "_qk8" paths against
     the reference over e4m3-rounded queries), then a short coordinate sweep around the best (partition size,
     stages, warps, tile), and once with the tiles widened to bfloat16 instead of float16 (``fp8_compute_fp16``
-    off: the choice it documents; "mma" path only). Bytes = the KV actually read:
-    sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time = median CUDA-graph replay
-    (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and >= 1.85x the bf16 tokens/s;
+    off: the choice it documents; "mma" and "mma_eo" paths only, both then multiplying as "mma" in bfloat16).
+    Bytes = the KV actually read: sum(seq_lens) x Hkv x D x 2 (K and V) x 2 bytes (bf16) or 1 byte (fp8). Time =
+    median CUDA-graph replay (triton.testing.do_bench flushes L2). Targets (issue 20): fp8 >= 3.9 TB/s and
+    >= 1.85x the bf16 tokens/s;
 (b2) read probes: the same KV bytes read by a kernel that only loads them (XOR-folded, no attention math), by
     the decode kernel's access pattern (a program reads one KV head's slice of each token row: 128 contiguous
     bytes for FP8, 256 for bf16) and by wider ones (2-8 heads a program: 256-1024 contiguous bytes for FP8): what
@@ -287,7 +288,7 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
             if measure(cand) < measure(best):
                 best = cand
     results["decode_errors"] = errors
-    bf16_compute_s = time_bf16_compute(q, f, p, best) if best.fp8_path == "mma" else math.inf
+    bf16_compute_s = time_bf16_compute(q, f, p, best) if best.fp8_path in ("mma", "mma_eo") else math.inf
     try:
         err = rel_err(run_decode(q, f, p, best), refs["_qk8" in best.fp8_path])
     except Exception:  # every config failed: recorded as a FAIL
