@@ -1321,7 +1321,7 @@ def _check_config(cfg: DecodeKernelConfig) -> None:
         raise ValueError(
             f"fp8_path must be one of {FP8_PATHS} ('mma' or 'mma_eo' unless gqa_mode is 'dot'), got {cfg.fp8_path!r}"
         )
-    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16", "mma_eo"):  # no peeled tile in "mma_pairs"
+    if cfg.preload_kv and cfg.fp8_path not in ("mma", "mma_v16", "mma_eo"):  # none in "mma_pairs"; qk8 untested
         raise ValueError(f"preload_kv needs fp8_path 'mma', 'mma_v16' or 'mma_eo', got {cfg.fp8_path!r}")
     if not _is_pow2(cfg.partition_size):
         raise ValueError(f"partition_size must be a power of two, got {cfg.partition_size}")
