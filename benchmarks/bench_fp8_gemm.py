@@ -1,6 +1,6 @@
 """The FP8 weight GEMMs at Qwen3-8B sizes on one GPU: correctness, then time against bf16 and cuBLAS fp8.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_gemm.py [--sweep] [--budget-s 100] [--json PATH]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8_gemm.py [--sweep] [--budget-s 100] [--json PATH] [--sms N]
 
 The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 24576, down 12288 ->
 4096), weights N(0, 1/K) quantized to e4m3 with 128 x 128 block scales (``quant.quantize_fp8_blocks``).
@@ -50,6 +50,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from benchmarks.green import limit_sms
 from fnvllm.kernels import fp8_gemm as g
 from fnvllm.kernels import fused_ops as f
 from fnvllm.model.quant import quantize_fp8_blocks
@@ -114,6 +115,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--total-s", type=float, help="stop the sweep this many seconds after the script starts (wall budget)"
+    )
+    parser.add_argument(
+        "--sms", type=int, help="run in a CUDA green context of this many SMs (benchmarks/green.py: an H200 stand-in)"
     )
     parser.add_argument(
         "--layer-chain",
@@ -633,6 +637,7 @@ def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm.py times Triton and cuBLAS GEMMs: it needs a CUDA GPU")
+    green = limit_sms(args.sms) if args.sms else None  # noqa: F841 (the context lives as long as main)
     began = time.monotonic()
     ms = sorted(args.ms)
     gemms = [Gemm(name, n, k) for name, (n, k) in GEMMS.items()]

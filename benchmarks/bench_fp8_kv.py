@@ -24,10 +24,9 @@
 (c) prefill speed (the mixed 8192-token batch of bench_attention.py), bf16 vs fp8, default knobs.
 A short table comes last (and once early, after the candidates); --json writes every number. --quick skips (a)
 and (c) (for a short GPU call); (b2) always runs (a few seconds).
---sms N runs everything inside a CUDA green context of N SMs (``torch.cuda.green_contexts``; the DRAM stays whole):
-an H100 with 88-96 of its 132 SMs has an H200's bytes per SM, and there the FP8 kernels sat as far behind the read
-probe as on an H200 (BENCHMARKS.md, twenty-ninth session), so an H100 can stand in for the H200's instruction-bound
-regime. The script checks first that kernels, eager and graph-replayed, land on N SMs.
+--sms N runs everything inside a CUDA green context of N SMs (``benchmarks/green.py``; the DRAM stays whole): an
+H100 with 88-96 of its 132 SMs has an H200's bytes per SM, and there the FP8 kernels sat as far behind the read
+probe as on an H200 (BENCHMARKS.md, twenty-ninth session). It checks first that kernels land on N SMs.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from benchmarks.bench_attention import (
     prefill_args,
     rel_err,
 )
+from benchmarks.green import limit_sms
 from fnvllm.kernels import decode_attention as dec
 from fnvllm.kernels import prefill_attention as pre
 from fnvllm.kernels import store_kv as skv
@@ -454,55 +454,6 @@ def bench_read_probes(results: dict) -> None:
             )
     results["read_probes"] = rows
     del q
-
-
-# ------------------------------------------------------------------------------------------------ --sms
-
-
-@triton.jit
-def _sm_id_kernel(out_ptr, SPIN: tl.constexpr):
-    """out[pid] = the SM program pid ran on, after SPIN dependent float ops (so the grid spreads over the SMs)."""
-    pid = tl.program_id(0)
-    zero = tl.full([1], 0, tl.int32)
-    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32, is_pure=False, pack=1)
-    acc = pid.to(tl.float32)
-    for _ in range(SPIN):
-        acc = acc * 1.0000001 + 1e-7
-    tl.store(out_ptr + pid + tl.arange(0, 1), sm + (acc > 1e30).to(tl.int32))  # (acc: kept, never true)
-
-
-def sms_used(graph: bool) -> int:
-    """Distinct SMs that 4 x 132 spinning programs ran on, launched eagerly or replayed from a CUDA graph."""
-    out = torch.full((4 * 132,), -1, dtype=torch.int32, device=DEV)
-    launch = lambda: _sm_id_kernel[(out.shape[0],)](out, SPIN=20000)  # noqa: E731
-    launch()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            launch()
-        out.fill_(-1)
-        g.replay()
-    torch.cuda.synchronize()
-    return len(set(out.tolist()))
-
-
-def limit_sms(num_sms: int) -> object:
-    """Make a CUDA green context of num_sms SMs current for the rest of the process (its default stream becomes
-    torch's current stream), after checking that eager launches and graph replays stay on num_sms SMs; returns
-    the context (keep it alive)."""
-    from torch.cuda.green_contexts import GreenContext
-
-    torch.zeros(1, device=DEV)  # the primary context first
-    try:
-        ctx = GreenContext.create(num_sms=num_sms)
-    except TypeError:  # torch 2.9-2.10: create(num_sms, device_id)
-        ctx = GreenContext.create(num_sms, 0)
-    (getattr(ctx, "set_context", None) or ctx.make_current)()
-    eager, graph = sms_used(False), sms_used(True)
-    print(f"green context of {num_sms} SMs: kernels ran on {eager} SMs eagerly, {graph} from a CUDA graph", flush=True)
-    if max(eager, graph) > num_sms:
-        raise SystemExit(f"--sms {num_sms}: kernels ran on {max(eager, graph)} SMs; the green context does not hold")
-    return ctx
 
 
 # ------------------------------------------------------------------------------------------------ (c) prefill

@@ -85,7 +85,7 @@ CUDA_ONLY = (
     "sweep_decode_mid.py",
 )
 SHELL = ("cuda_rows_check.sh", "gpu_check.sh", "serve_check.sh", "sim_h200_check.sh", "step_variants.sh")
-MODULES = ("__init__.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
+MODULES = ("__init__.py", "green.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -191,3 +191,12 @@ def test_helper_module_imports(module: str, quick: dict[str, dict[str, Any]]) ->
     """The helper module imports (as the scripts import it)."""
     result = quick[f"import:{module}"]
     assert result["returncode"] == 0, result["stderr"][-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_sm_limit_refuses_a_machine_without_cuda() -> None:
+    """benchmarks/green.py's limit_sms (behind --sms) stops with the reason on a machine without a CUDA GPU."""
+    from benchmarks import green
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        green.limit_sms(88)
