@@ -77,7 +77,8 @@ FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "wgmma_qk8", "tile_size": 64, "num_stages": 3, "num_warps": 4},
-    # two KV heads a program (256 contiguous bytes a token row, as the bf16 kernel reads): new, not yet measured
+    # two KV heads a program (256 contiguous bytes a token row, as the bf16 kernel reads): H100 317-561 us against
+    # "mma"'s 214 (twenty-eighth session)
     {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 3, "num_warps": 4},
     {"fp8_path": "mma_pairs", "tile_size": 64, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "mma_pairs", "tile_size": 32, "num_stages": 3, "num_warps": 4},
@@ -91,8 +92,8 @@ FP8_CANDIDATES: tuple[dict[str, object], ...] = (
     {"fp8_path": "mma_v16", "tile_size": 64, "num_stages": 2, "num_warps": 4},
     {"fp8_path": "mma_v16", "tile_size": 128, "num_stages": 2, "num_warps": 4},
     # the transposed products with K widened too, q in float16 (370 instructions a warp per tile of 64): on the H100
-    # 11 % slower than "mma" longest first, bound by shared memory (BENCHMARKS.md, twenty-eighth session); the H200
-    # is not measured
+    # 11 % slower than "mma" longest first, bound by shared memory (BENCHMARKS.md, twenty-eighth session); 30 % on
+    # 88-96 SMs, the H200 stand-in (twenty-ninth session)
     {"gqa_mode": "kq", "tile_size": 64, "num_stages": 3, "num_warps": 4},
 )
 FP8_SWEEP: tuple[tuple[dict[str, object], ...], ...] = (  # one coordinate per step; the best so far moves

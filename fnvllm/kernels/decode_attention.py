@@ -101,7 +101,8 @@ class DecodeKernelConfig:
         (370 instructions a warp per 64 tokens against "mma"'s 1,145 per 128, ``benchmarks/sass_count.py``), yet on an
         H100 it ran slower (BENCHMARKS.md, twenty-eighth session: B 256 FP8 237 against 214 us, bf16 407 against
         394; the whole decode step at 16 requests +7 %), bound by restaging the widened tiles through shared memory
-        (``ncu``: L1/TEX 84 %, DRAM 55 %); the H200 is not measured.
+        (``ncu``: L1/TEX 84 %, DRAM 55 %), and 30 % slower on the H100 at an H200's bytes per SM (88-96 SMs,
+        twenty-ninth session); the H200 itself is not measured.
     prefetch: issue tile i+1's K/V loads before consuming tile i (a register double buffer): an alternative to
         num_stages, whose cp.async pipelining it replaces (use it with num_stages=1).
     heads_inner: order the grid (Hkv, B, P) so that consecutive programs are the KV heads of one sequence and
