@@ -488,6 +488,20 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def softmax_step(s, m, l, scale_log2):
+    """The online softmax's step over unscaled scores s (R, N): (new running max, the factor alpha (R,) that
+    rescales what was accumulated under the old one, p (R, N), new running sum), all base 2.
+
+    Fewer instructions a tile (the FP8 decode kernel is bound by them, BENCHMARKS.md, twenty-seventh session):
+    scale_log2 > 0, so the row max of the scaled scores is the scaled row max (rounding is monotonic: the same
+    bits), one product a row; and the exponent's s * scale_log2 - m_new is one FMA an element."""
+    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (R, N)
+    return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def attend_tile(
     q,
     k,
@@ -513,15 +527,8 @@ def attend_tile(
         s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # (R, N)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    # Fewer instructions a tile (the FP8 decode kernel is bound by them, BENCHMARKS.md, twenty-seventh session):
-    # scale_log2 > 0, so the row max of the scaled scores is the scaled row max (rounding is monotonic: the same
-    # bits), one product a row; the exponent's s * scale_log2 - m_new is one FMA an element; and P V accumulates
-    # into the rescaled acc inside the MMA.
-    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2)
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (R, N)
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
+    m_new, alpha, p, l = softmax_step(s, m, l, scale_log2)
+    acc = acc * alpha[:, None]  # (P V then accumulates into the rescaled acc inside the MMA)
     if USE_DOT:
         return m_new, l, dot_into(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)  # (R, D)
     return m_new, l, acc + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
@@ -584,11 +591,7 @@ def attend_tile_eo(
     k_lo, k_hi = split_e4m3_pairs(k, not UPCAST_DOT)
     s = dot(q_lo, tl.trans(k_lo), DOT_PRECISION, UPCAST_DOT)
     s = dot_into(q_hi, tl.trans(k_hi), s, DOT_PRECISION, UPCAST_DOT)  # (R, N)
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1) * scale_log2)
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (R, N)
-    l = l * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l = softmax_step(tl.where(visible, s, float("-inf")), m, l, scale_log2)
     v_lo, v_hi = split_e4m3_pairs(v, not UPCAST_DOT)
     p16 = p.to(tl.float16)
     acc_lo = dot_into(p16, v_lo, acc_lo * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
@@ -1178,10 +1181,8 @@ def _launch_partitions(
     merge_group = int(triton.next_power_of_2(group))
     k_e4m3 = kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8"  # the transposed products, K as stored
     kq = k_e4m3 or cfg.gqa_mode == "kq"
-    eo = (
-        kv.k_scale is not None and cfg.fp8_path == "mma_eo" and cfg.gqa_mode == "dot" and fp8_compute_fp16(q, kv.k)
-        and head_dim >= 32
-    )  # fmt: skip
+    q_fp16 = fp8_compute_fp16(q, kv.k)  # (an FP8 cache and 16-bit q)
+    eo = q_fp16 and cfg.fp8_path == "mma_eo" and cfg.gqa_mode == "dot" and head_dim >= 32
     if eo:  # the caches read as int16 pairs of e4m3 bytes (strides below in int16 elements)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     grid = (num_kv_heads, num_seqs, num_parts) if cfg.heads_inner else (num_seqs, num_kv_heads, num_parts)
@@ -1222,7 +1223,7 @@ def _launch_partitions(
         PREFETCH=cfg.prefetch,
         HEADS_INNER=cfg.heads_inner,
         KV_FP8=kv.k_scale is not None,
-        Q_FP16=fp8_compute_fp16(q, kv.k),
+        Q_FP16=q_fp16,
         KQ=kq,
         FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group,
@@ -1230,7 +1231,7 @@ def _launch_partitions(
         USE_PDL=use_pdl(q.device),
         PRELOAD_KV=cfg.preload_kv,
         ORDERED=seq_order is not None,
-        V_WIDE=kv.k_scale is not None and cfg.fp8_path == "mma_v16" and fp8_compute_fp16(q, kv.k),
+        V_WIDE=q_fp16 and cfg.fp8_path == "mma_v16",
         K_E4M3=k_e4m3,
         EO=eo,
         num_warps=cfg.num_warps,
