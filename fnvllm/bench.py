@@ -304,6 +304,7 @@ def _run(
         "cuda_graphs": llm.executor.graphs is not None,
         "num_blocks": llm.executor.num_blocks,
         "kv_cache_dtype": llm.config.kv_cache_dtype,
+        "kv_layout": llm.executor.kv_layout,
         "requests": len(prompts),
         "output_tokens": tokens,
         "seconds": round(seconds, 3),

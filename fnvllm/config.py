@@ -18,6 +18,7 @@ from fnvllm.state.config import MAX_MODEL_LEN, MAX_NUM_BLOCKS, MAX_NUM_SEQS
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 KVCacheDtype = Literal["auto", "fp8"]
+KVLayout = Literal["auto", "NHD", "HND"]
 LoadFormat = Literal["auto", "dummy"]
 
 # Upper ends of EngineConfig's ranges (see each field): beyond them an option only ever fails later, deep in an
@@ -82,6 +83,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "num_decode_steps": _int("num_decode_steps", 1, MAX_DECODE_STEPS),
     "model_ops": _choice("model_ops", "auto", "torch", "compile", "triton"),
     "kv_cache_dtype": _choice("kv_cache_dtype", "auto", "fp8"),
+    "kv_layout": _choice("kv_layout", "auto", "NHD", "HND"),
     "tensor_parallel_size": _int("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL),
     "distributed_timeout_s": _real("distributed_timeout_s", 0, 7 * 24 * 3600),
     "quantization": lambda value: (
@@ -127,6 +129,9 @@ class EngineConfig:
         (torch.compile), "triton"; "auto" = triton on CUDA when importable, else torch.
     kv_cache_dtype: KV cache storage: "auto" = the model's dtype; "fp8" = float8_e4m3fn with a float32 scale per
         layer and KV head (the checkpoint's k_scale / v_scale, else 1.0): half the bytes, about twice the blocks.
+    kv_layout: the KV caches' memory order (``fnvllm.kernels.attention``): "NHD" (a token's heads side by side),
+        "HND" (one KV head's tokens of a block in one run); "auto" = the attention backend's own choice. The
+        tokens are the same either way; a backend takes only the orders it reads ("flash": "NHD").
     seed: seed of the sampler's shared generator (unseeded requests), an int in [0, 2**64).
     tensor_parallel_size: processes (one per GPU) the model is split over; > 1 starts worker processes
         (``fnvllm.executor.tp``) or joins the ``torchrun`` group this process was launched in.
@@ -157,6 +162,7 @@ class EngineConfig:
     num_decode_steps: int = 1
     model_ops: str = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
+    kv_layout: KVLayout = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
     quantization: Literal["fp8"] | None = None

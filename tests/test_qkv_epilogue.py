@@ -11,6 +11,7 @@ from triton_guard import require_triton
 DEVICE = require_triton()
 
 from fnvllm.kernels import fp8, skinny_gemm  # noqa: E402
+from fnvllm.kernels.attention import zeros_kv_cache  # noqa: E402
 from fnvllm.kernels.skinny_gemm import (  # noqa: E402
     Norm,
     QkvEpilogue,
@@ -80,13 +81,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("heads", [(4, 2), (3, 1)])
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, fp8.FP8_DTYPE])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_epilogue_equals_projection_then_norm_rope_store(
-    rows: int, heads: tuple[int, int], config: SkinnyConfig, cache_dtype: torch.dtype
+    rows: int, heads: tuple[int, int], config: SkinnyConfig, cache_dtype: torch.dtype, layout: str
 ) -> None:
     """With the RMSNorm prologue and a bias, the fused launch's q, raw qkv and both caches are the bits of the
-    same skinny launch without the epilogue followed by norm_rope_store, at 1-16 rows, bf16 and FP8 caches."""
+    same skinny launch without the epilogue followed by norm_rope_store, at 1-16 rows, bf16 and FP8 caches; the
+    epilogue's caches in either memory order (``attention.kv_layout``: the same logical bits)."""
     hq, hkv = heads
     inp = layer_inputs(rows, hq, hkv, rows * 7 + hq, cache_dtype)
+    if layout == "HND":  # the epilogue's pair head-major
+        inp["caches"][2:] = [zeros_kv_cache(4, 16, hkv, HEAD_DIM, cache_dtype, torch.device(DEVICE), "HND")
+                             for _ in range(2)]  # fmt: skip
     cfg = config._replace(block_m=16 if config.use_dot else max(1, 1 << (rows - 1).bit_length()))
     res_a, res_b = torch.empty_like(inp["x"]), torch.empty_like(inp["x"])
     qkv = skinny_linear(inp["x"], inp["w"], inp["bias"], cfg, norm=Norm(inp["nw"], 1e-6, inp["res"], res_a))

@@ -52,8 +52,8 @@ from fnvllm.executor.sampler import (
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
-from fnvllm.kernels.attention import AttentionMetadata, KVCache
-from fnvllm.kernels.backends import resolve_backend
+from fnvllm.kernels.attention import AttentionMetadata, KVCache, zeros_kv_cache
+from fnvllm.kernels.backends import resolve_backend, resolve_kv_layout
 from fnvllm.kernels.fp8 import kv_cache_torch_dtype
 from fnvllm.kernels.prefill_work import prefill_tokens_per_tile
 from fnvllm.model.config import ModelConfig
@@ -296,7 +296,8 @@ class ModelExecutor:
         set_cpu_threads(self.device, self.model_config, tp.world_size)  # one thread for small models (threads.py)
         self.dtype = self.model_config.torch_dtype
         self.num_kv_heads = local_heads(self.model_config, tp)[1]
-        self.backend = resolve_backend(config.attention_backend, self.device, config.kv_cache_dtype)
+        self.backend = resolve_backend(config.attention_backend, self.device, config.kv_cache_dtype, config.kv_layout)
+        self.kv_layout = resolve_kv_layout(config.kv_layout, self.backend, config.kv_cache_dtype)  # memory order
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.ops = _resolve_ops(config.model_ops, self.device)
@@ -425,15 +426,13 @@ class ModelExecutor:
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """One zeroed KVCache per layer of ``num_blocks`` blocks (FP8 ones with their scales)."""
         m = self.model_config
-        shape = (num_blocks, self.config.block_size, self.num_kv_heads, m.head_dim)
         scales = self.kv_scales or [(None, None)] * m.num_hidden_layers
-        return [KVCache(self._zeros(shape), self._zeros(shape), *layer_scales) for layer_scales in scales]
+        return [KVCache(self._zeros(num_blocks), self._zeros(num_blocks), *layer_scales) for layer_scales in scales]
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed cache tensor; float8 ones are zeroed as bytes (0x00 is +0.0) and viewed as float8."""
-        if self.kv_dtype.itemsize == 1:
-            return torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.kv_dtype)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+    def _zeros(self, num_blocks: int) -> torch.Tensor:
+        """One zeroed (num_blocks, block_size, Hkv, D) cache tensor in the executor's memory order."""
+        return zeros_kv_cache(num_blocks, self.config.block_size, self.num_kv_heads, self.model_config.head_dim,
+                              self.kv_dtype, self.device, self.kv_layout)  # fmt: skip
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
 

@@ -3,6 +3,11 @@
 KV cache, per layer: `k_cache`, `v_cache`, each (num_blocks, block_size, num_kv_heads, head_dim) (the
 flash-attn-4 paged layout). Token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size` of the flattened (num_blocks * block_size) cache.
+Every kernel indexes the caches as that shape, but two memory orders exist (``KV_LAYOUTS``, ``kv_layout``):
+"NHD", contiguous, where one token's heads sit side by side (a KV head's row of a token is D elements, Hkv * D
+apart from the next token's), and "HND", a permuted view of contiguous (num_blocks, Hkv, block_size, D) memory,
+where one head's tokens of a block form one contiguous run (FlashInfer's default). A decode program reads one KV
+head, so "HND" hands it block_size * D contiguous elements where "NHD" hands it D-element pieces.
 
 Worked example (block_size 4): "a" feeds 6 prompt tokens from position 0 with blocks (5, 2); "b" decodes one
 token at position 9 with blocks (3, 8, 6):
@@ -93,6 +98,54 @@ class KVCache(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
+# The caches' memory orders (see the module docstring). A tensor's strides tell which one it has (``kv_layout``).
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def kv_layout(cache: torch.Tensor) -> str:
+    """The memory order of a (num_blocks, block_size, Hkv, D) cache: "NHD" when contiguous, "HND" when it is the
+    (0, 2, 1, 3) permutation of contiguous (num_blocks, Hkv, block_size, D) memory; ValueError otherwise."""
+    if cache.dim() != 4:
+        raise ValueError(f"a KV cache is (num_blocks, block_size, Hkv, D), got shape {tuple(cache.shape)}")
+    if cache.is_contiguous():
+        return "NHD"
+    if cache.permute(0, 2, 1, 3).is_contiguous():
+        return "HND"
+    raise ValueError(
+        f"a KV cache must be contiguous (NHD) or a (0, 2, 1, 3) view of contiguous (num_blocks, Hkv, block_size, D) "
+        f"memory (HND); got shape {tuple(cache.shape)}, strides {cache.stride()}"
+    )
+
+
+def check_same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
+    """The caches' shared layout (``kv_layout``); ValueError when they differ in shape, strides or layout."""
+    layout = kv_layout(k_cache)
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must have one shape and one layout, got {tuple(k_cache.shape)} "
+            f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}"
+        )
+    return layout
+
+
+def zeros_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    layout: str = "NHD",
+) -> torch.Tensor:  # fmt: skip
+    """A zeroed (num_blocks, block_size, Hkv, D) cache in ``layout`` memory order; float8 ones are zeroed as bytes
+    (0x00 is +0.0) and viewed as float8 (torch.zeros has no float8 kernel everywhere)."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if layout == "HND":
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if dtype.itemsize == 1:
+        cache = torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+    return cache.permute(0, 2, 1, 3) if layout == "HND" else cache
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -105,12 +158,13 @@ def write_kv(
     """Store this step's keys/values (T, Hkv, D) into their slots of the paged caches, in place; an FP8 cache
     stores them quantized by its scales (``fp8.quantize_fp8``)."""
     check_kv_scales(k_cache, k_scale, v_scale)
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # (T,) each: either memory order
     for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        rows = cache.view(-1, cache.shape[2], cache.shape[3])  # (num_slots, Hkv, D)
         if s is None:
-            rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
-        else:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
-            rows.view(torch.uint8).index_copy_(0, slot_mapping, quantize_fp8(x, s).view(torch.uint8))
+            cache[blocks, offsets] = x.to(cache.dtype)
+        else:  # float8 index_put_ is not on every device: write the bytes
+            cache.view(torch.uint8)[blocks, offsets] = quantize_fp8(x, s).view(torch.uint8)
 
 
 def paged_attention_ref(

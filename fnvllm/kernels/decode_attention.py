@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.env import env_choice
-from fnvllm.kernels.attention import KVCache, _decode_attention
+from fnvllm.kernels.attention import KVCache, _decode_attention, check_same_layout
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import gpu_model, pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.store_kv import e4m3_bits
@@ -1382,8 +1382,9 @@ def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             f"q must be fp16/bf16/fp32 and both caches q's dtype or float8_e4m3fn, got {q.dtype}, {k_cache.dtype}, "
             f"{v_cache.dtype}"
         )
-    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("q needs a contiguous last dim, and k_cache / v_cache must be contiguous")
+    if q.stride(2) != 1:
+        raise ValueError(f"q needs a contiguous last dim, got strides {q.stride()}")
+    check_same_layout(k_cache, v_cache)  # either memory order: the kernels take the caches' strides
 
 
 def check_scale(scale: float) -> None:

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from fnvllm.env import env_choice
 from fnvllm.kernels import cuda_skinny
+from fnvllm.kernels.attention import kv_layout
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
 from fnvllm.kernels.fp8 import is_fp8
 from fnvllm.kernels.fused_ops import (
@@ -164,6 +165,8 @@ def _skinny_kernel(
     EPI_HALF: tl.constexpr,
     EPI_NORM: tl.constexpr,
     EPI_FP8: tl.constexpr,
+    EPI_BLOCK_SIZE: tl.constexpr,  # QKV_EPI: the caches' tokens a block, and whether they are head-major ("HND")
+    EPI_HEAD_MAJOR: tl.constexpr,
 ):
     """Columns pid_n*BLOCK_N .. +BLOCK_N of y over K range [pid_k * k_per_split, +k_per_split).
 
@@ -270,7 +273,7 @@ def _skinny_kernel(
             _qkv_epilogue_if_last(
                 out_ptr, stride_om, counter_ptr, pid_n, rows, row_ok, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                 k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, qk_eps,
-                EPI_HEADS, EPI_KV_HEADS, EPI_HALF, EPI_NORM, EPI_FP8, BLOCK_N,
+                EPI_HEADS, EPI_KV_HEADS, EPI_HALF, EPI_NORM, EPI_FP8, BLOCK_N, EPI_BLOCK_SIZE, EPI_HEAD_MAJOR,
             )  # fmt: skip
     else:
         part_offs = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N) in one split's (M, N) slab
@@ -309,6 +312,8 @@ def _qkv_epilogue_if_last(
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     """Count column block pid_n in on its head's counter; the last of the head's programs runs the attention
     prologue for the head over all rows and resets the counter (the barrier orders every thread's output stores
@@ -320,7 +325,7 @@ def _qkv_epilogue_if_last(
         prologue_head_rows(
             out_ptr, stride_om, rows, row_ok, head, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
             v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, eps, NUM_HEADS, NUM_KV_HEADS,
-            HALF, HAS_NORM, KV_FP8, 0, 0,
+            HALF, HAS_NORM, KV_FP8, 0, 0, BLOCK_SIZE, HEAD_MAJOR,
         )  # fmt: skip
         tl.atomic_xchg(counter_ptr + head, 0)
 
@@ -743,7 +748,8 @@ def _epilogue_args(epi: QkvEpilogue | None, out: torch.Tensor) -> tuple[list[obj
     """The kernel's QKV_EPI pointer / stride arguments and constexprs (placeholders pointing at out without)."""
     if epi is None:
         return [out] * 10 + [0, 0, 0.0], {"QKV_EPI": False, "EPI_HEADS": 1, "EPI_KV_HEADS": 1, "EPI_HALF": 1,
-                                           "EPI_NORM": False, "EPI_FP8": False}  # fmt: skip
+                                           "EPI_NORM": False, "EPI_FP8": False, "EPI_BLOCK_SIZE": 1,
+                                           "EPI_HEAD_MAJOR": False}  # fmt: skip
     fp8 = is_fp8(epi.k_cache)
     args = [
         epi.q_out,
@@ -767,6 +773,8 @@ def _epilogue_args(epi: QkvEpilogue | None, out: torch.Tensor) -> tuple[list[obj
         "EPI_HALF": epi.k_cache.shape[-1] // 2,
         "EPI_NORM": epi.q_weight is not None,
         "EPI_FP8": fp8,
+        "EPI_BLOCK_SIZE": epi.k_cache.shape[1],
+        "EPI_HEAD_MAJOR": kv_layout(epi.k_cache) == "HND",
     }
     return args, constexprs
 

@@ -1,15 +1,18 @@
 """Store this step's keys and values into the paged KV cache: a Triton kernel beside its torch reference.
 
 Algorithm: one program per fed token t. It reads the token's keys and values, (Hkv, D) each, as one flat
-vector and writes them to row `slot_mapping[t]` of the flattened caches, viewed as (num_slots, Hkv, D) with
-num_slots = num_blocks * block_size. Slots are always valid: the engine pads CUDA-graph batches with a real
-scratch block, so there is no "skip this token" sentinel.
+vector and writes them to slot `slot_mapping[t]` = block * block_size + offset, i.e. k_cache[block, offset]
+(Hkv, D). Slots are always valid: the engine pads CUDA-graph batches with a real scratch block, so there is no
+"skip this token" sentinel.
 
 Worked example (block_size 4, Hkv 2, D 8): token t with slot_mapping[t] = 9 (block 2, offset 1) copies its 16
-key values to k_cache.view(-1, 16)[9], i.e. k_cache[2, 1], and its 16 value values to v_cache[2, 1].
+key values to k_cache[2, 1] and its 16 value values to v_cache[2, 1]. In a token-major ("NHD") cache that is
+one 16-element run at element 9 * 16; in a head-major ("HND", ``attention.kv_layout``) one it is two 8-element
+runs, head h's at element (2 * 2 + h) * 4 * 8 + 1 * 8 (``cache_row_offsets``).
 
 k and v may be strided views of a fused qkv projection ((T, Hkv, D) with any token and head stride); only the
-last dim must be contiguous. The caches must be contiguous. Values are cast to the cache dtype on store.
+last dim must be contiguous. The caches must be in one of the two memory orders, both the same. Values are cast
+to the cache dtype on store.
 
 FP8 caches (float8_e4m3fn, with (Hkv,) float32 k_scale / v_scale; see ``fp8.py``): each value x of head h is
 stored as e4m3(x / scale[h]), saturated to +-448 and rounded to nearest even. The kernel writes the e4m3 bits
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.env import env_choice
-from fnvllm.kernels.attention import write_kv
+from fnvllm.kernels.attention import check_same_layout, kv_layout, write_kv
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import (
     SplitPartials,
@@ -98,6 +101,19 @@ def quantized_bits(x, scale_ptr, head, mask):
 
 
 @triton.jit
+def cache_row_offsets(
+    slot, head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_MAJOR: tl.constexpr
+):
+    """Element offset of KV head ``head``'s row of cache slot ``slot`` (int64, broadcastable shapes): token-major
+    ("NHD") caches (slot * Hkv + head) * D; head-major ("HND", ``attention.kv_layout``) ones
+    (block * Hkv + head) * block_size * D + offset * D, with slot = block * block_size + offset."""
+    if HEAD_MAJOR:
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        return (block * NUM_KV_HEADS + head) * (BLOCK_SIZE * HEAD_DIM) + offset * HEAD_DIM
+    return (slot * NUM_KV_HEADS + head) * HEAD_DIM
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -114,6 +130,8 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= NUM_KV_HEADS * HEAD_DIM
     KV_FP8: tl.constexpr,  # the caches are uint8 views of e4m3 caches: store quantized bits
+    BLOCK_SIZE: tl.constexpr,  # tokens a cache block
+    HEAD_MAJOR: tl.constexpr,  # the caches' memory order is "HND" (else "NHD")
 ):
     """Copy token program_id(0)'s (Hkv, D) keys and values to its cache slot (quantized when KV_FP8)."""
     token = tl.program_id(0)
@@ -124,7 +142,7 @@ def _store_kv_kernel(
     row = token.to(tl.int64)
     k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(v_ptr + row * stride_vt + head * stride_vh + dim, mask=mask)
-    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs
+    dst = cache_row_offsets(slot, head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HEAD_MAJOR) + dim
     if KV_FP8:
         tl.store(k_cache_ptr + dst, quantized_bits(k, k_scale_ptr, head, mask), mask=mask)
         tl.store(v_cache_ptr + dst, quantized_bits(v, v_scale_ptr, head, mask), mask=mask)
@@ -144,9 +162,10 @@ def store_kv(
 ) -> None:
     """Write k, v (T, Hkv, D) into slots `slot_mapping` (T,) of the paged caches, in place (Triton).
 
-    The caches are (num_blocks, block_size, Hkv, D) and contiguous; every slot must be in range (not checked on
-    the device: the launcher reads no device values, so it can be captured in a CUDA graph). FP8 caches need
-    k_scale and v_scale, (Hkv,) float32, and store the values quantized (see the module docstring).
+    The caches are (num_blocks, block_size, Hkv, D) in either memory order (``attention.kv_layout``); every slot
+    must be in range (not checked on the device: the launcher reads no device values, so it can be captured in a
+    CUDA graph). FP8 caches need k_scale and v_scale, (Hkv,) float32, and store the values quantized (see the
+    module docstring).
     """
     _check_store_args(k, v, k_cache, v_cache, slot_mapping)
     check_kv_scales(k_cache, k_scale, v_scale)
@@ -170,6 +189,8 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads,
         BLOCK=triton.next_power_of_2(num_kv_heads * head_dim),
         KV_FP8=fp8,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_MAJOR=kv_layout(k_cache) == "HND",
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
@@ -196,8 +217,9 @@ def _check_store_args(
             f"k and v must share a float dtype, and so must the caches; got k {k.dtype}, v {v.dtype}, "
             f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
         )
-    if k.stride(2) != 1 or v.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k and v need a contiguous last dim, and k_cache / v_cache must be contiguous")
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k and v need a contiguous last dim, got strides {k.stride()} and {v.stride()}")
+    check_same_layout(k_cache, v_cache)
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous")
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
@@ -256,6 +278,8 @@ def _norm_rope_store_kernel(
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens a cache block
+    HEAD_MAJOR: tl.constexpr,  # the caches' memory order is "HND" (else "NHD")
     USE_PDL: tl.constexpr,
     TRIGGER_FIRST: tl.constexpr,
 ):
@@ -283,7 +307,7 @@ def _norm_rope_store_kernel(
     v1 = tl.load(k_src + NUM_KV_HEADS * 2 * HALF, mask=kv_mask, other=0.0)
     v2 = tl.load(k_src + NUM_KV_HEADS * 2 * HALF + HALF, mask=kv_mask, other=0.0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    dst = slot * (NUM_KV_HEADS * 2 * HALF) + kv_offs
+    dst = cache_row_offsets(slot, kh[:, None], NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE, HEAD_MAJOR) + j[None, :]
     k1, k2 = k1.to(dtype), k2.to(dtype)  # rounded as the unfused path's k tensor is
     if KV_FP8:
         heads = kh[:, None] + 0 * j[None, :]  # (BLOCK_KV, HALF) head of each value
@@ -315,13 +339,15 @@ def _norm_rope_values(x1, x2, w_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM
 
 @triton.jit
 def _store_cache_rows(cache_ptr, scale_ptr, slot_ptr, rows, row_ok, kv_head, x1, x2, NUM_KV_HEADS: tl.constexpr,
-                      HALF: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
+                      HALF: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      HEAD_MAJOR: tl.constexpr):  # fmt: skip
     """Store halves x1, x2 (R, HALF) of KV head kv_head of tokens rows (R,) (where row_ok) at their slots (e4m3
     bits of x / scale[kv_head] when KV_FP8, else cast to the cache dtype)."""
     j = tl.arange(0, HALF)
     mask = row_ok[:, None]
     slot = tl.load(slot_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # (R,)
-    dst = cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + j[None, :]
+    dst = cache_ptr + cache_row_offsets(slot[:, None], kv_head, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE, HEAD_MAJOR)
+    dst += j[None, :]
     if KV_FP8:
         heads = kv_head + 0 * j[None, :] + 0 * rows[:, None]  # (R, HALF) head of each value
         tl.store(dst, quantized_bits(x1, scale_ptr, heads, mask), mask=mask)
@@ -371,6 +397,8 @@ def prologue_head_rows(
     KV_FP8: tl.constexpr,
     slab,  # NUM_PARTS > 0: elements between two partial slabs (T x stride_t)
     NUM_PARTS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens a cache block
+    HEAD_MAJOR: tl.constexpr,  # the caches' memory order is "HND" (else "NHD")
 ):
     """``norm_rope_store``'s work for one head of the qkv row layout and the tokens rows: a q head normed, rotated
     and written to q_out (T, Hq, D); a k head normed, rotated and stored at the tokens' slots; a v head stored.
@@ -395,10 +423,10 @@ def prologue_head_rows(
             r1, r2 = _norm_rope_values(x1, x2, k_w_ptr, cos.to(tl.float32), sin.to(tl.float32), eps, HALF,
                                        HAS_NORM, dtype)  # fmt: skip
             _store_cache_rows(k_cache_ptr, k_scale_ptr, slot_ptr, rows, row_ok, head - NUM_HEADS, r1.to(dtype),
-                              r2.to(dtype), NUM_KV_HEADS, HALF, KV_FP8)  # fmt: skip
+                              r2.to(dtype), NUM_KV_HEADS, HALF, KV_FP8, BLOCK_SIZE, HEAD_MAJOR)  # fmt: skip
     else:  # v: stored as it is
         _store_cache_rows(v_cache_ptr, v_scale_ptr, slot_ptr, rows, row_ok, head - NUM_HEADS - NUM_KV_HEADS,
-                          x1.to(dtype), x2.to(dtype), NUM_KV_HEADS, HALF, KV_FP8)  # fmt: skip
+                          x1.to(dtype), x2.to(dtype), NUM_KV_HEADS, HALF, KV_FP8, BLOCK_SIZE, HEAD_MAJOR)  # fmt: skip
 
 
 @triton.jit
@@ -428,6 +456,8 @@ def _norm_rope_store_heads_kernel(
     USE_PDL: tl.constexpr,
     TRIGGER_FIRST: tl.constexpr,
     NUM_PARTS: tl.constexpr,  # > 0: qkv_ptr holds that many float32 partial slabs of num_tokens x stride_t
+    BLOCK_SIZE: tl.constexpr,  # tokens a cache block
+    HEAD_MAJOR: tl.constexpr,  # the caches' memory order is "HND" (else "NHD")
 ):
     """Program (token block program_id(0), head program_id(1) of Hq + 2 Hkv): ``prologue_head_rows`` for that
     head of BLOCK_T tokens (the "head" grid: more, shorter programs than one per token)."""
@@ -436,7 +466,7 @@ def _norm_rope_store_heads_kernel(
     prologue_head_rows(
         qkv_ptr, stride_t, rows, rows < num_tokens, tl.program_id(1), q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         k_scale_ptr, v_scale_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st, eps, NUM_HEADS,
-        NUM_KV_HEADS, HALF, HAS_NORM, KV_FP8, num_tokens * stride_t, NUM_PARTS,
+        NUM_KV_HEADS, HALF, HAS_NORM, KV_FP8, num_tokens * stride_t, NUM_PARTS, BLOCK_SIZE, HEAD_MAJOR,
     )  # fmt: skip
 
 
@@ -532,6 +562,8 @@ def norm_rope_store(
         HALF=head_dim // 2,
         HAS_NORM=q_weight is not None,
         KV_FP8=fp8,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_MAJOR=kv_layout(k_cache) == "HND",
         USE_PDL=use_pdl(qkv.device),
         TRIGGER_FIRST=triggers_first(qkv.device, num_tokens),
         num_warps=_row_warps(triton.next_power_of_2(num_heads) * head_dim),
@@ -576,6 +608,8 @@ def _launch_heads_grid(
         BLOCK_T=block_t,
         HAS_NORM=q_weight is not None,
         KV_FP8=fp8,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_MAJOR=kv_layout(k_cache) == "HND",
         USE_PDL=use_pdl(qkv.device),
         TRIGGER_FIRST=triggers_first(qkv.device, num_tokens),
         NUM_PARTS=parts,

@@ -39,6 +39,9 @@ class AttentionBackend:
     unavailable_reason: ``f(device) -> str | None``; a message naming what is missing, or None when usable.
     supports_cuda_graphs: decode steps may be captured (no host syncs, grid from shapes only).
     supports_fp8_kv: reads and writes float8_e4m3fn caches with their scales (``kv_cache_dtype="fp8"``).
+    kv_layouts: the caches' memory orders it reads and writes (``attention.KV_LAYOUTS``).
+    auto_kv_layout: ``f(kv_cache_dtype) -> layout``, the one of kv_layouts that ``kv_layout="auto"`` allocates for
+        a cache of that dtype ("auto" or "fp8"; measured speed decides it).
     """
 
     name: str
@@ -48,6 +51,8 @@ class AttentionBackend:
     unavailable_reason: Callable[[torch.device], str | None]
     supports_cuda_graphs: bool = False
     supports_fp8_kv: bool = False
+    kv_layouts: tuple[str, ...] = ("NHD",)
+    auto_kv_layout: Callable[[str], str] = lambda kv_cache_dtype: "NHD"
 
 
 class BackendUnavailableError(RuntimeError):
@@ -74,24 +79,30 @@ def get_backend(name: str) -> AttentionBackend:
     return backend
 
 
-def available_backends(device: torch.device, kv_cache_dtype: str = "auto") -> list[AttentionBackend]:
-    """Backends usable on ``device`` (with a ``kv_cache_dtype`` cache), fastest first."""
+def available_backends(
+    device: torch.device, kv_cache_dtype: str = "auto", kv_layout: str = "auto"
+) -> list[AttentionBackend]:
+    """Backends usable on ``device`` (with a ``kv_cache_dtype`` cache in a ``kv_layout`` memory order), fastest
+    first."""
     usable = []
     for name in backend_names():
         try:
             backend = get_backend(name)
         except BackendUnavailableError:
             continue
-        if backend.unavailable_reason(device) is None and (kv_cache_dtype != "fp8" or backend.supports_fp8_kv):
+        fits = (kv_cache_dtype != "fp8" or backend.supports_fp8_kv) and kv_layout in ("auto", *backend.kv_layouts)
+        if backend.unavailable_reason(device) is None and fits:
             usable.append(backend)
     return sorted(usable, key=lambda b: -b.priority)
 
 
-def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
+def resolve_backend(
+    name: str, device: torch.device, kv_cache_dtype: str = "auto", kv_layout: str = "auto"
+) -> AttentionBackend:
     """The backend for ``name`` on ``device``: "auto" = the fastest available; a named one must be usable, and
-    support the FP8 cache when ``kv_cache_dtype`` is "fp8"."""
+    support the FP8 cache when ``kv_cache_dtype`` is "fp8" and the memory order ``kv_layout`` unless "auto"."""
     if name == "auto":
-        return available_backends(device, kv_cache_dtype)[0]  # torch is always available
+        return available_backends(device, kv_cache_dtype, kv_layout)[0]  # torch is always available (any layout)
     backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
@@ -102,7 +113,21 @@ def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto
             f"attention_backend={name!r} cannot read an FP8 KV cache (kv_cache_dtype='fp8'); use one of "
             f"{fp8_names} or kv_cache_dtype='auto'"
         )
+    resolve_kv_layout(kv_layout, backend, kv_cache_dtype)
     return backend
+
+
+def resolve_kv_layout(kv_layout: str, backend: AttentionBackend, kv_cache_dtype: str = "auto") -> str:
+    """The caches' memory order for ``backend``: "auto" = its ``auto_kv_layout`` for ``kv_cache_dtype``; a named
+    one it must read (BackendUnavailableError naming the choices otherwise)."""
+    if kv_layout == "auto":
+        return backend.auto_kv_layout(kv_cache_dtype)
+    if kv_layout not in backend.kv_layouts:
+        raise BackendUnavailableError(
+            f"attention_backend={backend.name!r} cannot read a {kv_layout} KV cache (kv_layout={kv_layout!r}); it "
+            f"reads {list(backend.kv_layouts)}: use one of those or kv_layout='auto'"
+        )
+    return kv_layout
 
 
 def _supports_fp8(name: str) -> bool:

@@ -21,4 +21,5 @@ BACKEND = AttentionBackend(
     unavailable_reason=_always,
     supports_cuda_graphs=False,  # the decode path reads max_seqlen_k on the host
     supports_fp8_kv=True,
+    kv_layouts=("NHD", "HND"),
 )

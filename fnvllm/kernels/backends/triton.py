@@ -58,6 +58,16 @@ def _unavailable(device: torch.device) -> str | None:
     return f"the Triton kernels need a CUDA device, got {device} (kernel tests run them under TRITON_INTERPRET=1)"
 
 
+def auto_kv_layout(kv_cache_dtype: str) -> str:
+    """Head-major ("HND") FP8 caches, token-major ("NHD") 16-bit ones. H100, 2026-12-06 (BENCHMARKS.md, thirtieth
+    session), same call: the FP8 decode kernel ("mma_eo", B 256, contexts U(100, 2048)) 207.5 us a launch over
+    HND caches against 217.7 over NHD (209.7 against 216.7 on 88 SMs, the H200 stand-in), the Qwen3-0.6B bench
+    workload with an FP8 cache 31,230 / 31,233 tok/s against 30,495 / 30,569; the bf16 kernel level (404.7
+    against 404.8 us) and the bf16 latency rows slower in HND (device ms at 16 / 64 requests 1.140 / 1.713
+    against 1.135 / 1.695)."""
+    return "HND" if kv_cache_dtype == "fp8" else "NHD"
+
+
 BACKEND = AttentionBackend(
     name="triton",
     store_kv=store_kv,
@@ -66,4 +76,6 @@ BACKEND = AttentionBackend(
     unavailable_reason=_unavailable,
     supports_cuda_graphs=True,
     supports_fp8_kv=True,
+    kv_layouts=("NHD", "HND"),
+    auto_kv_layout=auto_kv_layout,
 )
