@@ -3,6 +3,9 @@
     PYTHONPATH=$PWD python3 benchmarks/bench_fp8_kv.py [--json PATH] [--budget-s 150] [--no-sweep] [--quick]
         [--sms N]
 
+The FP8 caches of (a)-(c) have the memory order the engine gives them (``ENGINE_FP8_LAYOUT``, the Triton backend's
+``kv_layout="auto"``: head-major), and (b) also times the FP8 default over caches in the other order.
+
 (a) correctness, bf16 queries over float8_e4m3fn caches with per-head scales (Hq 16 / Hkv 8 / D 128):
     store_kv at 8192 tokens (bit-exact against ``fp8.quantize_fp8``: mismatched bytes are counted), decode (64
     contexts U(1, 2048), blocks of 16 and 256, split-K and one partition) and the varlen prefill (a mixed batch)
@@ -61,8 +64,13 @@ from benchmarks.green import limit_sms
 from fnvllm.kernels import decode_attention as dec
 from fnvllm.kernels import prefill_attention as pre
 from fnvllm.kernels import store_kv as skv
+from fnvllm.kernels.attention import kv_layout, zeros_kv_cache
+from fnvllm.kernels.backends.triton import auto_kv_layout
 from fnvllm.kernels.decode_attention import DecodeKernelConfig
 from fnvllm.kernels.fp8 import quantize_fp8
+
+# The memory order the engine gives FP8 caches (the Triton backend's ``kv_layout="auto"``): (a)-(c) use it.
+ENGINE_FP8_LAYOUT = auto_kv_layout("fp8")
 
 # Knob sets tried after the default (on top of the launcher's FP8 choice at B=256). The H200 call of 2026-12-02
 # (02:15) measured every fp8_path at tiles of 64 and 128, 2-4 stages, 4 and 8 warps: "wgmma_qk8" at tiles of 128
@@ -116,10 +124,10 @@ class Fp8Paged:
     kv_bytes: int
 
 
-def to_fp8(p: Paged, k_scale: torch.Tensor, v_scale: torch.Tensor) -> Fp8Paged:
-    """Quantize p's caches (block by block, to bound the float32 temporaries)."""
-    k8 = torch.empty(p.k_cache.shape, dtype=torch.float8_e4m3fn, device=DEV)
-    v8 = torch.empty_like(k8)
+def to_fp8(p: Paged, k_scale: torch.Tensor, v_scale: torch.Tensor, layout: str = ENGINE_FP8_LAYOUT) -> Fp8Paged:
+    """Quantize p's caches (block by block, to bound the float32 temporaries) into caches of memory order
+    ``layout`` (``attention.kv_layout``; the engine's for FP8 caches unless given)."""
+    k8, v8 = (zeros_kv_cache(*p.k_cache.shape, torch.float8_e4m3fn, torch.device(DEV), layout) for _ in "kv")
     step = max(1, (1 << 28) // (p.k_cache[0].numel() * 4))
     for lo in range(0, p.k_cache.shape[0], step):
         k8[lo : lo + step] = quantize_fp8(p.k_cache[lo : lo + step], k_scale)
@@ -276,6 +284,9 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
     best = start
     measure(start)
     ordered_s = time_ordered(q, f, p, start, refs[False], errors)
+    other = to_fp8(p, f.k_scale, f.v_scale, layout="NHD" if ENGINE_FP8_LAYOUT == "HND" else "HND")
+    other_s = time_ordered(q, other, p, start, refs[False], errors)  # what the memory order is worth
+    del other
     for change in FP8_CANDIDATES if sweep else ():
         cand = dataclasses.replace(start, **change)
         if time.perf_counter() < deadline and measure(cand) < measure(best):
@@ -299,6 +310,8 @@ def bench_decode(results: dict, deadline: float, sweep: bool) -> None:
         "bf16": {"us": bf16_s * 1e6, "tb_s": p.kv_bytes / bf16_s / 1e12, "config": dataclasses.asdict(bf16_cfg)},
         "fp8_default": {"us": measure(start) * 1e6, "tb_s": f.kv_bytes / measure(start) / 1e12},
         "fp8_default_ordered": {"us": ordered_s * 1e6, "tb_s": f.kv_bytes / ordered_s / 1e12},
+        "fp8_default_ordered_other_layout": {"us": other_s * 1e6, "tb_s": f.kv_bytes / other_s / 1e12},
+        "layout": ENGINE_FP8_LAYOUT,
         "fp8_best": {"us": measure(best) * 1e6, "tb_s": f.kv_bytes / measure(best) / 1e12, **dataclasses.asdict(best)},
         "fp8_bf16_compute": {"us": bf16_compute_s * 1e6, "tb_s": f.kv_bytes / bf16_compute_s / 1e12},
         "records": [{**dataclasses.asdict(c), "us": s * 1e6} for c, s in seen.items()],
@@ -310,7 +323,8 @@ def time_ordered(
     q: torch.Tensor, f: Fp8Paged, p: Paged, cfg: DecodeKernelConfig, ref: torch.Tensor, errors: dict[str, float]
 ) -> float:
     """Seconds per launch of cfg with the sequences longest first, as a decode step stages them for the engine's
-    large FP8 batches (``cuda_graphs.longest_first``), after checking its output against the reference."""
+    large FP8 batches (``cuda_graphs.longest_first``), after checking its output against the reference (f's
+    caches in either memory order)."""
     from fnvllm.executor.cuda_graphs import longest_first
 
     order = np.zeros(q.shape[0], dtype=np.int32)
@@ -320,10 +334,10 @@ def time_ordered(
     knobs = {**dataclasses.asdict(cfg), "seq_order": seq_order, "k_scale": f.k_scale, "v_scale": f.v_scale}
     dec.paged_decode_attention(q, f.k_cache, f.v_cache, p.tables, p.seq_lens, 0.088, out, **knobs)
     err = rel_err(out.float(), ref)
-    errors[describe8(cfg) + " longest first"] = err
+    label = f"{describe8(cfg)} longest first, {kv_layout(f.k_cache)} caches"
+    errors[label] = err
     s = time_decode(q, f, p.tables, p.seq_lens, cfg, seq_order) if err <= 1e-2 else math.inf
-    print(f"  decode fp8  {describe8(cfg)} longest first  {s * 1e6:8.1f} us  {f.kv_bytes / s / 1e12:5.2f} TB/s"
-          f"  err {err:.1e}", flush=True)  # fmt: skip
+    print(f"  decode fp8  {label}  {s * 1e6:8.1f} us  {f.kv_bytes / s / 1e12:5.2f} TB/s  err {err:.1e}", flush=True)
     return s
 
 
@@ -431,7 +445,7 @@ def bench_read_probes(results: dict) -> None:
     KV head's row slice a program: 128 contiguous bytes a token for FP8, 256 for bf16) and by wider ones (2-8
     heads a program), bf16 and FP8 caches."""
     q, p = decode_problem(256)
-    f = to_fp8(p, *scales(6))
+    f = to_fp8(p, *scales(6), layout="NHD")  # the probes make their own head-major copies
     rows = []
     configs = [(heads, tile, stages, False) for heads, tile, stages in PROBE_CONFIGS]
     configs += [(1, tile, 3, True) for tile in (128, 64, 256)]  # head-major layout: one head's block contiguous
@@ -497,7 +511,8 @@ def summary(results: dict) -> None:
         print(f"| decode bf16 (defaults) | {base:.1f} | {d['bf16']['tb_s']:.2f} | 1.00x |")
         rows = (
             ("fp8_default", "decode fp8 (defaults)"),
-            ("fp8_default_ordered", "decode fp8 (defaults, longest first: the engine's order)"),
+            ("fp8_default_ordered", f"decode fp8 (defaults, longest first: the engine's order; {d['layout']} caches)"),
+            ("fp8_default_ordered_other_layout", "decode fp8 (the same over caches in the other memory order)"),
             ("fp8_best", "decode fp8 (best of sweep)"),
             ("fp8_bf16_compute", "decode fp8 (best, bf16 compute)"),
         )
