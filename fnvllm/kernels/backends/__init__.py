@@ -29,6 +29,11 @@ StoreKV = Callable[..., None]
 Attend = Callable[..., Any]
 
 
+def token_major(kv_cache_dtype: str) -> str:
+    """``AttentionBackend.auto_kv_layout``'s default: token-major ("NHD") caches of any dtype."""
+    return "NHD"
+
+
 @attrs.frozen
 class AttentionBackend:
     """One attention implementation.
@@ -52,7 +57,7 @@ class AttentionBackend:
     supports_cuda_graphs: bool = False
     supports_fp8_kv: bool = False
     kv_layouts: tuple[str, ...] = ("NHD",)
-    auto_kv_layout: Callable[[str], str] = lambda kv_cache_dtype: "NHD"
+    auto_kv_layout: Callable[[str], str] = token_major
 
 
 class BackendUnavailableError(RuntimeError):
