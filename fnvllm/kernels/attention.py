@@ -109,8 +109,9 @@ def kv_layout(cache: torch.Tensor) -> str:
         raise ValueError(f"a KV cache is (num_blocks, block_size, Hkv, D), got shape {tuple(cache.shape)}")
     if cache.is_contiguous():
         return "NHD"
-    if cache.permute(0, 2, 1, 3).is_contiguous():
-        return "HND"
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    if cache.stride() == (num_kv_heads * block_size * head_dim, head_dim, block_size * head_dim, 1):
+        return "HND"  # read from the strides: no permuted view built on every launch
     raise ValueError(
         f"a KV cache must be contiguous (NHD) or a (0, 2, 1, 3) view of contiguous (num_blocks, Hkv, block_size, D) "
         f"memory (HND); got shape {tuple(cache.shape)}, strides {cache.stride()}"
