@@ -71,6 +71,7 @@ def gemm_variants() -> dict[str, Gemm]:
         "o_p8": Gemm("partials", O, C(64, 32, 256, 8, 4, 1, preload=True)),
         "gu_1p": Gemm("tuned", GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # skinny in place of cuBLAS
         "gu_1t": Gemm("tuned", GATE_UP, C(64, 16, 1024, 1, 8, 1, preload=True)),
+        "gu_tuned": Gemm("tuned", GATE_UP, C(64, 32, 128, 1, 4, 4)),  # its own measured best, weights prefetched
         "glu_1p": Gemm("glu", GATE_UP, C(64, 32, 256, 1, 4, 1, preload=True)),  # SiLU-and-mul in gate/up's epilogue
         "glu_base": Gemm("glu", GATE_UP, C(64, 32, 128, 1, 4, 4)),
         "glu_2t": Gemm("glu", GATE_UP, C(64, 32, 512, 1, 8, 1, preload=True)),

@@ -127,6 +127,27 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr 
             tl.extra.cuda.gdc_launch_dependents()
 
 
+L2_LINE_BYTES = 128  # the unit ``prefetch.global.L2`` asks for
+
+
+@triton.jit
+def prefetch_lines_l2(pf_ptr, n_lines, LANES: tl.constexpr):
+    """Ask L2 for this program's share of the n_lines 128-byte lines from pf_ptr (a byte pointer), LANES at a time:
+    program p of R takes lines p * L .. (p + 1) * L - 1, L = cdiv(n_lines, R), so each program's requests are one
+    contiguous run. ``prefetch.global.L2`` returns nothing and changes no value: a hint that the loads of a later
+    kernel find the lines in L2. GPU only (inline PTX)."""
+    per = tl.cdiv(n_lines, tl.num_programs(0))
+    first = tl.program_id(0) * per
+    end = tl.minimum(first + per, n_lines)
+    lanes = tl.arange(0, LANES)
+    for start in range(first, end, LANES):
+        line = start + lanes
+        ptrs = pf_ptr + tl.where(line < end, line, first).to(tl.int64) * 128  # (masked lanes repeat the first line)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr,
@@ -134,6 +155,8 @@ def _rmsnorm_kernel(
     res_out_ptr,
     w_ptr,
     out_ptr,
+    pf_ptr,  # PREFETCH: bytes (the next product's weight) to ask L2 for before the wait
+    pf_lines,
     eps,
     n_rows,
     n_cols,
@@ -142,14 +165,19 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     TRIGGER_FIRST: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Normalise row program_id(0) of x (after adding the residual row and storing the sum, if HAS_RESIDUAL).
     NUM_PARTS > 0 (with a residual): x is a GEMM's float32 split partials (NUM_PARTS, n_rows, n_cols), summed in
-    split order and rounded to the residual's dtype first (``_row_values``)."""
+    split order and rounded to the residual's dtype first (``_row_values``). PREFETCH: before waiting on the
+    previous kernel, the programs ask L2 for pf_lines 128-byte lines from pf_ptr between them
+    (``prefetch_lines_l2``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
+    if PREFETCH:  # a weight too: its lines stream into L2 while the kernel before this one runs
+        prefetch_lines_l2(pf_ptr, pf_lines, BLOCK)
     wait_for_previous_kernel(USE_PDL, TRIGGER_FIRST)
     dtype = res_out_ptr.dtype.element_ty  # x's (res_out is x itself without a residual)
     x = _row_values(x_ptr, res_ptr, row, cols, mask, n_rows, n_cols, HAS_RESIDUAL, NUM_PARTS, dtype)
@@ -171,11 +199,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor | SplitPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitPartials,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) for x, residual (..., N) in one pass; returns new tensors. x may be a
     projection's output left as split partials (``SplitPartials`` of (S, T, N), residual (T, N)): summed here, in
-    split order, into exactly the x that projection would have written."""
+    split order, into exactly the x that projection would have written. prefetch: a contiguous tensor on x's
+    device (the weight of the product after the norm) whose bytes the kernel asks L2 for before it waits on the
+    previous kernel, under programmatic dependent launch only (``use_pdl``; elsewhere ignored): a hint, no value
+    changes."""
     shape, dtype, device = _value_meta(x)
     if tuple(residual.shape) != shape or residual.dtype != dtype or residual.device != device:
         raise ValueError(
@@ -187,7 +222,7 @@ def fused_add_rmsnorm(
     rows = x.parts.contiguous() if isinstance(x, SplitPartials) else x.reshape(-1, shape[-1]).contiguous()
     new_residual = torch.empty_like(res_rows)
     out = torch.empty(res_rows.shape, dtype=torch.result_type(weight, residual), device=device)
-    _launch_rmsnorm(rows, res_rows, new_residual, weight, out, eps)
+    _launch_rmsnorm(rows, res_rows, new_residual, weight, out, eps, prefetch)
     return out.view(shape), new_residual.view(shape)
 
 
@@ -229,22 +264,29 @@ def _launch_rmsnorm(
     weight: torch.Tensor,
     out: torch.Tensor,
     eps: float,
+    prefetch: torch.Tensor | None = None,
 ) -> None:
     """One program per row of out (R, N); rows is x (R, N), or with a residual its float32 split partials
-    (S, R, N); the residual pair is used when given."""
+    (S, R, N); the residual pair is used when given; prefetch: as ``fused_add_rmsnorm``'s."""
     num_rows, n_cols = out.shape
     parts = rows.shape[0] if rows.dim() == 3 else 0
     if parts and res_rows is None:
         raise ValueError("split partials are summed only into a residual add (fused_add_rmsnorm)")
+    if prefetch is not None and (prefetch.device != out.device or not prefetch.is_contiguous()):
+        raise ValueError(f"prefetch must be a contiguous tensor on {out.device}, got one on {prefetch.device} "
+                         f"with strides {prefetch.stride()}")  # fmt: skip
     if num_rows == 0:
         return
     block = triton.next_power_of_2(n_cols)
+    pf = prefetch.reshape(-1).view(torch.uint8) if prefetch is not None and use_pdl(out.device) else None
     _rmsnorm_kernel[(num_rows,)](
         rows,
         res_rows if res_rows is not None else rows,
         res_out if res_out is not None else rows,
         weight,
         out,
+        pf if pf is not None else out,
+        pf.numel() // L2_LINE_BYTES if pf is not None else 0,
         eps,
         num_rows,
         n_cols,
@@ -253,6 +295,7 @@ def _launch_rmsnorm(
         BLOCK=block,
         USE_PDL=use_pdl(out.device),
         TRIGGER_FIRST=triggers_first(out.device, num_rows),
+        PREFETCH=pf is not None,
         num_warps=_row_warps(block),
         **pdl_launch(out.device),
     )

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fnvllm.env import env_choice
+from fnvllm.env import env_choice, env_switch
 from fnvllm.kernels import cuda_skinny
 from fnvllm.kernels.attention import kv_layout
 from fnvllm.kernels.decode_attention import dot, dot_precision, split_counters, upcast_dot
@@ -1042,6 +1042,7 @@ def norm_linear(
     norm runs inside the projection. keep_partials: the caller's consumer sums split partials (a qkv projection's
     attention prologue), so the unfused product is ``linear_partials``."""
     product = linear_partials if keep_partials else linear
+    rows = x.parts.shape[1] if isinstance(x, SplitPartials) else x.shape[0]
     if isinstance(x, SplitPartials) and (residual is None or _norm_prologue(x.parts[0], weight) is not None):
         x = sum_split_partials(x)
     cfg = None if isinstance(x, SplitPartials) else _norm_prologue(x, weight)
@@ -1051,8 +1052,35 @@ def norm_linear(
     if residual is None:
         value = x if isinstance(x, torch.Tensor) else sum_split_partials(x)  # (partials were summed above)
         return product(rmsnorm(value, norm_weight, eps), weight, bias), value
-    normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    prefetch = weight if prefetches_for_cublas(rows, weight) else None
+    normed, new_residual = fused_add_rmsnorm(x, residual, norm_weight, eps, prefetch)
     return product(normed, weight, bias), new_residual
+
+
+# The add + RMSNorm before a product that cuBLAS takes at 17-32 rows (Qwen3-0.6B's gate/up) asks L2 for that
+# product's weight before its own wait (``fused_add_rmsnorm``'s prefetch): cuBLAS's kernel is launched without
+# programmatic dependent launch, so it starts reading its weight only when the norm has finished, and now finds it
+# in L2. The skinny kernel needs no such help: it prefetches its own weight slice before its wait (``PREFETCH_W``).
+# Only weights of at most NORM_PREFETCH_MAX_BYTES (a third of an H100's or H200's 50 MiB L2), so the prefetch does
+# not evict what it is for. Measured on an H100 (BENCHMARKS.md, thirty-first session; random Qwen3-0.6B checkpoint,
+# latency bench, device ms per decode step, off / on, two rounds each, alternated): 24 requests 1.354, 1.353 /
+# 1.337, 1.343; 32 requests 1.472-1.477 / 1.431-1.436 (-2.8 %); 48 requests 1.549, 1.552 / 1.572, 1.571 (+1.4 %); 64
+# requests 1.674-1.678 / 1.682-1.683: so 17-32 rows only. Not measured on an H200. FNVLLM_NORM_PREFETCH=0 turns it
+# off (read at import).
+NORM_PREFETCH = env_switch("FNVLLM_NORM_PREFETCH", True)
+NORM_PREFETCH_ROWS = (SKINNY_MAX_ROWS + 1, 32)
+NORM_PREFETCH_MAX_BYTES = 16 << 20
+
+
+def prefetches_for_cublas(num_rows: int, weight: torch.Tensor) -> bool:
+    """Whether ``norm_linear``'s add + RMSNorm asks L2 for ``weight`` ahead of the product at num_rows rows: on
+    (NORM_PREFETCH), rows in NORM_PREFETCH_ROWS, a plain product that cuBLAS takes (``prefers_skinny`` false), a
+    contiguous weight of at most NORM_PREFETCH_MAX_BYTES on a GPU."""
+    lo, hi = NORM_PREFETCH_ROWS
+    if not NORM_PREFETCH or not lo <= num_rows <= hi or weight.dim() != 2:
+        return False
+    small = weight.numel() * weight.element_size() <= NORM_PREFETCH_MAX_BYTES
+    return on_gpu(weight) and weight.is_contiguous() and small and not prefers_skinny(num_rows, *weight.shape)
 
 
 def _norm_prologue(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
