@@ -131,21 +131,26 @@ L2_LINE_BYTES = 128  # the unit ``prefetch.global.L2`` asks for
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the 128-byte line at each pointer of ptrs: no data returned and no value changed, a
+    hint that later loads find the lines in L2 (lines no kernel of the step writes: weights). GPU only (inline PTX)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def prefetch_lines_l2(pf_ptr, n_lines, LANES: tl.constexpr):
     """Ask L2 for this program's share of the n_lines 128-byte lines from pf_ptr (a byte pointer), LANES at a time:
     program p of R takes lines p * L .. (p + 1) * L - 1, L = cdiv(n_lines, R), so each program's requests are one
-    contiguous run. ``prefetch.global.L2`` returns nothing and changes no value: a hint that the loads of a later
-    kernel find the lines in L2. GPU only (inline PTX)."""
+    contiguous run (``prefetch_l2``), for the loads of a later kernel."""
     per = tl.cdiv(n_lines, tl.num_programs(0))
     first = tl.program_id(0) * per
     end = tl.minimum(first + per, n_lines)
     lanes = tl.arange(0, LANES)
     for start in range(first, end, LANES):
         line = start + lanes
-        ptrs = pf_ptr + tl.where(line < end, line, first).to(tl.int64) * 128  # (masked lanes repeat the first line)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
+        prefetch_l2(pf_ptr + tl.where(line < end, line, first).to(tl.int64) * 128)  # (masked lanes: the first line)
 
 
 @triton.jit

@@ -53,6 +53,7 @@ from fnvllm.kernels.fused_ops import (
     _sum_splits_kernel,
     fused_add_rmsnorm,
     pdl_launch,
+    prefetch_l2,
     rmsnorm,
     silu_and_mul,
     sum_split_partials,
@@ -380,10 +381,7 @@ def _prefetch_weight_slice(w_ptr, cols, col_ok, stride_wn, k_start, k_end, BLOCK
         ks = k0 + lines
         mask = col_ok[:, None] & (ks < k_end)[None, :]
         ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-        ptrs = tl.where(mask, ptrs, w_ptr)  # masked lines prefetch W's first line (harmless)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
+        prefetch_l2(tl.where(mask, ptrs, w_ptr))  # masked lines prefetch W's first line (harmless)
 
 
 @triton.jit
