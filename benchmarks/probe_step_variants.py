@@ -19,6 +19,8 @@ capture, so a run measures the variant's whole decode step; one process per run,
   entry that won alone (fifth and twelfth sessions), since in the step the kernel before it may change the trade;
   and every other knob of the entry (warps, stages, a 128-token tile, the GQA product (``_sum``, the transposed
   ``_kq``), prefetch, no preload, the grid order) alone or in pairs (``_w8``, ``_s2``, ``_nopre``, ``_w8s2``, ...).
+- ``pf_off``, ``pf_to48``, ``pf_to64``: the add + RMSNorm before a cuBLAS projection asks L2 for its weight
+  (``skinny_gemm.prefetches_for_cublas``) never, or at 17-48 / 17-64 rows instead of the shipped 17-32.
 - ``trigger_2``: the small kernels between projections let the next launch start before their own wait from 2 rows
   (``fused_ops.EARLY_TRIGGER_ROWS`` (2, 64); shipped from 17). ``prologue_first``: the attention prologue alone
   (``store_kv.norm_rope_store``) does so from 2 rows, so the attention launch is placed, and preloads its first
@@ -115,6 +117,9 @@ ATTENTION_VARIANTS = {
 # name -> (which kernels, the fewest rows at which they trigger first): every small kernel between two projections,
 # or the attention prologue alone (so the attention launch is placed, and preloads, while the qkv product runs)
 TRIGGER_VARIANTS = {"trigger_2": ("small", 2), "prologue_first": ("prologue", 2)}
+# name -> the rows at which the add + RMSNorm before a cuBLAS projection asks L2 for its weight
+# (``skinny_gemm.NORM_PREFETCH_ROWS``; shipped 17-32), None: never (as ``FNVLLM_NORM_PREFETCH=0``)
+PREFETCH_VARIANTS: dict[str, tuple[int, int] | None] = {"pf_off": None, "pf_to48": (17, 48), "pf_to64": (17, 64)}
 
 
 def apply_gemm(variant: Gemm) -> None:
@@ -156,6 +161,16 @@ def apply_trigger(kernels: str, lowest_rows: int) -> None:
         store_kv.triggers_first = lambda device, rows: fused_ops.use_pdl(device) and lowest_rows <= rows <= highest
 
 
+def apply_prefetch(rows: tuple[int, int] | None) -> None:
+    """Let the norm before a cuBLAS projection prefetch its weight at these rows, or never (None)."""
+    from fnvllm.kernels import skinny_gemm
+
+    if rows is None:
+        skinny_gemm.NORM_PREFETCH = False
+    else:
+        skinny_gemm.NORM_PREFETCH, skinny_gemm.NORM_PREFETCH_ROWS = True, rows
+
+
 def skip_norms(out_features: tuple[int, ...]) -> None:
     """Replace ``skinny_gemm.fused_add_rmsnorm`` so that before a projection of those output features at 2-64 rows
     it launches nothing and returns (residual, residual)."""
@@ -163,12 +178,12 @@ def skip_norms(out_features: tuple[int, ...]) -> None:
 
     real = skinny_gemm.fused_add_rmsnorm
 
-    def patched(x: Any, residual: Any, weight: Any, eps: float) -> Any:
+    def patched(x: Any, residual: Any, weight: Any, eps: float, prefetch: Any = None) -> Any:
         caller = sys._getframe(1).f_locals  # norm_linear's weight or norm_mlp's gate_up_weight
         proj = caller.get("weight", caller.get("gate_up_weight"))
         if proj is not None and proj.shape[0] in out_features and 2 <= residual.shape[0] <= 64:
             return residual, residual
-        return real(x, residual, weight, eps)
+        return real(x, residual, weight, eps, prefetch)
 
     skinny_gemm.fused_add_rmsnorm = patched
 
@@ -188,7 +203,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     gemms = gemm_variants()
     names = argv[0].split("+")
-    known = {"base", "no_attention", *NORM_VARIANTS, *gemms, *ATTENTION_VARIANTS, *TRIGGER_VARIANTS}
+    known = {"base", "no_attention", *NORM_VARIANTS, *gemms, *ATTENTION_VARIANTS, *TRIGGER_VARIANTS, *PREFETCH_VARIANTS}
     unknown = [n for n in names if n not in known and not n.startswith("cuda:")]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(sorted(known))}, cuda:ENTRIES")
@@ -203,6 +218,8 @@ def main(argv: list[str]) -> int:
             apply_attention(ATTENTION_VARIANTS[name])
         elif name in TRIGGER_VARIANTS:
             apply_trigger(*TRIGGER_VARIANTS[name])
+        elif name in PREFETCH_VARIANTS:
+            apply_prefetch(PREFETCH_VARIANTS[name])
         elif name.startswith("cuda:"):
             from benchmarks.bench_cuda_skinny import apply_entries, parse_entries
 

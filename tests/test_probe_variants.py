@@ -101,3 +101,24 @@ def test_variants_go_into_the_tables_the_engine_reads(monkeypatch: pytest.Monkey
     assert not fused_ops.triggers_first(torch.device("cpu"), 8)  # the other small kernels keep the shipped rows
     probe.apply_trigger(*probe.TRIGGER_VARIANTS["trigger_2"])
     assert fused_ops.EARLY_TRIGGER_ROWS == (2, 64) and fused_ops.triggers_first(torch.device("cpu"), 8)
+
+
+def test_prefetch_variants_set_the_rows_the_dispatcher_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(skinny_gemm, "NORM_PREFETCH", skinny_gemm.NORM_PREFETCH)
+    monkeypatch.setattr(skinny_gemm, "NORM_PREFETCH_ROWS", skinny_gemm.NORM_PREFETCH_ROWS)
+    monkeypatch.setattr(skinny_gemm, "on_gpu", lambda t: True)
+    gate_up = torch.empty(probe.GATE_UP[:2], dtype=torch.bfloat16)
+    probe.apply_prefetch(probe.PREFETCH_VARIANTS["pf_to64"])
+    assert skinny_gemm.prefetches_for_cublas(64, gate_up) and skinny_gemm.prefetches_for_cublas(32, gate_up)
+    probe.apply_prefetch(probe.PREFETCH_VARIANTS["pf_off"])
+    assert not skinny_gemm.prefetches_for_cublas(32, gate_up)
+
+
+def test_skipped_norms_still_pass_a_prefetch_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``no_norms``' stand-in for the norm takes the prefetch ``norm_linear`` hands it, and runs the real norm (with
+    it) for the projections it does not skip."""
+    seen = []
+    monkeypatch.setattr(skinny_gemm, "fused_add_rmsnorm", lambda x, r, w, eps, prefetch=None: seen.append(prefetch))
+    probe.skip_norms((4096,))
+    x, weight = torch.randn(32, 8), torch.randn(8)
+    assert skinny_gemm.fused_add_rmsnorm(x, x, weight, 1e-6, weight) is None and seen == [weight]
