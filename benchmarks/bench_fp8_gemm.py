@@ -1,6 +1,7 @@
 """The FP8 weight GEMMs at Qwen3-8B sizes on one GPU: correctness, then time against bf16 and cuBLAS fp8.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_fp8_gemm.py [--sweep] [--budget-s 100] [--json PATH] [--sms N]
+        [--ceiling]
 
 The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 24576, down 12288 ->
 4096), weights N(0, 1/K) quantized to e4m3 with 128 x 128 block scales (``quant.quantize_fp8_blocks``).
@@ -35,6 +36,10 @@ levers pdl / prefetch / tma; later ones start from the GEMM's best so far and wa
 --total-s caps the sweep at that many seconds after the start. At the end: the summary, TUNED_SWAP and
 SWAP_FUSED_MAX_M to paste, and the per-layer table (today's ``fp8_linear`` against the swept tables, µs and TB/s
 of fp8 weight bytes per M), which is also printed before the sweep with today's numbers only.
+
+--ceiling measures this card's read ceiling (``benchmarks/read_ceiling.py``) and prints each summary cell's rate as
+a fraction of it, beside issue 20's small-M target read the same way (3.5 of the H200's 4.16 TB/s: 0.841), for a
+card other than the H200.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.green import limit_sms
+from benchmarks.read_ceiling import H200_READ_TB_S, read_ceiling_tb_s
 from fnvllm.kernels import fp8_gemm as g
 from fnvllm.kernels import fused_ops as f
 from fnvllm.model.quant import quantize_fp8_blocks
@@ -94,6 +100,7 @@ SWAP_KNOBS = {  # most likely to matter first (a descent cut short by the budget
 # knobs only (its split and depth may move with M; the rest rarely does), so the budget reaches every M.
 SWAP_REFINE_KNOBS = ("split_k", "num_stages", "pdl", "prefetch", "block_t", "tma")
 SWAP_VARIANTS = ("swap", "swap_fused", "swap_ready")
+SMALL_M_TARGET_TB_S = 3.5  # issue 20: the small-M FP8 GEMM's weight bytes at M <= 16, on the H200
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,6 +131,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="(d) time the producers and a layer's GEMMs with the ops that make their inputs, with and without "
         "the quantization launches (FNVLLM_FP8_FUSED_QUANT's two paths), at the --ms up to SWAP_MAX_M",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="measure this card's read ceiling (benchmarks/read_ceiling.py) and print each summary cell's "
+        "fraction of it beside issue 20's target as one (3.5 of the H200's 4.16 TB/s)",
     )
     return parser.parse_args()
 
@@ -477,24 +490,35 @@ def print_summary(
     times: dict[tuple[str, int, str], float],
     best: dict[tuple[str, int, str], float],
     variants: tuple[str, ...] = VARIANTS,
+    ceiling_tb_s: float | None = None,
 ) -> None:
-    """The layer's four GEMMs summed per M and variant: µs (TB/s of weight bytes); "best" rows from the sweep."""
+    """The layer's four GEMMs summed per M and variant: µs (TB/s of weight bytes, and with ``ceiling_tb_s`` that
+    rate's fraction of the card's read ceiling); "best" rows from the sweep."""
     fp8_bytes, bf16_bytes = sum(gm.fp8_bytes for gm in gemms), sum(2 * gm.n * gm.k for gm in gemms)
     print("\nsummary: one Qwen3-8B layer's four GEMMs (qkv, o, gate_up, down), µs (TB/s of weight bytes)")
+    width = 16
+    if ceiling_tb_s is not None:
+        target = SMALL_M_TARGET_TB_S / H200_READ_TB_S
+        print(
+            f"  [fraction of this card's read ceiling, {ceiling_tb_s:.3f} TB/s; issue 20's small-M target "
+            f"{SMALL_M_TARGET_TB_S} of the H200's {H200_READ_TB_S} = {target:.3f}]"
+        )
+        width = 24
     swept = sorted({variant for _, _, variant in best}, key=VARIANTS.index)
     columns = [*variants, *(f"{variant} best" for variant in swept)]
-    print(f"{'M':>6} | " + " | ".join(f"{c:>16}" for c in columns))
+    print(f"{'M':>6} | " + " | ".join(f"{c:>{width}}" for c in columns))
     for m in ms:
         cells = []
         for column in columns:
             source, variant = (best, column.split()[0]) if column.endswith("best") else (times, column)
             parts = [source.get((gm.name, m, variant)) for gm in gemms]
             if None in parts:
-                cells.append(f"{'-':>16}")
+                cells.append(f"{'-':>{width}}")
                 continue
             us = sum(p or 0.0 for p in parts)
-            nbytes = bf16_bytes if variant == "bf16" else fp8_bytes
-            cells.append(f"{us:>9.1f} ({nbytes / us / 1e6:.2f})")
+            rate = (bf16_bytes if variant == "bf16" else fp8_bytes) / us / 1e6
+            share = "" if ceiling_tb_s is None else f" [{rate / ceiling_tb_s:.3f}]"
+            cells.append(f"{us:>9.1f} ({rate:.2f}){share}")
         print(f"{m:>6} | " + " | ".join(cells))
 
 
@@ -658,7 +682,11 @@ def main() -> int:
         else:  # the swap kernels at the M given, in the order given (the first M gets the full descent)
             plan = [(variant, m) for m in args.ms for variant in args.sweep_kernels]
             best, cfgs = run_sweep(gemms, args.budget_s, record, plan, deadline, refine_swaps=True)
-    print_summary(gemms, ms, times, best, variants)
+    ceiling = None
+    if args.ceiling:
+        ceiling = read_ceiling_tb_s("cuda")
+        record["read_ceiling_tb_s"] = ceiling
+    print_summary(gemms, ms, times, best, variants, ceiling)
     if args.sweep:
         print_sweep_tables(gemms, ms, best, cfgs)
         print_ready_table(gemms, ms, best, cfgs)

@@ -48,6 +48,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "sweep_small.py": ["--smoke", "--budget-s", "5"],
     "bench_qkv_epilogue.py": ["--smoke"],
     "gc_probe.py": ["2", "700,10,10", "10000,10,10"],
+    "read_ceiling.py": ["--gib", "0.01", "--repeats", "2"],
     "latency_tables.py": ["--tables", "{tmp}/missing.pkl", "bench", "--model-shape", "tiny", "--latency", "1",
                           "--max-output-len", "4"],
     "bench_cuda_skinny.py": ["run", "--entries", "gate_up=4x1@64,partials:1024x2048=2x4@32", "--early-trigger-rows",

@@ -1,0 +1,47 @@
+"""The read-ceiling helper (benchmarks/read_ceiling.py) and the FP8 GEMM summary's fractions of it."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import bench_fp8_gemm, read_ceiling
+
+
+def test_best_seconds_takes_the_shortest_timing() -> None:
+    durations = iter([3.0, 1.5, 2.0])
+    calls = []
+    assert read_ceiling.best_seconds(lambda: calls.append(1), 3, lambda call: (call(), next(durations))[1]) == 1.5
+    assert len(calls) == 3
+
+
+def test_best_seconds_refuses_no_repeats() -> None:
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        read_ceiling.best_seconds(lambda: None, 0, read_ceiling.wall_clock)
+
+
+@pytest.mark.parametrize("gib", [0.0, -1.0, 65.0])
+def test_read_ceiling_refuses_a_size_out_of_range(gib: float) -> None:
+    with pytest.raises(ValueError, match=r"gib must be in \(0, 64\]"):
+        read_ceiling.read_ceiling_tb_s("cpu", gib=gib)
+
+
+def test_read_ceiling_divides_the_bytes_read_by_the_best_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a 1 MiB tensor "read" in 1 or 2 us by the stubbed clock: 2**20 bytes / 1e-6 s = 1.048576 TB/s
+    times = itertools.cycle([2e-6, 1e-6])
+    monkeypatch.setattr(read_ceiling, "wall_clock", lambda call: (call(), next(times))[1])
+    assert read_ceiling.read_ceiling_tb_s("cpu", gib=1 / 1024, repeats=4) == pytest.approx(1.048576)
+
+
+def test_summary_prints_each_rate_as_a_fraction_of_the_ceiling(capsys: pytest.CaptureFixture[str]) -> None:
+    # two GEMMs of 1e6 fp8 weight bytes each, 1 us each: the layer reads 2e6 bytes in 2 us
+    gemms = [SimpleNamespace(name=name, n=1000, k=1000, fp8_bytes=1_000_000) for name in ("a", "b")]
+    times = {(name, 16, "shipped"): 1.0 for name in ("a", "b")}
+    bench_fp8_gemm.print_summary(gemms, [16], times, {}, ("shipped",), ceiling_tb_s=2.0)
+    out = capsys.readouterr().out
+    assert "issue 20's small-M target 3.5 of the H200's 4.16 = 0.841" in out
+    assert "2.0 (1.00) [0.500]" in out  # 2e6 bytes in 2 us = 1 TB/s, half of 2 TB/s
+    bench_fp8_gemm.print_summary(gemms, [16], times, {}, ("shipped",))
+    assert "[" not in capsys.readouterr().out.split("\n", 2)[2]  # no fractions without a ceiling
