@@ -1,23 +1,107 @@
 """This device's read ceiling: how fast a plain reduction reads one large tensor, the rate the floors divide by.
 
-    PYTHONPATH=$PWD python3 benchmarks/read_ceiling.py [--gib 2] [--repeats 20]
+    PYTHONPATH=$PWD python3 benchmarks/read_ceiling.py [--gib 2] [--repeats 20] [--sizes-mb 16.8 25.2 50.3 100.7]
 
 GPU.md's 4.16 TB/s for the H200 is this measurement: ``sum`` over a 2 GiB bf16 tensor, the best of the repeats
 (CUDA events around each call). A target stated in TB/s for one card carries to another as a fraction of its
 ceiling: issue 20's small-M FP8 layer asks 3.5 TB/s on the H200, 3.5 / 4.16 = 0.841 of that card's ceiling
 (``bench_fp8_gemm.py --ceiling`` prints the layer's fraction beside it). A kernel bound by launch latency rather
 than bytes is held to less on a faster card, so the fraction is a stand-in, not the H200's figure.
+
+--sizes-mb: what one launch that only reads costs at each size, the least any kernel reading that many bytes
+could take in a chain of launches (GPU only). ``_fold_kernel`` XOR-folds its share of the words and writes one word
+a program; each size is read from enough copies to exceed L2, one launch a copy, in a CUDA graph, at several grid
+sizes (the best counts). A line fitted through the sizes gives the fixed cost of a launch (its intercept) and the
+streaming rate (its slope). The defaults are one Qwen3-8B layer's FP8 weights (o, qkv, down, gate_up), so the
+small-M FP8 GEMMs (``bench_fp8_gemm.py``) can be read against a plain read of the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 H200_READ_TB_S = 4.16  # this measurement on the lent H200 (GPU.md)
+# One Qwen3-8B layer's FP8 weights, MB: o 4096 x 4096, qkv 6144 x 4096, down 4096 x 12288, gate_up 24576 x 4096
+LAYER_FP8_MB = (16.8, 25.2, 50.3, 100.7)
+L2_BYTES = 256 << 20  # bytes one timing cycles through (well above the H100's and H200's 50 MB L2)
+FOLD_BLOCK = 2048  # int32 words a program loads per step (8 per thread at 8 warps: two 16-byte loads)
+GRID_WAVES = (1, 2, 4, 8)  # programs per SM tried at each size
+
+
+@triton.jit
+def _fold_kernel(x_ptr, out_ptr, n_words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[pid] = the XOR of int32 words [pid * CHUNK, (pid + 1) * CHUNK) of x below n_words: a read and a store."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, CHUNK, BLOCK):
+        idx = pid * CHUNK + i + tl.arange(0, BLOCK)
+        acc ^= tl.load(x_ptr + idx, mask=idx < n_words, other=0)
+    tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
+
+
+def fold(x: torch.Tensor, out: torch.Tensor, programs: int) -> None:
+    """XOR-fold int32 ``x`` into ``out[:programs]`` (one word a program; ``programs`` <= out's length)."""
+    chunk = math.ceil(x.numel() / programs / FOLD_BLOCK) * FOLD_BLOCK
+    _fold_kernel[(programs,)](x, out, x.numel(), CHUNK=chunk, BLOCK=FOLD_BLOCK, num_warps=8)
+
+
+def fold_reference(x: torch.Tensor, programs: int) -> torch.Tensor:
+    """``fold``'s result in torch: each program's share of the words, XOR-reduced (int32, one a program)."""
+    chunk = math.ceil(x.numel() / programs / FOLD_BLOCK) * FOLD_BLOCK
+    padded = torch.zeros(programs * chunk, dtype=torch.int32, device=x.device)
+    padded[: x.numel()] = x
+    rows = padded.view(programs, chunk)
+    out = rows[:, 0].clone()
+    for j in range(1, chunk):
+        out ^= rows[:, j]
+    return out
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys against xs (at least two distinct xs)."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"fit_line needs as many ys as xs and two distinct xs, got {list(xs)} / {list(ys)}")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def read_cost_us(size_mb: float, sms: int) -> tuple[float, int]:
+    """(µs, programs) of the fastest plain read of ``size_mb`` MB over the grid sizes GRID_WAVES x ``sms``: the
+    mean launch in a CUDA graph of one launch a copy, copies past L2 (``bench_attention.graph_seconds``)."""
+    from benchmarks.bench_attention import graph_seconds  # GPU-only path: keep the module light to import
+
+    words = int(size_mb * 1e6) // 4
+    copies = max(2, math.ceil(L2_BYTES / (4 * words)))
+    xs = [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+    out = torch.empty(max(GRID_WAVES) * sms, dtype=torch.int32, device="cuda")
+    fold(xs[0], out, sms)  # checked once against the torch fold
+    if not torch.equal(out[:sms], fold_reference(xs[0], sms)):
+        raise RuntimeError("_fold_kernel disagrees with fold_reference")
+    best = min(
+        (graph_seconds(lambda p=p: [fold(x, out, p) for x in xs]) * 1e6 / copies, p)
+        for p in (waves * sms for waves in GRID_WAVES)
+    )
+    return best
+
+
+def print_read_costs(sizes_mb: Sequence[float]) -> None:
+    """The plain read's µs per launch at each size, and the line through them (fixed µs, TB/s)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    costs = [read_cost_us(size, sms) for size in sizes_mb]
+    print("plain read, one launch a copy in a CUDA graph (copies past L2), best grid:")
+    for size, (us, programs) in zip(sizes_mb, costs, strict=True):
+        print(f"  {size:7.1f} MB: {us:7.2f} us ({size / us:.2f} TB/s), {programs} programs")
+    if len(set(sizes_mb)) >= 2:
+        fixed, slope = fit_line(list(sizes_mb), [us for us, _ in costs])
+        print(f"  line: {fixed:.2f} us fixed + bytes at {1 / slope:.2f} TB/s")
 
 
 def best_seconds(call: Callable[[], object], repeats: int, clock: Callable[[Callable[[], object]], float]) -> float:
@@ -61,11 +145,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0, help="size of the bf16 tensor read, GiB")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls; the best counts")
+    parser.add_argument(
+        "--sizes-mb", type=float, nargs="*", help=f"also time plain reads of these sizes (GPU; {LAYER_FP8_MB} if empty)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     rate = read_ceiling_tb_s(device, args.gib, args.repeats)
     print(f"{name}: read ceiling {rate:.3f} TB/s (sum over {args.gib:g} GiB bf16, best of {args.repeats})")
+    if args.sizes_mb is not None:
+        if device != "cuda":
+            raise SystemExit("read_ceiling.py --sizes-mb times CUDA-graph launches: it needs a CUDA GPU")
+        print_read_costs(args.sizes_mb or LAYER_FP8_MB)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from benchmarks import bench_fp8_gemm, read_ceiling
 
@@ -45,3 +47,25 @@ def test_summary_prints_each_rate_as_a_fraction_of_the_ceiling(capsys: pytest.Ca
     assert "2.0 (1.00) [0.500]" in out  # 2e6 bytes in 2 us = 1 TB/s, half of 2 TB/s
     bench_fp8_gemm.print_summary(gemms, [16], times, {}, ("shipped",))
     assert "[" not in capsys.readouterr().out.split("\n", 2)[2]  # no fractions without a ceiling
+
+
+@pytest.mark.parametrize(("words", "programs"), [(10_000, 3), (2048, 1), (5000, 4)])
+def test_fold_kernel_matches_its_reference(words: int, programs: int) -> None:
+    # the plain-read kernel's one word a program: each program's share (whole FOLD_BLOCKs, the last one short)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=device)
+    out = torch.zeros(programs, dtype=torch.int32, device=device)
+    read_ceiling.fold(x, out, programs)
+    expected = read_ceiling.fold_reference(x, programs)
+    assert torch.equal(out, expected)
+    # the shares cover every word once: the programs' words XOR to the XOR of all of x
+    assert np.bitwise_xor.reduce(expected.cpu().numpy()) == np.bitwise_xor.reduce(x.cpu().numpy())
+
+
+def test_fit_line_recovers_a_line_and_refuses_one_x() -> None:
+    intercept, slope = read_ceiling.fit_line(
+        [16.8, 25.2, 50.3, 100.7], [4.4 + 0.3 * x for x in (16.8, 25.2, 50.3, 100.7)]
+    )
+    assert intercept == pytest.approx(4.4) and slope == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="two distinct xs"):
+        read_ceiling.fit_line([1.0, 1.0], [2.0, 3.0])
