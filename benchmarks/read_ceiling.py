@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -53,15 +54,12 @@ def fold(x: torch.Tensor, out: torch.Tensor, programs: int) -> None:
 
 
 def fold_reference(x: torch.Tensor, programs: int) -> torch.Tensor:
-    """``fold``'s result in torch: each program's share of the words, XOR-reduced (int32, one a program)."""
+    """``fold``'s result from numpy: each program's share of the words, XOR-reduced (int32, one a program, on x's
+    device)."""
     chunk = math.ceil(x.numel() / programs / FOLD_BLOCK) * FOLD_BLOCK
-    padded = torch.zeros(programs * chunk, dtype=torch.int32, device=x.device)
-    padded[: x.numel()] = x
-    rows = padded.view(programs, chunk)
-    out = rows[:, 0].clone()
-    for j in range(1, chunk):
-        out ^= rows[:, j]
-    return out
+    padded = np.zeros(programs * chunk, dtype=np.int32)
+    padded[: x.numel()] = x.cpu().numpy()
+    return torch.from_numpy(np.bitwise_xor.reduce(padded.reshape(programs, chunk), axis=1)).to(x.device)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -85,11 +83,10 @@ def read_cost_us(size_mb: float, sms: int) -> tuple[float, int]:
     fold(xs[0], out, sms)  # checked once against the torch fold
     if not torch.equal(out[:sms], fold_reference(xs[0], sms)):
         raise RuntimeError("_fold_kernel disagrees with fold_reference")
-    best = min(
+    return min(
         (graph_seconds(lambda p=p: [fold(x, out, p) for x in xs]) * 1e6 / copies, p)
         for p in (waves * sms for waves in GRID_WAVES)
     )
-    return best
 
 
 def print_read_costs(sizes_mb: Sequence[float]) -> None:
@@ -150,12 +147,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.sizes_mb is not None and device != "cuda":
+        raise SystemExit("read_ceiling.py --sizes-mb times CUDA-graph launches: it needs a CUDA GPU")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     rate = read_ceiling_tb_s(device, args.gib, args.repeats)
     print(f"{name}: read ceiling {rate:.3f} TB/s (sum over {args.gib:g} GiB bf16, best of {args.repeats})")
     if args.sizes_mb is not None:
-        if device != "cuda":
-            raise SystemExit("read_ceiling.py --sizes-mb times CUDA-graph launches: it needs a CUDA GPU")
         print_read_costs(args.sizes_mb or LAYER_FP8_MB)
 
 
