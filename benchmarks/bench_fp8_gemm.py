@@ -56,14 +56,14 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.green import limit_sms
-from benchmarks.read_ceiling import H200_READ_TB_S, read_ceiling_tb_s
+from benchmarks.read_ceiling import L2_BYTES, read_ceiling_tb_s
+from fnvllm.bench import H200_READ_TB_S
 from fnvllm.kernels import fp8_gemm as g
 from fnvllm.kernels import fused_ops as f
 from fnvllm.model.quant import quantize_fp8_blocks
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # name: (N, K)
 MS = (1, 4, 16, 32, 64, 128, 256, 8192)
-L2_BYTES = 256 << 20  # weight bytes one timing cycles through (well above the 50 MB L2)
 TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
 VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_ready", "swap_fused", "blockwise", "shipped")

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-H200_READ_TB_S = 4.16  # this measurement on the lent H200 (GPU.md)
 # One Qwen3-8B layer's FP8 weights, MB: o 4096 x 4096, qkv 6144 x 4096, down 4096 x 12288, gate_up 24576 x 4096
 LAYER_FP8_MB = (16.8, 25.2, 50.3, 100.7)
 L2_BYTES = 256 << 20  # bytes one timing cycles through (well above the H100's and H200's 50 MB L2)
@@ -47,16 +46,21 @@ def _fold_kernel(x_ptr, out_ptr, n_words, CHUNK: tl.constexpr, BLOCK: tl.constex
     tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
 
 
+def fold_chunk(words: int, programs: int) -> int:
+    """Words each of ``programs`` programs folds: an equal share of ``words``, rounded up to whole FOLD_BLOCKs."""
+    return math.ceil(words / programs / FOLD_BLOCK) * FOLD_BLOCK
+
+
 def fold(x: torch.Tensor, out: torch.Tensor, programs: int) -> None:
     """XOR-fold int32 ``x`` into ``out[:programs]`` (one word a program; ``programs`` <= out's length)."""
-    chunk = math.ceil(x.numel() / programs / FOLD_BLOCK) * FOLD_BLOCK
+    chunk = fold_chunk(x.numel(), programs)
     _fold_kernel[(programs,)](x, out, x.numel(), CHUNK=chunk, BLOCK=FOLD_BLOCK, num_warps=8)
 
 
 def fold_reference(x: torch.Tensor, programs: int) -> torch.Tensor:
     """``fold``'s result from numpy: each program's share of the words, XOR-reduced (int32, one a program, on x's
     device)."""
-    chunk = math.ceil(x.numel() / programs / FOLD_BLOCK) * FOLD_BLOCK
+    chunk = fold_chunk(x.numel(), programs)
     padded = np.zeros(programs * chunk, dtype=np.int32)
     padded[: x.numel()] = x.cpu().numpy()
     return torch.from_numpy(np.bitwise_xor.reduce(padded.reshape(programs, chunk), axis=1)).to(x.device)
