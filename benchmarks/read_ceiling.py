@@ -13,7 +13,10 @@ could take in a chain of launches (GPU only). ``_fold_kernel`` XOR-folds its sha
 a program; each size is read from enough copies to exceed L2, one launch a copy, in a CUDA graph, at several grid
 sizes (the best counts). A line fitted through the sizes gives the fixed cost of a launch (its intercept) and the
 streaming rate (its slope). The defaults are one Qwen3-8B layer's FP8 weights (o, qkv, down, gate_up), so the
-small-M FP8 GEMMs (``bench_fp8_gemm.py``) can be read against a plain read of the same bytes.
+small-M FP8 GEMMs (``bench_fp8_gemm.py``) can be read against a plain read of the same bytes. On sm_90+ the sizes
+are timed twice: plain launches, then each launch under programmatic dependent launch with its reads before the
+wait for the launch before it (as the engine's projections read their weights before theirs), which tells how much
+of the fixed cost a chain of dependent launches can hide.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fnvllm.kernels.fused_ops import wait_for_previous_kernel
+
 # One Qwen3-8B layer's FP8 weights, MB: o 4096 x 4096, qkv 6144 x 4096, down 4096 x 12288, gate_up 24576 x 4096
 LAYER_FP8_MB = (16.8, 25.2, 50.3, 100.7)
 L2_BYTES = 256 << 20  # bytes one timing cycles through (well above the H100's and H200's 50 MB L2)
@@ -36,13 +41,18 @@ GRID_WAVES = (1, 2, 4, 8)  # programs per SM tried at each size
 
 
 @triton.jit
-def _fold_kernel(x_ptr, out_ptr, n_words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """out[pid] = the XOR of int32 words [pid * CHUNK, (pid + 1) * CHUNK) of x below n_words: a read and a store."""
+def _fold_kernel(x_ptr, out_ptr, n_words, CHUNK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[pid] = the XOR of int32 words [pid * CHUNK, (pid + 1) * CHUNK) of x below n_words: a read and a store.
+
+    USE_PDL: launched with programmatic dependent launch, the program reads its words first, then waits for the
+    kernel before it (``wait_for_previous_kernel``: also where the next kernel may start) and stores: a kernel whose
+    bytes do not depend on its predecessor, as a projection's weights do not, at the most its reads can overlap."""
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(0, CHUNK, BLOCK):
         idx = pid * CHUNK + i + tl.arange(0, BLOCK)
         acc ^= tl.load(x_ptr + idx, mask=idx < n_words, other=0)
+    wait_for_previous_kernel(USE_PDL)
     tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
 
 
@@ -51,10 +61,12 @@ def fold_chunk(words: int, programs: int) -> int:
     return math.ceil(words / programs / FOLD_BLOCK) * FOLD_BLOCK
 
 
-def fold(x: torch.Tensor, out: torch.Tensor, programs: int) -> None:
-    """XOR-fold int32 ``x`` into ``out[:programs]`` (one word a program; ``programs`` <= out's length)."""
+def fold(x: torch.Tensor, out: torch.Tensor, programs: int, pdl: bool = False) -> None:
+    """XOR-fold int32 ``x`` into ``out[:programs]`` (one word a program; ``programs`` <= out's length); ``pdl``
+    launches it with programmatic dependent launch (CUDA, sm_90+), reads before the wait."""
     chunk = fold_chunk(x.numel(), programs)
-    _fold_kernel[(programs,)](x, out, x.numel(), CHUNK=chunk, BLOCK=FOLD_BLOCK, num_warps=8)
+    launch = {"launch_pdl": True} if pdl else {}
+    _fold_kernel[(programs,)](x, out, x.numel(), CHUNK=chunk, BLOCK=FOLD_BLOCK, USE_PDL=pdl, num_warps=8, **launch)
 
 
 def fold_reference(x: torch.Tensor, programs: int) -> torch.Tensor:
@@ -75,34 +87,39 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def read_cost_us(size_mb: float, sms: int) -> tuple[float, int]:
+def read_cost_us(size_mb: float, sms: int, pdl: bool = False) -> tuple[float, int]:
     """(µs, programs) of the fastest plain read of ``size_mb`` MB over the grid sizes GRID_WAVES x ``sms``: the
-    mean launch in a CUDA graph of one launch a copy, copies past L2 (``bench_attention.graph_seconds``)."""
+    mean launch in a CUDA graph of one launch a copy, copies past L2 (``bench_attention.graph_seconds``); ``pdl``:
+    each launch under programmatic dependent launch (``fold``)."""
     from benchmarks.bench_attention import graph_seconds  # GPU-only path: keep the module light to import
 
     words = int(size_mb * 1e6) // 4
     copies = max(2, math.ceil(L2_BYTES / (4 * words)))
     xs = [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda") for _ in range(copies)]
     out = torch.empty(max(GRID_WAVES) * sms, dtype=torch.int32, device="cuda")
-    fold(xs[0], out, sms)  # checked once against the torch fold
+    fold(xs[0], out, sms, pdl)  # checked once against the numpy fold
     if not torch.equal(out[:sms], fold_reference(xs[0], sms)):
         raise RuntimeError("_fold_kernel disagrees with fold_reference")
     return min(
-        (graph_seconds(lambda p=p: [fold(x, out, p) for x in xs]) * 1e6 / copies, p)
+        (graph_seconds(lambda p=p: [fold(x, out, p, pdl) for x in xs]) * 1e6 / copies, p)
         for p in (waves * sms for waves in GRID_WAVES)
     )
 
 
 def print_read_costs(sizes_mb: Sequence[float]) -> None:
-    """The plain read's µs per launch at each size, and the line through them (fixed µs, TB/s)."""
+    """The plain read's µs per launch at each size, and the line through them (fixed µs, TB/s): launched plainly,
+    then under programmatic dependent launch (sm_90+), each read then waiting for the launch before it."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    costs = [read_cost_us(size, sms) for size in sizes_mb]
-    print("plain read, one launch a copy in a CUDA graph (copies past L2), best grid:")
-    for size, (us, programs) in zip(sizes_mb, costs, strict=True):
-        print(f"  {size:7.1f} MB: {us:7.2f} us ({size / us:.2f} TB/s), {programs} programs")
-    if len(set(sizes_mb)) >= 2:
-        fixed, slope = fit_line(list(sizes_mb), [us for us, _ in costs])
-        print(f"  line: {fixed:.2f} us fixed + bytes at {1 / slope:.2f} TB/s")
+    modes = [False, True] if torch.cuda.get_device_capability(0)[0] >= 9 else [False]
+    for pdl in modes:
+        costs = [read_cost_us(size, sms, pdl) for size in sizes_mb]
+        how = "under PDL (reads before the wait)" if pdl else "plain launches"
+        print(f"plain read, one launch a copy in a CUDA graph (copies past L2), best grid, {how}:")
+        for size, (us, programs) in zip(sizes_mb, costs, strict=True):
+            print(f"  {size:7.1f} MB: {us:7.2f} us ({size / us:.2f} TB/s), {programs} programs")
+        if len(set(sizes_mb)) >= 2:
+            fixed, slope = fit_line(list(sizes_mb), [us for us, _ in costs])
+            print(f"  line: {fixed:.2f} us fixed + bytes at {1 / slope:.2f} TB/s")
 
 
 def best_seconds(call: Callable[[], object], repeats: int, clock: Callable[[Callable[[], object]], float]) -> float:

@@ -49,13 +49,19 @@ def test_summary_prints_each_rate_as_a_fraction_of_the_ceiling(capsys: pytest.Ca
     assert "[" not in capsys.readouterr().out.split("\n", 2)[2]  # no fractions without a ceiling
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
+
+
+@pytest.mark.parametrize(
+    "pdl", [False, pytest.param(True, marks=pytest.mark.skipif(not HOPPER, reason="PDL needs an sm_90+ CUDA GPU"))]
+)
 @pytest.mark.parametrize(("words", "programs"), [(10_000, 3), (2048, 1), (5000, 4)])
-def test_fold_kernel_matches_its_reference(words: int, programs: int) -> None:
+def test_fold_kernel_matches_its_reference(words: int, programs: int, pdl: bool) -> None:
     # the plain-read kernel's one word a program: each program's share (whole FOLD_BLOCKs, the last one short)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=device)
     out = torch.zeros(programs, dtype=torch.int32, device=device)
-    read_ceiling.fold(x, out, programs)
+    read_ceiling.fold(x, out, programs, pdl)
     expected = read_ceiling.fold_reference(x, programs)
     assert torch.equal(out, expected)
     # the shares cover every word once: the programs' words XOR to the XOR of all of x
