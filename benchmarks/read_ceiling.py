@@ -36,7 +36,9 @@ from fnvllm.kernels.fused_ops import wait_for_previous_kernel
 # One Qwen3-8B layer's FP8 weights, MB: o 4096 x 4096, qkv 6144 x 4096, down 4096 x 12288, gate_up 24576 x 4096
 LAYER_FP8_MB = (16.8, 25.2, 50.3, 100.7)
 L2_BYTES = 256 << 20  # bytes one timing cycles through (well above the H100's and H200's 50 MB L2)
-FOLD_BLOCK = 2048  # int32 words a program loads per step (8 per thread at 8 warps: two 16-byte loads)
+# int32 words a program loads per step, tried at each size: 8 per thread at 8 warps (two 16-byte loads in flight
+# a thread) or 32 (eight), since a loop of plain loads is not pipelined and in-flight bytes set the rate
+FOLD_BLOCKS = (2048, 8192)
 GRID_WAVES = (1, 2, 4, 8)  # programs per SM tried at each size
 
 
@@ -56,23 +58,24 @@ def _fold_kernel(x_ptr, out_ptr, n_words, CHUNK: tl.constexpr, BLOCK: tl.constex
     tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
 
 
-def fold_chunk(words: int, programs: int) -> int:
-    """Words each of ``programs`` programs folds: an equal share of ``words``, rounded up to whole FOLD_BLOCKs."""
-    return math.ceil(words / programs / FOLD_BLOCK) * FOLD_BLOCK
+def fold_chunk(words: int, programs: int, block: int = FOLD_BLOCKS[0]) -> int:
+    """Words each of ``programs`` programs folds: an equal share of ``words``, rounded up to whole blocks."""
+    return math.ceil(words / programs / block) * block
 
 
-def fold(x: torch.Tensor, out: torch.Tensor, programs: int, pdl: bool = False) -> None:
-    """XOR-fold int32 ``x`` into ``out[:programs]`` (one word a program; ``programs`` <= out's length); ``pdl``
-    launches it with programmatic dependent launch (CUDA, sm_90+), reads before the wait."""
-    chunk = fold_chunk(x.numel(), programs)
+def fold(x: torch.Tensor, out: torch.Tensor, programs: int, pdl: bool = False, block: int = FOLD_BLOCKS[0]) -> None:
+    """XOR-fold int32 ``x`` into ``out[:programs]`` (one word a program; ``programs`` <= out's length), ``block``
+    words a program per step; ``pdl`` launches it with programmatic dependent launch (CUDA, sm_90+), reads before
+    the wait."""
+    chunk = fold_chunk(x.numel(), programs, block)
     launch = {"launch_pdl": True} if pdl else {}
-    _fold_kernel[(programs,)](x, out, x.numel(), CHUNK=chunk, BLOCK=FOLD_BLOCK, USE_PDL=pdl, num_warps=8, **launch)
+    _fold_kernel[(programs,)](x, out, x.numel(), CHUNK=chunk, BLOCK=block, USE_PDL=pdl, num_warps=8, **launch)
 
 
-def fold_reference(x: torch.Tensor, programs: int) -> torch.Tensor:
+def fold_reference(x: torch.Tensor, programs: int, block: int = FOLD_BLOCKS[0]) -> torch.Tensor:
     """``fold``'s result from numpy: each program's share of the words, XOR-reduced (int32, one a program, on x's
     device)."""
-    chunk = fold_chunk(x.numel(), programs)
+    chunk = fold_chunk(x.numel(), programs, block)
     padded = np.zeros(programs * chunk, dtype=np.int32)
     padded[: x.numel()] = x.cpu().numpy()
     return torch.from_numpy(np.bitwise_xor.reduce(padded.reshape(programs, chunk), axis=1)).to(x.device)
@@ -87,22 +90,24 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def read_cost_us(size_mb: float, sms: int, pdl: bool = False) -> tuple[float, int]:
-    """(µs, programs) of the fastest plain read of ``size_mb`` MB over the grid sizes GRID_WAVES x ``sms``: the
-    mean launch in a CUDA graph of one launch a copy, copies past L2 (``bench_attention.graph_seconds``); ``pdl``:
-    each launch under programmatic dependent launch (``fold``)."""
+def read_cost_us(size_mb: float, sms: int, pdl: bool = False) -> tuple[float, int, int]:
+    """(µs, programs, block) of the fastest plain read of ``size_mb`` MB over the grid sizes GRID_WAVES x ``sms``
+    and the steps FOLD_BLOCKS: the mean launch in a CUDA graph of one launch a copy, copies past L2
+    (``bench_attention.graph_seconds``); ``pdl``: each launch under programmatic dependent launch (``fold``)."""
     from benchmarks.bench_attention import graph_seconds  # GPU-only path: keep the module light to import
 
     words = int(size_mb * 1e6) // 4
     copies = max(2, math.ceil(L2_BYTES / (4 * words)))
     xs = [torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda") for _ in range(copies)]
     out = torch.empty(max(GRID_WAVES) * sms, dtype=torch.int32, device="cuda")
-    fold(xs[0], out, sms, pdl)  # checked once against the numpy fold
-    if not torch.equal(out[:sms], fold_reference(xs[0], sms)):
-        raise RuntimeError("_fold_kernel disagrees with fold_reference")
+    for block in FOLD_BLOCKS:  # each step checked once against the numpy fold
+        fold(xs[0], out, sms, pdl, block)
+        if not torch.equal(out[:sms], fold_reference(xs[0], sms, block)):
+            raise RuntimeError(f"_fold_kernel disagrees with fold_reference (block {block})")
     return min(
-        (graph_seconds(lambda p=p: [fold(x, out, p, pdl) for x in xs]) * 1e6 / copies, p)
+        (graph_seconds(lambda p=p, b=b: [fold(x, out, p, pdl, b) for x in xs]) * 1e6 / copies, p, b)
         for p in (waves * sms for waves in GRID_WAVES)
+        for b in FOLD_BLOCKS
     )
 
 
@@ -115,10 +120,10 @@ def print_read_costs(sizes_mb: Sequence[float]) -> None:
         costs = [read_cost_us(size, sms, pdl) for size in sizes_mb]
         how = "under PDL (reads before the wait)" if pdl else "plain launches"
         print(f"plain read, one launch a copy in a CUDA graph (copies past L2), best grid, {how}:")
-        for size, (us, programs) in zip(sizes_mb, costs, strict=True):
-            print(f"  {size:7.1f} MB: {us:7.2f} us ({size / us:.2f} TB/s), {programs} programs")
+        for size, (us, programs, block) in zip(sizes_mb, costs, strict=True):
+            print(f"  {size:7.1f} MB: {us:7.2f} us ({size / us:.2f} TB/s), {programs} programs of {block}-word steps")
         if len(set(sizes_mb)) >= 2:
-            fixed, slope = fit_line(list(sizes_mb), [us for us, _ in costs])
+            fixed, slope = fit_line(list(sizes_mb), [us for us, _, _ in costs])
             print(f"  line: {fixed:.2f} us fixed + bytes at {1 / slope:.2f} TB/s")
 
 

@@ -55,14 +55,15 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >=
 @pytest.mark.parametrize(
     "pdl", [False, pytest.param(True, marks=pytest.mark.skipif(not HOPPER, reason="PDL needs an sm_90+ CUDA GPU"))]
 )
-@pytest.mark.parametrize(("words", "programs"), [(10_000, 3), (2048, 1), (5000, 4)])
-def test_fold_kernel_matches_its_reference(words: int, programs: int, pdl: bool) -> None:
-    # the plain-read kernel's one word a program: each program's share (whole FOLD_BLOCKs, the last one short)
+@pytest.mark.parametrize(("words", "programs", "block"), [(10_000, 3, 2048), (2048, 1, 2048), (5000, 4, 2048),
+                                                    (40_000, 3, 8192), (9000, 2, 8192)])  # fmt: skip
+def test_fold_kernel_matches_its_reference(words: int, programs: int, block: int, pdl: bool) -> None:
+    # the plain-read kernel's one word a program: each program's share (whole steps of block words, the last short)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=device)
     out = torch.zeros(programs, dtype=torch.int32, device=device)
-    read_ceiling.fold(x, out, programs, pdl)
-    expected = read_ceiling.fold_reference(x, programs)
+    read_ceiling.fold(x, out, programs, pdl, block)
+    expected = read_ceiling.fold_reference(x, programs, block)
     assert torch.equal(out, expected)
     # the shares cover every word once: the programs' words XOR to the XOR of all of x
     assert np.bitwise_xor.reduce(expected.cpu().numpy()) == np.bitwise_xor.reduce(x.cpu().numpy())
