@@ -37,7 +37,8 @@ from fnvllm.kernels.fused_ops import wait_for_previous_kernel
 LAYER_FP8_MB = (16.8, 25.2, 50.3, 100.7)
 L2_BYTES = 256 << 20  # bytes one timing cycles through (well above the H100's and H200's 50 MB L2)
 # int32 words a program loads per step, tried at each size: 8 per thread at 8 warps (two 16-byte loads in flight
-# a thread) or 32 (eight), since a loop of plain loads is not pipelined and in-flight bytes set the rate
+# a thread) or 32 (eight). On an H100 the longer step did not raise the rate (2.72 TB/s against 2.71, the ceiling
+# 3.12: BENCHMARKS.md, thirty-third session): this loop of plain loads is no floor for the largest sizes.
 FOLD_BLOCKS = (2048, 8192)
 GRID_WAVES = (1, 2, 4, 8)  # programs per SM tried at each size
 
@@ -47,8 +48,9 @@ def _fold_kernel(x_ptr, out_ptr, n_words, CHUNK: tl.constexpr, BLOCK: tl.constex
     """out[pid] = the XOR of int32 words [pid * CHUNK, (pid + 1) * CHUNK) of x below n_words: a read and a store.
 
     USE_PDL: launched with programmatic dependent launch, the program reads its words first, then waits for the
-    kernel before it (``wait_for_previous_kernel``: also where the next kernel may start) and stores: a kernel whose
-    bytes do not depend on its predecessor, as a projection's weights do not, at the most its reads can overlap."""
+    kernel before it (``wait_for_previous_kernel``, after which the next kernel may start) and stores: a kernel
+    whose bytes do not depend on its predecessor's output (as a projection's weights do not), all of them asked
+    for before its wait."""
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for i in range(0, CHUNK, BLOCK):
