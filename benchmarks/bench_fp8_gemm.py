@@ -13,10 +13,12 @@ The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 
     (``fp8_scaled_mm``: activation quantization + ``torch._scaled_mm`` with block scales), ours: ``stream``
     (``fp8_gemm_small_m``, M <= 64), ``swap`` (quantization + ``fp8_gemm_swap``, M <= 1024), ``swap_fused``
     (``fp8_gemm_swap_bf16``: the quantization in the kernel, M <= 256), ``blockwise``
-    (quantization + ``fp8_gemm_blockwise``, M >= 16) and ``shipped`` (``fp8_linear``). Each timing replays a
-    CUDA graph of calls on enough weight copies to exceed the 50 MB L2 (weights come from HBM), under CUDA events.
-    TB/s counts weight bytes (fp8: 1 byte per weight + 4 per 128 x 128 block; bf16: 2 bytes). A variant that
-    fails (e.g. does not compile) prints its error and is left out;
+    (quantization + ``fp8_gemm_blockwise``, M >= 16) and ``shipped`` (``fp8_linear``); ``swap_ready`` times
+    ``fp8_gemm_swap`` from activations quantized beforehand (its producer's job in a decode step), and
+    ``swap_ready_pre1`` / ``swap_ready_pre2`` the same pick with 1 / 2 weight blocks read before the PDL wait
+    (``SwapConfig.preload``). Each timing replays a CUDA graph of calls on enough weight copies to exceed the
+    50 MB L2 (weights come from HBM), under CUDA events. TB/s counts weight bytes (fp8: 1 byte per weight + 4 per
+    128 x 128 block; bf16: 2 bytes). A variant that fails (e.g. does not compile) prints its error and is left out;
 (c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (the blockwise kernel first at
     M = 256, 64, 128, where decode steps of the 8B shape run; then swap at 1, 16, blockwise at 32, the fused swap,
     swap at 32, 64; the streaming kernel last), each candidate checked for correctness before it is timed,
@@ -67,6 +69,7 @@ MS = (1, 4, 16, 32, 64, 128, 256, 8192)
 TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
 VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_ready", "swap_fused", "blockwise", "shipped")
+VARIANTS += ("swap_ready_pre1", "swap_ready_pre2")  # swap_ready's pick with 1 / 2 weight blocks preloaded
 STREAM_KNOBS = {
     "convert": ("asm", "asm_hoisted", "cast", "bits"),
     "reduce": ("last", "launch"),
@@ -91,6 +94,7 @@ SWAP_KNOBS = {  # most likely to matter first (a descent cut short by the budget
     "prefetch": (False, True),
     "num_stages": (3, 4, 5, 6, 2),
     "tma": (False, True),
+    "preload": (0, 1, 2),
     "block_n": (128, 64, 256),
     "num_warps": (4, 8),
     "reduce": ("last", "launch"),
@@ -98,7 +102,7 @@ SWAP_KNOBS = {  # most likely to matter first (a descent cut short by the budget
 }
 # At a token count after the first one swept, a (GEMM, kernel) descends from its best at an earlier M over these
 # knobs only (its split and depth may move with M; the rest rarely does), so the budget reaches every M.
-SWAP_REFINE_KNOBS = ("split_k", "num_stages", "pdl", "prefetch", "block_t", "tma")
+SWAP_REFINE_KNOBS = ("split_k", "num_stages", "pdl", "prefetch", "preload", "block_t", "tma")
 SWAP_VARIANTS = ("swap", "swap_fused", "swap_ready")
 SMALL_M_TARGET_TB_S = 3.5  # issue 20: the small-M FP8 GEMM's weight bytes at M <= 16, on the H200
 
@@ -201,8 +205,10 @@ class Gemm:
     ) -> torch.Tensor:
         """One product by ``variant`` (see (b) in the module docstring); cfg: a kernel config for stream/swap;
         ready: x already quantized (``quantize_activations(x)``), which ``swap_ready`` starts from (None: made here)."""
-        if variant == "swap_ready":  # cfg None: the shipped pick for ready activations (TUNED_SWAP_READY)
+        if variant.startswith("swap_ready"):  # cfg None: the shipped pick for ready activations (TUNED_SWAP_READY)
             cfg = cfg or g.pick_ready_swap_config(x.shape[0], *w.shape, x.device)
+            if variant != "swap_ready":  # swap_ready_preN: that pick with N weight blocks read before the wait
+                cfg = attrs.evolve(cfg, preload=int(variant[-1]))  # type: ignore[misc]
             return g.fp8_gemm_swap(*(ready or g.quantize_activations(x)), w, s, x.dtype, cfg)  # type: ignore[arg-type]
         if variant == "stream":
             return g.fp8_gemm_small_m(x, w, s, cfg)  # type: ignore[arg-type]
@@ -220,7 +226,7 @@ class Gemm:
         """Whether ``variant`` runs at M = m."""
         if variant == "stream":
             return m <= g.SMALL_M
-        if variant in ("swap", "swap_ready"):
+        if variant == "swap" or variant.startswith("swap_ready"):
             return m <= 1024
         if variant == "swap_fused":
             return m <= 256
@@ -247,7 +253,7 @@ class Gemm:
         reps = 3 if m >= 4096 else 20
         if variant == "bf16":
             return time_us([lambda w=w: F.linear(x, w) for w in self.bf16], reps)
-        ready = g.quantize_activations(x) if variant == "swap_ready" else None  # made once, outside the timing
+        ready = g.quantize_activations(x) if variant.startswith("swap_ready") else None  # once, outside the timing
         return time_us([lambda w=w, s=s: self.call(variant, x, w, s, cfg, ready) for w, s in self.fp8], reps)
 
 

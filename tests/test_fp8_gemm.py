@@ -91,6 +91,13 @@ SWAP_CASES = [
     (1, 200, 304, g.SwapConfig(64, 16, 2, tma=True)),
     (17, 256, 640, g.SwapConfig(128, 32, 3, reduce="launch", tma=True)),
     (3, 300, 256, g.SwapConfig(256, 16, 1, tma=True, pdl=True, prefetch=True)),
+    # weight blocks read before the PDL wait and added after the loop: splits of 1, 2 and 3 blocks (the second
+    # preloaded block past a one-block split is read, not added), ragged K, pointer loads and TMA
+    (2, 200, 300, g.SwapConfig(64, 16, 3, preload=1)),
+    (3, 130, 260, g.SwapConfig(32, 16, 3, preload=2)),
+    (17, 256, 640, g.SwapConfig(128, 32, 2, reduce="launch", preload=2, tma=True)),
+    (5, 300, 1000, g.SwapConfig(64, 16, 3, pdl=True, prefetch=True, preload=2, tma=True)),
+    (1, 200, 896, g.SwapConfig(64, 16, 1, preload=1, tma=True)),
 ]
 
 
@@ -218,6 +225,8 @@ def test_swap_lever_checks() -> None:
     are not 16-byte multiples fall back to pointer loads with the same result."""
     with pytest.raises(ValueError, match="prefetch needs pdl"):
         g.SwapConfig(prefetch=True).check()
+    with pytest.raises(ValueError, match="preload must be 0, 1 or 2"):
+        g.SwapConfig(preload=3).check()
     w, scale = _weights(64, 200)
     x_q, x_scale = g.quantize_activations_ref(_x(2, 200))
     cfg = g.SwapConfig(64, 16, 1, tma=True, pdl=True, prefetch=True)
@@ -302,6 +311,9 @@ def test_stream_conversions_on_cuda_agree(convert: str, swap: bool) -> None:
         g.SwapConfig(128, 16, 4, pdl=True, prefetch=True),
         g.SwapConfig(128, 16, 4, tma=True),
         g.SwapConfig(256, 16, 2, num_warps=8, tma=True, pdl=True, prefetch=True, reduce="launch"),
+        g.SwapConfig(64, 16, 4, num_stages=4, tma=True, pdl=True, reduce="launch", preload=1),
+        g.SwapConfig(64, 16, 8, num_stages=3, tma=True, pdl=True, reduce="launch", preload=2),
+        g.SwapConfig(64, 16, 32, num_stages=3, pdl=True, preload=2),
     ],
 )
 @pytest.mark.parametrize("fused", [False, True])

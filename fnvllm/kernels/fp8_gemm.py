@@ -822,7 +822,7 @@ def _swap_fp8_kernel(
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
     UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
@@ -832,43 +832,86 @@ def _swap_fp8_kernel(
     launch fewer; each row tile redoes it, cheap for a few tokens). USE_PDL: wait on the previous kernel (under
     programmatic dependent launch) before reading a; PREFETCH_L2: before that wait, ask L2 for the split's first
     weight blocks (no earlier kernel writes them); TMA: load the weight tiles through the tensor descriptor
-    w_desc (block (BLOCK_N, 128); zeros past N and K) instead of pointer loads from w_ptr."""
+    w_desc (block (BLOCK_N, 128); zeros past N and K) instead of pointer loads from w_ptr. PRELOAD (0, 1 or 2):
+    load the split's first PRELOAD weight blocks into registers before that wait, and their activation blocks
+    right after it; the loop runs over the split's other blocks, and the preloaded blocks are added last (so
+    the sum's order, not its terms, differs from PRELOAD 0: equal up to float32 rounding)."""
     pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, 128)
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # BLOCK_N > 128: one scale per 128 rows
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     first = split * K_BLOCKS_PER_SPLIT
+    end = tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))  # every split has >= 1 block (_launch_swap)
     if PREFETCH_L2:
         _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
+    if PRELOAD >= 1:  # weights: no kernel writes them, so they may be read before the wait
+        w_first = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, first, pid_n * BLOCK_N, TMA)
+    if PRELOAD >= 2:  # (block first + 1 may lie past this split: read, and not added below)
+        w_second = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, first + 1, pid_n * BLOCK_N, TMA)
     wait_for_previous_kernel(USE_PDL)
-    for kb in range(first, tl.minimum(first + K_BLOCKS_PER_SPLIT, tl.cdiv(K, 128))):
-        k = kb * 128 + offs_k
-        if TMA:
-            w = w_desc.load([pid_n * BLOCK_N, kb * 128])
-        else:
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
-                        mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
-        a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
-                    mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
-        if QUANT_A:
-            a, a_scale = _quantize_tile(a, UPCAST)
-        else:
-            a_scale = tl.load(as_ptr + offs_t * stride_asm + kb, mask=offs_t < M, other=0.0)
-        if UPCAST:  # the interpreter: exact in float32
-            part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-        else:  # fp8 x fp8 on the tensor cores, float32 accumulation
-            part = tl.dot(w, tl.trans(a))
-        if BLOCK_N > 128:  # noqa: SIM108 (a scale per row here, one scalar otherwise)
-            w_scale = tl.load(ws_rows + kb, mask=offs_n < N, other=0.0)[:, None]
-        else:
-            w_scale = tl.load(ws_row + kb)
-        acc += part * (a_scale[None, :] * w_scale)
+    if PRELOAD >= 1:  # their activations, asked for now so they arrive while the loop runs
+        a_first, as_first = _swap_act_tile(a_ptr, as_ptr, offs_t, M, K, first, stride_am, stride_asm, QUANT_A, UPCAST)
+    if PRELOAD >= 2:
+        a_second, as_second = _swap_act_tile(
+            a_ptr, as_ptr, offs_t, M, K, first + 1, stride_am, stride_asm, QUANT_A, UPCAST
+        )
+    for kb in range(first + PRELOAD, end):
+        w = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, kb, pid_n * BLOCK_N, TMA)
+        a, a_scale = _swap_act_tile(a_ptr, as_ptr, offs_t, M, K, kb, stride_am, stride_asm, QUANT_A, UPCAST)
+        acc = _swap_accumulate(acc, w, a, a_scale, kb, ws_row, ws_rows, offs_n, N, BLOCK_N, UPCAST)
+    if PRELOAD >= 1:
+        acc = _swap_accumulate(acc, w_first, a_first, as_first, first, ws_row, ws_rows, offs_n, N, BLOCK_N, UPCAST)
+    if PRELOAD >= 2:  # noqa: SIM102 (a compile-time test around a run-time one: w_second exists only here)
+        if first + 1 < end:
+            acc = _swap_accumulate(
+                acc, w_second, a_second, as_second, first + 1, ws_row, ws_rows, offs_n, N, BLOCK_N, UPCAST
+            )
     offs, mask = offs_t[None, :] * N + offs_n[:, None], (offs_n[:, None] < N) & (offs_t[None, :] < M)
     tile = pid_n * tl.num_programs(0) + pid_t
     _write_tile(acc, offs, mask, out_ptr, part_ptr, lock_ptr, split, NUM_SPLITS, tile, M * N, SPLIT_MODE)
+
+
+@triton.jit
+def _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, kb, row0, TMA: tl.constexpr):
+    """The (BLOCK_N, 128) e4m3 weight tile of rows offs_n (starting at row0) and K block kb: by the TMA
+    descriptor (zeros past N and K) or by pointer loads (masked the same)."""
+    if TMA:
+        w = w_desc.load([row0, kb * 128])
+    else:
+        k = kb * 128 + tl.arange(0, 128)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0.0)  # fmt: skip
+    return w
+
+
+@triton.jit
+def _swap_act_tile(a_ptr, as_ptr, offs_t, M, K, kb, stride_am, stride_asm, QUANT_A: tl.constexpr, UPCAST):
+    """(e4m3 activations (BLOCK_T, 128) of tokens offs_t at K block kb, their per-token scales): loaded, or with
+    QUANT_A quantized here from the 16-bit activations."""
+    k = kb * 128 + tl.arange(0, 128)
+    a = tl.load(a_ptr + offs_t[:, None] * stride_am + k[None, :],
+                mask=(offs_t[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
+    if QUANT_A:
+        a, a_scale = _quantize_tile(a, UPCAST)
+    else:
+        a_scale = tl.load(as_ptr + offs_t * stride_asm + kb, mask=offs_t < M, other=0.0)
+    return a, a_scale
+
+
+@triton.jit
+def _swap_accumulate(acc, w, a, a_scale, kb, ws_row, ws_rows, offs_n, N, BLOCK_N: tl.constexpr, UPCAST):
+    """acc + (w @ a.T) * a_scale[token] * w_scale[row block, kb]: one 128-deep K block of the swap product."""
+    if UPCAST:  # the interpreter: exact in float32
+        part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+    else:  # fp8 x fp8 on the tensor cores, float32 accumulation
+        part = tl.dot(w, tl.trans(a))
+    if BLOCK_N > 128:  # noqa: SIM108 (a scale per row here, one scalar otherwise)
+        w_scale = tl.load(ws_rows + kb, mask=offs_n < N, other=0.0)[:, None]
+    else:
+        w_scale = tl.load(ws_row + kb)
+    return acc + part * (a_scale[None, :] * w_scale)
 
 
 @triton.jit
@@ -889,7 +932,10 @@ class SwapConfig:
     prefetch: with pdl, before that wait each program asks L2 for its split's first weight blocks; tma: weight
     tiles by a TMA tensor descriptor (Triton's host ``TensorDescriptor``) instead of pointer loads. prefetch and
     tma need 16-byte weight rows (K a multiple of 16, an aligned base); elsewhere the kernel runs without them
-    (same result). ``pick_swap_config`` turns pdl and tma on up to SWAP_MAX_M tokens (measured faster)."""
+    (same result). preload (0, 1 or 2): each program reads its split's first ``preload`` weight blocks into
+    registers before the PDL wait (so they stream in while the kernel before finishes) and adds them after its
+    loop; without pdl they are read first all the same (no overlap). ``pick_swap_config`` turns pdl and tma on up
+    to SWAP_MAX_M tokens (measured faster)."""
 
     block_n: int = 128
     block_t: int = 64
@@ -900,6 +946,7 @@ class SwapConfig:
     pdl: bool = False
     prefetch: bool = False
     tma: bool = False
+    preload: int = 0
 
     def check(self) -> None:
         """ValueError naming the field out of its range."""
@@ -911,6 +958,8 @@ class SwapConfig:
             raise ValueError(f"SwapConfig.reduce must be one of {SPLIT_REDUCES}, got {self.reduce!r}")
         if self.prefetch and not self.pdl:
             raise ValueError(f"SwapConfig.prefetch needs pdl=True (it runs before the PDL wait): {self}")
+        if self.preload not in (0, 1, 2):
+            raise ValueError(f"SwapConfig.preload must be 0, 1 or 2 (weight blocks read before the wait): {self}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1058,7 +1107,8 @@ def _launch_swap(
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None,
         UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(pdl_launch(a.device) if pdl else {}),
+        PRELOAD=cfg.preload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
     if mode == _SUM_LAUNCH and not keep_partials:
         _sum_splits(part, out)
