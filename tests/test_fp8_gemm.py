@@ -104,12 +104,21 @@ SWAP_CASES = [
 @pytest.mark.parametrize(("m", "n", "k", "config"), SWAP_CASES)
 def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapConfig | None) -> None:
     """fp8_gemm_swap on quantized activations equals the float32 math of the same fp8 operands and scales
-    (several token tiles, K splits, partial edge blocks)."""
+    (several token tiles, K splits, partial edge blocks; a misplaced or doubled tile is off by far more than the
+    GPU's tolerance)."""
     w, scale = _weights(n, k, seed=3)
     x_q, x_scale = g.quantize_activations_ref(_x(m, k, seed=4))
     out = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config)
-    ref = g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    _assert_matches_fp8_math(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32))
+
+
+def _assert_matches_fp8_math(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """out equals ref, the float32 math of the same fp8 operands: to float32 rounding under the interpreter, to a
+    relative error below 1e-2 on a GPU (its fp8 tensor-core sums keep fewer bits)."""
+    if DEVICE == "cuda":
+        assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +240,7 @@ def test_swap_lever_checks() -> None:
     x_q, x_scale = g.quantize_activations_ref(_x(2, 200))
     cfg = g.SwapConfig(64, 16, 1, tma=True, pdl=True, prefetch=True)
     out = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, cfg)
-    torch.testing.assert_close(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32), atol=1e-4, rtol=1e-4)
+    _assert_matches_fp8_math(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32))
 
 
 def test_small_m_swap_pick_follows_the_swept_pattern() -> None:
