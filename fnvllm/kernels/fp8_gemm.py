@@ -36,7 +36,9 @@ writes, so weight bytes stream in during the previous kernel's tail. On the H200
 against 6eb87a6, bf16 times equal in both runs) cuBLAS's fp8 path (quantization launch + GEMM) measured 2-14 us
 faster per GEMM at 64-256 tokens, the quantization's early start being the only change on that path. The swap
 kernel takes PDL, the prefetch and TMA weight tiles as ``SwapConfig`` knobs; swept per weight and M (TUNED_SWAP),
-PDL and TMA won almost everywhere, the prefetch nowhere (it had made the o GEMM 1-1.4 us slower before).
+PDL and TMA won almost everywhere, the prefetch nowhere (it had made the o GEMM 1-1.4 us slower before). The
+``preload`` knob (weight blocks read into registers before the wait) measured no faster per layer on an H100
+(BENCHMARKS.md, thirty-fourth session), so no table entry takes it.
 
 Under the Triton CPU interpreter fp8 pointers load and widen correctly (triton 3.9), so the kernels take the
 float8 tensors themselves; 16-bit dot operands are widened to float32 there (``decode_attention.dot``). The
