@@ -91,7 +91,7 @@ SWAP_CASES = [
     (1, 200, 304, g.SwapConfig(64, 16, 2, tma=True)),
     (17, 256, 640, g.SwapConfig(128, 32, 3, reduce="launch", tma=True)),
     (3, 300, 256, g.SwapConfig(256, 16, 1, tma=True, pdl=True, prefetch=True)),
-    # weight blocks read before the PDL wait and added after the loop: splits of 1, 2 and 3 blocks (the second
+    # weight blocks read before the PDL wait and added after the loop: splits of 1, 2, 3 and 7 blocks (the second
     # preloaded block past a one-block split is read, not added), ragged K, pointer loads and TMA
     (2, 200, 300, g.SwapConfig(64, 16, 3, preload=1)),
     (3, 130, 260, g.SwapConfig(32, 16, 3, preload=2)),
