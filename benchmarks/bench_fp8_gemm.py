@@ -42,6 +42,11 @@ of fp8 weight bytes per M), which is also printed before the sweep with today's 
 --ceiling measures this card's read ceiling (``benchmarks/read_ceiling.py``) and prints each summary cell's rate as
 a fraction of it, beside issue 20's small-M target read the same way (3.5 of the H200's 4.16 TB/s: 0.841), for a
 card other than the H200.
+
+--split-cost (e) splits each GEMM's time from ready activations at the --ms up to SWAP_MAX_M into its parts: the
+shipped pick (the swap kernel and, with K splits, the launch that sums them), the kernel alone (its float32 partials
+kept), the sum launch alone (on those partials), the pick without PDL, beside the weight bytes' time at the card's
+read ceiling (µs per call, chains over the weight copies as in (b)).
 """
 
 from __future__ import annotations
@@ -135,6 +140,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="(d) time the producers and a layer's GEMMs with the ops that make their inputs, with and without "
         "the quantization launches (FNVLLM_FP8_FUSED_QUANT's two paths), at the --ms up to SWAP_MAX_M",
+    )
+    parser.add_argument(
+        "--split-cost",
+        action="store_true",
+        help="(e) each GEMM's swap kernel alone, its split-sum launch alone and the pick without PDL, beside its "
+        "weight bytes at the read ceiling",
     )
     parser.add_argument(
         "--ceiling",
@@ -662,6 +673,43 @@ def print_ready_table(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs
     print("}")
 
 
+def run_split_cost(gemms: list[Gemm], ms: list[int], record: dict) -> None:
+    """(e): µs per call of the shipped ready-activation pick, its kernel alone, its split sum alone and the pick
+    without PDL, per GEMM and M, beside the weight bytes' time at this card's read ceiling."""
+    ceiling = read_ceiling_tb_s("cuda")
+    print(f"(e) where a swap GEMM's time goes (µs per call; read ceiling {ceiling:.3f} TB/s)")
+    print(f"  {'GEMM':8} {'M':>3} {'splits':>6} | {'shipped':>8} {'kernel':>8} {'sum':>8} {'no PDL':>8} | at ceiling")
+    for gm in gemms:
+        for m in [m for m in ms if m <= g.SWAP_MAX_M]:
+            row = split_cost_row(gm, m)
+            row["at ceiling"] = gm.fp8_bytes / ceiling / 1e6
+            record["split_cost"][f"{gm.name} M={m}"] = row
+            cells = " ".join(f"{row[k]:8.2f}" for k in ("shipped", "kernel", "sum", "no PDL"))
+            print(f"  {gm.name:8} {m:>3} {int(row['splits']):>6} | {cells} | {row['at ceiling']:8.2f}", flush=True)
+
+
+def split_cost_row(gm: Gemm, m: int) -> dict[str, float]:
+    """One GEMM's (e) timings at M = m from activations quantized once: the pick (kernel + split-sum launch), the
+    kernel alone (float32 partials kept), the sum launch alone on those partials, the pick without PDL."""
+    x = gm.x(m)
+    x_q, x_scale = g.quantize_activations(x)
+    cfg = g.pick_ready_swap_config(m, gm.n, gm.k, x.device)
+    no_pdl = attrs.evolve(cfg, pdl=False)
+    parts = [g.fp8_gemm_swap_partials(x_q, x_scale, w, s, cfg) for w, s in gm.fp8]
+    outs = [torch.empty(m, gm.n, dtype=x.dtype, device=DEVICE) for _ in parts]
+
+    def chain(product: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
+        return time_us([lambda w=w, s=s: product(w, s) for w, s in gm.fp8], 20)
+
+    return {
+        "splits": float(parts[0].shape[0]),
+        "shipped": chain(lambda w, s: g.fp8_gemm_swap(x_q, x_scale, w, s, x.dtype, cfg)),
+        "kernel": chain(lambda w, s: g.fp8_gemm_swap_partials(x_q, x_scale, w, s, cfg)),
+        "sum": time_us([lambda p=p, o=o: g._sum_splits(p, o) for p, o in zip(parts, outs, strict=True)], 20),
+        "no PDL": chain(lambda w, s: g.fp8_gemm_swap(x_q, x_scale, w, s, x.dtype, no_pdl)),
+    }
+
+
 def main() -> int:
     """Check, time, sweep, print the tables; exit 1 when the shipped dispatch fails a correctness check."""
     args = parse_args()
@@ -671,11 +719,20 @@ def main() -> int:
     began = time.monotonic()
     ms = sorted(args.ms)
     gemms = [Gemm(name, n, k) for name, (n, k) in GEMMS.items()]
-    record: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "times_us": {}, "sweep": {}, "chains": {}}
+    record: dict = {
+        "device": torch.cuda.get_device_name(),
+        "checks": {},
+        "times_us": {},
+        "sweep": {},
+        "chains": {},
+        "split_cost": {},
+    }
     variants = tuple(args.variants)
     ok = run_checks(gemms, ms, record, variants)
     times = run_times(gemms, ms, record, variants)
     chains = run_chains(gemms, ms, record) if args.layer_chain else {}
+    if args.split_cost:
+        run_split_cost(gemms, ms, record)
     if chains:
         print_chain_table(gemms, ms, times, chains)
     best: _Best = {}
