@@ -673,10 +673,9 @@ def print_ready_table(gemms: list[Gemm], ms: list[int], best: _Best, cfgs: _Cfgs
     print("}")
 
 
-def run_split_cost(gemms: list[Gemm], ms: list[int], record: dict) -> None:
+def run_split_cost(gemms: list[Gemm], ms: list[int], record: dict, ceiling: float) -> None:
     """(e): µs per call of the shipped ready-activation pick, its kernel alone, its split sum alone and the pick
-    without PDL, per GEMM and M, beside the weight bytes' time at this card's read ceiling."""
-    ceiling = read_ceiling_tb_s("cuda")
+    without PDL, per GEMM and M, beside the weight bytes' time at this card's read ceiling (``ceiling`` TB/s)."""
     print(f"(e) where a swap GEMM's time goes (µs per call; read ceiling {ceiling:.3f} TB/s)")
     print(f"  {'GEMM':8} {'M':>3} {'splits':>6} | {'shipped':>8} {'kernel':>8} {'sum':>8} {'no PDL':>8} | at ceiling")
     for gm in gemms:
@@ -731,8 +730,11 @@ def main() -> int:
     ok = run_checks(gemms, ms, record, variants)
     times = run_times(gemms, ms, record, variants)
     chains = run_chains(gemms, ms, record) if args.layer_chain else {}
-    if args.split_cost:
-        run_split_cost(gemms, ms, record)
+    ceiling = read_ceiling_tb_s("cuda") if args.ceiling or args.split_cost else None  # measured once, for both
+    if ceiling is not None:
+        record["read_ceiling_tb_s"] = ceiling
+    if args.split_cost and ceiling is not None:
+        run_split_cost(gemms, ms, record, ceiling)
     if chains:
         print_chain_table(gemms, ms, times, chains)
     best: _Best = {}
@@ -745,11 +747,7 @@ def main() -> int:
         else:  # the swap kernels at the M given, in the order given (the first M gets the full descent)
             plan = [(variant, m) for m in args.ms for variant in args.sweep_kernels]
             best, cfgs = run_sweep(gemms, args.budget_s, record, plan, deadline, refine_swaps=True)
-    ceiling = None
-    if args.ceiling:
-        ceiling = read_ceiling_tb_s("cuda")
-        record["read_ceiling_tb_s"] = ceiling
-    print_summary(gemms, ms, times, best, variants, ceiling)
+    print_summary(gemms, ms, times, best, variants, ceiling if args.ceiling else None)
     if args.sweep:
         print_sweep_tables(gemms, ms, best, cfgs)
         print_ready_table(gemms, ms, best, cfgs)
