@@ -11,11 +11,14 @@ stages only MT / CL of the tiles and reads the others from its peers' shared mem
 from L2 once a cluster. CL = 1 is the staging alone. Every variant is checked against the float32 product (partials:
 sum within 1e-4; gate/up: ``cuda_skinny.glu_out_matches``), then timed as a chain (one launch per weight copy past
 L2, one CUDA graph, best of five; ``probe_cuda_skinny.chain_us``) beside cuBLAS, the shipped path and the shipped tile
-kernel of the same launch shape.
+kernel of the same launch shape. The kernels are built from ``cuda_skinny.DEVICE_SOURCE``'s pieces (the weight
+share, a tile's products, the sums and their store), as the tile kernels are.
 
 Measured 2026-12-07 on an H100 (BENCHMARKS.md, "Thirty-fifth session"): every variant passed its check, none beat the
 shipped path or cuBLAS, and every cluster was slower than the same shape staged alone (1.03-1.32x at CL 2,
-1.34-2.87x at CL 4), so reading x from L2 is not what holds the tile kernels back at 64 rows.
+1.34-2.87x at CL 4), so reading x from L2 is not what holds the tile kernels back at 64 rows. (That call ran the same
+algorithm written inline rather than from ``DEVICE_SOURCE``'s pieces; its machine code differs from this file's, whose
+kernels have not been timed.)
 """
 
 from __future__ import annotations
@@ -38,15 +41,7 @@ from fnvllm.kernels import cuda_skinny, skinny_gemm
 from fnvllm.kernels.fused_ops import silu_and_mul
 
 BODY = r"""
-MMA_SYNC(mma_bf16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
-
-__device__ __forceinline__ unsigned short to_bf16(float v) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-}
-__device__ __forceinline__ float bf16_value(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
-__device__ __forceinline__ u32 smem_addr(const void* p) {
+__device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory pointer's 32-bit window address
   u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   return a;
@@ -56,7 +51,7 @@ __device__ __forceinline__ u32 cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-__device__ __forceinline__ u32 map_rank(u32 local, u32 rank) {
+__device__ __forceinline__ u32 map_rank(u32 local, u32 rank) {  // the same offset in block `rank`'s shared memory
   u32 remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   return remote;
@@ -73,6 +68,8 @@ __device__ __forceinline__ uint4 ld_local(u32 addr) {
   return v;
 }
 
+// cuda_skinny's skinny_mma with x staged: block rank r of a cluster of CL stages x tiles r, r + CL, ... of its K range
+// ([OWN * 16][XS] bf16 after the sums), and each m16 tile's fragments come from its owner's shared memory
 template <int KB, bool GLU, int MT, int NW, int CL>
 __device__ __forceinline__ void skinny_staged(const unsigned short* __restrict__ x,
                                               const unsigned short* __restrict__ w, void* __restrict__ y, int M, int N,
@@ -81,23 +78,17 @@ __device__ __forceinline__ void skinny_staged(const unsigned short* __restrict__
   constexpr int KR = KW * KB * 32;  // the block's K columns
   constexpr int XS = KR + 32;       // a staged row, padded by 64 bytes: rows g, g + 1 on disjoint banks
   constexpr int OWN = MT / CL;      // m16 tiles of x this block stages: rank, rank + CL, ...
+  constexpr int COLS = 32 * NW + 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kw = NW == 1 ? warp : warp % KW, nw = NW == 1 ? 0 : warp / KW;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = GLU ? (blockIdx.x * NW + nw) * 16 : (blockIdx.x * NW + nw) * 32;
   const int kblock = blockIdx.y * KR, kwarp = kw * KB * 32;
   uint4 wr[4][KB];
-#pragma unroll
-  for (int b = 0; b < KB; ++b)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = GLU ? (j < 2 ? n0 + 8 * j + g : N / 2 + n0 + 8 * (j - 2) + g) : n0 + 8 * j + g;
-      wr[j][b] = load_weight(w + (size_t)row * K + kblock + kwarp + 32 * b + 8 * t);
-    }
-  constexpr int COLS = 32 * NW + 1;
+  load_weights<KB, GLU>(wr, w, n0, N, K, kblock + kwarp, g, t);
   extern __shared__ float dyn[];
   float(*red)[KW][16][COLS] = (float(*)[KW][16][COLS])dyn;
-  unsigned short* xs = (unsigned short*)(dyn + MT * KW * 16 * COLS);  // [OWN * 16][XS]
+  unsigned short* xs = (unsigned short*)(dyn + MT * KW * 16 * COLS);
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
   const u32 rank = CL > 1 ? cluster_rank() : 0;
@@ -106,7 +97,7 @@ __device__ __forceinline__ void skinny_staged(const unsigned short* __restrict__
   for (int i = threadIdx.x; i < OWN * 16 * CHUNKS; i += 256) {
     const int c = i % CHUNKS, r = i / CHUNKS;
     const int m = (rank + CL * (r / 16)) * 16 + r % 16;
-    const bool ok = m < M;
+    const bool ok = m < M;  // rows past M are zero-filled (source size 0)
     const unsigned short* src = x + (size_t)(ok ? m : 0) * K + kblock + 8 * c;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(xs + r * XS + 8 * c)), "l"(src),
                  "r"(ok ? 16 : 0));
@@ -131,59 +122,12 @@ __device__ __forceinline__ void skinny_staged(const unsigned short* __restrict__
       xr[1][b] = CL > 1 ? ld_cluster(a1 + 64 * b) : ld_local(a1 + 64 * b);
     }
     float acc[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
-#pragma unroll
-    for (int b = 0; b < KB; ++b)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        mma_bf16(acc[j], xr[0][b].x, xr[1][b].x, xr[0][b].y, xr[1][b].y, wr[j][b].x, wr[j][b].y);
-        mma_bf16(acc[j], xr[0][b].z, xr[1][b].z, xr[0][b].w, xr[1][b].w, wr[j][b].z, wr[j][b].w);
-      }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int c = 32 * nw + 8 * j + 2 * t;
-      red[mt][kw][g][c] = acc[j][0];
-      red[mt][kw][g][c + 1] = acc[j][1];
-      red[mt][kw][g + 8][c] = acc[j][2];
-      red[mt][kw][g + 8][c + 1] = acc[j][3];
-    }
+    tile_products<KB>(acc, xr, wr);
+    stash_tile<COLS>(red[mt][kw], acc, nw, g, t);
   }
   if (CL > 1) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // done reading peers
   __syncthreads();
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (16 * mt >= M) break;
-#pragma unroll
-    for (int q = 0; q < NW; ++q) {
-      if (GLU) {
-        const int row = threadIdx.x >> 4, col = threadIdx.x & 15, m = 16 * mt + row;
-        float gate = 0.f, up = 0.f;
-#pragma unroll
-        for (int v = 0; v < KW; ++v) {
-          gate += red[mt][v][row][32 * q + col];
-          up += red[mt][v][row][32 * q + 16 + col];
-        }
-        if (m < M) {
-          const float gf = bf16_value(to_bf16(gate)), uf = bf16_value(to_bf16(up));
-          const int out0 = (blockIdx.x * NW + q) * 16;
-          ((unsigned short*)y)[(size_t)m * (N / 2) + out0 + col] = to_bf16(gf / (1.f + expf(-gf)) * uf);
-        }
-      } else {
-        const int row = threadIdx.x >> 4, col = 32 * q + (threadIdx.x & 15) * 2, m = 16 * mt + row;
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int v = 0; v < KW; ++v) {
-          s0 += red[mt][v][row][col];
-          s1 += red[mt][v][row][col + 1];
-        }
-        const int out0 = blockIdx.x * 32 * NW;
-        if (m < M) ((float2*)y)[(((size_t)blockIdx.y * M + m) * N + out0 + col) / 2] = make_float2(s0, s1);
-      }
-    }
-  }
+  store_sums<GLU, MT, NW, KW, COLS>(red, y, M, N);
   if (CL > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");  // peers done with my tiles
 }
 """
@@ -213,7 +157,7 @@ def entry_point(kb: int, glu: bool, nw: int, cl: int) -> tuple[str, str]:
 def kernel_source(kb: int, glu: bool, nw: int, cl: int) -> tuple[str, str]:
     """(CUDA source, entry point name) of one staged kernel (``entry_point``)."""
     name, wrapper = entry_point(kb, glu, nw, cl)
-    return cuda_skinny.PRELUDE + BODY + wrapper, name
+    return cuda_skinny.DEVICE_SOURCE + BODY + wrapper, name
 
 
 def shared_bytes(kb: int, nw: int, cl: int) -> int:

@@ -24,7 +24,7 @@ def test_every_staged_kernel_builds_for_sm90_without_spills(tmp_path: Path) -> N
     """All the probe's kernels in one source compile for sm_90a (clusters, mapa, ld.shared::cluster, cp.async), and
     ptxas reports each entry point with no spill stores or loads."""
     names, wrappers = zip(*(probe.entry_point(*key) for key in KERNELS), strict=True)
-    source = cuda_skinny.PRELUDE + probe.BODY + "".join(wrappers)
+    source = cuda_skinny.DEVICE_SOURCE + probe.BODY + "".join(wrappers)
     path = tmp_path / "staged.cu"
     path.write_text(source)
     done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "staged.cubin"),

@@ -30,7 +30,9 @@ rows) split a block's 8 warps into 2 groups of 4 side by side along N, 64 weight
 twice the rows (at twice the K splits). ptxas (nvcc 13.0, sm_90a) gives the tile kernels 56 (kb 1), 76-80 (kb 2) and
 128 (gate/up, kb 4) registers, without spills. One-tile kb 1 and kb 4 partials (42 and 102 registers) exist for the
 benchmark's other launch shapes at 2-16 rows (o_proj's, for one). The one-tile kernels the table lists compile to
-the same PTX as before tiles and groups were added (modulo labels; checked with nvcc 13.0). Whether any of the
+the same PTX as before tiles and groups were added (modulo labels; checked with nvcc 13.0), and every kernel's
+machine code (the sm_90a cubin's .text) is byte-identical since the template was split into the pieces of
+``DEVICE_SOURCE`` (thirty-fifth session; ``benchmarks/probe_cluster_skinny.py`` builds from them). Whether any of the
 others beat cuBLAS and the Triton kernel is a measurement (``benchmarks/bench_cuda_skinny.py``); until one is made
 the table lists no 17-64-row entry and those kernels are only compiled when asked for.
 
@@ -81,7 +83,10 @@ __device__ __forceinline__ uint4 load_weight(const void* p) {  // weights: read-
   }
 """
 
-SOURCE = (
+# The few-row kernels' device code: the prelude, bf16 rounding, and the pieces every such kernel is built from (a
+# thread's weight share, one m16 tile's products, the block's sums and their store), then the kernel template that
+# reads x from L2 (``benchmarks/probe_cluster_skinny.py`` builds other kernels from the same pieces).
+DEVICE_SOURCE = (
     PRELUDE
     + r"""
 MMA_SYNC(mma_bf16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
@@ -94,16 +99,10 @@ __device__ __forceinline__ unsigned short to_bf16(float v) {  // round to neares
 
 __device__ __forceinline__ float bf16_value(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
 
-template <int KB, bool GLU, int MT, int NW>
-__device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
-                                           void* __restrict__ y, int M, int N, int K) {
-  constexpr int KW = 8 / NW;  // warps along K; NW groups of them side by side along N
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int kw = NW == 1 ? warp : warp % KW, nw = NW == 1 ? 0 : warp / KW;
-  const int g = lane >> 2, t = lane & 3;
-  const int n0 = GLU ? (blockIdx.x * NW + nw) * 16 : (blockIdx.x * NW + nw) * 32;  // GLU: output column; else row
-  const int k0 = (blockIdx.y * KW + kw) * KB * 32;
-  uint4 wr[4][KB];  // n8 tile j, 32-deep block b: read before the wait (no kernel writes weights)
+// A thread's weight share: n8 tile j, 32-deep block b (rows n0 + 8j + g; GLU: tiles 2-3 are the up rows N / 2 on)
+template <int KB, bool GLU>
+__device__ __forceinline__ void load_weights(uint4 (&wr)[4][KB], const unsigned short* __restrict__ w, int n0, int N,
+                                             int K, int k0, int g, int t) {
 #pragma unroll
   for (int b = 0; b < KB; ++b)
 #pragma unroll
@@ -111,46 +110,41 @@ __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x,
       const int row = GLU ? (j < 2 ? n0 + 8 * j + g : N / 2 + n0 + 8 * (j - 2) + g) : n0 + 8 * j + g;
       wr[j][b] = load_weight(w + (size_t)row * K + k0 + 32 * b + 8 * t);
     }
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
-  asm volatile("griddepcontrol.launch_dependents;");
-  // (m16 tile, K warp, row, column) sums, padded against bank conflicts; past one tile in dynamic shared memory
-  constexpr int COLS = 32 * NW + 1;
-  __shared__ float red_one[MT == 1 ? KW * 16 * COLS : 1];
-  extern __shared__ float red_dynamic[];
-  float(*red)[KW][16][COLS] = (float(*)[KW][16][COLS])(MT == 1 ? red_one : red_dynamic);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+}
+
+// One m16 tile's (16, 32) products: rows r0, r0 + 8 of x (xr) by the thread's weight share (wr)
+template <int KB>
+__device__ __forceinline__ void tile_products(float (&acc)[4][4], const uint4 (&xr)[2][KB], const uint4 (&wr)[4][KB]) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (MT > 1 && 16 * mt >= M) break;  // (one tile: M >= 1 rows always)
-    const int r0 = 16 * mt + g, r1 = r0 + 8;
-    uint4 xr[2][KB];  // rows r0 and r1
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int b = 0; b < KB; ++b) {
-      xr[0][b] = r0 < M ? *(const uint4*)(x + (size_t)r0 * K + k0 + 32 * b + 8 * t) : zero;
-      xr[1][b] = r1 < M ? *(const uint4*)(x + (size_t)r1 * K + k0 + 32 * b + 8 * t) : zero;
-    }
-    float acc[4][4];
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
-#pragma unroll
-    for (int b = 0; b < KB; ++b)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        mma_bf16(acc[j], xr[0][b].x, xr[1][b].x, xr[0][b].y, xr[1][b].y, wr[j][b].x, wr[j][b].y);
-        mma_bf16(acc[j], xr[0][b].z, xr[1][b].z, xr[0][b].w, xr[1][b].w, wr[j][b].z, wr[j][b].w);
-      }
+  for (int b = 0; b < KB; ++b)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int c = 32 * nw + 8 * j + 2 * t;
-      red[mt][kw][g][c] = acc[j][0];
-      red[mt][kw][g][c + 1] = acc[j][1];
-      red[mt][kw][g + 8][c] = acc[j][2];
-      red[mt][kw][g + 8][c + 1] = acc[j][3];
+      mma_bf16(acc[j], xr[0][b].x, xr[1][b].x, xr[0][b].y, xr[1][b].y, wr[j][b].x, wr[j][b].y);
+      mma_bf16(acc[j], xr[0][b].z, xr[1][b].z, xr[0][b].w, xr[1][b].w, wr[j][b].z, wr[j][b].w);
     }
+}
+
+// One m16 tile's (16, 32) products, stored in the block's sums at (tile, K warp)
+template <int COLS>
+__device__ __forceinline__ void stash_tile(float (*red)[COLS], const float (&acc)[4][4], int nw, int g, int t) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int c = 32 * nw + 8 * j + 2 * t;
+    red[g][c] = acc[j][0];
+    red[g][c + 1] = acc[j][1];
+    red[g + 8][c] = acc[j][2];
+    red[g + 8][c + 1] = acc[j][3];
   }
-  __syncthreads();
+}
+
+// The block's outputs from its (tile, K warp, 16, COLS) sums: GLU, silu(gate) * up in bf16; else this split's
+// float32 partial
+template <bool GLU, int MT, int NW, int KW, int COLS>
+__device__ __forceinline__ void store_sums(float (*red)[KW][16][COLS], void* __restrict__ y, int M, int N) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     if (MT > 1 && 16 * mt >= M) break;
@@ -187,6 +181,48 @@ __device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x,
   }
 }
 
+template <int KB, bool GLU, int MT, int NW>
+__device__ __forceinline__ void skinny_mma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+                                           void* __restrict__ y, int M, int N, int K) {
+  constexpr int KW = 8 / NW;  // warps along K; NW groups of them side by side along N
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kw = NW == 1 ? warp : warp % KW, nw = NW == 1 ? 0 : warp / KW;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = GLU ? (blockIdx.x * NW + nw) * 16 : (blockIdx.x * NW + nw) * 32;  // GLU: output column; else row
+  const int k0 = (blockIdx.y * KW + kw) * KB * 32;
+  uint4 wr[4][KB];
+  load_weights<KB, GLU>(wr, w, n0, N, K, k0, g, t);  // before the wait (no kernel writes weights)
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
+  asm volatile("griddepcontrol.launch_dependents;");
+  // (m16 tile, K warp, row, column) sums, padded against bank conflicts; past one tile in dynamic shared memory
+  constexpr int COLS = 32 * NW + 1;
+  __shared__ float red_one[MT == 1 ? KW * 16 * COLS : 1];
+  extern __shared__ float red_dynamic[];
+  float(*red)[KW][16][COLS] = (float(*)[KW][16][COLS])(MT == 1 ? red_one : red_dynamic);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    if (MT > 1 && 16 * mt >= M) break;  // (one tile: M >= 1 rows always)
+    const int r0 = 16 * mt + g, r1 = r0 + 8;
+    uint4 xr[2][KB];  // rows r0 and r1
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+      xr[0][b] = r0 < M ? *(const uint4*)(x + (size_t)r0 * K + k0 + 32 * b + 8 * t) : zero;
+      xr[1][b] = r1 < M ? *(const uint4*)(x + (size_t)r1 * K + k0 + 32 * b + 8 * t) : zero;
+    }
+    float acc[4][4];
+    tile_products<KB>(acc, xr, wr);
+    stash_tile<COLS>(red[mt][kw], acc, nw, g, t);
+  }
+  __syncthreads();
+  store_sums<GLU, MT, NW, KW, COLS>(red, y, M, N);
+}
+"""
+)
+
+SOURCE = (
+    DEVICE_SOURCE
+    + r"""
 #define PARTIALS(KB, MT, NW, NAME)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned short* x, const unsigned short* w, void* y, \
                                                          int M, int N, int K) {                                     \
