@@ -274,7 +274,7 @@ def main() -> int:
     if not all(33 <= r <= 64 for r in rows) or not all(c in (1, 2, 4) for c in clusters):
         parser.error(f"--rows must each be 33-64 and --clusters among 1, 2, 4; got {args.rows} / {args.clusters}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        raise SystemExit("probe_cluster_skinny.py needs an sm_90+ CUDA GPU (clusters, griddepcontrol, NVRTC)")
+        raise SystemExit("probe_cluster_skinny.py needs a CUDA GPU of sm_90 or later (clusters, griddepcontrol, NVRTC)")
     start = time.time()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), flush=True)
