@@ -100,18 +100,27 @@ def per_weight(
 
 def check(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, config: Any) -> str | None:
     """None when the kernel's result matches the float32 product (see the module docstring), else what is wrong."""
+    from fnvllm.kernels import cuda_skinny
+
+    run = cuda_skinny.glu_out if kind == "glu" else cuda_skinny.skinny_partials
+    wrong = result_error(kind, x, w, run(x, w, config))
+    return None if wrong is None else f"{name} M={x.shape[0]} {config}: {wrong}"
+
+
+def result_error(kind: str, x: torch.Tensor, w: torch.Tensor, got: torch.Tensor) -> str | None:
+    """None when got is x @ w^T as a ``kind`` product gives it (partials: their sum within 1e-4 of the float32
+    product; glu: ``cuda_skinny.glu_out_matches``), else its max error."""
     import torch.nn.functional as F
 
     from fnvllm.kernels import cuda_skinny
 
     if kind == "glu":
-        got, ref = cuda_skinny.glu_out(x, w, config), cuda_skinny.glu_out_ref(x, w)
+        ref = cuda_skinny.glu_out_ref(x, w)
         ok, err = cuda_skinny.glu_out_matches(got, ref), (got.float() - ref.float()).abs().max().item()
     else:
-        got = cuda_skinny.skinny_partials(x, w, config)
         err = (got.sum(0) - F.linear(x.float(), w.float())).abs().max().item()
         ok = err < 1e-4
-    return None if ok else f"{name} M={x.shape[0]} {config}: max error {err:.3g}"
+    return None if ok else f"max error {err:.3g}"
 
 
 def bench_kernels(rows: list[int], reps: int, device: str = "cuda", weight_mib: int = 512) -> list[str]:

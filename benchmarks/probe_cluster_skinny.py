@@ -24,7 +24,6 @@ kernels have not been timed.)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_cuda_skinny import SHAPES, result_error  # Qwen3-0.6B products; the kernels' result check
 from benchmarks.probe_cuda_skinny import chain_us  # CUDA-graph chains, best of five rounds
 from fnvllm.kernels import cuda_skinny, skinny_gemm
 from fnvllm.kernels.fused_ops import silu_and_mul
@@ -135,9 +135,7 @@ __device__ __forceinline__ void skinny_staged(const unsigned short* __restrict__
 
 MT = 4  # m16 tiles of x: the 33-64-row kernels
 
-# Qwen3-0.6B's projections: name -> (kind, N, K), and the (kb, split, nw) launch shapes tried with each cluster size
-SHAPES = {"qkv": ("partials", 4096, 1024), "o": ("partials", 1024, 2048), "gate_up": ("glu", 6144, 1024),
-          "down": ("partials", 1024, 3072)}  # fmt: skip
+# the (kb, split, nw) launch shapes tried with each cluster size
 CONFIGS = {"qkv": [(2, 2, 1), (1, 4, 1), (4, 1, 1), (2, 4, 2)], "o": [(1, 8, 1), (2, 4, 1), (2, 8, 2)],
            "gate_up": [(4, 1, 1)], "down": [(4, 3, 1), (2, 6, 1), (2, 12, 2)]}  # fmt: skip
 
@@ -168,11 +166,6 @@ def shared_bytes(kb: int, nw: int, cl: int) -> int:
     return sums + (MT // cl) * 16 * (kw * kb * 32 + 32) * 2
 
 
-class _Dim3(ctypes.Structure):  # CUlaunchAttributeValue.clusterDim
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
-
-
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _BUILT: dict[tuple[int, bool, int, int], tuple[Any, str]] = {}
 
 
@@ -192,38 +185,15 @@ def build(kb: int, glu: bool, nw: int, cl: int) -> tuple[Any, str]:
 
 def staged_product(kind: str, kb: int, split: int, nw: int, cl: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (M <= 64, K) @ w (N, K)^T by the staged kernel: float32 split partials (split, M, N), or for "glu"
-    silu(gate) * up (M, N / 2) in bf16; launched with programmatic dependent launch and, for cl > 1, clusters of cl
-    blocks along N (N / (32 * nw) must be a multiple of cl)."""
+    silu(gate) * up (M, N / 2) in bf16; launched by ``cuda_skinny.launch`` (programmatic dependent launch as the
+    engine's kernels take it) with, for cl > 1, clusters of cl blocks along N (N / (32 * nw) a multiple of cl)."""
     kernel, name = build(kb, kind == "glu", nw, cl)
     (m, k), n = x.shape, w.shape[0]
     shape, dtype = ((m, n // 2), x.dtype) if kind == "glu" else ((split, m, n), torch.float32)
     out = torch.empty(shape, dtype=dtype, device=x.device)
-    attrs = (cuda_skinny._LaunchAttr * 2)()
-    attrs[0].id = cuda_skinny._PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[0].value.programmatic_stream_serialization = 1
-    attrs[1].id = _CLUSTER_DIMENSION
-    ctypes.memmove(ctypes.addressof(attrs[1].value), ctypes.byref(_Dim3(cl, 1, 1)), ctypes.sizeof(_Dim3))
-    values = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out)] + [ctypes.c_int(v) for v in (m, n, k)]
-    params = (ctypes.c_void_p * 6)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    config = cuda_skinny._LaunchConfig(
-        (n // (cuda_skinny.COLUMNS * nw), split, 1), (cuda_skinny.WARPS * 32, 1, 1), shared_bytes(kb, nw, cl),
-        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-        ctypes.cast(attrs, ctypes.POINTER(cuda_skinny._LaunchAttr)), 2 if cl > 1 else 1,
-    )  # fmt: skip
-    result = cuda_skinny._libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
-    cuda_skinny._check(result, f"cuLaunchKernelEx of {name}")
+    grid = (n // (cuda_skinny.COLUMNS * nw), split)
+    cuda_skinny.launch(kernel, name, grid, shared_bytes(kb, nw, cl), (x, w, out), (m, n, k), cluster=cl)
     return out
-
-
-def wrong(kind: str, x: torch.Tensor, w: torch.Tensor, got: torch.Tensor) -> str | None:
-    """None when got is x @ w^T as ``kind`` (partials: their sum within 1e-4 of the float32 product; glu:
-    ``cuda_skinny.glu_out_matches``), else what is wrong."""
-    if kind == "glu":
-        want = cuda_skinny.glu_out_ref(x, w)
-        err = (got.float() - want.float()).abs().max().item()
-        return None if cuda_skinny.glu_out_matches(got, want) else f"max error {err:.3g}"
-    err = (got.sum(0) - F.linear(x.float(), w.float())).abs().max().item()
-    return None if err < 1e-4 else f"max error {err:.3g}"
 
 
 def _timed(
@@ -255,7 +225,7 @@ def product_rows(
                 staged = functools.partial(staged_product, kind, kb, split, nw, cl, x)
                 variants.append((f"staged kb{kb} S{split} nw{nw} CL{cl}", staged))
         for label, run in variants:
-            problem = wrong(kind, x, weights[0], run(weights[0]))
+            problem = result_error(kind, x, weights[0], run(weights[0]))
             if problem is None:
                 rows.append(_timed(label, run, weights, reps))
             else:

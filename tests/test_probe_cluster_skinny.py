@@ -45,6 +45,16 @@ def test_shared_memory_of_every_launch_fits_an_sm() -> None:
         assert probe.shared_bytes(kb, nw, 1) - sums == cl * (probe.shared_bytes(kb, nw, cl) - sums)
 
 
+def test_launch_attributes_have_the_drivers_layout() -> None:
+    """``cuda_skinny.launch``'s attributes are CUlaunchAttribute's 72 bytes (id, padding, a 64-byte value union), the
+    cluster's dimensions at the value's start, as the driver reads them."""
+    attr = cuda_skinny._LaunchAttr(id=cuda_skinny._CLUSTER_DIMENSION)
+    attr.value.cluster_dim = cuda_skinny._Dim3(4, 1, 1)
+    raw = bytes(attr)
+    assert len(raw) == 72 and raw[:4] == (4).to_bytes(4, "little")
+    assert raw[8:20] == b"".join(v.to_bytes(4, "little") for v in (4, 1, 1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("kb", "glu", "nw", "cl"), KERNELS)
@@ -61,7 +71,7 @@ def test_every_staged_kernel_gives_the_product_eagerly_and_in_a_graph(kb: int, g
     for m in (33, 48, 64):
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
         eager = probe.staged_product(kind, kb, split, nw, cl, x, w)
-        assert probe.wrong(kind, x, w, eager) is None
+        assert probe.result_error(kind, x, w, eager) is None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = probe.staged_product(kind, kb, split, nw, cl, x, w)

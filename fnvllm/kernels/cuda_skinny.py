@@ -492,8 +492,13 @@ def _build(
     return made
 
 
+class _Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
 class _LaunchAttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization", ctypes.c_int),
+                ("cluster_dim", _Dim3)]  # fmt: skip
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -513,6 +518,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _PDL_ATTR = ctypes.pointer(_LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION))  # made once: every launch passes it
 _PDL_ATTR.contents.value.programmatic_stream_serialization = 1
 
@@ -543,19 +549,26 @@ def _launch(name: str, grid: tuple[int, int], x: torch.Tensor, w: torch.Tensor, 
 
 
 def launch(kernel: Any, name: str, grid: tuple[int, int], shared: int, tensors: tuple[torch.Tensor, ...],
-           ints: tuple[int, ...]) -> None:  # fmt: skip
+           ints: tuple[int, ...], cluster: int = 1) -> None:  # fmt: skip
     """Launch a compiled kernel (``torch.cuda._compile_kernel``'s) on the current stream with ``cuLaunchKernelEx``:
     its arguments the tensors' pointers, then the ints (as C ints), 256 threads a block, ``shared`` bytes of
-    dynamic shared memory, under programmatic dependent launch when ``fused_ops.use_pdl`` says so."""
+    dynamic shared memory, under programmatic dependent launch when ``fused_ops.use_pdl`` says so; cluster > 1
+    groups that many consecutive blocks along x into a cluster (grid[0] a multiple of it;
+    ``benchmarks/probe_cluster_skinny.py``'s kernels)."""
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
     values = [ctypes.c_int(v) for v in ints]
     params = (ctypes.c_void_p * (len(ptrs) + len(values)))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (*ptrs, *values)]
     )
     device = tensors[0].device
+    attrs, num_attrs = _PDL_ATTR, 1 if use_pdl(device) else 0
+    if cluster > 1:  # the PDL attribute (when taken), then the cluster's
+        clustered = (_LaunchAttr * 2)(*([_PDL_ATTR.contents] if num_attrs else []), _LaunchAttr(id=_CLUSTER_DIMENSION))
+        clustered[num_attrs].value.cluster_dim = _Dim3(cluster, 1, 1)
+        attrs, num_attrs = ctypes.cast(clustered, ctypes.POINTER(_LaunchAttr)), num_attrs + 1
     config = _LaunchConfig(
         (grid[0], grid[1], 1), (WARPS * 32, 1, 1), shared,
-        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), _PDL_ATTR, 1 if use_pdl(device) else 0,
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), attrs, num_attrs,
     )  # fmt: skip
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
            f"cuLaunchKernelEx of {name}")  # fmt: skip
