@@ -16,7 +16,9 @@ The four GEMMs of one Qwen3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 
     (quantization + ``fp8_gemm_blockwise``, M >= 16) and ``shipped`` (``fp8_linear``); ``swap_ready`` times
     ``fp8_gemm_swap`` from activations quantized beforehand (its producer's job in a decode step), and
     ``swap_ready_pre1`` / ``swap_ready_pre2`` the same pick with 1 / 2 weight blocks read before the PDL wait
-    (``SwapConfig.preload``). Each timing replays a CUDA graph of calls on enough weight copies to exceed the
+    (``SwapConfig.preload``), ``swap_ready_tiles`` the same pick reading the weight laid out by
+    ``tile_major_weight`` (each 8 KB tile contiguous: do the (N, K) layout's 128-byte pieces cost bandwidth?).
+    Each timing replays a CUDA graph of calls on enough weight copies to exceed the
     50 MB L2 (weights come from HBM), under CUDA events. TB/s counts weight bytes (fp8: 1 byte per weight + 4 per
     128 x 128 block; bf16: 2 bytes). A variant that fails (e.g. does not compile) prints its error and is left out;
 (c) --sweep: coordinate descent over each kernel's launch knobs per GEMM and M (the blockwise kernel first at
@@ -75,6 +77,7 @@ TOLERANCE = 1e-2
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with the Triton interpreter and a stub timer)
 VARIANTS = ("bf16", "cublas_fp8", "stream", "swap", "swap_ready", "swap_fused", "blockwise", "shipped")
 VARIANTS += ("swap_ready_pre1", "swap_ready_pre2")  # swap_ready's pick with 1 / 2 weight blocks preloaded
+VARIANTS += ("swap_ready_tiles",)  # swap_ready's pick reading the weight laid out by g.tile_major_weight
 STREAM_KNOBS = {
     "convert": ("asm", "asm_hoisted", "cast", "bits"),
     "reduce": ("last", "launch"),
@@ -194,6 +197,15 @@ class Gemm:
         torch.manual_seed(0)
         self.bf16 = [(torch.randn(n, k, device=DEVICE) / math.sqrt(k)).bfloat16() for _ in range(self.copies)]
         self.fp8 = [quantize_fp8_blocks(w) for w in self.bf16]
+        self._tiles: dict[tuple[int, int], g.TileMajorWeight] = {}
+
+    def tiles(self, w: torch.Tensor, block_n: int) -> g.TileMajorWeight:
+        """``g.tile_major_weight(w, block_n)`` of one of this GEMM's fp8 weights, made on first use (the timing
+        calls each product once before it captures them, so none is made inside a CUDA graph)."""
+        key = (w.data_ptr(), block_n)
+        if key not in self._tiles:
+            self._tiles[key] = g.tile_major_weight(w, block_n)
+        return self._tiles[key]
 
     @property
     def fp8_bytes(self) -> int:
@@ -218,9 +230,11 @@ class Gemm:
         ready: x already quantized (``quantize_activations(x)``), which ``swap_ready`` starts from (None: made here)."""
         if variant.startswith("swap_ready"):  # cfg None: the shipped pick for ready activations (TUNED_SWAP_READY)
             cfg = cfg or g.pick_ready_swap_config(x.shape[0], *w.shape, x.device)
-            if variant != "swap_ready":  # swap_ready_preN: that pick with N weight blocks read before the wait
+            tiles = self.tiles(w, cfg.block_n) if variant == "swap_ready_tiles" else None  # type: ignore[attr-defined]
+            if variant.startswith("swap_ready_pre"):  # that pick with N weight blocks read before the wait
                 cfg = attrs.evolve(cfg, preload=int(variant[-1]))  # type: ignore[misc]
-            return g.fp8_gemm_swap(*(ready or g.quantize_activations(x)), w, s, x.dtype, cfg)  # type: ignore[arg-type]
+            quantized = ready or g.quantize_activations(x)
+            return g.fp8_gemm_swap(*quantized, w, s, x.dtype, cfg, w_tiles=tiles)  # type: ignore[arg-type]
         if variant == "stream":
             return g.fp8_gemm_small_m(x, w, s, cfg)  # type: ignore[arg-type]
         if variant == "swap":

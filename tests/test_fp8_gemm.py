@@ -112,6 +112,47 @@ def test_swap_kernel_matches_reference(m: int, n: int, k: int, config: g.SwapCon
     _assert_matches_fp8_math(out, g.fp8_blockwise_ref(x_q, x_scale, w, scale, torch.float32))
 
 
+def test_tile_major_weight_lays_each_tile_contiguous() -> None:
+    """The docstring's worked example, on bytes that name their own (row, column): N = 4, K = 256, block_n = 2
+    gives rows 0-1 of K block 0, rows 0-1 of K block 1, rows 2-3 of K block 0, rows 2-3 of K block 1; ragged N
+    and K are padded with zero bytes; bad input names the field."""
+    codes = (torch.arange(4)[:, None] * 2 + torch.arange(256)[None, :] // 128).to(torch.uint8)  # row * 2 + block
+    laid = g.tile_major_weight(codes.view(g.FP8_DTYPE), 2)
+    tiles = laid.tiles.view(torch.uint8)
+    assert laid.block_n == 2
+    assert tiles.shape == (8, 128)
+    assert tiles[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]  # (row 0, block 0), (row 1, block 0), (row 0, block 1)...
+    assert bool((tiles == tiles[:, :1]).all())
+    ragged = g.tile_major_weight(torch.ones(3, 130, dtype=torch.uint8).view(g.FP8_DTYPE), 2).tiles.view(torch.uint8)
+    assert ragged.shape == (2 * 2 * 2, 128) and int(ragged.sum()) == 3 * 130  # the pad is zeros
+    with pytest.raises(ValueError, match="block_n"):
+        g.tile_major_weight(codes.view(g.FP8_DTYPE), 0)
+    with pytest.raises(ValueError, match="w must be"):
+        g.tile_major_weight(codes, 2)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (1, 200, 300, g.SwapConfig(64, 16, 2)),
+        (17, 256, 640, g.SwapConfig(128, 32, 3, reduce="launch", tma=True)),
+        (3, 130, 1000, g.SwapConfig(32, 16, 3, preload=2, tma=True)),
+        (5, 300, 256, g.SwapConfig(64, 16, 1, pdl=True, prefetch=True, preload=1)),
+    ],
+)
+def test_swap_kernel_reads_the_tile_major_layout_bit_for_bit(m: int, n: int, k: int, config: g.SwapConfig) -> None:
+    """fp8_gemm_swap with w_tiles (the weight as tile_major_weight lays it out) returns exactly what it returns
+    from the (N, K) rows: the same products summed in the same order (pointer loads and TMA, ragged N and K, K
+    splits, preloaded blocks); a layout for another block_n is refused."""
+    w, scale = _weights(n, k, seed=5)
+    x_q, x_scale = g.quantize_activations_ref(_x(m, k, seed=6))
+    rows = g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config)
+    tiles = g.tile_major_weight(w, config.block_n)
+    assert torch.equal(rows, g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config, w_tiles=tiles))
+    with pytest.raises(ValueError, match="w_tiles"):
+        g.fp8_gemm_swap(x_q, x_scale, w, scale, torch.float32, config, w_tiles=g.tile_major_weight(w, 16))
+
+
 def _assert_matches_fp8_math(out: torch.Tensor, ref: torch.Tensor) -> None:
     """out equals ref, the float32 math of the same fp8 operands: to float32 rounding under the interpreter, to a
     relative error below 1e-2 on a GPU (its fp8 tensor-core sums keep fewer bits)."""

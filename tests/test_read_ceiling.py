@@ -76,3 +76,21 @@ def test_fit_line_recovers_a_line_and_refuses_one_x() -> None:
     assert intercept == pytest.approx(4.4) and slope == pytest.approx(0.3)
     with pytest.raises(ValueError, match="two distinct xs"):
         read_ceiling.fit_line([1.0, 1.0], [2.0, 3.0])
+
+
+def test_bench_tiles_variant_returns_the_row_layout_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_fp8_gemm's ``swap_ready_tiles`` (the shipped ready pick over ``tile_major_weight``'s layout) returns
+    exactly ``swap_ready``'s product and makes each weight's layout once; ``swap_ready_pre1`` still takes its
+    preload from the name (under the Triton interpreter: a CPU stand-in for the GPU's kernel)."""
+    monkeypatch.setattr(bench_fp8_gemm, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_fp8_gemm, "L2_BYTES", 1)  # one weight copy
+    gemm = bench_fp8_gemm.Gemm("small", 192, 384)
+    x = gemm.x(3)
+    w, s = gemm.fp8[0]
+    ready = bench_fp8_gemm.g.quantize_activations(x)
+    rows = gemm.call("swap_ready", x, w, s, None, ready)
+    assert torch.equal(rows, gemm.call("swap_ready_tiles", x, w, s, None, ready))
+    assert torch.equal(rows, gemm.call("swap_ready_tiles", x, w, s, None, ready))
+    assert len(gemm._tiles) == 1
+    preloaded = gemm.call("swap_ready_pre1", x, w, s, None, ready)
+    torch.testing.assert_close(preloaded, rows, atol=1e-2, rtol=1e-2)  # another order of the same sum

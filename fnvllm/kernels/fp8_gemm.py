@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import attrs
 import torch
@@ -101,6 +101,7 @@ __all__ = [
     "Fp8Activations",
     "Fp8Producers",
     "SplitPartials",
+    "TileMajorWeight",
     "dequantize_fp8_blocks",
     "expand_block_scales",
     "fp8_blockwise_ref",
@@ -125,6 +126,7 @@ __all__ = [
     "quantize_per_token_ref",
     "sum_partials",
     "takes_fp8_activations",
+    "tile_major_weight",
 ]
 
 SMALL_M = 64  # the most tokens fp8_gemm_small_m takes (its activation tile is M padded to a power of two)
@@ -824,7 +826,7 @@ def _swap_fp8_kernel(
     M, N, K, stride_am, stride_asm, stride_wsn, K_BLOCKS_PER_SPLIT, NUM_SPLITS,
     SPLIT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QUANT_A: tl.constexpr,
     UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_L2: tl.constexpr,
-    TMA: tl.constexpr, PRELOAD: tl.constexpr,
+    TMA: tl.constexpr, PRELOAD: tl.constexpr, TILE_MAJOR: tl.constexpr = False,
 ):  # fmt: skip
     """One (BLOCK_N weight rows, BLOCK_T tokens, K range) tile with the weight on the dot's left (so a few tokens
     fill the narrow side of Hopper's wgmma): sum over 128-deep K blocks of (w block @ a block.T) * w_scale *
@@ -837,7 +839,9 @@ def _swap_fp8_kernel(
     w_desc (block (BLOCK_N, 128); zeros past N and K) instead of pointer loads from w_ptr. PRELOAD (0, 1 or 2):
     load the split's first PRELOAD weight blocks into registers before that wait, and their activation blocks
     right after it; the loop runs over the split's other blocks, and the preloaded blocks are added last (so
-    the sum's order, not its terms, differs from PRELOAD 0: equal up to float32 rounding)."""
+    the sum's order, not its terms, differs from PRELOAD 0: equal up to float32 rounding). TILE_MAJOR: w_ptr /
+    w_desc hold the weight as ``tile_major_weight(w, BLOCK_N)`` lays it out (each (BLOCK_N, 128) tile's 8 KB
+    contiguous, a row tile's K blocks one after another), not as (N, K) rows; the same products and sums."""
     pid_t, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -849,9 +853,9 @@ def _swap_fp8_kernel(
     if PREFETCH_L2:
         _prefetch_split(w_ptr, offs_n, N, K, first, K_BLOCKS_PER_SPLIT)
     if PRELOAD >= 1:  # weights: no kernel writes them, so they may be read before the wait
-        w_first = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, first, pid_n * BLOCK_N, TMA)
+        w_first = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, first, pid_n * BLOCK_N, TMA, TILE_MAJOR)
     if PRELOAD >= 2:  # (block first + 1 may lie past this split: read, and not added below)
-        w_second = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, first + 1, pid_n * BLOCK_N, TMA)
+        w_second = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, first + 1, pid_n * BLOCK_N, TMA, TILE_MAJOR)
     wait_for_previous_kernel(USE_PDL)
     if PRELOAD >= 1:  # their activations, asked for now so they arrive while the loop runs
         a_first, as_first = _swap_act_tile(a_ptr, as_ptr, offs_t, M, K, first, stride_am, stride_asm, QUANT_A, UPCAST)
@@ -860,7 +864,7 @@ def _swap_fp8_kernel(
             a_ptr, as_ptr, offs_t, M, K, first + 1, stride_am, stride_asm, QUANT_A, UPCAST
         )
     for kb in range(first + PRELOAD, end):
-        w = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, kb, pid_n * BLOCK_N, TMA)
+        w = _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, kb, pid_n * BLOCK_N, TMA, TILE_MAJOR)
         a, a_scale = _swap_act_tile(a_ptr, as_ptr, offs_t, M, K, kb, stride_am, stride_asm, QUANT_A, UPCAST)
         acc = _swap_accumulate(acc, w, a, a_scale, kb, ws_row, ws_rows, offs_n, N, BLOCK_N, UPCAST)
     if PRELOAD >= 1:
@@ -876,10 +880,19 @@ def _swap_fp8_kernel(
 
 
 @triton.jit
-def _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, kb, row0, TMA: tl.constexpr):
+def _swap_weight_tile(w_ptr, w_desc, offs_n, N, K, kb, row0, TMA: tl.constexpr, TILE_MAJOR: tl.constexpr = False):
     """The (BLOCK_N, 128) e4m3 weight tile of rows offs_n (starting at row0) and K block kb: by the TMA
-    descriptor (zeros past N and K) or by pointer loads (masked the same)."""
-    if TMA:
+    descriptor (zeros past N and K) or by pointer loads (masked the same). TILE_MAJOR: the weight is laid out by
+    ``tile_major_weight`` (zero-padded, so no masks): the tile is the 8 KB at tile row row0 * K blocks + kb *
+    BLOCK_N."""
+    if TILE_MAJOR:
+        first_row = row0 * tl.cdiv(K, 128) + kb * offs_n.shape[0]
+        if TMA:
+            w = w_desc.load([first_row, 0])
+        else:
+            rows = (first_row + tl.arange(0, offs_n.shape[0])).to(tl.int64)
+            w = tl.load(w_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :])
+    elif TMA:
         w = w_desc.load([row0, kb * 128])
     else:
         k = kb * 128 + tl.arange(0, 128)
@@ -1053,14 +1066,43 @@ def fp8_gemm_swap(
     w_scale: torch.Tensor,
     dtype: torch.dtype,
     config: SwapConfig | None = None,
+    w_tiles: TileMajorWeight | None = None,
 ) -> torch.Tensor:
     """Quantized activations @ dequantized(w).T -> (M, N) in ``dtype`` with the weight on the dot's left and
     split-K (``_swap_fp8_kernel``): for up to a few hundred tokens, where ``fp8_gemm_blockwise``'s 128-wide
-    output tiles leave SMs idle. The kernel of ``fp8_blockwise_ref``."""
+    output tiles leave SMs idle. The kernel of ``fp8_blockwise_ref``. w_tiles: w as ``tile_major_weight(w,
+    config's block_n)`` lays it out, which the kernel then reads instead of w (a probe of the weight's layout:
+    the same result, bit for bit; no L2 prefetch)."""
     m, k, _ = _check_gemm_args(x_q, w, w_scale)
     if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
         raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
-    return _launch_swap(x_q, x_scale, w, w_scale, dtype, config)
+    return _launch_swap(x_q, x_scale, w, w_scale, dtype, config, w_tiles=w_tiles)
+
+
+class TileMajorWeight(NamedTuple):
+    """An e4m3 weight as ``tile_major_weight`` lays it out: the (tiles * K blocks * block_n, 128) bytes and the
+    row tile they are cut for (a swap launch must use the same block_n)."""
+
+    tiles: torch.Tensor
+    block_n: int
+
+
+def tile_major_weight(w: torch.Tensor, block_n: int) -> TileMajorWeight:
+    """An (N, K) e4m3 weight laid out for ``fp8_gemm_swap(..., w_tiles=)`` at row tiles of ``block_n``: zero-padded
+    to (ceil(N / block_n) * block_n, ceil(K / 128) * 128), cut into (block_n, 128) tiles, each tile's bytes
+    contiguous, a row tile's K blocks one after another -> (row tiles * K blocks * block_n, 128). So a program of
+    the swap kernel streams one contiguous range where the (N, K) layout gives it block_n 128-byte pieces K bytes
+    apart. Worked example: N = 4, K = 256, block_n = 2: rows 0-1 of K block 0, rows 0-1 of K block 1, rows 2-3 of
+    K block 0, rows 2-3 of K block 1."""
+    if w.dim() != 2 or w.dtype != FP8_DTYPE:
+        raise ValueError(f"w must be a 2-D {FP8_DTYPE} weight, got {w.dtype} {tuple(w.shape)}")
+    if block_n < 1:
+        raise ValueError(f"block_n must be >= 1 (the kernel's row tile: 16..256), got {block_n}")
+    (n, k), tiles, blocks = w.shape, triton.cdiv(w.shape[0], block_n), triton.cdiv(w.shape[1], 128)
+    padded = torch.zeros((tiles * block_n, blocks * 128), dtype=torch.uint8, device=w.device)
+    padded[:n, :k] = w.view(torch.uint8)
+    laid = padded.view(tiles, block_n, blocks, 128).permute(0, 2, 1, 3).contiguous()
+    return TileMajorWeight(laid.view(tiles * blocks * block_n, 128).view(FP8_DTYPE), block_n)
 
 
 def fp8_gemm_swap_bf16(
@@ -1081,13 +1123,23 @@ def _launch_swap(
     dtype: torch.dtype,
     config: SwapConfig | None,
     keep_partials: bool = False,
+    w_tiles: TileMajorWeight | None = None,
 ) -> torch.Tensor:
     """Launch ``_swap_fp8_kernel`` on fp8 a with its scales, or on 16-bit a (a_scale None: quantized inside).
-    keep_partials: return the splits' float32 partials (S, M, N) unsummed (every split stores one, also S = 1)."""
+    keep_partials: return the splits' float32 partials (S, M, N) unsummed (every split stores one, also S = 1).
+    w_tiles: w laid out by ``tile_major_weight`` at the launch shape's block_n, read in its place."""
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_swap_config(m, n, k, a.device)
     cfg.check()
-    aligned = k % 16 == 0 and w.data_ptr() % 16 == 0  # TMA and bulk prefetch need 16-byte rows
+    if w_tiles is not None:
+        want = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, 128) * cfg.block_n, 128)
+        if w_tiles.block_n != cfg.block_n or tuple(w_tiles.tiles.shape) != want:
+            raise ValueError(
+                f"w_tiles must be tile_major_weight(w, {cfg.block_n}) ({want}), got block_n {w_tiles.block_n},"
+                f" {tuple(w_tiles.tiles.shape)}"
+            )
+        w = w_tiles.tiles
+    aligned = (k % 16 == 0 or w_tiles is not None) and w.data_ptr() % 16 == 0  # TMA, bulk prefetch: 16-byte rows
     tma = cfg.tma and aligned and TensorDescriptor is not None  # else pointer loads (same result)
     k_blocks = triton.cdiv(k, 128)
     per_split = triton.cdiv(k_blocks, cfg.split_k)
@@ -1108,8 +1160,9 @@ def _launch_swap(
         a, scales, w, w_desc, w_scale, out, part, locks,
         m, n, k, a.stride(0), scales.stride(0), w_scale.stride(0), per_split, split,
         SPLIT_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QUANT_A=a_scale is None,
-        UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned, TMA=tma,
-        PRELOAD=cfg.preload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast_dot(a.device), USE_PDL=pdl, PREFETCH_L2=pdl and cfg.prefetch and aligned and w_tiles is None,
+        TMA=tma, PRELOAD=cfg.preload, TILE_MAJOR=w_tiles is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **(pdl_launch(a.device) if pdl else {}),
     )  # fmt: skip
     if mode == _SUM_LAUNCH and not keep_partials:
