@@ -1071,8 +1071,8 @@ def fp8_gemm_swap(
     """Quantized activations @ dequantized(w).T -> (M, N) in ``dtype`` with the weight on the dot's left and
     split-K (``_swap_fp8_kernel``): for up to a few hundred tokens, where ``fp8_gemm_blockwise``'s 128-wide
     output tiles leave SMs idle. The kernel of ``fp8_blockwise_ref``. w_tiles: w as ``tile_major_weight(w,
-    config's block_n)`` lays it out, which the kernel then reads instead of w (a probe of the weight's layout:
-    the same result, bit for bit; no L2 prefetch)."""
+    the launch shape's block_n)`` lays it out, which the kernel then reads instead of w (a probe of the weight's
+    layout: the same result, bit for bit; no L2 prefetch; another block_n is a ValueError)."""
     m, k, _ = _check_gemm_args(x_q, w, w_scale)
     if tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
         raise ValueError(f"x_scale must be (M, ceil(K / 128)) = ({m}, {triton.cdiv(k, 128)}), got {x_scale.shape}")
