@@ -80,6 +80,7 @@ CUDA_ONLY = (
     "bench_sampling_topk.py",
     "bench_small_batch.py",
     "gemm_shapes.py",
+    "open_targets.py",
     "probe_cluster_skinny.py",
     "probe_cuda_skinny.py",
     "probe_l2_prefetch.py",
