@@ -31,14 +31,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from benchmarks.bench_fp8_gemm import GEMMS as LAYER_GEMMS  # (N, K) of one Qwen3-8B layer's projections
+from fnvllm.bench import H200_READ_TB_S, write_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
-H200_READ_TB_S = 4.16  # fnvllm.bench.H200_READ_TB_S (not imported: this module imports no torch until it runs)
 ATTENTION_TB_S, ATTENTION_RATIO = 3.9, 1.85
 GEMM_TB_S = 3.5
 LATENCY_MS = {1: 0.8, 16: 1.0, 64: 1.3}
 GEMM_MS = (1, 16)
-# (N, K) of one Qwen3-8B layer's projections: benchmarks/bench_fp8_gemm.py's GEMMS
-LAYER_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 PARTS = ("attention", "latency", "gemm")
 TIME_LIMIT_S = {"attention": 240, "latency": 180, "gemm": 180}
 
@@ -217,8 +217,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def latency_reports(out: Path, rounds: int, py: str) -> list[dict]:
     """``rounds`` latency benches on one random Qwen3-0.6B checkpoint (written once, outside OUT: it is 1.2 GB),
     one process each; their JSON reports."""
-    from fnvllm.bench import write_checkpoint
-
     reports = []
     with tempfile.TemporaryDirectory(prefix="open_targets_") as folder:
         checkpoint = write_checkpoint("qwen3-0.6b", Path(folder))
