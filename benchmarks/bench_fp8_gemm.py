@@ -188,6 +188,11 @@ def short(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
+def fp8_weight_bytes(n: int, k: int) -> int:
+    """Bytes of an (N, K) e4m3 weight with its float32 scales, one per 128 x 128 block."""
+    return n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+
+
 class Gemm:
     """One layer GEMM's weights: ``copies`` bf16 weights and their fp8 quantizations (copies: enough for L2)."""
 
@@ -210,7 +215,7 @@ class Gemm:
     @property
     def fp8_bytes(self) -> int:
         """Bytes of one fp8 weight with its scales."""
-        return self.n * self.k + 4 * math.ceil(self.n / 128) * math.ceil(self.k / 128)
+        return fp8_weight_bytes(self.n, self.k)
 
     def x(self, m: int) -> torch.Tensor:
         """Activations (m, K) bf16, the same for a given m."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -32,11 +31,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks.bench_fp8_gemm import GEMMS as LAYER_GEMMS  # (N, K) of one Qwen3-8B layer's projections
+from benchmarks.bench_fp8_gemm import SMALL_M_TARGET_TB_S as GEMM_TB_S
+from benchmarks.bench_fp8_gemm import fp8_weight_bytes
 from fnvllm.bench import H200_READ_TB_S, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTENTION_TB_S, ATTENTION_RATIO = 3.9, 1.85
-GEMM_TB_S = 3.5
 LATENCY_MS = {1: 0.8, 16: 1.0, 64: 1.3}
 GEMM_MS = (1, 16)
 PARTS = ("attention", "latency", "gemm")
@@ -55,7 +55,7 @@ class Row(NamedTuple):
 
 def layer_fp8_bytes() -> int:
     """Bytes of one Qwen3-8B layer's four e4m3 weights with their 128 x 128 block scales (float32)."""
-    return sum(n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128) for n, k in LAYER_GEMMS.values())
+    return sum(fp8_weight_bytes(n, k) for n, k in LAYER_GEMMS.values())
 
 
 def attention_rows(kv: dict, h200: bool, ceiling_tb_s: float | None) -> list[Row]:
