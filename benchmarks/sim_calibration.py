@@ -48,6 +48,7 @@ import attrs
 from fnvllm.sim import HardwareProfile, ModelShape, fit_profile, load_profile, save_profile
 from fnvllm.sim.calibrate import base_for, device_profile_name
 from fnvllm.sim.check import CheckResult, RunRecord, check_run, fit_request_us, read_run, run_records
+from fnvllm.sim.hardware import PrecisionOverheads, builtin_for_device, precision_key
 from fnvllm.sim.recorder import RunRecorder
 from fnvllm.sim.timeline import header_model, read_timeline
 
@@ -149,8 +150,9 @@ def run_regimes(
     return paths
 
 
-def build_engine(shape: str, folder: Path, quick: bool) -> Any:
-    """An LLM of a random checkpoint of ``shape`` with ``fnvllm bench``'s engine options (smaller on CPU)."""
+def build_engine(shape: str, folder: Path, quick: bool, **precision: Any) -> Any:
+    """An LLM of a random checkpoint of ``shape`` with ``fnvllm bench``'s engine options (smaller on CPU) and
+    ``precision`` (``kv_cache_dtype``, ``quantization``: the engine's options)."""
     from fnvllm.bench import write_checkpoint
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
@@ -158,6 +160,7 @@ def build_engine(shape: str, folder: Path, quick: bool) -> Any:
     checkpoint = write_checkpoint(shape, folder)
     options: dict[str, Any] = {"block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
     options["max_model_len"] = 4096
+    options.update(precision)
     if quick:
         options.update(block_size=16, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=512)
     llm = LLM(checkpoint, load_tokenizer=False, **options)
@@ -189,10 +192,14 @@ def fit_and_check(
     chosen = {path: run_records(timelines[timeline], run_data[path]) for _, _, path, timeline in checked}
     profile = _fit(list(run_data.items()), chosen, model, base, name, exclude=None)
     save_profile(attrs.evolve(profile, calibrated_from=str(out / "steps.jsonl")), out / "profile.json")
-    builtin = load_profile("h200")
+    builtin = load_profile(builtin_name(device))
     families = {r.family: r for r in set_}  # one fit per family: a regime and its -plain twin leave out the same runs
+    if len(families) < 2:  # nothing left to fit on without it: the held-out column repeats the fit (said below)
+        print("held-out fits need two regime families or more; the held-out column is the fit itself")
     held_out = {
         family: _fit(list(run_data.items()), chosen, model, base, f"{name}-without-{family}", regime)
+        if len(families) > 1
+        else profile
         for family, regime in families.items()
     }
     rows = []
@@ -200,10 +207,61 @@ def fit_and_check(
         results = {
             "fitted": check_run(timeline, path, profile, model),
             "held_out": check_run(timeline, path, held_out[regime.family], model),
-            "builtin_h200": check_run(timeline, path, builtin, model),
+            "builtin": check_run(timeline, path, builtin, model),
         }
         rows.append({**_row(regime, results), "run": k})
     return rows
+
+
+def fit_precision(
+    folder: Path, set_: Sequence[Regime], device_name: str
+) -> tuple[str, PrecisionOverheads, list[dict[str, Any]]]:
+    """Fit and check the runs of ``folder`` (this script's --out of a run at another precision: FP8 cache and/or
+    weights, as its timeline's header says) as ``fit_and_check`` does; returns the precision's key, its fitted
+    overheads and the report rows."""
+    header, _ = read_timeline(folder / "steps.jsonl")
+    model = header_model(header)
+    key = precision_key(model.kv_cache_dtype, model.quantization)
+    if key is None:
+        raise ValueError(f"{folder}'s runs are at the model's dtype: not another precision")
+    present = [r for r in set_ if (folder / f"{r.name}.run.json").exists()]
+    rows = fit_and_check(folder, [folder / f"{r.name}.run.json" for r in present], present, device_name)
+    fitted = load_profile(folder / "profile.json")
+    entry = PrecisionOverheads(fitted.eager, fitted.graph, str(folder / "steps.jsonl"))
+    return key, entry, rows
+
+
+def check_folders(profile: HardwareProfile, folders: Sequence[Path], set_: Sequence[Regime]) -> list[dict[str, Any]]:
+    """Replay every run of ``set_`` found in ``folders`` (this script's --out folders) with ``profile``, no fit:
+    each folder's runs priced with the model of its own timeline's header (its precision included: a bf16 fit
+    checked on FP8 runs is an out-of-sample test of the cost model's FP8 terms). Rows as ``fit_and_check``'s, with
+    ``run`` the folder's index and ``checked`` its error."""
+    rows = []
+    for k, folder in enumerate(folders):
+        header, _ = read_timeline(folder / "steps.jsonl")
+        present = [r for r in set_ if (folder / f"{r.name}.run.json").exists()]
+        for regime in present:
+            path = folder / f"{regime.name}.run.json"
+            model = header_model(header, name=read_run(path).model_name or "model")
+            result = check_run(folder / "steps.jsonl", path, profile, model)
+            rows.append({**_row(regime, {"checked": result}), "run": k})
+    return rows
+
+
+def print_checks(rows: Sequence[dict[str, Any]], profile: HardwareProfile, folders: Sequence[Path]) -> None:
+    """``check_folders``' rows, one line each (``regime@k``: the k-th folder's), and the worst |error| of each
+    folder."""
+    print(f"\nprofile {profile.name!r} ({profile.calibrated_from or 'built in'}) replaying {len(rows)} runs")
+    print(f"{'regime':<22} {'reqs':>5} {'steps':>6} {'measured s':>10} {'predicted':>10} {'error':>7} {'plans':>5}")
+    for r in rows:
+        print(
+            f"{r['regime'] + '@' + str(r['run']):<22} {r['requests']:>5} {r['steps']:>6} {r['measured_s']:>10.3f} "
+            f"{r['checked_s']:>10.3f} {r['checked_error']:>+7.1%} {'same' if r['same_plans'] else 'diff':>5}"
+        )
+    for k, folder in enumerate(folders):
+        errors = [abs(r["checked_error"]) for r in rows if r["run"] == k]
+        if errors:
+            print(f"worst |error| of {folder}: {max(errors):.1%} over {len(errors)} runs")
 
 
 def _fit(
@@ -245,7 +303,9 @@ def _same_family(path: Path, regime: Regime) -> bool:
 
 
 def _row(regime: Regime, results: dict[str, CheckResult]) -> dict[str, Any]:
-    fitted = results["fitted"]
+    """A report row: the run's size, measured time, each result's prediction and error (``KEY_s``, ``KEY_error``)
+    and, from the first result, whether it planned the same steps and its mean per-step error."""
+    fitted = next(iter(results.values()))
     row: dict[str, Any] = {"regime": regime.name, "requests": fitted.num_requests, "steps": fitted.num_steps}
     row["measured_s"] = fitted.measured_s
     for key, result in results.items():
@@ -262,55 +322,73 @@ def _label(row: Mapping[str, Any]) -> str:
 
 
 def print_table(rows: Sequence[dict[str, Any]], device: str = "NVIDIA H200") -> None:
-    """The per-regime errors, one line each, the worst |error| of each profile and, for an H200 run, whether
-    the fit may replace the built-in h200 profile (its worst error on these runs is within 10 % or the built-in's
-    worst; the held-out column is the honest number for runs it was not fitted on)."""
+    """The per-regime errors, one line each, the worst |error| of each profile and, for a device with a built-in
+    profile (``builtin_name``), whether the fit may replace it (its worst error on these runs is within 10 % or the
+    built-in's worst; the held-out column is the honest number for runs it was not fitted on)."""
+    name = builtin_name(device)
     print(
         f"\n{'regime':<19} {'reqs':>5} {'steps':>6} {'measured s':>10} {'fitted':>8} {'held-out':>9} "
-        f"{'h200':>8} {'plans':>5} {'step |err|':>10}"
+        f"{name:>8} {'plans':>5} {'step |err|':>10}"
     )
     for r in rows:
         step = f"{r['step_mean_abs_error']:.1%}" if r["step_mean_abs_error"] is not None else "-"
         print(
             f"{_label(r):<19} {r['requests']:>5} {r['steps']:>6} {r['measured_s']:>10.3f} "
-            f"{r['fitted_error']:>+8.1%} {r['held_out_error']:>+9.1%} {r['builtin_h200_error']:>+8.1%} "
+            f"{r['fitted_error']:>+8.1%} {r['held_out_error']:>+9.1%} {r['builtin_error']:>+8.1%} "
             f"{'same' if r['same_plans'] else 'diff':>5} {step:>10}"
         )
-    for key in ("fitted", "held_out", "builtin_h200"):
+    for key in ("fitted", "held_out", "builtin"):
         worst = max(abs(r[f"{key}_error"]) for r in rows)
         modes = ", ".join(
             f"{mode} {max(abs(r[f'{key}_error']) for r in rows if r['regime'].endswith('-plain') == plain):.1%}"
             for mode, plain in (("overlapped", False), ("plain", True))
+            if any(r["regime"].endswith("-plain") == plain for r in rows)
         )
-        print(f"worst |error| {key}: {worst:.1%} ({modes}; target <= 10 %: {'met' if worst <= 0.10 else 'NOT met'})")
+        label = key if key != "builtin" else f"built-in {name}"
+        print(f"worst |error| {label}: {worst:.1%} ({modes}; target <= 10 %: {'met' if worst <= 0.10 else 'NOT met'})")
     print("held-out: the profile fitted without the regime's family (both loop modes): leave one regime out")
     fitted = max(abs(r["fitted_error"]) for r in rows)
-    builtin = max(abs(r["builtin_h200_error"]) for r in rows)
+    builtin = max(abs(r["builtin_error"]) for r in rows)
     bound = "10 %" if fitted <= 0.10 else f"the built-in's {builtin:.1%}"
     verdict = f"yes (worst fitted {fitted:.1%} <= {bound} on these runs)"
     if fitted > max(builtin, 0.10):
-        verdict = f"no (worst fitted {fitted:.1%} > the built-in h200's {builtin:.1%} on these runs)"
-    if "h200" not in device.lower():
-        verdict = f"n/a (a {device} run, not an H200's)"
-    print(f"ship the fitted profile as the built-in h200: {verdict}")
+        verdict = f"no (worst fitted {fitted:.1%} > the built-in {name}'s {builtin:.1%} on these runs)"
+    if builtin_for_device(device) is None:
+        verdict = f"n/a (a {device} run: no built-in profile of that device)"
+    print(f"ship the fitted profile as the built-in {name}: {verdict}")
+
+
+def builtin_name(device: str) -> str:
+    """The built-in profile a run on ``device`` is compared with and may replace: the device's own
+    (``builtin_for_device``: "h100" for an "NVIDIA H100 80GB HBM3"), else "h200"."""
+    return builtin_for_device(device) or "h200"
 
 
 def ship_snippet(
-    profile: HardwareProfile, rows: Sequence[dict[str, Any]], commit: str, served: Sequence[str] = ()
+    profile: HardwareProfile,
+    rows: Sequence[dict[str, Any]],
+    commit: str,
+    served: Sequence[str] = (),
+    name: str = "h200",
+    precision_rows: Mapping[str, Sequence[dict[str, Any]]] | None = None,
 ) -> str:
-    """The fitted profile as the Python literal of fnvllm/sim/hardware.py's H200, with its provenance comment
-    (the per-regime errors fitted / held out, and ``served``: the served runs' lines of ``served_lines``)."""
+    """The fitted profile as the Python literal of fnvllm/sim/hardware.py's built-in ``name`` (H200 = ...), with
+    its provenance comment (the per-regime errors fitted / held out, ``served``: the served runs' lines of
+    ``served_lines``, and ``precision_rows``: each precision's report rows, whose worst errors it adds)."""
     errors = ", ".join(f"{_label(r)} {r['fitted_error']:+.1%} / {r['held_out_error']:+.1%}" for r in rows)
+    for key, precision in (precision_rows or {}).items():
+        worst = [max(abs(r[f"{k}_error"]) for r in precision) for k in ("fitted", "held_out")]
+        errors += f"; {key} overheads, worst over its {len(precision)} runs: {worst[0]:.1%} / {worst[1]:.1%}"
     head = (
-        f"Fitted by benchmarks/sim_calibration.py on {time.strftime('%Y-%m-%d')} (commit {commit or 'unknown'}): "
+        f"{SHIPPED_BY} on {time.strftime('%Y-%m-%d')} (commit {commit or 'unknown'}): "
         f"{profile.model and profile.model.get('name')} shape, block 256, budget 16384, max_num_seqs 512, CUDA graphs, "
         f"overlapped and plain loops. Error per regime, fitted / held out (leave one regime out): {errors}."
     )
     if served:
         head += " Served (TTFT p50 / p90, TPOT p50 / p90 errors): " + "; ".join(served) + "."
     comment = "\n".join(f"# {line}" for line in textwrap.wrap(head, 116))
-    literal = repr(attrs.evolve(profile, name="h200", calibrated_from="benchmarks/sim_calibration.py"))
-    return comment + "\nH200 = " + literal
+    literal = repr(attrs.evolve(profile, name=name, calibrated_from="benchmarks/sim_calibration.py"))
+    return f"{comment}\n{name.upper()} = {literal}"
 
 
 def add_serving(out: Path, served: Path) -> list[str]:
@@ -348,22 +426,35 @@ def served_lines(tables: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]
 
 
 BUILTIN_FILE = Path(__file__).resolve().parent.parent / "fnvllm" / "sim" / "hardware.py"
-BUILTIN_START, BUILTIN_END = "# Fitted by benchmarks/sim_calibration.py", "BUILTIN_PROFILES"
+SHIPPED_BY = "Fitted by benchmarks/sim_calibration.py"
 
 
-def ship(snippet: str, path: Path = BUILTIN_FILE) -> None:
-    """Write ``snippet`` (``ship_snippet``) over the H200 profile in ``path`` (fnvllm/sim/hardware.py: from its
-    provenance comment to BUILTIN_PROFILES) and format the file with ruff when it is installed."""
+def ship(snippet: str, name: str = "h200", path: Path = BUILTIN_FILE) -> None:
+    """Write ``snippet`` (``ship_snippet``) over the built-in profile ``name`` in ``path`` (fnvllm/sim/hardware.py:
+    its ``NAME = HardwareProfile(...)`` statement, found by parsing the file, and the comment lines right above
+    it) and format the file with ruff when it is installed."""
+    import ast
     import shutil
     import subprocess
 
     text = path.read_text()
-    start, end = text.index(BUILTIN_START), text.index(BUILTIN_END)
-    path.write_text(text[:start] + snippet.rstrip() + "\n" + text[end:])
-    ruff = shutil.which("ruff")
+    lines = text.splitlines(keepends=True)
+    target = name.upper()
+    spans = [
+        (node.lineno, node.end_lineno or node.lineno)
+        for node in ast.parse(text).body
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == target for t in node.targets)
+    ]
+    if not spans:
+        raise ValueError(f"{path} has no built-in {name!r} profile to replace (no {target} = ...)")
+    first, last = spans[0][0] - 1, spans[0][1]  # 0-based first line, exclusive end
+    while first > 0 and lines[first - 1].startswith("#"):
+        first -= 1  # the comment lines above the literal
+    path.write_text("".join(lines[:first]) + snippet.rstrip() + "\n" + "".join(lines[last:]))
+    ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))
     if ruff:
         subprocess.run([ruff, "format", "--quiet", str(path)], check=False)
-    print(f"wrote the fitted profile into {path} as the built-in h200 (review and commit it)")
+    print(f"wrote the fitted profile into {path} as the built-in {name} (review and commit it)")
 
 
 def _commit() -> str:
@@ -395,14 +486,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --refit: another run's --out folder whose runs join the fit and the checks (repeatable)",
     )
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine's KV cache storage (default auto)"
+    )
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="the engine's FP8 linears (default none)")
+    parser.add_argument("--regimes", default=None, help="comma-separated regime names to run (default: every one)")
+    parser.add_argument(
+        "--precision-of",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="with --refit: also fit the runs of FOLDER (an --out of this script run with --kv-cache-dtype fp8 and/or "
+        "--quantization fp8) and keep their overheads in the profile's precisions (repeatable)",
+    )
+    parser.add_argument(
+        "--check-with",
+        default=None,
+        metavar="PROFILE",
+        help="with --refit: no fit; replay the runs of --out and every --pool with this profile (a built-in name or "
+        "a JSON), each folder's runs at its own precision",
+    )
+    parser.add_argument(
         "--ship",
         action="store_true",
-        help="write the fitted profile over fnvllm/sim/hardware.py's built-in h200 (what h200_profile.py.txt holds)",
+        help="write the fitted profile over fnvllm/sim/hardware.py's built-in profile of the device (h200 or h100: "
+        "what NAME_profile.py.txt holds)",
     )
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fnvllm-calibration-"))
     out.mkdir(parents=True, exist_ok=True)
     set_ = regimes(args.quick)
+    if args.regimes:
+        chosen = args.regimes.split(",")
+        unknown = sorted(set(chosen) - {r.name for r in set_})
+        if unknown:
+            parser.error(f"--regimes: unknown {unknown}; known: {[r.name for r in set_]}")
+        set_ = [r for r in set_ if r.name in chosen]
+    if args.check_with is not None:
+        if not args.refit:
+            parser.error("--check-with replays recorded runs: it needs --refit")
+        folders = [out, *map(Path, args.pool)]
+        profile = load_profile(args.check_with)
+        rows = check_folders(profile, folders, set_)
+        (out / "check.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print_checks(rows, profile, folders)
+        return 0
     if args.refit:
         set_ = [r for r in set_ if (out / f"{r.name}.run.json").exists()]  # a folder from before a regime existed
         runs = [out / f"{r.name}.run.json" for r in set_]
@@ -415,7 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["FNVLLM_TIMELINE"] = str(out / "steps.jsonl")
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="fnvllm-calibration-ckpt-") as folder:
-            llm = build_engine(args.model_shape, Path(folder), args.quick)
+            precision = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}
+            llm = build_engine(args.model_shape, Path(folder), args.quick, **precision)
             print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
             runs = run_regimes(llm, set_, out, device_name, args.model_shape)
             llm.executor.timeline.close()
@@ -424,12 +552,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(rows, indent=1) + "\n")
     print_table(rows, device_name)
     served = add_serving(out, Path(args.served)) if args.served else []
-    snippet = ship_snippet(load_profile(out / "profile.json"), rows, _commit(), served)
-    (out / "h200_profile.py.txt").write_text(snippet + "\n")
+    precisions, precision_rows = {}, {}
+    for folder in map(Path, args.precision_of):
+        key, entry, precision_rows[key] = fit_precision(folder, set_, device_name)
+        print(f"\nprecision {key} ({folder}):")
+        print_table(precision_rows[key], device_name)
+        precisions[key] = entry
+    if precisions:
+        save_profile(attrs.evolve(load_profile(out / "profile.json"), precisions=precisions), out / "profile.json")
+    name = builtin_name(device_name)
+    snippet = ship_snippet(load_profile(out / "profile.json"), rows, _commit(), served, name, precision_rows)
+    (out / f"{name}_profile.py.txt").write_text(snippet + "\n")
     if args.ship:
-        ship(snippet)
+        ship(snippet, name)
     print(f"\nprofile: {out / 'profile.json'} (fnvllm simulate --hardware {out / 'profile.json'} ...)")
-    print(f"as fnvllm/sim/hardware.py's H200: {out / 'h200_profile.py.txt'}")
+    print(f"as fnvllm/sim/hardware.py's {name.upper()}: {out / f'{name}_profile.py.txt'}")
     return 0
 
 

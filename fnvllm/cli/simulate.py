@@ -39,7 +39,7 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
         "--model-shape",
         "qwen3-0.6b | qwen3-8b | a checkpoint folder or config.json (default: the profile's model, else qwen3-0.6b)",
     ),
-    "hardware": ("--hardware", "h200 | a profile JSON from `fnvllm simulate calibrate` (default h200)"),
+    "hardware": ("--hardware", "h200 | h100 | a profile JSON from `fnvllm simulate calibrate` (default h200)"),
     "policy": ("--policy", "fcfs | priority | sjf (shortest max_tokens) | spf (shortest prompt) (default fcfs)"),
     "block_size": ("--block-size", "tokens per KV block (default 16)"),
     "num_blocks": ("--num-blocks", "KV blocks (default: what fits in the profile's memory)"),
@@ -50,6 +50,8 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "enable_prefix_caching": ("--no-prefix-caching", "turn the prefix cache off"),
     "overlap": ("--no-overlap", "simulate an engine that does not overlap host work with the device"),
     "serve": ("--serve", "simulate `fnvllm serve`: the profile's serving overheads and per-request latency"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "auto | fp8: the KV cache's storage, as the engine's option (default auto)"),
+    "quantization": ("--quantization", "fp8: FP8 decoder linears, as the engine's option (default: the model's)"),
 }
 
 
@@ -57,7 +59,7 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per SimSpec field (typed from its default)."""
     from fnvllm.sim.spec import SimSpec
 
-    types = {"num_requests": int, "num_blocks": int, "max_model_len": int, "model": str}
+    types = {"num_requests": int, "num_blocks": int, "max_model_len": int, "model": str, "quantization": str}
     for field in attrs.fields(SimSpec):
         flag, text = _SPEC_FLAGS[field.name]
         if field.default is True:
@@ -286,7 +288,8 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     cal.add_argument(
         "--base",
         default="auto",
-        help="profile whose ceilings the fit keeps (auto: h200 for a CUDA timeline, a CPU one for a CPU one)",
+        help="profile whose ceilings the fit keeps (auto: the device's built-in, h100 or h200, else h200 for a CUDA "
+        "timeline, a CPU one for a CPU one)",
     )
     cal.add_argument("--name", default=None, help="the profile's name (default: the device the timeline ran on)")
     cal.add_argument("--model-shape", default=None, help="model shape, if the log has no header")

@@ -825,10 +825,17 @@ class ModelExecutor:
         )
         model: dict[str, object] = {k: getattr(m, k) for k in fields}
         model["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        # the precision as the simulator's ModelShape.from_config reads it (an FP8 checkpoint's config key)
+        if m.quantization is not None:
+            model["quantization_config"] = {"quant_method": "fp8"}
+        if self.config.kv_cache_dtype != "auto":
+            model["kv_cache_dtype"] = self.config.kv_cache_dtype
         return {
             "model": model,
             "block_size": self.config.block_size,
             "device": str(self.device),
+            # the GPU's name picks the simulator's base profile when a profile is fitted to this log
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "backend": self.backend.name,
             "graphs": self.graphs is not None,
             "max_model_len": self.max_model_len,

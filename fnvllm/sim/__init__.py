@@ -5,7 +5,8 @@
     print(format_table(summary))
 
 Pieces, each usable alone: ``ModelShape`` / ``load_shape`` (model dimensions), ``HardwareProfile`` /
-``load_profile`` (ceilings + fitted overheads), ``CostModel`` (roofline per layer part), ``SimExecutor`` (the
+``load_profile`` (ceilings + fitted overheads; built in: ``H200``, ``H100``; overheads per precision:
+``PrecisionOverheads``), ``CostModel`` (roofline per layer part), ``SimExecutor`` (the
 executor protocol on a simulated clock), workloads (``poisson_requests``, ``shared_prefix_requests``,
 ``bench_requests``, ``read_trace``), ``simulate`` (the clock-driven engine loop), ``summarize`` (metrics),
 ``fit_profile`` (calibration from a GPU timeline), ``RunRecorder`` / ``check_run`` (record an engine run, replay
@@ -18,7 +19,7 @@ from fnvllm.sim.check import CheckResult, check_run, read_run
 from fnvllm.sim.checks import SimInputError
 from fnvllm.sim.cost import CostModel, StepShape, step_shape
 from fnvllm.sim.executor import FillerTokens, ReplayTokens, SimExecutor, TokenSource
-from fnvllm.sim.hardware import H200, HardwareProfile, Overheads, load_profile, save_profile
+from fnvllm.sim.hardware import H100, H200, HardwareProfile, Overheads, PrecisionOverheads, load_profile, save_profile
 from fnvllm.sim.loop import SimResult, SimulationStalledError, simulate
 from fnvllm.sim.metrics import format_table, percentile, summarize, weighted_percentile
 from fnvllm.sim.model import NAMED_SHAPES, ModelShape, load_shape
@@ -38,6 +39,7 @@ from fnvllm.sim.workloads import (
 )
 
 __all__ = [
+    "H100",
     "H200",
     "NAMED_SHAPES",
     "POLICIES",
@@ -47,6 +49,7 @@ __all__ = [
     "HardwareProfile",
     "ModelShape",
     "Overheads",
+    "PrecisionOverheads",
     "ReplayTokens",
     "RunRecorder",
     "SimExecutor",

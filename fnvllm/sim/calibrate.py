@@ -476,6 +476,11 @@ def _fit_gap(
     return dict(zip(names, map(float, coef), strict=True))
 
 
+# The untimed part of a host cycle is read from the host-paced steps only when they are at least this share of the
+# overlapped ones: in a device-bound log a few stragglers set it for every step (an H100 calibration run of
+# 2026-12-07: 29 paced of 2,628 overlapped graph steps, their wall - cpu_ms spread from -3.9 to +2.8 ms, gave a
+# median of 1.2 ms, and priced the 0.27 ms host cycle of one-request decode steps as 1.5 ms: +72 % end to end).
+PACED_SHARE = 0.1
 NEXT_EAGER = "next_eager"  # a key fit_profile adds to a record followed by an eager step in its timeline
 HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
 
@@ -487,9 +492,9 @@ def _fit_host(
     not say): where the host set the pace (not ``_device_bound``), on the step's wall time (gpu_ms + gap_ms: wall
     = host under the overlap rule); elsewhere on ``cpu_ms`` plus the part of a cycle it does not time (the wait's
     own cost and the step's bookkeeping after it: the median of wall - cpu_ms over the host-paced steps, when at
-    least MIN_ROWS say). Left out: steps followed by an eager step (``NEXT_EAGER``: their cycle also launched that
-    step's kernels one by one, which its own device time holds). Fewer than MIN_ROWS such steps, or a log without
-    ``cpu_ms``, keep ``base``'s."""
+    least MIN_ROWS and a PACED_SHARE of the steps are host-paced; else 0). Left out: steps followed by an eager
+    step (``NEXT_EAGER``: their cycle also launched that step's kernels one by one, which its own device time
+    holds). Fewer than MIN_ROWS such steps, or a log without ``cpu_ms``, keep ``base``'s."""
     rows = [
         i for i in _rows_of_mode(records, overlap=True) if "cpu_ms" in records[i] and not records[i].get(NEXT_EAGER)
     ]
@@ -499,7 +504,8 @@ def _fit_host(
     walls = np.array([(float(records[i]["gpu_ms"]) + float(records[i].get("gap_ms", 0.0))) * 1e3 for i in rows])
     cpu = np.array([float(records[i]["cpu_ms"]) * 1e3 for i in rows])
     paced = np.array([not _device_bound(records[i]) for i in rows])
-    untimed = max(float(np.median((walls - cpu)[paced])), 0.0) if paced.sum() >= MIN_ROWS else 0.0
+    enough = paced.sum() >= max(MIN_ROWS, PACED_SHARE * len(rows))
+    untimed = max(float(np.median((walls - cpu)[paced])), 0.0) if enough else 0.0
     host = np.where(paced, np.maximum(walls, cpu), cpu + untimed)
     n = len(names)
     x = _features(shapes, records, rows, context)
@@ -525,11 +531,15 @@ def fit_profile(
     growth and priced the bench workload's long contexts 13.2 % slow when that regime was held out of the fit
     (5.7 % without the column).
 
+    The fit prices the records' steps at their model's precision with the overheads it fits: ``base``'s
+    ``precisions`` are dropped (from the result too: a profile fitted on FP8 runs holds their overheads as its own).
+
     Eager steps are fitted first; graph steps, whose matmul scale decode-only data cannot identify, take the
     eager fit's. A kind of step with fewer than MIN_ROWS records keeps ``base``'s overheads; a log without graph
     steps sets graph_max_seqs to 0 (that engine never replays graphs), else to the largest graph batch seen, and
     graph_mixed_tokens to the most tokens of a mixed step that ran as a graph (0 when none did).
     """
+    base = attrs.evolve(base, precisions={})  # these records' overheads are fitted here, whatever their precision
     cost = CostModel(model, base)
     kinds = {"eager": base.eager, "graph": base.graph}
     nexts = [*records[1:], None]
@@ -569,10 +579,15 @@ def device_profile_name(device: str) -> str:
 
 
 def base_for(device: str) -> HardwareProfile:
-    """The base profile a timeline of ``device`` fits from: the H200's for CUDA devices, CPU_BASE for a CPU."""
-    from fnvllm.sim.hardware import H200
+    """The base profile a timeline of ``device`` fits from (its ceilings stay, its overheads are the fit's priors):
+    the device's built-in profile (``builtin_for_device``: an H100's, an H200's), else the H200's for other CUDA
+    devices, CPU_BASE for a CPU."""
+    from fnvllm.sim.hardware import BUILTIN_PROFILES, H200, builtin_for_device
 
-    return CPU_BASE if device.lower().startswith("cpu") else H200
+    if device.lower().startswith("cpu"):
+        return CPU_BASE
+    name = builtin_for_device(device)
+    return BUILTIN_PROFILES[name] if name is not None else H200
 
 
 def prediction_error(

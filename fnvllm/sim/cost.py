@@ -11,6 +11,12 @@ times the layer count, plus the LM head over the sampled rows. So a decode batch
 reads, a long prefill by FLOPs, and neither is summed where they overlap. Matmuls and attention are scaled
 separately by the profile (``scale``, ``attn_scale``): their kernels reach different fractions of the ceilings.
 
+FP8 (the model's ``kv_cache_dtype`` / ``quantization``, as the engine's options): an FP8 cache is read and written
+at one byte an element; FP8 linears stream one byte a weight plus their block scales and multiply at the profile's
+FP8 rate (``fp8_flops_per_s``); activations, the LM head and attention's arithmetic keep the model's dtype. The
+fitted scales and overheads are the profile's, unless it holds overheads fitted at that precision
+(``HardwareProfile.precisions``): the FP8 paths' fixed costs (quantization launches) are not in their bytes.
+
 A served run (``serving``) prices its steps with the profile's ``serving`` overheads instead (the server's engine
 process pays more host time per step; ``fnvllm.sim.hardware.Serving``).
 
@@ -28,7 +34,7 @@ import math
 
 import attrs
 
-from fnvllm.sim.hardware import SMALL_BATCHES, HardwareProfile, Overheads
+from fnvllm.sim.hardware import SMALL_BATCHES, HardwareProfile, Overheads, precision_key
 from fnvllm.sim.model import ModelShape
 from fnvllm.state.plan import StepShape, step_shape
 
@@ -92,8 +98,9 @@ class CostModel:
         self, model: ModelShape, hardware: HardwareProfile, overlap: bool = True, serving: bool = False
     ) -> None:
         self.model, self.hardware, self.overlap = model, hardware, overlap
-        kinds = hardware.serving if serving and hardware.serving is not None else hardware
-        self.serving = kinds is not hardware
+        precision = hardware.precisions.get(precision_key(model.kv_cache_dtype, model.quantization) or "")
+        kinds = hardware.serving if serving and hardware.serving is not None else (precision or hardware)
+        self.serving = kinds is hardware.serving
         self._eager, self._graph = kinds.eager, kinds.graph
         m = model
         h, q, kv, i = m.hidden, m.q_size, m.kv_size, m.intermediate
@@ -101,34 +108,46 @@ class CostModel:
         self._matmuls = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h), (2 * h * i, h, 2 * i), (i * h, i, h))
         self._bw, self._flops = hardware.bytes_per_s, hardware.flops_per_s
         self._mm_bw = hardware.matmul_bytes_per_s
+        fp8 = model.quantization == "fp8"
+        self._linear_flops = hardware.fp8_flops_per_s if fp8 else self._flops  # the layers' linears' rate
         self._buckets = _bucket_table(hardware.graph_max_seqs)
         self._linear_cache: dict[tuple[int, int], float] = {}
 
+    def _layer_matmul_s(self, weights: int, width_in: int, width_out: int, tokens: int) -> float:
+        """Roofline seconds of one layer linear of ``weights`` weights over ``tokens`` tokens: its weights (at the
+        model's bytes per linear weight) and its input and output activations streamed, 2 FLOPs a weight a token."""
+        m = self.model
+        nbytes = m.linear_bytes_per_weight * weights + m.dtype_bytes * tokens * (width_in + width_out)
+        return matmul_bound(nbytes / self._mm_bw, 2 * tokens * weights / self._linear_flops)
+
     def layer_parts_s(self, shape: StepShape) -> list[tuple[str, float]]:
         """Roofline seconds of each matmul of one layer: qkv, o, gate_up, down."""
-        b, t, bw, fl = self.model.dtype_bytes, shape.num_tokens, self._mm_bw, self._flops
         names = ("qkv", "o", "gate_up", "down")
         return [
-            (name, matmul_bound(b * (w + t * (w_in + w_out)) / bw, 2 * t * w / fl))
-            for name, (w, w_in, w_out) in zip(names, self._matmuls, strict=True)
+            (name, self._layer_matmul_s(*matmul, shape.num_tokens))
+            for name, matmul in zip(names, self._matmuls, strict=True)
         ]
 
     def attention_s(self, shape: StepShape) -> float:
-        """Roofline seconds of attention in all layers: KV context read, fed K/V written, q read and out written."""
+        """Roofline seconds of attention in all layers: KV context read, fed K/V written (at the cache's bytes an
+        element), q read and out written."""
         m, b, t = self.model, self.model.dtype_bytes, shape.num_tokens
-        kv_bytes = b * 2 * m.kv_size * (shape.context_tokens + t) + b * 2 * m.q_size * t
+        kv_bytes = m.kv_element_bytes * 2 * m.kv_size * (shape.context_tokens + t) + b * 2 * m.q_size * t
         flops = 4 * m.q_heads * m.head_dim * shape.attn_pairs
         return m.layers * max(kv_bytes / self._bw, flops / self._flops)
 
     def lm_head_s(self, shape: StepShape) -> float:
         """Roofline seconds of the LM head over the sampled rows (fp32 logits written and read once)."""
-        s = shape.num_samples
-        if not s:
+        return self._lm_head_of(shape.num_samples)
+
+    def _lm_head_of(self, samples: int) -> float:
+        """``lm_head_s`` of ``samples`` sampled rows (0 for none): the model's dtype, whatever the linears'."""
+        if not samples:
             return 0.0
         m = self.model
         weights = m.vocab * m.hidden
-        nbytes = m.dtype_bytes * weights + 8 * s * m.vocab
-        return matmul_bound(nbytes / self._mm_bw, 2 * s * weights / self._flops)
+        nbytes = m.dtype_bytes * weights + 8 * samples * m.vocab
+        return matmul_bound(nbytes / self._mm_bw, 2 * samples * weights / self._flops)
 
     def linear_s(self, shape: StepShape) -> float:
         """Roofline seconds of every matmul of the step: the layers' projections and the LM head."""
@@ -141,16 +160,8 @@ class CostModel:
         """``linear_s`` of a step of ``tokens`` fed tokens and ``samples`` sampled rows (no object built)."""
         if (tokens, samples) in self._linear_cache:
             return self._linear_cache[tokens, samples]
-        b, bw, fl = self.model.dtype_bytes, self._mm_bw, self._flops
-        layer = sum(
-            matmul_bound(b * (w + tokens * (w_in + w_out)) / bw, 2 * tokens * w / fl)
-            for w, w_in, w_out in self._matmuls
-        )
-        head = 0.0
-        if samples:
-            weights = self.model.vocab * self.model.hidden
-            head = matmul_bound((b * weights + 8 * samples * self.model.vocab) / bw, 2 * samples * weights / fl)
-        value = self.model.layers * layer + head
+        layer = sum(self._layer_matmul_s(*matmul, tokens) for matmul in self._matmuls)
+        value = self.model.layers * layer + self._lm_head_of(samples)
         if len(self._linear_cache) < _CACHE_LIMIT:
             self._linear_cache[tokens, samples] = value
         return value

@@ -166,6 +166,44 @@ class Serving:
         return cls(**{**data, **_overheads_of(data, "hardware profile serving")})
 
 
+@attrs.frozen
+class PrecisionOverheads:
+    """The overheads of an engine run at another precision (``HardwareProfile.precisions``), fitted from a
+    calibration run with those options (``benchmarks/sim_calibration.py --kv-cache-dtype fp8 ...``): the FP8 paths
+    cost more than their bytes say (the 0.6B shape on an H100, with FP8 weights and cache, ran 64-request decode
+    steps at 2.2 ms against 1.6 with FP8 KV alone: the activations' quantization launches), so their steps take
+    their own fitted overheads. eager / graph: as the profile's. calibrated_from: the timeline they were fitted
+    from."""
+
+    eager: Overheads = Overheads()
+    graph: Overheads = Overheads()
+    calibrated_from: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        for kind in ("eager", "graph"):
+            if not isinstance(getattr(self, kind), Overheads):
+                raise SimInputError(f"PrecisionOverheads.{kind} must be Overheads")
+        check_text(self.calibrated_from, "PrecisionOverheads.calibrated_from", non_empty=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrecisionOverheads:
+        """From ``attrs.asdict`` output; unknown keys and out-of-range values are a SimInputError naming the
+        field."""
+        check_mapping(data, "hardware profile precision")
+        _check_keys(data, cls, "hardware profile precision")
+        return cls(**{**data, **_overheads_of(data, "hardware profile precision")})
+
+
+PRECISIONS = ("fp8_kv", "fp8_weights", "fp8_weights_kv")  # the keys of HardwareProfile.precisions
+
+
+def precision_key(kv_cache_dtype: str, quantization: str | None) -> str | None:
+    """The ``HardwareProfile.precisions`` key of an engine's options: "fp8_kv" (an FP8 cache), "fp8_weights" (FP8
+    linears), "fp8_weights_kv" (both); None for the model's dtype throughout (the profile's own overheads)."""
+    parts = (["weights"] if quantization == "fp8" else []) + (["kv"] if kv_cache_dtype == "fp8" else [])
+    return "_".join(["fp8", *parts]) if parts else None
+
+
 def _overheads_of(data: Mapping[str, Any], what: str) -> dict[str, Overheads]:
     """The ``eager`` / ``graph`` entries of ``data`` read as Overheads (SimInputError naming a bad field)."""
     out = {}
@@ -184,6 +222,11 @@ class HardwareProfile:
     name: label. mem_bandwidth_gbs: achievable read bandwidth, GB/s (1e9 bytes). matmul_tflops: dense matmul
     rate in the model's dtype. matmul_bandwidth_gbs: the bandwidth matmuls stream their weights at (None: the
     read bandwidth; on the H200 cuBLAS bf16 GEMMs of a few rows reach ~3,560 GB/s of the 4,160 a copy reaches).
+    fp8_matmul_tflops: the dense e4m3 matmul rate that FP8 linears (``quantization="fp8"``) multiply at (None:
+    twice matmul_tflops, the tensor cores' FP8 rate on Hopper).
+    precisions: overheads fitted on runs at another precision (``PRECISIONS``: "fp8_kv", "fp8_weights",
+    "fp8_weights_kv"; ``PrecisionOverheads``), used for a model of that precision; a precision without an entry
+    takes ``eager`` / ``graph``, its rooflines priced in its own bytes.
     memory_gib: device memory (sizes the KV cache when num_blocks is not given).
     graph_max_seqs: decode-only steps with at most this many sequences count as CUDA-graph steps (0: never).
     graph_mixed_tokens: mixed steps (some row prefills) of at most this many tokens, and at most graph_max_seqs
@@ -208,6 +251,8 @@ class HardwareProfile:
     request_us: float = 0.0
     serving: Serving | None = None
     matmul_bandwidth_gbs: float | None = None
+    fp8_matmul_tflops: float | None = None
+    precisions: Mapping[str, PrecisionOverheads] = attrs.field(factory=dict, hash=False)
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "HardwareProfile.name")
@@ -223,8 +268,15 @@ class HardwareProfile:
         check_real_in(self.request_us, "HardwareProfile.request_us", 0.0, MAX_US)
         if self.matmul_bandwidth_gbs is not None:
             check_positive(self.matmul_bandwidth_gbs, "HardwareProfile.matmul_bandwidth_gbs", MAX_BANDWIDTH_GBS)
+        if self.fp8_matmul_tflops is not None:
+            check_positive(self.fp8_matmul_tflops, "HardwareProfile.fp8_matmul_tflops", MAX_TFLOPS)
         if self.serving is not None and not isinstance(self.serving, Serving):
             raise SimInputError("HardwareProfile.serving must be Serving or None")
+        for key, value in check_mapping(self.precisions, "HardwareProfile.precisions").items():
+            if key not in PRECISIONS:
+                raise SimInputError(f"HardwareProfile.precisions key must be one of {list(PRECISIONS)}, got {key!r}")
+            if not isinstance(value, PrecisionOverheads):
+                raise SimInputError(f"HardwareProfile.precisions[{key!r}] must be PrecisionOverheads")
         if self.model is not None:
             from fnvllm.sim.model import ModelShape
 
@@ -247,6 +299,12 @@ class HardwareProfile:
         """Matmul rate in FLOP per second."""
         return self.matmul_tflops * 1e12
 
+    @property
+    def fp8_flops_per_s(self) -> float:
+        """FP8 (e4m3) matmul rate in FLOP per second (``fp8_matmul_tflops``, else twice ``matmul_tflops``)."""
+        tflops = 2 * self.matmul_tflops if self.fp8_matmul_tflops is None else self.fp8_matmul_tflops
+        return tflops * 1e12
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``from_dict`` reads it back)."""
         data = attrs.asdict(self)
@@ -254,6 +312,8 @@ class HardwareProfile:
             del data["model"]
         if self.serving is None:
             del data["serving"]
+        if not self.precisions:
+            del data["precisions"]
         return data
 
     @classmethod
@@ -265,6 +325,9 @@ class HardwareProfile:
         values = {**data, **_overheads_of(data, "hardware profile")}
         if values.get("serving") is not None:
             values["serving"] = Serving.from_dict(values["serving"])
+        if "precisions" in values:
+            precisions = check_mapping(values["precisions"], "hardware profile precisions")
+            values["precisions"] = {key: PrecisionOverheads.from_dict(v) for key, v in precisions.items()}
         return cls(**values)
 
 
@@ -399,8 +462,257 @@ H200 = HardwareProfile(
         latency_stream_us=142.17596421301295,
     ),
     matmul_bandwidth_gbs=3560.0,
+    fp8_matmul_tflops=1396.0,
 )
-BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200}
+# The H100's ceilings, measured on one H100 80GB HBM3 (torch 2.11, 2026-12-07): read 3,117 GB/s
+# (benchmarks/read_ceiling.py), bf16 8192^3 matmul 766.8 TFLOP/s, e4m3 row-wise _scaled_mm 1,326.3 TFLOP/s (the FP8
+# linears' large-M GEMM); matmul_bandwidth_gbs 2,766: cuBLAS bf16 GEMMs of one Qwen3-8B layer at one row read 388 MB
+# in 140.3 us (BENCHMARKS.md, thirty-third session). The overheads below were fitted on two bf16 calibration runs of
+# that machine and, per precision (sim_calibration.py --precision-of), on one run each with an FP8 cache, FP8 weights
+# and both.
+
+# Fitted by benchmarks/sim_calibration.py on 2026-12-07 (commit 233ede4): qwen3-0.6b shape, block 256, budget 16384,
+# max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
+# out): decode-1 -1.2% / -3.3%, decode-1-plain +3.2% / +3.8%, decode-16 +2.0% / +9.1%, decode-16-plain +4.1% / +10.9%,
+# decode-64 +2.7% / +5.0%, decode-64-plain +1.7% / +3.2%, decode-256 +1.0% / +0.6%, decode-256-plain +2.6% / +3.1%,
+# prefill-16 -2.7% / -2.9%, prefill-16-plain -3.9% / -4.8%, prefill-64 -2.3% / -2.8%, prefill-64-plain -5.6% / -6.2%,
+# prefill-512 +3.5% / +6.4%, prefill-512-plain +3.0% / +5.8%, long-128 -8.0% / -12.9%, long-128-plain -9.0% / -12.6%,
+# bench +3.2% / +6.5%, bench-plain +1.9% / +4.5%, decode-1@1 -1.7% / -3.8%, decode-1-plain@1 -0.6% / -0.0%,
+# decode-16@1 -0.4% / +6.6%, decode-16-plain@1 -0.7% / +5.8%, decode-64@1 +1.3% / +3.5%, decode-64-plain@1 -2.0% /
+# -0.5%, decode-256@1 -1.2% / -1.7%, decode-256-plain@1 -2.6% / -2.2%, prefill-16@1 -3.7% / -3.9%, prefill-16-plain@1
+# -7.5% / -8.3%, prefill-64@1 -3.1% / -3.7%, prefill-64-plain@1 -6.8% / -7.4%, prefill-512@1 +2.3% / +5.2%,
+# prefill-512-plain@1 +1.5% / +4.3%, long-128@1 -8.9% / -13.7%, long-128-plain@1 -9.5% / -13.0%, bench@1 +0.8% /
+# +4.1%, bench-plain@1 -2.7% / -0.3%; fp8_kv overheads, worst over its 18 runs: 3.4% / 8.5%; fp8_weights_kv overheads,
+# worst over its 18 runs: 9.3% / 15.8%; fp8_weights overheads, worst over its 18 runs: 9.8% / 16.6%.
+H100 = HardwareProfile(
+    name="h100",
+    mem_bandwidth_gbs=3117.0,
+    matmul_tflops=766.8,
+    memory_gib=79.2,
+    graph_max_seqs=512,
+    graph_mixed_tokens=2048,
+    eager=Overheads(
+        scale=1.0,
+        attn_scale=2.337567301719347,
+        step_us=681.4295423280449,
+        seq_us=0.0,
+        token_us=0.5618518571887198,
+        log_seq_us=0.0,
+        gap_us=2506.5535584821755,
+        gap_seq_us=0.0,
+        gap_new_seq_us=0.0,
+        gap_token_us=0.0,
+        host_us=856.1315962119031,
+        host_seq_us=1.3161907474972712,
+        host_new_seq_us=0.0,
+        host_token_us=0.08164814781170007,
+        host_sample_us=0.0,
+        host_context_us=0.0,
+        gap_context_us=0.0,
+        launch_us=0.0,
+        launch_seq_us=0.0,
+        launch_token_us=0.0,
+        small_us=(),
+    ),
+    graph=Overheads(
+        scale=1.0,
+        attn_scale=1.0560015146582042,
+        step_us=367.60935637015143,
+        seq_us=0.0,
+        token_us=0.0,
+        log_seq_us=53.68147865652167,
+        gap_us=188.8313949620562,
+        gap_seq_us=2.2962541937991654,
+        gap_new_seq_us=0.0,
+        gap_token_us=0.0,
+        host_us=258.8467989956206,
+        host_seq_us=4.271933677604987,
+        host_new_seq_us=0.0,
+        host_token_us=0.0,
+        host_sample_us=0.0,
+        host_context_us=0.0,
+        gap_context_us=0.0,
+        launch_us=0.0,
+        launch_seq_us=0.0,
+        launch_token_us=0.0,
+        small_us=(404.15963577798004, 530.194928968268, 540.5625818216939, 576.837804493701),
+    ),
+    calibrated_from="benchmarks/sim_calibration.py",
+    model={
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "max_position_embeddings": 40960,
+        "name": "qwen3-0.6b",
+    },
+    request_us=86.02429067103874,
+    serving=None,
+    matmul_bandwidth_gbs=2766.0,
+    fp8_matmul_tflops=1326.3,
+    precisions={
+        "fp8_kv": PrecisionOverheads(
+            eager=Overheads(
+                scale=1.0,
+                attn_scale=3.3333333333333335,
+                step_us=990.1301062747855,
+                seq_us=0.0,
+                token_us=0.7242242398579339,
+                log_seq_us=0.0,
+                gap_us=3309.383811285013,
+                gap_seq_us=0.0,
+                gap_new_seq_us=0.0,
+                gap_token_us=0.0,
+                host_us=856.1315962119031,
+                host_seq_us=1.3161907474972712,
+                host_new_seq_us=0.0,
+                host_token_us=0.08164814781170007,
+                host_sample_us=0.0,
+                host_context_us=0.0,
+                gap_context_us=0.0,
+                launch_us=0.0,
+                launch_seq_us=0.0,
+                launch_token_us=0.0,
+                small_us=(),
+            ),
+            graph=Overheads(
+                scale=1.0,
+                attn_scale=1.101758582486489,
+                step_us=462.7875504434965,
+                seq_us=0.0,
+                token_us=0.0,
+                log_seq_us=47.28612228335874,
+                gap_us=203.4665793781894,
+                gap_seq_us=1.9906254535799888,
+                gap_new_seq_us=0.0,
+                gap_token_us=0.0,
+                host_us=271.9529804305232,
+                host_seq_us=3.8785781823455387,
+                host_new_seq_us=0.0,
+                host_token_us=0.0,
+                host_sample_us=0.0,
+                host_context_us=0.0,
+                gap_context_us=0.0,
+                launch_us=0.0,
+                launch_seq_us=0.0,
+                launch_token_us=0.0,
+                small_us=(427.08550640337484, 504.5865388223939, 534.1371955876331, 659.0507492813226),
+            ),
+            calibrated_from="/tmp/s37cal/fp8kv/steps.jsonl",
+        ),
+        "fp8_weights_kv": PrecisionOverheads(
+            eager=Overheads(
+                scale=1.0,
+                attn_scale=3.3333333333333335,
+                step_us=1019.401498961041,
+                seq_us=0.0,
+                token_us=0.8491970424376218,
+                log_seq_us=0.0,
+                gap_us=0.0,
+                gap_seq_us=0.0,
+                gap_new_seq_us=0.0,
+                gap_token_us=0.17736994337752643,
+                host_us=856.1315962119031,
+                host_seq_us=1.3161907474972712,
+                host_new_seq_us=0.0,
+                host_token_us=0.08164814781170007,
+                host_sample_us=0.0,
+                host_context_us=0.0,
+                gap_context_us=0.0,
+                launch_us=23722.9,
+                launch_seq_us=0.0,
+                launch_token_us=0.0,
+                small_us=(),
+            ),
+            graph=Overheads(
+                scale=1.0,
+                attn_scale=1.0,
+                step_us=108.85663868919481,
+                seq_us=0.0,
+                token_us=0.0,
+                log_seq_us=218.36736302681322,
+                gap_us=145.90320833026104,
+                gap_seq_us=1.127620954819661,
+                gap_new_seq_us=0.0,
+                gap_token_us=0.0,
+                host_us=241.3367939590382,
+                host_seq_us=3.8066284740105245,
+                host_new_seq_us=0.0,
+                host_token_us=0.0,
+                host_sample_us=0.0,
+                host_context_us=0.0,
+                gap_context_us=0.0,
+                launch_us=0.0,
+                launch_seq_us=0.0,
+                launch_token_us=0.0,
+                small_us=(852.6104410394908, 845.5752039015176, 872.4284317126359, 1001.6015911584038),
+            ),
+            calibrated_from="/tmp/s37cal/fp8/steps.jsonl",
+        ),
+        "fp8_weights": PrecisionOverheads(
+            eager=Overheads(
+                scale=1.0,
+                attn_scale=2.3007812863467887,
+                step_us=1577.3241001606839,
+                seq_us=0.0,
+                token_us=0.6116513859272957,
+                log_seq_us=0.0,
+                gap_us=0.0,
+                gap_seq_us=0.0,
+                gap_new_seq_us=0.0,
+                gap_token_us=0.18002848819162934,
+                host_us=856.1315962119031,
+                host_seq_us=1.3161907474972712,
+                host_new_seq_us=0.0,
+                host_token_us=0.08164814781170007,
+                host_sample_us=0.0,
+                host_context_us=0.0,
+                gap_context_us=0.0,
+                launch_us=23031.475,
+                launch_seq_us=0.0,
+                launch_token_us=0.0,
+                small_us=(),
+            ),
+            graph=Overheads(
+                scale=1.0,
+                attn_scale=1.0,
+                step_us=0.0,
+                seq_us=0.0,
+                token_us=0.0,
+                log_seq_us=235.53035329621116,
+                gap_us=142.72773507869599,
+                gap_seq_us=1.875871863816059,
+                gap_new_seq_us=0.0,
+                gap_token_us=0.0,
+                host_us=283.80090837483164,
+                host_seq_us=4.734856695092939,
+                host_new_seq_us=0.0,
+                host_token_us=0.0,
+                host_sample_us=0.0,
+                host_context_us=0.0,
+                gap_context_us=0.0,
+                launch_us=0.0,
+                launch_seq_us=0.0,
+                launch_token_us=0.0,
+                small_us=(833.8195313798118, 885.1224076627877, 869.7581969395841, 917.6701017697167),
+            ),
+            calibrated_from="/tmp/s37cal/fp8w/steps.jsonl",
+        ),
+    },
+)
+BUILTIN_PROFILES: Mapping[str, HardwareProfile] = {"h200": H200, "h100": H100}
+
+
+def builtin_for_device(device: str) -> str | None:
+    """The built-in profile (``BUILTIN_PROFILES``) of a device by its name ("NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA H200" -> "h200"), None when no built-in one is that device's."""
+    words = "".join(c if c.isalnum() else " " for c in device.lower()).split()
+    return next((name for name in BUILTIN_PROFILES if name in words), None)
 
 
 def _check_keys(data: Mapping[str, Any], cls: type, what: str) -> None:

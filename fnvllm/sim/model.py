@@ -21,6 +21,9 @@ MAX_LAYERS = 10_000
 MAX_HEADS = 1 << 16
 MAX_VOCAB = 1 << 24
 _DTYPE_BYTES: Mapping[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+KV_CACHE_DTYPES = ("auto", "fp8")  # as EngineConfig.kv_cache_dtype
+QUANTIZATIONS = ("fp8",)  # as EngineConfig.quantization (None: the model's dtype)
+FP8_SCALE_BLOCK = 128  # an FP8 linear carries one float32 scale per 128 x 128 block of its weight
 
 
 @attrs.frozen
@@ -30,7 +33,16 @@ class ModelShape:
     name: label for tables. hidden / layers / intermediate / vocab: the usual sizes.
     q_heads / kv_heads / head_dim: attention heads (grouped-query when kv_heads < q_heads).
     tied: the LM head shares the embedding matrix (its weights are read once either way).
-    dtype_bytes: bytes per weight and KV element (2 for bf16). max_len: max_position_embeddings.
+    dtype_bytes: bytes per weight and KV element of the model's dtype (2 for bf16). max_len:
+    max_position_embeddings.
+    kv_cache_dtype: the engine's KV cache storage, "auto" (the model's dtype) or "fp8" (one byte an element; the
+    per-layer, per-head scales are negligible). quantization: None, or "fp8": the decoder layers' linears hold one
+    byte a weight plus a float32 scale per 128 x 128 block (an official FP8 checkpoint, or ``quantization="fp8"``
+    on a 16-bit one); embeddings, norms and the LM head keep the model's dtype, as in the engine.
+
+    Worked example (Qwen3-0.6B): a token's K and V over the 28 layers take 2 x 28 x 1,024 x 2 = 114,688 bytes in
+    bf16, 57,344 with ``kv_cache_dtype="fp8"``; the layers' linears hold 28 x 15,728,640 weights, 880.8 MB in bf16
+    and 440.5 MB in FP8 (440.4 MB of weights, 0.1 MB of block scales).
     """
 
     name: str
@@ -44,6 +56,8 @@ class ModelShape:
     tied: bool = False
     dtype_bytes: int = 2
     max_len: int = 40960
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "model name", non_empty=False)
@@ -61,6 +75,7 @@ class ModelShape:
         if self.dtype_bytes not in (1, 2, 4):
             raise SimInputError(f"model dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes!r}")
         check_count(self.max_len, "model max_len (max_position_embeddings)", 1, 1 << 40)
+        check_precision(self.kv_cache_dtype, self.quantization)
         if self.q_heads % self.kv_heads:
             raise SimInputError(f"model q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
 
@@ -75,9 +90,20 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     @property
+    def kv_element_bytes(self) -> int:
+        """Bytes of one K or V element in the cache: 1 with an FP8 cache, else the model's dtype's."""
+        return 1 if self.kv_cache_dtype == "fp8" else self.dtype_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.layers * self.kv_size * self.dtype_bytes
+        return 2 * self.layers * self.kv_size * self.kv_element_bytes
+
+    @property
+    def linear_bytes_per_weight(self) -> float:
+        """Bytes a decoder-layer linear holds per weight: the model's dtype's, or with FP8 weights one byte plus its
+        share of a float32 scale per 128 x 128 block (4 / 16,384)."""
+        return 1 + 4 / FP8_SCALE_BLOCK**2 if self.quantization == "fp8" else float(self.dtype_bytes)
 
     @property
     def layer_params(self) -> int:
@@ -89,11 +115,17 @@ class ModelShape:
     def weight_bytes(self) -> int:
         """Bytes of all weights in memory (embedding, layers, and an untied LM head)."""
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return (self.layers * self.layer_params + embeddings) * self.dtype_bytes
+        return round(self.layers * self.layer_params * self.linear_bytes_per_weight) + embeddings * self.dtype_bytes
 
     def to_config(self) -> dict[str, Any]:
-        """The config.json fields this shape was read from (``from_config`` reads them back)."""
+        """The config.json fields this shape was read from (``from_config`` reads them back): FP8 weights as an
+        official FP8 checkpoint's ``quantization_config``, an FP8 cache as the (fnvllm) key ``kv_cache_dtype``."""
         dtypes = {2: "bfloat16", 4: "float32"}
+        precision: dict[str, Any] = {}
+        if self.quantization == "fp8":
+            precision["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        if self.kv_cache_dtype != "auto":
+            precision["kv_cache_dtype"] = self.kv_cache_dtype
         return {
             "hidden_size": self.hidden,
             "num_hidden_layers": self.layers,
@@ -105,12 +137,15 @@ class ModelShape:
             "tie_word_embeddings": self.tied,
             "torch_dtype": dtypes.get(self.dtype_bytes, "bfloat16"),
             "max_position_embeddings": self.max_len,
+            **precision,
         }
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str = "model") -> ModelShape:
-        """From a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama keys); SimInputError naming a missing or
-        out-of-range key (0 heads, a string where a size belongs)."""
+        """From a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama keys; an official FP8 checkpoint's
+        ``quantization_config`` gives FP8 weights, and a ``kv_cache_dtype`` key, as ``to_config`` writes it, the
+        cache's storage); SimInputError naming a missing or out-of-range key (0 heads, a string where a size
+        belongs, a quantization method the cost model does not price)."""
         check_mapping(config, "config.json")
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
             if key not in config:
@@ -138,7 +173,51 @@ class ModelShape:
             max_len=40960
             if max_len is None
             else check_count(max_len, "config.json max_position_embeddings", 1, 1 << 40),
+            kv_cache_dtype=str(config.get("kv_cache_dtype", "auto")),
+            quantization=_quantization_of(config),
         )
+
+    def with_precision(self, kv_cache_dtype: str = "auto", quantization: str | None = None) -> ModelShape:
+        """This shape as an engine with these options runs it: ``kv_cache_dtype`` "fp8" stores the cache in FP8
+        ("auto" keeps this shape's), ``quantization`` "fp8" quantizes the linears (None keeps this shape's: an
+        FP8 checkpoint loads in FP8 whatever the option says, as in the engine)."""
+        return attrs.evolve(
+            self,
+            kv_cache_dtype=self.kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
+            quantization=self.quantization if quantization is None else quantization,
+        )
+
+
+def check_precision(kv_cache_dtype: object, quantization: object) -> None:
+    """SimInputError naming ``kv_cache_dtype`` or ``quantization`` when it is not one the engine takes."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise SimInputError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise SimInputError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {quantization!r}")
+
+
+# an official FP8 checkpoint's quantization_config (Qwen3-8B-FP8's), as ``to_config`` writes FP8 weights
+FP8_QUANTIZATION_CONFIG: Mapping[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [FP8_SCALE_BLOCK, FP8_SCALE_BLOCK],
+}
+
+
+def _quantization_of(config: Mapping[str, Any]) -> str | None:
+    """ "fp8" for a config.json with an FP8 ``quantization_config``, None without one; SimInputError for another
+    method (the cost model prices 16/32-bit and FP8 weights only)."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = check_mapping(qc, "config.json quantization_config").get("quant_method")
+    if method not in QUANTIZATIONS:
+        raise SimInputError(
+            f"config.json quantization_config.quant_method {method!r} is not priced; the simulator prices "
+            f"{list(QUANTIZATIONS)} or unquantized weights"
+        )
+    return str(method)
 
 
 _QWEN3_COMMON: Mapping[str, Any] = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960}

@@ -29,7 +29,7 @@ from fnvllm.sim.executor import FillerTokens, SimExecutor
 from fnvllm.sim.hardware import HardwareProfile, load_profile
 from fnvllm.sim.loop import SimResult, StepHook, simulate
 from fnvllm.sim.metrics import summarize
-from fnvllm.sim.model import ModelShape, load_shape
+from fnvllm.sim.model import ModelShape, check_precision, load_shape
 from fnvllm.sim.policies import get_policy
 from fnvllm.sim.timeline import TimelineWriter
 from fnvllm.sim.workloads import (
@@ -64,6 +64,9 @@ class SimSpec:
     the requests are served by ``fnvllm serve``: steps are priced by the profile's ``serving`` overheads and each
     request's tokens reach its client the profile's ``serving.latency_us`` (+ ``latency_stream_us`` per request in
     flight when it arrived) later (a profile without a serving section prices serving like ``LLM.generate``).
+    kv_cache_dtype / quantization: the engine's options of those names ("auto" | "fp8"; None | "fp8"): an FP8
+    cache holds twice the tokens in the same memory and is read at one byte an element, FP8 linears stream one
+    byte a weight (``ModelShape.with_precision``; a model whose config.json is an FP8 checkpoint's is FP8 already).
     """
 
     workload: str = "poisson"
@@ -89,6 +92,8 @@ class SimSpec:
     enable_prefix_caching: bool = True
     overlap: bool = True
     serve: bool = False
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __attrs_post_init__(self) -> None:
         check_spec(self)
@@ -150,6 +155,7 @@ def check_spec(spec: SimSpec) -> None:
     check_bool_field(spec.enable_prefix_caching, "enable_prefix_caching")
     check_bool_field(spec.overlap, "overlap")
     check_bool_field(spec.serve, "serve")
+    check_precision(spec.kv_cache_dtype, spec.quantization)
 
 
 def build_requests(spec: SimSpec, max_len: int) -> list[SimRequest]:
@@ -224,7 +230,7 @@ def run_spec(
     """Simulate ``spec``; returns the result and its metric summary. ``progress(n)`` hears of finished requests,
     ``timeline`` receives the predicted per-step log, ``on_requests`` the workload's size before the run."""
     hardware = load_profile(spec.hardware)
-    model = resolve_model(spec.model, hardware)
+    model = resolve_model(spec.model, hardware).with_precision(spec.kv_cache_dtype, spec.quantization)
     config = core_config(spec, model, hardware)
     requests = build_requests(spec, config.max_model_len)
     if on_requests is not None:
