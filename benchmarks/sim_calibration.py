@@ -150,15 +150,18 @@ def run_regimes(
     return paths
 
 
-def build_engine(shape: str, folder: Path, quick: bool, **precision: Any) -> Any:
+def build_engine(shape: str, folder: Path, quick: bool, load_format: str = "auto", **precision: Any) -> Any:
     """An LLM of a random checkpoint of ``shape`` with ``fnvllm bench``'s engine options (smaller on CPU) and
-    ``precision`` (``kv_cache_dtype``, ``quantization``: the engine's options)."""
+    ``precision`` (``kv_cache_dtype``, ``quantization``: the engine's options); ``load_format`` "dummy": only the
+    checkpoint's config is written and the engine fills the weights (no 16 GB write for the Qwen3-8B shape)."""
     from fnvllm.bench import write_checkpoint
     from fnvllm.llm import LLM
     from fnvllm.state import SamplingParams
 
-    checkpoint = write_checkpoint(shape, folder)
+    checkpoint = write_checkpoint(shape, folder, config_only=load_format == "dummy")
     options: dict[str, Any] = {"block_size": 256, "max_num_batched_tokens": 16384, "max_num_seqs": 512}
+    if load_format != "auto":
+        options["load_format"] = load_format
     options["max_model_len"] = 4096
     options.update(precision)
     if quick:
@@ -489,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine's KV cache storage (default auto)"
     )
     parser.add_argument("--quantization", default=None, choices=["fp8"], help="the engine's FP8 linears (default none)")
+    parser.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights made by the engine"
+    )
     parser.add_argument("--regimes", default=None, help="comma-separated regime names to run (default: every one)")
     parser.add_argument(
         "--precision-of",
@@ -543,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="fnvllm-calibration-ckpt-") as folder:
             precision = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}
-            llm = build_engine(args.model_shape, Path(folder), args.quick, **precision)
+            llm = build_engine(args.model_shape, Path(folder), args.quick, args.load_format, **precision)
             print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
             runs = run_regimes(llm, set_, out, device_name, args.model_shape)
             llm.executor.timeline.close()

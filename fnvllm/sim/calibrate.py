@@ -478,8 +478,8 @@ def _fit_gap(
 
 # The untimed part of a host cycle is read from the host-paced steps only when they are at least this share of the
 # overlapped ones: in a device-bound log a few stragglers set it for every step (an H100 calibration run of
-# 2026-12-07: 29 paced of 2,628 overlapped graph steps, their wall - cpu_ms spread from -3.9 to +2.8 ms, gave a
-# median of 1.2 ms, and priced the 0.27 ms host cycle of one-request decode steps as 1.5 ms: +72 % end to end).
+# 2026-12-07: 29 paced of 2,628 overlapped graph steps, the middle 80 % of their wall - cpu_ms from -3.9 to +2.8 ms,
+# gave a median of 1.2 ms, and priced the 0.27 ms host cycle of one-request decode steps as 1.5 ms: +72 % end to end).
 PACED_SHARE = 0.1
 NEXT_EAGER = "next_eager"  # a key fit_profile adds to a record followed by an eager step in its timeline
 HOST_BOUND_GAP_MS = 0.05  # an overlapped step whose device idled longer than this waited for the host
