@@ -190,7 +190,10 @@ def fit_and_check(
         checked += [(k, r, folder / f"{r.name}.run.json", folder / "steps.jsonl") for r in present]
     timelines = {out / "steps.jsonl": records}
     for folder in pooled:
-        timelines[folder / "steps.jsonl"] = read_timeline(folder / "steps.jsonl")[1]
+        pooled_header, timelines[folder / "steps.jsonl"] = read_timeline(folder / "steps.jsonl")
+        other = header_model(pooled_header)
+        if (other.kv_cache_dtype, other.quantization) != (model.kv_cache_dtype, model.quantization):
+            raise ValueError(f"--pool {folder} ran at another precision than {out}: fit it with --precision-of")
     run_data = {path: read_run(path) for _, _, path, _ in checked}
     chosen = {path: run_records(timelines[timeline], run_data[path]) for _, _, path, timeline in checked}
     profile = _fit(list(run_data.items()), chosen, model, base, name, exclude=None)

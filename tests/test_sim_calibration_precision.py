@@ -73,7 +73,10 @@ def test_precision_of_keeps_the_fp8_fit_in_the_profile(runs: dict[str, Path], ca
     assert profile.precisions["fp8_kv"].graph == alone.graph and profile.precisions["fp8_kv"].eager == alone.eager
     assert "precision fp8_kv" in capsys.readouterr().out
     # a CPU run is no built-in's device: its snippet is written as the h200's, with the FP8 fit's worst errors
-    assert "fp8_kv overheads, worst over its 6 runs" in (out / "h200_profile.py.txt").read_text()
+    comment = (out / "h200_profile.py.txt").read_text().replace("\n# ", " ")
+    assert "fp8_kv overheads, worst over its 6 runs" in comment
+    with pytest.raises(ValueError, match="another precision"):  # one fit prices every run at one precision
+        sim_calibration.main(["--out", str(out), "--refit", "--quick", "--pool", str(fp8)])
 
 
 def test_check_with_replays_each_folder_at_its_precision(runs: dict[str, Path]) -> None:
