@@ -582,12 +582,9 @@ def base_for(device: str) -> HardwareProfile:
     """The base profile a timeline of ``device`` fits from (its ceilings stay, its overheads are the fit's priors):
     the device's built-in profile (``builtin_for_device``: an H100's, an H200's), else the H200's for other CUDA
     devices, CPU_BASE for a CPU."""
-    from fnvllm.sim.hardware import BUILTIN_PROFILES, H200, builtin_for_device
+    from fnvllm.sim.hardware import BUILTIN_PROFILES, builtin_for_device
 
-    if device.lower().startswith("cpu"):
-        return CPU_BASE
-    name = builtin_for_device(device)
-    return BUILTIN_PROFILES[name] if name is not None else H200
+    return CPU_BASE if device.lower().startswith("cpu") else BUILTIN_PROFILES[builtin_for_device(device) or "h200"]
 
 
 def prediction_error(
