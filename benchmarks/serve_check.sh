@@ -8,15 +8,9 @@
 #
 # Logs and JSON go to $OUT. SERVE_ENGINE_FLAGS adds "--flag value" pairs to both engines. SERVE_TIMELINE=1 records
 # both engines' per-step timelines ($OUT/offline_timeline.jsonl, $OUT/serve_timeline.jsonl). The GPU machine has no
-# network: what it lacks of the [serve] extra (fastapi, uvicorn, prometheus-client, httpx and their deps) is
-# unpacked from the wheels in $SERVE_WHEELS (default .serve_wheels, git-ignored; carry it) into a temp folder on
-# PYTHONPATH. Make that folder once on a machine with network (Python 3.12, x86-64, the versions we test with):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .serve_wheels fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 \
-#     pydantic-core==2.50.5 annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 \
-#     typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 \
-#     prometheus-client==0.26.0 httpx==0.28.1 httpcore==1.0.9 anyio==4.16.0 idna==3.20 \
-#     certifi==2026.10.19.post1 sniffio==1.3.1
+# network: what it lacks of the [serve] extra is unpacked from the wheels in $SERVE_WHEELS (default .serve_wheels,
+# git-ignored: carry it) into a temp folder on PYTHONPATH; benchmarks/serve_wheels.py says how to make that folder
+# once on a machine with network.
 set -euo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/serve_check}; mkdir -p "$OUT"
@@ -24,30 +18,8 @@ SHAPE=${SERVE_SHAPE:-qwen3-0.6b}
 NUM=${SERVE_REQUESTS:-256}; MAX_IN=${SERVE_MAX_INPUT:-1024}; MAX_OUT=${SERVE_MAX_OUTPUT:-1024}
 WORK=$(mktemp -d /tmp/fnvllm-serve-check.XXXXXX)
 
-install_missing_deps() {  # wheels for the [serve] extra, only for what this python3 cannot import
-  python3 - "${SERVE_WHEELS:-.serve_wheels}" "$WORK/site" <<'EOF'
-import importlib.util, pathlib, sys, zipfile
-wheels, target = pathlib.Path(sys.argv[1]), sys.argv[2]
-# fastapi's stack goes in as a unit (its pins are tight); the rest one by one, only where missing
-stack = ["fastapi", "starlette", "pydantic", "pydantic_core", "annotated_types", "annotated_doc",
-         "typing_inspection", "typing_extensions", "opentelemetry"]
-singles = ["uvicorn", "h11", "click", "prometheus_client", "httpx", "httpcore", "anyio", "idna", "certifi", "sniffio"]
-missing = lambda m: importlib.util.find_spec(m) is None
-wanted = ([*stack] if any(missing(m) for m in ("fastapi", "starlette", "pydantic", "uvicorn")) else [])
-wanted += [m for m in singles if missing(m)]
-wanted += [m for m in stack if m not in wanted and missing(m)]
-if not wanted:
-    sys.exit(print("serve deps: all importable"))
-dist = {"opentelemetry": "opentelemetry_api"}
-files = [w for m in wanted for w in wheels.glob(f"{dist.get(m, m)}-*.whl")]
-found = {w.name.split("-")[0] for w in files}
-lost = [m for m in wanted if dist.get(m, m) not in found]
-if lost:
-    sys.exit(f"serve deps: missing {lost} and no wheel for them in {wheels} (see this script's header)")
-print("serve deps: installing", sorted(found))
-for wheel in files:  # a wheel is a zip of the site-packages tree: unpacking it is the install (no pip needed)
-    zipfile.ZipFile(wheel).extractall(target)
-EOF
+install_missing_deps() {  # what this python3 lacks of the [serve] extra, from the wheels in $SERVE_WHEELS
+  python3 benchmarks/serve_wheels.py "${SERVE_WHEELS:-.serve_wheels}" "$WORK/site"
   export PYTHONPATH=$WORK/site:$PYTHONPATH
 }
 

@@ -49,6 +49,7 @@ CPU_RUNS: dict[str, list[str]] = {
     "bench_qkv_epilogue.py": ["--smoke"],
     "gc_probe.py": ["2", "700,10,10", "10000,10,10"],
     "read_ceiling.py": ["--gib", "0.01", "--repeats", "2"],
+    "serve_wheels.py": ["{tmp}/no_wheels", "{tmp}/site"],
     "latency_tables.py": ["--tables", "{tmp}/missing.pkl", "bench", "--model-shape", "tiny", "--latency", "1",
                           "--max-output-len", "4"],
     "bench_cuda_skinny.py": ["run", "--entries", "gate_up=4x1@64,partials:1024x2048=2x4@32", "--early-trigger-rows",
@@ -87,7 +88,14 @@ CUDA_ONLY = (
     "profile_mixed.py",
     "sweep_decode_mid.py",
 )
-SHELL = ("cuda_rows_check.sh", "gpu_check.sh", "serve_check.sh", "sim_h200_check.sh", "step_variants.sh")
+SHELL = (
+    "cuda_rows_check.sh",
+    "gpu_check.sh",
+    "gpu_suite.sh",
+    "serve_check.sh",
+    "sim_h200_check.sh",
+    "step_variants.sh",
+)
 MODULES = ("__init__.py", "green.py", "tp_phases.py", "tp_report.py")  # imported by the scripts
 
 
