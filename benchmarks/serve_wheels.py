@@ -43,16 +43,20 @@ NEEDED = (*STACK_TRIGGERS, "prometheus_client", "httpx", "openai", "xgrammar")
 
 
 def wheel_modules(wheel: Path) -> set[str]:
-    """The top-level modules a wheel installs: its zip's first path parts, less metadata (``typing_extensions.py``
-    gives ``typing_extensions``; ``pyyaml`` gives ``yaml`` and ``_yaml``)."""
+    """The top-level modules a wheel installs: its zip's first path parts, less metadata and file suffixes
+    (``typing_extensions.py`` gives ``typing_extensions``, ``_foo.cpython-312-x86_64-linux-gnu.so`` ``_foo``;
+    ``pyyaml`` gives ``yaml`` and ``_yaml``)."""
     with zipfile.ZipFile(wheel) as archive:
         tops = {name.split("/")[0] for name in archive.namelist()}
-    return {top.removesuffix(".py") for top in tops if not top.endswith((".dist-info", ".data"))}
+    return {top.split(".")[0] for top in tops if not top.endswith((".dist-info", ".data"))}
 
 
 def importable(module: str) -> bool:
     """Whether this interpreter can import ``module`` (without importing it)."""
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-installed package counts as missing
+        return False
 
 
 def wheels_to_install(wheels: Iterable[Path], has: Callable[[str], bool] = importable) -> list[Path]:

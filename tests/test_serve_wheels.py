@@ -35,7 +35,7 @@ def stack_folder(tmp_path: Path) -> Path:
     for name in ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "httpx"):
         make_wheel(folder, name, {f"{name}/__init__.py": ""})
     make_wheel(folder, "typing_extensions", {"typing_extensions.py": ""})
-    make_wheel(folder, "pyyaml", {"yaml/__init__.py": "", "_yaml/__init__.py": ""})
+    make_wheel(folder, "pyyaml", {"yaml/__init__.py": "", "_yaml.cpython-312-x86_64-linux-gnu.so": ""})
     return folder
 
 
