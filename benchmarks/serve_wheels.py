@@ -6,7 +6,8 @@ Unpacks into TARGET each wheel in WHEELS whose modules this python3 cannot impor
 site-packages tree, so unpacking it is the install: no pip, no network). fastapi's stack goes in as a unit when any
 of fastapi, starlette, pydantic or uvicorn is missing, because its pins are tight (a machine's own older pydantic
 would break the fastapi we test with). Exit 1, naming them, when a missing module of the [serve] extra or of the
-server tests' client (the official openai client, xgrammar for structured outputs) has no wheel in WHEELS.
+server tests' client (the official openai client, xgrammar for structured outputs) has no wheel in WHEELS, or when
+one of them fails to import (or the client to be made) afterwards: a dependency of a wheel missing from WHEELS.
 
 Make WHEELS once on a machine with network, for the GPU machine's Python 3.12 on x86-64, the versions we test with
 (``.serve_wheels`` at the repository root: git ignores it, so a device call names it in ``carry``):
@@ -18,7 +19,7 @@ Make WHEELS once on a machine with network, for the GPU machine's Python 3.12 on
       uvicorn==0.55.0 h11==0.16.0 click==8.5.1 prometheus-client==0.26.0 httpx==0.29.0 httpcore==1.0.9 \\
       anyio==4.16.0 idna==3.21 certifi==2026.10.19.post1 sniffio==1.3.1 \\
       openai==3.63.0 jiter==0.19.0 distro==1.9.0 httpx2==2.17.0 httpcore2==2.17.0 \\
-      xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pyyaml==6.0.4
+      truststore==0.10.5 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pyyaml==6.0.4
 
 (about 12 MB). ``benchmarks/gpu_suite.sh`` and ``benchmarks/serve_check.sh`` call this first.
 """
@@ -27,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import subprocess
 import sys
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 # Installed together when any of STACK_TRIGGERS is missing (fastapi pins the rest tightly).
@@ -90,6 +93,26 @@ def install(wheels_dir: Path, target: Path, has: Callable[[str], bool] = importa
     return chosen
 
 
+# What each NEEDED module must do once unpacked: import, and for the client make one (httpx2, under it, imports its
+# own dependencies, such as truststore, only when a client is made).
+PROBES = {m: f"import {m}" for m in NEEDED} | {
+    "openai": "import openai; openai.OpenAI(api_key='probe', base_url='http://127.0.0.1:9/v1')"
+}
+
+
+def failed_probes(target: Path, probes: Mapping[str, str] = PROBES) -> list[str]:
+    """Run each probe in a fresh interpreter with ``target`` first on its path: a line for each that fails (a
+    wheel's own dependency missing from the folder shows here, e.g. the openai client's ``truststore``)."""
+    path = os.pathsep.join([str(target), *filter(None, [os.environ.get("PYTHONPATH")])])
+    failed = []
+    for module, code in probes.items():
+        env = {**os.environ, "PYTHONPATH": path}
+        probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        if probe.returncode != 0:
+            failed.append(f"{module}: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheels", type=Path, help="a folder of wheels (see this script's docstring)")
@@ -102,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = ", ".join(w.name.split("-")[0] for w in chosen) or "nothing (all importable)"
     print(f"serve wheels: installed {names}")
-    return 0
+    failed = failed_probes(args.target, PROBES)
+    for line in failed:
+        print(f"serve wheels: import failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

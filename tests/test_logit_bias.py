@@ -3,6 +3,7 @@ offline API end to end."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,16 +59,20 @@ def test_apply_logit_bias_adds_only_at_its_pairs() -> None:
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
 def test_sampler_follows_the_bias_row_by_row(kernels: bool) -> None:
     """A +100 bias makes greedy and sampled rows pick that token, by the torch references and by the Triton kernels
-    (interpreted on a CPU); an unbiased row keeps its argmax; logprobs stay raw."""
+    (on the GPU where there is one, else interpreted on the CPU); an unbiased row keeps its argmax; logprobs stay
+    raw."""
+    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
     if kernels:
         pytest.importorskip("triton", reason="the kernel path needs Triton")
-    logits = torch.randn(3, 50)
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    logits = torch.randn(3, 50, device=device)
     params = [
         SamplingParams(temperature=0, logit_bias={7: 100}, logprobs=0),
         SamplingParams(temperature=0.8, top_p=0.9, logit_bias={11: 100}),
         SamplingParams(temperature=0),
     ]
-    batch = prepare_sampling(params, [0, 0, 0], [None] * 3, 50, "cpu")
+    batch = prepare_sampling(params, [0, 0, 0], [None] * 3, 50, device)
     out = Sampler(seed=0, kernels=kernels).sample(logits, batch)
     assert out.token_ids.tolist() == [7, 11, int(logits[2].argmax())]
     assert out.logprobs is not None

@@ -246,8 +246,12 @@ def test_api_key_is_enforced(server: ServerProcess) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_metrics_parse_and_report_the_engine(server: ServerProcess) -> None:
-    """/metrics is valid Prometheus text with the engine's gauges, counters and latency histograms."""
+def test_metrics_parse_and_report_the_engine(server: ServerProcess, client: Any) -> None:
+    """/metrics is valid Prometheus text with the engine's gauges, counters and latency histograms. The test makes
+    its own traffic (one prompt twice: the second hits the prefix cache), so it holds whichever tests ran before."""
+    prompt = PROMPTS[2] * 2  # several 8-token blocks
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     m = wait_idle(server)
     assert m["fnvllm_kv_cache_num_blocks"] == ENGINE["num_blocks"]
     assert m["fnvllm_kv_cache_usage_ratio"] == 0
