@@ -154,7 +154,8 @@ def test_cli_takes_the_precision_flags_and_refuses_bad_ones() -> None:
 
 def test_builtin_profiles_are_found_by_device_name() -> None:
     """A CUDA device's name picks its built-in profile ("NVIDIA H100 80GB HBM3" -> h100), and none for a device
-    without one; the H100's profile carries its own ceilings and fitted FP8 overheads."""
+    without one; the H100's profile carries its own ceilings, fitted FP8 overheads and a served section, which
+    ``--serve`` takes (a served decode step priced apart from the offline one)."""
     assert builtin_for_device("NVIDIA H100 80GB HBM3") == "h100"
     assert builtin_for_device("NVIDIA H200") == "h200"
     assert builtin_for_device("NVIDIA A100-SXM4-80GB") is None and builtin_for_device("cpu") is None
@@ -162,6 +163,12 @@ def test_builtin_profiles_are_found_by_device_name() -> None:
     assert h100.mem_bandwidth_gbs < H200.mem_bandwidth_gbs and h100.memory_gib < H200.memory_gib
     assert set(h100.precisions) == {"fp8_kv", "fp8_weights", "fp8_weights_kv"}
     assert all(isinstance(p.graph, Overheads) and p.graph.small_us for p in h100.precisions.values())
+    assert h100.serving is not None and h100.serving.latency_us > 0 and "H100" in h100.serving.calibrated_from
+    decode = StepShape(20, 20, 20, 0, 20 * 400, 20 * 400, 20, True)  # the served run's ~20-row decode steps
+    shape = load_shape("qwen3-0.6b")
+    served, offline = CostModel(shape, h100, serving=True), CostModel(shape, h100)
+    assert served.serving and not offline.serving
+    assert served.device_s(decode) != pytest.approx(offline.device_s(decode), rel=1e-3)
 
 
 def test_engine_timeline_header_carries_the_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

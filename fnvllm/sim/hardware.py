@@ -469,9 +469,10 @@ H200 = HardwareProfile(
 # linears' large-M GEMM); matmul_bandwidth_gbs 2,766: cuBLAS bf16 GEMMs of one Qwen3-8B layer at one row read 388 MB
 # in 140.3 us (BENCHMARKS.md, thirty-third session). The overheads below were fitted on two bf16 calibration runs of
 # that machine and, per precision (sim_calibration.py --precision-of), on one run each with an FP8 cache, FP8 weights
-# and both.
+# and both; the serving section on a served run there (benchmarks/sim_serve_check.py --hardware h100, 2026-12-07:
+# 600 requests at 50/s, checked out of sample at 25/s and 75/s; without it, TTFT p50 was priced -63.7 %).
 
-# Fitted by benchmarks/sim_calibration.py on 2026-12-07 (commit 233ede4): qwen3-0.6b shape, block 256, budget 16384,
+# Fitted by benchmarks/sim_calibration.py on 2026-12-07 (commit a608344): qwen3-0.6b shape, block 256, budget 16384,
 # max_num_seqs 512, CUDA graphs, overlapped and plain loops. Error per regime, fitted / held out (leave one regime
 # out): decode-1 -1.2% / -3.3%, decode-1-plain +3.2% / +3.8%, decode-16 +2.0% / +9.1%, decode-16-plain +4.1% / +10.9%,
 # decode-64 +2.7% / +5.0%, decode-64-plain +1.7% / +3.2%, decode-256 +1.0% / +0.6%, decode-256-plain +2.6% / +3.1%,
@@ -483,7 +484,11 @@ H200 = HardwareProfile(
 # -7.5% / -8.3%, prefill-64@1 -3.1% / -3.7%, prefill-64-plain@1 -6.8% / -7.4%, prefill-512@1 +2.3% / +5.2%,
 # prefill-512-plain@1 +1.5% / +4.3%, long-128@1 -8.9% / -13.7%, long-128-plain@1 -9.5% / -13.0%, bench@1 +0.8% /
 # +4.1%, bench-plain@1 -2.7% / -0.3%; fp8_kv overheads, worst over its 18 runs: 3.4% / 8.5%; fp8_weights_kv overheads,
-# worst over its 18 runs: 9.3% / 15.8%; fp8_weights overheads, worst over its 18 runs: 9.8% / 16.6%.
+# worst over its 18 runs: 9.3% / 15.8%; fp8_weights overheads, worst over its 18 runs: 9.8% / 16.6%. Served (TTFT p50
+# / p90, TPOT p50 / p90 errors): fitted run -0.1% / -1.3%, -0.9% / -1.3%; 25/s out of sample +11.3% / +11.1%, +5.6% /
+# +5.0%; 75/s out of sample -6.1% / -12.5%, +8.7% / +15.9%; latency fitted on every rate, fitted run -0.2% / -0.9%,
+# -0.9% / -1.3%; latency fitted on every rate, rate-25 +2.8% / +5.0%, +5.6% / +5.0%; latency fitted on every rate,
+# rate-75 +0.4% / -5.0%, +8.7% / +15.9%.
 H100 = HardwareProfile(
     name="h100",
     mem_bandwidth_gbs=3117.0,
@@ -552,7 +557,58 @@ H100 = HardwareProfile(
         "name": "qwen3-0.6b",
     },
     request_us=86.02429067103874,
-    serving=None,
+    serving=Serving(
+        eager=Overheads(
+            scale=1.0,
+            attn_scale=2.337567301719347,
+            step_us=681.4295423280449,
+            seq_us=0.0,
+            token_us=0.5618518571887198,
+            log_seq_us=0.0,
+            gap_us=2506.5535584821755,
+            gap_seq_us=0.0,
+            gap_new_seq_us=0.0,
+            gap_token_us=0.0,
+            host_us=856.1315962119031,
+            host_seq_us=1.3161907474972712,
+            host_new_seq_us=0.0,
+            host_token_us=0.08164814781170007,
+            host_sample_us=0.0,
+            host_context_us=0.0,
+            gap_context_us=0.0,
+            launch_us=0.0,
+            launch_seq_us=0.0,
+            launch_token_us=0.0,
+            small_us=(),
+        ),
+        graph=Overheads(
+            scale=1.0,
+            attn_scale=1.0560015146582042,
+            step_us=466.3453634632801,
+            seq_us=0.0,
+            token_us=2.241055108459582,
+            log_seq_us=53.68147865652167,
+            gap_us=188.8313949620562,
+            gap_seq_us=2.2962541937991654,
+            gap_new_seq_us=0.0,
+            gap_token_us=0.0,
+            host_us=469.6108810734898,
+            host_seq_us=9.658454257188465,
+            host_new_seq_us=110.760080728158,
+            host_token_us=0.2278938503251057,
+            host_sample_us=0.0,
+            host_context_us=0.0,
+            gap_context_us=0.0,
+            launch_us=0.0,
+            launch_seq_us=0.0,
+            launch_token_us=0.0,
+            small_us=(409.8676977533393, 544.4781543391799, 538.7324205469772, 537.2533752126396),
+        ),
+        latency_us=2268.803008873873,
+        calibrated_from="benchmarks/sim_serve_check.py (H100, 2026-12-07, main 17364da): served_timeline.jsonl",
+        cycle=False,
+        latency_stream_us=40.75413775365193,
+    ),
     matmul_bandwidth_gbs=2766.0,
     fp8_matmul_tflops=1326.3,
     precisions={
