@@ -19,7 +19,8 @@ NUM=${SERVE_REQUESTS:-256}; MAX_IN=${SERVE_MAX_INPUT:-1024}; MAX_OUT=${SERVE_MAX
 WORK=$(mktemp -d /tmp/fnvllm-serve-check.XXXXXX)
 
 install_missing_deps() {  # what this python3 lacks of the [serve] extra, from the wheels in $SERVE_WHEELS
-  python3 benchmarks/serve_wheels.py "${SERVE_WHEELS:-.serve_wheels}" "$WORK/site"
+  python3 benchmarks/serve_wheels.py "${SERVE_WHEELS:-.serve_wheels}" "$WORK/site" \
+    --need fastapi,starlette,pydantic,uvicorn,prometheus_client,httpx
   export PYTHONPATH=$WORK/site:$PYTHONPATH
 }
 

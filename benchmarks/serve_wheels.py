@@ -41,8 +41,10 @@ FASTAPI_STACK = (
     "typing_extensions", "opentelemetry",
 )  # fmt: skip
 STACK_TRIGGERS = ("fastapi", "starlette", "pydantic", "uvicorn")
-# What the server and its GPU tests import: a missing one with no wheel is an error, not a silent skip.
-NEEDED = (*STACK_TRIGGERS, "prometheus_client", "httpx", "openai", "xgrammar")
+# What the server and its tests import (``--need``'s default): a missing one with no wheel is an error, not a
+# silent skip. SERVER: what ``fnvllm serve`` and the load client alone need (serve_check.sh).
+SERVER = (*STACK_TRIGGERS, "prometheus_client", "httpx")
+NEEDED = (*SERVER, "openai", "xgrammar")
 
 
 def wheel_modules(wheel: Path) -> set[str]:
@@ -73,17 +75,21 @@ def wheels_to_install(wheels: Iterable[Path], has: Callable[[str], bool] = impor
     return chosen
 
 
-def missing_without_wheel(wheels: Iterable[Path], has: Callable[[str], bool] = importable) -> list[str]:
-    """The NEEDED modules this interpreter lacks and no wheel in ``wheels`` provides."""
+def missing_without_wheel(
+    wheels: Iterable[Path], has: Callable[[str], bool] = importable, needed: Iterable[str] = NEEDED
+) -> list[str]:
+    """The ``needed`` modules this interpreter lacks and no wheel in ``wheels`` provides."""
     provided = set().union(*(wheel_modules(w) for w in wheels))
-    return sorted({m for m in NEEDED if not has(m) and m not in provided})
+    return sorted({m for m in needed if not has(m) and m not in provided})
 
 
-def install(wheels_dir: Path, target: Path, has: Callable[[str], bool] = importable) -> list[Path]:
-    """Unpack the wheels ``wheels_to_install`` picks into ``target``; ValueError naming the modules that are
-    missing with no wheel (nothing is unpacked then)."""
+def install(
+    wheels_dir: Path, target: Path, has: Callable[[str], bool] = importable, needed: Iterable[str] = NEEDED
+) -> list[Path]:
+    """Unpack the wheels ``wheels_to_install`` picks into ``target``; ValueError naming the ``needed`` modules
+    that are missing with no wheel (nothing is unpacked then)."""
     wheels = list(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
-    lost = missing_without_wheel(wheels, has)
+    lost = missing_without_wheel(wheels, has, needed)
     if lost:
         raise ValueError(f"missing {lost} and no wheel for them in {wheels_dir} (see benchmarks/serve_wheels.py)")
     chosen = wheels_to_install(wheels, has)
@@ -93,14 +99,17 @@ def install(wheels_dir: Path, target: Path, has: Callable[[str], bool] = importa
     return chosen
 
 
-# What each NEEDED module must do once unpacked: import, and for the client make one (httpx2, under it, imports its
+# What a needed module must do once unpacked, beyond ``import``: the client makes one (httpx2, under it, imports its
 # own dependencies, such as truststore, only when a client is made).
-PROBES = {m: f"import {m}" for m in NEEDED} | {
-    "openai": "import openai; openai.OpenAI(api_key='probe', base_url='http://127.0.0.1:9/v1')"
-}
+PROBES = {"openai": "import openai; openai.OpenAI(api_key='probe', base_url='http://127.0.0.1:9/v1')"}
 
 
-def failed_probes(target: Path, probes: Mapping[str, str] = PROBES) -> list[str]:
+def probes_for(needed: Iterable[str]) -> dict[str, str]:
+    """module -> the code that checks it: its PROBES entry, else its import."""
+    return {m: PROBES.get(m, f"import {m}") for m in needed}
+
+
+def failed_probes(target: Path, probes: Mapping[str, str]) -> list[str]:
     """Run each probe in a fresh interpreter with ``target`` first on its path: a line for each that fails (a
     wheel's own dependency missing from the folder shows here, e.g. the openai client's ``truststore``)."""
     path = os.pathsep.join([str(target), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -117,15 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheels", type=Path, help="a folder of wheels (see this script's docstring)")
     parser.add_argument("target", type=Path, help="the folder to unpack into (put it first on PYTHONPATH)")
+    parser.add_argument(
+        "--need",
+        default=",".join(NEEDED),
+        help=f"comma-separated modules that must import afterwards (default: the server and its tests'; the server "
+        f"alone: {','.join(SERVER)})",
+    )
     args = parser.parse_args(argv)
+    needed = [m for m in args.need.split(",") if m]
     try:
-        chosen = install(args.wheels, args.target, importable)
+        chosen = install(args.wheels, args.target, importable, needed)
     except ValueError as err:
         print(f"serve wheels: {err}", file=sys.stderr)
         return 1
     names = ", ".join(w.name.split("-")[0] for w in chosen) or "nothing (all importable)"
     print(f"serve wheels: installed {names}")
-    failed = failed_probes(args.target, PROBES)
+    failed = failed_probes(args.target, probes_for(needed))
     for line in failed:
         print(f"serve wheels: import failed: {line}", file=sys.stderr)
     return 1 if failed else 0

@@ -66,34 +66,40 @@ def test_a_needed_module_without_a_wheel_is_refused_before_anything_is_unpacked(
     assert not target.exists()
 
 
-def test_an_unpacked_wheel_imports_from_the_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unpacked_wheel_imports_from_the_target(tmp_path: Path) -> None:
     """The real predicate: a module nobody has is unpacked, and the probe (a fresh interpreter) imports it from the
     target; the command line says what it installed, and nothing is installed the second time round."""
     folder = tmp_path / "wheels"
     folder.mkdir()
     make_wheel(folder, "fnvllm_wheel_probe", {"fnvllm_wheel_probe/__init__.py": "assert 41 + 1 == 42\n"})
-    monkeypatch.setattr(serve_wheels, "PROBES", {"fnvllm_wheel_probe": "import fnvllm_wheel_probe"})
     target = tmp_path / "site"
-    assert serve_wheels.main([str(folder), str(target)]) == 0
+    assert serve_wheels.main([str(folder), str(target), "--need", "fnvllm_wheel_probe"]) == 0
     assert (target / "fnvllm_wheel_probe" / "__init__.py").is_file()
-    assert serve_wheels.failed_probes(tmp_path / "empty", serve_wheels.PROBES) == [
+    assert serve_wheels.failed_probes(tmp_path / "empty", {"fnvllm_wheel_probe": "import fnvllm_wheel_probe"}) == [
         "fnvllm_wheel_probe: ModuleNotFoundError: No module named 'fnvllm_wheel_probe'"
     ]
     again = serve_wheels.install(folder, tmp_path / "other", lambda m: True)
     assert again == []
 
 
-def test_a_dependency_missing_from_the_folder_fails_the_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dependency_missing_from_the_folder_fails_the_probe(tmp_path: Path) -> None:
     """A wheel unpacks, but what it imports is in no wheel: the command line exits 1 and names it."""
     folder = tmp_path / "wheels"
     folder.mkdir()
     make_wheel(folder, "fnvllm_wheel_top", {"fnvllm_wheel_top/__init__.py": "import fnvllm_wheel_absent_dep\n"})
-    monkeypatch.setattr(serve_wheels, "PROBES", {"fnvllm_wheel_top": "import fnvllm_wheel_top"})
-    assert serve_wheels.main([str(folder), str(tmp_path / "site")]) == 1
-    failed = serve_wheels.failed_probes(tmp_path / "site", serve_wheels.PROBES)
+    assert serve_wheels.main([str(folder), str(tmp_path / "site"), "--need", "fnvllm_wheel_top"]) == 1
+    failed = serve_wheels.failed_probes(tmp_path / "site", serve_wheels.probes_for(["fnvllm_wheel_top"]))
     assert failed == ["fnvllm_wheel_top: ModuleNotFoundError: No module named 'fnvllm_wheel_absent_dep'"]
 
 
-def test_the_command_line_exits_1_naming_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_line_exits_1_naming_what_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """xgrammar missing and no wheel: exit 1 naming it by default; ``--need`` without it (the server alone) does
+    not ask for it."""
     monkeypatch.setattr(serve_wheels, "importable", has_all_but("xgrammar"))
     assert serve_wheels.main([str(tmp_path / "no_such_folder"), str(tmp_path / "site")]) == 1
+    assert "missing ['xgrammar']" in capsys.readouterr().err
+    monkeypatch.setattr(serve_wheels, "PROBES", {"fastapi": "pass"})
+    assert serve_wheels.main([str(tmp_path / "no_such_folder"), str(tmp_path / "site"), "--need", "fastapi"]) == 0
+    assert "installed nothing" in capsys.readouterr().out
