@@ -393,8 +393,24 @@ def ship_snippet(
     if served:
         head += " Served (TTFT p50 / p90, TPOT p50 / p90 errors): " + "; ".join(served) + "."
     comment = "\n".join(f"# {line}" for line in textwrap.wrap(head, 116))
-    literal = repr(attrs.evolve(profile, name=name, calibrated_from="benchmarks/sim_calibration.py"))
+    literal = repr(_shipped_provenance(attrs.evolve(profile, name=name), commit))
     return f"{comment}\n{name.upper()} = {literal}"
+
+
+def _shipped_provenance(profile: HardwareProfile, commit: str) -> HardwareProfile:
+    """``profile`` with every ``calibrated_from`` (its own, its serving section's, each precision's) naming the
+    script and commit that fitted it, not this machine's run folders, which mean nothing in the repository."""
+    stamp = f"({time.strftime('%Y-%m-%d')}, commit {commit or 'unknown'})"
+    serving = profile.serving and attrs.evolve(
+        profile.serving, calibrated_from=f"benchmarks/sim_serve_check.py {stamp}: served_timeline.jsonl"
+    )
+    precisions = {
+        key: attrs.evolve(p, calibrated_from=f"benchmarks/sim_calibration.py --precision-of {stamp}")
+        for key, p in profile.precisions.items()
+    }
+    return attrs.evolve(
+        profile, calibrated_from="benchmarks/sim_calibration.py", serving=serving, precisions=precisions
+    )
 
 
 def add_serving(out: Path, served: Path) -> list[str]:

@@ -659,7 +659,7 @@ H100 = HardwareProfile(
                 launch_token_us=0.0,
                 small_us=(427.08550640337484, 504.5865388223939, 534.1371955876331, 659.0507492813226),
             ),
-            calibrated_from="/tmp/s37cal/fp8kv/steps.jsonl",
+            calibrated_from="benchmarks/sim_calibration.py --precision-of (2026-12-07, commit 233ede4)",
         ),
         "fp8_weights_kv": PrecisionOverheads(
             eager=Overheads(
@@ -708,7 +708,7 @@ H100 = HardwareProfile(
                 launch_token_us=0.0,
                 small_us=(852.6104410394908, 845.5752039015176, 872.4284317126359, 1001.6015911584038),
             ),
-            calibrated_from="/tmp/s37cal/fp8/steps.jsonl",
+            calibrated_from="benchmarks/sim_calibration.py --precision-of (2026-12-07, commit 233ede4)",
         ),
         "fp8_weights": PrecisionOverheads(
             eager=Overheads(
@@ -757,7 +757,7 @@ H100 = HardwareProfile(
                 launch_token_us=0.0,
                 small_us=(833.8195313798118, 885.1224076627877, 869.7581969395841, 917.6701017697167),
             ),
-            calibrated_from="/tmp/s37cal/fp8w/steps.jsonl",
+            calibrated_from="benchmarks/sim_calibration.py --precision-of (2026-12-07, commit 233ede4)",
         ),
     },
 )
