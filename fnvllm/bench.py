@@ -54,6 +54,54 @@ TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size":
 WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 
 
+@attrs.frozen
+class Ceilings:
+    """One GPU's read ceiling (TB/s) and bf16 matmul peak (TFLOP/s), the floor's and the roofline's rates, and
+    where they come from (``source``: "h100 profile", "given", ...)."""
+
+    read_tb_s: float
+    peak_tflops: float
+    source: str
+
+
+def device_ceilings(device_name: str, read_tb_s: float | None = None, peak_tflops: float | None = None) -> Ceilings:
+    """The ceilings of the GPU named ``device_name`` (``torch.cuda.get_device_name``): the measured ones of its
+    built-in simulator profile (``fnvllm.sim.hardware.builtin_for_device``; "NVIDIA H100 80GB HBM3": 3.117 TB/s,
+    766.8 TFLOP/s), else the H200's (4.16, 793) with a source that says the card has no profile. A value given
+    replaces the measured one. Example: ``device_ceilings("NVIDIA H100 80GB HBM3", read_tb_s=3.0)`` is
+    ``Ceilings(3.0, 766.8, "given read ceiling, h100 profile's peak")``."""
+    from fnvllm.sim.hardware import BUILTIN_PROFILES, builtin_for_device
+
+    for name, value in (("read_tb_s", read_tb_s), ("peak_tflops", peak_tflops)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    profile = builtin_for_device(device_name)
+    if profile is None:
+        measured, origin = (H200_READ_TB_S, H200_PEAK_TFLOPS), f"h200 profile (none for {device_name!r})"
+    else:
+        hw = BUILTIN_PROFILES[profile]
+        measured, origin = (hw.mem_bandwidth_gbs / 1e3, hw.matmul_tflops), f"{profile} profile"
+    if read_tb_s is not None and peak_tflops is not None:
+        return Ceilings(read_tb_s, peak_tflops, "given")
+    if read_tb_s is not None:
+        return Ceilings(read_tb_s, measured[1], f"given read ceiling, {origin}'s peak")
+    if peak_tflops is not None:
+        return Ceilings(measured[0], peak_tflops, f"given peak, {origin}'s read ceiling")
+    return Ceilings(*measured, origin)
+
+
+def _engine_ceilings(
+    llm: Any, read_tb_s: float | None, peak_tflops: float | None, engine_options: Mapping[str, Any]
+) -> Ceilings:
+    """``device_ceilings`` of the GPU ``llm`` runs on, times the tensor-parallel size (each GPU reads its share of
+    the weights and KV and does its share of the FLOPs)."""
+    import torch
+
+    one = device_ceilings(torch.cuda.get_device_name(llm.executor.device), read_tb_s, peak_tflops)
+    tp = engine_options.get("tensor_parallel_size", 1)
+    return attrs.evolve(one, read_tb_s=one.read_tb_s * tp, peak_tflops=one.peak_tflops * tp)
+
+
 def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head (not the embedding
     table, of which only the batch's rows are read — unless tied, when the LM head reads all of it). A sparse
@@ -214,8 +262,8 @@ def run_bench(
     num_requests: int,
     max_input_len: int = 1024,
     max_output_len: int = 1024,
-    read_tb_s: float = H200_READ_TB_S,
-    peak_tflops: float = H200_PEAK_TFLOPS,
+    read_tb_s: float | None = None,
+    peak_tflops: float | None = None,
     use_tqdm: bool = False,
     progress_every_s: float | None = None,
     sampling: Mapping[str, Any] | None = None,
@@ -223,8 +271,9 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run the workload once to warm up (its first 4 requests, 8 tokens each), then time it; returns the result
     record. Without ``model``, a random checkpoint of ``model_shape`` is written to a temporary folder that is
-    deleted afterwards. ``read_tb_s`` / ``peak_tflops``: one device's ceilings, for the floor and the roofline
-    (bf16; FP8 weights double the peak). ``progress_every_s``: print a plain progress line that often (None: none).
+    deleted afterwards. ``read_tb_s`` / ``peak_tflops``: one GPU's ceilings, for the floor and the roofline
+    (bf16; FP8 weights double the peak); None: the measured ones of the GPU it runs on (``device_ceilings``),
+    recorded in the result as "ceilings". ``progress_every_s``: print a plain progress line that often (None: none).
     ``sampling``: SamplingParams fields set on every request (e.g. top_p, repetition_penalty, logprobs) on top of
     the workload's temperature 0.6, ignore_eos and max_tokens; recorded in the result."""
     if num_requests < 1:
@@ -275,7 +324,7 @@ def _run(
     folder: Path,
     name: str,
     workload: tuple[list[list[int]], list[SamplingParams]],
-    ceilings: tuple[float, float],
+    ceilings: tuple[float | None, float | None],
     use_tqdm: bool,
     progress_every_s: float | None,
     engine_options: dict[str, Any],
@@ -310,16 +359,18 @@ def _run(
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 1),
     }
-    if on_gpu:  # the floor is a GPU roofline (read_tb_s): meaningless for a CPU run
+    rates = _engine_ceilings(llm, *ceilings, engine_options) if on_gpu else None
+    if rates is not None:  # the floor is a GPU roofline: meaningless for a CPU run
         kv_bytes = _kv_element_bytes(llm)
         lens = [len(p) for p in prompts], [p.max_tokens for p in params]
-        read_tb_s, peak_tflops = ceilings
+        peak_tflops = rates.peak_tflops
         if getattr(llm.model_config, "quantization", None) is not None:
             peak_tflops *= 2  # FP8 tensor cores
-        floor = floor_seconds(llm.model_config, *lens, read_tb_s, kv_dtype_bytes=kv_bytes)
-        roof = roofline_seconds(llm.model_config, *lens, read_tb_s, peak_tflops, kv_dtype_bytes=kv_bytes)
+        floor = floor_seconds(llm.model_config, *lens, rates.read_tb_s, kv_dtype_bytes=kv_bytes)
+        roof = roofline_seconds(llm.model_config, *lens, rates.read_tb_s, peak_tflops, kv_dtype_bytes=kv_bytes)
         result.update(floor_tok_per_s=round(tokens / floor, 1), fraction_of_floor=round(floor / seconds, 3))
         result.update(roofline_tok_per_s=round(tokens / roof, 1), fraction_of_roofline=round(roof / seconds, 3))
+        result["ceilings"] = attrs.asdict(rates)
     result.update(
         steps=llm.stats.num_steps - start_stats.num_steps,
         preemptions=llm.stats.num_preemptions - start_stats.num_preemptions,
@@ -328,8 +379,8 @@ def _run(
         speculative_steps_dropped=llm.loop.overlap_stats.dropped - start_overlap.dropped,
         timeline=_timeline_summary(llm.executor.timeline, on_gpu),
     )
-    if on_gpu and llm.executor.timeline is not None:
-        result.update(_steps_roofline(folder, llm.executor.timeline.records, ceilings, seconds, tokens))
+    if rates is not None and llm.executor.timeline is not None:
+        result.update(_steps_roofline(folder, llm.executor.timeline.records, rates, seconds, tokens))
     return result
 
 
@@ -339,7 +390,7 @@ def _kv_element_bytes(llm: Any) -> int:
 
 
 def _steps_roofline(
-    folder: Path, records: Sequence[Mapping[str, Any]], ceilings: tuple[float, float], seconds: float, tokens: int
+    folder: Path, records: Sequence[Mapping[str, Any]], ceilings: Ceilings, seconds: float, tokens: int
 ) -> dict[str, Any]:
     """The roofline of the steps the engine actually ran (the timeline's step shapes): each step at
     max(bytes, FLOPs) per layer part (``fnvllm.sim.CostModel.roofline_s``, ceilings only, no fitted overheads).
@@ -356,8 +407,7 @@ def _steps_roofline(
     config = json.loads((folder / "config.json").read_text())
     if "num_experts" in config:
         return {}
-    read_tb_s, peak_tflops = ceilings
-    hardware = attrs.evolve(H200, mem_bandwidth_gbs=read_tb_s * 1e3, matmul_tflops=peak_tflops)
+    hardware = attrs.evolve(H200, mem_bandwidth_gbs=ceilings.read_tb_s * 1e3, matmul_tflops=ceilings.peak_tflops)
     cost = CostModel(ModelShape.from_config(config), hardware)
     roof = sum(cost.roofline_s(record_shape(r)) for r in records)
     if roof <= 0:
@@ -421,7 +471,7 @@ def run_latency(
     sampling: Mapping[str, Any] | None = None,
     announce: bool = False,
     output_tokens: int = LATENCY_OUTPUT_TOKENS,
-    read_tb_s: float = H200_READ_TB_S,
+    read_tb_s: float | None = None,
     **engine_options: Any,
 ) -> dict[str, Any]:
     """Decode latency at small batches, warm: for each N in ``batches``, N concurrent requests
@@ -429,7 +479,8 @@ def run_latency(
     time over its ``output_tokens`` steps, prefill included), TPOT and TTFT p50 / p99 over the requests, and
     the timeline's decode-step summary (device and host ms per step) when FNVLLM_TIMELINE is set. On a GPU also
     the step's bandwidth floor at ``read_tb_s`` (``latency_floor_ms``: weights and K/V, the bytes that grow with
-    N) and ms per step's fraction of it."""
+    N) and ms per step's fraction of it; ``read_tb_s`` is one GPU's read ceiling (None: the measured one of the GPU
+    it runs on, ``device_ceilings``), recorded in the result as "ceilings"."""
     from fnvllm.llm import LLM
 
     if not batches or min(batches) < 1:
@@ -442,6 +493,7 @@ def run_latency(
             engine_options["max_model_len"] = capped_model_len(folder, 4096)
         llm = LLM(folder, load_tokenizer=False, **engine_options)
         on_gpu = llm.executor.device.type == "cuda"
+        rates = _engine_ceilings(llm, read_tb_s, None, engine_options) if on_gpu else None
         rows = []
         for num_requests in batches:
             prompts, params = latency_workload(num_requests, sampling, output_tokens)
@@ -465,9 +517,10 @@ def run_latency(
                 "ttft_p99_ms": round(_percentile(ttft_ms, 0.99), 3),
                 "decode_timeline": None if summary is None else summary.get("decode"),
             }
-            if on_gpu:  # a GPU roofline, as the throughput mode's floor
+            if rates is not None:  # a GPU roofline, as the throughput mode's floor
                 lens = [len(p) for p in prompts]
-                floor_ms = latency_floor_ms(llm.model_config, lens, output_tokens, read_tb_s, _kv_element_bytes(llm))
+                kv_bytes = _kv_element_bytes(llm)
+                floor_ms = latency_floor_ms(llm.model_config, lens, output_tokens, rates.read_tb_s, kv_bytes)
                 row.update(
                     floor_ms_per_step=round(floor_ms, 3), fraction_of_floor=round(floor_ms / row["ms_per_step"], 3)
                 )
@@ -479,5 +532,7 @@ def run_latency(
             "cuda_graphs": llm.executor.graphs is not None,
             "latency": rows,
         }
+        if rates is not None:
+            result["ceilings"] = attrs.asdict(rates)
         llm.close()
     return {**result, "sampling": dict(sampling)} if sampling else result

@@ -77,11 +77,11 @@ def test_steps_roofline_charges_what_the_steps_read(tmp_path: Path) -> None:
     """The roofline of the steps run: one decode step of the 0.6B shape at unlimited compute costs its weights and
     KV over the bandwidth (so twice the KV costs more); a MoE checkpoint reports nothing (the simulator's model is
     dense)."""
-    from fnvllm.bench import _steps_roofline
+    from fnvllm.bench import Ceilings, _steps_roofline
 
     _config("qwen3-0.6b", tmp_path)
-    small = _steps_roofline(tmp_path, [_decode_record(64, 64 * 500)], (4.16, 1e6), 0.005, 64)
-    large = _steps_roofline(tmp_path, [_decode_record(64, 64 * 1000)], (4.16, 1e6), 0.005, 64)
+    small = _steps_roofline(tmp_path, [_decode_record(64, 64 * 500)], Ceilings(4.16, 1e6, "given"), 0.005, 64)
+    large = _steps_roofline(tmp_path, [_decode_record(64, 64 * 1000)], Ceilings(4.16, 1e6, "given"), 0.005, 64)
     assert 0 < large["fraction_of_steps_roofline"] < small["fraction_of_steps_roofline"] * 2
     assert large["fraction_of_steps_roofline"] > small["fraction_of_steps_roofline"] * 1.5  # KV dominates here
     assert small["steps_roofline_tok_per_s"] == pytest.approx(
@@ -90,7 +90,7 @@ def test_steps_roofline_charges_what_the_steps_read(tmp_path: Path) -> None:
     moe = tmp_path / "moe"
     moe.mkdir()
     _config("qwen3-30b-a3b", moe)
-    assert _steps_roofline(moe, [_decode_record(64, 64 * 500)], (4.16, 793.0), 0.005, 64) == {}
+    assert _steps_roofline(moe, [_decode_record(64, 64 * 500)], Ceilings(4.16, 793.0, "given"), 0.005, 64) == {}
 
 
 @pytest.mark.parametrize("kv_dtype_bytes", [2, 1])

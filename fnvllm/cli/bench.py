@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     if args.profile and "FNVLLM_TIMELINE" not in os.environ:
         os.environ["FNVLLM_TIMELINE"] = os.path.join(tempfile.mkdtemp(prefix="fnvllm-timeline-"), "steps.jsonl")
     options = engine_options(args)
-    tp = options.get("tensor_parallel_size", 1)
     if args.latency is not None:
         return run_latency_mode(args, options)
     try:
@@ -77,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
             args.num_requests,
             args.max_input_len,
             args.max_output_len,
-            args.read_tb_s * tp,  # each GPU reads its share of the weights and KV
-            args.peak_tflops * tp,
+            args.read_tb_s,  # one GPU's (None: the card's own); run_bench scales them by the tensor-parallel size
+            args.peak_tflops,
             use_tqdm=sys.stderr.isatty(),
             progress_every_s=None if sys.stderr.isatty() else PROGRESS_EVERY_S,
             sampling=sampling_overrides(args),
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
-    result["tensor_parallel_size"] = tp
+    result["tensor_parallel_size"] = options.get("tensor_parallel_size", 1)
     if args.profile:
         result["timeline_file"] = os.environ["FNVLLM_TIMELINE"]
     if args.json:
@@ -110,7 +109,7 @@ def run_latency_mode(args: argparse.Namespace, options: dict[str, Any]) -> int:
             sampling_overrides(args),
             announce=not args.json,
             output_tokens=output_tokens,
-            read_tb_s=args.read_tb_s * options.get("tensor_parallel_size", 1),
+            read_tb_s=args.read_tb_s,
             **options,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -141,6 +140,17 @@ def _batches(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated request counts, got {text!r}") from None
 
 
+def _positive_float(text: str) -> float:
+    """``"3.1"`` -> 3.1; a value that is not a number > 0 is refused, naming it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def register(sub: Any) -> None:
     """Add the ``bench`` subcommand."""
     p = sub.add_parser(
@@ -164,13 +174,18 @@ def register(sub: Any) -> None:
         "--max-output-len", type=int, default=None, help="max_tokens are drawn from [100, this] (1024; tiny: 128)"
     )
     p.add_argument(
-        "--read-tb-s", type=float, default=4.16, help="one GPU's read ceiling for the floor (TB/s; H200: 4.16)"
+        "--read-tb-s",
+        type=_positive_float,
+        default=None,
+        help="one GPU's read ceiling for the floor (TB/s; default: the card's measured one, H200 4.16, H100 3.117; "
+        "H200's for a card without a built-in profile)",
     )
     p.add_argument(
         "--peak-tflops",
-        type=float,
-        default=793.0,
-        help="one GPU's bf16 tensor-core peak for the roofline (TFLOP/s; H200: 793; FP8 weights count twice)",
+        type=_positive_float,
+        default=None,
+        help="one GPU's bf16 tensor-core peak for the roofline (TFLOP/s; default: the card's measured one, H200 793, "
+        "H100 766.8; FP8 weights count twice)",
     )
     add_engine_args(p, BENCH_ENGINE_DEFAULTS)
     # Shorter spellings kept from before the engine flags were derived: --backend, --no-overlap.
