@@ -72,9 +72,7 @@ def device_ceilings(device_name: str, read_tb_s: float | None = None, peak_tflop
     ``Ceilings(3.0, 766.8, "given read ceiling, h100 profile's peak")``."""
     from fnvllm.sim.hardware import BUILTIN_PROFILES, builtin_for_device
 
-    for name, value in (("read_tb_s", read_tb_s), ("peak_tflops", peak_tflops)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+    check_ceilings(read_tb_s, peak_tflops)
     profile = builtin_for_device(device_name)
     if profile is None:
         measured, origin = (H200_READ_TB_S, H200_PEAK_TFLOPS), f"h200 profile (none for {device_name!r})"
@@ -88,6 +86,13 @@ def device_ceilings(device_name: str, read_tb_s: float | None = None, peak_tflop
     if peak_tflops is not None:
         return Ceilings(measured[0], peak_tflops, f"given peak, {origin}'s read ceiling")
     return Ceilings(*measured, origin)
+
+
+def check_ceilings(read_tb_s: float | None, peak_tflops: float | None) -> None:
+    """Raise ValueError naming the field unless each ceiling given is a number > 0 (None: the card's own)."""
+    for name, value in (("read_tb_s", read_tb_s), ("peak_tflops", peak_tflops)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
 
 
 def _engine_ceilings(
@@ -278,6 +283,7 @@ def run_bench(
     the workload's temperature 0.6, ignore_eos and max_tokens; recorded in the result."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    check_ceilings(read_tb_s, peak_tflops)
     prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
     if sampling:
         params = [attrs.evolve(p, **sampling) for p in params]  # SamplingParams validates each field
@@ -487,6 +493,7 @@ def run_latency(
         raise ValueError(f"latency batches must be >= 1 requests each, got {tuple(batches)}")
     if output_tokens < 2:
         raise ValueError(f"output_tokens must be >= 2 (TPOT needs two tokens), got {output_tokens}")
+    check_ceilings(read_tb_s, None)
     dummy = engine_options.get("load_format") == "dummy"
     with checkpoint_folder(model, model_shape, announce=announce, dummy=dummy) as folder:
         if engine_options.get("max_model_len") is None:  # prompts + outputs stay under 400 tokens

@@ -11,7 +11,15 @@ import attrs
 import pytest
 import torch
 
-from fnvllm.bench import Ceilings, _engine_ceilings, device_ceilings, floor_seconds, run_bench, write_checkpoint
+from fnvllm.bench import (
+    Ceilings,
+    _engine_ceilings,
+    device_ceilings,
+    floor_seconds,
+    run_bench,
+    run_latency,
+    write_checkpoint,
+)
 from fnvllm.cli import bench as cli_bench
 from fnvllm.model.config import ModelConfig
 from fnvllm.workloads import bench_workload
@@ -53,8 +61,14 @@ def test_a_given_ceiling_replaces_the_measured_one_and_the_source_says_which() -
     ("field", "kwargs"), [("read_tb_s", {"read_tb_s": 0.0}), ("peak_tflops", {"peak_tflops": -1.0})]
 )
 def test_a_ceiling_not_above_zero_is_refused_by_name(field: str, kwargs: dict[str, float]) -> None:
+    """Refused before anything loads: by the resolver, and by both bench modes on any device."""
     with pytest.raises(ValueError, match=f"{field} must be > 0"):
         device_ceilings(H100_NAME, **kwargs)
+    with pytest.raises(ValueError, match=f"{field} must be > 0"):
+        run_bench(None, "tiny", 2, **kwargs)
+    if field == "read_tb_s":
+        with pytest.raises(ValueError, match=f"{field} must be > 0"):
+            run_latency(None, "tiny", (1,), **kwargs)
 
 
 def test_the_engine_ceilings_are_one_cards_times_the_tensor_parallel_size(monkeypatch: pytest.MonkeyPatch) -> None:
