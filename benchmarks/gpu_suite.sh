@@ -12,4 +12,4 @@ SITE=$(mktemp -d /tmp/fnvllm-gpu-suite.XXXXXX)
 trap 'rm -rf "$SITE"' EXIT
 python3 benchmarks/serve_wheels.py "${SERVE_WHEELS:-.serve_wheels}" "$SITE"
 export PYTHONPATH=$SITE:$PYTHONPATH
-python3 -m pytest -q -m gpu -n "${GPU_SUITE_WORKERS:-4}" --dist loadfile -rs "${@:-tests/}"
+python3 -m pytest -q -m gpu -n "${GPU_SUITE_WORKERS:-4}" --dist loadfile -rfEs "${@:-tests/}"
