@@ -81,16 +81,18 @@ def test_the_engine_ceilings_are_one_cards_times_the_tensor_parallel_size(monkey
     assert (given.read_tb_s, given.peak_tflops) == (4.0, pytest.approx(766.8))
 
 
-def test_the_cli_leaves_the_ceilings_to_the_card_unless_given() -> None:
+def test_the_cli_leaves_the_ceilings_to_the_card_unless_given(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     cli_bench.register(parser.add_subparsers())
     args = parser.parse_args(["bench"])
     assert (args.read_tb_s, args.peak_tflops) == (None, None)
     given = parser.parse_args(["bench", "--read-tb-s", "3.3", "--peak-tflops", "700"])
     assert (given.read_tb_s, given.peak_tflops) == (3.3, 700.0)
-    for bad in ("0", "-2", "fast"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["bench", "--read-tb-s", bad])
+    for flag in ("--read-tb-s", "--peak-tflops"):
+        for bad in ("0", "-2", "fast"):
+            with pytest.raises(SystemExit):
+                parser.parse_args(["bench", flag, bad])
+            assert f"argument {flag}: expected a number > 0, got '{bad}'" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

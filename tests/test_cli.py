@@ -316,7 +316,7 @@ def test_bench_on_the_cpu_runs_any_request_count_and_cleans_up(
     result, tmp_path = bench_runs[f"requests {num_requests}"]
     record = json.loads(ok(result).stdout)
     assert record["requests"] == int(num_requests) and record["device"] == "cpu" and record["output_tokens"] >= 100
-    assert not {"floor_tok_per_s", "fraction_of_floor"} & set(record)
+    assert not {"floor_tok_per_s", "fraction_of_floor", "ceilings"} & set(record)
     assert "gpu" not in json.dumps(record.get("timeline"))  # a CPU step's time is named as such, not GPU time
     assert "writing a random tiny checkpoint" in result.stderr  # stderr is a pipe: plain progress lines
     assert not list(tmp_path.glob("fnvllm-bench-*"))
@@ -330,6 +330,7 @@ def test_bench_latency_mode_reports_each_batch(
     result, _ = bench_runs["latency"]
     record = json.loads(ok(result).stdout)
     rows = record["latency"]
+    assert "ceilings" not in record  # the floor's rates: a GPU's
     assert [row["requests"] for row in rows] == [1, 3]
     for row in rows:
         assert row["ms_per_step"] > 0 and row["tpot_p50_ms"] > 0 and row["tpot_p99_ms"] >= row["tpot_p50_ms"]
