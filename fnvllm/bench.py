@@ -74,11 +74,9 @@ def device_ceilings(device_name: str, read_tb_s: float | None = None, peak_tflop
 
     check_ceilings(read_tb_s, peak_tflops)
     profile = builtin_for_device(device_name)
-    if profile is None:
-        measured, origin = (H200_READ_TB_S, H200_PEAK_TFLOPS), f"h200 profile (none for {device_name!r})"
-    else:
-        hw = BUILTIN_PROFILES[profile]
-        measured, origin = (hw.mem_bandwidth_gbs / 1e3, hw.matmul_tflops), f"{profile} profile"
+    origin = f"{profile} profile" if profile else f"h200 profile (none for {device_name!r})"
+    hw = BUILTIN_PROFILES[profile or "h200"]
+    measured = hw.mem_bandwidth_gbs / 1e3, hw.matmul_tflops
     if read_tb_s is not None and peak_tflops is not None:
         return Ceilings(read_tb_s, peak_tflops, "given")
     if read_tb_s is not None:
