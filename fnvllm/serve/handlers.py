@@ -330,16 +330,25 @@ async def _collect_or_abort(engine: AsyncEngine, streams: list[RequestStream], r
         await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        if not collecting.done():
-            collecting.cancel()
+        # Cancelling a gather only asks its children to stop: it is not done (nor cancelled) until they have, so
+        # whether the client left is decided here, before the cancel, not by asking the gather afterwards.
+        disconnected = not collecting.done()
+        if disconnected:
+            _abandon(collecting)
             _abort_unfinished(engine, streams)
-    if collecting.cancelled():
+    if disconnected:
         return None
     try:
         return collecting.result()
     except EngineFailure as error:
         _abort_unfinished(engine, streams)
         raise internal(str(error)) from None
+
+
+def _abandon(future: asyncio.Future[Any]) -> None:
+    """Cancel ``future`` and retrieve its outcome when it settles, so asyncio logs no unretrieved exception."""
+    future.cancel()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
