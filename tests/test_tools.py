@@ -32,6 +32,9 @@ OUTPUTS = [
     '<tool_call>\n{"name": "f", "arguments": {}}',  # never closed: stays content
     "<think>unfinished thought",
     "a < b and <tool but not a tag",
+    "Sure. " + CALL + " after",
+    CALL + "\n\n" + CALL + "\n",
+    "<tool_call>bad</tool_call>\n\nthen " + CALL,
 ]
 TOOLS = [
     ToolSpec.model_validate(
@@ -63,7 +66,8 @@ def _streamed(text: str, cuts: list[int], tools: bool, reasoning: bool) -> dict[
 @pytest.mark.parametrize("text", OUTPUTS)
 @pytest.mark.parametrize(("tools", "reasoning"), [(True, True), (True, False), (False, True)])
 def test_streamed_parse_equals_the_whole_parse(text: str, tools: bool, reasoning: bool) -> None:
-    """Cut anywhere (random cuts, one character at a time), the streamed deltas join to the whole parse."""
+    """Cut anywhere (random cuts, one character at a time), the streamed deltas join to the whole parse, the
+    content character for character."""
     whole = ChatOutputParser(HermesToolParser() if tools else None, QWEN3 if reasoning else None).parse(text)
     rng = random.Random(len(text))
     for cuts in [list(range(1, len(text))), sorted(rng.sample(range(1, len(text)), min(4, len(text) - 1))), []]:
@@ -73,7 +77,7 @@ def test_streamed_parse_equals_the_whole_parse(text: str, tools: bool, reasoning
             (c["function"]["name"], c["function"]["arguments"])
             for c in joined["tool_calls"]  # type: ignore[attr-defined]
         ]
-        assert (joined["content"] or "").strip() == (whole["content"] or "").strip()
+        assert joined["content"] == (whole["content"] or "")
         assert joined["reasoning_content"] == (whole.get("reasoning_content") or "")
 
 
@@ -116,3 +120,44 @@ def test_chat_format_reports_tool_calls_as_the_finish_reason() -> None:
     assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     chunk = fmt.chunk(0, CALL, (), None, "stop")
     assert chunk["choices"][0]["finish_reason"] == "tool_calls" and chunk["choices"][0]["delta"]["tool_calls"]
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_streamed_chat_sends_no_chunk_for_held_tokens(reasoning: bool) -> None:
+    """Tokens a parser holds back (a tool call until it closes, the reasoning markers) send no chunk: every chunk
+    of the event stream carries a delta field, a finish reason or logprobs, and they join to the whole parse."""
+    pytest.importorskip("starlette", reason="the event stream needs the [serve] extra")
+    import asyncio
+
+    from fnvllm.serve.sse import StreamPlan, events
+    from fnvllm.serve.stream import RequestStream, TokenEvent
+
+    text = ("<think>\nhm\n</think>\n\n" if reasoning else "") + "Sure. " + CALL + "\n" + CALL + " done"
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+
+    async def stream_all() -> list[dict[str, object]]:
+        stream = RequestStream("r", (1,), asyncio.get_running_loop())
+
+        async def generate() -> None:  # one piece per read: the consumer drains each on its own
+            for i, piece in enumerate(pieces):
+                stream.push(TokenEvent(piece, (i,), (), "stop" if i == len(pieces) - 1 else None))
+                for _ in range(3):
+                    await asyncio.sleep(0)
+
+        generating = asyncio.ensure_future(generate())
+        fmt = ParsedChatFormat("id", "m", None, HermesToolParser(), QWEN3 if reasoning else None)
+        plan = StreamPlan(None, include_usage=False, continuous_usage=False, logprobs=False, num_prompt_tokens=1)
+        lines = [line async for line in events(fmt, [stream], plan)]
+        await generating
+        return [json.loads(line[len("data: ") :]) for line in lines if line != "data: [DONE]\n\n"]
+
+    chunks = asyncio.run(stream_all())[1:]  # after the opening role chunk
+    choices = [c["choices"][0] for c in chunks]  # type: ignore[index]
+    assert all(ch["delta"] or ch["finish_reason"] is not None for ch in choices)
+    assert len(choices) < len(pieces) - 20  # the held pieces (each call's ~24) made none
+    content = "".join(ch["delta"].get("content", "") for ch in choices)
+    calls = [c for ch in choices for c in ch["delta"].get("tool_calls", [])]
+    whole = ChatOutputParser(HermesToolParser(), QWEN3 if reasoning else None).parse(text)
+    assert content == whole["content"] == "Sure.  done"
+    assert [c["function"]["arguments"] for c in calls] == [c["function"]["arguments"] for c in whole["tool_calls"]]
+    assert choices[-1]["finish_reason"] == "tool_calls"

@@ -80,7 +80,9 @@ async def events(fmt: Format, streams: Sequence[RequestStream], plan: StreamPlan
             if item.text or item.finish_reason is not None or item.logprobs or (sends_ids and item.token_ids):
                 counts = usage(plan.num_prompt_tokens, num_tokens) if plan.continuous_usage else None
                 logprobs = item.logprobs if plan.logprobs else None
-                yield _data(fmt.chunk(index, item.text, item.token_ids, logprobs, item.finish_reason, counts))
+                chunk = fmt.chunk(index, item.text, item.token_ids, logprobs, item.finish_reason, counts)
+                if not _says_nothing(chunk):
+                    yield _data(chunk)
     finally:
         await reads.aclose()  # type: ignore[attr-defined]
     if error is not None:
@@ -88,6 +90,14 @@ async def events(fmt: Format, streams: Sequence[RequestStream], plan: StreamPlan
     elif plan.include_usage:
         yield _data(fmt.usage_chunk(usage(plan.num_prompt_tokens, num_tokens)))
     yield "data: [DONE]\n\n"
+
+
+def _says_nothing(chunk: dict[str, Any]) -> bool:
+    """A chat chunk with an empty delta, no finish reason and no logprobs: tokens a parser holds back (a tool
+    call until it closes, the reasoning markers) leave nothing to send, and vLLM sends nothing for them."""
+    choice = chunk["choices"][0]
+    logprobs = choice.get("logprobs")
+    return choice.get("delta") == {} and choice["finish_reason"] is None and not (logprobs and logprobs["content"])
 
 
 Read = tuple[int, TokenEvent | EngineFailure]

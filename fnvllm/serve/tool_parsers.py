@@ -105,7 +105,8 @@ class HermesToolParser:
 
     start = "<tool_call>"
     end = "</tool_call>"
-    _pattern = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    # A call with the newlines after it (the model's separator between calls, dropped with a well-formed call).
+    _pattern = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>\n*", re.DOTALL)
 
     def parse_call(self, body: str) -> ToolCall | None:
         """The call in one tag's body, or None when it is not a JSON object with a str name."""
@@ -120,8 +121,8 @@ class HermesToolParser:
         return ToolCall(_new_id(), value["name"], text)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(the text outside well-formed calls, the calls in order). A tag whose body does not parse stays in the
-        text."""
+        """(the text outside well-formed calls, the calls in order). A well-formed call goes with the newlines right
+        after it; a tag whose body does not parse stays in the text, newlines included."""
         calls: list[ToolCall] = []
 
         def take(match: re.Match[str]) -> str:
@@ -182,7 +183,8 @@ class ChatOutputParser:
 
     def parse(self, text: str) -> dict[str, Any]:
         """The message fields of a whole output: content (None when only calls), reasoning_content when a
-        reasoning format is set, tool_calls when any."""
+        reasoning format is set, tool_calls when any. The content is exactly what ``feed`` and ``finish`` send
+        as content deltas, joined (text around the calls as generated, the newlines after each call dropped)."""
         reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
         message: dict[str, Any] = {}
         if self.reasoning is not None:
@@ -193,7 +195,7 @@ class ChatOutputParser:
             message["content"] = rest
             if self.calls:
                 message["tool_calls"] = [c.to_json() for c in self.calls]
-                message["content"] = rest.strip() or None
+                message["content"] = rest or None
         return message
 
     def feed(self, text: str) -> dict[str, Any]:
@@ -267,9 +269,10 @@ class ChatOutputParser:
         if end < 0:
             return False
         whole = self._pending[: end + len(self.tools.end)]
-        self._pending = self._pending[len(whole) :].lstrip("\n")
-        self._mode = "content"
+        self._pending = self._pending[len(whole) :]
         _, calls = self.tools.parse(whole)
+        # the newlines after a well-formed call go with it, also those that arrive later (as ``parse`` drops them)
+        self._mode, self._strip_lead = "content", bool(calls)
         if not calls:
             _add(delta, "content", whole)
             return True
