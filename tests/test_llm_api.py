@@ -85,6 +85,23 @@ def test_stop_token_ids(llm: LLM) -> None:
     assert out.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
 
 
+def test_a_stop_token_ids_text_is_left_out_unless_asked(llm: LLM) -> None:
+    """The id that ends a request stays in token_ids; its text is not in the text unless
+    include_stop_str_in_output (vLLM's rule), streamed or whole."""
+    full = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    decode = llm.tokenizer.decode
+    k = next(k for k in range(2, 12) if decode(full.token_ids[: k + 1]) != decode(full.token_ids[:k]))
+    target = full.token_ids[k]  # a token with text of its own
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0, max_tokens=12, stop_token_ids=[target], include_stop_str_in_output=include
+        )
+        out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
+        stop_at = full.token_ids.index(target)
+        assert out.token_ids == full.token_ids[: stop_at + 1] and out.finish_reason == "stop"
+        assert out.text == decode(out.token_ids if include else out.token_ids[:-1])
+
+
 def test_logprobs_match_transformers(llm: LLM, ckpt: Path) -> None:
     """Top-3 logprobs of the first generated token equal log_softmax of transformers' logits."""
     out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=2, logprobs=3), use_tqdm=False)[0]

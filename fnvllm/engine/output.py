@@ -149,16 +149,20 @@ class RequestTracker:
         """True once the request ended (its last delta is queued or delivered)."""
         return self.finish_reason is not None
 
-    def add_token(self, token: int, logprobs: TokenLogprobs | RequestLogprobs | None, now: float) -> str:
+    def add_token(
+        self, token: int, logprobs: TokenLogprobs | RequestLogprobs | None, now: float, stops: bool = False
+    ) -> str:
         """Record one sampled token and its logprobs (a TokenLogprobs, or the step's ``RequestLogprobs``, which holds
         this request's row, built when read; ignored unless the request asked for logprobs); returns the new text
-        (empty while held back). Sets "stop" on a stop string."""
+        (empty while held back). Sets "stop" on a stop string. ``stops``: the token ends the request by itself (EOS
+        or a stop token id): it is kept in ``token_ids`` but its text is not rendered unless
+        include_stop_str_in_output, as a stop string's is not (and as vLLM renders neither)."""
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
         if logprobs is not None and self.wants_logprobs:
             self.logprobs.append(logprobs)
-        if self.detokenizer is None:
+        if self.detokenizer is None or (stops and not self.params.include_stop_str_in_output):
             return ""
         delta = self.detokenizer.add([token])
         if delta.stopped:
@@ -275,13 +279,15 @@ class OutputProcessor:
             tracker = self.trackers.get(rid)
             if tracker is None:
                 continue  # driven by hand, not tracked
-            text = tracker.add_token(token, shared if lookup is None else lookup(rid), now)
+            ends_here = rid in finished and last.get(rid, i) == i
+            stop_token = ends_here and finished[rid] == "stop"  # EOS or a stop id (the core's token-level stops)
+            text = tracker.add_token(token, shared if lookup is None else lookup(rid), now, stops=stop_token)
             stopped = tracker.finish_reason == "stop"
             if stopped and rid not in finished:
                 state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
                 finished[rid] = "stop"
-            if stopped or (rid in finished and last.get(rid, i) == i):
-                text += tracker.close(finished[rid] if last.get(rid, i) == i else "stop", now)
+            if stopped or ends_here:
+                text += tracker.close(finished[rid] if ends_here else "stop", now)
                 del self.trackers[rid]
             if tracker.on_delta is not discard_delta:  # no delta is built for a caller that drops them
                 outbox.append((tracker, tracker.delta(text, (token,))))

@@ -174,10 +174,13 @@ class SamplingParams:
     max_tokens: most tokens to generate, >= 1.
     ignore_eos: keep generating past the model's EOS ids (benchmarks).
     stop: strings that end generation (one str or a list of non-empty strs); not included in the text unless
-        include_stop_str_in_output.
+        include_stop_str_in_output (which also keeps the text of a stop token id, below).
     stop_token_ids: token ids (>= 0; below the vocabulary size when the engine knows it) that end generation,
-        in addition to EOS.
-    seed: per-request seed, an int in [-2**63, 2**64); a seeded request's tokens do not depend on its batch mates.
+        in addition to EOS. The id that ends it stays in the output's token ids; its text is not in the output's
+        text unless include_stop_str_in_output (as vLLM does).
+    seed: per-request seed, an int in [-2**63, 2**64); a seeded request's draws do not depend on its batch mates
+        (its random numbers are its own), so its tokens do not either where its logits do not: exactly so in
+        float32; in bf16, batching can move a logit by a rounding step and so change a close draw.
     logprobs: return the top-n log-probabilities of each sampled position (and the sampled token's), n in
         [0, 20] (and at most the vocabulary size).
     repetition_penalty: HF-style multiplicative penalty on tokens seen in prompt or output, in [0.001, 1000];
