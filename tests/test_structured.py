@@ -252,6 +252,15 @@ def test_matchers_of_ended_requests_are_released(llm: LLM) -> None:
     assert grammars is not None and grammars.num_live == 0
 
 
+def test_a_choice_outside_the_basic_plane_comes_out_whole(llm: LLM) -> None:
+    """A choice with an emoji (a surrogate pair in JSON) is generated as that text, valid UTF-8."""
+    choices = ["ok 🙂", "né 𝄞"]
+    params = SamplingParams(temperature=0, max_tokens=20, structured=StructuredOutput.choice(choices))
+    for prompt in ("x = ", "The story"):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.finish_reason == "stop" and out.text in choices, out.text
+
+
 def test_cli_structured_flag_builds_the_constraint(tmp_path: Path) -> None:
     """``--structured KIND:TEXT`` (inline or @FILE) becomes SamplingParams.structured; a bad kind is a usage
     error naming the field."""

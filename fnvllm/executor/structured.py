@@ -91,7 +91,9 @@ def _grammar(xgr: Any, spec: StructuredOutput) -> Any:
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.text)
     if spec.kind == "choice":
-        alternatives = " | ".join(json.dumps(choice) for choice in json.loads(spec.text))
+        # Characters as themselves, not as JSON's \u escapes: xgrammar reads an escaped surrogate pair (how JSON
+        # writes an emoji) as two characters and would then emit their invalid UTF-8.
+        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.text))
         return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
     return xgr.Grammar.from_ebnf(spec.text)
 
