@@ -246,14 +246,20 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
     flags = """generate p --temperature 0.7 --top-p 0.9 --top-k 5 --min-p 0.05 --max-tokens 7 --ignore-eos
         --stop a --stop b --stop-token-ids 3,4 --include-stop-str-in-output --seed 1 --logprobs 2
         --repetition-penalty 1.1 --presence-penalty 0.5 --frequency-penalty -0.5 --block-size 32
+        --logit-bias 12:5,7:-100 --prompt-logprobs 1
         --no-prefix-caching --engine-seed 9 --max-model-len 256 --device cpu"""
     args = build_parser().parse_args(flags.split())
     expected = SamplingParams(
         temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=7, ignore_eos=True, stop=("a", "b"),
         stop_token_ids=(3, 4), include_stop_str_in_output=True, seed=1, logprobs=2, repetition_penalty=1.1,
-        presence_penalty=0.5, frequency_penalty=-0.5,
+        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={12: 5, 7: -100}, prompt_logprobs=1,
     )  # fmt: skip
     assert sampling_params(args) == expected
+    assert {"sp_" + f.name for f in SamplingParams.__attrs_attrs__ if f.init} <= set(vars(args))
+    as_json = build_parser().parse_args(["generate", "p", "--logit-bias", '{"12": 5, "7": -100}'])
+    assert sampling_params(as_json).logit_bias == expected.logit_bias
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "p", "--logit-bias", "12=5"])
     options = engine_options(args)
     assert set(options) == {f.name for f in EngineConfig.__attrs_attrs__}
     assert options["block_size"] == 32 and options["seed"] == 9 and options["enable_prefix_caching"] is False
@@ -373,3 +379,21 @@ def test_bench_takes_the_sampling_settings_users_send(
     assert result["output_tokens"] > 0
     bad = quick_results["bad bench top-p"]
     assert bad["returncode"] != 0 and "top_p" in bad["stderr"] and "Traceback" not in bad["stderr"]
+
+
+def test_field_docs_keep_a_continuation_that_reads_like_a_field() -> None:
+    """A continuation line such as "needed: ..." belongs to the field above it (``--load-format``'s help was cut
+    there), and a field after it starts afresh."""
+    from fnvllm.cli._common import field_docs
+
+    class Documented:
+        """Example.
+
+        first: starts here and
+            needed: goes on here.
+        second: its own.
+        """
+
+    assert field_docs(Documented) == {"first": "starts here and needed: goes on here.", "second": "its own."}
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()  # type: ignore[union-attr]
+    assert "no weight files needed" in " ".join(help_text.split())

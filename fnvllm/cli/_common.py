@@ -9,6 +9,7 @@ the per-request sampling seed) and ``enable_prefix_caching`` is ``--no-prefix-ca
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -33,19 +34,21 @@ _EXTRA_DOCS = {"include_stop_str_in_output": "keep the stop string that ended ge
 
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's description from a class docstring written as ``name: text`` (or ``a / b: text``) lines,
-    continuation lines indented deeper."""
+    continuation lines indented deeper than their field's line."""
     docs: dict[str, str] = {}
     current: list[str] = []
+    field_indent = 0
     for line in (cls.__doc__ or "").splitlines():
-        match = re.match(r"\s*([a-z_]+(?:\s*/\s*[a-z_]+)*):\s+(.*)", line)
-        if match:
-            names = [n.strip() for n in match.group(1).split("/")]
-            current = names
-            for name in names:
-                docs[name] = match.group(2).strip().replace("``", "")
-        elif line.startswith("        ") and current:
+        match = re.match(r"(\s*)([a-z_]+(?:\s*/\s*[a-z_]+)*):\s+(.*)", line)
+        indent = len(line) - len(line.lstrip())
+        if current and line.strip() and indent > field_indent:  # a continuation, even one like "word: text"
             for name in current:
                 docs[name] += " " + line.strip().replace("``", "")
+        elif match:
+            names = [n.strip() for n in match.group(2).split("/")]
+            current, field_indent = names, indent
+            for name in names:
+                docs[name] = match.group(3).strip().replace("``", "")
         else:
             current = []
     return docs
@@ -67,6 +70,18 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _logit_bias_flag(text: str) -> dict[int, float]:
+    """``"12:5,7:-100"`` or the JSON object ``'{"12": 5, "7": -100}'`` -> {12: 5.0, 7: -100.0}, for
+    ``--logit-bias`` (``SamplingParams`` checks the ids and the range)."""
+    try:
+        if text.lstrip().startswith("{"):
+            return {int(k): float(v) for k, v in json.loads(text).items()}
+        pairs = (part.split(":") for part in text.split(",") if part.strip())
+        return {int(token): float(bias) for token, bias in pairs}
+    except (ValueError, AttributeError):
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS[,ID:BIAS...] or a JSON object, got {text!r}") from None
 
 
 def _structured_flag(text: str) -> StructuredOutput:
@@ -93,6 +108,9 @@ def _add_field_flag(group: Any, name: str, hint: Any, default: Any, doc: str, de
         group.add_argument(flag, dest=dest, action="append", default=None, metavar="TEXT", help=help_text)
     elif typing.get_origin(hint) is tuple:
         group.add_argument(flag, dest=dest, type=_int_list, default=None, metavar="ID[,ID...]", help=doc)
+    elif name == "logit_bias":
+        help_text = f'{doc} As ID:BIAS[,ID:BIAS...] or a JSON object {{"ID": BIAS}}'
+        group.add_argument(flag, dest=dest, type=_logit_bias_flag, default=None, metavar="ID:BIAS", help=help_text)
     elif _scalar_type(hint)[0] is StructuredOutput:
         help_text = f"{doc} As KIND or KIND:TEXT, TEXT inline or @FILE: json_object, json_schema:@schema.json, "
         help_text += "regex:'[0-9]+', choice:'[\"yes\", \"no\"]', grammar:@file.gbnf"
