@@ -44,7 +44,7 @@ from typing import Any
 import attrs
 
 from fnvllm.state import SamplingParams
-from fnvllm.workloads import bench_workload
+from fnvllm.workloads import bench_workload, within_vocab
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
 H200_PEAK_TFLOPS = 793.0  # measured on the lent H200: a bf16 8192^3 matmul (FP8 weights: twice, the tensor-core rate)
@@ -285,15 +285,28 @@ def run_bench(
     prompts, params = bench_workload(num_requests, max_input_len, max_output_len)
     if sampling:
         params = [attrs.evolve(p, **sampling) for p in params]  # SamplingParams validates each field
-    workload = prompts, params
     dummy = engine_options.get("load_format") == "dummy"
     with checkpoint_folder(model, model_shape, announce=progress_every_s is not None, dummy=dummy) as folder:
+        workload = within_vocab(prompts, _vocab_size(folder)), params
         if engine_options.get("max_model_len") is None:  # the workload needs <= 2048; a short cap keeps graphs narrow
             engine_options["max_model_len"] = capped_model_len(folder, max(4096, max_input_len + max_output_len))
+        longest = max(len(p) + sp.max_tokens for p, sp in zip(*workload, strict=True))
+        if longest > engine_options["max_model_len"]:
+            raise ValueError(
+                f"the workload's longest request takes {longest} tokens (max_input_len {max_input_len}, "
+                f"max_output_len {max_output_len}), more than max_model_len {engine_options['max_model_len']}: "
+                "lower them (--max-input-len / --max-output-len)"
+            )
         name = str(model) if model else model_shape
         ceilings = read_tb_s, peak_tflops
         result = _run(folder, name, workload, ceilings, use_tqdm, progress_every_s, engine_options)
         return {**result, "sampling": dict(sampling)} if sampling else result
+
+
+def _vocab_size(folder: Path) -> int:
+    from fnvllm.model.config import ModelConfig
+
+    return ModelConfig.from_pretrained(folder).vocab_size
 
 
 def capped_model_len(folder: Path, wanted: int) -> int:
@@ -502,6 +515,7 @@ def run_latency(
         rows = []
         for num_requests in batches:
             prompts, params = latency_workload(num_requests, sampling, output_tokens)
+            prompts = within_vocab(prompts, llm.engine.config.vocab_size)
             llm.generate(prompts, params, use_tqdm=False)  # warm: graphs, compiles, the allocator's pools
             if llm.executor.timeline is not None:
                 llm.executor.timeline.records.clear()
