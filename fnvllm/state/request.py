@@ -89,20 +89,28 @@ def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
 
 
 def _check_size(config: CoreConfig, prompt_len: int, max_tokens: int) -> None:
-    """The request fits max_model_len and, at its longest, the KV pool."""
+    """The request fits max_model_len and, at its longest, the KV pool. The field named is the one to change: the
+    prompt when it leaves no room for even one output token, else max_tokens."""
     total = prompt_len + max_tokens
+    if prompt_len >= config.max_model_len:
+        raise _reject(
+            "prompt",
+            f"{prompt_len} tokens leave no room for an output token under max_model_len ({config.max_model_len}): "
+            f"at most {config.max_model_len - 1} prompt tokens",
+        )
     if total > config.max_model_len:
         raise _reject(
             "max_tokens",
             f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} exceeds "
-            f"max_model_len ({config.max_model_len})",
+            f"max_model_len ({config.max_model_len}): at most {config.max_model_len - prompt_len} for this prompt",
         )
     blocks = -(-(total - 1) // config.block_size)  # the last generated token's KV is never written
     if blocks > config.num_blocks:
+        prompt_blocks = -(-prompt_len // config.block_size)  # the prompt and one output token
         raise _reject(
-            "prompt",
-            f"prompt + max_tokens needs {blocks} KV blocks of {config.block_size} tokens; "
-            f"the pool has {config.num_blocks}",
+            "prompt" if prompt_blocks > config.num_blocks else "max_tokens",
+            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) needs {blocks} KV blocks of {config.block_size} "
+            f"tokens; the pool has {config.num_blocks}",
         )
 
 
