@@ -127,6 +127,16 @@ def test_chat_applies_template(llm: LLM) -> None:
     assert len(out.token_ids) == 3
 
 
+@pytest.mark.parametrize("options", [{"add_generation_prompt": False}, {"continue_final_message": True}])
+def test_chat_passes_the_turn_options_to_the_template(llm: LLM, options: dict[str, bool]) -> None:
+    """add_generation_prompt=False and continue_final_message=True (vLLM's chat options) reach the template as
+    given; the prompt is what transformers renders with them."""
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "I am"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, **options)[0]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    assert out.prompt == text and out.prompt_token_ids == tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+
+
 def test_stream_concatenates_to_generate(llm: LLM) -> None:
     """Streamed deltas, concatenated per request, equal generate()'s text and ids."""
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -299,3 +309,29 @@ def test_building_an_engine_raises_the_young_gc_threshold_only(ckpt: Path) -> No
         assert gc.get_threshold() == (4 * YOUNG_GC_THRESHOLD, 3, 4)
     finally:
         gc.set_threshold(*saved)
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_by_name(ckpt: Path) -> None:
+    """With load_tokenizer=False there is no text to find a stop string in: InvalidRequestError naming the field,
+    and the LLM keeps serving (stop_token_ids still work)."""
+    ids_only = LLM(ckpt, dtype="float32", block_size=8, num_blocks=64, load_tokenizer=False)
+    with pytest.raises(InvalidRequestError, match=r"^SamplingParams\.stop: .*stop_token_ids"):
+        ids_only.generate([PROMPTS[0]], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+    out = ids_only.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and out.text == ""
+
+
+def test_a_request_too_long_names_the_field_to_change(ckpt: Path) -> None:
+    """A prompt that leaves no room for an output token names the prompt; one that fits with fewer output tokens
+    names max_tokens and how many this prompt allows; the KV pool likewise."""
+    small = LLM(ckpt, dtype="float32", block_size=8, num_blocks=8, max_model_len=32)
+    with pytest.raises(InvalidRequestError, match=r"^prompt: 32 tokens .* at most 31 prompt tokens"):
+        small.generate([[5] * 32], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: .* at most 12 for this prompt"):
+        small.generate([[5] * 20], SamplingParams(max_tokens=13), use_tqdm=False)
+    tiny_pool = LLM(ckpt, dtype="float32", block_size=8, num_blocks=2, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match=r"^prompt: .* the pool has 2"):
+        tiny_pool.generate([[5] * 20], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: .* the pool has 2"):
+        tiny_pool.generate([[5] * 10], SamplingParams(max_tokens=20), use_tqdm=False)
+    assert len(small.generate([[5] * 20], SamplingParams(max_tokens=12), use_tqdm=False)[0].token_ids) <= 12

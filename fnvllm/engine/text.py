@@ -24,8 +24,14 @@ Conversation = Sequence[Mapping[str, Any]]
 def detokenizer_for(
     tokenizer: Any | None, prompt_ids: tuple[int, ...], params: SamplingParams
 ) -> IncrementalDetokenizer | None:
-    """The incremental detokenizer of one request under ``tokenizer`` (None without one)."""
+    """The incremental detokenizer of one request under ``tokenizer`` (None without one). Stop strings without a
+    tokenizer are an InvalidRequestError naming ``SamplingParams.stop``: there is no text to find them in."""
     if tokenizer is None:
+        if params.stop:
+            raise InvalidRequestError(
+                "SamplingParams.stop: stop strings need a tokenizer (there is no text without one); "
+                f"use stop_token_ids, got {params.stop!r}"
+            )
         return None
     return IncrementalDetokenizer(tokenizer, prompt_ids, True, params.stop, params.include_stop_str_in_output)
 
@@ -40,14 +46,16 @@ def detokenizer_factory(tokenizer: Any | None) -> DetokenizerFactory:
 
 
 def render_chat(tokenizer: Any, conversation: Conversation, **template_kwargs: Any) -> str:
-    """The conversation rendered by the tokenizer's chat template with the assistant's turn opened.
+    """The conversation rendered by the tokenizer's chat template with the assistant's turn opened (unless
+    ``template_kwargs`` say otherwise: ``add_generation_prompt=False``, or ``continue_final_message=True`` to
+    continue the last assistant message, which opens no new turn).
 
     Raises InvalidRequestError naming ``messages`` when the template fails (jinja2 errors, a role order the
     template refuses, a tokenizer without a template: all come from the input)."""
     try:
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in conversation], tokenize=False, add_generation_prompt=True, **template_kwargs
-        )
+        opens_turn = not template_kwargs.get("continue_final_message", False)
+        options = {"add_generation_prompt": opens_turn, **template_kwargs}
+        text = tokenizer.apply_chat_template([dict(m) for m in conversation], tokenize=False, **options)
     except Exception as e:
         raise InvalidRequestError(f"messages: the chat template failed: {e}") from None
     if not isinstance(text, str):

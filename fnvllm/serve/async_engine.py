@@ -195,10 +195,10 @@ class EngineWorker:
             return
         assert isinstance(command, AddCommand)  # the only other command; STOP is handled by serve_forever
         rid, ids, params = command.request_id, command.prompt_ids, command.params
-        tracker = RequestTracker(0, rid, command.prompt, ids, params, self.detokenizer_for(ids, params))
-        tracker.arrival_time = command.arrival
-        tracker.on_delta = lambda delta: self._on_delta(tracker, delta)
         try:
+            tracker = RequestTracker(0, rid, command.prompt, ids, params, self.detokenizer_for(ids, params))
+            tracker.arrival_time = command.arrival
+            tracker.on_delta = lambda delta: self._on_delta(tracker, delta)
             self.loop.add(rid, ids, params, tracker)
         except Exception as error:  # validated at submit: anything left fails this request only
             self._events.append((rid, EngineFailure(f"request rejected by the engine: {error}")))

@@ -161,6 +161,9 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
         else:
             prompts.append((prompt, _decode(served.engine, prompt) if body.echo else None))
     params = _sampling_params(body.sampling_params, body.aliases())
+    if served.engine.tokenizer is None and params.stop:
+        raise bad_request("stop: this server has no tokenizer, so no text to find stop strings in; use "
+                          "stop_token_ids", "stop")  # fmt: skip
     copies = _copies(params, body.num_candidates)
     return Prepared(
         prompts, copies * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
