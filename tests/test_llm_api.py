@@ -335,3 +335,13 @@ def test_a_request_too_long_names_the_field_to_change(ckpt: Path) -> None:
     with pytest.raises(InvalidRequestError, match=r"^max_tokens: .* the pool has 2"):
         tiny_pool.generate([[5] * 10], SamplingParams(max_tokens=20), use_tqdm=False)
     assert len(small.generate([[5] * 20], SamplingParams(max_tokens=12), use_tqdm=False)[0].token_ids) <= 12
+
+
+def test_triton_model_ops_off_cuda_are_refused_at_build(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model_ops='triton' on the CPU without Triton's interpreter fails when the LLM is built, naming the option
+    (it failed at the first generate, with Triton's "0 active drivers")."""
+    from fnvllm.kernels.backends import BackendUnavailableError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match=r"model_ops='triton' needs a CUDA device, got cpu"):
+        LLM(ckpt, dtype="float32", num_blocks=16, device="cpu", model_ops="triton")

@@ -20,6 +20,7 @@ are inside the graphs). Logits are gathered on rank 0, which alone samples; the 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from itertools import compress
 from operator import attrgetter
@@ -53,7 +54,7 @@ from fnvllm.executor.structured import Grammars, Matcher, PendingMask
 from fnvllm.executor.threads import set_cpu_threads
 from fnvllm.executor.timeline import StepTimeline, _StepTimer
 from fnvllm.kernels.attention import AttentionMetadata, KVCache, zeros_kv_cache
-from fnvllm.kernels.backends import resolve_backend, resolve_kv_layout
+from fnvllm.kernels.backends import BackendUnavailableError, resolve_backend, resolve_kv_layout
 from fnvllm.kernels.fp8 import kv_cache_torch_dtype
 from fnvllm.kernels.prefill_work import prefill_tokens_per_tile
 from fnvllm.model.config import ModelConfig
@@ -97,7 +98,13 @@ def rank_device(name: str, tp: TensorParallel) -> torch.device:
 
 
 def _resolve_ops(name: str, device: torch.device) -> ModelOps:
-    """The model's small-op implementation: "auto" = Triton on CUDA when importable, else plain torch."""
+    """The model's small-op implementation: "auto" = Triton on CUDA when importable, else plain torch. "triton"
+    off CUDA is a BackendUnavailableError naming the option, unless Triton's interpreter is on (tests)."""
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendUnavailableError(
+            f"model_ops='triton' needs a CUDA device, got {device} (or TRITON_INTERPRET=1, Triton's interpreter, "
+            "for tests); use model_ops='auto' or 'torch'"
+        )
     if name != "auto":
         return ops_for(name)
     if device.type != "cuda":
