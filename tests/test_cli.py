@@ -70,7 +70,11 @@ PROMPTS_FILE = "{prompts file}"  # stands for the file of prompts that the ``gen
 # the generate/demo runs of the tests below: key -> (arguments, stdin); "plain" runs the console script
 GENERATE_RUNS: dict[str, tuple[list[str], str | None]] = {
     "plain": (["generate", *PROMPTS, *FAST], None),
-    "folder json": (["generate", str(model_path()), "class A:", "--json", "--logprobs", "2", *FAST], None),
+    "folder json": (
+        ["generate", str(model_path()), "class A:", "--json", "--logprobs", "2", "--prompt-logprobs", "1", *FAST],
+        None,
+    ),
+    "text logprobs": (["generate", "class A:", "--logprobs", "1", "--prompt-logprobs", "1", *FAST], None),
     "sources": (
         ["generate", "while ", "-", "--prompts-file", PROMPTS_FILE, "--json", *FAST],
         json.dumps({"prompt": "x = ["}) + "\n" + json.dumps({"prompt": "y = (\n"}) + "\n",
@@ -85,6 +89,7 @@ GENERATE_RUNS: dict[str, tuple[list[str], str | None]] = {
 GENERATE_TESTS = {
     "test_generate_prompt_arguments_with_the_embedded_model": ("plain",),
     "test_generate_model_folder_argument_json": ("folder json",),
+    "test_text_output_shows_both_logprobs": ("text logprobs",),
     "test_prompts_from_arguments_stdin_and_file": ("sources",),
     "test_stream_prints_what_generate_prints": ("plain", "stream", "stream json"),
     "test_chat_applies_the_chat_template": ("chat json", "chat stream"),
@@ -134,6 +139,17 @@ def test_generate_model_folder_argument_json(generated: dict[str, subprocess.Com
     assert len(record["token_ids"]) == len(record["logprobs"]) <= 6
     assert all(len(entry["top"]) == 2 for entry in record["logprobs"])
     assert record["finish_reason"] in ("stop", "length") and record["ttft_s"] >= 0
+    scored = record["prompt_logprobs"]
+    assert len(scored) == record["num_prompt_tokens"] and scored[0] is None
+    assert all(len(e["top"]) == 1 and e["logprob"] <= 0 for e in scored[1:])
+
+
+def test_text_output_shows_both_logprobs(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    """In text, ``--prompt-logprobs`` prints a line per prompt token after the first, then ``--logprobs`` one per
+    generated token."""
+    lines = ok(generated["text logprobs"]).stdout.splitlines()
+    start, middle = lines.index("  prompt logprobs (from its second token):"), lines.index("  logprobs:")
+    assert middle - start - 1 > 0 and len(lines) - middle - 1 == 6  # FAST generates 6 tokens
 
 
 def test_prompts_from_arguments_stdin_and_file(generated: dict[str, subprocess.CompletedProcess[str]]) -> None:
@@ -188,6 +204,7 @@ BAD_INPUTS: list[tuple[list[str], str | None, int, str]] = [
     (["generate", "--dtype", "float64", "def f("], None, 2, "float64"),
     (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
     (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
+    (["generate", "--stream", "--logprobs", "1", "def f("], None, 2, "drop --stream"),
     (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
     (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
     (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),

@@ -311,6 +311,9 @@ def output_json(index: int, out: Any, tokenizer: Any) -> dict[str, Any]:
         record["tpot_s"] = m.tpot(len(out.token_ids))
     if out.logprobs is not None:
         record["logprobs"] = logprobs_json(out.logprobs, tokenizer)
+    if out.prompt_logprobs is not None:  # the first prompt token has none (nothing before it): null
+        scored = logprobs_json([e for e in out.prompt_logprobs if e is not None], tokenizer)
+        record["prompt_logprobs"] = [None if e is None else scored.pop(0) for e in out.prompt_logprobs]
     return record
 
 
@@ -325,7 +328,19 @@ def print_text_outputs(outputs: Sequence[Any], tokenizer: Any, show_prompt: bool
         if len(outputs) > 1:
             print(request_header(index, f"{len(out.token_ids)} tokens, {out.finish_reason}"))
         print(((out.prompt or "") if show_prompt else "") + out.text)
-        for e in logprobs_json(out.logprobs or (), tokenizer):
-            alternatives = ", ".join(f"{t!r} {lp:.2f}" for _, t, lp in e["top"])
-            print(f"  {e['token']!r:>16} {e['logprob']:8.3f}" + (f"   top: {alternatives}" if alternatives else ""))
+        scored_prompt = [e for e in out.prompt_logprobs or () if e is not None]
+        if scored_prompt:
+            print("  prompt logprobs (from its second token):")
+            _print_logprobs(logprobs_json(scored_prompt, tokenizer))
+        if out.logprobs:
+            if scored_prompt:  # two lists: label the second too
+                print("  logprobs:")
+            _print_logprobs(logprobs_json(out.logprobs, tokenizer))
     sys.stdout.flush()
+
+
+def _print_logprobs(entries: list[dict[str, Any]]) -> None:
+    """One line per token: its text, logprob and the top alternatives."""
+    for e in entries:
+        alternatives = ", ".join(f"{t!r} {lp:.2f}" for _, t, lp in e["top"])
+        print(f"  {e['token']!r:>16} {e['logprob']:8.3f}" + (f"   top: {alternatives}" if alternatives else ""))

@@ -95,6 +95,8 @@ def _run(args: argparse.Namespace) -> int:
     elif any(not isinstance(item, str) for item in items):
         raise CLIError('a "messages" prompt needs --chat', code=2)
     params = sampling_params(args)
+    if args.stream and (params.logprobs is not None or params.prompt_logprobs is not None):
+        raise CLIError("--logprobs / --prompt-logprobs print with the whole output: drop --stream", code=2)
     llm = load_llm(model, engine_options(args))
     stats, start = RunStats(llm), time.perf_counter()
     ttfts = _stream(llm, items, params, args) if args.stream else _generate(llm, items, params, args)
