@@ -239,9 +239,13 @@ def test_api_key_is_enforced(server: ServerProcess) -> None:
     """Every route but /health needs the Bearer key: 401 with OpenAI error JSON otherwise."""
     url = server.base_url
     assert httpx.get(f"{url}/health").status_code == 200
+    refused = ["Bearer wrong", API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x", f"Bearer  {API_KEY}", ""]
     for path in ("/v1/models", "/metrics"):
-        response = httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"})
-        assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        for value in refused:
+            response = httpx.get(f"{url}{path}", headers={"Authorization": value})
+            assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive (RFC 7235)
+            assert httpx.get(f"{url}{path}", headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200
     bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)

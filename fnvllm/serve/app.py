@@ -142,13 +142,14 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Answer 401 to a request without the right token; pass everything else on."""
+        """Answer 401 to a request without the right token; pass everything else on. The scheme's name is
+        case-insensitive (RFC 7235: "bearer" is "Bearer"); the token is compared exactly, in constant time."""
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._expected):
                 await _error_response(unauthorized())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
