@@ -51,8 +51,17 @@ def main() -> None:
     """Record A and B, calibrate on A, check B."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for the timelines and the profile (default: temporary)")
-    folder = Path(parser.parse_args().out or tempfile.mkdtemp(prefix="fnvllm-check-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    out = parser.parse_args().out
+    if out is None:
+        with tempfile.TemporaryDirectory(prefix="fnvllm-check-") as tmp:  # removed at the end
+            check(Path(tmp))
+    else:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        check(Path(out))
+
+
+def check(folder: Path) -> None:
+    """Record A and B under ``folder``, calibrate on A, check B."""
     a, b = record("A", folder), record("B", folder)
     profile = folder / "profile.json"
     fnvllm(["simulate", "calibrate", str(a), "--out", str(profile), "--check", str(b)])

@@ -50,8 +50,13 @@ def run_engine(checkpoint: Path, name: str, log: Path) -> float:
 
 
 def main() -> None:
-    """Calibrate on A, predict B, print the comparison."""
-    folder = Path(tempfile.mkdtemp(prefix="fnvllm-simval-"))
+    """Calibrate on A, predict B, print the comparison (in a temporary folder, removed at the end)."""
+    with tempfile.TemporaryDirectory(prefix="fnvllm-simval-") as tmp:
+        validate(Path(tmp))
+
+
+def validate(folder: Path) -> None:
+    """Record A and B under ``folder``, fit on A, print each one's prediction error."""
     checkpoint = write_tiny_checkpoint(
         folder / "ckpt", "qwen3", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
         intermediate_size=768, vocab_size=2048,

@@ -29,6 +29,12 @@ def example_command(name: str, *args: str) -> Command:
     return [sys.executable, str(EXAMPLES / name), *args], env, ROOT
 
 
+def _in_temp_dir(command: Command, tmp: Path) -> Command:
+    """``command`` with TMPDIR set to ``tmp`` (so a test can see what it leaves behind)."""
+    argv, env, cwd = command
+    return argv, {**env, "TMPDIR": str(tmp)}, cwd
+
+
 def checked(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     """``result`` after checking it exited 0 without a traceback."""
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,7 +55,7 @@ TEST_RUNS = {
 }
 
 
-def commands() -> dict[str, Command]:
+def commands(tmp: Path) -> dict[str, Command]:
     """Every run of TEST_RUNS by its key."""
     pytest_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     pytest_argv = [
@@ -66,7 +72,7 @@ def commands() -> dict[str, Command]:
         "drive_scheduler.py": example_command("drive_scheduler.py"),
         "policy_property_test.py": example_command("policy_property_test.py"),
         "pytest policy_property_test.py": (pytest_argv, pytest_env, EXAMPLES),
-        "generate_tiny.py": example_command("generate_tiny.py"),
+        "generate_tiny.py": _in_temp_dir(example_command("generate_tiny.py"), tmp),
         "simulate_speed.py " + " ".join(SIMULATE_ARGS): example_command("simulate_speed.py", *SIMULATE_ARGS),
         "drive-the-scheduler.md": code_command("\n".join([build, loop, policy, loop])),
         "test-your-policy.md": code_command("\n".join([*doc_blocks("test-your-policy.md"), POLICY_CHECKS])),
@@ -74,11 +80,17 @@ def commands() -> dict[str, Command]:
 
 
 @pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProcess[str]]:
+def example_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The TMPDIR of the examples that make temporary folders (so a test can see what they leave behind)."""
+    return tmp_path_factory.mktemp("example-tmp")
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, example_tmp: Path) -> dict[str, subprocess.CompletedProcess[str]]:
     """The runs of the selected tests, each in a fresh interpreter, two at a time (CI has two cores; each run is
     mostly one busy thread): key -> its CompletedProcess (not yet checked)."""
     selected = {getattr(item, "originalname", None) for item in request.session.items}
-    table = commands()
+    table = commands(example_tmp)
     keys = [key for test, keys in TEST_RUNS.items() if test in selected for key in keys]
 
     def one(key: str) -> subprocess.CompletedProcess[str]:
@@ -109,10 +121,13 @@ def test_policy_property_test_is_collected_by_pytest(runs: dict[str, subprocess.
     assert "2 passed" in result.stdout
 
 
-def test_generate_tiny_prints_both_prompts(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+def test_generate_tiny_prints_both_prompts(
+    runs: dict[str, subprocess.CompletedProcess[str]], example_tmp: Path
+) -> None:
     """The public-API example writes a tiny checkpoint and prints one line per prompt."""
     out = checked(runs["generate_tiny.py"]).stdout
     assert "'Hello, my name is' ->" in out and "'The capital of France is' ->" in out
+    assert list(example_tmp.glob("fnvllm-example-*")) == []  # its checkpoint folder was removed
 
 
 @pytest.mark.parametrize("args", [SIMULATE_ARGS])
