@@ -414,3 +414,18 @@ def test_field_docs_keep_a_continuation_that_reads_like_a_field() -> None:
     assert field_docs(Documented) == {"first": "starts here and needed: goes on here.", "second": "its own."}
     help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()  # type: ignore[union-attr]
     assert "no weight files needed" in " ".join(help_text.split())
+
+
+def test_a_model_folder_without_a_tokenizer_asks_for_the_tokenizer_flag(tmp_path: Path) -> None:
+    """A checkpoint without tokenizer files is a one-line error naming ``--tokenizer``; with ``--tokenizer`` (the
+    demo model's, same vocabulary size) it generates."""
+    from fnvllm.model.config import ModelConfig
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    vocab = ModelConfig.from_pretrained(model_path()).vocab_size
+    folder = write_tiny_checkpoint(tmp_path / "bare", "qwen3", vocab_size=vocab)
+    refused = fnvllm("generate", str(folder), "def f(", *FAST)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"{folder} holds no tokenizer files; pass --tokenizer FOLDER" in refused.stderr
+    given = ok(fnvllm("generate", str(folder), "def f(", "--tokenizer", str(model_path()), *FAST))
+    assert given.stdout.startswith("def f(")

@@ -184,9 +184,10 @@ def missing_folder(path: Path) -> str:
     )
 
 
-def load_llm(model: str | Path | None, options: dict[str, Any]) -> Any:
-    """``LLM(model, **options)`` (model None = the embedded demo model); load failures become one-line errors:
-    a broken or missing checkpoint exits 1, an option the model or machine cannot take exits 2."""
+def load_llm(model: str | Path | None, options: dict[str, Any], tokenizer: str | None = None) -> Any:
+    """``LLM(model, tokenizer=tokenizer, **options)`` (model None = the embedded demo model; tokenizer None = the
+    model folder's); load failures become one-line errors: a broken or missing checkpoint or tokenizer exits 1, an
+    option the model or machine cannot take exits 2."""
     from fnvllm.demo import model_path
 
     if options.get("device") == "cuda":
@@ -194,12 +195,15 @@ def load_llm(model: str | Path | None, options: dict[str, Any]) -> Any:
     folder = Path(model) if model is not None else model_path()
     if not folder.is_dir():
         raise CLIError(f"model folder {str(folder)!r} {missing_folder(folder)}", code=1)
+    from fnvllm.engine.text import MissingTokenizerError
     from fnvllm.kernels.backends import BackendUnavailableError
     from fnvllm.llm import LLM
     from fnvllm.model.config import CheckpointError
 
     try:
-        return LLM(folder, **options)
+        return LLM(folder, tokenizer=tokenizer, **options)
+    except MissingTokenizerError as e:  # its own advice names LLM's arguments; the CLI's flag here
+        raise CLIError(f"{e.folder} holds no tokenizer files; pass --tokenizer FOLDER", code=1) from e
     except (CheckpointError, OSError) as e:  # a missing, broken or mismatched checkpoint file
         raise CLIError(str(e), code=1) from e
     except (InvalidConfigError, BackendUnavailableError, TypeError, ValueError) as e:

@@ -67,6 +67,7 @@ def register(sub: Any) -> None:
     one_line_errors(gen)
     gen.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT", help="optional model folder, then prompts")
     gen.add_argument("--model", help="checkpoint folder (instead of the first argument)")
+    gen.add_argument("--tokenizer", metavar="FOLDER", help="load the tokenizer from FOLDER (default: the model folder)")
     gen.add_argument("--prompts-file", metavar="FILE", help="read prompts from FILE ('-' = stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
@@ -97,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.stream and (params.logprobs is not None or params.prompt_logprobs is not None):
         raise CLIError("--logprobs / --prompt-logprobs print with the whole output: drop --stream", code=2)
-    llm = load_llm(model, engine_options(args))
+    llm = load_llm(model, engine_options(args), tokenizer=args.tokenizer)
     stats, start = RunStats(llm), time.perf_counter()
     ttfts = _stream(llm, items, params, args) if args.stream else _generate(llm, items, params, args)
     print_summary(summary_line(stats, len(items), time.perf_counter() - start, ttfts))

@@ -63,6 +63,17 @@ def render_chat(tokenizer: Any, conversation: Conversation, **template_kwargs: A
     return text
 
 
+class MissingTokenizerError(CheckpointError):
+    """A tokenizer folder that holds no tokenizer vocabulary (none of TOKENIZER_FILES); ``folder`` is it."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(
+            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
+            "or load_tokenizer=False to use token-id prompts only"
+        )
+        self.folder = folder
+
+
 def has_tokenizer_files(folder: Path) -> bool:
     """Whether ``folder`` holds a tokenizer vocabulary (one of TOKENIZER_FILES)."""
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
@@ -78,10 +89,7 @@ def load_local_tokenizer(folder: Path) -> Any:
             f"tokenizer folder {str(folder)!r} does not exist (tokenizers load only from local folders)"
         )
     if not has_tokenizer_files(folder):
-        raise CheckpointError(
-            f"{folder} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); pass tokenizer=FOLDER, "
-            "or load_tokenizer=False to use token-id prompts only"
-        )
+        raise MissingTokenizerError(folder)
     from transformers import AutoTokenizer
 
     try:
