@@ -31,8 +31,12 @@ PROMPT = "The pure scheduler plans every step"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    checkpoint: Path = write_family(tmp_path_factory.mktemp("serve-openai"), "qwen3")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_family(tmp_path_factory.mktemp("serve-openai"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("serve-openai-log") / "server.log"
     with ServerProcess([str(checkpoint), *ENGINE], log, env=env) as proc:
@@ -176,3 +180,22 @@ def test_a_load_generator_shaped_request_streams(server: ServerProcess) -> None:
     assert response.status_code == 200, response.text
     events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
     assert events[-1]["usage"]["completion_tokens"] == 7 and all("usage" in e for e in events)
+
+
+def test_chat_template_kwargs_reach_the_template(client: Any, checkpoint: Path) -> None:
+    """chat_template_kwargs (vLLM's extension) are passed to the chat template: without the generation prompt the
+    conversation is the tokens of "<s>assistant\\n" shorter; an argument the server sets is a 400 naming it."""
+    messages = [{"role": "user", "content": "hello"}]
+
+    def prompt_tokens(**extra: Any) -> int:
+        args = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
+        return client.chat.completions.create(**args, extra_body=extra).usage.prompt_tokens
+
+    opened, closed = prompt_tokens(), prompt_tokens(chat_template_kwargs={"add_generation_prompt": False})
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    assert opened - closed == len(tokenizer.encode("<s>assistant\n", add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as refused:
+        prompt_tokens(chat_template_kwargs={"tokenize": True})
+    assert refused.value.body["param"] == "chat_template_kwargs.tokenize"  # type: ignore[index]

@@ -175,7 +175,8 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
 def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     body = parse(ChatCompletionRequest, raw)
     _check(body.model, served, body.check_supported)
-    ids = _render_chat(served.engine, [m.template_dict() for m in body.messages], body.template_tools())
+    messages = [m.template_dict() for m in body.messages]
+    ids = _render_chat(served.engine, messages, body.template_tools(), body.chat_template_kwargs or {})
     room = served.engine.max_total_tokens - len(ids)
     if room < 1:
         limit = served.engine.max_total_tokens - 1
@@ -210,16 +211,20 @@ def _encode(engine: AsyncEngine, text: str) -> list[int]:
 
 
 def _render_chat(
-    engine: AsyncEngine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    engine: AsyncEngine,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the conversation with the assistant's turn opened (the template adds its own BOS); ``tools``
-    are rendered by the template (its own tool-calling instructions)."""
+    are rendered by the template (its own tool-calling instructions); ``template_kwargs`` are the request's
+    chat_template_kwargs (checked against RESERVED_TEMPLATE_KWARGS already)."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        text = render_chat(tokenizer, messages, **({"tools": tools} if tools else {}))
-    except InvalidRequestError as error:  # the template itself rejects the conversation (e.g. role order)
+        text = render_chat(tokenizer, messages, **(template_kwargs or {}), **({"tools": tools} if tools else {}))
+    except InvalidRequestError as error:  # the template rejects the conversation (e.g. role order) or a kwarg
         raise bad_request(str(error), "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -8,7 +8,9 @@ Three kinds of fields (docs/serving.md lists them all):
   response_format (text, json_object, json_schema); chat: tools, tool_choice, parallel_tool_calls, assistant
   messages holding tool_calls and tool messages; the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
   stop_token_ids, include_stop_str_in_output, guided_json, guided_regex, guided_choice, guided_grammar,
-  include_reasoning (docs/structured_outputs.md); logit_bias (token-id strings -> bias in [-100, 100]);
+  include_reasoning (docs/structured_outputs.md), chat_template_kwargs (passed to the chat template, e.g.
+  Qwen3's ``{"enable_thinking": false}``; not the arguments the server sets); logit_bias (token-id strings -> bias
+  in [-100, 100]);
   completions: echo with logprobs (the prompt's tokens and their logprobs first), max_tokens 0 with echo (score
   a prompt: nothing is generated);
 - accepted and ignored, because they change nothing this server answers (``IGNORED_FIELDS``): user, store,
@@ -388,6 +390,14 @@ class ChatMessage(_Strict):
         return message
 
 
+# Arguments of ``apply_chat_template`` that the server sets itself (or that would make it return something other
+# than the prompt's text): a request's chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``: a conversation rendered with the tokenizer's chat template."""
 
@@ -395,6 +405,7 @@ class ChatCompletionRequest(_Generation):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     include_reasoning: StrictBool | None = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
     def check_supported(self) -> None:
         """Raise a 400 for top_logprobs without logprobs, a message without content, a tool_choice that is not
@@ -402,6 +413,10 @@ class ChatCompletionRequest(_Generation):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+        for key in self.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                field = f"chat_template_kwargs.{key}"
+                raise bad_request(f"{field}: set by the server (the request's own fields say it), not allowed", field)
         for i, message in enumerate(self.messages):
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
                 raise bad_request(f"messages.{i}.content: required (except with tool_calls)", f"messages.{i}.content")
