@@ -190,6 +190,24 @@ def test_executor_rejects_stale_plan(ckpt: Path) -> None:
         llm.executor.execute(plan)
 
 
+def test_a_fresh_state_on_a_used_engine_says_to_restore_it_and_then_runs(ckpt: Path) -> None:
+    """initial_state() on an engine that has run steps: stepping it is refused with the way out (restore), and
+    after restore it runs to the end."""
+    llm = LLM(ckpt, dtype="float32", block_size=4, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+    state = add_request(llm.engine.initial_state(), "a", [5, 6, 7], params)
+    stepped, plan = schedule(state)
+    with pytest.raises(StalePlanError, match=r"got 0 .*adopt it with restore\(\) first"):
+        llm.engine.step(stepped, plan)
+    state, tokens = llm.engine.restore(state), []
+    while state.has_unfinished:
+        state, plan = schedule(state)
+        state, out = llm.engine.step(state, plan)
+        tokens += [t for rid, t in zip(out.output.seq_ids, out.output.new_tokens, strict=True) if rid == "a"]
+    assert tuple(tokens) == expected
+
+
 @pytest.mark.parametrize(
     ("prompts", "params", "error", "match"),
     [

@@ -65,7 +65,8 @@ class Engine:
         self.policy = policy
 
     def initial_state(self) -> EngineState:
-        """An empty state for this engine's config and policy."""
+        """An empty state for this engine's config and policy. On an engine that has already run steps, adopt it
+        with ``restore`` before stepping it (the executor counts steps: its next plan is not step 0)."""
         return initial_state(self.config, self.policy)
 
     def step(self, state: EngineState, plan: StepPlan) -> tuple[EngineState, EngineOutput]:

@@ -102,9 +102,10 @@ class StalePlanError(RuntimeError):
 def check_step(expected: int, plan: StepPlan) -> None:
     """Raise StalePlanError unless ``plan.step == expected``."""
     if plan.step != expected:
-        raise StalePlanError(
-            f"executor expected plan.step {expected}, got {plan.step} (a stale, repeated or skipped plan)"
-        )
+        hint = " (a stale, repeated or skipped plan)"
+        if plan.step == 0:  # the usual way to get here: a fresh state on an engine that has already run
+            hint += "; a new state (initial_state()) on an engine that has run steps: adopt it with restore() first"
+        raise StalePlanError(f"executor expected plan.step {expected}, got {plan.step}{hint}")
 
 
 def execute_steps(executor: Executor, plan: StepPlan) -> ExecuteResult:
