@@ -171,6 +171,24 @@ def test_logprobs_match_offline(client: Any, llm: LLM) -> None:
     assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
     assert [len(top) for top in lp.top_logprobs] == [2] * 8
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # the sampled token's logprob is always in top_logprobs (OpenAI: up to logprobs + 1 entries): alone at 0
+    zero = (
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[4], max_tokens=8, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs, strict=True)]
+    drawn = client.completions.create(
+        model=MODEL, prompt=PROMPTS[4], max_tokens=16, temperature=5.0, seed=3, logprobs=1,
+        extra_body={"ignore_eos": True},
+    ).choices[0].logprobs  # fmt: skip
+    for t, v, top in zip(drawn.tokens, drawn.token_logprobs, drawn.top_logprobs, strict=True):
+        best, best_logprob = next(iter(top.items()))
+        assert t in top and len(top) <= 2 and best_logprob >= v - 1e-6
+        assert top[t] == v or t == best  # keyed by text: a sampled byte token can share the top-1's text ("\ufffd")
+    assert any(len(top) == 2 for top in drawn.top_logprobs)  # at temperature 5 some draw is not the top-1
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
         top_logprobs=3,

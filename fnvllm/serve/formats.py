@@ -142,8 +142,13 @@ class CompletionFormat(_Format):
         }
 
     def _top(self, lp: TokenLogprobs) -> dict[str, float]:
-        """The top entries of one position as {token text: logprob}, best first."""
-        return {self._token_text(t): v for t, v in lp.top}
+        """The top entries of one position as {token text: logprob}, best first, and the sampled token last when it
+        is not among them: the legacy API always returns the sampled token's logprob, so logprobs=k gives up to
+        k + 1 entries (and logprobs=0 the sampled token alone)."""
+        top = {self._token_text(t): v for t, v in lp.top}
+        if all(t != lp.token_id for t, _ in lp.top):
+            top.setdefault(self._token_text(lp.token_id), lp.logprob)
+        return top
 
 
 class ChatFormat(_Format):
