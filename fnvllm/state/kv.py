@@ -177,7 +177,8 @@ class KVManager:
                 parent = known[index - 1] if index else None
                 known.append(self.hash_block(parent, token_slice(prompt, output, tail, index * bs, (index + 1) * bs)))
             chain = tuple(known)
-        self._pending.update(chain[-(-start // bs) : last])
+        # from start's own block: a chunk that starts inside a block (begun in an earlier step) completes it too
+        self._pending.update(chain[start // bs : last])
         return chain
 
     def register_full_blocks(

@@ -470,21 +470,27 @@ def check_slots(state: EngineState) -> None:
 
 
 def _check_no_duplicate_prefill(config: CoreConfig, before: EngineState, plan: StepPlan) -> None:
-    """Two requests admitted in one step must not both compute the same full block (same token prefix) into two
-    different blocks. (Rewriting the last token of a fully cached prompt into the shared hit block is fine.)"""
-    bs, computing = config.block_size, dict[tuple[int, ...], tuple[str, int]]()
-    rows = zip(plan.seq_ids, plan.input_tokens, plan.start_positions, plan.block_tables, strict=True)
-    for rid, tokens, start, table in rows:
-        if rid in before.num_computed:  # was running already; only admissions are deduplicated
-            continue
-        full = seq_tokens(before, rid)
-        for index in range(start // bs, (start + len(tokens)) // bs):
-            other, block = computing.setdefault(full[: (index + 1) * bs], (rid, table[index]))
-            if block != table[index]:
-                fail(
-                    f"prefix cache: {other!r} and {rid!r}, both admitted in step {plan.step}, compute block {index} "
-                    f"of prefix {full[: (index + 1) * bs]} into two blocks ({block} and {table[index]})"
-                )
+    """A request admitted in a step must not compute into a block of its own a full block (same token prefix) that
+    another row of the step completes: an earlier admission, or a running request finishing a block it began in an
+    earlier step. It waits a step and hits it instead (the scheduler's hold-back). (Rewriting the last token of a
+    fully cached prompt into the shared hit block is fine; two running requests may both complete one: the second
+    had started its copy before the first's was known.)"""
+    bs, completing = config.block_size, dict[tuple[int, ...], tuple[str, int]]()
+    rows = list(zip(plan.seq_ids, plan.input_tokens, plan.start_positions, plan.block_tables, strict=True))
+    running_first = sorted(rows, key=lambda row: row[0] not in before.num_computed)  # stable: plan order within
+    for rid, tokens, start, table in running_first:
+        full, end = seq_tokens(before, rid), start + len(tokens)
+        if rid not in before.num_computed:  # admitted: every full-prefix block it writes into, completed or not
+            for index in range(start // bs, min(-(-end // bs), len(full) // bs)):
+                other, block = completing.get(full[: (index + 1) * bs], (rid, table[index]))
+                if block != table[index]:
+                    fail(
+                        f"prefix cache: {rid!r}, admitted in step {plan.step}, computes block {index} of prefix "
+                        f"{full[: (index + 1) * bs]} that {other!r} completes in that step, into another block "
+                        f"({table[index]}, not {block})"
+                    )
+        for index in range(start // bs, end // bs):
+            completing.setdefault(full[: (index + 1) * bs], (rid, table[index]))
 
 
 def _check_preempted(before: EngineState, after: EngineState, plan: StepPlan) -> None:

@@ -21,7 +21,7 @@ from fnvllm.state.hashing import BlockHasher, hash_block_xxh3
 from fnvllm.state.pool import PoolTxn
 from fnvllm.state.state import insert_by_policy
 from fnvllm.testing.drive import RequestSpec, run_to_completion
-from fnvllm.testing.invariants import InvariantViolation, ShadowKV, check_kv, write_plan
+from fnvllm.testing.invariants import InvariantViolation, ShadowKV, check_kv, check_plan, write_plan
 from fnvllm.testing.machine import CoreStateMachine
 from fnvllm.testing.strategies import RequestDraw, core_configs, workloads
 from fnvllm.testing.toy import KVToyExecutor
@@ -318,3 +318,54 @@ def test_wrong_slot_allocation_is_caught(monkeypatch: pytest.MonkeyPatch, plante
 
     monkeypatch.setattr(scheduler._Step, "take_slot", planted)
     hunt(UnderPressure, "slots")
+
+
+# ----- a chunk that completes a block begun in an earlier step, not marked as being computed -----
+
+
+def mid_block_scenario(block_size: int) -> None:
+    """Two prompts sharing two blocks; a budget of 1.5 blocks, so the first prompt's second chunk starts inside
+    block 1 and completes it while the second prompt is admitted: every plan goes through ``check_plan``, and the
+    second must hit the first's block 1, never compute its own copy."""
+    budget = block_size + block_size // 2
+    config = CoreConfig(
+        block_size=block_size, num_blocks=12, max_num_batched_tokens=budget, max_model_len=8 * block_size, vocab_size=64
+    )
+    prefix = list(range(1, 2 * block_size + 1))
+    state = core.initial_state(config)
+    params = core.SamplingParams(max_tokens=2, ignore_eos=True)
+    state = core.add_request(state, "x", [*prefix, 40], params)
+    state = core.add_request(state, "y", [*prefix, 41], params)
+    tables: dict[str, tuple[int, ...]] = {}
+    while state.has_unfinished:
+        before = state
+        state, plan = core.schedule(state)
+        check_plan(config, before, state, plan)
+        tables.update(zip(plan.seq_ids, plan.block_tables, strict=True))
+        state, _ = core.commit(state, plan, [9] * sum(plan.sample))
+    assert tables["y"][:2] == tables["x"][:2]  # the shared prefix computed once, then hit
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 6])
+def test_a_block_completed_mid_chunk_is_computed_once(block_size: int) -> None:
+    mid_block_scenario(block_size)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 6])
+def test_unmarked_mid_block_completion_is_caught(monkeypatch: pytest.MonkeyPatch, block_size: int) -> None:
+    """With ``note_computing`` marking only the blocks a chunk both starts and completes (the bug: a running
+    request finishing a block it began a step earlier left it unmarked), the request admitted in that step computes
+    the same prefix block a second time, and the duplicate-prefill check names it."""
+    from fnvllm.state.kv import KVManager
+
+    def start_aligned_only(self: KVManager, prompt, output, tail, chain, start: int, end: int):  # type: ignore[no-untyped-def]
+        marked = original(self, prompt, output, tail, chain, start, end)
+        bs = self.block_size
+        if self.caching and start % bs and start // bs < end // bs:  # un-mark the block it completes, not starts
+            self._pending.discard(marked[start // bs])
+        return marked
+
+    original = KVManager.note_computing
+    monkeypatch.setattr(KVManager, "note_computing", start_aligned_only)
+    with pytest.raises(InvariantViolation, match=r"prefix cache: 'y', admitted in step 1, computes block 1 .* 'x'"):
+        mid_block_scenario(block_size)
