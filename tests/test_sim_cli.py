@@ -36,6 +36,29 @@ def test_simulate_prints_json_metrics_and_writes_a_timeline(tmp_path: Path) -> N
     assert 1 <= len(lines) - 1 <= summary["num_steps"]
 
 
+def _strict_json(text: str) -> object:
+    """``text`` parsed as standard JSON: NaN / Infinity (Python's extensions) are refused."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not standard JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_undefined_metrics_are_json_null(tmp_path: Path) -> None:
+    """Every request makes one token, so TPOT is undefined: --json and a sweep's .json table write null, standard
+    JSON, not NaN."""
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 0, "prompt_len": 4, "output_len": 1}) + "\n")
+    out = _cli("--workload", str(trace), "--json", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    summary = _strict_json(out.stdout)
+    assert isinstance(summary, dict) and summary["tpot_mean_ms"] is None and summary["num_finished"] == 1
+    from fnvllm.sim.metrics import json_text
+
+    assert _strict_json(json_text({"a": [float("nan"), float("inf"), 1.5]})) == {"a": [None, None, 1.5]}
+
+
 def test_simulate_prints_a_table_for_a_trace(tmp_path: Path) -> None:
     """A JSONL trace workload runs and prints the latency table."""
     trace = tmp_path / "trace.jsonl"

@@ -62,6 +62,18 @@ def test_trace_request_longer_than_max_model_len_fails_before_simulating(
     _refused(capsys, ["--workload", trace, "--max-model-len", "1024", *QUICK], "line 1", "exceeds max_model_len (1024)")
 
 
+def test_a_request_larger_than_the_pool_fails_before_simulating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A request within max_model_len but larger than the KV pool is named, with --num-blocks, before the run: no
+    step reaches the timeline (it was refused when it arrived, mid-run, naming neither)."""
+    trace = _trace(tmp_path, prompt_len=100, output_len=10)
+    timeline = tmp_path / "steps.jsonl"
+    args = ["--workload", trace, "--timeline", str(timeline), *QUICK, "--num-blocks", "4"]  # the last one counts
+    _refused(capsys, args, "100 prompt + 10 output tokens", "needs 7 KV blocks of 16", "(--num-blocks)")
+    assert timeline.read_text() == ""
+
+
 def test_a_huge_num_requests_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """--num-requests 10**12 names the flag and its range instead of running out of memory."""
     _refused(capsys, ["--num-requests", str(10**12), "--no-progress"], "--num-requests", "[1, 10000000]")

@@ -10,7 +10,6 @@ fnvllm simulate sweep grid.yaml --out table.csv --plot grid.png [--ray [ADDRESS]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -91,7 +90,7 @@ def _flag_message(message: str) -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate one workload and print its metrics (table or JSON); optionally plot and write the timeline."""
-    from fnvllm.sim.metrics import format_table
+    from fnvllm.sim.metrics import format_table, json_text
     from fnvllm.sim.spec import run_spec
 
     if args.check:
@@ -111,7 +110,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     for bar in bars:
         bar.close()
-    print(json.dumps(summary) if args.json else format_table(summary))
+    print(json_text(summary) if args.json else format_table(summary))
     if args.plot:
         from fnvllm.sim.plot import plot_run
 
@@ -124,6 +123,7 @@ def run_check(args: argparse.Namespace) -> int:
     """``--check TIMELINE``: replay a recorded run with ``--hardware`` and print end-to-end and per-step error."""
     from fnvllm.sim.check import check_run, format_check
     from fnvllm.sim.hardware import load_profile
+    from fnvllm.sim.metrics import json_text
     from fnvllm.sim.model import load_shape
     from fnvllm.sim.recorder import run_path
 
@@ -134,7 +134,7 @@ def run_check(args: argparse.Namespace) -> int:
     model = _user_errors(load_shape, args.model) if args.model else None
     result = _user_errors(check_run, args.check, run, profile, model)
     if args.json:
-        print(json.dumps({**attrs.asdict(result), "error": result.error}))
+        print(json_text({**attrs.asdict(result), "error": result.error}))
     else:
         print(format_check(result, f"{args.check} with {profile.name}"))
     return 0

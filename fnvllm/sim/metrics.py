@@ -12,10 +12,12 @@ cache / tokens to compute, over every admission (a preempted request that is adm
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
 from operator import mul
+from typing import Any
 
 from fnvllm.sim.recorder import Recorder
 
@@ -117,6 +119,22 @@ def _engine_stats(rec: Recorder) -> dict[str, float]:
         "peak_kv_usage": max(rec.kv_blocks, default=0) / rec.num_blocks,
         "peak_waiting": max(rec.num_waiting, default=0),
     }
+
+
+def json_text(value: Any, **dumps_options: Any) -> str:
+    """``value`` as standard JSON: a metric that is undefined (NaN: TPOT when every request made one token) or
+    infinite is ``null``, not Python's ``NaN`` / ``Infinity``, which strict parsers (jq, ``JSON.parse``) refuse."""
+    return json.dumps(_finite(value), allow_nan=False, **dumps_options)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def format_table(summary: dict[str, float]) -> str:

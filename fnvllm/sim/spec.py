@@ -6,7 +6,7 @@ from it, simulates, and returns the result with its metric summary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import attrs
@@ -233,6 +233,7 @@ def run_spec(
     model = resolve_model(spec.model, hardware).with_precision(spec.kv_cache_dtype, spec.quantization)
     config = core_config(spec, model, hardware)
     requests = build_requests(spec, config.max_model_len)
+    check_pool_fits(requests, config)
     if on_requests is not None:
         on_requests(len(requests))
     tokens = FillerTokens(_FILLER_ID, _EOS_ID, spec.eos_prob, spec.seed)
@@ -253,6 +254,20 @@ def run_spec(
     if spec.serve and serving is not None and (serving.latency_us or serving.latency_stream_us):
         result.recorder.delay_delivery(serving.latency_us * 1e-6, serving.latency_stream_us * 1e-6)
     return result, summarize(result.recorder, result.end_s)
+
+
+def check_pool_fits(requests: Sequence[SimRequest], config: CoreConfig) -> None:
+    """SimInputError naming ``--num-blocks`` when a request of the workload needs more KV blocks than the pool has,
+    before anything is simulated (the engine would refuse it when it arrives, mid-run)."""
+    bs = config.block_size
+    for request in requests:
+        blocks = -(-(request.prompt_len + request.output_len - 1) // bs)  # the last token's KV is never written
+        if blocks > config.num_blocks:
+            raise SimInputError(
+                f"a request of {request.prompt_len} prompt + {request.output_len} output tokens (arriving at "
+                f"{request.arrival_s:g} s) needs {blocks} KV blocks of {bs} tokens; the pool has {config.num_blocks} "
+                "(--num-blocks)"
+            )
 
 
 def _timeline_hook(

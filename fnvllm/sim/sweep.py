@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fnvllm.sim.checks import MAX_POINTS, SimInputError, check_mapping, check_text
+from fnvllm.sim.metrics import json_text
 from fnvllm.sim.spec import SimSpec, run_spec
 from fnvllm.state import InvalidConfigError, InvalidRequestError
 
@@ -159,7 +160,7 @@ def _run_ray(
 def write_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> None:
     """Rows as CSV (columns: every key, in first-seen order) or, for a .json path, a JSON list."""
     if str(path).endswith(".json"):
-        Path(path).write_text(json.dumps(list(rows), indent=1) + "\n")
+        Path(path).write_text(json_text(list(rows), indent=1) + "\n")
         return
     columns = list(dict.fromkeys(key for row in rows for key in row))
     with open(path, "w", newline="") as f:
