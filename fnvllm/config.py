@@ -108,7 +108,8 @@ class EngineConfig:
     num_blocks: KV blocks, in [1, 2**24]; None = sized from memory (``gpu_memory_utilization`` on GPU,
         ``cpu_kv_cache_gib`` on CPU).
     gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV cache + activations), (0, 1].
-    cpu_kv_cache_gib: KV cache size on the CPU when ``num_blocks`` is None, GiB > 0.
+    cpu_kv_cache_gib: KV cache size on the CPU when ``num_blocks`` is None, GiB > 0 (at least one block), per
+        tensor-parallel rank.
     max_num_batched_tokens: token budget of one step, in [1, 2**24].
     max_num_seqs: cap on running sequences, in [1, 65536].
     max_model_len: cap on prompt + output tokens, in [1, 2**21]; None = the model's max_position_embeddings.

@@ -14,11 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from tiny_models import write_family
 
+from fnvllm.config import EngineConfig
+from fnvllm.engine.build import check_kv_cache_fits
 from fnvllm.llm import LLM
-from fnvllm.model.config import CheckpointError
+from fnvllm.model.config import CheckpointError, ModelConfig
 from fnvllm.state import InvalidConfigError, SamplingParams
 
 OPTIONS: dict[str, Any] = dict(dtype="float32", num_blocks=32, block_size=8, device="cpu")
@@ -129,6 +132,24 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(ckpt: Path) 
         LLM(ckpt, dtype="float32", device="cpu", cpu_kv_cache_gib=2**20)
     with pytest.raises(InvalidConfigError, match=r"num_blocks=16777216.*does not fit"):
         LLM(ckpt, dtype="float32", device="cpu", num_blocks=2**24, block_size=4096)
+
+
+def test_a_cpu_kv_cache_below_one_block_is_refused(ckpt: Path) -> None:
+    """cpu_kv_cache_gib smaller than one KV block is an InvalidConfigError at build (it made a 1-block pool that
+    refused every real request)."""
+    with pytest.raises(InvalidConfigError, match=r"^EngineConfig\.cpu_kv_cache_gib=1e-09: less than one KV block"):
+        LLM(ckpt, dtype="float32", device="cpu", cpu_kv_cache_gib=1e-9)
+
+
+def test_tensor_parallel_ranks_share_the_hosts_memory(ckpt: Path) -> None:
+    """On the CPU each rank takes cpu_kv_cache_gib in the one host's memory: three quarters of it fits one rank but
+    not two, refused before any worker starts."""
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    config = EngineConfig(device="cpu", tensor_parallel_size=2, cpu_kv_cache_gib=0.75 * ram_gib, dtype="float32")
+    model = ModelConfig.from_pretrained(ckpt, dtype="float32")
+    with pytest.raises(InvalidConfigError, match=r"cpu_kv_cache_gib=.*does not fit"):
+        check_kv_cache_fits(config, model)
+    check_kv_cache_fits(attrs.evolve(config, tensor_parallel_size=1), model)  # one rank fits
 
 
 def test_cli_reports_a_broken_checkpoint_in_one_line(ckpt: Path) -> None:

@@ -201,8 +201,10 @@ def _eos_ids(file: Path, value: object) -> list[int]:
 
 def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
     """InvalidConfigError when the KV cache the options ask for cannot fit the device's memory (checked before
-    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash). Blocks
-    are counted in the cache's dtype (``kv_cache_dtype``: one byte an element for "fp8")."""
+    anything is allocated, so an absurd ``num_blocks`` or ``cpu_kv_cache_gib`` is not an allocator crash), or when
+    ``cpu_kv_cache_gib`` holds not even one block. Blocks are counted in the cache's dtype (``kv_cache_dtype``: one
+    byte an element for "fp8"); on the CPU every tensor-parallel rank's share counts against the one host's memory
+    (``cpu_kv_cache_gib`` is each rank's)."""
     import torch
 
     from fnvllm.executor.model_executor import kv_bytes_per_block
@@ -216,12 +218,19 @@ def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
             return  # sized from free memory by the executor
         memory = torch.cuda.get_device_properties(0).total_memory * config.gpu_memory_utilization
         wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
-    else:
+    else:  # every rank of a tensor-parallel CPU run holds its share of each block in the one host's memory
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        ranks = config.tensor_parallel_size
         if config.num_blocks is None:
-            wanted, field = config.cpu_kv_cache_gib * _GIB, f"cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
+            if config.cpu_kv_cache_gib * _GIB < per_block:
+                raise InvalidConfigError(
+                    f"EngineConfig.cpu_kv_cache_gib={config.cpu_kv_cache_gib}: less than one KV block ({per_block} "
+                    f"bytes of {config.block_size} tokens{' on each rank' if ranks > 1 else ''}); give at least "
+                    f"{per_block / _GIB:.3g} GiB, or num_blocks"
+                )
+            wanted, field = config.cpu_kv_cache_gib * _GIB * ranks, f"cpu_kv_cache_gib={config.cpu_kv_cache_gib}"
         else:
-            wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
+            wanted, field = float(config.num_blocks * per_block * ranks), f"num_blocks={config.num_blocks}"
     if wanted > memory:
         raise InvalidConfigError(
             f"EngineConfig.{field}: a KV cache of {wanted / _GIB:.1f} GiB ({per_block} bytes per block of "
