@@ -17,6 +17,7 @@ from fnvllm.model import CheckpointMismatchError, ModelConfig, load_model
 from fnvllm.model.config import CheckpointError
 from fnvllm.model.moe import SparseMoeBlock
 from fnvllm.model.sharding import TensorParallel, check_shardable
+from fnvllm.state import InvalidConfigError
 
 
 def moe_dict(**overrides: Any) -> dict[str, Any]:
@@ -83,7 +84,7 @@ def test_moe_intermediate_size_must_split_over_ranks() -> None:
     """Tensor parallelism splits each expert's intermediate dim, so it must divide by the world size."""
     config = ModelConfig.from_dict(moe_dict(moe_intermediate_size=30, intermediate_size=96))
     check_shardable(config, 2)
-    with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\)"):
+    with pytest.raises(InvalidConfigError, match=r"^EngineConfig\.tensor_parallel_size: moe_intermediate_size \(30\)"):
         check_shardable(config, 4)
 
 

@@ -232,6 +232,9 @@ def test_bad_tensor_parallel_size_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidConfigError, match="tensor_parallel_size"):
         LLM(path, tensor_parallel_size=0, **OPTIONS)
     before = child_pids()
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be a multiple of tensor_parallel_size"):
+    with pytest.raises(
+        InvalidConfigError,
+        match=r"^EngineConfig\.tensor_parallel_size: num_attention_heads \(4\) must be a multiple of tensor_parallel",
+    ):
         LLM(path, tensor_parallel_size=3, **OPTIONS)
     assert child_pids() == before

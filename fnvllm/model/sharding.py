@@ -38,6 +38,7 @@ from torch import nn
 
 from fnvllm.model.config import Fp8Config, ModelConfig
 from fnvllm.model.quant import check_block_aligned, linear_forward, make_fp8, scale_blocks
+from fnvllm.state import InvalidConfigError
 
 # x (T, in), weight (out, in), bias (out,) or None -> (T, out): F.linear, or a kernel with its signature.
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -96,23 +97,28 @@ class WeightTarget:
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:
-    """Raise ValueError naming the field when the model cannot be split over ``world_size`` ranks."""
+    """InvalidConfigError naming ``tensor_parallel_size`` and the model field when the model cannot be split over
+    ``world_size`` ranks (checked before any worker starts)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
-        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of tensor_parallel_size ({world_size})")
+        _unshardable(f"num_attention_heads ({heads}) must be a multiple of tensor_parallel_size ({world_size})")
     if kv_heads % world_size and world_size % kv_heads:
-        raise ValueError(
+        _unshardable(
             f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({world_size}) must divide one another"
         )
     if config.intermediate_size % world_size:
-        raise ValueError(
+        _unshardable(
             f"intermediate_size ({config.intermediate_size}) must be a multiple of tensor_parallel_size ({world_size})"
         )
     if config.moe is not None and config.moe.moe_intermediate_size % world_size:
-        raise ValueError(
+        _unshardable(
             f"moe_intermediate_size ({config.moe.moe_intermediate_size}) must be a multiple of "
             f"tensor_parallel_size ({world_size})"
         )
+
+
+def _unshardable(reason: str) -> None:
+    raise InvalidConfigError(f"EngineConfig.tensor_parallel_size: {reason}")
 
 
 def shard_range(size: int, tp: TensorParallel) -> tuple[int, int]:
