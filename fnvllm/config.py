@@ -138,8 +138,9 @@ class EngineConfig:
         (``fnvllm.executor.tp``) or joins the ``torchrun`` group this process was launched in.
     distributed_timeout_s: longest wait on another tensor-parallel rank (start-up, one step's collectives)
         before rank 0 reports it as failed (seconds, at most a week).
-    quantization: None or "fp8": quantize a 16/32-bit checkpoint's decoder linears to e4m3 with 128 x 128 block
-        scales at load (docs/fp8_weights.md); an FP8 checkpoint is loaded in FP8 whichever is given.
+    quantization: None or "fp8": quantize a 16/32-bit checkpoint's decoder linears to e4m3 at load, one scale per
+        128 output rows (docs/fp8_weights.md); an FP8 checkpoint is loaded in FP8 (its 128 x 128 block scales)
+        whichever is given.
     load_format: "auto" reads the checkpoint's safetensors; "dummy" builds the model from config.json alone and
         fills its weights on the device with seeded random values (matrices N(0, 0.02), norms 1; no weight files
         needed: benchmarks of large shapes, docs/moe.md).
