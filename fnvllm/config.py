@@ -56,11 +56,12 @@ def _backend_name(value: Any) -> str:
 
 
 def _dtype(value: Any) -> str | None:
-    """None, a dtype name (or alias) of DTYPE_NAMES, or a torch dtype (kept as its name, e.g. "bfloat16")."""
-    if value is None:
+    """None or "auto" (vLLM's spelling: both the checkpoint's dtype, stored as None), a dtype name (or alias) of
+    DTYPE_NAMES, or a torch dtype (kept as its name, e.g. "bfloat16")."""
+    if value is None or (isinstance(value, str) and value == "auto"):
         return None
     text = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
-    return check_choice(text, "EngineConfig.dtype", CONFIG, DTYPE_NAMES)
+    return check_choice(text, "EngineConfig.dtype", CONFIG, ("auto", *DTYPE_NAMES))  # "auto" named in the refusal
 
 
 # Each option's check, which also normalises it (numpy scalars to int/float, a torch dtype to its name).
@@ -102,7 +103,7 @@ class EngineConfig:
     cache fits the machine's memory is checked by ``LLM`` once the model's size is known.
 
     dtype: weights/activations dtype ("float32", "bfloat16", "float16" or an alias such as "bf16", or a torch
-        dtype); None = the checkpoint's (``torch_dtype`` in config.json).
+        dtype); None or "auto" = the checkpoint's (``torch_dtype`` in config.json).
     device: "auto" picks CUDA when available, else the CPU.
     block_size: tokens per KV block, in [1, 4096].
     num_blocks: KV blocks, in [1, 2**24]; None = sized from memory (``gpu_memory_utilization`` on GPU,

@@ -196,6 +196,7 @@ def test_engine_config_accepts_numpy_and_torch_values() -> None:
     """Integer and float scalars of numpy, and torch dtypes, are accepted and stored as plain values."""
     config = EngineConfig(block_size=np.int64(8), cpu_kv_cache_gib=np.float32(0.5), dtype=torch.bfloat16, seed=2**63)
     assert (config.block_size, config.cpu_kv_cache_gib, config.dtype) == (8, 0.5, "bfloat16")
+    assert EngineConfig(dtype="auto").dtype is None  # vLLM's spelling of the checkpoint's dtype
     assert type(config.block_size) is int and type(config.cpu_kv_cache_gib) is float
 
 
