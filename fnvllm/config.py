@@ -144,8 +144,8 @@ class EngineConfig:
         whichever is given.
     load_format: "auto" reads the checkpoint's safetensors; "dummy" builds the model from config.json alone and
         fills its weights on the device with seeded random values (matrices N(0, 0.02), norms 1; no weight files
-        needed: benchmarks of large shapes, docs/moe.md). Their seed is fixed (not ``seed``), and each tensor-
-        parallel rank fills its own shard, so the weights differ with tensor_parallel_size.
+        needed: benchmarks of large shapes, docs/moe.md). Their seed is fixed (not ``seed``), and each rank
+        fills its own shard, so the weights differ with tensor_parallel_size.
     """
 
     dtype: str | None = None
