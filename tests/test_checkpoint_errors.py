@@ -164,3 +164,13 @@ def test_cli_reports_a_broken_checkpoint_in_one_line(ckpt: Path) -> None:
     assert len(lines) == 1 and "config.json" in lines[0] and "not valid JSON" in lines[0], result.stderr
     debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=180, env=env, check=False)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_penalty_buffer_larger_than_memory_is_refused_at_build(tmp_path: Path) -> None:
+    """max_num_seqs x max_model_len int32 tokens (the penalties' per-slot buffer, made at the first penalised
+    request on the CPU) beyond the host's memory is refused when the LLM is built, naming both options."""
+    from fnvllm.testing.checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "long", "qwen3", max_position_embeddings=2**21, config_only=True)
+    with pytest.raises(InvalidConfigError, match=r"^EngineConfig\.max_num_seqs x max_model_len: .* 512\.0 GiB"):
+        LLM(path, load_format="dummy", load_tokenizer=False, device="cpu", max_num_seqs=65536, num_blocks=64)

@@ -45,6 +45,7 @@ the last ones + (0 | 1 | 1 | 1) on the device (on a GPU), and ``record`` puts th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import attrs
@@ -53,6 +54,7 @@ import torch
 
 from fnvllm.executor.device_inputs import upload
 from fnvllm.kernels.sampling_ref import penalize_ref
+from fnvllm.state.errors import InvalidConfigError
 from fnvllm.state.plan import StepPlan
 
 SCRATCH_ROWS = 128  # rows of the penalty kernel's count scratch (its programs; more rows are taken in turn)
@@ -196,6 +198,18 @@ def _step_columns(plan: StepPlan, picked: PenalisedRows) -> tuple[np.ndarray, np
     return (starts + fed)[picked.rows], generated[picked.rows]
 
 
+def _check_fits_host(num_bytes: int) -> None:
+    """InvalidConfigError naming max_num_seqs and max_model_len when the token buffer (num_bytes) exceeds the host's
+    memory (on the CPU it is allocated at the first penalised request, where it would fail mid-run)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_bytes > memory:
+        raise InvalidConfigError(
+            f"EngineConfig.max_num_seqs x max_model_len: the per-request token buffer of penalties would take "
+            f"{num_bytes / 2**30:.1f} GiB (int32 for every slot's whole context), more than the host's "
+            f"{memory / 2**30:.1f} GiB; lower max_num_seqs or max_model_len"
+        )
+
+
 class SlotHistory:
     """The per-slot token buffer of one executor (see the module docstring).
 
@@ -213,6 +227,8 @@ class SlotHistory:
         # Move kept columns on the device instead of uploading them: on a GPU an upload (pinned staging, a copy)
         # cost the host ~70 us under cProfile on the H200, an add one launch; on the CPU an upload is a view.
         self.advance = device.type == "cuda"
+        if device.type == "cpu":  # made at the first penalised request: refuse one that could never be made now
+            _check_fits_host(num_slots * max_len * 4)
         if device.type == "cuda":  # before the KV cache is sized, so that it counts them; and no compile mid-run
             self._buffer()
             self.counts = torch.zeros(min(num_slots, SCRATCH_ROWS), vocab_size, dtype=torch.int32, device=device)
