@@ -279,9 +279,9 @@ class OutputProcessor:
             tracker = self.trackers.get(rid)
             if tracker is None:
                 continue  # driven by hand, not tracked
-            ends_here = rid in finished and last.get(rid, i) == i
+            ends_here = (rid in finished and last.get(rid, i) == i) if finished else False  # most steps: none end
             stop_token = ends_here and finished[rid] == "stop"  # EOS or a stop id (the core's token-level stops)
-            text = tracker.add_token(token, shared if lookup is None else lookup(rid), now, stops=stop_token)
+            text = tracker.add_token(token, shared if lookup is None else lookup(rid), now, stop_token)
             stopped = tracker.finish_reason == "stop"
             if stopped and rid not in finished:
                 state = finish(state, rid)  # a stop string ended it; the core only knows token-level stops
