@@ -15,7 +15,7 @@ from fnvllm.cli.bench import resolve_workload
 from fnvllm.config import EngineConfig
 from fnvllm.llm import LLM
 from fnvllm.model import ModelConfig, load_model
-from fnvllm.model.loader import DUMMY_STD, _build_on_meta
+from fnvllm.model.loader import DUMMY_STD, build_on_meta
 from fnvllm.model.ops import TORCH_OPS
 from fnvllm.model.sharding import SINGLE, TensorParallel
 from fnvllm.state import InvalidConfigError, SamplingParams
@@ -133,7 +133,7 @@ def test_qwen3_30b_a3b_config_only_sizes(tmp_path: Path) -> None:
     folder = write_random_checkpoint(tmp_path, "qwen3-30b-a3b", config_only=True)
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json"]
     config = ModelConfig.from_pretrained(folder)
-    model = _build_on_meta(config, TORCH_OPS, SINGLE)
+    model = build_on_meta(config, TORCH_OPS, SINGLE)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert 60e9 < nbytes < 62e9
     assert nbytes < 0.9 * 139.8 * 1024**3 - 20 * 1024**3  # 20 GiB and more left for activations and the cache

@@ -238,3 +238,15 @@ def test_bad_tensor_parallel_size_is_rejected(tmp_path: Path) -> None:
     ):
         LLM(path, tensor_parallel_size=3, **OPTIONS)
     assert child_pids() == before
+
+
+def test_fp8_weights_that_cannot_split_on_scale_blocks_are_refused_before_any_process() -> None:
+    """FP8 weights whose shards would not fall on 128-wide scale blocks (the demo model's 4 heads of 64 over 2
+    ranks) are an InvalidConfigError naming tensor_parallel_size, before any worker starts (it surfaced from a
+    worker, after the spawn, as a TensorParallelError)."""
+    import fnvllm.demo
+
+    before = child_pids()
+    with pytest.raises(InvalidConfigError, match=r"^EngineConfig\.tensor_parallel_size=2: rank \d: FP8 weights"):
+        LLM(fnvllm.demo.model_path(), tensor_parallel_size=2, quantization="fp8", device="cpu", num_blocks=16)
+    assert child_pids() == before

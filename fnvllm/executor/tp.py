@@ -78,7 +78,7 @@ from fnvllm.executor.tp_ranks import (
 )
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.sharding import check_shardable
-from fnvllm.state import StepPlan
+from fnvllm.state import InvalidConfigError, StepPlan
 
 _JOIN_S = 10.0  # a stopped worker's time to exit before it is terminated
 _DYING_S = 2.0  # after a failed collective, how long to wait for the failed worker's exit to show
@@ -225,6 +225,22 @@ class Ranks:
                 dist.destroy_process_group()
 
 
+def check_fp8_shards(model_config: ModelConfig, world: int) -> None:
+    """InvalidConfigError naming tensor_parallel_size when FP8 weights cannot be split over ``world`` ranks on their
+    128-wide scale blocks, found before any worker starts: every rank's modules are built on the meta device (no
+    memory, no init), where the layers check their shards (``quant.check_block_aligned``)."""
+    if model_config.quantization is None:
+        return
+    from fnvllm.model.loader import build_on_meta
+    from fnvllm.model.sharding import TensorParallel
+
+    for rank in range(world):
+        try:
+            build_on_meta(model_config, tp=TensorParallel(rank, world))
+        except ValueError as error:
+            raise InvalidConfigError(f"EngineConfig.tensor_parallel_size={world}: rank {rank}: {error}") from None
+
+
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group: the ``Executor`` that ``LLM`` drives when tensor_parallel_size > 1.
 
@@ -236,6 +252,7 @@ class TensorParallelExecutor:
     def __init__(self, model_path: str | Path, config: EngineConfig, model_config: ModelConfig) -> None:
         world = config.tensor_parallel_size
         check_shardable(model_config, world)
+        check_fp8_shards(model_config, world)
         is_cuda = resolve_device(config.device).type == "cuda"
         if is_cuda and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")

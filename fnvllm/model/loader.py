@@ -83,9 +83,9 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = model_config if dtype is None else attrs.evolve(model_config, dtype=normalize_dtype(dtype))
     if load_format == "dummy":
-        return _materialise(_build_on_meta(config, ops, tp), device, dummy_seed=seed)
+        return _materialise(build_on_meta(config, ops, tp), device, dummy_seed=seed)
     files = checkpoint_files(Path(path))
-    model = _build_on_meta(config, ops, tp)
+    model = build_on_meta(config, ops, tp)
     targets = weight_targets(model)
     check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
     model = _materialise(model, device)
@@ -99,8 +99,9 @@ def load_model(
     return model.requires_grad_(False).eval()
 
 
-def _build_on_meta(config: ModelConfig, ops: ModelOps, tp: TensorParallel) -> DecoderForCausalLM:
-    """The model's modules on the meta device (no init, no memory)."""
+def build_on_meta(config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> DecoderForCausalLM:
+    """The model's modules on the meta device (no init, no memory); building them runs the layers' shape checks
+    (e.g. FP8 shards on scale blocks), so it also checks a rank's slice cheaply."""
     with torch.device("meta"):
         return build_model(config, ops, tp)
 
