@@ -29,6 +29,7 @@ BENCHMARKS = ROOT / "benchmarks"
 # script -> arguments of a small CPU run (tiny shape, few requests)
 CPU_RUNS: dict[str, list[str]] = {
     "bench_core.py": ["--sizes", "16", "--repeats", "1"],
+    "bench_output_routing.py": ["--rows", "4", "--number", "2", "--repeats", "1"],
     "sass_count.py": ["--fp8-path", "mma_v16", "--tile", "64", "--json", "{tmp}/sass.json"],
     "bench_llm.py": ["--model-shape", "tiny", "--num-requests", "2", "--max-input-len", "100", "--max-output-len",
                      "100", "--json"],
