@@ -180,3 +180,47 @@ def test_sigterm_aborts_in_flight_requests_and_exits_zero(server: ServerProcess,
         reasons.extend(c.choices[0].finish_reason for c in stream if c.choices)
     assert "abort" not in reasons and len(reasons) < 400
     assert server.terminate(timeout=60) == 0, server.log()[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_a_dead_engine_process_shuts_the_server_down_with_exit_1(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The engine process killed (-9) under a running server: the server shuts down by itself and exits 1 with one
+    line saying why, so that a supervisor restarts it (it served 503s forever and exited 0 on SIGTERM)."""
+    import signal
+    import time
+
+    checkpoint = write_family(tmp_path_factory.mktemp("serve-dies"), "qwen3")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    log = tmp_path_factory.mktemp("serve-dies-log") / "server.log"
+    with ServerProcess([str(checkpoint), *FLAGS], log, env=env) as proc:
+        assert proc.proc is not None
+        # the engine process (``fnvllm serve`` runs one by default), not multiprocessing's resource tracker
+        [engine] = [c for c in _children(proc.proc.pid) if b"resource_tracker" not in _cmdline(c)]
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while proc.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.proc.returncode == 1, proc.log()[-3000:]
+        assert "the engine stopped while serving; the server shut down" in proc.log()
+        assert "Traceback" not in proc.log()

@@ -7,6 +7,7 @@ temp folder. ``--port 0`` picks a free port; the line ``listening on http://HOST
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -107,10 +108,16 @@ def _reserve_port(args: argparse.Namespace) -> Any:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
 
 
+def _stop_quietly(engine: Any) -> None:
+    """Stop a loaded engine whose server could not start (its process, or its thread), ignoring its errors."""
+    with contextlib.suppress(Exception):  # already failing: the listen error is the one to report
+        engine.stop()
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the flags, load the model, then serve until SIGINT/SIGTERM (exit 0)."""
     try:
-        from fnvllm.serve import EngineStartupError, serve
+        from fnvllm.serve import EngineStartupError, EngineStoppedError, serve
     except ImportError as error:
         raise CLIError(f"fnvllm serve needs the [serve] extra (pip install 'fnvllm[serve]'): {error}") from None
     check_flags(args)
@@ -126,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot load {path}: {error}") from None
     print(
         f"fnvllm serve: model {name!r} from {path}: device {device}, attention {backend}, "
-        f"{cfg.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len {cfg.max_model_len}"
+        f"{cfg.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len {engine.max_total_tokens}"
+        + (f" (the KV pool's; the model's {cfg.max_model_len})" if engine.max_total_tokens < cfg.max_model_len else "")
         + ("" if args.engine_thread else " (engine in its own process)"),
         flush=True,
     )
@@ -152,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
         )
     except OSError as error:
+        _stop_quietly(engine)
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+    except EngineStoppedError as error:
+        raise CLIError(f"{error} (exit 1, so that a supervisor restarts it)") from None
     print("fnvllm serve: stopped", file=sys.stderr, flush=True)
     return 0
 

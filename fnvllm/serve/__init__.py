@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from fnvllm.serve.app import build_app
     from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, EngineSnapshot
     from fnvllm.serve.engine_process import EngineStartupError, ProcessEngine
-    from fnvllm.serve.server import serve
+    from fnvllm.serve.server import EngineStoppedError, serve
     from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
 
 # Public name -> the module that defines it. Imported on first use (PEP 562), so the modules that need no web
@@ -37,6 +37,7 @@ _EXPORTS = {
     "EngineOverloaded": "async_engine",
     "EngineSnapshot": "async_engine",
     "EngineStartupError": "engine_process",
+    "EngineStoppedError": "server",
     "ProcessEngine": "engine_process",
     "RequestStream": "stream",
     "TokenEvent": "stream",
@@ -50,6 +51,7 @@ __all__ = [
     "EngineOverloaded",
     "EngineSnapshot",
     "EngineStartupError",
+    "EngineStoppedError",
     "ProcessEngine",
     "RequestStream",
     "TokenEvent",
