@@ -67,3 +67,27 @@ def test_finished_streams_return_their_choices_and_abort_nothing() -> None:
         ("b1", (7,), "length"),
     ]
     assert aborted == [] and reported == []
+
+
+def test_a_stream_interval_never_holds_the_last_event() -> None:
+    """``--stream-interval-ms``: after a chunk the stream pauses for the interval (an hour here), but the event that
+    ends it cuts the pause short, so the end goes out at once (it waited out the interval before)."""
+    from fnvllm.serve.formats import CompletionFormat
+    from fnvllm.serve.sse import StreamPlan, events
+
+    async def run() -> list[str]:
+        stream = RequestStream("r", (1,), asyncio.get_running_loop())
+        stream.push(TokenEvent("a", (5,), (), None))
+        plan = StreamPlan(None, include_usage=False, continuous_usage=False, logprobs=False, num_prompt_tokens=1,
+                          interval_s=3600.0)  # fmt: skip
+        lines = events(CompletionFormat("id", "m", None), [stream], plan)
+        first = await lines.__anext__()
+        asyncio.get_running_loop().call_later(0.05, stream.push, TokenEvent("b", (6,), (), "length"))
+        rest = await asyncio.wait_for(_all(lines), timeout=30)  # TimeoutError if the pause held the end
+        return [first, *rest]
+
+    async def _all(lines: Any) -> list[str]:
+        return [line async for line in lines]
+
+    lines = asyncio.run(run())
+    assert lines[-1] == "data: [DONE]\n\n" and '"finish_reason":"length"' in lines[-2]

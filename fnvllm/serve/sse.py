@@ -110,7 +110,7 @@ async def _one(stream: RequestStream, interval_s: float) -> AsyncIterator[Read]:
             event = await stream.drain()
             yield 0, event
             if interval_s > 0 and event.finish_reason is None:
-                await asyncio.sleep(interval_s)
+                await stream.pause(interval_s)  # ends early when the last event comes: it goes out at once
     except EngineFailure as failure:
         yield 0, failure
 

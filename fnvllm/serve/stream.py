@@ -61,6 +61,7 @@ class RequestStream:
         self.aloop = aloop
         self._items: deque[Item] = deque()  # event loop thread only
         self._waiter: asyncio.Future[None] | None = None
+        self._pause: asyncio.Future[None] | None = None  # ``pause``'s wait, ended early by the last event
         self._closed = False  # engine side: the last event was sent
 
     def put(self, item: Item) -> None:
@@ -76,10 +77,25 @@ class RequestStream:
         return True
 
     def push(self, item: Item) -> None:
-        """Event loop side: queue ``item`` and wake the consumer."""
+        """Event loop side: queue ``item`` and wake the consumer (and end a ``pause`` when it is the last)."""
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self._pause is not None and not self._pause.done() and _is_last(item):
+            self._pause.set_result(None)
+
+    async def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (``--stream-interval-ms``: let several steps' tokens gather into one chunk), or until the
+        last event arrives: the end of a stream is sent at once, never held for the interval."""
+        if any(map(_is_last, self._items)):
+            return
+        self._pause = pause = self.aloop.create_future()
+        timer = self.aloop.call_later(seconds, _settle, pause)
+        try:
+            await pause
+        finally:
+            timer.cancel()
+            self._pause = None
 
     async def drain(self) -> TokenEvent:
         """Every event that has arrived (waiting for one), merged; raises ``EngineFailure`` if one is a failure
@@ -118,6 +134,15 @@ class RequestStream:
             raise item
         self.finished = item.finish_reason is not None
         return item
+
+
+def _is_last(item: Item) -> bool:
+    return isinstance(item, EngineFailure) or item.finish_reason is not None
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def deliver(items: Iterable[tuple[RequestStream, Item]]) -> None:
