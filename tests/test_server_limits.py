@@ -158,6 +158,7 @@ def test_health_answers_while_a_prompt_is_being_tokenized(live: tuple[str, Gated
         (["--stream-interval-ms", "nan"], "--stream-interval-ms"),
         (["--max-request-bytes", "0"], "--max-request-bytes"),
         (["--served-model-name", " "], "--served-model-name"),
+        (["--api-key", ""], "--api-key"),  # would turn authentication off
         (["--block-size", "0"], "block_size"),
     ],
 )

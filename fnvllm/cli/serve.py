@@ -96,6 +96,8 @@ def check_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--host", args.host), ("--served-model-name", args.served_model_name)):
         if value is not None and not value.strip():
             raise CLIError(f"{flag} must not be empty", code=2)
+    if args.api_key is not None and not args.api_key.strip():  # an empty key would turn authentication off
+        raise CLIError("--api-key (or $FNVLLM_API_KEY) must not be empty; unset it to serve without a key", code=2)
 
 
 def _reserve_port(args: argparse.Namespace) -> Any:
