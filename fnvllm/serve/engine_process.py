@@ -19,9 +19,12 @@ False, so ``/health`` reports it). If this process dies, the child reads end-of-
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import signal
+import sys
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -67,27 +70,40 @@ class StartupFailed:
     message: str
 
 
+def _die_with_parent() -> None:
+    """On Linux, have the kernel SIGTERM this process when the server dies (``prctl(PR_SET_PDEATHSIG)``): a server
+    killed while the model loads (before it can stop us by the pipe) must not leave the engine loading, holding
+    the GPU, as an orphan. Elsewhere a no-op: the pipe's EOF stops the engine once it serves."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def _child_main(conn: Connection, model: str, options: dict[str, Any], load_tokenizer: bool) -> None:
     """The engine process: build the engine, report Ready, serve commands until STOP or until the server is
     gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us by pipe
+    _die_with_parent()
     try:
         from fnvllm.config import EngineConfig
         from fnvllm.engine.build import build_engine
 
         parts = build_engine(model, EngineConfig.from_options(options), load_tokenizer=load_tokenizer)
     except Exception as error:
-        conn.send(StartupFailed(f"{type(error).__name__}: {error}"))
+        with contextlib.suppress(OSError):  # the server is gone: nobody to tell
+            conn.send(StartupFailed(f"{type(error).__name__}: {error}"))
         return
     backend = parts.executor.backend
-    conn.send(
-        Ready(
-            parts.engine.config,
-            str(parts.executor.device),
-            getattr(backend, "name", str(backend)),
-            parts.tokenizer is not None,
-        )
-    )
+    ready = Ready(
+        parts.engine.config, str(parts.executor.device), getattr(backend, "name", str(backend)),
+        parts.tokenizer is not None,
+    )  # fmt: skip
+    try:
+        conn.send(ready)
+    except OSError:  # the server went away while the model loaded (a signal): nothing to serve
+        parts.close()
+        return
     core = EngineWorker(parts.loop, conn.send, parts.detokenizer)
 
     def take_commands(block: bool) -> list[Command]:
