@@ -73,7 +73,9 @@ class StartupFailed:
 def _die_with_parent() -> None:
     """On Linux, have the kernel SIGTERM this process when the server dies (``prctl(PR_SET_PDEATHSIG)``): a server
     killed while the model loads (before it can stop us by the pipe) must not leave the engine loading, holding
-    the GPU, as an orphan. Elsewhere a no-op: the pipe's EOF stops the engine once it serves."""
+    the GPU, as an orphan. Elsewhere a no-op: the pipe's EOF stops the engine once it serves. The kernel ties the
+    signal to the thread that started this process, so a ProcessEngine must be made on a thread that outlives it
+    (the main thread, as ``fnvllm serve`` does)."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
@@ -130,7 +132,8 @@ class ProcessEngine(AsyncEngine):
     model / options / load_tokenizer: what the child builds (``LLM(model, load_tokenizer=..., **options)``).
     tokenizer: this process's own copy, for text prompts and chat templates (the child detokenizes with its own).
     The constructor returns once the model is loaded; raises ``EngineStartupError`` if it could not be, or if the
-    child did not answer within ``startup_timeout_s``.
+    child did not answer within ``startup_timeout_s``. On Linux the child is stopped when the thread that made it
+    ends (``_die_with_parent``): make it on a thread that outlives it, such as the main thread.
     """
 
     def __init__(
