@@ -189,3 +189,17 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixtur
     out, err = capsys.readouterr()
     assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
     assert "fnvllm serve: model" not in out
+
+
+def test_the_tool_call_parser_flag_lists_the_parsers() -> None:
+    """``--tool-call-parser``'s choices are the server's parsers (spelled out in the CLI, so --help needs no extra),
+    and vLLM's ``--enable-auto-tool-choice`` is accepted."""
+    from fnvllm.cli import build_parser
+    from fnvllm.cli.serve import TOOL_PARSER_NAMES
+    from fnvllm.serve.tool_parsers import TOOL_PARSERS
+
+    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS)
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"])
+    assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])

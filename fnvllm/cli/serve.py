@@ -77,6 +77,11 @@ MAX_PORT = 65535
 MAX_STREAM_INTERVAL_MS = 60_000.0
 
 
+# ``fnvllm.serve.tool_parsers.TOOL_PARSERS``' names, spelled out so that ``--help`` needs no [serve] extra
+# (tests/test_server_limits.py checks that the two agree).
+TOOL_PARSER_NAMES = ("hermes",)
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse out-of-range serve flags (exit 2, one line naming the flag) before anything is loaded."""
     from fnvllm.serve.limits import MAX_REQUEST_BYTES_LIMIT
@@ -160,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             sock=sock,
             reasoning_parser=args.reasoning_parser,
+            tool_parser=args.tool_call_parser,
         )
     except OSError as error:
         _stop_quietly(engine)
@@ -199,6 +205,17 @@ def register(sub: Any) -> None:
         choices=["qwen3"],
         default=None,
         help="split chat output's <think>...</think> into message.reasoning_content (default: off)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSER_NAMES),
+        default="hermes",
+        help="the format chat tool calls are parsed from: <tool_call>{json}</tool_call> (Qwen, Hermes; default)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: tool_choice 'auto' is always available here",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(

@@ -24,6 +24,7 @@ from fnvllm.serve.async_engine import AsyncEngine
 from fnvllm.serve.errors import APIError, internal, model_not_found, unauthorized
 from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
 from fnvllm.serve.metrics import ServerMetrics
+from fnvllm.serve.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
@@ -36,18 +37,22 @@ def build_app(
     stream_interval_s: float = 0.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     reasoning_parser: str | None = None,
+    tool_parser: str = "hermes",
 ) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
     ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
     startup and stops it at shutdown. ``stream_interval_s``: least time between two chunks of one stream (0: a
     chunk per engine step). ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
     ``reasoning_parser``: split chat output into reasoning_content and content (``tool_parsers.REASONING_PARSERS``).
+    ``tool_parser``: the format chat tool calls are parsed from (a key of ``tool_parsers.TOOL_PARSERS``).
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
     if engine.observer is None:
         engine.observer = metrics
-    served = handlers.Served(engine, model_name, stream_interval_s, reasoning_parser)
+    if tool_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_parser!r}")
+    served = handlers.Served(engine, model_name, stream_interval_s, reasoning_parser, tool_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

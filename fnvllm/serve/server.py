@@ -83,13 +83,15 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sock: socket.socket | None = None,
     reasoning_parser: str | None = None,
+    tool_parser: str = "hermes",
     **uvicorn_options: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM, or until the engine stops (then EngineStoppedError);
     ``on_listening(host, port)`` runs once the socket listens (before the first request can be answered).
-    ``stream_interval_s``, ``max_request_bytes``: see ``build_app``. ``sock``: a socket already bound to host:port
-    (``bind(..., listen=False)``, so that a port in use is found before the model loads); else one is bound here."""
-    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser)
+    ``stream_interval_s``, ``max_request_bytes``, ``reasoning_parser``, ``tool_parser``: see ``build_app``.
+    ``sock``: a socket already bound to host:port (``bind(..., listen=False)``, so that a port in use is found
+    before the model loads); else one is bound here."""
+    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser, tool_parser)
     sock = sock if sock is not None else bind(host, port)
     # Listen before announcing it: a client that connects on the line then waits in the backlog, never refused.
     # (A reserved port can also be taken meanwhile by another process's reservation; listening finds that here.)
