@@ -190,3 +190,22 @@ def test_progress_is_plain_lines_off_a_terminal_and_one_rewritten_line_on_one() 
         text = out.getvalue()
         assert text.count("\n") == expected_lines and "bench: 1/4 requests done, 10 output tokens" in text
         assert ("\r" in text) == isinstance(out, _Terminal)
+
+
+def test_several_served_names_are_each_accepted(llm: LLM) -> None:
+    """Several served names (vLLM's ``--served-model-name a b``): a request may name any, responses carry the
+    first, /v1/models lists each and retrieves each; another name is a 404. The CLI flag takes several too."""
+    from fnvllm.cli import build_parser
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    app = build_app(AsyncEngine(llm.loop, None), "main", model_aliases=["alias", "main"])
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["main", "alias"]
+        assert client.get("/v1/models/alias").json()["id"] == "alias"
+        for name in ("main", "alias"):
+            answer = client.post("/v1/completions", json={**body, "model": name})
+            assert answer.status_code == 200 and answer.json()["model"] == "main"
+        assert client.post("/v1/completions", json={**body, "model": "other"}).status_code == 404
+    llm.loop.on_step = None
+    args = build_parser().parse_args(["serve", "MODEL", "--served-model-name", "a", "b", "--port", "0"])
+    assert args.served_model_name == ["a", "b"] and args.model == "MODEL"

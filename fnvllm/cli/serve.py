@@ -98,7 +98,7 @@ def check_flags(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--max-request-bytes must be in [1, {MAX_REQUEST_BYTES_LIMIT}], got {args.max_request_bytes}", code=2
         )
-    for flag, value in (("--host", args.host), ("--served-model-name", args.served_model_name)):
+    for flag, value in (("--host", args.host), *(("--served-model-name", n) for n in args.served_model_name or ())):
         if value is not None and not value.strip():
             raise CLIError(f"{flag} must not be empty", code=2)
     if args.api_key is not None and not args.api_key.strip():  # an empty key would turn authentication off
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     engine_options(args)  # validated by EngineConfig: a bad value exits 2 here, naming the field
 
     path, default_name = _resolve_model(args)
-    name = args.served_model_name or default_name
+    name, *aliases = args.served_model_name or [default_name]
     sock = _reserve_port(args)  # a port in use is an error now, not after minutes of loading
     try:
         engine, device, backend, cfg, has_tokenizer = _start_engine(args, path)
@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             sock=sock,
             reasoning_parser=args.reasoning_parser,
             tool_parser=args.tool_call_parser,
+            model_aliases=aliases,
         )
     except OSError as error:
         _stop_quietly(engine)
@@ -184,8 +185,9 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
     key_help = "require 'Authorization: Bearer KEY' on every route but /health (default: $FNVLLM_API_KEY)"
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
-    name_help = "the model name clients send (default: MODEL as given; fnvllm-demo for the demo model)"
-    p.add_argument("--served-model-name", help=name_help)
+    name_help = "the model name clients send (default: MODEL as given; fnvllm-demo for the demo model); several "
+    name_help += "names: any is accepted, the first is the one responses carry"
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help=name_help)
     p.add_argument("--max-waiting", type=int, default=None, help="answer 503 while this many requests wait (>= 1)")
     p.add_argument(
         "--max-request-bytes",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -38,6 +38,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     reasoning_parser: str | None = None,
     tool_parser: str = "hermes",
+    model_aliases: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
     ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
@@ -45,6 +46,8 @@ def build_app(
     chunk per engine step). ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
     ``reasoning_parser``: split chat output into reasoning_content and content (``tool_parsers.REASONING_PARSERS``).
     ``tool_parser``: the format chat tool calls are parsed from (a key of ``tool_parsers.TOOL_PARSERS``).
+    ``model_aliases``: more names clients may ask for (vLLM's several ``--served-model-name``s); responses name the
+    model ``model_name``, and /v1/models lists every name.
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
@@ -52,7 +55,8 @@ def build_app(
         engine.observer = metrics
     if tool_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_parser!r}")
-    served = handlers.Served(engine, model_name, stream_interval_s, reasoning_parser, tool_parser)
+    names = (model_name, *(a for a in dict.fromkeys(model_aliases) if a != model_name))
+    served = handlers.Served(engine, model_name, stream_interval_s, reasoning_parser, tool_parser, frozenset(names))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,15 +87,15 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
-        """The one model this server serves."""
-        return {"object": "list", "data": [model_card(engine, model_name, created)]}
+        """The model this server serves, once under each of its names."""
+        return {"object": "list", "data": [model_card(engine, name, created) for name in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, object]:
         """The served model by its id (``openai``'s ``models.retrieve``); any other id is a 404."""
-        if model_id != model_name:
+        if model_id not in names:
             raise model_not_found(model_id, model_name)
-        return model_card(engine, model_name, created)
+        return model_card(engine, model_id, created)
 
     @app.get("/health")
     async def health() -> Response:

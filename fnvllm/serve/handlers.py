@@ -57,6 +57,7 @@ class Served:
     stream_interval_s: float = 0.0
     reasoning_parser: str | None = None
     tool_parser: str = "hermes"
+    names: frozenset[str] = frozenset()  # every name clients may ask for (model_name's too); empty: model_name only
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
@@ -199,7 +200,7 @@ def _copies(params: SamplingParams, num: int) -> list[SamplingParams]:
 
 
 def _check(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
-    if model is not None and model != served.model_name:
+    if model is not None and model != served.model_name and model not in served.names:
         raise model_not_found(model, served.model_name)
     check_supported()
 

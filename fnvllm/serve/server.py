@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -84,14 +84,18 @@ def serve(
     sock: socket.socket | None = None,
     reasoning_parser: str | None = None,
     tool_parser: str = "hermes",
+    model_aliases: Sequence[str] = (),
     **uvicorn_options: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM, or until the engine stops (then EngineStoppedError);
     ``on_listening(host, port)`` runs once the socket listens (before the first request can be answered).
-    ``stream_interval_s``, ``max_request_bytes``, ``reasoning_parser``, ``tool_parser``: see ``build_app``.
+    ``stream_interval_s``, ``max_request_bytes``, ``reasoning_parser``, ``tool_parser``, ``model_aliases``: see
+    ``build_app``.
     ``sock``: a socket already bound to host:port (``bind(..., listen=False)``, so that a port in use is found
     before the model loads); else one is bound here."""
-    app = build_app(engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser, tool_parser)
+    app = build_app(
+        engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser, tool_parser, model_aliases
+    )
     sock = sock if sock is not None else bind(host, port)
     # Listen before announcing it: a client that connects on the line then waits in the backlog, never refused.
     # (A reserved port can also be taken meanwhile by another process's reservation; listening finds that here.)
