@@ -63,7 +63,7 @@ def client(server: ServerProcess) -> Any:
 
 def test_echo_with_logprobs_scores_the_prompt_like_hf(client: Any, checkpoint: Path) -> None:
     """max_tokens 0 with echo and logprobs: the prompt's text, its tokens' logprobs (null first) equal to HF's
-    log-softmax, top_logprobs of the asked size, and no completion tokens."""
+    log-softmax, top_logprobs of the asked size (plus the token itself), and no completion tokens."""
     out = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=2)
     choice = out.choices[0]
     assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(PROMPT_IDS)
@@ -75,7 +75,8 @@ def test_echo_with_logprobs_scores_the_prompt_like_hf(client: Any, checkpoint: P
         ref = hf_model(checkpoint)(torch.tensor([PROMPT_IDS])).logits[0].double().log_softmax(-1)
     expected = [ref[p - 1, PROMPT_IDS[p]].item() for p in range(1, len(PROMPT_IDS))]
     assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
-    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    # the 2 most likely tokens, and the prompt's own token when it is not among them (OpenAI: up to logprobs + 1)
+    assert all(len(top) <= 3 and token in top for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
 
 
 def test_echo_with_logprobs_then_generates(client: Any) -> None:
