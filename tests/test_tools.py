@@ -35,6 +35,8 @@ OUTPUTS = [
     "Sure. " + CALL + " after",
     CALL + "\n\n" + CALL + "\n",
     "<tool_call>bad</tool_call>\n\nthen " + CALL,
+    "Sure. " + CALL + '\n<tool_call>\n{"name": "get_w',  # a second call cut by max_tokens: dropped
+    "x <tool_call>bad</tool_call> " + CALL + " <tool_call>{",  # a bad closed call stays, the cut one goes
 ]
 TOOLS = [
     ToolSpec.model_validate(
@@ -161,3 +163,14 @@ def test_streamed_chat_sends_no_chunk_for_held_tokens(reasoning: bool) -> None:
     assert content == whole["content"] == "Sure.  done"
     assert [c["function"]["arguments"] for c in calls] == [c["function"]["arguments"] for c in whole["tool_calls"]]
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_call_cut_short_after_calls_is_dropped_not_content() -> None:
+    """A last call that never closes (max_tokens) after parsed calls is dropped, streamed or whole, as vLLM does;
+    alone, an unclosed call stays content (there is nothing else to show)."""
+    cut = "Sure. " + CALL + '\n<tool_call>\n{"name": "get_w'
+    whole = ChatOutputParser(HermesToolParser(), None).parse(cut)
+    assert whole["content"] == "Sure. " and len(whole["tool_calls"]) == 1
+    assert _streamed(cut, list(range(1, len(cut))), tools=True, reasoning=False)["content"] == "Sure. "
+    alone = '<tool_call>\n{"name": "f"'
+    assert ChatOutputParser(HermesToolParser(), None).parse(alone)["content"] == alone

@@ -195,7 +195,7 @@ class ChatOutputParser:
             message["content"] = rest
             if self.calls:
                 message["tool_calls"] = [c.to_json() for c in self.calls]
-                message["content"] = rest or None
+                message["content"] = _without_unclosed_call(rest, self.tools) or None
         return message
 
     def feed(self, text: str) -> dict[str, Any]:
@@ -207,9 +207,12 @@ class ChatOutputParser:
         return delta
 
     def finish(self) -> dict[str, Any]:
-        """The delta fields of whatever is still held when the output ends (an unclosed call is content)."""
+        """The delta fields of whatever is still held when the output ends. An unclosed call is content, unless
+        calls came before it: then it is a call cut short (max_tokens) and is dropped, as vLLM drops it."""
         delta: dict[str, Any] = {}
         held, self._pending = self._pending, ""
+        if self._mode == "call" and self.calls:
+            return delta
         _add(delta, "reasoning_content" if self._mode == "reasoning" else "content", held)
         return delta
 
@@ -280,6 +283,12 @@ class ChatOutputParser:
             delta.setdefault("tool_calls", []).append(call.to_json(len(self.calls)))
             self.calls.append(call)
         return True
+
+
+def _without_unclosed_call(text: str, tools: HermesToolParser) -> str:
+    """``text`` (the content outside well-formed calls) without a last call that opens and never closes."""
+    start = text.rfind(tools.start)
+    return text[:start] if start >= 0 and text.find(tools.end, start) < 0 else text
 
 
 def _add(delta: dict[str, Any], key: str, text: str) -> None:
