@@ -102,6 +102,8 @@ def test_a_server_without_tokenizer_streams_token_ids(tokenizer_less: TestClient
     assert len(chunks) > 1 and chunks[-1]["finish_reason"] == "length"
     error = tokenizer_less.post("/v1/completions", json={**body, "prompt": "text"})
     assert error.status_code == 400 and error.json()["error"]["param"] == "prompt"
+    stop = tokenizer_less.post("/v1/completions", json={**body, "stop": ["x"]})  # no text to find it in
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop"
 
 
 def test_a_stream_interval_batches_tokens_into_fewer_chunks(llm: LLM) -> None:

@@ -208,6 +208,7 @@ def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
     import torch
 
     from fnvllm.executor.model_executor import kv_bytes_per_block
+    from fnvllm.executor.threads import host_memory_bytes
     from fnvllm.kernels.fp8 import kv_cache_torch_dtype
 
     kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.torch_dtype)
@@ -219,7 +220,7 @@ def check_kv_cache_fits(config: EngineConfig, model: ModelConfig) -> None:
         memory = torch.cuda.get_device_properties(0).total_memory * config.gpu_memory_utilization
         wanted, field = float(config.num_blocks * per_block), f"num_blocks={config.num_blocks}"
     else:  # every rank of a tensor-parallel CPU run holds its share of each block in the one host's memory
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        memory = float(host_memory_bytes())
         ranks = config.tensor_parallel_size
         if config.num_blocks is None:
             if config.cpu_kv_cache_gib * _GIB < per_block:

@@ -24,16 +24,22 @@ Conversation = Sequence[Mapping[str, Any]]
 def detokenizer_for(
     tokenizer: Any | None, prompt_ids: tuple[int, ...], params: SamplingParams
 ) -> IncrementalDetokenizer | None:
-    """The incremental detokenizer of one request under ``tokenizer`` (None without one). Stop strings without a
-    tokenizer are an InvalidRequestError naming ``SamplingParams.stop``: there is no text to find them in."""
+    """The incremental detokenizer of one request under ``tokenizer`` (None without one); raises as
+    ``check_stop_strings`` does."""
+    check_stop_strings(tokenizer, params)
     if tokenizer is None:
-        if params.stop:
-            raise InvalidRequestError(
-                "SamplingParams.stop: stop strings need a tokenizer (there is no text without one); "
-                f"use stop_token_ids, got {params.stop!r}"
-            )
         return None
     return IncrementalDetokenizer(tokenizer, prompt_ids, True, params.stop, params.include_stop_str_in_output)
+
+
+def check_stop_strings(tokenizer: Any | None, params: SamplingParams) -> None:
+    """Stop strings without a tokenizer are an InvalidRequestError naming ``SamplingParams.stop``: there is no
+    text to find them in."""
+    if tokenizer is None and params.stop:
+        raise InvalidRequestError(
+            "SamplingParams.stop: stop strings need a tokenizer (there is no text without one); "
+            f"use stop_token_ids, got {params.stop!r}"
+        )
 
 
 DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]

@@ -45,7 +45,6 @@ the last ones + (0 | 1 | 1 | 1) on the device (on a GPU), and ``record`` puts th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import attrs
@@ -53,6 +52,7 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
+from fnvllm.executor.threads import host_memory_bytes
 from fnvllm.kernels.sampling_ref import penalize_ref
 from fnvllm.state.errors import InvalidConfigError
 from fnvllm.state.plan import StepPlan
@@ -201,7 +201,7 @@ def _step_columns(plan: StepPlan, picked: PenalisedRows) -> tuple[np.ndarray, np
 def _check_fits_host(num_bytes: int) -> None:
     """InvalidConfigError naming max_num_seqs and max_model_len when the token buffer (num_bytes) exceeds the host's
     memory (on the CPU it is allocated at the first penalised request, where it would fail mid-run)."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = host_memory_bytes()
     if num_bytes > memory:
         raise InvalidConfigError(
             f"EngineConfig.max_num_seqs x max_model_len: the per-request token buffer of penalties would take "

@@ -57,6 +57,11 @@ def cpu_threads_for(num_params: int, world_size: int = 1, default_threads: int =
     return max(1, default_threads // world_size)
 
 
+def host_memory_bytes() -> int:
+    """The host's physical memory, in bytes (what a CPU KV cache and the CPU buffers are checked against)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def set_cpu_threads(device: torch.device, config: Any, world_size: int = 1) -> int | None:
     """Set torch's intra-op thread count for a model run on the CPU; returns the count set, or None when nothing
     was changed (a GPU device, or a count the user chose)."""

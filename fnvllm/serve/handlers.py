@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from fnvllm.engine.text import render_chat
+from fnvllm.engine.text import check_stop_strings, render_chat
 from fnvllm.executor.base import TokenLogprobs
 from fnvllm.serve import sse
 from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, Submission
@@ -162,9 +162,10 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
         else:
             prompts.append((prompt, _decode(served.engine, prompt) if body.echo else None))
     params = _sampling_params(body.sampling_params, body.aliases())
-    if served.engine.tokenizer is None and params.stop:
-        raise bad_request("stop: this server has no tokenizer, so no text to find stop strings in; use "
-                          "stop_token_ids", "stop")  # fmt: skip
+    try:
+        check_stop_strings(served.engine.tokenizer, params)  # refused now (a 400), not when the engine adds it
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
     copies = _copies(params, body.num_candidates)
     return Prepared(
         prompts, copies * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),

@@ -41,6 +41,7 @@ from fnvllm.sim.workloads import (
 )
 from fnvllm.state import CoreConfig, EngineState, StepOutput, StepPlan
 from fnvllm.state.config import MAX_NUM_SEQS, MAX_SIZE
+from fnvllm.state.request import kv_blocks_needed
 
 _GIB = 1 << 30
 _EOS_ID, _FILLER_ID = 0, 3
@@ -261,7 +262,7 @@ def check_pool_fits(requests: Sequence[SimRequest], config: CoreConfig) -> None:
     before anything is simulated (the engine would refuse it when it arrives, mid-run)."""
     bs = config.block_size
     for request in requests:
-        blocks = -(-(request.prompt_len + request.output_len - 1) // bs)  # the last token's KV is never written
+        blocks = kv_blocks_needed(bs, request.prompt_len, request.output_len)
         if blocks > config.num_blocks:
             raise SimInputError(
                 f"a request of {request.prompt_len} prompt + {request.output_len} output tokens (arriving at "

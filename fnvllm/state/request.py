@@ -88,6 +88,12 @@ def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
         raise fail(REQUEST, "SamplingParams.logit_bias", f"token ids in [0, {vocab}) (the vocabulary)", biased)
 
 
+def kv_blocks_needed(block_size: int, prompt_len: int, max_tokens: int) -> int:
+    """KV blocks a request takes at its longest: every token but the last generated one (whose KV is never
+    written) has a slot. Example: block size 4, prompt 5, max_tokens 4 -> 8 slots -> 2 blocks."""
+    return -(-(prompt_len + max_tokens - 1) // block_size)
+
+
 def _check_size(config: CoreConfig, prompt_len: int, max_tokens: int) -> None:
     """The request fits max_model_len and, at its longest, the KV pool. The field named is the one to change: the
     prompt when it leaves no room for even one output token, else max_tokens."""
@@ -104,7 +110,7 @@ def _check_size(config: CoreConfig, prompt_len: int, max_tokens: int) -> None:
             f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} exceeds "
             f"max_model_len ({config.max_model_len}): at most {config.max_model_len - prompt_len} for this prompt",
         )
-    blocks = -(-(total - 1) // config.block_size)  # the last generated token's KV is never written
+    blocks = kv_blocks_needed(config.block_size, prompt_len, max_tokens)
     if blocks > config.num_blocks:
         prompt_blocks = -(-prompt_len // config.block_size)  # the prompt and one output token
         raise _reject(
