@@ -254,11 +254,13 @@ def test_non_streaming_client_that_gives_up_aborts_the_request(server: ServerPro
 
 
 def test_api_key_is_enforced(server: ServerProcess) -> None:
-    """Every route but /health needs the Bearer key: 401 with OpenAI error JSON otherwise."""
+    """Every /v1 route needs the Bearer key: 401 with OpenAI error JSON otherwise; /health and /metrics are open
+    (as in vLLM: scrapers carry no token)."""
     url = server.base_url
     assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
     refused = ["Bearer wrong", API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x", f"Bearer  {API_KEY}", ""]
-    for path in ("/v1/models", "/metrics"):
+    for path in ("/v1/models", "/v1/models/tiny"):
         for value in refused:
             response = httpx.get(f"{url}{path}", headers={"Authorization": value})
             assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"

@@ -18,6 +18,7 @@ from fnvllm.cli import CLIError
 from fnvllm.cli._common import add_engine_args, engine_options, one_line_errors
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # fnvllm.serve.limits' default (that module needs the [serve] extra)
+DEFAULT_HEALTH_STALL_S = 300.0  # fnvllm.serve.app's default (tests/test_serve_health_metrics.py checks they agree)
 
 
 def _tiny_random_model() -> Path:
@@ -82,8 +83,14 @@ MAX_STREAM_INTERVAL_MS = 60_000.0
 TOOL_PARSER_NAMES = ("hermes",)
 
 
+def seconds_or_none(text: str) -> float | None:
+    """``--health-stall-s``'s value: a number of seconds, or ``none`` (no stall check)."""
+    return None if text.strip().lower() == "none" else float(text)
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse out-of-range serve flags (exit 2, one line naming the flag) before anything is loaded."""
+    from fnvllm.serve.app import check_health_stall_s
     from fnvllm.serve.limits import MAX_REQUEST_BYTES_LIMIT
 
     if not 0 <= args.port <= MAX_PORT:
@@ -98,6 +105,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--max-request-bytes must be in [1, {MAX_REQUEST_BYTES_LIMIT}], got {args.max_request_bytes}", code=2
         )
+    try:
+        check_health_stall_s(args.health_stall_s, "--health-stall-s")
+    except ValueError as error:
+        raise CLIError(str(error), code=2) from None
     for flag, value in (("--host", args.host), *(("--served-model-name", n) for n in args.served_model_name or ())):
         if value is not None and not value.strip():
             raise CLIError(f"{flag} must not be empty", code=2)
@@ -167,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             tool_parser=args.tool_call_parser,
             model_aliases=aliases,
+            health_stall_s=args.health_stall_s,
         )
     except OSError as error:
         _stop_quietly(engine)
@@ -183,7 +195,8 @@ def register(sub: Any) -> None:
     p.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
-    key_help = "require 'Authorization: Bearer KEY' on every route but /health (default: $FNVLLM_API_KEY)"
+    key_help = "require 'Authorization: Bearer KEY' on the /v1 routes (/health and /metrics stay open; default: "
+    key_help += "$FNVLLM_API_KEY)"
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
     name_help = "the model name clients send (default: MODEL as given; fnvllm-demo for the demo model); several "
     name_help += "names: any is accepted, the first is the one responses carry"
@@ -201,6 +214,14 @@ def register(sub: Any) -> None:
         default=0.0,
         help="least time between two chunks of one stream; tokens in between go out together (default 0: every "
         "step). Larger values trade token-by-token latency for throughput at many concurrent streams",
+    )
+    p.add_argument(
+        "--health-stall-s",
+        type=seconds_or_none,
+        default=DEFAULT_HEALTH_STALL_S,
+        metavar="SECONDS",
+        help="/health answers 503 when requests are pending and no engine step has completed for this long "
+        f"(> 0; 'none': never; default {DEFAULT_HEALTH_STALL_S:g}, above a long prefill or CUDA-graph capture)",
     )
     p.add_argument(
         "--reasoning-parser",

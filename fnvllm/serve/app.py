@@ -1,14 +1,24 @@
 """The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine's lifetime.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text). Every error, including unknown
-routes, is ``{"error": {"message", "type", "param", "code"}}``.
+``GET /health``, ``GET /metrics`` (Prometheus text). Every error, including unknown routes, is
+``{"error": {"message", "type", "param", "code"}}``.
+
+With an API key, only the /v1 routes need it: ``/health`` and ``/metrics`` are open (``OPEN_PATHS``), as in vLLM,
+because load balancers and Prometheus scrapers carry no bearer token (bind the server to a private address if its
+metrics must not be public).
+
+``/health`` checks progress, not just life: 200 ``{"status": "ok"}`` while the engine runs and either has no work
+(idle is healthy, however long) or has made progress (a step's report) within ``health_stall_s``; 503 with
+``{"status": ..., "reason": ...}`` when the engine stopped, or when requests run or wait and no report came for
+longer than ``health_stall_s`` (``AsyncEngine.seconds_without_progress``).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -27,7 +37,17 @@ from fnvllm.serve.metrics import ServerMetrics
 from fnvllm.serve.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # need no API key (vLLM guards only its /v1 routes)
+DEFAULT_HEALTH_STALL_S = 300.0  # longer than a long prefill of a big model or CUDA-graph capture
+
+
+def check_health_stall_s(value: float | None, name: str = "health_stall_s") -> None:
+    """Refuse a stall limit that is not a finite number of seconds > 0 (None disables the check); the
+    ValueError names ``name`` (the CLI passes its flag's)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:  # refuses nan
+        raise ValueError(f"{name} must be a number of seconds > 0 (or none: no stall check), got {value!r}")
 
 
 def build_app(
@@ -39,22 +59,28 @@ def build_app(
     reasoning_parser: str | None = None,
     tool_parser: str = "hermes",
     model_aliases: Sequence[str] = (),
+    health_stall_s: float | None = DEFAULT_HEALTH_STALL_S,
 ) -> FastAPI:
-    """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health needs
-    ``Authorization: Bearer <api_key>``. The app starts the engine (its thread, or the reader of its process) at
-    startup and stops it at shutdown. ``stream_interval_s``: least time between two chunks of one stream (0: a
-    chunk per engine step). ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
+    """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health and /metrics
+    (``OPEN_PATHS``: probes and Prometheus scrapers carry no token) needs ``Authorization: Bearer <api_key>``. The
+    app starts the engine (its thread, or the reader of its process) at startup and stops it at shutdown.
+    ``stream_interval_s``: least time between two chunks of one stream (0: a chunk per engine step).
+    ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
     ``reasoning_parser``: split chat output into reasoning_content and content (``tool_parsers.REASONING_PARSERS``).
     ``tool_parser``: the format chat tool calls are parsed from (a key of ``tool_parsers.TOOL_PARSERS``).
     ``model_aliases``: more names clients may ask for (vLLM's several ``--served-model-name``s); responses name the
     model ``model_name``, and /v1/models lists every name.
+    ``health_stall_s``: /health answers 503 when requests are pending and the engine has made no progress (no
+    step's report) for longer than this (None: never; it must be > 0, else ValueError naming it). Keep it well
+    above the longest step (a long prefill of a big model) and any warm-up such as CUDA-graph capture.
 
     If ``engine.observer`` is unset, the app's ``ServerMetrics`` becomes it (``/metrics`` then has latencies)."""
+    if tool_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_parser!r}")
+    check_health_stall_s(health_stall_s)
     metrics = ServerMetrics(lambda: engine.snapshot)
     if engine.observer is None:
         engine.observer = metrics
-    if tool_parser not in TOOL_PARSERS:
-        raise ValueError(f"tool_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_parser!r}")
     names = (model_name, *(a for a in dict.fromkeys(model_aliases) if a != model_name))
     served = handlers.Served(engine, model_name, stream_interval_s, reasoning_parser, tool_parser, frozenset(names))
 
@@ -99,9 +125,11 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine runs (its thread, or its process)."""
-        alive = engine.is_alive
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        """200 while the engine runs and is idle or making progress; 503 naming the reason otherwise."""
+        problem = health_problem(engine, health_stall_s)
+        if problem is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": problem[0], "reason": problem[1]}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -109,6 +137,20 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def health_problem(engine: AsyncEngine, stall_s: float | None) -> tuple[str, str] | None:
+    """Why /health is not 200, as (status, reason), or None when healthy: the engine stopped, or it has had
+    work pending without progress for more than ``stall_s`` seconds (None: never stalled)."""
+    if not engine.is_alive:
+        return "engine stopped", "the engine (its thread, or its process) is not running"
+    idle_s = engine.seconds_without_progress()
+    if stall_s is None or idle_s is None or idle_s <= stall_s:
+        return None
+    return "stalled", (
+        f"no engine step completed for {idle_s:.1f} s (limit {stall_s:g} s, --health-stall-s) with "
+        f"{engine.snapshot.num_running} running and {engine.num_waiting} waiting requests"
+    )
 
 
 def model_card(engine: AsyncEngine, model_name: str, created: int) -> dict[str, object]:

@@ -12,6 +12,11 @@
 steps while any request is live and sleeps on its commands when idle; a slow consumer never blocks it (its queue
 just grows). An exception in a step fails the requests in flight (each stream raises ``EngineFailure``) and the
 core keeps serving.
+
+Progress (for ``/health``): the front stamps, by its own clock (``clock``, ``time.monotonic``), each report it
+receives (one per round of the core: a step, or commands applied while idle) and the moment work reaches an idle
+engine. ``seconds_without_progress()`` is the time since the later of the two while work is pending. Stamping on
+the receiving side keeps an engine process's clock out of it (no skew across processes).
 """
 
 from __future__ import annotations
@@ -245,6 +250,8 @@ class AsyncEngine:
 
     max_waiting: submissions beyond this many waiting (not yet running) requests raise ``EngineOverloaded``.
     observer: sees each step and each finished request (on the thread that receives the core's reports).
+    clock: seconds, monotonic; when reports arrive and work starts (``seconds_without_progress``). Tests pass a
+    fake one to age a stall without waiting for it.
     """
 
     def __init__(
@@ -253,17 +260,24 @@ class AsyncEngine:
         tokenizer: Any,
         max_waiting: int | None = None,
         observer: EngineObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._init_front(loop.engine.initial_state(), tokenizer, max_waiting, observer)
+        self._init_front(loop.engine.initial_state(), tokenizer, max_waiting, observer, clock)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._core = EngineWorker(loop, self._on_report, detokenizer_factory(tokenizer))
         self._thread: threading.Thread | None = None
         self.snapshot = self._core.snapshot()
 
     def _init_front(
-        self, blank: EngineState, tokenizer: Any, max_waiting: int | None, observer: EngineObserver | None
+        self,
+        blank: EngineState,
+        tokenizer: Any,
+        max_waiting: int | None,
+        observer: EngineObserver | None,
+        clock: Callable[[], float],
     ) -> None:
-        self.tokenizer, self.max_waiting, self.observer = tokenizer, max_waiting, observer
+        self.tokenizer, self.max_waiting, self.observer, self.clock = tokenizer, max_waiting, observer, clock
+        self._progress_time = clock()  # the last report, or work reaching an idle engine (``clock`` seconds)
         self._blank = blank  # a pure value to validate against, any thread
         self.config = blank.config
         self._lock = threading.Lock()
@@ -276,6 +290,24 @@ class AsyncEngine:
         """The most prompt + output tokens one request may have (model length and KV pool)."""
         cfg = self.config
         return min(cfg.max_model_len, cfg.num_blocks * cfg.block_size + 1)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: in the core's queue (as of its last report), or submitted and not yet taken
+        in by it."""
+        return self.snapshot.num_waiting + self._num_queued
+
+    @property
+    def has_work(self) -> bool:
+        """True while a request runs or waits (``num_waiting``)."""
+        return self.snapshot.num_running + self.num_waiting > 0
+
+    def seconds_without_progress(self) -> float | None:
+        """While work is pending: seconds (``clock``) since the core's last report or since work reached it idle,
+        whichever is later. None when there is no work (an idle engine is not stalled, however long it idles)."""
+        if not self.has_work:
+            return None
+        return max(0.0, self.clock() - self._progress_time)
 
     @property
     def is_alive(self) -> bool:
@@ -336,6 +368,8 @@ class AsyncEngine:
         streams = [RequestStream(rid, ids, aloop) for rid, ids, _ in checked]
         with self._lock:
             self._check_capacity()
+            if not self.has_work:  # the stall clock starts now, not at the last step of an earlier busy spell
+                self._progress_time = self.clock()
             self._num_queued += len(checked)
             for (rid, ids, s), stream in zip(checked, streams, strict=True):
                 self._streams[rid] = stream
@@ -352,7 +386,7 @@ class AsyncEngine:
     def _check_capacity(self) -> None:
         if self.closing:
             raise EngineOverloaded("the server is shutting down (or its engine stopped)")
-        num_waiting = self._num_queued + self.snapshot.num_waiting
+        num_waiting = self.num_waiting
         if self.max_waiting is not None and num_waiting >= self.max_waiting:
             raise EngineOverloaded(
                 f"the server is overloaded: {num_waiting} requests are waiting (max_waiting={self.max_waiting}); "
@@ -363,7 +397,8 @@ class AsyncEngine:
         """One round of the core: publish the snapshot and tell the observer (so a consumer that sees its last
         token sees the totals that include it), hand every event to its stream's event loop (one call per loop);
         then the applied adds stop counting as queued (after the snapshot that counts them as waiting, so the
-        waiting count never dips)."""
+        waiting count never dips). The report's arrival is the core's progress, stamped by this side's clock."""
+        self._progress_time = self.clock()
         self.snapshot = report.snapshot
         if self.observer is not None:
             for size in report.step_sizes:

@@ -13,7 +13,9 @@ Start-up: the child loads the model and sends ``Ready`` (the core config the fro
 device, attention backend) or ``StartupFailed`` (the error, raised here as ``EngineStartupError``). Shutdown:
 STOP over the pipe (the core aborts what is live and reports it), then join; terminate after a timeout. If the
 child dies, every open stream fails with ``EngineFailure`` and new requests are refused (``is_alive`` turns
-False, so ``/health`` reports it). If this process dies, the child reads end-of-file on the pipe and exits.
+False, so ``/health`` reports it). If this process dies, the child reads end-of-file on the pipe and exits. A
+child that is alive but stuck (a hung step) sends no report: with work pending, ``/health`` turns 503 once none
+has arrived for ``--health-stall-s`` (the reader stamps each report's arrival with this process's clock).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import multiprocessing
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -134,6 +138,8 @@ class ProcessEngine(AsyncEngine):
     The constructor returns once the model is loaded; raises ``EngineStartupError`` if it could not be, or if the
     child did not answer within ``startup_timeout_s``. On Linux the child is stopped when the thread that made it
     ends (``_die_with_parent``): make it on a thread that outlives it, such as the main thread.
+    clock: as ``AsyncEngine``'s; the reader thread stamps each report's arrival with it (this process's clock,
+    never the child's, so ``/health``'s stall check has no clock skew).
     """
 
     def __init__(
@@ -145,6 +151,7 @@ class ProcessEngine(AsyncEngine):
         max_waiting: int | None = None,
         observer: EngineObserver | None = None,
         startup_timeout_s: float = 1800.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_end = context.Pipe()
@@ -159,7 +166,7 @@ class ProcessEngine(AsyncEngine):
         atexit.register(self._close_at_exit)
         child_end.close()
         self.ready = self._wait_for_ready(startup_timeout_s)
-        self._init_front(initial_state(self.ready.config), tokenizer, max_waiting, observer)
+        self._init_front(initial_state(self.ready.config), tokenizer, max_waiting, observer, clock)
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._stopping = False

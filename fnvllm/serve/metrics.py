@@ -1,7 +1,16 @@
 """Prometheus metrics of one server, in its own registry (two servers in one process do not collide).
 
-Gauges and totals are read from the engine's latest ``EngineSnapshot`` at scrape time; latency histograms and the
-per-step batch size are observed as the engine's step reports arrive (requests finished, steps run).
+Gauges and totals are read from the engine's latest ``EngineSnapshot`` at scrape time; per-request histograms and
+the per-step batch size are observed as the engine's step reports arrive (requests finished, steps run).
+
+Per-request histograms (vLLM's ``vllm:request_*`` and latency families, under ``fnvllm_``), from what a finished
+``RequestOutput`` carries: prompt and generated token counts, time to first token, time per output token, decode
+time (first token to finish) and end-to-end latency. An aborted request (a client that left, a shutdown) is
+counted in ``fnvllm_requests_finished_total{finish_reason="abort"}`` and observed in none of them, tokens included,
+so every per-request histogram counts the same requests (those that finished "stop" or "length"). Queue time,
+prefill time and inference time are not exported: a ``RequestOutput`` does not record when the request was first
+scheduled, so they cannot be derived from it. Prompt tokens served from the prefix cache are the counter
+``fnvllm_prefix_cache_hit_tokens_total`` (not repeated here).
 """
 
 from __future__ import annotations
@@ -12,11 +21,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fnvllm.engine import RequestOutput
+from fnvllm.engine import RequestMetrics, RequestOutput
 from fnvllm.serve.async_engine import EngineSnapshot
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1, 2, 4, ..., 131072 tokens
+# A request's decode phase can run for minutes (thousands of tokens behind a big batch): longer tail than latency.
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+def decode_time(metrics: RequestMetrics) -> float | None:
+    """Seconds from a request's first token to its finish (0 for a one-token answer); None until both happened."""
+    if metrics.first_token_time is None or metrics.finish_time is None:
+        return None
+    return metrics.finish_time - metrics.first_token_time
 
 
 class _SnapshotCollector(Collector):
@@ -50,9 +69,14 @@ class _SnapshotCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's registry: engine snapshot gauges, request latency histograms, finished-request counts.
+    """The server's registry: engine snapshot gauges, per-request token and latency histograms, finished-request
+    counts.
 
     Implements ``EngineObserver`` (``on_step``, ``on_finish``); ``render()`` is the ``/metrics`` body.
+    prompt_tokens / generation_tokens: per finished request, its prompt length and the tokens the engine generated
+    for it (an EOS or stop token that ended it included; the same count as ``usage.completion_tokens``, except
+    that a ``max_tokens: 0`` scoring request generates one token its answer drops). decode_time: first token to
+    finish, seconds.
     """
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
@@ -72,6 +96,18 @@ class ServerMetrics:
         self.batch = Histogram(
             "fnvllm_step_num_sequences", "Sequences scheduled in one step.", buckets=_BATCH_BUCKETS, registry=r
         )
+        self.decode_time = Histogram(
+            "fnvllm_request_decode_time_seconds", "First token to finish (the decode phase) of a request.",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Histogram(
+            "fnvllm_request_prompt_tokens", "Prompt length of a finished request, in tokens.",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.generation_tokens = Histogram(
+            "fnvllm_request_generation_tokens", "Tokens generated for a finished request.",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
         self.finished = Counter(
             "fnvllm_requests_finished", "Finished requests by reason.", ["finish_reason"], registry=r
         )
@@ -81,15 +117,20 @@ class ServerMetrics:
         self.batch.observe(num_seqs)
 
     def on_finish(self, output: RequestOutput) -> None:
-        """Count a finished request; observe its latencies unless it was aborted."""
+        """Count a finished request; observe its token counts and latencies unless it was aborted."""
         self.finished.labels(finish_reason=output.finish_reason or "abort").inc()
+        if output.finish_reason in (None, "abort"):
+            return
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(len(output.token_ids))
         metrics = output.metrics
-        if metrics is None or output.finish_reason == "abort":
+        if metrics is None:
             return
         for histogram, value in (
             (self.ttft, metrics.ttft),
             (self.e2e, metrics.e2e_latency),
             (self.tpot, metrics.tpot(len(output.token_ids))),
+            (self.decode_time, decode_time(metrics)),
         ):
             if value is not None:
                 histogram.observe(value)

@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from fnvllm.serve.app import build_app
+from fnvllm.serve.app import DEFAULT_HEALTH_STALL_S, build_app
 from fnvllm.serve.async_engine import AsyncEngine
 from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
@@ -85,17 +85,19 @@ def serve(
     reasoning_parser: str | None = None,
     tool_parser: str = "hermes",
     model_aliases: Sequence[str] = (),
+    health_stall_s: float | None = DEFAULT_HEALTH_STALL_S,
     **uvicorn_options: Any,
 ) -> None:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM, or until the engine stops (then EngineStoppedError);
     ``on_listening(host, port)`` runs once the socket listens (before the first request can be answered).
-    ``stream_interval_s``, ``max_request_bytes``, ``reasoning_parser``, ``tool_parser``, ``model_aliases``: see
-    ``build_app``.
+    ``stream_interval_s``, ``max_request_bytes``, ``reasoning_parser``, ``tool_parser``, ``model_aliases``,
+    ``health_stall_s``: see ``build_app``.
     ``sock``: a socket already bound to host:port (``bind(..., listen=False)``, so that a port in use is found
     before the model loads); else one is bound here."""
     app = build_app(
-        engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser, tool_parser, model_aliases
-    )
+        engine, model_name, api_key, stream_interval_s, max_request_bytes, reasoning_parser, tool_parser, model_aliases,
+        health_stall_s,
+    )  # fmt: skip
     sock = sock if sock is not None else bind(host, port)
     # Listen before announcing it: a client that connects on the line then waits in the backlog, never refused.
     # (A reserved port can also be taken meanwhile by another process's reservation; listening finds that here.)
