@@ -72,10 +72,15 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
-        """Prime the window with the prompt's last few ids (context only; their text is never emitted)."""
+        """Prime the window with the prompt's last few ids (context only; their text is never emitted).
+        ``min_tokens``: stop strings are looked for only in text that ids past the first ``min_tokens`` add (a
+        match must end there; it may start earlier), as vLLM does."""
         if any(s == "" for s in stop):
             raise ValueError(f"stop must contain non-empty strings, got {stop!r}")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
@@ -85,6 +90,7 @@ class IncrementalDetokenizer:
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # a prompt ending mid-character would make its own text change; decode without it
         self._ids: list[int] = context
+        self._stops_from = len(context) + min_tokens  # stop strings count once self._ids is longer than this
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._text = ""
@@ -132,7 +138,7 @@ class IncrementalDetokenizer:
         """Append decoded text and look for a stop string overlapping it."""
         old_len = len(self._text)
         self._text += new_text
-        if self._stop and new_text:
+        if self._stop and new_text and len(self._ids) > self._stops_from:
             self._apply_stop(max(0, old_len - max(len(s) for s in self._stop) + 1))
 
     def add(self, new_token_ids: Iterable[int]) -> DetokDelta:

@@ -129,6 +129,22 @@ def test_logit_bias_forces_a_token(client: Any, checkpoint: Path) -> None:
     assert [entry.token for entry in chat.choices[0].logprobs.content] == [text] * 3
 
 
+def test_min_tokens_holds_back_a_stop_id(client: Any) -> None:
+    """vLLM's min_tokens (extra_body): logit_bias forces id 33 and 33 is a stop id, so a plain request stops after
+    one token and a min_tokens 3 request after four (33 banned for three); min_tokens above max_tokens is a 400
+    naming it."""
+    import openai
+
+    args: dict[str, Any] = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0}
+    args["logit_bias"] = {"33": 100}
+    for min_tokens, expected in ((0, 1), (3, 4)):
+        body = {"ignore_eos": True, "stop_token_ids": [33], "min_tokens": min_tokens}
+        out = client.completions.create(**args, extra_body=body)
+        assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (expected, "stop")
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(**args, extra_body={"min_tokens": 9})
+
+
 # ---- LangChain ----------------------------------------------------------------------------------------------------
 
 

@@ -114,8 +114,9 @@ def build_engine(
         read_eos_token_ids(model_path, loaded),
         model_config.vocab_size,
     )
+    local = executor.local if isinstance(executor, TensorParallelExecutor) else executor
+    local.eos_token_ids = core.eos_token_ids  # rows short of their min_tokens may not draw them (the sampler)
     if loaded is not None:  # grammar-constrained requests need the tokenizer's vocabulary (structured.py)
-        local = executor.local if isinstance(executor, TensorParallelExecutor) else executor
         local.grammars = Grammars(loaded, model_config.vocab_size, core.eos_token_ids)
     loop = EngineLoop(Engine(executor, core), on_step=on_step, decode_steps=config.num_decode_steps)
     _freeze_startup_heap()

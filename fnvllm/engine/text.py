@@ -29,7 +29,8 @@ def detokenizer_for(
     check_stop_strings(tokenizer, params)
     if tokenizer is None:
         return None
-    return IncrementalDetokenizer(tokenizer, prompt_ids, True, params.stop, params.include_stop_str_in_output)
+    stop, include = params.stop, params.include_stop_str_in_output
+    return IncrementalDetokenizer(tokenizer, prompt_ids, True, stop, include, min_tokens=params.min_tokens)
 
 
 def check_stop_strings(tokenizer: Any | None, params: SamplingParams) -> None:

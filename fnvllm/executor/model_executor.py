@@ -47,7 +47,9 @@ from fnvllm.executor.sampler import (
     Logprobs,
     Sampler,
     SamplingMemo,
+    banned_now,
     graph_rows,
+    min_tokens_rows,
     prepare_sampling,
 )
 from fnvllm.executor.structured import Grammars, Matcher, PendingMask
@@ -67,6 +69,8 @@ from fnvllm.state.overlap import feed_sources
 
 _GIB = 1 << 30
 _LOGPROBS = attrgetter("logprobs")  # each sampled row's SamplingParams.logprobs, in one C-level map
+# (params sequence, its GraphRows, their logprob rows on the device, its rows with a min_tokens): ``_graph_sample``
+_GraphRowsMemo = tuple[Sequence[SamplingParams] | None, GraphRows | None, torch.Tensor | None, tuple[int, ...]]
 _LOGPROB_BYTES_PER_ROW = 256  # >= MAX_LOGPROBS (20) x (4 + 8) + 4 + alignment: a row's logprobs on the host
 # "0": decode graphs are captured at full table width only (no short-table captures; an A/B switch).
 SHORT_GRAPHS_ENV = "FNVLLM_SHORT_GRAPHS"
@@ -329,13 +333,12 @@ class ModelExecutor:
         self._deferred: Launched | None = None
         self._host_ring = PinnedRing(config.max_num_seqs) if self.device.type == "cuda" else None
         self._sampling_memo = SamplingMemo()  # a decode step with the last one's params reuses its SamplingBatch
-        # the last decode params sequence asked about sampling in the graph, the answer (``_graph_sample``) and its
-        # logprob rows on the device
-        self._graph_rows_memo: tuple[Sequence[SamplingParams] | None, GraphRows | None, torch.Tensor | None] = (
-            None,
-            None,
-            None,
-        )
+        # the last decode params sequence asked about sampling in the graph, the answer (``_graph_sample``), its
+        # logprob rows on the device and its rows with a min_tokens
+        self._graph_rows_memo: _GraphRowsMemo = (None, None, None, ())
+        # The model's EOS ids, which a row short of its min_tokens may not draw (with its stop_token_ids); set
+        # with the core's config (``fnvllm.engine.build``). Empty: such a row bans only its stop_token_ids.
+        self.eos_token_ids: frozenset[int] = frozenset()
         # Where a deferred step (a constrained row fed by the step in flight) samples: "launch" = at the next launch,
         # its tokens accepted and masks filled by the grammar process (or thread) while the host commits and plans;
         # "collect" = at the end of the collect that accepted its tokens, its masks filled there (on the host's
@@ -583,14 +586,15 @@ class ModelExecutor:
         assert self.graphs is not None
         if not self.graphs.samples_in_graph(plan.num_seqs) or plan.num_samples != plan.num_seqs:
             return None
-        kept_params, rows, _ = self._graph_rows_memo
+        kept_params, rows, _, waiting = self._graph_rows_memo
         if plan.params is not kept_params:
             vocab = self.model_config.vocab_size
-            rows = graph_rows(plan.params, vocab, graph_top_k_limit(vocab))
+            rows, waiting = graph_rows(plan.params, vocab, graph_top_k_limit(vocab)), min_tokens_rows(plan.params)
             asked = None if rows is None or not rows.logprob_rows else np.array(rows.logprob_rows, dtype=np.int32)
-            self._graph_rows_memo = (plan.params, rows, None if asked is None else upload(asked, self.device))
-        if rows is None:
-            return None
+            on_device = None if asked is None else upload(asked, self.device)
+            self._graph_rows_memo = (plan.params, rows, on_device, waiting)
+        if rows is None or (waiting and banned_now(plan.params, plan.num_generated, waiting)):
+            return None  # a row short of its min_tokens samples eagerly, its stop-capable ids masked
         uniforms, key = rows.uniforms(plan.num_generated), self.sampler.next_key()
         return GraphSample(rows.scale, rows.fixed, uniforms, key, rows.top_k, rows.top_p, rows.min_p)
 
@@ -672,7 +676,7 @@ class ModelExecutor:
     def _graph_logprobs(self, logits: torch.Tensor, samples: torch.Tensor) -> Logprobs | None:
         """The logprobs of a step the graph sampled (its rows: ``_graph_rows_memo``), from the graph's raw logits
         as the eager sampler computes them; None when no row asked."""
-        _, rows, asked = self._graph_rows_memo
+        _, rows, asked, _ = self._graph_rows_memo
         if rows is None or asked is None or rows.max_logprobs is None:
             return None
         return self.sampler.logprobs(logits, samples[0], asked, rows.max_logprobs)
@@ -740,6 +744,7 @@ class ModelExecutor:
             self.device,
             self.history.penalties(plan, rows),  # penalised rows read their slot's tokens on the device
             self._sampling_memo,
+            self.eos_token_ids,
         )
         if self.grammars is not None and any(launched.matchers):
             pending, launched.pending = launched.pending, None

@@ -19,7 +19,9 @@ option of one row changes how another row is sampled, and a row pays only for th
                      of those rows (torch.topk then sorts only the n chunks that hold the n best).
 
 Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are added to a copy of the logits by one
-sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched.
+sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched. A row short
+of its ``min_tokens`` takes the same path: MASKED_LOGIT is added at its stop-capable ids (the EOS ids the caller
+names and its ``stop_token_ids``), so none of them can be drawn before the request may end.
 
 Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor.structured``): their disallowed
 tokens are set to MASKED_LOGIT (one kernel, ``fnvllm.kernels.grammar_mask``) on a copy of the logits, or on the
@@ -129,12 +131,19 @@ class LogitBias:
 
 
 def prepare_logit_bias(
-    params: Sequence[SamplingParams], device: torch.device, rows: Sequence[int] | None = None
+    params: Sequence[SamplingParams],
+    device: torch.device,
+    rows: Sequence[int] | None = None,
+    banned: Sequence[int] = (),
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> LogitBias | None:
-    """The batch's LogitBias (one host -> device copy), or None when no row has a bias. ``rows``: the rows that
-    have one, when the caller knows them (else every row is looked at)."""
+    """The batch's LogitBias (one host -> device copy), or None when no row has a bias or a ban. ``rows``: the rows
+    that have a bias, when the caller knows them (else every row is looked at). ``banned``: rows short of their
+    min_tokens, whose ``eos_token_ids`` and own stop_token_ids get MASKED_LOGIT added."""
     rows = range(len(params)) if rows is None else rows
     entries = [(i, token, bias) for i in rows for token, bias in params[i].logit_bias or ()]
+    for i in banned:
+        entries += [(i, token, MASKED_LOGIT) for token in sorted(eos_token_ids.union(params[i].stop_token_ids))]
     if not entries:
         return None
     flat = np.array(entries, dtype=np.float64).T  # (3, N): ids are < 2**53 (a vocabulary), exact in float64
@@ -325,12 +334,14 @@ class _Rows:
     penalised: list[int] = attrs.Factory(list)
     logprobs: list[int] = attrs.Factory(list)
     biased: list[int] = attrs.Factory(list)
+    banned: list[int] = attrs.Factory(list)  # short of their min_tokens: their stop-capable ids are masked
     max_logprobs: int | None = None
 
 
-def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
+def _gather(params: Sequence[SamplingParams], vocab_size: int, num_generated: Sequence[int] | None = None) -> _Rows:
     """Settings of each row; greedy rows (temperature below GREEDY_TEMPERATURE or top_k 1) keep neutral values
-    (scale 0, filters off) and never filter or use a seed."""
+    (scale 0, filters off) and never filter or use a seed. ``num_generated`` (None: every row's is unknown, and
+    a row with a min_tokens counts as banned): the rows' generated counts, which say who is still banned."""
     num_rows = len(params)
     rows = _Rows([0.0] * num_rows, [1.0] * num_rows, [0.0] * num_rows, [0] * num_rows)
     _gather_logprobs(rows, params)
@@ -339,6 +350,8 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int) -> _Rows:
             rows.penalised.append(i)
         if p.logit_bias:
             rows.biased.append(i)
+        if p.min_tokens and (num_generated is None or num_generated[i] < p.min_tokens):
+            rows.banned.append(i)
         if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1:
             continue
         rows.scale[i], rows.top_p[i], rows.min_p[i] = 1.0 / p.temperature, p.top_p, p.min_p
@@ -423,14 +436,15 @@ def _upload(rows: _Rows, uniforms: np.ndarray, lists: list[list[int]], device: t
 
 class SamplingMemo:
     """The last SamplingBatch that depended on its rows' params alone, or on them and the step's penalties (no
-    seeded row: its uniform reads the step's count), and the params sequence it was built for. While no request
-    joins or leaves, the core hands each decode step the same params tuple (the running columns'), so
-    ``prepare_sampling`` given that same object returns the kept batch: no per-row pass, no upload (its device
-    tensors are only read by the sampler). A kept batch with penalised rows (``penalised``: their batch rows) is
-    returned with this step's penalties in place of the kept ones (``attrs.evolve``: only the penalties read the
-    step's tokens). Why: prepare_sampling was 0.41 ms of the host's 3.3 ms per decode step at 256 rows on the H200
-    (``benchmarks/host_step.py``), spent on the same values every step; penalised batches were rebuilt every step
-    (issue 19: 0.6-1.7 ms more host time per step than temperature alone)."""
+    seeded row: its uniform reads the step's count; no row short of its min_tokens: its ban ends at a count), and
+    the params sequence it was built for. While no request joins or leaves, the core hands each decode step the
+    same params tuple (the running columns'), so ``prepare_sampling`` given that same object returns the kept
+    batch: no per-row pass, no upload (its device tensors are only read by the sampler). A kept batch with
+    penalised rows (``penalised``: their batch rows) is returned with this step's penalties in place of the kept
+    ones (``attrs.evolve``: only the penalties read the step's tokens). Why: prepare_sampling was 0.41 ms of the
+    host's 3.3 ms per decode step at 256 rows on the H200 (``benchmarks/host_step.py``), spent on the same values
+    every step; penalised batches were rebuilt every step (issue 19: 0.6-1.7 ms more host time per step than
+    temperature alone)."""
 
     def __init__(self) -> None:
         self.params: Sequence[SamplingParams] | None = None
@@ -502,11 +516,13 @@ def prepare_sampling(
     device: torch.device | str,
     penalties: Penalties | None = None,
     memo: SamplingMemo | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> SamplingBatch:
     """Build one step's SamplingBatch on `device` for the rows that sample, in batch order (one host -> device
     copy, plus the penalty lists when a row has a penalty).
 
-    num_generated[i]: tokens row i generated before this draw (the counter of its seeded uniform).
+    num_generated[i]: tokens row i generated before this draw (the counter of its seeded uniform; a row with
+    fewer than its min_tokens may not draw ``eos_token_ids`` or its stop_token_ids).
     histories[i]: prompt and output tokens, required for rows with a penalty unless ``penalties`` is given,
     ignored otherwise. penalties: the penalised rows' penalties built elsewhere (the executor's per-slot token
     buffer, ``fnvllm.executor.history``); then ``histories`` is not read.
@@ -522,7 +538,7 @@ def prepare_sampling(
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     _check_lengths(params, num_generated, histories if penalties is None else [None] * len(params))
     num_rows = len(params)
-    rows = _gather(params, vocab_size)
+    rows = _gather(params, vocab_size, num_generated)
     uniforms = np.zeros(num_rows, dtype=np.float32)
     if rows.seeded:
         seeds = [params[i].seed or 0 for i in rows.seeded]
@@ -550,11 +566,20 @@ def prepare_sampling(
         num_rows=num_rows,
         candidates=_candidates(rows, vocab_size),
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
-        logit_bias=prepare_logit_bias(params, device, rows.biased) if rows.biased else None,
+        logit_bias=_logit_bias(params, device, rows, eos_token_ids),
     )
-    if memo is not None:  # seeded rows' uniforms change every step; penalised rows' penalties are swapped at reuse
-        memo.keep(params, vocab_size, device, None if rows.seeded else batch, rows.penalised)
+    if memo is not None:  # seeded rows' uniforms and banned rows' bans change by step; penalties are swapped at reuse
+        memo.keep(params, vocab_size, device, None if rows.seeded or rows.banned else batch, rows.penalised)
     return batch
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], device: torch.device, rows: _Rows, eos_token_ids: frozenset[int]
+) -> LogitBias | None:
+    """The step's LogitBias: the biased rows' biases and the banned rows' masks (None without either)."""
+    if not rows.biased and not rows.banned:
+        return None
+    return prepare_logit_bias(params, device, rows.biased, rows.banned, eos_token_ids)
 
 
 @attrs.frozen(eq=False)
@@ -591,7 +616,9 @@ class GraphRows:
 
 def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int = 0) -> GraphRows | None:
     """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias, a
-    grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k past it).
+    grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k past it). A row's
+    min_tokens is not looked at: whether it still bans ids depends on the step (``banned_now``), so the caller
+    asks that each step.
     Worked example (max_top_k 38): (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale (1/0.6, 0, 1), fixed (0, 0, 1),
     no filters (a greedy row's are off); (T 0.6, top_k 20, top_p 0.95) -> top_k (20,), top_p (0.95,); (T 0.6,
     top_p 0.95) -> None."""
@@ -612,6 +639,16 @@ def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int
     top_k = np.array(rows.top_k, dtype=np.int32)
     top_p, min_p = np.array(rows.top_p, dtype=np.float32), np.array(rows.min_p, dtype=np.float32)
     return GraphRows(scale, fixed, seeded, seeds, top_k, top_p, min_p, asked, rows.max_logprobs)
+
+
+def min_tokens_rows(params: Sequence[SamplingParams]) -> tuple[int, ...]:
+    """The rows that have a min_tokens (whether they still ban ids depends on the step: ``banned_now``)."""
+    return tuple(i for i, p in enumerate(params) if p.min_tokens)
+
+
+def banned_now(params: Sequence[SamplingParams], num_generated: Sequence[int], rows: Sequence[int]) -> bool:
+    """Whether one of ``rows`` (``min_tokens_rows(params)``) is still short of its min_tokens this step."""
+    return any(num_generated[i] < params[i].min_tokens for i in rows)
 
 
 TIE_MARGIN = 64  # candidates past the largest top-k: tokens tied with a row's k-th logit are kept, as by sorting

@@ -7,7 +7,7 @@ Three kinds of fields (docs/serving.md lists them all):
   presence_penalty, frequency_penalty, stream, stream_options (include_usage, continuous_usage_stats),
   response_format (text, json_object, json_schema); chat: tools, tool_choice, parallel_tool_calls, assistant
   messages holding tool_calls and tool messages; the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
-  stop_token_ids, include_stop_str_in_output, guided_json, guided_regex, guided_choice, guided_grammar,
+  min_tokens, stop_token_ids, include_stop_str_in_output, guided_json, guided_regex, guided_choice, guided_grammar,
   include_reasoning (docs/structured_outputs.md), chat_template_kwargs (passed to the chat template, e.g.
   Qwen3's ``{"enable_thinking": false}``; not the arguments the server sets); logit_bias (token-id strings -> bias
   in [-100, 100]);
@@ -134,7 +134,7 @@ def _structured_from(field: str, value: Any) -> StructuredOutput:
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
-    "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
 )  # fmt: skip
 """Body fields passed to SamplingParams under the same name (max_tokens and logprobs need translating)."""
 
@@ -160,6 +160,7 @@ class _Generation(_Strict):
     min_p: Number | None = None
     repetition_penalty: Number | None = None
     ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     # accepted and ignored (IGNORED_FIELDS), or accepted only at a neutral value

@@ -2,8 +2,8 @@
 
 For each planned sequence: its fed tokens are now computed; blocks that became full are registered in the
 prefix cache (through the KV seam, kv.py); a sampled token is appended and the stop conditions are applied
-(EOS ids unless ignore_eos, stop_token_ids, max_tokens). Finished requests release their blocks and leave the
-state. Stop *strings* need the detokenizer, so the shell applies them by calling ``finish``.
+(EOS ids unless ignore_eos, and stop_token_ids, both only past min_tokens; max_tokens). Finished requests release
+their blocks and leave the state. Stop *strings* need the detokenizer, so the shell applies them by calling ``finish``.
 
 When the plan's rows are exactly the running rows (every step that no abort interrupted and whose admissions
 went to the back), the leading plain decodes (``state.decode``) are folded column-wise, each column
@@ -166,7 +166,8 @@ class _Fold:
         rows, eos = self.rows, self.state.config.eos_token_ids
         prompt_len, params = rows.prompt_lens[index], rows.params[index]
         reason: FinishReason | None = None
-        if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+        stops = (token in eos and not params.ignore_eos) or token in params.stop_token_ids
+        if stops and total - prompt_len > params.min_tokens:  # the token is output token number total - prompt_len
             reason = "stop"
         elif total - prompt_len >= params.max_tokens:
             reason = "length"

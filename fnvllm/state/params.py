@@ -1,7 +1,8 @@
 """SamplingParams: per-request generation settings, frozen and validated at construction.
 
-The pure core reads only the stop-related fields (``max_tokens``, ``ignore_eos``, ``stop_token_ids``); the
-executor's sampler reads the rest; the LLM facade applies ``stop`` strings through its detokenizer.
+The pure core reads only the stop-related fields (``max_tokens``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``); the executor's sampler reads the rest; the LLM facade applies ``stop`` strings through its
+detokenizer.
 """
 
 from __future__ import annotations
@@ -194,6 +195,10 @@ class SamplingParams:
     logit_bias: None, or (token id, bias) pairs (a dict id -> bias is accepted), bias in [-100, 100], added to the
         row's logits before the grammar mask, penalties, temperature and filters (logprobs stay raw). Stored
         sorted by id, one pair per id.
+    min_tokens: fewest tokens to generate before EOS or a stop token id may end the request, in [0, max_tokens]
+        (vLLM's meaning). Until then the sampler never draws those ids (the model's EOS ids and
+        ``stop_token_ids``), the core does not stop on them, and ``stop`` strings are not looked for. 0 with
+        ``structured`` (the grammar decides where the output ends).
     """
 
     temperature: float = 1.0
@@ -213,6 +218,7 @@ class SamplingParams:
     structured: StructuredOutput | None = attrs.field(default=None, converter=_structured)
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] | None = attrs.field(default=None, converter=_logit_bias)
+    min_tokens: int = 0
     # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
     # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
@@ -240,11 +246,17 @@ class SamplingParams:
             "prompt_logprobs": check_optional_int(
                 self.prompt_logprobs, name + "prompt_logprobs", REQUEST, 0, MAX_LOGPROBS
             ),
+            "min_tokens": check_int(self.min_tokens, name + "min_tokens", REQUEST, 0, MAX_INT64),
         }
         for field, value in checked.items():
             object.__setattr__(self, field, value)
         if self.structured is not None and self.ignore_eos:
             raise fail(REQUEST, name + "ignore_eos", "False when structured is set (EOS ends a complete grammar)", True)
+        if self.min_tokens > self.max_tokens:
+            raise fail(REQUEST, name + "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if self.structured is not None and self.min_tokens:
+            allowed = "0 when structured is set (the grammar decides where the output ends)"
+            raise fail(REQUEST, name + "min_tokens", allowed, self.min_tokens)
         uses_history = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         object.__setattr__(self, "needs_history", uses_history)
 

@@ -509,12 +509,14 @@ def _check_preempted(before: EngineState, after: EngineState, plan: StepPlan) ->
 
 
 def stop_reason(request: Request, output: Sequence[int], eos_token_ids: frozenset[int]) -> FinishReason | None:
-    """The naive stop rule: the last token is EOS (unless ignore_eos) or a stop id -> "stop"; max_tokens reached
-    -> "length"; else None. Used by the reference model and ``check_finished``."""
+    """The naive stop rule: the last token is EOS (unless ignore_eos) or a stop id, and more than min_tokens
+    were generated -> "stop"; max_tokens reached -> "length"; else None. Used by the reference model and
+    ``check_finished``."""
     if not output:
         return None
     params, token = request.params, output[-1]
-    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    stops = (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+    if stops and len(output) > params.min_tokens:
         return "stop"
     return "length" if len(output) >= params.max_tokens else None
 

@@ -419,6 +419,6 @@ def _record_events(before: EngineState, plan: StepPlan) -> None:
 def _brief(params: SamplingParams) -> str:
     """SamplingParams showing only the fields the core reads."""
     return (
-        f"SamplingParams(max_tokens={params.max_tokens}, ignore_eos={params.ignore_eos}, "
-        f"stop_token_ids={params.stop_token_ids})"
+        f"SamplingParams(max_tokens={params.max_tokens}, min_tokens={params.min_tokens}, "
+        f"ignore_eos={params.ignore_eos}, stop_token_ids={params.stop_token_ids})"
     )

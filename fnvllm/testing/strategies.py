@@ -123,7 +123,7 @@ PENALTY_KINDS = ("none", "repetition", "presence", "frequency", "all")
 def sampling_params(
     draw: st.DrawFn, *, max_tokens: int = 8, vocab_size: int | None = 16, max_stop_ids: int = 2
 ) -> SamplingParams:
-    """SamplingParams with max_tokens in [1, max_tokens], sometimes ignore_eos, sometimes stop_token_ids.
+    """SamplingParams with max_tokens in [1, max_tokens], sometimes ignore_eos, stop_token_ids or a min_tokens.
 
     Every sampler-only option varies too, since the core must pass them through untouched and the plan must
     carry token histories exactly for the rows with a penalty: greedy or not (temperature 0, a tiny one below
@@ -134,6 +134,7 @@ def sampling_params(
     if vocab_size is not None and max_stop_ids and draw(st.integers(0, 3)) == 0:
         stop_ids = draw(token_lists(vocab_size, 1, max_stop_ids))
     penalty = draw(st.sampled_from(PENALTY_KINDS))
+    num_tokens = draw(st.integers(1, max(max_tokens, 1)))
     return SamplingParams(
         temperature=draw(st.sampled_from([0.0, 1.0, 1.0, 0.5, 1e-7])),
         top_k=draw(st.one_of(st.none(), st.integers(1, max(vocab_size or 8, 1) + 2))),
@@ -141,7 +142,8 @@ def sampling_params(
         min_p=draw(st.sampled_from([0.0, 0.0, 0.1])),
         seed=draw(st.one_of(st.none(), st.integers(0, 2**32))),
         logprobs=draw(st.one_of(st.none(), st.integers(0, min(3, vocab_size or 3)))),
-        max_tokens=draw(st.integers(1, max(max_tokens, 1))),
+        max_tokens=num_tokens,
+        min_tokens=draw(st.integers(0, num_tokens)) if draw(st.integers(0, 3)) == 0 else 0,
         ignore_eos=draw(st.integers(0, 3)) > 0,  # mostly: long runs are what fill the pool
         stop_token_ids=stop_ids,
         repetition_penalty=1.1 if penalty in ("repetition", "all") else 1.0,

@@ -211,7 +211,10 @@ class DropsTokenOnPreemption(UnderPressure):
             view = new.sequence(victim)
             kept = view.output[: max(state.num_computed[victim] - len(view.request.prompt), 0)]
             if kept != view.output:
-                params = attrs.evolve(view.request.params, max_tokens=view.request.params.max_tokens - len(kept))
+                was = view.request.params
+                params = attrs.evolve(
+                    was, max_tokens=was.max_tokens - len(kept), min_tokens=max(0, was.min_tokens - len(kept))
+                )
                 new = core.abort(new, victim)
                 new = core.add_request(new, victim, view.request.prompt + kept, params, view.request.priority)
         return new, plan
