@@ -36,8 +36,7 @@ from fnvllm.serve.limits import MAX_JSON_DEPTH, check_depth
 from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, CompletionRequest
 from fnvllm.serve.stream import EngineFailure, RequestStream
 from fnvllm.serve.tool_parsers import REASONING_PARSERS, TOOL_PARSERS, ParsedChatFormat
-from fnvllm.state import InvalidRequestError, SamplingParams
-from fnvllm.state.params import SEED_RANGE
+from fnvllm.state import InvalidRequestError, SamplingParams, copies
 
 Body = TypeVar("Body", bound=BaseModel)
 Format = CompletionFormat | ChatFormat
@@ -166,9 +165,9 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
         check_stop_strings(served.engine.tokenizer, params)  # refused now (a 400), not when the engine adds it
     except InvalidRequestError as error:
         raise from_invalid_request(error) from None
-    copies = _copies(params, body.num_candidates)
+    jobs = copies(params, body.num_candidates)
     return Prepared(
-        prompts, copies * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
+        prompts, jobs * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
         body.include_usage, body.continuous_usage, bool(body.echo), body.logprobs is not None, body.aliases(),
         scores_only=body.scores_only,
     )  # fmt: skip
@@ -186,18 +185,9 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room), body.aliases())
     n = body.num_choices
     return Prepared(
-        [(ids, None)], _copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,
+        [(ids, None)], copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,
         False, bool(body.logprobs), body.aliases(), body.uses_tools, body.include_reasoning is not False,
     )  # fmt: skip
-
-
-def _copies(params: SamplingParams, num: int) -> list[SamplingParams]:
-    """``num`` sequences of one prompt: with a seed, copy j draws from seed + j (else every copy would sample the
-    same tokens); without, each draws from the shared generator."""
-    if params.seed is None or num == 1:
-        return [params] * num
-    step = 1 if params.seed + num - 1 <= SEED_RANGE[1] else -1
-    return [attrs.evolve(params, seed=params.seed + step * j) for j in range(num)]
 
 
 def _check(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:

@@ -30,6 +30,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 from fnvllm.serve.errors import bad_request
 from fnvllm.serve.tool_parsers import ToolSpec, tool_call_grammar
 from fnvllm.state import InvalidRequestError, SamplingParams, StructuredOutput
+from fnvllm.state.params import MAX_N
 
 Number = StrictInt | StrictFloat  # JSON numbers only: no bools, no numeric strings
 
@@ -54,8 +55,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-MAX_N = 128
-"""The most choices (``n``, and ``best_of`` candidates) one prompt may ask for."""
 MAX_SEQUENCES = 1024
 """The most engine requests one HTTP request may start (prompts x best_of)."""
 

@@ -20,7 +20,7 @@ from fnvllm.state.config import CoreConfig
 from fnvllm.state.errors import InvalidConfigError, InvalidRequestError, PlanMismatchError
 from fnvllm.state.hashing import BlockHasher, chain_hashes, hash_block_xxh3
 from fnvllm.state.kv import CachedPrefix, KVManager
-from fnvllm.state.params import SamplingParams, StructuredOutput
+from fnvllm.state.params import SamplingParams, StructuredOutput, copies
 from fnvllm.state.plan import StepPlan, TokenHistory
 from fnvllm.state.policy import FCFS, PRIORITY, Policy, fcfs_key, priority_key
 from fnvllm.state.pool import BlockPool, CachedBlock
@@ -55,6 +55,7 @@ __all__ = [
     "add_request",
     "chain_hashes",
     "commit",
+    "copies",
     "fcfs_key",
     "finish",
     "forget_kv",

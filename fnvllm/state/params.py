@@ -26,6 +26,8 @@ from fnvllm.state.checks import (
 )
 
 MAX_LOGPROBS = 20
+MAX_N = 128
+"""The most completions one prompt may ask for: ``SamplingParams.n``, and the server's ``n`` and ``best_of``."""
 # Counts, ids and seeds are bounded by 64-bit ranges (what the sampler's tensors hold), which also keeps every
 # error message printable: Python refuses to print ints of more than 4300 digits.
 MAX_INT64 = 2**63 - 1
@@ -199,6 +201,10 @@ class SamplingParams:
         (vLLM's meaning). Until then the sampler never draws those ids (the model's EOS ids and
         ``stop_token_ids``), the core does not stop on them, and ``stop`` strings are not looked for. 0 with
         ``structured`` (the grammar decides where the output ends).
+    n: how many completions to sample for the prompt, in [1, 128] (MAX_N), returned together as one
+        RequestOutput's ``outputs`` (index 0 .. n-1); with a seed, completion j draws from seed + j. LLM.generate,
+        LLM.chat and LLM.stream run them as n requests sharing the prompt's cached KV (``copies``); the pure core
+        itself takes only n = 1 (one sequence per request).
     """
 
     temperature: float = 1.0
@@ -219,6 +225,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] | None = attrs.field(default=None, converter=_logit_bias)
     min_tokens: int = 0
+    n: int = 1
     # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
     # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
@@ -247,6 +254,7 @@ class SamplingParams:
                 self.prompt_logprobs, name + "prompt_logprobs", REQUEST, 0, MAX_LOGPROBS
             ),
             "min_tokens": check_int(self.min_tokens, name + "min_tokens", REQUEST, 0, MAX_INT64),
+            "n": check_int(self.n, name + "n", REQUEST, 1, MAX_N),
         }
         for field, value in checked.items():
             object.__setattr__(self, field, value)
@@ -264,3 +272,21 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature below GREEDY_TEMPERATURE, or top_k 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def copies(params: SamplingParams, num: int) -> list[SamplingParams]:
+    """``num`` single-sequence copies of ``params`` (each with n=1): the requests that sample ``num`` completions
+    of one prompt. The one fan-out rule of the offline API (``LLM``, for ``params.n``) and the server (for a body's
+    ``n`` / ``best_of``).
+
+    With a seed, copy j draws from seed + j, so the copies differ (copy 0 keeps the seed): seed 7, num 3 -> seeds
+    7, 8, 9. Where seed + num - 1 would pass the top of SEED_RANGE they step down instead: seed 2**64 - 2, num 3 ->
+    2**64 - 2, 2**64 - 3, 2**64 - 4. Without a seed every copy is the same object and draws from the engine's
+    shared generator. ``num``: an int in [1, MAX_N]. Returns a new list; ``params`` is unchanged.
+    """
+    num = check_int(num, "copies num", REQUEST, 1, MAX_N)
+    single = params if params.n == 1 else attrs.evolve(params, n=1)
+    if single.seed is None or num == 1:
+        return [single] * num
+    step = 1 if single.seed + num - 1 <= SEED_RANGE[1] else -1
+    return [attrs.evolve(single, seed=single.seed + step * j) for j in range(num)]

@@ -38,6 +38,12 @@ class Request:
         object.__setattr__(self, "token_limit", len(self.prompt) + self.params.max_tokens)
 
 
+_ONE_SEQUENCE = (
+    "1 for a request of the core, which runs one sequence per request (LLM.generate, LLM.chat, LLM.stream and the "
+    "server run n copies of a request: fnvllm.state.copies)"
+)
+
+
 def _reject(field: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"{field}: {message}")
 
@@ -48,10 +54,11 @@ def check_request(
     """The request's prompt as a tuple of ints and its priority as an int, or InvalidRequestError (naming the
     field, the allowed range and the value) when it can never run under ``config`` beside the ``live`` ids.
 
-    Checks, in order: the id (a non-empty str, not live), the params (a SamplingParams), the priority (an int),
-    the prompt (a non-empty sequence of int ids in [0, vocab_size), see ``checks.check_token_ids``: a str,
-    bytes or dict is not a prompt), the params against the vocabulary (stop ids, logprobs), and the size
-    (prompt + max_tokens within max_model_len and the pool). Reads nothing else and changes nothing.
+    Checks, in order: the id (a non-empty str, not live), the params (a SamplingParams with n == 1: the core runs
+    one sequence per request), the priority (an int), the prompt (a non-empty sequence of int ids in
+    [0, vocab_size), see ``checks.check_token_ids``: a str, bytes or dict is not a prompt), the params against the
+    vocabulary (stop ids, logprobs), and the size (prompt + max_tokens within max_model_len and the pool). Reads
+    nothing else and changes nothing.
     """
     if not isinstance(request_id, str):
         raise RequestTypeError(f"request_id: must be a non-empty str, got {show(request_id)}")
@@ -61,6 +68,8 @@ def check_request(
         raise _reject("request_id", f"{show(request_id)} is already live (waiting or running)")
     if not isinstance(params, SamplingParams):
         raise RequestTypeError(f"params: must be SamplingParams, got {show(params)}")
+    if params.n != 1:
+        raise fail(REQUEST, "SamplingParams.n", _ONE_SEQUENCE, params.n)
     priority = check_int(priority, "priority", REQUEST, -MAX_INT64 - 1, MAX_INT64)
     ids = check_token_ids(prompt, "prompt", REQUEST, config.vocab_size)
     if not ids:
