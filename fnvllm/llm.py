@@ -4,9 +4,16 @@
     outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.6, max_tokens=64))
     print(outs[0].text)
 
+    for out in llm.generate(["def fib("], SamplingParams(n=3, temperature=0.8, seed=1)):
+        for completion in out.outputs:  # n completions per prompt
+            print(completion.index, completion.text, completion.finish_reason)
+
 The facade is a thin client of the composition root (``fnvllm.engine.build.build_engine``), which assembles the
 tokenizer, the executor and the ``EngineLoop`` (the engine, the current EngineState and the output processor);
-each call adds its requests with a tracker and steps the loop until they are done.
+each call adds its requests with a tracker and steps the loop until they are done. A prompt whose
+``SamplingParams.n`` is above 1 runs as n engine requests (``fnvllm.state.copies``: copy j of a seeded request
+draws from seed + j), queued side by side so the prefix cache computes the prompt once; ``generate`` joins them
+into one RequestOutput (``group_outputs``), ``stream`` labels each delta with its ``completion``.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fnvllm.config import EngineConfig
-from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelta
+from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelta, group_outputs
 from fnvllm.engine.build import build_engine
 from fnvllm.engine.output import discard_delta
 from fnvllm.engine.text import render_chat
-from fnvllm.state import EngineState, InvalidRequestError, SamplingParams
+from fnvllm.state import EngineState, InvalidRequestError, SamplingParams, copies
 from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
 from fnvllm.state.errors import RequestTypeError
 from fnvllm.state.request import check_request
@@ -88,19 +95,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); returns outputs in input order.
+        """Generate for each prompt (text or token ids); returns one RequestOutput per prompt, in input order.
 
         ``prompts``: one str, one token-id sequence (a list, tuple or 1-D integer array), or a sequence of those.
-        ``sampling_params``: one SamplingParams for all, or one per prompt. Any bad argument raises
-        InvalidRequestError (RequestTypeError for a wrong type, also a TypeError) naming it, before anything is
-        queued."""
+        ``sampling_params``: one SamplingParams for all, or one per prompt. A prompt's ``SamplingParams.n``
+        completions are its output's ``outputs`` (index 0 .. n-1; the flat fields are completion 0's). Any bad
+        argument raises InvalidRequestError (RequestTypeError for a wrong type, also a TypeError) naming it,
+        before anything is queued. The progress bar counts sequences: n per prompt."""
         check_bool(use_tqdm, "use_tqdm", REQUEST)
         return self._generate(self._encode_all(prompts), sampling_params, use_tqdm)
 
     def _generate(
         self, encoded: list[Encoded], params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
     ) -> list[RequestOutput]:
-        trackers = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=discard_delta)  # no deltas
+        groups = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=discard_delta)  # no deltas
+        trackers = [tracker for group in groups for tracker in group]
         bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
         start, pending = time.perf_counter(), trackers
         with self._aborting_on_exit(trackers):
@@ -114,14 +123,15 @@ class LLM:
                         num_tokens = sum(len(t.token_ids) for t in trackers)
                         bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
         bar.close()
-        return [t.result() for t in trackers]
+        return [group_outputs([t.result() for t in group]) for group in groups]
 
     def stream(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[StreamDelta]:
-        """Yield each request's new text and ids as steps complete (index = position in ``prompts``).
+        """Yield each request's new text and ids as steps complete (index = position in ``prompts``; completion =
+        which of its ``SamplingParams.n`` completions, 0 .. n-1: each (index, completion) pair is one sequence).
 
         Any number of streams may be iterated in turn: each steps the shared engine when it has nothing queued,
         and receives exactly its own requests' deltas (the others' wait in their own queues). Arguments are
@@ -130,13 +140,13 @@ class LLM:
         param_list = _as_params_list(sampling_params, len(encoded))
         for index, ((_, ids), params) in enumerate(zip(encoded, param_list, strict=True)):
             try:  # what can be checked now is checked now; the requests are queued when iteration starts
-                check_request(self.engine.config, (), "stream", ids, params)
+                check_request(self.engine.config, (), "stream", ids, copies(params, 1)[0])  # as each copy is
             except InvalidRequestError as e:
                 raise type(e)(f"prompts[{index}]: {e}") from None
         return self._stream(encoded, param_list)
 
     def _stream(self, encoded: list[Encoded], param_list: list[SamplingParams]) -> Iterator[StreamDelta]:
-        trackers = self._add(encoded, param_list)
+        trackers = [tracker for group in self._add(encoded, param_list) for tracker in group]
         with self._aborting_on_exit(trackers):
             while True:
                 queued = [t for t in trackers if t.deltas]
@@ -166,7 +176,8 @@ class LLM:
         use_tqdm: bool = True,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (list of messages) or several, then generate.
+        """Apply the tokenizer's chat template to one conversation (list of messages) or several, then generate
+        (one RequestOutput per conversation, with ``SamplingParams.n`` completions each, as ``generate``).
 
         Each message is a mapping with str "role" and "content". The templated text is encoded without adding
         special tokens: the template writes its own (a BOS added on top would be a second one)."""
@@ -212,15 +223,28 @@ class LLM:
         encoded: list[Encoded],
         param_list: list[SamplingParams],
         on_delta: Callable[[StreamDelta], None] | None = None,
+    ) -> list[list[RequestTracker]]:
+        """Queue every prompt as ``SamplingParams.n`` copies (``copies``), side by side; returns each prompt's
+        trackers in completion order. Validated by the core: on any bad input raise before the state changes."""
+        groups: list[list[RequestTracker]] = []
+        next_id = self._next_id
+        for index, ((text, ids), params) in enumerate(zip(encoded, param_list, strict=True)):
+            groups.append(self._copies(index, (text, ids), params, next_id, on_delta))
+            next_id += params.n
+        self.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for group in groups for t in group])
+        self._next_id = next_id
+        return groups
+
+    def _copies(
+        self, index: int, prompt: Encoded, params: SamplingParams, first_id: int, on_delta: Callable[..., None] | None
     ) -> list[RequestTracker]:
-        """Queue every prompt (validated by the core: on any bad input raise before the state changes)."""
-        trackers = []
-        for index, ((text, ids), p) in enumerate(zip(encoded, param_list, strict=True)):
-            rid = str(self._next_id + index)
-            trackers.append(RequestTracker(index, rid, text, ids, p, self.parts.detokenizer(ids, p), on_delta))
-        self.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for t in trackers])
-        self._next_id += len(encoded)
-        return trackers
+        """The trackers of prompt ``index``'s ``params.n`` copies, with request ids first_id, first_id + 1, ..."""
+        text, ids = prompt
+        detokenizer = self.parts.detokenizer
+        return [
+            RequestTracker(index, str(first_id + j), text, ids, p, detokenizer(ids, p), on_delta, completion=j)
+            for j, p in enumerate(copies(params, params.n))
+        ]
 
 
 def _as_prompt_list(prompts: object) -> list[Any]:

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from fnvllm.cli import CLIError
 from fnvllm.cli._common import (
     RunStats,
@@ -17,6 +19,7 @@ from fnvllm.cli._common import (
     add_sampling_args,
     engine_options,
     load_llm,
+    logprobs_json,
     missing_folder,
     one_line_errors,
     output_json,
@@ -41,12 +44,18 @@ folder (or use --model); every other argument is a prompt. '-' reads prompts fro
 
 Prompt files (--prompts-file, or stdin) hold one prompt per line, or JSON Lines whose objects have a "prompt"
 string (with --chat, a "messages" list of {"role", "content"} objects instead).
+
+--n N samples N completions of each prompt (with --seed S, completion j draws from seed S + j): text output
+prints each under its own header ("request I (completion J, ...)"); --json prints one object per prompt, its
+top-level fields completion 0's, with a "completions" list; --stream prints them one after another, labelled
+the same way (with --json, each delta names its "completion").
 """
 
 EPILOG = """\
 examples:
   fnvllm generate "def fib("
   fnvllm generate --temperature 0.8 --top-p 0.95 --seed 1 --max-tokens 100 "class Stack:"
+  fnvllm generate --n 3 --temperature 0.8 --seed 1 --max-tokens 32 "def add("
   fnvllm generate path/to/Qwen3-0.6B --chat "What is a KV cache?"
   printf 'import os\\nfor i in range(\\n' | fnvllm generate --json -
 
@@ -113,18 +122,53 @@ def _generate(llm: Any, items: list[PromptItem], params: Any, args: argparse.Nam
         outputs = run_requests(lambda: llm.generate(items, params, use_tqdm=False))
     if args.json:
         for index, out in enumerate(outputs):
-            print(json.dumps(output_json(index, out, llm.tokenizer)), flush=True)
+            print(json.dumps(_record(index, out, llm.tokenizer)), flush=True)
+    elif params.n > 1:
+        _print_completions(outputs, llm.tokenizer, show_prompt=not args.chat)
     else:
         print_text_outputs(outputs, llm.tokenizer, show_prompt=not args.chat)
     metrics = [out.metrics for out in outputs if out.metrics is not None]
     return [m.ttft for m in metrics if m.ttft is not None]
 
 
+def _record(index: int, out: Any, tokenizer: Any) -> dict[str, Any]:
+    """One prompt's output as a JSON-ready dict (``output_json``: completion 0's), with a "completions" list of
+    every completion when there are several."""
+    record = output_json(index, out, tokenizer)
+    if len(out.outputs) > 1:
+        record["completions"] = [_completion_record(c, tokenizer) for c in out.outputs]
+    return record
+
+
+def _completion_record(completion: Any, tokenizer: Any) -> dict[str, Any]:
+    """One completion as a JSON-ready dict: index, text, ids, finish reason (and logprobs with their sum)."""
+    record: dict[str, Any] = {"index": completion.index, "text": completion.text}
+    record.update(token_ids=list(completion.token_ids), finish_reason=completion.finish_reason)
+    if completion.logprobs is not None:
+        record["logprobs"] = logprobs_json(completion.logprobs, tokenizer)
+        record["cumulative_logprob"] = completion.cumulative_logprob
+    return record
+
+
+def _print_completions(outputs: Sequence[Any], tokenizer: Any, show_prompt: bool) -> None:
+    """Every completion of every prompt as text, each under a header naming its request and completion (the prompt's
+    logprobs, when asked, under completion 0)."""
+    for index, out in enumerate(outputs):
+        for c in out.outputs:
+            print(request_header(index, f"completion {c.index}, {len(c.token_ids)} tokens, {c.finish_reason}"))
+            scored = out.prompt_logprobs if c.index == 0 else None
+            one = attrs.evolve(
+                out, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason, logprobs=c.logprobs,
+                prompt_logprobs=scored, outputs=(c,),
+            )  # fmt: skip
+            print_text_outputs([one], tokenizer, show_prompt)
+
+
 def _stream(llm: Any, items: list[PromptItem], params: Any, args: argparse.Namespace) -> list[float]:
     """Stream all, printing deltas as they come (text in prompt order, or one JSON object per delta)."""
     prompts = [_render(llm, item) for item in items]
     shown = [item if isinstance(item, str) and not args.chat else "" for item in items]
-    printer = StreamPrinter(shown, as_json=args.json)
+    printer = StreamPrinter(shown, as_json=args.json, num_completions=params.n)
     run_requests(lambda: printer.print_all(llm.stream(prompts, params)))
     return []
 
@@ -216,13 +260,15 @@ def _is_message(value: Any) -> bool:
 
 
 class StreamPrinter:
-    """Prints streamed deltas. Text: requests in prompt order, each shown live once the ones before it are done
-    (later requests' text waits in a buffer, so outputs never interleave). JSON: one object per delta, at once."""
+    """Prints streamed deltas. Text: sequences in prompt order (a prompt's ``num_completions`` completions one
+    after another, each under its own header), each shown live once the ones before it are done (later ones' text
+    waits in a buffer, so outputs never interleave). JSON: one object per delta, at once."""
 
-    def __init__(self, prompts: Sequence[str], as_json: bool) -> None:
-        self.prompts, self.as_json = list(prompts), as_json
-        self.buffers: list[list[str]] = [[] for _ in self.prompts]
-        self.done = [False] * len(self.prompts)
+    def __init__(self, prompts: Sequence[str], as_json: bool, num_completions: int = 1) -> None:
+        self.prompts, self.as_json, self.num_completions = list(prompts), as_json, num_completions
+        num_sequences = len(self.prompts) * num_completions  # sequence s: prompt s // n, completion s % n
+        self.buffers: list[list[str]] = [[] for _ in range(num_sequences)]
+        self.done = [False] * num_sequences
         self.current = 0
         if not as_json:
             self._open(0)
@@ -235,29 +281,33 @@ class StreamPrinter:
     def add(self, delta: Any) -> None:
         """Take one delta (``StreamDelta``) and print what can be printed now."""
         if self.as_json:
-            record = {"index": delta.index, "request_id": delta.request_id, "text": delta.new_text}
-            record.update(token_ids=list(delta.new_token_ids), finish_reason=delta.finish_reason)
+            record = {"index": delta.index, "completion": delta.completion, "request_id": delta.request_id}
+            record.update(text=delta.new_text, token_ids=list(delta.new_token_ids), finish_reason=delta.finish_reason)
             print(json.dumps(record), flush=True)
             return
-        self.buffers[delta.index].append(delta.new_text)
-        self.done[delta.index] |= delta.finish_reason is not None
+        sequence = delta.index * self.num_completions + delta.completion
+        self.buffers[sequence].append(delta.new_text)
+        self.done[sequence] |= delta.finish_reason is not None
         self._flush()
 
-    def _open(self, index: int) -> None:
-        """Start printing request ``index``: its header (when there are several) and its prompt."""
-        if len(self.prompts) > 1:
+    def _open(self, sequence: int) -> None:
+        """Start printing ``sequence``: its header (when there are several) and its prompt."""
+        index, completion = divmod(sequence, self.num_completions)
+        if self.num_completions > 1:
+            print(request_header(index, f"completion {completion}"))
+        elif len(self.prompts) > 1:
             print(request_header(index))
         sys.stdout.write(self.prompts[index])
 
     def _flush(self) -> None:
-        """Print the current request's buffered text; move on past every finished one."""
-        while self.current < len(self.prompts):
+        """Print the current sequence's buffered text; move on past every finished one."""
+        while self.current < len(self.buffers):
             sys.stdout.write("".join(self.buffers[self.current]))
             self.buffers[self.current].clear()
             if not self.done[self.current]:
                 break
             sys.stdout.write("\n")
             self.current += 1
-            if self.current < len(self.prompts):
+            if self.current < len(self.buffers):
                 self._open(self.current)
         sys.stdout.flush()

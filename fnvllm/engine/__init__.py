@@ -5,14 +5,17 @@ admits, aborts and steps) and the output processor (routes tokens to each reques
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.loop import EngineLoop, EngineStats
 from fnvllm.engine.output import (
+    CompletionOutput,
     OutputProcessor,
     RequestMetrics,
     RequestOutput,
     RequestTracker,
     StreamDelta,
+    group_outputs,
 )
 
 __all__ = [
+    "CompletionOutput",
     "Engine",
     "EngineLoop",
     "EngineOutput",
@@ -22,4 +25,5 @@ __all__ = [
     "RequestOutput",
     "RequestTracker",
     "StreamDelta",
+    "group_outputs",
 ]
