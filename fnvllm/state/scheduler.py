@@ -120,6 +120,11 @@ def _schedule_rows(step: _Step) -> None:
         prompt, chunks, tail = requests[rows.ids[i]].prompt, rows.output_chunks[i], rows.output_tails[i]
         if n == 1 and start == total - 1:
             tokens: tuple[int, ...] = (last_token(prompt, chunks, tail),)
+            if total == len(prompt) and total % step.kv.block_size == 0:
+                # the prompt's last token completes a block begun in an earlier step: a request admitted later in
+                # this step must wait for it, not compute it again (a decode's token is last step's sample, which
+                # schedule never reads: under overlap it is a placeholder)
+                kv.note_computing(prompt, chunks, tail, rows.chain_hashes[i], start, total)
         else:
             tokens = token_slice(prompt, chunks, tail, start, start + n)
             kv.note_computing(prompt, chunks, tail, rows.chain_hashes[i], start, start + n)

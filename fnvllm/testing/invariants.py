@@ -474,7 +474,9 @@ def _check_no_duplicate_prefill(config: CoreConfig, before: EngineState, plan: S
     another row of the step completes: an earlier admission, or a running request finishing a block it began in an
     earlier step. It waits a step and hits it instead (the scheduler's hold-back). (Rewriting the last token of a
     fully cached prompt into the shared hit block is fine; two running requests may both complete one: the second
-    had started its copy before the first's was known.)"""
+    had started its copy before the first's was known. A block completed by a running row's one token past its
+    prompt does not count: a decode's token is the sample of the step before, which the scheduler may not read —
+    under overlapped steps it is still a placeholder — and a recomputed request's last token is treated alike.)"""
     bs, completing = config.block_size, dict[tuple[int, ...], tuple[str, int]]()
     rows = list(zip(plan.seq_ids, plan.input_tokens, plan.start_positions, plan.block_tables, strict=True))
     running_first = sorted(rows, key=lambda row: row[0] not in before.num_computed)  # stable: plan order within
@@ -489,6 +491,8 @@ def _check_no_duplicate_prefill(config: CoreConfig, before: EngineState, plan: S
                         f"{full[: (index + 1) * bs]} that {other!r} completes in that step, into another block "
                         f"({table[index]}, not {block})"
                     )
+        if rid in before.num_computed and len(tokens) == 1 and end == len(full) > len(before.requests[rid].prompt):
+            continue  # a decode (or a recomputation's last token): see the docstring
         for index in range(start // bs, end // bs):
             completing.setdefault(full[: (index + 1) * bs], (rid, table[index]))
 

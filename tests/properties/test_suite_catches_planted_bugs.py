@@ -372,3 +372,31 @@ def test_unmarked_mid_block_completion_is_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(KVManager, "note_computing", start_aligned_only)
     with pytest.raises(InvariantViolation, match=r"prefix cache: 'y', admitted in step 1, computes block 1 .* 'x'"):
         mid_block_scenario(block_size)
+
+
+def last_token_scenario(block_size: int) -> None:
+    """A prompt of exactly two blocks whose last token runs alone (a budget of two blocks less one token), in the
+    step that admits a second prompt sharing both blocks: the second must wait for the first's block 1 and hit it,
+    never compute its own copy (every plan goes through ``check_plan``)."""
+    config = CoreConfig(
+        block_size=block_size, num_blocks=12, max_num_batched_tokens=2 * block_size - 1,
+        max_model_len=8 * block_size, vocab_size=64,
+    )  # fmt: skip
+    prefix = list(range(1, 2 * block_size + 1))
+    state = core.initial_state(config)
+    params = core.SamplingParams(max_tokens=2, ignore_eos=True)
+    state = core.add_request(state, "x", prefix, params)
+    state = core.add_request(state, "y", [*prefix, 41], params)
+    tables: dict[str, tuple[int, ...]] = {}
+    while state.has_unfinished:
+        before = state
+        state, plan = core.schedule(state)
+        check_plan(config, before, state, plan)
+        tables.update(zip(plan.seq_ids, plan.block_tables, strict=True))
+        state, _ = core.commit(state, plan, [9] * sum(plan.sample))
+    assert tables["y"][:2] == tables["x"][:2]  # the shared prefix computed once, then hit
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 6])
+def test_a_block_completed_by_a_prompts_last_token_is_computed_once(block_size: int) -> None:
+    last_token_scenario(block_size)
