@@ -4,15 +4,8 @@ admits, aborts and steps) and the output processor (routes tokens to each reques
 
 from fnvllm.engine.core import Engine, EngineOutput
 from fnvllm.engine.loop import EngineLoop, EngineStats
-from fnvllm.engine.output import (
-    CompletionOutput,
-    OutputProcessor,
-    RequestMetrics,
-    RequestOutput,
-    RequestTracker,
-    StreamDelta,
-    group_outputs,
-)
+from fnvllm.engine.output import OutputProcessor, RequestTracker
+from fnvllm.engine.results import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta, group_outputs
 
 __all__ = [
     "CompletionOutput",
