@@ -106,6 +106,25 @@ def test_request_metrics_are_ordered(llm: LLM) -> None:
         assert tpot is not None and tpot >= 0
 
 
+def test_scheduled_time_splits_ttft_into_queue_and_prefill(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each output records when the plan that first admitted it was made: arrival <= scheduled <= first token,
+    queue + prefill time = TTFT; with room for one request at a time, the second is admitted only after the
+    first finished (its queue time covers the first's run)."""
+    ckpt = write_family(tmp_path_factory.mktemp("sched"), "qwen3")
+    llm = LLM(ckpt, dtype="float32", block_size=8, num_blocks=64, max_num_seqs=1)
+    first, second = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), False)
+    for out in (first, second):
+        m = out.metrics
+        assert m is not None and m.scheduled_time is not None and m.first_token_time is not None
+        assert m.arrival_time <= m.scheduled_time <= m.first_token_time
+        assert m.queue_time is not None and m.prefill_time is not None and m.ttft is not None
+        assert m.queue_time + m.prefill_time == pytest.approx(m.ttft)
+        assert m.inference_time == pytest.approx(m.prefill_time + m.decode_time)  # type: ignore[operator]
+    assert first.metrics is not None and second.metrics is not None and first.metrics.finish_time is not None
+    assert second.metrics.scheduled_time >= first.metrics.finish_time  # type: ignore[operator]
+    llm.close()
+
+
 def test_prefix_cache_hits_reported_per_request(llm: LLM) -> None:
     """A prompt whose blocks are cached reports those tokens as served from the cache; the totals agree."""
     prompt = list(range(100, 140))  # 40 tokens = 5 full blocks of 8

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 pytest.importorskip("fastapi", reason="the server needs the [serve] extra (fastapi, uvicorn, prometheus-client)")
@@ -169,6 +170,9 @@ def test_token_histograms_match_the_responses_usage(engine: AsyncEngine) -> None
     assert m["fnvllm_request_generation_tokens_sum"] == sum(u.completion_tokens for u in usages)
     assert m["fnvllm_request_decode_time_seconds_count"] == m["fnvllm_e2e_request_latency_seconds_count"] == 5
     assert 0 <= m["fnvllm_request_decode_time_seconds_sum"] <= m["fnvllm_e2e_request_latency_seconds_sum"]
+    assert m["fnvllm_request_queue_time_seconds_count"] == m["fnvllm_request_prefill_time_seconds_count"] == 5
+    queue_and_prefill = m["fnvllm_request_queue_time_seconds_sum"] + m["fnvllm_request_prefill_time_seconds_sum"]
+    assert queue_and_prefill == pytest.approx(m["fnvllm_time_to_first_token_seconds_sum"])
 
 
 def test_an_aborted_request_is_counted_but_observed_in_no_histogram() -> None:
@@ -177,6 +181,7 @@ def test_an_aborted_request_is_counted_but_observed_in_no_histogram() -> None:
     snapshot = EngineSnapshot(0, 0, 0, 8, 0, 0, EngineStats())
     metrics = ServerMetrics(lambda: snapshot)
     timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, finish_time=4.0, num_cached_tokens=0)
+    timing = attrs.evolve(timing, scheduled_time=1.25)
     for reason in ("abort", "length"):
         metrics.on_finish(RequestOutput(reason, None, (1, 2, 3), "", (7, 8), reason, metrics=timing))
     value = metrics.registry.get_sample_value
@@ -186,6 +191,9 @@ def test_an_aborted_request_is_counted_but_observed_in_no_histogram() -> None:
     assert value("fnvllm_request_generation_tokens_count") == 1 and value("fnvllm_request_generation_tokens_sum") == 2
     assert value("fnvllm_request_decode_time_seconds_count") == 1
     assert value("fnvllm_request_decode_time_seconds_sum") == 2.5
+    assert value("fnvllm_request_queue_time_seconds_sum") == 0.25
+    assert value("fnvllm_request_prefill_time_seconds_sum") == 0.25
+    assert value("fnvllm_request_inference_time_seconds_sum") == 2.75
     assert value("fnvllm_time_to_first_token_seconds_count") == value("fnvllm_e2e_request_latency_seconds_count") == 1
 
 

@@ -219,12 +219,13 @@ class EngineLoop:
     def _step_plain(self, errors: list[BaseException]) -> EngineOutput:
         before = self.state
         state, plan = self._schedule(before)
+        planned_at = self.processor.clock() if plan.num_admitted else None  # its admissions' scheduled time
         try:
             state, out = self.engine.step(state, plan)
         except BaseException:
             self.state = self.engine.restore(before)  # executor and state in step again; nothing lost
             raise
-        self._finish_step(state, plan, out, self._note_admissions(plan), errors)
+        self._finish_step(state, plan, out, self._note_admissions(plan, planned_at), errors)
         return out
 
     def _step_overlapped(self, errors: list[BaseException]) -> EngineOutput:
@@ -409,11 +410,12 @@ class EngineLoop:
             self.overlap_stats = OverlapStats(s.launched + 1, s.kept, s.dropped + 1)
         self.state = verdict.state
 
-    def _note_admissions(self, plan: StepPlan) -> int:
+    def _note_admissions(self, plan: StepPlan, planned_at: float | None = None) -> int:
         """Tell the trackers of the requests ``plan`` admits how many prompt tokens the prefix cache served
-        them; returns the total (for the stats)."""
+        them, and when it was planned (``planned_at``; default now: a launched plan is noted as it launches);
+        returns the total (for the stats)."""
         cached = plan.admitted_starts()
-        self.processor.note_cached(cached)
+        self.processor.note_cached(cached, planned_at)
         return sum(cached.values())
 
     def _count(self, plan: StepPlan, cached: int, num_tokens: int) -> None:

@@ -57,6 +57,7 @@ class RequestTracker:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_cached_tokens = 0
+        self.scheduled_time: float | None = None  # when the plan that first admitted it was made
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(prompt_ids)
@@ -123,7 +124,9 @@ class RequestTracker:
 
     def metrics(self) -> RequestMetrics:
         """The request's timing metrics so far."""
-        return RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time, self.num_cached_tokens)
+        return RequestMetrics(
+            self.arrival_time, self.first_token_time, self.finish_time, self.num_cached_tokens, self.scheduled_time
+        )
 
     def result(self) -> RequestOutput:
         """The request's output so far (final once ``finished``): one completion, numbered ``completion``
@@ -178,12 +181,18 @@ class OutputProcessor:
         """Start routing outputs of ``tracker.request_id`` to ``tracker``."""
         self.trackers[tracker.request_id] = tracker
 
-    def note_cached(self, cached: Mapping[str, int]) -> None:
-        """Record prompt tokens the prefix cache served to requests admitted this step."""
+    def note_cached(self, cached: Mapping[str, int], scheduled_time: float | None = None) -> None:
+        """Record prompt tokens the prefix cache served to requests admitted this step, and when the step was
+        planned (``scheduled_time``, default now) for those admitted the first time."""
+        if not cached:
+            return
+        when = self.clock() if scheduled_time is None else scheduled_time
         for rid, num in cached.items():
             tracker = self.trackers.get(rid)
             if tracker is not None:
                 tracker.num_cached_tokens = num
+                if tracker.scheduled_time is None:
+                    tracker.scheduled_time = when
 
     def abort(self, request_id: str) -> None:
         """Close a request that was aborted (no more tokens will come)."""

@@ -19,12 +19,42 @@ class RequestMetrics:
 
     arrival_time: when it was added. first_token_time / finish_time: None until they happen.
     num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission instead of computed.
+    scheduled_time: when the plan that first admitted it was made (None until then, and for metrics built by
+        hand); a preempted request keeps its first. Splits the time to first token into ``queue_time`` and
+        ``prefill_time``, as vLLM's metrics do.
     """
 
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
     num_cached_tokens: int
+    scheduled_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first admission, seconds (None until admitted)."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First admission to first token, seconds (None until both happened)."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to finish, seconds (0 for a one-token answer; None until both happened)."""
+        if self.first_token_time is None or self.finish_time is None:
+            return None
+        return self.finish_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        """First admission to finish, seconds (None until both happened)."""
+        if self.scheduled_time is None or self.finish_time is None:
+            return None
+        return self.finish_time - self.scheduled_time
 
     @property
     def ttft(self) -> float | None:
@@ -136,14 +166,17 @@ def group_outputs(parts: Sequence[RequestOutput]) -> RequestOutput:
 
 
 def _group_metrics(parts: Sequence[RequestMetrics]) -> RequestMetrics:
-    """Metrics of a group of requests: earliest arrival and first token, latest finish (None while any runs)."""
+    """Metrics of a group of requests: earliest arrival, admission and first token, latest finish (None while any
+    runs)."""
     firsts = [m.first_token_time for m in parts if m.first_token_time is not None]
     finishes = [m.finish_time for m in parts if m.finish_time is not None]
+    scheduled = [m.scheduled_time for m in parts if m.scheduled_time is not None]
     return RequestMetrics(
         arrival_time=min(m.arrival_time for m in parts),
         first_token_time=min(firsts) if firsts else None,
         finish_time=max(finishes) if len(finishes) == len(parts) else None,
         num_cached_tokens=sum(m.num_cached_tokens for m in parts),
+        scheduled_time=min(scheduled) if scheduled else None,
     )
 
 

@@ -5,11 +5,11 @@ the per-step batch size are observed as the engine's step reports arrive (reques
 
 Per-request histograms (vLLM's ``vllm:request_*`` and latency families, under ``fnvllm_``), from what a finished
 ``RequestOutput`` carries: prompt and generated token counts, time to first token, time per output token, decode
-time (first token to finish) and end-to-end latency. An aborted request (a client that left, a shutdown) is
-counted in ``fnvllm_requests_finished_total{finish_reason="abort"}`` and observed in none of them, tokens included,
-so every per-request histogram counts the same requests (those that finished "stop" or "length"). Queue time,
-prefill time and inference time are not exported: a ``RequestOutput`` does not record when the request was first
-scheduled, so they cannot be derived from it. Prompt tokens served from the prefix cache are the counter
+time (first token to finish), queue time (arrival to the plan that first admitted it), prefill time (that plan
+to the first token), inference time (that plan to finish) and end-to-end latency. An aborted request (a client
+that left, a shutdown) is counted in ``fnvllm_requests_finished_total{finish_reason="abort"}`` and observed in none
+of them, tokens included, so every per-request histogram counts the same requests (those that finished "stop" or
+"length"). Prompt tokens served from the prefix cache are the counter
 ``fnvllm_prefix_cache_hit_tokens_total`` (not repeated here).
 """
 
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fnvllm.engine import RequestMetrics, RequestOutput
+from fnvllm.engine import RequestOutput
 from fnvllm.serve.async_engine import EngineSnapshot
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
@@ -29,13 +29,6 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1, 2, 4, ..., 131072 tokens
 # A request's decode phase can run for minutes (thousands of tokens behind a big batch): longer tail than latency.
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
-
-
-def decode_time(metrics: RequestMetrics) -> float | None:
-    """Seconds from a request's first token to its finish (0 for a one-token answer); None until both happened."""
-    if metrics.first_token_time is None or metrics.finish_time is None:
-        return None
-    return metrics.finish_time - metrics.first_token_time
 
 
 class _SnapshotCollector(Collector):
@@ -75,8 +68,8 @@ class ServerMetrics:
     Implements ``EngineObserver`` (``on_step``, ``on_finish``); ``render()`` is the ``/metrics`` body.
     prompt_tokens / generation_tokens: per finished request, its prompt length and the tokens the engine generated
     for it (an EOS or stop token that ended it included; the same count as ``usage.completion_tokens``, except
-    that a ``max_tokens: 0`` scoring request generates one token its answer drops). decode_time: first token to
-    finish, seconds.
+    that a ``max_tokens: 0`` scoring request generates one token its answer drops). decode_time / queue_time /
+    prefill_time / inference_time: ``RequestMetrics``' properties of those names, seconds.
     """
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
@@ -98,6 +91,18 @@ class ServerMetrics:
         )
         self.decode_time = Histogram(
             "fnvllm_request_decode_time_seconds", "First token to finish (the decode phase) of a request.",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "fnvllm_request_queue_time_seconds", "Arrival to first admission (waiting in the queue) of a request.",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill_time = Histogram(
+            "fnvllm_request_prefill_time_seconds", "First admission to first token (the prefill phase) of a request.",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inference_time = Histogram(
+            "fnvllm_request_inference_time_seconds", "First admission to finish (running) of a request.",
             buckets=_DURATION_BUCKETS, registry=r,
         )  # fmt: skip
         self.prompt_tokens = Histogram(
@@ -130,7 +135,10 @@ class ServerMetrics:
             (self.ttft, metrics.ttft),
             (self.e2e, metrics.e2e_latency),
             (self.tpot, metrics.tpot(len(output.token_ids))),
-            (self.decode_time, decode_time(metrics)),
+            (self.decode_time, metrics.decode_time),
+            (self.queue_time, metrics.queue_time),
+            (self.prefill_time, metrics.prefill_time),
+            (self.inference_time, metrics.inference_time),
         ):
             if value is not None:
                 histogram.observe(value)
