@@ -35,6 +35,7 @@ from fnvllm.engine.text import render_chat
 from fnvllm.state import EngineState, InvalidRequestError, SamplingParams, copies
 from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
 from fnvllm.state.errors import RequestTypeError
+from fnvllm.state.params import truncate_prompt
 from fnvllm.state.request import check_request
 
 _FINISH_REASON = attrgetter("finish_reason")  # a tracker's; None while it runs
@@ -108,7 +109,8 @@ class LLM:
     def _generate(
         self, encoded: list[Encoded], params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
     ) -> list[RequestOutput]:
-        groups = self._add(encoded, _as_params_list(params, len(encoded)), on_delta=discard_delta)  # no deltas
+        encoded, param_list = _with_params(encoded, params)
+        groups = self._add(encoded, param_list, on_delta=discard_delta)  # no deltas
         trackers = [tracker for group in groups for tracker in group]
         bar = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
         start, pending = time.perf_counter(), trackers
@@ -136,8 +138,7 @@ class LLM:
         Any number of streams may be iterated in turn: each steps the shared engine when it has nothing queued,
         and receives exactly its own requests' deltas (the others' wait in their own queues). Arguments are
         checked (and the requests queued) when this is called, not when iteration starts."""
-        encoded = self._encode_all(prompts)
-        param_list = _as_params_list(sampling_params, len(encoded))
+        encoded, param_list = _with_params(self._encode_all(prompts), sampling_params)
         for index, ((_, ids), params) in enumerate(zip(encoded, param_list, strict=True)):
             try:  # what can be checked now is checked now; the requests are queued when iteration starts
                 check_request(self.engine.config, (), "stream", ids, copies(params, 1)[0])  # as each copy is
@@ -273,6 +274,16 @@ def _as_prompt_list(prompts: object) -> list[Any]:
         if not (isinstance(item, str) or is_ids):
             raise RequestTypeError(f"prompts[{i}] must be a str or a sequence of token ids, got {show(item)}")
     return items
+
+
+def _with_params(encoded: list[Encoded], params: object) -> tuple[list[Encoded], list[SamplingParams]]:
+    """Each prompt's SamplingParams (``_as_params_list``) and the prompts as the core will see them: ids cut to
+    their params' truncate_prompt_tokens (``truncate_prompt``; the text stays as given). Where the offline API's
+    prompt ids become final: ``generate``, ``chat`` and ``stream`` all pass here."""
+    param_list = _as_params_list(params, len(encoded))
+    pairs = zip(encoded, param_list, strict=True)
+    kept = [(text, truncate_prompt(ids, p.truncate_prompt_tokens)) for (text, ids), p in pairs]
+    return kept, param_list
 
 
 def _as_params_list(params: object, n: int) -> list[SamplingParams]:

@@ -29,8 +29,8 @@ def detokenizer_for(
     check_stop_strings(tokenizer, params)
     if tokenizer is None:
         return None
-    stop, include = params.stop, params.include_stop_str_in_output
-    return IncrementalDetokenizer(tokenizer, prompt_ids, True, stop, include, min_tokens=params.min_tokens)
+    stop, include, skip = params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip, stop, include, min_tokens=params.min_tokens)
 
 
 def check_stop_strings(tokenizer: Any | None, params: SamplingParams) -> None:

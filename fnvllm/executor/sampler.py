@@ -23,14 +23,18 @@ sparse scatter-add over (row, token) pairs, before everything below; a batch wit
 of its ``min_tokens`` takes the same path: MASKED_LOGIT is added at its stop-capable ids (the EOS ids the caller
 names and its ``stop_token_ids``), so none of them can be drawn before the request may end.
 
+Rows with ``allowed_token_ids`` (``SamplingBatch.allowed``): after the bias, every other id of those rows is set to
+MASKED_LOGIT on a copy of the logits (their allowed logits gathered, scattered into a MASKED_LOGIT-filled (R, V)
+block, which is copied over those R rows); a batch without one is untouched.
+
 Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor.structured``): their disallowed
 tokens are set to MASKED_LOGIT (one kernel, ``fnvllm.kernels.grammar_mask``) on a copy of the logits, or on the
 logits themselves when the executor marks them scratch and no row asks for logprobs; the other rows are untouched.
 
-Order of operations on a row: logit bias, grammar mask (constrained rows), repetition penalty (HF style, prompt
-and output tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature; keep the
-top-k, then the nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the CDF of the kept
-probabilities at the row's uniform.
+Order of operations on a row: logit bias, allowed token ids, grammar mask (constrained rows), repetition penalty (HF
+style, prompt and output tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature;
+keep the top-k, then the nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the
+CDF of the kept probabilities at the row's uniform.
 
 Randomness. A seeded row's uniform for its n-th generated token is a pure function of (seed, n)
 (`seeded_noise.seeded_uniforms`), so its token depends only on its own logits and settings: not on its batch
@@ -115,6 +119,7 @@ class SamplingBatch:
     min_p_only: bool = False
     grammar_mask: GrammarMask | None = None
     logit_bias: LogitBias | None = None
+    allowed: AllowedTokens | None = None
 
 
 @attrs.frozen(eq=False)
@@ -155,6 +160,44 @@ def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
     """A copy of ``logits`` (B, V) with each bias added at its (row, token) (a sparse scatter-add in the logits'
     dtype); ``logits`` itself is not modified."""
     return logits.index_put((bias.rows, bias.tokens), bias.values.to(logits.dtype), accumulate=True)
+
+
+@attrs.frozen(eq=False)
+class AllowedTokens:
+    """The ``allowed_token_ids`` of the R rows that have some, as N sparse (row, token) entries on the device.
+
+    rows: (R,) int64 those batch rows. positions / tokens: (N,) int64 each entry's place in ``rows`` and its token
+    id; batch_rows: (N,) int64 its batch row (``rows[positions]``). Built from the params' ids
+    (``prepare_allowed``), one host -> device copy; it depends on the params alone (the reuse memo may keep it).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    batch_rows: torch.Tensor
+
+
+def prepare_allowed(params: Sequence[SamplingParams], rows: Sequence[int], device: torch.device) -> AllowedTokens:
+    """The AllowedTokens of ``rows`` (those of ``params`` with allowed_token_ids): one host -> device copy.
+    Example: rows (2, 5) allowing (7, 9) and (3,) -> positions (0, 0, 1), tokens (7, 9, 3), batch rows (2, 2, 5)."""
+    lists = [params[i].allowed_token_ids or () for i in rows]
+    positions = np.repeat(np.arange(len(rows)), [len(ids) for ids in lists])
+    flat = np.concatenate([np.asarray(rows), positions, np.concatenate(lists), np.asarray(rows)[positions]])
+    on = upload(flat.astype(np.int64), device)  # (R + 3N,)
+    num_rows, num = len(rows), len(positions)
+    entries = on[num_rows:].view(3, num)
+    return AllowedTokens(on[:num_rows], entries[0], entries[1], entries[2])
+
+
+def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens, copy: bool = True) -> torch.Tensor:
+    """``logits`` (B, V) with every id of ``allowed.rows`` outside its allowed ids at MASKED_LOGIT (or the dtype's
+    lowest finite value, when that is higher); the other rows are untouched. A copy, unless ``copy`` is False
+    (then ``logits`` itself, edited in place: the caller's own copy)."""
+    out = logits.clone() if copy else logits
+    value = max(MASKED_LOGIT, torch.finfo(logits.dtype).min)
+    block = logits.new_full((allowed.rows.shape[0], logits.shape[1]), value)  # (R, V)
+    block[allowed.positions, allowed.tokens] = logits[allowed.batch_rows, allowed.tokens]
+    return out.index_copy_(0, allowed.rows, block)
 
 
 @attrs.frozen(eq=False)
@@ -335,6 +378,7 @@ class _Rows:
     logprobs: list[int] = attrs.Factory(list)
     biased: list[int] = attrs.Factory(list)
     banned: list[int] = attrs.Factory(list)  # short of their min_tokens: their stop-capable ids are masked
+    allowed: list[int] = attrs.Factory(list)  # with allowed_token_ids: every other id is masked
     max_logprobs: int | None = None
 
 
@@ -350,6 +394,8 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int, num_generated: Se
             rows.penalised.append(i)
         if p.logit_bias:
             rows.biased.append(i)
+        if p.allowed_token_ids:
+            rows.allowed.append(i)
         if p.min_tokens and (num_generated is None or num_generated[i] < p.min_tokens):
             rows.banned.append(i)
         if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1:
@@ -567,6 +613,7 @@ def prepare_sampling(
         candidates=_candidates(rows, vocab_size),
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
         logit_bias=_logit_bias(params, device, rows, eos_token_ids),
+        allowed=prepare_allowed(params, rows.allowed, device) if rows.allowed else None,
     )
     if memo is not None:  # seeded rows' uniforms and banned rows' bans change by step; penalties are swapped at reuse
         memo.keep(params, vocab_size, device, None if rows.seeded or rows.banned else batch, rows.penalised)
@@ -586,7 +633,7 @@ def _logit_bias(
 class GraphRows:
     """A batch the decode CUDA graphs sample inside their replay (``fnvllm.executor.cuda_graphs.GraphSample``): every
     row by temperature (greedy rows included), some with a top-k (1 <= top_k <= the graphs' limit, with or without a
-    top-p / min-p), none with a penalty, a logit bias or a grammar. The graphs draw what
+    top-p / min-p), none with a penalty, a logit bias, allowed token ids or a grammar. The graphs draw what
     ``fused_sampling.sample_with_kernels`` draws: ``sample_rows``, then ``segmented_pick`` for the top-k rows; the
     logprob rows' logprobs are then computed from the graph's logits as ``Sampler.sample`` computes them.
 
@@ -615,15 +662,15 @@ class GraphRows:
 
 
 def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int = 0) -> GraphRows | None:
-    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias, a
-    grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k past it). A row's
-    min_tokens is not looked at: whether it still bans ids depends on the step (``banned_now``), so the caller
-    asks that each step.
+    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias,
+    allowed token ids, a grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k
+    past it). A row's min_tokens is not looked at: whether it still bans ids depends on the step (``banned_now``),
+    so the caller asks that each step.
     Worked example (max_top_k 38): (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale (1/0.6, 0, 1), fixed (0, 0, 1),
     no filters (a greedy row's are off); (T 0.6, top_k 20, top_p 0.95) -> top_k (20,), top_p (0.95,); (T 0.6,
     top_p 0.95) -> None."""
     rows = _gather(params, vocab_size)
-    if rows.penalised or rows.biased:
+    if rows.penalised or rows.biased or rows.allowed:
         return None
     if any(not 1 <= rows.top_k[i] <= max_top_k for i in rows.filtered):
         return None
@@ -702,14 +749,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (B, V) (read in its dtype, computed in float32); the input tensor is
-        not modified. Rows with a ``batch.logit_bias`` have it added first; rows under ``batch.grammar_mask`` then
-        sample only their allowed tokens (logprobs stay raw: neither bias nor mask)."""
+        not modified. Rows with a ``batch.logit_bias`` have it added first; rows with ``batch.allowed`` token ids
+        and rows under ``batch.grammar_mask`` then sample only their allowed tokens (logprobs stay raw: neither
+        bias nor masks)."""
         expected = (batch.num_rows, batch.vocab_size)
         if tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape (num_rows, vocab_size) = {expected}, got {tuple(logits.shape)}")
         raw = logits
         if batch.logit_bias is not None:
             logits = apply_logit_bias(logits, batch.logit_bias)
+        if batch.allowed is not None:
+            logits = apply_allowed(logits, batch.allowed, copy=logits is raw)
         mask = batch.grammar_mask
         if mask is not None:
             # in place on a copy already made (bias), or on the caller's scratch logits when no row reads them raw

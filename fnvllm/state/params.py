@@ -8,7 +8,7 @@ detokenizer.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -77,6 +77,31 @@ def _logit_bias(values: Any) -> tuple[tuple[int, float], ...] | None:
         token = check_int(pair[0], f"{name}[{i}] token id", REQUEST, 0, MAX_INT64)
         pairs[token] = check_real(pair[1], f"{name}[{token}]", REQUEST, *LOGIT_BIAS_RANGE)
     return tuple(sorted(pairs.items())) or None
+
+
+def _allowed_ids(values: Any) -> tuple[int, ...] | None:
+    """``allowed_token_ids`` as a tuple: None, or a non-empty sequence of int ids >= 0 (below the vocabulary size
+    where the engine knows it: ``request.check_request``)."""
+    name = "SamplingParams.allowed_token_ids"
+    if values is None:
+        return None
+    ids = check_token_ids(values, name, REQUEST, MAX_INT64)
+    if not ids:
+        raise fail(REQUEST, name, "None or a non-empty sequence of token ids", values)
+    return ids
+
+
+TRUNCATE_PROMPT_TOKENS = "SamplingParams.truncate_prompt_tokens"
+
+
+def truncate_prompt(ids: Sequence[int], keep: int | None) -> tuple[int, ...]:
+    """The last ``keep`` of the prompt's ``ids`` (vLLM's ``truncate_prompt_tokens``); all of them when ``keep`` is
+    None or the prompt is no longer. The one truncation rule of every front end (``LLM``, the server's
+    handlers), applied where the prompt's ids are final, before the core sees them. ``keep``: None or an int >= 1
+    (else InvalidRequestError naming truncate_prompt_tokens). Example: (5, 6, 7, 8), keep 2 -> (7, 8)."""
+    keep = check_optional_int(keep, TRUNCATE_PROMPT_TOKENS, REQUEST, 1, MAX_INT64)
+    ids = tuple(ids)
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def _stop_ids(values: Any) -> tuple[int, ...]:
@@ -205,6 +230,14 @@ class SamplingParams:
         RequestOutput's ``outputs`` (index 0 .. n-1); with a seed, completion j draws from seed + j. LLM.generate,
         LLM.chat and LLM.stream run them as n requests sharing the prompt's cached KV (``copies``); the pure core
         itself takes only n = 1 (one sequence per request).
+    skip_special_tokens: leave the tokenizer's special tokens (EOS, chat markers ...) out of the output's text
+        (True, the default) or keep their text (False), as vLLM does; token ids are unaffected.
+    truncate_prompt_tokens: None, or k >= 1: keep only the prompt's last k tokens (vLLM's meaning). The front
+        ends (``LLM.generate`` / ``stream`` / ``chat``, the server) truncate before the core sees the prompt
+        (``truncate_prompt``), so the output's prompt_token_ids are the kept ones; a shorter prompt is unchanged.
+    allowed_token_ids: None, or a non-empty sequence of token ids (>= 0; below the vocabulary size when the engine
+        knows it): the row samples only among them (every other id is masked after logit_bias and before the
+        grammar mask, penalties, temperature and filters; logprobs stay raw).
     """
 
     temperature: float = 1.0
@@ -226,6 +259,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = attrs.field(default=None, converter=_logit_bias)
     min_tokens: int = 0
     n: int = 1
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_allowed_ids)
     # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
     # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
@@ -255,6 +291,10 @@ class SamplingParams:
             ),
             "min_tokens": check_int(self.min_tokens, name + "min_tokens", REQUEST, 0, MAX_INT64),
             "n": check_int(self.n, name + "n", REQUEST, 1, MAX_N),
+            "skip_special_tokens": check_bool(self.skip_special_tokens, name + "skip_special_tokens", REQUEST),
+            "truncate_prompt_tokens": check_optional_int(
+                self.truncate_prompt_tokens, TRUNCATE_PROMPT_TOKENS, REQUEST, 1, MAX_INT64
+            ),
         }
         for field, value in checked.items():
             object.__setattr__(self, field, value)

@@ -80,7 +80,8 @@ def check_request(
 
 
 def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
-    """Params that only make sense for a vocabulary: stop ids inside it, no more logprobs than it has."""
+    """Params that only make sense for a vocabulary: stop, biased and allowed ids inside it, no more logprobs than
+    it has."""
     vocab = config.vocab_size
     if vocab is None:
         return
@@ -95,6 +96,9 @@ def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
     biased = [i for i, _ in params.logit_bias or () if i >= vocab]
     if biased:
         raise fail(REQUEST, "SamplingParams.logit_bias", f"token ids in [0, {vocab}) (the vocabulary)", biased)
+    unlisted = [i for i in params.allowed_token_ids or () if i >= vocab]
+    if unlisted:
+        raise fail(REQUEST, "SamplingParams.allowed_token_ids", f"token ids in [0, {vocab}) (the vocabulary)", unlisted)
 
 
 def kv_blocks_needed(block_size: int, prompt_len: int, max_tokens: int) -> int:
