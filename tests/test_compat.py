@@ -225,3 +225,46 @@ def test_litellm_completion_with_response_format(litellm: Any, server: ServerPro
     """litellm.completion with response_format=Place (a json_schema) returns JSON that validates as a Place."""
     out = _litellm(litellm, server, response_format=Place)
     Place.model_validate_json(out.choices[0].message.content)
+
+
+def test_skip_special_tokens_keeps_their_text_when_false(client: Any) -> None:
+    """vLLM's skip_special_tokens (extra_body): a forced "<s>" (id 0, logit_bias +100) is left out of the text by
+    default and kept with false, in completions and in chat."""
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "temperature": 0, "logit_bias": {"0": 100}}
+    for skip, expected in ((True, ""), (False, "<s>" * 3)):
+        body = {"ignore_eos": True, "skip_special_tokens": skip}
+        assert client.completions.create(**args, prompt=PROMPT_IDS, extra_body=body).choices[0].text == expected
+        chat = client.chat.completions.create(**args, messages=[{"role": "user", "content": "hi"}], extra_body=body)
+        assert chat.choices[0].message.content == expected
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ids(client: Any) -> None:
+    """vLLM's truncate_prompt_tokens (extra_body): usage counts the kept prompt tokens and the greedy answer is the
+    cut prompt's; a shorter prompt is unchanged; in chat the prompt is cut too; 0 is a 400 naming it."""
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    cut = client.completions.create(**args, prompt=PROMPT_IDS, extra_body={"truncate_prompt_tokens": 3})
+    whole = client.completions.create(**args, prompt=PROMPT_IDS[-3:])
+    assert (cut.usage.prompt_tokens, cut.choices[0].text) == (3, whole.choices[0].text)
+    short = client.completions.create(**args, prompt=PROMPT_IDS[:2], extra_body={"truncate_prompt_tokens": 3})
+    assert short.usage.prompt_tokens == 2
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(**args, messages=messages, extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(**args, prompt=PROMPT_IDS, extra_body={"truncate_prompt_tokens": 0})
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.chat.completions.create(**args, messages=messages, extra_body={"truncate_prompt_tokens": 0})
+
+
+def test_allowed_token_ids_limits_the_output(client: Any, checkpoint: Path) -> None:
+    """vLLM's allowed_token_ids (extra_body): every sampled token is an allowed one (logprobs name them); an id
+    outside the vocabulary is a 400 naming allowed_token_ids."""
+    from transformers import AutoTokenizer
+
+    texts = {AutoTokenizer.from_pretrained(str(checkpoint)).decode([i]) for i in (40, 41)}
+    args: dict[str, Any] = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 1.0, "seed": 1}
+    body = {"ignore_eos": True, "allowed_token_ids": [40, 41]}
+    out = client.completions.create(**args, logprobs=0, extra_body=body)
+    assert len(out.choices[0].logprobs.tokens) == 6 and set(out.choices[0].logprobs.tokens) <= texts
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(**args, extra_body={"allowed_token_ids": [3, 10**6]})

@@ -37,6 +37,7 @@ from fnvllm.serve.protocol import FIELD_NAMES, ChatCompletionRequest, Completion
 from fnvllm.serve.stream import EngineFailure, RequestStream
 from fnvllm.serve.tool_parsers import REASONING_PARSERS, TOOL_PARSERS, ParsedChatFormat
 from fnvllm.state import InvalidRequestError, SamplingParams, copies
+from fnvllm.state.params import truncate_prompt
 
 Body = TypeVar("Body", bound=BaseModel)
 Format = CompletionFormat | ChatFormat
@@ -154,17 +155,19 @@ async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, r
 def _prepare_completion(served: Served, raw: bytes) -> Prepared:
     body = parse(CompletionRequest, raw)
     _check(body.model, served, body.check_supported)
-    prompts = []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            prompts.append((_encode(served.engine, prompt), prompt))
-        else:
-            prompts.append((prompt, _decode(served.engine, prompt) if body.echo else None))
     params = _sampling_params(body.sampling_params, body.aliases())
     try:
         check_stop_strings(served.engine.tokenizer, params)  # refused now (a 400), not when the engine adds it
     except InvalidRequestError as error:
         raise from_invalid_request(error) from None
+    prompts = []
+    for prompt in body.prompts():
+        ids = _encode(served.engine, prompt) if isinstance(prompt, str) else prompt
+        kept = _truncated(ids, params.truncate_prompt_tokens)
+        if isinstance(prompt, str) and len(kept) == len(ids):
+            prompts.append((kept, prompt))
+        else:  # token ids, or a text prompt cut short: echo the kept tokens' text
+            prompts.append((kept, _decode(served.engine, kept) if body.echo else None))
     jobs = copies(params, body.num_candidates)
     return Prepared(
         prompts, jobs * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
@@ -178,6 +181,7 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     _check(body.model, served, body.check_supported)
     messages = [m.template_dict() for m in body.messages]
     ids = _render_chat(served.engine, messages, body.template_tools(), body.chat_template_kwargs or {})
+    ids = _truncated(ids, body.truncate_prompt_tokens)  # before the room left for max_tokens is measured
     room = served.engine.max_total_tokens - len(ids)
     if room < 1:
         limit = served.engine.max_total_tokens - 1
@@ -230,6 +234,15 @@ def _decode(engine: AsyncEngine, ids: list[int]) -> str:
         return engine.tokenizer.decode(ids)
     except (ValueError, TypeError, OverflowError, IndexError):
         return ""
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """The prompt's ids as the engine will see them: its last ``keep`` (``truncate_prompt``, the offline API's rule
+    too); a ``keep`` below 1 is a 400 naming truncate_prompt_tokens."""
+    try:
+        return ids if keep is None else list(truncate_prompt(ids, keep))
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
 
 
 def _sampling_params(build: Callable[[], SamplingParams], aliases: dict[str, str]) -> SamplingParams:

@@ -7,10 +7,11 @@ Three kinds of fields (docs/serving.md lists them all):
   presence_penalty, frequency_penalty, stream, stream_options (include_usage, continuous_usage_stats),
   response_format (text, json_object, json_schema); chat: tools, tool_choice, parallel_tool_calls, assistant
   messages holding tool_calls and tool messages; the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
-  min_tokens, stop_token_ids, include_stop_str_in_output, guided_json, guided_regex, guided_choice, guided_grammar,
-  include_reasoning (docs/structured_outputs.md), chat_template_kwargs (passed to the chat template, e.g.
-  Qwen3's ``{"enable_thinking": false}``; not the arguments the server sets); logit_bias (token-id strings -> bias
-  in [-100, 100]);
+  min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens,
+  allowed_token_ids, guided_json, guided_regex, guided_choice, guided_grammar, include_reasoning
+  (docs/structured_outputs.md), chat_template_kwargs (passed to the chat template, e.g. Qwen3's
+  ``{"enable_thinking": false}``; not the arguments the server sets); logit_bias (token-id strings -> bias in
+  [-100, 100]);
   completions: echo with logprobs (the prompt's tokens and their logprobs first), max_tokens 0 with echo (score
   a prompt: nothing is generated);
 - accepted and ignored, because they change nothing this server answers (``IGNORED_FIELDS``): user, store,
@@ -133,7 +134,8 @@ def _structured_from(field: str, value: Any) -> StructuredOutput:
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
-    "ignore_eos", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+    "truncate_prompt_tokens", "allowed_token_ids",
 )  # fmt: skip
 """Body fields passed to SamplingParams under the same name (max_tokens and logprobs need translating)."""
 
@@ -162,6 +164,9 @@ class _Generation(_Strict):
     min_tokens: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = None  # the handlers cut the prompt (``state.params.truncate_prompt``)
+    allowed_token_ids: list[StrictInt] | None = None
     # accepted and ignored (IGNORED_FIELDS), or accepted only at a neutral value
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
