@@ -263,13 +263,15 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
     flags = """generate p --temperature 0.7 --top-p 0.9 --top-k 5 --min-p 0.05 --max-tokens 7 --ignore-eos
         --stop a --stop b --stop-token-ids 3,4 --include-stop-str-in-output --seed 1 --logprobs 2
         --repetition-penalty 1.1 --presence-penalty 0.5 --frequency-penalty -0.5 --block-size 32
-        --logit-bias 12:5,7:-100 --prompt-logprobs 1
+        --logit-bias 12:5,7:-100 --prompt-logprobs 1 --min-tokens 2 --n 3 --no-skip-special-tokens
+        --truncate-prompt-tokens 5 --allowed-token-ids 3,4,12
         --no-prefix-caching --engine-seed 9 --max-model-len 256 --device cpu"""
     args = build_parser().parse_args(flags.split())
     expected = SamplingParams(
         temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=7, ignore_eos=True, stop=("a", "b"),
         stop_token_ids=(3, 4), include_stop_str_in_output=True, seed=1, logprobs=2, repetition_penalty=1.1,
-        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={12: 5, 7: -100}, prompt_logprobs=1,
+        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={12: 5, 7: -100}, prompt_logprobs=1, min_tokens=2,
+        n=3, skip_special_tokens=False, truncate_prompt_tokens=5, allowed_token_ids=(3, 4, 12),
     )  # fmt: skip
     assert sampling_params(args) == expected
     assert {"sp_" + f.name for f in SamplingParams.__attrs_attrs__ if f.init} <= set(vars(args))

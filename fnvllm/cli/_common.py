@@ -64,6 +64,17 @@ def _scalar_type(hint: Any) -> tuple[type, tuple[Any, ...] | None]:
     return hint, None
 
 
+def _unwrap_optional_tuple(hint: Any) -> Any:
+    """``tuple[int, ...] | None`` -> ``tuple[int, ...]`` (a list flag left unset stays None; so for str items);
+    any other hint as it is (``logit_bias``'s tuple of pairs has its own flag)."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is tuple and typing.get_args(args[0])[0] in (int, str):
+        return args[0]
+    return hint
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     """``"1,2,3"`` -> (1, 2, 3), for list-valued flags."""
     try:
@@ -96,8 +107,10 @@ def _structured_flag(text: str) -> StructuredOutput:
 
 
 def _add_field_flag(group: Any, name: str, hint: Any, default: Any, doc: str, dest: str) -> None:
-    """One flag for one attrs field, shaped by its type: bool -> switch, tuple -> list, else a typed value."""
+    """One flag for one attrs field, shaped by its type: bool -> switch, tuple (or an optional one) -> list, else a
+    typed value."""
     flag, metavar = "--" + name.replace("_", "-"), name.upper()
+    hint = _unwrap_optional_tuple(hint)
     if hint is bool and default is True:
         off = "--no-" + name.removeprefix("enable_").replace("_", "-")
         group.add_argument(off, dest=dest, action="store_false", help=f"turn off {name}: {doc}")
