@@ -3,11 +3,11 @@ offline API end to end."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_device import kernel_device
 from tiny_models import write_family
 
 from fnvllm.executor.sampler import Sampler, apply_logit_bias, prepare_logit_bias, prepare_sampling
@@ -61,11 +61,7 @@ def test_sampler_follows_the_bias_row_by_row(kernels: bool) -> None:
     """A +100 bias makes greedy and sampled rows pick that token, by the torch references and by the Triton kernels
     (on the GPU where there is one, else interpreted on the CPU); an unbiased row keeps its argmax; logprobs stay
     raw."""
-    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
-    if kernels:
-        pytest.importorskip("triton", reason="the kernel path needs Triton")
-        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    device = kernel_device(kernels)
     logits = torch.randn(3, 50, device=device)
     params = [
         SamplingParams(temperature=0, logit_bias={7: 100}, logprobs=0),

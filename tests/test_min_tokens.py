@@ -3,12 +3,12 @@ strings in the detokenizer, and the offline API end to end (one step at a time, 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from kernel_device import kernel_device
 from tiny_models import write_family
 
 from fnvllm.detokenizer import IncrementalDetokenizer
@@ -74,23 +74,12 @@ def test_core_does_not_stop_before_min_tokens(
     assert (len(finished.output), finished.reason) == (length, reason)
 
 
-def _kernel_device(kernels: bool) -> str:
-    """The device for a sampler test: the GPU for the kernels where there is one, else the CPU (the kernels
-    interpreted, when TRITON_INTERPRET=1)."""
-    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
-    if kernels:
-        pytest.importorskip("triton", reason="the kernel path needs Triton")
-        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-    return device
-
-
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
 def test_sampler_never_draws_stop_ids_before_min_tokens(kernels: bool) -> None:
     """Logits that all but force EOS (id 0) or a row's stop id (id 5): rows short of their min_tokens, greedy and
     sampled (top-p, a seed), draw neither; a row at its min_tokens and a row without one draw the forced id;
     logprobs stay raw."""
-    device = _kernel_device(kernels)
+    device = kernel_device(kernels)
     vocab = 40
     logits = torch.randn(5, vocab, device=device)
     logits[:, 0] = 30.0

@@ -4,11 +4,11 @@ refusal), and the offline API end to end."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_device import kernel_device
 from tiny_models import write_family
 
 from fnvllm.executor.sampler import Sampler, SamplingMemo, apply_allowed, graph_rows, prepare_allowed, prepare_sampling
@@ -60,16 +60,6 @@ def test_truncate_prompt_keeps_the_last_tokens() -> None:
         truncate_prompt([5, 6], 0)
 
 
-def _kernel_device(kernels: bool) -> str:
-    """The GPU for the kernels where there is one, else the CPU (the kernels interpreted, with TRITON_INTERPRET=1)."""
-    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
-    if kernels:
-        pytest.importorskip("triton", reason="the kernel path needs Triton")
-        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-    return device
-
-
 def test_apply_allowed_masks_only_the_rows_that_ask() -> None:
     """Rows with allowed ids keep those logits and have every other id at MASKED_LOGIT; other rows and the input
     are unchanged."""
@@ -88,7 +78,7 @@ def test_apply_allowed_masks_only_the_rows_that_ask() -> None:
 def test_sampler_draws_only_allowed_ids(kernels: bool) -> None:
     """Token 0 has by far the largest logit everywhere: greedy and sampled rows (top-p, a seed, a penalty) with
     allowed ids never draw it, only their ids, over many seeds; a row without them draws 0; logprobs stay raw."""
-    device = _kernel_device(kernels)
+    device = kernel_device(kernels)
     vocab = 40
     params = [
         SamplingParams(temperature=0, allowed_token_ids=(5, 17), logprobs=1),

@@ -31,6 +31,21 @@ _TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1, 2, 4, ..., 131072 t
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+# (RequestMetrics property, metric name, help, buckets) of the per-request time histograms
+_REQUEST_TIMES = (
+    ("ttft", "fnvllm_time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+    ("e2e_latency", "fnvllm_e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS),
+    ("decode_time", "fnvllm_request_decode_time_seconds", "First token to finish (the decode phase) of a request.",
+     _DURATION_BUCKETS),
+    ("queue_time", "fnvllm_request_queue_time_seconds",
+     "Arrival to first admission (waiting in the queue) of a request.", _DURATION_BUCKETS),
+    ("prefill_time", "fnvllm_request_prefill_time_seconds",
+     "First admission to first token (the prefill phase) of a request.", _DURATION_BUCKETS),
+    ("inference_time", "fnvllm_request_inference_time_seconds", "First admission to finish (running) of a request.",
+     _DURATION_BUCKETS),
+)  # fmt: skip
+
+
 class _SnapshotCollector(Collector):
     """Engine gauges and counters from the latest snapshot."""
 
@@ -68,43 +83,26 @@ class ServerMetrics:
     Implements ``EngineObserver`` (``on_step``, ``on_finish``); ``render()`` is the ``/metrics`` body.
     prompt_tokens / generation_tokens: per finished request, its prompt length and the tokens the engine generated
     for it (an EOS or stop token that ended it included; the same count as ``usage.completion_tokens``, except
-    that a ``max_tokens: 0`` scoring request generates one token its answer drops). decode_time / queue_time /
-    prefill_time / inference_time: ``RequestMetrics``' properties of those names, seconds.
+    that a ``max_tokens: 0`` scoring request generates one token its answer drops). times: by ``RequestMetrics``
+    property (ttft, e2e_latency, decode_time, queue_time, prefill_time, inference_time), its histogram (seconds).
     """
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(snapshot))
         r = self.registry
-        self.ttft = Histogram(
-            "fnvllm_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
-        )
+        # one histogram per RequestMetrics time of a finished request (its property of the same name)
+        self.times = {
+            attribute: Histogram(name, description, buckets=buckets, registry=r)
+            for attribute, name, description, buckets in _REQUEST_TIMES
+        }
         self.tpot = Histogram(
             "fnvllm_time_per_output_token_seconds", "Mean time per output token after the first.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.e2e = Histogram(
-            "fnvllm_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
-        )
         self.batch = Histogram(
             "fnvllm_step_num_sequences", "Sequences scheduled in one step.", buckets=_BATCH_BUCKETS, registry=r
         )
-        self.decode_time = Histogram(
-            "fnvllm_request_decode_time_seconds", "First token to finish (the decode phase) of a request.",
-            buckets=_DURATION_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queue_time = Histogram(
-            "fnvllm_request_queue_time_seconds", "Arrival to first admission (waiting in the queue) of a request.",
-            buckets=_DURATION_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.prefill_time = Histogram(
-            "fnvllm_request_prefill_time_seconds", "First admission to first token (the prefill phase) of a request.",
-            buckets=_DURATION_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.inference_time = Histogram(
-            "fnvllm_request_inference_time_seconds", "First admission to finish (running) of a request.",
-            buckets=_DURATION_BUCKETS, registry=r,
-        )  # fmt: skip
         self.prompt_tokens = Histogram(
             "fnvllm_request_prompt_tokens", "Prompt length of a finished request, in tokens.",
             buckets=_TOKEN_BUCKETS, registry=r,
@@ -131,17 +129,13 @@ class ServerMetrics:
         metrics = output.metrics
         if metrics is None:
             return
-        for histogram, value in (
-            (self.ttft, metrics.ttft),
-            (self.e2e, metrics.e2e_latency),
-            (self.tpot, metrics.tpot(len(output.token_ids))),
-            (self.decode_time, metrics.decode_time),
-            (self.queue_time, metrics.queue_time),
-            (self.prefill_time, metrics.prefill_time),
-            (self.inference_time, metrics.inference_time),
-        ):
+        for attribute, histogram in self.times.items():
+            value = getattr(metrics, attribute)
             if value is not None:
                 histogram.observe(value)
+        tpot = metrics.tpot(len(output.token_ids))
+        if tpot is not None:
+            self.tpot.observe(tpot)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -335,10 +335,17 @@ def mid_block_scenario(block_size: int) -> None:
         block_size=block_size, num_blocks=12, max_num_batched_tokens=budget, max_model_len=8 * block_size, vocab_size=64
     )
     prefix = list(range(1, 2 * block_size + 1))
+    tables = run_checked(config, {"x": [*prefix, 40], "y": [*prefix, 41]})
+    assert tables["y"][:2] == tables["x"][:2]  # the shared prefix computed once, then hit
+
+
+def run_checked(config: CoreConfig, prompts: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
+    """Run ``prompts`` (added in order, 2 tokens each) to the end, every plan through ``check_plan``; returns
+    each request's last block table."""
     state = core.initial_state(config)
     params = core.SamplingParams(max_tokens=2, ignore_eos=True)
-    state = core.add_request(state, "x", [*prefix, 40], params)
-    state = core.add_request(state, "y", [*prefix, 41], params)
+    for rid, prompt in prompts.items():
+        state = core.add_request(state, rid, prompt, params)
     tables: dict[str, tuple[int, ...]] = {}
     while state.has_unfinished:
         before = state
@@ -346,7 +353,7 @@ def mid_block_scenario(block_size: int) -> None:
         check_plan(config, before, state, plan)
         tables.update(zip(plan.seq_ids, plan.block_tables, strict=True))
         state, _ = core.commit(state, plan, [9] * sum(plan.sample))
-    assert tables["y"][:2] == tables["x"][:2]  # the shared prefix computed once, then hit
+    return tables
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 6])
@@ -383,17 +390,7 @@ def last_token_scenario(block_size: int) -> None:
         max_model_len=8 * block_size, vocab_size=64,
     )  # fmt: skip
     prefix = list(range(1, 2 * block_size + 1))
-    state = core.initial_state(config)
-    params = core.SamplingParams(max_tokens=2, ignore_eos=True)
-    state = core.add_request(state, "x", prefix, params)
-    state = core.add_request(state, "y", [*prefix, 41], params)
-    tables: dict[str, tuple[int, ...]] = {}
-    while state.has_unfinished:
-        before = state
-        state, plan = core.schedule(state)
-        check_plan(config, before, state, plan)
-        tables.update(zip(plan.seq_ids, plan.block_tables, strict=True))
-        state, _ = core.commit(state, plan, [9] * sum(plan.sample))
+    tables = run_checked(config, {"x": prefix, "y": [*prefix, 41]})
     assert tables["y"][:2] == tables["x"][:2]  # the shared prefix computed once, then hit
 
 
