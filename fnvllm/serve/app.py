@@ -1,12 +1,13 @@
 """The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine's lifetime.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-``GET /health``, ``GET /metrics`` (Prometheus text). Every error, including unknown routes, is
-``{"error": {"message", "type", "param", "code"}}``.
+``GET /health``, ``GET /metrics`` (Prometheus text), and vLLM's utility routes ``POST /tokenize``,
+``POST /detokenize`` (``tokenize.py``), ``GET /version``, ``GET``/``POST /ping`` (``/health``'s answer). Every error,
+including unknown routes, is ``{"error": {"message", "type", "param", "code"}}``.
 
-With an API key, only the /v1 routes need it: ``/health`` and ``/metrics`` are open (``OPEN_PATHS``), as in vLLM,
+With an API key, every route needs it but ``/health``, ``/ping``, ``/version`` and ``/metrics`` (``OPEN_PATHS``),
 because load balancers and Prometheus scrapers carry no bearer token (bind the server to a private address if its
-metrics must not be public).
+metrics must not be public). vLLM guards only its /v1 routes; here /tokenize and /detokenize need the key too.
 
 ``/health`` checks progress, not just life: 200 ``{"status": "ok"}`` while the engine runs and either has no work
 (idle is healthy, however long) or has made progress (a step's report) within ``health_stall_s``; 503 with
@@ -29,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fnvllm.serve import handlers
+from fnvllm.serve import handlers, tokenize
 from fnvllm.serve.async_engine import AsyncEngine
 from fnvllm.serve.errors import APIError, internal, model_not_found, unauthorized
 from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
@@ -37,7 +38,7 @@ from fnvllm.serve.metrics import ServerMetrics
 from fnvllm.serve.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # need no API key (vLLM guards only its /v1 routes)
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})  # probes and scrapers carry no API key
 DEFAULT_HEALTH_STALL_S = 300.0  # longer than a long prefill of a big model or CUDA-graph capture
 
 
@@ -61,9 +62,10 @@ def build_app(
     model_aliases: Sequence[str] = (),
     health_stall_s: float | None = DEFAULT_HEALTH_STALL_S,
 ) -> FastAPI:
-    """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health and /metrics
-    (``OPEN_PATHS``: probes and Prometheus scrapers carry no token) needs ``Authorization: Bearer <api_key>``. The
-    app starts the engine (its thread, or the reader of its process) at startup and stops it at shutdown.
+    """An app serving ``engine`` as ``model_name``; with ``api_key``, every route but /health, /ping, /version and
+    /metrics (``OPEN_PATHS``: probes and Prometheus scrapers carry no token) needs ``Authorization: Bearer
+    <api_key>``. The app starts the engine (its thread, or the reader of its process) at startup and stops it at
+    shutdown.
     ``stream_interval_s``: least time between two chunks of one stream (0: a chunk per engine step).
     ``max_request_bytes``: a larger body is a 413, refused before it is read or parsed.
     ``reasoning_parser``: split chat output into reasoning_content and content (``tool_parsers.REASONING_PARSERS``).
@@ -130,6 +132,26 @@ def build_app(
         if problem is None:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": problem[0], "reason": problem[1]}, status_code=503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        """vLLM's /tokenize: the ids of a prompt, or of a conversation as /v1/chat/completions renders it."""
+        return await tokenize.tokenize(served, await read_body(request, max_request_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        return await tokenize.detokenize(served, await read_body(request, max_request_bytes))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The fnvllm version serving."""
+        return {"version": tokenize.package_version()}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
