@@ -10,9 +10,26 @@ from typing import Any
 
 from fnvllm.state import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutput"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "Engine",
+    "EngineConfig",
+    "SamplingParams",
+    "StructuredOutput",
+]
 
-_LAZY = {"LLM": "fnvllm.llm", "Engine": "fnvllm.engine", "EngineConfig": "fnvllm.config"}
+_BEAM = "fnvllm.engine.beam"
+_LAZY = {
+    "LLM": "fnvllm.llm",
+    "BeamSearchOutput": _BEAM,
+    "BeamSearchParams": _BEAM,
+    "BeamSearchSequence": _BEAM,
+    "Engine": "fnvllm.engine",
+    "EngineConfig": "fnvllm.config",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from fnvllm.config import EngineConfig
 from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelta, group_outputs
+from fnvllm.engine.beam import BeamSearchOutput, BeamSearchParams, beam_search
 from fnvllm.engine.build import build_engine
 from fnvllm.engine.output import discard_delta
 from fnvllm.engine.text import render_chat
@@ -246,6 +247,19 @@ class LLM:
             RequestTracker(index, str(first_id + j), text, ids, p, detokenizer(ids, p), on_delta, completion=j)
             for j, p in enumerate(copies(params, params.n))
         ]
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): one BeamSearchOutput per prompt, in input order, holding up to
+        ``params.beam_width`` sequences, best first. ``prompts`` as ``generate`` takes them. Every step runs all
+        beams of all prompts as one batch of one-token requests (``fnvllm.engine.beam``, which gives the rules).
+        The progress bar counts search steps."""
+        check_bool(use_tqdm, "use_tqdm", REQUEST)
+        encoded = self._encode_all(prompts)
+        search, self._next_id = self._next_id, self._next_id + 1  # its requests: beam<search>-<step>-<row>
+        return beam_search(self.loop, encoded, params, f"beam{search}", self.tokenizer, use_tqdm)
+
 
 
 def _as_prompt_list(prompts: object) -> list[Any]:
