@@ -32,7 +32,7 @@ from fnvllm.engine import EngineStats, RequestOutput, RequestTracker, StreamDelt
 from fnvllm.engine.beam import BeamSearchOutput, BeamSearchParams, beam_search
 from fnvllm.engine.build import build_engine
 from fnvllm.engine.output import discard_delta
-from fnvllm.engine.text import render_chat
+from fnvllm.engine.text import render_chat, resolve_bad_words
 from fnvllm.state import EngineState, InvalidRequestError, SamplingParams, copies
 from fnvllm.state.checks import CONFIG, REQUEST, check_bool, check_token_ids, show
 from fnvllm.state.errors import RequestTypeError
@@ -226,11 +226,14 @@ class LLM:
         param_list: list[SamplingParams],
         on_delta: Callable[[StreamDelta], None] | None = None,
     ) -> list[list[RequestTracker]]:
-        """Queue every prompt as ``SamplingParams.n`` copies (``copies``), side by side; returns each prompt's
-        trackers in completion order. Validated by the core: on any bad input raise before the state changes."""
+        """Queue every prompt as ``SamplingParams.n`` copies (``copies``), side by side, its bad_words resolved to
+        ids (``resolve_bad_words``); returns each prompt's trackers in completion order. Validated by the core: on
+        any bad input raise before the state changes."""
         groups: list[list[RequestTracker]] = []
         next_id = self._next_id
-        for index, ((text, ids), params) in enumerate(zip(encoded, param_list, strict=True)):
+        resolved = {id(p): resolve_bad_words(self.tokenizer, p) for p in param_list}  # each distinct object once
+        for index, ((text, ids), given) in enumerate(zip(encoded, param_list, strict=True)):
+            params = resolved[id(given)]
             groups.append(self._copies(index, (text, ids), params, next_id, on_delta))
             next_id += params.n
         self.loop.add_many([(t.request_id, t.prompt_ids, t.params, t) for group in groups for t in group])
@@ -259,7 +262,6 @@ class LLM:
         encoded = self._encode_all(prompts)
         search, self._next_id = self._next_id, self._next_id + 1  # its requests: beam<search>-<step>-<row>
         return beam_search(self.loop, encoded, params, f"beam{search}", self.tokenizer, use_tqdm)
-
 
 
 def _as_prompt_list(prompts: object) -> list[Any]:

@@ -264,7 +264,8 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
         --stop a --stop b --stop-token-ids 3,4 --include-stop-str-in-output --seed 1 --logprobs 2
         --repetition-penalty 1.1 --presence-penalty 0.5 --frequency-penalty -0.5 --block-size 32
         --logit-bias 12:5,7:-100 --prompt-logprobs 1 --min-tokens 2 --n 3 --no-skip-special-tokens
-        --truncate-prompt-tokens 5 --allowed-token-ids 3,4,12
+        --truncate-prompt-tokens 5 --allowed-token-ids 3,4,12 --bad-words Paris --bad-words x
+        --bad-words-token-ids 5 --bad-words-token-ids 6,7
         --no-prefix-caching --engine-seed 9 --max-model-len 256 --device cpu"""
     args = build_parser().parse_args(flags.split())
     expected = SamplingParams(
@@ -272,6 +273,7 @@ def test_every_sampling_and_engine_field_has_a_flag() -> None:
         stop_token_ids=(3, 4), include_stop_str_in_output=True, seed=1, logprobs=2, repetition_penalty=1.1,
         presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={12: 5, 7: -100}, prompt_logprobs=1, min_tokens=2,
         n=3, skip_special_tokens=False, truncate_prompt_tokens=5, allowed_token_ids=(3, 4, 12),
+        bad_words=("Paris", "x"), bad_words_token_ids=((5,), (6, 7)),
     )  # fmt: skip
     assert sampling_params(args) == expected
     assert {"sp_" + f.name for f in SamplingParams.__attrs_attrs__ if f.init} <= set(vars(args))

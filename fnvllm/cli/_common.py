@@ -107,8 +107,8 @@ def _structured_flag(text: str) -> StructuredOutput:
 
 
 def _add_field_flag(group: Any, name: str, hint: Any, default: Any, doc: str, dest: str) -> None:
-    """One flag for one attrs field, shaped by its type: bool -> switch, tuple (or an optional one) -> list, else a
-    typed value."""
+    """One flag for one attrs field, shaped by its type: bool -> switch, tuple (or an optional one) -> list (a tuple
+    of tuples: a repeated list flag), else a typed value."""
     flag, metavar = "--" + name.replace("_", "-"), name.upper()
     hint = _unwrap_optional_tuple(hint)
     if hint is bool and default is True:
@@ -119,6 +119,9 @@ def _add_field_flag(group: Any, name: str, hint: Any, default: Any, doc: str, de
     elif typing.get_origin(hint) is tuple and typing.get_args(hint)[0] is str:
         help_text = f"{doc} (repeat the flag for several)"
         group.add_argument(flag, dest=dest, action="append", default=None, metavar="TEXT", help=help_text)
+    elif typing.get_origin(hint) is tuple and typing.get_origin(typing.get_args(hint)[0]) is tuple:
+        help_text = f"{doc} (one sequence per flag; repeat the flag for several)"
+        group.add_argument(flag, dest=dest, type=_int_list, action="append", metavar="ID[,ID...]", help=help_text)
     elif typing.get_origin(hint) is tuple:
         group.add_argument(flag, dest=dest, type=_int_list, default=None, metavar="ID[,ID...]", help=doc)
     elif name == "logit_bias":

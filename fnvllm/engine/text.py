@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from fnvllm.detokenizer import IncrementalDetokenizer
 from fnvllm.model.config import CheckpointError
 from fnvllm.state import InvalidRequestError, SamplingParams
@@ -41,6 +43,39 @@ def check_stop_strings(tokenizer: Any | None, params: SamplingParams) -> None:
             "SamplingParams.stop: stop strings need a tokenizer (there is no text without one); "
             f"use stop_token_ids, got {params.stop!r}"
         )
+
+
+def resolve_bad_words(tokenizer: Any | None, params: SamplingParams) -> SamplingParams:
+    """``params`` with its ``bad_words`` text turned into ``bad_words_token_ids`` (after any given there) and
+    cleared: what the core reads (it refuses the text). The one rule of every front end (``LLM``, the server).
+
+    Each word, leading spaces stripped, is encoded twice without special tokens (vLLM's rule): alone, and after a
+    space, since most tokenizers spell a word inside text with its space ("Paris" vs " Paris"). The spaced
+    encoding is kept too when it starts with another token and has as many. A sequence already listed is not
+    repeated. ``params`` itself is returned when it has no bad_words; InvalidRequestError naming the field when it
+    has some and ``tokenizer`` is None, or when a word encodes to no tokens.
+    """
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise InvalidRequestError(
+            "SamplingParams.bad_words: words need a tokenizer (this engine has none: load_tokenizer=False); "
+            f"give their ids as bad_words_token_ids, got {params.bad_words!r}"
+        )
+    words = list(params.bad_words_token_ids)
+    for word in params.bad_words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not alone:  # only spaces: the spaced encoding is the word
+            variants = (spaced,)
+        elif spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            variants = (alone, spaced)
+        else:
+            variants = (alone,)
+        if not any(variants):
+            raise InvalidRequestError(f"SamplingParams.bad_words: {word!r} encodes to no tokens")
+        words += [ids for ids in variants if ids and ids not in words]
+    return attrs.evolve(params, bad_words=(), bad_words_token_ids=words)
 
 
 DetokenizerFactory = Callable[[tuple[int, ...], SamplingParams], IncrementalDetokenizer | None]

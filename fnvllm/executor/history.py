@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from fnvllm.executor.device_inputs import upload
+from fnvllm.executor.penalties import TokenView
 from fnvllm.executor.threads import host_memory_bytes
 from fnvllm.kernels.sampling_ref import penalize_ref
 from fnvllm.state.errors import InvalidConfigError
@@ -79,6 +80,10 @@ class SlotPenalties:
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """In place on the (P, V) float32 logits of the penalised rows: repetition, then presence / frequency."""
         return penalize(logits, self.tokens, self.meta, self.factors, self.counts)
+
+    def token_view(self) -> TokenView:
+        """The slot buffer and this step's columns: what bad words of several ids are matched against."""
+        return TokenView(self.tokens, self.meta)
 
 
 def penalize(

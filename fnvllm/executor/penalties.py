@@ -29,6 +29,31 @@ from fnvllm.state.params import SamplingParams
 from fnvllm.state.plan import TokenHistory
 
 
+@attrs.frozen(eq=False)
+class TokenView:
+    """The tokens of the P rows that keep a history (``SamplingParams.needs_history``), in batch order, as the
+    sampler's bad-word matching reads them (``sampler.apply_bad_words``): row p's sequence so far is
+    ``tokens[meta[0, p], 0:meta[1, p]]``, whose last ``meta[2, p]`` tokens are generated.
+
+    tokens: (S, L) int32 on the device. meta: (3, P) int64 slot (a row of ``tokens``), context length, generated
+    count. Example: rows with prompt (5, 6) and output (7,), and prompt (8,) and no output -> tokens ((5, 6, 7),
+    (8, 0, 0)), meta ((0, 1), (3, 1), (1, 0)).
+    """
+
+    tokens: torch.Tensor
+    meta: torch.Tensor
+
+
+def token_view(histories: Sequence[TokenHistory], device: torch.device) -> TokenView:
+    """The TokenView of ``histories`` (one per row, in batch order): one (P, longest) int32 block, one copy."""
+    lengths = [len(h.prompt) + len(h.output) for h in histories]
+    tokens = np.zeros((len(histories), max(lengths, default=0) + 1), dtype=np.int32)
+    for p, h in enumerate(histories):
+        tokens[p, : lengths[p]] = h.prompt + h.output
+    meta = np.array([range(len(histories)), lengths, [len(h.output) for h in histories]], dtype=np.int64)
+    return TokenView(upload(tokens, device), upload(meta.reshape(3, len(histories)), device))
+
+
 class Penalties(Protocol):
     """One step's penalties of the penalised rows (P of them, in batch order), however built: from the plan's
     token histories (``PenaltyBatch``) or from the executor's per-slot token buffer
@@ -36,6 +61,10 @@ class Penalties(Protocol):
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """In place on the (P, V) float32 logits of the penalised rows; returns them."""
+        ...
+
+    def token_view(self) -> TokenView | None:
+        """The rows' tokens for bad-word matching (None when not kept: no row has a bad word of several ids)."""
         ...
 
 
@@ -48,6 +77,7 @@ class PenaltyBatch:
         (a token may repeat: it is rewritten with the same value).
     output_rows / output_ids: (M,) int64 distinct output tokens of rows with a presence or frequency penalty.
     output_penalty: (M,) float32 frequency * count + presence, subtracted from those logits.
+    view: the rows' tokens when some row has a bad word of several ids (``TokenView``), else None.
     """
 
     repetition: torch.Tensor
@@ -56,10 +86,15 @@ class PenaltyBatch:
     output_rows: torch.Tensor
     output_ids: torch.Tensor
     output_penalty: torch.Tensor
+    view: TokenView | None = None
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """``apply_penalties_(logits, self)``."""
         return apply_penalties_(logits, self)
+
+    def token_view(self) -> TokenView | None:
+        """``view``."""
+        return self.view
 
 
 def _pairs(rows: list[int], token_lists: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +147,7 @@ def prepare_penalties(
     index = upload(np.stack(seen), device)  # (2, N)
     out_index = upload(np.stack([out_rows, out_ids]), device)  # (2, M)
     repetition = [p.repetition_penalty for p in params]
+    matched = any(len(word) > 1 for i in penalised for word in params[i].bad_words_token_ids)
     return PenaltyBatch(
         repetition=upload(np.asarray(repetition, dtype=np.float32), device),
         seen_rows=index[0],
@@ -119,6 +155,7 @@ def prepare_penalties(
         output_rows=out_index[0],
         output_ids=out_index[1],
         output_penalty=upload(out_penalty.astype(np.float32), device),
+        view=token_view([hist[i] for i in penalised], device) if matched else None,
     )
 
 

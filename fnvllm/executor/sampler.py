@@ -21,7 +21,13 @@ option of one row changes how another row is sampled, and a row pays only for th
 Rows with a ``logit_bias`` (``SamplingBatch.logit_bias``): their biases are added to a copy of the logits by one
 sparse scatter-add over (row, token) pairs, before everything below; a batch without one is untouched. A row short
 of its ``min_tokens`` takes the same path: MASKED_LOGIT is added at its stop-capable ids (the EOS ids the caller
-names and its ``stop_token_ids``), so none of them can be drawn before the request may end.
+names and its ``stop_token_ids``), so none of them can be drawn before the request may end. A one-id bad word
+(``bad_words_token_ids``) is such a ban at every step.
+
+Rows with bad words of several ids (``SamplingBatch.bad_words``) keep a history (``needs_history``), so the step's
+tokens are on the device (the executor's slot buffer, ``fnvllm.executor.history``; or the histories given): after
+the bias, each word's last id is set to MASKED_LOGIT where the row's output ends with the rest of the word, by a
+few batched torch ops that read nothing back to the host (``apply_bad_words``).
 
 Rows with ``allowed_token_ids`` (``SamplingBatch.allowed``): after the bias, every other id of those rows is set to
 MASKED_LOGIT on a copy of the logits (their allowed logits gathered, scattered into a MASKED_LOGIT-filled (R, V)
@@ -31,10 +37,10 @@ Grammar-constrained rows (``SamplingBatch.grammar_mask``, from ``fnvllm.executor
 tokens are set to MASKED_LOGIT (one kernel, ``fnvllm.kernels.grammar_mask``) on a copy of the logits, or on the
 logits themselves when the executor marks them scratch and no row asks for logprobs; the other rows are untouched.
 
-Order of operations on a row: logit bias, allowed token ids, grammar mask (constrained rows), repetition penalty (HF
-style, prompt and output tokens), then presence / frequency (OpenAI style, output tokens); divide by temperature;
-keep the top-k, then the nucleus top-p of what is left, and drop tokens below min_p * max probability; invert the
-CDF of the kept probabilities at the row's uniform.
+Order of operations on a row: logit bias (and one-id bad words), bad words of several ids, allowed token ids,
+grammar mask (constrained rows), repetition penalty (HF style, prompt and output tokens), then presence / frequency
+(OpenAI style, output tokens); divide by temperature; keep the top-k, then the nucleus top-p of what is left, and
+drop tokens below min_p * max probability; invert the CDF of the kept probabilities at the row's uniform.
 
 Randomness. A seeded row's uniform for its n-th generated token is a pure function of (seed, n)
 (`seeded_noise.seeded_uniforms`), so its token depends only on its own logits and settings: not on its batch
@@ -62,7 +68,7 @@ import torch
 
 from fnvllm.executor.device_inputs import upload
 from fnvllm.executor.fused_sampling import sample_with_kernels, sample_with_references
-from fnvllm.executor.penalties import Penalties, prepare_penalties
+from fnvllm.executor.penalties import Penalties, TokenView, prepare_penalties
 from fnvllm.executor.seeded_noise import seeded_uniforms
 from fnvllm.kernels.sampling_ref import log_partition_ref
 from fnvllm.state.params import GREEDY_TEMPERATURE, SamplingParams
@@ -96,6 +102,8 @@ class SamplingBatch:
     fixed: (B,) int32, 1 on those rows. plain / penalised: the rows sampled from the logits and from the penalised
     copy (None when empty); penalties: the penalised rows' edits, numbered by position in ``penalised.rows``.
     logprob_rows: (L,) int32 rows that asked for logprobs, in batch order; max_logprobs: most any of them asked.
+    bad_words: the bad words of several ids (``BadWords``, matched each step against the rows' tokens that
+    ``penalties.token_view()`` gives), or None.
     candidates: when every filtered row has a top-k, how many of each row's best tokens can hold its kept set
     (the largest top-k plus a margin for ties at the k-th logit); None when some filtered row has none.
     min_p_only: no filtered row has a top-k or a top-p (the filter kernel's fast case; see
@@ -120,6 +128,7 @@ class SamplingBatch:
     grammar_mask: GrammarMask | None = None
     logit_bias: LogitBias | None = None
     allowed: AllowedTokens | None = None
+    bad_words: BadWords | None = None
 
 
 @attrs.frozen(eq=False)
@@ -143,23 +152,104 @@ def prepare_logit_bias(
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> LogitBias | None:
     """The batch's LogitBias (one host -> device copy), or None when no row has a bias or a ban. ``rows``: the rows
-    that have a bias, when the caller knows them (else every row is looked at). ``banned``: rows short of their
-    min_tokens, whose ``eos_token_ids`` and own stop_token_ids get MASKED_LOGIT added."""
+    that have a bias or bad words, when the caller knows them (else every row is looked at); each one-id bad word
+    gets MASKED_LOGIT added. ``banned``: rows short of their min_tokens, whose ``eos_token_ids`` and own
+    stop_token_ids get MASKED_LOGIT added. Entries of one (row, token) are summed into one, at least MASKED_LOGIT.
+    """
     rows = range(len(params)) if rows is None else rows
     entries = [(i, token, bias) for i in rows for token, bias in params[i].logit_bias or ()]
+    entries += [(i, word[0], MASKED_LOGIT) for i in rows for word in params[i].bad_words_token_ids if len(word) == 1]
     for i in banned:
         entries += [(i, token, MASKED_LOGIT) for token in sorted(eos_token_ids.union(params[i].stop_token_ids))]
     if not entries:
         return None
-    flat = np.array(entries, dtype=np.float64).T  # (3, N): ids are < 2**53 (a vocabulary), exact in float64
-    ids = upload(flat[:2].astype(np.int64), device)  # (2, N)
+    summed: dict[tuple[int, int], float] = {}
+    for i, token, value in entries:  # one entry per (row, token): a bias and a ban of one id add up
+        summed[i, token] = max(summed.get((i, token), 0.0) + value, MASKED_LOGIT)
+    flat = np.array([(i, token, value) for (i, token), value in summed.items()], dtype=np.float64).T  # (3, N)
+    ids = upload(flat[:2].astype(np.int64), device)  # (2, N): ids are < 2**53 (a vocabulary), exact in float64
     return LogitBias(ids[0], ids[1], upload(flat[2].astype(np.float32), device))
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
-    """A copy of ``logits`` (B, V) with each bias added at its (row, token) (a sparse scatter-add in the logits'
-    dtype); ``logits`` itself is not modified."""
-    return logits.index_put((bias.rows, bias.tokens), bias.values.to(logits.dtype), accumulate=True)
+    """A copy of ``logits`` (B, V) with each bias added at its (row, token), in float32 and then rounded to the
+    logits' dtype with a floor at its lowest finite value (MASKED_LOGIT is below float16's range: a ban stays
+    finite there); ``logits`` itself is not modified. The pairs are distinct (``prepare_logit_bias``), so one
+    put writes them all."""
+    where = (bias.rows, bias.tokens)
+    added = (logits[where].float() + bias.values).clamp_(min=torch.finfo(logits.dtype).min)
+    return logits.index_put(where, added.to(logits.dtype))
+
+
+@attrs.frozen(eq=False)
+class BadWords:
+    """The bad words of several ids (``SamplingParams.bad_words_token_ids``) of the batch, as N entries on the
+    device; each bans its last id at its row when the row's output ends with the rest (its prefix). One-id bad
+    words are not here: they are bans of the logit bias (``prepare_logit_bias``).
+
+    positions: (N,) int64 the entry's row among the rows that keep a history (its ``TokenView`` column).
+    lengths: (N,) int64 prefix lengths (>= 1). prefixes: (N, M) int64 the prefixes, left-aligned, zero-padded to the
+    longest (M). pairs: (N,) int64 the entry's (row, banned id) pair among the U distinct ones, whose batch rows
+    and ids are ``rows`` / ``banned`` ((U,) int64): two words ending in the same id at one row ban it once.
+    Built from the params alone (``prepare_bad_words``), so the reuse memo may keep it; each step's matching reads
+    that step's tokens (``apply_bad_words``).
+    """
+
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    prefixes: torch.Tensor
+    pairs: torch.Tensor
+    rows: torch.Tensor
+    banned: torch.Tensor
+
+
+def prepare_bad_words(
+    params: Sequence[SamplingParams], kept_rows: Sequence[int], device: torch.device
+) -> BadWords | None:
+    """The BadWords of ``params``' rows (``kept_rows``: the rows that keep a history, in batch order), None when no
+    row has a bad word of several ids; one host -> device copy. Example: kept rows (1, 4), row 4 banning (7, 8, 9)
+    and (3, 9) -> positions (1, 1), lengths (2, 1), prefixes ((7, 8), (3, 0)), pairs (0, 0), rows (4,), banned (9,).
+    """
+    words = [(p, row, word) for p, row in enumerate(kept_rows) for word in params[row].bad_words_token_ids]
+    words = [(p, row, word) for p, row, word in words if len(word) > 1]
+    if not words:
+        return None
+    longest = max(len(word) for *_, word in words) - 1
+    prefixes = np.zeros((len(words), longest), dtype=np.int64)
+    pair_of: dict[tuple[int, int], int] = {}
+    pairs = []
+    for n, (_, row, word) in enumerate(words):
+        prefixes[n, : len(word) - 1] = word[:-1]
+        pairs.append(pair_of.setdefault((row, word[-1]), len(pair_of)))
+    unique = np.array(list(pair_of), dtype=np.int64).reshape(len(pair_of), 2).T  # (2, U)
+    columns = np.array([[p for p, *_ in words], [len(word) - 1 for *_, word in words], pairs], dtype=np.int64)
+    flat = upload(np.concatenate([columns.ravel(), unique.ravel(), prefixes.ravel()]), device)  # one copy
+    num, num_pairs = len(words), len(pair_of)
+    head, tail = flat[: 3 * num].view(3, num), flat[3 * num : 3 * num + 2 * num_pairs].view(2, num_pairs)
+    return BadWords(head[0], head[1], flat[3 * num + 2 * num_pairs :].view(num, longest), head[2], tail[0], tail[1])
+
+
+def apply_bad_words(logits: torch.Tensor, bad: BadWords, view: TokenView, copy: bool = True) -> torch.Tensor:
+    """``logits`` (B, V) with each bad word's last id at MASKED_LOGIT (or the dtype's lowest finite value, when
+    that is higher) at the rows whose output ends with its prefix, read from ``view`` (this step's tokens of the
+    rows that keep a history); nothing leaves the device. A copy, unless ``copy`` is False (then ``logits`` itself,
+    edited in place: the caller's own copy).
+
+    Entry n at its row's sequence ``tokens[slot, 0:ctx]`` (``generated`` of them output) matches when
+    ``generated >= lengths[n]`` and ``tokens[slot, ctx - lengths[n] + j] == prefixes[n, j]`` for every j below
+    ``lengths[n]``: prefix (7, 8) matches an output ending (..., 7, 8), not one of a single token 8."""
+    out = logits.clone() if copy else logits
+    slot, ctx, generated = (view.meta[k].index_select(0, bad.positions) for k in range(3))
+    j = torch.arange(bad.prefixes.shape[1], device=logits.device)
+    inside = j.unsqueeze(0) < bad.lengths.unsqueeze(1)  # (N, M): the prefix's own places
+    at = (ctx - bad.lengths).unsqueeze(1) + j  # (N, M) where each prefix id would sit in the sequence
+    seen = view.tokens[slot.unsqueeze(1), at.clamp(0, view.tokens.shape[1] - 1)].to(torch.int64)
+    match = ((seen == bad.prefixes) | ~inside).all(dim=1) & (generated >= bad.lengths)  # (N,)
+    hit = torch.zeros(bad.rows.shape[0], dtype=torch.int64, device=logits.device)
+    hit.scatter_reduce_(0, bad.pairs, match.to(torch.int64), reduce="amax")  # any of a pair's words matched
+    value = torch.tensor(max(MASKED_LOGIT, torch.finfo(logits.dtype).min), dtype=logits.dtype, device=logits.device)
+    where = (bad.rows, bad.banned)
+    return out.index_put_(where, torch.where(hit.bool(), value, out[where]))
 
 
 @attrs.frozen(eq=False)
@@ -392,7 +482,7 @@ def _gather(params: Sequence[SamplingParams], vocab_size: int, num_generated: Se
     for i, p in enumerate(params):
         if p.needs_history:
             rows.penalised.append(i)
-        if p.logit_bias:
+        if p.logit_bias or p.bad_words_token_ids:
             rows.biased.append(i)
         if p.allowed_token_ids:
             rows.allowed.append(i)
@@ -614,6 +704,7 @@ def prepare_sampling(
         min_p_only=not any(rows.top_k[i] or rows.top_p[i] < 1.0 for i in rows.filtered),
         logit_bias=_logit_bias(params, device, rows, eos_token_ids),
         allowed=prepare_allowed(params, rows.allowed, device) if rows.allowed else None,
+        bad_words=prepare_bad_words(params, rows.penalised, device) if rows.penalised else None,
     )
     if memo is not None:  # seeded rows' uniforms and banned rows' bans change by step; penalties are swapped at reuse
         memo.keep(params, vocab_size, device, None if rows.seeded or rows.banned else batch, rows.penalised)
@@ -633,7 +724,7 @@ def _logit_bias(
 class GraphRows:
     """A batch the decode CUDA graphs sample inside their replay (``fnvllm.executor.cuda_graphs.GraphSample``): every
     row by temperature (greedy rows included), some with a top-k (1 <= top_k <= the graphs' limit, with or without a
-    top-p / min-p), none with a penalty, a logit bias, allowed token ids or a grammar. The graphs draw what
+    top-p / min-p), none with a penalty, a logit bias, bad words, allowed token ids or a grammar. The graphs draw what
     ``fused_sampling.sample_with_kernels`` draws: ``sample_rows``, then ``segmented_pick`` for the top-k rows; the
     logprob rows' logprobs are then computed from the graph's logits as ``Sampler.sample`` computes them.
 
@@ -662,8 +753,8 @@ class GraphRows:
 
 
 def graph_rows(params: Sequence[SamplingParams], vocab_size: int, max_top_k: int = 0) -> GraphRows | None:
-    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias,
-    allowed token ids, a grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k
+    """The batch's GraphRows, or None when a row needs more than the graphs sample: a penalty, a logit bias, bad
+    words, allowed token ids, a grammar, or a filter without a top-k in [1, max_top_k] (top-p or min-p alone, or a top-k
     past it). A row's min_tokens is not looked at: whether it still bans ids depends on the step (``banned_now``),
     so the caller asks that each step.
     Worked example (max_top_k 38): (T 0.6), (T 0, top_p 0.9), (T 1, seed 7) -> scale (1/0.6, 0, 1), fixed (0, 0, 1),
@@ -749,15 +840,21 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (B, V) (read in its dtype, computed in float32); the input tensor is
-        not modified. Rows with a ``batch.logit_bias`` have it added first; rows with ``batch.allowed`` token ids
-        and rows under ``batch.grammar_mask`` then sample only their allowed tokens (logprobs stay raw: neither
-        bias nor masks)."""
+        not modified. Rows with a ``batch.logit_bias`` have it added first, then ``batch.bad_words`` bans the
+        last id of each word whose rest ends the row's output; rows with ``batch.allowed`` token ids and rows
+        under ``batch.grammar_mask`` then sample only their allowed tokens (logprobs stay raw: neither bias nor
+        masks)."""
         expected = (batch.num_rows, batch.vocab_size)
         if tuple(logits.shape) != expected:
             raise ValueError(f"logits must have shape (num_rows, vocab_size) = {expected}, got {tuple(logits.shape)}")
         raw = logits
         if batch.logit_bias is not None:
             logits = apply_logit_bias(logits, batch.logit_bias)
+        if batch.bad_words is not None:
+            view = None if batch.penalties is None else batch.penalties.token_view()
+            if view is None:
+                raise ValueError("a batch with bad words of several ids needs its rows' tokens (penalties.token_view)")
+            logits = apply_bad_words(logits, batch.bad_words, view, copy=logits is raw)
         if batch.allowed is not None:
             logits = apply_allowed(logits, batch.allowed, copy=logits is raw)
         mask = batch.grammar_mask

@@ -39,9 +39,8 @@ REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 GREEDY_TEMPERATURE = 1e-5
 
 
-def _stop_strings(values: Any) -> tuple[str, ...]:
-    """``stop`` as a tuple: None, one str, or a list/tuple of non-empty strs."""
-    name = "SamplingParams.stop"
+def _strings(values: Any, name: str) -> tuple[str, ...]:
+    """``values`` as a tuple: None, one str, or a list/tuple of non-empty strs (errors name ``name``)."""
     if values is None:
         return ()
     if isinstance(values, str):
@@ -51,6 +50,31 @@ def _stop_strings(values: Any) -> tuple[str, ...]:
     for i, value in enumerate(values):
         check_str(value, f"{name}[{i}]", REQUEST)
     return tuple(values)
+
+
+def _stop_strings(values: Any) -> tuple[str, ...]:
+    """``stop`` as a tuple: None, one str, or a list/tuple of non-empty strs."""
+    return _strings(values, "SamplingParams.stop")
+
+
+def _bad_words(values: Any) -> tuple[str, ...]:
+    """``bad_words`` as a tuple: None, one str, or a list/tuple of non-empty strs."""
+    return _strings(values, "SamplingParams.bad_words")
+
+
+def _bad_word_ids(values: Any) -> tuple[tuple[int, ...], ...]:
+    """``bad_words_token_ids`` as a tuple of tuples: None, or a sequence of non-empty sequences of int ids >= 0
+    (below the vocabulary size where the engine knows it: ``request.check_request``)."""
+    name = "SamplingParams.bad_words_token_ids"
+    if values is None:
+        return ()
+    if not isinstance(values, (list, tuple)):
+        raise fail(REQUEST, name, "None or a sequence of token-id sequences", values, wrong_type=True)
+    words = tuple(check_token_ids(word, f"{name}[{i}]", REQUEST, MAX_INT64) for i, word in enumerate(values))
+    empty = [i for i, word in enumerate(words) if not word]
+    if empty:
+        raise fail(REQUEST, f"{name}[{empty[0]}]", "a non-empty sequence of token ids", values[empty[0]])
+    return words
 
 
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -238,6 +262,14 @@ class SamplingParams:
     allowed_token_ids: None, or a non-empty sequence of token ids (>= 0; below the vocabulary size when the engine
         knows it): the row samples only among them (every other id is masked after logit_bias and before the
         grammar mask, penalties, temperature and filters; logprobs stay raw).
+    bad_words: words the output must not contain (one str or a list of non-empty strs; vLLM's meaning). Text needs
+        a tokenizer: the front ends (``LLM``, the server) turn each word into ``bad_words_token_ids``
+        (``fnvllm.engine.text.resolve_bad_words``: the word's ids, and those of the word after a space when that
+        is a different first token of as many ids) and clear this field; the engine loop refuses it unresolved.
+    bad_words_token_ids: token-id sequences the output must not contain (each non-empty; ids >= 0 and below the
+        vocabulary size when the engine knows it). A one-id sequence bans that id at every step; a longer one bans
+        its last id whenever the output ends with the rest (only generated tokens count, as in vLLM). Applied with
+        the logit bias (MASKED_LOGIT at each banned id), so logprobs stay raw.
     """
 
     temperature: float = 1.0
@@ -262,7 +294,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_allowed_ids)
-    # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties).
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_bad_words)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_bad_word_ids)
+    # needs_history (derived): the sampler needs the request's prompt and output tokens (penalties, and bad words
+    # of more than one token, which look at the output's last tokens).
     # Derived once here, read per row per step by the scheduler (a property would cost a call each time).
     needs_history: bool = attrs.field(init=False, repr=False, eq=False)
 
@@ -305,7 +340,12 @@ class SamplingParams:
         if self.structured is not None and self.min_tokens:
             allowed = "0 when structured is set (the grammar decides where the output ends)"
             raise fail(REQUEST, name + "min_tokens", allowed, self.min_tokens)
-        uses_history = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        uses_history = (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or any(len(word) > 1 for word in self.bad_words_token_ids)
+        )
         object.__setattr__(self, "needs_history", uses_history)
 
     @property

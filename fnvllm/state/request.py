@@ -42,6 +42,10 @@ _ONE_SEQUENCE = (
     "1 for a request of the core, which runs one sequence per request (LLM.generate, LLM.chat, LLM.stream and the "
     "server run n copies of a request: fnvllm.state.copies)"
 )
+_TOKEN_IDS_ONLY = (
+    "empty for a request of the core, which reads token ids only (LLM and the server turn bad_words into "
+    "bad_words_token_ids with their tokenizer: fnvllm.engine.text.resolve_bad_words)"
+)
 
 
 def _reject(field: str, message: str) -> InvalidRequestError:
@@ -55,10 +59,10 @@ def check_request(
     field, the allowed range and the value) when it can never run under ``config`` beside the ``live`` ids.
 
     Checks, in order: the id (a non-empty str, not live), the params (a SamplingParams with n == 1: the core runs
-    one sequence per request), the priority (an int), the prompt (a non-empty sequence of int ids in
-    [0, vocab_size), see ``checks.check_token_ids``: a str, bytes or dict is not a prompt), the params against the
-    vocabulary (stop ids, logprobs), and the size (prompt + max_tokens within max_model_len and the pool). Reads
-    nothing else and changes nothing.
+    one sequence per request; without bad_words text, which a front end resolves to ids), the priority (an int),
+    the prompt (a non-empty sequence of int ids in [0, vocab_size), see ``checks.check_token_ids``: a str, bytes
+    or dict is not a prompt), the params against the vocabulary (stop ids, logprobs), and the size (prompt +
+    max_tokens within max_model_len and the pool). Reads nothing else and changes nothing.
     """
     if not isinstance(request_id, str):
         raise RequestTypeError(f"request_id: must be a non-empty str, got {show(request_id)}")
@@ -70,6 +74,8 @@ def check_request(
         raise RequestTypeError(f"params: must be SamplingParams, got {show(params)}")
     if params.n != 1:
         raise fail(REQUEST, "SamplingParams.n", _ONE_SEQUENCE, params.n)
+    if params.bad_words:
+        raise fail(REQUEST, "SamplingParams.bad_words", _TOKEN_IDS_ONLY, params.bad_words)
     priority = check_int(priority, "priority", REQUEST, -MAX_INT64 - 1, MAX_INT64)
     ids = check_token_ids(prompt, "prompt", REQUEST, config.vocab_size)
     if not ids:
@@ -99,6 +105,9 @@ def _check_params_fit(config: CoreConfig, params: SamplingParams) -> None:
     unlisted = [i for i in params.allowed_token_ids or () if i >= vocab]
     if unlisted:
         raise fail(REQUEST, "SamplingParams.allowed_token_ids", f"token ids in [0, {vocab}) (the vocabulary)", unlisted)
+    banned = [i for word in params.bad_words_token_ids for i in word if i >= vocab]
+    if banned:
+        raise fail(REQUEST, "SamplingParams.bad_words_token_ids", f"token ids in [0, {vocab}) (the vocabulary)", banned)
 
 
 def kv_blocks_needed(block_size: int, prompt_len: int, max_tokens: int) -> int:

@@ -43,8 +43,10 @@ class InvariantViolation(AssertionError):
 
 
 def _uses_penalty(params: SamplingParams) -> bool:
-    """Whether the sampler needs the request's history: any penalty on. Derived here from the penalty fields,
-    not read from ``params.needs_history`` (the field under test)."""
+    """Whether the sampler needs the request's history: any penalty on, or a bad word of several ids. Derived here
+    from those fields, not read from ``params.needs_history`` (the field under test)."""
+    if any(len(word) >= 2 for word in params.bad_words_token_ids):
+        return True
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 

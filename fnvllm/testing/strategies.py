@@ -128,11 +128,15 @@ def sampling_params(
     Every sampler-only option varies too, since the core must pass them through untouched and the plan must
     carry token histories exactly for the rows with a penalty: greedy or not (temperature 0, a tiny one below
     GREEDY_TEMPERATURE, or 1), top-k / top-p / min-p, a seed, logprobs, and each penalty alone (repetition,
-    presence, frequency) or all together.
+    presence, frequency) or all together, and sometimes bad words (one id, or sequences the sampler matches
+    against the output's history).
     """
     stop_ids: Tokens = ()
     if vocab_size is not None and max_stop_ids and draw(st.integers(0, 3)) == 0:
         stop_ids = draw(token_lists(vocab_size, 1, max_stop_ids))
+    bad_words: tuple[Tokens, ...] = ()
+    if vocab_size is not None and draw(st.integers(0, 5)) == 0:  # one id (banned always) or a sequence (history)
+        bad_words = tuple(draw(st.lists(token_lists(vocab_size, 1, 3), min_size=1, max_size=2)))
     penalty = draw(st.sampled_from(PENALTY_KINDS))
     num_tokens = draw(st.integers(1, max(max_tokens, 1)))
     return SamplingParams(
@@ -149,13 +153,15 @@ def sampling_params(
         repetition_penalty=1.1 if penalty in ("repetition", "all") else 1.0,
         presence_penalty=0.5 if penalty in ("presence", "all") else 0.0,
         frequency_penalty=-0.5 if penalty in ("frequency", "all") else 0.0,
+        bad_words_token_ids=bad_words,
     )
 
 
 def uses_history(params: SamplingParams) -> bool:
-    """Whether a request's rows must carry its token history, spelled out from the penalty fields (an
-    independent reference for ``SamplingParams.needs_history``)."""
-    return not (params.repetition_penalty == 1 and params.presence_penalty == 0 and params.frequency_penalty == 0)
+    """Whether a request's rows must carry its token history, spelled out from the penalty fields and the bad words
+    (an independent reference for ``SamplingParams.needs_history``)."""
+    penalised = not (params.repetition_penalty == 1 and params.presence_penalty == 0 and params.frequency_penalty == 0)
+    return penalised or max(map(len, params.bad_words_token_ids), default=0) >= 2
 
 
 def token_ids(vocab_size: int, eos_token_ids: Sequence[int] = ()) -> st.SearchStrategy[int]:
