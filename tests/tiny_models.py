@@ -52,6 +52,43 @@ def write_family(root: Path, family: str) -> Path:
     return path
 
 
+# Mistral and Mixtral (written here: fnvllm.testing.checkpoints knows the Qwen / Llama families only). "mistral" has
+# an explicit head_dim of 32 over hidden 64 / 4 heads (as Mistral-Nemo's 128 over 5120 / 32) and no window;
+# "mistral_window" has a sliding window of 4096 over 2048 positions (it changes nothing); "mixtral" has 4 experts,
+# top-2, in both layers. Options of transformers' MistralConfig / MixtralConfig.
+_MISTRAL = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5)
+MISTRAL_FAMILIES: dict[str, dict[str, Any]] = {
+    "mistral": dict(_MISTRAL, num_key_value_heads=1, head_dim=32, num_hidden_layers=3, sliding_window=None),
+    "mistral_window": dict(_MISTRAL, num_key_value_heads=2, num_hidden_layers=2, sliding_window=4096),
+    "mixtral": dict(_MISTRAL, num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def write_mistral_family(root: Path, family: str, **overrides: Any) -> Path:
+    """A tiny random fp32 Mistral or Mixtral checkpoint (``family``: a key of MISTRAL_FAMILIES; ``overrides``:
+    more config fields) written by transformers, plus the test tokenizer, in ``root / family``. Weights, norms and
+    the router are drawn as write_tiny_checkpoint draws them (std 0.1, norm weights U(0.5, 1.5)); EOS is 255."""
+    import transformers
+
+    from fnvllm.testing.checkpoints import _randomize_norms_and_biases
+
+    defaults = dict(vocab_size=256, intermediate_size=96, initializer_range=0.1, bos_token_id=0, eos_token_id=255)
+    options = {**defaults, **MISTRAL_FAMILIES[family], **overrides}
+    is_moe = "num_local_experts" in options
+    config_class = transformers.MixtralConfig if is_moe else transformers.MistralConfig
+    model_class = transformers.MixtralForCausalLM if is_moe else transformers.MistralForCausalLM
+    config = config_class(**options)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(config)
+        _randomize_norms_and_biases(model)
+    path = root / family
+    model.save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=255).save_pretrained(path)
+    build_test_tokenizer(path, vocab_size=256)
+    return path
+
+
 def hf_model(path: Path) -> Any:
     """The same checkpoint loaded by transformers, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

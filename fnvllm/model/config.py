@@ -11,6 +11,11 @@ FP8 weights (``Fp8Config``): a checkpoint whose config.json carries the official
 ``quantization_config`` ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 "weight_block_size": [128, 128]}) is loaded in FP8 whatever the engine's ``quantization`` option says; any other
 ``quant_method`` (awq, gptq, ...) is refused. ``quantization="fp8"`` on a 16/32-bit checkpoint quantizes it at load.
+
+Mistral and Mixtral are read as Llama (no q/k norms, no biases; ``head_dim`` may differ from hidden / heads, as in
+Mistral-Nemo) and, for Mixtral, a ``MoeConfig`` (``MoeConfig.from_mixtral``). Their ``sliding_window`` is kept: the
+model attends over the whole context, which is what a window of w tokens computes for sequences of at most w tokens,
+so ``ModelConfig.check_max_model_len`` refuses an engine max model length beyond it (Mistral-7B-v0.1: 4096).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import attrs
 import torch
+
+from fnvllm.state.config import MAX_MODEL_LEN
 
 
 class CheckpointError(ValueError):
@@ -51,8 +58,12 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "LlamaForCausalLM",
     "Qwen3MoeForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
 )
 _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # honour config.json's sliding_window
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8",)
@@ -139,7 +150,7 @@ class Llama3RopeScaling:
 
 @attrs.frozen
 class MoeConfig:
-    """The mixture-of-experts facts of a Qwen3-MoE checkpoint.
+    """The mixture-of-experts facts of a Qwen3-MoE or Mixtral checkpoint.
 
     num_experts: routed experts per sparse layer. num_experts_per_tok: experts each token is sent to (top-k).
     moe_intermediate_size: each expert's intermediate width (the dense layers use ModelConfig.intermediate_size).
@@ -184,10 +195,22 @@ class MoeConfig:
             decoder_sparse_step=_int_field(hf, "decoder_sparse_step", 1),
         )
 
+    @classmethod
+    def from_mixtral(cls, hf: Mapping[str, Any]) -> MoeConfig:
+        """Read a Mixtral config.json: ``num_local_experts`` experts of ``intermediate_size`` in every layer, top-k
+        weights always renormalised (HF's MixtralTopKRouter divides them by their sum; it has no norm_topk_prob)."""
+        return cls(
+            num_experts=_int_field(hf, "num_local_experts"),
+            num_experts_per_tok=_int_field(hf, "num_experts_per_tok"),
+            moe_intermediate_size=_int_field(hf, "intermediate_size"),
+            norm_topk_prob=True,
+        )
+
 
 @attrs.frozen
 class ModelConfig:
-    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Llama decoder checkpoint (never written after construction).
+    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral decoder checkpoint (never written
+    after construction).
 
     architecture: one of SUPPORTED_ARCHITECTURES.
     head_dim: per-head width (config's head_dim, else hidden_size // num_attention_heads).
@@ -196,8 +219,12 @@ class ModelConfig:
     attention_bias: whether q/k/v projections carry a bias (Qwen2: always).
     o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2).
     qk_norm: per-head RMSNorm of q and k before rope (Qwen3).
-    moe: the experts of a mixture-of-experts model (Qwen3-MoE); None for a dense one.
+    moe: the experts of a mixture-of-experts model (Qwen3-MoE, Mixtral); None for a dense one.
     quantization: FP8 weights (``Fp8Config``), from the checkpoint or quantized at load; None = ``dtype`` weights.
+    sliding_window: Mistral / Mixtral's attention window in tokens (None: full attention, and always for the other
+        families, whose config.json's sliding_window applies only with use_sliding_window, which is refused). The
+        model attends over the whole context, so a window only loads no shorter than the max model length
+        (``check_max_model_len``).
     """
 
     architecture: str
@@ -219,6 +246,7 @@ class ModelConfig:
     qk_norm: bool
     moe: MoeConfig | None = None
     quantization: Fp8Config | None = None
+    sliding_window: int | None = None
 
     def __attrs_post_init__(self) -> None:
         """Reject shapes the model code cannot build, naming the field."""
@@ -239,10 +267,28 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
-        if (self.architecture == "Qwen3MoeForCausalLM") != (self.moe is not None):
-            raise ValueError(f"moe must be given for Qwen3MoeForCausalLM and only for it (got {self.architecture})")
+        if (self.architecture in _MOE_ARCHITECTURES) != (self.moe is not None):
+            raise ValueError(f"moe must be given for {_MOE_ARCHITECTURES} and only for them (got {self.architecture})")
         if self.quantization is not None and self.moe is not None:
-            raise ValueError("FP8 weights (quantization) are not supported for Qwen3MoeForCausalLM yet (dense only)")
+            raise ValueError(
+                f"FP8 weights (quantization) are not supported for {self.architecture} yet (mixture-of-experts "
+                "models load in 16/32 bits; FP8 is for dense models)"
+            )
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """ValueError naming ``sliding_window``, its value and the longest max model length that loads, when the
+        checkpoint's window is shorter than ``max_model_len`` (the engine's cap on prompt + output tokens): full
+        attention equals a window of w tokens only while no sequence is longer than w (HF masks key j for query i
+        when i - j >= w)."""
+        window = self.sliding_window
+        if window is not None and window < max_model_len:
+            raise ValueError(
+                f"sliding_window {window} is not supported with a max model length of {max_model_len}: fnvllm "
+                f"attends over the whole context (no sliding-window attention), which equals a {window}-token "
+                f"window only for sequences of at most {window} tokens; load it with max_model_len <= {window}"
+            )
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes tokens to experts (False for every layer of a dense model)."""
@@ -265,18 +311,23 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: str | torch.dtype | None = None, quantization: str | None = None
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype | None = None,
+        quantization: str | None = None,
+        max_model_len: int | None = None,
     ) -> ModelConfig:
         """Read `path`/config.json; `dtype` overrides the checkpoint's dtype; quantization="fp8" quantizes a
-        16/32-bit checkpoint's linears at load (an FP8 checkpoint is FP8 either way). A missing file is
-        FileNotFoundError; a malformed one (bad JSON, a missing or mistyped field, an unsupported model) is
+        16/32-bit checkpoint's linears at load (an FP8 checkpoint is FP8 either way); `max_model_len`: the engine's
+        max model length (None: its default, max_position_embeddings), checked against a sliding window. A missing
+        file is FileNotFoundError; a malformed one (bad JSON, a missing or mistyped field, an unsupported model) is
         CheckpointError naming the file and the field."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint folder {str(path)!r}")
         hf = read_json(config_file)
         try:
-            return cls.from_dict(hf, dtype=dtype, quantization=quantization)
+            return cls.from_dict(hf, dtype=dtype, quantization=quantization, max_model_len=max_model_len)
         except CheckpointError:
             raise
         except (ValueError, TypeError) as e:
@@ -284,12 +335,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(
-        cls, hf: Mapping[str, Any], dtype: str | torch.dtype | None = None, quantization: str | None = None
+        cls,
+        hf: Mapping[str, Any],
+        dtype: str | torch.dtype | None = None,
+        quantization: str | None = None,
+        max_model_len: int | None = None,
     ) -> ModelConfig:
-        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype; `quantization` as in
-        ``from_pretrained``. Raises ValueError naming
-        the field for anything missing, mistyped (a str where a number belongs, a bool where an int belongs) or
-        unsupported."""
+        """Build from a parsed HF config.json; `dtype` overrides the checkpoint's dtype; `quantization` and
+        `max_model_len` as in ``from_pretrained``. Raises ValueError naming the field for anything missing,
+        mistyped (a str where a number belongs, a bool where an int belongs) or unsupported."""
         architecture = _architecture(hf)
         _reject_unsupported_features(hf)
         hidden_size = _int_field(hf, "hidden_size")
@@ -298,7 +352,8 @@ class ModelConfig:
         rope_theta, rope_scaling = parse_rope(hf, max_positions)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = True if is_qwen2 else _bool_field(hf, "attention_bias", False)
-        return cls(
+        has_window = architecture in _SLIDING_WINDOW_ARCHITECTURES
+        config = cls(
             architecture=architecture,
             hidden_size=hidden_size,
             num_hidden_layers=_int_field(hf, "num_hidden_layers"),
@@ -316,9 +371,22 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
             qk_norm=architecture in _QWEN3_LIKE,
-            moe=MoeConfig.from_dict(hf) if architecture == "Qwen3MoeForCausalLM" else None,
+            moe=_moe_config(hf, architecture),
             quantization=parse_quantization(hf, quantization),
+            sliding_window=_optional_int_field(hf, "sliding_window") if has_window else None,
         )
+        config.check_max_model_len(max_model_len or min(max_positions, MAX_MODEL_LEN))  # the engine's default
+        return config
+
+
+def _moe_config(hf: Mapping[str, Any], architecture: str) -> MoeConfig | None:
+    """The MoE settings of a Qwen3-MoE or Mixtral config.json (each names its fields its own way); None for a dense
+    model."""
+    if architecture == "Qwen3MoeForCausalLM":
+        return MoeConfig.from_dict(hf)
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig.from_mixtral(hf)
+    return None
 
 
 def normalize_dtype(dtype: str | torch.dtype) -> str:
@@ -414,6 +482,11 @@ def _int_field(hf: Mapping[str, Any], name: str, default: Any = _MISSING) -> int
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _optional_int_field(hf: Mapping[str, Any], name: str) -> int | None:
+    """hf[name] as a positive int, or None when absent or null; a bool, float or str is an error."""
+    return None if hf.get(name) is None else _int_field(hf, name)
 
 
 def _real_field(hf: Mapping[str, Any], name: str, default: float | None) -> float:

@@ -12,6 +12,12 @@ and `<p>.experts.down_proj` (E, H, I), each copied straight into its slot of the
 holds one expert at a time, never a second copy of the model), everything else unchanged. With tied
 embeddings a stored `lm_head.weight` is ignored (it equals the embedding); so is any `rotary_emb.inv_freq`.
 
+Mixtral names its MoE layer otherwise (``checkpoint_names``): ``<l>.block_sparse_moe.gate.weight`` is the router
+``<l>.mlp.gate.weight`` and ``<l>.block_sparse_moe.experts.<e>.w1|w3|w2.weight`` are expert e's gate, up and down
+projections, so the same stacked experts, kernels and sharding serve Qwen3-MoE and Mixtral. Mistral's names are
+Llama's; its folders often hold ``consolidated.safetensors`` too (the same weights in Mistral's own naming), which
+is never read: the index's shards or ``model.safetensors`` come first, and the last-resort glob skips it.
+
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
 rules for which slice are ``sharding.weight_targets``.
 
@@ -86,7 +92,7 @@ def load_model(
         return _materialise(build_on_meta(config, ops, tp), device, dummy_seed=seed)
     files = checkpoint_files(Path(path))
     model = build_on_meta(config, ops, tp)
-    targets = weight_targets(model)
+    targets = checkpoint_names(weight_targets(model), config)
     check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
     model = _materialise(model, device)
     params = dict(model.named_parameters())
@@ -153,7 +159,8 @@ def _normal(shape: torch.Size, device: torch.device, gen: torch.Generator) -> to
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """A checkpoint folder's safetensors files: the index's shards, else model.safetensors, else *.safetensors."""
+    """A checkpoint folder's safetensors files: the index's shards, else model.safetensors, else *.safetensors but
+    Mistral's consolidated*.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = [path / name for name in sorted(set(_weight_map(index).values()))]
@@ -163,9 +170,11 @@ def checkpoint_files(path: Path) -> list[Path]:
         return files
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    files = sorted(path.glob("*.safetensors"))
+    stored = sorted(path.glob("*.safetensors"))
+    files = [f for f in stored if not f.name.startswith("consolidated")]  # Mistral's own format: other names
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in checkpoint folder {str(path)!r}")
+        native = " (only Mistral's consolidated*.safetensors, which fnvllm does not read)" if stored else ""
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint folder {str(path)!r}{native}")
     return files
 
 
@@ -264,6 +273,30 @@ def _read(f: Any, name: str, target: WeightTarget, dest_shape: tuple[int, ...]) 
         return f.get_tensor(name)
     start, end = target.source
     return stored[start:end] if target.dim == 0 else stored[:, start:end]
+
+
+_MIXTRAL_EXPERT_NAMES: Mapping[str, str] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def checkpoint_names(targets: Mapping[str, WeightTarget], config: ModelConfig) -> dict[str, WeightTarget]:
+    """``targets`` (``sharding.weight_targets``: Qwen3-MoE's names for the MoE tensors) keyed by the names this
+    architecture's checkpoints use: Mixtral's for its MoE layers, the same names for every other model."""
+    if config.architecture != "MixtralForCausalLM":
+        return dict(targets)
+    return {_mixtral_name(name): target for name, target in targets.items()}
+
+
+def _mixtral_name(name: str) -> str:
+    """``L.mlp.gate.weight`` -> ``L.block_sparse_moe.gate.weight``; ``L.mlp.experts.E.gate_proj|up_proj|down_proj.
+    weight`` -> ``L.block_sparse_moe.experts.E.w1|w3|w2.weight``; other names unchanged (every Mixtral layer is
+    sparse, so every ``.mlp.`` name is the MoE block's)."""
+    prefix, found, rest = name.partition(".mlp.")
+    if not found:
+        return name
+    parts = rest.split(".")  # ["gate", "weight"] or ["experts", E, projection, "weight"]
+    if parts[0] == "experts":
+        parts[2] = _MIXTRAL_EXPERT_NAMES[parts[2]]
+    return f"{prefix}.block_sparse_moe.{'.'.join(parts)}"
 
 
 def _names_by_file(files: list[Path]) -> dict[Path, list[str]]:

@@ -1,8 +1,12 @@
-"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2 and Llama share one definition.
+"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral and Mixtral share one
+definition.
 
 They differ only in flags carried by ModelConfig: Qwen3 RMS-normalises each q/k head before rope (qk_norm);
 Qwen2 has q/k/v biases (attention_bias); Llama 3.1 scales rope frequencies (rope_scaling); Qwen3-MoE is Qwen3
-with a mixture of experts (``moe.py``) in place of the MLP of every sparse layer (config.moe). Module names mirror
+with a mixture of experts (``moe.py``) in place of the MLP of every sparse layer (config.moe). Mistral is Llama
+(its head_dim may differ from hidden / heads, as Mistral-Nemo's 128 with 5120 / 32; a sliding window no shorter
+than the max model length changes nothing, ``ModelConfig.check_max_model_len``); Mixtral is Mistral with every
+MLP a mixture of experts, the same ``moe.py`` block (the loader maps its checkpoint names). Module names mirror
 Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj and gate_up_proj.
 
 The model holds no KV cache and no global context: each forward receives the per-layer caches and the step's
@@ -385,7 +389,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A Qwen3 / Qwen3-MoE / Qwen2 / Llama causal LM: `forward` gives hidden states, `compute_logits` the logits.
+    """A Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral causal LM: `forward` gives hidden states,
+    `compute_logits` the logits.
 
     ops: the implementation of the small fused ops (norms, rotary, SiLU-and-mul); see ``fnvllm.model.ops``.
     tp: this rank's place in a tensor-parallel group (``sharding.py``); the default is one process, unsplit.

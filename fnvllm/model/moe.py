@@ -1,11 +1,15 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE: a router and the routed experts (no shared expert).
+"""The sparse mixture-of-experts block of Qwen3-MoE and Mixtral: a router and the routed experts (no shared expert).
 
     logits = x @ gate.T                       (T, E)  replicated on every rank
     probs  = softmax(logits) in float32       top-k of them per token, renormalised to sum 1 if norm_topk_prob
                                               (``ops.route``)
     out    = sum_k w_k * expert_{e_k}(x)      by ``ops.fused_moe`` over the stacked expert weights
 
-As Hugging Face's Qwen3MoeTopKRouter, the top-k weights are rounded to the activation dtype before use. Under
+As Hugging Face's Qwen3MoeTopKRouter, the top-k weights are rounded to the activation dtype before use. Mixtral is
+the same block with ``norm_topk_prob`` always on (``MoeConfig.from_mixtral``): HF's MixtralTopKRouter takes the same
+float32 softmax, top-k and renormalisation, but keeps the weights in float32 and multiplies each expert's output by
+them before rounding: equal in float32; in bf16 the weights' rounding (<= 2^-9 relative) is of the size of the
+ulp-level differences the fused kernel's float32 sum already has from HF's per-expert rounding (docs/moe.md). Under
 tensor parallelism every rank holds every expert's slice of the intermediate dim (``sharding.ParallelExperts``),
 so the routed sum is a partial one and the block all-reduces it, as the dense MLP does.
 """
@@ -22,7 +26,8 @@ from fnvllm.model.sharding import SINGLE, ParallelExperts, TensorParallel, all_r
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (``gate``) and experts (``experts``) of one Qwen3-MoE layer (HF's ``mlp.`` names)."""
+    """Router (``gate``) and experts (``experts``) of one Qwen3-MoE or Mixtral layer (Qwen3-MoE's ``mlp.`` names;
+    the loader maps Mixtral's ``block_sparse_moe.`` ones)."""
 
     def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -350,7 +350,8 @@ class ParallelExperts(nn.Module):
         self.down_proj = nn.Parameter(_normal(torch.empty(num_experts, hidden_size, local, dtype=dtype), 0.02))
 
     def targets(self, parent: str, leaf: str) -> dict[str, WeightTarget]:
-        """HF's per-expert tensors (``<parent>.<e>.gate_proj|up_proj|down_proj.weight``) that fill ``leaf``."""
+        """HF's per-expert tensors (``<parent>.<e>.gate_proj|up_proj|down_proj.weight``, Qwen3-MoE's names; the
+        loader renames them for Mixtral's ``w1|w3|w2``) that fill ``leaf``."""
         name, local, full = f"{parent}.{leaf}", self.source[1] - self.source[0], self.full_intermediate_size
         out: dict[str, WeightTarget] = {}
         for e in range(self.num_experts):
