@@ -202,4 +202,4 @@ def test_the_tool_call_parser_flag_lists_the_parsers() -> None:
     args = build_parser().parse_args(["serve", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"])
     assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+        build_parser().parse_args(["serve", "--tool-call-parser", "not_a_parser"])

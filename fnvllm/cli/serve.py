@@ -80,7 +80,7 @@ MAX_STREAM_INTERVAL_MS = 60_000.0
 
 # ``fnvllm.serve.tool_parsers.TOOL_PARSERS``' names, spelled out so that ``--help`` needs no [serve] extra
 # (tests/test_server_limits.py checks that the two agree).
-TOOL_PARSER_NAMES = ("hermes",)
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 
 
 def seconds_or_none(text: str) -> float | None:
@@ -233,7 +233,8 @@ def register(sub: Any) -> None:
         "--tool-call-parser",
         choices=sorted(TOOL_PARSER_NAMES),
         default="hermes",
-        help="the format chat tool calls are parsed from: <tool_call>{json}</tool_call> (Qwen, Hermes; default)",
+        help="the format chat tool calls are parsed from and forced in: hermes (<tool_call>{json}</tool_call>: Qwen, "
+        "Hermes; default), llama3_json ({json}; ...: Llama 3.x), mistral ([TOOL_CALLS][{json}, ...]: Mistral)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

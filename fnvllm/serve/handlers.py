@@ -186,7 +186,8 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     if room < 1:
         limit = served.engine.max_total_tokens - 1
         raise bad_request(f"messages: the conversation is {len(ids)} tokens; at most {limit} fit", "messages")
-    params = _sampling_params(lambda: body.sampling_params(default_max_tokens=room), body.aliases())
+    tool_parser = TOOL_PARSERS[served.tool_parser]()
+    params = _sampling_params(lambda: body.sampling_params(room, tool_parser), body.aliases())
     n = body.num_choices
     return Prepared(
         [(ids, None)], copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from fnvllm.serve.errors import bad_request
-from fnvllm.serve.tool_parsers import ToolSpec, tool_call_grammar
+from fnvllm.serve.tool_parsers import HermesToolParser, ToolCallParser, ToolSpec
 from fnvllm.state import InvalidRequestError, SamplingParams, StructuredOutput
 from fnvllm.state.params import MAX_N
 
@@ -227,13 +227,12 @@ class _Generation(_Strict):
         """Whether every streamed chunk carries the token counts so far."""
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """The SamplingParams fields this body sets (unset ones keep the engine's defaults), with its output
-        constraint."""
+    def sampling_kwargs(self, structured: StructuredOutput | None) -> dict[str, Any]:
+        """The SamplingParams fields this body sets (unset ones keep the engine's defaults), with ``structured``,
+        its output constraint (``structured()``'s)."""
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         if self.logit_bias:
             kwargs["logit_bias"] = self._logit_bias()
-        structured = self.structured()
         if structured is not None:
             kwargs["structured"] = structured
         return kwargs
@@ -324,7 +323,7 @@ class CompletionRequest(_Generation):
         the chosen tokens' logprobs are asked for too (they rank the candidates). With echo and logprobs, the
         prompt's logprobs too (``prompt_logprobs``). max_tokens 0 (with echo) runs one token, which the answer
         drops: the engine always samples after the prompt."""
-        kwargs = self.sampling_kwargs()
+        kwargs = self.sampling_kwargs(self.structured())
         limit = self.token_limit
         kwargs["max_tokens"] = 16 if limit is None else 1 if limit == 0 else limit
         if self.logprobs is not None:
@@ -403,6 +402,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
+_HERMES = HermesToolParser()  # the server's default tool-call format (parsers hold no state)
+
+
 class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``: a conversation rendered with the tokenizer's chat template."""
 
@@ -465,13 +467,14 @@ class ChatCompletionRequest(_Generation):
         """The tools as the chat template reads them (None: no tools, or tool_choice "none")."""
         return [tool.template_dict() for tool in self.tools or ()] if self.uses_tools else None
 
-    def structured(self) -> StructuredOutput | None:
-        """The output constraint: a forced tool call's grammar, else ``response_format`` / guided_*."""
+    def structured(self, tool_parser: ToolCallParser = _HERMES) -> StructuredOutput | None:
+        """The output constraint: a forced tool call's grammar in ``tool_parser``'s format (the server's
+        ``--tool-call-parser``), else ``response_format`` / guided_*."""
         forced = self.forced_tool
         if forced is None or not self.tools:
             return super().structured()
         try:
-            grammar = tool_call_grammar(
+            grammar = tool_parser.call_grammar(
                 self.tools, None if forced == "*" else forced, self.parallel_tool_calls is not False
             )
         except (InvalidRequestError, RuntimeError, ValueError) as error:
@@ -485,9 +488,13 @@ class ChatCompletionRequest(_Generation):
             names["logprobs"] = "top_logprobs"
         return names
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams for this body; without a limit, generate up to ``default_max_tokens``."""
-        kwargs = self.sampling_kwargs()
+    def sampling_params(self, default_max_tokens: int, tool_parser: ToolCallParser = _HERMES) -> SamplingParams:
+        """SamplingParams for this body; without a limit, generate up to ``default_max_tokens``. tool_parser: the
+        format tool calls are forced in and parsed from; one whose marker is a special token keeps special tokens
+        in the text (unless the body says otherwise), as vLLM does."""
+        kwargs = self.sampling_kwargs(self.structured(tool_parser))
+        if self.uses_tools and tool_parser.keeps_special_tokens and self.skip_special_tokens is None:
+            kwargs["skip_special_tokens"] = False
         limit = self.token_limit
         kwargs["max_tokens"] = default_max_tokens if limit is None else limit
         if self.logprobs:

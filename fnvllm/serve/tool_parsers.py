@@ -1,142 +1,51 @@
-"""Tool calls and reasoning in chat output: the tool specs a request sends, the grammar that forces a call, and
-parsers that split generated text into content, ``reasoning_content`` and ``tool_calls`` (whole or streamed).
+"""Tool calls and reasoning in chat output: ``ChatOutputParser`` splits generated text into content,
+``reasoning_content`` and ``tool_calls``, whole or streamed, for any tool-call format of ``tool_formats`` (whose
+public names are re-exported here: the specs a request sends, the parsers, ``TOOL_PARSERS``) and any reasoning
+format of ``REASONING_PARSERS`` ("qwen3" splits ``<think>...</think>`` off the start of the output).
 
-Tool-call formats are a registry (``TOOL_PARSERS``): "hermes" is the ``<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>`` format Qwen (2.5, 3) and Hermes models emit, one call per tag. Reasoning formats are a
-registry too (``REASONING_PARSERS``): "qwen3" splits ``<think>...</think>`` off the start of the output.
-
-Streaming: text outside a tool call goes out as content deltas as it comes; once ``<tool_call>`` opens, text is
-held until ``</tool_call>`` closes it, then the whole call goes out as one ``tool_calls`` delta (id, name and the
-complete arguments). A tag split across two deltas is held until it can be told apart from text.
+Streaming: text outside a tool call goes out as content deltas as it comes; once a call block opens, text is held
+until the block closes (at ``</tool_call>`` in the hermes format, at the end of the JSON in the JSON formats), then
+its calls go out as one ``tool_calls`` delta (id, name and the complete arguments). A marker split across two
+deltas is held until it can be told apart from text.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
 from fnvllm.executor.base import TokenLogprobs
 from fnvllm.serve.formats import ChatFormat, Choice
+from fnvllm.serve.tool_formats import (
+    TOOL_PARSERS,
+    FunctionSpec,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ToolCall,
+    ToolCallParser,
+    ToolSpec,
+    held_suffix,
+    tool_call_grammar,
+)
 
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class FunctionSpec(_Spec):
-    """``tools[i].function``: name, description, JSON-schema ``parameters`` (default: any object), strict."""
-
-    name: StrictStr
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class ToolSpec(_Spec):
-    """``tools[i]``: a function the model may call."""
-
-    type: Literal["function"] = "function"
-    function: FunctionSpec
-
-    def template_dict(self) -> dict[str, Any]:
-        """The tool as chat templates read it (OpenAI's shape, without unset fields)."""
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
-
-
-@attrs.frozen
-class ToolCall:
-    """One parsed call: its id, the function's name and its arguments as JSON text."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def to_json(self, index: int | None = None) -> dict[str, Any]:
-        """The call in a response message (``index`` set: in a streamed delta)."""
-        call: dict[str, Any] = {"id": self.id, "type": "function"}
-        call["function"] = {"name": self.name, "arguments": self.arguments}
-        return call if index is None else {"index": index, **call}
-
-
-def _call_schema(tool: ToolSpec) -> dict[str, Any]:
-    """The JSON schema of one call of ``tool`` in the hermes format's JSON."""
-    parameters = tool.function.parameters or {"type": "object"}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def tool_call_grammar(tools: Sequence[ToolSpec], name: str | None, parallel: bool) -> str:
-    """EBNF text of the output that tool_choice "required" (``name`` None: any of ``tools``) or a named function
-    forces: ``<tool_call>\\n{json}\\n</tool_call>``, repeated (newline-separated) when ``parallel`` and no name.
-    Needs xgrammar (it turns the JSON schemas into grammar rules)."""
-    from fnvllm.executor.structured import import_xgrammar
-
-    xgr = import_xgrammar()
-    chosen = [t for t in tools if name is None or t.function.name == name]
-    schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(t) for t in chosen]}
-    call = xgr.Grammar.concat(
-        xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-        xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
-    )
-    text = str(call)
-    if name is not None or not parallel:
-        return text
-    head, rest = text.split("\n", 1)  # "root ::= ..." defines one call; root repeats it
-    return f'root ::= call ("\\n" call)*\ncall ::= {head.removeprefix("root ::= ")}\n{rest}'
-
-
-def _new_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class HermesToolParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` calls (Qwen, Hermes)."""
-
-    start = "<tool_call>"
-    end = "</tool_call>"
-    # A call with the newlines after it (the model's separator between calls, dropped with a well-formed call).
-    _pattern = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>\n*", re.DOTALL)
-
-    def parse_call(self, body: str) -> ToolCall | None:
-        """The call in one tag's body, or None when it is not a JSON object with a str name."""
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(_new_id(), value["name"], text)
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(the text outside well-formed calls, the calls in order). A well-formed call goes with the newlines right
-        after it; a tag whose body does not parse stays in the text, newlines included."""
-        calls: list[ToolCall] = []
-
-        def take(match: re.Match[str]) -> str:
-            call = self.parse_call(match.group(1))
-            if call is None:
-                return match.group(0)
-            calls.append(call)
-            return ""
-
-        return self._pattern.sub(take, text), calls
-
-
-TOOL_PARSERS: dict[str, type[HermesToolParser]] = {"hermes": HermesToolParser}
-"""Tool-call formats by name."""
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "ChatOutputParser",
+    "FunctionSpec",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "ParsedChatFormat",
+    "ReasoningFormat",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolSpec",
+    "tool_call_grammar",
+]
 
 
 @attrs.frozen
@@ -161,30 +70,25 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {"qwen3": ReasoningFormat("<thin
 """Reasoning formats by name (``--reasoning-parser``)."""
 
 
-def _held_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of ``tag`` (it may start the tag)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class ChatOutputParser:
     """Splits one choice's output into content, reasoning and tool calls, whole (``parse``) or as deltas
-    (``feed`` then ``finish``). tools: the tool-call parser (None: no tools); reasoning: the reasoning format
+    (``feed`` then ``finish``). tools: the tool-call format (None: no tools); reasoning: the reasoning format
     (None: none)."""
 
-    def __init__(self, tools: HermesToolParser | None, reasoning: ReasoningFormat | None) -> None:
+    def __init__(self, tools: ToolCallParser | None, reasoning: ReasoningFormat | None) -> None:
         self.tools, self.reasoning = tools, reasoning
-        self._pending = ""  # text not yet sent (a possible tag, a call being held)
+        self._pending = ""  # text not yet sent (a possible marker, a call being held)
         self._mode = "start" if reasoning is not None else "content"  # start | reasoning | content | call
-        self._strip_lead = False  # newlines right after a reasoning tag are dropped (as by ``ReasoningFormat.split``)
+        # characters dropped from the front of what comes next: newlines after a reasoning tag (as
+        # ``ReasoningFormat.split`` drops them), the tool format's separator after a call (as its ``parse`` does)
+        self._strip_lead = ""
+        self._at_start = True  # no content sent since the content began or the last call
         self.calls: list[ToolCall] = []
 
     def parse(self, text: str) -> dict[str, Any]:
         """The message fields of a whole output: content (None when only calls), reasoning_content when a
         reasoning format is set, tool_calls when any. The content is exactly what ``feed`` and ``finish`` send
-        as content deltas, joined (text around the calls as generated, the newlines after each call dropped)."""
+        as content deltas, joined (text around the calls as generated, each call's separator dropped)."""
         reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
         message: dict[str, Any] = {}
         if self.reasoning is not None:
@@ -192,10 +96,9 @@ class ChatOutputParser:
         message["content"] = content
         if self.tools is not None:
             rest, self.calls = self.tools.parse(content)
-            message["content"] = rest
+            message["content"] = (rest or None) if self.calls else rest
             if self.calls:
                 message["tool_calls"] = [c.to_json() for c in self.calls]
-                message["content"] = _without_unclosed_call(rest, self.tools) or None
         return message
 
     def feed(self, text: str) -> dict[str, Any]:
@@ -222,18 +125,14 @@ class ChatOutputParser:
         if self._mode == "start":
             return self._step_start()
         if self._strip_lead:
-            self._pending = self._pending.lstrip("\n")
+            self._pending = self._pending.lstrip(self._strip_lead)
             if not self._pending:
                 return False
-            self._strip_lead = False
+            self._strip_lead = ""
         if self._mode == "reasoning":
-            return self._until(self.reasoning.end if self.reasoning else "", "reasoning_content", "content", delta)
+            return self._step_reasoning(delta)
         if self._mode == "content":
-            if self.tools is None:
-                _add(delta, "content", self._pending)
-                self._pending = ""
-                return False
-            return self._until(self.tools.start, "content", "call", delta)
+            return self._step_content(delta)
         return self._step_call(delta)
 
     def _step_start(self) -> bool:
@@ -243,52 +142,60 @@ class ChatOutputParser:
             return False  # could still open the block
         if stripped.startswith(self.reasoning.start):
             self._pending = stripped[len(self.reasoning.start) :]
-            self._mode, self._strip_lead = "reasoning", True
+            self._mode, self._strip_lead = "reasoning", "\n"
         else:
             self._mode = "content"
         return True
 
-    def _until(self, tag: str, key: str, then: str, delta: dict[str, Any]) -> bool:
-        """Send pending text as ``key`` up to ``tag`` (then switch to mode ``then``), holding a possible partial
-        tag at the end (and, in reasoning, the newlines that may precede the closing tag)."""
-        before, found, after = self._pending.partition(tag)
-        closes_reasoning = key == "reasoning_content"
+    def _step_reasoning(self, delta: dict[str, Any]) -> bool:
+        """Send pending text as reasoning up to the closing tag (then switch to content), holding a possible
+        partial tag at the end and the newlines that may precede it."""
+        assert self.reasoning is not None
+        before, found, after = self._pending.partition(self.reasoning.end)
         if found:
-            _add(delta, key, before.rstrip("\n") if closes_reasoning else before)
-            self._pending = after if closes_reasoning else found + after
-            self._mode, self._strip_lead = then, closes_reasoning
+            _add(delta, "reasoning_content", before.rstrip("\n"))
+            self._pending, self._mode, self._strip_lead = after, "content", "\n"
             return True
-        held = _held_suffix(self._pending, tag)
+        held = held_suffix(self._pending, self.reasoning.end)
         rest = self._pending[: len(self._pending) - held]
-        if closes_reasoning:
-            held += len(rest) - len(rest.rstrip("\n"))
-        _add(delta, key, self._pending[: len(self._pending) - held])
+        held += len(rest) - len(rest.rstrip("\n"))
+        _add(delta, "reasoning_content", self._pending[: len(self._pending) - held])
         self._pending = self._pending[len(self._pending) - held :]
         return False
 
-    def _step_call(self, delta: dict[str, Any]) -> bool:
-        assert self.tools is not None
-        end = self._pending.find(self.tools.end)
-        if end < 0:
+    def _step_content(self, delta: dict[str, Any]) -> bool:
+        """Send the pending text that is surely content; switch to holding a call when one opens."""
+        if self.tools is None:
+            _add(delta, "content", self._pending)
+            self._pending = ""
             return False
-        whole = self._pending[: end + len(self.tools.end)]
-        self._pending = self._pending[len(whole) :]
-        _, calls = self.tools.parse(whole)
-        # the newlines after a well-formed call go with it, also those that arrive later (as ``parse`` drops them)
-        self._mode, self._strip_lead = "content", bool(calls)
-        if not calls:
-            _add(delta, "content", whole)
+        size, opens = self.tools.split_content(self._pending, self._at_start)
+        if size:
+            _add(delta, "content", self._pending[:size])
+            self._pending, self._at_start = self._pending[size:], False
+        if opens:
+            self._mode = "call"
+        return opens
+
+    def _step_call(self, delta: dict[str, Any]) -> bool:
+        """Hold the call block until it closes; then send its calls, or the block as content when malformed."""
+        assert self.tools is not None
+        end = self.tools.block_len(self._pending)
+        if end is None:
+            return False
+        block, self._pending = self._pending[:end], self._pending[end:]
+        self._mode = "content"
+        calls = self.tools.parse_block(block)
+        if calls is None:
+            _add(delta, "content", block)
+            self._at_start = False
             return True
+        # the separator after a well-formed call goes with it, also what arrives later (as ``parse`` drops it)
+        self._strip_lead, self._at_start = self.tools.after_call, True
         for call in calls:
             delta.setdefault("tool_calls", []).append(call.to_json(len(self.calls)))
             self.calls.append(call)
         return True
-
-
-def _without_unclosed_call(text: str, tools: HermesToolParser) -> str:
-    """``text`` (the content outside well-formed calls) without a last call that opens and never closes."""
-    start = text.rfind(tools.start)
-    return text[:start] if start >= 0 and text.find(tools.end, start) < 0 else text
 
 
 def _add(delta: dict[str, Any], key: str, text: str) -> None:
@@ -306,7 +213,7 @@ class ParsedChatFormat(ChatFormat):
         request_id: str,
         model: str,
         tokenizer: Any,
-        tools: HermesToolParser | None,
+        tools: ToolCallParser | None,
         reasoning: ReasoningFormat | None,
         drop_reasoning: bool = False,
     ) -> None:
