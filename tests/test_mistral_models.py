@@ -6,6 +6,7 @@ shorter sliding window and FP8 Mixtral are refused by name, quantization="fp8" a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,7 @@ def hf_model_with(path: Path, **config: Any) -> Any:
 def test_short_sliding_window_is_refused(family: tuple[str, Path, Any], tmp_path: Path) -> None:
     """A sliding window shorter than the max model length (by default max_position_embeddings, 2048) is a
     CheckpointError naming the file, sliding_window, its value and the max_model_len that loads; at that length it
-    loads."""
+    loads, and an engine built with it generates."""
     hf = json.loads((family[1] / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "sliding_window": 64}))
     message = r"config\.json: sliding_window 64 .* max model length of 2048.* max_model_len <= 64"
@@ -152,6 +153,11 @@ def test_short_sliding_window_is_refused(family: tuple[str, Path, Any], tmp_path
     with pytest.raises(CheckpointError, match=r"sliding_window 64 .* max model length of 65"):
         ModelConfig.from_pretrained(tmp_path, max_model_len=65)
     assert ModelConfig.from_pretrained(tmp_path, max_model_len=64).sliding_window == 64
+    for weights in family[1].glob("*.safetensors"):  # the engine passes its max_model_len to the check too
+        shutil.copy(weights, tmp_path)
+    llm = LLM(tmp_path, load_tokenizer=False, dtype="float32", max_model_len=64, block_size=8, num_blocks=16)
+    assert len(llm.generate([[1, 2, 3]], use_tqdm=False)[0].token_ids) >= 1
+    llm.close()
     (tmp_path / "config.json").write_text(json.dumps({**hf, "sliding_window": "4096"}))
     with pytest.raises(CheckpointError, match=r"sliding_window must be a positive int, got '4096'"):
         ModelConfig.from_pretrained(tmp_path)

@@ -103,7 +103,9 @@ def build_engine(
     model_path = as_folder(model, "model")
     if not (model_path / "config.json").exists():
         raise FileNotFoundError(f"{model_path} is not a checkpoint folder (no config.json)")
-    model_config = ModelConfig.from_pretrained(model_path, dtype=config.dtype, quantization=config.quantization)
+    model_config = ModelConfig.from_pretrained(
+        model_path, dtype=config.dtype, quantization=config.quantization, max_model_len=config.max_model_len
+    )
     folder = model_path if tokenizer is None else as_folder(tokenizer, "tokenizer")
     loaded = load_local_tokenizer(folder) if load_tokenizer else None
     check_kv_cache_fits(config, model_config)

@@ -302,7 +302,7 @@ class ModelExecutor:
         self.guard = guard
         self.device = rank_device(config.device, tp)
         self.model_config = model_config or ModelConfig.from_pretrained(
-            model_path, dtype=config.dtype, quantization=config.quantization
+            model_path, dtype=config.dtype, quantization=config.quantization, max_model_len=config.max_model_len
         )
         set_cpu_threads(self.device, self.model_config, tp.world_size)  # one thread for small models (threads.py)
         self.dtype = self.model_config.torch_dtype

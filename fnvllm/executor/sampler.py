@@ -163,12 +163,15 @@ def prepare_logit_bias(
         entries += [(i, token, MASKED_LOGIT) for token in sorted(eos_token_ids.union(params[i].stop_token_ids))]
     if not entries:
         return None
-    summed: dict[tuple[int, int], float] = {}
-    for i, token, value in entries:  # one entry per (row, token): a bias and a ban of one id add up
-        summed[i, token] = max(summed.get((i, token), 0.0) + value, MASKED_LOGIT)
-    flat = np.array([(i, token, value) for (i, token), value in summed.items()], dtype=np.float64).T  # (3, N)
-    ids = upload(flat[:2].astype(np.int64), device)  # (2, N): ids are < 2**53 (a vocabulary), exact in float64
-    return LogitBias(ids[0], ids[1], upload(flat[2].astype(np.float32), device))
+    flat = np.array(entries, dtype=np.float64).T  # (3, N): ids are < 2**53 (a vocabulary), exact in float64
+    pairs, values = flat[:2].astype(np.int64), flat[2]
+    keys = pairs[0] * (int(pairs[1].max()) + 1) + pairs[1]
+    unique, first = np.unique(keys, return_index=True)
+    if len(unique) < len(keys):  # one entry per (row, token): a bias and a ban of one id add up
+        values = np.maximum(np.bincount(np.searchsorted(unique, keys), weights=values), MASKED_LOGIT)
+        pairs = pairs[:, first]
+    ids = upload(pairs, device)  # (2, N)
+    return LogitBias(ids[0], ids[1], upload(values.astype(np.float32), device))
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
