@@ -268,3 +268,26 @@ def test_allowed_token_ids_limits_the_output(client: Any, checkpoint: Path) -> N
     assert len(out.choices[0].logprobs.tokens) == 6 and set(out.choices[0].logprobs.tokens) <= texts
     with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
         client.completions.create(**args, extra_body={"allowed_token_ids": [3, 10**6]})
+
+
+def test_bad_words_keep_a_forced_token_out(client: Any, checkpoint: Path) -> None:
+    """vLLM's bad_words (extra_body): logit_bias +100 forces one token, whose text is a single token of the
+    tokenizer; with that text as a bad word it never appears, in completions and in chat (the server resolves the
+    word with its tokenizer, as LLM does); an empty word is a 400 naming bad_words."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    forced = next(i for i in range(40, 120) if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i])
+    text = tokenizer.decode([forced])
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0, "logit_bias": {str(forced): 100}}
+    plain = client.completions.create(**args, prompt=PROMPT_IDS, logprobs=0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs.tokens == [text] * 4
+    body = {"ignore_eos": True, "bad_words": [text]}
+    banned = client.completions.create(**args, prompt=PROMPT_IDS, logprobs=0, extra_body=body)
+    assert len(banned.choices[0].logprobs.tokens) == 4 and text not in banned.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(
+        **args, messages=[{"role": "user", "content": "hi"}], logprobs=True, extra_body=body
+    )
+    assert text not in [entry.token for entry in chat.choices[0].logprobs.content]
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        client.completions.create(**args, prompt=PROMPT_IDS, extra_body={"bad_words": [""]})

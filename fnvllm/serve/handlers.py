@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from fnvllm.engine.text import check_stop_strings, render_chat
+from fnvllm.engine.text import check_stop_strings, render_chat, resolve_bad_words
 from fnvllm.executor.base import TokenLogprobs
 from fnvllm.serve import sse
 from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, Submission
@@ -155,7 +155,7 @@ async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, r
 def _prepare_completion(served: Served, raw: bytes) -> Prepared:
     body = parse(CompletionRequest, raw)
     _check(body.model, served, body.check_supported)
-    params = _sampling_params(body.sampling_params, body.aliases())
+    params = _sampling_params(served, body.sampling_params, body.aliases())
     try:
         check_stop_strings(served.engine.tokenizer, params)  # refused now (a 400), not when the engine adds it
     except InvalidRequestError as error:
@@ -187,7 +187,7 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
         limit = served.engine.max_total_tokens - 1
         raise bad_request(f"messages: the conversation is {len(ids)} tokens; at most {limit} fit", "messages")
     tool_parser = TOOL_PARSERS[served.tool_parser]()
-    params = _sampling_params(lambda: body.sampling_params(room, tool_parser), body.aliases())
+    params = _sampling_params(served, lambda: body.sampling_params(room, tool_parser), body.aliases())
     n = body.num_choices
     return Prepared(
         [(ids, None)], copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,
@@ -246,9 +246,11 @@ def _truncated(ids: list[int], keep: int | None) -> list[int]:
         raise from_invalid_request(error) from None
 
 
-def _sampling_params(build: Callable[[], SamplingParams], aliases: dict[str, str]) -> SamplingParams:
+def _sampling_params(served: Served, build: Callable[[], SamplingParams], aliases: dict[str, str]) -> SamplingParams:
+    """The body's SamplingParams (``build``), its bad_words resolved to ids with the server's tokenizer (the
+    offline API's rule, ``resolve_bad_words``); a 400 naming the field when either step refuses it."""
     try:
-        return build()
+        return resolve_bad_words(served.engine.tokenizer, build())
     except (ValueError, TypeError) as error:  # InvalidRequestError is a ValueError naming the field
         raise from_invalid_request(ValueError(str(error)), aliases) from None
 

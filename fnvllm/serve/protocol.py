@@ -8,7 +8,7 @@ Three kinds of fields (docs/serving.md lists them all):
   response_format (text, json_object, json_schema); chat: tools, tool_choice, parallel_tool_calls, assistant
   messages holding tool_calls and tool messages; the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
   min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens,
-  allowed_token_ids, guided_json, guided_regex, guided_choice, guided_grammar, include_reasoning
+  allowed_token_ids, bad_words, guided_json, guided_regex, guided_choice, guided_grammar, include_reasoning
   (docs/structured_outputs.md), chat_template_kwargs (passed to the chat template, e.g. Qwen3's
   ``{"enable_thinking": false}``; not the arguments the server sets); logit_bias (token-id strings -> bias in
   [-100, 100]);
@@ -135,7 +135,7 @@ def _structured_from(field: str, value: Any) -> StructuredOutput:
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
     "ignore_eos", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-    "truncate_prompt_tokens", "allowed_token_ids",
+    "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
 )  # fmt: skip
 """Body fields passed to SamplingParams under the same name (max_tokens and logprobs need translating)."""
 
@@ -167,6 +167,7 @@ class _Generation(_Strict):
     skip_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = None  # the handlers cut the prompt (``state.params.truncate_prompt``)
     allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[Text] | None = None  # the handlers resolve them to ids (``engine.text.resolve_bad_words``)
     # accepted and ignored (IGNORED_FIELDS), or accepted only at a neutral value
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
