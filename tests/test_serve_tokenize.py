@@ -160,6 +160,16 @@ def test_chat_tokenize_renders_the_template(url: str, llm: LLM) -> None:
     assert '"name": "get_weather"' in with_tools
 
 
+def test_chat_tokenize_with_special_tokens_adds_the_tokenizers_own(url: str, llm: LLM) -> None:
+    """add_special_tokens true with messages: the rendered text encoded with the tokenizer's own special tokens
+    (what the prompt form gives for that text), unlike the default."""
+    plain = tokens(url, {"messages": MESSAGES})
+    with_specials = tokens(url, {"messages": MESSAGES, "add_special_tokens": True})
+    text = llm.tokenizer.decode(plain)
+    assert with_specials == tokens(url, {"prompt": text}) == llm.tokenizer.encode(text, add_special_tokens=True)
+    assert with_specials != plain
+
+
 @pytest.mark.parametrize("text", [TEXT, "", "héllo wörld ✓ 🙂", "  two  spaces\nand a line"])
 def test_detokenize_inverts_tokenize(url: str, llm: LLM, text: str) -> None:
     """detokenize(tokenize(text)) is the text without special tokens, and the tokenizer's decode with them."""
@@ -185,7 +195,6 @@ BAD_BODIES = [
     ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
      "continue_final_message"),
-    ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/detokenize", {"tokens": [1, "2"]}, "tokens.1"),

@@ -195,8 +195,8 @@ def register(sub: Any) -> None:
     p.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
-    key_help = "require 'Authorization: Bearer KEY' on the /v1 routes (/health and /metrics stay open; default: "
-    key_help += "$FNVLLM_API_KEY)"
+    key_help = "require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and /metrics "
+    key_help += "(default: $FNVLLM_API_KEY)"
     p.add_argument("--api-key", default=os.environ.get("FNVLLM_API_KEY"), help=key_help)
     name_help = "the model name clients send (default: MODEL as given; fnvllm-demo for the demo model); several "
     name_help += "names: any is accepted, the first is the one responses carry"

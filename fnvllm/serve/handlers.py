@@ -154,7 +154,7 @@ async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, r
 
 def _prepare_completion(served: Served, raw: bytes) -> Prepared:
     body = parse(CompletionRequest, raw)
-    _check(body.model, served, body.check_supported)
+    check_model(body.model, served, body.check_supported)
     params = _sampling_params(served, body.sampling_params, body.aliases())
     try:
         check_stop_strings(served.engine.tokenizer, params)  # refused now (a 400), not when the engine adds it
@@ -178,9 +178,9 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
 
 def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     body = parse(ChatCompletionRequest, raw)
-    _check(body.model, served, body.check_supported)
+    check_model(body.model, served, body.check_supported)
     messages = [m.template_dict() for m in body.messages]
-    ids = _render_chat(served.engine, messages, body.template_tools(), body.chat_template_kwargs or {})
+    ids = render_chat_ids(served.engine, messages, body.template_tools(), body.chat_template_kwargs or {})
     ids = _truncated(ids, body.truncate_prompt_tokens)  # before the room left for max_tokens is measured
     room = served.engine.max_total_tokens - len(ids)
     if room < 1:
@@ -195,7 +195,9 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     )  # fmt: skip
 
 
-def _check(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
+def check_model(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
+    """A 404 when a body names a model this server does not serve (under any of its names); then the body's own
+    ``check_supported``."""
     if model is not None and model != served.model_name and model not in served.names:
         raise model_not_found(model, served.model_name)
     check_supported()
@@ -207,15 +209,17 @@ def _encode(engine: AsyncEngine, text: str) -> list[int]:
     return list(engine.tokenizer.encode(text))
 
 
-def _render_chat(
+def render_chat_ids(
     engine: AsyncEngine,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of the conversation with the assistant's turn opened (the template adds its own BOS); ``tools``
     are rendered by the template (its own tool-calling instructions); ``template_kwargs`` are the request's
-    chat_template_kwargs (checked against RESERVED_TEMPLATE_KWARGS already)."""
+    chat_template_kwargs (checked against RESERVED_TEMPLATE_KWARGS already). ``add_special_tokens``: the
+    tokenizer adds its own around the rendered text too (vLLM's /tokenize option; chat completions never do)."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
@@ -223,7 +227,7 @@ def _render_chat(
         text = render_chat(tokenizer, messages, **(template_kwargs or {}), **({"tools": tools} if tools else {}))
     except InvalidRequestError as error:  # the template rejects the conversation (e.g. role order) or a kwarg
         raise bad_request(str(error), "messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _decode(engine: AsyncEngine, ids: list[int]) -> str:

@@ -3,7 +3,7 @@
 
 ``/tokenize`` takes a text prompt (``{"prompt": ...}``: the ids /v1/completions sends for it, BOS and all by
 default) or a conversation (``{"messages": [...]}``: the ids /v1/chat/completions sends for it, rendered by the
-very code that endpoint calls, ``handlers._render_chat``, after the same checks). It answers
+very code that endpoint calls, ``handlers.render_chat_ids``, after the same checks). It answers
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``: the tokenizer's own piece of each id, with
 ``return_token_strs``; else null). ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}``.
 
@@ -52,7 +52,8 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: open the assistant's turn (None, the default: unless continue_final_message).
     continue_final_message: leave the last (assistant) message open; not with add_generation_prompt true.
     chat_template_kwargs: more template arguments, as in chat completions; they win over the two above (as vLLM's).
-    add_special_tokens: only false here (the template adds the model's special tokens, as chat completions does).
+    add_special_tokens: the tokenizer adds its own special tokens around the rendered text too (False, the default:
+        the template adds the model's, as chat completions does).
     """
 
     model: StrictStr | None = None
@@ -71,14 +72,11 @@ class TokenizeChatRequest(_Strict):
         )
 
     def check_supported(self) -> None:
-        """Raise a 400 naming the field: both turn options true, add_special_tokens true, or anything chat
-        completions refuses in the messages, tools or chat_template_kwargs."""
+        """Raise a 400 naming the field: both turn options true, or anything chat completions refuses in the
+        messages, tools or chat_template_kwargs."""
         if self.continue_final_message and self.add_generation_prompt:
             message = "continue_final_message: not allowed with add_generation_prompt true (send it false)"
             raise bad_request(message, "continue_final_message")
-        if self.add_special_tokens:
-            message = "add_special_tokens: only false with messages (the chat template adds the special tokens)"
-            raise bad_request(message, "add_special_tokens")
         self.as_chat().check_supported()
 
     def template_kwargs(self) -> dict[str, Any]:
@@ -127,11 +125,11 @@ def _tokenize(served: handlers.Served, raw: bytes) -> Response:
     data = _json_object(raw)
     if "messages" in data:
         chat = _validated(TokenizeChatRequest, data)
-        handlers._check(chat.model, served, chat.check_supported)
+        handlers.check_model(chat.model, served, chat.check_supported)
         ids = _chat_ids(served.engine, chat)
         return _tokens_response(served.engine, ids, bool(chat.return_token_strs))
     body = _validated(TokenizePromptRequest, data)
-    handlers._check(body.model, served, lambda: None)
+    handlers.check_model(body.model, served, lambda: None)
     ids = list(_tokenizer(served.engine, "prompt").encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return _tokens_response(served.engine, ids, bool(body.return_token_strs))
 
@@ -140,7 +138,8 @@ def _chat_ids(engine: AsyncEngine, body: TokenizeChatRequest) -> list[int]:
     """The conversation's ids, by the chat endpoint's own rendering (``handlers._prepare_chat``'s two lines)."""
     chat = body.as_chat()
     messages = [m.template_dict() for m in chat.messages]
-    return handlers._render_chat(engine, messages, chat.template_tools(), body.template_kwargs())
+    tools, kwargs = chat.template_tools(), body.template_kwargs()
+    return handlers.render_chat_ids(engine, messages, tools, kwargs, body.add_special_tokens)
 
 
 def _tokens_response(engine: AsyncEngine, ids: list[int], with_strs: bool) -> Response:
@@ -151,7 +150,7 @@ def _tokens_response(engine: AsyncEngine, ids: list[int], with_strs: bool) -> Re
 
 def _detokenize(served: handlers.Served, raw: bytes) -> Response:
     body = _validated(DetokenizeRequest, _json_object(raw))
-    handlers._check(body.model, served, lambda: None)
+    handlers.check_model(body.model, served, lambda: None)
     tokenizer = _tokenizer(served.engine, "tokens")
     known = served.engine.config.vocab_size
     vocab_size = len(tokenizer) if known is None else known  # the model's, else the tokenizer's
