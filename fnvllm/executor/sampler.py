@@ -158,18 +158,22 @@ def prepare_logit_bias(
     """
     rows = range(len(params)) if rows is None else rows
     entries = [(i, token, bias) for i in rows for token, bias in params[i].logit_bias or ()]
-    entries += [(i, word[0], MASKED_LOGIT) for i in rows for word in params[i].bad_words_token_ids if len(word) == 1]
+    words = [(i, word[0], MASKED_LOGIT) for i in rows for word in params[i].bad_words_token_ids if len(word) == 1]
+    entries += words
     for i in banned:
         entries += [(i, token, MASKED_LOGIT) for token in sorted(eos_token_ids.union(params[i].stop_token_ids))]
     if not entries:
         return None
     flat = np.array(entries, dtype=np.float64).T  # (3, N): ids are < 2**53 (a vocabulary), exact in float64
     pairs, values = flat[:2].astype(np.int64), flat[2]
-    keys = pairs[0] * (int(pairs[1].max()) + 1) + pairs[1]
-    unique, first = np.unique(keys, return_index=True)
-    if len(unique) < len(keys):  # one entry per (row, token): a bias and a ban of one id add up
-        values = np.maximum(np.bincount(np.searchsorted(unique, keys), weights=values), MASKED_LOGIT)
-        pairs = pairs[:, first]
+    # Each source alone is one entry per (row, token) (a bias is a dict, a ban a set); only words, or a ban on a
+    # biased row, can repeat one, and then its entries are summed: a bias and a ban of one id add up.
+    if words or (banned and any(params[i].logit_bias for i in banned)):
+        keys = pairs[0] * (int(pairs[1].max()) + 1) + pairs[1]
+        unique, first = np.unique(keys, return_index=True)
+        if len(unique) < len(keys):
+            values = np.maximum(np.bincount(np.searchsorted(unique, keys), weights=values), MASKED_LOGIT)
+            pairs = pairs[:, first]
     ids = upload(pairs, device)  # (2, N)
     return LogitBias(ids[0], ids[1], upload(values.astype(np.float32), device))
 
