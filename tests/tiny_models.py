@@ -89,6 +89,54 @@ def write_mistral_family(root: Path, family: str, **overrides: Any) -> Path:
     return path
 
 
+# Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), written here too. "qwen2_moe" is Qwen1.5-MoE's layout shrunk: every
+# layer sparse, multi-head attention (4 KV heads), top-k not renormalised, a shared expert wider than a routed one;
+# "qwen2_moe_mixed" has decoder_sparse_step 2 and mlp_only_layers [1] over 4 layers (only layer 3 sparse: layer 1
+# would be but for the list), GQA (2 KV heads) and renormalised top-k. Options of transformers' Qwen2MoeConfig.
+_QWEN2_MOE = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=2048,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+QWEN2_MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2_moe": dict(_QWEN2_MOE, num_key_value_heads=4, num_hidden_layers=2, norm_topk_prob=False),
+    "qwen2_moe_mixed": dict(
+        _QWEN2_MOE,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        mlp_only_layers=[1],
+    ),
+}
+
+
+def write_qwen2_moe_family(root: Path, family: str, **overrides: Any) -> Path:
+    """A tiny random fp32 Qwen2-MoE checkpoint (``family``: a key of QWEN2_MOE_FAMILIES; ``overrides``: more config
+    fields) written by transformers, plus the test tokenizer, in ``root / family``. Weights, norms, biases, the router
+    and the shared expert's gate are drawn as write_tiny_checkpoint draws them (std 0.1, norm weights U(0.5, 1.5),
+    biases N(0, 0.1)); EOS is 255."""
+    import transformers
+
+    from fnvllm.testing.checkpoints import _randomize_norms_and_biases
+
+    defaults = dict(vocab_size=256, intermediate_size=96, initializer_range=0.1, bos_token_id=0, eos_token_id=255)
+    config = transformers.Qwen2MoeConfig(**{**defaults, **QWEN2_MOE_FAMILIES[family], **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Qwen2MoeForCausalLM(config)
+        _randomize_norms_and_biases(model)
+    path = root / family
+    model.save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=0, eos_token_id=255).save_pretrained(path)
+    build_test_tokenizer(path, vocab_size=256)
+    return path
+
+
 def hf_model(path: Path) -> Any:
     """The same checkpoint loaded by transformers, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

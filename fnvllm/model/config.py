@@ -16,6 +16,10 @@ Mistral and Mixtral are read as Llama (no q/k norms, no biases; ``head_dim`` may
 Mistral-Nemo) and, for Mixtral, a ``MoeConfig`` (``MoeConfig.from_mixtral``). Their ``sliding_window`` is kept: the
 model attends over the whole context, which is what a window of w tokens computes for sequences of at most w tokens,
 so ``ModelConfig.check_max_model_len`` refuses an engine max model length beyond it (Mistral-7B-v0.1: 4096).
+
+Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is read as Qwen2 (q/k/v biases, ``qkv_bias`` in transformers 5's
+config.json, absent and true in the published ones) with a ``MoeConfig`` (``MoeConfig.from_qwen2_moe``): Qwen3-MoE's
+fields plus ``shared_expert_intermediate_size``, the width of the dense shared expert every sparse layer adds.
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_QWEN2_LIKE = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, never an o_proj bias
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 _SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # honour config.json's sliding_window
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -150,12 +156,15 @@ class Llama3RopeScaling:
 
 @attrs.frozen
 class MoeConfig:
-    """The mixture-of-experts facts of a Qwen3-MoE or Mixtral checkpoint.
+    """The mixture-of-experts facts of a Qwen3-MoE, Mixtral or Qwen2-MoE checkpoint.
 
     num_experts: routed experts per sparse layer. num_experts_per_tok: experts each token is sent to (top-k).
     moe_intermediate_size: each expert's intermediate width (the dense layers use ModelConfig.intermediate_size).
     norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1.
     mlp_only_layers / decoder_sparse_step: Hugging Face's rule for which layers keep a dense MLP (``is_sparse``).
+    shared_expert_intermediate_size: Qwen2-MoE's shared expert, a dense SwiGLU MLP of this width that every token of
+        a sparse layer goes through, scaled by sigmoid(shared_expert_gate(x)) and added to the routed experts'
+        output; None: no shared expert (Qwen3-MoE, Mixtral).
     """
 
     num_experts: int
@@ -164,11 +173,14 @@ class MoeConfig:
     norm_topk_prob: bool
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    shared_expert_intermediate_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
         """Reject expert counts and layer rules the model code cannot build, naming the field."""
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             _check_positive(name, getattr(self, name))
+        if self.shared_expert_intermediate_size is not None:
+            _check_positive("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts ({self.num_experts})"
@@ -206,20 +218,28 @@ class MoeConfig:
             norm_topk_prob=True,
         )
 
+    @classmethod
+    def from_qwen2_moe(cls, hf: Mapping[str, Any]) -> MoeConfig:
+        """Read a Qwen2-MoE config.json: Qwen3-MoE's fields (``from_dict``; Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B
+        keep ``norm_topk_prob`` false: the top-k weights are not renormalised) and the required
+        ``shared_expert_intermediate_size``."""
+        shared = _int_field(hf, "shared_expert_intermediate_size")
+        return attrs.evolve(cls.from_dict(hf), shared_expert_intermediate_size=shared)
+
 
 @attrs.frozen
 class ModelConfig:
-    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral decoder checkpoint (never written
-    after construction).
+    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Qwen2-MoE / Llama / Mistral / Mixtral decoder checkpoint (never
+    written after construction).
 
     architecture: one of SUPPORTED_ARCHITECTURES.
     head_dim: per-head width (config's head_dim, else hidden_size // num_attention_heads).
     rope_scaling: None for plain rope, else the llama3 scaling parameters.
     dtype: torch dtype name the weights are used in ("float32", "bfloat16" or "float16").
-    attention_bias: whether q/k/v projections carry a bias (Qwen2: always).
-    o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2).
+    attention_bias: whether q/k/v projections carry a bias (Qwen2: always; Qwen2-MoE: its qkv_bias, default true).
+    o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2(-MoE)).
     qk_norm: per-head RMSNorm of q and k before rope (Qwen3).
-    moe: the experts of a mixture-of-experts model (Qwen3-MoE, Mixtral); None for a dense one.
+    moe: the experts of a mixture-of-experts model (Qwen3-MoE, Mixtral, Qwen2-MoE); None for a dense one.
     quantization: FP8 weights (``Fp8Config``), from the checkpoint or quantized at load; None = ``dtype`` weights.
     sliding_window: Mistral / Mixtral's attention window in tokens (None: full attention, and always for the other
         families, whose config.json's sliding_window applies only with use_sliding_window, which is refused). The
@@ -269,6 +289,9 @@ class ModelConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
         if (self.architecture in _MOE_ARCHITECTURES) != (self.moe is not None):
             raise ValueError(f"moe must be given for {_MOE_ARCHITECTURES} and only for them (got {self.architecture})")
+        has_shared = self.moe is not None and self.moe.shared_expert_intermediate_size is not None
+        if has_shared != (self.architecture == "Qwen2MoeForCausalLM"):
+            raise ValueError(f"a shared expert is Qwen2MoeForCausalLM's and only its (got {self.architecture})")
         if self.quantization is not None and self.moe is not None:
             raise ValueError(
                 f"FP8 weights (quantization) are not supported for {self.architecture} yet (mixture-of-experts "
@@ -350,8 +373,7 @@ class ModelConfig:
         num_heads = _int_field(hf, "num_attention_heads")
         max_positions = _int_field(hf, "max_position_embeddings")
         rope_theta, rope_scaling = parse_rope(hf, max_positions)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        attention_bias = True if is_qwen2 else _bool_field(hf, "attention_bias", False)
+        attention_bias = _attention_bias(hf, architecture)
         has_window = architecture in _SLIDING_WINDOW_ARCHITECTURES
         config = cls(
             architecture=architecture,
@@ -369,7 +391,7 @@ class ModelConfig:
             tie_word_embeddings=_bool_field(hf, "tie_word_embeddings", False),
             dtype=normalize_dtype(dtype if dtype is not None else _checkpoint_dtype(hf)),
             attention_bias=attention_bias,
-            o_proj_bias=attention_bias and not is_qwen2,
+            o_proj_bias=attention_bias and architecture not in _QWEN2_LIKE,
             qk_norm=architecture in _QWEN3_LIKE,
             moe=_moe_config(hf, architecture),
             quantization=parse_quantization(hf, quantization),
@@ -379,13 +401,25 @@ class ModelConfig:
         return config
 
 
+def _attention_bias(hf: Mapping[str, Any], architecture: str) -> bool:
+    """Whether q/k/v carry biases: always for Qwen2 (HF's Qwen2Attention hard-codes them), ``qkv_bias`` (default
+    true, as HF's Qwen2MoeConfig) for Qwen2-MoE, ``attention_bias`` (default false) for the others."""
+    if architecture == "Qwen2ForCausalLM":
+        return True
+    if architecture == "Qwen2MoeForCausalLM":
+        return _bool_field(hf, "qkv_bias", True)
+    return _bool_field(hf, "attention_bias", False)
+
+
 def _moe_config(hf: Mapping[str, Any], architecture: str) -> MoeConfig | None:
-    """The MoE settings of a Qwen3-MoE or Mixtral config.json (each names its fields its own way); None for a dense
-    model."""
+    """The MoE settings of a Qwen3-MoE, Mixtral or Qwen2-MoE config.json (each names its fields its own way); None
+    for a dense model."""
     if architecture == "Qwen3MoeForCausalLM":
         return MoeConfig.from_dict(hf)
     if architecture == "MixtralForCausalLM":
         return MoeConfig.from_mixtral(hf)
+    if architecture == "Qwen2MoeForCausalLM":
+        return MoeConfig.from_qwen2_moe(hf)
     return None
 
 

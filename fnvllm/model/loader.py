@@ -17,6 +17,9 @@ Mixtral names its MoE layer otherwise (``checkpoint_names``): ``<l>.block_sparse
 projections, so the same stacked experts, kernels and sharding serve Qwen3-MoE and Mixtral. Mistral's names are
 Llama's; its folders often hold ``consolidated.safetensors`` too (the same weights in Mistral's own naming), which
 is never read: the index's shards or ``model.safetensors`` come first, and the last-resort glob skips it.
+Qwen2-MoE's names need no mapping: its router and experts are Qwen3-MoE's, and its shared expert is
+``<l>.mlp.shared_expert.gate_proj|up_proj|down_proj.weight`` (a dense MLP's, fused as above) beside
+``<l>.mlp.shared_expert_gate.weight`` (1, H), read whole on every rank.
 
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
 rules for which slice are ``sharding.weight_targets``.
@@ -280,7 +283,8 @@ _MIXTRAL_EXPERT_NAMES: Mapping[str, str] = {"gate_proj": "w1", "up_proj": "w3", 
 
 def checkpoint_names(targets: Mapping[str, WeightTarget], config: ModelConfig) -> dict[str, WeightTarget]:
     """``targets`` (``sharding.weight_targets``: Qwen3-MoE's names for the MoE tensors) keyed by the names this
-    architecture's checkpoints use: Mixtral's for its MoE layers, the same names for every other model."""
+    architecture's checkpoints use: Mixtral's for its MoE layers, the same names for every other model (Qwen2-MoE's
+    included, its shared expert's too)."""
     if config.architecture != "MixtralForCausalLM":
         return dict(targets)
     return {_mixtral_name(name): target for name, target in targets.items()}

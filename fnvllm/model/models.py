@@ -1,12 +1,14 @@
-"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral and Mixtral share one
-definition.
+"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral and Mixtral
+share one definition.
 
 They differ only in flags carried by ModelConfig: Qwen3 RMS-normalises each q/k head before rope (qk_norm);
 Qwen2 has q/k/v biases (attention_bias); Llama 3.1 scales rope frequencies (rope_scaling); Qwen3-MoE is Qwen3
 with a mixture of experts (``moe.py``) in place of the MLP of every sparse layer (config.moe). Mistral is Llama
 (its head_dim may differ from hidden / heads, as Mistral-Nemo's 128 with 5120 / 32; a sliding window no shorter
 than the max model length changes nothing, ``ModelConfig.check_max_model_len``); Mixtral is Mistral with every
-MLP a mixture of experts, the same ``moe.py`` block (the loader maps its checkpoint names). Module names mirror
+MLP a mixture of experts, the same ``moe.py`` block (the loader maps its checkpoint names). Qwen2-MoE is Qwen2 with
+that block in its sparse layers plus a shared expert: an ``MLP`` of its own width whose ranks' sum the block takes
+(``DecoderLayer.feed_forward`` builds it; HF's names ``mlp.shared_expert.*``). Module names mirror
 Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj and gate_up_proj.
 
 The model holds no KV cache and no global context: each forward receives the per-layer caches and the step's
@@ -187,15 +189,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated SiLU feed-forward: down(silu(gate(x)) * up(x)) (this rank's intermediate slice under TP)."""
+    """Gated SiLU feed-forward: down(silu(gate(x)) * up(x)) (this rank's intermediate slice under TP).
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
+    intermediate_size: its width (None: the config's; Qwen2-MoE's shared expert has its own). reduce_results: sum
+    the ranks' partial outputs (the all-reduce); False leaves this rank's partial sum to a caller that adds it to
+    another before one all-reduce (the MoE block with a shared expert), the same as True at world size 1.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: ModelOps = TORCH_OPS,
+        tp: TensorParallel = SINGLE,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.tp = tp
-        self.gate_up_proj = gate_up_parallel(config, tp, ops.linear)
+        self.reduce_results = reduce_results
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = gate_up_parallel(config, tp, ops.linear, size)
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, False, config.torch_dtype, tp, config.quantization, ops.linear
+            size, config.hidden_size, False, config.torch_dtype, tp, config.quantization, ops.linear
         )
 
     def forward(self, x: torch.Tensor | Fp8Activations, keep_partials: bool = False) -> torch.Tensor | SplitPartials:
@@ -228,7 +244,7 @@ class MLP(nn.Module):
             return norm_mlp(x, residual, norm_weight, eps, gate_up.weight, gate_up.bias, down.weight, None,
                             keep_partials=True)  # fmt: skip
         y, residual = norm_mlp(x, residual, norm_weight, eps, gate_up.weight, gate_up.bias, down.weight, bias)
-        return all_reduce(y, self.tp), residual
+        return self._reduce(y), residual
 
     def down(self, gate_up: torch.Tensor, keep_partials: bool = False) -> torch.Tensor | SplitPartials:
         """``forward`` from the gate/up projection's output (T, 2 * intermediate on this rank) on. keep_partials:
@@ -254,7 +270,12 @@ class MLP(nn.Module):
             if keep_partials and linear_partials is not None and not quantized and leaves_partials(down, self.tp):
                 return linear_partials(act, down.weight, None)
             partial = down(act)  # (T, hidden_size)
-        return all_reduce(partial, self.tp)
+        return self._reduce(partial)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' sum of this rank's partial output (T, hidden_size), or the partial itself where the caller sums
+        it (``reduce_results=False``)."""
+        return all_reduce(partial, self.tp) if self.reduce_results else partial
 
 
 def leaves_partials(linear: RowParallelLinear, tp: TensorParallel) -> bool:
@@ -275,8 +296,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.mlp = SparseMoeBlock(config, ops, tp) if config.is_sparse_layer(index) else MLP(config, ops, tp)
+        self.mlp = self.feed_forward(config, ops, tp, index)
         self.is_last = index == config.num_hidden_layers - 1  # else the next layer's input norm reads our output
+
+    @staticmethod
+    def feed_forward(config: ModelConfig, ops: ModelOps, tp: TensorParallel, index: int) -> MLP | SparseMoeBlock:
+        """Layer ``index``'s ``mlp``: a dense MLP, or the sparse MoE block with (Qwen2-MoE) its shared expert, an MLP
+        of shared_expert_intermediate_size whose partial sum the block adds to the experts' before its all-reduce."""
+        moe = config.moe
+        if moe is None or not config.is_sparse_layer(index):
+            return MLP(config, ops, tp)
+        width = moe.shared_expert_intermediate_size
+        shared = None if width is None else MLP(config, ops, tp, intermediate_size=width, reduce_results=False)
+        return SparseMoeBlock(config, ops, tp, shared_expert=shared)
 
     def forward(
         self,
@@ -389,7 +421,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral causal LM: `forward` gives hidden states,
+    """A Qwen3 / Qwen3-MoE / Qwen2 / Qwen2-MoE / Llama / Mistral / Mixtral causal LM: `forward` gives hidden states,
     `compute_logits` the logits.
 
     ops: the implementation of the small fused ops (norms, rotary, SiLU-and-mul); see ``fnvllm.model.ops``.

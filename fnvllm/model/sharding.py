@@ -11,6 +11,9 @@ it happens in ``models.py``:
     lm_head     vocab-parallel: each rank's logit columns -> gathered on the first rank, which samples
     experts     (MoE) every expert split on its intermediate dim like the MLP: gate/up rows and down columns of
                 each expert -> fused MoE over the local slices -> all-reduce; the router is replicated
+    shared      (Qwen2-MoE) the shared expert splits like the MLP and its partial sum, scaled by the replicated
+    expert      sigmoid(shared_expert_gate(x)) (a (1, hidden) weight reading the full hidden state every rank holds,
+                so each rank computes the same per-token scale), joins the experts' before their one all-reduce
 
 Worked example, the tiny Qwen2 (2 q heads, 1 KV head, head_dim 64, intermediate 96, vocab 256) at world size 2:
 rank r holds q head r (q_proj rows 64r:64r+64) and the single KV head (k_proj/v_proj rows 0:64, replicated
@@ -110,11 +113,12 @@ def check_shardable(config: ModelConfig, world_size: int) -> None:
         _unshardable(
             f"intermediate_size ({config.intermediate_size}) must be a multiple of tensor_parallel_size ({world_size})"
         )
-    if config.moe is not None and config.moe.moe_intermediate_size % world_size:
-        _unshardable(
-            f"moe_intermediate_size ({config.moe.moe_intermediate_size}) must be a multiple of "
-            f"tensor_parallel_size ({world_size})"
-        )
+    if config.moe is None:
+        return
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(config.moe, name)
+        if size is not None and size % world_size:
+            _unshardable(f"{name} ({size}) must be a multiple of tensor_parallel_size ({world_size})")
 
 
 def _unshardable(reason: str) -> None:
@@ -382,9 +386,13 @@ def qkv_parallel(config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.lin
     )
 
 
-def gate_up_parallel(config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.linear) -> ColumnParallelLinear:
-    """Fused gate/up projection of the gated MLP: output rows [this rank's gate slice | its up slice]."""
-    rows = (shard_range(config.intermediate_size, tp), config.intermediate_size)
+def gate_up_parallel(
+    config: ModelConfig, tp: TensorParallel, matmul: Matmul = F.linear, intermediate_size: int | None = None
+) -> ColumnParallelLinear:
+    """Fused gate/up projection of the gated MLP: output rows [this rank's gate slice | its up slice] of
+    ``intermediate_size`` (None: the config's; Qwen2-MoE's shared expert passes its own)."""
+    size = config.intermediate_size if intermediate_size is None else intermediate_size
+    rows = (shard_range(size, tp), size)
     parts = stack({"gate_proj": rows, "up_proj": rows})
     return ColumnParallelLinear(config.hidden_size, parts, False, config.torch_dtype, config.quantization, matmul)
 
