@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,10 +16,12 @@ from typing import Any
 import pytest
 from script_batch import run_batch
 
+from fnvllm import BeamSearchParams
 from fnvllm.cli import build_parser
 from fnvllm.cli._common import engine_options, sampling_params
 from fnvllm.config import EngineConfig
 from fnvllm.demo import model_path
+from fnvllm.llm import LLM
 from fnvllm.state import SamplingParams
 
 FAST = ["--max-tokens", "6", "--num-blocks", "64"]
@@ -84,6 +87,8 @@ GENERATE_RUNS: dict[str, tuple[list[str], str | None]] = {
     "chat json": (["generate", "--chat", "--system", "be brief", "reverse a list", "--json", *FAST], None),
     "chat stream": (["generate", "--chat", "reverse a list", "--stream", *FAST], None),
     "demo": (["demo", *FAST], None),
+    "beam": (["generate", *PROMPTS, "--beam-width", "3", "--length-penalty", "0.5", *FAST], None),
+    "beam json": (["generate", *PROMPTS, "--beam-width", "3", "--length-penalty", "0.5", "--json", *FAST], None),
 }
 # which runs each test reads
 GENERATE_TESTS = {
@@ -94,6 +99,7 @@ GENERATE_TESTS = {
     "test_stream_prints_what_generate_prints": ("plain", "stream", "stream json"),
     "test_chat_applies_the_chat_template": ("chat json", "chat stream"),
     "test_demo_says_it_uses_the_embedded_model": ("demo",),
+    "test_beam_width_prints_each_prompts_beams_best_first": ("beam", "beam json"),
 }
 
 
@@ -190,6 +196,33 @@ def test_demo_says_it_uses_the_embedded_model(generated: dict[str, subprocess.Co
     assert "requests" in error_lines(result.stderr)[-2]
 
 
+def test_beam_width_prints_each_prompts_beams_best_first(
+    generated: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    """``--beam-width 3 --length-penalty 0.5`` prints ``LLM.beam_search``'s beams of each prompt, best first: as
+    text, each under a header with its length, finish reason and cum_logprob, then the prompt and the beam's text;
+    with ``--json``, one object per prompt whose "beams" hold the generated ids."""
+    llm = LLM(model_path(), num_blocks=64)  # the CLI's engine options (FAST)
+    want = llm.beam_search(PROMPTS, BeamSearchParams(3, 6, length_penalty=0.5), use_tqdm=False)
+    records = jsonl(ok(generated["beam json"]).stdout)
+    assert [r["prompt"] for r in records] == PROMPTS and [r["index"] for r in records] == [0, 1]
+    for record, out in zip(records, want, strict=True):
+        assert [b["token_ids"] for b in record["beams"]] == [list(s.output_token_ids) for s in out.sequences]
+        assert [b["cum_logprob"] for b in record["beams"]] == pytest.approx([s.cum_logprob for s in out.sequences])
+    text = ok(generated["beam"]).stdout
+    headers = re.findall(
+        r"^===== request (\d+) \(beam (\d+), (\d+) tokens, (\w+), cum_logprob (\S+)\) =====$", text, re.M
+    )
+    sequences = [(i, j, s) for i, out in enumerate(want) for j, s in enumerate(out.sequences)]
+    assert len(headers) == len(sequences) == 6
+    for (index, rank, length, reason, cum), (i, j, seq) in zip(headers, sequences, strict=True):
+        assert (int(index), int(rank), int(length), reason) == (i, j, len(seq.output_token_ids), seq.finish_reason)
+        assert float(cum) == pytest.approx(seq.cum_logprob, abs=1e-3)
+    bodies = re.split(r"^===== request .* =====\n", text, flags=re.M)[1:]
+    answers = [llm.tokenizer.decode(list(s.answer_token_ids), skip_special_tokens=True) for _, _, s in sequences]
+    assert bodies == [PROMPTS[i] + answer + "\n" for (i, _, _), answer in zip(sequences, answers, strict=True)]
+
+
 TOO_LONG = "x = 1\n" * 400
 
 
@@ -205,6 +238,10 @@ BAD_INPUTS: list[tuple[list[str], str | None, int, str]] = [
     (["generate", "--device", "cpu", "--attention-backend", "flash", "def f("], None, 2, "flash"),
     (["generate", "--stop-token-ids", "1,x", "def f("], None, 2, "comma-separated integers"),
     (["generate", "--stream", "--logprobs", "1", "def f("], None, 2, "drop --stream"),
+    (["generate", "--beam-width", "2", "--n", "2", "def f("], None, 2, "--beam-width and --n cannot be combined"),
+    (["generate", "--beam-width", "2", "--stream", "def f("], None, 2, "--beam-width and --stream"),
+    (["generate", "--beam-width", "11", "def f("], None, 2, "--beam-width must be an int in [1, 10]"),
+    (["generate", "--length-penalty", "0.5", "def f("], None, 2, "--length-penalty needs --beam-width"),
     (["generate", "--chat", "--prompts-file", "-"], '{"messages": []}\n', 1, "stdin:1"),
     (["generate", "-"], '{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "needs --chat"),
     (["generate", "--num-blocks", "64", TOO_LONG], None, 1, "max_model_len"),

@@ -14,6 +14,7 @@ import attrs
 
 from fnvllm.cli import CLIError
 from fnvllm.cli._common import (
+    CLI_SAMPLING_DEFAULTS,
     RunStats,
     add_engine_args,
     add_sampling_args,
@@ -31,6 +32,8 @@ from fnvllm.cli._common import (
     summary_line,
     tolerating_closed_stdout,
 )
+from fnvllm.engine.beam import BeamSearchOutput, BeamSearchParams
+from fnvllm.state import InvalidRequestError, SamplingParams
 
 Conversation = list[dict[str, str]]
 PromptItem = str | Conversation  # a text prompt, or (JSONL with --chat) a whole conversation
@@ -49,6 +52,10 @@ string (with --chat, a "messages" list of {"role", "content"} objects instead).
 prints each under its own header ("request I (completion J, ...)"); --json prints one object per prompt, its
 top-level fields completion 0's, with a "completions" list; --stream prints them one after another, labelled
 the same way (with --json, each delta names its "completion").
+
+--beam-width W runs a beam search (LLM.beam_search, vLLM's rules) instead of sampling: each prompt's W beams are
+printed best first, each under a header with its cum_logprob (--json: one object per prompt with a "beams" list).
+It honours --max-tokens, --temperature, --ignore-eos and --length-penalty; other sampling flags are refused.
 """
 
 EPILOG = """\
@@ -56,6 +63,7 @@ examples:
   fnvllm generate "def fib("
   fnvllm generate --temperature 0.8 --top-p 0.95 --seed 1 --max-tokens 100 "class Stack:"
   fnvllm generate --n 3 --temperature 0.8 --seed 1 --max-tokens 32 "def add("
+  fnvllm generate --beam-width 4 --length-penalty 0.5 --max-tokens 16 "def add("
   fnvllm generate path/to/Qwen3-0.6B --chat "What is a KV cache?"
   printf 'import os\\nfor i in range(\\n' | fnvllm generate --json -
 
@@ -83,6 +91,15 @@ def register(sub: Any) -> None:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request (JSON Lines)")
     gen.add_argument(
+        "--beam-width", type=int, metavar="W", help="beam search with W beams (in [1, 10]) instead of sampling"
+    )
+    gen.add_argument(
+        "--length-penalty",
+        type=float,
+        metavar="X",
+        help="with --beam-width: score = cum_logprob / length ** X (default 1)",
+    )
+    gen.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback of an error"
     )
     add_sampling_args(gen)
@@ -107,9 +124,13 @@ def _run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.stream and (params.logprobs is not None or params.prompt_logprobs is not None):
         raise CLIError("--logprobs / --prompt-logprobs print with the whole output: drop --stream", code=2)
+    beam = _beam_params(args, params)
     llm = load_llm(model, engine_options(args), tokenizer=args.tokenizer)
     stats, start = RunStats(llm), time.perf_counter()
-    ttfts = _stream(llm, items, params, args) if args.stream else _generate(llm, items, params, args)
+    if beam is not None:
+        ttfts = _beam_search(llm, items, beam, params.skip_special_tokens, args)
+    else:
+        ttfts = _stream(llm, items, params, args) if args.stream else _generate(llm, items, params, args)
     print_summary(summary_line(stats, len(items), time.perf_counter() - start, ttfts))
     return 0
 
@@ -129,6 +150,66 @@ def _generate(llm: Any, items: list[PromptItem], params: Any, args: argparse.Nam
         print_text_outputs(outputs, llm.tokenizer, show_prompt=not args.chat)
     metrics = [out.metrics for out in outputs if out.metrics is not None]
     return [m.ttft for m in metrics if m.ttft is not None]
+
+
+BEAM_FLAGS = ("temperature", "max_tokens", "ignore_eos", "skip_special_tokens")
+"""The sampling fields beam search honours (skip_special_tokens: in the printed text); any other flag is refused."""
+
+
+def _beam_params(args: argparse.Namespace, params: SamplingParams) -> BeamSearchParams | None:
+    """The search --beam-width asks for (None without it); a usage error naming both flags when another flag asks
+    for what beam search cannot do, or naming --length-penalty without --beam-width."""
+    if args.beam_width is None:
+        if args.length_penalty is not None:
+            raise CLIError("--length-penalty needs --beam-width", code=2)
+        return None
+    defaults = SamplingParams(**CLI_SAMPLING_DEFAULTS)
+    changed = [
+        f.name for f in attrs.fields(SamplingParams) if f.init and getattr(params, f.name) != getattr(defaults, f.name)
+    ]
+    refused = ["stream"] * args.stream + [name for name in changed if name not in BEAM_FLAGS]
+    if refused:
+        flag = "--" + refused[0].replace("_", "-")
+        raise CLIError(f"--beam-width and {flag} cannot be combined: beam search does not honour {flag}", code=2)
+    penalty = 1.0 if args.length_penalty is None else args.length_penalty
+    try:
+        return BeamSearchParams(args.beam_width, params.max_tokens, params.ignore_eos, params.temperature, penalty)
+    except InvalidRequestError as e:
+        raise CLIError(str(e).replace("BeamSearchParams.", "--").replace("_", "-", 1), code=2) from e
+
+
+def _beam_search(
+    llm: Any, items: list[PromptItem], beam: BeamSearchParams, skip: bool, args: argparse.Namespace
+) -> list[float]:
+    """Beam-search every prompt (a conversation through the chat template) and print each one's beams, best
+    first: under a header with their cum_logprob (text), or one JSON object per prompt with a "beams" list."""
+    prompts = [_render(llm, item) for item in items]
+    outputs = run_requests(lambda: llm.beam_search(prompts, beam, use_tqdm=False))
+    for index, (item, out) in enumerate(zip(items, outputs, strict=True)):
+        shown = item if isinstance(item, str) and not args.chat else ""
+        if args.json:
+            print(json.dumps(_beams_record(index, out, llm.tokenizer, skip)), flush=True)
+            continue
+        for rank, seq in enumerate(out.sequences):
+            detail = f"beam {rank}, {len(seq.output_token_ids)} tokens, {seq.finish_reason}"
+            print(request_header(index, f"{detail}, cum_logprob {seq.cum_logprob:.4f}"))
+            print(shown + _answer(seq, llm.tokenizer, skip))
+    return []
+
+
+def _beams_record(index: int, out: BeamSearchOutput, tokenizer: Any, skip: bool) -> dict[str, Any]:
+    """One prompt's beams as a JSON-ready dict, best first."""
+    beams = [
+        {"text": _answer(seq, tokenizer, skip), "token_ids": list(seq.output_token_ids),
+         "cum_logprob": seq.cum_logprob, "finish_reason": seq.finish_reason}
+        for seq in out.sequences
+    ]  # fmt: skip
+    return {"index": index, "prompt": out.prompt, "num_prompt_tokens": len(out.prompt_token_ids), "beams": beams}
+
+
+def _answer(seq: Any, tokenizer: Any, skip: bool) -> str:
+    """A beam's text: its generated ids less an EOS id that ended it (as the server's choices), decoded."""
+    return str(tokenizer.decode(list(seq.answer_token_ids), skip_special_tokens=skip)) if tokenizer is not None else ""
 
 
 def _record(index: int, out: Any, tokenizer: Any) -> dict[str, Any]:

@@ -21,6 +21,10 @@ are vLLM's (``vllm/beam_search.py`` and ``LLM.beam_search``, which follow Huggin
 - after ``max_tokens`` steps, or once no beam is live, the finished and live beams are ranked by score together
   and the best ``beam_width`` are returned, best first.
 
+The rules are pure values and functions (``BeamRules``, ``start``, ``live_beams``, ``expand``, ``check_search``), so
+every driver shares them: ``beam_search`` here steps an ``EngineLoop`` itself; the server's
+(``fnvllm.serve.beam``) submits each step's batch to its ``AsyncEngine`` and awaits it.
+
 Within one prompt and one step the live candidates all have the same length, so the ranking is by cumulative
 logprob (except an EOS id kept by ``ignore_eos``, whose length is one less). Beam width 1 with ``ignore_eos`` is
 greedy decoding.
@@ -38,7 +42,7 @@ from tqdm.auto import tqdm
 from fnvllm.engine.loop import EngineLoop
 from fnvllm.engine.output import RequestTracker, discard_delta
 from fnvllm.executor.base import TokenLogprobs
-from fnvllm.state import FinishReason, InvalidRequestError, SamplingParams
+from fnvllm.state import CoreConfig, FinishReason, InvalidRequestError, SamplingParams
 from fnvllm.state.checks import REQUEST, check_bool, check_int, check_real, fail, show
 from fnvllm.state.errors import RequestTypeError
 from fnvllm.state.params import MAX_INT64, MAX_LOGPROBS
@@ -125,6 +129,12 @@ class BeamSearchSequence:
         """The generated ids (an EOS id that ended it included)."""
         return self.tokens[self.num_prompt_tokens :]
 
+    @property
+    def answer_token_ids(self) -> tuple[int, ...]:
+        """The generated ids whose text is the answer: ``output_token_ids`` less the EOS id that ended the sequence
+        (finish_reason "stop"), whose text vLLM's server leaves out of a beam's text (the CLI and our server too)."""
+        return self.output_token_ids[:-1] if self.finish_reason == "stop" else self.output_token_ids
+
 
 @attrs.frozen
 class BeamSearchOutput:
@@ -137,8 +147,9 @@ class BeamSearchOutput:
 
 
 @attrs.frozen
-class _Beam:
-    """A sequence under search: all its tokens, their cumulative logprob, one logprob entry per generated one."""
+class Beam:
+    """A sequence under search: all its tokens (the prompt's first), their cumulative logprob, one logprob entry
+    per generated one."""
 
     tokens: tuple[int, ...]
     cum_logprob: float = 0.0
@@ -146,59 +157,101 @@ class _Beam:
 
 
 @attrs.frozen
-class _Search:
+class Search:
     """One prompt's search: the live beams (best first) and the beams that ended with an EOS id."""
 
-    live: tuple[_Beam, ...]
-    finished: tuple[_Beam, ...] = ()
+    live: tuple[Beam, ...]
+    finished: tuple[Beam, ...] = ()
 
 
-@attrs.frozen
-class _Rules:
-    """The ranking rules of one search: which ids end a beam, how a beam scores, how many live on."""
-
-    beam_width: int
-    eos_token_ids: frozenset[int]
-    ignore_eos: bool
-    length_penalty: float
-
-    def ends(self, beam: _Beam) -> bool:
-        """Whether ``beam`` ended: its last token is an EOS id and ignore_eos is off."""
-        return not self.ignore_eos and beam.tokens[-1] in self.eos_token_ids
-
-    def score(self, beam: _Beam) -> float:
-        """cum_logprob / length ** length_penalty; the length counts the prompt, not a final EOS id."""
-        length = len(beam.tokens) - (beam.tokens[-1] in self.eos_token_ids)
-        return beam.cum_logprob / math.pow(length, self.length_penalty)
-
-    def best(self, beams: Iterable[_Beam]) -> tuple[_Beam, ...]:
-        """The best ``beam_width`` of ``beams`` by score, best first (ties keep their order)."""
-        return tuple(sorted(beams, key=self.score, reverse=True)[: self.beam_width])
-
-    def advance(self, search: _Search, entries: Sequence[TokenLogprobs | None]) -> _Search:
-        """The search after one step: ``entries`` are its live beams' logprobs, in order (None: the beam's request
-        ended without a token, e.g. aborted; it is dropped). Pure: returns a new value."""
-        finished, live = list(search.finished), list[_Beam]()
-        for beam, entry in zip(search.live, entries, strict=True):
-            for child in _children(beam, entry):
-                (finished if self.ends(child) else live).append(child)
-        return _Search(self.best(live), tuple(finished))
+def start(prompts: Sequence[Prompt]) -> list[Search]:
+    """Each prompt's search before its first step: one live beam, the prompt itself."""
+    return [Search((Beam(ids),)) for _, ids in prompts]
 
 
-def _children(beam: _Beam, entry: TokenLogprobs | None) -> list[_Beam]:
-    """``beam`` extended by each candidate of its step: the top tokens, then the sampled one if not among them."""
+def live_beams(searches: Sequence[Search]) -> list[Beam]:
+    """Every live beam of ``searches``, prompt by prompt: the rows of the next step's one batch (empty: done)."""
+    return [beam for search in searches for beam in search.live]
+
+
+def expand(beam: Beam, entry: TokenLogprobs | None) -> list[Beam]:
+    """``beam`` extended by each candidate of its step (``entry``: the one-token request's logprobs): the top
+    tokens, then the sampled one if not among them. None (the request ended without a token): none."""
     if entry is None:
         return []
     candidates = dict(entry.top)
     candidates.setdefault(entry.token_id, entry.logprob)
     return [
-        _Beam(
+        Beam(
             (*beam.tokens, token),
             beam.cum_logprob + logprob,
             (*beam.logprobs, TokenLogprobs(token, logprob, entry.top)),
         )
         for token, logprob in candidates.items()
     ]
+
+
+@attrs.frozen
+class BeamRules:
+    """The ranking rules of one search (the module docstring's), pure: which ids end a beam, how a beam scores, how
+    many live on. Every driver (``beam_search`` over an EngineLoop, the server's over its AsyncEngine) runs
+    ``start``, then per step ``live_beams`` -> one batch of one-token requests -> ``step``, then ``results``."""
+
+    beam_width: int
+    eos_token_ids: frozenset[int]
+    ignore_eos: bool
+    length_penalty: float
+
+    def ends(self, beam: Beam) -> bool:
+        """Whether ``beam`` ended: its last token is an EOS id and ignore_eos is off."""
+        return not self.ignore_eos and beam.tokens[-1] in self.eos_token_ids
+
+    def score(self, beam: Beam) -> float:
+        """cum_logprob / length ** length_penalty; the length counts the prompt, not a final EOS id."""
+        length = len(beam.tokens) - (beam.tokens[-1] in self.eos_token_ids)
+        return beam.cum_logprob / math.pow(length, self.length_penalty)
+
+    def best(self, beams: Iterable[Beam]) -> tuple[Beam, ...]:
+        """The best ``beam_width`` of ``beams`` by score, best first (ties keep their order)."""
+        return tuple(sorted(beams, key=self.score, reverse=True)[: self.beam_width])
+
+    def advance(self, search: Search, entries: Sequence[TokenLogprobs | None]) -> Search:
+        """The search after one step: ``entries`` are its live beams' logprobs, in order (None: the beam's request
+        ended without a token, e.g. aborted; it is dropped). Pure: returns a new value."""
+        finished, live = list(search.finished), list[Beam]()
+        for beam, entry in zip(search.live, entries, strict=True):
+            for child in expand(beam, entry):
+                (finished if self.ends(child) else live).append(child)
+        return Search(self.best(live), tuple(finished))
+
+    def step(self, searches: Sequence[Search], entries: Sequence[TokenLogprobs | None]) -> list[Search]:
+        """Every search after one step whose batch was ``live_beams(searches)``: ``entries`` holds one logprob entry
+        per row of that batch, in its order. Pure."""
+        if len(entries) != sum(len(s.live) for s in searches):
+            raise ValueError(f"one entry per live beam: {sum(len(s.live) for s in searches)}, got {len(entries)}")
+        rows = iter(entries)
+        return [self.advance(search, [next(rows) for _ in search.live]) for search in searches]
+
+    def results(
+        self, prompts: Sequence[Prompt], searches: Sequence[Search], tokenizer: Decoder | None
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's best beam_width of its finished and live beams, as a BeamSearchOutput (in order)."""
+        return [self._output(prompt, search, tokenizer) for prompt, search in zip(prompts, searches, strict=True)]
+
+    def _output(self, prompt: Prompt, search: Search, tokenizer: Decoder | None) -> BeamSearchOutput:
+        text, ids = prompt
+        sequences = tuple(
+            BeamSearchSequence(
+                tokens=beam.tokens,
+                num_prompt_tokens=len(ids),
+                cum_logprob=beam.cum_logprob,
+                logprobs=beam.logprobs,
+                finish_reason="stop" if self.ends(beam) else "length",
+                text=tokenizer.decode(list(beam.tokens)) if tokenizer is not None else "",
+            )
+            for beam in self.best((*search.finished, *search.live))
+        )
+        return BeamSearchOutput(text, ids, sequences)
 
 
 def beam_search(
@@ -216,39 +269,46 @@ def beam_search(
     finished (or, on an error or interrupt, been aborted) when this returns. The progress bar (``use_tqdm``)
     counts search steps, up to max_tokens (fewer when every beam ended early). A bad argument raises
     InvalidRequestError (RequestTypeError for a wrong type) naming it, before anything is queued."""
-    rules, step_params = _check_search(loop, prompts, params)
-    searches = [_Search((_Beam(ids),)) for _, ids in prompts]
+    rules, step_params = check_search(loop.engine.config, prompts, params)
+    searches = start(prompts)
     with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm, unit="step") as bar:
         for step in range(params.max_tokens):
-            beams = [beam for search in searches for beam in search.live]
+            beams = live_beams(searches)
             if not beams:
                 break
-            entries = iter(_run_step(loop, [b.tokens for b in beams], step_params, f"{id_prefix}-{step}"))
-            searches = [rules.advance(s, [next(entries) for _ in s.live]) for s in searches]
+            searches = rules.step(
+                searches, _run_step(loop, [b.tokens for b in beams], step_params, f"{id_prefix}-{step}")
+            )
             bar.update(1)
-    return [_output(prompt, search, rules, tokenizer) for prompt, search in zip(prompts, searches, strict=True)]
+    return rules.results(prompts, searches, tokenizer)
 
 
-def _check_search(loop: EngineLoop, prompts: Sequence[Prompt], params: Any) -> tuple[_Rules, SamplingParams]:
-    """The search's rules and the params of its one-token requests, once every prompt is known to fit: its ids in
-    the vocabulary, prompt + max_tokens within max_model_len and the KV pool, 2 * beam_width logprobs at most the
-    vocabulary. Raises (naming the argument) otherwise."""
+def check_search(config: CoreConfig, prompts: Sequence[Prompt], params: Any) -> tuple[BeamRules, SamplingParams]:
+    """The search's rules and the params of its one-token requests, once every prompt is known to fit ``config``
+    (the engine's): its ids in the vocabulary, prompt + max_tokens within max_model_len and the KV pool,
+    2 * beam_width logprobs at most the vocabulary. Raises InvalidRequestError naming the argument otherwise
+    (``prompts[i]: ...``, ``BeamSearchParams.beam_width ...``), RequestTypeError for params of another type."""
     if not isinstance(params, BeamSearchParams):
         raise RequestTypeError(f"params must be a BeamSearchParams, got {show(params)}")
-    config = loop.engine.config
     num_logprobs = 2 * params.beam_width
     if config.vocab_size is not None and num_logprobs > config.vocab_size:
         allowed = f"at most half the vocabulary size ({config.vocab_size})"
         raise fail(REQUEST, "BeamSearchParams.beam_width", allowed, params.beam_width)
-    longest = SamplingParams(max_tokens=params.max_tokens, logprobs=num_logprobs)  # a beam at its last step
     for index, (_, ids) in enumerate(prompts):
         try:
-            check_request(config, (), "beam search", ids, longest)
+            check_prompt(config, ids, params)
         except InvalidRequestError as e:
             raise type(e)(f"prompts[{index}]: {e}") from None
-    rules = _Rules(params.beam_width, config.eos_token_ids, params.ignore_eos, params.length_penalty)
+    rules = BeamRules(params.beam_width, config.eos_token_ids, params.ignore_eos, params.length_penalty)
     # The search decides where a beam ends: the engine samples one token whatever it is (ignore_eos).
     return rules, SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=num_logprobs, ignore_eos=True)
+
+
+def check_prompt(config: CoreConfig, ids: Sequence[int], params: BeamSearchParams) -> None:
+    """InvalidRequestError naming the field (as a plain request's: ``prompt``, ``max_tokens``, ``logprobs``) when
+    prompt ``ids`` cannot be searched under ``config``: the request of a beam at its last step must fit."""
+    longest = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * params.beam_width)
+    check_request(config, (), "beam search", ids, longest)
 
 
 def _run_step(
@@ -269,21 +329,3 @@ def _run_step(
             if not tracker.finished:
                 loop.abort(tracker.request_id)
     return [t.logprobs[0] if t.token_ids else None for t in trackers]
-
-
-def _output(prompt: Prompt, search: _Search, rules: _Rules, tokenizer: Decoder | None) -> BeamSearchOutput:
-    """The prompt's best beam_width of its finished and live beams, as a BeamSearchOutput."""
-    text, ids = prompt
-    best = rules.best((*search.finished, *search.live))
-    sequences = tuple(
-        BeamSearchSequence(
-            tokens=beam.tokens,
-            num_prompt_tokens=len(ids),
-            cum_logprob=beam.cum_logprob,
-            logprobs=beam.logprobs,
-            finish_reason="stop" if rules.ends(beam) else "length",
-            text=tokenizer.decode(list(beam.tokens)) if tokenizer is not None else "",
-        )
-        for beam in best
-    )
-    return BeamSearchOutput(text, ids, sequences)

@@ -4,7 +4,10 @@ output and pick the choices. A client that goes away before its request finished
 (their KV blocks are freed between steps).
 
 ``n`` copies of a prompt are submitted together, so the prefix cache shares the prompt's KV blocks between them
-(only the first computes it; ``/metrics``' fnvllm_prefix_cache_hit_tokens counts the others' hits)."""
+(only the first computes it; ``/metrics``' fnvllm_prefix_cache_hit_tokens counts the others' hits).
+
+``use_beam_search`` submits nothing up front: ``serve.beam`` drives the search, one batch of one-token requests per
+step, each submitted and collected as a plain request's (``_submit_batch``, ``_collect_all``)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from starlette.types import Receive
 
 from fnvllm.engine.text import check_stop_strings, render_chat, resolve_bad_words
 from fnvllm.executor.base import TokenLogprobs
+from fnvllm.serve import beam as serve_beam
 from fnvllm.serve import sse
 from fnvllm.serve.async_engine import AsyncEngine, EngineOverloaded, Submission
 from fnvllm.serve.errors import (
@@ -87,6 +91,7 @@ class Prepared:
     echo: prepend each prompt's text to its choices (and, with logprobs, its tokens' logprobs). logprobs: the
     client asked for logprobs. scores_only: max_tokens 0: the one token the engine generated is dropped.
     aliases: engine field -> body field, for errors raised at submit (see ``errors.from_invalid_request``).
+    beam: the beam search to run instead (``use_beam_search``; ``jobs`` is then empty).
     """
 
     prompts: list[tuple[list[int], str | None]]
@@ -102,6 +107,7 @@ class Prepared:
     parse_tools: bool = False
     include_reasoning: bool = True
     scores_only: bool = False
+    beam: serve_beam.BeamPlan | None = None
 
     def prompt_of(self, job: int) -> int:
         """The prompt index of engine request ``job``."""
@@ -147,7 +153,7 @@ async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, r
 
     def start() -> Started:
         job = prepare(served, raw)
-        return job, _submit(served.engine, job, request_id, aloop)
+        return job, [] if job.beam is not None else _submit(served.engine, job, request_id, aloop)
 
     return await asyncio.to_thread(start)
 
@@ -168,11 +174,12 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
             prompts.append((kept, prompt))
         else:  # token ids, or a text prompt cut short: echo the kept tokens' text
             prompts.append((kept, _decode(served.engine, kept) if body.echo else None))
-    jobs = copies(params, body.num_candidates)
+    searched = _beam_plan(served, body, prompts, params)
+    jobs = [] if searched is not None else copies(params, body.num_candidates) * len(prompts)
     return Prepared(
-        prompts, jobs * len(prompts), body.num_choices, body.num_candidates, bool(body.stream),
+        prompts, jobs, body.num_choices, body.num_candidates, bool(body.stream),
         body.include_usage, body.continuous_usage, bool(body.echo), body.logprobs is not None, body.aliases(),
-        scores_only=body.scores_only,
+        scores_only=body.scores_only, beam=searched,
     )  # fmt: skip
 
 
@@ -189,10 +196,23 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     tool_parser = TOOL_PARSERS[served.tool_parser]()
     params = _sampling_params(served, lambda: body.sampling_params(room, tool_parser), body.aliases())
     n = body.num_choices
+    searched = _beam_plan(served, body, [(ids, None)], params)
     return Prepared(
-        [(ids, None)], copies(params, n), n, n, bool(body.stream), body.include_usage, body.continuous_usage,
-        False, bool(body.logprobs), body.aliases(), body.uses_tools, body.include_reasoning is not False,
+        [(ids, None)], [] if searched is not None else copies(params, n), n, n, bool(body.stream), body.include_usage,
+        body.continuous_usage, False, bool(body.logprobs), body.aliases(), body.uses_tools,
+        body.include_reasoning is not False, beam=searched,
     )  # fmt: skip
+
+
+def _beam_plan(
+    served: Served, body: CompletionRequest | ChatCompletionRequest, prompts: serve_beam.Prompts, params: SamplingParams
+) -> serve_beam.BeamPlan | None:
+    """The body's beam search (None without ``use_beam_search``): its ``n`` beams under ``params``."""
+    if not body.use_beam_search:
+        return None
+    return serve_beam.prepare(
+        prompts, params, body.num_choices, body.length_penalty, served.engine.config, body.aliases()
+    )
 
 
 def check_model(model: str | None, served: Served, check_supported: Callable[[], None]) -> None:
@@ -269,16 +289,25 @@ def _submit(
     for k, params in enumerate(job.jobs):
         ids, text = job.prompts[job.prompt_of(k)]
         submissions.append(Submission(ids, params, text, f"{request_id}-{k}" if many else request_id))
+    return _submit_batch(engine, submissions, job.aliases, aloop)
+
+
+def _submit_batch(
+    engine: AsyncEngine, submissions: list[Submission], aliases: dict[str, str], aloop: asyncio.AbstractEventLoop
+) -> list[RequestStream]:
+    """``engine.submit_many``, its refusals as errors for the client: 503 when overloaded, 400 naming the field."""
     try:
         return engine.submit_many(submissions, aloop)
     except EngineOverloaded as error:
         raise unavailable(str(error)) from None
     except ValueError as error:
-        raise from_invalid_request(error, job.aliases) from None
+        raise from_invalid_request(error, aliases) from None
 
 
 async def _respond(served: Served, fmt: Format, started: Started, receive: Receive) -> Response:
     engine, (job, streams) = served.engine, started
+    if job.beam is not None:
+        return await _respond_beam(served, fmt, job, job.beam, receive)
     if job.is_stream:
         echo = [job.prompts[job.prompt_of(k)][1] or "" for k in range(len(streams))] if job.echo else None
         echo_ids = [job.prompts[job.prompt_of(k)][0] for k in range(len(streams))] if job.echo else None
@@ -288,15 +317,33 @@ async def _respond(served: Served, fmt: Format, started: Started, receive: Recei
         )  # fmt: skip
         events = sse.events(fmt, streams, plan)
         return sse.EventStream(events, on_close=lambda: _abort_unfinished(engine, streams))
-    collected = await _collect_or_abort(engine, streams, receive)
+    collected = await _collect_all(engine, streams, receive)
     if collected is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    if any(c.finish_reason == "abort" for c in collected):
-        raise unavailable("the request was aborted: the server is shutting down")
     if job.scores_only:
         collected = [attrs.evolve(c, text="", token_ids=(), logprobs=(), finish_reason="length") for c in collected]
     counts = usage(job.num_prompt_tokens, sum(len(c.token_ids) for c in collected))
     return JSONResponse(fmt.final(_choose(job, collected), counts))
+
+
+async def _respond_beam(
+    served: Served, fmt: Format, job: Prepared, plan: serve_beam.BeamPlan, receive: Receive
+) -> Response:
+    """Run the beam search: each step's batch submitted on a worker thread and collected as plain requests are;
+    the answer holds each prompt's n best beams (``_choose`` numbers them and adds the echo), its usage their
+    generated tokens."""
+    engine, aloop = served.engine, asyncio.get_running_loop()
+
+    async def run_batch(batch: list[Submission]) -> list[Choice] | None:
+        streams = await asyncio.to_thread(_submit_batch, engine, batch, job.aliases, aloop)
+        return await _collect_all(engine, streams, receive)
+
+    outputs = await serve_beam.search(plan, job.prompts, fmt.request_id, run_batch)
+    if outputs is None:
+        return Response(status_code=499)  # the client closed the connection; nobody reads this
+    chosen = _choose(job, serve_beam.choices(outputs, plan, engine.tokenizer))
+    counts = usage(job.num_prompt_tokens, sum(len(c.token_ids) for c in chosen))
+    return JSONResponse(fmt.final(chosen, counts))
 
 
 def _choose(job: Prepared, collected: list[Choice]) -> list[Choice]:
@@ -340,6 +387,14 @@ async def _collect(stream: RequestStream) -> Choice:
 async def _until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _collect_all(engine: AsyncEngine, streams: list[RequestStream], receive: Receive) -> list[Choice] | None:
+    """``_collect_or_abort``; a 503 when the engine aborted one of them (the server is shutting down)."""
+    collected = await _collect_or_abort(engine, streams, receive)
+    if collected is not None and any(c.finish_reason == "abort" for c in collected):
+        raise unavailable("the request was aborted: the server is shutting down")
+    return collected
 
 
 async def _collect_or_abort(engine: AsyncEngine, streams: list[RequestStream], receive: Receive) -> list[Choice] | None:

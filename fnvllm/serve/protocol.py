@@ -11,14 +11,15 @@ Three kinds of fields (docs/serving.md lists them all):
   allowed_token_ids, bad_words, guided_json, guided_regex, guided_choice, guided_grammar, include_reasoning
   (docs/structured_outputs.md), chat_template_kwargs (passed to the chat template, e.g. Qwen3's
   ``{"enable_thinking": false}``; not the arguments the server sets); logit_bias (token-id strings -> bias in
-  [-100, 100]);
+  [-100, 100]); use_beam_search with length_penalty (``fnvllm.serve.beam``; what it refuses: ``BEAM_REFUSED``);
   completions: echo with logprobs (the prompt's tokens and their logprobs first), max_tokens 0 with echo (score
   a prompt: nothing is generated);
 - accepted and ignored, because they change nothing this server answers (``IGNORED_FIELDS``): user, store,
   metadata, service_tier, reasoning_effort, prompt_cache_key, safety_identifier, stream_options.include_obfuscation,
   guided_decoding_backend, parallel_tool_calls (without tools), tool_choice "none" (without tools);
 - refused by name with a 400, because they would change the answer and are not supported: suffix, tools in
-  completions, max_tokens 0 without echo or when streamed, and every field not declared here.
+  completions, max_tokens 0 without echo or when streamed, with use_beam_search the fields it cannot honour
+  (``BEAM_REFUSED``), and every field not declared here.
 """
 
 from __future__ import annotations
@@ -139,6 +140,21 @@ _SAMPLING_FIELDS = (
 )  # fmt: skip
 """Body fields passed to SamplingParams under the same name (max_tokens and logprobs need translating)."""
 
+BEAM_REFUSED = (
+    "stream", "stream_options", "logprobs", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias",
+)  # fmt: skip
+"""Body fields refused by name (when set) with ``use_beam_search``, as are an output constraint (GUIDED_FIELDS, a
+forced tool call), ``best_of`` other than n and ``max_tokens`` 0: the search ranks whole beams by their raw
+logprobs and returns them at the end, so it cannot sample, filter, penalise, constrain, stop on text or stream.
+Honoured: n (the beam width), max_tokens, ignore_eos, temperature, length_penalty, include_stop_str_in_output,
+skip_special_tokens, truncate_prompt_tokens, echo."""
+
+
+def _is_sent(value: Any) -> bool:
+    """Whether a body field holds a value that asks for something: not None, false, [] or {} (0 does)."""
+    return value is not None and value is not False and value != [] and value != {}
+
 
 class _Generation(_Strict):
     """Fields shared by completions and chat completions (None = the engine's default)."""
@@ -168,6 +184,8 @@ class _Generation(_Strict):
     truncate_prompt_tokens: StrictInt | None = None  # the handlers cut the prompt (``state.params.truncate_prompt``)
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[Text] | None = None  # the handlers resolve them to ids (``engine.text.resolve_bad_words``)
+    use_beam_search: StrictBool | None = None  # n beams per prompt, the n best returned (``fnvllm.serve.beam``)
+    length_penalty: Number | None = None  # beam search's score: cum_logprob / length ** length_penalty (default 1)
     # accepted and ignored (IGNORED_FIELDS), or accepted only at a neutral value
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
@@ -194,6 +212,17 @@ class _Generation(_Strict):
         sent = [name for name in GUIDED_FIELDS if self._constrains(name)]
         if len(sent) > 1:
             raise bad_request(f"{sent[1]}: only one output constraint per request, got {' and '.join(sent)}", sent[1])
+        if self.use_beam_search:
+            self._check_beam_search(sent)
+        elif self.length_penalty is not None:
+            raise bad_request("length_penalty: only used with use_beam_search: true", "length_penalty")
+
+    def _check_beam_search(self, constraints: list[str]) -> None:
+        """A 400 naming the first field sent that beam search cannot honour (``BEAM_REFUSED``, an output
+        constraint)."""
+        refused = [name for name in BEAM_REFUSED if _is_sent(getattr(self, name))] + constraints
+        if refused:
+            raise bad_request(f"{refused[0]}: not supported with use_beam_search", refused[0])
 
     def _constrains(self, name: str) -> bool:
         """Whether body field ``name`` (one of GUIDED_FIELDS) constrains the output."""
@@ -289,6 +318,10 @@ class CompletionRequest(_Generation):
         limit_field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if self.scores_only and not self.echo:
             raise bad_request(f"{limit_field}: 0 is only allowed with echo (scoring a prompt)", limit_field)
+        if self.use_beam_search and self.scores_only:
+            raise bad_request(f"{limit_field}: 0 is not supported with use_beam_search", limit_field)
+        if self.use_beam_search and self.num_candidates != self.num_choices:
+            raise bad_request("best_of: not supported with use_beam_search (n is the beam width)", "best_of")
         if self.stream and self.scores_only:
             raise bad_request(f"stream: not supported with {limit_field} 0 (send stream: false)", "stream")
         if self.best_of is not None and not self.num_choices <= self.best_of <= MAX_N:
@@ -446,6 +479,8 @@ class ChatCompletionRequest(_Generation):
             raise bad_request(message, "tool_choice")
         elif choice == "required" and not names:
             raise bad_request('tool_choice: "required" needs tools', "tool_choice")
+        if self.forced_tool is not None and self.use_beam_search:
+            raise bad_request("tool_choice: a forced tool call is not supported with use_beam_search", "tool_choice")
         if self.forced_tool is not None:
             other = next((name for name in GUIDED_FIELDS if self._constrains(name)), None)
             if other is not None:
