@@ -131,7 +131,14 @@ def _mlp_weights(config: Any, layer: int, num_seqs: int | None) -> float:
         return float(3 * h * config.intermediate_size)
     e, k = moe.num_experts, moe.num_experts_per_tok
     touched = e if num_seqs is None else expected_experts_touched(e, k, num_seqs)
-    return float(h * e + touched * 3 * h * moe.moe_intermediate_size)
+    return float(h * e + touched * 3 * h * moe.moe_intermediate_size + _shared_expert_weights(moe, h))
+
+
+def _shared_expert_weights(moe: Any, hidden: int) -> int:
+    """Weights of a sparse layer's shared expert (Qwen2-MoE: a dense SwiGLU MLP and its hidden -> 1 gate, which
+    every token goes through), 0 without one."""
+    width = getattr(moe, "shared_expert_intermediate_size", None)
+    return 0 if width is None else 3 * hidden * width + hidden
 
 
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
@@ -154,7 +161,8 @@ def floor_seconds(
 
 def flops_per_token(config: Any) -> int:
     """FLOPs of one token through the linear layers and the LM head (2 a weight it multiplies; a sparse layer
-    counts its router and its top-k experts), attention's score and value products not included."""
+    counts its router, its top-k experts and its shared expert, if any), attention's score and value products not
+    included."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
     moe = getattr(config, "moe", None)
     per_layer = [h * (q + 2 * kv) + q * h for _ in range(config.num_hidden_layers)]
@@ -163,6 +171,7 @@ def flops_per_token(config: Any) -> int:
             per_layer[i] += 3 * h * config.intermediate_size
         else:
             per_layer[i] += h * moe.num_experts + moe.num_experts_per_tok * 3 * h * moe.moe_intermediate_size
+            per_layer[i] += _shared_expert_weights(moe, h)
     return 2 * (sum(per_layer) + config.vocab_size * h)
 
 

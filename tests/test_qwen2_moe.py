@@ -198,3 +198,23 @@ def test_fp8_is_refused(family: tuple[str, Path, Any], tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config_dict(quantization_config=fp8)))
     with pytest.raises(CheckpointError, match=message):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_bench_counts_the_shared_expert(family: tuple[str, Path, Any]) -> None:
+    """The bench's weight bytes and FLOPs of a token count every sparse layer's shared expert and its gate: the
+    checkpoint's own parameter count of those tensors, once per sparse layer, beyond the same config without one."""
+    import attrs
+
+    from fnvllm.bench import flops_per_token, weight_bytes
+
+    config = ModelConfig.from_pretrained(family[1])
+    assert config.moe is not None
+    no_shared = attrs.evolve(config.moe, shared_expert_intermediate_size=None)
+    without = attrs.evolve(config, architecture="Qwen3MoeForCausalLM", moe=no_shared)  # the same, minus it
+    shared = 0
+    with safe_open(str(family[1] / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            if ".shared_expert" in name:
+                shared += f.get_slice(name).get_shape()[0] * f.get_slice(name).get_shape()[1]
+    assert weight_bytes(config, dtype_bytes=2) - weight_bytes(without, dtype_bytes=2) == 2 * shared
+    assert flops_per_token(config) - flops_per_token(without) == 2 * shared

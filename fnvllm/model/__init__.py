@@ -1,4 +1,5 @@
-"""Model definitions (Qwen3, Qwen3-MoE, Qwen2, Llama), their building blocks, and the safetensors loader."""
+"""Model definitions (Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral, Mixtral), their building blocks, and
+the safetensors loader."""
 
 from fnvllm.model.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig, MoeConfig
 from fnvllm.model.loader import CheckpointMismatchError, load_model
