@@ -70,19 +70,25 @@ def write_mistral_family(root: Path, family: str, **overrides: Any) -> Path:
     the router are drawn as write_tiny_checkpoint draws them (std 0.1, norm weights U(0.5, 1.5)); EOS is 255."""
     import transformers
 
-    from fnvllm.testing.checkpoints import _randomize_norms_and_biases
-
     defaults = dict(vocab_size=256, intermediate_size=96, initializer_range=0.1, bos_token_id=0, eos_token_id=255)
     options = {**defaults, **MISTRAL_FAMILIES[family], **overrides}
     is_moe = "num_local_experts" in options
     config_class = transformers.MixtralConfig if is_moe else transformers.MistralConfig
     model_class = transformers.MixtralForCausalLM if is_moe else transformers.MistralForCausalLM
-    config = config_class(**options)
+    return _write_random_hf(model_class, config_class(**options), root / family)
+
+
+def _write_random_hf(model_class: Any, config: Any, path: Path) -> Path:
+    """A transformers model of ``config`` with seeded random weights (norms and biases too), its generation config
+    (BOS 0, EOS 255) and the test tokenizer, saved in ``path``."""
+    import transformers
+
+    from fnvllm.testing.checkpoints import _randomize_norms_and_biases
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = model_class(config)
         _randomize_norms_and_biases(model)
-    path = root / family
     model.save_pretrained(path)
     transformers.GenerationConfig(bos_token_id=0, eos_token_id=255).save_pretrained(path)
     build_test_tokenizer(path, vocab_size=256)
@@ -122,19 +128,9 @@ def write_qwen2_moe_family(root: Path, family: str, **overrides: Any) -> Path:
     biases N(0, 0.1)); EOS is 255."""
     import transformers
 
-    from fnvllm.testing.checkpoints import _randomize_norms_and_biases
-
     defaults = dict(vocab_size=256, intermediate_size=96, initializer_range=0.1, bos_token_id=0, eos_token_id=255)
     config = transformers.Qwen2MoeConfig(**{**defaults, **QWEN2_MOE_FAMILIES[family], **overrides})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.Qwen2MoeForCausalLM(config)
-        _randomize_norms_and_biases(model)
-    path = root / family
-    model.save_pretrained(path)
-    transformers.GenerationConfig(bos_token_id=0, eos_token_id=255).save_pretrained(path)
-    build_test_tokenizer(path, vocab_size=256)
-    return path
+    return _write_random_hf(transformers.Qwen2MoeForCausalLM, config, root / family)
 
 
 def hf_model(path: Path) -> Any:
