@@ -231,7 +231,8 @@ class LLM:
         any bad input raise before the state changes."""
         groups: list[list[RequestTracker]] = []
         next_id = self._next_id
-        resolved = {id(p): resolve_bad_words(self.tokenizer, p) for p in param_list}  # each distinct object once
+        distinct = {id(p): p for p in param_list}  # one SamplingParams object is often shared by every prompt
+        resolved = {key: resolve_bad_words(self.tokenizer, p) for key, p in distinct.items()}
         for index, ((text, ids), given) in enumerate(zip(encoded, param_list, strict=True)):
             params = resolved[id(given)]
             groups.append(self._copies(index, (text, ids), params, next_id, on_delta))

@@ -48,6 +48,15 @@ REGIMES: dict[str, tuple[dict[str, Any], str | None]] = {
 }
 
 
+def check_prefix_hits(name: str, path: Path, model: Any, device: str = "cpu") -> None:
+    """``check_equal`` of an fp32 LLM of ``path`` under the prefix-cache-hits regime; on a GPU the decode steps
+    replay CUDA graphs with the Triton ops, which is checked too."""
+    llm = LLM(path, dtype="float32", device=device, **REGIMES["prefix_cache_hits"][0])
+    if device == "cuda":
+        assert llm.executor.graphs is not None and llm.executor.ops.name == "triton"
+    check_equal(name, model, llm, "prefix_cache_hits")
+
+
 def check_equal(name: str, model: Any, llm: LLM, regime: str) -> None:
     """Generate the mixed prompts with ``llm`` and compare with transformers' greedy tokens (cached per family
     name); the regime's "cached" / "preempted" must have happened, so the case is not vacuous."""

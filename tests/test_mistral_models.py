@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from test_llm_equality import REGIMES, check_equal
-from test_model import TOL, hf_logits, prompt, run_schedule
+from test_llm_equality import check_prefix_hits
+from test_model import TOL, check_chunked_prefill, hf_logits, prompt, run_schedule
 from test_tp import OPTIONS, greedy
 from tiny_models import MISTRAL_FAMILIES, hf_model, write_mistral_family
 
@@ -53,17 +53,12 @@ def test_config_reads_mistral_and_mixtral(family: tuple[str, Path, Any]) -> None
 def test_logits_match_transformers(family: tuple[str, Path, Any]) -> None:
     """Prefill in three chunks, then single-token decodes, through the paged cache, give transformers' logits."""
     _, path, hf = family
-    ours = load_model(path, ModelConfig.from_pretrained(path), "cpu")
-    tokens = prompt(2)
-    chunks = [11, 7, 13] + [1] * (len(tokens) - 31)
-    (logits,) = run_schedule(ours, [tokens], [[(0, n)] for n in chunks], block_size=4, seed=1)
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+    check_chunked_prefill(load_model(path, ModelConfig.from_pretrained(path), "cpu"), hf, block_size=4, seed=1)
 
 
 def test_greedy_equals_transformers(family: tuple[str, Path, Any]) -> None:
     """Greedy tokens through LLM equal transformers' generate for 10 mixed prompts, with prefix-cache hits."""
-    name, path, hf = family
-    check_equal(name, hf, LLM(path, dtype="float32", **REGIMES["prefix_cache_hits"][0]), "prefix_cache_hits")
+    check_prefix_hits(*family)
 
 
 @pytest.mark.parametrize("family", ["mixtral"], indirect=True)

@@ -99,14 +99,20 @@ def test_single_prefill_matches_hf(models: Any) -> None:
     torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
 
 
+def check_chunked_prefill(ours: Any, hf: Any, block_size: int, seed: int) -> None:
+    """Prefill in three chunks (11, 7, 13 tokens), then single-token decodes, through the paged cache, give HF's
+    logits (the check every family's equality tests run)."""
+    tokens = prompt(2)
+    chunks = [11, 7, 13] + [1] * (len(tokens) - 31)
+    (logits,) = run_schedule(ours, [tokens], [[(0, n)] for n in chunks], block_size, seed=seed)
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 def test_chunked_prefill_then_decode_matches_hf(models: Any, block_size: int) -> None:
     """Prefill in three chunks, then single-token decodes, through the paged cache, gives HF's logits."""
     ours, hf = models
-    tokens = prompt(2)
-    chunks = [11, 7, 13] + [1] * (PROMPT_LEN - 31)
-    (logits,) = run_schedule(ours, [tokens], [[(0, n)] for n in chunks], block_size, seed=block_size)
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+    check_chunked_prefill(ours, hf, block_size, seed=block_size)
 
 
 def test_mixed_batch_matches_alone(models: Any) -> None:

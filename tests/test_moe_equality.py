@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_llm_equality import REGIMES, check_equal
+from test_llm_equality import REGIMES, check_equal, check_prefix_hits
 from tiny_models import MOE_FAMILIES, hf_model, write_family
 
 from fnvllm.llm import LLM
@@ -45,7 +45,4 @@ def test_moe_triton_kernel_in_model_equals_transformers(moe_family: tuple[str, P
 def test_gpu_moe_with_cuda_graphs_equals_transformers(moe_family: tuple[str, Path, Any]) -> None:
     """On a GPU (Triton ops and attention, decode steps replayed from CUDA graphs) fp32 greedy tokens equal
     transformers' under prefix caching."""
-    name, path, model = moe_family
-    llm = LLM(path, dtype="float32", device="cuda", **REGIMES["prefix_cache_hits"][0])
-    assert llm.executor.graphs is not None and llm.executor.ops.name == "triton"
-    check_equal(name, model, llm, "prefix_cache_hits")
+    check_prefix_hits(*moe_family, device="cuda")

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from test_llm_equality import REGIMES, check_equal
-from test_model import TOL, hf_logits, prompt, run_schedule
+from test_llm_equality import check_prefix_hits
+from test_model import TOL, check_chunked_prefill, hf_logits, prompt, run_schedule
 from test_tp import OPTIONS, greedy
 from tiny_models import QWEN2_MOE_FAMILIES, hf_model, write_qwen2_moe_family
 
@@ -53,11 +53,7 @@ def test_config_reads_qwen2_moe(family: tuple[str, Path, Any]) -> None:
 def test_logits_match_transformers(family: tuple[str, Path, Any]) -> None:
     """Prefill in three chunks, then single-token decodes, through the paged cache, give transformers' logits."""
     _, path, hf = family
-    ours = load_model(path, ModelConfig.from_pretrained(path), "cpu")
-    tokens = prompt(2)
-    chunks = [11, 7, 13] + [1] * (len(tokens) - 31)
-    (logits,) = run_schedule(ours, [tokens], [[(0, n)] for n in chunks], block_size=4, seed=1)
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+    check_chunked_prefill(load_model(path, ModelConfig.from_pretrained(path), "cpu"), hf, block_size=4, seed=1)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
@@ -76,10 +72,7 @@ def test_triton_ops_logits_match_transformers(family: tuple[str, Path, Any]) -> 
 def test_gpu_with_cuda_graphs_equals_transformers(family: tuple[str, Path, Any]) -> None:
     """On a GPU (Triton ops and attention, decode steps replayed from CUDA graphs) fp32 greedy tokens equal
     transformers' under prefix caching."""
-    name, path, hf = family
-    llm = LLM(path, dtype="float32", device="cuda", **REGIMES["prefix_cache_hits"][0])
-    assert llm.executor.graphs is not None and llm.executor.ops.name == "triton"
-    check_equal(name, hf, llm, "prefix_cache_hits")
+    check_prefix_hits(*family, device="cuda")
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
@@ -105,8 +98,7 @@ def test_sparse_block_equals_transformers_block(family: tuple[str, Path, Any]) -
 
 def test_greedy_equals_transformers(family: tuple[str, Path, Any]) -> None:
     """Greedy tokens through LLM equal transformers' generate for 10 mixed prompts, with prefix-cache hits."""
-    name, path, hf = family
-    check_equal(name, hf, LLM(path, dtype="float32", **REGIMES["prefix_cache_hits"][0]), "prefix_cache_hits")
+    check_prefix_hits(*family)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
