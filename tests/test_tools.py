@@ -17,7 +17,6 @@ from fnvllm.serve.tool_parsers import (
     HermesToolParser,
     ParsedChatFormat,
     ToolSpec,
-    tool_call_grammar,
 )
 
 QWEN3 = REASONING_PARSERS["qwen3"]
@@ -103,14 +102,14 @@ def test_forced_call_grammar_accepts_calls_and_nothing_else() -> None:
     def call(name: str, arguments: dict[str, str]) -> str:
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
-    named = Grammar.from_ebnf(tool_call_grammar(TOOLS, "get_weather", parallel=True))
+    named = Grammar.from_ebnf(HermesToolParser().call_grammar(TOOLS, "get_weather", parallel=True))
     assert accepts(named, call("get_weather", {"city": "Oslo"}))
     assert not accepts(named, call("get_weather", {"city": "Rome"}))
     assert not accepts(named, call("get_time", {}))
-    required = Grammar.from_ebnf(tool_call_grammar(TOOLS, None, parallel=True))
+    required = Grammar.from_ebnf(HermesToolParser().call_grammar(TOOLS, None, parallel=True))
     two = call("get_time", {}) + "\n" + call("get_weather", {"city": "Paris"})
     assert accepts(required, two)
-    single = Grammar.from_ebnf(tool_call_grammar(TOOLS, None, parallel=False))
+    single = Grammar.from_ebnf(HermesToolParser().call_grammar(TOOLS, None, parallel=False))
     assert not accepts(single, two) and accepts(single, two.split("\n<tool_call>")[0])
 
 

@@ -310,12 +310,6 @@ class MistralToolParser(ToolCallParser):
         return calls or None
 
 
-def tool_call_grammar(tools: Sequence[ToolSpec], name: str | None, parallel: bool) -> str:
-    """The hermes format's forced-call grammar (``HermesToolParser().call_grammar``): ``<tool_call>\\n{json}\\n
-    </tool_call>``, repeated (newline-separated) when ``parallel`` and no name."""
-    return HermesToolParser().call_grammar(tools, name, parallel)
-
-
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,

@@ -28,7 +28,6 @@ from fnvllm.serve.tool_formats import (
     ToolCallParser,
     ToolSpec,
     held_suffix,
-    tool_call_grammar,
 )
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "ToolCall",
     "ToolCallParser",
     "ToolSpec",
-    "tool_call_grammar",
 ]
 
 
