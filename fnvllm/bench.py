@@ -24,9 +24,10 @@ compute-bound and its roofline exceeds it. ``fnvllm bench --profile`` also repor
 engine actually ran (each step at max(bytes, FLOPs) per layer part, ``fnvllm.sim.CostModel.roofline_s``): there
 the Qwen3-8B shape's prefill steps count at the matmul peak, which the bytes-only floor leaves out.
 
-With ``load_format="dummy"`` (the default for qwen3-30b-a3b, whose 61 GB checkpoint is impractical to write and
-read back) only config.json is written and the engine fills random weights on the device. ``tiny-moe`` is a tiny
-Qwen3-MoE (8 experts, top-2) for running the MoE path end to end on a CPU.
+With ``load_format="dummy"`` (the default for qwen3-30b-a3b and mixtral-8x7b, whose 61 and 93 GB checkpoints are
+impractical to write and read back) only config.json is written and the engine fills random weights on the device.
+qwen1.5-moe-a2.7b (Qwen2-MoE, 29 GB) and mixtral-8x7b are the other MoE families' published shapes. ``tiny-moe``
+is a tiny Qwen3-MoE (8 experts, top-2) for running the MoE path end to end on a CPU.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ from fnvllm.workloads import bench_workload, within_vocab
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
 H200_PEAK_TFLOPS = 793.0  # measured on the lent H200: a bf16 8192^3 matmul (FP8 weights: twice, the tensor-core rate)
-SHAPES = ("tiny", "tiny-moe", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
-DUMMY_BY_DEFAULT = ("qwen3-30b-a3b",)  # shapes benchmarked with load_format="dummy" unless told otherwise
+SHAPES = ("tiny", "tiny-moe", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
+DUMMY_BY_DEFAULT = (
+    "qwen3-30b-a3b",
+    "mixtral-8x7b",
+)  # shapes benchmarked with load_format="dummy" unless told otherwise
 TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 WARMUP_REQUESTS = 4  # the warm-up runs the workload's first 4 prompts (or all, when fewer), 8 tokens each
 

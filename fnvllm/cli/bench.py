@@ -1,13 +1,15 @@
 """``fnvllm bench``: output tok/s on the nano-vllm workload, beside the workload's bandwidth floor (on a GPU).
 
-Defaults by shape: the real shapes (``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b``) run the nano-vllm workload
+Defaults by shape: the real shapes (``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b``, ``qwen1.5-moe-a2.7b``,
+``mixtral-8x7b``) run the nano-vllm workload
 (256 requests, prompts of 100-1024 ids, 100-1024 output tokens); ``tiny`` (the default on a machine without
 CUDA) runs a CPU-sized one (32 requests, prompts of 100-256 ids, 100-128 output tokens, 16-token KV blocks:
 seconds on a CPU). Explicit flags override either. The engine flags are ``EngineConfig``'s, as in ``fnvllm
 generate`` and ``fnvllm serve`` (``--kv-cache-dtype``, ``--tensor-parallel-size`` …), with the bench's own defaults
 for the block size (by shape), the token budget (16384) and the running-sequence cap (512).
-``qwen3-30b-a3b`` runs with ``--load-format dummy`` by default (config.json only, random weights filled on the
-device: its 61 GB checkpoint is not written); ``--load-format auto`` writes the checkpoint as for the other shapes.
+``qwen3-30b-a3b`` and ``mixtral-8x7b`` run with ``--load-format dummy`` by default (config.json only, random weights
+filled on the device: their 61 and 93 GB checkpoints are not written); ``--load-format auto`` writes the checkpoint
+as for the other shapes.
 ``tiny-moe`` is a tiny Qwen3-MoE for CPUs.
 """
 
@@ -163,8 +165,8 @@ def register(sub: Any) -> None:
         "--model-shape",
         default=None,
         choices=list(SHAPES),
-        help="shape of the random checkpoint (default: qwen3-0.6b with CUDA, tiny without); qwen3-30b-a3b uses "
-        "--load-format dummy unless told otherwise",
+        help="shape of the random checkpoint (default: qwen3-0.6b with CUDA, tiny without); qwen3-30b-a3b and "
+        "mixtral-8x7b use --load-format dummy unless told otherwise",
     )
     p.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 256; tiny: 32)")
     p.add_argument(

@@ -2,9 +2,10 @@
 
 - `write_tiny_checkpoint`: a tiny Qwen3 / Qwen3-MoE / Qwen2 / Llama written by transformers' own classes, so
   tests can compare our model against Hugging Face's on the very same weights.
-- `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B shapes with random weights, written
-  straight to safetensors without building the HF model (seconds, not minutes), for GPU throughput benchmarks.
-  Qwen3-30B-A3B is ~61 GB in bf16: streamed like the others, after checking the disk has room.
+- `write_random_checkpoint`: real Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B / Qwen1.5-MoE-A2.7B / Mixtral-8x7B shapes
+  with random weights, written straight to safetensors without building the HF model (seconds, not minutes), for
+  GPU throughput benchmarks. Qwen3-30B-A3B is ~61 GB in bf16, Mixtral-8x7B ~93 GB: streamed like the others,
+  after checking the disk has room.
   Both take ``config_only=True``: only config.json and generation_config.json, for ``load_format="dummy"``
   (random weights filled on the device, no safetensors).
 - `write_fp8_checkpoint`: a copy of a (small) checkpoint in the official block-quantized FP8 layout (Qwen3-8B-FP8's):
@@ -24,7 +25,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 
 Family = Literal["qwen3", "qwen3_moe", "qwen2", "llama"]
-ShapeName = Literal["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"]
+ShapeName = Literal["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"]
 
 _HF_CLASSES: Mapping[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -92,6 +93,71 @@ QWEN3_MOE_SHAPES: Mapping[str, Mapping[str, Any]] = {
         "router_aux_loss_coef": 0.001,
         "tie_word_embeddings": False,
     },
+}
+# Whole published config.json files of the other families' benchmark shapes (transformers 4.39-4.51 format), with
+# their generation_config.json. Qwen1.5-MoE-A2.7B: Qwen2-MoE, 60 routed experts (top-4, unnormalised) and a shared
+# expert; 14.3B parameters, 2.7B active. Mixtral-8x7B: 8 experts (top-2); 46.7B parameters, 12.9B active.
+OTHER_SHAPES: Mapping[str, Mapping[str, Any]] = {
+    "qwen1.5-moe-a2.7b": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 8192,
+        "max_window_layers": 21,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 16,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4,
+        "num_experts": 60,
+        "norm_topk_prob": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+}
+_OTHER_GENERATION_CONFIGS: Mapping[str, Mapping[str, Any]] = {
+    "qwen1.5-moe-a2.7b": {"bos_token_id": 151643, "eos_token_id": 151643, "do_sample": False},
+    "mixtral-8x7b": {"bos_token_id": 1, "eos_token_id": 2},
 }
 _SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = {
     torch.bfloat16: "BF16",
@@ -211,33 +277,40 @@ def write_random_checkpoint(
     max_shard_bytes: int = 4 * 1024**3,
     config_only: bool = False,
 ) -> Path:
-    """Write a Qwen3 checkpoint of real shape with random weights (std 0.02; norms 1) to `path`; returns it.
+    """Write a checkpoint of a real shape (Qwen3, Qwen3-MoE, Qwen2-MoE or Mixtral; ``ShapeName``) with random
+    weights (std 0.02; norms 1) to `path`; returns it.
 
     num_layers overrides the layer count (a shrunk copy for quick tests). The config.json mirrors the real
-    model's (transformers 4.51 format); generation_config.json mirrors Qwen3's. Tensors are tiled from one
+    model's; generation_config.json mirrors its own (Qwen3's for the Qwen3 shapes). Tensors are tiled from one
     random pool, streamed to disk without materialising any tensor, so 8B writes at disk speed; they are not
     independent draws (fine for throughput work). OSError before writing when the disk lacks the room.
     config_only: write the two json files only (for ``load_format="dummy"``: no disk room needed).
     """
-    shapes_by_name = {**QWEN3_SHAPES, **QWEN3_MOE_SHAPES}
-    if shape_name not in shapes_by_name:
-        raise ValueError(f"shape_name {shape_name!r} is not supported; supported: {tuple(shapes_by_name)}")
+    qwen3_shapes = {**QWEN3_SHAPES, **QWEN3_MOE_SHAPES}
+    if shape_name not in qwen3_shapes and shape_name not in OTHER_SHAPES:
+        raise ValueError(f"shape_name {shape_name!r} is not supported; supported: {(*qwen3_shapes, *OTHER_SHAPES)}")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r} is not supported; supported: ('bfloat16', 'float16', 'float32')")
-    config = {**_QWEN3_COMMON, **shapes_by_name[shape_name], "torch_dtype": dtype}
+    if shape_name in OTHER_SHAPES:
+        config = {**OTHER_SHAPES[shape_name], "torch_dtype": dtype}
+        generation = _OTHER_GENERATION_CONFIGS[shape_name]
+    else:
+        config = {**_QWEN3_COMMON, **qwen3_shapes[shape_name], "torch_dtype": dtype}
+        generation = _QWEN3_GENERATION_CONFIG
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
-    config["max_window_layers"] = config["num_hidden_layers"]
+    if config["model_type"].startswith("qwen3"):
+        config["max_window_layers"] = config["num_hidden_layers"]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     if not config_only:
-        nbytes = sum(math.prod(s) for s in qwen3_tensor_shapes(config).values()) * getattr(torch, dtype).itemsize
+        nbytes = sum(math.prod(s) for s in tensor_shapes(config).values()) * getattr(torch, dtype).itemsize
         _check_room(out, nbytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(_QWEN3_GENERATION_CONFIG, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if config_only:
         return out
-    _write_shards(out, qwen3_tensor_shapes(config), getattr(torch, dtype), seed, max_shard_bytes)
+    _write_shards(out, tensor_shapes(config), getattr(torch, dtype), seed, max_shard_bytes)
     return out
 
 
@@ -249,6 +322,66 @@ def _check_room(folder: Path, nbytes: int) -> None:
             f"writing the checkpoint needs {nbytes / 1e9:.1f} GB but {folder} has {free / 1e9:.1f} GB free "
             "(point TMPDIR, or --model with a written checkpoint, at a larger disk)"
         )
+
+
+def tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a config dict of any ``write_random_checkpoint`` family (by its model_type),
+    in the order HF stores them."""
+    model_type = config["model_type"]
+    if model_type in ("qwen3", "qwen3_moe"):
+        return qwen3_tensor_shapes(config)
+    if model_type in ("qwen2_moe", "mixtral"):
+        return _moe_tensor_shapes(config)
+    raise ValueError(f"model_type {model_type!r} has no random-checkpoint layout; supported: qwen3, qwen3_moe, "
+                     "qwen2_moe, mixtral")  # fmt: skip
+
+
+def _moe_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a Qwen2-MoE or Mixtral config dict: Qwen2's q/k/v biases and no q/k norms,
+    Qwen2-MoE's shared expert and its one-unit gate beside the routed experts; Mixtral's ``block_sparse_moe``
+    router and w1 (gate) / w3 (up) / w2 (down) experts. Every layer is sparse (decoder_sparse_step 1, as both
+    published shapes are)."""
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, vocab = config.get("head_dim") or hidden // heads, config["vocab_size"]
+    qwen2 = config["model_type"] == "qwen2_moe"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        for name, rows in (
+            ("q_proj", heads * head_dim),
+            ("k_proj", kv_heads * head_dim),
+            ("v_proj", kv_heads * head_dim),
+        ):
+            shapes[f"{p}self_attn.{name}.weight"] = (rows, hidden)
+            if qwen2:
+                shapes[f"{p}self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if qwen2:
+            inter, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (config["num_experts"], hidden)
+            for e in range(config["num_experts"]):
+                shapes.update(_glu_shapes(f"{p}mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"), inter, hidden))
+            shapes.update(_glu_shapes(p + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"), shared, hidden))
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, hidden)
+        else:
+            inter = config["intermediate_size"]
+            shapes[p + "block_sparse_moe.gate.weight"] = (config["num_local_experts"], hidden)
+            for e in range(config["num_local_experts"]):
+                shapes.update(_glu_shapes(f"{p}block_sparse_moe.experts.{e}.", ("w1", "w3", "w2"), inter, hidden))
+    shapes["model.norm.weight"] = (hidden,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _glu_shapes(prefix: str, names: tuple[str, str, str], inter: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """One gated MLP's gate, up and down weights under ``prefix``, named ``names`` in that order."""
+    gate, up, down = names
+    shapes = {prefix + f"{gate}.weight": (inter, hidden), prefix + f"{up}.weight": (inter, hidden),
+              prefix + f"{down}.weight": (hidden, inter)}  # fmt: skip
+    return shapes
 
 
 def qwen3_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
