@@ -5,6 +5,10 @@ Two rope formats exist in the wild and both are read:
     transformers < 5:  "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, ...}
     transformers >= 5: "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, ...}
 
+rope_type "default", "llama3", "linear", "yarn" and "dynamic" load (``parse_rope``; the frequencies each gives are
+in ``fnvllm.model.rope``); "longrope" and the rest are refused by name.
+
+
 End-of-sequence ids are not here: the LLM layer reads them from generation_config.json.
 
 FP8 weights (``Fp8Config``): a checkpoint whose config.json carries the official block-quantized
@@ -26,13 +30,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from fnvllm.model.rope import (
+    DynamicNtkRopeScaling,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+    yarn_attention_factor,
+)
 from fnvllm.state.config import MAX_MODEL_LEN
 
 
@@ -70,7 +82,6 @@ _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN2_LIKE = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, never an o_proj bias
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 _SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # honour config.json's sliding_window
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8",)
 FP8_BLOCK = 128  # rows and columns of one FP8 weight scale block
@@ -135,23 +146,6 @@ _DTYPE_ALIASES: Mapping[str, str] = {
     "half": "float16",
     "fp16": "float16",
 }
-
-
-@attrs.frozen
-class Llama3RopeScaling:
-    """Llama 3.1 frequency-dependent rope scaling (rope_type "llama3").
-
-    factor: how much long wavelengths are stretched.
-    low_freq_factor / high_freq_factor: wavelengths above original_max_position_embeddings / low_freq_factor
-        are divided by factor, those below original_max_position_embeddings / high_freq_factor are kept, and
-        those in between are interpolated smoothly.
-    original_max_position_embeddings: the context length the model was pretrained at.
-    """
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @attrs.frozen
@@ -234,7 +228,7 @@ class ModelConfig:
 
     architecture: one of SUPPORTED_ARCHITECTURES.
     head_dim: per-head width (config's head_dim, else hidden_size // num_attention_heads).
-    rope_scaling: None for plain rope, else the llama3 scaling parameters.
+    rope_scaling: None for plain rope, else the checkpoint's scaling kind and its parameters (``fnvllm.model.rope``).
     dtype: torch dtype name the weights are used in ("float32", "bfloat16" or "float16").
     attention_bias: whether q/k/v projections carry a bias (Qwen2: always; Qwen2-MoE: its qkv_bias, default true).
     o_proj_bias: whether the output projection carries a bias (Llama/Qwen3 with attention_bias; never Qwen2(-MoE)).
@@ -257,7 +251,7 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str
@@ -432,29 +426,88 @@ def normalize_dtype(dtype: str | torch.dtype) -> str:
     return name
 
 
-def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, rope_scaling) from either rope format (see the module docstring)."""
-    params = _flat_rope_parameters(_mapping_field(hf, "rope_parameters"))
+def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from either rope format (see the module docstring); None for plain rope. A
+    rope_type outside SUPPORTED_ROPE_TYPES, or a missing or invalid field of a supported one, is a ValueError
+    naming the dict and the field, e.g. "rope_scaling (rope_type 'yarn'): factor must be a positive number"."""
+    source = "rope_parameters"
+    params = _flat_rope_parameters(_mapping_field(hf, source))
     if not params:
-        params = dict(_mapping_field(hf, "rope_scaling"))
+        source = "rope_scaling"
+        params = dict(_mapping_field(hf, source))
     rope_theta = _real_field(params, "rope_theta", _real_field(hf, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor") not in (None, 1.0):
+        raise ValueError(
+            f"{source}.partial_rotary_factor {params['partial_rotary_factor']!r} is not supported; supported: 1.0"
+        )
     if rope_type == "default":
         return rope_theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    parser = _ROPE_PARSERS.get(rope_type) if isinstance(rope_type, str) else None
+    if parser is None:
+        raise ValueError(f"{source} rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     try:
-        scaling = Llama3RopeScaling(
-            factor=_real_field(params, "factor", None),
-            low_freq_factor=_real_field(params, "low_freq_factor", None),
-            high_freq_factor=_real_field(params, "high_freq_factor", None),
-            original_max_position_embeddings=_int_field(
-                params, "original_max_position_embeddings", max_position_embeddings
-            ),
-        )
+        return rope_theta, parser(params, max_position_embeddings)
     except KeyError as e:
-        raise ValueError(f"llama3 rope_scaling is missing field {e.args[0]!r}") from None
-    return rope_theta, scaling
+        raise ValueError(f"{source} (rope_type {rope_type!r}) is missing field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise ValueError(f"{source} (rope_type {rope_type!r}): {e}") from None
+
+
+def _llama3_scaling(params: Mapping[str, Any], max_position_embeddings: int) -> Llama3RopeScaling:
+    """Llama 3.1's fields: factor, low_freq_factor, high_freq_factor (required), original_max_position_embeddings
+    (default max_position_embeddings, as transformers fills it)."""
+    return Llama3RopeScaling(
+        factor=_real_field(params, "factor", None),
+        low_freq_factor=_real_field(params, "low_freq_factor", None),
+        high_freq_factor=_real_field(params, "high_freq_factor", None),
+        original_max_position_embeddings=_int_field(
+            params, "original_max_position_embeddings", max_position_embeddings
+        ),
+    )
+
+
+def _linear_scaling(params: Mapping[str, Any], max_position_embeddings: int) -> LinearRopeScaling:
+    """Linear scaling's one required field, factor."""
+    return LinearRopeScaling(factor=_real_field(params, "factor", None))
+
+
+def _dynamic_scaling(params: Mapping[str, Any], max_position_embeddings: int) -> DynamicNtkRopeScaling:
+    """Dynamic NTK's one required field, factor (plain rope up to max_position_embeddings: see fnvllm.model.rope)."""
+    return DynamicNtkRopeScaling(factor=_real_field(params, "factor", None))
+
+
+def _yarn_scaling(params: Mapping[str, Any], max_position_embeddings: int) -> YarnRopeScaling:
+    """YaRN's fields with transformers' defaults: original_max_position_embeddings (max_position_embeddings); factor
+    (required; null: max_position_embeddings / original, as for DeepSeek-V3); attention_factor (from factor,
+    mscale and mscale_all_dim); beta_fast 32 and beta_slow 1 (also when 0 or null); truncate true."""
+    original = _int_field(params, "original_max_position_embeddings", max_position_embeddings)
+    if "factor" in params and params["factor"] is None:
+        factor = max_position_embeddings / original
+    else:
+        factor = _real_field(params, "factor", None)  # KeyError when absent: a required field
+    attention_factor = _optional_real_field(params, "attention_factor")
+    if attention_factor is None:
+        mscales = (_optional_real_field(params, "mscale"), _optional_real_field(params, "mscale_all_dim"))
+        attention_factor = yarn_attention_factor(factor, *mscales)
+    return YarnRopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+        beta_fast=_optional_real_field(params, "beta_fast") or 32.0,
+        beta_slow=_optional_real_field(params, "beta_slow") or 1.0,
+        truncate=_bool_field(params, "truncate", True),
+    )
+
+
+# rope_type -> its parser (params, max_position_embeddings) -> scaling; "default" is plain rope (no scaling).
+_ROPE_PARSERS: Mapping[str, Callable[[Mapping[str, Any], int], RopeScaling]] = {
+    "llama3": _llama3_scaling,
+    "linear": _linear_scaling,
+    "yarn": _yarn_scaling,
+    "dynamic": _dynamic_scaling,
+}
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", *_ROPE_PARSERS)
 
 
 def _flat_rope_parameters(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -530,6 +583,16 @@ def _real_field(hf: Mapping[str, Any], name: str, default: float | None) -> floa
         value = default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _optional_real_field(hf: Mapping[str, Any], name: str) -> float | None:
+    """hf[name] as a finite float >= 0, or None when absent or null; a bool, str or negative number is an error."""
+    value = hf.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     return float(value)
 
 

@@ -10,14 +10,13 @@ live in ``ops.py``, where a model's ``ModelOps`` picks torch, torch.compile or T
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from fnvllm.model.config import Llama3RopeScaling
 from fnvllm.model.ops import TORCH_OPS, ModelOps
+from fnvllm.model.rope import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -39,24 +38,11 @@ class RMSNorm(nn.Module):
         return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
-    """(head_dim / 2,) float32 inverse frequencies theta^(-2i/head_dim), llama3-scaled when asked."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """(head_dim / 2,) float32 inverse frequencies theta^(-2i/head_dim), scaled by ``scaling`` when given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    return inv_freq if scaling is None else llama3_scale_inv_freq(inv_freq, scaling)
-
-
-def llama3_scale_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
-    """Llama 3.1 scaling: stretch long wavelengths by `factor`, keep short ones, blend those in between."""
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor  # longer than this: divide by factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor  # shorter than this: keep
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    return inv_freq if scaling is None else scaling.scale_inv_freq(inv_freq, theta)
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,9 +54,7 @@ class RotaryEmbedding(nn.Module):
 
     cos_sin_cache: torch.Tensor  # (max_positions, head_dim): [cos | sin]
 
-    def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: Llama3RopeScaling | None = None
-    ) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
@@ -81,11 +65,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", table if table.is_meta else self._cos_sin(None), persistent=False)
 
     def _cos_sin(self, device: torch.device | None) -> torch.Tensor:
-        """(max_positions, head_dim) float32: [cos | sin] of position * inv_freq (default device if None)."""
+        """(max_positions, head_dim) float32: [cos | sin] of position * inv_freq, times the scaling's attention
+        factor (YaRN's; 1 otherwise), on ``device`` (the default device if None)."""
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(positions.device)
         angles = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim / 2)
-        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return table if self.scaling is None else table * self.scaling.attention_factor
 
     def init_buffers(self) -> None:
         """Recompute the table in place on its current device (after materialising a meta-device model)."""
