@@ -13,6 +13,8 @@ import torch
 from tiny_models import hf_greedy, hf_model, write_family
 
 from fnvllm import BeamSearchOutput, BeamSearchParams
+from fnvllm.engine.beam import Beam, BeamRules, Search
+from fnvllm.executor.base import TokenLogprobs
 from fnvllm.llm import LLM
 from fnvllm.state import InvalidRequestError, SamplingParams
 from fnvllm.state.errors import RequestTypeError
@@ -119,6 +121,39 @@ def test_equals_reference_beam_search(
         ref = reference(model, prompt, width, MAX_TOKENS, eos, ignore_eos, penalty)
         assert_matches(out, ref, prompt, eos, ignore_eos)
         assert len(out.sequences) == width and out.prompt_token_ids == tuple(prompt) and out.prompt is None
+
+
+def test_sequences_keep_each_tokens_logprobs(tiny: tuple[LLM, Any, list[int]]) -> None:
+    """Each returned sequence holds one logprob entry per generated token, transformers' at its own position: the
+    token's logprob and the step's top 2 * beam_width (its search candidates), best first."""
+    llm, model, _ = tiny
+    width = 2
+    for out in llm.beam_search(PROMPTS, BeamSearchParams(width, MAX_TOKENS), use_tqdm=False):
+        for seq in out.sequences:
+            with torch.no_grad():  # row j scores the token at j + 1
+                rows = torch.log_softmax(model(torch.tensor([list(seq.tokens)])).logits[0].float(), dim=-1)
+            assert len(seq.logprobs) == len(seq.output_token_ids)
+            for position, entry in enumerate(seq.logprobs, start=seq.num_prompt_tokens):
+                row, top = rows[position - 1], rows[position - 1].topk(2 * width)
+                assert entry.token_id == seq.tokens[position]
+                assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+                assert [t for t, _ in entry.top] == top.indices.tolist()
+                assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize(("sampled", "candidates"), [(9, [5, 6, 9]), (7, [5, 6, 7]), (6, [5, 6])])
+def test_candidates_are_the_top_two_widths(sampled: int, candidates: list[int]) -> None:
+    """A step entry holding more top logprobs than 2 * beam_width (a driver that asked for more, as the server does
+    for a client's top logprobs) offers only its top 2 * beam_width, and the sampled token when not among them;
+    each child keeps the whole entry. (Every id is an EOS id here, so every candidate lands in ``finished``.)"""
+    rules = BeamRules(1, frozenset({5, 6, 7, 8, 9}), ignore_eos=False, length_penalty=0.0)
+    top = ((5, -0.1), (6, -0.2), (7, -0.3), (8, -0.4))
+    entry = TokenLogprobs(sampled, dict(top).get(sampled, -3.0), top)
+    after = rules.advance(Search((Beam((1, 2)),)), [entry])
+    assert after.live == () and [beam.tokens for beam in after.finished] == [(1, 2, t) for t in candidates]
+    for beam in after.finished:
+        logprob = dict(top).get(beam.tokens[-1], -3.0)
+        assert beam.cum_logprob == logprob and beam.logprobs == (TokenLogprobs(beam.tokens[-1], logprob, top),)
 
 
 def test_eos_rules_run(tiny: tuple[LLM, Any, list[int]]) -> None:

@@ -12,7 +12,8 @@ are vLLM's (``vllm/beam_search.py`` and ``LLM.beam_search``, which follow Huggin
 
 - a beam's candidates are the step's top ``2 * beam_width`` tokens (and the sampled one, when temperature > 0
   draws outside them), each scored by the beam's cumulative logprob plus the token's logprob (raw logprobs: the
-  temperature only picks the sampled token);
+  temperature only picks the sampled token); a driver may ask its requests for more logprobs (the server does
+  when a client asks for more top logprobs than that) and the candidates stay the top ``2 * beam_width``;
 - a candidate that is an EOS id (the engine's ``eos_token_ids``, the ids ``generate`` stops on) joins the prompt's
   finished set, unless ``ignore_eos``; the other candidates of all the prompt's beams are ranked by score and the
   best ``beam_width`` live on;
@@ -105,8 +106,8 @@ class BeamSearchSequence:
     tokens: the prompt's ids, then the generated ones (as vLLM's). num_prompt_tokens: how many of them are the
         prompt's.
     cum_logprob: the sum of the generated tokens' logprobs.
-    logprobs: one entry per generated token: its id and logprob, and the top 2 * beam_width (id, logprob) of
-        its step (its search candidates), best first.
+    logprobs: one entry per generated token: its id and logprob, and the top (id, logprob) of its step, best
+        first: the 2 * beam_width its search ranked (a driver whose requests ask for more keeps them all).
     finish_reason: "stop" when it ended with an EOS id (never under ignore_eos), else "length".
     text: the tokenizer's decoding of ``tokens`` (prompt included, special tokens kept, as vLLM's); "" without
         a tokenizer.
@@ -174,12 +175,14 @@ def live_beams(searches: Sequence[Search]) -> list[Beam]:
     return [beam for search in searches for beam in search.live]
 
 
-def expand(beam: Beam, entry: TokenLogprobs | None) -> list[Beam]:
-    """``beam`` extended by each candidate of its step (``entry``: the one-token request's logprobs): the top
-    tokens, then the sampled one if not among them. None (the request ended without a token): none."""
+def expand(beam: Beam, entry: TokenLogprobs | None, num_top: int) -> list[Beam]:
+    """``beam`` extended by each candidate of its step (``entry``: the one-token request's logprobs): the first
+    ``num_top`` top tokens, then the sampled one if not among them. None (the request ended without a token):
+    none. Each child keeps the whole ``entry.top`` in its token's logprob entry (a client may ask for more top
+    logprobs than the search ranks)."""
     if entry is None:
         return []
-    candidates = dict(entry.top)
+    candidates = dict(entry.top[:num_top])
     candidates.setdefault(entry.token_id, entry.logprob)
     return [
         Beam(
@@ -220,7 +223,7 @@ class BeamRules:
         ended without a token, e.g. aborted; it is dropped). Pure: returns a new value."""
         finished, live = list(search.finished), list[Beam]()
         for beam, entry in zip(search.live, entries, strict=True):
-            for child in expand(beam, entry):
+            for child in expand(beam, entry, 2 * self.beam_width):
                 (finished if self.ends(child) else live).append(child)
         return Search(self.best(live), tuple(finished))
 
