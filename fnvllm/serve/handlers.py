@@ -331,17 +331,26 @@ async def _respond_beam(
 ) -> Response:
     """Run the beam search: each step's batch submitted on a worker thread and collected as plain requests are;
     the answer holds each prompt's n best beams (``_choose`` numbers them and adds the echo), its usage their
-    generated tokens."""
+    generated tokens. Streamed, the opening chunks go out at once and the choices once the search is done
+    (``sse.final_events``); a client that leaves cancels the search, whose step requests are then aborted."""
     engine, aloop = served.engine, asyncio.get_running_loop()
 
     async def run_batch(batch: list[Submission]) -> list[Choice] | None:
         streams = await asyncio.to_thread(_submit_batch, engine, batch, job.aliases, aloop)
         return await _collect_all(engine, streams, receive)
 
-    outputs = await serve_beam.search(plan, job.prompts, fmt.request_id, run_batch)
-    if outputs is None:
+    async def answer() -> list[Choice] | None:
+        searched = await serve_beam.search(plan, job.prompts, fmt.request_id, run_batch)
+        return None if searched is None else _choose(job, serve_beam.choices(searched, plan, engine.tokenizer))
+
+    if job.is_stream:
+        stream_plan = sse.StreamPlan(None, job.include_usage, job.continuous_usage, job.logprobs, job.num_prompt_tokens)
+        # Nothing to abort on close: each step's requests are aborted by ``_collect_or_abort`` when cancelled.
+        events = sse.final_events(fmt, len(job.prompts) * job.num_choices, answer, stream_plan)
+        return sse.EventStream(events, on_close=lambda: None)
+    chosen = await answer()
+    if chosen is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    chosen = _choose(job, serve_beam.choices(outputs, plan, engine.tokenizer))
     counts = usage(job.num_prompt_tokens, sum(len(c.token_ids) for c in chosen))
     return JSONResponse(fmt.final(chosen, counts))
 

@@ -141,14 +141,15 @@ _SAMPLING_FIELDS = (
 """Body fields passed to SamplingParams under the same name (max_tokens and logprobs need translating)."""
 
 BEAM_REFUSED = (
-    "stream", "stream_options", "logprobs", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias",
+    "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "stop", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias",
 )  # fmt: skip
 """Body fields refused by name (when set) with ``use_beam_search``, as are an output constraint (GUIDED_FIELDS, a
 forced tool call), ``best_of`` other than n and ``max_tokens`` 0: the search ranks whole beams by their raw
-logprobs and returns them at the end, so it cannot sample, filter, penalise, constrain, stop on text or stream.
-Honoured: n (the beam width), max_tokens, ignore_eos, temperature, length_penalty, include_stop_str_in_output,
-skip_special_tokens, truncate_prompt_tokens, echo."""
+logprobs, so it cannot sample, filter, penalise, constrain or stop on text. Honoured: n (the beam width),
+max_tokens, ignore_eos, temperature, length_penalty, include_stop_str_in_output, skip_special_tokens,
+truncate_prompt_tokens, echo, logprobs (chat: with top_logprobs), stream and stream_options (each choice one chunk
+once the search is done: ``fnvllm.serve.beam``)."""
 
 
 def _is_sent(value: Any) -> bool:

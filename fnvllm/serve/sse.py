@@ -1,5 +1,6 @@
 """Server-sent events of one HTTP request: every choice's chunks as its engine request produces them, then the
-usage (if asked) and ``data: [DONE]``.
+usage (if asked) and ``data: [DONE]``. Choices known only at the end (beam search) go out one chunk each, in the
+same shapes (``final_events``).
 
 One choice reads its ``RequestStream`` directly; several (``n`` > 1, a batch of prompts) each get a small task
 that drains its stream into one queue, so the chunks of all choices interleave as they are generated. A stream
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -19,7 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fnvllm.serve.errors import APIError, internal
-from fnvllm.serve.formats import ChatFormat, CompletionFormat, echoed_logprobs, usage
+from fnvllm.serve.formats import ChatFormat, Choice, CompletionFormat, echoed_logprobs, usage
 from fnvllm.serve.stream import EngineFailure, RequestStream, TokenEvent
 
 Format = CompletionFormat | ChatFormat
@@ -134,6 +135,33 @@ async def _merged(streams: Sequence[RequestStream], interval_s: float) -> AsyncI
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def final_events(
+    fmt: Format, num_choices: int, answer: Callable[[], Awaitable[Sequence[Choice] | None]], plan: StreamPlan
+) -> AsyncIterator[str]:
+    """The event stream of choices known only once they are all done (beam search ranks whole beams at the end):
+    the opening chunks at once, then each of ``answer()``'s choices as one chunk (its whole text, ids, logprobs
+    and finish reason; an echo is already in its text), then the usage (if asked) and ``data: [DONE]``. An
+    APIError raised by ``answer`` ends the stream with its error event; None (the client left) ends it at once."""
+    for chunk in fmt.opening_chunks(num_choices):
+        yield _data(chunk)
+    try:
+        choices = await answer()
+    except APIError as error:
+        yield _data(error.body())
+        yield "data: [DONE]\n\n"
+        return
+    if choices is None:
+        return
+    num_tokens = 0
+    for c in choices:
+        num_tokens += len(c.token_ids)
+        counts = usage(plan.num_prompt_tokens, num_tokens) if plan.continuous_usage else None
+        yield _data(fmt.chunk(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, counts))
+    if plan.include_usage:
+        yield _data(fmt.usage_chunk(usage(plan.num_prompt_tokens, num_tokens)))
+    yield "data: [DONE]\n\n"
 
 
 class EventStream(StreamingResponse):
