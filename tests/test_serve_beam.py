@@ -289,10 +289,14 @@ def test_streamed_completions_add_up_to_the_answer(served: LLM) -> None:
     assert {chunk.id for chunk in chunks} == {chunks[0].id} and chunks[0].object == "text_completion"
 
 
-def test_streamed_chat_adds_up_to_the_answer(served: LLM) -> None:
-    """Chat stream: true with beam search: each choice opens with the assistant role, its deltas add up to the
-    plain answer's content, logprobs and finish reason, and the usage chunk closes the stream."""
+@pytest.mark.parametrize("tools", [False, True])
+def test_streamed_chat_adds_up_to_the_answer(served: LLM, tools: bool) -> None:
+    """Chat stream: true with beam search (with tools: through the tool-call parser's format): each choice opens
+    with the assistant role, its deltas add up to the plain answer's content, logprobs and finish reason, and the
+    usage chunk closes the stream."""
     body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "n": 2, "max_tokens": MAX_TOKENS, "extra_body": BEAM}
+    if tools:
+        body["tools"] = [WEATHER_TOOL]
     with server(served) as (url, engine):
         openai_client = client(url)
         plain = openai_client.chat.completions.create(**body, logprobs=True, top_logprobs=2)
