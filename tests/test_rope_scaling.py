@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_llm_equality import check_prefix_hits
 from test_model import TOL, hf_logits, prompt, run_schedule
 from tiny_models import hf_greedy, hf_model
 
@@ -156,6 +157,16 @@ def test_triton_ops_take_the_scaled_table(case: tuple[str, Path, Any]) -> None:
     tokens = prompt(4, length=ORIGINAL + 6)
     (logits,) = run_schedule(ours, [tokens], [[(0, ORIGINAL + 2)]] + [[(0, 1)]] * 4, block_size=16)
     torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton ops on the device need a GPU")
+@pytest.mark.parametrize("case", ["qwen2-yarn-qwen-docs-v4"], indirect=True)
+def test_gpu_greedy_matches_transformers(case: tuple[str, Path, Any]) -> None:
+    """On a GPU (CUDA graphs, the Triton ops) a YaRN checkpoint's greedy tokens for mixed prompts, the longer ones
+    past original_max_position_embeddings, with prefix-cache hits, equal transformers'."""
+    name, path, hf = case
+    check_prefix_hits(name, path, hf, device="cuda")
 
 
 @pytest.mark.parametrize("case", ["qwen3-dynamic-v4"], indirect=True)
