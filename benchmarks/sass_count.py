@@ -75,6 +75,7 @@ def kernel_constexprs(args: argparse.Namespace) -> dict[str, object]:
         MERGE_CHUNK=max(1, dec._MERGE_ELEMENTS // (merge_group * args.head_dim)), USE_PDL=True,
         PRELOAD_KV=args.preload, ORDERED=fp8, V_WIDE=fp8 and args.fp8_path == "mma_v16", K_E4M3=k_e4m3,
         EO=fp8 and args.fp8_path == "mma_eo" and args.gqa == "dot" and args.head_dim >= 32,
+        WINDOW=getattr(args, "window", None),
     )  # fmt: skip
 
 
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     parser.add_argument("--preload", action="store_true", help="preload_kv: the first tile read before the wait")
     parser.add_argument("--gqa", choices=("dot", "kq", "sum"), default="dot", help="gqa_mode (default dot)")
+    parser.add_argument("--window", type=int, help="a sliding window in tokens (default: none, full attention)")
     parser.add_argument("--tile", type=int, help="tokens a tile (default: the launcher's default for the dtype)")
     parser.add_argument("--stages", type=int, help="pipeline stages (default: the launcher's default)")
     parser.add_argument("--warps", type=int, help="warps a program (default: the launcher's default)")

@@ -21,6 +21,15 @@ token at position 9 with blocks (3, 8, 6):
 Attention is causal with the queries aligned to the end of each sequence: the query at position p attends that
 sequence's keys at positions 0..p, read from the cache (prefix from earlier steps plus this step's writes).
 
+Sliding-window attention (Mistral, Qwen2 with use_sliding_window): a layer with a window of w tokens (``window``,
+an int >= 1; None = full attention) lets the query at position p see the keys at positions p - w + 1 .. p only,
+i.e. key j iff 0 <= p - j < w (transformers' sliding-window causal mask). Worked example (w 3): the query at
+position 6 sees keys 4, 5, 6; a chunk feeding positions 5..7 reads keys 3..7 between its rows. The window is a
+constant of the layer, so the kernels take it as a compile-time constant (a CUDA graph replays it); every backend
+in this package honours it (``AttentionBackend.supports_sliding_window``). The KV blocks that fell out of every
+sequence's window stay allocated (and are simply not read): freeing them is a separate memory optimisation, not
+done.
+
 An FP8 cache (``kv_cache_dtype="fp8"``, see ``fp8.py``) holds float8_e4m3fn values and comes with a float32
 scale per KV head for K and one for V (``KVCache.k_scale`` / ``v_scale``); the reference dequantizes every cache
 row it reads (``row * scale``) and computes in float32 as for any other cache.
@@ -168,6 +177,12 @@ def write_kv(
             cache.view(torch.uint8)[blocks, offsets] = quantize_fp8(x, s).view(torch.uint8)
 
 
+def check_window(window: int | None) -> None:
+    """Raise ValueError unless ``window`` (a sliding window in tokens) is None (full attention) or an int >= 1."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None (full attention) or an int >= 1 (tokens), got {window!r}")
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -176,17 +191,20 @@ def paged_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of q (T, Hq, D) over the paged caches; float32 softmax; returns (T, Hq, D).
 
     FP8 caches need their scales k_scale, v_scale (Hkv,) and are dequantized row by row as they are read.
+    window: each query sees only the last ``window`` positions up to its own (None: all of them).
     Decoding sequences (q_len 1) are batched through one gather; the others loop one sequence at a time.
     """
     _check_shapes(q, k_cache, v_cache, meta)
     check_kv_scales(k_cache, k_scale, v_scale)
+    check_window(window)
     kv = KVCache(k_cache, v_cache, k_scale, v_scale)
     if meta.max_seqlen_q == 1:  # all-decode batch: no host sync
-        return _decode_attention(q, kv, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale)
+        return _decode_attention(q, kv, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale, window)
     out = torch.empty_like(q)
     cu = meta.cu_seqlens_q.tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -195,11 +213,12 @@ def paged_attention_ref(
         tokens = torch.tensor([cu[i] for i in decodes], device=q.device)
         seqs = torch.tensor(decodes, device=q.device)
         max_len = max(seq_lens[i] for i in decodes)
-        out[tokens] = _decode_attention(q[tokens], kv, meta.block_tables[seqs], meta.seq_lens[seqs], max_len, scale)
+        tables, lens = meta.block_tables[seqs], meta.seq_lens[seqs]
+        out[tokens] = _decode_attention(q[tokens], kv, tables, lens, max_len, scale, window)
     for i in range(meta.num_seqs):
         if cu[i + 1] - cu[i] > 1:
             out[cu[i] : cu[i + 1]] = _prefill_attention(
-                q[cu[i] : cu[i + 1]], kv, meta.block_tables[i], seq_lens[i], scale
+                q[cu[i] : cu[i + 1]], kv, meta.block_tables[i], seq_lens[i], scale, window
             )
     return out
 
@@ -235,8 +254,10 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence, q (B, Hq, D): gather each sequence's blocks at once; returns (B, Hq, D)."""
+    """One query per sequence, q (B, Hq, D): gather each sequence's blocks at once; returns (B, Hq, D). With a
+    ``window``, keys more than window - 1 positions before the query (at seq_len - 1) are hidden too."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv.k.shape[1], kv.k.shape[2]
     table = block_tables[:, : math.ceil(max_seq_len / block_size)]  # (B, nb)
@@ -248,7 +269,10 @@ def _decode_attention(
         hi = min(num_seqs, lo + step)
         # Slots past a sequence's end (tail of its last block, padding blocks) hold garbage, maybe NaN: zero
         # their values as well as masking their scores, since 0 * NaN is NaN.
-        hidden = torch.arange(span, device=q.device)[None, :] >= seq_lens[lo:hi, None]  # (b, L)
+        key_pos = torch.arange(span, device=q.device)[None, :]  # (1, L)
+        hidden = key_pos >= seq_lens[lo:hi, None]  # (b, L)
+        if window is not None:  # key j is seen from the query at seq_len - 1 iff seq_len - 1 - j < window
+            hidden |= key_pos < seq_lens[lo:hi, None] - window
         k = read_rows(kv.k, table[lo:hi], kv.k_scale).flatten(1, 2)  # (b, L, Hkv, D)
         v = read_rows(kv.v, table[lo:hi], kv.v_scale).flatten(1, 2).masked_fill(hidden[:, :, None, None], 0.0)
         qg = q[lo:hi].reshape(hi - lo, num_kv_heads, -1, head_dim).float()  # (b, Hkv, G, D)
@@ -259,23 +283,28 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, kv: KVCache, block_table: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor, kv: KVCache, block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """One sequence's chunk q (n, Hq, D) at positions seq_len-n .. seq_len-1, causal; returns (n, Hq, D)."""
+    """One sequence's chunk q (n, Hq, D) at positions seq_len-n .. seq_len-1, causal (within ``window`` when
+    given); returns (n, Hq, D). Keys before the first query's window are not read."""
     num_queries, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv.k.shape[1], kv.k.shape[2]
-    blocks = block_table[: math.ceil(seq_len / block_size)]
-    k = read_rows(kv.k, blocks, kv.k_scale).flatten(0, 1)[:seq_len]  # (L, Hkv, D)
-    v = read_rows(kv.v, blocks, kv.v_scale).flatten(0, 1)[:seq_len]  # (L, Hkv, D)
-    key_pos = torch.arange(seq_len, device=q.device)  # (L,)
+    first = 0 if window is None else max(0, seq_len - num_queries - window + 1)  # first key any query sees
+    blocks = block_table[first // block_size : math.ceil(seq_len / block_size)]
+    skipped = first // block_size * block_size  # positions in the blocks not read
+    k = read_rows(kv.k, blocks, kv.k_scale).flatten(0, 1)[first - skipped : seq_len - skipped]  # (L, Hkv, D)
+    v = read_rows(kv.v, blocks, kv.v_scale).flatten(0, 1)[first - skipped : seq_len - skipped]  # (L, Hkv, D)
+    key_pos = torch.arange(first, seq_len, device=q.device)  # (L,)
     out = torch.empty_like(q)
-    step = max(1, _MAX_SCORE_ELEMENTS // (seq_len * num_heads))
+    step = max(1, _MAX_SCORE_ELEMENTS // ((seq_len - first) * num_heads))
     for lo in range(0, num_queries, step):
         hi = min(num_queries, lo + step)
         qg = q[lo:hi].reshape(hi - lo, num_kv_heads, -1, head_dim).float()  # (n, Hkv, G, D)
         scores = torch.einsum("nhgd,lhd->hgnl", qg, k) * scale  # (Hkv, G, n, L)
         query_pos = torch.arange(seq_len - num_queries + lo, seq_len - num_queries + hi, device=q.device)
         hidden = key_pos[None, :] > query_pos[:, None]  # (n, L)
+        if window is not None:
+            hidden |= key_pos[None, :] <= query_pos[:, None] - window  # (n, L)
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[lo:hi] = torch.einsum("hgnl,lhd->nhgd", probs, v).reshape(hi - lo, num_heads, head_dim).to(q.dtype)
     return out
@@ -292,15 +321,17 @@ def attention(
     backend: AttentionBackend,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's k, v (T, Hkv, D) into the caches, then attend q (T, Hq, D); returns (T, Hq, D).
 
-    k_scale / v_scale: the (Hkv,) float32 scales of FP8 caches (None for caches in the model's dtype)."""
+    k_scale / v_scale: the (Hkv,) float32 scales of FP8 caches (None for caches in the model's dtype).
+    window: the layer's sliding window in tokens (None: full attention); see the module docstring."""
     if k_scale is None and v_scale is None:  # the caches' dtype is the model's: every backend takes this call
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    return attend_stored(q, k_cache, v_cache, meta, scale, backend, k_scale, v_scale)
+    return attend_stored(q, k_cache, v_cache, meta, scale, backend, k_scale, v_scale, window)
 
 
 def attend_stored(
@@ -312,9 +343,26 @@ def attend_stored(
     backend: AttentionBackend,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attend q (T, Hq, D) over caches that already hold this step's K/V (written by a fused kernel, e.g.
-    ``store_kv.norm_rope_store``); returns (T, Hq, D)."""
-    if k_scale is None and v_scale is None:
-        return backend.attend(q, k_cache, v_cache, meta, scale)
-    return backend.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    ``store_kv.norm_rope_store``); returns (T, Hq, D). A ``window`` goes to the backend as its ``window`` keyword
+    (only then: a backend without sliding windows keeps its signature, and is refused here by name)."""
+    check_sliding_window(backend, window)
+    scales = () if k_scale is None and v_scale is None else (k_scale, v_scale)
+    if window is None:
+        return backend.attend(q, k_cache, v_cache, meta, scale, *scales)
+    return backend.attend(q, k_cache, v_cache, meta, scale, *scales, window=window)
+
+
+def check_sliding_window(backend: AttentionBackend, window: int | None) -> None:
+    """Raise ValueError for a bad ``window`` (``check_window``), or one that ``backend`` cannot honour, naming it and
+    the backends that can (never silently attend over the whole context)."""
+    check_window(window)
+    if window is not None and not backend.supports_sliding_window:
+        from fnvllm.kernels.backends import sliding_window_backends  # (the backends import this module)
+
+        raise ValueError(
+            f"attention backend {backend.name!r} has no sliding-window attention (window={window}); use one of "
+            f"{sliding_window_backends()}"
+        )

@@ -34,6 +34,13 @@ length 70 runs partitions 0 (tokens 0..63, blocks table[0..3]) and 1 (tokens 64.
 write partials and the reduce merges them. A sequence of length 40 runs partition 0 only (partition 1 exits)
 and writes its output directly; the reduce skips it. A padding row of length 0 writes zeros from partition 0.
 
+Sliding window (``window``: w tokens, a compile-time constant of the launch, so a CUDA graph replays it): the query
+at position L - 1 sees keys L - w .. L - 1 (``window_start``). A partition that ends at or before L - w exits as one
+past the end does (no KV read), a live one starts at the tile holding L - w (its tokens before L - w masked out of
+the loads), and the live partitions (L - w) // partition_size .. are the ones merged. Same example with w 20
+(tile 16): the sequence of length 70 sees tokens 50..69; partition 0 reads its tiles 48..63 only, partition 1
+tokens 64..69, and both are merged; the KV blocks before the window are allocated as ever (not freed).
+
 Tried and dropped (H200, 2026-12-02, benchmarks/sweep_small.py): doing norm_rope_store's work (q/k norms, rotary,
 the K/V store) inside this kernel, one launch fewer per layer (commit 9dfb9fd): the whole Qwen3-0.6B decode step
 measured slower at B = 1 / 16 / 64 (809.5 / 1154.2 / 1657.5 us against 799.3 / 1139.2 / 1574.1), since every
@@ -52,7 +59,7 @@ import triton
 import triton.language as tl
 
 from fnvllm.env import env_choice
-from fnvllm.kernels.attention import KVCache, _decode_attention, check_same_layout
+from fnvllm.kernels.attention import KVCache, _decode_attention, check_same_layout, check_window
 from fnvllm.kernels.fp8 import check_kv_scales, is_fp8
 from fnvllm.kernels.fused_ops import gpu_model, pdl_launch, use_pdl, wait_for_previous_kernel
 from fnvllm.kernels.store_kv import e4m3_bits
@@ -397,13 +404,15 @@ def paged_decode_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Torch reference: q (B, Hq, D) attends keys 0..seq_lens[b]-1; rows of length 0 give zeros; (B, Hq, D).
-    FP8 caches need their (Hkv,) scales."""
+    """Torch reference: q (B, Hq, D) attends keys 0..seq_lens[b]-1 (with a sliding ``window``, the last window of
+    them); rows of length 0 give zeros; (B, Hq, D). FP8 caches need their (Hkv,) scales."""
     check_kv_scales(k_cache, k_scale, v_scale)
+    check_window(window)
     max_len = max(1, int(seq_lens.max())) if seq_lens.numel() else 1
     kv = KVCache(k_cache, v_cache, k_scale, v_scale)
-    out = _decode_attention(q, kv, block_tables, seq_lens, max_len, scale)  # (B, Hq, D)
+    out = _decode_attention(q, kv, block_tables, seq_lens, max_len, scale, window)  # (B, Hq, D)
     return out.masked_fill(seq_lens[:, None, None] == 0, 0.0)
 
 
@@ -642,6 +651,26 @@ def attend_tile_kq(
 
 
 @triton.jit
+def window_start(seq_len, WINDOW: tl.constexpr):
+    """The first key position the query at seq_len - 1 sees: seq_len - WINDOW (at least 0) under a sliding window
+    of WINDOW tokens (key j is seen iff 0 <= seq_len - 1 - j < WINDOW), 0 when WINDOW is None."""
+    start = seq_len * 0
+    if WINDOW is not None:
+        start = tl.maximum(seq_len - WINDOW, 0)
+    return start
+
+
+@triton.jit
+def is_live_partition(start, seq_len, kv_start, PARTITION_SIZE: tl.constexpr, WINDOW: tl.constexpr):
+    """Whether the partition of keys start .. start + PARTITION_SIZE - 1 holds a key the query sees: it starts
+    before seq_len and, under a sliding window, ends after kv_start (``window_start``)."""
+    live = start < seq_len
+    if WINDOW is not None:
+        live = live & (start + PARTITION_SIZE > kv_start)
+    return live
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -690,6 +719,7 @@ def _decode_partition_kernel(
     V_WIDE: tl.constexpr = False,  # fp8_path "mma_v16" (FP8 cache, float16 q)
     K_E4M3: tl.constexpr = False,  # fp8_path "wgmma_qk8" (KQ)
     EO: tl.constexpr = False,  # fp8_path "mma_eo": caches passed as int16 views (strides in int16 elements)
+    WINDOW: tl.constexpr = None,  # a sliding window in tokens (int >= 1), None for full attention
 ):
     """Attend the G query heads of one KV head over partition program_id(2) of one sequence (see HEADS_INNER).
 
@@ -708,7 +738,11 @@ def _decode_partition_kernel(
     ORDERED: the grid's sequence index r serves sequence order_ptr[r] (a permutation of the batch, longest first:
     ``orders_longest_first``), so the launch's last wave holds short sequences; the order is a step input, copied
     before the step's first kernel, so it is read before the wait.
-    EO: the caches are int16 views of e4m3 (``attend_tile_eo``), a token row D / 2 elements."""
+    EO: the caches are int16 views of e4m3 (``attend_tile_eo``), a token row D / 2 elements.
+    WINDOW: the query (at seq_len - 1) sees keys seq_len - WINDOW .. seq_len - 1 only (``window_start``): a partition
+    wholly before them exits like one past the end, and a live one starts at the tile holding the first of them,
+    masking the tokens before it (not read). Not with PRELOAD_KV (its peeled first tile is the partition's)."""
+    tl.static_assert(WINDOW is None or not PRELOAD_KV, "a sliding window is not read with PRELOAD_KV")
     KV_COLS: tl.constexpr = HEAD_DIM // (1 + EO)  # cache elements a tile row
     if HEADS_INNER:
         kv_head = tl.program_id(0)
@@ -738,11 +772,12 @@ def _decode_partition_kernel(
     g_mask = g < GROUP
     heads = kv_head * GROUP + g  # (GROUP_PAD,) query heads of this KV group
     out_offs = seq64 * stride_ob + heads[:, None] * stride_oh + d[None, :]  # (GROUP_PAD, D)
+    kv_start = window_start(seq_len, WINDOW)  # the first key the query sees
     if seq_len == 0:
         if part == 0:  # padding row: finite zeros, no KV read
             zeros = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + out_offs, zeros, mask=g_mask[:, None])
-    elif start < seq_len:
+    elif is_live_partition(start, seq_len, kv_start, PARTITION_SIZE, WINDOW):
         end = tl.minimum(start + PARTITION_SIZE, seq_len)
         q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None])
         if Q_FP16:
@@ -764,8 +799,11 @@ def _decode_partition_kernel(
                 qt = tl.trans(q.to(tl.float32).to(tl.float8e4nv))
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
-        first = kv_tile_offsets(table_row, start, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
-        loop_start = start
+        lo = start  # the first tile read: the partition's, or under a window the one holding kv_start
+        if WINDOW is not None:  # (a multiple of TILE, as start: the tile offsets stay vectorised)
+            lo = tl.multiple_of(tl.maximum(start, kv_start // TILE * TILE), TILE)
+        first = kv_tile_offsets(table_row, lo, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
+        loop_start = lo
         offs = first
         if PRELOAD_KV:  # the first tile is peeled (below): the loop starts at the second
             loop_start = start + TILE
@@ -774,6 +812,8 @@ def _decode_partition_kernel(
                 PARTITION_SIZE, TILE,
             )  # fmt: skip
         mask = loop_start + tl.arange(0, TILE) < end  # (TILE,) tokens of the loop's first tile inside the partition
+        if WINDOW is not None:  # (only the first tile can hold tokens before the window)
+            mask = mask & (loop_start + tl.arange(0, TILE) >= kv_start)
         if PREFETCH:  # register double buffer: tile i+1's loads are in flight while tile i is consumed
             k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, mask, KV_COLS)
         if PRELOAD_KV:  # the first tile: this step's token (stored by the kernel before) patched into the preload
@@ -810,7 +850,7 @@ def _decode_partition_kernel(
                     k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             # Next tile's slots, looked up now so the block-table read overlaps this tile's loads and math.
             offs = next_tile_offsets(
-                table_row, first, start, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                table_row, first, lo, t0 + TILE, end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
                 PARTITION_SIZE, TILE,
             )  # fmt: skip
             mask = t0 + TILE + tl.arange(0, TILE) < end
@@ -836,7 +876,9 @@ def _decode_partition_kernel(
         o = acc / l[:, None]  # (GROUP_PAD, D)
         if KV_FP8:  # the reduce is linear in each partial output, so scaling them here scales the result
             o = o * tl.load(v_scale_ptr + kv_head)
-        if seq_len <= PARTITION_SIZE:  # the only live partition: final output
+        first_live = kv_start // PARTITION_SIZE  # live partitions: first_live .. first_live + num_live - 1
+        num_live = tl.cdiv(seq_len, PARTITION_SIZE) - first_live
+        if num_live == 1:  # the only live partition: final output
             tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         else:
             slot = (seq64 * num_heads + heads) * num_parts + part  # (GROUP_PAD,) row of the workspace
@@ -845,11 +887,10 @@ def _decode_partition_kernel(
             if FUSED_REDUCE:
                 tl.debug_barrier()  # every thread's partial is stored before the program's one atomic
                 done = tl.atomic_add(counter_ptr + seq64 * num_kv_heads + kv_head, 1, sem="acq_rel")
-                num_live = tl.cdiv(seq_len, PARTITION_SIZE)
                 if done == num_live - 1:  # the last live partition of this (sequence, KV head) to finish
                     merge_partitions(
-                        out_ptr, part_out_ptr, part_lse_ptr, seq64, kv_head, num_live, stride_ob, stride_oh,
-                        num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
+                        out_ptr, part_out_ptr, part_lse_ptr, seq64, kv_head, first_live, num_live, stride_ob,
+                        stride_oh, num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
                     )  # fmt: skip
                     tl.atomic_xchg(counter_ptr + seq64 * num_kv_heads + kv_head, 0)
 
@@ -863,13 +904,13 @@ def _decode_pairs_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     Q_FP16: tl.constexpr, FUSED_REDUCE: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = None,
 ):  # fmt: skip
     """``_decode_partition_kernel`` (FP8 caches, "dot", no prefetch) for the two KV heads 2 program_id(0) and
     2 program_id(0) + 1 of one sequence and partition: each tile is read as (2, TILE, D), the two heads' slices
     of a token row being neighbours in memory (2 x D contiguous bytes), and both heads are attended with batched
     products ((2, G, D) x (2, D, TILE)). Split partials are merged as there, the pair counting in on the
-    counter of its first head and the last partition merging both heads."""
+    counter of its first head and the last partition merging both heads. WINDOW: a sliding window, as there."""
     pair = tl.program_id(0)
     seq = tl.program_id(1)
     part = tl.program_id(2)
@@ -884,11 +925,12 @@ def _decode_pairs_kernel(
     h_mask = (g[None, :] < GROUP) & (i[:, None] < 2)  # (2, GROUP_PAD)
     seq64 = seq.to(tl.int64)
     out_offs = seq64 * stride_ob + heads[:, :, None] * stride_oh + d[None, None, :]  # (2, GROUP_PAD, D)
+    kv_start = window_start(seq_len, WINDOW)  # the first key the query sees
     if seq_len == 0:
         if part == 0:  # padding row: finite zeros, no KV read
             zeros = tl.zeros([2, GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + out_offs, zeros, mask=h_mask[:, :, None])
-    elif start < seq_len:
+    elif is_live_partition(start, seq_len, kv_start, PARTITION_SIZE, WINDOW):
         end = tl.minimum(start + PARTITION_SIZE, seq_len)
         q = tl.load(
             q_ptr + seq64 * stride_qb + heads[:, :, None] * stride_qh + d[None, None, :],
@@ -903,9 +945,14 @@ def _decode_pairs_kernel(
         l = tl.zeros([2, GROUP_PAD], tl.float32)
         acc = tl.zeros([2, GROUP_PAD, HEAD_DIM], tl.float32)
         slice_offs = i[:, None, None] * stride_ch + d[None, None, :]  # (2, 1, D) within a token row
-        for t0 in range(start, end, TILE):
+        lo = start  # the first tile read: the partition's, or under a window the one holding kv_start
+        if WINDOW is not None:
+            lo = tl.maximum(start, kv_start // TILE * TILE)
+        for t0 in range(lo, end, TILE):
             offs = kv_tile_offsets(table_row, t0, end, 2 * pair, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, TILE)
             mask = t0 + tl.arange(0, TILE) < end  # (TILE,)
+            if WINDOW is not None:
+                mask = mask & (t0 + tl.arange(0, TILE) >= kv_start)
             ptrs = offs[None, :, None] + slice_offs  # (2, TILE, D)
             k = tl.load(k_cache_ptr + ptrs, mask=mask[None, :, None], other=0.0).to(q.dtype)
             v = tl.load(v_cache_ptr + ptrs, mask=mask[None, :, None], other=0.0).to(q.dtype)
@@ -918,7 +965,9 @@ def _decode_pairs_kernel(
             acc = acc * alpha[:, :, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
             m = m_new
         o = acc / l[:, :, None] * tl.load(v_scale_ptr + kv_heads)[:, None, None]  # (2, GROUP_PAD, D)
-        if seq_len <= PARTITION_SIZE:  # the only live partition: final output
+        first_live = kv_start // PARTITION_SIZE  # live partitions: first_live .. first_live + num_live - 1
+        num_live = tl.cdiv(seq_len, PARTITION_SIZE) - first_live
+        if num_live == 1:  # the only live partition: final output
             tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, :, None])
         else:
             slot = (seq64 * num_heads + heads) * num_parts + part  # (2, GROUP_PAD)
@@ -928,12 +977,11 @@ def _decode_pairs_kernel(
                 tl.debug_barrier()  # every thread's partials are stored before the program's one atomic
                 counter = counter_ptr + seq64 * num_kv_heads + 2 * pair
                 done = tl.atomic_add(counter, 1, sem="acq_rel")
-                num_live = tl.cdiv(seq_len, PARTITION_SIZE)
                 if done == num_live - 1:  # the last live partition of this (sequence, KV head pair)
                     for h in tl.static_range(2):
                         merge_partitions(
-                            out_ptr, part_out_ptr, part_lse_ptr, seq64, 2 * pair + h, num_live, stride_ob,
-                            stride_oh, num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
+                            out_ptr, part_out_ptr, part_lse_ptr, seq64, 2 * pair + h, first_live, num_live,
+                            stride_ob, stride_oh, num_heads, num_parts, HEAD_DIM, GROUP, MERGE_GROUP, MERGE_CHUNK,
                         )  # fmt: skip
                     tl.atomic_xchg(counter, 0)
 
@@ -945,6 +993,7 @@ def merge_partitions(
     part_lse_ptr,
     seq64,
     kv_head,
+    first_live,
     num_live,
     stride_ob,
     stride_oh,
@@ -955,7 +1004,8 @@ def merge_partitions(
     MERGE_GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Merge the num_live partials of the G query heads of (sequence, KV head) by log-sum-exp into out.
+    """Merge the num_live partials (partitions first_live ..; 0 but under a sliding window) of the G query heads of
+    (sequence, KV head) by log-sum-exp into out.
 
     MERGE_GROUP: G padded to a power of two; CHUNK partitions are read per step ((MERGE_GROUP, CHUNK, D) values).
     The partials were written by other programs: they are read with ".cg" (from L2, never a stale L1 line).
@@ -965,7 +1015,7 @@ def merge_partitions(
     d = tl.arange(0, HEAD_DIM)
     g_ok = g < GROUP
     heads = kv_head * GROUP + g  # (MERGE_GROUP,)
-    base = (seq64 * num_heads + heads) * num_parts  # (MERGE_GROUP,) first workspace row of each head
+    base = (seq64 * num_heads + heads) * num_parts + first_live  # (MERGE_GROUP,) first live workspace row a head
     # One pass with a running max (one round trip to L2 when the partials fit a chunk): m starts finite, so a
     # padded head (every weight 0) rescales by exp2(0) = 1 and stays NaN-free.
     m = tl.full([MERGE_GROUP], _MERGE_M0, tl.float32)
@@ -1007,15 +1057,18 @@ def _decode_reduce_kernel(
     PARTITION_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr = None,
 ):
-    """Merge the live partitions of (sequence program_id(0), query head program_id(1)) by log-sum-exp."""
+    """Merge the live partitions of (sequence program_id(0), query head program_id(1)) by log-sum-exp (under a
+    sliding WINDOW those from the one holding its first key)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     wait_for_previous_kernel(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_live = tl.cdiv(seq_len, PARTITION_SIZE)
+    first_live = window_start(seq_len, WINDOW) // PARTITION_SIZE
+    num_live = tl.cdiv(seq_len, PARTITION_SIZE) - first_live
     if num_live > 1:  # otherwise the partition kernel wrote the output
-        base = (seq.to(tl.int64) * num_heads + head) * num_parts
+        base = (seq.to(tl.int64) * num_heads + head) * num_parts + first_live
         c = tl.arange(0, CHUNK)
         d = tl.arange(0, HEAD_DIM)
         m = tl.full([], _MERGE_M0, tl.float32)  # one pass with a running max (see ``merge_partitions``)
@@ -1058,6 +1111,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     seq_order: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (B, Hq, D) over the paged caches; returns (B, Hq, D) in q's dtype (into `out`).
 
@@ -1068,7 +1122,10 @@ def paged_decode_attention(
     `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. seq_order: (B,) int32, the batch's
     sequences longest first (any permutation of range(B) gives the same output), which the launch follows where
-    ``orders_longest_first`` says it pays. Reads no device values, so it can be captured in a CUDA graph.
+    ``orders_longest_first`` says it pays. window: a sliding window in tokens (the query at seq_len - 1 sees keys
+    seq_len - window .. seq_len - 1; partitions and tiles before them are not read), a compile-time constant of the
+    launch, None for full attention; it turns ``preload_kv`` off (an explicit preload_kv=True is a ValueError).
+    Reads no device values, so it can be captured in a CUDA graph.
     """
     base = DEFAULT_FP8_DECODE_CONFIG if is_fp8(k_cache) else DEFAULT_DECODE_CONFIG
     max_context = block_tables.shape[1] * k_cache.shape[1]
@@ -1096,6 +1153,11 @@ def paged_decode_attention(
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
+    check_window(window)
+    if window is not None and preload_kv:
+        raise ValueError("preload_kv reads each partition's first tile, not a sliding window's: pass window=None")
+    if window is not None:  # (a measured config's preload is a speed knob: dropped)
+        cfg = dataclasses.replace(cfg, preload_kv=False)
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out, cfg)
     check_scale(scale)
     check_kv_scales(k_cache, k_scale, v_scale)
@@ -1115,13 +1177,13 @@ def paged_decode_attention(
     if kv.k_scale is not None and cfg.fp8_path == "wgmma_qk8" and head_dim < 32:  # (Triton's rule for e4m3 dots)
         raise ValueError(f"fp8_path 'wgmma_qk8' needs head_dim >= 32 (its e4m3 product is 32 deep), got {head_dim}")
     if kv.k_scale is not None and cfg.fp8_path == "mma_pairs":
-        _launch_pairs(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg)
+        _launch_pairs(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg, window)
     else:
         ordered = seq_order is not None and orders_longest_first(num_seqs, k_cache.shape[2], num_parts, kv)
         if ordered and (seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32):
             raise ValueError(f"seq_order must be ({num_seqs},) int32, got {seq_order.dtype} {tuple(seq_order.shape)}")
         order = seq_order if ordered else None
-        _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg, order)
+        _launch_partitions(q, kv, block_tables, seq_lens, scale, out, workspace, num_parts, cfg, order, window)
     if workspace is not None and not cfg.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
@@ -1136,6 +1198,7 @@ def paged_decode_attention(
             PARTITION_SIZE=cfg.partition_size,
             CHUNK=_REDUCE_CHUNK,
             USE_PDL=use_pdl(q.device),
+            WINDOW=window,
             num_warps=4 if head_dim >= 128 else 2,
             **pdl_launch(q.device),
         )
@@ -1170,9 +1233,11 @@ def _launch_partitions(
     num_parts: int,
     cfg: DecodeKernelConfig,
     seq_order: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """Launch the split-K partition kernel on grid (Hkv, B, P), or (B, Hkv, P) when not cfg.heads_inner; with
-    ``seq_order`` ((B,) int32, a permutation of the batch) the grid's sequence index r serves seq_order[r]."""
+    ``seq_order`` ((B,) int32, a permutation of the batch) the grid's sequence index r serves seq_order[r]; under a
+    sliding ``window`` of tokens (None: full attention)."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv.k, kv.v
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -1234,6 +1299,7 @@ def _launch_partitions(
         V_WIDE=q_fp16 and cfg.fp8_path == "mma_v16",
         K_E4M3=k_e4m3,
         EO=eo,
+        WINDOW=window,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(q.device),
@@ -1250,8 +1316,10 @@ def _launch_pairs(
     workspace: DecodeWorkspace | None,
     num_parts: int,
     cfg: DecodeKernelConfig,
+    window: int | None = None,
 ) -> None:
-    """Launch ``_decode_pairs_kernel`` (FP8 caches, fp8_path "mma_pairs") on grid (Hkv / 2, B, P)."""
+    """Launch ``_decode_pairs_kernel`` (FP8 caches, fp8_path "mma_pairs") on grid (Hkv / 2, B, P), under a sliding
+    ``window`` of tokens (None: full attention)."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv.k, kv.v
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -1269,7 +1337,8 @@ def _launch_pairs(
         PARTITION_SIZE=cfg.partition_size, TILE=cfg.tile_size, DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device), Q_FP16=fp8_compute_fp16(q, k_cache), FUSED_REDUCE=fused,
         MERGE_GROUP=merge_group, MERGE_CHUNK=max(1, _MERGE_ELEMENTS // (merge_group * head_dim)),
-        USE_PDL=use_pdl(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q.device),
+        USE_PDL=use_pdl(q.device), WINDOW=window, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(q.device),
     )  # fmt: skip
 
 

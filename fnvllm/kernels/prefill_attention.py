@@ -9,6 +9,10 @@ Program (i, b, h) takes query tile ceil(q_len / TOKENS) - 1 - i (the longest, la
 when that is negative; it then walks key tiles of BLOCK_N tokens with an online softmax in float32 (base 2):
   - keys below the tile's first query position + 1 are visible to every row: no mask;
   - keys from there to its last query position are masked causally (key position <= query position).
+With a sliding window of w tokens (``window``, a compile-time constant) the row at position p sees keys
+p - w + 1 .. p: the key tiles wholly before the tile's first row's window (key < first position - w + 1) are never
+read, the tiles from there to where the last row's window starts are masked by the window too, then come the
+tiles every row sees whole (if any) and the causal ones as above.
 The grid's first dimension comes from max_seqlen_q (a host int), so this launcher is for non-decode steps;
 all-decode steps belong to fnvllm.kernels.decode_attention.
 
@@ -23,6 +27,8 @@ Worked example (G 2, BLOCK_M 16 -> TOKENS 8, BLOCK_N 16): sequence b has a cache
 12 (positions 20..31, L 32). Its two query tiles: tile 1 (tokens 8..11, positions 28..31) runs first, with keys
 0..15 unmasked and keys 16..31 masked; tile 0 (positions 20..27) reads keys 0..15 unmasked, 16..27 masked.
 A decode row with L 5 has one tile: 2 live rows (its token x 2 heads), keys 0..4 under the mask.
+With a window of 10 tokens, tile 1 (positions 28..31) sees keys 19..31: it never reads keys 0..15 (BLOCK_N 16:
+19 // 16 * 16 = 16), and reads keys 19..31 of tile 16..31 under the mask (no whole tile is in every row's window).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fnvllm.kernels.attention import AttentionMetadata, paged_attention_ref
+from fnvllm.kernels.attention import AttentionMetadata, check_window, paged_attention_ref
 from fnvllm.kernels.decode_attention import (
     attend_tile,
     check_out,
@@ -50,6 +56,7 @@ from fnvllm.kernels.fp8 import check_kv_scales
 from fnvllm.kernels.prefill_work import PREFILL_BLOCK_M
 
 _LOG2E = math.log2(math.e)
+_M0 = tl.constexpr(-1.0e30)  # the running max's start under a sliding window: finite, below any scaled score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +93,7 @@ def paged_prefill_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Torch reference with the same arguments (attention.paged_attention_ref underneath); returns (T, Hq, D)."""
     meta = AttentionMetadata(
@@ -98,7 +106,29 @@ def paged_prefill_attention_ref(
         max_seqlen_k=int(seq_lens.max()),
         block_size=k_cache.shape[1],
     )
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
+
+
+@triton.jit
+def _attend_masked_tile(
+    q, q_pos, m, l, acc, t0, kv_lo, kv_end, table_row, kv_head, k_cache_ptr, v_cache_ptr, scale_log2,
+    stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """``attend_tile`` of rows q (BLOCK_M, D) at positions q_pos (BLOCK_M,) over the key tile t0 .. t0 + BLOCK_N - 1,
+    masked causally (key <= q_pos) and, with a WINDOW, to q_pos - key < WINDOW; keys outside kv_lo .. kv_end - 1
+    are not read. Returns the new (m, l, acc)."""
+    key = t0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
+    offs = kv_tile_offsets(table_row, t0, kv_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N)
+    live = key < kv_end  # (BLOCK_N,)
+    if WINDOW is not None:
+        live = live & (key >= kv_lo)
+    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, live, HEAD_DIM)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
+    visible = (key[None, :] <= q_pos[:, None]) & live[None, :]  # (BLOCK_M, BLOCK_N)
+    if WINDOW is not None:
+        visible = visible & (key[None, :] > q_pos[:, None] - WINDOW)
+    return attend_tile(q, k, v, visible, m, l, acc, scale_log2, True, True, DOT_PRECISION, UPCAST_DOT)
 
 
 @triton.jit
@@ -133,13 +163,17 @@ def _prefill_kernel(
     Q_FP16: tl.constexpr,
     work_ptr=None,  # (W, 2) int32 (sequence, tile counter) per program, when USE_WORK
     USE_WORK: tl.constexpr = False,
+    WINDOW: tl.constexpr = None,  # a sliding window in tokens (int >= 1), None for full attention
 ):
     """Causal attention of one query tile x KV group of sequence program_id(1) over its paged keys (with
     USE_WORK: of the sequence and tile that row program_id(0) of the work list names; KV head program_id(1)).
 
     KV_FP8: e4m3 caches, widened to q's dtype in registers, their scales folded into the softmax scale (keys)
     and the output (values), as in the decode kernel; Q_FP16 converts q to float16 first (decode_attention's
-    ``fp8_compute_fp16``)."""
+    ``fp8_compute_fp16``).
+
+    WINDOW: the row at position q_pos sees keys q_pos - WINDOW + 1 .. q_pos only; the key tiles before the tile's
+    first row's window are skipped (never read), those where some row's window starts are masked."""
     if USE_WORK:
         seq = tl.load(work_ptr + 2 * tl.program_id(0))
         counter = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
@@ -158,21 +192,34 @@ def _prefill_kernel(
         tok = tile * TOKENS + r // GROUP  # (BLOCK_M,) token of each row within the chunk
         heads = kv_head * GROUP + r % GROUP  # (BLOCK_M,) query head of each row
         row_mask = (r < TOKENS * GROUP) & (tok < q_len)
-        q_pos = context + tok  # (BLOCK_M,)
+        q_pos = context + tl.minimum(tok, q_len - 1)  # (BLOCK_M,) (rows past the chunk: its last position)
         d = tl.arange(0, HEAD_DIM)
         rows = (q_begin + tok).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask[:, None])
         if Q_FP16:
             q = q.to(tl.float16)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        if WINDOW is None:  # noqa: SIM108 (a compile-time branch)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        else:  # a row may meet whole tiles before its window: a finite start keeps exp2(m - m_new) a number
+            m = tl.full([BLOCK_M], _M0, tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         if KV_FP8:
             scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         kv_end = tl.minimum(context + (tile + 1) * TOKENS, seq_len)  # past the tile's last query position
         full_end = (context + tile * TOKENS + 1) // BLOCK_N * BLOCK_N  # keys below it are seen by every row
-        for t0 in range(0, full_end, BLOCK_N):
+        full_lo = 0  # keys from it (to full_end) are seen by every row
+        kv_lo = 0  # the first key any row sees
+        if WINDOW is not None:  # rows see keys q_pos - WINDOW + 1 .. q_pos: tiles before kv_lo are never read
+            kv_lo = tl.maximum(context + tile * TOKENS - WINDOW + 1, 0)
+            full_lo = tl.minimum(tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N, full_end)
+            for t0 in range(kv_lo // BLOCK_N * BLOCK_N, full_lo, BLOCK_N):
+                m, l, acc = _attend_masked_tile(
+                    q, q_pos, m, l, acc, t0, kv_lo, kv_end, table_row, kv_head, k_cache_ptr, v_cache_ptr, scale_log2,
+                    stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, WINDOW,
+                )  # fmt: skip
+        for t0 in range(full_lo, full_end, BLOCK_N):
             offs = kv_tile_offsets(
                 table_row, t0, full_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N
             )
@@ -180,12 +227,10 @@ def _prefill_kernel(
             k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact; a no-op for other caches
             m, l, acc = attend_tile(q, k, v, 0, m, l, acc, scale_log2, False, True, DOT_PRECISION, UPCAST_DOT)
         for t0 in range(full_end, kv_end, BLOCK_N):
-            key = t0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
-            offs = kv_tile_offsets(table_row, t0, kv_end, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N)
-            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, offs, key < kv_end, HEAD_DIM)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            visible = (key[None, :] <= q_pos[:, None]) & (key[None, :] < kv_end)  # (BLOCK_M, BLOCK_N)
-            m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale_log2, True, True, DOT_PRECISION, UPCAST_DOT)
+            m, l, acc = _attend_masked_tile(
+                q, q_pos, m, l, acc, t0, kv_lo, kv_end, table_row, kv_head, k_cache_ptr, v_cache_ptr, scale_log2,
+                stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT, WINDOW,
+            )  # fmt: skip
         out = acc / l[:, None]  # (BLOCK_M, D)
         if KV_FP8:
             out = out * tl.load(v_scale_ptr + kv_head)
@@ -211,9 +256,11 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of q (T, Hq, D) over the paged caches; returns (T, Hq, D) in q's dtype.
-    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32.
+    FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. window: a sliding window in tokens (the
+    query at position p sees keys p - window + 1 .. p; the tiles before are not read), None for full attention.
 
     cu_seqlens_q (B+1,) int32, seq_lens (B,) int32 (context after this step, >= each q_len), block_tables
     (B, max_blocks) int32; max_seqlen_q (a host int, >= every q_len) sizes the grid, unless ``work`` (a
@@ -225,6 +272,7 @@ def paged_prefill_attention(
     _check_prefill_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, out, cfg)
     check_scale(scale)
     check_kv_scales(k_cache, k_scale, v_scale)
+    check_window(window)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -269,6 +317,7 @@ def paged_prefill_attention(
         Q_FP16=fp8_compute_fp16(q, k_cache),
         work_ptr=work,
         USE_WORK=work is not None,
+        WINDOW=window,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -8,7 +8,10 @@ list the choices without importing torch, triton or flash-attn.
 ``resolve_backend("auto", device)`` picks the available backend with the highest ``priority``; asking for an
 unavailable backend by name is a clear error that says what to install. An FP8 KV cache (``kv_cache_dtype="fp8"``)
 also passes each layer's (Hkv,) float32 ``k_scale`` and ``v_scale`` to both operations, as two more positional
-arguments; only backends with ``supports_fp8_kv`` take them, and "auto" picks among those.
+arguments; only backends with ``supports_fp8_kv`` take them, and "auto" picks among those. A layer with a sliding
+window (``attention.py``'s module docstring) passes ``window=w`` (an int >= 1, a keyword) to ``attend``, and only
+then: only backends with ``supports_sliding_window`` take it, "auto" picks among those for such a model
+(``resolve_backend(..., sliding_window=True)``), and naming another is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
 
 # store_kv(k, v, k_cache, v_cache, slot_mapping[, k_scale, v_scale]) -> None, in place; k, v (T, Hkv, D).
 StoreKV = Callable[..., None]
-# attend(q, k_cache, v_cache, meta, scale[, k_scale, v_scale]) -> (T, Hq, D) in q's dtype.
+# attend(q, k_cache, v_cache, meta, scale[, k_scale, v_scale][, window=w]) -> (T, Hq, D) in q's dtype.
 Attend = Callable[..., Any]
 
 
@@ -47,6 +50,8 @@ class AttentionBackend:
     kv_layouts: the caches' memory orders it reads and writes (``attention.KV_LAYOUTS``).
     auto_kv_layout: ``f(kv_cache_dtype) -> layout``, the one of kv_layouts that ``kv_layout="auto"`` allocates for
         a cache of that dtype ("auto" or "fp8"; measured speed decides it).
+    supports_sliding_window: ``attend`` takes ``window=w`` and attends within it, prefill and decode (and, with
+        supports_cuda_graphs, in captured steps).
     """
 
     name: str
@@ -58,6 +63,7 @@ class AttentionBackend:
     supports_fp8_kv: bool = False
     kv_layouts: tuple[str, ...] = ("NHD",)
     auto_kv_layout: Callable[[str], str] = token_major
+    supports_sliding_window: bool = False
 
 
 class BackendUnavailableError(RuntimeError):
@@ -85,10 +91,10 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def available_backends(
-    device: torch.device, kv_cache_dtype: str = "auto", kv_layout: str = "auto"
+    device: torch.device, kv_cache_dtype: str = "auto", kv_layout: str = "auto", sliding_window: bool = False
 ) -> list[AttentionBackend]:
-    """Backends usable on ``device`` (with a ``kv_cache_dtype`` cache in a ``kv_layout`` memory order), fastest
-    first."""
+    """Backends usable on ``device`` (with a ``kv_cache_dtype`` cache in a ``kv_layout`` memory order, and sliding
+    windows where ``sliding_window``), fastest first."""
     usable = []
     for name in backend_names():
         try:
@@ -96,18 +102,20 @@ def available_backends(
         except BackendUnavailableError:
             continue
         fits = (kv_cache_dtype != "fp8" or backend.supports_fp8_kv) and kv_layout in ("auto", *backend.kv_layouts)
+        fits = fits and (backend.supports_sliding_window or not sliding_window)
         if backend.unavailable_reason(device) is None and fits:
             usable.append(backend)
     return sorted(usable, key=lambda b: -b.priority)
 
 
 def resolve_backend(
-    name: str, device: torch.device, kv_cache_dtype: str = "auto", kv_layout: str = "auto"
+    name: str, device: torch.device, kv_cache_dtype: str = "auto", kv_layout: str = "auto", sliding_window: bool = False
 ) -> AttentionBackend:
     """The backend for ``name`` on ``device``: "auto" = the fastest available; a named one must be usable, and
-    support the FP8 cache when ``kv_cache_dtype`` is "fp8" and the memory order ``kv_layout`` unless "auto"."""
-    if name == "auto":
-        return available_backends(device, kv_cache_dtype, kv_layout)[0]  # torch is always available (any layout)
+    support the FP8 cache when ``kv_cache_dtype`` is "fp8", the memory order ``kv_layout`` unless "auto", and
+    sliding windows when ``sliding_window`` (the model has a layer with one)."""
+    if name == "auto":  # torch is always available (any layout, FP8, windows)
+        return available_backends(device, kv_cache_dtype, kv_layout, sliding_window)[0]
     backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
@@ -118,8 +126,25 @@ def resolve_backend(
             f"attention_backend={name!r} cannot read an FP8 KV cache (kv_cache_dtype='fp8'); use one of "
             f"{fp8_names} or kv_cache_dtype='auto'"
         )
+    if sliding_window and not backend.supports_sliding_window:
+        raise BackendUnavailableError(
+            f"attention_backend={name!r} has no sliding-window attention, which this model's layers need; use one of "
+            f"{sliding_window_backends()}"
+        )
     resolve_kv_layout(kv_layout, backend, kv_cache_dtype)
     return backend
+
+
+def sliding_window_backends() -> list[str]:
+    """Names of the registered backends that import here and attend within a sliding window."""
+    names = []
+    for name in backend_names():
+        try:
+            if get_backend(name).supports_sliding_window:
+                names.append(name)
+        except BackendUnavailableError:
+            continue
+    return names
 
 
 def resolve_kv_layout(kv_layout: str, backend: AttentionBackend, kv_cache_dtype: str = "auto") -> str:

@@ -3,7 +3,9 @@ Blackwell: varlen queries over paged K/V (``page_table`` = our block tables, ``s
 
 K/V are written by our Triton store kernel (flash-attn has none for this layout). No FP8 KV cache here
 (``supports_fp8_kv`` False: ``kv_cache_dtype="fp8"`` with ``attention_backend="flash"`` is refused when the engine
-is built, and "auto" picks a backend that reads FP8).
+is built, and "auto" picks a backend that reads FP8). A sliding window of w tokens is flash-attn's
+``window_size=(w - 1, 0)`` with causal=True: the query at position i (queries aligned to the end of the keys) sees
+keys i - (w - 1) .. i, transformers' rule (key j iff 0 <= i - j < w); flash-attn skips the key blocks before it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,17 @@ except ImportError as e:
 
 
 def attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention of q (T, Hq, D) through flash_attn_varlen_func; returns (T, Hq, D)."""
+    """Paged attention of q (T, Hq, D) through flash_attn_varlen_func, within a sliding ``window`` of tokens when
+    given; returns (T, Hq, D)."""
+    local = {} if window is None else {"window_size": window_size(window)}  # full attention: flash-attn's default
     out = flash_attn_varlen_func(
         q,
         k_cache,
@@ -35,8 +45,15 @@ def attend(
         softmax_scale=scale,
         causal=True,
         pack_gqa=True,
+        **local,
     )
     return out[0] if isinstance(out, tuple) else out
+
+
+def window_size(window: int) -> tuple[int, int]:
+    """flash-attn's (left, right) ``window_size`` for a sliding window of ``window`` tokens: (window - 1, 0), each
+    query seeing itself and the window - 1 keys before it."""
+    return (window - 1, 0)
 
 
 def _unavailable(device: torch.device) -> str | None:
@@ -55,4 +72,5 @@ BACKEND = AttentionBackend(
     priority=10,
     unavailable_reason=_unavailable,
     supports_cuda_graphs=False,
+    supports_sliding_window=True,
 )

@@ -1,5 +1,6 @@
 """The reference backend: pure torch (``paged_attention_ref``), on any device. Slow; the yardstick (FP8 caches
-included: rows are dequantized as they are read)."""
+included: rows are dequantized as they are read; sliding windows included: keys outside a query's window are
+masked, and a prefill chunk reads no block before its first query's window)."""
 
 from __future__ import annotations
 
@@ -22,4 +23,5 @@ BACKEND = AttentionBackend(
     supports_cuda_graphs=False,  # the decode path reads max_seqlen_k on the host
     supports_fp8_kv=True,
     kv_layouts=("NHD", "HND"),
+    supports_sliding_window=True,
 )

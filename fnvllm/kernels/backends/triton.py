@@ -1,7 +1,8 @@
 """Our Triton kernels: slot-mapped KV store, split-K decode attention, varlen paged prefill attention.
 
 All-decode steps (every query chunk of length 1) go to the bandwidth-built decode kernel, whose launch depends
-only on tensor shapes, so it can be captured in CUDA graphs; mixed steps go to the varlen prefill kernel.
+only on tensor shapes, so it can be captured in CUDA graphs; mixed steps go to the varlen prefill kernel. Both
+take a layer's sliding window as a compile-time constant and skip the KV tiles before it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def attend(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention of q (T, Hq, D) over the caches (FP8 ones with their (Hkv,) scales); returns (T, Hq, D)."""
+    """Paged attention of q (T, Hq, D) over the caches (FP8 ones with their (Hkv,) scales), within a sliding
+    ``window`` of tokens when given; returns (T, Hq, D)."""
     if meta.max_seqlen_q == 1:  # all-decode: T == B
         return paged_decode_attention(
             q,
@@ -36,6 +39,7 @@ def attend(
             k_scale=k_scale,
             v_scale=v_scale,
             seq_order=meta.decode_order,
+            window=window,
         )
     return paged_prefill_attention(
         q,
@@ -49,6 +53,7 @@ def attend(
         k_scale=k_scale,
         v_scale=v_scale,
         work=meta.prefill_work,
+        window=window,
     )
 
 
@@ -78,4 +83,5 @@ BACKEND = AttentionBackend(
     supports_fp8_kv=True,
     kv_layouts=("NHD", "HND"),
     auto_kv_layout=auto_kv_layout,
+    supports_sliding_window=True,
 )
