@@ -307,7 +307,10 @@ class ModelExecutor:
         set_cpu_threads(self.device, self.model_config, tp.world_size)  # one thread for small models (threads.py)
         self.dtype = self.model_config.torch_dtype
         self.num_kv_heads = local_heads(self.model_config, tp)[1]
-        self.backend = resolve_backend(config.attention_backend, self.device, config.kv_cache_dtype, config.kv_layout)
+        self.backend = resolve_backend(  # one that attends within the model's sliding windows, if it has any
+            config.attention_backend, self.device, config.kv_cache_dtype, config.kv_layout,
+            sliding_window=self.model_config.has_sliding_window,
+        )  # fmt: skip
         self.kv_layout = resolve_kv_layout(config.kv_layout, self.backend, config.kv_cache_dtype)  # memory order
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -17,9 +17,14 @@ FP8 weights (``Fp8Config``): a checkpoint whose config.json carries the official
 ``quant_method`` (awq, gptq, ...) is refused. ``quantization="fp8"`` on a 16/32-bit checkpoint quantizes it at load.
 
 Mistral and Mixtral are read as Llama (no q/k norms, no biases; ``head_dim`` may differ from hidden / heads, as in
-Mistral-Nemo) and, for Mixtral, a ``MoeConfig`` (``MoeConfig.from_mixtral``). Their ``sliding_window`` is kept: the
-model attends over the whole context, which is what a window of w tokens computes for sequences of at most w tokens,
-so ``ModelConfig.check_max_model_len`` refuses an engine max model length beyond it (Mistral-7B-v0.1: 4096).
+Mistral-Nemo) and, for Mixtral, a ``MoeConfig`` (``MoeConfig.from_mixtral``). Their ``sliding_window`` applies to
+every layer (Mistral-7B-v0.1: 4096): the query at position i sees key j iff 0 <= i - j < sliding_window.
+
+Sliding windows elsewhere: Qwen2's config.json carries a ``sliding_window`` that applies only with
+``use_sliding_window`` true, and then to the layers ``layer_types`` names "sliding_attention" (transformers 5 writes
+that list), else to the layers from ``max_window_layers`` on (transformers' rule for Qwen2; default 28).
+``ModelConfig.layer_window`` gives each layer's window. use_sliding_window on another architecture is refused by name
+(Qwen2-MoE and Qwen3 pick their sliding layers by other rules).
 
 Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is read as Qwen2 (q/k/v biases, ``qkv_bias`` in transformers 5's
 config.json, absent and true in the published ones) with a ``MoeConfig`` (``MoeConfig.from_qwen2_moe``): Qwen3-MoE's
@@ -45,7 +50,6 @@ from fnvllm.model.rope import (
     YarnRopeScaling,
     yarn_attention_factor,
 )
-from fnvllm.state.config import MAX_MODEL_LEN
 
 
 class CheckpointError(ValueError):
@@ -81,7 +85,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN2_LIKE = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, never an o_proj bias
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
-_SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # honour config.json's sliding_window
+_SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # config.json's sliding_window, all layers
+_USE_SLIDING_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM",)  # sliding_window on some layers, with use_sliding_window
+_LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types entries
+_MAX_WINDOW_LAYERS_DEFAULT = 28  # transformers' Qwen2Config default
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8",)
 FP8_BLOCK = 128  # rows and columns of one FP8 weight scale block
@@ -235,10 +242,10 @@ class ModelConfig:
     qk_norm: per-head RMSNorm of q and k before rope (Qwen3).
     moe: the experts of a mixture-of-experts model (Qwen3-MoE, Mixtral, Qwen2-MoE); None for a dense one.
     quantization: FP8 weights (``Fp8Config``), from the checkpoint or quantized at load; None = ``dtype`` weights.
-    sliding_window: Mistral / Mixtral's attention window in tokens (None: full attention, and always for the other
-        families, whose config.json's sliding_window applies only with use_sliding_window, which is refused). The
-        model attends over the whole context, so a window only loads no shorter than the max model length
-        (``check_max_model_len``).
+    sliding_window: the attention window in tokens of the layers in sliding_layers (None: no window anywhere):
+        Mistral / Mixtral's, or Qwen2's with use_sliding_window (see the module docstring).
+    sliding_layers: the indices of the layers that attend within sliding_window (every layer for Mistral /
+        Mixtral); empty without a window. Each layer's window: ``layer_window``.
     """
 
     architecture: str
@@ -261,6 +268,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
     quantization: Fp8Config | None = None
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         """Reject shapes the model code cannot build, naming the field."""
@@ -293,19 +301,32 @@ class ModelConfig:
             )
         if self.sliding_window is not None:
             _check_positive("sliding_window", self.sliding_window)
+        self._check_sliding_layers()
 
-    def check_max_model_len(self, max_model_len: int) -> None:
-        """ValueError naming ``sliding_window``, its value and the longest max model length that loads, when the
-        checkpoint's window is shorter than ``max_model_len`` (the engine's cap on prompt + output tokens): full
-        attention equals a window of w tokens only while no sequence is longer than w (HF masks key j for query i
-        when i - j >= w)."""
-        window = self.sliding_window
-        if window is not None and window < max_model_len:
+    def _check_sliding_layers(self) -> None:
+        """Reject sliding_layers that are not distinct increasing layer indices, or given without a window."""
+        layers = self.sliding_layers
+        if layers and self.sliding_window is None:
+            raise ValueError(f"sliding_layers {layers} need a sliding_window")
+        in_range = all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in layers)
+        if not in_range or list(layers) != sorted(set(layers)):
             raise ValueError(
-                f"sliding_window {window} is not supported with a max model length of {max_model_len}: fnvllm "
-                f"attends over the whole context (no sliding-window attention), which equals a {window}-token "
-                f"window only for sequences of at most {window} tokens; load it with max_model_len <= {window}"
+                f"sliding_layers must be increasing layer indices in [0, {self.num_hidden_layers}), got {layers}"
             )
+
+    def layer_window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window in tokens (its query at position i sees key j iff
+        0 <= i - j < window), or None for full attention: layers outside sliding_layers, and a window no shorter
+        than max_position_embeddings (the engine's max model length is no longer, so it never hides a key)."""
+        window = self.sliding_window
+        if window is None or window >= self.max_position_embeddings or layer not in self.sliding_layers:
+            return None
+        return window
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some layer attends within a sliding window (the attention backend must support it)."""
+        return any(self.layer_window(i) is not None for i in self.sliding_layers)
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes tokens to experts (False for every layer of a dense model)."""
@@ -336,7 +357,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read `path`/config.json; `dtype` overrides the checkpoint's dtype; quantization="fp8" quantizes a
         16/32-bit checkpoint's linears at load (an FP8 checkpoint is FP8 either way); `max_model_len`: the engine's
-        max model length (None: its default, max_position_embeddings), checked against a sliding window. A missing
+        max model length, accepted for the callers that pass it and checked against nothing (sliding windows of
+        any length are attended within, ``layer_window``). A missing
         file is FileNotFoundError; a malformed one (bad JSON, a missing or mistyped field, an unsupported model) is
         CheckpointError naming the file and the field."""
         config_file = Path(path) / "config.json"
@@ -368,11 +390,12 @@ class ModelConfig:
         max_positions = _int_field(hf, "max_position_embeddings")
         rope_theta, rope_scaling = parse_rope(hf, max_positions)
         attention_bias = _attention_bias(hf, architecture)
-        has_window = architecture in _SLIDING_WINDOW_ARCHITECTURES
-        config = cls(
+        num_layers = _int_field(hf, "num_hidden_layers")
+        sliding_window, sliding_layers = _sliding_window(hf, architecture, num_layers)
+        return cls(
             architecture=architecture,
             hidden_size=hidden_size,
-            num_hidden_layers=_int_field(hf, "num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=_int_field(hf, "num_key_value_heads", num_heads),
             head_dim=_int_field(hf, "head_dim", hidden_size // num_heads),
@@ -389,10 +412,41 @@ class ModelConfig:
             qk_norm=architecture in _QWEN3_LIKE,
             moe=_moe_config(hf, architecture),
             quantization=parse_quantization(hf, quantization),
-            sliding_window=_optional_int_field(hf, "sliding_window") if has_window else None,
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
         )
-        config.check_max_model_len(max_model_len or min(max_positions, MAX_MODEL_LEN))  # the engine's default
-        return config
+
+
+def _sliding_window(hf: Mapping[str, Any], architecture: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, sliding_layers) of a config.json (see the module docstring): Mistral / Mixtral's window on
+    every layer; Qwen2's with use_sliding_window on its sliding layers (``_qwen2_sliding_layers``); none otherwise,
+    and use_sliding_window true on another architecture is a ValueError naming it."""
+    if architecture in _SLIDING_WINDOW_ARCHITECTURES:
+        window = _optional_int_field(hf, "sliding_window")
+        return window, () if window is None else tuple(range(num_layers))
+    if not _bool_field(hf, "use_sliding_window", False):
+        return None, ()  # a sliding_window alone means nothing (transformers drops it)
+    if architecture not in _USE_SLIDING_WINDOW_ARCHITECTURES:
+        raise ValueError(
+            f"use_sliding_window=True is not supported for {architecture}; supported: "
+            f"{_USE_SLIDING_WINDOW_ARCHITECTURES} (and Mistral / Mixtral's sliding_window)"
+        )
+    window = _optional_int_field(hf, "sliding_window")
+    return window, () if window is None else _qwen2_sliding_layers(hf, num_layers)
+
+
+def _qwen2_sliding_layers(hf: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers config.json's ``layer_types`` names "sliding_attention" when it has the list (one of _LAYER_TYPES
+    per layer), else layers max_window_layers .. num_layers - 1 (max_window_layers an int >= 0, default 28)."""
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", _MAX_WINDOW_LAYERS_DEFAULT)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"max_window_layers must be an int >= 0, got {first!r}")
+        return tuple(range(first, num_layers))
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must be a list of {num_layers} entries of {_LAYER_TYPES}, got {types!r}")
+    return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
 
 
 def _attention_bias(hf: Mapping[str, Any], architecture: str) -> bool:
@@ -540,8 +594,6 @@ def _reject_unsupported_features(hf: Mapping[str, Any]) -> None:
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; supported: ('silu',)")
     if hf.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
-    if hf.get("use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']} is not supported; supported: 1.0")
 

@@ -4,8 +4,9 @@ share one definition.
 They differ only in flags carried by ModelConfig: Qwen3 RMS-normalises each q/k head before rope (qk_norm);
 Qwen2 has q/k/v biases (attention_bias); Llama 3.1 scales rope frequencies (rope_scaling); Qwen3-MoE is Qwen3
 with a mixture of experts (``moe.py``) in place of the MLP of every sparse layer (config.moe). Mistral is Llama
-(its head_dim may differ from hidden / heads, as Mistral-Nemo's 128 with 5120 / 32; a sliding window no shorter
-than the max model length changes nothing, ``ModelConfig.check_max_model_len``); Mixtral is Mistral with every
+(its head_dim may differ from hidden / heads, as Mistral-Nemo's 128 with 5120 / 32; its sliding window applies to
+every layer, Qwen2's with use_sliding_window to some: ``ModelConfig.layer_window``, which each ``Attention`` passes
+to every attention call); Mixtral is Mistral with every
 MLP a mixture of experts, the same ``moe.py`` block (the loader maps its checkpoint names). Qwen2-MoE is Qwen2 with
 that block in its sparse layers plus a shared expert: an ``MLP`` of its own width whose ranks' sum the block takes
 (``DecoderLayer.feed_forward`` builds it; HF's names ``mlp.shared_expert.*``). Module names mirror
@@ -52,12 +53,19 @@ if TYPE_CHECKING:  # Triton's module: the FP8 producers exist only with the Trit
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache (this rank's heads under tensor parallelism)."""
+    """Grouped-query self-attention over the paged KV cache (this rank's heads under tensor parallelism).
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
+    window: decoder layer ``layer``'s sliding window in tokens (``ModelConfig.layer_window``; None: full attention),
+    a constant every attention call of the layer passes to the backend.
+    """
+
+    def __init__(
+        self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE, layer: int = 0
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.tp = tp
+        self.window = config.layer_window(layer)
         dtype = config.torch_dtype
         self.num_heads, self.num_kv_heads = local_heads(config, tp)
         self.head_dim = config.head_dim
@@ -113,7 +121,7 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
         k_cache, v_cache, *scales = kv_cache  # FP8 caches carry their (Hkv,) k_scale, v_scale
-        out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales)  # (T, Hq, D)
+        out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales, window=self.window)  # (T, Hq, D)
         return self._project_out(out.reshape(num_tokens, -1))
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor | SplitPartials:
@@ -137,7 +145,8 @@ class Attention(nn.Module):
         """Attention output (T, Hq, D) from the projection qkv, with ``fused`` (``ops.norm_rope_store``, one
         kernel) storing this step's K/V and giving the normed, rotated q."""
         q = fused(qkv, *self._prologue_args(rope, kv_cache, meta))
-        return attend_stored(q, kv_cache.k, kv_cache.v, meta, self.scale, backend, kv_cache.k_scale, kv_cache.v_scale)
+        scales = kv_cache.k_scale, kv_cache.v_scale
+        return attend_stored(q, kv_cache.k, kv_cache.v, meta, self.scale, backend, *scales, window=self.window)
 
     def _prologue_args(
         self, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
@@ -184,7 +193,7 @@ class Attention(nn.Module):
         proj = self.qkv_proj
         q, residual = fused(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias,
                             *self._prologue_args(rope, kv, meta))  # fmt: skip
-        out = attend_stored(q, kv.k, kv.v, meta, self.scale, backend, kv.k_scale, kv.v_scale)  # (T, Hq, D)
+        out = attend_stored(q, kv.k, kv.v, meta, self.scale, backend, kv.k_scale, kv.v_scale, self.window)  # (T, Hq, D)
         return self._project_out(out.reshape(q.shape[0], -1)), residual
 
 
@@ -294,7 +303,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         dtype = config.torch_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(config, ops, tp)
+        self.self_attn = Attention(config, ops, tp, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.mlp = self.feed_forward(config, ops, tp, index)
         self.is_last = index == config.num_hidden_layers - 1  # else the next layer's input norm reads our output
