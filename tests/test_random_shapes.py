@@ -53,8 +53,8 @@ def test_published_parameter_counts(shape: str, total: float, active: float) -> 
 
 @pytest.mark.parametrize("shape", list(OTHER_SHAPES))
 def test_shape_config_loads(tmp_path: Path, shape: str) -> None:
-    """The written config.json (config_only, as the bench's dummy load writes it) loads as the family's model at
-    its full context (no sliding-window refusal), with the published expert counts."""
+    """The written config.json (config_only, as the bench's dummy load writes it) loads as the family's model with
+    the published expert counts, and no tensor is written."""
     folder = write_random_checkpoint(tmp_path / shape, shape, config_only=True)  # type: ignore[arg-type]
     config = ModelConfig.from_pretrained(folder)
     hf = OTHER_SHAPES[shape]
@@ -63,5 +63,4 @@ def test_shape_config_loads(tmp_path: Path, shape: str) -> None:
     assert config.moe is not None
     assert config.moe.num_experts == (hf.get("num_experts") or hf["num_local_experts"])
     assert config.moe.shared_expert_intermediate_size == hf.get("shared_expert_intermediate_size")
-    config.check_max_model_len(hf["max_position_embeddings"])
     assert not list(folder.glob("*.safetensors"))
