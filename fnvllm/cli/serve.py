@@ -80,7 +80,7 @@ MAX_STREAM_INTERVAL_MS = 60_000.0
 
 # ``fnvllm.serve.tool_parsers.TOOL_PARSERS``' names, spelled out so that ``--help`` needs no [serve] extra
 # (tests/test_server_limits.py checks that the two agree).
-TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def seconds_or_none(text: str) -> float | None:
@@ -234,7 +234,8 @@ def register(sub: Any) -> None:
         choices=sorted(TOOL_PARSER_NAMES),
         default="hermes",
         help="the format chat tool calls are parsed from and forced in: hermes (<tool_call>{json}</tool_call>: Qwen, "
-        "Hermes; default), llama3_json ({json}; ...: Llama 3.x), mistral ([TOOL_CALLS][{json}, ...]: Mistral)",
+        "Hermes; default), llama3_json ({json}; ...: Llama 3.x), mistral ([TOOL_CALLS][{json}, ...], or "
+        "[TOOL_CALLS]name[ARGS]{json} per call with v11 tokenizers: Mistral), pythonic ([f(x=1), g()]: Llama 3.2, 4)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -193,7 +193,7 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
     if room < 1:
         limit = served.engine.max_total_tokens - 1
         raise bad_request(f"messages: the conversation is {len(ids)} tokens; at most {limit} fit", "messages")
-    tool_parser = TOOL_PARSERS[served.tool_parser]()
+    tool_parser = TOOL_PARSERS[served.tool_parser].for_tokenizer(served.engine.tokenizer)  # forced calls' form
     params = _sampling_params(served, lambda: body.sampling_params(room, tool_parser), body.aliases())
     n = body.num_choices
     searched = _beam_plan(served, body, [(ids, None)], params)

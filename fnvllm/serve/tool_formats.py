@@ -4,7 +4,9 @@
 - "hermes": ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one call per tag (Qwen 2.5 / 3, Hermes);
 - "llama3_json": ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, calls separated by
   ``;`` (Llama 3.1 / 3.2 / 3.3);
-- "mistral": ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral's v3 tokenizer format).
+- "mistral": ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral's tokenizers before v11) and
+  ``[TOOL_CALLS]name[ARGS]{...}``, one marker per call (v11 and later: Mistral Small 3.1+, Magistral, Devstral);
+- "pythonic": ``[get_weather(city="Paris"), get_time()]``, a Python list of calls (Llama 3.2 / Llama 4).
 
 A parser answers the questions that ``tool_parsers.ChatOutputParser`` asks to stream any of them (where a call block
 opens, where it closes, which calls it holds) and builds the grammar that forces calls in its format. A new format
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 import secrets
 import string
 import uuid
@@ -23,6 +26,17 @@ from typing import Any, ClassVar, Literal
 
 import attrs
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+
+from fnvllm.serve import tool_pythonic
+from fnvllm.serve.tool_grammar import (
+    Rules,
+    grammar_text,
+    literal,
+    merge_rules,
+    python_literal_rules,
+    pythonic_arguments,
+    schema_rules,
+)
 
 
 class _Spec(BaseModel):
@@ -70,6 +84,8 @@ def _new_id() -> str:
 
 _DECODER = json.JSONDecoder()
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+_MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]*")  # a v11 call's function name, between [TOOL_CALLS] and [ARGS]
+_MISTRAL_NAMED_CALL = re.compile(r"(?P<name>[A-Za-z0-9_.\-]+)(?:\[ARGS\])?(?P<arguments>\{.*\})", re.DOTALL)
 
 
 def _json_end(text: str, start: int) -> int | None:
@@ -98,17 +114,25 @@ def _call_from(value: Any, call_id: str, require_arguments: bool) -> ToolCall | 
     return ToolCall(call_id, value["name"], text)
 
 
+def _has_token(tokenizer: Any, token: str) -> bool:
+    """Whether ``tokenizer`` (a transformers tokenizer, or None) has ``token`` as one vocabulary entry."""
+    if tokenizer is None:
+        return False
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id is not None and token_id != tokenizer.unk_token_id
+
+
+def _chosen(tools: Sequence[ToolSpec], name: str | None) -> list[ToolSpec]:
+    """The tools a forced call may call: the named one, or all (``name`` None)."""
+    return [tool for tool in tools if name is None or tool.function.name == name]
+
+
 def held_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of ``tag`` (it may start the tag)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size
     return 0
-
-
-def _literal(text: str) -> str:
-    """``text`` as an EBNF string literal (JSON's escapes are xgrammar's)."""
-    return json.dumps(text)
 
 
 class ToolCallParser(abc.ABC):
@@ -139,6 +163,12 @@ class ToolCallParser(abc.ABC):
     @abc.abstractmethod
     def parse_block(self, block: str) -> list[ToolCall] | None:
         """The calls in a closed block (at least one), or None when it is not well-formed (it stays content)."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> ToolCallParser:
+        """The parser for a server whose tokenizer is ``tokenizer`` (None: none). Only the forced-call grammar
+        may depend on it (parsing reads every form of the format from the text); by default it does not."""
+        return cls()
 
     def new_id(self) -> str:
         """A fresh call id."""
@@ -193,9 +223,9 @@ class ToolCallParser(abc.ABC):
         rules = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)).split("\n")
         # the schema's root rule becomes "call"; the new root wraps and repeats it
         rules = [f"call ::= {r.removeprefix('root ::= ')}" if r.startswith("root ::= ") else r for r in rules]
-        repeat = f"({_literal(self.grammar_separator)} call)*" if name is None and parallel else ""
-        parts = [_literal(self.grammar_open) if self.grammar_open else "", "call", repeat]
-        parts.append(_literal(self.grammar_close) if self.grammar_close else "")
+        repeat = f"({literal(self.grammar_separator)} call)*" if name is None and parallel else ""
+        parts = [literal(self.grammar_open) if self.grammar_open else "", "call", repeat]
+        parts.append(literal(self.grammar_close) if self.grammar_close else "")
         return "\n".join([f"root ::= {' '.join(p for p in parts if p)}", *rules])
 
     def _call_schema(self, tool: ToolSpec) -> dict[str, Any]:
@@ -278,28 +308,65 @@ class Llama3JsonToolParser(ToolCallParser):
 
 
 class MistralToolParser(ToolCallParser):
-    """The "mistral" format: ``[TOOL_CALLS]`` then a JSON list ``[{"name": ..., "arguments": {...}}, ...]``
-    (Mistral's v3 tokenizer format: Mistral 7B v0.3, Nemo, Small); the text before the marker is content.
-    ``[TOOL_CALLS]`` is a special token there, so the output keeps special tokens while tools are parsed. Call ids
-    are 9 letters and digits: Mistral's chat templates refuse any other id when the calls are sent back."""
+    """The "mistral" format, in either of its forms after ``[TOOL_CALLS]`` (the text before the marker is
+    content), told apart by the text: a JSON list ``[{"name": ..., "arguments": {...}}, ...]`` (Mistral's
+    tokenizers before v11: Mistral 7B v0.3, Nemo), or ``name[ARGS]{...}`` with a marker per call (v11 and later:
+    Mistral Small 3.1+, Magistral, Devstral; ``name{...}`` is read too, as when the decoder drops ``[ARGS]``).
+
+    ``[TOOL_CALLS]`` is a special token, so the output keeps special tokens while tools are parsed. Call ids are 9
+    letters and digits: Mistral's chat templates refuse any other id when the calls are sent back. Forced calls
+    are written in the form of the server's tokenizer (``named_calls``: it has the ``[ARGS]`` token, which only v11
+    and later tokenizers have), since the grammar must pick one."""
 
     start = "[TOOL_CALLS]"
+    args = "[ARGS]"
     keeps_special_tokens = True
     grammar_open = "[TOOL_CALLS]["
     grammar_separator = ", "
     grammar_close = "]"
+
+    def __init__(self, named_calls: bool = False) -> None:
+        self.named_calls = named_calls
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> MistralToolParser:
+        """Forced calls in the v11 form where ``tokenizer`` has the ``[ARGS]`` token, else in the list form."""
+        return cls(named_calls=_has_token(tokenizer, cls.args))
 
     def new_id(self) -> str:
         """9 random letters and digits."""
         return "".join(secrets.choice(_MISTRAL_ID_CHARS) for _ in range(9))
 
     def block_len(self, text: str) -> int | None:
-        """Through the end of the JSON list after the marker."""
-        return _json_end(text, len(self.start))
+        """Through the end of the JSON list (or object) after the marker; in the v11 form, through the end of the
+        arguments' JSON object, or up to the first character that shows the call is not well-formed."""
+        at = len(text) - len(text[len(self.start) :].lstrip())
+        if at == len(text):
+            return None
+        if text[at] in "[{":
+            return _json_end(text, at)
+        named = _MISTRAL_NAME.match(text, at)
+        name_end = at if named is None else named.end()
+        return at if name_end == at else self._named_len(text, name_end)
+
+    def _named_len(self, text: str, at: int) -> int | None:
+        """The v11 form's length, its name ending at ``at``: then ``[ARGS]`` (optional) and a JSON object."""
+        rest = text[at:]
+        if self.args.startswith(rest):
+            return None
+        if rest.startswith(self.args):
+            at += len(self.args)
+        if at == len(text):
+            return None
+        return _json_end(text, at) if text[at] == "{" else at  # neither [ARGS] nor "{" after the name: no call
 
     def parse_block(self, block: str) -> list[ToolCall] | None:
-        """Every item of the list as a call (a lone object counts as a list of one); None unless all are."""
-        value = json.loads(block[len(self.start) :])
+        """The list form: every item of the list as a call (a lone object counts as a list of one), None unless
+        all are. The v11 form: one call, whose arguments must be a JSON object."""
+        body = block[len(self.start) :].lstrip()
+        if not body.startswith(("[", "{")):
+            return self._named_call(body)
+        value = json.loads(body)
         items = value if isinstance(value, list) else [value]
         calls = []
         for item in items:
@@ -309,10 +376,83 @@ class MistralToolParser(ToolCallParser):
             calls.append(call)
         return calls or None
 
+    def _named_call(self, body: str) -> list[ToolCall] | None:
+        """The v11 form's one call: ``name[ARGS]{...}`` or ``name{...}``."""
+        matched = _MISTRAL_NAMED_CALL.fullmatch(body)
+        if matched is None:
+            return None
+        arguments = json.loads(matched["arguments"])  # an object: block_len ended it where its "{" closes
+        return [ToolCall(self.new_id(), matched["name"], json.dumps(arguments, ensure_ascii=False))]
+
+    def call_grammar(self, tools: Sequence[ToolSpec], name: str | None, parallel: bool) -> str:
+        """The list form's grammar (the base class's), or with ``named_calls`` the v11 form's:
+        ``[TOOL_CALLS]name[ARGS]{arguments}``, once, or repeated when ``parallel`` and no name."""
+        if not self.named_calls:
+            return super().call_grammar(tools, name, parallel)
+        rules: Rules = {}
+        alternatives = []
+        for index, tool in enumerate(_chosen(tools, name)):
+            arguments, tool_rules = schema_rules(tool.function.parameters or {"type": "object"}, f"tool{index}_")
+            rules = merge_rules(rules, tool_rules)
+            alternatives.append(f"({literal(self.start + tool.function.name + self.args)} {arguments})")
+        rules = merge_rules(rules, {"call": " | ".join(alternatives)})
+        return grammar_text("call (call)*" if name is None and parallel else "call", rules)
+
+
+class PythonicToolParser(ToolCallParser):
+    """The "pythonic" format (Llama 3.2 / Llama 4): a Python list of calls with keyword arguments,
+    ``[get_weather(city="Paris", unit="c"), get_time()]``, where the output (or the text after a call list)
+    begins, leading blanks included; any other output is content. Arguments are Python literals (str, int,
+    float, bool, None, lists, dicts), read with ``ast`` and never evaluated, and go out as JSON; a list that is
+    not all such calls is content. The list's calls go out together when it closes (the machine holds a block
+    until then: a call can only be told from content once the list is whole). Forced calls are written
+    ``[name(arg=value, ...), ...]`` by a grammar built from each tool's JSON schema (see ``call_grammar``)."""
+
+    start = "["
+    after_call = " \t\r\n"
+    grammar_open = grammar_separator = grammar_close = ""  # call_grammar builds its own
+
+    def split_content(self, text: str, at_start: bool) -> tuple[int, bool]:
+        """A ``[`` where the output (or the text after a call list) begins; blanks there are held."""
+        stripped = text.lstrip()
+        if at_start and not stripped:
+            return 0, False
+        if at_start and stripped.startswith(self.start):
+            return 0, True
+        return len(text), False
+
+    def block_len(self, text: str) -> int | None:
+        """Through the list's closing bracket (or the first character that shows it is no call list)."""
+        return tool_pythonic.list_len(text)
+
+    def parse_block(self, block: str) -> list[ToolCall] | None:
+        """Every item of the list as a call, arguments as JSON; None unless all are calls of literals."""
+        calls = tool_pythonic.read_calls(block)
+        if calls is None:
+            return None
+        return [ToolCall(self.new_id(), name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+
+    def call_grammar(self, tools: Sequence[ToolSpec], name: str | None, parallel: bool) -> str:
+        """``[`` one call (or several joined by ", " when ``parallel`` and no name) ``]``, each call
+        ``name(key=value, ...)``: the schema's properties in their order, the required ones always, the others
+        optional, each value a Python literal of its property's schema (xgrammar's JSON rules made to write
+        Python). A ValueError naming the parser for a tool it cannot write so: a name or property that is not a
+        Python identifier, parameters that are not an object schema with properties (or an open object)."""
+        rules: Rules = {}
+        alternatives = []
+        for index, tool in enumerate(_chosen(tools, name)):
+            arguments, tool_rules = pythonic_arguments(tool.function.name, tool.function.parameters, f"tool{index}_")
+            rules = merge_rules(rules, tool_rules)
+            alternatives.append(f"({literal(tool.function.name + '(')} {arguments} {literal(')')})")
+        rules = merge_rules(python_literal_rules(rules), {"call": " | ".join(alternatives)})
+        repeat = f" ({literal(', ')} call)*" if name is None and parallel else ""
+        return grammar_text(f"{literal('[')} call{repeat} {literal(']')}", rules)
+
 
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 """Tool-call formats by name (``--tool-call-parser``; vLLM's names)."""

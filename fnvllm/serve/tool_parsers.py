@@ -4,9 +4,9 @@ public names are re-exported here: the specs a request sends, the parsers, ``TOO
 format of ``REASONING_PARSERS`` ("qwen3" splits ``<think>...</think>`` off the start of the output).
 
 Streaming: text outside a tool call goes out as content deltas as it comes; once a call block opens, text is held
-until the block closes (at ``</tool_call>`` in the hermes format, at the end of the JSON in the JSON formats), then
-its calls go out as one ``tool_calls`` delta (id, name and the complete arguments). A marker split across two
-deltas is held until it can be told apart from text.
+until the block closes (at ``</tool_call>`` in the hermes format, at the end of the JSON in the JSON formats, at the
+list's closing bracket in the pythonic format), then its calls go out as one ``tool_calls`` delta (id, name and the
+complete arguments). A marker split across two deltas is held until it can be told apart from text.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fnvllm.serve.tool_formats import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    PythonicToolParser,
     ToolCall,
     ToolCallParser,
     ToolSpec,
@@ -39,6 +40,7 @@ __all__ = [
     "Llama3JsonToolParser",
     "MistralToolParser",
     "ParsedChatFormat",
+    "PythonicToolParser",
     "ReasoningFormat",
     "ToolCall",
     "ToolCallParser",
