@@ -7,6 +7,7 @@ than their prompts and outputs. Kernels run under TRITON_INTERPRET=1 on the CPU;
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -313,16 +314,25 @@ def _layer_types(hf_config: Any) -> list[str]:
 )
 def test_qwen2_sliding_layers_follow_transformers(tmp_path: Path, overrides: dict[str, Any], sliding: list) -> None:
     """Qwen2's sliding layers from max_window_layers or an explicit layer_types are transformers' own (none without
-    use_sliding_window)."""
+    use_sliding_window), also from a config.json without layer_types (as the published checkpoints, where
+    transformers derives them from max_window_layers)."""
     import transformers
 
     path = write_qwen2_window(tmp_path, **overrides)
     config = ModelConfig.from_pretrained(path)
-    hf_config = transformers.AutoConfig.from_pretrained(path)
-    hf_sliding = [i for i, t in enumerate(hf_config.layer_types) if t == "sliding_attention"]
-    hf_sliding = hf_sliding if hf_config.sliding_window is not None else []
-    assert list(config.sliding_layers) == hf_sliding == sliding
+    assert list(config.sliding_layers) == _hf_sliding_layers(transformers.AutoConfig.from_pretrained(path)) == sliding
     assert config.has_sliding_window == bool(sliding)
+    legacy = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "layer_types"}
+    want = _hf_sliding_layers(transformers.Qwen2Config(**legacy))
+    assert list(ModelConfig.from_dict(legacy).sliding_layers) == want
+    assert want == (sliding if "layer_types" not in overrides else [1, 2])
+
+
+def _hf_sliding_layers(hf_config: Any) -> list[int]:
+    """The layers transformers' Qwen2 config makes sliding (none when its sliding_window is None)."""
+    if hf_config.sliding_window is None:
+        return []
+    return [i for i, kind in enumerate(hf_config.layer_types) if kind == "sliding_attention"]
 
 
 def test_windows_refused_or_ignored_by_name(tmp_path: Path) -> None:
