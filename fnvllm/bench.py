@@ -323,11 +323,11 @@ def _vocab_size(folder: Path) -> int:
 
 
 def capped_model_len(folder: Path, wanted: int) -> int:
-    """``wanted`` tokens, or the checkpoint's max_position_embeddings when that is shorter (the bench's
-    max_model_len: short enough to keep the decode graphs' tables narrow)."""
+    """``wanted`` tokens, or the checkpoint's longest sequence (``ModelConfig.max_seq_len``) when that is shorter
+    (the bench's max_model_len: short enough to keep the decode graphs' tables narrow)."""
     from fnvllm.model.config import ModelConfig
 
-    return min(wanted, ModelConfig.from_pretrained(folder).max_position_embeddings)
+    return min(wanted, ModelConfig.from_pretrained(folder).max_seq_len)
 
 
 @contextlib.contextmanager

@@ -113,7 +113,8 @@ class EngineConfig:
         tensor-parallel rank.
     max_num_batched_tokens: token budget of one step, in [1, 2**24].
     max_num_seqs: cap on running sequences, in [1, 65536].
-    max_model_len: cap on prompt + output tokens, in [1, 2**21]; None = the model's max_position_embeddings.
+    max_model_len: cap on prompt + output tokens, in [1, 2**21]; None = the model's longest sequence
+        (``ModelConfig.max_seq_len``: max_position_embeddings, or as far as a yarn / linear rope scaling reaches).
     enable_prefix_caching: reuse KV of shared prompt prefixes.
     attention_backend: "auto" (the fastest backend available on the device) or a module name of
         ``fnvllm.kernels.backends`` ("torch", "triton", "flash"); a named backend that cannot run here is an
@@ -193,7 +194,8 @@ class EngineConfig:
         max_len = self.max_model_len or min(model_max_len, MAX_MODEL_LEN)
         if max_len > model_max_len:
             raise InvalidConfigError(
-                f"EngineConfig.max_model_len must be <= the model's max_position_embeddings ({model_max_len}), "
+                f"EngineConfig.max_model_len must be <= the model's longest sequence ({model_max_len}: its "
+                "max_position_embeddings, or as far as its rope scaling reaches), "
                 f"got {max_len}"
             )
         return CoreConfig(

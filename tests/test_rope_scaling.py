@@ -174,8 +174,39 @@ def test_dynamic_is_refused_past_max_position_embeddings(case: tuple[str, Path, 
     """A dynamic-NTK checkpoint cannot be served past max_position_embeddings (where transformers would start
     rescaling per sequence length), so the plain table above stays exact."""
     _, path, _ = case
-    with pytest.raises(InvalidConfigError, match=r"max_position_embeddings \(128\)"):
+    with pytest.raises(InvalidConfigError, match=r"longest sequence \(128: its max_position_embeddings"):
         LLM(path, dtype="float32", block_size=16, num_blocks=64, max_model_len=129)
+
+
+@pytest.mark.parametrize(
+    ("case", "reach"),
+    [("qwen2-yarn-qwen-docs-v4", ORIGINAL * 4), ("qwen2-linear-v5", ORIGINAL * 4)],
+    indirect=["case"],
+)
+def test_stretching_scalings_serve_past_max_position_embeddings(
+    case: tuple[str, Path, Any], reach: int, tmp_path: Path
+) -> None:
+    """A yarn (or linear) checkpoint whose config.json keeps max_position_embeddings at the original length, as
+    Qwen's long-context recipe does, serves up to original x factor: the engine's default max_model_len is that
+    reach, one token more is refused by name, and greedy tokens of sequences longer than max_position_embeddings
+    equal transformers' (whose tables do not depend on the length)."""
+    name, source, hf = case
+    config = json.loads((source / "config.json").read_text())
+    config["max_position_embeddings"] = ORIGINAL
+    path = tmp_path / name
+    path.mkdir()
+    for file in source.iterdir():
+        (path / file.name).write_bytes(file.read_bytes())
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(path, dtype="float32", block_size=16, num_blocks=64)
+    assert llm.engine.config.max_model_len == reach
+    prompts = [prompt(seed, length=n).tolist() for seed, n in ((7, ORIGINAL + 30), (8, ORIGINAL + 3))]
+    eos = sorted(llm.engine.config.eos_token_ids)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for p, out in zip(prompts, outs, strict=True):
+        assert list(out.token_ids) == hf_greedy(hf, p, 24, eos)
+    with pytest.raises(InvalidConfigError, match=rf"longest sequence \({reach}: "):
+        LLM(path, dtype="float32", block_size=16, num_blocks=64, max_model_len=reach + 1)
 
 
 # ---- config parsing: both formats, defaults, errors ------------------------------------------------------------

@@ -112,7 +112,7 @@ def build_engine(
     executor = build_executor(model_path, config, model_config)
     core = config.core_config(
         executor.num_blocks,
-        model_config.max_position_embeddings,
+        model_config.max_seq_len,
         read_eos_token_ids(model_path, loaded),
         model_config.vocab_size,
     )

@@ -48,6 +48,7 @@ from fnvllm.model.rope import (
     Llama3RopeScaling,
     RopeScaling,
     YarnRopeScaling,
+    served_positions,
     yarn_attention_factor,
 )
 
@@ -317,11 +318,19 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """Decoder layer ``layer``'s sliding window in tokens (its query at position i sees key j iff
         0 <= i - j < window), or None for full attention: layers outside sliding_layers, and a window no shorter
-        than max_position_embeddings (the engine's max model length is no longer, so it never hides a key)."""
+        than max_seq_len (the engine's max model length is no longer, so it never hides a key)."""
         window = self.sliding_window
-        if window is None or window >= self.max_position_embeddings or layer not in self.sliding_layers:
+        if window is None or window >= self.max_seq_len or layer not in self.sliding_layers:
             return None
         return window
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence (prompt + output) the model serves: max_position_embeddings, or further where its
+        rope scaling stretches the context (yarn: original_max_position_embeddings x factor; linear:
+        max_position_embeddings x factor; ``fnvllm.model.rope.served_positions``). The rope table's length, and
+        the engine's default and cap for max_model_len."""
+        return served_positions(self.rope_scaling, self.max_position_embeddings)
 
     @property
     def has_sliding_window(self) -> bool:

@@ -48,8 +48,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with a cached float32 cos/sin table for positions 0..max_positions-1.
 
-    Positions at or beyond max_positions (the config's max_position_embeddings) are out of range; the engine
-    must cap max_model_len accordingly.
+    Positions at or beyond max_positions (the config's max_seq_len: max_position_embeddings, or as far as its rope
+    scaling reaches) are out of range; the engine caps max_model_len there.
     """
 
     cos_sin_cache: torch.Tensor  # (max_positions, head_dim): [cos | sin]

@@ -393,7 +393,7 @@ class DecoderModel(nn.Module):
         self.ops = ops
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(DecoderLayer(config, ops, tp, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)

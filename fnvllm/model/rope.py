@@ -203,3 +203,27 @@ class DynamicNtkRopeScaling:
 
 RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | DynamicNtkRopeScaling
 """Any rope scaling a ModelConfig can carry (None there: plain rope)."""
+
+
+def served_positions(scaling: RopeScaling | None, max_position_embeddings: int) -> int:
+    """The longest sequence a checkpoint is served at: how far its rope scaling reaches, and never less than
+    max_position_embeddings.
+
+    A stretching scaling is there to serve longer sequences than config.json's max_position_embeddings says, and
+    its tables are the same at every length (so fnvllm matches transformers at any length), as vLLM reads them:
+
+    - yarn: original_max_position_embeddings x factor (Qwen's documented long context: config.json keeps
+      max_position_embeddings 32768 and adds {"rope_type": "yarn", "factor": 4.0,
+      "original_max_position_embeddings": 32768}, which serves 131072 tokens);
+    - linear: max_position_embeddings x factor (a 2048-token model stretched by 4 serves 8192);
+    - llama3: max_position_embeddings (Llama 3.1's config already states the scaled 131072);
+    - dynamic: max_position_embeddings, never more (past it transformers changes the frequencies per sequence:
+      see the module docstring).
+    """
+    if isinstance(scaling, YarnRopeScaling):
+        reach = scaling.original_max_position_embeddings * scaling.factor
+    elif isinstance(scaling, LinearRopeScaling):
+        reach = max_position_embeddings * scaling.factor
+    else:
+        reach = max_position_embeddings
+    return max(max_position_embeddings, int(reach))
