@@ -120,8 +120,9 @@ class Attention(nn.Module):
             k = self.ops.norm_rotary(k, self.k_norm.weight, self.k_norm.eps, *rope)
         else:
             q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
-        k_cache, v_cache, *scales = kv_cache  # FP8 caches carry their (Hkv,) k_scale, v_scale
-        out = attention(q, k, v, k_cache, v_cache, meta, self.scale, backend, *scales, window=self.window)  # (T, Hq, D)
+        cache = KVCache(*kv_cache)  # FP8 caches carry their (Hkv,) k_scale, v_scale
+        scales = cache.k_scale, cache.v_scale
+        out = attention(q, k, v, cache.k, cache.v, meta, self.scale, backend, *scales, window=self.window)  # (T, Hq, D)
         return self._project_out(out.reshape(num_tokens, -1))
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor | SplitPartials:
