@@ -110,6 +110,7 @@ PYTHONIC_OUTPUTS = [
     PYTHONIC_CALLS,
     "  \n" + PYTHONIC_CALLS + "\n",
     '[get_time()]\n[get_weather(city="a)]\\"(")]',  # brackets and quotes inside strings
+    "[get_time()]\n[get_time()] [get_time(), get_time()]",  # each list read afresh, though it repeats the last
     "<think>\nneed a tool\n</think>\n\n" + PYTHONIC_CALLS,
     "Sure: " + PYTHONIC_CALLS,  # a list inside prose is content
     PYTHONIC_CALLS + " and some words after",
@@ -283,6 +284,19 @@ def test_text_that_cannot_be_a_call_goes_out_before_the_output_ends(parser: Pars
     assert "".join(chat.feed(char).get("content", "") for char in text) == text
 
 
+def test_the_list_scanner_reads_on_only_where_the_text_grows() -> None:
+    """ListScanner (the pythonic parser's, kept across a stream's deltas) answers every text as a fresh scan
+    would: a text that extends the last one is read on from where the scan stopped (brackets and quotes already
+    seen still count), any other text, or one after a list closed, is scanned afresh."""
+    from fnvllm.serve.tool_pythonic import ListScanner
+
+    scanner = ListScanner()
+    closed = "[f(x='a)]', y=[1])]"
+    texts = ["[f(x='a", "[f(x='a)]', y=[1", closed, closed, closed + " more", "[g('", "[h(y=1)]", "[g(1)]"]
+    texts.append("[f(x='a)]', y=[1]]")  # a mismatch
+    assert [scanner.list_len(text) for text in texts] == [None, None, 19, 19, 19, None, 8, 6, 18]
+
+
 def test_chat_format_reports_tool_calls_for_each_format() -> None:
     """ParsedChatFormat with each new parser (and form): a choice that called a tool finishes with "tool_calls",
     whole and streamed; plain text keeps "stop"."""
@@ -398,6 +412,7 @@ PYTHONIC_TOOLS = [
                         "unit": {"enum": ["c", "f"]},
                         "days": {"type": "integer"},
                         "detailed": {"type": ["boolean", "null"]},
+                        "flags": {"enum": [[True, None], {"k": False}]},
                     },
                     "required": ["city"],
                 },
@@ -410,19 +425,22 @@ PYTHONIC_TOOLS = [
 
 def test_pythonic_grammar_forces_python_calls_of_the_schema() -> None:
     """The pythonic grammar accepts a list of calls whose keyword arguments follow the schema's properties in
-    order (required ones always, optional ones or not) as Python literals, which parse back to the same calls;
-    it rejects JSON's true/null, escapes whose Python reading differs, a missing required or unknown argument,
-    another tool, and the other formats."""
+    order (required ones always, optional ones or not) as Python literals (enum lists and objects too), which
+    parse back to the same calls; it rejects JSON's true/null, escapes whose Python reading differs, a missing
+    required or unknown argument, another tool, and the other formats."""
     pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (the serve extra)")
     parser = PythonicToolParser()
     named = parser.call_grammar(PYTHONIC_TOOLS, "get_weather", parallel=True)
     full = '[get_weather(city="Paris", unit="c", days=-3, detailed=None)]'
     accepted = ['[get_weather(city="Paris")]', full, '[get_weather(city="Oslo", detailed=True)]']
+    accepted += ['[get_weather(city="Oslo", flags=[True, None])]', '[get_weather(city="Oslo", flags={"k": False})]']
     for text in [*accepted, r'[get_weather(city="\u00e9\n")]']:
         assert _accepts(named, text), text
     for text in [
         '[get_weather(city="Paris", detailed=true)]',
         '[get_weather(city="Paris", detailed=null)]',
+        '[get_weather(city="Paris", flags=[true,null])]',
+        '[get_weather(city="Paris", flags=[True, False])]',
         r'[get_weather(city="a\/b")]',  # JSON's "\/" is "/"; Python keeps the backslash
         r'[get_weather(city="\ud83d\ude00")]',  # JSON pairs the surrogates; Python does not
         '[get_weather(unit="c")]',
@@ -439,6 +457,8 @@ def test_pythonic_grammar_forces_python_calls_of_the_schema() -> None:
     assert _accepts(required, two) and _accepts(required, full)
     single = parser.call_grammar(PYTHONIC_TOOLS, None, parallel=False)
     assert _accepts(single, "[get_time()]") and not _accepts(single, two)
+    flags = ChatOutputParser(parser, None).parse(accepted[-2])["tool_calls"]
+    assert named_arguments(flags) == [("get_weather", '{"city": "Oslo", "flags": [true, null]}')]
     message = ChatOutputParser(parser, None).parse(two)
     assert named_arguments(message["tool_calls"]) == [
         ("get_time", "{}"),

@@ -412,6 +412,9 @@ class PythonicToolParser(ToolCallParser):
     after_call = " \t\r\n"
     grammar_open = grammar_separator = grammar_close = ""  # call_grammar builds its own
 
+    def __init__(self) -> None:
+        self._scanner = tool_pythonic.ListScanner()
+
     def split_content(self, text: str, at_start: bool) -> tuple[int, bool]:
         """A ``[`` where the output (or the text after a call list) begins; blanks there are held."""
         stripped = text.lstrip()
@@ -423,7 +426,7 @@ class PythonicToolParser(ToolCallParser):
 
     def block_len(self, text: str) -> int | None:
         """Through the list's closing bracket (or the first character that shows it is no call list)."""
-        return tool_pythonic.list_len(text)
+        return self._scanner.list_len(text)
 
     def parse_block(self, block: str) -> list[ToolCall] | None:
         """Every item of the list as a call, arguments as JSON; None unless all are calls of literals."""

@@ -80,15 +80,42 @@ def merge_rules(into: Rules, rules: Rules) -> Rules:
 
 def python_literal_rules(rules: Rules) -> Rules:
     """``rules`` rewritten to match Python literals where they matched JSON: True / False / None for the JSON
-    keywords, no "\\/" escape, no surrogate "\\u" escape, and ")" allowed after a string. JSON numbers, strings
-    (so rewritten), arrays and objects are Python literals as they are. A ValueError when xgrammar's rules are not
-    in the form these rewrites expect (another xgrammar version)."""
-    out = {name: "".join(_PYTHON_TOKENS.get(t, t) for t in _TOKEN.findall(body)) for name, body in rules.items()}
+    keywords (in enum and const lists and objects too), no "\\/" escape, no surrogate "\\u" escape, and ")"
+    allowed after a string. JSON numbers, strings (so rewritten), arrays and objects are Python literals as they
+    are. A ValueError when xgrammar's rules are not in the form these rewrites expect (another xgrammar
+    version)."""
+    out = {name: "".join(_python_token(t) for t in _TOKEN.findall(body)) for name, body in rules.items()}
     out = {name: body.replace(_JSON_UNICODE_ESCAPE, _PYTHON_UNICODE_ESCAPE) for name, body in out.items()}
     joined = "\n".join(rules.values())
     if not all(required in joined for required in _REQUIRED_PYTHON_REWRITES):
         raise ValueError("this xgrammar's JSON string rule is not in the form its Python rewrite expects")
     return out
+
+
+def _python_token(token: str) -> str:
+    """One EBNF token rewritten for Python: a JSON keyword or escape (``_PYTHON_TOKENS``), or a literal that is a
+    whole JSON list or object (an enum or const value, which xgrammar writes as one literal) as Python text."""
+    if token in _PYTHON_TOKENS:
+        return _PYTHON_TOKENS[token]
+    if not token.startswith('"[') and not token.startswith('"{'):
+        return token
+    try:
+        value = json.loads(json.loads(token))
+    except ValueError:  # a bracket alone, or a literal that is not JSON text
+        return token
+    return literal(_python_text(value)) if isinstance(value, (list, dict)) else token
+
+
+def _python_text(value: Any) -> str:
+    """A JSON value as Python literal text: True / False / None, strings as JSON writes them (its escapes mean
+    the same in Python; characters kept as they are, so no surrogate pairs)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_python_text(k)}: {_python_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_text(item) for item in value) + "]"
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)
 
 
 def kwargs_rules(arguments: list[tuple[str, str]], required: set[str], prefix: str) -> tuple[str, Rules]:
