@@ -457,6 +457,10 @@ def test_pythonic_grammar_forces_python_calls_of_the_schema() -> None:
     assert _accepts(required, two) and _accepts(required, full)
     single = parser.call_grammar(PYTHONIC_TOOLS, None, parallel=False)
     assert _accepts(single, "[get_time()]") and not _accepts(single, two)
+    defs = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": {"enum": ["c"]}}}
+    referring = ToolSpec.model_validate({"type": "function", "function": {"name": "f", "parameters": defs}})
+    by_ref = parser.call_grammar([referring], "f", parallel=False)  # a property's $ref reads the schema's $defs
+    assert _accepts(by_ref, '[f(unit="c")]') and not _accepts(by_ref, '[f(unit="f")]')
     flags = ChatOutputParser(parser, None).parse(accepted[-2])["tool_calls"]
     assert named_arguments(flags) == [("get_weather", '{"city": "Oslo", "flags": [true, null]}')]
     message = ChatOutputParser(parser, None).parse(two)

@@ -439,8 +439,9 @@ class PythonicToolParser(ToolCallParser):
         """``[`` one call (or several joined by ", " when ``parallel`` and no name) ``]``, each call
         ``name(key=value, ...)``: the schema's properties in their order, the required ones always, the others
         optional, each value a Python literal of its property's schema (xgrammar's JSON rules made to write
-        Python). A ValueError naming the parser for a tool it cannot write so: a name or property that is not a
-        Python identifier, parameters that are not an object schema with properties (or an open object)."""
+        Python); a schema without properties takes any ``identifier=value``. A ValueError naming the parser for a
+        tool it cannot write so: a name or property that is not a Python identifier, parameters that are not an
+        object schema of properties."""
         rules: Rules = {}
         alternatives = []
         for index, tool in enumerate(_chosen(tools, name)):

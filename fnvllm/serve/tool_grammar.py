@@ -152,7 +152,7 @@ def pythonic_arguments(name: str, parameters: dict[str, Any] | None, prefix: str
     schema = parameters or {"type": "object"}
     if not _is_identifier(name):
         raise ValueError(f"{where}: its name is not a Python identifier")
-    refs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # property schemas may $ref them
+    refs: dict[str, Any] = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # properties may $ref them
     extra = sorted(set(schema) - _KWARGS_SCHEMA_KEYS - set(refs))
     if extra or schema.get("type", "object") != "object":
         got = f"keywords {extra}" if extra else f"type {schema['type']!r}"

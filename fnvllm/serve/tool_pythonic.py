@@ -1,7 +1,8 @@
 """Reading the pythonic tool-call format (Llama 3.2 / Llama 4): a Python list of calls,
 ``[get_weather(city="Paris", unit="c"), get_time()]``, whose keyword arguments are Python literals (str, int,
 float, bool, None, lists, dicts with str keys). ``ListScanner`` finds where such a list closes as the text
-streams in; ``read_calls`` reads a closed one with ``ast``, never evaluating anything: any other expression is no call.
+streams in; ``read_calls`` reads a closed one with ``ast``, never evaluating anything: any other expression is no
+call.
 """
 
 from __future__ import annotations
