@@ -93,9 +93,9 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type_is_rejected() -> None:
-    """A rope type outside SUPPORTED_ROPE_TYPES (longrope) is a ValueError naming it."""
-    config = {**_base_config(), "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}
-    with pytest.raises(ValueError, match="'longrope' is not supported"):
+    """A rope type outside SUPPORTED_ROPE_TYPES (mrope, Qwen2-VL's) is a ValueError naming it."""
+    config = {**_base_config(), "rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4, "factor": 4.0}}
+    with pytest.raises(ValueError, match="'mrope' is not supported"):
         ModelConfig.from_dict(config)
 
 

@@ -281,7 +281,7 @@ def test_yarn_defaults_are_transformers() -> None:
             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0},
             "original_max_position_embeddings must be a positive int, got 0",
         ),
-        ({"rope_type": "longrope", "factor": 4.0}, "rope_type 'longrope' is not supported"),
+        ({"rope_type": "longrope", "factor": 4.0}, r"rope_type 'longrope'\) is missing field 'short_factor'"),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ],
 )
@@ -299,4 +299,4 @@ def test_unknown_type_lists_the_supported_ones_from_a_folder(tmp_path: Path) -> 
     with pytest.raises(CheckpointError, match="rope_scaling rope_type 'su' is not supported") as info:
         ModelConfig.from_pretrained(tmp_path)
     assert "config.json" in str(info.value) and all(t in str(info.value) for t in SUPPORTED_ROPE_TYPES)
-    assert set(SUPPORTED_ROPE_TYPES) == {"default", "llama3", "linear", "yarn", "dynamic"}
+    assert set(SUPPORTED_ROPE_TYPES) == {"default", "llama3", "linear", "yarn", "dynamic", "longrope"}

@@ -133,6 +133,45 @@ def write_qwen2_moe_family(root: Path, family: str, **overrides: Any) -> Path:
     return _write_random_hf(transformers.Qwen2MoeForCausalLM, config, root / family)
 
 
+# Phi-3 (Phi3ForCausalLM: fused qkv_proj and gate_up_proj tensors), written here too. "phi3" has GQA (4 heads, 2 KV
+# heads) and an untied head; "phi3_window" a tied head, one KV head and a sliding window of 24 tokens, shorter than
+# the longer test prompts; "phi3_longrope" longrope over original_max_position_embeddings 128 (max 512: attention
+# factor sqrt(1 + ln 4 / ln 128)) with short factors far from 1 (and other long factors, which the prompts, within
+# 128 tokens, never reach). Options of transformers' Phi3Config.
+_PHI3 = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5)
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.3, 1.7, 2.2, 2.9, 3.8, 5.0, 6.5],  # head_dim 16: 8 pairs
+    "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 11.0, 15.0, 20.0],
+}
+PHI3_FAMILIES: dict[str, dict[str, Any]] = {
+    "phi3": dict(_PHI3, num_key_value_heads=2, num_hidden_layers=2),
+    "phi3_window": dict(_PHI3, num_key_value_heads=1, num_hidden_layers=3, tie_word_embeddings=True, sliding_window=24),
+    "phi3_longrope": dict(
+        _PHI3,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=128,
+        rope_parameters=PHI3_LONGROPE,
+    ),
+}
+
+
+def write_phi3_family(root: Path, family: str, **overrides: Any) -> Path:
+    """A tiny random fp32 Phi-3 checkpoint (``family``: a key of PHI3_FAMILIES; ``overrides``: more config fields)
+    written by transformers, plus the test tokenizer, in ``root / family``. Weights and norms are drawn as
+    write_tiny_checkpoint draws them (std 0.1, norm weights U(0.5, 1.5)); EOS is 255."""
+    import transformers
+
+    defaults = dict(vocab_size=256, intermediate_size=96, initializer_range=0.1, bos_token_id=0, eos_token_id=255)
+    options = {**defaults, **PHI3_FAMILIES[family], **overrides}
+    if "rope_parameters" in options:  # Phi3Config fills in the dict it is given
+        options["rope_parameters"] = dict(options["rope_parameters"])
+    config = transformers.Phi3Config(pad_token_id=2, **options)
+    return _write_random_hf(transformers.Phi3ForCausalLM, config, root / family)
+
+
 def hf_model(path: Path) -> Any:
     """The same checkpoint loaded by transformers, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

@@ -5,8 +5,9 @@ Two rope formats exist in the wild and both are read:
     transformers < 5:  "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, ...}
     transformers >= 5: "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, ...}
 
-rope_type "default", "llama3", "linear", "yarn" and "dynamic" load (``parse_rope``; the frequencies each gives are
-in ``fnvllm.model.rope``); "longrope" and the rest are refused by name.
+rope_type "default", "llama3", "linear", "yarn", "dynamic" and "longrope" load (``parse_rope``; the frequencies each
+gives are in ``fnvllm.model.rope``); the rest are refused by name. A longrope checkpoint is served up to its
+original_max_position_embeddings only (``LongRopeScaling`` says why): a longer ``max_model_len`` is refused by name.
 
 
 End-of-sequence ids are not here: the LLM layer reads them from generation_config.json.
@@ -25,6 +26,14 @@ Sliding windows elsewhere: Qwen2's config.json carries a ``sliding_window`` that
 that list), else to the layers from ``max_window_layers`` on (transformers' rule for Qwen2; default 28).
 ``ModelConfig.layer_window`` gives each layer's window. use_sliding_window on another architecture is refused by name
 (Qwen2-MoE and Qwen3 pick their sliding layers by other rules).
+
+Phi-3 (``Phi3ForCausalLM``: Phi-3-mini / medium, Phi-3.5-mini, Phi-4) is read as Llama: no biases anywhere (its
+attention hard-codes none), ``rms_norm_eps`` default 1e-5, ``sliding_window`` on every layer as Mistral's
+(Phi-3-mini-4k: 2047), ``resid_pdrop`` / ``embd_pdrop`` / ``attention_dropout`` ignored (training only). Its rope
+follows transformers' Phi3Config: rope_type "su" or "yarn" (older Phi-3 configs) means "longrope", whose
+``original_max_position_embeddings`` is config.json's top-level field (default 4096). Its fused checkpoint tensors
+(``self_attn.qkv_proj``, ``mlp.gate_up_proj``) are split by the loader; FP8 checkpoints of it are refused (16-bit
+ones load with quantization="fp8"). ``partial_rotary_factor`` (Phi-4-mini's 0.75) is refused, as for every model.
 
 Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is read as Qwen2 (q/k/v biases, ``qkv_bias`` in transformers 5's
 config.json, absent and true in the published ones) with a ``MoeConfig`` (``MoeConfig.from_qwen2_moe``): Qwen3-MoE's
@@ -46,8 +55,10 @@ from fnvllm.model.rope import (
     DynamicNtkRopeScaling,
     LinearRopeScaling,
     Llama3RopeScaling,
+    LongRopeScaling,
     RopeScaling,
     YarnRopeScaling,
+    longrope_attention_factor,
     served_positions,
     yarn_attention_factor,
 )
@@ -82,11 +93,16 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Phi3ForCausalLM",
 )
 _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN2_LIKE = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, never an o_proj bias
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
-_SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # config.json's sliding_window, all layers
+_SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # on all layers
+_PHI3 = "Phi3ForCausalLM"
+_PHI3_RMS_NORM_EPS = 1e-5  # transformers' Phi3Config defaults
+_PHI3_ORIGINAL_MAX_POSITIONS = 4096
+_PHI3_LONGROPE_ALIASES = ("su", "yarn")  # rope types older Phi-3 configs wrote for longrope
 _USE_SLIDING_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM",)  # sliding_window on some layers, with use_sliding_window
 _LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types entries
 _MAX_WINDOW_LAYERS_DEFAULT = 28  # transformers' Qwen2Config default
@@ -231,8 +247,8 @@ class MoeConfig:
 
 @attrs.frozen
 class ModelConfig:
-    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Qwen2-MoE / Llama / Mistral / Mixtral decoder checkpoint (never
-    written after construction).
+    """Static facts about a Qwen3 / Qwen3-MoE / Qwen2 / Qwen2-MoE / Llama / Mistral / Mixtral / Phi-3 decoder checkpoint
+    (never written after construction).
 
     architecture: one of SUPPORTED_ARCHITECTURES.
     head_dim: per-head width (config's head_dim, else hidden_size // num_attention_heads).
@@ -303,6 +319,24 @@ class ModelConfig:
         if self.sliding_window is not None:
             _check_positive("sliding_window", self.sliding_window)
         self._check_sliding_layers()
+        self._check_longrope()
+        if self.architecture == _PHI3 and self.quantization is not None and self.quantization.is_checkpoint_fp8:
+            raise ValueError(
+                "FP8 checkpoints (quantization_config) of Phi3ForCausalLM are not supported (their fused qkv_proj / "
+                "gate_up_proj scales are not split); quantization='fp8' on its 16-bit checkpoint is"
+            )
+
+    def _check_longrope(self) -> None:
+        """Reject longrope factor lists that do not give one factor per rotary pair (head_dim / 2), naming them."""
+        scaling = self.rope_scaling
+        if not isinstance(scaling, LongRopeScaling):
+            return
+        for name in ("short_factor", "long_factor"):
+            if len(getattr(scaling, name)) != self.head_dim // 2:
+                raise ValueError(
+                    f"longrope's {name} has {len(getattr(scaling, name))} entries; it needs one per rotary pair, "
+                    f"head_dim / 2 = {self.head_dim // 2}"
+                )
 
     def _check_sliding_layers(self) -> None:
         """Reject sliding_layers that are not distinct increasing layer indices, or given without a window."""
@@ -366,8 +400,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read `path`/config.json; `dtype` overrides the checkpoint's dtype; quantization="fp8" quantizes a
         16/32-bit checkpoint's linears at load (an FP8 checkpoint is FP8 either way); `max_model_len`: the engine's
-        max model length, accepted for the callers that pass it and checked against nothing (sliding windows of
-        any length are attended within, ``layer_window``). A missing
+        max model length, checked only for longrope checkpoints (at most their original_max_position_embeddings:
+        ``LongRopeScaling``; sliding windows of any length are attended within, ``layer_window``). A missing
         file is FileNotFoundError; a malformed one (bad JSON, a missing or mistyped field, an unsupported model) is
         CheckpointError naming the file and the field."""
         config_file = Path(path) / "config.json"
@@ -397,7 +431,8 @@ class ModelConfig:
         hidden_size = _int_field(hf, "hidden_size")
         num_heads = _int_field(hf, "num_attention_heads")
         max_positions = _int_field(hf, "max_position_embeddings")
-        rope_theta, rope_scaling = parse_rope(hf, max_positions)
+        rope_theta, rope_scaling = parse_rope(_phi3_rope_fields(hf) if architecture == _PHI3 else hf, max_positions)
+        _check_served_len(rope_scaling, max_model_len)
         attention_bias = _attention_bias(hf, architecture)
         num_layers = _int_field(hf, "num_hidden_layers")
         sliding_window, sliding_layers = _sliding_window(hf, architecture, num_layers)
@@ -410,7 +445,7 @@ class ModelConfig:
             head_dim=_int_field(hf, "head_dim", hidden_size // num_heads),
             intermediate_size=_int_field(hf, "intermediate_size"),
             vocab_size=_int_field(hf, "vocab_size"),
-            rms_norm_eps=_real_field(hf, "rms_norm_eps", 1e-6),
+            rms_norm_eps=_real_field(hf, "rms_norm_eps", _PHI3_RMS_NORM_EPS if architecture == _PHI3 else 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
@@ -426,9 +461,37 @@ class ModelConfig:
         )
 
 
+def _phi3_rope_fields(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Phi-3 config.json's rope dict as transformers' Phi3Config reads it: rope_type "su" or "yarn" is "longrope",
+    whose original_max_position_embeddings is the top-level field (default 4096) over the dict's own."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(key)
+    if not isinstance(params, Mapping):
+        return hf  # no scaling, or a malformed one that parse_rope names
+    kind = params.get("rope_type", params.get("type"))
+    if kind not in ("longrope", *_PHI3_LONGROPE_ALIASES):
+        return hf
+    original = _int_field(hf, "original_max_position_embeddings", _PHI3_ORIGINAL_MAX_POSITIONS)
+    return {**hf, key: {**params, "rope_type": "longrope", "original_max_position_embeddings": original}}
+
+
+def _check_served_len(scaling: RopeScaling | None, max_model_len: int | None) -> None:
+    """Refuse a max_model_len longer than a longrope checkpoint's original_max_position_embeddings, saying why."""
+    if not isinstance(scaling, LongRopeScaling) or max_model_len is None:
+        return
+    original = scaling.original_max_position_embeddings
+    if max_model_len > original:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) must be <= original_max_position_embeddings ({original}) for a "
+            "longrope checkpoint: fnvllm serves it with short_factor only, exactly as transformers does up to that "
+            "length; past it transformers rotates the whole sequence with long_factor, which a paged KV cache "
+            "(keys already rotated) cannot follow"
+        )
+
+
 def _sliding_window(hf: Mapping[str, Any], architecture: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(sliding_window, sliding_layers) of a config.json (see the module docstring): Mistral / Mixtral's window on
-    every layer; Qwen2's with use_sliding_window on its sliding layers (``_qwen2_sliding_layers``); none otherwise,
+    """(sliding_window, sliding_layers) of a config.json (see the module docstring): Mistral / Mixtral / Phi-3's window
+    on every layer; Qwen2's with use_sliding_window on its sliding layers (``_qwen2_sliding_layers``); none otherwise,
     and use_sliding_window true on another architecture is a ValueError naming it."""
     if architecture in _SLIDING_WINDOW_ARCHITECTURES:
         window = _optional_int_field(hf, "sliding_window")
@@ -459,10 +522,13 @@ def _qwen2_sliding_layers(hf: Mapping[str, Any], num_layers: int) -> tuple[int, 
 
 
 def _attention_bias(hf: Mapping[str, Any], architecture: str) -> bool:
-    """Whether q/k/v carry biases: always for Qwen2 (HF's Qwen2Attention hard-codes them), ``qkv_bias`` (default
-    true, as HF's Qwen2MoeConfig) for Qwen2-MoE, ``attention_bias`` (default false) for the others."""
+    """Whether q/k/v carry biases: always for Qwen2 (HF's Qwen2Attention hard-codes them), never for Phi-3 (its
+    Phi3Attention hard-codes none), ``qkv_bias`` (default true, as HF's Qwen2MoeConfig) for Qwen2-MoE,
+    ``attention_bias`` (default false) for the others."""
     if architecture == "Qwen2ForCausalLM":
         return True
+    if architecture == _PHI3:
+        return False
     if architecture == "Qwen2MoeForCausalLM":
         return _bool_field(hf, "qkv_bias", True)
     return _bool_field(hf, "attention_bias", False)
@@ -563,12 +629,40 @@ def _yarn_scaling(params: Mapping[str, Any], max_position_embeddings: int) -> Ya
     )
 
 
+def _longrope_scaling(params: Mapping[str, Any], max_position_embeddings: int) -> LongRopeScaling:
+    """LongRoPE's fields with transformers' defaults: short_factor and long_factor (required lists of positive
+    numbers), original_max_position_embeddings (max_position_embeddings; Phi-3's comes from its top-level field,
+    ``_phi3_rope_fields``), attention_factor (from factor, itself max_position_embeddings / original when absent)."""
+    original = _int_field(params, "original_max_position_embeddings", max_position_embeddings)
+    factor = _optional_real_field(params, "factor")
+    attention_factor = _optional_real_field(params, "attention_factor")
+    if attention_factor is None:
+        stretch = max_position_embeddings / original if factor is None else factor
+        attention_factor = longrope_attention_factor(stretch, original)
+    return LongRopeScaling(
+        short_factor=_factor_list(params, "short_factor"),
+        long_factor=_factor_list(params, "long_factor"),
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+    )
+
+
+def _factor_list(params: Mapping[str, Any], name: str) -> tuple[float, ...]:
+    """params[name] (required) as a tuple of floats; a non-list or a non-number entry is a ValueError naming it
+    (LongRopeScaling checks that they are positive)."""
+    value = params[name]
+    if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
+        raise ValueError(f"{name} must be a list of numbers, got {value!r:.80}")
+    return tuple(float(x) for x in value)
+
+
 # rope_type -> its parser (params, max_position_embeddings) -> scaling; "default" is plain rope (no scaling).
 _ROPE_PARSERS: Mapping[str, Callable[[Mapping[str, Any], int], RopeScaling]] = {
     "llama3": _llama3_scaling,
     "linear": _linear_scaling,
     "yarn": _yarn_scaling,
     "dynamic": _dynamic_scaling,
+    "longrope": _longrope_scaling,
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", *_ROPE_PARSERS)
 

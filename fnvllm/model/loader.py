@@ -20,6 +20,10 @@ is never read: the index's shards or ``model.safetensors`` come first, and the l
 Qwen2-MoE's names need no mapping: its router and experts are Qwen3-MoE's, and its shared expert is
 ``<l>.mlp.shared_expert.gate_proj|up_proj|down_proj.weight`` (a dense MLP's, fused as above) beside
 ``<l>.mlp.shared_expert_gate.weight`` (1, H), read whole on every rank.
+Phi-3 stores each layer's q/k/v stacked in one ``<l>.self_attn.qkv_proj.weight`` (q rows, then k, then v) and its
+gate/up in ``<l>.mlp.gate_up_proj.weight`` (gate rows, then up): each is read as its parts (``checkpoint_names``,
+``sharding.fuse_targets``), so a rank reads its rows of q, of k and of v, and a missing or misshapen one is named
+as stored.
 
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
 rules for which slice are ``sharding.weight_targets``.
@@ -42,7 +46,7 @@ read back (Qwen3-30B-A3B: 61 GB).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +62,11 @@ from fnvllm.model.ops import TORCH_OPS, ModelOps
 from fnvllm.model.quant import quantize_fp8_row_groups, row_group_amax, scale_blocks, set_row_scales
 from fnvllm.model.sharding import (
     SINGLE,
+    CheckpointTarget,
+    FusedTarget,
     TensorParallel,
     WeightTarget,
+    fuse_targets,
     max_over_ranks,
     weight_targets,
     zero_vocab_padding,
@@ -193,7 +200,7 @@ def _weight_map(index: Path) -> Mapping[str, str]:
 
 
 def check_names(
-    names_by_file: Mapping[Path, list[str]], targets: Mapping[str, WeightTarget], ignored: Iterable[str] = ()
+    names_by_file: Mapping[Path, list[str]], targets: Mapping[str, CheckpointTarget], ignored: Iterable[str] = ()
 ) -> None:
     """Raise CheckpointMismatchError when a needed tensor is missing, unexpected, or stored twice."""
     seen: dict[str, Path] = {}
@@ -222,16 +229,13 @@ def _open(file: Path) -> Any:
 
 
 def _load_file(
-    file: Path, targets: Mapping[str, WeightTarget], params: Mapping[str, torch.Tensor], tp: TensorParallel
+    file: Path, targets: Mapping[str, CheckpointTarget], params: Mapping[str, torch.Tensor], tp: TensorParallel
 ) -> None:
     """Copy every needed tensor (or this rank's slice) of one safetensors file into its parameter (rows),
     converting dtype/device; a tensor quantized at load whose columns are split over the ranks (``tp``) takes the
     whole rows' scales."""
     with _open(file) as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            target = targets.get(name)
-            if target is None:
-                continue
+        for name, target in _stored_targets(f.keys(), targets):
             dest = params[target.param].data
             dest = dest if target.expert is None else dest[target.expert]  # one expert of a stacked parameter
             dest = dest if target.rows is None else dest[target.rows[0] : target.rows[1]]
@@ -242,6 +246,17 @@ def _load_file(
                 column_slice = target.dim == 1 and target.source is not None
                 group = tp if column_slice else SINGLE
                 _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows, group)
+
+
+def _stored_targets(
+    names: Iterable[str], targets: Mapping[str, CheckpointTarget]
+) -> Iterator[tuple[str, WeightTarget]]:
+    """(name, target) for each stored tensor the model needs, once per part of a fused one (``FusedTarget``)."""
+    for name in names:
+        target = targets.get(name)
+        parts = target.parts if isinstance(target, FusedTarget) else () if target is None else (target,)
+        for part in parts:
+            yield name, part
 
 
 def _copy_quantized(
@@ -279,12 +294,19 @@ def _read(f: Any, name: str, target: WeightTarget, dest_shape: tuple[int, ...]) 
 
 
 _MIXTRAL_EXPERT_NAMES: Mapping[str, str] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# Phi-3's stacked tensors and their parts, in row order (transformers' Phi3Attention / Phi3MLP split them so).
+_PHI3_FUSED: Mapping[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
-def checkpoint_names(targets: Mapping[str, WeightTarget], config: ModelConfig) -> dict[str, WeightTarget]:
+def checkpoint_names(targets: Mapping[str, WeightTarget], config: ModelConfig) -> dict[str, CheckpointTarget]:
     """``targets`` (``sharding.weight_targets``: Qwen3-MoE's names for the MoE tensors) keyed by the names this
-    architecture's checkpoints use: Mixtral's for its MoE layers, the same names for every other model (Qwen2-MoE's
-    included, its shared expert's too)."""
+    architecture's checkpoints use: Mixtral's for its MoE layers, Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` (each
+    read as its parts), the same names for every other model (Qwen2-MoE's included, its shared expert's too)."""
+    if config.architecture == "Phi3ForCausalLM":
+        return fuse_targets(targets, _PHI3_FUSED)
     if config.architecture != "MixtralForCausalLM":
         return dict(targets)
     return {_mixtral_name(name): target for name, target in targets.items()}

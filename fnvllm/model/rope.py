@@ -16,6 +16,9 @@ The rules follow transformers' rope-init functions (``modeling_rope_utils``):
 - ``yarn``: pairs that turn more than ``beta_fast`` times over the original context are kept (extrapolated), pairs
   that turn fewer than ``beta_slow`` times are divided by ``factor`` (interpolated), a linear ramp over the pair
   index in between; cos and sin times ``attention_factor`` (default 0.1 ln(factor) + 1).
+- ``longrope`` (Phi-3): each pair's frequency divided by its own short factor, cos and sin times an attention
+  factor; served only up to original_max_position_embeddings, where transformers uses the short factors
+  (``LongRopeScaling`` says why).
 - ``dynamic`` (NTK): transformers rescales theta only once a sequence is longer than max_position_embeddings,
   from that sequence's length, and keeps plain rope up to it. fnvllm serves at most max_position_embeddings
   tokens (``EngineConfig.max_model_len`` is capped there), where dynamic *is* plain rope, exactly; beyond it a
@@ -201,13 +204,72 @@ class DynamicNtkRopeScaling:
         return inv_freq
 
 
-RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | DynamicNtkRopeScaling
+@attrs.frozen
+class LongRopeScaling:
+    """LongRoPE (rope_type "longrope"; Phi-3-mini-128k, Phi-3.5-mini, Phi-3-medium-128k): pair i's frequency
+    divided by short_factor[i], cos and sin times attention_factor.
+
+    transformers keeps two sets of factors and picks one per sequence: short_factor while the sequence (its last
+    position + 1) is at most original_max_position_embeddings, long_factor once it is longer, recomputing the
+    frequencies of every position of that sequence. A paged engine cannot follow the switch (keys already in the
+    cache were rotated with the short set), so fnvllm serves a longrope checkpoint only up to
+    original_max_position_embeddings (``served_positions``; a longer max_model_len is refused by name), where the
+    short set is exactly what transformers uses. The attention factor multiplies cos and sin at every length, as
+    transformers does.
+
+    short_factor / long_factor: one positive divisor per pair (head_dim / 2 entries); long_factor is kept for the
+        record (it acts only past original_max_position_embeddings).
+    original_max_position_embeddings: the context the model was pretrained at (Phi-3's 4096); the longest
+        sequence fnvllm serves with this scaling.
+    attention_factor: the checkpoint's, else ``longrope_attention_factor`` of max_position_embeddings / original.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+    def __attrs_post_init__(self) -> None:
+        """Reject factor lists and lengths the frequencies cannot be computed from, naming the field."""
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(self, name)
+            if not isinstance(factors, tuple) or not factors:
+                raise ValueError(f"{name} must be a non-empty list of positive numbers, got {factors!r}")
+            for value in factors:
+                _check_positive_number(f"each entry of {name}", value)
+        _check_positive_int("original_max_position_embeddings", self.original_max_position_embeddings)
+        _check_positive_number("attention_factor", self.attention_factor)
+
+    def scale_inv_freq(self, inv_freq: torch.Tensor, theta: float) -> torch.Tensor:
+        """1 / (short_factor[i] * theta^(2i/D)), computed as transformers computes it (the same float32 ops, so
+        the table is bit-identical); inv_freq gives only D."""
+        num_pairs = inv_freq.shape[0]
+        if len(self.short_factor) != num_pairs:
+            raise ValueError(
+                f"short_factor has {len(self.short_factor)} entries; longrope needs one per rotary pair, "
+                f"head_dim / 2 = {num_pairs}"
+            )
+        dim = 2 * num_pairs
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=inv_freq.device).float() / dim
+        factors = torch.tensor(self.short_factor, dtype=torch.float32, device=inv_freq.device)
+        return 1.0 / (factors * theta**exponents)
+
+
+def longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
+    """LongRoPE's cos/sin factor when a checkpoint gives none: sqrt(1 + ln(factor) / ln(original)) for factor > 1
+    (Phi-3-mini-128k: factor 131072 / 4096 = 32 gives 1.1902), 1 otherwise."""
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | DynamicNtkRopeScaling | LongRopeScaling
 """Any rope scaling a ModelConfig can carry (None there: plain rope)."""
 
 
 def served_positions(scaling: RopeScaling | None, max_position_embeddings: int) -> int:
     """The longest sequence a checkpoint is served at: how far its rope scaling reaches, and never less than
-    max_position_embeddings.
+    max_position_embeddings but for longrope (below).
 
     A stretching scaling is there to serve longer sequences than config.json's max_position_embeddings says, and
     its tables are the same at every length (so fnvllm matches transformers at any length), as vLLM reads them:
@@ -218,8 +280,13 @@ def served_positions(scaling: RopeScaling | None, max_position_embeddings: int) 
     - linear: max_position_embeddings x factor (a 2048-token model stretched by 4 serves 8192);
     - llama3: max_position_embeddings (Llama 3.1's config already states the scaled 131072);
     - dynamic: max_position_embeddings, never more (past it transformers changes the frequencies per sequence:
-      see the module docstring).
+      see the module docstring);
+    - longrope: original_max_position_embeddings, less than max_position_embeddings (Phi-3-mini-128k: 4096 of
+      131072), the one exception: past it transformers switches to the long factors per sequence
+      (``LongRopeScaling``).
     """
+    if isinstance(scaling, LongRopeScaling):
+        return scaling.original_max_position_embeddings
     if isinstance(scaling, YarnRopeScaling):
         reach = scaling.original_max_position_embeddings * scaling.factor
     elif isinstance(scaling, LinearRopeScaling):

@@ -20,7 +20,10 @@ rank r holds q head r (q_proj rows 64r:64r+64) and the single KV head (k_proj/v_
 because there are fewer KV heads than ranks; each rank's KV cache holds that head), gate/up rows 48r:48r+48,
 o_proj columns 64r:64r+64, down_proj columns 48r:48r+48 and vocab rows 128r:128r+128. With more KV heads than
 ranks they split like q heads. A vocab that does not divide is padded: every rank holds ceil(V / world) rows,
-the last rank's extra rows are zeros, and the gathered logits are cut back to V.
+the last rank's extra rows are zeros, and the gathered logits are cut back to V. A checkpoint that stacks q/k/v (or
+gate/up) in one tensor, as Phi-3's ``qkv_proj`` / ``gate_up_proj``, is read as its parts (``fuse_targets``): the
+example's rank 1 reads q rows 64:128, k rows 0:64 and v rows 0:64 of a stacked (256, hidden) qkv_proj at offsets
+0, 128 and 192: its rows 64:128, 128:192 and 192:256.
 
 The tensor-parallel group is the whole ``torch.distributed`` world (no pipeline or data parallelism), so a
 group rank is a global rank.
@@ -94,6 +97,20 @@ class WeightTarget:
     full_size: int | None = None
     expert: int | None = None
     fp8_scale: str | None = None
+
+
+@attrs.frozen
+class FusedTarget:
+    """One checkpoint tensor that stacks several projections' rows (Phi-3's ``self_attn.qkv_proj``: q, k then v
+    rows; ``mlp.gate_up_proj``: gate then up rows), read as its parts: each a WeightTarget over its own rows of it,
+    so under tensor parallelism a rank reads its slice of q, of k and of v (three row ranges), not a slice of the
+    stacked rows (``fuse_targets``)."""
+
+    parts: tuple[WeightTarget, ...]
+
+
+CheckpointTarget = WeightTarget | FusedTarget
+"""Where a checkpoint tensor goes: one target, or the parts of a fused tensor."""
 
 
 # ---- the rules ----------------------------------------------------------------------------------------------
@@ -461,6 +478,49 @@ def _fp8_targets(module: nn.Module, quant: Fp8Config, parent: str, leaf: str, na
         full = module.full_in_features
         return {name: WeightTarget(name, None, span(*module.source), 1, size(full), fp8_scale=scale)}
     raise TypeError(f"{name}: FP8 weights are only supported on the tensor-parallel linears, not {type(module)}")
+
+
+def fuse_targets(
+    targets: Mapping[str, WeightTarget], fused: Mapping[str, tuple[str, ...]]
+) -> dict[str, CheckpointTarget]:
+    """``targets`` (``weight_targets``) for a checkpoint that stores some projections stacked in one tensor:
+    ``fused`` maps such a tensor's module name to its parts' names in row order (Phi-3: {"qkv_proj": ("q_proj",
+    "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}). Every ``<m>.<part>.<leaf>`` target becomes a
+    part of one FusedTarget under ``<m>.<fused>.<leaf>``, its source rows shifted past the parts before it and its
+    full size the stacked tensor's. Worked example, q_size 256 and kv_size 64 at world size 2, rank 1: q rows
+    128:256, k rows 256 + 32:64 = 288:320, v rows 320 + 32:64 = 352:384, of a (384, hidden) qkv_proj."""
+    part_of = {part: (name, index) for name, parts in fused.items() for index, part in enumerate(parts)}
+    out: dict[str, CheckpointTarget] = {}
+    groups: dict[str, list[tuple[int, WeightTarget]]] = {}
+    for name, target in targets.items():
+        module, _, leaf = name.rpartition(".")
+        prefix, _, part = module.rpartition(".")
+        if part not in part_of:
+            out[name] = target
+            continue
+        fused_name, index = part_of[part]
+        groups.setdefault(f"{prefix}.{fused_name}.{leaf}", []).append((index, target))
+    for name, indexed in groups.items():
+        out[name] = _stacked(name, [target for _, target in sorted(indexed, key=lambda item: item[0])])
+    return out
+
+
+def _stacked(name: str, parts: list[WeightTarget]) -> FusedTarget:
+    """The FusedTarget of checkpoint tensor ``name`` whose rows are ``parts``' own tensors one after another."""
+    rows = [_row_slice(name, part) for part in parts]  # each part's (source rows, full size) in its own tensor
+    total = sum(size for _, size in rows)
+    shifted, offset = [], 0
+    for part, ((start, end), size) in zip(parts, rows, strict=True):
+        shifted.append(attrs.evolve(part, source=(offset + start, offset + end), full_size=total))
+        offset += size
+    return FusedTarget(tuple(shifted))
+
+
+def _row_slice(name: str, part: WeightTarget) -> tuple[tuple[int, int], int]:
+    """(source rows, full size) of a part of fused tensor ``name``; TypeError unless it reads a row slice."""
+    if part.dim != 0 or part.source is None or part.full_size is None:
+        raise TypeError(f"{name}: only row slices can be read from a fused tensor, got {part}")
+    return part.source, part.full_size
 
 
 def zero_vocab_padding(model: nn.Module) -> None:
