@@ -54,6 +54,19 @@ def test_config_reads_phi3(family: tuple[str, Path, Any]) -> None:
         assert config.rope_scaling is None and config.max_seq_len == 2048
 
 
+def test_defaults_and_biases_follow_transformers() -> None:
+    """Without rms_norm_eps a Phi-3 takes Phi3Config's default; an attention_bias in config.json builds no bias, as
+    transformers' Phi3Attention hard-codes none."""
+    import transformers
+
+    assert ModelConfig.from_dict(_phi3_config()).rms_norm_eps == transformers.Phi3Config().rms_norm_eps
+    config = ModelConfig.from_dict(_phi3_config(attention_bias=True))
+    shape = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32, vocab_size=32)
+    hf_config = transformers.Phi3Config(**shape, attention_bias=True, pad_token_id=0, eos_token_id=1)
+    hf = transformers.Phi3ForCausalLM(hf_config)
+    assert not config.attention_bias and not config.o_proj_bias and hf.model.layers[0].self_attn.qkv_proj.bias is None
+
+
 def test_logits_match_transformers(family: tuple[str, Path, Any]) -> None:
     """Prefill in three chunks, then single-token decodes, through the paged cache, give transformers' logits."""
     _, path, hf = family

@@ -1,4 +1,4 @@
-"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral and Mixtral
+"""Decoder-only transformers of the Llama family: Qwen3, Qwen3-MoE, Qwen2, Qwen2-MoE, Llama, Mistral, Mixtral and Phi-3
 share one definition.
 
 They differ only in flags carried by ModelConfig: Qwen3 RMS-normalises each q/k head before rope (qk_norm);
@@ -9,8 +9,10 @@ every layer, Qwen2's with use_sliding_window to some: ``ModelConfig.layer_window
 to every attention call); Mixtral is Mistral with every
 MLP a mixture of experts, the same ``moe.py`` block (the loader maps its checkpoint names). Qwen2-MoE is Qwen2 with
 that block in its sparse layers plus a shared expert: an ``MLP`` of its own width whose ranks' sum the block takes
-(``DecoderLayer.feed_forward`` builds it; HF's names ``mlp.shared_expert.*``). Module names mirror
-Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj and gate_up_proj.
+(``DecoderLayer.feed_forward`` builds it; HF's names ``mlp.shared_expert.*``). Phi-3 is Llama with no biases, a
+sliding window on every layer (as Mistral's) and, for its 128k checkpoints, longrope (``rope.LongRopeScaling``); its
+checkpoints store qkv_proj and gate_up_proj already stacked, which the loader reads as their parts. Module names
+mirror Hugging Face's (model.layers.N.self_attn.o_proj, ...) except the fused qkv_proj and gate_up_proj.
 
 The model holds no KV cache and no global context: each forward receives the per-layer caches and the step's
 AttentionMetadata as arguments.
