@@ -254,12 +254,14 @@ def test_longrope_frequencies_equal_transformers(fields: dict[str, Any]) -> None
 def test_longrope_is_served_up_to_original_max_position_embeddings(
     family: tuple[str, Path, Any], tmp_path: Path
 ) -> None:
-    """The engine's default max model length for a longrope checkpoint is its original_max_position_embeddings
-    (128, not max_position_embeddings 512); a longer max_model_len is refused naming both lengths and why."""
+    """The engine's (and the executor's) default max model length for a longrope checkpoint is its
+    original_max_position_embeddings (128, not max_position_embeddings 512), as far as its rope table goes; a longer
+    max_model_len is refused naming both lengths and why."""
     _, path, _ = family
     llm = LLM(path, dtype="float32", block_size=4, num_blocks=64)
     try:
-        assert llm.engine.config.max_model_len == 128
+        # the executor's too: it sizes its buffers and a GPU's profiling step (positions below it) by that length
+        assert llm.engine.config.max_model_len == 128 and llm.executor.max_model_len == 128
     finally:
         llm.close()
     with pytest.raises(CheckpointError, match=r"max_model_len \(129\) must be <= original_max_position_embeddings"):

@@ -313,7 +313,7 @@ class ModelExecutor:
         )  # fmt: skip
         self.kv_layout = resolve_kv_layout(config.kv_layout, self.backend, config.kv_cache_dtype)  # memory order
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or self.model_config.max_seq_len  # the core's default too
         self.ops = _resolve_ops(config.model_ops, self.device)
         self.model = load_model(
             model_path, self.model_config, self.device, self.dtype, self.ops, tp, load_format=config.load_format
