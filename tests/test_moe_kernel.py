@@ -1,6 +1,7 @@
 """The fused-MoE Triton kernel and its token alignment against the torch reference: under the interpreter at tiny
-and odd sizes (experts with no token, one token, all tokens; one-token steps), on a GPU at Qwen3-30B-A3B sizes
-and inside a CUDA graph. Tolerances on ||out - ref|| / ||ref|| as in test_kernels_triton.py."""
+and odd sizes (experts with no token, one token, all tokens; one-token steps), with FP8 (e4m3, block-scaled) experts
+against the reference on their dequantized weights, on a GPU at Qwen3-30B-A3B sizes and inside a CUDA graph.
+Tolerances on ||out - ref|| / ||ref|| as in test_kernels_triton.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ DEVICE = require_triton()
 
 from fnvllm.kernels import fused_moe as fm  # noqa: E402
 from fnvllm.kernels import moe_route  # noqa: E402
+from fnvllm.kernels.reference import dequantize_fp8_blocks, fused_moe_all_experts_ref  # noqa: E402
 from fnvllm.kernels.reference import route_ref as route  # noqa: E402
+from fnvllm.model.quant import quantize_fp8_blocks  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 TINY = fm.MoeKernelConfig(block_m=16, block_n=16, block_k=16, group_m=2)
@@ -298,6 +301,118 @@ def test_empty_step_and_bad_arguments() -> None:
         fm.fused_moe(x.bfloat16(), w_gate_up, w_down, weights, ids)
 
 
+# ---------------------------------------------------------------------------------------------- FP8 weights
+
+
+def fp8_problem(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """problem()'s x and routing with e4m3 experts: (x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale,
+    w_down_scale). Each expert's stacked gate/up and its down are quantized in 128 x 128 blocks
+    (``quantize_fp8_blocks``) from weights whose rows (x 1/4 to 4) and 128-column blocks (the second x 3) differ in
+    size, so every block has its own scale and a scale read from the wrong block shows."""
+    x, w_gate_up, w_down, weights, ids = problem(num_tokens, hidden, inter, num_experts, top_k, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    quantized = []
+    for w in (w_gate_up.cpu(), w_down.cpu()):
+        rows = 4.0 ** (2 * torch.rand(*w.shape[:2], 1, generator=gen) - 1)  # (E, N, 1)
+        columns = 1.0 + 2.0 * (torch.arange(w.shape[2]) >= 128)  # (K,)
+        pairs = [quantize_fp8_blocks(expert) for expert in w * rows * columns]
+        quantized.append((torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])))
+    (q_gate_up, s_gate_up), (q_down, s_down) = quantized
+    tensors = (x.to(dtype), q_gate_up, q_down, weights.to(dtype), ids, s_gate_up, s_down)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+def dequantized(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked e4m3 experts (E, N, K) with their block scales -> the real weights in ``dtype``, expert by expert."""
+    return torch.stack([dequantize_fp8_blocks(q, s, dtype) for q, s in zip(w, scale, strict=True)])
+
+
+def check_fp8(args: tuple[torch.Tensor, ...], config: fm.MoeKernelConfig | None = TINY) -> None:
+    """fused_moe on the e4m3 experts equals fused_moe_ref on their weights dequantized to x's dtype (the rounding the
+    kernel's in-register dequantization does), the reference in float32, within ``check``'s tolerance."""
+    x, w_gate_up, w_down, weights, ids, s_gate_up, s_down = args
+    out = fm.fused_moe(x, w_gate_up, w_down, weights, ids, config, w_gate_up_scale=s_gate_up, w_down_scale=s_down)
+    real_gate_up, real_down = dequantized(w_gate_up, s_gate_up, x.dtype), dequantized(w_down, s_down, x.dtype)
+    ref = fm.fused_moe_ref(x.float(), real_gate_up.float(), real_down.float(), weights.float(), ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, ref, floor=0.01 * math.sqrt(ref.numel())) < TOLERANCE[x.dtype]
+
+
+FP8_CONFIGS = {
+    "tiny": TINY,
+    "k128": fm.MoeKernelConfig(16, 32, 128, 2),  # a K tile is a whole scale block
+    "tma": fm.MoeKernelConfig(16, 32, 64, 2, tma=True),
+    "tma_fused_persistent": fm.MoeKernelConfig(16, 32, 64, 2, tma=True, fused_gate_up=True, persistent=True),
+    "atomic_wide_down": fm.MoeKernelConfig(16, 32, 32, 2, atomic_combine=True, down_block_n=256),  # N over 2 blocks
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_CONFIGS))
+def test_fp8_kernel_matches_dequantized_reference(name: str) -> None:
+    """e4m3 experts with block scales (hidden 208: two 128-column blocks, the last partial; intermediate 160: the up
+    rows start inside a 128-row block, down's K ends on a partial one), float32 activations (exact products: 1e-5),
+    through the pointer, TMA, fused gate/up, persistent and atomic paths, experts with no token included."""
+    args = fp8_problem(12, 208, 160, 16, 2, torch.float32, seed=4)
+    assert torch.unique(args[4]).numel() < 16
+    assert fm._tma_ok(FP8_CONFIGS[name], args[1]) == FP8_CONFIGS[name].tma
+    check_fp8(args, FP8_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", ["tiny", "tma_fused_persistent"])
+def test_fp8_kernel_bf16_activations(name: str) -> None:
+    """bf16 activations with e4m3 experts: each tile dequantized to bf16 (rounded to nearest, as the reference's
+    dequantized weights), hidden 200 (odd K tiles) for the pointer path."""
+    hidden = 200 if name == "tiny" else 208
+    check_fp8(fp8_problem(9, hidden, 160, 4, 2, torch.bfloat16, seed=5), FP8_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", ["tiny", "tma_fused_persistent"])
+def test_fp8_kernel_equals_the_16_bit_kernel_on_dequantized_weights(name: str) -> None:
+    """With bf16 activations the FP8 kernel's output is bit for bit the bf16 kernel's on the weights dequantized to
+    bf16 (``dequantize_fp8_blocks``): each tile is dequantized in float32 and rounded to nearest even, so both dot
+    the same bf16 operands in the same order (under the interpreter, whose float32 -> bf16 cast truncates, too)."""
+    x, w_gate_up, w_down, weights, ids, s_gate_up, s_down = fp8_problem(9, 208, 160, 4, 2, torch.bfloat16, seed=8)
+    config = FP8_CONFIGS[name]
+    out = fm.fused_moe(x, w_gate_up, w_down, weights, ids, config, w_gate_up_scale=s_gate_up, w_down_scale=s_down)
+    real = (dequantized(w_gate_up, s_gate_up, x.dtype), dequantized(w_down, s_down, x.dtype))
+    assert torch.equal(out, fm.fused_moe(x, *real, weights, ids, config))
+
+
+def test_fp8_shipped_configs() -> None:
+    """Each shipped tile config (K tiles of 64 or 128: one scale column a tile) computes the reference on e4m3
+    experts."""
+    args = fp8_problem(9, 208, 160, 4, 2, torch.float32, seed=6)
+    for config in (fm.SMALL_CONFIG, fm.DECODE_CONFIG, fm.MEDIUM_CONFIG, fm.PREFILL_CONFIG):
+        check_fp8(args, config)
+
+
+def test_fp8_reference_dequantizes_the_visited_experts() -> None:
+    """fused_moe_ref (and its every-expert form for CUDA graphs) with e4m3 weights and scales is exactly the
+    reference on the weights dequantized to x's dtype."""
+    x, w_gate_up, w_down, weights, ids, s_gate_up, s_down = fp8_problem(7, 40, 24, 6, 2, torch.bfloat16, seed=7)
+    real = (dequantized(w_gate_up, s_gate_up, x.dtype), dequantized(w_down, s_down, x.dtype))
+    scales = {"w_gate_up_scale": s_gate_up, "w_down_scale": s_down}
+    for reference in (fm.fused_moe_ref, fused_moe_all_experts_ref):
+        assert torch.equal(reference(x, w_gate_up, w_down, weights, ids, **scales), reference(x, *real, weights, ids))
+
+
+def test_fp8_bad_arguments_are_refused() -> None:
+    """One scale without the other, a scale of the wrong shape, e4m3 weights without scales and a K tile wider than
+    a scale block are ValueErrors naming the argument or field."""
+    x, w_gate_up, w_down, weights, ids, s_gate_up, s_down = fp8_problem(3, 40, 24, 4, 2, torch.float32)
+    with pytest.raises(ValueError, match="both w_gate_up_scale and w_down_scale"):
+        fm.fused_moe(x, w_gate_up, w_down, weights, ids, w_gate_up_scale=s_gate_up)
+    with pytest.raises(ValueError, match=r"w_down_scale must be float32 \(4, 1, 1\)"):
+        fm.fused_moe(x, w_gate_up, w_down, weights, ids, w_gate_up_scale=s_gate_up, w_down_scale=s_down[:, :, :0])
+    with pytest.raises(ValueError, match="share a dtype"):
+        fm.fused_moe(x, w_gate_up, w_down, weights, ids)
+    with pytest.raises(ValueError, match="block_k to divide 128"):
+        config = fm.MoeKernelConfig(16, 16, 256, 2)
+        fm.fused_moe(x, w_gate_up, w_down, weights, ids, config, w_gate_up_scale=s_gate_up, w_down_scale=s_down)
+
+
 def test_route_matches_transformers_router() -> None:
     """route() picks the same experts and weights as transformers' Qwen3MoeTopKRouter, normalised or not."""
     from transformers import Qwen3MoeConfig
@@ -386,6 +501,33 @@ def test_gpu_cuda_graph_replay_with_new_routing() -> None:
     graph.replay()
     ref = fm.fused_moe_ref(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 4096])
+def test_gpu_fp8_qwen3_30b_a3b_sizes(num_tokens: int) -> None:
+    """e4m3 experts of Qwen3-30B-A3B's sizes (hidden 2048, 128 experts of intermediate 768, top-8), bf16
+    activations, with the config pick_config chooses (PREFILL_CONFIG's TMA and fused gate/up at 4096 tokens)."""
+    check_fp8(fp8_problem(num_tokens, 2048, 768, 128, 8, torch.bfloat16), None)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp8_cuda_graph_replay_with_new_routing() -> None:
+    """The FP8 kernels capture in a CUDA graph and replay correctly after x and the routing change."""
+    x, w_gate_up, w_down, weights, ids, s_gate_up, s_down = fp8_problem(64, 256, 128, 16, 4, torch.bfloat16)
+    scales = {"w_gate_up_scale": s_gate_up, "w_down_scale": s_down}
+    fm.fused_moe(x, w_gate_up, w_down, weights, ids, **scales)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w_gate_up, w_down, weights, ids, **scales)
+    new = fp8_problem(64, 256, 128, 16, 4, torch.bfloat16, seed=9)
+    for dest, src in ((x, new[0]), (weights, new[3]), (ids, new[4])):
+        dest.copy_(src)
+    graph.replay()
+    real = (dequantized(w_gate_up, s_gate_up, x.dtype).float(), dequantized(w_down, s_down, x.dtype).float())
+    assert rel_err(out, fm.fused_moe_ref(x.float(), *real, weights.float(), ids)) < TOLERANCE[torch.bfloat16]
 
 
 @gpu

@@ -21,6 +21,16 @@ together read the same expert's tiles. With ``tma`` the weight tiles (and the do
 are loaded through TMA tensor descriptors; the down kernel's tiles may differ from the gate_up kernel's
 (``down_block_n`` ...), as its K (the intermediate size) is short.
 
+FP8 experts (``fused_moe(..., w_gate_up_scale=, w_down_scale=)``: e4m3 weights with one float32 scale per 128 x 128
+block, ``fnvllm.model.quant``'s layout, from official checkpoints or quantized at load in 128-row groups): weight-only
+FP8. The activations stay in the model dtype and each weight tile is dequantized in registers right after its load
+(``_dequantize``: e4m3 -> float32, times its row block's scale for the tile's K block, rounded once to the activation
+dtype, as ``dequantize_fp8_blocks`` rounds), then the same 16-bit dot. A decode step reads half the expert bytes of
+bf16; the products stay on the 16-bit tensor cores. One scale column serves a tile because every K tile lies in one
+128-column block (BLOCK_K divides 128; all shipped configs); the N tile may span several row blocks (a scale per
+weight row). Pointer, TMA (the e4m3 tiles through descriptors), fused gate/up, persistent and atomic variants all
+take it. No activation quantization: there is no fp8 x fp8 path here (it would pay at prefill, not at decode).
+
 Float32 inputs multiply in IEEE float32 (no TF32), so float32 models match Hugging Face's; 16-bit inputs
 accumulate in float32 and round once per stored tensor. Products go through decode_attention's ``dot``, which
 widens 16-bit operands under the CPU interpreter only (whose bf16 dot is wrong).
@@ -46,7 +56,9 @@ from fnvllm.kernels.moe_align import (
     align_plan,
     max_slots,
 )
-from fnvllm.kernels.reference import fused_moe_ref
+from fnvllm.kernels.reference import FP8_DTYPE, SCALE_BLOCK, fused_moe_ref
+
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)  # rows and columns of one FP8 weight scale block
 
 __all__ = [
     "AlignPlan",
@@ -202,10 +214,35 @@ def _rows(a_ptrs, valid, offs_k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _dequantize(w, s_expert, rows, rows_ok, k0, stride_sn, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """The real weights of the e4m3 tile w (BLOCK_K, N), whose columns are the expert's weight rows ``rows`` (N,)
+    and whose K range starts at k0, in DTYPE (the activations' dtype): w times the block scale
+    s_expert[row // 128, k0 // 128] of each row, in float32, then rounded once to nearest (as
+    ``dequantize_fp8_blocks``). One scale column serves the whole tile because BLOCK_K divides 128
+    (``_check_fp8_tiles``); rows not ``rows_ok`` get scale 0 (their columns are masked anyway)."""
+    scale = tl.load(s_expert + (rows // _SCALE_BLOCK) * stride_sn + k0 // _SCALE_BLOCK, mask=rows_ok, other=0.0)
+    return _round_to(w.to(tl.float32) * scale[None, :], DTYPE, UPCAST)
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """float32 v in DTYPE, rounded to nearest even. The CPU interpreter (UPCAST) truncates float32 -> bfloat16
+    (triton 3.9), so there the bits are rounded first (add 0x7FFF plus the kept lowest bit, clear the low 16) and
+    the conversion is then exact."""
+    if UPCAST:  # noqa: SIM102 (a constexpr test alone, so the GPU compile never sees the dtype test)
+        if DTYPE == tl.bfloat16:  # noqa: SIM300
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+            v = bits.to(tl.float32, bitcast=True)
+    return v.to(DTYPE)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
+    s_ptr,
     out_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
@@ -217,6 +254,8 @@ def _gate_up_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_out,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -224,6 +263,7 @@ def _gate_up_kernel(
     TMA: tl.constexpr,
     FUSED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -244,18 +284,18 @@ def _gate_up_kernel(
         for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
             _gate_up_tile(
-                x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-                hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, FUSED, EVEN_K,
-                BLOCK_M, BLOCK_N, BLOCK_K,
+                x_ptr, w_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n,
+                num_assignments, hidden, inter, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out, TOP_K,
+                PRECISION, UPCAST, TMA, FUSED, EVEN_K, FP8, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
         pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
             return
         _gate_up_tile(
-            x_ptr, w_ptr, w_desc, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
-            hidden, inter, stride_x, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST, TMA, FUSED, EVEN_K,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            x_ptr, w_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n, num_assignments,
+            hidden, inter, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out, TOP_K, PRECISION, UPCAST,
+            TMA, FUSED, EVEN_K, FP8, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -264,6 +304,7 @@ def _gate_up_tile(
     x_ptr,
     w_ptr,
     w_desc,
+    s_ptr,
     out_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
@@ -275,6 +316,8 @@ def _gate_up_tile(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_out,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -282,11 +325,13 @@ def _gate_up_tile(
     TMA: tl.constexpr,
     FUSED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One (slot block, N tile) of ``_gate_up_kernel``."""
+    """One (slot block, N tile) of ``_gate_up_kernel``. FP8: the e4m3 weight tiles are dequantized in registers
+    (``_dequantize``) by the block scales ``s_ptr`` (E, ceil(2I / 128), ceil(H / 128)) of their rows."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + slots)
@@ -299,12 +344,20 @@ def _gate_up_tile(
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
     u_ptrs = g_ptrs + inter * stride_wn
     g_row = (expert * 2 * inter).to(tl.int32) + pid_n * BLOCK_N  # TMA: the gate tile's first row in (E * 2I, H)
+    s_expert = s_ptr + expert * stride_se  # FP8: this expert's block scales
+    dtype = x_ptr.dtype.element_ty
     if FUSED:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # gate columns, then up columns
+        pair = tl.arange(0, 2 * BLOCK_N)  # FP8: column c of the pair is row (c // BLOCK_N) * I + n of the expert
+        pair_n = pid_n * BLOCK_N + pair % BLOCK_N
+        pair_rows = (pair // BLOCK_N) * inter + pair_n
         for k in range(0, tl.cdiv(hidden, BLOCK_K)):
             a = _rows(a_ptrs, valid, offs_k, hidden - k * BLOCK_K, EVEN_K)
             w = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k * BLOCK_K])  # (1, 2, BLOCK_N, BLOCK_K)
-            acc += dot(a, tl.trans(tl.reshape(w, (2 * BLOCK_N, BLOCK_K))), PRECISION, UPCAST)
+            w = tl.trans(tl.reshape(w, (2 * BLOCK_N, BLOCK_K)))  # (BLOCK_K, 2 * BLOCK_N)
+            if FP8:
+                w = _dequantize(w, s_expert, pair_rows, pair_n < inter, k * BLOCK_K, stride_sn, dtype, UPCAST)
+            acc += dot(a, w, PRECISION, UPCAST)
             a_ptrs += BLOCK_K
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
@@ -322,6 +375,9 @@ def _gate_up_tile(
                 k_ok = offs_k < hidden - k * BLOCK_K
                 g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                g = _dequantize(g, s_expert, offs_n, n_ok, k * BLOCK_K, stride_sn, dtype, UPCAST)
+                u = _dequantize(u, s_expert, inter + offs_n, n_ok, k * BLOCK_K, stride_sn, dtype, UPCAST)
             acc_g += dot(a, g, PRECISION, UPCAST)
             acc_u += dot(a, u, PRECISION, UPCAST)
             a_ptrs += BLOCK_K
@@ -338,6 +394,7 @@ def _down_kernel(
     act_desc,
     w_ptr,
     w_desc,
+    s_ptr,
     weights_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -350,12 +407,15 @@ def _down_kernel(
     stride_act,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_out,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8: tl.constexpr,
     ATOMIC: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -375,18 +435,18 @@ def _down_kernel(
         for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _tile(tile, used_m, num_n, GROUP_M)
             _down_tile(
-                act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m,
-                pid_n, num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K,
-                PRECISION, UPCAST, TMA, EVEN_K, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+                act_ptr, act_desc, w_ptr, w_desc, s_ptr, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+                pid_m, pid_n, num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn,
+                stride_out, TOP_K, PRECISION, UPCAST, TMA, EVEN_K, FP8, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
         pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_slots_ptr):
             return
         _down_tile(
-            act_ptr, act_desc, w_ptr, w_desc, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m, pid_n,
-            num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_out, TOP_K, PRECISION, UPCAST,
-            TMA, EVEN_K, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
+            act_ptr, act_desc, w_ptr, w_desc, s_ptr, weights_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, pid_m,
+            pid_n, num_assignments, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+            TOP_K, PRECISION, UPCAST, TMA, EVEN_K, FP8, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -396,6 +456,7 @@ def _down_tile(
     act_desc,
     w_ptr,
     w_desc,
+    s_ptr,
     weights_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -408,18 +469,22 @@ def _down_tile(
     stride_act,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_out,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8: tl.constexpr,
     ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One (slot block, H tile) of ``_down_kernel``."""
+    """One (slot block, H tile) of ``_down_kernel``. FP8: the e4m3 weight tiles dequantized in registers by the
+    block scales ``s_ptr`` (E, ceil(H / 128), ceil(I / 128))."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + slots)
@@ -430,6 +495,7 @@ def _down_tile(
     a_ptrs = act_ptr + slots[:, None].to(tl.int64) * stride_act + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
     b_row = (expert * hidden).to(tl.int32) + pid_n * BLOCK_N  # TMA: the tile's first row in (E * H, I)
+    s_expert = s_ptr + expert * stride_se  # FP8: this expert's block scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         if TMA:  # zero past I; rows past this expert's H only feed masked columns
@@ -442,6 +508,8 @@ def _down_tile(
             k_ok = offs_k < inter - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            b = _dequantize(b, s_expert, offs_n, n_ok, k * BLOCK_K, stride_sn, act_ptr.dtype.element_ty, UPCAST)
         acc += dot(a, b, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -462,17 +530,25 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | None = None,
+    *,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts (shapes and result as ``fused_moe_ref``) by the kernels above; ``config`` overrides
-    the tile config ``pick_config`` would choose."""
-    _check_args(x, w_gate_up, w_down, topk_weights, topk_ids)
+    the tile config ``pick_config`` would choose. FP8 weights (both e4m3, with their float32 block scales
+    w_gate_up_scale (E, ceil(2I / 128), ceil(H / 128)) and w_down_scale (E, ceil(H / 128), ceil(I / 128)), the
+    layout of ``fnvllm.model.quant``): the activations stay in x's dtype and each weight tile is dequantized in
+    registers (weight-only FP8: half the weight bytes of bf16, the products on the 16-bit tensor cores)."""
+    _check_args(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
     cfg = config or pick_config(num_tokens, w_gate_up.shape[0], top_k)
+    if w_gate_up_scale is not None:
+        _check_fp8_tiles(cfg)
     align = align_by_expert(topk_ids, w_gate_up.shape[0], cfg.block_m, cfg.align_programs, cfg.align_scan)
-    act = moe_gate_up(x, w_gate_up, align, top_k, cfg)
-    per_assignment = moe_down(act, w_down, topk_weights, align, cfg)
+    act = moe_gate_up(x, w_gate_up, align, top_k, cfg, w_gate_up_scale)
+    per_assignment = moe_down(act, w_down, topk_weights, align, cfg, w_down_scale)
     if cfg.atomic_combine:  # already summed per token, in float32
         return per_assignment.to(x.dtype)
     return combine(per_assignment.view(num_tokens, top_k, -1), cfg.combine_block, cfg.combine_warps)
@@ -515,10 +591,24 @@ def _tma_ok(cfg: MoeKernelConfig, *tensors: torch.Tensor) -> bool:
     )
 
 
+def _scale_args(w: torch.Tensor, w_scale: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """The kernels' (scale pointer, expert stride, row-block stride): ``w_scale``'s, or for 16/32-bit weights the
+    weight itself with zero strides (the kernels never read it: FP8 is off)."""
+    if w_scale is None:
+        return w, 0, 0
+    return w_scale, w_scale.stride(0), w_scale.stride(1)
+
+
 def moe_gate_up(
-    x: torch.Tensor, w_gate_up: torch.Tensor, align: ExpertAlignment, top_k: int, cfg: MoeKernelConfig
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    align: ExpertAlignment,
+    top_k: int,
+    cfg: MoeKernelConfig,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """silu(gate) * up of every assignment, (slots, I) in ``align``'s slot order (padding rows unwritten)."""
+    """silu(gate) * up of every assignment, (slots, I) in ``align``'s slot order (padding rows unwritten);
+    ``w_scale``: the block scales of an e4m3 ``w_gate_up`` (see ``fused_moe``)."""
     (num_experts, inter2, hidden), inter = w_gate_up.shape, w_gate_up.shape[1] // 2
     num_m, n = align.block_experts.numel(), x.shape[0] * top_k
     act = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # (slots, I)
@@ -528,23 +618,30 @@ def moe_gate_up(
         desc = _descriptor(w_gate_up.view(num_experts, 2, inter, hidden), [1, 2, cfg.block_n, cfg.block_k])
     else:
         desc = _descriptor(w_gate_up.view(num_experts * inter2, hidden), [cfg.block_n, cfg.block_k]) if tma else None
+    scale, stride_se, stride_sn = _scale_args(w_gate_up, w_scale)
     grid = (_programs(cfg.persistent, num_m * triton.cdiv(inter, cfg.block_n), x.device, cfg.programs_per_sm),)
     _gate_up_kernel[grid](
-        x, w_gate_up, desc, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        x, w_gate_up, desc, scale, act, align.sorted_ids, align.block_experts, align.num_slots, n, num_m, hidden,
+        inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), stride_se, stride_sn, act.stride(0),
         TOP_K=top_k, PRECISION=dot_precision(x.dtype), UPCAST=upcast_dot(x.device), TMA=tma, FUSED=fused,
-        EVEN_K=hidden % cfg.block_k == 0, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=_stages(cfg.num_stages, x.dtype),
-        USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
+        EVEN_K=hidden % cfg.block_k == 0, FP8=w_scale is not None, PERSISTENT=cfg.persistent, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=_stages(cfg.num_stages, x.dtype), USE_PDL=use_pdl(x.device), **pdl_launch(x.device),
     )  # fmt: skip
     return act
 
 
 def moe_down(
-    act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, align: ExpertAlignment, cfg: MoeKernelConfig
+    act: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    align: ExpertAlignment,
+    cfg: MoeKernelConfig,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """weight * (act . down_e) of every assignment, (T*K, H) in assignment order (a = t*K + k); with
-    ``cfg.atomic_combine`` already summed per token, (T, H) float32."""
+    ``cfg.atomic_combine`` already summed per token, (T, H) float32. ``w_scale``: the block scales of an e4m3
+    ``w_down`` (see ``fused_moe``)."""
     (num_experts, hidden, inter), n = w_down.shape, topk_weights.numel()
     num_m, (num_tokens, top_k) = align.block_experts.numel(), topk_weights.shape
     if cfg.atomic_combine:
@@ -554,14 +651,16 @@ def moe_down(
     tma = _tma_ok(cfg, w_down, act)
     act_desc = _descriptor(act, [cfg.block_m, cfg.down_k]) if tma else None
     w_desc = _descriptor(w_down.view(num_experts * hidden, inter), [cfg.down_n, cfg.down_k]) if tma else None
+    scale, stride_se, stride_sn = _scale_args(w_down, w_scale)
     grid = (
         _programs(cfg.down_is_persistent, num_m * triton.cdiv(hidden, cfg.down_n), act.device, cfg.programs_per_sm),
     )
     _down_kernel[grid](
-        act, act_desc, w_down, w_desc, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
-        align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device), TMA=tma,
-        EVEN_K=inter % cfg.down_k == 0, ATOMIC=cfg.atomic_combine, PERSISTENT=cfg.down_is_persistent,
+        act, act_desc, w_down, w_desc, scale, topk_weights.reshape(-1), out, align.sorted_ids, align.block_experts,
+        align.num_slots, n, num_m, hidden, inter, act.stride(0), w_down.stride(0), w_down.stride(1), stride_se,
+        stride_sn, out.stride(0), TOP_K=top_k, PRECISION=dot_precision(act.dtype), UPCAST=upcast_dot(act.device),
+        TMA=tma, EVEN_K=inter % cfg.down_k == 0, FP8=w_scale is not None, ATOMIC=cfg.atomic_combine,
+        PERSISTENT=cfg.down_is_persistent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, GROUP_M=cfg.group_m,
         num_warps=cfg.down_num_warps or cfg.num_warps,
         num_stages=_stages(cfg.down_num_stages or cfg.num_stages, act.dtype), USE_PDL=use_pdl(act.device),
@@ -606,6 +705,8 @@ def _check_args(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError naming the argument when shapes, dtypes or strides do not fit the kernels."""
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
@@ -619,7 +720,9 @@ def _check_args(
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights must both be (T={num_tokens}, K); got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")  # fmt: skip
-    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
+    if w_gate_up_scale is not None or w_down_scale is not None:
+        _check_fp8_args(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    elif x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
         raise ValueError(f"x, w_gate_up and w_down must share a dtype; got {x.dtype}, {w_gate_up.dtype}, "
                          f"{w_down.dtype}")  # fmt: skip
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down), ("topk_weights", topk_weights)):
@@ -627,3 +730,37 @@ def _check_args(
             raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
     if not topk_weights.is_contiguous():
         raise ValueError("topk_weights must be contiguous")
+
+
+def _check_fp8_args(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate_up_scale: torch.Tensor | None,
+    w_down_scale: torch.Tensor | None,
+) -> None:
+    """ValueError naming the argument unless both weights are e4m3 with float32 block scales of their shapes and x
+    is 16/32-bit (weight-only FP8)."""
+    if w_gate_up_scale is None or w_down_scale is None:
+        raise ValueError("FP8 experts need both w_gate_up_scale and w_down_scale (or neither, for 16/32-bit weights)")
+    if w_gate_up.dtype != FP8_DTYPE or w_down.dtype != FP8_DTYPE:
+        raise ValueError(
+            f"with scales, w_gate_up and w_down must be {FP8_DTYPE}; got {w_gate_up.dtype}, {w_down.dtype}"
+        )
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be float32, bfloat16 or float16 with FP8 weights; got {x.dtype}")
+    for name, w, scale in (("w_gate_up_scale", w_gate_up, w_gate_up_scale), ("w_down_scale", w_down, w_down_scale)):
+        expected = (w.shape[0], triton.cdiv(w.shape[1], SCALE_BLOCK), triton.cdiv(w.shape[2], SCALE_BLOCK))
+        if tuple(scale.shape) != expected or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be float32 {expected} (one scale per 128 x 128 block), contiguous in its last dim; "
+                f"got {scale.dtype} {tuple(scale.shape)} with strides {scale.stride()}"
+            )
+
+
+def _check_fp8_tiles(cfg: MoeKernelConfig) -> None:
+    """ValueError naming the field unless every K tile lies in one 128-column scale block (a power of two <= 128),
+    so that one scale per weight row serves a tile (``_dequantize``)."""
+    for name, block_k in (("block_k", cfg.block_k), ("down_block_k", cfg.down_k)):
+        if block_k > SCALE_BLOCK or SCALE_BLOCK % block_k:
+            raise ValueError(f"FP8 experts need {name} to divide {SCALE_BLOCK} (16, 32, 64 or 128), got {block_k}")

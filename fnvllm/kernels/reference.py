@@ -66,6 +66,9 @@ def fused_moe_ref(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts of a mixture-of-experts layer, one expert at a time (as Hugging Face's loop).
 
@@ -75,14 +78,21 @@ def fused_moe_ref(
     in float32. Experts no token chose cost nothing (only the chosen ones are visited). Visiting only those
     needs the host, so inside a CUDA-graph capture (model_ops "torch" on a GPU) every expert runs on every
     token instead (``fused_moe_all_experts_ref``: the same sums in the same expert order, plus exact zeros).
+
+    FP8 weights: w_gate_up and w_down in e4m3 with their float32 block scales w_gate_up_scale (E, ceil(2I / 128),
+    ceil(H / 128)) and w_down_scale (E, ceil(H / 128), ceil(I / 128)); each expert's weights are dequantized to x's
+    dtype (``dequantize_fp8_blocks``) when it is visited, then the same math.
     """
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return fused_moe_all_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_moe_all_experts_ref(
+            x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale
+        )
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
     for expert in torch.unique(topk_ids).tolist():
         rows, slots = (topk_ids == expert).nonzero(as_tuple=True)  # token and top-k slot of each assignment
-        act = silu_and_mul_ref(F.linear(x[rows], w_gate_up[expert]))  # (n, I)
-        y = F.linear(act, w_down[expert]).float() * topk_weights[rows, slots, None].float()  # (n, H)
+        gate_up, down = _expert_weights(expert, w_gate_up, w_down, w_gate_up_scale, w_down_scale, x.dtype)
+        act = silu_and_mul_ref(F.linear(x[rows], gate_up))  # (n, I)
+        y = F.linear(act, down).float() * topk_weights[rows, slots, None].float()  # (n, H)
         out.index_add_(0, rows, y)
     return out.to(x.dtype)
 
@@ -93,15 +103,39 @@ def fused_moe_all_experts_ref(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe_ref`` without host syncs: every expert on every token, weighted by 0 where it was not chosen
     (E times the work; capturable in a CUDA graph)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
     for expert in range(w_gate_up.shape[0]):
         weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1)  # (T,), 0 when not chosen
-        y = F.linear(silu_and_mul_ref(F.linear(x, w_gate_up[expert])), w_down[expert])  # (T, H)
+        gate_up, down = _expert_weights(expert, w_gate_up, w_down, w_gate_up_scale, w_down_scale, x.dtype)
+        y = F.linear(silu_and_mul_ref(F.linear(x, gate_up)), down)  # (T, H)
         out += y.float() * weight[:, None]
     return out.to(x.dtype)
+
+
+def _expert_weights(
+    expert: int,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate_up_scale: torch.Tensor | None,
+    w_down_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s (gate_up (2I, H), down (H, I)): as stored, or dequantized to ``dtype`` when the weights
+    are FP8 (both scales given; one alone is a ValueError)."""
+    if w_gate_up_scale is None and w_down_scale is None:
+        return w_gate_up[expert], w_down[expert]
+    if w_gate_up_scale is None or w_down_scale is None:
+        raise ValueError("FP8 experts need both w_gate_up_scale and w_down_scale (or neither, for 16/32-bit weights)")
+    return (
+        dequantize_fp8_blocks(w_gate_up[expert], w_gate_up_scale[expert], dtype),
+        dequantize_fp8_blocks(w_down[expert], w_down_scale[expert], dtype),
+    )
 
 
 # ---- FP8 weights (fnvllm.kernels.fp8_gemm's kernels; fnvllm.model.quant's format) -------------------------------
