@@ -1,12 +1,11 @@
 """Qwen2-MoE checkpoints (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): logits and greedy tokens equal transformers'
 Qwen2MoeForCausalLM in fp32, with every layer sparse and the top-k not renormalised, and with dense and sparse layers
 mixed by decoder_sparse_step and mlp_only_layers and the top-k renormalised; the shared expert is a dense MLP split
-like one under tensor parallelism with its gate replicated; TP=2 on gloo equals one process; FP8 and malformed
-shared-expert fields are refused by name."""
+like one under tensor parallelism with its gate replicated; TP=2 on gloo equals one process; malformed shared-expert
+fields are refused by name (FP8 Qwen2-MoE: tests/test_fp8_moe.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from tiny_models import QWEN2_MOE_FAMILIES, hf_model, write_qwen2_moe_family
 
 from fnvllm.llm import LLM
 from fnvllm.model import ModelConfig, load_model
-from fnvllm.model.config import CheckpointError
 from fnvllm.model.models import MLP
 from fnvllm.model.moe import SparseMoeBlock
 from fnvllm.model.ops import ops_for
@@ -176,20 +174,6 @@ def test_config_fields_are_checked() -> None:
     check_shardable(config, 2)
     with pytest.raises(InvalidConfigError, match=r"shared_expert_intermediate_size \(50\) must be a multiple"):
         check_shardable(config, 4)
-
-
-@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
-def test_fp8_is_refused(family: tuple[str, Path, Any], tmp_path: Path) -> None:
-    """quantization="fp8", or an FP8 checkpoint's quantization_config, is a CheckpointError naming FP8 and the
-    architecture, as for the other mixtures of experts."""
-    path = family[1]
-    message = r"FP8 weights .* not supported for Qwen2MoeForCausalLM"
-    with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_pretrained(path, quantization="fp8")
-    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    (tmp_path / "config.json").write_text(json.dumps(config_dict(quantization_config=fp8)))
-    with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_pretrained(tmp_path)
 
 
 def test_bench_counts_the_shared_expert(family: tuple[str, Path, Any]) -> None:

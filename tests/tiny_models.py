@@ -172,6 +172,74 @@ def write_phi3_family(root: Path, family: str, **overrides: Any) -> Path:
     return _write_random_hf(transformers.Phi3ForCausalLM, config, root / family)
 
 
+# Gemma 3 (Gemma3ForCausalLM; Gemma3ForConditionalGeneration's text decoder), written here too. "gemma3" mixes local
+# and global layers (layer_types), a sliding window of 12 tokens (shorter than the longer prompts), GQA (4 heads, 1 KV
+# head) with head_dim 32 over hidden 64 / 4 heads, query_pre_attn_scalar 48 (not head_dim), a tied head, and two
+# rope tables: local theta 100, global theta 10000 with linear scaling (factor 4). "gemma3_hd256" has head_dim 256
+# (gemma-3-1b's), q/k/v/o biases, an untied head and plain global rope; "gemma3_mm" is "gemma3"'s decoder inside a
+# Gemma3ForConditionalGeneration with a one-layer SigLIP vision tower. Options of transformers' Gemma3TextConfig.
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+}
+_GEMMA3 = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    sliding_window=12,
+    query_pre_attn_scalar=48,
+    max_position_embeddings=2048,
+    rope_parameters=GEMMA3_ROPE,
+)
+GEMMA3_FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma3": _GEMMA3,
+    "gemma3_hd256": dict(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        query_pre_attn_scalar=256,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        },
+    ),
+    "gemma3_mm": _GEMMA3,
+}
+
+
+def write_gemma3_family(root: Path, family: str, **overrides: Any) -> Path:
+    """A tiny random fp32 Gemma 3 checkpoint (``family``: a key of GEMMA3_FAMILIES; ``overrides``: more text config
+    fields) written by transformers, plus the test tokenizer, in ``root / family``: a Gemma3ForCausalLM, or for
+    "gemma3_mm" a Gemma3ForConditionalGeneration (tiny SigLIP tower, 4 tokens per image). Weights and norms are
+    drawn as write_tiny_checkpoint draws them (std 0.1, norm weights U(0.5, 1.5): scales 1.5 to 2.5 in Gemma's
+    (1 + w) form); EOS is 255."""
+    import copy
+
+    import transformers
+
+    defaults = dict(vocab_size=256, intermediate_size=96, initializer_range=0.1, bos_token_id=0, eos_token_id=255)
+    options = copy.deepcopy({**defaults, **GEMMA3_FAMILIES[family], **overrides})  # the config fills in its dicts
+    text = transformers.Gemma3TextConfig(pad_token_id=2, **options)
+    if family != "gemma3_mm":
+        return _write_random_hf(transformers.Gemma3ForCausalLM, text, root / family)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    config.initializer_range = 0.1
+    return _write_random_hf(transformers.Gemma3ForConditionalGeneration, config, root / family)
+
+
 def hf_model(path: Path) -> Any:
     """The same checkpoint loaded by transformers, fp32, eval mode."""
     from transformers import AutoModelForCausalLM

@@ -35,6 +35,10 @@ follows transformers' Phi3Config: rope_type "su" or "yarn" (older Phi-3 configs)
 (``self_attn.qkv_proj``, ``mlp.gate_up_proj``) are split by the loader; FP8 checkpoints of it are refused (16-bit
 ones load with quantization="fp8"). ``partial_rotary_factor`` (Phi-4-mini's 0.75) is refused, as for every model.
 
+Gemma 3 (``Gemma3ForCausalLM``; the text decoder of ``Gemma3ForConditionalGeneration``) is read by
+``fnvllm.model.gemma_config`` (its text_config, two rope tables, layer types), with its own facts in
+``ModelConfig.gemma``.
+
 Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is read as Qwen2 (q/k/v biases, ``qkv_bias`` in transformers 5's
 config.json, absent and true in the published ones) with a ``MoeConfig`` (``MoeConfig.from_qwen2_moe``): Qwen3-MoE's
 fields plus ``shared_expert_intermediate_size``, the width of the dense shared expert every sparse layer adds.
@@ -46,7 +50,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -62,6 +66,9 @@ from fnvllm.model.rope import (
     served_positions,
     yarn_attention_factor,
 )
+
+if TYPE_CHECKING:  # gemma_config imports this module's field readers
+    from fnvllm.model.gemma_config import GemmaConfig
 
 
 class CheckpointError(ValueError):
@@ -94,7 +101,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
+_GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # gemma_config.GEMMA3_ARCHITECTURES
 _QWEN3_LIKE = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN2_LIKE = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, never an o_proj bias
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
@@ -113,8 +123,9 @@ FP8_BLOCK = 128  # rows and columns of one FP8 weight scale block
 
 @attrs.frozen
 class Fp8Config:
-    """FP8 weights: every linear of the decoder layers (q/k/v/o, gate/up/down) in float8_e4m3fn with one float32
-    scale per 128 x 128 block; embeddings, norms and the LM head keep the model dtype.
+    """FP8 weights: every linear of the decoder layers (q/k/v/o, gate/up/down, a MoE model's experts and shared
+    expert) in float8_e4m3fn with one float32 scale per 128 x 128 block; embeddings, norms, MoE routers and the LM
+    head keep the model dtype.
 
     is_checkpoint_fp8: the checkpoint stores them so (``<m>.weight`` e4m3 + ``<m>.weight_scale_inv``); False: it
         stores 16/32-bit weights and the loader quantizes each linear as it reads it (same block layout).
@@ -148,18 +159,30 @@ def parse_quantization(hf: Mapping[str, Any], quantization: str | None) -> Fp8Co
     return Fp8Config(is_checkpoint_fp8=True)
 
 
+# Modules an FP8 checkpoint may list as left unquantized: those fnvllm never quantizes. Qwen3-30B-A3B-FP8 lists
+# lm_head and every layer's input_layernorm, post_attention_layernorm and mlp.gate (the MoE router).
+_NEVER_FP8 = ("lm_head", "embed_tokens", "gate", "shared_expert_gate")
+
+
+def _is_never_fp8(name: object) -> bool:
+    """Whether module ``name`` is one fnvllm keeps in the model dtype anyway: lm_head, embed_tokens, a norm, a MoE
+    router (``mlp.gate``, Mixtral's ``block_sparse_moe.gate``) or Qwen2-MoE's ``shared_expert_gate``."""
+    leaf = name.split(".")[-1] if isinstance(name, str) else ""
+    return leaf in _NEVER_FP8 or leaf.endswith("norm")
+
+
 def _check_unconverted(qc: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint that leaves some decoder-layer linears unquantized (listing lm_head is fine: we never
-    quantize it)."""
+    """Refuse a checkpoint that leaves some decoder-layer linears unquantized (listing lm_head, the norms or the
+    MoE routers is fine: we never quantize them)."""
     for field in ("modules_to_not_convert", "ignored_layers"):
         names = qc.get(field) or []
         if not isinstance(names, list):
             raise ValueError(f"quantization_config.{field} must be a list of module names, got {names!r}")
-        kept = [n for n in names if not (isinstance(n, str) and n.split(".")[-1] in ("lm_head", "embed_tokens"))]
+        kept = [n for n in names if not _is_never_fp8(n)]
         if kept:
             raise ValueError(
-                f"quantization_config.{field} {kept!r} is not supported: every decoder-layer linear must be FP8 "
-                "(only lm_head / embed_tokens may be listed)"
+                f"quantization_config.{field} {kept[:8]!r} is not supported: every decoder-layer linear must be FP8 "
+                "(only lm_head, embed_tokens, norms and MoE routers (mlp.gate, shared_expert_gate) may be listed)"
             )
 
 
@@ -263,6 +286,8 @@ class ModelConfig:
         Mistral / Mixtral's, or Qwen2's with use_sliding_window (see the module docstring).
     sliding_layers: the indices of the layers that attend within sliding_window (every layer for Mistral /
         Mixtral); empty without a window. Each layer's window: ``layer_window``.
+    gemma: Gemma 3's own facts (``gemma_config.GemmaConfig``: attention scale, local rope, local layers); given for
+        the Gemma 3 architectures and only for them.
     """
 
     architecture: str
@@ -286,6 +311,7 @@ class ModelConfig:
     quantization: Fp8Config | None = None
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    gemma: GemmaConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         """Reject shapes the model code cannot build, naming the field."""
@@ -311,15 +337,12 @@ class ModelConfig:
         has_shared = self.moe is not None and self.moe.shared_expert_intermediate_size is not None
         if has_shared != (self.architecture == "Qwen2MoeForCausalLM"):
             raise ValueError(f"a shared expert is Qwen2MoeForCausalLM's and only its (got {self.architecture})")
-        if self.quantization is not None and self.moe is not None:
-            raise ValueError(
-                f"FP8 weights (quantization) are not supported for {self.architecture} yet (mixture-of-experts "
-                "models load in 16/32 bits; FP8 is for dense models)"
-            )
         if self.sliding_window is not None:
             _check_positive("sliding_window", self.sliding_window)
         self._check_sliding_layers()
         self._check_longrope()
+        if (self.architecture in _GEMMA3) != (self.gemma is not None):
+            raise ValueError(f"gemma must be given for {_GEMMA3} and only for them (got {self.architecture})")
         if self.architecture == _PHI3 and self.quantization is not None and self.quantization.is_checkpoint_fp8:
             raise ValueError(
                 "FP8 checkpoints (quantization_config) of Phi3ForCausalLM are not supported (their fused qkv_proj / "
@@ -363,7 +386,10 @@ class ModelConfig:
         """The longest sequence (prompt + output) the model serves: max_position_embeddings, or further where its
         rope scaling stretches the context (yarn: original_max_position_embeddings x factor; linear:
         max_position_embeddings x factor; ``fnvllm.model.rope.served_positions``). The rope table's length, and
-        the engine's default and cap for max_model_len."""
+        the engine's default and cap for max_model_len. Gemma 3: max_position_embeddings, which already states
+        the context its linear factor reaches (gemma-3-4b-it: 131072 with factor 8)."""
+        if self.gemma is not None:
+            return self.max_position_embeddings
         return served_positions(self.rope_scaling, self.max_position_embeddings)
 
     @property
@@ -427,6 +453,10 @@ class ModelConfig:
         `max_model_len` as in ``from_pretrained``. Raises ValueError naming the field for anything missing,
         mistyped (a str where a number belongs, a bool where an int belongs) or unsupported."""
         architecture = _architecture(hf)
+        if architecture in _GEMMA3:  # its own fields and defaults (gemma_config imports this module)
+            from fnvllm.model.gemma_config import gemma3_model_config
+
+            return gemma3_model_config(hf, architecture, dtype, quantization)
         _reject_unsupported_features(hf)
         hidden_size = _int_field(hf, "hidden_size")
         num_heads = _int_field(hf, "num_attention_heads")

@@ -25,6 +25,9 @@ gate/up in ``<l>.mlp.gate_up_proj.weight`` (gate rows, then up): each is read as
 ``sharding.fuse_targets``), so a rank reads its rows of q, of k and of v, and a missing or misshapen one is named
 as stored.
 
+Gemma 3's multimodal checkpoints hold the text decoder under ``language_model.model.`` (or ``model.language_model.``)
+beside the vision tower's tensors, which are skipped by name (``gemma_config.language_model_names``).
+
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors ``get_slice``); the
 rules for which slice are ``sharding.weight_targets``.
 
@@ -34,14 +37,17 @@ checkpoint, each linear's slice is moved to the target device, quantized there i
 (``quant.quantize_fp8_row_groups``: one scale per 128 rows of the slice, all its columns) and written into the e4m3
 weight and its block scales, one tensor at a time as before (host memory never holds more than one tensor); a fused
 layer's parts are quantized one by one. After the last tensor, each such linear's (1, N) row scale is set from its
-block scales (``quant.set_row_scales``).
+block scales (``quant.set_row_scales``). MoE experts take the same two ways, one expert's tensor at a time: an FP8
+checkpoint's ``<p>.experts.<e>.<proj>.weight`` / ``.weight_scale_inv`` fill expert e of the e4m3 stacks and of their
+scales (``<p>.experts.gate_up_proj_scale_inv``, ``down_proj_scale_inv``); quantized at load, expert e's slice is
+quantized in 128-row groups into its slot (no row scale: the fused-MoE kernels read the block scales).
 
 Dummy weights (``load_format="dummy"``, as vLLM's): no safetensors are read. The model built from the config alone is
 filled on the device with seeded random values shaped like the random checkpoints' (``testing.checkpoints``): matrices
 and embeddings N(0, DUMMY_STD), norm weights 1, biases 0; FP8 linears get such a matrix quantized in 128-row groups, and
-their row scales. Each parameter draws from its own generator seeded by (seed, its index), so a replicated parameter
-(the router) is equal on every tensor-parallel rank. Used to benchmark shapes whose checkpoint is too large to write and
-read back (Qwen3-30B-A3B: 61 GB).
+their row scales (FP8 experts: one such matrix per expert). Each parameter draws from its own generator seeded by
+(seed, its index), so a replicated parameter (the router) is equal on every tensor-parallel rank. Used to benchmark
+shapes whose checkpoint is too large to write and read back (Qwen3-30B-A3B: 61 GB).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from fnvllm.model.config import CheckpointError, ModelConfig, normalize_dtype, read_json
+from fnvllm.model.gemma_config import GEMMA3_MULTIMODAL, language_model_names
 from fnvllm.model.kv_scales import is_kv_scale_name
 from fnvllm.model.models import DecoderForCausalLM, build_model
 from fnvllm.model.ops import TORCH_OPS, ModelOps
@@ -102,8 +109,11 @@ def load_model(
         return _materialise(build_on_meta(config, ops, tp), device, dummy_seed=seed)
     files = checkpoint_files(Path(path))
     model = build_on_meta(config, ops, tp)
-    targets = checkpoint_names(weight_targets(model), config)
-    check_names(_names_by_file(files), targets, ignored=_ignored_names(config))
+    names = _names_by_file(files)
+    targets, ignored = checkpoint_names(weight_targets(model), config), _ignored_names(config)
+    if config.architecture == GEMMA3_MULTIMODAL:  # the text decoder under its prefix; the vision tower skipped
+        targets, ignored = language_model_names(targets, names, config.tie_word_embeddings)
+    check_names(names, targets, ignored=ignored)
     model = _materialise(model, device)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -144,7 +154,7 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     linears' row scales."""
     params = dict(model.named_parameters())
     for index, (name, param) in enumerate(params.items()):
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith("_scale_inv"):
             continue  # filled with its FP8 weight
         data = param.data
         if name.endswith("norm.weight"):
@@ -153,11 +163,14 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             data.zero_()
         else:
             gen = torch.Generator(device=data.device).manual_seed(seed * 1_000_003 + index)
-            scale = params.get(name.removesuffix("weight") + "weight_scale_inv")
+            scale = params.get(name + "_scale_inv")  # <m>.weight_scale_inv; stacked experts: <m>.<stack>_scale_inv
             if data.is_floating_point() and data.element_size() > 1:
                 data.normal_(0.0, DUMMY_STD, generator=gen)
             elif scale is not None and data.dim() == 2:
                 _copy_quantized(_normal(data.shape, data.device, gen), data, scale.data, None)
+            elif scale is not None and data.dim() == 3:  # FP8 experts, one expert at a time
+                for expert, expert_scale in zip(data, scale.data, strict=True):
+                    _copy_quantized(_normal(expert.shape, data.device, gen), expert, expert_scale, None)
             else:
                 raise ValueError(f"dummy weights: parameter {name!r} of dtype {data.dtype} has no fill rule")
     set_row_scales(model)
@@ -245,7 +258,9 @@ def _load_file(
             else:
                 column_slice = target.dim == 1 and target.source is not None
                 group = tp if column_slice else SINGLE
-                _copy_quantized(tensor.to(dest.device), dest, params[target.fp8_scale].data, target.rows, group)
+                scale = params[target.fp8_scale].data
+                scale = scale if target.expert is None else scale[target.expert]  # that expert's block scales
+                _copy_quantized(tensor.to(dest.device), dest, scale, target.rows, group)
 
 
 def _stored_targets(

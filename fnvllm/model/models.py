@@ -445,9 +445,15 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.tp = tp
-        self.model = DecoderModel(config, ops, tp)
+        self.model = self.build_decoder(config, ops, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.torch_dtype, tp)
         self.tie_weights()
+
+    @staticmethod
+    def build_decoder(config: ModelConfig, ops: ModelOps, tp: TensorParallel) -> nn.Module:
+        """The body under ``model.`` (embedding, decoder layers, final norm): the Llama family's ``DecoderModel``;
+        Gemma 3's subclass builds its own (``fnvllm.model.gemma``)."""
+        return DecoderModel(config, ops, tp)
 
     def tie_weights(self) -> None:
         """Make lm_head share the embedding matrix when the config ties them (re-run after materialising)."""
@@ -484,6 +490,11 @@ def build_model(config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParall
     """A randomly initialised model (this rank's slice of it, under ``tp``) for `config` with parameters in
     config.dtype, computing with `ops`.
 
-    Build it under `torch.device("meta")` to skip the init (as loader.load_model does).
+    Build it under `torch.device("meta")` to skip the init (as loader.load_model does). Gemma 3 configs
+    (``config.gemma``) build ``gemma.GemmaForCausalLM``.
     """
+    if config.gemma is not None:
+        from fnvllm.model.gemma import GemmaForCausalLM  # it imports this module's Attention
+
+        return GemmaForCausalLM(config, ops, tp)
     return DecoderForCausalLM(config, ops, tp)

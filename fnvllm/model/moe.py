@@ -15,6 +15,13 @@ ulp-level differences the fused kernel's float32 sum already has from HF's per-e
 tensor parallelism every rank holds every expert's slice of the intermediate dim (``sharding.ParallelExperts``),
 so the routed sum is a partial one and the block all-reduces it, as the dense MLP does.
 
+FP8 weights (an FP8 checkpoint, or ``quantization="fp8"``): the experts are stored in e4m3 with 128 x 128 block
+scales (``sharding.ParallelExperts``) and the fused-MoE op takes the scales (``w_gate_up_scale``, ``w_down_scale``):
+the Triton kernels dequantize weight tiles in registers and keep the activations in the model dtype (weight-only
+FP8, half the expert bytes a decode step reads), the torch reference dequantizes each visited expert. The router
+and Qwen2-MoE's shared_expert_gate stay in the model dtype (official FP8 checkpoints leave ``mlp.gate`` unquantized);
+the shared expert is a dense MLP and takes the dense FP8 linears.
+
 Qwen2-MoE's shared expert is a dense SwiGLU ``models.MLP`` of ``shared_expert_intermediate_size`` that every token
 goes through, built by the caller (``models.DecoderLayer.feed_forward``: models.py imports this module) with
 ``reduce_results=False``: it splits over the ranks like any MLP and hands back this rank's partial sum. Its gate
@@ -68,7 +75,7 @@ class SparseMoeBlock(nn.Module):
         dtype = config.torch_dtype
         self.gate = nn.Linear(config.hidden_size, config.moe.num_experts, bias=False, dtype=dtype)
         self.experts = ParallelExperts(
-            config.moe.num_experts, config.hidden_size, config.moe.moe_intermediate_size, dtype, tp
+            config.moe.num_experts, config.hidden_size, config.moe.moe_intermediate_size, dtype, tp, config.quantization
         )
         if shared_expert is not None and shared_expert.reduce_results:
             raise ValueError("the shared expert must leave its partial sum to the block (reduce_results=False)")
@@ -79,7 +86,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden_size) -> (T, hidden_size)."""
         weights, ids = self.ops.route(F.linear(x, self.gate.weight), self.top_k, self.normalize)  # (T, K) each
-        partial = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        experts = self.experts
+        partial = self.ops.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, **experts.fp8_scales())
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             scale = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # (T, 1), equal on every rank
             partial = partial + scale * self.shared_expert(x)  # this rank's partial of the shared expert, scaled

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fnvllm.model.config import Fp8Config, ModelConfig
-from fnvllm.model.quant import check_block_aligned, linear_forward, make_fp8, scale_blocks
+from fnvllm.model.quant import FP8_DTYPE, check_block_aligned, linear_forward, make_fp8, scale_blocks
 from fnvllm.state import InvalidConfigError
 
 # x (T, in), weight (out, in), bias (out,) or None -> (T, out): F.linear, or a kernel with its signature.
@@ -87,7 +87,7 @@ class WeightTarget:
     full_size: the checkpoint tensor's size along ``dim`` (checked before slicing; None when not sliced).
     fp8_scale: quantize at load (``quantization="fp8"`` on a 16/32-bit checkpoint): the slice read is quantized
         to e4m3 in 128-row groups (``quant.quantize_fp8_row_groups``) and its scales fill the matching blocks of
-        this parameter (None = copy as is).
+        this parameter (of the same expert, for stacked experts; None = copy as is).
     """
 
     param: str
@@ -357,31 +357,91 @@ class ParallelLMHead(nn.Module):
 class ParallelExperts(nn.Module):
     """This rank's slice of every expert's intermediate dim, stacked as the fused-MoE kernel reads them:
     gate_up_proj (E, 2 * I / world, H) = [gate rows | up rows] per expert, down_proj (E, H, I / world).
-    Like RowParallelLinear, what it computes is a partial sum (the caller all-reduces)."""
+    Like RowParallelLinear, what it computes is a partial sum (the caller all-reduces).
+
+    quant: FP8 experts (``quant.py``) or None. Both stacks are then e4m3, each expert's block scales beside them in
+    ``gate_up_proj_scale_inv`` (E, 2 * I / world / 128, ceil(H / 128)) and ``down_proj_scale_inv`` (E, ceil(H / 128),
+    ceil(I / world / 128)), float32: an expert's stacked gate/up is one fused layer of two parts, so its up rows
+    must start a 128-row scale block, i.e. I / world must be a multiple of 128 (Qwen3-30B-A3B's 768: up to 6 ranks
+    that divide it; 4 gives 192, refused by name). From an FP8 checkpoint a rank's slice of the intermediate dim
+    must also start on a block (the scales' rows of gate/up, columns of down); quantized at load, each expert's
+    gate/up slice and down slice take 128-row-group scales (the dense layers' format), down's joined over the
+    ranks that hold its other columns, as a row-parallel layer's are."""
+
+    gate_up_proj_scale_inv: nn.Parameter | None
+    down_proj_scale_inv: nn.Parameter | None
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None, tp: TensorParallel
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype | None,
+        tp: TensorParallel,
+        quant: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.source = shard_range(intermediate_size, tp)
         self.full_intermediate_size = intermediate_size
+        self.quant = quant
         local = intermediate_size // tp.world_size
         self.gate_up_proj = nn.Parameter(_normal(torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype), 0.02))
         self.down_proj = nn.Parameter(_normal(torch.empty(num_experts, hidden_size, local, dtype=dtype), 0.02))
+        self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+        if quant is not None:
+            self._make_fp8(quant)
+
+    def _make_fp8(self, quant: Fp8Config) -> None:
+        """Turn both stacks into e4m3 (uninitialised: the loader fills them) with their block scales, after checking
+        that the up rows (and, from a checkpoint, this rank's slice) start on 128 blocks."""
+        local, full = self.source[1] - self.source[0], self.full_intermediate_size
+        what = f"each expert's up_proj rows (moe_intermediate_size {full}, {local} per rank)"
+        check_block_aligned(what, local, 2 * local, 2 * local)
+        if quant.is_checkpoint_fp8:
+            check_block_aligned("a rank's slice of each expert's intermediate dim", *self.source, full)
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            num_experts, n, k = weight.shape
+            blocks = (num_experts, scale_blocks(0, n)[1], scale_blocks(0, k)[1])
+            fp8 = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            setattr(self, name, nn.Parameter(fp8, requires_grad=False))
+            scale = torch.empty(blocks, dtype=torch.float32, device=weight.device)
+            setattr(self, f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
+
+    def fp8_scales(self) -> dict[str, torch.Tensor]:
+        """The fused-MoE op's keyword arguments for FP8 experts (``w_gate_up_scale``, ``w_down_scale``), or none."""
+        if self.gate_up_proj_scale_inv is None or self.down_proj_scale_inv is None:
+            return {}
+        return {"w_gate_up_scale": self.gate_up_proj_scale_inv, "w_down_scale": self.down_proj_scale_inv}
 
     def targets(self, parent: str, leaf: str) -> dict[str, WeightTarget]:
         """HF's per-expert tensors (``<parent>.<e>.gate_proj|up_proj|down_proj.weight``, Qwen3-MoE's names; the
-        loader renames them for Mixtral's ``w1|w3|w2``) that fill ``leaf``."""
+        loader renames them for Mixtral's ``w1|w3|w2``) that fill ``leaf``; for FP8 experts also their
+        ``.weight_scale_inv`` (from an FP8 checkpoint, in 128 blocks), or the weights are quantized at load into
+        ``<leaf>_scale_inv`` too (which then no tensor fills)."""
+        proj, is_scale = leaf.removesuffix("_scale_inv"), leaf.endswith("_scale_inv")
+        quantize_at_load = self.quant is not None and not self.quant.is_checkpoint_fp8
+        if is_scale and quantize_at_load:
+            return {}
         name, local, full = f"{parent}.{leaf}", self.source[1] - self.source[0], self.full_intermediate_size
+        suffix = "weight_scale_inv" if is_scale else "weight"
+        fp8_scale = f"{parent}.{proj}_scale_inv" if quantize_at_load else None
+
+        def target(rows: tuple[int, int] | None, dim: int, e: int) -> WeightTarget:
+            if not is_scale:
+                return WeightTarget(name, rows, self.source, dim, full, expert=e, fp8_scale=fp8_scale)
+            block_rows = None if rows is None else scale_blocks(*rows)
+            return WeightTarget(name, block_rows, scale_blocks(*self.source), dim, scale_blocks(0, full)[1], expert=e)
+
         out: dict[str, WeightTarget] = {}
         for e in range(self.num_experts):
             p = f"{parent}.{e}."
-            if leaf == "gate_up_proj":
-                out[p + "gate_proj.weight"] = WeightTarget(name, (0, local), self.source, 0, full, expert=e)
-                out[p + "up_proj.weight"] = WeightTarget(name, (local, 2 * local), self.source, 0, full, expert=e)
+            if proj == "gate_up_proj":
+                out[f"{p}gate_proj.{suffix}"] = target((0, local), 0, e)
+                out[f"{p}up_proj.{suffix}"] = target((local, 2 * local), 0, e)
             else:
-                out[p + "down_proj.weight"] = WeightTarget(name, None, self.source, 1, full, expert=e)
+                out[f"{p}down_proj.{suffix}"] = target(None, 1, e)
         return out
 
 
