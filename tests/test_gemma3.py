@@ -183,6 +183,26 @@ def test_transformers_4_config_format_reads_like_transformers_5() -> None:
     assert ours.sliding_layers == (0, 1, 3, 4) and ours.rope_scaling == LinearRopeScaling(2.0)
 
 
+@pytest.mark.parametrize(("top", "text"), [(True, False), (False, True)])
+def test_multimodal_tie_follows_the_top_level_config(top: bool, text: bool) -> None:
+    """A Gemma3ForConditionalGeneration's head is tied to the embedding as transformers ties it: by the top-level
+    tie_word_embeddings, whatever text_config's says."""
+    import transformers
+
+    options = {k: v for k, v in GEMMA3_FAMILIES["gemma3"].items() if k != "rope_parameters"}
+    text_config = transformers.Gemma3TextConfig(
+        vocab_size=256, intermediate_size=96, tie_word_embeddings=text, **options
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    hf_config = transformers.Gemma3Config(text_config=text_config, vision_config=vision, tie_word_embeddings=top)
+    hf = transformers.Gemma3ForConditionalGeneration(hf_config)
+    tied = hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+    ours = ModelConfig.from_dict({**hf_config.to_dict(), "architectures": ["Gemma3ForConditionalGeneration"]})
+    assert ours.tie_word_embeddings == tied == top
+
+
 def _gemma3_config(**fields: Any) -> dict[str, Any]:
     """A tiny Gemma3ForCausalLM config.json with ``fields`` over it."""
     base = dict(GEMMA3_FAMILIES["gemma3"], vocab_size=256, intermediate_size=96, rope_parameters=GEMMA3_ROPE)

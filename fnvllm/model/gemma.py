@@ -203,6 +203,8 @@ class GemmaForCausalLM(DecoderForCausalLM):
     """A Gemma 3 causal LM: ``DecoderForCausalLM``'s head, tying, forward and logits over a ``GemmaDecoderModel``,
     computing with ``gemma_ops(ops)``."""
 
+    model: GemmaDecoderModel
+
     def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, gemma_ops(ops), tp)
 

@@ -99,7 +99,7 @@ class GemmaConfig:
     @property
     def attention_scale(self) -> float:
         """The factor of q . k in the attention softmax: query_pre_attn_scalar ** -0.5."""
-        return self.query_pre_attn_scalar**-0.5
+        return float(self.query_pre_attn_scalar**-0.5)  # as transformers computes it
 
 
 def gemma3_model_config(
@@ -143,11 +143,9 @@ def gemma3_model_config(
 def _text_fields(hf: Mapping[str, Any], architecture: str) -> dict[str, Any]:
     """The decoder's fields (top level, or text_config for the multimodal architecture) over TEXT_DEFAULTS for the
     absent ones (an explicit null stays null: the field's reader decides what it means)."""
-    source = hf
-    if architecture == GEMMA3_MULTIMODAL:
-        source = hf.get("text_config")
-        if not isinstance(source, Mapping):
-            raise ValueError(f"text_config must be an object (the decoder's fields), got {source!r}")
+    source = hf.get("text_config") if architecture == GEMMA3_MULTIMODAL else hf
+    if not isinstance(source, Mapping):
+        raise ValueError(f"text_config must be an object (the decoder's fields), got {source!r}")
     return {**TEXT_DEFAULTS, **source}
 
 

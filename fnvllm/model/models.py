@@ -25,7 +25,7 @@ world size 1 they are no-ops and the layers are plain linears.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -450,9 +450,9 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
 
     @staticmethod
-    def build_decoder(config: ModelConfig, ops: ModelOps, tp: TensorParallel) -> nn.Module:
+    def build_decoder(config: ModelConfig, ops: ModelOps, tp: TensorParallel) -> Any:
         """The body under ``model.`` (embedding, decoder layers, final norm): the Llama family's ``DecoderModel``;
-        Gemma 3's subclass builds its own (``fnvllm.model.gemma``)."""
+        Gemma 3's subclass builds its own (``fnvllm.model.gemma``), with the same embed_tokens and forward."""
         return DecoderModel(config, ops, tp)
 
     def tie_weights(self) -> None:
