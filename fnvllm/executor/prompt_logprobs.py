@@ -78,7 +78,8 @@ class PromptScorer:
     def score(self, plan: StepPlan, rows: Sequence[int], hidden: torch.Tensor, logits_of: LogitsFn) -> list[ScoredRow]:
         """Score rows ``rows`` of ``plan`` from ``hidden`` (T, H), every fed token's final hidden state in plan
         order; ``logits_of`` is the LM head (None on a tensor-parallel rank that does not sample: nothing is
-        returned there, but it is called alike on every rank)."""
+        returned there, but it is called alike on every rank, since it gathers the logits from every rank: each
+        rank must score the same ``rows``, which ``tp_ranks.worker_plan`` keeps the fields for)."""
         offsets = [0]
         for tokens in plan.input_tokens:
             offsets.append(offsets[-1] + len(tokens))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from fnvllm.config import EngineConfig
 from fnvllm.executor.model_executor import ModelExecutor, resolve_device
+from fnvllm.executor.prompt_logprobs import prompt_rows
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.sharding import TensorParallel
 from fnvllm.state import StepPlan
@@ -148,7 +149,14 @@ class WorkerStats:
 
 
 def worker_plan(plan: StepPlan) -> StepPlan:
-    """``plan`` without its sampling fields (workers do not sample): less to pickle every step."""
+    """``plan`` without its sampling fields (workers do not sample): less to pickle every step.
+
+    A step that scores prompt logprobs keeps ``params`` and ``num_generated``, from which every rank finds the
+    rows to score (``prompt_rows``): scoring runs the LM head over those rows, and its logits gather is a
+    collective, so a worker that found no rows would skip it, and run the step's other collectives out of step
+    with rank 0's (a hang until the timeout). Only such steps pay for pickling the params."""
+    if prompt_rows(plan):
+        return attrs.evolve(plan, histories=())
     return attrs.evolve(plan, params=(), num_generated=(), histories=())
 
 
