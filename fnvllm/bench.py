@@ -11,9 +11,11 @@ each decode step reads the weights once; with every request in one batch there a
 For Qwen3-0.6B on the full workload: 13.87 TB of KV + 1.22 TB of weights = 15.09 TB; at 4.16 TB/s that is 3.63 s,
 i.e. ~36,900 output tok/s at most. The floor counts the bytes actually read: with ``kv_cache_dtype="fp8"`` the KV
 is one byte an element (6.93 TB for Qwen3-0.6B: 8.15 TB in all, 1.96 s, ~68,300 tok/s), and FP8 weights
-(``quantization="fp8"``) one byte a weight plus their block scales. A mixture of experts reads, per sparse layer
-and decode step, the experts its running sequences touch (``moe.expected_experts_touched``: all 128 of
-Qwen3-30B-A3B at 256 sequences, ~61 GB a step; fewer as the batch drains).
+(``quantization="fp8"``) one byte a weight plus their block scales, the experts' too. A mixture of experts reads,
+per sparse layer and decode step, the experts its running sequences touch (``moe.expected_experts_touched``: all
+128 of Qwen3-30B-A3B at 256 sequences, ~61 GB a step, ~30.5 GB with FP8 weights; fewer as the batch drains). A
+layer that attends within a sliding window (``ModelConfig.layer_window``: Mistral, Mixtral, Phi-3, Gemma 3's local
+layers) reads at most the window's K/V of a sequence, and its queries see at most that many keys.
 
 The roofline adds compute to the floor (``roofline_seconds``): decode step s (the sequences with more than s
 outputs) costs at least max(its bytes / read ceiling, its FLOPs / peak), and the prompts' FLOPs fit only into the
@@ -22,7 +24,10 @@ bytes-bound (Qwen3-0.6B at 256 sequences: ~0.34 TFLOP against ~19 GB of weights 
 the idle compute, so the roofline equals the floor; a prefill-heavy workload (long prompts, short outputs) is
 compute-bound and its roofline exceeds it. ``fnvllm bench --profile`` also reports the roofline of the steps the
 engine actually ran (each step at max(bytes, FLOPs) per layer part, ``fnvllm.sim.CostModel.roofline_s``): there
-the Qwen3-8B shape's prefill steps count at the matmul peak, which the bytes-only floor leaves out.
+the Qwen3-8B shape's prefill steps count at the matmul peak, which the bytes-only floor leaves out. The peak is the
+bf16 one; with FP8 weights the dense linears (attention's projections, dense MLPs, a shared expert) multiply on FP8
+GEMMs at twice it, while the experts (weight-only FP8, dequantized to bf16 in registers), the LM head and attention
+stay at it (``fp8_gemm_flops_per_token``).
 
 With ``load_format="dummy"`` (the default for qwen3-30b-a3b and mixtral-8x7b, whose 61 and 93 GB checkpoints are
 impractical to write and read back) only config.json is written and the engine fills random weights on the device.
@@ -38,7 +43,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +54,7 @@ from fnvllm.state import SamplingParams
 from fnvllm.workloads import bench_workload, within_vocab
 
 H200_READ_TB_S = 4.16  # measured on the lent H200 (sum over a 2 GiB bf16 tensor)
-H200_PEAK_TFLOPS = 793.0  # measured on the lent H200: a bf16 8192^3 matmul (FP8 weights: twice, the tensor-core rate)
+H200_PEAK_TFLOPS = 793.0  # measured on the lent H200: a bf16 8192^3 matmul (FP8 dense linears: twice, FP8_GEMM_SPEEDUP)
 SHAPES = ("tiny", "tiny-moe", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
 DUMMY_BY_DEFAULT = (
     "qwen3-30b-a3b",
@@ -109,80 +115,192 @@ def _engine_ceilings(
     return attrs.evolve(one, read_tb_s=one.read_tb_s * tp, peak_tflops=one.peak_tflops * tp)
 
 
+FP8_SCALE_BLOCK = 128  # an FP8 linear holds one float32 scale per 128 x 128 block of its weight
+FP8_GEMM_SPEEDUP = 2.0  # the dense FP8 linears' e4m3 GEMMs run at twice the bf16 tensor-core rate
+
+Matrix = tuple[int, int]  # a linear's weight: (rows, columns) = (output width, input width)
+
+
 def weight_bytes(config: Any, dtype_bytes: int = 2, num_seqs: int | None = None) -> int:
-    """Bytes of weights one decode step reads: every layer, the final norm and the LM head (not the embedding
-    table, of which only the batch's rows are read — unless tied, when the LM head reads all of it). A sparse
-    layer reads its router and the experts ``num_seqs`` sequences touch on average (None: all of them)."""
+    """Bytes of weights one decode step reads: every layer (linears, norms, biases), the final norm and the LM head
+    (not the embedding table, of which only the batch's rows are read — unless tied, when the LM head reads all of
+    it). A sparse layer reads its router, its shared expert (if any) and the experts ``num_seqs`` sequences touch on
+    average (None: all of them). FP8 weights (``config.quantization``): every decoder-layer linear — attention's,
+    the dense MLPs', the experts' and the shared expert's — is one byte a weight plus a float32 scale per
+    128 x 128 block; norms, biases, routers, the shared expert's gate and the LM head keep ``dtype_bytes``.
+
+    Worked example (Qwen3-30B-A3B with quantization="fp8", 256 sequences, which touch all 128 experts): 48 layers
+    of 128 x 3 x 2,048 x 768 expert and 18.9 M attention weights = 29.90 G weights at one byte (+ 7.3 MB of scales),
+    48 routers of 128 x 2,048 (25 MB) and the LM head's 151,936 x 2,048 (622 MB) at two: ~30.55 GB a step (60.4 GB
+    in bf16); at 16 sequences (82.4 experts a layer touched) ~20.2 GB."""
+    fp8 = getattr(config, "quantization", None) is not None
+    attention = _matrix_bytes(_attention_matrices(config), fp8, dtype_bytes)
+    vectors = _layer_vectors(config) * dtype_bytes
+    mlps = sum(_mlp_bytes(config, i, num_seqs, fp8, dtype_bytes) for i in range(config.num_hidden_layers))
+    head = (config.vocab_size * config.hidden_size + config.hidden_size) * dtype_bytes  # LM head and final norm
+    return int(config.num_hidden_layers * (attention + vectors) + mlps + head)
+
+
+def _matrix_bytes(matrices: Iterable[Matrix], fp8: bool, dtype_bytes: int) -> int:
+    """Bytes of these linears' weights: ``dtype_bytes`` a weight, or with ``fp8`` one byte a weight plus a float32
+    scale per 128 x 128 block (a partial block at an edge takes a whole scale)."""
+    if not fp8:
+        return dtype_bytes * sum(n * k for n, k in matrices)
+    blocks = sum(math.ceil(n / FP8_SCALE_BLOCK) * math.ceil(k / FP8_SCALE_BLOCK) for n, k in matrices)
+    return sum(n * k for n, k in matrices) + 4 * blocks
+
+
+def _attention_matrices(config: Any) -> tuple[Matrix, ...]:
+    """One layer's q, k, v and o projection weights."""
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    attention = h * (q + 2 * kv) + q * h + 2 * h
-    layers = sum(attention + _mlp_weights(config, i, num_seqs) for i in range(config.num_hidden_layers))
-    total = int(layers + config.vocab_size * h + h) * dtype_bytes
-    if getattr(config, "quantization", None) is None:
-        return total
-    # FP8 weights (dense models only): the decoder linears are 1 byte each plus a float32 scale per 128 x 128 block
-    shapes = ((q + 2 * kv, h), (h, q), (2 * config.intermediate_size, h), (h, config.intermediate_size))
-    linears = sum(n * k for n, k in shapes)
-    scales = sum(math.ceil(n / 128) * math.ceil(k / 128) for n, k in shapes)
-    return total - config.num_hidden_layers * (linears * (dtype_bytes - 1) - 4 * scales)
+    return ((q, h), (kv, h), (kv, h), (h, q))
 
 
-def _mlp_weights(config: Any, layer: int, num_seqs: int | None) -> float:
-    """Weights of layer ``layer``'s MLP a decode step of ``num_seqs`` sequences reads (see weight_bytes)."""
+def _glu_matrices(hidden: int, width: int) -> tuple[Matrix, ...]:
+    """A gated MLP's gate, up and down weights (SwiGLU, or Gemma 3's GeGLU: the same three matrices)."""
+    return ((width, hidden), (width, hidden), (hidden, width))
+
+
+def _layer_vectors(config: Any) -> int:
+    """Weights of one layer's norms and biases: two hidden-wide norms (four for Gemma 3, which also norms before and
+    after its MLP), per-head q and k norms (Qwen3, Gemma 3), q/k/v biases (Qwen2) and an o bias."""
+    h = config.hidden_size
+    norms = (4 if getattr(config, "gemma", None) is not None else 2) * h
+    norms += 2 * config.head_dim if getattr(config, "qk_norm", False) else 0
+    qkv_bias = config.q_size + 2 * config.kv_size if getattr(config, "attention_bias", False) else 0
+    return norms + qkv_bias + (h if getattr(config, "o_proj_bias", False) else 0)
+
+
+def _mlp_bytes(config: Any, layer: int, num_seqs: int | None, fp8: bool, dtype_bytes: int) -> float:
+    """Bytes of layer ``layer``'s MLP a decode step of ``num_seqs`` sequences reads (see weight_bytes): a dense
+    MLP's, or a sparse layer's router (model dtype), the experts touched and the shared expert."""
     from fnvllm.model.moe import expected_experts_touched
 
     moe, h = getattr(config, "moe", None), config.hidden_size
     if moe is None or not moe.is_sparse(layer):
-        return float(3 * h * config.intermediate_size)
+        return float(_matrix_bytes(_glu_matrices(h, config.intermediate_size), fp8, dtype_bytes))
     e, k = moe.num_experts, moe.num_experts_per_tok
     touched = e if num_seqs is None else expected_experts_touched(e, k, num_seqs)
-    return float(h * e + touched * 3 * h * moe.moe_intermediate_size + _shared_expert_weights(moe, h))
+    expert = _matrix_bytes(_glu_matrices(h, moe.moe_intermediate_size), fp8, dtype_bytes)
+    return dtype_bytes * h * e + touched * expert + _shared_expert_bytes(moe, h, fp8, dtype_bytes)
 
 
 def _shared_expert_weights(moe: Any, hidden: int) -> int:
-    """Weights of a sparse layer's shared expert (Qwen2-MoE: a dense SwiGLU MLP and its hidden -> 1 gate, which
-    every token goes through), 0 without one."""
+    """Weights of a sparse layer's shared expert and its gate (Qwen2-MoE), 0 without one."""
     width = getattr(moe, "shared_expert_intermediate_size", None)
     return 0 if width is None else 3 * hidden * width + hidden
 
 
+def _shared_expert_bytes(moe: Any, hidden: int, fp8: bool, dtype_bytes: int) -> int:
+    """Bytes of a sparse layer's shared expert (Qwen2-MoE: a dense SwiGLU MLP, FP8 with the dense linears, and its
+    hidden -> 1 gate in the model dtype; every token goes through both), 0 without one."""
+    width = getattr(moe, "shared_expert_intermediate_size", None)
+    if width is None:
+        return 0
+    return _matrix_bytes(_glu_matrices(hidden, width), fp8, dtype_bytes) + dtype_bytes * hidden
+
+
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
-    """Bytes of K and V of one token over all layers."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    """Bytes of K and V of one token over all layers (what it occupies in the cache)."""
+    return config.num_hidden_layers * _kv_bytes_per_layer_token(config, dtype_bytes)
+
+
+def _kv_bytes_per_layer_token(config: Any, dtype_bytes: int) -> int:
+    """Bytes of K and V of one token in one layer."""
+    return 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+
+
+def _layer_windows(config: Any) -> list[tuple[int | None, int]]:
+    """(window, how many layers attend within it) over the decoder layers, None for full attention
+    (``ModelConfig.layer_window``; a config without one attends fully everywhere). Gemma-3-4B: [(1024, 29),
+    (None, 5)]."""
+    window_of = getattr(config, "layer_window", None)
+    windows = [None if window_of is None else window_of(i) for i in range(config.num_hidden_layers)]
+    return list(Counter(windows).items())
+
+
+def keys_seen(first: int, last: int, window: int | None) -> int:
+    """Keys one layer's queries at contexts ``first`` .. ``last`` see, summed (a query's context: the tokens up
+    to and including its own; it sees min(context, window) of them, all without a window). Example: contexts 3 to
+    6 under a window of 4 see 3 + 4 + 4 + 4 = 15 keys."""
+    if last < first:
+        return 0
+    if window is None or last <= window:
+        return (first + last) * (last - first + 1) // 2
+    if first >= window:
+        return window * (last - first + 1)
+    return (first + window) * (window - first + 1) // 2 + window * (last - window)
+
+
+def layer_keys(config: Any, first: int, last: int) -> int:
+    """``keys_seen`` summed over the layers, each under its own window: the (query, key) pairs of one sequence's
+    queries at contexts ``first`` .. ``last``, and the tokens of K/V they read, all layers."""
+    return sum(count * keys_seen(first, last, window) for window, count in _layer_windows(config))
 
 
 def floor_seconds(
     config: Any, prompt_lens: Sequence[int], output_lens: Sequence[int], read_tb_s: float, kv_dtype_bytes: int = 2
 ) -> float:
-    """The workload's bandwidth floor in seconds (see the module docstring); KV elements of ``kv_dtype_bytes``."""
-    kv_tokens = sum(p * o + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
+    """The workload's bandwidth floor in seconds (see the module docstring); KV elements of ``kv_dtype_bytes``. A
+    sequence's n-th output token (n from 0) reads the KV of its context, prompt + n tokens, in every layer, at most
+    the window in a windowed layer (``layer_keys``)."""
+    windows = _layer_windows(config)
+    kv_tokens = sum(
+        count * keys_seen(p, p + o - 1, window)
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+        for window, count in windows
+    )
     if getattr(config, "moe", None) is None:
         weights = max(output_lens) * weight_bytes(config)
     else:  # decode step s runs the sequences with more than s outputs; the experts they touch shrink with them
         weights = sum(weight_bytes(config, num_seqs=sum(o > s for o in output_lens)) for s in range(max(output_lens)))
-    total = kv_tokens * kv_bytes_per_token(config, kv_dtype_bytes) + weights
+    total = kv_tokens * _kv_bytes_per_layer_token(config, kv_dtype_bytes) + weights
     return total / (read_tb_s * 1e12)
 
 
 def flops_per_token(config: Any) -> int:
     """FLOPs of one token through the linear layers and the LM head (2 a weight it multiplies; a sparse layer
-    counts its router, its top-k experts and its shared expert, if any), attention's score and value products not
-    included."""
-    h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    moe = getattr(config, "moe", None)
-    per_layer = [h * (q + 2 * kv) + q * h for _ in range(config.num_hidden_layers)]
+    counts its router, its top-k experts and its shared expert with its gate, if any), attention's score and value
+    products not included (``attention_flops``)."""
+    h, moe = config.hidden_size, getattr(config, "moe", None)
+    weights = config.num_hidden_layers * sum(n * k for n, k in _attention_matrices(config))
     for i in range(config.num_hidden_layers):
         if moe is None or not moe.is_sparse(i):
-            per_layer[i] += 3 * h * config.intermediate_size
+            weights += 3 * h * config.intermediate_size
         else:
-            per_layer[i] += h * moe.num_experts + moe.num_experts_per_tok * 3 * h * moe.moe_intermediate_size
-            per_layer[i] += _shared_expert_weights(moe, h)
-    return 2 * (sum(per_layer) + config.vocab_size * h)
+            weights += h * moe.num_experts + moe.num_experts_per_tok * 3 * h * moe.moe_intermediate_size
+            weights += _shared_expert_weights(moe, h)
+    return 2 * (weights + config.vocab_size * h)
+
+
+def fp8_gemm_flops_per_token(config: Any) -> int:
+    """The part of ``flops_per_token`` that runs on FP8 GEMMs (at FP8_GEMM_SPEEDUP times the bf16 peak): with FP8
+    weights, the dense linears (attention's q/k/v/o, dense MLPs, Qwen2-MoE's shared expert), whose activations are
+    quantized to e4m3 too (``fnvllm.model.quant.linear_forward``); 0 without FP8 weights. The experts are
+    weight-only FP8 (dequantized in registers, multiplied in the model dtype: ``fnvllm.model.moe``); routers, the
+    shared expert's gate and the LM head keep the model dtype."""
+    if getattr(config, "quantization", None) is None:
+        return 0
+    h, moe = config.hidden_size, getattr(config, "moe", None)
+    weights = config.num_hidden_layers * sum(n * k for n, k in _attention_matrices(config))
+    for i in range(config.num_hidden_layers):
+        if moe is None or not moe.is_sparse(i):
+            weights += 3 * h * config.intermediate_size
+        elif moe.shared_expert_intermediate_size is not None:
+            weights += 3 * h * moe.shared_expert_intermediate_size
+    return 2 * weights
 
 
 def attention_flops(config: Any, context: int) -> int:
-    """FLOPs of one query token's attention over ``context`` tokens, all layers (scores and values: 4 a head
-    dimension a key)."""
-    return 4 * config.num_hidden_layers * config.q_size * context
+    """FLOPs of one query token's attention over a context of ``context`` tokens (its own included), all layers
+    (scores and values: 4 a head dimension a key; a windowed layer's query sees at most its window of keys)."""
+    return 4 * config.q_size * layer_keys(config, context, context)
+
+
+def _decode_keys(windows: Sequence[tuple[int | None, int]], contexts: Sequence[int]) -> int:
+    """Keys a decode step's queries at ``contexts`` see, all layers (``layer_keys`` of each, summed)."""
+    full = sum(contexts)
+    return sum(count * (full if w is None else sum(min(c, w) for c in contexts)) for w, count in windows)
 
 
 def roofline_seconds(
@@ -195,22 +313,27 @@ def roofline_seconds(
 ) -> float:
     """The workload's roofline in seconds (see the module docstring): per decode step max(bytes, FLOPs) at the
     ceilings, plus the prompts' FLOPs that the bytes-bound steps' idle compute cannot hold. Decode step s runs the
-    sequences with more than s outputs, each reading the KV of its prompt and s outputs (as ``floor_seconds``)."""
+    sequences with more than s outputs, each reading the KV of its prompt and s outputs (as ``floor_seconds``).
+    ``peak_tflops``: the bf16 peak; with FP8 weights the dense linears' FLOPs (``fp8_gemm_flops_per_token``) run
+    at FP8_GEMM_SPEEDUP times it, the experts', the LM head's and attention's at it."""
     bandwidth, peak = read_tb_s * 1e12, peak_tflops * 1e12
-    per_token, kv_token = flops_per_token(config), kv_bytes_per_token(config, kv_dtype_bytes)
+    fast = fp8_gemm_flops_per_token(config)
+    token_s = (flops_per_token(config) - fast) / peak + fast / (FP8_GEMM_SPEEDUP * peak)  # one token's linears
+    kv_token, windows = _kv_bytes_per_layer_token(config, kv_dtype_bytes), _layer_windows(config)
+    attention_s = 4 * config.q_size / peak  # a (query, key) pair in one layer
     dense = getattr(config, "moe", None) is None
     weights_all = weight_bytes(config) if dense else 0
     total, slack = 0.0, 0.0
     pairs = sorted(zip(output_lens, prompt_lens, strict=True), reverse=True)
     for s in range(max(output_lens, default=0)):
-        running = [p for o, p in pairs if o > s]
-        context = sum(running) + s * len(running)
-        weights = weights_all if dense else weight_bytes(config, num_seqs=len(running))
-        read = (weights + context * kv_token) / bandwidth
-        compute = (len(running) * per_token + attention_flops(config, context)) / peak
+        contexts = [p + s for o, p in pairs if o > s]
+        keys = _decode_keys(windows, contexts)
+        weights = weights_all if dense else weight_bytes(config, num_seqs=len(contexts))
+        read = (weights + keys * kv_token) / bandwidth
+        compute = len(contexts) * token_s + keys * attention_s
         total += max(read, compute)
         slack += max(read - compute, 0.0)
-    prompts = sum(p * per_token + attention_flops(config, p * (p + 1) // 2) for p in prompt_lens) / peak
+    prompts = sum(p * token_s + layer_keys(config, 1, p) * attention_s for p in prompt_lens)
     return total + max(prompts - slack, 0.0)
 
 
@@ -288,8 +411,9 @@ def run_bench(
     """Run the workload once to warm up (its first 4 requests, 8 tokens each), then time it; returns the result
     record. Without ``model``, a random checkpoint of ``model_shape`` is written to a temporary folder that is
     deleted afterwards. ``read_tb_s`` / ``peak_tflops``: one GPU's ceilings, for the floor and the roofline
-    (bf16; FP8 weights double the peak); None: the measured ones of the GPU it runs on (``device_ceilings``),
-    recorded in the result as "ceilings". ``progress_every_s``: print a plain progress line that often (None: none).
+    (bf16; with FP8 weights the dense linears' GEMMs count at twice the peak, ``roofline_seconds``); None: the
+    measured ones of the GPU it runs on (``device_ceilings``), recorded in the result as "ceilings".
+    ``progress_every_s``: print a plain progress line that often (None: none).
     ``sampling``: SamplingParams fields set on every request (e.g. top_p, repetition_penalty, logprobs) on top of
     the workload's temperature 0.6, ignore_eos and max_tokens; recorded in the result."""
     if num_requests < 1:
@@ -393,11 +517,8 @@ def _run(
     if rates is not None:  # the floor is a GPU roofline: meaningless for a CPU run
         kv_bytes = _kv_element_bytes(llm)
         lens = [len(p) for p in prompts], [p.max_tokens for p in params]
-        peak_tflops = rates.peak_tflops
-        if getattr(llm.model_config, "quantization", None) is not None:
-            peak_tflops *= 2  # FP8 tensor cores
         floor = floor_seconds(llm.model_config, *lens, rates.read_tb_s, kv_dtype_bytes=kv_bytes)
-        roof = roofline_seconds(llm.model_config, *lens, rates.read_tb_s, peak_tflops, kv_dtype_bytes=kv_bytes)
+        roof = roofline_seconds(llm.model_config, *lens, rates.read_tb_s, rates.peak_tflops, kv_dtype_bytes=kv_bytes)
         result.update(floor_tok_per_s=round(tokens / floor, 1), fraction_of_floor=round(floor / seconds, 3))
         result.update(roofline_tok_per_s=round(tokens / roof, 1), fraction_of_roofline=round(roof / seconds, 3))
         result["ceilings"] = attrs.asdict(rates)

@@ -61,9 +61,11 @@ def test_a_prefill_heavy_workload_is_compute_bound(tmp_path: Path) -> None:
 
 def test_flops_per_token_counts_two_per_weight(tmp_path: Path) -> None:
     """A dense shape's FLOPs per token are twice the weights it multiplies: weight_bytes over 2 bytes, less the
-    norms, plus the LM head (untied here, so weight_bytes counts it once already)."""
+    norms (two hidden-wide and Qwen3's per-head q and k norms a layer, and the final one), plus the LM head (untied
+    here, so weight_bytes counts it once already)."""
     config = _config("qwen3-8b", tmp_path)
-    norms = config.num_hidden_layers * 2 * config.hidden_size + config.hidden_size
+    layer_norms = 2 * config.hidden_size + 2 * config.head_dim
+    norms = config.num_hidden_layers * layer_norms + config.hidden_size
     assert flops_per_token(config) == 2 * (weight_bytes(config) // 2 - norms)
 
 

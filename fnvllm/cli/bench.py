@@ -187,7 +187,7 @@ def register(sub: Any) -> None:
         type=_positive_float,
         default=None,
         help="one GPU's bf16 tensor-core peak for the roofline (TFLOP/s; default: the card's measured one, H200 793, "
-        "H100 766.8; FP8 weights count twice)",
+        "H100 766.8; with FP8 weights the dense linears' GEMMs count at twice it, the experts at it)",
     )
     add_engine_args(p, BENCH_ENGINE_DEFAULTS)
     # Shorter spellings kept from before the engine flags were derived: --backend, --no-overlap.
