@@ -23,10 +23,10 @@ import pytest
 from safetensors.torch import load_file, save_file
 from test_llm_equality import check_prefix_hits
 from test_model import TOL, check_chunked_prefill, hf_logits, prompt, run_schedule
-from test_tp import OPTIONS, greedy
+from test_sliding_window import WithBackend
+from test_tp import check_tp2_greedy
 from tiny_models import GEMMA3_FAMILIES, GEMMA3_ROPE, hf_model, write_gemma3_family
 
-from fnvllm.llm import LLM
 from fnvllm.model import ModelConfig, load_model
 from fnvllm.model.config import CheckpointError
 from fnvllm.model.gemma import embed_scale, gelu_tanh_and_mul_ref, gemma_rmsnorm_ref
@@ -249,28 +249,7 @@ def test_refusals_name_config_json_and_fp8_at_load(tmp_path: Path) -> None:
 def test_tp2_greedy_equals_tp1(family: tuple[str, Path, Any]) -> None:
     """At tensor_parallel_size=2 (gloo) greedy tokens equal one process's, with prefix-cache hits and preemptions
     (4 query heads split, the single KV head replicated; the multimodal checkpoint's decoder read on each rank)."""
-    path = family[1]
-    expected = greedy(LLM(path, **OPTIONS))
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-    try:
-        assert greedy(llm) == expected
-        assert llm.stats.num_cached_tokens > 0 and llm.stats.num_preemptions > 0
-    finally:
-        llm.close()
-
-
-class _WithBackend:
-    """Our model as ``run_schedule`` calls it, attending with ``backend`` instead of the default "torch"."""
-
-    def __init__(self, model: Any, backend: Any) -> None:
-        self._model, self._backend = model, backend
-        self.config, self.model = model.config, model.model
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, caches: Any, meta: Any) -> torch.Tensor:
-        return self._model(ids, positions, caches, meta, self._backend)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._model.compute_logits(hidden)
+    check_tp2_greedy(family[1]).close()
 
 
 @pytest.mark.parametrize("family", ["gemma3_hd256"], indirect=True)
@@ -289,7 +268,7 @@ def test_triton_ops_and_kernels_with_head_dim_256(family: tuple[str, Path, Any])
     assert model.model.layers[0].self_attn.qkv_proj.matmul is triton_ops().linear
     tokens = prompt(4, length=22)
     schedule = [[(0, 9)], [(0, 11)], [(0, 1)], [(0, 1)]]  # a window of 16 inside the second chunk, then decodes
-    (logits,) = run_schedule(_WithBackend(model, get_backend("triton")), [tokens], schedule, block_size=4)
+    (logits,) = run_schedule(WithBackend(model, get_backend("triton")), [tokens], schedule, block_size=4)
     torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
 
 

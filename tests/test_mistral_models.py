@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from test_llm_equality import check_prefix_hits
 from test_model import TOL, check_chunked_prefill, hf_logits, prompt, run_schedule
-from test_tp import OPTIONS, greedy
+from test_tp import check_tp2_greedy
 from tiny_models import MISTRAL_FAMILIES, hf_model, write_mistral_family
 
 from fnvllm.kernels.reference import route_ref
@@ -102,14 +102,7 @@ def test_mixtral_routing_equals_transformers_router() -> None:
 def test_tp2_greedy_equals_tp1(family: tuple[str, Path, Any]) -> None:
     """At tensor_parallel_size=2 (gloo) greedy tokens equal one process's, with prefix-cache hits and preemptions
     (Mistral's single KV head of explicit head_dim is replicated; Mixtral's experts split on intermediate_size)."""
-    path = family[1]
-    expected = greedy(LLM(path, **OPTIONS))
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-    try:
-        assert greedy(llm) == expected
-        assert llm.stats.num_cached_tokens > 0 and llm.stats.num_preemptions > 0
-    finally:
-        llm.close()
+    check_tp2_greedy(family[1]).close()
 
 
 @pytest.mark.parametrize("family", ["mistral_window"], indirect=True)

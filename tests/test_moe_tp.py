@@ -6,22 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_tp import OPTIONS, greedy
+from test_tp import check_tp2_greedy
 from tiny_models import MOE_FAMILIES, write_family
-
-from fnvllm.llm import LLM
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_tp2_greedy_equals_tp1(tmp_path: Path, family: str) -> None:
     """Greedy outputs at tensor_parallel_size=2 equal one process's, with prefix-cache hits and preemptions
     (each rank computes a partial sum over its half of every expert; the dense layer splits as usual)."""
-    path = write_family(tmp_path, family)
-    expected = greedy(LLM(path, **OPTIONS))
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-    try:
-        assert greedy(llm) == expected
-        assert llm.stats.num_cached_tokens > 0
-        assert llm.stats.num_preemptions > 0
-    finally:
-        llm.close()
+    check_tp2_greedy(write_family(tmp_path, family)).close()

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_llm_equality import check_prefix_hits
 from test_model import TOL, check_chunked_prefill, hf_logits, prompt, run_schedule
-from test_tp import OPTIONS, greedy
+from test_tp import check_tp2_greedy
 from tiny_models import PHI3_FAMILIES, hf_model, write_phi3_family
 
 from fnvllm.llm import LLM
@@ -126,14 +126,7 @@ def test_fused_tensors_split_per_rank(family: tuple[str, Path, Any], rank: int) 
 def test_tp2_greedy_equals_tp1(family: tuple[str, Path, Any]) -> None:
     """At tensor_parallel_size=2 (gloo) greedy tokens equal one process's, with prefix-cache hits and preemptions
     (each rank reads its q heads and its KV head out of every fused qkv_proj)."""
-    path = family[1]
-    expected = greedy(LLM(path, **OPTIONS))
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-    try:
-        assert greedy(llm) == expected
-        assert llm.stats.num_cached_tokens > 0 and llm.stats.num_preemptions > 0
-    finally:
-        llm.close()
+    check_tp2_greedy(family[1]).close()
 
 
 def _copy_with(source: Path, dest: Path, tensors: dict[str, torch.Tensor]) -> Path:

@@ -14,10 +14,9 @@ import torch
 from safetensors import safe_open
 from test_llm_equality import check_prefix_hits
 from test_model import TOL, check_chunked_prefill, hf_logits, prompt, run_schedule
-from test_tp import OPTIONS, greedy
+from test_tp import check_tp2_greedy
 from tiny_models import QWEN2_MOE_FAMILIES, hf_model, write_qwen2_moe_family
 
-from fnvllm.llm import LLM
 from fnvllm.model import ModelConfig, load_model
 from fnvllm.model.models import MLP
 from fnvllm.model.moe import SparseMoeBlock
@@ -126,14 +125,7 @@ def test_shared_expert_splits_like_a_dense_mlp(family: tuple[str, Path, Any], ra
 def test_tp2_greedy_equals_tp1(family: tuple[str, Path, Any]) -> None:
     """At tensor_parallel_size=2 (gloo) greedy tokens equal one process's, with prefix-cache hits and preemptions
     (each rank adds its gated partial of the shared expert to its partial of the routed experts; one all-reduce)."""
-    path = family[1]
-    expected = greedy(LLM(path, **OPTIONS))
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-    try:
-        assert greedy(llm) == expected
-        assert llm.stats.num_cached_tokens > 0 and llm.stats.num_preemptions > 0
-    finally:
-        llm.close()
+    check_tp2_greedy(family[1]).close()
 
 
 def config_dict(**overrides: Any) -> dict[str, Any]:

@@ -384,7 +384,7 @@ def test_logits_equal_transformers(windowed: tuple[str, Path, Any]) -> None:
     assert (logits[10:] - hf_logits(hf, tokens)[10:]).abs().max() > 1e-2
 
 
-class _WithBackend:
+class WithBackend:
     """Our model as ``run_schedule`` calls it, attending with ``backend`` instead of the default "torch"."""
 
     def __init__(self, model: Any, backend: Any) -> None:
@@ -403,7 +403,7 @@ def test_logits_equal_transformers_with_the_triton_kernels(windowed: tuple[str, 
     CPU) give transformers' logits."""
     _, path, hf = windowed
     model = load_model(path, ModelConfig.from_pretrained(path), "cpu")
-    check_chunked_prefill(_WithBackend(model, get_backend("triton")), hf, block_size=4, seed=2)
+    check_chunked_prefill(WithBackend(model, get_backend("triton")), hf, block_size=4, seed=2)
 
 
 def test_greedy_equals_transformers(windowed: tuple[str, Path, Any]) -> None:

@@ -44,6 +44,21 @@ def greedy(llm: LLM) -> list[tuple[int, ...]]:
     return [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
 
 
+def check_tp2_greedy(path: Path) -> LLM:
+    """Greedy tokens of ``prompts()`` at tensor_parallel_size=2 equal one process's, with prefix-cache hits and
+    preemptions (OPTIONS' small pool); returns the TP engine, still open, for more checks (the caller closes it)."""
+    expected = greedy(LLM(path, **OPTIONS))
+    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert greedy(llm) == expected
+        assert llm.stats.num_cached_tokens > 0
+        assert llm.stats.num_preemptions > 0
+    except BaseException:
+        llm.close()
+        raise
+    return llm
+
+
 def child_pids() -> set[int]:
     """Pids of this process's live children (from /proc, so zombies and strangers are not counted)."""
     me, pids = str(os.getpid()), set()
@@ -78,13 +93,8 @@ def within(seconds: float, fn: Callable[[], object]) -> BaseException | None:
 def test_tp2_greedy_equals_tp1(tmp_path: Path, family: str) -> None:
     """Greedy outputs at tensor_parallel_size=2 equal one process's, with prefix-cache hits and preemptions
     (qwen3 splits its 2 KV heads; qwen2 and llama replicate their single KV head)."""
-    path = write_family(tmp_path, family)
-    expected = greedy(LLM(path, **OPTIONS))
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    llm = check_tp2_greedy(write_family(tmp_path, family))
     try:
-        assert greedy(llm) == expected
-        assert llm.stats.num_cached_tokens > 0
-        assert llm.stats.num_preemptions > 0
         [stats] = llm.executor.worker_stats()
         assert stats["steps"] == llm.stats.num_steps and stats["graphs"] is False
         assert llm.executor.worker_stats()[0]["steps"] == 0  # a report starts the count anew

@@ -87,11 +87,8 @@ class Llama3RopeScaling:
 
 
 @attrs.frozen
-class LinearRopeScaling:
-    """Linear rope scaling, or position interpolation (rope_type "linear"): position p is rotated as p / factor.
-
-    factor: how much every wavelength is stretched (2.0 rotates position 2k as plain rope rotates k).
-    """
+class _FactorOnlyScaling:
+    """A scaling kind whose one field is a positive ``factor`` and whose cos/sin are not scaled."""
 
     factor: float
 
@@ -103,6 +100,14 @@ class LinearRopeScaling:
     def attention_factor(self) -> float:
         """cos/sin are not scaled."""
         return 1.0
+
+
+@attrs.frozen
+class LinearRopeScaling(_FactorOnlyScaling):
+    """Linear rope scaling, or position interpolation (rope_type "linear"): position p is rotated as p / factor.
+
+    factor: how much every wavelength is stretched (2.0 rotates position 2k as plain rope rotates k).
+    """
 
     def scale_inv_freq(self, inv_freq: torch.Tensor, theta: float) -> torch.Tensor:
         """Every frequency divided by `factor` (theta unused)."""
@@ -177,7 +182,7 @@ def _yarn_mscale(factor: float, weight: float) -> float:
 
 
 @attrs.frozen
-class DynamicNtkRopeScaling:
+class DynamicNtkRopeScaling(_FactorOnlyScaling):
     """Dynamic NTK rope scaling (rope_type "dynamic"): plain rope for every sequence the engine serves.
 
     transformers keeps theta until a sequence grows past max_position_embeddings and only then raises it (from the
@@ -187,17 +192,6 @@ class DynamicNtkRopeScaling:
 
     factor: the checkpoint's factor, kept for the record (it acts only past max_position_embeddings).
     """
-
-    factor: float
-
-    def __attrs_post_init__(self) -> None:
-        """Reject a factor that is not a positive number."""
-        _check_positive_number("factor", self.factor)
-
-    @property
-    def attention_factor(self) -> float:
-        """cos/sin are not scaled."""
-        return 1.0
 
     def scale_inv_freq(self, inv_freq: torch.Tensor, theta: float) -> torch.Tensor:
         """The frequencies unchanged: within max_position_embeddings dynamic NTK is plain rope."""
