@@ -1,6 +1,7 @@
 """The FastAPI app: routes, Bearer-token check, OpenAI-shaped errors, and the engine's lifetime.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (``responses.py``: OpenAI's
+Responses API over the chat path), ``GET /v1/models`` (and ``/v1/models/{id}``),
 ``GET /health``, ``GET /metrics`` (Prometheus text), and vLLM's utility routes ``POST /tokenize``,
 ``POST /detokenize`` (``tokenize.py``), ``GET /version``, ``GET``/``POST /ping`` (``/health``'s answer). Every error,
 including unknown routes, is ``{"error": {"message", "type", "param", "code"}}``.
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fnvllm.serve import handlers, tokenize
+from fnvllm.serve import handlers, responses, tokenize
 from fnvllm.serve.async_engine import AsyncEngine
 from fnvllm.serve.errors import APIError, internal, model_not_found, unauthorized
 from fnvllm.serve.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
@@ -110,6 +111,11 @@ def build_app(
         """OpenAI chat completions (the tokenizer's chat template; ``stream: true`` for server-sent events)."""
         raw = await read_body(request, max_request_bytes)
         return await handlers.chat_completions(served, raw, request.receive)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API (the chat path underneath; ``stream: true`` for its events)."""
+        return await responses.create(served, await read_body(request, max_request_bytes), request.receive)
 
     created = int(time.time())
 

@@ -7,7 +7,7 @@ output and pick the choices. A client that goes away before its request finished
 (only the first computes it; ``/metrics``' fnvllm_prefix_cache_hit_tokens counts the others' hits).
 
 ``use_beam_search`` submits nothing up front: ``serve.beam`` drives the search, one batch of one-token requests per
-step, each submitted and collected as a plain request's (``_submit_batch``, ``_collect_all``)."""
+step, each submitted and collected as a plain request's (``_submit_batch``, ``collect_all``)."""
 
 from __future__ import annotations
 
@@ -123,13 +123,13 @@ async def completions(served: Served, raw: bytes, receive: Receive) -> Response:
     """``POST /v1/completions``. Parsing and tokenization run on a worker thread: a large prompt never holds
     the event loop (``/health`` and every stream keep answering)."""
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served.model_name, served.engine.tokenizer)
-    return await _respond(served, fmt, await _start(_prepare_completion, served, raw, fmt.request_id), receive)
+    return await _respond(served, fmt, await start(_prepare_completion, served, raw, fmt.request_id), receive)
 
 
 async def chat_completions(served: Served, raw: bytes, receive: Receive) -> Response:
     """``POST /v1/chat/completions``: the tokenizer's chat template (on a worker thread), then generation."""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    started = await _start(_prepare_chat, served, raw, request_id)
+    started = await start(_prepare_chat, served, raw, request_id)
     return await _respond(served, _chat_format(served, request_id, started[0]), started, receive)
 
 
@@ -147,15 +147,15 @@ def _chat_format(served: Served, request_id: str, job: Prepared) -> ChatFormat:
 Started = tuple[Prepared, list[RequestStream]]
 
 
-async def _start(prepare: Callable[[Served, bytes], Prepared], served: Served, raw: bytes, request_id: str) -> Started:
+async def start(prepare: Callable[[Served, bytes], Prepared], served: Served, raw: bytes, request_id: str) -> Started:
     """Parse, tokenize, validate and submit on a worker thread (one hop): the event loop does none of it."""
     aloop = asyncio.get_running_loop()
 
-    def start() -> Started:
+    def run() -> Started:
         job = prepare(served, raw)
         return job, [] if job.beam is not None else _submit(served.engine, job, request_id, aloop)
 
-    return await asyncio.to_thread(start)
+    return await asyncio.to_thread(run)
 
 
 def _prepare_completion(served: Served, raw: bytes) -> Prepared:
@@ -184,7 +184,12 @@ def _prepare_completion(served: Served, raw: bytes) -> Prepared:
 
 
 def _prepare_chat(served: Served, raw: bytes) -> Prepared:
-    body = parse(ChatCompletionRequest, raw)
+    return prepare_chat(served, parse(ChatCompletionRequest, raw))
+
+
+def prepare_chat(served: Served, body: ChatCompletionRequest, aliases: dict[str, str] | None = None) -> Prepared:
+    """A chat body, checked, rendered with the chat template and ready to submit (``/v1/responses`` builds its
+    body and comes here too). ``aliases``: engine field -> the field the client sent (default: the body's own)."""
     check_model(body.model, served, body.check_supported)
     messages = [m.template_dict() for m in body.messages]
     ids = render_chat_ids(served.engine, messages, body.template_tools(), body.chat_template_kwargs or {})
@@ -194,12 +199,13 @@ def _prepare_chat(served: Served, raw: bytes) -> Prepared:
         limit = served.engine.max_total_tokens - 1
         raise bad_request(f"messages: the conversation is {len(ids)} tokens; at most {limit} fit", "messages")
     tool_parser = TOOL_PARSERS[served.tool_parser].for_tokenizer(served.engine.tokenizer)  # forced calls' form
-    params = _sampling_params(served, lambda: body.sampling_params(room, tool_parser), body.aliases())
+    aliases = body.aliases() if aliases is None else aliases
+    params = _sampling_params(served, lambda: body.sampling_params(room, tool_parser), aliases)
     n = body.num_choices
     searched = _beam_plan(served, body, [(ids, None)], params)
     return Prepared(
         [(ids, None)], [] if searched is not None else copies(params, n), n, n, bool(body.stream), body.include_usage,
-        body.continuous_usage, False, bool(body.logprobs), body.aliases(), body.uses_tools,
+        body.continuous_usage, False, bool(body.logprobs), aliases, body.uses_tools,
         body.include_reasoning is not False, beam=searched,
     )  # fmt: skip
 
@@ -316,8 +322,8 @@ async def _respond(served: Served, fmt: Format, started: Started, receive: Recei
             served.stream_interval_s, echo_ids if job.logprobs else None,
         )  # fmt: skip
         events = sse.events(fmt, streams, plan)
-        return sse.EventStream(events, on_close=lambda: _abort_unfinished(engine, streams))
-    collected = await _collect_all(engine, streams, receive)
+        return sse.EventStream(events, on_close=lambda: abort_unfinished(engine, streams))
+    collected = await collect_all(engine, streams, receive)
     if collected is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
     if job.scores_only:
@@ -337,7 +343,7 @@ async def _respond_beam(
 
     async def run_batch(batch: list[Submission]) -> list[Choice] | None:
         streams = await asyncio.to_thread(_submit_batch, engine, batch, job.aliases, aloop)
-        return await _collect_all(engine, streams, receive)
+        return await collect_all(engine, streams, receive)
 
     async def answer() -> list[Choice] | None:
         searched = await serve_beam.search(plan, job.prompts, fmt.request_id, run_batch)
@@ -398,7 +404,7 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _collect_all(engine: AsyncEngine, streams: list[RequestStream], receive: Receive) -> list[Choice] | None:
+async def collect_all(engine: AsyncEngine, streams: list[RequestStream], receive: Receive) -> list[Choice] | None:
     """``_collect_or_abort``; a 503 when the engine aborted one of them (the server is shutting down)."""
     collected = await _collect_or_abort(engine, streams, receive)
     if collected is not None and any(c.finish_reason == "abort" for c in collected):
@@ -419,13 +425,13 @@ async def _collect_or_abort(engine: AsyncEngine, streams: list[RequestStream], r
         disconnected = not collecting.done()
         if disconnected:
             _abandon(collecting)
-            _abort_unfinished(engine, streams)
+            abort_unfinished(engine, streams)
     if disconnected:
         return None
     try:
         return collecting.result()
     except EngineFailure as error:
-        _abort_unfinished(engine, streams)
+        abort_unfinished(engine, streams)
         raise internal(str(error)) from None
 
 
@@ -435,7 +441,8 @@ def _abandon(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def _abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+def abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+    """Abort the engine requests of ``streams`` that have not finished (their client went away)."""
     for stream in streams:
         if not stream.finished:
             engine.abort(stream.request_id)
