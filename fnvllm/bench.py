@@ -531,7 +531,8 @@ def _run(
         timeline=_timeline_summary(llm.executor.timeline, on_gpu),
     )
     if rates is not None and llm.executor.timeline is not None:
-        result.update(_steps_roofline(folder, llm.executor.timeline.records, rates, seconds, tokens))
+        precision = llm.config.kv_cache_dtype, "fp8" if llm.model_config.quantization is not None else None
+        result.update(_steps_roofline(folder, llm.executor.timeline.records, rates, seconds, tokens, *precision))
     return result
 
 
@@ -541,13 +542,19 @@ def _kv_element_bytes(llm: Any) -> int:
 
 
 def _steps_roofline(
-    folder: Path, records: Sequence[Mapping[str, Any]], ceilings: Ceilings, seconds: float, tokens: int
+    folder: Path,
+    records: Sequence[Mapping[str, Any]],
+    ceilings: Ceilings,
+    seconds: float,
+    tokens: int,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """The roofline of the steps the engine actually ran (the timeline's step shapes): each step at
-    max(bytes, FLOPs) per layer part (``fnvllm.sim.CostModel.roofline_s``, ceilings only, no fitted overheads).
-    Where the workload roofline assumes perfect mixing, this one is the engine's own schedule at full speed: a
-    compute-bound prefill step counts at the matmul peak. Empty for a mixture of experts (the simulator's model
-    is dense)."""
+    max(bytes, FLOPs) per layer part (``fnvllm.sim.CostModel.roofline_s``, ceilings only, no fitted overheads),
+    the model as the simulator reads its config.json (experts, sliding windows, Gemma 3's text_config) at the
+    engine's precision (``kv_cache_dtype``, ``quantization``). Where the workload roofline assumes perfect mixing,
+    this one is the engine's own schedule at full speed: a compute-bound prefill step counts at the matmul peak."""
     import json
 
     from fnvllm.sim.cost import CostModel
@@ -556,10 +563,9 @@ def _steps_roofline(
     from fnvllm.sim.timeline import record_shape
 
     config = json.loads((folder / "config.json").read_text())
-    if "num_experts" in config:
-        return {}
     hardware = attrs.evolve(H200, mem_bandwidth_gbs=ceilings.read_tb_s * 1e3, matmul_tflops=ceilings.peak_tflops)
-    cost = CostModel(ModelShape.from_config(config), hardware)
+    model = ModelShape.from_config(config).with_precision(kv_cache_dtype, quantization)
+    cost = CostModel(model, hardware)
     roof = sum(cost.roofline_s(record_shape(r)) for r in records)
     if roof <= 0:
         return {}

@@ -11,9 +11,19 @@ times the layer count, plus the LM head over the sampled rows. So a decode batch
 reads, a long prefill by FLOPs, and neither is summed where they overlap. Matmuls and attention are scaled
 separately by the profile (``scale``, ``attn_scale``): their kernels reach different fractions of the ceilings.
 
+A mixture of experts' sparse layer runs its router (hidden -> experts, model dtype), the experts its tokens touch
+(each read once: ``families.expected_experts_touched`` of the step's tokens, E (1 - (1 - k / E)^tokens)), each
+token's top-k of them (2 FLOPs a weight), and Qwen2-MoE's shared expert with its gate, instead of a dense MLP. A
+layer with a sliding window reads at most ``window`` keys of K/V for each query row and computes at most
+``window`` pairs a query: the step's counts are sums over its sequences, so the model takes min(context,
+tokens + seqs x (window - 1)) keys and min(pairs, tokens x window) pairs, exact when every sequence is past the
+window or none is, an upper bound between.
+
 FP8 (the model's ``kv_cache_dtype`` / ``quantization``, as the engine's options): an FP8 cache is read and written
 at one byte an element; FP8 linears stream one byte a weight plus their block scales and multiply at the profile's
-FP8 rate (``fp8_flops_per_s``); activations, the LM head and attention's arithmetic keep the model's dtype. The
+FP8 rate (``fp8_flops_per_s``); the experts stream one byte a weight too but multiply at the model dtype's rate
+(weight-only FP8: dequantized in registers); activations, routers, the LM head and attention's arithmetic keep
+the model's dtype. The
 fitted scales and overheads are the profile's, unless it holds overheads fitted at that precision
 (``HardwareProfile.precisions``): the FP8 paths' fixed costs (quantization launches) are not in their bytes.
 
@@ -34,6 +44,7 @@ import math
 
 import attrs
 
+from fnvllm.sim.families import expected_experts_touched
 from fnvllm.sim.hardware import SMALL_BATCHES, HardwareProfile, Overheads, precision_key
 from fnvllm.sim.model import ModelShape
 from fnvllm.state.plan import StepShape, step_shape
@@ -105,7 +116,8 @@ class CostModel:
         m = model
         h, q, kv, i = m.hidden, m.q_size, m.kv_size, m.intermediate
         # (weights, input width, output width) of each matmul of a layer
-        self._matmuls = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h), (2 * h * i, h, 2 * i), (i * h, i, h))
+        self._attention = ((h * (q + 2 * kv), h, q + 2 * kv), (q * h, q, h))
+        self._matmuls = (*self._attention, (2 * h * i, h, 2 * i), (i * h, i, h))  # a dense layer's
         self._bw, self._flops = hardware.bytes_per_s, hardware.flops_per_s
         self._mm_bw = hardware.matmul_bytes_per_s
         fp8 = model.quantization == "fp8"
@@ -121,20 +133,77 @@ class CostModel:
         return matmul_bound(nbytes / self._mm_bw, 2 * tokens * weights / self._linear_flops)
 
     def layer_parts_s(self, shape: StepShape) -> list[tuple[str, float]]:
-        """Roofline seconds of each matmul of one layer: qkv, o, gate_up, down."""
-        names = ("qkv", "o", "gate_up", "down")
-        return [
-            (name, self._layer_matmul_s(*matmul, shape.num_tokens))
-            for name, matmul in zip(names, self._matmuls, strict=True)
+        """Roofline seconds of each matmul of one layer: qkv, o, then a dense layer's gate_up, down (when the model
+        has dense layers) and a sparse layer's router, experts and shared_expert (when it has sparse ones)."""
+        tokens, m = shape.num_tokens, self.model
+        parts = [
+            (name, self._layer_matmul_s(*mm, tokens)) for name, mm in zip(("qkv", "o"), self._attention, strict=True)
         ]
+        if m.sparse_layers < m.layers:
+            parts += [
+                (name, self._layer_matmul_s(*mm, tokens))
+                for name, mm in zip(("gate_up", "down"), self._matmuls[2:], strict=True)
+            ]
+        if m.sparse_layers:
+            parts += [("router", self._router_s(tokens)), ("experts", self._experts_s(tokens))]
+            parts += [("shared_expert", self._shared_expert_s(tokens))] if m.shared_intermediate else []
+        return parts
+
+    def _router_s(self, tokens: int) -> float:
+        """Roofline seconds of one sparse layer's router and shared-expert gate, in the model's dtype."""
+        m = self.model
+        outputs = m.experts + (1 if m.shared_intermediate else 0)
+        nbytes = m.dtype_bytes * (m.router_params + tokens * (m.hidden + outputs))
+        return matmul_bound(nbytes / self._mm_bw, 2 * tokens * m.router_params / self._flops)
+
+    def _experts_s(self, tokens: int) -> float:
+        """Roofline seconds of one sparse layer's routed experts: the experts the tokens touch read once (at the
+        linears' bytes a weight), each token's top-k multiplied at the model dtype's rate (weight-only FP8), the
+        routed rows' activations in and out."""
+        m = self.model
+        per_expert = 3 * m.hidden * m.expert_intermediate
+        touched = expected_experts_touched(m.experts, m.experts_per_tok, tokens)
+        rows = tokens * m.experts_per_tok
+        acts = m.dtype_bytes * rows * 2 * (m.hidden + 2 * m.expert_intermediate)  # gate_up in / out, down in / out
+        nbytes = m.linear_bytes_per_weight * touched * per_expert + acts
+        return matmul_bound(nbytes / self._mm_bw, 2 * rows * per_expert / self._flops)
+
+    def _shared_expert_s(self, tokens: int) -> float:
+        """Roofline seconds of one sparse layer's shared expert (a dense MLP: gate_up and down, FP8 GEMMs with
+        FP8 weights)."""
+        h, i = self.model.hidden, self.model.shared_intermediate
+        return self._layer_matmul_s(2 * h * i, h, 2 * i, tokens) + self._layer_matmul_s(i * h, i, h, tokens)
+
+    def _layers_s(self, tokens: int) -> float:
+        """Roofline seconds of every layer's matmuls over ``tokens`` tokens (each kind of layer times its count)."""
+        m = self.model
+        total = m.layers * sum(self._layer_matmul_s(*mm, tokens) for mm in self._attention)
+        if m.sparse_layers < m.layers:
+            dense = sum(self._layer_matmul_s(*mm, tokens) for mm in self._matmuls[2:])
+            total += (m.layers - m.sparse_layers) * dense
+        if m.sparse_layers:
+            shared = self._shared_expert_s(tokens) if m.shared_intermediate else 0.0
+            total += m.sparse_layers * (self._router_s(tokens) + self._experts_s(tokens) + shared)
+        return total
 
     def attention_s(self, shape: StepShape) -> float:
         """Roofline seconds of attention in all layers: KV context read, fed K/V written (at the cache's bytes an
-        element), q read and out written."""
+        element), q read and out written; a windowed layer reads and pairs at most its window a query (see the
+        module docstring)."""
+        m = self.model
+        full = (m.layers - m.window_layers) * self._attention_layer_s(shape, shape.context_tokens, shape.attn_pairs)
+        if m.window is None:
+            return full
+        rows, t = shape.num_seqs, shape.num_tokens
+        context = min(shape.context_tokens, t + rows * (m.window - 1))
+        return full + m.window_layers * self._attention_layer_s(shape, context, min(shape.attn_pairs, t * m.window))
+
+    def _attention_layer_s(self, shape: StepShape, context: int, pairs: int) -> float:
+        """Roofline seconds of one layer's attention reading ``context`` keys of K/V and computing ``pairs``
+        (query, key) pairs."""
         m, b, t = self.model, self.model.dtype_bytes, shape.num_tokens
-        kv_bytes = m.kv_element_bytes * 2 * m.kv_size * (shape.context_tokens + t) + b * 2 * m.q_size * t
-        flops = 4 * m.q_heads * m.head_dim * shape.attn_pairs
-        return m.layers * max(kv_bytes / self._bw, flops / self._flops)
+        kv_bytes = m.kv_element_bytes * 2 * m.kv_size * (context + t) + b * 2 * m.q_size * t
+        return max(kv_bytes / self._bw, 4 * m.q_heads * m.head_dim * pairs / self._flops)
 
     def lm_head_s(self, shape: StepShape) -> float:
         """Roofline seconds of the LM head over the sampled rows (fp32 logits written and read once)."""
@@ -153,15 +222,13 @@ class CostModel:
         """Roofline seconds of every matmul of the step: the layers' projections and the LM head."""
         if not shape.num_seqs:
             return 0.0
-        layer = sum(seconds for _, seconds in self.layer_parts_s(shape))
-        return self.model.layers * layer + self.lm_head_s(shape)
+        return self._layers_s(shape.num_tokens) + self.lm_head_s(shape)
 
     def _linear_of(self, tokens: int, samples: int) -> float:
         """``linear_s`` of a step of ``tokens`` fed tokens and ``samples`` sampled rows (no object built)."""
         if (tokens, samples) in self._linear_cache:
             return self._linear_cache[tokens, samples]
-        layer = sum(self._layer_matmul_s(*matmul, tokens) for matmul in self._matmuls)
-        value = self.model.layers * layer + self._lm_head_of(samples)
+        value = self._layers_s(tokens) + self._lm_head_of(samples)
         if len(self._linear_cache) < _CACHE_LIMIT:
             self._linear_cache[tokens, samples] = value
         return value

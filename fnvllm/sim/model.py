@@ -1,7 +1,8 @@
 """ModelShape: the dimensions of a decoder that the cost model needs, from a named shape or a config.json.
 
 Only shapes matter to the simulator (weights are never loaded), so this module reads config.json itself instead
-of ``fnvllm.model.config`` (which imports torch).
+of ``fnvllm.model.config`` (which imports torch); each family's experts, sliding windows and Gemma 3's fields are
+read as the engine reads them (``fnvllm.sim.families``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import attrs
 
 from fnvllm.sim.checks import SimInputError, check_bool_field, check_count, check_mapping, check_text
+from fnvllm.sim.families import PUBLISHED_SHAPES, architecture, decoder_fields, read_experts, read_window
 
 # Upper ends of the dimensions: far above any released decoder, low enough that products stay meaningful.
 MAX_DIM = 1 << 20
@@ -28,7 +30,8 @@ FP8_SCALE_BLOCK = 128  # an FP8 linear carries one float32 scale per 128 x 128 b
 
 @attrs.frozen
 class ModelShape:
-    """A Qwen3 / Qwen2 / Llama-style decoder, as numbers.
+    """A Qwen3 / Qwen2 / Llama / Mistral / Phi-3 / Gemma 3 decoder, or a Qwen3-MoE / Qwen2-MoE / Mixtral mixture of
+    experts, as numbers.
 
     name: label for tables. hidden / layers / intermediate / vocab: the usual sizes.
     q_heads / kv_heads / head_dim: attention heads (grouped-query when kv_heads < q_heads).
@@ -39,6 +42,14 @@ class ModelShape:
     per-layer, per-head scales are negligible). quantization: None, or "fp8": the decoder layers' linears hold one
     byte a weight plus a float32 scale per 128 x 128 block (an official FP8 checkpoint, or ``quantization="fp8"``
     on a 16-bit one); embeddings, norms and the LM head keep the model's dtype, as in the engine.
+    experts / experts_per_tok / expert_intermediate: a mixture of experts' routed experts per sparse layer, the
+    top-k each token goes to and each expert's intermediate width (0, 0, 0: a dense model). shared_intermediate:
+    Qwen2-MoE's shared expert's width (0: none). dense_layers: layers of a mixture of experts that keep a dense MLP
+    of ``intermediate`` (mlp_only_layers, decoder_sparse_step). FP8 weights make the experts one byte a weight
+    too, but they multiply in the model's dtype (weight-only: dequantized in registers).
+    window / window_layers: the sliding window in tokens and how many layers attend within it (None, 0: full
+    attention everywhere); such a layer's query sees at most ``window`` keys. Gemma 3's GeGLU and extra norms
+    cost what SwiGLU and Llama's norms do here (the same three matrices; norms are negligible).
 
     Worked example (Qwen3-0.6B): a token's K and V over the 28 layers take 2 x 28 x 1,024 x 2 = 114,688 bytes in
     bf16, 57,344 with ``kv_cache_dtype="fp8"``; the layers' linears hold 28 x 15,728,640 weights, 880.8 MB in bf16
@@ -58,6 +69,13 @@ class ModelShape:
     max_len: int = 40960
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    experts: int = 0
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    dense_layers: int = 0
+    window: int | None = None
+    window_layers: int = 0
 
     def __attrs_post_init__(self) -> None:
         check_text(self.name, "model name", non_empty=False)
@@ -78,6 +96,38 @@ class ModelShape:
         check_precision(self.kv_cache_dtype, self.quantization)
         if self.q_heads % self.kv_heads:
             raise SimInputError(f"model q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        self._check_experts()
+        self._check_window()
+
+    def _check_experts(self) -> None:
+        """SimInputError naming the field unless the expert fields are all 0 (dense) or describe a mixture."""
+        if not self.experts:
+            names = ("experts_per_tok", "expert_intermediate", "shared_intermediate", "dense_layers")
+            for name in names:
+                if getattr(self, name) != 0:
+                    raise SimInputError(
+                        f"model {name} must be 0 for a dense model (experts 0), got {getattr(self, name)!r}"
+                    )
+            return
+        check_count(self.experts, "model experts", 1, MAX_HEADS)
+        check_count(self.experts_per_tok, "model experts_per_tok", 1, self.experts)
+        check_count(self.expert_intermediate, "model expert_intermediate", 1, MAX_DIM)
+        check_count(self.shared_intermediate, "model shared_intermediate", 0, MAX_DIM)
+        check_count(self.dense_layers, "model dense_layers", 0, self.layers)
+
+    def _check_window(self) -> None:
+        """SimInputError naming the field unless window is None with no window_layers, or a count of tokens with
+        1..layers windowed layers."""
+        if self.window is None:
+            check_count(self.window_layers, "model window_layers (no window)", 0, 0)
+            return
+        check_count(self.window, "model window", 1, 1 << 40)
+        check_count(self.window_layers, "model window_layers", 1, self.layers)
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers that route to experts (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.experts else 0
 
     @property
     def q_size(self) -> int:
@@ -107,25 +157,69 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Matmul weights of one decoder layer (qkv, o, gate_up, down; norms are negligible)."""
-        h = self.hidden
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate
+        """Matmul weights of one dense decoder layer (qkv, o, gate_up, down; norms are negligible)."""
+        return self.attention_params + 3 * self.hidden * self.intermediate
+
+    @property
+    def attention_params(self) -> int:
+        """Matmul weights of one layer's attention (qkv, o)."""
+        return self.hidden * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden
+
+    @property
+    def sparse_mlp_params(self) -> int:
+        """Linear weights of one sparse layer's MLP in memory: every expert and the shared expert (the router and
+        the shared expert's gate, kept in the model's dtype, are ``router_params``); 0 for a dense model."""
+        return 3 * self.hidden * (self.experts * self.expert_intermediate + self.shared_intermediate)
+
+    @property
+    def router_params(self) -> int:
+        """Weights of one sparse layer's router and shared-expert gate (hidden -> experts, hidden -> 1)."""
+        return self.hidden * (self.experts + (1 if self.shared_intermediate else 0)) if self.experts else 0
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all weights in memory (embedding, layers, and an untied LM head)."""
+        """Bytes of all weights in memory (embedding, layers, experts, and an untied LM head)."""
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return round(self.layers * self.layer_params * self.linear_bytes_per_weight) + embeddings * self.dtype_bytes
+        dense_mlps = (self.layers - self.sparse_layers) * 3 * self.hidden * self.intermediate
+        linears = self.layers * self.attention_params + dense_mlps + self.sparse_layers * self.sparse_mlp_params
+        other = embeddings + self.sparse_layers * self.router_params
+        return round(linears * self.linear_bytes_per_weight) + other * self.dtype_bytes
 
     def to_config(self) -> dict[str, Any]:
         """The config.json fields this shape was read from (``from_config`` reads them back): FP8 weights as an
-        official FP8 checkpoint's ``quantization_config``, an FP8 cache as the (fnvllm) key ``kv_cache_dtype``."""
-        dtypes = {2: "bfloat16", 4: "float32"}
+        official FP8 checkpoint's ``quantization_config``, an FP8 cache as the (fnvllm) key ``kv_cache_dtype``,
+        experts as Qwen3-MoE's fields, a window as use_sliding_window with layer_types."""
         precision: dict[str, Any] = {}
         if self.quantization == "fp8":
             precision["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
         if self.kv_cache_dtype != "auto":
             precision["kv_cache_dtype"] = self.kv_cache_dtype
+        return {**self._dense_config(), **precision, **self._experts_config(), **self._window_config()}
+
+    def _experts_config(self) -> dict[str, Any]:
+        """The expert fields as a Qwen3-MoE / Qwen2-MoE config.json writes them (the dense layers first)."""
+        if not self.experts:
+            return {}
+        fields = {
+            "num_experts": self.experts,
+            "num_experts_per_tok": self.experts_per_tok,
+            "moe_intermediate_size": self.expert_intermediate,
+            "mlp_only_layers": list(range(self.dense_layers)),
+        }
+        return fields | (
+            {"shared_expert_intermediate_size": self.shared_intermediate} if self.shared_intermediate else {}
+        )
+
+    def _window_config(self) -> dict[str, Any]:
+        """The window as use_sliding_window and layer_types (the last window_layers layers windowed)."""
+        if self.window is None:
+            return {}
+        types = ["full_attention"] * (self.layers - self.window_layers) + ["sliding_attention"] * self.window_layers
+        return {"use_sliding_window": True, "sliding_window": self.window, "layer_types": types}
+
+    def _dense_config(self) -> dict[str, Any]:
+        """The config.json fields of a dense decoder."""
+        dtypes = {2: "bfloat16", 4: "float32"}
         return {
             "hidden_size": self.hidden,
             "num_hidden_layers": self.layers,
@@ -137,44 +231,32 @@ class ModelShape:
             "tie_word_embeddings": self.tied,
             "torch_dtype": dtypes.get(self.dtype_bytes, "bfloat16"),
             "max_position_embeddings": self.max_len,
-            **precision,
         }
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str = "model") -> ModelShape:
-        """From a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama keys; an official FP8 checkpoint's
-        ``quantization_config`` gives FP8 weights, and a ``kv_cache_dtype`` key, as ``to_config`` writes it, the
-        cache's storage); SimInputError naming a missing or out-of-range key (0 heads, a string where a size
-        belongs, a quantization method the cost model does not price)."""
-        check_mapping(config, "config.json")
-        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-            if key not in config:
-                raise SimInputError(f"config.json lacks {key!r}, which the cost model needs")
-        hidden = check_count(config["hidden_size"], "config.json hidden_size", 1, MAX_DIM)
-        q_heads = check_count(config["num_attention_heads"], "config.json num_attention_heads", 1, MAX_HEADS)
-        kv_heads = config.get("num_key_value_heads")
-        head_dim = config.get("head_dim")
-        max_len = config.get("max_position_embeddings")
+        """From a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama / Mistral / Phi-3 keys, Gemma 3's top-level
+        or text_config fields over transformers' defaults, Qwen3-MoE / Qwen2-MoE / Mixtral experts and each
+        family's sliding windows: ``fnvllm.sim.families``; an official FP8 checkpoint's ``quantization_config``
+        gives FP8 weights, and a ``kv_cache_dtype`` key, as ``to_config`` writes it, the cache's storage);
+        SimInputError naming a missing or out-of-range key (0 heads, a string where a size belongs, a
+        quantization method the cost model does not price)."""
+        fields = decoder_fields(check_mapping(config, "config.json"))
+        dims = _dimensions(fields)
+        experts, per_tok, width, shared, dense = read_experts(fields, dims["layers"])
+        window, window_layers = read_window(fields, architecture(config), dims["layers"], dims["max_len"])
         return cls(
             name=name,
-            hidden=hidden,
-            layers=check_count(config["num_hidden_layers"], "config.json num_hidden_layers", 1, MAX_LAYERS),
-            q_heads=q_heads,
-            kv_heads=q_heads
-            if kv_heads is None
-            else check_count(kv_heads, "config.json num_key_value_heads", 1, q_heads),
-            head_dim=hidden // q_heads
-            if head_dim is None
-            else check_count(head_dim, "config.json head_dim", 1, MAX_DIM),
-            intermediate=check_count(config["intermediate_size"], "config.json intermediate_size", 1, MAX_DIM),
-            vocab=check_count(config["vocab_size"], "config.json vocab_size", 1, MAX_VOCAB),
-            tied=bool(config.get("tie_word_embeddings", False)),
-            dtype_bytes=_DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype")), 2),
-            max_len=40960
-            if max_len is None
-            else check_count(max_len, "config.json max_position_embeddings", 1, 1 << 40),
+            **dims,
             kv_cache_dtype=str(config.get("kv_cache_dtype", "auto")),
             quantization=_quantization_of(config),
+            experts=experts,
+            experts_per_tok=per_tok,
+            expert_intermediate=width,
+            shared_intermediate=shared,
+            dense_layers=dense,
+            window=window,
+            window_layers=window_layers,
         )
 
     def with_precision(self, kv_cache_dtype: str = "auto", quantization: str | None = None) -> ModelShape:
@@ -186,6 +268,37 @@ class ModelShape:
             kv_cache_dtype=self.kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
             quantization=self.quantization if quantization is None else quantization,
         )
+
+
+def _dimensions(config: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelShape's dense fields from a decoder's config.json fields; SimInputError naming a missing or
+    out-of-range key."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if key not in config:
+            raise SimInputError(f"config.json lacks {key!r}, which the cost model needs")
+    hidden = check_count(config["hidden_size"], "config.json hidden_size", 1, MAX_DIM)
+    q_heads = check_count(config["num_attention_heads"], "config.json num_attention_heads", 1, MAX_HEADS)
+    kv_heads, head_dim, max_len = (
+        config.get(k) for k in ("num_key_value_heads", "head_dim", "max_position_embeddings")
+    )
+    return {
+        "hidden": hidden,
+        "layers": check_count(config["num_hidden_layers"], "config.json num_hidden_layers", 1, MAX_LAYERS),
+        "q_heads": q_heads,
+        "kv_heads": q_heads
+        if kv_heads is None
+        else check_count(kv_heads, "config.json num_key_value_heads", 1, q_heads),
+        "head_dim": hidden // q_heads
+        if head_dim is None
+        else check_count(head_dim, "config.json head_dim", 1, MAX_DIM),
+        "intermediate": check_count(config["intermediate_size"], "config.json intermediate_size", 1, MAX_DIM),
+        "vocab": check_count(config["vocab_size"], "config.json vocab_size", 1, MAX_VOCAB),
+        "tied": bool(config.get("tie_word_embeddings", False)),
+        "dtype_bytes": _DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype")), 2),
+        "max_len": 40960
+        if max_len is None
+        else check_count(max_len, "config.json max_position_embeddings", 1, 1 << 40),
+    }
 
 
 def check_precision(kv_cache_dtype: object, quantization: object) -> None:
@@ -240,6 +353,7 @@ NAMED_SHAPES: Mapping[str, Mapping[str, Any]] = {
         "intermediate_size": 12288,
         "tie_word_embeddings": False,
     },
+    **PUBLISHED_SHAPES,
 }
 
 
