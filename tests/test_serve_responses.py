@@ -238,6 +238,11 @@ BAD = [
     ({"temperature": -1}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x " * 3000}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"max_output_tokens": 2.5}, "max_output_tokens"),
+    ({"instructions": 3}, "instructions"),
+    ({"tools": [{"type": "function", "description": "no name"}]}, "tools.0.name"),
 ]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import attrs
@@ -64,8 +64,10 @@ class Served:
     names: frozenset[str] = frozenset()  # every name clients may ask for (model_name's too); empty: model_name only
 
 
-def parse(model: type[Body], raw: bytes) -> Body:
-    """The validated body, or a 400 naming the first bad field (or saying the JSON is malformed or too deep)."""
+def parse(model: type[Body], raw: bytes, field_names: Collection[str] = FIELD_NAMES) -> Body:
+    """The validated body, or a 400 naming the first bad field (or saying the JSON is malformed or too deep).
+    field_names: every field name of ``model``'s body (``errors.from_validation_error`` cuts an error's place
+    there); the chat and completions bodies' by default."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -78,7 +80,7 @@ def parse(model: type[Body], raw: bytes) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise from_validation_error(error, FIELD_NAMES) from None
+        raise from_validation_error(error, field_names) from None
 
 
 @attrs.frozen

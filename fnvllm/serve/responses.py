@@ -25,11 +25,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from fnvllm.serve import handlers, sse
+from fnvllm.serve import handlers, protocol, sse
 from fnvllm.serve.errors import APIError, bad_request, from_validation_error
 from fnvllm.serve.protocol import ChatCompletionRequest, Number, Text
 from fnvllm.serve.response_items import OutputWriter, status_of, stream_events
@@ -155,7 +155,7 @@ class ResponsesRequest(_Strict):
     model: StrictStr | None = None
     input: Text | list[dict[str, Any]]
     instructions: Text | None = None
-    max_output_tokens: int | None = Field(default=None, strict=True)
+    max_output_tokens: StrictInt | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     tools: list[FunctionTool] | None = None
@@ -268,10 +268,12 @@ def _renamed(error: APIError) -> APIError:
 
 def prepare(served: handlers.Served, raw: bytes) -> tuple[handlers.Prepared, ResponsesRequest]:
     """The chat job of a Responses body and the body itself (on a worker thread); 400s name the body's fields."""
-    body = handlers.parse(ResponsesRequest, raw)
+    body = handlers.parse(ResponsesRequest, raw, FIELD_NAMES)
     body.check_supported()
     try:
         return handlers.prepare_chat(served, body.to_chat(), {"max_tokens": "max_output_tokens"}), body
+    except ValidationError as error:  # the chat body refuses what the items left (no message at all)
+        raise _renamed(from_validation_error(error, protocol.FIELD_NAMES)) from None
     except APIError as error:
         raise _renamed(error) from None
 
