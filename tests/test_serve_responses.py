@@ -5,13 +5,14 @@ and their deltas add up to the plain answer (``client.responses.stream`` too); a
 function_call item whose arguments parse, and the conversation sent back with its output renders as chat's; a
 json_schema format parses; the API key, body limit, metrics, unknown and unsupported fields, and what the chat
 path refuses are as on the other routes, the errors naming the Responses field; the output items and events of a
-reasoning, tool-calling output, and a stream the engine fails or aborts."""
+reasoning, tool-calling output, and a stream the engine fails or aborts; a client leaving a stream aborts it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -391,3 +392,17 @@ def test_metrics_count_it_and_large_bodies_are_refused(url: str) -> None:
     assert after["fnvllm_request_generation_tokens_sum"] == before["fnvllm_request_generation_tokens_sum"] + 3
     big = post(url, {"model": MODEL, "input": "x" * (DEFAULT_MAX_REQUEST_BYTES + 1)})
     assert big.status_code == 413, big.text
+
+
+def test_a_client_that_leaves_the_stream_aborts_the_request(client: Any, url: str) -> None:
+    """Closing a stream after its first delta aborts the engine request (counted as finished by "abort")."""
+    aborted = "fnvllm_requests_finished_total[abort]"
+    before = counters(url).get(aborted, 0)
+    stream = respond(client, QUESTION, 1000, stream=True)
+    next(e for e in stream if e.type == "response.output_text.delta")
+    stream.close()
+    for _ in range(300):
+        if counters(url).get(aborted, 0) == before + 1:
+            break
+        time.sleep(0.1)
+    assert counters(url).get(aborted, 0) == before + 1
