@@ -21,7 +21,7 @@ from fnvllm.sim.model import SimInputError
 from fnvllm.state.plan import StepShape
 from fnvllm.testing.checkpoints import _QWEN3_COMMON, OTHER_SHAPES, QWEN3_MOE_SHAPES
 
-NEW_NAMED = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-3-4b")
+NEW_NAMED = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-3-1b", "gemma-3-4b", "phi-4")
 # the bench's published configs (fnvllm.testing.checkpoints), which the named shapes must equal
 PUBLISHED = {"qwen3-30b-a3b": {**_QWEN3_COMMON, **QWEN3_MOE_SHAPES["qwen3-30b-a3b"]}, **OTHER_SHAPES}
 # a rate so high (bytes / s or FLOP / s) that its side of a roofline vanishes
@@ -175,7 +175,7 @@ def test_to_config_round_trips(name: str) -> None:
 def test_weight_bytes_are_the_engines_parameters(name: str, quantization: str | None) -> None:
     """The memory the simulator reserves for weights is the engine's parameters (every expert, the routers, the
     shared expert; FP8 scales as a 1 / 4,096 share) up to the norms and biases it leaves out."""
-    if quantization and name == "gemma-3-4b":
+    if quantization and name.startswith("gemma"):
         pytest.skip("FP8 weights are refused for Gemma 3")
     config = ModelConfig.from_dict({**NAMED_SHAPES[name], "torch_dtype": "bfloat16"}, quantization=quantization)
     engine = sum(p.numel() * p.element_size() for p in build_on_meta(config).parameters())
@@ -301,3 +301,11 @@ def test_bench_steps_roofline_prices_moe_and_gemma(tmp_path: Any) -> None:
     bf16 = _steps_roofline(moe, [record], ceilings, 0.05, 64)["fraction_of_steps_roofline"]
     fp8 = _steps_roofline(moe, [record], ceilings, 0.05, 64, quantization="fp8")["fraction_of_steps_roofline"]
     assert 0.4 * bf16 < fp8 < 0.6 * bf16  # the experts and projections stream half the bytes
+
+
+@pytest.mark.parametrize(("name", "low", "high"), [("gemma-3-1b", 0.99e9, 1.01e9), ("phi-4", 14.6e9, 14.8e9)])
+def test_published_dense_shapes_have_their_published_sizes(name: str, low: float, high: float) -> None:
+    """gemma-3-1b holds ~1.0 B parameters (26 x (2.95 M attention + 23.9 M GeGLU) + a tied 262,144 x 1,152
+    embedding) and phi-4 ~14.7 B (40 x (65.5 M + 275.3 M) + two 100,352 x 5,120 tables), as the engine builds them."""
+    config = ModelConfig.from_dict(NAMED_SHAPES[name])
+    assert low < sum(p.numel() for p in build_on_meta(config).parameters()) < high

@@ -125,9 +125,10 @@ def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> f
 
 
 _QWEN3_COMMON: Mapping[str, Any] = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960}
-# The published config.json numbers of the mixtures of experts and Gemma 3 the bench runs (as
-# fnvllm.testing.checkpoints' QWEN3_MOE_SHAPES / OTHER_SHAPES, and gemma-3-4b-it's five text_config fields over
-# transformers' defaults); ``fnvllm.sim.model.NAMED_SHAPES`` holds them beside the dense Qwen3 shapes.
+# Published config.json numbers: the mixtures of experts the bench runs (as fnvllm.testing.checkpoints'
+# QWEN3_MOE_SHAPES / OTHER_SHAPES), gemma-3-1b-it's, gemma-3-4b-it's five text_config fields over transformers'
+# defaults, and microsoft/phi-4's (a Phi3ForCausalLM without a window); ``fnvllm.sim.model.NAMED_SHAPES`` holds
+# them beside the dense Qwen3 shapes.
 PUBLISHED_SHAPES: Mapping[str, Mapping[str, Any]] = {
     "qwen3-30b-a3b": {
         **_QWEN3_COMMON,
@@ -176,6 +177,20 @@ PUBLISHED_SHAPES: Mapping[str, Mapping[str, Any]] = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    "gemma-3-1b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+    },
     "gemma-3-4b": {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "torch_dtype": "bfloat16",
@@ -185,5 +200,18 @@ PUBLISHED_SHAPES: Mapping[str, Mapping[str, Any]] = {
             "num_hidden_layers": 34,
             "sliding_window": 1024,
         },
+    },
+    "phi-4": {
+        "architectures": ["Phi3ForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "hidden_size": 5120,
+        "intermediate_size": 17920,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 10,
+        "vocab_size": 100352,
+        "max_position_embeddings": 16384,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
     },
 }
