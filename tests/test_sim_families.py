@@ -309,3 +309,12 @@ def test_published_dense_shapes_have_their_published_sizes(name: str, low: float
     embedding) and phi-4 ~14.7 B (40 x (65.5 M + 275.3 M) + two 100,352 x 5,120 tables), as the engine builds them."""
     config = ModelConfig.from_dict(NAMED_SHAPES[name])
     assert low < sum(p.numel() for p in build_on_meta(config).parameters()) < high
+
+
+def test_simulate_help_names_every_named_shape() -> None:
+    """``fnvllm simulate --model-shape``'s help lists every named shape (it is written out so that the CLI's
+    startup imports no simulator)."""
+    from fnvllm.cli.simulate import _SPEC_FLAGS
+
+    help_text = _SPEC_FLAGS["model"][1]
+    assert all(f"{name} " in help_text for name in NAMED_SHAPES)

@@ -36,7 +36,9 @@ _SPEC_FLAGS: dict[str, tuple[str, str]] = {
     "eos_prob": ("--eos-prob", "chance each token is an EOS; 0 = every request runs to its length (default 0)"),
     "model": (
         "--model-shape",
-        "qwen3-0.6b | qwen3-8b | a checkpoint folder or config.json (default: the profile's model, else qwen3-0.6b)",
+        "qwen3-0.6b | qwen3-8b | qwen3-30b-a3b | qwen1.5-moe-a2.7b | mixtral-8x7b | gemma-3-1b | gemma-3-4b | phi-4 "
+        "(fnvllm.sim.NAMED_SHAPES) | a checkpoint folder or config.json (default: the profile's model, else "
+        "qwen3-0.6b)",
     ),
     "hardware": ("--hardware", "h200 | h100 | a profile JSON from `fnvllm simulate calibrate` (default h200)"),
     "policy": ("--policy", "fcfs | priority | sjf (shortest max_tokens) | spf (shortest prompt) (default fcfs)"),
