@@ -224,3 +224,35 @@ def test_device_short_entries_only_replace_listed_ranges_and_attend_as_the_refer
             lengths = ([1, 16, 33, 0, 64, 47, 100, 5, 9, 77, 128, 2] * 6)[:hi]
             out, ref = run_decode(lengths, 4, 2, 64, torch.bfloat16, width=4, **dataclasses.asdict(cfg))
             assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], (model, lo, hi)
+
+
+@pytest.mark.parametrize(
+    ("tile", "head_dim", "expected"),
+    [(64, 64, 64), (64, 128, 64), (64, 256, 32), (64, 512, 16), (128, 256, 64), (32, 256, 16), (16, 256, 16)],
+)
+def test_wider_heads_take_narrower_tiles(tile: int, head_dim: int, expected: int) -> None:
+    """A tile tuned at head_dim 128 is halved per doubling of the head past 128 (a stage's K/V bytes, tile x
+    head_dim, stay at most the tuned ones), never below 16 tokens; narrower heads keep theirs."""
+    assert decode_attention.tile_for_head_dim(tile, head_dim) == expected
+    assert expected * head_dim <= tile * 128 or expected == 16
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_launch_narrows_the_tile_for_wide_heads_unless_given(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> None:
+    """paged_decode_attention launches head_dim 256 with half the knob set's tile (Gemma 3: the default 64-token
+    tiles asked an H100 for more shared memory than a block may hold), 128 with the tile as tuned, and an explicit
+    tile_size as given; the narrowed launch still matches the reference (interpreted)."""
+    launched: list[int] = []
+    real = decode_attention._launch_partitions
+
+    def spy(*args: object) -> None:
+        launched.append(args[8].tile_size)  # (q, kv, tables, lens, scale, out, workspace, num_parts, cfg, ...)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_attention, "_launch_partitions", spy)
+    lengths = [1, 40, 90, 0]
+    out, ref = run_decode(lengths, 4, 2, 16, torch.float32, head_dim=head_dim, partition_size=128)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    run_decode(lengths, 4, 2, 16, torch.float32, head_dim=head_dim, partition_size=128, tile_size=64)
+    tuned = decode_attention.DEFAULT_DECODE_CONFIG.tile_size
+    assert launched == [tuned * 128 // head_dim, 64]

@@ -360,6 +360,24 @@ def orders_longest_first(num_seqs: int, num_kv_heads: int, num_parts: int, kv: K
     return one_part and num_seqs * num_kv_heads >= ordered_min_programs(fp8)
 
 
+# Every measured knob set above was chosen at head_dim 128 (Qwen3, Llama); a wider head (Gemma 3's 256) scales a
+# pipeline stage's K/V bytes, and the shared memory a program asks for, with it. Measured on an H100 (BENCHMARKS.md,
+# forty-third session): head_dim 256 with 64-token tiles and 3 stages asked for 282,688 bytes of shared memory, past
+# the 232,448 an H100 / H200 block may hold (OutOfResources at launch).
+TUNED_HEAD_DIM = 128
+
+
+def tile_for_head_dim(tile_size: int, head_dim: int, min_tile: int = 16) -> int:
+    """``tile_size`` (tuned at TUNED_HEAD_DIM) for a head of ``head_dim``: halved for each doubling past 128, so a
+    stage holds the bytes it was tuned with, and never below ``min_tile`` (the dot products' least). Narrower
+    heads keep their tile. Worked example: tile 64 at head_dim 256 -> 32 (the 282,688 bytes above -> about half);
+    at 512 -> 16; 128-token FP8 tiles at 256 -> 64."""
+    tile = tile_size
+    while head_dim * tile > TUNED_HEAD_DIM * tile_size and tile > min_tile:
+        tile //= 2
+    return tile
+
+
 def fuses_reduce(num_seqs: int, num_kv_heads: int) -> bool:
     """Whether split partials are merged in the partition kernel by default: above TINY_BATCH_PAIRS (sequence, KV
     head) pairs (measured on the H200: see the module docstring)."""
@@ -1118,7 +1136,8 @@ def paged_decode_attention(
     block_tables (B, max_blocks) int32, seq_lens (B,) int32 (context length including this step's token; 0
     marks a padding row, which gets zeros). Knobs left None come from DEFAULT_DECODE_CONFIG (FP8 caches:
     DEFAULT_FP8_DECODE_CONFIG), except the partition size, which ``auto_partition_size`` picks from the shapes;
-    small batches with a measured entry take theirs (``small_batch_config``, for q's GPU model).
+    small batches with a measured entry take theirs (``small_batch_config``, for q's GPU model); a head wider
+    than 128 takes a proportionally narrower tile unless ``tile_size`` is given (``tile_for_head_dim``).
     `workspace` (see make_decode_workspace) is allocated here when omitted and more than one partition exists.
     FP8 (float8_e4m3fn) caches need k_scale and v_scale, (Hkv,) float32. seq_order: (B,) int32, the batch's
     sequences longest first (any permutation of range(B) gives the same output), which the launch follows where
@@ -1153,6 +1172,8 @@ def paged_decode_attention(
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
+    if tile_size is None:  # a knob set's tile was tuned at head_dim 128: a wider head takes a narrower tile
+        cfg = dataclasses.replace(cfg, tile_size=tile_for_head_dim(cfg.tile_size, q.shape[2]))
     check_window(window)
     if window is not None and preload_kv:
         raise ValueError("preload_kv reads each partition's first tile, not a sliding window's: pass window=None")
