@@ -8,7 +8,7 @@ Two rope formats exist in the wild and both are read:
 rope_type "default", "llama3", "linear", "yarn", "dynamic" and "longrope" load (``parse_rope``; the frequencies each
 gives are in ``fnvllm.model.rope``); the rest are refused by name. A longrope checkpoint is served up to its
 original_max_position_embeddings only (``LongRopeScaling`` says why): a longer ``max_model_len`` is refused by name.
-
+A yarn or linear one is served as far as it stretches the context (``ModelConfig.max_seq_len``).
 
 End-of-sequence ids are not here: the LLM layer reads them from generation_config.json.
 
