@@ -15,7 +15,7 @@ import pytest
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import build_on_meta
 from fnvllm.sim import NAMED_SHAPES, CostModel, ModelShape, load_shape
-from fnvllm.sim.families import GEMMA3_TEXT_DEFAULTS, expected_experts_touched
+from fnvllm.sim.families import expected_experts_touched
 from fnvllm.sim.hardware import H200
 from fnvllm.sim.model import SimInputError
 from fnvllm.state.plan import StepShape
@@ -69,19 +69,6 @@ def test_named_shapes_read_as_the_engine_reads_them(name: str) -> None:
     """Each new named shape reads in the simulator as the engine reads its config.json: sizes, experts, dense
     layers, shared expert, window and windowed layers (gemma-3-4b: 29 of 34 layers at 1,024 tokens)."""
     assert _sim_numbers(load_shape(name)) == _engine_numbers(NAMED_SHAPES[name])
-
-
-@pytest.mark.parametrize("name", list(PUBLISHED))
-def test_named_moe_shapes_are_the_published_ones(name: str) -> None:
-    """The named MoE shapes are the bench's published configs (the engine reads both alike)."""
-    assert _engine_numbers(NAMED_SHAPES[name]) == _engine_numbers({**PUBLISHED[name], "torch_dtype": "bfloat16"})
-
-
-def test_gemma_defaults_are_the_engines() -> None:
-    """The simulator's copy of Gemma3TextConfig's defaults is the engine's (fnvllm.model.gemma_config)."""
-    from fnvllm.model.gemma_config import TEXT_DEFAULTS
-
-    assert {k: TEXT_DEFAULTS[k] for k in GEMMA3_TEXT_DEFAULTS} == dict(GEMMA3_TEXT_DEFAULTS)
 
 
 FAMILY_CONFIGS: Mapping[str, Mapping[str, Any]] = {

@@ -46,31 +46,14 @@ from fnvllm.model.config import (
     parse_quantization,
     parse_rope,
 )
+from fnvllm.published import GEMMA3_TEXT_DEFAULTS
 
 T = TypeVar("T")  # a loader target (sharding.CheckpointTarget)
 GEMMA3_ARCHITECTURES: tuple[str, ...] = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("gelu_pytorch_tanh",)  # gelu, tanh approximation (transformers' name)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-# transformers' Gemma3TextConfig defaults, for the fields a published config.json leaves out
-TEXT_DEFAULTS: Mapping[str, Any] = {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6,
-    "attention_bias": False,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-}
+TEXT_DEFAULTS = GEMMA3_TEXT_DEFAULTS  # transformers' Gemma3TextConfig defaults (fnvllm.published)
 
 
 @attrs.frozen

@@ -21,25 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fnvllm.published import GEMMA3_TEXT_DEFAULTS, OTHER_SHAPES, QWEN3_COMMON, QWEN3_MOE_SHAPES
 from fnvllm.sim.checks import SimInputError, check_count, check_mapping
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 _GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
 _EVERY_LAYER_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 _MAX_WINDOW_LAYERS_DEFAULT = 28  # transformers' Qwen2Config default
-# transformers' Gemma3TextConfig defaults for the fields the cost model reads (fnvllm.model.gemma_config.TEXT_DEFAULTS)
-GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "max_position_embeddings": 131_072,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-}
 
 
 def architecture(config: Mapping[str, Any]) -> str:
@@ -124,59 +112,14 @@ def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> f
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
-_QWEN3_COMMON: Mapping[str, Any] = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960}
-# Published config.json numbers: the mixtures of experts the bench runs (as fnvllm.testing.checkpoints'
-# QWEN3_MOE_SHAPES / OTHER_SHAPES), gemma-3-1b-it's, gemma-3-4b-it's five text_config fields over transformers'
-# defaults, and microsoft/phi-4's (a Phi3ForCausalLM without a window); ``fnvllm.sim.model.NAMED_SHAPES`` holds
-# them beside the dense Qwen3 shapes.
+# Published config.json numbers: the mixtures of experts the bench runs (fnvllm.published's QWEN3_MOE_SHAPES /
+# OTHER_SHAPES, which fnvllm.testing.checkpoints writes), gemma-3-1b-it's, gemma-3-4b-it's five text_config fields
+# over transformers' defaults, and microsoft/phi-4's (a Phi3ForCausalLM without a window);
+# ``fnvllm.sim.model.NAMED_SHAPES`` holds them beside the dense Qwen3 shapes.
 PUBLISHED_SHAPES: Mapping[str, Mapping[str, Any]] = {
-    "qwen3-30b-a3b": {
-        **_QWEN3_COMMON,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 48,
-        "num_key_value_heads": 4,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "tie_word_embeddings": False,
-    },
-    "qwen1.5-moe-a2.7b": {
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "max_position_embeddings": 8192,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 24,
-        "num_key_value_heads": 16,
-        "vocab_size": 151936,
-        "moe_intermediate_size": 1408,
-        "shared_expert_intermediate_size": 5632,
-        "num_experts": 60,
-        "num_experts_per_tok": 4,
-        "decoder_sparse_step": 1,
-        "sliding_window": 32768,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-    },
-    "mixtral-8x7b": {
-        "architectures": ["MixtralForCausalLM"],
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "max_position_embeddings": 32768,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 32,
-        "num_key_value_heads": 8,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "vocab_size": 32000,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-    },
+    "qwen3-30b-a3b": {**QWEN3_COMMON, **QWEN3_MOE_SHAPES["qwen3-30b-a3b"]},
+    "qwen1.5-moe-a2.7b": OTHER_SHAPES["qwen1.5-moe-a2.7b"],
+    "mixtral-8x7b": OTHER_SHAPES["mixtral-8x7b"],
     "gemma-3-1b": {
         "architectures": ["Gemma3ForCausalLM"],
         "torch_dtype": "bfloat16",

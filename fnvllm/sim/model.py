@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from fnvllm.published import QWEN3_COMMON, QWEN3_SHAPES
 from fnvllm.sim.checks import SimInputError, check_bool_field, check_count, check_mapping, check_text
 from fnvllm.sim.families import PUBLISHED_SHAPES, architecture, decoder_fields, read_experts, read_window
 
@@ -333,26 +334,8 @@ def _quantization_of(config: Mapping[str, Any]) -> str | None:
     return str(method)
 
 
-_QWEN3_COMMON: Mapping[str, Any] = {"vocab_size": 151936, "head_dim": 128, "max_position_embeddings": 40960}
 NAMED_SHAPES: Mapping[str, Mapping[str, Any]] = {
-    "qwen3-0.6b": {
-        **_QWEN3_COMMON,
-        "hidden_size": 1024,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "intermediate_size": 3072,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-8b": {
-        **_QWEN3_COMMON,
-        "hidden_size": 4096,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "intermediate_size": 12288,
-        "tie_word_embeddings": False,
-    },
+    **{name: {**QWEN3_COMMON, **shape} for name, shape in QWEN3_SHAPES.items()},
     **PUBLISHED_SHAPES,
 }
 

@@ -24,6 +24,8 @@ from typing import Any, BinaryIO, Literal
 
 import torch
 
+from fnvllm.published import OTHER_SHAPES, QWEN3_COMMON, QWEN3_MOE_SHAPES, QWEN3_SHAPES
+
 Family = Literal["qwen3", "qwen3_moe", "qwen2", "llama"]
 ShapeName = Literal["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"]
 
@@ -34,127 +36,7 @@ _HF_CLASSES: Mapping[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }
 
-# The real Qwen3 config.json files (transformers 4.51 format), minus the per-shape numbers below.
-_QWEN3_COMMON: Mapping[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "max_position_embeddings": 40960,
-    "model_type": "qwen3",
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "sliding_window": None,
-    "transformers_version": "4.51.0",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
-QWEN3_SHAPES: Mapping[str, Mapping[str, Any]] = {
-    "qwen3-0.6b": {
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 28,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-8b": {
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 36,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-    },
-}
-# The published Qwen3-30B-A3B config.json's numbers (transformers' Qwen3MoeConfig() defaults differ).
-QWEN3_MOE_SHAPES: Mapping[str, Mapping[str, Any]] = {
-    "qwen3-30b-a3b": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 48,
-        "num_key_value_heads": 4,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-        "tie_word_embeddings": False,
-    },
-}
-# Whole published config.json files of the other families' benchmark shapes (transformers 4.39-4.51 format), with
-# their generation_config.json. Qwen1.5-MoE-A2.7B: Qwen2-MoE, 60 routed experts (top-4, unnormalised) and a shared
-# expert; 14.3B parameters, 2.7B active. Mixtral-8x7B: 8 experts (top-2); 46.7B parameters, 12.9B active.
-OTHER_SHAPES: Mapping[str, Mapping[str, Any]] = {
-    "qwen1.5-moe-a2.7b": {
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "model_type": "qwen2_moe",
-        "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151643,
-        "hidden_act": "silu",
-        "hidden_size": 2048,
-        "initializer_range": 0.02,
-        "intermediate_size": 5632,
-        "max_position_embeddings": 8192,
-        "max_window_layers": 21,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 24,
-        "num_key_value_heads": 16,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "sliding_window": 32768,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 151936,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": 1408,
-        "shared_expert_intermediate_size": 5632,
-        "num_experts_per_tok": 4,
-        "num_experts": 60,
-        "norm_topk_prob": False,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-    },
-    "mixtral-8x7b": {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "attention_dropout": 0.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "hidden_act": "silu",
-        "hidden_size": 4096,
-        "initializer_range": 0.02,
-        "intermediate_size": 14336,
-        "max_position_embeddings": 32768,
-        "num_attention_heads": 32,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 32,
-        "num_key_value_heads": 8,
-        "num_local_experts": 8,
-        "output_router_logits": False,
-        "rms_norm_eps": 1e-05,
-        "rope_theta": 1000000.0,
-        "router_aux_loss_coef": 0.02,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "vocab_size": 32000,
-    },
-}
+_QWEN3_COMMON = QWEN3_COMMON  # (the tests' and benchmarks' name)
 _OTHER_GENERATION_CONFIGS: Mapping[str, Mapping[str, Any]] = {
     "qwen1.5-moe-a2.7b": {"bos_token_id": 151643, "eos_token_id": 151643, "do_sample": False},
     "mixtral-8x7b": {"bos_token_id": 1, "eos_token_id": 2},
