@@ -4,7 +4,8 @@ config readers (``fnvllm.model.gemma_config``) share one copy.
 
 - ``QWEN3_COMMON`` + ``QWEN3_SHAPES`` / ``QWEN3_MOE_SHAPES``: Qwen3-0.6B / 8B and Qwen3-30B-A3B.
 - ``OTHER_SHAPES``: whole config.json files of Qwen1.5-MoE-A2.7B (Qwen2-MoE) and Mixtral-8x7B.
-- ``GEMMA3_TEXT_DEFAULTS``: transformers' Gemma3TextConfig defaults, which published Gemma 3 configs lean on.
+- ``GEMMA3_TEXT_DEFAULTS``: transformers' Gemma3TextConfig defaults, which published Gemma 3 configs lean on;
+  ``GEMMA3_4B``: gemma-3-4b-it's config.json, which names five text_config fields and takes the rest from them.
 """
 
 from __future__ import annotations
@@ -151,4 +152,20 @@ GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = {
     "sliding_window_pattern": 6,
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
+}
+# gemma-3-4b-it's config.json as published (its text_config names five fields; the rest are GEMMA3_TEXT_DEFAULTS:
+# 8 query / 4 KV heads of 256, vocab 262,208, every sixth layer global, context 131,072)
+GEMMA3_4B: Mapping[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {"model_type": "siglip_vision_model"},
 }

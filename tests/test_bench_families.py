@@ -19,26 +19,11 @@ from fnvllm.bench import (
 )
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.loader import build_on_meta
+from fnvllm.published import GEMMA3_4B
 from fnvllm.testing.checkpoints import _QWEN3_COMMON, OTHER_SHAPES, QWEN3_MOE_SHAPES
 
 UNLIMITED = 1e12  # a ceiling so high (TB/s or TFLOP/s) that its side of the roofline vanishes
 QWEN3_30B = {**_QWEN3_COMMON, **QWEN3_MOE_SHAPES["qwen3-30b-a3b"], "torch_dtype": "bfloat16"}
-# gemma-3-4b-it's config.json as published (its text_config names five fields; the rest are Gemma3TextConfig's
-# defaults: 8 query / 4 KV heads of 256, vocab 262,208, every sixth layer global, context 131,072)
-GEMMA3_4B = {
-    "architectures": ["Gemma3ForConditionalGeneration"],
-    "model_type": "gemma3",
-    "torch_dtype": "bfloat16",
-    "text_config": {
-        "hidden_size": 2560,
-        "intermediate_size": 10240,
-        "model_type": "gemma3_text",
-        "num_hidden_layers": 34,
-        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-        "sliding_window": 1024,
-    },
-    "vision_config": {"model_type": "siglip_vision_model"},
-}
 # a Phi-3-mini-4k-sized Phi-3 (transformers' Phi3Config numbers) with its 2047-token window on every layer
 PHI3_MINI = {
     "architectures": ["Phi3ForCausalLM"],

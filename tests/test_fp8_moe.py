@@ -14,15 +14,13 @@ import attrs
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8_weights import GREEDY, OPTIONS, PROMPTS
+from test_fp8_weights import GREEDY, OPTIONS, PROMPTS, model_logits, prefill_logits
 from tiny_models import write_mistral_family, write_qwen2_moe_family
 
-from fnvllm.executor.device_inputs import build_attention_metadata
 from fnvllm.llm import LLM
 from fnvllm.model import ModelConfig, load_model
 from fnvllm.model.config import CheckpointError
 from fnvllm.model.loader import build_on_meta, checkpoint_files
-from fnvllm.model.models import DecoderForCausalLM
 from fnvllm.model.ops import TORCH_OPS
 from fnvllm.model.quant import dequantize_fp8_blocks, quantize_fp8_row_groups
 from fnvllm.model.sharding import TensorParallel
@@ -42,28 +40,6 @@ SHAPE: dict[str, Any] = dict(
 MOE: dict[str, Any] = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True, mlp_only_layers=[1]
 )
-
-
-@torch.inference_mode()
-def model_logits(model: DecoderForCausalLM, config: ModelConfig) -> torch.Tensor:
-    """Float32 logits (sum of prompt lengths, vocab) of PROMPTS, each prefilled alone through a fresh cache."""
-    out = []
-    for ids in PROMPTS:
-        blocks = tuple(range(len(ids) // 4 + 1))
-        shape = (len(blocks), 4, config.num_key_value_heads, config.head_dim)
-        caches = [
-            (torch.zeros(shape, dtype=config.torch_dtype), torch.zeros(shape, dtype=config.torch_dtype))
-            for _ in range(config.num_hidden_layers)
-        ]
-        meta = build_attention_metadata([0], [len(ids)], [blocks], 4, "cpu")
-        out.append(model.compute_logits(model(torch.tensor(ids), meta.positions, caches, meta)).float())
-    return torch.cat(out)
-
-
-def prefill_logits(path: Path, quantization: str | None = None, dtype: str = "float32") -> torch.Tensor:
-    """``model_logits`` of the checkpoint at ``path`` loaded on the CPU in ``dtype``."""
-    config = ModelConfig.from_pretrained(path, dtype=dtype, quantization=quantization)
-    return model_logits(load_model(path, config, "cpu"), config)
 
 
 def greedy(path: Path, **options: Any) -> list[tuple[int, ...]]:

@@ -48,7 +48,12 @@ def prefill_logits(
 ) -> torch.Tensor:
     """Float32 logits (sum of prompt lengths, vocab) of ``prompts``, each prefilled alone through a fresh cache."""
     config = ModelConfig.from_pretrained(path, dtype=dtype, quantization=quantization)
-    model = load_model(path, config, "cpu")
+    return model_logits(load_model(path, config, "cpu"), config, prompts)
+
+
+def model_logits(model: Any, config: ModelConfig, prompts: list[list[int]] = PROMPTS) -> torch.Tensor:
+    """Float32 logits (sum of prompt lengths, vocab) of ``prompts`` through ``model`` (of ``config``), each prompt
+    prefilled alone through a fresh cache."""
     out = []
     for ids in prompts:
         blocks = tuple(range(len(ids) // 4 + 1))

@@ -32,6 +32,7 @@ from fnvllm.model.config import CheckpointError
 from fnvllm.model.gemma import embed_scale, gelu_tanh_and_mul_ref, gemma_rmsnorm_ref
 from fnvllm.model.loader import CheckpointMismatchError
 from fnvllm.model.rope import LinearRopeScaling
+from fnvllm.published import GEMMA3_4B
 
 
 @pytest.fixture(scope="module", params=list(GEMMA3_FAMILIES))
@@ -128,23 +129,6 @@ def test_norm_geglu_and_embedding_scale_are_bit_equal_in_bfloat16() -> None:
         ids = torch.arange(16)
         assert embed_scale(3072, torch.bfloat16) == 55.5
         assert torch.equal(embed.weight[ids] * embed_scale(3072, torch.bfloat16), embed(ids))
-
-
-# gemma-3-4b-it's config.json, its text_config as published (the rest: Gemma3TextConfig's defaults)
-GEMMA3_4B = {
-    "architectures": ["Gemma3ForConditionalGeneration"],
-    "model_type": "gemma3",
-    "torch_dtype": "bfloat16",
-    "text_config": {
-        "hidden_size": 2560,
-        "intermediate_size": 10240,
-        "model_type": "gemma3_text",
-        "num_hidden_layers": 34,
-        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-        "sliding_window": 1024,
-    },
-    "vision_config": {"model_type": "siglip_vision_model"},
-}
 
 
 def test_published_sparse_text_config_reads_as_transformers_reads_it() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fnvllm.published import GEMMA3_TEXT_DEFAULTS, OTHER_SHAPES, QWEN3_COMMON, QWEN3_MOE_SHAPES
+from fnvllm.published import GEMMA3_4B, GEMMA3_TEXT_DEFAULTS, OTHER_SHAPES, QWEN3_COMMON, QWEN3_MOE_SHAPES
 from fnvllm.sim.checks import SimInputError, check_count, check_mapping
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -113,8 +113,8 @@ def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> f
 
 
 # Published config.json numbers: the mixtures of experts the bench runs (fnvllm.published's QWEN3_MOE_SHAPES /
-# OTHER_SHAPES, which fnvllm.testing.checkpoints writes), gemma-3-1b-it's, gemma-3-4b-it's five text_config fields
-# over transformers' defaults, and microsoft/phi-4's (a Phi3ForCausalLM without a window);
+# OTHER_SHAPES, which fnvllm.testing.checkpoints writes), gemma-3-1b-it's, gemma-3-4b-it's (fnvllm.published's
+# GEMMA3_4B, over transformers' defaults), and microsoft/phi-4's (a Phi3ForCausalLM without a window);
 # ``fnvllm.sim.model.NAMED_SHAPES`` holds them beside the dense Qwen3 shapes.
 PUBLISHED_SHAPES: Mapping[str, Mapping[str, Any]] = {
     "qwen3-30b-a3b": {**QWEN3_COMMON, **QWEN3_MOE_SHAPES["qwen3-30b-a3b"]},
@@ -134,16 +134,7 @@ PUBLISHED_SHAPES: Mapping[str, Mapping[str, Any]] = {
         "sliding_window": 512,
         "sliding_window_pattern": 6,
     },
-    "gemma-3-4b": {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "torch_dtype": "bfloat16",
-        "text_config": {
-            "hidden_size": 2560,
-            "intermediate_size": 10240,
-            "num_hidden_layers": 34,
-            "sliding_window": 1024,
-        },
-    },
+    "gemma-3-4b": GEMMA3_4B,
     "phi-4": {
         "architectures": ["Phi3ForCausalLM"],
         "torch_dtype": "bfloat16",
