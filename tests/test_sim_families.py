@@ -305,3 +305,17 @@ def test_simulate_help_names_every_named_shape() -> None:
 
     help_text = _SPEC_FLAGS["model"][1]
     assert all(f"{name} " in help_text for name in NAMED_SHAPES)
+
+
+@pytest.mark.parametrize("name", [*NEW_NAMED, *FAMILY_CONFIGS])
+def test_engine_timeline_header_reads_as_its_config(name: str) -> None:
+    """The engine's timeline header (``timeline_model``, what ``fnvllm simulate calibrate`` prices a logged run by)
+    reads in the simulator as the config the engine was built from: experts, dense layers, the shared expert and
+    each family's windowed layers survive the engine's resolution, so a MoE or windowed GPU log is not priced as a
+    dense model."""
+    from fnvllm.executor.model_executor import timeline_model
+
+    hf = NAMED_SHAPES[name] if name in NAMED_SHAPES else FAMILY_CONFIGS[name]
+    config = ModelConfig.from_dict({**hf, "torch_dtype": "bfloat16"})
+    header = timeline_model(config, config.torch_dtype, "auto")
+    assert _sim_numbers(ModelShape.from_config(header)) == _engine_numbers(hf)

@@ -826,27 +826,8 @@ class ModelExecutor:
         self.next_step = launched.plan.step
 
     def _timeline_header(self) -> dict[str, object]:
-        m = self.model_config
-        fields = (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "tie_word_embeddings",
-            "max_position_embeddings",
-        )
-        model: dict[str, object] = {k: getattr(m, k) for k in fields}
-        model["torch_dtype"] = str(self.dtype).removeprefix("torch.")
-        # the precision as the simulator's ModelShape.from_config reads it (an FP8 checkpoint's config key)
-        if m.quantization is not None:
-            model["quantization_config"] = {"quant_method": "fp8"}
-        if self.config.kv_cache_dtype != "auto":
-            model["kv_cache_dtype"] = self.config.kv_cache_dtype
         return {
-            "model": model,
+            "model": timeline_model(self.model_config, self.dtype, self.config.kv_cache_dtype),
             "block_size": self.config.block_size,
             "device": str(self.device),
             # the GPU's name picks the simulator's base profile when a profile is fitted to this log
@@ -895,3 +876,48 @@ def _host_logprobs(lp: Logprobs, tokens: list[int], asked: Sequence[int | None])
     This runs every step (256 rows x 6 entries at the bench's --logprobs 5), so the rows are not built here: the
     step's three lists are kept and each row's TokenLogprobs is built when read (``StepLogprobs``)."""
     return StepLogprobs.from_host(tokens, asked, lp.sampled_logprobs, lp.top_ids, lp.top_logprobs)
+
+
+_TIMELINE_DENSE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
+
+
+def timeline_model(m: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> dict[str, object]:
+    """The timeline header's ``model``: config.json fields, as the engine resolved them, from which the simulator's
+    ``ModelShape.from_config`` prices the run (a profile fitted to the log, ``fnvllm simulate calibrate``): the
+    dense sizes, the precision, a mixture of experts' experts (Hugging Face's keys, Mixtral's as Qwen's) and each
+    layer's sliding window (``layer_types``, whatever rule of its family chose the layers)."""
+    model: dict[str, object] = {k: getattr(m, k) for k in _TIMELINE_DENSE_FIELDS}
+    model["torch_dtype"] = str(dtype).removeprefix("torch.")
+    # the precision as the simulator's ModelShape.from_config reads it (an FP8 checkpoint's config key)
+    if m.quantization is not None:
+        model["quantization_config"] = {"quant_method": "fp8"}
+    if kv_cache_dtype != "auto":
+        model["kv_cache_dtype"] = kv_cache_dtype
+    if m.moe is not None:
+        model.update(
+            num_experts=m.moe.num_experts,
+            num_experts_per_tok=m.moe.num_experts_per_tok,
+            moe_intermediate_size=m.moe.moe_intermediate_size,
+            decoder_sparse_step=m.moe.decoder_sparse_step,
+            mlp_only_layers=list(m.moe.mlp_only_layers),
+        )
+        if m.moe.shared_expert_intermediate_size is not None:
+            model["shared_expert_intermediate_size"] = m.moe.shared_expert_intermediate_size
+    windows = [m.layer_window(i) for i in range(m.num_hidden_layers)]
+    if any(w is not None for w in windows):
+        model.update(
+            sliding_window=m.sliding_window,
+            use_sliding_window=True,
+            layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
+        )
+    return model
