@@ -1172,8 +1172,9 @@ def paged_decode_attention(
     )
     if cfg.fused_reduce is None:
         cfg = dataclasses.replace(cfg, fused_reduce=fuses_reduce(q.shape[0], k_cache.shape[2]))
-    if tile_size is None:  # a knob set's tile was tuned at head_dim 128: a wider head takes a narrower tile
-        cfg = dataclasses.replace(cfg, tile_size=tile_for_head_dim(cfg.tile_size, q.shape[2]))
+    narrowed = cfg.tile_size if tile_size is not None else tile_for_head_dim(cfg.tile_size, q.shape[2])
+    if narrowed != cfg.tile_size:  # a knob set's tile was tuned at head_dim 128: a wider head takes a narrower one
+        cfg = dataclasses.replace(cfg, tile_size=narrowed)  # (no copy on the hot path of heads of <= 128)
     check_window(window)
     if window is not None and preload_kv:
         raise ValueError("preload_kv reads each partition's first tile, not a sliding window's: pass window=None")

@@ -37,7 +37,7 @@ from fnvllm.kernels.backends import AttentionBackend
 from fnvllm.kernels.reference import rotary_ref, silu_and_mul_ref
 from fnvllm.model.config import ModelConfig
 from fnvllm.model.layers import RMSNorm, RotaryEmbedding
-from fnvllm.model.models import Attention, DecoderForCausalLM
+from fnvllm.model.models import Attention, DecoderForCausalLM, check_layer_caches
 from fnvllm.model.ops import TORCH_OPS, ModelOps
 from fnvllm.model.sharding import (
     SINGLE,
@@ -190,8 +190,7 @@ class GemmaDecoderModel(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Final-normed hidden states (T, hidden_size) for input_ids (T,) at positions (T,)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
+        check_layer_caches(kv_caches, len(self.layers))
         hidden = all_reduce(self.embed_tokens(input_ids), self.tp) * self.embed_scale  # (T, hidden_size)
         global_rope, local_rope = self.rotary_emb(positions), self.local_rotary_emb(positions)
         for layer, kv_cache, is_local in zip(self.layers, kv_caches, self.is_local, strict=True):

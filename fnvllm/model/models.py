@@ -386,6 +386,12 @@ def norm_for(
     return (norm(x), x) if residual is None else norm.add_and_norm(x, residual)
 
 
+def check_layer_caches(kv_caches: Sequence[KVCache], num_layers: int) -> None:
+    """ValueError unless there is one KV cache per decoder layer."""
+    if len(kv_caches) != num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {num_layers} layers")
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
@@ -395,9 +401,7 @@ class DecoderModel(nn.Module):
         self.tp = tp
         self.ops = ops
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling
-        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, ops, tp, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
@@ -410,8 +414,7 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Final-normed hidden states (T, hidden_size) for input_ids (T,) at positions (T,)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
+        check_layer_caches(kv_caches, len(self.layers))
         hidden, rope = self._embed(input_ids, positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

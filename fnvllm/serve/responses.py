@@ -59,47 +59,46 @@ def _text_of(content: Content) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-class MessageItem(_Strict):
+class _InputItem(_Strict):
+    """What every input item may carry when it is an output sent back: its id and status (not rendered)."""
+
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class MessageItem(_InputItem):
     """An input message (``type`` may be left out); an assistant message sent back carries its id and status."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
-    id: StrictStr | None = None
-    status: StrictStr | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_InputItem):
     """A call the model made, sent back with the conversation (an assistant message's tool call)."""
 
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
     arguments: StrictStr
-    id: StrictStr | None = None
-    status: StrictStr | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_InputItem):
     """The result of a call (a ``tool`` message answering ``call_id``)."""
 
     type: Literal["function_call_output"]
     call_id: StrictStr
     output: Content
-    id: StrictStr | None = None
-    status: StrictStr | None = None
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(_InputItem):
     """A reasoning item sent back with the conversation: accepted and not rendered (as chat's
     ``reasoning_content``)."""
 
     type: Literal["reasoning"]
-    id: StrictStr | None = None
     summary: list[Any] = []
     content: list[Any] | None = None
     encrypted_content: StrictStr | None = None
-    status: StrictStr | None = None
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
